@@ -1,0 +1,103 @@
+"""``fate-edge`` command line: a thin dispatcher over the library (run, inspect)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .errors import FateEdgeError
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="Hugging Face model directory (default: the bundled tiny model)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
+    p.add_argument("--experts", default="memory", choices=["memory", "lazy"],
+                   help="memory: all experts resident; lazy: read each routed expert from disk when needed")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .bundled import bundled_model_dir
+    from .generate import GenerateConfig, stream_generate
+    from .loader import load_model
+    from .sampling import SamplingParams
+    from .tokenizer import Tokenizer
+
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    model_dir = args.model or bundled_model_dir()
+    model = load_model(model_dir, dtype=args.dtype, experts=args.experts)
+    tokenizer = Tokenizer(model_dir)
+    if args.chat:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty, args.seed)
+    config = GenerateConfig(args.max_tokens, sampling, stop=args.stop, ignore_eos=args.ignore_eos)
+    last = None
+    if args.echo:
+        sys.stdout.write(prompt)
+    for last in stream_generate(model, tokenizer, prompt, config):
+        sys.stdout.write(last.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    if last is not None:
+        print(
+            f"[{last.prompt_tokens} prompt tokens at {last.prompt_tps:.1f} tok/s, {last.generation_tokens} generated at "
+            f"{last.generation_tps:.1f} tok/s, finish: {last.finish_reason}, peak RSS "
+            f"{last.peak_rss_bytes / 2**20:.0f} MB]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .bundled import bundled_model_dir
+    from .inspect_model import format_summary, summarize
+
+    print(format_summary(summarize(args.model_dir or bundled_model_dir())))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fate-edge", description="Run Mixture-of-Experts models on small devices.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="generate text from a prompt (argument or stdin), streaming to stdout")
+    run.add_argument("prompt", nargs="?", default=None, help="prompt text; read from stdin when omitted")
+    _add_model_args(run)
+    _add_sampling_args(run)
+    run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    run.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
+    run.set_defaults(func=cmd_run)
+
+    ins = sub.add_parser("inspect", help="architecture, parameter counts, expert vs resident bytes")
+    ins.add_argument("model_dir", nargs="?", default=None, help="model directory (default: the bundled model)")
+    ins.set_defaults(func=cmd_inspect)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except FateEdgeError as exc:
+        print(f"fate-edge: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # output piped into head/less that exited early
+        sys.stderr.close()
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

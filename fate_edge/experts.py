@@ -1,0 +1,119 @@
+"""Expert weights and the ExpertProvider interface the MoE block obtains them through.
+
+The MoE block never touches a checkpoint: it asks a provider for expert (layer, index) and calls it.
+This issue ships two providers (all experts in memory, or each read from the safetensors files on
+demand); the expert store, the fetch engine and the cache plug in behind the same interface.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from .checkpoint import CheckpointReader
+from .errors import MissingTensorError
+
+
+@dataclass
+class ExpertWeights:
+    """One SwiGLU expert: ``down(act(gate(x)) * up(x))``."""
+
+    gate: torch.Tensor  # [I, H]
+    up: torch.Tensor  # [I, H]
+    down: torch.Tensor  # [H, I]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [N, H] -> [N, H]
+        return F.linear(F.silu(F.linear(x, self.gate)) * F.linear(x, self.up), self.down)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.gate, self.up, self.down))
+
+
+class ExpertProvider(Protocol):
+    """Where the MoE block gets routed experts from."""
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        """The weights of ``expert`` in ``layer``, ready to call."""
+        ...
+
+
+class ExpertLayout:
+    """Tensor names of the routed experts in a checkpoint: per-expert 2-D tensors or fused 3-D ones.
+
+    Handles ``mlp.experts.{j}.gate_proj/up_proj/down_proj`` (Qwen, OLMoE, DeepSeek),
+    ``block_sparse_moe.experts.{j}.w1/w3/w2`` (Mixtral) and the transformers-5 fused layout
+    ``experts.gate_up_proj`` [E, 2I, H] / ``experts.down_proj`` [E, H, I].
+    """
+
+    def __init__(self, reader: CheckpointReader, moe_prefix: str):
+        self.reader = reader
+        self.prefix = moe_prefix
+        if f"{moe_prefix}.experts.gate_up_proj" in reader:
+            self.fused = True
+            self.names: tuple[str, str, str] | None = None
+        else:
+            self.fused = False
+            for names in (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")):
+                if f"{moe_prefix}.experts.0.{names[0]}.weight" in reader:
+                    self.names = names
+                    break
+            else:
+                raise MissingTensorError(
+                    f"{reader.model_dir}: no routed experts under '{moe_prefix}.experts' (looked for fused "
+                    "gate_up_proj/down_proj and per-expert gate_proj|w1 tensors); the checkpoint is incomplete"
+                )
+
+    def tensor_names(self, expert: int) -> list[str]:
+        if self.fused:
+            return [f"{self.prefix}.experts.gate_up_proj", f"{self.prefix}.experts.down_proj"]
+        assert self.names is not None
+        return [f"{self.prefix}.experts.{expert}.{n}.weight" for n in self.names]
+
+    def read(self, expert: int, dtype: torch.dtype) -> ExpertWeights:
+        """Read one expert's three matrices, and nothing else, from disk."""
+        if self.fused:
+            gate_up_name, down_name = self.tensor_names(expert)
+            gate_up = self.reader.get_row(gate_up_name, expert, dtype)  # [2I, H]
+            gate, up = gate_up.chunk(2, dim=0)
+            down = self.reader.get_row(down_name, expert, dtype)  # [H, I]
+            return ExpertWeights(gate.contiguous(), up.contiguous(), down)
+        g, u, d = (self.reader.get(n, dtype) for n in self.tensor_names(expert))
+        return ExpertWeights(g, u, d)
+
+
+class InMemoryExpertProvider:
+    """Every expert resident in memory: the reference configuration for parity and the fastest when it fits."""
+
+    def __init__(self, experts: dict[tuple[int, int], ExpertWeights]):
+        self.experts = experts
+
+    @classmethod
+    def from_layouts(cls, layouts: dict[int, ExpertLayout], num_experts: int, dtype: torch.dtype):
+        return cls({(layer, e): lay.read(e, dtype) for layer, lay in layouts.items() for e in range(num_experts)})
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        return self.experts[(layer, expert)]
+
+
+class CheckpointExpertProvider:
+    """Reads each expert from the safetensors files when the router asks for it: load-on-demand, no cache.
+
+    Memory stays at the resident weights plus the experts of the layer being computed; every call reads
+    again (the OS page cache may still serve it; the fetch engine of the store path controls that).
+    """
+
+    def __init__(self, layouts: dict[int, ExpertLayout], dtype: torch.dtype):
+        self.layouts = layouts
+        self.dtype = dtype
+        self.reads = 0
+        self.bytes_read = 0
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        w = self.layouts[layer].read(expert, self.dtype)
+        self.reads += 1
+        self.bytes_read += w.nbytes
+        return w

@@ -1,0 +1,131 @@
+"""Generation as a generator: prefill, then one token per step, each step yielding its text and stats.
+
+Modelled on mlx-lm's ``stream_generate``: callers iterate and get a :class:`GenerationResponse` per token.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import GenerationError
+from .model import MoETransformer
+from .sampling import Sampler, SamplingParams
+from .tokenizer import StreamingDetokenizer, Tokenizer
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (the kernel's high-water mark, not a sample)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+@dataclass
+class GenerationResponse:
+    text: str  # text produced by this step (may be empty while a character or stop string is incomplete)
+    token: int | None
+    prompt_tokens: int
+    generation_tokens: int
+    prompt_tps: float
+    generation_tps: float
+    peak_rss_bytes: int
+    finish_reason: str | None = None  # None while running, then "stop" or "length"
+
+
+@dataclass
+class GenerateConfig:
+    max_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: list[str] = field(default_factory=list)  # stop strings: generation ends before them
+    stop_token_ids: list[int] = field(default_factory=list)  # extra stop tokens beyond the model's EOS
+    ignore_eos: bool = False
+
+
+def _hold_back(text: str, stops: list[str]) -> int:
+    """How many trailing characters of ``text`` could still become the start of a stop string."""
+    keep = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:n]):
+                keep = max(keep, n)
+                break
+    return keep
+
+
+@torch.inference_mode()
+def stream_generate(
+    model: MoETransformer,
+    tokenizer: Tokenizer,
+    prompt: str | list[int],
+    config: GenerateConfig | None = None,
+) -> Iterator[GenerationResponse]:
+    config = config or GenerateConfig()
+    if config.max_tokens < 0:
+        raise GenerationError(f"max_tokens must be >= 0, got {config.max_tokens}")
+    prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    if not prompt_ids:
+        raise GenerationError("the prompt is empty; give at least one token of text")
+    context = model.config.max_position_embeddings
+    if len(prompt_ids) >= context:
+        raise GenerationError(
+            f"the prompt has {len(prompt_ids)} tokens but the model's context is {context}; shorten the prompt"
+        )
+    max_tokens = min(config.max_tokens, context - len(prompt_ids))
+    sampler = Sampler(config.sampling)
+    stop_ids = set(config.stop_token_ids) | (set() if config.ignore_eos else tokenizer.eos_token_ids)
+    detok = StreamingDetokenizer(tokenizer)
+    history = list(prompt_ids)
+    cache = model.new_cache()
+
+    t0 = time.perf_counter()
+    logits = model(torch.tensor([prompt_ids]), cache, last_only=True)[0, -1]
+    prompt_tps = len(prompt_ids) / (time.perf_counter() - t0)
+    t_gen = time.perf_counter()
+    pending = ""  # text held back because it might begin a stop string
+    n = 0
+
+    def response(text: str, token: int | None, finish: str | None) -> GenerationResponse:
+        elapsed = time.perf_counter() - t_gen
+        return GenerationResponse(text, token, len(prompt_ids), n, prompt_tps, n / elapsed if elapsed > 0 else 0.0,
+                                  peak_rss_bytes(), finish)
+
+    if max_tokens == 0:
+        yield response("", None, "length")
+        return
+    while True:
+        token = sampler(logits, history)
+        n += 1
+        history.append(token)
+        if token in stop_ids:
+            yield response(pending + detok.flush(), token, "stop")
+            return
+        pending += detok.add(token)
+        if n >= max_tokens:
+            pending += detok.flush()
+        if config.stop:
+            hit = min((i for i in (pending.find(s) for s in config.stop) if i >= 0), default=-1)
+            if hit >= 0:
+                yield response(pending[:hit], token, "stop")
+                return
+        if n >= max_tokens:
+            yield response(pending, token, "length")
+            return
+        keep = _hold_back(pending, config.stop)
+        out, pending = (pending[: len(pending) - keep], pending[len(pending) - keep :]) if keep else (pending, "")
+        yield response(out, token, None)
+        logits = model(torch.tensor([[token]]), cache)[0, -1]
+
+
+def generate(model: MoETransformer, tokenizer: Tokenizer, prompt: str | list[int],
+             config: GenerateConfig | None = None) -> tuple[str, GenerationResponse]:
+    """The whole completion and the final step's stats."""
+    parts, last = [], None
+    for last in stream_generate(model, tokenizer, prompt, config):
+        parts.append(last.text)
+    assert last is not None
+    return "".join(parts), last

@@ -1,0 +1,42 @@
+"""Per-layer key/value cache, grown geometrically so decode appends are amortised O(1)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class LayerCache:
+    """Holds any number of aligned tensors [B, heads, S, d] (k and v, or MLA's latent and rope key)."""
+
+    def __init__(self) -> None:
+        self.buffers: list[torch.Tensor] = []
+        self.length = 0
+
+    def append(self, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        t = new[0].shape[2]
+        if not self.buffers:
+            cap = max(64, t)
+            self.buffers = [x.new_empty(*x.shape[:2], cap, x.shape[3]) for x in new]
+        elif self.length + t > self.buffers[0].shape[2]:
+            cap = max(2 * self.buffers[0].shape[2], self.length + t)
+            grown = [b.new_empty(*b.shape[:2], cap, b.shape[3]) for b in self.buffers]
+            for g, b in zip(grown, self.buffers):
+                g[:, :, : self.length] = b[:, :, : self.length]
+            self.buffers = grown
+        for b, x in zip(self.buffers, new):
+            b[:, :, self.length : self.length + t] = x
+        self.length += t
+        return tuple(b[:, :, : self.length] for b in self.buffers)
+
+
+class KVCache:
+    def __init__(self, num_layers: int):
+        self.layers = [LayerCache() for _ in range(num_layers)]
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for lay in self.layers for b in lay.buffers)

@@ -1,0 +1,199 @@
+"""The MoE transformer forward pass, shared by every supported architecture.
+
+Weights keep their Hugging Face names in one dict (``resident``); routed experts come from an
+:class:`~fate_edge.experts.ExpertProvider`. Architecture differences are read from the normalised
+config (``fate_edge.arch``), so this file reads top to bottom like the reference models it matches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .arch.base import ModelConfig
+from .experts import ExpertProvider
+from .kv_cache import KVCache
+from .rope import RotaryEmbedding, apply_rope, yarn_softmax_scale
+from .router import route
+
+# Called after each MoE layer's routing: (layer, gate input [N, H], expert ids [N, k], weights [N, k]).
+RoutingObserver = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu}
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+@dataclass
+class LayerNames:
+    """Prefixes of one decoder layer's modules in the checkpoint."""
+
+    attn: str
+    mlp: str  # the MoE block or the dense MLP
+    input_norm: str
+    post_attn_norm: str
+
+
+class MoETransformer:
+    def __init__(
+        self,
+        config: ModelConfig,
+        resident: dict[str, torch.Tensor],
+        experts: ExpertProvider,
+        layer_names: list[LayerNames],
+        dtype: torch.dtype = torch.float32,
+    ):
+        self.config = config
+        self.w = resident
+        self.experts = experts
+        self.names = layer_names
+        self.dtype = dtype
+        self.act = _ACTIVATIONS[config.hidden_act]
+        self.rope = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
+        self.observers: list[RoutingObserver] = []
+        self.embed = resident["model.embed_tokens.weight"]
+        self.lm_head = resident.get("lm_head.weight", self.embed if config.tie_word_embeddings else None)
+        if self.lm_head is None:
+            from .errors import MissingTensorError
+
+            raise MissingTensorError("checkpoint has no 'lm_head.weight' and tie_word_embeddings is false")
+
+    # ----------------------------------------------------------------- helpers
+    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return F.linear(x, self.w[f"{name}.weight"], self.w.get(f"{name}.bias"))
+
+    def _mlp(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
+        gate = self.act(self._linear(x, f"{prefix}.gate_proj"))
+        return self._linear(gate * self._linear(x, f"{prefix}.up_proj"), f"{prefix}.down_proj")
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.config.num_hidden_layers)
+
+    # --------------------------------------------------------------- attention
+    def _attend(self, q, k, v, positions: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+        """q [B, nh, T, d], k/v [B, nkv, S, d] (S includes the cache) → [B, T, nh * dv]."""
+        cfg = self.config
+        t, s = q.shape[2], k.shape[2]
+        window = cfg.sliding_window if layer in cfg.sliding_window_layers else None
+        gqa = q.shape[1] != k.shape[1]
+        if window is None and t == 1:
+            out = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+        elif window is None and t == s:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            key_pos = torch.arange(s, device=q.device)
+            mask = key_pos[None, :] <= positions[:, None]
+            if window is not None:
+                mask &= key_pos[None, :] > positions[:, None] - window
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        b = q.shape[0]
+        return out.transpose(1, 2).reshape(b, t, -1)
+
+    def _gqa_attention(self, x, positions, cache, layer: int, cos, sin) -> torch.Tensor:
+        cfg, p = self.config, self.names[layer].attn
+        b, t, _ = x.shape
+        q, k, v = (self._linear(x, f"{p}.{n}_proj") for n in "qkv")
+        if cfg.qk_norm == "full":  # OLMoE: one norm over all heads
+            q = rms_norm(q, self.w[f"{p}.q_norm.weight"], cfg.rms_norm_eps)
+            k = rms_norm(k, self.w[f"{p}.k_norm.weight"], cfg.rms_norm_eps)
+        if cfg.clip_qkv is not None:
+            q, k, v = (z.clamp(-cfg.clip_qkv, cfg.clip_qkv) for z in (q, k, v))
+        hd = cfg.head_dim
+        q = q.view(b, t, -1, hd)
+        k = k.view(b, t, -1, hd)
+        if cfg.qk_norm == "head":  # Qwen3: per-head norm
+            q = rms_norm(q, self.w[f"{p}.q_norm.weight"], cfg.rms_norm_eps)
+            k = rms_norm(k, self.w[f"{p}.k_norm.weight"], cfg.rms_norm_eps)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, heads, T, hd]
+        v = v.view(b, t, -1, hd).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin, cfg.rope.interleaved), apply_rope(k, cos, sin, cfg.rope.interleaved)
+        k, v = cache.layers[layer].append(k, v)
+        out = self._attend(q, k, v, positions, layer, scale=hd**-0.5)
+        return self._linear(out, f"{p}.o_proj")
+
+    def _mla_attention(self, x, positions, cache, layer: int, cos, sin) -> torch.Tensor:
+        cfg, m, p = self.config, self.config.mla, self.names[layer].attn
+        assert m is not None
+        b, t, _ = x.shape
+        qk_head = m.qk_nope_head_dim + m.qk_rope_head_dim
+        if m.q_lora_rank is None:
+            q = self._linear(x, f"{p}.q_proj")
+        else:
+            q_lat = rms_norm(self._linear(x, f"{p}.q_a_proj"), self.w[f"{p}.q_a_layernorm.weight"], 1e-6)
+            q = self._linear(q_lat, f"{p}.q_b_proj")
+        q = q.view(b, t, -1, qk_head).transpose(1, 2)
+        q_nope, q_rot = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        kv_lat, k_rot = self._linear(x, f"{p}.kv_a_proj_with_mqa").split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
+        kv_lat = rms_norm(kv_lat, self.w[f"{p}.kv_a_layernorm.weight"], 1e-6).view(b, 1, t, m.kv_lora_rank)
+        k_rot = k_rot.view(b, 1, t, m.qk_rope_head_dim)
+        q_rot = apply_rope(q_rot, cos, sin, cfg.rope.interleaved)
+        k_rot = apply_rope(k_rot, cos, sin, cfg.rope.interleaved)
+        # The cache keeps the compressed latent (kv_lora_rank + rope dims per token), not per-head keys.
+        kv_lat, k_rot = cache.layers[layer].append(kv_lat, k_rot)
+        s = kv_lat.shape[2]
+        kv = self._linear(kv_lat, f"{p}.kv_b_proj").view(b, s, -1, m.qk_nope_head_dim + m.v_head_dim).transpose(1, 2)
+        k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
+        q = torch.cat([q_nope, q_rot], dim=-1)
+        scale = qk_head**-0.5 * yarn_softmax_scale(cfg.rope)
+        return self._linear(self._attend(q, k, v, positions, layer, scale), f"{p}.o_proj")
+
+    # --------------------------------------------------------------------- MoE
+    def route(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router of ``layer`` on gate inputs ``h`` [N, H] → (weights [N, k], expert ids [N, k])."""
+        p = self.names[layer].mlp
+        gate_w = self.w[f"{p}.gate.weight"]
+        logits = F.linear(h.to(gate_w.dtype), gate_w)
+        return route(self.config, logits, self.w.get(f"{p}.gate.e_score_correction_bias"))
+
+    def _moe(self, x: torch.Tensor, layer: int) -> torch.Tensor:
+        cfg, p = self.config, self.names[layer].mlp
+        shape = x.shape
+        h = x.reshape(-1, shape[-1])  # [N, H]
+        weights, idx = self.route(layer, h)  # [N, k]
+        for obs in self.observers:
+            obs(layer, h, idx, weights)
+        out = torch.zeros_like(h)
+        for e in idx.unique().tolist():
+            tok, slot = torch.where(idx == e)
+            y = self.experts.get(layer, e)(h[tok])  # [n_e, H]
+            # A token picks an expert at most once, so rows of ``tok`` are unique: plain indexed add is exact
+            # (and, unlike index_add_, has no per-call threading overhead at decode's one row).
+            out[tok] += (y.float() * weights[tok, slot, None]).to(h.dtype)
+        if cfg.shared_expert_intermediate_size:
+            if cfg.shared_expert_gated:
+                shared = self._mlp(h, f"{p}.shared_expert")
+                out = out + torch.sigmoid(self._linear(h, f"{p}.shared_expert_gate")) * shared
+            else:
+                out = out + self._mlp(h, f"{p}.shared_experts")
+        return out.view(shape)
+
+    # ----------------------------------------------------------------- forward
+    def forward(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+        """``input_ids`` [B, T] continuing ``cache`` → logits [B, T, V] (or [B, 1, V] with last_only)."""
+        cfg = self.config
+        start = cache.length
+        t = input_ids.shape[1]
+        positions = torch.arange(start, start + t)
+        x = F.embedding(input_ids, self.embed)
+        cos, sin = self.rope.cos_sin(positions, self.dtype)
+        attention = self._mla_attention if cfg.mla is not None else self._gqa_attention
+        for i, names in enumerate(self.names):
+            h = rms_norm(x, self.w[f"{names.input_norm}.weight"], cfg.rms_norm_eps)
+            x = x + attention(h, positions, cache, i, cos, sin)
+            h = rms_norm(x, self.w[f"{names.post_attn_norm}.weight"], cfg.rms_norm_eps)
+            x = x + (self._moe(h, i) if cfg.is_moe_layer(i) else self._mlp(h, names.mlp))
+        if last_only:
+            x = x[:, -1:]
+        x = rms_norm(x, self.w["model.norm.weight"], cfg.rms_norm_eps)
+        return F.linear(x, self.lm_head)
+
+    __call__ = forward

@@ -1,0 +1,109 @@
+"""Rotary position embeddings: default, linear, dynamic NTK and YaRN frequencies; half-split or interleaved pairs.
+
+The frequency formulas follow the papers (and transformers' ``modeling_rope_utils``) so logits match the
+reference implementation bit for bit in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .arch.base import RopeConfig
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_softmax_scale(rope: RopeConfig) -> float:
+    """DeepSeek multiplies the attention softmax scale by mscale² when YaRN is on."""
+    if rope.rope_type != "default" and rope.mscale_all_dim:
+        m = _yarn_mscale(rope.factor, rope.mscale_all_dim)
+        return m * m
+    return 1.0
+
+
+class RotaryEmbedding:
+    """Holds inverse frequencies for ``dim`` rotary channels and applies them at given positions."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_position_embeddings: int):
+        self.rope = rope
+        self.dim = int(head_dim * rope.partial_rotary_factor)
+        self.max_position_embeddings = max_position_embeddings
+        self.attention_scaling = 1.0
+        self.inv_freq = self._base_inv_freq(rope.theta)
+        self._cached_len = rope.original_max_position_embeddings or max_position_embeddings
+        if rope.rope_type == "linear":
+            self.inv_freq = self.inv_freq / rope.factor
+        elif rope.rope_type == "yarn":
+            self.inv_freq, self.attention_scaling = self._yarn()
+
+    def _base_inv_freq(self, base: float) -> torch.Tensor:
+        return 1.0 / (base ** (torch.arange(0, self.dim, 2, dtype=torch.int64).float() / self.dim))
+
+    def _yarn(self) -> tuple[torch.Tensor, float]:
+        r, dim, base = self.rope, self.dim, self.rope.theta
+        factor = r.factor
+        if r.attention_factor is not None:
+            attn = float(r.attention_factor)
+        elif r.mscale and r.mscale_all_dim:
+            attn = _yarn_mscale(factor, r.mscale) / _yarn_mscale(factor, r.mscale_all_dim)
+        else:
+            attn = _yarn_mscale(factor)
+        orig = r.original_max_position_embeddings
+
+        def correction_dim(rotations: float) -> float:
+            return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+        low, high = correction_dim(r.beta_fast), correction_dim(r.beta_slow)
+        if r.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001  # avoid a zero-width ramp
+        ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+        extrapolation_weight = 1 - ramp
+        pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+        inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_weight) + (1.0 / pos_freqs) * extrapolation_weight
+        return inv, attn
+
+    def _maybe_grow_dynamic(self, seq_len: int) -> None:
+        # Dynamic NTK: once the sequence outgrows the trained context, raise the base (stateful, as in
+        # transformers: keys already cached keep the frequencies they were rotated with).
+        if self.rope.rope_type != "dynamic" or seq_len <= self._cached_len:
+            return
+        f = self.rope.factor
+        orig = self.rope.original_max_position_embeddings or self.max_position_embeddings
+        base = self.rope.theta * ((f * seq_len / orig) - (f - 1)) ** (self.dim / (self.dim - 2))
+        self.inv_freq = self._base_inv_freq(base)
+        self._cached_len = seq_len
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of shape [T, dim] for integer ``positions`` [T]."""
+        self._maybe_grow_dynamic(int(positions.max()) + 1)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, dim/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Rotate ``x`` [B, heads, T, dim] (the first ``cos.shape[-1]`` channels; the rest pass through)."""
+    rot_dim = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
+    if interleaved:
+        # Pairs (x0,x1),(x2,x3),... share one angle. The output is laid out evens-then-odds; q and k are
+        # permuted alike, so attention scores equal those of the pairwise (complex) formulation.
+        half = rot_dim // 2
+        c, s = cos[..., :half], sin[..., :half]
+        x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
+        out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+    else:
+        out = x_rot * cos + _rotate_half(x_rot) * sin
+    return torch.cat([out, x_pass], dim=-1) if x_pass.shape[-1] else out

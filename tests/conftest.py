@@ -1,0 +1,32 @@
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from fate_edge import Tokenizer, bundled_model_dir, load_model
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def bundled_dir() -> Path:
+    return bundled_model_dir()
+
+
+@pytest.fixture(scope="session")
+def bundled_model(bundled_dir):
+    return load_model(bundled_dir)
+
+
+@pytest.fixture(scope="session")
+def bundled_tokenizer(bundled_dir):
+    return Tokenizer(bundled_dir)
+
+
+@pytest.fixture()
+def model_copy(tmp_path, bundled_dir) -> Path:
+    """A writable copy of the bundled model, for tests that damage it."""
+    dst = tmp_path / "model"
+    shutil.copytree(bundled_dir, dst)
+    return dst

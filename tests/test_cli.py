@@ -1,0 +1,35 @@
+import subprocess
+import sys
+
+from fate_edge.cli import main
+
+
+def test_run_streams_a_continuation_and_stats(capsys):
+    assert main(["run", "--max-tokens", "16", "--ignore-eos", "def "]) == 0
+    out, err = capsys.readouterr()
+    assert len(out.strip()) > 0
+    assert "16 generated" in err and "tok/s" in err and "peak RSS" in err
+
+
+def test_run_reads_prompt_from_stdin():
+    proc = subprocess.run(
+        [sys.executable, "-m", "fate_edge", "run", "--max-tokens", "8", "--ignore-eos", "--echo"],
+        input="import os\n", capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("import os\n") and len(proc.stdout) > len("import os\n")
+
+
+def test_run_bad_model_dir_is_a_clear_error(tmp_path, capsys):
+    assert main(["run", "--model", str(tmp_path), "x"]) == 2
+    err = capsys.readouterr().err
+    assert "config.json" in err and "Traceback" not in err
+
+
+def test_inspect_reports_bytes_and_layers(capsys, bundled_model):
+    assert main(["inspect"]) == 0
+    out = capsys.readouterr().out
+    cfg = bundled_model.config
+    assert "qwen2_moe" in out and f"{cfg.num_experts} per MoE layer" in out
+    assert "expert bytes" in out and "resident bytes" in out
+    assert out.count(" moe ") == len(cfg.moe_layers)
