@@ -13,6 +13,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
     p.add_argument("--experts", default="memory", choices=["memory", "lazy"],
                    help="memory: all experts resident; lazy: read each routed expert from disk when needed")
+    p.add_argument("--bits", type=int, default=None,
+                   help="expert store only: precision to stream (16 = bf16; default: the store's quantized copy)")
+    p.add_argument("--link", default=None,
+                   help="expert store only: throttle reads to a device profile's storage link (see devices/profiles)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -36,7 +40,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     model_dir = args.model or bundled_model_dir()
-    model = load_model(model_dir, dtype=args.dtype, experts=args.experts)
+    link = None
+    if args.link:
+        from devices.link import ThrottledLink, storage_link
+        from devices.profile import load_profile
+
+        link = ThrottledLink(storage_link(load_profile(args.link)))
+    model = load_model(model_dir, dtype=args.dtype, experts=args.experts, bits=args.bits, link=link)
     tokenizer = Tokenizer(model_dir)
     if args.chat:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -61,9 +71,24 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .bundled import bundled_model_dir
-    from .inspect_model import format_summary, summarize
+    from .inspect_model import format_store, format_summary, summarize
+    from .store import is_store
 
-    print(format_summary(summarize(args.model_dir or bundled_model_dir())))
+    path = args.model_dir or bundled_model_dir()
+    print(format_summary(summarize(path)))
+    if is_store(path):
+        print()
+        print(format_store(path))
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .convert import ConvertOptions, convert
+
+    opts = ConvertOptions(bits=args.bits, group_size=args.group, cold_bits=args.cold_bits,
+                          cold_group_size=args.cold_group, keep_bf16=not args.no_bf16, force=args.force)
+    out = convert(args.model_dir, args.out_dir, opts, progress=not args.quiet)
+    print(f"wrote expert store {out}")
     return 0
 
 
@@ -82,6 +107,18 @@ def build_parser() -> argparse.ArgumentParser:
     ins = sub.add_parser("inspect", help="architecture, parameter counts, expert vs resident bytes")
     ins.add_argument("model_dir", nargs="?", default=None, help="model directory (default: the bundled model)")
     ins.set_defaults(func=cmd_inspect)
+
+    conv = sub.add_parser("convert", help="write an expert store: resident weights + one aligned blob per expert")
+    conv.add_argument("model_dir", help="Hugging Face model directory")
+    conv.add_argument("out_dir", help="store directory to create (written atomically)")
+    conv.add_argument("--bits", type=int, default=4, choices=[8, 4, 3, 2], help="precision of the streamed copy")
+    conv.add_argument("--group", type=int, default=64, choices=[32, 64, 128], help="quantization group size")
+    conv.add_argument("--cold-bits", type=int, default=None, choices=[4, 3, 2], help="extra low-precision copy")
+    conv.add_argument("--cold-group", type=int, default=32, choices=[32, 64, 128])
+    conv.add_argument("--no-bf16", action="store_true", help="do not keep a bf16 copy of the experts")
+    conv.add_argument("--force", action="store_true", help="replace an existing store")
+    conv.add_argument("--quiet", action="store_true", help="no progress bar")
+    conv.set_defaults(func=cmd_convert)
     return parser
 
 

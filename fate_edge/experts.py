@@ -33,6 +33,24 @@ class ExpertWeights:
         return sum(t.numel() * t.element_size() for t in (self.gate, self.up, self.down))
 
 
+class QuantizedExpert:
+    """A SwiGLU expert whose three matrices are quantized (see ``quant.linear``)."""
+
+    def __init__(self, gate, up, down):
+        self.gate, self.up, self.down = gate, up, down
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+
+    @property
+    def kernel(self) -> str:
+        return self.gate.kernel
+
+
 class ExpertProvider(Protocol):
     """Where the MoE block gets routed experts from."""
 

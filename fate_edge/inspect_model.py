@@ -89,3 +89,17 @@ def format_summary(s: ModelSummary) -> str:
         lines.append(f"{lay.layer:>5}  {lay.kind:<5}  {lay.experts:>7}  {shapes:<36}  "
                      f"{_fmt_bytes(lay.expert_bytes) if lay.expert_bytes else '-'}")
     return "\n".join(lines)
+
+
+def format_store(path: str | Path) -> str:
+    """Precisions, files and blob sizes of an expert store."""
+    from .store import ExpertStore
+
+    store = ExpertStore(path)
+    lines = ["precision  file               blob bytes  slot bytes  experts  file size"]
+    for bits, p in sorted(store.precisions.items()):
+        n = sum(1 for k in store.refs if k[2] == bits)
+        size = (Path(path) / p.file).stat().st_size
+        name = "bf16" if p.spec is None else str(p.spec)
+        lines.append(f"{name:<10} {p.file:<18} {p.blob_bytes:>10}  {p.slot_bytes:>10}  {n:>7}  {_fmt_bytes(size)}")
+    return "\n".join(lines)

@@ -6,11 +6,14 @@ from pathlib import Path
 
 import torch
 
+from devices.link import ThrottledLink
+
 from .arch import ModelConfig, load_config
 from .checkpoint import CheckpointReader
 from .errors import MissingTensorError
 from .experts import CheckpointExpertProvider, ExpertLayout, ExpertProvider, InMemoryExpertProvider
 from .model import LayerNames, MoETransformer
+from .store import is_store
 
 # Router weights and DeepSeek's correction bias stay in fp32, as the reference keeps them.
 _FP32_SUFFIXES = (".gate.weight", ".gate.e_score_correction_bias")
@@ -79,10 +82,21 @@ def load_model(
     model_dir: str | Path,
     dtype: torch.dtype | str = torch.float32,
     experts: str | ExpertProvider = "memory",
+    bits: int | None = None,
+    link: ThrottledLink | None = None,
 ) -> MoETransformer:
-    """Load ``model_dir``. ``experts``: "memory" (all resident), "lazy" (read each from disk when routed),
-    or any :class:`ExpertProvider`."""
+    """Load a Hugging Face model directory or an expert store.
+
+    ``experts`` for a checkpoint: "memory" (all resident), "lazy" (read each from the safetensors files
+    when routed), or any :class:`ExpertProvider`. An expert store (``fate-edge convert``) always streams
+    experts through the fetch engine, at ``bits`` (default: its quantized precision), optionally over an
+    emulated ``link``."""
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    if isinstance(experts, str) and is_store(model_dir):
+        from .store import ExpertStore
+        from .store_provider import StoreExpertProvider
+
+        experts = StoreExpertProvider(ExpertStore(model_dir), bits=bits, dtype=dtype, link=link)
     config = load_config(model_dir)
     reader = CheckpointReader(model_dir)
     names = layer_names(config, reader)

@@ -184,7 +184,7 @@ class MoETransformer:
         t = input_ids.shape[1]
         positions = torch.arange(start, start + t)
         x = F.embedding(input_ids, self.embed)
-        cos, sin = self.rope.cos_sin(positions, self.dtype)
+        cos, sin = self.rope.cos_sin(positions, torch.float32 if cfg.rope.float32 else self.dtype)
         attention = self._mla_attention if cfg.mla is not None else self._gqa_attention
         for i, names in enumerate(self.names):
             h = rms_norm(x, self.w[f"{names.input_norm}.weight"], cfg.rms_norm_eps)

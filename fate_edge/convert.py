@@ -1,0 +1,135 @@
+"""``fate-edge convert``: a Hugging Face MoE checkpoint → an expert store (see ``fate_edge.store``).
+
+Atomic: everything is written into a hidden sibling directory, flushed, and renamed into place as the
+last step, so an interrupted convert never leaves a directory that looks like a valid store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from quant import QuantSpec
+
+from .arch import load_config
+from .checkpoint import CheckpointReader
+from .errors import FateEdgeError
+from .experts import ExpertLayout
+from .loader import layer_names, resident_weight_names
+from .store import FORMAT, FORMAT_VERSION, STORE_FILE, Precision, encode_expert, plan_parts
+
+AUX_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+             "special_tokens_map.json", "chat_template.jinja")
+
+
+@dataclass
+class ConvertOptions:
+    bits: int = 4  # precision of the expert copies the engine streams
+    group_size: int = 64
+    cold_bits: int | None = None  # optional low-precision copy for cold experts (Fate: int2 tail)
+    cold_group_size: int = 32
+    keep_bf16: bool = True  # also store bf16 experts (the full-precision / load-on-demand baseline)
+    force: bool = False  # replace an existing store at the destination
+
+
+def _precisions(cfg, opts: ConvertOptions) -> list[Precision]:
+    h, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    wanted: list[tuple[int, QuantSpec | None]] = []
+    if opts.keep_bf16:
+        wanted.append((16, None))
+    wanted.append((opts.bits, QuantSpec(opts.bits, opts.group_size)))
+    if opts.cold_bits is not None and opts.cold_bits != opts.bits:
+        wanted.append((opts.cold_bits, QuantSpec(opts.cold_bits, opts.cold_group_size)))
+    out = []
+    for bits, spec in wanted:
+        parts, nbytes = plan_parts(bits, spec, h, inter)
+        out.append(Precision(bits, f"experts-{bits}.bin", nbytes, parts, spec))
+    return out
+
+
+def convert(model_dir: str | Path, out_dir: str | Path, opts: ConvertOptions | None = None,
+            progress: bool = True) -> Path:
+    opts = opts or ConvertOptions()
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    if out_dir.exists() and not opts.force:
+        raise FateEdgeError(f"{out_dir}: already exists; choose another directory or pass --force to replace it")
+    cfg = load_config(model_dir)
+    reader = CheckpointReader(model_dir)
+    names = layer_names(cfg, reader)
+    for e in (cfg.moe_intermediate_size, cfg.hidden_size):
+        for g in {opts.group_size, opts.cold_group_size}:
+            if e % g:
+                raise FateEdgeError(f"expert dimension {e} is not a multiple of group size {g}; pick --group 32")
+    precisions = _precisions(cfg, opts)
+
+    tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        for f in AUX_FILES:
+            if (model_dir / f).exists():
+                shutil.copy2(model_dir / f, tmp / f)
+        resident = {n: reader.get(n) for n in resident_weight_names(cfg, reader)}
+        save_file(resident, str(tmp / "resident.safetensors"), metadata={"format": "pt"})
+        del resident
+
+        entries: dict[str, list[dict]] = {str(p.bits): [] for p in precisions}
+        files = {p.bits: open(tmp / p.file, "wb") for p in precisions}  # noqa: SIM115 (closed below)
+        jobs = [(layer, e) for layer in cfg.moe_layers for e in range(cfg.num_experts)]
+        try:
+            bar = tqdm(jobs, desc="converting experts", unit="expert", disable=not progress, file=sys.stderr)
+            layouts = {layer: ExpertLayout(reader, names[layer].mlp) for layer in cfg.moe_layers}
+            for slot, (layer, e) in enumerate(bar):
+                w = layouts[layer].read(e, torch.float32)
+                for p in precisions:
+                    blob = encode_expert(w, p)
+                    offset = slot * p.slot_bytes
+                    f = files[p.bits]
+                    f.seek(offset)
+                    f.write(blob)
+                    entries[str(p.bits)].append(
+                        {"layer": layer, "expert": e, "offset": offset, "length": len(blob), "crc32": zlib.crc32(blob)}
+                    )
+            for p in precisions:  # pad to a whole slot so the last O_DIRECT read is in bounds
+                files[p.bits].truncate(len(jobs) * p.slot_bytes)
+                files[p.bits].flush()
+                os.fsync(files[p.bits].fileno())
+        finally:
+            for f in files.values():
+                f.close()
+
+        index = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "source": str(model_dir.resolve()),
+            "model_type": cfg.model_type,
+            "num_layers": cfg.num_hidden_layers,
+            "moe_layers": cfg.moe_layers,
+            "num_experts": cfg.num_experts,
+            "hidden_size": cfg.hidden_size,
+            "moe_intermediate_size": cfg.moe_intermediate_size,
+            "precisions": {str(p.bits): p.to_json() for p in precisions},
+            "experts": entries,
+        }
+        # store.json is written last: a directory without it is never taken for a store.
+        (tmp / STORE_FILE).write_text(json.dumps(index, indent=1))
+        if out_dir.exists():
+            old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+            out_dir.rename(old)
+            tmp.rename(out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

@@ -1,0 +1,353 @@
+"""The asynchronous expert fetch engine: prioritised, merged, cancellable reads of contiguous blobs.
+
+Worker threads ``pread`` blobs into a pool of preallocated, page-aligned buffers (O_DIRECT where the
+filesystem allows it, buffered otherwise), in chunks so a stale prefetch can be dropped part way.
+Requests carry a priority (demand > next layer > further ahead); a request for a blob already queued
+or in flight is merged into it (and raises its priority). Every request records how long it queued,
+read and was waited for; every blob's CRC32 is checked before anyone sees its bytes.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+import mmap
+import os
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from devices.link import ThrottledLink
+
+from .errors import FateEdgeError
+
+ALIGN = 4096
+
+
+class FetchError(FateEdgeError):
+    """A blob could not be read."""
+
+
+class CorruptBlobError(FetchError):
+    """A blob's bytes do not match the checksum recorded when the store was written."""
+
+
+class FetchCancelled(FetchError):
+    """Waited on a request that was cancelled."""
+
+
+class Priority(enum.IntEnum):
+    DEMAND = 0  # needed by the layer being computed now
+    NEXT_LAYER = 1  # predicted for the next layer
+    AHEAD = 2  # predicted further ahead
+
+
+@dataclass(frozen=True)
+class BlobRef:
+    """Where one expert's blob lives."""
+
+    path: str
+    offset: int  # multiple of ALIGN
+    length: int  # payload bytes
+    crc32: int
+    layer: int
+    expert: int
+    bits: int
+
+    @property
+    def read_length(self) -> int:
+        return -(-self.length // ALIGN) * ALIGN  # O_DIRECT reads whole aligned blocks
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return (self.layer, self.expert, self.bits)
+
+    def where(self) -> str:
+        return f"layer {self.layer} expert {self.expert} (int{self.bits}) in {self.path} at offset {self.offset}"
+
+
+class Buffer:
+    """A page-aligned slab from the pool."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.mem = mmap.mmap(-1, size)  # anonymous mmap: page-aligned, as O_DIRECT needs
+        self.view = memoryview(self.mem)
+
+
+class BufferPool:
+    """Fixed number of fixed-size buffers, allocated once: reads never allocate, and their bytes are bounded."""
+
+    def __init__(self, count: int, size: int):
+        if count < 1:
+            raise ValueError("BufferPool needs at least one buffer")
+        self.size = -(-size // ALIGN) * ALIGN
+        self._free = [Buffer(self.size) for _ in range(count)]
+        self.count = count
+        self._cv = threading.Condition()
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.size
+
+    def acquire(self) -> Buffer:
+        with self._cv:
+            while not self._free:
+                self._cv.wait()
+            return self._free.pop()
+
+    def release(self, buf: Buffer) -> None:
+        with self._cv:
+            self._free.append(buf)
+            self._cv.notify()
+
+    @property
+    def available(self) -> int:
+        with self._cv:
+            return len(self._free)
+
+
+@dataclass
+class FetchRequest:
+    ref: BlobRef
+    priority: Priority
+    seq: int
+    submitted_at: float = field(default_factory=time.perf_counter)
+    state: str = "queued"  # queued | reading | done | failed | cancelled
+    buffer: Buffer | None = None
+    error: Exception | None = None
+    bytes_read: int = 0
+    queued_s: float = 0.0
+    read_s: float = 0.0
+    throttled_s: float = 0.0
+    waited_s: float = 0.0
+    cancel_requested: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def payload(self) -> memoryview:
+        assert self.buffer is not None
+        return self.buffer.view[: self.ref.length]
+
+
+@dataclass
+class FetchStats:
+    requests: int = 0
+    merged: int = 0
+    cancelled: int = 0
+    bytes_read: int = 0
+    reads_completed: int = 0
+    failures: int = 0
+
+
+class FetchEngine:
+    def __init__(
+        self,
+        pool: BufferPool,
+        workers: int = 2,
+        link: ThrottledLink | None = None,
+        direct_io: bool = True,
+        chunk_bytes: int = 256 * 1024,
+        fault_injector: Callable[[BlobRef], None] | None = None,
+    ):
+        self.pool = pool
+        self.link = link
+        self.chunk_bytes = max(ALIGN, chunk_bytes // ALIGN * ALIGN)
+        self.want_direct = direct_io
+        self.direct_io_note = "not requested" if not direct_io else "not yet opened"
+        self.fault_injector = fault_injector  # tests and fault drills: raise to simulate a failing read
+        self.stats = FetchStats()
+        self._heap: list[tuple[int, int, FetchRequest]] = []
+        self._pending: dict[tuple[int, int, int], FetchRequest] = {}
+        self._cv = threading.Condition()
+        self._seq = itertools.count()
+        self._fds: dict[str, int] = {}
+        self._fd_lock = threading.Lock()
+        self._closed = False
+        self._threads = [threading.Thread(target=self._worker, name=f"fate-fetch-{i}", daemon=True)
+                         for i in range(workers)]
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------------ API
+    def submit(self, ref: BlobRef, priority: Priority = Priority.DEMAND) -> FetchRequest:
+        """Queue a read of ``ref`` (or join the identical read already queued or in flight)."""
+        with self._cv:
+            if self._closed:
+                raise FetchError("fetch engine is closed")
+            self.stats.requests += 1
+            req = self._pending.get(ref.key)
+            if req is not None and not req.cancel_requested:
+                self.stats.merged += 1
+                if priority < req.priority:
+                    req.priority = priority
+                    if req.state == "queued":
+                        heapq.heappush(self._heap, (int(priority), req.seq, req))
+                return req
+            req = FetchRequest(ref, priority, next(self._seq))
+            self._pending[ref.key] = req
+            heapq.heappush(self._heap, (int(priority), req.seq, req))
+            self._cv.notify()
+            return req
+
+    def cancel(self, req: FetchRequest) -> None:
+        """Drop a request: never read if still queued, stopped at the next chunk if reading."""
+        with self._cv:
+            if req.state in ("done", "failed", "cancelled"):
+                return
+            req.cancel_requested = True
+            if req.state == "queued":
+                self._finish_cancelled(req)
+
+    def wait(self, req: FetchRequest, timeout: float | None = None) -> memoryview:
+        """Block until ``req`` is read; returns its payload (valid until :meth:`release`)."""
+        t0 = time.perf_counter()
+        if not req.done.wait(timeout):
+            raise FetchError(f"timed out after {timeout}s waiting for {req.ref.where()}")
+        req.waited_s += time.perf_counter() - t0
+        if req.state == "cancelled":
+            raise FetchCancelled(f"request for {req.ref.where()} was cancelled")
+        if req.error is not None:
+            raise req.error
+        return req.payload
+
+    def release(self, req: FetchRequest) -> None:
+        """Give the request's buffer back to the pool once its bytes have been consumed."""
+        with self._cv:
+            buf, req.buffer = req.buffer, None
+        if buf is not None:
+            self.pool.release(buf)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            for _, _, req in self._heap:
+                if req.state == "queued":
+                    self._finish_cancelled(req)
+            self._cv.notify_all()
+        for t in self._threads:
+            t.join(timeout=5)
+        with self._fd_lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def __enter__(self) -> FetchEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -------------------------------------------------------------- internals
+    def _finish_cancelled(self, req: FetchRequest) -> None:
+        req.state = "cancelled"
+        self.stats.cancelled += 1
+        if self._pending.get(req.ref.key) is req:
+            del self._pending[req.ref.key]
+        req.done.set()
+
+    def _next(self) -> FetchRequest | None:
+        with self._cv:
+            while True:
+                while self._heap:
+                    prio, seq, req = heapq.heappop(self._heap)
+                    if req.state == "queued" and prio == int(req.priority) and not req.cancel_requested:
+                        req.state = "reading"
+                        return req
+                if self._closed:
+                    return None
+                self._cv.wait()
+
+    def _fd(self, path: str) -> int:
+        with self._fd_lock:
+            fd = self._fds.get(path)
+            if fd is not None:
+                return fd
+            fd = -1
+            if self.want_direct and hasattr(os, "O_DIRECT"):
+                try:
+                    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                    probe = mmap.mmap(-1, ALIGN)
+                    os.preadv(fd, [memoryview(probe)], 0)
+                    self.direct_io_note = "O_DIRECT"
+                except OSError as exc:  # tmpfs, some overlay filesystems: no O_DIRECT
+                    if fd >= 0:
+                        os.close(fd)
+                    fd = -1
+                    self.direct_io_note = f"buffered (O_DIRECT unavailable here: {exc.strerror})"
+            if fd < 0:
+                fd = os.open(path, os.O_RDONLY)
+                if not self.want_direct or not hasattr(os, "O_DIRECT"):
+                    self.direct_io_note = "buffered"
+            self._fds[path] = fd
+            return fd
+
+    def _worker(self) -> None:
+        while True:
+            req = self._next()
+            if req is None:
+                return
+            self._read(req)
+
+    def _read(self, req: FetchRequest) -> None:
+        ref = req.ref
+        start = time.perf_counter()
+        req.queued_s = start - req.submitted_at
+        buf = self.pool.acquire()
+        if buf.size < ref.read_length:
+            self.pool.release(buf)
+            self._fail(req, FetchError(f"{ref.where()}: blob of {ref.length} bytes exceeds the buffer size "
+                                       f"{buf.size}; the store and the engine disagree on the largest blob"))
+            return
+        try:
+            if self.fault_injector is not None:
+                self.fault_injector(ref)
+            fd = self._fd(ref.path)
+            pos = 0
+            while pos < ref.read_length:
+                if req.cancel_requested:  # stale prefetch: stop between chunks, no further I/O
+                    self.pool.release(buf)
+                    with self._cv:
+                        self._finish_cancelled(req)
+                    return
+                n = min(self.chunk_bytes, ref.read_length - pos)
+                got = os.preadv(fd, [buf.view[pos : pos + n]], ref.offset + pos)
+                if got <= 0:
+                    raise FetchError(f"{ref.where()}: file ends early (read {pos} of {ref.length} bytes); "
+                                     "the store is truncated, re-run fate-edge convert")
+                if self.link is not None:
+                    req.throttled_s += self.link.reserve(got, first_chunk=pos == 0)
+                pos += got
+                req.bytes_read += got
+                with self._cv:
+                    self.stats.bytes_read += got
+                if got < n and pos < ref.length:
+                    raise FetchError(f"{ref.where()}: file ends early (read {pos} of {ref.length} bytes); "
+                                     "the store is truncated, re-run fate-edge convert")
+            if zlib.crc32(buf.view[: ref.length]) != ref.crc32:
+                raise CorruptBlobError(f"checksum mismatch for {ref.where()}: the expert store is corrupted; "
+                                       "re-run fate-edge convert to rebuild it")
+        except Exception as exc:
+            self.pool.release(buf)
+            self._fail(req, exc if isinstance(exc, FetchError) else FetchError(f"{ref.where()}: read failed: {exc}"))
+            return
+        req.read_s = time.perf_counter() - start
+        with self._cv:
+            req.buffer = buf
+            req.state = "done"
+            self.stats.reads_completed += 1
+            if self._pending.get(ref.key) is req:
+                del self._pending[ref.key]
+        req.done.set()
+
+    def _fail(self, req: FetchRequest, exc: Exception) -> None:
+        with self._cv:
+            req.error = exc
+            req.state = "failed"
+            self.stats.failures += 1
+            if self._pending.get(req.ref.key) is req:
+                del self._pending[req.ref.key]
+        req.done.set()

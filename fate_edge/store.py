@@ -1,0 +1,201 @@
+"""The expert store (output of ``fate-edge convert``): format, opening, validation, blob encode/decode.
+
+Layout of a store directory (DESIGN §4)::
+
+    config.json, tokenizer files        copied from the source model
+    resident.safetensors                everything that is not a routed expert
+    experts-<bits>.bin                  one file per precision (16 = bf16 as trained, 4, 2, ...)
+    store.json                          format version, quant specs, blob layout, and per expert
+                                        (layer, expert, precision): offset, length, crc32
+
+Each expert is one contiguous blob holding its three matrices (and their scales and zeros), starting
+on a 4096-byte boundary so it can be read with O_DIRECT in one request. Every expert of a precision
+has the same internal layout (``parts``), recorded once per precision.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quant import QuantSpec, pack, quantize
+from quant.linear import QuantizedLinear
+
+from .errors import ModelFormatError
+from .experts import ExpertWeights, QuantizedExpert
+from .fetch import ALIGN, BlobRef
+
+STORE_FILE = "store.json"
+FORMAT = "fate-edge-expert-store"
+FORMAT_VERSION = 1
+PART_ALIGN = 64
+MATRICES = ("gate", "up", "down")
+_DTYPES = {"uint8": torch.uint8, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def is_store(path: str | Path) -> bool:
+    return (Path(path) / STORE_FILE).exists()
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str  # e.g. "gate.codes", "gate.scale", "down.weight"
+    offset: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass
+class Precision:
+    bits: int  # 16 means bf16 weights as trained
+    file: str
+    blob_bytes: int
+    parts: list[Part]
+    spec: QuantSpec | None  # None for bf16
+
+    @property
+    def slot_bytes(self) -> int:
+        return -(-self.blob_bytes // ALIGN) * ALIGN
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"bits": self.bits, "file": self.file, "blob_bytes": self.blob_bytes,
+                             "parts": [p.__dict__ | {"shape": list(p.shape)} for p in self.parts]}
+        if self.spec is not None:
+            d.update(group_size=self.spec.group_size, asymmetric=self.spec.asymmetric, scale_dtype="float16")
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Precision:
+        spec = QuantSpec(d["bits"], d["group_size"], d.get("asymmetric", True)) if d["bits"] < 16 else None
+        parts = [Part(p["name"], p["offset"], p["nbytes"], p["dtype"], tuple(p["shape"])) for p in d["parts"]]
+        return cls(d["bits"], d["file"], d["blob_bytes"], parts, spec)
+
+
+def plan_parts(bits: int, spec: QuantSpec | None, hidden: int, inter: int) -> tuple[list[Part], int]:
+    """Byte layout of one expert blob at ``bits``."""
+    shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+    parts, off = [], 0
+
+    def add(name: str, dtype: str, shape: tuple[int, ...], itemsize: int) -> None:
+        nonlocal off
+        n = itemsize
+        for d in shape:
+            n *= d
+        parts.append(Part(name, off, n, dtype, shape))
+        off = -(-(off + n) // PART_ALIGN) * PART_ALIGN
+
+    for m in MATRICES:
+        n, k = shapes[m]
+        if spec is None:
+            add(f"{m}.weight", "bfloat16", (n, k), 2)
+        else:
+            add(f"{m}.codes", "uint8", (n, k * spec.storage_bits // 8), 1)
+            add(f"{m}.scale", "float16", (n, k // spec.group_size), 2)
+            if spec.asymmetric:
+                add(f"{m}.zero", "float16", (n, k // spec.group_size), 2)
+    return parts, off
+
+
+def encode_expert(w: ExpertWeights, precision: Precision) -> bytes:
+    """Serialize one expert (bf16 or quantized) into its blob."""
+    out = bytearray(precision.blob_bytes)
+    tensors: dict[str, torch.Tensor] = {}
+    for m in MATRICES:
+        mat = getattr(w, m)
+        if precision.spec is None:
+            tensors[f"{m}.weight"] = mat.to(torch.bfloat16)
+        else:
+            q = quantize(mat, precision.spec)
+            tensors[f"{m}.codes"] = pack(q.codes, precision.spec.storage_bits)
+            tensors[f"{m}.scale"] = q.scale
+            if q.zero is not None:
+                tensors[f"{m}.zero"] = q.zero
+    for p in precision.parts:
+        raw = tensors[p.name].contiguous().view(torch.uint8).numpy().tobytes()
+        assert len(raw) == p.nbytes, (p.name, len(raw), p.nbytes)
+        out[p.offset : p.offset + p.nbytes] = raw
+    return bytes(out)
+
+
+def decode_expert(payload: memoryview, precision: Precision, dtype: torch.dtype,
+                  device: torch.device | str = "cpu") -> ExpertWeights | QuantizedExpert:
+    """Turn a blob back into a callable expert; copies out of ``payload`` (a pool buffer about to be reused)."""
+    t: dict[str, torch.Tensor] = {}
+    for p in precision.parts:
+        raw = torch.frombuffer(payload, dtype=torch.uint8, count=p.nbytes, offset=p.offset).clone()
+        t[p.name] = raw.view(_DTYPES[p.dtype]).reshape(p.shape)
+    if precision.spec is None:
+        return ExpertWeights(*(t[f"{m}.weight"].to(device=device, dtype=dtype) for m in MATRICES))
+    spec = precision.spec
+    lins = [QuantizedLinear.from_packed(t[f"{m}.codes"], t[f"{m}.scale"], t.get(f"{m}.zero"), spec, device)
+            for m in MATRICES]
+    return QuantizedExpert(*lins)
+
+
+class ExpertStore:
+    """An opened, validated store: where every (layer, expert, precision) blob lives."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        index_path = self.path / STORE_FILE
+        if not index_path.exists():
+            raise ModelFormatError(f"{index_path}: not found; create a store with `fate-edge convert MODEL OUT`")
+        try:
+            index = json.loads(index_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ModelFormatError(f"{index_path}: invalid JSON ({exc}); re-run fate-edge convert") from exc
+        if index.get("format") != FORMAT or index.get("format_version") != FORMAT_VERSION:
+            raise ModelFormatError(
+                f"{index_path}: format {index.get('format')!r} v{index.get('format_version')} is not "
+                f"{FORMAT!r} v{FORMAT_VERSION}; re-run fate-edge convert with this version"
+            )
+        self.index = index
+        self.precisions = {int(b): Precision.from_json(d) for b, d in index["precisions"].items()}
+        self.refs: dict[tuple[int, int, int], BlobRef] = {}
+        for bits_s, entries in index["experts"].items():
+            bits = int(bits_s)
+            file = str(self.path / self.precisions[bits].file)
+            for e in entries:
+                ref = BlobRef(file, e["offset"], e["length"], e["crc32"], e["layer"], e["expert"], bits)
+                self.refs[ref.key] = ref
+        self._check_files()
+
+    def _check_files(self) -> None:
+        for bits, prec in self.precisions.items():
+            path = self.path / prec.file
+            if not path.exists():
+                raise ModelFormatError(f"{path}: missing from the store; re-run fate-edge convert")
+            size = path.stat().st_size
+            short = [r for r in self.refs.values() if r.bits == bits and r.offset + r.read_length > size]
+            if short:
+                first = min(short, key=lambda r: r.offset)
+                raise ModelFormatError(
+                    f"{path}: truncated to {size} bytes; {len(short)} expert blobs are cut off, the first is "
+                    f"layer {first.layer} expert {first.expert} at offset {first.offset}; re-run fate-edge convert"
+                )
+
+    @property
+    def bits_available(self) -> list[int]:
+        return sorted(self.precisions)
+
+    @property
+    def max_blob_bytes(self) -> int:
+        return max(p.slot_bytes for p in self.precisions.values())
+
+    def ref(self, layer: int, expert: int, bits: int) -> BlobRef:
+        try:
+            return self.refs[(layer, expert, bits)]
+        except KeyError:
+            raise ModelFormatError(
+                f"{self.path}: no int{bits} blob for layer {layer} expert {expert}; available precisions: "
+                f"{self.bits_available}"
+            ) from None
+
+    def expert_bytes(self, bits: int) -> int:
+        """Bytes of one expert's blob at ``bits`` (what a fetch moves)."""
+        return self.precisions[bits].blob_bytes

@@ -1,0 +1,164 @@
+import os
+import threading
+import time
+import zlib
+
+import pytest
+
+from devices.link import LinkSpec, ThrottledLink
+from fate_edge.fetch import (
+    ALIGN,
+    BlobRef,
+    BufferPool,
+    CorruptBlobError,
+    FetchCancelled,
+    FetchEngine,
+    FetchError,
+    Priority,
+)
+
+BLOB = 64 * 1024
+
+
+@pytest.fixture()
+def blob_file(tmp_path):
+    """16 blobs of 64 KB of distinct random bytes, aligned like an expert store."""
+    path = tmp_path / "experts-4.bin"
+    refs = []
+    with path.open("wb") as f:
+        for i in range(16):
+            data = os.urandom(BLOB - 100)  # payload shorter than the aligned slot, as in a real store
+            off = f.tell()
+            f.write(data + b"\0" * (BLOB - len(data)))
+            refs.append(BlobRef(str(path), off, len(data), zlib.crc32(data), layer=i // 4, expert=i % 4, bits=4))
+    return path, refs
+
+
+def _expected(path, ref):
+    with open(path, "rb") as f:
+        f.seek(ref.offset)
+        return f.read(ref.length)
+
+
+def test_reads_verify_and_release(blob_file):
+    path, refs = blob_file
+    with FetchEngine(BufferPool(4, BLOB), workers=2) as eng:
+        for ref in refs:
+            req = eng.submit(ref)
+            assert bytes(eng.wait(req)) == _expected(path, ref)
+            assert req.read_s > 0 and req.bytes_read == ref.read_length
+            eng.release(req)
+        assert eng.pool.available == 4
+        assert eng.stats.bytes_read == sum(r.read_length for r in refs)
+        assert eng.direct_io_note  # says which I/O path ran
+
+
+def test_duplicate_requests_merge_and_upgrade(blob_file):
+    _, refs = blob_file
+    gate = threading.Event()
+    with FetchEngine(BufferPool(2, BLOB), workers=1, fault_injector=lambda r: gate.wait()) as eng:
+        first = eng.submit(refs[0], Priority.AHEAD)  # occupies the single worker until the gate opens
+        time.sleep(0.05)
+        a = eng.submit(refs[1], Priority.AHEAD)
+        b = eng.submit(refs[1], Priority.DEMAND)
+        assert a is b and a.priority == Priority.DEMAND
+        gate.set()
+        eng.wait(first), eng.wait(a)
+        assert eng.stats.merged == 1 and eng.stats.reads_completed == 2
+
+
+def test_demand_overtakes_queued_prefetches(blob_file):
+    _, refs = blob_file
+    order = []
+    gate = threading.Event()
+
+    def record(ref):
+        gate.wait()
+        order.append(ref.key)
+
+    with FetchEngine(BufferPool(8, BLOB), workers=1, fault_injector=record) as eng:
+        blocker = eng.submit(refs[0], Priority.AHEAD)
+        time.sleep(0.05)
+        prefetches = [eng.submit(r, Priority.AHEAD) for r in refs[1:6]]
+        nxt = eng.submit(refs[6], Priority.NEXT_LAYER)
+        demand = eng.submit(refs[7], Priority.DEMAND)
+        gate.set()
+        for r in [blocker, *prefetches, nxt, demand]:
+            eng.wait(r)
+            eng.release(r)
+    assert order[0] == refs[0].key  # was already being read
+    assert order[1] == refs[7].key and order[2] == refs[6].key
+    assert order[3:] == [r.key for r in refs[1:6]]
+
+
+def test_cancelled_prefetch_does_no_io_after_cancellation(blob_file):
+    _, refs = blob_file
+    slow = ThrottledLink(LinkSpec("slow", bandwidth_bytes_per_s=1_000_000))  # 64 KB takes ~65 ms
+    with FetchEngine(BufferPool(4, BLOB), workers=1, link=slow, chunk_bytes=ALIGN) as eng:
+        reading = eng.submit(refs[0], Priority.AHEAD)
+        queued = eng.submit(refs[1], Priority.AHEAD)
+        time.sleep(0.02)  # the first is part way through its 16 chunks
+        eng.cancel(reading)
+        eng.cancel(queued)
+        with pytest.raises(FetchCancelled):
+            eng.wait(reading)
+        with pytest.raises(FetchCancelled):
+            eng.wait(queued)
+        read_at_cancel = reading.bytes_read
+        time.sleep(0.1)
+        assert queued.bytes_read == 0
+        assert 0 < read_at_cancel < refs[0].read_length
+        assert reading.bytes_read == read_at_cancel  # no I/O after the cancellation took effect
+        assert eng.pool.available == 4
+
+
+def test_flipped_byte_is_reported_with_layer_and_expert(blob_file):
+    path, refs = blob_file
+    ref = refs[6]
+    with open(path, "r+b") as f:
+        f.seek(ref.offset + 1234)
+        b = f.read(1)
+        f.seek(ref.offset + 1234)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with FetchEngine(BufferPool(2, BLOB), workers=1) as eng:
+        with pytest.raises(CorruptBlobError, match=rf"layer {ref.layer} expert {ref.expert}.*offset {ref.offset}"):
+            eng.wait(eng.submit(ref))
+        assert eng.pool.available == 2
+        ok = eng.submit(refs[0])  # the engine keeps serving
+        assert bytes(eng.wait(ok)) == _expected(path, refs[0])
+
+
+def test_truncated_file_is_reported(blob_file):
+    path, refs = blob_file
+    os.truncate(path, refs[-1].offset + 1000)
+    with FetchEngine(BufferPool(2, BLOB), workers=1) as eng:
+        with pytest.raises(FetchError, match=rf"layer {refs[-1].layer} expert {refs[-1].expert}.*truncated"):
+            eng.wait(eng.submit(refs[-1]))
+
+
+def test_throttle_delivers_its_bandwidth_on_64mb():
+    bw = 256e6
+    link = ThrottledLink(LinkSpec("emulated", bandwidth_bytes_per_s=bw))
+    chunk = 1 << 20
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=lambda: [link.reserve(chunk) for _ in range(16)]) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - t0
+    measured = 64 * chunk / elapsed
+    assert abs(measured - bw) / bw < 0.10, f"throttled bandwidth {measured / 1e6:.0f} MB/s vs {bw / 1e6:.0f}"
+
+
+def test_throttled_engine_reads_at_link_speed(blob_file):
+    _, refs = blob_file
+    bw = 8e6  # 16 x 64 KB = 1 MB in ~0.13 s
+    with FetchEngine(BufferPool(16, BLOB), workers=2, link=ThrottledLink(LinkSpec("x", bw))) as eng:
+        t0 = time.perf_counter()
+        reqs = [eng.submit(r, Priority.AHEAD) for r in refs]
+        for r in reqs:
+            eng.wait(r)
+        elapsed = time.perf_counter() - t0
+    total = sum(r.read_length for r in refs)
+    assert elapsed >= total / bw * 0.95

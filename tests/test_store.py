@@ -1,0 +1,152 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from fate_edge import FateEdgeError, ModelFormatError, load_model
+from fate_edge.convert import ConvertOptions, convert
+from fate_edge.fetch import CorruptBlobError
+from fate_edge.store import ExpertStore, is_store
+from fate_edge.store_provider import StoreExpertProvider
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory, bundled_dir):
+    out = tmp_path_factory.mktemp("stores") / "tiny-int4"
+    convert(bundled_dir, out, ConvertOptions(bits=4, cold_bits=2), progress=False)
+    return out
+
+
+@pytest.fixture()
+def store_copy(tmp_path, store_dir):
+    import shutil
+
+    dst = tmp_path / "store"
+    shutil.copytree(store_dir, dst)
+    return dst
+
+
+def _tokens(bundled_model):
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, bundled_model.config.vocab_size, (1, 48), generator=g)
+
+
+def test_store_layout(store_dir, bundled_model):
+    store = ExpertStore(store_dir)
+    cfg = bundled_model.config
+    assert store.bits_available == [2, 4, 16]
+    for bits in (2, 4, 16):
+        refs = [r for r in store.refs.values() if r.bits == bits]
+        assert len(refs) == len(cfg.moe_layers) * cfg.num_experts
+        assert all(r.offset % 4096 == 0 for r in refs)
+    # int4 blob ≈ 4.5 bits/weight (codes + fp16 scale and zero per 64), int2 ≈ 3 bits/weight (group 32)
+    n = cfg.expert_params
+    assert store.expert_bytes(16) == 2 * n
+    assert abs(store.expert_bytes(4) - n * 4.5 / 8) < 1024
+    assert abs(store.expert_bytes(2) - n * 3 / 8) < 1024
+
+
+def test_bf16_store_matches_resident_model_exactly(store_dir, bundled_model):
+    ids = _tokens(bundled_model)
+    ref = bundled_model(ids, bundled_model.new_cache())
+    m = load_model(store_dir, bits=16)
+    out = m(ids, m.new_cache())
+    assert torch.equal(out, ref)
+    assert m.experts.stats.reads > 0 and m.experts.engine.direct_io_note
+
+
+def test_int4_store_is_close(store_dir, bundled_model):
+    ids = _tokens(bundled_model)
+    ref = bundled_model(ids, bundled_model.new_cache())[0]
+    out = load_model(store_dir, bits=4)(ids, load_model(store_dir, bits=4).new_cache())[0]
+    cos = torch.nn.functional.cosine_similarity(out, ref, dim=-1)
+    assert cos.min() > 0.98
+    assert (out.argmax(-1) == ref.argmax(-1)).float().mean() > 0.8
+
+
+def test_flipped_byte_names_layer_and_expert(store_copy):
+    store = ExpertStore(store_copy)
+    ref = store.ref(3, 7, 4)
+    with open(ref.path, "r+b") as f:
+        f.seek(ref.offset + 100)
+        b = f.read(1)
+        f.seek(ref.offset + 100)
+        f.write(bytes([b[0] ^ 0x01]))
+    provider = StoreExpertProvider(store, bits=4)
+    with pytest.raises(CorruptBlobError, match=r"layer 3 expert 7 \(int4\)"):
+        provider.get(3, 7)
+    provider.get(3, 6)  # neighbours are intact and still served
+    provider.close()
+
+
+def test_truncated_expert_file_names_layer_and_expert(store_copy):
+    path = store_copy / "experts-4.bin"
+    store = ExpertStore(store_copy)
+    last = max((r for r in store.refs.values() if r.bits == 4), key=lambda r: r.offset)
+    os.truncate(path, last.offset + 10)
+    with pytest.raises(ModelFormatError, match=rf"truncated.*layer {last.layer} expert {last.expert}"):
+        ExpertStore(store_copy)
+
+
+def test_wrong_format_version_is_refused(store_copy):
+    index = json.loads((store_copy / "store.json").read_text())
+    index["format_version"] = 99
+    (store_copy / "store.json").write_text(json.dumps(index))
+    with pytest.raises(ModelFormatError, match="re-run fate-edge convert"):
+        ExpertStore(store_copy)
+
+
+def test_existing_destination_needs_force(tmp_path, bundled_dir):
+    out = tmp_path / "s"
+    convert(bundled_dir, out, ConvertOptions(bits=4, keep_bf16=False), progress=False)
+    with pytest.raises(FateEdgeError, match="--force"):
+        convert(bundled_dir, out, ConvertOptions(bits=2, keep_bf16=False), progress=False)
+    convert(bundled_dir, out, ConvertOptions(bits=2, keep_bf16=False, force=True), progress=False)
+    assert ExpertStore(out).bits_available == [2]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no leftovers
+
+
+def test_interrupted_convert_leaves_nothing(tmp_path, bundled_dir, monkeypatch):
+    import fate_edge.convert as conv
+
+    calls = {"n": 0}
+    real = conv.encode_expert
+
+    def failing(w, p):
+        calls["n"] += 1
+        if calls["n"] == 50:
+            raise KeyboardInterrupt
+        return real(w, p)
+
+    monkeypatch.setattr(conv, "encode_expert", failing)
+    out = tmp_path / "store"
+    with pytest.raises(KeyboardInterrupt):
+        convert(bundled_dir, out, progress=False)
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_killed_convert_leaves_no_valid_looking_store(tmp_path, bundled_dir):
+    out = tmp_path / "store"
+    script = (
+        "import time, fate_edge.convert as c\n"
+        "real = c.encode_expert\n"
+        "c.encode_expert = lambda w, p: (time.sleep(0.01), real(w, p))[1]\n"
+        f"c.convert({str(bundled_dir)!r}, {str(out)!r}, progress=False)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    partial = []
+    deadline = time.time() + 60
+    while time.time() < deadline and not partial:
+        partial = [p for p in tmp_path.iterdir() if p.name.startswith(".store.partial")]
+        time.sleep(0.05)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert partial, "convert never started writing"
+    assert not out.exists()
+    assert not any(is_store(p) for p in tmp_path.iterdir())
