@@ -34,7 +34,10 @@ class RotaryEmbedding:
         self.max_position_embeddings = max_position_embeddings
         self.attention_scaling = 1.0
         self.inv_freq = self._base_inv_freq(rope.theta)
-        self._cached_len = rope.original_max_position_embeddings or max_position_embeddings
+        self._original_inv_freq = self.inv_freq
+        # Dynamic NTK counts from max_position_embeddings (as transformers does; a config's
+        # original_max_position_embeddings is ignored for this type).
+        self._cached_len = max_position_embeddings
         if rope.rope_type == "linear":
             self.inv_freq = self.inv_freq / rope.factor
         elif rope.rope_type == "yarn":
@@ -70,15 +73,21 @@ class RotaryEmbedding:
         return inv, attn
 
     def _maybe_grow_dynamic(self, seq_len: int) -> None:
-        # Dynamic NTK: once the sequence outgrows the trained context, raise the base (stateful, as in
-        # transformers: keys already cached keep the frequencies they were rotated with).
-        if self.rope.rope_type != "dynamic" or seq_len <= self._cached_len:
+        # Dynamic NTK, stateful exactly as transformers' ``dynamic_rope_update``: once the sequence outgrows the
+        # longest one seen (at first max_position_embeddings), raise the base for that length (keys already
+        # cached keep the frequencies they were rotated with); a sequence back within the trained context
+        # (a new prompt on a fresh cache) returns to the original frequencies.
+        if self.rope.rope_type != "dynamic":
             return
-        f = self.rope.factor
-        orig = self.rope.original_max_position_embeddings or self.max_position_embeddings
-        base = self.rope.theta * ((f * seq_len / orig) - (f - 1)) ** (self.dim / (self.dim - 2))
-        self.inv_freq = self._base_inv_freq(base)
-        self._cached_len = seq_len
+        orig = self.max_position_embeddings
+        if seq_len > self._cached_len:
+            f = self.rope.factor
+            base = self.rope.theta * ((f * seq_len / orig) - (f - 1)) ** (self.dim / (self.dim - 2))
+            self.inv_freq = self._base_inv_freq(base)
+            self._cached_len = seq_len
+        if seq_len < orig and self._cached_len > orig:
+            self.inv_freq = self._original_inv_freq
+            self._cached_len = orig
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of shape [T, dim] for integer ``positions`` [T]."""
@@ -97,6 +106,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     """Rotate ``x`` [B, heads, T, dim] (the first ``cos.shape[-1]`` channels; the rest pass through)."""
     rot_dim = cos.shape[-1]
     x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
+    dtype = x.dtype
+    x_rot = x_rot.to(cos.dtype)  # the rotation runs in cos/sin's dtype (float32 for DeepSeek-V2), then casts back
     if interleaved:
         # Pairs (x0,x1),(x2,x3),... share one angle. The output is laid out evens-then-odds; q and k are
         # permuted alike, so attention scores equal those of the pairwise (complex) formulation.
@@ -106,4 +117,5 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
         out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
     else:
         out = x_rot * cos + _rotate_half(x_rot) * sin
+    out = out.to(dtype)
     return torch.cat([out, x_pass], dim=-1) if x_pass.shape[-1] else out

@@ -42,9 +42,10 @@ class RopeConfig:
     truncate: bool = True
     partial_rotary_factor: float = 1.0
     interleaved: bool = False  # DeepSeek rotates adjacent pairs (x0,x1),(x2,x3),... instead of halves
+    float32: bool = False  # rotate in float32 whatever the model dtype (DeepSeek-V2's complex-number reference)
 
     @classmethod
-    def from_hf(cls, d: dict[str, Any], max_position_embeddings: int) -> "RopeConfig":
+    def from_hf(cls, d: dict[str, Any], max_position_embeddings: int) -> RopeConfig:
         # transformers 5 nests everything in rope_parameters; older configs use rope_theta + rope_scaling.
         params = dict(d.get("rope_parameters") or {})
         scaling = d.get("rope_scaling") or {}
@@ -55,11 +56,15 @@ class RopeConfig:
                 f"config.json: rope type '{rope_type}' is not supported (supported: default, linear, dynamic, yarn)"
             )
         theta = merged.get("rope_theta", d.get("rope_theta", 10000.0))
+        original = merged.get("original_max_position_embeddings") or max_position_embeddings
+        factor = merged.get("factor")
+        if factor is None and rope_type == "yarn":
+            factor = max_position_embeddings / original  # transformers' fallback: the context extension ratio
         return cls(
             theta=float(theta),
             rope_type=rope_type,
-            factor=float(merged.get("factor", 1.0) or 1.0),
-            original_max_position_embeddings=merged.get("original_max_position_embeddings") or max_position_embeddings,
+            factor=float(factor or 1.0),
+            original_max_position_embeddings=original,
             beta_fast=float(merged.get("beta_fast") or 32.0),
             beta_slow=float(merged.get("beta_slow") or 1.0),
             mscale=merged.get("mscale"),

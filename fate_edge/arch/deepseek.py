@@ -46,14 +46,15 @@ def _deepseek_fields(d: dict[str, Any]) -> dict[str, Any]:
 @dataclass
 class DeepseekV2Config(ModelConfig):
     @classmethod
-    def from_hf(cls, d: dict[str, Any]) -> "DeepseekV2Config":
+    def from_hf(cls, d: dict[str, Any]) -> DeepseekV2Config:
         f = _deepseek_fields(d)
         f["rope"].interleaved = True  # V2 always rotates adjacent pairs
+        f["rope"].float32 = True  # ... as complex numbers in float32, cast back to the model dtype afterwards
         return cls(**f, router="deepseek_v2", topk_method=d.get("topk_method") or "greedy", norm_topk_prob=False)
 
 
 @dataclass
 class DeepseekV3Config(ModelConfig):
     @classmethod
-    def from_hf(cls, d: dict[str, Any]) -> "DeepseekV3Config":
+    def from_hf(cls, d: dict[str, Any]) -> DeepseekV3Config:
         return cls(**_deepseek_fields(d), router="deepseek_v3", norm_topk_prob=bool(d.get("norm_topk_prob", True)))

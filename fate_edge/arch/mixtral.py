@@ -11,7 +11,7 @@ from .base import ModelConfig, common_fields, pick
 @dataclass
 class MixtralConfig(ModelConfig):
     @classmethod
-    def from_hf(cls, d: dict[str, Any]) -> "MixtralConfig":
+    def from_hf(cls, d: dict[str, Any]) -> MixtralConfig:
         f = common_fields(d)
         window = d.get("sliding_window")
         return cls(

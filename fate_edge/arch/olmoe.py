@@ -11,7 +11,7 @@ from .base import ModelConfig, common_fields, pick
 @dataclass
 class OlmoeConfig(ModelConfig):
     @classmethod
-    def from_hf(cls, d: dict[str, Any]) -> "OlmoeConfig":
+    def from_hf(cls, d: dict[str, Any]) -> OlmoeConfig:
         f = common_fields(d)
         bias = bool(d.get("attention_bias", False))
         return cls(

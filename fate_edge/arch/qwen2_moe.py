@@ -26,7 +26,7 @@ def qwen_sliding_layers(d: dict[str, Any], num_layers: int) -> tuple[int, ...]:
 @dataclass
 class Qwen2MoeConfig(ModelConfig):
     @classmethod
-    def from_hf(cls, d: dict[str, Any]) -> "Qwen2MoeConfig":
+    def from_hf(cls, d: dict[str, Any]) -> Qwen2MoeConfig:
         f = common_fields(d)
         n = f["num_hidden_layers"]
         sliding = qwen_sliding_layers(d, n)

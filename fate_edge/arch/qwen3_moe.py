@@ -12,7 +12,7 @@ from .qwen2_moe import qwen_dense_layers, qwen_sliding_layers
 @dataclass
 class Qwen3MoeConfig(ModelConfig):
     @classmethod
-    def from_hf(cls, d: dict[str, Any]) -> "Qwen3MoeConfig":
+    def from_hf(cls, d: dict[str, Any]) -> Qwen3MoeConfig:
         f = common_fields(d)
         n = f["num_hidden_layers"]
         sliding = qwen_sliding_layers(d, n)
