@@ -1,0 +1,54 @@
+"""The ``Predictor`` interface every expert predictor implements (training-free or learned)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from bisect import bisect_right
+from dataclasses import dataclass
+
+import torch
+
+
+def next_moe_layers(moe_layers: list[int], layer: int, lookahead: int) -> tuple[int, ...]:
+    """The first ``lookahead`` MoE layers after ``layer``: dense layers are skipped, not counted."""
+    start = bisect_right(moe_layers, layer)
+    return tuple(moe_layers[start : start + lookahead])
+
+
+@dataclass
+class Prediction:
+    """Scores for the experts of the coming MoE layers; higher means more likely routed."""
+
+    layers: tuple[int, ...]  # target MoE layers, nearest first
+    scores: torch.Tensor  # [P, N, E], P = len(layers)
+
+    def for_layer(self, layer: int) -> torch.Tensor:
+        """Scores [N, E] for one target layer."""
+        return self.scores[self.layers.index(layer)]
+
+    def topk(self, k: int) -> torch.Tensor:
+        """Expert ids [P, N, k], most likely first (k is clipped to the number of experts)."""
+        return self.scores.topk(min(k, self.scores.shape[-1]), dim=-1).indices
+
+
+class Predictor(ABC):
+    """Given layer ``i`` and its gate input ``h`` [N, H] (the post-attention-norm output the router
+    reads), score the experts of the next ``lookahead`` MoE layers.
+
+    ``moe_layers`` lists the model's MoE layers in order; targets are always MoE layers, so a dense
+    layer between i and its target is skipped rather than counted in the lookahead.
+    """
+
+    def __init__(self, moe_layers: list[int], lookahead: int = 1):
+        if lookahead < 1:
+            raise ValueError(f"lookahead must be >= 1, not {lookahead}")
+        self.moe_layers = sorted(moe_layers)
+        self.lookahead = lookahead
+
+    def targets(self, layer: int) -> tuple[int, ...]:
+        """The MoE layers a prediction from ``layer`` covers (empty after the last MoE layer)."""
+        return next_moe_layers(self.moe_layers, layer, self.lookahead)
+
+    @abstractmethod
+    def predict(self, layer: int, h: torch.Tensor) -> Prediction:
+        """Scores for ``self.targets(layer)`` from gate inputs ``h`` [N, H] of ``layer``."""

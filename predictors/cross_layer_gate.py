@@ -1,0 +1,89 @@
+"""The training-free cross-layer gate predictor of Fate (WWW'26, arXiv 2502.12224).
+
+Layer i's gate input ``h_i`` (already normalised by layer i's post_attention_layernorm) is fed to the
+router of the next MoE layer: ``softmax(W_gate[i+1] · h_i)``. It works because the residual stream
+changes little from one layer to the next. Lookahead p > 1 stacks the next p routers into one
+[p·E, H] matrix so all p layers are scored by one matmul (as HOBBIT, arXiv 2411.01433, does).
+
+Norm variant: ``h_i = x · w_i / rms(x)`` while the target router reads ``x' · w_j / rms(x')``.
+Assuming x' ≈ x, ``h_j ≈ h_i · w_j / w_i``: rescale elementwise by the ratio of the two layers'
+post_attention_layernorm weights. The ratio is folded into the stacked gate matrix once per layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .base import Prediction, Predictor
+
+_MIN_NORM = 1e-6  # keeps the norm ratio finite where a norm weight is (near) zero
+
+
+class CrossLayerGate(Predictor):
+    def __init__(
+        self,
+        gates: dict[int, torch.Tensor],
+        lookahead: int = 1,
+        norms: dict[int, torch.Tensor] | None = None,
+        score: str = "softmax",
+        score_bias: dict[int, torch.Tensor] | None = None,
+    ):
+        """``gates``: MoE layer → router weight [E, H]. ``norms``: layer → post_attention_layernorm weight
+        [H] for every layer (enables the norm variant). ``score``: "softmax" (Mixtral, Qwen, OLMoE,
+        DeepSeek-V2) or "sigmoid" (DeepSeek-V3, whose ``score_bias`` correction is added for ranking)."""
+        super().__init__(list(gates), lookahead)
+        if score not in ("softmax", "sigmoid"):
+            raise ValueError(f"score must be 'softmax' or 'sigmoid', not {score!r}")
+        self.score = score
+        self.norms = norms
+        self.stack = torch.stack([gates[i].float() for i in self.moe_layers])  # [M, E, H]
+        self.num_experts = self.stack.shape[1]
+        self.bias = None
+        if score_bias:
+            self.bias = torch.stack([score_bias[i].float() for i in self.moe_layers])  # [M, E]
+        self._position = {layer: m for m, layer in enumerate(self.moe_layers)}
+        self._scaled: dict[int, torch.Tensor] = {}  # norm variant: source layer → stacked [P·E, H]
+
+    @classmethod
+    def from_model(cls, model: Any, lookahead: int = 1, norm_variant: bool = False) -> CrossLayerGate:
+        """Build from a loaded :class:`fate_edge.model.MoETransformer` (its resident routers and norms)."""
+        cfg = model.config
+        gates = {i: model.w[f"{model.names[i].mlp}.gate.weight"] for i in cfg.moe_layers}
+        norms = None
+        if norm_variant:
+            norms = {i: model.w[f"{n.post_attn_norm}.weight"] for i, n in enumerate(model.names)}
+        score, bias = "softmax", None
+        if cfg.router == "deepseek_v3":
+            score = "sigmoid"
+            bias = {i: model.w.get(f"{model.names[i].mlp}.gate.e_score_correction_bias") for i in cfg.moe_layers}
+            bias = bias if all(b is not None for b in bias.values()) else None
+        return cls(gates, lookahead, norms, score, bias)
+
+    def _matrix(self, layer: int, first: int, p: int) -> torch.Tensor:
+        plain = self.stack[first : first + p]  # [P, E, H], a view: no copy for the plain predictor
+        if self.norms is None:
+            return plain.reshape(-1, plain.shape[-1])
+        if layer not in self._scaled:
+            src = self.norms[layer].float()
+            src = torch.where(src.abs() < _MIN_NORM, torch.full_like(src, _MIN_NORM).copysign(src), src)
+            ratio = torch.stack([self.norms[j].float() / src for j in self.moe_layers[first : first + p]])  # [P, H]
+            self._scaled[layer] = (plain * ratio[:, None, :]).reshape(-1, plain.shape[-1])
+        return self._scaled[layer]
+
+    def predict(self, layer: int, h: torch.Tensor) -> Prediction:
+        targets = self.targets(layer)
+        n, e = h.shape[0], self.num_experts
+        if not targets:
+            return Prediction((), h.new_zeros((0, n, e), dtype=torch.float32))
+        first = self._position[targets[0]]
+        w = self._matrix(layer, first, len(targets))
+        logits = F.linear(h.to(w.dtype), w).view(n, len(targets), e).transpose(0, 1)  # [P, N, E]
+        if self.score == "softmax":
+            return Prediction(targets, torch.softmax(logits, dim=-1))
+        scores = torch.sigmoid(logits)
+        if self.bias is not None:
+            scores = scores + self.bias[first : first + len(targets), None, :]
+        return Prediction(targets, scores)

@@ -1,0 +1,159 @@
+"""Measure expert predictors against real routing: collect traces, then score per layer.
+
+Metrics (the ones DESIGN §7 asks for; Fate, WWW'26, arXiv 2502.12224 reports the loose one):
+* recall@k'  — share of the true top-k experts found among the predicted top-k' (k' ≥ k).
+  Fate's "97% accuracy" is this with k' ≥ k; it is monotone non-decreasing in k'.
+* exact      — predicted top-k set equals the true top-k set.
+* wasted bytes — predicted-but-unused experts × bytes per expert: what a wrong prefetch reads for nothing.
+Plus per-layer expert usage: entropy normalised by log E (1 = uniform) and the most-used expert's share.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .base import Predictor
+
+
+@dataclass
+class Trace:
+    """Routing of the same N tokens through every MoE layer (rows align across layers)."""
+
+    gate_inputs: dict[int, torch.Tensor]  # MoE layer → [N, H] the router's input
+    expert_ids: dict[int, torch.Tensor]  # MoE layer → [N, k] experts the router chose
+    num_experts: int
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(self.expert_ids)
+
+    @property
+    def tokens(self) -> int:
+        return next(iter(self.expert_ids.values())).shape[0] if self.expert_ids else 0
+
+    @property
+    def top_k(self) -> int:
+        return next(iter(self.expert_ids.values())).shape[1]
+
+
+class TraceRecorder:
+    """A routing observer (append to ``model.observers``) that records gate inputs and chosen experts."""
+
+    def __init__(self, num_experts: int, keep_inputs: bool = True, dtype: torch.dtype = torch.float32):
+        self.num_experts = num_experts
+        self.keep_inputs = keep_inputs
+        self.dtype = dtype
+        self._h: dict[int, list[torch.Tensor]] = {}
+        self._ids: dict[int, list[torch.Tensor]] = {}
+
+    def __call__(self, layer: int, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        self._ids.setdefault(layer, []).append(ids.detach().clone())
+        if self.keep_inputs:
+            self._h.setdefault(layer, []).append(h.detach().to(self.dtype, copy=True))
+
+    def trace(self) -> Trace:
+        return Trace(
+            {i: torch.cat(v) for i, v in self._h.items()},
+            {i: torch.cat(v) for i, v in self._ids.items()},
+            self.num_experts,
+        )
+
+
+@torch.no_grad()
+def collect_traces(model: Any, batches: Iterable[torch.Tensor]) -> Trace:
+    """Run ``model`` (a :class:`fate_edge.model.MoETransformer`) over ``batches`` of token ids [B, T],
+    each from an empty KV cache, and record every MoE layer's routing."""
+    rec = TraceRecorder(model.config.num_experts)
+    model.observers.append(rec)
+    try:
+        for ids in batches:
+            model(ids, model.new_cache(), last_only=True)
+    finally:
+        model.observers.remove(rec)
+    return rec.trace()
+
+
+def _hits(pred: torch.Tensor, true: torch.Tensor) -> torch.Tensor:
+    """pred [N, w], true [N, k] → bool [N, k]: is each true expert among the predicted ones."""
+    return (pred[:, :, None] == true[:, None, :]).any(dim=1)
+
+
+def recall_at(pred: torch.Tensor, true: torch.Tensor) -> float:
+    """Mean share of each token's true experts found in its predicted set."""
+    return _hits(pred, true).float().mean().item()
+
+
+def exact_match(pred: torch.Tensor, true: torch.Tensor) -> float:
+    """Share of tokens whose predicted top-k set equals the true top-k set (pred and true both [N, k])."""
+    return _hits(pred, true).all(dim=1).float().mean().item()
+
+
+@dataclass
+class LayerAccuracy:
+    """How well predictions made at ``source`` cover the experts routed at ``target``."""
+
+    source: int
+    target: int
+    distance: int  # 1 = next MoE layer
+    tokens: int
+    exact: float
+    recall: dict[int, float] = field(default_factory=dict)  # predicted width k' → recall@k'
+    wasted_bytes: dict[int, float] = field(default_factory=dict)  # width k' → mean bytes per token read for nothing
+
+
+def evaluate_predictor(
+    predictor: Predictor,
+    trace: Trace,
+    widths: Iterable[int] | None = None,
+    bytes_per_expert: int = 0,
+    chunk: int = 4096,
+) -> list[LayerAccuracy]:
+    """Score ``predictor`` on ``trace`` for every (source, target) pair it predicts; widths default to k..k+4."""
+    k, e = trace.top_k, trace.num_experts
+    widths = sorted({min(w, e) for w in (widths if widths is not None else range(k, k + 5))})
+    if widths[0] < k:
+        raise ValueError(f"widths must be >= top-k ({k}), got {widths}")
+    wmax = widths[-1]
+    out = []
+    for src in trace.layers:
+        targets = [t for t in predictor.targets(src) if t in trace.expert_ids]
+        if not targets or src not in trace.gate_inputs:
+            continue
+        h = trace.gate_inputs[src]
+        # top-wmax once; every narrower width is a prefix, which is what makes recall monotone in k'.
+        top = torch.cat([predictor.predict(src, h[s : s + chunk]).topk(wmax) for s in range(0, len(h), chunk)], dim=1)
+        layers = predictor.targets(src)
+        for target in targets:
+            pred, true = top[layers.index(target)], trace.expert_ids[target]  # [N, wmax], [N, k]
+            acc = LayerAccuracy(src, target, layers.index(target) + 1, len(true), exact_match(pred[:, :k], true))
+            for w in widths:
+                hits = _hits(pred[:, :w], true)
+                acc.recall[w] = hits.float().mean().item()
+                acc.wasted_bytes[w] = (w - hits.sum(dim=1).float()).mean().item() * bytes_per_expert
+            out.append(acc)
+    return out
+
+
+@dataclass
+class LayerUsage:
+    layer: int
+    entropy: float  # of the expert-usage distribution, / log E: 1.0 = perfectly balanced
+    top_share: float  # share of routed slots taken by the most used expert (1/E when balanced)
+    top_expert: int
+
+
+def usage_stats(trace: Trace) -> list[LayerUsage]:
+    """Per MoE layer: how evenly routing spreads over the experts."""
+    out = []
+    for layer in trace.layers:
+        counts = torch.bincount(trace.expert_ids[layer].flatten(), minlength=trace.num_experts).double()
+        p = counts / counts.sum()
+        nz = p[p > 0]
+        entropy = float(-(nz * nz.log()).sum()) / math.log(trace.num_experts)
+        out.append(LayerUsage(layer, entropy, float(p.max()), int(p.argmax())))
+    return out

@@ -1,0 +1,20 @@
+"""Quantization of routed experts: specs, group-wise round-to-nearest, bit packing.
+
+Knows nothing about models, files or caches: tensors in, tensors out.
+"""
+
+from .pack import pack, packed_nbytes, unpack
+from .rtn import Quantized, dequantize, quantize
+from .spec import QuantSpec, bytes_per_weight, tensor_nbytes
+
+__all__ = [
+    "QuantSpec",
+    "Quantized",
+    "bytes_per_weight",
+    "dequantize",
+    "pack",
+    "packed_nbytes",
+    "quantize",
+    "tensor_nbytes",
+    "unpack",
+]

@@ -1,0 +1,88 @@
+"""Matmul on quantized weights, with the fastest kernel this torch build offers and a fallback.
+
+Kernels, by preference:
+* ``torch-int4``: torch's tinygemm int4 kernels (``_weight_int4pack_mm_for_cpu`` on CPU,
+  ``_weight_int4pack_mm`` on CUDA). They take bf16 activations; int2/int3 codes fit int4 slots, so cold
+  experts that travelled as int2 compute here too (the link moved int2 bytes; memory holds int4 codes).
+* ``dequant``: unpack, ``codes * scale + zero``, then a plain matmul: any bit width, any device.
+The choice per (bits, shape, device) is recorded in :data:`KERNEL_CHOICES` so benchmarks can report it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .pack import unpack
+from .rtn import Quantized, dequantize
+from .spec import QuantSpec
+
+KERNEL_CHOICES: dict[tuple[int, tuple[int, int], str], str] = {}
+_INT4_TILES = 2  # inner k tiles of the tinygemm layout
+
+
+def _int4_supported(shape: tuple[int, int], spec: QuantSpec, device: torch.device) -> bool:
+    n, k = shape
+    if not spec.asymmetric or spec.bits > 4 or spec.group_size not in (32, 64, 128, 256):
+        return False
+    if device.type == "cpu":
+        return hasattr(torch, "_weight_int4pack_mm_for_cpu") and k % 2 == 0
+    return device.type == "cuda" and k % (_INT4_TILES * 16 * 2) == 0 and n % 8 == 0
+
+
+@dataclass
+class QuantizedLinear:
+    """``y = x @ W.T`` for a group-quantized ``W`` [N, K]."""
+
+    spec: QuantSpec
+    shape: tuple[int, int]
+    kernel: str
+    packed: torch.Tensor  # kernel-specific packed weights
+    scale_zero: torch.Tensor | None = None  # torch-int4: [K/g, N, 2] bf16
+    q: Quantized | None = None  # dequant: codes (unpacked), scale, zero
+
+    @classmethod
+    def from_quantized(cls, q: Quantized, spec: QuantSpec, device: torch.device | str = "cpu",
+                       kernel: str | None = None) -> QuantizedLinear:
+        device = torch.device(device)
+        shape = tuple(q.codes.shape)
+        if kernel is None:
+            kernel = "torch-int4" if _int4_supported(shape, spec, device) else "dequant"
+        KERNEL_CHOICES[(spec.bits, shape, device.type)] = kernel
+        if kernel == "torch-int4":
+            codes = q.codes.to(device=device, dtype=torch.int32)
+            if device.type == "cpu":
+                packed = torch._convert_weight_to_int4pack_for_cpu(codes, _INT4_TILES)
+            else:
+                packed = torch._convert_weight_to_int4pack((codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8),
+                                                           _INT4_TILES)
+            # tinygemm dequantizes (c - 8) * scale + zero'; ours is c * scale + zero, so zero' = zero + 8 * scale.
+            scale = q.scale.float()
+            sz = torch.stack([scale, q.zero.float() + 8 * scale], dim=-1)  # [N, K/g, 2]
+            sz = sz.transpose(0, 1).contiguous().to(device=device, dtype=torch.bfloat16)
+            return cls(spec, shape, kernel, packed, scale_zero=sz)
+        if kernel == "dequant":
+            q = Quantized(q.codes.to(device), q.scale.to(device), None if q.zero is None else q.zero.to(device))
+            return cls(spec, shape, kernel, q.codes, q=q)
+        raise ValueError(f"unknown kernel '{kernel}' (torch-int4 or dequant)")
+
+    @classmethod
+    def from_packed(cls, packed_codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                    spec: QuantSpec, device: torch.device | str = "cpu", kernel: str | None = None):
+        codes = unpack(packed_codes, spec.storage_bits)
+        return cls.from_quantized(Quantized(codes, scale, zero), spec, device, kernel)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [M, K] -> [M, N]
+        if self.kernel == "torch-int4":
+            fn = torch._weight_int4pack_mm_for_cpu if x.device.type == "cpu" else torch._weight_int4pack_mm
+            y = fn(x.to(torch.bfloat16), self.packed, self.spec.group_size, self.scale_zero)
+            return y.to(x.dtype)
+        assert self.q is not None
+        return F.linear(x, dequantize(self.q, self.spec, x.dtype))
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.packed, self.scale_zero] if self.kernel == "torch-int4" else list(self.q)  # type: ignore[arg-type]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)

@@ -1,0 +1,81 @@
+"""Build a tiny random qwen2_moe checkpoint (with a byte-level BPE tokenizer) for tests.
+
+Layer 2 is dense (``mlp_only_layers``) so code that walks MoE layers must skip it.
+transformers is a test dependency; the runtime never imports it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+VOCAB = 320
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "import os\nfor name in os.listdir('.'):\n    print(name)\n",
+] * 20
+
+
+def build_tokenizer(out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    tok.save(str(out / "tokenizer.json"))
+
+
+def build_tiny_moe(out: Path, seed: int = 0) -> Path:
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    cfg = Qwen2MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=32,
+        mlp_only_layers=[2],
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2MoeForCausalLM(cfg)
+    with torch.no_grad():  # random norms, so the norm-variant predictor differs from the plain one
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight"):
+                p.uniform_(0.5, 1.5)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    build_tokenizer(out)
+    return out
+
+
+def write_training_log(out: Path) -> None:
+    """A small training_log.json in the format scripts/train_tiny_moe.py writes."""
+    log = [
+        {"step": s, "tokens": s * 4096, "seconds": s * 1.5, "lr": 1e-3, "loss": 6.0 - s / 100, "aux_loss": 2.0}
+        for s in range(20, 220, 20)
+    ]
+    for entry in log[4::5]:
+        entry["heldout_loss"] = entry["loss"] + 0.2
+    meta = {"complete": True, "steps": 200, "train_tokens": 200 * 4096, "train_seconds": 300,
+            "heldout_loss": 4.2, "heldout_ppl": 66.7, "threads": 2, "corpus": "Python standard library .py files"}
+    cfg = {"seq_len": 64, "batch_size": 4, "heldout_fraction": 0.02, "max_corpus_bytes": 32_000_000}
+    (out / "training_log.json").write_text(json.dumps({"config": cfg, **meta, "log": log}))

@@ -1,0 +1,86 @@
+"""scripts/model_card.py end to end on a tiny random qwen2_moe (a random model predicts ~uniformly)."""
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+from _tiny_moe import VOCAB, build_tiny_moe, write_training_log
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("model_card", ROOT / "scripts" / "model_card.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["model_card"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+model_card = _load_script()
+
+
+@pytest.fixture(scope="module")
+def card_run(tmp_path_factory):
+    model_dir = build_tiny_moe(tmp_path_factory.mktemp("tiny-moe"))
+    write_training_log(model_dir)
+    card = model_card.main([str(model_dir), "--tokens", "512", "--seq-len", "64", "--batch", "4", "--threads", "1"])
+    return model_dir, card
+
+
+def test_writes_json_with_measured_numbers(card_run):
+    model_dir, card = card_run
+    on_disk = json.loads((model_dir / "model_card.json").read_text())
+    assert on_disk == json.loads(json.dumps(card))
+    h = card["heldout"]
+    assert h["files"] > 0 and h["tokens_available"] >= 512
+    assert h["tokens_scored"] == 8 * 63  # 512 tokens = 8 windows of 64, each predicting 63
+    assert h["ppl"] == pytest.approx(math.exp(h["loss"]))
+    assert VOCAB / 3 < h["ppl"] < VOCAB * 3  # untrained: close to uniform over the vocabulary
+    a = card["architecture"]
+    assert (a["layers"], a["moe_layers"], a["experts"], a["experts_per_token"]) == (4, 3, 8, 2)
+    assert a["params_total"] > a["params_active_per_token"] > a["params_total"] - a["params_routed_experts"]
+
+
+def test_per_layer_usage_and_prediction_tables(card_run):
+    _, card = card_run
+    assert [u["layer"] for u in card["usage"]] == [0, 1, 3]  # layer 2 is dense
+    for u in card["usage"]:
+        assert 0 < u["entropy"] <= 1 and 1 / 8 <= u["top_share"] <= 1
+    c = card["cross_layer_gate"]
+    assert c["k"] == 2 and c["bytes_per_expert_bf16"] == 3 * 32 * 16 * 2
+    assert [(r["source"], r["target"]) for r in c["layers"]] == [(0, 1), (1, 3)]
+    for r in c["layers"]:
+        assert 0 <= r["exact"] <= r["recall@k"] <= r["recall@k+2"] <= 1
+        assert 0 <= r["norm_variant_exact"] <= r["norm_variant_recall@k"] <= 1
+        # 4 predicted, at most 2 used: between 2 and 4 experts' bytes are wasted per token.
+        assert 2 * c["bytes_per_expert_bf16"] <= r["wasted_bytes_per_token@k+2"] <= 4 * c["bytes_per_expert_bf16"]
+    assert [la["distance"] for la in c["lookahead"]] == [1, 2]  # 0→3 is the only distance-2 pair
+    assert c["mean"]["recall@k"] == pytest.approx(sum(r["recall@k"] for r in c["layers"]) / 2)
+
+
+def test_readme_renders_training_and_tables(card_run):
+    model_dir, card = card_run
+    readme = (model_dir / "README.md").read_text()
+    for section in ("## Corpus", "## Architecture", "## Training", "## Held-out perplexity",
+                    "## Expert usage per layer", "## Cross-layer gate prediction (Fate)"):
+        assert section in readme
+    assert f"**{card['heldout']['ppl']:.2f}**" in readme
+    assert "200 steps, 819,200 tokens, 5.0 minutes" in readme
+    assert "| 200 | 819,200 |" in readme  # last loss-curve row
+    assert "| 1 → 3 |" in readme
+    assert "Intermediate checkpoint" not in readme
+    log = json.loads((model_dir / "training_log.json").read_text())
+    partial = {"config": log["config"], "complete": False, "log": log["log"][:3]}
+    assert "**Intermediate checkpoint**" in model_card.readme_markdown(card, partial)
+    assert "No `training_log.json`" in model_card.readme_markdown(card, None)
+
+
+def test_heldout_split_is_the_training_scripts(card_run):
+    tr = model_card.train_script()
+    cfg = {"heldout_fraction": 0.02, "max_corpus_bytes": 2_000_000, "unknown_key": 1}
+    texts = model_card.heldout_texts(cfg)
+    assert texts and texts == tr.read_corpus(tr.TrainConfig(heldout_fraction=0.02, max_corpus_bytes=2_000_000))[1]

@@ -1,0 +1,117 @@
+"""predictors/: the cross-layer gate predictor and its evaluation, on a tiny random qwen2_moe."""
+
+import pytest
+import torch
+from _tiny_moe import build_tiny_moe
+
+from fate_edge.loader import load_model
+from predictors import CrossLayerGate, Prediction, next_moe_layers
+from predictors.evaluate import (
+    Trace,
+    TraceRecorder,
+    collect_traces,
+    evaluate_predictor,
+    exact_match,
+    recall_at,
+    usage_stats,
+)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_model(build_tiny_moe(tmp_path_factory.mktemp("tiny-moe")))  # MoE layers 0, 1, 3; layer 2 dense
+
+
+@pytest.fixture(scope="module")
+def trace(model):
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, model.config.vocab_size, (2, 48), generator=gen) for _ in range(3)]
+    return collect_traces(model, batches)
+
+
+def test_next_moe_layers_skips_dense_layers():
+    assert next_moe_layers([0, 1, 3, 4], 1, 1) == (3,)
+    assert next_moe_layers([0, 1, 3, 4], 2, 2) == (3, 4)  # from a dense layer
+    assert next_moe_layers([0, 1, 3, 4], 0, 4) == (1, 3, 4)
+    assert next_moe_layers([0, 1, 3, 4], 4, 1) == ()
+
+
+def test_stacked_lookahead_equals_one_gate_per_layer(model):
+    p4 = CrossLayerGate.from_model(model, lookahead=4)
+    h = torch.randn(5, model.config.hidden_size)
+    pred = p4.predict(0, h)
+    assert pred.layers == (1, 3) and pred.scores.shape == (2, 5, model.config.num_experts)
+    for j in pred.layers:
+        w = model.w[f"model.layers.{j}.mlp.gate.weight"]
+        torch.testing.assert_close(pred.for_layer(j), torch.softmax(h @ w.T, dim=-1))
+    assert torch.equal(pred.topk(3), pred.scores.topk(3, dim=-1).indices)
+    assert p4.predict(3, h).layers == ()  # last MoE layer: nothing to predict
+
+
+def test_norm_variant_rescales_by_the_ratio_of_norm_weights(model):
+    pred = CrossLayerGate.from_model(model, lookahead=2, norm_variant=True).predict(1, h := torch.randn(4, 32))
+    assert pred.layers == (3,)  # dense layer 2 skipped
+    n1 = model.w["model.layers.1.post_attention_layernorm.weight"]
+    n3 = model.w["model.layers.3.post_attention_layernorm.weight"]
+    w3 = model.w["model.layers.3.mlp.gate.weight"]
+    torch.testing.assert_close(pred.for_layer(3), torch.softmax((h * n3 / n1) @ w3.T, dim=-1))
+    plain = CrossLayerGate.from_model(model, lookahead=2).predict(1, h)
+    assert not torch.allclose(plain.scores, pred.scores)
+
+
+def test_trace_records_every_moe_layer(model, trace):
+    assert trace.layers == [0, 1, 3]
+    assert trace.tokens == 3 * 2 * 48 and trace.top_k == 2
+    assert trace.gate_inputs[0].shape == (trace.tokens, 32)
+    assert not model.observers  # the recorder is removed afterwards
+    # The recorded experts are the router's choice on the recorded inputs.
+    assert torch.equal(model.route(3, trace.gate_inputs[3])[1], trace.expert_ids[3])
+
+
+def test_own_gate_on_own_input_is_perfect(model, trace):
+    """Invariant: feeding layer j's own gate input to the predictor of j recovers the routing exactly."""
+    shifted = Trace({0: trace.gate_inputs[1], 1: trace.gate_inputs[3]}, trace.expert_ids, trace.num_experts)
+    for acc in evaluate_predictor(CrossLayerGate.from_model(model, lookahead=1), shifted, bytes_per_expert=100):
+        assert acc.exact == 1.0
+        assert all(r == 1.0 for r in acc.recall.values())
+        assert acc.wasted_bytes[2] == 0.0 and acc.wasted_bytes[4] == pytest.approx(200.0)
+
+
+def test_cross_layer_recall_is_partial_and_monotone_in_width(model, trace):
+    results = evaluate_predictor(CrossLayerGate.from_model(model, lookahead=2), trace, bytes_per_expert=1000)
+    pairs = {(a.source, a.target) for a in results}
+    assert pairs == {(0, 1), (0, 3), (1, 3)}
+    for acc in results:
+        widths = sorted(acc.recall)
+        assert widths == [2, 3, 4, 5, 6]
+        recalls = [acc.recall[w] for w in widths]
+        assert 0.0 < recalls[0] < 1.0
+        assert recalls == sorted(recalls)
+        assert acc.exact <= acc.recall[2]
+        assert acc.wasted_bytes[2] == pytest.approx((1 - acc.recall[2]) * 2 * 1000, rel=1e-5)
+    assert {a.distance for a in results if a.source == 0} == {1, 2}
+    # Width covering every expert: recall 1, and the waste is everything else.
+    full = evaluate_predictor(CrossLayerGate.from_model(model), trace, widths=[8, 20], bytes_per_expert=10)[0]
+    assert list(full.recall) == [8] and full.recall[8] == 1.0 and full.wasted_bytes[8] == pytest.approx(60.0)
+
+
+def test_metric_helpers():
+    true = torch.tensor([[0, 1], [2, 3]])
+    assert recall_at(torch.tensor([[1, 0], [2, 5]]), true) == 0.75
+    assert exact_match(torch.tensor([[1, 0], [2, 5]]), true) == 0.5
+
+
+def test_usage_stats():
+    rec = TraceRecorder(num_experts=4, keep_inputs=False)
+    rec(0, torch.zeros(4, 2), torch.tensor([[0, 1], [2, 3], [0, 1], [2, 3]]), torch.ones(4, 2))
+    rec(1, torch.zeros(4, 2), torch.tensor([[0, 1], [0, 1], [0, 1], [0, 2]]), torch.ones(4, 2))
+    balanced, skewed = usage_stats(rec.trace())
+    assert balanced.entropy == pytest.approx(1.0) and balanced.top_share == 0.25
+    assert skewed.top_share == 0.5 and skewed.top_expert == 0 and 0 < skewed.entropy < 1
+
+
+def test_prediction_helpers():
+    p = Prediction((3, 5), torch.tensor([[[0.1, 0.7, 0.2]], [[0.5, 0.2, 0.3]]]))
+    assert torch.equal(p.for_layer(5), p.scores[1])
+    assert p.topk(10).shape == (2, 1, 3)
+    assert p.topk(1).flatten().tolist() == [1, 0]
