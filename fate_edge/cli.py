@@ -61,7 +61,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     if last is not None:
         print(
-            f"[{last.prompt_tokens} prompt tokens at {last.prompt_tps:.1f} tok/s, {last.generation_tokens} generated at "
+            f"[{last.prompt_tokens} prompt tokens at {last.prompt_tps:.1f} tok/s, "
+            f"{last.generation_tokens} generated at "
             f"{last.generation_tps:.1f} tok/s, finish: {last.finish_reason}, peak RSS "
             f"{last.peak_rss_bytes / 2**20:.0f} MB]",
             file=sys.stderr,

@@ -39,7 +39,8 @@ def layer_names(config: ModelConfig, reader: CheckpointReader) -> list[LayerName
                     f"{reader.model_dir}: tensor '{mlp}.gate.weight' (layer {i}'s router) not found; "
                     "the checkpoint is incomplete or does not match config.json"
                 )
-        names.append(LayerNames(f"{base}.self_attn", mlp, f"{base}.input_layernorm", f"{base}.post_attention_layernorm"))
+        attn, norms = f"{base}.self_attn", (f"{base}.input_layernorm", f"{base}.post_attention_layernorm")
+        names.append(LayerNames(attn, mlp, *norms))
     return names
 
 
