@@ -163,6 +163,7 @@ class FetchEngine:
         self._heap: list[tuple[int, int, FetchRequest]] = []
         self._pending: dict[tuple[int, int, int], FetchRequest] = {}
         self._cv = threading.Condition()
+        self.completed = threading.Condition()  # notified whenever any request finishes, fails or is cancelled
         self._seq = itertools.count()
         self._fds: dict[str, int] = {}
         self._fd_lock = threading.Lock()
@@ -192,6 +193,14 @@ class FetchEngine:
             heapq.heappush(self._heap, (int(priority), req.seq, req))
             self._cv.notify()
             return req
+
+    def promote(self, req: FetchRequest, priority: Priority) -> None:
+        """Raise a still-queued request's priority (a prefetch that became a demand)."""
+        with self._cv:
+            if req.state == "queued" and not req.cancel_requested and priority < req.priority:
+                req.priority = priority
+                heapq.heappush(self._heap, (int(priority), req.seq, req))
+                self._cv.notify()
 
     def cancel(self, req: FetchRequest) -> None:
         """Drop a request: never read if still queued, stopped at the next chunk if reading."""
@@ -247,7 +256,12 @@ class FetchEngine:
         self.stats.cancelled += 1
         if self._pending.get(req.ref.key) is req:
             del self._pending[req.ref.key]
+        self._notify_done(req)
+
+    def _notify_done(self, req: FetchRequest) -> None:
         req.done.set()
+        with self.completed:
+            self.completed.notify_all()
 
     def _next(self) -> FetchRequest | None:
         with self._cv:
@@ -341,7 +355,7 @@ class FetchEngine:
             self.stats.reads_completed += 1
             if self._pending.get(ref.key) is req:
                 del self._pending[ref.key]
-        req.done.set()
+        self._notify_done(req)
 
     def _fail(self, req: FetchRequest, exc: Exception) -> None:
         with self._cv:
@@ -350,4 +364,4 @@ class FetchEngine:
             self.stats.failures += 1
             if self._pending.get(req.ref.key) is req:
                 del self._pending[req.ref.key]
-        req.done.set()
+        self._notify_done(req)

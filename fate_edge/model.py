@@ -161,13 +161,25 @@ class MoETransformer:
         weights, idx = self.route(layer, h)  # [N, k]
         for obs in self.observers:
             obs(layer, h, idx, weights)
-        out = torch.zeros_like(h)
-        for e in idx.unique().tolist():
+        ids, counts = idx.flatten().unique(return_counts=True)
+        needed = ids[counts.argsort(descending=True, stable=True)].tolist()  # most popular first
+        stream = getattr(self.experts, "stream", None)
+        pairs = stream(layer, needed) if stream else ((e, self.experts.get(layer, e)) for e in needed)
+        parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for e, expert in pairs:  # experts may arrive in any order (cache hits first, then reads)
+            if expert is None:  # skipped by precision-on-miss (opt-in)
+                continue
             tok, slot = torch.where(idx == e)
-            y = self.experts.get(layer, e)(h[tok])  # [n_e, H]
-            # A token picks an expert at most once, so rows of ``tok`` are unique: plain indexed add is exact
-            # (and, unlike index_add_, has no per-call threading overhead at decode's one row).
-            out[tok] += (y.float() * weights[tok, slot, None]).to(h.dtype)
+            parts[e] = (tok, (expert(h[tok]).float() * weights[tok, slot, None]).to(h.dtype))  # [n_e, H]
+        end_layer = getattr(self.experts, "end_layer", None)
+        if end_layer:
+            end_layer(layer)
+        out = torch.zeros_like(h)
+        # Sum in expert-id order whatever the arrival order, so fetch timing never changes the answer.
+        # A token picks an expert at most once: rows of ``tok`` are unique and an indexed add is exact.
+        for e in sorted(parts):
+            tok, y = parts[e]
+            out[tok] += y
         if cfg.shared_expert_intermediate_size:
             if cfg.shared_expert_gated:
                 shared = self._mlp(h, f"{p}.shared_expert")

@@ -1,0 +1,107 @@
+"""The expert cache: decoded experts under a hard byte capacity, split into partitions.
+
+A partition is one MoE layer (per-layer allocation, as Fate and mixtral-offloading do) or the whole
+cache (one global partition). Each partition has its own eviction policy instance. Entries in use or
+awaited can be pinned; a pinned entry is never evicted, and an insert that would need to evict one
+is refused rather than exceeding the capacity: the budget is a hard limit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .eviction import AccessInfo, EvictionPolicy, Key
+
+
+@dataclass
+class CacheEntry:
+    key: Key
+    expert: Any  # a callable expert (ExpertWeights or QuantizedExpert)
+    nbytes: int
+    bits: int
+    pins: int = 0
+
+
+class ExpertCache:
+    def __init__(
+        self,
+        partition_bytes: dict[int, int],
+        make_policy: Callable[[int, int], EvictionPolicy],
+        entry_bytes: int,
+        partition_of: Callable[[Key], int] | None = None,
+    ):
+        """``partition_bytes``: partition id → capacity; ``make_policy(partition, capacity_in_entries)``;
+        ``partition_of(key)``: defaults to the key's layer (per-layer partitions)."""
+        self.capacity = dict(partition_bytes)
+        self.partition_of = partition_of or (lambda key: key[0])
+        self.policies = {p: make_policy(p, max(1, cap // max(1, entry_bytes))) for p, cap in self.capacity.items()}
+        self.entries: dict[Key, CacheEntry] = {}
+        self.used: dict[int, int] = {p: 0 for p in self.capacity}
+        self.evictions = 0
+        self.refused = 0
+
+    @property
+    def capacity_bytes(self) -> int:
+        return sum(self.capacity.values())
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(self.used.values())
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self.entries
+
+    def get(self, key: Key) -> CacheEntry | None:
+        return self.entries.get(key)
+
+    def access(self, key: Key, hit: bool, info: AccessInfo) -> None:
+        part = self.partition_of(key)
+        if part in self.policies:
+            self.policies[part].on_access(key, hit, info)
+
+    def pin(self, key: Key) -> None:
+        if key in self.entries:
+            self.entries[key].pins += 1
+
+    def unpin(self, key: Key) -> None:
+        e = self.entries.get(key)
+        if e is not None and e.pins > 0:
+            e.pins -= 1
+
+    def insert(self, key: Key, expert: Any, nbytes: int, bits: int) -> bool:
+        """Admit ``expert``; evicts unpinned residents of its partition as needed. False if it cannot fit."""
+        if key in self.entries:
+            return True
+        part = self.partition_of(key)
+        cap = self.capacity.get(part, 0)
+        if nbytes > cap:
+            self.refused += 1
+            return False
+        policy = self.policies[part]
+        while self.used[part] + nbytes > cap:
+            candidates = [k for k, e in self.entries.items() if e.pins == 0 and self.partition_of(k) == part]
+            if not candidates:
+                self.refused += 1
+                return False
+            self._evict(policy.victim(candidates, incoming=key))
+        self.entries[key] = CacheEntry(key, expert, nbytes, bits)
+        self.used[part] += nbytes
+        policy.on_insert(key)
+        assert self.used[part] <= cap
+        return True
+
+    def _evict(self, key: Key) -> None:
+        e = self.entries.pop(key)
+        part = self.partition_of(key)
+        self.used[part] -= e.nbytes
+        self.policies[part].on_evict(key)
+        self.evictions += 1
+
+    def resident_layers(self, layer: int) -> set[int]:
+        return {k[1] for k in self.entries if k[0] == layer}
+
+    def new_sequence(self) -> None:
+        for p in self.policies.values():
+            p.new_sequence()

@@ -1,0 +1,241 @@
+"""``Engine``: a model from an expert store, run under a hard expert-memory budget with a named policy.
+
+    engine = Engine("stores/tiny-int4", memory_budget="4MB", policy="fate")
+    text, last = engine.generate("def main():", GenerateConfig(max_tokens=32))
+    print(engine.stats.hit_rate, engine.stats.stall_s)
+
+The budget covers everything expert-sized the engine holds: the cache, the fetch engine's read
+buffers (allocated once, so in-flight reads are inside the budget by construction) and the one
+decoded expert being computed when it is not cached.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from devices.link import ThrottledLink
+
+from .cache import ExpertCache, allocate, make_eviction
+from .errors import FateEdgeError
+from .fetch import BufferPool, FetchEngine
+from .generate import GenerateConfig, GenerationResponse, stream_generate
+from .loader import DTYPES, load_model
+from .policy import PolicyConfig, get_policy
+from .scheduler import Scheduler, SchedulerStats
+from .store import ExpertStore, decode_expert, is_store
+from .tokenizer import Tokenizer
+
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 1024, "mib": 1 << 20, "gib": 1 << 30}
+
+
+class BudgetError(FateEdgeError):
+    """The memory budget is too small to run the model."""
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """``"2GB"``, ``"512MiB"``, ``"1.5gb"`` or a number of bytes."""
+    if isinstance(value, (int, float)):
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read a byte size from {value!r}; write e.g. 512MB, 2GB or 1.5GiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass
+class BudgetPlan:
+    budget: int
+    pool_buffers: int
+    pool_bytes: int
+    working_bytes: int  # one decoded expert in use that the cache could not keep
+    cache_bytes: int
+    entry_bytes: int  # one cached expert at the policy's precision
+    slots: dict[int, int] = field(default_factory=dict)  # per MoE layer (empty for global / no cache)
+
+    @property
+    def minimum(self) -> int:
+        return self.pool_bytes + self.working_bytes
+
+
+@dataclass
+class Trace:
+    """A recorded run's expert accesses: (layer, experts in the order the engine uses them) per MoE call."""
+
+    calls: list[tuple[int, list[int]]] = field(default_factory=list)
+
+    def accesses(self) -> list[tuple[int, int]]:
+        return [(layer, e) for layer, ids in self.calls for e in ids]
+
+
+class _TraceRecorder:
+    def __init__(self, trace: Trace):
+        self.trace = trace
+
+    def __call__(self, layer: int, h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> None:
+        ids, counts = idx.flatten().unique(return_counts=True)
+        self.trace.calls.append((layer, ids[counts.argsort(descending=True, stable=True)].tolist()))
+
+
+class Engine:
+    def __init__(
+        self,
+        store_dir: str | Path,
+        memory_budget: int | str,
+        policy: str | PolicyConfig = "fate-edge",
+        dtype: str | torch.dtype = "float32",
+        link: ThrottledLink | None = None,
+        trace: Trace | None = None,
+        workers: int = 2,
+        device: str = "cpu",
+        max_inflight_prefetches: int = 8,
+    ):
+        if not is_store(store_dir):
+            raise FateEdgeError(f"{store_dir}: not an expert store; create one with `fate-edge convert MODEL OUT`")
+        self.policy = get_policy(policy)
+        self.dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+        self.store = ExpertStore(store_dir)
+        for bits in {self.policy.bits} | ({self.policy.cold_bits} - {None}):
+            if bits not in self.store.precisions and bits != self.policy.cold_bits:
+                raise FateEdgeError(f"policy '{self.policy.name}' needs int{bits} experts but {store_dir} holds "
+                                    f"{self.store.bits_available}; re-run fate-edge convert with --bits {bits}")
+        self.budget = parse_bytes(memory_budget)
+        self.model = load_model(store_dir, dtype=self.dtype, experts=_NoExperts())
+        self.tokenizer = Tokenizer(store_dir)
+        self.link = link
+        if self.policy.predictor == "oracle" and trace is None:
+            raise FateEdgeError("the oracle policy needs a recorded trace of the same request (Engine.record_trace)")
+        self.trace = trace
+        self.plan = self._plan_budget(max_inflight_prefetches)
+        bits_used = [b for b in (self.policy.bits, self.policy.cold_bits) if b in self.store.precisions]
+        slot = max(self.store.precisions[b].slot_bytes for b in bits_used)
+        self.fetch = FetchEngine(BufferPool(self.plan.pool_buffers, slot), workers=workers, link=link)
+        self.cache = self._make_cache()
+        self.scheduler = Scheduler(self.model.config, self.store, self.fetch, self.cache, self.policy,
+                                   self._make_predictor(), self.dtype, device,
+                                   max_inflight_prefetches=self.plan.pool_buffers - 2)
+        self.model.experts = self.scheduler
+        self.model.observers.append(self.scheduler)
+        self.token_stats: list[SchedulerStats] = []  # per generated token of the last request
+        self.prefill_stats = SchedulerStats()
+
+    # ------------------------------------------------------------------ setup
+    def _entry_bytes(self, bits: int) -> int:
+        ref = self.store.ref(self.model.config.moe_layers[0], 0, bits)
+        with open(ref.path, "rb") as f:
+            f.seek(ref.offset)
+            blob = f.read(ref.length)
+        return decode_expert(memoryview(bytearray(blob)), self.store.precisions[bits], self.dtype).nbytes
+
+    def _plan_budget(self, max_inflight: int) -> BudgetPlan:
+        p, cfg = self.policy, self.model.config
+        entry = self._entry_bytes(p.bits)
+        bits_used = [b for b in (p.bits, p.cold_bits) if b in self.store.precisions]
+        slot = max(self.store.precisions[b].slot_bytes for b in bits_used)
+        min_buffers = 2  # demand reads always have buffers, whatever prefetches hold
+        plan = BudgetPlan(self.budget, min_buffers, min_buffers * slot, entry, 0, entry)
+        if self.budget < plan.minimum:
+            raise BudgetError(
+                f"memory budget {self.budget / 1e6:.2f} MB is below the minimum {plan.minimum / 1e6:.2f} MB this "
+                f"model needs for experts at int{p.bits} ({min_buffers} read buffers of {slot / 1e6:.2f} MB and one "
+                f"expert being computed); raise --memory-budget to at least {plan.minimum / 1e6:.2f} MB"
+            )
+        if p.predictor is not None:
+            # Prefetch buffers come out of the budget too: at most a tenth of it, at most max_inflight.
+            extra = min(max_inflight, int(0.1 * (self.budget - plan.minimum) // slot))
+            plan.pool_buffers += max(0, extra)
+            plan.pool_bytes = plan.pool_buffers * slot
+        plan.cache_bytes = self.budget - plan.pool_bytes - plan.working_bytes if p.cache else 0
+        if p.cache and p.allocation != "global":
+            plan.slots = allocate("shallow" if p.allocation == "shallow" else "uniform",
+                                  plan.cache_bytes // entry, cfg.moe_layers, cfg.num_experts,
+                                  **({"full_layers": p.full_layers} if p.allocation == "shallow" else {}))
+        return plan
+
+    def _make_cache(self) -> ExpertCache | None:
+        p = self.policy
+        if not p.cache:
+            return None
+        entry = self.plan.entry_bytes
+        kw = {}
+        if p.eviction == "belady":
+            kw["future"] = self.trace.accesses() if self.trace else []
+        if p.allocation == "global":
+            return ExpertCache({0: self.plan.cache_bytes}, lambda part, cap: make_eviction(p.eviction, cap, **kw),
+                               entry, partition_of=lambda key: 0)
+        parts = {layer: slots * entry for layer, slots in self.plan.slots.items()}
+        return ExpertCache(parts, lambda part, cap: make_eviction(p.eviction, cap, **kw), entry)
+
+    def _make_predictor(self):
+        p, model = self.policy, self.model
+        if p.predictor is None:
+            return None
+        if p.predictor in ("cross-layer", "cross-layer-norm"):
+            from predictors.cross_layer_gate import CrossLayerGate
+
+            return CrossLayerGate.from_model(model, lookahead=p.lookahead, norm_variant=p.predictor.endswith("norm"))
+        if p.predictor == "activation-path":
+            from predictors.activation_path import ActivationPathPredictor
+
+            return ActivationPathPredictor(model.config.moe_layers, model.config.num_experts, lookahead=p.lookahead)
+        if p.predictor == "oracle":
+            from predictors.oracle import OraclePredictor
+
+            return OraclePredictor(self.trace.calls, model.config.moe_layers, lookahead=p.lookahead)
+        raise FateEdgeError(f"unknown predictor '{p.predictor}'")
+
+    # ------------------------------------------------------------- generation
+    def stream(self, prompt: str | list[int], config: GenerateConfig | None = None) -> Iterator[GenerationResponse]:
+        self.scheduler.new_sequence()
+        self.token_stats = []
+        before = self.scheduler.stats.snapshot()
+        for i, step in enumerate(stream_generate(self.model, self.tokenizer, prompt, config)):
+            now = self.scheduler.stats.snapshot()
+            if i == 0:
+                self.prefill_stats = now.minus(before)  # prefill plus the first sampled token
+            else:
+                self.token_stats.append(now.minus(before))
+            before = now
+            yield step
+
+    def generate(self, prompt: str | list[int], config: GenerateConfig | None = None) -> tuple[str, GenerationResponse]:
+        parts, last = [], None
+        for last in self.stream(prompt, config):
+            parts.append(last.text)
+        assert last is not None
+        return "".join(parts), last
+
+    def record_trace(self, prompt: str | list[int], config: GenerateConfig | None = None) -> Trace:
+        """Run the request once and record every layer's experts, for the oracle policy."""
+        trace = Trace()
+        recorder = _TraceRecorder(trace)
+        self.model.observers.insert(0, recorder)
+        try:
+            self.generate(prompt, config)
+        finally:
+            self.model.observers.remove(recorder)
+        return trace
+
+    @property
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats
+
+    def close(self) -> None:
+        self.fetch.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _NoExperts:
+    """Placeholder provider while the engine wires the scheduler in."""
+
+    def get(self, layer: int, expert: int):
+        raise FateEdgeError("engine not initialised")

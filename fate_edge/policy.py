@@ -1,0 +1,62 @@
+"""Policy configurations and the named presets the engine runs (baselines and our own).
+
+A policy is data: which predictor, which cache allocation and eviction, which precisions, how wide
+to prefetch. The scheduler and cache read it; baselines and fate-edge differ only here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    name: str
+    cache: bool = True  # False: load-on-demand, nothing kept beyond the layer being computed
+    allocation: str = "uniform"  # uniform | shallow (Fate) | cost-aware | global (one partition)
+    eviction: str = "lru"  # lru | lfu | arc | popularity | lcu | belady
+    predictor: str | None = None  # None | cross-layer | cross-layer-norm | learned | activation-path | oracle
+    lookahead: int = 1  # MoE layers ahead to prefetch
+    prefetch_width: int | str = "fate"  # int, "fate" (reads that fit in one layer's compute), or "mass"
+    prefetch_mass: float = 0.9  # "mass": smallest set whose predicted probability reaches this
+    max_prefetch_width: int = 8
+    bits: int = 4  # precision of cached / demand-fetched experts (16 = bf16)
+    cold_bits: int | None = None  # prefill: the least popular experts travel in this precision (Fate: 2)
+    cold_tail_mass: float = 0.3  # share of prefill expert assignments that may travel as cold_bits
+    precision_on_miss: bool = False  # HOBBIT/MoE-APEX: low precision for low-weight misses in decode
+    t1: float = 0.6  # cumulative-weight threshold: above it a miss loads low precision
+    t2: float = 0.9  # above it a miss may be skipped (only with skip_past_t2)
+    skip_past_t2: bool = False  # opt-in: changes answers
+    full_layers: int = 4  # Fate's shallow-favoring: layers kept whole once the budget allows
+
+    def with_(self, **kw) -> PolicyConfig:
+        return replace(self, **kw)
+
+
+PRESETS: dict[str, PolicyConfig] = {
+    # Every expert read from storage when routed; nothing cached, nothing predicted.
+    "load-on-demand": PolicyConfig("load-on-demand", cache=False, predictor=None, bits=16),
+    "load-on-demand-int4": PolicyConfig("load-on-demand-int4", cache=False, predictor=None, bits=4),
+    # mixtral-offloading: per-layer LRU, no prefetch.
+    "lru": PolicyConfig("lru", allocation="uniform", eviction="lru", predictor=None),
+    # MoE-Infinity-like: prefetch by this request's activation history, cache by activation frequency.
+    "activation-path": PolicyConfig("activation-path", allocation="uniform", eviction="lfu",
+                                    predictor="activation-path", lookahead=2, prefetch_width="fate"),
+    # Fate (WWW'26) as published: cross-layer gate p=1, shallow-favoring ARC, int4 + int2 prefill tail.
+    "fate": PolicyConfig("fate", allocation="shallow", eviction="arc", predictor="cross-layer", lookahead=1,
+                         prefetch_width="fate", cold_bits=2, cold_tail_mass=0.3),
+    # Clairvoyant bound: the recorded request's true experts prefetched, Belady eviction over one pool.
+    "oracle": PolicyConfig("oracle", allocation="global", eviction="belady", predictor="oracle", lookahead=1,
+                           prefetch_width=64),
+    # Ours: see README "Policies" for how this was chosen (measured by scripts/bench.py).
+    "fate-edge": PolicyConfig("fate-edge", allocation="shallow", eviction="lfu", predictor="cross-layer-norm",
+                              lookahead=2, prefetch_width="mass", prefetch_mass=0.9, max_prefetch_width=6),
+}
+
+
+def get_policy(policy: str | PolicyConfig) -> PolicyConfig:
+    if isinstance(policy, PolicyConfig):
+        return policy
+    if policy not in PRESETS:
+        raise ValueError(f"unknown policy '{policy}'; presets: {', '.join(PRESETS)}")
+    return PRESETS[policy]

@@ -1,0 +1,326 @@
+"""The prefetch scheduler: joins predictor, expert cache and fetch engine behind the ExpertProvider API.
+
+Per MoE layer i (DESIGN §1): the model's router runs and calls :meth:`Scheduler.on_route` with the
+gate input and the chosen experts. The scheduler then (1) issues demand fetches for this layer's
+misses, most popular first; (2) asks the predictor for layers i+1..i+p and queues prefetches, nearest
+layer and most probable first, skipping what is cached or in flight; then the MoE block pulls experts
+through :meth:`Scheduler.stream`, which yields cached ones at once and the rest as they arrive, and
+:meth:`Scheduler.end_layer` unpins them and drops prefetches that turned out unused.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+
+import torch
+
+from .arch.base import ModelConfig
+from .cache import AccessInfo, ExpertCache
+from .fetch import FetchEngine, FetchRequest, Priority
+from .policy import PolicyConfig
+from .store import ExpertStore, decode_expert
+
+Key = tuple[int, int]
+
+
+@dataclass
+class SchedulerStats:
+    hits: int = 0  # served from the cache
+    prefetch_hits: int = 0  # served by a prefetch issued before the layer needed it
+    misses: int = 0  # demand fetches on the critical path
+    skipped: int = 0  # dropped by precision-on-miss past T2 (opt-in)
+    low_precision: int = 0  # expert uses served in the cold precision
+    stall_s: float = 0.0  # time the forward pass waited for expert bytes
+    demand_bytes: int = 0  # bytes read on the critical path
+    prefetch_bytes: int = 0  # bytes read ahead (overlapped with compute)
+    wasted_bytes: int = 0  # prefetched bytes never used
+    predictions: int = 0  # decode-time predictions checked against the true next-layer experts
+    exact: int = 0  # ... whose top-k set equalled the true set
+    recall_sum: float = 0.0  # ... summed recall of the true experts in the predicted top-k
+
+    def snapshot(self) -> SchedulerStats:
+        return SchedulerStats(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+    def minus(self, other: SchedulerStats) -> SchedulerStats:
+        return SchedulerStats(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
+
+    @property
+    def uses(self) -> int:
+        return self.hits + self.prefetch_hits + self.misses
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of expert uses served without a demand read (cache or timely prefetch)."""
+        return (self.hits + self.prefetch_hits) / self.uses if self.uses else 0.0
+
+    @property
+    def exact_match(self) -> float:
+        return self.exact / self.predictions if self.predictions else 0.0
+
+    @property
+    def recall(self) -> float:
+        return self.recall_sum / self.predictions if self.predictions else 0.0
+
+
+@dataclass
+class _Fetch:
+    req: FetchRequest
+    bits: int
+    prefetched: bool
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: ModelConfig,
+        store: ExpertStore,
+        fetch: FetchEngine,
+        cache: ExpertCache | None,
+        policy: PolicyConfig,
+        predictor=None,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        max_inflight_prefetches: int = 8,
+    ):
+        self.config = config
+        self.store = store
+        self.fetch = fetch
+        self.cache = cache
+        self.policy = policy
+        self.predictor = predictor
+        self.dtype = dtype
+        self.device = device
+        self.max_inflight = max_inflight_prefetches
+        self.cold_bits = policy.cold_bits if policy.cold_bits in store.precisions else None
+        self.stats = SchedulerStats()
+        self.layer_index = {layer: i for i, layer in enumerate(config.moe_layers)}
+        self.prefetches: dict[Key, _Fetch] = {}
+        self.demands: dict[Key, _Fetch] = {}
+        self.skip: set[Key] = set()
+        self.in_use: list[Key] = []
+        self.last_prediction: dict[int, list[int]] = {}
+        self._layer_time = 0.0  # EMA of one decoder layer's compute time (decode)
+        self._read_bw = 0.0  # EMA of measured read bandwidth, bytes/s
+        self._last_route: tuple[int, float] | None = None
+
+    # ------------------------------------------------------------- routing hook
+    def on_route(self, layer: int, h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> None:
+        now = time.perf_counter()
+        n = h.shape[0]
+        if n == 1 and self._last_route is not None and self._last_route[0] < layer:
+            dt = (now - self._last_route[1]) / max(1, self.layer_index[layer] - self.layer_index[self._last_route[0]])
+            self._layer_time = dt if self._layer_time == 0 else 0.8 * self._layer_time + 0.2 * dt
+        self._last_route = (layer, now)
+
+        ids, counts = idx.flatten().unique(return_counts=True)
+        order = counts.argsort(descending=True, stable=True)
+        needed = ids[order].tolist()
+        popularity = dict(zip(needed, counts[order].tolist()))
+        self._check_prediction(layer, idx, n)
+
+        low = self._cold_set(popularity) if n > 1 else self._precision_on_miss(layer, idx, weights)
+        for e in needed:
+            key = (layer, e)
+            if (self.cache is not None and key in self.cache) or key in self.prefetches or key in self.skip:
+                if key in self.prefetches:  # needed now: promote the prefetch to demand priority
+                    self.fetch.promote(self.prefetches[key].req, Priority.DEMAND)
+                continue
+            bits = self.cold_bits if (e in low and self.cold_bits) else self.policy.bits
+            req = self.fetch.submit(self.store.ref(layer, e, bits), Priority.DEMAND)
+            self.demands[key] = _Fetch(req, bits, prefetched=False)
+
+        if self.predictor is not None:
+            if hasattr(self.predictor, "observe"):
+                self.predictor.observe(layer, needed)
+            self._prefetch(layer, h)
+
+    __call__ = on_route  # usable directly as a model routing observer
+
+    def _precision_on_miss(self, layer: int, idx: torch.Tensor, weights: torch.Tensor) -> set[int]:
+        """HOBBIT/MoE-APEX: order the token's experts by normalised gate weight; s(e_i) = Σ_{j<i} w_j.
+        A miss with s > T1 loads the cold precision; s > T2 is skipped only if the policy opts in."""
+        if not self.policy.precision_on_miss or self.cold_bits is None:
+            return set()
+        w = weights[0].float()
+        w = w / w.sum()
+        order = w.argsort(descending=True)
+        low, acc = set(), 0.0
+        for j in order.tolist():
+            e = int(idx[0, j])
+            if acc > self.policy.t2 and self.policy.skip_past_t2 and (self.cache is None or (layer, e) not in self.cache):
+                self.skip.add((layer, e))
+            elif acc > self.policy.t1:
+                low.add(e)
+            acc += float(w[j])
+        return low
+
+    def _cold_set(self, popularity: dict[int, int]) -> set[int]:
+        """Fate's prefill tail: the least popular experts, up to ``cold_tail_mass`` of all assignments."""
+        if self.cold_bits is None:
+            return set()
+        total = sum(popularity.values())
+        cold, acc = set(), 0
+        for e, c in sorted(popularity.items(), key=lambda kv: (kv[1], kv[0])):
+            if acc + c > self.policy.cold_tail_mass * total:
+                break
+            acc += c
+            cold.add(e)
+        return cold
+
+    def _check_prediction(self, layer: int, idx: torch.Tensor, n: int) -> None:
+        pred = self.last_prediction.pop(layer, None)
+        if pred is None or n != 1:
+            return
+        true = set(idx[0].tolist())
+        self.stats.predictions += 1
+        self.stats.exact += int(set(pred[: len(true)]) == true)
+        self.stats.recall_sum += len(true & set(pred[: len(true)])) / len(true)
+
+    # ---------------------------------------------------------------- prefetch
+    def _width(self) -> int:
+        p = self.policy
+        if isinstance(p.prefetch_width, int):
+            return p.prefetch_width
+        if p.prefetch_width == "fate" and self._layer_time > 0 and self._read_bw > 0:
+            # Fate: how many expert reads fit into one decoder layer's compute time.
+            per_read = self.store.expert_bytes(p.bits) / self._read_bw
+            return max(1, min(p.max_prefetch_width, int(self._layer_time / per_read)))
+        return self.config.num_experts_per_tok if p.prefetch_width == "fate" else p.max_prefetch_width
+
+    def _prefetch(self, layer: int, h: torch.Tensor) -> None:
+        targets = self.predictor.targets(layer)
+        if not targets:
+            return
+        pred = self.predictor.predict(layer, h)
+        k = self.config.num_experts_per_tok
+        plan: list[tuple[int, int, float, int, int]] = []  # (distance, -score, layer, expert, bits)
+        for d, target in enumerate(pred.layers):
+            scores = pred.scores[d]  # [N, E]
+            if scores.shape[0] == 1:  # decode: most probable experts up to the width (or the mass)
+                probs = scores[0]
+                ranked = probs.argsort(descending=True).tolist()
+                if d == 0:
+                    self.last_prediction[target] = ranked[:k]
+                chosen = ranked[: self._width()]
+                if self.policy.prefetch_width == "mass":
+                    mass = probs / probs.sum()
+                    acc, chosen = 0.0, []
+                    for e in ranked[: self.policy.max_prefetch_width]:
+                        chosen.append(e)
+                        acc += float(mass[e])
+                        if acc >= self.policy.prefetch_mass and len(chosen) >= k:
+                            break
+                cold: set[int] = set()
+                ranked_scores = {e: float(probs[e]) for e in chosen}
+            else:  # prefill: union of every token's predicted top-k, ranked by popularity
+                top = scores.topk(k, dim=-1).indices.flatten()
+                ids, counts = top.unique(return_counts=True)
+                popularity = dict(zip(ids.tolist(), counts.tolist()))
+                chosen = sorted(popularity, key=lambda e: -popularity[e])
+                cold = self._cold_set(popularity)
+                ranked_scores = {e: float(popularity[e]) for e in chosen}
+            for e in chosen:
+                bits = self.cold_bits if (e in cold and self.cold_bits) else self.policy.bits
+                plan.append((d, -ranked_scores[e], target, e, bits))
+        for d, _, target, e, bits in sorted(plan):
+            key = (target, e)
+            if (self.cache is not None and key in self.cache) or key in self.prefetches or key in self.demands:
+                continue
+            if len(self.prefetches) >= self.max_inflight:
+                break
+            prio = Priority.NEXT_LAYER if d == 0 else Priority.AHEAD
+            req = self.fetch.submit(self.store.ref(target, e, bits), prio)
+            self.prefetches[key] = _Fetch(req, bits, prefetched=True)
+
+    # ---------------------------------------------------------------- serving
+    def stream(self, layer: int, expert_ids: list[int]) -> Iterator[tuple[int, object | None]]:
+        """Yield (expert id, callable expert or None if skipped): cached first, then in arrival order."""
+        info = AccessInfo(layer_now=layer, num_layers=self.config.num_hidden_layers)
+        pending: dict[int, _Fetch] = {}
+        for e in expert_ids:
+            key = (layer, e)
+            entry = self.cache.get(key) if self.cache is not None else None
+            if entry is not None:
+                self.cache.pin(key)
+                self.in_use.append(key)
+                self.cache.access(key, True, info)
+                self.stats.hits += 1
+                yield e, entry.expert
+            elif key in self.skip:
+                self.skip.discard(key)
+                self.stats.skipped += 1
+                yield e, None
+            else:
+                f = self.prefetches.pop(key, None) or self.demands.pop(key, None)
+                if f is None:  # not announced through on_route (a provider used without the hook)
+                    f = _Fetch(self.fetch.submit(self.store.ref(layer, e, self.policy.bits), Priority.DEMAND),
+                               self.policy.bits, prefetched=False)
+                pending[e] = f
+        while pending:
+            ready = [e for e, f in pending.items() if f.req.done.is_set()]
+            if not ready:
+                t0 = time.perf_counter()
+                with self.fetch.completed:
+                    if not any(f.req.done.is_set() for f in pending.values()):
+                        self.fetch.completed.wait(timeout=0.05)
+                self.stats.stall_s += time.perf_counter() - t0
+                continue
+            for e in ready:
+                yield e, self._consume(layer, e, pending.pop(e), info)
+
+    def _consume(self, layer: int, e: int, f: _Fetch, info: AccessInfo):
+        key = (layer, e)
+        try:
+            payload = self.fetch.wait(f.req)
+            expert = decode_expert(payload, self.store.precisions[f.bits], self.dtype, self.device)
+        finally:
+            self.fetch.release(f.req)
+        nbytes = f.req.ref.length
+        if f.req.read_s > 0:
+            bw = nbytes / f.req.read_s
+            self._read_bw = bw if self._read_bw == 0 else 0.8 * self._read_bw + 0.2 * bw
+        if f.prefetched:
+            self.stats.prefetch_hits += 1
+            self.stats.prefetch_bytes += nbytes
+        else:
+            self.stats.misses += 1
+            self.stats.demand_bytes += nbytes
+        low = f.bits != self.policy.bits
+        self.stats.low_precision += int(low)
+        if self.cache is not None:
+            self.cache.access(key, False, AccessInfo(info.layer_now, info.num_layers, low_precision=low))
+            # Cold copies serve this use only; caching them would lower later answers' precision.
+            if not low and self.cache.insert(key, expert, expert.nbytes, f.bits):
+                self.cache.pin(key)
+                self.in_use.append(key)
+        return expert
+
+    def end_layer(self, layer: int) -> None:
+        if self.cache is not None:
+            for key in self.in_use:
+                self.cache.unpin(key)
+        self.in_use.clear()
+        for key in [k for k in self.prefetches if k[0] == layer]:  # predicted, never used: drop
+            f = self.prefetches.pop(key)
+            self.fetch.cancel(f.req)
+            f.req.done.wait()
+            self.stats.wasted_bytes += f.req.bytes_read
+            self.fetch.release(f.req)
+        self.skip = {k for k in self.skip if k[0] != layer}
+
+    def new_sequence(self) -> None:
+        """Start of a request: reset per-request predictor state and per-sequence cache statistics."""
+        for key, f in list(self.prefetches.items()):
+            self.fetch.cancel(f.req)
+            f.req.done.wait()
+            self.stats.wasted_bytes += f.req.bytes_read
+            self.fetch.release(f.req)
+        self.prefetches.clear()
+        self.last_prediction.clear()
+        self._last_route = None
+        if self.predictor is not None and hasattr(self.predictor, "reset"):
+            self.predictor.reset()
+        if self.cache is not None:
+            self.cache.new_sequence()
