@@ -149,7 +149,8 @@ class Scheduler:
         low, acc = set(), 0.0
         for j in order.tolist():
             e = int(idx[0, j])
-            if acc > self.policy.t2 and self.policy.skip_past_t2 and (self.cache is None or (layer, e) not in self.cache):
+            cached = self.cache is not None and (layer, e) in self.cache
+            if acc > self.policy.t2 and self.policy.skip_past_t2 and not cached:
                 self.skip.add((layer, e))
             elif acc > self.policy.t1:
                 low.add(e)
@@ -303,20 +304,20 @@ class Scheduler:
                 self.cache.unpin(key)
         self.in_use.clear()
         for key in [k for k in self.prefetches if k[0] == layer]:  # predicted, never used: drop
-            f = self.prefetches.pop(key)
-            self.fetch.cancel(f.req)
-            f.req.done.wait()
-            self.stats.wasted_bytes += f.req.bytes_read
-            self.fetch.release(f.req)
+            self._drop(self.prefetches.pop(key))
         self.skip = {k for k in self.skip if k[0] != layer}
+
+    def _drop(self, f: _Fetch) -> None:
+        """Cancel an unused prefetch (stopping its read between chunks) and count the bytes it wasted."""
+        self.fetch.cancel(f.req)
+        f.req.done.wait()
+        self.stats.wasted_bytes += f.req.bytes_read
+        self.fetch.release(f.req)
 
     def new_sequence(self) -> None:
         """Start of a request: reset per-request predictor state and per-sequence cache statistics."""
-        for key, f in list(self.prefetches.items()):
-            self.fetch.cancel(f.req)
-            f.req.done.wait()
-            self.stats.wasted_bytes += f.req.bytes_read
-            self.fetch.release(f.req)
+        for f in self.prefetches.values():
+            self._drop(f)
         self.prefetches.clear()
         self.last_prediction.clear()
         self._last_route = None

@@ -8,6 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
+# Source "layer" of predictions made from token ids before layer 0 runs (see token_popularity.py):
+# ``next_moe_layers(moe_layers, EMBEDDING, p)`` is the first p MoE layers.
+EMBEDDING = -1
+
 
 def next_moe_layers(moe_layers: list[int], layer: int, lookahead: int) -> tuple[int, ...]:
     """The first ``lookahead`` MoE layers after ``layer``: dense layers are skipped, not counted."""
@@ -49,6 +53,17 @@ class Predictor(ABC):
         """The MoE layers a prediction from ``layer`` covers (empty after the last MoE layer)."""
         return next_moe_layers(self.moe_layers, layer, self.lookahead)
 
+    def empty(self, n: int, num_experts: int) -> Prediction:
+        """The prediction for a layer with nothing to predict (after the last MoE layer)."""
+        return Prediction((), torch.zeros((0, n, num_experts), dtype=torch.float32))
+
     @abstractmethod
     def predict(self, layer: int, h: torch.Tensor) -> Prediction:
         """Scores for ``self.targets(layer)`` from gate inputs ``h`` [N, H] of ``layer``."""
+
+    def observe(self, layer: int, expert_ids: torch.Tensor | list) -> None:
+        """The experts ``layer`` actually routed to (ids [N, k], or a list). Stateful predictors
+        (activation path, oracle) learn from it; the default ignores it."""
+
+    def reset(self) -> None:
+        """A new request starts: forget per-request state. The default has none."""

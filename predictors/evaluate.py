@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .base import Predictor
+from .base import EMBEDDING, Predictor
 
 
 @dataclass
@@ -27,6 +27,7 @@ class Trace:
     gate_inputs: dict[int, torch.Tensor]  # MoE layer → [N, H] the router's input
     expert_ids: dict[int, torch.Tensor]  # MoE layer → [N, k] experts the router chose
     num_experts: int
+    token_ids: torch.Tensor | None = None  # [N] the input token of each row (collect_traces records it)
 
     @property
     def layers(self) -> list[int]:
@@ -39,6 +40,25 @@ class Trace:
     @property
     def top_k(self) -> int:
         return next(iter(self.expert_ids.values())).shape[1]
+
+    def inputs(self, source: int) -> torch.Tensor | None:
+        """What a predictor at ``source`` reads: its gate inputs [N, H], or the token ids [N] for EMBEDDING."""
+        return self.token_ids if source == EMBEDDING else self.gate_inputs.get(source)
+
+    def rows(self, start: int, stop: int | None = None) -> Trace:
+        """The same trace restricted to rows ``start:stop`` (e.g. a contiguous validation tail)."""
+        sl = slice(start, stop)
+        return Trace(
+            {i: h[sl] for i, h in self.gate_inputs.items()},
+            {i: e[sl] for i, e in self.expert_ids.items()},
+            self.num_experts,
+            None if self.token_ids is None else self.token_ids[sl],
+        )
+
+    def popularity(self) -> dict[int, list[int]]:
+        """MoE layer → how many rows routed to each expert."""
+        return {i: torch.bincount(e.flatten(), minlength=self.num_experts).tolist()
+                for i, e in sorted(self.expert_ids.items())}
 
 
 class TraceRecorder:
@@ -65,17 +85,22 @@ class TraceRecorder:
 
 
 @torch.no_grad()
-def collect_traces(model: Any, batches: Iterable[torch.Tensor]) -> Trace:
+def collect_traces(model: Any, batches: Iterable[torch.Tensor], dtype: torch.dtype = torch.float32) -> Trace:
     """Run ``model`` (a :class:`fate_edge.model.MoETransformer`) over ``batches`` of token ids [B, T],
-    each from an empty KV cache, and record every MoE layer's routing."""
-    rec = TraceRecorder(model.config.num_experts)
+    each from an empty KV cache, and record every MoE layer's routing (gate inputs kept in ``dtype``)
+    and the token ids (rows in the router's order: batch-major, then position)."""
+    rec = TraceRecorder(model.config.num_experts, dtype=dtype)
+    tokens = []
     model.observers.append(rec)
     try:
         for ids in batches:
             model(ids, model.new_cache(), last_only=True)
+            tokens.append(ids.reshape(-1))
     finally:
         model.observers.remove(rec)
-    return rec.trace()
+    trace = rec.trace()
+    trace.token_ids = torch.cat(tokens) if tokens else None
+    return trace
 
 
 def _hits(pred: torch.Tensor, true: torch.Tensor) -> torch.Tensor:
@@ -112,19 +137,21 @@ def evaluate_predictor(
     widths: Iterable[int] | None = None,
     bytes_per_expert: int = 0,
     chunk: int = 4096,
+    sources: Iterable[int] | None = None,
 ) -> list[LayerAccuracy]:
-    """Score ``predictor`` on ``trace`` for every (source, target) pair it predicts; widths default to k..k+4."""
+    """Score ``predictor`` on ``trace`` for every (source, target) pair it predicts; widths default to k..k+4.
+    ``sources`` default to the trace's MoE layers; pass ``[EMBEDDING]`` for a token-id predictor."""
     k, e = trace.top_k, trace.num_experts
     widths = sorted({min(w, e) for w in (widths if widths is not None else range(k, k + 5))})
     if widths[0] < k:
         raise ValueError(f"widths must be >= top-k ({k}), got {widths}")
     wmax = widths[-1]
     out = []
-    for src in trace.layers:
+    for src in trace.layers if sources is None else sources:
         targets = [t for t in predictor.targets(src) if t in trace.expert_ids]
-        if not targets or src not in trace.gate_inputs:
+        h = trace.inputs(src)
+        if not targets or h is None:
             continue
-        h = trace.gate_inputs[src]
         # top-wmax once; every narrower width is a prefix, which is what makes recall monotone in k'.
         top = torch.cat([predictor.predict(src, h[s : s + chunk]).topk(wmax) for s in range(0, len(h), chunk)], dim=1)
         layers = predictor.targets(src)

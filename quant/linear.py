@@ -28,7 +28,7 @@ def _int4_supported(shape: tuple[int, int], spec: QuantSpec, device: torch.devic
     if not spec.asymmetric or spec.bits > 4 or spec.group_size not in (32, 64, 128, 256):
         return False
     if device.type == "cpu":
-        return hasattr(torch, "_weight_int4pack_mm_for_cpu") and k % 2 == 0
+        return hasattr(torch, "_weight_int4pack_mm_for_cpu") and k % 2 == 0 and n % 16 == 0  # packer needs N % 16
     return device.type == "cuda" and k % (_INT4_TILES * 16 * 2) == 0 and n % 8 == 0
 
 
