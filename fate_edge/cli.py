@@ -46,8 +46,17 @@ def cmd_run(args: argparse.Namespace) -> int:
         from devices.profile import load_profile
 
         link = ThrottledLink(storage_link(load_profile(args.link)))
-    model = load_model(model_dir, dtype=args.dtype, experts=args.experts, bits=args.bits, link=link)
-    tokenizer = Tokenizer(model_dir)
+    engine = None
+    if args.memory_budget or args.policy:
+        from .engine import Engine
+        from .store_cache import ensure_store
+
+        store = ensure_store(model_dir)
+        engine = Engine(store, args.memory_budget or "1GB", args.policy or "fate-edge", dtype=args.dtype, link=link)
+        model, tokenizer = engine.model, engine.tokenizer
+    else:
+        model = load_model(model_dir, dtype=args.dtype, experts=args.experts, bits=args.bits, link=link)
+        tokenizer = Tokenizer(model_dir)
     if args.chat:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty, args.seed)
@@ -55,7 +64,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     last = None
     if args.echo:
         sys.stdout.write(prompt)
-    for last in stream_generate(model, tokenizer, prompt, config):
+    steps = engine.stream(prompt, config) if engine else stream_generate(model, tokenizer, prompt, config)
+    for last in steps:
         sys.stdout.write(last.text)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -67,6 +77,17 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"{last.peak_rss_bytes / 2**20:.0f} MB]",
             file=sys.stderr,
         )
+    if engine is not None:
+        s = engine.stats
+        print(
+            f"[policy {engine.policy.name}, expert budget {engine.budget / 1e6:.1f} MB (cache "
+            f"{engine.plan.cache_bytes / 1e6:.1f} MB): hit rate {100 * s.hit_rate:.1f}% ({s.hits} cached, "
+            f"{s.prefetch_hits} prefetched, {s.misses} demand reads), stall {1e3 * s.stall_s:.0f} ms, read "
+            f"{(s.demand_bytes + s.prefetch_bytes) / 1e6:.1f} MB ({s.demand_bytes / 1e6:.1f} on the critical path), "
+            f"wasted {s.wasted_bytes / 1e6:.1f} MB, prediction exact {100 * s.exact_match:.0f}%]",
+            file=sys.stderr,
+        )
+        engine.close()
     return 0
 
 
@@ -101,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("prompt", nargs="?", default=None, help="prompt text; read from stdin when omitted")
     _add_model_args(run)
     _add_sampling_args(run)
+    run.add_argument("--memory-budget", default=None,
+                     help="bytes for experts (e.g. 64MB): run from an expert store under this hard limit")
+    run.add_argument("--policy", default=None, help="policy preset: load-on-demand, lru, activation-path, fate, "
+                     "fate-edge (default with --memory-budget)")
     run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     run.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
     run.set_defaults(func=cmd_run)

@@ -1,0 +1,115 @@
+"""The engine under a memory budget: same answers as the resident run, budget respected, clear errors."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from fate_edge import GenerateConfig, generate, load_model
+from fate_edge.convert import ConvertOptions, convert
+from fate_edge.engine import BudgetError, Engine, parse_bytes
+from fate_edge.policy import PRESETS
+from fate_edge.store import ExpertStore
+
+PROMPT = "def parse_args(argv):\n    "
+CFG = GenerateConfig(max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, bundled_dir):
+    out = tmp_path_factory.mktemp("engine") / "tiny-int4"
+    convert(bundled_dir, out, ConvertOptions(bits=4, cold_bits=2), progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def budget_35(store):
+    s = ExpertStore(store)
+    return int(0.35 * s.expert_bytes(4) * len(s.index["moe_layers"]) * s.index["num_experts"])
+
+
+@pytest.fixture(scope="module")
+def resident_int4_text(store):
+    model = load_model(store, bits=4)  # every expert read at int4, no cache: the reference at this precision
+    from fate_edge import Tokenizer
+
+    return generate(model, Tokenizer(store), PROMPT, CFG)[0]
+
+
+@pytest.mark.parametrize("name", [n for n in PRESETS if n != "load-on-demand"])
+def test_every_policy_gives_the_resident_answer(store, budget_35, resident_int4_text, name):
+    # Same precision as the reference: precision mixing (Fate's int2 prefill tail) is a separate switch.
+    policy = PRESETS[name].with_(cold_bits=None)
+    trace = None
+    if policy.predictor == "oracle":
+        with Engine(store, budget_35, "lru") as rec:
+            trace = rec.record_trace(PROMPT, CFG)
+    with Engine(store, budget_35, policy, trace=trace) as engine:
+        text, last = engine.generate(PROMPT, CFG)
+        assert text == resident_int4_text
+        s = engine.stats
+        assert s.uses > 0 and s.hits + s.prefetch_hits + s.misses == s.uses
+        if engine.cache is not None:
+            assert engine.cache.used_bytes <= engine.plan.cache_bytes
+            assert engine.cache.used_bytes + engine.plan.pool_bytes + engine.plan.working_bytes <= budget_35
+        assert len(engine.token_stats) == CFG.max_tokens - 1  # per decode step after the first token
+        if policy.predictor is not None:
+            assert s.prefetch_hits + s.wasted_bytes > 0  # it did prefetch
+
+
+def test_bf16_load_on_demand_matches_resident_bf16(store, bundled_model, bundled_tokenizer):
+    ref = generate(bundled_model, bundled_tokenizer, PROMPT, CFG)[0]
+    with Engine(store, "4MB", "load-on-demand") as engine:
+        assert engine.generate(PROMPT, CFG)[0] == ref
+        assert engine.stats.hits == 0 and engine.stats.misses == engine.stats.uses
+
+
+def test_oracle_bounds_the_hit_rate(store, budget_35):
+    with Engine(store, budget_35, "lru") as rec:
+        trace = rec.record_trace(PROMPT, CFG)
+        lru_hit = rec.stats.hit_rate
+    with Engine(store, budget_35, "oracle", trace=trace) as oracle:
+        oracle.generate(PROMPT, CFG)
+        assert oracle.stats.hit_rate >= lru_hit
+        assert oracle.stats.exact_match == 1.0  # clairvoyant predictions are the true experts
+
+
+def test_fate_prefill_tail_uses_int2(store, budget_35):
+    with Engine(store, budget_35, "fate") as engine:
+        engine.generate("import os\nimport sys\nfrom pathlib import Path\n\n\ndef main(argv):\n", CFG)
+        assert engine.prefill_stats.low_precision > 0
+        assert sum(t.low_precision for t in engine.token_stats) == 0  # decode stays int4
+
+
+def test_budget_below_minimum_is_refused_with_the_minimum(store):
+    with pytest.raises(BudgetError, match=r"below the minimum .* raise --memory-budget to at least"):
+        Engine(store, "10KB", "fate")
+
+
+def test_parse_bytes():
+    assert parse_bytes("2GB") == 2_000_000_000 and parse_bytes("1.5MiB") == 1_572_864 and parse_bytes(512) == 512
+    with pytest.raises(ValueError, match="512MB"):
+        parse_bytes("lots")
+
+
+def test_peak_rss_within_resident_plus_budget(store, budget_35):
+    """A fresh process generates 256 tokens; its RSS growth stays within resident weights + budget + 64 MB."""
+    code = textwrap.dedent(f"""
+        import torch
+        torch.set_num_threads(1)
+        from fate_edge import GenerateConfig
+        from fate_edge.engine import Engine
+        from fate_edge.generate import peak_rss_bytes
+        import psutil
+        base = psutil.Process().memory_info().rss  # interpreter + torch, before any model byte
+        with Engine({str(store)!r}, {budget_35}, "fate-edge") as e:
+            resident = sum(t.numel() * t.element_size() for t in e.model.w.values())
+            e.generate("def main():", GenerateConfig(max_tokens=256, ignore_eos=True))
+            peak = peak_rss_bytes()
+            print(peak - base, resident)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    growth, resident = map(int, out.stdout.split())
+    assert growth <= resident + budget_35 + 64 * 2**20, (growth, resident, budget_35)
