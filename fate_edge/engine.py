@@ -12,6 +12,7 @@ decoded expert being computed when it is not cached.
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +64,32 @@ class BudgetPlan:
 
 
 @dataclass
+class Completion:
+    """A finished request."""
+
+    text: str
+    finish_reason: str  # "stop" or "length"
+    prompt_tokens: int
+    completion_tokens: int
+    prompt_tps: float
+    generation_tps: float
+    peak_rss_bytes: int
+    stats: SchedulerStats  # expert cache and fetch statistics of this request
+
+
+def resolve_device(device: str) -> str:
+    """"auto" → cuda when torch sees a GPU, else cpu; "cuda" without a GPU is a clear error."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise FateEdgeError("device 'cuda' requested but torch sees no CUDA GPU (is this the CPU build of torch, "
+                            "or is the driver missing?); use --device cpu or auto")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise FateEdgeError(f"unknown device '{device}'; use auto, cpu or cuda")
+    return device
+
+
+@dataclass
 class Trace:
     """A recorded run's expert accesses: (layer, experts in the order the engine uses them) per MoE call."""
 
@@ -94,6 +121,9 @@ class Engine:
         device: str = "cpu",
         max_inflight_prefetches: int = 8,
     ):
+        device = resolve_device(device)
+        self.device = device
+        self._lock = threading.Lock()  # one request at a time: the KV cache and expert cache are shared state
         if not is_store(store_dir):
             raise FateEdgeError(f"{store_dir}: not an expert store; create one with `fate-edge convert MODEL OUT`")
         self.policy = get_policy(policy)
@@ -122,6 +152,7 @@ class Engine:
         self.model.observers.append(self.scheduler)
         self.token_stats: list[SchedulerStats] = []  # per generated token of the last request
         self.prefill_stats = SchedulerStats()
+        self.request_stats = SchedulerStats()
 
     # ------------------------------------------------------------------ setup
     def _entry_bytes(self, bits: int) -> int:
@@ -188,19 +219,39 @@ class Engine:
             return OraclePredictor(self.trace.calls, model.config.moe_layers, lookahead=p.lookahead)
         raise FateEdgeError(f"unknown predictor '{p.predictor}'")
 
+    @classmethod
+    def load(
+        cls,
+        path: str | Path | None = None,
+        memory_budget: int | str = "256MB",
+        policy: str | PolicyConfig = "fate-edge",
+        device: str = "auto",
+        dtype: str | torch.dtype = "float32",
+        **kw,
+    ) -> Engine:
+        """Open a model directory or expert store (default: the bundled model), converting it to a store once."""
+        from .bundled import bundled_model_dir
+        from .store_cache import ensure_store
+
+        store = ensure_store(path or bundled_model_dir(), progress=False)
+        return cls(store, memory_budget, policy, dtype=dtype, device=device, **kw)
+
     # ------------------------------------------------------------- generation
     def stream(self, prompt: str | list[int], config: GenerateConfig | None = None) -> Iterator[GenerationResponse]:
-        self.scheduler.new_sequence()
-        self.token_stats = []
-        before = self.scheduler.stats.snapshot()
-        for i, step in enumerate(stream_generate(self.model, self.tokenizer, prompt, config)):
-            now = self.scheduler.stats.snapshot()
-            if i == 0:
-                self.prefill_stats = now.minus(before)  # prefill plus the first sampled token
-            else:
-                self.token_stats.append(now.minus(before))
-            before = now
-            yield step
+        """Yield one response per generated token. Requests from several threads are served one at a time."""
+        with self._lock:
+            self.scheduler.new_sequence()
+            self.token_stats = []
+            start = before = self.scheduler.stats.snapshot()
+            for i, step in enumerate(stream_generate(self.model, self.tokenizer, prompt, config)):
+                now = self.scheduler.stats.snapshot()
+                if i == 0:
+                    self.prefill_stats = now.minus(before)  # prefill plus the first sampled token
+                else:
+                    self.token_stats.append(now.minus(before))
+                before = now
+                self.request_stats = now.minus(start)
+                yield step
 
     def generate(self, prompt: str | list[int], config: GenerateConfig | None = None) -> tuple[str, GenerationResponse]:
         parts, last = [], None
@@ -208,6 +259,16 @@ class Engine:
             parts.append(last.text)
         assert last is not None
         return "".join(parts), last
+
+    def complete(self, prompt: str | list[int], config: GenerateConfig | None = None) -> Completion:
+        """Generate and return a typed :class:`Completion`."""
+        text, last = self.generate(prompt, config)
+        return Completion(text, last.finish_reason or "length", last.prompt_tokens, last.generation_tokens,
+                          last.prompt_tps, last.generation_tps, last.peak_rss_bytes, self.request_stats)
+
+    def chat(self, messages: list[dict], config: GenerateConfig | None = None) -> Completion:
+        """Render ``messages`` with the model's chat template and complete the assistant turn."""
+        return self.complete(self.tokenizer.apply_chat_template(messages), config)
 
     def record_trace(self, prompt: str | list[int], config: GenerateConfig | None = None) -> Trace:
         """Run the request once and record every layer's experts, for the oracle policy."""

@@ -61,9 +61,9 @@ class Predictor(ABC):
     def predict(self, layer: int, h: torch.Tensor) -> Prediction:
         """Scores for ``self.targets(layer)`` from gate inputs ``h`` [N, H] of ``layer``."""
 
-    def observe(self, layer: int, expert_ids: torch.Tensor | list) -> None:
+    def observe(self, layer: int, expert_ids: torch.Tensor | list) -> None:  # noqa: B027 (optional hook)
         """The experts ``layer`` actually routed to (ids [N, k], or a list). Stateful predictors
         (activation path, oracle) learn from it; the default ignores it."""
 
-    def reset(self) -> None:
+    def reset(self) -> None:  # noqa: B027 (optional hook)
         """A new request starts: forget per-request state. The default has none."""

@@ -73,6 +73,14 @@ class CrossLayerGate(Predictor):
             self._scaled[layer] = (plain * ratio[:, None, :]).reshape(-1, plain.shape[-1])
         return self._scaled[layer]
 
+    def stacked(self, layer: int) -> torch.Tensor:
+        """The [P·E, H] matrix scoring ``self.targets(layer)`` from ``layer``'s gate input (nearest target's
+        rows first); the learned predictors start from it."""
+        targets = self.targets(layer)
+        if not targets:
+            return self.stack.new_zeros((0, self.stack.shape[-1]))
+        return self._matrix(layer, self._position[targets[0]], len(targets))
+
     def predict(self, layer: int, h: torch.Tensor) -> Prediction:
         targets = self.targets(layer)
         n, e = h.shape[0], self.num_experts

@@ -52,15 +52,19 @@ class QuantizedLinear:
             kernel = "torch-int4" if _int4_supported(shape, spec, device) else "dequant"
         KERNEL_CHOICES[(spec.bits, shape, device.type)] = kernel
         if kernel == "torch-int4":
-            codes = q.codes.to(device=device, dtype=torch.int32)
+            # Centre narrower codes in the 4-bit slot (int2: 6..9, int3: 4..11) so zero' below is the group's
+            # midpoint, small for centred weights: its bf16 rounding then costs ~2**-9 of a weight, not of 8 scales.
+            shift = 8 - (spec.qmax + 1) // 2
+            codes = q.codes.to(device=device, dtype=torch.int32) + shift
             if device.type == "cpu":
                 packed = torch._convert_weight_to_int4pack_for_cpu(codes, _INT4_TILES)
             else:
                 packed = torch._convert_weight_to_int4pack((codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8),
                                                            _INT4_TILES)
-            # tinygemm dequantizes (c - 8) * scale + zero'; ours is c * scale + zero, so zero' = zero + 8 * scale.
+            # tinygemm dequantizes (c' - 8) * scale + zero' with c' = c + shift; ours is c * scale + zero,
+            # so zero' = zero + (8 - shift) * scale.
             scale = q.scale.float()
-            sz = torch.stack([scale, q.zero.float() + 8 * scale], dim=-1)  # [N, K/g, 2]
+            sz = torch.stack([scale, q.zero.float() + (8 - shift) * scale], dim=-1)  # [N, K/g, 2]
             sz = sz.transpose(0, 1).contiguous().to(device=device, dtype=torch.bfloat16)
             return cls(spec, shape, kernel, packed, scale_zero=sz)
         if kernel == "dequant":
