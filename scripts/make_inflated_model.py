@@ -54,7 +54,8 @@ def inflate(src: Path, out: Path, intermediate: int, seed: int = 0) -> Path:
             shutil.copy2(f, out / f.name)
     (out / "README.md").write_text(
         f"Inflated copy of {src.name}: expert intermediate size {old} -> {intermediate} with inert units "
-        "(zero down-projection columns). Same outputs, realistic expert bytes. Made by scripts/make_inflated_model.py.\n"
+        "(zero down-projection columns). Same outputs, realistic expert bytes. "
+        "Made by scripts/make_inflated_model.py.\n"
     )
     return out
 
