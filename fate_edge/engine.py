@@ -21,7 +21,8 @@ import torch
 
 from devices.link import ThrottledLink
 
-from .cache import ExpertCache, allocate, make_eviction
+from .cache import ExpertCache
+from .cache.factory import build_cache, layer_slots
 from .errors import FateEdgeError
 from .fetch import BufferPool, FetchEngine
 from .generate import GenerateConfig, GenerationResponse, stream_generate
@@ -61,6 +62,28 @@ class BudgetPlan:
     @property
     def minimum(self) -> int:
         return self.pool_bytes + self.working_bytes
+
+
+def plan_budget(budget: int, policy: PolicyConfig, entry_bytes: int, slot_bytes: int, max_inflight: int = 8,
+                min_buffers: int = 2) -> BudgetPlan:
+    """Split ``budget`` into read buffers, the one expert being computed, and the cache.
+
+    ``min_buffers`` read buffers let demand reads proceed whatever prefetches hold; prefetching policies
+    get extra buffers, at most a tenth of the rest of the budget and at most ``max_inflight``.
+    """
+    plan = BudgetPlan(budget, min_buffers, min_buffers * slot_bytes, entry_bytes, 0, entry_bytes)
+    if budget < plan.minimum:
+        raise BudgetError(
+            f"memory budget {budget / 1e6:.2f} MB is below the minimum {plan.minimum / 1e6:.2f} MB this model needs "
+            f"for experts at int{policy.bits} ({min_buffers} read buffers of {slot_bytes / 1e6:.2f} MB and one "
+            f"expert being computed); raise --memory-budget to at least {plan.minimum / 1e6:.2f} MB"
+        )
+    if policy.predictor is not None:
+        extra = min(max_inflight, int(0.1 * (budget - plan.minimum) // slot_bytes))
+        plan.pool_buffers += max(0, extra)
+        plan.pool_bytes = plan.pool_buffers * slot_bytes
+    plan.cache_bytes = budget - plan.pool_bytes - plan.working_bytes if policy.cache else 0
+    return plan
 
 
 @dataclass
@@ -164,42 +187,17 @@ class Engine:
 
     def _plan_budget(self, max_inflight: int) -> BudgetPlan:
         p, cfg = self.policy, self.model.config
-        entry = self._entry_bytes(p.bits)
         bits_used = [b for b in (p.bits, p.cold_bits) if b in self.store.precisions]
         slot = max(self.store.precisions[b].slot_bytes for b in bits_used)
-        min_buffers = 2  # demand reads always have buffers, whatever prefetches hold
-        plan = BudgetPlan(self.budget, min_buffers, min_buffers * slot, entry, 0, entry)
-        if self.budget < plan.minimum:
-            raise BudgetError(
-                f"memory budget {self.budget / 1e6:.2f} MB is below the minimum {plan.minimum / 1e6:.2f} MB this "
-                f"model needs for experts at int{p.bits} ({min_buffers} read buffers of {slot / 1e6:.2f} MB and one "
-                f"expert being computed); raise --memory-budget to at least {plan.minimum / 1e6:.2f} MB"
-            )
-        if p.predictor is not None:
-            # Prefetch buffers come out of the budget too: at most a tenth of it, at most max_inflight.
-            extra = min(max_inflight, int(0.1 * (self.budget - plan.minimum) // slot))
-            plan.pool_buffers += max(0, extra)
-            plan.pool_bytes = plan.pool_buffers * slot
-        plan.cache_bytes = self.budget - plan.pool_bytes - plan.working_bytes if p.cache else 0
-        if p.cache and p.allocation != "global":
-            plan.slots = allocate("shallow" if p.allocation == "shallow" else "uniform",
-                                  plan.cache_bytes // entry, cfg.moe_layers, cfg.num_experts,
-                                  **({"full_layers": p.full_layers} if p.allocation == "shallow" else {}))
+        plan = plan_budget(self.budget, p, self._entry_bytes(p.bits), slot, max_inflight)
+        plan.slots = layer_slots(p, plan.cache_bytes // plan.entry_bytes, cfg.moe_layers, cfg.num_experts)
         return plan
 
     def _make_cache(self) -> ExpertCache | None:
-        p = self.policy
-        if not p.cache:
-            return None
-        entry = self.plan.entry_bytes
-        kw = {}
-        if p.eviction == "belady":
-            kw["future"] = self.trace.accesses() if self.trace else []
-        if p.allocation == "global":
-            return ExpertCache({0: self.plan.cache_bytes}, lambda part, cap: make_eviction(p.eviction, cap, **kw),
-                               entry, partition_of=lambda key: 0)
-        parts = {layer: slots * entry for layer, slots in self.plan.slots.items()}
-        return ExpertCache(parts, lambda part, cap: make_eviction(p.eviction, cap, **kw), entry)
+        cfg = self.model.config
+        future = self.trace.accesses() if self.trace else None
+        return build_cache(self.policy, self.plan.cache_bytes, self.plan.entry_bytes, cfg.moe_layers,
+                           cfg.num_experts, future)
 
     def _make_predictor(self):
         p, model = self.policy, self.model

@@ -1,0 +1,138 @@
+"""Trace-driven simulation of one policy: the real cache and eviction classes, a timed link, no tensors.
+
+Used by the planner to rank configurations before running them. Each trace row is one decode token
+passing through every MoE layer in order. Time model (MoE-Lightning's view of batch-1 decode: bound
+by the link): per layer, demand reads stall compute; prefetches issued at layer i travel while layer
+i computes and are on time if they arrive before their layer starts; one link serves all reads, and a
+demand read goes ahead of queued prefetches (pushing them back by its transfer time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from devices.link import LinkSpec
+
+from .cache import AccessInfo
+from .cache.factory import build_cache
+from .policy import PolicyConfig
+
+
+@dataclass
+class SimResult:
+    tokens: int
+    hits: int
+    prefetch_hits: int
+    misses: int
+    stall_s: float
+    demand_bytes: int
+    prefetch_bytes: int
+    wasted_bytes: int
+    total_s: float
+
+    @property
+    def hit_rate(self) -> float:
+        uses = self.hits + self.prefetch_hits + self.misses
+        return (self.hits + self.prefetch_hits) / uses if uses else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.total_s if self.total_s > 0 else 0.0
+
+
+def _chosen(policy: PolicyConfig, probs: torch.Tensor, k: int, fate_width: int) -> list[int]:
+    ranked = probs.argsort(descending=True).tolist()
+    if isinstance(policy.prefetch_width, int):
+        return ranked[: policy.prefetch_width]
+    if policy.prefetch_width == "fate":
+        return ranked[:fate_width]
+    mass, acc, out = probs / probs.sum(), 0.0, []
+    for e in ranked[: policy.max_prefetch_width]:
+        out.append(e)
+        acc += float(mass[e])
+        if acc >= policy.prefetch_mass and len(out) >= k:
+            break
+    return out
+
+
+def simulate(
+    expert_ids: dict[int, torch.Tensor],
+    predictions: dict[tuple[int, int], torch.Tensor] | None,
+    policy: PolicyConfig,
+    cache_bytes: int,
+    expert_bytes: int,
+    link: LinkSpec,
+    layer_compute_s: float,
+    num_experts: int,
+    num_layers: int,
+) -> SimResult:
+    """``expert_ids``: MoE layer → [N, k] true experts; ``predictions``: (source, target) → [N, E] scores
+    (None: no prefetch). Returns totals over the N tokens."""
+    layers = sorted(expert_ids)
+    n, k = next(iter(expert_ids.values())).shape
+    future = [(layer, e) for t in range(n) for layer in layers for e in sorted(expert_ids[layer][t].tolist())]
+    cache = build_cache(policy, cache_bytes, expert_bytes, layers, num_experts, future)
+    transfer = link.transfer_time(expert_bytes)
+    fate_width = max(1, min(policy.max_prefetch_width, int(layer_compute_s / transfer)))
+    r = SimResult(n, 0, 0, 0, 0.0, 0, 0, 0, 0.0)
+    clock, link_free = 0.0, 0.0
+    inflight: dict[tuple[int, int], float] = {}  # prefetched key → arrival time
+    for t in range(n):
+        for li, layer in enumerate(layers):
+            info = AccessInfo(layer_now=layer, num_layers=num_layers)
+            stall, used = 0.0, []
+            for e in sorted(expert_ids[layer][t].tolist()):
+                key = (layer, e)
+                if cache is not None and key in cache:
+                    r.hits += 1
+                    cache.access(key, True, info)
+                    cache.pin(key)
+                    used.append(key)
+                    continue
+                if key in inflight:
+                    arrival = inflight.pop(key)
+                    r.prefetch_hits += 1
+                    r.prefetch_bytes += expert_bytes
+                    stall = max(stall, arrival - clock)
+                else:
+                    start = max(clock + stall, 0.0)
+                    stall += transfer
+                    r.misses += 1
+                    r.demand_bytes += expert_bytes
+                    # The demand read jumps the queue: later prefetches arrive that much later.
+                    inflight = {kk: (a + transfer if a > start else a) for kk, a in inflight.items()}
+                    link_free = max(link_free, start) + transfer
+                if cache is not None:
+                    cache.access(key, False, info)
+                    if cache.insert(key, None, expert_bytes, policy.bits):
+                        cache.pin(key)
+                        used.append(key)
+            clock += stall
+            r.stall_s += stall
+            if predictions is not None:
+                plan = []
+                for d, target in enumerate(layers[li + 1 : li + 1 + policy.lookahead]):
+                    scores = predictions.get((layer, target))
+                    if scores is None:
+                        continue
+                    for e in _chosen(policy, scores[t], k, fate_width):
+                        plan.append((d, target, e))
+                for _, target, e in plan:
+                    key = (target, e)
+                    if (cache is not None and key in cache) or key in inflight:
+                        continue
+                    start = max(link_free, clock)
+                    link_free = start + transfer
+                    inflight[key] = link_free
+            clock += layer_compute_s
+            if cache is not None:
+                for key in used:
+                    cache.unpin(key)
+            for key in [kk for kk in inflight if kk[0] == layer]:  # predicted for this layer, unused
+                arrival = inflight.pop(key)
+                done = min(1.0, max(0.0, 1 - (arrival - clock) / transfer))
+                r.wasted_bytes += int(done * expert_bytes)
+    r.total_s = clock
+    return r
