@@ -114,6 +114,43 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .bundled import bundled_model_dir
+    from .engine import parse_bytes
+    from .planner import auto_plan, plan, record_plan_trace, roofline_layer_time, sample_token_ids
+    from .store import ExpertStore
+    from .store_cache import ensure_store
+    from .tokenizer import Tokenizer
+
+    store_dir = ensure_store(args.model or bundled_model_dir())
+    budget = parse_bytes(args.memory_budget)
+    tok = Tokenizer(store_dir)
+    ids = tok.encode(open(args.corpus, encoding="utf-8").read())[: args.tokens] if args.corpus else \
+        sample_token_ids(tok, args.tokens)
+    if args.device == "host":
+        result = auto_plan(store_dir, budget, token_ids=ids)
+    else:
+        from devices.link import storage_link
+        from devices.profile import load_profile
+
+        from .loader import load_model
+
+        profile = load_profile(args.device)
+        model = load_model(store_dir)
+        store = ExpertStore(store_dir)
+        bits = model.experts.bits
+        trace = record_plan_trace(model, ids)
+        resident = sum(t.numel() * t.element_size() for t in model.w.values()) // model.config.num_hidden_layers
+        layer_s = roofline_layer_time(model.config, profile, store.expert_bytes(bits), resident)
+        result = plan(trace, budget, store.expert_bytes(bits), store.precisions[bits].slot_bytes,
+                      storage_link(profile), layer_s)
+        model.experts.close()
+    print(f"model           {store_dir}")
+    print(f"memory budget   {budget / 1e6:.1f} MB for experts, device {args.device}")
+    print(result.describe())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fate-edge", description="Run Mixture-of-Experts models on small devices.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -133,6 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
     ins = sub.add_parser("inspect", help="architecture, parameter counts, expert vs resident bytes")
     ins.add_argument("model_dir", nargs="?", default=None, help="model directory (default: the bundled model)")
     ins.set_defaults(func=cmd_inspect)
+
+    pl = sub.add_parser("plan", help="choose a policy for a device profile and memory budget (simulated)")
+    pl.add_argument("model", nargs="?", default=None, help="model directory or store (default: bundled model)")
+    pl.add_argument("--device", default="host", help="device profile name (devices/profiles) or 'host' (measured)")
+    pl.add_argument("--memory-budget", required=True, help="bytes for experts, e.g. 4GB")
+    pl.add_argument("--corpus", default=None, help="text to record routing on (default: a stdlib module's source)")
+    pl.add_argument("--tokens", type=int, default=256)
+    pl.set_defaults(func=cmd_plan)
 
     conv = sub.add_parser("convert", help="write an expert store: resident weights + one aligned blob per expert")
     conv.add_argument("model_dir", help="Hugging Face model directory")

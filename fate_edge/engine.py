@@ -149,6 +149,12 @@ class Engine:
         self._lock = threading.Lock()  # one request at a time: the KV cache and expert cache are shared state
         if not is_store(store_dir):
             raise FateEdgeError(f"{store_dir}: not an expert store; create one with `fate-edge convert MODEL OUT`")
+        self.planned = None
+        if policy == "auto":  # let the planner choose for this host, budget and link
+            from .planner import auto_plan
+
+            self.planned = auto_plan(store_dir, parse_bytes(memory_budget), link.spec if link else None)
+            policy = self.planned.policy
         self.policy = get_policy(policy)
         self.dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
         self.store = ExpertStore(store_dir)

@@ -58,5 +58,5 @@ def get_policy(policy: str | PolicyConfig) -> PolicyConfig:
     if isinstance(policy, PolicyConfig):
         return policy
     if policy not in PRESETS:
-        raise ValueError(f"unknown policy '{policy}'; presets: {', '.join(PRESETS)}")
+        raise ValueError(f"unknown policy '{policy}'; presets: {', '.join(PRESETS)}, or auto (the planner)")
     return PRESETS[policy]
