@@ -45,7 +45,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         from devices.link import ThrottledLink, storage_link
         from devices.profile import load_profile
 
-        link = ThrottledLink(storage_link(load_profile(args.link)))
+        if args.link == "host":
+            from devices.probe import host_profile
+
+            link = ThrottledLink(storage_link(host_profile()))
+        else:
+            link = ThrottledLink(storage_link(load_profile(args.link)))
     engine = None
     if args.memory_budget or args.policy:
         from .engine import Engine
@@ -151,6 +156,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_probe(args: argparse.Namespace) -> int:
+    from devices.probe import default_path, host_profile, to_toml
+
+    profile = host_profile(refresh=True)
+    print(to_toml(profile), end="")
+    print(f"# saved to {default_path()}; use it as --device host / --link host")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fate-edge", description="Run Mixture-of-Experts models on small devices.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -178,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--corpus", default=None, help="text to record routing on (default: a stdlib module's source)")
     pl.add_argument("--tokens", type=int, default=256)
     pl.set_defaults(func=cmd_plan)
+
+    probe = sub.add_parser("probe", help="measure this machine (memory, compute, storage) as the 'host' profile")
+    probe.set_defaults(func=cmd_probe)
 
     conv = sub.add_parser("convert", help="write an expert store: resident weights + one aligned blob per expert")
     conv.add_argument("model_dir", help="Hugging Face model directory")
