@@ -216,11 +216,19 @@ class Engine:
         if p.predictor == "activation-path":
             from predictors.activation_path import ActivationPathPredictor
 
-            return ActivationPathPredictor(model.config.moe_layers, model.config.num_experts, lookahead=p.lookahead)
+            popularity = None
+            pop_file = self.store.path / "predictors" / "popularity.json"
+            if pop_file.exists():
+                from .calibrate import load_popularity
+
+                popularity = load_popularity(pop_file)
+            return ActivationPathPredictor(model.config.moe_layers, model.config.num_experts,
+                                           lookahead=p.lookahead, popularity=popularity)
         if p.predictor == "oracle":
             from predictors.oracle import OraclePredictor
 
-            return OraclePredictor(self.trace.calls, model.config.moe_layers, lookahead=p.lookahead)
+            return OraclePredictor(self.trace.calls, model.config.moe_layers, lookahead=p.lookahead,
+                                   num_experts=model.config.num_experts)
         raise FateEdgeError(f"unknown predictor '{p.predictor}'")
 
     @classmethod

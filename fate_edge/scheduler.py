@@ -201,7 +201,8 @@ class Scheduler:
             scores = pred.scores[d]  # [N, E]
             if scores.shape[0] == 1:  # decode: most probable experts up to the width (or the mass)
                 probs = scores[0]
-                ranked = probs.argsort(descending=True).tolist()
+                # Experts a predictor scores 0 (the oracle's unused ones) are never worth a read.
+                ranked = [e for e in probs.argsort(descending=True).tolist() if probs[e] > 0]
                 if d == 0:
                     self.last_prediction[target] = ranked[:k]
                 chosen = ranked[: self._width()]

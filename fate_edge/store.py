@@ -122,15 +122,26 @@ def encode_expert(w: ExpertWeights, precision: Precision) -> bytes:
     return bytes(out)
 
 
-def decode_expert(payload: memoryview, precision: Precision, dtype: torch.dtype,
-                  device: torch.device | str = "cpu") -> ExpertWeights | QuantizedExpert:
-    """Turn a blob back into a callable expert; copies out of ``payload`` (a pool buffer about to be reused)."""
-    t: dict[str, torch.Tensor] = {}
-    for p in precision.parts:
-        raw = torch.frombuffer(payload, dtype=torch.uint8, count=p.nbytes, offset=p.offset).clone()
-        t[p.name] = raw.view(_DTYPES[p.dtype]).reshape(p.shape)
+def blob_tensor(payload: memoryview) -> torch.Tensor:
+    """A private CPU copy of a blob's bytes (the pool buffer behind ``payload`` is about to be reused)."""
+    return torch.frombuffer(payload, dtype=torch.uint8).clone()
+
+
+def decode_expert(blob: torch.Tensor | memoryview, precision: Precision, dtype: torch.dtype,
+                  device: torch.device | str | None = None) -> ExpertWeights | QuantizedExpert:
+    """Turn a blob into a callable expert on ``device`` (default: where ``blob`` is).
+
+    ``blob`` is a uint8 tensor holding the blob (on the CPU, or already copied to the GPU) or a
+    memoryview of a pool buffer, which is copied out first. Parts are views into it, decoded in place.
+    """
+    if isinstance(blob, memoryview):
+        blob = blob_tensor(blob)
+    device = torch.device(device) if device is not None else blob.device
+    blob = blob.to(device, non_blocking=True)
+    t = {p.name: blob[p.offset : p.offset + p.nbytes].view(_DTYPES[p.dtype]).reshape(p.shape)
+         for p in precision.parts}
     if precision.spec is None:
-        return ExpertWeights(*(t[f"{m}.weight"].to(device=device, dtype=dtype) for m in MATRICES))
+        return ExpertWeights(*(t[f"{m}.weight"].to(dtype) for m in MATRICES))
     spec = precision.spec
     lins = [QuantizedLinear.from_packed(t[f"{m}.codes"], t[f"{m}.scale"], t.get(f"{m}.zero"), spec, device)
             for m in MATRICES]

@@ -5,7 +5,7 @@ Every predictor answers ``predict(layer, h)``; stateful ones also learn from ``o
 and forget a request on ``reset()`` (no-ops on the others).
 """
 
-from .activation_path import ActivationPath
+from .activation_path import ActivationPathPredictor
 from .base import EMBEDDING, Prediction, Predictor, next_moe_layers
 from .cross_layer_gate import CrossLayerGate
 from .learned import LearnedPredictor, OnnxPredictor, train_learned
@@ -14,7 +14,7 @@ from .token_popularity import TokenPopularity
 
 __all__ = [
     "EMBEDDING",
-    "ActivationPath",
+    "ActivationPathPredictor",
     "CallRecorder",
     "CrossLayerGate",
     "LearnedPredictor",

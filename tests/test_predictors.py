@@ -115,3 +115,21 @@ def test_prediction_helpers():
     assert torch.equal(p.for_layer(5), p.scores[1])
     assert p.topk(10).shape == (2, 1, 3)
     assert p.topk(1).flatten().tolist() == [1, 0]
+
+
+def test_trace_rows_popularity_and_token_ids(model, trace):
+    assert trace.token_ids is not None and trace.token_ids.shape == (trace.tokens,)
+    tail = trace.rows(trace.tokens - 10)
+    assert tail.tokens == 10 and torch.equal(tail.expert_ids[3], trace.expert_ids[3][-10:])
+    assert torch.equal(tail.gate_inputs[0], trace.gate_inputs[0][-10:]) and torch.equal(tail.inputs(-1), tail.token_ids)
+    pop = trace.popularity()
+    assert sorted(pop) == [0, 1, 3] and all(sum(c) == trace.tokens * trace.top_k for c in pop.values())
+    assert pop[1] == torch.bincount(trace.expert_ids[1].flatten(), minlength=8).tolist()
+
+
+def test_stacked_matrix_is_what_predict_uses(model):
+    gate = CrossLayerGate.from_model(model, lookahead=2, norm_variant=True)
+    h = torch.randn(3, 32)
+    w = gate.stacked(0)
+    assert w.shape == (2 * 8, 32) and gate.stacked(3).shape == (0, 32)
+    torch.testing.assert_close(torch.softmax((h @ w.T).view(3, 2, 8), -1).transpose(0, 1), gate.predict(0, h).scores)

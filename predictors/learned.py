@@ -1,0 +1,397 @@
+"""Small learned expert predictors, trained on calibration traces and run by torch or onnxruntime.
+
+Per source MoE layer i, a model reads layer i's gate input h_i [N, H] and scores the experts of the next
+p MoE layers at once ([P·E] logits), in one of two kinds:
+
+* ``linear``:  logits = W·h + b, with W [P·E, H] initialised from the next p stacked routers, i.e. it
+  starts as exactly Fate's cross-layer gate (WWW'26, arXiv 2502.12224; stacked lookahead as in HOBBIT,
+  arXiv 2411.01433) and training only corrects it;
+* ``lowrank``: the same linear term plus a residual low-rank MLP, U·silu(D·h + c) with D [r, H], U [P·E, r];
+  U starts at zero so the untrained model is again the cross-layer gate.
+
+Training (``train_learned``) fits each source layer to the true top-k experts of its targets from a
+:class:`~predictors.evaluate.Trace`: softmax cross-entropy against the k-hot target spread evenly over the
+true experts (``loss="ce"``, scores are softmax probabilities like the router's) or multi-label BCE
+(``loss="bce"``, scores are sigmoids). Training stops once neither the validation loss nor the validation
+exact top-k match has improved for ``patience`` epochs, and keeps the epoch with the best validation exact
+match (the untrained gate, epoch 0, included), so on validation it never falls below the cross-layer gate.
+
+A trained predictor is saved as ``learned-<kind>-p<p>.safetensors`` + ``learned-<kind>-p<p>.json`` (the
+manifest: architecture, training data size, metrics) and exported to ONNX, one small graph per source
+layer (h [N, H] → probabilities [P, N, E]); :class:`OnnxPredictor` runs those with onnxruntime's CPU provider.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import logging
+import math
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import Prediction, Predictor, next_moe_layers
+from .cross_layer_gate import CrossLayerGate
+from .evaluate import Trace
+
+FORMAT = "fate-edge/learned-predictor"
+VERSION = 1
+KINDS = ("linear", "lowrank")
+LOSSES = ("ce", "bce")
+
+
+def manifest_path(directory: str | Path, kind: str, lookahead: int) -> Path:
+    """Where a predictor of ``kind`` and lookahead ``p`` lives in ``directory`` (its JSON manifest)."""
+    return Path(directory) / f"learned-{kind}-p{lookahead}.json"
+
+
+class SourceModel(nn.Module):
+    """Logits [N, P·E] for one source layer: W·h + b, plus U·silu(D·h + c) when ``rank`` > 0."""
+
+    def __init__(self, weight: torch.Tensor, rank: int = 0, seed: int = 0):
+        super().__init__()
+        out, hidden = weight.shape
+        self.weight = nn.Parameter(weight.detach().float().clone())  # [P·E, H]
+        self.bias = nn.Parameter(torch.zeros(out))
+        self.rank = rank
+        if rank:
+            gen = torch.Generator().manual_seed(seed)
+            self.down = nn.Parameter(torch.randn(rank, hidden, generator=gen) / math.sqrt(hidden))  # [r, H]
+            self.down_bias = nn.Parameter(torch.zeros(rank))
+            self.up = nn.Parameter(torch.zeros(out, rank))  # [P·E, r], zero: starts as the linear init
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(h, self.weight, self.bias)
+        if self.rank:
+            logits = logits + F.linear(F.silu(F.linear(h, self.down, self.down_bias)), self.up)
+        return logits
+
+
+class _ScoreGraph(nn.Module):
+    """h [N, H] → scores [P, N, E]: what one source layer's ONNX graph computes."""
+
+    def __init__(self, model: SourceModel, num_experts: int, loss: str):
+        super().__init__()
+        self.model, self.num_experts, self.loss = model, num_experts, loss
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.model(h)
+        logits = logits.reshape(h.shape[0], -1, self.num_experts).transpose(0, 1)  # [P, N, E]
+        return torch.softmax(logits, dim=-1) if self.loss == "ce" else torch.sigmoid(logits)
+
+
+class LearnedPredictor(Predictor):
+    """Per source MoE layer, a :class:`SourceModel` scoring the next p MoE layers (see the module docstring).
+
+    ``lookahead`` may be smaller than the trained p: the nearer targets are returned, the rest dropped.
+    Layers without a model (dense layers, the last MoE layer) predict nothing.
+    """
+
+    def __init__(
+        self,
+        models: dict[int, SourceModel],
+        moe_layers: list[int],
+        num_experts: int,
+        trained_lookahead: int,
+        kind: str = "linear",
+        loss: str = "ce",
+        lookahead: int | None = None,
+        meta: dict[str, Any] | None = None,
+    ):
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
+        if loss not in LOSSES:
+            raise ValueError(f"loss must be one of {LOSSES}, not {loss!r}")
+        lookahead = trained_lookahead if lookahead is None else lookahead
+        if lookahead > trained_lookahead:
+            raise ValueError(f"lookahead {lookahead} exceeds the trained lookahead {trained_lookahead}")
+        super().__init__(moe_layers, lookahead)
+        self.models = {int(i): m.eval() for i, m in models.items()}
+        self.num_experts = num_experts
+        self.trained_lookahead = trained_lookahead
+        self.kind, self.loss = kind, loss
+        self.meta: dict[str, Any] = dict(meta or {})
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_gate(cls, gate: CrossLayerGate, kind: str = "linear", rank: int = 64, seed: int = 0) -> LearnedPredictor:
+        """Untrained: every source layer starts from ``gate``'s stacked next-p routers (the norm variant's
+        rescaled rows if ``gate`` has norms), so it scores exactly as the gate does (softmax routers)."""
+        rank = rank if kind == "lowrank" else 0
+        models = {}
+        for layer in gate.moe_layers:
+            if gate.targets(layer):
+                models[layer] = SourceModel(gate.stacked(layer), rank, seed + layer)
+        init = "cross-layer-gate-norm" if gate.norms is not None else "cross-layer-gate"
+        meta = {"init": init, "rank": rank}
+        return cls(models, gate.moe_layers, gate.num_experts, gate.lookahead, kind, "ce", meta=meta)
+
+    # --------------------------------------------------------------------- inference
+    def logits(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """Raw logits [P_trained, N, E] of ``layer``'s model (differentiable; for training)."""
+        logits = self.models[layer](h.float())
+        return logits.view(h.shape[0], -1, self.num_experts).transpose(0, 1)
+
+    def predict(self, layer: int, h: torch.Tensor) -> Prediction:
+        targets = self.targets(layer)
+        if not targets or layer not in self.models:
+            return self.empty(h.shape[0], self.num_experts)
+        with torch.no_grad():
+            logits = self.logits(layer, h)[: len(targets)]
+        scores = torch.softmax(logits, dim=-1) if self.loss == "ce" else torch.sigmoid(logits)
+        return Prediction(targets, scores)
+
+    # ------------------------------------------------------------------- persistence
+    def manifest(self) -> dict[str, Any]:
+        any_model = next(iter(self.models.values()))
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "kind": self.kind,
+            "loss": self.loss,
+            "activation": "silu",
+            "rank": any_model.rank,
+            "lookahead": self.trained_lookahead,
+            "hidden_size": any_model.weight.shape[1],
+            "num_experts": self.num_experts,
+            "moe_layers": self.moe_layers,
+            "sources": {str(i): list(next_moe_layers(self.moe_layers, i, self.trained_lookahead)) for i in self.models},
+            **{k: v for k, v in self.meta.items() if k not in ("rank",)},
+        }
+
+    def save(self, directory: str | Path, onnx: bool = True) -> Path:
+        """Write ``learned-<kind>-p<p>.safetensors``, the JSON manifest and (``onnx``) one ONNX graph per
+        source layer into ``directory``; returns the manifest's path."""
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        path = manifest_path(directory, self.kind, self.trained_lookahead)
+        tensors = {f"{i}.{name}": p.detach().contiguous() for i, m in self.models.items()
+                   for name, p in m.named_parameters()}
+        save_file(tensors, str(path.with_suffix(".safetensors")))
+        manifest = self.manifest()
+        manifest["weights"] = path.with_suffix(".safetensors").name
+        manifest.pop("onnx", None)
+        if onnx:
+            manifest["onnx"] = {str(i): self.export_onnx(i, path.with_name(f"{path.stem}.layer{i}.onnx")).name
+                                for i in self.models}
+        path.write_text(json.dumps(manifest, indent=1))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path, lookahead: int | None = None) -> LearnedPredictor:
+        """Load from a manifest written by :meth:`save`."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        manifest = read_manifest(path)
+        tensors = load_file(str(path.with_name(manifest["weights"])))
+        models = {}
+        for src in manifest["sources"]:
+            w = tensors[f"{src}.weight"]
+            model = SourceModel(w, manifest["rank"])
+            model.load_state_dict({k.split(".", 1)[1]: v for k, v in tensors.items() if k.split(".", 1)[0] == src})
+            models[int(src)] = model
+        meta = {k: manifest[k] for k in ("init", "training", "metrics") if k in manifest}
+        return cls(models, manifest["moe_layers"], manifest["num_experts"], manifest["lookahead"],
+                   manifest["kind"], manifest["loss"], lookahead, meta)
+
+    def export_onnx(self, layer: int, path: str | Path) -> Path:
+        """One graph for ``layer``: input ``h`` [N, H] float32 (N dynamic) → output ``scores`` [P, N, E]."""
+        path = Path(path)
+        graph = _ScoreGraph(self.models[layer], self.num_experts, self.loss).eval()
+        example = torch.zeros(2, self.models[layer].weight.shape[1])
+        dynamo = importlib.util.find_spec("onnxscript") is not None  # the torch.export-based exporter needs it
+        kw: dict[str, Any] = {"dynamic_axes": {"h": {0: "n"}, "scores": {1: "n"}}}
+        if dynamo:
+            kw = {"dynamic_shapes": {"h": {0: torch.export.Dim("n", min=1)}}, "verbose": False, "external_data": False}
+        with _quiet_export():
+            torch.onnx.export(graph, (example,), str(path), input_names=["h"], output_names=["scores"],
+                              dynamo=dynamo, **kw)
+        return path
+
+
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a learned-predictor manifest (format {manifest.get('format')!r})")
+    if manifest.get("version", 0) > VERSION:
+        raise ValueError(f"{path}: manifest version {manifest['version']} is newer than this code ({VERSION})")
+    return manifest
+
+
+@contextlib.contextmanager
+def _quiet_export():
+    """The exporters log progress and deprecation noise that says nothing about our graphs."""
+    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "onnxscript")]
+    levels = [lg.level for lg in loggers]
+    try:
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+class OnnxPredictor(Predictor):
+    """A saved :class:`LearnedPredictor` run by onnxruntime (CPU provider), one session per source layer."""
+
+    def __init__(self, path: str | Path, lookahead: int | None = None, threads: int = 1):
+        import onnxruntime as ort
+
+        path = Path(path)
+        manifest = read_manifest(path)
+        if "onnx" not in manifest:
+            raise ValueError(f"{path}: no ONNX graphs were exported (save with onnx=True)")
+        lookahead = manifest["lookahead"] if lookahead is None else lookahead
+        if lookahead > manifest["lookahead"]:
+            raise ValueError(f"lookahead {lookahead} exceeds the trained lookahead {manifest['lookahead']}")
+        super().__init__(manifest["moe_layers"], lookahead)
+        self.num_experts = manifest["num_experts"]
+        self.kind = manifest["kind"]
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+        opts.log_severity_level = 3
+        self.sessions = {
+            int(src): ort.InferenceSession(str(path.with_name(name)), opts, providers=["CPUExecutionProvider"])
+            for src, name in manifest["onnx"].items()
+        }
+
+    def predict(self, layer: int, h: torch.Tensor) -> Prediction:
+        targets = self.targets(layer)
+        if not targets or layer not in self.sessions:
+            return self.empty(h.shape[0], self.num_experts)
+        x = h.detach().to(torch.float32).contiguous().numpy()
+        (scores,) = self.sessions[layer].run(None, {"h": x})
+        return Prediction(targets, torch.from_numpy(scores[: len(targets)]))
+
+
+# ---------------------------------------------------------------------------------------------- training
+@dataclass
+class TrainConfig:
+    kind: str = "linear"  # linear | lowrank
+    rank: int = 64  # low-rank width r (lowrank only)
+    loss: str = "ce"  # ce: softmax cross-entropy on the k-hot target / k; bce: multi-label sigmoid
+    epochs: int = 30  # upper bound; early stopping usually ends sooner
+    patience: int = 3  # epochs improving neither validation loss nor exact match before stopping
+    lr: float = 3e-3  # AdamW
+    weight_decay: float = 0.0
+    batch_size: int = 256
+    val_fraction: float = 0.1  # contiguous tail of the training trace, when no validation trace is given
+    seed: int = 0
+
+
+def _khot(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[N, k] expert ids → [N, E] float 0/1."""
+    return torch.zeros(ids.shape[0], num_experts).scatter_(1, ids, 1.0)
+
+
+def _loss(logits: torch.Tensor, y: torch.Tensor, loss: str) -> torch.Tensor:
+    """logits, y [P, N, E] (y k-hot) → mean loss per token and target layer."""
+    if loss == "ce":
+        return -(y / y.sum(-1, keepdim=True) * F.log_softmax(logits, dim=-1)).sum(-1).mean()
+    return F.binary_cross_entropy_with_logits(logits, y, reduction="none").sum(-1).mean()
+
+
+@torch.no_grad()
+def _score(pred: LearnedPredictor, layer: int, h: torch.Tensor, ids: torch.Tensor, y: torch.Tensor,
+           loss: str) -> tuple[float, float, float]:
+    """(exact top-k, recall@k, loss) on validation rows; ids [P, N, k], y [P, N, E]."""
+    logits = pred.logits(layer, h)
+    k = ids.shape[-1]
+    top = logits.topk(k, dim=-1).indices  # [P, N, k]
+    hits = (top[..., :, None] == ids[..., None, :]).any(-2)  # [P, N, k]
+    return hits.all(-1).float().mean().item(), hits.float().mean().item(), _loss(logits, y, loss).item()
+
+
+def train_learned(
+    gate: CrossLayerGate,
+    train: Trace,
+    val: Trace | None = None,
+    config: TrainConfig | None = None,
+    progress: bool = True,
+) -> LearnedPredictor:
+    """Initialise from ``gate`` (its lookahead is the trained p) and fit every source layer on ``train``;
+    early-stop on ``val`` (default: the last ``val_fraction`` of ``train``'s rows)."""
+    from tqdm.auto import tqdm
+
+    cfg = config or TrainConfig()
+    if cfg.kind not in KINDS or cfg.loss not in LOSSES:
+        raise ValueError(f"kind must be one of {KINDS} and loss one of {LOSSES}")
+    if val is None:
+        cut = train.tokens - max(1, round(cfg.val_fraction * train.tokens))
+        train, val = train.rows(0, cut), train.rows(cut)
+    pred = LearnedPredictor.from_gate(gate, cfg.kind, cfg.rank, cfg.seed)
+    pred.loss = cfg.loss
+    e = gate.num_experts
+    sources = [i for i in pred.models if i in train.gate_inputs and all(t in train.expert_ids for t in pred.targets(i))]
+    pred.models = {i: pred.models[i] for i in sources}
+    t0 = time.time()
+    per_layer: dict[str, Any] = {}
+    gen = torch.Generator().manual_seed(cfg.seed)
+    bar = tqdm(total=len(sources) * cfg.epochs, desc=f"learned {cfg.kind} p{gate.lookahead}", disable=not progress,
+               unit="epoch", leave=False)
+    for layer in sources:
+        targets = pred.targets(layer)
+        h = train.gate_inputs[layer].float()
+        y = torch.stack([_khot(train.expert_ids[t], e) for t in targets])  # [P, N, E]
+        vh = val.gate_inputs[layer].float()
+        vids = torch.stack([val.expert_ids[t] for t in targets])  # [P, Nv, k]
+        vy = torch.stack([_khot(val.expert_ids[t], e) for t in targets])
+        model = pred.models[layer].train()
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        first = _score(pred, layer, vh, vids, vy, cfg.loss)
+        best, best_epoch = first, 0
+        best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        best_loss, last_gain = first[2], 0  # patience counts epochs improving neither exact match nor loss
+        epoch = 0
+        for epoch in range(1, cfg.epochs + 1):
+            order = torch.randperm(h.shape[0], generator=gen)
+            for s in range(0, h.shape[0], cfg.batch_size):
+                idx = order[s : s + cfg.batch_size]
+                logits = model(h[idx]).view(len(idx), len(targets), e).transpose(0, 1)
+                loss = _loss(logits, y[:, idx], cfg.loss)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+            score = _score(pred, layer, vh, vids, vy, cfg.loss)
+            bar.update(1)
+            bar.set_postfix(layer=layer, val_exact=f"{score[0]:.3f}", best=f"{best[0]:.3f}")
+            if (score[0], score[1], -score[2]) > (best[0], best[1], -best[2]):
+                best, best_epoch, last_gain = score, epoch, epoch
+                best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            if score[2] < best_loss - 1e-4:
+                best_loss, last_gain = score[2], epoch
+            if epoch - last_gain >= cfg.patience:
+                break
+        bar.update(cfg.epochs - epoch)
+        model.load_state_dict(best_state)
+        model.eval()
+        per_layer[str(layer)] = {
+            "targets": list(targets), "epochs": epoch, "best_epoch": best_epoch,
+            "val_exact_init": first[0], "val_exact": best[0],
+            "val_recall_init": first[1], "val_recall": best[1],
+            "val_loss_init": first[2], "val_loss": best[2],
+        }
+    bar.close()
+    pred.meta["training"] = {
+        "config": asdict(cfg) | {"rank": pred.meta.get("rank", 0)},
+        "train_tokens": train.tokens, "val_tokens": val.tokens, "seconds": round(time.time() - t0, 2),
+    }
+    pred.meta["metrics"] = {"validation": per_layer}
+    return pred

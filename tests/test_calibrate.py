@@ -1,0 +1,88 @@
+"""fate_edge/calibrate.py: ``fate-edge calibrate`` end to end on the tiny random model and a tiny corpus."""
+
+import argparse
+import json
+
+import pytest
+import torch
+from _tiny_moe import CORPUS, build_tiny_moe
+
+from fate_edge.calibrate import CalibrateOptions, CalibrationError, add_calibrate_parser, calibrate, load_popularity
+from predictors import ActivationPathPredictor, LearnedPredictor, OnnxPredictor, TokenPopularity
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("calibrate")
+    model_dir = build_tiny_moe(root / "tiny-moe")
+    corpus = root / "corpus.txt"
+    corpus.write_text("".join(CORPUS))
+    return model_dir, corpus
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(prog="fate-edge")
+    add_calibrate_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(argv)
+
+
+def test_calibrate_command_end_to_end(tiny, tmp_path, capsys):
+    model_dir, corpus = tiny
+    args = parse(["calibrate", str(model_dir), "--corpus", str(corpus), "--tokens", "2048", "--seq-len", "64",
+                  "--lookahead", "2", "--rank", "8", "--epochs", "5", "--out", str(tmp_path), "--quiet"])
+    assert args.func(args) == 0
+    printed = capsys.readouterr().out
+    assert "| learned-lowrank | 0 → 1 |" in printed and "| token-popularity | tok → 0 |" in printed
+
+    report = json.loads((tmp_path / "calibration.json").read_text())
+    k = report["k"]
+    assert report["widths"] == list(range(k, k + 5)) and report["lookahead"] == 2
+    assert report["bytes_per_expert"] == 3 * 32 * 16 * 2  # 3·H·I·2 (bf16)
+    names = {"cross-layer-gate", "cross-layer-gate-norm", "learned-linear", "learned-lowrank", "token-popularity"}
+    assert set(report["predictors"]) == names
+    for name in names - {"token-popularity"}:
+        rows = report["predictors"][name]["rows"]
+        assert {(r["source"], r["target"], r["distance"]) for r in rows} == {(0, 1, 1), (0, 3, 2), (1, 3, 1)}
+        for r in rows:
+            recalls = [r["recall"][str(w)] for w in report["widths"]]
+            assert recalls == sorted(recalls) and 0 <= r["exact"] <= recalls[0]
+            assert r["tokens"] == report["corpus"]["heldout_tokens"]
+        assert [m["distance"] for m in report["predictors"][name]["mean"]] == [1, 2]
+    (tok_row,) = report["predictors"]["token-popularity"]["rows"]
+    assert (tok_row["source"], tok_row["target"]) == (-1, 0)
+
+    pred_dir = model_dir / "predictors"  # default: next to the model
+    popularity = load_popularity(pred_dir / "popularity.json")
+    assert sorted(popularity) == [0, 1, 3]
+    assert all(sum(c) == report["corpus"]["train_tokens"] * k for c in popularity.values())
+    ActivationPathPredictor([0, 1, 3], 8, popularity=popularity)  # seeds the activation-path baseline
+    assert TokenPopularity.load(pred_dir / "token-popularity.safetensors").targets(-1) == (0,)
+    for kind in ("linear", "lowrank"):
+        path = pred_dir / f"learned-{kind}-p2.json"
+        manifest = json.loads(path.read_text())
+        assert manifest["training"]["train_tokens"] + manifest["training"]["val_tokens"] == \
+            report["corpus"]["train_tokens"]
+        assert len(manifest["metrics"]["heldout"]) == 3
+        h = torch.randn(3, 32)
+        onnx, torch_ = OnnxPredictor(path).predict(0, h), LearnedPredictor.load(path).predict(0, h)
+        torch.testing.assert_close(onnx.scores, torch_.scores, atol=1e-5, rtol=0)
+
+
+def test_calibrate_needs_a_corpus_for_other_models(tiny, tmp_path):
+    model_dir, corpus = tiny
+    with pytest.raises(CalibrationError, match="--corpus"):
+        calibrate(model_dir, CalibrateOptions(predictors_dir=tmp_path))
+    with pytest.raises(CalibrationError, match="fewer than 2 windows"):
+        calibrate(model_dir, CalibrateOptions(corpus=corpus, seq_len=4096, predictors_dir=tmp_path, progress=False))
+    with pytest.raises(CalibrationError, match="heldout-fraction"):
+        calibrate(model_dir, CalibrateOptions(corpus=corpus, heldout_fraction=1.0, predictors_dir=tmp_path))
+    with pytest.raises(CalibrationError, match="no such corpus"):
+        calibrate(model_dir, CalibrateOptions(corpus=tmp_path / "missing.txt", predictors_dir=tmp_path))
