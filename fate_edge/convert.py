@@ -78,6 +78,8 @@ def convert(model_dir: str | Path, out_dir: str | Path, opts: ConvertOptions | N
         for f in AUX_FILES:
             if (model_dir / f).exists():
                 shutil.copy2(model_dir / f, tmp / f)
+        if (model_dir / "predictors").is_dir():  # calibrated predictors travel with the model
+            shutil.copytree(model_dir / "predictors", tmp / "predictors")
         resident = {n: reader.get(n) for n in resident_weight_names(cfg, reader)}
         save_file(resident, str(tmp / "resident.safetensors"), metadata={"format": "pt"})
         del resident

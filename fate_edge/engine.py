@@ -206,30 +206,53 @@ class Engine:
                            cfg.num_experts, future)
 
     def _make_predictor(self):
-        p, model = self.policy, self.model
-        if p.predictor is None:
+        name = self.policy.predictor
+        if name is None:
             return None
-        if p.predictor in ("cross-layer", "cross-layer-norm"):
+        if name == "best-available":  # learned if the model was calibrated, else the norm-aware gate
+            try:
+                return self._predictor("learned")
+            except FateEdgeError:
+                return self._predictor("cross-layer-norm")
+        return self._predictor(name)
+
+    def _predictor(self, name: str):
+        p, model, cfg = self.policy, self.model, self.model.config
+        found = self.store.path / "predictors"
+        if name in ("cross-layer", "cross-layer-norm"):
             from predictors.cross_layer_gate import CrossLayerGate
 
-            return CrossLayerGate.from_model(model, lookahead=p.lookahead, norm_variant=p.predictor.endswith("norm"))
-        if p.predictor == "activation-path":
+            return CrossLayerGate.from_model(model, lookahead=p.lookahead, norm_variant=name.endswith("norm"))
+        if name in ("learned", "learned-onnx"):
+            from predictors.learned import LearnedPredictor, OnnxPredictor
+
+            for kind in ("lowrank", "linear"):
+                paths = [f for f in sorted(found.glob(f"learned-{kind}-p*.json"))
+                         if int(f.stem.rsplit("p", 1)[1]) >= p.lookahead]
+                if paths:
+                    if name == "learned-onnx":
+                        return OnnxPredictor(paths[0], lookahead=p.lookahead)
+                    return LearnedPredictor.load(paths[0], lookahead=p.lookahead)
+            raise FateEdgeError(
+                f"policy '{p.name}' uses learned predictors but {found} has none with lookahead >= {p.lookahead}; "
+                f"run `fate-edge calibrate MODEL --lookahead {p.lookahead}`, then use the model again"
+            )
+        if name == "activation-path":
             from predictors.activation_path import ActivationPathPredictor
 
             popularity = None
-            pop_file = self.store.path / "predictors" / "popularity.json"
-            if pop_file.exists():
+            if (found / "popularity.json").exists():
                 from .calibrate import load_popularity
 
-                popularity = load_popularity(pop_file)
-            return ActivationPathPredictor(model.config.moe_layers, model.config.num_experts,
-                                           lookahead=p.lookahead, popularity=popularity)
-        if p.predictor == "oracle":
+                popularity = load_popularity(found / "popularity.json")
+            return ActivationPathPredictor(cfg.moe_layers, cfg.num_experts, lookahead=p.lookahead,
+                                           popularity=popularity)
+        if name == "oracle":
             from predictors.oracle import OraclePredictor
 
-            return OraclePredictor(self.trace.calls, model.config.moe_layers, lookahead=p.lookahead,
-                                   num_experts=model.config.num_experts)
-        raise FateEdgeError(f"unknown predictor '{p.predictor}'")
+            return OraclePredictor(self.trace.calls, cfg.moe_layers, lookahead=p.lookahead,
+                                   num_experts=cfg.num_experts)
+        raise FateEdgeError(f"unknown predictor '{name}'")
 
     @classmethod
     def load(

@@ -15,7 +15,8 @@ class PolicyConfig:
     cache: bool = True  # False: load-on-demand, nothing kept beyond the layer being computed
     allocation: str = "uniform"  # uniform | shallow (Fate) | cost-aware | global (one partition)
     eviction: str = "lru"  # lru | lfu | arc | popularity | lcu | belady
-    predictor: str | None = None  # None | cross-layer | cross-layer-norm | learned | activation-path | oracle
+    # None | cross-layer | cross-layer-norm | learned | learned-onnx | best-available | activation-path | oracle
+    predictor: str | None = None
     lookahead: int = 1  # MoE layers ahead to prefetch
     prefetch_width: int | str = "fate"  # int, "fate" (reads that fit in one layer's compute), or "mass"
     prefetch_mass: float = 0.9  # "mass": smallest set whose predicted probability reaches this
@@ -49,7 +50,7 @@ PRESETS: dict[str, PolicyConfig] = {
     "oracle": PolicyConfig("oracle", allocation="global", eviction="belady", predictor="oracle", lookahead=1,
                            prefetch_width=64),
     # Ours: see README "Policies" for how this was chosen (measured by scripts/bench.py).
-    "fate-edge": PolicyConfig("fate-edge", allocation="shallow", eviction="lfu", predictor="cross-layer-norm",
+    "fate-edge": PolicyConfig("fate-edge", allocation="shallow", eviction="lfu", predictor="best-available",
                               lookahead=2, prefetch_width="mass", prefetch_mass=0.9, max_prefetch_width=6),
 }
 

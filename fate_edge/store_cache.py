@@ -23,7 +23,7 @@ def ensure_store(model_dir: str | Path, bits: int = 4, cold_bits: int | None = 2
         return model_dir
     # Key the cached store by the source's path, weight-file sizes and times, and the precisions.
     h = hashlib.sha256(str(model_dir.resolve()).encode())
-    for f in sorted(model_dir.glob("*.safetensors")):
+    for f in sorted([*model_dir.glob("*.safetensors"), *model_dir.glob("predictors/*")]):
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     h.update(f"{bits}/{cold_bits}".encode())
