@@ -163,7 +163,7 @@ class Engine:
                 raise FateEdgeError(f"policy '{self.policy.name}' needs int{bits} experts but {store_dir} holds "
                                     f"{self.store.bits_available}; re-run fate-edge convert with --bits {bits}")
         self.budget = parse_bytes(memory_budget)
-        self.model = load_model(store_dir, dtype=self.dtype, experts=_NoExperts())
+        self.model = load_model(store_dir, dtype=self.dtype, experts=_NoExperts(), device=device)
         self.tokenizer = Tokenizer(store_dir)
         self.link = link
         if self.policy.predictor == "oracle" and trace is None:
@@ -172,7 +172,9 @@ class Engine:
         self.plan = self._plan_budget(max_inflight_prefetches)
         bits_used = [b for b in (self.policy.bits, self.policy.cold_bits) if b in self.store.precisions]
         slot = max(self.store.precisions[b].slot_bytes for b in bits_used)
-        self.fetch = FetchEngine(BufferPool(self.plan.pool_buffers, slot), workers=workers, link=link)
+        # On a GPU, staging buffers are pinned so copies to the device are asynchronous DMA.
+        pool = BufferPool(self.plan.pool_buffers, slot, pinned=device.startswith("cuda"))
+        self.fetch = FetchEngine(pool, workers=workers, link=link)
         self.cache = self._make_cache()
         self.scheduler = Scheduler(self.model.config, self.store, self.fetch, self.cache, self.policy,
                                    self._make_predictor(), self.dtype, device,

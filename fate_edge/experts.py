@@ -32,6 +32,11 @@ class ExpertWeights:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.gate, self.up, self.down))
 
+    def to(self, device: str | torch.device) -> ExpertWeights:
+        if self.gate.device == torch.device(device):
+            return self
+        return ExpertWeights(self.gate.to(device), self.up.to(device), self.down.to(device))
+
 
 class QuantizedExpert:
     """A SwiGLU expert whose three matrices are quantized (see ``quant.linear``)."""
@@ -110,8 +115,10 @@ class InMemoryExpertProvider:
         self.experts = experts
 
     @classmethod
-    def from_layouts(cls, layouts: dict[int, ExpertLayout], num_experts: int, dtype: torch.dtype):
-        return cls({(layer, e): lay.read(e, dtype) for layer, lay in layouts.items() for e in range(num_experts)})
+    def from_layouts(cls, layouts: dict[int, ExpertLayout], num_experts: int, dtype: torch.dtype,
+                     device: str | torch.device = "cpu"):
+        return cls({(layer, e): lay.read(e, dtype).to(device) for layer, lay in layouts.items()
+                    for e in range(num_experts)})
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
         return self.experts[(layer, expert)]
@@ -124,14 +131,15 @@ class CheckpointExpertProvider:
     again (the OS page cache may still serve it; the fetch engine of the store path controls that).
     """
 
-    def __init__(self, layouts: dict[int, ExpertLayout], dtype: torch.dtype):
+    def __init__(self, layouts: dict[int, ExpertLayout], dtype: torch.dtype, device: str | torch.device = "cpu"):
         self.layouts = layouts
         self.dtype = dtype
+        self.device = device
         self.reads = 0
         self.bytes_read = 0
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
-        w = self.layouts[layer].read(expert, self.dtype)
+        w = self.layouts[layer].read(expert, self.dtype).to(self.device)
         self.reads += 1
         self.bytes_read += w.nbytes
         return w

@@ -85,6 +85,7 @@ def load_model(
     experts: str | ExpertProvider = "memory",
     bits: int | None = None,
     link: ThrottledLink | None = None,
+    device: str | torch.device = "cpu",
 ) -> MoETransformer:
     """Load a Hugging Face model directory or an expert store.
 
@@ -97,22 +98,22 @@ def load_model(
         from .store import ExpertStore
         from .store_provider import StoreExpertProvider
 
-        experts = StoreExpertProvider(ExpertStore(model_dir), bits=bits, dtype=dtype, link=link)
+        experts = StoreExpertProvider(ExpertStore(model_dir), bits=bits, dtype=dtype, link=link, device=str(device))
     config = load_config(model_dir)
     reader = CheckpointReader(model_dir)
     names = layer_names(config, reader)
     resident = {}
     for name in resident_weight_names(config, reader):
-        resident[name] = reader.get(name, torch.float32 if name.endswith(_FP32_SUFFIXES) else dtype)
+        resident[name] = reader.get(name, torch.float32 if name.endswith(_FP32_SUFFIXES) else dtype).to(device)
     for required in required_tensors(config, names):
         if required not in resident:
             reader.get(required)  # raises MissingTensorError naming the tensor
     if isinstance(experts, str):
         layouts = {i: ExpertLayout(reader, names[i].mlp) for i in config.moe_layers}
         if experts == "memory":
-            experts = InMemoryExpertProvider.from_layouts(layouts, config.num_experts, dtype)
+            experts = InMemoryExpertProvider.from_layouts(layouts, config.num_experts, dtype, device)
         elif experts == "lazy":
-            experts = CheckpointExpertProvider(layouts, dtype)
+            experts = CheckpointExpertProvider(layouts, dtype, device)
         else:
             raise ValueError(f"experts must be 'memory', 'lazy' or an ExpertProvider, not {experts!r}")
     model = MoETransformer(config, resident, experts, names, dtype)

@@ -194,7 +194,7 @@ class MoETransformer:
         cfg = self.config
         start = cache.length
         t = input_ids.shape[1]
-        positions = torch.arange(start, start + t)
+        positions = torch.arange(start, start + t, device=input_ids.device)
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rope.cos_sin(positions, torch.float32 if cfg.rope.float32 else self.dtype)
         attention = self._mla_attention if cfg.mla is not None else self._gqa_attention

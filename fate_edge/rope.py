@@ -92,7 +92,7 @@ class RotaryEmbedding:
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of shape [T, dim] for integer ``positions`` [T]."""
         self._maybe_grow_dynamic(int(positions.max()) + 1)
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, dim/2]
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]  # [T, dim/2]
         emb = torch.cat([freqs, freqs], dim=-1)
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
 

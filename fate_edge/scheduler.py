@@ -21,6 +21,7 @@ from .cache import AccessInfo, ExpertCache
 from .fetch import FetchEngine, FetchRequest, Priority
 from .policy import PolicyConfig
 from .store import ExpertStore, decode_expert
+from .transfer import Copier, make_copier
 
 Key = tuple[int, int]
 
@@ -83,6 +84,7 @@ class Scheduler:
         dtype: torch.dtype = torch.float32,
         device: str = "cpu",
         max_inflight_prefetches: int = 8,
+        copier: Copier | None = None,
     ):
         self.config = config
         self.store = store
@@ -91,7 +93,7 @@ class Scheduler:
         self.policy = policy
         self.predictor = predictor
         self.dtype = dtype
-        self.device = device
+        self.copier = copier or make_copier(device)
         self.max_inflight = max_inflight_prefetches
         self.cold_bits = policy.cold_bits if policy.cold_bits in store.precisions else None
         self.stats = SchedulerStats()
@@ -275,10 +277,13 @@ class Scheduler:
     def _consume(self, layer: int, e: int, f: _Fetch, info: AccessInfo):
         key = (layer, e)
         try:
-            payload = self.fetch.wait(f.req)
-            expert = decode_expert(payload, self.store.precisions[f.bits], self.dtype, self.device)
-        finally:
+            blob, event = self.copier.upload(self.fetch.wait(f.req), demand=not f.prefetched)
+        except BaseException:
             self.fetch.release(f.req)
+            raise
+        # The staging buffer goes back to the pool only once the copy out of it has completed.
+        self.copier.release_after(event, lambda req=f.req: self.fetch.release(req))
+        expert = decode_expert(blob, self.store.precisions[f.bits], self.dtype)
         nbytes = f.req.ref.length
         if f.req.read_s > 0:
             bw = nbytes / f.req.read_s
@@ -300,6 +305,7 @@ class Scheduler:
         return expert
 
     def end_layer(self, layer: int) -> None:
+        self.copier.poll()
         if self.cache is not None:
             for key in self.in_use:
                 self.cache.unpin(key)

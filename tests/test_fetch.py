@@ -93,11 +93,13 @@ def test_demand_overtakes_queued_prefetches(blob_file):
 
 def test_cancelled_prefetch_does_no_io_after_cancellation(blob_file):
     _, refs = blob_file
-    slow = ThrottledLink(LinkSpec("slow", bandwidth_bytes_per_s=1_000_000))  # 64 KB takes ~65 ms
+    slow = ThrottledLink(LinkSpec("slow", bandwidth_bytes_per_s=100_000))  # 64 KB takes ~0.65 s, 41 ms a chunk
     with FetchEngine(BufferPool(4, BLOB), workers=1, link=slow, chunk_bytes=ALIGN) as eng:
         reading = eng.submit(refs[0], Priority.AHEAD)
         queued = eng.submit(refs[1], Priority.AHEAD)
-        time.sleep(0.02)  # the first is part way through its 16 chunks
+        deadline = time.time() + 10
+        while reading.bytes_read == 0 and time.time() < deadline:  # wait until it is part way through
+            time.sleep(0.001)
         eng.cancel(reading)
         eng.cancel(queued)
         with pytest.raises(FetchCancelled):

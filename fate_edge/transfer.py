@@ -1,0 +1,111 @@
+"""Moving fetched blobs from host staging buffers to the compute device, with correct synchronisation.
+
+The fetch engine reads a blob into a staging buffer; the scheduler then calls :meth:`Copier.upload`
+and decodes the expert from the tensor it returns. Two implementations share the bookkeeping:
+
+* :class:`CPUCopier`: the blob is copied out of the staging buffer at once, so the buffer can go back
+  to the pool immediately.
+* :class:`CUDACopier`: the copy runs asynchronously on a dedicated copy stream (demand misses on a
+  higher-priority stream than prefetches), records a CUDA event, and the compute stream waits on that
+  event before the expert's first use. The staging buffer returns to the pool only once the event has
+  completed, never while the DMA may still read it. (Fate's reference code had no such event: a kernel
+  could read an expert before its copy landed.)
+
+Buffers whose copies are still in flight stay in :attr:`Copier.in_flight` and count against the budget
+because they belong to the fetch engine's preallocated pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class PendingRelease:
+    event: Any  # object with .query() -> bool (a torch.cuda.Event, or a test double)
+    release: Callable[[], None]
+
+
+class Copier:
+    """Base bookkeeping: staging buffers are released only after their copy's event has completed."""
+
+    device: torch.device
+
+    def __init__(self) -> None:
+        self.in_flight: list[PendingRelease] = []
+        self.uploads = 0
+        self.bytes = 0
+
+    def upload(self, payload: memoryview, demand: bool) -> tuple[torch.Tensor, Any]:
+        """Start moving ``payload`` to the device; returns (device uint8 tensor, completion event or None)."""
+        raise NotImplementedError
+
+    def release_after(self, event: Any, release: Callable[[], None]) -> None:
+        """Run ``release`` (give the staging buffer back) once ``event`` has completed."""
+        if event is None or event.query():
+            release()
+        else:
+            self.in_flight.append(PendingRelease(event, release))
+        self.poll()
+
+    def poll(self) -> int:
+        """Release the buffers whose copies have finished; returns how many are still in flight."""
+        still = []
+        for p in self.in_flight:
+            if p.event.query():
+                p.release()
+            else:
+                still.append(p)
+        self.in_flight = still
+        return len(still)
+
+    def drain(self) -> None:
+        """Wait for every outstanding copy and release its buffer."""
+        for p in self.in_flight:
+            p.event.synchronize()
+            p.release()
+        self.in_flight = []
+
+
+class CPUCopier(Copier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.device = torch.device("cpu")
+
+    def upload(self, payload: memoryview, demand: bool) -> tuple[torch.Tensor, Any]:
+        self.uploads += 1
+        self.bytes += len(payload)
+        return torch.frombuffer(payload, dtype=torch.uint8).clone(), None  # private copy: buffer free at once
+
+
+class CUDACopier(Copier):
+    def __init__(self, device: str | torch.device = "cuda") -> None:
+        super().__init__()
+        self.device = torch.device(device)
+        lo, hi = torch.cuda.Stream.priority_range()  # hi is the numerically lowest = highest priority
+        self.demand_stream = torch.cuda.Stream(self.device, priority=hi)
+        self.prefetch_stream = torch.cuda.Stream(self.device, priority=lo)
+
+    def upload(self, payload: memoryview, demand: bool) -> tuple[torch.Tensor, Any]:
+        src = torch.frombuffer(payload, dtype=torch.uint8)  # a view of the pinned staging buffer
+        stream = self.demand_stream if demand else self.prefetch_stream
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(stream):
+            dst = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        compute.wait_event(event)  # kernels that decode or use this expert start after the copy lands
+        dst.record_stream(compute)  # allocated on the copy stream, used on compute: keep it alive for both
+        self.uploads += 1
+        self.bytes += len(payload)
+        return dst, event
+
+
+def make_copier(device: str | torch.device) -> Copier:
+    device = torch.device(device)
+    return CUDACopier(device) if device.type == "cuda" else CPUCopier()
