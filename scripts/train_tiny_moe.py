@@ -157,8 +157,9 @@ def save(model, tok, out: Path, cfg: TrainConfig, log: list[dict], meta: dict) -
 
     out.mkdir(parents=True, exist_ok=True)
     model.config.output_router_logits = False
-    model.to(torch.bfloat16).save_pretrained(out)
-    model.to(torch.float32)
+    # Ship bf16 (half the bytes); the fp32 training weights stay untouched.
+    model.config.dtype = "bfloat16"
+    model.save_pretrained(out, state_dict={k: v.to(torch.bfloat16) for k, v in model.state_dict().items()})
     model.config.output_router_logits = True
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -188,6 +189,9 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=70.0, help="wall-clock training budget")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--eval-every", type=int, default=200)
+    ap.add_argument("--resume", type=Path, default=None,
+                    help="continue training the model saved in this directory (same tokenizer, a new LR schedule)")
+    ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default: TrainConfig.lr)")
     args = ap.parse_args()
     cfg = TrainConfig()
     torch.set_num_threads(args.threads)
@@ -195,22 +199,42 @@ def main() -> None:
 
     t0 = time.time()
     train_texts, heldout_texts = read_corpus(cfg)
-    tok = train_tokenizer(train_texts, cfg.vocab_size)
+    if args.resume:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(args.resume / "tokenizer.json"))
+    else:
+        tok = train_tokenizer(train_texts, cfg.vocab_size)
+    if args.lr:
+        cfg.lr = args.lr
     train_ids, heldout_ids = encode_all(tok, train_texts), encode_all(tok, heldout_texts)
     print(f"corpus: {len(train_texts)} train files ({len(train_ids)} tokens), "
           f"{len(heldout_texts)} held-out files ({len(heldout_ids)} tokens), {time.time() - t0:.0f}s", flush=True)
 
-    model = build_model(cfg, tok.token_to_id("<|endoftext|>"))
+    log: list[dict] = []
+    step, tokens, seconds_before = 0, 0, 0.0
+    if args.resume:
+        from transformers import Qwen2MoeForCausalLM
+
+        model = Qwen2MoeForCausalLM.from_pretrained(args.resume, dtype=torch.float32)
+        model.config.output_router_logits = True
+        previous = json.loads((args.resume / "training_log.json").read_text())
+        log = previous["log"]
+        step, tokens = previous["steps"], previous["train_tokens"]
+        seconds_before = previous["train_seconds"]
+        log.append({"resumed_at_step": step, "lr": cfg.lr})
+    else:
+        model = build_model(cfg, tok.token_to_id("<|endoftext|>"))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
     budget_s = args.minutes * 60
     start = time.time()
-    log: list[dict] = []
-    step, tokens = 0, 0
-    gen = torch.Generator().manual_seed(cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed + step)
+    first_step = step
     while time.time() - start < budget_s:
         # Cosine schedule over the wall-clock budget, so the run ends annealed whatever its speed.
         frac = (time.time() - start) / budget_s
-        lr = cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        warm = min(1.0, (step - first_step + 1) / cfg.warmup_steps)
+        lr = cfg.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         for group in opt.param_groups:
             group["lr"] = lr
         starts = torch.randint(0, len(train_ids) - cfg.seq_len - 1, (cfg.batch_size,), generator=gen)
@@ -223,16 +247,19 @@ def main() -> None:
         step += 1
         tokens += x.numel()
         if step % 20 == 0:
-            entry = {"step": step, "tokens": tokens, "seconds": round(time.time() - start, 1), "lr": lr,
+            elapsed = round(seconds_before + time.time() - start, 1)
+            entry = {"step": step, "tokens": tokens, "seconds": elapsed, "lr": lr,
                      "loss": round(out.loss.item(), 4), "aux_loss": round(out.aux_loss.item(), 4)}
             if step % args.eval_every == 0:
                 entry["heldout_loss"] = round(evaluate(model, heldout_ids, cfg), 4)
             log.append(entry)
             print(json.dumps(entry), flush=True)
         if step % 1000 == 0:
-            save(model, tok, args.out, cfg, log, {"complete": False})
+            save(model, tok, args.out, cfg, log, {"complete": False, "steps": step, "train_tokens": tokens,
+                                                  "train_seconds": round(seconds_before + time.time() - start)})
     final = evaluate(model, heldout_ids, cfg, max_batches=50)
-    meta = {"complete": True, "steps": step, "train_tokens": tokens, "train_seconds": round(time.time() - start),
+    meta = {"complete": True, "steps": step, "train_tokens": tokens,
+            "train_seconds": round(seconds_before + time.time() - start),
             "heldout_loss": final, "heldout_ppl": math.exp(final), "threads": args.threads,
             "corpus": f"Python {sysconfig.get_python_version()} standard library .py files"}
     save(model, tok, args.out, cfg, log, meta)
