@@ -1,0 +1,84 @@
+"""scripts/eval_quality.py on a tiny random MoE: structure and invariants (no quality orderings: weights are random)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "eval_quality.py"
+
+
+@pytest.fixture(scope="module")
+def eq():
+    spec = importlib.util.spec_from_file_location("eval_quality", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["eval_quality"] = mod
+    spec.loader.exec_module(mod)
+    yield mod
+    sys.modules.pop("eval_quality", None)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    """A random qwen2_moe whose expert dims are multiples of 32 (group-quantizable) and of 16 (int4 kernel)."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    cfg = Qwen2MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=2, num_key_value_heads=1, num_experts=8, num_experts_per_tok=2,
+                         moe_intermediate_size=32, shared_expert_intermediate_size=32, mlp_only_layers=[2],
+                         max_position_embeddings=128, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("tiny-eval")
+    Qwen2MoeForCausalLM(cfg).save_pretrained(out)
+    return out
+
+
+def test_evaluate_structure_and_invariants(eq, tiny_dir):
+    ids = torch.randint(0, 256, (512,), generator=torch.Generator().manual_seed(1))
+    res = eq.evaluate(tiny_dir, ids, ids, seq_len=64, batch=4, log=lambda _: None)
+    assert res["eval_tokens"] == 512 and res["calib_tokens"] == 512
+    labels = ["int8", "int4", "int3", "int2", eq.TAIL_LABEL]
+    got = [(r["experts"], r["method"]) for r in res["rows"]]
+    assert got == [("bf16", "-")] + [(label, m) for m in ("rtn", "hqq") for label in labels]
+    bf16 = res["rows"][0]
+    assert bf16["agreement"] == 1.0  # a fresh load reproduces the reference run bit for bit
+    for r in res["rows"]:
+        assert math.isfinite(r["ppl"]) and r["ppl"] > 1 and abs(math.log(r["ppl"]) - r["nll"]) < 1e-9
+        assert 0.0 <= r["agreement"] <= 1.0
+    # Layer 2 is dense: the tail only names MoE layers, and never a whole layer.
+    tail = res["tail"]
+    assert set(tail["experts"]) == {"0", "1", "3"}
+    assert all(len(v) < 8 for v in tail["experts"].values())
+    assert abs(tail["calib_share"] - 0.30) <= 0.05
+    assert tail["eval_share_bf16_routing"] == pytest.approx(tail["calib_share"])  # same tokens here
+    for r in res["rows"]:
+        if r["experts"] == eq.TAIL_LABEL:
+            assert abs(r["tail_share"] - 0.30) <= 0.05
+            assert 3.0 < r["bits_per_weight"] < 4.5 and 3.0 <= r["memory_bits_per_weight"] <= 4.5
+    table = eq.render(res)
+    assert "| bf16 | 16.00 |" in table and "| int4 + int2 tail |" in table
+
+
+def test_choose_tail_hits_the_share_across_layers(eq):
+    gen = torch.Generator().manual_seed(0)
+    counts = {layer: (torch.rand(16, generator=gen) ** 4 * 1000).round() for layer in range(8)}  # skewed
+    for share in (0.1, 0.3, 0.5):
+        tail = eq.choose_tail(counts, share)
+        assert abs(eq.tail_share(counts, tail) - share) < 0.02
+        for layer, experts in tail.items():  # the tail is the least-used experts of its layer
+            rest = [e for e in range(16) if e not in experts]
+            if experts:
+                assert counts[layer][experts].max() <= counts[layer][rest].min()
+
+
+def test_spec_for_falls_back_to_a_dividing_group(eq):
+    assert str(eq.spec_for(4, (192, 128))) == "int4-g64-asym"
+    assert str(eq.spec_for(2, (192, 128))) == "int2-g32-asym"
+    assert str(eq.spec_for(4, (64, 32))) == "int4-g32-asym"
+    with pytest.raises(ValueError, match="multiples of 32"):
+        eq.spec_for(4, (48, 16))
