@@ -1,0 +1,131 @@
+"""Keyword-argument helpers over :class:`fate_edge.Engine` for applications (mobile backends, daemons, scripts).
+
+    from fate_edge import Engine
+    from fate_edge.sdk import generate
+
+    with Engine.load(memory_budget="64MB") as engine:          # bundled model, converted once into the cache
+        done = generate(engine, "def main():", max_tokens=32, temperature=0.7, seed=1)
+        print(done.text, done.finish_reason, done.stats.hit_rate)
+
+Every helper is safe to call from several threads at once: the engine serves one request at a time
+(its lock is held from the first token to the last), so concurrent requests are serialized, never
+interleaved, and a seeded request gives the same text whatever else runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from .errors import GenerationError
+from .generate import GenerateConfig, GenerationResponse
+from .sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from .engine import Completion, Engine
+    from .scheduler import SchedulerStats
+
+
+def generate_config(
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
+    seed: int | None = None,
+    stop: str | Sequence[str] | None = None,
+    stop_token_ids: Sequence[int] | None = None,
+    ignore_eos: bool = False,
+) -> GenerateConfig:
+    """A validated :class:`GenerateConfig` from keyword arguments (``temperature=0`` is greedy).
+
+    Raises :class:`GenerationError` with the offending parameter named when a value is out of range.
+    """
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+        raise GenerationError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(not isinstance(s, str) or not s for s in stops):
+        raise GenerationError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+    sampling = SamplingParams(float(temperature), int(top_k), float(top_p), float(min_p),
+                              float(repetition_penalty), seed)
+    sampling.validate()
+    return GenerateConfig(max_tokens, sampling, stop=stops, stop_token_ids=list(stop_token_ids or []),
+                          ignore_eos=bool(ignore_eos))
+
+
+def _config(config: GenerateConfig | None, kw: dict[str, Any]) -> GenerateConfig:
+    if config is not None and kw:
+        raise TypeError("pass either a GenerateConfig or keyword arguments, not both")
+    return config if config is not None else generate_config(**kw)
+
+
+def stream(engine: Engine, prompt: str | list[int], config: GenerateConfig | None = None,
+           **kw: Any) -> Iterator[GenerationResponse]:
+    """Yield one :class:`GenerationResponse` per generated token (keywords as :func:`generate_config`).
+
+    Stop iterating (or call ``.close()`` on the iterator) to cancel: the engine is free for the next
+    request as soon as the iterator is closed.
+    """
+    steps = engine.stream(prompt, _config(config, kw))
+    try:
+        yield from steps  # closing this iterator closes the engine's, which releases its lock
+    except Exception:
+        recover(engine)
+        raise
+    finally:
+        steps.close()
+
+
+def generate(engine: Engine, prompt: str | list[int], config: GenerateConfig | None = None, **kw: Any) -> Completion:
+    """Complete ``prompt`` and return a typed :class:`~fate_edge.engine.Completion`.
+
+    Unlike reading ``engine.request_stats`` afterwards, ``Completion.stats`` is captured while the
+    engine still serves this request, so it is this request's even when other threads are waiting.
+    """
+    from .engine import Completion
+
+    parts: list[str] = []
+    last: GenerationResponse | None = None
+    stats: SchedulerStats | None = None
+    steps = engine.stream(prompt, _config(config, kw))
+    try:
+        for last in steps:  # the engine's lock is held while this generator is suspended
+            parts.append(last.text)
+            stats = engine.request_stats
+    except Exception:
+        recover(engine)
+        raise
+    finally:
+        steps.close()
+    assert last is not None and stats is not None
+    return Completion("".join(parts), last.finish_reason or "length", last.prompt_tokens, last.generation_tokens,
+                      last.prompt_tps, last.generation_tps, last.peak_rss_bytes, stats)
+
+
+def chat(engine: Engine, messages: list[dict[str, Any]], config: GenerateConfig | None = None, **kw: Any) -> Completion:
+    """Render ``messages`` ([{"role": "user", "content": "..."}]) with the chat template and complete the reply."""
+    return generate(engine, engine.tokenizer.apply_chat_template(messages), config, **kw)
+
+
+def recover(engine: Engine) -> None:
+    """Bring the engine back to a clean state after a request failed part way (a read error, say):
+    nothing in flight, every read buffer back in the pool, nothing pinned. The engine already does this
+    when a request fails or is closed early; calling it again is harmless."""
+    engine.abort()
+
+
+def request_stats(completion: Completion) -> dict[str, float]:
+    """A flat dict of a completion's expert-cache figures (for logs and JSON responses)."""
+    s = completion.stats
+    read = s.demand_bytes + s.prefetch_bytes + s.wasted_bytes
+    return {
+        "hit_rate": s.hit_rate,
+        "hits": s.hits,
+        "prefetch_hits": s.prefetch_hits,
+        "misses": s.misses,
+        "stall_s": s.stall_s,
+        "bytes_read": read,
+        "bytes_read_per_token": read / max(1, completion.completion_tokens),
+        "prefetch_exact_match": s.exact_match,
+    }

@@ -1,0 +1,53 @@
+"""Errors in the OpenAI shape, with llama-server's error types.
+
+Every error the daemon returns is ``{"error": {"message", "type", "param", "code"}}``:
+
+=============================  ======  ==================================================================
+type                           status  when
+=============================  ======  ==================================================================
+``invalid_request_error``      400     malformed JSON or UTF-8, a wrong type or range, an unsupported option
+``exceed_context_size_error``  400     the prompt does not fit in the model's context
+``authentication_error``       401     ``--api-key`` set and the bearer token is missing or wrong
+``not_found_error``            404     unknown model or route
+``invalid_request_error``      405     wrong HTTP method
+``invalid_request_error``      413     request body over ``--max-body-bytes``
+``unavailable_error``          429     the request queue is full (``--max-queue``); retry later
+``server_error``               500     generation failed (a read error in the expert store, say)
+``unavailable_error``          503     the model is still loading
+=============================  ======  ==================================================================
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None, **extra: Any):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+        self.extra = extra
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code,
+                          **self.extra}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+def unsupported(param: str, what: str) -> APIError:
+    return APIError(400, f"'{param}': {what} is not supported by this server", "invalid_request_error", param,
+                    "unsupported_parameter")

@@ -1,0 +1,112 @@
+"""``fate-edge serve``: run the OpenAI-compatible daemon under uvicorn.
+
+SIGTERM (and Ctrl-C) stop accepting connections, let in-flight requests finish (streams included, up to
+``--shutdown-timeout`` seconds), close the engine and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import signal
+import sys
+
+from ..errors import FateEdgeError
+
+
+def add_serve_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP daemon (chat/completions, SSE, /metrics, /health)",
+                       description="Serve the model over an OpenAI-compatible API. Binds 127.0.0.1 by default.")
+    p.add_argument("--model", default=None, help="model directory or expert store (default: the bundled model)")
+    p.add_argument("--memory-budget", default="256MB", help="hard budget for expert memory (default 256MB)")
+    p.add_argument("--policy", default="fate-edge", help="policy preset (default fate-edge)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--unix-socket", default=None, metavar="PATH", help="listen on a Unix socket instead of TCP")
+    p.add_argument("--api-key", default=os.environ.get("FATE_EDGE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $FATE_EDGE_API_KEY, else no key)")
+    p.add_argument("--model-alias", default=None, help="model id to report and accept (default: directory name)")
+    p.add_argument("--max-queue", type=int, default=16,
+                   help="requests that may wait behind the running one; more get 429 (default 16)")
+    p.add_argument("--max-body-bytes", default="1MB", help="largest request body; larger gets 413 (default 1MB)")
+    p.add_argument("--max-tokens-default", type=int, default=256,
+                   help="max_tokens when a request gives none (default 256)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--shutdown-timeout", type=float, default=60.0,
+                   help="seconds in-flight requests get to finish after SIGTERM (default 60)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--enable-fault-injection", action="store_true",
+                   help="testing only: add POST /debug/fault-injection, which makes expert reads fail on demand")
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ..engine import parse_bytes
+    from .app import ServerSettings, create_app
+
+    try:
+        parse_bytes(args.memory_budget)
+        max_body = parse_bytes(args.max_body_bytes)
+    except ValueError as exc:
+        raise FateEdgeError(str(exc)) from None
+    if args.max_queue < 0:
+        raise FateEdgeError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
+    if not args.unix_socket and not _is_loopback(args.host) and not args.api_key:
+        logging.getLogger("fate_edge.server").warning(
+            "listening on %s without --api-key: anyone who can reach this address can use the model", args.host)
+    settings = ServerSettings(model=args.model, memory_budget=args.memory_budget, policy=args.policy,
+                              device=args.device, dtype=args.dtype, api_key=args.api_key or None,
+                              max_queue=args.max_queue, max_body_bytes=max_body,
+                              default_max_tokens=args.max_tokens_default, model_alias=args.model_alias,
+                              enable_fault_injection=args.enable_fault_injection)
+    server: uvicorn.Server | None = None
+
+    def on_load_error(exc: BaseException) -> None:
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(settings, on_load_error=on_load_error)
+    config = uvicorn.Config(app, host=args.host, port=args.port, uds=args.unix_socket, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.log_level == "debug",
+                            lifespan="on")
+    server = uvicorn.Server(config)
+    where = f"unix:{args.unix_socket}" if args.unix_socket else f"http://{args.host}:{args.port}"
+    print(f"fate-edge serve: {where} (model {app.state.fate_edge.model_id}, policy {args.policy}, expert budget "
+          f"{args.memory_budget}; loading in the background, GET /health turns 200 when ready)", file=sys.stderr,
+          flush=True)
+    # uvicorn re-raises a caught SIGTERM once it has drained; with this handler in place that re-raise is a
+    # no-op and the process exits 0 after a graceful shutdown instead of dying of the signal.
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if args.unix_socket and os.path.exists(args.unix_socket):
+            os.unlink(args.unix_socket)
+    err = app.state.fate_edge.load_error
+    if err is not None:
+        if isinstance(err, FateEdgeError):
+            raise err
+        raise FateEdgeError(f"cannot load the model: {err}") from err
+    return 0

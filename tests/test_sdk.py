@@ -1,0 +1,175 @@
+"""The Python SDK: Engine exported from the package, typed results, keyword helpers, thread safety, recovery."""
+
+import errno
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import fate_edge
+from fate_edge import Completion, Engine, GenerateConfig, GenerationError
+from fate_edge.fetch import FetchError, Priority
+from fate_edge.sdk import chat, generate, generate_config, recover, stream
+
+ROOT = Path(__file__).resolve().parents[1]
+REQUESTS = [("def parse(line):", 1), ("import os\n", 2), ("class Point:", 3), ("def parse(line):", 4)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Two shared cores here: one torch thread for this module's in-process work, restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("fe-cache")
+    old = os.environ.get("FATE_EDGE_CACHE")
+    os.environ["FATE_EDGE_CACHE"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("FATE_EDGE_CACHE", None)
+    else:
+        os.environ["FATE_EDGE_CACHE"] = old
+
+
+@pytest.fixture(scope="module")
+def engine(cache_dir):
+    with Engine.load(memory_budget="2MB", device="cpu") as e:
+        yield e
+
+
+def _kw(seed):
+    return dict(max_tokens=10, temperature=0.9, top_p=0.95, seed=seed, ignore_eos=True)
+
+
+def test_engine_is_exported_and_typed(engine, cache_dir):
+    assert fate_edge.Engine is Engine and "Engine" in fate_edge.__all__
+    assert any(cache_dir.rglob("index.json")) or any(cache_dir.iterdir())  # converted into FATE_EDGE_CACHE
+    done = engine.complete("def main():", GenerateConfig(max_tokens=6, ignore_eos=True))
+    assert isinstance(done, Completion)
+    assert isinstance(done.text, str) and done.finish_reason == "length"
+    assert done.completion_tokens == 6 and done.prompt_tokens > 0
+    assert done.generation_tps > 0 and done.peak_rss_bytes > 0 and done.stats.uses > 0
+    assert engine.stats.uses >= done.stats.uses
+
+
+def test_context_manager_closes_the_fetch_engine(cache_dir):
+    with Engine.load(memory_budget="2MB", device="cpu") as e:
+        assert generate(e, "x = ", max_tokens=2).completion_tokens == 2
+    with pytest.raises(FetchError, match="closed"):
+        e.fetch.submit(e.store.ref(e.model.config.moe_layers[0], 0, 4))
+
+
+def test_keyword_helpers_match_generate_config(engine):
+    kw = _kw(7)
+    a = generate(engine, "def add(a, b):", **kw)
+    b = engine.complete("def add(a, b):", generate_config(**kw))
+    assert a.text == b.text and a.completion_tokens == b.completion_tokens == 10
+    streamed = "".join(s.text for s in stream(engine, "def add(a, b):", **kw))
+    assert streamed == a.text
+    reply = chat(engine, [{"role": "user", "content": "hi"}], max_tokens=4)
+    assert reply.prompt_tokens > 3 and reply.completion_tokens <= 4
+    assert generate_config(stop="\n").stop == ["\n"]
+
+
+@pytest.mark.parametrize("kw", [dict(max_tokens=-1), dict(temperature=-0.5), dict(top_p=0.0), dict(top_p=1.5),
+                                dict(min_p=1.0), dict(top_k=-2), dict(repetition_penalty=0), dict(stop=[""]),
+                                dict(stop=[3]), dict(max_tokens=2.5)])
+def test_bad_parameters_are_generation_errors(kw):
+    with pytest.raises(GenerationError):
+        generate_config(**kw)
+
+
+def test_prompt_longer_than_the_context_is_a_clear_error(engine):
+    ids = [5] * engine.model.config.max_position_embeddings
+    with pytest.raises(GenerationError, match="context"):
+        generate(engine, ids, max_tokens=2)
+    assert generate(engine, "ok", max_tokens=2).completion_tokens == 2  # still serving
+
+
+def test_threads_are_serialized_and_each_gets_its_own_answer(engine):
+    alone = {(p, s): generate(engine, p, **_kw(s)) for p, s in REQUESTS}
+    results: dict[tuple[int, int], Completion] = {}
+    errors = []
+
+    def worker(t):
+        try:
+            for i, (p, s) in enumerate(REQUESTS):
+                if (i + t) % 2 == 0:  # two entry points, interleaved across threads
+                    results[(t, i)] = generate(engine, p, **_kw(s))
+                else:
+                    results[(t, i)] = engine.complete(p, generate_config(**_kw(s)))
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and len(results) == 4 * len(REQUESTS)
+    per_token = len(engine.model.config.moe_layers) * engine.model.config.num_experts_per_tok
+    for (t, i), done in results.items():
+        ref = alone[REQUESTS[i]]
+        assert done.text == ref.text, (t, i)
+        assert done.completion_tokens == ref.completion_tokens
+        if (i + t) % 2 == 0:  # sdk.generate captures this request's stats while it holds the engine
+            prefill_max = len(engine.model.config.moe_layers) * engine.model.config.num_experts
+            assert per_token * (done.completion_tokens - 1) < done.stats.uses
+            assert done.stats.uses <= per_token * (done.completion_tokens - 1) + prefill_max
+
+
+def test_closing_a_stream_frees_the_engine(engine):
+    steps = stream(engine, "def loop():", max_tokens=200, ignore_eos=True)
+    for i, _ in enumerate(steps):
+        if i == 2:
+            break
+    steps.close()
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("done", generate(engine, "x", max_tokens=3)))
+    t.start()
+    t.join(timeout=30)
+    assert "done" in out and out["done"].completion_tokens == 3
+
+
+def test_a_failed_read_fails_one_request_and_the_engine_recovers(engine):
+    prompt, kw = "import sys\nimport json\n\ndef main(argv):\n    ", _kw(11)
+    ref = generate(engine, prompt, **kw).text
+    armed = {"left": 1}
+    fetch = engine.fetch
+
+    def injector(blob):
+        req = fetch._pending.get(blob.key)
+        if armed["left"] and req is not None and req.priority == Priority.DEMAND:
+            armed["left"] -= 1
+            raise OSError(errno.EIO, "injected")
+
+    # A prompt the cache cannot hold whole: prefill needs demand reads.
+    long_prompt = "".join(f"value_{i} = compute({i}, '{chr(97 + i % 26)}')\n" for i in range(40))
+    fetch.fault_injector = injector
+    try:
+        with pytest.raises(FetchError, match="injected"):
+            generate(engine, long_prompt, **kw)
+    finally:
+        fetch.fault_injector = None
+    assert armed["left"] == 0
+    recover(engine)
+    assert fetch.pool.available == fetch.pool.count  # no read buffer lost to the failed request
+    assert generate(engine, prompt, **kw).text == ref
+
+
+def test_minimal_example_runs(cache_dir):
+    env = dict(os.environ, FATE_EDGE_CACHE=str(cache_dir), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "minimal.py")], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert "tok/s" in proc.stdout and "expert hit rate" in proc.stdout
+    assert len((ROOT / "examples" / "minimal.py").read_text().splitlines()) <= 20
