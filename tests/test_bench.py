@@ -1,0 +1,113 @@
+"""The benchmark's core on a tiny configuration: JSON structure, same-run ratios, identical greedy tokens.
+
+Runs in one process (``isolate=False``: the per-configuration subprocesses only add peak-RSS isolation) on
+the bundled model, not inflated: one budget, one emulated link, a 16-token prompt, 8 decode tokens, 1 run.
+
+Token identity holds for every preset that computes with int4 experts only. ``fate`` is left out: its
+prefill sends the least popular experts as int2 (Fate's cold tail), which can change the answer; the
+benchmark reports that per configuration (``tokens_match_int4_reference``) instead of asserting it.
+"""
+
+import argparse
+import json
+
+import pytest
+
+from fate_edge import bench
+
+PRESETS = ["load-on-demand-int4", "fate-edge", "oracle"]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, bundled_dir):
+    from fate_edge.store_cache import ensure_store
+
+    tmp = tmp_path_factory.mktemp("bench")
+    store = ensure_store(bundled_dir, progress=False)  # int4 + int2 + bf16, converted once, shared with other tests
+    cfg = bench.BenchConfig(
+        model=str(store), presets=PRESETS, budgets=[0.35], links=["orin-nano-nvme"], prompt_tokens=[16],
+        decode_tokens=8, runs=1, threads=2, peers=False, planner=False, out_dir=str(tmp / "out"),
+        work_dir=str(tmp / "work"), plot_path=str(tmp / "out" / "bench.png"), isolate=False,
+    )
+    result = bench.run_bench(cfg)
+    paths = bench.write_outputs(result, cfg)
+    return cfg, result, paths
+
+
+def test_json_structure(tiny_run):
+    cfg, result, paths = tiny_run
+    saved = json.loads(paths["json"].read_text())
+    for key in ("date", "machine", "threads", "model", "prompts", "links", "results", "peers", "skipped_presets",
+                "int4_reference_tokens"):
+        assert key in saved, key
+    assert saved["threads"]["torch"] == 2
+    assert saved["prompts"]["lengths"] == [16] and saved["prompts"]["decode_tokens"] == 8
+    assert saved["links"]["orin-nano-nvme"]["check"]["spec_gbps"] == pytest.approx(3.0)
+    assert saved["skipped_presets"] == {}
+    runs = {r["preset"]: r for r in saved["results"]}
+    assert set(runs) == set(PRESETS), [r.get("error") for r in saved["results"]]
+    for name, r in runs.items():
+        assert "error" not in r, r.get("error")
+        m = r["median"]
+        assert m["decode_tps"] > 0 and m["prefill_tps"]["16"] > 0
+        assert r["runs"][0]["requests"]["16"]["decode_tokens"] == 7  # the first token comes from prefill
+        assert r["peak_rss_bytes"] > 0
+        assert 0.0 <= m["hit_rate"] <= 1.0
+        layers = r["per_layer"]["decode"]
+        assert len(layers) == 8 and all(sum(c) > 0 for c in layers.values())
+        if name == "load-on-demand-int4":  # keeps nothing, predicts nothing
+            assert r["budget_fraction"] is None and m["hit_rate"] == 0.0 and m["exact_match"] is None
+            assert all(c[0] == 0 and c[1] == 0 for c in layers.values())
+        else:
+            assert r["budget_fraction"] == 0.35
+    assert runs["oracle"]["median"]["exact_match"] == 1.0  # it replays the recorded trace of the same request
+    md = paths["markdown"].read_text()
+    assert "| fate-edge |" in md and "35%" in md
+
+
+def test_ratios_are_against_the_same_run(tiny_run):
+    _, result, _ = tiny_run
+    runs = {r["preset"]: r for r in result["results"]}
+    lod = runs["load-on-demand-int4"]["median"]
+    for name in ("fate-edge", "oracle"):
+        r = runs[name]
+        assert r["ratios"]["load-on-demand-int4"]["decode"] == pytest.approx(
+            r["median"]["decode_tps"] / lod["decode_tps"])
+        assert r["ratios"]["load-on-demand-int4"]["prefill_16"] == pytest.approx(
+            r["median"]["prefill_tps"]["16"] / lod["prefill_tps"]["16"])
+        assert r["ratios"]["oracle"]["decode"] == pytest.approx(
+            r["median"]["decode_tps"] / runs["oracle"]["median"]["decode_tps"])
+    assert "load-on-demand" not in runs["fate-edge"]["ratios"]  # bf16 baseline not run: no made-up ratio
+
+
+def test_every_preset_generates_the_same_tokens(tiny_run):
+    _, result, _ = tiny_run
+    ref = result["int4_reference_tokens"]
+    assert ref is not None and len(ref) == 8
+    for r in result["results"]:
+        assert r["tokens"] == ref, r["preset"]
+        assert r["tokens_match_int4_reference"] is True
+
+
+def test_quick_drops_what_it_says_and_keeps_explicit_choices():
+    ap = argparse.ArgumentParser()
+    bench.add_arguments(ap)
+    cfg = bench.config_from_args(ap.parse_args(["--quick", "--runs", "2"]))
+    assert cfg.quick and cfg.links == ["orin-nano-nvme"] and cfg.prompt_tokens == [128]
+    assert cfg.decode_tokens == 32 and cfg.runs == 2 and cfg.time_limit_s == 480
+    assert cfg.budgets == [0.20, 0.35, 0.50, 0.75] and cfg.presets == bench.ALL_PRESETS
+    assert "--quick" in ap.format_help()  # help strings survive argparse's % formatting
+    full = bench.config_from_args(ap.parse_args([]))
+    assert full.links == list(bench.LINKS) and full.prompt_tokens == [128, 512] and full.decode_tokens == 128
+
+
+def test_readme_markers_are_filled_and_the_rest_kept(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\nbefore\n{bench.README_BEGIN}\nold\n{bench.README_END}\nafter\n")
+    bench.update_readme(readme, "| new | table |")
+    text = readme.read_text()
+    assert "old" not in text and "| new | table |" in text
+    assert text.startswith("# x\n\nbefore\n") and text.endswith(f"{bench.README_END}\nafter\n")
+    (tmp_path / "plain.md").write_text("no markers")
+    with pytest.raises(SystemExit):
+        bench.check_readme(tmp_path / "plain.md")
