@@ -11,6 +11,7 @@ from .errors import FateEdgeError
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="Hugging Face model directory (default: the bundled tiny model)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or auto (cuda when torch sees a GPU)")
     p.add_argument("--experts", default="memory", choices=["memory", "lazy"],
                    help="memory: all experts resident; lazy: read each routed expert from disk when needed")
     p.add_argument("--bits", type=int, default=None,
@@ -33,11 +34,13 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from .bundled import bundled_model_dir
+    from .engine import resolve_device
     from .generate import GenerateConfig, stream_generate
     from .loader import load_model
     from .sampling import SamplingParams
     from .tokenizer import Tokenizer
 
+    device = resolve_device(args.device)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     model_dir = args.model or bundled_model_dir()
     link = None
@@ -57,10 +60,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         from .store_cache import ensure_store
 
         store = ensure_store(model_dir)
-        engine = Engine(store, args.memory_budget or "1GB", args.policy or "fate-edge", dtype=args.dtype, link=link)
+        engine = Engine(store, args.memory_budget or "1GB", args.policy or "fate-edge", dtype=args.dtype, link=link,
+                        device=device)
         model, tokenizer = engine.model, engine.tokenizer
     else:
-        model = load_model(model_dir, dtype=args.dtype, experts=args.experts, bits=args.bits, link=link)
+        model = load_model(model_dir, dtype=args.dtype, experts=args.experts, bits=args.bits, link=link,
+                           device=device)
         tokenizer = Tokenizer(model_dir)
     if args.chat:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -113,7 +118,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from .convert import ConvertOptions, convert
 
     opts = ConvertOptions(bits=args.bits, group_size=args.group, cold_bits=args.cold_bits,
-                          cold_group_size=args.cold_group, keep_bf16=not args.no_bf16, force=args.force)
+                          cold_group_size=args.cold_group, keep_bf16=not args.no_bf16, force=args.force,
+                          method=args.method, layout=args.layout)
     out = convert(args.model_dir, args.out_dir, opts, progress=not args.quiet)
     print(f"wrote expert store {out}")
     return 0
@@ -203,10 +209,27 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--group", type=int, default=64, choices=[32, 64, 128], help="quantization group size")
     conv.add_argument("--cold-bits", type=int, default=None, choices=[4, 3, 2], help="extra low-precision copy")
     conv.add_argument("--cold-group", type=int, default=32, choices=[32, 64, 128])
+    conv.add_argument("--method", default="rtn", choices=["rtn", "hqq"],
+                      help="quantizer: round-to-nearest (Fate's) or HQQ-style refinement (lower error, slower)")
+    conv.add_argument("--layout", default="auto", choices=["auto", "portable", "cpu-int4"],
+                      help="streamed copy's blob layout: cpu-int4 is torch's CPU kernel layout (no repacking when "
+                      "loaded); portable works on any device (needed for --device cuda)")
     conv.add_argument("--no-bf16", action="store_true", help="do not keep a bf16 copy of the experts")
     conv.add_argument("--force", action="store_true", help="replace an existing store")
     conv.add_argument("--quiet", action="store_true", help="no progress bar")
     conv.set_defaults(func=cmd_convert)
+
+    from .bench_cli import add_bench_parser
+    from .calibrate import add_calibrate_parser
+    from .chat_cli import add_chat_parser
+    from .demo import add_demo_parser
+    from .server.main import add_serve_parser
+
+    add_calibrate_parser(sub)
+    add_bench_parser(sub)
+    add_serve_parser(sub)
+    add_chat_parser(sub)
+    add_demo_parser(sub)
     return parser
 
 

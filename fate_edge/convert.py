@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from quant import QuantSpec
+from quant.linear import int4_supported
 
 from .arch import load_config
 from .checkpoint import CheckpointReader
@@ -39,6 +40,8 @@ class ConvertOptions:
     cold_group_size: int = 32
     keep_bf16: bool = True  # also store bf16 experts (the full-precision / load-on-demand baseline)
     force: bool = False  # replace an existing store at the destination
+    method: str = "rtn"  # "rtn" (Fate's round-to-nearest) or "hqq" (half-quadratic refinement): same format
+    layout: str = "auto"  # streamed copy: portable | cpu-int4 (decode is a view) | auto (cpu-int4 where it applies)
 
 
 def _precisions(cfg, opts: ConvertOptions) -> list[Precision]:
@@ -46,13 +49,21 @@ def _precisions(cfg, opts: ConvertOptions) -> list[Precision]:
     wanted: list[tuple[int, QuantSpec | None]] = []
     if opts.keep_bf16:
         wanted.append((16, None))
-    wanted.append((opts.bits, QuantSpec(opts.bits, opts.group_size)))
+    hot = QuantSpec(opts.bits, opts.group_size)
+    wanted.append((opts.bits, hot))
     if opts.cold_bits is not None and opts.cold_bits != opts.bits:
         wanted.append((opts.cold_bits, QuantSpec(opts.cold_bits, opts.cold_group_size)))
+    cpu = torch.device("cpu")
+    native = all(int4_supported(shape, hot, cpu) for shape in ((inter, h), (h, inter)))
+    if opts.layout == "cpu-int4" and not native:
+        raise FateEdgeError(f"--layout cpu-int4 needs int2-4 bits and shapes torch's CPU int4 kernel takes; "
+                            f"int{opts.bits} with expert {inter}x{h} does not fit: use --layout portable")
     out = []
     for bits, spec in wanted:
-        parts, nbytes = plan_parts(bits, spec, h, inter)
-        out.append(Precision(bits, f"experts-{bits}.bin", nbytes, parts, spec))
+        # Only the streamed (hot) copy takes the kernel layout; cold copies stay small on the link.
+        layout = "cpu-int4" if bits == opts.bits and opts.layout != "portable" and native else "portable"
+        parts, nbytes = plan_parts(bits, spec, h, inter, layout)
+        out.append(Precision(bits, f"experts-{bits}.bin", nbytes, parts, spec, layout))
     return out
 
 
@@ -93,7 +104,7 @@ def convert(model_dir: str | Path, out_dir: str | Path, opts: ConvertOptions | N
             for slot, (layer, e) in enumerate(bar):
                 w = layouts[layer].read(e, torch.float32)
                 for p in precisions:
-                    blob = encode_expert(w, p)
+                    blob = encode_expert(w, p, opts.method)
                     offset = slot * p.slot_bytes
                     f = files[p.bits]
                     f.seek(offset)
@@ -119,6 +130,7 @@ def convert(model_dir: str | Path, out_dir: str | Path, opts: ConvertOptions | N
             "num_experts": cfg.num_experts,
             "hidden_size": cfg.hidden_size,
             "moe_intermediate_size": cfg.moe_intermediate_size,
+            "quant_method": opts.method,
             "precisions": {str(p.bits): p.to_json() for p in precisions},
             "experts": entries,
         }

@@ -280,15 +280,19 @@ class Engine:
             self.scheduler.new_sequence()
             self.token_stats = []
             start = before = self.scheduler.stats.snapshot()
-            for i, step in enumerate(stream_generate(self.model, self.tokenizer, prompt, config)):
-                now = self.scheduler.stats.snapshot()
-                if i == 0:
-                    self.prefill_stats = now.minus(before)  # prefill plus the first sampled token
-                else:
-                    self.token_stats.append(now.minus(before))
-                before = now
-                self.request_stats = now.minus(start)
-                yield step
+            try:
+                for i, step in enumerate(stream_generate(self.model, self.tokenizer, prompt, config)):
+                    now = self.scheduler.stats.snapshot()
+                    if i == 0:
+                        self.prefill_stats = now.minus(before)  # prefill plus the first sampled token
+                    else:
+                        self.token_stats.append(now.minus(before))
+                    before = now
+                    self.request_stats = now.minus(start)
+                    yield step
+            except BaseException:  # failed (a read error) or closed early: leave nothing in flight
+                self.scheduler.abort()
+                raise
 
     def generate(self, prompt: str | list[int], config: GenerateConfig | None = None) -> tuple[str, GenerationResponse]:
         parts, last = [], None
@@ -299,9 +303,13 @@ class Engine:
 
     def complete(self, prompt: str | list[int], config: GenerateConfig | None = None) -> Completion:
         """Generate and return a typed :class:`Completion`."""
-        text, last = self.generate(prompt, config)
-        return Completion(text, last.finish_reason or "length", last.prompt_tokens, last.generation_tokens,
-                          last.prompt_tps, last.generation_tps, last.peak_rss_bytes, self.request_stats)
+        parts, last, stats = [], None, None
+        for last in self.stream(prompt, config):
+            parts.append(last.text)
+            stats = self.request_stats  # read while this request still holds the lock
+        assert last is not None and stats is not None
+        return Completion("".join(parts), last.finish_reason or "length", last.prompt_tokens,
+                          last.generation_tokens, last.prompt_tps, last.generation_tps, last.peak_rss_bytes, stats)
 
     def chat(self, messages: list[dict], config: GenerateConfig | None = None) -> Completion:
         """Render ``messages`` with the model's chat template and complete the assistant turn."""
@@ -321,6 +329,11 @@ class Engine:
     @property
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats
+
+    def abort(self) -> None:
+        """Return the engine to a clean state (nothing in flight, nothing pinned); waits for a running request."""
+        with self._lock:
+            self.scheduler.abort()
 
     def close(self) -> None:
         self.fetch.close()

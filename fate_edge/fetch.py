@@ -101,10 +101,13 @@ class BufferPool:
     def nbytes(self) -> int:
         return self.count * self.size
 
-    def acquire(self) -> Buffer:
+    def acquire(self, stop: Callable[[], bool] | None = None) -> Buffer | None:
+        """A free buffer, waiting for one; None once ``stop()`` turns true (the engine is closing)."""
         with self._cv:
             while not self._free:
-                self._cv.wait()
+                if stop is not None and stop():
+                    return None
+                self._cv.wait(timeout=0.1 if stop is not None else None)
             return self._free.pop()
 
     def release(self, buf: Buffer) -> None:
@@ -271,17 +274,31 @@ class FetchEngine:
         with self.completed:
             self.completed.notify_all()
 
-    def _next(self) -> FetchRequest | None:
+    @staticmethod
+    def _valid(prio: int, req: FetchRequest) -> bool:
+        return req.state == "queued" and prio == int(req.priority) and not req.cancel_requested
+
+    def _wait_for_work(self) -> bool:
+        """Block until a request is queued (True) or the engine closes (False). Caller holds no buffer."""
         with self._cv:
             while True:
-                while self._heap:
-                    prio, seq, req = heapq.heappop(self._heap)
-                    if req.state == "queued" and prio == int(req.priority) and not req.cancel_requested:
-                        req.state = "reading"
-                        return req
+                while self._heap and not self._valid(self._heap[0][0], self._heap[0][2]):
+                    heapq.heappop(self._heap)  # stale entry: cancelled, or re-queued at a higher priority
+                if self._heap:
+                    return True
                 if self._closed:
-                    return None
+                    return False
                 self._cv.wait()
+
+    def _pop_ready(self) -> FetchRequest | None:
+        """The most urgent queued request, marked as reading; None if another worker took the last one."""
+        with self._cv:
+            while self._heap:
+                prio, _, req = heapq.heappop(self._heap)
+                if self._valid(prio, req):
+                    req.state = "reading"
+                    return req
+            return None
 
     def _fd(self, path: str) -> int:
         with self._fd_lock:
@@ -309,16 +326,24 @@ class FetchEngine:
 
     def _worker(self) -> None:
         while True:
-            req = self._next()
-            if req is None:
+            # Wait for work, take a buffer, and only then the most urgent request: a worker never holds a
+            # request it cannot read, so the most urgent request always gets the next free buffer (no
+            # deadlock when more requests are queued than there are buffers; idle workers hold none).
+            if not self._wait_for_work():
                 return
-            self._read(req)
+            buf = self.pool.acquire(lambda: self._closed)
+            if buf is None:
+                return
+            req = self._pop_ready()
+            if req is None:
+                self.pool.release(buf)
+                continue
+            self._read(req, buf)
 
-    def _read(self, req: FetchRequest) -> None:
+    def _read(self, req: FetchRequest, buf: Buffer) -> None:
         ref = req.ref
         start = time.perf_counter()
         req.queued_s = start - req.submitted_at
-        buf = self.pool.acquire()
         issued = time.monotonic()  # the link's clock: emulated transfer overlaps this request's real reads
         if buf.size < ref.read_length:
             self.pool.release(buf)

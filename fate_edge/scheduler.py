@@ -262,17 +262,22 @@ class Scheduler:
                     f = _Fetch(self.fetch.submit(self.store.ref(layer, e, self.policy.bits), Priority.DEMAND),
                                self.policy.bits, prefetched=False)
                 pending[e] = f
-        while pending:
-            ready = [e for e, f in pending.items() if f.req.done.is_set()]
-            if not ready:
-                t0 = time.perf_counter()
-                with self.fetch.completed:
-                    if not any(f.req.done.is_set() for f in pending.values()):
-                        self.fetch.completed.wait(timeout=0.05)
-                self.stats.stall_s += time.perf_counter() - t0
-                continue
-            for e in ready:
-                yield e, self._consume(layer, e, pending.pop(e), info)
+        try:
+            while pending:
+                ready = [e for e, f in pending.items() if f.req.done.is_set()]
+                if not ready:
+                    t0 = time.perf_counter()
+                    with self.fetch.completed:
+                        if not any(f.req.done.is_set() for f in pending.values()):
+                            self.fetch.completed.wait(timeout=0.05)
+                    self.stats.stall_s += time.perf_counter() - t0
+                    continue
+                for e in ready:
+                    yield e, self._consume(layer, e, pending.pop(e), info)
+        except BaseException:  # a failed read, or the request abandoned mid-layer: return every buffer
+            for f in pending.values():
+                self._drop(f, wasted=False)
+            raise
 
     def _consume(self, layer: int, e: int, f: _Fetch, info: AccessInfo):
         key = (layer, e)
@@ -314,18 +319,32 @@ class Scheduler:
             self._drop(self.prefetches.pop(key))
         self.skip = {k for k in self.skip if k[0] != layer}
 
-    def _drop(self, f: _Fetch) -> None:
-        """Cancel an unused prefetch (stopping its read between chunks) and count the bytes it wasted."""
+    def _drop(self, f: _Fetch, wasted: bool = True) -> None:
+        """Cancel a fetch (stopping its read between chunks), give its buffer back, count what it wasted."""
         self.fetch.cancel(f.req)
         f.req.done.wait()
-        self.stats.wasted_bytes += f.req.bytes_read
+        if wasted:
+            self.stats.wasted_bytes += f.req.bytes_read
         self.fetch.release(f.req)
+
+    def abort(self) -> None:
+        """Drop everything in flight and unpin everything in use: after a failed or abandoned request."""
+        for f in self.prefetches.values():
+            self._drop(f)
+        for f in self.demands.values():
+            self._drop(f, wasted=False)
+        self.prefetches.clear()
+        self.demands.clear()
+        if self.cache is not None:
+            for key in self.in_use:
+                self.cache.unpin(key)
+        self.in_use.clear()
+        self.skip.clear()
+        self.copier.drain()
 
     def new_sequence(self) -> None:
         """Start of a request: reset per-request predictor state and per-sequence cache statistics."""
-        for f in self.prefetches.values():
-            self._drop(f)
-        self.prefetches.clear()
+        self.abort()
         self.last_prediction.clear()
         self._last_route = None
         if self.predictor is not None and hasattr(self.predictor, "reset"):

@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
-from quant import QuantSpec, pack, quantize
+from quant import QuantSpec, pack
 from quant.linear import QuantizedLinear
+from quant.methods import quantize_with
 
 from .errors import ModelFormatError
 from .experts import ExpertWeights, QuantizedExpert
@@ -50,6 +51,13 @@ class Part:
     shape: tuple[int, ...]
 
 
+# Blob layouts of quantized experts:
+#   portable  packed codes (low nibble first) + fp16 scale and zero per group: any device, any kernel.
+#   cpu-int4  torch's CPU int4 kernel layout (codes pre-packed by _convert_weight_to_int4pack_for_cpu,
+#             bf16 scale/zero pairs [K/g, N, 2]): same bytes, but decoding is a view, not a repack.
+LAYOUTS = ("portable", "cpu-int4")
+
+
 @dataclass
 class Precision:
     bits: int  # 16 means bf16 weights as trained
@@ -57,6 +65,7 @@ class Precision:
     blob_bytes: int
     parts: list[Part]
     spec: QuantSpec | None  # None for bf16
+    layout: str = "portable"
 
     @property
     def slot_bytes(self) -> int:
@@ -66,17 +75,19 @@ class Precision:
         d: dict[str, Any] = {"bits": self.bits, "file": self.file, "blob_bytes": self.blob_bytes,
                              "parts": [p.__dict__ | {"shape": list(p.shape)} for p in self.parts]}
         if self.spec is not None:
-            d.update(group_size=self.spec.group_size, asymmetric=self.spec.asymmetric, scale_dtype="float16")
+            d.update(group_size=self.spec.group_size, asymmetric=self.spec.asymmetric, layout=self.layout,
+                     scale_dtype="float16" if self.layout == "portable" else "bfloat16")
         return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Precision:
         spec = QuantSpec(d["bits"], d["group_size"], d.get("asymmetric", True)) if d["bits"] < 16 else None
         parts = [Part(p["name"], p["offset"], p["nbytes"], p["dtype"], tuple(p["shape"])) for p in d["parts"]]
-        return cls(d["bits"], d["file"], d["blob_bytes"], parts, spec)
+        return cls(d["bits"], d["file"], d["blob_bytes"], parts, spec, d.get("layout", "portable"))
 
 
-def plan_parts(bits: int, spec: QuantSpec | None, hidden: int, inter: int) -> tuple[list[Part], int]:
+def plan_parts(bits: int, spec: QuantSpec | None, hidden: int, inter: int,
+               layout: str = "portable") -> tuple[list[Part], int]:
     """Byte layout of one expert blob at ``bits``."""
     shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
     parts, off = [], 0
@@ -93,6 +104,9 @@ def plan_parts(bits: int, spec: QuantSpec | None, hidden: int, inter: int) -> tu
         n, k = shapes[m]
         if spec is None:
             add(f"{m}.weight", "bfloat16", (n, k), 2)
+        elif layout == "cpu-int4":
+            add(f"{m}.packed", "uint8", (n, k // 2), 1)
+            add(f"{m}.scale_zero", "bfloat16", (k // spec.group_size, n, 2), 2)
         else:
             add(f"{m}.codes", "uint8", (n, k * spec.storage_bits // 8), 1)
             add(f"{m}.scale", "float16", (n, k // spec.group_size), 2)
@@ -101,16 +115,20 @@ def plan_parts(bits: int, spec: QuantSpec | None, hidden: int, inter: int) -> tu
     return parts, off
 
 
-def encode_expert(w: ExpertWeights, precision: Precision) -> bytes:
-    """Serialize one expert (bf16 or quantized) into its blob."""
+def encode_expert(w: ExpertWeights, precision: Precision, method: str = "rtn") -> bytes:
+    """Serialize one expert (bf16, or quantized by ``method``: "rtn" or "hqq") into its blob."""
     out = bytearray(precision.blob_bytes)
     tensors: dict[str, torch.Tensor] = {}
     for m in MATRICES:
         mat = getattr(w, m)
         if precision.spec is None:
             tensors[f"{m}.weight"] = mat.to(torch.bfloat16)
+        elif precision.layout == "cpu-int4":
+            lin = QuantizedLinear.from_quantized(quantize_with(method, mat, precision.spec), precision.spec, "cpu",
+                                                 kernel="torch-int4")
+            tensors[f"{m}.packed"], tensors[f"{m}.scale_zero"] = lin.packed, lin.scale_zero
         else:
-            q = quantize(mat, precision.spec)
+            q = quantize_with(method, mat, precision.spec)
             tensors[f"{m}.codes"] = pack(q.codes, precision.spec.storage_bits)
             tensors[f"{m}.scale"] = q.scale
             if q.zero is not None:
@@ -137,12 +155,20 @@ def decode_expert(blob: torch.Tensor | memoryview, precision: Precision, dtype: 
     if isinstance(blob, memoryview):
         blob = blob_tensor(blob)
     device = torch.device(device) if device is not None else blob.device
+    if precision.layout == "cpu-int4" and device.type != "cpu":
+        raise ModelFormatError(
+            f"int{precision.bits} experts in this store use the CPU kernel layout; for {device.type} convert "
+            "the model with `fate-edge convert --layout portable`"
+        )
     blob = blob.to(device, non_blocking=True)
     t = {p.name: blob[p.offset : p.offset + p.nbytes].view(_DTYPES[p.dtype]).reshape(p.shape)
          for p in precision.parts}
     if precision.spec is None:
         return ExpertWeights(*(t[f"{m}.weight"].to(dtype) for m in MATRICES))
     spec = precision.spec
+    if precision.layout == "cpu-int4":
+        lins = [QuantizedLinear.from_kernel_layout(t[f"{m}.packed"], t[f"{m}.scale_zero"], spec) for m in MATRICES]
+        return QuantizedExpert(*lins)
     lins = [QuantizedLinear.from_packed(t[f"{m}.codes"], t[f"{m}.scale"], t.get(f"{m}.zero"), spec, device)
             for m in MATRICES]
     return QuantizedExpert(*lins)

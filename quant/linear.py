@@ -23,7 +23,7 @@ KERNEL_CHOICES: dict[tuple[int, tuple[int, int], str], str] = {}
 _INT4_TILES = 2  # inner k tiles of the tinygemm layout
 
 
-def _int4_supported(shape: tuple[int, int], spec: QuantSpec, device: torch.device) -> bool:
+def int4_supported(shape: tuple[int, int], spec: QuantSpec, device: torch.device) -> bool:
     n, k = shape
     if not spec.asymmetric or spec.bits > 4 or spec.group_size not in (32, 64, 128, 256):
         return False
@@ -49,7 +49,7 @@ class QuantizedLinear:
         device = torch.device(device)
         shape = tuple(q.codes.shape)
         if kernel is None:
-            kernel = "torch-int4" if _int4_supported(shape, spec, device) else "dequant"
+            kernel = "torch-int4" if int4_supported(shape, spec, device) else "dequant"
         KERNEL_CHOICES[(spec.bits, shape, device.type)] = kernel
         if kernel == "torch-int4":
             # Centre narrower codes in the 4-bit slot (int2: 6..9, int3: 4..11) so zero' below is the group's
@@ -71,6 +71,13 @@ class QuantizedLinear:
             q = Quantized(q.codes.to(device), q.scale.to(device), None if q.zero is None else q.zero.to(device))
             return cls(spec, shape, kernel, q.codes, q=q)
         raise ValueError(f"unknown kernel '{kernel}' (torch-int4 or dequant)")
+
+    @classmethod
+    def from_kernel_layout(cls, packed: torch.Tensor, scale_zero: torch.Tensor, spec: QuantSpec) -> QuantizedLinear:
+        """Wrap weights already in torch's CPU int4 layout (``packed`` [N, K/2], ``scale_zero`` [K/g, N, 2])."""
+        shape = (packed.shape[0], packed.shape[1] * 2)
+        KERNEL_CHOICES[(spec.bits, shape, "cpu")] = "torch-int4"
+        return cls(spec, shape, "torch-int4", packed, scale_zero=scale_zero)
 
     @classmethod
     def from_packed(cls, packed_codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,

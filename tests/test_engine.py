@@ -113,3 +113,26 @@ def test_peak_rss_within_resident_plus_budget(store, budget_35):
     assert out.returncode == 0, out.stderr
     growth, resident = map(int, out.stdout.split())
     assert growth <= resident + budget_35 + 64 * 2**20, (growth, resident, budget_35)
+
+
+def test_failed_read_fails_one_request_and_leaves_the_engine_clean(store, budget_35):
+    from fate_edge.fetch import FetchError
+
+    with Engine(store, budget_35, "fate-edge") as engine:
+        calls = {"n": 0}
+
+        def fail_once(ref):
+            calls["n"] += 1
+            if calls["n"] == 30:
+                raise OSError(5, "Input/output error (injected)")
+
+        engine.fetch.fault_injector = fail_once
+        with pytest.raises(FetchError, match="read failed"):
+            engine.generate(PROMPT, CFG)
+        assert engine.fetch.pool.available == engine.fetch.pool.count  # every buffer came back
+        assert not engine.scheduler.demands and not engine.scheduler.prefetches
+        if engine.cache is not None:
+            assert all(e.pins == 0 for e in engine.cache.entries.values())
+        engine.fetch.fault_injector = None
+        text, last = engine.generate(PROMPT, CFG)  # the next request is served normally
+        assert last.generation_tokens == CFG.max_tokens

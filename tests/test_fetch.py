@@ -164,3 +164,13 @@ def test_throttled_engine_reads_at_link_speed(blob_file):
         elapsed = time.perf_counter() - t0
     total = sum(r.read_length for r in refs)
     assert elapsed >= total / bw * 0.95
+
+
+def test_more_requests_than_buffers_never_deadlock(blob_file):
+    path, refs = blob_file
+    with FetchEngine(BufferPool(2, BLOB), workers=2) as eng:
+        reqs = [eng.submit(r, Priority.AHEAD) for r in refs]  # 16 requests, 2 buffers
+        for ref, req in zip(refs, reqs):  # a caller consuming strictly in submission order
+            assert bytes(eng.wait(req, timeout=30)) == _expected(path, ref)
+            eng.release(req)
+        assert eng.pool.available == 2

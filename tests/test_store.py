@@ -117,11 +117,11 @@ def test_interrupted_convert_leaves_nothing(tmp_path, bundled_dir, monkeypatch):
     calls = {"n": 0}
     real = conv.encode_expert
 
-    def failing(w, p):
+    def failing(w, p, *args):
         calls["n"] += 1
         if calls["n"] == 50:
             raise KeyboardInterrupt
-        return real(w, p)
+        return real(w, p, *args)
 
     monkeypatch.setattr(conv, "encode_expert", failing)
     out = tmp_path / "store"
@@ -135,7 +135,7 @@ def test_killed_convert_leaves_no_valid_looking_store(tmp_path, bundled_dir):
     script = (
         "import time, fate_edge.convert as c\n"
         "real = c.encode_expert\n"
-        "c.encode_expert = lambda w, p: (time.sleep(0.01), real(w, p))[1]\n"
+        "c.encode_expert = lambda w, p, *a: (time.sleep(0.01), real(w, p, *a))[1]\n"
         f"c.convert({str(bundled_dir)!r}, {str(out)!r}, progress=False)\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", script])
@@ -150,3 +150,24 @@ def test_killed_convert_leaves_no_valid_looking_store(tmp_path, bundled_dir):
     assert partial, "convert never started writing"
     assert not out.exists()
     assert not any(is_store(p) for p in tmp_path.iterdir())
+
+
+def test_cpu_kernel_layout_decodes_to_the_same_expert_without_repacking(tmp_path, bundled_dir, bundled_model):
+    portable = convert(bundled_dir, tmp_path / "p", ConvertOptions(bits=4, keep_bf16=False, layout="portable"),
+                       progress=False)
+    native = convert(bundled_dir, tmp_path / "n", ConvertOptions(bits=4, keep_bf16=False, layout="auto"),
+                     progress=False)
+    assert ExpertStore(native).precisions[4].layout == "cpu-int4"  # auto picks it where torch's CPU kernel applies
+    assert ExpertStore(native).expert_bytes(4) == ExpertStore(portable).expert_bytes(4)  # same bytes on the link
+    ids = _tokens(bundled_model)
+    a, b = load_model(portable), load_model(native)
+    assert torch.equal(a(ids, a.new_cache()), b(ids, b.new_cache()))
+    from fate_edge.store import decode_expert
+
+    store = ExpertStore(native)
+    ref = store.ref(2, 5, 4)
+    with open(ref.path, "rb") as f:
+        f.seek(ref.offset)
+        blob = memoryview(bytearray(f.read(ref.length)))
+    with pytest.raises(ModelFormatError, match="--layout portable"):
+        decode_expert(blob, store.precisions[4], torch.float32, device="cuda")
