@@ -9,6 +9,20 @@ from fate_edge import Tokenizer, bundled_model_dir, load_model
 torch.set_num_threads(2)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache(tmp_path_factory):
+    """Stores converted on demand go to a temporary cache, never the user's ~/.cache."""
+    import os
+
+    old = os.environ.get("FATE_EDGE_CACHE")
+    os.environ["FATE_EDGE_CACHE"] = str(tmp_path_factory.mktemp("fate-edge-cache"))
+    yield
+    if old is None:
+        os.environ.pop("FATE_EDGE_CACHE", None)
+    else:
+        os.environ["FATE_EDGE_CACHE"] = old
+
+
 @pytest.fixture(scope="session")
 def bundled_dir() -> Path:
     return bundled_model_dir()
