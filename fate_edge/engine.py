@@ -198,14 +198,25 @@ class Engine:
         bits_used = [b for b in (p.bits, p.cold_bits) if b in self.store.precisions]
         slot = max(self.store.precisions[b].slot_bytes for b in bits_used)
         plan = plan_budget(self.budget, p, self._entry_bytes(p.bits), slot, max_inflight)
-        plan.slots = layer_slots(p, plan.cache_bytes // plan.entry_bytes, cfg.moe_layers, cfg.num_experts)
+        plan.slots = layer_slots(p, plan.cache_bytes // plan.entry_bytes, cfg.moe_layers, cfg.num_experts,
+                                 self.popularity)
         return plan
+
+    @property
+    def popularity(self) -> dict[int, list[int]] | None:
+        """Calibration expert counts per layer (``fate-edge calibrate``), if the store carries them."""
+        path = self.store.path / "predictors" / "popularity.json"
+        if not path.exists():
+            return None
+        from .calibrate import load_popularity
+
+        return load_popularity(path)
 
     def _make_cache(self) -> ExpertCache | None:
         cfg = self.model.config
         future = self.trace.accesses() if self.trace else None
         return build_cache(self.policy, self.plan.cache_bytes, self.plan.entry_bytes, cfg.moe_layers,
-                           cfg.num_experts, future)
+                           cfg.num_experts, future, self.popularity)
 
     def _make_predictor(self):
         name = self.policy.predictor
@@ -242,13 +253,8 @@ class Engine:
         if name == "activation-path":
             from predictors.activation_path import ActivationPathPredictor
 
-            popularity = None
-            if (found / "popularity.json").exists():
-                from .calibrate import load_popularity
-
-                popularity = load_popularity(found / "popularity.json")
             return ActivationPathPredictor(cfg.moe_layers, cfg.num_experts, lookahead=p.lookahead,
-                                           popularity=popularity)
+                                           popularity=self.popularity)
         if name == "oracle":
             from predictors.oracle import OraclePredictor
 

@@ -141,3 +141,16 @@ def test_policies_take_victims_only_from_candidates(name):
         pol.on_access((0, k), False, AccessInfo())
         pol.on_insert((0, k))
     assert pol.victim([(0, 2), (0, 4)]) in {(0, 2), (0, 4)}
+
+
+def test_cost_aware_split_from_calibration_popularity():
+    from fate_edge.cache.factory import build_cache, layer_slots, miss_curves
+    from fate_edge.policy import PRESETS
+
+    popularity = {0: [100, 0, 0, 0], 1: [25, 25, 25, 25]}  # layer 0 is served by one expert, layer 1 needs all
+    assert miss_curves(popularity)[0] == [1.0, 0.0, 0.0, 0.0, 0.0]
+    pol = PRESETS["lru"].with_(allocation="cost-aware")
+    assert layer_slots(pol, 4, [0, 1], 4, popularity) == {0: 1, 1: 3}
+    assert layer_slots(pol, 4, [0, 1], 4, None) == {0: 2, 1: 2}  # no calibration: uniform
+    seeded = build_cache(PRESETS["lru"].with_(eviction="popularity"), 10, 1, [0, 1], 4, popularity=popularity)
+    assert seeded.policies[0].score[(0, 0)] == 50.0 and seeded.policies[1].score[(1, 3)] == 50.0
