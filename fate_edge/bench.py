@@ -39,9 +39,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .report import markers, replace_between_markers
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-README_BEGIN = "<!-- bench:begin -->"
-README_END = "<!-- bench:end -->"
+README_BEGIN, README_END = markers("bench")
 
 # Presets in table order. The two load-on-demand presets keep no cache: they ignore the budget and run once per link.
 ALL_PRESETS = ["load-on-demand", "load-on-demand-int4", "lru", "activation-path", "fate", "fate-edge", "oracle"]
@@ -1248,9 +1249,7 @@ def plots(result: dict, path: Path) -> list[Path]:
 
 def update_readme(readme: Path, text: str) -> None:
     check_readme(readme)
-    content = readme.read_text()
-    start, end = content.index(README_BEGIN) + len(README_BEGIN), content.index(README_END)
-    readme.write_text(content[:start] + "\n" + text + "\n" + content[end:])
+    replace_between_markers(readme, "bench", text)
 
 
 def write_outputs(result: dict, cfg: BenchConfig) -> dict[str, Path]:

@@ -18,9 +18,7 @@ from pathlib import Path
 import torch
 
 from fate_edge import bundled_model_dir, load_model
-
-README_BEGIN = "<!-- bench_forward:begin -->"
-README_END = "<!-- bench_forward:end -->"
+from fate_edge.report import replace_between_markers
 
 
 def time_ours(model, prompt: torch.Tensor, decode_tokens: int) -> tuple[float, float]:
@@ -111,9 +109,7 @@ def main() -> None:
     text = "\n".join(table)
     print(text)
     if args.readme:
-        readme = args.readme.read_text()
-        start, end = readme.index(README_BEGIN) + len(README_BEGIN), readme.index(README_END)
-        args.readme.write_text(readme[:start] + "\n" + text + "\n" + readme[end:])
+        replace_between_markers(args.readme, "bench_forward", text)
 
 
 if __name__ == "__main__":

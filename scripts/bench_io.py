@@ -39,16 +39,10 @@ from pathlib import Path
 from devices.link import ThrottledLink, storage_link
 from devices.profile import load_profile
 from fate_edge.fetch import ALIGN, BlobRef, BufferPool, FetchEngine, Priority
+from fate_edge.report import replace_between_markers
 
-README_BEGIN = "<!-- bench_io:begin -->"
-README_END = "<!-- bench_io:end -->"
 MB = 1 << 20
 
-
-def replace_between(path: Path, begin: str, end: str, text: str) -> None:
-    doc = path.read_text()
-    start, stop = doc.index(begin) + len(begin), doc.index(end)
-    path.write_text(doc[:start] + "\n" + text + "\n" + doc[stop:])
 
 
 def make_blob_file(path: Path, total: int, min_blob: int, max_blob: int, seed: int = 0) -> list[BlobRef]:
@@ -187,7 +181,7 @@ def main() -> None:
     text = render(result)
     print(text)
     if args.readme:
-        replace_between(args.readme, README_BEGIN, README_END, text)
+        replace_between_markers(args.readme, "bench_io", text)
 
 
 def render(result: dict) -> str:

@@ -28,20 +28,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from fate_edge.report import replace_between_markers
 from quant import QuantSpec, quantize
 from quant.linear import KERNEL_CHOICES, QuantizedLinear
 
-README_BEGIN = "<!-- bench_kernels:begin -->"
-README_END = "<!-- bench_kernels:end -->"
 SHAPES = [(128, 192), (192, 128), (1408, 2048), (2048, 1408)]
 GROUP = 64
 KERNELS = ["fp32", "bf16", "int8", "int4-torch", "int4-ort", "dequant-int4"]
 
-
-def replace_between(path: Path, begin: str, end: str, text: str) -> None:
-    doc = path.read_text()
-    start, stop = doc.index(begin) + len(begin), doc.index(end)
-    path.write_text(doc[:start] + "\n" + text + "\n" + doc[stop:])
 
 
 def time_call(fn: Callable[[], object], runs: int, sample_ms: float) -> float:
@@ -207,7 +201,7 @@ def main() -> None:
     text = render(result)
     print(text)
     if args.readme:
-        replace_between(args.readme, README_BEGIN, README_END, text)
+        replace_between_markers(args.readme, "bench_kernels", text)
 
 
 def render(result: dict) -> str:

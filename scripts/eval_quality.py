@@ -43,12 +43,11 @@ from fate_edge.arch import load_config
 from fate_edge.checkpoint import CheckpointReader
 from fate_edge.experts import ExpertLayout, ExpertWeights, InMemoryExpertProvider, QuantizedExpert
 from fate_edge.loader import layer_names
+from fate_edge.report import replace_between_markers
 from quant import Quantized, QuantSpec, bytes_per_weight, dequantize
 from quant.linear import QuantizedLinear
 from quant.methods import METHODS, quantize_with
 
-README_BEGIN = "<!-- eval_quality:begin -->"
-README_END = "<!-- eval_quality:end -->"
 GROUPS = {8: 64, 4: 64, 3: 64, 2: 32}  # int2 at group 32 like Fate's cold copies; the rest at the store's 64
 TAIL_LABEL = "int4 + int2 tail"
 
@@ -339,9 +338,7 @@ def main() -> None:
     text = render(result)
     print(text)
     if args.readme:
-        doc = args.readme.read_text()
-        start, end = doc.index(README_BEGIN) + len(README_BEGIN), doc.index(README_END)
-        args.readme.write_text(doc[:start] + "\n" + text + "\n" + doc[end:])
+        replace_between_markers(args.readme, "eval_quality", text)
 
 
 if __name__ == "__main__":
