@@ -314,11 +314,35 @@ def readme_markdown(card: dict[str, Any], log: dict[str, Any] | None) -> str:
         out += _loss_curve(entries)
         if "heldout_ppl" in log:
             out += ["", f"Held-out perplexity measured by the training script at the end: {log['heldout_ppl']:.2f}."]
-    out += ["", results_markdown(card).rstrip(), "", "## Reproduce", "",
-            "```", "python scripts/train_tiny_moe.py --out fate_edge/assets/tiny-moe --minutes 70",
+    out += ["", results_markdown(card).rstrip()]
+    out += calibration_markdown(Path(card["model"]) / "predictors" / "calibration.json")
+    resumed = [e for e in entries if "resumed_at_step" in e]
+    train_cmd = "python scripts/train_tiny_moe.py --out fate_edge/assets/tiny-moe --minutes 75"
+    if resumed:
+        train_cmd += ("\npython scripts/train_tiny_moe.py --resume fate_edge/assets/tiny-moe --out "
+                      f"fate_edge/assets/tiny-moe --minutes 25 --lr {resumed[-1].get('lr', 1e-3)}")
+    out += ["", "## Reproduce", "", "```", train_cmd, "fate-edge calibrate fate_edge/assets/tiny-moe --lookahead 2",
             f"python scripts/model_card.py fate_edge/assets/tiny-moe --tokens {card['heldout']['tokens_scored']}",
             "```", ""]
     return "\n".join(out)
+
+
+def calibration_markdown(path: Path) -> list[str]:
+    """Mean per-predictor accuracy from ``fate-edge calibrate``'s calibration.json, if the model has one."""
+    if not path.exists():
+        return []
+    cal = json.loads(path.read_text())
+    k = cal["k"]
+    out = ["", "## Calibrated predictors (`fate-edge calibrate`)", "",
+           f"Trained on {cal['corpus']['train_tokens']:,} tokens of the training split, reported on "
+           f"{cal['corpus']['heldout_tokens']:,} held-out tokens; means over layer pairs. Files in `predictors/`.",
+           "", f"| predictor | layers ahead | exact top-{k} | recall@{k} | recall@{k + 2} |",
+           "|---|---:|---:|---:|---:|"]
+    for name, res in cal["predictors"].items():
+        for m in res["mean"]:
+            out.append(f"| {name} | {m['distance']} | {_pct(m['exact'])} | {_pct(m['recall'][str(k)])} "
+                       f"| {_pct(m['recall'][str(k + 2)])} |")
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
