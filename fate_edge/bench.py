@@ -131,6 +131,11 @@ class BenchConfig:
     quick: bool = False
     work_dir: str | None = None  # where the inflated model and its store live (default: the fate-edge cache)
     isolate: bool = True  # each configuration in a fresh process (per-configuration peak RSS); False: tests
+    device: str = "cpu"  # cpu or cuda (the CUDA path needs the portable blob layout)
+
+    @property
+    def layout(self) -> str:
+        return "portable" if self.device.startswith("cuda") else "auto"
 
     def __post_init__(self) -> None:
         if not self.threads:
@@ -187,13 +192,15 @@ def _fingerprint(model_dir: Path, extra: str) -> str:
     return h.hexdigest()[:12]
 
 
-def _convert_once(model_dir: Path, out: Path) -> Path:
+def _convert_once(model_dir: Path, out: Path, layout: str = "auto") -> Path:
     from .convert import ConvertOptions, convert
     from .store import is_store
 
+    if layout != "auto":
+        out = out.with_name(f"{out.name}-{layout}")
     if not is_store(out):
         print(f"bench: converting {model_dir} -> {out} (int4 + int2 cold copy + bf16)", flush=True)
-        convert(model_dir, out, ConvertOptions(bits=4, cold_bits=2, keep_bf16=True), progress=False)
+        convert(model_dir, out, ConvertOptions(bits=4, cold_bits=2, keep_bf16=True, layout=layout), progress=False)
     return out
 
 
@@ -207,14 +214,14 @@ def prepare_model(cfg: BenchConfig) -> tuple[Path, Path | None, str]:
         src = Path(cfg.model)
         if is_store(src):
             return src, None, f"store {src}"
-        store = _convert_once(src, work / f"{src.name}-store-{_fingerprint(src, 'store')}")
+        store = _convert_once(src, work / f"{src.name}-store-{_fingerprint(src, 'store')}", cfg.layout)
         return store, src, f"{src}"
     bundled = bundled_model_dir()
     mk = _load_script("make_inflated_model")
     if mk is None:
         print("bench: scripts/make_inflated_model.py not found (not a source checkout); using the bundled model "
               "as is, whose experts are tiny", flush=True)
-        store = _convert_once(bundled, work / f"tiny-moe-store-{_fingerprint(bundled, 'store')}")
+        store = _convert_once(bundled, work / f"tiny-moe-store-{_fingerprint(bundled, 'store')}", cfg.layout)
         return store, bundled, "bundled tiny-moe (not inflated)"
     hidden = json.loads((bundled / "config.json").read_text())["hidden_size"]
     inter = mk.inflated_size(hidden, cfg.int4_expert_mb)
@@ -226,7 +233,7 @@ def prepare_model(cfg: BenchConfig) -> tuple[Path, Path | None, str]:
         shutil.rmtree(tmp, ignore_errors=True)
         mk.inflate(bundled, tmp, inter)
         tmp.rename(model_dir)
-    store = _convert_once(model_dir, work / f"{model_dir.name}-store")
+    store = _convert_once(model_dir, work / f"{model_dir.name}-store", cfg.layout)
     return store, model_dir, f"bundled tiny-moe inflated to expert intermediate size {inter} (inert units)"
 
 
@@ -366,12 +373,10 @@ def _one_request(spec: dict, ids: list[int], max_tokens: int, trace, counter_sin
         from .policy import PolicyConfig
 
         policy = PolicyConfig(**spec["policy"])
+    # Emulated link: buffered reads from the warm page cache, throttled to the link. (O_DIRECT would read
+    # at this disk's speed first, which is slower than the NVMe and PCIe links emulated.)
     engine = Engine(spec["store"], spec["budget_bytes"], policy, link=link, trace=trace,
-                    workers=spec["fetch_workers"])
-    if link is not None:
-        # Emulated link: buffered reads from the warm page cache, throttled to the link. (O_DIRECT would
-        # read at this disk's speed first, which is slower than the NVMe and PCIe links emulated.)
-        engine.fetch.want_direct = False
+                    workers=spec["fetch_workers"], device=spec.get("device", "cpu"), direct_io=link is None)
     counter = LayerCounter(engine)
     engine.model.observers.insert(0, counter)
     try:
@@ -891,7 +896,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="fate-bench-", dir=out_dir))
-    common = {"store": str(store), "threads": cfg.threads, "fetch_workers": cfg.fetch_workers,
+    common = {"store": str(store), "threads": cfg.threads, "fetch_workers": cfg.fetch_workers, "device": cfg.device,
               "prompts": {str(k): v for k, v in prompts.items()}, "decode_tokens": cfg.decode_tokens}
 
     # 1. the routing trace of each request (oracle) and the int4 reference tokens, in a process of its own
@@ -1294,6 +1299,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--runs", type=int, default=None, help=f"default {d.runs}; medians are reported")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: all CPUs)")
     ap.add_argument("--fetch-workers", type=int, default=d.fetch_workers)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (experts cached on the GPU)")
     ap.add_argument("--no-peers", action="store_true", help="do not run transformers / llama.cpp")
     ap.add_argument("--gguf", default=None, help="GGUF of the same checkpoint for the llama.cpp peer")
     ap.add_argument("--no-planner", action="store_true", help="skip the planner hook (planned configurations)")
@@ -1315,7 +1321,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                       peers=not args.no_peers, gguf=args.gguf, planner=not args.no_planner,
                       drop_caches=not args.no_drop_caches,
                       timeout_s=args.timeout, out_dir=args.out_dir, json_path=args.json, md_path=args.markdown,
-                      plot_path=args.plot, readme=args.readme, work_dir=args.work_dir)
+                      plot_path=args.plot, readme=args.readme, work_dir=args.work_dir, device=args.device)
     explicit = set()
     for name, attr in [("presets", "presets"), ("budgets", "budgets"), ("links", "links"),
                        ("prompt_tokens", "prompt_tokens"), ("decode_tokens", "decode_tokens"), ("runs", "runs"),

@@ -143,6 +143,7 @@ class Engine:
         workers: int = 2,
         device: str = "cpu",
         max_inflight_prefetches: int = 8,
+        direct_io: bool = True,
     ):
         device = resolve_device(device)
         self.device = device
@@ -174,7 +175,7 @@ class Engine:
         slot = max(self.store.precisions[b].slot_bytes for b in bits_used)
         # On a GPU, staging buffers are pinned so copies to the device are asynchronous DMA.
         pool = BufferPool(self.plan.pool_buffers, slot, pinned=device.startswith("cuda"))
-        self.fetch = FetchEngine(pool, workers=workers, link=link)
+        self.fetch = FetchEngine(pool, workers=workers, link=link, direct_io=direct_io)
         self.cache = self._make_cache()
         self.scheduler = Scheduler(self.model.config, self.store, self.fetch, self.cache, self.policy,
                                    self._make_predictor(), self.dtype, device,

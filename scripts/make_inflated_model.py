@@ -52,6 +52,8 @@ def inflate(src: Path, out: Path, intermediate: int, seed: int = 0) -> Path:
     for f in src.iterdir():
         if f.name not in ("model.safetensors", "config.json", "README.md", "model_card.json") and f.is_file():
             shutil.copy2(f, out / f.name)
+    if (src / "predictors").is_dir():  # routers, norms and hidden size are unchanged: the predictors still apply
+        shutil.copytree(src / "predictors", out / "predictors", dirs_exist_ok=True)
     (out / "README.md").write_text(
         f"Inflated copy of {src.name}: expert intermediate size {old} -> {intermediate} with inert units "
         "(zero down-projection columns). Same outputs, realistic expert bytes. "
