@@ -144,7 +144,12 @@ class Engine:
         device: str = "cpu",
         max_inflight_prefetches: int = 8,
         direct_io: bool = True,
+        plan: str | None = None,
     ):
+        if plan == "auto":  # Engine(..., plan="auto") is the same as policy="auto": the planner decides
+            policy = "auto"
+        elif plan is not None:
+            raise FateEdgeError(f"plan must be 'auto' or None, not {plan!r}")
         device = resolve_device(device)
         self.device = device
         self._lock = threading.Lock()  # one request at a time: the KV cache and expert cache are shared state

@@ -62,3 +62,15 @@ def test_plan_command_on_a_device_profile(capsys, tmp_path, monkeypatch):
     assert main(["plan", "--device", "jetson-orin-nano-8gb", "--memory-budget", "2MB", "--tokens", "64"]) == 0
     out = capsys.readouterr().out
     assert "jetson-orin-nano-8gb storage" in out and "predicted" in out and "chosen policy" in out
+
+
+def test_engine_plan_auto_runs_the_planners_choice(tmp_path, bundled_dir):
+    from fate_edge import GenerateConfig
+    from fate_edge.convert import ConvertOptions, convert
+    from fate_edge.engine import Engine
+
+    store = convert(bundled_dir, tmp_path / "s", ConvertOptions(bits=4, keep_bf16=False), progress=False)
+    with Engine(store, "2MB", plan="auto") as e:
+        assert e.planned is not None and e.policy == e.planned.policy and e.policy.name == "planned"
+        text, last = e.generate("def f(x):", GenerateConfig(max_tokens=8, ignore_eos=True))
+        assert last.generation_tokens == 8
