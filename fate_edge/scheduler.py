@@ -189,7 +189,7 @@ class Scheduler:
         if p.prefetch_width == "fate" and self._layer_time > 0 and self._read_bw > 0:
             # Fate: how many expert reads fit into one decoder layer's compute time.
             per_read = self.store.expert_bytes(p.bits) / self._read_bw
-            return max(1, min(p.max_prefetch_width, int(self._layer_time / per_read)))
+            return max(p.min_prefetch_width, min(p.max_prefetch_width, int(self._layer_time / per_read)))
         return self.config.num_experts_per_tok if p.prefetch_width == "fate" else p.max_prefetch_width
 
     def _prefetch(self, layer: int, h: torch.Tensor) -> None:

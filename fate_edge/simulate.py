@@ -75,7 +75,7 @@ def simulate(
     future = [(layer, e) for t in range(n) for layer in layers for e in sorted(expert_ids[layer][t].tolist())]
     cache = build_cache(policy, cache_bytes, expert_bytes, layers, num_experts, future)
     transfer = link.transfer_time(expert_bytes)
-    fate_width = max(1, min(policy.max_prefetch_width, int(layer_compute_s / transfer)))
+    fate_width = max(policy.min_prefetch_width, min(policy.max_prefetch_width, int(layer_compute_s / transfer)))
     r = SimResult(n, 0, 0, 0, 0.0, 0, 0, 0, 0.0)
     clock, link_free = 0.0, 0.0
     inflight: dict[tuple[int, int], float] = {}  # prefetched key → arrival time

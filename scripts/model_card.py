@@ -258,7 +258,7 @@ def readme_markdown(card: dict[str, Any], log: dict[str, Any] | None) -> str:
     a = card["architecture"]
     name = Path(card["model"]).name
     tcfg = (log or {}).get("config", {})
-    entries = (log or {}).get("log", [])
+    entries = [e for e in (log or {}).get("log", []) if "loss" in e]  # drop markers such as resumed_at_step
     last = entries[-1] if entries else {}
     out = [
         f"# {name}",
@@ -316,7 +316,7 @@ def readme_markdown(card: dict[str, Any], log: dict[str, Any] | None) -> str:
             out += ["", f"Held-out perplexity measured by the training script at the end: {log['heldout_ppl']:.2f}."]
     out += ["", results_markdown(card).rstrip()]
     out += calibration_markdown(Path(card["model"]) / "predictors" / "calibration.json")
-    resumed = [e for e in entries if "resumed_at_step" in e]
+    resumed = [e for e in (log or {}).get("log", []) if "resumed_at_step" in e]
     train_cmd = "python scripts/train_tiny_moe.py --out fate_edge/assets/tiny-moe --minutes 75"
     if resumed:
         train_cmd += ("\npython scripts/train_tiny_moe.py --resume fate_edge/assets/tiny-moe --out "
