@@ -23,6 +23,15 @@ def _private_cache(tmp_path_factory):
         os.environ["FATE_EDGE_CACHE"] = old
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module whose many tiny ops only lose time to a second thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def bundled_dir() -> Path:
     return bundled_model_dir()

@@ -10,13 +10,7 @@ from _tiny_moe import CORPUS, build_tiny_moe
 from fate_edge.calibrate import CalibrateOptions, CalibrationError, add_calibrate_parser, calibrate, load_popularity
 from predictors import ActivationPathPredictor, LearnedPredictor, OnnxPredictor, TokenPopularity
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -11,13 +11,7 @@ from predictors import CrossLayerGate, LearnedPredictor, OnnxPredictor, train_le
 from predictors.evaluate import collect_traces, evaluate_predictor
 from predictors.learned import TrainConfig, manifest_path
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

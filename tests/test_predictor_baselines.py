@@ -16,13 +16,7 @@ from predictors import (
 )
 from predictors.evaluate import Trace, collect_traces, evaluate_predictor
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def top(pred: Prediction, k: int, target: int = 0, row: int = 0) -> list[int]:
