@@ -26,11 +26,9 @@ share of positions whose greedy (argmax) next token equals the bf16 run's, teach
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import random
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +38,7 @@ import torch.nn.functional as F
 
 from fate_edge import Tokenizer, bundled_model_dir, load_model
 from fate_edge.arch import load_config
+from fate_edge.calibrate import train_script
 from fate_edge.checkpoint import CheckpointReader
 from fate_edge.experts import ExpertLayout, ExpertWeights, InMemoryExpertProvider, QuantizedExpert
 from fate_edge.loader import layer_names
@@ -53,21 +52,9 @@ TAIL_LABEL = "int4 + int2 tail"
 
 
 # ------------------------------------------------------------------------------------------------ data
-def _train_script():
-    path = Path(__file__).resolve().parent / "train_tiny_moe.py"
-    spec = importlib.util.spec_from_file_location("train_tiny_moe", path)
-    if "train_tiny_moe" in sys.modules:
-        return sys.modules["train_tiny_moe"]
-    mod = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    sys.modules["train_tiny_moe"] = mod  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def corpus_split(model_dir: Path) -> tuple[list[str], list[str]]:
     """(train, held-out) stdlib texts, split by the rule (and the settings) the model was trained with."""
-    train_mod = _train_script()
+    train_mod = train_script()
     cfg = train_mod.TrainConfig()
     log = model_dir / "training_log.json"
     if log.exists():  # the split settings the model was actually trained with

@@ -18,14 +18,12 @@ It writes the numbers as JSON (default ``<model>/model_card.json``), prints them
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import sys
 import time
 from dataclasses import fields
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -35,25 +33,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a plain script from a checkout
     sys.path.insert(0, str(ROOT))
 
+from fate_edge.calibrate import train_script  # noqa: E402
 from fate_edge.loader import load_model  # noqa: E402
 from predictors import CrossLayerGate  # noqa: E402
 from predictors.evaluate import TraceRecorder, evaluate_predictor, usage_stats  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "fate_edge" / "assets" / "tiny-moe"
 LOOKAHEAD = 3  # distances reported in the lookahead summary
-
-
-def train_script() -> ModuleType:
-    """scripts/train_tiny_moe.py, imported by path: its held-out rule is the one to reuse, not to copy."""
-    if "train_tiny_moe" in sys.modules:
-        return sys.modules["train_tiny_moe"]
-    path = Path(__file__).with_name("train_tiny_moe.py")
-    spec = importlib.util.spec_from_file_location("train_tiny_moe", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train_tiny_moe"] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
 
 
 def read_training_log(model_dir: Path) -> dict[str, Any] | None:

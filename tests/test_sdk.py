@@ -8,7 +8,6 @@ import threading
 from pathlib import Path
 
 import pytest
-import torch
 
 import fate_edge
 from fate_edge import Completion, Engine, GenerateConfig, GenerationError
@@ -19,13 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 REQUESTS = [("def parse(line):", 1), ("import os\n", 2), ("class Point:", 3), ("def parse(line):", 4)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Two shared cores here: one torch thread for this module's in-process work, restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import torch
 
 MODEL = "tiny-moe"
 BUDGET = "2MB"
@@ -26,13 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LONG_PROMPT = "".join(f"value_{i} = compute({i}, '{chr(97 + i % 26)}')\n" for i in range(40))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Two shared cores here: one torch thread for this module's in-process work, restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --------------------------------------------------------------------------- servers
