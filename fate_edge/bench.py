@@ -453,6 +453,16 @@ def summarize_runs(runs: list[dict], decode_len: int) -> dict[str, Any]:
     return med
 
 
+def verify_store(spec: dict) -> None:
+    """Check the CRC of every blob at the precisions this configuration reads (see fetch.py: verify once)."""
+    from .policy import PolicyConfig, get_policy
+    from .store import ExpertStore
+
+    policy = PolicyConfig(**spec["policy"]) if spec.get("policy") else get_policy(spec["preset"])
+    store = ExpertStore(spec["store"])
+    store.verify([b for b in (policy.bits, policy.cold_bits) if b in store.precisions])
+
+
 def worker_main(spec_path: str) -> int:
     """Run one configuration (``spec_path``: JSON written by the parent); write ``<spec>.result.json``."""
     import torch
@@ -469,6 +479,9 @@ def worker_main(spec_path: str) -> int:
     prompts = {int(k): v for k, v in spec["prompts"].items()}
     decode_len = min(prompts)
     trace = traces.get(decode_len) if spec["preset"] == "oracle" else None
+    # Every configuration measures the steady state of a long-running engine, in which each blob's CRC
+    # was checked on its first read and is not checked again: check them all here, before timing.
+    verify_store(spec)
     # Warm-up (not measured): first-call costs of torch and of the engine's code paths.
     _one_request(spec, prompts[decode_len][:2], 2, trace, {})
     runs, layers = [], {}
@@ -683,9 +696,13 @@ def planner_configs(cfg: BenchConfig, store: Path, info: dict, budgets: list[flo
             budget = int(b * info["int4_expert_bytes_total"])
             try:
                 t0 = time.perf_counter()
-                p = planner.auto_plan(store, budget, link=LINKS[link].spec())
+                import torch
+
+                torch.set_num_threads(cfg.threads)  # probe the engine as the configurations will run it
+                p = planner.auto_plan(store, budget, link=LINKS[link].spec(), workers=cfg.fetch_workers)
                 predicted = getattr(p, "predicted_tokens_per_s", None)
                 policy = dataclasses.asdict(p.policy)
+                costs = p.costs.describe() if getattr(p, "costs", None) else ""
             except Exception as exc:  # noqa: BLE001 (the hook must never sink the benchmark)
                 note = f"planner failed: {type(exc).__name__}: {exc}"
                 print(f"bench: {note}", flush=True)
@@ -693,7 +710,7 @@ def planner_configs(cfg: BenchConfig, store: Path, info: dict, budgets: list[flo
             print(f"bench: planner ({link}, {100 * b:.0f}%): predicted {predicted:.2f} decode tok/s "
                   f"({time.perf_counter() - t0:.0f}s)", flush=True)
             out.append({"link": link, "preset": "planned", "budget_fraction": b, "budget_bytes": budget,
-                        "policy": policy, "planner_predicted_decode_tps": predicted})
+                        "policy": policy, "planner_predicted_decode_tps": predicted, "planner_costs": costs})
     return out, note
     # ================================================================================ END PLANNER HOOK
 
@@ -984,7 +1001,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                   f"{100 * (m['hit_rate'] or 0):.0f}%, stall {m['stall_ms_per_token'] or 0:.1f} ms/tok, "
                   f"{m['mb_read_per_token'] or 0:.2f} MB/tok, RSS {res['peak_rss_bytes'] / 2**20:.0f} MiB "
                   f"({time.perf_counter() - t0:.0f}s; {time.perf_counter() - t_start:.0f}s total)", flush=True)
-            res.update({k: c[k] for k in ("policy", "planner_predicted_decode_tps") if k in c})
+            res.update({k: c[k] for k in ("policy", "planner_predicted_decode_tps", "planner_costs") if k in c})
             results.append(res)
 
     run_phase([hb], with_lod=True)
@@ -1146,6 +1163,22 @@ def markdown(result: dict) -> str:
         if planner:
             row.append(_fmt(r.get("planner_predicted_decode_tps")))
         lines.append("| " + " | ".join(row) + " |")
+    planned = [r for r in results if r["preset"] == "planned" and r.get("median")]
+    if planned:
+        lines += ["", "**Planner**: its predicted decode tok/s for the configuration it picked (simulated over its "
+                  "own probe's decode trace with the host costs it measured) against that configuration's "
+                  "measured decode tok/s in this run.", "",
+                  "| link | budget | picked | predicted | measured | error | host costs (probe) |",
+                  "|---|---:|---|---:|---:|---:|---|"]
+        for r in sorted(planned, key=lambda r: (r["link"], r["budget_fraction"])):
+            q = r.get("policy", {})
+            width = f"mass {q.get('prefetch_mass')}" if q.get("prefetch_width") == "mass" else q.get("prefetch_width")
+            pick = (f"{q.get('allocation')}/{q.get('eviction')}, " + (f"{q['predictor']} p={q.get('lookahead')} "
+                    f"w={width}" if q.get("predictor") else "no prefetch"))
+            err = r.get("planner_error")
+            lines.append(f"| {result['links'][r['link']]['title']} | {100 * r['budget_fraction']:.0f}% | {pick} | "
+                         f"{_fmt(r.get('planner_predicted_decode_tps'))} | {_fmt(r['median']['decode_tps'])} | "
+                         + (f"{100 * err:+.0f}%" if err is not None else "—") + f" | {r.get('planner_costs', '')} |")
     mism = [f"{r['link']}/{r['preset']}/{r['budget_fraction']}" for r in results
             if r.get("tokens_match_int4_reference") is False and r["preset"] not in ("load-on-demand",)]
     if result["int4_reference_tokens"] is not None:

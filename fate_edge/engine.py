@@ -145,6 +145,7 @@ class Engine:
         max_inflight_prefetches: int = 8,
         direct_io: bool = True,
         plan: str | None = None,
+        verify: str = "once",
     ):
         if plan == "auto":  # Engine(..., plan="auto") is the same as policy="auto": the planner decides
             policy = "auto"
@@ -159,7 +160,8 @@ class Engine:
         if policy == "auto":  # let the planner choose for this host, budget and link
             from .planner import auto_plan
 
-            self.planned = auto_plan(store_dir, parse_bytes(memory_budget), link.spec if link else None)
+            self.planned = auto_plan(store_dir, parse_bytes(memory_budget), link.spec if link else None,
+                                     dtype=DTYPES[dtype] if isinstance(dtype, str) else dtype, workers=workers)
             policy = self.planned.policy
         self.policy = get_policy(policy)
         self.dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
@@ -180,7 +182,7 @@ class Engine:
         slot = max(self.store.precisions[b].slot_bytes for b in bits_used)
         # On a GPU, staging buffers are pinned so copies to the device are asynchronous DMA.
         pool = BufferPool(self.plan.pool_buffers, slot, pinned=device.startswith("cuda"))
-        self.fetch = FetchEngine(pool, workers=workers, link=link, direct_io=direct_io)
+        self.fetch = FetchEngine(pool, workers=workers, link=link, direct_io=direct_io, verify=verify)
         self.cache = self._make_cache()
         self.scheduler = Scheduler(self.model.config, self.store, self.fetch, self.cache, self.policy,
                                    self._make_predictor(), self.dtype, device,

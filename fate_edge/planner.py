@@ -1,17 +1,21 @@
 """The planner: pick a policy for a device and a memory budget (``fate-edge plan``, ``plan="auto"``).
 
-A cost model in the spirit of MoE-Lightning's hierarchical roofline (ASPLOS'25) gives the per-layer
-decode compute time (measured on this host, or from a device profile's peaks) and the link model
-gives each expert read's time; a trace-driven simulation (:mod:`fate_edge.simulate`, the real cache
-classes over recorded routing and predictor outputs) then scores candidate policies. The search is
-a coordinate descent from the fate-edge preset over allocation, eviction, predictor, lookahead and
-prefetch width.
+A cost model in the spirit of MoE-Lightning's hierarchical roofline (ASPLOS'25): per-layer decode
+compute (measured on this host, or from a device profile's peaks), each expert read's link time from
+the link model, and on this host what a read costs its CPU (the reader thread's time, and decoding
+the blob), measured by two short probe runs of the engine itself. A trace-driven simulation
+(:mod:`fate_edge.simulate`, the real cache classes over recorded routing and predictor outputs) then
+scores candidate policies. The search is a coordinate descent from the fate-edge preset over
+allocation, eviction, predictor, lookahead and prefetch width.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -19,7 +23,7 @@ from devices.link import LinkSpec
 
 from .engine import plan_budget
 from .policy import PRESETS, PolicyConfig
-from .simulate import SimResult, simulate
+from .simulate import HostCosts, SimResult, simulate
 
 
 @dataclass
@@ -30,12 +34,14 @@ class PlanTrace:
     predictions: dict[str, dict[tuple[int, int], torch.Tensor]] = field(default_factory=dict)
     num_experts: int = 0
     num_layers: int = 0
+    warm: dict[int, list[int]] | None = None  # the prompt's experts per layer (prefill loads them first)
 
 
-def record_plan_trace(model, token_ids: list[int], lookahead: int = 3) -> PlanTrace:
-    """Run ``model`` over ``token_ids`` once (teacher-forced: the routing decode would see) and record
-    the true experts plus the cross-layer gate predictions (raw and norm variants) up to ``lookahead``."""
-    from predictors.cross_layer_gate import CrossLayerGate
+def record_plan_trace(model, token_ids: list[int], lookahead: int = 3, store_dir: str | Path | None = None
+                      ) -> PlanTrace:
+    """Run ``model`` over ``token_ids`` once (teacher-forced) and record the true experts plus the
+    predictors' scores (see :func:`trace_predictions`). For a device profile, where the engine cannot be
+    probed; on this host :func:`auto_plan` records the engine's own decode instead."""
     from predictors.evaluate import TraceRecorder
 
     rec = TraceRecorder(model.config.num_experts)
@@ -46,16 +52,47 @@ def record_plan_trace(model, token_ids: list[int], lookahead: int = 3) -> PlanTr
     finally:
         model.observers.remove(rec)
     trace = rec.trace()
-    out = PlanTrace(trace.expert_ids, {}, model.config.num_experts, model.config.num_hidden_layers)
-    for name, norm in (("cross-layer", False), ("cross-layer-norm", True)):
-        gate = CrossLayerGate.from_model(model, lookahead=lookahead, norm_variant=norm)
+    return trace_predictions(model, trace.expert_ids, trace.gate_inputs, lookahead, store_dir)
+
+
+def trace_predictions(model, expert_ids: dict[int, torch.Tensor], gate_inputs: dict[int, torch.Tensor],
+                      lookahead: int = 3, store_dir: str | Path | None = None) -> PlanTrace:
+    """Score every recorded gate input with each predictor the engine can run: the cross-layer gate (raw
+    and norm variants) up to ``lookahead`` layers ahead, and the learned predictor (``fate-edge
+    calibrate``) when ``store_dir`` has one, which is what ``best-available`` runs."""
+    from predictors.cross_layer_gate import CrossLayerGate
+
+    out = PlanTrace(expert_ids, {}, model.config.num_experts, model.config.num_hidden_layers)
+    layers = sorted(expert_ids)
+    predictors: dict[str, object] = {
+        "cross-layer": CrossLayerGate.from_model(model, lookahead=lookahead, norm_variant=False),
+        "cross-layer-norm": CrossLayerGate.from_model(model, lookahead=lookahead, norm_variant=True),
+    }
+    learned = _learned_predictor(store_dir) if store_dir is not None else None
+    if learned is not None:
+        predictors["learned"] = learned
+    for name, predictor in predictors.items():
         preds: dict[tuple[int, int], torch.Tensor] = {}
-        for src in trace.layers:
-            p = gate.predict(src, trace.gate_inputs[src])
-            for target in p.layers:
-                preds[(src, target)] = p.for_layer(target)
+        with torch.inference_mode():
+            for src in layers:
+                p = predictor.predict(src, gate_inputs[src])
+                for target in p.layers:
+                    preds[(src, target)] = p.for_layer(target)
         out.predictions[name] = preds
+    out.predictions["best-available"] = out.predictions["learned" if learned is not None else "cross-layer-norm"]
     return out
+
+
+def _learned_predictor(store_dir: str | Path):
+    """The learned predictor the engine's ``best-available`` would load (most layers ahead), or None."""
+    from predictors.learned import LearnedPredictor
+
+    found = Path(store_dir) / "predictors"
+    for kind in ("lowrank", "linear"):
+        paths = sorted(found.glob(f"learned-{kind}-p*.json"), key=lambda f: -int(f.stem.rsplit("p", 1)[1]))
+        if paths:
+            return LearnedPredictor.load(paths[0])
+    return None
 
 
 def measure_layer_time(model, tokens: int = 16) -> float:
@@ -67,6 +104,115 @@ def measure_layer_time(model, tokens: int = 16) -> float:
         for _ in range(tokens):
             tok = model(tok, cache)[0, -1].argmax().view(1, 1)
     return (time.perf_counter() - t0) / tokens / model.config.num_hidden_layers
+
+
+def reader_contention(torch_threads: int, workers: int, cores: int | None = None) -> float:
+    """Share of a reader thread's CPU time that delays compute: 1 when torch's threads already use every
+    core (a 2-core host running 2 torch threads), 0 when the readers have idle cores to themselves."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(1.0, max(0.0, (torch_threads + workers - cores) / max(1, workers)))
+
+
+@dataclass
+class ProbeRun:
+    tokens: int  # decode tokens measured
+    elapsed_s: float
+    stall_s: float
+    consume_s: float
+    predict_s: float
+    reads: int  # reads completed by the fetch engine during decode (used or not)
+    reader_cpu_s: float
+    read_s: float
+    bytes_read: int
+    trace: PlanTrace | None = None  # the decode's routing and predictor scores (record=True)
+
+
+class _DecodeRecorder:
+    """Routing observer: each decode step's gate inputs and experts, and the prompt's experts per layer."""
+
+    def __init__(self) -> None:
+        self.h: dict[int, list[torch.Tensor]] = {}
+        self.ids: dict[int, list[torch.Tensor]] = {}
+        self.warm: dict[int, list[int]] = {}
+
+    def __call__(self, layer: int, h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> None:
+        if h.shape[0] > 1:  # prefill: the union, most popular first, as the engine loads it
+            ids, counts = idx.flatten().unique(return_counts=True)
+            self.warm[layer] = ids[counts.argsort(descending=True, stable=True)].tolist()
+            return
+        self.h.setdefault(layer, []).append(h.detach().float().clone())
+        self.ids.setdefault(layer, []).append(idx.detach().clone())
+
+
+def probe_engine(store_dir, budget: int, policy: PolicyConfig, link: LinkSpec | None, token_ids: list[int],
+                 dtype: torch.dtype, tokens: int = 16, workers: int = 2, record: bool = False) -> ProbeRun:
+    """Decode ``tokens`` greedy tokens after ``token_ids`` with the real engine under ``budget``; the second
+    of two runs is measured (the first warms torch's kernels and checks each blob's CRC once, as a
+    long-running engine would have). ``record``: also keep the decode's routing as a :class:`PlanTrace`."""
+    from devices.link import ThrottledLink
+
+    from .engine import Engine
+    from .generate import GenerateConfig
+
+    run = None
+    for attempt in range(2):
+        eng = Engine(store_dir, budget, policy, dtype=dtype, link=ThrottledLink(link) if link else None,
+                     workers=workers, direct_io=link is None)
+        rec = _DecodeRecorder() if record and attempt == 1 else None
+        if rec is not None:
+            eng.model.observers.insert(0, rec)
+        try:
+            t0 = f0 = None
+            for _resp in eng.stream(token_ids, GenerateConfig(max_tokens=tokens + 1, ignore_eos=True)):
+                if t0 is None:  # the first token ends prefill: measure decode from here
+                    t0, f0 = time.perf_counter(), dataclasses.replace(eng.fetch.stats)
+            elapsed = time.perf_counter() - t0
+            f1 = eng.fetch.stats
+            st = eng.token_stats
+            run = ProbeRun(len(st), elapsed, sum(s.stall_s for s in st), sum(s.consume_s for s in st),
+                           sum(s.predict_s for s in st), f1.reads_completed - f0.reads_completed,
+                           f1.cpu_s - f0.cpu_s, f1.read_s - f0.read_s, f1.bytes_read - f0.bytes_read)
+            if rec is not None and rec.ids:
+                ids = {layer: torch.cat(v) for layer, v in rec.ids.items()}
+                h = {layer: torch.cat(v) for layer, v in rec.h.items()}
+                run.trace = trace_predictions(eng.model, ids, h, store_dir=store_dir)
+                run.trace.warm = rec.warm
+        finally:
+            eng.close()
+    assert run is not None
+    return run
+
+
+def measure_host_costs(store_dir, budget: int, link: LinkSpec | None, token_ids: list[int],
+                       dtype: torch.dtype = torch.float32, predictor_policy: PolicyConfig | None = None,
+                       workers: int = 2, decode_tokens: int = 128) -> tuple[HostCosts, LinkSpec, PlanTrace | None]:
+    """The simulator's constants for this host and a decode trace, from probe runs of the engine under
+    ``budget``: an LRU cache without prediction decoding ``decode_tokens`` tokens after ``token_ids`` (all
+    reads are demand reads, so what is not stalling or decoding blobs is compute; its routing is the
+    trace), then the predictor's policy for a few tokens (the predictor's per-layer cost). Without
+    ``link`` the disk is read with O_DIRECT and its bandwidth is the one measured."""
+    from .arch import load_config
+
+    moe_layers = len(load_config(store_dir).moe_layers)
+    base = probe_engine(store_dir, budget, PRESETS["lru"], link, token_ids, dtype, tokens=decode_tokens,
+                        workers=workers, record=True)
+    reads = max(1, base.reads)
+    contention = reader_contention(torch.get_num_threads(), workers)
+    compute = (base.elapsed_s - base.stall_s - base.consume_s) / max(1, base.tokens) / moe_layers
+    pred = probe_engine(store_dir, budget, predictor_policy or PRESETS["fate-edge"], link, token_ids, dtype,
+                        workers=workers)
+    costs = HostCosts(
+        layer_compute_s=max(1e-6, compute),
+        predict_s=pred.predict_s / max(1, pred.tokens) / moe_layers,
+        read_cpu_s=base.reader_cpu_s / reads if base.reads else 0.0,
+        consume_s=base.consume_s / reads if base.reads else 0.0,
+        contention=contention,
+    )
+    if link is None:
+        bw = base.bytes_read / base.read_s if base.read_s > 0 else 1e9
+        link = LinkSpec("this host's disk (measured)", bw, 0.0)
+    return costs, link, base.trace
 
 
 def roofline_layer_time(cfg, profile, expert_bytes: int, resident_layer_bytes: int) -> float:
@@ -91,13 +237,15 @@ class Plan:
     layer_compute_s: float
     link: LinkSpec
     candidates: list[Candidate]
+    costs: HostCosts | None = None
 
     def describe(self) -> str:
         p = self.policy
         lines = [
             f"link            {self.link.name}: {self.link.bandwidth_bytes_per_s / 1e9:.2f} GB/s, "
             f"{self.link.latency_s * 1e6:.0f} us",
-            f"layer compute   {self.layer_compute_s * 1e3:.3f} ms per decoder layer per token",
+            f"layer compute   {self.layer_compute_s * 1e3:.3f} ms per MoE layer per token",
+            *([f"host costs      {self.costs.describe()}"] if self.costs else []),
             f"chosen policy   allocation={p.allocation} eviction={p.eviction} predictor={p.predictor} "
             f"lookahead={p.lookahead} width={p.prefetch_width}"
             + (f" (mass {p.prefetch_mass})" if p.prefetch_width == "mass" else "") + f" bits={p.bits}",
@@ -117,7 +265,7 @@ class Plan:
 def _neighbours(p: PolicyConfig) -> list[PolicyConfig]:
     out = [p.with_(allocation=a) for a in ("uniform", "shallow")]
     out += [p.with_(eviction=e) for e in ("lru", "lfu", "arc", "lcu", "popularity")]
-    out += [p.with_(predictor=q) for q in ("cross-layer", "cross-layer-norm")]
+    out += [p.with_(predictor=q) for q in ("best-available", "cross-layer", "cross-layer-norm", None)]
     out += [p.with_(lookahead=a) for a in (1, 2, 3)]
     out += [p.with_(prefetch_width=w) for w in ("fate", "mass", 2, 4)]
     out += [p.with_(prefetch_width="mass", prefetch_mass=m) for m in (0.8, 0.95)]
@@ -125,16 +273,18 @@ def _neighbours(p: PolicyConfig) -> list[PolicyConfig]:
 
 
 def plan(trace: PlanTrace, budget: int, expert_bytes: int, slot_bytes: int, link: LinkSpec,
-         layer_compute_s: float, start: PolicyConfig | None = None, rounds: int = 2) -> Plan:
-    """Coordinate descent over policy settings, scored by simulated decode tokens/s."""
+         layer_compute_s: float | HostCosts, start: PolicyConfig | None = None, rounds: int = 2) -> Plan:
+    """Coordinate descent over policy settings, scored by simulated decode tokens/s. ``layer_compute_s``:
+    the measured :class:`HostCosts`, or just per-layer compute seconds (a device profile's roofline)."""
+    costs = layer_compute_s if isinstance(layer_compute_s, HostCosts) else HostCosts(layer_compute_s)
     seen: dict[PolicyConfig, SimResult] = {}
 
     def score(p: PolicyConfig) -> float:
         if p not in seen:
             cache_bytes = plan_budget(budget, p, expert_bytes, slot_bytes).cache_bytes
             preds = trace.predictions.get(p.predictor) if p.predictor else None
-            seen[p] = simulate(trace.expert_ids, preds, p, cache_bytes, expert_bytes, link, layer_compute_s,
-                               trace.num_experts, trace.num_layers)
+            seen[p] = simulate(trace.expert_ids, preds, p, cache_bytes, expert_bytes, link, costs,
+                               trace.num_experts, trace.num_layers, warm=trace.warm)
         return seen[p].tokens_per_s
 
     best = (start or PRESETS["fate-edge"]).with_(name="planned", cold_bits=None)
@@ -145,8 +295,8 @@ def plan(trace: PlanTrace, budget: int, expert_bytes: int, slot_bytes: int, link
                 best, improved = cand, True
         if not improved:
             break
-    return Plan(best, seen[best].tokens_per_s, seen[best].hit_rate, layer_compute_s, link,
-                [Candidate(p, r) for p, r in seen.items()])
+    return Plan(best, seen[best].tokens_per_s, seen[best].hit_rate, costs.layer_compute_s, link,
+                [Candidate(p, r) for p, r in seen.items()], costs)
 
 
 def sample_token_ids(tokenizer, n: int = 256) -> list[int]:
@@ -158,33 +308,26 @@ def sample_token_ids(tokenizer, n: int = 256) -> list[int]:
 
 
 def auto_plan(store_dir, budget: int, link: LinkSpec | None = None, token_ids: list[int] | None = None,
-              dtype: torch.dtype = torch.float32) -> Plan:
-    """Plan for this host: record routing on sample text, measure compute, simulate candidates.
+              dtype: torch.dtype = torch.float32, prompt_tokens: int = 64, decode_tokens: int = 128,
+              workers: int = 2) -> Plan:
+    """Plan for this host: probe the engine under ``budget`` on sample text (the prompt's first
+    ``prompt_tokens`` tokens, then ``decode_tokens`` greedy tokens) to measure the host's costs and record
+    the decode's routing, then simulate candidates over that trace.
 
-    Without ``link`` the expert reads are modelled at the bandwidth measured while recording."""
+    Without ``link`` the expert reads are modelled at the disk bandwidth the probes measured."""
     from .loader import load_model
     from .store import ExpertStore
     from .tokenizer import Tokenizer
 
-    model = load_model(store_dir, dtype=dtype)  # experts read on demand through the fetch engine
     ids = token_ids or sample_token_ids(Tokenizer(store_dir))
-    trace = record_plan_trace(model, ids)
-    provider = model.experts
-    tokens = 8
-    cache = model.new_cache()
-    with torch.inference_mode():
-        tok = model(torch.tensor([ids[:8]]), cache, last_only=True)[0, -1].argmax().view(1, 1)
-        t0 = time.perf_counter()
-        s0 = provider.stats.stall_s
-        for _ in range(tokens):
-            tok = model(tok, cache)[0, -1].argmax().view(1, 1)
-    elapsed = time.perf_counter() - t0
-    io_s = provider.stats.stall_s - s0
-    layer_s = max(1e-6, (elapsed - io_s) / tokens / model.config.num_hidden_layers)
+    costs, link, trace = measure_host_costs(store_dir, budget, link, ids[:prompt_tokens], dtype,
+                                            workers=workers, decode_tokens=decode_tokens)
     store = ExpertStore(store_dir)
-    bits = provider.bits
-    if link is None:
-        bw = provider.stats.bytes_read / max(provider.stats.stall_s, 1e-9)
-        link = LinkSpec("this host's disk (measured)", bw, 0.0)
-    provider.close()
-    return plan(trace, budget, store.expert_bytes(bits), store.precisions[bits].slot_bytes, link, layer_s)
+    bits = PRESETS["fate-edge"].bits
+    if trace is None:  # nothing decoded (cannot happen with decode_tokens >= 1): fall back to teacher forcing
+        model = load_model(store_dir, dtype=dtype)
+        try:
+            trace = record_plan_trace(model, ids, store_dir=store_dir)
+        finally:
+            model.experts.close()
+    return plan(trace, budget, store.expert_bytes(bits), store.precisions[bits].slot_bytes, link, costs)

@@ -40,6 +40,8 @@ class SchedulerStats:
     predictions: int = 0  # decode-time predictions checked against the true next-layer experts
     exact: int = 0  # ... whose top-k set equalled the true set
     recall_sum: float = 0.0  # ... summed recall of the true experts in the predicted top-k
+    consume_s: float = 0.0  # main thread turning fetched blobs into callable experts (copy out + decode)
+    predict_s: float = 0.0  # running the predictor and issuing prefetches
 
     def snapshot(self) -> SchedulerStats:
         return SchedulerStats(**{f.name: getattr(self, f.name) for f in fields(self)})
@@ -134,9 +136,11 @@ class Scheduler:
             self.demands[key] = _Fetch(req, bits, prefetched=False)
 
         if self.predictor is not None:
+            t0 = time.perf_counter()
             if hasattr(self.predictor, "observe"):
                 self.predictor.observe(layer, needed)
             self._prefetch(layer, h)
+            self.stats.predict_s += time.perf_counter() - t0
 
     __call__ = on_route  # usable directly as a model routing observer
 
@@ -204,7 +208,8 @@ class Scheduler:
             if scores.shape[0] == 1:  # decode: most probable experts up to the width (or the mass)
                 probs = scores[0]
                 # Experts a predictor scores 0 (the oracle's unused ones) are never worth a read.
-                ranked = [e for e in probs.argsort(descending=True).tolist() if probs[e] > 0]
+                order = probs.argsort(descending=True)
+                ranked = order[probs[order] > 0].tolist()
                 if d == 0:
                     self.last_prediction[target] = ranked[:k]
                 chosen = ranked[: self._width()]
@@ -281,6 +286,7 @@ class Scheduler:
 
     def _consume(self, layer: int, e: int, f: _Fetch, info: AccessInfo):
         key = (layer, e)
+        t0 = time.perf_counter()
         try:
             blob, event = self.copier.upload(self.fetch.wait(f.req), demand=not f.prefetched)
         except BaseException:
@@ -289,6 +295,7 @@ class Scheduler:
         # The staging buffer goes back to the pool only once the copy out of it has completed.
         self.copier.release_after(event, lambda req=f.req: self.fetch.release(req))
         expert = decode_expert(blob, self.store.precisions[f.bits], self.dtype)
+        self.stats.consume_s += time.perf_counter() - t0
         nbytes = f.req.ref.length
         if f.req.read_s > 0:
             bw = nbytes / f.req.read_s

@@ -2,9 +2,15 @@
 
 Used by the planner to rank configurations before running them. Each trace row is one decode token
 passing through every MoE layer in order. Time model (MoE-Lightning's view of batch-1 decode: bound
-by the link): per layer, demand reads stall compute; prefetches issued at layer i travel while layer
-i computes and are on time if they arrive before their layer starts; one link serves all reads, and a
-demand read goes ahead of queued prefetches (pushing them back by its transfer time).
+by the link, plus what each read costs the host's CPU):
+
+- per layer, compute takes ``layer_compute_s`` (+ ``predict_s`` when a predictor runs);
+- a demand read stalls compute for max(link transfer, reader CPU), then the main thread spends
+  ``consume_s`` turning the blob into a callable expert;
+- prefetches issued at layer i travel while layer i computes and are on time if they arrive before
+  their layer starts; their reader CPU delays compute by ``contention`` x its time (1 on a host whose
+  cores all run compute threads, 0 where readers have idle cores), and using one costs ``consume_s``;
+- one link serves all reads, and a demand read goes ahead of queued prefetches (pushing them back).
 """
 
 from __future__ import annotations
@@ -18,6 +24,22 @@ from devices.link import LinkSpec
 from .cache import AccessInfo
 from .cache.factory import build_cache
 from .policy import PolicyConfig
+
+
+@dataclass
+class HostCosts:
+    """What the simulator charges, per decoder layer and per expert read (measured, or from a profile)."""
+
+    layer_compute_s: float  # one decoder layer's decode compute with its experts in memory (bookkeeping included)
+    predict_s: float = 0.0  # per MoE layer: running the predictor and issuing its prefetches
+    read_cpu_s: float = 0.0  # per expert read: the reader thread's CPU (page-cache copy, first-read CRC)
+    consume_s: float = 0.0  # per fetched expert: main thread copying it out of its read buffer and decoding it
+    contention: float = 1.0  # share of a reader's CPU time that delays compute
+
+    def describe(self) -> str:
+        return (f"{self.layer_compute_s * 1e3:.3f} ms compute per layer, {self.predict_s * 1e3:.3f} ms predicting, "
+                f"per read {self.read_cpu_s * 1e3:.3f} ms reader CPU (x{self.contention:.2f} contention) + "
+                f"{self.consume_s * 1e3:.3f} ms decode")
 
 
 @dataclass
@@ -64,12 +86,22 @@ def simulate(
     cache_bytes: int,
     expert_bytes: int,
     link: LinkSpec,
-    layer_compute_s: float,
+    costs: HostCosts | float,
     num_experts: int,
     num_layers: int,
+    warm: dict[int, list[int]] | None = None,
 ) -> SimResult:
     """``expert_ids``: MoE layer → [N, k] true experts; ``predictions``: (source, target) → [N, E] scores
-    (None: no prefetch). Returns totals over the N tokens."""
+    (None: no prefetch). ``costs``: a :class:`HostCosts`, or just the per-layer compute seconds (reads then
+    cost only link time). ``warm``: experts per layer the prompt's prefill loaded, in load order; they fill
+    the cache first, untimed, as the engine's prefill leaves it. Returns totals over the N tokens."""
+    if not isinstance(costs, HostCosts):
+        costs = HostCosts(float(costs))
+    layer_compute_s = costs.layer_compute_s
+    # Two demand reads of one layer pipeline: the main thread decodes the first while the second reads.
+    read_time = max(link.transfer_time(expert_bytes), costs.read_cpu_s)
+    first_demand, next_demand = read_time + costs.consume_s, max(read_time, costs.consume_s)
+    prefetch_cpu = costs.contention * costs.read_cpu_s
     layers = sorted(expert_ids)
     n, k = next(iter(expert_ids.values())).shape
     future = [(layer, e) for t in range(n) for layer in layers for e in sorted(expert_ids[layer][t].tolist())]
@@ -77,12 +109,19 @@ def simulate(
     transfer = link.transfer_time(expert_bytes)
     fate_width = max(policy.min_prefetch_width, min(policy.max_prefetch_width, int(layer_compute_s / transfer)))
     r = SimResult(n, 0, 0, 0, 0.0, 0, 0, 0, 0.0)
+    if cache is not None and warm:
+        for layer in layers:
+            info = AccessInfo(layer_now=layer, num_layers=num_layers)
+            for e in warm.get(layer, []):
+                if (layer, e) not in cache:
+                    cache.access((layer, e), False, info)
+                    cache.insert((layer, e), None, expert_bytes, policy.bits)
     clock, link_free = 0.0, 0.0
     inflight: dict[tuple[int, int], float] = {}  # prefetched key → arrival time
     for t in range(n):
         for li, layer in enumerate(layers):
             info = AccessInfo(layer_now=layer, num_layers=num_layers)
-            stall, used = 0.0, []
+            stall, used, demands = 0.0, [], 0
             for e in sorted(expert_ids[layer][t].tolist()):
                 key = (layer, e)
                 if cache is not None and key in cache:
@@ -95,10 +134,11 @@ def simulate(
                     arrival = inflight.pop(key)
                     r.prefetch_hits += 1
                     r.prefetch_bytes += expert_bytes
-                    stall = max(stall, arrival - clock)
+                    stall = max(stall, arrival - clock) + costs.consume_s
                 else:
                     start = max(clock + stall, 0.0)
-                    stall += transfer
+                    stall += next_demand if demands else first_demand
+                    demands += 1
                     r.misses += 1
                     r.demand_bytes += expert_bytes
                     # The demand read jumps the queue: later prefetches arrive that much later.
@@ -126,6 +166,8 @@ def simulate(
                     start = max(link_free, clock)
                     link_free = start + transfer
                     inflight[key] = link_free
+                    clock += prefetch_cpu  # the reader thread takes a core from compute
+                clock += costs.predict_s
             clock += layer_compute_s
             if cache is not None:
                 for key in used:

@@ -130,6 +130,58 @@ def test_flipped_byte_is_reported_with_layer_and_expert(blob_file):
         assert bytes(eng.wait(ok)) == _expected(path, refs[0])
 
 
+def _flip(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_verify_once_checks_first_read_and_always_checks_every_read(blob_file):
+    path, refs = blob_file
+    ref = refs[3]
+    with FetchEngine(BufferPool(2, BLOB), workers=1) as eng:  # default: verify once
+        req = eng.submit(ref)
+        assert bytes(eng.wait(req)) == _expected(path, ref)
+        eng.release(req)
+        # Corrupt the bytes behind the file's back while keeping its identity (inode and mtime), as a
+        # bit flip on the medium would: a verified blob is trusted on re-reads ...
+        st = os.stat(path)
+        _flip(path, ref.offset + 10)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        again = eng.submit(ref)
+        assert bytes(eng.wait(again)) == _expected(path, ref)  # the flipped bytes, served without a CRC check
+        eng.release(again)
+    # ... while verify="always" checks each read and catches it.
+    with FetchEngine(BufferPool(2, BLOB), workers=1, verify="always") as eng:
+        with pytest.raises(CorruptBlobError, match=rf"layer {ref.layer} expert {ref.expert}"):
+            eng.wait(eng.submit(ref))
+
+
+def test_rewritten_file_is_verified_again(blob_file):
+    path, refs = blob_file
+    ref = refs[5]
+    with FetchEngine(BufferPool(2, BLOB), workers=1) as eng:
+        req = eng.submit(ref)
+        eng.wait(req)
+        eng.release(req)
+    # A store rewritten in place of the old one is a new file: nothing verified in the old one carries over.
+    data = bytearray(path.read_bytes())
+    data[ref.offset + 7] ^= 0xFF
+    tmp = path.with_suffix(".new")
+    tmp.write_bytes(bytes(data))
+    os.replace(tmp, path)
+    with FetchEngine(BufferPool(2, BLOB), workers=1) as eng:
+        with pytest.raises(CorruptBlobError, match=rf"layer {ref.layer} expert {ref.expert}"):
+            eng.wait(eng.submit(ref))
+
+
+def test_verify_rejects_unknown_mode():
+    with pytest.raises(ValueError, match="once.*always"):
+        FetchEngine(BufferPool(1, BLOB), workers=1, verify="sometimes")
+
+
 def test_truncated_file_is_reported(blob_file):
     path, refs = blob_file
     os.truncate(path, refs[-1].offset + 1000)

@@ -2,12 +2,13 @@ import torch
 
 from devices.link import LinkSpec
 from fate_edge.cli import main
-from fate_edge.planner import PlanTrace, plan
+from fate_edge.planner import PlanTrace, plan, reader_contention
 from fate_edge.policy import PRESETS
-from fate_edge.simulate import simulate
+from fate_edge.simulate import HostCosts, simulate
 
 E, K, N, LAYERS = 8, 2, 50, [0, 1, 2, 3]
 LINK = LinkSpec("test", bandwidth_bytes_per_s=1e6, latency_s=0.0)  # a 1000-byte expert takes 1 ms
+LINK_FAST = LinkSpec("fast", bandwidth_bytes_per_s=2e9, latency_s=20e-6)
 
 
 def _trace(seed=0):
@@ -74,3 +75,56 @@ def test_engine_plan_auto_runs_the_planners_choice(tmp_path, bundled_dir):
         assert e.planned is not None and e.policy == e.planned.policy and e.policy.name == "planned"
         text, last = e.generate("def f(x):", GenerateConfig(max_tokens=8, ignore_eos=True))
         assert last.generation_tokens == 8
+
+
+def test_demand_reads_of_one_layer_pipeline_with_decoding():
+    # Two misses per layer: read, then decode the first while the second reads, then decode the second.
+    ids = _trace()
+    costs = HostCosts(layer_compute_s=0.002, read_cpu_s=0.0002, consume_s=0.0004)
+    r = simulate(ids, None, PRESETS["load-on-demand-int4"], 0, 1000, LINK, costs, E, len(LAYERS))
+    per_layer = (1e-3 + 0.0004) + max(1e-3, 0.0004)
+    assert abs(r.stall_s - N * len(LAYERS) * per_layer) < 1e-9
+    # Reader CPU longer than the link: the read takes the CPU time instead.
+    slow = HostCosts(layer_compute_s=0.002, read_cpu_s=0.003, consume_s=0.0)
+    r2 = simulate(ids, None, PRESETS["load-on-demand-int4"], 0, 1000, LINK, slow, E, len(LAYERS))
+    assert abs(r2.stall_s - N * len(LAYERS) * 2 * 0.003) < 1e-9
+
+
+def test_prefetch_reads_cost_compute_time_only_under_contention():
+    ids = _trace()
+    preds = {(a, b): torch.rand(N, E, generator=torch.Generator().manual_seed(a)) for a, b in zip(LAYERS, LAYERS[1:])}
+    pol = PRESETS["lru"].with_(predictor="cross-layer", prefetch_width=2, lookahead=1)
+    idle = simulate(ids, preds, pol, 4000, 1000, LINK, HostCosts(0.002, read_cpu_s=0.0005, contention=0.0),
+                    E, len(LAYERS))
+    busy = simulate(ids, preds, pol, 4000, 1000, LINK, HostCosts(0.002, read_cpu_s=0.0005, contention=1.0),
+                    E, len(LAYERS))
+    issued = (busy.prefetch_bytes + busy.wasted_bytes) // 1000
+    assert busy.prefetch_hits == idle.prefetch_hits and issued > 0
+    # Every prefetch issued (used or wasted) took its reader's CPU time away from compute.
+    assert busy.total_s - idle.total_s >= issued * 0.0005 - 1e-9
+
+
+def test_warm_experts_fill_the_cache_before_decode():
+    ids = _trace()
+    warm = {layer: list(range(E)) for layer in LAYERS}
+    cold = simulate(ids, None, PRESETS["lru"], 10**6, 1000, LINK, 0.001, E, len(LAYERS))
+    warmed = simulate(ids, None, PRESETS["lru"], 10**6, 1000, LINK, 0.001, E, len(LAYERS), warm=warm)
+    assert cold.misses > 0 and warmed.misses == 0 and warmed.hit_rate == 1.0
+
+
+def test_reader_contention():
+    assert reader_contention(torch_threads=2, workers=2, cores=2) == 1.0  # every core already computes
+    assert reader_contention(torch_threads=2, workers=2, cores=4) == 0.0  # readers have idle cores
+    assert reader_contention(torch_threads=3, workers=2, cores=4) == 0.5
+
+
+def test_measured_costs_and_decode_trace_on_the_bundled_store(tmp_path, bundled_dir):
+    from fate_edge.convert import ConvertOptions, convert
+    from fate_edge.planner import measure_host_costs
+
+    store = convert(bundled_dir, tmp_path / "s", ConvertOptions(bits=4, keep_bf16=False), progress=False)
+    costs, link, trace = measure_host_costs(store, 2_000_000, LINK_FAST, list(range(40, 72)), decode_tokens=12)
+    assert costs.layer_compute_s > 0 and costs.read_cpu_s > 0 and costs.consume_s > 0 and costs.predict_s > 0
+    assert link is LINK_FAST
+    assert all(v.shape[0] == 12 for v in trace.expert_ids.values())  # one row per decoded token
+    assert set(trace.warm) == set(trace.expert_ids) and "best-available" in trace.predictions

@@ -84,6 +84,20 @@ def test_flipped_byte_names_layer_and_expert(store_copy):
     provider.close()
 
 
+def test_store_verify_checks_every_blob_and_names_the_bad_one(store_copy):
+    store = ExpertStore(store_copy)
+    n4 = sum(1 for r in store.refs.values() if r.bits == 4)
+    assert store.verify([4]) == n4 * store.expert_bytes(4)
+    ref = store.ref(5, 2, 2)
+    with open(ref.path, "r+b") as f:
+        f.seek(ref.offset + 3)
+        b = f.read(1)
+        f.seek(ref.offset + 3)
+        f.write(bytes([b[0] ^ 0x10]))
+    with pytest.raises(CorruptBlobError, match=r"layer 5 expert 2 \(int2\)"):
+        ExpertStore(store_copy).verify()
+
+
 def test_truncated_expert_file_names_layer_and_expert(store_copy):
     path = store_copy / "experts-4.bin"
     store = ExpertStore(store_copy)
