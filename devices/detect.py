@@ -82,3 +82,12 @@ def detect(device_tree_model: Path = DEVICE_TREE_MODEL) -> HostInfo:
     cuda, device, cuda_mem = _cuda()
     board = read_board_model(device_tree_model)
     return HostInfo(ram, cores, threads, cuda, device, cuda_mem, board, matching_profile(board, ram, device))
+
+
+def reader_contention(torch_threads: int, workers: int, cores: int | None = None) -> float:
+    """Share of a reader thread's CPU time that delays compute: 1 when torch's threads already use every
+    core (a 2-core host running 2 torch threads), 0 when the readers have idle cores to themselves."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(1.0, max(0.0, (torch_threads + workers - cores) / max(1, workers)))
+

@@ -69,7 +69,8 @@ def plan_budget(budget: int, policy: PolicyConfig, entry_bytes: int, slot_bytes:
     """Split ``budget`` into read buffers, the one expert being computed, and the cache.
 
     ``min_buffers`` read buffers let demand reads proceed whatever prefetches hold; prefetching policies
-    get extra buffers, at most a tenth of the rest of the budget and at most ``max_inflight``.
+    get extra buffers, at most a tenth of the rest of the budget, at most ``max_inflight`` and at most
+    lookahead x the widest prefetch the policy issues per layer.
     """
     plan = BudgetPlan(budget, min_buffers, min_buffers * slot_bytes, entry_bytes, 0, entry_bytes)
     if budget < plan.minimum:
@@ -79,7 +80,9 @@ def plan_budget(budget: int, policy: PolicyConfig, entry_bytes: int, slot_bytes:
             f"expert being computed); raise --memory-budget to at least {plan.minimum / 1e6:.2f} MB"
         )
     if policy.predictor is not None:
-        extra = min(max_inflight, int(0.1 * (budget - plan.minimum) // slot_bytes))
+        # No more buffers than the policy can have prefetches in flight: the rest of the budget caches.
+        width = policy.prefetch_width if isinstance(policy.prefetch_width, int) else policy.max_prefetch_width
+        extra = min(max_inflight, policy.lookahead * width, int(0.1 * (budget - plan.minimum) // slot_bytes))
         plan.pool_buffers += max(0, extra)
         plan.pool_bytes = plan.pool_buffers * slot_bytes
     plan.cache_bytes = budget - plan.pool_bytes - plan.working_bytes if policy.cache else 0

@@ -161,6 +161,7 @@ class FetchRequest:
     read_s: float = 0.0
     throttled_s: float = 0.0
     waited_s: float = 0.0
+    cpu_s: float = 0.0  # the reader thread's CPU time for this read
     cancel_requested: bool = False
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -220,6 +221,10 @@ class FetchEngine:
                          for i in range(workers)]
         for t in self._threads:
             t.start()
+
+    @property
+    def workers(self) -> int:
+        return len(self._threads)
 
     # ------------------------------------------------------------------ API
     def submit(self, ref: BlobRef, priority: Priority = Priority.DEMAND) -> FetchRequest:
@@ -430,7 +435,8 @@ class FetchEngine:
             return
         req.read_s = time.perf_counter() - start
         with self._cv:
-            self.stats.cpu_s += time.thread_time() - cpu0
+            req.cpu_s = time.thread_time() - cpu0
+            self.stats.cpu_s += req.cpu_s
             self.stats.read_s += req.read_s
             req.buffer = buf
             req.state = "done"

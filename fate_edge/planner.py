@@ -12,13 +12,13 @@ allocation, eviction, predictor, lookahead and prefetch width.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from devices.detect import reader_contention
 from devices.link import LinkSpec
 
 from .engine import plan_budget
@@ -104,14 +104,6 @@ def measure_layer_time(model, tokens: int = 16) -> float:
         for _ in range(tokens):
             tok = model(tok, cache)[0, -1].argmax().view(1, 1)
     return (time.perf_counter() - t0) / tokens / model.config.num_hidden_layers
-
-
-def reader_contention(torch_threads: int, workers: int, cores: int | None = None) -> float:
-    """Share of a reader thread's CPU time that delays compute: 1 when torch's threads already use every
-    core (a 2-core host running 2 torch threads), 0 when the readers have idle cores to themselves."""
-    if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return min(1.0, max(0.0, (torch_threads + workers - cores) / max(1, workers)))
 
 
 @dataclass
@@ -269,6 +261,7 @@ def _neighbours(p: PolicyConfig) -> list[PolicyConfig]:
     out += [p.with_(lookahead=a) for a in (1, 2, 3)]
     out += [p.with_(prefetch_width=w) for w in ("fate", "mass", 2, 4)]
     out += [p.with_(prefetch_width="mass", prefetch_mass=m) for m in (0.8, 0.95)]
+    out += [p.with_(prefetch_gate=g) for g in (True, False)]
     return out
 
 

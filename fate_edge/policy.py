@@ -22,6 +22,9 @@ class PolicyConfig:
     prefetch_mass: float = 0.9  # "mass": smallest set whose predicted probability reaches this
     max_prefetch_width: int = 8
     min_prefetch_width: int = 1  # 0: with "fate" width, prefetch nothing when one read outlasts a layer's compute
+    # Prefetch only the prediction ranks whose measured hit rate pays for the reader CPU a read takes from
+    # compute; while that is none, run the predictor on one layer call in 8 only (see Scheduler._gated).
+    prefetch_gate: bool = False
     bits: int = 4  # precision of cached / demand-fetched experts (16 = bf16)
     cold_bits: int | None = None  # prefill: the least popular experts travel in this precision (Fate: 2)
     cold_tail_mass: float = 0.3  # share of prefill expert assignments that may travel as cold_bits
@@ -56,7 +59,8 @@ PRESETS: dict[str, PolicyConfig] = {
     # time but allowed to reach 0: when one read outlasts a layer's compute, a prefetch cannot arrive in
     # time and only takes the link from demand reads, so none is issued.
     "fate-edge": PolicyConfig("fate-edge", allocation="uniform", eviction="lru", predictor="best-available",
-                              lookahead=1, prefetch_width="fate", min_prefetch_width=0, max_prefetch_width=2),
+                              lookahead=1, prefetch_width="fate", min_prefetch_width=0, max_prefetch_width=2,
+                              prefetch_gate=True),
 }
 
 

@@ -16,10 +16,13 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from devices.detect import reader_contention
+
 from .arch.base import ModelConfig
 from .cache import AccessInfo, ExpertCache
 from .fetch import FetchEngine, FetchRequest, Priority
 from .policy import PolicyConfig
+from .prefetch_gate import PrefetchGate
 from .store import ExpertStore, decode_expert
 from .transfer import Copier, make_copier
 
@@ -105,9 +108,15 @@ class Scheduler:
         self.skip: set[Key] = set()
         self.in_use: list[Key] = []
         self.last_prediction: dict[int, list[int]] = {}
+        self._candidates: dict[int, list[tuple[int, int]]] = {}  # target → (rank, expert) not cached when predicted
         self._layer_time = 0.0  # EMA of one decoder layer's compute time (decode)
         self._read_bw = 0.0  # EMA of measured read bandwidth, bytes/s
+        self._read_cpu = 0.0  # EMA of a read's reader-thread CPU seconds
         self._last_route: tuple[int, float] | None = None
+        # Prefetch gate (fate-edge): per prediction rank, evidence of whether a read would pay.
+        self.gate = PrefetchGate(max(policy.max_prefetch_width, config.num_experts_per_tok))
+        self._contention = reader_contention(torch.get_num_threads(), fetch.workers)
+        self._predict_cost = 0.0  # EMA of one layer call's predictor + prefetch planning seconds
 
     # ------------------------------------------------------------- routing hook
     def on_route(self, layer: int, h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> None:
@@ -139,7 +148,11 @@ class Scheduler:
             t0 = time.perf_counter()
             if hasattr(self.predictor, "observe"):
                 self.predictor.observe(layer, needed)
-            self._prefetch(layer, h)
+            if self._should_predict(n):
+                self._prefetch(layer, h)
+                if n == 1:
+                    dt = time.perf_counter() - t0
+                    self._predict_cost = dt if self._predict_cost == 0 else 0.9 * self._predict_cost + 0.1 * dt
             self.stats.predict_s += time.perf_counter() - t0
 
     __call__ = on_route  # usable directly as a model routing observer
@@ -179,8 +192,12 @@ class Scheduler:
     def _check_prediction(self, layer: int, idx: torch.Tensor, n: int) -> None:
         pred = self.last_prediction.pop(layer, None)
         if pred is None or n != 1:
+            self._candidates.pop(layer, None)
             return
         true = set(idx[0].tolist())
+        # The gate's evidence: of the predictions that were not already cached (a read would have been
+        # needed), how often each rank was routed.
+        self.gate.record(dict(self._candidates.pop(layer, [])), true)
         self.stats.predictions += 1
         self.stats.exact += int(set(pred[: len(true)]) == true)
         self.stats.recall_sum += len(true & set(pred[: len(true)])) / len(true)
@@ -193,8 +210,22 @@ class Scheduler:
         if p.prefetch_width == "fate" and self._layer_time > 0 and self._read_bw > 0:
             # Fate: how many expert reads fit into one decoder layer's compute time.
             per_read = self.store.expert_bytes(p.bits) / self._read_bw
-            return max(p.min_prefetch_width, min(p.max_prefetch_width, int(self._layer_time / per_read)))
+            width = max(p.min_prefetch_width, min(p.max_prefetch_width, int(self._layer_time / per_read)))
+            return self._gated(width, per_read) if p.prefetch_gate else width
         return self.config.num_experts_per_tok if p.prefetch_width == "fate" else p.max_prefetch_width
+
+    def _gated(self, width: int, per_read: float) -> int:
+        """fate-edge: the leading ranks whose measured hit rate pays for the reader CPU (prefetch_gate.py)."""
+        if self._read_cpu == 0:
+            return 0  # no read measured yet
+        return self.gate.width(width, per_read, self._contention * self._read_cpu, self._predict_cost,
+                               self.policy.min_prefetch_width)
+
+    def _should_predict(self, n: int) -> bool:
+        """Always in prefill and for ungated policies; with the gate shut, one layer call in 8."""
+        if n > 1 or not self.policy.prefetch_gate:
+            return True
+        return self.gate.should_predict(shut=self._width() == 0)
 
     def _prefetch(self, layer: int, h: torch.Tensor) -> None:
         targets = self.predictor.targets(layer)
@@ -210,8 +241,11 @@ class Scheduler:
                 # Experts a predictor scores 0 (the oracle's unused ones) are never worth a read.
                 order = probs.argsort(descending=True)
                 ranked = order[probs[order] > 0].tolist()
-                if d == 0:
+                if d == 0:  # checked when the target routes: exact match, and each rank's hit rate
                     self.last_prediction[target] = ranked[:k]
+                    self._candidates[target] = [
+                        (r, e) for r, e in enumerate(ranked[: len(self.gate.seen)])
+                        if not (self.cache is not None and (target, e) in self.cache)]
                 chosen = ranked[: self._width()]
                 if self.policy.prefetch_width == "mass":
                     mass = probs / probs.sum()
@@ -300,6 +334,8 @@ class Scheduler:
         if f.req.read_s > 0:
             bw = nbytes / f.req.read_s
             self._read_bw = bw if self._read_bw == 0 else 0.8 * self._read_bw + 0.2 * bw
+            cpu = f.req.cpu_s
+            self._read_cpu = cpu if self._read_cpu == 0 else 0.9 * self._read_cpu + 0.1 * cpu
         if f.prefetched:
             self.stats.prefetch_hits += 1
             self.stats.prefetch_bytes += nbytes
@@ -353,6 +389,7 @@ class Scheduler:
         """Start of a request: reset per-request predictor state and per-sequence cache statistics."""
         self.abort()
         self.last_prediction.clear()
+        self._candidates.clear()
         self._last_route = None
         if self.predictor is not None and hasattr(self.predictor, "reset"):
             self.predictor.reset()

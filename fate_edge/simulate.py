@@ -24,6 +24,7 @@ from devices.link import LinkSpec
 from .cache import AccessInfo
 from .cache.factory import build_cache
 from .policy import PolicyConfig
+from .prefetch_gate import PrefetchGate
 
 
 @dataclass
@@ -118,6 +119,9 @@ def simulate(
                     cache.insert((layer, e), None, expert_bytes, policy.bits)
     clock, link_free = 0.0, 0.0
     inflight: dict[tuple[int, int], float] = {}  # prefetched key → arrival time
+    # fate-edge's gate, deciding from the same evidence the scheduler gathers (prefetch_gate.py)
+    gate = PrefetchGate(max(policy.max_prefetch_width, k)) if policy.prefetch_gate and predictions else None
+    candidates: dict[int, dict[int, int]] = {}  # target layer → rank → expert not cached when predicted
     for t in range(n):
         for li, layer in enumerate(layers):
             info = AccessInfo(layer_now=layer, num_layers=num_layers)
@@ -151,13 +155,23 @@ def simulate(
                         used.append(key)
             clock += stall
             r.stall_s += stall
-            if predictions is not None:
+            width, predict = fate_width, predictions is not None
+            if gate is not None:
+                if layer in candidates:
+                    gate.record(candidates.pop(layer), set(expert_ids[layer][t].tolist()))
+                width = gate.width(fate_width, read_time, prefetch_cpu, costs.predict_s, policy.min_prefetch_width)
+                predict = gate.should_predict(shut=width == 0)
+            if predict:
                 plan = []
                 for d, target in enumerate(layers[li + 1 : li + 1 + policy.lookahead]):
                     scores = predictions.get((layer, target))
                     if scores is None:
                         continue
-                    for e in _chosen(policy, scores[t], k, fate_width):
+                    if gate is not None and d == 0:
+                        ranked = scores[t].argsort(descending=True)[: len(gate.seen)].tolist()
+                        candidates[target] = {rank: e for rank, e in enumerate(ranked)
+                                              if not (cache is not None and (target, e) in cache)}
+                    for e in _chosen(policy, scores[t], k, width):
                         plan.append((d, target, e))
                 for _, target, e in plan:
                     key = (target, e)

@@ -1,8 +1,9 @@
 import torch
 
+from devices.detect import reader_contention
 from devices.link import LinkSpec
 from fate_edge.cli import main
-from fate_edge.planner import PlanTrace, plan, reader_contention
+from fate_edge.planner import PlanTrace, plan
 from fate_edge.policy import PRESETS
 from fate_edge.simulate import HostCosts, simulate
 
@@ -128,3 +129,23 @@ def test_measured_costs_and_decode_trace_on_the_bundled_store(tmp_path, bundled_
     assert link is LINK_FAST
     assert all(v.shape[0] == 12 for v in trace.expert_ids.values())  # one row per decoded token
     assert set(trace.warm) == set(trace.expert_ids) and "best-available" in trace.predictions
+
+
+def _perfect(ids):
+    out = {}
+    for a, b in zip(LAYERS, LAYERS[1:]):
+        s = torch.zeros(N, E)
+        s.scatter_(1, ids[b], 1.0)
+        out[(a, b)] = s + 0.01 * torch.rand(N, E, generator=torch.Generator().manual_seed(b))
+    return out
+
+
+def test_simulated_gate_prefetches_only_where_reads_pay():
+    ids = _trace()
+    pol = PRESETS["fate-edge"].with_(predictor="cross-layer", max_prefetch_width=2)
+    cheap = HostCosts(0.005, predict_s=1e-5, read_cpu_s=1e-4, contention=1.0)
+    dear = HostCosts(0.005, predict_s=1e-5, read_cpu_s=5e-3, contention=1.0)  # a read costs more than it hides
+    paid = simulate(ids, _perfect(ids), pol, 4000, 1000, LINK, cheap, E, len(LAYERS))
+    shut = simulate(ids, _perfect(ids), pol, 4000, 1000, LINK, dear, E, len(LAYERS))
+    assert paid.prefetch_hits > N  # perfect predictions on a cheap host: prefetched after the evidence phase
+    assert shut.prefetch_hits == 0 and shut.prefetch_bytes == 0 and shut.wasted_bytes == 0
