@@ -192,8 +192,9 @@ def measure_host_costs(store_dir, budget: int, link: LinkSpec | None, token_ids:
     reads = max(1, base.reads)
     contention = reader_contention(torch.get_num_threads(), workers)
     compute = (base.elapsed_s - base.stall_s - base.consume_s) / max(1, base.tokens) / moe_layers
-    pred = probe_engine(store_dir, budget, predictor_policy or PRESETS["fate-edge"], link, token_ids, dtype,
-                        workers=workers)
+    # Ungated, so the predictor runs on every layer call and its cost per call is what is measured.
+    pred = probe_engine(store_dir, budget, (predictor_policy or PRESETS["fate-edge"]).with_(prefetch_gate=False),
+                        link, token_ids, dtype, workers=workers)
     costs = HostCosts(
         layer_compute_s=max(1e-6, compute),
         predict_s=pred.predict_s / max(1, pred.tokens) / moe_layers,
