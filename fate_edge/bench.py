@@ -201,6 +201,8 @@ def _convert_once(model_dir: Path, out: Path, layout: str = "auto") -> Path:
     if not is_store(out):
         print(f"bench: converting {model_dir} -> {out} (int4 + int2 cold copy + bf16)", flush=True)
         convert(model_dir, out, ConvertOptions(bits=4, cold_bits=2, keep_bf16=True, layout=layout), progress=False)
+        # Flush the new files to disk now, so their writeback does not take CPU from the first measurements.
+        os.sync()
     return out
 
 

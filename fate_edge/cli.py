@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from .errors import FateEdgeError
 
@@ -61,7 +62,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         store = ensure_store(model_dir)
         engine = Engine(store, args.memory_budget or "1GB", args.policy or "fate-edge", dtype=args.dtype, link=link,
-                        device=device)
+                        device=device, verify=args.verify)
         model, tokenizer = engine.model, engine.tokenizer
     else:
         model = load_model(model_dir, dtype=args.dtype, experts=args.experts, bits=args.bits, link=link,
@@ -111,6 +112,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if is_store(path):
         print()
         print(format_store(path))
+        if args.verify:
+            from .store import ExpertStore
+
+            t0 = time.perf_counter()
+            checked = ExpertStore(path).verify()  # raises CorruptBlobError naming the first bad blob
+            print(f"verified        every blob's CRC32: {checked / 1e6:.1f} MB in {time.perf_counter() - t0:.1f} s, "
+                  "all intact")
+    elif args.verify:
+        print(f"\n--verify checks expert stores; {path} is a model directory (convert it with fate-edge convert)")
+        return 2
     return 0
 
 
@@ -181,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(run)
     run.add_argument("--memory-budget", default=None,
                      help="bytes for experts (e.g. 64MB): run from an expert store under this hard limit")
+    run.add_argument("--verify", default="once", choices=["once", "always"],
+                     help="expert store: check each blob's CRC32 on its first read (default) or on every read")
     run.add_argument("--policy", default=None, help="policy preset: load-on-demand, lru, activation-path, fate, "
                      "fate-edge (default with --memory-budget)")
     run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -189,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     ins = sub.add_parser("inspect", help="architecture, parameter counts, expert vs resident bytes")
     ins.add_argument("model_dir", nargs="?", default=None, help="model directory (default: the bundled model)")
+    ins.add_argument("--verify", action="store_true",
+                     help="expert store: check every blob's CRC32 and report the first corrupted one")
     ins.set_defaults(func=cmd_inspect)
 
     pl = sub.add_parser("plan", help="choose a policy for a device profile and memory budget (simulated)")

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from devices.detect import reader_contention
@@ -109,7 +110,7 @@ def measure_layer_time(model, tokens: int = 16) -> float:
 @dataclass
 class ProbeRun:
     tokens: int  # decode tokens measured
-    elapsed_s: float
+    elapsed_s: float  # median token's compute x tokens + every token's stall and blob decoding
     stall_s: float
     consume_s: float
     predict_s: float
@@ -155,13 +156,17 @@ def probe_engine(store_dir, budget: int, policy: PolicyConfig, link: LinkSpec | 
         if rec is not None:
             eng.model.observers.insert(0, rec)
         try:
-            t0 = f0 = None
+            times, f0 = [], None
             for _resp in eng.stream(token_ids, GenerateConfig(max_tokens=tokens + 1, ignore_eos=True)):
-                if t0 is None:  # the first token ends prefill: measure decode from here
-                    t0, f0 = time.perf_counter(), dataclasses.replace(eng.fetch.stats)
-            elapsed = time.perf_counter() - t0
+                times.append(time.perf_counter())
+                if f0 is None:  # the first token ends prefill: measure decode from here
+                    f0 = dataclasses.replace(eng.fetch.stats)
             f1 = eng.fetch.stats
             st = eng.token_stats
+            # Compute per token = its time minus its stall and blob decoding; the median over tokens, so a
+            # hiccup of the host (another process, page-cache writeback) does not skew it, times the tokens.
+            compute = [dt - s.stall_s - s.consume_s for dt, s in zip(np.diff(times), st)]
+            elapsed = float(np.median(compute)) * len(st) + sum(s.stall_s + s.consume_s for s in st)
             run = ProbeRun(len(st), elapsed, sum(s.stall_s for s in st), sum(s.consume_s for s in st),
                            sum(s.predict_s for s in st), f1.reads_completed - f0.reads_completed,
                            f1.cpu_s - f0.cpu_s, f1.read_s - f0.read_s, f1.bytes_read - f0.bytes_read)

@@ -33,3 +33,21 @@ def test_inspect_reports_bytes_and_layers(capsys, bundled_model):
     assert "qwen2_moe" in out and f"{cfg.num_experts} per MoE layer" in out
     assert "expert bytes" in out and "resident bytes" in out
     assert out.count(" moe ") == len(cfg.moe_layers)
+
+
+def test_inspect_verify_checks_every_blob_and_names_a_corrupted_one(tmp_path, capsys, bundled_dir):
+    from fate_edge.convert import ConvertOptions, convert
+    from fate_edge.store import ExpertStore
+
+    store = convert(bundled_dir, tmp_path / "s", ConvertOptions(bits=4, keep_bf16=False), progress=False)
+    assert main(["inspect", str(store), "--verify"]) == 0
+    assert "all intact" in capsys.readouterr().out
+    ref = ExpertStore(store).ref(2, 9, 4)
+    with open(ref.path, "r+b") as f:
+        f.seek(ref.offset + 40)
+        b = f.read(1)
+        f.seek(ref.offset + 40)
+        f.write(bytes([b[0] ^ 0x80]))
+    assert main(["inspect", str(store), "--verify"]) != 0
+    err = capsys.readouterr().err
+    assert "layer 2 expert 9" in err and "re-run fate-edge convert" in err
