@@ -481,6 +481,9 @@ def worker_main(spec_path: str) -> int:
     prompts = {int(k): v for k, v in spec["prompts"].items()}
     decode_len = min(prompts)
     trace = traces.get(decode_len) if spec["preset"] == "oracle" else None
+    planned = plan_in_worker(spec) if spec.get("run_planner") else {}
+    if planned:
+        spec["policy"] = planned["policy"]
     # Every configuration measures the steady state of a long-running engine, in which each blob's CRC
     # was checked on its first read and is not checked again: check them all here, before timing.
     verify_store(spec)
@@ -501,6 +504,7 @@ def worker_main(spec_path: str) -> int:
         "fetch_workers": spec["fetch_workers"], "runs": runs, "median": summarize_runs(runs, decode_len),
         "per_layer": layers, "tokens": first["tokens"], "plan": first["plan"], "direct_io": first["direct_io"],
         "page_cache": first["page_cache"], "peak_rss_bytes": peak_rss_bytes(), "wall_s": time.perf_counter() - t0,
+        **planned,
     }
     first_tokens = {n: q["tokens"] for n, q in runs[0]["requests"].items()}
     for r in runs:  # keep the JSON small: one token list per configuration, a flag per run
@@ -681,40 +685,32 @@ def _int4_reference_tokens(results: list[dict], reference: list[int] | None) -> 
 
 
 def planner_configs(cfg: BenchConfig, store: Path, info: dict, budgets: list[float]) -> tuple[list[dict], str | None]:
-    # ==================================================================================== PLANNER HOOK
-    # Issue 5 item 4 (fate_edge/planner.py, written by the lead). When the module exists, ask it for a plan
-    # per (link, budget) and run the planned policy like any preset ("planned" rows), so the tables show the
-    # planner's predicted decode tok/s next to the measured one. Adjust the call below to the planner's final
-    # API; whatever it raises is reported and the bench goes on. Without the module this is skipped.
+    """One ``planned`` configuration per (link, budget). Its worker process runs the planner (probe, simulate,
+    choose) and then measures the chosen policy at once, as ``Engine(plan="auto")`` would: on a shared host
+    whose speed drifts from minute to minute, a plan made minutes before its measurement would be compared
+    with a different machine."""
     if not cfg.planner:
         return [], "planner not run (--no-planner)"
     try:
-        from . import planner  # type: ignore[attr-defined]
+        from . import planner  # noqa: F401
     except ImportError:
         return [], "fate_edge.planner not present: no predicted tok/s"
-    out, note = [], None
-    for link in cfg.links:
-        for b in budgets:
-            budget = int(b * info["int4_expert_bytes_total"])
-            try:
-                t0 = time.perf_counter()
-                import torch
+    total = info["int4_expert_bytes_total"]
+    return [{"link": link, "preset": "planned", "budget_fraction": b, "budget_bytes": int(b * total),
+             "run_planner": True} for link in cfg.links for b in budgets], None
 
-                torch.set_num_threads(cfg.threads)  # probe the engine as the configurations will run it
-                p = planner.auto_plan(store, budget, link=LINKS[link].spec(), workers=cfg.fetch_workers)
-                predicted = getattr(p, "predicted_tokens_per_s", None)
-                policy = dataclasses.asdict(p.policy)
-                costs = p.costs.describe() if getattr(p, "costs", None) else ""
-            except Exception as exc:  # noqa: BLE001 (the hook must never sink the benchmark)
-                note = f"planner failed: {type(exc).__name__}: {exc}"
-                print(f"bench: {note}", flush=True)
-                return out, note
-            print(f"bench: planner ({link}, {100 * b:.0f}%): predicted {predicted:.2f} decode tok/s "
-                  f"({time.perf_counter() - t0:.0f}s)", flush=True)
-            out.append({"link": link, "preset": "planned", "budget_fraction": b, "budget_bytes": budget,
-                        "policy": policy, "planner_predicted_decode_tps": predicted, "planner_costs": costs})
-    return out, note
-    # ================================================================================ END PLANNER HOOK
+
+def plan_in_worker(spec: dict) -> dict[str, Any]:
+    """The planner's choice for this configuration's link and budget (see :func:`planner_configs`)."""
+    from devices.link import LinkSpec
+
+    from .planner import auto_plan
+
+    t0 = time.perf_counter()
+    link = LinkSpec(**spec["link_spec"]) if spec["link_spec"] else None
+    p = auto_plan(spec["store"], spec["budget_bytes"], link=link, workers=spec["fetch_workers"])
+    return {"policy": dataclasses.asdict(p.policy), "planner_predicted_decode_tps": p.predicted_tokens_per_s,
+            "planner_costs": p.costs.describe() if p.costs else "", "planner_s": time.perf_counter() - t0}
 
 
 # ------------------------------------------------------------------------------------------------ peers
@@ -1002,8 +998,9 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             print(f"bench: {label}: decode {m['decode_tps'] or 0:.2f} tok/s, prefill {pf} tok/s, hit "
                   f"{100 * (m['hit_rate'] or 0):.0f}%, stall {m['stall_ms_per_token'] or 0:.1f} ms/tok, "
                   f"{m['mb_read_per_token'] or 0:.2f} MB/tok, RSS {res['peak_rss_bytes'] / 2**20:.0f} MiB "
-                  f"({time.perf_counter() - t0:.0f}s; {time.perf_counter() - t_start:.0f}s total)", flush=True)
-            res.update({k: c[k] for k in ("policy", "planner_predicted_decode_tps", "planner_costs") if k in c})
+                  f"({time.perf_counter() - t0:.0f}s; {time.perf_counter() - t_start:.0f}s total)"
+                  + (f"; planner predicted {res['planner_predicted_decode_tps']:.2f} decode tok/s"
+                     if res.get("planner_predicted_decode_tps") else ""), flush=True)
             results.append(res)
 
     run_phase([hb], with_lod=True)

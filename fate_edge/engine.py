@@ -103,6 +103,26 @@ class Completion:
     stats: SchedulerStats  # expert cache and fetch statistics of this request
 
 
+def memory_shortfall(host_need: int, device_need: int, host_available: int, device_free: int | None,
+                     unified: bool) -> str | None:
+    """Why the expert memory cannot fit, or None. ``unified``: CPU and GPU share one memory (a Jetson, or no
+    GPU), so everything is counted against it; a discrete GPU holds the cache and the host the staging."""
+    if unified or device_free is None:
+        need = host_need + device_need
+        if need > host_available:
+            return (f"the experts need up to {need / 1e6:.0f} MB (cache, read buffers and the expert being computed"
+                    f"{', in the memory CPU and GPU share' if unified and device_free is not None else ''}) but only "
+                    f"{host_available / 1e6:.0f} MB of memory is available; lower --memory-budget or free memory")
+        return None
+    if device_need > device_free:
+        return (f"the expert cache needs up to {device_need / 1e6:.0f} MB of GPU memory but {device_free / 1e6:.0f} MB "
+                "is free; lower --memory-budget or free GPU memory")
+    if host_need > host_available:
+        return (f"the pinned read buffers need {host_need / 1e6:.0f} MB of host memory but only "
+                f"{host_available / 1e6:.0f} MB is available; lower --memory-budget or free memory")
+    return None
+
+
 def resolve_device(device: str) -> str:
     """"auto" → cuda when torch sees a GPU, else cpu; "cuda" without a GPU is a clear error."""
     if device == "auto":
@@ -186,6 +206,7 @@ class Engine:
         # On a GPU, staging buffers are pinned so copies to the device are asynchronous DMA.
         pool = BufferPool(self.plan.pool_buffers, slot, pinned=device.startswith("cuda"))
         self.fetch = FetchEngine(pool, workers=workers, link=link, direct_io=direct_io, verify=verify)
+        self._check_memory()
         self.cache = self._make_cache()
         self.scheduler = Scheduler(self.model.config, self.store, self.fetch, self.cache, self.policy,
                                    self._make_predictor(), self.dtype, device,
@@ -197,6 +218,25 @@ class Engine:
         self.request_stats = SchedulerStats()
 
     # ------------------------------------------------------------------ setup
+    def _check_memory(self) -> None:
+        """The budget is a promise: refuse at once one this machine cannot hold, rather than fail mid-answer."""
+        import psutil
+
+        from devices.detect import read_board_model
+
+        cfg = self.model.config
+        experts = len(cfg.moe_layers) * cfg.num_experts * self.plan.entry_bytes  # the cache never holds more
+        device_need = min(self.plan.cache_bytes, experts) + self.plan.working_bytes
+        device_free, unified = None, True
+        if self.device.startswith("cuda"):
+            device_free = torch.cuda.mem_get_info(torch.device(self.device))[0]
+            board = read_board_model()
+            unified = board is not None and "Jetson" in board  # integrated GPU: one DRAM for CPU and GPU
+        why = memory_shortfall(self.plan.pool_bytes, device_need, int(psutil.virtual_memory().available),
+                               device_free, unified)
+        if why:
+            raise BudgetError(f"memory budget {self.budget / 1e6:.1f} MB: {why}")
+
     def _entry_bytes(self, bits: int) -> int:
         ref = self.store.ref(self.model.config.moe_layers[0], 0, bits)
         with open(ref.path, "rb") as f:

@@ -26,7 +26,7 @@ def tiny_run(tmp_path_factory, bundled_dir):
     store = ensure_store(bundled_dir, progress=False)  # int4 + int2 + bf16, converted once, shared with other tests
     cfg = bench.BenchConfig(
         model=str(store), presets=PRESETS, budgets=[0.35], links=["orin-nano-nvme"], prompt_tokens=[16],
-        decode_tokens=8, runs=1, threads=2, peers=False, planner=False, out_dir=str(tmp / "out"),
+        decode_tokens=8, runs=1, threads=2, peers=False, planner=True, out_dir=str(tmp / "out"),
         work_dir=str(tmp / "work"), plot_path=str(tmp / "out" / "bench.png"), isolate=False,
     )
     result = bench.run_bench(cfg)
@@ -45,7 +45,7 @@ def test_json_structure(tiny_run):
     assert saved["links"]["orin-nano-nvme"]["check"]["spec_gbps"] == pytest.approx(3.0)
     assert saved["skipped_presets"] == {}
     runs = {r["preset"]: r for r in saved["results"]}
-    assert set(runs) == set(PRESETS), [r.get("error") for r in saved["results"]]
+    assert set(runs) == set(PRESETS) | {"planned"}, [r.get("error") for r in saved["results"]]
     for name, r in runs.items():
         assert "error" not in r, r.get("error")
         m = r["median"]
@@ -111,3 +111,16 @@ def test_readme_markers_are_filled_and_the_rest_kept(tmp_path):
     (tmp_path / "plain.md").write_text("no markers")
     with pytest.raises(SystemExit):
         bench.check_readme(tmp_path / "plain.md")
+
+
+def test_planned_configuration_is_planned_in_its_worker_and_reported(tiny_run):
+    cfg, result, paths = tiny_run
+    planned = [r for r in result["results"] if r["preset"] == "planned"]
+    assert len(planned) == 1 and "error" not in planned[0], planned[0].get("error")
+    r = planned[0]
+    assert r["planner_predicted_decode_tps"] > 0 and r["planner_s"] > 0
+    assert r["policy"]["name"] == "planned" and "ms compute per layer" in r["planner_costs"]
+    assert r["planner_error"] == pytest.approx(r["planner_predicted_decode_tps"] / r["median"]["decode_tps"] - 1)
+    md = paths["markdown"].read_text()
+    assert "**Planner**" in md and f"{r['planner_predicted_decode_tps']:.2f}" in md
+

@@ -136,3 +136,27 @@ def test_failed_read_fails_one_request_and_leaves_the_engine_clean(store, budget
         engine.fetch.fault_injector = None
         text, last = engine.generate(PROMPT, CFG)  # the next request is served normally
         assert last.generation_tokens == CFG.max_tokens
+
+
+def test_memory_shortfall_counts_one_pool_on_unified_memory_and_two_on_a_discrete_gpu():
+    from fate_edge.engine import memory_shortfall
+
+    mb = 10**6
+    # Jetson: cache (600) + staging (100) compete for the one DRAM with 650 available.
+    assert "share" in memory_shortfall(100 * mb, 600 * mb, 650 * mb, device_free=600 * mb, unified=True)
+    assert memory_shortfall(100 * mb, 500 * mb, 650 * mb, device_free=600 * mb, unified=True) is None
+    # Discrete GPU: the same split fits (cache on the GPU, staging on the host) ...
+    assert memory_shortfall(100 * mb, 600 * mb, 650 * mb, device_free=600 * mb, unified=False) is None
+    # ... unless the GPU lacks room for the cache, or the host for the pinned buffers.
+    assert "GPU memory" in memory_shortfall(100 * mb, 700 * mb, 650 * mb, device_free=600 * mb, unified=False)
+    assert "pinned" in memory_shortfall(700 * mb, 100 * mb, 650 * mb, device_free=600 * mb, unified=False)
+    assert "lower --memory-budget" in memory_shortfall(10 * mb, 990 * mb, 500 * mb, device_free=None, unified=False)
+
+
+def test_a_budget_the_machine_cannot_hold_is_refused(store, monkeypatch):
+    import psutil
+
+    real = psutil.virtual_memory()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=3 * 10**6))
+    with pytest.raises(BudgetError, match=r"only 3 MB of memory is available; lower --memory-budget"):
+        Engine(store, "64MB", "lru")
