@@ -92,9 +92,9 @@ def test_every_preset_generates_the_same_tokens(tiny_run):
 def test_quick_drops_what_it_says_and_keeps_explicit_choices():
     ap = argparse.ArgumentParser()
     bench.add_arguments(ap)
-    cfg = bench.config_from_args(ap.parse_args(["--quick", "--runs", "2"]))
+    cfg = bench.config_from_args(ap.parse_args(["--quick", "--runs", "2"]))  # an explicit --runs wins
     assert cfg.quick and cfg.links == ["orin-nano-nvme"] and cfg.prompt_tokens == [128]
-    assert cfg.decode_tokens == 32 and cfg.runs == 2 and cfg.time_limit_s == 480
+    assert cfg.decode_tokens == 64 and cfg.runs == 2 and cfg.time_limit_s == 480
     assert cfg.budgets == [0.20, 0.35, 0.50, 0.75] and cfg.presets == bench.ALL_PRESETS
     assert "--quick" in ap.format_help()  # help strings survive argparse's % formatting
     full = bench.config_from_args(ap.parse_args([]))

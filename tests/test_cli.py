@@ -1,6 +1,8 @@
 import subprocess
 import sys
 
+from _corrupt import flip_byte
+
 from fate_edge.cli import main
 
 
@@ -43,11 +45,7 @@ def test_inspect_verify_checks_every_blob_and_names_a_corrupted_one(tmp_path, ca
     assert main(["inspect", str(store), "--verify"]) == 0
     assert "all intact" in capsys.readouterr().out
     ref = ExpertStore(store).ref(2, 9, 4)
-    with open(ref.path, "r+b") as f:
-        f.seek(ref.offset + 40)
-        b = f.read(1)
-        f.seek(ref.offset + 40)
-        f.write(bytes([b[0] ^ 0x80]))
+    flip_byte(ref.path, ref.offset + 40, 0x80)
     assert main(["inspect", str(store), "--verify"]) != 0
     err = capsys.readouterr().err
     assert "layer 2 expert 9" in err and "re-run fate-edge convert" in err

@@ -4,6 +4,7 @@ import time
 import zlib
 
 import pytest
+from _corrupt import flip_byte
 
 from devices.link import LinkSpec, ThrottledLink
 from fate_edge.fetch import (
@@ -117,25 +118,13 @@ def test_cancelled_prefetch_does_no_io_after_cancellation(blob_file):
 def test_flipped_byte_is_reported_with_layer_and_expert(blob_file):
     path, refs = blob_file
     ref = refs[6]
-    with open(path, "r+b") as f:
-        f.seek(ref.offset + 1234)
-        b = f.read(1)
-        f.seek(ref.offset + 1234)
-        f.write(bytes([b[0] ^ 0xFF]))
+    flip_byte(path, ref.offset + 1234)
     with FetchEngine(BufferPool(2, BLOB), workers=1) as eng:
         with pytest.raises(CorruptBlobError, match=rf"layer {ref.layer} expert {ref.expert}.*offset {ref.offset}"):
             eng.wait(eng.submit(ref))
         assert eng.pool.available == 2
         ok = eng.submit(refs[0])  # the engine keeps serving
         assert bytes(eng.wait(ok)) == _expected(path, refs[0])
-
-
-def _flip(path, offset):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 def test_verify_once_checks_first_read_and_always_checks_every_read(blob_file):
@@ -148,7 +137,7 @@ def test_verify_once_checks_first_read_and_always_checks_every_read(blob_file):
         # Corrupt the bytes behind the file's back while keeping its identity (inode and mtime), as a
         # bit flip on the medium would: a verified blob is trusted on re-reads ...
         st = os.stat(path)
-        _flip(path, ref.offset + 10)
+        flip_byte(path, ref.offset + 10)
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
         again = eng.submit(ref)
         assert bytes(eng.wait(again)) == _expected(path, ref)  # the flipped bytes, served without a CRC check

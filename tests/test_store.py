@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from _corrupt import flip_byte
 
 from fate_edge import FateEdgeError, ModelFormatError, load_model
 from fate_edge.convert import ConvertOptions, convert
@@ -72,11 +73,7 @@ def test_int4_store_is_close(store_dir, bundled_model):
 def test_flipped_byte_names_layer_and_expert(store_copy):
     store = ExpertStore(store_copy)
     ref = store.ref(3, 7, 4)
-    with open(ref.path, "r+b") as f:
-        f.seek(ref.offset + 100)
-        b = f.read(1)
-        f.seek(ref.offset + 100)
-        f.write(bytes([b[0] ^ 0x01]))
+    flip_byte(ref.path, ref.offset + 100, 0x01)
     provider = StoreExpertProvider(store, bits=4)
     with pytest.raises(CorruptBlobError, match=r"layer 3 expert 7 \(int4\)"):
         provider.get(3, 7)
@@ -89,11 +86,7 @@ def test_store_verify_checks_every_blob_and_names_the_bad_one(store_copy):
     n4 = sum(1 for r in store.refs.values() if r.bits == 4)
     assert store.verify([4]) == n4 * store.expert_bytes(4)
     ref = store.ref(5, 2, 2)
-    with open(ref.path, "r+b") as f:
-        f.seek(ref.offset + 3)
-        b = f.read(1)
-        f.seek(ref.offset + 3)
-        f.write(bytes([b[0] ^ 0x10]))
+    flip_byte(ref.path, ref.offset + 3, 0x10)
     with pytest.raises(CorruptBlobError, match=r"layer 5 expert 2 \(int2\)"):
         ExpertStore(store_copy).verify()
 
