@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime as _dt
+import gc
 import hashlib
 import importlib.util
 import itertools
@@ -380,6 +381,7 @@ def _one_request(spec: dict, ids: list[int], max_tokens: int, trace, counter_sin
     engine = Engine(spec["store"], spec["budget_bytes"], policy, link=link, trace=trace,
                     workers=spec["fetch_workers"], device=spec.get("device", "cpu"), direct_io=link is None)
     counter = LayerCounter(engine)
+    counter_counts = counter.counts
     engine.model.observers.insert(0, counter)
     try:
         times, tokens, last = [], [], None
@@ -405,7 +407,9 @@ def _one_request(spec: dict, ids: list[int], max_tokens: int, trace, counter_sin
         }
     finally:
         engine.close()
-    for phase, layers in counter.counts.items():
+        del engine, counter
+        gc.collect()  # the next request's cold engine starts from this one's memory returned
+    for phase, layers in counter_counts.items():
         if phase == "decode" and max_tokens < 2:
             continue
         dst = counter_sink.setdefault(phase, {})

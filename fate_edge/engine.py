@@ -393,6 +393,10 @@ class Engine:
             self.scheduler.abort()
 
     def close(self) -> None:
+        """Stop the fetch workers and free the cached experts (an engine is not usable after this)."""
+        self.scheduler.abort()
+        if self.cache is not None:
+            self.cache.clear()
         self.fetch.close()
 
     def __enter__(self) -> Engine:

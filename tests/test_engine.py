@@ -160,3 +160,11 @@ def test_a_budget_the_machine_cannot_hold_is_refused(store, monkeypatch):
     monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=3 * 10**6))
     with pytest.raises(BudgetError, match=r"only 3 MB of memory is available; lower --memory-budget"):
         Engine(store, "64MB", "lru")
+
+
+def test_close_frees_the_cached_experts_at_once(store, budget_35):
+    engine = Engine(store, budget_35, "lru")
+    engine.complete(PROMPT, CFG)
+    assert engine.cache.used_bytes > 0
+    engine.close()
+    assert engine.cache.used_bytes == 0 and not engine.cache.entries

@@ -99,6 +99,12 @@ class ExpertCache:
         self.policies[part].on_evict(key)
         self.evictions += 1
 
+    def clear(self) -> None:
+        """Drop every entry (the engine is closing): the experts' memory is freed now, not at the next GC."""
+        for key in list(self.entries):
+            self.entries[key].pins = 0
+            self._evict(key)
+
     def resident_layers(self, layer: int) -> set[int]:
         return {k[1] for k in self.entries if k[0] == layer}
 
