@@ -459,6 +459,32 @@ def summarize_runs(runs: list[dict], decode_len: int) -> dict[str, Any]:
     return med
 
 
+def merge_runs(parts: list[dict], decode_len: int) -> dict[str, Any]:
+    """One configuration's result from its per-round worker results (one run each)."""
+    out = dict(parts[0])
+    out["runs"] = [run for p in parts for run in p["runs"]]
+    out["median"] = summarize_runs(out["runs"], decode_len)
+    out["peak_rss_bytes"] = max(p["peak_rss_bytes"] for p in parts)
+    out["wall_s"] = sum(p["wall_s"] for p in parts)
+    layers: dict[str, dict[str, list[int]]] = {}
+    for p in parts:
+        for phase, per_layer in p["per_layer"].items():
+            for layer, counts in per_layer.items():
+                acc = layers.setdefault(phase, {}).setdefault(layer, [0, 0, 0])
+                for j, v in enumerate(counts):
+                    acc[j] += v
+    out["per_layer"] = layers
+    for p, run in zip(parts, out["runs"]):  # one run per part: same greedy tokens as the first part's?
+        for q in run["requests"].values():
+            q["tokens_equal_first_run"] = p["tokens"] == parts[0]["tokens"]
+    predicted = [p["planner_predicted_decode_tps"] for p in parts if p.get("planner_predicted_decode_tps")]
+    if predicted:  # the planner ran in every round's worker: its median prediction, and every choice it made
+        out["planner_predicted_decode_tps"] = statistics.median(predicted)
+        out["planner_predictions"] = predicted
+        out["planner_policies"] = [p["policy"] for p in parts]
+    return out
+
+
 def verify_store(spec: dict) -> None:
     """Check the CRC of every blob at the precisions this configuration reads (see fetch.py: verify once)."""
     from .policy import PolicyConfig, get_policy
@@ -969,43 +995,56 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             configs += planned
             if note:
                 planner_notes.append(note)
-        for c in configs:
-            label = f"{c['link']} {c['preset']} " + (
-                f"{100 * c['budget_fraction']:.0f}%" if c["budget_fraction"] is not None else "(no cache)")
-            if deadline is not None and time.perf_counter() > deadline:
-                dropped.append(label)
-                continue
-            if c["preset"] in failed_presets:
-                results.append({**c, "error": f"skipped after an earlier failure: {failed_presets[c['preset']]}"})
-                continue
-            spec_link = LINKS[c["link"]].spec()
-            if spec_link is not None and state["warmed"] != c["link"]:
-                warm_page_cache(store)
-                state["warmed"] = c["link"]
-            elif spec_link is None:
-                state["warmed"] = None
-            spec = {**common, **c, "runs": cfg.runs, "drop_caches": cfg.drop_caches,
-                    "link_spec": dataclasses.asdict(spec_link) if spec_link is not None else None,
-                    "trace_file": str(trace_file) if c["preset"] == "oracle" else None}
-            t0 = time.perf_counter()
-            res, err = _run_child("worker", spec, tmp, cfg.timeout_s, cfg.isolate)
-            state["n"] += 1
-            label = f"[{state['n']}] {label}"
-            if err is not None:
-                print(f"bench: {label}: FAILED {err}", flush=True)
-                results.append({**c, "error": err})
-                if "BudgetError" not in err:
-                    failed_presets[c["preset"]] = err
-                continue
-            m = res["median"]
-            pf = " ".join(f"{n}:{v:.1f}" for n, v in m["prefill_tps"].items())
-            print(f"bench: {label}: decode {m['decode_tps'] or 0:.2f} tok/s, prefill {pf} tok/s, hit "
-                  f"{100 * (m['hit_rate'] or 0):.0f}%, stall {m['stall_ms_per_token'] or 0:.1f} ms/tok, "
-                  f"{m['mb_read_per_token'] or 0:.2f} MB/tok, RSS {res['peak_rss_bytes'] / 2**20:.0f} MiB "
-                  f"({time.perf_counter() - t0:.0f}s; {time.perf_counter() - t_start:.0f}s total)"
-                  + (f"; planner predicted {res['planner_predicted_decode_tps']:.2f} decode tok/s"
-                     if res.get("planner_predicted_decode_tps") else ""), flush=True)
-            results.append(res)
+        # Rounds: every configuration's run r happens before any configuration's run r + 1, each in a fresh
+        # process, so a median samples the host at ``runs`` different times: this shared host's speed drifts
+        # over tens of seconds, and back-to-back runs of one configuration would all share one phase.
+        done: dict[int, list[dict]] = {}
+        for rnd in range(cfg.runs):
+            for i, c in enumerate(configs):
+                label = f"{c['link']} {c['preset']} " + (
+                    f"{100 * c['budget_fraction']:.0f}%" if c["budget_fraction"] is not None else "(no cache)")
+                if deadline is not None and time.perf_counter() > deadline:
+                    if rnd == 0:
+                        dropped.append(label)
+                    elif i in done:
+                        done[i][0].setdefault("note", f"{len(done[i])} of {cfg.runs} runs (time limit)")
+                    continue
+                if c["preset"] in failed_presets or (rnd > 0 and i not in done):
+                    if rnd == 0:
+                        why = failed_presets[c["preset"]]
+                        results.append({**c, "error": f"skipped after an earlier failure: {why}"})
+                    continue
+                spec_link = LINKS[c["link"]].spec()
+                if spec_link is not None and state["warmed"] != c["link"]:
+                    warm_page_cache(store)
+                    state["warmed"] = c["link"]
+                elif spec_link is None:
+                    state["warmed"] = None
+                spec = {**common, **c, "runs": 1, "drop_caches": cfg.drop_caches,
+                        "link_spec": dataclasses.asdict(spec_link) if spec_link is not None else None,
+                        "trace_file": str(trace_file) if c["preset"] == "oracle" else None}
+                t0 = time.perf_counter()
+                res, err = _run_child("worker", spec, tmp, cfg.timeout_s, cfg.isolate)
+                state["n"] += 1
+                label = f"[{state['n']}] {label} (run {rnd + 1}/{cfg.runs})"
+                if err is not None:
+                    print(f"bench: {label}: FAILED {err}", flush=True)
+                    done.pop(i, None)
+                    results.append({**c, "error": err})
+                    if "BudgetError" not in err:
+                        failed_presets[c["preset"]] = err
+                    continue
+                m = res["median"]
+                pf = " ".join(f"{n}:{v:.1f}" for n, v in m["prefill_tps"].items())
+                print(f"bench: {label}: decode {m['decode_tps'] or 0:.2f} tok/s, prefill {pf} tok/s, hit "
+                      f"{100 * (m['hit_rate'] or 0):.0f}%, stall {m['stall_ms_per_token'] or 0:.1f} ms/tok, "
+                      f"{m['mb_read_per_token'] or 0:.2f} MB/tok, RSS {res['peak_rss_bytes'] / 2**20:.0f} MiB "
+                      f"({time.perf_counter() - t0:.0f}s; {time.perf_counter() - t_start:.0f}s total)"
+                      + (f"; planner predicted {res['planner_predicted_decode_tps']:.2f} decode tok/s"
+                         if res.get("planner_predicted_decode_tps") else ""), flush=True)
+                done.setdefault(i, []).append(res)
+        for i in sorted(done):
+            results.append(merge_runs(done[i], min(prompts)))
 
     run_phase([hb], with_lod=True)
     # 4. peers

@@ -26,7 +26,7 @@ def tiny_run(tmp_path_factory, bundled_dir):
     store = ensure_store(bundled_dir, progress=False)  # int4 + int2 + bf16, converted once, shared with other tests
     cfg = bench.BenchConfig(
         model=str(store), presets=PRESETS, budgets=[0.35], links=["orin-nano-nvme"], prompt_tokens=[16],
-        decode_tokens=8, runs=1, threads=2, peers=False, planner=True, out_dir=str(tmp / "out"),
+        decode_tokens=8, runs=2, threads=2, peers=False, planner=True, out_dir=str(tmp / "out"),
         work_dir=str(tmp / "work"), plot_path=str(tmp / "out" / "bench.png"), isolate=False,
     )
     result = bench.run_bench(cfg)
@@ -51,6 +51,7 @@ def test_json_structure(tiny_run):
         m = r["median"]
         assert m["decode_tps"] > 0 and m["prefill_tps"]["16"] > 0
         assert r["runs"][0]["requests"]["16"]["decode_tokens"] == 7  # the first token comes from prefill
+        assert len(r["runs"]) == 2  # one per round, each round in its own worker process
         assert r["peak_rss_bytes"] > 0
         assert 0.0 <= m["hit_rate"] <= 1.0
         layers = r["per_layer"]["decode"]
@@ -119,6 +120,9 @@ def test_planned_configuration_is_planned_in_its_worker_and_reported(tiny_run):
     assert len(planned) == 1 and "error" not in planned[0], planned[0].get("error")
     r = planned[0]
     assert r["planner_predicted_decode_tps"] > 0 and r["planner_s"] > 0
+    assert len(r["planner_predictions"]) == 2  # planned again in each round's worker; the median is reported
+    assert r["planner_predicted_decode_tps"] == pytest.approx(sorted(r["planner_predictions"])[0] / 2
+                                                              + sorted(r["planner_predictions"])[1] / 2)
     assert r["policy"]["name"] == "planned" and "ms compute per layer" in r["planner_costs"]
     assert r["planner_error"] == pytest.approx(r["planner_predicted_decode_tps"] / r["median"]["decode_tps"] - 1)
     md = paths["markdown"].read_text()
