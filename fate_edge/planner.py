@@ -12,6 +12,7 @@ allocation, eviction, predictor, lookahead and prefetch width.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -177,6 +178,8 @@ def probe_engine(store_dir, budget: int, policy: PolicyConfig, link: LinkSpec | 
                 run.trace.warm = rec.warm
         finally:
             eng.close()
+            del eng
+            gc.collect()  # the next engine starts without this one's objects (a later GC pass would be timed)
     assert run is not None
     return run
 
