@@ -131,7 +131,7 @@ class BenchConfig:
     readme: str | None = None
     quick: bool = False
     work_dir: str | None = None  # where the inflated model and its store live (default: the fate-edge cache)
-    isolate: bool = True  # each configuration in a fresh process (per-configuration peak RSS); False: tests
+    isolate: bool = True  # each run in a fresh process (per-run peak RSS); False: tests
     device: str = "cpu"  # cpu or cuda (the CUDA path needs the portable blob layout)
 
     @property
@@ -1133,8 +1133,8 @@ def markdown(result: dict) -> str:
         f"{result['threads']['torch']} torch threads + {result['threads']['fetch_workers']} fetch threads on "
         f"{result['machine']['cpu']} ({result['machine']['cpu_count']} CPUs), torch {result['machine']['torch']}; "
         f"{'median of ' + str(cfg['runs']) + ' runs' if cfg['runs'] > 1 else '1 run'}, "
-        f"{'each configuration in a fresh process' if cfg.get('isolate', True) else 'in one process'}, every request "
-        f"on a cold engine after one warm-up request. {result['date']}, commit {result['commit']}, "
+        f"{'taken in rounds, each run in a fresh process' if cfg.get('isolate', True) else 'in one process'}, "
+        f"every request on a cold engine after one warm-up request. {result['date']}, commit {result['commit']}, "
         f"`python scripts/bench.py{' --quick' if result['quick'] else ''}`.",
     ]
     if result.get("quick_note"):
@@ -1210,7 +1210,8 @@ def markdown(result: dict) -> str:
         lines += ["", "**Planner**: its predicted decode tok/s for the configuration it picked (simulated over its "
                   "own probe's decode trace with the host costs it measured) against that configuration's "
                   "measured decode tok/s in this run.", "",
-                  "| link | budget | picked | predicted | measured | error | host costs (probe) |",
+                  "| link | budget | picked | predicted (per round) | measured (per round) | error | host costs "
+                  "(first round's probe) |",
                   "|---|---:|---|---:|---:|---:|---|"]
         for r in sorted(planned, key=lambda r: (r["link"], r["budget_fraction"])):
             q = r.get("policy", {})
@@ -1218,8 +1219,14 @@ def markdown(result: dict) -> str:
             pick = (f"{q.get('allocation')}/{q.get('eviction')}, " + (f"{q['predictor']} p={q.get('lookahead')} "
                     f"w={width}" if q.get("predictor") else "no prefetch"))
             err = r.get("planner_error")
+            rounds = r.get("planner_predictions") or []
+            measured = [q["requests"][str(min(result["prompts"]["lengths"]))].get("decode_tps") for q in r["runs"]]
+            pred_s = _fmt(r.get("planner_predicted_decode_tps")) + (
+                " (" + ", ".join(f"{v:.1f}" for v in rounds) + ")" if len(rounds) > 1 else "")
+            meas_s = _fmt(r["median"]["decode_tps"]) + (
+                " (" + ", ".join(_fmt(v, ".1f") for v in measured) + ")" if len(measured) > 1 else "")
             lines.append(f"| {result['links'][r['link']]['title']} | {100 * r['budget_fraction']:.0f}% | {pick} | "
-                         f"{_fmt(r.get('planner_predicted_decode_tps'))} | {_fmt(r['median']['decode_tps'])} | "
+                         f"{pred_s} | {meas_s} | "
                          + (f"{100 * err:+.0f}%" if err is not None else "—") + f" | {r.get('planner_costs', '')} |")
     mism = [f"{r['link']}/{r['preset']}/{r['budget_fraction']}" for r in results
             if r.get("tokens_match_int4_reference") is False and r["preset"] not in ("load-on-demand",)]
