@@ -161,7 +161,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         model = load_model(store_dir)
         store = ExpertStore(store_dir)
         bits = model.experts.bits
-        trace = record_plan_trace(model, ids)
+        trace = record_plan_trace(model, ids, store_dir=store_dir)
         resident = sum(t.numel() * t.element_size() for t in model.w.values()) // model.config.num_hidden_layers
         layer_s = roofline_layer_time(model.config, profile, store.expert_bytes(bits), resident)
         result = plan(trace, budget, store.expert_bytes(bits), store.precisions[bits].slot_bytes,
