@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from fate_edge import bundled_model_dir, load_model
-from fate_edge.report import replace_between_markers
+from fate_edge.report import publish
 
 
 def time_ours(model, prompt: torch.Tensor, decode_tokens: int) -> tuple[float, float]:
@@ -90,8 +90,6 @@ def main() -> None:
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
         "rows": rows,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
     table = [
         f"Bundled model, fp32, {args.threads} threads, median of {args.runs} runs, decode {args.decode_tokens} tokens "
         f"(torch {torch.__version__}, transformers {transformers.__version__}; `scripts/bench_forward.py`).",
@@ -106,10 +104,7 @@ def main() -> None:
             f"| {r['prefill_ratio']:.2f}x | {r['ours_decode_tps']:.1f} | {r['transformers_decode_tps']:.1f} "
             f"| {r['decode_ratio']:.2f}x |"
         )
-    text = "\n".join(table)
-    print(text)
-    if args.readme:
-        replace_between_markers(args.readme, "bench_forward", text)
+    publish(result, args.json, "\n".join(table), args.readme, "bench_forward")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from pathlib import Path
 from devices.link import ThrottledLink, storage_link
 from devices.profile import load_profile
 from fate_edge.fetch import ALIGN, BlobRef, BufferPool, FetchEngine, Priority
-from fate_edge.report import replace_between_markers
+from fate_edge.report import publish
 
 MB = 1 << 20
 
@@ -176,12 +176,7 @@ def main() -> None:
         "fadvise_dontneed": all(d["fadvise"] for d in drops) if drops else None,
         "load_average": os.getloadavg(), "rows": rows,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
-    text = render(result)
-    print(text)
-    if args.readme:
-        replace_between_markers(args.readme, "bench_io", text)
+    publish(result, args.json, render(result), args.readme, "bench_io")
 
 
 def render(result: dict) -> str:

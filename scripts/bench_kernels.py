@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from fate_edge.report import replace_between_markers
+from fate_edge.report import publish
 from quant import QuantSpec, quantize
 from quant.linear import KERNEL_CHOICES, QuantizedLinear
 
@@ -196,12 +196,7 @@ def main() -> None:
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads max used",
         "load_average": os.getloadavg(), "rows": rows, "quant_linear_choice": choices,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
-    text = render(result)
-    print(text)
-    if args.readme:
-        replace_between_markers(args.readme, "bench_kernels", text)
+    publish(result, args.json, render(result), args.readme, "bench_kernels")
 
 
 def render(result: dict) -> str:

@@ -42,7 +42,7 @@ from fate_edge.calibrate import train_script
 from fate_edge.checkpoint import CheckpointReader
 from fate_edge.experts import ExpertLayout, ExpertWeights, InMemoryExpertProvider, QuantizedExpert
 from fate_edge.loader import layer_names
-from fate_edge.report import replace_between_markers
+from fate_edge.report import publish
 from quant import Quantized, QuantSpec, bytes_per_weight, dequantize
 from quant.linear import QuantizedLinear
 from quant.methods import METHODS, quantize_with
@@ -320,12 +320,7 @@ def main() -> None:
                       cold_share=args.cold_share, compute=args.compute)
     result["threads"] = args.threads
     result["torch"] = torch.__version__
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
-    text = render(result)
-    print(text)
-    if args.readme:
-        replace_between_markers(args.readme, "eval_quality", text)
+    publish(result, args.json, render(result), args.readme, "eval_quality")
 
 
 if __name__ == "__main__":
