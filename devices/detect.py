@@ -40,7 +40,12 @@ class HostInfo:
 
     @property
     def is_jetson(self) -> bool:
-        return self.board_model is not None and "Jetson" in self.board_model
+        return is_jetson_board(self.board_model)
+
+
+def is_jetson_board(board_model: str | None) -> bool:
+    """A Jetson's device-tree model: its integrated GPU shares one DRAM with the CPU."""
+    return board_model is not None and "Jetson" in board_model
 
 
 def read_board_model(path: Path = DEVICE_TREE_MODEL) -> str | None:

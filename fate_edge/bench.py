@@ -740,7 +740,7 @@ def plan_in_worker(spec: dict) -> dict[str, Any]:
     link = LinkSpec(**spec["link_spec"]) if spec["link_spec"] else None
     p = auto_plan(spec["store"], spec["budget_bytes"], link=link, workers=spec["fetch_workers"])
     return {"policy": dataclasses.asdict(p.policy), "planner_predicted_decode_tps": p.predicted_tokens_per_s,
-            "planner_costs": p.costs.describe() if p.costs else "", "planner_s": time.perf_counter() - t0}
+            "planner_costs": p.costs.describe(), "planner_s": time.perf_counter() - t0}
 
 
 # ------------------------------------------------------------------------------------------------ peers

@@ -222,7 +222,7 @@ class Engine:
         """The budget is a promise: refuse at once one this machine cannot hold, rather than fail mid-answer."""
         import psutil
 
-        from devices.detect import read_board_model
+        from devices.detect import is_jetson_board, read_board_model
 
         cfg = self.model.config
         experts = len(cfg.moe_layers) * cfg.num_experts * self.plan.entry_bytes  # the cache never holds more
@@ -230,8 +230,7 @@ class Engine:
         device_free, unified = None, True
         if self.device.startswith("cuda"):
             device_free = torch.cuda.mem_get_info(torch.device(self.device))[0]
-            board = read_board_model()
-            unified = board is not None and "Jetson" in board  # integrated GPU: one DRAM for CPU and GPU
+            unified = is_jetson_board(read_board_model())  # integrated GPU: one DRAM for CPU and GPU
         why = memory_shortfall(self.plan.pool_bytes, device_need, int(psutil.virtual_memory().available),
                                device_free, unified)
         if why:
@@ -288,15 +287,13 @@ class Engine:
 
             return CrossLayerGate.from_model(model, lookahead=p.lookahead, norm_variant=name.endswith("norm"))
         if name in ("learned", "learned-onnx"):
-            from predictors.learned import LearnedPredictor, OnnxPredictor
+            from predictors.learned import LearnedPredictor, OnnxPredictor, find_learned
 
-            for kind in ("lowrank", "linear"):
-                paths = [f for f in sorted(found.glob(f"learned-{kind}-p*.json"))
-                         if int(f.stem.rsplit("p", 1)[1]) >= p.lookahead]
-                if paths:
-                    if name == "learned-onnx":
-                        return OnnxPredictor(paths[0], lookahead=p.lookahead)
-                    return LearnedPredictor.load(paths[0], lookahead=p.lookahead)
+            path = find_learned(found, p.lookahead)
+            if path is not None:
+                if name == "learned-onnx":
+                    return OnnxPredictor(path, lookahead=p.lookahead)
+                return LearnedPredictor.load(path, lookahead=p.lookahead)
             raise FateEdgeError(
                 f"policy '{p.name}' uses learned predictors but {found} has none with lookahead >= {p.lookahead}; "
                 f"run `fate-edge calibrate MODEL --lookahead {p.lookahead}`, then use the model again"

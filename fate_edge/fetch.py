@@ -75,24 +75,30 @@ class BlobRef:
 _VERIFIED: set[tuple[int, int, int, int]] = set()
 
 
-def _identity(fd: int) -> tuple[int, int, int]:
+def file_identity(fd: int) -> tuple[int, int, int]:
+    """(device, inode, mtime) of an open file: what ``_VERIFIED`` keys a blob's file by."""
     st = os.fstat(fd)
     return st.st_dev, st.st_ino, st.st_mtime_ns
 
 
-def mark_verified(ref: BlobRef, payload: bytes) -> None:
-    """Check ``payload`` (``ref``'s bytes) against its CRC; on success its later reads here skip the check."""
+def _truncated(ref: BlobRef, got: int) -> FetchError:
+    return FetchError(f"{ref.where()}: file ends early (read {got} of {ref.length} bytes); "
+                      "the store is truncated, re-run fate-edge convert")
+
+
+def _corrupted(ref: BlobRef) -> CorruptBlobError:
+    return CorruptBlobError(f"checksum mismatch for {ref.where()}: the expert store is corrupted; "
+                            "re-run fate-edge convert to rebuild it")
+
+
+def mark_verified(ref: BlobRef, payload: bytes, identity: tuple[int, int, int]) -> None:
+    """Check ``payload`` (``ref``'s bytes, read from the file whose :func:`file_identity` is ``identity``)
+    against its CRC; on success its later reads in this process skip the check."""
     if len(payload) != ref.length:
-        raise FetchError(f"{ref.where()}: file ends early (read {len(payload)} of {ref.length} bytes); "
-                         "the store is truncated, re-run fate-edge convert")
+        raise _truncated(ref, len(payload))
     if zlib.crc32(payload) != ref.crc32:
-        raise CorruptBlobError(f"checksum mismatch for {ref.where()}: the expert store is corrupted; "
-                               "re-run fate-edge convert to rebuild it")
-    fd = os.open(ref.path, os.O_RDONLY)
-    try:
-        _VERIFIED.add((*_identity(fd), ref.offset))
-    finally:
-        os.close(fd)
+        raise _corrupted(ref)
+    _VERIFIED.add((*identity, ref.offset))
 
 
 class Buffer:
@@ -363,7 +369,7 @@ class FetchEngine:
                 fd = os.open(path, os.O_RDONLY)
                 if not self.want_direct or not hasattr(os, "O_DIRECT"):
                     self.direct_io_note = "buffered"
-            self._ident[path] = _identity(fd)
+            self._ident[path] = file_identity(fd)
             self._fds[path] = fd
             return fd
 
@@ -411,8 +417,7 @@ class FetchEngine:
                 n = min(self.chunk_bytes, ref.read_length - pos)
                 got = os.preadv(fd, [buf.view[pos : pos + n]], ref.offset + pos)
                 if got <= 0:
-                    raise FetchError(f"{ref.where()}: file ends early (read {pos} of {ref.length} bytes); "
-                                     "the store is truncated, re-run fate-edge convert")
+                    raise _truncated(ref, pos)
                 if self.link is not None:
                     req.throttled_s += self.link.reserve(got, first_chunk=pos == 0, issued_at=issued)
                 if check:
@@ -422,12 +427,10 @@ class FetchEngine:
                 with self._cv:
                     self.stats.bytes_read += got
                 if got < n and pos < ref.length:
-                    raise FetchError(f"{ref.where()}: file ends early (read {pos} of {ref.length} bytes); "
-                                     "the store is truncated, re-run fate-edge convert")
+                    raise _truncated(ref, pos)
             if check:
                 if crc != ref.crc32:
-                    raise CorruptBlobError(f"checksum mismatch for {ref.where()}: the expert store is corrupted; "
-                                           "re-run fate-edge convert to rebuild it")
+                    raise _corrupted(ref)
                 _VERIFIED.add(vkey)
         except Exception as exc:
             self.pool.release(buf)

@@ -63,6 +63,7 @@ def trace_predictions(model, expert_ids: dict[int, torch.Tensor], gate_inputs: d
     and norm variants) up to ``lookahead`` layers ahead, and the learned predictor (``fate-edge
     calibrate``) when ``store_dir`` has one, which is what ``best-available`` runs."""
     from predictors.cross_layer_gate import CrossLayerGate
+    from predictors.learned import LearnedPredictor, find_learned
 
     out = PlanTrace(expert_ids, {}, model.config.num_experts, model.config.num_hidden_layers)
     layers = sorted(expert_ids)
@@ -70,7 +71,8 @@ def trace_predictions(model, expert_ids: dict[int, torch.Tensor], gate_inputs: d
         "cross-layer": CrossLayerGate.from_model(model, lookahead=lookahead, norm_variant=False),
         "cross-layer-norm": CrossLayerGate.from_model(model, lookahead=lookahead, norm_variant=True),
     }
-    learned = _learned_predictor(store_dir) if store_dir is not None else None
+    path = find_learned(Path(store_dir) / "predictors", widest=True) if store_dir is not None else None
+    learned = LearnedPredictor.load(path) if path is not None else None  # what best-available runs, widest
     if learned is not None:
         predictors["learned"] = learned
     for name, predictor in predictors.items():
@@ -85,33 +87,10 @@ def trace_predictions(model, expert_ids: dict[int, torch.Tensor], gate_inputs: d
     return out
 
 
-def _learned_predictor(store_dir: str | Path):
-    """The learned predictor the engine's ``best-available`` would load (most layers ahead), or None."""
-    from predictors.learned import LearnedPredictor
-
-    found = Path(store_dir) / "predictors"
-    for kind in ("lowrank", "linear"):
-        paths = sorted(found.glob(f"learned-{kind}-p*.json"), key=lambda f: -int(f.stem.rsplit("p", 1)[1]))
-        if paths:
-            return LearnedPredictor.load(paths[0])
-    return None
-
-
-def measure_layer_time(model, tokens: int = 16) -> float:
-    """Seconds of decode compute per decoder layer on this host (experts as the model's provider holds them)."""
-    cache = model.new_cache()
-    with torch.inference_mode():
-        tok = model(torch.tensor([[1, 2, 3, 4]]), cache, last_only=True)[0, -1].argmax().view(1, 1)
-        t0 = time.perf_counter()
-        for _ in range(tokens):
-            tok = model(tok, cache)[0, -1].argmax().view(1, 1)
-    return (time.perf_counter() - t0) / tokens / model.config.num_hidden_layers
-
-
 @dataclass
 class ProbeRun:
     tokens: int  # decode tokens measured
-    elapsed_s: float  # median token's compute x tokens + every token's stall and blob decoding
+    compute_s: float  # the median token's compute (time less stall and blob decoding) x tokens
     stall_s: float
     consume_s: float
     predict_s: float
@@ -165,12 +144,12 @@ def probe_engine(store_dir, budget: int, policy: PolicyConfig, link: LinkSpec | 
             f1 = eng.fetch.stats
             st = eng.token_stats
             # Compute per token = its time minus its stall and blob decoding; the median over tokens, so a
-            # hiccup of the host (another process, page-cache writeback) does not skew it, times the tokens.
+            # hiccup of the host (another process, page-cache writeback) does not skew it.
             compute = [dt - s.stall_s - s.consume_s for dt, s in zip(np.diff(times), st)]
-            elapsed = float(np.median(compute)) * len(st) + sum(s.stall_s + s.consume_s for s in st)
-            run = ProbeRun(len(st), elapsed, sum(s.stall_s for s in st), sum(s.consume_s for s in st),
-                           sum(s.predict_s for s in st), f1.reads_completed - f0.reads_completed,
-                           f1.cpu_s - f0.cpu_s, f1.read_s - f0.read_s, f1.bytes_read - f0.bytes_read)
+            run = ProbeRun(len(st), float(np.median(compute)) * len(st), sum(s.stall_s for s in st),
+                           sum(s.consume_s for s in st), sum(s.predict_s for s in st),
+                           f1.reads_completed - f0.reads_completed, f1.cpu_s - f0.cpu_s, f1.read_s - f0.read_s,
+                           f1.bytes_read - f0.bytes_read)
             if rec is not None and rec.ids:
                 ids = {layer: torch.cat(v) for layer, v in rec.ids.items()}
                 h = {layer: torch.cat(v) for layer, v in rec.h.items()}
@@ -199,7 +178,7 @@ def measure_host_costs(store_dir, budget: int, link: LinkSpec | None, token_ids:
                         workers=workers, record=True)
     reads = max(1, base.reads)
     contention = reader_contention(torch.get_num_threads(), workers)
-    compute = (base.elapsed_s - base.stall_s - base.consume_s) / max(1, base.tokens) / moe_layers
+    compute = base.compute_s / max(1, base.tokens) / moe_layers
     # Ungated, so the predictor runs on every layer call and its cost per call is what is measured.
     pred = probe_engine(store_dir, budget, (predictor_policy or PRESETS["fate-edge"]).with_(prefetch_gate=False),
                         link, token_ids, dtype, workers=workers)
@@ -235,18 +214,17 @@ class Plan:
     policy: PolicyConfig
     predicted_tokens_per_s: float
     predicted_hit_rate: float
-    layer_compute_s: float
     link: LinkSpec
     candidates: list[Candidate]
-    costs: HostCosts | None = None
+    costs: HostCosts
 
     def describe(self) -> str:
         p = self.policy
         lines = [
             f"link            {self.link.name}: {self.link.bandwidth_bytes_per_s / 1e9:.2f} GB/s, "
             f"{self.link.latency_s * 1e6:.0f} us",
-            f"layer compute   {self.layer_compute_s * 1e3:.3f} ms per MoE layer per token",
-            *([f"host costs      {self.costs.describe()}"] if self.costs else []),
+            f"layer compute   {self.costs.layer_compute_s * 1e3:.3f} ms per MoE layer per token",
+            f"host costs      {self.costs.describe()}",
             f"chosen policy   allocation={p.allocation} eviction={p.eviction} predictor={p.predictor} "
             f"lookahead={p.lookahead} width={p.prefetch_width}"
             + (f" (mass {p.prefetch_mass})" if p.prefetch_width == "mass" else "") + f" bits={p.bits}",
@@ -297,7 +275,7 @@ def plan(trace: PlanTrace, budget: int, expert_bytes: int, slot_bytes: int, link
                 best, improved = cand, True
         if not improved:
             break
-    return Plan(best, seen[best].tokens_per_s, seen[best].hit_rate, costs.layer_compute_s, link,
+    return Plan(best, seen[best].tokens_per_s, seen[best].hit_rate, link,
                 [Candidate(p, r) for p, r in seen.items()], costs)
 
 

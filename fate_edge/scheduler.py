@@ -29,6 +29,11 @@ from .transfer import Copier, make_copier
 Key = tuple[int, int]
 
 
+def _ema(old: float, new: float, keep: float) -> float:
+    """Exponential moving average that starts at the first sample (0 means none yet)."""
+    return new if old == 0 else keep * old + (1 - keep) * new
+
+
 @dataclass
 class SchedulerStats:
     hits: int = 0  # served from the cache
@@ -124,7 +129,7 @@ class Scheduler:
         n = h.shape[0]
         if n == 1 and self._last_route is not None and self._last_route[0] < layer:
             dt = (now - self._last_route[1]) / max(1, self.layer_index[layer] - self.layer_index[self._last_route[0]])
-            self._layer_time = dt if self._layer_time == 0 else 0.8 * self._layer_time + 0.2 * dt
+            self._layer_time = _ema(self._layer_time, dt, 0.8)
         self._last_route = (layer, now)
 
         ids, counts = idx.flatten().unique(return_counts=True)
@@ -148,11 +153,12 @@ class Scheduler:
             t0 = time.perf_counter()
             if hasattr(self.predictor, "observe"):
                 self.predictor.observe(layer, needed)
-            if self._should_predict(n):
-                self._prefetch(layer, h)
+            width = self._width()
+            if self._should_predict(n, width):
+                self._prefetch(layer, h, width)
                 if n == 1:
                     dt = time.perf_counter() - t0
-                    self._predict_cost = dt if self._predict_cost == 0 else 0.9 * self._predict_cost + 0.1 * dt
+                    self._predict_cost = _ema(self._predict_cost, dt, 0.9)
             self.stats.predict_s += time.perf_counter() - t0
 
     __call__ = on_route  # usable directly as a model routing observer
@@ -221,13 +227,14 @@ class Scheduler:
         return self.gate.width(width, per_read, self._contention * self._read_cpu, self._predict_cost,
                                self.policy.min_prefetch_width)
 
-    def _should_predict(self, n: int) -> bool:
+    def _should_predict(self, n: int, width: int) -> bool:
         """Always in prefill and for ungated policies; with the gate shut, one layer call in 8."""
         if n > 1 or not self.policy.prefetch_gate:
             return True
-        return self.gate.should_predict(shut=self._width() == 0)
+        return self.gate.should_predict(shut=width == 0)
 
-    def _prefetch(self, layer: int, h: torch.Tensor) -> None:
+    def _prefetch(self, layer: int, h: torch.Tensor, width: int) -> None:
+        """Prefetch up to ``width`` (this layer call's :meth:`_width`) predicted experts per target layer."""
         targets = self.predictor.targets(layer)
         if not targets:
             return
@@ -246,7 +253,7 @@ class Scheduler:
                     self._candidates[target] = [
                         (r, e) for r, e in enumerate(ranked[: len(self.gate.seen)])
                         if not (self.cache is not None and (target, e) in self.cache)]
-                chosen = ranked[: self._width()]
+                chosen = ranked[:width]
                 if self.policy.prefetch_width == "mass":
                     mass = probs / probs.sum()
                     acc, chosen = 0.0, []
@@ -333,9 +340,8 @@ class Scheduler:
         nbytes = f.req.ref.length
         if f.req.read_s > 0:
             bw = nbytes / f.req.read_s
-            self._read_bw = bw if self._read_bw == 0 else 0.8 * self._read_bw + 0.2 * bw
-            cpu = f.req.cpu_s
-            self._read_cpu = cpu if self._read_cpu == 0 else 0.9 * self._read_cpu + 0.1 * cpu
+            self._read_bw = _ema(self._read_bw, bw, 0.8)
+            self._read_cpu = _ema(self._read_cpu, f.req.cpu_s, 0.9)
         if f.prefetched:
             self.stats.prefetch_hits += 1
             self.stats.prefetch_bytes += nbytes

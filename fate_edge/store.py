@@ -240,7 +240,7 @@ class ExpertStore:
     def verify(self, bits: list[int] | None = None) -> int:
         """Check every blob's CRC (of ``bits``, default all precisions); raise CorruptBlobError naming the first
         bad one. Verified blobs are not checked again on their reads in this process. Returns bytes checked."""
-        from .fetch import mark_verified
+        from .fetch import file_identity, mark_verified
 
         checked = 0
         for b in bits or self.bits_available:
@@ -248,8 +248,9 @@ class ExpertStore:
             if not refs:
                 continue
             with open(refs[0].path, "rb") as f:
+                identity = file_identity(f.fileno())
                 for r in refs:
                     f.seek(r.offset)
-                    mark_verified(r, f.read(r.length))
+                    mark_verified(r, f.read(r.length), identity)
                     checked += r.length
         return checked

@@ -54,6 +54,17 @@ def manifest_path(directory: str | Path, kind: str, lookahead: int) -> Path:
     return Path(directory) / f"learned-{kind}-p{lookahead}.json"
 
 
+def find_learned(directory: str | Path, lookahead: int = 1, widest: bool = False) -> Path | None:
+    """The calibrated predictor to load from ``directory``: low-rank before linear, trained for at least
+    ``lookahead`` layers ahead; the nearest such lookahead, or with ``widest`` the largest. None if none."""
+    for kind in ("lowrank", "linear"):
+        found = {int(f.stem.rsplit("p", 1)[1]): f for f in Path(directory).glob(f"learned-{kind}-p*.json")}
+        usable = sorted(p for p in found if p >= lookahead)
+        if usable:
+            return found[usable[-1] if widest else usable[0]]
+    return None
+
+
 class SourceModel(nn.Module):
     """Logits [N, P·E] for one source layer: W·h + b, plus U·silu(D·h + c) when ``rank`` > 0."""
 
