@@ -63,8 +63,8 @@ class LinkChoice:
 
     def spec(self):
         """The LinkSpec to throttle to (None for the raw disk)."""
-        from devices.link import host_to_accelerator_link, storage_link
-        from devices.profile import load_profile
+        from fate_edge.devices.link import host_to_accelerator_link, storage_link
+        from fate_edge.devices.profile import load_profile
 
         if self.kind == "storage":
             return storage_link(load_profile(self.profile))
@@ -76,7 +76,7 @@ class LinkChoice:
 
 
 def _sd_card_link():
-    from devices.link import LinkSpec
+    from fate_edge.devices.link import LinkSpec
 
     return LinkSpec("microSD (UHS-I SDR104, A2 card) on a Raspberry Pi 5", 90e6, 200e-6)
 
@@ -362,7 +362,7 @@ def _sum_stats(items):
 
 
 def _one_request(spec: dict, ids: list[int], max_tokens: int, trace, counter_sink: dict) -> dict[str, Any]:
-    from devices.link import LinkSpec, ThrottledLink
+    from fate_edge.devices.link import LinkSpec, ThrottledLink
 
     from .engine import Engine
     from .generate import GenerateConfig
@@ -625,7 +625,7 @@ def preflight(store: Path, presets: list[str], budget: int) -> dict[str, str]:
 
 def link_check(store: Path, choice: LinkChoice, n: int = 8) -> dict[str, Any]:
     """Read ``n`` int4 experts one after another through the link: achieved vs specified bandwidth."""
-    from devices.link import ThrottledLink
+    from fate_edge.devices.link import ThrottledLink
 
     from .fetch import BufferPool, FetchEngine, Priority
     from .store import ExpertStore
@@ -732,7 +732,7 @@ def planner_configs(cfg: BenchConfig, store: Path, info: dict, budgets: list[flo
 
 def plan_in_worker(spec: dict) -> dict[str, Any]:
     """The planner's choice for this configuration's link and budget (see :func:`planner_configs`)."""
-    from devices.link import LinkSpec
+    from fate_edge.devices.link import LinkSpec
 
     from .planner import auto_plan
 

@@ -152,7 +152,7 @@ def corpus_windows(model_dir: Path, tokenizer: Any, eos: int | None, opts: Calib
 def trace_windows(model: Any, wins: torch.Tensor, batch: int, desc: str, progress: bool):
     from tqdm.auto import tqdm
 
-    from predictors.evaluate import collect_traces
+    from fate_edge.predictors.evaluate import collect_traces
 
     batches = [wins[s : s + batch] for s in range(0, len(wins), batch)]
     bar = tqdm(batches, desc=desc, unit="batch", disable=not progress, leave=False)
@@ -222,9 +222,9 @@ def table_markdown(report: dict[str, Any]) -> str:
 # ------------------------------------------------------------------------------------------------- main
 def calibrate(model_dir: str | Path, opts: CalibrateOptions | None = None) -> dict[str, Any]:
     """Run the whole calibration (module docstring); returns the report written to calibration.json."""
-    from predictors import EMBEDDING, CrossLayerGate, TokenPopularity
-    from predictors.evaluate import evaluate_predictor
-    from predictors.learned import TrainConfig, train_learned
+    from fate_edge.predictors import EMBEDDING, CrossLayerGate, TokenPopularity
+    from fate_edge.predictors.evaluate import evaluate_predictor
+    from fate_edge.predictors.learned import TrainConfig, train_learned
 
     from .bundled import bundled_model_dir
     from .loader import load_model

@@ -46,11 +46,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     model_dir = args.model or bundled_model_dir()
     link = None
     if args.link:
-        from devices.link import ThrottledLink, storage_link
-        from devices.profile import load_profile
+        from fate_edge.devices.link import ThrottledLink, storage_link
+        from fate_edge.devices.profile import load_profile
 
         if args.link == "host":
-            from devices.probe import host_profile
+            from fate_edge.devices.probe import host_profile
 
             link = ThrottledLink(storage_link(host_profile()))
         else:
@@ -152,8 +152,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.device == "host":
         result = auto_plan(store_dir, budget, token_ids=ids)
     else:
-        from devices.link import storage_link
-        from devices.profile import load_profile
+        from fate_edge.devices.link import storage_link
+        from fate_edge.devices.profile import load_profile
 
         from .loader import load_model
 
@@ -174,7 +174,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
-    from devices.probe import default_path, host_profile, to_toml
+    from fate_edge.devices.probe import default_path, host_profile, to_toml
 
     profile = host_profile(refresh=True)
     print(to_toml(profile), end="")

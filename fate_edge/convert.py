@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from quant import QuantSpec
-from quant.linear import int4_supported
+from fate_edge.quant import QuantSpec
+from fate_edge.quant.linear import int4_supported
 
 from .arch import load_config
 from .checkpoint import CheckpointReader

@@ -70,8 +70,8 @@ def run_policy(store, budget: int, policy: str, prompt: str, max_tokens: int, li
 
     link = None
     if link_name:
-        from devices.link import ThrottledLink, storage_link
-        from devices.profile import load_profile
+        from fate_edge.devices.link import ThrottledLink, storage_link
+        from fate_edge.devices.profile import load_profile
 
         link = ThrottledLink(storage_link(load_profile(link_name)))
     t0 = time.perf_counter()

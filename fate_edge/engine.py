@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from devices.link import ThrottledLink
+from fate_edge.devices.link import ThrottledLink
 
 from .cache import ExpertCache
 from .cache.factory import build_cache, layer_slots
@@ -222,7 +222,7 @@ class Engine:
         """The budget is a promise: refuse at once one this machine cannot hold, rather than fail mid-answer."""
         import psutil
 
-        from devices.detect import is_jetson_board, read_board_model
+        from fate_edge.devices.detect import is_jetson_board, read_board_model
 
         cfg = self.model.config
         experts = len(cfg.moe_layers) * cfg.num_experts * self.plan.entry_bytes  # the cache never holds more
@@ -283,11 +283,11 @@ class Engine:
         p, model, cfg = self.policy, self.model, self.model.config
         found = self.store.path / "predictors"
         if name in ("cross-layer", "cross-layer-norm"):
-            from predictors.cross_layer_gate import CrossLayerGate
+            from fate_edge.predictors.cross_layer_gate import CrossLayerGate
 
             return CrossLayerGate.from_model(model, lookahead=p.lookahead, norm_variant=name.endswith("norm"))
         if name in ("learned", "learned-onnx"):
-            from predictors.learned import LearnedPredictor, OnnxPredictor, find_learned
+            from fate_edge.predictors.learned import LearnedPredictor, OnnxPredictor, find_learned
 
             path = find_learned(found, p.lookahead)
             if path is not None:
@@ -299,12 +299,12 @@ class Engine:
                 f"run `fate-edge calibrate MODEL --lookahead {p.lookahead}`, then use the model again"
             )
         if name == "activation-path":
-            from predictors.activation_path import ActivationPathPredictor
+            from fate_edge.predictors.activation_path import ActivationPathPredictor
 
             return ActivationPathPredictor(cfg.moe_layers, cfg.num_experts, lookahead=p.lookahead,
                                            popularity=self.popularity)
         if name == "oracle":
-            from predictors.oracle import OraclePredictor
+            from fate_edge.predictors.oracle import OraclePredictor
 
             return OraclePredictor(self.trace.calls, cfg.moe_layers, lookahead=p.lookahead,
                                    num_experts=cfg.num_experts)

@@ -21,7 +21,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from devices.link import ThrottledLink
+from fate_edge.devices.link import ThrottledLink
 
 from .errors import FateEdgeError
 

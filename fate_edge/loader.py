@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from devices.link import ThrottledLink
+from fate_edge.devices.link import ThrottledLink
 
 from .arch import ModelConfig, load_config
 from .checkpoint import CheckpointReader

@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from devices.detect import reader_contention
-from devices.link import LinkSpec
+from fate_edge.devices.detect import reader_contention
+from fate_edge.devices.link import LinkSpec
 
 from .engine import plan_budget
 from .policy import PRESETS, PolicyConfig
@@ -44,7 +44,7 @@ def record_plan_trace(model, token_ids: list[int], lookahead: int = 3, store_dir
     """Run ``model`` over ``token_ids`` once (teacher-forced) and record the true experts plus the
     predictors' scores (see :func:`trace_predictions`). For a device profile, where the engine cannot be
     probed; on this host :func:`auto_plan` records the engine's own decode instead."""
-    from predictors.evaluate import TraceRecorder
+    from fate_edge.predictors.evaluate import TraceRecorder
 
     rec = TraceRecorder(model.config.num_experts)
     model.observers.insert(0, rec)
@@ -62,8 +62,8 @@ def trace_predictions(model, expert_ids: dict[int, torch.Tensor], gate_inputs: d
     """Score every recorded gate input with each predictor the engine can run: the cross-layer gate (raw
     and norm variants) up to ``lookahead`` layers ahead, and the learned predictor (``fate-edge
     calibrate``) when ``store_dir`` has one, which is what ``best-available`` runs."""
-    from predictors.cross_layer_gate import CrossLayerGate
-    from predictors.learned import LearnedPredictor, find_learned
+    from fate_edge.predictors.cross_layer_gate import CrossLayerGate
+    from fate_edge.predictors.learned import LearnedPredictor, find_learned
 
     out = PlanTrace(expert_ids, {}, model.config.num_experts, model.config.num_hidden_layers)
     layers = sorted(expert_ids)
@@ -123,7 +123,7 @@ def probe_engine(store_dir, budget: int, policy: PolicyConfig, link: LinkSpec | 
     """Decode ``tokens`` greedy tokens after ``token_ids`` with the real engine under ``budget``; the second
     of two runs is measured (the first warms torch's kernels and checks each blob's CRC once, as a
     long-running engine would have). ``record``: also keep the decode's routing as a :class:`PlanTrace`."""
-    from devices.link import ThrottledLink
+    from fate_edge.devices.link import ThrottledLink
 
     from .engine import Engine
     from .generate import GenerateConfig

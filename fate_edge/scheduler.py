@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from devices.detect import reader_contention
+from fate_edge.devices.detect import reader_contention
 
 from .arch.base import ModelConfig
 from .cache import AccessInfo, ExpertCache

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from devices.link import LinkSpec
+from fate_edge.devices.link import LinkSpec
 
 from .cache import AccessInfo
 from .cache.factory import build_cache

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from quant import QuantSpec, pack
-from quant.linear import QuantizedLinear
-from quant.methods import quantize_with
+from fate_edge.quant import QuantSpec, pack
+from fate_edge.quant.linear import QuantizedLinear
+from fate_edge.quant.methods import quantize_with
 
 from .errors import ModelFormatError
 from .experts import ExpertWeights, QuantizedExpert

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from devices.link import ThrottledLink
+from fate_edge.devices.link import ThrottledLink
 
 from .fetch import BufferPool, FetchEngine, Priority
 from .store import ExpertStore, decode_expert

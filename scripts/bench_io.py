@@ -36,8 +36,9 @@ import time
 import zlib
 from pathlib import Path
 
-from devices.link import ThrottledLink, storage_link
-from devices.profile import load_profile
+from fate_edge.devices.link import ThrottledLink, storage_link
+from fate_edge.devices.profile import load_profile
+
 from fate_edge.fetch import ALIGN, BlobRef, BufferPool, FetchEngine, Priority
 from fate_edge.report import publish
 

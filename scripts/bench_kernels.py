@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from fate_edge.quant import QuantSpec, quantize
+from fate_edge.quant.linear import KERNEL_CHOICES, QuantizedLinear
 
 from fate_edge.report import publish
-from quant import QuantSpec, quantize
-from quant.linear import KERNEL_CHOICES, QuantizedLinear
 
 SHAPES = [(128, 192), (192, 128), (1408, 2048), (2048, 1408)]
 GROUP = 64

@@ -35,6 +35,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from fate_edge.quant import Quantized, QuantSpec, bytes_per_weight, dequantize
+from fate_edge.quant.linear import QuantizedLinear
+from fate_edge.quant.methods import METHODS, quantize_with
 
 from fate_edge import Tokenizer, bundled_model_dir, load_model
 from fate_edge.arch import load_config
@@ -43,9 +46,6 @@ from fate_edge.checkpoint import CheckpointReader
 from fate_edge.experts import ExpertLayout, ExpertWeights, InMemoryExpertProvider, QuantizedExpert
 from fate_edge.loader import layer_names
 from fate_edge.report import publish
-from quant import Quantized, QuantSpec, bytes_per_weight, dequantize
-from quant.linear import QuantizedLinear
-from quant.methods import METHODS, quantize_with
 
 GROUPS = {8: 64, 4: 64, 3: 64, 2: 32}  # int2 at group 32 like Fate's cold copies; the rest at the store's 64
 TAIL_LABEL = "int4 + int2 tail"

@@ -33,10 +33,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a plain script from a checkout
     sys.path.insert(0, str(ROOT))
 
+from fate_edge.predictors import CrossLayerGate  # noqa: E402
+from fate_edge.predictors.evaluate import TraceRecorder, evaluate_predictor, usage_stats  # noqa: E402
+
 from fate_edge.calibrate import train_script  # noqa: E402
 from fate_edge.loader import load_model  # noqa: E402
-from predictors import CrossLayerGate  # noqa: E402
-from predictors.evaluate import TraceRecorder, evaluate_predictor, usage_stats  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "fate_edge" / "assets" / "tiny-moe"
 LOOKAHEAD = 3  # distances reported in the lookahead summary

@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 from _tiny_moe import CORPUS, build_tiny_moe
+from fate_edge.predictors import ActivationPathPredictor, LearnedPredictor, OnnxPredictor, TokenPopularity
 
 from fate_edge.calibrate import CalibrateOptions, CalibrationError, add_calibrate_parser, calibrate, load_popularity
-from predictors import ActivationPathPredictor, LearnedPredictor, OnnxPredictor, TokenPopularity
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

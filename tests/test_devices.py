@@ -6,9 +6,8 @@ import os
 import psutil
 import pytest
 import torch
-
-from devices import DeviceProfile, ProfileError, detect, list_profiles, load_profile, matching_profile
-from devices.detect import read_board_model
+from fate_edge.devices import DeviceProfile, ProfileError, detect, list_profiles, load_profile, matching_profile
+from fate_edge.devices.detect import read_board_model
 
 SHIPPED = {
     "jetson-orin-nano-8gb",

@@ -5,8 +5,8 @@ import zlib
 
 import pytest
 from _corrupt import flip_byte
+from fate_edge.devices.link import LinkSpec, ThrottledLink
 
-from devices.link import LinkSpec, ThrottledLink
 from fate_edge.fetch import (
     ALIGN,
     BlobRef,

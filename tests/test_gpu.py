@@ -26,8 +26,8 @@ def test_resident_logits_match_cpu(bundled_dir, bundled_model):
 
 
 def test_quantized_kernel_on_gpu_matches_dequant():
-    from quant import QuantSpec, quantize
-    from quant.linear import KERNEL_CHOICES, QuantizedLinear
+    from fate_edge.quant import QuantSpec, quantize
+    from fate_edge.quant.linear import KERNEL_CHOICES, QuantizedLinear
 
     spec = QuantSpec(4, 64)
     w = torch.randn(256, 512) * 0.05

@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 from _tiny_moe import build_tiny_moe
+from fate_edge.predictors import CrossLayerGate, LearnedPredictor, OnnxPredictor, train_learned
+from fate_edge.predictors.evaluate import collect_traces, evaluate_predictor
+from fate_edge.predictors.learned import TrainConfig, manifest_path
 
 from fate_edge.loader import load_model
-from predictors import CrossLayerGate, LearnedPredictor, OnnxPredictor, train_learned
-from predictors.evaluate import collect_traces, evaluate_predictor
-from predictors.learned import TrainConfig, manifest_path
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -3,10 +3,9 @@
 A fake clock (``sleep`` advances ``monotonic`` exactly) keeps these exact on a loaded host.
 """
 
+import fate_edge.devices.link as link_mod
 import pytest
-
-import devices.link as link_mod
-from devices.link import LinkSpec, ThrottledLink
+from fate_edge.devices.link import LinkSpec, ThrottledLink
 
 
 class FakeTime:

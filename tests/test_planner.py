@@ -1,7 +1,7 @@
 import torch
+from fate_edge.devices.detect import reader_contention
+from fate_edge.devices.link import LinkSpec
 
-from devices.detect import reader_contention
-from devices.link import LinkSpec
 from fate_edge.cli import main
 from fate_edge.planner import PlanTrace, plan
 from fate_edge.policy import PRESETS

@@ -3,9 +3,7 @@
 import pytest
 import torch
 from _tiny_moe import build_tiny_moe
-
-from fate_edge.loader import load_model
-from predictors import (
+from fate_edge.predictors import (
     EMBEDDING,
     ActivationPathPredictor,
     CallRecorder,
@@ -14,7 +12,9 @@ from predictors import (
     Prediction,
     TokenPopularity,
 )
-from predictors.evaluate import Trace, collect_traces, evaluate_predictor
+from fate_edge.predictors.evaluate import Trace, collect_traces, evaluate_predictor
+
+from fate_edge.loader import load_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

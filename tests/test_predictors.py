@@ -3,10 +3,8 @@
 import pytest
 import torch
 from _tiny_moe import build_tiny_moe
-
-from fate_edge.loader import load_model
-from predictors import CrossLayerGate, Prediction, next_moe_layers
-from predictors.evaluate import (
+from fate_edge.predictors import CrossLayerGate, Prediction, next_moe_layers
+from fate_edge.predictors.evaluate import (
     Trace,
     TraceRecorder,
     collect_traces,
@@ -15,6 +13,8 @@ from predictors.evaluate import (
     recall_at,
     usage_stats,
 )
+
+from fate_edge.loader import load_model
 
 
 @pytest.fixture(scope="module")

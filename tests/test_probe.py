@@ -1,6 +1,6 @@
-from devices.link import storage_link
-from devices.probe import probe, to_toml
-from devices.profile import load_profile
+from fate_edge.devices.link import storage_link
+from fate_edge.devices.probe import probe, to_toml
+from fate_edge.devices.profile import load_profile
 
 
 def test_probe_measures_and_round_trips_as_a_profile(tmp_path):

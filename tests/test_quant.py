@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-
-from quant import QuantSpec, bytes_per_weight, dequantize, pack, quantize, tensor_nbytes, unpack
+from fate_edge.quant import QuantSpec, bytes_per_weight, dequantize, pack, quantize, tensor_nbytes, unpack
 
 SPECS = [QuantSpec(b, g, a) for b in (8, 4, 3, 2) for g in (32, 64, 128) for a in (True, False)]
 

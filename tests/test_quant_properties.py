@@ -6,13 +6,12 @@ import pytest
 import torch
 
 pytest.importorskip("hypothesis")
+from fate_edge.quant import QuantSpec, dequantize, pack, quantize, unpack  # noqa: E402
+from fate_edge.quant.hqq import quantize_hqq  # noqa: E402
+from fate_edge.quant.linear import QuantizedLinear  # noqa: E402
+from fate_edge.quant.methods import METHODS, quantize_with  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-
-from quant import QuantSpec, dequantize, pack, quantize, unpack  # noqa: E402
-from quant.hqq import quantize_hqq  # noqa: E402
-from quant.linear import QuantizedLinear  # noqa: E402
-from quant.methods import METHODS, quantize_with  # noqa: E402
 
 FAST = settings(max_examples=40, deadline=None)
 

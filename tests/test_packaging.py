@@ -1,0 +1,50 @@
+"""Packaging: one installed namespace. predictors/, quant/ and devices/ install as fate_edge.*, never top level."""
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import tomllib
+
+REPO = Path(__file__).resolve().parents[1]
+SIDE_FOLDERS = {"predictors": "fate_edge.predictors", "quant": "fate_edge.quant", "devices": "fate_edge.devices"}
+
+
+def _config() -> dict:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+
+
+def test_every_code_package_in_the_tree_is_listed_for_installation():
+    cfg = _config()
+    listed = set(cfg["packages"])
+    roots = {"fate_edge": REPO / "fate_edge", **{ns: REPO / d for d, ns in SIDE_FOLDERS.items()}}
+    found = set()
+    for ns, root in roots.items():
+        for init in root.rglob("__init__.py"):
+            rel = init.parent.relative_to(root).parts
+            found.add(".".join((ns, *rel)))
+    assert found <= listed, f"packages missing from pyproject [tool.setuptools] packages: {sorted(found - listed)}"
+    assert {cfg["package-dir"][ns] for ns in SIDE_FOLDERS.values()} == set(SIDE_FOLDERS)
+
+
+def test_installed_namespace_has_no_generic_top_level_packages(tmp_path):
+    # Run outside the checkout so the source folders are not on sys.path: only the install is seen.
+    code = (
+        "import importlib.util, fate_edge.quant, fate_edge.predictors, fate_edge.devices.profile\n"
+        "print([n for n in ('quant', 'predictors', 'devices') if importlib.util.find_spec(n) is not None])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_wheel_ships_one_namespace_with_profiles_and_bundled_model(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(REPO)],
+                   check=True, capture_output=True)
+    (wheel,) = tmp_path.glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names} == {"fate_edge", wheel.name.split("-py")[0] + ".dist-info"}
+    for ns in SIDE_FOLDERS.values():
+        assert ns.replace(".", "/") + "/__init__.py" in names
+    assert any(n.startswith("fate_edge/devices/profiles/") and n.endswith(".toml") for n in names)
+    assert "fate_edge/assets/tiny-moe/model.safetensors" in names
