@@ -461,7 +461,7 @@ def test_health_is_503_while_the_model_loads(monkeypatch, cache):
 
     monkeypatch.setattr(engine_mod.Engine, "load", classmethod(slow_load))
     app = create_app(ServerSettings(memory_budget=BUDGET, device="cpu"))
-    with TestClient(app) as tc:
+    with TestClient(app, base_url="http://localhost") as tc:  # TestClient's default Host is not local
         resp = tc.get("/health")
         assert resp.status_code == 503 and resp.json()["status"] == "loading"
         _assert_error_shape(tc.post(COMP, json={"prompt": "x"}), 503, "unavailable_error")
