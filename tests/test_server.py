@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -396,6 +397,7 @@ def test_injected_read_error_fails_one_request_then_the_next_succeeds(server, cl
 
 # --------------------------------------------------------------------------- auth, queue, unix socket
 def test_api_key_over_a_unix_socket(locked):
+    assert stat.S_IMODE(os.stat(locked.uds).st_mode) == 0o600  # only this user may connect
     assert locked.raw.get("/health").status_code == 200  # health is public
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"},
                     {"Authorization": "Bearer"}):
