@@ -23,3 +23,13 @@ class CorruptCheckpointError(ModelFormatError):
 
 class GenerationError(FateEdgeError):
     """Bad generation arguments (sampling parameters, prompt longer than the context, ...)."""
+
+
+class ContextLengthError(GenerationError):
+    """The prompt leaves no room in the model's context for a generated token."""
+
+    def __init__(self, prompt_tokens: int, context: int):
+        super().__init__(f"the prompt has {prompt_tokens} tokens but the model's context is {context} tokens (the "
+                         "prompt and at least one generated token must fit); shorten the prompt")
+        self.prompt_tokens = prompt_tokens
+        self.context = context

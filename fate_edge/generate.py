@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import GenerationError
+from .errors import ContextLengthError, GenerationError
 from .model import MoETransformer
 from .sampling import Sampler, SamplingParams
 from .tokenizer import StreamingDetokenizer, Tokenizer
@@ -68,6 +68,12 @@ def _hold_back(text: str, stops: list[str]) -> int:
     return keep
 
 
+def check_context(prompt_tokens: int, context: int) -> None:
+    """Raise :class:`ContextLengthError` unless the prompt and at least one generated token fit in ``context``."""
+    if prompt_tokens >= context:
+        raise ContextLengthError(prompt_tokens, context)
+
+
 @torch.inference_mode()
 def stream_generate(
     model: MoETransformer,
@@ -82,10 +88,7 @@ def stream_generate(
     if not prompt_ids:
         raise GenerationError("the prompt is empty; give at least one token of text")
     context = model.config.max_position_embeddings
-    if len(prompt_ids) >= context:
-        raise GenerationError(
-            f"the prompt has {len(prompt_ids)} tokens but the model's context is {context}; shorten the prompt"
-        )
+    check_context(len(prompt_ids), context)
     max_tokens = min(config.max_tokens, context - len(prompt_ids))
     sampler = Sampler(config.sampling)
     stop_ids = set(config.stop_token_ids) | (set() if config.ignore_eos else tokenizer.eos_token_ids)

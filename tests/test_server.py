@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -396,6 +397,7 @@ def test_injected_read_error_fails_one_request_then_the_next_succeeds(server, cl
 
 # --------------------------------------------------------------------------- auth, queue, unix socket
 def test_api_key_over_a_unix_socket(locked):
+    assert stat.S_IMODE(os.stat(locked.uds).st_mode) == 0o600  # only this user may connect
     assert locked.raw.get("/health").status_code == 200  # health is public
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"},
                     {"Authorization": "Bearer"}):
@@ -461,7 +463,7 @@ def test_health_is_503_while_the_model_loads(monkeypatch, cache):
 
     monkeypatch.setattr(engine_mod.Engine, "load", classmethod(slow_load))
     app = create_app(ServerSettings(memory_budget=BUDGET, device="cpu"))
-    with TestClient(app) as tc:
+    with TestClient(app, base_url="http://localhost") as tc:  # TestClient's default Host is not local
         resp = tc.get("/health")
         assert resp.status_code == 503 and resp.json()["status"] == "loading"
         _assert_error_shape(tc.post(COMP, json={"prompt": "x"}), 503, "unavailable_error")

@@ -8,9 +8,11 @@ type                           status  when
 ``invalid_request_error``      400     malformed JSON or UTF-8, a wrong type or range, an unsupported option
 ``exceed_context_size_error``  400     the prompt does not fit in the model's context
 ``authentication_error``       401     ``--api-key`` set and the bearer token is missing or wrong
+``permission_error``           403     a ``Host`` not in ``--allowed-hosts`` or an ``Origin`` not in ``--cors-origins``
 ``not_found_error``            404     unknown model or route
 ``invalid_request_error``      405     wrong HTTP method
 ``invalid_request_error``      413     request body over ``--max-body-bytes``
+``invalid_request_error``      415     a JSON body sent without ``Content-Type: application/json``
 ``unavailable_error``          429     the request queue is full (``--max-queue``); retry later
 ``server_error``               500     generation failed (a read error in the expert store, say)
 ``unavailable_error``          503     the model is still loading
@@ -22,6 +24,8 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi.responses import JSONResponse
+
+from ..errors import ContextLengthError, FateEdgeError, GenerationError
 
 
 class APIError(Exception):
@@ -51,3 +55,15 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
 def unsupported(param: str, what: str) -> APIError:
     return APIError(400, f"'{param}': {what} is not supported by this server", "invalid_request_error", param,
                     "unsupported_parameter")
+
+
+def error_from_exception(exc: BaseException, param: str | None = None) -> APIError:
+    """The API error for an exception raised while preparing or running a generation (by type, never by text)."""
+    if isinstance(exc, ContextLengthError):
+        return APIError(400, str(exc), "exceed_context_size_error", param, "context_length_exceeded",
+                        n_prompt_tokens=exc.prompt_tokens, n_ctx=exc.context)
+    if isinstance(exc, GenerationError):
+        return invalid(str(exc))
+    if isinstance(exc, FateEdgeError):
+        return APIError(500, f"generation failed: {exc}", "server_error", None, "generation_failed")
+    return APIError(500, f"generation failed: {type(exc).__name__}: {exc}", "server_error", None, "internal_error")

@@ -27,6 +27,14 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--unix-socket", default=None, metavar="PATH", help="listen on a Unix socket instead of TCP")
+    p.add_argument("--socket-mode", default="600", metavar="OCTAL",
+                   help="permissions of the --unix-socket file (default 600: only this user may connect)")
+    p.add_argument("--allowed-hosts", default="", metavar="NAMES",
+                   help="comma-separated Host names to accept besides localhost, 127.0.0.1, [::1] and the --host "
+                        "address ('*': any); other Hosts get 403 (blocks DNS rebinding)")
+    p.add_argument("--cors-origins", default="", metavar="ORIGINS",
+                   help="comma-separated browser origins allowed to call the API, e.g. http://localhost:3000 "
+                        "('*': any); requests from other origins get 403 (default: none)")
     p.add_argument("--api-key", default=os.environ.get("FATE_EDGE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $FATE_EDGE_API_KEY, else no key)")
     p.add_argument("--model-alias", default=None, help="model id to report and accept (default: directory name)")
@@ -54,11 +62,17 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _names(text: str) -> list[str]:
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ..engine import parse_bytes
     from .app import ServerSettings, create_app
+    from .http11 import JSONErrorH11Protocol
+    from .unix_socket import bind_unix_socket, parse_mode
 
     try:
         parse_bytes(args.memory_budget)
@@ -67,6 +81,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise FateEdgeError(str(exc)) from None
     if args.max_queue < 0:
         raise FateEdgeError(f"--max-queue must be >= 0, got {args.max_queue}")
+    socket_mode = parse_mode(args.socket_mode)
     if args.threads:
         import torch
 
@@ -79,7 +94,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               device=args.device, dtype=args.dtype, api_key=args.api_key or None,
                               max_queue=args.max_queue, max_body_bytes=max_body,
                               default_max_tokens=args.max_tokens_default, model_alias=args.model_alias,
-                              enable_fault_injection=args.enable_fault_injection)
+                              enable_fault_injection=args.enable_fault_injection, host=args.host,
+                              # no browser reaches a Unix socket, and its clients send all kinds of Host names
+                              allowed_hosts=["*"] if args.unix_socket else _names(args.allowed_hosts),
+                              cors_origins=_names(args.cors_origins))
     server: uvicorn.Server | None = None
 
     def on_load_error(exc: BaseException) -> None:
@@ -87,10 +105,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             server.should_exit = True
 
     app = create_app(settings, on_load_error=on_load_error)
-    config = uvicorn.Config(app, host=args.host, port=args.port, uds=args.unix_socket, log_level=args.log_level,
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.log_level == "debug",
-                            lifespan="on")
+                            lifespan="on", http=JSONErrorH11Protocol)
     server = uvicorn.Server(config)
+    bound = bind_unix_socket(args.unix_socket, socket_mode) if args.unix_socket else None  # refuses a live one
     where = f"unix:{args.unix_socket}" if args.unix_socket else f"http://{args.host}:{args.port}"
     print(f"fate-edge serve: {where} (model {app.state.fate_edge.model_id}, policy {args.policy}, expert budget "
           f"{args.memory_budget}; loading in the background, GET /health turns 200 when ready)", file=sys.stderr,
@@ -99,11 +118,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # no-op and the process exits 0 after a graceful shutdown instead of dying of the signal.
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
     try:
-        server.run()
+        server.run(sockets=[bound.sock] if bound else None)
     finally:
         signal.signal(signal.SIGTERM, previous)
-        if args.unix_socket and os.path.exists(args.unix_socket):
-            os.unlink(args.unix_socket)
+        if bound is not None:
+            bound.cleanup()
     err = app.state.fate_edge.load_error
     if err is not None:
         if isinstance(err, FateEdgeError):

@@ -46,7 +46,37 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
         raise invalid("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise invalid(f"the request body must be a JSON object, got {_type(body)}")
+    bad = _lone_surrogate(body)
+    if bad is not None:
+        raise invalid(f"'{bad}' holds a lone UTF-16 surrogate escape (such as \\ud800 without its pair), which is "
+                      "not text; send valid Unicode", bad, "invalid_value")
     return body
+
+
+def _lone_surrogate(body: dict[str, Any]) -> str | None:
+    """Where (``messages[0].content``) a string holds a lone surrogate: JSON escapes allow them, UTF-8 does not,
+    and the tokenizer fails on them. Walked with a stack, as the body may be deeply nested."""
+    stack: list[tuple[Any, str]] = [(body, "")]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii() and _has_surrogate(value):
+                return where
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                name = key if not _has_surrogate(key) else ascii(key)
+                stack.append((item, f"{where}.{name}" if where else name))
+        elif isinstance(value, list):
+            stack.extend((item, f"{where}[{i}]") for i, item in enumerate(value))
+    return None
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _reject_constant(name: str) -> float:
