@@ -23,3 +23,7 @@ class CorruptCheckpointError(ModelFormatError):
 
 class GenerationError(FateEdgeError):
     """Bad generation arguments (sampling parameters, prompt longer than the context, ...)."""
+
+
+class PolicyError(FateEdgeError, ValueError):
+    """A policy name or setting is not one the engine implements (a ValueError too, for older callers)."""
