@@ -147,6 +147,8 @@ def use_option_types(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     from .policy import POLICY_CHOICES, PRESETS
 
     for action in parser._actions:  # argparse has no public API to revisit declared options
+        if not action.option_strings and action.dest == "model":  # a positional model directory
+            action.type = existing_path
         for opt in action.option_strings:
             if opt in OPTION_TYPES:
                 action.type = OPTION_TYPES[opt]
