@@ -15,27 +15,22 @@ import sys
 import time
 from typing import Any, TextIO
 
+from .sizes import format_bytes
+
 HELP = "commands: /reset forget the conversation · /stats engine statistics · /exit quit (also Ctrl-D)"
 
 
 def add_chat_parser(sub) -> argparse.ArgumentParser:
     from .cli import _add_sampling_args
+    from .engine_args import add_engine_args
 
     p = sub.add_parser("chat", help="interactive streaming chat with a live status line (/reset, /stats, /exit)")
-    p.add_argument("--model", default=None, help="model directory or expert store (default: the bundled model)")
-    p.add_argument("--memory-budget", default="256MB", help="hard budget for expert memory (default 256MB)")
-    p.add_argument("--policy", default="fate-edge", help="policy preset (default fate-edge)")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
+    add_engine_args(p)
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--no-status", action="store_true", help="no status line")
     _add_sampling_args(p)
     p.set_defaults(func=cmd_chat)
     return p
-
-
-def _mb(n: float) -> str:
-    return f"{n / 1e6:.1f} MB"
 
 
 def _rss() -> int:
@@ -57,8 +52,8 @@ def status_line(engine: Any, step: Any, stats: Any) -> str:
     if stats is not None and stats.uses:
         parts.append(f"hit rate {100 * stats.hit_rate:.0f}%")
         parts.append(f"stall {1e3 * stats.stall_s:.0f} ms")
-    parts.append(f"experts {_mb(experts)}/{_mb(engine.budget)}")
-    parts.append(f"RSS {_rss() / 2**20:.0f} MiB")
+    parts.append(f"experts {format_bytes(experts)}/{format_bytes(engine.budget)}")
+    parts.append(f"RSS {format_bytes(_rss())}")
     return " · ".join(parts)
 
 
@@ -67,14 +62,15 @@ def stats_report(engine: Any, turns: int, context_tokens: int) -> str:
     read = s.demand_bytes + s.prefetch_bytes + s.wasted_bytes
     cache = engine.cache
     lines = [
-        f"policy {engine.policy.name} on {engine.device}; expert budget {_mb(engine.budget)} "
-        f"(cache {_mb(engine.plan.cache_bytes)}, read buffers {_mb(engine.plan.pool_bytes)})",
+        f"policy {engine.policy.name} on {engine.device}; expert budget {format_bytes(engine.budget)} "
+        f"(cache {format_bytes(engine.plan.cache_bytes)}, read buffers {format_bytes(engine.plan.pool_bytes)})",
         f"expert uses {s.uses}: {s.hits} cached, {s.prefetch_hits} prefetched, {s.misses} demand reads "
         f"(hit rate {100 * s.hit_rate:.1f}%)",
-        f"read {_mb(read)} ({_mb(s.demand_bytes)} on the critical path, {_mb(s.wasted_bytes)} prefetched unused); "
+        f"read {format_bytes(read)} ({format_bytes(s.demand_bytes)} on the critical path, "
+        f"{format_bytes(s.wasted_bytes)} prefetched unused); "
         f"stall {1e3 * s.stall_s:.0f} ms; prediction exact {100 * s.exact_match:.0f}%",
-        f"expert cache {_mb(cache.used_bytes if cache is not None else 0)} used; process RSS "
-        f"{_rss() / 2**20:.0f} MiB",
+        f"expert cache {format_bytes(cache.used_bytes if cache is not None else 0)} used; process RSS "
+        f"{format_bytes(_rss())}",
         f"conversation: {turns} turns, {context_tokens} of {engine.model.config.max_position_embeddings} "
         "context tokens",
     ]
@@ -127,23 +123,29 @@ def _fit(engine: Any, history: list[dict[str, str]], reserve: int) -> tuple[list
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from .engine import Engine
-    from .sampling import SamplingParams
-    from .sdk import generate_config, stream
+    from .engine_args import EngineOptions, open_engine
+    from .sdk import generate_config
 
     out, err = sys.stdout, sys.stderr
     interactive = sys.stdin.isatty() and out.isatty()
     t0 = time.perf_counter()
-    engine = Engine.load(args.model, args.memory_budget, args.policy, device=args.device, dtype=args.dtype)
-    SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty).validate()
     config_kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                      min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
                      ignore_eos=args.ignore_eos)
+    config = generate_config(**config_kw)  # checked before the model loads
+    with open_engine(EngineOptions.from_args(args), progress=False) as engine:
+        return _chat(engine, args, config, time.perf_counter() - t0, out, err, interactive)
+
+
+def _chat(engine: Any, args: argparse.Namespace, config: Any, load_s: float, out: TextIO, err: TextIO,
+          interactive: bool) -> int:
+    from .sdk import stream
+
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict[str, str]] = list(system)
     context_tokens = 0
-    print(f"fate-edge chat · policy {engine.policy.name} · expert budget {_mb(engine.budget)} · loaded in "
-          f"{time.perf_counter() - t0:.1f} s\n{HELP}", file=err, flush=True)
+    print(f"fate-edge chat · policy {engine.policy.name} · expert budget {format_bytes(engine.budget)} · loaded in "
+          f"{load_s:.1f} s\n{HELP}", file=err, flush=True)
     bar = _StatusBar(out, interactive and not args.no_status)
     try:
         while True:
@@ -180,7 +182,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             context_tokens = len(ids)
             parts: list[str] = []
             last, shown = None, 0.0
-            steps = stream(engine, ids, generate_config(**config_kw))
+            steps = stream(engine, ids, config)
             try:
                 for last in steps:
                     parts.append(last.text)
@@ -208,5 +210,4 @@ def cmd_chat(args: argparse.Namespace) -> int:
         pass
     finally:
         bar.close()
-        engine.close()
     return 0

@@ -45,6 +45,9 @@ class CheckpointReader:
 
     def __init__(self, model_dir: str | Path):
         self.model_dir = Path(model_dir)
+        from .store import check_store_complete
+
+        check_store_complete(self.model_dir)
         index_path = self.model_dir / INDEX_FILE
         if index_path.exists():
             try:

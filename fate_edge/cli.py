@@ -1,4 +1,4 @@
-"""``fate-edge`` command line: a thin dispatcher over the library (run, inspect)."""
+"""``fate-edge`` command line: a thin dispatcher over the library (run, inspect, convert, plan, probe, ...)."""
 
 from __future__ import annotations
 
@@ -6,68 +6,76 @@ import argparse
 import sys
 import time
 
+from . import __version__
+from .cli_args import (
+    PROG,
+    CliParser,
+    below_one,
+    byte_size,
+    existing_path,
+    fraction,
+    non_empty,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    profile_name,
+    use_option_types,
+)
+from .convert import GROUP_SIZES
+from .engine_args import add_engine_args
 from .errors import FateEdgeError
+from .sizes import format_bytes
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="Hugging Face model directory (default: the bundled tiny model)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or auto (cuda when torch sees a GPU)")
+    add_engine_args(p, memory_budget=None, policy=None)
     p.add_argument("--experts", default="memory", choices=["memory", "lazy"],
-                   help="memory: all experts resident; lazy: read each routed expert from disk when needed")
-    p.add_argument("--bits", type=int, default=None,
+                   help="without --memory-budget/--policy: memory keeps all experts resident; lazy reads each "
+                   "routed expert from disk when needed")
+    p.add_argument("--bits", type=int, default=None, choices=[16, 8, 4, 3, 2],
                    help="expert store only: precision to stream (16 = bf16; default: the store's quantized copy)")
-    p.add_argument("--link", default=None,
-                   help="expert store only: throttle reads to a device profile's storage link (see devices/profiles)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=non_negative_int, default=128)
+    p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=non_negative_int, default=0, help="0 disables it")
+    p.add_argument("--top-p", type=fraction, default=1.0, help="nucleus sampling share, in (0, 1]")
+    p.add_argument("--min-p", type=below_one, default=0.0, help="in [0, 1); 0 disables it")
+    p.add_argument("--repetition-penalty", type=positive_float, default=1.0, help="1 disables it")
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--stop", action="append", default=[], type=non_empty, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from .bundled import bundled_model_dir
     from .engine import resolve_device
-    from .generate import GenerateConfig, stream_generate
+    from .engine_args import EngineOptions, make_link, open_engine, set_threads
     from .loader import load_model
-    from .sampling import SamplingParams
     from .tokenizer import Tokenizer
 
-    device = resolve_device(args.device)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
-    model_dir = args.model or bundled_model_dir()
-    link = None
-    if args.link:
-        from fate_edge.devices.link import ThrottledLink, storage_link
-        from fate_edge.devices.profile import load_profile
-
-        if args.link == "host":
-            from fate_edge.devices.probe import host_profile
-
-            link = ThrottledLink(storage_link(host_profile()))
-        else:
-            link = ThrottledLink(storage_link(load_profile(args.link)))
-    engine = None
     if args.memory_budget or args.policy:
-        from .engine import Engine
-        from .store_cache import ensure_store
+        with open_engine(EngineOptions.from_args(args)) as engine:  # closed on every path, errors included
+            _generate(args, engine.model, engine.tokenizer, prompt, engine)
+            _print_engine_stats(engine)
+        return 0
+    set_threads(args.threads)
+    device = resolve_device(args.device)
+    model_dir = args.model or bundled_model_dir()
+    model = load_model(model_dir, dtype=args.dtype, experts=args.experts, bits=args.bits, link=make_link(args.link),
+                       device=device)
+    _generate(args, model, Tokenizer(model_dir), prompt, None)
+    return 0
 
-        store = ensure_store(model_dir)
-        engine = Engine(store, args.memory_budget or "1GB", args.policy or "fate-edge", dtype=args.dtype, link=link,
-                        device=device, verify=args.verify)
-        model, tokenizer = engine.model, engine.tokenizer
-    else:
-        model = load_model(model_dir, dtype=args.dtype, experts=args.experts, bits=args.bits, link=link,
-                           device=device)
-        tokenizer = Tokenizer(model_dir)
+
+def _generate(args: argparse.Namespace, model, tokenizer, prompt: str, engine) -> None:
+    """Stream the continuation to stdout, then one line of speed and memory to stderr."""
+    from .generate import GenerateConfig, stream_generate
+    from .sampling import SamplingParams
+
     if args.chat:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty, args.seed)
@@ -85,21 +93,21 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"[{last.prompt_tokens} prompt tokens at {last.prompt_tps:.1f} tok/s, "
             f"{last.generation_tokens} generated at "
             f"{last.generation_tps:.1f} tok/s, finish: {last.finish_reason}, peak RSS "
-            f"{last.peak_rss_bytes / 2**20:.0f} MB]",
+            f"{format_bytes(last.peak_rss_bytes)}]",
             file=sys.stderr,
         )
-    if engine is not None:
-        s = engine.stats
-        print(
-            f"[policy {engine.policy.name}, expert budget {engine.budget / 1e6:.1f} MB (cache "
-            f"{engine.plan.cache_bytes / 1e6:.1f} MB): hit rate {100 * s.hit_rate:.1f}% ({s.hits} cached, "
-            f"{s.prefetch_hits} prefetched, {s.misses} demand reads), stall {1e3 * s.stall_s:.0f} ms, read "
-            f"{(s.demand_bytes + s.prefetch_bytes) / 1e6:.1f} MB ({s.demand_bytes / 1e6:.1f} on the critical path), "
-            f"wasted {s.wasted_bytes / 1e6:.1f} MB, prediction exact {100 * s.exact_match:.0f}%]",
-            file=sys.stderr,
-        )
-        engine.close()
-    return 0
+
+
+def _print_engine_stats(engine) -> None:
+    s = engine.stats
+    print(
+        f"[policy {engine.policy.name}, expert budget {format_bytes(engine.budget)} (cache "
+        f"{format_bytes(engine.plan.cache_bytes)}): hit rate {100 * s.hit_rate:.1f}% ({s.hits} cached, "
+        f"{s.prefetch_hits} prefetched, {s.misses} demand reads), stall {1e3 * s.stall_s:.0f} ms, read "
+        f"{format_bytes(s.demand_bytes + s.prefetch_bytes)} ({format_bytes(s.demand_bytes)} on the critical path), "
+        f"wasted {format_bytes(s.wasted_bytes)}, prediction exact {100 * s.exact_match:.0f}%]",
+        file=sys.stderr,
+    )
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -137,20 +145,20 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .bundled import bundled_model_dir
     from .engine import parse_bytes
+    from .engine_args import resolve_store
     from .planner import auto_plan, plan, record_plan_trace, roofline_layer_time, sample_token_ids
     from .store import ExpertStore
-    from .store_cache import ensure_store
     from .tokenizer import Tokenizer
 
-    store_dir = ensure_store(args.model or bundled_model_dir())
+    store_dir = resolve_store(args.model)
     budget = parse_bytes(args.memory_budget)
     tok = Tokenizer(store_dir)
     ids = tok.encode(open(args.corpus, encoding="utf-8").read())[: args.tokens] if args.corpus else \
         sample_token_ids(tok, args.tokens)
     if args.device == "host":
-        result = auto_plan(store_dir, budget, token_ids=ids)
+        result = auto_plan(store_dir, budget, token_ids=ids, progress=lambda m: print(f"[planner] {m}",
+                                                                                      file=sys.stderr, flush=True))
     else:
         from fate_edge.devices.link import storage_link
         from fate_edge.devices.profile import load_profile
@@ -168,7 +176,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                       storage_link(profile), layer_s)
         model.experts.close()
     print(f"model           {store_dir}")
-    print(f"memory budget   {budget / 1e6:.1f} MB for experts, device {args.device}")
+    print(f"memory budget   {format_bytes(budget)} for experts, device {args.device}")
     print(result.describe())
     return 0
 
@@ -182,48 +190,27 @@ def cmd_probe(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fate-edge", description="Run Mixture-of-Experts models on small devices.")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_run_parser(sub) -> None:
     run = sub.add_parser("run", help="generate text from a prompt (argument or stdin), streaming to stdout")
     run.add_argument("prompt", nargs="?", default=None, help="prompt text; read from stdin when omitted")
     _add_model_args(run)
     _add_sampling_args(run)
-    run.add_argument("--memory-budget", default=None,
-                     help="bytes for experts (e.g. 64MB): run from an expert store under this hard limit")
-    run.add_argument("--verify", default="once", choices=["once", "always"],
-                     help="expert store: check each blob's CRC32 on its first read (default) or on every read")
-    run.add_argument("--policy", default=None, help="policy preset: load-on-demand, lru, activation-path, fate, "
-                     "fate-edge (default with --memory-budget)")
     run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     run.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
     run.set_defaults(func=cmd_run)
 
-    ins = sub.add_parser("inspect", help="architecture, parameter counts, expert vs resident bytes")
-    ins.add_argument("model_dir", nargs="?", default=None, help="model directory (default: the bundled model)")
-    ins.add_argument("--verify", action="store_true",
-                     help="expert store: check every blob's CRC32 and report the first corrupted one")
-    ins.set_defaults(func=cmd_inspect)
 
-    pl = sub.add_parser("plan", help="choose a policy for a device profile and memory budget (simulated)")
-    pl.add_argument("model", nargs="?", default=None, help="model directory or store (default: bundled model)")
-    pl.add_argument("--device", default="host", help="device profile name (devices/profiles) or 'host' (measured)")
-    pl.add_argument("--memory-budget", required=True, help="bytes for experts, e.g. 4GB")
-    pl.add_argument("--corpus", default=None, help="text to record routing on (default: a stdlib module's source)")
-    pl.add_argument("--tokens", type=int, default=256)
-    pl.set_defaults(func=cmd_plan)
-
-    probe = sub.add_parser("probe", help="measure this machine (memory, compute, storage) as the 'host' profile")
-    probe.set_defaults(func=cmd_probe)
-
+def _add_convert_parser(sub) -> None:
     conv = sub.add_parser("convert", help="write an expert store: resident weights + one aligned blob per expert")
-    conv.add_argument("model_dir", help="Hugging Face model directory")
+    conv.add_argument("model_dir", type=existing_path, help="Hugging Face model directory")
     conv.add_argument("out_dir", help="store directory to create (written atomically)")
     conv.add_argument("--bits", type=int, default=4, choices=[8, 4, 3, 2], help="precision of the streamed copy")
-    conv.add_argument("--group", type=int, default=64, choices=[32, 64, 128], help="quantization group size")
+    conv.add_argument("--group", type=int, default=None, choices=GROUP_SIZES,
+                      help="quantization group size (default: the largest of 128, 64, 32 that divides the expert "
+                      "dimensions)")
     conv.add_argument("--cold-bits", type=int, default=None, choices=[4, 3, 2], help="extra low-precision copy")
-    conv.add_argument("--cold-group", type=int, default=32, choices=[32, 64, 128])
+    conv.add_argument("--cold-group", type=int, default=None, choices=GROUP_SIZES,
+                      help="group size of the low-precision copy (default: the smallest of 32, 64, 128 that divides)")
     conv.add_argument("--method", default="rtn", choices=["rtn", "hqq"],
                       help="quantizer: round-to-nearest (Fate's) or HQQ-style refinement (lower error, slower)")
     conv.add_argument("--layout", default="auto", choices=["auto", "portable", "cpu-int4"],
@@ -234,15 +221,44 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--quiet", action="store_true", help="no progress bar")
     conv.set_defaults(func=cmd_convert)
 
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = CliParser(prog=PROG, description="Run Mixture-of-Experts models on small devices.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)  # subparsers are CliParsers too
+    _add_run_parser(sub)
+
+    ins = sub.add_parser("inspect", help="architecture, parameter counts, expert vs resident bytes")
+    ins.add_argument("model_dir", nargs="?", default=None, type=existing_path,
+                     help="model directory or expert store (default: the bundled model)")
+    ins.add_argument("--verify", action="store_true",
+                     help="expert store: check every blob's CRC32 and report the first corrupted one")
+    ins.set_defaults(func=cmd_inspect)
+
+    pl = sub.add_parser("plan", help="choose a policy for a device profile and memory budget (simulated)")
+    pl.add_argument("model", nargs="?", default=None, type=existing_path,
+                    help="model directory or expert store (default: bundled model)")
+    pl.add_argument("--device", default="host", type=profile_name,
+                    help="device profile name (devices/profiles) or 'host' (measured)")
+    pl.add_argument("--memory-budget", required=True, type=byte_size, help="bytes for experts, e.g. 4GB")
+    pl.add_argument("--corpus", default=None, type=existing_path,
+                    help="text to record routing on (default: a stdlib module's source)")
+    pl.add_argument("--tokens", type=positive_int, default=256)
+    pl.set_defaults(func=cmd_plan)
+
+    probe = sub.add_parser("probe", help="measure this machine (memory, compute, storage) as the 'host' profile")
+    probe.set_defaults(func=cmd_probe)
+    _add_convert_parser(sub)
+
     from .bench_cli import add_bench_parser
     from .calibrate import add_calibrate_parser
     from .chat_cli import add_chat_parser
     from .demo import add_demo_parser
     from .server.main import add_serve_parser
 
-    add_calibrate_parser(sub)
-    add_bench_parser(sub)
-    add_serve_parser(sub)
+    # Parsers written elsewhere get the shared argument types by option name (see cli_args.OPTION_TYPES).
+    for add in (add_calibrate_parser, add_bench_parser, add_serve_parser):
+        use_option_types(add(sub))
     add_chat_parser(sub)
     add_demo_parser(sub)
     return parser

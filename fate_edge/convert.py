@@ -1,17 +1,20 @@
 """``fate-edge convert``: a Hugging Face MoE checkpoint → an expert store (see ``fate_edge.store``).
 
 Atomic: everything is written into a hidden sibling directory, flushed, and renamed into place as the
-last step, so an interrupted convert never leaves a directory that looks like a valid store.
+last step, so an interrupted convert never leaves a directory that looks like a valid store. A hidden
+directory left by a convert that was killed is removed by the next convert into the same directory.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import shutil
 import sys
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -26,6 +29,7 @@ from .checkpoint import CheckpointReader
 from .errors import FateEdgeError
 from .experts import ExpertLayout
 from .loader import layer_names, resident_weight_names
+from .sizes import format_bytes
 from .store import FORMAT, FORMAT_VERSION, STORE_FILE, Precision, encode_expert, plan_parts
 
 AUX_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -35,13 +39,32 @@ AUX_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeniz
 @dataclass
 class ConvertOptions:
     bits: int = 4  # precision of the expert copies the engine streams
-    group_size: int = 64
+    group_size: int | None = None  # None: the largest of GROUP_SIZES that divides the expert dimensions
     cold_bits: int | None = None  # optional low-precision copy for cold experts (Fate: int2 tail)
     cold_group_size: int = 32
     keep_bf16: bool = True  # also store bf16 experts (the full-precision / load-on-demand baseline)
     force: bool = False  # replace an existing store at the destination
     method: str = "rtn"  # "rtn" (Fate's round-to-nearest) or "hqq" (half-quadratic refinement): same format
     layout: str = "auto"  # streamed copy: portable | cpu-int4 (decode is a view) | auto (cpu-int4 where it applies)
+
+
+GROUP_SIZES = (128, 64, 32)  # quantization groups convert offers, largest (fewest scales) first
+
+
+def pick_group(dims: tuple[int, ...], requested: int | None, option: str = "--group") -> int:
+    """``requested`` if it divides every dimension, else an error naming the groups that do; without a request,
+    the largest of GROUP_SIZES that divides them all."""
+    fits = [g for g in GROUP_SIZES if all(d % g == 0 for d in dims)]
+    shape = "x".join(map(str, dims))
+    if requested is None and fits:
+        return fits[0]
+    if requested is not None and requested in fits:
+        return requested
+    if not fits:
+        raise FateEdgeError(f"expert dimensions {shape} are not multiples of {GROUP_SIZES[-1]}, the smallest "
+                            f"quantization group fate-edge supports ({', '.join(map(str, GROUP_SIZES))})")
+    raise FateEdgeError(f"{option} {requested} does not divide the expert dimensions {shape}; use {option} "
+                        + " or ".join(map(str, fits)))
 
 
 def _precisions(cfg, opts: ConvertOptions) -> list[Precision]:
@@ -76,11 +99,18 @@ def convert(model_dir: str | Path, out_dir: str | Path, opts: ConvertOptions | N
     cfg = load_config(model_dir)
     reader = CheckpointReader(model_dir)
     names = layer_names(cfg, reader)
-    for e in (cfg.moe_intermediate_size, cfg.hidden_size):
-        for g in {opts.group_size, opts.cold_group_size}:
-            if e % g:
-                raise FateEdgeError(f"expert dimension {e} is not a multiple of group size {g}; pick --group 32")
+    dims = (cfg.hidden_size, cfg.moe_intermediate_size)
+    group = pick_group(dims, opts.group_size)
+    if opts.group_size is None and progress:
+        print(f"quantization group {group}: the largest of {', '.join(map(str, GROUP_SIZES))} that divides the "
+              f"expert dimensions {dims[0]}x{dims[1]}", file=sys.stderr)
+    opts = replace(opts, group_size=group)
+    if opts.cold_bits is not None:
+        pick_group(dims, opts.cold_group_size, "--cold-group")
     precisions = _precisions(cfg, opts)
+    remove_dead_partials(out_dir.parent)
+    need = _store_bytes(model_dir, cfg, reader, precisions)
+    _check_free_space(out_dir.parent, need)
 
     tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -136,6 +166,7 @@ def convert(model_dir: str | Path, out_dir: str | Path, opts: ConvertOptions | N
         }
         # store.json is written last: a directory without it is never taken for a store.
         (tmp / STORE_FILE).write_text(json.dumps(index, indent=1))
+        _set_file_modes(tmp)
         if out_dir.exists():
             old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
             out_dir.rename(old)
@@ -143,7 +174,76 @@ def convert(model_dir: str | Path, out_dir: str | Path, opts: ConvertOptions | N
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(out_dir)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if _is_disk_full(exc):
+            raise FateEdgeError(f"{out_dir.parent}: no space left on the device while writing the store (it needs "
+                                f"about {format_bytes(need)}); free space or convert into another directory") from exc
         raise
     return out_dir
+
+
+def _set_file_modes(directory: Path) -> None:
+    """One mode for every file of the store, as a plain open() would create it under this umask (safetensors
+    writes 0600 and copy2 keeps the source's mode)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    for f in directory.rglob("*"):
+        if f.is_file():
+            f.chmod(0o666 & ~mask)
+
+
+def _is_disk_full(exc: BaseException) -> bool:
+    """ENOSPC as an OSError, or as safetensors reports it (its own error type, "... (os error 28)")."""
+    if isinstance(exc, OSError):
+        return exc.errno == errno.ENOSPC
+    return isinstance(exc, Exception) and f"os error {errno.ENOSPC})" in str(exc)
+
+
+def _store_bytes(model_dir: Path, cfg, reader: CheckpointReader, precisions: list[Precision]) -> int:
+    """What the store will take on disk: expert files (whole slots), resident weights, copied files."""
+    experts = len(cfg.moe_layers) * cfg.num_experts * sum(p.slot_bytes for p in precisions)
+    resident = sum(reader.nbytes(n) for n in resident_weight_names(cfg, reader))
+    aux = sum((model_dir / f).stat().st_size for f in AUX_FILES if (model_dir / f).exists())
+    if (model_dir / "predictors").is_dir():
+        aux += sum(f.stat().st_size for f in (model_dir / "predictors").rglob("*") if f.is_file())
+    return experts + resident + aux
+
+
+def _check_free_space(directory: Path, need: int) -> None:
+    existing = directory
+    while not existing.exists():  # the output's parents are created later
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
+    if need > free:
+        raise FateEdgeError(f"{directory}: the store needs about {format_bytes(need)} but only {format_bytes(free)} "
+                            "is free there; free space or convert into another directory")
+
+
+_PARTIAL = re.compile(r"^\..+\.(?:partial|old)-(\d+)$")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_dead_partials(directory: Path) -> list[Path]:
+    """Remove hidden ``.<name>.partial-<pid>`` (and ``.old-<pid>``) directories whose convert process is gone
+    (killed before it could clean up); those of running processes are left alone."""
+    removed = []
+    if not directory.is_dir():
+        return removed
+    for path in sorted(directory.iterdir()):
+        m = _PARTIAL.match(path.name)
+        if m and path.is_dir() and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
+            print(f"removed {path}, left by a convert that was interrupted (process {m.group(1)} is gone)",
+                  file=sys.stderr)
+            removed.append(path)
+    return removed

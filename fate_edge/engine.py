@@ -21,6 +21,7 @@ import torch
 
 from fate_edge.devices.link import ThrottledLink
 
+from . import defaults
 from .cache import ExpertCache
 from .cache.factory import build_cache, layer_slots
 from .errors import FateEdgeError
@@ -314,10 +315,10 @@ class Engine:
     def load(
         cls,
         path: str | Path | None = None,
-        memory_budget: int | str = "256MB",
-        policy: str | PolicyConfig = "fate-edge",
-        device: str = "auto",
-        dtype: str | torch.dtype = "float32",
+        memory_budget: int | str = defaults.MEMORY_BUDGET,
+        policy: str | PolicyConfig = defaults.POLICY,
+        device: str = defaults.DEVICE,
+        dtype: str | torch.dtype = defaults.DTYPE,
         **kw,
     ) -> Engine:
         """Open a model directory or expert store (default: the bundled model), converting it to a store once."""

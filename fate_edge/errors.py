@@ -33,3 +33,7 @@ class ContextLengthError(GenerationError):
                          "prompt and at least one generated token must fit); shorten the prompt")
         self.prompt_tokens = prompt_tokens
         self.context = context
+
+
+class PolicyError(FateEdgeError, ValueError):
+    """A policy name or setting is not one the engine implements (a ValueError too, for older callers)."""

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .arch import ModelConfig, load_config
 from .checkpoint import CheckpointReader
 from .loader import is_routed_expert_tensor
+from .sizes import format_bytes
 
 
 @dataclass
@@ -29,6 +31,7 @@ class ModelSummary:
     expert_bytes: int
     resident_bytes: int
     layers: list[LayerSummary] = field(default_factory=list)
+    expert_precision: str = "as stored"  # stores: the precision expert_bytes counts
 
     @property
     def active_params_per_token(self) -> int:
@@ -37,20 +40,29 @@ class ModelSummary:
 
 
 def summarize(model_dir: str | Path) -> ModelSummary:
+    """Parameter and byte counts of a model directory, or of an expert store (its experts counted from
+    store.json at the precision the engine streams by default, not as absent from resident.safetensors)."""
+    from .store import ExpertStore, is_store
+
     config = load_config(model_dir)
     reader = CheckpointReader(model_dir)
     exp_p = exp_b = res_p = res_b = 0
     for name in reader.keys():
-        shape = reader.shape(name)
-        n = 1
-        for d in shape:
-            n *= d
+        n = math.prod(reader.shape(name))
         if is_routed_expert_tensor(name):
             exp_p, exp_b = exp_p + n, exp_b + reader.nbytes(name)
         else:
             res_p, res_b = res_p + n, res_b + reader.nbytes(name)
-    layers = []
     n_moe = max(1, len(config.moe_layers))
+    precision = "as stored"
+    if is_store(model_dir):
+        store = ExpertStore(model_dir)
+        bits = max((b for b in store.bits_available if b < 16), default=16)
+        n_experts = len(config.moe_layers) * config.num_experts
+        exp_p = n_experts * 3 * config.hidden_size * config.moe_intermediate_size
+        exp_b = n_experts * store.expert_bytes(bits)
+        precision = "at " + ("bf16" if bits == 16 else f"int{bits}") + ", the copy the engine streams,"
+    layers = []
     for i in range(config.num_hidden_layers):
         if config.is_moe_layer(i):
             h, inter = config.hidden_size, config.moe_intermediate_size
@@ -58,15 +70,14 @@ def summarize(model_dir: str | Path) -> ModelSummary:
                                        exp_b // (n_moe * config.num_experts)))
         else:
             layers.append(LayerSummary(i, "dense", 0, [], 0))
-    return ModelSummary(str(model_dir), config, exp_p + res_p, exp_p, res_p, exp_b, res_b, layers)
+    return ModelSummary(str(model_dir), config, exp_p + res_p, exp_p, res_p, exp_b, res_b, layers, precision)
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} GB"
+def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[str]:
+    """Columns as wide as their widest cell; the ``right`` columns right-aligned (numbers)."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return ["  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+            for r in [header, *rows]]
 
 
 def format_summary(s: ModelSummary) -> str:
@@ -78,16 +89,15 @@ def format_summary(s: ModelSummary) -> str:
         f"experts        {c.num_experts} per MoE layer, top-{c.num_experts_per_tok}, width {c.moe_intermediate_size}"
         + (f", shared expert width {c.shared_expert_intermediate_size}" if c.shared_expert_intermediate_size else ""),
         f"parameters     {s.total_params / 1e6:.2f} M total, {s.active_params_per_token / 1e6:.2f} M active per token",
-        f"expert bytes   {_fmt_bytes(s.expert_bytes)} ({s.expert_params / 1e6:.2f} M params, "
+        f"expert bytes   {format_bytes(s.expert_bytes)} {s.expert_precision} ({s.expert_params / 1e6:.2f} M params, "
         f"{100 * s.expert_bytes / max(1, s.expert_bytes + s.resident_bytes):.0f}% of the model)",
-        f"resident bytes {_fmt_bytes(s.resident_bytes)} ({s.resident_params / 1e6:.2f} M params)",
+        f"resident bytes {format_bytes(s.resident_bytes)} ({s.resident_params / 1e6:.2f} M params)",
         "",
-        "layer  kind   experts  expert shapes (gate, up, down)        bytes/expert",
     ]
-    for lay in s.layers:
-        shapes = " ".join("x".join(map(str, sh)) for sh in lay.expert_shapes) or "-"
-        lines.append(f"{lay.layer:>5}  {lay.kind:<5}  {lay.experts:>7}  {shapes:<36}  "
-                     f"{_fmt_bytes(lay.expert_bytes) if lay.expert_bytes else '-'}")
+    rows = [[str(lay.layer), lay.kind, str(lay.experts),
+             " ".join("x".join(map(str, sh)) for sh in lay.expert_shapes) or "-",
+             format_bytes(lay.expert_bytes) if lay.expert_bytes else "-"] for lay in s.layers]
+    lines += _table(["layer", "kind", "experts", "expert shapes (gate, up, down)", "bytes/expert"], rows, {0, 2, 4})
     return "\n".join(lines)
 
 
@@ -96,10 +106,10 @@ def format_store(path: str | Path) -> str:
     from .store import ExpertStore
 
     store = ExpertStore(path)
-    lines = ["precision  file               blob bytes  slot bytes  experts  file size"]
+    rows = []
     for bits, p in sorted(store.precisions.items()):
         n = sum(1 for k in store.refs if k[2] == bits)
         size = (Path(path) / p.file).stat().st_size
         name = "bf16" if p.spec is None else str(p.spec)
-        lines.append(f"{name:<10} {p.file:<18} {p.blob_bytes:>10}  {p.slot_bytes:>10}  {n:>7}  {_fmt_bytes(size)}")
-    return "\n".join(lines)
+        rows.append([name, p.file, format_bytes(p.blob_bytes), format_bytes(p.slot_bytes), str(n), format_bytes(size)])
+    return "\n".join(_table(["precision", "file", "blob", "slot", "experts", "file size"], rows, {2, 3, 4, 5}))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -165,21 +166,26 @@ def probe_engine(store_dir, budget: int, policy: PolicyConfig, link: LinkSpec | 
 
 def measure_host_costs(store_dir, budget: int, link: LinkSpec | None, token_ids: list[int],
                        dtype: torch.dtype = torch.float32, predictor_policy: PolicyConfig | None = None,
-                       workers: int = 2, decode_tokens: int = 128) -> tuple[HostCosts, LinkSpec, PlanTrace | None]:
+                       workers: int = 2, decode_tokens: int = 128,
+                       progress: Callable[[str], None] | None = None) -> tuple[HostCosts, LinkSpec, PlanTrace | None]:
     """The simulator's constants for this host and a decode trace, from probe runs of the engine under
     ``budget``: an LRU cache without prediction decoding ``decode_tokens`` tokens after ``token_ids`` (all
     reads are demand reads, so what is not stalling or decoding blobs is compute; its routing is the
     trace), then the predictor's policy for a few tokens (the predictor's per-layer cost). Without
-    ``link`` the disk is read with O_DIRECT and its bandwidth is the one measured."""
+    ``link`` the disk is read with O_DIRECT and its bandwidth is the one measured. ``progress`` is told
+    before each probe."""
     from .arch import load_config
 
+    say = progress or (lambda message: None)
     moe_layers = len(load_config(store_dir).moe_layers)
+    say(f"probe 1/2: {decode_tokens} tokens with an LRU cache and no prediction (compute, reads, routing)")
     base = probe_engine(store_dir, budget, PRESETS["lru"], link, token_ids, dtype, tokens=decode_tokens,
                         workers=workers, record=True)
     reads = max(1, base.reads)
     contention = reader_contention(torch.get_num_threads(), workers)
     compute = base.compute_s / max(1, base.tokens) / moe_layers
     # Ungated, so the predictor runs on every layer call and its cost per call is what is measured.
+    say("probe 2/2: a few tokens with the predictor on every layer (its cost)")
     pred = probe_engine(store_dir, budget, (predictor_policy or PRESETS["fate-edge"]).with_(prefetch_gate=False),
                         link, token_ids, dtype, workers=workers)
     costs = HostCosts(
@@ -289,19 +295,20 @@ def sample_token_ids(tokenizer, n: int = 256) -> list[int]:
 
 def auto_plan(store_dir, budget: int, link: LinkSpec | None = None, token_ids: list[int] | None = None,
               dtype: torch.dtype = torch.float32, prompt_tokens: int = 64, decode_tokens: int = 128,
-              workers: int = 2) -> Plan:
+              workers: int = 2, progress: Callable[[str], None] | None = None) -> Plan:
     """Plan for this host: probe the engine under ``budget`` on sample text (the prompt's first
     ``prompt_tokens`` tokens, then ``decode_tokens`` greedy tokens) to measure the host's costs and record
     the decode's routing, then simulate candidates over that trace.
 
-    Without ``link`` the expert reads are modelled at the disk bandwidth the probes measured."""
+    Without ``link`` the expert reads are modelled at the disk bandwidth the probes measured. ``progress``
+    receives a line before each probe and before the simulation."""
     from .loader import load_model
     from .store import ExpertStore
     from .tokenizer import Tokenizer
 
     ids = token_ids or sample_token_ids(Tokenizer(store_dir))
     costs, link, trace = measure_host_costs(store_dir, budget, link, ids[:prompt_tokens], dtype,
-                                            workers=workers, decode_tokens=decode_tokens)
+                                            workers=workers, decode_tokens=decode_tokens, progress=progress)
     store = ExpertStore(store_dir)
     bits = PRESETS["fate-edge"].bits
     if trace is None:  # nothing decoded (cannot happen with decode_tokens >= 1): fall back to teacher forcing
@@ -310,4 +317,6 @@ def auto_plan(store_dir, budget: int, link: LinkSpec | None = None, token_ids: l
             trace = record_plan_trace(model, ids, store_dir=store_dir)
         finally:
             model.experts.close()
+    if progress:
+        progress("simulating candidate policies over the recorded routing")
     return plan(trace, budget, store.expert_bytes(bits), store.precisions[bits].slot_bytes, link, costs)

@@ -6,7 +6,18 @@ to prefetch. The scheduler and cache read it; baselines and fate-edge differ onl
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+
+from .errors import PolicyError
+
+# The values each field accepts (the cache, scheduler and engine dispatch on these names).
+ALLOCATIONS = ("uniform", "shallow", "cost-aware", "global")
+EVICTIONS = ("lru", "lfu", "arc", "popularity", "lcu", "belady")
+PREDICTORS = (None, "cross-layer", "cross-layer-norm", "learned", "learned-onnx", "best-available",
+              "activation-path", "oracle")
+PREFETCH_WIDTHS = ("fate", "mass")  # or an int >= 0
+BITS = (2, 3, 4, 8, 16)
+COLD_BITS = (None, 2, 3, 4, 8)
 
 
 @dataclass(frozen=True)
@@ -34,8 +45,55 @@ class PolicyConfig:
     skip_past_t2: bool = False  # opt-in: changes answers
     full_layers: int = 4  # Fate's shallow-favoring: layers kept whole once the budget allows
 
+    def __post_init__(self) -> None:
+        _validate(self)
+
     def with_(self, **kw) -> PolicyConfig:
         return replace(self, **kw)
+
+
+def _bad(field: str, value: object, valid: str) -> PolicyError:
+    return PolicyError(f"policy field {field}={value!r} is not valid; use {valid}")
+
+
+def _one_of(field: str, value: object, valid: tuple) -> None:
+    if not any(value == v and type(value) is type(v) for v in valid):  # 4.0 or True is not 4 or 1
+        raise _bad(field, value, "one of: " + ", ".join(map(str, valid)))
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _validate(p: PolicyConfig) -> None:
+    """Reject misspelt names and out-of-range numbers at construction: the cache and scheduler would otherwise
+    fall back silently (an unknown allocation ran as uniform)."""
+    if not isinstance(p.name, str) or not p.name:
+        raise _bad("name", p.name, "a non-empty string")
+    for f in fields(p):
+        if f.type == "bool" and not isinstance(getattr(p, f.name), bool):
+            raise _bad(f.name, getattr(p, f.name), "True or False")
+    _one_of("allocation", p.allocation, ALLOCATIONS)
+    _one_of("eviction", p.eviction, EVICTIONS)
+    _one_of("predictor", p.predictor, PREDICTORS)
+    _one_of("bits", p.bits, BITS)
+    _one_of("cold_bits", p.cold_bits, COLD_BITS)
+    if not (_is_int(p.prefetch_width) and p.prefetch_width >= 0 or p.prefetch_width in PREFETCH_WIDTHS):
+        raise _bad("prefetch_width", p.prefetch_width, "an integer >= 0 or one of: " + ", ".join(PREFETCH_WIDTHS))
+    for name, low in (("lookahead", 1), ("max_prefetch_width", 1), ("min_prefetch_width", 0), ("full_layers", 0)):
+        value = getattr(p, name)
+        if not _is_int(value) or value < low:
+            raise _bad(name, value, f"an integer >= {low}")
+    if p.min_prefetch_width > p.max_prefetch_width:
+        raise _bad("min_prefetch_width", p.min_prefetch_width, f"at most max_prefetch_width ({p.max_prefetch_width})")
+    for name, low_open in (("prefetch_mass", True), ("cold_tail_mass", False), ("t1", False), ("t2", False)):
+        value = getattr(p, name)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (0 < value <= 1 if low_open
+                                                                                  else 0 <= value <= 1)
+        if not ok:
+            raise _bad(name, value, "a number in (0, 1]" if low_open else "a number in [0, 1]")
+    if p.t1 > p.t2:
+        raise _bad("t1", p.t1, f"at most t2 ({p.t2})")
 
 
 PRESETS: dict[str, PolicyConfig] = {
@@ -66,9 +124,13 @@ PRESETS: dict[str, PolicyConfig] = {
 }
 
 
+# What --policy accepts: every preset, and "auto" (the planner picks for this host, budget and link).
+POLICY_CHOICES: tuple[str, ...] = (*PRESETS, "auto")
+
+
 def get_policy(policy: str | PolicyConfig) -> PolicyConfig:
     if isinstance(policy, PolicyConfig):
         return policy
     if policy not in PRESETS:
-        raise ValueError(f"unknown policy '{policy}'; presets: {', '.join(PRESETS)}, or auto (the planner)")
+        raise PolicyError(f"unknown policy '{policy}'; presets: {', '.join(PRESETS)}, or auto (the planner)")
     return PRESETS[policy]

@@ -23,7 +23,6 @@ from .sampling import SamplingParams
 
 if TYPE_CHECKING:
     from .engine import Completion, Engine
-    from .scheduler import SchedulerStats
 
 
 def generate_config(
@@ -78,34 +77,18 @@ def stream(engine: Engine, prompt: str | list[int], config: GenerateConfig | Non
 
 
 def generate(engine: Engine, prompt: str | list[int], config: GenerateConfig | None = None, **kw: Any) -> Completion:
-    """Complete ``prompt`` and return a typed :class:`~fate_edge.engine.Completion`.
+    """Complete ``prompt`` and return a typed :class:`~fate_edge.engine.Completion` (:meth:`Engine.complete`).
 
     Unlike reading ``engine.request_stats`` afterwards, ``Completion.stats`` is captured while the
     engine still serves this request, so it is this request's even when other threads are waiting.
     """
-    from .engine import Completion
-
-    parts: list[str] = []
-    last: GenerationResponse | None = None
-    stats: SchedulerStats | None = None
-    steps = engine.stream(prompt, _config(config, kw))
-    try:
-        for last in steps:  # the engine's lock is held while this generator is suspended
-            parts.append(last.text)
-            stats = engine.request_stats
-    except Exception:
-        recover(engine)
-        raise
-    finally:
-        steps.close()
-    assert last is not None and stats is not None
-    return Completion("".join(parts), last.finish_reason or "length", last.prompt_tokens, last.generation_tokens,
-                      last.prompt_tps, last.generation_tps, last.peak_rss_bytes, stats)
+    return engine.complete(prompt, _config(config, kw))
 
 
 def chat(engine: Engine, messages: list[dict[str, Any]], config: GenerateConfig | None = None, **kw: Any) -> Completion:
-    """Render ``messages`` ([{"role": "user", "content": "..."}]) with the chat template and complete the reply."""
-    return generate(engine, engine.tokenizer.apply_chat_template(messages), config, **kw)
+    """Render ``messages`` ([{"role": "user", "content": "..."}]) with the chat template and complete the reply
+    (:meth:`Engine.chat`)."""
+    return engine.chat(messages, _config(config, kw))
 
 
 def recover(engine: Engine) -> None:

@@ -174,6 +174,50 @@ def decode_expert(blob: torch.Tensor | memoryview, precision: Precision, dtype: 
     return QuantizedExpert(*lins)
 
 
+_INDEX_FIELDS = {"precisions": dict, "experts": dict, "moe_layers": list, "num_experts": int}
+_PRECISION_FIELDS = {"bits": int, "file": str, "blob_bytes": int, "parts": list}
+_PART_FIELDS = {"name": str, "offset": int, "nbytes": int, "dtype": str, "shape": list}
+_BLOB_FIELDS = {"layer": int, "expert": int, "offset": int, "length": int, "crc32": int}
+
+
+def _check_fields(d: object, spec: dict[str, type], where: str, index_path: Path) -> None:
+    if not isinstance(d, dict):
+        raise ModelFormatError(f"{index_path}: {where} is not an object; the file is damaged, re-run fate-edge convert")
+    for key, kind in spec.items():
+        value = d.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            problem = "is missing" if key not in d else f"is {value!r}, not a {kind.__name__}"
+            raise ModelFormatError(f"{index_path}: field {where}.{key} {problem}; the file is damaged, re-run "
+                                   "fate-edge convert")
+
+
+def _check_index(index: dict, index_path: Path) -> None:
+    """Every field the store reads, with its type, so a damaged store.json is named, not an AttributeError."""
+    _check_fields(index, _INDEX_FIELDS, "store", index_path)
+    for bits, d in index["precisions"].items():
+        _check_fields(d, _PRECISION_FIELDS | ({"group_size": int} if d.get("bits", 16) < 16 else {}),
+                      f"precisions.{bits}", index_path)
+        for i, part in enumerate(d["parts"]):
+            _check_fields(part, _PART_FIELDS, f"precisions.{bits}.parts[{i}]", index_path)
+    for bits, entries in index["experts"].items():
+        if bits not in index["precisions"] or not isinstance(entries, list):
+            raise ModelFormatError(f"{index_path}: field experts.{bits} has no precisions.{bits} entry or is not a "
+                                   "list; the file is damaged, re-run fate-edge convert")
+        for i, e in enumerate(entries):
+            _check_fields(e, _BLOB_FIELDS, f"experts.{bits}[{i}]", index_path)
+
+
+def check_store_complete(path: str | Path) -> None:
+    """A directory with expert blob files but no store.json is a store that lost its index (not a Hugging Face
+    checkpoint to convert): say so instead of failing later on its missing experts."""
+    path = Path(path)
+    blobs = sorted(p.name for p in path.glob("experts-*.bin"))
+    if blobs and not (path / STORE_FILE).exists():
+        raise ModelFormatError(f"{path}: has expert blob files ({', '.join(blobs)}) but no {STORE_FILE}: it is an "
+                               f"expert store whose {STORE_FILE} is missing; re-create it with `fate-edge convert "
+                               f"MODEL {path} --force`")
+
+
 class ExpertStore:
     """An opened, validated store: where every (layer, expert, precision) blob lives."""
 
@@ -186,11 +230,15 @@ class ExpertStore:
             index = json.loads(index_path.read_text())
         except json.JSONDecodeError as exc:
             raise ModelFormatError(f"{index_path}: invalid JSON ({exc}); re-run fate-edge convert") from exc
+        if not isinstance(index, dict):
+            raise ModelFormatError(f"{index_path}: holds a JSON {type(index).__name__}, not the store's object; "
+                                   "re-run fate-edge convert")
         if index.get("format") != FORMAT or index.get("format_version") != FORMAT_VERSION:
             raise ModelFormatError(
                 f"{index_path}: format {index.get('format')!r} v{index.get('format_version')} is not "
                 f"{FORMAT!r} v{FORMAT_VERSION}; re-run fate-edge convert with this version"
             )
+        _check_index(index, index_path)
         self.index = index
         self.precisions = {int(b): Precision.from_json(d) for b, d in index["precisions"].items()}
         self.refs: dict[tuple[int, int, int], BlobRef] = {}

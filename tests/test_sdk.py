@@ -166,3 +166,17 @@ def test_minimal_example_runs(cache_dir):
     assert proc.returncode == 0, proc.stderr
     assert "tok/s" in proc.stdout and "expert hit rate" in proc.stdout
     assert len((ROOT / "examples" / "minimal.py").read_text().splitlines()) <= 20
+
+
+def test_generate_and_chat_go_through_engine_complete_and_chat(monkeypatch):
+    from fate_edge import Engine, sdk
+
+    calls = []
+    real_complete = Engine.complete
+    monkeypatch.setattr(Engine, "complete", lambda self, p, c=None: (calls.append("complete"),
+                                                                     real_complete(self, p, c))[1])
+    with Engine.load(memory_budget="4MB", policy="lru", device="cpu") as engine:
+        done = sdk.generate(engine, "def ", max_tokens=3, ignore_eos=True)
+        reply = sdk.chat(engine, [{"role": "user", "content": "hi"}], max_tokens=2, ignore_eos=True)
+    assert done.completion_tokens == 3 and reply.completion_tokens == 2
+    assert calls == ["complete", "complete"]  # Engine.chat completes through Engine.complete

@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 
+from .. import defaults
 from ..errors import FateEdgeError
 
 
@@ -20,10 +21,11 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP daemon (chat/completions, SSE, /metrics, /health)",
                        description="Serve the model over an OpenAI-compatible API. Binds 127.0.0.1 by default.")
     p.add_argument("--model", default=None, help="model directory or expert store (default: the bundled model)")
-    p.add_argument("--memory-budget", default="256MB", help="hard budget for expert memory (default 256MB)")
-    p.add_argument("--policy", default="fate-edge", help="policy preset (default fate-edge)")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
+    p.add_argument("--memory-budget", default=defaults.MEMORY_BUDGET,
+                   help=f"hard budget for expert memory (default {defaults.MEMORY_BUDGET})")
+    p.add_argument("--policy", default=defaults.POLICY, help=f"policy preset (default {defaults.POLICY})")
+    p.add_argument("--device", default=defaults.DEVICE, help="auto, cpu or cuda")
+    p.add_argument("--dtype", default=defaults.DTYPE, choices=["float32", "bfloat16"], help="compute dtype")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--unix-socket", default=None, metavar="PATH", help="listen on a Unix socket instead of TCP")

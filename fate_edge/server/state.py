@@ -15,6 +15,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from .. import defaults
 from .metrics import Metrics
 from .runner import Runner
 
@@ -24,10 +25,10 @@ LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 @dataclass
 class ServerSettings:
     model: str | None = None  # model directory or expert store; None: the bundled model
-    memory_budget: int | str = "256MB"
-    policy: str = "fate-edge"
-    device: str = "auto"
-    dtype: str = "float32"
+    memory_budget: int | str = defaults.MEMORY_BUDGET
+    policy: str = defaults.POLICY
+    device: str = defaults.DEVICE
+    dtype: str = defaults.DTYPE
     api_key: str | None = None
     max_queue: int = 16
     max_body_bytes: int = 1_000_000

@@ -1,0 +1,159 @@
+"""Argument types and the parser class of the ``fate-edge`` CLI: bad input is one ``fate-edge: error:`` line.
+
+Each type checks its value when the command line is parsed, before anything is loaded, and its message
+names what is accepted; argparse prefixes the option's name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
+
+PROG = "fate-edge"
+
+
+class CliParser(argparse.ArgumentParser):
+    """argparse with errors on one line (``fate-edge: error: argument --x: ...``), exit status 2, no usage dump."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{PROG}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def byte_size(value: str) -> str:
+    """A positive byte size such as 512MB, 2GB or 1.5GiB (kept as text: the engine reads it)."""
+    from .engine import parse_bytes
+
+    try:
+        n = parse_bytes(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a positive size; write e.g. 512MB, 2GB or 1.5GiB")
+    return value
+
+
+def _number(kind: type, ok: Callable[[float], bool], what: str) -> Callable[[str], float]:
+    def parse(value: str):
+        try:
+            x = kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not {what}") from None
+        if not ok(x):
+            raise argparse.ArgumentTypeError(f"{value!r} is not {what}")
+        return x
+
+    parse.__name__ = what  # argparse names the type in some messages
+    return parse
+
+
+positive_int = _number(int, lambda x: x > 0, "an integer >= 1")
+non_negative_int = _number(int, lambda x: x >= 0, "an integer >= 0")
+port_number = _number(int, lambda x: 0 <= x <= 65535, "a port number in 0..65535")
+positive_float = _number(float, lambda x: x > 0 and x != float("inf"), "a number > 0")
+non_negative_float = _number(float, lambda x: 0 <= x < float("inf"), "a number >= 0")
+fraction = _number(float, lambda x: 0 < x <= 1, "a number in (0, 1]")
+below_one = _number(float, lambda x: 0 <= x < 1, "a number in [0, 1)")
+share = _number(float, lambda x: 0 < x < 1, "a number in (0, 1)")
+
+
+def non_empty(value: str) -> str:
+    if not value:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return value
+
+
+def existing_path(value: str) -> str:
+    if not Path(value).exists():
+        raise argparse.ArgumentTypeError(f"{value}: no such file or directory")
+    return value
+
+
+def device_name(value: str) -> str:
+    """auto, cpu, cuda or cuda:N (whether a GPU is there is checked when the engine opens)."""
+    if value in ("auto", "cpu") or re.fullmatch(r"cuda(:\d+)?", value):
+        return value
+    raise argparse.ArgumentTypeError(f"unknown device {value!r}; use auto, cpu, cuda or cuda:N")
+
+
+def profile_name(value: str) -> str:
+    """A shipped device profile, a profile .toml file, or 'host' (this machine, measured by fate-edge probe)."""
+    from fate_edge.devices.profile import list_profiles
+
+    if value == "host" or value in list_profiles() or value.endswith(".toml") and Path(value).is_file():
+        return value
+    raise argparse.ArgumentTypeError(f"no device profile {value!r}; use one of: {', '.join(list_profiles())}, "
+                                     "host, or a profile .toml file")
+
+
+def link_name(value: str) -> str:
+    """A device profile whose storage link reads are throttled to (see profile_name), or 'none'."""
+    return value if value == "none" else profile_name(value)
+
+
+def host_name(value: str) -> str:
+    """An IP address or a syntactically valid host name (RFC 1123 labels)."""
+    try:
+        ipaddress.ip_address(value)
+        return value
+    except ValueError:
+        pass
+    label = r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)"
+    if len(value) <= 253 and re.fullmatch(rf"{label}(\.{label})*", value):
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r} is neither an IP address nor a host name; e.g. 127.0.0.1, "
+                                     "0.0.0.0 or localhost")
+
+
+def policy_help(default: str | None = None) -> str:
+    from .policy import POLICY_CHOICES
+
+    tail = f" (default {default})" if default else ""
+    return f"policy preset, or auto (the planner picks for this host): {', '.join(POLICY_CHOICES)}{tail}"
+
+
+def add_policy_arg(p: argparse.ArgumentParser, default: str | None) -> None:
+    from .policy import POLICY_CHOICES
+
+    p.add_argument("--policy", default=default, choices=POLICY_CHOICES, metavar="POLICY", help=policy_help(default))
+
+
+def _existing_path_as_path(value: str) -> Path:
+    return Path(existing_path(value))
+
+
+# Types by option name, for the parsers written outside the CLI module (calibrate, bench, serve): the same
+# option means the same thing in every subcommand. Output paths and free text (--host aside) take any string.
+OPTION_TYPES: dict[str, Callable[[str], object]] = {
+    "--model": existing_path, "--corpus": _existing_path_as_path, "--gguf": existing_path, "--readme": existing_path,
+    "--memory-budget": byte_size, "--max-body-bytes": byte_size, "--device": device_name, "--host": host_name,
+    "--port": port_number, "--threads": non_negative_int, "--fetch-workers": positive_int,
+    "--max-queue": non_negative_int, "--max-tokens-default": positive_int, "--shutdown-timeout": non_negative_float,
+    "--tokens": positive_int, "--heldout-fraction": share, "--rank": positive_int, "--seq-len": positive_int,
+    "--batch": positive_int, "--epochs": positive_int, "--lr": positive_float, "--expert-bytes": positive_int,
+    "--int4-expert-mb": positive_float, "--budgets": fraction, "--prompt-tokens": positive_int,
+    "--decode-tokens": positive_int, "--runs": positive_int, "--timeout": positive_float,
+    "--time-limit": positive_float,
+}
+
+
+def use_option_types(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Give ``parser``'s options their types from OPTION_TYPES, and --policy / --presets the policy names."""
+    from .policy import POLICY_CHOICES, PRESETS
+
+    for action in parser._actions:  # argparse has no public API to revisit declared options
+        if not action.option_strings and action.dest == "model":  # a positional model directory
+            action.type = existing_path
+        for opt in action.option_strings:
+            if opt in OPTION_TYPES:
+                action.type = OPTION_TYPES[opt]
+            elif opt == "--policy" and action.choices is None:
+                action.choices, action.metavar = POLICY_CHOICES, "POLICY"
+            elif opt == "--presets" and action.choices is None:
+                action.choices = list(PRESETS)
+    return parser

@@ -1,0 +1,12 @@
+"""Defaults shared by the CLI subcommands, the daemon and the SDK: one value each, set here only."""
+
+from __future__ import annotations
+
+# Expert memory (cache + read buffers + the expert being computed). Small enough for an 8 GB board with the
+# resident weights beside it; the engine refuses at start a budget this machine cannot hold.
+MEMORY_BUDGET = "256MB"
+POLICY = "fate-edge"  # our preset (fate_edge.policy.PRESETS); "auto" asks the planner
+DEVICE = "auto"  # cuda when torch sees a GPU, else cpu
+DTYPE = "float32"
+VERIFY = "once"  # check each blob's CRC32 on its first read
+THREADS: int | None = None  # torch CPU threads; None keeps torch's choice

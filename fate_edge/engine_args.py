@@ -1,0 +1,122 @@
+"""One way to open an :class:`Engine` from command-line arguments (run, chat, demo).
+
+``add_engine_args`` declares the options (with the shared defaults of ``fate_edge.defaults``),
+``EngineOptions.from_args`` reads them back, and ``open_engine`` builds the engine: store (converted once),
+storage link, torch threads, and for ``--policy auto`` the planner, whose progress goes to ``log``.
+Callers use the engine in a ``with`` block so it is closed on every path, errors included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
+
+from . import defaults
+from .cli_args import add_policy_arg, byte_size, device_name, existing_path, link_name, positive_int
+
+if TYPE_CHECKING:
+    from fate_edge.devices.link import ThrottledLink
+
+    from .engine import Engine
+
+
+@dataclass
+class EngineOptions:
+    model: str | None = None  # model directory or expert store; None: the bundled model
+    memory_budget: str = defaults.MEMORY_BUDGET
+    policy: str = defaults.POLICY
+    device: str = defaults.DEVICE
+    dtype: str = defaults.DTYPE
+    link: str | None = None  # device profile whose storage link reads are throttled to
+    threads: int | None = defaults.THREADS
+    verify: str = defaults.VERIFY
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **override) -> EngineOptions:
+        """The options ``args`` carries; those it lacks or leaves at None keep their defaults."""
+        kw = {f.name: getattr(args, f.name) for f in fields(cls) if getattr(args, f.name, None) is not None}
+        return cls(**(kw | override))
+
+
+def add_engine_args(p: argparse.ArgumentParser, memory_budget: str | None = defaults.MEMORY_BUDGET,
+                    policy: str | None = defaults.POLICY, device: str = defaults.DEVICE, link: bool = True) -> None:
+    """The options :class:`EngineOptions` reads. ``None`` defaults mean "not given" (``run`` then skips the engine)."""
+    p.add_argument("--model", default=None, type=existing_path,
+                   help="model directory or expert store (default: the bundled tiny model)")
+    shown = memory_budget or defaults.MEMORY_BUDGET
+    p.add_argument("--memory-budget", default=memory_budget, type=byte_size,
+                   help=f"hard budget for expert memory, e.g. 64MB or 2GB (default {shown})")
+    add_policy_arg(p, policy)
+    p.add_argument("--device", default=device, type=device_name, help=f"auto, cpu or cuda (default {device})")
+    p.add_argument("--dtype", default=defaults.DTYPE, choices=["float32", "bfloat16"], help="compute dtype")
+    if link:
+        p.add_argument("--link", default=None, type=link_name,
+                       help="throttle expert reads to a device profile's storage link (devices/profiles), or host")
+    p.add_argument("--threads", type=positive_int, default=defaults.THREADS,
+                   help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--verify", default=defaults.VERIFY, choices=["once", "always"],
+                   help="expert store: check each blob's CRC32 on its first read (default) or on every read")
+
+
+def make_link(name: str | None) -> ThrottledLink | None:
+    """A throttled link for a device profile name (or 'host': this machine's probed profile); None for none."""
+    if name in (None, "", "none"):
+        return None
+    from fate_edge.devices.link import ThrottledLink, storage_link
+
+    if name == "host":
+        from fate_edge.devices.probe import host_profile
+
+        return ThrottledLink(storage_link(host_profile()))
+    from fate_edge.devices.profile import load_profile
+
+    return ThrottledLink(storage_link(load_profile(name)))
+
+
+def set_threads(threads: int | None) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def resolve_store(model: str | Path | None, progress: bool = True) -> Path:
+    """The expert store for ``model`` (a store, or a model directory converted once into the cache)."""
+    from .bundled import bundled_model_dir
+    from .store_cache import ensure_store
+
+    return ensure_store(model or bundled_model_dir(), progress=progress)
+
+
+def open_engine(opts: EngineOptions, log: TextIO | None = None, progress: bool = True) -> Engine:
+    """Build the engine ``opts`` describes. ``--policy auto`` runs the planner first and reports its probes,
+    its pick and the decode speed it predicts on ``log`` (default stderr)."""
+    from .engine import Engine, parse_bytes
+    from .loader import DTYPES
+
+    log = log or sys.stderr
+    store = resolve_store(opts.model, progress)
+    link = make_link(opts.link)
+    set_threads(opts.threads)
+    policy, planned = opts.policy, None
+    if policy == "auto":
+        from .planner import auto_plan
+
+        def say(message: str) -> None:
+            print(f"[planner] {message}", file=log, flush=True)
+
+        say("choosing a policy for this host, budget and link (probes the engine; this takes a while)")
+        planned = auto_plan(store, parse_bytes(opts.memory_budget), link.spec if link else None,
+                            dtype=DTYPES[opts.dtype], progress=say)
+        p = planned.policy
+        say(f"picked allocation={p.allocation} eviction={p.eviction} predictor={p.predictor} "
+            f"lookahead={p.lookahead} width={p.prefetch_width}: predicts {planned.predicted_tokens_per_s:.1f} "
+            f"decode tok/s, hit rate {100 * planned.predicted_hit_rate:.0f}%")
+        policy = p
+    engine = Engine(store, opts.memory_budget, policy, dtype=opts.dtype, link=link, device=opts.device,
+                    verify=opts.verify)
+    engine.planned = planned
+    return engine

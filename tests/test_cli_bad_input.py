@@ -1,0 +1,100 @@
+"""Every subcommand, every option, a bad value: exit 2 and one ``fate-edge: error:`` line, never a traceback.
+
+The options and their types are read from the real parser, so an option added later without a type (or
+without an entry in FREE_TEXT) fails here. Values are rejected while parsing, so nothing loads: main() runs
+in-process and the whole module takes seconds.
+"""
+
+import argparse
+
+import pytest
+
+from fate_edge import cli_args
+from fate_edge.cli import build_parser, main
+
+# Options (and positionals) that take any text, so no value of them is bad input.
+FREE_TEXT = {"prompt", "out_dir", "--system", "--api-key", "--model-alias", "--unix-socket", "--out-dir", "--json",
+             "--markdown", "--plot", "--work-dir", "--out", "--predictors-dir"}
+
+NUMBERS = ["abc", "-1"]  # every numeric option's type rejects both (--seed aside: any integer is a seed)
+BAD_BY_TYPE = {
+    int: ["abc"], float: ["abc"],
+    cli_args.positive_int: NUMBERS + ["0"], cli_args.non_negative_int: NUMBERS, cli_args.port_number: NUMBERS,
+    cli_args.positive_float: NUMBERS + ["0"], cli_args.non_negative_float: NUMBERS, cli_args.fraction: NUMBERS,
+    cli_args.below_one: NUMBERS + ["1"], cli_args.share: NUMBERS + ["1"],
+    cli_args.byte_size: ["2XB", "-1", "0"], cli_args.existing_path: ["/nonexistent/model"],
+    cli_args._existing_path_as_path: ["/nonexistent/corpus.txt"], cli_args.device_name: ["tpu"],
+    cli_args.link_name: ["nosuch-board"], cli_args.profile_name: ["nosuch-board"],
+    cli_args.host_name: ["not a host!"], cli_args.non_empty: [""],
+}
+SIGNED = {"--seed"}  # int options where a negative number is valid
+REQUIRED = {"plan": ["--memory-budget", "1MB"], "convert": ["MODEL", "OUT"]}
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def _cases():
+    for cmd, parser in _subcommands().items():
+        for action in parser._actions:
+            if action.nargs == 0 or isinstance(action, argparse._HelpAction):
+                continue  # flags take no value
+            name = action.option_strings[-1] if action.option_strings else action.dest
+            if name in FREE_TEXT:
+                continue
+            values = ["nosuch"] if action.choices is not None else []
+            if action.type is not None or not values:
+                assert action.type in BAD_BY_TYPE, f"{cmd} {name}: no type checks it; add one (cli_args)"
+                values += BAD_BY_TYPE[action.type]
+            if name in SIGNED:
+                values = [v for v in values if v != "-1"]
+            for value in values:
+                yield pytest.param(cmd, action, name, value, id=f"{cmd} {name} {value!r}")
+
+
+def _argv(cmd: str, action: argparse.Action, value: str, tmp_path, bundled_dir) -> list[str]:
+    required = [str(bundled_dir) if a == "MODEL" else str(tmp_path / "out") if a == "OUT" else a
+                for a in REQUIRED.get(cmd, [])]
+    if action.option_strings:
+        return [cmd, *required, f"{action.option_strings[-1]}={value}"]
+    if cmd == "convert":  # positionals in place
+        return [cmd, value, str(tmp_path / "out")] if action.dest == "model_dir" else [cmd, str(bundled_dir), value]
+    return [cmd, value, *required]
+
+
+@pytest.mark.parametrize("cmd,action,name,value", list(_cases()))
+def test_bad_value_is_one_error_line_and_exit_2(cmd, action, name, value, tmp_path, bundled_dir, capsys):
+    argv = _argv(cmd, action, value, tmp_path, bundled_dir)
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2, (argv, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fate-edge: error: "), (argv, err)
+    assert "Traceback" not in err
+    if action.option_strings:
+        assert action.option_strings[-1] in lines[0]
+
+
+def test_every_listed_subcommand_is_covered():
+    assert {"run", "chat", "demo", "serve", "convert", "inspect", "calibrate", "plan", "probe", "bench"} <= \
+        set(_subcommands())
+    covered = {case.values[0] for case in _cases()}
+    assert covered == set(_subcommands()) - {"probe"}  # probe takes no options
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["run", "--memory-budget", "2XB", "hi"], "--memory-budget"),
+    (["run", "--memory-budget", "-1", "hi"], "--memory-budget"),
+    (["run", "--policy", "nosuch", "hi"], "fate-edge"),  # lists the valid presets
+    (["serve", "--policy", "nosuch"], "auto"),
+    (["demo", "--link", "nosuch"], "raspberry-pi-5-8gb"),
+])
+def test_the_reported_cases_name_the_option_or_the_valid_values(argv, named, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and named in err and len(err.strip().splitlines()) == 1

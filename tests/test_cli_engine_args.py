@@ -1,0 +1,86 @@
+"""The CLI's engine helper, defaults, help, --version, --threads and the planner's progress under --policy auto."""
+
+import pytest
+import torch
+
+from fate_edge import defaults
+from fate_edge.cli import build_parser, main
+from fate_edge.engine import Engine
+from fate_edge.policy import POLICY_CHOICES
+
+
+def test_run_closes_the_engine_when_generation_fails_midway(monkeypatch, capsys):
+    closed = []
+    real_close, real_stream = Engine.close, Engine.stream
+
+    def failing_stream(self, prompt, config=None):
+        steps = real_stream(self, prompt, config)
+        yield next(steps)
+        steps.close()
+        raise RuntimeError("read failed mid-generation")
+
+    monkeypatch.setattr(Engine, "stream", failing_stream)
+    monkeypatch.setattr(Engine, "close", lambda self: (closed.append(self), real_close(self)))
+    with pytest.raises(RuntimeError, match="mid-generation"):
+        main(["run", "--memory-budget", "4MB", "--max-tokens", "4", "def "])
+    assert len(closed) == 1
+
+
+def test_one_default_budget_and_policy_everywhere():
+    sub = {name: p for name, p in build_parser()._subparsers._group_actions[0].choices.items()}
+    for cmd in ("chat", "serve"):
+        defaults_of = {a.dest: a.default for a in sub[cmd]._actions}
+        assert defaults_of["memory_budget"] == defaults.MEMORY_BUDGET and defaults_of["policy"] == defaults.POLICY
+    import inspect
+
+    load = inspect.signature(Engine.load).parameters
+    assert load["memory_budget"].default == defaults.MEMORY_BUDGET and load["policy"].default == defaults.POLICY
+
+
+def test_run_without_budget_uses_the_shared_default(monkeypatch, capsys):
+    assert main(["run", "--policy", "lru", "--max-tokens", "2", "--ignore-eos", "def "]) == 0
+    from fate_edge.engine import parse_bytes
+    from fate_edge.sizes import format_bytes
+
+    assert f"expert budget {format_bytes(parse_bytes(defaults.MEMORY_BUDGET))}" in capsys.readouterr().err
+
+
+def test_run_threads_sets_torch_threads_and_default_keeps_them(capsys):
+    before = torch.get_num_threads()
+    try:
+        assert main(["run", "--max-tokens", "1", "def "]) == 0
+        assert torch.get_num_threads() == before
+        assert main(["run", "--threads", "3", "--max-tokens", "1", "def "]) == 0
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_version_and_help_list_every_policy_and_auto(capsys):
+    from fate_edge import __version__
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and __version__ in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert all(name in out for name in POLICY_CHOICES) and "model directory or expert store" in out
+
+
+def test_policy_auto_reports_probes_pick_and_predicted_speed(monkeypatch, capsys):
+    from fate_edge import planner
+
+    real = planner.auto_plan
+    calls = []
+
+    def quick(*a, **kw):  # the real planner, on fewer tokens
+        calls.append(kw.get("progress"))
+        return real(*a, **kw, decode_tokens=4, prompt_tokens=16)
+
+    monkeypatch.setattr(planner, "auto_plan", quick)
+    assert main(["run", "--policy", "auto", "--memory-budget", "4MB", "--max-tokens", "2", "def "]) == 0
+    err = capsys.readouterr().err
+    assert calls and calls[0] is not None
+    assert "[planner] probe 1/2" in err and "[planner] probe 2/2" in err and "simulating" in err
+    assert "[planner] picked" in err and "decode tok/s" in err and "policy planned" in err
