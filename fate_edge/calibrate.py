@@ -3,7 +3,7 @@
 1. Run the model over the corpus in windows of ``--seq-len`` tokens and record, per MoE layer, every
    token's gate input and chosen experts (``predictors.evaluate.collect_traces``). The corpus is split
    into training text and held-out text (the last ``--heldout-fraction`` of the windows; for the bundled
-   model without ``--corpus``: the stdlib files ``scripts/train_tiny_moe.py`` trained on / held out).
+   model without ``--corpus``: the stdlib files it was trained on / held out, ``fate_edge.corpus``).
 2. Save next to the model (``<model>/predictors/``, or ``--predictors-dir``): ``popularity.json`` (routed
    tokens per layer and expert, to seed caches), ``token-popularity.safetensors`` (the layer-0 token table),
    and the learned predictors ``learned-{linear,lowrank}-p<p>.{json,safetensors}`` with their ONNX graphs.
@@ -14,23 +14,21 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import random
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
 
+from .corpus import CorpusSplit, read_corpus
 from .errors import FateEdgeError
 
 POPULARITY_FORMAT = "fate-edge/expert-popularity"
 PREDICTORS_DIR = "predictors"
-_TRAIN_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_tiny_moe.py"
 
 
 class CalibrationError(FateEdgeError):
@@ -57,27 +55,9 @@ class CalibrateOptions:
 
 
 # ------------------------------------------------------------------------------------------------ corpus
-def train_script() -> ModuleType:
-    """scripts/train_tiny_moe.py, imported by path: its stdlib split is the one to reuse, not to copy."""
-    if "train_tiny_moe" in sys.modules:
-        return sys.modules["train_tiny_moe"]
-    if not _TRAIN_SCRIPT.exists():
-        raise CalibrationError(f"{_TRAIN_SCRIPT} not found (installed without the source checkout): pass --corpus FILE")
-    spec = importlib.util.spec_from_file_location("train_tiny_moe", _TRAIN_SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train_tiny_moe"] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
-
-
 def bundled_split(model_dir: Path) -> tuple[list[str], list[str]]:
     """(training files, held-out files) of the stdlib corpus the bundled model was trained on."""
-    tr = train_script()
-    log_path = model_dir / "training_log.json"
-    config = json.loads(log_path.read_text()).get("config", {}) if log_path.exists() else {}
-    known = {f.name for f in fields(tr.TrainConfig)}
-    return tr.read_corpus(tr.TrainConfig(**{k: v for k, v in config.items() if k in known}))
+    return read_corpus(CorpusSplit.of_model(model_dir))
 
 
 def read_texts(corpus: Path, max_chars: int) -> list[str]:
@@ -130,7 +110,8 @@ def corpus_windows(model_dir: Path, tokenizer: Any, eos: int | None, opts: Calib
         random.Random(opts.seed).shuffle(train_texts)  # the files are in path order: mix packages
         train = windows(encode_texts(tokenizer, train_texts, train_budget, eos), opts.seq_len)
         held = windows(encode_texts(tokenizer, held_texts, held_budget, eos), opts.seq_len)
-        desc = {"source": "Python stdlib .py files, split as scripts/train_tiny_moe.py (training / held-out files)",
+        desc = {"source": "Python stdlib .py files, split as the bundled model was trained (fate_edge.corpus: "
+                          "training / held-out files)",
                 "train_files": len(train_texts), "heldout_files": len(held_texts)}
     else:
         texts = read_texts(opts.corpus, max(1 << 20, 16 * opts.tokens))

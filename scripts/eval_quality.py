@@ -17,7 +17,7 @@ kernel with bf16 activations for <= 4 bits, dequantize + fp32 matmul for int8) o
 (``--compute dequant``, isolating the quantization error from the kernel's bf16 rounding).
 
 Metrics: perplexity of next-token prediction on held-out text (the stdlib files
-``scripts/train_tiny_moe.py`` holds out), in ``--seq-len`` windows up to ``--tokens`` tokens; agreement =
+the training run held out, ``fate_edge.corpus``), in ``--seq-len`` windows up to ``--tokens`` tokens; agreement =
 share of positions whose greedy (argmax) next token equals the bf16 run's, teacher-forced on that text.
 
     python scripts/eval_quality.py --tokens 16384 --json bench-out/quality.json --readme README.md
@@ -41,8 +41,8 @@ from fate_edge.quant.methods import METHODS, quantize_with
 
 from fate_edge import Tokenizer, bundled_model_dir, load_model
 from fate_edge.arch import load_config
-from fate_edge.calibrate import train_script
 from fate_edge.checkpoint import CheckpointReader
+from fate_edge.corpus import CorpusSplit, read_corpus
 from fate_edge.experts import ExpertLayout, ExpertWeights, InMemoryExpertProvider, QuantizedExpert
 from fate_edge.loader import layer_names
 from fate_edge.report import publish
@@ -54,15 +54,7 @@ TAIL_LABEL = "int4 + int2 tail"
 # ------------------------------------------------------------------------------------------------ data
 def corpus_split(model_dir: Path) -> tuple[list[str], list[str]]:
     """(train, held-out) stdlib texts, split by the rule (and the settings) the model was trained with."""
-    train_mod = train_script()
-    cfg = train_mod.TrainConfig()
-    log = model_dir / "training_log.json"
-    if log.exists():  # the split settings the model was actually trained with
-        saved = json.loads(log.read_text()).get("config", {})
-        for key in ("heldout_fraction", "max_corpus_bytes"):
-            if key in saved:
-                setattr(cfg, key, saved[key])
-    return train_mod.read_corpus(cfg)
+    return read_corpus(CorpusSplit.of_model(model_dir))
 
 
 def encode_texts(tok: Tokenizer, texts: list[str], max_tokens: int) -> torch.Tensor:
