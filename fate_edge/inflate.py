@@ -59,6 +59,6 @@ def inflate(src: Path, out: Path, intermediate: int, seed: int = 0) -> Path:
     (out / "README.md").write_text(
         f"Inflated copy of {src.name}: expert intermediate size {old} -> {intermediate} with inert units "
         "(zero down-projection columns). Same outputs, realistic expert bytes. "
-        "Made by fate_edge.inflate (scripts/make_inflated_model.py).\n"
+        "Made by fate_edge.inflate.\n"
     )
     return out
