@@ -4,7 +4,9 @@
    token's gate input and chosen experts (``predictors.evaluate.collect_traces``). The corpus is split
    into training text and held-out text (the last ``--heldout-fraction`` of the windows; for the bundled
    model without ``--corpus``: the stdlib files it was trained on / held out, ``fate_edge.corpus``).
-2. Save next to the model (``<model>/predictors/``, or ``--predictors-dir``): ``popularity.json`` (routed
+2. Save where the engine finds them: the ``predictors/`` of the expert store the engine uses for the model
+   (the model itself if it is a store, else its store converted once into the cache; ``--predictors-dir``
+   elsewhere; the model's own folder is never written, it may be read-only): ``popularity.json`` (routed
    tokens per layer and expert, to seed caches), ``token-popularity.safetensors`` (the layer-0 token table),
    and the learned predictors ``learned-{linear,lowrank}-p<p>.{json,safetensors}`` with their ONNX graphs.
 3. On held-out text, print and write (``<out>/calibration.json``) a per-layer table for every predictor:
@@ -48,7 +50,7 @@ class CalibrateOptions:
     lr: float = 3e-3
     expert_bytes: int | None = None  # bytes one expert moves; default 3·H·I·2 (bf16)
     out: Path | None = None  # calibration.json goes here; default: the predictors directory
-    predictors_dir: Path | None = None  # default <model>/predictors
+    predictors_dir: Path | None = None  # default: predictors/ of the store the engine uses for the model
     onnx: bool = True  # export the learned predictors to ONNX
     progress: bool = True
     seed: int = 0
@@ -140,6 +142,18 @@ def trace_windows(model: Any, wins: torch.Tensor, batch: int, desc: str, progres
     return collect_traces(model, bar)
 
 
+def engine_predictors_dir(model_dir: Path, progress: bool = True) -> Path:
+    """Where the engine looks for ``model_dir``'s predictors: ``predictors/`` of the store it opens for that
+    model (``store_cache.ensure_store``, as ``Engine.load`` does; converted once if not yet done)."""
+    from .store_cache import ensure_store
+
+    try:
+        return ensure_store(model_dir, progress=progress) / PREDICTORS_DIR
+    except FateEdgeError as exc:
+        raise CalibrationError(f"{model_dir}: the engine cannot open this model as an expert store ({exc}), so it "
+                               "would never load predictors for it; pass --predictors-dir DIR to keep them") from exc
+
+
 # ------------------------------------------------------------------------------------------- popularity
 def popularity_json(trace: Any, model_dir: Path) -> dict[str, Any]:
     return {
@@ -218,6 +232,7 @@ def calibrate(model_dir: str | Path, opts: CalibrateOptions | None = None) -> di
         raise CalibrationError(f"--lookahead must be 1..4, not {opts.lookahead}")
     if opts.corpus is None and model_dir.resolve() != bundled_model_dir().resolve():
         raise CalibrationError("--corpus FILE is required (only the bundled model has a default corpus)")
+    pred_dir = opts.predictors_dir or engine_predictors_dir(model_dir, opts.progress)  # before hours of tracing
     model = load_model(model_dir, torch.float32)
     cfg = model.config
     tokenizer = Tokenizer(model_dir)
@@ -230,7 +245,6 @@ def calibrate(model_dir: str | Path, opts: CalibrateOptions | None = None) -> di
 
     train = trace_windows(model, train_wins, opts.batch, "tracing training text", opts.progress)
     held = trace_windows(model, held_wins, opts.batch, "tracing held-out text", opts.progress)
-    pred_dir = opts.predictors_dir or model_dir / PREDICTORS_DIR
     pred_dir.mkdir(parents=True, exist_ok=True)
     files = {"popularity": pred_dir / "popularity.json", "token_popularity": pred_dir / "token-popularity.safetensors"}
     files["popularity"].write_text(json.dumps(popularity_json(train, model_dir), indent=1))
@@ -307,8 +321,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     )
     report = calibrate(args.model or bundled_model_dir(), opts)
     print(table_markdown(report))
-    print(f"wrote {report['files']['calibration']}; predictors and popularity in "
-          f"{Path(report['files']['popularity']).parent} ({report['seconds']:.0f}s)")
+    where = Path(report["files"]["popularity"]).parent
+    print(f"wrote {report['files']['calibration']}; predictors and popularity in {where}"
+          + (" (the expert store the engine uses for this model)" if args.predictors_dir is None else "")
+          + f" ({report['seconds']:.0f}s)")
     return 0
 
 
@@ -330,7 +346,9 @@ def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--expert-bytes", type=int, default=None, help="bytes one expert moves (default: bf16 size)")
     p.add_argument("--out", type=Path, default=None, help="directory for calibration.json (default: predictors dir)")
     p.add_argument("--predictors-dir", type=Path, default=None,
-                   help="where predictors and popularity go (default: <model>/predictors)")
+                   help="where predictors and popularity go (default: predictors/ of the expert store the "
+                        "engine uses for MODEL, converted into the fate-edge cache once; the model folder is not "
+                        "written)")
     p.add_argument("--no-onnx", action="store_true", help="skip the ONNX export")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
