@@ -7,14 +7,8 @@ from dataclasses import dataclass, field
 
 # Presets in table order. The two load-on-demand presets keep no cache: they ignore the budget and run once per link.
 ALL_PRESETS = ["load-on-demand", "load-on-demand-int4", "lru", "activation-path", "fate", "fate-edge", "oracle"]
-
-
 ALL_BUDGETS = [0.20, 0.35, 0.50, 0.75]
-
-
 HEADLINE_BUDGET = 0.35
-
-
 LABELS = {"load-on-demand": "load-on-demand (bf16)", "load-on-demand-int4": "load-on-demand (int4)"}
 
 
@@ -49,8 +43,6 @@ def _sd_card_link():
 # devices/profiles/raspberry-pi-5-8gb.toml describes an NVMe on the M.2 HAT+ (0.45 GB/s), not a microSD card,
 # so the SD-card-class link is defined here with its sources.
 SD_CARD_LINK = _sd_card_link()
-
-
 SD_CARD_SOURCE = (
     "defined in fate_edge/bench/config.py: 90 MB/s sequential read = the UHS-I SDR104 bus limit of 104 MB/s "
     "(SD specification; Raspberry Pi 5 supports SDR104 per its product brief) less protocol overhead, assumed; "
@@ -121,8 +113,6 @@ QUICK = {
     "budgets": list(ALL_BUDGETS),  # kept, but the run stops starting configurations after time_limit_s
     "time_limit_s": 480.0,
 }
-
-
 QUICK_NOTE = ("--quick: only the Jetson Orin Nano NVMe link (the microSD, PCIe and raw-disk links are dropped), "
               "only the 128-token prompt (512 dropped), 64 decode tokens instead of 128 (medians of 3 runs kept), "
               "and a 480 s limit after which no configuration is started: the 35% budget (with "
