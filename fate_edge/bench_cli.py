@@ -1,4 +1,4 @@
-"""``fate-edge bench``: the side-by-side benchmark of fate_edge/bench.py as a CLI subcommand."""
+"""``fate-edge bench``: the side-by-side benchmark of fate_edge.bench as a CLI subcommand."""
 
 from __future__ import annotations
 
@@ -6,14 +6,14 @@ import argparse
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import run_from_args
+    from .bench.cli import run_from_args
 
     return run_from_args(args)
 
 
 def add_bench_parser(sub) -> argparse.ArgumentParser:
     """Register ``bench`` on the ``fate-edge`` subparsers (``sub`` from ``add_subparsers``)."""
-    from .bench import add_arguments
+    from .bench.cli import add_arguments
 
     p = sub.add_parser("bench", help="benchmark every policy preset, the oracle and peers under memory budgets "
                        "on emulated device links (JSON, markdown table, plots)",

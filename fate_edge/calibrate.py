@@ -3,8 +3,10 @@
 1. Run the model over the corpus in windows of ``--seq-len`` tokens and record, per MoE layer, every
    token's gate input and chosen experts (``predictors.evaluate.collect_traces``). The corpus is split
    into training text and held-out text (the last ``--heldout-fraction`` of the windows; for the bundled
-   model without ``--corpus``: the stdlib files ``scripts/train_tiny_moe.py`` trained on / held out).
-2. Save next to the model (``<model>/predictors/``, or ``--predictors-dir``): ``popularity.json`` (routed
+   model without ``--corpus``: the stdlib files it was trained on / held out, ``fate_edge.corpus``).
+2. Save where the engine finds them: the ``predictors/`` of the expert store the engine uses for the model
+   (the model itself if it is a store, else its store converted once into the cache; ``--predictors-dir``
+   elsewhere; the model's own folder is never written, it may be read-only): ``popularity.json`` (routed
    tokens per layer and expert, to seed caches), ``token-popularity.safetensors`` (the layer-0 token table),
    and the learned predictors ``learned-{linear,lowrank}-p<p>.{json,safetensors}`` with their ONNX graphs.
 3. On held-out text, print and write (``<out>/calibration.json``) a per-layer table for every predictor:
@@ -14,23 +16,21 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import random
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
 
+from .corpus import CorpusSplit, read_corpus
 from .errors import FateEdgeError
 
 POPULARITY_FORMAT = "fate-edge/expert-popularity"
 PREDICTORS_DIR = "predictors"
-_TRAIN_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_tiny_moe.py"
 
 
 class CalibrationError(FateEdgeError):
@@ -50,34 +50,16 @@ class CalibrateOptions:
     lr: float = 3e-3
     expert_bytes: int | None = None  # bytes one expert moves; default 3·H·I·2 (bf16)
     out: Path | None = None  # calibration.json goes here; default: the predictors directory
-    predictors_dir: Path | None = None  # default <model>/predictors
+    predictors_dir: Path | None = None  # default: predictors/ of the store the engine uses for the model
     onnx: bool = True  # export the learned predictors to ONNX
     progress: bool = True
     seed: int = 0
 
 
 # ------------------------------------------------------------------------------------------------ corpus
-def train_script() -> ModuleType:
-    """scripts/train_tiny_moe.py, imported by path: its stdlib split is the one to reuse, not to copy."""
-    if "train_tiny_moe" in sys.modules:
-        return sys.modules["train_tiny_moe"]
-    if not _TRAIN_SCRIPT.exists():
-        raise CalibrationError(f"{_TRAIN_SCRIPT} not found (installed without the source checkout): pass --corpus FILE")
-    spec = importlib.util.spec_from_file_location("train_tiny_moe", _TRAIN_SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train_tiny_moe"] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
-
-
 def bundled_split(model_dir: Path) -> tuple[list[str], list[str]]:
     """(training files, held-out files) of the stdlib corpus the bundled model was trained on."""
-    tr = train_script()
-    log_path = model_dir / "training_log.json"
-    config = json.loads(log_path.read_text()).get("config", {}) if log_path.exists() else {}
-    known = {f.name for f in fields(tr.TrainConfig)}
-    return tr.read_corpus(tr.TrainConfig(**{k: v for k, v in config.items() if k in known}))
+    return read_corpus(CorpusSplit.of_model(model_dir))
 
 
 def read_texts(corpus: Path, max_chars: int) -> list[str]:
@@ -130,7 +112,8 @@ def corpus_windows(model_dir: Path, tokenizer: Any, eos: int | None, opts: Calib
         random.Random(opts.seed).shuffle(train_texts)  # the files are in path order: mix packages
         train = windows(encode_texts(tokenizer, train_texts, train_budget, eos), opts.seq_len)
         held = windows(encode_texts(tokenizer, held_texts, held_budget, eos), opts.seq_len)
-        desc = {"source": "Python stdlib .py files, split as scripts/train_tiny_moe.py (training / held-out files)",
+        desc = {"source": "Python stdlib .py files, split as the bundled model was trained (fate_edge.corpus: "
+                          "training / held-out files)",
                 "train_files": len(train_texts), "heldout_files": len(held_texts)}
     else:
         texts = read_texts(opts.corpus, max(1 << 20, 16 * opts.tokens))
@@ -157,6 +140,18 @@ def trace_windows(model: Any, wins: torch.Tensor, batch: int, desc: str, progres
     batches = [wins[s : s + batch] for s in range(0, len(wins), batch)]
     bar = tqdm(batches, desc=desc, unit="batch", disable=not progress, leave=False)
     return collect_traces(model, bar)
+
+
+def engine_predictors_dir(model_dir: Path, progress: bool = True) -> Path:
+    """Where the engine looks for ``model_dir``'s predictors: ``predictors/`` of the store it opens for that
+    model (``store_cache.ensure_store``, as ``Engine.load`` does; converted once if not yet done)."""
+    from .store_cache import ensure_store
+
+    try:
+        return ensure_store(model_dir, progress=progress) / PREDICTORS_DIR
+    except FateEdgeError as exc:
+        raise CalibrationError(f"{model_dir}: the engine cannot open this model as an expert store ({exc}), so it "
+                               "would never load predictors for it; pass --predictors-dir DIR to keep them") from exc
 
 
 # ------------------------------------------------------------------------------------------- popularity
@@ -237,6 +232,7 @@ def calibrate(model_dir: str | Path, opts: CalibrateOptions | None = None) -> di
         raise CalibrationError(f"--lookahead must be 1..4, not {opts.lookahead}")
     if opts.corpus is None and model_dir.resolve() != bundled_model_dir().resolve():
         raise CalibrationError("--corpus FILE is required (only the bundled model has a default corpus)")
+    pred_dir = opts.predictors_dir or engine_predictors_dir(model_dir, opts.progress)  # before hours of tracing
     model = load_model(model_dir, torch.float32)
     cfg = model.config
     tokenizer = Tokenizer(model_dir)
@@ -249,7 +245,6 @@ def calibrate(model_dir: str | Path, opts: CalibrateOptions | None = None) -> di
 
     train = trace_windows(model, train_wins, opts.batch, "tracing training text", opts.progress)
     held = trace_windows(model, held_wins, opts.batch, "tracing held-out text", opts.progress)
-    pred_dir = opts.predictors_dir or model_dir / PREDICTORS_DIR
     pred_dir.mkdir(parents=True, exist_ok=True)
     files = {"popularity": pred_dir / "popularity.json", "token_popularity": pred_dir / "token-popularity.safetensors"}
     files["popularity"].write_text(json.dumps(popularity_json(train, model_dir), indent=1))
@@ -326,8 +321,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     )
     report = calibrate(args.model or bundled_model_dir(), opts)
     print(table_markdown(report))
-    print(f"wrote {report['files']['calibration']}; predictors and popularity in "
-          f"{Path(report['files']['popularity']).parent} ({report['seconds']:.0f}s)")
+    where = Path(report["files"]["popularity"]).parent
+    print(f"wrote {report['files']['calibration']}; predictors and popularity in {where}"
+          + (" (the expert store the engine uses for this model)" if args.predictors_dir is None else "")
+          + f" ({report['seconds']:.0f}s)")
     return 0
 
 
@@ -349,7 +346,9 @@ def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--expert-bytes", type=int, default=None, help="bytes one expert moves (default: bf16 size)")
     p.add_argument("--out", type=Path, default=None, help="directory for calibration.json (default: predictors dir)")
     p.add_argument("--predictors-dir", type=Path, default=None,
-                   help="where predictors and popularity go (default: <model>/predictors)")
+                   help="where predictors and popularity go (default: predictors/ of the expert store the "
+                        "engine uses for MODEL, converted into the fate-edge cache once; the model folder is not "
+                        "written)")
     p.add_argument("--no-onnx", action="store_true", help="skip the ONNX export")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)

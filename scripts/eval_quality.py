@@ -17,10 +17,12 @@ kernel with bf16 activations for <= 4 bits, dequantize + fp32 matmul for int8) o
 (``--compute dequant``, isolating the quantization error from the kernel's bf16 rounding).
 
 Metrics: perplexity of next-token prediction on held-out text (the stdlib files
-``scripts/train_tiny_moe.py`` holds out), in ``--seq-len`` windows up to ``--tokens`` tokens; agreement =
-share of positions whose greedy (argmax) next token equals the bf16 run's, teacher-forced on that text.
+the bundled model's training run held out, ``fate_edge.corpus``; or, for any model, ``--text FILE``: the file's
+first part chooses the int2 tail, the rest is scored), in ``--seq-len`` windows up to ``--tokens`` tokens;
+agreement = share of positions whose greedy (argmax) next token equals the bf16 run's, teacher-forced on that text.
 
     python scripts/eval_quality.py --tokens 16384 --json bench-out/quality.json --readme README.md
+    python scripts/eval_quality.py --model MODEL --text heldout.txt --json bench-out/quality-model.json
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ from fate_edge.quant.methods import METHODS, quantize_with
 
 from fate_edge import Tokenizer, bundled_model_dir, load_model
 from fate_edge.arch import load_config
-from fate_edge.calibrate import train_script
+from fate_edge.calibrate import read_texts
 from fate_edge.checkpoint import CheckpointReader
+from fate_edge.corpus import CorpusSplit, read_corpus
 from fate_edge.experts import ExpertLayout, ExpertWeights, InMemoryExpertProvider, QuantizedExpert
 from fate_edge.loader import layer_names
 from fate_edge.report import publish
@@ -54,15 +57,7 @@ TAIL_LABEL = "int4 + int2 tail"
 # ------------------------------------------------------------------------------------------------ data
 def corpus_split(model_dir: Path) -> tuple[list[str], list[str]]:
     """(train, held-out) stdlib texts, split by the rule (and the settings) the model was trained with."""
-    train_mod = train_script()
-    cfg = train_mod.TrainConfig()
-    log = model_dir / "training_log.json"
-    if log.exists():  # the split settings the model was actually trained with
-        saved = json.loads(log.read_text()).get("config", {})
-        for key in ("heldout_fraction", "max_corpus_bytes"):
-            if key in saved:
-                setattr(cfg, key, saved[key])
-    return train_mod.read_corpus(cfg)
+    return read_corpus(CorpusSplit.of_model(model_dir))
 
 
 def encode_texts(tok: Tokenizer, texts: list[str], max_tokens: int) -> torch.Tensor:
@@ -268,7 +263,9 @@ def render(result: dict) -> str:
     by = {(r["experts"], r["method"]): r for r in rows}
     tail = result["tail"]
     lines = [
-        f"{Path(result['model']).name}: {result['eval_tokens']} held-out tokens in windows of {result['seq_len']}; "
+        f"{Path(result['model']).name}: {result['eval_tokens']} held-out tokens"
+        + (f" of `{Path(result['text']['source']).name}`" if result.get("text") else "")
+        + f" in windows of {result['seq_len']}; "
         f"experts compute via `{result['compute']}`; everything else fp32. Agreement = share of positions whose "
         "greedy next token matches the bf16 experts' (`scripts/eval_quality.py`).",
         "",
@@ -293,9 +290,28 @@ def render(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def text_split(tok: Tokenizer, path: Path, tokens: int, calib_tokens: int, seq_len: int
+               ) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(held-out ids, calibration ids, where they came from) of the text in ``path`` (a file, or a directory's
+    .txt/.py/.md files): the calibration part comes first (at most half of it), the held-out part after it."""
+    texts = read_texts(path, 64 * (tokens + calib_tokens))
+    ids = encode_texts(tok, texts, tokens + calib_tokens)
+    n_calib = min(calib_tokens, len(ids) // 2)
+    calib, held = ids[:n_calib], ids[n_calib : n_calib + tokens]
+    if min(len(calib), len(held)) < seq_len:
+        raise SystemExit(f"{path}: {len(ids)} tokens, fewer than two windows of --seq-len {seq_len} (one to choose "
+                         "the int2 tail, one to score); pass more text or a smaller --seq-len")
+    return held, calib, {"source": str(path), "tokens": len(ids),
+                         "split": f"first {n_calib} tokens choose the int2 tail, the next {len(held)} are scored"}
+
+
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=bundled_model_dir())
+    ap.add_argument("--text", type=Path, default=None,
+                    help="score the model on this text (file, or directory of .txt/.py/.md) instead of the bundled "
+                         "model's held-out stdlib files: its first part (--calib-tokens, at most half) chooses the "
+                         "int2 tail, the rest (up to --tokens) is scored")
     ap.add_argument("--tokens", type=int, default=16384, help="held-out token budget")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch", type=int, default=8, help="windows per forward pass")
@@ -306,21 +322,27 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steady timings on a shared host)")
     ap.add_argument("--json", type=Path, default=Path("bench-out/quality.json"))
     ap.add_argument("--readme", type=Path, default=None, help="rewrite the table between the eval_quality markers")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
     tok = Tokenizer(args.model)
-    train, heldout = corpus_split(args.model)
-    eval_ids = encode_texts(tok, heldout, args.tokens)
-    rng = random.Random(0)
-    calib_ids = encode_texts(tok, rng.sample(train, min(len(train), 200)), args.calib_tokens)
+    text = None
+    if args.text is not None:
+        eval_ids, calib_ids, text = text_split(tok, args.text, args.tokens, args.calib_tokens, args.seq_len)
+    else:
+        train, heldout = corpus_split(args.model)
+        eval_ids = encode_texts(tok, heldout, args.tokens)
+        rng = random.Random(0)
+        calib_ids = encode_texts(tok, rng.sample(train, min(len(train), 200)), args.calib_tokens)
     if len(eval_ids) < args.tokens:
-        print(f"note: the held-out split has only {len(eval_ids)} tokens (asked for {args.tokens})")
+        print(f"note: the held-out text has only {len(eval_ids)} tokens (asked for {args.tokens})")
     result = evaluate(args.model, eval_ids, calib_ids, args.seq_len, args.batch, tuple(args.methods),
                       cold_share=args.cold_share, compute=args.compute)
+    result["text"] = text
     result["threads"] = args.threads
     result["torch"] = torch.__version__
     publish(result, args.json, render(result), args.readme, "eval_quality")
+    return result
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Measure a model directory and write its model card.
 
-On held-out text (the stdlib ``.py`` files ``scripts/train_tiny_moe.py`` holds out, selected by its own
+On held-out text (the stdlib ``.py`` files the training run held out, selected by ``fate_edge.corpus``'s
 ``read_corpus``/``is_heldout``), reading a bounded number of tokens, this computes:
 
 * perplexity;
@@ -20,26 +20,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from fate_edge.predictors import CrossLayerGate
+from fate_edge.predictors.evaluate import TraceRecorder, evaluate_predictor, usage_stats
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a plain script from a checkout
-    sys.path.insert(0, str(ROOT))
+from fate_edge.bundled import bundled_model_dir
+from fate_edge.corpus import CorpusSplit, read_corpus
+from fate_edge.loader import load_model
 
-from fate_edge.predictors import CrossLayerGate  # noqa: E402
-from fate_edge.predictors.evaluate import TraceRecorder, evaluate_predictor, usage_stats  # noqa: E402
-
-from fate_edge.calibrate import train_script  # noqa: E402
-from fate_edge.loader import load_model  # noqa: E402
-
-DEFAULT_MODEL = ROOT / "fate_edge" / "assets" / "tiny-moe"
 LOOKAHEAD = 3  # distances reported in the lookahead summary
 
 
@@ -50,10 +43,7 @@ def read_training_log(model_dir: Path) -> dict[str, Any] | None:
 
 def heldout_texts(train_config: dict[str, Any] | None) -> list[str]:
     """The held-out files of the training run (same fraction and corpus cap as its config)."""
-    tr = train_script()
-    known = {f.name for f in fields(tr.TrainConfig)}
-    cfg = tr.TrainConfig(**{k: v for k, v in (train_config or {}).items() if k in known})
-    return tr.read_corpus(cfg)[1]
+    return read_corpus(CorpusSplit.from_config(train_config))[1]
 
 
 def encode(model_dir: Path, texts: list[str], eos_id: int) -> torch.Tensor:
@@ -162,7 +152,7 @@ def measure(model_dir: Path, tokens: int, seq_len: int, batch: int) -> dict[str,
         "architecture": arch,
         "heldout": {
             "rule": "stdlib .py files with sha1(file name)[:4] / 2**32 < heldout_fraction "
-                    "(scripts/train_tiny_moe.py is_heldout), within the training corpus cap",
+                    "(fate_edge.corpus.is_heldout), within the training corpus cap",
             "files": len(texts), "tokens_available": len(ids), "tokens_scored": count, "seq_len": seq_len,
             "loss": loss, "ppl": math.exp(loss),
         },
@@ -334,7 +324,7 @@ def calibration_markdown(path: Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model", nargs="?", type=Path, default=DEFAULT_MODEL)
+    ap.add_argument("model", nargs="?", type=Path, default=bundled_model_dir())
     ap.add_argument("--tokens", type=int, default=16384, help="held-out tokens to score (bounded for speed)")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch", type=int, default=4, help="windows per forward pass")

@@ -6,8 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 M=fate_edge/assets/tiny-moe
-fate-edge calibrate "$M" --lookahead 2 --tokens 65536 --threads 2 --quiet | tee bench-out/calibrate.txt
+fate-edge calibrate "$M" --predictors-dir "$M/predictors" --lookahead 2 --tokens 65536 --threads 2 --quiet \
+    | tee bench-out/calibrate.txt
 python scripts/model_card.py "$M" --tokens 16384
 python scripts/eval_quality.py --tokens 16384 --json bench-out/quality.json --readme README.md
 python scripts/bench_forward.py --runs 5 --json bench-out/forward.json --readme README.md
-python scripts/bench.py --quick --readme README.md
+python scripts/bench.py --quick --readme README.md --plots-dir docs

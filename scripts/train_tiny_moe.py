@@ -16,7 +16,6 @@ transformers is used for training only (it is a test/training dependency, never 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import random
@@ -26,6 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from fate_edge import corpus
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML, the template Qwen models use; rendered by fate_edge's sandboxed jinja2 environment.
@@ -54,34 +55,14 @@ class TrainConfig:
     lr: float = 2e-3
     warmup_steps: int = 100
     router_aux_loss_coef: float = 0.01  # Switch-Transformer load-balancing loss weight
-    heldout_fraction: float = 0.02  # files whose name hashes below this go to the held-out split
-    max_corpus_bytes: int = 32_000_000
+    heldout_fraction: float = 0.02  # files whose name hashes below this go to the held-out split (fate_edge.corpus)
+    max_corpus_bytes: int = 32_000_000  # characters of stdlib source read, files in path order
     seed: int = 0
 
 
-def stdlib_files() -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = [p for p in root.rglob("*.py") if "site-packages" not in p.parts]
-    return sorted(files)
-
-
-def is_heldout(path: Path, fraction: float) -> bool:
-    digest = hashlib.sha1(path.name.encode()).digest()
-    return int.from_bytes(digest[:4], "big") / 2**32 < fraction
-
-
 def read_corpus(cfg: TrainConfig) -> tuple[list[str], list[str]]:
-    train, heldout, total = [], [], 0
-    for path in stdlib_files():
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        total += len(text)
-        if total > cfg.max_corpus_bytes:
-            break
-        (heldout if is_heldout(path, cfg.heldout_fraction) else train).append(text)
-    return train, heldout
+    """(training, held-out) stdlib texts: the split of ``fate_edge.corpus`` under this config's settings."""
+    return corpus.read_corpus(corpus.CorpusSplit(cfg.heldout_fraction, cfg.max_corpus_bytes))
 
 
 def train_tokenizer(texts: list[str], vocab_size: int):

@@ -10,10 +10,17 @@ benchmark reports that per configuration (``tokens_match_int4_reference``) inste
 
 import argparse
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from fate_edge import bench
+from fate_edge.bench.cli import add_arguments, config_from_args, invoked_command
+from fate_edge.bench.config import ALL_PRESETS, LINKS, BenchConfig
+from fate_edge.bench.outputs import README_BEGIN, README_END, check_readme, output_paths, update_readme, write_outputs
+from fate_edge.bench.run import run_bench
 
 PRESETS = ["load-on-demand-int4", "fate-edge", "oracle"]
 
@@ -24,13 +31,13 @@ def tiny_run(tmp_path_factory, bundled_dir):
 
     tmp = tmp_path_factory.mktemp("bench")
     store = ensure_store(bundled_dir, progress=False)  # int4 + int2 + bf16, converted once, shared with other tests
-    cfg = bench.BenchConfig(
+    cfg = BenchConfig(
         model=str(store), presets=PRESETS, budgets=[0.35], links=["orin-nano-nvme"], prompt_tokens=[16],
         decode_tokens=8, runs=2, threads=2, peers=False, planner=True, out_dir=str(tmp / "out"),
         work_dir=str(tmp / "work"), plot_path=str(tmp / "out" / "bench.png"), isolate=False,
     )
-    result = bench.run_bench(cfg)
-    paths = bench.write_outputs(result, cfg)
+    result = run_bench(cfg)
+    paths = write_outputs(result, cfg)
     return cfg, result, paths
 
 
@@ -92,26 +99,26 @@ def test_every_preset_generates_the_same_tokens(tiny_run):
 
 def test_quick_drops_what_it_says_and_keeps_explicit_choices():
     ap = argparse.ArgumentParser()
-    bench.add_arguments(ap)
-    cfg = bench.config_from_args(ap.parse_args(["--quick", "--runs", "2"]))  # an explicit --runs wins
+    add_arguments(ap)
+    cfg = config_from_args(ap.parse_args(["--quick", "--runs", "2"]))  # an explicit --runs wins
     assert cfg.quick and cfg.links == ["orin-nano-nvme"] and cfg.prompt_tokens == [128]
     assert cfg.decode_tokens == 64 and cfg.runs == 2 and cfg.time_limit_s == 480
-    assert cfg.budgets == [0.20, 0.35, 0.50, 0.75] and cfg.presets == bench.ALL_PRESETS
+    assert cfg.budgets == [0.20, 0.35, 0.50, 0.75] and cfg.presets == ALL_PRESETS
     assert "--quick" in ap.format_help()  # help strings survive argparse's % formatting
-    full = bench.config_from_args(ap.parse_args([]))
-    assert full.links == list(bench.LINKS) and full.prompt_tokens == [128, 512] and full.decode_tokens == 128
+    full = config_from_args(ap.parse_args([]))
+    assert full.links == list(LINKS) and full.prompt_tokens == [128, 512] and full.decode_tokens == 128
 
 
 def test_readme_markers_are_filled_and_the_rest_kept(tmp_path):
     readme = tmp_path / "README.md"
-    readme.write_text(f"# x\n\nbefore\n{bench.README_BEGIN}\nold\n{bench.README_END}\nafter\n")
-    bench.update_readme(readme, "| new | table |")
+    readme.write_text(f"# x\n\nbefore\n{README_BEGIN}\nold\n{README_END}\nafter\n")
+    update_readme(readme, "| new | table |")
     text = readme.read_text()
     assert "old" not in text and "| new | table |" in text
-    assert text.startswith("# x\n\nbefore\n") and text.endswith(f"{bench.README_END}\nafter\n")
+    assert text.startswith("# x\n\nbefore\n") and text.endswith(f"{README_END}\nafter\n")
     (tmp_path / "plain.md").write_text("no markers")
     with pytest.raises(SystemExit):
-        bench.check_readme(tmp_path / "plain.md")
+        check_readme(tmp_path / "plain.md")
 
 
 def test_planned_configuration_is_planned_in_its_worker_and_reported(tiny_run):
@@ -128,3 +135,47 @@ def test_planned_configuration_is_planned_in_its_worker_and_reported(tiny_run):
     md = paths["markdown"].read_text()
     assert "**Planner**" in md and f"{r['planner_predicted_decode_tps']:.2f}" in md
 
+
+
+def test_fate_edge_bench_records_its_own_command_and_runs_its_workers_from_the_install(tmp_path, bundled_dir):
+    from fate_edge.store_cache import ensure_store
+
+    store = ensure_store(bundled_dir, progress=False)
+    argv = ["bench", "--model", str(store), "--presets", "load-on-demand-int4", "--budgets", "0.35", "--links",
+            "orin-nano-nvme", "--prompt-tokens", "16", "--decode-tokens", "4", "--runs", "1", "--threads", "1",
+            "--no-peers", "--no-planner", "--out-dir", str(tmp_path / "out")]
+    # The console script, run outside the checkout without PYTHONPATH: the bench and the worker processes it
+    # starts (python -m fate_edge.bench --trace / --worker) import the installed package.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([str(Path(sys.executable).with_name("fate-edge")), *argv], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads((tmp_path / "out" / "bench.json").read_text())
+    want = "fate-edge " + " ".join(argv)
+    assert result["command"] == want and result["config"]["command"] == want
+    md = (tmp_path / "out" / "bench.md").read_text()
+    assert f"`{want}`" in md and "scripts/bench.py" not in md
+    (run,) = result["results"]
+    assert "error" not in run, run.get("error")
+    assert run["median"]["decode_tps"] > 0 and run["tokens"] == result["int4_reference_tokens"]  # both children ran
+
+
+def test_the_command_is_recorded_as_invoked():
+    assert invoked_command(["/venv/bin/fate-edge", "bench", "--quick"]) == "fate-edge bench --quick"
+    assert invoked_command(["scripts/bench.py", "--quick", "--readme", "README.md"]) == \
+        "python scripts/bench.py --quick --readme README.md"
+    assert invoked_command(["/x/fate_edge/bench/__main__.py", "--runs", "1"], "fate_edge.bench") == \
+        "python -m fate_edge.bench --runs 1"
+    assert invoked_command(["fate-edge", "bench", "--work-dir", "my dir"]) == "fate-edge bench --work-dir 'my dir'"
+
+
+def test_plots_go_next_to_the_json_unless_a_plots_dir_is_given(tmp_path):
+    cfg = BenchConfig(out_dir=str(tmp_path / "out"), json_path=str(tmp_path / "j" / "b.json"), readme="README.md")
+    assert output_paths(cfg) == (tmp_path / "j" / "b.json", tmp_path / "out" / "bench.md", tmp_path / "j" / "bench.png")
+    cfg.quick, cfg.plots_dir = True, str(tmp_path / "docs")
+    assert output_paths(cfg)[2] == tmp_path / "docs" / "bench_quick.png"
+    cfg.plot_path = str(tmp_path / "p.png")  # an explicit plot file wins
+    assert output_paths(cfg)[2] == tmp_path / "p.png"
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    assert config_from_args(ap.parse_args(["--plots-dir", "docs"])).plots_dir == "docs"

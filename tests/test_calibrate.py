@@ -2,12 +2,15 @@
 
 import argparse
 import json
+import os
+import shutil
 
 import pytest
 import torch
 from _tiny_moe import CORPUS, build_tiny_moe
 from fate_edge.predictors import ActivationPathPredictor, LearnedPredictor, OnnxPredictor, TokenPopularity
 
+from fate_edge import Engine
 from fate_edge.calibrate import CalibrateOptions, CalibrationError, add_calibrate_parser, calibrate, load_popularity
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -30,8 +33,10 @@ def parse(argv):
 
 def test_calibrate_command_end_to_end(tiny, tmp_path, capsys):
     model_dir, corpus = tiny
+    pred_dir = tmp_path / "predictors"  # the tiny model's 16-wide experts cannot be grouped into a store
     args = parse(["calibrate", str(model_dir), "--corpus", str(corpus), "--tokens", "2048", "--seq-len", "64",
-                  "--lookahead", "2", "--rank", "8", "--epochs", "5", "--out", str(tmp_path), "--quiet"])
+                  "--lookahead", "2", "--rank", "8", "--epochs", "5", "--out", str(tmp_path), "--predictors-dir",
+                  str(pred_dir), "--quiet"])
     assert args.func(args) == 0
     printed = capsys.readouterr().out
     assert "| learned-lowrank | 0 → 1 |" in printed and "| token-popularity | tok → 0 |" in printed
@@ -53,7 +58,7 @@ def test_calibrate_command_end_to_end(tiny, tmp_path, capsys):
     (tok_row,) = report["predictors"]["token-popularity"]["rows"]
     assert (tok_row["source"], tok_row["target"]) == (-1, 0)
 
-    pred_dir = model_dir / "predictors"  # default: next to the model
+    assert not (model_dir / "predictors").exists()  # the model folder is not written
     popularity = load_popularity(pred_dir / "popularity.json")
     assert sorted(popularity) == [0, 1, 3]
     assert all(sum(c) == report["corpus"]["train_tokens"] * k for c in popularity.values())
@@ -70,6 +75,33 @@ def test_calibrate_command_end_to_end(tiny, tmp_path, capsys):
         torch.testing.assert_close(onnx.scores, torch_.scores, atol=1e-5, rtol=0)
 
 
+def _set_mode(root, files: int, dirs: int) -> None:
+    for path in [*root.rglob("*"), root]:
+        os.chmod(path, dirs if path.is_dir() else files)
+
+
+def test_calibrating_a_read_only_model_gives_the_engine_its_learned_predictor(tiny, tmp_path, capsys, bundled_dir):
+    _, corpus = tiny
+    ro = tmp_path / "read-only-model"  # the bundled model (a store can be made of it) without its predictors
+    shutil.copytree(bundled_dir, ro, ignore=shutil.ignore_patterns("predictors"))
+    before = {p.relative_to(ro): p.stat().st_mtime_ns for p in ro.rglob("*")}
+    _set_mode(ro, 0o444, 0o555)
+    try:
+        args = parse(["calibrate", str(ro), "--corpus", str(corpus), "--tokens", "2048", "--seq-len", "64",
+                      "--lookahead", "1", "--rank", "8", "--epochs", "3", "--no-onnx", "--quiet"])
+        assert args.func(args) == 0
+        printed = capsys.readouterr().out
+        # Checked by content, not only by permission: root may write to a read-only folder.
+        assert {p.relative_to(ro): p.stat().st_mtime_ns for p in ro.rglob("*")} == before
+        with Engine.load(ro, "64MB", policy="fate-edge") as engine:  # best-available: learned when calibrated
+            assert isinstance(engine.scheduler.predictor, LearnedPredictor)
+            assert engine.popularity is not None
+            store_predictors = engine.store.path / "predictors"
+        assert f"predictors and popularity in {store_predictors} (the expert store the engine uses" in printed
+    finally:
+        _set_mode(ro, 0o644, 0o755)
+
+
 def test_calibrate_needs_a_corpus_for_other_models(tiny, tmp_path):
     model_dir, corpus = tiny
     with pytest.raises(CalibrationError, match="--corpus"):
@@ -78,5 +110,7 @@ def test_calibrate_needs_a_corpus_for_other_models(tiny, tmp_path):
         calibrate(model_dir, CalibrateOptions(corpus=corpus, seq_len=4096, predictors_dir=tmp_path, progress=False))
     with pytest.raises(CalibrationError, match="heldout-fraction"):
         calibrate(model_dir, CalibrateOptions(corpus=corpus, heldout_fraction=1.0, predictors_dir=tmp_path))
+    with pytest.raises(CalibrationError, match="cannot open this model as an expert store.*--predictors-dir"):
+        calibrate(model_dir, CalibrateOptions(corpus=corpus, progress=False))  # default: the engine's store
     with pytest.raises(CalibrationError, match="no such corpus"):
         calibrate(model_dir, CalibrateOptions(corpus=tmp_path / "missing.txt", predictors_dir=tmp_path))

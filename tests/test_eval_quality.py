@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import sys
 from pathlib import Path
@@ -82,3 +83,44 @@ def test_spec_for_falls_back_to_a_dividing_group(eq):
     assert str(eq.spec_for(4, (64, 32))) == "int4-g32-asym"
     with pytest.raises(ValueError, match="multiples of 32"):
         eq.spec_for(4, (48, 16))
+
+
+@pytest.fixture(scope="module")
+def tiny_with_tokenizer(tmp_path_factory) -> Path:
+    """A random qwen2_moe with a tokenizer (quantizable expert dims, as tiny_dir), so main() can run on text."""
+    from _tiny_moe import VOCAB, build_tokenizer
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    cfg = Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                         max_position_embeddings=128, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("tiny-eval-tok")
+    Qwen2MoeForCausalLM(cfg).save_pretrained(out)
+    build_tokenizer(out)
+    return out
+
+
+def test_text_scores_any_model_on_its_own_heldout_text(eq, tiny_with_tokenizer, tmp_path):
+    from _tiny_moe import CORPUS
+
+    from fate_edge import Tokenizer
+
+    text = tmp_path / "heldout.txt"
+    text.write_text("".join(CORPUS[:12]))
+    out = tmp_path / "quality.json"
+    res = eq.main(["--model", str(tiny_with_tokenizer), "--text", str(text), "--tokens", "4096", "--calib-tokens",
+                   "64", "--seq-len", "32", "--batch", "4", "--methods", "rtn", "--json", str(out)])
+    ids = eq.encode_texts(Tokenizer(tiny_with_tokenizer), [text.read_text()], 10**6)
+    assert 4 * 32 < len(ids) - 64 < 4096  # the file, not the 4096-token budget, bounds what is scored
+    assert res["calib_tokens"] == 64 and res["eval_tokens"] == (len(ids) - 64) // 32 * 32
+    assert res["text"]["source"] == str(text) and res["text"]["tokens"] == len(ids)
+    assert res["rows"][0]["experts"] == "bf16" and res["rows"][0]["agreement"] == 1.0
+    assert [r["experts"] for r in res["rows"][1:]] == ["int8", "int4", "int3", "int2", eq.TAIL_LABEL]
+    assert json.loads(out.read_text())["text"] == res["text"]
+    assert "held-out tokens of `heldout.txt`" in eq.render(res)
+    short = tmp_path / "short.txt"
+    short.write_text("def f(): pass\n")
+    with pytest.raises(SystemExit, match="--seq-len"):
+        eq.main(["--model", str(tiny_with_tokenizer), "--text", str(short), "--seq-len", "32", "--json", str(out)])

@@ -1,14 +1,16 @@
-import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import torch
 
+from fate_edge import inflate as inflated
 from fate_edge import load_model
+from fate_edge.errors import FateEdgeError
 
-_spec = importlib.util.spec_from_file_location("make_inflated_model", Path(__file__).parents[1] / "scripts" /
-                                               "make_inflated_model.py")
-inflated = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(inflated)
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_inflated_model.py"
 
 
 def test_inflated_model_has_the_same_outputs(tmp_path, bundled_dir, bundled_model):
@@ -38,3 +40,19 @@ def test_int4_store_of_inflated_model_matches_int4_store_of_original(tmp_path, b
 
 def test_default_size_is_realistic():
     assert 1.5e6 < 3 * 192 * inflated.inflated_size(192, 2.0) * 4.5 / 8 < 2.5e6
+
+
+def test_script_is_a_thin_wrapper_writing_the_librarys_model(tmp_path, bundled_dir):
+    # Run from outside the checkout with no PYTHONPATH: the script imports the installed library.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "script"), "--intermediate", "256"],
+                   cwd=tmp_path, env=env, check=True, capture_output=True)
+    lib = inflated.inflate(bundled_dir, tmp_path / "lib", intermediate=256)
+    assert sorted(p.name for p in (tmp_path / "script").iterdir()) == sorted(p.name for p in lib.iterdir())
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "script" / name).read_bytes() == (lib / name).read_bytes(), name
+
+
+def test_inflating_to_a_smaller_size_names_the_fix(tmp_path, bundled_dir):
+    with pytest.raises(FateEdgeError, match="must exceed"):
+        inflated.inflate(bundled_dir, tmp_path / "x", intermediate=64)

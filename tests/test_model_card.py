@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from _tiny_moe import VOCAB, build_tiny_moe, write_training_log
 
+from fate_edge.corpus import CorpusSplit, read_corpus
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -80,7 +82,12 @@ def test_readme_renders_training_and_tables(card_run):
 
 
 def test_heldout_split_is_the_training_scripts(card_run):
-    tr = model_card.train_script()
+    spec = importlib.util.spec_from_file_location("train_tiny_moe", ROOT / "scripts" / "train_tiny_moe.py")
+    tr = importlib.util.module_from_spec(spec)
+    sys.modules["train_tiny_moe"] = tr  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(tr)
     cfg = {"heldout_fraction": 0.02, "max_corpus_bytes": 2_000_000, "unknown_key": 1}
     texts = model_card.heldout_texts(cfg)
     assert texts and texts == tr.read_corpus(tr.TrainConfig(heldout_fraction=0.02, max_corpus_bytes=2_000_000))[1]
+    train, held = read_corpus(CorpusSplit(0.02, 2_000_000))
+    assert held == texts and train and not set(train) & set(held)

@@ -1,0 +1,30 @@
+"""The side-by-side benchmark (DESIGN §8): every baseline preset and ours, in one run, as ratios.
+
+For each emulated link (device profiles' storage or host link, plus the raw disk), each preset and each
+memory budget (a share of the int4 expert bytes), one fresh subprocess runs the same requests ``--runs``
+times on a cold engine and reports medians: prefill tokens/s per prompt length, decode tokens/s, stall
+time and bytes read per decode token, hit rate (cache + timely prefetch), prediction exact match, a
+per-layer hit breakdown, and the process's peak RSS (VmHWM, so it is per configuration). Ratios to
+load-on-demand (bf16 and int4), to ``fate`` and to the ``oracle`` come from the same run. Peers
+(transformers + accelerate disk offload, llama.cpp through llama-cpp-python) run beside them when
+installed. Outputs: JSON, a markdown table (optionally spliced into README.md) and PNG plots, next to the
+JSON unless ``--plots-dir`` says where.
+
+    fate-edge bench --quick --readme README.md --plots-dir docs   # or: python scripts/bench.py ...
+
+Model: by default the bundled model inflated to realistic expert sizes (``fate_edge.inflate``, ~2 MB per
+int4 expert) and converted once into a store with int4, int2 (cold) and bf16 copies, kept under the
+fate-edge cache directory; ``--model`` takes another model directory or store.
+
+Modules: ``config`` (presets, links, quick mode), ``prepare`` (model, store, prompts, page cache), ``worker``
+(the per-configuration processes), ``peers``, ``run`` (the run in phases), ``results`` (medians and ratios),
+``report``, ``plots`` and ``outputs`` (markdown, plots, README), ``cli``.
+"""
+
+from .cli import add_arguments, config_from_args, main, run_from_args
+from .config import ALL_BUDGETS, ALL_PRESETS, LINKS, BenchConfig
+from .outputs import write_outputs
+from .run import run_bench
+
+__all__ = ["ALL_BUDGETS", "ALL_PRESETS", "LINKS", "BenchConfig", "add_arguments", "config_from_args", "main",
+           "run_bench", "run_from_args", "write_outputs"]

@@ -1,0 +1,111 @@
+"""The command line: ``fate-edge bench ...``, ``python scripts/bench.py ...`` and ``python -m fate_edge.bench``
+(which also runs the workers the benchmark starts: ``--worker``, ``--trace``, ``--peer``)."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from .config import ALL_PRESETS, LINKS, QUICK_NOTE, BenchConfig, apply_quick
+from .outputs import check_readme, write_outputs
+from .peers import peer_main
+from .report import markdown
+from .run import run_bench
+from .worker import trace_main, worker_main
+
+
+def invoked_command(argv: list[str], run_module: str | None = None) -> str:
+    """``argv`` as the user typed it: ``python -m MODULE`` when run with -m, ``python SCRIPT.py`` for a script,
+    else the program's own name (a console script on PATH such as ``fate-edge``), then the arguments."""
+    if run_module:
+        prog = f"python -m {run_module}"
+    elif argv[0].endswith(".py"):
+        prog = f"python {argv[0]}"
+    else:
+        prog = Path(argv[0]).name
+    return " ".join([prog, *map(shlex.quote, argv[1:])])
+
+
+def this_command() -> str:
+    """The command line of this process (sys.argv, with the program as invoked)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return invoked_command(sys.argv, spec.name.removesuffix(".__main__") if spec is not None else None)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    d = BenchConfig()
+    ap.add_argument("--model", default=None, help="model directory or expert store (default: the bundled model "
+                    "inflated to ~2 MB int4 experts)")
+    ap.add_argument("--int4-expert-mb", type=float, default=d.int4_expert_mb,
+                    help="size of one int4 expert in the inflated bundled model (without --model)")
+    ap.add_argument("--quick", action="store_true", help=QUICK_NOTE.replace("%", "%%"))
+    ap.add_argument("--presets", nargs="+", default=None, metavar="PRESET", help=f"default: {' '.join(ALL_PRESETS)}")
+    ap.add_argument("--budgets", nargs="+", type=float, default=None, metavar="FRACTION",
+                    help="shares of the int4 expert bytes (default 0.2 0.35 0.5 0.75)")
+    ap.add_argument("--links", nargs="+", default=None, choices=list(LINKS), metavar="LINK",
+                    help=f"default: {' '.join(LINKS)}")
+    ap.add_argument("--prompt-tokens", nargs="+", type=int, default=None, help="default 128 512")
+    ap.add_argument("--decode-tokens", type=int, default=None, help=f"default {d.decode_tokens}")
+    ap.add_argument("--runs", type=int, default=None, help=f"default {d.runs}; medians are reported")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: all CPUs)")
+    ap.add_argument("--fetch-workers", type=int, default=d.fetch_workers)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (experts cached on the GPU)")
+    ap.add_argument("--no-peers", action="store_true", help="do not run transformers / llama.cpp")
+    ap.add_argument("--gguf", default=None, help="GGUF of the same checkpoint for the llama.cpp peer")
+    ap.add_argument("--no-planner", action="store_true", help="skip the planner hook (planned configurations)")
+    ap.add_argument("--no-drop-caches", action="store_true", help="raw disk: keep the page cache")
+    ap.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds per configuration")
+    ap.add_argument("--time-limit", type=float, default=None,
+                    help="seconds for the whole run: later configurations are dropped and listed (quick: 480)")
+    ap.add_argument("--out-dir", default=d.out_dir)
+    ap.add_argument("--json", default=None, help="default OUT_DIR/bench[_quick].json")
+    ap.add_argument("--markdown", default=None, help="default OUT_DIR/bench[_quick].md")
+    ap.add_argument("--plot", default=None, help="tokens/s plot file (default: PLOTS_DIR/bench[_quick].png)")
+    ap.add_argument("--plots-dir", default=None, help="directory for the plots (default: the JSON's directory)")
+    ap.add_argument("--readme", default=None, help="rewrite the table between the bench markers of this file")
+    ap.add_argument("--work-dir", default=None, help="where the inflated model and its store are kept")
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    cfg = BenchConfig(model=args.model, int4_expert_mb=args.int4_expert_mb, threads=args.threads,
+                      fetch_workers=args.fetch_workers,
+                      peers=not args.no_peers, gguf=args.gguf, planner=not args.no_planner,
+                      drop_caches=not args.no_drop_caches,
+                      timeout_s=args.timeout, out_dir=args.out_dir, json_path=args.json, md_path=args.markdown,
+                      plot_path=args.plot, plots_dir=args.plots_dir, readme=args.readme, work_dir=args.work_dir,
+                      device=args.device)
+    explicit = set()
+    for name, attr in [("presets", "presets"), ("budgets", "budgets"), ("links", "links"),
+                       ("prompt_tokens", "prompt_tokens"), ("decode_tokens", "decode_tokens"), ("runs", "runs"),
+                       ("time_limit_s", "time_limit")]:
+        v = getattr(args, attr)
+        if v is not None:
+            setattr(cfg, name, v)
+            explicit.add(name)
+    if args.quick:
+        apply_quick(cfg, explicit)
+    return cfg
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    cfg.command = this_command()
+    if cfg.readme:  # fail now, not after the run
+        check_readme(Path(cfg.readme))
+    result = run_bench(cfg)
+    paths = write_outputs(result, cfg)
+    print(markdown(result))
+    print(f"bench: done in {result['wall_s']:.0f}s; wrote " + ", ".join(str(p) for p in paths.values()), flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("--worker", "--trace", "--peer"):
+        return {"--worker": worker_main, "--trace": trace_main, "--peer": peer_main}[argv[0]](argv[1])
+    ap = argparse.ArgumentParser(prog="bench", description=sys.modules[__package__].__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(ap)
+    return run_from_args(ap.parse_args(argv))

@@ -1,0 +1,158 @@
+"""The markdown report: a decode table per link, the headline table at the 35% budget with same-run ratios,
+the planner's predictions against measurements, the peers, and what was skipped or failed."""
+
+from __future__ import annotations
+
+from .config import ALL_PRESETS, LABELS, headline_budget
+from .results import find_result
+
+
+def _fmt(v, spec=".2f", none="—"):
+    return none if v is None else format(v, spec)
+
+
+def _x(v):
+    return "—" if v is None else f"{v:.2f}x"
+
+
+def markdown(result: dict) -> str:
+    cfg, info, results = result["config"], result["model"], result["results"]
+    budgets = sorted(cfg["budgets"])
+    presets = [p for p in ALL_PRESETS if any(r["preset"] == p for r in results)] + sorted(
+        {r["preset"] for r in results} - set(ALL_PRESETS))
+    eb = info["expert_bytes"]
+    lines = [
+        f"Model: {info['description']}: {info['moe_layers']} MoE layers x {info['num_experts']} experts, top-"
+        f"{info['experts_per_token']}; one expert is {int(eb['4']) / 1e6:.2f} MB int4"
+        + (f" / {int(eb['2']) / 1e6:.2f} MB int2" if "2" in eb else "")
+        + (f" / {int(eb['16']) / 1e6:.2f} MB bf16" if "16" in eb else "")
+        + f"; all int4 experts {info['int4_expert_bytes_total'] / 1e6:.0f} MB. Budgets are shares of that "
+        f"(cache + read buffers + the expert being computed). "
+        f"Prompts: {', '.join(map(str, result['prompts']['lengths']))} "
+        f"tokens of held-out Python source, then {result['prompts']['decode_tokens']} greedy tokens. "
+        f"{result['threads']['torch']} torch threads + {result['threads']['fetch_workers']} fetch threads on "
+        f"{result['machine']['cpu']} ({result['machine']['cpu_count']} CPUs), torch {result['machine']['torch']}; "
+        f"{'median of ' + str(cfg['runs']) + ' runs' if cfg['runs'] > 1 else '1 run'}, "
+        f"{'taken in rounds, each run in a fresh process' if cfg.get('isolate', True) else 'in one process'}, "
+        f"every request on a cold engine after one warm-up request. {result['date']}, commit {result['commit']}"
+        + (f", `{result['command']}`" if result.get("command") else "") + ".",
+    ]
+    if result.get("quick_note"):
+        lines += ["", f"Quick mode: {result['quick_note']}."]
+    if result.get("dropped_by_time_limit"):
+        lines += ["", "Dropped by the time limit: " + ", ".join(result["dropped_by_time_limit"]) + "."]
+    if result.get("planner"):
+        lines += ["", f"Planner: {result['planner']}."]
+    for link in cfg["links"]:
+        if link not in result["links"]:
+            continue
+        L = result["links"][link]
+        chk = L["check"]
+        spec_txt = (f"{chk.get('spec_gbps', 0):.3g} GB/s, {chk.get('spec_latency_us', 0):.0f} us/request"
+                    if chk.get("spec_gbps") else "unthrottled")
+        pc = [r["page_cache"] for r in results if r.get("link") == link and r.get("page_cache")]
+        if pc:
+            spec_txt += "; page cache " + ("dropped before every request" if all(x["dropped"] for x in pc)
+                                           else f"NOT dropped ({pc[0]['note']})")
+        lines += ["", f"**Decode tokens/s, {L['title']}** ({spec_txt}; measured through the fetch engine: "
+                  f"{_fmt(chk.get('achieved_gbps'), '.3g')} GB/s, {chk.get('io', '?')}); in brackets: x load-on-demand "
+                  "(bf16) from the same run.", "",
+                  "| policy | " + " | ".join(f"{100 * b:.0f}%" for b in budgets) + " |",
+                  "|---|" + "---:|" * len(budgets)]
+        for p in presets:
+            cells = []
+            for j, b in enumerate(budgets):
+                r = find_result(results, link, p, b)
+                if r is None:
+                    cells.append("—")
+                    continue
+                if r["budget_fraction"] is None and j > 0:
+                    cells.append("〃")
+                    continue
+                x = r.get("ratios", {}).get("load-on-demand", {}).get("decode")
+                cells.append(f"{_fmt(r['median']['decode_tps'])} ({_x(x)})")
+            lines.append(f"| {LABELS.get(p, p)} | " + " | ".join(cells) + " |")
+
+    head_link = cfg["links"][0]
+    hb = headline_budget(budgets)
+    lens = [str(n) for n in result["prompts"]["lengths"]]
+    planner = any("planner_predicted_decode_tps" in r for r in results)
+    lines += ["", f"**At {100 * hb:.0f}% ({hb * info['int4_expert_bytes_total'] / 1e6:.0f} MB) on "
+              f"{result['links'][head_link]['title']}**: ratios are this policy's decode "
+              "tok/s over the reference's (same run, same link, same budget); \"oracle/this\" is how far the bound "
+              "is ahead. Hit rate = expert uses served from the cache or a prefetch issued before the layer; "
+              "exact = predicted top-k equal to the true top-k (decode).", ""]
+    hdr = (["policy", "decode tok/s"] + [f"prefill {n} tok/s" for n in lens]
+           + ["hit rate", "exact", "stall ms/tok", "MB read/tok", "peak RSS MiB", "x LOD bf16", "x LOD int4", "x fate",
+              "oracle/this"] + (["planner predicted"] if planner else []))
+    lines += ["| " + " | ".join(hdr) + " |", "|---|" + "---:|" * (len(hdr) - 1)]
+    for p in presets:
+        r = find_result(results, head_link, p, hb)
+        if r is None:
+            continue
+        m, ra = r["median"], r.get("ratios", {})
+        oracle = ra.get("oracle", {}).get("decode")
+        row = ([LABELS.get(p, p), _fmt(m["decode_tps"])] + [_fmt(m["prefill_tps"].get(n), ".1f") for n in lens]
+               + [_fmt(None if m["hit_rate"] is None else 100 * m["hit_rate"], ".0f") + "%",
+                  _fmt(None if m["exact_match"] is None else 100 * m["exact_match"], ".0f", "—")
+                  + ("%" if m["exact_match"] is not None else ""),
+                  _fmt(m["stall_ms_per_token"], ".1f"), _fmt(m["mb_read_per_token"], ".2f"),
+                  f"{r['peak_rss_bytes'] / 2**20:.0f}",
+                  _x(ra.get("load-on-demand", {}).get("decode")),
+                  _x(ra.get("load-on-demand-int4", {}).get("decode")),
+                  _x(ra.get("fate", {}).get("decode")),
+                  _x(1 / oracle if oracle else None)])
+        if planner:
+            row.append(_fmt(r.get("planner_predicted_decode_tps")))
+        lines.append("| " + " | ".join(row) + " |")
+    planned = [r for r in results if r["preset"] == "planned" and r.get("median")]
+    if planned:
+        lines += ["", "**Planner**: its predicted decode tok/s for the configuration it picked (simulated over its "
+                  "own probe's decode trace with the host costs it measured) against that configuration's "
+                  "measured decode tok/s in this run.", "",
+                  "| link | budget | picked | predicted (per round) | measured (per round) | error | host costs "
+                  "(first round's probe) |",
+                  "|---|---:|---|---:|---:|---:|---|"]
+        for r in sorted(planned, key=lambda r: (r["link"], r["budget_fraction"])):
+            q = r.get("policy", {})
+            width = f"mass {q.get('prefetch_mass')}" if q.get("prefetch_width") == "mass" else q.get("prefetch_width")
+            pick = (f"{q.get('allocation')}/{q.get('eviction')}, " + (f"{q['predictor']} p={q.get('lookahead')} "
+                    f"w={width}" if q.get("predictor") else "no prefetch"))
+            err = r.get("planner_error")
+            rounds = r.get("planner_predictions") or []
+            measured = [q["requests"][str(min(result["prompts"]["lengths"]))].get("decode_tps") for q in r["runs"]]
+            pred_s = _fmt(r.get("planner_predicted_decode_tps")) + (
+                " (" + ", ".join(f"{v:.1f}" for v in rounds) + ")" if len(rounds) > 1 else "")
+            meas_s = _fmt(r["median"]["decode_tps"]) + (
+                " (" + ", ".join(_fmt(v, ".1f") for v in measured) + ")" if len(measured) > 1 else "")
+            lines.append(f"| {result['links'][r['link']]['title']} | {100 * r['budget_fraction']:.0f}% | {pick} | "
+                         f"{pred_s} | {meas_s} | "
+                         + (f"{100 * err:+.0f}%" if err is not None else "—") + f" | {r.get('planner_costs', '')} |")
+    mism = [f"{r['link']}/{r['preset']}/{r['budget_fraction']}" for r in results
+            if r.get("tokens_match_int4_reference") is False and r["preset"] not in ("load-on-demand",)]
+    if result["int4_reference_tokens"] is not None:
+        lines += ["", "Greedy tokens equal to the int4 reference in every int4 configuration" if not mism else
+                  "Greedy tokens differ from the int4 reference in: " + ", ".join(mism)
+                  + " (fate's int2 prefill tail changes the answer)" * any("/fate/" in s for s in mism)]
+    peers = [pr for pr in result["peers"] if "peer" in pr]
+    if peers:
+        lines += ["", "**Peers** (same checkpoint, same prompts and threads):", "",
+                  "| peer | mode | " + " | ".join(f"prefill {n} tok/s" for n in lens)
+                  + " | decode tok/s | peak RSS MiB | note |", "|---|---|" + "---:|" * (len(lens) + 2) + "---|"]
+        for pr in peers:
+            if "skipped" in pr or "error" in pr:
+                lines.append(f"| {pr['peer']} | {pr.get('mode', '')} | " + " | ".join("—" for _ in lens)
+                             + f" | — | — | {pr.get('skipped') or pr.get('error')} |")
+                continue
+            lines.append(f"| {pr['peer']} | {pr['mode']} | "
+                         + " | ".join(_fmt(pr["prefill_tps"].get(n), ".1f") for n in lens)
+                         + f" | {_fmt(pr.get('decode_tps'))} | {pr['peak_rss_bytes'] / 2**20:.0f} "
+                         f"| {pr.get('note', '')} |")
+    if result["skipped_presets"]:
+        lines += ["", "Skipped presets: " + "; ".join(f"{k} ({v})" for k, v in result["skipped_presets"].items())]
+    errors = [r for r in results if r.get("error")]
+    if errors:
+        lines += ["", "Failed configurations: " + "; ".join(
+            f"{r['link']}/{r['preset']}/{r['budget_fraction']}: {r['error']}" for r in errors)]
+    lines += ["", "Links: " + "; ".join(f"{v['title']}: {v['source']}" for v in result["links"].values()) + "."]
+    return "\n".join(lines)

@@ -1,0 +1,358 @@
+"""The run in phases: routing traces (oracle + reference tokens), link checks, then every configuration in a
+fresh process: the headline budget with load-on-demand first, then the peers, then the other budgets."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime as _dt
+import itertools
+import json
+import os
+import pickle
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from .config import HEADLINE_BUDGET, LINKS, QUICK_NOTE, BenchConfig, LinkChoice, headline_budget
+from .peers import run_peers
+from .prepare import drop_page_cache, make_prompts, prepare_model, store_info, warm_page_cache
+from .results import compute_ratios, flag_reference_tokens, merge_runs
+from .worker import child_command, trace_main, worker_main
+
+_CHILD_IDS = itertools.count()
+
+
+def _run_child(mode: str, spec: dict, tmp: Path, timeout: float, isolate: bool = True
+               ) -> tuple[dict | None, str | None]:
+    """Run ``python -m fate_edge.bench --<mode> SPEC`` in a fresh process; (result, error).
+
+    ``isolate=False`` runs the same function in this process (tests: no per-configuration peak RSS)."""
+    spec_path = tmp / f"{mode}-{next(_CHILD_IDS)}.json"
+    spec_path.write_text(json.dumps(spec))
+    if not isolate:
+        try:
+            {"worker": worker_main, "trace": trace_main}[mode](str(spec_path))
+        except Exception as exc:  # noqa: BLE001 (reported like a failed child)
+            return None, f"{type(exc).__name__}: {exc}"
+        out = Path(str(spec_path) + ".result.json")
+        return (json.loads(out.read_text()) if mode == "worker" else {}), None
+    try:
+        proc = subprocess.run(child_command(mode, spec_path), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {timeout:.0f}s"
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return None, f"exit {proc.returncode}: " + " | ".join(tail)
+    out = Path(str(spec_path) + ".result.json")
+    if mode != "worker":
+        return {}, None
+    if not out.exists():
+        return None, "worker wrote no result"
+    return json.loads(out.read_text()), None
+
+
+def preflight(store: Path, presets: list[str], budget: int) -> dict[str, str]:
+    """Presets that cannot even be built here (e.g. a predictor not written yet) → why."""
+    from ..engine import Engine, Trace
+    from ..policy import PRESETS
+
+    skipped = {}
+    for name in presets:
+        if name not in PRESETS:
+            skipped[name] = "not a preset of this version (fate_edge.policy.PRESETS)"
+            continue
+        try:
+            Engine(store, budget, name, trace=Trace() if name == "oracle" else None).close()
+        except Exception as exc:  # ImportError of a predictor being written, a missing precision, ...
+            skipped[name] = f"{type(exc).__name__}: {exc}"
+    return skipped
+
+
+def link_check(store: Path, choice: LinkChoice, n: int = 8) -> dict[str, Any]:
+    """Read ``n`` int4 experts one after another through the link: achieved vs specified bandwidth."""
+    from fate_edge.devices.link import ThrottledLink
+
+    from ..fetch import BufferPool, FetchEngine, Priority
+    from ..store import ExpertStore
+
+    spec = choice.spec()
+    s = ExpertStore(store)
+    refs = [s.ref(layer, e, 4) for layer in s.index["moe_layers"][:2] for e in range(s.index["num_experts"])][:n]
+    fe = FetchEngine(BufferPool(2, s.precisions[4].slot_bytes), workers=1,
+                     link=ThrottledLink(spec) if spec else None, direct_io=spec is None)
+    try:
+        if spec is None:
+            drop_page_cache()
+        t0 = time.perf_counter()
+        nbytes = 0
+        for ref in refs:
+            req = fe.submit(ref, Priority.DEMAND)
+            fe.wait(req)
+            nbytes += ref.length
+            fe.release(req)
+        dt = time.perf_counter() - t0
+    finally:
+        fe.close()
+    return {
+        "spec_gbps": spec.bandwidth_bytes_per_s / 1e9 if spec else None,
+        "spec_latency_us": spec.latency_s * 1e6 if spec else None,
+        "achieved_gbps": nbytes / dt / 1e9,
+        "per_expert_ms": 1e3 * dt / len(refs),
+        "io": fe.direct_io_note,
+    }
+
+
+def _configs(cfg: BenchConfig, info: dict, presets: list[str]) -> list[dict]:
+    from ..policy import PRESETS
+
+    out = []
+    for link in cfg.links:
+        for p in presets:
+            if not PRESETS[p].cache:  # load-on-demand: no cache; the budget only has to cover its read buffers
+                out.append({"link": link, "preset": p, "budget_fraction": None,
+                            "budget_bytes": int(info["int4_expert_bytes_total"])})
+                continue
+            for b in cfg.budgets:
+                out.append({"link": link, "preset": p, "budget_fraction": b,
+                            "budget_bytes": int(b * info["int4_expert_bytes_total"])})
+    return out
+
+
+def planner_configs(cfg: BenchConfig, store: Path, info: dict, budgets: list[float]) -> tuple[list[dict], str | None]:
+    """One ``planned`` configuration per (link, budget). Its worker process runs the planner (probe, simulate,
+    choose) and then measures the chosen policy at once, as ``Engine(plan="auto")`` would: on a shared host
+    whose speed drifts from minute to minute, a plan made minutes before its measurement would be compared
+    with a different machine."""
+    if not cfg.planner:
+        return [], "planner not run (--no-planner)"
+    try:
+        from .. import planner  # noqa: F401
+    except ImportError:
+        return [], "fate_edge.planner not present: no predicted tok/s"
+    total = info["int4_expert_bytes_total"]
+    return [{"link": link, "preset": "planned", "budget_fraction": b, "budget_bytes": int(b * total),
+             "run_planner": True} for link in cfg.links for b in budgets], None
+
+
+class Phases:
+    """Configurations run in phases and rounds, each run in a fresh process (``planned`` ones: see the planner
+    hook). With a time limit (--quick), configurations that would start after it are listed as dropped."""
+
+    def __init__(self, cfg: BenchConfig, store: Path, info: dict, presets: list[str], common: dict,
+                 trace_file: Path, tmp: Path, t_start: float, decode_len: int):
+        self.cfg, self.store, self.info, self.presets, self.common = cfg, store, info, presets, common
+        self.trace_file, self.tmp, self.t_start, self.decode_len = trace_file, tmp, t_start, decode_len
+        self.deadline = t_start + cfg.time_limit_s if cfg.time_limit_s else None
+        self.results: list[dict] = []
+        self.dropped: list[str] = []
+        self.failed_presets: dict[str, str] = {}
+        self.planner_notes: list[str] = []
+        self.warmed: str | None = None  # the link whose run last warmed the page cache
+        self.n = 0
+
+    def past_deadline(self) -> bool:
+        return self.deadline is not None and time.perf_counter() > self.deadline
+
+    def run(self, budgets: list[float], with_lod: bool) -> None:
+        cfg, deadline, results = self.cfg, self.deadline, self.results
+        configs = [c for c in _configs(cfg, self.info, self.presets)
+                   if (c["budget_fraction"] is None and with_lod) or c["budget_fraction"] in budgets]
+        if deadline is None or time.perf_counter() < deadline:
+            planned, note = planner_configs(cfg, self.store, self.info, budgets)
+            configs += planned
+            if note:
+                self.planner_notes.append(note)
+        # Rounds: every configuration's run r happens before any configuration's run r + 1, each in a fresh
+        # process, so a median samples the host at ``runs`` different times: this shared host's speed drifts
+        # over tens of seconds, and back-to-back runs of one configuration would all share one phase.
+        done: dict[int, list[dict]] = {}
+        for rnd in range(cfg.runs):
+            for i, c in enumerate(configs):
+                label = f"{c['link']} {c['preset']} " + (
+                    f"{100 * c['budget_fraction']:.0f}%" if c["budget_fraction"] is not None else "(no cache)")
+                if self.past_deadline():
+                    if rnd == 0:
+                        self.dropped.append(label)
+                    elif i in done:
+                        done[i][0].setdefault("note", f"{len(done[i])} of {cfg.runs} runs (time limit)")
+                    continue
+                if c["preset"] in self.failed_presets or (rnd > 0 and i not in done):
+                    if rnd == 0:
+                        why = self.failed_presets[c["preset"]]
+                        results.append({**c, "error": f"skipped after an earlier failure: {why}"})
+                    continue
+                res = self.run_one(c, f"{label} (run {rnd + 1}/{cfg.runs})")
+                if res is None:
+                    done.pop(i, None)
+                else:
+                    done.setdefault(i, []).append(res)
+        for i in sorted(done):
+            results.append(merge_runs(done[i], self.decode_len))
+
+    def run_one(self, c: dict, label: str) -> dict | None:
+        """One run of configuration ``c`` in its own process; its result, or None (the error is recorded)."""
+        cfg = self.cfg
+        spec_link = LINKS[c["link"]].spec()
+        if spec_link is not None and self.warmed != c["link"]:
+            warm_page_cache(self.store)
+            self.warmed = c["link"]
+        elif spec_link is None:
+            self.warmed = None
+        spec = {**self.common, **c, "runs": 1, "drop_caches": cfg.drop_caches,
+                "link_spec": dataclasses.asdict(spec_link) if spec_link is not None else None,
+                "trace_file": str(self.trace_file) if c["preset"] == "oracle" else None}
+        t0 = time.perf_counter()
+        res, err = _run_child("worker", spec, self.tmp, cfg.timeout_s, cfg.isolate)
+        self.n += 1
+        label = f"[{self.n}] {label}"
+        if err is not None:
+            print(f"bench: {label}: FAILED {err}", flush=True)
+            self.results.append({**c, "error": err})
+            if "BudgetError" not in err:
+                self.failed_presets[c["preset"]] = err
+            return None
+        m = res["median"]
+        pf = " ".join(f"{n}:{v:.1f}" for n, v in m["prefill_tps"].items())
+        print(f"bench: {label}: decode {m['decode_tps'] or 0:.2f} tok/s, prefill {pf} tok/s, hit "
+              f"{100 * (m['hit_rate'] or 0):.0f}%, stall {m['stall_ms_per_token'] or 0:.1f} ms/tok, "
+              f"{m['mb_read_per_token'] or 0:.2f} MB/tok, RSS {res['peak_rss_bytes'] / 2**20:.0f} MiB "
+              f"({time.perf_counter() - t0:.0f}s; {time.perf_counter() - self.t_start:.0f}s total)"
+              + (f"; planner predicted {res['planner_predicted_decode_tps']:.2f} decode tok/s"
+                 if res.get("planner_predicted_decode_tps") else ""), flush=True)
+        return res
+
+
+def record_traces(cfg: BenchConfig, common: dict, info: dict, trace_file: Path, tmp: Path, decode_len: int
+                  ) -> tuple[list[int] | None, str | None]:
+    """Phase 1: each request's routing trace (for the oracle) and the int4 reference tokens, in a process of
+    its own; (reference tokens of the decode request, error)."""
+    t0 = time.perf_counter()
+    _, err = _run_child("trace", {**common, "trace_file": str(trace_file),
+                                  "int4_total": info["int4_expert_bytes_total"]}, tmp, cfg.timeout_s, cfg.isolate)
+    if err is not None:
+        return None, err
+    with open(trace_file, "rb") as f:
+        reference = pickle.load(f)["tokens"].get(decode_len)
+    print(f"bench: recorded routing traces ({time.perf_counter() - t0:.1f}s)", flush=True)
+    return reference, None
+
+
+def check_links(cfg: BenchConfig, store: Path) -> dict[str, Any]:
+    """Phase 2, link calibration: what each emulated link achieves on this machine."""
+    links_out = {}
+    for key in cfg.links:
+        choice = LINKS[key]
+        spec = choice.spec()
+        if spec is not None:
+            warm_page_cache(store)
+        try:
+            check = link_check(store, choice)
+        except Exception as exc:  # noqa: BLE001
+            check = {"error": f"{type(exc).__name__}: {exc}"}
+        links_out[key] = {"title": choice.title, "profile": choice.profile, "kind": choice.kind,
+                          "source": choice.source, "name": spec.name if spec else "raw disk", "check": check}
+        print(f"bench: link {key}: {json.dumps(check)}", flush=True)
+    return links_out
+
+
+def code_commit() -> str | None:
+    """The git commit of the code running, where it runs from a checkout (an installed wheel has none)."""
+    with contextlib.suppress(Exception):
+        return subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=10).stdout.strip() or None
+    return None
+
+
+def run_bench(cfg: BenchConfig) -> dict[str, Any]:
+    """The whole benchmark (see the package docstring); returns the result that write_outputs saves."""
+    import torch
+
+    t_start = time.perf_counter()
+    store, hf_dir, model_desc = prepare_model(cfg)
+    info = store_info(store)
+    prompts, files = make_prompts(store, sorted(cfg.prompt_tokens))
+    decode_len = min(prompts)
+    if hf_dir is not None:
+        print(f"bench: checkpoint {hf_dir}", flush=True)
+    print(f"bench: model {model_desc}; int4 experts total {info['int4_expert_bytes_total'] / 1e6:.1f} MB; "
+          f"prompts {sorted(prompts)} tokens from held-out stdlib source ({', '.join(files[:3])}"
+          f"{', ...' if len(files) > 3 else ''}); {cfg.threads} torch threads", flush=True)
+    if cfg.quick:
+        print(f"bench: {QUICK_NOTE}", flush=True)
+
+    skipped = preflight(store, cfg.presets, int(HEADLINE_BUDGET * info["int4_expert_bytes_total"]))
+    for name, why in skipped.items():
+        print(f"bench: skipping preset {name}: {why}", flush=True)
+    presets = [p for p in cfg.presets if p not in skipped]
+
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="fate-bench-", dir=out_dir))
+    common = {"store": str(store), "threads": cfg.threads, "fetch_workers": cfg.fetch_workers, "device": cfg.device,
+              "prompts": {str(k): v for k, v in prompts.items()}, "decode_tokens": cfg.decode_tokens}
+
+    # 1. the routing trace of each request (oracle) and the int4 reference tokens
+    trace_file = tmp / "traces.pkl"
+    reference, err = record_traces(cfg, common, info, trace_file, tmp, decode_len)
+    if err is not None:
+        print(f"bench: trace recording failed ({err}); skipping oracle", flush=True)
+        if "oracle" in presets:
+            presets.remove("oracle")
+            skipped["oracle"] = f"trace recording failed: {err}"
+
+    # 2. link calibration
+    links_out = check_links(cfg, store)
+
+    # 3. every configuration in a fresh process. Phase 1 is the headline budget (and load-on-demand); then the
+    # peers; then the other budgets, farthest from the headline first.
+    hb = headline_budget(cfg.budgets)
+    rest = sorted((b for b in cfg.budgets if b != hb), key=lambda b: -abs(b - hb))
+    phases = Phases(cfg, store, info, presets, common, trace_file, tmp, t_start, decode_len)
+    phases.run([hb], with_lod=True)
+    # 4. peers
+    if not cfg.peers:
+        peers = [{"skipped": "--no-peers"}]
+    elif phases.past_deadline():
+        peers = [{"skipped": "--quick time limit reached before the peers"}]
+        phases.dropped.append("peers")
+    else:
+        peers = run_peers(cfg, hf_dir, info, prompts, tmp)
+    phases.run(rest, with_lod=False)
+    results, dropped = phases.results, phases.dropped
+    if dropped:
+        print(f"bench: dropped by the time limit ({cfg.time_limit_s:.0f}s): {', '.join(dropped)}", flush=True)
+
+    compute_ratios(results)
+    flag_reference_tokens(results, reference)
+    for r in results:
+        if r.get("planner_predicted_decode_tps") and r.get("median", {}).get("decode_tps"):
+            r["planner_error"] = r["planner_predicted_decode_tps"] / r["median"]["decode_tps"] - 1
+    planner_note = "; ".join(dict.fromkeys(phases.planner_notes)) or None
+    shutil.rmtree(tmp, ignore_errors=True)
+    return {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "commit": code_commit(),
+        "command": cfg.command,
+        "machine": {"cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+                    "torch": torch.__version__, "python": platform.python_version()},
+        "threads": {"torch": cfg.threads, "fetch_workers": cfg.fetch_workers},
+        "quick": cfg.quick,
+        "quick_note": QUICK_NOTE if cfg.quick else None,
+        "config": dataclasses.asdict(cfg),
+        "model": {"description": model_desc, "checkpoint": str(hf_dir) if hf_dir else None, **info},
+        "prompts": {"lengths": sorted(prompts), "decode_tokens": cfg.decode_tokens, "source_files": files,
+                    "decode_prompt": decode_len, "greedy": True},
+        "links": links_out,
+        "skipped_presets": skipped,
+        "dropped_by_time_limit": dropped,
+        "planner": planner_note,
+        "int4_reference_tokens": reference,
+        "results": results,
+        "peers": peers,
+        "wall_s": time.perf_counter() - t_start,
+    }
