@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
+from .errors import FateEdgeError
+
 PROG = "fate-edge"
 
 
@@ -123,6 +125,43 @@ def add_policy_arg(p: argparse.ArgumentParser, default: str | None) -> None:
     p.add_argument("--policy", default=default, choices=POLICY_CHOICES, metavar="POLICY", help=policy_help(default))
 
 
+def octal_mode(value: str) -> str:
+    """File permission bits in octal, like chmod (600, 0660); kept as text for the daemon's own parser."""
+    from .server.unix_socket import parse_mode
+
+    try:
+        parse_mode(value)
+    except FateEdgeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
+def host_list(value: str) -> str:
+    """Comma-separated host names or addresses, or '*' for any."""
+    for name in filter(None, (n.strip() for n in value.split(","))):
+        if name != "*":
+            host_name(name.strip("[]"))
+    return value
+
+
+def origin_list(value: str) -> str:
+    """Comma-separated browser origins (scheme://host[:port]), or '*' for any."""
+    for origin in filter(None, (o.strip() for o in value.split(","))):
+        m = re.fullmatch(r"(https?)://(\[[0-9A-Fa-f:.]+\]|[^/:\[\]]+)(:\d{1,5})?", origin)
+        if origin != "*" and (m is None or (m.group(2)[0] != "[" and not _is_host(m.group(2)))):
+            raise argparse.ArgumentTypeError(f"{origin!r} is not an origin; write scheme://host[:port], e.g. "
+                                             "http://localhost:3000, or '*' for any")
+    return value
+
+
+def _is_host(name: str) -> bool:
+    try:
+        host_name(name)
+        return True
+    except argparse.ArgumentTypeError:
+        return False
+
+
 def _existing_path_as_path(value: str) -> Path:
     return Path(existing_path(value))
 
@@ -138,7 +177,8 @@ OPTION_TYPES: dict[str, Callable[[str], object]] = {
     "--batch": positive_int, "--epochs": positive_int, "--lr": positive_float, "--expert-bytes": positive_int,
     "--int4-expert-mb": positive_float, "--budgets": fraction, "--prompt-tokens": positive_int,
     "--decode-tokens": positive_int, "--runs": positive_int, "--timeout": positive_float,
-    "--time-limit": positive_float,
+    "--time-limit": positive_float, "--socket-mode": octal_mode, "--allowed-hosts": host_list,
+    "--cors-origins": origin_list,
 }
 
 
