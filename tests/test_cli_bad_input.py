@@ -14,7 +14,7 @@ from fate_edge.cli import build_parser, main
 
 # Options (and positionals) that take any text, so no value of them is bad input.
 FREE_TEXT = {"prompt", "out_dir", "--system", "--api-key", "--model-alias", "--unix-socket", "--out-dir", "--json",
-             "--markdown", "--plot", "--work-dir", "--out", "--predictors-dir"}
+             "--markdown", "--plot", "--plots-dir", "--work-dir", "--out", "--predictors-dir"}
 
 NUMBERS = ["abc", "-1"]  # every numeric option's type rejects both (--seed aside: any integer is a seed)
 BAD_BY_TYPE = {
