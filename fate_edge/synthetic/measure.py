@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ..bench import heldout_source
+from ..corpus import heldout_source
 from ..loader import load_model
 from ..predictors.cross_layer_gate import CrossLayerGate
 from ..predictors.evaluate import collect_traces, evaluate_predictor, usage_stats
