@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 @dataclass
 class EngineOptions:
     model: str | None = None  # model directory or expert store; None: the bundled model
-    memory_budget: str = defaults.MEMORY_BUDGET
+    memory_budget: int | str = defaults.MEMORY_BUDGET
     policy: str = defaults.POLICY
     device: str = defaults.DEVICE
     dtype: str = defaults.DTYPE

@@ -450,19 +450,20 @@ def test_full_queue_answers_429_and_recovers(locked):
 def test_health_is_503_while_the_model_loads(monkeypatch, cache):
     from fastapi.testclient import TestClient
 
-    import fate_edge.engine as engine_mod
+    import fate_edge.engine_args as engine_args
+    from fate_edge.engine_args import EngineOptions
     from fate_edge.server import ServerSettings, create_app
 
     monkeypatch.setenv("FATE_EDGE_CACHE", str(cache))
     release = threading.Event()
-    real_load = engine_mod.Engine.load.__func__
+    real_open = engine_args.open_engine
 
-    def slow_load(cls, *a, **kw):
+    def slow_open(*a, **kw):
         release.wait(30)
-        return real_load(cls, *a, **kw)
+        return real_open(*a, **kw)
 
-    monkeypatch.setattr(engine_mod.Engine, "load", classmethod(slow_load))
-    app = create_app(ServerSettings(memory_budget=BUDGET, device="cpu"))
+    monkeypatch.setattr(engine_args, "open_engine", slow_open)
+    app = create_app(ServerSettings(engine=EngineOptions(memory_budget=BUDGET, device="cpu")))
     with TestClient(app, base_url="http://localhost") as tc:  # TestClient's default Host is not local
         resp = tc.get("/health")
         assert resp.status_code == 503 and resp.json()["status"] == "loading"

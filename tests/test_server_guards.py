@@ -21,9 +21,11 @@ def engine():
 
 
 def _app_client(engine, **settings) -> TestClient:
+    from fate_edge.engine_args import EngineOptions
     from fate_edge.server import ServerSettings, create_app
 
-    app = create_app(ServerSettings(memory_budget=BUDGET, device="cpu", **settings), engine=engine)
+    options = EngineOptions(memory_budget=BUDGET, device="cpu")
+    app = create_app(ServerSettings(engine=options, **settings), engine=engine)
     return TestClient(app, base_url="http://127.0.0.1:8080")
 
 

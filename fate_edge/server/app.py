@@ -34,12 +34,11 @@ log = logging.getLogger("fate_edge.server")
 
 
 def _load(state: ServerState, on_load_error) -> None:
-    from ..engine import Engine
+    from ..engine_args import open_engine
 
-    s = state.settings
     t0 = time.perf_counter()
     try:
-        eng = Engine.load(s.model, s.memory_budget, s.policy, device=s.device, dtype=s.dtype)
+        eng = open_engine(state.settings.engine, progress=False)
         state.ready(eng)
         log.info("model %s ready in %.1f s (policy %s, expert budget %.1f MB)", state.model_id,
                  time.perf_counter() - t0, eng.policy.name, eng.budget / 1e6)

@@ -13,19 +13,14 @@ import os
 import signal
 import sys
 
-from .. import defaults
+from ..engine_args import EngineOptions, add_engine_args
 from ..errors import FateEdgeError
 
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP daemon (chat/completions, SSE, /metrics, /health)",
                        description="Serve the model over an OpenAI-compatible API. Binds 127.0.0.1 by default.")
-    p.add_argument("--model", default=None, help="model directory or expert store (default: the bundled model)")
-    p.add_argument("--memory-budget", default=defaults.MEMORY_BUDGET,
-                   help=f"hard budget for expert memory (default {defaults.MEMORY_BUDGET})")
-    p.add_argument("--policy", default=defaults.POLICY, help=f"policy preset (default {defaults.POLICY})")
-    p.add_argument("--device", default=defaults.DEVICE, help="auto, cpu or cuda")
-    p.add_argument("--dtype", default=defaults.DTYPE, choices=["float32", "bfloat16"], help="compute dtype")
+    add_engine_args(p)  # model, budget, policy, device, dtype, link, threads, verify: as run/chat/demo
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--unix-socket", default=None, metavar="PATH", help="listen on a Unix socket instead of TCP")
@@ -45,7 +40,6 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", default="1MB", help="largest request body; larger gets 413 (default 1MB)")
     p.add_argument("--max-tokens-default", type=int, default=256,
                    help="max_tokens when a request gives none (default 256)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--shutdown-timeout", type=float, default=60.0,
                    help="seconds in-flight requests get to finish after SIGTERM (default 60)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -84,16 +78,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_queue < 0:
         raise FateEdgeError(f"--max-queue must be >= 0, got {args.max_queue}")
     socket_mode = parse_mode(args.socket_mode)
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
     if not args.unix_socket and not _is_loopback(args.host) and not args.api_key:
         logging.getLogger("fate_edge.server").warning(
             "listening on %s without --api-key: anyone who can reach this address can use the model", args.host)
-    settings = ServerSettings(model=args.model, memory_budget=args.memory_budget, policy=args.policy,
-                              device=args.device, dtype=args.dtype, api_key=args.api_key or None,
+    settings = ServerSettings(engine=EngineOptions.from_args(args), api_key=args.api_key or None,
                               max_queue=args.max_queue, max_body_bytes=max_body,
                               default_max_tokens=args.max_tokens_default, model_alias=args.model_alias,
                               enable_fault_injection=args.enable_fault_injection, host=args.host,

@@ -40,7 +40,7 @@ async def metrics(request: Request):
     check_auth(request)
     state = state_of(request)
     text = state.metrics.render(state.engine, state.runner, state.engine is not None, state.model_id,
-                                str(state.settings.policy))
+                                str(state.settings.engine.policy))
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from .. import defaults
+from ..engine_args import EngineOptions
 from .metrics import Metrics
 from .runner import Runner
 
@@ -24,11 +24,7 @@ LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 
 @dataclass
 class ServerSettings:
-    model: str | None = None  # model directory or expert store; None: the bundled model
-    memory_budget: int | str = defaults.MEMORY_BUDGET
-    policy: str = defaults.POLICY
-    device: str = defaults.DEVICE
-    dtype: str = defaults.DTYPE
+    engine: EngineOptions = field(default_factory=EngineOptions)  # the same options as run/chat/demo
     api_key: str | None = None
     max_queue: int = 16
     max_body_bytes: int = 1_000_000
@@ -59,7 +55,7 @@ class ServerState:
     def create(cls, settings: ServerSettings) -> ServerState:
         from ..bundled import bundled_model_dir
 
-        model_id = settings.model_alias or Path(settings.model or bundled_model_dir()).resolve().name
+        model_id = settings.model_alias or Path(settings.engine.model or bundled_model_dir()).resolve().name
         return cls(settings, model_id)
 
     def ready(self, engine: Any) -> None:
