@@ -57,5 +57,5 @@ def make_synthetic_model(out: str | Path, opts: SyntheticOptions,
     (out / "README.md").write_text(
         f"Synthetic checkpoint shaped like {preset.name} ({preset.source}): random bf16 weights with trained-like "
         f"routing (skewed expert popularity, correlated layers), not a language model. Made by "
-        f"scripts/make_synthetic_model.py; settings in synthetic.json.\n")
+        f"fate_edge.synthetic (make_synthetic_model); settings in synthetic.json.\n")
     return index
