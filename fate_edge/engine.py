@@ -24,6 +24,7 @@ from fate_edge.devices.link import ThrottledLink
 from .cache import ExpertCache
 from .cache.factory import build_cache, layer_slots
 from .errors import FateEdgeError
+from .experts import ExpertProvider
 from .fetch import BufferPool, FetchEngine
 from .generate import GenerateConfig, GenerationResponse, stream_generate
 from .loader import DTYPES, load_model
@@ -403,7 +404,7 @@ class Engine:
         self.close()
 
 
-class _NoExperts:
+class _NoExperts(ExpertProvider):
     """Placeholder provider while the engine wires the scheduler in."""
 
     def get(self, layer: int, expert: int):
