@@ -23,3 +23,11 @@ class CorruptCheckpointError(ModelFormatError):
 
 class GenerationError(FateEdgeError):
     """Bad generation arguments (sampling parameters, prompt longer than the context, ...)."""
+
+
+class EngineClosedError(FateEdgeError):
+    """The engine was closed; it serves no more requests."""
+
+
+class StreamSupersededError(FateEdgeError):
+    """An open stream was left idle and a newer request took the engine."""
