@@ -34,7 +34,8 @@ class Submissions:
 
 
 def spy(engine: Engine) -> Submissions:
-    """Wrap ``engine.fetch.submit`` and follow the decode steps with a routing observer."""
+    """Wrap ``engine.fetch.submit`` and follow the decode steps with a routing observer; a prefetch of a
+    cached or in-flight expert fails the request (AssertionError) as it is submitted."""
     out = Submissions()
     sched, submit, first = engine.scheduler, engine.fetch.submit, engine.model.config.moe_layers[0]
 
@@ -49,6 +50,8 @@ def spy(engine: Engine) -> Submissions:
                 out.of_cached.append(key)
             if key in sched.prefetches or key in sched.demands:
                 out.of_inflight.append(key)
+            # Fail at once: a second read of an expert in flight would orphan a read buffer and stall the run.
+            assert not out.of_cached and not out.of_inflight, f"read ahead again: {out}"
             if out.step >= 0:
                 out.prefetched.append((out.step, *key))
         return submit(ref, priority)
