@@ -13,13 +13,31 @@ from fate_edge.devices.link import LinkSpec
 from fate_edge.predictors.oracle import OraclePredictor
 
 from fate_edge import GenerateConfig
+from fate_edge.convert import ConvertOptions, convert
 from fate_edge.engine import Engine, Trace
 from fate_edge.fetch import Priority
 from fate_edge.simulate import HostCosts, simulate
+from fate_edge.store import ExpertStore
 
 PROMPT = "def parse_args(argv):\n    "
 CFG = GenerateConfig(max_tokens=16, ignore_eos=True)
 LINK = LinkSpec("replay", bandwidth_bytes_per_s=1e9, latency_s=0.0)
+
+
+def int4_store(out, bundled_dir):
+    """The bundled model as an int4 expert store."""
+    return convert(bundled_dir, out, ConvertOptions(bits=4, keep_bf16=False), progress=False)
+
+
+def record(store) -> tuple[object, Trace]:
+    """``store`` and the routing of PROMPT under CFG on it, recorded once (what the oracle replays)."""
+    with Engine(store, "64MB", "lru") as rec:
+        return store, rec.record_trace(PROMPT, CFG)
+
+
+def all_expert_bytes(store) -> int:
+    s = ExpertStore(store)
+    return s.expert_bytes(4) * len(s.index["moe_layers"]) * s.index["num_experts"]
 
 
 @dataclass

@@ -2,13 +2,11 @@
 
 import pytest
 import torch
-from _replay import CFG, PROMPT, simulate_engine, spy
+from _replay import CFG, PROMPT, all_expert_bytes, int4_store, record, simulate_engine, spy
 
-from fate_edge.convert import ConvertOptions, convert
 from fate_edge.engine import Engine
 from fate_edge.policy import PRESETS, PolicyConfig
 from fate_edge.prefetch_choice import choose, plan_prefetches, prefetch_width
-from fate_edge.store import ExpertStore
 
 WIDE = PolicyConfig("wide", predictor="oracle", prefetch_width=8)
 
@@ -48,29 +46,17 @@ def test_prefill_prefetches_the_union_most_popular_first_with_a_cold_tail():
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory, bundled_dir):
-    out = tmp_path_factory.mktemp("choice") / "tiny-int4"
-    convert(bundled_dir, out, ConvertOptions(bits=4, keep_bf16=False), progress=False)
-    return out
-
-
-@pytest.fixture(scope="module")
-def trace(store):
-    with Engine(store, "64MB", "lru") as rec:
-        return rec.record_trace(PROMPT, CFG)
-
-
-def _all_experts(store) -> int:
-    s = ExpertStore(store)
-    return s.expert_bytes(4) * len(s.index["moe_layers"]) * s.index["num_experts"]
+def recorded(tmp_path_factory, bundled_dir):
+    return record(int4_store(tmp_path_factory.mktemp("choice") / "tiny-int4", bundled_dir))
 
 
 @pytest.mark.parametrize("case", ["cache holds every expert", "no cache, two layers ahead"])
-def test_engine_and_simulator_prefetch_the_same_experts(store, trace, one_thread, case):
+def test_engine_and_simulator_prefetch_the_same_experts(recorded, one_thread, case):
     """One recorded request, replayed through the engine (the oracle predictor over it) and the simulator:
     the same reads issued at the same decode steps for the same layers, and the same hits and misses."""
+    store, trace = recorded
     if case == "cache holds every expert":  # what is cached is never read ahead again
-        policy, budget = PRESETS["oracle"], 4 * _all_experts(store)
+        policy, budget = PRESETS["oracle"], 4 * all_expert_bytes(store)
     else:  # what is in flight is never read twice
         policy, budget = PRESETS["oracle"].with_(cache=False, lookahead=2), "16MB"
     with Engine(store, budget, policy, trace=trace) as engine:

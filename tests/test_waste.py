@@ -6,16 +6,14 @@ in arrival order, cached experts prefetched again, prefetch buffers no longer ca
 
 import pytest
 import torch
-from _replay import CFG, PROMPT, spy
+from _replay import CFG, PROMPT, all_expert_bytes, int4_store, record, spy
 from _tiny_moe import build_tiny_moe
 
 from fate_edge import load_model
-from fate_edge.convert import ConvertOptions, convert
 from fate_edge.engine import Engine, plan_budget
 from fate_edge.experts import ExpertProvider
 from fate_edge.fetch import Priority
 from fate_edge.policy import PRESETS
-from fate_edge.store import ExpertStore
 
 
 class Arrival(ExpertProvider):
@@ -52,26 +50,14 @@ def test_experts_are_summed_in_a_fixed_order_whatever_their_arrival(top4_dir, dt
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory, bundled_dir):
-    out = tmp_path_factory.mktemp("waste") / "tiny-int4"
-    convert(bundled_dir, out, ConvertOptions(bits=4, keep_bf16=False), progress=False)
-    return out
+def recorded(tmp_path_factory, bundled_dir):
+    return record(int4_store(tmp_path_factory.mktemp("waste") / "tiny-int4", bundled_dir))
 
 
-@pytest.fixture(scope="module")
-def trace(store):
-    with Engine(store, "64MB", "lru") as rec:
-        return rec.record_trace(PROMPT, CFG)
-
-
-def _all_experts(store) -> int:
-    s = ExpertStore(store)
-    return s.expert_bytes(4) * len(s.index["moe_layers"]) * s.index["num_experts"]
-
-
-def test_perfect_prefetch_reads_each_expert_once_and_wastes_nothing(store, trace, one_thread):
+def test_perfect_prefetch_reads_each_expert_once_and_wastes_nothing(recorded, one_thread):
     """The oracle with room for every expert: bytes read = each used expert's blob exactly once."""
-    with Engine(store, 4 * _all_experts(store), "oracle", trace=trace) as engine:
+    store, trace = recorded
+    with Engine(store, 4 * all_expert_bytes(store), "oracle", trace=trace) as engine:
         seen = spy(engine)
         engine.generate(PROMPT, CFG)
         s = engine.stats
@@ -84,10 +70,11 @@ def test_perfect_prefetch_reads_each_expert_once_and_wastes_nothing(store, trace
 
 
 @pytest.mark.parametrize("policy", ["fate", "activation-path", "oracle-lookahead-2"])
-def test_nothing_cached_or_in_flight_is_prefetched_again(store, trace, one_thread, policy):
+def test_nothing_cached_or_in_flight_is_prefetched_again(recorded, one_thread, policy):
     """At 35% of the expert bytes: every read ahead is of an expert neither cached nor already being read."""
+    store, trace = recorded
     pol = PRESETS["oracle"].with_(lookahead=2) if policy.startswith("oracle") else PRESETS[policy]
-    with Engine(store, int(0.35 * _all_experts(store)), pol.with_(cold_bits=None), trace=trace) as engine:
+    with Engine(store, int(0.35 * all_expert_bytes(store)), pol.with_(cold_bits=None), trace=trace) as engine:
         seen = spy(engine)
         engine.generate(PROMPT, CFG)
         s = engine.stats
@@ -111,9 +98,10 @@ def test_prefetch_buffers_are_capped_at_what_the_policy_can_have_in_flight():
     assert plan_budget(budget, PRESETS["lru"], entry, slot).pool_buffers == 2  # nothing predicted: no extras
 
 
-def test_engine_uses_every_prefetch_buffer_it_plans(store, trace, one_thread):
+def test_engine_uses_every_prefetch_buffer_it_plans(recorded, one_thread):
     """The oracle two layers ahead, two experts a layer, nothing cached: the engine plans exactly the read
     buffers it fills (two prefetched layers in flight), not more."""
+    store, trace = recorded
     pol = PRESETS["oracle"].with_(lookahead=2, prefetch_width=2, cache=False)
     with Engine(store, "16MB", pol, trace=trace) as engine:
         sched, most = engine.scheduler, {"n": 0}
