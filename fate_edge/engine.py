@@ -426,8 +426,8 @@ class Engine:
     def close(self) -> None:
         """Stop the fetch workers and free the cached experts (an engine is not usable after this).
         Waits for a step in progress; an open stream's next step then raises EngineClosedError."""
-        with self._lock:
-            self._slot.close()
+        self._slot.close()  # no step starts from now on ...
+        with self._lock:  # ... and the one running ends first
             self.scheduler.abort()
             if self.cache is not None:
                 self.cache.clear()
