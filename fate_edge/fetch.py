@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from fate_edge.devices.link import ThrottledLink
 
+from .defaults import FETCH_WORKERS
 from .errors import FateEdgeError
 
 ALIGN = 4096
@@ -193,7 +194,7 @@ class FetchEngine:
     def __init__(
         self,
         pool: BufferPool,
-        workers: int = 2,
+        workers: int | None = None,  # None: defaults.FETCH_WORKERS (fits the cores beside torch's threads)
         link: ThrottledLink | None = None,
         direct_io: bool = True,
         chunk_bytes: int = 256 * 1024,
@@ -224,7 +225,7 @@ class FetchEngine:
         self._fd_lock = threading.Lock()
         self._closed = False
         self._threads = [threading.Thread(target=self._worker, name=f"fate-fetch-{i}", daemon=True)
-                         for i in range(workers)]
+                         for i in range(FETCH_WORKERS if workers is None else workers)]
         for t in self._threads:
             t.start()
 
