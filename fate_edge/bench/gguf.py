@@ -38,8 +38,9 @@ def peers_cache() -> Path:
 def llama_cpp_missing() -> str | None:
     """Why the llama.cpp peer cannot run here, or None when llama-cpp-python imports."""
     if importlib.util.find_spec("llama_cpp") is None:
-        return ("llama-cpp-python is not installed: pip install llama-cpp-python (builds llama.cpp, ~20 min), "
-                "or `bash scripts/install_llamacpp.sh` for the build this project measured with")
+        return ("llama-cpp-python is not installed: pip install llama-cpp-python (builds llama.cpp, ~20 min; "
+                "the figures here used CMAKE_ARGS=\"-DGGML_NATIVE=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF "
+                "-DGGML_AMX_BF16=OFF\")")
     return None
 
 
