@@ -89,10 +89,26 @@ def detect(device_tree_model: Path = DEVICE_TREE_MODEL) -> HostInfo:
     return HostInfo(ram, cores, threads, cuda, device, cuda_mem, board, matching_profile(board, ram, device))
 
 
+def available_cores() -> int:
+    """CPUs this process may run on (its affinity mask: a container's or taskset's limit), not the host's count."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def thread_split(cores: int | None = None) -> tuple[int, int]:
+    """Default (torch threads, fetch workers): together no more than the ``cores`` available (one each at least).
+
+    One thread per core, none left to spin or wait for a core: with a thread more than the cores, or other
+    processes busy, OpenMP's barriers stall decode (scripts/bench_threads.py). Fetch workers mostly wait on
+    reads, so one serves up to 4 cores and two above that; torch takes the rest."""
+    cores = max(1, available_cores() if cores is None else cores)
+    workers = 1 if cores <= 4 else 2
+    return max(1, cores - workers), workers
+
+
 def reader_contention(torch_threads: int, workers: int, cores: int | None = None) -> float:
     """Share of a reader thread's CPU time that delays compute: 1 when torch's threads already use every
     core (a 2-core host running 2 torch threads), 0 when the readers have idle cores to themselves."""
     if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = available_cores()
     return min(1.0, max(0.0, (torch_threads + workers - cores) / max(1, workers)))
 

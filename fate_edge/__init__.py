@@ -1,5 +1,13 @@
 """fate-edge: run Mixture-of-Experts language models on devices smaller than the model."""
 
+import os
+
+# Before torch loads libgomp, which reads this once: idle OpenMP threads sleep instead of spinning, so decode
+# degrades gracefully when other processes want the cores (spinning threads took it from ~130 to ~2 tok/s on a
+# busy 2-core host; scripts/bench_threads.py). A value the user set wins; torch imported before fate_edge keeps
+# libgomp's default.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from .bundled import bundled_model_dir
 from .engine import BudgetError, Completion, Engine
 from .errors import FateEdgeError, GenerationError, ModelFormatError

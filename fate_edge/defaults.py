@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from fate_edge.devices.detect import thread_split
+
 # Expert memory (cache + read buffers + the expert being computed). Small enough for an 8 GB board with the
 # resident weights beside it; the engine refuses at start a budget this machine cannot hold.
 MEMORY_BUDGET = "256MB"
@@ -9,4 +11,6 @@ POLICY = "fate-edge"  # our preset (fate_edge.policy.PRESETS); "auto" asks the p
 DEVICE = "auto"  # cuda when torch sees a GPU, else cpu
 DTYPE = "float32"
 VERIFY = "once"  # check each blob's CRC32 on its first read
-THREADS: int | None = None  # torch CPU threads; None keeps torch's choice
+# torch CPU threads + fetch workers: no more than the cores this process may use (fate_edge.devices.detect)
+THREADS: int | None = thread_split()[0]
+FETCH_WORKERS: int = thread_split()[1]

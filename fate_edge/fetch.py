@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from fate_edge.devices.link import ThrottledLink
 
 from .buffer_pool import ALIGN, Buffer, BufferPool
+from .defaults import FETCH_WORKERS
 from .errors import FateEdgeError
 from .verified import VerifiedBlobs
 
@@ -142,7 +143,7 @@ class FetchEngine:
     def __init__(
         self,
         pool: BufferPool,
-        workers: int = 2,
+        workers: int | None = None,  # None: defaults.FETCH_WORKERS (fits the cores beside torch's threads)
         link: ThrottledLink | None = None,
         direct_io: bool = True,
         chunk_bytes: int = 256 * 1024,
@@ -175,7 +176,7 @@ class FetchEngine:
         self.close_timeout = 5.0  # close() waits this long for the workers before leaving the files to them
         self._alive = workers  # workers not yet exited (guarded by _fd_lock)
         self._threads = [threading.Thread(target=self._worker, name=f"fate-fetch-{i}", daemon=True)
-                         for i in range(workers)]
+                         for i in range(FETCH_WORKERS if workers is None else workers)]
         for t in self._threads:
             t.start()
 

@@ -39,20 +39,24 @@ def _memory_cgroup(limit: int) -> tuple[Path | None, str]:
     return None, "no memory cgroup controller found: run without a cap"
 
 
+def cgroup_joiner(cgroup: Path | None):
+    """A preexec_fn moving the child into ``cgroup`` before it execs (None without a cgroup)."""
+    if cgroup is None:
+        return None
+    procs_file = cgroup / ("cgroup.procs" if (cgroup / "cgroup.procs").exists() else "tasks")
+
+    def join_cgroup():  # runs in the child before exec
+        procs_file.write_text(str(os.getpid()))
+
+    return join_cgroup
+
+
 def _run_peer(kind: str, spec: dict, tmp: Path, timeout: float, cgroup: Path | None = None) -> dict:
     spec_path = tmp / f"peer-{kind}-{spec.get('mode', '')}.json"
     spec_path.write_text(json.dumps(spec))
-    procs_file = None
-    if cgroup is not None:
-        procs_file = cgroup / ("cgroup.procs" if (cgroup / "cgroup.procs").exists() else "tasks")
-
-    def join_cgroup():  # runs in the child before exec
-        if procs_file is not None:
-            procs_file.write_text(str(os.getpid()))
-
     try:
         proc = subprocess.run(child_command("peer", spec_path), capture_output=True, text=True, timeout=timeout,
-                              preexec_fn=join_cgroup if procs_file else None)
+                              preexec_fn=cgroup_joiner(cgroup))
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f}s"}
     out = Path(str(spec_path) + ".result.json")
@@ -103,22 +107,16 @@ def peer_main(spec_path: str) -> int:
                 res["decode_tps"] = (spec["decode_tokens"] - 1) / (time.perf_counter() - t1)
                 res["tokens"] = tokens
     elif spec["kind"] == "llama.cpp":
-        from llama_cpp import Llama
+        from .llamacpp import llama_stream, open_llama, time_tokens
 
-        llm = Llama(model_path=spec["gguf"], n_ctx=max(prompts) + spec["decode_tokens"] + 8,
-                    n_threads=spec["threads"], use_mmap=spec["mode"] == "mmap", verbose=False)
+        llm = open_llama(spec["gguf"], max(prompts) + spec["decode_tokens"] + 8, spec["threads"],
+                         mmap=spec["mode"] == "mmap")
         for n, ids in sorted(prompts.items()):
             want = spec["decode_tokens"] if n == decode_len else 1
-            t0, times, tokens = time.perf_counter(), [], []
-            for tok in llm.generate(ids, top_k=1, temp=0.0, reset=True):
-                times.append(time.perf_counter())
-                tokens.append(int(tok))
-                if len(tokens) >= want:
-                    break
-            res["prefill_tps"][str(n)] = n / (times[0] - t0)  # includes sampling the first token
-            if n == decode_len and len(times) > 1:
-                res["decode_tps"] = (len(times) - 1) / (times[-1] - times[0])
-                res["tokens"] = tokens
+            t = time_tokens(llama_stream(llm, ids), n, want)  # prefill includes sampling the first token
+            res["prefill_tps"][str(n)] = t["prefill_tps"]
+            if n == decode_len and t["decode_tps"] is not None:
+                res["decode_tps"], res["tokens"] = t["decode_tps"], t["tokens"]
     res["peak_rss_bytes"] = peak_rss_bytes()
     Path(spec_path + ".result.json").write_text(json.dumps(res))
     return 0
@@ -152,21 +150,17 @@ def run_peers(cfg: BenchConfig, hf_dir: Path | None, info: dict, prompts: dict, 
                       "offload_folder on this disk (page cache as the OS leaves it)", wall_s=time.perf_counter() - t0)
         print(f"bench: peer transformers+accelerate: {_peer_line(r)}", flush=True)
         peers.append(r)
-    # llama.cpp through llama-cpp-python on a GGUF of the same checkpoint
-    if importlib.util.find_spec("llama_cpp") is None:
-        msg = "skipped: llama-cpp-python not installed (pip install llama-cpp-python builds llama.cpp, ~20 min here)"
-        print(f"bench: peer llama.cpp {msg}", flush=True)
-        peers.append({"peer": "llama.cpp", "skipped": msg})
-    elif not cfg.gguf:
-        msg = "skipped: no --gguf given (README 'Performance' shows how to convert the checkpoint)"
-        print(f"bench: peer llama.cpp {msg}", flush=True)
-        peers.append({"peer": "llama.cpp", "skipped": msg})
+    # llama.cpp through llama-cpp-python on a GGUF of the same checkpoint (q4_0, converted once and cached)
+    gguf, why = _peer_gguf(cfg, hf_dir)
+    if why:
+        print(f"bench: peer llama.cpp {why}", flush=True)
+        peers.append({"peer": "llama.cpp", "skipped": why})
     else:
         for mode in ("ram", "mmap"):
             cg, note = _memory_cgroup(cap)
             try:
                 t0 = time.perf_counter()
-                r = _run_peer("llama.cpp", {**base, "kind": "llama.cpp", "gguf": cfg.gguf, "mode": mode}, tmp,
+                r = _run_peer("llama.cpp", {**base, "kind": "llama.cpp", "gguf": gguf, "mode": mode}, tmp,
                               cfg.timeout_s, cg)
             finally:
                 if cg is not None:
@@ -177,6 +171,24 @@ def run_peers(cfg: BenchConfig, hf_dir: Path | None, info: dict, prompts: dict, 
             print(f"bench: peer llama.cpp ({mode}): {_peer_line(r)}", flush=True)
             peers.append(r)
     return peers
+
+
+def _peer_gguf(cfg: BenchConfig, hf_dir: Path | None) -> tuple[str | None, str | None]:
+    """(GGUF for the llama.cpp peer, None) or (None, why it is skipped): --gguf, else the checkpoint's q4_0."""
+    from ..errors import FateEdgeError
+    from .gguf import ensure_ggufs, llama_cpp_missing
+
+    why = llama_cpp_missing()
+    if why:
+        return None, f"skipped: {why}"
+    if cfg.gguf:
+        return cfg.gguf, None
+    if hf_dir is None:
+        return None, "skipped: --model is a store and no --gguf was given; the converter needs the checkpoint"
+    try:
+        return str(ensure_ggufs(hf_dir, ("q4_0",))["q4_0"]), None
+    except FateEdgeError as exc:
+        return None, f"skipped: {exc}"
 
 
 def _peer_line(r: dict) -> str:

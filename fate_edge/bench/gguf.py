@@ -1,0 +1,192 @@
+"""GGUF files of a Hugging Face checkpoint for the llama.cpp peer: f32 and bf16 by llama.cpp's own converter
+(``convert_hf_to_gguf.py`` from the llama-cpp-python sdist), q4_0 by ``llama_cpp.llama_model_quantize``.
+
+Nothing of llama.cpp lives in this repository: the sdist is unpacked into the peers cache
+(``~/.cache/fate-edge-peers``, or ``$FATE_EDGE_PEERS_CACHE``), and the GGUFs are cached there too, keyed by
+the model's fingerprint, so a second run converts nothing.
+
+    python -m fate_edge.bench.gguf MODEL_DIR            # prints the paths of the three GGUFs
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+from ..errors import FateEdgeError
+from .prepare import _fingerprint
+
+GGUF_TYPES = ("f32", "bf16", "q4_0")
+CONVERTED = ("f32", "bf16")  # written by the converter; q4_0 is quantized from the f32 file
+FALLBACK_PRE_TOKENIZER = "gpt-2"  # byte-level BPE with GPT-2's split regex, as our tokenizers use
+_VENDOR = "vendor/llama.cpp"
+
+
+class PeerUnavailableError(FateEdgeError):
+    """llama-cpp-python or its sdist (for the converter) is not on this machine; the bench skips the peer."""
+
+
+def peers_cache() -> Path:
+    return Path(os.environ.get("FATE_EDGE_PEERS_CACHE") or Path.home() / ".cache" / "fate-edge-peers")
+
+
+def llama_cpp_missing() -> str | None:
+    """Why the llama.cpp peer cannot run here, or None when llama-cpp-python imports."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return ("llama-cpp-python is not installed: pip install llama-cpp-python (builds llama.cpp, ~20 min; "
+                "the figures here used CMAKE_ARGS=\"-DGGML_NATIVE=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF "
+                "-DGGML_AMX_BF16=OFF\")")
+    return None
+
+
+def sdist_candidates() -> list[Path]:
+    """Where a llama-cpp-python sdist may be: $FATE_EDGE_LLAMACPP_SDIST, the peers cache, /tmp/llsrc."""
+    env = os.environ.get("FATE_EDGE_LLAMACPP_SDIST")
+    pats = [str(peers_cache() / "wheels" / "llama_cpp_python-*.tar.gz"), "/tmp/llsrc/llama_cpp_python-*.tar.gz"]
+    found = [Path(p) for pat in pats for p in sorted(glob.glob(pat))]
+    return ([Path(env)] if env else []) + found
+
+
+def converter_dir(extract: bool = True) -> Path:
+    """llama.cpp's source directory holding ``convert_hf_to_gguf.py``, unpacked from the sdist once."""
+    for script in sorted(peers_cache().glob(f"src/*/{_VENDOR}/convert_hf_to_gguf.py")):
+        if (script.parent / "conversion").is_dir() and (script.parent / "gguf-py").is_dir():
+            return script.parent
+    sdists = [p for p in sdist_candidates() if p.is_file()]
+    if not sdists or not extract:
+        raise PeerUnavailableError(
+            "llama.cpp's converter (convert_hf_to_gguf.py) is not unpacked and no llama-cpp-python sdist was "
+            f"found (looked in {', '.join(str(p) for p in sdist_candidates()) or peers_cache() / 'wheels'}); "
+            "run `pip download --no-binary :all: --no-deps llama-cpp-python -d ~/.cache/fate-edge-peers/wheels` "
+            "or set FATE_EDGE_LLAMACPP_SDIST to the .tar.gz")
+    dest = peers_cache() / "src"
+    dest.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(sdists[0]) as tar:
+        wanted = [m for m in tar.getmembers() if _is_converter_member(m.name)]
+        tar.extractall(dest, members=wanted, filter="data")
+    return converter_dir(extract=False)
+
+
+def _is_converter_member(name: str) -> bool:
+    parts = name.split("/", 1)
+    rest = parts[1] if len(parts) == 2 else ""
+    return rest == f"{_VENDOR}/convert_hf_to_gguf.py" or any(
+        rest.startswith(f"{_VENDOR}/{d}/") for d in ("conversion", "gguf-py"))
+
+
+def gguf_dir(model_dir: str | Path) -> Path:
+    """Cache directory of one checkpoint's GGUFs: its name and fingerprint (files, sizes, mtimes, config)."""
+    model_dir = Path(model_dir)
+    cfg = (model_dir / "config.json").read_text() if (model_dir / "config.json").exists() else ""
+    return peers_cache() / "gguf" / f"{model_dir.name}-{_fingerprint(model_dir, 'gguf' + cfg)}"
+
+
+def gguf_path(model_dir: str | Path, kind: str) -> Path:
+    if kind not in GGUF_TYPES:
+        raise FateEdgeError(f"GGUF type {kind!r} is not one of {', '.join(GGUF_TYPES)}")
+    return gguf_dir(model_dir) / f"model-{kind}.gguf"
+
+
+def convert_command(model_dir: str | Path, outtype: str, outfile: str | Path, llama_dir: str | Path) -> list[str]:
+    """The command converting ``model_dir`` to ``outfile``: this module's wrapper around the converter."""
+    return [sys.executable, "-m", "fate_edge.bench.gguf", "--convert", str(llama_dir), str(model_dir),
+            "--outtype", outtype, "--outfile", str(outfile)]
+
+
+def patch_pre_tokenizer(model_class: type, fallback: str = FALLBACK_PRE_TOKENIZER) -> None:
+    """Make ``model_class.get_vocab_base_pre`` answer ``fallback`` for a tokenizer whose hash it does not know.
+
+    The converter identifies a BPE pre-tokenizer by the hash of a test string's token ids and refuses any
+    other; our custom byte-level BPEs split text like GPT-2, so llama.cpp's ``gpt-2`` pre-tokenizer is the
+    one that reproduces their token ids (``check_tokens`` in the bench verifies it)."""
+    original = model_class.get_vocab_base_pre
+    if getattr(original, "_fate_edge_fallback", None) == fallback:
+        return
+
+    def get_vocab_base_pre(self, tokenizer) -> str:
+        try:
+            return original(self, tokenizer)
+        except NotImplementedError:
+            return fallback
+
+    get_vocab_base_pre._fate_edge_fallback = fallback  # type: ignore[attr-defined]
+    model_class.get_vocab_base_pre = get_vocab_base_pre
+
+
+def _convert_main(llama_dir: str, argv: list[str]) -> None:
+    """In the converter's process: import it from ``llama_dir``, patch the hash check, run its main()."""
+    sys.path[:0] = [llama_dir, str(Path(llama_dir) / "gguf-py")]
+    import conversion.base  # type: ignore[import-not-found]
+    import convert_hf_to_gguf  # type: ignore[import-not-found]
+
+    patch_pre_tokenizer(conversion.base.TextModel)
+    sys.argv = ["convert_hf_to_gguf.py", *argv]
+    convert_hf_to_gguf.main()
+
+
+def quantize_q4_0(src: Path, dst: Path, threads: int = 2) -> None:
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
+    params.nthread = threads
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
+    if rc != 0:
+        raise FateEdgeError(f"llama_model_quantize({src} -> q4_0) returned {rc}")
+
+
+def ensure_ggufs(model_dir: str | Path, kinds: tuple[str, ...] = GGUF_TYPES, quiet: bool = True) -> dict[str, Path]:
+    """The GGUFs of ``model_dir`` in the ``kinds`` asked, converted on first use and then taken from the cache.
+    Raises :class:`PeerUnavailableError` when llama-cpp-python or the converter is missing."""
+    why = llama_cpp_missing()
+    if why:
+        raise PeerUnavailableError(why)
+    model_dir = Path(model_dir).resolve()
+    out = {k: gguf_path(model_dir, k) for k in kinds}
+    todo = [k for k in kinds if not out[k].exists()]
+    if "q4_0" in todo and "f32" not in kinds:
+        ensure_ggufs(model_dir, ("f32",), quiet)
+    if not todo:
+        return out
+    llama_dir = converter_dir()
+    out[next(iter(out))].parent.mkdir(parents=True, exist_ok=True)
+    for kind in [k for k in CONVERTED if k in todo]:
+        tmp = out[kind].with_suffix(f".partial-{os.getpid()}")
+        print(f"gguf: converting {model_dir} -> {out[kind]} ({kind})", flush=True)
+        proc = subprocess.run(convert_command(model_dir, kind, tmp, llama_dir), capture_output=quiet, text=True)
+        if proc.returncode != 0:
+            tail = " | ".join((proc.stderr or "").strip().splitlines()[-4:]) if quiet else "see above"
+            raise FateEdgeError(f"llama.cpp's converter failed on {model_dir} ({kind}): {tail}")
+        tmp.rename(out[kind])
+    if "q4_0" in todo:
+        tmp = out["q4_0"].with_suffix(f".partial-{os.getpid()}")
+        print(f"gguf: quantizing -> {out['q4_0']} (q4_0)", flush=True)
+        quantize_q4_0(gguf_path(model_dir, "f32"), tmp)
+        tmp.rename(out["q4_0"])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--convert"]:
+        _convert_main(argv[1], argv[2:])
+        return 0
+    if len(argv) != 1 or argv[0].startswith("-"):
+        print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)
+        return 2
+    try:
+        for kind, path in ensure_ggufs(argv[0], quiet=False).items():
+            print(f"{kind}\t{path}")
+    except FateEdgeError as exc:
+        print(f"gguf: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""Running llama.cpp (llama-cpp-python) on the same prompt token ids as fate-edge, and timing either side the
+same way: prefill = time to the first generated token, decode = the tokens after it over their time."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+
+def time_tokens(stream: Iterable[int | None], n_prompt: int, want: int) -> dict[str, Any]:
+    """Consume ``want`` tokens of a greedy ``stream`` started just now; tok/s of prefill and of decode."""
+    t0, times, tokens = time.perf_counter(), [], []
+    for tok in stream:
+        times.append(time.perf_counter())
+        tokens.append(None if tok is None else int(tok))
+        if len(tokens) >= want:
+            break
+    out: dict[str, Any] = {"prefill_tps": n_prompt / (times[0] - t0), "tokens": tokens, "decode_tps": None}
+    if len(times) > 1 and times[-1] > times[0]:
+        out["decode_tps"] = (len(times) - 1) / (times[-1] - times[0])
+    return out
+
+
+def open_llama(gguf: str | Path, n_ctx: int, threads: int, mmap: bool):
+    """A Llama on ``gguf`` with ``threads`` for both decode and prefill (llama.cpp's batch threads default to
+    all cores otherwise), fully read into RAM (``mmap=False``) or memory-mapped."""
+    from llama_cpp import Llama
+
+    return Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, use_mmap=mmap,
+                 verbose=False)
+
+
+def llama_stream(llm, ids: list[int]):
+    """Greedy tokens after ``ids`` (the prompt as token ids: no tokenizer on llama.cpp's side)."""
+    return llm.generate(ids, top_k=1, temp=0.0, reset=True)
+
+
+def tokens_agree(llm, text: str, ids: list[int]) -> dict[str, Any]:
+    """Does llama.cpp tokenize ``text`` to our ``ids``? (The bench feeds ids either way; this checks the GGUF's
+    vocabulary and pre-tokenizer reproduce ours.)"""
+    theirs = llm.tokenize(text.encode(), add_bos=False, special=False)
+    first = next((i for i, (a, b) in enumerate(zip(theirs, ids)) if a != b), None)
+    if first is None and len(theirs) != len(ids):
+        first = min(len(theirs), len(ids))
+    return {"equal": first is None, "ours": len(ids), "llama.cpp": len(theirs), "first_difference": first}
+
+
+def read_bytes() -> int | None:
+    """Bytes this process caused to be read from storage (/proc/self/io read_bytes: page faults of a mapped
+    file included), or None where the kernel does not report it."""
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None

@@ -1,0 +1,188 @@
+"""fate-edge beside llama.cpp on the same checkpoint and the same prompt token ids (``scripts/bench_llamacpp.py``).
+
+Resident: fate-edge fp32 / bf16 / int4 experts vs llama.cpp f32 / bf16 / q4_0 GGUFs, every weight in RAM.
+Memory-limited: fate-edge streaming its int4 experts under an expert budget, then llama.cpp q4_0 memory-mapped
+inside a memory cgroup capped at fate-edge's measured peak RSS, the page cache dropped before each run.
+Each measurement is a fresh process; rounds interleave the sides so the host's drift hits them alike."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .llamacpp import read_bytes, time_tokens
+
+
+@dataclass(frozen=True)
+class Side:
+    name: str
+    kind: str  # fate-edge | llama.cpp
+    precision: str  # fp32 | bf16 | int4 (fate-edge); f32 | bf16 | q4_0 (the GGUF's type)
+    experts: str  # what the experts are stored and computed in
+    rest: str  # attention, embeddings, shared experts, lm_head
+    mode: str = "resident"  # resident | limited (fate-edge: expert budget; llama.cpp: mmap under a cgroup cap)
+
+
+RESIDENT = [
+    Side("fate-edge fp32", "fate-edge", "fp32", "fp32", "fp32"),
+    Side("fate-edge bf16", "fate-edge", "bf16", "bf16", "bf16 (router fp32)"),
+    Side("fate-edge int4", "fate-edge", "int4", "int4 (fate-edge store, group-wise RTN), fp32 compute", "fp32"),
+    Side("llama.cpp f32", "llama.cpp", "f32", "f32", "f32"),
+    Side("llama.cpp bf16", "llama.cpp", "bf16", "bf16", "bf16 (norms f32)"),
+    Side("llama.cpp q4_0", "llama.cpp", "q4_0", "q4_0", "llama.cpp's Q4_0 mix (most matrices q4_0, norms f32)"),
+]
+LIMITED = [
+    Side("fate-edge int4, expert budget", "fate-edge", "int4", "int4, streamed from disk into the budget", "fp32",
+         "limited"),
+    Side("llama.cpp q4_0, mmap under cap", "llama.cpp", "q4_0", "q4_0, memory-mapped",
+         "llama.cpp's Q4_0 mix", "limited"),
+]
+PAIRS = [("fate-edge fp32", "llama.cpp f32"), ("fate-edge bf16", "llama.cpp bf16"),
+         ("fate-edge int4", "llama.cpp q4_0"), ("fate-edge int4, expert budget", "llama.cpp q4_0, mmap under cap")]
+
+
+def child_command(spec: dict[str, Any]) -> list[str]:
+    code = "import sys; from fate_edge.bench.sidebyside import child_main; child_main(sys.argv[1])"
+    return [sys.executable, "-c", code, json.dumps(spec)]
+
+
+def resident_int4(store: str | Path):
+    """Every int4 expert of ``store`` decoded once into memory: the int4 model with nothing left to fetch."""
+    from ..experts import InMemoryExpertProvider
+    from ..store import ExpertStore
+    from ..store_provider import StoreExpertProvider
+
+    s = ExpertStore(store)
+    prov = StoreExpertProvider(s, bits=4)
+    try:
+        experts = {(layer, e): prov.get(layer, e) for layer in s.index["moe_layers"]
+                   for e in range(s.index["num_experts"])}
+    finally:
+        prov.close()
+    return InMemoryExpertProvider(experts)
+
+
+def _fate_edge_stream(spec: dict[str, Any]):
+    import torch
+
+    from ..generate import GenerateConfig, stream_generate
+    from ..loader import load_model
+    from ..tokenizer import Tokenizer
+
+    torch.set_num_threads(spec["threads"])
+    cfg = GenerateConfig(max_tokens=spec["decode_tokens"] + 1, ignore_eos=True)
+    if spec["mode"] == "limited":
+        from ..engine import Engine
+
+        engine = Engine(spec["store"], spec["budget"], "fate-edge", workers=spec["workers"])
+        return (r.token for r in engine.stream(spec["ids"], cfg))
+    if spec["precision"] == "int4":
+        model = load_model(spec["store"], torch.float32, experts=resident_int4(spec["store"]))
+    else:
+        model = load_model(spec["model"], torch.float32 if spec["precision"] == "fp32" else torch.bfloat16)
+    return (r.token for r in stream_generate(model, Tokenizer(spec["model"]), spec["ids"], cfg))
+
+
+def child_main(spec_json: str) -> None:
+    """One side, one run: load, prefill the ids, decode; print one JSON line (tok/s, peak RSS, bytes read)."""
+    from ..generate import peak_rss_bytes
+
+    spec = json.loads(spec_json)
+    ids, io0 = spec["ids"], read_bytes()
+    extra: dict[str, Any] = {}
+    if spec["kind"] == "llama.cpp":
+        from .llamacpp import llama_stream, open_llama, tokens_agree
+
+        llm = open_llama(spec["gguf"], len(ids) + spec["decode_tokens"] + 8, spec["threads"],
+                         mmap=spec["mode"] == "limited")
+        stream = llama_stream(llm, ids)
+    else:
+        stream = _fate_edge_stream(spec)
+    io1 = read_bytes()
+    t = time_tokens(stream, len(ids), spec["decode_tokens"] + 1)
+    io2 = read_bytes()
+    if spec["kind"] == "llama.cpp" and spec.get("text"):
+        extra["tokenization"] = tokens_agree(llm, spec["text"], spec["text_ids"])
+    if io0 is not None:
+        n_dec = max(1, len(t["tokens"]) - 1)
+        extra.update(load_read_mb=(io1 - io0) / 1e6, decode_read_mb_per_token=(io2 - io1) / 1e6 / n_dec)
+    print(json.dumps({**t, **extra, "peak_rss_bytes": peak_rss_bytes()}), flush=True)
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]], sides: list[Side]) -> dict[str, dict[str, Any]]:
+    """Medians per side (over the runs that did not fail) and fate-edge / llama.cpp ratios per pair."""
+    out: dict[str, dict[str, Any]] = {}
+    for side in sides:
+        rs = runs.get(side.name, [])
+        ok = [r for r in rs if "error" not in r]
+        row: dict[str, Any] = {"kind": side.kind, "experts": side.experts, "rest": side.rest, "mode": side.mode,
+                               "runs": len(rs), "failed": len(rs) - len(ok),
+                               "errors": sorted({r["error"] for r in rs if "error" in r})}
+        for key in ("prefill_tps", "decode_tps", "peak_rss_bytes", "decode_read_mb_per_token", "load_avg"):
+            vals = [r[key] for r in ok if r.get(key) is not None]
+            row[key] = statistics.median(vals) if vals else None
+        out[side.name] = row
+    for ours, theirs in PAIRS:
+        a, b = out.get(ours), out.get(theirs)
+        if a and b:
+            for key in ("prefill_tps", "decode_tps"):
+                if a[key] and b[key]:
+                    a[f"{key}_ratio"] = a[key] / b[key]
+    return out
+
+
+def same_tokens(runs: dict[str, list[dict[str, Any]]], ours: str, theirs: str) -> int | None:
+    """How many leading greedy tokens two sides agree on (first successful run of each)."""
+    a = next((r["tokens"] for r in runs.get(ours, []) if "tokens" in r), None)
+    b = next((r["tokens"] for r in runs.get(theirs, []) if "tokens" in r), None)
+    if a is None or b is None:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def run_rounds(base: dict[str, Any], sides: list[Side], ggufs: dict[str, str], rounds: int, timeout: float,
+               log=print) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]:
+    """Interleaved rounds of fresh processes; (runs per side, notes on the memory cap and the page cache).
+    The llama.cpp mmap side runs under a cgroup capped at the first measured peak RSS of fate-edge's
+    limited side, which therefore runs before it in every round."""
+    import contextlib
+    import os
+
+    from .peers import _memory_cgroup, cgroup_joiner
+    from .prepare import drop_page_cache
+    from .threads import load_average, run_child
+
+    runs: dict[str, list[dict[str, Any]]] = {}
+    notes: dict[str, Any] = {}
+    for r in range(rounds):
+        for side in sides:
+            spec = {**base, "kind": side.kind, "precision": side.precision, "mode": side.mode,
+                    "gguf": ggufs.get(side.precision, "")}
+            if r == 0 and side.kind == "llama.cpp":
+                spec.update(text=base["text"], text_ids=base["text_ids"])
+            cg = None
+            if side.mode == "limited":
+                notes["page_cache"] = drop_page_cache()[1]
+                if side.kind == "llama.cpp":
+                    if "cap_bytes" not in notes:
+                        runs.setdefault(side.name, []).append({"error": "no fate-edge peak RSS to cap at"})
+                        continue
+                    cg, notes["cgroup"] = _memory_cgroup(notes["cap_bytes"])
+            load = load_average()
+            try:
+                res = run_child(child_command(spec), timeout, dict(os.environ), cgroup_joiner(cg))
+            finally:
+                if cg is not None:
+                    with contextlib.suppress(OSError):
+                        cg.rmdir()
+            res["load_avg"] = load[0]
+            if side.mode == "limited" and side.kind == "fate-edge" and "peak_rss_bytes" in res:
+                notes.setdefault("cap_bytes", res["peak_rss_bytes"])
+            runs.setdefault(side.name, []).append(res)
+            log(f"round {r + 1} {side.name}: prefill {res.get('prefill_tps') or 0:.0f} tok/s, decode "
+                f"{res.get('decode_tps') or 0:.1f} tok/s {res.get('error', '')} (load {load[0]})")
+    return runs, notes

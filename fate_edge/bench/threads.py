@@ -1,0 +1,188 @@
+"""Decode speed under CPU competition: fate-edge's old thread defaults, its new ones, one thread, and llama.cpp,
+each with 0, 1 and 2 busy-looping processes beside it (``scripts/bench_threads.py``).
+
+Every measurement is a fresh interpreter, so each starts OpenMP with its own settings: the old default is
+reproduced by importing torch before fate_edge (libgomp reads OMP_WAIT_POLICY when torch loads it, before
+fate_edge's ``setdefault``) with the variable removed from the child's environment."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ..corpus import heldout_source
+
+
+@dataclass(frozen=True)
+class ThreadConfig:
+    name: str
+    kind: str  # fate-edge | llama.cpp
+    threads: int | None  # torch / llama.cpp threads; None: the library's default
+    workers: int | None = None  # fate-edge fetch workers; None: the library's default
+    omp_default: bool = False  # reproduce the old default: OMP_WAIT_POLICY unset when libgomp starts
+
+    def describe(self) -> str:
+        if self.kind == "llama.cpp":
+            return f"llama.cpp f32, {self.threads} threads"
+        t = "library default" if self.threads is None else self.threads
+        w = "library default" if self.workers is None else self.workers
+        omp = "OMP_WAIT_POLICY unset (libgomp spins)" if self.omp_default else "OMP_WAIT_POLICY=PASSIVE"
+        return f"torch threads: {t}, fetch workers: {w}, {omp}"
+
+
+def configs(cores: int) -> list[ThreadConfig]:
+    return [
+        ThreadConfig("fate-edge old default", "fate-edge", cores, 2, omp_default=True),
+        ThreadConfig("fate-edge new default", "fate-edge", None, None),
+        ThreadConfig("fate-edge 1 thread", "fate-edge", 1, 1),
+        ThreadConfig(f"llama.cpp {cores} threads", "llama.cpp", cores),
+        ThreadConfig("llama.cpp 1 thread", "llama.cpp", 1),
+    ]
+
+
+def child_command(spec: dict[str, Any]) -> list[str]:
+    """A fresh interpreter measuring ``spec``; torch first when the old OpenMP default is wanted."""
+    first = "import torch; " if spec["omp_default"] else ""
+    code = f"{first}import sys; from fate_edge.bench.threads import child_main; child_main(sys.argv[1])"
+    return [sys.executable, "-c", code, json.dumps(spec)]
+
+
+def child_env(spec: dict[str, Any]) -> dict[str, str]:
+    env = dict(os.environ)
+    if spec["omp_default"]:
+        env.pop("OMP_WAIT_POLICY", None)
+    return env
+
+
+def competitor_command(seconds: float) -> list[str]:
+    """A CPU-bound process that stops by itself after ``seconds`` (and is killed earlier by the bench)."""
+    return [sys.executable, "-c", f"import time\nt = time.time() + {seconds}\nwhile time.time() < t: pass"]
+
+
+def start_competitors(n: int, seconds: float) -> list[subprocess.Popen]:
+    return [subprocess.Popen(competitor_command(seconds)) for _ in range(n)]
+
+
+def stop_competitors(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        p.kill()
+    for p in procs:
+        p.wait()
+
+
+def prompt_ids(model_dir: str | Path, n: int) -> list[int]:
+    from ..tokenizer import Tokenizer
+
+    text, _ = heldout_source(n * 16)
+    return Tokenizer(model_dir).encode(text)[:n]
+
+
+def child_main(spec_json: str) -> None:
+    """Decode up to ``decode_tokens`` greedy tokens (stopping after ``max_s``); print one JSON line."""
+    spec = json.loads(spec_json)
+    from .llamacpp import llama_stream, open_llama
+
+    ids = spec["ids"]
+    if spec["kind"] == "llama.cpp":
+        llm = open_llama(spec["gguf"], len(ids) + spec["decode_tokens"] + 8, spec["threads"], mmap=False)
+        stream, used = llama_stream(llm, ids), {"threads": spec["threads"]}
+    else:
+        from .. import defaults
+        from ..engine import Engine
+        from ..engine_args import set_threads
+        from ..generate import GenerateConfig
+
+        set_threads(spec["threads"] or defaults.THREADS)
+        workers = spec["workers"] or defaults.FETCH_WORKERS
+        engine = Engine(spec["store"], spec["budget"], "fate-edge", workers=workers)
+        import torch
+
+        used = {"threads": torch.get_num_threads(), "workers": engine.fetch.workers,
+                "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY")}
+        cfg = GenerateConfig(max_tokens=spec["decode_tokens"] + 1, ignore_eos=True)
+        stream = (r.token for r in engine.stream(ids, cfg))
+    times = []
+    for _ in stream:
+        times.append(time.perf_counter())
+        if len(times) > spec["decode_tokens"] or times[-1] - times[0] > spec["max_s"]:
+            break
+    tps = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0
+    print(json.dumps({"decode_tps": tps, "decode_tokens": len(times) - 1, **used}), flush=True)
+
+
+def measure(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
+    return run_child(child_command(spec), timeout, child_env(spec))
+
+
+def run_child(cmd: list[str], timeout: float, env: dict[str, str] | None = None, preexec=None) -> dict[str, Any]:
+    """Run a measuring child; its last JSON line on stdout, or {"error": ...} naming how it failed."""
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, preexec_fn=preexec)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f}s"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
+        killed = " (killed: out of memory under the cap?)" if proc.returncode in (-9, 137) else ""
+        return {"error": f"exit {proc.returncode}{killed}: {tail}"}
+    return json.loads(lines[-1])
+
+
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def run(base: dict[str, Any], cfgs: list[ThreadConfig], competition: list[int], rounds: int,
+        log=print) -> list[dict[str, Any]]:
+    """Interleaved rounds: for each round, each competition level, each configuration, one fresh measurement."""
+    rows: dict[tuple[int, str], dict[str, Any]] = {}
+    for r in range(rounds):
+        for n in competition:
+            for c in cfgs:
+                spec = {**base, **asdict(c)}
+                procs = start_competitors(n, base["max_s"] + 60)
+                try:
+                    time.sleep(0.5 if n else 0)  # let the competitors get going
+                    load = load_average()
+                    res = measure(spec, base["max_s"] + 120)
+                finally:
+                    stop_competitors(procs)
+                row = rows.setdefault((n, c.name), {"competitors": n, "config": c.name, "describe": c.describe(),
+                                                     "runs": []})
+                row["runs"].append({**res, "load_avg": load})
+                log(f"round {r + 1} competitors {n} {c.name}: "
+                    f"{res.get('decode_tps', 0):.2f} tok/s {res.get('error', '')} (load {load[0]})")
+    return list(rows.values())
+
+
+def summarize(rows: list[dict[str, Any]]) -> None:
+    """Median decode tok/s (and load average) of each row's runs, in place."""
+    import statistics
+
+    for row in rows:
+        ok = [r for r in row["runs"] if "error" not in r]
+        row["median_decode_tps"] = statistics.median(r["decode_tps"] for r in ok) if ok else None
+        row["median_load_avg"] = statistics.median(r["load_avg"][0] for r in row["runs"])
+        row["errors"] = len(row["runs"]) - len(ok)
+
+
+def table(rows: list[dict[str, Any]], competition: list[int], header: str) -> str:
+    names = list(dict.fromkeys(r["config"] for r in rows))
+    cell = {(r["competitors"], r["config"]): r for r in rows}
+    out = [header, "", "| configuration | " + " | ".join(f"{n} busy processes" for n in competition) + " |",
+           "|---|" + "---:|" * len(competition)]
+    for name in names:
+        cells = []
+        for n in competition:
+            r = cell[(n, name)]
+            v = "failed" if r["median_decode_tps"] is None else f"{r['median_decode_tps']:.1f}"
+            cells.append(f"{v} (load {r['median_load_avg']:.1f})")
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    out += [""] + [f"- {name}: {cell[(competition[0], name)]['describe']}" for name in names]
+    return "\n".join(out)

@@ -1,0 +1,103 @@
+"""fate-edge beside llama.cpp on the same checkpoint: the same held-out Python prompt token ids, greedy decode,
+the same thread count, fresh processes in interleaved rounds, medians (fate_edge.bench.sidebyside).
+
+Resident: fate-edge fp32 / bf16 / int4 experts vs llama.cpp f32 / bf16 / q4_0 GGUFs (converted from the
+checkpoint by llama.cpp's own converter, cached in ~/.cache/fate-edge-peers; fate_edge.bench.gguf).
+Memory-limited: fate-edge with an expert budget vs llama.cpp q4_0 memory-mapped in a memory cgroup capped at
+fate-edge's peak RSS, page cache dropped first; MB read per decoded token from /proc/PID/io.
+
+    python scripts/bench_llamacpp.py --rounds 3 --json bench-out/llamacpp.json --readme README.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+from fate_edge import bundled_model_dir
+from fate_edge.bench.config import HEADLINE_BUDGET
+from fate_edge.bench.gguf import PeerUnavailableError, ensure_ggufs
+from fate_edge.bench.prepare import store_info
+from fate_edge.bench.sidebyside import LIMITED, PAIRS, RESIDENT, run_rounds, same_tokens, summarize
+from fate_edge.bench.threads import load_average
+from fate_edge.corpus import heldout_source
+from fate_edge.engine_args import resolve_store
+from fate_edge.report import publish
+from fate_edge.tokenizer import Tokenizer
+
+
+def _fmt(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def table(summary: dict, header: str) -> str:
+    out = [header, "", "| side | experts | rest | prefill tok/s | ratio | decode tok/s | ratio | peak RSS MB "
+           "| MB read / token |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for name, r in summary.items():
+        rss = None if r["peak_rss_bytes"] is None else r["peak_rss_bytes"] / 1e6
+        fail = f" ({r['failed']} of {r['runs']} failed: {'; '.join(r['errors'])[:120]})" if r["failed"] else ""
+        out.append(f"| {name}{fail} | {r['experts']} | {r['rest']} | {_fmt(r['prefill_tps'], '.0f')} "
+                   f"| {_fmt(r.get('prefill_tps_ratio'), '.2f')} | {_fmt(r['decode_tps'], '.1f')} "
+                   f"| {_fmt(r.get('decode_tps_ratio'), '.2f')} | {_fmt(rss, '.0f')} "
+                   f"| {_fmt(r['decode_read_mb_per_token'], '.2f')} |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(bundled_model_dir()), help="Hugging Face model directory")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--budget", type=float, default=HEADLINE_BUDGET, help="expert budget, share of int4 experts")
+    ap.add_argument("--no-limited", action="store_true", help="skip the memory-limited mode")
+    ap.add_argument("--timeout", type=float, default=900.0, help="per process, seconds")
+    ap.add_argument("--json", type=Path, default=Path("bench-out/llamacpp.json"))
+    ap.add_argument("--readme", type=Path, default=None, help="rewrite the table between the bench_llamacpp markers")
+    args = ap.parse_args()
+    try:
+        ggufs = {k: str(p) for k, p in ensure_ggufs(args.model).items()}
+    except PeerUnavailableError as exc:
+        sys.exit(f"bench_llamacpp: {exc}")
+    store = resolve_store(args.model, progress=False)
+    info = store_info(store)
+    tok = Tokenizer(args.model)
+    text, files = heldout_source(args.prompt_tokens * 16)
+    text_ids = tok.encode(text)
+    ids = text_ids[:args.prompt_tokens]
+    budget = max(int(args.budget * info["int4_expert_bytes_total"]), 1)
+    base = {"model": str(Path(args.model).resolve()), "store": str(store), "ids": ids, "text": text,
+            "text_ids": text_ids, "threads": args.threads, "workers": 1, "decode_tokens": args.decode_tokens,
+            "budget": budget}
+    sides = RESIDENT + ([] if args.no_limited else LIMITED)
+    load_before = load_average()
+    runs, notes = run_rounds(base, sides, ggufs, args.rounds, args.timeout)
+    summary = summarize(runs, sides)
+    agree = {f"{a} vs {b}": same_tokens(runs, a, b) for a, b in PAIRS}
+    tokenization = next((r["tokenization"] for rs in runs.values() for r in rs if "tokenization" in r), None)
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor())
+    header = (f"`{Path(args.model).name}`, {len(ids)}-token held-out Python prompt (same token ids on both sides), "
+              f"{args.decode_tokens} greedy decode tokens, {args.threads} threads, median of {args.rounds} "
+              f"interleaved rounds of fresh processes; {cpu}, torch {torch.__version__}, llama-cpp-python "
+              f"{__import__('llama_cpp').__version__}; load average {load_before[0]} before, medians per side in "
+              f"the JSON. Ratios: fate-edge / llama.cpp. Expert budget {budget / 1e6:.1f} MB "
+              f"({args.budget:.0%} of int4 experts); llama.cpp's cap: {notes.get('cgroup', 'none')}; "
+              f"{notes.get('page_cache', '')}. Leading greedy tokens equal: "
+              + ", ".join(f"{k}: {v}" for k, v in agree.items())
+              + f"; llama.cpp tokenizes the prompt text as fate-edge does: "
+              f"{tokenization['equal'] if tokenization else 'not checked'} (`scripts/bench_llamacpp.py`).")
+    result = {"model": args.model, "ggufs": ggufs, "prompt_files": files, "threads": args.threads,
+              "rounds": args.rounds, "cpu": cpu, "torch": torch.__version__, "load_avg_before": load_before,
+              "notes": notes, "summary": summary, "token_agreement": agree, "tokenization": tokenization,
+              "runs": runs}
+    publish(result, args.json, table(summary, header), args.readme, "bench_llamacpp")
+
+
+if __name__ == "__main__":
+    main()
