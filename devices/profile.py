@@ -13,6 +13,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from fate_edge.errors import ProfileError
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10: the same parser lives in the 'tomli' package
@@ -22,10 +24,6 @@ except ModuleNotFoundError:  # Python 3.10: the same parser lives in the 'tomli'
         tomllib = None  # type: ignore[assignment]
 
 GiB = 1 << 30
-
-
-class ProfileError(ValueError):
-    """A device profile is missing, malformed, or states a figure without a source."""
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from .bundled import bundled_model_dir
-from .engine import BudgetError, Completion, Engine
-from .errors import FateEdgeError, GenerationError, ModelFormatError
+from .engine import Completion, Engine
+from .errors import BudgetError, FateEdgeError, GenerationError, ModelFormatError
 from .generate import GenerateConfig, GenerationResponse, generate, stream_generate
 from .loader import load_model
 from .sampling import SamplingParams

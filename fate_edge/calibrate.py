@@ -27,14 +27,10 @@ from typing import Any
 import torch
 
 from .corpus import CorpusSplit, read_corpus
-from .errors import FateEdgeError
+from .errors import CalibrationError, FateEdgeError
 
 POPULARITY_FORMAT = "fate-edge/expert-popularity"
 PREDICTORS_DIR = "predictors"
-
-
-class CalibrationError(FateEdgeError):
-    """The corpus or the options cannot give a calibration (too little text, bad fractions, ...)."""
 
 
 @dataclass

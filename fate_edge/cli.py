@@ -145,7 +145,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .engine import parse_bytes
+    from .budget import parse_bytes
     from .engine_args import resolve_store
     from .planner import auto_plan, plan, record_plan_trace, roofline_layer_time, sample_token_ids
     from .store import ExpertStore

@@ -29,7 +29,7 @@ class CliParser(argparse.ArgumentParser):
 
 def byte_size(value: str) -> str:
     """A positive byte size such as 512MB, 2GB or 1.5GiB (kept as text: the engine reads it)."""
-    from .engine import parse_bytes
+    from .budget import parse_bytes
 
     try:
         n = parse_bytes(value)

@@ -134,8 +134,9 @@ def summary(ours: RunResult, base: RunResult, budget: int, expert_bytes_int4: in
 def cmd_demo(args: argparse.Namespace) -> int:
     from contextlib import ExitStack
 
+    from .budget import parse_bytes
     from .bundled import bundled_model_dir
-    from .engine import parse_bytes, resolve_device
+    from .engine import resolve_device
     from .engine_args import EngineOptions, open_engine, set_threads
     from .store import ExpertStore
     from .store_cache import cache_root, ensure_store

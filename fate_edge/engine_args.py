@@ -56,7 +56,8 @@ def add_engine_args(p: argparse.ArgumentParser, memory_budget: str | None = defa
         p.add_argument("--link", default=None, type=link_name,
                        help="throttle expert reads to a device profile's storage link (devices/profiles), or host")
     p.add_argument("--threads", type=positive_int, default=defaults.THREADS,
-                   help="torch CPU threads (default: torch's choice)")
+                   help=f"torch CPU threads (default {defaults.THREADS}: the cores this process may use, less the "
+                        f"{defaults.FETCH_WORKERS} fetch worker(s))")
     p.add_argument("--verify", default=defaults.VERIFY, choices=["once", "always"],
                    help="expert store: check each blob's CRC32 on its first read (default) or on every read")
 
@@ -94,7 +95,8 @@ def resolve_store(model: str | Path | None, progress: bool = True) -> Path:
 def open_engine(opts: EngineOptions, log: TextIO | None = None, progress: bool = True) -> Engine:
     """Build the engine ``opts`` describes. ``--policy auto`` runs the planner first and reports its probes,
     its pick and the decode speed it predicts on ``log`` (default stderr)."""
-    from .engine import Engine, parse_bytes
+    from .budget import parse_bytes
+    from .engine import Engine
     from .loader import DTYPES
 
     log = log or sys.stderr

@@ -45,3 +45,35 @@ class EngineClosedError(FateEdgeError):
 
 class StreamSupersededError(FateEdgeError):
     """An open stream was left idle and a newer request took the engine."""
+
+
+class BudgetError(FateEdgeError):
+    """The memory budget is too small to run the model."""
+
+
+class FetchError(FateEdgeError):
+    """A blob could not be read."""
+
+
+class CorruptBlobError(FetchError):
+    """A blob's bytes do not match the checksum recorded when the store was written."""
+
+
+class FetchCancelled(FetchError):
+    """Waited on a request that was cancelled."""
+
+
+class CalibrationError(FateEdgeError):
+    """The corpus or the options cannot give a calibration (too little text, bad fractions, ...)."""
+
+
+class SyntheticSpecError(ModelFormatError, ValueError):
+    """A requested synthetic checkpoint cannot be built as asked (bad scale, layer count, ...)."""
+
+
+class PeerUnavailableError(FateEdgeError):
+    """llama-cpp-python or its sdist (for the converter) is not on this machine; the bench skips the peer."""
+
+
+class ProfileError(FateEdgeError, ValueError):
+    """A device profile is missing, malformed, or states a figure without a source."""

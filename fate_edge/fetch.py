@@ -25,20 +25,8 @@ from fate_edge.devices.link import ThrottledLink
 
 from .buffer_pool import ALIGN, Buffer, BufferPool
 from .defaults import FETCH_WORKERS
-from .errors import FateEdgeError
+from .errors import CorruptBlobError, FetchCancelled, FetchError
 from .verified import VerifiedBlobs
-
-
-class FetchError(FateEdgeError):
-    """A blob could not be read."""
-
-
-class CorruptBlobError(FetchError):
-    """A blob's bytes do not match the checksum recorded when the store was written."""
-
-
-class FetchCancelled(FetchError):
-    """Waited on a request that was cancelled."""
 
 
 class Priority(enum.IntEnum):

@@ -24,7 +24,8 @@ import torch
 from fate_edge.devices.detect import reader_contention
 from fate_edge.devices.link import LinkSpec
 
-from .engine import plan_budget
+from . import defaults
+from .budget import plan_budget
 from .policy import PRESETS, PolicyConfig
 from .simulate import HostCosts, SimResult, simulate
 
@@ -120,7 +121,8 @@ class _DecodeRecorder:
 
 
 def probe_engine(store_dir, budget: int, policy: PolicyConfig, link: LinkSpec | None, token_ids: list[int],
-                 dtype: torch.dtype, tokens: int = 16, workers: int = 2, record: bool = False) -> ProbeRun:
+                 dtype: torch.dtype, tokens: int = 16, workers: int = defaults.FETCH_WORKERS,
+                 record: bool = False) -> ProbeRun:
     """Decode ``tokens`` greedy tokens after ``token_ids`` with the real engine under ``budget``; the second
     of two runs is measured (the first warms torch's kernels and checks each blob's CRC once, as a
     long-running engine would have). ``record``: also keep the decode's routing as a :class:`PlanTrace`."""
@@ -166,7 +168,7 @@ def probe_engine(store_dir, budget: int, policy: PolicyConfig, link: LinkSpec | 
 
 def measure_host_costs(store_dir, budget: int, link: LinkSpec | None, token_ids: list[int],
                        dtype: torch.dtype = torch.float32, predictor_policy: PolicyConfig | None = None,
-                       workers: int = 2, decode_tokens: int = 128,
+                       workers: int = defaults.FETCH_WORKERS, decode_tokens: int = 128,
                        progress: Callable[[str], None] | None = None) -> tuple[HostCosts, LinkSpec, PlanTrace | None]:
     """The simulator's constants for this host and a decode trace, from probe runs of the engine under
     ``budget``: an LRU cache without prediction decoding ``decode_tokens`` tokens after ``token_ids`` (all

@@ -39,7 +39,7 @@ def test_one_default_budget_and_policy_everywhere():
 
 def test_run_without_budget_uses_the_shared_default(monkeypatch, capsys):
     assert main(["run", "--policy", "lru", "--max-tokens", "2", "--ignore-eos", "def "]) == 0
-    from fate_edge.engine import parse_bytes
+    from fate_edge.budget import parse_bytes
     from fate_edge.sizes import format_bytes
 
     assert f"expert budget {format_bytes(parse_bytes(defaults.MEMORY_BUDGET))}" in capsys.readouterr().err

@@ -8,8 +8,10 @@ import threading
 import pytest
 
 from fate_edge import GenerateConfig, generate, load_model
+from fate_edge.budget import parse_bytes
 from fate_edge.convert import ConvertOptions, convert
-from fate_edge.engine import BudgetError, Engine, parse_bytes
+from fate_edge.engine import Engine
+from fate_edge.errors import BudgetError
 from fate_edge.policy import PRESETS
 from fate_edge.store import ExpertStore
 
@@ -140,7 +142,7 @@ def test_failed_read_fails_one_request_and_leaves_the_engine_clean(store, budget
 
 
 def test_memory_shortfall_counts_one_pool_on_unified_memory_and_two_on_a_discrete_gpu():
-    from fate_edge.engine import memory_shortfall
+    from fate_edge.budget import memory_shortfall
 
     mb = 10**6
     # Jetson: cache (600) + staging (100) compete for the one DRAM with 650 available.

@@ -18,17 +18,13 @@ import sys
 import tarfile
 from pathlib import Path
 
-from ..errors import FateEdgeError
+from ..errors import FateEdgeError, PeerUnavailableError
 from .prepare import _fingerprint
 
 GGUF_TYPES = ("f32", "bf16", "q4_0")
 CONVERTED = ("f32", "bf16")  # written by the converter; q4_0 is quantized from the f32 file
 FALLBACK_PRE_TOKENIZER = "gpt-2"  # byte-level BPE with GPT-2's split regex, as our tokenizers use
 _VENDOR = "vendor/llama.cpp"
-
-
-class PeerUnavailableError(FateEdgeError):
-    """llama-cpp-python or its sdist (for the converter) is not on this machine; the bench skips the peer."""
 
 
 def peers_cache() -> Path:

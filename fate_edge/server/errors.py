@@ -28,6 +28,14 @@ from fastapi.responses import JSONResponse
 from ..errors import ContextLengthError, FateEdgeError, GenerationError
 
 
+class QueueFull(Exception):
+    """``--max-queue`` requests already wait behind the running one (answered as a 429)."""
+
+
+class Disconnected(Exception):
+    """The client hung up before the job's answer was complete."""
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None, headers: dict[str, str] | None = None, **extra: Any):

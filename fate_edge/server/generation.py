@@ -17,10 +17,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from ..generate import check_context
-from .errors import APIError, error_from_exception, invalid
+from .errors import APIError, Disconnected, QueueFull, error_from_exception, invalid
 from .protocol import ParsedRequest, parse_request
-from .request_helpers import Disconnected, DisconnectWatch, check_auth, read_json, ready_engine
-from .runner import Event, Job, QueueFull
+from .request_helpers import DisconnectWatch, check_auth, read_json, ready_engine
+from .runner import Event, Job
 from .state import ServerState, state_of
 
 

@@ -65,7 +65,7 @@ def _names(text: str) -> list[str]:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from ..engine import parse_bytes
+    from ..budget import parse_bytes
     from .app import ServerSettings, create_app
     from .http11 import JSONErrorH11Protocol
     from .unix_socket import bind_unix_socket, parse_mode

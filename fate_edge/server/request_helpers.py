@@ -9,7 +9,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from .errors import APIError, invalid
+from .errors import APIError, Disconnected, invalid
 from .protocol import parse_json_body
 from .runner import Event, Job
 from .state import state_of
@@ -74,10 +74,6 @@ async def read_json(request: Request) -> dict[str, Any]:
         raise APIError(415, f"send the JSON body with 'Content-Type: application/json' (got {media or 'none'!r})",
                        "invalid_request_error", None, "unsupported_media_type")
     return parse_json_body(raw)
-
-
-class Disconnected(Exception):
-    """The client hung up before the job's answer was complete."""
 
 
 class DisconnectWatch:

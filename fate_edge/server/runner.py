@@ -18,10 +18,7 @@ from typing import Any
 from ..generate import GenerateConfig, GenerationResponse
 from ..scheduler import SchedulerStats
 from ..sdk import recover
-
-
-class QueueFull(Exception):
-    pass
+from .errors import QueueFull
 
 
 @dataclass

@@ -13,15 +13,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..arch import ModelConfig, config_from_dict
-from ..errors import ModelFormatError
+from ..errors import SyntheticSpecError
 
 # Keys divided by --scale (everything that is a width); counts (layers, heads, experts, top-k) and vocab stay.
 SCALED_KEYS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
                "head_dim", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-
-
-class SyntheticSpecError(ModelFormatError, ValueError):
-    """A requested synthetic checkpoint cannot be built as asked (bad scale, layer count, ...)."""
 
 
 @dataclass(frozen=True)
