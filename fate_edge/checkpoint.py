@@ -98,7 +98,7 @@ class CheckpointReader:
         return self._files[key]
 
     def _read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """The tensor ``name``, or its rows ``rows[0]:rows[1]`` (clipped like a slice), read with pread."""
+        """The tensor ``name``, or its rows ``rows[0]:rows[1]`` (clipped to 0..rows), read with pread."""
         self._require(name)
         fd, start, header = self._layout(self.model_dir / self.weight_map[name])
         info = header[name]

@@ -43,15 +43,15 @@ def table(result: dict) -> str:
     ]
     for r in result["runs"]:
         need = r["need"]
-        parts = (f"{need['resident_bytes'] / GB:.2f} + {need['budget_bytes'] / GB:.0f} + "
+        parts = (f"{need['resident_bytes'] / GB:.2f} + {need['budget_bytes'] / GB:g} + "
                  f"{need['baseline_bytes'] / GB:.2f} GB")
         if "error" in r:
-            lines.append(f"| {r['budget_bytes'] / GB:.0f} GB | {r['limit_bytes'] / GB:.2f} GB | {r['error']} | | | | "
+            lines.append(f"| {r['budget_bytes'] / GB:g} GB | {r['limit_bytes'] / GB:.2f} GB | {r['error']} | | | | "
                          f"| {parts} | {r.get('oom_kills')} | {r['load_before'][0]:.1f} |")
             continue
         lines.append(
-            f"| {r['budget_bytes'] / GB:.0f} GB | {r['limit_bytes'] / GB:.2f} GB | {r['prefill_tps']:.2f} | "
-            f"{r['decode_tps']:.2f} | {r['decode_hit_rate']:.1%} | {r['decode_mb_read_per_token']:.0f} | "
+            f"| {r['budget_bytes'] / GB:g} GB | {r['limit_bytes'] / GB:.2f} GB | {r['prefill_tps']:.2f} | "
+            f"{r['decode_tps']:.2f} | {r['decode_hit_rate']:.1%} | {r['decode_mb_read_per_token']:.1f} | "
             f"{r['peak_rss_bytes'] / GB:.2f} GB | {parts} (baseline measured: {r['baseline_rss_bytes'] / GB:.2f}) | "
             f"{r.get('oom_kills')} | {r['load_before'][0]:.1f} → {r['load_after'][0]:.1f} |")
     lines.append("")

@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from _tiny_moe import build_tokenizer
 from fate_edge.quant import QuantSpec, pack
 from fate_edge.quant.rtn import quantize
 from safetensors.torch import save_file
+from test_convert_hardening import width96  # noqa: F401 (fixture: a fused-layout fp32 checkpoint)
 
 import fate_edge.checkpoint as checkpoint
 import fate_edge.convert as conv
@@ -16,6 +16,7 @@ import fate_edge.store as store
 from fate_edge.checkpoint import CheckpointReader, save_streaming
 from fate_edge.convert import ConvertOptions, convert
 from fate_edge.convert_quant import pack_codes, rtn_quantize
+from fate_edge.store import ExpertStore
 
 OPTION_SETS = {
     "int4+int2+bf16": ConvertOptions(bits=4, cold_bits=2),
@@ -26,22 +27,6 @@ OPTION_SETS = {
 
 def _files(directory: Path) -> dict[str, bytes]:
     return {f.name: f.read_bytes() for f in sorted(directory.iterdir()) if f.is_file()}
-
-
-@pytest.fixture(scope="module")
-def fused_fp32_model(tmp_path_factory):
-    """A Qwen2-MoE checkpoint in transformers' own layout and fp32 weights (not the bundled model's bf16)."""
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
-
-    torch.manual_seed(1)
-    cfg = Qwen2MoeConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
-                         moe_intermediate_size=96, shared_expert_intermediate_size=32, max_position_embeddings=64,
-                         tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
-    out = tmp_path_factory.mktemp("fused") / "model"
-    Qwen2MoeForCausalLM(cfg).save_pretrained(out)
-    build_tokenizer(out)
-    return out
 
 
 @pytest.mark.parametrize("spec", [QuantSpec(4, 128), QuantSpec(4, 32), QuantSpec(2, 32), QuantSpec(8, 64),
@@ -96,12 +81,36 @@ def test_store_is_byte_identical_to_the_reference_encoders(name, monkeypatch, tm
     assert [n for n in a if a[n] != b[n]] == []
 
 
-def test_fused_fp32_checkpoint_converts_to_the_reference_bytes(monkeypatch, tmp_path, fused_fp32_model):
+@pytest.fixture(scope="module")
+def fused96(tmp_path_factory, width96):  # noqa: F811
+    """width96 (fp32, per-expert tensors) rewritten in the transformers-5 fused layout."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    out = tmp_path_factory.mktemp("fused") / "model"
+    shutil.copytree(width96, out)
+    w = load_file(str(width96 / "model.safetensors"))
+    for layer in range(2):
+        p = f"model.layers.{layer}.mlp.experts"
+        experts = range(4)
+        w[f"{p}.gate_up_proj"] = torch.stack([torch.cat([w.pop(f"{p}.{e}.gate_proj.weight"),
+                                                         w.pop(f"{p}.{e}.up_proj.weight")]) for e in experts])
+        w[f"{p}.down_proj"] = torch.stack([w.pop(f"{p}.{e}.down_proj.weight") for e in experts])
+    save_file(w, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("model", ["width96", "fused96"])
+def test_fp32_checkpoints_per_expert_and_fused_convert_to_the_reference_bytes(model, request, monkeypatch, tmp_path):
+    src = request.getfixturevalue(model)
     opts = ConvertOptions(bits=4, cold_bits=2, cold_group_size=32)
-    ref = _reference_convert(monkeypatch, fused_fp32_model, tmp_path / "ref", opts)
-    fast = convert(fused_fp32_model, tmp_path / "fast", opts, progress=False)
+    ref = _reference_convert(monkeypatch, src, tmp_path / "ref", opts)
+    fast = convert(src, tmp_path / "fast", opts, progress=False)
     a, b = _files(ref), _files(fast)
     assert [n for n in a if a[n] != b[n]] == [] and sorted(a) == sorted(b)
+    assert len(ExpertStore(fast).refs) == 2 * 4 * 3  # layers x experts x (bf16, int4, int2)
+    assert ("model.layers.0.mlp.experts.gate_up_proj" in CheckpointReader(src)) == (model == "fused96")
 
 
 def test_worker_count_does_not_change_the_store(tmp_path, bundled_dir):

@@ -277,7 +277,7 @@ def run_scale(cfg: ScaleConfig, workdir: Path) -> dict[str, Any]:
         r = run_confined("run", spec, need.total, workdir, cfg.timeout_s)
         r.update(budget_bytes=budget, need=asdict(need) | {"total": need.total}, page_cache_dropped=dropped[0])
         r["within_need"] = "peak_rss_bytes" in r and r["peak_rss_bytes"] <= need.total
-        print(f"scale: budget {budget / GB:.0f} GB: {_run_line(r)}", flush=True)
+        print(f"scale: budget {budget / GB:g} GB: {_run_line(r)}", flush=True)
         result["runs"].append(r)
     return result
 
@@ -294,7 +294,7 @@ def _run_line(r: dict) -> str:
     if "error" in r:
         return r["error"]
     return (f"prefill {r['prefill_tps']:.2f} tok/s, decode {r['decode_tps']:.2f} tok/s, hit rate "
-            f"{r['decode_hit_rate']:.1%}, {r['decode_mb_read_per_token']:.0f} MB/token, peak RSS "
+            f"{r['decode_hit_rate']:.1%}, {r['decode_mb_read_per_token']:.1f} MB/token, peak RSS "
             f"{r['peak_rss_bytes'] / GB:.2f} GB (cap {r['limit_bytes'] / GB:.2f} GB), OOM kills {r.get('oom_kills')}")
 
 
