@@ -212,16 +212,16 @@ def _write_experts(tmp: Path, jobs: list[tuple[int, int]], layouts: dict[int, Ex
     pool = ThreadPoolExecutor(threads, thread_name_prefix="convert")
     try:
         with _one_torch_thread():
-            pending: collections.deque = collections.deque()
+            def submit(item: tuple[int, tuple[int, int]]):
+                slot, (layer, e) = item
+                return slot, layer, e, pool.submit(_encode_job, layouts[layer], e, precisions, opts.method)
+
             ahead = iter(enumerate(jobs))
-            for slot, (layer, e) in itertools.islice(ahead, 2 * threads):
-                pending.append((slot, layer, e, pool.submit(_encode_job, layouts[layer], e, precisions, opts.method)))
+            pending = collections.deque(map(submit, itertools.islice(ahead, 2 * threads)))
             while pending:
                 slot, layer, e, fut = pending.popleft()
                 blobs = fut.result()
-                for slot2, (layer2, e2) in itertools.islice(ahead, 1):
-                    pending.append((slot2, layer2, e2,
-                                    pool.submit(_encode_job, layouts[layer2], e2, precisions, opts.method)))
+                pending.extend(map(submit, itertools.islice(ahead, 1)))  # keep the workers fed
                 for p, blob in zip(precisions, blobs):
                     offset = slot * p.slot_bytes
                     f = files[p.bits]

@@ -15,7 +15,13 @@ import argparse
 from pathlib import Path
 
 from fate_edge.bench.scale import GB, ScaleConfig, run_scale
+from fate_edge.convert import ConvertOptions
 from fate_edge.report import publish
+
+
+def _precisions(opts: dict) -> str:
+    kept = [f"int{opts['bits']}"] + ([f"int{opts['cold_bits']}"] if opts["cold_bits"] else [])
+    return " + ".join(kept + (["bf16"] if opts["keep_bf16"] else [])) + f" experts, {opts['method']}"
 
 
 def table(result: dict) -> str:
@@ -27,7 +33,7 @@ def table(result: dict) -> str:
             lines.append(f"Convert failed: {c['error']}")
         else:
             lines += [
-                f"Convert ({' '.join(cfg['convert_args']) or 'default options'}): "
+                f"Convert ({_precisions(cfg['convert_opts'])}): "
                 f"{c['source_bytes'] / GB:.1f} GB bf16 in {c['seconds']:.0f} s = **{c['gb_per_s']:.3f} GB/s**, "
                 f"peak RSS {c['peak_rss_bytes'] / GB:.2f} GB inside a {c['limit_bytes'] / GB:.0f} GB memory cgroup "
                 f"(cgroup peak {c.get('peak_bytes', 0) / GB:.2f} GB with page cache, OOM kills: {c.get('oom_kills')}); "
@@ -68,7 +74,9 @@ def main() -> None:
     ap.add_argument("--budgets", default="2,4", help="expert budgets in GB, comma-separated (default 2,4)")
     ap.add_argument("--no-convert", action="store_true", help="use the existing store")
     ap.add_argument("--convert-limit-gb", type=float, default=2.0)
-    ap.add_argument("--convert-args", default="--no-bf16", help="extra `fate-edge convert` flags (quoted)")
+    ap.add_argument("--bits", type=int, default=4, help="precision of the streamed experts (default 4)")
+    ap.add_argument("--cold-bits", type=int, default=None, help="also write a low-precision copy")
+    ap.add_argument("--keep-bf16", action="store_true", help="also write bf16 experts (+25 GB at Qwen1.5-MoE size)")
     ap.add_argument("--policy", default="fate-edge")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--decode-tokens", type=int, default=16)
@@ -76,7 +84,8 @@ def main() -> None:
     ap.add_argument("--readme", type=Path, default=None, help="also write the table between the scale markers")
     args = ap.parse_args()
     cfg = ScaleConfig(args.model, args.store, [int(float(b) * GB) for b in args.budgets.split(",")],
-                      not args.no_convert, int(args.convert_limit_gb * GB), args.convert_args.split(),
+                      not args.no_convert, int(args.convert_limit_gb * GB),
+                      ConvertOptions(bits=args.bits, cold_bits=args.cold_bits, keep_bf16=args.keep_bf16),
                       args.policy, prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,
                       threads=args.threads)
     result = run_scale(cfg, args.out)

@@ -14,10 +14,11 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from ..convert import ConvertOptions
 from .peers import _memory_cgroup
 from .prepare import drop_page_cache
 
@@ -31,7 +32,7 @@ class ScaleConfig:
     budgets: list[int] = field(default_factory=lambda: [int(2 * GB), int(4 * GB)])  # expert budgets
     convert: bool = True  # convert first (else the store must exist)
     convert_limit: int = int(2 * GB)  # the convert child's memory cap
-    convert_args: list[str] = field(default_factory=lambda: ["--no-bf16"])  # extra `fate-edge convert` flags
+    convert_opts: ConvertOptions = field(default_factory=lambda: ConvertOptions(keep_bf16=False))  # int4 only
     policy: str = "fate-edge"
     dtype: str = "bfloat16"  # resident weights and activations
     prompt_tokens: int = 64
@@ -39,6 +40,8 @@ class ScaleConfig:
     threads: int = 2  # torch threads of the run child
     fetch_workers: int = 2
     timeout_s: float = 3600.0
+    drop_caches: bool = True  # drop the page cache before each measurement (root); off: reads may hit it
+    disk_probe_bytes: int = int(1 * GB)  # written and read back to measure the disk
 
 
 def load() -> list[float]:
@@ -105,13 +108,9 @@ def _rss(field_name: str) -> int:
 
 def convert_child(spec: dict) -> dict[str, Any]:
     """``fate-edge convert`` with a progress log: (seconds, bytes) samples and this process's peak RSS."""
-    from ..cli import build_parser
-    from ..convert import ConvertOptions, convert
+    from ..convert import convert
 
-    args = build_parser().parse_args(["convert", spec["model"], spec["store"], "--force", *spec["convert_args"]])
-    opts = ConvertOptions(bits=args.bits, group_size=args.group, cold_bits=args.cold_bits,
-                          cold_group_size=args.cold_group or 32, keep_bf16=not args.no_bf16, force=True,
-                          method=args.method, layout=args.layout)
+    opts = ConvertOptions(**spec["opts"] | {"force": True})
     t0, samples = time.perf_counter(), []
 
     def on_progress(done: int, total: int) -> None:
@@ -185,7 +184,7 @@ def child_main(kind: str, spec_path: str) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- parent
-def measure_disk(directory: Path, nbytes: int = int(1 * GB)) -> dict[str, Any]:
+def measure_disk(directory: Path, nbytes: int = int(1 * GB), drop: bool = True) -> dict[str, Any]:
     """Sequential write (fsync'd) and cold read of ``nbytes`` in ``directory``: what bounds convert's I/O."""
     path = directory / f".disk-probe-{os.getpid()}"
     block = os.urandom(16 << 20)
@@ -197,7 +196,7 @@ def measure_disk(directory: Path, nbytes: int = int(1 * GB)) -> dict[str, Any]:
             f.flush()
             os.fsync(f.fileno())
         write_s = time.perf_counter() - t0
-        dropped = drop_page_cache()[0]
+        dropped = drop and drop_page_cache()[0]
         t0 = time.perf_counter()
         with open(path, "rb") as f:
             while f.read(16 << 20):
@@ -210,7 +209,7 @@ def measure_disk(directory: Path, nbytes: int = int(1 * GB)) -> dict[str, Any]:
             "bytes": n, "load": load()}
 
 
-def measure_encoder(model: Path, convert_args: list[str], experts: int = 24, threads: int | None = None) -> dict:
+def measure_encoder(model: Path, opts: ConvertOptions, experts: int = 24, threads: int | None = None) -> dict:
     """The encoder alone (experts already in memory) on ``threads`` workers, in GB/s of checkpoint bytes."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -218,28 +217,24 @@ def measure_encoder(model: Path, convert_args: list[str], experts: int = 24, thr
 
     from ..arch import load_config
     from ..checkpoint import CheckpointReader
-    from ..cli import build_parser
-    from ..convert import ConvertOptions, _one_torch_thread, _precisions, pick_group
+    from ..convert import _one_torch_thread, _precisions, pick_group
     from ..convert_quant import BLOCK_BYTES
     from ..experts import ExpertLayout
     from ..loader import layer_names
     from ..store import encode_expert
 
-    args = build_parser().parse_args(["convert", str(model), "x", *convert_args])
     cfg = load_config(model)
     reader = CheckpointReader(model)
     layout = ExpertLayout(reader, layer_names(cfg, reader)[cfg.moe_layers[0]].mlp)
-    group = pick_group((cfg.hidden_size, cfg.moe_intermediate_size), args.group)
-    opts = ConvertOptions(bits=args.bits, group_size=group, cold_bits=args.cold_bits,
-                          cold_group_size=args.cold_group or 32, keep_bf16=not args.no_bf16, layout=args.layout)
-    precisions = _precisions(cfg, opts)
+    group = pick_group((cfg.hidden_size, cfg.moe_intermediate_size), opts.group_size)
+    precisions = _precisions(cfg, replace(opts, group_size=group))
     ws = [layout.read(e % cfg.num_experts, None) for e in range(experts)]
     nbytes = sum(w.nbytes for w in ws)
     threads = threads or min(os.cpu_count() or 1, 8)
 
     def job(w):
         work = torch.empty(BLOCK_BYTES // 4)
-        return [encode_expert(w, p, args.method, work) for p in precisions]
+        return [encode_expert(w, p, opts.method, work) for p in precisions]
 
     with _one_torch_thread(), ThreadPoolExecutor(threads) as pool:
         list(pool.map(job, ws[:threads]))  # warm-up
@@ -253,24 +248,25 @@ def run_scale(cfg: ScaleConfig, workdir: Path) -> dict[str, Any]:
     from ..footprint import memory_need
 
     workdir.mkdir(parents=True, exist_ok=True)
-    result: dict[str, Any] = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
+    result: dict[str, Any] = {"config": config,
                               "cpus": os.cpu_count(), "started_load": load()}
     if cfg.convert:
-        result["disk"] = measure_disk(cfg.store.parent)
+        result["disk"] = measure_disk(cfg.store.parent, cfg.disk_probe_bytes, cfg.drop_caches)
         print(f"scale: disk write {result['disk']['write_gb_per_s']:.2f} GB/s, read "
               f"{result['disk']['read_gb_per_s']:.2f} GB/s", flush=True)
-        result["encoder"] = measure_encoder(cfg.model, cfg.convert_args)
+        result["encoder"] = measure_encoder(cfg.model, cfg.convert_opts)
         print(f"scale: encoder {result['encoder']['gb_per_s']:.3f} GB/s", flush=True)
-        dropped = drop_page_cache()
+        dropped = _drop(cfg)
         spec = {"label": "convert", "model": str(cfg.model), "store": str(cfg.store),
-                "convert_args": cfg.convert_args}
+                "opts": asdict(cfg.convert_opts)}
         result["convert"] = r = run_confined("convert", spec, cfg.convert_limit, workdir, cfg.timeout_s)
         r["page_cache_dropped"] = dropped[0]
         print(f"scale: convert {_convert_line(r)}", flush=True)
     result["runs"] = []
     for budget in cfg.budgets:
         need = memory_need(cfg.store, budget, cfg.dtype, cfg.prompt_tokens + cfg.decode_tokens)
-        dropped = drop_page_cache()
+        dropped = _drop(cfg)
         spec = {"label": f"{budget}", "store": str(cfg.store), "budget": budget, "policy": cfg.policy,
                 "dtype": cfg.dtype, "prompt_tokens": cfg.prompt_tokens, "decode_tokens": cfg.decode_tokens,
                 "threads": cfg.threads, "fetch_workers": cfg.fetch_workers}
@@ -280,6 +276,10 @@ def run_scale(cfg: ScaleConfig, workdir: Path) -> dict[str, Any]:
         print(f"scale: budget {budget / GB:g} GB: {_run_line(r)}", flush=True)
         result["runs"].append(r)
     return result
+
+
+def _drop(cfg: ScaleConfig) -> tuple[bool, str]:
+    return drop_page_cache() if cfg.drop_caches else (False, "page cache left as it was")
 
 
 def _convert_line(r: dict) -> str:
