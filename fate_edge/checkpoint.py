@@ -82,8 +82,6 @@ class CheckpointReader:
         self._handles: dict[str, object] = {}
 
     def _open(self, path: Path):
-        if not path.exists():
-            raise ModelFormatError(f"{path}: shard listed in {INDEX_FILE} is missing; copy it next to the index")
         self._layout(path)
         try:
             return safe_open(str(path), framework="pt")
@@ -93,6 +91,8 @@ class CheckpointReader:
     def _layout(self, path: Path) -> tuple[int, int, dict]:
         key = str(path)
         if key not in self._files:
+            if not path.exists():
+                raise ModelFormatError(f"{path}: shard listed in {INDEX_FILE} is missing; copy it next to the index")
             start, header = _check_safetensors_file(path)
             self._files[key] = (os.open(path, os.O_RDONLY), start, header)
         return self._files[key]

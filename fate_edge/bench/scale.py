@@ -301,4 +301,4 @@ def _run_line(r: dict) -> str:
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--child":
         sys.exit(child_main(sys.argv[2], sys.argv[3]))
-    sys.exit("usage: python -m fate_edge.bench.scale --child convert|run SPEC (run by scripts/bench_scale.py)")
+    sys.exit("usage: python -m fate_edge.bench.scale --child convert|run SPEC (started by run_scale)")
