@@ -7,25 +7,31 @@ directory left by a convert that was killed is removed by the next convert into 
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import errno
+import itertools
 import json
 import os
 import re
 import shutil
 import sys
+import threading
 import zlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from tqdm import tqdm
 
 from fate_edge.quant import QuantSpec
 from fate_edge.quant.linear import int4_supported
 
 from .arch import load_config
-from .checkpoint import CheckpointReader
+from .checkpoint import CheckpointReader, save_streaming
+from .convert_quant import BLOCK_BYTES
 from .errors import FateEdgeError
 from .experts import ExpertLayout
 from .loader import layer_names, resident_weight_names
@@ -46,6 +52,7 @@ class ConvertOptions:
     force: bool = False  # replace an existing store at the destination
     method: str = "rtn"  # "rtn" (Fate's round-to-nearest) or "hqq" (half-quadratic refinement): same format
     layout: str = "auto"  # streamed copy: portable | cpu-int4 (decode is a view) | auto (cpu-int4 where it applies)
+    threads: int | None = None  # experts encoded in parallel (None: the CPU count, at most 8)
 
 
 GROUP_SIZES = (128, 64, 32)  # quantization groups convert offers, largest (fewest scales) first
@@ -91,13 +98,16 @@ def _precisions(cfg, opts: ConvertOptions) -> list[Precision]:
 
 
 def convert(model_dir: str | Path, out_dir: str | Path, opts: ConvertOptions | None = None,
-            progress: bool = True) -> Path:
+            progress: bool = True, on_progress: Callable[[int, int], None] | None = None) -> Path:
+    """Write the expert store of ``model_dir`` into ``out_dir``, streaming: one tensor block or a few experts
+    are in memory at a time. ``progress`` shows a bar on a terminal; ``on_progress(done, total)`` gets the
+    checkpoint bytes converted so far after every resident tensor and every expert."""
     opts = opts or ConvertOptions()
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if out_dir.exists() and not opts.force:
         raise FateEdgeError(f"{out_dir}: already exists; choose another directory or pass --force to replace it")
     cfg = load_config(model_dir)
-    reader = CheckpointReader(model_dir)
+    reader = CheckpointReader(model_dir, drop_cache=True)  # each byte is read once: keep no page cache of it
     names = layer_names(cfg, reader)
     dims = (cfg.hidden_size, cfg.moe_intermediate_size)
     group = pick_group(dims, opts.group_size)
@@ -121,34 +131,20 @@ def convert(model_dir: str | Path, out_dir: str | Path, opts: ConvertOptions | N
                 shutil.copy2(model_dir / f, tmp / f)
         if (model_dir / "predictors").is_dir():  # calibrated predictors travel with the model
             shutil.copytree(model_dir / "predictors", tmp / "predictors")
-        resident = {n: reader.get(n) for n in resident_weight_names(cfg, reader)}
-        save_file(resident, str(tmp / "resident.safetensors"), metadata={"format": "pt"})
-        del resident
-
-        entries: dict[str, list[dict]] = {str(p.bits): [] for p in precisions}
-        files = {p.bits: open(tmp / p.file, "wb") for p in precisions}  # noqa: SIM115 (closed below)
+        names_resident = resident_weight_names(cfg, reader)
         jobs = [(layer, e) for layer in cfg.moe_layers for e in range(cfg.num_experts)]
+        layouts = {layer: ExpertLayout(reader, names[layer].mlp) for layer in cfg.moe_layers}
+        expert_src = sum(reader.nbytes(n) for n in layouts[cfg.moe_layers[0]].tensor_names(0)) if jobs else 0
+        if jobs and layouts[cfg.moe_layers[0]].fused:  # a fused tensor holds every expert of the layer
+            expert_src //= cfg.num_experts
+        meter = _Progress(sum(reader.nbytes(n) for n in names_resident) + expert_src * len(jobs), progress,
+                          on_progress)
         try:
-            bar = tqdm(jobs, desc="converting experts", unit="expert", disable=not progress, file=sys.stderr)
-            layouts = {layer: ExpertLayout(reader, names[layer].mlp) for layer in cfg.moe_layers}
-            for slot, (layer, e) in enumerate(bar):
-                w = layouts[layer].read(e, torch.float32)
-                for p in precisions:
-                    blob = encode_expert(w, p, opts.method)
-                    offset = slot * p.slot_bytes
-                    f = files[p.bits]
-                    f.seek(offset)
-                    f.write(blob)
-                    entries[str(p.bits)].append(
-                        {"layer": layer, "expert": e, "offset": offset, "length": len(blob), "crc32": zlib.crc32(blob)}
-                    )
-            for p in precisions:  # pad to a whole slot so the last O_DIRECT read is in bounds
-                files[p.bits].truncate(len(jobs) * p.slot_bytes)
-                files[p.bits].flush()
-                os.fsync(files[p.bits].fileno())
+            save_streaming(reader, names_resident, tmp / "resident.safetensors", {"format": "pt"},
+                           lambda _name, nbytes: meter.advance(nbytes))
+            entries = _write_experts(tmp, jobs, layouts, precisions, opts, lambda: meter.advance(expert_src))
         finally:
-            for f in files.values():
-                f.close()
+            meter.close()
 
         index = {
             "format": FORMAT,
@@ -181,6 +177,89 @@ def convert(model_dir: str | Path, out_dir: str | Path, opts: ConvertOptions | N
                                 f"about {format_bytes(need)}); free space or convert into another directory") from exc
         raise
     return out_dir
+
+
+@contextlib.contextmanager
+def _one_torch_thread():
+    """Convert parallelises across experts; torch's own threads on top would oversubscribe the cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _encode_job(layout: ExpertLayout, expert: int, precisions: list[Precision], method: str) -> list[memoryview]:
+    """One expert read from the checkpoint in its own dtype and encoded at every precision (a worker's job)."""
+    work = getattr(_scratch, "work", None)
+    if work is None:
+        work = _scratch.work = torch.empty(BLOCK_BYTES // 4, dtype=torch.float32)
+    w = layout.read(expert, None)
+    return [encode_expert(w, p, method, work) for p in precisions]
+
+
+_scratch = threading.local()  # each worker's fp32 block buffer for the RTN encoder
+
+
+def _write_experts(tmp: Path, jobs: list[tuple[int, int]], layouts: dict[int, ExpertLayout],
+                   precisions: list[Precision], opts: ConvertOptions, done) -> dict[str, list[dict]]:
+    """Encode the experts on ``opts.threads`` workers and write their blobs in slot order. At most
+    2 x threads experts are in flight, so memory stays a few experts' worth whatever the model's size."""
+    threads = opts.threads or min(os.cpu_count() or 1, 8)
+    entries: dict[str, list[dict]] = {str(p.bits): [] for p in precisions}
+    files = {p.bits: open(tmp / p.file, "wb") for p in precisions}  # noqa: SIM115 (closed below)
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="convert")
+    try:
+        with _one_torch_thread():
+            def submit(item: tuple[int, tuple[int, int]]):
+                slot, (layer, e) = item
+                return slot, layer, e, pool.submit(_encode_job, layouts[layer], e, precisions, opts.method)
+
+            ahead = iter(enumerate(jobs))
+            pending = collections.deque(map(submit, itertools.islice(ahead, 2 * threads)))
+            while pending:
+                slot, layer, e, fut = pending.popleft()
+                blobs = fut.result()
+                pending.extend(map(submit, itertools.islice(ahead, 1)))  # keep the workers fed
+                for p, blob in zip(precisions, blobs):
+                    offset = slot * p.slot_bytes
+                    f = files[p.bits]
+                    f.seek(offset)
+                    f.write(blob)
+                    entries[str(p.bits)].append(
+                        {"layer": layer, "expert": e, "offset": offset, "length": len(blob), "crc32": zlib.crc32(blob)}
+                    )
+                del blobs
+                done()
+        for p in precisions:  # pad to a whole slot so the last O_DIRECT read is in bounds
+            files[p.bits].truncate(len(jobs) * p.slot_bytes)
+            files[p.bits].flush()
+            os.fsync(files[p.bits].fileno())
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        for f in files.values():
+            f.close()
+    return entries
+
+
+class _Progress:
+    """Bytes of the checkpoint converted so far: a tqdm bar with rate and ETA on a terminal, and the caller's
+    ``on_progress(done, total)``."""
+
+    def __init__(self, total: int, bar: bool, callback=None):
+        self.total, self.done, self.callback = total, 0, callback
+        self.bar = tqdm(total=total, desc="converting", unit="B", unit_scale=True, file=sys.stderr,
+                        disable=None if bar else True, mininterval=0.5)
+
+    def advance(self, nbytes: int) -> None:
+        self.done += nbytes
+        self.bar.update(nbytes)
+        if self.callback is not None:
+            self.callback(self.done, self.total)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def _set_file_modes(directory: Path) -> None:

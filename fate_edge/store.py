@@ -15,6 +15,7 @@ has the same internal layout (``parts``), recorded once per precision.
 
 from __future__ import annotations
 
+import ctypes
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,10 +23,11 @@ from typing import Any
 
 import torch
 
-from fate_edge.quant import QuantSpec, pack
+from fate_edge.quant import QuantSpec
 from fate_edge.quant.linear import QuantizedLinear
 from fate_edge.quant.methods import quantize_with
 
+from .convert_quant import pack_codes, rtn_quantize
 from .errors import ModelFormatError
 from .experts import ExpertWeights, QuantizedExpert
 from .fetch import ALIGN, BlobRef
@@ -115,29 +117,54 @@ def plan_parts(bits: int, spec: QuantSpec | None, hidden: int, inter: int,
     return parts, off
 
 
-def encode_expert(w: ExpertWeights, precision: Precision, method: str = "rtn") -> bytes:
-    """Serialize one expert (bf16, or quantized by ``method``: "rtn" or "hqq") into its blob."""
-    out = bytearray(precision.blob_bytes)
+def _quantize(method: str, mat: torch.Tensor, spec: QuantSpec, work: torch.Tensor | None):
+    # RTN takes convert's fast path (same bytes); HQQ's iterations dominate its own cost anyway.
+    return rtn_quantize(mat, spec, work) if method == "rtn" else quantize_with(method, mat.float(), spec)
+
+
+def encode_expert(w: ExpertWeights, precision: Precision, method: str = "rtn",
+                  work: torch.Tensor | None = None) -> memoryview:
+    """Serialize one expert (bf16, or quantized by ``method``: "rtn" or "hqq") into its blob.
+
+    ``w`` may be in any float dtype (convert passes the checkpoint's own, no fp32 copy); ``work`` is an
+    optional fp32 scratch buffer for the RTN encoder. Returns the blob's bytes (a view of a fresh buffer)."""
+    out = torch.zeros(precision.blob_bytes, dtype=torch.uint8)
     tensors: dict[str, torch.Tensor] = {}
     for m in MATRICES:
         mat = getattr(w, m)
         if precision.spec is None:
             tensors[f"{m}.weight"] = mat.to(torch.bfloat16)
         elif precision.layout == "cpu-int4":
-            lin = QuantizedLinear.from_quantized(quantize_with(method, mat, precision.spec), precision.spec, "cpu",
-                                                 kernel="torch-int4")
+            q = _quantize(method, mat, precision.spec, work)
+            lin = QuantizedLinear.from_quantized(q, precision.spec, "cpu", kernel="torch-int4")
             tensors[f"{m}.packed"], tensors[f"{m}.scale_zero"] = lin.packed, lin.scale_zero
         else:
-            q = quantize_with(method, mat, precision.spec)
-            tensors[f"{m}.codes"] = pack(q.codes, precision.spec.storage_bits)
+            q = _quantize(method, mat, precision.spec, work)
+            tensors[f"{m}.codes"] = pack_codes(q.codes, precision.spec.storage_bits)
             tensors[f"{m}.scale"] = q.scale
             if q.zero is not None:
                 tensors[f"{m}.zero"] = q.zero
     for p in precision.parts:
-        raw = tensors[p.name].contiguous().view(torch.uint8).numpy().tobytes()
-        assert len(raw) == p.nbytes, (p.name, len(raw), p.nbytes)
+        raw = tensors[p.name].contiguous().view(-1).view(torch.uint8)
+        assert raw.numel() == p.nbytes, (p.name, raw.numel(), p.nbytes)
         out[p.offset : p.offset + p.nbytes] = raw
-    return bytes(out)
+    return memoryview(out.numpy())
+
+
+_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+_BLOB_MMAP_THRESHOLD = 1 << 20
+
+
+def return_freed_blobs_to_the_os() -> bool:
+    """Fix glibc's mmap threshold at 1 MiB, so every expert-sized block is its own mapping, unmapped on free.
+
+    By default glibc raises the threshold to the size of the first large block freed (up to 32 MB), and
+    later blobs come from the heap, where freed ones stay resident behind small live allocations: at real
+    shapes RSS grew ~50 MB per decoded token past the budget. Returns whether glibc took the setting."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, _BLOB_MMAP_THRESHOLD))
+    except (OSError, AttributeError):  # not glibc: its allocator has no such setting to fix
+        return False
 
 
 def blob_tensor(payload: memoryview) -> torch.Tensor:
@@ -223,6 +250,7 @@ class ExpertStore:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        return_freed_blobs_to_the_os()  # blobs are allocated and freed all the time from here on
         index_path = self.path / STORE_FILE
         if not index_path.exists():
             raise ModelFormatError(f"{index_path}: not found; create a store with `fate-edge convert MODEL OUT`")

@@ -78,7 +78,7 @@ def test_disk_full_while_writing_is_one_error_naming_dir_and_bytes(how, monkeypa
         raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "
                               '"No space left on device" }) (os error 28)')
 
-    monkeypatch.setattr(conv, "save_file", full)
+    monkeypatch.setattr(conv, "save_streaming", full)  # the resident weights are written first
     assert main(["convert", str(bundled_dir), str(tmp_path / "s"), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err

@@ -1,0 +1,62 @@
+"""What running a store needs in memory: resident weights + the expert budget + the runtime's own baseline.
+
+The budget bounds everything expert-related (cache, read buffers, the expert being computed, see
+``engine.plan_budget``); the rest is the weights that never stream and the process itself. A memory cap
+(cgroup, container limit) set to ``MemoryNeed.total`` is what a deployment should reserve.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .arch import load_config
+from .checkpoint import CheckpointReader
+from .loader import _FP32_SUFFIXES, DTYPES, resident_weight_names
+
+# Interpreter + torch + tokenizers + onnxruntime + fate_edge imported, plus torch's allocator arenas and
+# the activations of a prefill chunk (measured on this host: ~330 MB after imports, see scripts/bench_scale.py).
+RUNTIME_BASELINE_BYTES = 600_000_000
+_KV_DTYPE_BYTES = 4  # the KV cache is kept in the compute dtype; fp32 is the widest
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    resident_bytes: int  # weights that never stream (embeddings, attention, norms, routers, shared experts)
+    budget_bytes: int  # the expert budget (cache + read buffers + expert being computed)
+    baseline_bytes: int  # the runtime itself and a KV cache of ``context_tokens``
+
+    @property
+    def total(self) -> int:
+        return self.resident_bytes + self.budget_bytes + self.baseline_bytes
+
+
+def resident_bytes(store_dir: str | Path, dtype: str | torch.dtype = "bfloat16") -> int:
+    """Bytes the resident weights take once loaded at ``dtype`` (routers stay fp32, as the loader keeps them)."""
+    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    cfg = load_config(store_dir)
+    reader = CheckpointReader(store_dir)
+    total = 0
+    for name in resident_weight_names(cfg, reader):
+        numel = 1
+        for d in reader.shape(name):
+            numel *= d
+        total += numel * (4 if name.endswith(_FP32_SUFFIXES) else torch.empty(0, dtype=dtype).element_size())
+    return total
+
+
+def kv_cache_bytes(store_dir: str | Path, context_tokens: int) -> int:
+    """Upper bound of the KV cache for ``context_tokens`` (it grows by doubling, so up to twice the tokens)."""
+    cfg = load_config(store_dir)
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * heads * head_dim * 2 * max(64, context_tokens) * _KV_DTYPE_BYTES
+
+
+def memory_need(store_dir: str | Path, budget: int, dtype: str | torch.dtype = "bfloat16",
+                context_tokens: int = 2048) -> MemoryNeed:
+    """What an Engine on ``store_dir`` with expert budget ``budget`` needs in memory (see module doc)."""
+    return MemoryNeed(resident_bytes(store_dir, dtype), int(budget),
+                      RUNTIME_BASELINE_BYTES + kv_cache_bytes(store_dir, context_tokens))
