@@ -138,7 +138,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     opts = ConvertOptions(bits=args.bits, group_size=args.group, cold_bits=args.cold_bits,
                           cold_group_size=args.cold_group, keep_bf16=not args.no_bf16, force=args.force,
-                          method=args.method, layout=args.layout)
+                          method=args.method, layout=args.layout, threads=args.threads)
     out = convert(args.model_dir, args.out_dir, opts, progress=not args.quiet)
     print(f"wrote expert store {out}")
     return 0
@@ -218,6 +218,8 @@ def _add_convert_parser(sub) -> None:
                       "loaded); portable works on any device (needed for --device cuda)")
     conv.add_argument("--no-bf16", action="store_true", help="do not keep a bf16 copy of the experts")
     conv.add_argument("--force", action="store_true", help="replace an existing store")
+    conv.add_argument("--threads", type=positive_int, default=None,
+                      help="experts encoded in parallel (default: the CPU count, at most 8)")
     conv.add_argument("--quiet", action="store_true", help="no progress bar")
     conv.set_defaults(func=cmd_convert)
 
