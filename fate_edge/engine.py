@@ -11,9 +11,11 @@ decoded expert being computed when it is not cached.
 
 from __future__ import annotations
 
+import itertools
 import re
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,10 +27,12 @@ from . import defaults
 from .cache import ExpertCache
 from .cache.factory import build_cache, layer_slots
 from .errors import FateEdgeError
+from .experts import ExpertProvider
 from .fetch import BufferPool, FetchEngine
 from .generate import GenerateConfig, GenerationResponse, stream_generate
 from .loader import DTYPES, load_model
 from .policy import PolicyConfig, get_policy
+from .request_slot import RequestSlot
 from .scheduler import Scheduler, SchedulerStats
 from .store import ExpertStore, decode_expert, is_store
 from .tokenizer import Tokenizer
@@ -177,7 +181,11 @@ class Engine:
             raise FateEdgeError(f"plan must be 'auto' or None, not {plan!r}")
         device = resolve_device(device)
         self.device = device
-        self._lock = threading.Lock()  # one request at a time: the KV cache and expert cache are shared state
+        # The model, scheduler and expert cache are shared state: one step of one request runs at a time
+        # (_lock), and the open stream that may step next is tracked by _slot (see stream()).
+        self._lock = threading.Lock()
+        self._slot = RequestSlot()
+        self.stream_idle_timeout = 30.0  # seconds an open, unread stream holds the engine against a new request
         if not is_store(store_dir):
             raise FateEdgeError(f"{store_dir}: not an expert store; create one with `fate-edge convert MODEL OUT`")
         self.planned = None
@@ -330,13 +338,25 @@ class Engine:
 
     # ------------------------------------------------------------- generation
     def stream(self, prompt: str | list[int], config: GenerateConfig | None = None) -> Iterator[GenerationResponse]:
-        """Yield one response per generated token. Requests from several threads are served one at a time."""
-        with self._lock:
-            self.scheduler.new_sequence()
-            self.token_stats = []
-            start = before = self.scheduler.stats.snapshot()
-            try:
-                for i, step in enumerate(stream_generate(self.model, self.tokenizer, prompt, config)):
+        """Yield one response per generated token. Requests (from any thread) are served one at a time.
+
+        The engine is held while a step runs, never across a ``yield``: a new request waits for an open
+        stream that keeps being read, but one left idle (neither advanced nor closed) for
+        ``stream_idle_timeout`` seconds is superseded, and its next step raises StreamSupersededError. So a
+        generator kept alive but abandoned cannot block a server. Close a stream you stop reading
+        (``.close()``) to free the engine at once; a step that fails leaves nothing in flight."""
+        ticket = self._slot.claim(self.stream_idle_timeout)
+        try:
+            with self._step(ticket):
+                self.scheduler.new_sequence()
+                self.token_stats = []
+                start = before = self.scheduler.stats.snapshot()
+                steps = stream_generate(self.model, self.tokenizer, prompt, config)
+            for i in itertools.count():
+                with self._step(ticket):
+                    step = next(steps, None)
+                    if step is None:
+                        return
                     now = self.scheduler.stats.snapshot()
                     if i == 0:
                         self.prefill_stats = now.minus(before)  # prefill plus the first sampled token
@@ -344,10 +364,24 @@ class Engine:
                         self.token_stats.append(now.minus(before))
                     before = now
                     self.request_stats = now.minus(start)
-                    yield step
-            except BaseException:  # failed (a read error) or closed early: leave nothing in flight
-                self.scheduler.abort()
-                raise
+                yield step
+        except BaseException:  # failed (a read error) or closed early: leave nothing in flight
+            with self._lock:
+                if self._slot.owns(ticket):  # a superseded stream's state already belongs to the new request
+                    self.scheduler.abort()
+            raise
+        finally:
+            self._slot.release(ticket)
+
+    @contextmanager
+    def _step(self, ticket: int) -> Iterator[None]:
+        """Run one step of the stream holding ``ticket``, alone on the engine."""
+        with self._lock:
+            self._slot.begin(ticket)
+            try:
+                yield
+            finally:
+                self._slot.end(ticket)
 
     def generate(self, prompt: str | list[int], config: GenerateConfig | None = None) -> tuple[str, GenerationResponse]:
         parts, last = [], None
@@ -391,11 +425,14 @@ class Engine:
             self.scheduler.abort()
 
     def close(self) -> None:
-        """Stop the fetch workers and free the cached experts (an engine is not usable after this)."""
-        self.scheduler.abort()
-        if self.cache is not None:
-            self.cache.clear()
-        self.fetch.close()
+        """Stop the fetch workers and free the cached experts (an engine is not usable after this).
+        Waits for a step in progress; an open stream's next step then raises EngineClosedError."""
+        self._slot.close()  # no step starts from now on ...
+        with self._lock:  # ... and the one running ends first
+            self.scheduler.abort()
+            if self.cache is not None:
+                self.cache.clear()
+            self.fetch.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -404,7 +441,7 @@ class Engine:
         self.close()
 
 
-class _NoExperts:
+class _NoExperts(ExpertProvider):
     """Placeholder provider while the engine wires the scheduler in."""
 
     def get(self, layer: int, expert: int):

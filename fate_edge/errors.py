@@ -37,3 +37,11 @@ class ContextLengthError(GenerationError):
 
 class PolicyError(FateEdgeError, ValueError):
     """A policy name or setting is not one the engine implements (a ValueError too, for older callers)."""
+
+
+class EngineClosedError(FateEdgeError):
+    """The engine was closed; it serves no more requests."""
+
+
+class StreamSupersededError(FateEdgeError):
+    """An open stream was left idle and a newer request took the engine."""

@@ -7,8 +7,9 @@ demand); the expert store, the fetch engine and the cache plug in behind the sam
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -56,12 +57,26 @@ class QuantizedExpert:
         return self.gate.kernel
 
 
-class ExpertProvider(Protocol):
-    """Where the MoE block gets routed experts from."""
+class ExpertProvider(ABC):
+    """Where the MoE block gets routed experts from: the whole contract the model relies on.
 
-    def get(self, layer: int, expert: int) -> ExpertWeights:
+    Per MoE layer the model calls :meth:`stream` once with the experts it needs (most popular first),
+    computes each expert as it arrives, then calls :meth:`end_layer`. A provider only has to implement
+    :meth:`get`; the scheduler overrides :meth:`stream` (cache hits first, then reads as they land) and
+    :meth:`end_layer` (unpin, drop unused prefetches).
+    """
+
+    @abstractmethod
+    def get(self, layer: int, expert: int) -> ExpertWeights | QuantizedExpert:
         """The weights of ``expert`` in ``layer``, ready to call."""
-        ...
+
+    def stream(self, layer: int, expert_ids: Iterable[int]) -> Iterator[tuple[int, object | None]]:
+        """Yield (expert id, callable expert, or None when the provider chose to skip it), in any order."""
+        for e in expert_ids:
+            yield e, self.get(layer, e)
+
+    def end_layer(self, layer: int) -> None:  # noqa: B027 (optional hook, nothing to release by default)
+        """The MoE block has computed every expert of ``layer``."""
 
 
 class ExpertLayout:
@@ -108,7 +123,7 @@ class ExpertLayout:
         return ExpertWeights(g, u, d)
 
 
-class InMemoryExpertProvider:
+class InMemoryExpertProvider(ExpertProvider):
     """Every expert resident in memory: the reference configuration for parity and the fastest when it fits."""
 
     def __init__(self, experts: dict[tuple[int, int], ExpertWeights]):
@@ -124,7 +139,7 @@ class InMemoryExpertProvider:
         return self.experts[(layer, expert)]
 
 
-class CheckpointExpertProvider:
+class CheckpointExpertProvider(ExpertProvider):
     """Reads each expert from the safetensors files when the router asks for it: load-on-demand, no cache.
 
     Memory stays at the resident weights plus the experts of the layer being computed; every call reads

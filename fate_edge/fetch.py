@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 from fate_edge.devices.link import ThrottledLink
 
+from .buffer_pool import ALIGN, Buffer, BufferPool
 from .errors import FateEdgeError
-
-ALIGN = 4096
+from .verified import VerifiedBlobs
 
 
 class FetchError(FateEdgeError):
@@ -72,7 +72,8 @@ class BlobRef:
 
 # Blobs whose CRC matched in this process, keyed by the file's identity (device, inode, mtime) and offset:
 # a store rewritten by `fate-edge convert` is a new file, so nothing verified in the old one carries over.
-_VERIFIED: set[tuple[int, int, int, int]] = set()
+# Shared by every engine of the process (so a blob is checked once), locked, and bounded (LRU).
+_VERIFIED = VerifiedBlobs()
 
 
 def file_identity(fd: int) -> tuple[int, int, int]:
@@ -99,58 +100,6 @@ def mark_verified(ref: BlobRef, payload: bytes, identity: tuple[int, int, int]) 
     if zlib.crc32(payload) != ref.crc32:
         raise _corrupted(ref)
     _VERIFIED.add((*identity, ref.offset))
-
-
-class Buffer:
-    """A page-aligned slab from the pool: anonymous mmap, or pinned (page-locked) memory for GPU copies."""
-
-    def __init__(self, size: int, pinned: bool = False):
-        self.size = size
-        if pinned:
-            import torch
-
-            # Page-locked so the GPU can DMA from it; over-allocate to hand out a 4096-aligned window (O_DIRECT).
-            self.mem = torch.empty(size + ALIGN, dtype=torch.uint8).pin_memory()
-            skip = (-self.mem.data_ptr()) % ALIGN
-            self.view = memoryview(self.mem.numpy())[skip : skip + size]
-        else:
-            self.mem = mmap.mmap(-1, size)  # anonymous mmap: page-aligned, as O_DIRECT needs
-            self.view = memoryview(self.mem)
-
-
-class BufferPool:
-    """Fixed number of fixed-size buffers, allocated once: reads never allocate, and their bytes are bounded."""
-
-    def __init__(self, count: int, size: int, pinned: bool = False):
-        if count < 1:
-            raise ValueError("BufferPool needs at least one buffer")
-        self.size = -(-size // ALIGN) * ALIGN
-        self._free = [Buffer(self.size, pinned) for _ in range(count)]
-        self.count = count
-        self._cv = threading.Condition()
-
-    @property
-    def nbytes(self) -> int:
-        return self.count * self.size
-
-    def acquire(self, stop: Callable[[], bool] | None = None) -> Buffer | None:
-        """A free buffer, waiting for one; None once ``stop()`` turns true (the engine is closing)."""
-        with self._cv:
-            while not self._free:
-                if stop is not None and stop():
-                    return None
-                self._cv.wait(timeout=0.1 if stop is not None else None)
-            return self._free.pop()
-
-    def release(self, buf: Buffer) -> None:
-        with self._cv:
-            self._free.append(buf)
-            self._cv.notify()
-
-    @property
-    def available(self) -> int:
-        with self._cv:
-            return len(self._free)
 
 
 @dataclass
@@ -223,6 +172,8 @@ class FetchEngine:
         self._fds: dict[str, int] = {}
         self._fd_lock = threading.Lock()
         self._closed = False
+        self.close_timeout = 5.0  # close() waits this long for the workers before leaving the files to them
+        self._alive = workers  # workers not yet exited (guarded by _fd_lock)
         self._threads = [threading.Thread(target=self._worker, name=f"fate-fetch-{i}", daemon=True)
                          for i in range(workers)]
         for t in self._threads:
@@ -290,15 +241,25 @@ class FetchEngine:
             self.pool.release(buf)
 
     def close(self) -> None:
+        """Stop the workers: queued reads are cancelled and reads in progress stop at their next chunk.
+        A file descriptor is closed only once no worker is left to use it: here if every worker exits
+        within ``close_timeout``, else by the last worker on its way out (never under a worker's read)."""
         with self._cv:
             self._closed = True
             for _, _, req in self._heap:
                 if req.state == "queued":
                     self._finish_cancelled(req)
+            for req in self._pending.values():  # those being read
+                req.cancel_requested = True
             self._cv.notify_all()
         for t in self._threads:
-            t.join(timeout=5)
+            t.join(timeout=self.close_timeout)
+        self._close_files()
+
+    def _close_files(self) -> None:
         with self._fd_lock:
+            if self._alive:
+                return  # the last worker to exit closes them
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
@@ -374,6 +335,15 @@ class FetchEngine:
             return fd
 
     def _worker(self) -> None:
+        try:
+            self._work()
+        finally:
+            with self._fd_lock:
+                self._alive -= 1
+            if self._closed:
+                self._close_files()
+
+    def _work(self) -> None:
         while True:
             # Wait for work, take a buffer, and only then the most urgent request: a worker never holds a
             # request it cannot read, so the most urgent request always gets the next free buffer (no

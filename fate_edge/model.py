@@ -163,17 +163,13 @@ class MoETransformer:
             obs(layer, h, idx, weights)
         ids, counts = idx.flatten().unique(return_counts=True)
         needed = ids[counts.argsort(descending=True, stable=True)].tolist()  # most popular first
-        stream = getattr(self.experts, "stream", None)
-        pairs = stream(layer, needed) if stream else ((e, self.experts.get(layer, e)) for e in needed)
         parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for e, expert in pairs:  # experts may arrive in any order (cache hits first, then reads)
+        for e, expert in self.experts.stream(layer, needed):  # any order (cache hits first, then reads)
             if expert is None:  # skipped by precision-on-miss (opt-in)
                 continue
             tok, slot = torch.where(idx == e)
             parts[e] = (tok, (expert(h[tok]).float() * weights[tok, slot, None]).to(h.dtype))  # [n_e, H]
-        end_layer = getattr(self.experts, "end_layer", None)
-        if end_layer:
-            end_layer(layer)
+        self.experts.end_layer(layer)
         out = torch.zeros_like(h)
         # Sum in expert-id order whatever the arrival order, so fetch timing never changes the answer.
         # A token picks an expert at most once: rows of ``tok`` are unique and an indexed add is exact.

@@ -20,8 +20,11 @@ from fate_edge.devices.detect import reader_contention
 
 from .arch.base import ModelConfig
 from .cache import AccessInfo, ExpertCache
+from .experts import ExpertProvider
 from .fetch import FetchEngine, FetchRequest, Priority
 from .policy import PolicyConfig
+from .predictors.base import Predictor
+from .prefetch_choice import cold_tail, gate_candidates, plan_prefetches, prefetch_width, ranked
 from .prefetch_gate import PrefetchGate
 from .store import ExpertStore, decode_expert
 from .transfer import Copier, make_copier
@@ -82,7 +85,7 @@ class _Fetch:
     prefetched: bool
 
 
-class Scheduler:
+class Scheduler(ExpertProvider):
     def __init__(
         self,
         config: ModelConfig,
@@ -90,7 +93,7 @@ class Scheduler:
         fetch: FetchEngine,
         cache: ExpertCache | None,
         policy: PolicyConfig,
-        predictor=None,
+        predictor: Predictor | None = None,
         dtype: torch.dtype = torch.float32,
         device: str = "cpu",
         max_inflight_prefetches: int = 8,
@@ -113,7 +116,7 @@ class Scheduler:
         self.skip: set[Key] = set()
         self.in_use: list[Key] = []
         self.last_prediction: dict[int, list[int]] = {}
-        self._candidates: dict[int, list[tuple[int, int]]] = {}  # target → (rank, expert) not cached when predicted
+        self._candidates: dict[int, dict[int, int]] = {}  # target → rank → expert not cached when predicted
         self._layer_time = 0.0  # EMA of one decoder layer's compute time (decode)
         self._read_bw = 0.0  # EMA of measured read bandwidth, bytes/s
         self._read_cpu = 0.0  # EMA of a read's reader-thread CPU seconds
@@ -151,8 +154,7 @@ class Scheduler:
 
         if self.predictor is not None:
             t0 = time.perf_counter()
-            if hasattr(self.predictor, "observe"):
-                self.predictor.observe(layer, needed)
+            self.predictor.observe(layer, needed)
             width = self._width()
             if self._should_predict(n, width):
                 self._prefetch(layer, h, width)
@@ -184,16 +186,7 @@ class Scheduler:
 
     def _cold_set(self, popularity: dict[int, int]) -> set[int]:
         """Fate's prefill tail: the least popular experts, up to ``cold_tail_mass`` of all assignments."""
-        if self.cold_bits is None:
-            return set()
-        total = sum(popularity.values())
-        cold, acc = set(), 0
-        for e, c in sorted(popularity.items(), key=lambda kv: (kv[1], kv[0])):
-            if acc + c > self.policy.cold_tail_mass * total:
-                break
-            acc += c
-            cold.add(e)
-        return cold
+        return set() if self.cold_bits is None else cold_tail(popularity, self.policy.cold_tail_mass)
 
     def _check_prediction(self, layer: int, idx: torch.Tensor, n: int) -> None:
         pred = self.last_prediction.pop(layer, None)
@@ -203,22 +196,20 @@ class Scheduler:
         true = set(idx[0].tolist())
         # The gate's evidence: of the predictions that were not already cached (a read would have been
         # needed), how often each rank was routed.
-        self.gate.record(dict(self._candidates.pop(layer, [])), true)
+        self.gate.record(self._candidates.pop(layer, {}), true)
         self.stats.predictions += 1
         self.stats.exact += int(set(pred[: len(true)]) == true)
         self.stats.recall_sum += len(true & set(pred[: len(true)])) / len(true)
 
     # ---------------------------------------------------------------- prefetch
     def _width(self) -> int:
+        """This layer call's prefetch width (prefetch_choice.py), from the measured layer and read times."""
         p = self.policy
-        if isinstance(p.prefetch_width, int):
-            return p.prefetch_width
-        if p.prefetch_width == "fate" and self._layer_time > 0 and self._read_bw > 0:
-            # Fate: how many expert reads fit into one decoder layer's compute time.
-            per_read = self.store.expert_bytes(p.bits) / self._read_bw
-            width = max(p.min_prefetch_width, min(p.max_prefetch_width, int(self._layer_time / per_read)))
-            return self._gated(width, per_read) if p.prefetch_gate else width
-        return self.config.num_experts_per_tok if p.prefetch_width == "fate" else p.max_prefetch_width
+        per_read = self.store.expert_bytes(p.bits) / self._read_bw if self._read_bw > 0 else 0.0
+        width = prefetch_width(p, self.config.num_experts_per_tok, self._layer_time, per_read)
+        if p.prefetch_gate and self._layer_time > 0 and per_read > 0:
+            return self._gated(width, per_read)
+        return width
 
     def _gated(self, width: int, per_read: float) -> int:
         """fate-edge: the leading ranks whose measured hit rate pays for the reader CPU (prefetch_gate.py)."""
@@ -234,55 +225,29 @@ class Scheduler:
         return self.gate.should_predict(shut=width == 0)
 
     def _prefetch(self, layer: int, h: torch.Tensor, width: int) -> None:
-        """Prefetch up to ``width`` (this layer call's :meth:`_width`) predicted experts per target layer."""
+        """Prefetch what prefetch_choice.py picks for the predicted layers, ``width`` (:meth:`_width`) per layer."""
         targets = self.predictor.targets(layer)
         if not targets:
             return
         pred = self.predictor.predict(layer, h)
         k = self.config.num_experts_per_tok
-        plan: list[tuple[int, int, float, int, int]] = []  # (distance, -score, layer, expert, bits)
-        for d, target in enumerate(pred.layers):
-            scores = pred.scores[d]  # [N, E]
-            if scores.shape[0] == 1:  # decode: most probable experts up to the width (or the mass)
-                probs = scores[0]
-                # Experts a predictor scores 0 (the oracle's unused ones) are never worth a read.
-                order = probs.argsort(descending=True)
-                ranked = order[probs[order] > 0].tolist()
-                if d == 0:  # checked when the target routes: exact match, and each rank's hit rate
-                    self.last_prediction[target] = ranked[:k]
-                    self._candidates[target] = [
-                        (r, e) for r, e in enumerate(ranked[: len(self.gate.seen)])
-                        if not (self.cache is not None and (target, e) in self.cache)]
-                chosen = ranked[:width]
-                if self.policy.prefetch_width == "mass":
-                    mass = probs / probs.sum()
-                    acc, chosen = 0.0, []
-                    for e in ranked[: self.policy.max_prefetch_width]:
-                        chosen.append(e)
-                        acc += float(mass[e])
-                        if acc >= self.policy.prefetch_mass and len(chosen) >= k:
-                            break
-                cold: set[int] = set()
-                ranked_scores = {e: float(probs[e]) for e in chosen}
-            else:  # prefill: union of every token's predicted top-k, ranked by popularity
-                top = scores.topk(k, dim=-1).indices.flatten()
-                ids, counts = top.unique(return_counts=True)
-                popularity = dict(zip(ids.tolist(), counts.tolist()))
-                chosen = sorted(popularity, key=lambda e: -popularity[e])
-                cold = self._cold_set(popularity)
-                ranked_scores = {e: float(popularity[e]) for e in chosen}
-            for e in chosen:
-                bits = self.cold_bits if (e in cold and self.cold_bits) else self.policy.bits
-                plan.append((d, -ranked_scores[e], target, e, bits))
-        for d, _, target, e, bits in sorted(plan):
-            key = (target, e)
-            if (self.cache is not None and key in self.cache) or key in self.prefetches or key in self.demands:
-                continue
-            if len(self.prefetches) >= self.max_inflight:
-                break
-            prio = Priority.NEXT_LAYER if d == 0 else Priority.AHEAD
-            req = self.fetch.submit(self.store.ref(target, e, bits), prio)
-            self.prefetches[key] = _Fetch(req, bits, prefetched=True)
+        if h.shape[0] == 1 and pred.layers:  # checked when the target routes: exact match, each rank's hit rate
+            target, ranks = pred.layers[0], ranked(pred.scores[0][0])
+            self.last_prediction[target] = ranks[:k]
+            self._candidates[target] = gate_candidates(ranks, len(self.gate.seen), lambda e: self._cached((target, e)))
+        def busy(key: Key) -> bool:
+            return self._cached(key) or key in self.prefetches or key in self.demands
+
+        plan = plan_prefetches(self.policy, list(zip(pred.layers, pred.scores)), k, width, busy,
+                               room=self.max_inflight - len(self.prefetches), use_cold=self.cold_bits is not None)
+        for p in plan:
+            bits = self.cold_bits if p.cold else self.policy.bits
+            prio = Priority.NEXT_LAYER if p.distance == 0 else Priority.AHEAD
+            req = self.fetch.submit(self.store.ref(p.layer, p.expert, bits), prio)
+            self.prefetches[(p.layer, p.expert)] = _Fetch(req, bits, prefetched=True)
+
+    def _cached(self, key: Key) -> bool:
+        return self.cache is not None and key in self.cache
 
     # ---------------------------------------------------------------- serving
     def stream(self, layer: int, expert_ids: list[int]) -> Iterator[tuple[int, object | None]]:
@@ -324,6 +289,12 @@ class Scheduler:
             for f in pending.values():
                 self._drop(f, wasted=False)
             raise
+
+    def get(self, layer: int, expert: int):
+        """One expert through :meth:`stream` (cache, a fetch in flight, or a demand read); pinned until
+        :meth:`end_layer`, as in the model's flow. None if precision-on-miss skipped it."""
+        [(_, out)] = list(self.stream(layer, [expert]))
+        return out
 
     def _consume(self, layer: int, e: int, f: _Fetch, info: AccessInfo):
         key = (layer, e)
@@ -397,7 +368,7 @@ class Scheduler:
         self.last_prediction.clear()
         self._candidates.clear()
         self._last_route = None
-        if self.predictor is not None and hasattr(self.predictor, "reset"):
+        if self.predictor is not None:
             self.predictor.reset()
         if self.cache is not None:
             self.cache.new_sequence()

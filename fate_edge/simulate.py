@@ -15,7 +15,7 @@ by the link, plus what each read costs the host's CPU):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,7 @@ from fate_edge.devices.link import LinkSpec
 from .cache import AccessInfo
 from .cache.factory import build_cache
 from .policy import PolicyConfig
+from .prefetch_choice import gate_candidates, plan_prefetches, prefetch_width, ranked
 from .prefetch_gate import PrefetchGate
 
 
@@ -54,6 +55,7 @@ class SimResult:
     prefetch_bytes: int
     wasted_bytes: int
     total_s: float
+    prefetched: list[tuple[int, int, int]] = field(default_factory=list)  # (token, layer, expert) per read issued
 
     @property
     def hit_rate(self) -> float:
@@ -63,21 +65,6 @@ class SimResult:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.total_s if self.total_s > 0 else 0.0
-
-
-def _chosen(policy: PolicyConfig, probs: torch.Tensor, k: int, fate_width: int) -> list[int]:
-    ranked = probs.argsort(descending=True).tolist()
-    if isinstance(policy.prefetch_width, int):
-        return ranked[: policy.prefetch_width]
-    if policy.prefetch_width == "fate":
-        return ranked[:fate_width]
-    mass, acc, out = probs / probs.sum(), 0.0, []
-    for e in ranked[: policy.max_prefetch_width]:
-        out.append(e)
-        acc += float(mass[e])
-        if acc >= policy.prefetch_mass and len(out) >= k:
-            break
-    return out
 
 
 def simulate(
@@ -91,11 +78,14 @@ def simulate(
     num_experts: int,
     num_layers: int,
     warm: dict[int, list[int]] | None = None,
+    max_inflight: int | None = None,
 ) -> SimResult:
     """``expert_ids``: MoE layer → [N, k] true experts; ``predictions``: (source, target) → [N, E] scores
     (None: no prefetch). ``costs``: a :class:`HostCosts`, or just the per-layer compute seconds (reads then
     cost only link time). ``warm``: experts per layer the prompt's prefill loaded, in load order; they fill
-    the cache first, untimed, as the engine's prefill leaves it. Returns totals over the N tokens."""
+    the cache first, untimed, as the engine's prefill leaves it. ``max_inflight``: at most this many prefetches
+    in flight (the engine's read buffers beyond the two kept for demand reads). Returns totals over the N
+    tokens. What to prefetch is prefetch_choice.py's decision, the scheduler's own."""
     if not isinstance(costs, HostCosts):
         costs = HostCosts(float(costs))
     layer_compute_s = costs.layer_compute_s
@@ -108,7 +98,7 @@ def simulate(
     future = [(layer, e) for t in range(n) for layer in layers for e in sorted(expert_ids[layer][t].tolist())]
     cache = build_cache(policy, cache_bytes, expert_bytes, layers, num_experts, future)
     transfer = link.transfer_time(expert_bytes)
-    fate_width = max(policy.min_prefetch_width, min(policy.max_prefetch_width, int(layer_compute_s / transfer)))
+    base_width = prefetch_width(policy, k, layer_compute_s, read_time)
     r = SimResult(n, 0, 0, 0, 0.0, 0, 0, 0, 0.0)
     if cache is not None and warm:
         for layer in layers:
@@ -117,6 +107,10 @@ def simulate(
                 if (layer, e) not in cache:
                     cache.access((layer, e), False, info)
                     cache.insert((layer, e), None, expert_bytes, policy.bits)
+
+    def cached(key: tuple[int, int]) -> bool:
+        return cache is not None and key in cache
+
     clock, link_free = 0.0, 0.0
     inflight: dict[tuple[int, int], float] = {}  # prefetched key → arrival time
     # fate-edge's gate, deciding from the same evidence the scheduler gathers (prefetch_gate.py)
@@ -125,7 +119,7 @@ def simulate(
     for t in range(n):
         for li, layer in enumerate(layers):
             info = AccessInfo(layer_now=layer, num_layers=num_layers)
-            stall, used, demands = 0.0, [], 0
+            stall, used, demands, consumed = 0.0, [], 0, 0
             for e in sorted(expert_ids[layer][t].tolist()):
                 key = (layer, e)
                 if cache is not None and key in cache:
@@ -136,6 +130,7 @@ def simulate(
                     continue
                 if key in inflight:
                     arrival = inflight.pop(key)
+                    consumed += 1
                     r.prefetch_hits += 1
                     r.prefetch_bytes += expert_bytes
                     stall = max(stall, arrival - clock) + costs.consume_s
@@ -155,31 +150,30 @@ def simulate(
                         used.append(key)
             clock += stall
             r.stall_s += stall
-            width, predict = fate_width, predictions is not None
+            width, predict = base_width, predictions is not None
             if gate is not None:
                 if layer in candidates:
                     gate.record(candidates.pop(layer), set(expert_ids[layer][t].tolist()))
-                width = gate.width(fate_width, read_time, prefetch_cpu, costs.predict_s, policy.min_prefetch_width)
+                width = gate.width(base_width, read_time, prefetch_cpu, costs.predict_s, policy.min_prefetch_width)
                 predict = gate.should_predict(shut=width == 0)
             if predict:
-                plan = []
-                for d, target in enumerate(layers[li + 1 : li + 1 + policy.lookahead]):
-                    scores = predictions.get((layer, target))
-                    if scores is None:
-                        continue
-                    if gate is not None and d == 0:
-                        ranked = scores[t].argsort(descending=True)[: len(gate.seen)].tolist()
-                        candidates[target] = {rank: e for rank, e in enumerate(ranked)
-                                              if not (cache is not None and (target, e) in cache)}
-                    for e in _chosen(policy, scores[t], k, width):
-                        plan.append((d, target, e))
-                for _, target, e in plan:
-                    key = (target, e)
-                    if (cache is not None and key in cache) or key in inflight:
-                        continue
+                targets = [(target, predictions[(layer, target)][t : t + 1])
+                           for target in layers[li + 1 : li + 1 + policy.lookahead] if (layer, target) in predictions]
+                if gate is not None and targets:
+                    target, scores = targets[0]
+                    candidates[target] = gate_candidates(ranked(scores[0]), len(gate.seen),
+                                                         lambda e, target=target: cached((target, e)))
+
+                def busy(key: tuple[int, int], inflight=inflight) -> bool:
+                    return cached(key) or key in inflight
+
+                # The engine predicts before it consumes this layer's prefetches: they still hold buffers then.
+                room = None if max_inflight is None else max_inflight - len(inflight) - consumed
+                for p in plan_prefetches(policy, targets, k, width, busy, room):
                     start = max(link_free, clock)
                     link_free = start + transfer
-                    inflight[key] = link_free
+                    inflight[(p.layer, p.expert)] = link_free
+                    r.prefetched.append((t, p.layer, p.expert))
                     clock += prefetch_cpu  # the reader thread takes a core from compute
                 clock += costs.predict_s
             clock += layer_compute_s

@@ -12,6 +12,7 @@ import torch
 
 from fate_edge.devices.link import ThrottledLink
 
+from .experts import ExpertProvider
 from .fetch import BufferPool, FetchEngine, Priority
 from .store import ExpertStore, decode_expert
 
@@ -24,7 +25,7 @@ class ProviderStats:
     decode_s: float = 0.0  # time turning blobs into callable experts
 
 
-class StoreExpertProvider:
+class StoreExpertProvider(ExpertProvider):
     def __init__(self, store: ExpertStore, bits: int | None = None, dtype: torch.dtype = torch.float32,
                  engine: FetchEngine | None = None, link: ThrottledLink | None = None, workers: int = 2,
                  direct_io: bool = True, device: str = "cpu"):

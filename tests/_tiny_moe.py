@@ -35,7 +35,8 @@ def build_tokenizer(out: Path) -> None:
     tok.save(str(out / "tokenizer.json"))
 
 
-def build_tiny_moe(out: Path, seed: int = 0) -> Path:
+def build_tiny_moe(out: Path, seed: int = 0, top_k: int = 2) -> Path:
+    """``top_k``: experts per token (of 8). Above 2 the order experts are summed in changes the bits."""
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     cfg = Qwen2MoeConfig(
@@ -46,7 +47,7 @@ def build_tiny_moe(out: Path, seed: int = 0) -> Path:
         num_attention_heads=2,
         num_key_value_heads=1,
         num_experts=8,
-        num_experts_per_tok=2,
+        num_experts_per_tok=top_k,
         moe_intermediate_size=16,
         shared_expert_intermediate_size=32,
         mlp_only_layers=[2],

@@ -3,6 +3,7 @@
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 
@@ -168,3 +169,64 @@ def test_close_frees_the_cached_experts_at_once(store, budget_35):
     assert engine.cache.used_bytes > 0
     engine.close()
     assert engine.cache.used_bytes == 0 and not engine.cache.entries
+
+
+def test_an_abandoned_open_stream_does_not_block_the_next_request(store, budget_35, resident_int4_text):
+    from fate_edge.errors import StreamSupersededError
+
+    with Engine(store, budget_35, "fate-edge") as engine:
+        engine.stream_idle_timeout = 0.5  # a server would keep the default; the test need not wait that long
+        abandoned = engine.stream(PROMPT, CFG)
+        next(abandoned)  # open, kept alive, never read again nor closed
+        out = {}
+        t = threading.Thread(target=lambda: out.setdefault("text", engine.generate(PROMPT, CFG)[0]), daemon=True)
+        t.start()
+        t.join(120)
+        assert out.get("text") == resident_int4_text  # served in full, with the right answer
+        with pytest.raises(StreamSupersededError, match="close"):
+            next(abandoned)
+        # A stream that keeps being read is never superseded: two generators, the second waits for the first.
+        first, second = engine.stream(PROMPT, CFG), engine.stream(PROMPT, CFG)
+        text = next(first).text
+        nxt = threading.Thread(target=lambda: out.setdefault("second", "".join(s.text for s in second)), daemon=True)
+        nxt.start()
+        text += "".join(s.text for s in first)
+        nxt.join(120)
+        assert text == out["second"] == resident_int4_text
+
+
+def test_close_waits_for_the_step_in_progress(store, budget_35):
+    from fate_edge.errors import EngineClosedError
+
+    engine = Engine(store, budget_35, "load-on-demand-int4")  # every expert is a read: a closed fetch would show
+    entered, release = threading.Event(), threading.Event()
+    second_layer = engine.model.config.moe_layers[1]
+
+    def hold(layer, h, idx, weights):  # pause the first decode step part way, before its reads
+        if h.shape[0] == 1 and layer == second_layer and not entered.is_set():
+            entered.set()
+            release.wait()
+
+    engine.model.observers.insert(0, hold)
+    got = {"steps": []}
+
+    def consume():
+        try:
+            for step in engine.stream(PROMPT, CFG):
+                got["steps"].append(step)
+        except Exception as exc:
+            got["error"] = exc
+
+    reader = threading.Thread(target=consume, daemon=True)
+    reader.start()
+    assert entered.wait(60)
+    closer = threading.Thread(target=engine.close, daemon=True)
+    closer.start()
+    closer.join(0.5)
+    assert closer.is_alive()  # close() waits for the step that is running
+    release.set()
+    reader.join(60)
+    closer.join(60)
+    assert len(got["steps"]) == 2  # the running step finished normally ...
+    assert isinstance(got.get("error"), EngineClosedError)  # ... and the next one was refused
+    assert engine.fetch.pool.available == engine.fetch.pool.count  # every read buffer came back

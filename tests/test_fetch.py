@@ -245,3 +245,111 @@ def test_engine_reads_64mb_at_the_emulated_link_bandwidth(tmp_path):
         elapsed = time.perf_counter() - t0
     measured = 64 * blob / elapsed
     assert abs(measured - bw) / bw < 0.10, f"{measured / 1e6:.0f} MB/s through the engine vs a {bw / 1e6:.0f} MB/s link"
+
+
+class _HeldLink:
+    """An emulated link that holds every chunk until released: a worker stuck part way through a read."""
+
+    def __init__(self):
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def reserve(self, nbytes, first_chunk=False, issued_at=None):
+        self.entered.set()
+        self.release.wait()
+        return 0.0
+
+
+def test_close_never_closes_a_file_a_worker_is_still_reading(blob_file):
+    path, refs = blob_file
+    link = _HeldLink()
+    eng = FetchEngine(BufferPool(2, BLOB), workers=1, link=link, chunk_bytes=ALIGN)
+    eng.close_timeout = 0.1  # close() gives up waiting long before the worker is released
+    req = eng.submit(refs[0], Priority.AHEAD)
+    assert link.entered.wait(30)  # the worker has the file open and one chunk read
+    fd = eng._fds[str(path)]
+    eng.close()
+    os.fstat(fd)  # still open: a closed (or reused) descriptor would be read by the worker next
+    link.release.set()
+    eng._threads[0].join(30)
+    assert not eng._threads[0].is_alive()
+    assert req.state == "cancelled" and req.error is None  # stopped at its next chunk, no read of a closed fd
+    assert 0 < req.bytes_read < refs[0].read_length
+    assert not eng._fds and eng.pool.available == 2  # the last worker closed the file and gave its buffer back
+
+
+def test_promoted_prefetch_is_read_next(blob_file):
+    _, refs = blob_file
+    order, gate = [], threading.Event()
+
+    def record(ref):
+        gate.wait()
+        order.append(ref.key)
+
+    with FetchEngine(BufferPool(8, BLOB), workers=1, fault_injector=record) as eng:
+        blocker = eng.submit(refs[0], Priority.AHEAD)
+        time.sleep(0.05)  # the single worker is now held on the blocker
+        ahead = [eng.submit(r, Priority.AHEAD) for r in refs[1:5]]
+        eng.promote(ahead[-1], Priority.DEMAND)  # the layer needs it now
+        assert ahead[-1].priority == Priority.DEMAND
+        gate.set()
+        for r in [blocker, *ahead]:
+            eng.wait(r)
+            eng.release(r)
+    assert order[1] == refs[4].key and order[2:] == [r.key for r in refs[1:4]]
+
+
+def test_verified_blobs_are_bounded_and_keep_the_most_recently_checked():
+    from fate_edge.verified import VerifiedBlobs
+
+    seen = VerifiedBlobs(max_entries=3)
+    for i in range(4):
+        seen.add(("store", i))
+    assert len(seen) == 3 and ("store", 0) not in seen
+    assert ("store", 1) in seen  # a lookup refreshes it ...
+    seen.add(("store", 4))
+    assert ("store", 1) in seen and ("store", 2) not in seen  # ... so the least recently checked goes
+
+    errors = []
+
+    def hammer(t):
+        try:
+            for i in range(3000):
+                seen.add((t, i))
+                (t, i - 1) in seen  # noqa: B015 (a lookup moves the key: it mutates too)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    import sys
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads between almost every bytecode: races show at once
+    try:
+        threads = [threading.Thread(target=hammer, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors and len(seen) == 3
+
+
+def test_a_blob_forgotten_by_the_bounded_set_is_verified_again(blob_file, monkeypatch):
+    import fate_edge.fetch as fetch
+
+    monkeypatch.setattr(fetch._VERIFIED, "max_entries", 4)  # the process-wide set, bounded
+    path, refs = blob_file
+    with FetchEngine(BufferPool(2, BLOB), workers=1) as eng:
+        for ref in refs:  # 16 blobs through a set of 4
+            req = eng.submit(ref)
+            eng.wait(req)
+            eng.release(req)
+        assert len(fetch._VERIFIED) == 4
+        st = os.stat(path)
+        flip_byte(path, refs[0].offset + 10)  # first blob: verified, then forgotten
+        flip_byte(path, refs[-1].offset + 10)  # last blob: still remembered
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        with pytest.raises(CorruptBlobError, match=rf"layer {refs[0].layer} expert {refs[0].expert}"):
+            eng.wait(eng.submit(refs[0]))
+        last = eng.submit(refs[-1])
+        assert bytes(eng.wait(last)) == _expected(path, refs[-1])  # trusted: read without a CRC, as before
