@@ -33,6 +33,7 @@ class RotaryEmbedding:
         self.dim = int(head_dim * rope.partial_rotary_factor)
         self.max_position_embeddings = max_position_embeddings
         self.attention_scaling = 1.0
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         self.inv_freq = self._base_inv_freq(rope.theta)
         self._original_inv_freq = self.inv_freq
         # Dynamic NTK counts from max_position_embeddings (as transformers does; a config's
@@ -88,6 +89,19 @@ class RotaryEmbedding:
         if seq_len < orig and self._cached_len > orig:
             self.inv_freq = self._original_inv_freq
             self._cached_len = orig
+
+    def cos_sin_range(self, start: int, t: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [t, dim] for positions ``start .. start + t - 1``: slices of a table built once per dtype.
+
+        Dynamic NTK changes its frequencies with the sequence length, so it computes them each call.
+        """
+        if self.rope.rope_type == "dynamic" or start + t > self.max_position_embeddings:
+            return self.cos_sin(torch.arange(start, start + t), dtype)
+        table = self._tables.get(dtype)
+        if table is None:
+            table = self._tables[dtype] = self.cos_sin(torch.arange(self.max_position_embeddings), dtype)
+        cos, sin = table
+        return cos[start : start + t], sin[start : start + t]
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of shape [T, dim] for integer ``positions`` [T]."""
