@@ -75,9 +75,10 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model = load_model(bundled_model_dir(), dtype=args.dtype, experts="memory")
-    if args.experts == "int4":
-        model.experts = int4_experts(model.experts)
+    bits = 4 if args.experts == "int4" else None
+    model = load_model(bundled_model_dir(), dtype=args.dtype, experts="memory", bits=bits)
+    if bits and not hasattr(model.experts.get(model.config.moe_layers[0], 0), "kernel"):
+        model.experts = int4_experts(model.experts)  # a runtime without in-memory quantization (before/after runs)
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         decode(model, prompt, 4)
