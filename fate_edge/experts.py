@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fate_edge.quant import QuantSpec, quantize
+from fate_edge.quant import QuantSpec
 from fate_edge.quant.linear import QuantizedLinear
 
 from .checkpoint import CheckpointReader
@@ -155,19 +155,22 @@ class InMemoryExpertProvider(ExpertProvider):
                     for e in range(num_experts)})
 
     @classmethod
-    def quantized(cls, provider: InMemoryExpertProvider, spec: QuantSpec,
-                  device: str | torch.device = "cpu") -> InMemoryExpertProvider:
-        """Every expert of ``provider`` quantized (round-to-nearest) and kept resident: gate_up and down."""
-        return cls({key: quantize_expert(e, spec, device) for key, e in provider.experts.items()})
+    def quantized(cls, provider: InMemoryExpertProvider, spec: QuantSpec, device: str | torch.device = "cpu",
+                  kernel: str | None = None) -> InMemoryExpertProvider:
+        """Every expert of ``provider`` quantized (round-to-nearest) and kept resident: gate_up and down.
+
+        ``kernel`` None: the fastest here per matrix shape, timed once (``quant.linear.choose_kernel``)."""
+        return cls({key: quantize_expert(e, spec, device, kernel) for key, e in provider.experts.items()})
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
         return self.experts[(layer, expert)]
 
 
-def quantize_expert(e: ExpertWeights, spec: QuantSpec, device: str | torch.device = "cpu") -> QuantizedExpert:
+def quantize_expert(e: ExpertWeights, spec: QuantSpec, device: str | torch.device = "cpu",
+                    kernel: str | None = None) -> QuantizedExpert:
     """Round-to-nearest ``e``; gate and up become one matrix (rows quantize independently: same codes)."""
     gate_up = e.gate_up if e.gate_up is not None else torch.cat([e.gate, e.up])
-    gu, down = (QuantizedLinear.from_quantized(quantize(w.float(), spec), spec, device) for w in (gate_up, e.down))
+    gu, down = (QuantizedLinear.from_float(w, spec, device, kernel) for w in (gate_up, e.down))
     return QuantizedExpert(None, None, down, gate_up=gu)
 
 

@@ -172,7 +172,7 @@ class MoETransformer:
     def route(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Router of ``layer`` on gate inputs ``h`` [N, H] → (weights [N, k], expert ids [N, k])."""
         lp = self.plan()[layer]
-        logits = F.linear(h.to(lp.router.dtype), lp.router)
+        logits = F.linear(h if h.dtype == lp.router.dtype else h.to(lp.router.dtype), lp.router)
         return route(self.config, logits, lp.correction_bias)
 
     def _moe(self, x: torch.Tensor, layer: int, lp: LayerPlan) -> torch.Tensor:
@@ -188,7 +188,7 @@ class MoETransformer:
 
     def _routed_one(self, h: torch.Tensor, layer: int, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """One token (decode): call its k experts directly; no sort/nonzero/index bookkeeping."""
-        weight_of = dict(zip(idx[0].tolist(), weights[0].tolist()))  # exact: fp32 -> Python float -> fp32
+        weight_of = dict(zip(idx.tolist()[0], weights.tolist()[0]))  # exact: fp32 -> Python float -> fp32
         parts: dict[int, torch.Tensor] = {}
         for e, expert in self.experts.stream(layer, sorted(weight_of)):
             if expert is not None:  # None: skipped by precision-on-miss (opt-in)
@@ -196,7 +196,7 @@ class MoETransformer:
         self.experts.end_layer(layer)
         out = None
         for e in sorted(parts):  # expert-id order, as _routed sums
-            y = (parts[e].float() * weight_of[e]).to(h.dtype)
+            y = parts[e] * weight_of[e] if h.dtype == torch.float32 else (parts[e].float() * weight_of[e]).to(h.dtype)
             out = y if out is None else out + y
         return torch.zeros_like(h) if out is None else out
 

@@ -27,9 +27,10 @@ ATTENTION = ("aten::_scaled_dot_product", "aten::scaled_dot_product")
 
 
 def int4_experts(provider):
-    from fate_edge.experts import InMemoryExpertProvider, QuantizedExpert
     from fate_edge.quant import QuantSpec, quantize
     from fate_edge.quant.linear import QuantizedLinear
+
+    from fate_edge.experts import InMemoryExpertProvider, QuantizedExpert
 
     spec = QuantSpec(4, 64)
     lin = lambda w: QuantizedLinear.from_quantized(quantize(w.float(), spec), spec)  # noqa: E731
@@ -79,7 +80,8 @@ def main() -> None:
     model = load_model(bundled_model_dir(), dtype=args.dtype, experts="memory", bits=bits)
     if bits and not hasattr(model.experts.get(model.config.moe_layers[0], 0), "kernel"):
         model.experts = int4_experts(model.experts)  # a runtime without in-memory quantization (before/after runs)
-    prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt_tokens), generator=gen)
     with torch.inference_mode():
         decode(model, prompt, 4)
         ms = statistics.median(decode(model, prompt, args.steps) for _ in range(args.runs)) * 1e3
