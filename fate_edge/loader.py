@@ -94,6 +94,7 @@ def load_model(
     bits: int | None = None,
     link: ThrottledLink | None = None,
     device: str | torch.device = "cpu",
+    resident_bits: int | None = None,
 ) -> MoETransformer:
     """Load a Hugging Face model directory or an expert store.
 
@@ -101,7 +102,9 @@ def load_model(
     when routed), or any :class:`ExpertProvider`. An expert store (``fate-edge convert``) always streams
     experts through the fetch engine, at ``bits`` (default: its quantized precision), optionally over an
     emulated ``link``. With ``experts="memory"`` on a checkpoint, ``bits`` (8, 4, 3, 2) quantizes every
-    routed expert in memory (round-to-nearest, the largest group of 128/64/32 dividing the expert sizes)."""
+    routed expert in memory (round-to-nearest, the largest group of 128/64/32 dividing the expert sizes).
+    ``resident_bits`` (8 or 4) quantizes the resident linears too (attention, dense MLPs, shared experts,
+    lm_head); None keeps them in ``dtype``."""
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     if isinstance(experts, str) and is_store(model_dir):
         from .store import ExpertStore
@@ -128,5 +131,7 @@ def load_model(
         else:
             raise ValueError(f"experts must be 'memory', 'lazy' or an ExpertProvider, not {experts!r}")
     model = MoETransformer(config, resident, experts, names, dtype)
+    if resident_bits is not None:
+        model.quantize_resident(resident_bits)
     model.model_dir = Path(model_dir)
     return model

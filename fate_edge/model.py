@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from .arch.base import ModelConfig
 from .experts import ExpertProvider
-from .fused import Fused, LayerPlan, Weights, build_plan
+from .fused import Fused, LayerPlan, Weights, build_head, build_plan, quantize_resident
 from .kv_cache import KVCache
 from .rope import RotaryEmbedding, apply_rope, yarn_softmax_scale
 from .router import route
@@ -65,8 +65,8 @@ class MoETransformer:
         self._plan: list[LayerPlan] = []
         self._plan_version = -1
         self.embed = resident["model.embed_tokens.weight"]
-        self.lm_head = resident.get("lm_head.weight", self.embed if config.tie_word_embeddings else None)
-        if self.lm_head is None:
+        self._head: Fused | None = None
+        if "lm_head.weight" not in resident and not config.tie_word_embeddings:
             from .errors import MissingTensorError
 
             raise MissingTensorError("checkpoint has no 'lm_head.weight' and tie_word_embeddings is false")
@@ -79,8 +79,15 @@ class MoETransformer:
         """Fused per-layer weights, rebuilt when ``self.w`` has changed since the last build."""
         if self._plan_version != self.w.version:
             self._plan = build_plan(self.config, self.w, self.names)
+            self._head = build_head(self.w, self.embed)
             self._plan_version = self.w.version
         return self._plan
+
+    def quantize_resident(self, bits: int) -> None:
+        """Hold the resident linears (attention, dense MLPs, shared experts, lm_head) in ``bits`` (8 or 4)."""
+        if bits not in (8, 4):
+            raise ValueError(f"resident_bits must be 8 or 4 (or None for the checkpoint's dtype), not {bits}")
+        quantize_resident(self.config, self.w, self.names, bits)
 
     def _mlp(self, x: torch.Tensor, mlp: Fused, down: Fused) -> torch.Tensor:
         gate, up, *gated = _split(_apply(x, mlp), mlp)
@@ -166,7 +173,7 @@ class MoETransformer:
         k = torch.cat([k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
         q = torch.cat([q_nope, q_rot], dim=-1)
         scale = qk_head**-0.5 * yarn_softmax_scale(cfg.rope)
-        return self._linear(self._attend(q, k, v, start, layer, scale), f"{p}.o_proj")
+        return _apply(self._attend(q, k, v, start, layer, scale), lp.o_proj)
 
     # --------------------------------------------------------------------- MoE
     def route(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,14 +244,17 @@ class MoETransformer:
         if last_only:
             x = x[:, -1:]
         x = rms_norm(x, self.w["model.norm.weight"], eps)
-        return F.linear(x, self.lm_head)
+        return _apply(x, self._head)
 
     __call__ = forward
 
 
 def _apply(x: torch.Tensor, f: Fused) -> torch.Tensor:
     w = f.weight
-    return F.linear(x, w, f.bias) if isinstance(w, torch.Tensor) else w(x)
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, f.bias)
+    y = w(x)  # a quantized linear (resident_bits)
+    return y if f.bias is None else y + f.bias
 
 
 def _split(y: torch.Tensor, f: Fused) -> list[torch.Tensor]:

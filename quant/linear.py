@@ -112,8 +112,9 @@ class QuantizedLinear:
             return self.ort(x)
         if self.kernel == "torch-int4":
             fn = torch._weight_int4pack_mm_for_cpu if x.device.type == "cpu" else torch._weight_int4pack_mm
-            y = fn(x.to(torch.bfloat16), self.packed, self.spec.group_size, self.scale_zero)
-            return y.to(x.dtype)
+            x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x  # the kernel takes [M, K] only
+            y = fn(x2.to(torch.bfloat16), self.packed, self.spec.group_size, self.scale_zero)
+            return (y if x.dim() == 2 else y.view(*x.shape[:-1], -1)).to(x.dtype)
         assert self.q is not None
         return F.linear(x, dequantize(self.q, self.spec, x.dtype))
 

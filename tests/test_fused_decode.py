@@ -69,3 +69,25 @@ def test_load_model_bits_quantizes_memory_experts(bundled_dir, one_thread):
     assert isinstance(e, QuantizedExpert) and e.kernel in ("torch-int4", "ort-int4")
     f = load_model(bundled_dir).experts.get(1, 3)
     assert e.nbytes < f.nbytes / 6  # 4-bit codes plus group scales vs fp32
+
+
+@pytest.mark.parametrize(("bits", "max_rel"), [(8, 0.02), (4, 0.15)])
+def test_resident_bits_quantize_the_resident_linears(bundled_dir, one_thread, bits, max_rel):
+    ref = load_model(bundled_dir)
+    model = load_model(bundled_dir, resident_bits=bits)
+    a = model.names[0].attn
+    assert f"{a}.q_proj.weight" not in model.w and "lm_head.weight" not in model.w  # the float copies are gone
+    assert model.plan()[0].qkv.weight.kernel == ("torch-int8" if bits == 8 else "torch-int4")
+    resident = sum(t.numel() * t.element_size() for t in model.w.values())
+    assert resident < 0.5 * sum(t.numel() * t.element_size() for t in ref.w.values())
+    want, got = ref(PROMPT, ref.new_cache()), model(PROMPT, model.new_cache())
+    assert ((got - want).norm() / want.norm()) < max_rel
+    cache = model.new_cache()
+    model(PROMPT[:, :4], cache)
+    step = model(PROMPT[:, 4:5], cache)  # decode runs on the quantized linears too (biases added after them)
+    assert ((step[0, 0] - want[0, 4]).norm() / want[0, 4].norm()) < max_rel
+
+
+def test_resident_bits_rejects_other_widths(bundled_dir):
+    with pytest.raises(ValueError, match="resident_bits must be 8 or 4"):
+        load_model(bundled_dir, resident_bits=3)

@@ -3,7 +3,6 @@
 import onnx
 import pytest
 import torch
-
 from fate_edge.quant import QuantSpec
 from fate_edge.quant import linear as qlinear
 from fate_edge.quant.linear import KERNEL_CHOICES, KERNEL_TIMINGS, QuantizedLinear, choose_kernel
