@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .arch.base import ModelConfig
-from .experts import ExpertProvider
+from .experts import ExpertProvider, InMemoryExpertProvider
 from .fused import Fused, LayerPlan, Weights, build_head, build_plan, quantize_resident
 from .kv_cache import KVCache
 from .rope import RotaryEmbedding, apply_rope, yarn_softmax_scale
@@ -82,6 +82,20 @@ class MoETransformer:
             self._head = build_head(self.w, self.embed)
             self._plan_version = self.w.version
         return self._plan
+
+    def kernels(self) -> dict[str, list[str]]:
+        """Matmul kernels in use: resident linears by role, and routed experts (``quant.linear.KERNEL_CHOICES``
+        records each quantized shape's kernel and, when timed, ``KERNEL_TIMINGS`` why)."""
+        out: dict[str, set[str]] = {}
+        for lp in self.plan():
+            for role in ("qkv", "o_proj", "mlp", "down"):
+                f = getattr(lp, role)
+                if f is not None:
+                    out.setdefault(role, set()).add(_kernel(f.weight))
+        out["lm_head"] = {_kernel(self._head.weight)}
+        if isinstance(self.experts, InMemoryExpertProvider) and self.experts.experts:
+            out["experts"] = {getattr(e, "kernel", "dense") for e in self.experts.experts.values()}
+        return {role: sorted(k) for role, k in out.items()}
 
     def quantize_resident(self, bits: int) -> None:
         """Hold the resident linears (attention, dense MLPs, shared experts, lm_head) in ``bits`` (8 or 4)."""
@@ -255,6 +269,10 @@ def _apply(x: torch.Tensor, f: Fused) -> torch.Tensor:
         return F.linear(x, w, f.bias)
     y = w(x)  # a quantized linear (resident_bits)
     return y if f.bias is None else y + f.bias
+
+
+def _kernel(weight) -> str:
+    return f"dense-{str(weight.dtype).removeprefix('torch.')}" if isinstance(weight, torch.Tensor) else weight.kernel
 
 
 def _split(y: torch.Tensor, f: Fused) -> list[torch.Tensor]:

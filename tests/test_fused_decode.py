@@ -64,9 +64,12 @@ def test_int4_resident_experts_track_the_float_model(bundled_dir, one_thread, ke
 
 
 def test_load_model_bits_quantizes_memory_experts(bundled_dir, one_thread):
-    model = load_model(bundled_dir, bits=4)
+    model = load_model(bundled_dir, bits=4, resident_bits=8)
     e = model.experts.get(1, 3)
     assert isinstance(e, QuantizedExpert) and e.kernel in ("torch-int4", "ort-int4")
+    kernels = model.kernels()
+    assert kernels["qkv"] == kernels["lm_head"] == ["torch-int8"] and kernels["experts"] == [e.kernel]
+    assert load_model(bundled_dir).kernels()["qkv"] == ["dense-float32"]
     f = load_model(bundled_dir).experts.get(1, 3)
     assert e.nbytes < f.nbytes / 6  # 4-bit codes plus group scales vs fp32
 
