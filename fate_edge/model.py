@@ -130,11 +130,13 @@ class MoETransformer:
                 mask &= key_pos[None, :] > positions[:, None] - window
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         b = q.shape[0]
-        return out.transpose(1, 2).reshape(b, t, -1)
+        if t == 1:  # [B, nh, 1, d]: moving the size-1 axis moves no data
+            return out.reshape(b * t, -1)
+        return out.transpose(1, 2).reshape(b * t, -1)
 
-    def _gqa_attention(self, x, start: int, cache, layer: int, cos, sin, lp: LayerPlan) -> torch.Tensor:
+    def _gqa_attention(self, x, b: int, t: int, start: int, cache, layer: int, cos, sin, lp: LayerPlan):
+        """``x`` [B*T, H] → [B*T, H]: activations stay 2-D between layers, so each linear is one matmul."""
         cfg = self.config
-        b, t, _ = x.shape
         hd = cfg.head_dim
         qkv = _apply(x, lp.qkv)
         n_q, n_k = lp.qkv.sizes[0] // hd, lp.qkv.sizes[1] // hd
@@ -162,10 +164,10 @@ class MoETransformer:
         out = self._attend(q, k, v, start, layer, scale=hd**-0.5)
         return _apply(out, lp.o_proj)
 
-    def _mla_attention(self, x, start: int, cache, layer: int, cos, sin, lp: LayerPlan) -> torch.Tensor:
+    def _mla_attention(self, x, b: int, t: int, start: int, cache, layer: int, cos, sin, lp: LayerPlan):
         cfg, m, p = self.config, self.config.mla, self.names[layer].attn
         assert m is not None
-        b, t, _ = x.shape
+        x = x.view(b, t, -1)
         qk_head = m.qk_nope_head_dim + m.qk_rope_head_dim
         if m.q_lora_rank is None:
             q = self._linear(x, f"{p}.q_proj")
@@ -197,15 +199,14 @@ class MoETransformer:
         return route(self.config, logits, lp.correction_bias)
 
     def _moe(self, x: torch.Tensor, layer: int, lp: LayerPlan) -> torch.Tensor:
-        shape = x.shape
-        h = x.reshape(-1, shape[-1])  # [N, H]
+        h = x  # [N, H]
         weights, idx = self.route(layer, h)  # [N, k]
         for obs in self.observers:
             obs(layer, h, idx, weights)
         out = self._routed_one(h, layer, idx, weights) if h.shape[0] == 1 else self._routed(h, layer, idx, weights)
         if lp.mlp is not None:
             out = out + self._mlp(h, lp.mlp, lp.down)
-        return out.view(shape)
+        return out
 
     def _routed_one(self, h: torch.Tensor, layer: int, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """One token (decode): call its k experts directly; no sort/nonzero/index bookkeeping."""
@@ -246,19 +247,21 @@ class MoETransformer:
         plan = self.plan()
         start = cache.length
         t = input_ids.shape[1]
-        x = F.embedding(input_ids, self.embed)
+        b = input_ids.shape[0]
+        x = F.embedding(input_ids.reshape(-1), self.embed)  # [B*T, H]
         cos, sin = self.rope.cos_sin_range(start, t, torch.float32 if cfg.rope.float32 else self.dtype)
         attention = self._mla_attention if cfg.mla is not None else self._gqa_attention
         eps = cfg.rms_norm_eps
         for i, lp in enumerate(plan):
             h = rms_norm(x, lp.input_norm, eps)
-            x = x + attention(h, start, cache, i, cos, sin, lp)
+            x = x + attention(h, b, t, start, cache, i, cos, sin, lp)
             h = rms_norm(x, lp.post_norm, eps)
             x = x + (self._moe(h, i, lp) if lp.router is not None else self._mlp(h, lp.mlp, lp.down))
         if last_only:
-            x = x[:, -1:]
+            x = x.view(b, t, -1)[:, -1]
+            t = 1
         x = rms_norm(x, self.w["model.norm.weight"], eps)
-        return _apply(x, self._head)
+        return _apply(x, self._head).view(b, t, -1)
 
     __call__ = forward
 
