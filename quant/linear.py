@@ -9,7 +9,8 @@ Kernels, by preference:
 * ``dequant``: unpack, ``codes * scale + zero``, then a plain matmul: any bit width, any device.
 The choice per (bits, shape, device) is recorded in :data:`KERNEL_CHOICES` so benchmarks can report it;
 :meth:`QuantizedLinear.from_float` picks among the kernels that apply by timing them once per shape and
-thread count (:data:`KERNEL_TIMINGS`, microseconds per one-token call).
+thread count (:data:`KERNEL_TIMINGS`, microseconds per one-token call); another kernel must beat the default
+by 10% to be chosen, so kernels within timing noise do not flip from run to run.
 """
 
 from __future__ import annotations
@@ -154,4 +155,12 @@ def choose_kernel(w: torch.Tensor, spec: QuantSpec, device: torch.device, sample
                 times.append((time.perf_counter() - t0) / calls * 1e6)
             timings[kernel] = statistics.median(times)
         KERNEL_TIMINGS[key] = timings
-    return min(timings, key=timings.get)
+    return pick_fastest(timings)
+
+
+def pick_fastest(timings: dict[str, float], margin: float = 0.10) -> str:
+    """The first (default) kernel unless another is faster by more than ``margin``: kernels within timing noise of
+    each other would otherwise flip between runs, and each kernel quantizes slightly differently."""
+    default = next(iter(timings))
+    best = min(timings, key=timings.get)
+    return best if timings[best] < (1 - margin) * timings[default] else default

@@ -5,7 +5,7 @@ import pytest
 import torch
 from fate_edge.quant import QuantSpec
 from fate_edge.quant import linear as qlinear
-from fate_edge.quant.linear import KERNEL_CHOICES, KERNEL_TIMINGS, QuantizedLinear, choose_kernel
+from fate_edge.quant.linear import KERNEL_CHOICES, KERNEL_TIMINGS, QuantizedLinear, choose_kernel, pick_fastest
 from fate_edge.quant.ort import OrtMatMul, int_zero_quantize, matmulnbits_model
 
 SPEC = QuantSpec(4, 64)
@@ -66,4 +66,10 @@ def test_kernel_is_timed_once_per_shape_and_the_fastest_is_kept(monkeypatch):
     timed = list(built)
     assert choose_kernel(w, SPEC, torch.device("cpu")) == first and built == timed  # cached: nothing rebuilt
     assert sorted(timed) == ["ort-int4", "torch-int4"]
-    assert first == min(KERNEL_TIMINGS[key], key=KERNEL_TIMINGS[key].get)
+    assert first == pick_fastest(KERNEL_TIMINGS[key])
+
+
+def test_a_kernel_must_beat_the_default_by_a_margin():
+    assert pick_fastest({"torch-int4": 10.0, "ort-int4": 9.5}) == "torch-int4"  # within noise: keep the default
+    assert pick_fastest({"torch-int4": 10.0, "ort-int4": 8.0}) == "ort-int4"
+    assert pick_fastest({"torch-int4": 8.0, "ort-int4": 10.0}) == "torch-int4"
