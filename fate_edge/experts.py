@@ -14,20 +14,36 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fate_edge.quant import QuantSpec
+from fate_edge.quant.linear import QuantizedLinear
+
 from .checkpoint import CheckpointReader
 from .errors import MissingTensorError
 
 
 @dataclass
 class ExpertWeights:
-    """One SwiGLU expert: ``down(act(gate(x)) * up(x))``."""
+    """One SwiGLU expert: ``down(act(gate(x)) * up(x))``.
+
+    With ``gate_up`` [2I, H] (what :meth:`fused` builds), ``gate`` and ``up`` are views into it and the
+    expert runs two matmuls instead of three.
+    """
 
     gate: torch.Tensor  # [I, H]
     up: torch.Tensor  # [I, H]
     down: torch.Tensor  # [H, I]
+    gate_up: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [N, H] -> [N, H]
+        if self.gate_up is not None:
+            gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+            return F.linear(F.silu(gate) * up, self.down)
         return F.linear(F.silu(F.linear(x, self.gate)) * F.linear(x, self.up), self.down)
+
+    @classmethod
+    def fused(cls, gate_up: torch.Tensor, down: torch.Tensor) -> ExpertWeights:
+        gate, up = gate_up.chunk(2, dim=0)
+        return cls(gate, up, down, gate_up)
 
     @property
     def nbytes(self) -> int:
@@ -36,25 +52,30 @@ class ExpertWeights:
     def to(self, device: str | torch.device) -> ExpertWeights:
         if self.gate.device == torch.device(device):
             return self
+        if self.gate_up is not None:
+            return ExpertWeights.fused(self.gate_up.to(device), self.down.to(device))
         return ExpertWeights(self.gate.to(device), self.up.to(device), self.down.to(device))
 
 
 class QuantizedExpert:
-    """A SwiGLU expert whose three matrices are quantized (see ``quant.linear``)."""
+    """A SwiGLU expert whose matrices are quantized (see ``quant.linear``): gate, up, down, or gate_up and down."""
 
-    def __init__(self, gate, up, down):
-        self.gate, self.up, self.down = gate, up, down
+    def __init__(self, gate, up, down, gate_up=None):
+        self.gate, self.up, self.down, self.gate_up = gate, up, down, gate_up
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            return self.down(F.silu(gate) * up)
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
     @property
     def nbytes(self) -> int:
-        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+        return sum(m.nbytes for m in (self.gate, self.up, self.down, self.gate_up) if m is not None)
 
     @property
     def kernel(self) -> str:
-        return self.gate.kernel
+        return (self.gate_up if self.gate_up is not None else self.gate).kernel
 
 
 class ExpertProvider(ABC):
@@ -116,11 +137,9 @@ class ExpertLayout:
         if self.fused:
             gate_up_name, down_name = self.tensor_names(expert)
             gate_up = self.reader.get_row(gate_up_name, expert, dtype)  # [2I, H]
-            gate, up = gate_up.chunk(2, dim=0)
-            down = self.reader.get_row(down_name, expert, dtype)  # [H, I]
-            return ExpertWeights(gate.contiguous(), up.contiguous(), down)
+            return ExpertWeights.fused(gate_up.contiguous(), self.reader.get_row(down_name, expert, dtype))
         g, u, d = (self.reader.get(n, dtype) for n in self.tensor_names(expert))
-        return ExpertWeights(g, u, d)
+        return ExpertWeights.fused(torch.cat([g, u]), d)
 
 
 class InMemoryExpertProvider(ExpertProvider):
@@ -135,8 +154,24 @@ class InMemoryExpertProvider(ExpertProvider):
         return cls({(layer, e): lay.read(e, dtype).to(device) for layer, lay in layouts.items()
                     for e in range(num_experts)})
 
+    @classmethod
+    def quantized(cls, provider: InMemoryExpertProvider, spec: QuantSpec, device: str | torch.device = "cpu",
+                  kernel: str | None = None) -> InMemoryExpertProvider:
+        """Every expert of ``provider`` quantized (round-to-nearest) and kept resident: gate_up and down.
+
+        ``kernel`` None: the fastest here per matrix shape, timed once (``quant.linear.choose_kernel``)."""
+        return cls({key: quantize_expert(e, spec, device, kernel) for key, e in provider.experts.items()})
+
     def get(self, layer: int, expert: int) -> ExpertWeights:
         return self.experts[(layer, expert)]
+
+
+def quantize_expert(e: ExpertWeights, spec: QuantSpec, device: str | torch.device = "cpu",
+                    kernel: str | None = None) -> QuantizedExpert:
+    """Round-to-nearest ``e``; gate and up become one matrix (rows quantize independently: same codes)."""
+    gate_up = e.gate_up if e.gate_up is not None else torch.cat([e.gate, e.up])
+    gu, down = (QuantizedLinear.from_float(w, spec, device, kernel) for w in (gate_up, e.down))
+    return QuantizedExpert(None, None, down, gate_up=gu)
 
 
 class CheckpointExpertProvider(ExpertProvider):

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from fate_edge.devices.link import ThrottledLink
+from fate_edge.quant import QuantSpec
 
 from .arch import ModelConfig, load_config
 from .checkpoint import CheckpointReader
@@ -79,6 +80,13 @@ def resident_weight_names(config: ModelConfig, reader: CheckpointReader) -> list
     return out
 
 
+def expert_spec(config: ModelConfig, bits: int) -> QuantSpec:
+    """Group-wise spec for quantizing this model's experts in memory: the largest group that divides them."""
+    from .convert import pick_group  # convert imports this module
+
+    return QuantSpec(bits, pick_group((config.hidden_size, config.moe_intermediate_size), None))
+
+
 def load_model(
     model_dir: str | Path,
     dtype: torch.dtype | str = torch.float32,
@@ -86,13 +94,17 @@ def load_model(
     bits: int | None = None,
     link: ThrottledLink | None = None,
     device: str | torch.device = "cpu",
+    resident_bits: int | None = None,
 ) -> MoETransformer:
     """Load a Hugging Face model directory or an expert store.
 
     ``experts`` for a checkpoint: "memory" (all resident), "lazy" (read each from the safetensors files
     when routed), or any :class:`ExpertProvider`. An expert store (``fate-edge convert``) always streams
     experts through the fetch engine, at ``bits`` (default: its quantized precision), optionally over an
-    emulated ``link``."""
+    emulated ``link``. With ``experts="memory"`` on a checkpoint, ``bits`` (8, 4, 3, 2) quantizes every
+    routed expert in memory (round-to-nearest, the largest group of 128/64/32 dividing the expert sizes).
+    ``resident_bits`` (8 or 4) quantizes the resident linears too (attention, dense MLPs, shared experts,
+    lm_head); None keeps them in ``dtype``."""
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     if isinstance(experts, str) and is_store(model_dir):
         from .store import ExpertStore
@@ -112,10 +124,14 @@ def load_model(
         layouts = {i: ExpertLayout(reader, names[i].mlp) for i in config.moe_layers}
         if experts == "memory":
             experts = InMemoryExpertProvider.from_layouts(layouts, config.num_experts, dtype, device)
+            if bits is not None and bits < 16:  # resident and quantized in memory (round-to-nearest)
+                experts = InMemoryExpertProvider.quantized(experts, expert_spec(config, bits), device)
         elif experts == "lazy":
             experts = CheckpointExpertProvider(layouts, dtype, device)
         else:
             raise ValueError(f"experts must be 'memory', 'lazy' or an ExpertProvider, not {experts!r}")
     model = MoETransformer(config, resident, experts, names, dtype)
+    if resident_bits is not None:
+        model.quantize_resident(resident_bits)
     model.model_dir = Path(model_dir)
     return model

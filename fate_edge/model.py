@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from .arch.base import ModelConfig
-from .experts import ExpertProvider
+from .experts import ExpertProvider, InMemoryExpertProvider
+from .fused import Fused, LayerPlan, Weights, build_head, build_plan, quantize_resident
 from .kv_cache import KVCache
 from .rope import RotaryEmbedding, apply_rope, yarn_softmax_scale
 from .router import route
@@ -27,6 +28,8 @@ _ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu}
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
+    if dtype == torch.float32 and weight.dtype == torch.float32:  # one fused kernel, bit-identical in fp32
+        return F.rms_norm(x, weight.shape, weight, eps)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(dtype)
@@ -52,16 +55,18 @@ class MoETransformer:
         dtype: torch.dtype = torch.float32,
     ):
         self.config = config
-        self.w = resident
         self.experts = experts
         self.names = layer_names
         self.dtype = dtype
         self.act = _ACTIVATIONS[config.hidden_act]
         self.rope = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
         self.observers: list[RoutingObserver] = []
+        self.w = resident if isinstance(resident, Weights) else Weights(resident)
+        self._plan: list[LayerPlan] = []
+        self._plan_version = -1
         self.embed = resident["model.embed_tokens.weight"]
-        self.lm_head = resident.get("lm_head.weight", self.embed if config.tie_word_embeddings else None)
-        if self.lm_head is None:
+        self._head: Fused | None = None
+        if "lm_head.weight" not in resident and not config.tie_word_embeddings:
             from .errors import MissingTensorError
 
             raise MissingTensorError("checkpoint has no 'lm_head.weight' and tie_word_embeddings is false")
@@ -70,15 +75,44 @@ class MoETransformer:
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return F.linear(x, self.w[f"{name}.weight"], self.w.get(f"{name}.bias"))
 
-    def _mlp(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
-        gate = self.act(self._linear(x, f"{prefix}.gate_proj"))
-        return self._linear(gate * self._linear(x, f"{prefix}.up_proj"), f"{prefix}.down_proj")
+    def plan(self) -> list[LayerPlan]:
+        """Fused per-layer weights, rebuilt when ``self.w`` has changed since the last build."""
+        if self._plan_version != self.w.version:
+            self._plan = build_plan(self.config, self.w, self.names)
+            self._head = build_head(self.w, self.embed)
+            self._plan_version = self.w.version
+        return self._plan
+
+    def kernels(self) -> dict[str, list[str]]:
+        """Matmul kernels in use: resident linears by role, and routed experts (``quant.linear.KERNEL_CHOICES``
+        records each quantized shape's kernel and, when timed, ``KERNEL_TIMINGS`` why)."""
+        out: dict[str, set[str]] = {}
+        for lp in self.plan():
+            for role in ("qkv", "o_proj", "mlp", "down"):
+                f = getattr(lp, role)
+                if f is not None:
+                    out.setdefault(role, set()).add(_kernel(f.weight))
+        out["lm_head"] = {_kernel(self._head.weight)}
+        if isinstance(self.experts, InMemoryExpertProvider) and self.experts.experts:
+            out["experts"] = {getattr(e, "kernel", "dense") for e in self.experts.experts.values()}
+        return {role: sorted(k) for role, k in out.items()}
+
+    def quantize_resident(self, bits: int) -> None:
+        """Hold the resident linears (attention, dense MLPs, shared experts, lm_head) in ``bits`` (8 or 4)."""
+        if bits not in (8, 4):
+            raise ValueError(f"resident_bits must be 8 or 4 (or None for the checkpoint's dtype), not {bits}")
+        quantize_resident(self.config, self.w, self.names, bits)
+
+    def _mlp(self, x: torch.Tensor, mlp: Fused, down: Fused) -> torch.Tensor:
+        gate, up, *gated = _split(_apply(x, mlp), mlp)
+        y = _apply(self.act(gate) * up, down)
+        return torch.sigmoid(gated[0]) * y if gated else y
 
     def new_cache(self) -> KVCache:
         return KVCache(self.config.num_hidden_layers)
 
     # --------------------------------------------------------------- attention
-    def _attend(self, q, k, v, positions: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+    def _attend(self, q, k, v, start: int, layer: int, scale: float) -> torch.Tensor:
         """q [B, nh, T, d], k/v [B, nkv, S, d] (S includes the cache) → [B, T, nh * dv]."""
         cfg = self.config
         t, s = q.shape[2], k.shape[2]
@@ -89,40 +123,51 @@ class MoETransformer:
         elif window is None and t == s:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
+            positions = torch.arange(start, start + t, device=q.device)
             key_pos = torch.arange(s, device=q.device)
             mask = key_pos[None, :] <= positions[:, None]
             if window is not None:
                 mask &= key_pos[None, :] > positions[:, None] - window
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         b = q.shape[0]
-        return out.transpose(1, 2).reshape(b, t, -1)
+        if t == 1:  # [B, nh, 1, d]: moving the size-1 axis moves no data
+            return out.reshape(b * t, -1)
+        return out.transpose(1, 2).reshape(b * t, -1)
 
-    def _gqa_attention(self, x, positions, cache, layer: int, cos, sin) -> torch.Tensor:
-        cfg, p = self.config, self.names[layer].attn
-        b, t, _ = x.shape
-        q, k, v = (self._linear(x, f"{p}.{n}_proj") for n in "qkv")
-        if cfg.qk_norm == "full":  # OLMoE: one norm over all heads
-            q = rms_norm(q, self.w[f"{p}.q_norm.weight"], cfg.rms_norm_eps)
-            k = rms_norm(k, self.w[f"{p}.k_norm.weight"], cfg.rms_norm_eps)
-        if cfg.clip_qkv is not None:
-            q, k, v = (z.clamp(-cfg.clip_qkv, cfg.clip_qkv) for z in (q, k, v))
+    def _gqa_attention(self, x, b: int, t: int, start: int, cache, layer: int, cos, sin, lp: LayerPlan):
+        """``x`` [B*T, H] → [B*T, H]: activations stay 2-D between layers, so each linear is one matmul."""
+        cfg = self.config
         hd = cfg.head_dim
-        q = q.view(b, t, -1, hd)
-        k = k.view(b, t, -1, hd)
-        if cfg.qk_norm == "head":  # Qwen3: per-head norm
-            q = rms_norm(q, self.w[f"{p}.q_norm.weight"], cfg.rms_norm_eps)
-            k = rms_norm(k, self.w[f"{p}.k_norm.weight"], cfg.rms_norm_eps)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, heads, T, hd]
-        v = v.view(b, t, -1, hd).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin, cfg.rope.interleaved), apply_rope(k, cos, sin, cfg.rope.interleaved)
+        qkv = _apply(x, lp.qkv)
+        n_q, n_k = lp.qkv.sizes[0] // hd, lp.qkv.sizes[1] // hd
+        if cfg.qk_norm == "none" and cfg.clip_qkv is None:  # rotate q and k in one pass
+            qk = qkv[..., : (n_q + n_k) * hd].view(b, t, n_q + n_k, hd).transpose(1, 2)
+            qk = apply_rope(qk, cos, sin, cfg.rope.interleaved)
+            q, k = qk[:, :n_q], qk[:, n_q:]
+            v = qkv[..., (n_q + n_k) * hd :]
+        else:
+            q, k, v = _split(qkv, lp.qkv)
+            if cfg.qk_norm == "full":  # OLMoE: one norm over all heads
+                q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
+                k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
+            if cfg.clip_qkv is not None:
+                q, k, v = (z.clamp(-cfg.clip_qkv, cfg.clip_qkv) for z in (q, k, v))
+            q = q.view(b, t, -1, hd)
+            k = k.view(b, t, -1, hd)
+            if cfg.qk_norm == "head":  # Qwen3: per-head norm
+                q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
+                k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, heads, T, hd]
+            q, k = apply_rope(q, cos, sin, cfg.rope.interleaved), apply_rope(k, cos, sin, cfg.rope.interleaved)
+        v = v.reshape(b, t, -1, hd).transpose(1, 2)
         k, v = cache.layers[layer].append(k, v)
-        out = self._attend(q, k, v, positions, layer, scale=hd**-0.5)
-        return self._linear(out, f"{p}.o_proj")
+        out = self._attend(q, k, v, start, layer, scale=hd**-0.5)
+        return _apply(out, lp.o_proj)
 
-    def _mla_attention(self, x, positions, cache, layer: int, cos, sin) -> torch.Tensor:
+    def _mla_attention(self, x, b: int, t: int, start: int, cache, layer: int, cos, sin, lp: LayerPlan):
         cfg, m, p = self.config, self.config.mla, self.names[layer].attn
         assert m is not None
-        b, t, _ = x.shape
+        x = x.view(b, t, -1)
         qk_head = m.qk_nope_head_dim + m.qk_rope_head_dim
         if m.q_lora_rank is None:
             q = self._linear(x, f"{p}.q_proj")
@@ -144,23 +189,40 @@ class MoETransformer:
         k = torch.cat([k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
         q = torch.cat([q_nope, q_rot], dim=-1)
         scale = qk_head**-0.5 * yarn_softmax_scale(cfg.rope)
-        return self._linear(self._attend(q, k, v, positions, layer, scale), f"{p}.o_proj")
+        return _apply(self._attend(q, k, v, start, layer, scale), lp.o_proj)
 
     # --------------------------------------------------------------------- MoE
     def route(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Router of ``layer`` on gate inputs ``h`` [N, H] → (weights [N, k], expert ids [N, k])."""
-        p = self.names[layer].mlp
-        gate_w = self.w[f"{p}.gate.weight"]
-        logits = F.linear(h.to(gate_w.dtype), gate_w)
-        return route(self.config, logits, self.w.get(f"{p}.gate.e_score_correction_bias"))
+        lp = self.plan()[layer]
+        logits = F.linear(h if h.dtype == lp.router.dtype else h.to(lp.router.dtype), lp.router)
+        return route(self.config, logits, lp.correction_bias)
 
-    def _moe(self, x: torch.Tensor, layer: int) -> torch.Tensor:
-        cfg, p = self.config, self.names[layer].mlp
-        shape = x.shape
-        h = x.reshape(-1, shape[-1])  # [N, H]
+    def _moe(self, x: torch.Tensor, layer: int, lp: LayerPlan) -> torch.Tensor:
+        h = x  # [N, H]
         weights, idx = self.route(layer, h)  # [N, k]
         for obs in self.observers:
             obs(layer, h, idx, weights)
+        out = self._routed_one(h, layer, idx, weights) if h.shape[0] == 1 else self._routed(h, layer, idx, weights)
+        if lp.mlp is not None:
+            out = out + self._mlp(h, lp.mlp, lp.down)
+        return out
+
+    def _routed_one(self, h: torch.Tensor, layer: int, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """One token (decode): call its k experts directly; no sort/nonzero/index bookkeeping."""
+        weight_of = dict(zip(idx.tolist()[0], weights.tolist()[0]))  # exact: fp32 -> Python float -> fp32
+        parts: dict[int, torch.Tensor] = {}
+        for e, expert in self.experts.stream(layer, sorted(weight_of)):
+            if expert is not None:  # None: skipped by precision-on-miss (opt-in)
+                parts[e] = expert(h)
+        self.experts.end_layer(layer)
+        out = None
+        for e in sorted(parts):  # expert-id order, as _routed sums
+            y = parts[e] * weight_of[e] if h.dtype == torch.float32 else (parts[e].float() * weight_of[e]).to(h.dtype)
+            out = y if out is None else out + y
+        return torch.zeros_like(h) if out is None else out
+
+    def _routed(self, h: torch.Tensor, layer: int, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         ids, counts = idx.flatten().unique(return_counts=True)
         needed = ids[counts.argsort(descending=True, stable=True)].tolist()  # most popular first
         parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -176,32 +238,45 @@ class MoETransformer:
         for e in sorted(parts):
             tok, y = parts[e]
             out[tok] += y
-        if cfg.shared_expert_intermediate_size:
-            if cfg.shared_expert_gated:
-                shared = self._mlp(h, f"{p}.shared_expert")
-                out = out + torch.sigmoid(self._linear(h, f"{p}.shared_expert_gate")) * shared
-            else:
-                out = out + self._mlp(h, f"{p}.shared_experts")
-        return out.view(shape)
+        return out
 
     # ----------------------------------------------------------------- forward
     def forward(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
         """``input_ids`` [B, T] continuing ``cache`` → logits [B, T, V] (or [B, 1, V] with last_only)."""
         cfg = self.config
+        plan = self.plan()
         start = cache.length
         t = input_ids.shape[1]
-        positions = torch.arange(start, start + t, device=input_ids.device)
-        x = F.embedding(input_ids, self.embed)
-        cos, sin = self.rope.cos_sin(positions, torch.float32 if cfg.rope.float32 else self.dtype)
+        b = input_ids.shape[0]
+        x = F.embedding(input_ids.reshape(-1), self.embed)  # [B*T, H]
+        cos, sin = self.rope.cos_sin_range(start, t, torch.float32 if cfg.rope.float32 else self.dtype)
         attention = self._mla_attention if cfg.mla is not None else self._gqa_attention
-        for i, names in enumerate(self.names):
-            h = rms_norm(x, self.w[f"{names.input_norm}.weight"], cfg.rms_norm_eps)
-            x = x + attention(h, positions, cache, i, cos, sin)
-            h = rms_norm(x, self.w[f"{names.post_attn_norm}.weight"], cfg.rms_norm_eps)
-            x = x + (self._moe(h, i) if cfg.is_moe_layer(i) else self._mlp(h, names.mlp))
+        eps = cfg.rms_norm_eps
+        for i, lp in enumerate(plan):
+            h = rms_norm(x, lp.input_norm, eps)
+            x = x + attention(h, b, t, start, cache, i, cos, sin, lp)
+            h = rms_norm(x, lp.post_norm, eps)
+            x = x + (self._moe(h, i, lp) if lp.router is not None else self._mlp(h, lp.mlp, lp.down))
         if last_only:
-            x = x[:, -1:]
-        x = rms_norm(x, self.w["model.norm.weight"], cfg.rms_norm_eps)
-        return F.linear(x, self.lm_head)
+            x = x.view(b, t, -1)[:, -1]
+            t = 1
+        x = rms_norm(x, self.w["model.norm.weight"], eps)
+        return _apply(x, self._head).view(b, t, -1)
 
     __call__ = forward
+
+
+def _apply(x: torch.Tensor, f: Fused) -> torch.Tensor:
+    w = f.weight
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, f.bias)
+    y = w(x)  # a quantized linear (resident_bits)
+    return y if f.bias is None else y + f.bias
+
+
+def _kernel(weight) -> str:
+    return f"dense-{str(weight.dtype).removeprefix('torch.')}" if isinstance(weight, torch.Tensor) else weight.kernel
+
+
+def _split(y: torch.Tensor, f: Fused) -> list[torch.Tensor]:
+    return y.split(f.sizes, dim=-1) if len(f.sizes) > 1 else [y]

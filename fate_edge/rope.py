@@ -33,6 +33,7 @@ class RotaryEmbedding:
         self.dim = int(head_dim * rope.partial_rotary_factor)
         self.max_position_embeddings = max_position_embeddings
         self.attention_scaling = 1.0
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         self.inv_freq = self._base_inv_freq(rope.theta)
         self._original_inv_freq = self.inv_freq
         # Dynamic NTK counts from max_position_embeddings (as transformers does; a config's
@@ -89,33 +90,53 @@ class RotaryEmbedding:
             self.inv_freq = self._original_inv_freq
             self._cached_len = orig
 
+    def cos_sin_range(self, start: int, t: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [t, dim] for positions ``start .. start + t - 1``: slices of a table built once per dtype.
+
+        Dynamic NTK changes its frequencies with the sequence length, so it computes them each call.
+        """
+        if self.rope.rope_type == "dynamic" or start + t > self.max_position_embeddings:
+            return self.cos_sin(torch.arange(start, start + t), dtype)
+        table = self._tables.get(dtype)
+        if table is None:
+            table = self._tables[dtype] = self.cos_sin(torch.arange(self.max_position_embeddings), dtype)
+        cos, sin = table
+        return cos[start : start + t], sin[start : start + t]
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin of shape [T, dim] for integer ``positions`` [T]."""
+        """cos and *signed* sin, each [T, dim], for integer ``positions`` [T].
+
+        The sin's first half is negated (``[-sin, sin]``) so :func:`apply_rope` rotates with one roll and no
+        negation; negating is exact, so the result is the reference's ``x * cos + rotate_half(x) * sin``.
+        """
         self._maybe_grow_dynamic(int(positions.max()) + 1)
         freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]  # [T, dim/2]
         emb = torch.cat([freqs, freqs], dim=-1)
-        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+        sin = emb.sin() * self.attention_scaling
+        sin[:, : freqs.shape[1]].neg_()
+        return (emb.cos() * self.attention_scaling).to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """Rotate ``x`` [B, heads, T, dim] (the first ``cos.shape[-1]`` channels; the rest pass through)."""
+    """Rotate ``x`` [B, heads, T, dim] (the first ``cos.shape[-1]`` channels; the rest pass through).
+
+    ``cos`` and signed ``sin`` come from :meth:`RotaryEmbedding.cos_sin`.
+    """
     rot_dim = cos.shape[-1]
-    x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
+    partial = rot_dim != x.shape[-1]
+    x_rot = x[..., :rot_dim] if partial else x
     dtype = x.dtype
-    x_rot = x_rot.to(cos.dtype)  # the rotation runs in cos/sin's dtype (float32 for DeepSeek-V2), then casts back
+    if dtype != cos.dtype:
+        x_rot = x_rot.to(cos.dtype)  # the rotation runs in cos/sin's dtype (float32 for DeepSeek-V2), then casts back
+    half = rot_dim // 2
     if interleaved:
         # Pairs (x0,x1),(x2,x3),... share one angle. The output is laid out evens-then-odds; q and k are
         # permuted alike, so attention scores equal those of the pairwise (complex) formulation.
-        half = rot_dim // 2
-        c, s = cos[..., :half], sin[..., :half]
+        c, s = cos[..., :half], sin[..., half:]
         x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
         out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
     else:
-        out = x_rot * cos + _rotate_half(x_rot) * sin
-    out = out.to(dtype)
-    return torch.cat([out, x_pass], dim=-1) if x_pass.shape[-1] else out
+        out = x_rot * cos + x_rot.roll(half, -1) * sin  # roll: [x2, x1]; signed sin: [-sin, sin]
+    if out.dtype != dtype:
+        out = out.to(dtype)
+    return torch.cat([out, x[..., rot_dim:]], dim=-1) if partial else out

@@ -26,22 +26,23 @@ def route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``logits`` [N, E] → (weights [N, k] float32, expert indices [N, k])."""
     k = cfg.num_experts_per_tok
+    logits = logits.float() if logits.dtype != torch.float32 else logits
     if cfg.router == "softmax":
-        probs = torch.softmax(logits.float(), dim=-1)
+        probs = torch.softmax(logits, dim=-1)
         weights, idx = torch.topk(probs, k, dim=-1)
         if cfg.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, idx
     e = logits.shape[-1]
     if cfg.router == "deepseek_v2":
-        scores = logits.float().softmax(dim=-1)
+        scores = logits.softmax(dim=-1)
         if cfg.topk_method == "group_limited_greedy":
             group_scores = scores.view(-1, cfg.n_group, e // cfg.n_group).max(dim=-1).values
             scores = scores.masked_fill(~_group_mask(scores, cfg.n_group, cfg.topk_group, group_scores), 0.0)
         weights, idx = torch.topk(scores, k=k, dim=-1, sorted=False)
         return weights * cfg.routed_scaling_factor, idx
     if cfg.router == "deepseek_v3":
-        scores = logits.float().sigmoid()
+        scores = logits.sigmoid()
         choice = scores + correction_bias if correction_bias is not None else scores
         group_scores = choice.view(-1, cfg.n_group, e // cfg.n_group).topk(2, dim=-1)[0].sum(dim=-1)
         choice = choice.masked_fill(~_group_mask(choice, cfg.n_group, cfg.topk_group, group_scores), float("-inf"))

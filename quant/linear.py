@@ -4,22 +4,31 @@ Kernels, by preference:
 * ``torch-int4``: torch's tinygemm int4 kernels (``_weight_int4pack_mm_for_cpu`` on CPU,
   ``_weight_int4pack_mm`` on CUDA). They take bf16 activations; int2/int3 codes fit int4 slots, so cold
   experts that travelled as int2 compute here too (the link moved int2 bytes; memory holds int4 codes).
+* ``ort-int4``: onnxruntime's ``MatMulNBits`` (``quant.ort``), 4 bits with integer zero points. It needs the
+  float weights (it quantizes them in its own scheme), so only weights quantized in memory can take it.
 * ``dequant``: unpack, ``codes * scale + zero``, then a plain matmul: any bit width, any device.
-The choice per (bits, shape, device) is recorded in :data:`KERNEL_CHOICES` so benchmarks can report it.
+The choice per (bits, shape, device) is recorded in :data:`KERNEL_CHOICES` so benchmarks can report it;
+:meth:`QuantizedLinear.from_float` picks among the kernels that apply by timing them once per shape and
+thread count (:data:`KERNEL_TIMINGS`, microseconds per one-token call); another kernel must beat the default
+by 10% to be chosen, so kernels within timing noise do not flip from run to run.
 """
 
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from .ort import OrtMatMul, ort_available
 from .pack import unpack
-from .rtn import Quantized, dequantize
+from .rtn import Quantized, dequantize, quantize
 from .spec import QuantSpec
 
 KERNEL_CHOICES: dict[tuple[int, tuple[int, int], str], str] = {}
+KERNEL_TIMINGS: dict[tuple[int, tuple[int, int], str, int], dict[str, float]] = {}
 _INT4_TILES = 2  # inner k tiles of the tinygemm layout
 
 
@@ -42,6 +51,20 @@ class QuantizedLinear:
     packed: torch.Tensor  # kernel-specific packed weights
     scale_zero: torch.Tensor | None = None  # torch-int4: [K/g, N, 2] bf16
     q: Quantized | None = None  # dequant: codes (unpacked), scale, zero
+    ort: OrtMatMul | None = None  # ort-int4
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, spec: QuantSpec, device: torch.device | str = "cpu",
+                   kernel: str | None = None) -> QuantizedLinear:
+        """Quantize float ``w`` [N, K] for the fastest kernel here (timed once per shape), or for ``kernel``."""
+        device = torch.device(device)
+        shape = tuple(w.shape)
+        if kernel is None:
+            kernel = choose_kernel(w, spec, device)
+        if kernel == "ort-int4":
+            KERNEL_CHOICES[(spec.bits, shape, device.type)] = kernel
+            return cls(spec, shape, kernel, None, ort=OrtMatMul(w, spec))
+        return cls.from_quantized(quantize(w.float(), spec), spec, device, kernel)
 
     @classmethod
     def from_quantized(cls, q: Quantized, spec: QuantSpec, device: torch.device | str = "cpu",
@@ -86,14 +109,58 @@ class QuantizedLinear:
         return cls.from_quantized(Quantized(codes, scale, zero), spec, device, kernel)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [M, K] -> [M, N]
+        if self.ort is not None:
+            return self.ort(x)
         if self.kernel == "torch-int4":
             fn = torch._weight_int4pack_mm_for_cpu if x.device.type == "cpu" else torch._weight_int4pack_mm
-            y = fn(x.to(torch.bfloat16), self.packed, self.spec.group_size, self.scale_zero)
-            return y.to(x.dtype)
+            x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x  # the kernel takes [M, K] only
+            y = fn(x2.to(torch.bfloat16), self.packed, self.spec.group_size, self.scale_zero)
+            return (y if x.dim() == 2 else y.view(*x.shape[:-1], -1)).to(x.dtype)
         assert self.q is not None
         return F.linear(x, dequantize(self.q, self.spec, x.dtype))
 
     @property
     def nbytes(self) -> int:
+        if self.ort is not None:
+            return self.ort.nbytes
         tensors = [self.packed, self.scale_zero] if self.kernel == "torch-int4" else list(self.q)  # type: ignore[arg-type]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def candidate_kernels(shape: tuple[int, int], spec: QuantSpec, device: torch.device) -> list[str]:
+    """Kernels that can compute a ``shape`` matrix quantized with ``spec`` on ``device``."""
+    out = ["torch-int4" if int4_supported(shape, spec, device) else "dequant"]
+    n, k = shape
+    if device.type == "cpu" and spec.bits == 4 and spec.asymmetric and k % spec.group_size == 0 and ort_available():
+        out.append("ort-int4")
+    return out
+
+
+def choose_kernel(w: torch.Tensor, spec: QuantSpec, device: torch.device, samples: int = 5, calls: int = 10) -> str:
+    """The fastest kernel for one token through ``w``'s shape, timed once per (bits, shape, device, threads)."""
+    shape = tuple(w.shape)
+    key = (spec.bits, shape, device.type, torch.get_num_threads())
+    timings = KERNEL_TIMINGS.get(key)
+    if timings is None:
+        timings = {}
+        x = torch.randn(1, shape[1], generator=torch.Generator().manual_seed(0)).to(device)
+        for kernel in candidate_kernels(shape, spec, device):
+            lin = QuantizedLinear.from_float(w, spec, device, kernel)
+            lin(x)  # warm-up (first-call allocations, ORT's prepacking)
+            times = []
+            for _ in range(samples):
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    lin(x)
+                times.append((time.perf_counter() - t0) / calls * 1e6)
+            timings[kernel] = statistics.median(times)
+        KERNEL_TIMINGS[key] = timings
+    return pick_fastest(timings)
+
+
+def pick_fastest(timings: dict[str, float], margin: float = 0.10) -> str:
+    """The first (default) kernel unless another is faster by more than ``margin``: kernels within timing noise of
+    each other would otherwise flip between runs, and each kernel quantizes slightly differently."""
+    default = next(iter(timings))
+    best = min(timings, key=timings.get)
+    return best if timings[best] < (1 - margin) * timings[default] else default

@@ -2,8 +2,8 @@
 
 Kernels: torch fp32 and bf16 dense, torch int8 ``_weight_int8pack_mm`` (per-channel scales, bf16
 activations), torch int4 ``_weight_int4pack_mm_for_cpu`` (through ``quant.linear.QuantizedLinear``, bf16
-activations, group 64), onnxruntime ``MatMulNBits`` 4-bit (group 64, accuracy_level 4: int8 activations
-inside the kernel; needs the ``onnx`` package to build the one-node graph), and the dequantize-then-matmul
+activations, group 64), onnxruntime ``MatMulNBits`` 4-bit (``quant.ort``: group 64, integer zero points,
+accuracy_level 4: int8 activations inside the kernel), and the dequantize-then-matmul
 fallback (``QuantizedLinear`` kernel ``dequant``, fp32, dequantizing on every call as the fallback does).
 Shapes ``N x K`` (W is [N, K]): the bundled model's expert matrices 128x192 (gate/up) and 192x128 (down),
 and Qwen1.5-MoE-A2.7B-sized ones 1408x2048 (gate/up) and 2048x1408 (down).
@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from fate_edge.quant import QuantSpec, quantize
-from fate_edge.quant.linear import KERNEL_CHOICES, QuantizedLinear
+from fate_edge.quant.linear import KERNEL_CHOICES, QuantizedLinear, choose_kernel
+from fate_edge.quant.ort import OrtMatMul, int_zero_quantize, ort_available
 
 from fate_edge.report import publish
 
@@ -55,53 +56,6 @@ def time_call(fn: Callable[[], object], runs: int, sample_ms: float) -> float:
     return statistics.median(samples)
 
 
-# ------------------------------------------------------------------------------------------ onnxruntime
-def ort_matmulnbits(w: torch.Tensor, threads: int, block: int = GROUP, accuracy_level: int = 4):
-    """An onnxruntime session computing ``A @ W.T`` with W in 4 bits (``com.microsoft.MatMulNBits``).
-
-    Returns ``(session, w_hat)``: ``w_hat`` is the weight the kernel represents, ``(c - zp) * s`` with
-    uint8 zero points, to check the graph. Raises ImportError without the ``onnx`` package.
-    """
-    import numpy as np
-    import onnx
-    import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
-
-    n, k = w.shape
-    g = w.float().reshape(n, k // block, block)
-    lo, hi = g.amin(-1), g.amax(-1)
-    scale = ((hi - lo) / 15).clamp_min(1e-8)
-    zp = torch.round(-lo / scale).clamp(0, 15)
-    codes = torch.round(g / scale[..., None] + zp[..., None]).clamp(0, 15).to(torch.uint8)  # [N, kb, block]
-    w_hat = ((codes.float() - zp[..., None]) * scale[..., None]).reshape(n, k)
-    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).numpy()  # [N, kb, block/2], low nibble first
-    kb = k // block
-    zp_u8 = zp.to(torch.uint8)
-    zp_packed = torch.zeros(n, (kb + 1) // 2, dtype=torch.uint8)
-    zp_packed[:, : (kb + 1) // 2] |= zp_u8[:, 0::2]
-    if kb > 1:
-        zp_packed[:, : kb // 2] |= zp_u8[:, 1::2] << 4
-    inits = [
-        numpy_helper.from_array(packed, "B"),
-        numpy_helper.from_array(scale.reshape(-1).numpy().astype(np.float32), "scales"),
-        numpy_helper.from_array(zp_packed.reshape(-1).numpy(), "zero_points"),
-    ]
-    node = helper.make_node("MatMulNBits", ["A", "B", "scales", "zero_points"], ["Y"], domain="com.microsoft",
-                            K=k, N=n, bits=4, block_size=block, accuracy_level=accuracy_level)
-    graph = helper.make_graph([node], "expert", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k])],
-                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])], inits)
-    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
-    model = helper.make_model(graph, opset_imports=opsets)
-    model.ir_version = 8
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads
-    opts.inter_op_num_threads = 1
-    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    onnx.checker.check_model(model)
-    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    return sess, w_hat
-
-
 # ------------------------------------------------------------------------------------------- kernels
 def build_kernels(w: torch.Tensor, threads: int) -> tuple[dict[str, Callable[[torch.Tensor], torch.Tensor]], dict]:
     """Callables taking fp32 ``x`` [M, K] (each converts as it must), and notes per kernel."""
@@ -121,31 +75,37 @@ def build_kernels(w: torch.Tensor, threads: int) -> tuple[dict[str, Callable[[to
         "int4-torch": lin4,
         "dequant-int4": deq4,
     }
-    try:
-        sess, _ = ort_matmulnbits(w32, threads)
-        kernels["int4-ort"] = lambda x: sess.run(None, {"A": x.numpy()})[0]
-    except ImportError as exc:
-        notes["int4-ort"] = f"skipped: {exc}"
+    if ort_available():
+        kernels["int4-ort"] = OrtMatMul(w32, spec4, threads)
+    else:
+        notes["int4-ort"] = "skipped: onnxruntime is not installed"
     return kernels, notes
 
 
 def kernel_choices(shapes: list[tuple[int, int]]) -> dict[str, dict[str, str]]:
-    """Which kernel quant/linear.py picks for each (bits, shape) on the CPU."""
+    """Which kernel quant/linear.py picks for each (bits, shape) on the CPU: from stored codes (``from_quantized``,
+    what streamed experts get) and, for int4, from float weights (``from_float``: timed, what in-memory experts get)."""
     out: dict[str, dict[str, str]] = {}
     for bits in (8, 4, 3, 2):
         spec = QuantSpec(bits, GROUP)
         for n, k in shapes:
             QuantizedLinear.from_quantized(quantize(torch.zeros(n, k), spec), spec, "cpu")
             out.setdefault(f"int{bits}", {})[f"{n}x{k}"] = KERNEL_CHOICES[(bits, (n, k), "cpu")]
+    spec = QuantSpec(4, GROUP)
+    for n, k in shapes:
+        w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.02
+        out.setdefault("int4-from-float", {})[f"{n}x{k}"] = choose_kernel(w, spec, torch.device("cpu"))
     return out
 
 
 def check_ort(threads: int) -> float:
     """Max relative error of the MatMulNBits graph against its own dequantized weights (layout check)."""
     w = torch.randn(128, 192, generator=torch.Generator().manual_seed(0)) * 0.05
-    sess, w_hat = ort_matmulnbits(w, threads, accuracy_level=0)  # fp32 compute: isolates the packing
+    spec = QuantSpec(4, GROUP)
+    codes, scale, zp = int_zero_quantize(w, spec)
+    w_hat = ((codes.float().view(128, -1, GROUP) - zp.float()[..., None]) * scale[..., None]).view(128, 192)
     x = torch.randn(4, 192, generator=torch.Generator().manual_seed(1))
-    y = torch.from_numpy(sess.run(None, {"A": x.numpy()})[0])
+    y = OrtMatMul(w, spec, threads, accuracy_level=0)(x)  # fp32 compute: isolates the packing
     ref = x @ w_hat.T
     return float((y - ref).abs().max() / ref.abs().max())
 

@@ -50,6 +50,32 @@ def test_experts_are_summed_in_a_fixed_order_whatever_their_arrival(top4_dir, dt
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_sums_experts_in_a_fixed_order_whatever_their_arrival(top4_dir, dtype):
+    """One-token steps take their own path (no index bookkeeping): it too must sum in expert-id order."""
+    base = load_model(top4_dir, dtype=dtype)
+    shuffle = torch.Generator().manual_seed(1)
+    outs = []
+    for order in (lambda e: e, lambda e: e[::-1], lambda e: [e[i] for i in torch.randperm(len(e), generator=shuffle)]):
+        model = load_model(top4_dir, dtype=dtype, experts=Arrival(base.experts, order))
+        cache = model.new_cache()
+        model(torch.tensor([[3, 141, 59, 26]]), cache)
+        outs.append(torch.cat([model(torch.tensor([[t]]), cache) for t in (53, 58, 97, 93, 23, 84)], dim=1))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_token_path_equals_the_general_path(top4_dir, dtype):
+    """Decode's direct loop over a token's k experts gives the bits of the batched (indexed) path."""
+    model = load_model(top4_dir, dtype=dtype)
+    gen = torch.Generator().manual_seed(2)
+    for layer in model.config.moe_layers:
+        for _ in range(4):
+            h = torch.randn(1, model.config.hidden_size, generator=gen).to(dtype)
+            weights, idx = model.route(layer, h)
+            assert torch.equal(model._routed_one(h, layer, idx, weights), model._routed(h, layer, idx, weights))
+
+
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory, bundled_dir):
     return record(int4_store(tmp_path_factory.mktemp("waste") / "tiny-int4", bundled_dir))

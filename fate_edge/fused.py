@@ -1,0 +1,183 @@
+"""Per-layer weights the forward pass reads, fused into fewer and larger matmuls.
+
+q/k/v become one matrix, a dense MLP's (or shared expert's) gate and up one matrix (with Qwen's shared-expert
+gate as its last row). Fusing concatenates once; the checkpoint names in ``Weights`` then point at views into
+the fused tensor, so memory does not grow and ``model.w[name]`` still reads the checkpoint's tensor.
+Assigning or deleting a name bumps ``Weights.version`` and the plan is rebuilt from the dict on the next call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fate_edge.quant import QuantSpec, quantize
+from fate_edge.quant.int8 import Int8Linear, quantize_int8
+from fate_edge.quant.linear import QuantizedLinear, int4_supported
+
+from .arch.base import ModelConfig
+
+
+class Weights(dict):
+    """Resident weights by checkpoint name; every assignment or deletion bumps ``version``."""
+
+    version = 0
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        self.version += 1
+
+    def __delitem__(self, key: str) -> None:
+        super().__delitem__(key)
+        self.version += 1
+
+    def pop(self, key: str, *default: Any) -> Any:
+        self.version += 1
+        return super().pop(key, *default)
+
+
+@dataclass
+class Fused:
+    """``F.linear(x, weight, bias)`` whose output splits into ``sizes`` (one per member matrix)."""
+
+    weight: Any  # a tensor, or a callable quantized linear (``bias`` then None)
+    bias: torch.Tensor | None
+    sizes: list[int]
+
+
+@dataclass
+class LayerPlan:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: Fused | None  # GQA attention; None for MLA (which reads ``Weights`` by name)
+    o_proj: Fused | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    mlp: Fused | None  # dense MLP or shared expert: [gate; up(; shared gate row)]
+    down: Fused | None
+    router: torch.Tensor | None  # MoE layers
+    correction_bias: torch.Tensor | None
+
+
+def fuse(w: Weights, names: list[str]) -> Fused:
+    """One matrix for the linears ``names`` (checkpoint prefixes); their weights become views into it.
+
+    If :func:`quantize_resident` quantized this group, the fused matrix is its quantized linear."""
+    key = "+".join(names)
+    biases = [w.get(f"{n}.bias") for n in names]
+    quantized = _quantized(w, key)
+    if quantized is not None:
+        weight, sizes = quantized
+    else:
+        weights = [w[f"{n}.weight"] for n in names]
+        sizes = [t.shape[0] for t in weights]
+        weight = weights[0] if len(names) == 1 else _concat(w, [f"{n}.weight" for n in names], weights)
+    if all(b is None for b in biases):
+        return Fused(weight, None, sizes)
+    if len(names) == 1:
+        return Fused(weight, biases[0], sizes)
+    biases = [b if b is not None else torch.zeros(size, dtype=_dtype(biases)) for b, size in zip(biases, sizes)]
+    return Fused(weight, _concat(w, [f"{n}.bias" for n in names], biases), sizes)
+
+
+def _dtype(tensors: list[torch.Tensor | None]) -> torch.dtype:
+    return next(t.dtype for t in tensors if t is not None)
+
+
+def _quantized(w: Weights, key: str) -> tuple[Any, list[int]] | None:
+    if f"{key}.int8" in w:
+        return Int8Linear(w[f"{key}.int8"], w[f"{key}.int8_scale"]), w[f"{key}.sizes"].tolist()
+    if f"{key}.int4" in w:
+        spec = QuantSpec(4, int(w[f"{key}.int4_group"]))
+        lin = QuantizedLinear.from_kernel_layout(w[f"{key}.int4"], w[f"{key}.int4_scale_zero"], spec)
+        return lin, w[f"{key}.sizes"].tolist()
+    return None
+
+
+def _concat(w: Weights, keys: list[str], parts: list[torch.Tensor]) -> torch.Tensor:
+    base = parts[0]._base
+    if base is not None and _are_consecutive_rows(base, parts):
+        return base  # fused before (this plan is a rebuild): reuse, no copy
+    fused = torch.cat(parts)
+    start = 0
+    for key, t in zip(keys, parts):
+        if key in w:
+            dict.__setitem__(w, key, fused[start : start + t.shape[0]])  # a view: no version bump, no copy kept
+        start += t.shape[0]
+    return fused
+
+
+def _are_consecutive_rows(base: torch.Tensor, parts: list[torch.Tensor]) -> bool:
+    offset = base.storage_offset()
+    for t in parts:
+        if t._base is not base or t.storage_offset() != offset or not t.is_contiguous():
+            return False
+        offset += t.numel()
+    return offset == base.storage_offset() + base.numel()
+
+
+def layer_groups(config: ModelConfig, i: int, n: Any) -> dict[str, list[str]]:
+    """The fused linears of decoder layer ``i`` (``n``: its LayerNames), by role."""
+    a, groups = n.attn, {"o_proj": [f"{n.attn}.o_proj"]}
+    if config.mla is None:
+        groups["qkv"] = [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"]
+    if not config.is_moe_layer(i):
+        groups["mlp"], groups["down"] = [f"{n.mlp}.gate_proj", f"{n.mlp}.up_proj"], [f"{n.mlp}.down_proj"]
+    elif config.shared_expert_intermediate_size:
+        shared = f"{n.mlp}.shared_expert" if config.shared_expert_gated else f"{n.mlp}.shared_experts"
+        extra = [f"{n.mlp}.shared_expert_gate"] if config.shared_expert_gated else []
+        groups["mlp"], groups["down"] = [f"{shared}.gate_proj", f"{shared}.up_proj", *extra], [f"{shared}.down_proj"]
+    return groups
+
+
+def build_plan(config: ModelConfig, w: Weights, layer_names: list) -> list[LayerPlan]:
+    plans = []
+    for i, n in enumerate(layer_names):
+        g = {role: fuse(w, names) for role, names in layer_groups(config, i, n).items()}
+        moe = config.is_moe_layer(i)
+        plans.append(LayerPlan(
+            w[f"{n.input_norm}.weight"], w[f"{n.post_attn_norm}.weight"], g.get("qkv"), g["o_proj"],
+            w.get(f"{n.attn}.q_norm.weight"), w.get(f"{n.attn}.k_norm.weight"), g.get("mlp"), g.get("down"),
+            w[f"{n.mlp}.gate.weight"] if moe else None, w.get(f"{n.mlp}.gate.e_score_correction_bias") if moe else None,
+        ))
+    return plans
+
+
+def build_head(w: Weights, embed: torch.Tensor) -> Fused:
+    """The output projection: lm_head (maybe quantized), or the embedding when they are tied."""
+    if "lm_head.weight" in w or _quantized(w, "lm_head") is not None:
+        return fuse(w, ["lm_head"])
+    return Fused(embed, None, [embed.shape[0]])
+
+
+def quantize_resident(config: ModelConfig, w: Weights, layer_names: list, bits: int) -> None:
+    """Replace the fused linears' float weights (attention, dense MLPs, shared experts, lm_head) by ``bits``.
+
+    8: per-channel int8 (torch's int8 kernel); 4: group-wise int4 in torch's CPU layout. Norms, routers,
+    biases and the embedding stay as loaded. Groups whose shape the int4 kernel cannot take stay in 8 bits.
+    """
+    groups = [names for i, n in enumerate(layer_names) for names in layer_groups(config, i, n).values()]
+    if "lm_head.weight" in w:
+        groups.append(["lm_head"])
+    for names in groups:
+        key = "+".join(names)
+        full = torch.cat([w[f"{n}.weight"] for n in names])
+        shape, group = tuple(full.shape), _int4_group(full.shape[1])
+        if bits == 4 and group and int4_supported(shape, QuantSpec(4, group), full.device):
+            spec = QuantSpec(4, group)
+            lin = QuantizedLinear.from_quantized(quantize(full.float(), spec), spec, full.device, "torch-int4")
+            dict.update(w, {f"{key}.int4": lin.packed, f"{key}.int4_scale_zero": lin.scale_zero,
+                            f"{key}.int4_group": torch.tensor(group)})
+        else:
+            codes, scale = quantize_int8(full)
+            dict.update(w, {f"{key}.int8": codes, f"{key}.int8_scale": scale})
+        dict.__setitem__(w, f"{key}.sizes", torch.tensor([w[f"{n}.weight"].shape[0] for n in names]))
+        for n in names:
+            dict.__delitem__(w, f"{n}.weight")
+    w.version += 1
+
+
+def _int4_group(k: int) -> int | None:
+    return next((g for g in (128, 64, 32) if k % g == 0), None)
