@@ -88,8 +88,8 @@ class Engine:
         self,
         store_dir: str | Path,
         memory_budget: int | str,
-        policy: str | PolicyConfig = "fate-edge",
-        dtype: str | torch.dtype = "float32",
+        policy: str | PolicyConfig = defaults.POLICY,
+        dtype: str | torch.dtype = defaults.DTYPE,
         link: ThrottledLink | None = None,
         trace: Trace | None = None,
         workers: int = defaults.FETCH_WORKERS,
@@ -97,7 +97,8 @@ class Engine:
         max_inflight_prefetches: int = 8,
         direct_io: bool = True,
         plan: str | None = None,
-        verify: str = "once",
+        verify: str = defaults.VERIFY,
+        resident_bits: int | None = None,  # 8 or 4: attention, dense MLPs, shared experts and lm_head quantized
     ):
         if plan == "auto":  # Engine(..., plan="auto") is the same as policy="auto": the planner decides
             policy = "auto"
@@ -127,7 +128,8 @@ class Engine:
                 raise FateEdgeError(f"policy '{self.policy.name}' needs int{bits} experts but {store_dir} holds "
                                     f"{self.store.bits_available}; re-run fate-edge convert with --bits {bits}")
         self.budget = parse_bytes(memory_budget)
-        self.model = load_model(store_dir, dtype=self.dtype, experts=_NoExperts(), device=device)
+        self.model = load_model(store_dir, dtype=self.dtype, experts=_NoExperts(), device=device,
+                                resident_bits=resident_bits)
         self.tokenizer = Tokenizer(store_dir)
         self.link = link
         if self.policy.predictor == "oracle" and trace is None:

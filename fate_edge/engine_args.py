@@ -33,6 +33,7 @@ class EngineOptions:
     link: str | None = None  # device profile whose storage link reads are throttled to
     threads: int | None = defaults.THREADS
     verify: str = defaults.VERIFY
+    resident_bits: int | None = None  # quantize the resident weights (8 or 4); None keeps the model's dtype
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **override) -> EngineOptions:
@@ -58,6 +59,9 @@ def add_engine_args(p: argparse.ArgumentParser, memory_budget: str | None = defa
     p.add_argument("--threads", type=positive_int, default=defaults.THREADS,
                    help=f"torch CPU threads (default {defaults.THREADS}: the cores this process may use, less the "
                         f"{defaults.FETCH_WORKERS} fetch worker(s))")
+    p.add_argument("--resident-bits", type=int, default=None, choices=[8, 4],
+                   help="quantize attention, dense MLPs, shared experts and lm_head to int8 (per channel) or int4 "
+                        "(default: keep --dtype)")
     p.add_argument("--verify", default=defaults.VERIFY, choices=["once", "always"],
                    help="expert store: check each blob's CRC32 on its first read (default) or on every read")
 
@@ -119,6 +123,6 @@ def open_engine(opts: EngineOptions, log: TextIO | None = None, progress: bool =
             f"decode tok/s, hit rate {100 * planned.predicted_hit_rate:.0f}%")
         policy = p
     engine = Engine(store, opts.memory_budget, policy, dtype=opts.dtype, link=link, device=opts.device,
-                    verify=opts.verify)
+                    verify=opts.verify, resident_bits=opts.resident_bits)
     engine.planned = planned
     return engine

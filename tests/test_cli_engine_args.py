@@ -1,11 +1,14 @@
 """The CLI's engine helper, defaults, help, --version, --threads and the planner's progress under --policy auto."""
 
+import argparse
+
 import pytest
 import torch
 
 from fate_edge import defaults
 from fate_edge.cli import build_parser, main
 from fate_edge.engine import Engine
+from fate_edge.generate import GenerateConfig
 from fate_edge.policy import POLICY_CHOICES
 
 
@@ -84,3 +87,20 @@ def test_policy_auto_reports_probes_pick_and_predicted_speed(monkeypatch, capsys
     assert calls and calls[0] is not None
     assert "[planner] probe 1/2" in err and "[planner] probe 2/2" in err and "simulating" in err
     assert "[planner] picked" in err and "decode tok/s" in err and "policy planned" in err
+
+
+def test_resident_bits_reach_the_engine_from_the_command_line(bundled_dir, tmp_path, monkeypatch):
+    from fate_edge.engine_args import EngineOptions, add_engine_args, open_engine
+
+    monkeypatch.setenv("FATE_EDGE_CACHE", str(tmp_path / "cache"))
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    args = p.parse_args(["--model", str(bundled_dir), "--memory-budget", "2MB", "--device", "cpu",
+                         "--resident-bits", "8"])
+    opts = EngineOptions.from_args(args)
+    assert opts.resident_bits == 8
+    with open_engine(opts, progress=False) as engine:
+        kernels = engine.model.kernels()
+        assert {k for role in ("qkv", "o_proj", "lm_head") for k in kernels[role]} == {"torch-int8"}
+        text, _ = engine.generate("def add(a, b):", GenerateConfig(max_tokens=4))
+        assert text
