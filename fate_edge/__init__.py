@@ -6,7 +6,12 @@ import os
 # degrades gracefully when other processes want the cores (spinning threads took it from ~130 to ~2 tok/s on a
 # busy 2-core host; scripts/bench_threads.py). A value the user set wins; torch imported before fate_edge keeps
 # libgomp's default.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The marker (inherited by child processes too) lets peers with an OpenMP runtime of their own (llama.cpp links
+# the system libgomp) start without our value: passive waiting made llama.cpp's decode 20x slower
+# (fate_edge.bench.llamacpp).
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    os.environ["FATE_EDGE_SET_OMP_WAIT_POLICY"] = "1"
 
 from .bundled import bundled_model_dir
 from .engine import Completion, Engine

@@ -20,14 +20,34 @@ def _child_env(code: str, env: dict[str, str]) -> dict:
 PROBE = "import json, os, fate_edge; print(json.dumps({'omp': os.environ.get('OMP_WAIT_POLICY')}))"
 
 
+def _user_env(**set_by_user: str) -> dict[str, str]:
+    drop = {"OMP_WAIT_POLICY", "FATE_EDGE_SET_OMP_WAIT_POLICY"}  # as a user's shell has them
+    return {**{k: v for k, v in os.environ.items() if k not in drop}, **set_by_user}
+
+
 def test_importing_fate_edge_sets_passive_wait_policy():
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    assert _child_env(PROBE, env)["omp"] == "PASSIVE"
+    assert _child_env(PROBE, _user_env())["omp"] == "PASSIVE"
 
 
 def test_a_wait_policy_the_user_set_is_kept():
-    env = {**os.environ, "OMP_WAIT_POLICY": "ACTIVE"}
-    assert _child_env(PROBE, env)["omp"] == "ACTIVE"
+    assert _child_env(PROBE, _user_env(OMP_WAIT_POLICY="ACTIVE"))["omp"] == "ACTIVE"
+
+
+PEER_PROBE = ("import json, os, fate_edge; from fate_edge.bench.llamacpp import llama_cpp_environment; "
+              "llama_cpp_environment(); print(json.dumps({'omp': os.environ.get('OMP_WAIT_POLICY')}))")
+
+
+def test_llama_cpp_starts_with_its_own_openmp_default_unless_the_user_chose_one():
+    # fate_edge's PASSIVE made llama.cpp (its own libgomp) 20x slower: the peer gets libgomp's default back,
+    assert _child_env(PEER_PROBE, _user_env())["omp"] is None
+    # also in a child of a fate_edge process, which inherits our PASSIVE with its marker,
+    parent = subprocess.run([sys.executable, "-c", "import json, os, fate_edge; print(json.dumps(dict(os.environ)))"],
+                            env=_user_env(), capture_output=True, text=True, check=True)
+    inherited = json.loads(parent.stdout.strip().splitlines()[-1])
+    assert inherited["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert _child_env(PEER_PROBE, inherited)["omp"] is None
+    # but a value the user set is the user's.
+    assert _child_env(PEER_PROBE, _user_env(OMP_WAIT_POLICY="PASSIVE"))["omp"] == "PASSIVE"
 
 
 @pytest.mark.parametrize("cores", [1, 2, 3, 4, 5, 8, 16, 64])

@@ -126,6 +126,9 @@ def _convert_main(llama_dir: str, argv: list[str]) -> None:
 
 
 def quantize_q4_0(src: Path, dst: Path, threads: int = 2) -> None:
+    from .llamacpp import llama_cpp_environment
+
+    llama_cpp_environment()
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
