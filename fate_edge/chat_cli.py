@@ -39,7 +39,7 @@ def _rss() -> int:
 
         return psutil.Process().memory_info().rss
     except Exception:  # pragma: no cover
-        from .generate import peak_rss_bytes
+        from .process_memory import peak_rss_bytes
 
         return peak_rss_bytes()
 

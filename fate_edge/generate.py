@@ -5,8 +5,6 @@ Modelled on mlx-lm's ``stream_generate``: callers iterate and get a :class:`Gene
 
 from __future__ import annotations
 
-import resource
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -15,25 +13,9 @@ import torch
 
 from .errors import ContextLengthError, GenerationError
 from .model import MoETransformer
+from .process_memory import peak_rss_bytes
 from .sampling import Sampler, SamplingParams
 from .tokenizer import StreamingDetokenizer, Tokenizer
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident set size of this process (the kernel's high-water mark, not a sample).
-
-    Linux: VmHWM of this address space. getrusage's ru_maxrss is kept across execve, so in a child
-    started by a big parent it reports the parent's size; VmHWM starts afresh with the new program.
-    """
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
 
 
 @dataclass

@@ -126,10 +126,7 @@ def _convert_main(llama_dir: str, argv: list[str]) -> None:
 
 
 def quantize_q4_0(src: Path, dst: Path, threads: int = 2) -> None:
-    from .llamacpp import llama_cpp_environment
-
-    llama_cpp_environment()
-    import llama_cpp
+    import llama_cpp  # quantizing runs no threads: its OpenMP wait policy does not matter
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0

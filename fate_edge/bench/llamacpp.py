@@ -3,7 +3,6 @@ same way: prefill = time to the first generated token, decode = the tokens after
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -24,20 +23,25 @@ def time_tokens(stream: Iterable[int | None], n_prompt: int, want: int) -> dict[
     return out
 
 
-def llama_cpp_environment() -> None:
-    """Give llama.cpp its own OpenMP default. It links the system libgomp (not torch's copy), which reads
-    OMP_WAIT_POLICY when llama_cpp is first imported; the PASSIVE that importing fate_edge sets for torch made
-    llama.cpp's decode 20x slower here (72 vs 1674 tok/s, q4_0 bundled model, 2 threads). A value the user
-    set is kept."""
-    if os.environ.get("FATE_EDGE_SET_OMP_WAIT_POLICY") == "1":
-        os.environ.pop("OMP_WAIT_POLICY", None)
+# Prepended to a llama.cpp child's code. llama.cpp links the system libgomp, which reads OMP_WAIT_POLICY once, when
+# it loads; torch bundles a libgomp with the same soname, so whichever loads first serves both. Loading llama_cpp
+# before anything imports torch, without the PASSIVE that importing fate_edge sets for torch (inherited by
+# children with its marker), gives llama.cpp its own default: with ours its decode was 20x slower here (72 vs
+# 1674 tok/s, q4_0 bundled model, 2 threads). A value the user set is kept.
+OPENMP_DEFAULT = ("import os\n"
+                  "if os.environ.get('FATE_EDGE_SET_OMP_WAIT_POLICY') == '1':\n"
+                  "    os.environ.pop('OMP_WAIT_POLICY', None)\n")
+
+
+def llama_child(code: str) -> str:
+    """``code`` for a fresh interpreter that will run llama.cpp, with llama.cpp's own OpenMP runtime set up first."""
+    return OPENMP_DEFAULT + "import llama_cpp  # noqa: F401\n" + code
 
 
 def open_llama(gguf: str | Path, n_ctx: int, threads: int, mmap: bool):
     """A Llama on ``gguf`` with ``threads`` for both decode and prefill (llama.cpp's batch threads default to
-    all cores otherwise), fully read into RAM (``mmap=False``) or memory-mapped, with llama.cpp's own OpenMP
-    default (see llama_cpp_environment)."""
-    llama_cpp_environment()
+    all cores otherwise), fully read into RAM (``mmap=False``) or memory-mapped. Run it in a process started
+    with :func:`llama_child`."""
     from llama_cpp import Llama
 
     return Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, use_mmap=mmap,

@@ -55,7 +55,8 @@ def _run_peer(kind: str, spec: dict, tmp: Path, timeout: float, cgroup: Path | N
     spec_path = tmp / f"peer-{kind}-{spec.get('mode', '')}.json"
     spec_path.write_text(json.dumps(spec))
     try:
-        proc = subprocess.run(child_command("peer", spec_path), capture_output=True, text=True, timeout=timeout,
+        proc = subprocess.run(child_command("peer", spec_path, llama_cpp=kind == "llama.cpp"), capture_output=True,
+                              text=True, timeout=timeout,
                               preexec_fn=cgroup_joiner(cgroup))
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f}s"}
@@ -71,7 +72,7 @@ def _run_peer(kind: str, spec: dict, tmp: Path, timeout: float, cgroup: Path | N
 def peer_main(spec_path: str) -> int:
     import torch
 
-    from ..generate import peak_rss_bytes
+    from ..process_memory import peak_rss_bytes
 
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(spec["threads"])

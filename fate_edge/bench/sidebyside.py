@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .llamacpp import read_bytes, time_tokens
+from .llamacpp import llama_child, read_bytes, time_tokens
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,8 @@ PAIRS = [("fate-edge fp32", "llama.cpp f32"), ("fate-edge bf16", "llama.cpp bf16
 
 def child_command(spec: dict[str, Any]) -> list[str]:
     code = "import sys; from fate_edge.bench.sidebyside import child_main; child_main(sys.argv[1])"
+    if spec["kind"] == "llama.cpp":
+        code = llama_child(code)
     return [sys.executable, "-c", code, json.dumps(spec)]
 
 
@@ -89,7 +91,7 @@ def _fate_edge_stream(spec: dict[str, Any]):
 
 def child_main(spec_json: str) -> None:
     """One side, one run: load, prefill the ids, decode; print one JSON line (tok/s, peak RSS, bytes read)."""
-    from ..generate import peak_rss_bytes
+    from ..process_memory import peak_rss_bytes
 
     spec = json.loads(spec_json)
     ids, io0 = spec["ids"], read_bytes()

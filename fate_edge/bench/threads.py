@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..corpus import heldout_source
+from .llamacpp import llama_child
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ def child_command(spec: dict[str, Any]) -> list[str]:
     """A fresh interpreter measuring ``spec``; torch first when the old OpenMP default is wanted."""
     first = "import torch; " if spec["omp_default"] else ""
     code = f"{first}import sys; from fate_edge.bench.threads import child_main; child_main(sys.argv[1])"
+    if spec["kind"] == "llama.cpp":
+        code = llama_child(code)
     return [sys.executable, "-c", code, json.dumps(spec)]
 
 

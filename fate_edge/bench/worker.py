@@ -16,9 +16,15 @@ from .prepare import drop_page_cache
 from .results import summarize_runs
 
 
-def child_command(mode: str, spec_path: Path) -> list[str]:
+def child_command(mode: str, spec_path: Path, llama_cpp: bool = False) -> list[str]:
     """The command running ``mode`` (worker, trace, peer) on ``spec_path`` in a fresh interpreter. The
-    installed package is imported: no source checkout or PYTHONPATH is needed."""
+    installed package is imported: no source checkout or PYTHONPATH is needed. ``llama_cpp``: the child runs
+    llama.cpp, whose OpenMP runtime is set up first (fate_edge.bench.llamacpp.llama_child)."""
+    if llama_cpp:
+        from .llamacpp import llama_child
+
+        code = f"import sys; from fate_edge.bench.cli import main; sys.exit(main(['--{mode}', sys.argv[1]]))"
+        return [sys.executable, "-c", llama_child(code), str(spec_path)]
     return [sys.executable, "-m", "fate_edge.bench", f"--{mode}", str(spec_path)]
 
 
@@ -145,7 +151,7 @@ def worker_main(spec_path: str) -> int:
     """Run one configuration (``spec_path``: JSON written by the parent); write ``<spec>.result.json``."""
     import torch
 
-    from ..generate import peak_rss_bytes
+    from ..process_memory import peak_rss_bytes
 
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(spec["threads"])

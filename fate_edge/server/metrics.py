@@ -6,7 +6,7 @@ import threading
 from collections import defaultdict
 from typing import Any
 
-from ..generate import peak_rss_bytes
+from ..process_memory import peak_rss_bytes
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
