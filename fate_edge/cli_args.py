@@ -136,9 +136,14 @@ def octal_mode(value: str) -> str:
     return value
 
 
+def comma_list(text: str) -> list[str]:
+    """The non-empty, stripped items of a comma-separated option value."""
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
 def host_list(value: str) -> str:
     """Comma-separated host names or addresses, or '*' for any."""
-    for name in filter(None, (n.strip() for n in value.split(","))):
+    for name in comma_list(value):
         if name != "*":
             host_name(name.strip("[]"))
     return value
@@ -146,7 +151,7 @@ def host_list(value: str) -> str:
 
 def origin_list(value: str) -> str:
     """Comma-separated browser origins (scheme://host[:port]), or '*' for any."""
-    for origin in filter(None, (o.strip() for o in value.split(","))):
+    for origin in comma_list(value):
         m = re.fullmatch(r"(https?)://(\[[0-9A-Fa-f:.]+\]|[^/:\[\]]+)(:\d{1,5})?", origin)
         if origin != "*" and (m is None or (m.group(2)[0] != "[" and not _is_host(m.group(2)))):
             raise argparse.ArgumentTypeError(f"{origin!r} is not an origin; write scheme://host[:port], e.g. "

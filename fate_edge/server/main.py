@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 
+from ..cli_args import comma_list
 from ..engine_args import EngineOptions, add_engine_args
 from ..errors import FateEdgeError
 
@@ -58,10 +59,6 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _names(text: str) -> list[str]:
-    return [n.strip() for n in text.split(",") if n.strip()]
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -87,8 +84,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               default_max_tokens=args.max_tokens_default, model_alias=args.model_alias,
                               enable_fault_injection=args.enable_fault_injection, host=args.host,
                               # no browser reaches a Unix socket, and its clients send all kinds of Host names
-                              allowed_hosts=["*"] if args.unix_socket else _names(args.allowed_hosts),
-                              cors_origins=_names(args.cors_origins))
+                              allowed_hosts=["*"] if args.unix_socket else comma_list(args.allowed_hosts),
+                              cors_origins=comma_list(args.cors_origins))
     server: uvicorn.Server | None = None
 
     def on_load_error(exc: BaseException) -> None:
