@@ -25,13 +25,14 @@ from fate_edge.devices.link import ThrottledLink
 from . import defaults
 from .budget import BudgetPlan, memory_shortfall, parse_bytes, plan_budget
 from .cache import ExpertCache
-from .cache.factory import build_cache, layer_slots
+from .cache.factory import Resident, build_cache, layer_slots, pick_resident
 from .errors import BudgetError, FateEdgeError
 from .experts import ExpertProvider
 from .fetch import BufferPool, FetchEngine
 from .generate import GenerateConfig, GenerationResponse, stream_generate
 from .loader import DTYPES, load_model
-from .policy import PolicyConfig, get_policy
+from .policy import PolicyConfig, for_model, get_policy
+from .preload import LoadReport, preload, preload_choice
 from .request_slot import RequestSlot
 from .scheduler import Scheduler, SchedulerStats
 from .store import ExpertStore, decode_expert, is_store
@@ -130,6 +131,7 @@ class Engine:
         self.budget = parse_bytes(memory_budget)
         self.model = load_model(store_dir, dtype=self.dtype, experts=_NoExperts(), device=device,
                                 resident_bits=resident_bits)
+        self.policy = for_model(self.policy, self.model.config.model_type)  # e.g. Fate's tail share per model
         self.tokenizer = Tokenizer(store_dir)
         self.link = link
         if self.policy.predictor == "oracle" and trace is None:
@@ -148,6 +150,7 @@ class Engine:
                                    max_inflight_prefetches=self.plan.pool_buffers - 2)
         self.model.experts = self.scheduler
         self.model.observers.append(self.scheduler)
+        self.load_report = self._preload()  # reads at load: apart from every request's statistics
         self.token_stats: list[SchedulerStats] = []  # per generated token of the last request
         self.prefill_stats = SchedulerStats()
         self.request_stats = SchedulerStats()
@@ -161,6 +164,8 @@ class Engine:
 
         cfg = self.model.config
         experts = len(cfg.moe_layers) * cfg.num_experts * self.plan.entry_bytes  # the cache never holds more
+        if self.resident is not None:  # ... but for a layer held in another precision
+            experts += self.resident.nbytes - cfg.num_experts * self.plan.entry_bytes
         device_need = min(self.plan.cache_bytes, experts) + self.plan.working_bytes
         device_free, unified = None, True
         if self.device.startswith("cuda"):
@@ -183,9 +188,32 @@ class Engine:
         bits_used = [b for b in (p.bits, p.cold_bits) if b in self.store.precisions]
         slot = max(self.store.precisions[b].slot_bytes for b in bits_used)
         plan = plan_budget(self.budget, p, self._entry_bytes(p.bits), slot, max_inflight)
-        plan.slots = layer_slots(p, plan.cache_bytes // plan.entry_bytes, cfg.moe_layers, cfg.num_experts,
-                                 self.popularity)
+        self.resident = self._resident(plan.cache_bytes)
+        left = plan.cache_bytes - (self.resident.nbytes if self.resident else 0)
+        plan.slots = layer_slots(p, left // plan.entry_bytes, cfg.moe_layers, cfg.num_experts, self.popularity,
+                                 self.resident)
         return plan
+
+    def _resident(self, cache_bytes: int) -> Resident | None:
+        """Fate's first MoE layer held whole: in full precision if the cache can hold it, else int{bits}."""
+        p, cfg = self.policy, self.model.config
+        if not (p.resident_first and p.cache and p.allocation != "global"):
+            return None
+        sizes = {b: self._entry_bytes(b) for b in (16, p.bits) if b in self.store.precisions}
+        return pick_resident(cfg.moe_layers[0], cfg.num_experts, cache_bytes, sizes)
+
+    def _preload(self) -> LoadReport:
+        """Load the resident layer, and fill the cache when the policy asks (Fate)."""
+        p, cfg, r = self.policy, self.model.config, self.resident
+        report = LoadReport(r.layer if r else None, r.bits if r else None, r.note if r else "")
+        if p.resident_first and r is None:
+            report.note = (f"the cache ({self.plan.cache_bytes} bytes) cannot hold layer {cfg.moe_layers[0]} whole "
+                           f"even as int{p.bits}: it is cached like the others")
+        if self.cache is None or not (p.preload or r):
+            return report
+        slots = self.plan.slots if p.preload else {r.layer: cfg.num_experts}
+        choice = preload_choice(slots, cfg.num_experts, self.popularity)
+        return preload(self.cache, self.store, choice, p.bits, r, self.dtype, self.scheduler.copier, report)
 
     @property
     def popularity(self) -> dict[int, list[int]] | None:
@@ -201,7 +229,7 @@ class Engine:
         cfg = self.model.config
         future = self.trace.accesses() if self.trace else None
         return build_cache(self.policy, self.plan.cache_bytes, self.plan.entry_bytes, cfg.moe_layers,
-                           cfg.num_experts, future, self.popularity)
+                           cfg.num_experts, future, self.popularity, self.resident)
 
     def _make_predictor(self):
         name = self.policy.predictor

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .policy import PolicyConfig
+from .policy import DEFAULT_TAIL_MASS, PolicyConfig
 
 Key = tuple[int, int]
 
@@ -88,7 +88,8 @@ def choose(policy: PolicyConfig, scores: torch.Tensor, k: int, width: int, use_c
     # prefill: union of every token's predicted top-k, ranked by popularity
     ids, counts = scores.topk(k, dim=-1).indices.flatten().unique(return_counts=True)
     popularity = dict(zip(ids.tolist(), counts.tolist()))
-    cold = cold_tail(popularity, policy.cold_tail_mass) if use_cold else set()
+    mass = DEFAULT_TAIL_MASS if policy.cold_tail_mass is None else policy.cold_tail_mass  # None: not resolved
+    cold = cold_tail(popularity, mass) if use_cold else set()
     return [(e, float(c), e in cold) for e, c in sorted(popularity.items(), key=lambda kv: -kv[1])]
 
 
