@@ -8,7 +8,8 @@ policies by simulating exactly the choice the engine will make, so the two canno
 - decode (one token): the most probable experts up to the width, or the smallest set reaching the
   policy's probability mass; experts scored 0 (the oracle's unused ones) are never worth a read;
 - prefill (many tokens): the union of every token's predicted top-k, most popular first, the least
-  popular tail (up to ``cold_tail_mass`` of all assignments) in the cold precision;
+  popular tail (up to ``cold_tail_mass`` of all assignments) in the cold precision (only prefetches travel
+  cold: the scheduler reads a prefill miss in the policy's precision, as Fate does);
 - order: nearest target layer first, then highest score; an expert cached or in flight is skipped,
   and no more than ``room`` reads are issued.
 """
