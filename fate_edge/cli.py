@@ -108,6 +108,8 @@ def _print_engine_stats(engine) -> None:
         f"wasted {format_bytes(s.wasted_bytes)}, prediction exact {100 * s.exact_match:.0f}%]",
         file=sys.stderr,
     )
+    if engine.load_report.reads or engine.load_report.note:  # Fate: resident first layer, cache filled at load
+        print(f"[at load: {engine.load_report.describe()}]", file=sys.stderr)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

@@ -37,6 +37,7 @@ from .request_slot import RequestSlot
 from .scheduler import Scheduler, SchedulerStats
 from .store import ExpertStore, decode_expert, is_store
 from .tokenizer import Tokenizer
+from .transfer import make_copier
 
 
 @dataclass
@@ -213,7 +214,8 @@ class Engine:
             return report
         slots = self.plan.slots if p.preload else {r.layer: cfg.num_experts}
         choice = preload_choice(slots, cfg.num_experts, self.popularity)
-        return preload(self.cache, self.store, choice, p.bits, r, self.dtype, self.scheduler.copier, report)
+        # Its own copier: the scheduler's counts uploads per token, and these belong to none.
+        return preload(self.cache, self.store, choice, p.bits, r, self.dtype, make_copier(self.device), report)
 
     @property
     def popularity(self) -> dict[int, list[int]] | None:

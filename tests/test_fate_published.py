@@ -120,6 +120,7 @@ def test_cache_filled_at_load_by_index_and_reads_counted_apart(uncalibrated):
         assert r.bytes_read == sum(s.ref(layer, x, engine.cache.entries[(layer, x)].bits).length
                                    for layer, x in expected)
         assert engine.stats.demand_bytes == engine.stats.prefetch_bytes == engine.stats.uses == 0
+        assert engine.scheduler.copier.uploads == 0  # nor in the per-token upload count
         engine.generate(PROMPT, CFG)
         per_token = [engine.prefill_stats, *engine.token_stats]
         assert sum(t.demand_bytes + t.prefetch_bytes for t in per_token) == \

@@ -108,6 +108,7 @@ def one_request(spec: dict, ids: list[int], max_tokens: int, trace, counter_sink
             "plan": {"cache_bytes": engine.plan.cache_bytes, "pool_bytes": engine.plan.pool_bytes,
                      "entry_bytes": engine.plan.entry_bytes,
                      "slots": {str(k): v for k, v in engine.plan.slots.items()}},
+            "load": dataclasses.asdict(engine.load_report),  # reads at load, apart from prefill and decode
         }
     finally:
         engine.close()
