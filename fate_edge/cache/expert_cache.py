@@ -35,6 +35,7 @@ class ExpertCache:
         """``partition_bytes``: partition id → capacity; ``make_policy(partition, capacity_in_entries)``;
         ``partition_of(key)``: defaults to the key's layer (per-layer partitions)."""
         self.capacity = dict(partition_bytes)
+        self.entry_bytes = entry_bytes
         self.partition_of = partition_of or (lambda key: key[0])
         self.policies = {p: make_policy(p, max(1, cap // max(1, entry_bytes))) for p, cap in self.capacity.items()}
         self.entries: dict[Key, CacheEntry] = {}
