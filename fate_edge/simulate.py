@@ -10,7 +10,10 @@ by the link, plus what each read costs the host's CPU):
 - prefetches issued at layer i travel while layer i computes and are on time if they arrive before
   their layer starts; their reader CPU delays compute by ``contention`` x its time (1 on a host whose
   cores all run compute threads, 0 where readers have idle cores), and using one costs ``consume_s``;
-- one link serves all reads, and a demand read goes ahead of queued prefetches (pushing them back).
+- one link serves all reads, and a demand read goes ahead of queued prefetches (pushing them back); a
+  prefetch still on its way when its layer routes is promoted, landing no later than a demand read would;
+- the ``oracle`` policy (the bound) prefetches the true experts (prefetch_choice.plan_oracle_prefetches)
+  over Belady-MIN eviction, at no prediction cost.
 """
 
 from __future__ import annotations
@@ -134,7 +137,9 @@ def simulate(
                     used.append(key)
                     continue
                 if key in inflight:
-                    arrival = inflight.pop(key)
+                    # Needed now: the engine promotes a read still queued to demand priority (Scheduler.on_route),
+                    # so it lands no later than a demand read issued now would.
+                    arrival = min(inflight.pop(key), clock + read_time)
                     consumed += 1
                     r.prefetch_hits += 1
                     r.prefetch_bytes += expert_bytes
@@ -189,7 +194,7 @@ def simulate(
                     inflight[(p.layer, p.expert)] = link_free
                     r.prefetched.append((t, p.layer, p.expert))
                     clock += prefetch_cpu  # the reader thread takes a core from compute
-                clock += costs.predict_s
+                clock += 0.0 if oracle else costs.predict_s  # the bound knows the future without computing it
             clock += layer_compute_s
             if cache is not None:
                 for key in used:
