@@ -15,11 +15,12 @@ from fate_edge.devices.link import LinkSpec
 from fate_edge.predictors.activation_path import ActivationPathPredictor
 
 from fate_edge.budget import plan_budget
-from fate_edge.cache import AccessInfo, Belady, ExpertCache
+from fate_edge.cache import AccessInfo, Belady, ExpertCache, belady_admits
 from fate_edge.convert import ConvertOptions, convert
 from fate_edge.engine import Engine
 from fate_edge.planner import _DecodeRecorder, trace_predictions
 from fate_edge.policy import PRESETS
+from fate_edge.prefetch_choice import plan_oracle_prefetches
 from fate_edge.simulate import HostCosts, simulate
 
 FRACTIONS = (0.2, 0.35, 0.5)
@@ -129,3 +130,23 @@ def test_belady_follows_a_call_whatever_order_its_experts_arrive_in():
         cache.insert(key, object(), 1, 4)
     belady.on_access((1, 4), False, info)
     assert cache.insert((1, 4), object(), 1, 4) and (0, 1) in cache  # (0, 2) is never used again
+
+
+def test_oracle_reads_ahead_only_what_displaces_an_expert_needed_later():
+    """A full cache of two: (0, 1), needed again at call 3, and (1, 3), needed at call 1. Reading (2, 5) for
+    call 2 may displace (0, 1); (2, 6), not used before call 5, may not (it would push out (0, 1), needed
+    sooner), and once (2, 5) is on its way nothing is left to displace for a second read either."""
+    belady = Belady([(0, [1]), (1, [3]), (2, [5]), (0, [1]), (1, [3]), (2, [6])])
+    cache = ExpertCache({0: 2}, lambda part, cap: belady, entry_bytes=1, partition_of=lambda key: 0)
+    belady.on_access((0, 1), False, AccessInfo())
+    for key in [(0, 1), (1, 3)]:
+        assert cache.insert(key, object(), 1, 4)
+    assert belady_admits(cache, (2, 5), pending=0) and not belady_admits(cache, (2, 5), pending=1)
+    assert not belady_admits(cache, (2, 6), pending=0)
+    scores = torch.zeros(1, 8)
+    scores[0, [5, 6]] = 0.5
+    plan = plan_oracle_prefetches([(2, scores)], busy=lambda key: False, room=4,
+                                  admits=lambda key, queued: belady_admits(cache, key, queued))
+    assert [(p.layer, p.expert) for p in plan] == [(2, 5)]
+    cache.pin((0, 1))  # in use: never displaced, so no read ahead may count on its slot
+    assert not belady_admits(cache, (2, 5), pending=0)
