@@ -9,7 +9,7 @@ only; nothing is timed.
 
 import pytest
 import torch
-from _replay import CFG, PROMPT, decode_routing
+from _replay import CFG, PROMPT, decode_routing, oracle_scores
 from _tiny_moe import build_tiny_moe
 from fate_edge.devices.link import LinkSpec
 from fate_edge.predictors.activation_path import ActivationPathPredictor
@@ -52,6 +52,7 @@ def recorded(request, tmp_path_factory, bundled_dir):
         preds = trace_predictions(rec.model, ids, gate_inputs, store_dir=store).predictions
         preds["activation-path"] = _activation_path_scores(trace, cfg, PRESETS["activation-path"].lookahead,
                                                            rec.popularity)
+        preds["oracle"] = oracle_scores(trace, cfg.moe_layers, PRESETS["oracle"].lookahead, cfg.num_experts)
         sizes = (rec.plan.entry_bytes, rec.store.precisions[4].slot_bytes)
     with Engine(store, "64MB", "load-on-demand") as bf16:
         minimum = bf16.plan.minimum
@@ -79,7 +80,7 @@ def _simulate_all(recorded, fraction, link, costs):
     out = {}
     for name, policy in PRESETS.items():
         plan = plan_budget(budget, policy, entry, slot)
-        scores = preds.get(policy.predictor) if policy.predictor not in (None, "oracle") else None
+        scores = preds.get(policy.predictor) if policy.predictor else None
         out[name] = simulate(ids, scores, policy, plan.cache_bytes, entry, link, costs, cfg.num_experts,
                              cfg.num_hidden_layers, warm=warm, max_inflight=plan.pool_buffers - 2)
     return out
