@@ -229,7 +229,7 @@ class Engine:
 
     def _make_cache(self) -> ExpertCache | None:
         cfg = self.model.config
-        future = self.trace.accesses() if self.trace else None
+        future = self.trace.calls if self.trace else None  # Belady follows the recorded run call by call
         return build_cache(self.policy, self.plan.cache_bytes, self.plan.entry_bytes, cfg.moe_layers,
                            cfg.num_experts, future, self.popularity, self.resident)
 

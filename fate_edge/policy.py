@@ -121,7 +121,9 @@ PRESETS: dict[str, PolicyConfig] = {
     "fate": PolicyConfig("fate", allocation="shallow", eviction="arc", predictor="cross-layer", lookahead=1,
                          prefetch_width="fate", cold_bits=2, cold_tail_mass=None, resident_first=True,
                          preload=True, skip_full=True),
-    # Clairvoyant bound: the recorded request's true experts prefetched, Belady eviction over one pool.
+    # Clairvoyant bound: Belady-MIN over one pool, following the recorded request call by call (cache/belady.py),
+    # and the true experts of the next layer read ahead in order of next use, each only where it displaces
+    # nothing needed sooner (prefetch_choice.plan_oracle_prefetches); the width only sizes its read buffers.
     "oracle": PolicyConfig("oracle", allocation="global", eviction="belady", predictor="oracle", lookahead=1,
                            prefetch_width=64),
     # Ours, chosen from measurements (README "Performance"): a uniform per-layer cache (Fate's shallow-favoring

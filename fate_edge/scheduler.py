@@ -19,12 +19,12 @@ import torch
 from fate_edge.devices.detect import reader_contention
 
 from .arch.base import ModelConfig
-from .cache import AccessInfo, ExpertCache
+from .cache import AccessInfo, ExpertCache, belady_admits
 from .experts import ExpertProvider
 from .fetch import FetchEngine, FetchRequest, Priority
 from .policy import PolicyConfig
 from .predictors.base import Predictor
-from .prefetch_choice import gate_candidates, plan_prefetches, prefetch_width, ranked
+from .prefetch_choice import gate_candidates, plan_oracle_prefetches, plan_prefetches, prefetch_width, ranked
 from .prefetch_gate import PrefetchGate
 from .store import ExpertStore, decode_expert
 from .transfer import Copier, make_copier
@@ -245,13 +245,22 @@ class Scheduler(ExpertProvider):
         def busy(key: Key) -> bool:
             return self._cached(key) or key in self.prefetches or key in self.demands
 
-        plan = plan_prefetches(self.policy, list(zip(pred.layers, pred.scores)), k, width, busy,
-                               room=self.max_inflight - len(self.prefetches), use_cold=self.cold_bits is not None)
+        room = self.max_inflight - len(self.prefetches)
+        if self.policy.predictor == "oracle":  # the bound: true experts, never displacing one needed sooner
+            plan = plan_oracle_prefetches(list(zip(pred.layers, pred.scores)), busy, room, self._admits)
+        else:
+            plan = plan_prefetches(self.policy, list(zip(pred.layers, pred.scores)), k, width, busy, room=room,
+                                   use_cold=self.cold_bits is not None)
         for p in plan:
             bits = self.cold_bits if p.cold else self.policy.bits
             prio = Priority.NEXT_LAYER if p.distance == 0 else Priority.AHEAD
             req = self.fetch.submit(self.store.ref(p.layer, p.expert, bits), prio)
             self.prefetches[(p.layer, p.expert)] = _Fetch(req, bits, prefetched=True)
+
+    def _admits(self, key: Key, queued: int) -> bool:
+        """Belady-MIN room for ``key`` after every read in flight and ``queued`` more (cache/belady.py)."""
+        pending = len(self.prefetches) + len(self.demands) + queued
+        return self.cache is None or belady_admits(self.cache, key, pending)
 
     def _cached(self, key: Key) -> bool:
         return self.cache is not None and key in self.cache

@@ -10,7 +10,10 @@ by the link, plus what each read costs the host's CPU):
 - prefetches issued at layer i travel while layer i computes and are on time if they arrive before
   their layer starts; their reader CPU delays compute by ``contention`` x its time (1 on a host whose
   cores all run compute threads, 0 where readers have idle cores), and using one costs ``consume_s``;
-- one link serves all reads, and a demand read goes ahead of queued prefetches (pushing them back).
+- one link serves all reads, and a demand read goes ahead of queued prefetches (pushing them back); a
+  prefetch still on its way when its layer routes is promoted, landing no later than a demand read would;
+- the ``oracle`` policy (the bound) prefetches the true experts (prefetch_choice.plan_oracle_prefetches)
+  over Belady-MIN eviction, at no prediction cost.
 """
 
 from __future__ import annotations
@@ -21,10 +24,10 @@ import torch
 
 from fate_edge.devices.link import LinkSpec
 
-from .cache import AccessInfo
+from .cache import AccessInfo, belady_admits
 from .cache.factory import build_cache
 from .policy import PolicyConfig
-from .prefetch_choice import gate_candidates, plan_prefetches, prefetch_width, ranked
+from .prefetch_choice import gate_candidates, plan_oracle_prefetches, plan_prefetches, prefetch_width, ranked
 from .prefetch_gate import PrefetchGate
 
 
@@ -95,8 +98,13 @@ def simulate(
     prefetch_cpu = costs.contention * costs.read_cpu_s
     layers = sorted(expert_ids)
     n, k = next(iter(expert_ids.values())).shape
-    future = [(layer, e) for t in range(n) for layer in layers for e in sorted(expert_ids[layer][t].tolist())]
+    # Belady's future: every call in order, the prompt's (the warm fill) first, as the engine's trace has it.
+    future = [(layer, warm[layer]) for layer in layers if layer in warm] if warm else []
+    future += [(layer, sorted(expert_ids[layer][t].tolist())) for t in range(n) for layer in layers]
     cache = build_cache(policy, cache_bytes, expert_bytes, layers, num_experts, future)
+    oracle = policy.predictor == "oracle"
+    if oracle:  # clairvoyant: the true experts themselves, as the engine's OraclePredictor replays them
+        predictions = truth_scores(expert_ids, layers, policy.lookahead, num_experts)
     transfer = link.transfer_time(expert_bytes)
     base_width = prefetch_width(policy, k, layer_compute_s, read_time)
     r = SimResult(n, 0, 0, 0, 0.0, 0, 0, 0, 0.0)
@@ -129,7 +137,9 @@ def simulate(
                     used.append(key)
                     continue
                 if key in inflight:
-                    arrival = inflight.pop(key)
+                    # Needed now: the engine promotes a read still queued to demand priority (Scheduler.on_route),
+                    # so it lands no later than a demand read issued now would.
+                    arrival = min(inflight.pop(key), clock + read_time)
                     consumed += 1
                     r.prefetch_hits += 1
                     r.prefetch_bytes += expert_bytes
@@ -169,13 +179,22 @@ def simulate(
 
                 # The engine predicts before it consumes this layer's prefetches: they still hold buffers then.
                 room = None if max_inflight is None else max_inflight - len(inflight) - consumed
-                for p in plan_prefetches(policy, targets, k, width, busy, room):
+                if oracle:
+                    pending = len(inflight)
+
+                    def admits(key: tuple[int, int], queued: int, pending=pending) -> bool:
+                        return cache is None or belady_admits(cache, key, pending + queued)
+
+                    plan = plan_oracle_prefetches(targets, busy, room, admits)
+                else:
+                    plan = plan_prefetches(policy, targets, k, width, busy, room)
+                for p in plan:
                     start = max(link_free, clock)
                     link_free = start + transfer
                     inflight[(p.layer, p.expert)] = link_free
                     r.prefetched.append((t, p.layer, p.expert))
                     clock += prefetch_cpu  # the reader thread takes a core from compute
-                clock += costs.predict_s
+                clock += 0.0 if oracle else costs.predict_s  # the bound knows the future without computing it
             clock += layer_compute_s
             if cache is not None:
                 for key in used:
@@ -186,3 +205,15 @@ def simulate(
                 r.wasted_bytes += int(done * expert_bytes)
     r.total_s = clock
     return r
+
+
+def truth_scores(expert_ids: dict[int, torch.Tensor], layers: list[int], lookahead: int, num_experts: int
+                 ) -> dict[tuple[int, int], torch.Tensor]:
+    """The oracle's scores, (source, target) → [N, E]: each token's true experts of the ``lookahead`` MoE layers
+    after the source, one-hot and summing to 1 (what OraclePredictor returns for a decode step)."""
+    out = {}
+    for i, src in enumerate(layers):
+        for target in layers[i + 1 : i + 1 + lookahead]:
+            ids = expert_ids[target]
+            out[(src, target)] = torch.zeros(ids.shape[0], num_experts).scatter_(1, ids, 1.0 / ids.shape[1])
+    return out

@@ -37,6 +37,7 @@ class ExpertCache:
         ``partition_of(key)``: defaults to the key's layer (per-layer partitions); ``entry_bytes_of``: partitions
         whose entries are another size than ``entry_bytes`` (Fate's first layer, resident in full precision)."""
         self.capacity = dict(partition_bytes)
+        self.entry_bytes = entry_bytes
         self.partition_of = partition_of or (lambda key: key[0])
         sizes = entry_bytes_of or {}
         self.policies = {p: make_policy(p, max(1, cap // max(1, sizes.get(p, entry_bytes))))
