@@ -32,7 +32,7 @@ from .fetch import BufferPool, FetchEngine
 from .generate import GenerateConfig, GenerationResponse, stream_generate
 from .loader import DTYPES, load_model
 from .policy import PolicyConfig, for_model, get_policy
-from .preload import LoadReport, preload, preload_choice
+from .preload import LoadReport, first_used, preload, preload_choice
 from .request_slot import RequestSlot
 from .scheduler import Scheduler, SchedulerStats
 from .store import ExpertStore, decode_expert, is_store
@@ -212,8 +212,11 @@ class Engine:
                            f"even as int{p.bits}: it is cached like the others")
         if self.cache is None or not (p.preload or r):
             return report
-        slots = self.plan.slots if p.preload else {r.layer: cfg.num_experts}
-        choice = preload_choice(slots, cfg.num_experts, self.popularity)
+        if p.predictor == "oracle" and self.trace is not None:
+            choice = first_used(self.trace.calls, self.cache.capacity_bytes // self.cache.entry_bytes)
+        else:
+            slots = self.plan.slots if p.preload else {r.layer: cfg.num_experts}
+            choice = preload_choice(slots, cfg.num_experts, self.popularity)
         # Its own copier: the scheduler's counts uploads per token, and these belong to none.
         return preload(self.cache, self.store, choice, p.bits, r, self.dtype, make_copier(self.device), report)
 

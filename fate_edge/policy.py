@@ -124,8 +124,9 @@ PRESETS: dict[str, PolicyConfig] = {
     # Clairvoyant bound: Belady-MIN over one pool, following the recorded request call by call (cache/belady.py),
     # and the true experts of the next layer read ahead in order of next use, each only where it displaces
     # nothing needed sooner (prefetch_choice.plan_oracle_prefetches); the width only sizes its read buffers.
+    # Like fate, it fills its cache at load: with the request's first-used experts (preload.first_used).
     "oracle": PolicyConfig("oracle", allocation="global", eviction="belady", predictor="oracle", lookahead=1,
-                           prefetch_width=64),
+                           prefetch_width=64, preload=True),
     # Ours, chosen from measurements (README "Performance"): a uniform per-layer cache (Fate's shallow-favoring
     # split starves deep layers at small budgets) with MoE-APEX's LCU eviction (the planner's pick at most
     # budgets; higher hit rates than LRU in the quick benchmark), the learned predictor when the model was

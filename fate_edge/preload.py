@@ -56,6 +56,22 @@ def preload_choice(slots: dict[int, int], num_experts: int,
     return out
 
 
+def first_used(calls: Sequence[tuple[int, Sequence[int]]], capacity: int) -> dict[int, list[int]]:
+    """The oracle's warm start: the first ``capacity`` distinct experts the recorded request uses, in order of
+    first use (Belady's choice for an empty cache), grouped per MoE layer. Any policy may fill its cache at
+    load (Fate does), so a bound that started cold could be beaten."""
+    seen: dict[int, list[int]] = {}
+    n = 0
+    for layer, experts in calls:
+        for e in experts:
+            if n >= capacity:
+                return seen
+            if int(e) not in seen.setdefault(int(layer), []):
+                seen[int(layer)].append(int(e))
+                n += 1
+    return seen
+
+
 def read_verified(store: ExpertStore, layer: int, expert: int, bits: int) -> bytearray:
     """One blob's bytes, checked against its CRC (later reads of it then skip the check)."""
     ref = store.ref(layer, expert, bits)

@@ -151,3 +151,13 @@ def test_oracle_reads_ahead_only_what_displaces_an_expert_needed_later():
     assert [(p.layer, p.expert) for p in plan] == [(2, 5)]
     cache.pin((0, 1))  # in use: never displaced, so no read ahead may count on its slot
     assert not belady_admits(cache, (2, 5), pending=0)
+
+
+def test_oracle_warm_start_is_the_first_used_experts_in_order():
+    """Belady's best start for an empty cache: the request's first distinct experts, as many as fit."""
+    from fate_edge.preload import first_used
+
+    calls = [(0, [3, 1]), (1, [2, 3]), (0, [1, 4]), (1, [5])]
+    assert first_used(calls, 3) == {0: [3, 1], 1: [2]}
+    assert first_used(calls, 4) == {0: [3, 1], 1: [2, 3]}
+    assert first_used(calls, 99) == {0: [3, 1, 4], 1: [2, 3, 5]}
