@@ -15,6 +15,7 @@ by the link, plus what each read costs the host's CPU):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -186,3 +187,12 @@ def simulate(
                 r.wasted_bytes += int(done * expert_bytes)
     r.total_s = clock
     return r
+
+
+def scale_costs(costs: HostCosts, factor: float) -> HostCosts:
+    """``costs`` on a timeline ``factor`` times as long: device-faithful emulation (fate_edge/emulation.py) runs
+    the device's timeline k times slower on this host, so ``factor`` = 1 / k turns costs measured under emulation
+    into the device's. ``contention`` is a share, not a time, and stays."""
+    return dataclasses.replace(costs, layer_compute_s=costs.layer_compute_s * factor,
+                               predict_s=costs.predict_s * factor, read_cpu_s=costs.read_cpu_s * factor,
+                               consume_s=costs.consume_s * factor)
