@@ -216,3 +216,27 @@ def calibrate(device: str, store_dir: str | Path, token_ids: list[int], tokens: 
     expert_bytes = ExpertStore(store_dir).expert_bytes(bits)
     return Emulation(device, profile.name, roof, work, host_s_per_token, dev_s, k, link, emulated,
                      reads_direct(emulated, expert_bytes, disk), expert_bytes, disk, probe)
+
+
+def plan_emulated(store_dir: str | Path, budget: int, devices: list[str], token_ids: list[int],
+                  workers: int = 2, decode_tokens: int = 64, bits: int = 4, progress=None) -> dict[str, tuple]:
+    """The planner on each device's timeline: this host's costs and a decode trace measured once (the planner's
+    probes, O_DIRECT reads), each device's k from them, the costs scaled by 1 / k and simulated against the
+    device's own link: the compute/link ratio is the device's. {device: (Emulation, Plan)}; a Plan's tokens/s
+    are device-equivalent."""
+    from .arch import load_config
+    from .planner import measure_host_costs, plan
+    from .simulate import scale_costs
+    from .store import ExpertStore
+
+    costs, _, trace = measure_host_costs(store_dir, budget, None, token_ids, workers=workers,
+                                         decode_tokens=decode_tokens, progress=progress, direct_io=True)
+    host_s = costs.layer_compute_s * len(load_config(store_dir).moe_layers)
+    store = ExpertStore(store_dir)
+    out = {}
+    for device in devices:
+        em = calibrate(device, store_dir, token_ids, workers=workers, bits=bits, host_s_per_token=host_s)
+        em.host_probe = "the planner's LRU probe (compute per MoE layer x MoE layers)"
+        out[device] = (em, plan(trace, budget, store.expert_bytes(bits), store.precisions[bits].slot_bytes, em.link,
+                                scale_costs(costs, 1 / em.k)))
+    return out

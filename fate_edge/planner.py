@@ -171,12 +171,13 @@ def probe_engine(store_dir, budget: int, policy: PolicyConfig, link: LinkSpec | 
 def measure_host_costs(store_dir, budget: int, link: LinkSpec | None, token_ids: list[int],
                        dtype: torch.dtype = torch.float32, predictor_policy: PolicyConfig | None = None,
                        workers: int = defaults.FETCH_WORKERS, decode_tokens: int = 128,
-                       progress: Callable[[str], None] | None = None, direct_io: bool | None = None
-                       ) -> tuple[HostCosts, LinkSpec, PlanTrace | None]:
+                       progress: Callable[[str], None] | None = None, direct_io: bool | None = None,
+                       predictor_probe: bool = True) -> tuple[HostCosts, LinkSpec, PlanTrace | None]:
     """The simulator's constants for this host and a decode trace, from probe runs of the engine under
     ``budget``: an LRU cache without prediction decoding ``decode_tokens`` tokens after ``token_ids`` (all
     reads are demand reads, so what is not stalling or decoding blobs is compute; its routing is the
-    trace), then the predictor's policy for a few tokens (the predictor's per-layer cost). Without
+    trace), then the predictor's policy for a few tokens (the predictor's per-layer cost; skipped, with no
+    predictor cost, when ``predictor_probe`` is False). Without
     ``link`` the disk is read with O_DIRECT and its bandwidth is the one measured. ``progress`` is told
     before each probe."""
     from .arch import load_config
@@ -190,12 +191,15 @@ def measure_host_costs(store_dir, budget: int, link: LinkSpec | None, token_ids:
     contention = reader_contention(torch.get_num_threads(), workers)
     compute = base.compute_s / max(1, base.tokens) / moe_layers
     # Ungated, so the predictor runs on every layer call and its cost per call is what is measured.
-    say("probe 2/2: a few tokens with the predictor on every layer (its cost)")
-    pred = probe_engine(store_dir, budget, (predictor_policy or PRESETS["fate-edge"]).with_(prefetch_gate=False),
-                        link, token_ids, dtype, workers=workers, direct_io=direct_io)
+    predict_s = 0.0
+    if predictor_probe:
+        say("probe 2/2: a few tokens with the predictor on every layer (its cost)")
+        pred = probe_engine(store_dir, budget, (predictor_policy or PRESETS["fate-edge"]).with_(prefetch_gate=False),
+                            link, token_ids, dtype, workers=workers, direct_io=direct_io)
+        predict_s = pred.predict_s / max(1, pred.tokens) / moe_layers
     costs = HostCosts(
         layer_compute_s=max(1e-6, compute),
-        predict_s=pred.predict_s / max(1, pred.tokens) / moe_layers,
+        predict_s=predict_s,
         read_cpu_s=base.reader_cpu_s / reads if base.reads else 0.0,
         consume_s=base.consume_s / reads if base.reads else 0.0,
         contention=contention,

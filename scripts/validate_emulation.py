@@ -76,12 +76,13 @@ def main() -> None:
     total = len(store.index["moe_layers"]) * store.index["num_experts"] * store.expert_bytes(4)
     budget = int(args.budget * total)
     load0 = os.getloadavg()
-    em = calibrate(args.device, args.store, ids, workers=args.workers)
+    em = calibrate(args.device, args.store, ids, tokens=args.tokens, workers=args.workers)
     print(f"k = {em.k:.3g}: host {em.host_s_per_token * 1e3:.1f} ms, device {em.device_s_per_token * 1e3:.2f} ms per "
           f"token; link {em.emulated.bandwidth_bytes_per_s / 1e6:.1f} MB/s; {em.io_note}", flush=True)
     # The simulator's costs, as the planner measures them (LRU probe under the budget), on the emulated link.
     costs, _, trace = measure_host_costs(args.store, budget, em.emulated, ids, workers=args.workers,
-                                         decode_tokens=args.tokens, direct_io=em.direct_io)
+                                         decode_tokens=args.tokens, direct_io=em.direct_io,
+                                         predictor_probe=any(PRESETS[p].predictor for p in args.policies))
     device_costs = scale_costs(costs, 1 / em.k)
     print(f"host costs: {costs.describe()}\ndevice costs: {device_costs.describe()}", flush=True)
     measured: dict[str, list[dict]] = {p: [] for p in args.policies}

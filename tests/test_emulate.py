@@ -6,7 +6,6 @@ the host time is given where a test needs k to be known."""
 import json
 
 import pytest
-
 from fate_edge.devices.emulate import (
     DEFAULT_EFFICIENCY,
     device_roofline,
@@ -16,6 +15,7 @@ from fate_edge.devices.emulate import (
 )
 from fate_edge.devices.link import LinkSpec
 from fate_edge.devices.profile import DeviceProfile, load_profile
+
 from fate_edge.emulation import DEVICES, calibrate, decode_token_work
 from fate_edge.errors import ProfileError
 
