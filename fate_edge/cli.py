@@ -192,7 +192,8 @@ def _plan_emulated(store_dir, budget: int, devices: list[str], ids: list[int]) -
                           progress=lambda m: print(f"[planner] {m}", file=sys.stderr, flush=True))
     for device, (em, result) in plans.items():
         print(f"\n== {device} ({em.profile}): k = {em.k:.3g} (host {em.host_s_per_token * 1e3:.1f} ms / device "
-              f"{em.device_s_per_token * 1e3:.3f} ms per token); tok/s below are device-equivalent")
+              f"{em.device_s_per_token * 1e3:.3f} ms per token); the costs below are this host's x 1/k (the device's) "
+              "and the tok/s device-equivalent")
         print(result.describe())
     return 0
 

@@ -142,3 +142,43 @@ def test_bench_emulate_reports_raw_and_device_equivalent_apart(store, tmp_path, 
 def _work(store):
     w = decode_token_work(store)
     return w.bytes, w.flops
+
+
+def test_the_simulator_on_the_dilated_timeline_is_the_device_one_slowed_by_k():
+    """Costs scaled by 1 / k against the device's link predict k x the tokens/s of the host's costs against the
+    dilated link: the emulated run and the device differ only in their clock."""
+    import torch
+
+    from fate_edge.policy import PRESETS
+    from fate_edge.simulate import HostCosts, scale_costs, simulate
+
+    g = torch.Generator().manual_seed(0)
+    layers, experts, n = 4, 8, 24
+    ids = {layer: torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(n)]) for layer in range(layers)}
+    preds = {(src, dst): torch.rand(n, experts, generator=g) for src in range(layers) for dst in range(src + 1, layers)}
+    host = HostCosts(layer_compute_s=0.02, predict_s=0.001, read_cpu_s=0.004, consume_s=0.003, contention=0.5)
+    k, link = 8.0, LinkSpec("nvme", 3e9, 80e-6)
+    device = scale_costs(host, 1 / k)
+    assert device.layer_compute_s == pytest.approx(0.0025) and device.read_cpu_s == pytest.approx(0.0005)
+    assert device.contention == host.contention
+    for name in ("load-on-demand-int4", "lru", "fate-edge"):
+        policy = PRESETS[name]
+        p = preds if policy.predictor else None
+        dev = simulate(ids, p, policy, 3 * 4_000_000, 4_000_000, link, device, experts, layers)
+        emu = simulate(ids, p, policy, 3 * 4_000_000, 4_000_000, dilated_link(link, k), host, experts, layers)
+        assert dev.tokens_per_s == pytest.approx(k * emu.tokens_per_s), name
+        assert (dev.hits, dev.prefetch_hits, dev.misses) == (emu.hits, emu.prefetch_hits, emu.misses), name
+
+
+def test_plan_emulated_scales_the_measured_costs_onto_each_devices_timeline(store, bundled_tokenizer, one_thread):
+    from fate_edge.emulation import plan_emulated
+
+    ids = bundled_tokenizer.encode("def main():\n    return sorted(items, key=len)\n" * 4)[:24]
+    plans = plan_emulated(store, 3_000_000, ["orin-nano", "rpi5"], ids, decode_tokens=8)
+    assert set(plans) == {"orin-nano", "rpi5"}
+    host = {d: em.host_s_per_token for d, (em, _) in plans.items()}
+    assert host["orin-nano"] == host["rpi5"]  # one measurement, two devices
+    for em, plan in plans.values():
+        assert em.k == pytest.approx(em.host_s_per_token / em.device_s_per_token)
+        assert plan.link == em.link  # the device's own link, not dilated: the costs carry the scaling
+        assert plan.costs.layer_compute_s * em.k * 8 == pytest.approx(em.host_s_per_token)  # 8 MoE layers
