@@ -12,6 +12,7 @@ from .cli_args import (
     CliParser,
     below_one,
     byte_size,
+    emulated_device,
     existing_path,
     fraction,
     non_empty,
@@ -263,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--corpus", default=None, type=existing_path,
                     help="text to record routing on (default: a stdlib module's source)")
     pl.add_argument("--tokens", type=positive_int, default=256)
-    pl.add_argument("--emulate", nargs="+", default=None, metavar="DEVICE",
+    pl.add_argument("--emulate", nargs="+", default=None, metavar="DEVICE", type=emulated_device,
                     help="plan on each DEVICE's timeline instead: this host's measured costs scaled by 1/k (k = host "
                     "/ device compute per token, the device from its profile's roofline) against the device's own "
                     "link; DEVICE: orin-nano, orin-nx, agx-orin, rpi5, rtx4060 or a device profile")
