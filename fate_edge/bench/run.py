@@ -86,7 +86,7 @@ def link_check(store: Path, choice: LinkChoice, n: int = 8) -> dict[str, Any]:
         "spec_gbps": spec.bandwidth_bytes_per_s / 1e9 if spec else None,
         "spec_latency_us": spec.latency_s * 1e6 if spec else None,
         "achieved_gbps": nbytes / dt / 1e9,
-        "per_expert_ms": 1e3 * dt / n,
+        "per_expert_ms": 1e3 * dt / len(seconds),
         "io": io,
     }
 
