@@ -18,6 +18,7 @@ by the link, plus what each read costs the host's CPU):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -217,3 +218,12 @@ def truth_scores(expert_ids: dict[int, torch.Tensor], layers: list[int], lookahe
             ids = expert_ids[target]
             out[(src, target)] = torch.zeros(ids.shape[0], num_experts).scatter_(1, ids, 1.0 / ids.shape[1])
     return out
+
+
+def scale_costs(costs: HostCosts, factor: float) -> HostCosts:
+    """``costs`` on a timeline ``factor`` times as long: device-faithful emulation (fate_edge/emulation.py) runs
+    the device's timeline k times slower on this host, so ``factor`` = 1 / k turns costs measured under emulation
+    into the device's. ``contention`` is a share, not a time, and stays."""
+    return dataclasses.replace(costs, layer_compute_s=costs.layer_compute_s * factor,
+                               predict_s=costs.predict_s * factor, read_cpu_s=costs.read_cpu_s * factor,
+                               consume_s=costs.consume_s * factor)
