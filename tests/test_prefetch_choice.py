@@ -55,12 +55,13 @@ def test_engine_and_simulator_prefetch_the_same_experts(recorded, one_thread, ca
     """One recorded request, replayed through the engine (the oracle predictor over it) and the simulator:
     the same reads issued at the same decode steps for the same layers, and the same hits and misses."""
     store, trace = recorded
+    oracle = PRESETS["oracle"].with_(preload=False)  # the simulator starts cold, as the engine then does
     if case == "cache holds every expert":  # what is cached is never read ahead again
-        policy, budget = PRESETS["oracle"], 4 * all_expert_bytes(store)
+        policy, budget = oracle, 4 * all_expert_bytes(store)
     elif case == "no cache, two layers ahead":  # what is in flight is never read twice
-        policy, budget = PRESETS["oracle"].with_(cache=False, lookahead=2), "16MB"
+        policy, budget = oracle.with_(cache=False, lookahead=2), "16MB"
     else:  # Belady-MIN evicts, and a read ahead must not displace an expert needed sooner
-        policy, budget = PRESETS["oracle"], int(0.35 * all_expert_bytes(store))
+        policy, budget = oracle, int(0.35 * all_expert_bytes(store))
     with Engine(store, budget, policy, trace=trace) as engine:
         seen = spy(engine)
         engine.generate(PROMPT, CFG)
