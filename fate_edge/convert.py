@@ -28,10 +28,10 @@ from tqdm import tqdm
 
 from fate_edge.quant import QuantSpec
 from fate_edge.quant.linear import int4_supported
+from fate_edge.quant.rtn import BLOCK_BYTES
 
 from .arch import load_config
 from .checkpoint import CheckpointReader, save_streaming
-from .convert_quant import BLOCK_BYTES
 from .errors import FateEdgeError
 from .experts import ExpertLayout
 from .loader import layer_names, resident_weight_names
