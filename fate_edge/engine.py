@@ -34,6 +34,7 @@ from .loader import DTYPES, load_model
 from .policy import PolicyConfig, get_policy
 from .request_slot import RequestSlot
 from .scheduler import Scheduler, SchedulerStats
+from .sizes import format_bytes
 from .store import ExpertStore, decode_expert, is_store
 from .tokenizer import Tokenizer
 
@@ -169,7 +170,7 @@ class Engine:
         why = memory_shortfall(self.plan.pool_bytes, device_need, int(psutil.virtual_memory().available),
                                device_free, unified)
         if why:
-            raise BudgetError(f"memory budget {self.budget / 1e6:.1f} MB: {why}")
+            raise BudgetError(f"memory budget {format_bytes(self.budget)}: {why}")
 
     def _entry_bytes(self, bits: int) -> int:
         ref = self.store.ref(self.model.config.moe_layers[0], 0, bits)
