@@ -161,8 +161,10 @@ def _block_pack(codes: torch.Tensor, rows: int) -> torch.Tensor:
     full = n - n % rows
     half = rows // 2
     out = torch.empty(n, k // 2, dtype=torch.uint8)
-    blocks = codes[:full].view(full // rows, 2, half, k).transpose(2, 3)  # [NB, 2, K, B/2]
-    torch.bitwise_or(blocks[:, 0], blocks[:, 1] << 4, out=out[:full].view(full // rows, k, half))
+    blocks = codes[:full].view(full // rows, 2, half, k)  # [NB, 2, B/2, K]
+    pairs = blocks[:, 1] << 4
+    pairs |= blocks[:, 0]  # row j | row j + B/2 << 4, still row-major: contiguous passes
+    out[:full].view(full // rows, k, half).copy_(pairs.transpose(1, 2))  # then one transposing copy
     if full < n:  # a partial block has its own order: torch's packer on those rows alone writes the same bytes
         out[full:] = torch._convert_weight_to_int4pack_for_cpu(codes[full:].to(torch.int32), _INT4_TILES)
     return out
