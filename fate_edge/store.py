@@ -123,7 +123,7 @@ def encode_expert(w: ExpertWeights, precision: Precision, method: str = "rtn",
 
     ``w`` may be in any float dtype (convert passes the checkpoint's own, no fp32 copy); ``work`` is an
     optional fp32 scratch buffer for the RTN encoder. Returns the blob's bytes (a view of a fresh buffer)."""
-    out = torch.zeros(precision.blob_bytes, dtype=torch.uint8)
+    out = torch.empty(precision.blob_bytes, dtype=torch.uint8)  # not zeros: zero-filling 17 MB cost 8 ms here
     tensors: dict[str, torch.Tensor] = {}
     for m in MATRICES:
         mat = getattr(w, m)
@@ -138,10 +138,14 @@ def encode_expert(w: ExpertWeights, precision: Precision, method: str = "rtn",
             tensors[f"{m}.scale"] = q.scale
             if q.zero is not None:
                 tensors[f"{m}.zero"] = q.zero
-    for p in precision.parts:
+    end = 0
+    for p in sorted(precision.parts, key=lambda p: p.offset):
         raw = tensors[p.name].contiguous().view(-1).view(torch.uint8)
         assert raw.numel() == p.nbytes, (p.name, raw.numel(), p.nbytes)
+        out[end : p.offset] = 0  # alignment padding: the only bytes no part writes
         out[p.offset : p.offset + p.nbytes] = raw
+        end = p.offset + p.nbytes
+    out[end:] = 0
     return memoryview(out.numpy())
 
 
