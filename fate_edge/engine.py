@@ -35,6 +35,7 @@ from .policy import PolicyConfig, for_model, get_policy
 from .preload import LoadReport, first_used, preload, preload_choice
 from .request_slot import RequestSlot
 from .scheduler import Scheduler, SchedulerStats
+from .sizes import format_bytes
 from .store import ExpertStore, decode_expert, is_store
 from .tokenizer import Tokenizer
 from .transfer import make_copier
@@ -175,7 +176,7 @@ class Engine:
         why = memory_shortfall(self.plan.pool_bytes, device_need, int(psutil.virtual_memory().available),
                                device_free, unified)
         if why:
-            raise BudgetError(f"memory budget {self.budget / 1e6:.1f} MB: {why}")
+            raise BudgetError(f"memory budget {format_bytes(self.budget)}: {why}")
 
     def _entry_bytes(self, bits: int) -> int:
         ref = self.store.ref(self.model.config.moe_layers[0], 0, bits)
