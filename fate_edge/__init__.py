@@ -2,16 +2,20 @@
 
 import os
 
-# Before torch loads libgomp, which reads this once: idle OpenMP threads sleep instead of spinning, so decode
-# degrades gracefully when other processes want the cores (spinning threads took it from ~130 to ~2 tok/s on a
-# busy 2-core host; scripts/bench_threads.py). A value the user set wins; torch imported before fate_edge keeps
-# libgomp's default.
-# The marker (inherited by child processes too) lets peers with an OpenMP runtime of their own (llama.cpp links
-# the system libgomp) start without our value: passive waiting made llama.cpp's decode 20x slower
-# (fate_edge.bench.llamacpp).
-if "OMP_WAIT_POLICY" not in os.environ:
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    os.environ["FATE_EDGE_SET_OMP_WAIT_POLICY"] = "1"
+# Before torch loads libgomp, which reads these once: idle OpenMP threads spin for a short while (GOMP_SPINCOUNT
+# 10000, ~0.1 ms), then sleep. libgomp's default spin (~3 ms) turns every busy neighbour into a stall (decode fell
+# from ~130 to ~2 tok/s on a busy 2-core host), while sleeping at once (OMP_WAIT_POLICY=PASSIVE) wakes a thread for
+# each of the ~300 small operators of a decode token (2 threads, quiet host: PASSIVE 71 tok/s, default spin 266,
+# 10000 spins 254; with 2 busy processes 37 / 47 / 46; scripts/bench_threads.py). A wait policy or spin count the
+# user set wins (libgomp: GOMP_SPINCOUNT overrides the policy's spin); torch imported before fate_edge keeps
+# libgomp's default. FATE_EDGE_SET_OPENMP names what we set (inherited by child processes), so peers with an
+# OpenMP runtime of their own (llama.cpp links the system libgomp) start without it (fate_edge.bench.llamacpp).
+OPENMP_DEFAULTS = {"GOMP_SPINCOUNT": "10000"}
+for _name in filter(None, os.environ.pop("FATE_EDGE_SET_OPENMP", "").split(",")):  # a parent's, not the user's
+    os.environ.pop(_name, None)
+if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):
+    os.environ.update(OPENMP_DEFAULTS)
+    os.environ["FATE_EDGE_SET_OPENMP"] = ",".join(OPENMP_DEFAULTS)
 
 from .bundled import bundled_model_dir
 from .engine import Completion, Engine
