@@ -1,5 +1,6 @@
-"""Thread defaults that hold up under load: a short OpenMP spin (GOMP_SPINCOUNT) before torch starts, and torch
-threads + fetch workers that fit the cores this process may use (mechanisms only; speeds are bench_threads.py's job)."""
+"""Thread defaults that hold up under load: a short OpenMP spin (GOMP_SPINCOUNT) or passive waiting, by the host's
+load, before torch starts, and torch threads + fetch workers that fit the cores this process may use (mechanisms
+only; speeds are bench_threads.py's job)."""
 
 from __future__ import annotations
 
@@ -29,10 +30,23 @@ def _user_env(**set_by_user: str) -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if k not in drop}, **set_by_user}
 
 
-def test_importing_fate_edge_sets_a_short_spin_not_passive_waiting():
-    # PASSIVE woke a sleeping thread for every small decode operator (3-4x slower on a quiet host); libgomp's
-    # default ~3 ms spin stalls busy neighbours. A short spin count is what is left.
-    assert _child_env(PROBE, _user_env()) == {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "10000"}
+def test_openmp_waits_with_a_short_spin_on_a_quiet_host_and_passively_on_an_oversubscribed_one():
+    from fate_edge import openmp_defaults
+
+    # PASSIVE woke a sleeping thread for every small decode operator (3-4x slower on a quiet host); spinning
+    # stole the core from the thread waited for once the host ran more tasks than cores (8x slower at load 16).
+    assert openmp_defaults(0.3, 2) == {"GOMP_SPINCOUNT": "10000"}
+    assert openmp_defaults(1.9, 2) == {"GOMP_SPINCOUNT": "10000"}
+    assert openmp_defaults(2.0, 2) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert openmp_defaults(16.0, 2) == {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def test_importing_fate_edge_sets_one_of_the_two_and_names_it():
+    keys = (*OPENMP, "FATE_EDGE_SET_OPENMP")
+    code = f"import json, os, fate_edge; print(json.dumps({{k: os.environ.get(k) for k in {keys!r}}}))"
+    got = _child_env(code, _user_env())
+    assert got in ({"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "10000", "FATE_EDGE_SET_OPENMP": "GOMP_SPINCOUNT"},
+                   {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None, "FATE_EDGE_SET_OPENMP": "OMP_WAIT_POLICY"})
 
 
 @pytest.mark.parametrize("user", [{"OMP_WAIT_POLICY": "ACTIVE"}, {"OMP_WAIT_POLICY": "PASSIVE"},
@@ -46,9 +60,11 @@ def test_a_child_of_fate_edge_tells_our_spin_count_from_the_users_wait_policy():
     parent = subprocess.run([sys.executable, "-c", "import json, os, fate_edge; print(json.dumps(dict(os.environ)))"],
                             env=_user_env(), capture_output=True, text=True, check=True)
     inherited = json.loads(parent.stdout.strip().splitlines()[-1])
-    assert inherited["GOMP_SPINCOUNT"] == "10000" and inherited["FATE_EDGE_SET_OPENMP"] == "GOMP_SPINCOUNT"
-    assert _child_env(PROBE, {**inherited, "OMP_WAIT_POLICY": "PASSIVE"}) == {"OMP_WAIT_POLICY": "PASSIVE",
-                                                                             "GOMP_SPINCOUNT": None}
+    ours = inherited["FATE_EDGE_SET_OPENMP"]
+    assert ours in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY") and ours in inherited
+    user = {"OMP_WAIT_POLICY": "ACTIVE"} if ours == "GOMP_SPINCOUNT" else {"GOMP_SPINCOUNT": "5"}
+    # the user's own setting beside our inherited one: ours goes, theirs stays alone
+    assert _child_env(PROBE, {**inherited, **user}) == {k: user.get(k) for k in OPENMP}
 
 
 PEER_PROBE = OPENMP_DEFAULT + f"import json; print(json.dumps({{k: os.environ.get(k) for k in {OPENMP!r}}}))"
