@@ -1,5 +1,6 @@
-"""Decode speed under CPU competition: fate-edge's old thread defaults, its new ones, one thread, and llama.cpp,
-each with 0, 1 and 2 busy-looping processes beside it (``scripts/bench_threads.py``).
+"""Decode speed under CPU competition: fate-edge with as many torch threads as cores waiting as libgomp does by
+default (~3 ms spin), passively, or with a short spin; its library defaults; one thread; and llama.cpp; each with
+0, 1 and 2 busy-looping processes beside it (``scripts/bench_threads.py``).
 
 Every measurement is a fresh interpreter, so each starts OpenMP with its own settings: the old default is
 reproduced by importing torch before fate_edge (libgomp reads OMP_WAIT_POLICY when torch loads it, before
@@ -43,7 +44,7 @@ def configs(cores: int) -> list[ThreadConfig]:
     return [
         ThreadConfig("fate-edge libgomp spin", "fate-edge", cores, 2, omp_default=True),
         ThreadConfig("fate-edge PASSIVE", "fate-edge", cores, 2, env=(("OMP_WAIT_POLICY", "PASSIVE"),)),
-        ThreadConfig("fate-edge default spin count", "fate-edge", cores, 2),
+        ThreadConfig("fate-edge short spin", "fate-edge", cores, 2, env=(("GOMP_SPINCOUNT", "10000"),)),
         ThreadConfig("fate-edge library default", "fate-edge", None, None),
         ThreadConfig("fate-edge 1 thread", "fate-edge", 1, 1),
         ThreadConfig(f"llama.cpp {cores} threads", "llama.cpp", cores),
