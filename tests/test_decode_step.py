@@ -9,7 +9,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from fate_edge import load_model
 from fate_edge.decode_step import roll_permutation, rope_matrix
-from fate_edge.experts import InMemoryExpertProvider, QuantizedExpert
+from fate_edge.experts import QuantizedExpert
 from fate_edge.rope import apply_rope
 from fate_edge.store import ExpertStore
 from fate_edge.store_provider import StoreExpertProvider
@@ -39,16 +39,11 @@ def decode_logits(model, fast: bool) -> tuple[torch.Tensor, Counter]:
 
 def store_int4_model(bundled_dir):
     """The bundled model with every int4 expert of its store resident, as `bench_llamacpp.py`'s int4 side runs."""
+    from fate_edge.bench.sidebyside import resident_int4
     from fate_edge.engine_args import resolve_store
 
     store = resolve_store(bundled_dir, progress=False)
-    s = ExpertStore(store)
-    prov = StoreExpertProvider(s, bits=4)
-    try:
-        experts = {(la, e): prov.get(la, e) for la in s.index["moe_layers"] for e in range(s.index["num_experts"])}
-    finally:
-        prov.close()
-    return load_model(store, torch.float32, experts=InMemoryExpertProvider(experts))
+    return load_model(store, torch.float32, experts=resident_int4(store))
 
 
 def test_rope_matrix_rotates_as_apply_rope_does():
