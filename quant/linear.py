@@ -95,6 +95,11 @@ class QuantizedLinear:
         codes = unpack(packed_codes, spec.storage_bits)
         return cls.from_quantized(Quantized(codes, scale, zero), spec, device, kernel)
 
+    def mm_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [M, K] bf16 → [M, N] bf16 on the torch-int4 kernel, without the casts ``__call__`` adds."""
+        fn = torch._weight_int4pack_mm_for_cpu if x.device.type == "cpu" else torch._weight_int4pack_mm
+        return fn(x, self.packed, self.spec.group_size, self.scale_zero)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [M, K] -> [M, N]
         if self.ort is not None:
             return self.ort(x)
