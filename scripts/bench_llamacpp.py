@@ -25,11 +25,19 @@ from fate_edge import bundled_model_dir
 from fate_edge.bench.config import HEADLINE_BUDGET
 from fate_edge.bench.gguf import PeerUnavailableError, ensure_ggufs
 from fate_edge.bench.prepare import store_info
-from fate_edge.bench.sidebyside import SIDE_SETS, pick_side_set, run_rounds, same_tokens, summarize
+from fate_edge.bench.sidebyside import (
+    SIDE_SETS,
+    add_markers,
+    pick_side_set,
+    readme_marker,
+    run_rounds,
+    same_tokens,
+    summarize,
+)
 from fate_edge.bench.threads import load_average
 from fate_edge.corpus import heldout_source
 from fate_edge.engine_args import resolve_store
-from fate_edge.report import markers, publish
+from fate_edge.report import publish
 from fate_edge.tokenizer import Tokenizer
 
 
@@ -48,25 +56,6 @@ def table(summary: dict, header: str) -> str:
                    f"| {_fmt(r.get('decode_tps_ratio'), '.2f')} | {_fmt(rss, '.0f')} "
                    f"| {_fmt(r['decode_read_mb_per_token'], '.2f')} |")
     return "\n".join(out)
-
-
-def readme_marker(model: str, threads: int) -> str:
-    """The README block a run writes: ``bench_llamacpp`` for the bundled model at 2 threads (as before), else one
-    per model and thread count, so the tables of several models coexist."""
-    if Path(model).resolve() == bundled_model_dir().resolve() and threads == 2:
-        return "bench_llamacpp"
-    return f"bench_llamacpp-{Path(model).resolve().name}-{threads}t"
-
-
-def add_markers(readme: Path, name: str) -> None:
-    """Empty ``name`` markers after the bundled model's table, where they are not in ``readme`` yet."""
-    doc = readme.read_text()
-    begin, end = markers(name)
-    if begin in doc:
-        return
-    anchor = markers("bench_llamacpp")[1]
-    at = doc.index(anchor) + len(anchor) if anchor in doc else len(doc)
-    readme.write_text(doc[:at] + f"\n\n{begin}\n{end}" + doc[at:])
 
 
 def model_label(model: str) -> str:

@@ -155,3 +155,25 @@ def test_llama_cpp_tokenizes_and_computes_like_fate_edge(converted, one_thread):
     with torch.no_grad():
         ours = model(torch.tensor([prompt]), model.new_cache())[0].numpy()
     np.testing.assert_allclose(theirs, ours, atol=5e-3, rtol=0, err_msg=name)
+
+
+def test_bf16_checkpoints_get_the_real_side_set_and_their_own_readme_block(tmp_path):
+    from fate_edge import bundled_model_dir
+    from fate_edge.bench import sidebyside as sbs
+
+    model = tmp_path / "olmoe-2l"
+    model.mkdir()
+    (model / "config.json").write_text('{"torch_dtype": "bfloat16"}')
+    real = sbs.pick_side_set("auto", model)
+    assert real is sbs.SIDE_SETS["real"] and "f32" not in real.gguf_types
+    assert {s.resident_bits for s in real.resident if s.kind == "fate-edge"} == {None, 8, 4}
+    assert sbs.pick_side_set("auto", bundled_model_dir()) is sbs.SIDE_SETS["small"]  # an fp32 checkpoint
+    assert sbs.readme_marker(bundled_model_dir(), 2) == "bench_llamacpp"  # the table already in the README
+    assert sbs.readme_marker(model, 1) == "bench_llamacpp-olmoe-2l-1t" != sbs.readme_marker(model, 2)
+    readme = tmp_path / "README.md"
+    readme.write_text("a\n<!-- bench_llamacpp:begin -->\nT\n<!-- bench_llamacpp:end -->\nb\n")
+    sbs.add_markers(readme, "bench_llamacpp-olmoe-2l-1t")
+    sbs.add_markers(readme, "bench_llamacpp-olmoe-2l-1t")  # once only
+    doc = readme.read_text()
+    assert doc.count("<!-- bench_llamacpp-olmoe-2l-1t:begin -->") == 1
+    assert doc.index("bench_llamacpp:end") < doc.index("bench_llamacpp-olmoe-2l-1t:begin") < doc.index("\nb\n")

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..bundled import bundled_model_dir as _bundled
+from ..report import markers
 from .llamacpp import llama_child, read_bytes, time_tokens
 
 
@@ -92,6 +94,25 @@ def pick_side_set(name: str, model_dir: str | Path) -> SideSet:
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
         name = "real" if cfg.get("torch_dtype", cfg.get("dtype")) == "bfloat16" else "small"
     return SIDE_SETS[name]
+
+
+def readme_marker(model: str, threads: int) -> str:
+    """The README block a run writes: ``bench_llamacpp`` for the bundled model at 2 threads (as before), else one
+    per model and thread count, so the tables of several models coexist."""
+    if Path(model).resolve() == _bundled().resolve() and threads == 2:
+        return "bench_llamacpp"
+    return f"bench_llamacpp-{Path(model).resolve().name}-{threads}t"
+
+
+def add_markers(readme: Path, name: str) -> None:
+    """Empty ``name`` markers after the bundled model's table, where they are not in ``readme`` yet."""
+    doc = readme.read_text()
+    begin, end = markers(name)
+    if begin in doc:
+        return
+    anchor = markers("bench_llamacpp")[1]
+    at = doc.index(anchor) + len(anchor) if anchor in doc else len(doc)
+    readme.write_text(doc[:at] + f"\n\n{begin}\n{end}" + doc[at:])
 
 
 def child_command(spec: dict[str, Any]) -> list[str]:
