@@ -119,10 +119,11 @@ def main() -> None:
               f"{args.decode_tokens} greedy decode tokens, {args.threads} threads, median of {args.rounds} "
               f"interleaved rounds of fresh processes; {cpu}, torch {torch.__version__}, llama-cpp-python "
               f"{__import__('llama_cpp').__version__}; load average {load_before[0]} before, {load_after[0]} after, "
-              f"per run in the JSON. Ratios: fate-edge / llama.cpp. Expert budget {budget / 1e6:.1f} MB "
-              f"({args.budget:.0%} of int4 experts); llama.cpp's cap: {notes.get('cgroup', 'none')}; "
-              f"{notes.get('page_cache', '')}. Leading greedy tokens equal: "
-              + ", ".join(f"{k}: {v}" for k, v in agree.items())
+              f"per run in the JSON. Ratios: fate-edge / llama.cpp. "
+              + ("" if args.no_limited else f"Expert budget {budget / 1e6:.1f} MB ({args.budget:.0%} of int4 "
+                 f"experts); llama.cpp's cap: {notes.get('cgroup', 'none')}; {notes.get('page_cache', '')}. ")
+              + "Leading greedy tokens equal: "
+              + ", ".join(f"{k}: {v}" for k, v in agree.items() if v is not None)
               + f"; llama.cpp tokenizes the prompt text as fate-edge does: "
               f"{tokenization['equal'] if tokenization else 'not checked'} (`scripts/bench_llamacpp.py`).")
     result = {"model": args.model, "ggufs": ggufs, "prompt_files": files, "threads": args.threads,
