@@ -1,4 +1,8 @@
-"""Preallocated, page-aligned read buffers: the fetch engine reads into them and never allocates."""
+"""Preallocated, page-aligned read buffers: the fetch engine reads into them and never allocates.
+
+A buffer can also be handed off (:meth:`BufferPool.hand_off`): its memory becomes a cached expert (no copy out
+of it) and a fresh buffer takes its place, so the pool keeps ``count`` buffers and the bytes stay bounded.
+"""
 
 from __future__ import annotations
 
@@ -33,8 +37,10 @@ class BufferPool:
         if count < 1:
             raise ValueError("BufferPool needs at least one buffer")
         self.size = -(-size // ALIGN) * ALIGN
+        self.pinned = pinned
         self._free = [Buffer(self.size, pinned) for _ in range(count)]
         self.count = count
+        self.handed_off = 0  # buffers whose memory left the pool as a cached expert
         self._cv = threading.Condition()
 
     @property
@@ -54,6 +60,16 @@ class BufferPool:
         with self._cv:
             self._free.append(buf)
             self._cv.notify()
+
+    def hand_off(self, buf: Buffer) -> Buffer:
+        """``buf`` (taken from this pool) leaves it for good, its memory now the caller's (a cached expert
+        decoded in place); a new buffer replaces it, allocated here on the caller's thread, not a reader's."""
+        fresh = Buffer(self.size, self.pinned)
+        with self._cv:
+            self._free.append(fresh)
+            self.handed_off += 1
+            self._cv.notify()
+        return buf
 
     @property
     def available(self) -> int:

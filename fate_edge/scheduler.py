@@ -27,9 +27,17 @@ from .predictors.base import Predictor
 from .prefetch_choice import cold_tail, gate_candidates, plan_prefetches, prefetch_width, ranked
 from .prefetch_gate import PrefetchGate
 from .store import ExpertStore, decode_expert
-from .transfer import Copier, make_copier
+from .transfer import Copier, CPUCopier, make_copier
 
 Key = tuple[int, int]
+
+
+def hands_off(policy: PolicyConfig, store: ExpertStore, device: str) -> bool:
+    """Whether the scheduler keeps a read buffer as the cached expert decoded in it (zero-copy hand-off): with a
+    cache, on the CPU, for a layout whose decode is a view of the blob (cpu-int4). The cache then charges each
+    expert a whole read buffer. Elsewhere experts are copied out of the buffer (on a GPU, the upload)."""
+    precision = store.precisions.get(policy.bits)
+    return policy.cache and device == "cpu" and precision is not None and precision.layout == "cpu-int4"
 
 
 def _ema(old: float, new: float, keep: float) -> float:
@@ -107,14 +115,19 @@ class Scheduler(ExpertProvider):
         self.predictor = predictor
         self.dtype = dtype
         self.copier = copier or make_copier(device)
+        self.zero_copy = cache is not None and isinstance(self.copier, CPUCopier) and hands_off(policy, store, "cpu")
         self.max_inflight = max_inflight_prefetches
         self.cold_bits = policy.cold_bits if policy.cold_bits in store.precisions else None
         self.stats = SchedulerStats()
         self.layer_index = {layer: i for i, layer in enumerate(config.moe_layers)}
         self.prefetches: dict[Key, _Fetch] = {}
+        # Planned reads ahead waiting for room (at most max_inflight are submitted): the layer being computed
+        # still holds its own prefetches when it predicts, and frees their room as it consumes them.
+        self.deferred: dict[Key, tuple[int, Priority]] = {}
         self.demands: dict[Key, _Fetch] = {}
         self.skip: set[Key] = set()
         self.in_use: list[Key] = []
+        self.layer_uses: dict[int, list[int]] = {}  # MoE layer → [cached, prefetched, demand] expert uses
         self.last_prediction: dict[int, list[int]] = {}
         self._candidates: dict[int, dict[int, int]] = {}  # target → rank → expert not cached when predicted
         self._layer_time = 0.0  # EMA of one decoder layer's compute time (decode)
@@ -236,15 +249,24 @@ class Scheduler(ExpertProvider):
             self.last_prediction[target] = ranks[:k]
             self._candidates[target] = gate_candidates(ranks, len(self.gate.seen), lambda e: self._cached((target, e)))
         def busy(key: Key) -> bool:
-            return self._cached(key) or key in self.prefetches or key in self.demands
+            return self._cached(key) or key in self.prefetches or key in self.demands or key in self.deferred
 
+        # This layer's own prefetches are consumed next: their room goes to the layers ahead.
+        ahead = sum(1 for key in (*self.prefetches, *self.deferred) if key[0] != layer)
         plan = plan_prefetches(self.policy, list(zip(pred.layers, pred.scores)), k, width, busy,
-                               room=self.max_inflight - len(self.prefetches), use_cold=self.cold_bits is not None)
+                               room=self.max_inflight - ahead, use_cold=self.cold_bits is not None)
         for p in plan:
             bits = self.cold_bits if p.cold else self.policy.bits
-            prio = Priority.NEXT_LAYER if p.distance == 0 else Priority.AHEAD
-            req = self.fetch.submit(self.store.ref(p.layer, p.expert, bits), prio)
-            self.prefetches[(p.layer, p.expert)] = _Fetch(req, bits, prefetched=True)
+            self.deferred[(p.layer, p.expert)] = (bits, Priority.NEXT_LAYER if p.distance == 0 else Priority.AHEAD)
+        self._issue_deferred()
+
+    def _issue_deferred(self) -> None:
+        """Submit planned reads ahead, nearest layer and most probable first, while fewer than max_inflight are."""
+        while self.deferred and len(self.prefetches) < self.max_inflight:
+            key = next(iter(self.deferred))
+            bits, prio = self.deferred.pop(key)
+            req = self.fetch.submit(self.store.ref(*key, bits), prio)
+            self.prefetches[key] = _Fetch(req, bits, prefetched=True)
 
     def _cached(self, key: Key) -> bool:
         return self.cache is not None and key in self.cache
@@ -262,6 +284,7 @@ class Scheduler(ExpertProvider):
                 self.in_use.append(key)
                 self.cache.access(key, True, info)
                 self.stats.hits += 1
+                self._count_use(layer, 0)
                 yield e, entry.expert
             elif key in self.skip:
                 self.skip.discard(key)
@@ -273,6 +296,7 @@ class Scheduler(ExpertProvider):
                     f = _Fetch(self.fetch.submit(self.store.ref(layer, e, self.policy.bits), Priority.DEMAND),
                                self.policy.bits, prefetched=False)
                 pending[e] = f
+        self._issue_deferred()  # this layer's prefetches left self.prefetches: room for the layers ahead
         try:
             while pending:
                 ready = [e for e, f in pending.items() if f.req.done.is_set()]
@@ -300,13 +324,23 @@ class Scheduler(ExpertProvider):
         key = (layer, e)
         t0 = time.perf_counter()
         try:
-            blob, event = self.copier.upload(self.fetch.wait(f.req), demand=not f.prefetched)
+            payload = self.fetch.wait(f.req)
         except BaseException:
             self.fetch.release(f.req)
             raise
-        # The staging buffer goes back to the pool only once the copy out of it has completed.
-        self.copier.release_after(event, lambda req=f.req: self.fetch.release(req))
-        expert = decode_expert(blob, self.store.precisions[f.bits], self.dtype)
+        low = f.bits != self.policy.bits
+        if self.cache is not None:
+            self.cache.access(key, False, AccessInfo(info.layer_now, info.num_layers, low_precision=low))
+        # Cold copies serve this use only; caching them would lower later answers' precision.
+        expert = self._hand_off(key, f) if not low and self.zero_copy else None
+        if expert is None:
+            blob, event = self.copier.upload(payload, demand=not f.prefetched)
+            # The staging buffer goes back to the pool only once the copy out of it has completed.
+            self.copier.release_after(event, lambda req=f.req: self.fetch.release(req))
+            expert = decode_expert(blob, self.store.precisions[f.bits], self.dtype)
+            if self.cache is not None and not low and self.cache.insert(key, expert, expert.nbytes, f.bits):
+                self.cache.pin(key)
+                self.in_use.append(key)
         self.stats.consume_s += time.perf_counter() - t0
         nbytes = f.req.ref.length
         if f.req.read_s > 0:
@@ -319,15 +353,25 @@ class Scheduler(ExpertProvider):
         else:
             self.stats.misses += 1
             self.stats.demand_bytes += nbytes
-        low = f.bits != self.policy.bits
+        self._count_use(layer, 1 if f.prefetched else 2)
         self.stats.low_precision += int(low)
-        if self.cache is not None:
-            self.cache.access(key, False, AccessInfo(info.layer_now, info.num_layers, low_precision=low))
-            # Cold copies serve this use only; caching them would lower later answers' precision.
-            if not low and self.cache.insert(key, expert, expert.nbytes, f.bits):
-                self.cache.pin(key)
-                self.in_use.append(key)
         return expert
+
+    def _hand_off(self, key: Key, f: _Fetch):
+        """Zero-copy: decode the expert in the read buffer itself and, if the cache admits it (charged the whole
+        buffer), keep the buffer as the cached expert's memory (the pool gets a fresh one); None if refused."""
+        buf = f.req.buffer
+        blob = torch.frombuffer(buf.view, dtype=torch.uint8)  # the whole buffer: the storage the entry keeps
+        expert = decode_expert(blob[: f.req.ref.length], self.store.precisions[f.bits], self.dtype)
+        if not self.cache.insert(key, expert, buf.size, f.bits):
+            return None  # the buffer stays the request's: copied out and released as usual
+        self.fetch.hand_off(f.req)
+        self.cache.pin(key)
+        self.in_use.append(key)
+        return expert
+
+    def _count_use(self, layer: int, kind: int) -> None:
+        self.layer_uses.setdefault(layer, [0, 0, 0])[kind] += 1
 
     def end_layer(self, layer: int) -> None:
         self.copier.poll()
@@ -337,6 +381,11 @@ class Scheduler(ExpertProvider):
         self.in_use.clear()
         for key in [k for k in self.prefetches if k[0] == layer]:  # predicted, never used: drop
             self._drop(self.prefetches.pop(key))
+        self._issue_deferred()
+        # What still waits for room would start after its layer's demand reads: left to them.
+        nxt = min((m for m in self.layer_index if m > layer), default=None)
+        for key in [k for k in self.deferred if k[0] <= (layer if nxt is None else nxt)]:
+            del self.deferred[key]
         self.skip = {k for k in self.skip if k[0] != layer}
 
     def _drop(self, f: _Fetch, wasted: bool = True) -> None:
@@ -354,6 +403,7 @@ class Scheduler(ExpertProvider):
         for f in self.demands.values():
             self._drop(f, wasted=False)
         self.prefetches.clear()
+        self.deferred.clear()
         self.demands.clear()
         if self.cache is not None:
             for key in self.in_use:
