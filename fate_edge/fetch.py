@@ -238,14 +238,14 @@ class FetchEngine:
         if buf is not None:
             self.pool.release(buf)
 
-    def hand_off(self, req: FetchRequest) -> Buffer:
+    def hand_off(self, req: FetchRequest, replacement: Buffer | None = None) -> Buffer:
         """Take a finished request's buffer for good (zero-copy: the expert decoded in it is kept); the pool
-        gets a fresh buffer in its place (:meth:`BufferPool.hand_off`)."""
+        gets ``replacement`` or a new buffer in its place (:meth:`BufferPool.hand_off`)."""
         with self._cv:
             buf, req.buffer = req.buffer, None
             self._unhold(req)
         assert buf is not None, f"{req.ref.where()}: no buffer to hand off (released already?)"
-        return self.pool.hand_off(buf)
+        return self.pool.hand_off(buf, replacement)
 
     def close(self) -> None:
         """Stop the workers: queued reads are cancelled and reads in progress stop at their next chunk.

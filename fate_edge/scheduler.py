@@ -10,6 +10,7 @@ through :meth:`Scheduler.stream`, which yields cached ones at once and the rest 
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
@@ -19,6 +20,7 @@ import torch
 from fate_edge.devices.detect import reader_contention
 
 from .arch.base import ModelConfig
+from .buffer_pool import Buffer
 from .cache import AccessInfo, ExpertCache
 from .experts import ExpertProvider
 from .fetch import FetchEngine, FetchRequest, Priority
@@ -116,6 +118,10 @@ class Scheduler(ExpertProvider):
         self.dtype = dtype
         self.copier = copier or make_copier(device)
         self.zero_copy = cache is not None and isinstance(self.copier, CPUCopier) and hands_off(policy, store, "cpu")
+        self._kept: dict[Key, Buffer] = {}  # read buffers that hold cached experts (zero-copy)
+        self._evicted: list[Buffer] = []  # ... of experts the cache let go: the pool's next buffer, once unused
+        if self.zero_copy:
+            cache.on_evict = lambda key: self._evicted.append(self._kept.pop(key)) if key in self._kept else None
         self.max_inflight = max_inflight_prefetches
         self.cold_bits = policy.cold_bits if policy.cold_bits in store.precisions else None
         self.stats = SchedulerStats()
@@ -341,6 +347,7 @@ class Scheduler(ExpertProvider):
             if self.cache is not None and not low and self.cache.insert(key, expert, expert.nbytes, f.bits):
                 self.cache.pin(key)
                 self.in_use.append(key)
+        self._evicted.clear()  # buffers of evicted experts not reused here are freed with their last user
         self.stats.consume_s += time.perf_counter() - t0
         nbytes = f.req.ref.length
         if f.req.read_s > 0:
@@ -365,10 +372,19 @@ class Scheduler(ExpertProvider):
         expert = decode_expert(blob[: f.req.ref.length], self.store.precisions[f.bits], self.dtype)
         if not self.cache.insert(key, expert, buf.size, f.bits):
             return None  # the buffer stays the request's: copied out and released as usual
-        self.fetch.hand_off(f.req)
+        self._kept[key] = self.fetch.hand_off(f.req, self._unused_evicted())
         self.cache.pin(key)
         self.in_use.append(key)
         return expert
+
+    def _unused_evicted(self) -> Buffer | None:
+        """An evicted expert's buffer no tensor points into any more (its memory already faulted in, so the
+        reader does not pay for fresh pages), or None; the others are left to be freed with their last user."""
+        while self._evicted:
+            buf = self._evicted.pop()
+            if sys.getrefcount(buf.view) <= 2:  # only buf.view and this call: no tensor decoded in it is alive
+                return buf
+        return None
 
     def _count_use(self, layer: int, kind: int) -> None:
         self.layer_uses.setdefault(layer, [0, 0, 0])[kind] += 1

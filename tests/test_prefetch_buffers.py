@@ -146,3 +146,19 @@ def test_uncached_presets_copy_as_before(store, one_thread):
         assert engine.fetch.pool.handed_off == 0
         assert engine.scheduler.copier.uploads == engine.stats.misses > 0
         assert engine.fetch.pool.available == engine.fetch.pool.count
+
+
+def test_evicted_buffers_are_reused_only_when_no_expert_points_into_them(store, one_thread):
+    """An evicted expert's read buffer becomes the pool's next buffer (no new memory for the reader to fault
+    in), unless something still holds that expert: then its bytes must stay as they are."""
+    with Engine(store, int(0.20 * all_expert_bytes(store)), "lru") as engine:
+        engine.generate(PROMPT, DECODE)
+        pool = engine.fetch.pool
+        assert engine.cache.evictions > 0 and pool.recycled > 0
+        held = {key: entry.expert for key, entry in engine.cache.entries.items()}  # a caller keeps experts
+        before = {key: [t.clone() for t in _tensors(expert)] for key, expert in held.items()}
+        engine.generate("import numpy as np\nclass Model:\n    def forward(self, x):", DECODE)
+        evicted = [key for key in held if key not in engine.cache]
+        assert evicted  # evicted while held ...
+        for key in evicted:  # ... and their buffers not reused
+            assert all(torch.equal(a, b) for a, b in zip(before[key], _tensors(held[key])))
