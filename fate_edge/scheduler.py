@@ -130,6 +130,7 @@ class Scheduler(ExpertProvider):
         # Planned reads ahead waiting for room (at most max_inflight are submitted): the layer being computed
         # still holds its own prefetches when it predicts, and frees their room as it consumes them.
         self.deferred: dict[Key, tuple[int, Priority]] = {}
+        self._dropping: list[tuple[_Fetch, bool]] = []  # cancelled reads still stopping (see _drop)
         self.demands: dict[Key, _Fetch] = {}
         self.skip: set[Key] = set()
         self.in_use: list[Key] = []
@@ -396,7 +397,8 @@ class Scheduler(ExpertProvider):
                 self.cache.unpin(key)
         self.in_use.clear()
         for key in [k for k in self.prefetches if k[0] == layer]:  # predicted, never used: drop
-            self._drop(self.prefetches.pop(key))
+            self._drop(self.prefetches.pop(key), wait=False)
+        self._settle(wait=layer == self.config.moe_layers[-1])  # a token's counters are complete at its end
         self._issue_deferred()
         # What still waits for room would start after its layer's demand reads: left to them.
         nxt = min((m for m in self.layer_index if m > layer), default=None)
@@ -404,16 +406,28 @@ class Scheduler(ExpertProvider):
             del self.deferred[key]
         self.skip = {k for k in self.skip if k[0] != layer}
 
-    def _drop(self, f: _Fetch, wasted: bool = True) -> None:
-        """Cancel a fetch (stopping its read between chunks), give its buffer back, count what it wasted."""
+    def _drop(self, f: _Fetch, wasted: bool = True, wait: bool = True) -> None:
+        """Cancel a fetch (stopping its read between chunks), give its buffer back, count what it wasted.
+        ``wait=False``: a read in progress is settled later (:meth:`_settle`) instead of blocking this thread
+        until the reader reaches its next chunk (the reader returns the buffer itself when it stops)."""
         self.fetch.cancel(f.req)
+        if not wait and not f.req.done.is_set():
+            self._dropping.append((f, wasted))
+            return
         f.req.done.wait()
         if wasted:
             self.stats.wasted_bytes += f.req.bytes_read
         self.fetch.release(f.req)
 
+    def _settle(self, wait: bool) -> None:
+        """Account the cancelled reads that have stopped (all of them, waiting, if ``wait``)."""
+        dropping, self._dropping = self._dropping, []
+        for f, wasted in dropping:
+            self._drop(f, wasted, wait=wait)
+
     def abort(self) -> None:
         """Drop everything in flight and unpin everything in use: after a failed or abandoned request."""
+        self._settle(wait=True)
         for f in self.prefetches.values():
             self._drop(f)
         for f in self.demands.values():
