@@ -117,7 +117,8 @@ class Scheduler(ExpertProvider):
         self.predictor = predictor
         self.dtype = dtype
         self.copier = copier or make_copier(device)
-        self.zero_copy = cache is not None and isinstance(self.copier, CPUCopier) and hands_off(policy, store, "cpu")
+        self.zero_copy = (cache is not None and isinstance(self.copier, CPUCopier)
+                          and hands_off(policy, store, self.copier.device.type))
         self._kept: dict[Key, Buffer] = {}  # read buffers that hold cached experts (zero-copy)
         self._evicted: list[Buffer] = []  # ... of experts the cache let go: the pool's next buffer, once unused
         if self.zero_copy:
@@ -367,7 +368,8 @@ class Scheduler(ExpertProvider):
 
     def _hand_off(self, key: Key, f: _Fetch):
         """Zero-copy: decode the expert in the read buffer itself and, if the cache admits it (charged the whole
-        buffer), keep the buffer as the cached expert's memory (the pool gets a fresh one); None if refused."""
+        buffer), keep the buffer as the cached expert's memory (the pool gets an evicted expert's buffer or a new
+        one in its place); None if refused."""
         buf = f.req.buffer
         blob = torch.frombuffer(buf.view, dtype=torch.uint8)  # the whole buffer: the storage the entry keeps
         expert = decode_expert(blob[: f.req.ref.length], self.store.precisions[f.bits], self.dtype)
