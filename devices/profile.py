@@ -42,6 +42,7 @@ class DeviceProfile:
     accelerator_bandwidth_gbps: float | None = None  # discrete GPU memory bandwidth, GB/s
     gpu_tflops_fp32: float | None = None  # peak CUDA-core fp32; None without a CUDA GPU
     gpu_tflops_fp16_tensor: float | None = None  # dense tensor-core fp16 (fp32 accumulate), when published
+    roofline_efficiency: float | None = None  # share of the peaks a batch-1 decode achieves (devices/emulate.py)
     sources: dict[str, str] = field(default_factory=dict)  # figure name → where the number comes from
 
     @property
@@ -66,6 +67,9 @@ class DeviceProfile:
         unsourced = sorted(set(profile.figures) - set(profile.sources))
         if unsourced:
             raise ProfileError(f"{origin}: figures without a [sources] entry: {unsourced}")
+        eff = profile.roofline_efficiency
+        if eff is not None and not 0 < eff <= 1:
+            raise ProfileError(f"{origin}: roofline_efficiency is a share of the peaks, in (0, 1]; got {eff}")
         if profile.unified_memory and profile.host_link_gbps is not None:
             raise ProfileError(f"{origin}: unified_memory devices have no host link; drop host_link_gbps")
         if not profile.unified_memory and profile.host_link_gbps is None:

@@ -2,16 +2,32 @@
 
 import os
 
-# Before torch loads libgomp, which reads this once: idle OpenMP threads sleep instead of spinning, so decode
-# degrades gracefully when other processes want the cores (spinning threads took it from ~130 to ~2 tok/s on a
-# busy 2-core host; scripts/bench_threads.py). A value the user set wins; torch imported before fate_edge keeps
-# libgomp's default.
-# The marker (inherited by child processes too) lets peers with an OpenMP runtime of their own (llama.cpp links
-# the system libgomp) start without our value: passive waiting made llama.cpp's decode 20x slower
-# (fate_edge.bench.llamacpp).
-if "OMP_WAIT_POLICY" not in os.environ:
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    os.environ["FATE_EDGE_SET_OMP_WAIT_POLICY"] = "1"
+
+def openmp_defaults(load: float, cores: int) -> dict[str, str]:
+    """How idle OpenMP threads should wait, chosen from the host's load when fate_edge is imported.
+
+    Decode runs ~300 small operators a token, so waiting threads either spin (and steal the core from whoever
+    they wait for when the host is busy) or sleep (and are woken for every operator). Measured with 2 torch
+    threads on 2 cores (scripts/bench_threads.py): on a quiet host PASSIVE 71 tok/s, libgomp's default ~3 ms spin
+    266, GOMP_SPINCOUNT=10000 (~0.1 ms) 254; with 2 busy processes 37 / 47 / 46; on a host at load 15-20,
+    PASSIVE ~40, 10000 spins ~5, libgomp's default ~0.4. So: a short spin while the host has a core per running
+    task, passive waiting once it is oversubscribed.
+    """
+    return {"GOMP_SPINCOUNT": "10000"} if load < cores else {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+# Before torch loads libgomp, which reads these once. A wait policy or spin count the user set wins (libgomp lets
+# GOMP_SPINCOUNT override the policy's spin, so we never add one to a user's policy); torch imported before
+# fate_edge keeps libgomp's default. FATE_EDGE_SET_OPENMP names what we set (inherited by child processes, which
+# choose again), so peers with an OpenMP runtime of their own (llama.cpp links the system libgomp) start without
+# it (fate_edge.bench.llamacpp).
+for _name in filter(None, os.environ.pop("FATE_EDGE_SET_OPENMP", "").split(",")):  # a parent's, not the user's
+    os.environ.pop(_name, None)
+if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):
+    _chosen = openmp_defaults(os.getloadavg()[0], len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                              else os.cpu_count() or 1)
+    os.environ.update(_chosen)
+    os.environ["FATE_EDGE_SET_OPENMP"] = ",".join(_chosen)
 
 from .bundled import bundled_model_dir
 from .engine import Completion, Engine

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from .errors import BudgetError
 from .policy import PolicyConfig
+from .sizes import format_bytes
 
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 1024, "mib": 1 << 20, "gib": 1 << 30}
 
@@ -51,9 +52,10 @@ def plan_budget(budget: int, policy: PolicyConfig, entry_bytes: int, slot_bytes:
                       demand_buffers=min_buffers)
     if budget < plan.minimum:
         raise BudgetError(
-            f"memory budget {budget / 1e6:.2f} MB is below the minimum {plan.minimum / 1e6:.2f} MB this model needs "
-            f"for experts at int{policy.bits} ({min_buffers} read buffers of {slot_bytes / 1e6:.2f} MB and one "
-            f"expert being computed); raise --memory-budget to at least {plan.minimum / 1e6:.2f} MB"
+            f"memory budget {format_bytes(budget)} is below the minimum {format_bytes(plan.minimum, round_up=True)} "
+            f"this model needs for experts at int{policy.bits} ({min_buffers} read buffers of "
+            f"{format_bytes(slot_bytes)} and one expert being computed); raise --memory-budget to at least "
+            f"{format_bytes(plan.minimum, round_up=True)}"
         )
     if policy.predictor is not None:
         # No more buffers than the policy can have prefetches in flight: the rest of the budget caches.
@@ -74,14 +76,14 @@ def memory_shortfall(host_need: int, device_need: int, host_available: int, devi
     if unified or device_free is None:
         need = host_need + device_need
         if need > host_available:
-            return (f"the experts need up to {need / 1e6:.0f} MB (cache, read buffers and the expert being computed"
+            return (f"the experts need up to {format_bytes(need)} (cache, read buffers and the expert being computed"
                     f"{', in the memory CPU and GPU share' if unified and device_free is not None else ''}) but only "
-                    f"{host_available / 1e6:.0f} MB of memory is available; lower --memory-budget or free memory")
+                    f"{format_bytes(host_available)} of memory is available; lower --memory-budget or free memory")
         return None
     if device_need > device_free:
-        return (f"the expert cache needs up to {device_need / 1e6:.0f} MB of GPU memory but {device_free / 1e6:.0f} MB "
-                "is free; lower --memory-budget or free GPU memory")
+        return (f"the expert cache needs up to {format_bytes(device_need)} of GPU memory but "
+                f"{format_bytes(device_free)} is free; lower --memory-budget or free GPU memory")
     if host_need > host_available:
-        return (f"the pinned read buffers need {host_need / 1e6:.0f} MB of host memory but only "
-                f"{host_available / 1e6:.0f} MB is available; lower --memory-budget or free memory")
+        return (f"the pinned read buffers need {format_bytes(host_need)} of host memory but only "
+                f"{format_bytes(host_available)} is available; lower --memory-budget or free memory")
     return None

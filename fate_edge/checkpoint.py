@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from .direct_write import DirectFile
 from .errors import CorruptCheckpointError, MissingTensorError, ModelFormatError
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -214,7 +215,7 @@ def save_streaming(reader: CheckpointReader, names: list[str], path: str | Path,
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
+    with DirectFile(path) as f:  # O_DIRECT where it can: each byte is written once, never read back here
         f.write(struct.pack("<Q", len(raw)) + raw)
         for n in order:
             dtype, shape, nbytes = info[n]

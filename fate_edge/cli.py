@@ -12,6 +12,7 @@ from .cli_args import (
     CliParser,
     below_one,
     byte_size,
+    emulated_device,
     existing_path,
     fraction,
     non_empty,
@@ -108,6 +109,8 @@ def _print_engine_stats(engine) -> None:
         f"wasted {format_bytes(s.wasted_bytes)}, prediction exact {100 * s.exact_match:.0f}%]",
         file=sys.stderr,
     )
+    if engine.load_report.reads or engine.load_report.note:  # Fate: resident first layer, cache filled at load
+        print(f"[at load: {engine.load_report.describe()}]", file=sys.stderr)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -156,6 +159,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     tok = Tokenizer(store_dir)
     ids = tok.encode(open(args.corpus, encoding="utf-8").read())[: args.tokens] if args.corpus else \
         sample_token_ids(tok, args.tokens)
+    if args.emulate:
+        return _plan_emulated(store_dir, budget, args.emulate, ids)
     if args.device == "host":
         result = auto_plan(store_dir, budget, token_ids=ids, progress=lambda m: print(f"[planner] {m}",
                                                                                       file=sys.stderr, flush=True))
@@ -178,6 +183,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"model           {store_dir}")
     print(f"memory budget   {format_bytes(budget)} for experts, device {args.device}")
     print(result.describe())
+    return 0
+
+
+def _plan_emulated(store_dir, budget: int, devices: list[str], ids: list[int]) -> int:
+    from .emulation import plan_emulated, resolve_device
+
+    for d in devices:  # fail before the probes
+        resolve_device(d)
+    plans = plan_emulated(store_dir, budget, devices, ids[:64],
+                          progress=lambda m: print(f"[planner] {m}", file=sys.stderr, flush=True))
+    for device, (em, result) in plans.items():
+        print(f"\n== {device} ({em.profile}): k = {em.k:.3g} (host {em.host_s_per_token * 1e3:.1f} ms / device "
+              f"{em.device_s_per_token * 1e3:.3f} ms per token); the costs below are this host's x 1/k (the device's) "
+              "and the tok/s device-equivalent")
+        print(result.describe())
     return 0
 
 
@@ -246,6 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--corpus", default=None, type=existing_path,
                     help="text to record routing on (default: a stdlib module's source)")
     pl.add_argument("--tokens", type=positive_int, default=256)
+    pl.add_argument("--emulate", nargs="+", default=None, metavar="DEVICE", type=emulated_device,
+                    help="plan on each DEVICE's timeline instead: this host's measured costs scaled by 1/k (k = host "
+                    "/ device compute per token, the device from its profile's roofline) against the device's own "
+                    "link; DEVICE: orin-nano, orin-nx, agx-orin, rpi5, rtx4060 or a device profile")
     pl.set_defaults(func=cmd_plan)
 
     probe = sub.add_parser("probe", help="measure this machine (memory, compute, storage) as the 'host' profile")

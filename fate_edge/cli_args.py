@@ -93,6 +93,24 @@ def profile_name(value: str) -> str:
                                      "host, or a profile .toml file")
 
 
+def emulated_device(value: str) -> str:
+    """A device to emulate (fate_edge/emulation.py): a short name (orin-nano, agx-orin, ...) or a device profile."""
+    from .emulation import DEVICES
+
+    if value in DEVICES or value != "host" and _is_profile(value):
+        return value
+    raise argparse.ArgumentTypeError(f"no device {value!r} to emulate; use one of: {', '.join(DEVICES)}, a device "
+                                     "profile name or a profile .toml file")
+
+
+def _is_profile(value: str) -> bool:
+    try:
+        profile_name(value)
+    except argparse.ArgumentTypeError:
+        return False
+    return True
+
+
 def link_name(value: str) -> str:
     """A device profile whose storage link reads are throttled to (see profile_name), or 'none'."""
     return value if value == "none" else profile_name(value)
@@ -183,7 +201,7 @@ OPTION_TYPES: dict[str, Callable[[str], object]] = {
     "--int4-expert-mb": positive_float, "--budgets": fraction, "--prompt-tokens": positive_int,
     "--decode-tokens": positive_int, "--runs": positive_int, "--timeout": positive_float,
     "--time-limit": positive_float, "--socket-mode": octal_mode, "--allowed-hosts": host_list,
-    "--cors-origins": origin_list,
+    "--cors-origins": origin_list, "--emulate": emulated_device, "--emulate-host-ms": positive_float,
 }
 
 

@@ -28,10 +28,11 @@ from tqdm import tqdm
 
 from fate_edge.quant import QuantSpec
 from fate_edge.quant.linear import int4_supported
+from fate_edge.quant.rtn import BLOCK_BYTES
 
 from .arch import load_config
 from .checkpoint import CheckpointReader, save_streaming
-from .convert_quant import BLOCK_BYTES
+from .direct_write import DirectFile
 from .errors import FateEdgeError
 from .experts import ExpertLayout
 from .loader import layer_names, resident_weight_names
@@ -190,13 +191,16 @@ def _one_torch_thread():
         torch.set_num_threads(before)
 
 
-def _encode_job(layout: ExpertLayout, expert: int, precisions: list[Precision], method: str) -> list[memoryview]:
-    """One expert read from the checkpoint in its own dtype and encoded at every precision (a worker's job)."""
+def _encode_job(layout: ExpertLayout, expert: int, precisions: list[Precision],
+                method: str) -> list[tuple[memoryview, int]]:
+    """One expert read from the checkpoint in its own dtype and encoded at every precision, with each blob's
+    CRC32 (a worker's job: zlib releases the GIL, so checksums run in parallel too)."""
     work = getattr(_scratch, "work", None)
     if work is None:
         work = _scratch.work = torch.empty(BLOCK_BYTES // 4, dtype=torch.float32)
     w = layout.read(expert, None)
-    return [encode_expert(w, p, method, work) for p in precisions]
+    blobs = [encode_expert(w, p, method, work) for p in precisions]
+    return [(b, zlib.crc32(b)) for b in blobs]
 
 
 _scratch = threading.local()  # each worker's fp32 block buffer for the RTN encoder
@@ -208,7 +212,7 @@ def _write_experts(tmp: Path, jobs: list[tuple[int, int]], layouts: dict[int, Ex
     2 x threads experts are in flight, so memory stays a few experts' worth whatever the model's size."""
     threads = opts.threads or min(os.cpu_count() or 1, 8)
     entries: dict[str, list[dict]] = {str(p.bits): [] for p in precisions}
-    files = {p.bits: open(tmp / p.file, "wb") for p in precisions}  # noqa: SIM115 (closed below)
+    files = {p.bits: DirectFile(tmp / p.file, p.slot_bytes) for p in precisions}  # closed below
     pool = ThreadPoolExecutor(threads, thread_name_prefix="convert")
     try:
         with _one_torch_thread():
@@ -222,20 +226,16 @@ def _write_experts(tmp: Path, jobs: list[tuple[int, int]], layouts: dict[int, Ex
                 slot, layer, e, fut = pending.popleft()
                 blobs = fut.result()
                 pending.extend(map(submit, itertools.islice(ahead, 1)))  # keep the workers fed
-                for p, blob in zip(precisions, blobs):
+                for p, (blob, crc) in zip(precisions, blobs):
                     offset = slot * p.slot_bytes
-                    f = files[p.bits]
-                    f.seek(offset)
-                    f.write(blob)
+                    files[p.bits].pwrite_at(blob, offset)
                     entries[str(p.bits)].append(
-                        {"layer": layer, "expert": e, "offset": offset, "length": len(blob), "crc32": zlib.crc32(blob)}
+                        {"layer": layer, "expert": e, "offset": offset, "length": len(blob), "crc32": crc}
                     )
                 del blobs
                 done()
         for p in precisions:  # pad to a whole slot so the last O_DIRECT read is in bounds
             files[p.bits].truncate(len(jobs) * p.slot_bytes)
-            files[p.bits].flush()
-            os.fsync(files[p.bits].fileno())
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         for f in files.values():

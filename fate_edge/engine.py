@@ -25,17 +25,20 @@ from fate_edge.devices.link import ThrottledLink
 from . import defaults
 from .budget import BudgetPlan, memory_shortfall, parse_bytes, plan_budget
 from .cache import ExpertCache
-from .cache.factory import build_cache, layer_slots
+from .cache.factory import Resident, build_cache, layer_slots, pick_resident
 from .errors import BudgetError, FateEdgeError
 from .experts import ExpertProvider
 from .fetch import BufferPool, FetchEngine
 from .generate import GenerateConfig, GenerationResponse, stream_generate
 from .loader import DTYPES, load_model
-from .policy import PolicyConfig, get_policy
+from .policy import PolicyConfig, for_model, get_policy
+from .preload import LoadReport, first_used, preload, preload_choice
 from .request_slot import RequestSlot
 from .scheduler import Scheduler, SchedulerStats, hands_off
+from .sizes import format_bytes
 from .store import ExpertStore, decode_expert, is_store
 from .tokenizer import Tokenizer
+from .transfer import make_copier
 
 
 @dataclass
@@ -130,6 +133,7 @@ class Engine:
         self.budget = parse_bytes(memory_budget)
         self.model = load_model(store_dir, dtype=self.dtype, experts=_NoExperts(), device=device,
                                 resident_bits=resident_bits)
+        self.policy = for_model(self.policy, self.model.config.model_type)  # e.g. Fate's tail share per model
         self.tokenizer = Tokenizer(store_dir)
         self.link = link
         if self.policy.predictor == "oracle" and trace is None:
@@ -149,6 +153,7 @@ class Engine:
                                    max_inflight_prefetches=self.plan.pool_buffers - 2)
         self.model.experts = self.scheduler
         self.model.observers.append(self.scheduler)
+        self.load_report = self._preload()  # reads at load: apart from every request's statistics
         self.token_stats: list[SchedulerStats] = []  # per generated token of the last request
         self.prefill_stats = SchedulerStats()
         self.request_stats = SchedulerStats()
@@ -162,6 +167,8 @@ class Engine:
 
         cfg = self.model.config
         experts = len(cfg.moe_layers) * cfg.num_experts * self.plan.entry_bytes  # the cache never holds more
+        if self.resident is not None:  # ... but for a layer held in another precision
+            experts += self.resident.nbytes - cfg.num_experts * self.plan.entry_bytes
         device_need = min(self.plan.cache_bytes, experts) + self.plan.working_bytes
         device_free, unified = None, True
         if self.device.startswith("cuda"):
@@ -170,7 +177,7 @@ class Engine:
         why = memory_shortfall(self.plan.pool_bytes, device_need, int(psutil.virtual_memory().available),
                                device_free, unified)
         if why:
-            raise BudgetError(f"memory budget {self.budget / 1e6:.1f} MB: {why}")
+            raise BudgetError(f"memory budget {format_bytes(self.budget)}: {why}")
 
     def _entry_bytes(self, bits: int) -> int:
         ref = self.store.ref(self.model.config.moe_layers[0], 0, bits)
@@ -187,9 +194,36 @@ class Engine:
         if hands_off(p, self.store, self.device):  # a cached expert keeps its whole read buffer
             entry = max(entry, slot)
         plan = plan_budget(self.budget, p, entry, slot, max_inflight, top_k=cfg.num_experts_per_tok)
-        plan.slots = layer_slots(p, plan.cache_bytes // plan.entry_bytes, cfg.moe_layers, cfg.num_experts,
-                                 self.popularity)
+        self.resident = self._resident(plan.cache_bytes)
+        left = plan.cache_bytes - (self.resident.nbytes if self.resident else 0)
+        plan.slots = layer_slots(p, left // plan.entry_bytes, cfg.moe_layers, cfg.num_experts, self.popularity,
+                                 self.resident)
         return plan
+
+    def _resident(self, cache_bytes: int) -> Resident | None:
+        """Fate's first MoE layer held whole: in full precision if the cache can hold it, else int{bits}."""
+        p, cfg = self.policy, self.model.config
+        if not (p.resident_first and p.cache and p.allocation != "global"):
+            return None
+        sizes = {b: self._entry_bytes(b) for b in (16, p.bits) if b in self.store.precisions}
+        return pick_resident(cfg.moe_layers[0], cfg.num_experts, cache_bytes, sizes)
+
+    def _preload(self) -> LoadReport:
+        """Load the resident layer, and fill the cache when the policy asks (Fate)."""
+        p, cfg, r = self.policy, self.model.config, self.resident
+        report = LoadReport(r.layer if r else None, r.bits if r else None, r.note if r else "")
+        if p.resident_first and r is None:
+            report.note = (f"the cache ({self.plan.cache_bytes} bytes) cannot hold layer {cfg.moe_layers[0]} whole "
+                           f"even as int{p.bits}: it is cached like the others")
+        if self.cache is None or not (p.preload or r):
+            return report
+        if p.predictor == "oracle" and self.trace is not None:
+            choice = first_used(self.trace.calls, self.cache.capacity_bytes // self.cache.entry_bytes)
+        else:
+            slots = self.plan.slots if p.preload else {r.layer: cfg.num_experts}
+            choice = preload_choice(slots, cfg.num_experts, self.popularity)
+        # Its own copier: the scheduler's counts uploads per token, and these belong to none.
+        return preload(self.cache, self.store, choice, p.bits, r, self.dtype, make_copier(self.device), report)
 
     @property
     def popularity(self) -> dict[int, list[int]] | None:
@@ -203,9 +237,9 @@ class Engine:
 
     def _make_cache(self) -> ExpertCache | None:
         cfg = self.model.config
-        future = self.trace.accesses() if self.trace else None
+        future = self.trace.calls if self.trace else None  # Belady follows the recorded run call by call
         return build_cache(self.policy, self.plan.cache_bytes, self.plan.entry_bytes, cfg.moe_layers,
-                           cfg.num_experts, future, self.popularity)
+                           cfg.num_experts, future, self.popularity, self.resident)
 
     def _make_predictor(self):
         name = self.policy.predictor

@@ -62,12 +62,35 @@ class QuantizedExpert:
 
     def __init__(self, gate, up, down, gate_up=None):
         self.gate, self.up, self.down, self.gate_up = gate, up, down, gate_up
+        # Every matrix on torch's int4 kernel: a decode step can call forward_bf16 with one bf16 input per layer.
+        self.takes_bf16 = all(m.kernel == "torch-int4" for m in (gate, up, down, gate_up) if m is not None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
             gate, up = self.gate_up(x).chunk(2, dim=-1)
             return self.down(F.silu(gate) * up)
         return self.down(F.silu(self.gate(x)) * self.up(x))
+
+    def forward_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [N, H] bf16 → [N, H] bf16 (``takes_bf16`` only): the kernel's own dtype, no casts between."""
+        if self.gate_up is not None:
+            gate, up = self.gate_up.mm_bf16(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate.mm_bf16(x), self.up.mm_bf16(x)
+        return self.down.mm_bf16(F.silu(gate) * up)
+
+    def fused(self) -> QuantizedExpert:
+        """This expert with gate and up as one torch-int4 matrix (one matmul fewer per call), when both are
+        torch-int4 on the CPU: the kernel's CPU layout keeps rows apart, so stacking packed rows and their
+        scales is the layout of the stacked matrix. Every part is copied, so a blob behind the views is freed."""
+        g, u = self.gate, self.up
+        if self.gate_up is not None or not self.takes_bf16 or g.spec != u.spec or g.packed.device.type != "cpu":
+            return self
+        packed = torch.cat([g.packed, u.packed])
+        scale_zero = torch.cat([g.scale_zero, u.scale_zero], dim=1)
+        gate_up = QuantizedLinear.from_kernel_layout(packed, scale_zero, g.spec)
+        down = QuantizedLinear.from_kernel_layout(self.down.packed.clone(), self.down.scale_zero.clone(), g.spec)
+        return QuantizedExpert(None, None, down, gate_up=gate_up)
 
     @property
     def nbytes(self) -> int:
@@ -145,8 +168,9 @@ class ExpertLayout:
 class InMemoryExpertProvider(ExpertProvider):
     """Every expert resident in memory: the reference configuration for parity and the fastest when it fits."""
 
-    def __init__(self, experts: dict[tuple[int, int], ExpertWeights]):
-        self.experts = experts
+    def __init__(self, experts: dict[tuple[int, int], ExpertWeights | QuantizedExpert]):
+        # Resident int4 experts with separate gate and up (as the store holds them) take one matmul for both.
+        self.experts = {k: e.fused() if isinstance(e, QuantizedExpert) else e for k, e in experts.items()}
 
     @classmethod
     def from_layouts(cls, layouts: dict[int, ExpertLayout], num_experts: int, dtype: torch.dtype,

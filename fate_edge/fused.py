@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from fate_edge.quant import QuantSpec, quantize
 from fate_edge.quant.int8 import Int8Linear, quantize_int8
@@ -59,6 +60,25 @@ class LayerPlan:
     down: Fused | None
     router: torch.Tensor | None  # MoE layers
     correction_bias: torch.Tensor | None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as the reference models compute it (in float32, then scaled in the input's dtype)."""
+    dtype = x.dtype
+    if dtype == torch.float32 and weight.dtype == torch.float32:  # one fused kernel, bit-identical in fp32
+        return F.rms_norm(x, weight.shape, weight, eps)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def apply_linear(x: torch.Tensor, f: Fused) -> torch.Tensor:
+    """``F.linear`` through a fused (maybe quantized) linear."""
+    w = f.weight
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, f.bias)
+    y = w(x)  # a quantized linear (resident_bits)
+    return y if f.bias is None else y + f.bias
 
 
 def fuse(w: Weights, names: list[str]) -> Fused:

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import decode_step
 from .arch.base import ModelConfig
 from .experts import ExpertProvider, InMemoryExpertProvider
-from .fused import Fused, LayerPlan, Weights, build_head, build_plan, quantize_resident
+from .fused import Fused, LayerPlan, Weights, apply_linear, build_head, build_plan, quantize_resident, rms_norm
 from .kv_cache import KVCache
 from .rope import RotaryEmbedding, apply_rope, yarn_softmax_scale
 from .router import route
@@ -24,15 +25,6 @@ from .router import route
 RoutingObserver = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 _ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu}
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    if dtype == torch.float32 and weight.dtype == torch.float32:  # one fused kernel, bit-identical in fp32
-        return F.rms_norm(x, weight.shape, weight, eps)
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
 
 
 @dataclass
@@ -66,6 +58,9 @@ class MoETransformer:
         self._plan_version = -1
         self.embed = resident["model.embed_tokens.weight"]
         self._head: Fused | None = None
+        # One-token decode through fate_edge.decode_step (fewer, larger operators); False: the general path.
+        self.fast_decode = decode_step.supported(self)
+        self._rope_perm: dict[torch.dtype, torch.Tensor] = {}
         if "lm_head.weight" not in resident and not config.tie_word_embeddings:
             from .errors import MissingTensorError
 
@@ -82,6 +77,18 @@ class MoETransformer:
             self._head = build_head(self.w, self.embed)
             self._plan_version = self.w.version
         return self._plan
+
+    @property
+    def head(self) -> Fused:
+        """The output projection (after :meth:`plan`)."""
+        assert self._head is not None
+        return self._head
+
+    def rope_permutation(self, dtype: torch.dtype) -> torch.Tensor:
+        p = self._rope_perm.get(dtype)
+        if p is None:
+            p = self._rope_perm[dtype] = decode_step.roll_permutation(self.rope.dim, dtype)
+        return p
 
     def kernels(self) -> dict[str, list[str]]:
         """Matmul kernels in use: resident linears by role, and routed experts (``quant.linear.KERNEL_CHOICES``
@@ -104,8 +111,8 @@ class MoETransformer:
         quantize_resident(self.config, self.w, self.names, bits)
 
     def _mlp(self, x: torch.Tensor, mlp: Fused, down: Fused) -> torch.Tensor:
-        gate, up, *gated = _split(_apply(x, mlp), mlp)
-        y = _apply(self.act(gate) * up, down)
+        gate, up, *gated = _split(apply_linear(x, mlp), mlp)
+        y = apply_linear(self.act(gate) * up, down)
         return torch.sigmoid(gated[0]) * y if gated else y
 
     def new_cache(self) -> KVCache:
@@ -138,7 +145,7 @@ class MoETransformer:
         """``x`` [B*T, H] → [B*T, H]: activations stay 2-D between layers, so each linear is one matmul."""
         cfg = self.config
         hd = cfg.head_dim
-        qkv = _apply(x, lp.qkv)
+        qkv = apply_linear(x, lp.qkv)
         n_q, n_k = lp.qkv.sizes[0] // hd, lp.qkv.sizes[1] // hd
         if cfg.qk_norm == "none" and cfg.clip_qkv is None:  # rotate q and k in one pass
             qk = qkv[..., : (n_q + n_k) * hd].view(b, t, n_q + n_k, hd).transpose(1, 2)
@@ -162,7 +169,7 @@ class MoETransformer:
         v = v.reshape(b, t, -1, hd).transpose(1, 2)
         k, v = cache.layers[layer].append(k, v)
         out = self._attend(q, k, v, start, layer, scale=hd**-0.5)
-        return _apply(out, lp.o_proj)
+        return apply_linear(out, lp.o_proj)
 
     def _mla_attention(self, x, b: int, t: int, start: int, cache, layer: int, cos, sin, lp: LayerPlan):
         cfg, m, p = self.config, self.config.mla, self.names[layer].attn
@@ -189,7 +196,7 @@ class MoETransformer:
         k = torch.cat([k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
         q = torch.cat([q_nope, q_rot], dim=-1)
         scale = qk_head**-0.5 * yarn_softmax_scale(cfg.rope)
-        return _apply(self._attend(q, k, v, start, layer, scale), lp.o_proj)
+        return apply_linear(self._attend(q, k, v, start, layer, scale), lp.o_proj)
 
     # --------------------------------------------------------------------- MoE
     def route(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,6 +255,8 @@ class MoETransformer:
         start = cache.length
         t = input_ids.shape[1]
         b = input_ids.shape[0]
+        if t == 1 and b == 1 and self.fast_decode:
+            return decode_step.decode_token(self, input_ids, cache, plan)
         x = F.embedding(input_ids.reshape(-1), self.embed)  # [B*T, H]
         cos, sin = self.rope.cos_sin_range(start, t, torch.float32 if cfg.rope.float32 else self.dtype)
         attention = self._mla_attention if cfg.mla is not None else self._gqa_attention
@@ -261,17 +270,9 @@ class MoETransformer:
             x = x.view(b, t, -1)[:, -1]
             t = 1
         x = rms_norm(x, self.w["model.norm.weight"], eps)
-        return _apply(x, self._head).view(b, t, -1)
+        return apply_linear(x, self._head).view(b, t, -1)
 
     __call__ = forward
-
-
-def _apply(x: torch.Tensor, f: Fused) -> torch.Tensor:
-    w = f.weight
-    if isinstance(w, torch.Tensor):
-        return F.linear(x, w, f.bias)
-    y = w(x)  # a quantized linear (resident_bits)
-    return y if f.bias is None else y + f.bias
 
 
 def _kernel(weight) -> str:

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from fate_edge.devices.detect import reader_contention
+from fate_edge.devices.emulate import device_roofline
 from fate_edge.devices.link import LinkSpec
 
 from . import defaults
@@ -122,10 +123,11 @@ class _DecodeRecorder:
 
 def probe_engine(store_dir, budget: int, policy: PolicyConfig, link: LinkSpec | None, token_ids: list[int],
                  dtype: torch.dtype, tokens: int = 16, workers: int = defaults.FETCH_WORKERS,
-                 record: bool = False) -> ProbeRun:
+                 record: bool = False, direct_io: bool | None = None) -> ProbeRun:
     """Decode ``tokens`` greedy tokens after ``token_ids`` with the real engine under ``budget``; the second
     of two runs is measured (the first warms torch's kernels and checks each blob's CRC once, as a
-    long-running engine would have). ``record``: also keep the decode's routing as a :class:`PlanTrace`."""
+    long-running engine would have). ``record``: also keep the decode's routing as a :class:`PlanTrace`.
+    ``direct_io``: O_DIRECT reads (default: only without a link, i.e. from the raw disk)."""
     from fate_edge.devices.link import ThrottledLink
 
     from .engine import Engine
@@ -134,7 +136,7 @@ def probe_engine(store_dir, budget: int, policy: PolicyConfig, link: LinkSpec | 
     run = None
     for attempt in range(2):
         eng = Engine(store_dir, budget, policy, dtype=dtype, link=ThrottledLink(link) if link else None,
-                     workers=workers, direct_io=link is None)
+                     workers=workers, direct_io=link is None if direct_io is None else direct_io)
         rec = _DecodeRecorder() if record and attempt == 1 else None
         if rec is not None:
             eng.model.observers.insert(0, rec)
@@ -169,11 +171,13 @@ def probe_engine(store_dir, budget: int, policy: PolicyConfig, link: LinkSpec | 
 def measure_host_costs(store_dir, budget: int, link: LinkSpec | None, token_ids: list[int],
                        dtype: torch.dtype = torch.float32, predictor_policy: PolicyConfig | None = None,
                        workers: int = defaults.FETCH_WORKERS, decode_tokens: int = 128,
-                       progress: Callable[[str], None] | None = None) -> tuple[HostCosts, LinkSpec, PlanTrace | None]:
+                       progress: Callable[[str], None] | None = None, direct_io: bool | None = None,
+                       predictor_probe: bool = True) -> tuple[HostCosts, LinkSpec, PlanTrace | None]:
     """The simulator's constants for this host and a decode trace, from probe runs of the engine under
     ``budget``: an LRU cache without prediction decoding ``decode_tokens`` tokens after ``token_ids`` (all
     reads are demand reads, so what is not stalling or decoding blobs is compute; its routing is the
-    trace), then the predictor's policy for a few tokens (the predictor's per-layer cost). Without
+    trace), then the predictor's policy for a few tokens (the predictor's per-layer cost; skipped, with no
+    predictor cost, when ``predictor_probe`` is False). Without
     ``link`` the disk is read with O_DIRECT and its bandwidth is the one measured. ``progress`` is told
     before each probe."""
     from .arch import load_config
@@ -182,17 +186,20 @@ def measure_host_costs(store_dir, budget: int, link: LinkSpec | None, token_ids:
     moe_layers = len(load_config(store_dir).moe_layers)
     say(f"probe 1/2: {decode_tokens} tokens with an LRU cache and no prediction (compute, reads, routing)")
     base = probe_engine(store_dir, budget, PRESETS["lru"], link, token_ids, dtype, tokens=decode_tokens,
-                        workers=workers, record=True)
+                        workers=workers, record=True, direct_io=direct_io)
     reads = max(1, base.reads)
     contention = reader_contention(torch.get_num_threads(), workers)
     compute = base.compute_s / max(1, base.tokens) / moe_layers
     # Ungated, so the predictor runs on every layer call and its cost per call is what is measured.
-    say("probe 2/2: a few tokens with the predictor on every layer (its cost)")
-    pred = probe_engine(store_dir, budget, (predictor_policy or PRESETS["fate-edge"]).with_(prefetch_gate=False),
-                        link, token_ids, dtype, workers=workers)
+    predict_s = 0.0
+    if predictor_probe:
+        say("probe 2/2: a few tokens with the predictor on every layer (its cost)")
+        pred = probe_engine(store_dir, budget, (predictor_policy or PRESETS["fate-edge"]).with_(prefetch_gate=False),
+                            link, token_ids, dtype, workers=workers, direct_io=direct_io)
+        predict_s = pred.predict_s / max(1, pred.tokens) / moe_layers
     costs = HostCosts(
         layer_compute_s=max(1e-6, compute),
-        predict_s=pred.predict_s / max(1, pred.tokens) / moe_layers,
+        predict_s=predict_s,
         read_cpu_s=base.reader_cpu_s / reads if base.reads else 0.0,
         consume_s=base.consume_s / reads if base.reads else 0.0,
         contention=contention,
@@ -204,11 +211,11 @@ def measure_host_costs(store_dir, budget: int, link: LinkSpec | None, token_ids:
 
 
 def roofline_layer_time(cfg, profile, expert_bytes: int, resident_layer_bytes: int) -> float:
-    """Per-layer decode time from a profile's peaks: max(FLOPs / peak, bytes / DRAM bandwidth)."""
+    """Per-layer decode time on a device: its roofline (devices/emulate.py) over the layer's resident weights at
+    fp16 and its top-k experts."""
     flops = 2 * (resident_layer_bytes / 2 + cfg.num_experts_per_tok * cfg.expert_params)
     read = resident_layer_bytes + cfg.num_experts_per_tok * expert_bytes
-    peak = (profile.gpu_tflops_fp32 * 1e12) if profile.gpu_tflops_fp32 else profile.cpu_gflops_fp32 * 1e9
-    return max(flops / peak, read / (profile.memory_bandwidth_gbps * 1e9))
+    return device_roofline(profile).time_s(read, flops)
 
 
 @dataclass
@@ -260,6 +267,15 @@ def _neighbours(p: PolicyConfig) -> list[PolicyConfig]:
     return out
 
 
+def simulate_policy(trace: PlanTrace, policy: PolicyConfig, budget: int, expert_bytes: int, slot_bytes: int,
+                    link: LinkSpec, costs: HostCosts) -> SimResult:
+    """``policy`` under ``budget`` simulated over ``trace``: its cache gets what the engine's budget plan leaves."""
+    cache_bytes = plan_budget(budget, policy, expert_bytes, slot_bytes).cache_bytes
+    preds = trace.predictions.get(policy.predictor) if policy.predictor else None
+    return simulate(trace.expert_ids, preds, policy, cache_bytes, expert_bytes, link, costs,
+                    trace.num_experts, trace.num_layers, warm=trace.warm)
+
+
 def plan(trace: PlanTrace, budget: int, expert_bytes: int, slot_bytes: int, link: LinkSpec,
          layer_compute_s: float | HostCosts, start: PolicyConfig | None = None, rounds: int = 2) -> Plan:
     """Coordinate descent over policy settings, scored by simulated decode tokens/s. ``layer_compute_s``:
@@ -269,10 +285,7 @@ def plan(trace: PlanTrace, budget: int, expert_bytes: int, slot_bytes: int, link
 
     def score(p: PolicyConfig) -> float:
         if p not in seen:
-            cache_bytes = plan_budget(budget, p, expert_bytes, slot_bytes).cache_bytes
-            preds = trace.predictions.get(p.predictor) if p.predictor else None
-            seen[p] = simulate(trace.expert_ids, preds, p, cache_bytes, expert_bytes, link, costs,
-                               trace.num_experts, trace.num_layers, warm=trace.warm)
+            seen[p] = simulate_policy(trace, p, budget, expert_bytes, slot_bytes, link, costs)
         return seen[p].tokens_per_s
 
     best = (start or PRESETS["fate-edge"]).with_(name="planned", cold_bits=None)
@@ -297,7 +310,7 @@ def sample_token_ids(tokenizer, n: int = 256) -> list[int]:
 
 def auto_plan(store_dir, budget: int, link: LinkSpec | None = None, token_ids: list[int] | None = None,
               dtype: torch.dtype = torch.float32, prompt_tokens: int = 64, decode_tokens: int = 128,
-              workers: int = 2, progress: Callable[[str], None] | None = None) -> Plan:
+              workers: int = 2, progress: Callable[[str], None] | None = None, direct_io: bool | None = None) -> Plan:
     """Plan for this host: probe the engine under ``budget`` on sample text (the prompt's first
     ``prompt_tokens`` tokens, then ``decode_tokens`` greedy tokens) to measure the host's costs and record
     the decode's routing, then simulate candidates over that trace.
@@ -310,7 +323,8 @@ def auto_plan(store_dir, budget: int, link: LinkSpec | None = None, token_ids: l
 
     ids = token_ids or sample_token_ids(Tokenizer(store_dir))
     costs, link, trace = measure_host_costs(store_dir, budget, link, ids[:prompt_tokens], dtype,
-                                            workers=workers, decode_tokens=decode_tokens, progress=progress)
+                                            workers=workers, decode_tokens=decode_tokens, progress=progress,
+                                            direct_io=direct_io)
     store = ExpertStore(store_dir)
     bits = PRESETS["fate-edge"].bits
     if trace is None:  # nothing decoded (cannot happen with decode_tokens >= 1): fall back to teacher forcing

@@ -38,12 +38,19 @@ class PolicyConfig:
     prefetch_gate: bool = False
     bits: int = 4  # precision of cached / demand-fetched experts (16 = bf16)
     cold_bits: int | None = None  # prefill: the least popular experts travel in this precision (Fate: 2)
-    cold_tail_mass: float = 0.3  # share of prefill expert assignments that may travel as cold_bits
+    # Share of prefill expert assignments that may travel as cold_bits; None: the model's own (Fate: 0.5 for
+    # DeepSeek models, 0.3 otherwise), resolved by the engine at load (for_model).
+    cold_tail_mass: float | None = 0.3
     precision_on_miss: bool = False  # HOBBIT/MoE-APEX: low precision for low-weight misses in decode
     t1: float = 0.6  # cumulative-weight threshold: above it a miss loads low precision
     t2: float = 0.9  # above it a miss may be skipped (only with skip_past_t2)
     skip_past_t2: bool = False  # opt-in: changes answers
     full_layers: int = 4  # Fate's shallow-favoring: layers kept whole once the budget allows
+    # Fate: the first MoE layer's experts resident in full precision (int4 when the budget cannot hold that),
+    # loaded at start, never predicted nor evicted; their bytes come out of the cache's share of the budget.
+    resident_first: bool = False
+    preload: bool = False  # Fate: fill the cache at load (whole layers, then popular or low-numbered experts)
+    skip_full: bool = False  # Fate: no prediction when every layer it would target is fully cached
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -88,6 +95,8 @@ def _validate(p: PolicyConfig) -> None:
         raise _bad("min_prefetch_width", p.min_prefetch_width, f"at most max_prefetch_width ({p.max_prefetch_width})")
     for name, low_open in (("prefetch_mass", True), ("cold_tail_mass", False), ("t1", False), ("t2", False)):
         value = getattr(p, name)
+        if name == "cold_tail_mass" and value is None:
+            continue  # the model's own, resolved at load
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (0 < value <= 1 if low_open
                                                                                   else 0 <= value <= 1)
         if not ok:
@@ -105,12 +114,20 @@ PRESETS: dict[str, PolicyConfig] = {
     # MoE-Infinity-like: prefetch by this request's activation history, cache by activation frequency.
     "activation-path": PolicyConfig("activation-path", allocation="uniform", eviction="lfu",
                                     predictor="activation-path", lookahead=2, prefetch_width="fate"),
-    # Fate (WWW'26) as published: cross-layer gate p=1, shallow-favoring ARC, int4 + int2 prefill tail.
+    # Fate (WWW'26, authors' code FFFzy/Fate_open) as published: the cross-layer gate one layer ahead, skipped
+    # when the next layer is fully cached; the first MoE layer resident in full precision (never predicted);
+    # shallow-favoring ARC caches filled at load; int4 reads, except the predicted prefill tail (the least
+    # popular experts, 0.5 of the assignments on DeepSeek models, 0.3 otherwise), which is prefetched as int2.
     "fate": PolicyConfig("fate", allocation="shallow", eviction="arc", predictor="cross-layer", lookahead=1,
-                         prefetch_width="fate", cold_bits=2, cold_tail_mass=0.3),
-    # Clairvoyant bound: the recorded request's true experts prefetched, Belady eviction over one pool.
+                         prefetch_width="fate", cold_bits=2, cold_tail_mass=None, resident_first=True,
+                         preload=True, skip_full=True),
+    # Clairvoyant bound: Belady-MIN over one pool, following the recorded request call by call (cache/belady.py),
+    # and the true experts of the next layer (past the last one, the next token's first) read ahead in order of
+    # next use (prefetch_choice.plan_oracle_prefetches); the width only sizes its read buffers. Its cached experts
+    # are copied out of their read buffers (scheduler.hands_off): each charged its own bytes, as many as fit.
+    # Like fate, it fills its cache at load: with the request's first-used experts (preload.first_used).
     "oracle": PolicyConfig("oracle", allocation="global", eviction="belady", predictor="oracle", lookahead=1,
-                           prefetch_width=64),
+                           prefetch_width=64, preload=True),
     # Ours, chosen from measurements (README "Performance"): a uniform per-layer cache (Fate's shallow-favoring
     # split starves deep layers at small budgets) with MoE-APEX's LCU eviction (the planner's pick at most
     # budgets; higher hit rates than LRU in the quick benchmark), the learned predictor when the model was
@@ -122,6 +139,18 @@ PRESETS: dict[str, PolicyConfig] = {
                               lookahead=1, prefetch_width="fate", min_prefetch_width=0, max_prefetch_width=2,
                               prefetch_gate=True),
 }
+
+
+# Fate's prefill tail share per model_type (the authors' int2_rate); other models: DEFAULT_TAIL_MASS.
+TAIL_MASS_BY_MODEL = {"deepseek_v2": 0.5, "deepseek_v3": 0.5}
+DEFAULT_TAIL_MASS = 0.3
+
+
+def for_model(policy: PolicyConfig, model_type: str) -> PolicyConfig:
+    """``policy`` with what it leaves to the model filled in: the prefill tail share (``cold_tail_mass=None``)."""
+    if policy.cold_tail_mass is not None:
+        return policy
+    return policy.with_(cold_tail_mass=TAIL_MASS_BY_MODEL.get(model_type, DEFAULT_TAIL_MASS))
 
 
 # What --policy accepts: every preset, and "auto" (the planner picks for this host, budget and link).

@@ -8,9 +8,12 @@ policies by simulating exactly the choice the engine will make, so the two canno
 - decode (one token): the most probable experts up to the width, or the smallest set reaching the
   policy's probability mass; experts scored 0 (the oracle's unused ones) are never worth a read;
 - prefill (many tokens): the union of every token's predicted top-k, most popular first, the least
-  popular tail (up to ``cold_tail_mass`` of all assignments) in the cold precision;
+  popular tail (up to ``cold_tail_mass`` of all assignments) in the cold precision (only prefetches travel
+  cold: the scheduler reads a prefill miss in the policy's precision, as Fate does);
 - order: nearest target layer first, then highest score; an expert cached or in flight is skipped,
-  and no more than ``room`` reads are issued.
+  and no more than ``room`` reads are issued;
+- the oracle (:func:`plan_oracle_prefetches`): every true expert of the target layers in order of next use
+  (a read ahead enters the cache only when used, so it displaces nothing a demand read would not).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .policy import PolicyConfig
+from .policy import DEFAULT_TAIL_MASS, PolicyConfig
 
 Key = tuple[int, int]
 
@@ -88,7 +91,8 @@ def choose(policy: PolicyConfig, scores: torch.Tensor, k: int, width: int, use_c
     # prefill: union of every token's predicted top-k, ranked by popularity
     ids, counts = scores.topk(k, dim=-1).indices.flatten().unique(return_counts=True)
     popularity = dict(zip(ids.tolist(), counts.tolist()))
-    cold = cold_tail(popularity, policy.cold_tail_mass) if use_cold else set()
+    mass = DEFAULT_TAIL_MASS if policy.cold_tail_mass is None else policy.cold_tail_mass  # None: not resolved
+    cold = cold_tail(popularity, mass) if use_cold else set()
     return [(e, float(c), e in cold) for e, c in sorted(popularity.items(), key=lambda kv: -kv[1])]
 
 
@@ -106,4 +110,20 @@ def plan_prefetches(policy: PolicyConfig, targets: Sequence[tuple[int, torch.Ten
             break
         if not busy((target, e)):
             out.append(Prefetch(d, target, e, cold))
+    return out
+
+
+def plan_oracle_prefetches(targets: Sequence[tuple[int, torch.Tensor]], busy: Callable[[Key], bool],
+                           room: int | None) -> list[Prefetch]:
+    """The oracle's reads (the clairvoyant bound; no width, no cold tail): every true expert of the target
+    layers in order of next use (nearest layer first; within a layer, most used first), skipping what is
+    cached or in flight; ``room``: as above. No read ahead can cost a hit: it waits in its read buffer and
+    enters the cache only when used, where Belady-MIN picks the victim exactly as for a demand miss."""
+    out: list[Prefetch] = []
+    for d, (target, scores) in enumerate(targets):
+        for e in ranked(scores.clamp(min=0).sum(0)):  # [N, E] → the call's experts, summed over its tokens
+            if room is not None and len(out) >= room:
+                return out
+            if not busy((target, e)):
+                out.append(Prefetch(d, target, e, False))
     return out

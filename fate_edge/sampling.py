@@ -45,6 +45,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, history: list[int]) -> int:
         """Pick the next token from ``logits`` [V] given the tokens so far."""
         p = self.params
+        if p.temperature == 0 and p.repetition_penalty == 1.0:
+            return int(torch.argmax(logits))  # greedy: nothing to rescale, so no copy of the vocabulary's logits
         logits = logits.float().clone()
         if p.repetition_penalty != 1.0 and history:
             seen = torch.tensor(sorted(set(history)), dtype=torch.long)

@@ -26,7 +26,7 @@ from .experts import ExpertProvider
 from .fetch import FetchEngine, FetchRequest, Priority
 from .policy import PolicyConfig
 from .predictors.base import Predictor
-from .prefetch_choice import cold_tail, gate_candidates, plan_prefetches, prefetch_width, ranked
+from .prefetch_choice import gate_candidates, plan_oracle_prefetches, plan_prefetches, prefetch_width, ranked
 from .prefetch_gate import PrefetchGate
 from .store import ExpertStore, decode_expert
 from .transfer import Copier, CPUCopier, make_copier
@@ -37,9 +37,12 @@ Key = tuple[int, int]
 def hands_off(policy: PolicyConfig, store: ExpertStore, device: str) -> bool:
     """Whether the scheduler keeps a read buffer as the cached expert decoded in it (zero-copy hand-off): with a
     cache, on the CPU, for a layout whose decode is a view of the blob (cpu-int4). The cache then charges each
-    expert a whole read buffer. Elsewhere experts are copied out of the buffer (on a GPU, the upload)."""
+    expert a whole read buffer. Elsewhere experts are copied out of the buffer (on a GPU, the upload). Never for the
+    oracle: the bound keeps each cached expert in its own bytes, the most experts a budget can hold (fate's resident
+    layer is held so, and a bound of padded entries was beaten by it)."""
     precision = store.precisions.get(policy.bits)
-    return policy.cache and device == "cpu" and precision is not None and precision.layout == "cpu-int4"
+    return (policy.cache and device == "cpu" and precision is not None and precision.layout == "cpu-int4"
+            and policy.predictor != "oracle")
 
 
 def _ema(old: float, new: float, keep: float) -> float:
@@ -63,6 +66,7 @@ class SchedulerStats:
     recall_sum: float = 0.0  # ... summed recall of the true experts in the predicted top-k
     consume_s: float = 0.0  # main thread turning fetched blobs into callable experts (copy out + decode)
     predict_s: float = 0.0  # running the predictor and issuing prefetches
+    predictions_skipped: int = 0  # predictor calls left out: every layer they target was fully cached (Fate)
 
     def snapshot(self) -> SchedulerStats:
         return SchedulerStats(**{f.name: getattr(self, f.name) for f in fields(self)})
@@ -159,10 +163,11 @@ class Scheduler(ExpertProvider):
         ids, counts = idx.flatten().unique(return_counts=True)
         order = counts.argsort(descending=True, stable=True)
         needed = ids[order].tolist()
-        popularity = dict(zip(needed, counts[order].tolist()))
         self._check_prediction(layer, idx, n)
 
-        low = self._cold_set(popularity) if n > 1 else self._precision_on_miss(layer, idx, weights)
+        # Prefill demand reads travel in the policy's precision: only predicted, prefetched experts may be cold
+        # (Fate reads a miss in int4; its int2 tail is the prefetch plan's, prefetch_choice.choose).
+        low = set() if n > 1 else self._precision_on_miss(layer, idx, weights)
         for e in needed:
             key = (layer, e)
             if (self.cache is not None and key in self.cache) or key in self.prefetches or key in self.skip:
@@ -177,7 +182,9 @@ class Scheduler(ExpertProvider):
             t0 = time.perf_counter()
             self.predictor.observe(layer, needed)
             width = self._width()
-            if self._should_predict(n, width):
+            if self._targets_full(layer):
+                self.stats.predictions_skipped += 1
+            elif self._should_predict(n, width):
                 self._prefetch(layer, h, width)
                 if n == 1:
                     dt = time.perf_counter() - t0
@@ -205,9 +212,12 @@ class Scheduler(ExpertProvider):
             acc += float(w[j])
         return low
 
-    def _cold_set(self, popularity: dict[int, int]) -> set[int]:
-        """Fate's prefill tail: the least popular experts, up to ``cold_tail_mass`` of all assignments."""
-        return set() if self.cold_bits is None else cold_tail(popularity, self.policy.cold_tail_mass)
+    def _targets_full(self, layer: int) -> bool:
+        """Fate: a prediction is pointless when every layer it targets is fully cached (nothing to read)."""
+        if not self.policy.skip_full or self.cache is None:
+            return False
+        targets = self.predictor.targets(layer)
+        return bool(targets) and all(self.cache.holds_layer(t, self.config.num_experts) for t in targets)
 
     def _check_prediction(self, layer: int, idx: torch.Tensor, n: int) -> None:
         pred = self.last_prediction.pop(layer, None)
@@ -261,8 +271,12 @@ class Scheduler(ExpertProvider):
 
         # This layer's own prefetches are consumed next: their room goes to the layers ahead.
         ahead = sum(1 for key in (*self.prefetches, *self.deferred) if key[0] != layer)
-        plan = plan_prefetches(self.policy, list(zip(pred.layers, pred.scores)), k, width, busy,
-                               room=self.max_inflight - ahead, use_cold=self.cold_bits is not None)
+        room = self.max_inflight - ahead
+        if self.policy.predictor == "oracle":  # the bound: the true experts
+            plan = plan_oracle_prefetches(list(zip(pred.layers, pred.scores)), busy, room)
+        else:
+            plan = plan_prefetches(self.policy, list(zip(pred.layers, pred.scores)), k, width, busy, room=room,
+                                   use_cold=self.cold_bits is not None)
         for p in plan:
             bits = self.cold_bits if p.cold else self.policy.bits
             self.deferred[(p.layer, p.expert)] = (bits, Priority.NEXT_LAYER if p.distance == 0 else Priority.AHEAD)

@@ -10,11 +10,17 @@ by the link, plus what each read costs the host's CPU):
 - prefetches issued at layer i travel while layer i computes and are on time if they arrive before
   their layer starts; their reader CPU delays compute by ``contention`` x its time (1 on a host whose
   cores all run compute threads, 0 where readers have idle cores), and using one costs ``consume_s``;
-- one link serves all reads, and a demand read goes ahead of queued prefetches (pushing them back).
+- one link serves all reads, and a demand read goes ahead of queued prefetches (pushing them back); a
+  prefetch still on its way when its layer routes is promoted, landing no later than a demand read would;
+- as in the scheduler, at most ``max_inflight`` reads are in flight: planned reads beyond wait (deferred) and
+  start as this layer's own reads free their room, those left for the next layer dropped at its end;
+- the ``oracle`` policy (the bound) prefetches the true experts (prefetch_choice.plan_oracle_prefetches),
+  past the last layer the next token's first, over Belady-MIN eviction, at no prediction cost.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -24,7 +30,7 @@ from fate_edge.devices.link import LinkSpec
 from .cache import AccessInfo
 from .cache.factory import build_cache
 from .policy import PolicyConfig
-from .prefetch_choice import gate_candidates, plan_prefetches, prefetch_width, ranked
+from .prefetch_choice import gate_candidates, plan_oracle_prefetches, plan_prefetches, prefetch_width, ranked
 from .prefetch_gate import PrefetchGate
 
 
@@ -56,6 +62,7 @@ class SimResult:
     wasted_bytes: int
     total_s: float
     prefetched: list[tuple[int, int, int]] = field(default_factory=list)  # (token, layer, expert) per read issued
+    prompt_prefetches: int = 0  # reads the prompt's last layer issued for the first token (the oracle's)
 
     @property
     def hit_rate(self) -> float:
@@ -95,8 +102,13 @@ def simulate(
     prefetch_cpu = costs.contention * costs.read_cpu_s
     layers = sorted(expert_ids)
     n, k = next(iter(expert_ids.values())).shape
-    future = [(layer, e) for t in range(n) for layer in layers for e in sorted(expert_ids[layer][t].tolist())]
+    # Belady's future: every call in order, the prompt's (the warm fill) first, as the engine's trace has it.
+    future = [(layer, warm[layer]) for layer in layers if layer in warm] if warm else []
+    future += [(layer, sorted(expert_ids[layer][t].tolist())) for t in range(n) for layer in layers]
     cache = build_cache(policy, cache_bytes, expert_bytes, layers, num_experts, future)
+    oracle = policy.predictor == "oracle"
+    if oracle:  # clairvoyant: the true experts themselves, as the engine's OraclePredictor replays them
+        predictions = truth_scores(expert_ids, layers, policy.lookahead, num_experts)
     transfer = link.transfer_time(expert_bytes)
     base_width = prefetch_width(policy, k, layer_compute_s, read_time)
     r = SimResult(n, 0, 0, 0, 0.0, 0, 0, 0, 0.0)
@@ -116,6 +128,26 @@ def simulate(
     # fate-edge's gate, deciding from the same evidence the scheduler gathers (prefetch_gate.py)
     gate = PrefetchGate(max(policy.max_prefetch_width, k)) if policy.prefetch_gate and predictions else None
     candidates: dict[int, dict[int, int]] = {}  # target layer → rank → expert not cached when predicted
+    deferred: list[tuple[int, int]] = []  # planned reads waiting for room (Scheduler.deferred), in order
+
+    def issue(t: int, clock: float, link_free: float) -> tuple[float, float]:
+        """Start waiting reads in order while fewer than ``max_inflight`` are in flight (Scheduler._issue_deferred)."""
+        while deferred and (max_inflight is None or len(inflight) < max_inflight):
+            key = deferred.pop(0)
+            link_free = max(link_free, clock) + transfer
+            inflight[key] = link_free
+            if t >= 0:
+                r.prefetched.append((t, *key))
+            else:
+                r.prompt_prefetches += 1
+            clock += prefetch_cpu  # the reader thread takes a core from compute
+        return link_free, clock
+    if oracle and n:  # the prompt's last layer read token 0's first layers ahead (OraclePredictor.targets)
+        first = [(target, truth_scores(expert_ids, [target], 0, num_experts, row=0))
+                 for target in layers[: policy.lookahead]]
+        deferred.extend((p.layer, p.expert) for p in plan_oracle_prefetches(first, cached, max_inflight))
+        link_free, clock = issue(-1, clock, link_free)
+        deferred.clear()
     for t in range(n):
         for li, layer in enumerate(layers):
             info = AccessInfo(layer_now=layer, num_layers=num_layers)
@@ -129,7 +161,9 @@ def simulate(
                     used.append(key)
                     continue
                 if key in inflight:
-                    arrival = inflight.pop(key)
+                    # Needed now: the engine promotes a read still queued to demand priority (Scheduler.on_route),
+                    # so it lands no later than a demand read issued now would.
+                    arrival = min(inflight.pop(key), clock + read_time)
                     consumed += 1
                     r.prefetch_hits += 1
                     r.prefetch_bytes += expert_bytes
@@ -159,23 +193,27 @@ def simulate(
             if predict:
                 targets = [(target, predictions[(layer, target)][t : t + 1])
                            for target in layers[li + 1 : li + 1 + policy.lookahead] if (layer, target) in predictions]
+                if oracle and t + 1 < n:  # past the last layer: the next token's first ones (OraclePredictor.targets)
+                    targets += [(target, truth_scores(expert_ids, [target], 0, num_experts, row=t + 1))
+                                for target in layers[: policy.lookahead - len(targets)]]
                 if gate is not None and targets:
                     target, scores = targets[0]
                     candidates[target] = gate_candidates(ranked(scores[0]), len(gate.seen),
                                                          lambda e, target=target: cached((target, e)))
 
                 def busy(key: tuple[int, int], inflight=inflight) -> bool:
-                    return cached(key) or key in inflight
+                    return cached(key) or key in inflight or key in deferred
 
-                # The engine predicts before it consumes this layer's prefetches: they still hold buffers then.
-                room = None if max_inflight is None else max_inflight - len(inflight) - consumed
-                for p in plan_prefetches(policy, targets, k, width, busy, room):
-                    start = max(link_free, clock)
-                    link_free = start + transfer
-                    inflight[(p.layer, p.expert)] = link_free
-                    r.prefetched.append((t, p.layer, p.expert))
-                    clock += prefetch_cpu  # the reader thread takes a core from compute
-                clock += costs.predict_s
+                # The scheduler's room rule: this layer's own reads are consumed next, so their room is the others'.
+                ahead = sum(1 for kk in (*inflight, *deferred) if kk[0] != layer)
+                room = None if max_inflight is None else max_inflight - ahead
+                if oracle:
+                    plan = plan_oracle_prefetches(targets, busy, room)
+                else:
+                    plan = plan_prefetches(policy, targets, k, width, busy, room)
+                deferred.extend((p.layer, p.expert) for p in plan)
+                link_free, clock = issue(t, clock, link_free)
+                clock += 0.0 if oracle else costs.predict_s  # the bound knows the future without computing it
             clock += layer_compute_s
             if cache is not None:
                 for key in used:
@@ -184,5 +222,35 @@ def simulate(
                 arrival = inflight.pop(key)
                 done = min(1.0, max(0.0, 1 - (arrival - clock) / transfer))
                 r.wasted_bytes += int(done * expert_bytes)
+            # As Scheduler.end_layer: the room this layer freed goes to waiting reads, the rest of the next layer's
+            # are left to its demand reads.
+            link_free, clock = issue(t, clock, link_free)
+            nxt = layers[li + 1] if li + 1 < len(layers) else layer
+            deferred[:] = [kk for kk in deferred if kk[0] > nxt]
     r.total_s = clock
     return r
+
+
+def truth_scores(expert_ids: dict[int, torch.Tensor], layers: list[int], lookahead: int, num_experts: int,
+                 row: int | None = None) -> dict[tuple[int, int], torch.Tensor] | torch.Tensor:
+    """The oracle's scores, (source, target) → [N, E]: each token's true experts of the ``lookahead`` MoE layers
+    after the source, one-hot and summing to 1 (what OraclePredictor returns for a decode step). With ``row``:
+    token ``row``'s scores [1, E] for ``layers[0]``."""
+    if row is not None:
+        ids = expert_ids[layers[0]][row : row + 1]
+        return torch.zeros(1, num_experts).scatter_(1, ids, 1.0 / ids.shape[1])
+    out = {}
+    for i, src in enumerate(layers):
+        for target in layers[i + 1 : i + 1 + lookahead]:
+            ids = expert_ids[target]
+            out[(src, target)] = torch.zeros(ids.shape[0], num_experts).scatter_(1, ids, 1.0 / ids.shape[1])
+    return out
+
+
+def scale_costs(costs: HostCosts, factor: float) -> HostCosts:
+    """``costs`` on a timeline ``factor`` times as long: device-faithful emulation (fate_edge/emulation.py) runs
+    the device's timeline k times slower on this host, so ``factor`` = 1 / k turns costs measured under emulation
+    into the device's. ``contention`` is a share, not a time, and stays."""
+    return dataclasses.replace(costs, layer_compute_s=costs.layer_compute_s * factor,
+                               predict_s=costs.predict_s * factor, read_cpu_s=costs.read_cpu_s * factor,
+                               consume_s=costs.consume_s * factor)

@@ -23,11 +23,10 @@ from typing import Any
 
 import torch
 
-from fate_edge.quant import QuantSpec
-from fate_edge.quant.linear import QuantizedLinear
+from fate_edge.quant import QuantSpec, pack
+from fate_edge.quant.linear import QuantizedLinear, int4_kernel_layout
 from fate_edge.quant.methods import quantize_with
 
-from .convert_quant import pack_codes, rtn_quantize
 from .errors import ModelFormatError
 from .experts import ExpertWeights, QuantizedExpert
 from .fetch import ALIGN, BlobRef
@@ -117,10 +116,6 @@ def plan_parts(bits: int, spec: QuantSpec | None, hidden: int, inter: int,
     return parts, off
 
 
-def _quantize(method: str, mat: torch.Tensor, spec: QuantSpec, work: torch.Tensor | None):
-    # RTN takes convert's fast path (same bytes); HQQ's iterations dominate its own cost anyway.
-    return rtn_quantize(mat, spec, work) if method == "rtn" else quantize_with(method, mat.float(), spec)
-
 
 def encode_expert(w: ExpertWeights, precision: Precision, method: str = "rtn",
                   work: torch.Tensor | None = None) -> memoryview:
@@ -128,26 +123,29 @@ def encode_expert(w: ExpertWeights, precision: Precision, method: str = "rtn",
 
     ``w`` may be in any float dtype (convert passes the checkpoint's own, no fp32 copy); ``work`` is an
     optional fp32 scratch buffer for the RTN encoder. Returns the blob's bytes (a view of a fresh buffer)."""
-    out = torch.zeros(precision.blob_bytes, dtype=torch.uint8)
+    out = torch.empty(precision.blob_bytes, dtype=torch.uint8)  # not zeros: zero-filling 17 MB cost 8 ms here
     tensors: dict[str, torch.Tensor] = {}
     for m in MATRICES:
         mat = getattr(w, m)
         if precision.spec is None:
             tensors[f"{m}.weight"] = mat.to(torch.bfloat16)
         elif precision.layout == "cpu-int4":
-            q = _quantize(method, mat, precision.spec, work)
-            lin = QuantizedLinear.from_quantized(q, precision.spec, "cpu", kernel="torch-int4")
-            tensors[f"{m}.packed"], tensors[f"{m}.scale_zero"] = lin.packed, lin.scale_zero
+            q = quantize_with(method, mat, precision.spec, work)
+            tensors[f"{m}.packed"], tensors[f"{m}.scale_zero"] = int4_kernel_layout(q, precision.spec)
         else:
-            q = _quantize(method, mat, precision.spec, work)
-            tensors[f"{m}.codes"] = pack_codes(q.codes, precision.spec.storage_bits)
+            q = quantize_with(method, mat, precision.spec, work)
+            tensors[f"{m}.codes"] = pack(q.codes, precision.spec.storage_bits)
             tensors[f"{m}.scale"] = q.scale
             if q.zero is not None:
                 tensors[f"{m}.zero"] = q.zero
-    for p in precision.parts:
+    end = 0
+    for p in sorted(precision.parts, key=lambda p: p.offset):
         raw = tensors[p.name].contiguous().view(-1).view(torch.uint8)
         assert raw.numel() == p.nbytes, (p.name, raw.numel(), p.nbytes)
+        out[end : p.offset] = 0  # alignment padding: the only bytes no part writes
         out[p.offset : p.offset + p.nbytes] = raw
+        end = p.offset + p.nbytes
+    out[end:] = 0
     return memoryview(out.numpy())
 
 

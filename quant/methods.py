@@ -22,8 +22,8 @@ def check_method(method: str) -> str:
     return method
 
 
-def quantize_with(method: str, w: torch.Tensor, spec: QuantSpec) -> Quantized:
-    """Quantize ``w`` [..., K] group-wise with ``method`` ("rtn" or "hqq")."""
+def quantize_with(method: str, w: torch.Tensor, spec: QuantSpec, work: torch.Tensor | None = None) -> Quantized:
+    """Quantize ``w`` [..., K] group-wise with ``method`` ("rtn" or "hqq"); ``work``: RTN's fp32 scratch block."""
     if check_method(method) == "hqq":
-        return quantize_hqq(w, spec)
-    return quantize(w, spec)
+        return quantize_hqq(w.float(), spec)
+    return quantize(w, spec, work)

@@ -35,9 +35,11 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
         return codes.clone()
     if codes.numel() and int(codes.max()) >= 1 << bits:
         raise ValueError(f"pack: a code exceeds {bits} bits")
-    c = codes.reshape(*codes.shape[:-1], -1, per_byte).to(torch.int32)  # [..., K/per_byte, per_byte]
-    shifts = torch.arange(per_byte, dtype=torch.int32) * bits
-    return (c << shifts).sum(dim=-1).to(torch.uint8)
+    c = codes.reshape(*codes.shape[:-1], -1, per_byte)  # [..., K/per_byte, per_byte]
+    out = c[..., 0].clone()  # shifts and ORs in uint8: no int32 copy of the codes
+    for j in range(1, per_byte):
+        out |= c[..., j] << (j * bits)
+    return out
 
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:

@@ -36,34 +36,59 @@ def _fp16_round(x: torch.Tensor, up: bool) -> torch.Tensor:
     return torch.where(wrong, torch.nextafter(h, toward), h)
 
 
-def _groups(w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    if w.shape[-1] % spec.group_size:
-        raise ValueError(f"last dimension {w.shape[-1]} is not a multiple of group_size {spec.group_size}")
-    return w.float().reshape(*w.shape[:-1], -1, spec.group_size)  # [..., G, g]
+BLOCK_BYTES = 1 << 20  # fp32 bytes of one block of rows: the block stays in a core's L2 through every pass
 
 
-def quantize(w: torch.Tensor, spec: QuantSpec) -> Quantized:
-    """Quantize ``w`` [..., K] group-wise along its last dimension."""
-    g = _groups(w, spec)
-    if not torch.isfinite(g).all():
-        raise ValueError("quantize: weights contain inf or nan")
-    if spec.asymmetric:
-        zero = _fp16_round(g.amin(dim=-1), up=False)  # [..., G]
-        span = (g.amax(dim=-1) - zero.float()) / spec.qmax
-        offset = zero.float()
-        mid = 0
-    else:
-        zero = None
-        mid = 1 << (spec.bits - 1)
-        span = g.abs().amax(dim=-1) / (mid - 1)
-        offset = torch.zeros_like(span)
-    scale = _fp16_round(span, up=True)
-    if torch.isinf(scale).any():
+def quantize(w: torch.Tensor, spec: QuantSpec, work: torch.Tensor | None = None) -> Quantized:
+    """Quantize ``w`` [..., K] (any dtype) group-wise along its last dimension.
+
+    Rows go through one fp32 scratch block (``work``, reused between calls when given: one per thread), every
+    pass in place while the block sits in cache: no full-size fp32 copy of ``w`` is ever made, so memory stays
+    ``w`` + its codes whatever the size. Each element sees the same float operations in the same order as the
+    textbook formula ``round((w - zero) / scale)``, so the codes do not depend on the block size."""
+    k, g = w.shape[-1], spec.group_size
+    if k % g:
+        raise ValueError(f"last dimension {k} is not a multiple of group_size {g}")
+    rows = w.reshape(-1, k)  # a view when w is contiguous
+    n, groups = rows.shape[0], k // g
+    block = max(1, min(n, BLOCK_BYTES // (4 * max(k, 1))))
+    if work is None or work.numel() < block * k or work.device != w.device or work.dtype != torch.float32:
+        work = torch.empty(block * k, dtype=torch.float32, device=w.device)
+    codes = torch.empty(n, k, dtype=torch.uint8, device=w.device)
+    scale = torch.empty(n, groups, dtype=torch.float16, device=w.device)
+    zero = torch.empty_like(scale) if spec.asymmetric else None
+    mid = 0 if spec.asymmetric else 1 << (spec.bits - 1)
+    for r0 in range(0, n, block):
+        r1 = min(n, r0 + block)
+        x = work[: (r1 - r0) * k].view(r1 - r0, groups, g)
+        x.copy_(rows[r0:r1].view(r1 - r0, groups, g))
+        if spec.asymmetric:
+            lo, hi = x.amin(dim=-1), x.amax(dim=-1)  # not aminmax: it may pick the other signed zero
+            _check_finite(lo, hi)
+            z = _fp16_round(lo, up=False)  # zero: the group minimum rounded down to fp16
+            s = _fp16_round((hi - z.float()) / spec.qmax, up=True)
+            x.sub_(z.float()[..., None])
+            zero[r0:r1] = z  # type: ignore[index]
+        else:
+            top = x.abs().amax(dim=-1)
+            _check_finite(top)
+            s = _fp16_round(top / (mid - 1), up=True)
+        scale[r0:r1] = s
+        div = torch.where(s > 0, s.float(), 1.0)  # constant group: codes are all 0 (or mid), any scale works
+        x.div_(div[..., None]).round_()
+        if mid:
+            x.add_(mid)
+        codes[r0:r1] = x.clamp_(0, spec.qmax).view(r1 - r0, k)
+    if torch.isinf(scale).any():  # after every block: a nan anywhere is reported first, as it should be
         raise ValueError("quantize: a group's range overflows the fp16 scale")
-    s = torch.where(scale > 0, scale.float(), 1.0)  # constant group: codes are all 0 (or mid), any scale works
-    codes = torch.round((g - offset[..., None]) / s[..., None]) + mid
-    codes = codes.clamp_(0, spec.qmax).to(torch.uint8).reshape(w.shape)
-    return Quantized(codes, scale, zero)
+    return Quantized(codes.view(w.shape), scale.view(*w.shape[:-1], groups),
+                     None if zero is None else zero.view(*w.shape[:-1], groups))
+
+
+def _check_finite(*reductions: torch.Tensor) -> None:
+    # min/max/abs-max propagate nan and inf, so the group reductions see every non-finite weight.
+    if not all(bool(torch.isfinite(r).all()) for r in reductions):
+        raise ValueError("quantize: weights contain inf or nan")
 
 
 def dequantize(q: Quantized, spec: QuantSpec, dtype: torch.dtype = torch.float32) -> torch.Tensor:

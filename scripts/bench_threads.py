@@ -1,8 +1,9 @@
-"""Decode tok/s of the bundled model with 0, 1 and 2 competing CPU-bound processes: fate-edge's old thread
-defaults (torch's choice of threads, 2 fetch workers, OpenMP spinning), its new ones (OMP_WAIT_POLICY=PASSIVE,
-torch threads + fetch workers = the cores available), one thread, and llama.cpp on the f32 GGUF with as many
-threads as cores and with one. Fresh processes, interleaved rounds, medians; each cell shows the 1-minute
-load average measured as the run started (the competitors and other users of the host included).
+"""Decode tok/s of the bundled model with 0, 1 and 2 competing CPU-bound processes: fate-edge with as many torch
+threads as cores and OpenMP waiting by libgomp's default spin, passively (OMP_WAIT_POLICY=PASSIVE) or with a short
+spin (GOMP_SPINCOUNT=10000); its library defaults (torch threads + fetch workers = the cores available, the wait
+chosen by the load at import); one thread; and llama.cpp on the f32 GGUF with as many threads as cores and with one.
+Fresh processes, interleaved rounds, medians; each cell shows the 1-minute load average measured as the run started
+(the competitors and other users of the host included).
 
     python scripts/bench_threads.py --rounds 3 --json bench-out/threads.json --readme README.md
 """

@@ -35,8 +35,9 @@ def build_tokenizer(out: Path) -> None:
     tok.save(str(out / "tokenizer.json"))
 
 
-def build_tiny_moe(out: Path, seed: int = 0, top_k: int = 2) -> Path:
-    """``top_k``: experts per token (of 8). Above 2 the order experts are summed in changes the bits."""
+def build_tiny_moe(out: Path, seed: int = 0, top_k: int = 2, expert_dim: int = 16) -> Path:
+    """``top_k``: experts per token (of 8). Above 2 the order experts are summed in changes the bits.
+    ``expert_dim``: the experts' intermediate size (32 makes them quantizable: convert's groups are >= 32)."""
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     cfg = Qwen2MoeConfig(
@@ -48,7 +49,7 @@ def build_tiny_moe(out: Path, seed: int = 0, top_k: int = 2) -> Path:
         num_key_value_heads=1,
         num_experts=8,
         num_experts_per_tok=top_k,
-        moe_intermediate_size=16,
+        moe_intermediate_size=expert_dim,
         shared_expert_intermediate_size=32,
         mlp_only_layers=[2],
         max_position_embeddings=256,

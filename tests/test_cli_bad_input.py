@@ -27,6 +27,7 @@ BAD_BY_TYPE = {
     cli_args.link_name: ["nosuch-board"], cli_args.profile_name: ["nosuch-board"],
     cli_args.host_name: ["not a host!"], cli_args.non_empty: [""], cli_args.octal_mode: ["rw-------", "999"],
     cli_args.host_list: ["localhost,not a host!"], cli_args.origin_list: ["localhost:3000", "http://bad host"],
+    cli_args.emulated_device: ["nosuch-board", "host"],
 }
 SIGNED = {"--seed"}  # int options where a negative number is valid
 REQUIRED = {"plan": ["--memory-budget", "1MB"], "convert": ["MODEL", "OUT"]}

@@ -1,12 +1,11 @@
-"""convert at real scale: streaming memory, progress, and the fast encoder's bytes equal to the reference's."""
+"""convert at real scale: streaming memory, progress, and a store byte-identical to the reference encoders'."""
 
 import weakref
 from pathlib import Path
 
 import pytest
 import torch
-from fate_edge.quant import QuantSpec, pack
-from fate_edge.quant.rtn import quantize
+from _rtn_reference import reference_pack, reference_quantize
 from safetensors.torch import save_file
 from test_convert_hardening import width96  # noqa: F401 (fixture: a fused-layout fp32 checkpoint)
 
@@ -15,7 +14,6 @@ import fate_edge.convert as conv
 import fate_edge.store as store
 from fate_edge.checkpoint import CheckpointReader, save_streaming
 from fate_edge.convert import ConvertOptions, convert
-from fate_edge.convert_quant import pack_codes, rtn_quantize
 from fate_edge.store import ExpertStore
 
 OPTION_SETS = {
@@ -29,39 +27,12 @@ def _files(directory: Path) -> dict[str, bytes]:
     return {f.name: f.read_bytes() for f in sorted(directory.iterdir()) if f.is_file()}
 
 
-@pytest.mark.parametrize("spec", [QuantSpec(4, 128), QuantSpec(4, 32), QuantSpec(2, 32), QuantSpec(8, 64),
-                                  QuantSpec(3, 64)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
-def test_fast_rtn_gives_the_reference_codes_scales_and_zeros_bit_for_bit(spec, dtype):
-    torch.manual_seed(spec.bits * 7 + spec.group_size)
-    w = (torch.randn(200, 384) * 0.05).to(dtype)
-    w[3, :64] = 0.25  # a constant group (zero range)
-    w[5, 64:128] = 0.0
-    w[7, 128:160] = -0.0
-    w[9] *= 1e3  # a wide row
-    ref = quantize(w.float(), spec)
-    got = rtn_quantize(w, spec, torch.empty(1000))  # a scratch smaller than a block: it is replaced
-    for name, a, b in zip(("codes", "scale", "zero"), ref, got):
-        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
-    assert torch.equal(pack(ref.codes, spec.storage_bits), pack_codes(got.codes, spec.storage_bits))
-
-
-def test_fast_rtn_refuses_non_finite_weights_like_the_reference():
-    w = torch.randn(64, 128)
-    w[40, 3] = float("nan")
-    with pytest.raises(ValueError, match="inf or nan"):
-        rtn_quantize(w, QuantSpec(4, 128))
-    w[40, 3] = float("inf")
-    with pytest.raises(ValueError, match="inf or nan"):
-        rtn_quantize(w, QuantSpec(4, 128))
-
-
 def _reference_convert(monkeypatch, model, out, opts):
-    """convert with the reference pieces it used before streaming: quant's quantize and pack on fp32 copies,
-    and all resident tensors loaded at once into safetensors' save_file."""
+    """convert with the reference pieces it used before streaming: the textbook RTN encoder and packer on fp32
+    copies, and all resident tensors loaded at once into safetensors' save_file."""
     with monkeypatch.context() as m:
-        m.setattr(store, "rtn_quantize", lambda w, spec, work=None: quantize(w.float(), spec))
-        m.setattr(store, "pack_codes", pack)
+        m.setattr(store, "quantize_with", lambda method, w, spec, work=None: reference_quantize(w.float(), spec))
+        m.setattr(store, "pack", reference_pack)
 
         def save_all(reader, names, path, metadata=None, on_tensor=None):
             save_file({n: reader.get(n) for n in names}, str(path), metadata=metadata)

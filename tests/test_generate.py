@@ -72,3 +72,27 @@ def test_prompt_longer_than_context_is_refused(bundled_model, bundled_tokenizer)
 def test_empty_prompt_is_refused(bundled_model, bundled_tokenizer):
     with pytest.raises(GenerationError, match="empty"):
         generate(bundled_model, bundled_tokenizer, "", GenerateConfig(4))
+
+
+def test_decode_loop_reads_peak_rss_every_32_tokens_and_at_the_end(bundled_model, bundled_tokenizer, monkeypatch):
+    import sys
+
+    gen = sys.modules["fate_edge.generate"]  # the package exports a function of the same name
+    reads = []
+    monkeypatch.setattr(gen, "peak_rss_bytes", lambda: reads.append(1) or len(reads))
+    steps = list(stream_generate(bundled_model, bundled_tokenizer, PROMPT, GenerateConfig(70, ignore_eos=True)))
+    assert len(steps) == 70
+    assert len(reads) == 1 + 2 + 1  # after prefill, at tokens 32 and 64, and for the final response
+    assert steps[-1].peak_rss_bytes == len(reads)  # the last response carries a fresh read
+    assert steps[40].peak_rss_bytes == 2  # in between: the latest read
+
+
+def test_greedy_sampling_takes_the_argmax_without_copying_the_logits(monkeypatch):
+    import torch
+
+    from fate_edge.sampling import Sampler
+
+    logits = torch.randn(1000)
+    clones = []
+    monkeypatch.setattr(torch.Tensor, "clone", lambda self, *a, **k: clones.append(1))
+    assert Sampler(SamplingParams())(logits, [1, 2]) == int(logits.argmax()) and clones == []

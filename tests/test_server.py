@@ -505,7 +505,7 @@ def test_serve_and_run_refuse_a_budget_below_the_minimum(cache, monkeypatch, cap
                            "--port", str(_free_port()), "--log-level", "warning"],
                           env=_env(cache), capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2, proc.stderr
-    assert re.search(r"fate-edge: error: memory budget .* below the minimum [0-9.]+ MB", proc.stderr), proc.stderr
+    assert re.search(r"fate-edge: error: memory budget .* below the minimum [0-9.]+ [KMG]B ", proc.stderr), proc.stderr
     assert "Traceback" not in proc.stderr
 
     from fate_edge.cli import main

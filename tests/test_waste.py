@@ -82,9 +82,10 @@ def recorded(tmp_path_factory, bundled_dir):
 
 
 def test_perfect_prefetch_reads_each_expert_once_and_wastes_nothing(recorded, one_thread):
-    """The oracle with room for every expert: bytes read = each used expert's blob exactly once."""
+    """The oracle with room for every expert: bytes read = each used expert's blob exactly once (without its
+    fill at load, which would read them all before the request)."""
     store, trace = recorded
-    with Engine(store, 4 * all_expert_bytes(store), "oracle", trace=trace) as engine:
+    with Engine(store, 4 * all_expert_bytes(store), PRESETS["oracle"].with_(preload=False), trace=trace) as engine:
         seen = spy(engine)
         engine.generate(PROMPT, CFG)
         s = engine.stats

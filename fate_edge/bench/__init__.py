@@ -10,6 +10,11 @@ load-on-demand (bf16 and int4), to ``fate`` and to the ``oracle`` come from the 
 installed. Outputs: JSON, a markdown table (optionally spliced into README.md) and PNG plots, next to the
 JSON unless ``--plots-dir`` says where.
 
+``--emulate DEVICE`` (fate_edge/emulation.py) replaces the links with one device-faithful emulation: the
+device's link dilated by k = this host's decode compute per token / the device's (its profile's roofline),
+O_DIRECT reads where this disk outpaces the dilated link; every figure is then reported raw (this host) and
+device-equivalent (raw x k), in separate columns and tables.
+
     fate-edge bench --quick --readme README.md --plots-dir docs   # or: python scripts/bench.py ...
 
 Model: by default the bundled model inflated to realistic expert sizes (``fate_edge.inflate``, ~2 MB per

@@ -46,6 +46,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="shares of the int4 expert bytes (default 0.2 0.35 0.5 0.75)")
     ap.add_argument("--links", nargs="+", default=None, choices=list(LINKS), metavar="LINK",
                     help=f"default: {' '.join(LINKS)}")
+    ap.add_argument("--emulate", default=None, metavar="DEVICE",
+                    help="device-faithful emulation instead of --links: the device's link dilated by k = host / "
+                    "device compute time per token (device: its profile's roofline), O_DIRECT reads where this "
+                    "disk is faster than that; reports raw and device-equivalent (raw x k) tok/s. DEVICE: "
+                    "orin-nano, orin-nx, agx-orin, rpi5, rtx4060 or a device profile")
+    ap.add_argument("--emulate-host-ms", type=float, default=None, metavar="MS",
+                    help="with --emulate: this host's decode compute per token from an earlier calibration (the "
+                    "JSON's emulation.host_s_per_token x 1000) instead of measuring it")
     ap.add_argument("--prompt-tokens", nargs="+", type=int, default=None, help="default 128 512")
     ap.add_argument("--decode-tokens", type=int, default=None, help=f"default {d.decode_tokens}")
     ap.add_argument("--runs", type=int, default=None, help=f"default {d.runs}; medians are reported")
@@ -75,7 +83,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                       drop_caches=not args.no_drop_caches,
                       timeout_s=args.timeout, out_dir=args.out_dir, json_path=args.json, md_path=args.markdown,
                       plot_path=args.plot, plots_dir=args.plots_dir, readme=args.readme, work_dir=args.work_dir,
-                      device=args.device)
+                      device=args.device, emulate=args.emulate, emulate_host_ms=args.emulate_host_ms)
     explicit = set()
     for name, attr in [("presets", "presets"), ("budgets", "budgets"), ("links", "links"),
                        ("prompt_tokens", "prompt_tokens"), ("decode_tokens", "decode_tokens"), ("runs", "runs"),
@@ -92,6 +100,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 def run_from_args(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     cfg.command = this_command()
+    if cfg.emulate:  # fail now, not after preparing the model
+        from ..emulation import resolve_device
+
+        resolve_device(cfg.emulate)
     if cfg.readme:  # fail now, not after the run
         check_readme(Path(cfg.readme))
     result = run_bench(cfg)

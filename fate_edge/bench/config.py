@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 # Presets in table order. The two load-on-demand presets keep no cache: they ignore the budget and run once per link.
 ALL_PRESETS = ["load-on-demand", "load-on-demand-int4", "lru", "activation-path", "fate", "fate-edge", "oracle"]
@@ -17,14 +18,19 @@ class LinkChoice:
     key: str
     title: str
     profile: str | None  # device profile the figures come from (None: defined here or the raw disk)
-    kind: str  # storage | host-link | sd-card | raw-disk
+    kind: str  # storage | host-link | sd-card | raw-disk | emulated
     source: str
+    emulated: Any = None  # kind "emulated": the device's link dilated to this host (a LinkSpec)
+    direct_io: bool | None = None  # read with O_DIRECT (None: only on the raw disk)
+    dilation: float | None = None  # kind "emulated": k; device-equivalent tok/s = raw x k
 
     def spec(self):
         """The LinkSpec to throttle to (None for the raw disk)."""
         from fate_edge.devices.link import host_to_accelerator_link, storage_link
         from fate_edge.devices.profile import load_profile
 
+        if self.kind == "emulated":
+            return self.emulated
         if self.kind == "storage":
             return storage_link(load_profile(self.profile))
         if self.kind == "host-link":
@@ -32,6 +38,22 @@ class LinkChoice:
         if self.kind == "sd-card":
             return SD_CARD_LINK
         return None
+
+    @property
+    def reads_direct(self) -> bool:
+        return self.kind == "raw-disk" if self.direct_io is None else self.direct_io
+
+
+def emulated_choice(emulation) -> LinkChoice:
+    """The link of a ``--emulate`` run (a :class:`fate_edge.emulation.Emulation`), keyed ``emulated-<device>``."""
+    em = emulation
+    return LinkChoice(
+        f"emulated-{em.device}", f"{em.profile} emulated (link dilated x{em.k:.3g})", em.profile, "emulated",
+        f"devices/profiles/{em.profile}.toml {em.link.name} ({em.link.bandwidth_bytes_per_s / 1e9:.3g} GB/s, "
+        f"{em.link.latency_s * 1e6:.0f} us) dilated by k = host {em.host_s_per_token * 1e3:.1f} ms / device "
+        f"{em.device_s_per_token * 1e3:.2f} ms per token = {em.k:.3g} (roofline: {em.roofline.compute_unit}, "
+        f"x{em.roofline.efficiency} efficiency); {em.io_note}",
+        em.emulated, em.direct_io, em.k)
 
 
 def _sd_card_link():
@@ -94,6 +116,8 @@ class BenchConfig:
     isolate: bool = True  # each run in a fresh process (per-run peak RSS); False: tests
     device: str = "cpu"  # cpu or cuda (the CUDA path needs the portable blob layout)
     command: str | None = None  # the command line that ran the benchmark, recorded in its outputs
+    emulate: str | None = None  # device-faithful emulation of this device (fate_edge/emulation.py) instead of links
+    emulate_host_ms: float | None = None  # reuse a calibration: this host's decode compute per token (else measured)
 
     @property
     def layout(self) -> str:

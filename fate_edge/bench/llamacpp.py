@@ -25,12 +25,12 @@ def time_tokens(stream: Iterable[int | None], n_prompt: int, want: int) -> dict[
 
 # Prepended to a llama.cpp child's code. llama.cpp links the system libgomp, which reads OMP_WAIT_POLICY once, when
 # it loads; torch bundles a libgomp with the same soname, so whichever loads first serves both. Loading llama_cpp
-# before anything imports torch, without the PASSIVE that importing fate_edge sets for torch (inherited by
-# children with its marker), gives llama.cpp its own default: with ours its decode was 20x slower here (72 vs
-# 1674 tok/s, q4_0 bundled model, 2 threads). A value the user set is kept.
+# before anything imports torch, without the OpenMP settings importing fate_edge makes for torch (inherited by
+# children, named in FATE_EDGE_SET_OPENMP), gives llama.cpp its own default: with our former PASSIVE its decode was
+# 20x slower here (72 vs 1674 tok/s, q4_0 bundled model, 2 threads). A value the user set is kept.
 OPENMP_DEFAULT = ("import os\n"
-                  "if os.environ.get('FATE_EDGE_SET_OMP_WAIT_POLICY') == '1':\n"
-                  "    os.environ.pop('OMP_WAIT_POLICY', None)\n")
+                  "for _name in filter(None, os.environ.pop('FATE_EDGE_SET_OPENMP', '').split(',')):\n"
+                  "    os.environ.pop(_name, None)\n")
 
 
 def llama_child(code: str) -> str:

@@ -15,6 +15,40 @@ def _x(v):
     return "—" if v is None else f"{v:.2f}x"
 
 
+def _budget_table(results: list[dict], link: str, presets: list[str], budgets: list[float], value) -> list[str]:
+    """A policy x budget table of ``value(result)`` on ``link``, each with its ratio to load-on-demand (bf16)."""
+    lines = ["| policy | " + " | ".join(f"{100 * b:.0f}%" for b in budgets) + " |", "|---|" + "---:|" * len(budgets)]
+    for p in presets:
+        cells = []
+        for j, b in enumerate(budgets):
+            r = find_result(results, link, p, b)
+            if r is None:
+                cells.append("—")
+                continue
+            if r["budget_fraction"] is None and j > 0:
+                cells.append("〃")
+                continue
+            x = r.get("ratios", {}).get("load-on-demand", {}).get("decode")
+            cells.append(f"{_fmt(value(r))} ({_x(x)})")
+        lines.append(f"| {LABELS.get(p, p)} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def emulation_note(em: dict) -> str:
+    """One paragraph saying what a --emulate run assumed and measured."""
+    roof = em["roofline"]
+    return (f"Device-faithful emulation of {em['profile']}: one decode token reads {em['token_bytes'] / 1e6:.0f} MB "
+            f"and does {em['token_flops'] / 1e9:.2f} GFLOP on the device ({em['token_work']}); its roofline "
+            f"({roof['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, {roof['flops_per_s'] / 1e12:.2f} TFLOP/s "
+            f"{roof['compute_unit']}, x{roof['efficiency']} efficiency) gives {em['device_s_per_token'] * 1e3:.2f} ms "
+            f"per token; this host took {em['host_s_per_token'] * 1e3:.1f} ms ({em['host_probe']}), so k = "
+            f"{em['dilation_k']:.3g}. The device's link ({em['device_link']['name']}, "
+            f"{em['device_link']['bandwidth_bytes_per_s'] / 1e9:.3g} GB/s) runs at "
+            f"{em['emulated_link']['bandwidth_bytes_per_s'] / 1e6:.4g} MB/s with "
+            f"{em['emulated_link']['latency_s'] * 1e3:.3g} ms per request; {em['io']}. Raw figures are this host's; "
+            "device-equivalent ones are raw x k")
+
+
 def markdown(result: dict) -> str:
     cfg, info, results = result["config"], result["model"], result["results"]
     budgets = sorted(cfg["budgets"])
@@ -37,6 +71,8 @@ def markdown(result: dict) -> str:
         f"every request on a cold engine after one warm-up request. {result['date']}, commit {result['commit']}"
         + (f", `{result['command']}`" if result.get("command") else "") + ".",
     ]
+    if result.get("emulation"):
+        lines += ["", emulation_note(result["emulation"]) + "."]
     if result.get("quick_note"):
         lines += ["", f"Quick mode: {result['quick_note']}."]
     if result.get("dropped_by_time_limit"):
@@ -54,35 +90,29 @@ def markdown(result: dict) -> str:
         if pc:
             spec_txt += "; page cache " + ("dropped before every request" if all(x["dropped"] for x in pc)
                                            else f"NOT dropped ({pc[0]['note']})")
-        lines += ["", f"**Decode tokens/s, {L['title']}** ({spec_txt}; measured through the fetch engine: "
-                  f"{_fmt(chk.get('achieved_gbps'), '.3g')} GB/s, {chk.get('io', '?')}); in brackets: x load-on-demand "
-                  "(bf16) from the same run.", "",
-                  "| policy | " + " | ".join(f"{100 * b:.0f}%" for b in budgets) + " |",
-                  "|---|" + "---:|" * len(budgets)]
-        for p in presets:
-            cells = []
-            for j, b in enumerate(budgets):
-                r = find_result(results, link, p, b)
-                if r is None:
-                    cells.append("—")
-                    continue
-                if r["budget_fraction"] is None and j > 0:
-                    cells.append("〃")
-                    continue
-                x = r.get("ratios", {}).get("load-on-demand", {}).get("decode")
-                cells.append(f"{_fmt(r['median']['decode_tps'])} ({_x(x)})")
-            lines.append(f"| {LABELS.get(p, p)} | " + " | ".join(cells) + " |")
+        k = L.get("dilation")
+        lines += ["", f"**{'Raw host decode' if k else 'Decode'} tokens/s, {L['title']}** ({spec_txt}; measured "
+                  f"through the fetch engine: {_fmt(chk.get('achieved_gbps'), '.3g')} GB/s, {chk.get('io', '?')}); in "
+                  "brackets: x load-on-demand (bf16) from the same run.", ""]
+        lines += _budget_table(results, link, presets, budgets, lambda r: r["median"]["decode_tps"])
+        if k:
+            lines += ["", f"**Device-equivalent decode tokens/s, {L['profile']}** (raw host tok/s above x k = "
+                      f"{k:.3g}: what the device would decode, by the emulation's roofline).", ""]
+            lines += _budget_table(results, link, presets, budgets,
+                                   lambda r: r.get("device_equivalent", {}).get("decode_tps"))
 
     head_link = cfg["links"][0]
     hb = headline_budget(budgets)
     lens = [str(n) for n in result["prompts"]["lengths"]]
     planner = any("planner_predicted_decode_tps" in r for r in results)
+    dil = result["links"][head_link].get("dilation")
     lines += ["", f"**At {100 * hb:.0f}% ({hb * info['int4_expert_bytes_total'] / 1e6:.0f} MB) on "
               f"{result['links'][head_link]['title']}**: ratios are this policy's decode "
               "tok/s over the reference's (same run, same link, same budget); \"oracle/this\" is how far the bound "
               "is ahead. Hit rate = expert uses served from the cache or a prefetch issued before the layer; "
               "exact = predicted top-k equal to the true top-k (decode).", ""]
-    hdr = (["policy", "decode tok/s"] + [f"prefill {n} tok/s" for n in lens]
+    hdr = (["policy", "raw decode tok/s" if dil else "decode tok/s"] + [f"prefill {n} tok/s" for n in lens]
+           + (["device-eq decode tok/s"] + [f"device-eq prefill {n} tok/s" for n in lens] if dil else [])
            + ["hit rate", "exact", "stall ms/tok", "MB read/tok", "peak RSS MiB", "x LOD bf16", "x LOD int4", "x fate",
               "oracle/this"] + (["planner predicted"] if planner else []))
     lines += ["| " + " | ".join(hdr) + " |", "|---|" + "---:|" * (len(hdr) - 1)]
@@ -92,7 +122,10 @@ def markdown(result: dict) -> str:
             continue
         m, ra = r["median"], r.get("ratios", {})
         oracle = ra.get("oracle", {}).get("decode")
+        dev = r.get("device_equivalent", {})
         row = ([LABELS.get(p, p), _fmt(m["decode_tps"])] + [_fmt(m["prefill_tps"].get(n), ".1f") for n in lens]
+               + ([_fmt(dev.get("decode_tps")), *(_fmt(dev.get("prefill_tps", {}).get(n), ".1f") for n in lens)]
+                  if dil else [])
                + [_fmt(None if m["hit_rate"] is None else 100 * m["hit_rate"], ".0f") + "%",
                   _fmt(None if m["exact_match"] is None else 100 * m["exact_match"], ".0f", "—")
                   + ("%" if m["exact_match"] is not None else ""),

@@ -105,6 +105,24 @@ def compute_ratios(results: list[dict]) -> None:
         r["ratios"] = ratios  # this / reference: > 1 is faster than the reference
 
 
+def add_device_equivalent(results: list[dict], dilation: dict[str, float]) -> None:
+    """On each emulated link (link key → its dilation k), the device-equivalent tokens/s = raw x k, kept apart
+    from the raw figures measured on this host (``median``)."""
+    for r in results:
+        k = dilation.get(r.get("link"))
+        if k is None or r.get("error") is not None:
+            continue
+        m = r["median"]
+        r["device_equivalent"] = {
+            "dilation_k": k,
+            "decode_tps": None if m["decode_tps"] is None else m["decode_tps"] * k,
+            "prefill_tps": {n: None if v is None else v * k for n, v in m["prefill_tps"].items()},
+            "stall_ms_per_token": None if m["stall_ms_per_token"] is None else m["stall_ms_per_token"] / k,
+            "planner_predicted_decode_tps": (r["planner_predicted_decode_tps"] * k
+                                             if r.get("planner_predicted_decode_tps") else None),
+        }
+
+
 def flag_reference_tokens(results: list[dict], reference: list[int] | None) -> None:
     """Flag each configuration whose greedy tokens differ from the int4 reference (the trace run)."""
     for r in results:

@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .config import HEADLINE_BUDGET, LINKS, QUICK_NOTE, BenchConfig, LinkChoice, headline_budget
+from .config import HEADLINE_BUDGET, LINKS, QUICK_NOTE, BenchConfig, LinkChoice, emulated_choice, headline_budget
 from .peers import run_peers
 from .prepare import drop_page_cache, make_prompts, prepare_model, store_info, warm_page_cache
-from .results import compute_ratios, flag_reference_tokens, merge_runs
+from .results import add_device_equivalent, compute_ratios, flag_reference_tokens, merge_runs
 from .worker import child_command, trace_main, worker_main
 
 _CHILD_IDS = itertools.count()
@@ -75,35 +75,19 @@ def preflight(store: Path, presets: list[str], budget: int) -> dict[str, str]:
 
 def link_check(store: Path, choice: LinkChoice, n: int = 8) -> dict[str, Any]:
     """Read ``n`` int4 experts one after another through the link: achieved vs specified bandwidth."""
-    from fate_edge.devices.link import ThrottledLink
-
-    from ..fetch import BufferPool, FetchEngine, Priority
-    from ..store import ExpertStore
+    from ..emulation import time_reads
 
     spec = choice.spec()
-    s = ExpertStore(store)
-    refs = [s.ref(layer, e, 4) for layer in s.index["moe_layers"][:2] for e in range(s.index["num_experts"])][:n]
-    fe = FetchEngine(BufferPool(2, s.precisions[4].slot_bytes), workers=1,
-                     link=ThrottledLink(spec) if spec else None, direct_io=spec is None)
-    try:
-        if spec is None:
-            drop_page_cache()
-        t0 = time.perf_counter()
-        nbytes = 0
-        for ref in refs:
-            req = fe.submit(ref, Priority.DEMAND)
-            fe.wait(req)
-            nbytes += ref.length
-            fe.release(req)
-        dt = time.perf_counter() - t0
-    finally:
-        fe.close()
+    if spec is None:
+        drop_page_cache()
+    nbytes, seconds, io = time_reads(store, spec, choice.reads_direct, n)
+    dt = sum(seconds)
     return {
         "spec_gbps": spec.bandwidth_bytes_per_s / 1e9 if spec else None,
         "spec_latency_us": spec.latency_s * 1e6 if spec else None,
         "achieved_gbps": nbytes / dt / 1e9,
-        "per_expert_ms": 1e3 * dt / len(refs),
-        "io": fe.direct_io_note,
+        "per_expert_ms": 1e3 * dt / len(seconds),
+        "io": io,
     }
 
 
@@ -144,8 +128,9 @@ class Phases:
     hook). With a time limit (--quick), configurations that would start after it are listed as dropped."""
 
     def __init__(self, cfg: BenchConfig, store: Path, info: dict, presets: list[str], common: dict,
-                 trace_file: Path, tmp: Path, t_start: float, decode_len: int):
+                 trace_file: Path, tmp: Path, t_start: float, decode_len: int, links: dict[str, LinkChoice]):
         self.cfg, self.store, self.info, self.presets, self.common = cfg, store, info, presets, common
+        self.links = links
         self.trace_file, self.tmp, self.t_start, self.decode_len = trace_file, tmp, t_start, decode_len
         self.deadline = t_start + cfg.time_limit_s if cfg.time_limit_s else None
         self.results: list[dict] = []
@@ -197,13 +182,14 @@ class Phases:
     def run_one(self, c: dict, label: str) -> dict | None:
         """One run of configuration ``c`` in its own process; its result, or None (the error is recorded)."""
         cfg = self.cfg
-        spec_link = LINKS[c["link"]].spec()
-        if spec_link is not None and self.warmed != c["link"]:
+        choice = self.links[c["link"]]
+        spec_link = choice.spec()
+        if not choice.reads_direct and self.warmed != c["link"]:
             warm_page_cache(self.store)
             self.warmed = c["link"]
-        elif spec_link is None:
+        elif choice.reads_direct:
             self.warmed = None
-        spec = {**self.common, **c, "runs": 1, "drop_caches": cfg.drop_caches,
+        spec = {**self.common, **c, "runs": 1, "drop_caches": cfg.drop_caches, "direct_io": choice.reads_direct,
                 "link_spec": dataclasses.asdict(spec_link) if spec_link is not None else None,
                 "trace_file": str(self.trace_file) if c["preset"] == "oracle" else None}
         t0 = time.perf_counter()
@@ -242,22 +228,42 @@ def record_traces(cfg: BenchConfig, common: dict, info: dict, trace_file: Path, 
     return reference, None
 
 
-def check_links(cfg: BenchConfig, store: Path) -> dict[str, Any]:
+def check_links(cfg: BenchConfig, store: Path, links: dict[str, LinkChoice]) -> dict[str, Any]:
     """Phase 2, link calibration: what each emulated link achieves on this machine."""
     links_out = {}
     for key in cfg.links:
-        choice = LINKS[key]
+        choice = links[key]
         spec = choice.spec()
-        if spec is not None:
+        if not choice.reads_direct:
             warm_page_cache(store)
         try:
             check = link_check(store, choice)
         except Exception as exc:  # noqa: BLE001
             check = {"error": f"{type(exc).__name__}: {exc}"}
         links_out[key] = {"title": choice.title, "profile": choice.profile, "kind": choice.kind,
-                          "source": choice.source, "name": spec.name if spec else "raw disk", "check": check}
+                          "source": choice.source, "name": spec.name if spec else "raw disk", "check": check,
+                          "dilation": choice.dilation}
         print(f"bench: link {key}: {json.dumps(check)}", flush=True)
     return links_out
+
+
+def calibrate_emulation(cfg: BenchConfig, store: Path, prompt: list[int]):
+    """k for ``cfg.emulate`` on this host, with the torch threads the configurations run with."""
+    import torch
+
+    from ..emulation import calibrate
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)
+    try:
+        em = calibrate(cfg.emulate, store, prompt[:32], workers=cfg.fetch_workers,
+                       host_s_per_token=cfg.emulate_host_ms / 1e3 if cfg.emulate_host_ms else None)
+    finally:
+        torch.set_num_threads(before)
+    print(f"bench: emulating {em.profile}: host {em.host_s_per_token * 1e3:.1f} ms / device "
+          f"{em.device_s_per_token * 1e3:.2f} ms per token (roofline) = k {em.k:.3g}; link "
+          f"{em.emulated.name} at {em.emulated.bandwidth_bytes_per_s / 1e9:.4g} GB/s; {em.io_note}", flush=True)
+    return em
 
 
 def code_commit() -> str | None:
@@ -296,6 +302,13 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     common = {"store": str(store), "threads": cfg.threads, "fetch_workers": cfg.fetch_workers, "device": cfg.device,
               "prompts": {str(k): v for k, v in prompts.items()}, "decode_tokens": cfg.decode_tokens}
 
+    links, emulation = dict(LINKS), None
+    if cfg.emulate:  # device-faithful emulation: the device's link, dilated by the host/device compute ratio
+        emulation = calibrate_emulation(cfg, store, prompts[decode_len])
+        choice = emulated_choice(emulation)
+        links[choice.key] = choice
+        cfg.links = [choice.key]
+
     # 1. the routing trace of each request (oracle) and the int4 reference tokens
     trace_file = tmp / "traces.pkl"
     reference, err = record_traces(cfg, common, info, trace_file, tmp, decode_len)
@@ -306,13 +319,13 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             skipped["oracle"] = f"trace recording failed: {err}"
 
     # 2. link calibration
-    links_out = check_links(cfg, store)
+    links_out = check_links(cfg, store, links)
 
     # 3. every configuration in a fresh process. Phase 1 is the headline budget (and load-on-demand); then the
     # peers; then the other budgets, farthest from the headline first.
     hb = headline_budget(cfg.budgets)
     rest = sorted((b for b in cfg.budgets if b != hb), key=lambda b: -abs(b - hb))
-    phases = Phases(cfg, store, info, presets, common, trace_file, tmp, t_start, decode_len)
+    phases = Phases(cfg, store, info, presets, common, trace_file, tmp, t_start, decode_len, links)
     phases.run([hb], with_lod=True)
     # 4. peers
     if not cfg.peers:
@@ -328,6 +341,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         print(f"bench: dropped by the time limit ({cfg.time_limit_s:.0f}s): {', '.join(dropped)}", flush=True)
 
     compute_ratios(results)
+    add_device_equivalent(results, {key: c.dilation for key, c in links.items() if c.dilation})
     flag_reference_tokens(results, reference)
     for r in results:
         if r.get("planner_predicted_decode_tps") and r.get("median", {}).get("decode_tps"):
@@ -348,6 +362,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         "prompts": {"lengths": sorted(prompts), "decode_tokens": cfg.decode_tokens, "source_files": files,
                     "decode_prompt": decode_len, "greedy": True},
         "links": links_out,
+        "emulation": emulation.to_dict() if emulation else None,
         "skipped_presets": skipped,
         "dropped_by_time_limit": dropped,
         "planner": planner_note,

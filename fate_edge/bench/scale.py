@@ -215,10 +215,11 @@ def measure_encoder(model: Path, opts: ConvertOptions, experts: int = 24, thread
 
     import torch
 
+    from fate_edge.quant.rtn import BLOCK_BYTES
+
     from ..arch import load_config
     from ..checkpoint import CheckpointReader
     from ..convert import _one_torch_thread, _precisions, pick_group
-    from ..convert_quant import BLOCK_BYTES
     from ..experts import ExpertLayout
     from ..loader import layer_names
     from ..store import encode_expert

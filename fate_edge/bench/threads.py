@@ -1,5 +1,6 @@
-"""Decode speed under CPU competition: fate-edge's old thread defaults, its new ones, one thread, and llama.cpp,
-each with 0, 1 and 2 busy-looping processes beside it (``scripts/bench_threads.py``).
+"""Decode speed under CPU competition: fate-edge with as many torch threads as cores waiting as libgomp does by
+default (~3 ms spin), passively, or with a short spin; its library defaults; one thread; and llama.cpp; each with
+0, 1 and 2 busy-looping processes beside it (``scripts/bench_threads.py``).
 
 Every measurement is a fresh interpreter, so each starts OpenMP with its own settings: the old default is
 reproduced by importing torch before fate_edge (libgomp reads OMP_WAIT_POLICY when torch loads it, before
@@ -27,20 +28,24 @@ class ThreadConfig:
     threads: int | None  # torch / llama.cpp threads; None: the library's default
     workers: int | None = None  # fate-edge fetch workers; None: the library's default
     omp_default: bool = False  # reproduce the old default: OMP_WAIT_POLICY unset when libgomp starts
+    env: tuple[tuple[str, str], ...] = ()  # OpenMP settings as a user would export them (fate_edge keeps them)
 
     def describe(self) -> str:
         if self.kind == "llama.cpp":
             return f"llama.cpp f32, {self.threads} threads"
         t = "library default" if self.threads is None else self.threads
         w = "library default" if self.workers is None else self.workers
-        omp = "OMP_WAIT_POLICY unset (libgomp spins)" if self.omp_default else "OMP_WAIT_POLICY=PASSIVE"
+        omp = ", ".join(f"{k}={v}" for k, v in self.env) or (
+            "OpenMP variables unset (libgomp spins ~3 ms)" if self.omp_default else "fate_edge's OpenMP default")
         return f"torch threads: {t}, fetch workers: {w}, {omp}"
 
 
 def configs(cores: int) -> list[ThreadConfig]:
     return [
-        ThreadConfig("fate-edge old default", "fate-edge", cores, 2, omp_default=True),
-        ThreadConfig("fate-edge new default", "fate-edge", None, None),
+        ThreadConfig("fate-edge libgomp spin", "fate-edge", cores, 2, omp_default=True),
+        ThreadConfig("fate-edge PASSIVE", "fate-edge", cores, 2, env=(("OMP_WAIT_POLICY", "PASSIVE"),)),
+        ThreadConfig("fate-edge short spin", "fate-edge", cores, 2, env=(("GOMP_SPINCOUNT", "10000"),)),
+        ThreadConfig("fate-edge library default", "fate-edge", None, None),
         ThreadConfig("fate-edge 1 thread", "fate-edge", 1, 1),
         ThreadConfig(f"llama.cpp {cores} threads", "llama.cpp", cores),
         ThreadConfig("llama.cpp 1 thread", "llama.cpp", 1),
@@ -57,10 +62,13 @@ def child_command(spec: dict[str, Any]) -> list[str]:
 
 
 def child_env(spec: dict[str, Any]) -> dict[str, str]:
+    """This environment without the OpenMP settings fate_edge made, plus the configuration's own."""
     env = dict(os.environ)
+    for name in filter(None, env.pop("FATE_EDGE_SET_OPENMP", "").split(",")):
+        env.pop(name, None)
     if spec["omp_default"]:
         env.pop("OMP_WAIT_POLICY", None)
-    return env
+    return {**env, **dict(spec["env"])}
 
 
 def competitor_command(seconds: float) -> list[str]:
@@ -107,7 +115,7 @@ def child_main(spec_json: str) -> None:
         import torch
 
         used = {"threads": torch.get_num_threads(), "workers": engine.fetch.workers,
-                "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY")}
+                **{k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}}
         cfg = GenerateConfig(max_tokens=spec["decode_tokens"] + 1, ignore_eos=True)
         stream = (r.token for r in engine.stream(ids, cfg))
     times = []

@@ -80,10 +80,12 @@ def one_request(spec: dict, ids: list[int], max_tokens: int, trace, counter_sink
         from ..policy import PolicyConfig
 
         policy = PolicyConfig(**spec["policy"])
-    # Emulated link: buffered reads from the warm page cache, throttled to the link. (O_DIRECT would read
-    # at this disk's speed first, which is slower than the NVMe and PCIe links emulated.)
+    # Emulated link: buffered reads from the warm page cache, throttled to the link (O_DIRECT would read at
+    # this disk's speed first, slower than the NVMe and PCIe links), except under --emulate where the dilated
+    # link is slower than this disk: then O_DIRECT, so a read costs the CPU what a DMA does (no memcpy).
+    direct = spec.get("direct_io", link is None)
     engine = Engine(spec["store"], spec["budget_bytes"], policy, link=link, trace=trace,
-                    workers=spec["fetch_workers"], device=spec.get("device", "cpu"), direct_io=link is None)
+                    workers=spec["fetch_workers"], device=spec.get("device", "cpu"), direct_io=direct)
     counter = LayerCounter(engine)
     counter_counts = counter.counts
     engine.model.observers.insert(0, counter)
@@ -108,6 +110,7 @@ def one_request(spec: dict, ids: list[int], max_tokens: int, trace, counter_sink
             "plan": {"cache_bytes": engine.plan.cache_bytes, "pool_bytes": engine.plan.pool_bytes,
                      "entry_bytes": engine.plan.entry_bytes,
                      "slots": {str(k): v for k, v in engine.plan.slots.items()}},
+            "load": dataclasses.asdict(engine.load_report),  # reads at load, apart from prefill and decode
         }
     finally:
         engine.close()
@@ -142,7 +145,8 @@ def plan_in_worker(spec: dict) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     link = LinkSpec(**spec["link_spec"]) if spec["link_spec"] else None
-    p = auto_plan(spec["store"], spec["budget_bytes"], link=link, workers=spec["fetch_workers"])
+    p = auto_plan(spec["store"], spec["budget_bytes"], link=link, workers=spec["fetch_workers"],
+                  direct_io=spec.get("direct_io"))
     return {"policy": dataclasses.asdict(p.policy), "planner_predicted_decode_tps": p.predicted_tokens_per_s,
             "planner_costs": p.costs.describe(), "planner_s": time.perf_counter() - t0}
 

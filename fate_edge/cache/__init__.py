@@ -1,7 +1,8 @@
 """The expert cache and its allocation and eviction policies (DESIGN §6)."""
 
 from .allocation import allocate, cost_aware, shallow_favoring, uniform
-from .eviction import ARC, LCU, LFU, LRU, AccessInfo, Belady, DecayedPopularity, EvictionPolicy, make_eviction
+from .belady import Belady
+from .eviction import ARC, LCU, LFU, LRU, AccessInfo, DecayedPopularity, EvictionPolicy, make_eviction
 from .expert_cache import CacheEntry, ExpertCache
 
 __all__ = [

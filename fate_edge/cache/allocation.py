@@ -18,7 +18,9 @@ def shallow_favoring(budget_slots: int, moe_layers: Sequence[int], num_experts: 
 
     With C slots and E experts per layer: if C < full_layers·E, fill layers 0, 1, ... completely in
     order; otherwise the first ``full_layers`` layers are fully cached and each deeper layer gets
-    ⌊(C − full_layers·E)/(L − full_layers)⌋ slots. (Fate hard-codes full_layers = 4.)
+    ⌊(C − full_layers·E)/(L − full_layers)⌋ slots. (Fate hard-codes full_layers = 4.) The ``fate`` preset
+    holds its first MoE layer resident apart (cache/factory.py ``Resident``): this split then covers the other
+    layers with ``full_layers − 1`` and the slots left once that layer is paid for.
     """
     e, layers = num_experts, list(moe_layers)
     out = {layer: 0 for layer in layers}

@@ -217,40 +217,6 @@ class ARC(EvictionPolicy):
         return candidates[0]  # residents the policy never saw (inserted before it was attached)
 
 
-class Belady(EvictionPolicy):
-    """Belady's MIN (1966): evict the resident whose next use is farthest in the future.
-
-    Clairvoyant: needs the request's recorded access sequence; an upper bound for hit rate, not a policy
-    a real system can run. ``future`` is the ordered list of keys the run will access.
-    """
-
-    name = "belady"
-
-    def __init__(self, future: Sequence[Key]):
-        self.future = list(future)
-        self.pos = 0
-        self.next_use: dict[Key, list[int]] = defaultdict(list)
-        for i in range(len(self.future) - 1, -1, -1):
-            self.next_use[self.future[i]].append(i)  # stack: smallest index on top
-
-    def on_access(self, key: Key, hit: bool, info: AccessInfo) -> None:
-        # Advance to this key's next recorded use: stays in step even if the run strays from the record.
-        uses = self.next_use.get(key)
-        while uses and uses[-1] < self.pos:
-            uses.pop()
-        if uses:
-            self.pos = uses.pop() + 1
-
-    def _next(self, key: Key) -> float:
-        uses = self.next_use.get(key)
-        while uses and uses[-1] < self.pos:
-            uses.pop()
-        return uses[-1] if uses else float("inf")
-
-    def victim(self, candidates: Sequence[Key], incoming: Key | None = None) -> Key:
-        return max(candidates, key=lambda k: (self._next(k), k))
-
-
 def make_eviction(name: str, capacity_entries: int = 1, **kw) -> EvictionPolicy:
     if name == "lru":
         return LRU()
@@ -263,5 +229,7 @@ def make_eviction(name: str, capacity_entries: int = 1, **kw) -> EvictionPolicy:
     if name == "lcu":
         return LCU(**kw)
     if name == "belady":
+        from .belady import Belady  # its own module: it imports this one's base class
+
         return Belady(**kw)
     raise ValueError(f"unknown eviction policy '{name}' (lru, lfu, arc, popularity, lcu, belady)")

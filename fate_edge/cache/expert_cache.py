@@ -31,12 +31,18 @@ class ExpertCache:
         make_policy: Callable[[int, int], EvictionPolicy],
         entry_bytes: int,
         partition_of: Callable[[Key], int] | None = None,
+        entry_bytes_of: dict[int, int] | None = None,
     ):
         """``partition_bytes``: partition id → capacity; ``make_policy(partition, capacity_in_entries)``;
-        ``partition_of(key)``: defaults to the key's layer (per-layer partitions)."""
+        ``partition_of(key)``: defaults to the key's layer (per-layer partitions); ``entry_bytes_of``: partitions
+        whose entries are another size than ``entry_bytes`` (Fate's first layer, resident in full precision)."""
         self.capacity = dict(partition_bytes)
+        self.entry_bytes = entry_bytes
         self.partition_of = partition_of or (lambda key: key[0])
-        self.policies = {p: make_policy(p, max(1, cap // max(1, entry_bytes))) for p, cap in self.capacity.items()}
+        sizes = entry_bytes_of or {}
+        self.policies = {p: make_policy(p, max(1, cap // max(1, sizes.get(p, entry_bytes))))
+                         for p, cap in self.capacity.items()}
+        self.per_layer: dict[int, int] = {}  # MoE layer → entries held (whatever the partitioning)
         self.entries: dict[Key, CacheEntry] = {}
         self.used: dict[int, int] = {p: 0 for p in self.capacity}
         self.evictions = 0
@@ -89,12 +95,14 @@ class ExpertCache:
             self._evict(policy.victim(candidates, incoming=key))
         self.entries[key] = CacheEntry(key, expert, nbytes, bits)
         self.used[part] += nbytes
+        self.per_layer[key[0]] = self.per_layer.get(key[0], 0) + 1
         policy.on_insert(key)
         assert self.used[part] <= cap
         return True
 
     def _evict(self, key: Key) -> None:
         e = self.entries.pop(key)
+        self.per_layer[key[0]] -= 1
         part = self.partition_of(key)
         self.used[part] -= e.nbytes
         self.policies[part].on_evict(key)
@@ -107,6 +115,10 @@ class ExpertCache:
         for key in list(self.entries):
             self.entries[key].pins = 0
             self._evict(key)
+
+    def holds_layer(self, layer: int, num_experts: int) -> bool:
+        """Every one of the layer's ``num_experts`` experts is cached."""
+        return self.per_layer.get(layer, 0) >= num_experts
 
     def resident_layers(self, layer: int) -> set[int]:
         return {k[1] for k in self.entries if k[0] == layer}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from ..policy import PolicyConfig
 from .allocation import allocate
@@ -24,12 +25,52 @@ def miss_curves(popularity: dict[int, Sequence[int]]) -> dict[int, list[float]]:
     return curves
 
 
+@dataclass(frozen=True)
+class Resident:
+    """A MoE layer held whole from load to close (Fate's first layer): its own partition, entries of its size."""
+
+    layer: int
+    bits: int  # precision held (16: full precision)
+    entry_bytes: int  # one decoded expert at ``bits``
+    num_experts: int
+    note: str = ""  # why this precision (a fallback says so)
+
+    @property
+    def nbytes(self) -> int:
+        return self.entry_bytes * self.num_experts
+
+
+def precision_name(bits: int) -> str:
+    return "bf16" if bits == 16 else f"int{bits}"
+
+
+def pick_resident(layer: int, num_experts: int, cache_bytes: int, entry_bytes: dict[int, int]) -> Resident | None:
+    """Fate's first layer in the highest precision of ``entry_bytes`` (bits → decoded bytes) whose whole layer
+    fits in ``cache_bytes``; None when none does (the layer is then cached like any other)."""
+    best = max(entry_bytes)
+    for bits in sorted(entry_bytes, reverse=True):
+        need = num_experts * entry_bytes[bits]
+        if need <= cache_bytes:
+            note = "" if bits == best else (f"{precision_name(best)} would need {num_experts * entry_bytes[best]} "
+                                            f"bytes of the {cache_bytes}-byte cache: held as {precision_name(bits)}")
+            return Resident(layer, bits, entry_bytes[bits], num_experts, note)
+    return None
+
+
 def layer_slots(policy: PolicyConfig, slots: int, moe_layers: Sequence[int], num_experts: int,
-                popularity: dict[int, Sequence[int]] | None = None) -> dict[int, int]:
+                popularity: dict[int, Sequence[int]] | None = None,
+                resident: Resident | None = None) -> dict[int, int]:
     """Per-layer slot counts of the policy's allocation (empty for one global partition).
 
     ``cost-aware`` needs calibration popularity (``fate-edge calibrate``); without it the split is uniform.
+    ``resident``: a layer held whole outside ``slots`` (the bytes left once it is paid for); under
+    shallow-favoring it counts as one of the ``full_layers``.
     """
+    if resident is not None:
+        rest = [layer for layer in moe_layers if layer != resident.layer]
+        full = max(0, policy.full_layers - 1)
+        return {resident.layer: num_experts, **layer_slots(policy.with_(full_layers=full), slots, rest, num_experts,
+                                                          popularity)}
     if policy.allocation == "global":
         return {}
     if policy.allocation == "shallow":
@@ -41,8 +82,10 @@ def layer_slots(policy: PolicyConfig, slots: int, moe_layers: Sequence[int], num
 
 def build_cache(policy: PolicyConfig, cache_bytes: int, entry_bytes: int, moe_layers: Sequence[int],
                 num_experts: int, future: list | None = None,
-                popularity: dict[int, Sequence[int]] | None = None) -> ExpertCache | None:
-    """The cache for ``policy`` with ``cache_bytes`` of capacity; ``future`` feeds Belady's clairvoyance."""
+                popularity: dict[int, Sequence[int]] | None = None,
+                resident: Resident | None = None) -> ExpertCache | None:
+    """The cache for ``policy`` with ``cache_bytes`` of capacity; ``future`` feeds Belady's clairvoyance;
+    ``resident``: a layer held whole, paid out of ``cache_bytes`` (the other layers share the rest)."""
     if not policy.cache:
         return None
     kw: dict = {"future": future or []} if policy.eviction == "belady" else {}
@@ -56,5 +99,10 @@ def build_cache(policy: PolicyConfig, cache_bytes: int, entry_bytes: int, moe_la
 
     if policy.allocation == "global":
         return ExpertCache({0: cache_bytes}, make, entry_bytes, partition_of=lambda key: 0)
-    slots = layer_slots(policy, cache_bytes // entry_bytes, moe_layers, num_experts, popularity)
-    return ExpertCache({layer: s * entry_bytes for layer, s in slots.items()}, make, entry_bytes)
+    left = cache_bytes - (resident.nbytes if resident else 0)
+    slots = layer_slots(policy, left // entry_bytes, moe_layers, num_experts, popularity, resident)
+    parts = {layer: s * entry_bytes for layer, s in slots.items()}
+    if resident is None:
+        return ExpertCache(parts, make, entry_bytes)
+    parts[resident.layer] = resident.nbytes
+    return ExpertCache(parts, make, entry_bytes, entry_bytes_of={resident.layer: resident.entry_bytes})
