@@ -183,11 +183,12 @@ def quantize_resident(config: ModelConfig, w: Weights, layer_names: list, bits: 
         groups.append(["lm_head"])
     for names in groups:
         key = "+".join(names)
-        full = torch.cat([w[f"{n}.weight"] for n in names])
+        parts = [w[f"{n}.weight"] for n in names]
+        full = parts[0] if len(parts) == 1 else torch.cat(parts)  # lm_head alone: no copy
         shape, group = tuple(full.shape), _int4_group(full.shape[1])
         if bits == 4 and group and int4_supported(shape, QuantSpec(4, group), full.device):
             spec = QuantSpec(4, group)
-            lin = QuantizedLinear.from_quantized(quantize(full.float(), spec), spec, full.device, "torch-int4")
+            lin = QuantizedLinear.from_quantized(quantize(full, spec), spec, full.device, "torch-int4")
             dict.update(w, {f"{key}.int4": lin.packed, f"{key}.int4_scale_zero": lin.scale_zero,
                             f"{key}.int4_group": torch.tensor(group)})
         else:

@@ -7,12 +7,23 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+BLOCK_BYTES = 16 << 20  # fp32 working set per block of rows
+
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w`` [N, K] → (codes int8 [N, K], scale bf16 [N]) with ``w ≈ codes * scale``."""
-    w = w.float()
-    scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-12).to(torch.bfloat16)
-    codes = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    """``w`` [N, K] → (codes int8 [N, K], scale bf16 [N]) with ``w ≈ codes * scale``.
+
+    A block of rows at a time: a real lm_head (50k x 2k) in fp32 with its temporaries would otherwise hold
+    several times the weight's own bytes at load, over the memory the deployment was sized for."""
+    n, k = w.shape
+    codes = torch.empty(n, k, dtype=torch.int8, device=w.device)
+    scale = torch.empty(n, dtype=torch.bfloat16, device=w.device)
+    step = max(1, BLOCK_BYTES // (4 * max(k, 1)))
+    for r in range(0, n, step):
+        b = w[r : r + step].float()
+        s = (b.abs().amax(dim=1) / 127).clamp_min(1e-12).to(torch.bfloat16)
+        codes[r : r + step] = b.div_(s.float()[:, None]).round_().clamp_(-127, 127)
+        scale[r : r + step] = s
     return codes, scale
 
 

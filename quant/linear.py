@@ -149,7 +149,10 @@ def pack_int4_cpu(codes: torch.Tensor) -> torch.Tensor:
     n, k = codes.shape
     rows = _INT4_BLOCK_ROWS.get((n, k))
     if rows is None:
-        probe = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=torch.Generator().manual_seed(n * k))
+        # Probe on at most 128 rows plus n's remainder mod 128 (same K, same last partial block): a full-size
+        # int32 probe of a real lm_head (50k x 2k) took 0.4 GB at load, more than the packed model itself.
+        m = min(n, 128 + n % 128)
+        probe = torch.randint(0, 16, (m, k), dtype=torch.uint8, generator=torch.Generator().manual_seed(n * k))
         want = torch._convert_weight_to_int4pack_for_cpu(probe.to(torch.int32), _INT4_TILES)
         rows = next((b for b in (64, 32) if torch.equal(_block_pack(probe, b), want)), 0)
         _INT4_BLOCK_ROWS[(n, k)] = rows

@@ -5,8 +5,11 @@ Resident: fate-edge fp32 / bf16 / int4 experts vs llama.cpp f32 / bf16 / q4_0 GG
 checkpoint by llama.cpp's own converter, cached in ~/.cache/fate-edge-peers; fate_edge.bench.gguf).
 Memory-limited: fate-edge with an expert budget vs llama.cpp q4_0 memory-mapped in a memory cgroup capped at
 fate-edge's peak RSS, page cache dropped first; MB read per decoded token from /proc/PID/io.
+A bf16 checkpoint (the real-size synthetic ones) runs the ``real`` sides: bf16 vs bf16, and int4 experts with
+bf16 / int8 / int4 resident weights vs q4_0 (no f32 GGUF); its README table gets its own markers.
 
     python scripts/bench_llamacpp.py --rounds 3 --json bench-out/llamacpp.json --readme README.md
+    python scripts/bench_llamacpp.py --model /tmp/olmoe-2l --threads 1 --readme README.md
 """
 
 from __future__ import annotations
@@ -22,7 +25,15 @@ from fate_edge import bundled_model_dir
 from fate_edge.bench.config import HEADLINE_BUDGET
 from fate_edge.bench.gguf import PeerUnavailableError, ensure_ggufs
 from fate_edge.bench.prepare import store_info
-from fate_edge.bench.sidebyside import LIMITED, PAIRS, RESIDENT, run_rounds, same_tokens, summarize
+from fate_edge.bench.sidebyside import (
+    SIDE_SETS,
+    add_markers,
+    pick_side_set,
+    readme_marker,
+    run_rounds,
+    same_tokens,
+    summarize,
+)
 from fate_edge.bench.threads import load_average
 from fate_edge.corpus import heldout_source
 from fate_edge.engine_args import resolve_store
@@ -47,6 +58,23 @@ def table(summary: dict, header: str) -> str:
     return "\n".join(out)
 
 
+def model_label(model: str) -> str:
+    """The model's name, and for a synthetic checkpoint its shape and layers (synthetic.json)."""
+    path = Path(model)
+    label = f"`{path.name}`"
+    if (path / "synthetic.json").exists():
+        import json
+
+        syn = json.loads((path / "synthetic.json").read_text())
+        opts = syn.get("options", {})
+        preset = __import__("fate_edge.synthetic", fromlist=["PRESETS"]).PRESETS.get(syn.get("like", ""))
+        total = preset.config["num_hidden_layers"] if preset else "?"
+        scale = f", widths / {opts['scale']}" if opts.get("scale", 1) != 1 else ""
+        label += (f" (synthetic {syn.get('like')} shape{scale}, {opts.get('layers') or total} of {total} layers, "
+                  "random weights)")
+    return label
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(bundled_model_dir()), help="Hugging Face model directory")
@@ -56,12 +84,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--budget", type=float, default=HEADLINE_BUDGET, help="expert budget, share of int4 experts")
     ap.add_argument("--no-limited", action="store_true", help="skip the memory-limited mode")
+    ap.add_argument("--sides", choices=["auto", *SIDE_SETS], default="auto",
+                    help="small: fp32/bf16/int4 vs f32/bf16/q4_0; real: bf16 and int4 experts with bf16/int8/int4 "
+                         "rest vs bf16/q4_0; auto: real for a bf16 checkpoint")
     ap.add_argument("--timeout", type=float, default=900.0, help="per process, seconds")
     ap.add_argument("--json", type=Path, default=Path("bench-out/llamacpp.json"))
     ap.add_argument("--readme", type=Path, default=None, help="rewrite the table between the bench_llamacpp markers")
     args = ap.parse_args()
+    sides_set = pick_side_set(args.sides, args.model)
     try:
-        ggufs = {k: str(p) for k, p in ensure_ggufs(args.model).items()}
+        ggufs = {k: str(p) for k, p in ensure_ggufs(args.model, sides_set.gguf_types).items()}
     except PeerUnavailableError as exc:
         sys.exit(f"bench_llamacpp: {exc}")
     store = resolve_store(args.model, progress=False)
@@ -74,29 +106,35 @@ def main() -> None:
     base = {"model": str(Path(args.model).resolve()), "store": str(store), "ids": ids, "text": text,
             "text_ids": text_ids, "threads": args.threads, "workers": 1, "decode_tokens": args.decode_tokens,
             "budget": budget}
-    sides = RESIDENT + ([] if args.no_limited else LIMITED)
+    sides = sides_set.resident + ([] if args.no_limited else sides_set.limited)
     load_before = load_average()
     runs, notes = run_rounds(base, sides, ggufs, args.rounds, args.timeout)
-    summary = summarize(runs, sides)
-    agree = {f"{a} vs {b}": same_tokens(runs, a, b) for a, b in PAIRS}
+    load_after = load_average()
+    summary = summarize(runs, sides, sides_set.pairs)
+    agree = {f"{a} vs {b}": same_tokens(runs, a, b) for a, b in sides_set.pairs}
     tokenization = next((r["tokenization"] for rs in runs.values() for r in rs if "tokenization" in r), None)
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), platform.processor())
-    header = (f"`{Path(args.model).name}`, {len(ids)}-token held-out Python prompt (same token ids on both sides), "
+    header = (f"{model_label(args.model)}, {len(ids)}-token held-out Python prompt (same token ids on both sides), "
               f"{args.decode_tokens} greedy decode tokens, {args.threads} threads, median of {args.rounds} "
               f"interleaved rounds of fresh processes; {cpu}, torch {torch.__version__}, llama-cpp-python "
-              f"{__import__('llama_cpp').__version__}; load average {load_before[0]} before, medians per side in "
-              f"the JSON. Ratios: fate-edge / llama.cpp. Expert budget {budget / 1e6:.1f} MB "
-              f"({args.budget:.0%} of int4 experts); llama.cpp's cap: {notes.get('cgroup', 'none')}; "
-              f"{notes.get('page_cache', '')}. Leading greedy tokens equal: "
-              + ", ".join(f"{k}: {v}" for k, v in agree.items())
+              f"{__import__('llama_cpp').__version__}; load average {load_before[0]} before, {load_after[0]} after, "
+              f"per run in the JSON. Ratios: fate-edge / llama.cpp. "
+              + ("" if args.no_limited else f"Expert budget {budget / 1e6:.1f} MB ({args.budget:.0%} of int4 "
+                 f"experts); llama.cpp's cap: {notes.get('cgroup', 'none')}; {notes.get('page_cache', '')}. ")
+              + "Leading greedy tokens equal: "
+              + ", ".join(f"{k}: {v}" for k, v in agree.items() if v is not None)
               + f"; llama.cpp tokenizes the prompt text as fate-edge does: "
               f"{tokenization['equal'] if tokenization else 'not checked'} (`scripts/bench_llamacpp.py`).")
     result = {"model": args.model, "ggufs": ggufs, "prompt_files": files, "threads": args.threads,
               "rounds": args.rounds, "cpu": cpu, "torch": torch.__version__, "load_avg_before": load_before,
+              "load_avg_after": load_after,
               "notes": notes, "summary": summary, "token_agreement": agree, "tokenization": tokenization,
               "runs": runs}
-    publish(result, args.json, table(summary, header), args.readme, "bench_llamacpp")
+    marker = readme_marker(args.model, args.threads)
+    if args.readme:
+        add_markers(args.readme, marker)
+    publish(result, args.json, table(summary, header), args.readme, marker)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ Nothing of llama.cpp lives in this repository: the sdist is unpacked into the pe
 (``~/.cache/fate-edge-peers``, or ``$FATE_EDGE_PEERS_CACHE``), and the GGUFs are cached there too, keyed by
 the model's fingerprint, so a second run converts nothing.
 
-    python -m fate_edge.bench.gguf MODEL_DIR            # prints the paths of the three GGUFs
+    python -m fate_edge.bench.gguf MODEL_DIR                    # prints the paths of the three GGUFs
+    python -m fate_edge.bench.gguf MODEL_DIR --types bf16,q4_0  # real-size checkpoints: no f32 file
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from ..errors import FateEdgeError, PeerUnavailableError
 from .prepare import _fingerprint
 
 GGUF_TYPES = ("f32", "bf16", "q4_0")
-CONVERTED = ("f32", "bf16")  # written by the converter; q4_0 is quantized from the f32 file
+CONVERTED = ("f32", "bf16")  # written by the converter; q4_0 is quantized from one of them (quantize_source)
 FALLBACK_PRE_TOKENIZER = "gpt-2"  # byte-level BPE with GPT-2's split regex, as our tokenizers use
 _VENDOR = "vendor/llama.cpp"
 
@@ -114,15 +115,71 @@ def patch_pre_tokenizer(model_class: type, fallback: str = FALLBACK_PRE_TOKENIZE
     model_class.get_vocab_base_pre = get_vocab_base_pre
 
 
+def patch_sentencepiece_probe(model_class: type) -> None:
+    """Make ``model_class._create_vocab_sentencepiece`` raise FileNotFoundError without a ``tokenizer.model``
+    before it imports sentencepiece.
+
+    The Llama family's converter (Mixtral) tries a SentencePiece vocabulary first and falls back to the
+    Hugging Face BPE on FileNotFoundError; the import comes before that check, so without the optional
+    sentencepiece package a checkpoint that has only a ``tokenizer.json`` (ours) fails on ImportError."""
+    original = model_class._create_vocab_sentencepiece
+    if getattr(original, "_fate_edge_probe", False):
+        return
+
+    def _create_vocab_sentencepiece(self):
+        path = Path(self.dir_model) / "tokenizer.model"
+        if not path.is_file():
+            raise FileNotFoundError(f"File not found: {path}")
+        return original(self)
+
+    _create_vocab_sentencepiece._fate_edge_probe = True  # type: ignore[attr-defined]
+    model_class._create_vocab_sentencepiece = _create_vocab_sentencepiece
+
+
+def patch_mla_without_q_lora(model_class: type) -> None:
+    """Write ``attention.q_lora_rank = 0`` for a DeepSeek-V2 checkpoint whose ``q_lora_rank`` is null.
+
+    The converter writes the key only when the rank is set; llama.cpp then recognises the q-LoRA-free "lite"
+    variant by its layer count (27 or 26) and otherwise demands the key. A checkpoint trimmed to fewer layers
+    (``make_synthetic_model.py --like deepseek-v2-lite --layers N``) would fail to load; 0 is the value
+    llama.cpp itself assumes for the lite variant (a plain ``wq`` instead of ``wq_a``/``wq_b``)."""
+    original = model_class.set_gguf_parameters
+    if getattr(original, "_fate_edge_q_lora", False):
+        return
+
+    def set_gguf_parameters(self) -> None:
+        original(self)
+        if self.hparams.get("q_lora_rank") is None:
+            self.gguf_writer.add_q_lora_rank(0)
+
+    set_gguf_parameters._fate_edge_q_lora = True  # type: ignore[attr-defined]
+    model_class.set_gguf_parameters = set_gguf_parameters
+
+
 def _convert_main(llama_dir: str, argv: list[str]) -> None:
-    """In the converter's process: import it from ``llama_dir``, patch the hash check, run its main()."""
+    """In the converter's process: import it from ``llama_dir``, patch the hash check, the SentencePiece
+    probe and DeepSeek-V2's q-LoRA rank, run its main()."""
     sys.path[:0] = [llama_dir, str(Path(llama_dir) / "gguf-py")]
     import conversion.base  # type: ignore[import-not-found]
+    import conversion.deepseek  # type: ignore[import-not-found]
     import convert_hf_to_gguf  # type: ignore[import-not-found]
 
     patch_pre_tokenizer(conversion.base.TextModel)
+    patch_sentencepiece_probe(conversion.base.TextModel)
+    patch_mla_without_q_lora(conversion.deepseek.DeepseekV2Model)
     sys.argv = ["convert_hf_to_gguf.py", *argv]
     convert_hf_to_gguf.main()
+
+
+def read_gguf(path: str | Path):
+    """A ``gguf.GGUFReader`` on ``path``, with the ``gguf`` package from llama.cpp's sources (the peers cache):
+    ``.tensors`` (name, shape in ggml's order, data in PyTorch's) and ``.fields`` (the metadata)."""
+    gguf_py = str(converter_dir() / "gguf-py")
+    if gguf_py not in sys.path:
+        sys.path.append(gguf_py)
+    from gguf import GGUFReader  # type: ignore[import-not-found]
+
+    return GGUFReader(str(path))
 
 
 def quantize_q4_0(src: Path, dst: Path, threads: int = 2) -> None:
@@ -136,6 +193,12 @@ def quantize_q4_0(src: Path, dst: Path, threads: int = 2) -> None:
         raise FateEdgeError(f"llama_model_quantize({src} -> q4_0) returned {rc}")
 
 
+def quantize_source(model_dir: str | Path, kinds: tuple[str, ...]) -> str:
+    """The GGUF q4_0 is quantized from: f32 when it is asked for or cached, else bf16 (a bf16 checkpoint's f32
+    GGUF holds the same values at twice the bytes: 11 GB for two Mixtral layers)."""
+    return "f32" if "f32" in kinds or gguf_path(model_dir, "f32").exists() else "bf16"
+
+
 def ensure_ggufs(model_dir: str | Path, kinds: tuple[str, ...] = GGUF_TYPES, quiet: bool = True) -> dict[str, Path]:
     """The GGUFs of ``model_dir`` in the ``kinds`` asked, converted on first use and then taken from the cache.
     Raises :class:`PeerUnavailableError` when llama-cpp-python or the converter is missing."""
@@ -145,10 +208,11 @@ def ensure_ggufs(model_dir: str | Path, kinds: tuple[str, ...] = GGUF_TYPES, qui
     model_dir = Path(model_dir).resolve()
     out = {k: gguf_path(model_dir, k) for k in kinds}
     todo = [k for k in kinds if not out[k].exists()]
-    if "q4_0" in todo and "f32" not in kinds:
-        ensure_ggufs(model_dir, ("f32",), quiet)
     if not todo:
         return out
+    source = quantize_source(model_dir, kinds)
+    if "q4_0" in todo and source not in kinds:
+        ensure_ggufs(model_dir, (source,), quiet)
     llama_dir = converter_dir()
     out[next(iter(out))].parent.mkdir(parents=True, exist_ok=True)
     for kind in [k for k in CONVERTED if k in todo]:
@@ -161,8 +225,8 @@ def ensure_ggufs(model_dir: str | Path, kinds: tuple[str, ...] = GGUF_TYPES, qui
         tmp.rename(out[kind])
     if "q4_0" in todo:
         tmp = out["q4_0"].with_suffix(f".partial-{os.getpid()}")
-        print(f"gguf: quantizing -> {out['q4_0']} (q4_0)", flush=True)
-        quantize_q4_0(gguf_path(model_dir, "f32"), tmp)
+        print(f"gguf: quantizing {source} -> {out['q4_0']} (q4_0)", flush=True)
+        quantize_q4_0(gguf_path(model_dir, source), tmp)
         tmp.rename(out["q4_0"])
     return out
 
@@ -172,11 +236,14 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--convert"]:
         _convert_main(argv[1], argv[2:])
         return 0
-    if len(argv) != 1 or argv[0].startswith("-"):
-        print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)
+    kinds = GGUF_TYPES
+    if len(argv) == 3 and argv[1] == "--types":
+        kinds, argv = tuple(argv[2].split(",")), argv[:1]
+    if len(argv) != 1 or argv[0].startswith("-") or not set(kinds) <= set(GGUF_TYPES):
+        print("\n".join(ln.strip() for ln in __doc__.strip().splitlines()[-2:]), file=sys.stderr)
         return 2
     try:
-        for kind, path in ensure_ggufs(argv[0], quiet=False).items():
+        for kind, path in ensure_ggufs(argv[0], kinds, quiet=False).items():
             print(f"{kind}\t{path}")
     except FateEdgeError as exc:
         print(f"gguf: {exc}", file=sys.stderr)

@@ -54,9 +54,10 @@ def llama_stream(llm, ids: list[int]):
 
 
 def tokens_agree(llm, text: str, ids: list[int]) -> dict[str, Any]:
-    """Does llama.cpp tokenize ``text`` to our ``ids``? (The bench feeds ids either way; this checks the GGUF's
-    vocabulary and pre-tokenizer reproduce ours.)"""
-    theirs = llm.tokenize(text.encode(), add_bos=False, special=False)
+    """Does llama.cpp tokenize ``text`` to our ``ids`` (``Tokenizer.encode``, BOS as the model's tokenizer
+    config says)? The bench feeds ids either way; this checks the GGUF's vocabulary, pre-tokenizer and BOS
+    flag reproduce ours. ``add_bos=True`` adds BOS only where the GGUF's ``add_bos_token`` says so."""
+    theirs = llm.tokenize(text.encode(), add_bos=True, special=False)
     first = next((i for i, (a, b) in enumerate(zip(theirs, ids)) if a != b), None)
     if first is None and len(theirs) != len(ids):
         first = min(len(theirs), len(ids))

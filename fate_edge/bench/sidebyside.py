@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..bundled import bundled_model_dir as _bundled
+from ..report import markers
 from .llamacpp import llama_child, read_bytes, time_tokens
 
 
@@ -25,6 +27,8 @@ class Side:
     experts: str  # what the experts are stored and computed in
     rest: str  # attention, embeddings, shared experts, lm_head
     mode: str = "resident"  # resident | limited (fate-edge: expert budget; llama.cpp: mmap under a cgroup cap)
+    dtype: str = ""  # fate-edge int4 sides: what the rest is held and computed in ("" = fp32)
+    resident_bits: int | None = None  # fate-edge: attention, shared experts, lm_head quantized (fused.py)
 
 
 RESIDENT = [
@@ -44,6 +48,72 @@ LIMITED = [
 PAIRS = [("fate-edge fp32", "llama.cpp f32"), ("fate-edge bf16", "llama.cpp bf16"),
          ("fate-edge int4", "llama.cpp q4_0"), ("fate-edge int4, expert budget", "llama.cpp q4_0, mmap under cap")]
 
+# Real-size checkpoints (bf16, synthetic or not): no f32 side (twice the bytes of bf16, same values), the rest in
+# bf16 as the checkpoint stores it, and fate-edge's quantized resident weights beside llama.cpp's q4_0 mix.
+_Q4_MIX = "llama.cpp's Q4_0 mix (attention q4_0, output q6_K, norms f32)"
+REAL_RESIDENT = [
+    Side("fate-edge bf16", "fate-edge", "bf16", "bf16", "bf16 (router fp32)"),
+    Side("fate-edge int4, bf16 rest", "fate-edge", "int4", "int4 (group-wise RTN)", "bf16", dtype="bf16"),
+    Side("fate-edge int4, int8 rest", "fate-edge", "int4", "int4 (group-wise RTN)", "int8 (embeddings bf16)",
+         dtype="bf16", resident_bits=8),
+    Side("fate-edge int4, int4 rest", "fate-edge", "int4", "int4 (group-wise RTN)", "int4 (embeddings bf16)",
+         dtype="bf16", resident_bits=4),
+    Side("llama.cpp bf16", "llama.cpp", "bf16", "bf16", "bf16 (norms f32)"),
+    Side("llama.cpp q4_0", "llama.cpp", "q4_0", "q4_0", _Q4_MIX),
+]
+REAL_LIMITED = [
+    Side("fate-edge int4, expert budget", "fate-edge", "int4", "int4, streamed from disk into the budget", "bf16",
+         "limited", dtype="bf16"),
+    Side("llama.cpp q4_0, mmap under cap", "llama.cpp", "q4_0", "q4_0, memory-mapped", _Q4_MIX, "limited"),
+]
+REAL_PAIRS = [("fate-edge bf16", "llama.cpp bf16"), ("fate-edge int4, bf16 rest", "llama.cpp q4_0"),
+              ("fate-edge int4, int8 rest", "llama.cpp q4_0"), ("fate-edge int4, int4 rest", "llama.cpp q4_0"),
+              ("fate-edge int4, expert budget", "llama.cpp q4_0, mmap under cap")]
+
+
+@dataclass(frozen=True)
+class SideSet:
+    """What one comparison runs: the sides, the pairs that get ratios, and the GGUF types it needs."""
+    resident: list[Side]
+    limited: list[Side]
+    pairs: list[tuple[str, str]]
+    gguf_types: tuple[str, ...]
+
+
+SIDE_SETS = {
+    "small": SideSet(RESIDENT, LIMITED, PAIRS, ("f32", "bf16", "q4_0")),
+    "real": SideSet(REAL_RESIDENT, REAL_LIMITED, REAL_PAIRS, ("bf16", "q4_0")),
+}
+
+
+def pick_side_set(name: str, model_dir: str | Path) -> SideSet:
+    """``small`` (fp32 / bf16 / int4 vs f32 / bf16 / q4_0), ``real`` (bf16 and int4 experts with bf16 / int8 /
+    int4 rest vs bf16 / q4_0), or ``auto``: ``real`` for a checkpoint stored in bf16 (the real-size ones),
+    else ``small``."""
+    if name == "auto":
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        name = "real" if cfg.get("torch_dtype", cfg.get("dtype")) == "bfloat16" else "small"
+    return SIDE_SETS[name]
+
+
+def readme_marker(model: str, threads: int) -> str:
+    """The README block a run writes: ``bench_llamacpp`` for the bundled model at 2 threads (as before), else one
+    per model and thread count, so the tables of several models coexist."""
+    if Path(model).resolve() == _bundled().resolve() and threads == 2:
+        return "bench_llamacpp"
+    return f"bench_llamacpp-{Path(model).resolve().name}-{threads}t"
+
+
+def add_markers(readme: Path, name: str) -> None:
+    """Empty ``name`` markers after the bundled model's table, where they are not in ``readme`` yet."""
+    doc = readme.read_text()
+    begin, end = markers(name)
+    if begin in doc:
+        return
+    anchor = markers("bench_llamacpp")[1]
+    at = doc.index(anchor) + len(anchor) if anchor in doc else len(doc)
+    readme.write_text(doc[:at] + f"\n\n{begin}\n{end}" + doc[at:])
+
 
 def child_command(spec: dict[str, Any]) -> list[str]:
     code = "import sys; from fate_edge.bench.sidebyside import child_main; child_main(sys.argv[1])"
@@ -53,7 +123,8 @@ def child_command(spec: dict[str, Any]) -> list[str]:
 
 
 def resident_int4(store: str | Path):
-    """Every int4 expert of ``store`` decoded once into memory: the int4 model with nothing left to fetch."""
+    """Every int4 expert of ``store`` decoded once into memory: the int4 model with nothing left to fetch
+    (int4 experts compute in the activations' dtype, so one provider serves fp32 and bf16 models)."""
     from ..experts import InMemoryExpertProvider
     from ..store import ExpertStore
     from ..store_provider import StoreExpertProvider
@@ -77,13 +148,16 @@ def _fate_edge_stream(spec: dict[str, Any]):
 
     torch.set_num_threads(spec["threads"])
     cfg = GenerateConfig(max_tokens=spec["decode_tokens"] + 1, ignore_eos=True)
+    rest = torch.bfloat16 if spec.get("dtype") == "bf16" else torch.float32
     if spec["mode"] == "limited":
         from ..engine import Engine
 
-        engine = Engine(spec["store"], spec["budget"], "fate-edge", workers=spec["workers"])
+        engine = Engine(spec["store"], spec["budget"], "fate-edge", dtype=rest, workers=spec["workers"],
+                        resident_bits=spec.get("resident_bits"))
         return (r.token for r in engine.stream(spec["ids"], cfg))
     if spec["precision"] == "int4":
-        model = load_model(spec["store"], torch.float32, experts=resident_int4(spec["store"]))
+        model = load_model(spec["store"], rest, experts=resident_int4(spec["store"]),
+                           resident_bits=spec.get("resident_bits"))
     else:
         model = load_model(spec["model"], torch.float32 if spec["precision"] == "fp32" else torch.bfloat16)
     return (r.token for r in stream_generate(model, Tokenizer(spec["model"]), spec["ids"], cfg))
@@ -115,7 +189,8 @@ def child_main(spec_json: str) -> None:
     print(json.dumps({**t, **extra, "peak_rss_bytes": peak_rss_bytes()}), flush=True)
 
 
-def summarize(runs: dict[str, list[dict[str, Any]]], sides: list[Side]) -> dict[str, dict[str, Any]]:
+def summarize(runs: dict[str, list[dict[str, Any]]], sides: list[Side],
+              pairs: list[tuple[str, str]] = PAIRS) -> dict[str, dict[str, Any]]:
     """Medians per side (over the runs that did not fail) and fate-edge / llama.cpp ratios per pair."""
     out: dict[str, dict[str, Any]] = {}
     for side in sides:
@@ -128,7 +203,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], sides: list[Side]) -> dict[
             vals = [r[key] for r in ok if r.get(key) is not None]
             row[key] = statistics.median(vals) if vals else None
         out[side.name] = row
-    for ours, theirs in PAIRS:
+    for ours, theirs in pairs:
         a, b = out.get(ours), out.get(theirs)
         if a and b:
             for key in ("prefill_tps", "decode_tps"):
@@ -163,7 +238,7 @@ def run_rounds(base: dict[str, Any], sides: list[Side], ggufs: dict[str, str], r
     for r in range(rounds):
         for side in sides:
             spec = {**base, "kind": side.kind, "precision": side.precision, "mode": side.mode,
-                    "gguf": ggufs.get(side.precision, "")}
+                    "gguf": ggufs.get(side.precision, ""), "dtype": side.dtype, "resident_bits": side.resident_bits}
             if r == 0 and side.kind == "llama.cpp":
                 spec.update(text=base["text"], text_ids=base["text_ids"])
             cg = None
