@@ -32,6 +32,7 @@ class BudgetPlan:
     cache_bytes: int
     entry_bytes: int  # one cached expert at the policy's precision
     slots: dict[int, int] = field(default_factory=dict)  # per MoE layer (empty for global / no cache)
+    demand_buffers: int = 2  # read buffers prefetches never take (FetchEngine's demand_reserve)
 
     @property
     def minimum(self) -> int:
@@ -39,14 +40,16 @@ class BudgetPlan:
 
 
 def plan_budget(budget: int, policy: PolicyConfig, entry_bytes: int, slot_bytes: int, max_inflight: int = 8,
-                min_buffers: int = 2) -> BudgetPlan:
+                min_buffers: int = 2, top_k: int = 2) -> BudgetPlan:
     """Split ``budget`` into read buffers, the one expert being computed, and the cache.
 
     ``min_buffers`` read buffers let demand reads proceed whatever prefetches hold; prefetching policies
-    get extra buffers, at most a tenth of the rest of the budget, at most ``max_inflight`` and at most
-    lookahead x the widest prefetch the policy issues per layer.
+    get extra buffers, at most ``max_inflight`` and at most lookahead x the widest prefetch the policy issues
+    per layer: a tenth of the rest of the budget, but never fewer than lookahead x ``top_k`` (one layer's
+    experts per layer ahead) while the rest of the budget holds them, so small budgets still prefetch.
     """
-    plan = BudgetPlan(budget, min_buffers, min_buffers * slot_bytes, entry_bytes, 0, entry_bytes)
+    plan = BudgetPlan(budget, min_buffers, min_buffers * slot_bytes, entry_bytes, 0, entry_bytes,
+                      demand_buffers=min_buffers)
     if budget < plan.minimum:
         raise BudgetError(
             f"memory budget {format_bytes(budget)} is below the minimum {format_bytes(plan.minimum, round_up=True)} "
@@ -57,7 +60,9 @@ def plan_budget(budget: int, policy: PolicyConfig, entry_bytes: int, slot_bytes:
     if policy.predictor is not None:
         # No more buffers than the policy can have prefetches in flight: the rest of the budget caches.
         width = policy.prefetch_width if isinstance(policy.prefetch_width, int) else policy.max_prefetch_width
-        extra = min(max_inflight, policy.lookahead * width, int(0.1 * (budget - plan.minimum) // slot_bytes))
+        rest = (budget - plan.minimum) // slot_bytes
+        share = min(rest, max(policy.lookahead * top_k, int(0.1 * (budget - plan.minimum) // slot_bytes)))
+        extra = min(max_inflight, policy.lookahead * width, share)
         plan.pool_buffers += max(0, extra)
         plan.pool_bytes = plan.pool_buffers * slot_bytes
     plan.cache_bytes = budget - plan.pool_bytes - plan.working_bytes if policy.cache else 0

@@ -1,4 +1,9 @@
-"""Preallocated, page-aligned read buffers: the fetch engine reads into them and never allocates."""
+"""Preallocated, page-aligned read buffers: the fetch engine reads into them and never allocates.
+
+A buffer can also be handed off (:meth:`BufferPool.hand_off`): its memory becomes a cached expert (no copy out
+of it) and another buffer takes its place (the memory of an expert the cache evicted, or a new one), so the pool
+keeps ``count`` buffers and the bytes stay bounded.
+"""
 
 from __future__ import annotations
 
@@ -33,8 +38,11 @@ class BufferPool:
         if count < 1:
             raise ValueError("BufferPool needs at least one buffer")
         self.size = -(-size // ALIGN) * ALIGN
+        self.pinned = pinned
         self._free = [Buffer(self.size, pinned) for _ in range(count)]
         self.count = count
+        self.handed_off = 0  # buffers whose memory left the pool as a cached expert
+        self.recycled = 0  # ... replaced by an evicted expert's buffer (no new memory to fault in)
         self._cv = threading.Condition()
 
     @property
@@ -54,6 +62,19 @@ class BufferPool:
         with self._cv:
             self._free.append(buf)
             self._cv.notify()
+
+    def hand_off(self, buf: Buffer, replacement: Buffer | None = None) -> Buffer:
+        """``buf`` (taken from this pool) leaves it for good, its memory now the caller's (a cached expert
+        decoded in place). ``replacement`` (a buffer of this size nothing uses any more) takes its place, or
+        a new buffer allocated here, on the caller's thread."""
+        if replacement is not None and replacement.size != self.size:
+            raise ValueError(f"replacement buffer of {replacement.size} bytes for a pool of {self.size}-byte buffers")
+        with self._cv:
+            self._free.append(replacement or Buffer(self.size, self.pinned))
+            self.handed_off += 1
+            self.recycled += replacement is not None
+            self._cv.notify()
+        return buf
 
     @property
     def available(self) -> int:

@@ -34,7 +34,7 @@ from .loader import DTYPES, load_model
 from .policy import PolicyConfig, for_model, get_policy
 from .preload import LoadReport, first_used, preload, preload_choice
 from .request_slot import RequestSlot
-from .scheduler import Scheduler, SchedulerStats
+from .scheduler import Scheduler, SchedulerStats, hands_off
 from .sizes import format_bytes
 from .store import ExpertStore, decode_expert, is_store
 from .tokenizer import Tokenizer
@@ -144,7 +144,8 @@ class Engine:
         slot = max(self.store.precisions[b].slot_bytes for b in bits_used)
         # On a GPU, staging buffers are pinned so copies to the device are asynchronous DMA.
         pool = BufferPool(self.plan.pool_buffers, slot, pinned=device.startswith("cuda"))
-        self.fetch = FetchEngine(pool, workers=workers, link=link, direct_io=direct_io, verify=verify)
+        self.fetch = FetchEngine(pool, workers=workers, link=link, direct_io=direct_io, verify=verify,
+                                 demand_reserve=self.plan.demand_buffers)
         self._check_memory()
         self.cache = self._make_cache()
         self.scheduler = Scheduler(self.model.config, self.store, self.fetch, self.cache, self.policy,
@@ -189,7 +190,10 @@ class Engine:
         p, cfg = self.policy, self.model.config
         bits_used = [b for b in (p.bits, p.cold_bits) if b in self.store.precisions]
         slot = max(self.store.precisions[b].slot_bytes for b in bits_used)
-        plan = plan_budget(self.budget, p, self._entry_bytes(p.bits), slot, max_inflight)
+        entry = self._entry_bytes(p.bits)
+        if hands_off(p, self.store, self.device):  # a cached expert keeps its whole read buffer
+            entry = max(entry, slot)
+        plan = plan_budget(self.budget, p, entry, slot, max_inflight, top_k=cfg.num_experts_per_tok)
         self.resident = self._resident(plan.cache_bytes)
         left = plan.cache_bytes - (self.resident.nbytes if self.resident else 0)
         plan.slots = layer_slots(p, left // plan.entry_bytes, cfg.moe_layers, cfg.num_experts, self.popularity,

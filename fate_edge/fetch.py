@@ -6,6 +6,10 @@ Requests carry a priority (demand > next layer > further ahead); a request for a
 or in flight is merged into it (and raises its priority). Every request records how long it queued,
 read and was waited for. A blob's CRC32 is checked before anyone sees its bytes: on its first read in
 this process (``verify="once"``, the default) or on every read (``verify="always"``).
+
+``demand_reserve`` buffers of the pool are for demand reads alone: prefetches hold at most the rest, so a
+demand read never waits behind read-ahead (a prefetch promoted to demand while queued may use them too).
+A read's buffer can be handed off (:meth:`FetchEngine.hand_off`): its memory becomes the cached expert.
 """
 
 from __future__ import annotations
@@ -107,6 +111,7 @@ class FetchRequest:
     waited_s: float = 0.0
     cpu_s: float = 0.0  # the reader thread's CPU time for this read
     cancel_requested: bool = False
+    holds_prefetch_buffer: bool = False  # counted against the prefetches' share of the pool
     done: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -137,10 +142,13 @@ class FetchEngine:
         chunk_bytes: int = 256 * 1024,
         fault_injector: Callable[[BlobRef], None] | None = None,
         verify: str = "once",
+        demand_reserve: int = 0,  # buffers prefetches never take (see the module docstring)
     ):
         if verify not in ("once", "always"):
             raise ValueError(f"verify must be 'once' or 'always', got {verify!r}")
         self.pool = pool
+        self.prefetch_cap = max(0, pool.count - demand_reserve)  # buffers prefetch reads may hold at once
+        self._prefetch_held = 0
         # "once": each blob's CRC is checked on its first read in this process, which catches what
         # was corrupted or truncated at rest; later re-reads of a verified blob skip the CRC, the largest
         # CPU cost of a read (zlib's CRC32 runs at ~3.7 GB/s, page-cache reads at ~6.5 GB/s on the
@@ -226,8 +234,18 @@ class FetchEngine:
         """Give the request's buffer back to the pool once its bytes have been consumed."""
         with self._cv:
             buf, req.buffer = req.buffer, None
+            self._unhold(req)
         if buf is not None:
             self.pool.release(buf)
+
+    def hand_off(self, req: FetchRequest, replacement: Buffer | None = None) -> Buffer:
+        """Take a finished request's buffer for good (zero-copy: the expert decoded in it is kept); the pool
+        gets ``replacement`` or a new buffer in its place (:meth:`BufferPool.hand_off`)."""
+        with self._cv:
+            buf, req.buffer = req.buffer, None
+            self._unhold(req)
+        assert buf is not None, f"{req.ref.where()}: no buffer to hand off (released already?)"
+        return self.pool.hand_off(buf, replacement)
 
     def close(self) -> None:
         """Stop the workers: queued reads are cancelled and reads in progress stop at their next chunk.
@@ -260,8 +278,19 @@ class FetchEngine:
         self.close()
 
     # -------------------------------------------------------------- internals
+    def _unhold(self, req: FetchRequest) -> None:
+        """The request's buffer no longer counts against the prefetches' share (caller holds ``_cv``)."""
+        if req.holds_prefetch_buffer:
+            req.holds_prefetch_buffer = False
+            self._prefetch_held -= 1
+            self._cv.notify_all()  # a worker may be waiting for the share to start a prefetch
+
+    def _startable(self, prio: int) -> bool:
+        return prio == Priority.DEMAND or self._prefetch_held < self.prefetch_cap
+
     def _finish_cancelled(self, req: FetchRequest) -> None:
         req.state = "cancelled"
+        self._unhold(req)
         self.stats.cancelled += 1
         if self._pending.get(req.ref.key) is req:
             del self._pending[req.ref.key]
@@ -282,7 +311,8 @@ class FetchEngine:
             while True:
                 while self._heap and not self._valid(self._heap[0][0], self._heap[0][2]):
                     heapq.heappop(self._heap)  # stale entry: cancelled, or re-queued at a higher priority
-                if self._heap:
+                # A prefetch waits while the prefetches' share of buffers is held (a release notifies).
+                if self._heap and self._startable(self._heap[0][0]):
                     return True
                 if self._closed:
                     return False
@@ -292,10 +322,18 @@ class FetchEngine:
         """The most urgent queued request, marked as reading; None if another worker took the last one."""
         with self._cv:
             while self._heap:
-                prio, _, req = heapq.heappop(self._heap)
-                if self._valid(prio, req):
-                    req.state = "reading"
-                    return req
+                prio, _, req = self._heap[0]
+                if not self._valid(prio, req):
+                    heapq.heappop(self._heap)
+                    continue
+                if not self._startable(prio):
+                    return None  # prefetch share held; the buffer goes back for a demand read
+                heapq.heappop(self._heap)
+                req.state = "reading"
+                if prio != Priority.DEMAND:
+                    req.holds_prefetch_buffer = True
+                    self._prefetch_held += 1
+                return req
             return None
 
     def _fd(self, path: str) -> int:
@@ -409,6 +447,7 @@ class FetchEngine:
 
     def _fail(self, req: FetchRequest, exc: Exception) -> None:
         with self._cv:
+            self._unhold(req)
             req.error = exc
             req.state = "failed"
             self.stats.failures += 1

@@ -122,8 +122,9 @@ PRESETS: dict[str, PolicyConfig] = {
                          prefetch_width="fate", cold_bits=2, cold_tail_mass=None, resident_first=True,
                          preload=True, skip_full=True),
     # Clairvoyant bound: Belady-MIN over one pool, following the recorded request call by call (cache/belady.py),
-    # and the true experts of the next layer read ahead in order of next use, each only where it displaces
-    # nothing needed sooner (prefetch_choice.plan_oracle_prefetches); the width only sizes its read buffers.
+    # and the true experts of the next layer (past the last one, the next token's first) read ahead in order of
+    # next use (prefetch_choice.plan_oracle_prefetches); the width only sizes its read buffers. Its cached experts
+    # are copied out of their read buffers (scheduler.hands_off): each charged its own bytes, as many as fit.
     # Like fate, it fills its cache at load: with the request's first-used experts (preload.first_used).
     "oracle": PolicyConfig("oracle", allocation="global", eviction="belady", predictor="oracle", lookahead=1,
                            prefetch_width=64, preload=True),

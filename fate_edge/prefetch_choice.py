@@ -12,8 +12,8 @@ policies by simulating exactly the choice the engine will make, so the two canno
   cold: the scheduler reads a prefill miss in the policy's precision, as Fate does);
 - order: nearest target layer first, then highest score; an expert cached or in flight is skipped,
   and no more than ``room`` reads are issued;
-- the oracle (:func:`plan_oracle_prefetches`): every true expert of the target layers in order of next use,
-  each only if the cache can take it without evicting anything needed sooner (Belady-MIN).
+- the oracle (:func:`plan_oracle_prefetches`): every true expert of the target layers in order of next use
+  (a read ahead enters the cache only when used, so it displaces nothing a demand read would not).
 """
 
 from __future__ import annotations
@@ -114,17 +114,16 @@ def plan_prefetches(policy: PolicyConfig, targets: Sequence[tuple[int, torch.Ten
 
 
 def plan_oracle_prefetches(targets: Sequence[tuple[int, torch.Tensor]], busy: Callable[[Key], bool],
-                           room: int | None, admits: Callable[[Key, int], bool]) -> list[Prefetch]:
+                           room: int | None) -> list[Prefetch]:
     """The oracle's reads (the clairvoyant bound; no width, no cold tail): every true expert of the target
     layers in order of next use (nearest layer first; within a layer, most used first), skipping what is
-    cached or in flight and what ``admits(key, queued)`` refuses: the cache could only take it by evicting
-    something needed sooner (Belady-MIN). ``queued``: reads this plan issues before it; ``room``: as above."""
+    cached or in flight; ``room``: as above. No read ahead can cost a hit: it waits in its read buffer and
+    enters the cache only when used, where Belady-MIN picks the victim exactly as for a demand miss."""
     out: list[Prefetch] = []
     for d, (target, scores) in enumerate(targets):
         for e in ranked(scores.clamp(min=0).sum(0)):  # [N, E] → the call's experts, summed over its tokens
             if room is not None and len(out) >= room:
                 return out
-            key = (target, e)
-            if not busy(key) and admits(key, len(out)):
+            if not busy((target, e)):
                 out.append(Prefetch(d, target, e, False))
     return out

@@ -10,6 +10,7 @@ through :meth:`Scheduler.stream`, which yields cached ones at once and the rest 
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
@@ -19,7 +20,8 @@ import torch
 from fate_edge.devices.detect import reader_contention
 
 from .arch.base import ModelConfig
-from .cache import AccessInfo, ExpertCache, belady_admits
+from .buffer_pool import Buffer
+from .cache import AccessInfo, ExpertCache
 from .experts import ExpertProvider
 from .fetch import FetchEngine, FetchRequest, Priority
 from .policy import PolicyConfig
@@ -27,9 +29,20 @@ from .predictors.base import Predictor
 from .prefetch_choice import gate_candidates, plan_oracle_prefetches, plan_prefetches, prefetch_width, ranked
 from .prefetch_gate import PrefetchGate
 from .store import ExpertStore, decode_expert
-from .transfer import Copier, make_copier
+from .transfer import Copier, CPUCopier, make_copier
 
 Key = tuple[int, int]
+
+
+def hands_off(policy: PolicyConfig, store: ExpertStore, device: str) -> bool:
+    """Whether the scheduler keeps a read buffer as the cached expert decoded in it (zero-copy hand-off): with a
+    cache, on the CPU, for a layout whose decode is a view of the blob (cpu-int4). The cache then charges each
+    expert a whole read buffer. Elsewhere experts are copied out of the buffer (on a GPU, the upload). Never for the
+    oracle: the bound keeps each cached expert in its own bytes, the most experts a budget can hold (fate's resident
+    layer is held so, and a bound of padded entries was beaten by it)."""
+    precision = store.precisions.get(policy.bits)
+    return (policy.cache and device == "cpu" and precision is not None and precision.layout == "cpu-int4"
+            and policy.predictor != "oracle")
 
 
 def _ema(old: float, new: float, keep: float) -> float:
@@ -108,14 +121,25 @@ class Scheduler(ExpertProvider):
         self.predictor = predictor
         self.dtype = dtype
         self.copier = copier or make_copier(device)
+        self.zero_copy = (cache is not None and isinstance(self.copier, CPUCopier)
+                          and hands_off(policy, store, self.copier.device.type))
+        self._kept: dict[Key, Buffer] = {}  # read buffers that hold cached experts (zero-copy)
+        self._evicted: list[Buffer] = []  # ... of experts the cache let go: the pool's next buffer, once unused
+        if self.zero_copy:
+            cache.on_evict = lambda key: self._evicted.append(self._kept.pop(key)) if key in self._kept else None
         self.max_inflight = max_inflight_prefetches
         self.cold_bits = policy.cold_bits if policy.cold_bits in store.precisions else None
         self.stats = SchedulerStats()
         self.layer_index = {layer: i for i, layer in enumerate(config.moe_layers)}
         self.prefetches: dict[Key, _Fetch] = {}
+        # Planned reads ahead waiting for room (at most max_inflight are submitted): the layer being computed
+        # still holds its own prefetches when it predicts, and frees their room as it consumes them.
+        self.deferred: dict[Key, tuple[int, Priority]] = {}
+        self._dropping: list[tuple[_Fetch, bool]] = []  # cancelled reads still stopping (see _drop)
         self.demands: dict[Key, _Fetch] = {}
         self.skip: set[Key] = set()
         self.in_use: list[Key] = []
+        self.layer_uses: dict[int, list[int]] = {}  # MoE layer → [cached, prefetched, demand] expert uses
         self.last_prediction: dict[int, list[int]] = {}
         self._candidates: dict[int, dict[int, int]] = {}  # target → rank → expert not cached when predicted
         self._layer_time = 0.0  # EMA of one decoder layer's compute time (decode)
@@ -243,24 +267,28 @@ class Scheduler(ExpertProvider):
             self.last_prediction[target] = ranks[:k]
             self._candidates[target] = gate_candidates(ranks, len(self.gate.seen), lambda e: self._cached((target, e)))
         def busy(key: Key) -> bool:
-            return self._cached(key) or key in self.prefetches or key in self.demands
+            return self._cached(key) or key in self.prefetches or key in self.demands or key in self.deferred
 
-        room = self.max_inflight - len(self.prefetches)
-        if self.policy.predictor == "oracle":  # the bound: true experts, never displacing one needed sooner
-            plan = plan_oracle_prefetches(list(zip(pred.layers, pred.scores)), busy, room, self._admits)
+        # This layer's own prefetches are consumed next: their room goes to the layers ahead.
+        ahead = sum(1 for key in (*self.prefetches, *self.deferred) if key[0] != layer)
+        room = self.max_inflight - ahead
+        if self.policy.predictor == "oracle":  # the bound: the true experts
+            plan = plan_oracle_prefetches(list(zip(pred.layers, pred.scores)), busy, room)
         else:
             plan = plan_prefetches(self.policy, list(zip(pred.layers, pred.scores)), k, width, busy, room=room,
                                    use_cold=self.cold_bits is not None)
         for p in plan:
             bits = self.cold_bits if p.cold else self.policy.bits
-            prio = Priority.NEXT_LAYER if p.distance == 0 else Priority.AHEAD
-            req = self.fetch.submit(self.store.ref(p.layer, p.expert, bits), prio)
-            self.prefetches[(p.layer, p.expert)] = _Fetch(req, bits, prefetched=True)
+            self.deferred[(p.layer, p.expert)] = (bits, Priority.NEXT_LAYER if p.distance == 0 else Priority.AHEAD)
+        self._issue_deferred()
 
-    def _admits(self, key: Key, queued: int) -> bool:
-        """Belady-MIN room for ``key`` after every read in flight and ``queued`` more (cache/belady.py)."""
-        pending = len(self.prefetches) + len(self.demands) + queued
-        return self.cache is None or belady_admits(self.cache, key, pending)
+    def _issue_deferred(self) -> None:
+        """Submit planned reads ahead, nearest layer and most probable first, while fewer than max_inflight are."""
+        while self.deferred and len(self.prefetches) < self.max_inflight:
+            key = next(iter(self.deferred))
+            bits, prio = self.deferred.pop(key)
+            req = self.fetch.submit(self.store.ref(*key, bits), prio)
+            self.prefetches[key] = _Fetch(req, bits, prefetched=True)
 
     def _cached(self, key: Key) -> bool:
         return self.cache is not None and key in self.cache
@@ -278,6 +306,7 @@ class Scheduler(ExpertProvider):
                 self.in_use.append(key)
                 self.cache.access(key, True, info)
                 self.stats.hits += 1
+                self._count_use(layer, 0)
                 yield e, entry.expert
             elif key in self.skip:
                 self.skip.discard(key)
@@ -289,6 +318,7 @@ class Scheduler(ExpertProvider):
                     f = _Fetch(self.fetch.submit(self.store.ref(layer, e, self.policy.bits), Priority.DEMAND),
                                self.policy.bits, prefetched=False)
                 pending[e] = f
+        self._issue_deferred()  # this layer's prefetches left self.prefetches: room for the layers ahead
         try:
             while pending:
                 ready = [e for e, f in pending.items() if f.req.done.is_set()]
@@ -316,13 +346,24 @@ class Scheduler(ExpertProvider):
         key = (layer, e)
         t0 = time.perf_counter()
         try:
-            blob, event = self.copier.upload(self.fetch.wait(f.req), demand=not f.prefetched)
+            payload = self.fetch.wait(f.req)
         except BaseException:
             self.fetch.release(f.req)
             raise
-        # The staging buffer goes back to the pool only once the copy out of it has completed.
-        self.copier.release_after(event, lambda req=f.req: self.fetch.release(req))
-        expert = decode_expert(blob, self.store.precisions[f.bits], self.dtype)
+        low = f.bits != self.policy.bits
+        if self.cache is not None:
+            self.cache.access(key, False, AccessInfo(info.layer_now, info.num_layers, low_precision=low))
+        # Cold copies serve this use only; caching them would lower later answers' precision.
+        expert = self._hand_off(key, f) if not low and self.zero_copy else None
+        if expert is None:
+            blob, event = self.copier.upload(payload, demand=not f.prefetched)
+            # The staging buffer goes back to the pool only once the copy out of it has completed.
+            self.copier.release_after(event, lambda req=f.req: self.fetch.release(req))
+            expert = decode_expert(blob, self.store.precisions[f.bits], self.dtype)
+            if self.cache is not None and not low and self.cache.insert(key, expert, expert.nbytes, f.bits):
+                self.cache.pin(key)
+                self.in_use.append(key)
+        self._evicted.clear()  # buffers of evicted experts not reused here are freed with their last user
         self.stats.consume_s += time.perf_counter() - t0
         nbytes = f.req.ref.length
         if f.req.read_s > 0:
@@ -335,15 +376,35 @@ class Scheduler(ExpertProvider):
         else:
             self.stats.misses += 1
             self.stats.demand_bytes += nbytes
-        low = f.bits != self.policy.bits
+        self._count_use(layer, 1 if f.prefetched else 2)
         self.stats.low_precision += int(low)
-        if self.cache is not None:
-            self.cache.access(key, False, AccessInfo(info.layer_now, info.num_layers, low_precision=low))
-            # Cold copies serve this use only; caching them would lower later answers' precision.
-            if not low and self.cache.insert(key, expert, expert.nbytes, f.bits):
-                self.cache.pin(key)
-                self.in_use.append(key)
         return expert
+
+    def _hand_off(self, key: Key, f: _Fetch):
+        """Zero-copy: decode the expert in the read buffer itself and, if the cache admits it (charged the whole
+        buffer), keep the buffer as the cached expert's memory (the pool gets an evicted expert's buffer or a new
+        one in its place); None if refused."""
+        buf = f.req.buffer
+        blob = torch.frombuffer(buf.view, dtype=torch.uint8)  # the whole buffer: the storage the entry keeps
+        expert = decode_expert(blob[: f.req.ref.length], self.store.precisions[f.bits], self.dtype)
+        if not self.cache.insert(key, expert, buf.size, f.bits):
+            return None  # the buffer stays the request's: copied out and released as usual
+        self._kept[key] = self.fetch.hand_off(f.req, self._unused_evicted())
+        self.cache.pin(key)
+        self.in_use.append(key)
+        return expert
+
+    def _unused_evicted(self) -> Buffer | None:
+        """An evicted expert's buffer no tensor points into any more (its memory already faulted in, so the
+        reader does not pay for fresh pages), or None; the others are left to be freed with their last user."""
+        while self._evicted:
+            buf = self._evicted.pop()
+            if sys.getrefcount(buf.view) <= 2:  # only buf.view and this call: no tensor decoded in it is alive
+                return buf
+        return None
+
+    def _count_use(self, layer: int, kind: int) -> None:
+        self.layer_uses.setdefault(layer, [0, 0, 0])[kind] += 1
 
     def end_layer(self, layer: int) -> None:
         self.copier.poll()
@@ -352,24 +413,43 @@ class Scheduler(ExpertProvider):
                 self.cache.unpin(key)
         self.in_use.clear()
         for key in [k for k in self.prefetches if k[0] == layer]:  # predicted, never used: drop
-            self._drop(self.prefetches.pop(key))
+            self._drop(self.prefetches.pop(key), wait=False)
+        self._settle(wait=layer == self.config.moe_layers[-1])  # a token's counters are complete at its end
+        self._issue_deferred()
+        # What still waits for room would start after its layer's demand reads: left to them.
+        nxt = min((m for m in self.layer_index if m > layer), default=None)
+        for key in [k for k in self.deferred if k[0] <= (layer if nxt is None else nxt)]:
+            del self.deferred[key]
         self.skip = {k for k in self.skip if k[0] != layer}
 
-    def _drop(self, f: _Fetch, wasted: bool = True) -> None:
-        """Cancel a fetch (stopping its read between chunks), give its buffer back, count what it wasted."""
+    def _drop(self, f: _Fetch, wasted: bool = True, wait: bool = True) -> None:
+        """Cancel a fetch (stopping its read between chunks), give its buffer back, count what it wasted.
+        ``wait=False``: a read in progress is settled later (:meth:`_settle`) instead of blocking this thread
+        until the reader reaches its next chunk (the reader returns the buffer itself when it stops)."""
         self.fetch.cancel(f.req)
+        if not wait and not f.req.done.is_set():
+            self._dropping.append((f, wasted))
+            return
         f.req.done.wait()
         if wasted:
             self.stats.wasted_bytes += f.req.bytes_read
         self.fetch.release(f.req)
 
+    def _settle(self, wait: bool) -> None:
+        """Account the cancelled reads that have stopped (all of them, waiting, if ``wait``)."""
+        dropping, self._dropping = self._dropping, []
+        for f, wasted in dropping:
+            self._drop(f, wasted, wait=wait)
+
     def abort(self) -> None:
         """Drop everything in flight and unpin everything in use: after a failed or abandoned request."""
+        self._settle(wait=True)
         for f in self.prefetches.values():
             self._drop(f)
         for f in self.demands.values():
             self._drop(f, wasted=False)
         self.prefetches.clear()
+        self.deferred.clear()
         self.demands.clear()
         if self.cache is not None:
             for key in self.in_use:

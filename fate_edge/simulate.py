@@ -12,8 +12,10 @@ by the link, plus what each read costs the host's CPU):
   cores all run compute threads, 0 where readers have idle cores), and using one costs ``consume_s``;
 - one link serves all reads, and a demand read goes ahead of queued prefetches (pushing them back); a
   prefetch still on its way when its layer routes is promoted, landing no later than a demand read would;
-- the ``oracle`` policy (the bound) prefetches the true experts (prefetch_choice.plan_oracle_prefetches)
-  over Belady-MIN eviction, at no prediction cost.
+- as in the scheduler, at most ``max_inflight`` reads are in flight: planned reads beyond wait (deferred) and
+  start as this layer's own reads free their room, those left for the next layer dropped at its end;
+- the ``oracle`` policy (the bound) prefetches the true experts (prefetch_choice.plan_oracle_prefetches),
+  past the last layer the next token's first, over Belady-MIN eviction, at no prediction cost.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 from fate_edge.devices.link import LinkSpec
 
-from .cache import AccessInfo, belady_admits
+from .cache import AccessInfo
 from .cache.factory import build_cache
 from .policy import PolicyConfig
 from .prefetch_choice import gate_candidates, plan_oracle_prefetches, plan_prefetches, prefetch_width, ranked
@@ -60,6 +62,7 @@ class SimResult:
     wasted_bytes: int
     total_s: float
     prefetched: list[tuple[int, int, int]] = field(default_factory=list)  # (token, layer, expert) per read issued
+    prompt_prefetches: int = 0  # reads the prompt's last layer issued for the first token (the oracle's)
 
     @property
     def hit_rate(self) -> float:
@@ -125,6 +128,26 @@ def simulate(
     # fate-edge's gate, deciding from the same evidence the scheduler gathers (prefetch_gate.py)
     gate = PrefetchGate(max(policy.max_prefetch_width, k)) if policy.prefetch_gate and predictions else None
     candidates: dict[int, dict[int, int]] = {}  # target layer → rank → expert not cached when predicted
+    deferred: list[tuple[int, int]] = []  # planned reads waiting for room (Scheduler.deferred), in order
+
+    def issue(t: int, clock: float, link_free: float) -> tuple[float, float]:
+        """Start waiting reads in order while fewer than ``max_inflight`` are in flight (Scheduler._issue_deferred)."""
+        while deferred and (max_inflight is None or len(inflight) < max_inflight):
+            key = deferred.pop(0)
+            link_free = max(link_free, clock) + transfer
+            inflight[key] = link_free
+            if t >= 0:
+                r.prefetched.append((t, *key))
+            else:
+                r.prompt_prefetches += 1
+            clock += prefetch_cpu  # the reader thread takes a core from compute
+        return link_free, clock
+    if oracle and n:  # the prompt's last layer read token 0's first layers ahead (OraclePredictor.targets)
+        first = [(target, truth_scores(expert_ids, [target], 0, num_experts, row=0))
+                 for target in layers[: policy.lookahead]]
+        deferred.extend((p.layer, p.expert) for p in plan_oracle_prefetches(first, cached, max_inflight))
+        link_free, clock = issue(-1, clock, link_free)
+        deferred.clear()
     for t in range(n):
         for li, layer in enumerate(layers):
             info = AccessInfo(layer_now=layer, num_layers=num_layers)
@@ -170,31 +193,26 @@ def simulate(
             if predict:
                 targets = [(target, predictions[(layer, target)][t : t + 1])
                            for target in layers[li + 1 : li + 1 + policy.lookahead] if (layer, target) in predictions]
+                if oracle and t + 1 < n:  # past the last layer: the next token's first ones (OraclePredictor.targets)
+                    targets += [(target, truth_scores(expert_ids, [target], 0, num_experts, row=t + 1))
+                                for target in layers[: policy.lookahead - len(targets)]]
                 if gate is not None and targets:
                     target, scores = targets[0]
                     candidates[target] = gate_candidates(ranked(scores[0]), len(gate.seen),
                                                          lambda e, target=target: cached((target, e)))
 
                 def busy(key: tuple[int, int], inflight=inflight) -> bool:
-                    return cached(key) or key in inflight
+                    return cached(key) or key in inflight or key in deferred
 
-                # The engine predicts before it consumes this layer's prefetches: they still hold buffers then.
-                room = None if max_inflight is None else max_inflight - len(inflight) - consumed
+                # The scheduler's room rule: this layer's own reads are consumed next, so their room is the others'.
+                ahead = sum(1 for kk in (*inflight, *deferred) if kk[0] != layer)
+                room = None if max_inflight is None else max_inflight - ahead
                 if oracle:
-                    pending = len(inflight)
-
-                    def admits(key: tuple[int, int], queued: int, pending=pending) -> bool:
-                        return cache is None or belady_admits(cache, key, pending + queued)
-
-                    plan = plan_oracle_prefetches(targets, busy, room, admits)
+                    plan = plan_oracle_prefetches(targets, busy, room)
                 else:
                     plan = plan_prefetches(policy, targets, k, width, busy, room)
-                for p in plan:
-                    start = max(link_free, clock)
-                    link_free = start + transfer
-                    inflight[(p.layer, p.expert)] = link_free
-                    r.prefetched.append((t, p.layer, p.expert))
-                    clock += prefetch_cpu  # the reader thread takes a core from compute
+                deferred.extend((p.layer, p.expert) for p in plan)
+                link_free, clock = issue(t, clock, link_free)
                 clock += 0.0 if oracle else costs.predict_s  # the bound knows the future without computing it
             clock += layer_compute_s
             if cache is not None:
@@ -204,14 +222,23 @@ def simulate(
                 arrival = inflight.pop(key)
                 done = min(1.0, max(0.0, 1 - (arrival - clock) / transfer))
                 r.wasted_bytes += int(done * expert_bytes)
+            # As Scheduler.end_layer: the room this layer freed goes to waiting reads, the rest of the next layer's
+            # are left to its demand reads.
+            link_free, clock = issue(t, clock, link_free)
+            nxt = layers[li + 1] if li + 1 < len(layers) else layer
+            deferred[:] = [kk for kk in deferred if kk[0] > nxt]
     r.total_s = clock
     return r
 
 
-def truth_scores(expert_ids: dict[int, torch.Tensor], layers: list[int], lookahead: int, num_experts: int
-                 ) -> dict[tuple[int, int], torch.Tensor]:
+def truth_scores(expert_ids: dict[int, torch.Tensor], layers: list[int], lookahead: int, num_experts: int,
+                 row: int | None = None) -> dict[tuple[int, int], torch.Tensor] | torch.Tensor:
     """The oracle's scores, (source, target) → [N, E]: each token's true experts of the ``lookahead`` MoE layers
-    after the source, one-hot and summing to 1 (what OraclePredictor returns for a decode step)."""
+    after the source, one-hot and summing to 1 (what OraclePredictor returns for a decode step). With ``row``:
+    token ``row``'s scores [1, E] for ``layers[0]``."""
+    if row is not None:
+        ids = expert_ids[layers[0]][row : row + 1]
+        return torch.zeros(1, num_experts).scatter_(1, ids, 1.0 / ids.shape[1])
     out = {}
     for i, src in enumerate(layers):
         for target in layers[i + 1 : i + 1 + lookahead]:

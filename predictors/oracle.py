@@ -15,6 +15,7 @@ slots each took (count-based), ties kept in the recorded order.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 
 import torch
@@ -64,6 +65,13 @@ class OraclePredictor(Predictor):
                 return
         self.cursor = len(self.calls)
 
+    def targets(self, layer: int) -> tuple[int, ...]:
+        """The next ``lookahead`` MoE layers, past the last one into the next token's pass: the recording knows
+        its routing, so the bound reads the first layer's experts ahead as well (a resident layer cannot beat it)."""
+        i = bisect_right(self.moe_layers, layer)
+        order = self.moe_layers[i:] + self.moe_layers[:i]
+        return tuple(order[: min(self.lookahead, len(order))])
+
     def upcoming(self, layer: int) -> list[tuple[int, torch.Tensor]]:
         """The recorded calls of ``self.targets(layer)`` that come next in this forward pass."""
         start = self.cursor
@@ -71,7 +79,7 @@ class OraclePredictor(Predictor):
             start += 1
         out = []
         for target, call in zip(self.targets(layer), self.calls[start:]):
-            if call[0] != target:  # the pass ended (next token's first layer) or the run diverged
+            if call[0] != target:  # the request ended or the run diverged
                 break
             out.append(call)
         return out

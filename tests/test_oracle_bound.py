@@ -15,12 +15,12 @@ from fate_edge.devices.link import LinkSpec
 from fate_edge.predictors.activation_path import ActivationPathPredictor
 
 from fate_edge.budget import plan_budget
-from fate_edge.cache import AccessInfo, Belady, ExpertCache, belady_admits
+from fate_edge.cache import AccessInfo, Belady, ExpertCache
 from fate_edge.convert import ConvertOptions, convert
 from fate_edge.engine import Engine
 from fate_edge.planner import _DecodeRecorder, trace_predictions
 from fate_edge.policy import PRESETS
-from fate_edge.prefetch_choice import plan_oracle_prefetches
+from fate_edge.prefetch_choice import plan_oracle_prefetches, ranked
 from fate_edge.simulate import HostCosts, simulate
 
 FRACTIONS = (0.2, 0.35, 0.5)
@@ -133,24 +133,33 @@ def test_belady_follows_a_call_whatever_order_its_experts_arrive_in():
     assert cache.insert((1, 4), object(), 1, 4) and (0, 1) in cache  # (0, 2) is never used again
 
 
-def test_oracle_reads_ahead_only_what_displaces_an_expert_needed_later():
-    """A full cache of two: (0, 1), needed again at call 3, and (1, 3), needed at call 1. Reading (2, 5) for
-    call 2 may displace (0, 1); (2, 6), not used before call 5, may not (it would push out (0, 1), needed
-    sooner), and once (2, 5) is on its way nothing is left to displace for a second read either."""
-    belady = Belady([(0, [1]), (1, [3]), (2, [5]), (0, [1]), (1, [3]), (2, [6])])
-    cache = ExpertCache({0: 2}, lambda part, cap: belady, entry_bytes=1, partition_of=lambda key: 0)
-    belady.on_access((0, 1), False, AccessInfo())
-    for key in [(0, 1), (1, 3)]:
-        assert cache.insert(key, object(), 1, 4)
-    assert belady_admits(cache, (2, 5), pending=0) and not belady_admits(cache, (2, 5), pending=1)
-    assert not belady_admits(cache, (2, 6), pending=0)
-    scores = torch.zeros(1, 8)
+def test_oracle_reads_ahead_every_true_expert_in_order_of_use():
+    """A read ahead waits in its read buffer and enters the cache only when used (Belady then picks the victim, as
+    for a demand miss), so a full cache refuses none: the call's experts, most used first, minus what is cached or
+    in flight, up to the room."""
+    scores = torch.zeros(2, 8)
     scores[0, [5, 6]] = 0.5
-    plan = plan_oracle_prefetches([(2, scores)], busy=lambda key: False, room=4,
-                                  admits=lambda key, queued: belady_admits(cache, key, queued))
-    assert [(p.layer, p.expert) for p in plan] == [(2, 5)]
-    cache.pin((0, 1))  # in use: never displaced, so no read ahead may count on its slot
-    assert not belady_admits(cache, (2, 5), pending=0)
+    scores[1, [5, 2]] = 0.5
+    plan = plan_oracle_prefetches([(2, scores)], busy=lambda key: key == (2, 6), room=4)
+    assert [(p.layer, p.expert) for p in plan] == [(2, 5), (2, 2)]
+    assert len(plan_oracle_prefetches([(2, scores)], busy=lambda key: False, room=1)) == 1
+
+
+def test_oracle_reads_the_next_tokens_first_layer_ahead():
+    """Past the last MoE layer the recording knows the next token's routing: the bound reads it ahead (a resident
+    first layer, fate's, beat an oracle that could not), in the engine's predictor and the simulator alike."""
+    from fate_edge.predictors.oracle import OraclePredictor
+
+    calls = [(0, [1, 2]), (3, [4, 5]), (0, [6, 7]), (3, [0, 1])]
+    oracle = OraclePredictor(calls, [0, 3], lookahead=1, num_experts=8)
+    assert oracle.targets(3) == (0,) and oracle.targets(0) == (3,)
+    for layer, _ in calls[:2]:
+        oracle.observe(layer)
+    pred = oracle.predict(3, torch.zeros(1, 4))
+    assert pred.layers == (0,) and ranked(pred.scores[0][0]) == [6, 7]
+    ids = {0: torch.tensor([[1, 2], [6, 7]]), 3: torch.tensor([[4, 5], [0, 1]])}
+    run = simulate(ids, None, PRESETS["oracle"], 0, 4096, LinkSpec("l", 1e9, 0.0), 1e-3, 8, 4, max_inflight=4)
+    assert (0, 0, 6) in run.prefetched and (0, 0, 7) in run.prefetched  # at token 0's last layer, for token 1
 
 
 def test_oracle_warm_start_is_the_first_used_experts_in_order():

@@ -128,11 +128,16 @@ def test_oracle_replays_the_recorded_experts():
     assert torch.equal(oracle.predict(0, h).scores, before.scores)
     oracle.observe(1, [3, 0])
     after1 = oracle.predict(1, h)
-    assert after1.layers == (3,) and sorted(top(after1, 2)) == [2, 5]
+    # Past the last MoE layer the targets run on into the next token's pass: the recording knows it.
+    assert after1.layers == (3, 0) and sorted(top(after1, 2)) == [2, 5] and sorted(top(after1, 2, target=1)) == [1, 4]
     oracle.observe(3, [2, 5])
-    assert oracle.predict(3, h).layers == ()  # the pass is over; the next call is the next token's layer 0
+    wrapped = oracle.predict(3, h)
+    assert wrapped.layers == (0, 1) and sorted(top(wrapped, 2)) == [1, 4] and sorted(top(wrapped, 2, 1)) == [0, 2]
     second = oracle.predict(0, h)
     assert sorted(top(second, 2)) == [0, 2] and sorted(top(second, 2, target=1)) == [6, 7]
+    for layer, ids in CALLS[3:]:
+        oracle.observe(layer, ids)
+    assert oracle.predict(3, h).layers == ()  # the recorded request is over
     oracle.reset()
     assert torch.equal(oracle.predict(0, h).scores, before.scores)
 
@@ -184,11 +189,9 @@ def test_oracle_on_a_recorded_model_run(tmp_path):
         model(ids[:, t : t + 1], cache)
     model.observers.remove(replay)
     k = model.config.num_experts_per_tok
-    for i, (layer, pred) in enumerate(predicted):
-        if layer == 3:
-            assert pred.layers == ()
-            continue
+    assert predicted[-1][1].layers == ()  # the recorded request is over
+    for i, (_, pred) in enumerate(predicted[:-1]):  # layer 3's target: the next token's layer 0
         target, true = rec.calls[i + 1]
         assert pred.layers == (target,)
-        got = pred.topk(k)[0].sort(-1).values
-        assert torch.equal(got, torch.tensor(true).sort(-1).values)
+        got = pred.topk(k)[0].sort(-1).values  # the prompt's rows predict the first token's call alike
+        assert torch.equal(got, torch.tensor(true).sort(-1).values.expand_as(got))

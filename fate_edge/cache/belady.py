@@ -14,12 +14,8 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
 
 from .eviction import AccessInfo, EvictionPolicy, Key
-
-if TYPE_CHECKING:
-    from .expert_cache import ExpertCache
 
 NEVER = float("inf")
 
@@ -68,19 +64,3 @@ class Belady(EvictionPolicy):
     def victim(self, candidates: Sequence[Key], incoming: Key | None = None) -> Key:
         return max(candidates, key=lambda k: (self.next_use(k), k))
 
-
-def belady_admits(cache: ExpertCache, key: Key, pending: int) -> bool:
-    """The oracle's prefetch test: whether ``key`` can come in, after ``pending`` experts already on their
-    way (each taking a free slot, else the unpinned resident used farthest ahead), without displacing one
-    needed sooner than ``key``. True for caches without Belady eviction (nothing to compare with)."""
-    part = cache.partition_of(key)
-    policy = cache.policies.get(part)
-    if not isinstance(policy, Belady):
-        return True
-    free = (cache.capacity[part] - cache.used[part]) // max(1, cache.entry_bytes)
-    if pending < free:
-        return True
-    later = sorted((policy.next_use(k) for k, e in cache.entries.items()
-                    if e.pins == 0 and cache.partition_of(k) == part), reverse=True)
-    j = pending - free
-    return j < len(later) and later[j] > policy.next_use(key)

@@ -47,6 +47,7 @@ class ExpertCache:
         self.used: dict[int, int] = {p: 0 for p in self.capacity}
         self.evictions = 0
         self.refused = 0
+        self.on_evict: Callable[[Key], None] | None = None  # told each key that leaves (its memory is free)
 
     @property
     def capacity_bytes(self) -> int:
@@ -106,6 +107,8 @@ class ExpertCache:
         self.used[part] -= e.nbytes
         self.policies[part].on_evict(key)
         self.evictions += 1
+        if self.on_evict is not None:
+            self.on_evict(key)
 
     def clear(self) -> None:
         """Drop every entry (the engine is closing): the experts' memory is freed now, not at the next GC."""
