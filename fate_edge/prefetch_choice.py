@@ -18,7 +18,7 @@ policies by simulating exactly the choice the engine will make, so the two canno
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -99,7 +99,10 @@ def choose(policy: PolicyConfig, scores: torch.Tensor, k: int, width: int, use_c
 def plan_prefetches(policy: PolicyConfig, targets: Sequence[tuple[int, torch.Tensor]], k: int, width: int,
                     busy: Callable[[Key], bool], room: int | None = None, use_cold: bool = False) -> list[Prefetch]:
     """The reads to issue, in order. ``targets``: (target layer, scores [N, E]), nearest first; ``busy(key)``:
-    cached or already in flight (never read twice); ``room``: how many more reads may be in flight."""
+    cached or already in flight (never read twice); ``room``: how many more reads may be in flight. The oracle
+    policy reads by its own rule (:func:`plan_oracle_prefetches`)."""
+    if policy.predictor == "oracle":
+        return plan_oracle_prefetches(targets, busy, room)
     plan = []
     for d, (target, scores) in enumerate(targets):
         for e, score, cold in choose(policy, scores, k, width, use_cold):
@@ -127,3 +130,9 @@ def plan_oracle_prefetches(targets: Sequence[tuple[int, torch.Tensor]], busy: Ca
             if not busy((target, e)):
                 out.append(Prefetch(d, target, e, False))
     return out
+
+
+def room_ahead(max_inflight: int, pending: Iterable[Key], layer: int) -> int:
+    """How many more reads ahead may start when ``layer`` predicts: its own reads (``pending`` holds reads in
+    flight and planned) are consumed next, so only the ones for other layers hold room."""
+    return max_inflight - sum(1 for key in pending if key[0] != layer)

@@ -26,7 +26,7 @@ from .experts import ExpertProvider
 from .fetch import FetchEngine, FetchRequest, Priority
 from .policy import PolicyConfig
 from .predictors.base import Predictor
-from .prefetch_choice import gate_candidates, plan_oracle_prefetches, plan_prefetches, prefetch_width, ranked
+from .prefetch_choice import gate_candidates, plan_prefetches, prefetch_width, ranked, room_ahead
 from .prefetch_gate import PrefetchGate
 from .store import ExpertStore, decode_expert
 from .transfer import Copier, CPUCopier, make_copier
@@ -269,14 +269,9 @@ class Scheduler(ExpertProvider):
         def busy(key: Key) -> bool:
             return self._cached(key) or key in self.prefetches or key in self.demands or key in self.deferred
 
-        # This layer's own prefetches are consumed next: their room goes to the layers ahead.
-        ahead = sum(1 for key in (*self.prefetches, *self.deferred) if key[0] != layer)
-        room = self.max_inflight - ahead
-        if self.policy.predictor == "oracle":  # the bound: the true experts
-            plan = plan_oracle_prefetches(list(zip(pred.layers, pred.scores)), busy, room)
-        else:
-            plan = plan_prefetches(self.policy, list(zip(pred.layers, pred.scores)), k, width, busy, room=room,
-                                   use_cold=self.cold_bits is not None)
+        room = room_ahead(self.max_inflight, (*self.prefetches, *self.deferred), layer)
+        plan = plan_prefetches(self.policy, list(zip(pred.layers, pred.scores)), k, width, busy, room=room,
+                               use_cold=self.cold_bits is not None)
         for p in plan:
             bits = self.cold_bits if p.cold else self.policy.bits
             self.deferred[(p.layer, p.expert)] = (bits, Priority.NEXT_LAYER if p.distance == 0 else Priority.AHEAD)

@@ -30,7 +30,14 @@ from fate_edge.devices.link import LinkSpec
 from .cache import AccessInfo
 from .cache.factory import build_cache
 from .policy import PolicyConfig
-from .prefetch_choice import gate_candidates, plan_oracle_prefetches, plan_prefetches, prefetch_width, ranked
+from .prefetch_choice import (
+    gate_candidates,
+    plan_oracle_prefetches,
+    plan_prefetches,
+    prefetch_width,
+    ranked,
+    room_ahead,
+)
 from .prefetch_gate import PrefetchGate
 
 
@@ -143,7 +150,7 @@ def simulate(
             clock += prefetch_cpu  # the reader thread takes a core from compute
         return link_free, clock
     if oracle and n:  # the prompt's last layer read token 0's first layers ahead (OraclePredictor.targets)
-        first = [(target, truth_scores(expert_ids, [target], 0, num_experts, row=0))
+        first = [(target, one_hot(expert_ids[target][:1], num_experts))
                  for target in layers[: policy.lookahead]]
         deferred.extend((p.layer, p.expert) for p in plan_oracle_prefetches(first, cached, max_inflight))
         link_free, clock = issue(-1, clock, link_free)
@@ -194,7 +201,7 @@ def simulate(
                 targets = [(target, predictions[(layer, target)][t : t + 1])
                            for target in layers[li + 1 : li + 1 + policy.lookahead] if (layer, target) in predictions]
                 if oracle and t + 1 < n:  # past the last layer: the next token's first ones (OraclePredictor.targets)
-                    targets += [(target, truth_scores(expert_ids, [target], 0, num_experts, row=t + 1))
+                    targets += [(target, one_hot(expert_ids[target][t + 1 : t + 2], num_experts))
                                 for target in layers[: policy.lookahead - len(targets)]]
                 if gate is not None and targets:
                     target, scores = targets[0]
@@ -204,13 +211,8 @@ def simulate(
                 def busy(key: tuple[int, int], inflight=inflight) -> bool:
                     return cached(key) or key in inflight or key in deferred
 
-                # The scheduler's room rule: this layer's own reads are consumed next, so their room is the others'.
-                ahead = sum(1 for kk in (*inflight, *deferred) if kk[0] != layer)
-                room = None if max_inflight is None else max_inflight - ahead
-                if oracle:
-                    plan = plan_oracle_prefetches(targets, busy, room)
-                else:
-                    plan = plan_prefetches(policy, targets, k, width, busy, room)
+                room = None if max_inflight is None else room_ahead(max_inflight, (*inflight, *deferred), layer)
+                plan = plan_prefetches(policy, targets, k, width, busy, room)
                 deferred.extend((p.layer, p.expert) for p in plan)
                 link_free, clock = issue(t, clock, link_free)
                 clock += 0.0 if oracle else costs.predict_s  # the bound knows the future without computing it
@@ -231,20 +233,17 @@ def simulate(
     return r
 
 
-def truth_scores(expert_ids: dict[int, torch.Tensor], layers: list[int], lookahead: int, num_experts: int,
-                 row: int | None = None) -> dict[tuple[int, int], torch.Tensor] | torch.Tensor:
+def truth_scores(expert_ids: dict[int, torch.Tensor], layers: list[int], lookahead: int, num_experts: int
+                 ) -> dict[tuple[int, int], torch.Tensor]:
     """The oracle's scores, (source, target) → [N, E]: each token's true experts of the ``lookahead`` MoE layers
-    after the source, one-hot and summing to 1 (what OraclePredictor returns for a decode step). With ``row``:
-    token ``row``'s scores [1, E] for ``layers[0]``."""
-    if row is not None:
-        ids = expert_ids[layers[0]][row : row + 1]
-        return torch.zeros(1, num_experts).scatter_(1, ids, 1.0 / ids.shape[1])
-    out = {}
-    for i, src in enumerate(layers):
-        for target in layers[i + 1 : i + 1 + lookahead]:
-            ids = expert_ids[target]
-            out[(src, target)] = torch.zeros(ids.shape[0], num_experts).scatter_(1, ids, 1.0 / ids.shape[1])
-    return out
+    after the source (:func:`one_hot`)."""
+    return {(src, target): one_hot(expert_ids[target], num_experts)
+            for i, src in enumerate(layers) for target in layers[i + 1 : i + 1 + lookahead]}
+
+
+def one_hot(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Expert ids [N, k] → scores [N, E], each row's experts at 1/k (what OraclePredictor returns for a call)."""
+    return torch.zeros(ids.shape[0], num_experts).scatter_(1, ids, 1.0 / ids.shape[1])
 
 
 def scale_costs(costs: HostCosts, factor: float) -> HostCosts:
