@@ -213,8 +213,8 @@ class Engine:
         p, cfg, r = self.policy, self.model.config, self.resident
         report = LoadReport(r.layer if r else None, r.bits if r else None, r.note if r else "")
         if p.resident_first and r is None:
-            report.note = (f"the cache ({self.plan.cache_bytes} bytes) cannot hold layer {cfg.moe_layers[0]} whole "
-                           f"even as int{p.bits}: it is cached like the others")
+            report.note = (f"the cache ({format_bytes(self.plan.cache_bytes)}) cannot hold layer {cfg.moe_layers[0]} "
+                           f"whole even as int{p.bits}: it is cached like the others")
         if self.cache is None or not (p.preload or r):
             return report
         if p.predictor == "oracle" and self.trace is not None:

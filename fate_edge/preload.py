@@ -18,6 +18,7 @@ import torch
 from .cache import ExpertCache
 from .cache.factory import Resident, precision_name
 from .fetch import file_identity, mark_verified
+from .sizes import format_bytes
 from .store import ExpertStore, decode_expert
 from .transfer import Copier
 
@@ -38,7 +39,7 @@ class LoadReport:
         first = (f"layer {self.resident_layer} resident as {precision_name(self.resident_bits)}"
                  if self.resident_layer is not None and self.resident_bits else "no resident layer")
         return (f"{first}{f' ({self.note})' if self.note else ''}; cache filled at load: {self.reads} experts, "
-                f"{self.bytes_read / 1e6:.2f} MB in {self.seconds:.2f} s")
+                f"{format_bytes(self.bytes_read)} in {self.seconds:.2f} s")
 
 
 def preload_choice(slots: dict[int, int], num_experts: int,

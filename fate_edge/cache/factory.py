@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..policy import PolicyConfig
+from ..sizes import format_bytes
 from .allocation import allocate
 from .eviction import make_eviction
 from .expert_cache import ExpertCache
@@ -51,8 +52,9 @@ def pick_resident(layer: int, num_experts: int, cache_bytes: int, entry_bytes: d
     for bits in sorted(entry_bytes, reverse=True):
         need = num_experts * entry_bytes[bits]
         if need <= cache_bytes:
-            note = "" if bits == best else (f"{precision_name(best)} would need {num_experts * entry_bytes[best]} "
-                                            f"bytes of the {cache_bytes}-byte cache: held as {precision_name(bits)}")
+            note = "" if bits == best else (f"{precision_name(best)} would need "
+                                            f"{format_bytes(num_experts * entry_bytes[best])} of the "
+                                            f"{format_bytes(cache_bytes)} cache: held as {precision_name(bits)}")
             return Resident(layer, bits, entry_bytes[bits], num_experts, note)
     return None
 
