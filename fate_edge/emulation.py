@@ -194,28 +194,42 @@ def host_token_seconds(store_dir: str | Path, token_ids: list[int], tokens: int 
     return per_token, what
 
 
-def calibrate(device: str, store_dir: str | Path, token_ids: list[int], tokens: int = 8, workers: int = 2,
-              bits: int = 4, host_s_per_token: float | None = None) -> Emulation:
-    """The emulation of ``store_dir`` on ``device``: host time measured (unless given), device time from the
-    profile's roofline, k, the dilated link, and whether reads go O_DIRECT."""
+@dataclass(frozen=True)
+class StoreSide:
+    """What emulating a store needs from the store and this disk, whatever the device: measured once."""
+
+    work: TokenWork
+    expert_bytes: int  # one expert at the streamed precision
+    disk_read_s: float | None  # one O_DIRECT read of an expert on this disk (median), None without O_DIRECT
+
+
+def store_side(store_dir: str | Path, bits: int = 4) -> StoreSide:
     from .store import ExpertStore
 
+    return StoreSide(decode_token_work(store_dir, bits), ExpertStore(store_dir).expert_bytes(bits),
+                     disk_direct_read_s(store_dir, bits=bits))
+
+
+def calibrate(device: str, store_dir: str | Path, token_ids: list[int], tokens: int = 8, workers: int = 2,
+              bits: int = 4, host_s_per_token: float | None = None, side: StoreSide | None = None) -> Emulation:
+    """The emulation of ``store_dir`` on ``device``: host time measured (unless given), device time from the
+    profile's roofline, k, the dilated link, and whether reads go O_DIRECT. ``side``: the store's figures, when
+    already measured (several devices, one store)."""
+    side = side or store_side(store_dir, bits)
     profile_name, kind = resolve_device(device)
     profile = load_profile(profile_name)
     roof = device_roofline(profile)
-    work = decode_token_work(store_dir, bits)
     if host_s_per_token is None:
         host_s_per_token, probe = host_token_seconds(store_dir, token_ids, tokens, workers, bits)
     else:
         probe = "given"
-    dev_s = roof.time_s(work.bytes, work.flops)
+    dev_s = roof.time_s(side.work.bytes, side.work.flops)
     k = dilation(host_s_per_token, dev_s)
     link = device_link(profile_name, kind)
     emulated = dilated_link(link, k)
-    disk = disk_direct_read_s(store_dir, bits=bits)
-    expert_bytes = ExpertStore(store_dir).expert_bytes(bits)
-    return Emulation(device, profile.name, roof, work, host_s_per_token, dev_s, k, link, emulated,
-                     reads_direct(emulated, expert_bytes, disk), expert_bytes, disk, probe)
+    return Emulation(device, profile.name, roof, side.work, host_s_per_token, dev_s, k, link, emulated,
+                     reads_direct(emulated, side.expert_bytes, side.disk_read_s), side.expert_bytes,
+                     side.disk_read_s, probe)
 
 
 def plan_emulated(store_dir: str | Path, budget: int, devices: list[str], token_ids: list[int],
@@ -233,9 +247,10 @@ def plan_emulated(store_dir: str | Path, budget: int, devices: list[str], token_
                                          decode_tokens=decode_tokens, progress=progress, direct_io=True)
     host_s = costs.layer_compute_s * len(load_config(store_dir).moe_layers)
     store = ExpertStore(store_dir)
+    side = store_side(store_dir, bits)
     out = {}
     for device in devices:
-        em = calibrate(device, store_dir, token_ids, workers=workers, bits=bits, host_s_per_token=host_s)
+        em = calibrate(device, store_dir, token_ids, workers=workers, bits=bits, host_s_per_token=host_s, side=side)
         em.host_probe = "the planner's LRU probe (compute per MoE layer x MoE layers)"
         out[device] = (em, plan(trace, budget, store.expert_bytes(bits), store.precisions[bits].slot_bytes, em.link,
                                 scale_costs(costs, 1 / em.k)))
