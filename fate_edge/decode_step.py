@@ -103,14 +103,21 @@ def moe(model: MoETransformer, x: torch.Tensor, h: torch.Tensor, layer: int, lp:
     weights, idx = model.route(layer, h)  # [1, k]
     for obs in model.observers:
         obs(layer, h, idx, weights)
+    add_experts(model, x, h, None, layer, weights, idx)
+    if lp.mlp is not None:
+        mlp_into(model, x, h, lp.mlp, lp.down)
+
+
+def add_experts(model: MoETransformer, x: torch.Tensor, h: torch.Tensor, hb: torch.Tensor | None, layer: int,
+                weights: torch.Tensor, idx: torch.Tensor) -> None:
+    """``x += Σ w_e · expert_e(h)`` over the token's routed experts (``hb``: ``h`` in bf16, made when None)."""
     weight_of = dict(zip(idx.tolist()[0], weights.tolist()[0]))
-    hb = None  # one bf16 copy of h for every int4 expert of the layer
     parts: dict[int, torch.Tensor] = {}
     for e, expert in model.experts.stream(layer, sorted(weight_of)):
         if expert is None:  # skipped by precision-on-miss (opt-in)
             continue
         if getattr(expert, "takes_bf16", False):
-            if hb is None:
+            if hb is None:  # one bf16 copy of h for every int4 expert of the layer
                 hb = h.to(torch.bfloat16)
             parts[e] = expert.forward_bf16(hb)
         else:
@@ -118,8 +125,6 @@ def moe(model: MoETransformer, x: torch.Tensor, h: torch.Tensor, layer: int, lp:
     model.experts.end_layer(layer)
     for e in sorted(parts):  # whatever order they arrived in
         x.add_(parts[e], alpha=weight_of[e])
-    if lp.mlp is not None:
-        mlp_into(model, x, h, lp.mlp, lp.down)
 
 
 def mlp_into(model: MoETransformer, x: torch.Tensor, h: torch.Tensor, mlp: Fused, down: Fused) -> None:

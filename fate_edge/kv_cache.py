@@ -12,17 +12,25 @@ class LayerCache:
         self.buffers: list[torch.Tensor] = []
         self.length = 0
 
+    def reserve(self, n: int) -> list[torch.Tensor]:
+        """Room for ``n`` positions (buffers made by a first :meth:`append`); the buffers, at full capacity.
+
+        Grown buffers start zeroed: a compiled decode step attends over the whole buffer with the tail masked,
+        and a masked-out NaN would still poison the weighted sum (0 * NaN)."""
+        if n > self.buffers[0].shape[2]:
+            cap = max(2 * self.buffers[0].shape[2], n)
+            grown = [b.new_zeros(*b.shape[:2], cap, b.shape[3]) for b in self.buffers]
+            for g, b in zip(grown, self.buffers):
+                g[:, :, : self.length] = b[:, :, : self.length]
+            self.buffers = grown
+        return self.buffers
+
     def append(self, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
         t = new[0].shape[2]
         if not self.buffers:
             cap = max(64, t)
-            self.buffers = [x.new_empty(*x.shape[:2], cap, x.shape[3]) for x in new]
-        elif self.length + t > self.buffers[0].shape[2]:
-            cap = max(2 * self.buffers[0].shape[2], self.length + t)
-            grown = [b.new_empty(*b.shape[:2], cap, b.shape[3]) for b in self.buffers]
-            for g, b in zip(grown, self.buffers):
-                g[:, :, : self.length] = b[:, :, : self.length]
-            self.buffers = grown
+            self.buffers = [x.new_zeros(*x.shape[:2], cap, x.shape[3]) for x in new]
+        self.reserve(self.length + t)
         for b, x in zip(self.buffers, new):
             b[:, :, self.length : self.length + t] = x
         self.length += t

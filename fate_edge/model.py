@@ -60,6 +60,7 @@ class MoETransformer:
         self._head: Fused | None = None
         # One-token decode through fate_edge.decode_step (fewer, larger operators); False: the general path.
         self.fast_decode = decode_step.supported(self)
+        self.compiled = None  # a compiled_step.CompiledDecode after set_compile("on"/"auto")
         self._rope_perm: dict[torch.dtype, torch.Tensor] = {}
         if "lm_head.weight" not in resident and not config.tie_word_embeddings:
             from .errors import MissingTensorError
@@ -109,6 +110,27 @@ class MoETransformer:
         if bits not in (8, 4):
             raise ValueError(f"resident_bits must be 8 or 4 (or None for the checkpoint's dtype), not {bits}")
         quantize_resident(self.config, self.w, self.names, bits)
+
+    def set_compile(self, mode: str, warm: bool = True) -> str | None:
+        """Decode steps as one torch.compile'd graph (``compiled_step``): "on", "auto" (on where supported,
+        silently eager elsewhere) or "off". ``warm`` compiles now (seconds with inductor's disk cache warm, a
+        minute or more cold) rather than at the first decode token. Returns why it stays off, or None when on."""
+        from .compiled_step import MODES, CompiledDecode, unsupported
+
+        if mode not in MODES:
+            raise ValueError(f"compile must be one of {', '.join(MODES)}, not {mode!r}")
+        self.compiled = None
+        why = "off" if mode == "off" else unsupported(self)
+        if why is None:
+            self.compiled = CompiledDecode(self, mode)
+            if warm:
+                self.compiled.warm(self)
+            why = self.compiled.failed
+        elif mode == "on":
+            import warnings
+
+            warnings.warn(f"--compile on: decoding eagerly, compiled decode does not support {why}", stacklevel=2)
+        return why
 
     def _mlp(self, x: torch.Tensor, mlp: Fused, down: Fused) -> torch.Tensor:
         gate, up, *gated = _split(apply_linear(x, mlp), mlp)
@@ -256,7 +278,8 @@ class MoETransformer:
         t = input_ids.shape[1]
         b = input_ids.shape[0]
         if t == 1 and b == 1 and self.fast_decode:
-            return decode_step.decode_token(self, input_ids, cache, plan)
+            out = self.compiled.step(self, input_ids, cache, plan) if self.compiled is not None else None
+            return out if out is not None else decode_step.decode_token(self, input_ids, cache, plan)
         x = F.embedding(input_ids.reshape(-1), self.embed)  # [B*T, H]
         cos, sin = self.rope.cos_sin_range(start, t, torch.float32 if cfg.rope.float32 else self.dtype)
         attention = self._mla_attention if cfg.mla is not None else self._gqa_attention
