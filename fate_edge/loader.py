@@ -95,6 +95,7 @@ def load_model(
     link: ThrottledLink | None = None,
     device: str | torch.device = "cpu",
     resident_bits: int | None = None,
+    compile: str = "off",
 ) -> MoETransformer:
     """Load a Hugging Face model directory or an expert store.
 
@@ -104,7 +105,8 @@ def load_model(
     emulated ``link``. With ``experts="memory"`` on a checkpoint, ``bits`` (8, 4, 3, 2) quantizes every
     routed expert in memory (round-to-nearest, the largest group of 128/64/32 dividing the expert sizes).
     ``resident_bits`` (8 or 4) quantizes the resident linears too (attention, dense MLPs, shared experts,
-    lm_head); None keeps them in ``dtype``."""
+    lm_head); None keeps them in ``dtype``. ``compile`` ("auto", "on", "off"): decode steps as one
+    torch.compile'd graph when every expert is resident (:mod:`fate_edge.compiled_step`), compiled here."""
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     if isinstance(experts, str) and is_store(model_dir):
         from .store import ExpertStore
@@ -134,4 +136,6 @@ def load_model(
     if resident_bits is not None:
         model.quantize_resident(resident_bits)
     model.model_dir = Path(model_dir)
+    if compile != "off":
+        model.set_compile(compile)
     return model

@@ -87,6 +87,9 @@ def main() -> None:
     ap.add_argument("--sides", choices=["auto", *SIDE_SETS], default="auto",
                     help="small: fp32/bf16/int4 vs f32/bf16/q4_0; real: bf16 and int4 experts with bf16/int8/int4 "
                          "rest vs bf16/q4_0; auto: real for a bf16 checkpoint")
+    ap.add_argument("--compile", choices=["auto", "on", "off"], default="off",
+                    help="fate-edge's fully resident sides decode through one torch.compile'd graph per token "
+                         "(compiled at load, before timing; default off)")
     ap.add_argument("--timeout", type=float, default=900.0, help="per process, seconds")
     ap.add_argument("--json", type=Path, default=Path("bench-out/llamacpp.json"))
     ap.add_argument("--readme", type=Path, default=None, help="rewrite the table between the bench_llamacpp markers")
@@ -105,7 +108,7 @@ def main() -> None:
     budget = max(int(args.budget * info["int4_expert_bytes_total"]), 1)
     base = {"model": str(Path(args.model).resolve()), "store": str(store), "ids": ids, "text": text,
             "text_ids": text_ids, "threads": args.threads, "workers": 1, "decode_tokens": args.decode_tokens,
-            "budget": budget}
+            "budget": budget, "compile": args.compile}
     sides = sides_set.resident + ([] if args.no_limited else sides_set.limited)
     load_before = load_average()
     runs, notes = run_rounds(base, sides, ggufs, args.rounds, args.timeout)
@@ -120,6 +123,8 @@ def main() -> None:
               f"interleaved rounds of fresh processes; {cpu}, torch {torch.__version__}, llama-cpp-python "
               f"{__import__('llama_cpp').__version__}; load average {load_before[0]} before, {load_after[0]} after, "
               f"per run in the JSON. Ratios: fate-edge / llama.cpp. "
+              + ("fate-edge's resident sides decode through torch.compile (`--compile "
+                 f"{args.compile}`, compiled at load, before timing). " if args.compile != "off" else "")
               + ("" if args.no_limited else f"Expert budget {budget / 1e6:.1f} MB ({args.budget:.0%} of int4 "
                  f"experts); llama.cpp's cap: {notes.get('cgroup', 'none')}; {notes.get('page_cache', '')}. ")
               + "Leading greedy tokens equal: "

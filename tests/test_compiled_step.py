@@ -8,15 +8,14 @@ import warnings
 
 import pytest
 import torch
+from _tiny_moe import build_tiny_moe
+from test_decode_step import store_int4_model
 
 from fate_edge import load_model
 from fate_edge.compiled_step import unsupported
 from fate_edge.experts import InMemoryExpertProvider
 from fate_edge.store import ExpertStore
 from fate_edge.store_provider import StoreExpertProvider
-
-from _tiny_moe import build_tiny_moe
-from test_decode_step import store_int4_model
 
 STEPS = 20  # the cache grows past its first capacity (64) on the way: the compiled length is dynamic
 

@@ -157,9 +157,10 @@ def _fate_edge_stream(spec: dict[str, Any]):
         return (r.token for r in engine.stream(spec["ids"], cfg))
     if spec["precision"] == "int4":
         model = load_model(spec["store"], rest, experts=resident_int4(spec["store"]),
-                           resident_bits=spec.get("resident_bits"))
+                           resident_bits=spec.get("resident_bits"), compile=spec.get("compile", "off"))
     else:
-        model = load_model(spec["model"], torch.float32 if spec["precision"] == "fp32" else torch.bfloat16)
+        model = load_model(spec["model"], torch.float32 if spec["precision"] == "fp32" else torch.bfloat16,
+                           compile=spec.get("compile", "off"))
     return (r.token for r in stream_generate(model, Tokenizer(spec["model"]), spec["ids"], cfg))
 
 
