@@ -250,8 +250,12 @@ class CompiledDecode:
 
     def warm(self, model: MoETransformer) -> None:
         """Compile now, on a throwaway two-token prefill and two decode steps, not at a request's first token."""
-        cache = model.new_cache()
-        with torch.inference_mode():
-            model(torch.zeros(1, 2, dtype=torch.long), cache)
-            for _ in range(2):
-                model(torch.zeros(1, 1, dtype=torch.long), cache)
+        cache, observers = model.new_cache(), model.observers[:]
+        model.observers.clear()  # no routing of these dummy tokens reaches a trace or a predictor
+        try:
+            with torch.inference_mode():
+                model(torch.zeros(1, 2, dtype=torch.long), cache)
+                for _ in range(2):
+                    model(torch.zeros(1, 1, dtype=torch.long), cache)
+        finally:
+            model.observers.extend(observers)

@@ -5,6 +5,7 @@ category: matmul kernels, attention, other (small) aten ops, and the rest (Pytho
 
     python scripts/profile_decode.py --dtype float32 --experts memory --threads 2
     python scripts/profile_decode.py --experts int4          # every routed expert resident in int4
+    python scripts/profile_decode.py --experts int4 --threads 1 --compile on   # one compiled graph per token
 """
 
 from __future__ import annotations
@@ -51,7 +52,10 @@ def decode(model, prompt: torch.Tensor, steps: int) -> float:
 def categorise(events, wall_us: float, steps: int) -> dict:
     top = [e for e in events if e.name.startswith("aten::") and not e.cpu_parent]  # top-level ops only
     counts = Counter(e.name for e in events if e.name.startswith("aten::"))
-    share = {"matmul": 0.0, "attention": 0.0, "small_ops": 0.0}
+    share = {"matmul": 0.0, "attention": 0.0, "small_ops": 0.0, "compiled_graph": 0.0}
+    # A compiled step runs inside one region (its kernels called from C++ with cpp_wrapper: few aten events)
+    share["compiled_graph"] = sum(e.time_range.elapsed_us() for e in events
+                                  if e.name.startswith("Torch-Compiled Region") and not e.cpu_parent)
     for e in top:
         us = e.time_range.elapsed_us()
         if e.name.startswith(ATTENTION):
@@ -69,17 +73,30 @@ def categorise(events, wall_us: float, steps: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--experts", default="memory", help="memory (checkpoint dtype) or int4 (resident, quantized)")
+    ap.add_argument("--experts", default="memory",
+                    help="memory (checkpoint dtype), int4 (resident, quantized) or store-int4 (the converted "
+                    "store's int4 experts, resident: bench_llamacpp.py's int4 side)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--compile", choices=["auto", "on", "off"], default="off", help="model.set_compile")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     bits = 4 if args.experts == "int4" else None
-    model = load_model(bundled_model_dir(), dtype=args.dtype, experts="memory", bits=bits)
+    if args.experts == "store-int4":  # as bench_llamacpp.py's int4 side runs: the store's int4 experts, resident
+        from fate_edge.bench.sidebyside import resident_int4
+        from fate_edge.engine_args import resolve_store
+
+        store = resolve_store(bundled_model_dir(), progress=False)
+        model = load_model(store, dtype=args.dtype, experts=resident_int4(store))
+    else:
+        model = load_model(bundled_model_dir(), dtype=args.dtype, experts="memory", bits=bits)
     if bits and not hasattr(model.experts.get(model.config.moe_layers[0], 0), "kernel"):
         model.experts = int4_experts(model.experts)  # a runtime without in-memory quantization (before/after runs)
+    compile_off = model.set_compile(args.compile)  # compiles now (warm), not inside the timed steps
+    if compile_off not in (None, "off"):
+        print(f"compiled decode off: {compile_off}")
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt_tokens), generator=gen)
     with torch.inference_mode():
@@ -92,7 +109,8 @@ def main() -> None:
             for _ in range(args.steps):
                 tok = model(tok, cache)[0, -1].argmax().view(1, 1)
             wall_us = (time.perf_counter() - t0) * 1e6
-    out = {"dtype": args.dtype, "experts": args.experts, "threads": args.threads, "ms_per_token": round(ms, 3),
+    out = {"dtype": args.dtype, "experts": args.experts, "threads": args.threads, "compiled": compile_off is None,
+           "ms_per_token": round(ms, 3),
            "tok_s": round(1e3 / ms, 1), "load_average": os.getloadavg(),
            **categorise(prof.events(), wall_us, args.steps)}
     print(json.dumps(out, indent=1))
