@@ -70,6 +70,7 @@ class SimResult:
     total_s: float
     prefetched: list[tuple[int, int, int]] = field(default_factory=list)  # (token, layer, expert) per read issued
     prompt_prefetches: int = 0  # reads the prompt's last layer issued for the first token (the oracle's)
+    late_prefetches: int = 0  # prefetch hits that had not arrived when their layer routed (compute stalled)
 
     @property
     def hit_rate(self) -> float:
@@ -171,6 +172,7 @@ def simulate(
                     # Needed now: the engine promotes a read still queued to demand priority (Scheduler.on_route),
                     # so it lands no later than a demand read issued now would.
                     arrival = min(inflight.pop(key), clock + read_time)
+                    r.late_prefetches += arrival > clock
                     consumed += 1
                     r.prefetch_hits += 1
                     r.prefetch_bytes += expert_bytes
