@@ -8,17 +8,19 @@ link-bound and what matters is bytes read per token, not hiding reads behind com
 emulated runs of the engine (scripts/validate_device_presets.py, README table per device):
 
 - one cache partition for all layers (``global``), not per-layer (uniform) nor shallow-favoring (Fate's split):
-  the simulator gives +10-25% over the host preset on every device and budget over 48 tokens (the most used
-  experts across layers stay, however they are spread); the engine measured +5% at 35% on the Orin Nano;
-- LCU eviction (MoE-APEX) over it: within 5% of the best eviction in every cell (LFU wins at 35% by up to 3%,
-  loses at 50% by 5-8%);
+  over a 128-token decode the engine missed 309 of 2048 expert uses against uniform LCU's 365 (the simulator,
+  which now starts from what the engine's prefill keeps, counts 309 and 381); the most used experts across
+  layers stay, however they are spread. Over the first 32 tokens the two are level (120 against 106 misses);
+- LCU eviction (MoE-APEX) over it: within 5% of the best eviction in every cell of the sweep (LFU wins at 35% by
+  up to 3%, loses at 50% by 5-8%);
 - no prefetch: in the simulator, prefetching 2 wide one layer ahead with the learned predictor wins at 20%
-  (+10%) and loses 2-5% at 35/50%; every prefetch hit arrives late (a read takes 5-8 layers of compute, so
-  a prediction one layer ahead only starts the read earlier) and wrong guesses add bytes to the link that is
-  the bottleneck; the engine measured it 25-30% slower at 35% (8.2 against 6.6 MB read per token: more
-  wasted reads than the simulator charges), so no device gets it;
+  (+10%) and loses 2-5% at 35/50%; every prefetch hit arrives late (a read takes 5-8 layers of compute) and wrong
+  guesses add bytes to the link that is the bottleneck; even true predictions 1-3 layers ahead gain at most 6%
+  over no prefetch (Orin Nano, 35%), and the engine measured 2-wide prefetch 25-30% slower (8.2 against 6.6 MB
+  read per token);
 - the cache filled at load with the calibration's most used experts across layers (fate_edge/preload.py
-  global_choice, as Fate fills its caches): a prompt reads only the rest (prefill +10-20% measured).
+  global_choice), kept through the prompt (``keep_preloaded``: prefill reads enter only free room): a 64-token
+  prompt missed 48 experts instead of 89, and the decode after it 298 instead of 309 of 2048 uses.
 
 The host preset (``PRESETS["fate-edge"]``) stays for this host and unknown devices: there a read is cheap next
 to compute and the prefetch gate decides from measured hit rates.
@@ -32,7 +34,7 @@ from .policy import PolicyConfig
 
 # What every link-bound device changes in fate-edge (see the module docstring).
 _LINK_BOUND: dict[str, Any] = {"allocation": "global", "eviction": "lcu", "predictor": None, "prefetch_gate": False,
-                               "preload": True}
+                               "preload": True, "keep_preloaded": True}
 
 # Profile name → the fields of fate-edge that device changes. The five are alike because each is link-bound for
 # this model (the sweep's table per device in the README); a device where a read fits in a layer's compute would

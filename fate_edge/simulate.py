@@ -123,10 +123,19 @@ def simulate(
     if cache is not None and warm:
         for layer in layers:
             info = AccessInfo(layer_now=layer, num_layers=num_layers)
+            pinned = []
             for e in warm.get(layer, []):
-                if (layer, e) not in cache:
-                    cache.access((layer, e), False, info)
-                    cache.insert((layer, e), None, expert_bytes, policy.bits)
+                key = (layer, e)
+                if key in cache:
+                    cache.access(key, True, info)
+                else:
+                    cache.access(key, False, info)
+                    if not cache.insert(key, None, expert_bytes, policy.bits):
+                        continue
+                cache.pin(key)  # as in the engine's prefill: a layer's experts are all in use until it is computed
+                pinned.append(key)
+            for key in pinned:
+                cache.unpin(key)
 
     def cached(key: tuple[int, int]) -> bool:
         return cache is not None and key in cache
