@@ -12,6 +12,7 @@ Device-equivalent tok/s = raw x k. Optionally rewrites the README block between 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import pickle
 import statistics
@@ -43,6 +44,14 @@ def policies(device: str, lod: bool) -> dict:
             "load-on-demand-int4": PRESETS["load-on-demand-int4"]} if lod else {}
     return {**base, "lru": PRESETS["lru"], "fate": PRESETS["fate"], "fate-edge (host preset)": PRESETS["fate-edge"],
             "fate-edge": for_device(PRESETS["fate-edge"], device), "oracle": PRESETS["oracle"]}
+
+
+def first_tokens(trace, n: int):
+    """``trace`` cut to its first ``n`` decode tokens (the sweep records more than a short run decodes)."""
+    out = copy.copy(trace)
+    out.expert_ids = {layer: v[:n] for layer, v in trace.expert_ids.items()}
+    out.predictions = {name: {key: v[:n] for key, v in scores.items()} for name, scores in trace.predictions.items()}
+    return out
 
 
 def run_once(store: str, budget: int, policy, em, ids: list[int], decode: int, trace) -> dict:
@@ -109,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     budget = int(args.budget * total)
     ids = sample_token_ids(Tokenizer(args.store))[: args.prompt_tokens]
     costs, plan_trace = pickle.loads(Path(args.trace).read_bytes())
+    plan_trace = first_tokens(plan_trace, args.decode_tokens)  # the simulator over the decode the engine runs
     with Engine(args.store, 2 * total, "lru") as big:  # the request's routing, for the oracle
         trace = big.record_trace(ids, GenerateConfig(max_tokens=args.decode_tokens + 1, ignore_eos=True))
     side = store_side(args.store)

@@ -5,7 +5,7 @@ seconds only; nothing is timed."""
 
 import pytest
 import torch
-from _replay import PROMPT, decode_routing
+from _replay import PROMPT, decode_routing, record_with_predictions
 
 from fate_edge import GenerateConfig
 from fate_edge.budget import plan_budget
@@ -14,7 +14,6 @@ from fate_edge.device_presets import DEVICE_PRESETS, for_device
 from fate_edge.emulation import DEVICES, calibrate, store_side
 from fate_edge.engine import Engine
 from fate_edge.engine_args import policy_for_device
-from fate_edge.planner import _DecodeRecorder, trace_predictions
 from fate_edge.policy import PRESETS
 from fate_edge.preload import global_choice
 from fate_edge.simulate import HostCosts, simulate
@@ -53,15 +52,7 @@ def test_the_bench_runs_fate_edge_as_on_the_emulated_device():
 def recorded(tmp_path_factory, bundled_dir):
     """The bundled store, its recorded decode routing and predictor scores, sizes, and its store-side figures."""
     store = convert(bundled_dir, tmp_path_factory.mktemp("dev") / "store", ConvertOptions(bits=4), progress=False)
-    with Engine(store, "64MB", "lru") as rec:
-        seen = _DecodeRecorder()
-        rec.model.observers.insert(0, seen)
-        trace = rec.record_trace(PROMPT, LONG)
-        cfg = rec.model.config
-        ids = {layer: torch.cat(v) for layer, v in seen.ids.items()}
-        gate_inputs = {layer: torch.cat(v) for layer, v in seen.h.items()}
-        preds = trace_predictions(rec.model, ids, gate_inputs, store_dir=store).predictions
-        sizes = (rec.plan.entry_bytes, rec.store.precisions[4].slot_bytes)
+    trace, preds, cfg, sizes, _ = record_with_predictions(store, LONG)
     return store, trace, preds, cfg, sizes, store_side(store)
 
 
