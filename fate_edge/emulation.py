@@ -239,7 +239,9 @@ def plan_emulated(store_dir: str | Path, budget: int, devices: list[str], token_
     device's own link: the compute/link ratio is the device's. {device: (Emulation, Plan)}; a Plan's tokens/s
     are device-equivalent."""
     from .arch import load_config
+    from .device_presets import for_device
     from .planner import measure_host_costs, plan
+    from .policy import PRESETS
     from .simulate import scale_costs
     from .store import ExpertStore
 
@@ -252,6 +254,7 @@ def plan_emulated(store_dir: str | Path, budget: int, devices: list[str], token_
     for device in devices:
         em = calibrate(device, store_dir, token_ids, workers=workers, bits=bits, host_s_per_token=host_s, side=side)
         em.host_probe = "the planner's LRU probe (compute per MoE layer x MoE layers)"
+        start = for_device(PRESETS["fate-edge"], device)  # the descent starts from the device's preset
         out[device] = (em, plan(trace, budget, store.expert_bytes(bits), store.precisions[bits].slot_bytes, em.link,
-                                scale_costs(costs, 1 / em.k)))
+                                scale_costs(costs, 1 / em.k), start=start))
     return out

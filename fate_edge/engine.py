@@ -32,7 +32,7 @@ from .fetch import BufferPool, FetchEngine
 from .generate import GenerateConfig, GenerationResponse, stream_generate
 from .loader import DTYPES, load_model
 from .policy import PolicyConfig, for_model, get_policy
-from .preload import LoadReport, first_used, preload, preload_choice
+from .preload import LoadReport, first_used, global_choice, preload, preload_choice
 from .request_slot import RequestSlot
 from .scheduler import Scheduler, SchedulerStats, hands_off
 from .sizes import format_bytes
@@ -219,6 +219,9 @@ class Engine:
             return report
         if p.predictor == "oracle" and self.trace is not None:
             choice = first_used(self.trace.calls, self.cache.capacity_bytes // self.cache.entry_bytes)
+        elif p.preload and p.allocation == "global":  # one partition: the most used experts across layers
+            choice = global_choice(self.cache.capacity_bytes // self.cache.entry_bytes, cfg.moe_layers,
+                                   cfg.num_experts, self.popularity)
         else:
             slots = self.plan.slots if p.preload else {r.layer: cfg.num_experts}
             choice = preload_choice(slots, cfg.num_experts, self.popularity)

@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from . import defaults
-from .cli_args import add_policy_arg, byte_size, device_name, existing_path, link_name, positive_int
+from .cli_args import add_policy_arg, byte_size, device_name, emulated_device, existing_path, link_name, positive_int
 
 if TYPE_CHECKING:
     from fate_edge.devices.link import ThrottledLink
 
     from .engine import Engine
+    from .policy import PolicyConfig
 
 
 @dataclass
@@ -34,6 +35,7 @@ class EngineOptions:
     threads: int | None = defaults.THREADS
     verify: str = defaults.VERIFY
     resident_bits: int | None = None  # quantize the resident weights (8 or 4); None keeps the model's dtype
+    device_profile: str | None = None  # the device this runs on (fate-edge takes its preset); None: detected
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **override) -> EngineOptions:
@@ -53,6 +55,9 @@ def add_engine_args(p: argparse.ArgumentParser, memory_budget: str | None = defa
     add_policy_arg(p, policy)
     p.add_argument("--device", default=device, type=device_name, help=f"auto, cpu or cuda (default {device})")
     p.add_argument("--dtype", default=defaults.DTYPE, choices=["float32", "bfloat16"], help="compute dtype")
+    p.add_argument("--device-profile", default=None, type=emulated_device,
+                   help="the device this runs on (orin-nano, orin-nx, agx-orin, rpi5, rtx4060 or a profile): the "
+                        "fate-edge policy takes that device's preset (device_presets.py); default: the detected one")
     if link:
         p.add_argument("--link", default=None, type=link_name,
                        help="throttle expert reads to a device profile's storage link (devices/profiles), or host")
@@ -96,6 +101,17 @@ def resolve_store(model: str | Path | None, progress: bool = True) -> Path:
     return ensure_store(model or bundled_model_dir(), progress=progress)
 
 
+def policy_for_device(policy: str, device_profile: str | None = None) -> PolicyConfig:
+    """The preset ``policy`` as it runs on ``device_profile``, or on the device this host is detected to be
+    (devices/detect.py; none here: the host preset)."""
+    from fate_edge.devices.detect import detect
+
+    from .device_presets import for_device
+    from .policy import get_policy
+
+    return for_device(get_policy(policy), device_profile or detect().profile)
+
+
 def open_engine(opts: EngineOptions, log: TextIO | None = None, progress: bool = True) -> Engine:
     """Build the engine ``opts`` describes. ``--policy auto`` runs the planner first and reports its probes,
     its pick and the decode speed it predicts on ``log`` (default stderr)."""
@@ -122,6 +138,8 @@ def open_engine(opts: EngineOptions, log: TextIO | None = None, progress: bool =
             f"lookahead={p.lookahead} width={p.prefetch_width}: predicts {planned.predicted_tokens_per_s:.1f} "
             f"decode tok/s, hit rate {100 * planned.predicted_hit_rate:.0f}%")
         policy = p
+    else:
+        policy = policy_for_device(policy, opts.device_profile)
     engine = Engine(store, opts.memory_budget, policy, dtype=opts.dtype, link=link, device=opts.device,
                     verify=opts.verify, resident_bits=opts.resident_bits)
     engine.planned = planned

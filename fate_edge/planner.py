@@ -257,7 +257,7 @@ class Plan:
 
 
 def _neighbours(p: PolicyConfig) -> list[PolicyConfig]:
-    out = [p.with_(allocation=a) for a in ("uniform", "shallow")]
+    out = [p.with_(allocation=a) for a in ("uniform", "shallow", "global")]  # global: the link-bound devices' pick
     out += [p.with_(eviction=e) for e in ("lru", "lfu", "arc", "lcu", "popularity")]
     out += [p.with_(predictor=q) for q in ("best-available", "cross-layer", "cross-layer-norm", None)]
     out += [p.with_(lookahead=a) for a in (1, 2, 3)]

@@ -51,6 +51,9 @@ class PolicyConfig:
     resident_first: bool = False
     preload: bool = False  # Fate: fill the cache at load (whole layers, then popular or low-numbered experts)
     skip_full: bool = False  # Fate: no prediction when every layer it would target is fully cached
+    # Prefill reads enter the cache only into free room, so what the cache was filled with at load survives the
+    # prompt (a global cache otherwise evicts deep layers' preloaded experts for shallow layers' prompt reads).
+    keep_preloaded: bool = False
 
     def __post_init__(self) -> None:
         _validate(self)

@@ -57,6 +57,24 @@ def preload_choice(slots: dict[int, int], num_experts: int,
     return out
 
 
+def global_choice(capacity: int, moe_layers: Sequence[int], num_experts: int,
+                  popularity: dict[int, Sequence[int]] | None = None) -> dict[int, list[int]]:
+    """One partition for all layers (``global`` allocation): the ``capacity`` most used experts across layers by
+    the calibration counts (each layer routes the same number of assignments per token, so counts compare
+    across layers; ties to the shallower layer, then the lower id); without counts, the same number per layer,
+    lowest-numbered first (:func:`preload_choice` over uniform slots)."""
+    if not popularity or any(len(popularity.get(layer, ())) != num_experts for layer in moe_layers):
+        from .cache.allocation import uniform
+
+        return preload_choice(uniform(capacity, moe_layers, num_experts), num_experts)
+    ranked = sorted(((layer, e) for layer in moe_layers for e in range(num_experts)),
+                    key=lambda key: (-popularity[key[0]][key[1]], key[0], key[1]))
+    out: dict[int, list[int]] = {}
+    for layer, e in sorted(ranked[:capacity]):
+        out.setdefault(layer, []).append(e)
+    return out
+
+
 def first_used(calls: Sequence[tuple[int, Sequence[int]]], capacity: int) -> dict[int, list[int]]:
     """The oracle's warm start: the first ``capacity`` distinct experts the recorded request uses, in order of
     first use (Belady's choice for an empty cache), grouped per MoE layer. Any policy may fill its cache at

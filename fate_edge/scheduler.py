@@ -146,6 +146,7 @@ class Scheduler(ExpertProvider):
         self._read_bw = 0.0  # EMA of measured read bandwidth, bytes/s
         self._read_cpu = 0.0  # EMA of a read's reader-thread CPU seconds
         self._last_route: tuple[int, float] | None = None
+        self._prefill = False  # the layer call being served routes many tokens (a prompt)
         # Prefetch gate (fate-edge): per prediction rank, evidence of whether a read would pay.
         self.gate = PrefetchGate(max(policy.max_prefetch_width, config.num_experts_per_tok))
         self._contention = reader_contention(torch.get_num_threads(), fetch.workers)
@@ -155,6 +156,7 @@ class Scheduler(ExpertProvider):
     def on_route(self, layer: int, h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> None:
         now = time.perf_counter()
         n = h.shape[0]
+        self._prefill = n > 1
         if n == 1 and self._last_route is not None and self._last_route[0] < layer:
             dt = (now - self._last_route[1]) / max(1, self.layer_index[layer] - self.layer_index[self._last_route[0]])
             self._layer_time = _ema(self._layer_time, dt, 0.8)
@@ -355,7 +357,7 @@ class Scheduler(ExpertProvider):
             # The staging buffer goes back to the pool only once the copy out of it has completed.
             self.copier.release_after(event, lambda req=f.req: self.fetch.release(req))
             expert = decode_expert(blob, self.store.precisions[f.bits], self.dtype)
-            if self.cache is not None and not low and self.cache.insert(key, expert, expert.nbytes, f.bits):
+            if self.cache is not None and not low and self._admit(key, expert, expert.nbytes, f.bits):
                 self.cache.pin(key)
                 self.in_use.append(key)
         self._evicted.clear()  # buffers of evicted experts not reused here are freed with their last user
@@ -382,12 +384,18 @@ class Scheduler(ExpertProvider):
         buf = f.req.buffer
         blob = torch.frombuffer(buf.view, dtype=torch.uint8)  # the whole buffer: the storage the entry keeps
         expert = decode_expert(blob[: f.req.ref.length], self.store.precisions[f.bits], self.dtype)
-        if not self.cache.insert(key, expert, buf.size, f.bits):
+        if not self._admit(key, expert, buf.size, f.bits):
             return None  # the buffer stays the request's: copied out and released as usual
         self._kept[key] = self.fetch.hand_off(f.req, self._unused_evicted())
         self.cache.pin(key)
         self.in_use.append(key)
         return expert
+
+    def _admit(self, key: Key, expert: object, nbytes: int, bits: int) -> bool:
+        """Cache ``expert``; in prefill under ``keep_preloaded`` only into free room (nothing evicted)."""
+        if self.policy.keep_preloaded and self._prefill and not self.cache.has_room(key, nbytes):
+            return False
+        return self.cache.insert(key, expert, nbytes, bits)
 
     def _unused_evicted(self) -> Buffer | None:
         """An evicted expert's buffer no tensor points into any more (its memory already faulted in, so the

@@ -70,6 +70,7 @@ class SimResult:
     total_s: float
     prefetched: list[tuple[int, int, int]] = field(default_factory=list)  # (token, layer, expert) per read issued
     prompt_prefetches: int = 0  # reads the prompt's last layer issued for the first token (the oracle's)
+    late_prefetches: int = 0  # prefetch hits that had not arrived when their layer routed (compute stalled)
 
     @property
     def hit_rate(self) -> float:
@@ -122,10 +123,19 @@ def simulate(
     if cache is not None and warm:
         for layer in layers:
             info = AccessInfo(layer_now=layer, num_layers=num_layers)
+            pinned = []
             for e in warm.get(layer, []):
-                if (layer, e) not in cache:
-                    cache.access((layer, e), False, info)
-                    cache.insert((layer, e), None, expert_bytes, policy.bits)
+                key = (layer, e)
+                if key in cache:
+                    cache.access(key, True, info)
+                else:
+                    cache.access(key, False, info)
+                    if not cache.insert(key, None, expert_bytes, policy.bits):
+                        continue
+                cache.pin(key)  # as in the engine's prefill: a layer's experts are all in use until it is computed
+                pinned.append(key)
+            for key in pinned:
+                cache.unpin(key)
 
     def cached(key: tuple[int, int]) -> bool:
         return cache is not None and key in cache
@@ -171,6 +181,7 @@ def simulate(
                     # Needed now: the engine promotes a read still queued to demand priority (Scheduler.on_route),
                     # so it lands no later than a demand read issued now would.
                     arrival = min(inflight.pop(key), clock + read_time)
+                    r.late_prefetches += arrival > clock
                     consumed += 1
                     r.prefetch_hits += 1
                     r.prefetch_bytes += expert_bytes

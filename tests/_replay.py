@@ -109,3 +109,19 @@ def simulate_engine(engine: Engine, trace: Trace):
     return simulate(ids, preds, engine.policy, engine.plan.cache_bytes, engine.plan.entry_bytes, LINK,
                     HostCosts(1e-3), cfg.num_experts, cfg.num_hidden_layers, warm=warm,
                     max_inflight=engine.scheduler.max_inflight)
+
+
+def record_with_predictions(store, config: GenerateConfig = CFG):
+    """PROMPT under ``config`` on ``store``: (its Trace, each predictor's decode scores, the model config, (entry
+    bytes, int4 slot bytes), the calibration popularity): what the simulator replays a request with."""
+    from fate_edge.planner import _DecodeRecorder, trace_predictions
+
+    with Engine(store, "64MB", "lru") as rec:
+        seen = _DecodeRecorder()
+        rec.model.observers.insert(0, seen)
+        trace = rec.record_trace(PROMPT, config)
+        ids = {layer: torch.cat(v) for layer, v in seen.ids.items()}
+        gate_inputs = {layer: torch.cat(v) for layer, v in seen.h.items()}
+        preds = trace_predictions(rec.model, ids, gate_inputs, store_dir=store).predictions
+        sizes = (rec.plan.entry_bytes, rec.store.precisions[4].slot_bytes)
+        return trace, preds, rec.model.config, sizes, rec.popularity

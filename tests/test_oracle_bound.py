@@ -9,7 +9,7 @@ only; nothing is timed.
 
 import pytest
 import torch
-from _replay import CFG, PROMPT, decode_routing, oracle_scores
+from _replay import CFG, PROMPT, decode_routing, oracle_scores, record_with_predictions
 from _tiny_moe import build_tiny_moe
 from fate_edge.devices.link import LinkSpec
 from fate_edge.predictors.activation_path import ActivationPathPredictor
@@ -18,7 +18,6 @@ from fate_edge.budget import plan_budget
 from fate_edge.cache import AccessInfo, Belady, ExpertCache
 from fate_edge.convert import ConvertOptions, convert
 from fate_edge.engine import Engine
-from fate_edge.planner import _DecodeRecorder, trace_predictions
 from fate_edge.policy import PRESETS
 from fate_edge.prefetch_choice import plan_oracle_prefetches, ranked
 from fate_edge.simulate import HostCosts, simulate
@@ -42,18 +41,9 @@ def recorded(request, tmp_path_factory, bundled_dir):
     src = bundled_dir if request.param == "bundled" else build_tiny_moe(
         root / "model", seed=0 if top2 else 3, top_k=2 if top2 else 4, expert_dim=32)
     store = convert(src, root / "store", ConvertOptions(bits=4), progress=False)
-    with Engine(store, "64MB", "lru") as rec:
-        seen = _DecodeRecorder()
-        rec.model.observers.insert(0, seen)
-        trace = rec.record_trace(PROMPT, CFG)
-        cfg = rec.model.config
-        ids = {layer: torch.cat(v) for layer, v in seen.ids.items()}
-        gate_inputs = {layer: torch.cat(v) for layer, v in seen.h.items()}
-        preds = trace_predictions(rec.model, ids, gate_inputs, store_dir=store).predictions
-        preds["activation-path"] = _activation_path_scores(trace, cfg, PRESETS["activation-path"].lookahead,
-                                                           rec.popularity)
-        preds["oracle"] = oracle_scores(trace, cfg.moe_layers, PRESETS["oracle"].lookahead, cfg.num_experts)
-        sizes = (rec.plan.entry_bytes, rec.store.precisions[4].slot_bytes)
+    trace, preds, cfg, sizes, popularity = record_with_predictions(store)
+    preds["activation-path"] = _activation_path_scores(trace, cfg, PRESETS["activation-path"].lookahead, popularity)
+    preds["oracle"] = oracle_scores(trace, cfg.moe_layers, PRESETS["oracle"].lookahead, cfg.num_experts)
     with Engine(store, "64MB", "load-on-demand") as bf16:
         minimum = bf16.plan.minimum
     return store, trace, preds, cfg, sizes, minimum

@@ -300,7 +300,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="fate-bench-", dir=out_dir))
     common = {"store": str(store), "threads": cfg.threads, "fetch_workers": cfg.fetch_workers, "device": cfg.device,
-              "prompts": {str(k): v for k, v in prompts.items()}, "decode_tokens": cfg.decode_tokens}
+              "prompts": {str(k): v for k, v in prompts.items()}, "decode_tokens": cfg.decode_tokens,
+              "emulate": cfg.emulate}  # fate-edge runs as on the emulated device (device_presets.py)
 
     links, emulation = dict(LINKS), None
     if cfg.emulate:  # device-faithful emulation: the device's link, dilated by the host/device compute ratio

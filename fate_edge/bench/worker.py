@@ -65,6 +65,17 @@ def _sum_stats(items):
     return total
 
 
+def spec_policy(spec: dict):
+    """The configuration's policy: the planner's choice given as data, else the preset, ``fate-edge`` as it runs
+    on the emulated device (device_presets.py) under ``--emulate``."""
+    from ..device_presets import for_device
+    from ..policy import PolicyConfig, get_policy
+
+    if spec.get("policy"):
+        return PolicyConfig(**spec["policy"])
+    return for_device(get_policy(spec["preset"]), spec.get("emulate"))
+
+
 def one_request(spec: dict, ids: list[int], max_tokens: int, trace, counter_sink: dict) -> dict[str, Any]:
     from fate_edge.devices.link import LinkSpec, ThrottledLink
 
@@ -75,11 +86,7 @@ def one_request(spec: dict, ids: list[int], max_tokens: int, trace, counter_sink
     dropped = None
     if spec["link"] == "raw-disk" and spec["drop_caches"]:
         dropped = drop_page_cache()
-    policy = spec["preset"]
-    if spec.get("policy"):  # a PolicyConfig given as data (the planner's choice)
-        from ..policy import PolicyConfig
-
-        policy = PolicyConfig(**spec["policy"])
+    policy = spec_policy(spec)
     # Emulated link: buffered reads from the warm page cache, throttled to the link (O_DIRECT would read at
     # this disk's speed first, slower than the NVMe and PCIe links), except under --emulate where the dilated
     # link is slower than this disk: then O_DIRECT, so a read costs the CPU what a DMA does (no memcpy).
@@ -129,10 +136,9 @@ def one_request(spec: dict, ids: list[int], max_tokens: int, trace, counter_sink
 
 def verify_store(spec: dict) -> None:
     """Check the CRC of every blob at the precisions this configuration reads (see fetch.py: verify once)."""
-    from ..policy import PolicyConfig, get_policy
     from ..store import ExpertStore
 
-    policy = PolicyConfig(**spec["policy"]) if spec.get("policy") else get_policy(spec["preset"])
+    policy = spec_policy(spec)
     store = ExpertStore(spec["store"])
     store.verify([b for b in (policy.bits, policy.cold_bits) if b in store.precisions])
 

@@ -77,6 +77,11 @@ class ExpertCache:
         if e is not None and e.pins > 0:
             e.pins -= 1
 
+    def has_room(self, key: Key, nbytes: int) -> bool:
+        """``key`` is cached, or fits in its partition's free bytes without evicting anything."""
+        part = self.partition_of(key)
+        return key in self.entries or self.used.get(part, 0) + nbytes <= self.capacity.get(part, 0)
+
     def insert(self, key: Key, expert: Any, nbytes: int, bits: int) -> bool:
         """Admit ``expert``; evicts unpinned residents of its partition as needed. False if it cannot fit."""
         if key in self.entries:

@@ -1,0 +1,168 @@
+"""Short emulated runs of fate-edge as resolved per device, against the host preset, lru, fate and the oracle.
+
+For each device: k pinned by --host-ms (the same for every run compared), the device's link dilated by k, O_DIRECT
+reads where the emulation says so; every policy runs the same prompt (the planner's sample text) and decodes the
+same greedy tokens, in interleaved rounds; medians. Beside each measured figure, the simulator's prediction on
+the sweep's recorded trace (scripts/sweep_device_presets.py --trace), the planner's view of that device.
+Device-equivalent tok/s = raw x k. Optionally rewrites the README block between <!-- device-presets:begin/end -->.
+
+    python scripts/validate_device_presets.py --host-ms 17 --trace /tmp/emul_trace.pkl --devices orin-nano
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import pickle
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from fate_edge.devices.link import ThrottledLink
+
+from fate_edge.device_presets import for_device
+from fate_edge.emulation import DEVICES, calibrate, store_side
+from fate_edge.engine import Engine
+from fate_edge.generate import GenerateConfig
+from fate_edge.planner import sample_token_ids
+from fate_edge.policy import PRESETS
+from fate_edge.simulate import scale_costs
+from fate_edge.store import ExpertStore
+from fate_edge.tokenizer import Tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sweep_device_presets import sim  # noqa: E402
+
+MARK = "device-presets"
+
+
+def policies(device: str, lod: bool) -> dict:
+    base = {"load-on-demand (bf16)": PRESETS["load-on-demand"],
+            "load-on-demand-int4": PRESETS["load-on-demand-int4"]} if lod else {}
+    return {**base, "lru": PRESETS["lru"], "fate": PRESETS["fate"], "fate-edge (host preset)": PRESETS["fate-edge"],
+            "fate-edge": for_device(PRESETS["fate-edge"], device), "oracle": PRESETS["oracle"]}
+
+
+def first_tokens(trace, n: int):
+    """``trace`` cut to its first ``n`` decode tokens (the sweep records more than a short run decodes)."""
+    out = copy.copy(trace)
+    out.expert_ids = {layer: v[:n] for layer, v in trace.expert_ids.items()}
+    out.predictions = {name: {key: v[:n] for key, v in scores.items()} for name, scores in trace.predictions.items()}
+    return out
+
+
+def run_once(store: str, budget: int, policy, em, ids: list[int], decode: int, trace) -> dict:
+    eng = Engine(store, budget, policy, link=ThrottledLink(em.emulated), trace=trace, workers=1,
+                 direct_io=em.direct_io)
+    try:
+        times, last = [], None
+        for step in eng.stream(ids, GenerateConfig(max_tokens=decode + 1, ignore_eos=True)):
+            times.append(time.perf_counter())
+            last = step
+        assert last is not None
+        st = eng.token_stats
+        uses = sum(s.hits + s.prefetch_hits + s.misses for s in st)
+        nbytes = sum(s.demand_bytes + s.prefetch_bytes + s.wasted_bytes for s in st)
+        pf = eng.prefill_stats
+        return {"decode_tps": len(st) / (times[-1] - times[0]), "prefill_tps": last.prompt_tps,
+                "prefill_mb": (pf.demand_bytes + pf.prefetch_bytes + pf.wasted_bytes) / 1e6,
+                "hit_rate": sum(s.hits + s.prefetch_hits for s in st) / max(1, uses),
+                "mb_per_token": nbytes / 1e6 / max(1, len(st))}
+    finally:
+        eng.close()
+
+
+def table(results: dict) -> str:
+    lines = []
+    for d in results.values():
+        lines += [f"**{d['profile']}** (emulated: k = {d['k']:.3g}, host {d['host_ms']:.1f} ms pinned, device "
+                  f"{d['device_ms']:.2f} ms per token; {d['rounds']} interleaved rounds, medians; load "
+                  f"{d['load']})", "",
+                  "| policy | device-eq. decode tok/s | simulated (device-eq.) | sim error | device-eq. prefill tok/s "
+                  "| prefill MB read | hit rate | MB read / token | x LOD bf16 decode / prefill | oracle / this |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        oracle = d["policies"]["oracle"]["decode_tps"]
+        lod = d["policies"].get("load-on-demand (bf16)")
+        for name, r in d["policies"].items():
+            err = r["sim_tps"] / r["decode_tps"] - 1
+            lines.append(f"| {name} | {r['decode_tps']:.0f} | {r['sim_tps']:.0f} | {err:+.0%} | {r['prefill_tps']:.0f} "
+                         f"| {r['prefill_mb']:.0f} | {r['hit_rate']:.0%} | {r['mb_per_token']:.1f} "
+                         + (f"| {r['decode_tps'] / lod['decode_tps']:.2f}x / "
+                            f"{r['prefill_tps'] / lod['prefill_tps']:.2f}x " if lod else "| — ") +
+                         f"| {oracle / r['decode_tps']:.2f}x |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--store", required=True)
+    ap.add_argument("--devices", nargs="+", default=list(DEVICES))
+    ap.add_argument("--budget", type=float, default=0.35)
+    ap.add_argument("--host-ms", type=float, default=None,
+                    help="this host's decode compute per token (pins k); default: measured once at the start")
+    ap.add_argument("--trace", required=True, help="the sweep's (costs, trace) pickle: the simulator's input")
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--decode-tokens", type=int, default=24)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--lod", action="store_true", help="also run load-on-demand bf16 and int4 (slow: every read)")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--readme", default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    store = ExpertStore(args.store)
+    total = store.expert_bytes(4) * len(store.index["moe_layers"]) * store.index["num_experts"]
+    budget = int(args.budget * total)
+    ids = sample_token_ids(Tokenizer(args.store))[: args.prompt_tokens]
+    costs, plan_trace = pickle.loads(Path(args.trace).read_bytes())
+    plan_trace = first_tokens(plan_trace, args.decode_tokens)  # the simulator over the decode the engine runs
+    with Engine(args.store, 2 * total, "lru") as big:  # the request's routing, for the oracle
+        trace = big.record_trace(ids, GenerateConfig(max_tokens=args.decode_tokens + 1, ignore_eos=True))
+    side = store_side(args.store)
+    results = {}
+    for device in args.devices:
+        if args.host_ms is None:  # measured once, then the same k basis for every device and policy
+            args.host_ms = 1e3 * calibrate(device, args.store, ids, side=side).host_s_per_token
+        em = calibrate(device, args.store, ids, host_s_per_token=args.host_ms / 1e3, side=side)
+        dev_costs = scale_costs(costs, 1 / em.k)
+        dev_costs.layer_compute_s = em.device_s_per_token / len(store.index["moe_layers"])
+        pols = policies(device, args.lod)
+        runs: dict[str, list[dict]] = {n: [] for n in pols}
+        loads = []
+        for _ in range(args.rounds):
+            loads.append(open("/proc/loadavg").read().split()[0])
+            for name, p in pols.items():
+                runs[name].append(run_once(args.store, budget, p, em, ids, args.decode_tokens,
+                                           trace if p.predictor == "oracle" else None))
+        out = {}
+        for name, rs in runs.items():
+            med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+            med["decode_tps"] *= em.k  # device-equivalent
+            med["prefill_tps"] *= em.k
+            med["sim_tps"] = sim(plan_trace, pols[name], budget, store, em.link, dev_costs).tokens_per_s
+            out[name] = med
+            print(f"{device} {name}: {json.dumps({k: round(v, 3) for k, v in med.items()})}", flush=True)
+        results[device] = {"profile": em.profile, "k": em.k, "host_ms": args.host_ms,
+                           "device_ms": em.device_s_per_token * 1e3, "rounds": args.rounds,
+                           "load": "-".join(loads), "policies": out}
+    text = table(results)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    if args.readme:
+        readme = Path(args.readme).read_text()
+        begin, end = f"<!-- {MARK}:begin -->", f"<!-- {MARK}:end -->"
+        if begin in readme and end in readme:
+            head, rest = readme.split(begin, 1)
+            readme = head + begin + "\n" + text + "\n" + end + rest.split(end, 1)[1]
+            Path(args.readme).write_text(readme)
+        else:
+            print(f"{args.readme} has no {begin} ... {end} block; the lead adds it", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,159 @@
+"""fate-edge per device (issue 14 item 5): the preset resolves from the device, and on a recorded trace at that
+device's timeline (its roofline compute, its own link) the simulator prefers it to the host preset; the oracle
+still bounds it; a global cache filled at load holds the calibration's most used experts. Counts and simulated
+seconds only; nothing is timed."""
+
+import pytest
+import torch
+from _replay import PROMPT, decode_routing, record_with_predictions
+
+from fate_edge import GenerateConfig
+from fate_edge.budget import plan_budget
+from fate_edge.convert import ConvertOptions, convert
+from fate_edge.device_presets import DEVICE_PRESETS, for_device
+from fate_edge.emulation import DEVICES, calibrate, store_side
+from fate_edge.engine import Engine
+from fate_edge.engine_args import policy_for_device
+from fate_edge.policy import PRESETS
+from fate_edge.preload import global_choice
+from fate_edge.simulate import HostCosts, simulate
+
+# A global cache learns which experts are used most across layers: its edge shows over a decode longer than the
+# 16 tokens of the other replay tests (at 16 tokens the two caches are level).
+LONG = GenerateConfig(max_tokens=96, ignore_eos=True)
+
+
+def test_fate_edge_resolves_per_device_by_short_or_profile_name():
+    host = PRESETS["fate-edge"]
+    for short, (profile, _) in DEVICES.items():
+        assert profile in DEVICE_PRESETS
+        for name in (short, profile):
+            p = for_device(host, name)
+            assert (p.allocation, p.eviction, p.predictor, p.preload, p.keep_preloaded) == \
+                ("global", "lcu", None, True, True), name
+            assert p.name == "fate-edge"
+    assert for_device(host, None) is host and for_device(host, "no-such-device") is host
+    for name, preset in PRESETS.items():  # only fate-edge is re-derived per device
+        if name != "fate-edge":
+            assert for_device(preset, "orin-nano") is preset
+    assert policy_for_device("fate-edge", "agx-orin").allocation == "global"
+    assert policy_for_device("lru", "agx-orin") is PRESETS["lru"]
+
+
+def test_the_bench_runs_fate_edge_as_on_the_emulated_device():
+    from fate_edge.bench.worker import spec_policy
+
+    assert spec_policy({"preset": "fate-edge", "emulate": "orin-nano"}).allocation == "global"
+    assert spec_policy({"preset": "fate-edge"}) is PRESETS["fate-edge"]
+    assert spec_policy({"preset": "lru", "emulate": "orin-nano"}) is PRESETS["lru"]
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory, bundled_dir):
+    """The bundled store, its recorded decode routing and predictor scores, sizes, and its store-side figures."""
+    store = convert(bundled_dir, tmp_path_factory.mktemp("dev") / "store", ConvertOptions(bits=4), progress=False)
+    trace, preds, cfg, sizes, _ = record_with_predictions(store, LONG)
+    return store, trace, preds, cfg, sizes, store_side(store)
+
+
+def _on_device(recorded, device: str, fraction: float) -> dict:
+    """fate-edge's host preset, its device preset and the oracle simulated on ``device``'s timeline: compute from
+    the profile's roofline for this store's token, reads over the device's own link."""
+    store, trace, preds, cfg, (entry, slot), side = recorded
+    em = calibrate(device, store, [0], host_s_per_token=1.0, side=side)  # only the device side is used
+    costs = HostCosts(em.device_s_per_token / len(cfg.moe_layers))
+    ids, warm = decode_routing(trace, cfg.moe_layers)
+    budget = int(fraction * len(cfg.moe_layers) * cfg.num_experts * entry) + 3 * slot
+    out = {}
+    for name, policy in (("host", PRESETS["fate-edge"]), ("device", for_device(PRESETS["fate-edge"], device)),
+                         ("oracle", PRESETS["oracle"])):
+        plan = plan_budget(budget, policy, entry, slot)
+        scores = preds.get(policy.predictor) if policy.predictor else None
+        out[name] = simulate(ids, scores, policy, plan.cache_bytes, entry, em.link, costs, cfg.num_experts,
+                             cfg.num_hidden_layers, warm=warm, max_inflight=plan.pool_buffers - 2)
+    out["read_layers"] = em.link.transfer_time(entry) / costs.layer_compute_s  # one read, in layers of compute
+    return out
+
+
+@pytest.mark.parametrize("device", ["orin-nano", "orin-nx", "agx-orin", "rpi5"])
+def test_the_device_preset_beats_the_host_preset_at_the_devices_timeline(recorded, device):
+    """At 20% and 50% the global cache misses less and finishes the recorded 95-token decode sooner than the
+    per-layer cache with gated prefetch (at 35% on this model it misses 68 against 64: level). rtx4060 is left
+    out: with this model's 45 KB experts a read over PCIe fits in a layer, so it is not link-bound here; with
+    2 MB experts it is (device_presets.py)."""
+    for fraction in (0.2, 0.5):
+        run = _on_device(recorded, device, fraction)
+        assert run["read_layers"] > 2  # link-bound: a read outlasts two layers of the device's compute
+        host, dev = run["host"], run["device"]
+        assert dev.misses < host.misses and dev.total_s < host.total_s, (fraction, dev, host)
+
+
+@pytest.mark.parametrize("device", list(DEVICES))
+def test_no_device_preset_beats_the_oracle(recorded, device):
+    for fraction in (0.2, 0.35, 0.5):
+        run = _on_device(recorded, device, fraction)
+        best = run["oracle"]
+        for name in ("host", "device"):
+            r = run[name]
+            assert r.hit_rate <= best.hit_rate and r.total_s >= best.total_s, (device, fraction, name)
+
+
+def test_global_choice_takes_the_most_used_experts_across_layers():
+    counts = {0: [5, 0, 9, 1], 1: [7, 7, 0, 2]}
+    assert global_choice(3, [0, 1], 4, counts) == {0: [2], 1: [0, 1]}
+    assert global_choice(4, [0, 1], 4, counts) == {0: [0, 2], 1: [0, 1]}  # 5 over 2: ties to the shallower layer
+    assert global_choice(3, [0, 1], 4, None) == {0: [0, 1], 1: [0]}  # no counts: spread, lowest-numbered
+
+
+def test_a_global_cache_is_filled_at_load_with_the_most_used_experts(bundled_dir, tmp_path):
+    """Before, a global cache had no per-layer slots and preload filled nothing: every prompt started cold."""
+    from fate_edge.calibrate import load_popularity
+
+    store = convert(bundled_dir, tmp_path / "store", ConvertOptions(bits=4), progress=False)
+    policy = for_device(PRESETS["fate-edge"], "orin-nano")
+    with Engine(store, "1MB", policy) as engine:
+        report = engine.load_report
+        capacity = engine.cache.capacity_bytes // engine.cache.entry_bytes
+        cfg = engine.model.config
+        path = engine.store.path / "predictors" / "popularity.json"
+        popularity = load_popularity(path) if path.exists() else None
+        assert 0 < report.reads == capacity
+        assert report.experts == global_choice(capacity, cfg.moe_layers, cfg.num_experts, popularity)
+        assert sum(1 for layer in cfg.moe_layers for e in range(cfg.num_experts) if (layer, e) in engine.cache) \
+            == capacity
+
+
+def test_the_simulators_warm_start_keeps_what_the_engines_prefill_keeps():
+    """A prompt routes more experts to a layer than its partition holds: the engine's prefill pins each expert it
+    loads until the layer is computed, so the partition keeps the first ones loaded (the most used: the load
+    order) and the rest are not cached. The simulator kept the last ones (each insert evicted the one before),
+    so the first decode token's hits on the prompt's most used experts were counted as misses."""
+    from fate_edge.devices.link import LinkSpec
+
+    policy = PRESETS["lru"]
+    ids = {0: torch.tensor([[3, 5]]), 1: torch.tensor([[0, 1]])}
+    warm = {0: [3, 5, 7, 9], 1: [0, 1, 2, 6]}  # most used first, as the prefill loads them
+    run = simulate(ids, None, policy, cache_bytes=4 * 100, expert_bytes=100, link=LinkSpec("l", 1e9, 0.0),
+                   costs=1e-3, num_experts=10, num_layers=2, warm=warm)
+    assert (run.hits, run.misses) == (4, 0)
+
+
+def test_the_experts_filled_at_load_survive_the_prompt(bundled_dir, tmp_path):
+    """With ``keep_preloaded`` prefill reads enter only free room: every expert the global cache was filled with at
+    load is still cached after the prompt, and the prompt misses fewer. Before, the prompt's reads for shallow
+    layers evicted deep layers' preloaded experts before their layers ran."""
+    store = convert(bundled_dir, tmp_path / "store", ConvertOptions(bits=4), progress=False)
+    policy = for_device(PRESETS["fate-edge"], "orin-nano")
+    misses = {}
+    for keep in (True, False):
+        with Engine(store, "1MB", policy.with_(keep_preloaded=keep)) as engine:
+            loaded = [(layer, e) for layer, experts in engine.load_report.experts.items() for e in experts]
+            engine.generate(PROMPT, GenerateConfig(max_tokens=1))
+            misses[keep] = engine.prefill_stats.misses
+            kept = sum(key in engine.cache for key in loaded)
+            assert len(loaded) > 0
+            if keep:
+                assert kept == len(loaded)
+            else:
+                assert kept < len(loaded)
+    assert misses[True] < misses[False]
