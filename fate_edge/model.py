@@ -61,7 +61,7 @@ class MoETransformer:
         # One-token decode through fate_edge.decode_step (fewer, larger operators); False: the general path.
         self.fast_decode = decode_step.supported(self)
         self._rope_perm: dict[torch.dtype, torch.Tensor] = {}
-        if "lm_head.weight" not in resident and not config.tie_word_embeddings:
+        if "lm_head.weight" not in resident and "lm_head.sizes" not in resident and not config.tie_word_embeddings:
             from .errors import MissingTensorError
 
             raise MissingTensorError("checkpoint has no 'lm_head.weight' and tie_word_embeddings is false")

@@ -94,3 +94,28 @@ def test_resident_bits_quantize_the_resident_linears(bundled_dir, one_thread, bi
 def test_resident_bits_rejects_other_widths(bundled_dir):
     with pytest.raises(ValueError, match="resident_bits must be 8 or 4"):
         load_model(bundled_dir, resident_bits=3)
+
+
+def test_resident_bits_quantize_each_group_as_it_is_read(bundled_dir, monkeypatch):
+    """Loading with resident_bits never holds more float linears than one fused group: the whole model's
+    float copies at once would exceed the memory a real-size model's int4 resident weights are given."""
+    import weakref
+
+    from fate_edge.checkpoint import CheckpointReader
+
+    read, most_alive = [], [0]
+    linears = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+    original = CheckpointReader.get
+
+    def get(self, name, *args, **kwargs):
+        t = original(self, name, *args, **kwargs)
+        routed = ".experts." in name  # routed experts are not resident weights
+        if name.endswith(".weight") and not routed and any(f"{p}." in name or name.startswith(p) for p in linears):
+            read.append(weakref.ref(t))
+            most_alive[0] = max(most_alive[0], sum(r() is not None for r in read))
+        return t
+
+    monkeypatch.setattr(CheckpointReader, "get", get)
+    model = load_model(bundled_dir, resident_bits=4)
+    assert len(read) >= 4 * model.config.num_hidden_layers + 1  # q, k, v, o per layer and lm_head were read
+    assert most_alive[0] <= 3  # q, k and v of one layer (or one MLP's gate and up), never the whole model
