@@ -71,7 +71,8 @@ def main() -> None:
     ap.add_argument("model", type=Path, help="Hugging Face checkpoint (e.g. a synthetic one at real shapes)")
     ap.add_argument("store", type=Path, help="expert store to write (or to use, with --no-convert)")
     ap.add_argument("--out", type=Path, default=Path("results/scale"))
-    ap.add_argument("--budgets", default="2,4", help="expert budgets in GB, comma-separated (default 2,4)")
+    ap.add_argument("--budgets", default="2,4", help="expert budgets in GB, comma-separated (default 2,4; '': "
+                    "convert only)")
     ap.add_argument("--no-convert", action="store_true", help="use the existing store")
     ap.add_argument("--convert-limit-gb", type=float, default=2.0)
     ap.add_argument("--bits", type=int, default=4, help="precision of the streamed experts (default 4)")
@@ -83,7 +84,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--readme", type=Path, default=None, help="also write the table between the scale markers")
     args = ap.parse_args()
-    cfg = ScaleConfig(args.model, args.store, [int(float(b) * GB) for b in args.budgets.split(",")],
+    cfg = ScaleConfig(args.model, args.store, [int(float(b) * GB) for b in args.budgets.split(",") if b],
                       not args.no_convert, int(args.convert_limit_gb * GB),
                       ConvertOptions(bits=args.bits, cold_bits=args.cold_bits, keep_bf16=args.keep_bf16),
                       args.policy, prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,
