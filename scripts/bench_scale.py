@@ -14,9 +14,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from fate_edge.bench.gguf import q4_0_direct
 from fate_edge.bench.scale import GB, ScaleConfig, run_scale
 from fate_edge.convert import ConvertOptions
 from fate_edge.report import publish
+
+GGUF_NOTE = ("converter from the checkpoint with its matrices Q4_0 and the output bf16, then "
+             "llama_model_quantize Q4_0: output q6_K, the rest copied; routers and norms f32")
 
 
 def _precisions(opts: dict) -> str:
@@ -61,9 +65,52 @@ def table(result: dict) -> str:
             f"{r['peak_rss_bytes'] / GB:.2f} GB | {parts} (baseline measured: {r['baseline_rss_bytes'] / GB:.2f}) | "
             f"{r.get('oom_kills')} | {r['load_before'][0]:.1f} → {r['load_after'][0]:.1f} |")
     lines.append("")
-    lines.append(f"Policy {cfg['policy']}, {cfg['dtype']} resident weights, {cfg['threads']} torch threads, "
-                 f"{cfg['decode_tokens']} decoded tokens, page cache dropped before each run, O_DIRECT reads.")
+    rest = f"int{cfg['resident_bits']}" if cfg.get("resident_bits") else cfg["dtype"]
+    lines.append(f"Policy {cfg['policy']}, {rest} resident weights (embeddings {cfg['dtype']}), {cfg['threads']} torch "
+                 f"threads, {cfg['decode_tokens']} decoded tokens, page cache dropped before each run, O_DIRECT reads.")
+    if result.get("llama"):
+        lines += ["", *side_by_side(result)]
     return "\n".join(lines)
+
+
+def _gb(x) -> str:
+    return "–" if x is None else f"{x / GB:.2f} GB"
+
+
+def _num(x, fmt: str = ".2f") -> str:
+    return "–" if x is None else format(x, fmt)
+
+
+def side_by_side(result: dict) -> list[str]:
+    """fate-edge beside llama.cpp q4_0 memory-mapped under the same cgroup cap, medians per budget."""
+    cfg = result["config"]
+    lines = [
+        "| expert budget | cgroup cap (both) | side | prefill tok/s | decode tok/s | decode x llama.cpp | "
+        "MB read / token | peak RSS | cgroup peak | OOM kills | runs (failed) | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    verdicts = []
+    for row in result["summary"]:
+        b = row["budget_bytes"]
+        for name, s in row["sides"].items():
+            ratio = s.get("decode_tps_ratio")
+            lines.append(
+                f"| {b / GB:g} GB | {_gb(s['limit_bytes'])} | {name} | {_num(s['prefill_tps'])} | "
+                f"{_num(s['decode_tps'])} | {_num(ratio) + 'x' if ratio else ''} | "
+                f"{_num(s['decode_read_mb_per_token'], '.1f')} | {_gb(s['peak_rss_bytes'])} | "
+                f"{_gb(s['cgroup_peak_bytes'])} | {s['oom_kills']} | {s['runs']} ({s['failed']}) | "
+                f"{_num(s['load_avg'], '.1f')} |")
+        ratio = row["sides"]["fate-edge"].get("decode_tps_ratio")
+        verdicts.append(f"{b / GB:g} GB: " + ("no llama.cpp figure" if ratio is None else
+                                              f"{ratio:.2f}x ({'met' if ratio >= 2 else 'missed'})"))
+    rest = f"int{cfg['resident_bits']}" if cfg.get("resident_bits") else cfg["dtype"]
+    lines += ["", f"fate-edge: int4 experts streamed (O_DIRECT), {rest} attention/shared experts/lm_head, "
+              f"embeddings {cfg['dtype']}; llama.cpp: q4_0 mix ({result.get('gguf_note', 'q4_0 GGUF')}), "
+              f"memory-mapped, in a memory cgroup capped at what fate-edge was given (its memory_need); "
+              f"{cfg['threads']} thread(s) each, {cfg['prompt_tokens']} prompt ids shared, {cfg['decode_tokens']} "
+              f"decoded tokens, page cache dropped before every run, {cfg['rounds']} interleaved round(s), medians.",
+              "Target decode >= 2x llama.cpp: " + "; ".join(verdicts) + "."]
+    return lines
 
 
 def main() -> None:
@@ -82,14 +129,24 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--decode-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--resident-bits", type=int, default=None, choices=(8, 4),
+                    help="quantize attention, shared experts and lm_head at load (llama.cpp's q4_0 mix does too)")
+    ap.add_argument("--gguf", type=Path, default=None,
+                    help="llama.cpp q4_0 GGUF of the same checkpoint, run memory-mapped beside each budget under "
+                         "the same cap (made from MODEL by gguf.q4_0_direct when missing)")
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds (medians over them)")
     ap.add_argument("--readme", type=Path, default=None, help="also write the table between the scale markers")
     args = ap.parse_args()
     cfg = ScaleConfig(args.model, args.store, [int(float(b) * GB) for b in args.budgets.split(",") if b],
                       not args.no_convert, int(args.convert_limit_gb * GB),
                       ConvertOptions(bits=args.bits, cold_bits=args.cold_bits, keep_bf16=args.keep_bf16),
                       args.policy, prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,
-                      threads=args.threads)
+                      threads=args.threads, resident_bits=args.resident_bits, gguf=args.gguf, rounds=args.rounds)
+    if args.gguf is not None and not args.gguf.exists():
+        q4_0_direct(args.model, args.gguf, quiet=False)
     result = run_scale(cfg, args.out)
+    if args.gguf is not None:
+        result["gguf_note"] = GGUF_NOTE
     text = table(result)
     (args.out / "scale.md").write_text(text + "\n")
     publish(result, args.out / "scale.json", text, args.readme, "scale")
