@@ -109,8 +109,31 @@ def side_by_side(result: dict) -> list[str]:
               f"memory-mapped, in a memory cgroup capped at what fate-edge was given (its memory_need); "
               f"{cfg['threads']} thread(s) each, {cfg['prompt_tokens']} prompt ids shared, {cfg['decode_tokens']} "
               f"decoded tokens, page cache dropped before every run, {cfg['rounds']} interleaved round(s), medians.",
-              "Target decode >= 2x llama.cpp: " + "; ".join(verdicts) + "."]
+              "Target decode >= 2x llama.cpp: " + "; ".join(verdicts) + ".", ""]
+    lines += [f"fate-edge decode time per token at {b / GB:g} GB (medians): {split}"
+              for b, split in time_split(result["runs"]).items()]
     return lines
+
+
+def time_split(runs: list[dict]) -> dict[int, str]:
+    """Per budget, a decoded token's time split by the engine's own counters: waiting for expert reads (stall),
+    turning fetched bytes into experts (consume), predicting and issuing prefetches, and the rest (the forward
+    pass's compute and Python)."""
+    from statistics import median
+
+    out = {}
+    for b in sorted({r["budget_bytes"] for r in runs}):
+        ok = [r for r in runs if r["budget_bytes"] == b and "error" not in r and r.get("decode_tps")]
+        if not ok:
+            continue
+        ms = {k: median(r["decode"][k] / r["decode_tokens"] * 1e3 for r in ok)
+              for k in ("stall_s", "consume_s", "predict_s")}
+        total = median(1e3 / r["decode_tps"] for r in ok)
+        rest = total - sum(ms.values())
+        out[b] = (f"{total:.0f} ms = stall on reads {ms['stall_s']:.0f} ({ms['stall_s'] / total:.0%}) + consume "
+                  f"{ms['consume_s']:.0f} + predict {ms['predict_s']:.0f} + compute and the rest {rest:.0f} "
+                  f"({rest / total:.0%})")
+    return out
 
 
 def main() -> None:

@@ -99,6 +99,7 @@ def test_llama_side_runs_beside_each_budget_in_every_round_under_the_same_cap(tm
     text = _script().table(result)
     assert text.count("| fate-edge |") == text.count("| llama.cpp |") == len(budgets)
     assert "2 interleaved round(s)" in text and "int4 resident weights" in text
+    assert text.count("fate-edge decode time per token at") == len(budgets) and "stall on reads" in text
 
 
 def test_side_by_side_table_from_a_result_with_failures_and_ooms():
