@@ -111,7 +111,7 @@ def side_by_side(result: dict) -> list[str]:
               f"decoded tokens, page cache dropped before every run, {cfg['rounds']} interleaved round(s), medians.",
               "Target decode >= 2x llama.cpp: " + "; ".join(verdicts) + ".", ""]
     lines += [f"fate-edge decode time per token at {b / GB:g} GB (medians): {split}"
-              for b, split in time_split(result["runs"]).items()]
+              for b, split in time_split(result.get("runs", [])).items()]
     return lines
 
 
