@@ -158,13 +158,15 @@ def main() -> None:
                     help="llama.cpp q4_0 GGUF of the same checkpoint, run memory-mapped beside each budget under "
                          "the same cap (made from MODEL by gguf.q4_0_direct when missing)")
     ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds (medians over them)")
+    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds one run may take (then: an error row)")
     ap.add_argument("--readme", type=Path, default=None, help="also write the table between the scale markers")
     args = ap.parse_args()
     cfg = ScaleConfig(args.model, args.store, [int(float(b) * GB) for b in args.budgets.split(",") if b],
                       not args.no_convert, int(args.convert_limit_gb * GB),
                       ConvertOptions(bits=args.bits, cold_bits=args.cold_bits, keep_bf16=args.keep_bf16),
                       args.policy, prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,
-                      threads=args.threads, resident_bits=args.resident_bits, gguf=args.gguf, rounds=args.rounds)
+                      threads=args.threads, resident_bits=args.resident_bits, gguf=args.gguf, rounds=args.rounds,
+                      timeout_s=args.timeout)
     if args.gguf is not None and not args.gguf.exists():
         q4_0_direct(args.model, args.gguf, quiet=False)
     result = run_scale(cfg, args.out)
