@@ -12,6 +12,7 @@ between the README's ``<!-- scale:begin -->`` / ``<!-- scale:end -->`` markers.
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from fate_edge.bench.gguf import q4_0_direct
@@ -158,6 +159,9 @@ def main() -> None:
                     help="llama.cpp q4_0 GGUF of the same checkpoint, run memory-mapped beside each budget under "
                          "the same cap (made from MODEL by gguf.q4_0_direct when missing)")
     ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds (medians over them)")
+    ap.add_argument("--convert-from", type=Path, default=None,
+                    help="with --no-convert: the scale.json of an earlier convert-only run (--budgets ''), whose "
+                         "convert figures the table keeps")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds one run may take (then: an error row)")
     ap.add_argument("--readme", type=Path, default=None, help="also write the table between the scale markers")
     args = ap.parse_args()
@@ -172,6 +176,9 @@ def main() -> None:
     result = run_scale(cfg, args.out)
     if args.gguf is not None:
         result["gguf_note"] = GGUF_NOTE
+    if args.convert_from is not None:
+        earlier = json.loads(args.convert_from.read_text())
+        result.update({k: earlier[k] for k in ("convert", "disk", "encoder") if k in earlier})
     text = table(result)
     (args.out / "scale.md").write_text(text + "\n")
     publish(result, args.out / "scale.json", text, args.readme, "scale")
