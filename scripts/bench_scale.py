@@ -107,7 +107,8 @@ def side_by_side(result: dict) -> list[str]:
     rest = f"int{cfg['resident_bits']}" if cfg.get("resident_bits") else cfg["dtype"]
     lines += ["", f"fate-edge: int4 experts streamed (O_DIRECT), {rest} attention/shared experts/lm_head, "
               f"embeddings {cfg['dtype']}; llama.cpp: q4_0 mix ({result.get('gguf_note', 'q4_0 GGUF')}), "
-              f"memory-mapped, in a memory cgroup capped at what fate-edge was given (its memory_need); "
+              f"memory-mapped{'' if cfg.get('llama_repack') else ' (Q4_0 repack off, as --no-repack)'}, in a memory "
+              f"cgroup capped at what fate-edge was given (its memory_need); "
               f"{cfg['threads']} thread(s) each, {cfg['prompt_tokens']} prompt ids shared, {cfg['decode_tokens']} "
               f"decoded tokens, page cache dropped before every run, {cfg['rounds']} interleaved round(s), medians.",
               "Target decode >= 2x llama.cpp: " + "; ".join(verdicts) + ".", ""]
@@ -158,6 +159,8 @@ def main() -> None:
     ap.add_argument("--gguf", type=Path, default=None,
                     help="llama.cpp q4_0 GGUF of the same checkpoint, run memory-mapped beside each budget under "
                          "the same cap (made from MODEL by gguf.q4_0_direct when missing)")
+    ap.add_argument("--llama-repack", action="store_true",
+                    help="leave llama.cpp's Q4_0 repack on (it copies the weights into RAM: not memory-mapped)")
     ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds (medians over them)")
     ap.add_argument("--convert-from", type=Path, default=None,
                     help="with --no-convert: the scale.json of an earlier convert-only run (--budgets ''), whose "
@@ -170,7 +173,7 @@ def main() -> None:
                       ConvertOptions(bits=args.bits, cold_bits=args.cold_bits, keep_bf16=args.keep_bf16),
                       args.policy, prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,
                       threads=args.threads, resident_bits=args.resident_bits, gguf=args.gguf, rounds=args.rounds,
-                      timeout_s=args.timeout)
+                      timeout_s=args.timeout, llama_repack=args.llama_repack)
     if args.gguf is not None and not args.gguf.exists():
         q4_0_direct(args.model, args.gguf, quiet=False)
     result = run_scale(cfg, args.out)

@@ -60,7 +60,7 @@ def _fake_llama(decode_tps: float):
 
     code = ("import json, sys; s = json.loads(sys.argv[1]); print(json.dumps({'prefill_tps': 50.0, 'decode_tps': "
             f"{decode_tps}, 'tokens': [1, 2, 3], 'decode_read_mb_per_token': 7.5, 'peak_rss_bytes': 123456789, "
-            "'n_ids': len(s['ids']), 'threads': s['threads'], 'mode': s['mode']}))")
+            "'n_ids': len(s['ids']), 'threads': s['threads'], 'mode': s['mode'], 'repack': s['repack']}))")
     return lambda spec: [sys.executable, "-c", code, json.dumps(spec)]
 
 
@@ -88,6 +88,7 @@ def test_llama_side_runs_beside_each_budget_in_every_round_under_the_same_cap(tm
         assert ours["limit_bytes"] == theirs["limit_bytes"] == need.total  # the same cap on both sides
         assert theirs["n_ids"] == ours["prompt_tokens"] == 12 and theirs["threads"] == 1
         assert theirs["mode"] == "limited" and ours["decode_read_mb_per_token"] is not None
+        assert theirs["repack"] is False  # llama.cpp's weights stay mapped (its repack would copy them into RAM)
     summary = result["summary"]
     assert [row["budget_bytes"] for row in summary] == budgets
     for row in summary:

@@ -45,6 +45,7 @@ class ScaleConfig:
     resident_bits: int | None = None  # quantize the resident weights at load (8 or 4; None: ``dtype``)
     gguf: Path | None = None  # llama.cpp q4_0 GGUF of the same checkpoint: run it memory-mapped beside us
     rounds: int = 1  # interleaved rounds (fate-edge, llama.cpp per budget in each); medians over them
+    llama_repack: bool = False  # llama.cpp's Q4_0 repack copies the weights into RAM: off keeps them mapped
 
 
 def load() -> list[float]:
@@ -306,12 +307,13 @@ def run_scale(cfg: ScaleConfig, workdir: Path) -> dict[str, Any]:
 
 
 def run_llama(cfg: ScaleConfig, ids: list[int], budget: int, cap: int, workdir: Path, rnd: int) -> dict[str, Any]:
-    """llama.cpp on ``cfg.gguf`` memory-mapped, page cache dropped, in a cgroup capped at ``cap`` (the bytes
-    fate-edge was given at ``budget``), the same prompt ids and thread count."""
+    """llama.cpp on ``cfg.gguf`` memory-mapped (its Q4_0 repack off unless ``cfg.llama_repack``: see
+    ``llamacpp.open_llama``), page cache dropped, in a cgroup capped at ``cap`` (the bytes fate-edge was given
+    at ``budget``), the same prompt ids and thread count."""
     from .sidebyside import child_command
 
     spec = {"label": f"llama-{budget}", "kind": "llama.cpp", "mode": "limited", "gguf": str(cfg.gguf),
-            "ids": ids, "decode_tokens": cfg.decode_tokens, "threads": cfg.threads}
+            "ids": ids, "decode_tokens": cfg.decode_tokens, "threads": cfg.threads, "repack": cfg.llama_repack}
     dropped = _drop(cfg)
     r = run_confined("llama", spec, cap, workdir, cfg.timeout_s, command=child_command(spec))
     r.update(budget_bytes=budget, page_cache_dropped=dropped[0], round=rnd)

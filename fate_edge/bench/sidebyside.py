@@ -183,7 +183,7 @@ def child_main(spec_json: str) -> None:
         from .llamacpp import llama_stream, open_llama, tokens_agree
 
         llm = open_llama(spec["gguf"], len(ids) + spec["decode_tokens"] + 8, spec["threads"],
-                         mmap=spec["mode"] == "limited")
+                         mmap=spec["mode"] == "limited", repack=spec.get("repack", True))
         stream = llama_stream(llm, ids)
     else:
         stream = _fate_edge_stream(spec)
