@@ -109,7 +109,8 @@ def side_by_side(result: dict) -> list[str]:
               f"embeddings {cfg['dtype']}; llama.cpp: q4_0 mix ({result.get('gguf_note', 'q4_0 GGUF')}), "
               f"memory-mapped{'' if cfg.get('llama_repack') else ' (Q4_0 repack off, as --no-repack)'}, in a memory "
               f"cgroup capped at what fate-edge was given (its memory_need); "
-              f"{cfg['threads']} thread(s) each, {cfg['prompt_tokens']} prompt ids shared, {cfg['decode_tokens']} "
+              f"{cfg['threads']} thread(s) each on {result.get('cpus', '?')} CPUs ({result.get('cpu_model') or '?'}), "
+              f"{cfg['prompt_tokens']} prompt ids shared, {cfg['decode_tokens']} "
               f"decoded tokens, page cache dropped before every run, {cfg['rounds']} interleaved round(s), medians.",
               "Target decode >= 2x llama.cpp: " + "; ".join(verdicts) + ".", ""]
     lines += [f"fate-edge decode time per token at {b / GB:g} GB (medians): {split}"

@@ -100,6 +100,7 @@ def test_llama_side_runs_beside_each_budget_in_every_round_under_the_same_cap(tm
     text = _script().table(result)
     assert text.count("| fate-edge |") == text.count("| llama.cpp |") == len(budgets)
     assert "2 interleaved round(s)" in text and "int4 resident weights" in text
+    assert result["cpu_model"] and f"({result['cpu_model']})" in text
     assert text.count("fate-edge decode time per token at") == len(budgets) and "stall on reads" in text
 
 

@@ -271,7 +271,7 @@ def run_scale(cfg: ScaleConfig, workdir: Path) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
     config = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
     result: dict[str, Any] = {"config": config,
-                              "cpus": os.cpu_count(), "started_load": load()}
+                              "cpus": os.cpu_count(), "cpu_model": cpu_model(), "started_load": load()}
     if cfg.convert:
         result["disk"] = measure_disk(cfg.store.parent, cfg.disk_probe_bytes, cfg.drop_caches)
         print(f"scale: disk write {result['disk']['write_gb_per_s']:.2f} GB/s, read "
@@ -345,6 +345,15 @@ def summarize_scale(runs: list[dict[str, Any]], llama: list[dict[str, Any]]) -> 
                               limit_bytes=rs[0]["limit_bytes"] if rs else None)
         out.append({"budget_bytes": budget, "sides": rows})
     return out
+
+
+def cpu_model() -> str:
+    """The CPU's model name as /proc/cpuinfo gives it ("" where it does not)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "")
 
 
 def _drop(cfg: ScaleConfig) -> tuple[bool, str]:
