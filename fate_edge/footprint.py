@@ -14,7 +14,8 @@ import torch
 
 from .arch import load_config
 from .checkpoint import CheckpointReader
-from .loader import _FP32_SUFFIXES, DTYPES, resident_weight_names
+from .fused import quantized_group_bytes, resident_groups
+from .loader import _FP32_SUFFIXES, DTYPES, layer_names, resident_weight_names
 
 # Interpreter + torch + tokenizers + onnxruntime + fate_edge imported, plus torch's allocator arenas and
 # the activations of a prefill chunk (measured on this host: ~330 MB after imports, see scripts/bench_scale.py).
@@ -33,18 +34,31 @@ class MemoryNeed:
         return self.resident_bytes + self.budget_bytes + self.baseline_bytes
 
 
-def resident_bytes(store_dir: str | Path, dtype: str | torch.dtype = "bfloat16") -> int:
-    """Bytes the resident weights take once loaded at ``dtype`` (routers stay fp32, as the loader keeps them)."""
+def resident_bytes(store_dir: str | Path, dtype: str | torch.dtype = "bfloat16",
+                   resident_bits: int | None = None) -> int:
+    """Bytes the resident weights take once loaded at ``dtype`` (routers stay fp32, as the loader keeps them),
+    with ``resident_bits`` (8 or 4) the fused linears quantized as the loader does (``fused.quantize_group``)."""
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     cfg = load_config(store_dir)
     reader = CheckpointReader(store_dir)
-    total = 0
-    for name in resident_weight_names(cfg, reader):
-        numel = 1
-        for d in reader.shape(name):
-            numel *= d
-        total += numel * (4 if name.endswith(_FP32_SUFFIXES) else torch.empty(0, dtype=dtype).element_size())
+    names = resident_weight_names(cfg, reader)
+    width = torch.empty(0, dtype=dtype).element_size()
+    size = {name: 4 if name.endswith(_FP32_SUFFIXES) else width for name in names}
+    total = sum(_numel(reader.shape(name)) * size[name] for name in names)
+    if resident_bits is None:
+        return total
+    for group in resident_groups(cfg, layer_names(cfg, reader), set(names)):
+        shapes = [reader.shape(f"{n}.weight") for n in group]
+        total -= sum(_numel(s) * size[f"{n}.weight"] for n, s in zip(group, shapes))
+        total += quantized_group_bytes((sum(s[0] for s in shapes), shapes[0][1]), len(group), resident_bits)
     return total
+
+
+def _numel(shape) -> int:
+    numel = 1
+    for d in shape:
+        numel *= d
+    return numel
 
 
 def kv_cache_bytes(store_dir: str | Path, context_tokens: int) -> int:
@@ -56,7 +70,8 @@ def kv_cache_bytes(store_dir: str | Path, context_tokens: int) -> int:
 
 
 def memory_need(store_dir: str | Path, budget: int, dtype: str | torch.dtype = "bfloat16",
-                context_tokens: int = 2048) -> MemoryNeed:
-    """What an Engine on ``store_dir`` with expert budget ``budget`` needs in memory (see module doc)."""
-    return MemoryNeed(resident_bytes(store_dir, dtype), int(budget),
+                context_tokens: int = 2048, resident_bits: int | None = None) -> MemoryNeed:
+    """What an Engine on ``store_dir`` with expert budget ``budget`` (and ``resident_bits``) needs in memory
+    (see module doc)."""
+    return MemoryNeed(resident_bytes(store_dir, dtype, resident_bits), int(budget),
                       RUNTIME_BASELINE_BYTES + kv_cache_bytes(store_dir, context_tokens))

@@ -112,8 +112,24 @@ def _quantized(w: Weights, key: str) -> tuple[Any, list[int]] | None:
     if f"{key}.int4" in w:
         spec = QuantSpec(4, int(w[f"{key}.int4_group"]))
         lin = QuantizedLinear.from_kernel_layout(w[f"{key}.int4"], w[f"{key}.int4_scale_zero"], spec)
-        return lin, w[f"{key}.sizes"].tolist()
+        sizes = w[f"{key}.sizes"].tolist()
+        return (lin if sum(sizes) == lin.shape[0] else FirstRows(lin, sum(sizes))), sizes
     return None
+
+
+@dataclass
+class FirstRows:
+    """A quantized linear whose weight was padded with zero rows for its kernel: its first ``rows`` outputs."""
+
+    linear: Any
+    rows: int
+
+    @property
+    def kernel(self) -> str:
+        return self.linear.kernel
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)[..., : self.rows]
 
 
 def _concat(w: Weights, keys: list[str], parts: list[torch.Tensor]) -> torch.Tensor:
@@ -172,32 +188,68 @@ def build_head(w: Weights, embed: torch.Tensor) -> Fused:
     return Fused(embed, None, [embed.shape[0]])
 
 
+def resident_groups(config: ModelConfig, layer_names: list, names: Any) -> list[list[str]]:
+    """The linears :func:`quantize_resident` quantizes, one list per fused matrix: lm_head first (``names``: the
+    resident weight names; lm_head only where it is one of them), then every layer's groups."""
+    head = [["lm_head"]] if "lm_head.weight" in names else []
+    return head + [g for i, n in enumerate(layer_names) for g in layer_groups(config, i, n).values()]
+
+
 def quantize_resident(config: ModelConfig, w: Weights, layer_names: list, bits: int) -> None:
     """Replace the fused linears' float weights (attention, dense MLPs, shared experts, lm_head) by ``bits``.
 
     8: per-channel int8 (torch's int8 kernel); 4: group-wise int4 in torch's CPU layout. Norms, routers,
     biases and the embedding stay as loaded. Groups whose shape the int4 kernel cannot take stay in 8 bits.
     """
-    groups = [names for i, n in enumerate(layer_names) for names in layer_groups(config, i, n).values()]
-    if "lm_head.weight" in w:
-        groups.append(["lm_head"])
-    for names in groups:
-        key = "+".join(names)
-        parts = [w[f"{n}.weight"] for n in names]
-        full = parts[0] if len(parts) == 1 else torch.cat(parts)  # lm_head alone: no copy
-        shape, group = tuple(full.shape), _int4_group(full.shape[1])
-        if bits == 4 and group and int4_supported(shape, QuantSpec(4, group), full.device):
-            spec = QuantSpec(4, group)
-            lin = QuantizedLinear.from_quantized(quantize(full, spec), spec, full.device, "torch-int4")
-            dict.update(w, {f"{key}.int4": lin.packed, f"{key}.int4_scale_zero": lin.scale_zero,
-                            f"{key}.int4_group": torch.tensor(group)})
-        else:
-            codes, scale = quantize_int8(full)
-            dict.update(w, {f"{key}.int8": codes, f"{key}.int8_scale": scale})
-        dict.__setitem__(w, f"{key}.sizes", torch.tensor([w[f"{n}.weight"].shape[0] for n in names]))
-        for n in names:
-            dict.__delitem__(w, f"{n}.weight")
+    for names in resident_groups(config, layer_names, w):
+        quantize_group(w, names, bits)
     w.version += 1
+
+
+def quantize_group(w: Weights, names: list[str], bits: int) -> None:
+    """Quantize one fused group of ``w`` in place (see :func:`quantize_resident`); its float weights go.
+    The loader calls it as each group is read, so a model never holds all its float weights at once."""
+    key = "+".join(names)
+    parts = [w[f"{n}.weight"] for n in names]
+    full = parts[0] if len(parts) == 1 else torch.cat(parts)  # lm_head alone: no copy
+    rows, group = full.shape[0], _int4_group(full.shape[1])
+    if _int4_kernel(_padded(tuple(full.shape)), bits, full.device):
+        spec = QuantSpec(4, group)
+        if rows % _INT4_ROWS:  # Qwen's shared expert: gate + up + its 1-row gate; zero rows, cut off in _quantized
+            full = torch.cat([full, full.new_zeros(-rows % _INT4_ROWS, full.shape[1])])
+        lin = QuantizedLinear.from_quantized(quantize(full, spec), spec, full.device, "torch-int4")
+        dict.update(w, {f"{key}.int4": lin.packed, f"{key}.int4_scale_zero": lin.scale_zero,
+                        f"{key}.int4_group": torch.tensor(group)})
+    else:
+        codes, scale = quantize_int8(full)
+        dict.update(w, {f"{key}.int8": codes, f"{key}.int8_scale": scale})
+    dict.__setitem__(w, f"{key}.sizes", torch.tensor([p.shape[0] for p in parts]))
+    del parts, full
+    for n in names:
+        dict.__delitem__(w, f"{n}.weight")
+
+
+_INT4_ROWS = 16  # torch's CPU int4 packer wants N % 16 == 0
+
+
+def _padded(shape: tuple[int, int]) -> tuple[int, int]:
+    return (shape[0] + -shape[0] % _INT4_ROWS, shape[1])
+
+
+def _int4_kernel(shape: tuple[int, int], bits: int, device: torch.device) -> bool:
+    group = _int4_group(shape[1])
+    return bits == 4 and group is not None and int4_supported(shape, QuantSpec(4, group), device)
+
+
+def quantized_group_bytes(shape: tuple[int, int], members: int, bits: int) -> int:
+    """Bytes :func:`quantize_group` leaves for a fused [N, K] group of ``members`` linears on the CPU: int4 codes
+    (N*K/2) + bf16 scale and zero per group of K, or int8 codes + a bf16 scale per row; plus the int64
+    bookkeeping (member sizes, the int4 group)."""
+    n, k = _padded(shape)
+    if _int4_kernel((n, k), bits, torch.device("cpu")):
+        return n * k // 2 + (k // _int4_group(k)) * n * 2 * 2 + 8 + 8 * members
+    n = shape[0]
+    return n * k + n * 2 + 8 * members
 
 
 def _int4_group(k: int) -> int | None:

@@ -13,6 +13,7 @@ from .arch import ModelConfig, load_config
 from .checkpoint import CheckpointReader
 from .errors import MissingTensorError
 from .experts import CheckpointExpertProvider, ExpertLayout, ExpertProvider, InMemoryExpertProvider
+from .fused import Weights, quantize_group, resident_groups
 from .model import LayerNames, MoETransformer
 from .store import is_store
 
@@ -87,6 +88,31 @@ def expert_spec(config: ModelConfig, bits: int) -> QuantSpec:
     return QuantSpec(bits, pick_group((config.hidden_size, config.moe_intermediate_size), None))
 
 
+def _read_resident(config, reader: CheckpointReader, names: list, wanted: list[str], dtype: torch.dtype,
+                   device, resident_bits: int | None) -> Weights:
+    """The resident weights at ``dtype`` (routers fp32). With ``resident_bits`` each fused group is quantized
+    as soon as it is read (lm_head first), so loading never holds every float weight at once: at
+    Qwen1.5-MoE-A2.7B's size the bf16 resident weights (3.7 GB) would exceed the memory that the int4 ones
+    (1.4 GB, ``footprint.memory_need``) are given."""
+    if resident_bits not in (None, 8, 4):
+        raise ValueError(f"resident_bits must be 8 or 4 (or None for the checkpoint's dtype), not {resident_bits}")
+    resident = Weights()
+
+    def read(name: str) -> torch.Tensor:
+        return reader.get(name, torch.float32 if name.endswith(_FP32_SUFFIXES) else dtype).to(device)
+
+    groups = resident_groups(config, names, set(wanted)) if resident_bits is not None else []
+    for group in groups:
+        for n in group:
+            dict.__setitem__(resident, f"{n}.weight", read(f"{n}.weight"))
+        quantize_group(resident, group, resident_bits)
+    quantized = {f"{n}.weight" for group in groups for n in group}
+    for name in wanted:
+        if name not in quantized:
+            dict.__setitem__(resident, name, read(name))
+    return resident
+
+
 def load_model(
     model_dir: str | Path,
     dtype: torch.dtype | str = torch.float32,
@@ -116,11 +142,10 @@ def load_model(
     config = load_config(model_dir)
     reader = CheckpointReader(model_dir)
     names = layer_names(config, reader)
-    resident = {}
-    for name in resident_weight_names(config, reader):
-        resident[name] = reader.get(name, torch.float32 if name.endswith(_FP32_SUFFIXES) else dtype).to(device)
+    wanted = resident_weight_names(config, reader)
+    resident = _read_resident(config, reader, names, wanted, dtype, device, resident_bits)
     for required in required_tensors(config, names):
-        if required not in resident:
+        if required not in wanted:
             reader.get(required)  # raises MissingTensorError naming the tensor
     if isinstance(experts, str):
         layouts = {i: ExpertLayout(reader, names[i].mlp) for i in config.moe_layers}
@@ -133,8 +158,6 @@ def load_model(
         else:
             raise ValueError(f"experts must be 'memory', 'lazy' or an ExpertProvider, not {experts!r}")
     model = MoETransformer(config, resident, experts, names, dtype)
-    if resident_bits is not None:
-        model.quantize_resident(resident_bits)
     model.model_dir = Path(model_dir)
     if compile != "off":
         model.set_compile(compile)

@@ -62,7 +62,7 @@ class MoETransformer:
         self.fast_decode = decode_step.supported(self)
         self.compiled = None  # a compiled_step.CompiledDecode after set_compile("on"/"auto")
         self._rope_perm: dict[torch.dtype, torch.Tensor] = {}
-        if "lm_head.weight" not in resident and not config.tie_word_embeddings:
+        if "lm_head.weight" not in resident and "lm_head.sizes" not in resident and not config.tie_word_embeddings:
             from .errors import MissingTensorError
 
             raise MissingTensorError("checkpoint has no 'lm_head.weight' and tie_word_embeddings is false")

@@ -12,11 +12,16 @@ between the README's ``<!-- scale:begin -->`` / ``<!-- scale:end -->`` markers.
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
+from fate_edge.bench.gguf import q4_0_direct
 from fate_edge.bench.scale import GB, ScaleConfig, run_scale
 from fate_edge.convert import ConvertOptions
 from fate_edge.report import publish
+
+GGUF_NOTE = ("converter from the checkpoint with its matrices Q4_0 and the output bf16, then "
+             "llama_model_quantize Q4_0: output q6_K, the rest copied; routers and norms f32")
 
 
 def _precisions(opts: dict) -> str:
@@ -61,9 +66,77 @@ def table(result: dict) -> str:
             f"{r['peak_rss_bytes'] / GB:.2f} GB | {parts} (baseline measured: {r['baseline_rss_bytes'] / GB:.2f}) | "
             f"{r.get('oom_kills')} | {r['load_before'][0]:.1f} → {r['load_after'][0]:.1f} |")
     lines.append("")
-    lines.append(f"Policy {cfg['policy']}, {cfg['dtype']} resident weights, {cfg['threads']} torch threads, "
-                 f"{cfg['decode_tokens']} decoded tokens, page cache dropped before each run, O_DIRECT reads.")
+    rest = f"int{cfg['resident_bits']}" if cfg.get("resident_bits") else cfg["dtype"]
+    lines.append(f"Policy {cfg['policy']}, {rest} resident weights (embeddings {cfg['dtype']}), {cfg['threads']} torch "
+                 f"threads, {cfg['decode_tokens']} decoded tokens, page cache dropped before each run, O_DIRECT reads.")
+    if result.get("llama"):
+        lines += ["", *side_by_side(result)]
     return "\n".join(lines)
+
+
+def _gb(x) -> str:
+    return "–" if x is None else f"{x / GB:.2f} GB"
+
+
+def _num(x, fmt: str = ".2f") -> str:
+    return "–" if x is None else format(x, fmt)
+
+
+def side_by_side(result: dict) -> list[str]:
+    """fate-edge beside llama.cpp q4_0 memory-mapped under the same cgroup cap, medians per budget."""
+    cfg = result["config"]
+    lines = [
+        "| expert budget | cgroup cap (both) | side | prefill tok/s | decode tok/s | decode x llama.cpp | "
+        "MB read / token | peak RSS | cgroup peak | OOM kills | runs (failed) | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    verdicts = []
+    for row in result["summary"]:
+        b = row["budget_bytes"]
+        for name, s in row["sides"].items():
+            ratio = s.get("decode_tps_ratio")
+            lines.append(
+                f"| {b / GB:g} GB | {_gb(s['limit_bytes'])} | {name} | {_num(s['prefill_tps'])} | "
+                f"{_num(s['decode_tps'])} | {_num(ratio) + 'x' if ratio else ''} | "
+                f"{_num(s['decode_read_mb_per_token'], '.1f')} | {_gb(s['peak_rss_bytes'])} | "
+                f"{_gb(s['cgroup_peak_bytes'])} | {s['oom_kills']} | {s['runs']} ({s['failed']}) | "
+                f"{_num(s['load_avg'], '.1f')} |")
+        ratio = row["sides"]["fate-edge"].get("decode_tps_ratio")
+        verdicts.append(f"{b / GB:g} GB: " + ("no llama.cpp figure" if ratio is None else
+                                              f"{ratio:.2f}x ({'met' if ratio >= 2 else 'missed'})"))
+    rest = f"int{cfg['resident_bits']}" if cfg.get("resident_bits") else cfg["dtype"]
+    lines += ["", f"fate-edge: int4 experts streamed (O_DIRECT), {rest} attention/shared experts/lm_head, "
+              f"embeddings {cfg['dtype']}; llama.cpp: q4_0 mix ({result.get('gguf_note', 'q4_0 GGUF')}), "
+              f"memory-mapped{'' if cfg.get('llama_repack') else ' (Q4_0 repack off, as --no-repack)'}, in a memory "
+              f"cgroup capped at what fate-edge was given (its memory_need); "
+              f"{cfg['threads']} thread(s) each on {result.get('cpus', '?')} CPUs ({result.get('cpu_model') or '?'}), "
+              f"{cfg['prompt_tokens']} prompt ids shared, {cfg['decode_tokens']} "
+              f"decoded tokens, page cache dropped before every run, {cfg['rounds']} interleaved round(s), medians.",
+              "Target decode >= 2x llama.cpp: " + "; ".join(verdicts) + ".", ""]
+    lines += [f"fate-edge decode time per token at {b / GB:g} GB (medians): {split}"
+              for b, split in time_split(result.get("runs", [])).items()]
+    return lines
+
+
+def time_split(runs: list[dict]) -> dict[int, str]:
+    """Per budget, a decoded token's time split by the engine's own counters: waiting for expert reads (stall),
+    turning fetched bytes into experts (consume), predicting and issuing prefetches, and the rest (the forward
+    pass's compute and Python)."""
+    from statistics import median
+
+    out = {}
+    for b in sorted({r["budget_bytes"] for r in runs}):
+        ok = [r for r in runs if r["budget_bytes"] == b and "error" not in r and r.get("decode_tps")]
+        if not ok:
+            continue
+        ms = {k: median(r["decode"][k] / r["decode_tokens"] * 1e3 for r in ok)
+              for k in ("stall_s", "consume_s", "predict_s")}
+        total = median(1e3 / r["decode_tps"] for r in ok)
+        rest = total - sum(ms.values())
+        out[b] = (f"{total:.0f} ms = stall on reads {ms['stall_s']:.0f} ({ms['stall_s'] / total:.0%}) + consume "
+                  f"{ms['consume_s']:.0f} + predict {ms['predict_s']:.0f} + compute and the rest {rest:.0f} "
+                  f"({rest / total:.0%})")
+    return out
 
 
 def main() -> None:
@@ -71,7 +144,8 @@ def main() -> None:
     ap.add_argument("model", type=Path, help="Hugging Face checkpoint (e.g. a synthetic one at real shapes)")
     ap.add_argument("store", type=Path, help="expert store to write (or to use, with --no-convert)")
     ap.add_argument("--out", type=Path, default=Path("results/scale"))
-    ap.add_argument("--budgets", default="2,4", help="expert budgets in GB, comma-separated (default 2,4)")
+    ap.add_argument("--budgets", default="2,4", help="expert budgets in GB, comma-separated (default 2,4; '': "
+                    "convert only)")
     ap.add_argument("--no-convert", action="store_true", help="use the existing store")
     ap.add_argument("--convert-limit-gb", type=float, default=2.0)
     ap.add_argument("--bits", type=int, default=4, help="precision of the streamed experts (default 4)")
@@ -81,14 +155,34 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--decode-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--resident-bits", type=int, default=None, choices=(8, 4),
+                    help="quantize attention, shared experts and lm_head at load (llama.cpp's q4_0 mix does too)")
+    ap.add_argument("--gguf", type=Path, default=None,
+                    help="llama.cpp q4_0 GGUF of the same checkpoint, run memory-mapped beside each budget under "
+                         "the same cap (made from MODEL by gguf.q4_0_direct when missing)")
+    ap.add_argument("--llama-repack", action="store_true",
+                    help="leave llama.cpp's Q4_0 repack on (it copies the weights into RAM: not memory-mapped)")
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds (medians over them)")
+    ap.add_argument("--convert-from", type=Path, default=None,
+                    help="with --no-convert: the scale.json of an earlier convert-only run (--budgets ''), whose "
+                         "convert figures the table keeps")
+    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds one run may take (then: an error row)")
     ap.add_argument("--readme", type=Path, default=None, help="also write the table between the scale markers")
     args = ap.parse_args()
-    cfg = ScaleConfig(args.model, args.store, [int(float(b) * GB) for b in args.budgets.split(",")],
+    cfg = ScaleConfig(args.model, args.store, [int(float(b) * GB) for b in args.budgets.split(",") if b],
                       not args.no_convert, int(args.convert_limit_gb * GB),
                       ConvertOptions(bits=args.bits, cold_bits=args.cold_bits, keep_bf16=args.keep_bf16),
                       args.policy, prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,
-                      threads=args.threads)
+                      threads=args.threads, resident_bits=args.resident_bits, gguf=args.gguf, rounds=args.rounds,
+                      timeout_s=args.timeout, llama_repack=args.llama_repack)
+    if args.gguf is not None and not args.gguf.exists():
+        q4_0_direct(args.model, args.gguf, quiet=False)
     result = run_scale(cfg, args.out)
+    if args.gguf is not None:
+        result["gguf_note"] = GGUF_NOTE
+    if args.convert_from is not None:
+        earlier = json.loads(args.convert_from.read_text())
+        result.update({k: earlier[k] for k in ("convert", "disk", "encoder") if k in earlier})
     text = table(result)
     (args.out / "scale.md").write_text(text + "\n")
     publish(result, args.out / "scale.json", text, args.readme, "scale")

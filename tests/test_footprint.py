@@ -26,3 +26,12 @@ def test_resident_bytes_are_what_the_engine_loads(dtype, store, one_thread):
     assert 0 < cache.nbytes <= kv_cache_bytes(store, 100)  # the KV cache of 100 tokens fits the bound
     assert need.baseline_bytes == RUNTIME_BASELINE_BYTES + kv_cache_bytes(store, 100)
     assert need.total == need.resident_bytes + 3_000_000 + need.baseline_bytes
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_resident_bytes_count_quantized_resident_weights(bits, store, one_thread):
+    need = memory_need(store, 3_000_000, "bfloat16", context_tokens=100, resident_bits=bits)
+    with Engine(store, 3_000_000, "lru", dtype="bfloat16", resident_bits=bits) as engine:
+        loaded = sum(t.numel() * t.element_size() for t in engine.model.w.values())
+    assert need.resident_bytes == loaded
+    assert need.resident_bytes < 0.7 * memory_need(store, 3_000_000, "bfloat16").resident_bytes

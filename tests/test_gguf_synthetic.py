@@ -52,6 +52,34 @@ def test_mla_without_q_lora_gets_rank_zero_and_a_set_rank_is_kept():
     assert m.written == {"q_lora_rank": 1536}
 
 
+class _FakeQwenMoe:
+    """The converter's view of a tensor: its own rule forces nothing (False), names match by the ggml name."""
+
+    def tensor_force_quant(self, name, new_name, bid, n_dims):
+        return False
+
+    def match_model_tensor_name(self, new_name, key, bid):
+        return new_name == (f"{key}.weight" if bid is None else f"blk.{bid}.{key}.weight")
+
+
+def test_q4_0_mix_quantizes_the_matrices_llama_cpp_would_and_leaves_routers_and_output():
+    from types import SimpleNamespace
+
+    kinds = SimpleNamespace(**{k: k.lower() for k in gguf.Q4_0_MIX_KEPT})
+    fake_gguf = SimpleNamespace(MODEL_TENSOR=kinds, GGMLQuantizationType=SimpleNamespace(Q4_0="Q4_0"))
+    cls = type("Q", (_FakeQwenMoe,), {})
+    gguf.patch_q4_0_mix(cls, fake_gguf)
+    gguf.patch_q4_0_mix(cls, fake_gguf)  # idempotent
+    m = cls()
+    got = {new: m.tensor_force_quant("hf." + new, new, bid, dims) for new, bid, dims in [
+        ("blk.0.attn_q.weight", 0, 2), ("blk.0.ffn_gate_exps.weight", 0, 3), ("blk.0.ffn_down_shexp.weight", 0, 2),
+        ("token_embd.weight", None, 2), ("blk.0.ffn_gate_inp.weight", 0, 2), ("blk.0.ffn_gate_inp_shexp.weight", 0, 2),
+        ("output.weight", None, 2), ("blk.0.attn_norm.weight", 0, 1), ("blk.0.attn_q.bias", 0, 1)]}
+    assert [k for k, v in got.items() if v == "Q4_0"] == [
+        "blk.0.attn_q.weight", "blk.0.ffn_gate_exps.weight", "blk.0.ffn_down_shexp.weight", "token_embd.weight"]
+    assert sum(v is False for v in got.values()) == 5  # routers F32 and output bf16 by the converter's own rules
+
+
 def test_sentencepiece_probe_needs_no_sentencepiece_without_a_tokenizer_model(tmp_path):
     class Fake:
         dir_model = tmp_path

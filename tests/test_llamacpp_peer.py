@@ -141,3 +141,27 @@ def test_gguf_of_the_bundled_model_tokenizes_and_decodes_like_fate_edge(one_thre
     model = load_model(bundled_model_dir(), torch.float32)
     ours = [r.token for r in stream_generate(model, tok, ids[:64], GenerateConfig(max_tokens=8, ignore_eos=True))]
     assert ours == theirs
+
+
+def test_decode_reads_per_token_leave_out_the_prefills_reads(monkeypatch, capsys):
+    """child_main's MB read per decoded token counts from the first token on: at real size the prefill reads
+    the whole model once, which divided by 16 decode tokens would read as hundreds of MB per token."""
+    import json
+
+    from fate_edge.bench import sidebyside
+
+    disk = [0]
+
+    def stream(spec):
+        disk[0] += 5_000_000  # the prefill reads 5 MB, then the first token arrives
+        yield 1
+        for tok in range(2, 6):
+            disk[0] += 2_000_000  # 2 MB per decoded token
+            yield tok
+
+    monkeypatch.setattr(sidebyside, "read_bytes", lambda: disk[0])
+    monkeypatch.setattr(sidebyside, "_fate_edge_stream", stream)
+    sidebyside.child_main(json.dumps({"kind": "fate-edge", "ids": [1, 2, 3], "decode_tokens": 4}))
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["tokens"] == [1, 2, 3, 4, 5]
+    assert out["prefill_read_mb"] == 5.0 and out["decode_read_mb_per_token"] == 2.0

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tarfile
 from pathlib import Path
+from typing import Any
 
 from ..errors import FateEdgeError, PeerUnavailableError
 from .prepare import _fingerprint
@@ -26,6 +27,8 @@ GGUF_TYPES = ("f32", "bf16", "q4_0")
 CONVERTED = ("f32", "bf16")  # written by the converter; q4_0 is quantized from one of them (quantize_source)
 FALLBACK_PRE_TOKENIZER = "gpt-2"  # byte-level BPE with GPT-2's split regex, as our tokenizers use
 _VENDOR = "vendor/llama.cpp"
+Q4_0_MIX = "q4_0-mix"  # our --outtype: see patch_q4_0_mix
+Q4_0_MIX_KEPT = ("FFN_GATE_INP", "FFN_GATE_INP_SHEXP", "POS_EMBD", "TOKEN_TYPES", "OUTPUT")  # not made Q4_0 here
 
 
 def peers_cache() -> Path:
@@ -156,17 +159,47 @@ def patch_mla_without_q_lora(model_class: type) -> None:
     model_class.set_gguf_parameters = set_gguf_parameters
 
 
+def patch_q4_0_mix(model_class: type, gguf_mod: Any) -> None:
+    """Make the converter write llama.cpp's Q4_0 mix straight from the checkpoint, but for the output matrix.
+
+    Every matrix the converter would quantize becomes Q4_0 (gguf-py's numpy quantizer, the same rounding as
+    ggml's reference ``quantize_row_q4_0``); routers stay F32 by the converter's own rule and the output matrix
+    stays in the ``--outtype`` (bf16), because gguf-py cannot write the Q6_K that llama.cpp gives it:
+    :func:`quantize_q4_0` then makes that one Q6_K and copies the Q4_0 tensors as they are. So a real-size
+    checkpoint reaches q4_0 without a full bf16 or q8_0 GGUF on disk (28.6 / 15 GB for Qwen1.5-MoE-A2.7B)."""
+    original = model_class.tensor_force_quant
+    if getattr(original, "_fate_edge_q4_0", False):
+        return
+    kinds, qtype = gguf_mod.MODEL_TENSOR, gguf_mod.GGMLQuantizationType
+    kept = [getattr(kinds, k) for k in Q4_0_MIX_KEPT if hasattr(kinds, k)]
+
+    def tensor_force_quant(self, name: str, new_name: str, bid: int | None, n_dims: int):
+        forced = original(self, name, new_name, bid, n_dims)
+        if forced is not False or n_dims < 2 or not new_name.endswith(".weight") or new_name.endswith("_norm.weight"):
+            return forced
+        if any(self.match_model_tensor_name(new_name, key, bid) for key in kept):
+            return False  # the converter's own rule: F32 routers, outtype for the output matrix
+        return qtype.Q4_0
+
+    tensor_force_quant._fate_edge_q4_0 = True  # type: ignore[attr-defined]
+    model_class.tensor_force_quant = tensor_force_quant
+
+
 def _convert_main(llama_dir: str, argv: list[str]) -> None:
     """In the converter's process: import it from ``llama_dir``, patch the hash check, the SentencePiece
-    probe and DeepSeek-V2's q-LoRA rank, run its main()."""
+    probe and DeepSeek-V2's q-LoRA rank, run its main(). ``--outtype q4_0-mix``: see :func:`patch_q4_0_mix`."""
     sys.path[:0] = [llama_dir, str(Path(llama_dir) / "gguf-py")]
     import conversion.base  # type: ignore[import-not-found]
     import conversion.deepseek  # type: ignore[import-not-found]
     import convert_hf_to_gguf  # type: ignore[import-not-found]
+    import gguf  # type: ignore[import-not-found]
 
     patch_pre_tokenizer(conversion.base.TextModel)
     patch_sentencepiece_probe(conversion.base.TextModel)
     patch_mla_without_q_lora(conversion.deepseek.DeepseekV2Model)
+    if Q4_0_MIX in argv:
+        patch_q4_0_mix(conversion.base.TextModel, gguf)
+        argv = ["bf16" if a == Q4_0_MIX else a for a in argv]
     sys.argv = ["convert_hf_to_gguf.py", *argv]
     convert_hf_to_gguf.main()
 
@@ -182,12 +215,13 @@ def read_gguf(path: str | Path):
     return GGUFReader(str(path))
 
 
-def quantize_q4_0(src: Path, dst: Path, threads: int = 2) -> None:
+def quantize_q4_0(src: Path, dst: Path, threads: int = 2, allow_requantize: bool = False) -> None:
     import llama_cpp  # quantizing runs no threads: its OpenMP wait policy does not matter
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
     params.nthread = threads
+    params.allow_requantize = allow_requantize
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
     if rc != 0:
         raise FateEdgeError(f"llama_model_quantize({src} -> q4_0) returned {rc}")
@@ -228,6 +262,33 @@ def ensure_ggufs(model_dir: str | Path, kinds: tuple[str, ...] = GGUF_TYPES, qui
         print(f"gguf: quantizing {source} -> {out['q4_0']} (q4_0)", flush=True)
         quantize_q4_0(gguf_path(model_dir, source), tmp)
         tmp.rename(out["q4_0"])
+    return out
+
+
+def q4_0_direct(model_dir: str | Path, out: str | Path, quiet: bool = True) -> Path:
+    """llama.cpp's Q4_0 mix of ``model_dir`` at ``out`` without a full-precision GGUF: the converter writes the
+    mix with a bf16 output matrix (:func:`patch_q4_0_mix`, ~1.1x the q4_0 file), ``llama_model_quantize`` makes
+    that matrix Q6_K and copies the rest; the intermediate is deleted. For checkpoints too big for
+    :func:`ensure_ggufs`' bf16 route on this disk."""
+    why = llama_cpp_missing()
+    if why:
+        raise PeerUnavailableError(why)
+    out = Path(out)
+    if out.exists():
+        return out
+    mix = out.with_name(out.name + f".mix-partial-{os.getpid()}")
+    print(f"gguf: converting {model_dir} -> {mix} (q4_0 mix, bf16 output)", flush=True)
+    proc = subprocess.run(convert_command(model_dir, Q4_0_MIX, mix, converter_dir()), capture_output=quiet, text=True)
+    try:
+        if proc.returncode != 0:
+            tail = " | ".join((proc.stderr or "").strip().splitlines()[-4:]) if quiet else "see above"
+            raise FateEdgeError(f"llama.cpp's converter failed on {model_dir} ({Q4_0_MIX}): {tail}")
+        tmp = out.with_name(out.name + f".partial-{os.getpid()}")
+        print(f"gguf: quantizing {mix} -> {out} (q4_0, output q6_K)", flush=True)
+        quantize_q4_0(mix, tmp, allow_requantize=True)
+        tmp.rename(out)
+    finally:
+        mix.unlink(missing_ok=True)
     return out
 
 

@@ -38,14 +38,31 @@ def llama_child(code: str) -> str:
     return OPENMP_DEFAULT + "import llama_cpp  # noqa: F401\n" + code
 
 
-def open_llama(gguf: str | Path, n_ctx: int, threads: int, mmap: bool):
+def open_llama(gguf: str | Path, n_ctx: int, threads: int, mmap: bool, repack: bool = True):
     """A Llama on ``gguf`` with ``threads`` for both decode and prefill (llama.cpp's batch threads default to
     all cores otherwise), fully read into RAM (``mmap=False``) or memory-mapped. Run it in a process started
-    with :func:`llama_child`."""
+    with :func:`llama_child`.
+
+    ``repack=False`` is llama-cli's ``--no-repack``: by default llama.cpp's CPU backend copies every Q4_0 matrix
+    it can into an anonymous ``CPU_REPACK`` buffer (q4_0_8x8 here), so a "memory-mapped" q4_0 model is in fact
+    held in RAM; at real size (8 GB) that is OOM-killed under any cap below the model. Off, the weights stay
+    mapped and the page cache holds what fits."""
+    import llama_cpp.llama_cpp as lib
     from llama_cpp import Llama
 
-    return Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, use_mmap=mmap,
-                 verbose=False)
+    default_params = lib.llama_model_default_params
+
+    def params():
+        p = default_params()
+        p.use_extra_bufts = repack
+        return p
+
+    lib.llama_model_default_params = params  # Llama() takes no such argument; it asks this function
+    try:
+        return Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                     use_mmap=mmap, verbose=False)
+    finally:
+        lib.llama_model_default_params = default_params
 
 
 def llama_stream(llm, ids: list[int]):

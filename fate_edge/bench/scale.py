@@ -42,6 +42,10 @@ class ScaleConfig:
     timeout_s: float = 3600.0
     drop_caches: bool = True  # drop the page cache before each measurement (root); off: reads may hit it
     disk_probe_bytes: int = int(1 * GB)  # written and read back to measure the disk
+    resident_bits: int | None = None  # quantize the resident weights at load (8 or 4; None: ``dtype``)
+    gguf: Path | None = None  # llama.cpp q4_0 GGUF of the same checkpoint: run it memory-mapped beside us
+    rounds: int = 1  # interleaved rounds (fate-edge, llama.cpp per budget in each); medians over them
+    llama_repack: bool = False  # llama.cpp's Q4_0 repack copies the weights into RAM: off keeps them mapped
 
 
 def load() -> list[float]:
@@ -64,9 +68,11 @@ def _cgroup_stats(cg: Path) -> dict[str, Any]:
     return out
 
 
-def run_confined(kind: str, spec: dict, limit: int, workdir: Path, timeout_s: float) -> dict[str, Any]:
+def run_confined(kind: str, spec: dict, limit: int, workdir: Path, timeout_s: float,
+                 command: list[str] | None = None) -> dict[str, Any]:
     """Run child ``kind`` on ``spec`` in a fresh memory cgroup capped at ``limit`` bytes; its result plus the
-    cgroup's peak charge, OOM kills and the load average before and after."""
+    cgroup's peak charge, OOM kills and the load average before and after. ``command``: run that instead
+    (a child printing its result as its last JSON line, as ``sidebyside.child_main`` does)."""
     spec_path = workdir / f"scale-{kind}-{spec.get('label', '')}.json"
     spec_path.write_text(json.dumps(spec))
     result_path = Path(str(spec_path) + ".result.json")
@@ -76,10 +82,14 @@ def run_confined(kind: str, spec: dict, limit: int, workdir: Path, timeout_s: fl
     info: dict[str, Any] = {"limit_bytes": limit, "cgroup": note, "load_before": load()}
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run([sys.executable, "-m", "fate_edge.bench.scale", "--child", kind, str(spec_path)],
+        proc = subprocess.run(command or [sys.executable, "-m", "fate_edge.bench.scale", "--child", kind,
+                                          str(spec_path)],
                               timeout=timeout_s, stdout=subprocess.PIPE, stderr=None, text=True,
                               preexec_fn=(lambda: procs.write_text(str(os.getpid()))) if procs else None)
         info["returncode"] = proc.returncode
+        printed = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        if command and proc.returncode == 0 and printed:
+            result_path.write_text(printed[-1])
     except subprocess.TimeoutExpired:
         info["returncode"] = None
         info["error"] = f"timed out after {timeout_s:.0f}s"
@@ -104,6 +114,14 @@ def _rss(field_name: str) -> int:
             if line.startswith(field_name + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def prompt_ids(store: str | Path, n: int) -> list[int]:
+    """The benchmark prompt's first ``n`` token ids (both sides get these ids, not the text)."""
+    from ..tokenizer import Tokenizer
+
+    text = " ".join(["The expert cache streams weights from the disk while the model decodes."] * 64)
+    return Tokenizer(store).encode(text)[:n]
 
 
 def convert_child(spec: dict) -> dict[str, Any]:
@@ -134,22 +152,21 @@ def run_child(spec: dict) -> dict[str, Any]:
     baseline = _rss("VmRSS")  # interpreter + torch + fate_edge imported, nothing loaded
     from ..engine import Engine
     from ..generate import GenerateConfig
-    from ..tokenizer import Tokenizer
+    from .llamacpp import read_bytes
     from .worker import _stats_dict, _sum_stats
 
     torch.set_num_threads(spec["threads"])
-    tok = Tokenizer(spec["store"])
-    text = " ".join(["The expert cache streams weights from the disk while the model decodes."] * 64)
-    ids = tok.encode(text)[: spec["prompt_tokens"]]
+    ids = spec.get("ids") or prompt_ids(spec["store"], spec["prompt_tokens"])
     t0 = time.perf_counter()
     engine = Engine(spec["store"], spec["budget"], spec["policy"], dtype=spec["dtype"],
-                    workers=spec["fetch_workers"], direct_io=True)
+                    workers=spec["fetch_workers"], direct_io=True, resident_bits=spec.get("resident_bits"))
     load_s = time.perf_counter() - t0
     resident = sum(t.numel() * t.element_size() for t in engine.model.w.values())
     try:
-        times, steps = [], []
+        times, steps, io = [], [], []
         for step in engine.stream(ids, GenerateConfig(max_tokens=spec["decode_tokens"] + 1, ignore_eos=True)):
             times.append(time.perf_counter())
+            io.append(read_bytes())
             steps.append(step)
         last = steps[-1]
         decode = _sum_stats(engine.token_stats)
@@ -161,6 +178,9 @@ def run_child(spec: dict) -> dict[str, Any]:
             "decode_tokens": n_dec, "decode_tps": n_dec / (times[-1] - times[0]) if n_dec > 0 else None,
             "decode_hit_rate": decode.hit_rate, "prefill_hit_rate": pre.hit_rate,
             "decode_mb_read_per_token": (decode.demand_bytes + decode.prefetch_bytes) / max(n_dec, 1) / 1e6,
+            # what the kernel says this process read (/proc/self/io), as the llama.cpp side is measured
+            "decode_read_mb_per_token": None if io[0] is None else (io[-1] - io[0]) / max(n_dec, 1) / 1e6,
+            "tokens": [s.token for s in steps],
             "prefill_mb_read": (pre.demand_bytes + pre.prefetch_bytes) / 1e6,
             "decode": _stats_dict(decode), "prefill": _stats_dict(pre),
             "plan": {"cache_bytes": engine.plan.cache_bytes, "pool_bytes": engine.plan.pool_bytes,
@@ -251,7 +271,7 @@ def run_scale(cfg: ScaleConfig, workdir: Path) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
     config = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
     result: dict[str, Any] = {"config": config,
-                              "cpus": os.cpu_count(), "started_load": load()}
+                              "cpus": os.cpu_count(), "cpu_model": cpu_model(), "started_load": load()}
     if cfg.convert:
         result["disk"] = measure_disk(cfg.store.parent, cfg.disk_probe_bytes, cfg.drop_caches)
         print(f"scale: disk write {result['disk']['write_gb_per_s']:.2f} GB/s, read "
@@ -264,19 +284,76 @@ def run_scale(cfg: ScaleConfig, workdir: Path) -> dict[str, Any]:
         result["convert"] = r = run_confined("convert", spec, cfg.convert_limit, workdir, cfg.timeout_s)
         r["page_cache_dropped"] = dropped[0]
         print(f"scale: convert {_convert_line(r)}", flush=True)
-    result["runs"] = []
-    for budget in cfg.budgets:
-        need = memory_need(cfg.store, budget, cfg.dtype, cfg.prompt_tokens + cfg.decode_tokens)
-        dropped = _drop(cfg)
-        spec = {"label": f"{budget}", "store": str(cfg.store), "budget": budget, "policy": cfg.policy,
-                "dtype": cfg.dtype, "prompt_tokens": cfg.prompt_tokens, "decode_tokens": cfg.decode_tokens,
-                "threads": cfg.threads, "fetch_workers": cfg.fetch_workers}
-        r = run_confined("run", spec, need.total, workdir, cfg.timeout_s)
-        r.update(budget_bytes=budget, need=asdict(need) | {"total": need.total}, page_cache_dropped=dropped[0])
-        r["within_need"] = "peak_rss_bytes" in r and r["peak_rss_bytes"] <= need.total
-        print(f"scale: budget {budget / GB:g} GB: {_run_line(r)}", flush=True)
-        result["runs"].append(r)
+    result["runs"], result["llama"] = [], []
+    ids = prompt_ids(cfg.store, cfg.prompt_tokens) if cfg.budgets else []
+    for rnd in range(cfg.rounds):
+        for budget in cfg.budgets:
+            need = memory_need(cfg.store, budget, cfg.dtype, cfg.prompt_tokens + cfg.decode_tokens, cfg.resident_bits)
+            spec = {"label": f"{budget}", "store": str(cfg.store), "budget": budget, "policy": cfg.policy,
+                    "dtype": cfg.dtype, "prompt_tokens": cfg.prompt_tokens, "decode_tokens": cfg.decode_tokens,
+                    "threads": cfg.threads, "fetch_workers": cfg.fetch_workers, "resident_bits": cfg.resident_bits,
+                    "ids": ids}
+            dropped = _drop(cfg)
+            r = run_confined("run", spec, need.total, workdir, cfg.timeout_s)
+            r.update(budget_bytes=budget, need=asdict(need) | {"total": need.total}, page_cache_dropped=dropped[0],
+                     round=rnd)
+            r["within_need"] = "peak_rss_bytes" in r and r["peak_rss_bytes"] <= need.total
+            print(f"scale: round {rnd + 1} budget {budget / GB:g} GB: {_run_line(r)}", flush=True)
+            result["runs"].append(r)
+            if cfg.gguf is not None:
+                result["llama"].append(run_llama(cfg, ids, budget, need.total, workdir, rnd))
+    result["summary"] = summarize_scale(result["runs"], result["llama"])
     return result
+
+
+def run_llama(cfg: ScaleConfig, ids: list[int], budget: int, cap: int, workdir: Path, rnd: int) -> dict[str, Any]:
+    """llama.cpp on ``cfg.gguf`` memory-mapped (its Q4_0 repack off unless ``cfg.llama_repack``: see
+    ``llamacpp.open_llama``), page cache dropped, in a cgroup capped at ``cap`` (the bytes fate-edge was given
+    at ``budget``), the same prompt ids and thread count."""
+    from .sidebyside import child_command
+
+    spec = {"label": f"llama-{budget}", "kind": "llama.cpp", "mode": "limited", "gguf": str(cfg.gguf),
+            "ids": ids, "decode_tokens": cfg.decode_tokens, "threads": cfg.threads, "repack": cfg.llama_repack}
+    dropped = _drop(cfg)
+    r = run_confined("llama", spec, cap, workdir, cfg.timeout_s, command=child_command(spec))
+    r.update(budget_bytes=budget, page_cache_dropped=dropped[0], round=rnd)
+    if "error" not in r:
+        r["within_need"] = r["peak_rss_bytes"] <= cap
+    print(f"scale: round {rnd + 1} llama.cpp q4_0 mmap, cap {cap / GB:.2f} GB: {_llama_line(r)}", flush=True)
+    return r
+
+
+def summarize_scale(runs: list[dict[str, Any]], llama: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per budget, each side's medians over its rounds (``sidebyside.summarize``), its cgroup peak and OOM kills,
+    and fate-edge / llama.cpp ratios of decode and prefill tok/s."""
+    from .sidebyside import Side, summarize
+
+    out = []
+    for budget in sorted({r["budget_bytes"] for r in runs}):
+        sides = [Side("fate-edge", "fate-edge", "int4", "int4, streamed", "", "limited"),
+                 Side("llama.cpp", "llama.cpp", "q4_0", "q4_0, memory-mapped", "", "limited")]
+        by_side = {"fate-edge": [r for r in runs if r["budget_bytes"] == budget],
+                   "llama.cpp": [r for r in llama if r["budget_bytes"] == budget]}
+        for rs in by_side.values():
+            for r in rs:
+                r.setdefault("load_avg", (r.get("load_before") or [None])[0])
+        rows = summarize(by_side, sides, [("fate-edge", "llama.cpp")])
+        for name, rs in by_side.items():
+            peaks = [r["peak_bytes"] for r in rs if r.get("peak_bytes") is not None]
+            rows[name].update(cgroup_peak_bytes=max(peaks) if peaks else None,
+                              oom_kills=sum(r.get("oom_kills") or 0 for r in rs),
+                              limit_bytes=rs[0]["limit_bytes"] if rs else None)
+        out.append({"budget_bytes": budget, "sides": rows})
+    return out
+
+
+def cpu_model() -> str:
+    """The CPU's model name as /proc/cpuinfo gives it ("" where it does not)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "")
 
 
 def _drop(cfg: ScaleConfig) -> tuple[bool, str]:
@@ -289,6 +366,14 @@ def _convert_line(r: dict) -> str:
     return (f"{r['source_bytes'] / GB:.2f} GB in {r['seconds']:.0f} s = {r['gb_per_s']:.3f} GB/s, peak RSS "
             f"{r['peak_rss_bytes'] / GB:.2f} GB, cgroup peak {r.get('peak_bytes', 0) / GB:.2f} GB under a "
             f"{r['limit_bytes'] / GB:.1f} GB cap, OOM kills {r.get('oom_kills')}")
+
+
+def _llama_line(r: dict) -> str:
+    if "error" in r:
+        return r["error"] + f" (OOM kills {r.get('oom_kills')})"
+    return (f"prefill {r['prefill_tps']:.2f} tok/s, decode {r['decode_tps'] or 0:.2f} tok/s, "
+            f"{r.get('decode_read_mb_per_token') or 0:.1f} MB read/token, peak RSS {r['peak_rss_bytes'] / GB:.2f} GB, "
+            f"cgroup peak {r.get('peak_bytes', 0) / GB:.2f} GB, OOM kills {r.get('oom_kills')}")
 
 
 def _run_line(r: dict) -> str:

@@ -164,6 +164,15 @@ def _fate_edge_stream(spec: dict[str, Any]):
     return (r.token for r in stream_generate(model, Tokenizer(spec["model"]), spec["ids"], cfg))
 
 
+def _mark_first(stream, marks: list):
+    """``stream``'s tokens; the bytes read so far are appended to ``marks`` when the first one arrives, so the
+    prefill's reads (at real size the whole model, once) stay out of the decode's reads per token."""
+    for i, tok in enumerate(stream):
+        if i == 0:
+            marks.append(read_bytes())
+        yield tok
+
+
 def child_main(spec_json: str) -> None:
     """One side, one run: load, prefill the ids, decode; print one JSON line (tok/s, peak RSS, bytes read)."""
     from ..process_memory import peak_rss_bytes
@@ -175,18 +184,19 @@ def child_main(spec_json: str) -> None:
         from .llamacpp import llama_stream, open_llama, tokens_agree
 
         llm = open_llama(spec["gguf"], len(ids) + spec["decode_tokens"] + 8, spec["threads"],
-                         mmap=spec["mode"] == "limited")
+                         mmap=spec["mode"] == "limited", repack=spec.get("repack", True))
         stream = llama_stream(llm, ids)
     else:
         stream = _fate_edge_stream(spec)
-    io1 = read_bytes()
-    t = time_tokens(stream, len(ids), spec["decode_tokens"] + 1)
+    io1, first = read_bytes(), []
+    t = time_tokens(_mark_first(stream, first), len(ids), spec["decode_tokens"] + 1)
     io2 = read_bytes()
     if spec["kind"] == "llama.cpp" and spec.get("text"):
         extra["tokenization"] = tokens_agree(llm, spec["text"], spec["text_ids"])
     if io0 is not None:
         n_dec = max(1, len(t["tokens"]) - 1)
-        extra.update(load_read_mb=(io1 - io0) / 1e6, decode_read_mb_per_token=(io2 - io1) / 1e6 / n_dec)
+        extra.update(load_read_mb=(io1 - io0) / 1e6, prefill_read_mb=(first[0] - io1) / 1e6,
+                     decode_read_mb_per_token=(io2 - first[0]) / 1e6 / n_dec)
     print(json.dumps({**t, **extra, "peak_rss_bytes": peak_rss_bytes()}), flush=True)
 
 
