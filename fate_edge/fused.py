@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from fate_edge.quant import QuantSpec, quantize
 from fate_edge.quant.int8 import Int8Linear, quantize_int8
-from fate_edge.quant.linear import QuantizedLinear, candidate_kernels, choose_kernel, int4_supported
+from fate_edge.quant.linear import QuantizedLinear, candidate_kernels, choose_kernel
 
 from .arch.base import ModelConfig
 

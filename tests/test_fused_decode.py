@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from fate_edge.quant.linear import KERNEL_CHOICES
 
 from fate_edge import load_model
 from fate_edge.experts import InMemoryExpertProvider, QuantizedExpert
 from fate_edge.loader import expert_spec
-from fate_edge.quant.linear import KERNEL_CHOICES
 
 PROMPT = torch.tensor([[5, 300, 17, 2048, 99, 1000, 7, 64]])
 

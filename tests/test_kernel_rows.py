@@ -4,12 +4,12 @@ seeded here (no timing assertions): the contract is the rule and that the choice
 
 import pytest
 import torch
-
-from fate_edge import load_model
-from fate_edge.fused import RESIDENT_ROWS, resident_int4_kernel
 from fate_edge.quant import QuantSpec
 from fate_edge.quant.linear import KERNEL_CHOICES, KERNEL_TIMINGS, pick_for_rows
 from fate_edge.quant.ort import ort_available
+
+from fate_edge import load_model
+from fate_edge.fused import RESIDENT_ROWS, resident_int4_kernel
 
 SPEC = QuantSpec(4, 32)
 
