@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from fate_edge.quant import QuantSpec, quantize
 from fate_edge.quant.int8 import Int8Linear, quantize_int8
-from fate_edge.quant.linear import QuantizedLinear, candidate_kernels, choose_kernel
+from fate_edge.quant.linear import QuantizedLinear, int4_supported
 
 from .arch.base import ModelConfig
 
@@ -78,6 +78,9 @@ def apply_linear(x: torch.Tensor, f: Fused) -> torch.Tensor:
     if isinstance(w, torch.Tensor):
         return F.linear(x, w, f.bias)
     y = w(x)  # a quantized linear (resident_bits)
+    n = sum(f.sizes)
+    if y.shape[-1] != n:  # rows padded for the int4 kernel (quantize_resident): their outputs are zeros
+        y = y[..., :n]
     return y if f.bias is None else y + f.bias
 
 
@@ -107,8 +110,6 @@ def _dtype(tensors: list[torch.Tensor | None]) -> torch.dtype:
 
 
 def _quantized(w: Weights, key: str) -> tuple[Any, list[int]] | None:
-    if f"{key}.ort4" in w:
-        return w[f"{key}.ort4"], w[f"{key}.sizes"].tolist()
     if f"{key}.int8" in w:
         return Int8Linear(w[f"{key}.int8"], w[f"{key}.int8_scale"]), w[f"{key}.sizes"].tolist()
     if f"{key}.int4" in w:
@@ -174,18 +175,14 @@ def build_head(w: Weights, embed: torch.Tensor) -> Fused:
     return Fused(embed, None, [embed.shape[0]])
 
 
-# Row counts the resident int4 kernels are timed at: a decode token and a prefill chunk (a kernel that wins one
-# may not lose the other; ``quant.linear.pick_for_rows``).
-RESIDENT_ROWS = (1, 64)
-
-
 def quantize_resident(config: ModelConfig, w: Weights, layer_names: list, bits: int) -> None:
     """Replace the fused linears' float weights (attention, dense MLPs, shared experts, lm_head) by ``bits``.
 
-    8: per-channel int8 (torch's int8 kernel); 4: group-wise int4 on the kernel :func:`resident_int4_kernel`
-    picks per shape (torch's CPU int4 layout, or onnxruntime's MatMulNBits, which also takes the shapes torch's
-    kernel cannot, e.g. Qwen's shared expert gate_up with its gate row). Norms, routers, biases and the embedding
-    stay as loaded. Groups no 4-bit kernel here can take stay in 8 bits.
+    8: per-channel int8 (torch's int8 kernel); 4: group-wise int4 in torch's CPU layout, rows padded with zeros to
+    the kernel's multiple of 16 where needed (Qwen's shared expert gate_up carries its one-row gate: 2I + 1 rows,
+    which went to int8, the slowest matmul of a Qwen prefill); :func:`apply_linear` drops the padded outputs.
+    Norms, routers, biases and the embedding stay as loaded. Groups the int4 kernel cannot take stay in 8 bits.
+    (onnxruntime's MatMulNBits, faster at prefill, is not used here: a session held ~13x the int4 bytes, measured.)
     """
     groups = [names for i, n in enumerate(layer_names) for names in layer_groups(config, i, n).values()]
     if "lm_head.weight" in w:
@@ -195,14 +192,12 @@ def quantize_resident(config: ModelConfig, w: Weights, layer_names: list, bits: 
         parts = [w[f"{n}.weight"] for n in names]
         full = parts[0] if len(parts) == 1 else torch.cat(parts)  # lm_head alone: no copy
         group = _int4_group(full.shape[1])
-        spec = QuantSpec(4, group or 32)
-        kernel = resident_int4_kernel(full, spec, lm_head=names == ["lm_head"]) if bits == 4 and group else None
-        if kernel == "torch-int4":
-            lin = QuantizedLinear.from_quantized(quantize(full, spec), spec, full.device, "torch-int4")
+        padded = _pad_rows(full, 16) if bits == 4 and group else full
+        if bits == 4 and group and int4_supported(tuple(padded.shape), QuantSpec(4, group), full.device):
+            spec = QuantSpec(4, group)
+            lin = QuantizedLinear.from_quantized(quantize(padded, spec), spec, full.device, "torch-int4")
             dict.update(w, {f"{key}.int4": lin.packed, f"{key}.int4_scale_zero": lin.scale_zero,
                             f"{key}.int4_group": torch.tensor(group)})
-        elif kernel == "ort-int4":  # onnxruntime holds the packed weights; the linear reports their bytes
-            dict.__setitem__(w, f"{key}.ort4", QuantizedLinear.from_float(full, spec, full.device, "ort-int4"))
         else:
             codes, scale = quantize_int8(full)
             dict.update(w, {f"{key}.int8": codes, f"{key}.int8_scale": scale})
@@ -212,17 +207,9 @@ def quantize_resident(config: ModelConfig, w: Weights, layer_names: list, bits: 
     w.version += 1
 
 
-def resident_int4_kernel(full: torch.Tensor, spec: QuantSpec, lm_head: bool = False) -> str | None:
-    """The 4-bit kernel for a resident matrix: the one timed fastest here at :data:`RESIDENT_ROWS` rows (recorded
-    in ``quant.linear.KERNEL_TIMINGS`` / ``KERNEL_CHOICES``), or None where no 4-bit kernel takes the shape.
-    The lm_head stays on torch's kernel: prefill computes it for one row, and onnxruntime's quantizer would need a
-    float32 copy of the model's largest matrix at load."""
-    kernels = [k for k in candidate_kernels(tuple(full.shape), spec, full.device) if k != "dequant"]
-    if lm_head:
-        kernels = [k for k in kernels if k == "torch-int4"]
-    if len(kernels) <= 1:
-        return kernels[0] if kernels else None
-    return choose_kernel(full, spec, full.device, rows=RESIDENT_ROWS)
+def _pad_rows(m: torch.Tensor, multiple: int) -> torch.Tensor:
+    extra = -m.shape[0] % multiple
+    return m if not extra else torch.cat([m, m.new_zeros(extra, m.shape[1])])
 
 
 def _int4_group(k: int) -> int | None:

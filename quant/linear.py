@@ -111,17 +111,6 @@ class QuantizedLinear:
         assert self.q is not None
         return F.linear(x, dequantize(self.q, self.spec, x.dtype))
 
-    # A model's ``Weights`` may hold an onnxruntime linear itself (it has no tensor to hold there): its bytes are
-    # counted as a tensor's would be (numel * element_size, data_ptr to tell copies apart).
-    def numel(self) -> int:
-        return self.nbytes
-
-    def element_size(self) -> int:
-        return 1
-
-    def data_ptr(self) -> int:
-        return id(self)
-
     @property
     def nbytes(self) -> int:
         if self.ort is not None:

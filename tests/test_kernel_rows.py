@@ -1,15 +1,15 @@
-"""Kernel choice by row count: resident int4 matrices and experts are timed at a decode token (1 row) and at a
-prefill chunk's rows; a kernel replaces the default only if it wins one and does not lose the other. Timings are
-seeded here (no timing assertions): the contract is the rule and that the choice is recorded and used."""
+"""Kernel choice by row count (memory experts are timed at a decode token and at an expert's share of a prefill
+chunk; a kernel replaces the default only if it wins one and does not lose the other), and the int4 resident
+weights of shapes torch's int4 kernel takes only padded. Timings are seeded here (no timing assertions)."""
 
 import pytest
 import torch
+
+from fate_edge import load_model
+from fate_edge.experts import EXPERT_ROWS, ExpertWeights, quantize_expert
 from fate_edge.quant import QuantSpec
 from fate_edge.quant.linear import KERNEL_CHOICES, KERNEL_TIMINGS, pick_for_rows
 from fate_edge.quant.ort import ort_available
-
-from fate_edge import load_model
-from fate_edge.fused import RESIDENT_ROWS, resident_int4_kernel
 
 SPEC = QuantSpec(4, 32)
 
@@ -24,32 +24,54 @@ def test_a_prefill_win_may_not_cost_decode():
 
 @pytest.mark.skipif(not ort_available(), reason="onnxruntime is a runtime dependency; absent only in broken installs")
 @pytest.mark.parametrize(("ort_us", "want"), [((95.0, 400.0), "ort-int4"), ((125.0, 400.0), "torch-int4")])
-def test_resident_kernel_is_the_recorded_choice_at_decode_and_prefill_rows(ort_us, want):
-    w = torch.randn(64, 96, generator=torch.Generator().manual_seed(0))
-    base = (4, (64, 96), "cpu", torch.get_num_threads())
-    one, many = ort_us
-    KERNEL_TIMINGS[base] = {"torch-int4": 100.0, "ort-int4": one}
-    KERNEL_TIMINGS[(*base, RESIDENT_ROWS[1])] = {"torch-int4": 900.0, "ort-int4": many}
+def test_expert_kernel_is_the_recorded_choice_at_decode_and_prefill_rows(ort_us, want):
+    g = torch.Generator().manual_seed(0)
+    e = ExpertWeights.fused(torch.randn(128, 96, generator=g), torch.randn(96, 64, generator=g))
+    keys = []
+    for shape in ((128, 96), (96, 64)):  # gate_up, down
+        base = (4, shape, "cpu", torch.get_num_threads())
+        KERNEL_TIMINGS[base] = {"torch-int4": 100.0, "ort-int4": ort_us[0]}
+        KERNEL_TIMINGS[(*base, EXPERT_ROWS[1])] = {"torch-int4": 900.0, "ort-int4": ort_us[1]}
+        keys += [base, (*base, EXPERT_ROWS[1])]
     try:
-        assert resident_int4_kernel(w, SPEC) == want
-        assert resident_int4_kernel(w, SPEC, lm_head=True) == "torch-int4"  # the lm_head is never re-timed
+        q = quantize_expert(e, SPEC)
+        assert q.gate_up.kernel == q.down.kernel == want
+        assert KERNEL_CHOICES[(4, (128, 96), "cpu")] == KERNEL_CHOICES[(4, (96, 64), "cpu")] == want
     finally:
-        KERNEL_TIMINGS.pop(base)
-        KERNEL_TIMINGS.pop((*base, RESIDENT_ROWS[1]))
+        for k in keys:
+            KERNEL_TIMINGS.pop(k)
 
 
-@pytest.mark.skipif(not ort_available(), reason="onnxruntime is a runtime dependency; absent only in broken installs")
-def test_a_shape_torch_int4_cannot_take_gets_onnxruntime_not_int8(tmp_path, one_thread):
+def test_a_shape_torch_int4_takes_only_padded_stays_int4_not_int8(tmp_path, one_thread):
     """Qwen's shared expert gate_up carries its gate row (N = 2I + 1, not a multiple of 16): torch's int4 kernel
-    cannot take it and it fell back to int8 (the slowest matmul of a Qwen prefill at M=64); 4 bits were asked."""
+    could not take it and it fell back to int8 (the slowest matmul of a Qwen prefill at M=64, 3x the int4 time at
+    the real shape); padded with zero rows it is int4, and the padded outputs never reach the model."""
     from _tiny_moe import build_tiny_moe
 
     d = build_tiny_moe(tmp_path / "tiny", expert_dim=32)  # shared expert intermediate 32: gate_up N = 65
     model = load_model(d, torch.bfloat16, resident_bits=4)
     moe = next(lp for lp in model.plan() if lp.router is not None)
-    assert moe.mlp.sizes == [32, 32, 1] and moe.mlp.weight.kernel == "ort-int4"
-    assert KERNEL_CHOICES[(4, (65, 32), "cpu")] == "ort-int4"
+    assert moe.mlp.sizes == [32, 32, 1] and moe.mlp.weight.kernel == "torch-int4"
+    assert moe.mlp.weight.shape == (80, 32) and KERNEL_CHOICES[(4, (80, 32), "cpu")] == "torch-int4"
+    assert model.kernels()["mlp"] == ["torch-int4"]  # shared experts and the dense layer's gate_up
     ref = load_model(d, torch.bfloat16)
     ids = torch.tensor([[5, 30, 17, 200, 99, 100, 7, 64]])
-    want, got = ref(ids, ref.new_cache()).float(), model(ids, model.new_cache()).float()
+    want = ref(ids, ref.new_cache()).float()
+    got = model(ids, model.new_cache()).float()
     assert (got - want).norm() / want.norm() < 0.15
+    cache = model.new_cache()  # decode (decode_step.mlp_into) splits the shared expert's outputs too
+    model(ids[:, :4], cache)
+    step = model(ids[:, 4:5], cache).float()
+    assert (step[0, 0] - want[0, 4]).norm() / want[0, 4].norm() < 0.15
+
+
+def test_a_run_of_some_sides_needs_only_their_ggufs():
+    from fate_edge.bench import sidebyside as sbs
+
+    real = sbs.SIDE_SETS["real"]
+    part = sbs.only_sides(real, ["fate-edge int4, int4 rest", "llama.cpp q4_0"])
+    assert [s.name for s in part.resident] == ["fate-edge int4, int4 rest", "llama.cpp q4_0"]
+    assert part.limited == [] and part.gguf_types == ("q4_0",)  # no bf16 GGUF to build
+    assert part.pairs == [("fate-edge int4, int4 rest", "llama.cpp q4_0")]
+    with pytest.raises(ValueError, match="no side"):
+        sbs.only_sides(real, ["llama.cpp q8_0"])

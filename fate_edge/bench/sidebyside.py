@@ -96,6 +96,18 @@ def pick_side_set(name: str, model_dir: str | Path) -> SideSet:
     return SIDE_SETS[name]
 
 
+def only_sides(sides: SideSet, names: list[str]) -> SideSet:
+    """``sides`` restricted to the sides called ``names`` (and the GGUF types their llama.cpp sides need)."""
+    known = [side.name for side in sides.resident + sides.limited]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"no side {unknown} in this comparison; its sides are {known}")
+    keep = [side for side in sides.resident + sides.limited if side.name in names]
+    types = tuple(t for t in sides.gguf_types if any(s.kind == "llama.cpp" and s.precision == t for s in keep))
+    return SideSet([s for s in sides.resident if s in keep], [s for s in sides.limited if s in keep],
+                   [p for p in sides.pairs if p[0] in names and p[1] in names], types)
+
+
 def readme_marker(model: str, threads: int) -> str:
     """The README block a run writes: ``bench_llamacpp`` for the bundled model at 2 threads (as before), else one
     per model and thread count, so the tables of several models coexist."""
