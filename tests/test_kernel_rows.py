@@ -4,12 +4,12 @@ weights of shapes torch's int4 kernel takes only padded. Timings are seeded here
 
 import pytest
 import torch
-
-from fate_edge import load_model
-from fate_edge.experts import EXPERT_ROWS, ExpertWeights, quantize_expert
 from fate_edge.quant import QuantSpec
 from fate_edge.quant.linear import KERNEL_CHOICES, KERNEL_TIMINGS, pick_for_rows
 from fate_edge.quant.ort import ort_available
+
+from fate_edge import load_model
+from fate_edge.experts import EXPERT_ROWS, ExpertWeights, quantize_expert
 
 SPEC = QuantSpec(4, 32)
 
