@@ -182,7 +182,8 @@ def quantize_resident(config: ModelConfig, w: Weights, layer_names: list, bits: 
     the kernel's multiple of 16 where needed (Qwen's shared expert gate_up carries its one-row gate: 2I + 1 rows,
     which went to int8, the slowest matmul of a Qwen prefill); :func:`apply_linear` drops the padded outputs.
     Norms, routers, biases and the embedding stay as loaded. Groups the int4 kernel cannot take stay in 8 bits.
-    (onnxruntime's MatMulNBits, faster at prefill, is not used here: a session held ~13x the int4 bytes, measured.)
+    (onnxruntime's MatMulNBits, ~2x faster at prefill here, is not used: a session per matrix held 3-13x the int4
+    bytes, measured.)
     """
     groups = [names for i, n in enumerate(layer_names) for names in layer_groups(config, i, n).values()]
     if "lm_head.weight" in w:
