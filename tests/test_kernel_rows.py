@@ -75,3 +75,16 @@ def test_a_run_of_some_sides_needs_only_their_ggufs():
     assert part.pairs == [("fate-edge int4, int4 rest", "llama.cpp q4_0")]
     with pytest.raises(ValueError, match="no side"):
         sbs.only_sides(real, ["llama.cpp q8_0"])
+
+
+def test_prefill_is_also_counted_in_cpu_time_which_waiting_does_not_spend():
+    import time
+
+    from fate_edge.bench.llamacpp import time_tokens
+
+    def waits_then_yields():
+        time.sleep(0.05)  # a busy host's wait for a core: wall time, no CPU time
+        yield from (1, 2)
+
+    t = time_tokens(waits_then_yields(), n_prompt=8, want=2)
+    assert t["prefill_cpu_tps"] > 4 * t["prefill_tps"] > 0

@@ -211,14 +211,15 @@ def summarize(runs: dict[str, list[dict[str, Any]]], sides: list[Side],
         row: dict[str, Any] = {"kind": side.kind, "experts": side.experts, "rest": side.rest, "mode": side.mode,
                                "runs": len(rs), "failed": len(rs) - len(ok),
                                "errors": sorted({r["error"] for r in rs if "error" in r})}
-        for key in ("prefill_tps", "decode_tps", "peak_rss_bytes", "decode_read_mb_per_token", "load_avg"):
+        for key in ("prefill_tps", "prefill_cpu_tps", "decode_tps", "peak_rss_bytes", "decode_read_mb_per_token",
+                    "load_avg"):
             vals = [r[key] for r in ok if r.get(key) is not None]
             row[key] = statistics.median(vals) if vals else None
         out[side.name] = row
     for ours, theirs in pairs:
         a, b = out.get(ours), out.get(theirs)
         if a and b:
-            for key in ("prefill_tps", "decode_tps"):
+            for key in ("prefill_tps", "prefill_cpu_tps", "decode_tps"):
                 if a[key] and b[key]:
                     a[f"{key}_ratio"] = a[key] / b[key]
     return out
@@ -272,6 +273,7 @@ def run_rounds(base: dict[str, Any], sides: list[Side], ggufs: dict[str, str], r
             if side.mode == "limited" and side.kind == "fate-edge" and "peak_rss_bytes" in res:
                 notes.setdefault("cap_bytes", res["peak_rss_bytes"])
             runs.setdefault(side.name, []).append(res)
-            log(f"round {r + 1} {side.name}: prefill {res.get('prefill_tps') or 0:.0f} tok/s, decode "
+            log(f"round {r + 1} {side.name}: prefill {res.get('prefill_tps') or 0:.0f} tok/s "
+                f"({res.get('prefill_cpu_tps') or 0:.0f} per CPU s), decode "
                 f"{res.get('decode_tps') or 0:.1f} tok/s {res.get('error', '')} (load {load[0]})")
     return runs, notes
