@@ -20,6 +20,12 @@ class ExpertGroups:
     starts: list[int]  # first grouped row of each of ``ids``
     counts: dict[int, int]  # rows per expert
 
+    def by_rank(self, idx: torch.Tensor) -> torch.Tensor:
+        """A permutation of the grouped rows into ``k`` blocks of ``N``: block ``j`` holds every token's ``j``-th
+        expert by id (each token once per block), tokens in order."""
+        rank = idx.argsort(dim=1).argsort(dim=1).flatten().index_select(0, self.order)  # rank of each grouped row
+        return (rank * idx.shape[0] + self.tokens).argsort()
+
     def by_popularity(self) -> list[int]:
         """Expert ids, most tokens first (ties: lower id first): the order the block asks the provider for."""
         return sorted(self.ids, key=lambda e: -self.counts[e])

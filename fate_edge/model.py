@@ -246,9 +246,19 @@ class MoETransformer:
         self.experts.end_layer(layer)
         w = weights.flatten().index_select(0, g.order)[:, None]
         ys = ys * w if h.dtype == torch.float32 else (ys.float() * w).to(h.dtype)
-        # index_add_ adds rows in index order: each token's experts in expert-id order whatever the arrival order,
-        # so fetch timing never changes the answer (a token picks an expert at most once).
-        return torch.zeros_like(h).index_add_(0, g.tokens, ys)
+        # Each token's experts are summed in expert-id order whatever the arrival order, so fetch timing never
+        # changes the answer. fp32: index_add_ adds rows in index order. Lower precisions: index_add_ would sum a
+        # token's rows in fp32 and round once, where decode (_routed_one) rounds after each add; k passes, the
+        # j-th expert of every token in pass j, round as decode does (same bits on both paths).
+        out = torch.zeros_like(h)
+        if h.dtype == torch.float32:
+            return out.index_add_(0, g.tokens, ys)
+        n = h.shape[0]
+        by_rank = g.by_rank(idx)  # grouped rows reordered: [k blocks of n rows], block j = each token's j-th expert
+        tokens, ys = g.tokens.index_select(0, by_rank), ys.index_select(0, by_rank)
+        for j in range(idx.shape[1]):
+            out.index_add_(0, tokens[j * n : (j + 1) * n], ys[j * n : (j + 1) * n])
+        return out
 
     # ----------------------------------------------------------------- forward
     def forward(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
