@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from fate_edge.quant import QuantSpec
-from fate_edge.quant.linear import QuantizedLinear
+from fate_edge.quant.linear import QuantizedLinear, choose_kernel
 
 from .checkpoint import CheckpointReader
 from .errors import MissingTensorError
@@ -174,9 +174,14 @@ class InMemoryExpertProvider(ExpertProvider):
 
     @classmethod
     def from_layouts(cls, layouts: dict[int, ExpertLayout], num_experts: int, dtype: torch.dtype,
-                     device: str | torch.device = "cpu"):
-        return cls({(layer, e): lay.read(e, dtype).to(device) for layer, lay in layouts.items()
-                    for e in range(num_experts)})
+                     device: str | torch.device = "cpu", spec: QuantSpec | None = None):
+        """Every expert read into memory; with ``spec``, each quantized as it is read (the float experts are
+        never all in memory at once)."""
+        def one(lay: ExpertLayout, e: int):
+            w = lay.read(e, dtype).to(device)
+            return w if spec is None else quantize_expert(w, spec, device)
+
+        return cls({(layer, e): one(lay, e) for layer, lay in layouts.items() for e in range(num_experts)})
 
     @classmethod
     def quantized(cls, provider: InMemoryExpertProvider, spec: QuantSpec, device: str | torch.device = "cpu",
@@ -190,11 +195,19 @@ class InMemoryExpertProvider(ExpertProvider):
         return self.experts[(layer, expert)]
 
 
+# Row counts expert kernels are timed at: a decode token, and an expert's share of a prefill chunk (64 tokens,
+# top-8 of 64 experts: 8 rows); ``quant.linear.pick_for_rows`` keeps a kernel that wins one only if it holds the other.
+EXPERT_ROWS = (1, 8)
+
+
 def quantize_expert(e: ExpertWeights, spec: QuantSpec, device: str | torch.device = "cpu",
                     kernel: str | None = None) -> QuantizedExpert:
-    """Round-to-nearest ``e``; gate and up become one matrix (rows quantize independently: same codes)."""
+    """Round-to-nearest ``e``; gate and up become one matrix (rows quantize independently: same codes).
+    ``kernel`` None: per matrix shape, the kernel timed fastest here at :data:`EXPERT_ROWS` rows."""
     gate_up = e.gate_up if e.gate_up is not None else torch.cat([e.gate, e.up])
-    gu, down = (QuantizedLinear.from_float(w, spec, device, kernel) for w in (gate_up, e.down))
+    dev = torch.device(device)
+    gu, down = (QuantizedLinear.from_float(w, spec, device, kernel or choose_kernel(w, spec, dev, rows=EXPERT_ROWS))
+                for w in (gate_up, e.down))
     return QuantizedExpert(None, None, down, gate_up=gu)
 
 

@@ -77,7 +77,7 @@ def apply_linear(x: torch.Tensor, f: Fused) -> torch.Tensor:
     w = f.weight
     if isinstance(w, torch.Tensor):
         return F.linear(x, w, f.bias)
-    y = w(x)  # a quantized linear (resident_bits)
+    y = w(x)  # a quantized linear (resident_bits); padded int4 rows are cut off by FirstRows
     return y if f.bias is None else y + f.bias
 
 
@@ -124,9 +124,10 @@ class FirstRows:
     linear: Any
     rows: int
 
-    @property
-    def kernel(self) -> str:
-        return self.linear.kernel
+    def __getattr__(self, name: str) -> Any:  # kernel, shape (padded), nbytes...: the padded linear's
+        if name in ("linear", "rows"):  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.linear, name)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x)[..., : self.rows]
@@ -198,8 +199,12 @@ def resident_groups(config: ModelConfig, layer_names: list, names: Any) -> list[
 def quantize_resident(config: ModelConfig, w: Weights, layer_names: list, bits: int) -> None:
     """Replace the fused linears' float weights (attention, dense MLPs, shared experts, lm_head) by ``bits``.
 
-    8: per-channel int8 (torch's int8 kernel); 4: group-wise int4 in torch's CPU layout. Norms, routers,
-    biases and the embedding stay as loaded. Groups whose shape the int4 kernel cannot take stay in 8 bits.
+    8: per-channel int8 (torch's int8 kernel); 4: group-wise int4 in torch's CPU layout, rows padded with zeros to
+    the kernel's multiple of 16 where needed (Qwen's shared expert gate_up carries its one-row gate: 2I + 1 rows,
+    which went to int8, the slowest matmul of a Qwen prefill); :class:`FirstRows` drops the padded outputs.
+    Norms, routers, biases and the embedding stay as loaded. Groups the int4 kernel cannot take stay in 8 bits.
+    (onnxruntime's MatMulNBits, ~2x faster at prefill here, is not used: a session per matrix held 3-13x the int4
+    bytes, measured.)
     """
     for names in resident_groups(config, layer_names, w):
         quantize_group(w, names, bits)

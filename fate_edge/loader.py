@@ -150,9 +150,9 @@ def load_model(
     if isinstance(experts, str):
         layouts = {i: ExpertLayout(reader, names[i].mlp) for i in config.moe_layers}
         if experts == "memory":
-            experts = InMemoryExpertProvider.from_layouts(layouts, config.num_experts, dtype, device)
-            if bits is not None and bits < 16:  # resident and quantized in memory (round-to-nearest)
-                experts = InMemoryExpertProvider.quantized(experts, expert_spec(config, bits), device)
+            # bits: resident and quantized in memory (round-to-nearest), each expert as it is read
+            spec = expert_spec(config, bits) if bits is not None and bits < 16 else None
+            experts = InMemoryExpertProvider.from_layouts(layouts, config.num_experts, dtype, device, spec)
         elif experts == "lazy":
             experts = CheckpointExpertProvider(layouts, dtype, device)
         else:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from . import decode_step
 from .arch.base import ModelConfig
+from .dispatch import group_by_expert
 from .experts import ExpertProvider, InMemoryExpertProvider
 from .fused import Fused, LayerPlan, Weights, apply_linear, build_head, build_plan, quantize_resident, rms_norm
 from .kv_cache import KVCache
@@ -252,21 +253,33 @@ class MoETransformer:
         return torch.zeros_like(h) if out is None else out
 
     def _routed(self, h: torch.Tensor, layer: int, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        ids, counts = idx.flatten().unique(return_counts=True)
-        needed = ids[counts.argsort(descending=True, stable=True)].tolist()  # most popular first
-        parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for e, expert in self.experts.stream(layer, needed):  # any order (cache hits first, then reads)
-            if expert is None:  # skipped by precision-on-miss (opt-in)
-                continue
-            tok, slot = torch.where(idx == e)
-            parts[e] = (tok, (expert(h[tok]).float() * weights[tok, slot, None]).to(h.dtype))  # [n_e, H]
+        """Several tokens: one stable sort of the (token, expert) pairs by expert, one gather of the inputs, each
+        expert on its contiguous slice, one scaled ``index_add_`` (no per-expert mask, nonzero or scatter)."""
+        g = group_by_expert(idx)
+        hs = h.index_select(0, g.tokens)  # [N*k, H], rows grouped by expert id
+        ys = torch.empty_like(hs)
+        starts = dict(zip(g.ids, g.starts))
+        for e, expert in self.experts.stream(layer, g.by_popularity()):  # any order (cache hits first, then reads)
+            s = slice(starts[e], starts[e] + g.counts[e])
+            if expert is None:  # skipped by precision-on-miss (opt-in): its rows add zero
+                ys[s] = 0
+            else:
+                ys[s] = expert(hs[s])
         self.experts.end_layer(layer)
+        w = weights.flatten().index_select(0, g.order)[:, None]
+        ys = ys * w if h.dtype == torch.float32 else (ys.float() * w).to(h.dtype)
+        # Each token's experts are summed in expert-id order whatever the arrival order, so fetch timing never
+        # changes the answer. fp32: index_add_ adds rows in index order. Lower precisions: index_add_ would sum a
+        # token's rows in fp32 and round once, where decode (_routed_one) rounds after each add; k passes, the
+        # j-th expert of every token in pass j, round as decode does (same bits on both paths).
         out = torch.zeros_like(h)
-        # Sum in expert-id order whatever the arrival order, so fetch timing never changes the answer.
-        # A token picks an expert at most once: rows of ``tok`` are unique and an indexed add is exact.
-        for e in sorted(parts):
-            tok, y = parts[e]
-            out[tok] += y
+        if h.dtype == torch.float32:
+            return out.index_add_(0, g.tokens, ys)
+        n = h.shape[0]
+        by_rank = g.by_rank(idx)  # grouped rows reordered: [k blocks of n rows], block j = each token's j-th expert
+        tokens, ys = g.tokens.index_select(0, by_rank), ys.index_select(0, by_rank)
+        for j in range(idx.shape[1]):
+            out.index_add_(0, tokens[j * n : (j + 1) * n], ys[j * n : (j + 1) * n])
         return out
 
     # ----------------------------------------------------------------- forward

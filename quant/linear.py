@@ -187,31 +187,48 @@ def candidate_kernels(shape: tuple[int, int], spec: QuantSpec, device: torch.dev
     return out
 
 
-def choose_kernel(w: torch.Tensor, spec: QuantSpec, device: torch.device, samples: int = 5, calls: int = 10) -> str:
-    """The fastest kernel for one token through ``w``'s shape, timed once per (bits, shape, device, threads)."""
+def choose_kernel(w: torch.Tensor, spec: QuantSpec, device: torch.device, samples: int = 5, calls: int = 10,
+                  rows: tuple[int, ...] = (1,)) -> str:
+    """The fastest kernel for ``w``'s shape at each row count in ``rows`` (1: a decode token; more: a prefill
+    chunk), timed once per (bits, shape, device, threads, rows) and kept in :data:`KERNEL_TIMINGS` (one row
+    under the 4-part key, ``m`` rows under the key with ``m`` appended); :func:`pick_for_rows` decides."""
     shape = tuple(w.shape)
-    key = (spec.bits, shape, device.type, torch.get_num_threads())
-    timings = KERNEL_TIMINGS.get(key)
-    if timings is None:
-        timings = {}
-        x = torch.randn(1, shape[1], generator=torch.Generator().manual_seed(0)).to(device)
-        for kernel in candidate_kernels(shape, spec, device):
-            lin = QuantizedLinear.from_float(w, spec, device, kernel)
-            lin(x)  # warm-up (first-call allocations, ORT's prepacking)
-            times = []
-            for _ in range(samples):
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    lin(x)
-                times.append((time.perf_counter() - t0) / calls * 1e6)
-            timings[kernel] = statistics.median(times)
-        KERNEL_TIMINGS[key] = timings
-    return pick_fastest(timings)
+    base = (spec.bits, shape, device.type, torch.get_num_threads())
+    keys = {m: base if m == 1 else (*base, m) for m in rows}
+    missing = [m for m in rows if keys[m] not in KERNEL_TIMINGS]
+    if missing:
+        built = {k: QuantizedLinear.from_float(w, spec, device, k) for k in candidate_kernels(shape, spec, device)}
+        for m in missing:
+            x = torch.randn(m, shape[1], generator=torch.Generator().manual_seed(0)).to(device)
+            n_calls = max(1, calls // m)  # a prefill chunk costs ~m decode calls: time about as long
+            timings = {}
+            for kernel, lin in built.items():
+                lin(x)  # warm-up (first-call allocations, ORT's prepacking)
+                times = []
+                for _ in range(samples):
+                    t0 = time.perf_counter()
+                    for _ in range(n_calls):
+                        lin(x)
+                    times.append((time.perf_counter() - t0) / n_calls * 1e6)
+                timings[kernel] = statistics.median(times)
+            KERNEL_TIMINGS[keys[m]] = timings
+    return pick_for_rows([KERNEL_TIMINGS[keys[m]] for m in rows])
 
 
 def pick_fastest(timings: dict[str, float], margin: float = 0.10) -> str:
     """The first (default) kernel unless another is faster by more than ``margin``: kernels within timing noise of
     each other would otherwise flip between runs, and each kernel quantizes slightly differently."""
-    default = next(iter(timings))
-    best = min(timings, key=timings.get)
-    return best if timings[best] < (1 - margin) * timings[default] else default
+    return pick_for_rows([timings], margin)
+
+
+def pick_for_rows(timings: list[dict[str, float]], margin: float = 0.10) -> str:
+    """``timings``: microseconds per kernel, one dict per row count (the first dict's first kernel is the default).
+    Another kernel replaces the default when it is faster by more than ``margin`` at some row count and slower by
+    no more than ``margin`` at any: a prefill win may not cost decode. Among those, the lowest summed time ratio."""
+    default = next(iter(timings[0]))
+    best, best_cost = default, float(len(timings))
+    for kernel in timings[0]:
+        ratios = [t[kernel] / t[default] for t in timings]
+        if min(ratios) < 1 - margin and max(ratios) <= 1 + margin and sum(ratios) < best_cost:
+            best, best_cost = kernel, sum(ratios)
+    return best

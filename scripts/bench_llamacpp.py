@@ -28,6 +28,7 @@ from fate_edge.bench.prepare import store_info
 from fate_edge.bench.sidebyside import (
     SIDE_SETS,
     add_markers,
+    only_sides,
     pick_side_set,
     readme_marker,
     run_rounds,
@@ -90,11 +91,21 @@ def main() -> None:
     ap.add_argument("--compile", choices=["auto", "on", "off"], default="off",
                     help="fate-edge's fully resident sides decode through one torch.compile'd graph per token "
                          "(compiled at load, before timing; default off)")
+    ap.add_argument("--side", action="append", default=None, metavar="NAME",
+                    help="run only this side (repeatable; e.g. --side 'fate-edge int4, int4 rest' --side "
+                         "'llama.cpp q4_0'): only the GGUFs those sides need are built; not for --readme")
     ap.add_argument("--timeout", type=float, default=900.0, help="per process, seconds")
     ap.add_argument("--json", type=Path, default=Path("bench-out/llamacpp.json"))
     ap.add_argument("--readme", type=Path, default=None, help="rewrite the table between the bench_llamacpp markers")
     args = ap.parse_args()
     sides_set = pick_side_set(args.sides, args.model)
+    if args.side:
+        if args.readme:
+            sys.exit("bench_llamacpp: --side runs part of the table; the README gets the full side set only")
+        try:
+            sides_set = only_sides(sides_set, args.side)
+        except ValueError as exc:
+            sys.exit(f"bench_llamacpp: {exc}")
     try:
         ggufs = {k: str(p) for k, p in ensure_ggufs(args.model, sides_set.gguf_types).items()}
     except PeerUnavailableError as exc:

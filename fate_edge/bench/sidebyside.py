@@ -96,6 +96,18 @@ def pick_side_set(name: str, model_dir: str | Path) -> SideSet:
     return SIDE_SETS[name]
 
 
+def only_sides(sides: SideSet, names: list[str]) -> SideSet:
+    """``sides`` restricted to the sides called ``names`` (and the GGUF types their llama.cpp sides need)."""
+    known = [side.name for side in sides.resident + sides.limited]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"no side {unknown} in this comparison; its sides are {known}")
+    keep = [side for side in sides.resident + sides.limited if side.name in names]
+    types = tuple(t for t in sides.gguf_types if any(s.kind == "llama.cpp" and s.precision == t for s in keep))
+    return SideSet([s for s in sides.resident if s in keep], [s for s in sides.limited if s in keep],
+                   [p for p in sides.pairs if p[0] in names and p[1] in names], types)
+
+
 def readme_marker(model: str, threads: int) -> str:
     """The README block a run writes: ``bench_llamacpp`` for the bundled model at 2 threads (as before), else one
     per model and thread count, so the tables of several models coexist."""
@@ -210,14 +222,15 @@ def summarize(runs: dict[str, list[dict[str, Any]]], sides: list[Side],
         row: dict[str, Any] = {"kind": side.kind, "experts": side.experts, "rest": side.rest, "mode": side.mode,
                                "runs": len(rs), "failed": len(rs) - len(ok),
                                "errors": sorted({r["error"] for r in rs if "error" in r})}
-        for key in ("prefill_tps", "decode_tps", "peak_rss_bytes", "decode_read_mb_per_token", "load_avg"):
+        for key in ("prefill_tps", "prefill_cpu_tps", "decode_tps", "peak_rss_bytes", "decode_read_mb_per_token",
+                    "load_avg"):
             vals = [r[key] for r in ok if r.get(key) is not None]
             row[key] = statistics.median(vals) if vals else None
         out[side.name] = row
     for ours, theirs in pairs:
         a, b = out.get(ours), out.get(theirs)
         if a and b:
-            for key in ("prefill_tps", "decode_tps"):
+            for key in ("prefill_tps", "prefill_cpu_tps", "decode_tps"):
                 if a[key] and b[key]:
                     a[f"{key}_ratio"] = a[key] / b[key]
     return out
@@ -271,6 +284,7 @@ def run_rounds(base: dict[str, Any], sides: list[Side], ggufs: dict[str, str], r
             if side.mode == "limited" and side.kind == "fate-edge" and "peak_rss_bytes" in res:
                 notes.setdefault("cap_bytes", res["peak_rss_bytes"])
             runs.setdefault(side.name, []).append(res)
-            log(f"round {r + 1} {side.name}: prefill {res.get('prefill_tps') or 0:.0f} tok/s, decode "
+            log(f"round {r + 1} {side.name}: prefill {res.get('prefill_tps') or 0:.0f} tok/s "
+                f"({res.get('prefill_cpu_tps') or 0:.0f} per CPU s), decode "
                 f"{res.get('decode_tps') or 0:.1f} tok/s {res.get('error', '')} (load {load[0]})")
     return runs, notes
