@@ -133,7 +133,9 @@ def test_bench_emulate_reports_raw_and_device_equivalent_apart(store, tmp_path, 
         assert dev["dilation_k"] == pytest.approx(k)
         assert dev["decode_tps"] == pytest.approx(r["median"]["decode_tps"] * k)
         assert dev["prefill_tps"]["16"] == pytest.approx(r["median"]["prefill_tps"]["16"] * k)
-        assert r["direct_io"] == ("O_DIRECT" if em["direct_io"] else "not requested")
+        # Without O_DIRECT (the emulation picks it only where this disk beats the dilated link, which depends on
+        # the host's speed at the time) every run reads through the page cache: its fetch engine says "buffered".
+        assert r["direct_io"] == ("O_DIRECT" if em["direct_io"] else "buffered")
     md = paths["markdown"].read_text()
     assert "Raw host decode tokens/s" in md and "Device-equivalent decode tokens/s" in md
     assert "device-eq decode tok/s" in md and "Device-faithful emulation of jetson-agx-orin-64gb" in md
