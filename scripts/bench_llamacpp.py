@@ -25,6 +25,7 @@ from fate_edge import bundled_model_dir
 from fate_edge.bench.config import HEADLINE_BUDGET
 from fate_edge.bench.gguf import PeerUnavailableError, ensure_ggufs
 from fate_edge.bench.prepare import store_info
+from fate_edge.bench.scale import cpu_model
 from fate_edge.bench.sidebyside import (
     SIDE_SETS,
     add_markers,
@@ -127,8 +128,7 @@ def main() -> None:
     summary = summarize(runs, sides, sides_set.pairs)
     agree = {f"{a} vs {b}": same_tokens(runs, a, b) for a, b in sides_set.pairs}
     tokenization = next((r["tokenization"] for rs in runs.values() for r in rs if "tokenization" in r), None)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor())
+    cpu = cpu_model() or platform.processor()
     header = (f"{model_label(args.model)}, {len(ids)}-token held-out Python prompt (same token ids on both sides), "
               f"{args.decode_tokens} greedy decode tokens, {args.threads} threads, median of {args.rounds} "
               f"interleaved rounds of fresh processes; {cpu}, torch {torch.__version__}, llama-cpp-python "
