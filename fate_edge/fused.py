@@ -84,7 +84,7 @@ def apply_linear(x: torch.Tensor, f: Fused) -> torch.Tensor:
 def fuse(w: Weights, names: list[str]) -> Fused:
     """One matrix for the linears ``names`` (checkpoint prefixes); their weights become views into it.
 
-    If :func:`quantize_resident` quantized this group, the fused matrix is its quantized linear."""
+    If :func:`quantize_group` quantized this group, the fused matrix is its quantized linear."""
     key = "+".join(names)
     biases = [w.get(f"{n}.bias") for n in names]
     quantized = _quantized(w, key)
@@ -190,30 +190,23 @@ def build_head(w: Weights, embed: torch.Tensor) -> Fused:
 
 
 def resident_groups(config: ModelConfig, layer_names: list, names: Any) -> list[list[str]]:
-    """The linears :func:`quantize_resident` quantizes, one list per fused matrix: lm_head first (``names``: the
-    resident weight names; lm_head only where it is one of them), then every layer's groups."""
+    """The linears :func:`quantize_group` quantizes with ``resident_bits``, one list per fused matrix: lm_head
+    first (``names``: the resident weight names; lm_head only where it is one of them), then every layer's groups."""
     head = [["lm_head"]] if "lm_head.weight" in names else []
     return head + [g for i, n in enumerate(layer_names) for g in layer_groups(config, i, n).values()]
 
 
-def quantize_resident(config: ModelConfig, w: Weights, layer_names: list, bits: int) -> None:
-    """Replace the fused linears' float weights (attention, dense MLPs, shared experts, lm_head) by ``bits``.
+def quantize_group(w: Weights, names: list[str], bits: int) -> None:
+    """Quantize one fused group of ``w`` (:func:`resident_groups`: attention, dense MLPs, shared experts, lm_head)
+    in place to ``bits``; its float weights go. The loader calls it as each group is read, so a model never holds
+    all its float weights at once.
 
     8: per-channel int8 (torch's int8 kernel); 4: group-wise int4 in torch's CPU layout, rows padded with zeros to
     the kernel's multiple of 16 where needed (Qwen's shared expert gate_up carries its one-row gate: 2I + 1 rows,
     which went to int8, the slowest matmul of a Qwen prefill); :class:`FirstRows` drops the padded outputs.
     Norms, routers, biases and the embedding stay as loaded. Groups the int4 kernel cannot take stay in 8 bits.
     (onnxruntime's MatMulNBits, ~2x faster at prefill here, is not used: a session per matrix held 3-13x the int4
-    bytes, measured.)
-    """
-    for names in resident_groups(config, layer_names, w):
-        quantize_group(w, names, bits)
-    w.version += 1
-
-
-def quantize_group(w: Weights, names: list[str], bits: int) -> None:
-    """Quantize one fused group of ``w`` in place (see :func:`quantize_resident`); its float weights go.
-    The loader calls it as each group is read, so a model never holds all its float weights at once."""
+    bytes, measured.)"""
     key = "+".join(names)
     parts = [w[f"{n}.weight"] for n in names]
     full = parts[0] if len(parts) == 1 else torch.cat(parts)  # lm_head alone: no copy

@@ -17,7 +17,7 @@ from . import decode_step
 from .arch.base import ModelConfig
 from .dispatch import group_by_expert
 from .experts import ExpertProvider, InMemoryExpertProvider
-from .fused import Fused, LayerPlan, Weights, apply_linear, build_head, build_plan, quantize_resident, rms_norm
+from .fused import Fused, LayerPlan, Weights, apply_linear, build_head, build_plan, rms_norm
 from .kv_cache import KVCache
 from .rope import RotaryEmbedding, apply_rope, yarn_softmax_scale
 from .router import route
@@ -105,12 +105,6 @@ class MoETransformer:
         if isinstance(self.experts, InMemoryExpertProvider) and self.experts.experts:
             out["experts"] = {getattr(e, "kernel", "dense") for e in self.experts.experts.values()}
         return {role: sorted(k) for role, k in out.items()}
-
-    def quantize_resident(self, bits: int) -> None:
-        """Hold the resident linears (attention, dense MLPs, shared experts, lm_head) in ``bits`` (8 or 4)."""
-        if bits not in (8, 4):
-            raise ValueError(f"resident_bits must be 8 or 4 (or None for the checkpoint's dtype), not {bits}")
-        quantize_resident(self.config, self.w, self.names, bits)
 
     def set_compile(self, mode: str, warm: bool = True) -> str | None:
         """Decode steps as one torch.compile'd graph (``compiled_step``): "on", "auto" (on where supported,
