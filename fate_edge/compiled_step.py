@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .experts import ExpertWeights, InMemoryExpertProvider, QuantizedExpert
-from .fused import Fused, LayerPlan, apply_linear, rms_norm
+from .fused import Fused, LayerPlan, apply_linear, mlp_forward, rms_norm
 from .rope import apply_rope
 from .router import route
 
@@ -127,13 +127,6 @@ def stack_experts(model: MoETransformer) -> list[tuple[torch.Tensor, ...] | None
     return out
 
 
-def _mlp(h: torch.Tensor, mlp: Fused, down: Fused, act) -> torch.Tensor:
-    """A dense MLP or shared expert (with Qwen's sigmoid gate when ``mlp`` has a third member)."""
-    gate, up, *g = apply_linear(h, mlp).split(mlp.sizes, dim=-1)
-    z = apply_linear(act(gate) * up, down)
-    return torch.sigmoid(g[0]) * z if g else z
-
-
 def _expert(s: StepShape, act, h: torch.Tensor, hb: torch.Tensor, stacks: tuple, e: torch.Tensor) -> torch.Tensor:
     """Expert ``e`` [1] of a layer's ``stacks`` on the gate input → [1, H] float32."""
     if s.int4_group is not None:
@@ -175,7 +168,7 @@ def step_graph(g: GraphConsts, s: StepShape, token: torch.Tensor, cos: torch.Ten
         x = x + apply_linear(out, lp.o_proj)
         h = rms_norm(x, lp.post_norm, s.eps)
         if lp.router is None:
-            x = x + _mlp(h, lp.mlp, lp.down, act)
+            x = x + mlp_forward(h, lp.mlp, lp.down, act)
             continue
         logits = F.linear(h if h.dtype == lp.router.dtype else h.to(lp.router.dtype), lp.router)
         weights, idx = route(cfg, logits, lp.correction_bias)
@@ -185,7 +178,7 @@ def step_graph(g: GraphConsts, s: StepShape, token: torch.Tensor, cos: torch.Ten
         for j in range(cfg.num_experts_per_tok):
             x = x + (_expert(s, act, h, hb, st, ids[j : j + 1]) * ws[j]).to(x.dtype)
         if lp.mlp is not None:
-            x = x + _mlp(h, lp.mlp, lp.down, act)
+            x = x + mlp_forward(h, lp.mlp, lp.down, act)
     x = rms_norm(x, g.norm, s.eps)
     return apply_linear(x, head), routing
 

@@ -17,7 +17,7 @@ from . import decode_step
 from .arch.base import ModelConfig
 from .dispatch import group_by_expert
 from .experts import ExpertProvider, InMemoryExpertProvider
-from .fused import Fused, LayerPlan, Weights, apply_linear, build_head, build_plan, rms_norm
+from .fused import Fused, LayerPlan, Weights, apply_linear, build_head, build_plan, mlp_forward, rms_norm
 from .kv_cache import KVCache
 from .rope import RotaryEmbedding, apply_rope, yarn_softmax_scale
 from .router import route
@@ -128,9 +128,7 @@ class MoETransformer:
         return why
 
     def _mlp(self, x: torch.Tensor, mlp: Fused, down: Fused) -> torch.Tensor:
-        gate, up, *gated = _split(apply_linear(x, mlp), mlp)
-        y = apply_linear(self.act(gate) * up, down)
-        return torch.sigmoid(gated[0]) * y if gated else y
+        return mlp_forward(x, mlp, down, self.act)
 
     def new_cache(self) -> KVCache:
         return KVCache(self.config.num_hidden_layers)
