@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from fate_edge.quant import QuantSpec
-from fate_edge.quant.linear import QuantizedLinear, choose_kernel
+from fate_edge.quant.linear import QuantizedLinear, candidate_kernels, choose_kernel
 
 from .checkpoint import CheckpointReader
 from .errors import MissingTensorError
@@ -80,10 +80,16 @@ class QuantizedExpert:
         return self.down.mm_bf16(F.silu(gate) * up)
 
     def fused(self) -> QuantizedExpert:
-        """This expert with gate and up as one torch-int4 matrix (one matmul fewer per call), when both are
-        torch-int4 on the CPU: the kernel's CPU layout keeps rows apart, so stacking packed rows and their
-        scales is the layout of the stacked matrix. Every part is copied, so a blob behind the views is freed."""
+        """This expert with gate and up as one matrix (one matmul fewer per call), when both are torch-int4 on the
+        CPU or both native-int4: each layout keeps rows apart, so stacking packed rows and their scales is the
+        layout of the stacked matrix. Every part is copied, so a blob behind the views is freed."""
         g, u = self.gate, self.up
+        if (self.gate_up is None and g.native is not None and u.native is not None and g.spec == u.spec
+                and self.down.native is not None):  # the portable layout keeps rows apart too
+            gate_up = QuantizedLinear.from_native(*(torch.cat([a, b]) for a, b in zip(g.native.parts, u.native.parts)),
+                                                  g.spec)
+            return QuantizedExpert(None, None, QuantizedLinear.from_native(*(t.clone() for t in self.down.native.parts),
+                                                                           g.spec), gate_up=gate_up)
         if self.gate_up is not None or not self.takes_bf16 or g.spec != u.spec or g.packed.device.type != "cpu":
             return self
         packed = torch.cat([g.packed, u.packed])
@@ -174,12 +180,12 @@ class InMemoryExpertProvider(ExpertProvider):
 
     @classmethod
     def from_layouts(cls, layouts: dict[int, ExpertLayout], num_experts: int, dtype: torch.dtype,
-                     device: str | torch.device = "cpu", spec: QuantSpec | None = None):
+                     device: str | torch.device = "cpu", spec: QuantSpec | None = None, kernel: str | None = None):
         """Every expert read into memory; with ``spec``, each quantized as it is read (the float experts are
-        never all in memory at once)."""
+        never all in memory at once), on ``kernel`` (None: the fastest here, timed per shape)."""
         def one(lay: ExpertLayout, e: int):
             w = lay.read(e, dtype).to(device)
-            return w if spec is None else quantize_expert(w, spec, device)
+            return w if spec is None else quantize_expert(w, spec, device, kernel)
 
         return cls({(layer, e): one(lay, e) for layer, lay in layouts.items() for e in range(num_experts)})
 
@@ -206,8 +212,13 @@ def quantize_expert(e: ExpertWeights, spec: QuantSpec, device: str | torch.devic
     ``kernel`` None: per matrix shape, the kernel timed fastest here at :data:`EXPERT_ROWS` rows."""
     gate_up = e.gate_up if e.gate_up is not None else torch.cat([e.gate, e.up])
     dev = torch.device(device)
-    gu, down = (QuantizedLinear.from_float(w, spec, device, kernel or choose_kernel(w, spec, dev, rows=EXPERT_ROWS))
-                for w in (gate_up, e.down))
+
+    def pick(w: torch.Tensor) -> str:  # a requested kernel that cannot take this shape: the fastest that can
+        if kernel == "dequant" or kernel in candidate_kernels(tuple(w.shape), spec, dev):
+            return kernel
+        return choose_kernel(w, spec, dev, rows=EXPERT_ROWS)
+
+    gu, down = (QuantizedLinear.from_float(w, spec, device, pick(w)) for w in (gate_up, e.down))
     return QuantizedExpert(None, None, down, gate_up=gu)
 
 

@@ -152,7 +152,9 @@ def load_model(
         if experts == "memory":
             # bits: resident and quantized in memory (round-to-nearest), each expert as it is read
             spec = expert_spec(config, bits) if bits is not None and bits < 16 else None
-            experts = InMemoryExpertProvider.from_layouts(layouts, config.num_experts, dtype, device, spec)
+            # the compiled decode graph calls torch's int4 kernel on stacked experts: give it those
+            kernel = "torch-int4" if compile != "off" and spec is not None and device == "cpu" else None
+            experts = InMemoryExpertProvider.from_layouts(layouts, config.num_experts, dtype, device, spec, kernel)
         elif experts == "lazy":
             experts = CheckpointExpertProvider(layouts, dtype, device)
         else:

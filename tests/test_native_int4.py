@@ -1,0 +1,154 @@
+"""fate-edge's own int4 kernel (``quant.native``): agreement with dequantize-then-matmul within the bound its int8
+activations allow, on both instruction-set paths; computing on stored bytes without a copy; fusing; falling back."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from fate_edge.quant import QuantSpec, dequantize, pack, quantize
+from fate_edge.quant.linear import QuantizedLinear, default_kernel
+from fate_edge.quant.native import native_status
+
+from fate_edge.experts import QuantizedExpert
+
+
+def _randn(shape, seed: int, std: float = 1.0) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * std
+
+
+def _bound(x: torch.Tensor, w_hat: torch.Tensor) -> torch.Tensor:
+    """|x @ w.T - xq @ w.T| per output, for x quantized to int8 per 32 values (step max|x| / 127, error <= half
+    a step): sum_k |w_k| * step_k / 2."""
+    step = x.view(x.shape[0], -1, 32).abs().amax(-1, keepdim=True).expand(-1, -1, 32).reshape(x.shape) / 127
+    return (step / 2) @ w_hat.abs().T
+
+
+def test_native_kernel_builds_here():
+    ok, why = native_status()
+    assert ok, why  # CI and development hosts have a C compiler and AVX2 (torch.compile needs the compiler too)
+
+
+@pytest.mark.parametrize("bits", [4, 3, 2])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
+def test_native_agrees_with_dequant_within_the_activation_bound(bits, group, m):
+    spec = QuantSpec(bits, group)
+    w = _randn((48, 384), bits * 100 + group, 0.05)
+    x = _randn((m, 384), m)
+    q = quantize(w, spec)
+    w_hat = dequantize(q, spec)
+    lin = QuantizedLinear.from_quantized(q, spec, kernel="native-int4")
+    assert lin.kernel == "native-int4"
+    y = lin(x)
+    assert y.shape == (m, 48) and y.dtype == torch.float32
+    assert torch.all((y - x @ w_hat.T).abs() <= 1.01 * _bound(x, w_hat) + 1e-5)
+
+
+def test_native_relative_error_on_an_expert_shape():
+    """Qwen1.5-MoE's expert down projection, 8 tokens: the int8 activations add ~0.5% of the output's RMS."""
+    spec = QuantSpec(4, 64)
+    q = quantize(_randn((2048, 1408), 1, 0.02), spec)
+    x = _randn((8, 1408), 2)
+    ref = x @ dequantize(q, spec).T
+    y = QuantizedLinear.from_quantized(q, spec, kernel="native-int4")(x)
+    assert (y - ref).pow(2).mean().sqrt() < 0.01 * ref.pow(2).mean().sqrt()
+
+
+def test_native_computes_on_the_stored_bytes():
+    """A portable-layout blob's codes, scale and zero are used in place: decoding an expert copies nothing."""
+    spec = QuantSpec(4, 64)
+    q = quantize(_randn((64, 256), 3, 0.05), spec)
+    codes = pack(q.codes, 4)
+    lin = QuantizedLinear.from_packed(codes, q.scale, q.zero, spec, kernel="native-int4")
+    assert lin.native.codes.data_ptr() == codes.data_ptr()
+    assert lin.native.scale.data_ptr() == q.scale.data_ptr()
+    x = _randn((2, 256), 4)
+    assert torch.equal(lin(x), QuantizedLinear.from_quantized(q, spec, kernel="native-int4")(x))
+
+
+def test_native_expert_fuses_gate_and_up():
+    spec = QuantSpec(4, 64)
+    gate, up, down = (QuantizedLinear.from_quantized(quantize(_randn(s, i, 0.05), spec), spec, kernel="native-int4")
+                      for i, s in enumerate([(128, 256), (128, 256), (256, 128)]))
+    e = QuantizedExpert(gate, up, down)
+    f = e.fused()
+    assert f.gate_up is not None and f.gate_up.kernel == "native-int4" and f.nbytes == e.nbytes
+    x = _randn((3, 256), 9)
+    torch.testing.assert_close(f(x), e(x), rtol=0, atol=1e-6)
+
+
+def test_native_threads_give_the_same_result():
+    spec = QuantSpec(4, 128)
+    lin = QuantizedLinear.from_quantized(quantize(_randn((200, 512), 5, 0.05), spec), spec, kernel="native-int4")
+    x = _randn((5, 512), 6)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = lin(x)
+        torch.set_num_threads(2)
+        two = lin(x)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)  # rows are split between threads, never a sum
+
+
+def _run(env: dict[str, str], code: str) -> str:
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_avx2_path_agrees_with_avx512():
+    code = """
+import torch
+from fate_edge.quant import QuantSpec, quantize
+from fate_edge.quant.linear import QuantizedLinear
+from fate_edge.quant.native import native_isa
+spec = QuantSpec(4, 64)
+g = torch.Generator().manual_seed(0)
+q = quantize(torch.randn(96, 640, generator=g) * 0.05, spec)
+y = QuantizedLinear.from_quantized(q, spec, kernel="native-int4")(torch.randn(6, 640, generator=g))
+print(native_isa(), *[f"{v:.6e}" for v in y.flatten().tolist()])
+"""
+    avx2 = _run({"FATE_EDGE_NATIVE": "avx2"}, code).split()
+    assert avx2[0] == "avx2"
+    best = _run({}, code).split()
+    if best[0] == "avx2":
+        pytest.skip("this CPU has no AVX512-VNNI: only the AVX2 path exists here")
+    a, b = (torch.tensor([float(v) for v in out[1:]]) for out in (avx2, best))
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # same integer sums; float order differs
+
+
+def test_disabled_native_falls_back_with_a_reason():
+    code = """
+from fate_edge.quant import QuantSpec
+from fate_edge.quant.linear import default_kernel
+from fate_edge.quant.native import native_status
+print(default_kernel((256, 2048), QuantSpec(4, 64), "cpu"), "|", native_status()[1])
+"""
+    kernel, reason = _run({"FATE_EDGE_NATIVE": "0"}, code).split(" | ")
+    assert kernel == "torch-int4" and "FATE_EDGE_NATIVE=0" in reason
+
+
+def test_default_kernel_for_stored_codes():
+    """On an AVX512-VNNI host stored int4 codes default to the native kernel, elsewhere to torch's."""
+    from fate_edge.quant.native import native_isa
+
+    want = "native-int4" if native_isa() == "avx512-vnni" else "torch-int4"
+    assert default_kernel((2048, 1408), QuantSpec(4, 64), "cpu") == want
+    assert default_kernel((2048, 1344), QuantSpec(4, 64), "cpu") != "native-int4"  # K not a multiple of 128
+
+
+def test_onnxruntime_is_not_a_candidate_where_native_takes_the_shape():
+    """ORT's sessions hold ~1.8x the int4 bytes (initializers and MLAS's prepacked copy): not worth it on a
+    memory-bound device where the native kernel, at 1x, takes the shape."""
+    from fate_edge.quant.linear import candidate_kernels
+
+    cpu = torch.device("cpu")
+    assert candidate_kernels((256, 1024), QuantSpec(4, 64), cpu) == ["torch-int4", "native-int4"]
+    assert "ort-int4" in candidate_kernels((256, 192), QuantSpec(4, 64), cpu)  # K % 128: native does not apply
