@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from fate_edge.quant import QuantSpec
-from fate_edge.quant.linear import int4_supported
+from fate_edge.quant.linear import default_kernel, int4_supported
 from fate_edge.quant.rtn import BLOCK_BYTES
 
 from .arch import load_config
@@ -52,7 +52,8 @@ class ConvertOptions:
     keep_bf16: bool = True  # also store bf16 experts (the full-precision / load-on-demand baseline)
     force: bool = False  # replace an existing store at the destination
     method: str = "rtn"  # "rtn" (Fate's round-to-nearest) or "hqq" (half-quadratic refinement): same format
-    layout: str = "auto"  # streamed copy: portable | cpu-int4 (decode is a view) | auto (cpu-int4 where it applies)
+    layout: str = "auto"  # streamed copy: portable | cpu-int4 (torch's kernel layout) | auto (portable where
+    # fate-edge's native int4 kernel is the default here, else cpu-int4 where torch's kernel takes the shapes)
     threads: int | None = None  # experts encoded in parallel (None: the CPU count, at most 8)
 
 
@@ -85,14 +86,18 @@ def _precisions(cfg, opts: ConvertOptions) -> list[Precision]:
     if opts.cold_bits is not None and opts.cold_bits != opts.bits:
         wanted.append((opts.cold_bits, QuantSpec(opts.cold_bits, opts.cold_group_size)))
     cpu = torch.device("cpu")
-    native = all(int4_supported(shape, hot, cpu) for shape in ((inter, h), (h, inter)))
+    shapes = ((inter, h), (h, inter))
+    native = all(int4_supported(shape, hot, cpu) for shape in shapes)
+    # auto: portable where fate-edge's own kernel is the default here (it computes on those bytes directly)
+    portable_wins = all(default_kernel(shape, hot, cpu) == "native-int4" for shape in shapes)
     if opts.layout == "cpu-int4" and not native:
         raise FateEdgeError(f"--layout cpu-int4 needs int2-4 bits and shapes torch's CPU int4 kernel takes; "
                             f"int{opts.bits} with expert {inter}x{h} does not fit: use --layout portable")
     out = []
     for bits, spec in wanted:
         # Only the streamed (hot) copy takes the kernel layout; cold copies stay small on the link.
-        layout = "cpu-int4" if bits == opts.bits and opts.layout != "portable" and native else "portable"
+        wants_kernel_layout = opts.layout == "cpu-int4" or (opts.layout == "auto" and not portable_wins)
+        layout = "cpu-int4" if bits == opts.bits and wants_kernel_layout and native else "portable"
         parts, nbytes = plan_parts(bits, spec, h, inter, layout)
         out.append(Precision(bits, f"experts-{bits}.bin", nbytes, parts, spec, layout))
     return out
