@@ -101,7 +101,7 @@ class QuantizedLinear:
     @classmethod
     def _native(cls, codes4: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, spec: QuantSpec,
                 shape: tuple[int, int]) -> QuantizedLinear:
-        if zero is None or not native_supports(shape, spec.group_size, spec.asymmetric):
+        if zero is None or spec.bits > 4 or not native_supports(shape, spec.group_size, spec.asymmetric):
             raise ValueError(f"native-int4 does not take a {shape[0]}x{shape[1]} matrix with {spec}")
         lin = NativeInt4(codes4, scale, zero, spec.group_size)
         return cls(spec, shape, "native-int4", lin.codes, native=lin)
@@ -222,8 +222,8 @@ def default_kernel(shape: tuple[int, int], spec: QuantSpec, device: torch.device
     """The kernel stored codes get without timing: native-int4 on AVX512-VNNI CPUs (measured ~1.9x torch-int4 at one
     row, ~1.3x at 8), else torch's int4 kernel where it takes the shape, else dequantize-then-matmul."""
     device = torch.device(device)
-    if device.type == "cpu" and native_isa() == "avx512-vnni" and native_supports(shape, spec.group_size,
-                                                                                   spec.asymmetric):
+    if (device.type == "cpu" and spec.bits <= 4 and native_isa() == "avx512-vnni"
+            and native_supports(shape, spec.group_size, spec.asymmetric)):
         return "native-int4"
     return "torch-int4" if int4_supported(shape, spec, device) else "dequant"
 

@@ -2,7 +2,9 @@
 
 Kernels: torch fp32 and bf16 dense, torch int8 ``_weight_int8pack_mm`` (per-channel scales, bf16
 activations), torch int4 ``_weight_int4pack_mm_for_cpu`` (through ``quant.linear.QuantizedLinear``, bf16
-activations, group 64), onnxruntime ``MatMulNBits`` 4-bit (``quant.ort``: group 64, integer zero points,
+activations, group 64), fate-edge's own int4 kernel (``quant.native``: int8 activations per 32 values, int8 dot
+products on the portable layout; only where K is a multiple of 128), onnxruntime ``MatMulNBits`` 4-bit
+(``quant.ort``: group 64, integer zero points,
 accuracy_level 4: int8 activations inside the kernel), and the dequantize-then-matmul
 fallback (``QuantizedLinear`` kernel ``dequant``, fp32, dequantizing on every call as the fallback does).
 Shapes ``N x K`` (W is [N, K]): the bundled model's expert matrices 128x192 (gate/up) and 192x128 (down),
@@ -29,13 +31,14 @@ import torch
 import torch.nn.functional as F
 from fate_edge.quant import QuantSpec, quantize
 from fate_edge.quant.linear import KERNEL_CHOICES, QuantizedLinear, choose_kernel
+from fate_edge.quant.native import native_isa, native_status, native_supports
 from fate_edge.quant.ort import OrtMatMul, int_zero_quantize, ort_available
 
 from fate_edge.report import publish
 
 SHAPES = [(128, 192), (192, 128), (1408, 2048), (2048, 1408)]
 GROUP = 64
-KERNELS = ["fp32", "bf16", "int8", "int4-torch", "int4-ort", "dequant-int4"]
+KERNELS = ["fp32", "bf16", "int8", "int4-torch", "int4-native", "int4-ort", "dequant-int4"]
 
 
 
@@ -75,6 +78,10 @@ def build_kernels(w: torch.Tensor, threads: int) -> tuple[dict[str, Callable[[to
         "int4-torch": lin4,
         "dequant-int4": deq4,
     }
+    if native_supports(tuple(w.shape), GROUP, True):
+        kernels["int4-native"] = QuantizedLinear.from_quantized(q4, spec4, kernel="native-int4")
+    else:
+        notes["int4-native"] = f"skipped: {native_status()[1]}" if not native_status()[0] else "K % 128 != 0"
     if ort_available():
         kernels["int4-ort"] = OrtMatMul(w32, spec4, threads)
     else:
@@ -152,7 +159,7 @@ def main() -> None:
     choices = kernel_choices(shapes)
     result = {
         "runs": args.runs, "threads": args.threads, "group_size": GROUP, "torch": torch.__version__,
-        "onnxruntime": ort_version, "ort_layout_max_rel_error": ort_error,
+        "onnxruntime": ort_version, "ort_layout_max_rel_error": ort_error, "native": native_isa() or native_status()[1],
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads max used",
         "load_average": os.getloadavg(), "rows": rows, "quant_linear_choice": choices,
     }
@@ -164,7 +171,8 @@ def render(result: dict) -> str:
     lines = [
         f"µs per matmul `x[M,K] @ W[N,K].T`, median of {result['runs']} samples (torch {result['torch']}, "
         f"onnxruntime {result['onnxruntime']}; group {result['group_size']}; `scripts/bench_kernels.py`).",
-        "int8/int4-torch take bf16 activations; int4-ort is `MatMulNBits` with accuracy_level 4; dequant-int4 "
+        "int8/int4-torch take bf16 activations; int4-native is fate-edge's own kernel (" + str(result.get("native"))
+        + "; int8 activations); int4-ort is `MatMulNBits` with accuracy_level 4; dequant-int4 "
         "unpacks and dequantizes on every call, then an fp32 matmul. Load average during the run: "
         + ", ".join(f"{v:.1f}" for v in result["load_average"]) + " on a shared host (2 threads suffer most).",
         "",
@@ -182,7 +190,7 @@ def render(result: dict) -> str:
         lines.append(f"| {r['threads']} | {r['shape']} | {r['tokens']} | " + " | ".join(cells)
                      + f" | {r['fastest']} | {r['fastest_4bit']} | {picked} |")
     choice = result["quant_linear_choice"]
-    picked_name = {"torch-int4": "int4-torch", "dequant": "dequant-int4"}
+    picked_name = {"torch-int4": "int4-torch", "native-int4": "int4-native", "dequant": "dequant-int4"}
     slower = []
     one = min(r["threads"] for r in result["rows"])
     for r in result["rows"]:

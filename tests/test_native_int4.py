@@ -142,6 +142,8 @@ def test_default_kernel_for_stored_codes():
     want = "native-int4" if native_isa() == "avx512-vnni" else "torch-int4"
     assert default_kernel((2048, 1408), QuantSpec(4, 64), "cpu") == want
     assert default_kernel((2048, 1344), QuantSpec(4, 64), "cpu") != "native-int4"  # K not a multiple of 128
+    assert default_kernel((2048, 1408), QuantSpec(8, 64), "cpu") != "native-int4"  # 8-bit codes: not 4-bit slots
+    assert default_kernel((2048, 1408), QuantSpec(2, 64), "cpu") == want  # int2 codes fit the 4-bit slots
 
 
 def test_onnxruntime_is_not_a_candidate_where_native_takes_the_shape():
