@@ -6,6 +6,8 @@ import hashlib
 import os
 from pathlib import Path
 
+from fate_edge.quant.native import native_isa
+
 from .convert import ConvertOptions, convert
 from .store import is_store
 
@@ -26,7 +28,9 @@ def ensure_store(model_dir: str | Path, bits: int = 4, cold_bits: int | None = 2
     for f in sorted([*model_dir.glob("*.safetensors"), *model_dir.glob("predictors/*")]):
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    h.update(f"{bits}/{cold_bits}".encode())
+    # convert's auto layout depends on the kernel this host prefers: a store made for the other one still works,
+    # but would compute on the slower kernel, so each preference keeps its own
+    h.update(f"{bits}/{cold_bits}/{'native' if native_isa() == 'avx512-vnni' else 'torch'}".encode())
     out = cache_root() / f"{model_dir.name}-int{bits}-{h.hexdigest()[:12]}"
     if not is_store(out):
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -154,3 +154,47 @@ def test_onnxruntime_is_not_a_candidate_where_native_takes_the_shape():
     cpu = torch.device("cpu")
     assert candidate_kernels((256, 1024), QuantSpec(4, 64), cpu) == ["torch-int4", "native-int4"]
     assert "ort-int4" in candidate_kernels((256, 192), QuantSpec(4, 64), cpu)  # K % 128: native does not apply
+
+
+def _native_shaped_model(out):
+    """A 2-layer Qwen2-MoE checkpoint whose expert matrices the native kernel takes (hidden and expert width 128)."""
+    from _tiny_moe import build_tokenizer
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    cfg = Qwen2MoeConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=128, shared_expert_intermediate_size=128,
+                         max_position_embeddings=128, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    Qwen2MoeForCausalLM(cfg).save_pretrained(out)
+    build_tokenizer(out)
+    return out
+
+
+def test_streamed_experts_compute_on_the_native_kernel(tmp_path, monkeypatch):
+    """convert's auto layout is portable where native is the default; the engine's streamed experts then run on
+    it straight from their blobs, and the logits stay within int8-activation error of torch's kernel's."""
+    from fate_edge.quant.native import native_isa
+
+    from fate_edge import Engine
+    from fate_edge.store import ExpertStore
+    from fate_edge.store_cache import ensure_store
+
+    model = _native_shaped_model(tmp_path / "m")
+    monkeypatch.setenv("FATE_EDGE_CACHE", str(tmp_path / "cache"))
+    native = ensure_store(model, cold_bits=None, progress=False)
+    want = "portable" if native_isa() == "avx512-vnni" else "cpu-int4"
+    assert ExpertStore(native).precisions[4].layout == want
+    ids = torch.tensor([[3, 17, 99, 5, 250, 8, 61, 7]])
+    with Engine(native, memory_budget="64MB", policy="lru") as eng:
+        expert = eng.model.experts.get(1, 2)
+        assert expert.kernel == ("native-int4" if want == "portable" else "torch-int4")
+        logits = eng.model(ids, eng.model.new_cache())
+    monkeypatch.setattr("fate_edge.store_cache.native_isa", lambda: None)
+    monkeypatch.setattr("fate_edge.quant.linear.native_isa", lambda: None)
+    other = ensure_store(model, cold_bits=None, progress=False)
+    assert other != native and ExpertStore(other).precisions[4].layout == "cpu-int4"
+    with Engine(other, memory_budget="64MB", policy="lru") as eng:
+        assert eng.model.experts.get(1, 2).kernel == "torch-int4"
+        ref = eng.model(ids, eng.model.new_cache())
+    assert (logits - ref).pow(2).mean().sqrt() < 0.02 * ref.pow(2).mean().sqrt()
