@@ -58,8 +58,8 @@ static void prepare(const float *x, int M, int K, int g, int chunk, prepared *p)
             int8_t *even = qm + c0 + r0 / 2, *odd = qm + c0 + half + r0 / 2;
             int qsum = 0;
             for (int i = 0; i < XG / 2; i++) {
-                even[i] = (int8_t)nearbyintf(xb[2 * i] * inv);
-                odd[i] = (int8_t)nearbyintf(xb[2 * i + 1] * inv);
+                even[i] = (int8_t)lrintf(xb[2 * i] * inv); /* lrintf: inlined, unlike nearbyintf; same rounding */
+                odd[i] = (int8_t)lrintf(xb[2 * i + 1] * inv);
                 qsum += even[i] + odd[i];
             }
             for (int l = 0; l < XG / 8; l++) sx[b * (XG / 8) + l] = s;
@@ -79,6 +79,31 @@ T512 static void halves_512(const uint16_t *h, int count, float *out) {
     for (int j = 0; j < count; j += 16) {
         __mmask16 k = count - j >= 16 ? 0xffff : (__mmask16)((1u << (count - j)) - 1);
         _mm512_storeu_ps(out + j, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, h + j)));
+    }
+}
+
+/* prepare() for AVX-512 hosts: the same numbers (cvtps rounds to nearest even, as nearbyintf does), 16 at a time. */
+T512 static void prepare_512(const float *x, int M, int K, int g, prepared *p) {
+    const int lanes = K / 8, padded = (K / g + 15) & ~15;
+    const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    for (int m = 0; m < M; m++) {
+        const float *xm = x + (size_t)m * K;
+        int8_t *qm = p->q + (size_t)m * K;
+        float *sx = p->lane_sx + (size_t)m * lanes, *gs = p->gsum + (size_t)m * padded;
+        for (int b = 0; b < K / XG; b++) {
+            __m512 a = _mm512_loadu_ps(xm + b * XG), c = _mm512_loadu_ps(xm + b * XG + 16);
+            float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+            float s = amax / 127.f, inv = s > 0.f ? 1.f / s : 0.f;
+            __m512 vi = _mm512_set1_ps(inv);
+            __m512i qe = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_permutex2var_ps(a, ev, c), vi));
+            __m512i qo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_permutex2var_ps(a, od, c), vi));
+            int k0 = b * XG, c0 = k0 & ~127, r0 = k0 & 127;
+            _mm_storeu_si128((__m128i *)(qm + c0 + r0 / 2), _mm512_cvtsepi32_epi8(qe));
+            _mm_storeu_si128((__m128i *)(qm + c0 + 64 + r0 / 2), _mm512_cvtsepi32_epi8(qo));
+            _mm_storeu_ps(sx + b * (XG / 8), _mm_set1_ps(s));
+            gs[k0 / g] += s * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qe, qo));
+        }
     }
 }
 
@@ -233,7 +258,10 @@ int fe_int4_gemm(const uint8_t *codes, const uint16_t *scale, const uint16_t *ze
         free(p.q); free(p.lane_sx); free(p.gsum);
         return -1;
     }
-    prepare(x, M, K, g, chunk, &p);
+    if (isa == 2)
+        prepare_512(x, M, K, g, &p);
+    else
+        prepare(x, M, K, g, chunk, &p);
     const int block = BLOCK;
     int tasks = (N + block - 1) / block;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && tasks > 1)
