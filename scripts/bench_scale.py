@@ -168,6 +168,7 @@ def main() -> None:
                          "convert figures the table keeps")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds one run may take (then: an error row)")
     ap.add_argument("--readme", type=Path, default=None, help="also write the table between the scale markers")
+    ap.add_argument("--mark", default="scale", help="README block to write (e.g. scale-2t for a 2-thread run)")
     args = ap.parse_args()
     cfg = ScaleConfig(args.model, args.store, [int(float(b) * GB) for b in args.budgets.split(",") if b],
                       not args.no_convert, int(args.convert_limit_gb * GB),
@@ -185,7 +186,7 @@ def main() -> None:
         result.update({k: earlier[k] for k in ("convert", "disk", "encoder") if k in earlier})
     text = table(result)
     (args.out / "scale.md").write_text(text + "\n")
-    publish(result, args.out / "scale.json", text, args.readme, "scale")
+    publish(result, args.out / "scale.json", text, args.readme, args.mark)
 
 
 if __name__ == "__main__":
