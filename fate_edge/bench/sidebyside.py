@@ -62,8 +62,9 @@ REAL_RESIDENT = [
     Side("llama.cpp q4_0", "llama.cpp", "q4_0", "q4_0", _Q4_MIX),
 ]
 REAL_LIMITED = [
-    Side("fate-edge int4, expert budget", "fate-edge", "int4", "int4, streamed from disk into the budget", "bf16",
-         "limited", dtype="bf16"),
+    # like with like: llama.cpp's mix quantizes attention and the output matrix too
+    Side("fate-edge int4, expert budget", "fate-edge", "int4", "int4, streamed from disk into the budget",
+         "int4 (embeddings bf16)", "limited", dtype="bf16", resident_bits=4),
     Side("llama.cpp q4_0, mmap under cap", "llama.cpp", "q4_0", "q4_0, memory-mapped", _Q4_MIX, "limited"),
 ]
 REAL_PAIRS = [("fate-edge bf16", "llama.cpp bf16"), ("fate-edge int4, bf16 rest", "llama.cpp q4_0"),
