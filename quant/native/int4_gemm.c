@@ -212,26 +212,27 @@ T256 static inline __attribute__((always_inline)) void tile_256(const uint8_t *w
 
 T256 static void rows_256(const uint8_t *codes, const uint16_t *scale, const uint16_t *zero, int n0, int n1, int N,
                           int K, int g, const prepared *p, int M, float *y) {
-    const int groups = K / g, padded = (groups + 15) & ~15;
-    float sw[K / 32 + 32], zw[K / 32 + 32], out[MT];
+    const int groups = K / g, padded = (groups + 15) & ~15, stride = K / 32 + 32;
+    float sw[BLOCK * stride], zw[BLOCK * stride], out[MT];
     for (int n = n0; n < n1; n++) {
-        halves_256(scale + (size_t)n * groups, groups, sw);
-        halves_256(zero + (size_t)n * groups, groups, zw);
-        const uint8_t *wr = codes + (size_t)n * (K / 2);
-        int m0 = 0;
-        for (; m0 + MT <= M; m0 += MT) {
-            tile_256(wr, sw, K / 64, g, p, m0, MT, K, out);
-            for (int i = 0; i < MT; i++)
-                y[(size_t)(m0 + i) * N + n] = out[i] + dot_256(zw, p->gsum + (size_t)(m0 + i) * padded, padded);
+        halves_256(scale + (size_t)n * groups, groups, sw + (n - n0) * stride);
+        halves_256(zero + (size_t)n * groups, groups, zw + (n - n0) * stride);
+    }
+    for (int m0 = 0; m0 < M; m0 += MT) { /* as rows_512: an x tile against every row of the block, in L1 */
+        int mt = M - m0 < MT ? M - m0 : MT;
+        for (int n = n0; n < n1; n++) {
+            const uint8_t *wr = codes + (size_t)n * (K / 2);
+            const float *s = sw + (n - n0) * stride;
+            switch (mt) {
+            case 4: tile_256(wr, s, K / 64, g, p, m0, 4, K, out); break;
+            case 3: tile_256(wr, s, K / 64, g, p, m0, 3, K, out); break;
+            case 2: tile_256(wr, s, K / 64, g, p, m0, 2, K, out); break;
+            default: tile_256(wr, s, K / 64, g, p, m0, 1, K, out); break;
+            }
+            for (int i = 0; i < mt; i++)
+                y[(size_t)(m0 + i) * N + n] =
+                    out[i] + dot_256(zw + (n - n0) * stride, p->gsum + (size_t)(m0 + i) * padded, padded);
         }
-        switch (M - m0) {
-        case 3: tile_256(wr, sw, K / 64, g, p, m0, 3, K, out); break;
-        case 2: tile_256(wr, sw, K / 64, g, p, m0, 2, K, out); break;
-        case 1: tile_256(wr, sw, K / 64, g, p, m0, 1, K, out); break;
-        default: break;
-        }
-        for (int i = 0; m0 + i < M; i++)
-            y[(size_t)(m0 + i) * N + n] = out[i] + dot_256(zw, p->gsum + (size_t)(m0 + i) * padded, padded);
     }
 }
 
