@@ -94,12 +94,14 @@ def simulate(
     num_layers: int,
     warm: dict[int, list[int]] | None = None,
     max_inflight: int | None = None,
+    popularity: dict[int, list[int]] | None = None,
 ) -> SimResult:
     """``expert_ids``: MoE layer → [N, k] true experts; ``predictions``: (source, target) → [N, E] scores
     (None: no prefetch). ``costs``: a :class:`HostCosts`, or just the per-layer compute seconds (reads then
     cost only link time). ``warm``: experts per layer the prompt's prefill loaded, in load order; they fill
     the cache first, untimed, as the engine's prefill leaves it. ``max_inflight``: at most this many prefetches
-    in flight (the engine's read buffers beyond the two kept for demand reads). Returns totals over the N
+    in flight (the engine's read buffers beyond the two kept for demand reads). ``popularity``: the calibration
+    counts the engine seeds its cache policy with (``Engine.popularity``). Returns totals over the N
     tokens. What to prefetch is prefetch_choice.py's decision, the scheduler's own."""
     if not isinstance(costs, HostCosts):
         costs = HostCosts(float(costs))
@@ -113,7 +115,7 @@ def simulate(
     # Belady's future: every call in order, the prompt's (the warm fill) first, as the engine's trace has it.
     future = [(layer, warm[layer]) for layer in layers if layer in warm] if warm else []
     future += [(layer, sorted(expert_ids[layer][t].tolist())) for t in range(n) for layer in layers]
-    cache = build_cache(policy, cache_bytes, expert_bytes, layers, num_experts, future)
+    cache = build_cache(policy, cache_bytes, expert_bytes, layers, num_experts, future, popularity, top_k=k)
     oracle = policy.predictor == "oracle"
     if oracle:  # clairvoyant: the true experts themselves, as the engine's OraclePredictor replays them
         predictions = truth_scores(expert_ids, layers, policy.lookahead, num_experts)

@@ -232,4 +232,8 @@ def make_eviction(name: str, capacity_entries: int = 1, **kw) -> EvictionPolicy:
         from .belady import Belady  # its own module: it imports this one's base class
 
         return Belady(**kw)
-    raise ValueError(f"unknown eviction policy '{name}' (lru, lfu, arc, popularity, lcu, belady)")
+    if name == "next-use":
+        from .next_use import NextUse  # its own module: it imports this one's base class
+
+        return NextUse(**kw)
+    raise ValueError(f"unknown eviction policy '{name}' (lru, lfu, arc, popularity, lcu, belady, next-use)")
