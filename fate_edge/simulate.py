@@ -171,7 +171,7 @@ def simulate(
         for li, layer in enumerate(layers):
             info = AccessInfo(layer_now=layer, num_layers=num_layers)
             stall, used, demands, consumed = 0.0, [], 0, 0
-            for e in sorted(expert_ids[layer][t].tolist()):
+            for e in sorted(expert_ids[layer][t].tolist(), key=lambda e, layer=layer: (not cached((layer, e)), e)):
                 key = (layer, e)
                 if cache is not None and key in cache:
                     r.hits += 1

@@ -38,6 +38,11 @@ class EvictionPolicy:
     def victim(self, candidates: Sequence[Key], incoming: Key | None = None) -> Key:
         raise NotImplementedError
 
+    def admit(self, incoming: Key, victim: Key) -> bool:
+        """Whether ``incoming`` is worth evicting ``victim`` for; False leaves the cache as it is (the expert serves
+        this use from its read buffer only). Only policies that can compare the two bypass."""
+        return True
+
     def new_sequence(self) -> None:
         """A new request starts (policies with per-sequence statistics reset them)."""
 

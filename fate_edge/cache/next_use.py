@@ -35,6 +35,9 @@ class NextUseConfig:
     prior_tokens: float = 8.0  # the calibration share counts as this many tokens of evidence
     transition_prior: float = 1.0  # pseudo-counts of each transition row at the expert's p_token
     top_k: int = 2  # experts per token per layer (turns a calibration share into a per-token rate)
+    # Decline to cache a miss expected back later than the victim (at most one per layer call: the budget holds
+    # one expert being computed outside the cache).
+    bypass: bool = True
 
 
 class NextUse(EvictionPolicy):
@@ -62,6 +65,8 @@ class NextUse(EvictionPolicy):
         self.before: dict[int, set[int]] = {}  # layer → experts of the call before its latest
         self.trans: dict[int, dict[int, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
         self.rows: dict[int, dict[int, float]] = defaultdict(dict)  # layer → a → calls of a followed by a call
+        self.call = 0  # layer calls seen (numbers the current one)
+        self.bypassed_in = -1  # the call in which an insert was last declined
 
     def on_access(self, key: Key, hit: bool, info: AccessInfo) -> None:
         layer, e = key
@@ -71,6 +76,7 @@ class NextUse(EvictionPolicy):
         if info.layer_now != self.last_layer or call is None or e in call:  # the layer's next call starts
             self._learn(layer, call)
             call = self.latest[layer] = set()
+            self.call += 1
         call.add(e)
         self.last_layer = self.layer_now = info.layer_now
         self.num_layers = max(1, info.num_layers)
@@ -107,7 +113,7 @@ class NextUse(EvictionPolicy):
 
     def p_next(self, key: Key) -> float:
         layer, e = key
-        src = self.latest.get(layer)
+        src = self.latest.get(layer)  # the layer's latest call (the one being served: its experts so far)
         p = self.p_token(key)
         if not src:
             return min(1.0, p)
@@ -123,6 +129,12 @@ class NextUse(EvictionPolicy):
 
     def victim(self, candidates: Sequence[Key], incoming: Key | None = None) -> Key:
         return max(candidates, key=lambda k: (self.next_use(k), k))
+
+    def admit(self, incoming: Key, victim: Key) -> bool:
+        if not self.cfg.bypass or self.bypassed_in == self.call or self.next_use(incoming) <= self.next_use(victim):
+            return True
+        self.bypassed_in = self.call
+        return False
 
 
 def seed_shares(popularity: dict[int, Sequence[int]]) -> dict[Key, float]:
