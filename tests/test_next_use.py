@@ -27,8 +27,11 @@ def _tokens(policy: NextUse, cache: ExpertCache | None, calls: list[list[list[in
             for e in experts:
                 key = (layer, e)
                 hit = cache is not None and key in cache
-                (cache.access(key, hit, info) if cache is not None else policy.on_access(key, hit, info))
-                if cache is not None and not hit:
+                if cache is None:
+                    policy.on_access(key, hit, info)
+                    continue
+                cache.access(key, hit, info)
+                if not hit:
                     cache.insert(key, object(), 1, 4)
 
 
