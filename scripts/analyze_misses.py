@@ -42,7 +42,7 @@ from fate_edge.store import ExpertStore
 from fate_edge.tokenizer import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sweep_device_presets import sim  # noqa: E402
+from sweep_device_presets import bench_store, sim  # noqa: E402
 
 MODULES = ("json.decoder", "argparse", "textwrap", "csv", "heapq", "string")  # prompt sources: stdlib, offline
 EVICTIONS = ("lru", "lfu", "lcu", "arc", "popularity", "next-use")
@@ -147,11 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    if args.store is None:
-        from fate_edge.bench.config import BenchConfig
-        from fate_edge.bench.prepare import prepare_model
-        args.store = str(prepare_model(BenchConfig())[0])
-    st = ExpertStore(args.store)
+    st = bench_store(args.store)
+    args.store = str(st.path)
     if args.traces and Path(args.traces).exists():
         traces = pickle.loads(Path(args.traces).read_bytes())
     else:

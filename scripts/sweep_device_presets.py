@@ -48,6 +48,15 @@ def sim(trace, policy: PolicyConfig, budget: int, store: ExpertStore, link, cost
                     popularity=store_popularity(store.path))
 
 
+def bench_store(path: str | None) -> ExpertStore:
+    """The store at ``path``, or the bench's inflated bundled model (built on first use)."""
+    if path is None:
+        from fate_edge.bench.config import BenchConfig
+        from fate_edge.bench.prepare import prepare_model
+        path = str(prepare_model(BenchConfig())[0])
+    return ExpertStore(path)
+
+
 def label(p: PolicyConfig) -> str:
     if p.predictor is None:
         return f"{p.allocation}/{p.eviction}/no-prefetch"
@@ -99,11 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    if args.store is None:
-        from fate_edge.bench.config import BenchConfig
-        from fate_edge.bench.prepare import prepare_model
-        args.store = str(prepare_model(BenchConfig())[0])
-    store = ExpertStore(args.store)
+    store = bench_store(args.store)
+    args.store = str(store.path)
     total = store.expert_bytes(4) * len(store.index["moe_layers"]) * store.index["num_experts"]
     ids = sample_token_ids(Tokenizer(args.store))[:64]
     if args.trace and Path(args.trace).exists():
