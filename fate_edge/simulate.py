@@ -4,7 +4,8 @@ Used by the planner to rank configurations before running them. Each trace row i
 passing through every MoE layer in order. Time model (MoE-Lightning's view of batch-1 decode: bound
 by the link, plus what each read costs the host's CPU):
 
-- per layer, compute takes ``layer_compute_s`` (+ ``predict_s`` when a predictor runs);
+- per layer, compute takes ``layer_compute_s`` (+ ``predict_s`` when a predictor runs); a call's cached experts
+  are used first, then its misses (as the engine's scheduler does: what the cache policy sees, in that order);
 - a demand read stalls compute for max(link transfer, reader CPU), then the main thread spends
   ``consume_s`` turning the blob into a callable expert;
 - prefetches issued at layer i travel while layer i computes and are on time if they arrive before
