@@ -168,6 +168,12 @@ def load_popularity(path: str | Path) -> dict[int, list[int]]:
     return {int(layer): counts for layer, counts in data["layers"].items()}
 
 
+def store_popularity(store_dir: str | Path) -> dict[int, list[int]] | None:
+    """The calibration counts an expert store carries (``predictors/popularity.json``), or None."""
+    path = Path(store_dir) / "predictors" / "popularity.json"
+    return load_popularity(path) if path.exists() else None
+
+
 # ------------------------------------------------------------------------------------------------ report
 def rows_json(name: str, results: list[Any]) -> list[dict[str, Any]]:
     return [{"predictor": name, "source": a.source, "target": a.target, "distance": a.distance, "tokens": a.tokens,

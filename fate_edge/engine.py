@@ -231,18 +231,15 @@ class Engine:
     @property
     def popularity(self) -> dict[int, list[int]] | None:
         """Calibration expert counts per layer (``fate-edge calibrate``), if the store carries them."""
-        path = self.store.path / "predictors" / "popularity.json"
-        if not path.exists():
-            return None
-        from .calibrate import load_popularity
+        from .calibrate import store_popularity
 
-        return load_popularity(path)
+        return store_popularity(self.store.path)
 
     def _make_cache(self) -> ExpertCache | None:
         cfg = self.model.config
         future = self.trace.calls if self.trace else None  # Belady follows the recorded run call by call
         return build_cache(self.policy, self.plan.cache_bytes, self.plan.entry_bytes, cfg.moe_layers,
-                           cfg.num_experts, future, self.popularity, self.resident)
+                           cfg.num_experts, future, self.popularity, self.resident, cfg.num_experts_per_tok)
 
     def _make_predictor(self):
         name = self.policy.predictor

@@ -12,7 +12,7 @@ from .errors import PolicyError
 
 # The values each field accepts (the cache, scheduler and engine dispatch on these names).
 ALLOCATIONS = ("uniform", "shallow", "cost-aware", "global")
-EVICTIONS = ("lru", "lfu", "arc", "popularity", "lcu", "belady")
+EVICTIONS = ("lru", "lfu", "arc", "popularity", "lcu", "belady", "next-use")
 PREDICTORS = (None, "cross-layer", "cross-layer-norm", "learned", "learned-onnx", "best-available",
               "activation-path", "oracle")
 PREFETCH_WIDTHS = ("fate", "mass")  # or an int >= 0
@@ -25,7 +25,7 @@ class PolicyConfig:
     name: str
     cache: bool = True  # False: load-on-demand, nothing kept beyond the layer being computed
     allocation: str = "uniform"  # uniform | shallow (Fate) | cost-aware | global (one partition)
-    eviction: str = "lru"  # lru | lfu | arc | popularity | lcu | belady
+    eviction: str = "lru"  # lru | lfu | arc | popularity | lcu | belady | next-use (cache/next_use.py)
     # None | cross-layer | cross-layer-norm | learned | learned-onnx | best-available | activation-path | oracle
     predictor: str | None = None
     lookahead: int = 1  # MoE layers ahead to prefetch

@@ -4,7 +4,8 @@ Used by the planner to rank configurations before running them. Each trace row i
 passing through every MoE layer in order. Time model (MoE-Lightning's view of batch-1 decode: bound
 by the link, plus what each read costs the host's CPU):
 
-- per layer, compute takes ``layer_compute_s`` (+ ``predict_s`` when a predictor runs);
+- per layer, compute takes ``layer_compute_s`` (+ ``predict_s`` when a predictor runs); a call's cached experts
+  are used first, then its misses (as the engine's scheduler does: what the cache policy sees, in that order);
 - a demand read stalls compute for max(link transfer, reader CPU), then the main thread spends
   ``consume_s`` turning the blob into a callable expert;
 - prefetches issued at layer i travel while layer i computes and are on time if they arrive before
@@ -94,12 +95,14 @@ def simulate(
     num_layers: int,
     warm: dict[int, list[int]] | None = None,
     max_inflight: int | None = None,
+    popularity: dict[int, list[int]] | None = None,
 ) -> SimResult:
     """``expert_ids``: MoE layer → [N, k] true experts; ``predictions``: (source, target) → [N, E] scores
     (None: no prefetch). ``costs``: a :class:`HostCosts`, or just the per-layer compute seconds (reads then
     cost only link time). ``warm``: experts per layer the prompt's prefill loaded, in load order; they fill
     the cache first, untimed, as the engine's prefill leaves it. ``max_inflight``: at most this many prefetches
-    in flight (the engine's read buffers beyond the two kept for demand reads). Returns totals over the N
+    in flight (the engine's read buffers beyond the two kept for demand reads). ``popularity``: the calibration
+    counts the engine seeds its cache policy with (``Engine.popularity``). Returns totals over the N
     tokens. What to prefetch is prefetch_choice.py's decision, the scheduler's own."""
     if not isinstance(costs, HostCosts):
         costs = HostCosts(float(costs))
@@ -113,7 +116,7 @@ def simulate(
     # Belady's future: every call in order, the prompt's (the warm fill) first, as the engine's trace has it.
     future = [(layer, warm[layer]) for layer in layers if layer in warm] if warm else []
     future += [(layer, sorted(expert_ids[layer][t].tolist())) for t in range(n) for layer in layers]
-    cache = build_cache(policy, cache_bytes, expert_bytes, layers, num_experts, future)
+    cache = build_cache(policy, cache_bytes, expert_bytes, layers, num_experts, future, popularity, top_k=k)
     oracle = policy.predictor == "oracle"
     if oracle:  # clairvoyant: the true experts themselves, as the engine's OraclePredictor replays them
         predictions = truth_scores(expert_ids, layers, policy.lookahead, num_experts)
@@ -169,7 +172,7 @@ def simulate(
         for li, layer in enumerate(layers):
             info = AccessInfo(layer_now=layer, num_layers=num_layers)
             stall, used, demands, consumed = 0.0, [], 0, 0
-            for e in sorted(expert_ids[layer][t].tolist()):
+            for e in sorted(expert_ids[layer][t].tolist(), key=lambda e, layer=layer: (not cached((layer, e)), e)):
                 key = (layer, e)
                 if cache is not None and key in cache:
                     r.hits += 1

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from fate_edge.budget import plan_budget
+from fate_edge.calibrate import store_popularity
 from fate_edge.emulation import DEVICES, calibrate, store_side
 from fate_edge.planner import measure_host_costs, sample_token_ids
 from fate_edge.policy import PRESETS, PolicyConfig
@@ -30,7 +31,7 @@ from fate_edge.simulate import scale_costs, simulate
 from fate_edge.store import ExpertStore
 from fate_edge.tokenizer import Tokenizer
 
-EVICTIONS = ("lru", "lfu", "arc", "lcu", "popularity")
+EVICTIONS = ("lru", "lfu", "arc", "lcu", "popularity", "next-use")
 ALLOCATIONS = ("uniform", "shallow", "cost-aware", "global")
 PREDICTORS = ("cross-layer", "cross-layer-norm", "learned")
 LOOKAHEADS = (1, 2, 3)
@@ -43,7 +44,17 @@ def sim(trace, policy: PolicyConfig, budget: int, store: ExpertStore, link, cost
     preds = trace.predictions.get(policy.predictor) if policy.predictor else None
     inflight = bp.pool_buffers - bp.demand_buffers if policy.predictor else None
     return simulate(trace.expert_ids, preds, policy, bp.cache_bytes, store.expert_bytes(bits), link, costs,
-                    trace.num_experts, trace.num_layers, warm=trace.warm, max_inflight=inflight)
+                    trace.num_experts, trace.num_layers, warm=trace.warm, max_inflight=inflight,
+                    popularity=store_popularity(store.path))
+
+
+def bench_store(path: str | None) -> ExpertStore:
+    """The store at ``path``, or the bench's inflated bundled model (built on first use)."""
+    if path is None:
+        from fate_edge.bench.config import BenchConfig
+        from fate_edge.bench.prepare import prepare_model
+        path = str(prepare_model(BenchConfig())[0])
+    return ExpertStore(path)
 
 
 def label(p: PolicyConfig) -> str:
@@ -97,11 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    if args.store is None:
-        from fate_edge.bench.config import BenchConfig
-        from fate_edge.bench.prepare import prepare_model
-        args.store = str(prepare_model(BenchConfig())[0])
-    store = ExpertStore(args.store)
+    store = bench_store(args.store)
+    args.store = str(store.path)
     total = store.expert_bytes(4) * len(store.index["moe_layers"]) * store.index["num_experts"]
     ids = sample_token_ids(Tokenizer(args.store))[:64]
     if args.trace and Path(args.trace).exists():

@@ -42,8 +42,10 @@ MARK = "device-presets"
 def policies(device: str, lod: bool) -> dict:
     base = {"load-on-demand (bf16)": PRESETS["load-on-demand"],
             "load-on-demand-int4": PRESETS["load-on-demand-int4"]} if lod else {}
+    dev = for_device(PRESETS["fate-edge"], device)
     return {**base, "lru": PRESETS["lru"], "fate": PRESETS["fate"], "fate-edge (host preset)": PRESETS["fate-edge"],
-            "fate-edge": for_device(PRESETS["fate-edge"], device), "oracle": PRESETS["oracle"]}
+            "fate-edge (device preset, lcu)": dev.with_(eviction="lcu"),  # the device preset before next-use
+            "fate-edge": dev, "oracle": PRESETS["oracle"]}
 
 
 def first_tokens(trace, n: int):

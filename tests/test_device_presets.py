@@ -30,7 +30,7 @@ def test_fate_edge_resolves_per_device_by_short_or_profile_name():
         for name in (short, profile):
             p = for_device(host, name)
             assert (p.allocation, p.eviction, p.predictor, p.preload, p.keep_preloaded) == \
-                ("global", "lcu", None, True, True), name
+                ("global", "next-use", None, True, True), name
             assert p.name == "fate-edge"
     assert for_device(host, None) is host and for_device(host, "no-such-device") is host
     for name, preset in PRESETS.items():  # only fate-edge is re-derived per device
@@ -52,14 +52,14 @@ def test_the_bench_runs_fate_edge_as_on_the_emulated_device():
 def recorded(tmp_path_factory, bundled_dir):
     """The bundled store, its recorded decode routing and predictor scores, sizes, and its store-side figures."""
     store = convert(bundled_dir, tmp_path_factory.mktemp("dev") / "store", ConvertOptions(bits=4), progress=False)
-    trace, preds, cfg, sizes, _ = record_with_predictions(store, LONG)
-    return store, trace, preds, cfg, sizes, store_side(store)
+    trace, preds, cfg, sizes, popularity = record_with_predictions(store, LONG)
+    return store, trace, preds, cfg, sizes, store_side(store), popularity
 
 
 def _on_device(recorded, device: str, fraction: float) -> dict:
     """fate-edge's host preset, its device preset and the oracle simulated on ``device``'s timeline: compute from
     the profile's roofline for this store's token, reads over the device's own link."""
-    store, trace, preds, cfg, (entry, slot), side = recorded
+    store, trace, preds, cfg, (entry, slot), side, popularity = recorded
     em = calibrate(device, store, [0], host_s_per_token=1.0, side=side)  # only the device side is used
     costs = HostCosts(em.device_s_per_token / len(cfg.moe_layers))
     ids, warm = decode_routing(trace, cfg.moe_layers)
@@ -70,7 +70,8 @@ def _on_device(recorded, device: str, fraction: float) -> dict:
         plan = plan_budget(budget, policy, entry, slot)
         scores = preds.get(policy.predictor) if policy.predictor else None
         out[name] = simulate(ids, scores, policy, plan.cache_bytes, entry, em.link, costs, cfg.num_experts,
-                             cfg.num_hidden_layers, warm=warm, max_inflight=plan.pool_buffers - 2)
+                             cfg.num_hidden_layers, warm=warm, max_inflight=plan.pool_buffers - 2,
+                             popularity=popularity)  # as the engine seeds its cache policy
     out["read_layers"] = em.link.transfer_time(entry) / costs.layer_compute_s  # one read, in layers of compute
     return out
 

@@ -5,8 +5,9 @@ follows the run call by call, so an expert's next use is known at any moment, th
 the call being served included: an expert of this call not yet accessed is needed now and is never the
 victim. The experts of one call may be accessed in any order (cached ones first, then reads as they land)
 without moving the cursor past the call; any other access moves it to the layer's next call (a run that
-strays from the record loses at most that call). As in MIN, every miss is admitted (no policy here bypasses
-the cache).
+strays from the record loses at most that call). As in MIN with bypass, a miss needed again later than the victim
+is not cached (at most one per call: the budget holds one expert being computed outside the cache); every other
+miss is admitted.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class Belady(EvictionPolicy):
     def new_sequence(self) -> None:
         """The recorded request starts again: back to before its first call."""
         self.cur = -1  # index of the call being served
+        self.bypassed_in = -2  # the call in which an insert was last declined
         self.done: set[Key] = set()  # keys of the current call already accessed
 
     def on_access(self, key: Key, hit: bool, info: AccessInfo) -> None:
@@ -63,4 +65,10 @@ class Belady(EvictionPolicy):
 
     def victim(self, candidates: Sequence[Key], incoming: Key | None = None) -> Key:
         return max(candidates, key=lambda k: (self.next_use(k), k))
+
+    def admit(self, incoming: Key, victim: Key) -> bool:
+        if self.bypassed_in == self.cur or self.next_use(incoming) <= self.next_use(victim):
+            return True
+        self.bypassed_in = self.cur
+        return False
 

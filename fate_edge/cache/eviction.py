@@ -38,6 +38,11 @@ class EvictionPolicy:
     def victim(self, candidates: Sequence[Key], incoming: Key | None = None) -> Key:
         raise NotImplementedError
 
+    def admit(self, incoming: Key, victim: Key) -> bool:
+        """Whether ``incoming`` is worth evicting ``victim`` for; False leaves the cache as it is (the expert serves
+        this use from its read buffer only). Only policies that can compare the two bypass."""
+        return True
+
     def new_sequence(self) -> None:
         """A new request starts (policies with per-sequence statistics reset them)."""
 
@@ -232,4 +237,8 @@ def make_eviction(name: str, capacity_entries: int = 1, **kw) -> EvictionPolicy:
         from .belady import Belady  # its own module: it imports this one's base class
 
         return Belady(**kw)
-    raise ValueError(f"unknown eviction policy '{name}' (lru, lfu, arc, popularity, lcu, belady)")
+    if name == "next-use":
+        from .next_use import NextUse  # its own module: it imports this one's base class
+
+        return NextUse(**kw)
+    raise ValueError(f"unknown eviction policy '{name}' (lru, lfu, arc, popularity, lcu, belady, next-use)")

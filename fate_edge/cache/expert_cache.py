@@ -3,7 +3,8 @@
 A partition is one MoE layer (per-layer allocation, as Fate and mixtral-offloading do) or the whole
 cache (one global partition). Each partition has its own eviction policy instance. Entries in use or
 awaited can be pinned; a pinned entry is never evicted, and an insert that would need to evict one
-is refused rather than exceeding the capacity: the budget is a hard limit.
+is refused rather than exceeding the capacity: the budget is a hard limit. A policy may also decline an insert
+(bypass: the incoming expert is expected back later than the victim would be).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class ExpertCache:
         self.used: dict[int, int] = {p: 0 for p in self.capacity}
         self.evictions = 0
         self.refused = 0
+        self.bypassed = 0  # inserts the policy declined (cache.eviction.EvictionPolicy.admit)
         self.on_evict: Callable[[Key], None] | None = None  # told each key that leaves (its memory is free)
 
     @property
@@ -97,7 +99,11 @@ class ExpertCache:
             if not candidates:
                 self.refused += 1
                 return False
-            self._evict(policy.victim(candidates, incoming=key))
+            victim = policy.victim(candidates, incoming=key)
+            if not policy.admit(key, victim):  # the policy expects the incoming one back later than the victim
+                self.bypassed += 1
+                return False
+            self._evict(victim)
         self.entries[key] = CacheEntry(key, expert, nbytes, bits)
         self.used[part] += nbytes
         self.per_layer[key[0]] = self.per_layer.get(key[0], 0) + 1

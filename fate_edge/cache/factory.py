@@ -10,6 +10,7 @@ from ..sizes import format_bytes
 from .allocation import allocate
 from .eviction import make_eviction
 from .expert_cache import ExpertCache
+from .next_use import NextUseConfig, seed_shares
 
 
 def miss_curves(popularity: dict[int, Sequence[int]]) -> dict[int, list[float]]:
@@ -85,9 +86,10 @@ def layer_slots(policy: PolicyConfig, slots: int, moe_layers: Sequence[int], num
 def build_cache(policy: PolicyConfig, cache_bytes: int, entry_bytes: int, moe_layers: Sequence[int],
                 num_experts: int, future: list | None = None,
                 popularity: dict[int, Sequence[int]] | None = None,
-                resident: Resident | None = None) -> ExpertCache | None:
+                resident: Resident | None = None, top_k: int = 2) -> ExpertCache | None:
     """The cache for ``policy`` with ``cache_bytes`` of capacity; ``future`` feeds Belady's clairvoyance;
-    ``resident``: a layer held whole, paid out of ``cache_bytes`` (the other layers share the rest)."""
+    ``resident``: a layer held whole, paid out of ``cache_bytes`` (the other layers share the rest); ``top_k``:
+    experts per token per layer (next-use turns calibration shares into per-token rates with it)."""
     if not policy.cache:
         return None
     kw: dict = {"future": future or []} if policy.eviction == "belady" else {}
@@ -95,6 +97,9 @@ def build_cache(policy: PolicyConfig, cache_bytes: int, entry_bytes: int, moe_la
         # Seed each expert's score with its calibration share (the most used expert of a layer starts at 50).
         kw["seed_counts"] = {(layer, e): 50.0 * c / max(1, max(counts))
                              for layer, counts in popularity.items() for e, c in enumerate(counts)}
+    if policy.eviction == "next-use":
+        kw.update(config=NextUseConfig(top_k=top_k), seed_share=seed_shares(popularity) if popularity else None,
+                  num_experts=num_experts)
 
     def make(part: int, cap: int):
         return make_eviction(policy.eviction, cap, **kw)
