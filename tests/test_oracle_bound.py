@@ -160,3 +160,37 @@ def test_oracle_warm_start_is_the_first_used_experts_in_order():
     assert first_used(calls, 3) == {0: [3, 1], 1: [2]}
     assert first_used(calls, 4) == {0: [3, 1], 1: [2, 3]}
     assert first_used(calls, 99) == {0: [3, 1, 4], 1: [2, 3, 5]}
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+@pytest.mark.parametrize("speed", ["link-bound", "compute-bound"])
+def test_no_preset_beats_the_best_clairvoyant_configuration(recorded, fraction, speed):
+    """The bound as the best of the oracle's configurations (read-ahead widths 0-64, fate_edge/oracle_bound.py):
+    no preset, the per-device ones (next-use eviction) included, decodes faster in the simulator; and it is at
+    least as fast as the oracle preset and as Belady's cache with no reads ahead."""
+    from dataclasses import replace
+
+    from fate_edge.device_presets import for_device
+    from fate_edge.oracle_bound import oracle_bound
+
+    trace, preds, cfg, (entry, slot) = recorded[1:5]
+    ids, warm = decode_routing(trace, cfg.moe_layers)
+    read_s = 1e-3 if speed == "link-bound" else 2.5e-4
+    link = LinkSpec("bound", bandwidth_bytes_per_s=entry / read_s, latency_s=0.0)
+    costs = HostCosts(1e-3, predict_s=5e-5, read_cpu_s=1e-4, consume_s=5e-5, contention=1.0)
+    budget = _budget(recorded, fraction)
+    width, bound = oracle_bound(ids, preds["oracle"], budget, entry, slot, link, costs, cfg.num_experts,
+                                cfg.num_hidden_layers, warm=warm)
+    runs = _simulate_all(recorded, fraction, link, costs)
+    belady = replace(PRESETS["oracle"], prefetch_width=0)
+    plan = plan_budget(budget, belady, entry, slot)
+    runs["belady, no reads ahead"] = simulate(ids, None, belady, plan.cache_bytes, entry, link, costs,
+                                              cfg.num_experts, cfg.num_hidden_layers, warm=warm, max_inflight=0)
+    device = for_device(PRESETS["fate-edge"], "orin-nano")  # the five devices' preset (next-use, one pool)
+    for name, policy in {"fate-edge, link-bound device preset": device}.items():
+        plan = plan_budget(budget, policy, entry, slot)
+        scores = preds.get(policy.predictor) if policy.predictor else None
+        runs[name] = simulate(ids, scores, policy, plan.cache_bytes, entry, link, costs, cfg.num_experts,
+                              cfg.num_hidden_layers, warm=warm, max_inflight=max(plan.pool_buffers - 2, 0))
+    for name, r in runs.items():
+        assert r.total_s >= bound.total_s * (1 - 1e-9), (name, width, r.tokens_per_s, bound.tokens_per_s)
