@@ -29,6 +29,7 @@ from fate_edge.engine import Engine
 from fate_edge.generate import GenerateConfig
 from fate_edge.planner import sample_token_ids
 from fate_edge.policy import PRESETS
+from fate_edge.report import replace_between_markers
 from fate_edge.simulate import scale_costs
 from fate_edge.store import ExpertStore
 from fate_edge.tokenizer import Tokenizer
@@ -162,14 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     if args.readme:
-        readme = Path(args.readme).read_text()
-        begin, end = f"<!-- {args.mark}:begin -->", f"<!-- {args.mark}:end -->"
-        if begin in readme and end in readme:
-            head, rest = readme.split(begin, 1)
-            readme = head + begin + "\n" + text + "\n" + end + rest.split(end, 1)[1]
-            Path(args.readme).write_text(readme)
-        else:
-            print(f"{args.readme} has no {begin} ... {end} block; the lead adds it", file=sys.stderr)
+        replace_between_markers(args.readme, args.mark, text)
     return 0
 
 
