@@ -45,6 +45,15 @@ def hands_off(policy: PolicyConfig, store: ExpertStore, device: str) -> bool:
             and policy.predictor != "oracle")
 
 
+def lends(policy: PolicyConfig, store: ExpertStore, device: str) -> bool:
+    """Whether an uncached expert (load-on-demand) is computed in its read buffer, which goes back to the pool once
+    the layer's caller has used it: on the CPU, for a layout whose decode is a view of the blob (cpu-int4), as a
+    device computes from the memory its DMA filled. A copy out would cost this CPU a memcpy per read that no device
+    pays (4 ms per Qwen1.5-MoE expert, 0.1-0.2 s per Mixtral one here), dilated into device time under emulation."""
+    precision = store.precisions.get(policy.bits)
+    return not policy.cache and device == "cpu" and precision is not None and precision.layout == "cpu-int4"
+
+
 def _ema(old: float, new: float, keep: float) -> float:
     """Exponential moving average that starts at the first sample (0 means none yet)."""
     return new if old == 0 else keep * old + (1 - keep) * new
@@ -97,6 +106,7 @@ class _Fetch:
     req: FetchRequest
     bits: int
     prefetched: bool
+    lent: bool = False  # decoded in its read buffer, released after use (lends)
 
 
 class Scheduler(ExpertProvider):
@@ -124,6 +134,10 @@ class Scheduler(ExpertProvider):
         self.zero_copy = (cache is not None and isinstance(self.copier, CPUCopier)
                           and hands_off(policy, store, self.copier.device.type))
         self._kept: dict[Key, Buffer] = {}  # read buffers that hold cached experts (zero-copy)
+        self.lends = (cache is None and isinstance(self.copier, CPUCopier)
+                      and lends(policy, store, self.copier.device.type))
+        self._lent: list[FetchRequest] = []  # buffers of experts served by get(): released at end_layer
+        self._hold_lent = False
         self._evicted: list[Buffer] = []  # ... of experts the cache let go: the pool's next buffer, once unused
         if self.zero_copy:
             cache.on_evict = lambda key: self._evicted.append(self._kept.pop(key)) if key in self._kept else None
@@ -327,7 +341,12 @@ class Scheduler(ExpertProvider):
                     self.stats.stall_s += time.perf_counter() - t0
                     continue
                 for e in ready:
-                    yield e, self._consume(layer, e, pending.pop(e), info)
+                    f = pending.pop(e)
+                    try:
+                        yield e, self._consume(layer, e, f, info)
+                    finally:  # the caller is done with the expert: its buffer may take the next read
+                        if f.lent:
+                            self._lent.append(f.req) if self._hold_lent else self.fetch.release(f.req)
         except BaseException:  # a failed read, or the request abandoned mid-layer: return every buffer
             for f in pending.values():
                 self._drop(f, wasted=False)
@@ -336,7 +355,11 @@ class Scheduler(ExpertProvider):
     def get(self, layer: int, expert: int):
         """One expert through :meth:`stream` (cache, a fetch in flight, or a demand read); pinned until
         :meth:`end_layer`, as in the model's flow. None if precision-on-miss skipped it."""
-        [(_, out)] = list(self.stream(layer, [expert]))
+        self._hold_lent = True  # the caller uses the expert after the stream ends: keep its buffer till end_layer
+        try:
+            [(_, out)] = list(self.stream(layer, [expert]))
+        finally:
+            self._hold_lent = False
         return out
 
     def _consume(self, layer: int, e: int, f: _Fetch, info: AccessInfo):
@@ -352,7 +375,9 @@ class Scheduler(ExpertProvider):
             self.cache.access(key, False, AccessInfo(info.layer_now, info.num_layers, low_precision=low))
         # Cold copies serve this use only; caching them would lower later answers' precision.
         expert = self._hand_off(key, f) if not low and self.zero_copy else None
-        if expert is None:
+        if not low and self.lends:
+            expert, f.lent = self._decode_in_buffer(f), True
+        elif expert is None:
             blob, event = self.copier.upload(payload, demand=not f.prefetched)
             # The staging buffer goes back to the pool only once the copy out of it has completed.
             self.copier.release_after(event, lambda req=f.req: self.fetch.release(req))
@@ -382,14 +407,18 @@ class Scheduler(ExpertProvider):
         buffer), keep the buffer as the cached expert's memory (the pool gets an evicted expert's buffer or a new
         one in its place); None if refused."""
         buf = f.req.buffer
-        blob = torch.frombuffer(buf.view, dtype=torch.uint8)  # the whole buffer: the storage the entry keeps
-        expert = decode_expert(blob[: f.req.ref.length], self.store.precisions[f.bits], self.dtype)
+        expert = self._decode_in_buffer(f)
         if not self._admit(key, expert, buf.size, f.bits):
             return None  # the buffer stays the request's: copied out and released as usual
         self._kept[key] = self.fetch.hand_off(f.req, self._unused_evicted())
         self.cache.pin(key)
         self.in_use.append(key)
         return expert
+
+    def _decode_in_buffer(self, f: _Fetch):
+        """The expert as views of its read buffer (the whole buffer is the storage: what a cached entry keeps)."""
+        blob = torch.frombuffer(f.req.buffer.view, dtype=torch.uint8)
+        return decode_expert(blob[: f.req.ref.length], self.store.precisions[f.bits], self.dtype)
 
     def _admit(self, key: Key, expert: object, nbytes: int, bits: int) -> bool:
         """Cache ``expert``; in prefill under ``keep_preloaded`` only into free room (nothing evicted)."""
@@ -411,6 +440,7 @@ class Scheduler(ExpertProvider):
 
     def end_layer(self, layer: int) -> None:
         self.copier.poll()
+        self._release_lent()
         if self.cache is not None:
             for key in self.in_use:
                 self.cache.unpin(key)
@@ -444,9 +474,15 @@ class Scheduler(ExpertProvider):
         for f, wasted in dropping:
             self._drop(f, wasted, wait=wait)
 
+    def _release_lent(self) -> None:
+        for req in self._lent:
+            self.fetch.release(req)
+        self._lent.clear()
+
     def abort(self) -> None:
         """Drop everything in flight and unpin everything in use: after a failed or abandoned request."""
         self._settle(wait=True)
+        self._release_lent()
         for f in self.prefetches.values():
             self._drop(f)
         for f in self.demands.values():

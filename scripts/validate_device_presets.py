@@ -29,6 +29,7 @@ from fate_edge.engine import Engine
 from fate_edge.generate import GenerateConfig
 from fate_edge.planner import sample_token_ids
 from fate_edge.policy import PRESETS
+from fate_edge.report import replace_between_markers
 from fate_edge.simulate import scale_costs
 from fate_edge.store import ExpertStore
 from fate_edge.tokenizer import Tokenizer
@@ -77,23 +78,28 @@ def run_once(store: str, budget: int, policy, em, ids: list[int], decode: int, t
         eng.close()
 
 
+def ratio(r: dict, ref: dict | None, key: str = "decode_tps") -> str:
+    return f"{r[key] / ref[key]:.2f}x" if ref else "—"
+
+
 def table(results: dict) -> str:
     lines = []
     for d in results.values():
+        pols = d["policies"]
+        lod, lod4, fate = (pols.get(n) for n in ("load-on-demand (bf16)", "load-on-demand-int4", "fate"))
         lines += [f"**{d['profile']}** (emulated: k = {d['k']:.3g}, host {d['host_ms']:.1f} ms pinned, device "
                   f"{d['device_ms']:.2f} ms per token; {d['rounds']} interleaved rounds, medians; load "
-                  f"{d['load']})", "",
+                  f"{d['load']}; device-equivalent = raw x k)", "",
                   "| policy | device-eq. decode tok/s | simulated (device-eq.) | sim error | device-eq. prefill tok/s "
-                  "| prefill MB read | hit rate | MB read / token | x LOD bf16 decode / prefill | oracle / this |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        oracle = d["policies"]["oracle"]["decode_tps"]
-        lod = d["policies"].get("load-on-demand (bf16)")
-        for name, r in d["policies"].items():
+                  "| prefill MB read | hit rate | MB read / token | x LOD bf16 decode / prefill | x LOD int4 | x fate "
+                  "| oracle / this |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        oracle = pols["oracle"]["decode_tps"]
+        for name, r in pols.items():
             err = r["sim_tps"] / r["decode_tps"] - 1
             lines.append(f"| {name} | {r['decode_tps']:.0f} | {r['sim_tps']:.0f} | {err:+.0%} | {r['prefill_tps']:.0f} "
                          f"| {r['prefill_mb']:.0f} | {r['hit_rate']:.0%} | {r['mb_per_token']:.1f} "
-                         + (f"| {r['decode_tps'] / lod['decode_tps']:.2f}x / "
-                            f"{r['prefill_tps'] / lod['prefill_tps']:.2f}x " if lod else "| — ") +
+                         f"| {ratio(r, lod)} / {ratio(r, lod, 'prefill_tps')} | {ratio(r, lod4)} | {ratio(r, fate)} "
                          f"| {oracle / r['decode_tps']:.2f}x |")
         lines.append("")
     return "\n".join(lines)
@@ -113,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lod", action="store_true", help="also run load-on-demand bf16 and int4 (slow: every read)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--readme", default=None)
+    ap.add_argument("--mark", default=MARK, help=f"README block to rewrite (default {MARK}; the real-shape run: "
+                    "emulate-real)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     store = ExpertStore(args.store)
@@ -139,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
             for name, p in pols.items():
                 runs[name].append(run_once(args.store, budget, p, em, ids, args.decode_tokens,
                                            trace if p.predictor == "oracle" else None))
+                print(f"  round {len(runs[name])} {name}: raw {runs[name][-1]['decode_tps']:.3g} tok/s decode "
+                      f"(load {open('/proc/loadavg').read().split()[0]})", file=sys.stderr, flush=True)
         out = {}
         for name, rs in runs.items():
             med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
@@ -155,14 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     if args.readme:
-        readme = Path(args.readme).read_text()
-        begin, end = f"<!-- {MARK}:begin -->", f"<!-- {MARK}:end -->"
-        if begin in readme and end in readme:
-            head, rest = readme.split(begin, 1)
-            readme = head + begin + "\n" + text + "\n" + end + rest.split(end, 1)[1]
-            Path(args.readme).write_text(readme)
-        else:
-            print(f"{args.readme} has no {begin} ... {end} block; the lead adds it", file=sys.stderr)
+        replace_between_markers(args.readme, args.mark, text)
     return 0
 
 

@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fate_edge.report import replace_between_markers
+
 
 def run_policy(store: str, budget: int, policy: str, em, ids: list[int], tokens: int, workers: int) -> dict:
     """Decode ``tokens`` greedy tokens under the emulated link; per-token raw figures and the loading share."""
@@ -49,6 +51,24 @@ def run_policy(store: str, budget: int, policy: str, em, ids: list[int], tokens:
         eng.close()
 
 
+def table(out: dict, store: str, rounds: int) -> str:
+    """The README block: one row per policy, raw and device-equivalent apart, the simulator beside the measure."""
+    em = out["emulation"]
+    load = f"{out['loadavg_start'][0]:.1f}-{out['loadavg_end'][0]:.1f}"
+    lines = [f"`{Path(store).name}`, emulated {em['profile']}: k = {em['dilation_k']:.3g} (host "
+             f"{1e3 * em['host_s_per_token']:.1f} ms, device {1e3 * em['device_s_per_token']:.2f} ms per token), "
+             f"median of {rounds} interleaved rounds, load {load}; device-equivalent = raw x k", "",
+             "| policy | budget | raw tok/s | device-eq. tok/s | simulator (device-eq.) | error | loading share "
+             "| counting blob decode |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for p, r in out["policies"].items():
+        m = r["median_raw"]
+        lines.append(f"| {p} | {r['budget_share']:.0%} | {m['decode_tps']:.3g} "
+                     f"| {r['device_equivalent_decode_tps']:.3g} | {r['simulator_predicted_device_tps']:.3g} "
+                     f"| {100 * r['simulator_error']:+.1f}% "
+                     f"| {100 * m['loading_share']:.1f}% | {100 * m['loading_share_with_blob_decode']:.1f}% |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("store")
@@ -61,6 +81,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--readme", default=None, help="rewrite the table between this file's <!-- MARK:begin/end -->")
+    ap.add_argument("--mark", default="emulate-validate", help="README block name (default emulate-validate)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -104,7 +126,7 @@ def main() -> None:
                ("decode_tps", "stall_ms", "compute_ms", "blob_decode_ms", "loading_share",
                 "loading_share_with_blob_decode")}
         dev = med["decode_tps"] * em.k
-        out["policies"][p] = {"median_raw": med, "device_equivalent_decode_tps": dev,
+        out["policies"][p] = {"median_raw": med, "device_equivalent_decode_tps": dev, "budget_share": b / total,
                               "simulator_predicted_device_tps": pred, "simulator_error": pred / dev - 1,
                               "runs": runs}
         print(f"{p}: raw {med['decode_tps']:.3f} tok/s, device-equivalent {dev:.2f} tok/s, simulator {pred:.2f} "
@@ -112,6 +134,10 @@ def main() -> None:
               f"({100 * med['loading_share_with_blob_decode']:.1f}% counting blob decode as loading)", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
+    text = table(out, args.store, args.rounds)
+    print(text)
+    if args.readme:
+        replace_between_markers(args.readme, args.mark, text)
 
 
 if __name__ == "__main__":

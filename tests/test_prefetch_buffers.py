@@ -149,13 +149,43 @@ def test_cached_experts_live_in_their_read_buffers(store, one_thread):
         assert pool.handed_off >= served
 
 
-def test_uncached_presets_copy_as_before(store, one_thread):
-    """load-on-demand keeps nothing: each expert is copied out of its buffer, which goes straight back."""
+def test_uncached_experts_are_computed_in_their_read_buffers(store, one_thread):
+    """load-on-demand keeps nothing: each expert is computed in its read buffer (no copy on the main thread, as a
+    device computes from the memory its DMA filled), which goes back to the pool once the layer has used it; the
+    answer is the copied path's (the resident run's, tests/test_engine.py)."""
     with Engine(store, "4MB", "load-on-demand-int4") as engine:
-        engine.generate(PROMPT, DECODE)
-        assert engine.fetch.pool.handed_off == 0
-        assert engine.scheduler.copier.uploads == engine.stats.misses > 0
-        assert engine.fetch.pool.available == engine.fetch.pool.count
+        pool = engine.fetch.pool
+        seen: list[set[int]] = []  # per expert served: the storage sizes of its tensors
+        inner = engine.scheduler._consume
+
+        def consume(*a):
+            expert = inner(*a)
+            seen.append({t.untyped_storage().nbytes() for t in _tensors(expert)})
+            return expert
+
+        engine.scheduler._consume = consume
+        text, _ = engine.generate(PROMPT, DECODE)
+        assert engine.stats.misses > 0 and len(seen) == engine.stats.misses
+        assert engine.scheduler.copier.uploads == 0  # nothing copied out
+        assert all(sizes == {pool.size} for sizes in seen)  # every expert's tensors are views of a read buffer
+        assert pool.handed_off == 0 and pool.available == pool.count  # every buffer back in the pool
+    with Engine(store, "4MB", "load-on-demand-int4") as copied:
+        copied.scheduler.lends = False  # the copy-out path, for the same answer
+        assert copied.generate(PROMPT, DECODE)[0] == text
+        assert copied.scheduler.copier.uploads > 0
+
+
+def test_an_uncached_expert_served_by_get_keeps_its_buffer_until_the_layer_ends(store, one_thread):
+    """Scheduler.get returns the expert after its stream has ended: its read buffer must stay out of the pool (no
+    read may overwrite it) until end_layer."""
+    with Engine(store, "4MB", "load-on-demand-int4") as engine:
+        sched, pool = engine.scheduler, engine.fetch.pool
+        layer = engine.model.config.moe_layers[0]
+        expert = sched.get(layer, 0)
+        assert {t.untyped_storage().nbytes() for t in _tensors(expert)} == {pool.size}
+        assert pool.available == pool.count - 1
+        sched.end_layer(layer)
+        assert pool.available == pool.count
 
 
 def test_evicted_buffers_are_reused_only_when_no_expert_points_into_them(store, one_thread):
