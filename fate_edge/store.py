@@ -170,6 +170,21 @@ def blob_tensor(payload: memoryview) -> torch.Tensor:
     return torch.frombuffer(payload, dtype=torch.uint8).clone()
 
 
+def decodes_to_views(precision: Precision) -> bool:
+    """Whether :func:`decode_expert` on the CPU returns views of the blob, copying nothing: torch's kernel layout,
+    or the portable int4 layout where fate-edge's native kernel computes on the stored bytes (every matrix)."""
+    from fate_edge.quant.linear import default_kernel
+
+    spec = precision.spec
+    if spec is None:
+        return False
+    if precision.layout == "cpu-int4":
+        return True
+    codes = [p.shape for p in precision.parts if p.name.endswith(".codes")]
+    return spec.storage_bits == 4 and bool(codes) and all(
+        default_kernel((n, width * 2), spec, "cpu") == "native-int4" for n, width in codes)
+
+
 def decode_expert(blob: torch.Tensor | memoryview, precision: Precision, dtype: torch.dtype,
                   device: torch.device | str | None = None) -> ExpertWeights | QuantizedExpert:
     """Turn a blob into a callable expert on ``device`` (default: where ``blob`` is).

@@ -199,6 +199,7 @@ def test_streamed_experts_compute_on_the_native_kernel(tmp_path, monkeypatch):
     with Engine(native, memory_budget="64MB", policy="lru") as eng:
         expert = eng.model.experts.get(1, 2)
         assert expert.kernel == ("native-int4" if want == "portable" else "torch-int4")
+        assert eng.scheduler.zero_copy  # decoded in its read buffer, which the cache keeps: no copy out
         logits = eng.model(ids, eng.model.new_cache())
     monkeypatch.setattr("fate_edge.store_cache.native_isa", lambda: None)
     monkeypatch.setattr("fate_edge.quant.linear.native_isa", lambda: None)
@@ -208,3 +209,19 @@ def test_streamed_experts_compute_on_the_native_kernel(tmp_path, monkeypatch):
         assert eng.model.experts.get(1, 2).kernel == "torch-int4"
         ref = eng.model(ids, eng.model.new_cache())
     assert (logits - ref).pow(2).mean().sqrt() < 0.02 * ref.pow(2).mean().sqrt()
+
+
+def test_decodes_to_views_per_layout_and_kernel(tmp_path, monkeypatch):
+    """The scheduler computes in the read buffer (zero-copy) only where decoding copies nothing."""
+    from fate_edge.convert import ConvertOptions, convert
+    from fate_edge.store import ExpertStore, decodes_to_views
+
+    model = _native_shaped_model(tmp_path / "m")
+    store = ExpertStore(convert(model, tmp_path / "s", ConvertOptions(bits=4, cold_bits=2, layout="portable"),
+                                progress=False))
+    assert decodes_to_views(store.precisions[4]) == (default_kernel((128, 128), QuantSpec(4, 128), "cpu")
+                                                     == "native-int4")
+    assert not decodes_to_views(store.precisions[2])  # 2-bit codes are unpacked into 4-bit slots: a copy
+    assert not decodes_to_views(store.precisions[16])
+    monkeypatch.setattr("fate_edge.quant.linear.native_isa", lambda: None)
+    assert not decodes_to_views(store.precisions[4])  # torch's kernel repacks portable codes
