@@ -70,7 +70,8 @@ static void prepare(const float *x, int M, int K, int g, int chunk, prepared *p)
     }
 }
 
-#define MT 4 /* x rows per pass over a weight row */
+#define MT 4         /* x rows per pass over a weight row */
+#define PREFETCH 4096 /* bytes of weights requested ahead of the ones being multiplied */
 #define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 #define T256 __attribute__((target("avx2,fma,f16c")))
 
@@ -124,6 +125,9 @@ T512 static inline __attribute__((always_inline)) void tile_512(const uint8_t *w
     __m512 acc[2][MT];  /* even and odd chunks: two independent FMA chains per x row */
     for (int i = 0; i < mt; i++) acc[0][i] = acc[1][i] = _mm512_setzero_ps();
     for (int c = 0; c < chunks; c++) {
+        /* 4 KB ahead: at one row the kernel streams weights from DRAM, and the hardware prefetcher alone left it
+           at 5-6 GB/s here (8-10 GB/s with this, one thread) */
+        _mm_prefetch((const char *)(wr + c * 64 + PREFETCH), _MM_HINT_T0);
         __m512i v = _mm512_loadu_si512(wr + c * 64);
         __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
         __m512 swv = _mm512_permutexvar_ps(widx, _mm512_loadu_ps(sw + ((c * 128) >> gshift)));
@@ -190,6 +194,7 @@ T256 static inline __attribute__((always_inline)) void tile_256(const uint8_t *w
     __m256 acc[MT];
     for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
     for (int c = 0; c < chunks; c++) {
+        _mm_prefetch((const char *)(wr + c * 32 + PREFETCH), _MM_HINT_T0);
         __m256i v = _mm256_loadu_si256((const __m256i *)(wr + c * 32));
         __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
         /* lane d covers k in [64c + 8d, +8): group (64c + 8d) / g; for g = 128 a chunk is half a group */
