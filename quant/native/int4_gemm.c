@@ -72,6 +72,14 @@ static void prepare(const float *x, int M, int K, int g, int chunk, prepared *p)
 
 #define MT 4         /* x rows per pass over a weight row */
 #define PREFETCH 4096 /* bytes of weights requested ahead of the ones being multiplied */
+/* One constant tile size per case, so a tile's accumulators stay in registers. */
+#define BY_TILE_ROWS(mt, CALL)                                                                               \
+    switch (mt) {                                                                                            \
+    case 4: CALL(4); break;                                                                                  \
+    case 3: CALL(3); break;                                                                                  \
+    case 2: CALL(2); break;                                                                                  \
+    default: CALL(1); break;                                                                                 \
+    }
 #define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 #define T256 __attribute__((target("avx2,fma,f16c")))
 
@@ -157,12 +165,9 @@ T512 static void rows_512(const uint8_t *codes, const uint16_t *scale, const uin
         for (int n = n0; n < n1; n++) {
             const uint8_t *wr = codes + (size_t)n * (K / 2);
             const float *s = sw + (n - n0) * stride;
-            switch (mt) { /* one constant tile size per case: the accumulators stay in registers */
-            case 4: tile_512(wr, s, K / 128, gshift, p, m0, 4, K, out); break;
-            case 3: tile_512(wr, s, K / 128, gshift, p, m0, 3, K, out); break;
-            case 2: tile_512(wr, s, K / 128, gshift, p, m0, 2, K, out); break;
-            default: tile_512(wr, s, K / 128, gshift, p, m0, 1, K, out); break;
-            }
+#define TILE(rows) tile_512(wr, s, K / 128, gshift, p, m0, rows, K, out)
+            BY_TILE_ROWS(mt, TILE);
+#undef TILE
             for (int i = 0; i < mt; i++)
                 y[(size_t)(m0 + i) * N + n] =
                     out[i] + dot_512(zw + (n - n0) * stride, p->gsum + (size_t)(m0 + i) * padded, padded);
@@ -228,12 +233,9 @@ T256 static void rows_256(const uint8_t *codes, const uint16_t *scale, const uin
         for (int n = n0; n < n1; n++) {
             const uint8_t *wr = codes + (size_t)n * (K / 2);
             const float *s = sw + (n - n0) * stride;
-            switch (mt) {
-            case 4: tile_256(wr, s, K / 64, g, p, m0, 4, K, out); break;
-            case 3: tile_256(wr, s, K / 64, g, p, m0, 3, K, out); break;
-            case 2: tile_256(wr, s, K / 64, g, p, m0, 2, K, out); break;
-            default: tile_256(wr, s, K / 64, g, p, m0, 1, K, out); break;
-            }
+#define TILE(rows) tile_256(wr, s, K / 64, g, p, m0, rows, K, out)
+            BY_TILE_ROWS(mt, TILE);
+#undef TILE
             for (int i = 0; i < mt; i++)
                 y[(size_t)(m0 + i) * N + n] =
                     out[i] + dot_256(zw + (n - n0) * stride, p->gsum + (size_t)(m0 + i) * padded, padded);
