@@ -173,6 +173,11 @@ def layer_groups(config: ModelConfig, i: int, n: Any) -> dict[str, list[str]]:
     a, groups = n.attn, {"o_proj": [f"{n.attn}.o_proj"]}
     if config.mla is None:
         groups["qkv"] = [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"]
+    else:  # MLA: each projection alone (latent norms sit between them); MoETransformer._linear applies them
+        m = config.mla
+        for proj in (["q_proj"] if m.q_lora_rank is None else ["q_a_proj", "q_b_proj"]) + [
+                "kv_a_proj_with_mqa", "kv_b_proj"]:
+            groups[f"mla.{proj}"] = [f"{a}.{proj}"]
     if not config.is_moe_layer(i):
         groups["mlp"], groups["down"] = [f"{n.mlp}.gate_proj", f"{n.mlp}.up_proj"], [f"{n.mlp}.down_proj"]
     elif config.shared_expert_intermediate_size:

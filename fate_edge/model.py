@@ -17,7 +17,7 @@ from . import decode_step
 from .arch.base import ModelConfig
 from .dispatch import group_by_expert
 from .experts import ExpertProvider, InMemoryExpertProvider
-from .fused import Fused, LayerPlan, Weights, apply_linear, build_head, build_plan, mlp_forward, rms_norm
+from .fused import Fused, LayerPlan, Weights, apply_linear, build_head, build_plan, fuse, mlp_forward, rms_norm
 from .kv_cache import KVCache
 from .rope import RotaryEmbedding, apply_rope, yarn_softmax_scale
 from .router import route
@@ -70,13 +70,19 @@ class MoETransformer:
 
     # ----------------------------------------------------------------- helpers
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return F.linear(x, self.w[f"{name}.weight"], self.w.get(f"{name}.bias"))
+        weight = self.w.get(f"{name}.weight")
+        if weight is not None:
+            return F.linear(x, weight, self.w.get(f"{name}.bias"))
+        self.plan()  # quantized by --resident-bits (MLA projections): the fused linear, built with the plan
+        return apply_linear(x, self._single[name])
 
     def plan(self) -> list[LayerPlan]:
         """Fused per-layer weights, rebuilt when ``self.w`` has changed since the last build."""
         if self._plan_version != self.w.version:
             self._plan = build_plan(self.config, self.w, self.names)
             self._head = build_head(self.w, self.embed)
+            self._single = {k.removesuffix(".sizes"): fuse(self.w, [k.removesuffix(".sizes")])
+                            for k in self.w if k.endswith(".sizes") and "+" not in k and k != "lm_head.sizes"}
             self._plan_version = self.w.version
         return self._plan
 

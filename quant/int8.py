@@ -37,7 +37,9 @@ class Int8Linear:
     kernel = "torch-int8"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm"):
+        # torch's CPU int8 kernel segfaults when K is not a multiple of 16 (measured: 676-700 crash, 688 and 704
+        # do not); such matrices (a scaled DeepSeek's dense down_proj, K = 684) dequantize instead
+        if x.device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm") and self.codes.shape[1] % 16 == 0:
             xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
             y = torch._weight_int8pack_mm(xb.reshape(-1, x.shape[-1]), self.codes, self.scale)
             return y.view(*x.shape[:-1], -1).to(x.dtype)

@@ -225,3 +225,15 @@ def test_decodes_to_views_per_layout_and_kernel(tmp_path, monkeypatch):
     assert not decodes_to_views(store.precisions[16])
     monkeypatch.setattr("fate_edge.quant.linear.native_isa", lambda: None)
     assert not decodes_to_views(store.precisions[4])  # torch's kernel repacks portable codes
+
+
+def test_int8_linear_takes_widths_torchs_int8_kernel_crashes_on():
+    """torch's CPU int8 kernel segfaults for K % 16 != 0 (a scaled DeepSeek's dense down_proj has K = 684): those
+    dequantize instead, and agree with the kernel's answer where it runs."""
+    from fate_edge.quant.int8 import Int8Linear, quantize_int8
+
+    for k in (684, 688):
+        codes, scale = quantize_int8(_randn((128, k), k, 0.05))
+        x = _randn((16, k), 1)
+        ref = x @ (codes.float() * scale.float()[:, None]).T
+        torch.testing.assert_close(Int8Linear(codes, scale)(x), ref, rtol=0.02, atol=0.02)
