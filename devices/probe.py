@@ -20,13 +20,13 @@ from pathlib import Path
 import psutil
 import torch
 
+from fate_edge.cache_home import cache_home
+
 from .profile import DeviceProfile
 
 
 def default_path() -> Path:
-    base = os.environ.get("FATE_EDGE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "fate-edge")
-    return Path(base) / "host.toml"
+    return cache_home() / "host.toml"
 
 
 def memory_bandwidth_gbps(mb: int = 256, repeats: int = 5) -> float:

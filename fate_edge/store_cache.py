@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
 from fate_edge.quant.native import native_isa
 
+from .cache_home import cache_home
 from .convert import ConvertOptions, convert
 from .store import is_store
 
 
 def cache_root() -> Path:
-    root = os.environ.get("FATE_EDGE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "fate-edge")
-    return Path(root) / "stores"
+    return cache_home() / "stores"
 
 
 def ensure_store(model_dir: str | Path, bits: int = 4, cold_bits: int | None = 2, progress: bool = True) -> Path:

@@ -23,16 +23,12 @@ from pathlib import Path
 
 import torch
 
+from fate_edge.cache_home import cache_home
+
 SOURCE = "int4_gemm.c"
 _ISA_NAMES = {2: "avx512-vnni", 1: "avx2"}
 _lock = threading.Lock()
 _state: dict[str, object] = {}
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("FATE_EDGE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "fate-edge")
-    return Path(root) / "native"
 
 
 def _compiler() -> str | None:
@@ -42,7 +38,7 @@ def _compiler() -> str | None:
 def _build(src: bytes, cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(src + version.encode()).hexdigest()[:16]
-    lib = _cache_dir() / f"int4_gemm-{key}.so"
+    lib = cache_home() / "native" / f"int4_gemm-{key}.so"
     if lib.exists():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
