@@ -72,14 +72,6 @@ static void prepare(const float *x, int M, int K, int g, int chunk, prepared *p)
 
 #define MT 4         /* x rows per pass over a weight row */
 #define PREFETCH 4096 /* bytes of weights requested ahead of the ones being multiplied */
-/* One constant tile size per case, so a tile's accumulators stay in registers. */
-#define BY_TILE_ROWS(mt, CALL)                                                                               \
-    switch (mt) {                                                                                            \
-    case 4: CALL(4); break;                                                                                  \
-    case 3: CALL(3); break;                                                                                  \
-    case 2: CALL(2); break;                                                                                  \
-    default: CALL(1); break;                                                                                 \
-    }
 #define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 #define T256 __attribute__((target("avx2,fma,f16c")))
 
@@ -91,7 +83,7 @@ T512 static void halves_512(const uint16_t *h, int count, float *out) {
     }
 }
 
-/* prepare() for AVX-512 hosts: the same numbers (cvtps rounds to nearest even, as nearbyintf does), 16 at a time. */
+/* prepare() for AVX-512 hosts: the same numbers (cvtps rounds to nearest even, as lrintf does there), 16 at a time. */
 T512 static void prepare_512(const float *x, int M, int K, int g, prepared *p) {
     const int lanes = K / 8, padded = (K / g + 15) & ~15;
     const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
@@ -152,27 +144,35 @@ T512 static inline __attribute__((always_inline)) void tile_512(const uint8_t *w
 
 #define BLOCK 16 /* weight rows per task: their codes (K/2 bytes each) and an x tile stay in L1 */
 
+/* Rows n0..n1 of W against every x row, for one instruction set (HALVES, TILE, DOT: its helpers; CHUNK: codes
+   per chunk): the block's scales and zeros converted once, then each x tile against every row of the block. */
+#define ROWS_BODY(HALVES, TILE, DOT, CHUNK)                                                                    \
+    const int groups = K / g, padded = (groups + 15) & ~15, gshift = __builtin_ctz(g), stride = K / 32 + 32;   \
+    float sw[BLOCK * stride], zw[BLOCK * stride], out[MT];                                                     \
+    for (int n = n0; n < n1; n++) {                                                                            \
+        HALVES(scale + (size_t)n * groups, groups, sw + (n - n0) * stride);                                    \
+        HALVES(zero + (size_t)n * groups, groups, zw + (n - n0) * stride);                                     \
+    }                                                                                                          \
+    for (int m0 = 0; m0 < M; m0 += MT) {                                                                       \
+        int mt = M - m0 < MT ? M - m0 : MT;                                                                    \
+        for (int n = n0; n < n1; n++) {                                                                        \
+            const uint8_t *wr = codes + (size_t)n * (K / 2);                                                   \
+            const float *s = sw + (n - n0) * stride;                                                           \
+            switch (mt) { /* one constant tile size per case: the accumulators stay in registers */           \
+            case 4: TILE(wr, s, K / CHUNK, gshift, p, m0, 4, K, out); break;                                   \
+            case 3: TILE(wr, s, K / CHUNK, gshift, p, m0, 3, K, out); break;                                   \
+            case 2: TILE(wr, s, K / CHUNK, gshift, p, m0, 2, K, out); break;                                   \
+            default: TILE(wr, s, K / CHUNK, gshift, p, m0, 1, K, out); break;                                  \
+            }                                                                                                  \
+            for (int i = 0; i < mt; i++)                                                                       \
+                y[(size_t)(m0 + i) * N + n] =                                                                  \
+                    out[i] + DOT(zw + (n - n0) * stride, p->gsum + (size_t)(m0 + i) * padded, padded);        \
+        }                                                                                                      \
+    }
+
 T512 static void rows_512(const uint8_t *codes, const uint16_t *scale, const uint16_t *zero, int n0, int n1, int N,
                           int K, int g, const prepared *p, int M, float *y) {
-    const int groups = K / g, padded = (groups + 15) & ~15, gshift = __builtin_ctz(g), stride = K / 32 + 32;
-    float sw[BLOCK * stride], zw[BLOCK * stride], out[MT];
-    for (int n = n0; n < n1; n++) {
-        halves_512(scale + (size_t)n * groups, groups, sw + (n - n0) * stride);
-        halves_512(zero + (size_t)n * groups, groups, zw + (n - n0) * stride);
-    }
-    for (int m0 = 0; m0 < M; m0 += MT) {
-        int mt = M - m0 < MT ? M - m0 : MT;
-        for (int n = n0; n < n1; n++) {
-            const uint8_t *wr = codes + (size_t)n * (K / 2);
-            const float *s = sw + (n - n0) * stride;
-#define TILE(rows) tile_512(wr, s, K / 128, gshift, p, m0, rows, K, out)
-            BY_TILE_ROWS(mt, TILE);
-#undef TILE
-            for (int i = 0; i < mt; i++)
-                y[(size_t)(m0 + i) * N + n] =
-                    out[i] + dot_512(zw + (n - n0) * stride, p->gsum + (size_t)(m0 + i) * padded, padded);
-        }
-    }
+    ROWS_BODY(halves_512, tile_512, dot_512, 128)
 }
 
 T256 static void halves_256(const uint16_t *h, int count, float *out) {
@@ -191,11 +191,11 @@ T256 static float dot_256(const float *a, const float *b, int count) {
 }
 
 T256 static inline __attribute__((always_inline)) void tile_256(const uint8_t *wr, const float *sw, int chunks,
-                                                                 int g, const prepared *p, int m0, int mt, int K,
-                                                                 float *out) {
+                                                                 int gshift, const prepared *p, int m0, int mt,
+                                                                 int K, float *out) {
     const __m256i mask = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     const __m256i steps = _mm256_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56);
-    const int lanes = K / 8, gshift = __builtin_ctz(g);
+    const int lanes = K / 8, g = 1 << gshift;
     __m256 acc[MT];
     for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
     for (int c = 0; c < chunks; c++) {
@@ -222,25 +222,7 @@ T256 static inline __attribute__((always_inline)) void tile_256(const uint8_t *w
 
 T256 static void rows_256(const uint8_t *codes, const uint16_t *scale, const uint16_t *zero, int n0, int n1, int N,
                           int K, int g, const prepared *p, int M, float *y) {
-    const int groups = K / g, padded = (groups + 15) & ~15, stride = K / 32 + 32;
-    float sw[BLOCK * stride], zw[BLOCK * stride], out[MT];
-    for (int n = n0; n < n1; n++) {
-        halves_256(scale + (size_t)n * groups, groups, sw + (n - n0) * stride);
-        halves_256(zero + (size_t)n * groups, groups, zw + (n - n0) * stride);
-    }
-    for (int m0 = 0; m0 < M; m0 += MT) { /* as rows_512: an x tile against every row of the block, in L1 */
-        int mt = M - m0 < MT ? M - m0 : MT;
-        for (int n = n0; n < n1; n++) {
-            const uint8_t *wr = codes + (size_t)n * (K / 2);
-            const float *s = sw + (n - n0) * stride;
-#define TILE(rows) tile_256(wr, s, K / 64, g, p, m0, rows, K, out)
-            BY_TILE_ROWS(mt, TILE);
-#undef TILE
-            for (int i = 0; i < mt; i++)
-                y[(size_t)(m0 + i) * N + n] =
-                    out[i] + dot_256(zw + (n - n0) * stride, p->gsum + (size_t)(m0 + i) * padded, padded);
-        }
-    }
+    ROWS_BODY(halves_256, tile_256, dot_256, 64)
 }
 
 /* 2: AVX512-VNNI, 1: AVX2, 0: neither (the caller uses another kernel). */
