@@ -8,7 +8,7 @@ Assigning or deleting a name bumps ``Weights.version`` and the plan is rebuilt f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -53,7 +53,7 @@ class Fused:
 class LayerPlan:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: Fused | None  # GQA attention; None for MLA (which reads ``Weights`` by name)
+    qkv: Fused | None  # GQA attention; None for MLA (its projections are in ``mla``)
     o_proj: Fused | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
@@ -61,6 +61,7 @@ class LayerPlan:
     down: Fused | None
     router: torch.Tensor | None  # MoE layers
     correction_bias: torch.Tensor | None
+    mla: dict[str, Fused] = field(default_factory=dict)  # MLA's projections by name (q_proj, kv_b_proj, ...)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -173,7 +174,7 @@ def layer_groups(config: ModelConfig, i: int, n: Any) -> dict[str, list[str]]:
     a, groups = n.attn, {"o_proj": [f"{n.attn}.o_proj"]}
     if config.mla is None:
         groups["qkv"] = [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"]
-    else:  # MLA: each projection alone (latent norms sit between them); MoETransformer._linear applies them
+    else:  # MLA: each projection alone (latent norms sit between them), in LayerPlan.mla
         m = config.mla
         for proj in (["q_proj"] if m.q_lora_rank is None else ["q_a_proj", "q_b_proj"]) + [
                 "kv_a_proj_with_mqa", "kv_b_proj"]:
@@ -196,6 +197,7 @@ def build_plan(config: ModelConfig, w: Weights, layer_names: list) -> list[Layer
             w[f"{n.input_norm}.weight"], w[f"{n.post_attn_norm}.weight"], g.get("qkv"), g["o_proj"],
             w.get(f"{n.attn}.q_norm.weight"), w.get(f"{n.attn}.k_norm.weight"), g.get("mlp"), g.get("down"),
             w[f"{n.mlp}.gate.weight"] if moe else None, w.get(f"{n.mlp}.gate.e_score_correction_bias") if moe else None,
+            {role.removeprefix("mla."): f for role, f in g.items() if role.startswith("mla.")},
         ))
     return plans
 

@@ -17,7 +17,7 @@ from . import decode_step
 from .arch.base import ModelConfig
 from .dispatch import group_by_expert
 from .experts import ExpertProvider, InMemoryExpertProvider
-from .fused import Fused, LayerPlan, Weights, apply_linear, build_head, build_plan, fuse, mlp_forward, rms_norm
+from .fused import Fused, LayerPlan, Weights, apply_linear, build_head, build_plan, mlp_forward, rms_norm
 from .kv_cache import KVCache
 from .rope import RotaryEmbedding, apply_rope, yarn_softmax_scale
 from .router import route
@@ -69,20 +69,11 @@ class MoETransformer:
             raise MissingTensorError("checkpoint has no 'lm_head.weight' and tie_word_embeddings is false")
 
     # ----------------------------------------------------------------- helpers
-    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        weight = self.w.get(f"{name}.weight")
-        if weight is not None:
-            return F.linear(x, weight, self.w.get(f"{name}.bias"))
-        self.plan()  # quantized by --resident-bits (MLA projections): the fused linear, built with the plan
-        return apply_linear(x, self._single[name])
-
     def plan(self) -> list[LayerPlan]:
         """Fused per-layer weights, rebuilt when ``self.w`` has changed since the last build."""
         if self._plan_version != self.w.version:
             self._plan = build_plan(self.config, self.w, self.names)
             self._head = build_head(self.w, self.embed)
-            self._single = {k.removesuffix(".sizes"): fuse(self.w, [k.removesuffix(".sizes")])
-                            for k in self.w if k.endswith(".sizes") and "+" not in k and k != "lm_head.sizes"}
             self._plan_version = self.w.version
         return self._plan
 
@@ -198,13 +189,13 @@ class MoETransformer:
         x = x.view(b, t, -1)
         qk_head = m.qk_nope_head_dim + m.qk_rope_head_dim
         if m.q_lora_rank is None:
-            q = self._linear(x, f"{p}.q_proj")
+            q = apply_linear(x, lp.mla["q_proj"])
         else:
-            q_lat = rms_norm(self._linear(x, f"{p}.q_a_proj"), self.w[f"{p}.q_a_layernorm.weight"], 1e-6)
-            q = self._linear(q_lat, f"{p}.q_b_proj")
+            q_lat = rms_norm(apply_linear(x, lp.mla["q_a_proj"]), self.w[f"{p}.q_a_layernorm.weight"], 1e-6)
+            q = apply_linear(q_lat, lp.mla["q_b_proj"])
         q = q.view(b, t, -1, qk_head).transpose(1, 2)
         q_nope, q_rot = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
-        kv_lat, k_rot = self._linear(x, f"{p}.kv_a_proj_with_mqa").split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
+        kv_lat, k_rot = apply_linear(x, lp.mla["kv_a_proj_with_mqa"]).split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
         kv_lat = rms_norm(kv_lat, self.w[f"{p}.kv_a_layernorm.weight"], 1e-6).view(b, 1, t, m.kv_lora_rank)
         k_rot = k_rot.view(b, 1, t, m.qk_rope_head_dim)
         q_rot = apply_rope(q_rot, cos, sin, cfg.rope.interleaved)
@@ -212,7 +203,7 @@ class MoETransformer:
         # The cache keeps the compressed latent (kv_lora_rank + rope dims per token), not per-head keys.
         kv_lat, k_rot = cache.layers[layer].append(kv_lat, k_rot)
         s = kv_lat.shape[2]
-        kv = self._linear(kv_lat, f"{p}.kv_b_proj").view(b, s, -1, m.qk_nope_head_dim + m.v_head_dim).transpose(1, 2)
+        kv = apply_linear(kv_lat, lp.mla["kv_b_proj"]).view(b, s, -1, m.qk_nope_head_dim + m.v_head_dim).transpose(1, 2)
         k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
         q = torch.cat([q_nope, q_rot], dim=-1)
