@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from fate_edge.quant import QuantSpec, pack
-from fate_edge.quant.linear import QuantizedLinear, int4_kernel_layout
+from fate_edge.quant.linear import QuantizedLinear, default_kernel, int4_kernel_layout
 from fate_edge.quant.methods import quantize_with
 
 from .errors import ModelFormatError
@@ -173,8 +173,6 @@ def blob_tensor(payload: memoryview) -> torch.Tensor:
 def decodes_to_views(precision: Precision) -> bool:
     """Whether :func:`decode_expert` on the CPU returns views of the blob, copying nothing: torch's kernel layout,
     or the portable int4 layout where fate-edge's native kernel computes on the stored bytes (every matrix)."""
-    from fate_edge.quant.linear import default_kernel
-
     spec = precision.spec
     if spec is None:
         return False

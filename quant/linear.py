@@ -91,7 +91,7 @@ class QuantizedLinear:
         raise ValueError(f"unknown kernel '{kernel}' (native-int4, torch-int4 or dequant)")
 
     @classmethod
-    def from_native(cls, codes4: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, spec: QuantSpec
+    def from_native(cls, codes4: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, spec: QuantSpec
                     ) -> QuantizedLinear:
         """Wrap a matrix in the native kernel's layout (:attr:`NativeInt4.parts`: 4-bit codes, fp16 scale, zero)."""
         shape = (codes4.shape[0], codes4.shape[1] * 2)
@@ -120,8 +120,7 @@ class QuantizedLinear:
         if kernel is None:
             kernel = default_kernel(shape, spec, torch.device(device))
         if kernel == "native-int4" and spec.storage_bits == 4:  # computes on the stored bytes: no unpacking
-            KERNEL_CHOICES[(spec.bits, shape, "cpu")] = kernel
-            return cls._native(packed_codes, scale, zero, spec, shape)
+            return cls.from_native(packed_codes, scale, zero, spec)
         codes = unpack(packed_codes, spec.storage_bits)
         return cls.from_quantized(Quantized(codes, scale, zero), spec, device, kernel)
 
