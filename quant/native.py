@@ -75,6 +75,7 @@ def _load() -> None:
     lib.fe_int4_gemm.restype = ctypes.c_int
     lib.fe_int4_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [
         ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    lib.fe_int4_set_gemm_min_rows.argtypes = [ctypes.c_int]
     isa = lib.fe_int4_isa()
     if os.environ.get("FATE_EDGE_NATIVE") == "avx2":  # the AVX2 path on an AVX-512 host (tests, comparisons)
         isa = min(isa, 1)
@@ -94,6 +95,18 @@ def native_status() -> tuple[bool, str]:
 
 def native_isa() -> str | None:
     return _ISA_NAMES.get(int(_state.get("isa", 0))) if native_status()[0] else None
+
+
+def set_gemm_min_rows(rows: int) -> int:
+    """From how many x rows on the kernel takes its register-tiled GEMM (below it, the row kernel, which streams
+    weights fastest at one row); 0 restores the per-instruction-set default (3 rows on AVX-512, 8 on AVX2).
+    Returns the previous setting; for tests and kernel benchmarks that compare the two paths."""
+    if not native_status()[0]:
+        raise RuntimeError(f"the native int4 kernel is not available: {native_status()[1]}")
+    before = int(_state.get("gemm_min_rows", 0))
+    _state["lib"].fe_int4_set_gemm_min_rows(rows)  # type: ignore[union-attr]
+    _state["gemm_min_rows"] = rows
+    return before
 
 
 def native_supports(shape: tuple[int, int], group_size: int, asymmetric: bool) -> bool:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from fate_edge.quant import QuantSpec, dequantize, pack, quantize
 from fate_edge.quant.linear import QuantizedLinear, default_kernel
-from fate_edge.quant.native import native_status
+from fate_edge.quant.native import native_status, set_gemm_min_rows
 
 from fate_edge.experts import QuantizedExpert
 
@@ -46,6 +46,29 @@ def test_native_agrees_with_dequant_within_the_activation_bound(bits, group, m):
     y = lin(x)
     assert y.shape == (m, 48) and y.dtype == torch.float32
     assert torch.all((y - x @ w_hat.T).abs() <= 1.01 * _bound(x, w_hat) + 1e-5)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("n", [40, 200])
+def test_tiled_gemm_and_row_kernel_give_the_same_sums(group, n):
+    """The prefill GEMM (16 weight rows per vector lane block) and the row kernel add the same integer dot products
+    with the same scales: only the float order differs. Row counts past one 8-row tile and weight rows past the last
+    full block of 16 (n = 40, 200) cover the tails; both are within the activation bound of dequantize-then-matmul."""
+    spec = QuantSpec(4, group)
+    q = quantize(_randn((n, 512), group + n, 0.05), spec)
+    w_hat = dequantize(q, spec)
+    lin = QuantizedLinear.from_quantized(q, spec, kernel="native-int4")
+    for m in (3, 8, 17):
+        x = _randn((m, 512), m)
+        before = set_gemm_min_rows(1)
+        try:
+            tiled = lin(x)
+            set_gemm_min_rows(10**9)
+            rows = lin(x)
+        finally:
+            set_gemm_min_rows(before)
+        torch.testing.assert_close(tiled, rows, rtol=1e-5, atol=1e-5)
+        assert torch.all((tiled - x @ w_hat.T).abs() <= 1.01 * _bound(x, w_hat) + 1e-5)
 
 
 def test_native_relative_error_on_an_expert_shape():
@@ -103,9 +126,11 @@ def _run(env: dict[str, str], code: str) -> str:
     return done.stdout.strip()
 
 
-def test_avx2_path_agrees_with_the_reference_and_with_avx512():
+@pytest.mark.parametrize("rows", [6, 12])
+def test_avx2_path_agrees_with_the_reference_and_with_avx512(rows):
     """The AVX2 path (what AMD hosts without AVX-512 run) within the activation bound of dequantize-then-matmul,
-    and equal to the AVX-512 path's sums where this host has both."""
+    and equal to the AVX-512 path's sums where this host has both. 6 rows: AVX2's row kernel beside AVX-512's
+    tiled GEMM; 12: both tiled GEMMs. 100 weight rows leave a partial block on both (8 and 16 rows a block)."""
     code = """
 import torch
 from fate_edge.quant import QuantSpec, quantize
@@ -114,23 +139,24 @@ from fate_edge.quant.native import native_isa
 for group in (32, 64, 128):
     spec = QuantSpec(4, group)
     g = torch.Generator().manual_seed(group)
-    q = quantize(torch.randn(96, 640, generator=g) * 0.05, spec)
-    y = QuantizedLinear.from_quantized(q, spec, kernel="native-int4")(torch.randn(6, 640, generator=g))
+    q = quantize(torch.randn(100, 640, generator=g) * 0.05, spec)
+    y = QuantizedLinear.from_quantized(q, spec, kernel="native-int4")(torch.randn(ROWS, 640, generator=g))
     print(native_isa(), *[f"{v:.8e}" for v in y.flatten().tolist()])
 """
+    code = code.replace("ROWS", str(rows))
     avx2 = [line.split() for line in _run({"FATE_EDGE_NATIVE": "avx2"}, code).splitlines()]
     best = [line.split() for line in _run({}, code).splitlines()]
     for group, a_line, b_line in zip((32, 64, 128), avx2, best):
         assert a_line[0] == "avx2"
         spec = QuantSpec(4, group)
         g = torch.Generator().manual_seed(group)
-        q = quantize(torch.randn(96, 640, generator=g) * 0.05, spec)
-        x = torch.randn(6, 640, generator=g)
+        q = quantize(torch.randn(100, 640, generator=g) * 0.05, spec)
+        x = torch.randn(rows, 640, generator=g)
         w_hat = dequantize(q, spec)
-        y2 = torch.tensor([float(v) for v in a_line[1:]]).view(6, 96)
+        y2 = torch.tensor([float(v) for v in a_line[1:]]).view(rows, 100)
         assert torch.all((y2 - x @ w_hat.T).abs() <= 1.01 * _bound(x, w_hat) + 1e-5)
         if b_line[0] == "avx512-vnni":  # same integer sums; only the float order differs
-            y5 = torch.tensor([float(v) for v in b_line[1:]]).view(6, 96)
+            y5 = torch.tensor([float(v) for v in b_line[1:]]).view(rows, 100)
             torch.testing.assert_close(y2, y5, rtol=1e-5, atol=1e-5)
 
 

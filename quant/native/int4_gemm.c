@@ -14,6 +14,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define XG 32 /* values per activation scale */
 
@@ -225,6 +228,360 @@ T256 static void rows_256(const uint8_t *codes, const uint16_t *scale, const uin
     ROWS_BODY(halves_256, tile_256, dot_256, 64)
 }
 
+/* Prefill (several x rows): a register-tiled GEMM. Each 32-bit lane of a vector is one weight row, so a lane's
+   int32 sum runs over a whole x group (32 k: eight VPDPBUSD) before one float conversion, where the row kernel
+   above converts every 8 k; weights are unpacked once per MT_GEMM x rows. A lane's four bytes are the portable
+   layout's 32-bit word for k in [8j, 8j + 8): low nibbles the even k, high nibbles the odd k, so the weights need
+   only a transpose of 32-bit words (16 rows x 16 words at a time, per block, into a scratch that stays in L1/L2)
+   and x is deinterleaved per 8 values (4 even, then 4 odd: each half one broadcast 32-bit word). */
+
+#define MT_GEMM 8    /* x rows per pass over a block of 16 weight rows */
+
+typedef struct {
+    int8_t *q;     /* [M][K]: per 8 k, the 4 even then the 4 odd values */
+    float *sx;     /* [M][K/32]: x scale per group of 32 */
+    float *gsum;   /* [M][K/g]: sum of the dequantized x per weight group (the zero term) */
+} prepared_gemm;
+
+T512 static void prepare_gemm_512(const float *x, int M, int K, int g, prepared_gemm *p) {
+    const int groups = K / g;
+    /* output position i of a group of 32 takes input 8t + 2i' (i' = i % 8 < 4) or 8t + 2(i' - 4) + 1 */
+    const __m512i lo_idx = _mm512_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+    const __m512i hi_idx = _mm512_setr_epi32(16, 18, 20, 22, 17, 19, 21, 23, 24, 26, 28, 30, 25, 27, 29, 31);
+    for (int m = 0; m < M; m++) {
+        const float *xm = x + (size_t)m * K;
+        int8_t *qm = p->q + (size_t)m * K;
+        float *sx = p->sx + (size_t)m * (K / XG), *gs = p->gsum + (size_t)m * groups;
+        for (int G = 0; G < groups; G++) gs[G] = 0.f;
+        for (int b = 0; b < K / XG; b++) {
+            __m512 a = _mm512_loadu_ps(xm + b * XG), c = _mm512_loadu_ps(xm + b * XG + 16);
+            float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+            float s = amax / 127.f, inv = s > 0.f ? 1.f / s : 0.f;
+            __m512 vi = _mm512_set1_ps(inv);
+            __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_permutex2var_ps(a, lo_idx, c), vi));
+            __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_permutex2var_ps(a, hi_idx, c), vi));
+            _mm_storeu_si128((__m128i *)(qm + b * XG), _mm512_cvtsepi32_epi8(q0));
+            _mm_storeu_si128((__m128i *)(qm + b * XG + 16), _mm512_cvtsepi32_epi8(q1));
+            sx[b] = s;
+            gs[b * XG / g] += s * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        }
+    }
+}
+
+/* 16 x 16 transpose of 32-bit words: r[i] holds row i's words; afterwards r[j] holds word j of rows 0..15. */
+T512 static inline __attribute__((always_inline)) void transpose16_512(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    /* now r[4a + b] holds, in its 128-bit lane L, word 4L + b of rows 4a..4a+3: move the 128-bit lanes across a */
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+        r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+        r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+    }
+}
+
+/* Rows n0..n0+15 (rows past N read as zero) into the scratch: words [K/8][16], scales and zeros [K/g][16] fp32. */
+T512 static void block_512(const uint8_t *codes, const uint16_t *scale, const uint16_t *zero, int n0, int N, int K,
+                           int g, uint32_t *wt, float *swt, float *zwt) {
+    const int words = K / 8, groups = K / g, valid = N - n0 < 16 ? N - n0 : 16;
+    for (int j0 = 0; j0 < words; j0 += 16) {
+        __m512i r[16];
+        for (int i = 0; i < 16; i++)
+            r[i] = i < valid ? _mm512_loadu_si512(codes + (size_t)(n0 + i) * (K / 2) + 4 * j0) : _mm512_setzero_si512();
+        transpose16_512(r);
+        for (int j = 0; j < 16; j++) _mm512_storeu_si512(wt + (size_t)(j0 + j) * 16, r[j]);
+    }
+    /* scales and zeros: each row's fp16 groups to fp32 (16 at a time), then 16 x 16 transposes into group-major */
+    for (int G0 = 0; G0 < groups; G0 += 16) {
+        const int count = groups - G0 < 16 ? groups - G0 : 16;
+        const __mmask16 k = (__mmask16)((1u << count) - 1);
+        for (int which = 0; which < 2; which++) {
+            const uint16_t *src = which ? zero : scale;
+            float *dst = which ? zwt : swt;
+            __m512i r[16];
+            for (int i = 0; i < 16; i++)
+                r[i] = i < valid ? _mm512_castps_si512(_mm512_cvtph_ps(
+                                       _mm256_maskz_loadu_epi16(k, src + (size_t)(n0 + i) * groups + G0)))
+                                 : _mm512_setzero_si512();
+            transpose16_512(r);
+            for (int G = 0; G < count; G++) _mm512_storeu_si512(dst + (size_t)(G0 + G) * 16, r[G]);
+        }
+    }
+}
+
+/* ``mt`` (a constant after inlining) x rows from m0 against the block in the scratch: y[m0 + i][n0 .. n0 + 15]. */
+T512 static inline __attribute__((always_inline)) void gemm_tile_512(const uint32_t *wt, const float *swt,
+                                                                      const float *zwt, int K, int gshift,
+                                                                      const prepared_gemm *p, int m0, int mt,
+                                                                      float *y, int N, int n0) {
+    const __m512i mask = _mm512_set1_epi8(0x0f);
+    const int groups = K >> gshift, xgroups = K / XG;
+    __m512 acc[MT_GEMM];
+    const int8_t *xq[MT_GEMM];
+    for (int i = 0; i < mt; i++) {
+        acc[i] = _mm512_setzero_ps();
+        xq[i] = p->q + (size_t)(m0 + i) * K;
+    }
+    for (int b = 0; b < xgroups; b++) {
+        __m512i ae[MT_GEMM], ao[MT_GEMM]; /* even and odd k apart: twice the independent VPDPBUSD chains */
+        for (int i = 0; i < mt; i++) ae[i] = ao[i] = _mm512_setzero_si512();
+        for (int jj = 0; jj < 4; jj++) {
+            const int j = 4 * b + jj;
+            __m512i v = _mm512_loadu_si512(wt + (size_t)j * 16);
+            __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+            for (int i = 0; i < mt; i++) {
+                int32_t e, o;
+                memcpy(&e, xq[i] + 8 * j, 4);
+                memcpy(&o, xq[i] + 8 * j + 4, 4);
+                ae[i] = _mm512_dpbusd_epi32(ae[i], lo, _mm512_set1_epi32(e));
+                ao[i] = _mm512_dpbusd_epi32(ao[i], hi, _mm512_set1_epi32(o));
+            }
+        }
+        __m512 s = _mm512_loadu_ps(swt + ((b * XG) >> gshift) * 16);
+        for (int i = 0; i < mt; i++)
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ae[i], ao[i])),
+                                     _mm512_mul_ps(s, _mm512_set1_ps(p->sx[(size_t)(m0 + i) * xgroups + b])), acc[i]);
+    }
+    for (int G = 0; G < groups; G++) {
+        __m512 z = _mm512_loadu_ps(zwt + G * 16);
+        for (int i = 0; i < mt; i++)
+            acc[i] = _mm512_fmadd_ps(z, _mm512_set1_ps(p->gsum[(size_t)(m0 + i) * groups + G]), acc[i]);
+    }
+    const __mmask16 keep = N - n0 >= 16 ? 0xffff : (__mmask16)((1u << (N - n0)) - 1);
+    for (int i = 0; i < mt; i++) _mm512_mask_storeu_ps(y + (size_t)(m0 + i) * N + n0, keep, acc[i]);
+}
+
+T512 static void gemm_rows_512(const uint8_t *codes, const uint16_t *scale, const uint16_t *zero, int t0, int t1,
+                               int N, int K, int g, const prepared_gemm *p, int M, float *y, uint32_t *wt,
+                               float *swt, float *zwt) {
+    const int gshift = __builtin_ctz(g);
+    for (int t = t0; t < t1; t++) {
+        const int n0 = t * 16;
+        block_512(codes, scale, zero, n0, N, K, g, wt, swt, zwt);
+        for (int m0 = 0; m0 < M; m0 += MT_GEMM) {
+            switch (M - m0 < MT_GEMM ? M - m0 : MT_GEMM) { /* a constant tile per case: accumulators in registers */
+            case 8: gemm_tile_512(wt, swt, zwt, K, gshift, p, m0, 8, y, N, n0); break;
+            case 7: gemm_tile_512(wt, swt, zwt, K, gshift, p, m0, 7, y, N, n0); break;
+            case 6: gemm_tile_512(wt, swt, zwt, K, gshift, p, m0, 6, y, N, n0); break;
+            case 5: gemm_tile_512(wt, swt, zwt, K, gshift, p, m0, 5, y, N, n0); break;
+            case 4: gemm_tile_512(wt, swt, zwt, K, gshift, p, m0, 4, y, N, n0); break;
+            case 3: gemm_tile_512(wt, swt, zwt, K, gshift, p, m0, 3, y, N, n0); break;
+            case 2: gemm_tile_512(wt, swt, zwt, K, gshift, p, m0, 2, y, N, n0); break;
+            default: gemm_tile_512(wt, swt, zwt, K, gshift, p, m0, 1, y, N, n0); break;
+            }
+        }
+    }
+}
+
+/* The same GEMM on AVX2 (AMD hosts without AVX-512): 8 weight rows a vector; VPMADDUBSW's int16 pair sums of a
+   whole x group stay below 2^15 (8 x 2 x 15 x 127 = 30480), so one VPMADDWD per group turns them into int32. */
+
+#define MT_GEMM_256 4 /* x rows per pass: 16 ymm registers hold 2 per row and the weights */
+
+/* prepare_gemm_512's numbers without AVX-512 (lrintf rounds to nearest even as cvtps does). */
+static void prepare_gemm(const float *x, int M, int K, int g, prepared_gemm *p) {
+    const int groups = K / g;
+    for (int m = 0; m < M; m++) {
+        const float *xm = x + (size_t)m * K;
+        int8_t *qm = p->q + (size_t)m * K;
+        float *sx = p->sx + (size_t)m * (K / XG), *gs = p->gsum + (size_t)m * groups;
+        for (int G = 0; G < groups; G++) gs[G] = 0.f;
+        for (int b = 0; b < K / XG; b++) {
+            const float *xb = xm + b * XG;
+            float amax = 0.f;
+            for (int i = 0; i < XG; i++) amax = fmaxf(amax, fabsf(xb[i]));
+            float s = amax / 127.f, inv = s > 0.f ? 1.f / s : 0.f;
+            int qsum = 0;
+            for (int t = 0; t < XG / 8; t++)
+                for (int i = 0; i < 4; i++) {
+                    int8_t e = (int8_t)lrintf(xb[8 * t + 2 * i] * inv), o = (int8_t)lrintf(xb[8 * t + 2 * i + 1] * inv);
+                    qm[b * XG + 8 * t + i] = e;
+                    qm[b * XG + 8 * t + 4 + i] = o;
+                    qsum += e + o;
+                }
+            sx[b] = s;
+            gs[b * XG / g] += s * (float)qsum;
+        }
+    }
+}
+
+/* 8 x 8 transpose of 32-bit words, as transpose16_512. */
+T256 static inline __attribute__((always_inline)) void transpose8_256(__m256i r[8]) {
+    __m256i t[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        r[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm256_permute2x128_si256(r[i], r[i + 4], 0x20);
+        t[i + 4] = _mm256_permute2x128_si256(r[i], r[i + 4], 0x31);
+    }
+    for (int i = 0; i < 8; i++) r[i] = t[i];
+}
+
+T256 static void block_256(const uint8_t *codes, const uint16_t *scale, const uint16_t *zero, int n0, int N, int K,
+                           int g, uint32_t *wt, float *swt, float *zwt) {
+    const int words = K / 8, groups = K / g, valid = N - n0 < 8 ? N - n0 : 8;
+    for (int j0 = 0; j0 < words; j0 += 8) {
+        __m256i r[8];
+        for (int i = 0; i < 8; i++)
+            r[i] = i < valid ? _mm256_loadu_si256((const __m256i *)(codes + (size_t)(n0 + i) * (K / 2) + 4 * j0))
+                             : _mm256_setzero_si256();
+        transpose8_256(r);
+        for (int j = 0; j < 8; j++) _mm256_storeu_si256((__m256i *)(wt + (size_t)(j0 + j) * 8), r[j]);
+    }
+    for (int G0 = 0; G0 < groups; G0 += 8) { /* as block_512: per row to fp32, then 8 x 8 transposes */
+        const int count = groups - G0 < 8 ? groups - G0 : 8;
+        for (int which = 0; which < 2; which++) {
+            const uint16_t *src = which ? zero : scale;
+            float *dst = which ? zwt : swt;
+            __m256i r[8];
+            for (int i = 0; i < 8; i++) {
+                uint16_t h[8] = {0};
+                if (i < valid) memcpy(h, src + (size_t)(n0 + i) * groups + G0, 2 * (size_t)count);
+                r[i] = _mm256_castps_si256(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)));
+            }
+            transpose8_256(r);
+            for (int G = 0; G < count; G++) _mm256_storeu_si256((__m256i *)(dst + (size_t)(G0 + G) * 8), r[G]);
+        }
+    }
+}
+
+T256 static inline __attribute__((always_inline)) void gemm_tile_256(const uint32_t *wt, const float *swt,
+                                                                      const float *zwt, int K, int gshift,
+                                                                      const prepared_gemm *p, int m0, int mt,
+                                                                      float *y, int N, int n0) {
+    const __m256i mask = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const int groups = K >> gshift, xgroups = K / XG;
+    __m256 acc[MT_GEMM_256];
+    for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
+    for (int b = 0; b < xgroups; b++) {
+        __m256i a16[MT_GEMM_256];
+        for (int i = 0; i < mt; i++) a16[i] = _mm256_setzero_si256();
+        for (int jj = 0; jj < 4; jj++) {
+            const int j = 4 * b + jj;
+            __m256i v = _mm256_loadu_si256((const __m256i *)(wt + (size_t)j * 8));
+            __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+            for (int i = 0; i < mt; i++) {
+                int32_t e, o;
+                const int8_t *q = p->q + (size_t)(m0 + i) * K + 8 * j;
+                memcpy(&e, q, 4);
+                memcpy(&o, q + 4, 4);
+                a16[i] = _mm256_add_epi16(a16[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(e)),
+                                                                   _mm256_maddubs_epi16(hi, _mm256_set1_epi32(o))));
+            }
+        }
+        __m256 s = _mm256_loadu_ps(swt + ((b * XG) >> gshift) * 8);
+        for (int i = 0; i < mt; i++)
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a16[i], ones)),
+                                     _mm256_mul_ps(s, _mm256_set1_ps(p->sx[(size_t)(m0 + i) * xgroups + b])), acc[i]);
+    }
+    for (int G = 0; G < groups; G++) {
+        __m256 z = _mm256_loadu_ps(zwt + G * 8);
+        for (int i = 0; i < mt; i++)
+            acc[i] = _mm256_fmadd_ps(z, _mm256_set1_ps(p->gsum[(size_t)(m0 + i) * groups + G]), acc[i]);
+    }
+    for (int i = 0; i < mt; i++) {
+        float *out = y + (size_t)(m0 + i) * N + n0;
+        if (N - n0 >= 8) {
+            _mm256_storeu_ps(out, acc[i]);
+        } else {
+            float tmp[8];
+            _mm256_storeu_ps(tmp, acc[i]);
+            for (int c = 0; c < N - n0; c++) out[c] = tmp[c];
+        }
+    }
+}
+
+T256 static void gemm_rows_256(const uint8_t *codes, const uint16_t *scale, const uint16_t *zero, int t0, int t1,
+                               int N, int K, int g, const prepared_gemm *p, int M, float *y, uint32_t *wt,
+                               float *swt, float *zwt) {
+    const int gshift = __builtin_ctz(g);
+    for (int t = t0; t < t1; t++) {
+        const int n0 = t * 8;
+        block_256(codes, scale, zero, n0, N, K, g, wt, swt, zwt);
+        for (int m0 = 0; m0 < M; m0 += MT_GEMM_256) {
+            switch (M - m0 < MT_GEMM_256 ? M - m0 : MT_GEMM_256) {
+            case 4: gemm_tile_256(wt, swt, zwt, K, gshift, p, m0, 4, y, N, n0); break;
+            case 3: gemm_tile_256(wt, swt, zwt, K, gshift, p, m0, 3, y, N, n0); break;
+            case 2: gemm_tile_256(wt, swt, zwt, K, gshift, p, m0, 2, y, N, n0); break;
+            default: gemm_tile_256(wt, swt, zwt, K, gshift, p, m0, 1, y, N, n0); break;
+            }
+        }
+    }
+}
+
+/* The tiled GEMM for either instruction set: x prepared once, then each thread a contiguous run of row blocks
+   (as schedule(static) would split them), with its own scratch for the block being multiplied. */
+static int gemm_tiled(const uint8_t *codes, const uint16_t *scale, const uint16_t *zero, int N, int K, int g,
+                      const float *x, int M, float *y, int threads, int isa) {
+    prepared_gemm p;
+    const int width = isa == 2 ? 16 : 8, groups = K / g, tasks = (N + width - 1) / width;
+    p.q = malloc((size_t)M * K);
+    p.sx = malloc(sizeof(float) * (size_t)M * (K / XG));
+    p.gsum = malloc(sizeof(float) * (size_t)M * groups);
+    const size_t words = (size_t)K / 8 * width * 4, scratch = words + sizeof(float) * 2 * width * (size_t)groups;
+    int failed = !p.q || !p.sx || !p.gsum;
+    if (!failed) {
+        if (isa == 2)
+            prepare_gemm_512(x, M, K, g, &p);
+        else
+            prepare_gemm(x, M, K, g, &p);
+        int nt = threads > 1 && tasks > 1 ? (threads < tasks ? threads : tasks) : 1;
+#pragma omp parallel num_threads(nt) if (nt > 1) reduction(| : failed)
+        {
+            uint8_t *buf = aligned_alloc(64, (scratch + 63) & ~(size_t)63);
+            if (!buf) {
+                failed = 1;
+            } else {
+#ifdef _OPENMP
+                int me = omp_get_thread_num(), all = omp_get_num_threads();
+#else
+                int me = 0, all = 1;
+#endif
+                int t0 = (int)((long)tasks * me / all), t1 = (int)((long)tasks * (me + 1) / all);
+                float *swt = (float *)(buf + words), *zwt = swt + width * (size_t)groups;
+                if (isa == 2)
+                    gemm_rows_512(codes, scale, zero, t0, t1, N, K, g, &p, M, y, (uint32_t *)buf, swt, zwt);
+                else
+                    gemm_rows_256(codes, scale, zero, t0, t1, N, K, g, &p, M, y, (uint32_t *)buf, swt, zwt);
+                free(buf);
+            }
+        }
+    }
+    free(p.q); free(p.sx); free(p.gsum);
+    return failed ? -1 : 0;
+}
+
+/* From how many x rows on the tiled GEMM beats the row kernel, timed on 1408x2048 to 4096x14336 matrices at one
+   thread (scripts/bench_kernels.py): AVX-512 from 3 rows (1.1-1.9x at 3-4 rows, 1.7-3.1x at 16-64), AVX2 from 8
+   (1.1-1.3x at 8, 1.4-1.7x at 16-64). 0: these defaults; fe_int4_set_gemm_min_rows overrides them. */
+static int gemm_min_rows = 0;
+
+void fe_int4_set_gemm_min_rows(int rows) { gemm_min_rows = rows; }
+
 /* 2: AVX512-VNNI, 1: AVX2, 0: neither (the caller uses another kernel). */
 int fe_int4_isa(void) {
     __builtin_cpu_init();
@@ -239,6 +596,8 @@ int fe_int4_isa(void) {
 int fe_int4_gemm(const uint8_t *codes, const uint16_t *scale, const uint16_t *zero, int N, int K, int g,
                  const float *x, int M, float *y, int threads, int isa) {
     if (K % 128 || (g != 32 && g != 64 && g != 128) || M <= 0 || N <= 0 || isa <= 0) return -1;
+    if (M >= (gemm_min_rows > 0 ? gemm_min_rows : isa == 2 ? 3 : 8))
+        return gemm_tiled(codes, scale, zero, N, K, g, x, M, y, threads, isa);
     int chunk = isa == 2 ? 128 : 64;
     prepared p;
     p.q = malloc((size_t)M * K);
