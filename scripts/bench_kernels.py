@@ -3,7 +3,8 @@
 Kernels: torch fp32 and bf16 dense, torch int8 ``_weight_int8pack_mm`` (per-channel scales, bf16
 activations), torch int4 ``_weight_int4pack_mm_for_cpu`` (through ``quant.linear.QuantizedLinear``, bf16
 activations, group 64), fate-edge's own int4 kernel (``quant.native``: int8 activations per 32 values, int8 dot
-products on the portable layout; only where K is a multiple of 128), onnxruntime ``MatMulNBits`` 4-bit
+products on the portable layout; only where K is a multiple of 128; ``int4-native-rows``: the same kernel
+held to its row path, to show what its tiled prefill GEMM gains), onnxruntime ``MatMulNBits`` 4-bit
 (``quant.ort``: group 64, integer zero points,
 accuracy_level 4: int8 activations inside the kernel), and the dequantize-then-matmul
 fallback (``QuantizedLinear`` kernel ``dequant``, fp32, dequantizing on every call as the fallback does).
@@ -31,14 +32,14 @@ import torch
 import torch.nn.functional as F
 from fate_edge.quant import QuantSpec, quantize
 from fate_edge.quant.linear import KERNEL_CHOICES, QuantizedLinear, choose_kernel
-from fate_edge.quant.native import native_isa, native_status, native_supports
+from fate_edge.quant.native import native_isa, native_status, native_supports, set_gemm_min_rows
 from fate_edge.quant.ort import OrtMatMul, int_zero_quantize, ort_available
 
 from fate_edge.report import publish
 
 SHAPES = [(128, 192), (192, 128), (1408, 2048), (2048, 1408)]
 GROUP = 64
-KERNELS = ["fp32", "bf16", "int8", "int4-torch", "int4-native", "int4-ort", "dequant-int4"]
+KERNELS = ["fp32", "bf16", "int8", "int4-torch", "int4-native", "int4-native-rows", "int4-ort", "dequant-int4"]
 
 
 
@@ -60,6 +61,15 @@ def time_call(fn: Callable[[], object], runs: int, sample_ms: float) -> float:
 
 
 # ------------------------------------------------------------------------------------------- kernels
+def _row_kernel_only(lin: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+    """The native kernel with its tiled GEMM switched off: the row kernel at every M (what prefill ran before)."""
+    before = set_gemm_min_rows(1 << 30)
+    try:
+        return lin(x)
+    finally:
+        set_gemm_min_rows(before)
+
+
 def build_kernels(w: torch.Tensor, threads: int) -> tuple[dict[str, Callable[[torch.Tensor], torch.Tensor]], dict]:
     """Callables taking fp32 ``x`` [M, K] (each converts as it must), and notes per kernel."""
     notes: dict[str, str] = {}
@@ -79,7 +89,9 @@ def build_kernels(w: torch.Tensor, threads: int) -> tuple[dict[str, Callable[[to
         "dequant-int4": deq4,
     }
     if native_supports(tuple(w.shape), GROUP, True):
-        kernels["int4-native"] = QuantizedLinear.from_quantized(q4, spec4, kernel="native-int4")
+        native = QuantizedLinear.from_quantized(q4, spec4, kernel="native-int4")
+        kernels["int4-native"] = native
+        kernels["int4-native-rows"] = lambda x: _row_kernel_only(native, x)
     else:
         notes["int4-native"] = f"skipped: {native_status()[1]}" if not native_status()[0] else "K % 128 != 0"
     if ort_available():
@@ -172,8 +184,9 @@ def render(result: dict) -> str:
         f"µs per matmul `x[M,K] @ W[N,K].T`, median of {result['runs']} samples (torch {result['torch']}, "
         f"onnxruntime {result['onnxruntime']}; group {result['group_size']}; `scripts/bench_kernels.py`).",
         "int8/int4-torch take bf16 activations; int4-native is fate-edge's own kernel (" + str(result.get("native"))
-        + "; int8 activations); int4-ort is `MatMulNBits` with accuracy_level 4; dequant-int4 "
-        "unpacks and dequantizes on every call, then an fp32 matmul. Load average during the run: "
+        + "; int8 activations; from a few rows on its register-tiled GEMM), int4-native-rows the same kernel held "
+        "to its row path (what prefill ran before the GEMM); int4-ort is `MatMulNBits` with accuracy_level 4; "
+        "dequant-int4 unpacks and dequantizes on every call, then an fp32 matmul. Load average during the run: "
         + ", ".join(f"{v:.1f}" for v in result["load_average"]) + " on a shared host (2 threads suffer most).",
         "",
         "| threads | N x K | M | " + " | ".join(present)

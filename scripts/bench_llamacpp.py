@@ -94,15 +94,14 @@ def main() -> None:
                          "(compiled at load, before timing; default off)")
     ap.add_argument("--side", action="append", default=None, metavar="NAME",
                     help="run only this side (repeatable; e.g. --side 'fate-edge int4, int4 rest' --side "
-                         "'llama.cpp q4_0'): only the GGUFs those sides need are built; not for --readme")
+                         "'llama.cpp q4_0'): only the GGUFs those sides need are built, and the README "
+                         "table says which ran")
     ap.add_argument("--timeout", type=float, default=900.0, help="per process, seconds")
     ap.add_argument("--json", type=Path, default=Path("bench-out/llamacpp.json"))
     ap.add_argument("--readme", type=Path, default=None, help="rewrite the table between the bench_llamacpp markers")
     args = ap.parse_args()
     sides_set = pick_side_set(args.sides, args.model)
     if args.side:
-        if args.readme:
-            sys.exit("bench_llamacpp: --side runs part of the table; the README gets the full side set only")
         try:
             sides_set = only_sides(sides_set, args.side)
         except ValueError as exc:
@@ -129,7 +128,8 @@ def main() -> None:
     agree = {f"{a} vs {b}": same_tokens(runs, a, b) for a, b in sides_set.pairs}
     tokenization = next((r["tokenization"] for rs in runs.values() for r in rs if "tokenization" in r), None)
     cpu = cpu_model() or platform.processor()
-    header = (f"{model_label(args.model)}, {len(ids)}-token held-out Python prompt (same token ids on both sides), "
+    header = (("Only the sides named with `--side` ran. " if args.side else "")
+              + f"{model_label(args.model)}, {len(ids)}-token held-out Python prompt (same token ids on both sides), "
               f"{args.decode_tokens} greedy decode tokens, {args.threads} threads, median of {args.rounds} "
               f"interleaved rounds of fresh processes; {cpu}, torch {torch.__version__}, llama-cpp-python "
               f"{__import__('llama_cpp').__version__}; load average {load_before[0]} before, {load_after[0]} after, "
