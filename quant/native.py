@@ -74,7 +74,7 @@ def _load() -> None:
     lib.fe_int4_isa.restype = ctypes.c_int
     lib.fe_int4_gemm.restype = ctypes.c_int
     lib.fe_int4_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [
-        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.fe_int4_set_gemm_min_rows.argtypes = [ctypes.c_int]
     isa = lib.fe_int4_isa()
     if os.environ.get("FATE_EDGE_NATIVE") == "avx2":  # the AVX2 path on an AVX-512 host (tests, comparisons)
@@ -143,17 +143,19 @@ class NativeInt4:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n, k = self.shape
         x2 = x.reshape(-1, k)
-        if x2.dtype != torch.float32 or not x2.is_contiguous():
+        bf16 = x2.dtype == torch.bfloat16  # the kernel reads and writes bf16 itself: no conversions around it
+        if not (bf16 or x2.dtype == torch.float32) or not x2.is_contiguous():
             x2 = x2.to(torch.float32).contiguous()
-        y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+        y = torch.empty(x2.shape[0], n, dtype=torch.bfloat16 if bf16 else torch.float32)
         if x2.shape[0]:
             rc = _state["lib"].fe_int4_gemm(  # type: ignore[union-attr]
                 self.codes.data_ptr(), self.scale.data_ptr(), self.zero.data_ptr(), n, k, self.group_size,
-                x2.data_ptr(), x2.shape[0], y.data_ptr(), torch.get_num_threads(), _state["isa"])
+                x2.data_ptr(), int(bf16), x2.shape[0], y.data_ptr(), int(bf16), torch.get_num_threads(),
+                _state["isa"])
             if rc != 0:
                 raise MemoryError(f"native int4 matmul {n}x{k} on {x2.shape[0]} rows: out of memory for its buffers")
         y = y if x.dim() == 2 else y.view(*x.shape[:-1], n)
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     @property
     def nbytes(self) -> int:

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Install the llama.cpp peer (llama-cpp-python) the way this project measured it, and keep its sdist for the
+# Install the llama.cpp peer (llama-cpp-python) the way this project measures it, and keep its sdist for the
 # GGUF converter (fate_edge.bench.gguf unpacks convert_hf_to_gguf.py from it into ~/.cache/fate-edge-peers).
-# Native CPU build with AMX off: the native build crashed in the AMX matmul on q4_0 on the development VM.
-# A wheel already built in ~/.cache/fate-edge-peers/wheels is installed as is (the build takes ~20 min).
+# CPU build with every instruction set this host has except AMX: on these VMs the CPU reports AMX but the tile
+# instructions fault (SIGILL; earlier, a crash in the AMX matmul on q4_0), and GGML_NATIVE=ON turns AMX on through
+# -march=native whatever GGML_AMX_* say. So GGML_NATIVE=OFF and the ISA flags are named one by one.
+# A wheel already built for the same flags in ~/.cache/fate-edge-peers/wheels/<flags hash> is installed as is
+# (the build takes ~20 min on 2 cores).
 set -euo pipefail
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 CACHE="${FATE_EDGE_PEERS_CACHE:-$HOME/.cache/fate-edge-peers}"
@@ -11,11 +14,21 @@ SDIST="$CACHE/wheels/llama_cpp_python-$VERSION.tar.gz"
 if [ ! -f "$SDIST" ]; then
     python -m pip download --no-binary :all: --no-deps "llama-cpp-python==$VERSION" -d "$CACHE/wheels"
 fi
-WHEEL=$(ls "$CACHE"/wheels/llama_cpp_python-"$VERSION"-*.whl 2>/dev/null | head -1 || true)
+flags=$(grep -m1 '^flags' /proc/cpuinfo || true)
+has() { [[ " $flags " == *" $1 "* ]] && echo ON || echo OFF; }
+CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=$(has avx) -DGGML_AVX2=$(has avx2) -DGGML_FMA=$(has fma)"
+CMAKE_ARGS+=" -DGGML_F16C=$(has f16c) -DGGML_BMI2=$(has bmi2) -DGGML_AVX_VNNI=$(has avx_vnni)"
+CMAKE_ARGS+=" -DGGML_AVX512=$(has avx512f) -DGGML_AVX512_VBMI=$(has avx512vbmi)"
+CMAKE_ARGS+=" -DGGML_AVX512_VNNI=$(has avx512_vnni) -DGGML_AVX512_BF16=$(has avx512_bf16)"
+CMAKE_ARGS+=" -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+WHEELS="$CACHE/wheels/$(echo "$VERSION $CMAKE_ARGS" | sha256sum | cut -c1-12)"
+mkdir -p "$WHEELS"
+WHEEL=$(ls "$WHEELS"/llama_cpp_python-"$VERSION"-*.whl 2>/dev/null | head -1 || true)
 if [ -z "$WHEEL" ]; then
-    CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
-        python -m pip wheel --no-deps -w "$CACHE/wheels" "$SDIST"
-    WHEEL=$(ls "$CACHE"/wheels/llama_cpp_python-"$VERSION"-*.whl | head -1)
+    echo "building llama-cpp-python $VERSION with $CMAKE_ARGS"
+    CMAKE_ARGS="$CMAKE_ARGS" python -m pip wheel --no-deps -w "$WHEELS" "$SDIST"
+    WHEEL=$(ls "$WHEELS"/llama_cpp_python-"$VERSION"-*.whl | head -1)
 fi
-python -m pip install "$WHEEL"
-python -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__, 'installed')"
+python -m pip install --force-reinstall --no-deps "$WHEEL"
+python -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__, 'installed:',
+           llama_cpp.llama_print_system_info().decode())"

@@ -71,6 +71,21 @@ def test_tiled_gemm_and_row_kernel_give_the_same_sums(group, n):
         assert torch.all((tiled - x @ w_hat.T).abs() <= 1.01 * _bound(x, w_hat) + 1e-5)
 
 
+@pytest.mark.parametrize("m", [1, 5])
+def test_bf16_activations_give_the_fp32_result_rounded(m):
+    """bf16 x is widened and y rounded to bf16 inside the kernel (no tensor conversions around each call): the
+    result is bit for bit the fp32 call on the widened x, rounded as torch rounds, on the row kernel (1 row) and the
+    tiled GEMM (5 rows); NaN stays NaN."""
+    spec = QuantSpec(4, 64)
+    lin = QuantizedLinear.from_quantized(quantize(_randn((72, 256), 3, 0.05), spec), spec, kernel="native-int4")
+    x = _randn((m, 256), 4).to(torch.bfloat16)
+    y = lin(x)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, lin(x.float()).to(torch.bfloat16))
+    x[0, 0] = float("nan")
+    assert torch.isnan(lin(x)[0]).all()
+
+
 def test_native_relative_error_on_an_expert_shape():
     """Qwen1.5-MoE's expert down projection, 8 tokens: the int8 activations add ~0.5% of the output's RMS."""
     spec = QuantSpec(4, 64)

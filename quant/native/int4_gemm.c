@@ -19,6 +19,8 @@
 #endif
 
 #define XG 32 /* values per activation scale */
+/* nan_scale: a group of x holding a NaN gets a NaN scale (its codes 0), so every output of that row is NaN, as a
+   float matmul's would be; max and the int8 rounding alone would turn it into finite garbage. */
 
 typedef struct {
     int8_t *q;      /* [M][K] deinterleaved per chunk: chunk c holds its even k, then its odd k */
@@ -55,8 +57,12 @@ static void prepare(const float *x, int M, int K, int g, int chunk, prepared *p)
         for (int b = 0; b < K / XG; b++) {
             const float *xb = xm + b * XG;
             float amax = 0.f;
-            for (int i = 0; i < XG; i++) amax = fmaxf(amax, fabsf(xb[i]));
-            float s = amax / 127.f, inv = s > 0.f ? 1.f / s : 0.f;
+            int nan = 0;
+            for (int i = 0; i < XG; i++) {
+                amax = fmaxf(amax, fabsf(xb[i]));
+                nan |= xb[i] != xb[i];
+            }
+            float s = nan ? NAN : amax / 127.f, inv = s > 0.f ? 1.f / s : 0.f; /* NaN: see nan_scale */
             int k0 = b * XG, c0 = k0 - k0 % chunk, r0 = k0 - c0;  /* XG divides chunk: one chunk per x group */
             int8_t *even = qm + c0 + r0 / 2, *odd = qm + c0 + half + r0 / 2;
             int qsum = 0;
@@ -98,7 +104,8 @@ T512 static void prepare_512(const float *x, int M, int K, int g, prepared *p) {
         for (int b = 0; b < K / XG; b++) {
             __m512 a = _mm512_loadu_ps(xm + b * XG), c = _mm512_loadu_ps(xm + b * XG + 16);
             float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
-            float s = amax / 127.f, inv = s > 0.f ? 1.f / s : 0.f;
+            int nan = _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(c, c, _CMP_UNORD_Q);
+            float s = nan ? NAN : amax / 127.f, inv = s > 0.f ? 1.f / s : 0.f; /* NaN: see nan_scale */
             __m512 vi = _mm512_set1_ps(inv);
             __m512i qe = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_permutex2var_ps(a, ev, c), vi));
             __m512i qo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_permutex2var_ps(a, od, c), vi));
@@ -256,7 +263,8 @@ T512 static void prepare_gemm_512(const float *x, int M, int K, int g, prepared_
         for (int b = 0; b < K / XG; b++) {
             __m512 a = _mm512_loadu_ps(xm + b * XG), c = _mm512_loadu_ps(xm + b * XG + 16);
             float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
-            float s = amax / 127.f, inv = s > 0.f ? 1.f / s : 0.f;
+            int nan = _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(c, c, _CMP_UNORD_Q);
+            float s = nan ? NAN : amax / 127.f, inv = s > 0.f ? 1.f / s : 0.f; /* NaN: see nan_scale */
             __m512 vi = _mm512_set1_ps(inv);
             __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_permutex2var_ps(a, lo_idx, c), vi));
             __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_permutex2var_ps(a, hi_idx, c), vi));
@@ -405,8 +413,12 @@ static void prepare_gemm(const float *x, int M, int K, int g, prepared_gemm *p) 
         for (int b = 0; b < K / XG; b++) {
             const float *xb = xm + b * XG;
             float amax = 0.f;
-            for (int i = 0; i < XG; i++) amax = fmaxf(amax, fabsf(xb[i]));
-            float s = amax / 127.f, inv = s > 0.f ? 1.f / s : 0.f;
+            int nan = 0;
+            for (int i = 0; i < XG; i++) {
+                amax = fmaxf(amax, fabsf(xb[i]));
+                nan |= xb[i] != xb[i];
+            }
+            float s = nan ? NAN : amax / 127.f, inv = s > 0.f ? 1.f / s : 0.f; /* NaN: see nan_scale */
             int qsum = 0;
             for (int t = 0; t < XG / 8; t++)
                 for (int i = 0; i < 4; i++) {
@@ -592,10 +604,9 @@ int fe_int4_isa(void) {
     return 0;
 }
 
-/* Returns 0, or -1 for shapes it does not take (K % 128, g not 32/64/128) or an allocation failure. */
-int fe_int4_gemm(const uint8_t *codes, const uint16_t *scale, const uint16_t *zero, int N, int K, int g,
-                 const float *x, int M, float *y, int threads, int isa) {
-    if (K % 128 || (g != 32 && g != 64 && g != 128) || M <= 0 || N <= 0 || isa <= 0) return -1;
+/* fe_int4_gemm on fp32 x and y: the row kernel for few rows, the tiled GEMM from gemm_min_rows on. */
+static int gemm_f32(const uint8_t *codes, const uint16_t *scale, const uint16_t *zero, int N, int K, int g,
+                    const float *x, int M, float *y, int threads, int isa) {
     if (M >= (gemm_min_rows > 0 ? gemm_min_rows : isa == 2 ? 3 : 8))
         return gemm_tiled(codes, scale, zero, N, K, g, x, M, y, threads, isa);
     int chunk = isa == 2 ? 128 : 64;
@@ -623,4 +634,40 @@ int fe_int4_gemm(const uint8_t *codes, const uint16_t *scale, const uint16_t *ze
     }
     free(p.q); free(p.lane_sx); free(p.gsum);
     return 0;
+}
+
+/* bf16 -> fp32 is exact; fp32 -> bf16 rounds to nearest even and keeps NaN a quiet NaN, as torch's .to() does. */
+static void bf16_to_f32(const uint16_t *in, size_t count, float *out) {
+    for (size_t i = 0; i < count; i++) {
+        uint32_t bits = (uint32_t)in[i] << 16;
+        memcpy(out + i, &bits, 4);
+    }
+}
+
+static void f32_to_bf16(const float *in, size_t count, uint16_t *out) {
+    for (size_t i = 0; i < count; i++) {
+        uint32_t bits;
+        memcpy(&bits, in + i, 4);
+        out[i] = (bits & 0x7fffffff) > 0x7f800000 ? (uint16_t)((bits >> 16) | 0x40)
+                                                  : (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+    }
+}
+
+/* y[M, N] = x[M, K] @ W.T; x and y are fp32, or bf16 where x_bf16 / y_bf16 say so (converted here, in one pass,
+   so a bf16 model pays no tensor conversions around each call). Returns 0, or -1 for shapes it does not take
+   (K % 128, g not 32/64/128) or an allocation failure. */
+int fe_int4_gemm(const uint8_t *codes, const uint16_t *scale, const uint16_t *zero, int N, int K, int g,
+                 const void *x, int x_bf16, int M, void *y, int y_bf16, int threads, int isa) {
+    if (K % 128 || (g != 32 && g != 64 && g != 128) || M <= 0 || N <= 0 || isa <= 0) return -1;
+    float *xf = x_bf16 ? malloc(sizeof(float) * (size_t)M * K) : (float *)x;
+    float *yf = y_bf16 ? malloc(sizeof(float) * (size_t)M * N) : (float *)y;
+    int rc = -1;
+    if (xf && yf) {
+        if (x_bf16) bf16_to_f32(x, (size_t)M * K, xf);
+        rc = gemm_f32(codes, scale, zero, N, K, g, xf, M, yf, threads, isa);
+        if (rc == 0 && y_bf16) f32_to_bf16(yf, (size_t)M * N, y);
+    }
+    if (x_bf16) free(xf);
+    if (y_bf16) free(yf);
+    return rc;
 }
