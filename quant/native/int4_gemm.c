@@ -19,8 +19,21 @@
 #endif
 
 #define XG 32 /* values per activation scale */
-/* nan_scale: a group of x holding a NaN gets a NaN scale (its codes 0), so every output of that row is NaN, as a
-   float matmul's would be; max and the int8 rounding alone would turn it into finite garbage. */
+
+/* The int8 scale of a group of 32 x values (max |x| / 127) and its inverse. A group holding a NaN gets a NaN scale
+   (and codes 0), so every output of that row is NaN, as a float matmul's would be; max and the int8 rounding alone
+   would turn it into finite garbage. */
+static inline float x_scale(const float *xb, float *inv) {
+    float amax = 0.f;
+    int nan = 0;
+    for (int i = 0; i < XG; i++) {
+        amax = fmaxf(amax, fabsf(xb[i]));
+        nan |= xb[i] != xb[i];
+    }
+    float s = nan ? NAN : amax / 127.f;
+    *inv = s > 0.f ? 1.f / s : 0.f;
+    return s;
+}
 
 typedef struct {
     int8_t *q;      /* [M][K] deinterleaved per chunk: chunk c holds its even k, then its odd k */
@@ -56,13 +69,7 @@ static void prepare(const float *x, int M, int K, int g, int chunk, prepared *p)
         float *sx = p->lane_sx + (size_t)m * lanes, *gs = p->gsum + (size_t)m * padded;
         for (int b = 0; b < K / XG; b++) {
             const float *xb = xm + b * XG;
-            float amax = 0.f;
-            int nan = 0;
-            for (int i = 0; i < XG; i++) {
-                amax = fmaxf(amax, fabsf(xb[i]));
-                nan |= xb[i] != xb[i];
-            }
-            float s = nan ? NAN : amax / 127.f, inv = s > 0.f ? 1.f / s : 0.f; /* NaN: see nan_scale */
+            float inv, s = x_scale(xb, &inv);
             int k0 = b * XG, c0 = k0 - k0 % chunk, r0 = k0 - c0;  /* XG divides chunk: one chunk per x group */
             int8_t *even = qm + c0 + r0 / 2, *odd = qm + c0 + half + r0 / 2;
             int qsum = 0;
@@ -84,6 +91,15 @@ static void prepare(const float *x, int M, int K, int g, int chunk, prepared *p)
 #define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 #define T256 __attribute__((target("avx2,fma,f16c")))
 
+/* x_scale for a group held in two vectors (a: its first 16 values, c: the rest). */
+T512 static inline float x_scale_512(__m512 a, __m512 c, float *inv) {
+    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+    int nan = _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(c, c, _CMP_UNORD_Q);
+    float s = nan ? NAN : amax / 127.f;
+    *inv = s > 0.f ? 1.f / s : 0.f;
+    return s;
+}
+
 /* fp16 [count] → fp32, zero-padded to a multiple of 16 (the kernels load 16 floats past a chunk's first group). */
 T512 static void halves_512(const uint16_t *h, int count, float *out) {
     for (int j = 0; j < count; j += 16) {
@@ -103,9 +119,7 @@ T512 static void prepare_512(const float *x, int M, int K, int g, prepared *p) {
         float *sx = p->lane_sx + (size_t)m * lanes, *gs = p->gsum + (size_t)m * padded;
         for (int b = 0; b < K / XG; b++) {
             __m512 a = _mm512_loadu_ps(xm + b * XG), c = _mm512_loadu_ps(xm + b * XG + 16);
-            float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
-            int nan = _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(c, c, _CMP_UNORD_Q);
-            float s = nan ? NAN : amax / 127.f, inv = s > 0.f ? 1.f / s : 0.f; /* NaN: see nan_scale */
+            float inv, s = x_scale_512(a, c, &inv);
             __m512 vi = _mm512_set1_ps(inv);
             __m512i qe = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_permutex2var_ps(a, ev, c), vi));
             __m512i qo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_permutex2var_ps(a, od, c), vi));
@@ -262,9 +276,7 @@ T512 static void prepare_gemm_512(const float *x, int M, int K, int g, prepared_
         for (int G = 0; G < groups; G++) gs[G] = 0.f;
         for (int b = 0; b < K / XG; b++) {
             __m512 a = _mm512_loadu_ps(xm + b * XG), c = _mm512_loadu_ps(xm + b * XG + 16);
-            float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
-            int nan = _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(c, c, _CMP_UNORD_Q);
-            float s = nan ? NAN : amax / 127.f, inv = s > 0.f ? 1.f / s : 0.f; /* NaN: see nan_scale */
+            float inv, s = x_scale_512(a, c, &inv);
             __m512 vi = _mm512_set1_ps(inv);
             __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_permutex2var_ps(a, lo_idx, c), vi));
             __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_permutex2var_ps(a, hi_idx, c), vi));
@@ -276,19 +288,24 @@ T512 static void prepare_gemm_512(const float *x, int M, int K, int g, prepared_
     }
 }
 
+/* The first half of a transpose of 32-bit words, for either vector width (P: the intrinsics' prefix): afterwards each
+   128-bit lane of r[4a + b] holds word b of that lane's 4 words in rows 4a..4a+3 (a 4 x 4 transpose per lane). */
+#define TRANSPOSE_4X4_IN_LANES(r, t, n, P)                                                                     \
+    for (int i = 0; i < n; i += 2) {                                                                           \
+        t[i] = P##_unpacklo_epi32(r[i], r[i + 1]);                                                             \
+        t[i + 1] = P##_unpackhi_epi32(r[i], r[i + 1]);                                                         \
+    }                                                                                                          \
+    for (int i = 0; i < n; i += 4) {                                                                           \
+        r[i] = P##_unpacklo_epi64(t[i], t[i + 2]);                                                             \
+        r[i + 1] = P##_unpackhi_epi64(t[i], t[i + 2]);                                                         \
+        r[i + 2] = P##_unpacklo_epi64(t[i + 1], t[i + 3]);                                                     \
+        r[i + 3] = P##_unpackhi_epi64(t[i + 1], t[i + 3]);                                                     \
+    }
+
 /* 16 x 16 transpose of 32-bit words: r[i] holds row i's words; afterwards r[j] holds word j of rows 0..15. */
 T512 static inline __attribute__((always_inline)) void transpose16_512(__m512i r[16]) {
     __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
+    TRANSPOSE_4X4_IN_LANES(r, t, 16, _mm512)
     /* now r[4a + b] holds, in its 128-bit lane L, word 4L + b of rows 4a..4a+3: move the 128-bit lanes across a */
     for (int i = 0; i < 4; i++) {
         t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
@@ -375,26 +392,32 @@ T512 static inline __attribute__((always_inline)) void gemm_tile_512(const uint3
     for (int i = 0; i < mt; i++) _mm512_mask_storeu_ps(y + (size_t)(m0 + i) * N + n0, keep, acc[i]);
 }
 
+/* Row blocks t0..t1 of W (WIDTH rows each) against every x row, for one instruction set (BLOCK, TILE: its helpers;
+   MT: x rows per tile): each block laid into the scratch once, then every x tile against it. The switch gives each
+   tile size its own constant mt, so the accumulators stay in registers (sizes above MT are never reached). */
+#define GEMM_ROWS_BODY(BLOCK, TILE, WIDTH, MT)                                                                 \
+    const int gshift = __builtin_ctz(g);                                                                       \
+    for (int t = t0; t < t1; t++) {                                                                            \
+        const int n0 = t * WIDTH;                                                                              \
+        BLOCK(codes, scale, zero, n0, N, K, g, wt, swt, zwt);                                                  \
+        for (int m0 = 0; m0 < M; m0 += MT) {                                                                   \
+            switch (M - m0 < MT ? M - m0 : MT) {                                                               \
+            case 8: TILE(wt, swt, zwt, K, gshift, p, m0, 8 <= MT ? 8 : 1, y, N, n0); break;                   \
+            case 7: TILE(wt, swt, zwt, K, gshift, p, m0, 7 <= MT ? 7 : 1, y, N, n0); break;                   \
+            case 6: TILE(wt, swt, zwt, K, gshift, p, m0, 6 <= MT ? 6 : 1, y, N, n0); break;                   \
+            case 5: TILE(wt, swt, zwt, K, gshift, p, m0, 5 <= MT ? 5 : 1, y, N, n0); break;                   \
+            case 4: TILE(wt, swt, zwt, K, gshift, p, m0, 4, y, N, n0); break;                                  \
+            case 3: TILE(wt, swt, zwt, K, gshift, p, m0, 3, y, N, n0); break;                                  \
+            case 2: TILE(wt, swt, zwt, K, gshift, p, m0, 2, y, N, n0); break;                                  \
+            default: TILE(wt, swt, zwt, K, gshift, p, m0, 1, y, N, n0); break;                                 \
+            }                                                                                                  \
+        }                                                                                                      \
+    }
+
 T512 static void gemm_rows_512(const uint8_t *codes, const uint16_t *scale, const uint16_t *zero, int t0, int t1,
                                int N, int K, int g, const prepared_gemm *p, int M, float *y, uint32_t *wt,
                                float *swt, float *zwt) {
-    const int gshift = __builtin_ctz(g);
-    for (int t = t0; t < t1; t++) {
-        const int n0 = t * 16;
-        block_512(codes, scale, zero, n0, N, K, g, wt, swt, zwt);
-        for (int m0 = 0; m0 < M; m0 += MT_GEMM) {
-            switch (M - m0 < MT_GEMM ? M - m0 : MT_GEMM) { /* a constant tile per case: accumulators in registers */
-            case 8: gemm_tile_512(wt, swt, zwt, K, gshift, p, m0, 8, y, N, n0); break;
-            case 7: gemm_tile_512(wt, swt, zwt, K, gshift, p, m0, 7, y, N, n0); break;
-            case 6: gemm_tile_512(wt, swt, zwt, K, gshift, p, m0, 6, y, N, n0); break;
-            case 5: gemm_tile_512(wt, swt, zwt, K, gshift, p, m0, 5, y, N, n0); break;
-            case 4: gemm_tile_512(wt, swt, zwt, K, gshift, p, m0, 4, y, N, n0); break;
-            case 3: gemm_tile_512(wt, swt, zwt, K, gshift, p, m0, 3, y, N, n0); break;
-            case 2: gemm_tile_512(wt, swt, zwt, K, gshift, p, m0, 2, y, N, n0); break;
-            default: gemm_tile_512(wt, swt, zwt, K, gshift, p, m0, 1, y, N, n0); break;
-            }
-        }
-    }
+    GEMM_ROWS_BODY(block_512, gemm_tile_512, 16, MT_GEMM)
 }
 
 /* The same GEMM on AVX2 (AMD hosts without AVX-512): 8 weight rows a vector; VPMADDUBSW's int16 pair sums of a
@@ -412,13 +435,7 @@ static void prepare_gemm(const float *x, int M, int K, int g, prepared_gemm *p) 
         for (int G = 0; G < groups; G++) gs[G] = 0.f;
         for (int b = 0; b < K / XG; b++) {
             const float *xb = xm + b * XG;
-            float amax = 0.f;
-            int nan = 0;
-            for (int i = 0; i < XG; i++) {
-                amax = fmaxf(amax, fabsf(xb[i]));
-                nan |= xb[i] != xb[i];
-            }
-            float s = nan ? NAN : amax / 127.f, inv = s > 0.f ? 1.f / s : 0.f; /* NaN: see nan_scale */
+            float inv, s = x_scale(xb, &inv);
             int qsum = 0;
             for (int t = 0; t < XG / 8; t++)
                 for (int i = 0; i < 4; i++) {
@@ -436,16 +453,7 @@ static void prepare_gemm(const float *x, int M, int K, int g, prepared_gemm *p) 
 /* 8 x 8 transpose of 32-bit words, as transpose16_512. */
 T256 static inline __attribute__((always_inline)) void transpose8_256(__m256i r[8]) {
     __m256i t[8];
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) {
-        r[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
+    TRANSPOSE_4X4_IN_LANES(r, t, 8, _mm256)
     for (int i = 0; i < 4; i++) {
         t[i] = _mm256_permute2x128_si256(r[i], r[i + 4], 0x20);
         t[i + 4] = _mm256_permute2x128_si256(r[i], r[i + 4], 0x31);
@@ -530,19 +538,7 @@ T256 static inline __attribute__((always_inline)) void gemm_tile_256(const uint3
 T256 static void gemm_rows_256(const uint8_t *codes, const uint16_t *scale, const uint16_t *zero, int t0, int t1,
                                int N, int K, int g, const prepared_gemm *p, int M, float *y, uint32_t *wt,
                                float *swt, float *zwt) {
-    const int gshift = __builtin_ctz(g);
-    for (int t = t0; t < t1; t++) {
-        const int n0 = t * 8;
-        block_256(codes, scale, zero, n0, N, K, g, wt, swt, zwt);
-        for (int m0 = 0; m0 < M; m0 += MT_GEMM_256) {
-            switch (M - m0 < MT_GEMM_256 ? M - m0 : MT_GEMM_256) {
-            case 4: gemm_tile_256(wt, swt, zwt, K, gshift, p, m0, 4, y, N, n0); break;
-            case 3: gemm_tile_256(wt, swt, zwt, K, gshift, p, m0, 3, y, N, n0); break;
-            case 2: gemm_tile_256(wt, swt, zwt, K, gshift, p, m0, 2, y, N, n0); break;
-            default: gemm_tile_256(wt, swt, zwt, K, gshift, p, m0, 1, y, N, n0); break;
-            }
-        }
-    }
+    GEMM_ROWS_BODY(block_256, gemm_tile_256, 8, MT_GEMM_256)
 }
 
 /* The tiled GEMM for either instruction set: x prepared once, then each thread a contiguous run of row blocks
