@@ -14,7 +14,7 @@ import pytest
 from fate_edge import bundled_model_dir
 from fate_edge.bench import gguf
 from fate_edge.bench.llamacpp import time_tokens
-from fate_edge.bench.threads import competitor_command, start_competitors, stop_competitors
+from fate_edge.bench.threads import competitor_command, run_child, start_competitors, stop_competitors
 
 
 @pytest.fixture
@@ -109,6 +109,15 @@ def test_time_tokens_counts_prefill_and_decode():
     t = time_tokens(iter([5, 6, 7, 8, 9]), n_prompt=10, want=3)
     assert t["tokens"] == [5, 6, 7] and t["prefill_tps"] > 0 and t["decode_tps"] > 0
     assert time_tokens(iter([1]), 4, 3)["decode_tps"] is None
+
+
+@pytest.mark.parametrize("sig, says", [("SIGILL", "an instruction this CPU does not run"),
+                                       ("SIGTERM", "signal SIGTERM")])
+def test_a_child_ended_by_a_signal_is_reported_by_name(sig, says):
+    """A llama.cpp child built for instructions this VM faults on died with 'exit -4: ' and nothing else."""
+    cmd = [sys.executable, "-c", f"import os, signal; os.kill(os.getpid(), signal.{sig})"]
+    error = run_child(cmd, timeout=60)["error"]
+    assert sig in error and says in error
 
 
 def test_competitors_are_bounded_and_killed():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -131,6 +132,18 @@ def measure(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     return run_child(child_command(spec), timeout, child_env(spec))
 
 
+def _why_it_died(returncode: int) -> str:
+    """What a child's exit status says beyond its number: the signal that ended it, and what that usually means."""
+    if returncode in (-9, 137):
+        return " (killed: out of memory under the cap?)"
+    if returncode in (-4, 132):  # SIGILL, as llama.cpp built with AMX died on a VM whose AMX faults
+        return (" (SIGILL: the program used an instruction this CPU does not run; rebuild the peer for this host, "
+                "e.g. scripts/install_llamacpp.sh)")
+    if returncode < 0:
+        return f" (signal {signal.Signals(-returncode).name})" if -returncode in signal.valid_signals() else ""
+    return ""
+
+
 def run_child(cmd: list[str], timeout: float, env: dict[str, str] | None = None, preexec=None) -> dict[str, Any]:
     """Run a measuring child; its last JSON line on stdout, or {"error": ...} naming how it failed."""
     try:
@@ -140,8 +153,7 @@ def run_child(cmd: list[str], timeout: float, env: dict[str, str] | None = None,
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
-        killed = " (killed: out of memory under the cap?)" if proc.returncode in (-9, 137) else ""
-        return {"error": f"exit {proc.returncode}{killed}: {tail}"}
+        return {"error": f"exit {proc.returncode}{_why_it_died(proc.returncode)}: {tail}"}
     return json.loads(lines[-1])
 
 
