@@ -51,6 +51,9 @@ def _build(src: bytes, cc: str) -> Path:
         if done.returncode != 0:
             raise RuntimeError(f"`{' '.join(cmd)}` failed: {done.stderr.strip()[-400:]}")
         os.replace(out, lib)  # atomic: a concurrent build of the same source writes the same bytes
+    for old in lib.parent.glob("int4_gemm-*.so"):  # builds of older sources: one per upgrade would pile up
+        if old != lib:
+            old.unlink(missing_ok=True)  # a process that loaded it keeps its mapping
     return lib
 
 

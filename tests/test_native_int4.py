@@ -278,3 +278,15 @@ def test_int8_linear_takes_widths_torchs_int8_kernel_crashes_on():
         x = _randn((16, k), 1)
         ref = x @ (codes.float() * scale.float()[:, None]).T
         torch.testing.assert_close(Int8Linear(codes, scale)(x), ref, rtol=0.02, atol=0.02)
+
+
+def test_a_new_build_removes_the_libraries_of_older_sources(tmp_path):
+    """Each source version builds its own library (keyed by its hash); the older ones are removed, not piled up."""
+    native_dir = tmp_path / "native"
+    native_dir.mkdir()
+    (native_dir / "int4_gemm-0123456789abcdef.so").write_bytes(b"an older build")
+    out = _run({"FATE_EDGE_CACHE": str(tmp_path)}, "from fate_edge.quant.native import native_status; "
+                                                   "print(native_status()[0])")
+    assert out == "True"
+    assert [p.name for p in native_dir.glob("*.so")] != ["int4_gemm-0123456789abcdef.so"]
+    assert len(list(native_dir.glob("int4_gemm-*.so"))) == 1
