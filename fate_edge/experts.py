@@ -87,9 +87,10 @@ class QuantizedExpert:
         if (self.gate_up is None and g.native is not None and u.native is not None and g.spec == u.spec
                 and self.down.native is not None):  # the portable layout keeps rows apart too
             gate_up = QuantizedLinear.from_native(*(torch.cat([a, b]) for a, b in zip(g.native.parts, u.native.parts)),
-                                                  g.spec)
-            return QuantizedExpert(None, None, QuantizedLinear.from_native(*(t.clone() for t in self.down.native.parts),
-                                                                           g.spec), gate_up=gate_up)
+                                                  g.spec, in_features=g.shape[1])
+            down = QuantizedLinear.from_native(*(t.clone() for t in self.down.native.parts), g.spec,
+                                               in_features=self.down.shape[1])
+            return QuantizedExpert(None, None, down, gate_up=gate_up)
         if self.gate_up is not None or not self.takes_bf16 or g.spec != u.spec or g.packed.device.type != "cpu":
             return self
         packed = torch.cat([g.packed, u.packed])

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from fate_edge.quant import QuantSpec, quantize
 from fate_edge.quant.int8 import Int8Linear, quantize_int8
 from fate_edge.quant.linear import QuantizedLinear, default_kernel, int4_supported
+from fate_edge.quant.native import padded_in_features
 from fate_edge.quant.pack import pack
 
 from .arch.base import ModelConfig
@@ -121,7 +122,8 @@ def _quantized(w: Weights, key: str) -> tuple[Any, list[int]] | None:
         return Int8Linear(w[f"{key}.int8"], w[f"{key}.int8_scale"]), w[f"{key}.sizes"].tolist()
     if f"{key}.nint4" in w:
         spec = QuantSpec(4, int(w[f"{key}.int4_group"]))
-        lin = QuantizedLinear.from_native(w[f"{key}.nint4"], w[f"{key}.nint4_scale"], w[f"{key}.nint4_zero"], spec)
+        lin = QuantizedLinear.from_native(w[f"{key}.nint4"], w[f"{key}.nint4_scale"], w[f"{key}.nint4_zero"], spec,
+                                          in_features=int(w[f"{key}.in_features"]))
         return lin, w[f"{key}.sizes"].tolist()
     if f"{key}.int4" in w:
         spec = QuantSpec(4, int(w[f"{key}.int4_group"]))
@@ -231,11 +233,14 @@ def quantize_group(w: Weights, names: list[str], bits: int) -> None:
     parts = [w[f"{n}.weight"] for n in names]
     full = parts[0] if len(parts) == 1 else torch.cat(parts)  # lm_head alone: no copy
     rows, group = full.shape[0], _int4_group(full.shape[1])
-    if _native_kernel(tuple(full.shape), bits, full.device):  # any row count: no padding
-        spec = QuantSpec(4, group)
+    if _native_kernel(tuple(full.shape), bits, full.device):  # any row count; K padded to the kernel's 128
+        spec, k = QuantSpec(4, group), full.shape[1]
+        if padded_in_features(k) != k:  # zero columns quantize to zero weights (DeepSeek's dense down_proj)
+            full = torch.cat([full, full.new_zeros(rows, padded_in_features(k) - k)], dim=1)
         q = quantize(full, spec)
         dict.update(w, {f"{key}.nint4": pack(q.codes, 4), f"{key}.nint4_scale": q.scale,
-                        f"{key}.nint4_zero": q.zero, f"{key}.int4_group": torch.tensor(group)})
+                        f"{key}.nint4_zero": q.zero, f"{key}.int4_group": torch.tensor(group),
+                        f"{key}.in_features": torch.tensor(k)})
     elif _int4_kernel(_padded(tuple(full.shape)), bits, full.device):
         spec = QuantSpec(4, group)
         if rows % _INT4_ROWS:  # Qwen's shared expert: gate + up + its 1-row gate; zero rows, cut off in _quantized
@@ -262,7 +267,7 @@ def _padded(shape: tuple[int, int]) -> tuple[int, int]:
 def _native_kernel(shape: tuple[int, int], bits: int, device: torch.device) -> bool:
     group = _int4_group(shape[1])
     return (bits == 4 and group is not None
-            and default_kernel(shape, QuantSpec(4, group), device) == "native-int4")
+            and default_kernel(shape, QuantSpec(4, group), device, copies=True) == "native-int4")
 
 
 def _int4_kernel(shape: tuple[int, int], bits: int, device: torch.device) -> bool:
@@ -274,8 +279,9 @@ def quantized_group_bytes(shape: tuple[int, int], members: int, bits: int) -> in
     """Bytes :func:`quantize_group` leaves for a fused [N, K] group of ``members`` linears on the CPU: int4 codes
     (N*K/2) + bf16 scale and zero per group of K, or int8 codes + a bf16 scale per row; plus the int64
     bookkeeping (member sizes, the int4 group)."""
-    if _native_kernel(shape, bits, torch.device("cpu")):  # codes, fp16 scale and zero; no padded rows
-        return shape[0] * shape[1] // 2 + (shape[1] // _int4_group(shape[1])) * shape[0] * 2 * 2 + 8 + 8 * members
+    if _native_kernel(shape, bits, torch.device("cpu")):  # codes, fp16 scale and zero of K padded; no padded rows
+        k = padded_in_features(shape[1])
+        return shape[0] * k // 2 + (k // _int4_group(shape[1])) * shape[0] * 2 * 2 + 8 + 8 + 8 * members
     n, k = _padded(shape)
     if _int4_kernel((n, k), bits, torch.device("cpu")):
         return n * k // 2 + (k // _int4_group(k)) * n * 2 * 2 + 8 + 8 * members

@@ -78,7 +78,7 @@ class QuantizedLinear:
         device = torch.device(device)
         shape = tuple(q.codes.shape)
         if kernel is None:
-            kernel = default_kernel(shape, spec, device)
+            kernel = default_kernel(shape, spec, device, copies=True)
         KERNEL_CHOICES[(spec.bits, shape, device.type)] = kernel
         if kernel == "native-int4":
             return cls._native(pack(q.codes, 4), q.scale, q.zero, spec, shape)
@@ -91,19 +91,20 @@ class QuantizedLinear:
         raise ValueError(f"unknown kernel '{kernel}' (native-int4, torch-int4 or dequant)")
 
     @classmethod
-    def from_native(cls, codes4: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, spec: QuantSpec
-                    ) -> QuantizedLinear:
-        """Wrap a matrix in the native kernel's layout (:attr:`NativeInt4.parts`: 4-bit codes, fp16 scale, zero)."""
-        shape = (codes4.shape[0], codes4.shape[1] * 2)
+    def from_native(cls, codes4: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, spec: QuantSpec,
+                    in_features: int | None = None) -> QuantizedLinear:
+        """Wrap a matrix in the native kernel's layout (:attr:`NativeInt4.parts`: 4-bit codes, fp16 scale, zero);
+        ``in_features``: K of x where the parts carry zero columns past it (default: the codes' K)."""
+        shape = (codes4.shape[0], in_features or codes4.shape[1] * 2)
         KERNEL_CHOICES[(spec.bits, shape, "cpu")] = "native-int4"
         return cls._native(codes4, scale, zero, spec, shape)
 
     @classmethod
     def _native(cls, codes4: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, spec: QuantSpec,
                 shape: tuple[int, int]) -> QuantizedLinear:
-        if zero is None or spec.bits > 4 or not native_supports(shape, spec.group_size, spec.asymmetric):
+        if zero is None or spec.bits > 4 or not native_supports(shape, spec.group_size, spec.asymmetric, pad=True):
             raise ValueError(f"native-int4 does not take a {shape[0]}x{shape[1]} matrix with {spec}")
-        lin = NativeInt4(codes4, scale, zero, spec.group_size)
+        lin = NativeInt4(codes4, scale, zero, spec.group_size, in_features=shape[1])
         return cls(spec, shape, "native-int4", lin.codes, native=lin)
 
     @classmethod
@@ -217,12 +218,14 @@ def _block_pack(codes: torch.Tensor, rows: int) -> torch.Tensor:
     return out
 
 
-def default_kernel(shape: tuple[int, int], spec: QuantSpec, device: torch.device | str) -> str:
-    """The kernel stored codes get without timing: native-int4 on AVX512-VNNI CPUs (measured ~1.9x torch-int4 at one
-    row, ~1.3x at 8), else torch's int4 kernel where it takes the shape, else dequantize-then-matmul."""
+def default_kernel(shape: tuple[int, int], spec: QuantSpec, device: torch.device | str, copies: bool = False) -> str:
+    """The kernel codes get without timing: native-int4 on AVX512-VNNI CPUs (measured ~1.9x torch-int4 at one row,
+    ~1.3x at 8 with its row kernel, 2-3x from 8 rows on with its tiled GEMM), else torch's int4 kernel where it takes
+    the shape, else dequantize-then-matmul. ``copies``: the codes are a fresh copy (quantized in memory, not views
+    of a stored blob), so native may pad a K that is not a multiple of 128."""
     device = torch.device(device)
     if (device.type == "cpu" and spec.bits <= 4 and native_isa() == "avx512-vnni"
-            and native_supports(shape, spec.group_size, spec.asymmetric)):
+            and native_supports(shape, spec.group_size, spec.asymmetric, pad=copies)):
         return "native-int4"
     return "torch-int4" if int4_supported(shape, spec, device) else "dequant"
 
@@ -242,7 +245,7 @@ def candidate_kernels(shape: tuple[int, int], spec: QuantSpec, device: torch.dev
     """Kernels that can compute a ``shape`` matrix quantized with ``spec`` on ``device``."""
     out = ["torch-int4" if int4_supported(shape, spec, device) else "dequant"]
     n, k = shape
-    if device.type == "cpu" and spec.bits <= 4 and native_supports(shape, spec.group_size, spec.asymmetric):
+    if device.type == "cpu" and spec.bits <= 4 and native_supports(shape, spec.group_size, spec.asymmetric, pad=True):
         out.append("native-int4")
     # onnxruntime keeps its prepacked copy beside the weights (~1.8x the int4 bytes, measured): where fate-edge's
     # own kernel takes the shape, it is not worth that memory on a memory-bound device.

@@ -290,3 +290,44 @@ def test_a_new_build_removes_the_libraries_of_older_sources(tmp_path):
     assert out == "True"
     assert [p.name for p in native_dir.glob("*.so")] != ["int4_gemm-0123456789abcdef.so"]
     assert len(list(native_dir.glob("int4_gemm-*.so"))) == 1
+
+
+def test_a_k_of_whole_groups_is_padded_to_the_kernels_128():
+    """K = 1088 (17 groups of 64, like DeepSeek-V2-Lite's dense down_proj, K = 10944): zero columns up to 1152 let
+    the native kernel take it, on both paths and in bf16, where torch's int4 kernel ran at a third of its speed."""
+    spec = QuantSpec(4, 64)
+    q = quantize(_randn((80, 1088), 11, 0.05), spec)
+    w_hat = dequantize(q, spec)
+    assert default_kernel((80, 1088), spec, "cpu", copies=True) == default_kernel((80, 1024), spec, "cpu")
+    lin = QuantizedLinear.from_quantized(q, spec, kernel="native-int4")
+    assert lin.shape == (80, 1088) and lin.native.codes.shape == (80, 1152 // 2)
+    for m in (1, 6):
+        x = _randn((m, 1088), m)
+        y = lin(x)
+        assert y.shape == (m, 80)
+        assert torch.all((y - x @ w_hat.T).abs() <= 1.01 * _bound(x, w_hat) + 1e-5)
+        assert torch.equal(lin(x.to(torch.bfloat16)), lin(x.to(torch.bfloat16).float()).to(torch.bfloat16))
+    assert default_kernel((80, 1088), spec, "cpu") != "native-int4"  # stored codes: views, never a padded copy
+    assert default_kernel((80, 192), spec, "cpu", copies=True) != "native-int4"  # a third more bytes: not worth it
+
+
+def test_resident_int4_group_with_padded_k_counts_its_bytes_and_computes_the_same():
+    from fate_edge.quant.native import native_isa
+
+    from fate_edge.fused import _quantized, quantize_group, quantized_group_bytes
+
+    w = {"mlp.down_proj.weight": _randn((96, 1088), 12, 0.05)}
+    ref = w["mlp.down_proj.weight"]
+    quantize_group(w, ["mlp.down_proj"], 4)
+    assert sum(t.numel() * t.element_size() for t in w.values()) == quantized_group_bytes((96, 1088), 1, 4)
+    lin, sizes = _quantized(w, "mlp.down_proj")
+    assert sizes == [96] and lin.shape == (96, 1088)
+    assert lin.kernel == ("native-int4" if native_isa() == "avx512-vnni" else "torch-int4")
+    spec = QuantSpec(4, 64)
+    w_hat = dequantize(quantize(ref, spec), spec)  # the zero columns leave the real columns' groups as they were
+    x = _randn((5, 1088), 13)
+    if lin.kernel == "native-int4":
+        assert torch.all((lin(x) - x @ w_hat.T).abs() <= 1.01 * _bound(x, w_hat) + 1e-5)
+    else:  # torch's kernel: bf16 activations
+        want = x @ w_hat.T
+        assert (lin(x) - want).pow(2).mean().sqrt() < 0.01 * want.pow(2).mean().sqrt()

@@ -649,21 +649,30 @@ static void f32_to_bf16(const float *in, size_t count, uint16_t *out) {
     }
 }
 
-/* y[M, N] = x[M, K] @ W.T; x and y are fp32, or bf16 where x_bf16 / y_bf16 say so (converted here, in one pass,
-   so a bf16 model pays no tensor conversions around each call). Returns 0, or -1 for shapes it does not take
-   (K % 128, g not 32/64/128) or an allocation failure. */
+/* y[M, N] = x[M, kx] @ W.T for W [N, K] whose columns past kx are zero (a matrix padded to K, a multiple of 128);
+   x and y are fp32, or bf16 where x_bf16 / y_bf16 say so. Widening, padding and narrowing happen here in one pass,
+   so a bf16 model pays no tensor conversions around each call. Returns 0, or -1 for shapes it does not take
+   (K % 128, kx > K, g not 32/64/128) or an allocation failure. */
 int fe_int4_gemm(const uint8_t *codes, const uint16_t *scale, const uint16_t *zero, int N, int K, int g,
-                 const void *x, int x_bf16, int M, void *y, int y_bf16, int threads, int isa) {
-    if (K % 128 || (g != 32 && g != 64 && g != 128) || M <= 0 || N <= 0 || isa <= 0) return -1;
-    float *xf = x_bf16 ? malloc(sizeof(float) * (size_t)M * K) : (float *)x;
+                 const void *x, int x_bf16, int kx, int M, void *y, int y_bf16, int threads, int isa) {
+    if (K % 128 || (g != 32 && g != 64 && g != 128) || kx <= 0 || kx > K || M <= 0 || N <= 0 || isa <= 0) return -1;
+    const int copy = x_bf16 || kx != K;
+    float *xf = copy ? malloc(sizeof(float) * (size_t)M * K) : (float *)x;
     float *yf = y_bf16 ? malloc(sizeof(float) * (size_t)M * N) : (float *)y;
     int rc = -1;
     if (xf && yf) {
-        if (x_bf16) bf16_to_f32(x, (size_t)M * K, xf);
+        for (int m = 0; copy && m < M; m++) {
+            float *row = xf + (size_t)m * K;
+            if (x_bf16)
+                bf16_to_f32((const uint16_t *)x + (size_t)m * kx, kx, row);
+            else
+                memcpy(row, (const float *)x + (size_t)m * kx, sizeof(float) * kx);
+            memset(row + kx, 0, sizeof(float) * (size_t)(K - kx));
+        }
         rc = gemm_f32(codes, scale, zero, N, K, g, xf, M, yf, threads, isa);
         if (rc == 0 && y_bf16) f32_to_bf16(yf, (size_t)M * N, y);
     }
-    if (x_bf16) free(xf);
+    if (copy) free(xf);
     if (y_bf16) free(yf);
     return rc;
 }
