@@ -91,15 +91,18 @@ class RotaryEmbedding:
             self._cached_len = orig
 
     def cos_sin_range(self, start: int, t: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [t, dim] for positions ``start .. start + t - 1``: slices of a table built once per dtype.
+        """cos/sin [t, dim] for positions ``start .. start + t - 1``: slices of a table per dtype, grown in powers
+        of two as positions come (a position's row does not depend on the table's length). The whole context at
+        once cost DeepSeek-V2-Lite's first prompt 135 ms and 84 MB (163840 positions) for a 64-token prompt.
 
         Dynamic NTK changes its frequencies with the sequence length, so it computes them each call.
         """
         if self.rope.rope_type == "dynamic" or start + t > self.max_position_embeddings:
             return self.cos_sin(torch.arange(start, start + t), dtype)
         table = self._tables.get(dtype)
-        if table is None:
-            table = self._tables[dtype] = self.cos_sin(torch.arange(self.max_position_embeddings), dtype)
+        if table is None or table[0].shape[0] < start + t:
+            size = min(self.max_position_embeddings, max(1024, 1 << (start + t - 1).bit_length()))
+            table = self._tables[dtype] = self.cos_sin(torch.arange(size), dtype)
         cos, sin = table
         return cos[start : start + t], sin[start : start + t]
 
