@@ -140,6 +140,9 @@ class NativeInt4:
     in_features: int = 0  # K of x; 0: the codes' own. Columns past it (padding to a multiple of 128) are zero
 
     def __post_init__(self) -> None:
+        ok, why = native_status()  # builds the library on first use, whoever constructs the matrix
+        if not ok:
+            raise RuntimeError(f"the native int4 kernel is not available: {why}")
         for name in ("codes", "scale", "zero"):
             t = getattr(self, name)
             if not t.is_contiguous():

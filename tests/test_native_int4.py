@@ -331,3 +331,14 @@ def test_resident_int4_group_with_padded_k_counts_its_bytes_and_computes_the_sam
     else:  # torch's kernel: bf16 activations
         want = x @ w_hat.T
         assert (lin(x) - want).pow(2).mean().sqrt() < 0.01 * want.pow(2).mean().sqrt()
+
+
+def test_a_matrix_built_directly_loads_the_kernel_first():
+    """NativeInt4 built before anything asked for the kernel's status failed its first call with KeyError('lib')."""
+    out = _run({}, """
+import torch
+from fate_edge.quant.native import NativeInt4
+lin = NativeInt4(torch.zeros(32, 64, dtype=torch.uint8), torch.ones(32, 2).half(), torch.zeros(32, 2).half(), 64)
+print(lin(torch.ones(1, 128)).abs().sum().item())
+""")
+    assert out == "0.0"
