@@ -35,12 +35,19 @@ def peers_cache() -> Path:
     return Path(os.environ.get("FATE_EDGE_PEERS_CACHE") or Path.home() / ".cache" / "fate-edge-peers")
 
 
+# How the measured peer was built: this CPU's instruction sets named one by one, AMX off. GGML_NATIVE=ON turns AMX on
+# through -march=native whatever GGML_AMX_* say, and on VMs that report AMX but fault on its tile instructions that
+# llama.cpp dies with SIGILL on its first q4_0 matmul.
+PEER_CMAKE_HINT = ("-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON "
+                   "-DGGML_AVX512_VNNI=ON (and the other GGML_AVX* this CPU has) -DGGML_AMX_TILE=OFF "
+                   "-DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF")
+
+
 def llama_cpp_missing() -> str | None:
     """Why the llama.cpp peer cannot run here, or None when llama-cpp-python imports."""
     if importlib.util.find_spec("llama_cpp") is None:
         return ("llama-cpp-python is not installed: pip install llama-cpp-python (builds llama.cpp, ~20 min; "
-                "the figures here used CMAKE_ARGS=\"-DGGML_NATIVE=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF "
-                "-DGGML_AMX_BF16=OFF\")")
+                f"the figures here used CMAKE_ARGS=\"{PEER_CMAKE_HINT}\")")
     return None
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..corpus import heldout_source
+from .gguf import PEER_CMAKE_HINT
 from .llamacpp import llama_child
 
 
@@ -137,8 +138,8 @@ def _why_it_died(returncode: int) -> str:
     if returncode in (-9, 137):
         return " (killed: out of memory under the cap?)"
     if returncode in (-4, 132):  # SIGILL, as llama.cpp built with AMX died on a VM whose AMX faults
-        return (" (SIGILL: the program used an instruction this CPU does not run; rebuild the peer for this host, "
-                "e.g. scripts/install_llamacpp.sh)")
+        return (" (SIGILL: the program used an instruction this CPU does not run; rebuild the peer for this host: "
+                f"CMAKE_ARGS=\"{PEER_CMAKE_HINT}\")")
     if returncode < 0:
         return f" (signal {signal.Signals(-returncode).name})" if -returncode in signal.valid_signals() else ""
     return ""
