@@ -170,9 +170,10 @@ class NativeInt4:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n, k = self.shape
         x2 = x.reshape(-1, k)
+        if x2.dtype not in (torch.float32, torch.bfloat16):
+            x2 = x2.to(torch.float32)
+        x2 = x2.contiguous()
         bf16 = x2.dtype == torch.bfloat16  # the kernel reads and writes bf16 itself: no conversions around it
-        if not (bf16 or x2.dtype == torch.float32) or not x2.is_contiguous():
-            x2 = x2.to(torch.float32).contiguous()
         y = torch.empty(x2.shape[0], n, dtype=torch.bfloat16 if bf16 else torch.float32)
         if x2.shape[0]:
             rc = _state["lib"].fe_int4_gemm(  # type: ignore[union-attr]

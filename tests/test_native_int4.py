@@ -82,6 +82,9 @@ def test_bf16_activations_give_the_fp32_result_rounded(m):
     y = lin(x)
     assert y.dtype == torch.bfloat16
     assert torch.equal(y, lin(x.float()).to(torch.bfloat16))
+    strided = _randn((256, m), 5).to(torch.bfloat16).T  # not contiguous: copied, still read as bf16
+    assert torch.equal(lin(strided), lin(strided.float()).to(torch.bfloat16))
+    assert torch.equal(lin(x.half()), lin(x.float()).half())  # other dtypes compute in fp32
     x[0, 0] = float("nan")
     assert torch.isnan(lin(x)[0]).all()
 
