@@ -101,14 +101,21 @@ def native_isa() -> str | None:
     return _ISA_NAMES.get(int(_state.get("isa", 0))) if native_status()[0] else None
 
 
+def _lib() -> ctypes.CDLL:
+    """The loaded library (built on first use), or a RuntimeError saying why there is none."""
+    ok, why = native_status()
+    if not ok:
+        raise RuntimeError(f"the native int4 kernel is not available: {why}")
+    return _state["lib"]  # type: ignore[return-value]
+
+
 def set_gemm_min_rows(rows: int) -> int:
     """From how many x rows on the kernel takes its register-tiled GEMM (below it, the row kernel, which streams
     weights fastest at one row); 0 restores the per-instruction-set default (3 rows on AVX-512, 8 on AVX2).
     Returns the previous setting; for tests and kernel benchmarks that compare the two paths."""
-    if not native_status()[0]:
-        raise RuntimeError(f"the native int4 kernel is not available: {native_status()[1]}")
+    lib = _lib()
     before = int(_state.get("gemm_min_rows", 0))
-    _state["lib"].fe_int4_set_gemm_min_rows(rows)  # type: ignore[union-attr]
+    lib.fe_int4_set_gemm_min_rows(rows)
     _state["gemm_min_rows"] = rows
     return before
 
@@ -140,9 +147,7 @@ class NativeInt4:
     in_features: int = 0  # K of x; 0: the codes' own. Columns past it (padding to a multiple of 128) are zero
 
     def __post_init__(self) -> None:
-        ok, why = native_status()  # builds the library on first use, whoever constructs the matrix
-        if not ok:
-            raise RuntimeError(f"the native int4 kernel is not available: {why}")
+        _lib()  # builds the library on first use, whoever constructs the matrix
         for name in ("codes", "scale", "zero"):
             t = getattr(self, name)
             if not t.is_contiguous():
@@ -176,7 +181,7 @@ class NativeInt4:
         bf16 = x2.dtype == torch.bfloat16  # the kernel reads and writes bf16 itself: no conversions around it
         y = torch.empty(x2.shape[0], n, dtype=torch.bfloat16 if bf16 else torch.float32)
         if x2.shape[0]:
-            rc = _state["lib"].fe_int4_gemm(  # type: ignore[union-attr]
+            rc = _state["lib"].fe_int4_gemm(  # type: ignore[union-attr]  (loaded in __post_init__)
                 self.codes.data_ptr(), self.scale.data_ptr(), self.zero.data_ptr(), n, self.codes.shape[1] * 2,
                 self.group_size, x2.data_ptr(), int(bf16), k, x2.shape[0], y.data_ptr(), int(bf16),
                 torch.get_num_threads(), _state["isa"])
