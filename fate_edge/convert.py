@@ -17,7 +17,6 @@ import re
 import shutil
 import sys
 import threading
-import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -32,6 +31,7 @@ from fate_edge.quant.rtn import BLOCK_BYTES
 
 from .arch import load_config
 from .checkpoint import CheckpointReader, save_streaming
+from .checksum import crc32
 from .direct_write import DirectFile
 from .errors import FateEdgeError
 from .experts import ExpertLayout
@@ -199,13 +199,13 @@ def _one_torch_thread():
 def _encode_job(layout: ExpertLayout, expert: int, precisions: list[Precision],
                 method: str) -> list[tuple[memoryview, int]]:
     """One expert read from the checkpoint in its own dtype and encoded at every precision, with each blob's
-    CRC32 (a worker's job: zlib releases the GIL, so checksums run in parallel too)."""
+    CRC32 (a worker's job: the checksum releases the GIL, so checksums run in parallel too)."""
     work = getattr(_scratch, "work", None)
     if work is None:
         work = _scratch.work = torch.empty(BLOCK_BYTES // 4, dtype=torch.float32)
     w = layout.read(expert, None)
     blobs = [encode_expert(w, p, method, work) for p in precisions]
-    return [(b, zlib.crc32(b)) for b in blobs]
+    return [(b, crc32(b)) for b in blobs]
 
 
 _scratch = threading.local()  # each worker's fp32 block buffer for the RTN encoder

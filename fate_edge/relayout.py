@@ -9,7 +9,6 @@ import os
 import shutil
 import sys
 import time
-import zlib
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import torch
 from fate_edge.quant.linear import unpack_int4_cpu
 from fate_edge.quant.pack import pack
 
+from .checksum import crc32
 from .direct_write import DirectFile
 from .errors import FateEdgeError
 from .store import MATRICES, STORE_FILE, ExpertStore, Precision, plan_parts
@@ -78,14 +78,14 @@ def relayout_store(src: str | Path, dst: str | Path, progress: bool = True) -> P
                     for slot, r in enumerate(refs):
                         f.seek(r.offset)
                         data = f.read(r.length)
-                        if zlib.crc32(data) != r.crc32:
+                        if crc32(data) != r.crc32:
                             raise FateEdgeError(f"{src / old.file}: layer {r.layer} expert {r.expert} fails its "
                                                 "CRC; the store is damaged, re-run fate-edge convert")
                         blob = _portable_parts(torch.frombuffer(bytearray(data), dtype=torch.uint8), old, new)
                         view = memoryview(blob.numpy())
                         out.pwrite_at(view, slot * new.slot_bytes)
                         entries.append({"layer": r.layer, "expert": r.expert, "offset": slot * new.slot_bytes,
-                                        "length": new.blob_bytes, "crc32": zlib.crc32(view)})
+                                        "length": new.blob_bytes, "crc32": crc32(view)})
                         if progress and (slot % 64 == 63 or slot == len(refs) - 1):
                             rate = (slot + 1) * r.length / (time.perf_counter() - t0) / 1e9
                             print(f"\rint{bits}: {slot + 1}/{len(refs)} experts, {rate:.2f} GB/s", end="",

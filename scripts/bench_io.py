@@ -2,13 +2,15 @@
 
 A temporary file (default 256 MB) is filled with random blobs of 1-4 MB, each starting on a 4096-byte
 boundary like an expert store, and read back blob by blob through :class:`FetchEngine` (pooled aligned
-buffers, 256 KB chunks, CRC32 of every blob) with 1 and 2 worker threads:
+buffers, CRC32 of every blob) with 1 and 2 worker threads, as demand reads (one request per blob from the
+raw disk, chunked through a link) unless a row says reads ahead (1 MB chunks, the engine's default):
 
 * ``cold buffered``: the page cache is dropped first (``/proc/sys/vm/drop_caches`` when writable, and
   ``posix_fadvise(DONTNEED)`` on the file, which needs no privilege); buffered ``pread``.
 * ``O_DIRECT``: bypasses the page cache (falls back to buffered where the filesystem refuses it; the
-  engine's ``direct_io_note`` is reported); with the engine's 256 KB chunks and with 4 MB chunks (one
-  request per blob), since without kernel readahead the request size sets the bandwidth.
+  engine's ``direct_io_note`` is reported); as demand reads, as reads ahead in the engine's 1 MB chunks, and
+  in 256 KB chunks (the engine's chunk before), since without kernel readahead the request size sets the
+  bandwidth.
 * ``warm page cache``: buffered reads of a file already in the page cache.
 * ``link: <profile>``: warm reads throttled by ``devices.link.ThrottledLink`` to a device profile's
   storage (default: Jetson Orin Nano 8GB, 3.0 GB/s and 80 µs per request, and Raspberry Pi 5, 0.45 GB/s
@@ -33,12 +35,12 @@ import statistics
 import sys
 import tempfile
 import time
-import zlib
 from pathlib import Path
 
 from fate_edge.devices.link import ThrottledLink, storage_link
 from fate_edge.devices.profile import load_profile
 
+from fate_edge.checksum import crc32
 from fate_edge.fetch import ALIGN, BlobRef, BufferPool, FetchEngine, Priority
 from fate_edge.report import publish
 
@@ -56,7 +58,7 @@ def make_blob_file(path: Path, total: int, min_blob: int, max_blob: int, seed: i
             data = os.urandom(length)
             f.seek(offset)
             f.write(data)
-            refs.append(BlobRef(str(path), offset, length, zlib.crc32(data), 0, len(refs), 4))
+            refs.append(BlobRef(str(path), offset, length, crc32(data), 0, len(refs), 4))
             offset += -(-length // ALIGN) * ALIGN
         f.truncate(offset)  # whole aligned blocks, so the last O_DIRECT read is in bounds
         f.flush()
@@ -91,7 +93,7 @@ def warm_page_cache(path: Path) -> None:
 
 
 def read_all(refs: list[BlobRef], workers: int, direct_io: bool, link: ThrottledLink | None = None,
-             chunk_bytes: int | None = None) -> dict:
+             chunk_bytes: int | None = None, priority: Priority = Priority.DEMAND) -> dict:
     """Read every blob through a fresh FetchEngine, consuming in order; bandwidth of payload bytes.
 
     At most ``pool.count`` requests are outstanding: with more, a worker that picked the oldest request
@@ -99,15 +101,15 @@ def read_all(refs: list[BlobRef], workers: int, direct_io: bool, link: Throttled
     forever (a FetchEngine hazard for any caller that submits more requests than buffers).
     """
     pool = BufferPool(2 * workers + 2, max(r.read_length for r in refs))
-    kw = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}  # None: the engine's default (256 KB)
+    kw = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}  # None: the engine's default (1 MB)
     with FetchEngine(pool, workers=workers, link=link, direct_io=direct_io, **kw) as engine:
         t0 = time.perf_counter()
-        reqs = [engine.submit(r, Priority.DEMAND) for r in refs[: pool.count]]
+        reqs = [engine.submit(r, priority) for r in refs[: pool.count]]
         for i, req in enumerate(reqs):
             engine.wait(req, timeout=120)
             engine.release(req)
             if i + pool.count < len(refs):
-                reqs.append(engine.submit(refs[i + pool.count], Priority.DEMAND))
+                reqs.append(engine.submit(refs[i + pool.count], priority))
         seconds = time.perf_counter() - t0
         note = engine.direct_io_note
         throttled = sum(r.throttled_s for r in reqs)
@@ -138,12 +140,14 @@ def main() -> None:
     try:
         refs = make_blob_file(path, args.size_mb * MB, int(args.min_blob_mb * MB), int(args.max_blob_mb * MB))
         total = sum(r.length for r in refs)
-        modes = [("cold buffered", False, "cold", None, None), ("O_DIRECT", True, "cold", None, None),
-                 ("O_DIRECT, 4 MB chunks", True, "cold", None, 4 * MB),
-                 ("warm page cache", False, "warm", None, None)]
-        modes += [(f"link: {profile.name}", False, "link", spec, None) for profile, spec in links]
+        ahead = Priority.AHEAD
+        modes = [("cold buffered", False, "cold", None, None, None), ("O_DIRECT", True, "cold", None, None, None),
+                 ("O_DIRECT, reads ahead (1 MB chunks)", True, "cold", None, None, ahead),
+                 ("O_DIRECT, reads ahead in 256 KB chunks", True, "cold", None, 256 * 1024, ahead),
+                 ("warm page cache", False, "warm", None, None, None)]
+        modes += [(f"link: {profile.name}", False, "link", spec, None, None) for profile, spec in links]
         warm: dict[int, float] = {}
-        for label, direct, state, spec, chunk in modes:
+        for label, direct, state, spec, chunk, prio in modes:
             for workers in args.workers:
                 runs = []
                 for _ in range(args.runs):
@@ -152,7 +156,7 @@ def main() -> None:
                     else:
                         warm_page_cache(path)
                     link = ThrottledLink(spec) if spec is not None else None
-                    runs.append(read_all(refs, workers, direct, link, chunk))
+                    runs.append(read_all(refs, workers, direct, link, chunk, prio or Priority.DEMAND))
                 row = {"mode": label, "workers": workers, "gb_per_s": statistics.median(r["gb_per_s"] for r in runs),
                        "runs_gb_per_s": [round(r["gb_per_s"], 3) for r in runs], "io": runs[-1]["io"]}
                 if state == "warm":
@@ -184,7 +188,8 @@ def render(result: dict) -> str:
     drop = ("`drop_caches` (permitted here) and `posix_fadvise(DONTNEED)`" if result["global_drop_caches"]
             else "`posix_fadvise(DONTNEED)` only (`drop_caches` not writable)")
     lines = [
-        "GB/s of blob payload through `FetchEngine` (256 KB chunks unless stated, CRC32 checked), "
+        "GB/s of blob payload through `FetchEngine` (demand reads: one request per blob from the disk, 1 MB chunks "
+        "through a link; CRC32 checked), "
         f"{result['blobs']} blobs of "
         f"{result['blob_mb'][0]:g}-{result['blob_mb'][1]:g} MB in a {result['file_mb']} MB file under "
         f"`{result['dir']}`, median of {result['runs']} passes; cold runs evict the page cache with {drop}. "
