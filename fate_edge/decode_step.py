@@ -99,13 +99,18 @@ def attention(model: MoETransformer, x: torch.Tensor, h: torch.Tensor, start: in
 
 
 def moe(model: MoETransformer, x: torch.Tensor, h: torch.Tensor, layer: int, lp: LayerPlan) -> None:
-    """``x += Σ w_e · expert_e(h) (+ shared expert)`` for one token; experts summed in expert-id order."""
+    """``x += Σ w_e · expert_e(h) (+ shared expert)`` for one token; experts summed in expert-id order.
+
+    The shared expert is computed before the routed ones but added after them, as before: the observers have
+    just issued the layer's demand reads, which then arrive while it computes (a Qwen1.5-MoE shared expert is
+    ~1.5 ms of a ~5 ms read), and the sums keep their order, so the bits are the same."""
     weights, idx = model.route(layer, h)  # [1, k]
     for obs in model.observers:
         obs(layer, h, idx, weights)
+    shared = shared_out(model, h, lp.mlp, lp.down) if lp.mlp is not None else None
     add_experts(model, x, h, None, layer, weights, idx)
-    if lp.mlp is not None:
-        mlp_into(model, x, h, lp.mlp, lp.down)
+    if shared is not None:
+        add_shared(x, *shared)
 
 
 def add_experts(model: MoETransformer, x: torch.Tensor, h: torch.Tensor, hb: torch.Tensor | None, layer: int,
@@ -129,11 +134,21 @@ def add_experts(model: MoETransformer, x: torch.Tensor, h: torch.Tensor, hb: tor
 
 def mlp_into(model: MoETransformer, x: torch.Tensor, h: torch.Tensor, mlp: Fused, down: Fused) -> None:
     """``x += mlp(h)``: a dense MLP or shared expert (Qwen's gated one: ``x += sigmoid(g(h)) * mlp(h)``)."""
+    add_shared(x, *shared_out(model, h, mlp, down))
+
+
+def shared_out(model: MoETransformer, h: torch.Tensor, mlp: Fused, down: Fused
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A dense MLP's or shared expert's output ``mlp(h)`` and Qwen's gate logit (None without one), not yet added."""
     y = apply_linear(h, mlp)
     gate, up, *gated = y.split(mlp.sizes, dim=-1)
-    z = apply_linear(model.act(gate) * up, down)
-    if gated:
-        x.addcmul_(torch.sigmoid(gated[0]), z)
+    return apply_linear(model.act(gate) * up, down), (gated[0] if gated else None)
+
+
+def add_shared(x: torch.Tensor, z: torch.Tensor, gate: torch.Tensor | None) -> None:
+    """``x += z``, or ``x += sigmoid(gate) * z`` for Qwen's gated shared expert."""
+    if gate is not None:
+        x.addcmul_(torch.sigmoid(gate), z)
     else:
         x.add_(z)
 

@@ -222,10 +222,10 @@ class MoETransformer:
         weights, idx = self.route(layer, h)  # [N, k]
         for obs in self.observers:
             obs(layer, h, idx, weights)
+        # The shared expert first, while the reads the observers just issued arrive; added last, as it always was.
+        shared = self._mlp(h, lp.mlp, lp.down) if lp.mlp is not None else None
         out = self._routed_one(h, layer, idx, weights) if h.shape[0] == 1 else self._routed(h, layer, idx, weights)
-        if lp.mlp is not None:
-            out = out + self._mlp(h, lp.mlp, lp.down)
-        return out
+        return out if shared is None else out + shared
 
     def _routed_one(self, h: torch.Tensor, layer: int, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """One token (decode): call its k experts directly; no sort/nonzero/index bookkeeping."""
