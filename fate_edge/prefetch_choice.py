@@ -50,9 +50,9 @@ def prefetch_width(policy: PolicyConfig, k: int, layer_s: float, read_s: float) 
 
 
 def ranked(probs: torch.Tensor) -> list[int]:
-    """Expert ids by descending score [E], without those scored 0 or less."""
-    order = probs.argsort(descending=True)
-    return order[probs[order] > 0].tolist()
+    """Expert ids by descending score [E], without those scored 0 or less (or NaN)."""
+    scores, order = probs.sort(descending=True)  # one operator; a boolean index would add a nonzero and a gather
+    return [e for e, s in zip(order.tolist(), scores.tolist()) if s > 0]
 
 
 def gate_candidates(ranks: list[int], n: int, cached: Callable[[int], bool]) -> dict[int, int]:

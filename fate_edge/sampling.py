@@ -46,14 +46,14 @@ class Sampler:
         """Pick the next token from ``logits`` [V] given the tokens so far."""
         p = self.params
         if p.temperature == 0 and p.repetition_penalty == 1.0:
-            return int(torch.argmax(logits))  # greedy: nothing to rescale, so no copy of the vocabulary's logits
+            return greedy(logits)  # nothing to rescale, so no copy of the vocabulary's logits (but bf16 -> fp32)
         logits = logits.float().clone()
         if p.repetition_penalty != 1.0 and history:
             seen = torch.tensor(sorted(set(history)), dtype=torch.long)
             vals = logits[seen]
             logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if p.temperature == 0:
-            return int(torch.argmax(logits))
+            return greedy(logits)
         logits = logits / p.temperature
         if p.top_k > 0 and p.top_k < logits.numel():
             kth = torch.topk(logits, p.top_k).values[-1]
@@ -68,3 +68,13 @@ class Sampler:
             sorted_probs[drop] = 0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         return int(torch.multinomial(probs / probs.sum(), 1, generator=self.generator))
+
+
+def greedy(logits: torch.Tensor) -> int:
+    """The first index of the largest logit (a NaN counts as largest), as ``torch.argmax``. On the CPU through
+    numpy's vectorised argmax: torch's takes 0.37 ms over a 152k vocabulary in fp32 here (0.79 ms in bf16),
+    numpy's 0.02 ms (0.07 ms with the bf16 -> fp32 copy), a token's worth of a small model's decode."""
+    if logits.device.type != "cpu":
+        return int(torch.argmax(logits))
+    flat = logits.detach().reshape(-1)
+    return int((flat if flat.dtype == torch.float32 else flat.float()).numpy().argmax())
