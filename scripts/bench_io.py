@@ -10,7 +10,8 @@ raw disk, chunked through a link) unless a row says reads ahead (1 MB chunks, th
 * ``O_DIRECT``: bypasses the page cache (falls back to buffered where the filesystem refuses it; the
   engine's ``direct_io_note`` is reported); as demand reads, as reads ahead in the engine's 1 MB chunks, and
   in 256 KB chunks (the engine's chunk before), since without kernel readahead the request size sets the
-  bandwidth.
+  bandwidth; and the same in a shuffled order, as a model reads its experts (in file order the disk's own
+  readahead can hide the request size).
 * ``warm page cache``: buffered reads of a file already in the page cache.
 * ``link: <profile>``: warm reads throttled by ``devices.link.ThrottledLink`` to a device profile's
   storage (default: Jetson Orin Nano 8GB, 3.0 GB/s and 80 µs per request, and Raspberry Pi 5, 0.45 GB/s
@@ -40,6 +41,7 @@ from pathlib import Path
 from fate_edge.devices.link import ThrottledLink, storage_link
 from fate_edge.devices.profile import load_profile
 
+from fate_edge.bench.scale import cpu_model
 from fate_edge.checksum import crc32
 from fate_edge.fetch import ALIGN, BlobRef, BufferPool, FetchEngine, Priority
 from fate_edge.report import publish
@@ -144,6 +146,8 @@ def main() -> None:
         modes = [("cold buffered", False, "cold", None, None, None), ("O_DIRECT", True, "cold", None, None, None),
                  ("O_DIRECT, reads ahead (1 MB chunks)", True, "cold", None, None, ahead),
                  ("O_DIRECT, reads ahead in 256 KB chunks", True, "cold", None, 256 * 1024, ahead),
+                 ("O_DIRECT, shuffled", True, "shuffled", None, None, None),
+                 ("O_DIRECT, shuffled, reads ahead in 256 KB chunks", True, "shuffled", None, 256 * 1024, ahead),
                  ("warm page cache", False, "warm", None, None, None)]
         modes += [(f"link: {profile.name}", False, "link", spec, None, None) for profile, spec in links]
         warm: dict[int, float] = {}
@@ -151,12 +155,13 @@ def main() -> None:
             for workers in args.workers:
                 runs = []
                 for _ in range(args.runs):
-                    if state == "cold":
+                    if state in ("cold", "shuffled"):
                         drops.append(drop_page_cache(path))
                     else:
                         warm_page_cache(path)
                     link = ThrottledLink(spec) if spec is not None else None
-                    runs.append(read_all(refs, workers, direct, link, chunk, prio or Priority.DEMAND))
+                    order = random.Random(len(runs)).sample(refs, len(refs)) if state == "shuffled" else refs
+                    runs.append(read_all(order, workers, direct, link, chunk, prio or Priority.DEMAND))
                 row = {"mode": label, "workers": workers, "gb_per_s": statistics.median(r["gb_per_s"] for r in runs),
                        "runs_gb_per_s": [round(r["gb_per_s"], 3) for r in runs], "io": runs[-1]["io"]}
                 if state == "warm":
@@ -179,7 +184,7 @@ def main() -> None:
         "link_overlaps_read": "issued_at" in inspect.getsource(FetchEngine._read),
         "global_drop_caches": all(d["drop_caches"] for d in drops) if drops else None,
         "fadvise_dontneed": all(d["fadvise"] for d in drops) if drops else None,
-        "load_average": os.getloadavg(), "rows": rows,
+        "load_average": os.getloadavg(), "cpus": os.cpu_count(), "cpu_model": cpu_model(), "rows": rows,
     }
     publish(result, args.json, render(result), args.readme, "bench_io")
 
@@ -193,7 +198,8 @@ def render(result: dict) -> str:
         f"{result['blobs']} blobs of "
         f"{result['blob_mb'][0]:g}-{result['blob_mb'][1]:g} MB in a {result['file_mb']} MB file under "
         f"`{result['dir']}`, median of {result['runs']} passes; cold runs evict the page cache with {drop}. "
-        f"Load average during the run: {', '.join(f'{v:.1f}' for v in result['load_average'])} "
+        f"Load average during the run: {', '.join(f'{v:.1f}' for v in result['load_average'])} on "
+        f"{result.get('cpus')} CPUs ({result.get('cpu_model') or 'model unknown'}) "
         "(`scripts/bench_io.py`)."
         + ("" if result["link_overlaps_read"] else " The engine does not pass `issued_at` to the link yet, so "
            "emulated transfers start after each real chunk read instead of overlapping it."),
