@@ -27,3 +27,20 @@ def test_a_flipped_bit_changes_the_value():
     before = checksum.crc32(data)
     data[1000] ^= 0x10
     assert checksum.crc32(data) != before
+
+
+def test_without_isal_the_same_checksum_comes_from_zlib(monkeypatch):
+    import importlib
+    import sys
+
+    monkeypatch.setitem(sys.modules, "isal", None)  # as on a platform without its wheel: the import fails
+    monkeypatch.setitem(sys.modules, "isal.isal_zlib", None)
+    try:
+        fallback = importlib.reload(checksum)
+        assert fallback.BACKEND == "zlib"
+        data = os.urandom(10_000)
+        assert fallback.crc32(data) == zlib.crc32(data)
+    finally:
+        monkeypatch.undo()
+        importlib.reload(checksum)
+    assert checksum.BACKEND == "isal"
