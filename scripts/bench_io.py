@@ -142,14 +142,14 @@ def main() -> None:
     try:
         refs = make_blob_file(path, args.size_mb * MB, int(args.min_blob_mb * MB), int(args.max_blob_mb * MB))
         total = sum(r.length for r in refs)
-        ahead = Priority.AHEAD
-        modes = [("cold buffered", False, "cold", None, None, None), ("O_DIRECT", True, "cold", None, None, None),
+        demand, ahead = Priority.DEMAND, Priority.AHEAD
+        modes = [("cold buffered", False, "cold", None, None, demand), ("O_DIRECT", True, "cold", None, None, demand),
                  ("O_DIRECT, reads ahead (1 MB chunks)", True, "cold", None, None, ahead),
                  ("O_DIRECT, reads ahead in 256 KB chunks", True, "cold", None, 256 * 1024, ahead),
-                 ("O_DIRECT, shuffled", True, "shuffled", None, None, None),
+                 ("O_DIRECT, shuffled", True, "shuffled", None, None, demand),
                  ("O_DIRECT, shuffled, reads ahead in 256 KB chunks", True, "shuffled", None, 256 * 1024, ahead),
-                 ("warm page cache", False, "warm", None, None, None)]
-        modes += [(f"link: {profile.name}", False, "link", spec, None, None) for profile, spec in links]
+                 ("warm page cache", False, "warm", None, None, demand)]
+        modes += [(f"link: {profile.name}", False, "link", spec, None, demand) for profile, spec in links]
         warm: dict[int, float] = {}
         for label, direct, state, spec, chunk, prio in modes:
             for workers in args.workers:
@@ -161,7 +161,7 @@ def main() -> None:
                         warm_page_cache(path)
                     link = ThrottledLink(spec) if spec is not None else None
                     order = random.Random(len(runs)).sample(refs, len(refs)) if state == "shuffled" else refs
-                    runs.append(read_all(order, workers, direct, link, chunk, prio or Priority.DEMAND))
+                    runs.append(read_all(order, workers, direct, link, chunk, prio))
                 row = {"mode": label, "workers": workers, "gb_per_s": statistics.median(r["gb_per_s"] for r in runs),
                        "runs_gb_per_s": [round(r["gb_per_s"], 3) for r in runs], "io": runs[-1]["io"]}
                 if state == "warm":
