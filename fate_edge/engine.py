@@ -154,6 +154,9 @@ class Engine:
         self.model.experts = self.scheduler
         self.model.observers.append(self.scheduler)
         self.load_report = self._preload()  # reads at load: apart from every request's statistics
+        if self.scheduler.zero_copy:  # the cache's memory faulted in now, not one read at a time mid-token
+            uncached = len(self.model.config.moe_layers) * self.model.config.num_experts - len(self.cache.entries)
+            pool.add_spares(min(self.cache.free_entries(pool.size), uncached))
         self.token_stats: list[SchedulerStats] = []  # per generated token of the last request
         self.prefill_stats = SchedulerStats()
         self.request_stats = SchedulerStats()

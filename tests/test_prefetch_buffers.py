@@ -95,13 +95,15 @@ def _tensors(obj, depth: int = 3):
 
 
 def resident_bytes(engine: Engine) -> int:
-    """Bytes the cache's experts really hold (each distinct storage once) plus every read buffer of the pool."""
+    """Bytes the cache's experts really hold (each distinct storage once) plus every read buffer of the pool and
+    the spares not handed out yet (memory made, and faulted in, at load)."""
     storages = {}
     for entry in engine.cache.entries.values():
         for t in _tensors(entry.expert):
             s = t.untyped_storage()
             storages[s.data_ptr()] = s.nbytes()
-    return sum(storages.values()) + engine.fetch.pool.count * engine.fetch.pool.size
+    pool = engine.fetch.pool
+    return sum(storages.values()) + (pool.count + pool.spares) * pool.size
 
 
 @pytest.mark.parametrize("policy", ["fate", "fate-edge", "lru"])

@@ -60,11 +60,13 @@ def _cgroup_stats(cg: Path) -> dict[str, Any]:
             out["peak_bytes"] = int((cg / "memory.max_usage_in_bytes").read_text())
             oom = dict(ln.split() for ln in (cg / "memory.oom_control").read_text().splitlines())
             out["oom_kills"] = int(oom.get("oom_kill", 0))
+            out["limit_hits"] = int((cg / "memory.failcnt").read_text())  # charges that met the cap
         else:  # v2
             if (cg / "memory.peak").exists():
                 out["peak_bytes"] = int((cg / "memory.peak").read_text())
             events = dict(ln.split() for ln in (cg / "memory.events").read_text().splitlines())
             out["oom_kills"] = int(events.get("oom_kill", 0))
+            out["limit_hits"] = int(events.get("max", 0))  # charges that met the cap and had to reclaim first
     return out
 
 
