@@ -152,6 +152,8 @@ class Engine:
                                    self._make_predictor(), self.dtype, device,
                                    max_inflight_prefetches=self.plan.pool_buffers - 2)
         self.model.experts = self.scheduler
+        # A replayed trace follows the recorded run call by call, and the recording saw every token in every layer.
+        self.scheduler.needs_every_token = trace is not None
         self.model.observers.append(self.scheduler)
         self.load_report = self._preload()  # reads at load: apart from every request's statistics
         if self.scheduler.zero_copy:  # the cache's memory faulted in now, not one read at a time mid-token

@@ -129,6 +129,10 @@ class ExpertProvider(ABC):
     def end_layer(self, layer: int) -> None:  # noqa: B027 (optional hook, nothing to release by default)
         """The MoE block has computed every expert of ``layer``."""
 
+    def begin_forward(self, tokens: int) -> None:  # noqa: B027 (optional hook)
+        """A forward pass over ``tokens`` new positions per sequence starts: a prompt when more than one, even
+        where a layer then routes fewer rows (the last layer of a prompt asked for its last logits only)."""
+
 
 class ExpertLayout:
     """Tensor names of the routed experts in a checkpoint: per-expert 2-D tensors or fused 3-D ones.

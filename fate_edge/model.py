@@ -22,7 +22,9 @@ from .kv_cache import KVCache
 from .rope import RotaryEmbedding, apply_rope, yarn_softmax_scale
 from .router import route
 
-# Called after each MoE layer's routing: (layer, gate input [N, H], expert ids [N, k], weights [N, k]).
+# Called after each MoE layer's routing: (layer, gate input [N, H], expert ids [N, k], weights [N, k]). An observer
+# sees every prompt token in every layer unless all of them say ``needs_every_token = False``: then a prompt asked
+# for its last logits only runs the last layer's MLP or MoE on its last token (MoETransformer.forward).
 RoutingObserver = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 _ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu}
@@ -279,6 +281,7 @@ class MoETransformer:
         start = cache.length
         t = input_ids.shape[1]
         b = input_ids.shape[0]
+        self.experts.begin_forward(t)
         if t == 1 and b == 1 and self.fast_decode:
             out = self.compiled.step(self, input_ids, cache, plan) if self.compiled is not None else None
             return out if out is not None else decode_step.decode_token(self, input_ids, cache, plan)
@@ -286,9 +289,17 @@ class MoETransformer:
         cos, sin = self.rope.cos_sin_range(start, t, torch.float32 if cfg.rope.float32 else self.dtype)
         attention = self._mla_attention if cfg.mla is not None else self._gqa_attention
         eps = cfg.rms_norm_eps
+        prune = last_only and t > 1 and not any(getattr(o, "needs_every_token", True) for o in self.observers)
         for i, lp in enumerate(plan):
             h = rms_norm(x, lp.input_norm, eps)
-            x = x + attention(h, b, t, start, cache, i, cos, sin, lp)
+            a = attention(h, b, t, start, cache, i, cos, sin, lp)
+            if prune and i == len(plan) - 1:
+                # The last attention has written every position's keys and values; past it only the last
+                # position feeds the logits asked for, so the last MLP or MoE runs on B rows, not B*T (as
+                # llama.cpp does). For a model trimmed to a layer or two that is most of a prompt's MLP work.
+                x, a = x.view(b, t, -1)[:, -1].contiguous(), a.view(b, t, -1)[:, -1]
+                t = 1
+            x = x + a
             h = rms_norm(x, lp.post_norm, eps)
             x = x + (self._moe(h, i, lp) if lp.router is not None else self._mlp(h, lp.mlp, lp.down))
         if last_only:

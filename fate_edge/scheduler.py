@@ -114,6 +114,9 @@ class _Fetch:
 
 
 class Scheduler(ExpertProvider):
+    # Serving needs no routing of prompt tokens whose outputs nothing reads (see fate_edge.model.RoutingObserver).
+    needs_every_token = False
+
     def __init__(
         self,
         config: ModelConfig,
@@ -164,18 +167,23 @@ class Scheduler(ExpertProvider):
         self._read_bw = 0.0  # EMA of measured read bandwidth, bytes/s
         self._read_cpu = 0.0  # EMA of a read's reader-thread CPU seconds
         self._last_route: tuple[int, float] | None = None
-        self._prefill = False  # the layer call being served routes many tokens (a prompt)
+        self._prefill = False  # the layer call being served is part of a prompt
+        self._prompt = False  # the forward pass under way is a prompt's (begin_forward)
         # Prefetch gate (fate-edge): per prediction rank, evidence of whether a read would pay.
         self.gate = PrefetchGate(max(policy.max_prefetch_width, config.num_experts_per_tok))
         self._contention = reader_contention(torch.get_num_threads(), fetch.workers)
         self._predict_cost = 0.0  # EMA of one layer call's predictor + prefetch planning seconds
 
     # ------------------------------------------------------------- routing hook
+    def begin_forward(self, tokens: int) -> None:
+        self._prompt = tokens > 1
+
     def on_route(self, layer: int, h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> None:
         now = time.perf_counter()
         n = h.shape[0]
-        self._prefill = n > 1
-        if n == 1 and self._last_route is not None and self._last_route[0] < layer:
+        # A prompt's last layer may route its last token alone (model.forward): still served as the prompt.
+        self._prefill = prompt = n > 1 or self._prompt
+        if not prompt and self._last_route is not None and self._last_route[0] < layer:
             dt = (now - self._last_route[1]) / max(1, self.layer_index[layer] - self.layer_index[self._last_route[0]])
             self._layer_time = _ema(self._layer_time, dt, 0.8)
         self._last_route = (layer, now)
@@ -183,11 +191,11 @@ class Scheduler(ExpertProvider):
         ids, counts = idx.flatten().unique(return_counts=True)
         order = counts.argsort(descending=True, stable=True)
         needed = ids[order].tolist()
-        self._check_prediction(layer, idx, n)
+        self._check_prediction(layer, idx, prompt)
 
         # Prefill demand reads travel in the policy's precision: only predicted, prefetched experts may be cold
         # (Fate reads a miss in int4; its int2 tail is the prefetch plan's, prefetch_choice.choose).
-        low = set() if n > 1 else self._precision_on_miss(layer, idx, weights)
+        low = set() if prompt else self._precision_on_miss(layer, idx, weights)
         for e in needed:
             key = (layer, e)
             if (self.cache is not None and key in self.cache) or key in self.prefetches or key in self.skip:
@@ -204,9 +212,9 @@ class Scheduler(ExpertProvider):
             width = self._width()
             if self._targets_full(layer):
                 self.stats.predictions_skipped += 1
-            elif self._should_predict(n, width):
+            elif self._should_predict(prompt, width):
                 self._prefetch(layer, h, width)
-                if n == 1:
+                if not prompt:
                     dt = time.perf_counter() - t0
                     self._predict_cost = _ema(self._predict_cost, dt, 0.9)
             self.stats.predict_s += time.perf_counter() - t0
@@ -239,9 +247,9 @@ class Scheduler(ExpertProvider):
         targets = self.predictor.targets(layer)
         return bool(targets) and all(self.cache.holds_layer(t, self.config.num_experts) for t in targets)
 
-    def _check_prediction(self, layer: int, idx: torch.Tensor, n: int) -> None:
+    def _check_prediction(self, layer: int, idx: torch.Tensor, prompt: bool) -> None:
         pred = self.last_prediction.pop(layer, None)
-        if pred is None or n != 1:
+        if pred is None or prompt:
             self._candidates.pop(layer, None)
             return
         true = set(idx[0].tolist())
@@ -269,9 +277,9 @@ class Scheduler(ExpertProvider):
         return self.gate.width(width, per_read, self._contention * self._read_cpu, self._predict_cost,
                                self.policy.min_prefetch_width)
 
-    def _should_predict(self, n: int, width: int) -> bool:
+    def _should_predict(self, prompt: bool, width: int) -> bool:
         """Always in prefill and for ungated policies; with the gate shut, one layer call in 8."""
-        if n > 1 or not self.policy.prefetch_gate:
+        if prompt or not self.policy.prefetch_gate:
             return True
         return self.gate.should_predict(shut=width == 0)
 
@@ -282,7 +290,7 @@ class Scheduler(ExpertProvider):
             return
         pred = self.predictor.predict(layer, h)
         k = self.config.num_experts_per_tok
-        if h.shape[0] == 1 and pred.layers:  # checked when the target routes: exact match, each rank's hit rate
+        if not self._prefill and pred.layers:  # checked when the target routes: exact match, each rank's hit rate
             target, ranks = pred.layers[0], ranked(pred.scores[0][0])
             self.last_prediction[target] = ranks[:k]
             self._candidates[target] = gate_candidates(ranks, len(self.gate.seen), lambda e: self._cached((target, e)))

@@ -367,6 +367,41 @@ def test_logits_and_greedy_match_transformers(built: Built, layout: str):
     assert step_diff <= FP32_ATOL, f"decode-step logits differ by {step_diff:.3g}"
 
 
+class _RowCounter:
+    """A routing observer that does not need every prompt token: rows routed per MoE layer call."""
+
+    needs_every_token = False
+
+    def __init__(self):
+        self.rows: list[tuple[int, int]] = []
+
+    def __call__(self, layer, h, idx, w):
+        self.rows.append((layer, idx.shape[0]))
+
+
+@pytest.mark.parametrize("built", CASES, ids=CASE_IDS, indirect=True)
+def test_a_prompt_asked_for_its_last_logits_runs_the_last_mlp_on_one_row_and_still_matches(built: Built):
+    """With only the last logits asked for, the last layer's MLP or MoE runs on the last position alone (its
+    attention still writes every position's keys and values): the prompt's last logits and every decode step
+    after it still match transformers."""
+    ref = built.reference
+    model = load_model(built.dirs[LAYOUTS[0]], dtype=torch.float32)
+    counter = _RowCounter()
+    model.observers.append(counter)
+    tokens, steps = our_greedy(model, built.prompt)
+    last = model.config.num_hidden_layers - 1
+    prompt_calls = counter.rows[: len(model.config.moe_layers)]
+    n = built.prompt.shape[1]
+    assert prompt_calls == [(layer, 1 if layer == last else n) for layer in model.config.moe_layers]
+    step_diff = max(max_diff(a, b) for a, b in zip(steps, ref.step_logits))
+    assert tokens == ref.tokens
+    assert step_diff <= FP32_ATOL, f"logits after a pruned last layer differ by {step_diff:.3g}"
+    model.observers.append(lambda *a: None)  # an observer that may need every token: nothing pruned
+    counter.rows.clear()
+    model(built.prompt, model.new_cache(), last_only=True)
+    assert [rows for _, rows in counter.rows] == [n] * len(model.config.moe_layers)
+
+
 # Each variant must change the output when switched off in the runtime: otherwise the parity test above would
 # pass whether or not the runtime implements it.
 def _set(**changes):

@@ -56,7 +56,7 @@ def test_no_prefetch_before_evidence(engine):
     s = engine.scheduler
     s.gate.checks, s._read_cpu = 3.0, 1e-4
     assert s._gated(2, per_read=1e-3) == 0
-    assert s._should_predict(1, 0)  # ... but predictions run, to gather it
+    assert s._should_predict(False, 0)  # ... but predictions run, to gather it
 
 
 def test_shut_gate_runs_the_predictor_on_one_layer_call_in_eight(engine, monkeypatch):
@@ -83,4 +83,4 @@ def test_ungated_policy_predicts_every_layer(store):
     s = ExpertStore(store)
     budget = int(0.35 * s.expert_bytes(4) * len(s.index["moe_layers"]) * s.index["num_experts"])
     with Engine(store, budget, PRESETS["fate-edge"].with_(prefetch_gate=False)) as e:
-        assert all(e.scheduler._should_predict(1, 0) for _ in range(20))  # even with width 0
+        assert all(e.scheduler._should_predict(False, 0) for _ in range(20))  # even with width 0
