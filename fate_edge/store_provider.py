@@ -35,8 +35,10 @@ class StoreExpertProvider(ExpertProvider):
         store.precisions.get(self.bits) or store.ref(0, 0, self.bits)  # raises naming the precisions available
         self.dtype = dtype
         self.device = device
-        self.engine = engine or FetchEngine(BufferPool(2 * workers, store.max_blob_bytes), workers=workers,
-                                            link=link, direct_io=direct_io)
+        # Buffers for the precision read, not the store's largest (bf16) blob: they are faulted in when made.
+        slot = store.precisions[self.bits].slot_bytes
+        self.engine = engine or FetchEngine(BufferPool(2 * workers, slot), workers=workers, link=link,
+                                            direct_io=direct_io)
         self.stats = ProviderStats()
 
     def get(self, layer: int, expert: int):
