@@ -34,8 +34,10 @@ class Buffer:
             self.view = memoryview(self.mem.numpy())[skip : skip + size]
         else:
             # anonymous mmap: page-aligned, as O_DIRECT needs; populated, so no read pays its page faults
-            flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20) | _POPULATE
-            self.mem = mmap.mmap(-1, size, flags=flags)
+            if _POPULATE:
+                self.mem = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
+            else:  # no MAP_POPULATE (macOS, Windows, whose mmap takes no flags): pages fault in on first use
+                self.mem = mmap.mmap(-1, size)
             self.view = memoryview(self.mem)
 
 

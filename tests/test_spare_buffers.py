@@ -25,6 +25,20 @@ def test_a_buffer_is_resident_before_anything_touches_it():
     assert buf.view[0] == 1
 
 
+def test_without_map_populate_a_buffer_is_a_lazy_anonymous_map(monkeypatch):
+    """Hosts without MAP_POPULATE (macOS; Windows, whose mmap takes no flags) get the plain mapping: its pages fault
+    in on first use."""
+    import fate_edge.buffer_pool as buffer_pool
+
+    monkeypatch.setattr(buffer_pool, "_POPULATE", 0)
+    proc = psutil.Process()
+    before = proc.memory_info().rss
+    buf = Buffer(64 * MB)
+    assert proc.memory_info().rss - before < 16 * MB
+    buf.view[0:3] = b"abc"
+    assert bytes(buf.view[0:3]) == b"abc"
+
+
 def test_hand_offs_take_spares_before_making_buffers():
     pool = BufferPool(2, 4096)
     pool.add_spares(2)
