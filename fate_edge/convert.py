@@ -48,7 +48,7 @@ class ConvertOptions:
     bits: int = 4  # precision of the expert copies the engine streams
     group_size: int | None = None  # None: the largest of GROUP_SIZES that divides the expert dimensions
     cold_bits: int | None = None  # optional low-precision copy for cold experts (Fate: int2 tail)
-    cold_group_size: int = 32
+    cold_group_size: int | None = None  # None: the smallest of GROUP_SIZES that divides (int2 wants small groups)
     keep_bf16: bool = True  # also store bf16 experts (the full-precision / load-on-demand baseline)
     force: bool = False  # replace an existing store at the destination
     method: str = "rtn"  # "rtn" (Fate's round-to-nearest) or "hqq" (half-quadratic refinement): same format
@@ -122,7 +122,9 @@ def convert(model_dir: str | Path, out_dir: str | Path, opts: ConvertOptions | N
               f"expert dimensions {dims[0]}x{dims[1]}", file=sys.stderr)
     opts = replace(opts, group_size=group)
     if opts.cold_bits is not None:
-        pick_group(dims, opts.cold_group_size, "--cold-group")
+        cold = pick_group(dims, opts.cold_group_size, "--cold-group") if opts.cold_group_size is not None else \
+            min(g for g in GROUP_SIZES if all(d % g == 0 for d in dims))  # pick_group above proved one divides
+        opts = replace(opts, cold_group_size=cold)
     precisions = _precisions(cfg, opts)
     remove_dead_partials(out_dir.parent)
     need = _store_bytes(model_dir, cfg, reader, precisions)

@@ -1,6 +1,7 @@
 import subprocess
 import sys
 
+import pytest
 from _corrupt import flip_byte
 
 from fate_edge.cli import main
@@ -49,3 +50,15 @@ def test_inspect_verify_checks_every_blob_and_names_a_corrupted_one(tmp_path, ca
     assert main(["inspect", str(store), "--verify"]) != 0
     err = capsys.readouterr().err
     assert "layer 2 expert 9" in err and "re-run fate-edge convert" in err
+
+
+@pytest.mark.parametrize("flags, group", [([], 32), (["--cold-group", "64"], 64)])
+def test_convert_with_a_cold_copy_picks_the_smallest_group_unless_told(tmp_path, bundled_dir, flags, group):
+    """`convert --cold-bits 2` alone once crashed (QuantSpec got group None): the cold copy takes the smallest of
+    32/64/128 dividing the expert dimensions (192x128: 32), or the one asked for."""
+    from fate_edge.store import ExpertStore
+
+    out = tmp_path / "s"
+    assert main(["convert", str(bundled_dir), str(out), "--cold-bits", "2", "--no-bf16", "--quiet", *flags]) == 0
+    store = ExpertStore(out)
+    assert store.precisions[2].spec.group_size == group and store.precisions[4].spec.group_size == 64
