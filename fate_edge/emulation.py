@@ -109,33 +109,56 @@ def device_link(profile_name: str, kind: str) -> LinkSpec:
     return spec
 
 
-def decode_token_work(store_dir: str | Path, bits: int = 4) -> TokenWork:
+def decode_token_work(store_dir: str | Path, bits: int = 4, resident_bits: int | None = None) -> TokenWork:
     """What one decode token reads and computes on a device: every resident weight but the embedding table
-    (one row is read; a tied table is read whole as the lm_head) at fp16, and ``num_experts_per_tok`` experts of
-    every MoE layer at int``bits``; 2 FLOPs per weight used. Attention over the KV cache is left out (short
-    contexts: a few MB)."""
-    from safetensors import safe_open
-
+    (one row is read; a tied table is read whole as the lm_head) and ``num_experts_per_tok`` experts of every MoE
+    layer at int``bits``; 2 FLOPs per weight used. Resident weights count at fp16, or, with ``resident_bits`` (8
+    or 4, as the run holds them), the linears the loader quantizes (attention, dense MLPs, shared experts, lm_head:
+    :func:`fused.resident_groups`) at that precision with their fp16 scales (int4: a scale and a zero per group;
+    int8: a scale per row) and the rest at fp16. Attention over the KV cache is left out (short contexts: a few
+    MB)."""
     from .arch import load_config
+    from .checkpoint import CheckpointReader
+    from .fused import resident_groups
+    from .loader import layer_names
     from .store import ExpertStore
 
+    if resident_bits not in (None, 8, 4):
+        raise ValueError(f"resident_bits must be 8 or 4 (or None for fp16), not {resident_bits}")
     cfg = load_config(store_dir)
     store = ExpertStore(store_dir)
-    params = 0
-    with safe_open(str(Path(store_dir) / "resident.safetensors"), framework="pt") as f:
-        for name in f.keys():
-            if name == "model.embed_tokens.weight" and not cfg.tie_word_embeddings:
-                continue
-            n = 1
-            for d in f.get_slice(name).get_shape():
-                n *= d
-            params += n
+    reader = CheckpointReader(store_dir)
+    names = [n for n in reader.keys() if n != "model.embed_tokens.weight" or cfg.tie_word_embeddings]
+    quantized = set()
+    if resident_bits is not None:
+        groups = resident_groups(cfg, layer_names(cfg, reader), set(names))
+        quantized = {f"{n}.weight" for group in groups for n in group}
+    params, nbytes = 0, 0.0
+    for name in names:
+        shape = reader.shape(name)
+        n = 1
+        for d in shape:
+            n *= d
+        params += n
+        if name not in quantized:
+            nbytes += 2 * n
+        elif resident_bits == 4:  # group-wise: fp16 scale + zero per group of the input dimension
+            nbytes += n / 2 + 4 * n / _resident_group(shape[-1])
+        else:  # per-row int8: one fp16 scale per output row
+            nbytes += n + 2 * shape[0]
     experts = len(cfg.moe_layers) * cfg.num_experts_per_tok
-    nbytes = 2 * params + experts * store.expert_bytes(bits)
+    nbytes += experts * store.expert_bytes(bits)
     flops = 2 * (params + experts * cfg.expert_params)
-    what = (f"{params / 1e6:.1f} M resident params at fp16 + {experts} experts per token "
+    held = "fp16" if resident_bits is None else f"int{resident_bits} linears (the rest fp16)"
+    what = (f"{params / 1e6:.1f} M resident params at {held} + {experts} experts per token "
             f"({len(cfg.moe_layers)} MoE layers x top-{cfg.num_experts_per_tok}) at int{bits}")
     return TokenWork(float(nbytes), float(flops), what)
+
+
+def _resident_group(in_features: int) -> int:
+    """The int4 group the loader quantizes a resident linear with (the largest of 128/64/32 dividing its input
+    width; widths none divides are padded to 128)."""
+    return next((g for g in (128, 64, 32) if in_features % g == 0), 128)
 
 
 def disk_direct_read_s(store_dir: str | Path, n: int = 8, bits: int = 4) -> float | None:
@@ -170,9 +193,10 @@ def time_reads(store_dir: str | Path, link: LinkSpec | None, direct_io: bool, n:
 
 
 def host_token_seconds(store_dir: str | Path, token_ids: list[int], tokens: int = 8, workers: int = 2,
-                       bits: int = 4) -> tuple[float, str]:
+                       bits: int = 4, resident_bits: int | None = None) -> tuple[float, str]:
     """This host's decode compute per token: the planner's probe of the real engine (LRU, every int4 expert
-    fitting, O_DIRECT reads), each token's time less its stall and blob decoding, median over tokens."""
+    fitting, O_DIRECT reads, resident weights held as ``resident_bits`` says), each token's time less its stall
+    and blob decoding, median over tokens."""
     import torch
 
     from . import defaults
@@ -187,10 +211,12 @@ def host_token_seconds(store_dir: str | Path, token_ids: list[int], tokens: int 
     # Every expert fits (up to 4 GB), so few reads run beside the timed compute.
     budget = min(n_experts * store.expert_bytes(bits), int(4e9)) + 4 * slot
     run = probe_engine(store_dir, budget, PRESETS["lru"], None, token_ids, DTYPES[defaults.DTYPE], tokens=tokens,
-                       workers=workers)
+                       workers=workers, resident_bits=resident_bits)
     per_token = run.compute_s / max(1, run.tokens)
+    held = "" if resident_bits is None else f", int{resident_bits} resident linears"
     what = (f"engine decode of {run.tokens} tokens after {len(token_ids)} prompt tokens, every int{bits} expert "
-            f"fitting (LRU), {torch.get_num_threads()} torch threads: median token time less stall and blob decode")
+            f"fitting (LRU){held}, {torch.get_num_threads()} torch threads: median token time less stall and blob "
+            "decode")
     return per_token, what
 
 
@@ -200,14 +226,17 @@ class StoreSide:
 
     work: TokenWork
     expert_bytes: int  # one expert at the streamed precision
+    resident_bits: int | None  # how the runs hold their resident linears (None: the model's dtype, fp16 on a device)
     disk_read_s: float | None  # one O_DIRECT read of an expert on this disk (median), None without O_DIRECT
 
 
-def store_side(store_dir: str | Path, bits: int = 4) -> StoreSide:
+def store_side(store_dir: str | Path, bits: int = 4, resident_bits: int | None = None) -> StoreSide:
+    """The store's figures; ``resident_bits``: the precision the runs hold resident linears at (8 or 4), which the
+    device's roofline then reads too (a W4A16 decode), and the host's probe holds them at."""
     from .store import ExpertStore
 
-    return StoreSide(decode_token_work(store_dir, bits), ExpertStore(store_dir).expert_bytes(bits),
-                     disk_direct_read_s(store_dir, bits=bits))
+    return StoreSide(decode_token_work(store_dir, bits, resident_bits), ExpertStore(store_dir).expert_bytes(bits),
+                     resident_bits, disk_direct_read_s(store_dir, bits=bits))
 
 
 def calibrate(device: str, store_dir: str | Path, token_ids: list[int], tokens: int = 8, workers: int = 2,
@@ -220,7 +249,7 @@ def calibrate(device: str, store_dir: str | Path, token_ids: list[int], tokens: 
     profile = load_profile(profile_name)
     roof = device_roofline(profile)
     if host_s_per_token is None:
-        host_s_per_token, probe = host_token_seconds(store_dir, token_ids, tokens, workers, bits)
+        host_s_per_token, probe = host_token_seconds(store_dir, token_ids, tokens, workers, bits, side.resident_bits)
     else:
         probe = "given"
     dev_s = roof.time_s(side.work.bytes, side.work.flops)

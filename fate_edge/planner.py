@@ -123,11 +123,12 @@ class _DecodeRecorder:
 
 def probe_engine(store_dir, budget: int, policy: PolicyConfig, link: LinkSpec | None, token_ids: list[int],
                  dtype: torch.dtype, tokens: int = 16, workers: int = defaults.FETCH_WORKERS,
-                 record: bool = False, direct_io: bool | None = None) -> ProbeRun:
+                 record: bool = False, direct_io: bool | None = None, resident_bits: int | None = None) -> ProbeRun:
     """Decode ``tokens`` greedy tokens after ``token_ids`` with the real engine under ``budget``; the second
     of two runs is measured (the first warms torch's kernels and checks each blob's CRC once, as a
     long-running engine would have). ``record``: also keep the decode's routing as a :class:`PlanTrace`.
-    ``direct_io``: O_DIRECT reads (default: only without a link, i.e. from the raw disk)."""
+    ``direct_io``: O_DIRECT reads (default: only without a link, i.e. from the raw disk). ``resident_bits``: the
+    engine's resident linears quantized (8 or 4), as the run being planned holds them."""
     from fate_edge.devices.link import ThrottledLink
 
     from .engine import Engine
@@ -136,7 +137,8 @@ def probe_engine(store_dir, budget: int, policy: PolicyConfig, link: LinkSpec | 
     run = None
     for attempt in range(2):
         eng = Engine(store_dir, budget, policy, dtype=dtype, link=ThrottledLink(link) if link else None,
-                     workers=workers, direct_io=link is None if direct_io is None else direct_io)
+                     workers=workers, direct_io=link is None if direct_io is None else direct_io,
+                     resident_bits=resident_bits)
         rec = _DecodeRecorder() if record and attempt == 1 else None
         if rec is not None:
             eng.model.observers.insert(0, rec)
@@ -172,21 +174,22 @@ def measure_host_costs(store_dir, budget: int, link: LinkSpec | None, token_ids:
                        dtype: torch.dtype = torch.float32, predictor_policy: PolicyConfig | None = None,
                        workers: int = defaults.FETCH_WORKERS, decode_tokens: int = 128,
                        progress: Callable[[str], None] | None = None, direct_io: bool | None = None,
-                       predictor_probe: bool = True) -> tuple[HostCosts, LinkSpec, PlanTrace | None]:
+                       predictor_probe: bool = True, resident_bits: int | None = None
+                       ) -> tuple[HostCosts, LinkSpec, PlanTrace | None]:
     """The simulator's constants for this host and a decode trace, from probe runs of the engine under
     ``budget``: an LRU cache without prediction decoding ``decode_tokens`` tokens after ``token_ids`` (all
     reads are demand reads, so what is not stalling or decoding blobs is compute; its routing is the
     trace), then the predictor's policy for a few tokens (the predictor's per-layer cost; skipped, with no
     predictor cost, when ``predictor_probe`` is False). Without
     ``link`` the disk is read with O_DIRECT and its bandwidth is the one measured. ``progress`` is told
-    before each probe."""
+    before each probe. ``resident_bits``: the probes' resident linears quantized (8 or 4)."""
     from .arch import load_config
 
     say = progress or (lambda message: None)
     moe_layers = len(load_config(store_dir).moe_layers)
     say(f"probe 1/2: {decode_tokens} tokens with an LRU cache and no prediction (compute, reads, routing)")
     base = probe_engine(store_dir, budget, PRESETS["lru"], link, token_ids, dtype, tokens=decode_tokens,
-                        workers=workers, record=True, direct_io=direct_io)
+                        workers=workers, record=True, direct_io=direct_io, resident_bits=resident_bits)
     reads = max(1, base.reads)
     contention = reader_contention(torch.get_num_threads(), workers)
     compute = base.compute_s / max(1, base.tokens) / moe_layers
@@ -195,7 +198,7 @@ def measure_host_costs(store_dir, budget: int, link: LinkSpec | None, token_ids:
     if predictor_probe:
         say("probe 2/2: a few tokens with the predictor on every layer (its cost)")
         pred = probe_engine(store_dir, budget, (predictor_policy or PRESETS["fate-edge"]).with_(prefetch_gate=False),
-                            link, token_ids, dtype, workers=workers, direct_io=direct_io)
+                            link, token_ids, dtype, workers=workers, direct_io=direct_io, resident_bits=resident_bits)
         predict_s = pred.predict_s / max(1, pred.tokens) / moe_layers
     costs = HostCosts(
         layer_compute_s=max(1e-6, compute),

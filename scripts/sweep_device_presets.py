@@ -105,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
                     "probe's)")
     ap.add_argument("--decode-tokens", type=int, default=48)
     ap.add_argument("--trace", default=None, help="pickle of (costs, trace): reused when it exists, else written")
+    ap.add_argument("--resident-bits", type=int, choices=(8, 4), default=None,
+                    help="the probe's resident linears at this precision (and the device roofline's)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -118,13 +120,14 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         costs, _, trace = measure_host_costs(args.store, int(0.35 * total), None, ids, workers=1,
                                              decode_tokens=args.decode_tokens, direct_io=True,
+                                             resident_bits=args.resident_bits,
                                              progress=lambda m: print(f"[probe] {m}", file=sys.stderr, flush=True))
         print(f"probe: {time.perf_counter() - t0:.0f} s; {costs.describe()}", file=sys.stderr)
         if args.trace:
             Path(args.trace).write_bytes(pickle.dumps((costs, trace)))
     moe = len(store.index["moe_layers"])
     host_s = args.host_ms / 1e3 if args.host_ms else costs.layer_compute_s * moe
-    side = store_side(args.store)
+    side = store_side(args.store, resident_bits=args.resident_bits)
     out = {"store": args.store, "host_s_per_token": host_s, "host_costs": costs.__dict__, "devices": {}}
     for device in args.devices:
         em = calibrate(device, args.store, ids, host_s_per_token=host_s, side=side)

@@ -57,9 +57,10 @@ def first_tokens(trace, n: int):
     return out
 
 
-def run_once(store: str, budget: int, policy, em, ids: list[int], decode: int, trace) -> dict:
+def run_once(store: str, budget: int, policy, em, ids: list[int], decode: int, trace,
+             resident_bits: int | None = None) -> dict:
     eng = Engine(store, budget, policy, link=ThrottledLink(em.emulated), trace=trace, workers=1,
-                 direct_io=em.direct_io)
+                 direct_io=em.direct_io, resident_bits=resident_bits)
     try:
         times, last = [], None
         for step in eng.stream(ids, GenerateConfig(max_tokens=decode + 1, ignore_eos=True)):
@@ -87,8 +88,9 @@ def table(results: dict) -> str:
     for d in results.values():
         pols = d["policies"]
         lod, lod4, fate = (pols.get(n) for n in ("load-on-demand (bf16)", "load-on-demand-int4", "fate"))
+        held = "" if d.get("resident_bits") is None else f"int{d['resident_bits']} resident linears, "
         lines += [f"**{d['profile']}** (emulated: k = {d['k']:.3g}, host {d['host_ms']:.1f} ms pinned, device "
-                  f"{d['device_ms']:.2f} ms per token; {d['rounds']} interleaved rounds, medians; load "
+                  f"{d['device_ms']:.2f} ms per token; {held}{d['rounds']} interleaved rounds, medians; load "
                   f"{d['load']}; device-equivalent = raw x k)", "",
                   "| policy | device-eq. decode tok/s | simulated (device-eq.) | sim error | device-eq. prefill tok/s "
                   "| prefill MB read | hit rate | MB read / token | x LOD bf16 decode / prefill | x LOD int4 | x fate "
@@ -117,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-tokens", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--lod", action="store_true", help="also run load-on-demand bf16 and int4 (slow: every read)")
+    ap.add_argument("--resident-bits", type=int, choices=(8, 4), default=None,
+                    help="hold the resident linears at this precision in every run (and on the device's roofline)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--readme", default=None)
     ap.add_argument("--mark", default=MARK, help=f"README block to rewrite (default {MARK}; the real-shape run: "
@@ -129,9 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     ids = sample_token_ids(Tokenizer(args.store))[: args.prompt_tokens]
     costs, plan_trace = pickle.loads(Path(args.trace).read_bytes())
     plan_trace = first_tokens(plan_trace, args.decode_tokens)  # the simulator over the decode the engine runs
-    with Engine(args.store, 2 * total, "lru") as big:  # the request's routing, for the oracle
+    with Engine(args.store, 2 * total, "lru", resident_bits=args.resident_bits) as big:  # routing, for the oracle
         trace = big.record_trace(ids, GenerateConfig(max_tokens=args.decode_tokens + 1, ignore_eos=True))
-    side = store_side(args.store)
+    side = store_side(args.store, resident_bits=args.resident_bits)
     results = {}
     for device in args.devices:
         if args.host_ms is None:  # measured once, then the same k basis for every device and policy
@@ -146,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             loads.append(open("/proc/loadavg").read().split()[0])
             for name, p in pols.items():
                 runs[name].append(run_once(args.store, budget, p, em, ids, args.decode_tokens,
-                                           trace if p.predictor == "oracle" else None))
+                                           trace if p.predictor == "oracle" else None, args.resident_bits))
                 print(f"  round {len(runs[name])} {name}: raw {runs[name][-1]['decode_tps']:.3g} tok/s decode "
                       f"(load {open('/proc/loadavg').read().split()[0]})", file=sys.stderr, flush=True)
         out = {}
@@ -159,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{device} {name}: {json.dumps({k: round(v, 3) for k, v in med.items()})}", flush=True)
         results[device] = {"profile": em.profile, "k": em.k, "host_ms": args.host_ms,
                            "device_ms": em.device_s_per_token * 1e3, "rounds": args.rounds,
+                           "resident_bits": args.resident_bits,
                            "load": "-".join(loads), "policies": out}
     text = table(results)
     print(text)

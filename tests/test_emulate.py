@@ -91,6 +91,34 @@ def test_token_work_counts_the_bundled_models_weights(store):
     assert work.flops == 2 * (params + experts * 3 * h * cfg.moe_intermediate_size)
 
 
+def test_token_work_reads_quantized_resident_linears_at_their_precision(store):
+    """With resident_bits the device reads what the run holds: the linears the loader quantizes (q/k/v, o,
+    shared expert gate/up/gate-scalar and down, lm_head) at int4 with an fp16 scale and zero per group, or int8
+    with an fp16 scale per row; biases, norms and routers stay fp16. FLOPs do not change."""
+    from fate_edge.arch import load_config
+    from fate_edge.store import ExpertStore
+
+    cfg = load_config(store)
+    assert (cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.vocab_size) == (192, 256, 4096)
+    # By hand, per layer: in 192 (group 64): q 192x192, k 96x192, v 96x192, o 192x192, shared gate and up
+    # 256x192 each, shared-expert gate 1x192; in 256 (group 128): down 192x256. lm_head 4096x192 (group 64).
+    g64 = 8 * (36864 + 18432 + 18432 + 36864 + 49152 + 49152 + 192) + 4096 * 192
+    g128 = 8 * 192 * 256
+    rows = 8 * (192 + 96 + 96 + 192 + 256 + 256 + 1 + 192) + 4096
+    fp16 = 8 * (384 + 2 * 192 + 16 * 192) + 192  # biases, norms, router per layer; the final norm
+    assert g64 + g128 + fp16 == 2_883_264  # every resident param, as the fp16 test counts them
+    experts = 16 * ExpertStore(store).expert_bytes(4)
+    fp = decode_token_work(store, bits=4)
+    w4 = decode_token_work(store, bits=4, resident_bits=4)
+    w8 = decode_token_work(store, bits=4, resident_bits=8)
+    assert w4.bytes == pytest.approx(g64 * (0.5 + 4 / 64) + g128 * (0.5 + 4 / 128) + 2 * fp16 + experts)
+    assert w8.bytes == pytest.approx(g64 + g128 + 2 * rows + 2 * fp16 + experts)
+    assert w4.flops == w8.flops == fp.flops
+    assert "int4 linears" in w4.what and "fp16" in fp.what
+    with pytest.raises(ValueError, match="resident_bits"):
+        decode_token_work(store, resident_bits=2)
+
+
 @pytest.mark.parametrize("device", sorted(DEVICES))
 def test_the_emulated_link_is_the_profiles_divided_by_k(store, bundled_tokenizer, device):
     em = calibrate(device, store, [1, 2, 3], host_s_per_token=0.05)
