@@ -28,7 +28,7 @@ from fate_edge.emulation import DEVICES, calibrate, store_side
 from fate_edge.engine import Engine
 from fate_edge.generate import GenerateConfig
 from fate_edge.planner import sample_token_ids
-from fate_edge.policy import PRESETS
+from fate_edge.policy import PRESETS, PolicyConfig
 from fate_edge.report import replace_between_markers
 from fate_edge.simulate import scale_costs
 from fate_edge.store import ExpertStore
@@ -38,6 +38,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sweep_device_presets import sim  # noqa: E402
 
 MARK = "device-presets"
+
+
+def sweep_best(path: str | None, device: str, budget: float) -> dict:
+    """{label: policy} of the sweep's best candidate for ``device`` at ``budget`` (its JSON), or nothing."""
+    if path is None:
+        return {}
+    found = json.loads(Path(path).read_text())["devices"].get(device, {}).get("budgets", {}).get(str(budget))
+    if not found:
+        return {}
+    return {f"sweep best ({found['best']})": PolicyConfig(**found["best_policy"])}
 
 
 def policies(device: str, lod: bool) -> dict:
@@ -121,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lod", action="store_true", help="also run load-on-demand bf16 and int4 (slow: every read)")
     ap.add_argument("--resident-bits", type=int, choices=(8, 4), default=None,
                     help="hold the resident linears at this precision in every run (and on the device's roofline)")
+    ap.add_argument("--sweep", default=None, help="the sweep's JSON: also run its best candidate per device")
     ap.add_argument("--out", default=None)
     ap.add_argument("--readme", default=None)
     ap.add_argument("--mark", default=MARK, help=f"README block to rewrite (default {MARK}; the real-shape run: "
@@ -143,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         em = calibrate(device, args.store, ids, host_s_per_token=args.host_ms / 1e3, side=side)
         dev_costs = scale_costs(costs, 1 / em.k)
         dev_costs.layer_compute_s = em.device_s_per_token / len(store.index["moe_layers"])
-        pols = policies(device, args.lod)
+        pols = {**policies(device, args.lod), **sweep_best(args.sweep, device, args.budget)}
         runs: dict[str, list[dict]] = {n: [] for n in pols}
         loads = []
         for _ in range(args.rounds):
