@@ -26,6 +26,17 @@ emulated runs of the engine (scripts/validate_device_presets.py, README table pe
   global_choice), kept through the prompt (``keep_preloaded``: prefill reads enter only free room): a 64-token
   prompt missed 48 experts instead of 89, and the decode after it 298 instead of 309 of 2048 uses.
 
+That holds where a read costs many layers of compute. It is a property of the model as much as of the device:
+on the Qwen1.5-MoE-A2.7B shape (8 of 24 layers, int4 resident linears) one int4 expert read costs 0.8-3.5 MoE
+layers of the same five devices' compute (``emulation.read_layers``; the inflated bundled model: 4.8-22.7), and
+there the sweep's best on every device prefetches, two wide, two layers ahead with the cross-layer gate, over
+per-layer LCU caches (simulated 62 / 81 / 110 / 13 / 257 tok/s against the link-bound row's 57 / 73 / 100 / 12 /
+240 on orin-nano / orin-nx / agx-orin / rpi5 / rtx4060). Measured on the emulated Orin Nano (35%, 3 interleaved
+rounds): 67 device-equivalent tok/s against the link-bound row's 48 and the oracle's 73. So a caller that knows
+the model passes ``read_layers`` and gets the prefetching row (:data:`HIDING_PRESETS`) at or below
+:data:`HIDING_READ_LAYERS`; the product card's cross-layer prefetch wins there, the link-bound row where reads
+are dearer.
+
 The host preset (``PRESETS["fate-edge"]``) stays for this host and unknown devices: there a read is cheap next
 to compute and the prefetch gate decides from measured hit rates.
 """
@@ -52,6 +63,18 @@ DEVICE_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# Where a read costs at most this many MoE layers of the device's compute, reads ahead hide behind the layers they
+# run beside: the prefetching row wins (0.8-3.5 on the Qwen1.5-MoE shape); the link-bound row won at 4.8-22.7.
+HIDING_READ_LAYERS = 4.0
+
+# What fate-edge changes on those devices for such a model: the sweep's best on all five (module docstring), with
+# the link-bound row's fill at load kept through the prompt (it cut the prompt's reads by a third there).
+_HIDES_READS: dict[str, Any] = {"allocation": "uniform", "eviction": "lcu", "predictor": "cross-layer",
+                                "lookahead": 2, "prefetch_width": 2, "max_prefetch_width": 2, "prefetch_gate": False,
+                                "preload": True, "keep_preloaded": True}
+HIDING_PRESETS: dict[str, dict[str, Any]] = {name: _HIDES_READS for name in DEVICE_PRESETS}
+
+
 def profile_of(device: str) -> str:
     """The profile name of a short device name (``orin-nano``, ..., emulation.DEVICES) or of a profile name."""
     from .emulation import DEVICES
@@ -59,10 +82,27 @@ def profile_of(device: str) -> str:
     return DEVICES[device][0] if device in DEVICES else device
 
 
-def for_device(policy: PolicyConfig, device: str | None) -> PolicyConfig:
+def for_device(policy: PolicyConfig, device: str | None, read_layers: float | None = None) -> PolicyConfig:
     """``policy`` as it runs on ``device`` (a short name or a profile name): the ``fate-edge`` preset takes that
-    device's row of :data:`DEVICE_PRESETS`; every other policy, and an unknown or absent device, is unchanged."""
+    device's row, :data:`HIDING_PRESETS` where one expert read costs at most :data:`HIDING_READ_LAYERS` MoE layers
+    of the device's compute for the model at hand (``read_layers``, from ``emulation.read_layers``), else
+    :data:`DEVICE_PRESETS` (also without ``read_layers``); every other policy, and an unknown or absent device,
+    is unchanged."""
     if device is None or policy.name != "fate-edge":
         return policy
-    change = DEVICE_PRESETS.get(profile_of(device))
+    rows = HIDING_PRESETS if read_layers is not None and read_layers <= HIDING_READ_LAYERS else DEVICE_PRESETS
+    change = rows.get(profile_of(device))
     return policy.with_(**change) if change else policy
+
+
+def for_device_and_store(policy: PolicyConfig, device: str | None, store_dir, resident_bits: int | None = None
+                         ) -> PolicyConfig:
+    """:func:`for_device` with the read cost of ``store_dir``'s experts on ``device`` (resident linears held at
+    ``resident_bits``), so the row fits the model as well as the device; without a store, :func:`for_device`."""
+    if store_dir is None:
+        return for_device(policy, device)
+    if device is None or policy.name != "fate-edge" or profile_of(device) not in DEVICE_PRESETS:
+        return policy
+    from .emulation import read_layers
+
+    return for_device(policy, device, read_layers(store_dir, device, policy.bits, resident_bits))

@@ -161,6 +161,21 @@ def _resident_group(in_features: int) -> int:
     return next((g for g in (128, 64, 32) if in_features % g == 0), 128)
 
 
+def read_layers(store_dir: str | Path, device: str, bits: int = 4, resident_bits: int | None = None) -> float:
+    """One int``bits`` expert read over ``device``'s link, in MoE layers of the device's decode compute for this
+    store's model (the roofline's token time over the MoE layers; resident linears at ``resident_bits``): below
+    about 2 a read ahead can hide behind the layers it runs beside, well above it decode is link-bound
+    (device_presets.py picks the preset by it)."""
+    from .arch import load_config
+    from .store import ExpertStore
+
+    profile_name, kind = resolve_device(device)
+    work = decode_token_work(store_dir, bits, resident_bits)
+    layer_s = device_roofline(load_profile(profile_name)).time_s(work.bytes, work.flops) / len(
+        load_config(store_dir).moe_layers)
+    return device_link(profile_name, kind).transfer_time(ExpertStore(store_dir).expert_bytes(bits)) / layer_s
+
+
 def disk_direct_read_s(store_dir: str | Path, n: int = 8, bits: int = 4) -> float | None:
     """Median seconds of one O_DIRECT read of an expert on this disk (over ``n``), or None without O_DIRECT."""
     nbytes, seconds, io = time_reads(store_dir, None, True, n, bits)
@@ -268,7 +283,7 @@ def plan_emulated(store_dir: str | Path, budget: int, devices: list[str], token_
     device's own link: the compute/link ratio is the device's. {device: (Emulation, Plan)}; a Plan's tokens/s
     are device-equivalent."""
     from .arch import load_config
-    from .device_presets import for_device
+    from .device_presets import for_device_and_store
     from .planner import measure_host_costs, plan
     from .policy import PRESETS
     from .simulate import scale_costs
@@ -283,7 +298,7 @@ def plan_emulated(store_dir: str | Path, budget: int, devices: list[str], token_
     for device in devices:
         em = calibrate(device, store_dir, token_ids, workers=workers, bits=bits, host_s_per_token=host_s, side=side)
         em.host_probe = "the planner's LRU probe (compute per MoE layer x MoE layers)"
-        start = for_device(PRESETS["fate-edge"], device)  # the descent starts from the device's preset
+        start = for_device_and_store(PRESETS["fate-edge"], device, store_dir)  # the descent starts from its preset
         out[device] = (em, plan(trace, budget, store.expert_bytes(bits), store.precisions[bits].slot_bytes, em.link,
                                 scale_costs(costs, 1 / em.k), start=start))
     return out

@@ -101,15 +101,20 @@ def resolve_store(model: str | Path | None, progress: bool = True) -> Path:
     return ensure_store(model or bundled_model_dir(), progress=progress)
 
 
-def policy_for_device(policy: str, device_profile: str | None = None) -> PolicyConfig:
+def policy_for_device(policy: str, device_profile: str | None = None, store: str | Path | None = None,
+                      resident_bits: int | None = None) -> PolicyConfig:
     """The preset ``policy`` as it runs on ``device_profile``, or on the device this host is detected to be
-    (devices/detect.py; none here: the host preset)."""
+    (devices/detect.py; none here: the host preset); with ``store``, the row that fits that model's read cost
+    on the device (device_presets.for_device_and_store)."""
     from fate_edge.devices.detect import detect
 
-    from .device_presets import for_device
+    from .device_presets import for_device, for_device_and_store
     from .policy import get_policy
 
-    return for_device(get_policy(policy), device_profile or detect().profile)
+    device = device_profile or detect().profile
+    if store is None:
+        return for_device(get_policy(policy), device)
+    return for_device_and_store(get_policy(policy), device, store, resident_bits)
 
 
 def open_engine(opts: EngineOptions, log: TextIO | None = None, progress: bool = True) -> Engine:
@@ -139,7 +144,7 @@ def open_engine(opts: EngineOptions, log: TextIO | None = None, progress: bool =
             f"decode tok/s, hit rate {100 * planned.predicted_hit_rate:.0f}%")
         policy = p
     else:
-        policy = policy_for_device(policy, opts.device_profile)
+        policy = policy_for_device(policy, opts.device_profile, store, opts.resident_bits)
     engine = Engine(store, opts.memory_budget, policy, dtype=opts.dtype, link=link, device=opts.device,
                     verify=opts.verify, resident_bits=opts.resident_bits)
     engine.planned = planned

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from fate_edge.devices.link import ThrottledLink
 
-from fate_edge.device_presets import for_device
+from fate_edge.device_presets import for_device, for_device_and_store
 from fate_edge.emulation import DEVICES, calibrate, store_side
 from fate_edge.engine import Engine
 from fate_edge.generate import GenerateConfig
@@ -50,13 +50,14 @@ def sweep_best(path: str | None, device: str, budget: float) -> dict:
     return {f"sweep best ({found['best']})": PolicyConfig(**found["best_policy"])}
 
 
-def policies(device: str, lod: bool) -> dict:
+def policies(device: str, lod: bool, store: str, resident_bits: int | None) -> dict:
     base = {"load-on-demand (bf16)": PRESETS["load-on-demand"],
             "load-on-demand-int4": PRESETS["load-on-demand-int4"]} if lod else {}
-    dev = for_device(PRESETS["fate-edge"], device)
+    dev = for_device_and_store(PRESETS["fate-edge"], device, store, resident_bits)  # the row for this model
+    bound = for_device(PRESETS["fate-edge"], device)  # the link-bound row, whatever the model
+    rows = {"fate-edge": dev} if dev == bound else {"fate-edge (link-bound row)": bound, "fate-edge": dev}
     return {**base, "lru": PRESETS["lru"], "fate": PRESETS["fate"], "fate-edge (host preset)": PRESETS["fate-edge"],
-            "fate-edge (device preset, lcu)": dev.with_(eviction="lcu"),  # the device preset before next-use
-            "fate-edge": dev, "oracle": PRESETS["oracle"]}
+            **rows, "oracle": PRESETS["oracle"]}
 
 
 def first_tokens(trace, n: int):
@@ -154,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         em = calibrate(device, args.store, ids, host_s_per_token=args.host_ms / 1e3, side=side)
         dev_costs = scale_costs(costs, 1 / em.k)
         dev_costs.layer_compute_s = em.device_s_per_token / len(store.index["moe_layers"])
-        pols = {**policies(device, args.lod), **sweep_best(args.sweep, device, args.budget)}
+        pols = {**policies(device, args.lod, args.store, args.resident_bits),
+                **sweep_best(args.sweep, device, args.budget)}
         runs: dict[str, list[dict]] = {n: [] for n in pols}
         loads = []
         for _ in range(args.rounds):

@@ -10,7 +10,7 @@ from _replay import PROMPT, decode_routing, record_with_predictions
 from fate_edge import GenerateConfig
 from fate_edge.budget import plan_budget
 from fate_edge.convert import ConvertOptions, convert
-from fate_edge.device_presets import DEVICE_PRESETS, for_device
+from fate_edge.device_presets import DEVICE_PRESETS, HIDING_READ_LAYERS, for_device, for_device_and_store
 from fate_edge.emulation import DEVICES, calibrate, store_side
 from fate_edge.engine import Engine
 from fate_edge.engine_args import policy_for_device
@@ -38,6 +38,65 @@ def test_fate_edge_resolves_per_device_by_short_or_profile_name():
             assert for_device(preset, "orin-nano") is preset
     assert policy_for_device("fate-edge", "agx-orin").allocation == "global"
     assert policy_for_device("lru", "agx-orin") is PRESETS["lru"]
+
+
+@pytest.mark.parametrize("read_layers, row", [(0.5, "hiding"), (4.0, "hiding"), (4.01, "bound"), (20.0, "bound"),
+                                              (None, "bound")])
+def test_the_row_follows_what_a_read_costs_in_layers_of_the_devices_compute(read_layers, row):
+    p = for_device(PRESETS["fate-edge"], "orin-nano", read_layers)
+    got = (p.allocation, p.eviction, p.predictor, p.lookahead, p.prefetch_width, p.prefetch_gate, p.preload,
+           p.keep_preloaded)
+    want = {"hiding": ("uniform", "lcu", "cross-layer", 2, 2, False, True, True),
+            "bound": ("global", "next-use", None, 1, "fate", False, True, True)}[row]
+    assert got[:3] == want[:3] and got[5:] == want[5:]
+    if row == "hiding":
+        assert got[3:5] == want[3:5]
+    assert for_device(PRESETS["lru"], "orin-nano", read_layers) is PRESETS["lru"]
+
+
+def test_a_stores_read_cost_picks_its_row_per_device(recorded):
+    """The bundled model's int4 expert (small next to its resident weights) over each device's link, in MoE layers
+    of that device's roofline token: cheap over the laptop's PCIe, dear over a Jetson's NVMe."""
+    from fate_edge.bench.worker import spec_policy
+    from fate_edge.emulation import read_layers
+    from fate_edge.store import ExpertStore
+
+    store, side = recorded[0], recorded[5]
+    entry, layers = ExpertStore(store).expert_bytes(4), len(recorded[3].moe_layers)
+    cost = {}
+    for device in DEVICES:
+        em = calibrate(device, store, [0], host_s_per_token=1.0, side=side)  # only the device side is used
+        cost[device] = read_layers(store, device)
+        assert cost[device] == pytest.approx(em.link.transfer_time(entry) / (em.device_s_per_token / layers))
+    assert cost["rtx4060"] < HIDING_READ_LAYERS < cost["orin-nano"] < cost["agx-orin"]
+    for device, c in cost.items():
+        want = for_device(PRESETS["fate-edge"], device, c)
+        assert for_device_and_store(PRESETS["fate-edge"], device, store) == want
+        assert policy_for_device("fate-edge", device, store) == want
+        assert spec_policy({"preset": "fate-edge", "emulate": device, "store": str(store)}) == want
+    assert for_device_and_store(PRESETS["fate-edge"], "rtx4060", store).predictor == "cross-layer"
+    assert for_device_and_store(PRESETS["fate-edge"], "orin-nano", store).predictor is None
+    assert for_device_and_store(PRESETS["lru"], "rtx4060", store) is PRESETS["lru"]
+
+
+def test_the_prefetching_row_prefetches_in_the_engine_and_keeps_the_text(recorded):
+    """Where reads are cheap the device row reads ahead with the cross-layer gate: at 35% every MoE layer after the
+    first serves some decode uses from prefetch, the cache was filled at load, and the tokens are lru's."""
+    store, cfg, (entry, slot) = recorded[0], recorded[3], recorded[4]
+    budget = int(0.35 * len(cfg.moe_layers) * cfg.num_experts * entry) + 3 * slot
+    policy = for_device(PRESETS["fate-edge"], "rtx4060", read_layers=1.0)
+    decode = GenerateConfig(max_tokens=24, ignore_eos=True)
+    with Engine(store, budget, "lru") as ref:
+        want = ref.generate(PROMPT, decode)[0]
+    with Engine(store, budget, policy) as eng:
+        assert eng.load_report.reads > 0
+        steps = eng.stream(PROMPT, decode)
+        parts = [next(steps).text]  # the prompt's prefill and the first token
+        before = {layer: list(v) for layer, v in eng.scheduler.layer_uses.items()}  # [cached, prefetched, demand]
+        parts += [step.text for step in steps]
+        prefetched = {layer: v[1] - before.get(layer, [0, 0, 0])[1] for layer, v in eng.scheduler.layer_uses.items()}
+    assert "".join(parts) == want
+    assert all(prefetched.get(layer, 0) > 0 for layer in cfg.moe_layers[1:]), prefetched
 
 
 def test_the_bench_runs_fate_edge_as_on_the_emulated_device():

@@ -187,7 +187,8 @@ def test_no_preset_beats_the_best_clairvoyant_configuration(recorded, fraction, 
     runs["belady, no reads ahead"] = simulate(ids, None, belady, plan.cache_bytes, entry, link, costs,
                                               cfg.num_experts, cfg.num_hidden_layers, warm=warm, max_inflight=0)
     device = for_device(PRESETS["fate-edge"], "orin-nano")  # the five devices' preset (next-use, one pool)
-    for name, policy in {"fate-edge, link-bound device preset": device}.items():
+    hiding = for_device(PRESETS["fate-edge"], "orin-nano", read_layers=1.0)  # where reads are cheap: prefetching
+    for name, policy in {"fate-edge, link-bound device preset": device, "fate-edge, prefetching row": hiding}.items():
         plan = plan_budget(budget, policy, entry, slot)
         scores = preds.get(policy.predictor) if policy.predictor else None
         runs[name] = simulate(ids, scores, policy, plan.cache_bytes, entry, link, costs, cfg.num_experts,

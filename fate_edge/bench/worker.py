@@ -68,12 +68,12 @@ def _sum_stats(items):
 def spec_policy(spec: dict):
     """The configuration's policy: the planner's choice given as data, else the preset, ``fate-edge`` as it runs
     on the emulated device (device_presets.py) under ``--emulate``."""
-    from ..device_presets import for_device
+    from ..device_presets import for_device_and_store
     from ..policy import PolicyConfig, get_policy
 
     if spec.get("policy"):
         return PolicyConfig(**spec["policy"])
-    return for_device(get_policy(spec["preset"]), spec.get("emulate"))
+    return for_device_and_store(get_policy(spec["preset"]), spec.get("emulate"), spec.get("store"))
 
 
 def one_request(spec: dict, ids: list[int], max_tokens: int, trace, counter_sink: dict) -> dict[str, Any]:
