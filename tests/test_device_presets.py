@@ -46,7 +46,7 @@ def test_the_row_follows_what_a_read_costs_in_layers_of_the_devices_compute(read
     p = for_device(PRESETS["fate-edge"], "orin-nano", read_layers)
     got = (p.allocation, p.eviction, p.predictor, p.lookahead, p.prefetch_width, p.prefetch_gate, p.preload,
            p.keep_preloaded)
-    want = {"hiding": ("uniform", "lcu", "cross-layer", 2, 2, False, True, True),
+    want = {"hiding": ("uniform", "lcu", "cross-layer", 2, 2, False, True, False),
             "bound": ("global", "next-use", None, 1, "fate", False, True, True)}[row]
     assert got[:3] == want[:3] and got[5:] == want[5:]
     if row == "hiding":
