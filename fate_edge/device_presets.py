@@ -32,10 +32,10 @@ layers of the same five devices' compute (``emulation.read_layers``; the inflate
 there the sweep's best on every device prefetches, two wide, two layers ahead with the cross-layer gate, over
 per-layer LCU caches (simulated 62 / 81 / 110 / 13 / 257 tok/s against the link-bound row's 57 / 73 / 100 / 12 /
 240 on orin-nano / orin-nx / agx-orin / rpi5 / rtx4060). Measured on the emulated Orin Nano (35%, 3 interleaved
-rounds): 67 device-equivalent tok/s against the link-bound row's 48 and the oracle's 73. So a caller that knows
-the model passes ``read_layers`` and gets the prefetching row (:data:`HIDING_PRESETS`) at or below
-:data:`HIDING_READ_LAYERS`; the product card's cross-layer prefetch wins there, the link-bound row where reads
-are dearer.
+rounds, README): the prefetching row 66 device-equivalent tok/s, the link-bound row 49, the oracle 84. So a caller
+that knows the model passes ``read_layers`` (:func:`for_device_and_store` does) and gets the prefetching row
+(:data:`HIDING_PRESETS`) at or below :data:`HIDING_READ_LAYERS`; the product card's cross-layer prefetch wins
+there, the link-bound row where reads are dearer.
 
 The host preset (``PRESETS["fate-edge"]``) stays for this host and unknown devices: there a read is cheap next
 to compute and the prefetch gate decides from measured hit rates.
