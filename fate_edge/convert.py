@@ -76,6 +76,18 @@ def pick_group(dims: tuple[int, ...], requested: int | None, option: str = "--gr
                         + " or ".join(map(str, fits)))
 
 
+def with_groups(opts: ConvertOptions, dims: tuple[int, ...]) -> ConvertOptions:
+    """``opts`` with its quantization groups settled for experts of ``dims``: the streamed copy's (asked for, or
+    the largest that divides) and the cold copy's (asked for, or the smallest that divides: int2 wants small
+    groups); an error names the groups that fit when one asked for does not."""
+    group = pick_group(dims, opts.group_size)
+    cold = opts.cold_group_size
+    if opts.cold_bits is not None:
+        cold = pick_group(dims, cold, "--cold-group") if cold is not None else \
+            min(g for g in GROUP_SIZES if all(d % g == 0 for d in dims))  # pick_group proved one divides
+    return replace(opts, group_size=group, cold_group_size=cold)
+
+
 def _precisions(cfg, opts: ConvertOptions) -> list[Precision]:
     h, inter = cfg.hidden_size, cfg.moe_intermediate_size
     wanted: list[tuple[int, QuantSpec | None]] = []
@@ -120,11 +132,7 @@ def convert(model_dir: str | Path, out_dir: str | Path, opts: ConvertOptions | N
     if opts.group_size is None and progress:
         print(f"quantization group {group}: the largest of {', '.join(map(str, GROUP_SIZES))} that divides the "
               f"expert dimensions {dims[0]}x{dims[1]}", file=sys.stderr)
-    opts = replace(opts, group_size=group)
-    if opts.cold_bits is not None:
-        cold = pick_group(dims, opts.cold_group_size, "--cold-group") if opts.cold_group_size is not None else \
-            min(g for g in GROUP_SIZES if all(d % g == 0 for d in dims))  # pick_group above proved one divides
-        opts = replace(opts, cold_group_size=cold)
+    opts = with_groups(opts, dims)
     precisions = _precisions(cfg, opts)
     remove_dead_partials(out_dir.parent)
     need = _store_bytes(model_dir, cfg, reader, precisions)

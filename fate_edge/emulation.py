@@ -119,7 +119,7 @@ def decode_token_work(store_dir: str | Path, bits: int = 4, resident_bits: int |
     MB)."""
     from .arch import load_config
     from .checkpoint import CheckpointReader
-    from .fused import resident_groups
+    from .fused import int4_group, resident_groups
     from .loader import layer_names
     from .store import ExpertStore
 
@@ -140,11 +140,12 @@ def decode_token_work(store_dir: str | Path, bits: int = 4, resident_bits: int |
         for d in shape:
             n *= d
         params += n
+        group = int4_group(shape[-1]) if resident_bits == 4 else None
         if name not in quantized:
             nbytes += 2 * n
-        elif resident_bits == 4:  # group-wise: fp16 scale + zero per group of the input dimension
-            nbytes += n / 2 + 4 * n / _resident_group(shape[-1])
-        else:  # per-row int8: one fp16 scale per output row
+        elif group is not None:  # group-wise int4: an fp16 scale and zero per group of the input dimension
+            nbytes += n / 2 + 4 * n / group
+        else:  # per-row int8 (asked for, or an int4 width no group divides): one fp16 scale per output row
             nbytes += n + 2 * shape[0]
     experts = len(cfg.moe_layers) * cfg.num_experts_per_tok
     nbytes += experts * store.expert_bytes(bits)
@@ -155,17 +156,11 @@ def decode_token_work(store_dir: str | Path, bits: int = 4, resident_bits: int |
     return TokenWork(float(nbytes), float(flops), what)
 
 
-def _resident_group(in_features: int) -> int:
-    """The int4 group the loader quantizes a resident linear with (the largest of 128/64/32 dividing its input
-    width; widths none divides are padded to 128)."""
-    return next((g for g in (128, 64, 32) if in_features % g == 0), 128)
-
-
 def read_layers(store_dir: str | Path, device: str, bits: int = 4, resident_bits: int | None = None) -> float:
     """One int``bits`` expert read over ``device``'s link, in MoE layers of the device's decode compute for this
-    store's model (the roofline's token time over the MoE layers; resident linears at ``resident_bits``): below
-    about 2 a read ahead can hide behind the layers it runs beside, well above it decode is link-bound
-    (device_presets.py picks the preset by it)."""
+    store's model (the roofline's token time over the MoE layers; resident linears at ``resident_bits``). A few
+    layers or less, a read ahead hides behind the layers it runs beside; many more, decode is link-bound
+    (device_presets.HIDING_READ_LAYERS picks the row by it)."""
     from .arch import load_config
     from .store import ExpertStore
 

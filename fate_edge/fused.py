@@ -232,7 +232,7 @@ def quantize_group(w: Weights, names: list[str], bits: int) -> None:
     key = "+".join(names)
     parts = [w[f"{n}.weight"] for n in names]
     full = parts[0] if len(parts) == 1 else torch.cat(parts)  # lm_head alone: no copy
-    rows, group = full.shape[0], _int4_group(full.shape[1])
+    rows, group = full.shape[0], int4_group(full.shape[1])
     if _native_kernel(tuple(full.shape), bits, full.device):  # any row count; K padded to the kernel's 128
         spec, k = QuantSpec(4, group), full.shape[1]
         if padded_in_features(k) != k:  # zero columns quantize to zero weights (DeepSeek's dense down_proj)
@@ -265,13 +265,13 @@ def _padded(shape: tuple[int, int]) -> tuple[int, int]:
 
 
 def _native_kernel(shape: tuple[int, int], bits: int, device: torch.device) -> bool:
-    group = _int4_group(shape[1])
+    group = int4_group(shape[1])
     return (bits == 4 and group is not None
             and default_kernel(shape, QuantSpec(4, group), device, copies=True) == "native-int4")
 
 
 def _int4_kernel(shape: tuple[int, int], bits: int, device: torch.device) -> bool:
-    group = _int4_group(shape[1])
+    group = int4_group(shape[1])
     return bits == 4 and group is not None and int4_supported(shape, QuantSpec(4, group), device)
 
 
@@ -281,13 +281,15 @@ def quantized_group_bytes(shape: tuple[int, int], members: int, bits: int) -> in
     bookkeeping (member sizes, the int4 group)."""
     if _native_kernel(shape, bits, torch.device("cpu")):  # codes, fp16 scale and zero of K padded; no padded rows
         k = padded_in_features(shape[1])
-        return shape[0] * k // 2 + (k // _int4_group(shape[1])) * shape[0] * 2 * 2 + 8 + 8 + 8 * members
+        return shape[0] * k // 2 + (k // int4_group(shape[1])) * shape[0] * 2 * 2 + 8 + 8 + 8 * members
     n, k = _padded(shape)
     if _int4_kernel((n, k), bits, torch.device("cpu")):
-        return n * k // 2 + (k // _int4_group(k)) * n * 2 * 2 + 8 + 8 * members
+        return n * k // 2 + (k // int4_group(k)) * n * 2 * 2 + 8 + 8 * members
     n = shape[0]
     return n * k + n * 2 + 8 * members
 
 
-def _int4_group(k: int) -> int | None:
+def int4_group(k: int) -> int | None:
+    """The group a resident linear of input width ``k`` is quantized to int4 in (the largest of 128/64/32 dividing
+    it); None: no group divides, and :func:`quantize_group` keeps it in 8 bits."""
     return next((g for g in (128, 64, 32) if k % g == 0), None)

@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -241,7 +241,7 @@ def measure_encoder(model: Path, opts: ConvertOptions, experts: int = 24, thread
 
     from ..arch import load_config
     from ..checkpoint import CheckpointReader
-    from ..convert import _one_torch_thread, _precisions, pick_group
+    from ..convert import _one_torch_thread, _precisions, with_groups
     from ..experts import ExpertLayout
     from ..loader import layer_names
     from ..store import encode_expert
@@ -249,8 +249,7 @@ def measure_encoder(model: Path, opts: ConvertOptions, experts: int = 24, thread
     cfg = load_config(model)
     reader = CheckpointReader(model)
     layout = ExpertLayout(reader, layer_names(cfg, reader)[cfg.moe_layers[0]].mlp)
-    group = pick_group((cfg.hidden_size, cfg.moe_intermediate_size), opts.group_size)
-    precisions = _precisions(cfg, replace(opts, group_size=group))
+    precisions = _precisions(cfg, with_groups(opts, (cfg.hidden_size, cfg.moe_intermediate_size)))
     ws = [layout.read(e % cfg.num_experts, None) for e in range(experts)]
     nbytes = sum(w.nbytes for w in ws)
     threads = threads or min(os.cpu_count() or 1, 8)
