@@ -60,13 +60,13 @@ class ConvertOptions:
 GROUP_SIZES = (128, 64, 32)  # quantization groups convert offers, largest (fewest scales) first
 
 
-def pick_group(dims: tuple[int, ...], requested: int | None, option: str = "--group") -> int:
+def pick_group(dims: tuple[int, ...], requested: int | None, option: str = "--group", smallest: bool = False) -> int:
     """``requested`` if it divides every dimension, else an error naming the groups that do; without a request,
-    the largest of GROUP_SIZES that divides them all."""
+    the largest of GROUP_SIZES that divides them all (``smallest``: the smallest)."""
     fits = [g for g in GROUP_SIZES if all(d % g == 0 for d in dims)]
     shape = "x".join(map(str, dims))
     if requested is None and fits:
-        return fits[0]
+        return fits[-1] if smallest else fits[0]
     if requested is not None and requested in fits:
         return requested
     if not fits:
@@ -83,8 +83,7 @@ def with_groups(opts: ConvertOptions, dims: tuple[int, ...]) -> ConvertOptions:
     group = pick_group(dims, opts.group_size)
     cold = opts.cold_group_size
     if opts.cold_bits is not None:
-        cold = pick_group(dims, cold, "--cold-group") if cold is not None else \
-            min(g for g in GROUP_SIZES if all(d % g == 0 for d in dims))  # pick_group proved one divides
+        cold = pick_group(dims, cold, "--cold-group", smallest=True)
     return replace(opts, group_size=group, cold_group_size=cold)
 
 
@@ -128,11 +127,11 @@ def convert(model_dir: str | Path, out_dir: str | Path, opts: ConvertOptions | N
     reader = CheckpointReader(model_dir, drop_cache=True)  # each byte is read once: keep no page cache of it
     names = layer_names(cfg, reader)
     dims = (cfg.hidden_size, cfg.moe_intermediate_size)
-    group = pick_group(dims, opts.group_size)
-    if opts.group_size is None and progress:
-        print(f"quantization group {group}: the largest of {', '.join(map(str, GROUP_SIZES))} that divides the "
-              f"expert dimensions {dims[0]}x{dims[1]}", file=sys.stderr)
+    asked = opts.group_size
     opts = with_groups(opts, dims)
+    if asked is None and progress:
+        print(f"quantization group {opts.group_size}: the largest of {', '.join(map(str, GROUP_SIZES))} that "
+              f"divides the expert dimensions {dims[0]}x{dims[1]}", file=sys.stderr)
     precisions = _precisions(cfg, opts)
     remove_dead_partials(out_dir.parent)
     need = _store_bytes(model_dir, cfg, reader, precisions)
