@@ -11,6 +11,7 @@ Tokens/s measured under emulation x ``k`` is the device-equivalent figure; the r
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -136,9 +137,7 @@ def decode_token_work(store_dir: str | Path, bits: int = 4, resident_bits: int |
     params, nbytes = 0, 0.0
     for name in names:
         shape = reader.shape(name)
-        n = 1
-        for d in shape:
-            n *= d
+        n = math.prod(shape)
         params += n
         group = int4_group(shape[-1]) if resident_bits == 4 else None
         if name not in quantized:

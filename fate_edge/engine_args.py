@@ -108,13 +108,10 @@ def policy_for_device(policy: str, device_profile: str | None = None, store: str
     on the device (device_presets.for_device_and_store)."""
     from fate_edge.devices.detect import detect
 
-    from .device_presets import for_device, for_device_and_store
+    from .device_presets import for_device_and_store
     from .policy import get_policy
 
-    device = device_profile or detect().profile
-    if store is None:
-        return for_device(get_policy(policy), device)
-    return for_device_and_store(get_policy(policy), device, store, resident_bits)
+    return for_device_and_store(get_policy(policy), device_profile or detect().profile, store, resident_bits)
 
 
 def open_engine(opts: EngineOptions, log: TextIO | None = None, progress: bool = True) -> Engine:
