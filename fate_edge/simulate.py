@@ -72,6 +72,7 @@ class SimResult:
     prefetched: list[tuple[int, int, int]] = field(default_factory=list)  # (token, layer, expert) per read issued
     prompt_prefetches: int = 0  # reads the prompt's last layer issued for the first token (the oracle's)
     late_prefetches: int = 0  # prefetch hits that had not arrived when their layer routed (compute stalled)
+    layer_misses: dict[int, int] = field(default_factory=dict)  # MoE layer → demand reads (where the stall is)
 
     @property
     def hit_rate(self) -> float:
@@ -194,6 +195,7 @@ def simulate(
                     stall += next_demand if demands else first_demand
                     demands += 1
                     r.misses += 1
+                    r.layer_misses[layer] = r.layer_misses.get(layer, 0) + 1
                     r.demand_bytes += expert_bytes
                     # The demand read jumps the queue: later prefetches arrive that much later.
                     inflight = {kk: (a + transfer if a > start else a) for kk, a in inflight.items()}

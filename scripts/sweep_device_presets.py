@@ -35,7 +35,7 @@ EVICTIONS = ("lru", "lfu", "arc", "lcu", "popularity", "next-use")
 ALLOCATIONS = ("uniform", "shallow", "cost-aware", "global")
 PREDICTORS = ("cross-layer", "cross-layer-norm", "learned")
 LOOKAHEADS = (1, 2, 3)
-WIDTHS = ("fate", 1, 2)
+WIDTHS = ("fate", 1, 2, 3, 4, 5)
 
 
 def sim(trace, policy: PolicyConfig, budget: int, store: ExpertStore, link, costs):

@@ -40,17 +40,20 @@ def test_fate_edge_resolves_per_device_by_short_or_profile_name():
     assert policy_for_device("lru", "agx-orin") is PRESETS["lru"]
 
 
-@pytest.mark.parametrize("read_layers, row", [(0.5, "hiding"), (4.0, "hiding"), (4.01, "bound"), (20.0, "bound"),
-                                              (None, "bound")])
-def test_the_row_follows_what_a_read_costs_in_layers_of_the_devices_compute(read_layers, row):
+@pytest.mark.parametrize("read_layers, row, width", [(0.5, "hiding", 5), (1.0, "hiding", 5), (1.15, "hiding", 4),
+                                                     (2.0, "hiding", 4), (3.47, "hiding", 3), (4.0, "hiding", 3),
+                                                     (4.01, "bound", None), (20.0, "bound", None),
+                                                     (None, "bound", None)])
+def test_the_row_follows_what_a_read_costs_in_layers_of_the_devices_compute(read_layers, row, width):
+    """The cheaper a read next to the device's compute, the wider the prefetching row reads ahead; past
+    HIDING_READ_LAYERS the link-bound row, which does not prefetch."""
     p = for_device(PRESETS["fate-edge"], "orin-nano", read_layers)
-    got = (p.allocation, p.eviction, p.predictor, p.lookahead, p.prefetch_width, p.prefetch_gate, p.preload,
-           p.keep_preloaded)
-    want = {"hiding": ("uniform", "lcu", "cross-layer", 2, 2, False, True, False),
-            "bound": ("global", "next-use", None, 1, "fate", False, True, True)}[row]
-    assert got[:3] == want[:3] and got[5:] == want[5:]
+    got = (p.allocation, p.eviction, p.predictor, p.prefetch_gate, p.preload, p.keep_preloaded)
+    want = {"hiding": ("uniform", "next-use", "cross-layer-norm", False, True, False),
+            "bound": ("global", "next-use", None, False, True, True)}[row]
+    assert got == want
     if row == "hiding":
-        assert got[3:5] == want[3:5]
+        assert (p.lookahead, p.prefetch_width, p.max_prefetch_width) == (2, width, width)
     assert for_device(PRESETS["lru"], "orin-nano", read_layers) is PRESETS["lru"]
 
 
@@ -74,14 +77,14 @@ def test_a_stores_read_cost_picks_its_row_per_device(recorded):
         assert for_device_and_store(PRESETS["fate-edge"], device, store) == want
         assert policy_for_device("fate-edge", device, store) == want
         assert spec_policy({"preset": "fate-edge", "emulate": device, "store": str(store)}) == want
-    assert for_device_and_store(PRESETS["fate-edge"], "rtx4060", store).predictor == "cross-layer"
+    assert for_device_and_store(PRESETS["fate-edge"], "rtx4060", store).predictor == "cross-layer-norm"
     assert for_device_and_store(PRESETS["fate-edge"], "orin-nano", store).predictor is None
     assert for_device_and_store(PRESETS["lru"], "rtx4060", store) is PRESETS["lru"]
 
 
 def test_the_prefetching_row_prefetches_in_the_engine_and_keeps_the_text(recorded):
-    """Where reads are cheap the device row reads ahead with the cross-layer gate: at 35% every MoE layer after the
-    first serves some decode uses from prefetch, the cache was filled at load, and the tokens are lru's."""
+    """Where reads are cheap the device row reads ahead with the norm-aware cross-layer gate: at 35% every MoE layer
+    after the first serves some decode uses from prefetch, the cache was filled at load, and the tokens are lru's."""
     store, cfg, (entry, slot) = recorded[0], recorded[3], recorded[4]
     budget = int(0.35 * len(cfg.moe_layers) * cfg.num_experts * entry) + 3 * slot
     policy = for_device(PRESETS["fate-edge"], "rtx4060", read_layers=1.0)
