@@ -147,7 +147,7 @@ def test_cached_experts_live_in_their_read_buffers(store, one_thread):
                 assert sizes == {pool.size}
                 assert entry.nbytes == pool.size  # charged the whole buffer
         assert served
-        assert copier.uploads + pool.handed_off == s.misses + s.prefetch_hits
+        assert copier.uploads + pool.handed_off + engine.scheduler.lent_reads == s.misses + s.prefetch_hits
         assert pool.handed_off >= served
 
 
@@ -175,6 +175,26 @@ def test_uncached_experts_are_computed_in_their_read_buffers(store, one_thread):
         copied.scheduler.lends = False  # the copy-out path, for the same answer
         assert copied.generate(PROMPT, DECODE)[0] == text
         assert copied.scheduler.copier.uploads > 0
+
+
+def test_an_expert_the_cache_declines_is_computed_in_its_read_buffer(store, one_thread):
+    """A cache that declines some reads (the link-bound device row: next-use declines a miss expected back later than
+    its victim, and the prompt's reads enter only free room) computes those experts in their read buffers, as
+    load-on-demand does, instead of copying each out into fresh memory: nothing is uploaded, every buffer not kept
+    by the cache is back in the pool, and the text is lru's."""
+    from fate_edge.device_presets import for_device
+
+    budget = int(0.20 * all_expert_bytes(store))
+    with Engine(store, budget, "lru") as ref:
+        want = ref.generate(PROMPT, DECODE)[0]
+    with Engine(store, budget, for_device(PRESETS["fate-edge"], "orin-nano")) as engine:
+        text, _ = engine.generate(PROMPT, DECODE)
+        pool, sched, s = engine.fetch.pool, engine.scheduler, engine.stats
+        assert text == want
+        assert sched.lent_reads > 0 and pool.handed_off > 0  # some declined (computed in place), some kept
+        assert sched.copier.uploads == 0
+        assert sched.lent_reads + pool.handed_off == s.misses + s.prefetch_hits
+        assert pool.available == pool.count  # every lent buffer came back
 
 
 def test_an_uncached_expert_served_by_get_keeps_its_buffer_until_the_layer_ends(store, one_thread):
