@@ -29,12 +29,20 @@ emulated runs of the engine (scripts/validate_device_presets.py, README table pe
 That holds where a read costs many layers of compute. It is a property of the model as much as of the device:
 on the Qwen1.5-MoE-A2.7B shape (8 of 24 layers, int4 resident linears) one int4 expert read costs 0.8-3.5 MoE
 layers of the same five devices' compute (``emulation.read_layers``; the inflated bundled model: 4.8-22.7), and
-there the sweep's best on every device prefetches, two wide, two layers ahead with the cross-layer gate, over
-per-layer LCU caches (simulated 62 / 81 / 110 / 13 / 257 tok/s against the link-bound row's 57 / 73 / 100 / 12 /
-240 on orin-nano / orin-nx / agx-orin / rpi5 / rtx4060). Measured on the emulated Orin Nano (35%, 3 interleaved
-rounds, README): the prefetching row 66 device-equivalent tok/s, the link-bound row 49, the oracle 84. So a caller
-that knows the model passes ``read_layers`` (:func:`for_device_and_store` does) and gets the prefetching row
-(:data:`HIDING_PRESETS`) at or below :data:`HIDING_READ_LAYERS`; the product card's cross-layer prefetch wins
+there the sweep's best on every device prefetches with the cross-layer gate two layers ahead over per-layer
+caches. A first sweep (widths up to 2) picked LCU, two wide (simulated 62 / 81 / 110 / 13 / 257 tok/s against the
+link-bound row's 57 / 73 / 100 / 12 / 240 on orin-nano / orin-nx / agx-orin / rpi5 / rtx4060; measured on the
+emulated Orin Nano 66 device-equivalent tok/s against 49 and the oracle's 84). Widened to 5 and with next-use
+eviction, on the store calibrated or not, the best width falls as a read gets dearer: 4 / 4 / 3 / 4 / 5 (read cost
+1.15 / 1.73 / 3.47 / 1.85 / 0.79 layers; :data:`HIDING_WIDTHS`), next-use is level with LCU without calibration
+counts and 3-9% ahead with them, and the simulated Orin Nano decodes 68-70 against the old row's 62-64 (oracle 85:
+1.22-1.25x ahead, from 1.34x). Of what is left, perfect predictions within a token would take 77 (the oracle's
+remaining edge is knowing the next token's first layer, which no causal predictor sees before the token is sampled).
+Measured on the emulated devices (README, 3 interleaved rounds, device-equivalent tok/s): Orin Nano 63 against the
+link-bound row's 57 and the oracle's 72; AGX Orin 110 against 111 and 167 (a read there costs 3.47 layers, near
+where prefetch stops paying); RTX 4060 262 against 231 and 278.
+So a caller that knows the model passes ``read_layers`` (:func:`for_device_and_store` does) and gets the prefetching
+row (:data:`HIDING_PRESETS`) at or below :data:`HIDING_READ_LAYERS`; the product card's cross-layer prefetch wins
 there, the link-bound row where reads are dearer.
 
 The host preset (``PRESETS["fate-edge"]``) stays for this host and unknown devices: there a read is cheap next
@@ -68,8 +76,9 @@ DEVICE_PRESETS: dict[str, dict[str, Any]] = {
 HIDING_READ_LAYERS = 4.0
 
 # What fate-edge changes on those devices for such a model, from the sweep on the Qwen1.5-MoE shape (the module
-# docstring): per-layer caches with next-use eviction (it beat LCU under prefetch on all five devices, calibrated or
-# not), the norm-aware cross-layer gate two MoE layers ahead, the cache filled at load. The prompt may evict the fill:
+# docstring): per-layer caches with next-use eviction (under prefetch, 3-9% ahead of LCU on all five devices with
+# calibration counts, level without), the norm-aware cross-layer gate two MoE layers ahead (within 3% of the raw one
+# either way), the cache filled at load. The prompt may evict the fill:
 # kept through the prompt (the link-bound row's rule), the decode after it read 28.6 MB per token against 21.1
 # (Orin Nano, 35%). The learned predictor is not used: calibrated on that model it scored better on held-out corpus
 # text (recall@4 87% against 81%) but worse on the decode the engine runs (65% against 81%).
