@@ -78,10 +78,10 @@ HIDING_READ_LAYERS = 4.0
 # What fate-edge changes on those devices for such a model, from the sweep on the Qwen1.5-MoE shape (the module
 # docstring): per-layer caches with next-use eviction (under prefetch, 3-9% ahead of LCU on all five devices with
 # calibration counts, level without), the norm-aware cross-layer gate two MoE layers ahead (within 3% of the raw one
-# either way), the cache filled at load. The prompt may evict the fill:
-# kept through the prompt (the link-bound row's rule), the decode after it read 28.6 MB per token against 21.1
-# (Orin Nano, 35%). The learned predictor is not used: calibrated on that model it scored better on held-out corpus
-# text (recall@4 87% against 81%) but worse on the decode the engine runs (65% against 81%).
+# either way), the cache filled at load. The prompt may evict the fill: kept through the prompt (the link-bound row's
+# rule), the decode after it read 28.6 MB per token against 21.1 (Orin Nano, 35%). The learned predictor is not used:
+# calibrated on that model it scored better on held-out corpus text (recall@4 87% against 81%) but worse on the decode
+# the engine runs (65% against 81%).
 _HIDES_READS: dict[str, Any] = {"allocation": "uniform", "eviction": "next-use", "predictor": "cross-layer-norm",
                                 "lookahead": 2, "prefetch_gate": False, "preload": True, "keep_preloaded": False}
 HIDING_PRESETS: dict[str, dict[str, Any]] = {name: _HIDES_READS for name in DEVICE_PRESETS}

@@ -67,7 +67,8 @@ def label(p: PolicyConfig) -> str:
 def row(r) -> dict:
     return {"tps": r.tokens_per_s, "hit_rate": r.hit_rate, "misses": r.misses, "prefetch_hits": r.prefetch_hits,
             "late": r.late_prefetches, "prefetch_reads": len(r.prefetched), "wasted_mb": r.wasted_bytes / 1e6,
-            "mb_per_token": (r.demand_bytes + r.prefetch_bytes + r.wasted_bytes) / 1e6 / max(1, r.tokens)}
+            "mb_per_token": (r.demand_bytes + r.prefetch_bytes + r.wasted_bytes) / 1e6 / max(1, r.tokens),
+            "misses_by_layer": {str(layer): n for layer, n in sorted(r.layer_misses.items())}}
 
 
 def sweep(trace, budget: int, store: ExpertStore, link, costs) -> dict:

@@ -85,6 +85,9 @@ def test_no_preset_beats_the_oracle_in_the_simulator(recorded, fraction, speed):
     costs = HostCosts(1e-3, predict_s=5e-5, read_cpu_s=1e-4, consume_s=5e-5, contention=1.0)
     runs = _simulate_all(recorded, fraction, link, costs)
     best = runs.pop("oracle")
+    for name, r in [*runs.items(), ("oracle", best)]:
+        # the per-layer breakdown adds up, over the trace's MoE layers only
+        assert sum(r.layer_misses.values()) == r.misses and set(r.layer_misses) <= set(recorded[3].moe_layers), name
     for name, r in runs.items():
         assert r.hit_rate <= best.hit_rate, (name, r.hit_rate, best.hit_rate)
         assert r.stall_s >= best.stall_s, (name, r.stall_s, best.stall_s)
