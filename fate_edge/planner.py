@@ -313,10 +313,12 @@ def sample_token_ids(tokenizer, n: int = 256) -> list[int]:
 
 def auto_plan(store_dir, budget: int, link: LinkSpec | None = None, token_ids: list[int] | None = None,
               dtype: torch.dtype = torch.float32, prompt_tokens: int = 64, decode_tokens: int = 128,
-              workers: int = 2, progress: Callable[[str], None] | None = None, direct_io: bool | None = None) -> Plan:
+              workers: int = 2, progress: Callable[[str], None] | None = None, direct_io: bool | None = None,
+              resident_bits: int | None = None) -> Plan:
     """Plan for this host: probe the engine under ``budget`` on sample text (the prompt's first
     ``prompt_tokens`` tokens, then ``decode_tokens`` greedy tokens) to measure the host's costs and record
-    the decode's routing, then simulate candidates over that trace.
+    the decode's routing, then simulate candidates over that trace. ``resident_bits``: the probe holds the resident
+    linears quantized so (8 or 4), as the runs being planned do.
 
     Without ``link`` the expert reads are modelled at the disk bandwidth the probes measured. ``progress``
     receives a line before each probe and before the simulation."""
@@ -327,7 +329,7 @@ def auto_plan(store_dir, budget: int, link: LinkSpec | None = None, token_ids: l
     ids = token_ids or sample_token_ids(Tokenizer(store_dir))
     costs, link, trace = measure_host_costs(store_dir, budget, link, ids[:prompt_tokens], dtype,
                                             workers=workers, decode_tokens=decode_tokens, progress=progress,
-                                            direct_io=direct_io)
+                                            direct_io=direct_io, resident_bits=resident_bits)
     store = ExpertStore(store_dir)
     bits = PRESETS["fate-edge"].bits
     if trace is None:  # nothing decoded (cannot happen with decode_tokens >= 1): fall back to teacher forcing

@@ -3,6 +3,7 @@ token's bytes and FLOPs counted from the bundled model's shapes, the emulated li
 and `fate-edge bench --emulate` reporting raw and device-equivalent (raw x k) figures apart. No timing assertion:
 the host time is given where a test needs k to be known."""
 
+import argparse
 import json
 
 import pytest
@@ -167,6 +168,32 @@ def test_bench_emulate_reports_raw_and_device_equivalent_apart(store, tmp_path, 
     md = paths["markdown"].read_text()
     assert "Raw host decode tokens/s" in md and "Device-equivalent decode tokens/s" in md
     assert "device-eq decode tok/s" in md and "Device-faithful emulation of jetson-agx-orin-64gb" in md
+
+
+def test_bench_resident_bits_reach_the_runs_and_the_devices_roofline(store, tmp_path, one_thread):
+    """``fate-edge bench --emulate DEVICE --resident-bits 4``: every fate-edge run holds its resident linears in int4
+    (fewer resident bytes than a run at the store's dtype), and the device's roofline reads them at int4."""
+    from fate_edge.bench.cli import add_arguments, config_from_args
+    from fate_edge.bench.run import run_bench
+    from fate_edge.engine import Engine
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    args = ap.parse_args(["--model", str(store), "--presets", "lru", "--budgets", "0.5", "--prompt-tokens", "16",
+                          "--decode-tokens", "4", "--runs", "1", "--threads", "1", "--no-peers", "--no-planner",
+                          "--out-dir", str(tmp_path / "out"), "--emulate", "agx-orin", "--emulate-host-ms", "50",
+                          "--resident-bits", "4"])
+    cfg = config_from_args(args)
+    cfg.isolate = False
+    assert cfg.resident_bits == 4
+    result = run_bench(cfg)
+    em = result["emulation"]
+    assert em["token_bytes"] == decode_token_work(store, 4, 4).bytes < decode_token_work(store).bytes
+    with Engine(store, "8MB", "lru") as plain:
+        plain_bytes = sum(t.numel() * t.element_size() for t in plain.model.w.values())
+    [r] = result["results"]
+    assert "error" not in r, r.get("error")
+    assert r["resident_bytes"] < plain_bytes
 
 
 def _work(store):

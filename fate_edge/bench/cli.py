@@ -54,6 +54,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--emulate-host-ms", type=float, default=None, metavar="MS",
                     help="with --emulate: this host's decode compute per token from an earlier calibration (the "
                     "JSON's emulation.host_s_per_token x 1000) instead of measuring it")
+    ap.add_argument("--resident-bits", type=int, choices=(8, 4), default=None,
+                    help="quantize fate-edge's resident linears (attention, shared experts, lm_head) to this many "
+                    "bits, as a W4A16 device decode holds them; under --emulate the device's roofline reads them so "
+                    "(default: the store's dtype)")
     ap.add_argument("--prompt-tokens", nargs="+", type=int, default=None, help="default 128 512")
     ap.add_argument("--decode-tokens", type=int, default=None, help=f"default {d.decode_tokens}")
     ap.add_argument("--runs", type=int, default=None, help=f"default {d.runs}; medians are reported")
@@ -83,7 +87,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                       drop_caches=not args.no_drop_caches,
                       timeout_s=args.timeout, out_dir=args.out_dir, json_path=args.json, md_path=args.markdown,
                       plot_path=args.plot, plots_dir=args.plots_dir, readme=args.readme, work_dir=args.work_dir,
-                      device=args.device, emulate=args.emulate, emulate_host_ms=args.emulate_host_ms)
+                      device=args.device, emulate=args.emulate, emulate_host_ms=args.emulate_host_ms,
+                      resident_bits=args.resident_bits)
     explicit = set()
     for name, attr in [("presets", "presets"), ("budgets", "budgets"), ("links", "links"),
                        ("prompt_tokens", "prompt_tokens"), ("decode_tokens", "decode_tokens"), ("runs", "runs"),

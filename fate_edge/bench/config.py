@@ -118,6 +118,9 @@ class BenchConfig:
     command: str | None = None  # the command line that ran the benchmark, recorded in its outputs
     emulate: str | None = None  # device-faithful emulation of this device (fate_edge/emulation.py) instead of links
     emulate_host_ms: float | None = None  # reuse a calibration: this host's decode compute per token (else measured)
+    # fate-edge's resident linears (attention, dense MLPs, shared experts, lm_head) quantized at load, 8 or 4; None:
+    # the store's dtype. Under --emulate the device's roofline reads them at that precision too.
+    resident_bits: int | None = None
 
     @property
     def layout(self) -> str:

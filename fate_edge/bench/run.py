@@ -251,13 +251,14 @@ def calibrate_emulation(cfg: BenchConfig, store: Path, prompt: list[int]):
     """k for ``cfg.emulate`` on this host, with the torch threads the configurations run with."""
     import torch
 
-    from ..emulation import calibrate
+    from ..emulation import calibrate, store_side
 
     before = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     try:
         em = calibrate(cfg.emulate, store, prompt[:32], workers=cfg.fetch_workers,
-                       host_s_per_token=cfg.emulate_host_ms / 1e3 if cfg.emulate_host_ms else None)
+                       host_s_per_token=cfg.emulate_host_ms / 1e3 if cfg.emulate_host_ms else None,
+                       side=store_side(store, resident_bits=cfg.resident_bits))
     finally:
         torch.set_num_threads(before)
     print(f"bench: emulating {em.profile}: host {em.host_s_per_token * 1e3:.1f} ms / device "
@@ -301,7 +302,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="fate-bench-", dir=out_dir))
     common = {"store": str(store), "threads": cfg.threads, "fetch_workers": cfg.fetch_workers, "device": cfg.device,
               "prompts": {str(k): v for k, v in prompts.items()}, "decode_tokens": cfg.decode_tokens,
-              "emulate": cfg.emulate}  # fate-edge runs as on the emulated device (device_presets.py)
+              "emulate": cfg.emulate,  # fate-edge runs as on the emulated device (device_presets.py)
+              "resident_bits": cfg.resident_bits}
 
     links, emulation = dict(LINKS), None
     if cfg.emulate:  # device-faithful emulation: the device's link, dilated by the host/device compute ratio

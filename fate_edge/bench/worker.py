@@ -73,7 +73,8 @@ def spec_policy(spec: dict):
 
     if spec.get("policy"):
         return PolicyConfig(**spec["policy"])
-    return for_device_and_store(get_policy(spec["preset"]), spec.get("emulate"), spec.get("store"))
+    return for_device_and_store(get_policy(spec["preset"]), spec.get("emulate"), spec.get("store"),
+                                spec.get("resident_bits"))
 
 
 def one_request(spec: dict, ids: list[int], max_tokens: int, trace, counter_sink: dict) -> dict[str, Any]:
@@ -92,7 +93,8 @@ def one_request(spec: dict, ids: list[int], max_tokens: int, trace, counter_sink
     # link is slower than this disk: then O_DIRECT, so a read costs the CPU what a DMA does (no memcpy).
     direct = spec.get("direct_io", link is None)
     engine = Engine(spec["store"], spec["budget_bytes"], policy, link=link, trace=trace,
-                    workers=spec["fetch_workers"], device=spec.get("device", "cpu"), direct_io=direct)
+                    workers=spec["fetch_workers"], device=spec.get("device", "cpu"), direct_io=direct,
+                    resident_bits=spec.get("resident_bits"))
     counter = LayerCounter(engine)
     counter_counts = counter.counts
     engine.model.observers.insert(0, counter)
@@ -118,6 +120,7 @@ def one_request(spec: dict, ids: list[int], max_tokens: int, trace, counter_sink
                      "entry_bytes": engine.plan.entry_bytes,
                      "slots": {str(k): v for k, v in engine.plan.slots.items()}},
             "load": dataclasses.asdict(engine.load_report),  # reads at load, apart from prefill and decode
+            "resident_bytes": sum(t.numel() * t.element_size() for t in engine.model.w.values()),
         }
     finally:
         engine.close()
@@ -152,7 +155,7 @@ def plan_in_worker(spec: dict) -> dict[str, Any]:
     t0 = time.perf_counter()
     link = LinkSpec(**spec["link_spec"]) if spec["link_spec"] else None
     p = auto_plan(spec["store"], spec["budget_bytes"], link=link, workers=spec["fetch_workers"],
-                  direct_io=spec.get("direct_io"))
+                  direct_io=spec.get("direct_io"), resident_bits=spec.get("resident_bits"))
     return {"policy": dataclasses.asdict(p.policy), "planner_predicted_decode_tps": p.predicted_tokens_per_s,
             "planner_costs": p.costs.describe(), "planner_s": time.perf_counter() - t0}
 
@@ -195,7 +198,8 @@ def worker_main(spec_path: str) -> int:
         "budget_bytes": spec["budget_bytes"], "threads": torch.get_num_threads(),
         "fetch_workers": spec["fetch_workers"], "runs": runs, "median": summarize_runs(runs, decode_len),
         "per_layer": layers, "tokens": first["tokens"], "plan": first["plan"], "direct_io": first["direct_io"],
-        "page_cache": first["page_cache"], "peak_rss_bytes": peak_rss_bytes(), "wall_s": time.perf_counter() - t0,
+        "resident_bytes": first["resident_bytes"], "page_cache": first["page_cache"],
+        "peak_rss_bytes": peak_rss_bytes(), "wall_s": time.perf_counter() - t0,
         **planned,
     }
     first_tokens = {n: q["tokens"] for n, q in runs[0]["requests"].items()}
@@ -220,7 +224,8 @@ def trace_main(spec_path: str) -> int:
     traces, tokens = {}, {}
     big = int(spec["int4_total"] * 2 + 64e6)  # everything fits: the trace does not depend on the policy
     for n, ids in sorted(prompts.items()):
-        engine = Engine(spec["store"], big, "lru", workers=spec["fetch_workers"])
+        engine = Engine(spec["store"], big, "lru", workers=spec["fetch_workers"],
+                        resident_bits=spec.get("resident_bits"))
         cfg = GenerateConfig(max_tokens=spec["decode_tokens"] if n == decode_len else 1, ignore_eos=True)
         try:
             traces[n] = engine.record_trace(ids, cfg)
