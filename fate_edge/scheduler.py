@@ -387,14 +387,16 @@ class Scheduler(ExpertProvider):
         if self.cache is not None:
             self.cache.access(key, False, AccessInfo(info.layer_now, info.num_layers, low_precision=low))
         # Cold copies serve this use only; caching them would lower later answers' precision.
-        expert = self._hand_off(key, f) if not low and self.zero_copy else None
-        # Not kept (load-on-demand, or a cache that declined it): computed in its read buffer, which goes back to the
-        # pool once used. A copy out would allocate fresh memory per read that no device's DMA needs (2.5 ms per
-        # Qwen1.5-MoE expert on a VM where page faults are dear).
-        if not low and expert is None and (self.lends or self.zero_copy):
-            expert, f.lent = self._decode_in_buffer(f), True
-            self.lent_reads += 1
-        elif expert is None:
+        if not low and (self.zero_copy or self.lends):
+            # Computed in its read buffer: kept as the cached expert's memory if the cache admits it (zero-copy), else
+            # lent for this use and back to the pool after it (load-on-demand, or a cache that declined it). A copy
+            # out would allocate fresh memory per read that no device's DMA needs (2.5 ms per Qwen1.5-MoE expert on
+            # a VM where page faults are dear).
+            expert = self._decode_in_buffer(f)
+            if not (self.zero_copy and self._hand_off(key, f, expert)):
+                f.lent = True
+                self.lent_reads += 1
+        else:
             blob, event = self.copier.upload(payload, demand=not f.prefetched)
             # The staging buffer goes back to the pool only once the copy out of it has completed.
             self.copier.release_after(event, lambda req=f.req: self.fetch.release(req))
@@ -419,18 +421,16 @@ class Scheduler(ExpertProvider):
         self.stats.low_precision += int(low)
         return expert
 
-    def _hand_off(self, key: Key, f: _Fetch):
-        """Zero-copy: decode the expert in the read buffer itself and, if the cache admits it (charged the whole
-        buffer), keep the buffer as the cached expert's memory (the pool gets an evicted expert's buffer or a new
-        one in its place); None if refused."""
-        buf = f.req.buffer
-        expert = self._decode_in_buffer(f)
-        if not self._admit(key, expert, buf.size, f.bits):
-            return None  # the buffer stays the request's: copied out and released as usual
+    def _hand_off(self, key: Key, f: _Fetch, expert: object) -> bool:
+        """Zero-copy: if the cache admits ``expert`` (decoded in its read buffer; charged the whole buffer), keep the
+        buffer as the cached expert's memory (the pool gets an evicted expert's buffer or a new one in its place).
+        False if refused: the buffer stays the request's."""
+        if not self._admit(key, expert, f.req.buffer.size, f.bits):
+            return False
         self._kept[key] = self.fetch.hand_off(f.req, self._unused_evicted())
         self.cache.pin(key)
         self.in_use.append(key)
-        return expert
+        return True
 
     def _decode_in_buffer(self, f: _Fetch):
         """The expert as views of its read buffer (the whole buffer is the storage: what a cached entry keeps)."""
