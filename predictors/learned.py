@@ -12,13 +12,14 @@ p MoE layers at once ([P·E] logits), in one of two kinds:
 Training (``train_learned``) fits each source layer to the true top-k experts of its targets from a
 :class:`~predictors.evaluate.Trace`: softmax cross-entropy against the k-hot target spread evenly over the
 true experts (``loss="ce"``, scores are softmax probabilities like the router's) or multi-label BCE
-(``loss="bce"``, scores are sigmoids). Training stops once neither the validation loss nor the validation
-exact top-k match has improved for ``patience`` epochs, and keeps the epoch with the best validation exact
-match (the untrained gate, epoch 0, included), so on validation it never falls below the cross-layer gate.
-
-A trained predictor is saved as ``learned-<kind>-p<p>.safetensors`` + ``learned-<kind>-p<p>.json`` (the
-manifest: architecture, training data size, metrics) and exported to ONNX, one small graph per source
-layer (h [N, H] → probabilities [P, N, E]); :class:`OnnxPredictor` runs those with onnxruntime's CPU provider.
+(``loss="bce"``, scores are sigmoids), with AdamW under a one-cycle learning rate; the low-rank branch reads
+standardised inputs while it trains (folded into D and c afterwards). Training stops once neither the
+validation loss nor the validation exact top-k match has improved for ``patience`` epochs, and keeps the epoch
+with the best validation exact match (the untrained gate, epoch 0, included), so on validation it never falls
+below the cross-layer gate. On the bundled model (mean exact top-2 one layer ahead, 21k held-out tokens; the
+norm-aware gate: 58.0%), the amount of calibration text matters most, then this recipe: rank 64 under a constant
+learning rate on raw inputs reached 62.8 / 69.7 / 72.2% from 59k / 131k / 399k training tokens; rank 256 with
+the one-cycle schedule and standardised inputs 66.0 / 73.3% from 59k / 131k (rank 512: 65.8 / 74.6%).
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ class SourceModel(nn.Module):
         self.weight = nn.Parameter(weight.detach().float().clone())  # [P·E, H]
         self.bias = nn.Parameter(torch.zeros(out))
         self.rank = rank
+        # While training, the low-rank branch reads standardised inputs (h - mean) / std; fold_standardization
+        # moves that into D and c, so a saved model is the plain formula above.
+        self.standardization: tuple[torch.Tensor, torch.Tensor] | None = None
         if rank:
             gen = torch.Generator().manual_seed(seed)
             self.down = nn.Parameter(torch.randn(rank, hidden, generator=gen) / math.sqrt(hidden))  # [r, H]
@@ -83,8 +87,25 @@ class SourceModel(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         logits = F.linear(h, self.weight, self.bias)
         if self.rank:
-            logits = logits + F.linear(F.silu(F.linear(h, self.down, self.down_bias)), self.up)
+            z = h if self.standardization is None else (h - self.standardization[0]) * self.standardization[1]
+            logits = logits + F.linear(F.silu(F.linear(z, self.down, self.down_bias)), self.up)
         return logits
+
+    def standardize(self, h: torch.Tensor) -> None:
+        """Let the low-rank branch read ``h``'s columns standardised (training only: the gate inputs' columns
+        differ in scale by the norm weights, which slows the branch's fit)."""
+        if self.rank:
+            mean, std = h.mean(0), h.std(0)
+            self.standardization = (mean, 1.0 / std.clamp_min(1e-6 * std.max().clamp_min(1e-12)))
+
+    @torch.no_grad()
+    def fold_standardization(self) -> None:
+        """D·((h - m)·s) + c = (D·diag(s))·h + (c - D·diag(s)·m): the same function, without the buffers."""
+        if self.standardization is not None:
+            mean, inv = self.standardization
+            self.down.mul_(inv)
+            self.down_bias.sub_(self.down @ mean)
+            self.standardization = None
 
 
 class _ScoreGraph(nn.Module):
@@ -296,15 +317,20 @@ class OnnxPredictor(Predictor):
 @dataclass
 class TrainConfig:
     kind: str = "linear"  # linear | lowrank
-    rank: int = 64  # low-rank width r (lowrank only)
+    rank: int = 256  # low-rank width r (lowrank only)
     loss: str = "ce"  # ce: softmax cross-entropy on the k-hot target / k; bce: multi-label sigmoid
-    epochs: int = 30  # upper bound; early stopping usually ends sooner
-    patience: int = 3  # epochs improving neither validation loss nor exact match before stopping
-    lr: float = 3e-3  # AdamW
-    weight_decay: float = 0.0
-    batch_size: int = 256
+    epochs: int = 12  # the schedule's length; early stopping may end sooner
+    patience: int = 4  # epochs improving neither validation loss nor exact match before stopping
+    lr: float = 2e-3  # AdamW's peak learning rate
+    schedule: str = "onecycle"  # onecycle: warm up over 30% of the epochs, anneal to ~0; constant: lr throughout
+    weight_decay: float = 1e-4
+    batch_size: int = 512
+    standardize: bool = True  # the low-rank branch trains on standardised inputs (folded away afterwards)
     val_fraction: float = 0.1  # contiguous tail of the training trace, when no validation trace is given
     seed: int = 0
+
+
+SCHEDULES = ("onecycle", "constant")
 
 
 def _khot(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -342,8 +368,8 @@ def train_learned(
     from tqdm.auto import tqdm
 
     cfg = config or TrainConfig()
-    if cfg.kind not in KINDS or cfg.loss not in LOSSES:
-        raise ValueError(f"kind must be one of {KINDS} and loss one of {LOSSES}")
+    if cfg.kind not in KINDS or cfg.loss not in LOSSES or cfg.schedule not in SCHEDULES:
+        raise ValueError(f"kind must be one of {KINDS}, loss one of {LOSSES} and schedule one of {SCHEDULES}")
     if val is None:
         cut = train.tokens - max(1, round(cfg.val_fraction * train.tokens))
         train, val = train.rows(0, cut), train.rows(cut)
@@ -365,7 +391,12 @@ def train_learned(
         vids = torch.stack([val.expert_ids[t] for t in targets])  # [P, Nv, k]
         vy = torch.stack([_khot(val.expert_ids[t], e) for t in targets])
         model = pred.models[layer].train()
+        if cfg.standardize:
+            model.standardize(h)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        steps = cfg.epochs * math.ceil(h.shape[0] / cfg.batch_size)
+        sched = (torch.optim.lr_scheduler.OneCycleLR(opt, cfg.lr, total_steps=steps, pct_start=0.3)
+                 if cfg.schedule == "onecycle" else None)
         first = _score(pred, layer, vh, vids, vy, cfg.loss)
         best, best_epoch = first, 0
         best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -380,6 +411,8 @@ def train_learned(
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
+                if sched is not None:
+                    sched.step()
             score = _score(pred, layer, vh, vids, vy, cfg.loss)
             bar.update(1)
             bar.set_postfix(layer=layer, val_exact=f"{score[0]:.3f}", best=f"{best[0]:.3f}")
@@ -392,6 +425,7 @@ def train_learned(
                 break
         bar.update(cfg.epochs - epoch)
         model.load_state_dict(best_state)
+        model.fold_standardization()
         model.eval()
         per_layer[str(layer)] = {
             "targets": list(targets), "epochs": epoch, "best_epoch": best_epoch,
