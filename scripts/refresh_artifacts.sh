@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 M=fate_edge/assets/tiny-moe
-fate-edge calibrate "$M" --predictors-dir "$M/predictors" --lookahead 2 --tokens 65536 --threads 2 --quiet \
+fate-edge calibrate "$M" --predictors-dir "$M/predictors" --lookahead 2 --tokens 440000 --threads 2 --quiet \
     | tee bench-out/calibrate.txt
 python scripts/model_card.py "$M" --tokens 16384
 python scripts/eval_quality.py --tokens 16384 --json bench-out/quality.json --readme README.md

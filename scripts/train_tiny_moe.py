@@ -21,7 +21,7 @@ import math
 import random
 import sysconfig
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -58,6 +58,21 @@ class TrainConfig:
     heldout_fraction: float = 0.02  # files whose name hashes below this go to the held-out split (fate_edge.corpus)
     max_corpus_bytes: int = 32_000_000  # characters of stdlib source read, files in path order
     seed: int = 0
+
+
+def config_with(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
+    """``cfg`` with FIELD=VALUE overrides applied, each VALUE parsed as its field's type."""
+    types = {f.name: f.type for f in fields(TrainConfig)}
+    for item in overrides:
+        name, sep, value = item.partition("=")
+        if not sep or name not in types:
+            raise SystemExit(f"--set {item!r}: expected FIELD=VALUE with FIELD one of {', '.join(types)}")
+        kind = {"int": int, "float": float}.get(str(types[name]), str)
+        try:
+            setattr(cfg, name, kind(value))
+        except ValueError:
+            raise SystemExit(f"--set {item!r}: {value!r} is not a valid {kind.__name__}") from None
+    return cfg
 
 
 def read_corpus(cfg: TrainConfig) -> tuple[list[str], list[str]]:
@@ -173,8 +188,11 @@ def main() -> None:
     ap.add_argument("--resume", type=Path, default=None,
                     help="continue training the model saved in this directory (same tokenizer, a new LR schedule)")
     ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default: TrainConfig.lr)")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="override a TrainConfig field, e.g. --set num_experts=8 --set hidden_size=256 "
+                         "(a second trained model to measure predictors on; the bundled one uses the defaults)")
     args = ap.parse_args()
-    cfg = TrainConfig()
+    cfg = config_with(TrainConfig(), args.set)
     torch.set_num_threads(args.threads)
     random.seed(cfg.seed)
 
