@@ -248,7 +248,8 @@ def test_streamed_experts_compute_on_the_native_kernel(tmp_path, monkeypatch):
     monkeypatch.setattr("fate_edge.store_cache.native_isa", lambda: None)
     monkeypatch.setattr("fate_edge.quant.linear.native_isa", lambda: None)
     other = ensure_store(model, cold_bits=None, progress=False)
-    assert other != native and ExpertStore(other).precisions[4].layout == "cpu-int4"
+    assert ExpertStore(other).precisions[4].layout == "cpu-int4"
+    assert (other != native) == (want == "portable")  # without AVX-512 VNNI torch's layout was the default: one store
     with Engine(other, memory_budget="64MB", policy="lru") as eng:
         assert eng.model.experts.get(1, 2).kernel == "torch-int4"
         ref = eng.model(ids, eng.model.new_cache())
