@@ -91,3 +91,17 @@ def test_heldout_split_is_the_training_scripts(card_run):
     assert texts and texts == tr.read_corpus(tr.TrainConfig(heldout_fraction=0.02, max_corpus_bytes=2_000_000))[1]
     train, held = read_corpus(CorpusSplit(0.02, 2_000_000))
     assert held == texts and train and not set(train) & set(held)
+
+
+def test_training_config_overrides_are_typed_and_checked():
+    spec = importlib.util.spec_from_file_location("train_tiny_moe", ROOT / "scripts" / "train_tiny_moe.py")
+    tr = importlib.util.module_from_spec(spec)
+    sys.modules["train_tiny_moe"] = tr
+    spec.loader.exec_module(tr)
+    cfg = tr.config_with(tr.TrainConfig(), ["num_experts=8", "lr=5e-4"])
+    assert cfg.num_experts == 8 and isinstance(cfg.num_experts, int) and cfg.lr == 5e-4
+    assert cfg.hidden_size == tr.TrainConfig().hidden_size  # the rest stays the bundled model's
+    with pytest.raises(SystemExit, match="FIELD one of"):
+        tr.config_with(tr.TrainConfig(), ["experts=8"])
+    with pytest.raises(SystemExit, match="not a valid int"):
+        tr.config_with(tr.TrainConfig(), ["num_experts=eight"])
