@@ -91,6 +91,12 @@ def encode_texts(tokenizer: Any, texts: list[str], budget: int, eos: int | None)
     return torch.tensor(ids[:budget], dtype=torch.long)
 
 
+def separator_id(tokenizer: Any, cfg: Any) -> int | None:
+    """The token put between corpus texts: ``<|endoftext|>`` if the tokenizer has it, else the model's first eos."""
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    return eos if eos is not None else (cfg.eos_token_ids[0] if cfg.eos_token_ids else None)
+
+
 def windows(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
     n = len(ids) // seq_len
     return ids[: n * seq_len].view(n, seq_len)
@@ -238,9 +244,7 @@ def calibrate(model_dir: str | Path, opts: CalibrateOptions | None = None) -> di
     model = load_model(model_dir, torch.float32)
     cfg = model.config
     tokenizer = Tokenizer(model_dir)
-    eos = tokenizer.token_to_id("<|endoftext|>")
-    eos = eos if eos is not None else (cfg.eos_token_ids[0] if cfg.eos_token_ids else None)
-    train_wins, held_wins, corpus = corpus_windows(model_dir, tokenizer, eos, opts)
+    train_wins, held_wins, corpus = corpus_windows(model_dir, tokenizer, separator_id(tokenizer, cfg), opts)
     log = print if opts.progress else (lambda *a, **k: None)
     log(f"calibrate: {corpus['train_tokens']:,} training and {corpus['heldout_tokens']:,} held-out tokens "
         f"({corpus['source']})", file=sys.stderr)

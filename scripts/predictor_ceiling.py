@@ -5,7 +5,7 @@ with `fate-edge calibrate`'s recipe one MoE layer ahead on two inputs and scores
 
 1. layer i's gate input: what fate-edge's predictor reads (Fate's source), early enough to read ahead;
 2. layer i+1's input before its attention: everything but that attention (a later, "pre-attention" source,
-   arXiv 2511.10676), an upper estimate for any predictor that runs before layer i+1's attention.
+   arXiv 2511.10676): an estimate of what any predictor that runs before layer i+1's attention could know.
 
 Layer i+1's own router on its gate input is exact by definition, so the gap between 2. and 100% is what layer
 i+1's attention (the context of the other tokens) decides. The pre-attention inputs come from transformers'
@@ -28,19 +28,16 @@ from fate_edge.predictors.evaluate import Trace, collect_traces, evaluate_predic
 from fate_edge.predictors.learned import TrainConfig, train_learned
 
 from fate_edge.bundled import bundled_model_dir
-from fate_edge.calibrate import CalibrateOptions, corpus_windows
+from fate_edge.calibrate import CalibrateOptions, corpus_windows, separator_id
 from fate_edge.loader import load_model
 from fate_edge.tokenizer import Tokenizer
 
 
 @torch.no_grad()
-def pre_attention_inputs(model_dir: Path, windows: torch.Tensor, layers: list[int],
+def pre_attention_inputs(hf: torch.nn.Module, windows: torch.Tensor, layers: list[int],
                          batch: int) -> dict[int, torch.Tensor]:
-    """Layer j's input (the residual stream before its attention) for every token of ``windows``, rows in
-    collect_traces' order (batch-major, then position)."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    """Layer j's input (the residual stream before its attention) for every token of ``windows``, from the
+    transformers model ``hf``, rows in collect_traces' order (batch-major, then position)."""
     out: dict[int, list[torch.Tensor]] = {j: [] for j in layers}
     for s in range(0, len(windows), batch):
         states = hf(input_ids=windows[s : s + batch], output_hidden_states=True).hidden_states
@@ -69,13 +66,16 @@ def main() -> None:
     t0 = time.time()
     model, tokenizer = load_model(model_dir, torch.float32), Tokenizer(model_dir)
     opts = CalibrateOptions(corpus=args.corpus, tokens=args.tokens, heldout_fraction=args.heldout_fraction)
-    train_ids, held_ids, corpus = corpus_windows(model_dir, tokenizer, tokenizer.token_to_id("<|endoftext|>"), opts)
+    train_ids, held_ids, corpus = corpus_windows(model_dir, tokenizer, separator_id(tokenizer, model.config), opts)
     train, held = collect_traces(model, train_ids.split(4)), collect_traces(model, held_ids.split(4))
     moe = model.config.moe_layers
     pairs = {i: next_moe_layers(moe, i, 1)[0] for i in moe if next_moe_layers(moe, i, 1)}
     targets = sorted(set(pairs.values()))
-    x_train = pre_attention_inputs(model_dir, train_ids, targets, 4)
-    x_held = pre_attention_inputs(model_dir, held_ids, targets, 4)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    x_train, x_held = (pre_attention_inputs(hf, ids, targets, 4) for ids in (train_ids, held_ids))
+    del hf
 
     def later(trace: Trace, x: dict[int, torch.Tensor]) -> Trace:  # source i reads layer i+1's pre-attention input
         return Trace({i: x[j] for i, j in pairs.items()}, trace.expert_ids, trace.num_experts)

@@ -14,10 +14,10 @@ from fate_edge.corpus import CorpusSplit, read_corpus
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("model_card", ROOT / "scripts" / "model_card.py")
+def _load_script(name: str = "model_card"):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules["model_card"] = module
+    sys.modules[name] = module  # dataclasses look their module up while the file executes
     spec.loader.exec_module(module)
     return module
 
@@ -82,10 +82,7 @@ def test_readme_renders_training_and_tables(card_run):
 
 
 def test_heldout_split_is_the_training_scripts(card_run):
-    spec = importlib.util.spec_from_file_location("train_tiny_moe", ROOT / "scripts" / "train_tiny_moe.py")
-    tr = importlib.util.module_from_spec(spec)
-    sys.modules["train_tiny_moe"] = tr  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(tr)
+    tr = _load_script("train_tiny_moe")
     cfg = {"heldout_fraction": 0.02, "max_corpus_bytes": 2_000_000, "unknown_key": 1}
     texts = model_card.heldout_texts(cfg)
     assert texts and texts == tr.read_corpus(tr.TrainConfig(heldout_fraction=0.02, max_corpus_bytes=2_000_000))[1]
@@ -94,10 +91,7 @@ def test_heldout_split_is_the_training_scripts(card_run):
 
 
 def test_training_config_overrides_are_typed_and_checked():
-    spec = importlib.util.spec_from_file_location("train_tiny_moe", ROOT / "scripts" / "train_tiny_moe.py")
-    tr = importlib.util.module_from_spec(spec)
-    sys.modules["train_tiny_moe"] = tr
-    spec.loader.exec_module(tr)
+    tr = _load_script("train_tiny_moe")
     cfg = tr.config_with(tr.TrainConfig(), ["num_experts=8", "lr=5e-4"])
     assert cfg.num_experts == 8 and isinstance(cfg.num_experts, int) and cfg.lr == 5e-4
     assert cfg.hidden_size == tr.TrainConfig().hidden_size  # the rest stays the bundled model's
