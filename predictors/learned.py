@@ -16,10 +16,8 @@ true experts (``loss="ce"``, scores are softmax probabilities like the router's)
 standardised inputs while it trains (folded into D and c afterwards). Training stops once neither the
 validation loss nor the validation exact top-k match has improved for ``patience`` epochs, and keeps the epoch
 with the best validation exact match (the untrained gate, epoch 0, included), so on validation it never falls
-below the cross-layer gate. On the bundled model (mean exact top-2 one layer ahead, 21k held-out tokens; the
-norm-aware gate: 58.0%), the amount of calibration text matters most, then this recipe: rank 64 under a constant
-learning rate on raw inputs reached 62.8 / 69.7 / 72.2% from 59k / 131k / 399k training tokens; rank 256 with
-the one-cycle schedule and standardised inputs 66.0 / 73.3% from 59k / 131k (rank 512: 65.8 / 74.6%).
+below the cross-layer gate. What it reaches on the bundled model, with how much text: README, "How well the
+calibrated predictors predict".
 """
 
 from __future__ import annotations
