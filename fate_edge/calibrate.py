@@ -3,7 +3,8 @@
 1. Run the model over the corpus in windows of ``--seq-len`` tokens and record, per MoE layer, every
    token's gate input and chosen experts (``predictors.evaluate.collect_traces``). The corpus is split
    into training text and held-out text (the last ``--heldout-fraction`` of the windows; for the bundled
-   model without ``--corpus``: the stdlib files it was trained on / held out, ``fate_edge.corpus``).
+   model, or one ``scripts/train_tiny_moe.py`` trained, without ``--corpus``: the stdlib files it was
+   trained on / held out, ``fate_edge.corpus``).
 2. Save where the engine finds them: the ``predictors/`` of the expert store the engine uses for the model
    (the model itself if it is a store, else its store converted once into the cache; ``--predictors-dir``
    elsewhere; the model's own folder is never written, it may be read-only): ``popularity.json`` (routed
@@ -35,7 +36,7 @@ PREDICTORS_DIR = "predictors"
 
 @dataclass
 class CalibrateOptions:
-    corpus: Path | None = None  # text file or directory of .txt/.py/.md files; None: bundled model's stdlib split
+    corpus: Path | None = None  # text file or directory of .txt/.py/.md files; None: the stdlib split it was trained on
     lookahead: int = 2  # MoE layers ahead the learned predictors score (1..4)
     tokens: int = 32768  # tokens run through the model, training + held-out
     heldout_fraction: float = 0.1  # share of those tokens kept for the report
@@ -54,8 +55,21 @@ class CalibrateOptions:
 
 # ------------------------------------------------------------------------------------------------ corpus
 def bundled_split(model_dir: Path) -> tuple[list[str], list[str]]:
-    """(training files, held-out files) of the stdlib corpus the bundled model was trained on."""
+    """(training files, held-out files) of the stdlib corpus the bundled model (or ``model_dir``'s, when
+    ``scripts/train_tiny_moe.py`` trained it) was trained on."""
     return read_corpus(CorpusSplit.of_model(model_dir))
+
+
+def trained_on_stdlib(model_dir: Path, bundled: Path) -> bool:
+    """Whether ``model_dir`` has a default corpus: the bundled model, or one ``scripts/train_tiny_moe.py`` trained
+    (its ``training_log.json`` names the stdlib corpus and holds the split settings ``bundled_split`` reads)."""
+    if model_dir.resolve() == bundled.resolve():
+        return True
+    try:
+        log = json.loads((model_dir / "training_log.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(log, dict) and "standard library" in str(log.get("corpus", "")) and "config" in log
 
 
 def read_texts(corpus: Path, max_chars: int) -> list[str]:
@@ -238,8 +252,9 @@ def calibrate(model_dir: str | Path, opts: CalibrateOptions | None = None) -> di
     model_dir = Path(model_dir)
     if not 1 <= opts.lookahead <= 4:
         raise CalibrationError(f"--lookahead must be 1..4, not {opts.lookahead}")
-    if opts.corpus is None and model_dir.resolve() != bundled_model_dir().resolve():
-        raise CalibrationError("--corpus FILE is required (only the bundled model has a default corpus)")
+    if opts.corpus is None and not trained_on_stdlib(model_dir, bundled_model_dir()):
+        raise CalibrationError("--corpus FILE is required (only the bundled model and models trained by "
+                               "scripts/train_tiny_moe.py have a default corpus: their stdlib split)")
     pred_dir = opts.predictors_dir or engine_predictors_dir(model_dir, opts.progress)  # before hours of tracing
     model = load_model(model_dir, torch.float32)
     cfg = model.config
@@ -339,8 +354,8 @@ def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("calibrate", help="record routing on a corpus, train and measure expert predictors")
     p.add_argument("model", nargs="?", default=None, help="model directory (default: the bundled model)")
     p.add_argument("--corpus", type=Path, default=None,
-                   help="UTF-8 text file or directory of .txt/.py/.md files (default, bundled model only: its "
-                        "stdlib training / held-out split)")
+                   help="UTF-8 text file or directory of .txt/.py/.md files (default, for the bundled model "
+                        "and models scripts/train_tiny_moe.py trained: their stdlib training / held-out split)")
     p.add_argument("--lookahead", type=int, default=2, choices=[1, 2, 3, 4], help="MoE layers ahead to predict")
     p.add_argument("--tokens", type=int, default=CalibrateOptions.tokens,
                    help="tokens to run through the model (training + held-out). More text trains markedly better "

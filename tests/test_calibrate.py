@@ -102,6 +102,23 @@ def test_calibrating_a_read_only_model_gives_the_engine_its_learned_predictor(ti
         _set_mode(ro, 0o644, 0o755)
 
 
+def test_a_model_our_training_script_made_calibrates_on_its_own_stdlib_split(tiny, tmp_path):
+    model_dir, _ = tiny
+    trained = tmp_path / "trained"
+    shutil.copytree(model_dir, trained)
+    # What scripts/train_tiny_moe.py writes: the split settings and the corpus it read (a small corpus cap).
+    log = {"config": {"heldout_fraction": 0.2, "max_corpus_bytes": 1_000_000}, "complete": True,
+           "corpus": "Python 3.11 standard library .py files"}
+    (trained / "training_log.json").write_text(json.dumps(log))
+    report = calibrate(trained, CalibrateOptions(tokens=1024, seq_len=64, rank=4, epochs=1, onnx=False,
+                                                 predictors_dir=tmp_path / "p", progress=False))
+    assert report["corpus"]["source"].startswith("Python stdlib .py files")
+    assert report["corpus"]["train_files"] > 0 and report["corpus"]["heldout_tokens"] > 0
+    (trained / "training_log.json").write_text(json.dumps({**log, "corpus": "my own text"}))
+    with pytest.raises(CalibrationError, match="--corpus FILE is required"):
+        calibrate(trained, CalibrateOptions(predictors_dir=tmp_path / "p"))
+
+
 def test_calibrate_needs_a_corpus_for_other_models(tiny, tmp_path):
     model_dir, corpus = tiny
     with pytest.raises(CalibrationError, match="--corpus"):
