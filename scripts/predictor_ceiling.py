@@ -7,9 +7,13 @@ with `fate-edge calibrate`'s recipe one MoE layer ahead on two inputs and scores
 2. layer i+1's input before its attention: everything but that attention (a later, "pre-attention" source,
    arXiv 2511.10676): an estimate of what any predictor that runs before layer i+1's attention could know.
 
+3. layer i's gate input beside the previous token's layer i+1 gate input: in decode that token's forward is
+   finished, so this is causal; it carries what layer i+1's attention saw one position earlier.
+
 Layer i+1's own router on its gate input is exact by definition, so the gap between 2. and 100% is what layer
-i+1's attention (the context of the other tokens) decides. The pre-attention inputs come from transformers'
-``output_hidden_states`` (a test and training dependency); the routing from fate-edge's forward.
+i+1's attention (the context of the other tokens) decides; 3. measures how much of that the previous position
+already holds. The pre-attention inputs come from transformers' ``output_hidden_states`` (a test and training
+dependency); the routing from fate-edge's forward.
 
     python scripts/predictor_ceiling.py --tokens 131072 --json bench-out/predictor_ceiling.json
 """
@@ -44,6 +48,31 @@ def pre_attention_inputs(hf: torch.nn.Module, windows: torch.Tensor, layers: lis
         for j in layers:  # hidden_states[j] is layer j-1's output, i.e. layer j's input
             out[j].append(states[j].reshape(-1, states[j].shape[-1]).float())
     return {j: torch.cat(v) for j, v in out.items()}
+
+
+def previous_position(x: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Row t holds row t-1 of the same window (zeros at a window's first position): rows are window-major."""
+    w = x.view(-1, seq_len, x.shape[-1])
+    out = torch.zeros_like(w)
+    out[:, 1:] = w[:, :-1]
+    return out.reshape(x.shape)
+
+
+class WidenedGate:
+    """``gate`` reading [h_i, extra] rows: its stacked routers padded with zero columns, so the learned predictor
+    starts as the gate and training decides what the extra columns are worth."""
+
+    def __init__(self, gate: CrossLayerGate, extra: int):
+        self.gate, self.extra = gate, extra
+        self.moe_layers, self.num_experts, self.lookahead, self.norms = (
+            gate.moe_layers, gate.num_experts, gate.lookahead, gate.norms)
+
+    def targets(self, layer: int) -> list[int]:
+        return self.gate.targets(layer)
+
+    def stacked(self, layer: int) -> torch.Tensor:
+        w = self.gate.stacked(layer)
+        return torch.cat([w, w.new_zeros(w.shape[0], self.extra)], dim=1)
 
 
 def per_layer(results) -> dict[int, dict[str, float]]:
@@ -88,6 +117,15 @@ def main() -> None:
     pre = train_learned(gate, later(train, x_train), config=cfg, progress=False)
     rows["learned on layer i+1's input before its attention"] = per_layer(
         evaluate_predictor(pre, later(held, x_held), [train.top_k]))
+
+    def with_previous(trace: Trace) -> Trace:  # source i reads [h_i(t), h_{i+1}(t-1)]
+        return Trace({i: torch.cat([trace.gate_inputs[i], previous_position(trace.gate_inputs[j], opts.seq_len)], 1)
+                      for i, j in pairs.items()}, trace.expert_ids, trace.num_experts)
+
+    hidden = model.config.hidden_size
+    prev = train_learned(WidenedGate(gate, hidden), with_previous(train), config=cfg, progress=False)
+    rows["learned on layer i's gate input + the previous token's layer i+1 gate input"] = per_layer(
+        evaluate_predictor(prev, with_previous(held), [train.top_k]))
 
     k = train.top_k
     print(f"Model {model_dir.name}: {train.tokens:,} training and {held.tokens:,} held-out tokens "

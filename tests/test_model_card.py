@@ -99,3 +99,28 @@ def test_training_config_overrides_are_typed_and_checked():
         tr.config_with(tr.TrainConfig(), ["experts=8"])
     with pytest.raises(SystemExit, match="not a valid int"):
         tr.config_with(tr.TrainConfig(), ["num_experts=eight"])
+
+
+def test_the_ceiling_scripts_previous_token_input_starts_as_the_gate(tmp_path):
+    import torch
+    from fate_edge.predictors import CrossLayerGate
+    from fate_edge.predictors.learned import LearnedPredictor
+
+    from fate_edge.loader import load_model
+
+    ceiling = _load_script("predictor_ceiling")
+    x = torch.arange(12.0).view(6, 2)  # two windows of 3 positions
+    shifted = ceiling.previous_position(x, 3)
+    assert shifted[[0, 3]].eq(0).all() and torch.equal(shifted[[1, 2, 4, 5]], x[[0, 1, 3, 4]])
+
+    model = load_model(build_tiny_moe(tmp_path / "tiny"), torch.float32)
+    hidden = model.config.hidden_size
+    for norm_variant in (False, True):
+        gate = CrossLayerGate.from_model(model, 1, norm_variant=norm_variant)
+        widened = LearnedPredictor.from_gate(ceiling.WidenedGate(gate, hidden), "lowrank", 8)
+        h, extra = torch.randn(5, hidden), 10 * torch.randn(5, hidden)
+        for layer in gate.moe_layers:
+            want = gate.predict(layer, h)
+            if want.layers:  # until trained, the previous token's columns weigh nothing
+                torch.testing.assert_close(widened.predict(layer, torch.cat([h, extra], 1)).scores, want.scores,
+                                           atol=1e-6, rtol=1e-5)
