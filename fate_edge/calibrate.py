@@ -253,8 +253,8 @@ def calibrate(model_dir: str | Path, opts: CalibrateOptions | None = None) -> di
     if not 1 <= opts.lookahead <= 4:
         raise CalibrationError(f"--lookahead must be 1..4, not {opts.lookahead}")
     if opts.corpus is None and not trained_on_stdlib(model_dir, bundled_model_dir()):
-        raise CalibrationError("--corpus FILE is required (only the bundled model and models trained by "
-                               "scripts/train_tiny_moe.py have a default corpus: their stdlib split)")
+        raise CalibrationError("--corpus FILE is required (only the bundled model, and models whose training_log.json "
+                               "names the Python standard library corpus, have a default corpus: their stdlib split)")
     pred_dir = opts.predictors_dir or engine_predictors_dir(model_dir, opts.progress)  # before hours of tracing
     model = load_model(model_dir, torch.float32)
     cfg = model.config
@@ -355,7 +355,8 @@ def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", default=None, help="model directory (default: the bundled model)")
     p.add_argument("--corpus", type=Path, default=None,
                    help="UTF-8 text file or directory of .txt/.py/.md files (default, for the bundled model "
-                        "and models scripts/train_tiny_moe.py trained: their stdlib training / held-out split)")
+                        "and models trained on the stdlib, per their training_log.json: that training / held-out "
+                        "split)")
     p.add_argument("--lookahead", type=int, default=2, choices=[1, 2, 3, 4], help="MoE layers ahead to predict")
     p.add_argument("--tokens", type=int, default=CalibrateOptions.tokens,
                    help="tokens to run through the model (training + held-out). More text trains markedly better "
