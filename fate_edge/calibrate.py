@@ -60,11 +60,10 @@ def bundled_split(model_dir: Path) -> tuple[list[str], list[str]]:
     return read_corpus(CorpusSplit.of_model(model_dir))
 
 
-def trained_on_stdlib(model_dir: Path, bundled: Path) -> bool:
-    """Whether ``model_dir`` has a default corpus: the bundled model, or one ``scripts/train_tiny_moe.py`` trained
-    (its ``training_log.json`` names the stdlib corpus and holds the split settings ``bundled_split`` reads)."""
-    if model_dir.resolve() == bundled.resolve():
-        return True
+def trained_on_stdlib(model_dir: Path) -> bool:
+    """Whether ``model_dir`` has a default corpus: its ``training_log.json`` (the bundled model's, or one
+    ``scripts/train_tiny_moe.py`` wrote) names the stdlib corpus and holds the split settings ``bundled_split``
+    reads."""
     try:
         log = json.loads((model_dir / "training_log.json").read_text())
     except (OSError, ValueError):
@@ -243,7 +242,6 @@ def calibrate(model_dir: str | Path, opts: CalibrateOptions | None = None) -> di
     from fate_edge.predictors.evaluate import evaluate_predictor
     from fate_edge.predictors.learned import TrainConfig, train_learned
 
-    from .bundled import bundled_model_dir
     from .loader import load_model
     from .tokenizer import Tokenizer
 
@@ -252,7 +250,7 @@ def calibrate(model_dir: str | Path, opts: CalibrateOptions | None = None) -> di
     model_dir = Path(model_dir)
     if not 1 <= opts.lookahead <= 4:
         raise CalibrationError(f"--lookahead must be 1..4, not {opts.lookahead}")
-    if opts.corpus is None and not trained_on_stdlib(model_dir, bundled_model_dir()):
+    if opts.corpus is None and not trained_on_stdlib(model_dir):
         raise CalibrationError("--corpus FILE is required (only the bundled model, and models whose training_log.json "
                                "names the Python standard library corpus, have a default corpus: their stdlib split)")
     pred_dir = opts.predictors_dir or engine_predictors_dir(model_dir, opts.progress)  # before hours of tracing

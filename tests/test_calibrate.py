@@ -11,7 +11,15 @@ from _tiny_moe import CORPUS, build_tiny_moe
 from fate_edge.predictors import ActivationPathPredictor, LearnedPredictor, OnnxPredictor, TokenPopularity
 
 from fate_edge import Engine
-from fate_edge.calibrate import CalibrateOptions, CalibrationError, add_calibrate_parser, calibrate, load_popularity
+from fate_edge.bundled import bundled_model_dir
+from fate_edge.calibrate import (
+    CalibrateOptions,
+    CalibrationError,
+    add_calibrate_parser,
+    calibrate,
+    load_popularity,
+    trained_on_stdlib,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -114,6 +122,7 @@ def test_a_model_our_training_script_made_calibrates_on_its_own_stdlib_split(tin
                                                  predictors_dir=tmp_path / "p", progress=False))
     assert report["corpus"]["source"].startswith("Python stdlib .py files")
     assert report["corpus"]["train_files"] > 0 and report["corpus"]["heldout_tokens"] > 0
+    assert trained_on_stdlib(bundled_model_dir())  # the shipped model's own log is what gives it a default corpus
     (trained / "training_log.json").write_text(json.dumps({**log, "corpus": "my own text"}))
     with pytest.raises(CalibrationError, match="--corpus FILE is required"):
         calibrate(trained, CalibrateOptions(predictors_dir=tmp_path / "p"))
