@@ -18,6 +18,10 @@ validation loss nor the validation exact top-k match has improved for ``patience
 with the best validation exact match (the untrained gate, epoch 0, included), so on validation it never falls
 below the cross-layer gate. What it reaches on the bundled model, with how much text: README, "How well the
 calibrated predictors predict".
+
+A trained predictor is saved as ``learned-<kind>-p<p>.safetensors`` + ``learned-<kind>-p<p>.json`` (the
+manifest: architecture, training data size, metrics) and exported to ONNX, one small graph per source
+layer (h [N, H] → probabilities [P, N, E]); :class:`OnnxPredictor` runs those with onnxruntime's CPU provider.
 """
 
 from __future__ import annotations
