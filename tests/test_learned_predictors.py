@@ -168,13 +168,13 @@ def test_on_the_bundled_models_own_text_training_fixes_the_gates_weak_first_laye
     cross-layer gate finds layer 1's exact top-2 for under a fifth of the tokens; trained on 16k tokens of the
     model's own stdlib text, the low-rank predictor finds it for over 40% of held-out tokens."""
     from fate_edge.bundled import bundled_model_dir
-    from fate_edge.calibrate import CalibrateOptions, corpus_windows
+    from fate_edge.calibrate import CalibrateOptions, corpus_windows, separator_id
     from fate_edge.tokenizer import Tokenizer
 
     path = bundled_model_dir()
     model, tokenizer = load_model(path), Tokenizer(path)
     opts = CalibrateOptions(tokens=20480, heldout_fraction=0.2)
-    train_ids, held_ids, _ = corpus_windows(path, tokenizer, tokenizer.token_to_id("<|endoftext|>"), opts)
+    train_ids, held_ids, _ = corpus_windows(path, tokenizer, separator_id(tokenizer, model.config), opts)
     train, held = collect_traces(model, train_ids.split(8)), collect_traces(model, held_ids.split(8))
     gate = CrossLayerGate.from_model(model, lookahead=1, norm_variant=True)
     learned = train_learned(gate, train, config=TrainConfig(kind="lowrank", rank=64, epochs=6), progress=False)
