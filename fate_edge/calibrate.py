@@ -355,14 +355,16 @@ def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="UTF-8 text file or directory of .txt/.py/.md files (default, for the bundled model "
                         "and models trained on the stdlib, per their training_log.json: that training / held-out "
                         "split)")
-    p.add_argument("--lookahead", type=int, default=2, choices=[1, 2, 3, 4], help="MoE layers ahead to predict")
+    p.add_argument("--lookahead", type=int, default=CalibrateOptions.lookahead, choices=[1, 2, 3, 4],
+                   help="MoE layers ahead to predict")
     p.add_argument("--tokens", type=int, default=CalibrateOptions.tokens,
                    help="tokens to run through the model (training + held-out). More text trains markedly better "
                         "predictors; the trace keeps tokens x hidden size x 4 bytes per MoE layer in memory")
-    p.add_argument("--heldout-fraction", type=float, default=0.1, help="share of the tokens held out for the report")
+    p.add_argument("--heldout-fraction", type=float, default=CalibrateOptions.heldout_fraction,
+                   help="share of the tokens held out for the report")
     p.add_argument("--rank", type=int, default=CalibrateOptions.rank, help="width of the low-rank predictor")
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per window")
-    p.add_argument("--batch", type=int, default=4, help="windows per forward pass")
+    p.add_argument("--seq-len", type=int, default=CalibrateOptions.seq_len, help="tokens per window")
+    p.add_argument("--batch", type=int, default=CalibrateOptions.batch, help="windows per forward pass")
     p.add_argument("--epochs", type=int, default=CalibrateOptions.epochs,
                    help="training epochs: the one-cycle schedule's length (early stopping may end sooner)")
     p.add_argument("--lr", type=float, default=CalibrateOptions.lr, help="peak AdamW learning rate of the predictors")
@@ -374,7 +376,7 @@ def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "written)")
     p.add_argument("--no-onnx", action="store_true", help="skip the ONNX export")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=CalibrateOptions.seed)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_calibrate)
     return p
