@@ -1,0 +1,96 @@
+"""How much of the oracle's lead over fate-edge's device row is prediction (issue 14: within 1.15x of the oracle).
+
+On the sweep's (costs, trace) pickle (scripts/sweep_device_presets.py --trace), on one device's emulated timeline:
+the simulated fate-edge row the device resolves to, the oracle, the same row with its predictor replaced by the
+true experts of the next MoE layers (perfect within-token prediction, for each lookahead and width), and each
+recorded predictor's recall of the next layer's experts in its top k on the trace's decode.
+
+    python scripts/oracle_gap.py --store S --trace T --device orin-nano --budget 0.35 --resident-bits 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from sweep_device_presets import bench_store, sim  # noqa: E402
+
+from fate_edge.device_presets import for_device_and_store  # noqa: E402
+from fate_edge.emulation import calibrate, store_side  # noqa: E402
+from fate_edge.planner import sample_token_ids  # noqa: E402
+from fate_edge.policy import PRESETS  # noqa: E402
+from fate_edge.simulate import scale_costs, truth_scores  # noqa: E402
+from fate_edge.tokenizer import Tokenizer  # noqa: E402
+
+
+def next_layer_recall(trace, layers: list[int], top: int) -> dict[str, float]:
+    """Per recorded predictor: the share of each token's true experts of layer i+1 among its ``top`` scores at i."""
+    out = {}
+    for name, preds in trace.predictions.items():
+        found = total = 0
+        for (src, target), scores in preds.items():
+            if layers.index(target) != layers.index(src) + 1:
+                continue
+            picked = scores.topk(top, dim=1).indices
+            for guess, true in zip(picked.tolist(), trace.expert_ids[target].tolist()):
+                found += len(set(guess) & set(true))
+                total += len(true)
+        out[name] = found / max(1, total)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--store", required=True)
+    ap.add_argument("--trace", required=True, help="the sweep's (costs, trace) pickle")
+    ap.add_argument("--device", default="orin-nano")
+    ap.add_argument("--budget", type=float, default=0.35)
+    ap.add_argument("--resident-bits", type=int, choices=(8, 4), default=None)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    store = bench_store(args.store)
+    costs, trace = pickle.loads(Path(args.trace).read_bytes())
+    layers = sorted(trace.expert_ids)
+    moe = len(layers)
+    budget = int(args.budget * store.expert_bytes(4) * moe * store.index["num_experts"])
+    ids = sample_token_ids(Tokenizer(args.store))[:64]
+    em = calibrate(args.device, args.store, ids, host_s_per_token=costs.layer_compute_s * moe,
+                   side=store_side(args.store, resident_bits=args.resident_bits))
+    dev = scale_costs(costs, 1 / em.k)
+    dev.layer_compute_s = em.device_s_per_token / moe  # the roofline's, as the sweep does
+    row = for_device_and_store(PRESETS["fate-edge"], args.device, args.store, args.resident_bits)
+    oracle = sim(trace, PRESETS["oracle"], budget, store, em.link, dev).tokens_per_s
+    got = sim(trace, row, budget, store, em.link, dev).tokens_per_s
+    top = trace.expert_ids[layers[0]].shape[1]
+    name = f"{row.predictor}/p{row.lookahead}/w{row.prefetch_width}"
+    out = {"device": args.device, "budget": args.budget, "row": name,
+           "row_tps": got, "oracle_tps": oracle, "recall_next_layer": next_layer_recall(trace, layers, top),
+           "perfect": {}}
+    print(f"{args.device} {args.budget:.0%}: fate-edge row ({out['row']}) {got:.1f} tok/s, oracle {oracle:.1f} "
+          f"({oracle / got:.3f}x ahead)")
+    if row.predictor:
+        trace.predictions[row.predictor] = truth_scores(trace.expert_ids, layers, 3, trace.num_experts)
+        for lookahead in (1, 2, 3):
+            for width in range(2, top + 2):
+                p = row.with_(lookahead=lookahead, prefetch_width=width, max_prefetch_width=width)
+                tps = sim(trace, p, budget, store, em.link, dev).tokens_per_s
+                out["perfect"][f"p{lookahead}/w{width}"] = tps
+                print(f"  true experts as predictions, p{lookahead}/w{width}: {tps:.1f} tok/s "
+                      f"(oracle {oracle / tps:.3f}x ahead)")
+    for name, share in out["recall_next_layer"].items():
+        print(f"  {name}: {share:.1%} of the next layer's experts in its top {top}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
