@@ -20,29 +20,25 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sweep_device_presets import bench_store, sim  # noqa: E402
+from fate_edge.predictors.evaluate import recall_at  # noqa: E402
+from sweep_device_presets import bench_store, device_timeline, sim  # noqa: E402
 
 from fate_edge.device_presets import for_device_and_store  # noqa: E402
-from fate_edge.emulation import calibrate, store_side  # noqa: E402
+from fate_edge.emulation import store_side  # noqa: E402
 from fate_edge.planner import sample_token_ids  # noqa: E402
 from fate_edge.policy import PRESETS  # noqa: E402
-from fate_edge.simulate import scale_costs, truth_scores  # noqa: E402
+from fate_edge.simulate import truth_scores  # noqa: E402
 from fate_edge.tokenizer import Tokenizer  # noqa: E402
 
 
 def next_layer_recall(trace, layers: list[int], top: int) -> dict[str, float]:
-    """Per recorded predictor: the share of each token's true experts of layer i+1 among its ``top`` scores at i."""
+    """Per recorded predictor: the share of each token's true experts of layer i+1 among its ``top`` scores at i,
+    averaged over the layer pairs (each pair has every decode token)."""
     out = {}
     for name, preds in trace.predictions.items():
-        found = total = 0
-        for (src, target), scores in preds.items():
-            if layers.index(target) != layers.index(src) + 1:
-                continue
-            picked = scores.topk(top, dim=1).indices
-            for guess, true in zip(picked.tolist(), trace.expert_ids[target].tolist()):
-                found += len(set(guess) & set(true))
-                total += len(true)
-        out[name] = found / max(1, total)
+        pairs = [recall_at(scores.topk(top, dim=1).indices, trace.expert_ids[target])
+                 for (src, target), scores in preds.items() if layers.index(target) == layers.index(src) + 1]
+        out[name] = sum(pairs) / max(1, len(pairs))
     return out
 
 
@@ -62,18 +58,15 @@ def main(argv: list[str] | None = None) -> int:
     moe = len(layers)
     budget = int(args.budget * store.expert_bytes(4) * moe * store.index["num_experts"])
     ids = sample_token_ids(Tokenizer(args.store))[:64]
-    em = calibrate(args.device, args.store, ids, host_s_per_token=costs.layer_compute_s * moe,
-                   side=store_side(args.store, resident_bits=args.resident_bits))
-    dev = scale_costs(costs, 1 / em.k)
-    dev.layer_compute_s = em.device_s_per_token / moe  # the roofline's, as the sweep does
+    em, dev = device_timeline(args.device, args.store, ids, costs, costs.layer_compute_s * moe,
+                              store_side(args.store, resident_bits=args.resident_bits), moe)
     row = for_device_and_store(PRESETS["fate-edge"], args.device, args.store, args.resident_bits)
     oracle = sim(trace, PRESETS["oracle"], budget, store, em.link, dev).tokens_per_s
     got = sim(trace, row, budget, store, em.link, dev).tokens_per_s
     top = trace.expert_ids[layers[0]].shape[1]
-    name = f"{row.predictor}/p{row.lookahead}/w{row.prefetch_width}"
-    out = {"device": args.device, "budget": args.budget, "row": name,
-           "row_tps": got, "oracle_tps": oracle, "recall_next_layer": next_layer_recall(trace, layers, top),
-           "perfect": {}}
+    out = {"device": args.device, "budget": args.budget,
+           "row": f"{row.predictor}/p{row.lookahead}/w{row.prefetch_width}", "row_tps": got,
+           "oracle_tps": oracle, "recall_next_layer": next_layer_recall(trace, layers, top), "perfect": {}}
     print(f"{args.device} {args.budget:.0%}: fate-edge row ({out['row']}) {got:.1f} tok/s, oracle {oracle:.1f} "
           f"({oracle / got:.3f}x ahead)")
     if row.predictor:

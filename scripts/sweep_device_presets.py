@@ -57,6 +57,15 @@ def bench_store(path: str | None) -> ExpertStore:
     return ExpertStore(path)
 
 
+def device_timeline(device: str, store_dir: str, ids: list[int], costs, host_s: float, side, moe: int):
+    """The emulation of ``store_dir`` on ``device`` (k from ``host_s`` per token) and the host ``costs`` on its
+    timeline: scaled by 1/k, a layer's compute the roofline's, whatever the probe's drift."""
+    em = calibrate(device, store_dir, ids, host_s_per_token=host_s, side=side)
+    dev_costs = scale_costs(costs, 1 / em.k)
+    dev_costs.layer_compute_s = em.device_s_per_token / moe
+    return em, dev_costs
+
+
 def label(p: PolicyConfig) -> str:
     if p.predictor is None:
         return f"{p.allocation}/{p.eviction}/no-prefetch"
@@ -131,9 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     side = store_side(args.store, resident_bits=args.resident_bits)
     out = {"store": args.store, "host_s_per_token": host_s, "host_costs": costs.__dict__, "devices": {}}
     for device in args.devices:
-        em = calibrate(device, args.store, ids, host_s_per_token=host_s, side=side)
-        dev_costs = scale_costs(costs, 1 / em.k)
-        dev_costs.layer_compute_s = em.device_s_per_token / moe  # the roofline's, whatever the probe's drift
+        em, dev_costs = device_timeline(device, args.store, ids, costs, host_s, side, moe)
         dev = out["devices"][device] = {"k": em.k, "device_ms_per_token": em.device_s_per_token * 1e3,
                                         "read_ms": em.link.transfer_time(em.expert_bytes) * 1e3, "budgets": {}}
         for b in args.budgets:
