@@ -1,9 +1,11 @@
 """Short emulated runs of fate-edge as resolved per device, against the host preset, lru, fate and the oracle.
 
-For each device: k pinned by --host-ms (the same for every run compared), the device's link dilated by k, O_DIRECT
-reads where the emulation says so; every policy runs the same prompt (the planner's sample text) and decodes the
-same greedy tokens, in interleaved rounds; medians. Beside each measured figure, the simulator's prediction on
-the sweep's recorded trace (scripts/sweep_device_presets.py --trace), the planner's view of that device.
+For each device: k pinned by --host-ms or by the median of --host-probes planner probes (the same for every run
+compared), the device's link dilated by k, O_DIRECT reads where the emulation says so; every policy runs the same
+prompt (the planner's sample text) and decodes the same greedy tokens, in interleaved rounds; medians; beside them
+each run's own host compute per token, which the dilation assumes equals the pinned one. Beside each measured
+figure, the simulator's prediction on the sweep's recorded trace (scripts/sweep_device_presets.py --trace), the
+planner's view of that device.
 Device-equivalent tok/s = raw x k. Optionally rewrites the README block between <!-- device-presets:begin/end -->.
 
     python scripts/validate_device_presets.py --host-ms 17 --trace /tmp/emul_trace.pkl --devices orin-nano
@@ -79,11 +81,15 @@ def run_once(store: str, budget: int, policy, em, ids: list[int], decode: int, t
             last = step
         assert last is not None
         st = eng.token_stats
+        # The planner probe's measure of host compute (token time less stall and blob decoding), in this run:
+        # the dilation assumes it equals the pinned host token, so a gap shows up as simulator error.
+        compute = [t1 - t0 - s.stall_s - s.consume_s for t0, t1, s in zip(times, times[1:], st)]
         uses = sum(s.hits + s.prefetch_hits + s.misses for s in st)
         nbytes = sum(s.demand_bytes + s.prefetch_bytes + s.wasted_bytes for s in st)
         pf = eng.prefill_stats
         return {"decode_tps": len(st) / (times[-1] - times[0]), "prefill_tps": last.prompt_tps,
                 "prefill_mb": (pf.demand_bytes + pf.prefetch_bytes + pf.wasted_bytes) / 1e6,
+                "host_ms": 1e3 * statistics.median(compute),
                 "hit_rate": sum(s.hits + s.prefetch_hits for s in st) / max(1, uses),
                 "mb_per_token": nbytes / 1e6 / max(1, len(st))}
     finally:
@@ -94,6 +100,12 @@ def ratio(r: dict, ref: dict | None, key: str = "decode_tps") -> str:
     return f"{r[key] / ref[key]:.2f}x" if ref else "—"
 
 
+def probes(d: dict) -> str:
+    """The pinned host token's probes, when it was measured here rather than given."""
+    got = d.get("host_ms_probes")
+    return f" (host: median of probes {' / '.join(f'{x:.1f}' for x in got)} ms)" if got else ""
+
+
 def table(results: dict) -> str:
     lines = []
     for d in results.values():
@@ -101,17 +113,18 @@ def table(results: dict) -> str:
         lod, lod4, fate = (pols.get(n) for n in ("load-on-demand (bf16)", "load-on-demand-int4", "fate"))
         held = "" if d.get("resident_bits") is None else f"int{d['resident_bits']} resident linears, "
         lines += [f"**{d['profile']}** (emulated: k = {d['k']:.3g}, host {d['host_ms']:.1f} ms pinned, device "
-                  f"{d['device_ms']:.2f} ms per token; {held}{d['rounds']} interleaved rounds, medians; load "
-                  f"{d['load']}; device-equivalent = raw x k)", "",
+                  f"{d['device_ms']:.2f} ms per token{probes(d)}; {held}{d['rounds']} interleaved rounds, medians; "
+                  f"load {d['load']}; device-equivalent = raw x k)", "",
                   "| policy | device-eq. decode tok/s | simulated (device-eq.) | sim error | device-eq. prefill tok/s "
-                  "| prefill MB read | hit rate | MB read / token | x LOD bf16 decode / prefill | x LOD int4 | x fate "
-                  "| oracle / this |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| prefill MB read | hit rate | MB read / token | host ms / token in run "
+                  "| x LOD bf16 decode / prefill | x LOD int4 | x fate | oracle / this |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         oracle = pols["oracle"]["decode_tps"]
         for name, r in pols.items():
             err = r["sim_tps"] / r["decode_tps"] - 1
             lines.append(f"| {name} | {r['decode_tps']:.0f} | {r['sim_tps']:.0f} | {err:+.0%} | {r['prefill_tps']:.0f} "
                          f"| {r['prefill_mb']:.0f} | {r['hit_rate']:.0%} | {r['mb_per_token']:.1f} "
+                         f"| {r['host_ms']:.1f} "
                          f"| {ratio(r, lod)} / {ratio(r, lod, 'prefill_tps')} | {ratio(r, lod4)} | {ratio(r, fate)} "
                          f"| {oracle / r['decode_tps']:.2f}x |")
         lines.append("")
@@ -124,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--devices", nargs="+", default=list(DEVICES))
     ap.add_argument("--budget", type=float, default=0.35)
     ap.add_argument("--host-ms", type=float, default=None,
-                    help="this host's decode compute per token (pins k); default: measured once at the start")
+                    help="this host's decode compute per token (pins k); default: measured at the start")
+    ap.add_argument("--host-probes", type=int, default=3,
+                    help="without --host-ms: the planner probes whose median pins it (one drifts with the host)")
     ap.add_argument("--trace", required=True, help="the sweep's (costs, trace) pickle: the simulator's input")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--decode-tokens", type=int, default=24)
@@ -149,9 +164,14 @@ def main(argv: list[str] | None = None) -> int:
         trace = big.record_trace(ids, GenerateConfig(max_tokens=args.decode_tokens + 1, ignore_eos=True))
     side = store_side(args.store, resident_bits=args.resident_bits)
     results = {}
+    host_probes = []
+    if args.host_ms is None:  # measured at the start, then the same k basis for every device and policy
+        host_probes = [1e3 * calibrate(args.devices[0], args.store, ids, workers=1, side=side).host_s_per_token
+                       for _ in range(args.host_probes)]  # one fetch worker, as the runs have
+        args.host_ms = statistics.median(host_probes)
+        print(f"host token: {' / '.join(f'{x:.1f}' for x in host_probes)} ms, pinned {args.host_ms:.1f}",
+              file=sys.stderr, flush=True)
     for device in args.devices:
-        if args.host_ms is None:  # measured once, then the same k basis for every device and policy
-            args.host_ms = 1e3 * calibrate(device, args.store, ids, side=side).host_s_per_token
         em = calibrate(device, args.store, ids, host_s_per_token=args.host_ms / 1e3, side=side)
         dev_costs = scale_costs(costs, 1 / em.k)
         dev_costs.layer_compute_s = em.device_s_per_token / len(store.index["moe_layers"])
@@ -174,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             med["sim_tps"] = sim(plan_trace, pols[name], budget, store, em.link, dev_costs).tokens_per_s
             out[name] = med
             print(f"{device} {name}: {json.dumps({k: round(v, 3) for k, v in med.items()})}", flush=True)
-        results[device] = {"profile": em.profile, "k": em.k, "host_ms": args.host_ms,
+        results[device] = {"profile": em.profile, "k": em.k, "host_ms": args.host_ms, "host_ms_probes": host_probes,
                            "device_ms": em.device_s_per_token * 1e3, "rounds": args.rounds,
                            "resident_bits": args.resident_bits,
                            "load": "-".join(loads), "policies": out}
