@@ -153,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mark", default=MARK, help=f"README block to rewrite (default {MARK}; the real-shape run: "
                     "emulate-real)")
     args = ap.parse_args(argv)
+    if args.host_probes < 1:
+        ap.error(f"--host-probes must be at least 1, not {args.host_probes}")
     torch.set_num_threads(1)
     store = ExpertStore(args.store)
     total = store.expert_bytes(4) * len(store.index["moe_layers"]) * store.index["num_experts"]
