@@ -121,6 +121,12 @@ class _DecodeRecorder:
         self.ids.setdefault(layer, []).append(idx.detach().clone())
 
 
+def token_compute_s(times: list[float], token_stats: list) -> list[float]:
+    """Each decode token's compute: the time between consecutive ``times`` (one per streamed token) less its stall
+    and blob decoding (``token_stats``, the engine's per-token stats, in order)."""
+    return [dt - s.stall_s - s.consume_s for dt, s in zip(np.diff(times), token_stats)]
+
+
 def probe_engine(store_dir, budget: int, policy: PolicyConfig, link: LinkSpec | None, token_ids: list[int],
                  dtype: torch.dtype, tokens: int = 16, workers: int = defaults.FETCH_WORKERS,
                  record: bool = False, direct_io: bool | None = None, resident_bits: int | None = None) -> ProbeRun:
@@ -152,7 +158,7 @@ def probe_engine(store_dir, budget: int, policy: PolicyConfig, link: LinkSpec | 
             st = eng.token_stats
             # Compute per token = its time minus its stall and blob decoding; the median over tokens, so a
             # hiccup of the host (another process, page-cache writeback) does not skew it.
-            compute = [dt - s.stall_s - s.consume_s for dt, s in zip(np.diff(times), st)]
+            compute = token_compute_s(times, st)
             run = ProbeRun(len(st), float(np.median(compute)) * len(st), sum(s.stall_s for s in st),
                            sum(s.consume_s for s in st), sum(s.predict_s for s in st),
                            f1.reads_completed - f0.reads_completed, f1.cpu_s - f0.cpu_s, f1.read_s - f0.read_s,

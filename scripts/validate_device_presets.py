@@ -26,10 +26,10 @@ import torch
 from fate_edge.devices.link import ThrottledLink
 
 from fate_edge.device_presets import for_device, for_device_and_store
-from fate_edge.emulation import DEVICES, calibrate, store_side
+from fate_edge.emulation import DEVICES, calibrate, host_token_seconds, store_side
 from fate_edge.engine import Engine
 from fate_edge.generate import GenerateConfig
-from fate_edge.planner import sample_token_ids
+from fate_edge.planner import sample_token_ids, token_compute_s
 from fate_edge.policy import PRESETS, PolicyConfig
 from fate_edge.report import replace_between_markers
 from fate_edge.simulate import scale_costs
@@ -83,7 +83,7 @@ def run_once(store: str, budget: int, policy, em, ids: list[int], decode: int, t
         st = eng.token_stats
         # The planner probe's measure of host compute (token time less stall and blob decoding), in this run:
         # the dilation assumes it equals the pinned host token, so a gap shows up as simulator error.
-        compute = [t1 - t0 - s.stall_s - s.consume_s for t0, t1, s in zip(times, times[1:], st)]
+        compute = token_compute_s(times, st)
         uses = sum(s.hits + s.prefetch_hits + s.misses for s in st)
         nbytes = sum(s.demand_bytes + s.prefetch_bytes + s.wasted_bytes for s in st)
         pf = eng.prefill_stats
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     host_probes = []
     if args.host_ms is None:  # measured at the start, then the same k basis for every device and policy
-        host_probes = [1e3 * calibrate(args.devices[0], args.store, ids, workers=1, side=side).host_s_per_token
+        host_probes = [1e3 * host_token_seconds(args.store, ids, workers=1, resident_bits=side.resident_bits)[0]
                        for _ in range(args.host_probes)]  # one fetch worker, as the runs have
         args.host_ms = statistics.median(host_probes)
         print(f"host token: {' / '.join(f'{x:.1f}' for x in host_probes)} ms, pinned {args.host_ms:.1f}",

@@ -31,6 +31,7 @@ def run_policy(store: str, budget: int, policy: str, em, ids: list[int], tokens:
 
     from fate_edge.engine import Engine
     from fate_edge.generate import GenerateConfig
+    from fate_edge.planner import token_compute_s
 
     eng = Engine(store, budget, policy, link=ThrottledLink(em.emulated), workers=workers, direct_io=em.direct_io)
     try:
@@ -39,7 +40,7 @@ def run_policy(store: str, budget: int, policy: str, em, ids: list[int], tokens:
         dts = np.diff(times)
         stall = float(np.median([s.stall_s for s in st]))
         consume = float(np.median([s.consume_s for s in st]))
-        compute = float(np.median([dt - s.stall_s - s.consume_s for dt, s in zip(dts, st)]))
+        compute = float(np.median(token_compute_s(times, st)))
         total = float(np.median(dts))
         return {"decode_tps": len(dts) / float(np.sum(dts)), "ms_per_token": 1e3 * total, "stall_ms": 1e3 * stall,
                 "blob_decode_ms": 1e3 * consume, "compute_ms": 1e3 * compute,
