@@ -1,9 +1,11 @@
 """How much of the oracle's lead over fate-edge's device row is prediction (issue 14: within 1.15x of the oracle).
 
 On the sweep's (costs, trace) pickle (scripts/sweep_device_presets.py --trace), on one device's emulated timeline:
-the simulated fate-edge row the device resolves to, the oracle, the same row with its predictor replaced by the
-true experts of the next MoE layers (perfect within-token prediction, for each lookahead and width), and each
-recorded predictor's recall of the next layer's experts in its top k on the trace's decode.
+the simulated fate-edge row the device resolves to and the oracle (each with its demand reads per MoE layer, late
+prefetches and stall), the same row with its predictor replaced by the true experts of the next MoE layers (perfect
+within-token prediction, for each lookahead and width), the row under every cache allocation and eviction the
+engine has (Belady-MIN among them: perfect eviction), and each recorded predictor's recall of the next layer's
+experts in its top k on the trace's decode.
 
     python scripts/oracle_gap.py --store S --trace T --device orin-nano --budget 0.35 --resident-bits 4
 """
@@ -26,7 +28,7 @@ from sweep_device_presets import bench_store, device_timeline, sim  # noqa: E402
 from fate_edge.device_presets import for_device_and_store  # noqa: E402
 from fate_edge.emulation import store_side  # noqa: E402
 from fate_edge.planner import sample_token_ids  # noqa: E402
-from fate_edge.policy import PRESETS  # noqa: E402
+from fate_edge.policy import ALLOCATIONS, EVICTIONS, PRESETS  # noqa: E402
 from fate_edge.simulate import truth_scores  # noqa: E402
 from fate_edge.tokenizer import Tokenizer  # noqa: E402
 
@@ -40,6 +42,12 @@ def next_layer_recall(trace, layers: list[int], top: int) -> dict[str, float]:
                  for (src, target), scores in preds.items() if layers.index(target) == layers.index(src) + 1]
         out[name] = sum(pairs) / max(1, len(pairs))
     return out
+
+
+def stalls(r) -> dict:
+    """Where a simulated run waits: demand reads (all, and per MoE layer), late prefetches, stall seconds."""
+    return {"misses": r.misses, "layer_misses": dict(sorted(r.layer_misses.items())),
+            "late_prefetches": r.late_prefetches, "stall_s": r.stall_s, "total_s": r.total_s}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,14 +69,29 @@ def main(argv: list[str] | None = None) -> int:
     em, dev = device_timeline(args.device, args.store, ids, costs, costs.layer_compute_s * moe,
                               store_side(args.store, resident_bits=args.resident_bits), moe)
     row = for_device_and_store(PRESETS["fate-edge"], args.device, args.store, args.resident_bits)
-    oracle = sim(trace, PRESETS["oracle"], budget, store, em.link, dev).tokens_per_s
-    got = sim(trace, row, budget, store, em.link, dev).tokens_per_s
+    oracle_run = sim(trace, PRESETS["oracle"], budget, store, em.link, dev)
+    row_run = sim(trace, row, budget, store, em.link, dev)
+    oracle, got = oracle_run.tokens_per_s, row_run.tokens_per_s
     top = trace.expert_ids[layers[0]].shape[1]
     out = {"device": args.device, "budget": args.budget,
            "row": f"{row.predictor}/p{row.lookahead}/w{row.prefetch_width}", "row_tps": got,
-           "oracle_tps": oracle, "recall_next_layer": next_layer_recall(trace, layers, top), "perfect": {}}
+           "oracle_tps": oracle, "row_stalls": stalls(row_run), "oracle_stalls": stalls(oracle_run),
+           "recall_next_layer": next_layer_recall(trace, layers, top), "perfect": {}, "caches": {}}
     print(f"{args.device} {args.budget:.0%}: fate-edge row ({out['row']}) {got:.1f} tok/s, oracle {oracle:.1f} "
           f"({oracle / got:.3f}x ahead)")
+    for name, s in (("row", out["row_stalls"]), ("oracle", out["oracle_stalls"])):
+        print(f"  {name}: {s['misses']} demand reads (per MoE layer {s['layer_misses']}), {s['late_prefetches']} late "
+              f"prefetches, {s['stall_s'] * 1e3:.0f} ms stalled of {s['total_s'] * 1e3:.0f} ms "
+              f"({trace.expert_ids[layers[0]].shape[0]} tokens, device time)")
+    if row.predictor and not row.prefetch_gate:  # ungated: the predictor runs on every MoE layer of every token
+        print(f"  row's predictor: {dev.predict_s * moe * trace.expert_ids[layers[0]].shape[0] * 1e3:.0f} ms "
+              "(the oracle pays none)")
+    for allocation in ALLOCATIONS:
+        for eviction in EVICTIONS:
+            r = sim(trace, row.with_(allocation=allocation, eviction=eviction), budget, store, em.link, dev)
+            out["caches"][f"{allocation}/{eviction}"] = r.tokens_per_s
+            print(f"  the row with a {allocation} cache, {eviction} eviction: {r.tokens_per_s:.1f} tok/s "
+                  f"(oracle {oracle / r.tokens_per_s:.3f}x ahead)")
     if row.predictor:
         trace.predictions[row.predictor] = truth_scores(trace.expert_ids, layers, 3, trace.num_experts)
         for lookahead in (1, 2, 3):
