@@ -12,8 +12,16 @@ with `fate-edge calibrate`'s recipe one MoE layer ahead on two inputs and scores
 
 Layer i+1's own router on its gate input is exact by definition, so the gap between 2. and 100% is what layer
 i+1's attention (the context of the other tokens) decides; 3. measures how much of that the previous position
-already holds. The pre-attention inputs come from transformers' ``output_hidden_states`` (a test and training
-dependency); the routing from fate-edge's forward.
+already holds.
+
+``--routers-only`` trains nothing (minutes on a real-shape checkpoint, ``--dtype bfloat16``): it scores every MoE
+layer's own router on that layer's input before its attention, normalised by the layer's own post-attention norm
+(for the first MoE layer of a model without dense layers: the sampled token's embedding), beside the norm-aware
+cross-layer gate on the previous MoE layer's gate input. The first is as late as a read can start and still
+overlap anything: that one attention.
+
+The pre-attention inputs come from transformers' ``output_hidden_states`` (a test and training dependency); the
+routing from fate-edge's forward.
 
     python scripts/predictor_ceiling.py --tokens 131072 --json bench-out/predictor_ceiling.json
 """
@@ -28,11 +36,12 @@ from pathlib import Path
 import torch
 from fate_edge.predictors import CrossLayerGate
 from fate_edge.predictors.base import next_moe_layers
-from fate_edge.predictors.evaluate import Trace, collect_traces, evaluate_predictor
+from fate_edge.predictors.evaluate import Trace, collect_traces, evaluate_predictor, exact_match, recall_at
 from fate_edge.predictors.learned import TrainConfig, train_learned
 
 from fate_edge.bundled import bundled_model_dir
 from fate_edge.calibrate import CalibrateOptions, corpus_windows, separator_id
+from fate_edge.fused import rms_norm
 from fate_edge.loader import load_model
 from fate_edge.tokenizer import Tokenizer
 
@@ -75,6 +84,36 @@ class WidenedGate:
         return torch.cat([w, w.new_zeros(w.shape[0], self.extra)], dim=1)
 
 
+@torch.no_grad()
+def own_router_rows(model, held: Trace, x_held: dict[int, torch.Tensor]) -> dict[str, dict[int, dict[str, float]]]:
+    """Per MoE layer j: exact / recall@k of j's own router on j's pre-attention input, and of the norm-aware
+    cross-layer gate on the previous MoE layer's gate input (None for the first)."""
+    cfg, plan = model.config, model.plan()
+    own, cross = {}, {}
+    for j in cfg.moe_layers:
+        h = rms_norm(x_held[j].to(model.dtype), plan[j].post_norm, cfg.rms_norm_eps)
+        own[j] = scores(model.route(j, h)[1], held.expert_ids[j])
+    gate = CrossLayerGate.from_model(model, 1, norm_variant=True)
+    for a in evaluate_predictor(gate, held, [held.top_k]):
+        if a.distance == 1:
+            cross[a.target] = {"exact": a.exact, "recall": a.recall[min(a.recall)]}
+    return {"layer j's router on its input before its attention": own,
+            "cross-layer gate (norm-aware) on the previous MoE layer's gate input": cross}
+
+
+def scores(pred: torch.Tensor, true: torch.Tensor) -> dict[str, float]:
+    return {"exact": exact_match(pred, true), "recall": recall_at(pred, true)}
+
+
+def print_by_target(rows: dict[str, dict[int, dict[str, float]]], layers: list[int]) -> None:
+    print("| source | " + " | ".join(f"layer {j}" for j in layers) + " | mean |")
+    print("|---|" + "---:|" * (len(layers) + 1))
+    for name, got in rows.items():
+        cells = [f"{100 * got[j]['exact']:.1f} / {100 * got[j]['recall']:.1f}" if j in got else "—" for j in layers]
+        mean = [sum(got[j][m] for j in got) / max(1, len(got)) for m in ("exact", "recall")]
+        print(f"| {name} | " + " | ".join(cells) + f" | {100 * mean[0]:.1f} / {100 * mean[1]:.1f} |")
+
+
 def per_layer(results) -> dict[int, dict[str, float]]:
     return {a.source: {"target": a.target, "exact": a.exact, "recall": a.recall[min(a.recall)]}
             for a in results if a.distance == 1}
@@ -89,20 +128,28 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=TrainConfig.rank)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="both models' weights (bfloat16 halves the memory of a real-shape checkpoint)")
+    ap.add_argument("--routers-only", action="store_true",
+                    help="train nothing: score each layer's own router on its pre-attention input (see above)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = args.model or bundled_model_dir()
     t0 = time.time()
-    model, tokenizer = load_model(model_dir, torch.float32), Tokenizer(model_dir)
+    dtype = getattr(torch, args.dtype)
+    model, tokenizer = load_model(model_dir, dtype), Tokenizer(model_dir)
     opts = CalibrateOptions(corpus=args.corpus, tokens=args.tokens, heldout_fraction=args.heldout_fraction)
     train_ids, held_ids, corpus = corpus_windows(model_dir, tokenizer, separator_id(tokenizer, model.config), opts)
-    train, held = collect_traces(model, train_ids.split(4)), collect_traces(model, held_ids.split(4))
     moe = model.config.moe_layers
+    if args.routers_only:
+        routers_only(args, model, model_dir, held_ids, corpus, dtype, t0)
+        return
+    train, held = collect_traces(model, train_ids.split(4)), collect_traces(model, held_ids.split(4))
     pairs = {i: next_moe_layers(moe, i, 1)[0] for i in moe if next_moe_layers(moe, i, 1)}
     targets = sorted(set(pairs.values()))
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     x_train, x_held = (pre_attention_inputs(hf, ids, targets, 4) for ids in (train_ids, held_ids))
     del hf
 
@@ -141,6 +188,27 @@ def main() -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"model": str(model_dir), "corpus": corpus, "rank": args.rank, "k": k,
+                                         "rows": rows, "seconds": round(time.time() - t0, 1)}, indent=1))
+
+
+def routers_only(args, model, model_dir: Path, held_ids: torch.Tensor, corpus: dict, dtype: torch.dtype,
+                 t0: float) -> None:
+    """``--routers-only``: the held-out text only, nothing trained (:func:`own_router_rows`)."""
+    from transformers import AutoModelForCausalLM
+
+    held = collect_traces(model, held_ids.split(4))
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    x_held = pre_attention_inputs(hf, held_ids, model.config.moe_layers, 4)
+    del hf
+    rows = own_router_rows(model, held, x_held)
+    k = held.top_k
+    print(f"Model {model_dir.name}: {held.tokens:,} held-out tokens ({corpus['source']}); exact top-{k} / recall@{k} "
+          f"of each MoE layer's experts, no training, {args.dtype}.\n")
+    print_by_target(rows, model.config.moe_layers)
+    print(f"\n({time.time() - t0:.0f} s, torch {torch.__version__}, {args.threads} threads)")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"model": str(model_dir), "corpus": corpus, "k": k, "dtype": args.dtype,
                                          "rows": rows, "seconds": round(time.time() - t0, 1)}, indent=1))
 
 

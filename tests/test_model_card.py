@@ -124,3 +124,36 @@ def test_the_ceiling_scripts_previous_token_input_starts_as_the_gate(tmp_path):
             if want.layers:  # until trained, the previous token's columns weigh nothing
                 torch.testing.assert_close(widened.predict(layer, torch.cat([h, extra], 1)).scores, want.scores,
                                            atol=1e-6, rtol=1e-5)
+
+
+def test_the_ceiling_scripts_own_router_is_exact_on_the_residual_its_norm_reads(tmp_path):
+    """--routers-only: each layer's router on the residual its post-attention norm reads (after the attention)
+    must reproduce the forward's routing exactly; on the input before the attention it may not."""
+    import torch
+    from fate_edge.predictors.evaluate import collect_traces
+    from transformers import AutoModelForCausalLM
+
+    from fate_edge.loader import load_model
+
+    ceiling = _load_script("predictor_ceiling")
+    path = build_tiny_moe(tmp_path / "tiny")
+    model = load_model(path, torch.float32)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    held = collect_traces(model, [ids])
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    after_attention: dict[int, list[torch.Tensor]] = {j: [] for j in model.config.moe_layers}
+    hooks = [hf.model.layers[j].post_attention_layernorm.register_forward_pre_hook(
+        lambda _m, args, j=j: after_attention[j].append(args[0].reshape(-1, args[0].shape[-1])))
+        for j in model.config.moe_layers]
+    with torch.no_grad():
+        hf(input_ids=ids)
+    for h in hooks:
+        h.remove()
+    exact = ceiling.own_router_rows(model, held, {j: torch.cat(v) for j, v in after_attention.items()})
+    own = exact["layer j's router on its input before its attention"]
+    assert sorted(own) == model.config.moe_layers
+    assert all(s == {"exact": 1.0, "recall": 1.0} for s in own.values())
+    cross = exact["cross-layer gate (norm-aware) on the previous MoE layer's gate input"]
+    assert sorted(cross) == model.config.moe_layers[1:]  # nothing before the first MoE layer routes
+    before = ceiling.own_router_rows(model, held, ceiling.pre_attention_inputs(hf, ids, model.config.moe_layers, 2))
+    assert any(s["recall"] < 1.0 for s in before["layer j's router on its input before its attention"].values())
