@@ -114,6 +114,13 @@ def print_by_target(rows: dict[str, dict[int, dict[str, float]]], layers: list[i
         print(f"| {name} | " + " | ".join(cells) + f" | {100 * mean[0]:.1f} / {100 * mean[1]:.1f} |")
 
 
+def write_json(path: Path | None, report: dict, t0: float) -> None:
+    """``report`` and the seconds since ``t0`` to ``path`` (``--json``), if one was given."""
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({**report, "seconds": round(time.time() - t0, 1)}, indent=1))
+
+
 def per_layer(results) -> dict[int, dict[str, float]]:
     return {a.source: {"target": a.target, "exact": a.exact, "recall": a.recall[min(a.recall)]}
             for a in results if a.distance == 1}
@@ -185,10 +192,7 @@ def main() -> None:
         mean_recall = sum(got[i]["recall"] for i in pairs) / len(pairs)
         print(f"| {name} | " + " | ".join(cells) + f" | {100 * mean_exact:.1f} / {100 * mean_recall:.1f} |")
     print(f"\n({time.time() - t0:.0f} s, torch {torch.__version__}, {args.threads} threads)")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"model": str(model_dir), "corpus": corpus, "rank": args.rank, "k": k,
-                                         "rows": rows, "seconds": round(time.time() - t0, 1)}, indent=1))
+    write_json(args.json, {"model": str(model_dir), "corpus": corpus, "rank": args.rank, "k": k, "rows": rows}, t0)
 
 
 def routers_only(args, model, model_dir: Path, held_ids: torch.Tensor, corpus: dict, dtype: torch.dtype,
@@ -206,10 +210,7 @@ def routers_only(args, model, model_dir: Path, held_ids: torch.Tensor, corpus: d
           f"of each MoE layer's experts, no training, {args.dtype}.\n")
     print_by_target(rows, model.config.moe_layers)
     print(f"\n({time.time() - t0:.0f} s, torch {torch.__version__}, {args.threads} threads)")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"model": str(model_dir), "corpus": corpus, "k": k, "dtype": args.dtype,
-                                         "rows": rows, "seconds": round(time.time() - t0, 1)}, indent=1))
+    write_json(args.json, {"model": str(model_dir), "corpus": corpus, "k": k, "dtype": args.dtype, "rows": rows}, t0)
 
 
 if __name__ == "__main__":

@@ -145,13 +145,12 @@ def table(results: dict) -> str:
                       f"{d['device_ms']:.2f} ms token, its stall, blob decode and prediction scaled by 1 / k):", "",
                   "| policy | compute-normalised decode tok/s | per round | simulated | sim error | oracle / this |",
                   "|---|---:|---:|---:|---:|---:|"]
-        if all("normalised_rounds" in r for r in pols.values()):
-            norm_oracle = pols["oracle"]["normalised_tps"]
-            for name, r in pols.items():
-                rounds = " / ".join(f"{x:.0f}" for x in r["normalised_rounds"])
-                lines.append(f"| {name} | {r['normalised_tps']:.0f} | {rounds} | {r['sim_tps']:.0f} "
-                             f"| {r['sim_tps'] / r['normalised_tps'] - 1:+.0%} "
-                             f"| {norm_oracle / r['normalised_tps']:.2f}x |")
+        norm_oracle = pols["oracle"]["normalised_tps"]
+        for name, r in pols.items():
+            rounds = " / ".join(f"{x:.0f}" for x in r["normalised_rounds"])
+            lines.append(f"| {name} | {r['normalised_tps']:.0f} | {rounds} | {r['sim_tps']:.0f} "
+                         f"| {r['sim_tps'] / r['normalised_tps'] - 1:+.0%} "
+                         f"| {norm_oracle / r['normalised_tps']:.2f}x |")
         lines.append("")
     return "\n".join(lines)
 
