@@ -20,6 +20,11 @@ layer's own router on that layer's input before its attention, normalised by the
 cross-layer gate on the previous MoE layer's gate input. The first is as late as a read can start and still
 overlap anything: that one attention.
 
+``--cross-token`` asks the same of the next token's first MoE layer, the read the oracle bound makes across the
+token boundary: how well it can be predicted from the last MoE layer's gate input, before the lm_head and the
+sampler have run (a read started there would overlap them), against the layer's expert popularity (what a cache
+already holds) and against the token table applied to the sampled token (a read started only after sampling).
+
 The pre-attention inputs come from transformers' ``output_hidden_states`` (a test and training dependency); the
 routing from fate-edge's forward.
 
@@ -139,6 +144,8 @@ def main() -> None:
                     help="both models' weights (bfloat16 halves the memory of a real-shape checkpoint)")
     ap.add_argument("--routers-only", action="store_true",
                     help="train nothing: score each layer's own router on its pre-attention input (see above)")
+    ap.add_argument("--cross-token", action="store_true",
+                    help="predict the next token's first MoE layer from the last one's gate input (see above)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = args.model or bundled_model_dir()
@@ -150,6 +157,9 @@ def main() -> None:
     moe = model.config.moe_layers
     if args.routers_only:
         routers_only(args, model, model_dir, held_ids, corpus, dtype, t0)
+        return
+    if args.cross_token:
+        cross_token(args, model, model_dir, train_ids, held_ids, corpus, t0)
         return
     train, held = collect_traces(model, train_ids.split(4)), collect_traces(model, held_ids.split(4))
     pairs = {i: next_moe_layers(moe, i, 1)[0] for i in moe if next_moe_layers(moe, i, 1)}
@@ -211,6 +221,73 @@ def routers_only(args, model, model_dir: Path, held_ids: torch.Tensor, corpus: d
     print_by_target(rows, model.config.moe_layers)
     print(f"\n({time.time() - t0:.0f} s, torch {torch.__version__}, {args.threads} threads)")
     write_json(args.json, {"model": str(model_dir), "corpus": corpus, "k": k, "dtype": args.dtype, "rows": rows}, t0)
+
+
+def next_token_pairs(trace: Trace, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows (t, t + 1) of the same window: each token's row and its successor's (rows are window-major)."""
+    rows = torch.arange(trace.tokens)
+    src = rows[rows % seq_len < seq_len - 1]
+    return src, src + 1
+
+
+def cross_token_trace(trace: Trace, seq_len: int, first: int, last: int) -> Trace:
+    """A two-layer trace for train_learned: pseudo-layer 0 reads the last MoE layer's gate input at token t,
+    pseudo-layer 1 holds the first MoE layer's experts at token t + 1."""
+    src, dst = next_token_pairs(trace, seq_len)
+    return Trace({0: trace.gate_inputs[last][src]}, {0: trace.expert_ids[last][src], 1: trace.expert_ids[first][dst]},
+                 trace.num_experts)
+
+
+def cross_token_gate(model) -> CrossLayerGate:
+    """The first MoE layer's router on the last one's gate input (norm-aware: rescaled by the ratio of their
+    post-attention norms), as a gate over pseudo-layers 0 → 1 (:func:`cross_token_trace`)."""
+    cfg, names = model.config, model.names
+    first, last = cfg.moe_layers[0], cfg.moe_layers[-1]
+    router = model.w[f"{names[first].mlp}.gate.weight"]
+    norms = {0: model.w[f"{names[last].post_attn_norm}.weight"], 1: model.w[f"{names[first].post_attn_norm}.weight"]}
+    return CrossLayerGate({0: router, 1: router}, 1, norms)
+
+
+def cross_token(args, model, model_dir: Path, train_ids: torch.Tensor, held_ids: torch.Tensor, corpus: dict,
+                t0: float) -> None:
+    """``--cross-token``: the next token's first MoE layer, predicted before it is sampled and after."""
+    from fate_edge.predictors.token_popularity import TokenPopularity
+
+    seq_len = train_ids.shape[1]
+    train, held = collect_traces(model, train_ids.split(4)), collect_traces(model, held_ids.split(4))
+    first, last, k = model.config.moe_layers[0], model.config.moe_layers[-1], train.top_k
+    _, dst = next_token_pairs(held, seq_len)
+    true = held.expert_ids[first][dst]
+    popular = torch.bincount(train.expert_ids[first].flatten(), minlength=train.num_experts).float()
+    gate = cross_token_gate(model)
+    held_pair = cross_token_trace(held, seq_len, first, last)
+    learned = train_learned(gate, cross_token_trace(train, seq_len, first, last),
+                            config=TrainConfig(kind="lowrank", rank=args.rank), progress=False)
+    table = TokenPopularity.from_trace(train, model.config.vocab_size, 1)
+    rows = {
+        "expert popularity (no input)": popular.expand(len(dst), -1),
+        "first layer's router on the last layer's gate input (norm-aware, untrained)":
+            gate.predict(0, held_pair.gate_inputs[0]).scores[0],
+        "learned on the last layer's gate input (before the lm_head)":
+            learned.predict(0, held_pair.gate_inputs[0]).scores[0],
+        "token table on the sampled token (after the lm_head and sampler)":
+            table.predict_from_tokens(held.token_ids[dst]).scores[0],
+    }
+    widths = (k, k + 2)
+    print(f"Model {model_dir.name}: {train.tokens:,} training and {held.tokens:,} held-out tokens "
+          f"({corpus['source']}); the next token's MoE layer {first} from token t, "
+          f"exact top-{k} / recall@{widths[0]} / recall@{widths[1]}, "
+          f"rank {args.rank}.\n")
+    print(f"| predictor of token t+1's layer-{first} experts | exact | recall@{widths[0]} | recall@{widths[1]} |")
+    print("|---|---:|---:|---:|")
+    report = {}
+    for name, got in rows.items():
+        top = got.topk(widths[1]).indices
+        report[name] = {"exact": exact_match(top[:, :k], true), **{f"recall@{w}": recall_at(top[:, :w], true)
+                                                                      for w in widths}}
+        print(f"| {name} | " + " | ".join(f"{100 * v:.1f}" for v in report[name].values()) + " |")
+    print(f"\n({time.time() - t0:.0f} s, torch {torch.__version__}, {args.threads} threads)")
+    write_json(args.json, {"model": str(model_dir), "corpus": corpus, "rank": args.rank, "k": k, "rows": report}, t0)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ CHAT_TEMPLATE = (
 
 @dataclass
 class TrainConfig:
+    architecture: str = "qwen2_moe"  # or "mixtral": no shared expert, experts of moe_intermediate_size
     vocab_size: int = 4096  # byte-level BPE; small so the embeddings stay a minor share of bytes
     hidden_size: int = 192
     num_hidden_layers: int = 8
@@ -107,8 +108,31 @@ def encode_all(tok, texts: list[str]) -> torch.Tensor:
 
 
 def build_model(cfg: TrainConfig, eos_id: int):
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+    from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig
 
+    if cfg.architecture not in ("qwen2_moe", "mixtral"):
+        raise SystemExit(f"--set architecture={cfg.architecture}: expected qwen2_moe or mixtral")
+    if cfg.architecture == "mixtral":
+        hf_cfg = MixtralConfig(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.moe_intermediate_size,
+            num_hidden_layers=cfg.num_hidden_layers,
+            num_attention_heads=cfg.num_attention_heads,
+            num_key_value_heads=cfg.num_key_value_heads,
+            max_position_embeddings=cfg.max_position_embeddings,
+            num_local_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.num_experts_per_tok,
+            output_router_logits=True,
+            router_aux_loss_coef=cfg.router_aux_loss_coef,
+            tie_word_embeddings=False,
+            rope_theta=10000.0,
+            sliding_window=None,
+            bos_token_id=eos_id,
+            eos_token_id=eos_id,
+        )
+        torch.manual_seed(cfg.seed)
+        return AutoModelForCausalLM.from_config(hf_cfg)
     hf_cfg = Qwen2MoeConfig(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
@@ -131,7 +155,7 @@ def build_model(cfg: TrainConfig, eos_id: int):
         eos_token_id=eos_id,
     )
     torch.manual_seed(cfg.seed)
-    return Qwen2MoeForCausalLM(hf_cfg)
+    return AutoModelForCausalLM.from_config(hf_cfg)
 
 
 @torch.no_grad()
@@ -213,9 +237,9 @@ def main() -> None:
     log: list[dict] = []
     step, tokens, seconds_before = 0, 0, 0.0
     if args.resume:
-        from transformers import Qwen2MoeForCausalLM
+        from transformers import AutoModelForCausalLM
 
-        model = Qwen2MoeForCausalLM.from_pretrained(args.resume, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(args.resume, dtype=torch.float32)
         model.config.output_router_logits = True
         previous = json.loads((args.resume / "training_log.json").read_text())
         log = previous["log"]

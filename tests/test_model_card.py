@@ -99,6 +99,62 @@ def test_training_config_overrides_are_typed_and_checked():
         tr.config_with(tr.TrainConfig(), ["experts=8"])
     with pytest.raises(SystemExit, match="not a valid int"):
         tr.config_with(tr.TrainConfig(), ["num_experts=eight"])
+    with pytest.raises(SystemExit, match="expected qwen2_moe or mixtral"):
+        tr.build_model(tr.config_with(tr.TrainConfig(), ["architecture=llama"]), 0)
+
+
+def test_training_script_builds_a_mixtral_layout_that_fate_edge_runs(tmp_path):
+    """--set architecture=mixtral: no shared expert, experts of moe_intermediate_size; the saved model loads in
+    fate-edge with the reference's logits (the second trained layout the predictor figures are measured on)."""
+    import torch
+
+    from fate_edge.loader import load_model
+
+    tr = _load_script("train_tiny_moe")
+    cfg = tr.config_with(tr.TrainConfig(), ["architecture=mixtral", "num_experts=4", "hidden_size=32",
+                                            "num_hidden_layers=2", "moe_intermediate_size=48", "vocab_size=64"])
+    hf = tr.build_model(cfg, 0).eval()
+    assert hf.config.model_type == "mixtral" and hf.config.num_local_experts == 4
+    assert hf.config.intermediate_size == 48
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    model = load_model(tmp_path, torch.float32)
+    assert model.config.model_type == "mixtral" and model.config.moe_layers == [0, 1]
+    ids = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = hf(input_ids=ids).logits[0, -1]
+    got = model(ids, model.new_cache(), last_only=True).reshape(-1)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_the_ceiling_scripts_cross_token_pairs_stay_inside_a_window(tmp_path):
+    """--cross-token: row t is paired with row t + 1 of its own window only, and the untrained predictor is the
+    first MoE layer's router reading the last one's gate input through the ratio of their norms."""
+    import torch
+    from fate_edge.predictors.evaluate import Trace
+    from fate_edge.predictors.learned import LearnedPredictor
+
+    from fate_edge.fused import rms_norm
+    from fate_edge.loader import load_model
+
+    ceiling = _load_script("predictor_ceiling")
+    ids = {0: torch.arange(12).view(6, 2), 3: 100 + torch.arange(12).view(6, 2)}  # two windows of 3 positions
+    trace = Trace({3: torch.arange(6.0)[:, None].expand(6, 4)}, ids, 16)
+    src, dst = ceiling.next_token_pairs(trace, 3)
+    assert src.tolist() == [0, 1, 3, 4] and dst.tolist() == [1, 2, 4, 5]
+    pair = ceiling.cross_token_trace(trace, 3, first=0, last=3)
+    assert pair.gate_inputs[0][:, 0].tolist() == [0, 1, 3, 4]  # the last layer's input at token t
+    assert torch.equal(pair.expert_ids[1], ids[0][[1, 2, 4, 5]])  # the first layer's experts at t + 1
+
+    model = load_model(build_tiny_moe(tmp_path / "tiny"), torch.float32)
+    cfg, names = model.config, model.names
+    first, last = cfg.moe_layers[0], cfg.moe_layers[-1]
+    x = torch.randn(5, cfg.hidden_size)
+    h_last = rms_norm(x, model.w[f"{names[last].post_attn_norm}.weight"], cfg.rms_norm_eps)
+    h_first = rms_norm(x, model.w[f"{names[first].post_attn_norm}.weight"], cfg.rms_norm_eps)
+    untrained = LearnedPredictor.from_gate(ceiling.cross_token_gate(model), "lowrank", 8)
+    # Where the residual is the same, the rescaled last input is the first layer's own gate input: its routing.
+    torch.testing.assert_close(untrained.predict(0, h_last).scores[0].topk(cfg.num_experts_per_tok).indices,
+                               model.route(first, h_first)[1], atol=0, rtol=0)
 
 
 def test_the_ceiling_scripts_previous_token_input_starts_as_the_gate(tmp_path):
