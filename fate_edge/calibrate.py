@@ -51,6 +51,7 @@ class CalibrateOptions:
     onnx: bool = True  # export the learned predictors to ONNX
     progress: bool = True
     seed: int = 0
+    previous_input: bool = False  # learned predictors also read the previous token's next-layer gate input
 
 
 # ------------------------------------------------------------------------------------------------ corpus
@@ -241,6 +242,7 @@ def calibrate(model_dir: str | Path, opts: CalibrateOptions | None = None) -> di
     from fate_edge.predictors import EMBEDDING, CrossLayerGate, TokenPopularity
     from fate_edge.predictors.evaluate import evaluate_predictor
     from fate_edge.predictors.learned import TrainConfig, train_learned
+    from fate_edge.predictors.previous_input import widen_trace
 
     from .loader import load_model
     from .tokenizer import Tokenizer
@@ -284,10 +286,14 @@ def calibrate(model_dir: str | Path, opts: CalibrateOptions | None = None) -> di
         init_scores[name] = sum(a.exact for a in results) / max(1, len(results))
     init = max(init_scores, key=lambda n: (init_scores[n], n == "cross-layer-gate"))
     training: dict[str, Any] = {"init": init, "init_val_exact": init_scores}
+    # What the learned predictors read: the gate inputs, or beside them the previous token's next-layer ones.
+    learned_train, learned_held = ((widen_trace(train, cfg.moe_layers, opts.seq_len),
+                                    widen_trace(held, cfg.moe_layers, opts.seq_len))
+                                   if opts.previous_input else (train, held))
     for kind in ("linear", "lowrank"):
         tc = TrainConfig(kind=kind, rank=opts.rank, epochs=opts.epochs, lr=opts.lr, seed=opts.seed,
-                         val_fraction=val_fraction)
-        learned = train_learned(predictors[init], train, config=tc, progress=opts.progress)
+                         val_fraction=val_fraction, previous_input=opts.previous_input)
+        learned = train_learned(predictors[init], learned_train, config=tc, progress=opts.progress)
         predictors[f"learned-{kind}"] = learned
         training[kind] = learned.meta["training"]
     token_pop = TokenPopularity.from_trace(train, cfg.vocab_size, lookahead=1)
@@ -295,7 +301,8 @@ def calibrate(model_dir: str | Path, opts: CalibrateOptions | None = None) -> di
 
     report_preds: dict[str, Any] = {}
     for name, pred in predictors.items():
-        rows = rows_json(name, evaluate_predictor(pred, held, widths, bytes_per_expert))
+        rows = rows_json(name, evaluate_predictor(pred, learned_held if name.startswith("learned") else held,
+                                                  widths, bytes_per_expert))
         report_preds[name] = {"rows": rows, "mean": means(rows)}
     rows = rows_json("token-popularity", evaluate_predictor(token_pop, held, widths, bytes_per_expert,
                                                             sources=[EMBEDDING]))
@@ -314,7 +321,7 @@ def calibrate(model_dir: str | Path, opts: CalibrateOptions | None = None) -> di
     report = {
         "model": str(model_dir), "generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "model_type": cfg.model_type, "moe_layers": cfg.moe_layers, "num_experts": cfg.num_experts, "k": k,
-        "lookahead": p, "widths": widths, "bytes_per_expert": bytes_per_expert,
+        "lookahead": p, "widths": widths, "bytes_per_expert": bytes_per_expert, "previous_input": opts.previous_input,
         "bytes_per_expert_source": "--expert-bytes" if opts.expert_bytes is not None else "3·H·I·2 (bf16)",
         "corpus": corpus, "training": training, "predictors": report_preds,
         "files": {key: str(path) for key, path in files.items()},
@@ -336,7 +343,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         corpus=args.corpus, lookahead=args.lookahead, tokens=args.tokens, heldout_fraction=args.heldout_fraction,
         rank=args.rank, seq_len=args.seq_len, batch=args.batch, epochs=args.epochs, lr=args.lr,
         expert_bytes=args.expert_bytes, out=args.out, predictors_dir=args.predictors_dir, onnx=not args.no_onnx,
-        progress=not args.quiet, seed=args.seed,
+        progress=not args.quiet, seed=args.seed, previous_input=args.previous_input,
     )
     report = calibrate(args.model or bundled_model_dir(), opts)
     print(table_markdown(report))
@@ -374,6 +381,9 @@ def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="where predictors and popularity go (default: predictors/ of the expert store the "
                         "engine uses for MODEL, converted into the fate-edge cache once; the model folder is not "
                         "written)")
+    p.add_argument("--previous-input", action="store_true",
+                   help="learned predictors also read the previous token's gate input of the layer they predict "
+                        "(causal in decode; most help on the first layer pair; the predictor's input doubles)")
     p.add_argument("--no-onnx", action="store_true", help="skip the ONNX export")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=CalibrateOptions.seed)

@@ -67,6 +67,7 @@ def trace_predictions(model, expert_ids: dict[int, torch.Tensor], gate_inputs: d
     calibrate``) when ``store_dir`` has one, which is what ``best-available`` runs."""
     from fate_edge.predictors.cross_layer_gate import CrossLayerGate
     from fate_edge.predictors.learned import LearnedPredictor, find_learned
+    from fate_edge.predictors.previous_input import widen_inputs
 
     out = PlanTrace(expert_ids, {}, model.config.num_experts, model.config.num_hidden_layers)
     layers = sorted(expert_ids)
@@ -78,11 +79,16 @@ def trace_predictions(model, expert_ids: dict[int, torch.Tensor], gate_inputs: d
     learned = LearnedPredictor.load(path) if path is not None else None  # what best-available runs, widest
     if learned is not None:
         predictors["learned"] = learned
+    # A learned predictor reading the previous token's inputs reads them from the rows above (consecutive tokens).
+    widened = {}
+    if learned is not None and learned.context is not None and gate_inputs:
+        widened = widen_inputs(gate_inputs, layers, len(next(iter(gate_inputs.values()))))
     for name, predictor in predictors.items():
         preds: dict[tuple[int, int], torch.Tensor] = {}
         with torch.inference_mode():
             for src in layers:
-                p = predictor.predict(src, gate_inputs[src])
+                p = predictor.predict(src, widened.get(src, gate_inputs[src]) if predictor is learned
+                                      else gate_inputs[src])
                 for target in p.layers:
                     preds[(src, target)] = p.for_layer(target)
         out.predictions[name] = preds

@@ -218,6 +218,7 @@ class Scheduler(ExpertProvider):
                 if not prompt:
                     dt = time.perf_counter() - t0
                     self._predict_cost = _ema(self._predict_cost, dt, 0.9)
+            self.predictor.observe_input(layer, h)  # after predicting: the next token reads it as the previous one
             self.stats.predict_s += time.perf_counter() - t0
 
     __call__ = on_route  # usable directly as a model routing observer

@@ -65,5 +65,9 @@ class Predictor(ABC):
         """The experts ``layer`` actually routed to (ids [N, k], or a list). Stateful predictors
         (activation path, oracle) learn from it; the default ignores it."""
 
+    def observe_input(self, layer: int, h: torch.Tensor) -> None:  # noqa: B027 (optional hook)
+        """``layer`` routed gate inputs ``h`` [N, H] (after it predicted, every layer call). Predictors that read
+        the previous token's inputs (previous_input.py) keep them; the default ignores them."""
+
     def reset(self) -> None:  # noqa: B027 (optional hook)
         """A new request starts: forget per-request state. The default has none."""

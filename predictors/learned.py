@@ -45,9 +45,10 @@ from torch import nn
 from .base import Prediction, Predictor, next_moe_layers
 from .cross_layer_gate import CrossLayerGate
 from .evaluate import Trace
+from .previous_input import PreviousInput, ReadsPreviousInput
 
 FORMAT = "fate-edge/learned-predictor"
-VERSION = 1
+VERSION = 2  # 2: "previous_input" (inputs [h, previous]); written as 1 when a predictor has none
 KINDS = ("linear", "lowrank")
 LOSSES = ("ce", "bce")
 
@@ -123,11 +124,12 @@ class _ScoreGraph(nn.Module):
         return torch.softmax(logits, dim=-1) if self.loss == "ce" else torch.sigmoid(logits)
 
 
-class LearnedPredictor(Predictor):
+class LearnedPredictor(ReadsPreviousInput, Predictor):
     """Per source MoE layer, a :class:`SourceModel` scoring the next p MoE layers (see the module docstring).
 
     ``lookahead`` may be smaller than the trained p: the nearer targets are returned, the rest dropped.
-    Layers without a model (dense layers, the last MoE layer) predict nothing.
+    Layers without a model (dense layers, the last MoE layer) predict nothing. With ``previous`` every model
+    reads [h_i, the previous token's next-layer gate input] (previous_input.py).
     """
 
     def __init__(
@@ -140,6 +142,7 @@ class LearnedPredictor(Predictor):
         loss: str = "ce",
         lookahead: int | None = None,
         meta: dict[str, Any] | None = None,
+        previous: bool = False,
     ):
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
@@ -154,25 +157,32 @@ class LearnedPredictor(Predictor):
         self.trained_lookahead = trained_lookahead
         self.kind, self.loss = kind, loss
         self.meta: dict[str, Any] = dict(meta or {})
+        width = next(iter(self.models.values())).weight.shape[1] if self.models else 0
+        self.hidden_size = width // 2 if previous else width
+        self.context = PreviousInput(self.moe_layers) if previous else None
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_gate(cls, gate: CrossLayerGate, kind: str = "linear", rank: int = 64, seed: int = 0) -> LearnedPredictor:
+    def from_gate(cls, gate: CrossLayerGate, kind: str = "linear", rank: int = 64, seed: int = 0,
+                  previous: bool = False) -> LearnedPredictor:
         """Untrained: every source layer starts from ``gate``'s stacked next-p routers (the norm variant's
-        rescaled rows if ``gate`` has norms), so it scores exactly as the gate does (softmax routers)."""
+        rescaled rows if ``gate`` has norms), so it scores exactly as the gate does (softmax routers). With
+        ``previous`` the weights of the previous token's input start at zero: the same scores until trained."""
         rank = rank if kind == "lowrank" else 0
         models = {}
         for layer in gate.moe_layers:
             if gate.targets(layer):
-                models[layer] = SourceModel(gate.stacked(layer), rank, seed + layer)
+                w = gate.stacked(layer)
+                w = torch.cat([w, torch.zeros_like(w)], 1) if previous else w
+                models[layer] = SourceModel(w, rank, seed + layer)
         init = "cross-layer-gate-norm" if gate.norms is not None else "cross-layer-gate"
         meta = {"init": init, "rank": rank}
-        return cls(models, gate.moe_layers, gate.num_experts, gate.lookahead, kind, "ce", meta=meta)
+        return cls(models, gate.moe_layers, gate.num_experts, gate.lookahead, kind, "ce", meta=meta, previous=previous)
 
     # --------------------------------------------------------------------- inference
     def logits(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         """Raw logits [P_trained, N, E] of ``layer``'s model (differentiable; for training)."""
-        logits = self.models[layer](h.float())
+        logits = self.models[layer](self.model_input(layer, h).float())
         return logits.view(h.shape[0], -1, self.num_experts).transpose(0, 1)
 
     def predict(self, layer: int, h: torch.Tensor) -> Prediction:
@@ -189,13 +199,14 @@ class LearnedPredictor(Predictor):
         any_model = next(iter(self.models.values()))
         return {
             "format": FORMAT,
-            "version": VERSION,
+            "version": VERSION if self.context is not None else 1,
             "kind": self.kind,
             "loss": self.loss,
             "activation": "silu",
             "rank": any_model.rank,
             "lookahead": self.trained_lookahead,
-            "hidden_size": any_model.weight.shape[1],
+            "hidden_size": self.hidden_size,
+            "previous_input": self.context is not None,
             "num_experts": self.num_experts,
             "moe_layers": self.moe_layers,
             "sources": {str(i): list(next_moe_layers(self.moe_layers, i, self.trained_lookahead)) for i in self.models},
@@ -238,10 +249,11 @@ class LearnedPredictor(Predictor):
             models[int(src)] = model
         meta = {k: manifest[k] for k in ("init", "training", "metrics") if k in manifest}
         return cls(models, manifest["moe_layers"], manifest["num_experts"], manifest["lookahead"],
-                   manifest["kind"], manifest["loss"], lookahead, meta)
+                   manifest["kind"], manifest["loss"], lookahead, meta, manifest.get("previous_input", False))
 
     def export_onnx(self, layer: int, path: str | Path) -> Path:
-        """One graph for ``layer``: input ``h`` [N, H] float32 (N dynamic) → output ``scores`` [P, N, E]."""
+        """One graph for ``layer``: input ``h`` [N, H] float32 (N dynamic; [N, 2H] with the previous input, widened
+        by the caller) → output ``scores`` [P, N, E]."""
         path = Path(path)
         graph = _ScoreGraph(self.models[layer], self.num_experts, self.loss).eval()
         example = torch.zeros(2, self.models[layer].weight.shape[1])
@@ -281,7 +293,7 @@ def _quiet_export():
             lg.setLevel(level)
 
 
-class OnnxPredictor(Predictor):
+class OnnxPredictor(ReadsPreviousInput, Predictor):
     """A saved :class:`LearnedPredictor` run by onnxruntime (CPU provider), one session per source layer."""
 
     def __init__(self, path: str | Path, lookahead: int | None = None, threads: int = 1):
@@ -297,6 +309,8 @@ class OnnxPredictor(Predictor):
         super().__init__(manifest["moe_layers"], lookahead)
         self.num_experts = manifest["num_experts"]
         self.kind = manifest["kind"]
+        self.hidden_size = manifest["hidden_size"]
+        self.context = PreviousInput(self.moe_layers) if manifest.get("previous_input", False) else None
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
@@ -310,7 +324,7 @@ class OnnxPredictor(Predictor):
         targets = self.targets(layer)
         if not targets or layer not in self.sessions:
             return self.empty(h.shape[0], self.num_experts)
-        x = h.detach().to(torch.float32).contiguous().numpy()
+        x = self.model_input(layer, h.detach()).to(torch.float32).contiguous().numpy()
         (scores,) = self.sessions[layer].run(None, {"h": x})
         return Prediction(targets, torch.from_numpy(scores[: len(targets)]))
 
@@ -330,6 +344,8 @@ class TrainConfig:
     standardize: bool = True  # the low-rank branch trains on standardised inputs (folded away afterwards)
     val_fraction: float = 0.1  # contiguous tail of the training trace, when no validation trace is given
     seed: int = 0
+    previous_input: bool = False  # read [h_i, previous token's h_{i+1}]: traces widened by previous_input.widen_trace
+    previous_dropout: float = 0.1  # share of training rows whose previous input is zeroed (as a prompt's rows read)
 
 
 SCHEDULES = ("onecycle", "constant")
@@ -366,7 +382,8 @@ def train_learned(
     progress: bool = True,
 ) -> LearnedPredictor:
     """Initialise from ``gate`` (its lookahead is the trained p) and fit every source layer on ``train``;
-    early-stop on ``val`` (default: the last ``val_fraction`` of ``train``'s rows)."""
+    early-stop on ``val`` (default: the last ``val_fraction`` of ``train``'s rows). With ``previous_input`` the
+    traces must hold widened inputs [h_i, previous token's h_{i+1}] (previous_input.widen_trace)."""
     from tqdm.auto import tqdm
 
     cfg = config or TrainConfig()
@@ -375,8 +392,14 @@ def train_learned(
     if val is None:
         cut = train.tokens - max(1, round(cfg.val_fraction * train.tokens))
         train, val = train.rows(0, cut), train.rows(cut)
-    pred = LearnedPredictor.from_gate(gate, cfg.kind, cfg.rank, cfg.seed)
+    pred = LearnedPredictor.from_gate(gate, cfg.kind, cfg.rank, cfg.seed, previous=cfg.previous_input)
     pred.loss = cfg.loss
+    width = pred.hidden_size * (2 if cfg.previous_input else 1)
+    narrow = {i: h.shape[1] for i, h in train.gate_inputs.items() if i in pred.models and h.shape[1] != width}
+    if narrow:
+        raise ValueError(f"source layers {sorted(narrow)} have inputs {sorted(set(narrow.values()))} wide, the "
+                         f"predictor reads {width}" + (" (widen the trace: previous_input.widen_trace)"
+                                                       if cfg.previous_input else ""))
     e = gate.num_experts
     sources = [i for i in pred.models if i in train.gate_inputs and all(t in train.expert_ids for t in pred.targets(i))]
     pred.models = {i: pred.models[i] for i in sources}
@@ -408,7 +431,11 @@ def train_learned(
             order = torch.randperm(h.shape[0], generator=gen)
             for s in range(0, h.shape[0], cfg.batch_size):
                 idx = order[s : s + cfg.batch_size]
-                logits = model(h[idx]).view(len(idx), len(targets), e).transpose(0, 1)
+                x = h[idx]
+                if cfg.previous_input and cfg.previous_dropout > 0:
+                    drop = torch.rand(len(idx), generator=gen) < cfg.previous_dropout
+                    x = torch.cat([x[:, : pred.hidden_size], x[:, pred.hidden_size :] * ~drop[:, None]], 1)
+                logits = model(x).view(len(idx), len(targets), e).transpose(0, 1)
                 loss = _loss(logits, y[:, idx], cfg.loss)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()

@@ -8,7 +8,8 @@ with `fate-edge calibrate`'s recipe one MoE layer ahead on two inputs and scores
    arXiv 2511.10676): an estimate of what any predictor that runs before layer i+1's attention could know.
 
 3. layer i's gate input beside the previous token's layer i+1 gate input: in decode that token's forward is
-   finished, so this is causal; it carries what layer i+1's attention saw one position earlier.
+   finished, so this is causal; it carries what layer i+1's attention saw one position earlier (what
+   `fate-edge calibrate --previous-input` trains and the engine runs; fate_edge.predictors.previous_input).
 
 Layer i+1's own router on its gate input is exact by definition, so the gap between 2. and 100% is what layer
 i+1's attention (the context of the other tokens) decides; 3. measures how much of that the previous position
@@ -34,6 +35,7 @@ routing from fate-edge's forward.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -43,6 +45,7 @@ from fate_edge.predictors import CrossLayerGate
 from fate_edge.predictors.base import next_moe_layers
 from fate_edge.predictors.evaluate import Trace, collect_traces, evaluate_predictor, exact_match, recall_at
 from fate_edge.predictors.learned import TrainConfig, train_learned
+from fate_edge.predictors.previous_input import widen_trace
 
 from fate_edge.bundled import bundled_model_dir
 from fate_edge.calibrate import CalibrateOptions, corpus_windows, separator_id
@@ -62,31 +65,6 @@ def pre_attention_inputs(hf: torch.nn.Module, windows: torch.Tensor, layers: lis
         for j in layers:  # hidden_states[j] is layer j-1's output, i.e. layer j's input
             out[j].append(states[j].reshape(-1, states[j].shape[-1]).float())
     return {j: torch.cat(v) for j, v in out.items()}
-
-
-def previous_position(x: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """Row t holds row t-1 of the same window (zeros at a window's first position): rows are window-major."""
-    w = x.view(-1, seq_len, x.shape[-1])
-    out = torch.zeros_like(w)
-    out[:, 1:] = w[:, :-1]
-    return out.reshape(x.shape)
-
-
-class WidenedGate:
-    """``gate`` reading [h_i, extra] rows: its stacked routers padded with zero columns, so the learned predictor
-    starts as the gate and training decides what the extra columns are worth."""
-
-    def __init__(self, gate: CrossLayerGate, extra: int):
-        self.gate, self.extra = gate, extra
-        self.moe_layers, self.num_experts, self.lookahead, self.norms = (
-            gate.moe_layers, gate.num_experts, gate.lookahead, gate.norms)
-
-    def targets(self, layer: int) -> list[int]:
-        return self.gate.targets(layer)
-
-    def stacked(self, layer: int) -> torch.Tensor:
-        w = self.gate.stacked(layer)
-        return torch.cat([w, w.new_zeros(w.shape[0], self.extra)], dim=1)
 
 
 @torch.no_grad()
@@ -182,14 +160,11 @@ def main() -> None:
     rows["learned on layer i+1's input before its attention"] = per_layer(
         evaluate_predictor(pre, later(held, x_held), [train.top_k]))
 
-    def with_previous(trace: Trace) -> Trace:  # source i reads [h_i(t), h_{i+1}(t-1)]
-        return Trace({i: torch.cat([trace.gate_inputs[i], previous_position(trace.gate_inputs[j], opts.seq_len)], 1)
-                      for i, j in pairs.items()}, trace.expert_ids, trace.num_experts)
-
-    hidden = model.config.hidden_size
-    prev = train_learned(WidenedGate(gate, hidden), with_previous(train), config=cfg, progress=False)
+    # Source i reads [h_i(t), h_{i+1}(t-1)], as `fate-edge calibrate --previous-input` trains it.
+    prev = train_learned(gate, widen_trace(train, moe, opts.seq_len),
+                         config=dataclasses.replace(cfg, previous_input=True), progress=False)
     rows["learned on layer i's gate input + the previous token's layer i+1 gate input"] = per_layer(
-        evaluate_predictor(prev, with_previous(held), [train.top_k]))
+        evaluate_predictor(prev, widen_trace(held, moe, opts.seq_len), [train.top_k]))
 
     k = train.top_k
     print(f"Model {model_dir.name}: {train.tokens:,} training and {held.tokens:,} held-out tokens "

@@ -157,31 +157,6 @@ def test_the_ceiling_scripts_cross_token_pairs_stay_inside_a_window(tmp_path):
                                model.route(first, h_first)[1], atol=0, rtol=0)
 
 
-def test_the_ceiling_scripts_previous_token_input_starts_as_the_gate(tmp_path):
-    import torch
-    from fate_edge.predictors import CrossLayerGate
-    from fate_edge.predictors.learned import LearnedPredictor
-
-    from fate_edge.loader import load_model
-
-    ceiling = _load_script("predictor_ceiling")
-    x = torch.arange(12.0).view(6, 2)  # two windows of 3 positions
-    shifted = ceiling.previous_position(x, 3)
-    assert shifted[[0, 3]].eq(0).all() and torch.equal(shifted[[1, 2, 4, 5]], x[[0, 1, 3, 4]])
-
-    model = load_model(build_tiny_moe(tmp_path / "tiny"), torch.float32)
-    hidden = model.config.hidden_size
-    for norm_variant in (False, True):
-        gate = CrossLayerGate.from_model(model, 1, norm_variant=norm_variant)
-        widened = LearnedPredictor.from_gate(ceiling.WidenedGate(gate, hidden), "lowrank", 8)
-        h, extra = torch.randn(5, hidden), 10 * torch.randn(5, hidden)
-        for layer in gate.moe_layers:
-            want = gate.predict(layer, h)
-            if want.layers:  # until trained, the previous token's columns weigh nothing
-                torch.testing.assert_close(widened.predict(layer, torch.cat([h, extra], 1)).scores, want.scores,
-                                           atol=1e-6, rtol=1e-5)
-
-
 def test_the_ceiling_scripts_own_router_is_exact_on_the_residual_its_norm_reads(tmp_path):
     """--routers-only: each layer's router on the residual its post-attention norm reads (after the attention)
     must reproduce the forward's routing exactly; on the input before the attention it may not."""
