@@ -108,45 +108,18 @@ def encode_all(tok, texts: list[str]) -> torch.Tensor:
 
 
 def build_model(cfg: TrainConfig, eos_id: int):
-    from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     if cfg.architecture not in ("qwen2_moe", "mixtral"):
         raise SystemExit(f"--set architecture={cfg.architecture}: expected qwen2_moe or mixtral")
-    if cfg.architecture == "mixtral":
-        hf_cfg = MixtralConfig(
-            vocab_size=cfg.vocab_size,
-            hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.moe_intermediate_size,
-            num_hidden_layers=cfg.num_hidden_layers,
-            num_attention_heads=cfg.num_attention_heads,
-            num_key_value_heads=cfg.num_key_value_heads,
-            max_position_embeddings=cfg.max_position_embeddings,
-            num_local_experts=cfg.num_experts,
-            num_experts_per_tok=cfg.num_experts_per_tok,
-            output_router_logits=True,
-            router_aux_loss_coef=cfg.router_aux_loss_coef,
-            tie_word_embeddings=False,
-            rope_theta=10000.0,
-            sliding_window=None,
-            bos_token_id=eos_id,
-            eos_token_id=eos_id,
-        )
-        torch.manual_seed(cfg.seed)
-        return AutoModelForCausalLM.from_config(hf_cfg)
-    hf_cfg = Qwen2MoeConfig(
+    common = dict(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.shared_expert_intermediate_size,
         num_hidden_layers=cfg.num_hidden_layers,
         num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_key_value_heads,
         max_position_embeddings=cfg.max_position_embeddings,
-        num_experts=cfg.num_experts,
         num_experts_per_tok=cfg.num_experts_per_tok,
-        moe_intermediate_size=cfg.moe_intermediate_size,
-        shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
-        norm_topk_prob=False,
-        decoder_sparse_step=1,
         output_router_logits=True,
         router_aux_loss_coef=cfg.router_aux_loss_coef,
         tie_word_embeddings=False,
@@ -155,7 +128,18 @@ def build_model(cfg: TrainConfig, eos_id: int):
         eos_token_id=eos_id,
     )
     torch.manual_seed(cfg.seed)
-    return AutoModelForCausalLM.from_config(hf_cfg)
+    if cfg.architecture == "mixtral":  # routed experts only, each of moe_intermediate_size
+        return MixtralForCausalLM(MixtralConfig(**common, intermediate_size=cfg.moe_intermediate_size,
+                                                num_local_experts=cfg.num_experts, sliding_window=None))
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(
+        **common,
+        intermediate_size=cfg.shared_expert_intermediate_size,
+        num_experts=cfg.num_experts,
+        moe_intermediate_size=cfg.moe_intermediate_size,
+        shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
+        norm_topk_prob=False,
+        decoder_sparse_step=1,
+    ))
 
 
 @torch.no_grad()
