@@ -157,6 +157,14 @@ class MoETransformer:
 
     def _gqa_attention(self, x, b: int, t: int, start: int, cache, layer: int, cos, sin, lp: LayerPlan):
         """``x`` [B*T, H] → [B*T, H]: activations stay 2-D between layers, so each linear is one matmul."""
+        q, k, v = self.gqa_qkv(x, b, t, cos, sin, lp)
+        k, v = cache.layers[layer].append(k, v)
+        out = self._attend(q, k, v, start, layer, scale=self.config.head_dim**-0.5)
+        return apply_linear(out, lp.o_proj)
+
+    def gqa_qkv(self, x, b: int, t: int, cos, sin, lp: LayerPlan):
+        """Normed ``x`` [B*T, H] → q [B, heads, T, hd], k and v [B, kv heads, T, hd], q and k rotated (also what
+        predictors/early_attention.py runs a layer early on)."""
         cfg = self.config
         hd = cfg.head_dim
         qkv = apply_linear(x, lp.qkv)
@@ -181,9 +189,7 @@ class MoETransformer:
             q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, heads, T, hd]
             q, k = apply_rope(q, cos, sin, cfg.rope.interleaved), apply_rope(k, cos, sin, cfg.rope.interleaved)
         v = v.reshape(b, t, -1, hd).transpose(1, 2)
-        k, v = cache.layers[layer].append(k, v)
-        out = self._attend(q, k, v, start, layer, scale=hd**-0.5)
-        return apply_linear(out, lp.o_proj)
+        return q, k, v
 
     def _mla_attention(self, x, b: int, t: int, start: int, cache, layer: int, cos, sin, lp: LayerPlan):
         cfg, m, p = self.config, self.config.mla, self.names[layer].attn

@@ -1,15 +1,17 @@
 """How much of the learned predictor's miss is information that does not exist yet one layer ahead.
 
 On a model's own text (the bundled model and its stdlib split by default), this trains the low-rank predictor
-with `fate-edge calibrate`'s recipe one MoE layer ahead on two inputs and scores both on held-out text:
+with `fate-edge calibrate`'s recipe one MoE layer ahead on four inputs and scores each on held-out text:
 
 1. layer i's gate input: what fate-edge's predictor reads (Fate's source), early enough to read ahead;
 2. layer i+1's input before its attention: everything but that attention (a later, "pre-attention" source,
    arXiv 2511.10676): an estimate of what any predictor that runs before layer i+1's attention could know.
-
 3. layer i's gate input beside the previous token's layer i+1 gate input: in decode that token's forward is
    finished, so this is causal; it carries what layer i+1's attention saw one position earlier (what
    `fate-edge calibrate --previous-input` trains and the engine runs; fate_edge.predictors.previous_input).
+4. layer i's gate input beside layer i+1's attention run early on layer i's residual: causal in decode (the
+   earlier tokens' keys and values are in the cache; fate_edge.predictors.early_attention), not run by the engine
+   yet.
 
 Layer i+1's own router on its gate input is exact by definition, so the gap between 2. and 100% is what layer
 i+1's attention (the context of the other tokens) decides; 3. measures how much of that the previous position
@@ -43,6 +45,7 @@ from pathlib import Path
 import torch
 from fate_edge.predictors import CrossLayerGate
 from fate_edge.predictors.base import next_moe_layers
+from fate_edge.predictors.early_attention import early_gate_inputs
 from fate_edge.predictors.evaluate import Trace, collect_traces, evaluate_predictor, exact_match, recall_at
 from fate_edge.predictors.learned import TrainConfig, train_learned
 from fate_edge.predictors.previous_input import widen_trace
@@ -82,6 +85,12 @@ def own_router_rows(model, held: Trace, x_held: dict[int, torch.Tensor]) -> dict
             cross[a.target] = {"exact": a.exact, "recall": a.recall[min(a.recall)]}
     return {"layer j's router on its input before its attention": own,
             "cross-layer gate (norm-aware) on the previous MoE layer's gate input": cross}
+
+
+def beside(trace: Trace, extra: dict[int, torch.Tensor]) -> Trace:
+    """``trace`` whose sources in ``extra`` read [h_i, extra_i] (the others are left out)."""
+    return Trace({i: torch.cat([trace.gate_inputs[i].float(), e], 1) for i, e in extra.items()}, trace.expert_ids,
+                 trace.num_experts)
 
 
 def scores(pred: torch.Tensor, true: torch.Tensor) -> dict[str, float]:
@@ -145,7 +154,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    x_train, x_held = (pre_attention_inputs(hf, ids, targets, 4) for ids in (train_ids, held_ids))
+    inputs = sorted(set(targets) | set(pairs))  # sources too: early attention needs their residuals
+    x_train, x_held = (pre_attention_inputs(hf, ids, inputs, 4) for ids in (train_ids, held_ids))
     del hf
 
     def later(trace: Trace, x: dict[int, torch.Tensor]) -> Trace:  # source i reads layer i+1's pre-attention input
@@ -165,6 +175,14 @@ def main() -> None:
                          config=dataclasses.replace(cfg, previous_input=True), progress=False)
     rows["learned on layer i's gate input + the previous token's layer i+1 gate input"] = per_layer(
         evaluate_predictor(prev, widen_trace(held, moe, opts.seq_len), [train.top_k]))
+
+    # Source i reads [h_i(t), s_{i+1}(t)]: layer i+1's attention run early on layer i's residual
+    # (early_attention.py). train_learned takes any doubled input as it takes the previous one; nothing is dropped.
+    early_cfg = dataclasses.replace(cfg, previous_input=True, previous_dropout=0.0)
+    early = train_learned(gate, beside(train, early_gate_inputs(model, x_train, opts.seq_len)), config=early_cfg,
+                          progress=False)
+    rows["learned on layer i's gate input + layer i+1's attention run early on layer i's residual"] = per_layer(
+        evaluate_predictor(early, beside(held, early_gate_inputs(model, x_held, opts.seq_len)), [train.top_k]))
 
     k = train.top_k
     print(f"Model {model_dir.name}: {train.tokens:,} training and {held.tokens:,} held-out tokens "
