@@ -52,6 +52,7 @@ class CalibrateOptions:
     progress: bool = True
     seed: int = 0
     previous_input: bool = False  # learned predictors also read the previous token's next-layer gate input
+    early_attention: bool = False  # ... and the next layer's attention run early (predictors/early_attention.py)
 
 
 # ------------------------------------------------------------------------------------------------ corpus
@@ -148,14 +149,14 @@ def corpus_windows(model_dir: Path, tokenizer: Any, eos: int | None, opts: Calib
     return train, held, desc
 
 
-def trace_windows(model: Any, wins: torch.Tensor, batch: int, desc: str, progress: bool):
+def trace_windows(model: Any, wins: torch.Tensor, batch: int, desc: str, progress: bool, early: bool = False):
     from tqdm.auto import tqdm
 
     from fate_edge.predictors.evaluate import collect_traces
 
     batches = [wins[s : s + batch] for s in range(0, len(wins), batch)]
     bar = tqdm(batches, desc=desc, unit="batch", disable=not progress, leave=False)
-    return collect_traces(model, bar)
+    return collect_traces(model, bar, early=early)
 
 
 def engine_predictors_dir(model_dir: Path, progress: bool = True) -> Path:
@@ -258,14 +259,18 @@ def calibrate(model_dir: str | Path, opts: CalibrateOptions | None = None) -> di
     pred_dir = opts.predictors_dir or engine_predictors_dir(model_dir, opts.progress)  # before hours of tracing
     model = load_model(model_dir, torch.float32)
     cfg = model.config
+    if opts.early_attention and cfg.mla is not None:
+        raise CalibrationError("--early-attention runs the next layer's GQA attention early; this model's attention "
+                               "is MLA (DeepSeek), which it does not support: calibrate without it")
     tokenizer = Tokenizer(model_dir)
     train_wins, held_wins, corpus = corpus_windows(model_dir, tokenizer, separator_id(tokenizer, cfg), opts)
     log = print if opts.progress else (lambda *a, **k: None)
     log(f"calibrate: {corpus['train_tokens']:,} training and {corpus['heldout_tokens']:,} held-out tokens "
         f"({corpus['source']})", file=sys.stderr)
 
-    train = trace_windows(model, train_wins, opts.batch, "tracing training text", opts.progress)
-    held = trace_windows(model, held_wins, opts.batch, "tracing held-out text", opts.progress)
+    early = opts.early_attention
+    train = trace_windows(model, train_wins, opts.batch, "tracing training text", opts.progress, early)
+    held = trace_windows(model, held_wins, opts.batch, "tracing held-out text", opts.progress, early)
     pred_dir.mkdir(parents=True, exist_ok=True)
     files = {"popularity": pred_dir / "popularity.json", "token_popularity": pred_dir / "token-popularity.safetensors"}
     files["popularity"].write_text(json.dumps(popularity_json(train, model_dir), indent=1))
@@ -286,13 +291,15 @@ def calibrate(model_dir: str | Path, opts: CalibrateOptions | None = None) -> di
         init_scores[name] = sum(a.exact for a in results) / max(1, len(results))
     init = max(init_scores, key=lambda n: (init_scores[n], n == "cross-layer-gate"))
     training: dict[str, Any] = {"init": init, "init_val_exact": init_scores}
-    # What the learned predictors read: the gate inputs, or beside them the previous token's next-layer ones.
-    learned_train, learned_held = ((widen_trace(train, cfg.moe_layers, opts.seq_len),
-                                    widen_trace(held, cfg.moe_layers, opts.seq_len))
-                                   if opts.previous_input else (train, held))
+    # What the learned predictors read: the gate inputs, beside them the next layer's attention run early and/or
+    # the previous token's next-layer gate inputs.
+    learned_train, learned_held = train, held
+    if opts.previous_input or early:
+        learned_train, learned_held = (widen_trace(t, cfg.moe_layers, opts.seq_len, opts.previous_input, early)
+                                       for t in (train, held))
     for kind in ("linear", "lowrank"):
         tc = TrainConfig(kind=kind, rank=opts.rank, epochs=opts.epochs, lr=opts.lr, seed=opts.seed,
-                         val_fraction=val_fraction, previous_input=opts.previous_input)
+                         val_fraction=val_fraction, previous_input=opts.previous_input, early_attention=early)
         learned = train_learned(predictors[init], learned_train, config=tc, progress=opts.progress)
         predictors[f"learned-{kind}"] = learned
         training[kind] = learned.meta["training"]
@@ -322,6 +329,7 @@ def calibrate(model_dir: str | Path, opts: CalibrateOptions | None = None) -> di
         "model": str(model_dir), "generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "model_type": cfg.model_type, "moe_layers": cfg.moe_layers, "num_experts": cfg.num_experts, "k": k,
         "lookahead": p, "widths": widths, "bytes_per_expert": bytes_per_expert, "previous_input": opts.previous_input,
+        "early_attention": early,
         "bytes_per_expert_source": "--expert-bytes" if opts.expert_bytes is not None else "3·H·I·2 (bf16)",
         "corpus": corpus, "training": training, "predictors": report_preds,
         "files": {key: str(path) for key, path in files.items()},
@@ -344,6 +352,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         rank=args.rank, seq_len=args.seq_len, batch=args.batch, epochs=args.epochs, lr=args.lr,
         expert_bytes=args.expert_bytes, out=args.out, predictors_dir=args.predictors_dir, onnx=not args.no_onnx,
         progress=not args.quiet, seed=args.seed, previous_input=args.previous_input,
+        early_attention=args.early_attention,
     )
     report = calibrate(args.model or bundled_model_dir(), opts)
     print(table_markdown(report))
@@ -384,6 +393,10 @@ def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--previous-input", action="store_true",
                    help="learned predictors also read the previous token's gate input of the layer they predict "
                         "(causal in decode; most help on the first layer pair; the predictor's input doubles)")
+    p.add_argument("--early-attention", action="store_true",
+                   help="learned predictors also read the layer they predict's attention run one layer early on the "
+                        "current residual (the earlier tokens' keys and values are cached; one more attention per "
+                        "layer and token in decode; GQA models)")
     p.add_argument("--no-onnx", action="store_true", help="skip the ONNX export")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=CalibrateOptions.seed)

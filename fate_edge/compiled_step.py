@@ -236,6 +236,7 @@ class CompiledDecode:
         for lay in cache.layers:
             lay.length += 1
         if model.observers:
+            model.residual = None  # reported after the step: no residual to run anything early on
             for layer, (h, idx, weights) in zip(model.config.moe_layers, routing):
                 for obs in model.observers:
                     obs(layer, h, idx, weights)

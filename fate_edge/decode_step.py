@@ -105,6 +105,7 @@ def moe(model: MoETransformer, x: torch.Tensor, h: torch.Tensor, layer: int, lp:
     just issued the layer's demand reads, which then arrive while it computes (a Qwen1.5-MoE shared expert is
     ~1.5 ms of a ~5 ms read), and the sums keep their order, so the bits are the same."""
     weights, idx = model.route(layer, h)  # [1, k]
+    model.residual = x
     for obs in model.observers:
         obs(layer, h, idx, weights)
     shared = shared_out(model, h, lp.mlp, lp.down) if lp.mlp is not None else None

@@ -269,9 +269,10 @@ class Engine:
 
             path = find_learned(found, p.lookahead)
             if path is not None:
-                if name == "learned-onnx":
-                    return OnnxPredictor(path, lookahead=p.lookahead)
-                return LearnedPredictor.load(path, lookahead=p.lookahead)
+                learned = (OnnxPredictor(path, lookahead=p.lookahead) if name == "learned-onnx"
+                           else LearnedPredictor.load(path, lookahead=p.lookahead))
+                learned.attach(model)  # calibrate --early-attention: it reads the model's residual and KV cache
+                return learned
             raise FateEdgeError(
                 f"policy '{p.name}' uses learned predictors but {found} has none with lookahead >= {p.lookahead}; "
                 f"run `fate-edge calibrate MODEL --lookahead {p.lookahead}`, then use the model again"

@@ -56,6 +56,11 @@ class MoETransformer:
         self.act = _ACTIVATIONS[config.hidden_act]
         self.rope = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
         self.observers: list[RoutingObserver] = []
+        # While observers run: the routed layer's residual stream after its attention [N, H], and the KV cache of
+        # the forward in progress (predictors/early_attention.py runs the next layer's attention on them early).
+        # None where a step does not expose them (the compiled decode step reports its routing after the fact).
+        self.residual: torch.Tensor | None = None
+        self.active_cache: KVCache | None = None
         self.w = resident if isinstance(resident, Weights) else Weights(resident)
         self._plan: list[LayerPlan] = []
         self._plan_version = -1
@@ -288,6 +293,7 @@ class MoETransformer:
         t = input_ids.shape[1]
         b = input_ids.shape[0]
         self.experts.begin_forward(t)
+        self.active_cache, self.residual = cache, None
         if t == 1 and b == 1 and self.fast_decode:
             out = self.compiled.step(self, input_ids, cache, plan) if self.compiled is not None else None
             return out if out is not None else decode_step.decode_token(self, input_ids, cache, plan)
@@ -307,7 +313,11 @@ class MoETransformer:
                 t = 1
             x = x + a
             h = rms_norm(x, lp.post_norm, eps)
-            x = x + (self._moe(h, i, lp) if lp.router is not None else self._mlp(h, lp.mlp, lp.down))
+            if lp.router is not None:
+                self.residual = x
+                x = x + self._moe(h, i, lp)
+            else:
+                x = x + self._mlp(h, lp.mlp, lp.down)
         if last_only:
             x = x.view(b, t, -1)[:, -1]
             t = 1

@@ -47,24 +47,29 @@ def record_plan_trace(model, token_ids: list[int], lookahead: int = 3, store_dir
     """Run ``model`` over ``token_ids`` once (teacher-forced) and record the true experts plus the
     predictors' scores (see :func:`trace_predictions`). For a device profile, where the engine cannot be
     probed; on this host :func:`auto_plan` records the engine's own decode instead."""
-    from fate_edge.predictors.evaluate import TraceRecorder
+    from fate_edge.predictors.evaluate import collect_traces
 
-    rec = TraceRecorder(model.config.num_experts)
-    model.observers.insert(0, rec)
-    try:
-        with torch.inference_mode():
-            model(torch.tensor([token_ids]), model.new_cache())
-    finally:
-        model.observers.remove(rec)
-    trace = rec.trace()
-    return trace_predictions(model, trace.expert_ids, trace.gate_inputs, lookahead, store_dir)
+    with torch.inference_mode():
+        trace = collect_traces(model, [torch.tensor([token_ids])], early=reads_early_attention(store_dir))
+    return trace_predictions(model, trace.expert_ids, trace.gate_inputs, lookahead, store_dir, trace.early_inputs)
+
+
+def reads_early_attention(store_dir: str | Path | None) -> bool:
+    """Whether the learned predictor best-available runs from ``store_dir`` reads the early attention's estimate
+    (``fate-edge calibrate --early-attention``): a trace for it must record that estimate too."""
+    from fate_edge.predictors.learned import find_learned, read_manifest
+
+    path = find_learned(Path(store_dir) / "predictors", widest=True) if store_dir is not None else None
+    return path is not None and bool(read_manifest(path).get("early_attention", False))
 
 
 def trace_predictions(model, expert_ids: dict[int, torch.Tensor], gate_inputs: dict[int, torch.Tensor],
-                      lookahead: int = 3, store_dir: str | Path | None = None) -> PlanTrace:
+                      lookahead: int = 3, store_dir: str | Path | None = None,
+                      early: dict[int, torch.Tensor] | None = None) -> PlanTrace:
     """Score every recorded gate input with each predictor the engine can run: the cross-layer gate (raw
     and norm variants) up to ``lookahead`` layers ahead, and the learned predictor (``fate-edge
-    calibrate``) when ``store_dir`` has one, which is what ``best-available`` runs."""
+    calibrate``) when ``store_dir`` has one, which is what ``best-available`` runs (``early``: the early
+    attention's estimates for the same rows, which a predictor calibrated with ``--early-attention`` reads)."""
     from fate_edge.predictors.cross_layer_gate import CrossLayerGate
     from fate_edge.predictors.learned import LearnedPredictor, find_learned
     from fate_edge.predictors.previous_input import widen_inputs
@@ -81,8 +86,12 @@ def trace_predictions(model, expert_ids: dict[int, torch.Tensor], gate_inputs: d
         predictors["learned"] = learned
     # A learned predictor reading the previous token's inputs reads them from the rows above (consecutive tokens).
     widened = {}
-    if learned is not None and learned.context is not None and gate_inputs:
-        widened = widen_inputs(gate_inputs, layers, len(next(iter(gate_inputs.values()))))
+    if learned is not None and learned.early_attention and early is None:
+        raise ValueError("the learned predictor reads the early attention's estimate; the trace has none "
+                         "(record it with collect_traces(..., early=True))")
+    if learned is not None and (learned.context is not None or learned.early_attention) and gate_inputs:
+        widened = widen_inputs(gate_inputs, layers, len(next(iter(gate_inputs.values()))),
+                               previous=learned.context is not None, early=early if learned.early_attention else None)
     for name, predictor in predictors.items():
         preds: dict[tuple[int, int], torch.Tensor] = {}
         with torch.inference_mode():
@@ -111,12 +120,15 @@ class ProbeRun:
 
 
 class _DecodeRecorder:
-    """Routing observer: each decode step's gate inputs and experts, and the prompt's experts per layer."""
+    """Routing observer: each decode step's gate inputs and experts, and the prompt's experts per layer (with
+    ``early``, an early_attention.EarlyInput, also each step's early-attention estimate)."""
 
-    def __init__(self) -> None:
+    def __init__(self, early=None) -> None:
         self.h: dict[int, list[torch.Tensor]] = {}
         self.ids: dict[int, list[torch.Tensor]] = {}
         self.warm: dict[int, list[int]] = {}
+        self.early_attention = early
+        self.early: dict[int, list[torch.Tensor]] = {}
 
     def __call__(self, layer: int, h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> None:
         if h.shape[0] > 1:  # prefill: the union, most popular first, as the engine loads it
@@ -125,6 +137,8 @@ class _DecodeRecorder:
             return
         self.h.setdefault(layer, []).append(h.detach().float().clone())
         self.ids.setdefault(layer, []).append(idx.detach().clone())
+        if self.early_attention is not None and layer in self.early_attention.next:
+            self.early.setdefault(layer, []).append(self.early_attention.estimate(layer, h))
 
 
 def token_compute_s(times: list[float], token_stats: list) -> list[float]:
@@ -151,7 +165,11 @@ def probe_engine(store_dir, budget: int, policy: PolicyConfig, link: LinkSpec | 
         eng = Engine(store_dir, budget, policy, dtype=dtype, link=ThrottledLink(link) if link else None,
                      workers=workers, direct_io=link is None if direct_io is None else direct_io,
                      resident_bits=resident_bits)
-        rec = _DecodeRecorder() if record and attempt == 1 else None
+        rec = None
+        if record and attempt == 1:
+            from fate_edge.predictors.early_attention import EarlyInput
+
+            rec = _DecodeRecorder(EarlyInput(eng.model) if reads_early_attention(store_dir) else None)
         if rec is not None:
             eng.model.observers.insert(0, rec)
         try:
@@ -172,7 +190,8 @@ def probe_engine(store_dir, budget: int, policy: PolicyConfig, link: LinkSpec | 
             if rec is not None and rec.ids:
                 ids = {layer: torch.cat(v) for layer, v in rec.ids.items()}
                 h = {layer: torch.cat(v) for layer, v in rec.h.items()}
-                run.trace = trace_predictions(eng.model, ids, h, store_dir=store_dir)
+                early = {layer: torch.cat(v) for layer, v in rec.early.items()} if rec.early else None
+                run.trace = trace_predictions(eng.model, ids, h, store_dir=store_dir, early=early)
                 run.trace.warm = rec.warm
         finally:
             eng.close()

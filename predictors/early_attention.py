@@ -16,8 +16,9 @@ measures it). The price is one more attention per layer and token, on resident w
 
 Here the estimate is computed for recorded windows (training and scoring); every row attends to the true keys
 and values of its window's earlier rows and to its own estimated ones (:func:`own_row_attention`), which is
-exactly what a decode step would compute. The engine does not run it yet. GQA attention only (not MLA), and
-only between adjacent layers (a dense layer in between would be skipped, not estimated).
+exactly what a decode step computes (:class:`EarlyInput`, which the engine runs for predictors calibrated with
+``fate-edge calibrate --early-attention``). GQA attention only (not MLA). Where dense layers sit between two MoE
+layers the estimate skips them.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import torch
 
 from fate_edge.fused import apply_linear, rms_norm
 from fate_edge.kv_cache import KVCache
+
+from .base import next_moe_layers
 
 
 def own_row_attention(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, k_true: torch.Tensor,
@@ -50,28 +53,40 @@ def own_row_attention(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor,
 
 
 @torch.no_grad()
-def early_attention(model, residual: torch.Tensor, true_input: torch.Tensor, target: int, seq_len: int,
-                    batch: int = 8) -> torch.Tensor:
-    """``s`` for layer ``target`` (module docstring) from ``residual`` [N, H] (the estimate of its input, one row
-    per token) and ``true_input`` [N, H] (its real input before attention: the earlier rows' keys and values);
-    rows window-major, ``seq_len`` a window → [N, H] float32."""
+def early_attention_kv(model, residual: torch.Tensor, k_true: torch.Tensor, v_true: torch.Tensor, target: int
+                       ) -> torch.Tensor:
+    """``s`` for layer ``target`` (module docstring) from ``residual`` [B*T, H] (the estimate of its input, rows
+    window-major) and the layer's true keys and values of the same windows, k_true/v_true [B, kv heads, T, d]
+    (its KV cache after a forward over them) → [B*T, H] float32."""
     cfg = model.config
     if cfg.mla is not None:
         raise ValueError("early attention runs GQA attention; MLA models (DeepSeek) are not supported")
     lp = model.plan()[target]
-    eps, h = cfg.rms_norm_eps, cfg.hidden_size
-    cos, sin = model.rope.cos_sin_range(0, seq_len, torch.float32 if cfg.rope.float32 else model.dtype)
+    b, t = k_true.shape[0], k_true.shape[2]
+    cos, sin = model.rope.cos_sin_range(0, t, torch.float32 if cfg.rope.float32 else model.dtype)
     window = cfg.sliding_window if target in cfg.sliding_window_layers else None
+    r = residual.to(model.dtype)
+    q, k, v = model.gqa_qkv(rms_norm(r, lp.input_norm, cfg.rms_norm_eps), b, t, cos, sin, lp)
+    a = apply_linear(own_row_attention(q, k, v, k_true, v_true, cfg.head_dim**-0.5, window), lp.o_proj)
+    return rms_norm(r + a, lp.post_norm, cfg.rms_norm_eps).float()
+
+
+@torch.no_grad()
+def early_attention(model, residual: torch.Tensor, true_input: torch.Tensor, target: int, seq_len: int,
+                    batch: int = 8) -> torch.Tensor:
+    """:func:`early_attention_kv` with the true keys and values made from ``true_input`` [N, H], layer
+    ``target``'s real input before attention (e.g. transformers' ``output_hidden_states``); rows window-major,
+    ``seq_len`` a window → [N, H] float32."""
+    cfg = model.config
+    lp = model.plan()[target]
+    cos, sin = model.rope.cos_sin_range(0, seq_len, torch.float32 if cfg.rope.float32 else model.dtype)
     rows = batch * seq_len
     out = []
     for s in range(0, residual.shape[0], rows):
-        r = residual[s : s + rows].to(model.dtype)
         x = true_input[s : s + rows].to(model.dtype)
-        b = r.shape[0] // seq_len
-        q, k, v = model.gqa_qkv(rms_norm(r, lp.input_norm, eps), b, seq_len, cos, sin, lp)
-        _, k_true, v_true = model.gqa_qkv(rms_norm(x, lp.input_norm, eps), b, seq_len, cos, sin, lp)
-        a = apply_linear(own_row_attention(q, k, v, k_true, v_true, cfg.head_dim**-0.5, window), lp.o_proj)
-        out.append(rms_norm(r + a, lp.post_norm, eps).float().reshape(-1, h))
+        _, k_true, v_true = model.gqa_qkv(rms_norm(x, lp.input_norm, cfg.rms_norm_eps), x.shape[0] // seq_len,
+                                          seq_len, cos, sin, lp)
+        out.append(early_attention_kv(model, residual[s : s + rows], k_true, v_true, target))
     return torch.cat(out)
 
 
@@ -96,12 +111,85 @@ def post_attention_residual(model, layer_input: torch.Tensor, layer: int, seq_le
 
 
 def early_gate_inputs(model, inputs: dict[int, torch.Tensor], seq_len: int) -> dict[int, torch.Tensor]:
-    """Per MoE layer i followed directly by an MoE layer i+1: ``s`` for i+1 from i's residual (module docstring).
-    ``inputs`` holds every layer's input before attention [N, H] (transformers' ``output_hidden_states``)."""
-    moe = model.config.moe_layers
+    """Per MoE layer i with a next MoE layer j: ``s`` for j from i's residual (module docstring). ``inputs`` holds
+    every layer's input before attention [N, H] (transformers' ``output_hidden_states``)."""
     out = {}
-    for i in moe:
-        if i + 1 in moe and i in inputs and i + 1 in inputs:
+    for i, j in _pairs(model):
+        if i in inputs and j in inputs:
             residual = post_attention_residual(model, inputs[i], i, seq_len)
-            out[i] = early_attention(model, residual, inputs[i + 1], i + 1, seq_len)
+            out[i] = early_attention(model, residual, inputs[j], j, seq_len)
     return out
+
+
+def _pairs(model) -> list[tuple[int, int]]:
+    """(MoE layer, next MoE layer) for every MoE layer that has one."""
+    moe = model.config.moe_layers
+    return [(i, nxt[0]) for i in moe if (nxt := next_moe_layers(moe, i, 1))]
+
+
+class ResidualRecorder:
+    """A routing observer (append to ``model.observers``) keeping each MoE layer's residual rows
+    (``model.residual``) for :func:`early_inputs_from_cache`."""
+
+    needs_every_token = True
+
+    def __init__(self, model):
+        self.model = model
+        self.rows: dict[int, list[torch.Tensor]] = {}
+
+    def __call__(self, layer: int, h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> None:
+        r = self.model.residual
+        if r is None:
+            raise RuntimeError("this forward does not expose its residual stream (compiled decode): run it eagerly")
+        self.rows.setdefault(layer, []).append(r.detach().float().clone())
+
+    def take(self) -> dict[int, torch.Tensor]:
+        """The rows recorded since the last call, per MoE layer [N, H]; forgets them."""
+        out = {i: torch.cat(v) for i, v in self.rows.items()}
+        self.rows.clear()
+        return out
+
+
+def early_inputs_from_cache(model, residuals: dict[int, torch.Tensor], cache: KVCache) -> dict[int, torch.Tensor]:
+    """After a forward over a batch of windows from an empty ``cache`` (a :class:`ResidualRecorder` attached):
+    per MoE layer i with a next MoE layer j, ``s`` for j [B*T, H] from i's residual and j's cached keys/values."""
+    out = {}
+    for i, j in _pairs(model):
+        if i in residuals:
+            lay = cache.layers[j]
+            k_true, v_true = (b[:, :, : lay.length] for b in lay.buffers[:2])
+            out[i] = early_attention_kv(model, residuals[i], k_true, v_true, j)
+    return out
+
+
+class EarlyInput:
+    """In the engine: ``s`` for the next MoE layer of the layer being routed, from ``model.residual`` and the
+    next layer's KV cache (``model.active_cache``), which holds the earlier positions only (it has not run for
+    these rows yet). A decode row gets exactly what :func:`early_attention_kv` computes for the same position; a
+    prompt's rows attend to each other's estimated keys and values (their true ones do not exist yet)."""
+
+    def __init__(self, model):
+        if model.config.mla is not None:
+            raise ValueError("early attention runs GQA attention; MLA models (DeepSeek) are not supported")
+        self.model = model
+        self.next = dict(_pairs(model))
+
+    @torch.no_grad()
+    def estimate(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """``s`` [N, H] float32 for the rows of ``h`` (zeros where the step exposes no residual or cache)."""
+        model, cfg = self.model, self.model.config
+        r, cache, target = model.residual, model.active_cache, self.next.get(layer)
+        if r is None or cache is None or target is None or r.shape[0] != h.shape[0]:
+            return h.new_zeros(h.shape, dtype=torch.float32)
+        lay, lp = cache.layers[target], model.plan()[target]
+        start = lay.length
+        b = lay.buffers[0].shape[0] if lay.buffers else 1
+        t = r.shape[0] // b
+        cos, sin = model.rope.cos_sin_range(start, t, torch.float32 if cfg.rope.float32 else model.dtype)
+        x = r.to(model.dtype)
+        q, k, v = model.gqa_qkv(rms_norm(x, lp.input_norm, cfg.rms_norm_eps), b, t, cos, sin, lp)
+        if start:
+            k = torch.cat([lay.buffers[0][:, :, :start], k], 2)
+            v = torch.cat([lay.buffers[1][:, :, :start], v], 2)
+        a = apply_linear(model._attend(q, k, v, start, target, cfg.head_dim**-0.5), lp.o_proj)
+        return rms_norm(x + a, lp.post_norm, cfg.rms_norm_eps).float()

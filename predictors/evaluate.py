@@ -28,6 +28,9 @@ class Trace:
     expert_ids: dict[int, torch.Tensor]  # MoE layer → [N, k] experts the router chose
     num_experts: int
     token_ids: torch.Tensor | None = None  # [N] the input token of each row (collect_traces records it)
+    # MoE layer i → [N, H] the next MoE layer's attention run early on i's residual (early_attention.py), when
+    # collect_traces was asked for it
+    early_inputs: dict[int, torch.Tensor] | None = None
 
     @property
     def layers(self) -> list[int]:
@@ -53,6 +56,7 @@ class Trace:
             {i: e[sl] for i, e in self.expert_ids.items()},
             self.num_experts,
             None if self.token_ids is None else self.token_ids[sl],
+            None if self.early_inputs is None else {i: e[sl] for i, e in self.early_inputs.items()},
         )
 
     def popularity(self) -> dict[int, list[int]]:
@@ -85,21 +89,34 @@ class TraceRecorder:
 
 
 @torch.no_grad()
-def collect_traces(model: Any, batches: Iterable[torch.Tensor], dtype: torch.dtype = torch.float32) -> Trace:
+def collect_traces(model: Any, batches: Iterable[torch.Tensor], dtype: torch.dtype = torch.float32,
+                   early: bool = False) -> Trace:
     """Run ``model`` (a :class:`fate_edge.model.MoETransformer`) over ``batches`` of token ids [B, T],
     each from an empty KV cache, and record every MoE layer's routing (gate inputs kept in ``dtype``)
-    and the token ids (rows in the router's order: batch-major, then position)."""
+    and the token ids (rows in the router's order: batch-major, then position). With ``early`` also the
+    next MoE layer's attention run early on each layer's residual (``trace.early_inputs``, early_attention.py)."""
+    from .early_attention import ResidualRecorder, early_inputs_from_cache
+
     rec = TraceRecorder(model.config.num_experts, dtype=dtype)
-    tokens = []
-    model.observers.append(rec)
+    residuals = ResidualRecorder(model) if early else None
+    tokens, parts = [], []
+    added = [rec] + ([residuals] if residuals is not None else [])
+    model.observers.extend(added)
     try:
         for ids in batches:
-            model(ids, model.new_cache(), last_only=True)
+            cache = model.new_cache()
+            model(ids, cache, last_only=True)
             tokens.append(ids.reshape(-1))
+            if residuals is not None:
+                early_rows = early_inputs_from_cache(model, residuals.take(), cache)
+                parts.append({i: e.to(dtype) for i, e in early_rows.items()})
     finally:
-        model.observers.remove(rec)
+        for obs in added:
+            model.observers.remove(obs)
     trace = rec.trace()
     trace.token_ids = torch.cat(tokens) if tokens else None
+    if residuals is not None:
+        trace.early_inputs = {i: torch.cat([p[i] for p in parts]) for i in (parts[0] if parts else {})}
     return trace
 
 

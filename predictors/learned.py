@@ -48,7 +48,8 @@ from .evaluate import Trace
 from .previous_input import PreviousInput, ReadsPreviousInput
 
 FORMAT = "fate-edge/learned-predictor"
-VERSION = 2  # 2: "previous_input" (inputs [h, previous]); written as 1 when a predictor has none
+VERSION = 3  # 2: "previous_input" (inputs [h, previous]); 3: "early_attention" ([h, early, previous]); the
+# lowest version that describes a predictor is written
 KINDS = ("linear", "lowrank")
 LOSSES = ("ce", "bce")
 
@@ -143,6 +144,7 @@ class LearnedPredictor(ReadsPreviousInput, Predictor):
         lookahead: int | None = None,
         meta: dict[str, Any] | None = None,
         previous: bool = False,
+        early: bool = False,
     ):
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
@@ -158,26 +160,29 @@ class LearnedPredictor(ReadsPreviousInput, Predictor):
         self.kind, self.loss = kind, loss
         self.meta: dict[str, Any] = dict(meta or {})
         width = next(iter(self.models.values())).weight.shape[1] if self.models else 0
-        self.hidden_size = width // 2 if previous else width
+        self.hidden_size = width // (1 + previous + early)
         self.context = PreviousInput(self.moe_layers) if previous else None
+        self.early_attention = early  # reads early_attention.EarlyInput's estimate once attach(model) is called
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_gate(cls, gate: CrossLayerGate, kind: str = "linear", rank: int = 64, seed: int = 0,
-                  previous: bool = False) -> LearnedPredictor:
+                  previous: bool = False, early: bool = False) -> LearnedPredictor:
         """Untrained: every source layer starts from ``gate``'s stacked next-p routers (the norm variant's
         rescaled rows if ``gate`` has norms), so it scores exactly as the gate does (softmax routers). With
-        ``previous`` the weights of the previous token's input start at zero: the same scores until trained."""
+        ``previous`` (``early``) the weights of the previous token's input (of the early attention's estimate) start
+        at zero: the same scores until trained."""
         rank = rank if kind == "lowrank" else 0
         models = {}
         for layer in gate.moe_layers:
             if gate.targets(layer):
                 w = gate.stacked(layer)
-                w = torch.cat([w, torch.zeros_like(w)], 1) if previous else w
+                w = torch.cat([w] + [torch.zeros_like(w)] * (early + previous), 1)
                 models[layer] = SourceModel(w, rank, seed + layer)
         init = "cross-layer-gate-norm" if gate.norms is not None else "cross-layer-gate"
         meta = {"init": init, "rank": rank}
-        return cls(models, gate.moe_layers, gate.num_experts, gate.lookahead, kind, "ce", meta=meta, previous=previous)
+        return cls(models, gate.moe_layers, gate.num_experts, gate.lookahead, kind, "ce", meta=meta, previous=previous,
+                   early=early)
 
     # --------------------------------------------------------------------- inference
     def logits(self, layer: int, h: torch.Tensor) -> torch.Tensor:
@@ -199,7 +204,7 @@ class LearnedPredictor(ReadsPreviousInput, Predictor):
         any_model = next(iter(self.models.values()))
         return {
             "format": FORMAT,
-            "version": VERSION if self.context is not None else 1,
+            "version": 3 if self.early_attention else 2 if self.context is not None else 1,
             "kind": self.kind,
             "loss": self.loss,
             "activation": "silu",
@@ -207,6 +212,7 @@ class LearnedPredictor(ReadsPreviousInput, Predictor):
             "lookahead": self.trained_lookahead,
             "hidden_size": self.hidden_size,
             "previous_input": self.context is not None,
+            "early_attention": self.early_attention,
             "num_experts": self.num_experts,
             "moe_layers": self.moe_layers,
             "sources": {str(i): list(next_moe_layers(self.moe_layers, i, self.trained_lookahead)) for i in self.models},
@@ -249,11 +255,12 @@ class LearnedPredictor(ReadsPreviousInput, Predictor):
             models[int(src)] = model
         meta = {k: manifest[k] for k in ("init", "training", "metrics") if k in manifest}
         return cls(models, manifest["moe_layers"], manifest["num_experts"], manifest["lookahead"],
-                   manifest["kind"], manifest["loss"], lookahead, meta, manifest.get("previous_input", False))
+                   manifest["kind"], manifest["loss"], lookahead, meta, manifest.get("previous_input", False),
+                   manifest.get("early_attention", False))
 
     def export_onnx(self, layer: int, path: str | Path) -> Path:
-        """One graph for ``layer``: input ``h`` [N, H] float32 (N dynamic; [N, 2H] with the previous input, widened
-        by the caller) → output ``scores`` [P, N, E]."""
+        """One graph for ``layer``: input ``h`` [N, H] float32 (N dynamic; wider with the early attention's estimate
+        and/or the previous input, widened by the caller) → output ``scores`` [P, N, E]."""
         path = Path(path)
         graph = _ScoreGraph(self.models[layer], self.num_experts, self.loss).eval()
         example = torch.zeros(2, self.models[layer].weight.shape[1])
@@ -311,6 +318,7 @@ class OnnxPredictor(ReadsPreviousInput, Predictor):
         self.kind = manifest["kind"]
         self.hidden_size = manifest["hidden_size"]
         self.context = PreviousInput(self.moe_layers) if manifest.get("previous_input", False) else None
+        self.early_attention = manifest.get("early_attention", False)
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
@@ -346,6 +354,7 @@ class TrainConfig:
     seed: int = 0
     previous_input: bool = False  # read [h_i, previous token's h_{i+1}]: traces widened by previous_input.widen_trace
     previous_dropout: float = 0.1  # share of training rows whose previous input is zeroed (as a prompt's rows read)
+    early_attention: bool = False  # read [h_i, s_{i+1}(, previous)]: widen_trace(..., early=True), early_attention.py
 
 
 SCHEDULES = ("onecycle", "constant")
@@ -382,8 +391,9 @@ def train_learned(
     progress: bool = True,
 ) -> LearnedPredictor:
     """Initialise from ``gate`` (its lookahead is the trained p) and fit every source layer on ``train``;
-    early-stop on ``val`` (default: the last ``val_fraction`` of ``train``'s rows). With ``previous_input`` the
-    traces must hold widened inputs [h_i, previous token's h_{i+1}] (previous_input.widen_trace)."""
+    early-stop on ``val`` (default: the last ``val_fraction`` of ``train``'s rows). With ``previous_input`` and/or
+    ``early_attention`` the traces must hold widened inputs [h_i, s_{i+1}, previous token's h_{i+1}]
+    (previous_input.widen_trace)."""
     from tqdm.auto import tqdm
 
     cfg = config or TrainConfig()
@@ -392,14 +402,15 @@ def train_learned(
     if val is None:
         cut = train.tokens - max(1, round(cfg.val_fraction * train.tokens))
         train, val = train.rows(0, cut), train.rows(cut)
-    pred = LearnedPredictor.from_gate(gate, cfg.kind, cfg.rank, cfg.seed, previous=cfg.previous_input)
+    pred = LearnedPredictor.from_gate(gate, cfg.kind, cfg.rank, cfg.seed, previous=cfg.previous_input,
+                                      early=cfg.early_attention)
     pred.loss = cfg.loss
-    width = pred.hidden_size * (2 if cfg.previous_input else 1)
+    width = pred.hidden_size * (1 + cfg.previous_input + cfg.early_attention)
     narrow = {i: h.shape[1] for i, h in train.gate_inputs.items() if i in pred.models and h.shape[1] != width}
     if narrow:
         raise ValueError(f"source layers {sorted(narrow)} have inputs {sorted(set(narrow.values()))} wide, the "
                          f"predictor reads {width}" + (" (widen the trace: previous_input.widen_trace)"
-                                                       if cfg.previous_input else ""))
+                                                       if cfg.previous_input or cfg.early_attention else ""))
     e = gate.num_experts
     sources = [i for i in pred.models if i in train.gate_inputs and all(t in train.expert_ids for t in pred.targets(i))]
     pred.models = {i: pred.models[i] for i in sources}
@@ -434,7 +445,8 @@ def train_learned(
                 x = h[idx]
                 if cfg.previous_input and cfg.previous_dropout > 0:
                     drop = torch.rand(len(idx), generator=gen) < cfg.previous_dropout
-                    x = torch.cat([x[:, : pred.hidden_size], x[:, pred.hidden_size :] * ~drop[:, None]], 1)
+                    keep = width - pred.hidden_size  # the previous input is the last block
+                    x = torch.cat([x[:, :keep], x[:, keep:] * ~drop[:, None]], 1)
                 logits = model(x).view(len(idx), len(targets), e).transpose(0, 1)
                 loss = _loss(logits, y[:, idx], cfg.loss)
                 opt.zero_grad(set_to_none=True)
