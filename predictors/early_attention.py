@@ -71,22 +71,28 @@ def early_attention_kv(model, residual: torch.Tensor, k_true: torch.Tensor, v_tr
     return rms_norm(r + a, lp.post_norm, cfg.rms_norm_eps).float()
 
 
+def _window_batches(model, layer: int, rows: int, seq_len: int, batch: int):
+    """Per batch of ``batch`` windows of ``seq_len`` rows out of ``rows``: (their rows, their window count, the
+    layer's plan, rope cos/sin for positions 0..seq_len-1)."""
+    cfg = model.config
+    cos, sin = model.rope.cos_sin_range(0, seq_len, torch.float32 if cfg.rope.float32 else model.dtype)
+    lp = model.plan()[layer]
+    for s in range(0, rows, batch * seq_len):
+        part = slice(s, min(rows, s + batch * seq_len))
+        yield part, (part.stop - part.start) // seq_len, lp, cos, sin
+
+
 @torch.no_grad()
 def early_attention(model, residual: torch.Tensor, true_input: torch.Tensor, target: int, seq_len: int,
                     batch: int = 8) -> torch.Tensor:
     """:func:`early_attention_kv` with the true keys and values made from ``true_input`` [N, H], layer
     ``target``'s real input before attention (e.g. transformers' ``output_hidden_states``); rows window-major,
     ``seq_len`` a window → [N, H] float32."""
-    cfg = model.config
-    lp = model.plan()[target]
-    cos, sin = model.rope.cos_sin_range(0, seq_len, torch.float32 if cfg.rope.float32 else model.dtype)
-    rows = batch * seq_len
-    out = []
-    for s in range(0, residual.shape[0], rows):
-        x = true_input[s : s + rows].to(model.dtype)
-        _, k_true, v_true = model.gqa_qkv(rms_norm(x, lp.input_norm, cfg.rms_norm_eps), x.shape[0] // seq_len,
-                                          seq_len, cos, sin, lp)
-        out.append(early_attention_kv(model, residual[s : s + rows], k_true, v_true, target))
+    eps, out = model.config.rms_norm_eps, []
+    for part, b, lp, cos, sin in _window_batches(model, target, residual.shape[0], seq_len, batch):
+        x = rms_norm(true_input[part].to(model.dtype), lp.input_norm, eps)
+        _, k_true, v_true = model.gqa_qkv(x, b, seq_len, cos, sin, lp)
+        out.append(early_attention_kv(model, residual[part], k_true, v_true, target))
     return torch.cat(out)
 
 
@@ -95,17 +101,11 @@ def post_attention_residual(model, layer_input: torch.Tensor, layer: int, seq_le
                             batch: int = 8) -> torch.Tensor:
     """Layer ``layer``'s residual after its own attention, r = x + attention(input_norm(x)), for its inputs
     ``layer_input`` [N, H] (rows window-major, every window from position 0) → [N, H] float32."""
-    cfg = model.config
-    lp = model.plan()[layer]
-    cos, sin = model.rope.cos_sin_range(0, seq_len, torch.float32 if cfg.rope.float32 else model.dtype)
-    rows = batch * seq_len
-    out = []
-    for s in range(0, layer_input.shape[0], rows):
-        x = layer_input[s : s + rows].to(model.dtype)
-        b = x.shape[0] // seq_len
-        cache = KVCache(cfg.num_hidden_layers)
-        a = model._gqa_attention(rms_norm(x, lp.input_norm, cfg.rms_norm_eps), b, seq_len, 0, cache, layer,
-                                 cos, sin, lp)
+    eps, out = model.config.rms_norm_eps, []
+    for part, b, lp, cos, sin in _window_batches(model, layer, layer_input.shape[0], seq_len, batch):
+        x = layer_input[part].to(model.dtype)
+        cache = KVCache(model.config.num_hidden_layers)
+        a = model._gqa_attention(rms_norm(x, lp.input_norm, eps), b, seq_len, 0, cache, layer, cos, sin, lp)
         out.append((x + a).float())
     return torch.cat(out)
 

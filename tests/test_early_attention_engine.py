@@ -3,11 +3,11 @@ predictors calibrated with ``--early-attention`` save, load and run it, and the 
 
 import dataclasses
 import json
-import shutil
 
 import pytest
 import torch
-from _tiny_moe import CORPUS, build_tiny_moe
+from _calibrated import calibrated_bundled_copy, spy_model_inputs
+from _tiny_moe import build_tiny_moe
 from fate_edge.predictors import CrossLayerGate, LearnedPredictor, OnnxPredictor
 from fate_edge.predictors.early_attention import EarlyInput
 from fate_edge.predictors.evaluate import collect_traces
@@ -15,7 +15,6 @@ from fate_edge.predictors.learned import TrainConfig, train_learned
 from fate_edge.predictors.previous_input import widen_trace
 
 from fate_edge import Engine, GenerateConfig
-from fate_edge.calibrate import CalibrateOptions, calibrate
 from fate_edge.loader import load_model
 from fate_edge.policy import get_policy
 
@@ -115,13 +114,7 @@ def test_the_engine_predicts_from_the_early_attention(bundled_dir, tmp_path, mon
     """calibrate --early-attention → the engine attaches its model to the learned predictor, which reads at each
     decode layer call [h, s] with s the early attention's estimate for that token: the row a teacher-forced trace
     of the same tokens records."""
-    monkeypatch.setenv("FATE_EDGE_CACHE", str(tmp_path / "cache"))
-    model_dir = tmp_path / "model"  # the bundled model without its shipped predictors
-    shutil.copytree(bundled_dir, model_dir, ignore=shutil.ignore_patterns("predictors"))
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("".join(CORPUS))
-    report = calibrate(model_dir, CalibrateOptions(corpus=corpus, tokens=2048, seq_len=64, lookahead=1, rank=8,
-                                                   epochs=2, onnx=False, progress=False, early_attention=True))
+    model_dir, report = calibrated_bundled_copy(bundled_dir, tmp_path, monkeypatch, early_attention=True)
     assert report["early_attention"] is True and report["predictors"]["learned-lowrank"]["rows"]
     # bf16 experts: the decode step and the teacher-forced prefill then compute the same numbers (int4 kernels
     # quantise activations differently for one row and for many)
@@ -130,10 +123,7 @@ def test_the_engine_predicts_from_the_early_attention(bundled_dir, tmp_path, mon
     with Engine.load(model_dir, "64MB", policy=policy) as engine:
         predictor = engine.scheduler.predictor
         assert isinstance(predictor, LearnedPredictor) and predictor.early is not None
-        seen: list[tuple[int, torch.Tensor]] = []
-        real_predict = predictor.predict
-        monkeypatch.setattr(predictor, "predict", lambda layer, h: (seen.append(
-            (layer, predictor.model_input(layer, h).clone())), real_predict(layer, h))[1])
+        seen = spy_model_inputs(predictor, monkeypatch)
         tokens = [r.token for r in engine.stream(prompt, GenerateConfig(max_tokens=6, ignore_eos=True))]
         assert engine.scheduler.stats.predictions > 0
         layers, hidden = engine.model.config.moe_layers, engine.model.config.hidden_size

@@ -3,18 +3,17 @@ trained by ``fate-edge calibrate --previous-input`` and fed by the scheduler in 
 
 import dataclasses
 import json
-import shutil
 
 import pytest
 import torch
-from _tiny_moe import CORPUS, build_tiny_moe
+from _calibrated import calibrated_bundled_copy, spy_model_inputs
+from _tiny_moe import build_tiny_moe
 from fate_edge.predictors import CrossLayerGate, LearnedPredictor, OnnxPredictor, train_learned
 from fate_edge.predictors.evaluate import TraceRecorder, collect_traces
 from fate_edge.predictors.learned import TrainConfig
 from fate_edge.predictors.previous_input import PreviousInput, previous_rows, widen_trace
 
 from fate_edge import Engine, GenerateConfig
-from fate_edge.calibrate import CalibrateOptions, calibrate
 from fate_edge.loader import load_model
 from fate_edge.policy import get_policy
 
@@ -114,22 +113,13 @@ def test_save_load_and_onnx_keep_the_previous_input(model, tmp_path):
 def test_the_engine_predicts_from_the_previous_tokens_next_layer_input(bundled_dir, tmp_path, monkeypatch):
     """calibrate --previous-input → the engine's learned predictor reads, at each decode layer call, exactly the
     previous token's gate input of the layer it predicts (what the calibration trained it on)."""
-    monkeypatch.setenv("FATE_EDGE_CACHE", str(tmp_path / "cache"))
-    model_dir = tmp_path / "model"  # the bundled model without its shipped predictors
-    shutil.copytree(bundled_dir, model_dir, ignore=shutil.ignore_patterns("predictors"))
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("".join(CORPUS))
-    report = calibrate(model_dir, CalibrateOptions(corpus=corpus, tokens=2048, seq_len=64, lookahead=1, rank=8,
-                                                   epochs=2, onnx=False, progress=False, previous_input=True))
+    model_dir, report = calibrated_bundled_copy(bundled_dir, tmp_path, monkeypatch, previous_input=True)
     assert report["previous_input"] is True
     policy = dataclasses.replace(get_policy("fate-edge"), predictor="learned", prefetch_gate=False)
     with Engine.load(model_dir, "64MB", policy=policy) as engine:
         predictor = engine.scheduler.predictor
         assert isinstance(predictor, LearnedPredictor) and predictor.context is not None
-        seen: list[tuple[int, torch.Tensor]] = []
-        real_predict = predictor.predict
-        monkeypatch.setattr(predictor, "predict", lambda layer, h: (seen.append(
-            (layer, predictor.model_input(layer, h).clone())), real_predict(layer, h))[1])
+        seen = spy_model_inputs(predictor, monkeypatch)
         rec = TraceRecorder(engine.model.config.num_experts)
         engine.model.observers.insert(0, rec)
         engine.generate("def add(a, b):", GenerateConfig(max_tokens=6, ignore_eos=True))
