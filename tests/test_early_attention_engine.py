@@ -135,3 +135,32 @@ def test_the_engine_predicts_from_the_early_attention(bundled_dir, tmp_path, mon
         position = len(prompt) + n // (len(layers) - 1)
         torch.testing.assert_close(x[0, :hidden], trace.gate_inputs[layer][position])
         torch.testing.assert_close(x[0, hidden:], trace.early_inputs[layer][position], atol=1e-4, rtol=1e-4)
+
+
+def test_the_planner_scores_an_early_attention_predictor(bundled_dir, tmp_path, monkeypatch):
+    """The planner's traces carry the early attention's estimate when the store's predictor reads it: the
+    teacher-forced trace scores the learned predictor on [h, s] rows (as predicting the traced rows does), and
+    the engine probe records each decode step's estimate."""
+    from fate_edge.predictors.learned import find_learned
+
+    from fate_edge.planner import probe_engine, record_plan_trace, trace_predictions
+    from fate_edge.store_cache import ensure_store
+
+    model_dir, _ = calibrated_bundled_copy(bundled_dir, tmp_path, monkeypatch, early_attention=True)
+    store = ensure_store(model_dir, progress=False)
+    model = load_model(model_dir)
+    ids = [(7 * i + 3) % model.config.vocab_size for i in range(40)]
+    plan = record_plan_trace(model, ids, lookahead=1, store_dir=store)
+    assert plan.predictions["best-available"] is plan.predictions["learned"]
+    trace = collect_traces(model, [torch.tensor([ids])], early=True)
+    wide = widen_trace(trace, model.config.moe_layers, len(ids), previous=False, early=True)
+    learned = LearnedPredictor.load(find_learned(store / "predictors", widest=True))
+    src, target = model.config.moe_layers[0], model.config.moe_layers[1]
+    torch.testing.assert_close(plan.predictions["learned"][(src, target)],
+                               learned.predict(src, wide.gate_inputs[src]).for_layer(target))
+    with pytest.raises(ValueError, match="early attention"):
+        trace_predictions(model, trace.expert_ids, trace.gate_inputs, 1, store)
+    policy = dataclasses.replace(get_policy("fate-edge"), predictor="learned", prefetch_gate=False, bits=16)
+    run = probe_engine(store, 64 << 20, policy, None, ids[:8], torch.float32, tokens=4, record=True)
+    assert run.trace is not None and "learned" in run.trace.predictions
+    assert run.trace.predictions["learned"][(src, target)].shape[0] == run.trace.expert_ids[src].shape[0] >= 4
