@@ -287,13 +287,19 @@ class MoETransformer:
     # ----------------------------------------------------------------- forward
     def forward(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
         """``input_ids`` [B, T] continuing ``cache`` → logits [B, T, V] (or [B, 1, V] with last_only)."""
+        self.active_cache, self.residual = cache, None
+        try:
+            return self._forward(input_ids, cache, last_only)
+        finally:  # a finished request's KV cache is not kept alive through the model
+            self.active_cache = self.residual = None
+
+    def _forward(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool) -> torch.Tensor:
         cfg = self.config
         plan = self.plan()
         start = cache.length
         t = input_ids.shape[1]
         b = input_ids.shape[0]
         self.experts.begin_forward(t)
-        self.active_cache, self.residual = cache, None
         if t == 1 and b == 1 and self.fast_decode:
             out = self.compiled.step(self, input_ids, cache, plan) if self.compiled is not None else None
             return out if out is not None else decode_step.decode_token(self, input_ids, cache, plan)
