@@ -150,13 +150,21 @@ def corpus_windows(model_dir: Path, tokenizer: Any, eos: int | None, opts: Calib
 
 
 def trace_windows(model: Any, wins: torch.Tensor, batch: int, desc: str, progress: bool, early: bool = False):
+    """The routing of ``wins``; gate inputs (and early-attention inputs) kept in float16, half of float32's memory,
+    so a million tokens of a small model fit beside training; the predictors are fitted and scored in float32."""
     from tqdm.auto import tqdm
 
     from fate_edge.predictors.evaluate import collect_traces
 
     batches = [wins[s : s + batch] for s in range(0, len(wins), batch)]
     bar = tqdm(batches, desc=desc, unit="batch", disable=not progress, leave=False)
-    return collect_traces(model, bar, early=early)
+    trace = collect_traces(model, bar, dtype=torch.float16, early=early)
+    kept = list(trace.gate_inputs.values()) + list((trace.early_inputs or {}).values())
+    if all(bool(torch.isfinite(h).all()) for h in kept):
+        return trace
+    print(f"calibrate: {desc}: a gate input overflows float16; tracing again in float32", file=sys.stderr)
+    bar = tqdm(batches, desc=desc, unit="batch", disable=not progress, leave=False)
+    return collect_traces(model, bar, dtype=torch.float32, early=early)
 
 
 def engine_predictors_dir(model_dir: Path, progress: bool = True) -> Path:

@@ -11,7 +11,7 @@ Plus per-layer expert usage: entropy normalised by log E (1 = uniform) and the m
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +24,8 @@ from .base import EMBEDDING, Predictor
 class Trace:
     """Routing of the same N tokens through every MoE layer (rows align across layers)."""
 
-    gate_inputs: dict[int, torch.Tensor]  # MoE layer → [N, H] the router's input
+    # MoE layer → [N, H] the router's input (or a previous_input.WidenedInputs: [N, (1-3)·H], built when read)
+    gate_inputs: Mapping[int, torch.Tensor]
     expert_ids: dict[int, torch.Tensor]  # MoE layer → [N, k] experts the router chose
     num_experts: int
     token_ids: torch.Tensor | None = None  # [N] the input token of each row (collect_traces records it)
@@ -51,8 +52,9 @@ class Trace:
     def rows(self, start: int, stop: int | None = None) -> Trace:
         """The same trace restricted to rows ``start:stop`` (e.g. a contiguous validation tail)."""
         sl = slice(start, stop)
+        lazy = getattr(self.gate_inputs, "rows", None)  # previous_input.WidenedInputs slices itself, lazily
         return Trace(
-            {i: h[sl] for i, h in self.gate_inputs.items()},
+            lazy(start, stop) if lazy is not None else {i: h[sl] for i, h in self.gate_inputs.items()},
             {i: e[sl] for i, e in self.expert_ids.items()},
             self.num_experts,
             None if self.token_ids is None else self.token_ids[sl],
@@ -89,6 +91,10 @@ class TraceRecorder:
 
 
 @torch.no_grad()
+def _as_float(x: torch.Tensor) -> torch.Tensor:
+    return x.float() if x.is_floating_point() else x  # token ids stay integers
+
+
 def collect_traces(model: Any, batches: Iterable[torch.Tensor], dtype: torch.dtype = torch.float32,
                    early: bool = False) -> Trace:
     """Run ``model`` (a :class:`fate_edge.model.MoETransformer`) over ``batches`` of token ids [B, T],
@@ -170,7 +176,9 @@ def evaluate_predictor(
         if not targets or h is None:
             continue
         # top-wmax once; every narrower width is a prefix, which is what makes recall monotone in k'.
-        top = torch.cat([predictor.predict(src, h[s : s + chunk]).topk(wmax) for s in range(0, len(h), chunk)], dim=1)
+        # A trace may keep its gate inputs in half precision (calibrate does); predictors read float32.
+        top = torch.cat([predictor.predict(src, _as_float(h[s : s + chunk])).topk(wmax)
+                         for s in range(0, len(h), chunk)], dim=1)
         layers = predictor.targets(src)
         for target in targets:
             pred, true = top[layers.index(target)], trace.expert_ids[target]  # [N, wmax], [N, k]

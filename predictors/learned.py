@@ -406,7 +406,8 @@ def train_learned(
                                       early=cfg.early_attention)
     pred.loss = cfg.loss
     width = pred.hidden_size * (1 + cfg.previous_input + cfg.early_attention)
-    narrow = {i: h.shape[1] for i, h in train.gate_inputs.items() if i in pred.models and h.shape[1] != width}
+    first_row = train.rows(0, 1).gate_inputs  # widths from one row: a widened trace builds a layer when read
+    narrow = {i: h.shape[1] for i, h in first_row.items() if i in pred.models and h.shape[1] != width}
     if narrow:
         raise ValueError(f"source layers {sorted(narrow)} have inputs {sorted(set(narrow.values()))} wide, the "
                          f"predictor reads {width}" + (" (widen the trace: previous_input.widen_trace)"

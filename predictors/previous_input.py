@@ -16,6 +16,7 @@ a share of rows (``TrainConfig.previous_dropout``) so zeros mean "unknown" rathe
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -24,40 +25,76 @@ from .base import next_moe_layers
 from .evaluate import Trace
 
 
-def previous_rows(x: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """Row t holds row t-1 of the same window (zeros at a window's first position); rows are window-major,
-    ``seq_len`` rows a window (the whole tensor is one window when ``seq_len`` is its length)."""
-    w = x.reshape(-1, seq_len, x.shape[-1])
-    out = torch.zeros_like(w)
-    out[:, 1:] = w[:, :-1]
-    return out.reshape(x.shape)
+def previous_rows(x: torch.Tensor, seq_len: int, start: int = 0, stop: int | None = None) -> torch.Tensor:
+    """Rows ``start:stop`` of "the row above": row t holds row t-1 of the same window (zeros at a window's first
+    position); rows are window-major, ``seq_len`` rows a window (the whole tensor is one window when ``seq_len``
+    is its length). Only the asked rows are copied, so a slice of a long trace costs the slice."""
+    t = torch.arange(start, x.shape[0] if stop is None else stop)
+    out = x[(t - 1).clamp_min(0)]
+    out[t % seq_len == 0] = 0
+    return out
+
+
+class WidenedInputs(Mapping[int, torch.Tensor]):
+    """Per source MoE layer (one with a next MoE layer), what a learned predictor reads: [h_i, s_i, previous] in
+    float32, with s_i the next layer's attention run early (``early``, early_attention.py) and previous the next
+    layer's gate inputs one row down (``previous``); each part only when asked for.
+
+    Built when a layer is read, from the trace's own tensors (which may be kept in half precision), and only for
+    rows ``start:stop``: calibrating on millions of tokens holds the trace once, not every layer's widened
+    float32 copy beside it (which at 1M tokens of an 8-layer, 192-wide model with both parts is 16 GB)."""
+
+    def __init__(self, gate_inputs: Mapping[int, torch.Tensor], moe_layers: list[int], seq_len: int,
+                 previous: bool = True, early: Mapping[int, torch.Tensor] | None = None, start: int = 0,
+                 stop: int | None = None):
+        self.gate_inputs, self.moe_layers, self.seq_len = gate_inputs, sorted(moe_layers), seq_len
+        self.previous, self.early = previous, early
+        total = next(iter(gate_inputs.values())).shape[0] if gate_inputs else 0
+        self.start, self.stop = start, total if stop is None else stop
+        self._next = {}
+        for i in self.moe_layers:
+            nxt = next_moe_layers(self.moe_layers, i, 1)
+            if nxt and i in gate_inputs and nxt[0] in gate_inputs and (early is None or i in early):
+                self._next[i] = nxt[0]
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        if layer not in self._next:
+            raise KeyError(layer)
+        a, b = self.start, self.stop
+        parts = [self.gate_inputs[layer][a:b].float()]
+        if self.early is not None:
+            parts.append(self.early[layer][a:b].float())
+        if self.previous:
+            parts.append(previous_rows(self.gate_inputs[self._next[layer]], self.seq_len, a, b).float())
+        return torch.cat(parts, 1)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._next)
+
+    def __len__(self) -> int:
+        return len(self._next)
+
+    def rows(self, start: int, stop: int | None = None) -> WidenedInputs:
+        """The same inputs for rows ``start:stop`` of these (Trace.rows)."""
+        r = range(self.start, self.stop)[slice(start, stop)]
+        return WidenedInputs(self.gate_inputs, self.moe_layers, self.seq_len, self.previous, self.early,
+                             r.start, r.stop)
 
 
 def widen_inputs(gate_inputs: dict[int, torch.Tensor], moe_layers: list[int], seq_len: int, previous: bool = True,
                  early: dict[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
-    """Every MoE layer that has a next one: what a learned predictor reads, [h_i, s_i, previous] with s_i the next
-    layer's attention run early (``early``, early_attention.py) and previous the next layer's gate inputs one row
-    down (``previous``); each part only when asked for."""
-    out = {}
-    for i in moe_layers:
-        nxt = next_moe_layers(moe_layers, i, 1)
-        if nxt and i in gate_inputs and nxt[0] in gate_inputs:
-            parts = [gate_inputs[i].float()]
-            if early is not None:
-                parts.append(early[i].float())
-            if previous:
-                parts.append(previous_rows(gate_inputs[nxt[0]].float(), seq_len))
-            out[i] = torch.cat(parts, 1)
-    return out
+    """Every MoE layer that has a next one: :class:`WidenedInputs`, built at once."""
+    return dict(WidenedInputs(gate_inputs, moe_layers, seq_len, previous, early))
 
 
 def widen_trace(trace: Trace, moe_layers: list[int], seq_len: int, previous: bool = True, early: bool = False
                 ) -> Trace:
-    """``trace`` with widened gate inputs (:func:`widen_inputs`): what a previous-input and/or early-attention
-    predictor reads (``early`` takes ``trace.early_inputs``: ``collect_traces(..., early=True)``)."""
+    """``trace`` with widened gate inputs (:class:`WidenedInputs`, built per layer when read): what a
+    previous-input and/or early-attention predictor reads (``early`` takes ``trace.early_inputs``:
+    ``collect_traces(..., early=True)``)."""
     if early and trace.early_inputs is None:
         raise ValueError("the trace has no early-attention inputs: collect it with collect_traces(..., early=True)")
-    wide = widen_inputs(trace.gate_inputs, moe_layers, seq_len, previous, trace.early_inputs if early else None)
+    wide = WidenedInputs(trace.gate_inputs, moe_layers, seq_len, previous, trace.early_inputs if early else None)
     return Trace(wide, trace.expert_ids, trace.num_experts, trace.token_ids)
 
 

@@ -18,8 +18,10 @@ from fate_edge.calibrate import (
     add_calibrate_parser,
     calibrate,
     load_popularity,
+    trace_windows,
     trained_on_stdlib,
 )
+from fate_edge.loader import load_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -140,3 +142,17 @@ def test_calibrate_needs_a_corpus_for_other_models(tiny, tmp_path):
         calibrate(model_dir, CalibrateOptions(corpus=corpus, progress=False))  # default: the engine's store
     with pytest.raises(CalibrationError, match="no such corpus"):
         calibrate(model_dir, CalibrateOptions(corpus=tmp_path / "missing.txt", predictors_dir=tmp_path))
+
+
+def test_traces_are_kept_in_half_precision_unless_a_gate_input_overflows_it(tiny, capsys):
+    """calibrate keeps gate inputs in float16 (half the memory of a long corpus); a model whose gate inputs
+    exceed float16's range is traced again in float32, not trained on infinities."""
+    model = load_model(tiny[0])
+    wins = torch.randint(0, model.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
+    half = trace_windows(model, wins, 2, "tracing", progress=False, early=True)
+    assert {h.dtype for h in [*half.gate_inputs.values(), *half.early_inputs.values()]} == {torch.float16}
+    model.plan()[0].post_norm.mul_(1e6)  # layer 0's gate input: ~1e6, past float16's 65504
+    full = trace_windows(model, wins, 2, "tracing", progress=False, early=True)
+    assert full.gate_inputs[0].dtype == torch.float32 and torch.isfinite(full.gate_inputs[0]).all()
+    assert full.gate_inputs[0].abs().max() > 65504
+    assert "overflows float16; tracing again in float32" in capsys.readouterr().err

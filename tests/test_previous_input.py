@@ -9,7 +9,7 @@ import torch
 from _calibrated import calibrated_bundled_copy, spy_model_inputs
 from _tiny_moe import build_tiny_moe
 from fate_edge.predictors import CrossLayerGate, LearnedPredictor, OnnxPredictor, train_learned
-from fate_edge.predictors.evaluate import TraceRecorder, collect_traces
+from fate_edge.predictors.evaluate import TraceRecorder, collect_traces, evaluate_predictor
 from fate_edge.predictors.learned import TrainConfig
 from fate_edge.predictors.previous_input import PreviousInput, previous_rows, widen_trace
 
@@ -57,6 +57,41 @@ def test_widened_trace_pairs_each_layer_with_the_next_moe_layer_one_row_down(mod
     assert torch.equal(wide.gate_inputs[1][:, :hidden], trace.gate_inputs[1])
     assert torch.equal(wide.gate_inputs[1][1:SEQ, hidden:], trace.gate_inputs[3][: SEQ - 1])  # layer 2 is dense
     assert wide.gate_inputs[1][SEQ, hidden:].eq(0).all()  # a window's first token has no previous one
+
+
+def test_a_widened_trace_sliced_holds_the_rows_of_the_whole_widened_one(model, trace):
+    """Trace.rows on a widened trace builds only the asked rows (calibrate's validation tail, nested slices, a
+    cut inside a window): each must equal the same rows of the whole trace widened at once."""
+    half = {i: h.half() for i, h in trace.gate_inputs.items()}  # as calibrate keeps them
+    early = {i: torch.randn(trace.tokens, model.config.hidden_size).half() for i in (0, 1)}
+    narrow = dataclasses.replace(trace, gate_inputs=half, early_inputs=early)
+    wide = widen_trace(narrow, model.config.moe_layers, SEQ, previous=True, early=True)
+    whole = {i: wide.gate_inputs[i] for i in wide.gate_inputs}
+    assert all(h.dtype == torch.float32 and h.shape == (trace.tokens, 3 * model.config.hidden_size)
+               for h in whole.values())
+    for start, stop in [(0, None), (SEQ + 5, 3 * SEQ - 2), (-SEQ - 3, None), (7, 7)]:
+        part = wide.rows(start, stop)
+        assert sorted(part.gate_inputs) == [0, 1]
+        for i in (0, 1):
+            assert torch.equal(part.gate_inputs[i], whole[i][start:stop])
+            assert torch.equal(part.expert_ids[i], trace.expert_ids[i][start:stop])
+    nested = wide.rows(SEQ - 4, None).rows(2, SEQ + 1)  # rows SEQ-2 .. 2·SEQ-4, across a window's start
+    assert torch.equal(nested.gate_inputs[1], whole[1][SEQ - 2 : 2 * SEQ - 3])
+
+
+def test_a_half_precision_trace_trains_the_predictor_a_float32_one_does(model, trace):
+    """calibrate keeps its traces in float16: the predictor trained on them, and its held-out score, match the
+    float32 trace's to the rounding."""
+    half = dataclasses.replace(trace, gate_inputs={i: h.half() for i, h in trace.gate_inputs.items()})
+    gate = CrossLayerGate.from_model(model, lookahead=1)
+    cfg = TrainConfig(kind="lowrank", rank=8, epochs=2, previous_input=True)
+    moe = model.config.moe_layers
+    full, rounded = (train_learned(gate, widen_trace(t, moe, SEQ), config=cfg, progress=False) for t in (trace, half))
+    h = widen_trace(trace, moe, SEQ).gate_inputs[0]
+    torch.testing.assert_close(rounded.predict(0, h).scores, full.predict(0, h).scores, atol=2e-2, rtol=2e-2)
+    scores = [evaluate_predictor(p, widen_trace(t, moe, SEQ), [2])[0].exact
+              for p, t in ((full, trace), (rounded, half))]
+    assert abs(scores[0] - scores[1]) < 0.02
 
 
 @pytest.mark.parametrize("kind", ["linear", "lowrank"])
