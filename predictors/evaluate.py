@@ -83,18 +83,18 @@ class TraceRecorder:
             self._h.setdefault(layer, []).append(h.detach().to(self.dtype, copy=True))
 
     def trace(self) -> Trace:
-        return Trace(
-            {i: torch.cat(v) for i, v in self._h.items()},
-            {i: torch.cat(v) for i, v in self._ids.items()},
-            self.num_experts,
-        )
+        """Everything recorded so far (the lists are joined once and kept joined, not held twice)."""
+        for chunks in (self._h, self._ids):
+            for i in chunks:  # one layer at a time: its chunks are freed as soon as they are joined
+                chunks[i] = [torch.cat(chunks[i])]
+        return Trace({i: v[0] for i, v in self._h.items()}, {i: v[0] for i, v in self._ids.items()}, self.num_experts)
 
 
-@torch.no_grad()
 def _as_float(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.is_floating_point() else x  # token ids stay integers
 
 
+@torch.no_grad()
 def collect_traces(model: Any, batches: Iterable[torch.Tensor], dtype: torch.dtype = torch.float32,
                    early: bool = False) -> Trace:
     """Run ``model`` (a :class:`fate_edge.model.MoETransformer`) over ``batches`` of token ids [B, T],
@@ -122,7 +122,8 @@ def collect_traces(model: Any, batches: Iterable[torch.Tensor], dtype: torch.dty
     trace = rec.trace()
     trace.token_ids = torch.cat(tokens) if tokens else None
     if residuals is not None:
-        trace.early_inputs = {i: torch.cat([p[i] for p in parts]) for i in (parts[0] if parts else {})}
+        # One layer at a time, dropping its chunks as they are joined: a long corpus is not held twice.
+        trace.early_inputs = {i: torch.cat([p.pop(i) for p in parts]) for i in list(parts[0] if parts else {})}
     return trace
 
 
