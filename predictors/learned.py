@@ -469,6 +469,7 @@ def train_learned(
         model.load_state_dict(best_state)
         model.fold_standardization()
         model.eval()
+        del h, y, vh, vids, vy  # before the next layer's inputs are built: one layer's rows resident at a time
         per_layer[str(layer)] = {
             "targets": list(targets), "epochs": epoch, "best_epoch": best_epoch,
             "val_exact_init": first[0], "val_exact": best[0],

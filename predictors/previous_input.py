@@ -61,12 +61,20 @@ class WidenedInputs(Mapping[int, torch.Tensor]):
         if layer not in self._next:
             raise KeyError(layer)
         a, b = self.start, self.stop
-        parts = [self.gate_inputs[layer][a:b].float()]
+        parts = [lambda: self.gate_inputs[layer][a:b]]
         if self.early is not None:
-            parts.append(self.early[layer][a:b].float())
+            parts.append(lambda: self.early[layer][a:b])
         if self.previous:
-            parts.append(previous_rows(self.gate_inputs[self._next[layer]], self.seq_len, a, b).float())
-        return torch.cat(parts, 1)
+            parts.append(lambda: previous_rows(self.gate_inputs[self._next[layer]], self.seq_len, a, b))
+        hidden = self.gate_inputs[layer].shape[1]
+        # Written part by part into one float32 block: no float32 copies of the parts beside the result.
+        out = torch.empty(b - a, hidden * len(parts), dtype=torch.float32)
+        for n, part in enumerate(parts):
+            out[:, n * hidden : (n + 1) * hidden] = part()
+        return out
+
+    def __contains__(self, layer: object) -> bool:
+        return layer in self._next  # not Mapping's default, which would build the layer's inputs
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._next)
