@@ -163,6 +163,7 @@ def trace_windows(model: Any, wins: torch.Tensor, batch: int, desc: str, progres
     if all(bool(torch.isfinite(h).all()) for h in kept):
         return trace
     print(f"calibrate: {desc}: a gate input overflows float16; tracing again in float32", file=sys.stderr)
+    del trace, kept  # not held beside the float32 trace
     bar = tqdm(batches, desc=desc, unit="batch", disable=not progress, leave=False)
     return collect_traces(model, bar, dtype=torch.float32, early=early)
 

@@ -61,16 +61,17 @@ class WidenedInputs(Mapping[int, torch.Tensor]):
         if layer not in self._next:
             raise KeyError(layer)
         a, b = self.start, self.stop
-        parts = [lambda: self.gate_inputs[layer][a:b]]
-        if self.early is not None:
-            parts.append(lambda: self.early[layer][a:b])
-        if self.previous:
-            parts.append(lambda: previous_rows(self.gate_inputs[self._next[layer]], self.seq_len, a, b))
-        hidden = self.gate_inputs[layer].shape[1]
+        h = self.gate_inputs[layer][a:b]
+        width = h.shape[1] * (1 + (self.early is not None) + self.previous)
         # Written part by part into one float32 block: no float32 copies of the parts beside the result.
-        out = torch.empty(b - a, hidden * len(parts), dtype=torch.float32)
-        for n, part in enumerate(parts):
-            out[:, n * hidden : (n + 1) * hidden] = part()
+        out = torch.empty(b - a, width, dtype=torch.float32)
+        out[:, : h.shape[1]] = h
+        col = h.shape[1]
+        if self.early is not None:
+            out[:, col : col + h.shape[1]] = self.early[layer][a:b]
+            col += h.shape[1]
+        if self.previous:
+            out[:, col:] = previous_rows(self.gate_inputs[self._next[layer]], self.seq_len, a, b)
         return out
 
     def __contains__(self, layer: object) -> bool:
