@@ -216,7 +216,8 @@ class CompiledDecode:
             self.failed = "the model's weights changed after compiling (call set_compile again)"
         if self.failed is not None:
             return None
-        cos, sin = model.rope.cos_sin_range(start, 1, torch.float32 if model.config.rope.float32 else model.dtype)
+        cos, sin = model.rope.cos_sin_range(start, 1, torch.float32 if model.config.rope.float32 else model.dtype,
+                                            model.device)
         kv = []
         for lay in cache.layers:
             bufs = lay.reserve(start + 1)
@@ -225,8 +226,8 @@ class CompiledDecode:
             kv.append(tuple(bufs))
         try:
             g = GraphConsts(model.config, model.act, model.embed, model.w["model.norm.weight"])
-            logits, routing = self.fn(g, self.shape, token, cos, sin, torch.tensor([start]), kv, plan,
-                                      self.stacks, model.head)
+            pos = torch.tensor([start], device=model.device)
+            logits, routing = self.fn(g, self.shape, token, cos, sin, pos, kv, plan, self.stacks, model.head)
         except Exception as e:  # noqa: BLE001 (compiler missing or broken, unsupported op: eager still works)
             self.failed = f"{type(e).__name__}: {e}".splitlines()[0][:300]
             if self.mode == "on":
@@ -248,8 +249,8 @@ class CompiledDecode:
         model.observers.clear()  # no routing of these dummy tokens reaches a trace or a predictor
         try:
             with torch.inference_mode():
-                model(torch.zeros(1, 2, dtype=torch.long), cache)
+                model(torch.zeros(1, 2, dtype=torch.long, device=model.device), cache)
                 for _ in range(2):
-                    model(torch.zeros(1, 1, dtype=torch.long), cache)
+                    model(torch.zeros(1, 1, dtype=torch.long, device=model.device), cache)
         finally:
             model.observers.extend(observers)

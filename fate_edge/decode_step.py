@@ -43,10 +43,10 @@ def rope_matrix(cos: torch.Tensor, sin: torch.Tensor, perm: torch.Tensor) -> tor
     return torch.diag(cos[0]).addcmul_(perm, sin)
 
 
-def roll_permutation(d: int, dtype: torch.dtype) -> torch.Tensor:
+def roll_permutation(d: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     half = d // 2
-    p = torch.zeros(d, d, dtype=dtype)
-    j = torch.arange(d)
+    p = torch.zeros(d, d, dtype=dtype, device=device)
+    j = torch.arange(d, device=device)
     p[(j + half) % d, j] = 1
     return p
 
@@ -56,7 +56,7 @@ def decode_token(model: MoETransformer, token: torch.Tensor, cache: KVCache, pla
     cfg = model.config
     start = cache.length
     x = F.embedding(token.view(1), model.embed)  # [1, H]; a fresh tensor, updated in place below
-    cos, sin = model.rope.cos_sin_range(start, 1, torch.float32 if cfg.rope.float32 else model.dtype)
+    cos, sin = model.rope.cos_sin_range(start, 1, torch.float32 if cfg.rope.float32 else model.dtype, x.device)
     rot = None
     if cos.dtype == x.dtype and not cfg.rope.interleaved:
         rot = rope_matrix(cos, sin, model.rope_permutation(cos.dtype))

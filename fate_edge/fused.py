@@ -109,12 +109,9 @@ def fuse(w: Weights, names: list[str]) -> Fused:
         return Fused(weight, None, sizes)
     if len(names) == 1:
         return Fused(weight, biases[0], sizes)
-    biases = [b if b is not None else torch.zeros(size, dtype=_dtype(biases)) for b, size in zip(biases, sizes)]
+    like = next(b for b in biases if b is not None)
+    biases = [b if b is not None else like.new_zeros(size) for b, size in zip(biases, sizes)]
     return Fused(weight, _concat(w, [f"{n}.bias" for n in names], biases), sizes)
-
-
-def _dtype(tensors: list[torch.Tensor | None]) -> torch.dtype:
-    return next(t.dtype for t in tensors if t is not None)
 
 
 def _quantized(w: Weights, key: str) -> tuple[Any, list[int]] | None:

@@ -82,7 +82,7 @@ def stream_generate(
     cache = model.new_cache()
 
     t0 = time.perf_counter()
-    logits = model(torch.tensor([prompt_ids]), cache, last_only=True)[0, -1]
+    logits = model(torch.tensor([prompt_ids], device=model.device), cache, last_only=True)[0, -1]
     prompt_tps = len(prompt_ids) / (time.perf_counter() - t0)
     t_gen = time.perf_counter()
     pending = ""  # text held back because it might begin a stop string
@@ -121,7 +121,7 @@ def stream_generate(
         keep = _hold_back(pending, config.stop)
         out, pending = (pending[: len(pending) - keep], pending[len(pending) - keep :]) if keep else (pending, "")
         yield response(out, token, None)
-        logits = model(torch.tensor([[token]]), cache)[0, -1]
+        logits = model(torch.tensor([[token]], device=model.device), cache)[0, -1]
 
 
 def generate(model: MoETransformer, tokenizer: Tokenizer, prompt: str | list[int],

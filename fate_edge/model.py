@@ -69,7 +69,7 @@ class MoETransformer:
         # One-token decode through fate_edge.decode_step (fewer, larger operators); False: the general path.
         self.fast_decode = decode_step.supported(self)
         self.compiled = None  # a compiled_step.CompiledDecode after set_compile("on"/"auto")
-        self._rope_perm: dict[torch.dtype, torch.Tensor] = {}
+        self._rope_perm: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         if "lm_head.weight" not in resident and "lm_head.sizes" not in resident and not config.tie_word_embeddings:
             from .errors import MissingTensorError
 
@@ -90,10 +90,16 @@ class MoETransformer:
         assert self._head is not None
         return self._head
 
+    @property
+    def device(self) -> torch.device:
+        """Where the resident weights live: every tensor a forward pass makes is made here."""
+        return self.embed.device
+
     def rope_permutation(self, dtype: torch.dtype) -> torch.Tensor:
-        p = self._rope_perm.get(dtype)
+        key = (self.device, dtype)
+        p = self._rope_perm.get(key)
         if p is None:
-            p = self._rope_perm[dtype] = decode_step.roll_permutation(self.rope.dim, dtype)
+            p = self._rope_perm[key] = decode_step.roll_permutation(self.rope.dim, dtype, self.device)
         return p
 
     def kernels(self) -> dict[str, list[str]]:
@@ -288,6 +294,8 @@ class MoETransformer:
     def forward(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
         """``input_ids`` [B, T] continuing ``cache`` → logits [B, T, V] (or [B, 1, V] with last_only)."""
         self.active_cache, self.residual = cache, None
+        if input_ids.device != self.device:  # ids built on the CPU (a tokenizer's list): one small copy per call
+            input_ids = input_ids.to(self.device)
         try:
             return self._forward(input_ids, cache, last_only)
         finally:  # a finished request's KV cache is not kept alive through the model
@@ -304,7 +312,7 @@ class MoETransformer:
             out = self.compiled.step(self, input_ids, cache, plan) if self.compiled is not None else None
             return out if out is not None else decode_step.decode_token(self, input_ids, cache, plan)
         x = F.embedding(input_ids.reshape(-1), self.embed)  # [B*T, H]
-        cos, sin = self.rope.cos_sin_range(start, t, torch.float32 if cfg.rope.float32 else self.dtype)
+        cos, sin = self.rope.cos_sin_range(start, t, torch.float32 if cfg.rope.float32 else self.dtype, self.device)
         attention = self._mla_attention if cfg.mla is not None else self._gqa_attention
         eps = cfg.rms_norm_eps
         prune = last_only and t > 1 and not any(getattr(o, "needs_every_token", True) for o in self.observers)

@@ -36,7 +36,8 @@ class Sampler:
     def __init__(self, params: SamplingParams):
         params.validate()
         self.params = params
-        self.generator = torch.Generator()
+        # Sampling draws on the CPU whatever the model's device: one seed gives the same stream on every device.
+        self.generator = torch.Generator(device="cpu")
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
         else:
@@ -49,7 +50,7 @@ class Sampler:
             return greedy(logits)  # nothing to rescale, so no copy of the vocabulary's logits (but bf16 -> fp32)
         logits = logits.float().clone()
         if p.repetition_penalty != 1.0 and history:
-            seen = torch.tensor(sorted(set(history)), dtype=torch.long)
+            seen = torch.tensor(sorted(set(history)), dtype=torch.long, device=logits.device)
             vals = logits[seen]
             logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if p.temperature == 0:
@@ -67,7 +68,7 @@ class Sampler:
             drop = cum - sorted_probs >= p.top_p  # keep the smallest prefix whose mass reaches top_p
             sorted_probs[drop] = 0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        return int(torch.multinomial(probs / probs.sum(), 1, generator=self.generator))
+        return int(torch.multinomial((probs / probs.sum()).cpu(), 1, generator=self.generator))
 
 
 def greedy(logits: torch.Tensor) -> int:

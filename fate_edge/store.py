@@ -193,19 +193,15 @@ def decode_expert(blob: torch.Tensor | memoryview, precision: Precision, dtype: 
     if isinstance(blob, memoryview):
         blob = blob_tensor(blob)
     device = torch.device(device) if device is not None else blob.device
-    if precision.layout == "cpu-int4" and device.type != "cpu":
-        raise ModelFormatError(
-            f"int{precision.bits} experts in this store use the CPU kernel layout; for {device.type} convert "
-            "the model with `fate-edge convert --layout portable`"
-        )
     blob = blob.to(device, non_blocking=True)
     t = {p.name: blob[p.offset : p.offset + p.nbytes].view(_DTYPES[p.dtype]).reshape(p.shape)
          for p in precision.parts}
     if precision.spec is None:
         return ExpertWeights(*(t[f"{m}.weight"].to(dtype) for m in MATRICES))
     spec = precision.spec
-    if precision.layout == "cpu-int4":
-        lins = [QuantizedLinear.from_kernel_layout(t[f"{m}.packed"], t[f"{m}.scale_zero"], spec) for m in MATRICES]
+    if precision.layout == "cpu-int4":  # on another device, re-packed there for its kernel (one store, any device)
+        lins = [QuantizedLinear.from_cpu_kernel_layout(t[f"{m}.packed"], t[f"{m}.scale_zero"], spec, device)
+                for m in MATRICES]
         return QuantizedExpert(*lins)
     lins = [QuantizedLinear.from_packed(t[f"{m}.codes"], t[f"{m}.scale"], t.get(f"{m}.zero"), spec, device)
             for m in MATRICES]

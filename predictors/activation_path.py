@@ -49,7 +49,7 @@ class ActivationPathPredictor(Predictor):
     def observe(self, layer: int, expert_ids: torch.Tensor | list) -> None:
         if layer not in self._position:
             return
-        ids = torch.as_tensor(expert_ids, dtype=torch.long).reshape(-1)
+        ids = torch.as_tensor(expert_ids, dtype=torch.long, device=self.counts.device).reshape(-1)
         self.counts[self._position[layer]] += torch.bincount(ids, minlength=self.num_experts).float()
 
     def predict(self, layer: int, h: torch.Tensor) -> Prediction:

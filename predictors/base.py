@@ -53,9 +53,14 @@ class Predictor(ABC):
         """The MoE layers a prediction from ``layer`` covers (empty after the last MoE layer)."""
         return next_moe_layers(self.moe_layers, layer, self.lookahead)
 
-    def empty(self, n: int, num_experts: int) -> Prediction:
+    def empty(self, n: int, num_experts: int, device: torch.device | str = "cpu") -> Prediction:
         """The prediction for a layer with nothing to predict (after the last MoE layer)."""
-        return Prediction((), torch.zeros((0, n, num_experts), dtype=torch.float32))
+        return Prediction((), torch.zeros((0, n, num_experts), dtype=torch.float32, device=device))
+
+    def to(self, device: torch.device | str) -> Predictor:  # noqa: B027 (optional hook)
+        """Move any weights to ``device`` (the model's), so predicting makes no cross-device copy; returns self.
+        Predictors without tensors, or that run elsewhere by design (onnxruntime on the CPU), keep theirs."""
+        return self
 
     @abstractmethod
     def predict(self, layer: int, h: torch.Tensor) -> Prediction:

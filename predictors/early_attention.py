@@ -63,7 +63,7 @@ def early_attention_kv(model, residual: torch.Tensor, k_true: torch.Tensor, v_tr
         raise ValueError("early attention runs GQA attention; MLA models (DeepSeek) are not supported")
     lp = model.plan()[target]
     b, t = k_true.shape[0], k_true.shape[2]
-    cos, sin = model.rope.cos_sin_range(0, t, torch.float32 if cfg.rope.float32 else model.dtype)
+    cos, sin = model.rope.cos_sin_range(0, t, torch.float32 if cfg.rope.float32 else model.dtype, model.device)
     window = cfg.sliding_window if target in cfg.sliding_window_layers else None
     r = residual.to(model.dtype)
     q, k, v = model.gqa_qkv(rms_norm(r, lp.input_norm, cfg.rms_norm_eps), b, t, cos, sin, lp)
@@ -75,7 +75,8 @@ def _window_batches(model, layer: int, rows: int, seq_len: int, batch: int):
     """Per batch of ``batch`` windows of ``seq_len`` rows out of ``rows``: (their rows, their window count, the
     layer's plan, rope cos/sin for positions 0..seq_len-1)."""
     cfg = model.config
-    cos, sin = model.rope.cos_sin_range(0, seq_len, torch.float32 if cfg.rope.float32 else model.dtype)
+    cos, sin = model.rope.cos_sin_range(0, seq_len, torch.float32 if cfg.rope.float32 else model.dtype,
+                                       model.device)
     lp = model.plan()[layer]
     for s in range(0, rows, batch * seq_len):
         part = slice(s, min(rows, s + batch * seq_len))
@@ -185,7 +186,8 @@ class EarlyInput:
         start = lay.length
         b = lay.buffers[0].shape[0] if lay.buffers else 1
         t = r.shape[0] // b
-        cos, sin = model.rope.cos_sin_range(start, t, torch.float32 if cfg.rope.float32 else model.dtype)
+        cos, sin = model.rope.cos_sin_range(start, t, torch.float32 if cfg.rope.float32 else model.dtype,
+                                       model.device)
         x = r.to(model.dtype)
         q, k, v = model.gqa_qkv(rms_norm(x, lp.input_norm, cfg.rms_norm_eps), b, t, cos, sin, lp)
         if start:

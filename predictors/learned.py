@@ -184,6 +184,12 @@ class LearnedPredictor(ReadsPreviousInput, Predictor):
         return cls(models, gate.moe_layers, gate.num_experts, gate.lookahead, kind, "ce", meta=meta, previous=previous,
                    early=early)
 
+    def to(self, device: torch.device | str) -> LearnedPredictor:
+        """Every source model's weights on ``device`` (where the model's gate inputs are)."""
+        for m in self.models.values():
+            m.to(device)
+        return self
+
     # --------------------------------------------------------------------- inference
     def logits(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         """Raw logits [P_trained, N, E] of ``layer``'s model (differentiable; for training)."""
@@ -193,7 +199,7 @@ class LearnedPredictor(ReadsPreviousInput, Predictor):
     def predict(self, layer: int, h: torch.Tensor) -> Prediction:
         targets = self.targets(layer)
         if not targets or layer not in self.models:
-            return self.empty(h.shape[0], self.num_experts)
+            return self.empty(h.shape[0], self.num_experts, h.device)
         with torch.no_grad():
             logits = self.logits(layer, h)[: len(targets)]
         scores = torch.softmax(logits, dim=-1) if self.loss == "ce" else torch.sigmoid(logits)
@@ -331,10 +337,11 @@ class OnnxPredictor(ReadsPreviousInput, Predictor):
     def predict(self, layer: int, h: torch.Tensor) -> Prediction:
         targets = self.targets(layer)
         if not targets or layer not in self.sessions:
-            return self.empty(h.shape[0], self.num_experts)
-        x = self.model_input(layer, h.detach()).to(torch.float32).contiguous().numpy()
+            return self.empty(h.shape[0], self.num_experts, h.device)
+        # onnxruntime runs on the CPU: the gate input comes over (one [N, H] copy), the scores go back to its device.
+        x = self.model_input(layer, h.detach()).to("cpu", torch.float32).contiguous().numpy()
         (scores,) = self.sessions[layer].run(None, {"h": x})
-        return Prediction(targets, torch.from_numpy(scores[: len(targets)]))
+        return Prediction(targets, torch.from_numpy(scores[: len(targets)]).to(h.device))
 
 
 # ---------------------------------------------------------------------------------------------- training

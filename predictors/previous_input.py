@@ -147,7 +147,9 @@ class ReadsPreviousInput:
     hidden_size: int = 0  # the gate input's width, before widening
 
     def attach(self, model: Any) -> None:
-        """The engine's model, whose residual and KV cache the early attention reads (needed with early attention)."""
+        """The engine's model: the predictor moves to its device, and the early attention reads its residual and KV
+        cache (needed with early attention)."""
+        self.to(model.device)
         if self.early_attention:
             from .early_attention import EarlyInput
 

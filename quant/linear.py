@@ -115,6 +115,32 @@ class QuantizedLinear:
         return cls(spec, shape, "torch-int4", packed, scale_zero=scale_zero)
 
     @classmethod
+    def from_cpu_kernel_layout(cls, packed: torch.Tensor, scale_zero: torch.Tensor, spec: QuantSpec,
+                               device: torch.device | str, kernel: str | None = None) -> QuantizedLinear:
+        """Weights stored in torch's CPU int4 layout (a store converted on a CPU host), for any ``device``: on the
+        CPU a view (:meth:`from_kernel_layout`); elsewhere the codes are unpacked where the bytes are and packed for
+        that device's kernel (CUDA's tinygemm takes the same [K/g, N, 2] scale and zero), or dequantized. The codes
+        and scales are the stored numbers: no second rounding."""
+        device = torch.device(device)
+        if device.type == "cpu" and kernel in (None, "torch-int4"):
+            return cls.from_kernel_layout(packed, scale_zero, spec)
+        shape = (packed.shape[0], packed.shape[1] * 2)
+        codes = unpack_int4_cpu(packed.to(device))  # c' = c + shift, the tinygemm convention: (c' - 8) * s + z'
+        sz = scale_zero.to(device)
+        if kernel is None:
+            kernel = "torch-int4" if int4_supported(shape, spec, device) else "dequant"
+        KERNEL_CHOICES[(spec.bits, shape, device.type)] = kernel
+        if kernel == "torch-int4":
+            packed4 = torch._convert_weight_to_int4pack((codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8),
+                                                        _INT4_TILES)
+            return cls(spec, shape, kernel, packed4, scale_zero=sz)
+        if kernel != "dequant":
+            raise ValueError(f"kernel {kernel!r} does not take torch's CPU int4 layout (torch-int4 or dequant)")
+        scale = sz[..., 0].T.float()  # [N, K/g]
+        q = Quantized(codes, scale, sz[..., 1].T.float() - 8 * scale)  # ours: c' * s + (z' - 8 s)
+        return cls(spec, shape, kernel, codes, q=q)
+
+    @classmethod
     def from_packed(cls, packed_codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
                     spec: QuantSpec, device: torch.device | str = "cpu", kernel: str | None = None):
         shape = (packed_codes.shape[0], packed_codes.shape[1] * 8 // spec.storage_bits)
@@ -208,7 +234,7 @@ def _block_pack(codes: torch.Tensor, rows: int) -> torch.Tensor:
     n, k = codes.shape
     full = n - n % rows
     half = rows // 2
-    out = torch.empty(n, k // 2, dtype=torch.uint8)
+    out = torch.empty(n, k // 2, dtype=torch.uint8, device=codes.device)
     blocks = codes[:full].view(full // rows, 2, half, k)  # [NB, 2, B/2, K]
     pairs = blocks[:, 1] << 4
     pairs |= blocks[:, 0]  # row j | row j + B/2 << 4, still row-major: contiguous passes

@@ -48,6 +48,6 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     per_byte = 8 // bits
     if per_byte == 1:
         return packed.clone()
-    shifts = torch.arange(per_byte, dtype=torch.int32) * bits
+    shifts = torch.arange(per_byte, dtype=torch.int32, device=packed.device) * bits
     c = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., B, per_byte]
     return c.reshape(*packed.shape[:-1], -1).to(torch.uint8)
