@@ -235,8 +235,9 @@ def _add_convert_parser(sub) -> None:
                       help="quantizer: round-to-nearest (Fate's) or HQQ-style refinement (lower error, slower)")
     conv.add_argument("--layout", default="auto", choices=["auto", "portable", "cpu-int4"],
                       help="streamed copy's blob layout: portable (fate-edge's own int4 kernel computes on it "
-                      "directly; any device, needed for --device cuda) or cpu-int4 (torch's CPU kernel layout); auto: "
-                      "portable where the native kernel is the default here (AVX512-VNNI), else cpu-int4")
+                      "directly) or cpu-int4 (torch's CPU kernel layout); auto: portable where the native kernel is "
+                      "the default here (AVX512-VNNI), else cpu-int4. Either runs on every device (CUDA re-packs "
+                      "experts for its kernel as they arrive)")
     conv.add_argument("--no-bf16", action="store_true", help="do not keep a bf16 copy of the experts")
     conv.add_argument("--force", action="store_true", help="replace an existing store")
     conv.add_argument("--threads", type=positive_int, default=None,

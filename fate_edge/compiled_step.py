@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .experts import ExpertWeights, InMemoryExpertProvider, QuantizedExpert
-from .fused import Fused, LayerPlan, apply_linear, mlp_forward, rms_norm
+from .fused import Fused, LayerPlan, apply_linear, rms_norm
 from .rope import apply_rope
 from .router import route
 
@@ -84,13 +84,21 @@ def unsupported(model: MoETransformer) -> str | None:
         for f in (lp.qkv, lp.o_proj, lp.mlp, lp.down):
             if f is not None and not isinstance(f.weight, torch.Tensor):
                 return "quantized resident weights (--resident-bits)"
+    why = unsupported_experts(model)
+    if why is not None:
+        return why
+    if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        return "a host without a C++ compiler (g++, c++ or clang++ on PATH)"
+    return None
+
+
+def unsupported_experts(model: MoETransformer) -> str | None:
+    """Why ``model``'s routed experts cannot be stacked for one-graph decode (compiled or captured), or None."""
     if not isinstance(model.experts, InMemoryExpertProvider):
         return "experts streamed from a store (every expert must be resident in memory)"
     kinds = {_kind(e) for layer in _experts_of(model).values() for e in layer}
     if len(kinds) != 1 or None in kinds:
         return "this mix of expert formats (all int4 on torch's kernel, or all float)"
-    if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
-        return "a host without a C++ compiler (g++, c++ or clang++ on PATH)"
     return None
 
 
@@ -131,8 +139,9 @@ def _expert(s: StepShape, act, h: torch.Tensor, hb: torch.Tensor, stacks: tuple,
     """Expert ``e`` [1] of a layer's ``stacks`` on the gate input → [1, H] float32."""
     if s.int4_group is not None:
         pgu, sgu, pd, sd = (t.index_select(0, e)[0] for t in stacks)
-        gate, up = torch._weight_int4pack_mm_for_cpu(hb, pgu, s.int4_group, sgu).chunk(2, dim=-1)
-        return torch._weight_int4pack_mm_for_cpu(F.silu(gate) * up, pd, s.int4_group, sd).float()
+        mm = torch._weight_int4pack_mm_for_cpu if hb.device.type == "cpu" else torch._weight_int4pack_mm
+        gate, up = mm(hb, pgu, s.int4_group, sgu).chunk(2, dim=-1)
+        return mm(F.silu(gate) * up, pd, s.int4_group, sd).float()
     gu, down = (t.index_select(0, e)[0] for t in stacks)
     gate, up = F.linear(h, gu).chunk(2, dim=-1)
     return F.linear(act(gate) * up, down).float()
@@ -146,6 +155,14 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     scores = torch.bmm(q, k[0].transpose(1, 2)) * hd**-0.5  # [n_k, g, S]
     p = scores.masked_fill(~mask, float("-inf")).softmax(-1)
     return torch.bmm(p, v[0]).view(1, n_q * hd)
+
+
+def _add_mlp(x: torch.Tensor, h: torch.Tensor, mlp: Fused, down: Fused, act) -> torch.Tensor:
+    """``x + mlp(h)`` (Qwen's gated shared expert: ``x + sigmoid(g(h)) * mlp(h)`` in one addcmul), as the eager
+    step's ``decode_step.add_shared`` adds it."""
+    gate, up, *gated = apply_linear(h, mlp).split(mlp.sizes, dim=-1)
+    z = apply_linear(act(gate) * up, down)
+    return torch.addcmul(x, torch.sigmoid(gated[0]), z) if gated else x + z
 
 
 def step_graph(g: GraphConsts, s: StepShape, token: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -165,20 +182,25 @@ def step_graph(g: GraphConsts, s: StepShape, token: torch.Tensor, cos: torch.Ten
         kbuf.index_copy_(2, pos, qk[n_q:].view(1, n_k, 1, hd))
         vbuf.index_copy_(2, pos, qkv[0, (n_q + n_k) * hd :].view(1, n_k, 1, hd))
         out = _attend(qk[:n_q], kbuf, vbuf, mask, n_q, n_k, hd)
-        x = x + apply_linear(out, lp.o_proj)
+        o = lp.o_proj
+        # The eager step's arithmetic (decode_step): o_proj and the residual in one addmm where it can.
+        x = torch.addmm(x, out, o.weight.t()) if isinstance(o.weight, torch.Tensor) and o.bias is None else \
+            x + apply_linear(out, o)
         h = rms_norm(x, lp.post_norm, s.eps)
         if lp.router is None:
-            x = x + mlp_forward(h, lp.mlp, lp.down, act)
+            x = _add_mlp(x, h, lp.mlp, lp.down, act)
             continue
         logits = F.linear(h if h.dtype == lp.router.dtype else h.to(lp.router.dtype), lp.router)
         weights, idx = route(cfg, logits, lp.correction_bias)
         routing.append((h, idx, weights))
-        ids, ws = idx[0], weights[0]
+        ids, order = idx[0].sort()  # experts summed in expert-id order, as the eager paths sum them
+        ws = weights[0].index_select(0, order)
         hb = h.to(torch.bfloat16)
         for j in range(cfg.num_experts_per_tok):
-            x = x + (_expert(s, act, h, hb, st, ids[j : j + 1]) * ws[j]).to(x.dtype)
+            # x + w * expert rounded once to x's dtype: what the eager step's x.add_(part, alpha=w) computes
+            x = (x.float() + _expert(s, act, h, hb, st, ids[j : j + 1]) * ws[j]).to(x.dtype)
         if lp.mlp is not None:
-            x = x + mlp_forward(h, lp.mlp, lp.down, act)
+            x = _add_mlp(x, h, lp.mlp, lp.down, act)
     x = rms_norm(x, g.norm, s.eps)
     return apply_linear(x, head), routing
 

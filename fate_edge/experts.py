@@ -91,10 +91,18 @@ class QuantizedExpert:
             down = QuantizedLinear.from_native(*(t.clone() for t in self.down.native.parts), g.spec,
                                                in_features=self.down.shape[1])
             return QuantizedExpert(None, None, down, gate_up=gate_up)
-        if self.gate_up is not None or not self.takes_bf16 or g.spec != u.spec or g.packed.device.type != "cpu":
+        if self.gate_up is not None or not self.takes_bf16 or g.spec != u.spec:
             return self
         packed = torch.cat([g.packed, u.packed])
         scale_zero = torch.cat([g.scale_zero, u.scale_zero], dim=1)
+        if g.packed.device.type != "cpu":  # CUDA's tinygemm layout tiles rows by 8: checked once per shape
+            gate_up = QuantizedLinear(g.spec, (g.shape[0] + u.shape[0], g.shape[1]), "torch-int4", packed,
+                                      scale_zero=scale_zero)
+            if not _stacks_rows(g, u, gate_up):
+                return self
+            down = QuantizedLinear(g.spec, self.down.shape, "torch-int4", self.down.packed.clone(),
+                                   scale_zero=self.down.scale_zero.clone())
+            return QuantizedExpert(None, None, down, gate_up=gate_up)
         gate_up = QuantizedLinear.from_kernel_layout(packed, scale_zero, g.spec)
         down = QuantizedLinear.from_kernel_layout(self.down.packed.clone(), self.down.scale_zero.clone(), g.spec)
         return QuantizedExpert(None, None, down, gate_up=gate_up)
@@ -106,6 +114,20 @@ class QuantizedExpert:
     @property
     def kernel(self) -> str:
         return (self.gate_up if self.gate_up is not None else self.gate).kernel
+
+
+_ROW_STACKING: dict[tuple, bool] = {}  # (device type, gate shape, up shape, group) → fused gate_up is exact
+
+
+def _stacks_rows(g: QuantizedLinear, u: QuantizedLinear, gate_up: QuantizedLinear) -> bool:
+    """Whether stacking ``g`` and ``u``'s packed rows gave the matrix of both (a device kernel's layout may tile
+    rows): checked once per shape on a random input, exact or not at all."""
+    key = (g.packed.device.type, g.shape, u.shape, g.spec.group_size)
+    if key not in _ROW_STACKING:
+        x = torch.randn(2, g.shape[1], generator=torch.Generator().manual_seed(0)).to(g.packed.device,
+                                                                                     torch.bfloat16)
+        _ROW_STACKING[key] = torch.equal(gate_up.mm_bf16(x), torch.cat([g.mm_bf16(x), u.mm_bf16(x)], dim=-1))
+    return _ROW_STACKING[key]
 
 
 class ExpertProvider(ABC):

@@ -83,6 +83,8 @@ def stream_generate(
 
     t0 = time.perf_counter()
     logits = model(torch.tensor([prompt_ids], device=model.device), cache, last_only=True)[0, -1]
+    if logits.device.type == "cuda":  # kernels run asynchronously: the prompt is done when the GPU is
+        torch.cuda.synchronize(logits.device)
     prompt_tps = len(prompt_ids) / (time.perf_counter() - t0)
     t_gen = time.perf_counter()
     pending = ""  # text held back because it might begin a stop string

@@ -69,6 +69,11 @@ class MoETransformer:
         # One-token decode through fate_edge.decode_step (fewer, larger operators); False: the general path.
         self.fast_decode = decode_step.supported(self)
         self.compiled = None  # a compiled_step.CompiledDecode after set_compile("on"/"auto")
+        # On CUDA with every expert resident: decode steps replayed as one CUDA graph (graph_step), made at the
+        # first decode step; False turns it off. ``graph_off`` says why a CUDA model decodes eagerly.
+        self.cuda_graphs = True
+        self.graphed = None
+        self.graph_off: str | None = None
         self._rope_perm: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         if "lm_head.weight" not in resident and "lm_head.sizes" not in resident and not config.tie_word_embeddings:
             from .errors import MissingTensorError
@@ -136,6 +141,20 @@ class MoETransformer:
 
             warnings.warn(f"--compile on: decoding eagerly, compiled decode does not support {why}", stacklevel=2)
         return why
+
+    def _graph_step(self):
+        """The captured CUDA decode step where it applies (made once), else None."""
+        if self.device.type != "cuda" or not self.cuda_graphs:
+            return None
+        if self.graphed is None and self.graph_off is None:
+            from .graph_step import CudaGraphDecode, unsupported
+
+            self.graph_off = unsupported(self)
+            if self.graph_off is None:
+                self.graphed = CudaGraphDecode(self)
+        if self.graphed is not None and self.graphed.failed is not None:
+            self.graph_off = self.graphed.failed
+        return self.graphed
 
     def _mlp(self, x: torch.Tensor, mlp: Fused, down: Fused) -> torch.Tensor:
         return mlp_forward(x, mlp, down, self.act)
@@ -309,7 +328,8 @@ class MoETransformer:
         b = input_ids.shape[0]
         self.experts.begin_forward(t)
         if t == 1 and b == 1 and self.fast_decode:
-            out = self.compiled.step(self, input_ids, cache, plan) if self.compiled is not None else None
+            step = self.compiled if self.compiled is not None else self._graph_step()
+            out = step.step(self, input_ids, cache, plan) if step is not None else None
             return out if out is not None else decode_step.decode_token(self, input_ids, cache, plan)
         x = F.embedding(input_ids.reshape(-1), self.embed)  # [B*T, H]
         cos, sin = self.rope.cos_sin_range(start, t, torch.float32 if cfg.rope.float32 else self.dtype, self.device)

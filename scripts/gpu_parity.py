@@ -31,12 +31,17 @@ def main() -> None:
         b = gpu(ids.cuda(), gpu.new_cache())[0, -1].float().cpu()
         cfg = GenerateConfig(max_tokens=64, ignore_eos=True)
         ta, _ = generate(cpu, tok, "def main():", cfg)
+        first, _ = generate(gpu, tok, "def main():", cfg)  # warm-up: kernel loads, cuBLAS handles, graph capture
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         tb, last = generate(gpu, tok, "def main():", cfg)
         torch.cuda.synchronize()
+        gpu.cuda_graphs = False
+        eager = generate(gpu, tok, "def main():", cfg)[1]
         result[dtype] = {"max_abs_diff_last_logits": float((a - b).abs().max()), "greedy_text_equal": ta == tb,
-                         "gpu_decode_tps": last.generation_tps, "gpu_wall_s": time.perf_counter() - t0}
+                         "first_request_equal": first == tb, "graph": gpu.graph_off or "captured",
+                         "gpu_decode_tps": last.generation_tps, "gpu_eager_decode_tps": eager.generation_tps,
+                         "gpu_wall_s": time.perf_counter() - t0}
         print(dtype, result[dtype], flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))

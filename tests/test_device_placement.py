@@ -10,14 +10,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from fate_edge import GenerateConfig, generate, load_model
-from fate_edge.convert import ConvertOptions, convert
-from fate_edge.engine import Engine
 from fate_edge.predictors.cross_layer_gate import CrossLayerGate
 from fate_edge.predictors.learned import LearnedPredictor
 from fate_edge.quant import QuantSpec, quantize
 from fate_edge.quant.linear import QuantizedLinear
+
+from fate_edge import GenerateConfig, generate, load_model
+from fate_edge.convert import ConvertOptions, convert
+from fate_edge.engine import Engine
 from fate_edge.sampling import SamplingParams
 from fate_edge.store import ExpertStore, decode_expert
 

@@ -12,17 +12,75 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory, bundled_dir):
+    """Converted with the defaults on this machine (torch's CPU int4 layout unless the CPU has AVX512-VNNI): the
+    same store runs on the CPU and on CUDA."""
     out = tmp_path_factory.mktemp("gpu") / "s"
     convert(bundled_dir, out, ConvertOptions(bits=4, cold_bits=2), progress=False)
     return out
+
+
+@pytest.fixture(scope="module")
+def kernel_layout_store(tmp_path_factory, bundled_dir):
+    out = tmp_path_factory.mktemp("gpu") / "k"
+    convert(bundled_dir, out, ConvertOptions(bits=4, cold_bits=2, layout="cpu-int4"), progress=False)
+    return out
+
+
+def test_cpu_layout_store_runs_on_gpu(kernel_layout_store):
+    prompt, cfg = "def parse(argv):\n    ", GenerateConfig(max_tokens=24, ignore_eos=True)
+    with Engine(kernel_layout_store, "2MB", "fate-edge", device="cpu") as cpu:
+        ref = cpu.generate(prompt, cfg)[0]
+    with Engine(kernel_layout_store, "2MB", "fate-edge", device="cuda") as gpu:
+        text = gpu.generate(prompt, cfg)[0]
+    same = sum(a == b for a, b in zip(text, ref)) / max(len(ref), 1)
+    assert same > 0.8, (text, ref)
 
 
 def test_resident_logits_match_cpu(bundled_dir, bundled_model):
     ids = torch.randint(0, bundled_model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
     ref = bundled_model(ids, bundled_model.new_cache())
     gpu = load_model(bundled_dir, device="cuda")
-    out = gpu(ids.cuda(), gpu.new_cache()).cpu()
+    out = gpu(ids, gpu.new_cache()).cpu()  # CPU ids, as a user passes them: the model moves them
     assert (out - ref).abs().max() < 1e-3  # TF32/kernel differences only
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_generate_on_gpu_gives_the_cpu_tokens(bundled_dir, bundled_tokenizer, dtype):
+    cfg = GenerateConfig(max_tokens=32, ignore_eos=True)
+    ref = generate(load_model(bundled_dir, dtype=dtype), bundled_tokenizer, "def main():", cfg)[0]
+    gpu = load_model(bundled_dir, dtype=dtype, device="cuda")
+    text = generate(gpu, bundled_tokenizer, "def main():", cfg)[0]  # the first request captures the graph
+    again = generate(gpu, bundled_tokenizer, "def main():", cfg)[0]  # ... the second replays it
+    assert gpu.graph_off is None and gpu.graphed is not None and gpu.graphed.captures >= 1
+    gpu.cuda_graphs = False
+    eager = generate(gpu, bundled_tokenizer, "def main():", cfg)[0]
+    same = sum(a == b for a, b in zip(text, ref)) / max(len(ref), 1)
+    assert again == text and (text == ref if dtype == "float32" else same > 0.8), (text, eager, ref)
+    assert dtype != "float32" or eager == ref
+
+
+def test_resident_int4_store_on_gpu_captures_the_graph(store, bundled_tokenizer):
+    from fate_edge.bench.sidebyside import resident_int4
+
+    cfg = GenerateConfig(max_tokens=24, ignore_eos=True)
+    cpu = load_model(store, dtype="bfloat16", experts=resident_int4(store))
+    gpu = load_model(store, dtype="bfloat16", experts=resident_int4(store, "cuda"), device="cuda")
+    ref = generate(cpu, bundled_tokenizer, "import os\n", cfg)[0]
+    text = generate(gpu, bundled_tokenizer, "import os\n", cfg)[0]
+    assert gpu.graph_off is None, gpu.graph_off
+    same = sum(a == b for a, b in zip(text, ref)) / max(len(ref), 1)
+    assert same > 0.8, (text, ref)
+
+
+def test_cli_run_on_gpu(bundled_dir):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-P", "-m", "fate_edge", "run", "def main():", "--model", str(bundled_dir),
+                          "--device", "cuda", "--max-tokens", "8"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip()
 
 
 def test_quantized_kernel_on_gpu_matches_dequant():

@@ -135,15 +135,15 @@ def child_command(spec: dict[str, Any]) -> list[str]:
     return [sys.executable, "-c", code, json.dumps(spec)]
 
 
-def resident_int4(store: str | Path):
-    """Every int4 expert of ``store`` decoded once into memory: the int4 model with nothing left to fetch
-    (int4 experts compute in the activations' dtype, so one provider serves fp32 and bf16 models)."""
+def resident_int4(store: str | Path, device: str = "cpu"):
+    """Every int4 expert of ``store`` decoded once into memory on ``device``: the int4 model with nothing left to
+    fetch (int4 experts compute in the activations' dtype, so one provider serves fp32 and bf16 models)."""
     from ..experts import InMemoryExpertProvider
     from ..store import ExpertStore
     from ..store_provider import StoreExpertProvider
 
     s = ExpertStore(store)
-    prov = StoreExpertProvider(s, bits=4)
+    prov = StoreExpertProvider(s, bits=4, device=device)
     try:
         experts = {(layer, e): prov.get(layer, e) for layer in s.index["moe_layers"]
                    for e in range(s.index["num_experts"])}
