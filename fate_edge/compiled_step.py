@@ -165,33 +165,53 @@ def _add_mlp(x: torch.Tensor, h: torch.Tensor, mlp: Fused, down: Fused, act) -> 
     return torch.addcmul(x, torch.sigmoid(gated[0]), z) if gated else x + z
 
 
+def attention_block(cfg: ModelConfig, s: StepShape, x: torch.Tensor, lp: LayerPlan, kbuf: torch.Tensor,
+                    vbuf: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+                    mask: torch.Tensor) -> torch.Tensor:
+    """One layer's attention for one token at ``pos``, its k and v written into the whole-capacity buffers:
+    → ``x + o_proj(attention(input_norm(x)))`` [1, H]."""
+    hd, n_q, n_k = s.head_dim, s.n_q, s.n_k
+    h = rms_norm(x, lp.input_norm, s.eps)
+    qkv = apply_linear(h, lp.qkv)
+    qk = apply_rope(qkv[:, : (n_q + n_k) * hd].view(1, n_q + n_k, 1, hd), cos, sin, cfg.rope.interleaved)
+    qk = qk.view(n_q + n_k, hd)  # elementwise: inductor fuses it into the kernels around it
+    kbuf.index_copy_(2, pos, qk[n_q:].view(1, n_k, 1, hd))
+    vbuf.index_copy_(2, pos, qkv[0, (n_q + n_k) * hd :].view(1, n_k, 1, hd))
+    out = _attend(qk[:n_q], kbuf, vbuf, mask, n_q, n_k, hd)
+    o = lp.o_proj
+    # The eager step's arithmetic (decode_step): o_proj and the residual in one addmm where it can.
+    if isinstance(o.weight, torch.Tensor) and o.bias is None:
+        return torch.addmm(x, out, o.weight.t())
+    return x + apply_linear(out, o)
+
+
+def position_mask(kbuf: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """[1, S] True for the buffer's positions up to ``pos``: the unwritten tail is masked."""
+    return (torch.arange(kbuf.shape[2], device=pos.device) <= pos).view(1, -1)
+
+
+def router_block(cfg: ModelConfig, h: torch.Tensor, lp: LayerPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's router on gate input ``h`` [N, H] → (weights [N, k] float32, expert ids [N, k])."""
+    logits = F.linear(h if h.dtype == lp.router.dtype else h.to(lp.router.dtype), lp.router)
+    return route(cfg, logits, lp.correction_bias)
+
+
 def step_graph(g: GraphConsts, s: StepShape, token: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                pos: torch.Tensor,
                kv: list[tuple[torch.Tensor, torch.Tensor]], plan: list[LayerPlan], stacks: list,
                head: Fused) -> tuple[torch.Tensor, list]:
     """One token through every layer: the graph compiled. → (logits [1, V], per MoE layer (h, ids, weights))."""
-    cfg, act, hd, n_q, n_k = g.config, g.act, s.head_dim, s.n_q, s.n_k
+    cfg, act = g.config, g.act
     x = F.embedding(token.view(1), g.embed)
-    mask = (torch.arange(kv[0][0].shape[2], device=pos.device) <= pos).view(1, -1)  # the unwritten tail: masked
+    mask = position_mask(kv[0][0], pos)
     routing = []
     for lp, (kbuf, vbuf), st in zip(plan, kv, stacks):
-        h = rms_norm(x, lp.input_norm, s.eps)
-        qkv = apply_linear(h, lp.qkv)
-        qk = apply_rope(qkv[:, : (n_q + n_k) * hd].view(1, n_q + n_k, 1, hd), cos, sin, cfg.rope.interleaved)
-        qk = qk.view(n_q + n_k, hd)  # elementwise: inductor fuses it into the kernels around it
-        kbuf.index_copy_(2, pos, qk[n_q:].view(1, n_k, 1, hd))
-        vbuf.index_copy_(2, pos, qkv[0, (n_q + n_k) * hd :].view(1, n_k, 1, hd))
-        out = _attend(qk[:n_q], kbuf, vbuf, mask, n_q, n_k, hd)
-        o = lp.o_proj
-        # The eager step's arithmetic (decode_step): o_proj and the residual in one addmm where it can.
-        x = torch.addmm(x, out, o.weight.t()) if isinstance(o.weight, torch.Tensor) and o.bias is None else \
-            x + apply_linear(out, o)
+        x = attention_block(cfg, s, x, lp, kbuf, vbuf, cos, sin, pos, mask)
         h = rms_norm(x, lp.post_norm, s.eps)
         if lp.router is None:
             x = _add_mlp(x, h, lp.mlp, lp.down, act)
             continue
-        logits = F.linear(h if h.dtype == lp.router.dtype else h.to(lp.router.dtype), lp.router)
-        weights, idx = route(cfg, logits, lp.correction_bias)
+        weights, idx = router_block(cfg, h, lp)
         routing.append((h, idx, weights))
         ids, order = idx[0].sort()  # experts summed in expert-id order, as the eager paths sum them
         ws = weights[0].index_select(0, order)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from . import sdpa
 from .fused import Fused, LayerPlan, apply_linear, rms_norm
 from .rope import apply_rope
 
@@ -90,7 +91,7 @@ def attention(model: MoETransformer, x: torch.Tensor, h: torch.Tensor, start: in
     if layer in cfg.sliding_window_layers and cfg.sliding_window is not None:
         first = max(0, k.shape[2] - cfg.sliding_window)  # keys at positions > start - window
         k, v = k[:, :, first:], v[:, :, first:]
-    out = F.scaled_dot_product_attention(q, k, v, scale=hd**-0.5, enable_gqa=n_q != n_k).view(1, n_q * hd)
+    out = sdpa.attention(q, k, v, scale=hd**-0.5, enable_gqa=n_q != n_k).view(1, n_q * hd)
     o = lp.o_proj
     if isinstance(o.weight, torch.Tensor) and o.bias is None:
         torch.addmm(x, out, o.weight.t(), out=x)  # residual and projection in one matmul
@@ -105,6 +106,8 @@ def moe(model: MoETransformer, x: torch.Tensor, h: torch.Tensor, layer: int, lp:
     just issued the layer's demand reads, which then arrive while it computes (a Qwen1.5-MoE shared expert is
     ~1.5 ms of a ~5 ms read), and the sums keep their order, so the bits are the same."""
     weights, idx = model.route(layer, h)  # [1, k]
+    if h.device.type != "cpu":
+        weights, idx = routing_to_host(weights, idx)
     model.residual = x
     for obs in model.observers:
         obs(layer, h, idx, weights)
@@ -112,6 +115,15 @@ def moe(model: MoETransformer, x: torch.Tensor, h: torch.Tensor, layer: int, lp:
     add_experts(model, x, h, None, layer, weights, idx)
     if shared is not None:
         add_shared(x, *shared)
+
+
+def routing_to_host(weights: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GPU layer's routing on the host in one copy (the layer's one sync): the observers and the expert loop
+    then read Python numbers, where each ``tolist``/``unique`` of a GPU tensor would wait on the GPU again.
+    Expert ids travel as float32, exact below 2**24."""
+    k = weights.shape[1]
+    both = torch.cat([weights.float(), idx.float()], dim=1).cpu()
+    return both[:, :k], both[:, k:].long()
 
 
 def add_experts(model: MoETransformer, x: torch.Tensor, h: torch.Tensor, hb: torch.Tensor | None, layer: int,

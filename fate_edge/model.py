@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import decode_step
+from . import decode_step, sdpa
 from .arch.base import ModelConfig
 from .dispatch import group_by_expert
 from .experts import ExpertProvider, InMemoryExpertProvider
@@ -69,8 +69,9 @@ class MoETransformer:
         # One-token decode through fate_edge.decode_step (fewer, larger operators); False: the general path.
         self.fast_decode = decode_step.supported(self)
         self.compiled = None  # a compiled_step.CompiledDecode after set_compile("on"/"auto")
-        # On CUDA with every expert resident: decode steps replayed as one CUDA graph (graph_step), made at the
-        # first decode step; False turns it off. ``graph_off`` says why a CUDA model decodes eagerly.
+        # On CUDA: decode steps replayed as CUDA graphs (graph_step: the whole step with every expert resident, else
+        # per layer around the streamed experts), made at the first decode step; False turns it off. ``graph_off``
+        # says why a CUDA model decodes eagerly.
         self.cuda_graphs = True
         self.graphed = None
         self.graph_off: str | None = None
@@ -147,11 +148,15 @@ class MoETransformer:
         if self.device.type != "cuda" or not self.cuda_graphs:
             return None
         if self.graphed is None and self.graph_off is None:
-            from .graph_step import CudaGraphDecode, unsupported
+            from .graph_step import CudaGraphDecode, LayerGraphDecode, unsupported
 
-            self.graph_off = unsupported(self)
-            if self.graph_off is None:
+            # The whole step where every expert is resident, else per layer around the streamed experts.
+            if unsupported(self) is None:
                 self.graphed = CudaGraphDecode(self)
+            else:
+                self.graph_off = unsupported(self, streamed=True)
+                if self.graph_off is None:
+                    self.graphed = LayerGraphDecode(self)
         if self.graphed is not None and self.graphed.failed is not None:
             self.graph_off = self.graphed.failed
         return self.graphed
@@ -170,16 +175,16 @@ class MoETransformer:
         window = cfg.sliding_window if layer in cfg.sliding_window_layers else None
         gqa = q.shape[1] != k.shape[1]
         if window is None and t == 1:
-            out = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+            out = sdpa.attention(q, k, v, scale=scale, enable_gqa=gqa)
         elif window is None and t == s:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+            out = sdpa.attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             positions = torch.arange(start, start + t, device=q.device)
             key_pos = torch.arange(s, device=q.device)
             mask = key_pos[None, :] <= positions[:, None]
             if window is not None:
                 mask &= key_pos[None, :] > positions[:, None] - window
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            out = sdpa.attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         b = q.shape[0]
         if t == 1:  # [B, nh, 1, d]: moving the size-1 axis moves no data
             return out.reshape(b * t, -1)

@@ -10,7 +10,7 @@ from _tiny_moe import build_tiny_moe
 from test_compiled_step import greedy
 
 from fate_edge import compiled_step, load_model
-from fate_edge.graph_step import MIN_CAPACITY, CudaGraphDecode, unsupported
+from fate_edge.graph_step import MIN_CAPACITY, CudaGraphDecode, LayerGraphDecode, unsupported
 
 STEPS = 12
 
@@ -80,3 +80,39 @@ def test_static_buffers_grow_and_the_cache_points_at_them(bundled_model, one_thr
 
 def test_graph_step_is_for_cuda_models(bundled_model):
     assert "CUDA" in unsupported(bundled_model)
+
+
+def test_layer_graph_step_gives_the_eager_tokens_with_a_dense_layer(top4_model, one_thread):
+    """Per-layer static step (attention, router, shared expert in the graph; experts from the provider between)."""
+    model = top4_model
+    assert not model.config.is_moe_layer(2)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(4))
+    eager = greedy(model, prompt, STEPS)
+    model.compiled = LayerGraphDecode(model, capture=False)
+    try:
+        static = greedy(model, prompt, STEPS)
+    finally:
+        model.compiled = None
+    assert torch.equal(static[0], eager[0])
+    assert ((static[1] - eager[1]).norm() / eager[1].norm()).item() < 1e-5
+    assert [(layer, ids) for layer, ids, _ in static[2]] == [(layer, ids) for layer, ids, _ in eager[2]]
+
+
+@pytest.mark.parametrize("policy", ["lru", "fate-edge"])
+def test_layer_graph_step_serves_the_engine(bundled_dir, policy, one_thread):
+    """Streamed experts: the scheduler routes, reads and caches between the layer graphs as in eager decode."""
+    from fate_edge import GenerateConfig
+    from fate_edge.engine import Engine
+    from fate_edge.engine_args import resolve_store
+
+    store = resolve_store(bundled_dir, progress=False)
+    cfg = GenerateConfig(max_tokens=16, ignore_eos=True)
+    with Engine(store, "2MB", policy) as engine:
+        want, stats = engine.generate("def parse(argv):\n    ", cfg)[0], engine.request_stats
+    with Engine(store, "2MB", policy) as engine:
+        engine.model.compiled = step = LayerGraphDecode(engine.model, capture=False)
+        got, got_stats = engine.generate("def parse(argv):\n    ", cfg)[0], engine.request_stats
+        assert step.failed is None and step.capacity == MIN_CAPACITY
+    assert got == want
+    if policy == "lru":  # no timing-dependent prefetch: the same hits and reads
+        assert (got_stats.hits, got_stats.misses) == (stats.hits, stats.misses)
