@@ -106,7 +106,14 @@ def run_engine(args, prompt: list[int], policy: str, budget: str, profile: bool)
     return row
 
 
-def run_transformers(args, prompt: list[int], offload_gib: float | None) -> dict:
+def run_transformers(args, prompt: list[int], offload_gib: float | None, no_cudnn: bool = False) -> dict:
+    """transformers as its users run it; ``no_cudnn``: its attention kept off cuDNN's per-shape plans too (the
+    backends fate-edge uses), so the comparison is not won on that alone."""
+    if no_cudnn:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            return run_transformers(args, prompt, offload_gib)
     from transformers import AutoModelForCausalLM
 
     kw = {"dtype": torch.bfloat16}
@@ -166,6 +173,8 @@ def main() -> None:
                  lambda: run_engine(args, prompt, "load-on-demand-int4", args.budgets[0], False)))
     if not args.no_peers:
         runs.append(("transformers bf16 resident", lambda: run_transformers(args, prompt, None)))
+        runs.append(("transformers bf16 resident, SDPA without cuDNN",
+                     lambda: run_transformers(args, prompt, None, no_cudnn=True)))
         runs.append(("transformers bf16 + accelerate offload 2 GiB", lambda: run_transformers(args, prompt, 2.0)))
     result = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
               "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens, "rows": {}}

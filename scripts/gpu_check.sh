@@ -40,7 +40,7 @@ py=python3
   timeout 120 $py -P scripts/make_synthetic_model.py --like qwen1.5-moe-a2.7b --layers "$layers" --threads 16 "$work/model"
   timeout 120 $py -P -m fate_edge convert "$work/model" "$work/store" --bits 4 --no-bf16
   peers=(); [ "${PEERS:-1}" = 1 ] || peers=(--no-peers)
-  timeout 240 $py -P scripts/gpu_bench.py --model "$work/model" --store "$work/store" --budgets $budgets \
+  timeout 300 $py -P scripts/gpu_bench.py --model "$work/model" --store "$work/store" --budgets $budgets \
     "${peers[@]}" --json "$out/gpu_bench.json" --markdown "$out/gpu_bench.md" --profile-dir "$out"
   echo "== done"; date -u
 } 2>&1 | tee "$out/gpu_check.log"
