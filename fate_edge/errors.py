@@ -47,6 +47,10 @@ class StreamSupersededError(FateEdgeError):
     """An open stream was left idle and a newer request took the engine."""
 
 
+class DeviceMemoryError(GenerationError):
+    """The device ran out of memory in the middle of a request; the request was stopped, the engine still serves."""
+
+
 class BudgetError(FateEdgeError):
     """The memory budget is too small to run the model."""
 

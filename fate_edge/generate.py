@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import ContextLengthError, GenerationError
+from .errors import ContextLengthError, DeviceMemoryError, GenerationError
 from .model import MoETransformer
 from .process_memory import peak_rss_bytes
 from .sampling import Sampler, SamplingParams
@@ -59,6 +59,21 @@ def check_context(prompt_tokens: int, context: int) -> None:
         raise ContextLengthError(prompt_tokens, context)
 
 
+def _forward(model: MoETransformer, ids: list, cache, last_only: bool, stage: str) -> torch.Tensor:
+    """One forward pass; the device running out of memory becomes a one-line :class:`DeviceMemoryError` (the pass
+    holds nothing afterwards: its KV cache is the request's and goes with it)."""
+    try:
+        return model(torch.tensor(ids, device=model.device), cache, last_only=last_only)[0, -1]
+    except torch.OutOfMemoryError as exc:
+        if model.device.type == "cuda":
+            torch.cuda.empty_cache()  # the failed pass's blocks back to the driver before anyone retries
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "out of memory"
+        raise DeviceMemoryError(
+            f"{model.device.type} ran out of memory during the {stage} at position {cache.length} ({first}); the "
+            "request was stopped and holds nothing: retry with a shorter prompt or --max-tokens, a lower "
+            "--memory-budget, or more free device memory") from None
+
+
 @torch.inference_mode()
 def stream_generate(
     model: MoETransformer,
@@ -82,7 +97,7 @@ def stream_generate(
     cache = model.new_cache()
 
     t0 = time.perf_counter()
-    logits = model(torch.tensor([prompt_ids], device=model.device), cache, last_only=True)[0, -1]
+    logits = _forward(model, [prompt_ids], cache, True, "prompt")
     if logits.device.type == "cuda":  # kernels run asynchronously: the prompt is done when the GPU is
         torch.cuda.synchronize(logits.device)
     prompt_tps = len(prompt_ids) / (time.perf_counter() - t0)
@@ -123,7 +138,7 @@ def stream_generate(
         keep = _hold_back(pending, config.stop)
         out, pending = (pending[: len(pending) - keep], pending[len(pending) - keep :]) if keep else (pending, "")
         yield response(out, token, None)
-        logits = model(torch.tensor([[token]], device=model.device), cache)[0, -1]
+        logits = _forward(model, [[token]], cache, False, "decode")
 
 
 def generate(model: MoETransformer, tokenizer: Tokenizer, prompt: str | list[int],

@@ -15,7 +15,7 @@ type                           status  when
 ``invalid_request_error``      415     a JSON body sent without ``Content-Type: application/json``
 ``unavailable_error``          429     the request queue is full (``--max-queue``); retry later
 ``server_error``               500     generation failed (a read error in the expert store, say)
-``unavailable_error``          503     the model is still loading
+``unavailable_error``          503     the model is still loading, or the GPU ran out of memory mid-request
 =============================  ======  ==================================================================
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from ..errors import ContextLengthError, FateEdgeError, GenerationError
+from ..errors import ContextLengthError, DeviceMemoryError, FateEdgeError, GenerationError
 
 
 class QueueFull(Exception):
@@ -70,6 +70,8 @@ def error_from_exception(exc: BaseException, param: str | None = None) -> APIErr
     if isinstance(exc, ContextLengthError):
         return APIError(400, str(exc), "exceed_context_size_error", param, "context_length_exceeded",
                         n_prompt_tokens=exc.prompt_tokens, n_ctx=exc.context)
+    if isinstance(exc, DeviceMemoryError):  # transient: the engine still serves; retry later or ask for less
+        return APIError(503, str(exc), "unavailable_error", None, "device_out_of_memory")
     if isinstance(exc, GenerationError):
         return invalid(str(exc))
     if isinstance(exc, FateEdgeError):
