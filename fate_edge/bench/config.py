@@ -114,7 +114,7 @@ class BenchConfig:
     quick: bool = False
     work_dir: str | None = None  # where the inflated model and its store live (default: the fate-edge cache)
     isolate: bool = True  # each run in a fresh process (per-run peak RSS); False: tests
-    device: str = "cpu"  # cpu or cuda (the CUDA path needs the portable blob layout)
+    device: str = "cpu"  # cpu or cuda (any store runs on CUDA; the bench converts portable for it, see layout)
     command: str | None = None  # the command line that ran the benchmark, recorded in its outputs
     emulate: str | None = None  # device-faithful emulation of this device (fate_edge/emulation.py) instead of links
     emulate_host_ms: float | None = None  # reuse a calibration: this host's decode compute per token (else measured)
@@ -124,6 +124,8 @@ class BenchConfig:
 
     @property
     def layout(self) -> str:
+        """The store's int4 layout: on CUDA the portable one (its experts unpack straight into CUDA's kernel layout;
+        torch's CPU layout also runs there, re-packed the same way), else convert's own choice for this CPU."""
         return "portable" if self.device.startswith("cuda") else "auto"
 
     def __post_init__(self) -> None:
