@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from . import __version__
+from . import __version__, defaults
 from .cli_args import (
     PROG,
     CliParser,
@@ -120,6 +120,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     path = args.model_dir or bundled_model_dir()
     print(format_summary(summarize(path)))
+    if args.memory_budget is not None:
+        from .budget import parse_bytes
+        from .memory_account import memory_account
+
+        account = memory_account(path, parse_bytes(args.memory_budget), args.dtype, args.context_tokens,
+                                 args.resident_bits)
+        print(f"\nmemory account (expert budget {format_bytes(account.expert_budget)}, {args.dtype}"
+              + (f", int{args.resident_bits} resident linears" if args.resident_bits else "") + ")")
+        print("\n".join(account.lines()))
     if is_store(path):
         print()
         print(format_store(path))
@@ -256,6 +265,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="model directory or expert store (default: the bundled model)")
     ins.add_argument("--verify", action="store_true",
                      help="expert store: check every blob's CRC32 and report the first corrupted one")
+    ins.add_argument("--memory-budget", default=None, type=byte_size,
+                     help="also print the predicted peak RSS by part for a run with this expert budget, e.g. 200MB")
+    ins.add_argument("--resident-bits", type=int, default=None, choices=[8, 4],
+                     help="with --memory-budget: the run quantizes its resident linears to int8 or int4")
+    ins.add_argument("--dtype", default=defaults.DTYPE, choices=["float32", "bfloat16"],
+                     help="with --memory-budget: the run's compute dtype")
+    ins.add_argument("--context-tokens", type=positive_int, default=defaults.CONTEXT_TOKENS,
+                     help=f"with --memory-budget: prompt + answer tokens (default {defaults.CONTEXT_TOKENS})")
     ins.set_defaults(func=cmd_inspect)
 
     pl = sub.add_parser("plan", help="choose a policy for a device profile and memory budget (simulated)")

@@ -114,6 +114,15 @@ def policy_for_device(policy: str, device_profile: str | None = None, store: str
     return for_device_and_store(get_policy(policy), device_profile or detect().profile, store, resident_bits)
 
 
+def print_account(store: str | Path, opts: EngineOptions, log: TextIO) -> None:
+    """The run's predicted peak RSS by part (memory_account), printed before anything loads."""
+    from .budget import parse_bytes
+    from .memory_account import memory_account
+
+    account = memory_account(store, parse_bytes(opts.memory_budget), opts.dtype, resident_bits=opts.resident_bits)
+    print("[memory] predicted peak RSS by part:\n" + "\n".join(account.lines()), file=log, flush=True)
+
+
 def open_engine(opts: EngineOptions, log: TextIO | None = None, progress: bool = True) -> Engine:
     """Build the engine ``opts`` describes. ``--policy auto`` runs the planner first and reports its probes,
     its pick and the decode speed it predicts on ``log`` (default stderr)."""
@@ -142,6 +151,7 @@ def open_engine(opts: EngineOptions, log: TextIO | None = None, progress: bool =
         policy = p
     else:
         policy = policy_for_device(policy, opts.device_profile, store, opts.resident_bits)
+    print_account(store, opts, log)
     engine = Engine(store, opts.memory_budget, policy, dtype=opts.dtype, link=link, device=opts.device,
                     verify=opts.verify, resident_bits=opts.resident_bits)
     engine.planned = planned
