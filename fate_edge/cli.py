@@ -125,9 +125,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         from .memory_account import memory_account
 
         account = memory_account(path, parse_bytes(args.memory_budget), args.dtype, args.context_tokens,
-                                 args.resident_bits)
+                                 args.resident_bits, embedding_bits=args.embedding_bits)
         print(f"\nmemory account (expert budget {format_bytes(account.expert_budget)}, {args.dtype}"
-              + (f", int{args.resident_bits} resident linears" if args.resident_bits else "") + ")")
+              + (f", int{args.resident_bits} resident linears" if args.resident_bits else "")
+              + (f", int{args.embedding_bits} embeddings" if args.embedding_bits else "") + ")")
         print("\n".join(account.lines()))
     if is_store(path):
         print()
@@ -269,6 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also print the predicted peak RSS by part for a run with this expert budget, e.g. 200MB")
     ins.add_argument("--resident-bits", type=int, default=None, choices=[8, 4],
                      help="with --memory-budget: the run quantizes its resident linears to int8 or int4")
+    ins.add_argument("--embedding-bits", type=int, default=None, choices=[8, 4],
+                     help="with --memory-budget: the run holds the embedding table in int8 or int4")
     ins.add_argument("--dtype", default=defaults.DTYPE, choices=["float32", "bfloat16"],
                      help="with --memory-budget: the run's compute dtype")
     ins.add_argument("--context-tokens", type=positive_int, default=defaults.CONTEXT_TOKENS,

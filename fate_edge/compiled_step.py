@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from .embedding import lookup
 from .experts import ExpertWeights, InMemoryExpertProvider, QuantizedExpert
 from .fused import Fused, LayerPlan, apply_linear, mlp_forward, rms_norm
 from .rope import apply_rope
@@ -154,7 +155,7 @@ def step_graph(g: GraphConsts, s: StepShape, token: torch.Tensor, cos: torch.Ten
                head: Fused) -> tuple[torch.Tensor, list]:
     """One token through every layer: the graph compiled. → (logits [1, V], per MoE layer (h, ids, weights))."""
     cfg, act, hd, n_q, n_k = g.config, g.act, s.head_dim, s.n_q, s.n_k
-    x = F.embedding(token.view(1), g.embed)
+    x = lookup(g.embed, token.view(1))
     mask = (torch.arange(kv[0][0].shape[2], device=pos.device) <= pos).view(1, -1)  # the unwritten tail: masked
     routing = []
     for lp, (kbuf, vbuf), st in zip(plan, kv, stacks):

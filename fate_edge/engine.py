@@ -104,6 +104,7 @@ class Engine:
         verify: str = defaults.VERIFY,
         resident_bits: int | None = None,  # 8 or 4: attention, dense MLPs, shared experts and lm_head quantized
         context_tokens: int = defaults.CONTEXT_TOKENS,  # prompt + answer the memory account reserves room for
+        embedding_bits: int | None = None,  # 8 or 4: the embedding table held quantized (fate_edge.embedding)
     ):
         if plan == "auto":  # Engine(..., plan="auto") is the same as policy="auto": the planner decides
             policy = "auto"
@@ -133,10 +134,11 @@ class Engine:
                 raise FateEdgeError(f"policy '{self.policy.name}' needs int{bits} experts but {store_dir} holds "
                                     f"{self.store.bits_available}; re-run fate-edge convert with --bits {bits}")
         self.budget = parse_bytes(memory_budget)
-        self.account = memory_account(store_dir, self.budget, self.dtype, context_tokens, resident_bits)
+        self.account = memory_account(store_dir, self.budget, self.dtype, context_tokens, resident_bits,
+                                      embedding_bits=embedding_bits)
         self._check_account()
         self.model = load_model(store_dir, dtype=self.dtype, experts=_NoExperts(), device=device,
-                                resident_bits=resident_bits)
+                                resident_bits=resident_bits, embedding_bits=embedding_bits)
         self.policy = for_model(self.policy, self.model.config.model_type)  # e.g. Fate's tail share per model
         self.tokenizer = Tokenizer(store_dir)
         self.link = link

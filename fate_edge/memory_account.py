@@ -24,6 +24,7 @@ from .loader import _FP32_SUFFIXES, DTYPES, layer_names, resident_weight_names
 from .sizes import format_bytes
 
 EMBEDDING = "model.embed_tokens.weight"
+EMBEDDING_PREFIX = "model.embed_tokens."  # the float table, or a quantized one's codes and scales
 # Interpreter + torch + fate_edge imported, when this process's own RSS cannot be read (measured with torch
 # 2.13 CPU on x86-64: python 11 MB, + torch 284 MB, + fate_edge 298 MB).
 RUNTIME_FALLBACK_BYTES = 300_000_000
@@ -116,7 +117,8 @@ def buffer_bytes(cfg: ModelConfig, dtype: torch.dtype, tokens: int) -> int:
     return _BUFFER_FIXED_BYTES + tokens * per_token * width
 
 
-def _weights(store_dir: Path, dtype: torch.dtype, resident_bits: int | None) -> tuple[int, int, int]:
+def _weights(store_dir: Path, dtype: torch.dtype, resident_bits: int | None,
+             embedding_bits: int | None) -> tuple[int, int, int]:
     """(embedding bytes, other resident bytes, loading peak) as ``loader._read_resident`` holds them."""
     from .embedding import embedding_bytes
 
@@ -144,11 +146,14 @@ def _weights(store_dir: Path, dtype: torch.dtype, resident_bits: int | None) -> 
     for n in names:
         if n in quantized:
             continue
-        size = embedding_bytes(reader, n, dtype) if n == EMBEDDING else held_as[n]
-        converted = reader.nbytes(n) if reader.nbytes(n) != size else 0  # read, then cast: both at once
+        if n == EMBEDDING:
+            size, converted = embedding_bytes(reader, n, dtype, embedding_bits), 0  # quantized rows as read
+        else:  # read, then cast to the compute dtype: both at once
+            size = held_as[n]
+            converted = reader.nbytes(n) if reader.nbytes(n) != size else 0
         loading = max(loading, held + size + converted)
         held += size
-        embed += size if n == EMBEDDING else 0
+        embed += size if n.startswith(EMBEDDING_PREFIX) else 0
     return embed, held - embed, max(loading, held)
 
 
@@ -161,13 +166,14 @@ def _numel(shape) -> int:
 
 def memory_account(store_dir: str | Path, budget: int, dtype: str | torch.dtype = "bfloat16",
                    context_tokens: int = defaults.CONTEXT_TOKENS, resident_bits: int | None = None,
-                   runtime: int | None = None) -> MemoryAccount:
+                   runtime: int | None = None, embedding_bits: int | None = None) -> MemoryAccount:
     """The account of an Engine on ``store_dir`` with expert budget ``budget``, serving up to ``context_tokens``
-    (prompt and answer); ``runtime``: the process's own bytes (default: its RSS now, imports done)."""
+    (prompt and answer), its embedding table held at ``embedding_bits`` (None: ``dtype``); ``runtime``: the
+    process's own bytes (default: its RSS now, imports done)."""
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     store_dir = Path(store_dir)
     cfg = load_config(store_dir)
-    embed, other, loading = _weights(store_dir, dtype, resident_bits)
+    embed, other, loading = _weights(store_dir, dtype, resident_bits, embedding_bits)
     kv = kv_bytes_per_token(cfg, dtype) * max(64, context_tokens)
     return MemoryAccount(current_rss_bytes() if runtime is None else runtime, embed, other, int(budget), kv,
                          buffer_bytes(cfg, dtype, context_tokens), loading, context_tokens)
