@@ -151,7 +151,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     opts = ConvertOptions(bits=args.bits, group_size=args.group, cold_bits=args.cold_bits,
                           cold_group_size=args.cold_group, keep_bf16=not args.no_bf16, force=args.force,
-                          method=args.method, layout=args.layout, threads=args.threads)
+                          method=args.method, layout=args.layout, threads=args.threads,
+                          resident_bits=args.resident_bits, embedding_bits=args.embedding_bits)
     out = convert(args.model_dir, args.out_dir, opts, progress=not args.quiet)
     print(f"wrote expert store {out}")
     return 0
@@ -248,6 +249,11 @@ def _add_convert_parser(sub) -> None:
                       "directly; any device, needed for --device cuda) or cpu-int4 (torch's CPU kernel layout); auto: "
                       "portable where the native kernel is the default here (AVX512-VNNI), else cpu-int4")
     conv.add_argument("--no-bf16", action="store_true", help="do not keep a bf16 copy of the experts")
+    conv.add_argument("--resident-bits", type=int, default=None, choices=[8, 4],
+                      help="quantize attention, dense MLPs, shared experts and lm_head here (int8 per channel or "
+                      "int4), so a load reads them as they are: no full-precision copy, no quantizing at load")
+    conv.add_argument("--embedding-bits", type=int, default=None, choices=[8, 4],
+                      help="quantize the embedding table here (int8 per row or int4 per group)")
     conv.add_argument("--force", action="store_true", help="replace an existing store")
     conv.add_argument("--threads", type=positive_int, default=None,
                       help="experts encoded in parallel (default: the CPU count, at most 8)")

@@ -16,6 +16,7 @@ from .errors import MissingTensorError
 from .experts import CheckpointExpertProvider, ExpertLayout, ExpertProvider, InMemoryExpertProvider
 from .fused import Weights, quantize_group, resident_groups
 from .model import LayerNames, MoETransformer
+from .prequantized import check_request, covered, in_store, is_float_weight
 from .store import is_store
 
 # Router weights and DeepSeek's correction bias stay in fp32, as the reference keeps them.
@@ -99,10 +100,13 @@ def _read_resident(config, reader: CheckpointReader, names: list, wanted: list[s
         raise ValueError(f"resident_bits must be 8 or 4 (or None for the checkpoint's dtype), not {resident_bits}")
     resident = Weights()
 
-    def read(name: str) -> torch.Tensor:
-        return reader.get(name, torch.float32 if name.endswith(_FP32_SUFFIXES) else dtype).to(device)
+    def read(name: str) -> torch.Tensor:  # codes and scales quantized at convert stay as stored
+        cast = None if not is_float_weight(name) else torch.float32 if name.endswith(_FP32_SUFFIXES) else dtype
+        return reader.get(name, cast).to(device)
 
+    check_request(reader, resident_bits, embedding_bits)
     groups = resident_groups(config, names, set(wanted)) if resident_bits is not None else []
+    groups = [g for g in groups if not in_store(reader, g)]  # quantized at convert: read as they are
     for group in groups:
         for n in group:
             dict.__setitem__(resident, f"{n}.weight", read(f"{n}.weight"))
@@ -151,7 +155,7 @@ def load_model(
     wanted = resident_weight_names(config, reader)
     resident = _read_resident(config, reader, names, wanted, dtype, device, resident_bits, embedding_bits)
     for required in required_tensors(config, names):
-        if required not in wanted:
+        if required not in wanted and not covered(reader, required):
             reader.get(required)  # raises MissingTensorError naming the tensor
     if isinstance(experts, str):
         layouts = {i: ExpertLayout(reader, names[i].mlp) for i in config.moe_layers}

@@ -21,6 +21,7 @@ from .arch import ModelConfig, load_config
 from .checkpoint import CheckpointReader
 from .fused import quantized_group_bytes, resident_groups
 from .loader import _FP32_SUFFIXES, DTYPES, layer_names, resident_weight_names
+from .prequantized import in_store, is_float_weight
 from .sizes import format_bytes
 
 EMBEDDING = "model.embed_tokens.weight"
@@ -128,12 +129,13 @@ def _weights(store_dir: Path, dtype: torch.dtype, resident_bits: int | None,
     width = torch.empty(0, dtype=dtype).element_size()
     numel = {n: _numel(reader.shape(n)) for n in names}
     held_as = {n: numel[n] * (4 if n.endswith(_FP32_SUFFIXES) else width) for n in names}
-    prequantized = {n for n in names if not reader.dtype_name(n).startswith(("BF", "F"))}
-    held_as.update({n: reader.nbytes(n) for n in prequantized})
+    held_as.update({n: reader.nbytes(n) for n in names if not is_float_weight(n)})  # quantized at convert
     held = loading = 0
     quantized: set[str] = set()
     if resident_bits is not None:
         for group in resident_groups(cfg, layer_names(cfg, reader), set(names)):
+            if in_store(reader, group):
+                continue
             keys = [f"{n}.weight" for n in group]
             floats = sum(held_as[k] for k in keys)
             weights = sum(numel[k] for k in keys)

@@ -1,0 +1,64 @@
+"""convert --resident-bits / --embedding-bits: resident linears and the embedding table quantized once at convert
+and read back as they are (fate_edge/prequantized.py); stores written without the options still load."""
+
+import pytest
+import torch
+
+import fate_edge.loader as loader
+from fate_edge import load_model
+from fate_edge.checkpoint import CheckpointReader
+from fate_edge.convert import ConvertOptions, convert
+from fate_edge.errors import ModelFormatError
+from fate_edge.memory_account import memory_account
+
+IDS = torch.tensor([[5, 900, 33, 4000, 12, 77, 2048, 3, 64, 1]])
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory, bundled_dir):
+    root = tmp_path_factory.mktemp("pq")
+    opts = dict(bits=4, keep_bf16=False)
+    return {None: convert(bundled_dir, root / "float", ConvertOptions(**opts), progress=False),
+            4: convert(bundled_dir, root / "int4", ConvertOptions(**opts, resident_bits=4, embedding_bits=4),
+                       progress=False),
+            8: convert(bundled_dir, root / "int8", ConvertOptions(**opts, resident_bits=8, embedding_bits=8),
+                       progress=False)}
+
+
+def _logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(IDS, model.new_cache())
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_prequantized_store_loads_without_quantizing_and_computes_what_load_time_quantizing_does(
+        stores, bits, monkeypatch, one_thread):
+    expected = _logits(load_model(stores[None], resident_bits=bits, embedding_bits=bits))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("quantized at load")
+
+    monkeypatch.setattr(loader, "quantize_group", refuse)
+    monkeypatch.setattr(loader, "quantize_table", refuse)
+    model = load_model(stores[bits])  # nothing asked: the store says what it holds
+    torch.testing.assert_close(_logits(model), expected, rtol=0, atol=0)
+    names = CheckpointReader(stores[bits]).keys()
+    assert not [n for n in names if n.endswith(("q_proj.weight", "lm_head.weight", "embed_tokens.weight"))]
+
+
+def test_the_prequantized_store_is_smaller_and_its_load_holds_no_float_copy(stores):
+    floats = (stores[None] / "resident.safetensors").stat().st_size
+    assert (stores[4] / "resident.safetensors").stat().st_size < 0.3 * floats
+    at_load = memory_account(stores[None], 3_000_000, "float32", 256, resident_bits=4, embedding_bits=4)
+    converted = memory_account(stores[4], 3_000_000, "float32", 256)
+    assert converted.embeddings + converted.other_resident == at_load.embeddings + at_load.other_resident
+    held = converted.embeddings + converted.other_resident
+    assert converted.loading - held < 0.01 * held  # beyond what stays: at most a small tensor being cast
+    assert at_load.loading > converted.loading
+
+
+def test_asking_a_prequantized_store_for_other_bits_names_the_fixes(stores):
+    with pytest.raises(ModelFormatError, match="quantized to int4 at convert; load with --resident-bits 4"):
+        load_model(stores[4], resident_bits=8)
+    with pytest.raises(ModelFormatError, match="load with --embedding-bits 4"):
+        load_model(stores[4], embedding_bits=8)
