@@ -59,7 +59,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if args.memory_budget or args.policy:
-        with open_engine(EngineOptions.from_args(args)) as engine:  # closed on every path, errors included
+        # closed on every path, errors included; the memory account printed before loading
+        with open_engine(EngineOptions.from_args(args), account=sys.stderr) as engine:
             _generate(args, engine.model, engine.tokenizer, prompt, engine)
             _print_engine_stats(engine)
         return 0

@@ -128,9 +128,11 @@ def print_account(store: str | Path, opts: EngineOptions, log: TextIO) -> None:
     print("[memory] predicted peak RSS by part:\n" + "\n".join(account.lines()), file=log, flush=True)
 
 
-def open_engine(opts: EngineOptions, log: TextIO | None = None, progress: bool = True) -> Engine:
+def open_engine(opts: EngineOptions, log: TextIO | None = None, progress: bool = True,
+                account: TextIO | None = None) -> Engine:
     """Build the engine ``opts`` describes. ``--policy auto`` runs the planner first and reports its probes,
-    its pick and the decode speed it predicts on ``log`` (default stderr)."""
+    its pick and the decode speed it predicts on ``log`` (default stderr); ``account``: where to print the memory
+    account before loading (``run`` and ``serve``: stderr)."""
     from .budget import parse_bytes
     from .engine import Engine
     from .loader import DTYPES
@@ -156,7 +158,8 @@ def open_engine(opts: EngineOptions, log: TextIO | None = None, progress: bool =
         policy = p
     else:
         policy = policy_for_device(policy, opts.device_profile, store, opts.resident_bits)
-    print_account(store, opts, log)
+    if account is not None:
+        print_account(store, opts, account)
     engine = Engine(store, opts.memory_budget, policy, dtype=opts.dtype, link=link, device=opts.device,
                     verify=opts.verify, resident_bits=opts.resident_bits, embedding_bits=opts.embedding_bits)
     engine.planned = planned

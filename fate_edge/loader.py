@@ -16,7 +16,7 @@ from .errors import MissingTensorError
 from .experts import CheckpointExpertProvider, ExpertLayout, ExpertProvider, InMemoryExpertProvider
 from .fused import Weights, quantize_group, resident_groups
 from .model import LayerNames, MoETransformer
-from .prequantized import check_request, covered, in_store, is_float_weight
+from .prequantized import MappedFiles, check_request, covered, in_store, is_float_weight
 from .store import is_store
 
 # Router weights and DeepSeek's correction bias stay in fp32, as the reference keeps them.
@@ -100,9 +100,12 @@ def _read_resident(config, reader: CheckpointReader, names: list, wanted: list[s
         raise ValueError(f"resident_bits must be 8 or 4 (or None for the checkpoint's dtype), not {resident_bits}")
     resident = Weights()
 
-    def read(name: str) -> torch.Tensor:  # codes and scales quantized at convert stay as stored
-        cast = None if not is_float_weight(name) else torch.float32 if name.endswith(_FP32_SUFFIXES) else dtype
-        return reader.get(name, cast).to(device)
+    mapped = MappedFiles(reader)
+
+    def read(name: str) -> torch.Tensor:  # codes and scales quantized at convert: memory-mapped as stored
+        if not is_float_weight(name):
+            return mapped.get(name).to(device)
+        return reader.get(name, torch.float32 if name.endswith(_FP32_SUFFIXES) else dtype).to(device)
 
     check_request(reader, resident_bits, embedding_bits)
     groups = resident_groups(config, names, set(wanted)) if resident_bits is not None else []

@@ -213,7 +213,8 @@ def shortfall(account: MemoryAccount, free: int) -> str | None:
     elif account.expert_budget > over:
         fix = f"lower --memory-budget to {(account.expert_budget - over) / 1e6:.0f} MB or free memory"
     else:
-        fix = "the resident weights alone do not fit: hold them in fewer bits (--resident-bits 4) or free memory"
+        fix = ("without any expert budget the resident weights, KV cache and buffers still do not fit: hold the "
+               "weights in fewer bits (--resident-bits 4, --embedding-bits 4) or free memory")
     held = max(account.loading, account.running)
     return (f"this run needs {need / 1e6:.0f} MB beyond the {account.runtime / 1e6:.0f} MB the runtime holds "
             f"(embeddings {account.embeddings / 1e6:.0f} + other resident weights {account.other_resident / 1e6:.0f}"

@@ -90,3 +90,30 @@ def write_quantized_resident(path: str | Path, tensors: dict[str, torch.Tensor])
 
     save_file({k: v.clone() if v._base is not None else v for k, v in tensors.items()}, str(path),
               {"format": "pt"})
+
+
+class MappedFiles:
+    """Tensors of a store's safetensors files memory-mapped (MAP_PRIVATE), not read: quantized resident weights
+    are used as stored, so their pages come from the page cache as the model first touches them, with no copy
+    (as llama.cpp maps its file). Clean pages the kernel may drop under pressure and read again."""
+
+    def __init__(self, reader: CheckpointReader):
+        self.reader = reader
+        self._maps: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str) -> torch.Tensor:
+        from .checkpoint import _TORCH_DTYPES
+
+        path = self.reader.model_dir / self.reader.weight_map[name]
+        _, start, header = self.reader._layout(path)
+        raw = self._maps.get(str(path))
+        if raw is None:
+            size = path.stat().st_size
+            raw = self._maps[str(path)] = torch.empty(0, dtype=torch.uint8).set_(
+                torch.UntypedStorage.from_file(str(path), False, size))
+        info = header[name]
+        dtype = _TORCH_DTYPES[info["dtype"]]
+        begin, end = (start + o for o in info["data_offsets"])
+        if begin % torch.empty(0, dtype=dtype).element_size():  # safetensors aligns each tensor; copy if not
+            return self.reader.get(name)
+        return raw[begin:end].view(dtype).reshape(info["shape"])

@@ -62,3 +62,25 @@ def test_asking_a_prequantized_store_for_other_bits_names_the_fixes(stores):
         load_model(stores[4], resident_bits=8)
     with pytest.raises(ModelFormatError, match="load with --embedding-bits 4"):
         load_model(stores[4], embedding_bits=8)
+
+
+def _mapped_file(ptr: int) -> str | None:
+    """The file mapped at address ``ptr`` in this process (/proc/self/maps), or None for anonymous memory."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= ptr < hi:
+                return parts[5] if len(parts) > 5 else None
+    return None
+
+
+def test_the_quantized_weights_are_memory_mapped_from_the_store(stores):
+    model = load_model(stores[4])
+    resident = str(stores[4] / "resident.safetensors")
+    codes = [k for k in model.w if k.endswith((".int4", ".nint4"))]
+    assert codes and all(_mapped_file(model.w[k].data_ptr()) == resident for k in codes)
+    assert _mapped_file(model.embed.codes.data_ptr()) == resident
+    float_store = load_model(stores[None], resident_bits=4)  # quantized at load: the process's own memory
+    assert _mapped_file(float_store.w["lm_head.int4" if "lm_head.int4" in float_store.w else codes[0]].data_ptr()) \
+        != str(stores[None] / "resident.safetensors")
