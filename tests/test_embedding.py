@@ -76,3 +76,20 @@ def test_the_account_counts_the_table_the_engine_holds(bundled_dir, tmp_path, bi
         held = embed.nbytes if bits else embed.numel() * embed.element_size()
     assert account.embeddings + account.other_resident == loaded
     assert abs(account.embeddings - held) <= 8  # the int4 group size is a 0-d int64 in the resident weights
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_tied_head_multiplies_by_the_table_the_codes_stand_for(bits):
+    from fate_edge.embedding import embedding_table
+    from fate_edge.fused import Weights, apply_linear, build_head
+
+    w = _table(v=320, h=256, seed=1)
+    table = embedding_table(quantize_table(lambda a, b: w[a:b], tuple(w.shape), bits), torch.float32)
+    head = build_head(Weights(), table)  # no lm_head: tied to the embedding
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(2))
+    y = apply_linear(x, head)
+    reference = x @ table(torch.arange(320)).T
+    assert y.shape == (3, 320)
+    # the kernels take bf16 activations: within bf16 rounding of the exact product, far below the codes' own error
+    assert (y - reference).abs().max() <= 0.01 * reference.abs().max()
+    assert (y - x @ w.float().T).abs().max() > (y - reference).abs().max()  # the codes, not the float table
