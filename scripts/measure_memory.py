@@ -49,7 +49,8 @@ def main() -> None:
     print(f"load {load_s:.1f} s; measured peak after load {loaded / 1e6:.0f} MB, after generating {peak / 1e6:.0f} MB; "
           f"predicted {account.peak / 1e6:.0f} MB ({100 * (peak / account.peak - 1):+.1f}%)")
     print(json.dumps({"predicted": account.peak, "measured": peak, "loaded": loaded, "load_s": load_s,
-                      "running": account.running, "loading": account.loading, "runtime": account.runtime}))
+                      "running": account.running, "loading": account.loading, "runtime": account.runtime,
+                      "embeddings": account.embeddings, "embeddings_mapped": account.embeddings_mapped}))
 
 
 if __name__ == "__main__":
