@@ -117,3 +117,12 @@ class MappedFiles:
         if begin % torch.empty(0, dtype=dtype).element_size():  # safetensors aligns each tensor; copy if not
             return self.reader.get(name)
         return raw[begin:end].view(dtype).reshape(info["shape"])
+
+
+def stored_params(name: str, numel: int) -> int:
+    """Weights a resident tensor stands for: its elements for a float one, two a byte for packed int4 codes, one
+    for int8 codes, none for scales, zeros and bookkeeping (inspect's parameter count of such a store; int4 rows
+    padded for torch's kernel count too)."""
+    if is_float_weight(name):
+        return numel
+    return numel * {".int4": 2, ".nint4": 2, ".int8": 1}.get("." + name.rsplit(".", 1)[-1], 0)

@@ -84,3 +84,11 @@ def test_the_quantized_weights_are_memory_mapped_from_the_store(stores):
     float_store = load_model(stores[None], resident_bits=4)  # quantized at load: the process's own memory
     assert _mapped_file(float_store.w["lm_head.int4" if "lm_head.int4" in float_store.w else codes[0]].data_ptr()) \
         != str(stores[None] / "resident.safetensors")
+
+
+def test_inspect_counts_the_weights_the_codes_stand_for(stores):
+    from fate_edge.inspect_model import summarize
+
+    floats, quantized = summarize(stores[None]), summarize(stores[4])
+    assert abs(quantized.resident_params / floats.resident_params - 1) < 0.01  # int4 rows padded for the kernel
+    assert quantized.resident_bytes < 0.3 * floats.resident_bytes
