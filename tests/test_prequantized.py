@@ -92,3 +92,11 @@ def test_inspect_counts_the_weights_the_codes_stand_for(stores):
     floats, quantized = summarize(stores[None]), summarize(stores[4])
     assert abs(quantized.resident_params / floats.resident_params - 1) < 0.01  # int4 rows padded for the kernel
     assert quantized.resident_bytes < 0.3 * floats.resident_bytes
+
+
+def test_the_emulated_token_reads_the_same_bytes_whether_quantized_at_convert_or_at_load(stores):
+    from fate_edge.emulation import decode_token_work
+
+    at_load, at_convert = decode_token_work(stores[None], 4, 4), decode_token_work(stores[4], 4)
+    assert abs(at_convert.bytes / at_load.bytes - 1) < 0.02  # int4 rows padded for torch's kernel, bf16 scales
+    assert "int4 linears" in at_convert.what
