@@ -105,3 +105,12 @@ def test_inspect_prints_the_account_by_part(bundled_store, capsys):
     assert part["expert budget"] == "3 MB"
     assert part["KV cache"] == f"{account.kv_cache / 1e6:.0f} MB"
     assert part["predicted peak RSS"].endswith("MB")
+
+
+def test_run_prints_the_account_before_loading(capsys):
+    from fate_edge.cli import main
+
+    assert main(["run", "--memory-budget", "2MB", "--context-tokens", "256", "--max-tokens", "2", "def"]) == 0
+    err = capsys.readouterr().err
+    assert err.index("[memory] predicted peak RSS by part:") < err.index("prompt tokens at")
+    assert "  KV cache" in err and "256 tokens" in err and "  predicted peak RSS" in err
