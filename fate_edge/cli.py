@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from . import __version__
+from . import __version__, defaults
 from .cli_args import (
     PROG,
     CliParser,
@@ -59,7 +59,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if args.memory_budget or args.policy:
-        with open_engine(EngineOptions.from_args(args)) as engine:  # closed on every path, errors included
+        # closed on every path, errors included; the memory account printed before loading
+        with open_engine(EngineOptions.from_args(args), account=sys.stderr) as engine:
             _generate(args, engine.model, engine.tokenizer, prompt, engine)
             _print_engine_stats(engine)
         return 0
@@ -120,6 +121,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     path = args.model_dir or bundled_model_dir()
     print(format_summary(summarize(path)))
+    if args.memory_budget is not None:
+        from .budget import parse_bytes
+        from .memory_account import memory_account
+
+        account = memory_account(path, parse_bytes(args.memory_budget), args.dtype, args.context_tokens,
+                                 args.resident_bits, embedding_bits=args.embedding_bits)
+        print(f"\nmemory account (expert budget {format_bytes(account.expert_budget)}, {args.dtype}"
+              + (f", int{args.resident_bits} resident linears" if args.resident_bits else "")
+              + (f", int{args.embedding_bits} embeddings" if args.embedding_bits else "") + ")")
+        print("\n".join(account.lines()))
     if is_store(path):
         print()
         print(format_store(path))
@@ -141,7 +152,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     opts = ConvertOptions(bits=args.bits, group_size=args.group, cold_bits=args.cold_bits,
                           cold_group_size=args.cold_group, keep_bf16=not args.no_bf16, force=args.force,
-                          method=args.method, layout=args.layout, threads=args.threads)
+                          method=args.method, layout=args.layout, threads=args.threads,
+                          resident_bits=args.resident_bits, embedding_bits=args.embedding_bits)
     out = convert(args.model_dir, args.out_dir, opts, progress=not args.quiet)
     print(f"wrote expert store {out}")
     return 0
@@ -239,6 +251,11 @@ def _add_convert_parser(sub) -> None:
                       "the default here (AVX512-VNNI), else cpu-int4. Either runs on every device (CUDA re-packs "
                       "experts for its kernel as they arrive)")
     conv.add_argument("--no-bf16", action="store_true", help="do not keep a bf16 copy of the experts")
+    conv.add_argument("--resident-bits", type=int, default=None, choices=[8, 4],
+                      help="quantize attention, dense MLPs, shared experts and lm_head here (int8 per channel or "
+                      "int4), so a load reads them as they are: no full-precision copy, no quantizing at load")
+    conv.add_argument("--embedding-bits", type=int, default=None, choices=[8, 4],
+                      help="quantize the embedding table here (int8 per row or int4 per group)")
     conv.add_argument("--force", action="store_true", help="replace an existing store")
     conv.add_argument("--threads", type=positive_int, default=None,
                       help="experts encoded in parallel (default: the CPU count, at most 8)")
@@ -257,6 +274,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="model directory or expert store (default: the bundled model)")
     ins.add_argument("--verify", action="store_true",
                      help="expert store: check every blob's CRC32 and report the first corrupted one")
+    ins.add_argument("--memory-budget", default=None, type=byte_size,
+                     help="also print the predicted peak RSS by part for a run with this expert budget, e.g. 200MB")
+    ins.add_argument("--resident-bits", type=int, default=None, choices=[8, 4],
+                     help="with --memory-budget: the run quantizes its resident linears to int8 or int4")
+    ins.add_argument("--embedding-bits", type=int, default=None, choices=[8, 4],
+                     help="with --memory-budget: the run holds the embedding table in int8 or int4")
+    ins.add_argument("--dtype", default=defaults.DTYPE, choices=["float32", "bfloat16"],
+                     help="with --memory-budget: the run's compute dtype")
+    ins.add_argument("--context-tokens", type=positive_int, default=defaults.CONTEXT_TOKENS,
+                     help=f"with --memory-budget: prompt + answer tokens (default {defaults.CONTEXT_TOKENS})")
     ins.set_defaults(func=cmd_inspect)
 
     pl = sub.add_parser("plan", help="choose a policy for a device profile and memory budget (simulated)")

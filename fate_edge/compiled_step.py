@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from .embedding import lookup
 from .experts import ExpertWeights, InMemoryExpertProvider, QuantizedExpert
 from .fused import Fused, LayerPlan, apply_linear, rms_norm
 from .rope import apply_rope
@@ -202,7 +203,7 @@ def step_graph(g: GraphConsts, s: StepShape, token: torch.Tensor, cos: torch.Ten
                head: Fused) -> tuple[torch.Tensor, list]:
     """One token through every layer: the graph compiled. → (logits [1, V], per MoE layer (h, ids, weights))."""
     cfg, act = g.config, g.act
-    x = F.embedding(token.view(1), g.embed)
+    x = lookup(g.embed, token.view(1))
     mask = position_mask(kv[0][0], pos)
     routing = []
     for lp, (kbuf, vbuf), st in zip(plan, kv, stacks):

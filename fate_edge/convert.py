@@ -55,6 +55,8 @@ class ConvertOptions:
     layout: str = "auto"  # streamed copy: portable | cpu-int4 (torch's kernel layout) | auto (portable where
     # fate-edge's native int4 kernel is the default here, else cpu-int4 where torch's kernel takes the shapes)
     threads: int | None = None  # experts encoded in parallel (None: the CPU count, at most 8)
+    resident_bits: int | None = None  # 8 or 4: resident linears quantized here, read as they are at load
+    embedding_bits: int | None = None  # 8 or 4: the embedding table quantized here (fate_edge/embedding.py)
 
 
 GROUP_SIZES = (128, 64, 32)  # quantization groups convert offers, largest (fewest scales) first
@@ -155,8 +157,18 @@ def convert(model_dir: str | Path, out_dir: str | Path, opts: ConvertOptions | N
         meter = _Progress(sum(reader.nbytes(n) for n in names_resident) + expert_src * len(jobs), progress,
                           on_progress)
         try:
-            save_streaming(reader, names_resident, tmp / "resident.safetensors", {"format": "pt"},
-                           lambda _name, nbytes: meter.advance(nbytes))
+            if opts.resident_bits is None and opts.embedding_bits is None:
+                save_streaming(reader, names_resident, tmp / "resident.safetensors", {"format": "pt"},
+                               lambda _name, nbytes: meter.advance(nbytes))
+            else:  # quantized once, here (fate_edge/prequantized.py)
+                from .prequantized import quantized_resident, write_quantized_resident
+
+                with _one_torch_thread():
+                    held = quantized_resident(cfg, reader, names, names_resident, opts.resident_bits,
+                                              opts.embedding_bits)
+                write_quantized_resident(tmp / "resident.safetensors", held)
+                del held
+                meter.advance(sum(reader.nbytes(n) for n in names_resident))
             entries = _write_experts(tmp, jobs, layouts, precisions, opts, lambda: meter.advance(expert_src))
         finally:
             meter.close()
@@ -172,6 +184,8 @@ def convert(model_dir: str | Path, out_dir: str | Path, opts: ConvertOptions | N
             "hidden_size": cfg.hidden_size,
             "moe_intermediate_size": cfg.moe_intermediate_size,
             "quant_method": opts.method,
+            "resident_bits": opts.resident_bits,
+            "embedding_bits": opts.embedding_bits,
             "precisions": {str(p.bits): p.to_json() for p in precisions},
             "experts": entries,
         }

@@ -18,9 +18,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from . import sdpa
+from .embedding import lookup
 from .fused import Fused, LayerPlan, apply_linear, rms_norm
 from .rope import apply_rope
 
@@ -56,7 +56,7 @@ def decode_token(model: MoETransformer, token: torch.Tensor, cache: KVCache, pla
     """``token`` [1, 1] continuing ``cache`` → logits [1, 1, V]."""
     cfg = model.config
     start = cache.length
-    x = F.embedding(token.view(1), model.embed)  # [1, H]; a fresh tensor, updated in place below
+    x = lookup(model.embed, token.view(1))  # [1, H]; a fresh tensor, updated in place below
     cos, sin = model.rope.cos_sin_range(start, 1, torch.float32 if cfg.rope.float32 else model.dtype, x.device)
     rot = None
     if cos.dtype == x.dtype and not cfg.rope.interleaved:

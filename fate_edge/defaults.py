@@ -7,6 +7,8 @@ from fate_edge.devices.detect import thread_split
 # Expert memory (cache + read buffers + the expert being computed). Small enough for an 8 GB board with the
 # resident weights beside it; the engine refuses at start a budget this machine cannot hold.
 MEMORY_BUDGET = "256MB"
+# Tokens (prompt and answer) the memory account reserves KV cache and activations for.
+CONTEXT_TOKENS = 4096
 POLICY = "fate-edge"  # our preset (fate_edge.policy.PRESETS); "auto" asks the planner
 DEVICE = "auto"  # cuda when torch sees a GPU, else cpu
 DTYPE = "float32"

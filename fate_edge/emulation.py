@@ -122,6 +122,7 @@ def decode_token_work(store_dir: str | Path, bits: int = 4, resident_bits: int |
     from .checkpoint import CheckpointReader
     from .fused import int4_group, resident_groups
     from .loader import layer_names
+    from .prequantized import is_float_weight, stored_bits, stored_params
     from .store import ExpertStore
 
     if resident_bits not in (None, 8, 4):
@@ -129,7 +130,7 @@ def decode_token_work(store_dir: str | Path, bits: int = 4, resident_bits: int |
     cfg = load_config(store_dir)
     store = ExpertStore(store_dir)
     reader = CheckpointReader(store_dir)
-    names = [n for n in reader.keys() if n != "model.embed_tokens.weight" or cfg.tie_word_embeddings]
+    names = [n for n in reader.keys() if not n.startswith("model.embed_tokens.") or cfg.tie_word_embeddings]
     quantized = set()
     if resident_bits is not None:
         groups = resident_groups(cfg, layer_names(cfg, reader), set(names))
@@ -138,6 +139,9 @@ def decode_token_work(store_dir: str | Path, bits: int = 4, resident_bits: int |
     for name in names:
         shape = reader.shape(name)
         n = math.prod(shape)
+        if not is_float_weight(name):  # quantized at convert (convert --resident-bits): read as stored
+            params, nbytes = params + stored_params(name, n), nbytes + reader.nbytes(name)
+            continue
         params += n
         group = int4_group(shape[-1]) if resident_bits == 4 else None
         if name not in quantized:
@@ -149,6 +153,7 @@ def decode_token_work(store_dir: str | Path, bits: int = 4, resident_bits: int |
     experts = len(cfg.moe_layers) * cfg.num_experts_per_tok
     nbytes += experts * store.expert_bytes(bits)
     flops = 2 * (params + experts * cfg.expert_params)
+    resident_bits = resident_bits or stored_bits(reader)[0]
     held = "fp16" if resident_bits is None else f"int{resident_bits} linears (the rest fp16)"
     what = (f"{params / 1e6:.1f} M resident params at {held} + {experts} experts per token "
             f"({len(cfg.moe_layers)} MoE layers x top-{cfg.num_experts_per_tok}) at int{bits}")

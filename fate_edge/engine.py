@@ -31,6 +31,7 @@ from .experts import ExpertProvider
 from .fetch import BufferPool, FetchEngine
 from .generate import GenerateConfig, GenerationResponse, stream_generate
 from .loader import DTYPES, load_model
+from .memory_account import available_memory_bytes, memory_account, shortfall
 from .policy import PolicyConfig, for_model, get_policy
 from .preload import LoadReport, first_used, global_choice, preload, preload_choice
 from .request_slot import RequestSlot
@@ -102,6 +103,8 @@ class Engine:
         plan: str | None = None,
         verify: str = defaults.VERIFY,
         resident_bits: int | None = None,  # 8 or 4: attention, dense MLPs, shared experts and lm_head quantized
+        context_tokens: int = defaults.CONTEXT_TOKENS,  # prompt + answer the memory account reserves room for
+        embedding_bits: int | None = None,  # 8 or 4: the embedding table held quantized (fate_edge.embedding)
     ):
         if plan == "auto":  # Engine(..., plan="auto") is the same as policy="auto": the planner decides
             policy = "auto"
@@ -131,8 +134,11 @@ class Engine:
                 raise FateEdgeError(f"policy '{self.policy.name}' needs int{bits} experts but {store_dir} holds "
                                     f"{self.store.bits_available}; re-run fate-edge convert with --bits {bits}")
         self.budget = parse_bytes(memory_budget)
+        self.account = memory_account(store_dir, self.budget, self.dtype, context_tokens, resident_bits,
+                                      embedding_bits=embedding_bits)
+        self._check_account()
         self.model = load_model(store_dir, dtype=self.dtype, experts=_NoExperts(), device=device,
-                                resident_bits=resident_bits)
+                                resident_bits=resident_bits, embedding_bits=embedding_bits)
         self.policy = for_model(self.policy, self.model.config.model_type)  # e.g. Fate's tail share per model
         self.tokenizer = Tokenizer(store_dir)
         self.link = link
@@ -164,6 +170,17 @@ class Engine:
         self.request_stats = SchedulerStats()
 
     # ------------------------------------------------------------------ setup
+    def _check_account(self) -> None:
+        """Refuse before anything loads when the run's peak (memory_account) cannot fit the free memory. On a
+        discrete GPU the weights and the cache live in its memory: ``_check_memory`` judges that after load."""
+        from fate_edge.devices.detect import is_jetson_board, read_board_model
+
+        if self.device.startswith("cuda") and not is_jetson_board(read_board_model()):
+            return
+        why = shortfall(self.account, available_memory_bytes())
+        if why:
+            raise BudgetError(f"memory budget {format_bytes(self.budget)}: {why}")
+
     def _check_memory(self) -> None:
         """The budget is a promise: refuse at once one this machine cannot hold, rather than fail mid-answer."""
         import psutil

@@ -35,6 +35,8 @@ class EngineOptions:
     threads: int | None = defaults.THREADS
     verify: str = defaults.VERIFY
     resident_bits: int | None = None  # quantize the resident weights (8 or 4); None keeps the model's dtype
+    embedding_bits: int | None = None  # hold the embedding table in 8 or 4 bits; None keeps the model's dtype
+    context_tokens: int = defaults.CONTEXT_TOKENS  # prompt + answer the memory account reserves room for
     device_profile: str | None = None  # the device this runs on (fate-edge takes its preset); None: detected
 
     @classmethod
@@ -67,6 +69,13 @@ def add_engine_args(p: argparse.ArgumentParser, memory_budget: str | None = defa
     p.add_argument("--resident-bits", type=int, default=None, choices=[8, 4],
                    help="quantize attention, dense MLPs, shared experts and lm_head to int8 (per channel) or int4 "
                         "(default: keep --dtype)")
+    p.add_argument("--embedding-bits", type=int, default=None, choices=[8, 4],
+                   help="hold the embedding table as int8 per row or int4 per group of 128/64/32, rows dequantized "
+                        "as gathered (default: keep --dtype)")
+    p.add_argument("--context-tokens", type=positive_int, default=defaults.CONTEXT_TOKENS,
+                   help="prompt + answer tokens the memory account (printed at start, and checked against free "
+                        "memory before loading) reserves KV cache and activations for "
+                        f"(default {defaults.CONTEXT_TOKENS})")
     p.add_argument("--verify", default=defaults.VERIFY, choices=["once", "always"],
                    help="expert store: check each blob's CRC32 on its first read (default) or on every read")
 
@@ -114,9 +123,21 @@ def policy_for_device(policy: str, device_profile: str | None = None, store: str
     return for_device_and_store(get_policy(policy), device_profile or detect().profile, store, resident_bits)
 
 
-def open_engine(opts: EngineOptions, log: TextIO | None = None, progress: bool = True) -> Engine:
+def print_account(store: str | Path, opts: EngineOptions, log: TextIO) -> None:
+    """The run's predicted peak RSS by part (memory_account), printed before anything loads."""
+    from .budget import parse_bytes
+    from .memory_account import memory_account
+
+    account = memory_account(store, parse_bytes(opts.memory_budget), opts.dtype, opts.context_tokens,
+                             opts.resident_bits, embedding_bits=opts.embedding_bits)
+    print("[memory] predicted peak RSS by part:\n" + "\n".join(account.lines()), file=log, flush=True)
+
+
+def open_engine(opts: EngineOptions, log: TextIO | None = None, progress: bool = True,
+                account: TextIO | None = None) -> Engine:
     """Build the engine ``opts`` describes. ``--policy auto`` runs the planner first and reports its probes,
-    its pick and the decode speed it predicts on ``log`` (default stderr)."""
+    its pick and the decode speed it predicts on ``log`` (default stderr); ``account``: where to print the memory
+    account before loading (``run`` and ``serve``: stderr)."""
     from .budget import parse_bytes
     from .engine import Engine
     from .loader import DTYPES
@@ -142,7 +163,10 @@ def open_engine(opts: EngineOptions, log: TextIO | None = None, progress: bool =
         policy = p
     else:
         policy = policy_for_device(policy, opts.device_profile, store, opts.resident_bits)
+    if account is not None:
+        print_account(store, opts, account)
     engine = Engine(store, opts.memory_budget, policy, dtype=opts.dtype, link=link, device=opts.device,
-                    verify=opts.verify, resident_bits=opts.resident_bits)
+                    verify=opts.verify, resident_bits=opts.resident_bits, embedding_bits=opts.embedding_bits,
+                    context_tokens=opts.context_tokens)
     engine.planned = planned
     return engine

@@ -205,7 +205,8 @@ def build_head(w: Weights, embed: torch.Tensor) -> Fused:
     """The output projection: lm_head (maybe quantized), or the embedding when they are tied."""
     if "lm_head.weight" in w or _quantized(w, "lm_head") is not None:
         return fuse(w, ["lm_head"])
-    return Fused(embed, None, [embed.shape[0]])
+    # tied to a quantized table (fate_edge.embedding): the head multiplies by the same codes
+    return Fused(embed if isinstance(embed, torch.Tensor) else embed.as_linear(), None, [embed.shape[0]])
 
 
 def resident_groups(config: ModelConfig, layer_names: list, names: Any) -> list[list[str]]:

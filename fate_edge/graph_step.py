@@ -26,7 +26,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from . import decode_step
 from .compiled_step import (
@@ -40,6 +39,7 @@ from .compiled_step import (
     step_graph,
     unsupported_experts,
 )
+from .embedding import lookup
 from .fused import apply_linear, rms_norm
 
 if TYPE_CHECKING:
@@ -211,7 +211,7 @@ class LayerGraphDecode(_StaticDecode):
             def run() -> None:
                 out = self.outs[i]
                 if i == 0:
-                    self.x.copy_(F.embedding(self.token.view(1), model.embed))
+                    self.x.copy_(lookup(model.embed, self.token.view(1)))
                 kbuf, vbuf = self.kv[i]
                 x = attention_block(cfg, s, self.x, lp, kbuf, vbuf, self.cos, self.sin, self.pos,
                                     position_mask(kbuf, self.pos))

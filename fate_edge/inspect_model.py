@@ -9,6 +9,7 @@ from pathlib import Path
 from .arch import ModelConfig, load_config
 from .checkpoint import CheckpointReader
 from .loader import is_routed_expert_tensor
+from .prequantized import stored_params
 from .sizes import format_bytes
 
 
@@ -48,7 +49,7 @@ def summarize(model_dir: str | Path) -> ModelSummary:
     reader = CheckpointReader(model_dir)
     exp_p = exp_b = res_p = res_b = 0
     for name in reader.keys():
-        n = math.prod(reader.shape(name))
+        n = stored_params(name, math.prod(reader.shape(name)))  # convert --resident-bits: the weights codes stand for
         if is_routed_expert_tensor(name):
             exp_p, exp_b = exp_p + n, exp_b + reader.nbytes(name)
         else:

@@ -11,10 +11,12 @@ from fate_edge.quant import QuantSpec
 
 from .arch import ModelConfig, load_config
 from .checkpoint import CheckpointReader
+from .embedding import quantize_table
 from .errors import MissingTensorError
 from .experts import CheckpointExpertProvider, ExpertLayout, ExpertProvider, InMemoryExpertProvider
 from .fused import Weights, quantize_group, resident_groups
 from .model import LayerNames, MoETransformer
+from .prequantized import MappedFiles, check_request, covered, in_store, is_float_weight
 from .store import is_store
 
 # Router weights and DeepSeek's correction bias stay in fp32, as the reference keeps them.
@@ -89,7 +91,7 @@ def expert_spec(config: ModelConfig, bits: int) -> QuantSpec:
 
 
 def _read_resident(config, reader: CheckpointReader, names: list, wanted: list[str], dtype: torch.dtype,
-                   device, resident_bits: int | None) -> Weights:
+                   device, resident_bits: int | None, embedding_bits: int | None = None) -> Weights:
     """The resident weights at ``dtype`` (routers fp32). With ``resident_bits`` each fused group is quantized
     as soon as it is read (lm_head first), so loading never holds every float weight at once: at
     Qwen1.5-MoE-A2.7B's size the bf16 resident weights (3.7 GB) would exceed the memory that the int4 ones
@@ -98,17 +100,26 @@ def _read_resident(config, reader: CheckpointReader, names: list, wanted: list[s
         raise ValueError(f"resident_bits must be 8 or 4 (or None for the checkpoint's dtype), not {resident_bits}")
     resident = Weights()
 
-    def read(name: str) -> torch.Tensor:
+    mapped = MappedFiles(reader)
+
+    def read(name: str) -> torch.Tensor:  # codes and scales quantized at convert: memory-mapped as stored
+        if not is_float_weight(name):
+            return mapped.get(name).to(device)
         return reader.get(name, torch.float32 if name.endswith(_FP32_SUFFIXES) else dtype).to(device)
 
+    check_request(reader, resident_bits, embedding_bits)
     groups = resident_groups(config, names, set(wanted)) if resident_bits is not None else []
+    groups = [g for g in groups if not in_store(reader, g)]  # quantized at convert: read as they are
     for group in groups:
         for n in group:
             dict.__setitem__(resident, f"{n}.weight", read(f"{n}.weight"))
         quantize_group(resident, group, resident_bits)
     quantized = {f"{n}.weight" for group in groups for n in group}
     for name in wanted:
-        if name not in quantized:
+        if name == "model.embed_tokens.weight" and embedding_bits is not None:  # rows quantized as they are read
+            table = quantize_table(lambda a, b, n=name: reader.get_rows(n, a, b), reader.shape(name), embedding_bits)
+            dict.update(resident, {k: t.to(device) for k, t in table.items()})
+        elif name not in quantized:
             dict.__setitem__(resident, name, read(name))
     return resident
 
@@ -122,6 +133,7 @@ def load_model(
     device: str | torch.device = "cpu",
     resident_bits: int | None = None,
     compile: str = "off",
+    embedding_bits: int | None = None,
 ) -> MoETransformer:
     """Load a Hugging Face model directory or an expert store.
 
@@ -131,7 +143,8 @@ def load_model(
     emulated ``link``. With ``experts="memory"`` on a checkpoint, ``bits`` (8, 4, 3, 2) quantizes every
     routed expert in memory (round-to-nearest, the largest group of 128/64/32 dividing the expert sizes).
     ``resident_bits`` (8 or 4) quantizes the resident linears too (attention, dense MLPs, shared experts,
-    lm_head); None keeps them in ``dtype``. ``compile`` ("auto", "on", "off"): decode steps as one
+    lm_head); None keeps them in ``dtype``. ``embedding_bits`` (8 or 4): the embedding table held quantized
+    (:mod:`fate_edge.embedding`). ``compile`` ("auto", "on", "off"): decode steps as one
     torch.compile'd graph when every expert is resident (:mod:`fate_edge.compiled_step`), compiled here."""
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     if isinstance(experts, str) and is_store(model_dir):
@@ -143,9 +156,9 @@ def load_model(
     reader = CheckpointReader(model_dir)
     names = layer_names(config, reader)
     wanted = resident_weight_names(config, reader)
-    resident = _read_resident(config, reader, names, wanted, dtype, device, resident_bits)
+    resident = _read_resident(config, reader, names, wanted, dtype, device, resident_bits, embedding_bits)
     for required in required_tensors(config, names):
-        if required not in wanted:
+        if required not in wanted and not covered(reader, required):
             reader.get(required)  # raises MissingTensorError naming the tensor
     if isinstance(experts, str):
         layouts = {i: ExpertLayout(reader, names[i].mlp) for i in config.moe_layers}

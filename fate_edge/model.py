@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from . import decode_step, sdpa
 from .arch.base import ModelConfig
 from .dispatch import group_by_expert
+from .embedding import embedding_table, lookup
 from .experts import ExpertProvider, InMemoryExpertProvider
 from .fused import Fused, LayerPlan, Weights, apply_linear, build_head, build_plan, mlp_forward, rms_norm
 from .kv_cache import KVCache
@@ -64,7 +65,7 @@ class MoETransformer:
         self.w = resident if isinstance(resident, Weights) else Weights(resident)
         self._plan: list[LayerPlan] = []
         self._plan_version = -1
-        self.embed = resident["model.embed_tokens.weight"]
+        self.embed = embedding_table(resident, dtype)  # a tensor, or a quantized table (fate_edge.embedding)
         self._head: Fused | None = None
         # One-token decode through fate_edge.decode_step (fewer, larger operators); False: the general path.
         self.fast_decode = decode_step.supported(self)
@@ -336,7 +337,7 @@ class MoETransformer:
             step = self.compiled if self.compiled is not None else self._graph_step()
             out = step.step(self, input_ids, cache, plan) if step is not None else None
             return out if out is not None else decode_step.decode_token(self, input_ids, cache, plan)
-        x = F.embedding(input_ids.reshape(-1), self.embed)  # [B*T, H]
+        x = lookup(self.embed, input_ids.reshape(-1))  # [B*T, H]
         cos, sin = self.rope.cos_sin_range(start, t, torch.float32 if cfg.rope.float32 else self.dtype, self.device)
         attention = self._mla_attention if cfg.mla is not None else self._gqa_attention
         eps = cfg.rms_norm_eps

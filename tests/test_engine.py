@@ -161,7 +161,8 @@ def test_a_budget_the_machine_cannot_hold_is_refused(store, monkeypatch):
 
     real = psutil.virtual_memory()
     monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=3 * 10**6))
-    with pytest.raises(BudgetError, match=r"only 3.00 MB of memory is available; lower --memory-budget"):
+    # refused before loading, with the memory account (memory_account.shortfall)
+    with pytest.raises(BudgetError, match=r"only 3 MB is free; loading the resident weights alone takes more"):
         Engine(store, "64MB", "lru")
 
 

@@ -13,6 +13,7 @@ its next token, or dropped from the queue if it had not started.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from contextlib import asynccontextmanager
@@ -38,7 +39,7 @@ def _load(state: ServerState, on_load_error) -> None:
 
     t0 = time.perf_counter()
     try:
-        eng = open_engine(state.settings.engine, progress=False)
+        eng = open_engine(state.settings.engine, progress=False, account=sys.stderr)
         state.ready(eng)
         log.info("model %s ready in %.1f s (policy %s, expert budget %.1f MB)", state.model_id,
                  time.perf_counter() - t0, eng.policy.name, eng.budget / 1e6)

@@ -1,0 +1,102 @@
+"""convert --resident-bits / --embedding-bits: resident linears and the embedding table quantized once at convert
+and read back as they are (fate_edge/prequantized.py); stores written without the options still load."""
+
+import pytest
+import torch
+
+import fate_edge.loader as loader
+from fate_edge import load_model
+from fate_edge.checkpoint import CheckpointReader
+from fate_edge.convert import ConvertOptions, convert
+from fate_edge.errors import ModelFormatError
+from fate_edge.memory_account import memory_account
+
+IDS = torch.tensor([[5, 900, 33, 4000, 12, 77, 2048, 3, 64, 1]])
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory, bundled_dir):
+    root = tmp_path_factory.mktemp("pq")
+    opts = dict(bits=4, keep_bf16=False)
+    return {None: convert(bundled_dir, root / "float", ConvertOptions(**opts), progress=False),
+            4: convert(bundled_dir, root / "int4", ConvertOptions(**opts, resident_bits=4, embedding_bits=4),
+                       progress=False),
+            8: convert(bundled_dir, root / "int8", ConvertOptions(**opts, resident_bits=8, embedding_bits=8),
+                       progress=False)}
+
+
+def _logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(IDS, model.new_cache())
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_prequantized_store_loads_without_quantizing_and_computes_what_load_time_quantizing_does(
+        stores, bits, monkeypatch, one_thread):
+    expected = _logits(load_model(stores[None], resident_bits=bits, embedding_bits=bits))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("quantized at load")
+
+    monkeypatch.setattr(loader, "quantize_group", refuse)
+    monkeypatch.setattr(loader, "quantize_table", refuse)
+    model = load_model(stores[bits])  # nothing asked: the store says what it holds
+    torch.testing.assert_close(_logits(model), expected, rtol=0, atol=0)
+    names = CheckpointReader(stores[bits]).keys()
+    assert not [n for n in names if n.endswith(("q_proj.weight", "lm_head.weight", "embed_tokens.weight"))]
+
+
+def test_the_prequantized_store_is_smaller_and_its_load_holds_no_float_copy(stores):
+    floats = (stores[None] / "resident.safetensors").stat().st_size
+    assert (stores[4] / "resident.safetensors").stat().st_size < 0.3 * floats
+    at_load = memory_account(stores[None], 3_000_000, "float32", 256, resident_bits=4, embedding_bits=4)
+    converted = memory_account(stores[4], 3_000_000, "float32", 256)
+    assert converted.embeddings + converted.other_resident == at_load.embeddings + at_load.other_resident
+    held = converted.embeddings + converted.other_resident
+    assert converted.loading - held < 0.01 * held  # beyond what stays: at most a small tensor being cast
+    assert at_load.loading > converted.loading
+
+
+def test_asking_a_prequantized_store_for_other_bits_names_the_fixes(stores):
+    with pytest.raises(ModelFormatError, match="quantized to int4 at convert; load with --resident-bits 4"):
+        load_model(stores[4], resident_bits=8)
+    with pytest.raises(ModelFormatError, match="load with --embedding-bits 4"):
+        load_model(stores[4], embedding_bits=8)
+
+
+def _mapped_file(ptr: int) -> str | None:
+    """The file mapped at address ``ptr`` in this process (/proc/self/maps), or None for anonymous memory."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= ptr < hi:
+                return parts[5] if len(parts) > 5 else None
+    return None
+
+
+def test_the_quantized_weights_are_memory_mapped_from_the_store(stores):
+    model = load_model(stores[4])
+    resident = str(stores[4] / "resident.safetensors")
+    codes = [k for k in model.w if k.endswith((".int4", ".nint4"))]
+    assert codes and all(_mapped_file(model.w[k].data_ptr()) == resident for k in codes)
+    assert _mapped_file(model.embed.codes.data_ptr()) == resident
+    float_store = load_model(stores[None], resident_bits=4)  # quantized at load: the process's own memory
+    assert _mapped_file(float_store.w["lm_head.int4" if "lm_head.int4" in float_store.w else codes[0]].data_ptr()) \
+        != str(stores[None] / "resident.safetensors")
+
+
+def test_inspect_counts_the_weights_the_codes_stand_for(stores):
+    from fate_edge.inspect_model import summarize
+
+    floats, quantized = summarize(stores[None]), summarize(stores[4])
+    assert abs(quantized.resident_params / floats.resident_params - 1) < 0.01  # int4 rows padded for the kernel
+    assert quantized.resident_bytes < 0.3 * floats.resident_bytes
+
+
+def test_the_emulated_token_reads_the_same_bytes_whether_quantized_at_convert_or_at_load(stores):
+    from fate_edge.emulation import decode_token_work
+
+    at_load, at_convert = decode_token_work(stores[None], 4, 4), decode_token_work(stores[4], 4)
+    assert abs(at_convert.bytes / at_load.bytes - 1) < 0.02  # int4 rows padded for torch's kernel, bf16 scales
+    assert "int4 linears" in at_convert.what
