@@ -17,11 +17,10 @@ from pathlib import Path
 
 import torch
 
-from fate_edge import bundled_model_dir, load_model
-from fate_edge.tokenizer import Tokenizer
+from fate_edge import load_model
 
 sys.path.insert(0, str(Path(__file__).parent))
-from eval_quality import corpus_split, encode_texts, run, windows  # noqa: E402
+from eval_quality import add_eval_args, heldout_windows, run  # noqa: E402
 
 
 def slice_logits(model_dir: Path, bits_list: tuple, dtype: str) -> list[dict]:
@@ -45,19 +44,13 @@ def slice_logits(model_dir: Path, bits_list: tuple, dtype: str) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=bundled_model_dir())
-    ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=1)
+    add_eval_args(ap, "bench-out/embedding-quality.json")
     ap.add_argument("--slice", type=Path, default=None, help="synthetic checkpoint for the logits comparison")
-    ap.add_argument("--json", type=Path, default=Path("bench-out/embedding-quality.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows, ref = [], None
     if args.tokens:
-        _, heldout = corpus_split(args.model)
-        seqs = windows(encode_texts(Tokenizer(args.model), heldout, args.tokens), args.seq_len)
+        seqs = heldout_windows(args)
         for resident_bits in (None, 4):
             for bits in (None, 8, 4):
                 model = load_model(args.model, resident_bits=resident_bits, embedding_bits=bits)

@@ -55,6 +55,22 @@ TAIL_LABEL = "int4 + int2 tail"
 
 
 # ------------------------------------------------------------------------------------------------ data
+def add_eval_args(ap: argparse.ArgumentParser, json_default: str) -> None:
+    """The options every held-out quality script shares (model, token count, windows, batch, threads, output)."""
+    ap.add_argument("--model", type=Path, default=bundled_model_dir())
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", type=Path, default=Path(json_default))
+
+
+def heldout_windows(args: argparse.Namespace) -> torch.Tensor:
+    """The held-out text of ``args.model`` as ``args.tokens`` ids in windows of ``args.seq_len`` (add_eval_args)."""
+    _, heldout = corpus_split(args.model)
+    return windows(encode_texts(Tokenizer(args.model), heldout, args.tokens), args.seq_len)
+
+
 def corpus_split(model_dir: Path) -> tuple[list[str], list[str]]:
     """(train, held-out) stdlib texts, split by the rule (and the settings) the model was trained with."""
     return read_corpus(CorpusSplit.of_model(model_dir))
