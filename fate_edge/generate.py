@@ -59,11 +59,14 @@ def check_context(prompt_tokens: int, context: int) -> None:
         raise ContextLengthError(prompt_tokens, context)
 
 
-def _forward(model: MoETransformer, ids: list, cache, last_only: bool, stage: str) -> torch.Tensor:
-    """One forward pass; the device running out of memory becomes a one-line :class:`DeviceMemoryError` (the pass
-    holds nothing afterwards: its KV cache is the request's and goes with it)."""
+def _forward(model: MoETransformer, ids: list[int], cache, last_only: bool, stage: str) -> torch.Tensor:
+    """One forward pass over ``ids`` (one sequence); the device running out of memory becomes a one-line
+    :class:`DeviceMemoryError` (the pass holds nothing afterwards: its KV cache is the request's and goes with it)."""
+    # One decode token is written on the device by a fill kernel: no host-to-device copy (and wait) per token.
+    x = (torch.full((1, 1), ids[0], dtype=torch.long, device=model.device) if len(ids) == 1
+         else torch.tensor([ids], device=model.device))
     try:
-        return model(torch.tensor(ids, device=model.device), cache, last_only=last_only)[0, -1]
+        return model(x, cache, last_only=last_only)[0, -1]
     except torch.OutOfMemoryError as exc:
         if model.device.type == "cuda":
             torch.cuda.empty_cache()  # the failed pass's blocks back to the driver before anyone retries
@@ -97,7 +100,7 @@ def stream_generate(
     cache = model.new_cache()
 
     t0 = time.perf_counter()
-    logits = _forward(model, [prompt_ids], cache, True, "prompt")
+    logits = _forward(model, prompt_ids, cache, True, "prompt")
     if logits.device.type == "cuda":  # kernels run asynchronously: the prompt is done when the GPU is
         torch.cuda.synchronize(logits.device)
     prompt_tps = len(prompt_ids) / (time.perf_counter() - t0)
@@ -138,7 +141,7 @@ def stream_generate(
         keep = _hold_back(pending, config.stop)
         out, pending = (pending[: len(pending) - keep], pending[len(pending) - keep :]) if keep else (pending, "")
         yield response(out, token, None)
-        logits = _forward(model, [[token]], cache, False, "decode")
+        logits = _forward(model, [token], cache, False, "decode")
 
 
 def generate(model: MoETransformer, tokenizer: Tokenizer, prompt: str | list[int],
