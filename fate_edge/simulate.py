@@ -29,7 +29,7 @@ import torch
 from fate_edge.devices.link import LinkSpec
 
 from .cache import AccessInfo
-from .cache.factory import build_cache
+from .cache.factory import Resident, build_cache
 from .policy import PolicyConfig
 from .prefetch_choice import (
     gate_candidates,
@@ -97,14 +97,19 @@ def simulate(
     warm: dict[int, list[int]] | None = None,
     max_inflight: int | None = None,
     popularity: dict[int, list[int]] | None = None,
+    resident: Resident | None = None,
+    preload: dict[int, list[int]] | None = None,
 ) -> SimResult:
     """``expert_ids``: MoE layer → [N, k] true experts; ``predictions``: (source, target) → [N, E] scores
     (None: no prefetch). ``costs``: a :class:`HostCosts`, or just the per-layer compute seconds (reads then
     cost only link time). ``warm``: experts per layer the prompt's prefill loaded, in load order; they fill
     the cache first, untimed, as the engine's prefill leaves it. ``max_inflight``: at most this many prefetches
     in flight (the engine's read buffers beyond the two kept for demand reads). ``popularity``: the calibration
-    counts the engine seeds its cache policy with (``Engine.popularity``). Returns totals over the N
-    tokens. What to prefetch is prefetch_choice.py's decision, the scheduler's own."""
+    counts the engine seeds its cache policy with (``Engine.popularity``). ``resident``: Fate's first layer held
+    whole in its own partition (``Engine._resident``); ``preload``: experts per layer the engine caches at load
+    (``Engine._preload``), inserted before the prompt's, untimed; under ``keep_preloaded`` the prompt's then enter
+    only free room. Returns totals over the N tokens. What to prefetch is prefetch_choice.py's decision, the
+    scheduler's own."""
     if not isinstance(costs, HostCosts):
         costs = HostCosts(float(costs))
     layer_compute_s = costs.layer_compute_s
@@ -117,13 +122,18 @@ def simulate(
     # Belady's future: every call in order, the prompt's (the warm fill) first, as the engine's trace has it.
     future = [(layer, warm[layer]) for layer in layers if layer in warm] if warm else []
     future += [(layer, sorted(expert_ids[layer][t].tolist())) for t in range(n) for layer in layers]
-    cache = build_cache(policy, cache_bytes, expert_bytes, layers, num_experts, future, popularity, top_k=k)
+    cache = build_cache(policy, cache_bytes, expert_bytes, layers, num_experts, future, popularity, resident, top_k=k)
     oracle = policy.predictor == "oracle"
     if oracle:  # clairvoyant: the true experts themselves, as the engine's OraclePredictor replays them
         predictions = truth_scores(expert_ids, layers, policy.lookahead, num_experts)
     transfer = link.transfer_time(expert_bytes)
     base_width = prefetch_width(policy, k, layer_compute_s, read_time)
     r = SimResult(n, 0, 0, 0, 0.0, 0, 0, 0, 0.0)
+    if cache is not None and preload:
+        for layer, experts in preload.items():  # as preload.preload: a layer stops at the first refused insert
+            for e in experts:
+                if not cache.insert((layer, e), None, expert_bytes, policy.bits):
+                    break
     if cache is not None and warm:
         for layer in layers:
             info = AccessInfo(layer_now=layer, num_layers=num_layers)
@@ -134,6 +144,9 @@ def simulate(
                     cache.access(key, True, info)
                 else:
                     cache.access(key, False, info)
+                    # keep_preloaded: the prompt's reads enter only free room (Scheduler, in prefill)
+                    if policy.keep_preloaded and not cache.has_room(key, expert_bytes):
+                        continue
                     if not cache.insert(key, None, expert_bytes, policy.bits):
                         continue
                 cache.pin(key)  # as in the engine's prefill: a layer's experts are all in use until it is computed

@@ -75,7 +75,9 @@ def test_engine_plan_auto_runs_the_planners_choice(tmp_path, bundled_dir):
 
     store = convert(bundled_dir, tmp_path / "s", ConvertOptions(bits=4, keep_bf16=False), progress=False)
     with Engine(store, "2MB", plan="auto") as e:
-        assert e.planned is not None and e.policy == e.planned.policy and e.policy.name == "planned"
+        # the search's pick, or a preset it did not beat by more than the planner's error (plan_presets.py)
+        assert e.planned is not None and e.policy == e.planned.policy
+        assert e.policy.name in ("planned", "fate-edge", "fate")
         text, last = e.generate("def f(x):", GenerateConfig(max_tokens=8, ignore_eos=True))
         assert last.generation_tokens == 8
 

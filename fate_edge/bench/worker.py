@@ -155,9 +155,12 @@ def plan_in_worker(spec: dict) -> dict[str, Any]:
     t0 = time.perf_counter()
     link = LinkSpec(**spec["link_spec"]) if spec["link_spec"] else None
     p = auto_plan(spec["store"], spec["budget_bytes"], link=link, workers=spec["fetch_workers"],
-                  direct_io=spec.get("direct_io"), resident_bits=spec.get("resident_bits"))
+                  direct_io=spec.get("direct_io"), resident_bits=spec.get("resident_bits"), device=spec.get("emulate"))
     return {"policy": dataclasses.asdict(p.policy), "planner_predicted_decode_tps": p.predicted_tokens_per_s,
-            "planner_costs": p.costs.describe(), "planner_s": time.perf_counter() - t0}
+            "planner_costs": p.costs.describe(), "planner_s": time.perf_counter() - t0,
+            # the presets it weighed, predicted on the same trace (the bench sets them beside their measurements)
+            "planner_preset_predictions": {c.policy.name: c.result.tokens_per_s for c in p.presets},
+            "planner_margin": p.margin}
 
 
 def worker_main(spec_path: str) -> int:
