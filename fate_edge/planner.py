@@ -123,6 +123,7 @@ class ProbeRun:
     bytes_read: int
     trace: PlanTrace | None = None  # the decode's routing and predictor scores (record=True)
     decode_s: float = 0.0  # wall time from the first streamed token to the last (``tokens`` decode steps)
+    expert_s: float = 0.0  # the caller's compute per cached expert use (SchedulerStats.expert_s), median token's
 
 
 class _DecodeRecorder:
@@ -151,6 +152,13 @@ def token_compute_s(times: list[float], token_stats: list) -> list[float]:
     """Each decode token's compute: the time between consecutive ``times`` (one per streamed token) less its stall
     and blob decoding (``token_stats``, the engine's per-token stats, in order)."""
     return [dt - s.stall_s - s.consume_s for dt, s in zip(np.diff(times), token_stats)]
+
+
+def expert_compute_s(token_stats: list) -> float:
+    """One cached expert's compute in decode: per token, the time its cached experts took over their number; the
+    median over tokens (a hiccup of the host in one token does not skew it); 0 when none was cached."""
+    per = [s.expert_s / s.experts_timed for s in token_stats if s.experts_timed]
+    return float(np.median(per)) if per else 0.0
 
 
 def probe_engine(store_dir, budget: int, policy: PolicyConfig, link: LinkSpec | None, token_ids: list[int],
@@ -192,7 +200,8 @@ def probe_engine(store_dir, budget: int, policy: PolicyConfig, link: LinkSpec | 
             run = ProbeRun(len(st), float(np.median(compute)) * len(st), sum(s.stall_s for s in st),
                            sum(s.consume_s for s in st), sum(s.predict_s for s in st),
                            f1.reads_completed - f0.reads_completed, f1.cpu_s - f0.cpu_s, f1.read_s - f0.read_s,
-                           f1.bytes_read - f0.bytes_read, decode_s=times[-1] - times[0])
+                           f1.bytes_read - f0.bytes_read, decode_s=times[-1] - times[0],
+                           expert_s=expert_compute_s(st))
             if rec is not None and rec.ids:
                 ids = {layer: torch.cat(v) for layer, v in rec.ids.items()}
                 h = {layer: torch.cat(v) for layer, v in rec.h.items()}
@@ -244,6 +253,7 @@ def measure_host_costs(store_dir, budget: int, link: LinkSpec | None, token_ids:
         read_cpu_s=base.reader_cpu_s / reads if base.reads else 0.0,
         consume_s=base.consume_s / reads if base.reads else 0.0,
         contention=contention,
+        expert_s=base.expert_s,
     )
     if link is None:
         bw = base.bytes_read / base.read_s if base.read_s > 0 else 1e9

@@ -64,6 +64,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--store", default=None, help="default: the bench's inflated store")
     ap.add_argument("--emulate", default=None)
+    ap.add_argument("--host-ms", type=float, default=None, help="pin k: this host's decode ms per token (else probed)")
     ap.add_argument("--budgets", nargs="+", type=float, default=[0.35])
     ap.add_argument("--policies", nargs="+", default=["fate-edge", "planned"])
     ap.add_argument("--prompt-tokens", type=int, default=128)
@@ -79,7 +80,8 @@ def main() -> None:
     ids = make_prompts(store.path, [args.prompt_tokens])[0][args.prompt_tokens]
     link, direct, k = None, True, 1.0
     if args.emulate:
-        em = calibrate(args.emulate, store_dir, ids[:32], side=store_side(store_dir))
+        em = calibrate(args.emulate, store_dir, ids[:32], side=store_side(store_dir),
+                       host_s_per_token=args.host_ms / 1e3 if args.host_ms else None)
         link, direct, k = em.emulated, em.direct_io, em.k
         print(f"emulating {em.profile}: k {k:.3g}, link {link.bandwidth_bytes_per_s / 1e9:.4g} GB/s "
               f"{link.latency_s * 1e6:.0f} us, {'O_DIRECT' if direct else 'buffered'}")

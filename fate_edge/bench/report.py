@@ -143,14 +143,19 @@ def markdown(result: dict) -> str:
         lines += ["", "**Planner**: its predicted decode tok/s for the configuration it picked (simulated over its "
                   "own probe's decode trace with the host costs it measured) against that configuration's "
                   "measured decode tok/s in this run.", "",
-                  "| link | budget | picked | predicted (per round) | measured (per round) | error | host costs "
-                  "(first round's probe) |",
-                  "|---|---:|---|---:|---:|---:|---|"]
+                  "| link | budget | picked | predicted (per round) | measured (per round) | error "
+                  "| fate-edge predicted | fate-edge measured | error | auto / fate-edge "
+                  "| host costs (first round's probe) |",
+                  "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in sorted(planned, key=lambda r: (r["link"], r["budget_fraction"])):
             q = r.get("policy", {})
             width = f"mass {q.get('prefetch_mass')}" if q.get("prefetch_width") == "mass" else q.get("prefetch_width")
-            pick = (f"{q.get('allocation')}/{q.get('eviction')}, " + (f"{q['predictor']} p={q.get('lookahead')} "
-                    f"w={width}" if q.get("predictor") else "no prefetch"))
+            pick = (f"{q.get('name')}: {q.get('allocation')}/{q.get('eviction')}, "
+                    + (f"{q['predictor']} p={q.get('lookahead')} w={width}" if q.get("predictor") else "no prefetch"))
+            perr = r.get("preset_prediction_error")
+            beside = (f"{_fmt(r.get('preset_predicted_decode_tps'))} | {_fmt(r.get('preset_decode_tps'))} | "
+                      + (f"{100 * perr:+.0f}%" if perr is not None else "—")
+                      + f" | {_fmt(r.get('auto_over_preset'), '.2f')}")
             err = r.get("planner_error")
             rounds = r.get("planner_predictions") or []
             measured = [q["requests"][str(min(result["prompts"]["lengths"]))].get("decode_tps") for q in r["runs"]]
@@ -160,7 +165,8 @@ def markdown(result: dict) -> str:
                 " (" + ", ".join(_fmt(v, ".1f") for v in measured) + ")" if len(measured) > 1 else "")
             lines.append(f"| {result['links'][r['link']]['title']} | {100 * r['budget_fraction']:.0f}% | {pick} | "
                          f"{pred_s} | {meas_s} | "
-                         + (f"{100 * err:+.0f}%" if err is not None else "—") + f" | {r.get('planner_costs', '')} |")
+                         + (f"{100 * err:+.0f}%" if err is not None else "—")
+                         + f" | {beside} | {r.get('planner_costs', '')} |")
     mism = [f"{r['link']}/{r['preset']}/{r['budget_fraction']}" for r in results
             if r.get("tokens_match_int4_reference") is False and r["preset"] not in ("load-on-demand",)]
     if result["int4_reference_tokens"] is not None:
