@@ -3,7 +3,7 @@ answer changes when its term is dropped (checked by deleting the term and seeing
 hand-made so that the policy's tie-break (the smaller key) would pick the other victim: a test that a term's
 absence leaves passing by the tie-break alone would not pin the term."""
 
-from fate_edge.cache import ARC, LCU, LFU, AccessInfo, DecayedPopularity, ExpertCache
+from fate_edge.cache import ARC, LCU, LFU, AccessInfo, DecayedPopularity, ExpertCache, NextUse, NextUseConfig
 
 L = 8  # decoder layers in the LCU sequences
 
@@ -207,3 +207,54 @@ def test_lfu_breaks_count_ties_by_recency():
         cache.access((0, k), False, AccessInfo())
         cache.insert((0, k), object(), 1, 4)
     assert set(cache.entries) == {(0, 1), (0, 3)}
+
+
+# --- next-use: d + (1 - p_next) · L / p_token ---------------------------------------------------------------------
+
+
+def tokens(nu: NextUse, calls: list[list[tuple[int, int]]], num_layers: int) -> None:
+    """Feed ``calls``: per token, its (layer, expert) uses in layer order."""
+    for call in calls:
+        for layer, e in call:
+            nu.on_access((layer, e), False, AccessInfo(layer_now=layer, num_layers=num_layers))
+
+
+def test_next_use_decays_old_uses():
+    """(0, 1) was used on 4 tokens long ago, (0, 2) on the 2 before last: at decay 0.5 the old uses count for
+    almost nothing and (0, 1) is expected back later (the last call, (0, 4), has no learned transitions, so only
+    the rates decide). Undecayed, 4 uses against 2 would keep it."""
+    nu = NextUse(NextUseConfig(decay=0.5, bypass=False), num_experts=8)
+    filler = (1, 7)
+    tokens(nu, [[(0, 1), filler]] * 4 + [[(0, 3), filler]] * 5 + [[(0, 2), filler]] * 2 + [[(0, 4)]], 2)
+    assert nu.p_token((0, 1)) < nu.p_token((0, 2))
+    assert nu.victim([(0, 1), (0, 2)]) == (0, 1)
+
+
+def test_next_use_counts_the_layers_to_the_next_call():
+    """Two experts with the same statistics (used once, on the same token), at layers 1 and 3; now at layer 2,
+    layer 3 comes next and layer 1 three layers later: (1, 0) goes. Without the distance they tie, and the
+    tie-break would evict (3, 0)."""
+    nu = NextUse(NextUseConfig(bypass=False), num_experts=8)
+    tokens(nu, [[(0, 7), (1, 0), (3, 0)], [(0, 7), (1, 5), (3, 5)], [(0, 7), (2, 6)]], 4)
+    assert nu.p_next((1, 0)) == nu.p_next((3, 0)) and nu.p_token((1, 0)) == nu.p_token((3, 0))
+    assert nu.victim([(1, 0), (3, 0)]) == (1, 0)
+
+
+def test_next_use_waits_for_a_rare_expert_in_tokens_at_its_rate():
+    """Nothing used yet but (2, 5) now at layer 2 of 8. (2, 0) has a calibration share of 0.45, (3, 0) of 0.01:
+    (3, 0) is a layer away but expected back only after ~53 tokens (1 / p_token of its layer's calls), (2, 0) after
+    8 layers and a quarter token: (3, 0) goes. Counting a miss of the next call as one token's wait whatever the
+    rate would evict (2, 0)."""
+    nu = NextUse(NextUseConfig(bypass=False), seed_share={(2, 0): 0.45, (3, 0): 0.01}, num_experts=8)
+    tokens(nu, [[(2, 5)]], 8)
+    assert nu.victim([(2, 0), (3, 0)]) == (3, 0)
+
+
+def test_next_use_statistics_reset_per_sequence():
+    """A new request forgets the last one's uses: (0, 1) was used on 6 tokens of the previous request, (0, 2) on
+    one token of this one; (0, 1) goes."""
+    nu = NextUse(NextUseConfig(bypass=False), num_experts=8)
+    tokens(nu, [[(0, 1), (1, 7)]] * 6, 2)
+    nu.new_sequence()
+    tokens(nu, [[(0, 2), (1, 7)], [(0, 3)]], 2)
+    assert nu.victim([(0, 1), (0, 2)]) == (0, 1)
