@@ -124,6 +124,7 @@ class ProbeRun:
     trace: PlanTrace | None = None  # the decode's routing and predictor scores (record=True)
     decode_s: float = 0.0  # wall time from the first streamed token to the last (``tokens`` decode steps)
     expert_s: float = 0.0  # the caller's compute per cached expert use (SchedulerStats.expert_s), median token's
+    compute_sum_s: float = 0.0  # every token's compute summed (hiccups of the host included)
 
 
 class _DecodeRecorder:
@@ -201,7 +202,7 @@ def probe_engine(store_dir, budget: int, policy: PolicyConfig, link: LinkSpec | 
                            sum(s.consume_s for s in st), sum(s.predict_s for s in st),
                            f1.reads_completed - f0.reads_completed, f1.cpu_s - f0.cpu_s, f1.read_s - f0.read_s,
                            f1.bytes_read - f0.bytes_read, decode_s=times[-1] - times[0],
-                           expert_s=expert_compute_s(st))
+                           expert_s=expert_compute_s(st), compute_sum_s=float(np.sum(compute)))
             if rec is not None and rec.ids:
                 ids = {layer: torch.cat(v) for layer, v in rec.ids.items()}
                 h = {layer: torch.cat(v) for layer, v in rec.h.items()}
@@ -239,7 +240,10 @@ def measure_host_costs(store_dir, budget: int, link: LinkSpec | None, token_ids:
                         workers=workers, record=True, direct_io=direct_io, resident_bits=resident_bits)
     reads = max(1, base.reads)
     contention = reader_contention(torch.get_num_threads(), workers)
-    compute = base.compute_s / max(1, base.tokens) / moe_layers
+    # The mean token's compute, not the median's: what is predicted is decode tokens over wall time, which the
+    # host's hiccups lengthen as much in the planned run as in the probe (a median-based compute predicted
+    # every pick faster than measured on a loaded host).
+    compute = (base.compute_sum_s or base.compute_s) / max(1, base.tokens) / moe_layers
     # Ungated, so the predictor runs on every layer call and its cost per call is what is measured.
     predict_s = 0.0
     if predictor_probe:
