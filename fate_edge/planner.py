@@ -383,6 +383,35 @@ def plan(trace: PlanTrace, budget: int, expert_bytes: int, slot_bytes: int, link
                 max(margin, MIN_MARGIN) if presets else 0.0)
 
 
+def trace_from_calls(calls: list[tuple[int, list[int]]], moe_layers: list[int], top_k: int, num_experts: int,
+                     num_layers: int) -> PlanTrace | None:
+    """A recorded request's calls (``Engine.record_trace``: per MoE call, its experts) as a :class:`PlanTrace`
+    without predictor scores: the decode's routing (the trailing whole tokens of ``top_k`` experts a layer) and the
+    prompt's experts per layer as ``warm``. None when no decode token was recorded."""
+    n, i = len(moe_layers), len(calls)
+    while i >= n and all(len(calls[j][1]) == top_k for j in range(i - n, i)):
+        i -= n
+    decode = calls[i:]
+    if not decode:
+        return None
+    ids = {layer: torch.tensor([list(e) for lyr, e in decode if lyr == layer]) for layer in moe_layers}
+    warm: dict[int, list[int]] = {}
+    for layer, experts in calls[:i]:
+        warm.setdefault(layer, []).extend(e for e in experts if e not in warm.get(layer, []))
+    return PlanTrace(ids, {}, num_experts, num_layers, warm)
+
+
+def predict_on(result: Plan, trace: PlanTrace, budget: int, expert_bytes: int, slot_bytes: int,
+               policy: PolicyConfig | None = None) -> float | None:
+    """``policy`` (default: the plan's pick) simulated with the plan's costs and link over another routing (a
+    benchmark's own prompt): the time model's prediction for that request, apart from how well the planner's probe
+    text stands for it. None for a policy that needs predictor scores (the trace has none)."""
+    policy = policy or result.policy
+    if policy.predictor is not None and policy.predictor not in trace.predictions:
+        return None
+    return simulate_policy(trace, policy, budget, expert_bytes, slot_bytes, result.link, result.costs).tokens_per_s
+
+
 def sample_token_ids(tokenizer, n: int = 256) -> list[int]:
     """Calibration text that exists offline everywhere: a Python standard-library module's source."""
     import json as _json_module

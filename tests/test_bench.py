@@ -143,6 +143,12 @@ def test_planned_configuration_is_planned_in_its_worker_and_reported(tiny_run):
     md = paths["markdown"].read_text()
     assert "**Planner**" in md and f"{r['planner_predicted_decode_tps']:.2f}" in md
     assert "auto / fate-edge" in md and f"{r['auto_over_preset']:.2f}" in md
+    # the pick simulated over the measured prompt's own routing with the planner's costs: only without a predictor
+    # (the recorded routing has no predictor scores)
+    assert ("planner_predicted_on_run_routing" in r) == (r["policy"]["predictor"] is None)
+    if r["policy"]["predictor"] is None:
+        assert r["planner_error_on_run_routing"] == pytest.approx(r["planner_predicted_on_run_routing"]
+                                                                  / r["median"]["decode_tps"] - 1)
 
 
 

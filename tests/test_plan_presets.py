@@ -96,3 +96,29 @@ def test_fates_resident_layer_is_simulated_whole():
     r = simulate(ids, None, fate.with_(predictor=None), 20_000, 1000, LINK, 0.001, E, len(LAYERS),
                  resident=resident, preload=fill)
     assert r.layer_misses.get(0, 0) == 0 and r.misses > 0
+
+
+def test_a_recorded_requests_calls_become_a_plan_trace():
+    """The engine's recorded calls (prompt: one call per layer with its experts by popularity; then one call per
+    layer and token of top_k experts) split into the prompt's warm experts and the decode's routing."""
+    from fate_edge.planner import trace_from_calls
+
+    calls = [(0, [3, 1, 2]), (1, [0, 5, 4]), (0, [1, 2]), (1, [4, 0]), (0, [3, 2]), (1, [5, 4])]
+    t = trace_from_calls(calls, [0, 1], top_k=2, num_experts=6, num_layers=2)
+    assert t.warm == {0: [3, 1, 2], 1: [0, 5, 4]}
+    assert t.expert_ids[0].tolist() == [[1, 2], [3, 2]] and t.expert_ids[1].tolist() == [[4, 0], [5, 4]]
+    assert trace_from_calls(calls[:2], [0, 1], 2, 6, 2) is None  # a prompt only: nothing decoded
+
+
+def test_predict_on_another_routing_uses_the_plans_costs():
+    """The pick simulated over another request's routing with the plan's link and costs; a policy that needs
+    predictor scores the routing does not carry has no prediction there."""
+    from fate_edge.planner import predict_on, simulate_policy
+
+    trace, other = _trace(0), _trace(1)
+    other.predictions = {}
+    p = plan(trace, 20_000, 1000, 4096, LINK, HostCosts(0.002), presets=[PRESETS["lru"]], margin=100.0)
+    assert p.policy == PRESETS["lru"]
+    want = simulate_policy(other, PRESETS["lru"], 20_000, 1000, 4096, LINK, p.costs).tokens_per_s
+    assert predict_on(p, other, 20_000, 1000, 4096) == want != p.predicted_tokens_per_s
+    assert predict_on(p, other, 20_000, 1000, 4096, policy=PRESETS["fate-edge"]) is None
