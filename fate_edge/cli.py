@@ -162,6 +162,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from .budget import parse_bytes
     from .engine_args import resolve_store
+    from .plan_presets import preset_candidates
     from .planner import auto_plan, plan, record_plan_trace, roofline_layer_time, sample_token_ids
     from .store import ExpertStore
     from .tokenizer import Tokenizer
@@ -189,8 +190,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         trace = record_plan_trace(model, ids, store_dir=store_dir)
         resident = sum(t.numel() * t.element_size() for t in model.w.values()) // model.config.num_hidden_layers
         layer_s = roofline_layer_time(model.config, profile, store.expert_bytes(bits), resident)
+        presets = preset_candidates(args.device, store_dir)  # no probe on a profile: no measured error to add
         result = plan(trace, budget, store.expert_bytes(bits), store.precisions[bits].slot_bytes,
-                      storage_link(profile), layer_s)
+                      storage_link(profile), layer_s, start=presets[0], presets=presets)
         model.experts.close()
     print(f"model           {store_dir}")
     print(f"memory budget   {format_bytes(budget)} for experts, device {args.device}")

@@ -282,22 +282,24 @@ def plan_emulated(store_dir: str | Path, budget: int, devices: list[str], token_
     device's own link: the compute/link ratio is the device's. {device: (Emulation, Plan)}; a Plan's tokens/s
     are device-equivalent."""
     from .arch import load_config
-    from .device_presets import for_device_and_store
-    from .planner import measure_host_costs, plan
-    from .policy import PRESETS
+    from .plan_presets import preset_candidates
+    from .planner import describe_store, measure_host_costs, plan, probe_error
     from .simulate import scale_costs
     from .store import ExpertStore
 
-    costs, _, trace = measure_host_costs(store_dir, budget, None, token_ids, workers=workers,
-                                         decode_tokens=decode_tokens, progress=progress, direct_io=True)
+    costs, host_link, trace = measure_host_costs(store_dir, budget, None, token_ids, workers=workers,
+                                                 decode_tokens=decode_tokens, progress=progress, direct_io=True)
     host_s = costs.layer_compute_s * len(load_config(store_dir).moe_layers)
     store = ExpertStore(store_dir)
+    describe_store(trace, store)
+    expert, slot = store.expert_bytes(bits), store.precisions[bits].slot_bytes
+    margin = probe_error(trace, budget, expert, slot, host_link, costs)  # on the host's timeline, where measured
     side = store_side(store_dir, bits)
     out = {}
     for device in devices:
         em = calibrate(device, store_dir, token_ids, workers=workers, bits=bits, host_s_per_token=host_s, side=side)
         em.host_probe = "the planner's LRU probe (compute per MoE layer x MoE layers)"
-        start = for_device_and_store(PRESETS["fate-edge"], device, store_dir)  # the descent starts from its preset
-        out[device] = (em, plan(trace, budget, store.expert_bytes(bits), store.precisions[bits].slot_bytes, em.link,
-                                scale_costs(costs, 1 / em.k), start=start))
+        presets = preset_candidates(device, store_dir)  # the descent starts from the first, the device's row
+        out[device] = (em, plan(trace, budget, expert, slot, em.link, scale_costs(costs, 1 / em.k),
+                                start=presets[0], presets=presets, margin=margin))
     return out

@@ -148,6 +148,8 @@ def open_engine(opts: EngineOptions, log: TextIO | None = None, progress: bool =
     set_threads(opts.threads)
     policy, planned = opts.policy, None
     if policy == "auto":
+        from fate_edge.devices.detect import detect
+
         from .planner import auto_plan
 
         def say(message: str) -> None:
@@ -155,7 +157,7 @@ def open_engine(opts: EngineOptions, log: TextIO | None = None, progress: bool =
 
         say("choosing a policy for this host, budget and link (probes the engine; this takes a while)")
         planned = auto_plan(store, parse_bytes(opts.memory_budget), link.spec if link else None,
-                            dtype=DTYPES[opts.dtype], progress=say)
+                            dtype=DTYPES[opts.dtype], progress=say, device=opts.device_profile or detect().profile)
         p = planned.policy
         say(f"picked allocation={p.allocation} eviction={p.eviction} predictor={p.predictor} "
             f"lookahead={p.lookahead} width={p.prefetch_width}: predicts {planned.predicted_tokens_per_s:.1f} "

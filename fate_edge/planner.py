@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,7 +27,9 @@ from fate_edge.devices.link import LinkSpec
 
 from . import defaults
 from .budget import plan_budget
+from .plan_presets import MIN_MARGIN, choose, preset_candidates
 from .policy import PRESETS, PolicyConfig
+from .sim_load import sim_preload, sim_resident
 from .simulate import HostCosts, SimResult, simulate
 
 
@@ -40,6 +42,9 @@ class PlanTrace:
     num_experts: int = 0
     num_layers: int = 0
     warm: dict[int, list[int]] | None = None  # the prompt's experts per layer (prefill loads them first)
+    popularity: dict[int, list[int]] | None = None  # the store's calibration counts (Engine.popularity)
+    entry_bytes: dict[int, int] = field(default_factory=dict)  # bits → one expert's bytes (Fate's resident layer)
+    probe_tokens_per_s: float | None = None  # the LRU probe's measured decode speed (the planner's own error)
 
 
 def record_plan_trace(model, token_ids: list[int], lookahead: int = 3, store_dir: str | Path | None = None
@@ -117,6 +122,9 @@ class ProbeRun:
     read_s: float
     bytes_read: int
     trace: PlanTrace | None = None  # the decode's routing and predictor scores (record=True)
+    decode_s: float = 0.0  # wall time from the first streamed token to the last (``tokens`` decode steps)
+    expert_s: float = 0.0  # the caller's compute per cached expert use (SchedulerStats.expert_s), median token's
+    compute_sum_s: float = 0.0  # every token's compute summed (hiccups of the host included)
 
 
 class _DecodeRecorder:
@@ -145,6 +153,13 @@ def token_compute_s(times: list[float], token_stats: list) -> list[float]:
     """Each decode token's compute: the time between consecutive ``times`` (one per streamed token) less its stall
     and blob decoding (``token_stats``, the engine's per-token stats, in order)."""
     return [dt - s.stall_s - s.consume_s for dt, s in zip(np.diff(times), token_stats)]
+
+
+def expert_compute_s(token_stats: list) -> float:
+    """One cached expert's compute in decode: per token, the time its cached experts took over their number; the
+    median over tokens (a hiccup of the host in one token does not skew it); 0 when none was cached."""
+    per = [s.expert_s / s.experts_timed for s in token_stats if s.experts_timed]
+    return float(np.median(per)) if per else 0.0
 
 
 def probe_engine(store_dir, budget: int, policy: PolicyConfig, link: LinkSpec | None, token_ids: list[int],
@@ -186,13 +201,15 @@ def probe_engine(store_dir, budget: int, policy: PolicyConfig, link: LinkSpec | 
             run = ProbeRun(len(st), float(np.median(compute)) * len(st), sum(s.stall_s for s in st),
                            sum(s.consume_s for s in st), sum(s.predict_s for s in st),
                            f1.reads_completed - f0.reads_completed, f1.cpu_s - f0.cpu_s, f1.read_s - f0.read_s,
-                           f1.bytes_read - f0.bytes_read)
+                           f1.bytes_read - f0.bytes_read, decode_s=times[-1] - times[0],
+                           expert_s=expert_compute_s(st), compute_sum_s=float(np.sum(compute)))
             if rec is not None and rec.ids:
                 ids = {layer: torch.cat(v) for layer, v in rec.ids.items()}
                 h = {layer: torch.cat(v) for layer, v in rec.h.items()}
                 early = {layer: torch.cat(v) for layer, v in rec.early.items()} if rec.early else None
                 run.trace = trace_predictions(eng.model, ids, h, store_dir=store_dir, early=early)
                 run.trace.warm = rec.warm
+                run.trace.probe_tokens_per_s = (len(times) - 1) / run.decode_s if run.decode_s > 0 else None
         finally:
             eng.close()
             del eng
@@ -223,7 +240,10 @@ def measure_host_costs(store_dir, budget: int, link: LinkSpec | None, token_ids:
                         workers=workers, record=True, direct_io=direct_io, resident_bits=resident_bits)
     reads = max(1, base.reads)
     contention = reader_contention(torch.get_num_threads(), workers)
-    compute = base.compute_s / max(1, base.tokens) / moe_layers
+    # The mean token's compute, not the median's: what is predicted is decode tokens over wall time, which the
+    # host's hiccups lengthen as much in the planned run as in the probe (a median-based compute predicted
+    # every pick faster than measured on a loaded host).
+    compute = (base.compute_sum_s or base.compute_s) / max(1, base.tokens) / moe_layers
     # Ungated, so the predictor runs on every layer call and its cost per call is what is measured.
     predict_s = 0.0
     if predictor_probe:
@@ -237,6 +257,7 @@ def measure_host_costs(store_dir, budget: int, link: LinkSpec | None, token_ids:
         read_cpu_s=base.reader_cpu_s / reads if base.reads else 0.0,
         consume_s=base.consume_s / reads if base.reads else 0.0,
         contention=contention,
+        expert_s=base.expert_s,
     )
     if link is None:
         bw = base.bytes_read / base.read_s if base.read_s > 0 else 1e9
@@ -266,6 +287,8 @@ class Plan:
     link: LinkSpec
     candidates: list[Candidate]
     costs: HostCosts
+    presets: list[Candidate] = field(default_factory=list)  # always simulated; the pick is one unless beaten
+    margin: float = 0.0  # what a searched policy had to beat the best preset by (the planner's measured error)
 
     def describe(self) -> str:
         p = self.policy
@@ -279,6 +302,9 @@ class Plan:
             + (f" (mass {p.prefetch_mass})" if p.prefetch_width == "mass" else "") + f" bits={p.bits}",
             f"predicted       {self.predicted_tokens_per_s:.1f} decode tok/s, "
             f"hit rate {100 * self.predicted_hit_rate:.1f}%",
+            *(f"preset          {c.policy.name}: {c.result.tokens_per_s:.1f} tok/s predicted" for c in self.presets),
+            f"margin          a searched policy replaces the best preset when predicted {100 * self.margin:.0f}% "
+            "faster (the planner's error on its probe, at least 3%)",
             "",
             "candidates (simulated decode tok/s, hit rate):",
         ]
@@ -303,17 +329,36 @@ def _neighbours(p: PolicyConfig) -> list[PolicyConfig]:
 
 def simulate_policy(trace: PlanTrace, policy: PolicyConfig, budget: int, expert_bytes: int, slot_bytes: int,
                     link: LinkSpec, costs: HostCosts) -> SimResult:
-    """``policy`` under ``budget`` simulated over ``trace``: its cache gets what the engine's budget plan leaves."""
+    """``policy`` under ``budget`` simulated over ``trace``: its cache gets what the engine's budget plan leaves,
+    seeded with the store's calibration counts and filled at load as the engine fills it (sim_load.py)."""
     cache_bytes = plan_budget(budget, policy, expert_bytes, slot_bytes).cache_bytes
     preds = trace.predictions.get(policy.predictor) if policy.predictor else None
+    layers = sorted(trace.expert_ids)
+    resident = sim_resident(policy, layers, trace.num_experts, cache_bytes,
+                            {policy.bits: expert_bytes, **trace.entry_bytes})
+    fill = sim_preload(policy, layers, trace.num_experts, cache_bytes, expert_bytes, trace.popularity, resident)
     return simulate(trace.expert_ids, preds, policy, cache_bytes, expert_bytes, link, costs,
-                    trace.num_experts, trace.num_layers, warm=trace.warm)
+                    trace.num_experts, trace.num_layers, warm=trace.warm, popularity=trace.popularity,
+                    resident=resident, preload=fill)
+
+
+def probe_error(trace: PlanTrace, budget: int, expert_bytes: int, slot_bytes: int, link: LinkSpec,
+                costs: HostCosts) -> float:
+    """The simulator's relative error on the run it was measured from: the LRU probe (``trace`` is its decode)
+    simulated with the costs measured on it, against its measured decode speed; 0 when not measured."""
+    if not trace.probe_tokens_per_s:
+        return 0.0
+    sim = simulate_policy(trace, PRESETS["lru"], budget, expert_bytes, slot_bytes, link, costs)
+    return abs(sim.tokens_per_s / trace.probe_tokens_per_s - 1)
 
 
 def plan(trace: PlanTrace, budget: int, expert_bytes: int, slot_bytes: int, link: LinkSpec,
-         layer_compute_s: float | HostCosts, start: PolicyConfig | None = None, rounds: int = 2) -> Plan:
+         layer_compute_s: float | HostCosts, start: PolicyConfig | None = None, rounds: int = 2,
+         presets: Sequence[PolicyConfig] = (), margin: float = 0.0) -> Plan:
     """Coordinate descent over policy settings, scored by simulated decode tokens/s. ``layer_compute_s``:
-    the measured :class:`HostCosts`, or just per-layer compute seconds (a device profile's roofline)."""
+    the measured :class:`HostCosts`, or just per-layer compute seconds (a device profile's roofline).
+    ``presets`` are simulated too, and the best of them is the pick unless the search's best is predicted faster
+    by more than ``margin`` (plan_presets.choose)."""
     costs = layer_compute_s if isinstance(layer_compute_s, HostCosts) else HostCosts(layer_compute_s)
     seen: dict[PolicyConfig, SimResult] = {}
 
@@ -330,8 +375,41 @@ def plan(trace: PlanTrace, budget: int, expert_bytes: int, slot_bytes: int, link
                 best, improved = cand, True
         if not improved:
             break
-    return Plan(best, seen[best].tokens_per_s, seen[best].hit_rate, link,
-                [Candidate(p, r) for p, r in seen.items()], costs)
+    for p in presets:
+        score(p)
+    pick = choose(best, presets, score, margin)
+    return Plan(pick, seen[pick].tokens_per_s, seen[pick].hit_rate, link,
+                [Candidate(p, r) for p, r in seen.items()], costs, [Candidate(p, seen[p]) for p in presets],
+                max(margin, MIN_MARGIN) if presets else 0.0)
+
+
+def trace_from_calls(calls: list[tuple[int, list[int]]], moe_layers: list[int], top_k: int, num_experts: int,
+                     num_layers: int) -> PlanTrace | None:
+    """A recorded request's calls (``Engine.record_trace``: per MoE call, its experts) as a :class:`PlanTrace`
+    without predictor scores: the decode's routing (the trailing whole tokens of ``top_k`` experts a layer) and the
+    prompt's experts per layer as ``warm``. None when no decode token was recorded."""
+    n, i = len(moe_layers), len(calls)
+    while i >= n and all(len(calls[j][1]) == top_k for j in range(i - n, i)):
+        i -= n
+    decode = calls[i:]
+    if not decode:
+        return None
+    ids = {layer: torch.tensor([list(e) for lyr, e in decode if lyr == layer]) for layer in moe_layers}
+    warm: dict[int, list[int]] = {}
+    for layer, experts in calls[:i]:
+        warm.setdefault(layer, []).extend(e for e in experts if e not in warm.get(layer, []))
+    return PlanTrace(ids, {}, num_experts, num_layers, warm)
+
+
+def predict_on(result: Plan, trace: PlanTrace, budget: int, expert_bytes: int, slot_bytes: int,
+               policy: PolicyConfig | None = None) -> float | None:
+    """``policy`` (default: the plan's pick) simulated with the plan's costs and link over another routing (a
+    benchmark's own prompt): the time model's prediction for that request, apart from how well the planner's probe
+    text stands for it. None for a policy that needs predictor scores (the trace has none)."""
+    policy = policy or result.policy
+    if policy.predictor is not None and policy.predictor not in trace.predictions:
+        return None
+    return simulate_policy(trace, policy, budget, expert_bytes, slot_bytes, result.link, result.costs).tokens_per_s
 
 
 def sample_token_ids(tokenizer, n: int = 256) -> list[int]:
@@ -345,11 +423,13 @@ def sample_token_ids(tokenizer, n: int = 256) -> list[int]:
 def auto_plan(store_dir, budget: int, link: LinkSpec | None = None, token_ids: list[int] | None = None,
               dtype: torch.dtype = torch.float32, prompt_tokens: int = 64, decode_tokens: int = 128,
               workers: int = 2, progress: Callable[[str], None] | None = None, direct_io: bool | None = None,
-              resident_bits: int | None = None) -> Plan:
+              resident_bits: int | None = None, device: str | None = None) -> Plan:
     """Plan for this host: probe the engine under ``budget`` on sample text (the prompt's first
     ``prompt_tokens`` tokens, then ``decode_tokens`` greedy tokens) to measure the host's costs and record
     the decode's routing, then simulate candidates over that trace. ``resident_bits``: the probe holds the resident
-    linears quantized so (8 or 4), as the runs being planned do.
+    linears quantized so (8 or 4), as the runs being planned do. ``device``: the device being run or emulated
+    (a short or profile name), whose ``fate-edge`` row is among the presets always weighed (plan_presets.py) and
+    where the search starts; None: this host's preset.
 
     Without ``link`` the expert reads are modelled at the disk bandwidth the probes measured. ``progress``
     receives a line before each probe and before the simulation."""
@@ -369,6 +449,20 @@ def auto_plan(store_dir, budget: int, link: LinkSpec | None = None, token_ids: l
             trace = record_plan_trace(model, ids, store_dir=store_dir)
         finally:
             model.experts.close()
+    describe_store(trace, store)
+    expert, slot = store.expert_bytes(bits), store.precisions[bits].slot_bytes
+    margin = probe_error(trace, budget, expert, slot, link, costs)
     if progress:
-        progress("simulating candidate policies over the recorded routing")
-    return plan(trace, budget, store.expert_bytes(bits), store.precisions[bits].slot_bytes, link, costs)
+        progress(f"simulating candidate policies over the recorded routing (simulator off by {100 * margin:.1f}% "
+                 "on the probe)")
+    presets = preset_candidates(device, store_dir, resident_bits)
+    return plan(trace, budget, expert, slot, link, costs, start=presets[0], presets=presets, margin=margin)
+
+
+def describe_store(trace: PlanTrace, store) -> None:
+    """What the simulator needs of the store beside routing: calibration counts, and each precision's expert bytes
+    (Fate's resident first layer is held at the highest that fits)."""
+    from .calibrate import store_popularity
+
+    trace.popularity = store_popularity(store.path)
+    trace.entry_bytes = {b: store.expert_bytes(b) for b in store.precisions}

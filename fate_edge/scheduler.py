@@ -80,6 +80,10 @@ class SchedulerStats:
     consume_s: float = 0.0  # main thread turning fetched blobs into callable experts (copy out + decode)
     predict_s: float = 0.0  # running the predictor and issuing prefetches
     predictions_skipped: int = 0  # predictor calls left out: every layer they target was fully cached (Fate)
+    # Decode: the caller's compute of cached experts (from yielding one to being asked for the next). These run
+    # while the layer's reads travel, so they hide part of a read (the simulator's HostCosts.expert_s).
+    expert_s: float = 0.0
+    experts_timed: int = 0
 
     def snapshot(self) -> SchedulerStats:
         return SchedulerStats(**{f.name: getattr(self, f.name) for f in fields(self)})
@@ -332,7 +336,11 @@ class Scheduler(ExpertProvider):
                 self.cache.access(key, True, info)
                 self.stats.hits += 1
                 self._count_use(layer, 0)
+                t0 = time.perf_counter()
                 yield e, entry.expert
+                if not self._prefill:
+                    self.stats.expert_s += time.perf_counter() - t0
+                    self.stats.experts_timed += 1
             elif key in self.skip:
                 self.skip.discard(key)
                 self.stats.skipped += 1

@@ -6,8 +6,10 @@ by the link, plus what each read costs the host's CPU):
 
 - per layer, compute takes ``layer_compute_s`` (+ ``predict_s`` when a predictor runs); a call's cached experts
   are used first, then its misses (as the engine's scheduler does: what the cache policy sees, in that order);
-- a demand read stalls compute for max(link transfer, reader CPU), then the main thread spends
-  ``consume_s`` turning the blob into a callable expert;
+- a demand read takes max(link transfer, reader CPU); a layer's demand reads start when it routes, one after
+  another on the link, and the layer's cached experts (``expert_s`` each) are computed while they travel; then
+  each fetched expert, in order of arrival, is waited for (the stall), turned into a callable expert by the main
+  thread (``consume_s``) and computed, while the next read travels;
 - prefetches issued at layer i travel while layer i computes and are on time if they arrive before
   their layer starts; their reader CPU delays compute by ``contention`` x its time (1 on a host whose
   cores all run compute threads, 0 where readers have idle cores), and using one costs ``consume_s``;
@@ -29,7 +31,7 @@ import torch
 from fate_edge.devices.link import LinkSpec
 
 from .cache import AccessInfo
-from .cache.factory import build_cache
+from .cache.factory import Resident, build_cache
 from .policy import PolicyConfig
 from .prefetch_choice import (
     gate_candidates,
@@ -51,11 +53,15 @@ class HostCosts:
     read_cpu_s: float = 0.0  # per expert read: the reader thread's CPU (page-cache copy, first-read CRC)
     consume_s: float = 0.0  # per fetched expert: main thread copying it out of its read buffer and decoding it
     contention: float = 1.0  # share of a reader's CPU time that delays compute
+    # One routed expert's compute, part of ``layer_compute_s``. A layer's demand reads start when it routes; its
+    # cached experts are computed while they travel (the scheduler yields them first), so these hide part of the
+    # first read. 0: nothing overlaps (all of a layer's compute before its reads or after them).
+    expert_s: float = 0.0
 
     def describe(self) -> str:
-        return (f"{self.layer_compute_s * 1e3:.3f} ms compute per layer, {self.predict_s * 1e3:.3f} ms predicting, "
-                f"per read {self.read_cpu_s * 1e3:.3f} ms reader CPU (x{self.contention:.2f} contention) + "
-                f"{self.consume_s * 1e3:.3f} ms decode")
+        return (f"{self.layer_compute_s * 1e3:.3f} ms compute per layer ({self.expert_s * 1e3:.3f} ms per routed "
+                f"expert), {self.predict_s * 1e3:.3f} ms predicting, per read {self.read_cpu_s * 1e3:.3f} ms reader "
+                f"CPU (x{self.contention:.2f} contention) + {self.consume_s * 1e3:.3f} ms decode")
 
 
 @dataclass
@@ -97,33 +103,41 @@ def simulate(
     warm: dict[int, list[int]] | None = None,
     max_inflight: int | None = None,
     popularity: dict[int, list[int]] | None = None,
+    resident: Resident | None = None,
+    preload: dict[int, list[int]] | None = None,
 ) -> SimResult:
     """``expert_ids``: MoE layer → [N, k] true experts; ``predictions``: (source, target) → [N, E] scores
     (None: no prefetch). ``costs``: a :class:`HostCosts`, or just the per-layer compute seconds (reads then
     cost only link time). ``warm``: experts per layer the prompt's prefill loaded, in load order; they fill
     the cache first, untimed, as the engine's prefill leaves it. ``max_inflight``: at most this many prefetches
     in flight (the engine's read buffers beyond the two kept for demand reads). ``popularity``: the calibration
-    counts the engine seeds its cache policy with (``Engine.popularity``). Returns totals over the N
-    tokens. What to prefetch is prefetch_choice.py's decision, the scheduler's own."""
+    counts the engine seeds its cache policy with (``Engine.popularity``). ``resident``: Fate's first layer held
+    whole in its own partition (``Engine._resident``); ``preload``: experts per layer the engine caches at load
+    (``Engine._preload``), inserted before the prompt's, untimed; under ``keep_preloaded`` the prompt's then enter
+    only free room. Returns totals over the N tokens. What to prefetch is prefetch_choice.py's decision, the
+    scheduler's own."""
     if not isinstance(costs, HostCosts):
         costs = HostCosts(float(costs))
     layer_compute_s = costs.layer_compute_s
-    # Two demand reads of one layer pipeline: the main thread decodes the first while the second reads.
     read_time = max(link.transfer_time(expert_bytes), costs.read_cpu_s)
-    first_demand, next_demand = read_time + costs.consume_s, max(read_time, costs.consume_s)
     prefetch_cpu = costs.contention * costs.read_cpu_s
     layers = sorted(expert_ids)
     n, k = next(iter(expert_ids.values())).shape
     # Belady's future: every call in order, the prompt's (the warm fill) first, as the engine's trace has it.
     future = [(layer, warm[layer]) for layer in layers if layer in warm] if warm else []
     future += [(layer, sorted(expert_ids[layer][t].tolist())) for t in range(n) for layer in layers]
-    cache = build_cache(policy, cache_bytes, expert_bytes, layers, num_experts, future, popularity, top_k=k)
+    cache = build_cache(policy, cache_bytes, expert_bytes, layers, num_experts, future, popularity, resident, top_k=k)
     oracle = policy.predictor == "oracle"
     if oracle:  # clairvoyant: the true experts themselves, as the engine's OraclePredictor replays them
         predictions = truth_scores(expert_ids, layers, policy.lookahead, num_experts)
     transfer = link.transfer_time(expert_bytes)
     base_width = prefetch_width(policy, k, layer_compute_s, read_time)
     r = SimResult(n, 0, 0, 0, 0.0, 0, 0, 0, 0.0)
+    if cache is not None and preload:
+        for layer, experts in preload.items():  # as preload.preload: a layer stops at the first refused insert
+            for e in experts:
+                if not cache.insert((layer, e), None, expert_bytes, policy.bits):
+                    break
     if cache is not None and warm:
         for layer in layers:
             info = AccessInfo(layer_now=layer, num_layers=num_layers)
@@ -134,6 +148,9 @@ def simulate(
                     cache.access(key, True, info)
                 else:
                     cache.access(key, False, info)
+                    # keep_preloaded: the prompt's reads enter only free room (Scheduler, in prefill)
+                    if policy.keep_preloaded and not cache.has_room(key, expert_bytes):
+                        continue
                     if not cache.insert(key, None, expert_bytes, policy.bits):
                         continue
                 cache.pin(key)  # as in the engine's prefill: a layer's experts are all in use until it is computed
@@ -172,11 +189,15 @@ def simulate(
     for t in range(n):
         for li, layer in enumerate(layers):
             info = AccessInfo(layer_now=layer, num_layers=num_layers)
-            stall, used, demands, consumed = 0.0, [], 0, 0
-            for e in sorted(expert_ids[layer][t].tolist(), key=lambda e, layer=layer: (not cached((layer, e)), e)):
+            row = expert_ids[layer][t].tolist()
+            routed_s = min(layer_compute_s, len(row) * costs.expert_s)  # the experts' share of the layer's compute
+            clock += layer_compute_s - routed_s  # attention and routing: before any read of this layer starts
+            route, used, demands, arrivals, hits = clock, [], 0, [], 0
+            for e in sorted(row, key=lambda e, layer=layer: (not cached((layer, e)), e)):
                 key = (layer, e)
                 if cache is not None and key in cache:
                     r.hits += 1
+                    hits += 1
                     cache.access(key, True, info)
                     cache.pin(key)
                     used.append(key)
@@ -184,15 +205,13 @@ def simulate(
                 if key in inflight:
                     # Needed now: the engine promotes a read still queued to demand priority (Scheduler.on_route),
                     # so it lands no later than a demand read issued now would.
-                    arrival = min(inflight.pop(key), clock + read_time)
-                    r.late_prefetches += arrival > clock
-                    consumed += 1
+                    arrival = min(inflight.pop(key), route + read_time)
+                    r.late_prefetches += arrival > route
                     r.prefetch_hits += 1
                     r.prefetch_bytes += expert_bytes
-                    stall = max(stall, arrival - clock) + costs.consume_s
                 else:
-                    start = max(clock + stall, 0.0)
-                    stall += next_demand if demands else first_demand
+                    start = route + demands * read_time  # one demand read after another on the link
+                    arrival = start + read_time
                     demands += 1
                     r.misses += 1
                     r.layer_misses[layer] = r.layer_misses.get(layer, 0) + 1
@@ -200,11 +219,20 @@ def simulate(
                     # The demand read jumps the queue: later prefetches arrive that much later.
                     inflight = {kk: (a + transfer if a > start else a) for kk, a in inflight.items()}
                     link_free = max(link_free, start) + transfer
+                arrivals.append(arrival - route)
                 if cache is not None:
                     cache.access(key, False, info)
                     if cache.insert(key, None, expert_bytes, policy.bits):
                         cache.pin(key)
                         used.append(key)
+            # The cached experts are computed first; each fetched one is waited for, decoded and computed in order
+            # of arrival while the next travels. The stall is the waiting plus the decoding (as before: the main
+            # thread's time on fetched experts); the experts' compute is charged below with the layer's.
+            cpu, stall = hits * costs.expert_s, 0.0
+            for a in sorted(arrivals):
+                wait = max(0.0, a - cpu)
+                cpu += wait + costs.consume_s + costs.expert_s
+                stall += wait + costs.consume_s
             clock += stall
             r.stall_s += stall
             width, predict = base_width, predictions is not None
@@ -232,7 +260,7 @@ def simulate(
                 deferred.extend((p.layer, p.expert) for p in plan)
                 link_free, clock = issue(t, clock, link_free)
                 clock += 0.0 if oracle else costs.predict_s  # the bound knows the future without computing it
-            clock += layer_compute_s
+            clock += routed_s
             if cache is not None:
                 for key in used:
                     cache.unpin(key)

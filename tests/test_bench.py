@@ -130,10 +130,27 @@ def test_planned_configuration_is_planned_in_its_worker_and_reported(tiny_run):
     assert len(r["planner_predictions"]) == 2  # planned again in each round's worker; the median is reported
     assert r["planner_predicted_decode_tps"] == pytest.approx(sorted(r["planner_predictions"])[0] / 2
                                                               + sorted(r["planner_predictions"])[1] / 2)
-    assert r["policy"]["name"] == "planned" and "ms compute per layer" in r["planner_costs"]
+    # the search's pick, or a preset it weighed and did not beat by more than its error (plan_presets.py)
+    assert r["policy"]["name"] in ("planned", "fate-edge", "fate") and "ms compute per layer" in r["planner_costs"]
     assert r["planner_error"] == pytest.approx(r["planner_predicted_decode_tps"] / r["median"]["decode_tps"] - 1)
+    # beside the fate-edge row of the same link and budget: its prediction on the planner's trace, its measurement
+    preset = next(q for q in result["results"] if q["preset"] == "fate-edge" and q["link"] == r["link"]
+                  and q["budget_fraction"] == r["budget_fraction"])
+    assert set(r["planner_preset_predictions"]) == {"fate-edge", "fate"}
+    assert r["auto_over_preset"] == pytest.approx(r["median"]["decode_tps"] / preset["median"]["decode_tps"])
+    assert r["preset_prediction_error"] == pytest.approx(r["planner_preset_predictions"]["fate-edge"]
+                                                         / preset["median"]["decode_tps"] - 1)
     md = paths["markdown"].read_text()
     assert "**Planner**" in md and f"{r['planner_predicted_decode_tps']:.2f}" in md
+    assert "auto / fate-edge" in md and f"{r['auto_over_preset']:.2f}" in md
+    # the pick simulated over the measured prompt's own routing with the planner's costs: only without a predictor
+    # (the recorded routing has no predictor scores)
+    # (each round plans again and may pick otherwise: the median is over the rounds whose pick has none)
+    without = any(q["predictor"] is None for q in r["planner_policies"])
+    assert ("planner_predicted_on_run_routing" in r) == without
+    if without:
+        assert r["planner_error_on_run_routing"] == pytest.approx(r["planner_predicted_on_run_routing"]
+                                                                  / r["median"]["decode_tps"] - 1)
 
 
 

@@ -33,12 +33,15 @@ def test_perfect_predictions_hide_the_link_when_compute_is_long_enough():
         s.scatter_(1, ids[b], 1.0)
         onehot[(a, b)] = s
     pol = PRESETS["lru"].with_(predictor="oracle", prefetch_width=K, lookahead=1, cache=True)
-    r = simulate(ids, onehot, pol, 0, 1000, LINK, 0.005, E, len(LAYERS))
+    # 2.4 ms per routed expert: a layer's 5 ms are 0.2 ms of attention and routing, then its two experts.
+    r = simulate(ids, onehot, pol, 0, 1000, LINK, HostCosts(0.005, expert_s=0.0024), E, len(LAYERS))
     # Every layer is served by a timely prefetch, layer 0 read ahead by the previous token's last layer (the
     # oracle knows the next token: OraclePredictor.targets). Only the first token's layer 0 waits: for the reads
-    # the prompt issued, one read's time (the second read is promoted, landing with the first).
+    # the prompt issued, one read's time less the 0.2 ms before the layer routes (the second read is promoted,
+    # landing 1 ms after the routing, while the first expert computes).
     assert r.misses == 0 and r.prefetch_hits == N * len(LAYERS) * K and r.prompt_prefetches == K
-    assert abs(r.stall_s - 1e-3) < 1e-9 and r.wasted_bytes == 0
+    assert abs(r.stall_s - 0.8e-3) < 1e-9 and r.wasted_bytes == 0
+    assert abs(r.total_s - (r.stall_s + N * len(LAYERS) * 0.005)) < 1e-9
 
 
 def test_cache_hits_with_a_budget_that_holds_everything():
@@ -75,7 +78,9 @@ def test_engine_plan_auto_runs_the_planners_choice(tmp_path, bundled_dir):
 
     store = convert(bundled_dir, tmp_path / "s", ConvertOptions(bits=4, keep_bf16=False), progress=False)
     with Engine(store, "2MB", plan="auto") as e:
-        assert e.planned is not None and e.policy == e.planned.policy and e.policy.name == "planned"
+        # the search's pick, or a preset it did not beat by more than the planner's error (plan_presets.py)
+        assert e.planned is not None and e.policy == e.planned.policy
+        assert e.policy.name in ("planned", "fate-edge", "fate")
         text, last = e.generate("def f(x):", GenerateConfig(max_tokens=8, ignore_eos=True))
         assert last.generation_tokens == 8
 
@@ -113,6 +118,21 @@ def test_warm_experts_fill_the_cache_before_decode():
     cold = simulate(ids, None, PRESETS["lru"], 10**6, 1000, LINK, 0.001, E, len(LAYERS))
     warmed = simulate(ids, None, PRESETS["lru"], 10**6, 1000, LINK, 0.001, E, len(LAYERS), warm=warm)
     assert cold.misses > 0 and warmed.misses == 0 and warmed.hit_rate == 1.0
+
+
+def test_cached_experts_compute_while_the_layers_reads_travel():
+    """A layer with one cached and one missed expert: the read (1 ms) starts when the layer routes, and the cached
+    expert's compute (0.4 ms) runs meanwhile: 0.6 ms of stall, where a layer with both missed waits the full read
+    for the first and, for the second, what is left of its read after decoding and computing the first."""
+    ids = {0: torch.tensor([[0, 1]])}
+    costs = HostCosts(layer_compute_s=0.001, consume_s=0.0001, expert_s=0.0004)
+    one = simulate(ids, None, PRESETS["lru"], 1000, 1000, LINK, costs, E, 1, warm={0: [0]})
+    assert one.hits == 1 and one.misses == 1
+    assert abs(one.stall_s - (0.0006 + 0.0001)) < 1e-9 and abs(one.total_s - (0.001 + one.stall_s)) < 1e-9
+    two = simulate(ids, None, PRESETS["lru"], 0, 1000, LINK, costs, E, 1)
+    assert two.misses == 2
+    # read 1 lands at 1 ms, decoded and computed by 1.5 ms; read 2 lands at 2 ms: 0.5 ms more, then decoded.
+    assert abs(two.stall_s - (0.001 + 0.0001 + 0.0005 + 0.0001)) < 1e-9
 
 
 def test_reader_contention():

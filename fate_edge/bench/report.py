@@ -142,15 +142,28 @@ def markdown(result: dict) -> str:
     if planned:
         lines += ["", "**Planner**: its predicted decode tok/s for the configuration it picked (simulated over its "
                   "own probe's decode trace with the host costs it measured) against that configuration's "
-                  "measured decode tok/s in this run.", "",
-                  "| link | budget | picked | predicted (per round) | measured (per round) | error | host costs "
-                  "(first round's probe) |",
-                  "|---|---:|---|---:|---:|---:|---|"]
+                  "measured decode tok/s in this run; then the same costs simulated over this run's prompt's own "
+                  "routing (the time model alone, apart from how well the probe's text stands for the prompt); "
+                  "then the same for the fate-edge preset beside its own row.", "",
+                  "| link | budget | picked | predicted (per round) | measured (per round) | error "
+                  "| predicted on this prompt's routing | error "
+                  "| fate-edge predicted | fate-edge measured | error | on this prompt's routing | error "
+                  "| auto / fate-edge | host costs (first round's probe) |",
+                  "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in sorted(planned, key=lambda r: (r["link"], r["budget_fraction"])):
             q = r.get("policy", {})
             width = f"mass {q.get('prefetch_mass')}" if q.get("prefetch_width") == "mass" else q.get("prefetch_width")
-            pick = (f"{q.get('allocation')}/{q.get('eviction')}, " + (f"{q['predictor']} p={q.get('lookahead')} "
-                    f"w={width}" if q.get("predictor") else "no prefetch"))
+            pick = (f"{q.get('name')}: {q.get('allocation')}/{q.get('eviction')}, "
+                    + (f"{q['predictor']} p={q.get('lookahead')} w={width}" if q.get("predictor") else "no prefetch"))
+            perr, rerr = r.get("preset_prediction_error"), r.get("preset_prediction_error_on_run_routing")
+            err_run = r.get("planner_error_on_run_routing")
+            on_run = (f"{_fmt(r.get('planner_predicted_on_run_routing'))} | "
+                      + (f"{100 * err_run:+.0f}%" if err_run is not None else "—"))
+            beside = (f"{_fmt(r.get('preset_predicted_decode_tps'))} | {_fmt(r.get('preset_decode_tps'))} | "
+                      + (f"{100 * perr:+.0f}%" if perr is not None else "—")
+                      + f" | {_fmt(r.get('preset_predicted_on_run_routing'))} | "
+                      + (f"{100 * rerr:+.0f}%" if rerr is not None else "—")
+                      + f" | {_fmt(r.get('auto_over_preset'), '.2f')}")
             err = r.get("planner_error")
             rounds = r.get("planner_predictions") or []
             measured = [q["requests"][str(min(result["prompts"]["lengths"]))].get("decode_tps") for q in r["runs"]]
@@ -160,7 +173,8 @@ def markdown(result: dict) -> str:
                 " (" + ", ".join(_fmt(v, ".1f") for v in measured) + ")" if len(measured) > 1 else "")
             lines.append(f"| {result['links'][r['link']]['title']} | {100 * r['budget_fraction']:.0f}% | {pick} | "
                          f"{pred_s} | {meas_s} | "
-                         + (f"{100 * err:+.0f}%" if err is not None else "—") + f" | {r.get('planner_costs', '')} |")
+                         + (f"{100 * err:+.0f}%" if err is not None else "—")
+                         + f" | {on_run} | {beside} | {r.get('planner_costs', '')} |")
     mism = [f"{r['link']}/{r['preset']}/{r['budget_fraction']}" for r in results
             if r.get("tokens_match_int4_reference") is False and r["preset"] not in ("load-on-demand",)]
     if result["int4_reference_tokens"] is not None:

@@ -68,6 +68,14 @@ def merge_runs(parts: list[dict], decode_len: int) -> dict[str, Any]:
         out["planner_predicted_decode_tps"] = statistics.median(predicted)
         out["planner_predictions"] = predicted
         out["planner_policies"] = [p["policy"] for p in parts]
+        for key in ("planner_predicted_on_run_routing", "preset_predicted_on_run_routing"):
+            vals = [p[key] for p in parts if p.get(key)]
+            if vals:  # the same costs over the measured request's own routing (worker.plan_in_worker)
+                out[key] = statistics.median(vals)
+        weighed = [p["planner_preset_predictions"] for p in parts if p.get("planner_preset_predictions")]
+        if weighed:  # the presets it weighed on the same trace: median prediction per preset
+            out["planner_preset_predictions"] = {name: statistics.median(d[name] for d in weighed if name in d)
+                                                 for name in weighed[0]}
     return out
 
 

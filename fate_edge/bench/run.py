@@ -107,6 +107,27 @@ def _configs(cfg: BenchConfig, info: dict, presets: list[str]) -> list[dict]:
     return out
 
 
+def compare_with_preset(r: dict, results: list[dict]) -> None:
+    """A planned row beside the ``fate-edge`` row of the same link and budget (issue 39): auto over the preset,
+    measured, and the planner's prediction for the preset against the preset's measurement."""
+    if r.get("preset") != "planned" or not r.get("median", {}).get("decode_tps"):
+        return
+    preset = next((q for q in results if q["preset"] == "fate-edge" and q["link"] == r["link"]
+                   and q["budget_fraction"] == r["budget_fraction"] and q.get("median", {}).get("decode_tps")), None)
+    if preset is None:
+        return
+    measured = preset["median"]["decode_tps"]
+    r["preset_decode_tps"] = measured
+    r["auto_over_preset"] = r["median"]["decode_tps"] / measured
+    predicted = (r.get("planner_preset_predictions") or {}).get("fate-edge")
+    if predicted:
+        r["preset_predicted_decode_tps"] = predicted
+        r["preset_prediction_error"] = predicted / measured - 1
+    on_run = r.get("preset_predicted_on_run_routing")
+    if on_run:
+        r["preset_prediction_error_on_run_routing"] = on_run / measured - 1
+
+
 def planner_configs(cfg: BenchConfig, store: Path, info: dict, budgets: list[float]) -> tuple[list[dict], str | None]:
     """One ``planned`` configuration per (link, budget). Its worker process runs the planner (probe, simulate,
     choose) and then measures the chosen policy at once, as ``Engine(plan="auto")`` would: on a shared host
@@ -191,7 +212,8 @@ class Phases:
             self.warmed = None
         spec = {**self.common, **c, "runs": 1, "drop_caches": cfg.drop_caches, "direct_io": choice.reads_direct,
                 "link_spec": dataclasses.asdict(spec_link) if spec_link is not None else None,
-                "trace_file": str(self.trace_file) if c["preset"] == "oracle" else None}
+                # the oracle replays the routing; the planner also predicts the pick over it (the request measured)
+                "trace_file": str(self.trace_file) if c["preset"] in ("oracle", "planned") else None}
         t0 = time.perf_counter()
         res, err = _run_child("worker", spec, self.tmp, cfg.timeout_s, cfg.isolate)
         self.n += 1
@@ -349,6 +371,9 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     for r in results:
         if r.get("planner_predicted_decode_tps") and r.get("median", {}).get("decode_tps"):
             r["planner_error"] = r["planner_predicted_decode_tps"] / r["median"]["decode_tps"] - 1
+        if r.get("planner_predicted_on_run_routing") and r.get("median", {}).get("decode_tps"):
+            r["planner_error_on_run_routing"] = r["planner_predicted_on_run_routing"] / r["median"]["decode_tps"] - 1
+        compare_with_preset(r, results)
     planner_note = "; ".join(dict.fromkeys(phases.planner_notes)) or None
     shutil.rmtree(tmp, ignore_errors=True)
     return {

@@ -146,18 +146,38 @@ def verify_store(spec: dict) -> None:
     store.verify([b for b in (policy.bits, policy.cold_bits) if b in store.precisions])
 
 
-def plan_in_worker(spec: dict) -> dict[str, Any]:
-    """The planner's choice for this configuration's link and budget (see :func:`planner_configs`)."""
+def plan_in_worker(spec: dict, recorded=None) -> dict[str, Any]:
+    """The planner's choice for this configuration's link and budget (see :func:`planner_configs`). ``recorded``:
+    the measured request's routing (an engine Trace), over which the pick and the fate-edge preset are simulated
+    too, with the planner's costs: the time model's prediction for this very request."""
     from fate_edge.devices.link import LinkSpec
 
-    from ..planner import auto_plan
+    from ..arch import load_config
+    from ..planner import auto_plan, describe_store, predict_on, trace_from_calls
+    from ..store import ExpertStore
 
     t0 = time.perf_counter()
     link = LinkSpec(**spec["link_spec"]) if spec["link_spec"] else None
     p = auto_plan(spec["store"], spec["budget_bytes"], link=link, workers=spec["fetch_workers"],
-                  direct_io=spec.get("direct_io"), resident_bits=spec.get("resident_bits"))
-    return {"policy": dataclasses.asdict(p.policy), "planner_predicted_decode_tps": p.predicted_tokens_per_s,
-            "planner_costs": p.costs.describe(), "planner_s": time.perf_counter() - t0}
+                  direct_io=spec.get("direct_io"), resident_bits=spec.get("resident_bits"), device=spec.get("emulate"))
+    out = {"policy": dataclasses.asdict(p.policy), "planner_predicted_decode_tps": p.predicted_tokens_per_s,
+           "planner_costs": p.costs.describe(), "planner_s": time.perf_counter() - t0,
+           # the presets it weighed, predicted on the same trace (the bench sets them beside their measurements)
+           "planner_preset_predictions": {c.policy.name: c.result.tokens_per_s for c in p.presets},
+           "planner_margin": p.margin}
+    cfg, store = load_config(spec["store"]), ExpertStore(spec["store"])
+    trace = (trace_from_calls(recorded.calls, cfg.moe_layers, cfg.num_experts_per_tok, cfg.num_experts,
+                              cfg.num_hidden_layers) if recorded is not None else None)
+    if trace is not None:
+        describe_store(trace, store)
+        sizes = (spec["budget_bytes"], store.expert_bytes(p.policy.bits), store.precisions[p.policy.bits].slot_bytes)
+        on_run = predict_on(p, trace, *sizes)
+        preset = next((c.policy for c in p.presets if c.policy.name == "fate-edge"), None)
+        if on_run is not None:
+            out["planner_predicted_on_run_routing"] = on_run
+        if preset is not None and predict_on(p, trace, *sizes, policy=preset) is not None:
+            out["preset_predicted_on_run_routing"] = predict_on(p, trace, *sizes, policy=preset)
+    return out
 
 
 def worker_main(spec_path: str) -> int:
@@ -176,7 +196,7 @@ def worker_main(spec_path: str) -> int:
     prompts = {int(k): v for k, v in spec["prompts"].items()}
     decode_len = min(prompts)
     trace = traces.get(decode_len) if spec["preset"] == "oracle" else None
-    planned = plan_in_worker(spec) if spec.get("run_planner") else {}
+    planned = plan_in_worker(spec, traces.get(decode_len)) if spec.get("run_planner") else {}
     if planned:
         spec["policy"] = planned["policy"]
     # Every configuration measures the steady state of a long-running engine, in which each blob's CRC
