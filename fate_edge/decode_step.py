@@ -87,7 +87,8 @@ def attention(model: MoETransformer, x: torch.Tensor, h: torch.Tensor, start: in
     else:
         qk = apply_rope(qk.view(1, n_q + n_k, 1, hd), cos, sin, cfg.rope.interleaved).view(n_q + n_k, hd)
     q = qk[:n_q].view(1, n_q, 1, hd)
-    k, v = cache.layers[layer].append(qk[n_q:].view(1, n_k, 1, hd), qkv[0, (n_q + n_k) * hd :].view(1, n_k, 1, hd))
+    k, v = cache.layers[layer].append(qk[n_q:].view(1, n_k, 1, hd), qkv[0, (n_q + n_k) * hd :].view(1, n_k, 1, hd),
+                                      capacity_hint=cache.capacity_hint)
     if layer in cfg.sliding_window_layers and cfg.sliding_window is not None:
         first = max(0, k.shape[2] - cfg.sliding_window)  # keys at positions > start - window
         k, v = k[:, :, first:], v[:, :, first:]

@@ -31,6 +31,7 @@ class GenerationResponse:
 
 
 RSS_EVERY = 32  # decode tokens between peak-RSS reads
+PREFILL_CHUNK = 512  # default prompt tokens per forward pass (GenerateConfig.prefill_chunk)
 
 
 @dataclass
@@ -40,6 +41,9 @@ class GenerateConfig:
     stop: list[str] = field(default_factory=list)  # stop strings: generation ends before them
     stop_token_ids: list[int] = field(default_factory=list)  # extra stop tokens beyond the model's EOS
     ignore_eos: bool = False
+    # Prompt tokens per forward pass: a long prompt's activations (not its KV cache) are bounded by this, at the
+    # cost of reading the weights once per chunk. 0: the whole prompt in one pass.
+    prefill_chunk: int = PREFILL_CHUNK
 
 
 def _hold_back(text: str, stops: list[str]) -> int:
@@ -57,6 +61,21 @@ def check_context(prompt_tokens: int, context: int) -> None:
     """Raise :class:`ContextLengthError` unless the prompt and at least one generated token fit in ``context``."""
     if prompt_tokens >= context:
         raise ContextLengthError(prompt_tokens, context)
+
+
+def prompt_chunks(n: int, chunk: int) -> list[tuple[int, int]]:
+    """[start, stop) ranges covering ``n`` prompt tokens, ``chunk`` at a time (0: one range). A last range of one
+    token borrows one from the range before it, so every range of a prompt longer than one token runs as a prompt
+    (a one-token forward is a decode step to the model and the scheduler)."""
+    if chunk <= 0:
+        return [(0, n)]
+    chunk = max(chunk, 3)  # so a range that lends a token keeps two
+    if n <= chunk:
+        return [(0, n)]
+    stops = list(range(chunk, n, chunk)) + [n]
+    if stops[-1] - (stops[-2] if len(stops) > 1 else 0) == 1:
+        stops[-2] -= 1
+    return list(zip([0, *stops[:-1]], stops))
 
 
 def _forward(model: MoETransformer, ids: list[int], cache, last_only: bool, stage: str) -> torch.Tensor:
@@ -87,6 +106,8 @@ def stream_generate(
     config = config or GenerateConfig()
     if config.max_tokens < 0:
         raise GenerationError(f"max_tokens must be >= 0, got {config.max_tokens}")
+    if config.prefill_chunk < 0:
+        raise GenerationError(f"prefill_chunk must be >= 0 (0: the whole prompt at once), got {config.prefill_chunk}")
     prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     if not prompt_ids:
         raise GenerationError("the prompt is empty; give at least one token of text")
@@ -98,9 +119,13 @@ def stream_generate(
     detok = StreamingDetokenizer(tokenizer)
     history = list(prompt_ids)
     cache = model.new_cache()
+    cache.capacity_hint = len(prompt_ids) + max_tokens  # allocated once: no copy of a doubled cache mid-answer
 
     t0 = time.perf_counter()
-    logits = _forward(model, prompt_ids, cache, True, "prompt")
+    *first, last = prompt_chunks(len(prompt_ids), config.prefill_chunk)
+    for a, b in first:  # every chunk but the last leaves its keys and values; its logits are not needed
+        _forward(model, prompt_ids[a:b], cache, True, "prompt")
+    logits = _forward(model, prompt_ids[last[0] : last[1]], cache, True, "prompt")
     if logits.device.type == "cuda":  # kernels run asynchronously: the prompt is done when the GPU is
         torch.cuda.synchronize(logits.device)
     prompt_tps = len(prompt_ids) / (time.perf_counter() - t0)

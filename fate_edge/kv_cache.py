@@ -25,10 +25,10 @@ class LayerCache:
             self.buffers = grown
         return self.buffers
 
-    def append(self, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def append(self, *new: torch.Tensor, capacity_hint: int = 0) -> tuple[torch.Tensor, ...]:
         t = new[0].shape[2]
-        if not self.buffers:
-            cap = max(64, t)
+        if not self.buffers:  # the request's whole length when known: growing copies the cache (twice it, briefly)
+            cap = max(64, t, capacity_hint)
             self.buffers = [x.new_zeros(*x.shape[:2], cap, x.shape[3]) for x in new]
         self.reserve(self.length + t)
         for b, x in zip(self.buffers, new):
@@ -38,8 +38,9 @@ class LayerCache:
 
 
 class KVCache:
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, capacity_hint: int = 0):
         self.layers = [LayerCache() for _ in range(num_layers)]
+        self.capacity_hint = capacity_hint  # positions the request will reach (prompt + answer), 0: unknown
 
     @property
     def length(self) -> int:

@@ -20,6 +20,7 @@ from . import defaults
 from .arch import ModelConfig, load_config
 from .checkpoint import CheckpointReader
 from .fused import quantized_group_bytes, resident_groups
+from .generate import PREFILL_CHUNK
 from .loader import _FP32_SUFFIXES, DTYPES, layer_names, resident_weight_names
 from .prequantized import in_store, is_float_weight
 from .sizes import format_bytes
@@ -46,9 +47,8 @@ class MemoryAccount:
     embeddings: int  # the token embedding table, at the precision held
     other_resident: int  # attention, norms, routers, shared experts, dense MLPs, lm_head
     expert_budget: int  # --memory-budget: cache, read buffers, the expert being computed
-    kv_cache: int  # at ``context_tokens`` (the cache grows by doubling: while decoding past a capacity it can
-    # briefly hold up to twice this; kv_cache.py is not sized to the account yet)
-    buffers: int  # activations of a prefill of ``context_tokens``, thread pools, allocator arenas
+    kv_cache: int  # at ``context_tokens`` (generate allocates the request's prompt + answer at once: no doubling)
+    buffers: int  # activations of one prefill chunk (at most ``generate.PREFILL_CHUNK`` tokens), thread pools, arenas
     loading: int  # the most the loader holds at once (resident weights so far + the one being read or quantized)
     context_tokens: int
     # The table is memory-mapped from a store quantized at convert: a row's pages come in when a token first uses
@@ -77,7 +77,8 @@ class MemoryAccount:
                 ("other resident weights", self.other_resident, "attention, norms, routers, shared experts, lm_head"),
                 ("expert budget", self.expert_budget, "cache, read buffers, expert being computed"),
                 ("KV cache", self.kv_cache, f"{self.context_tokens} tokens"),
-                ("buffers", self.buffers, f"activations of a {self.context_tokens}-token prefill")]
+                ("buffers", self.buffers,
+                 f"activations of a {min(self.context_tokens, PREFILL_CHUNK)}-token prefill chunk")]
         out = [f"  {name:<23}{mb(n)}  {why}".rstrip() for name, n, why in rows]
         if self.loading > self.running:
             out.append(f"  {'(loading holds':<23}{mb(self.loading)}  beyond the runtime: quantizing resident "
@@ -184,7 +185,7 @@ def memory_account(store_dir: str | Path, budget: int, dtype: str | torch.dtype 
     embed, other, loading, mapped = _weights(store_dir, dtype, resident_bits, embedding_bits)
     kv = kv_bytes_per_token(cfg, dtype) * max(64, context_tokens)
     return MemoryAccount(current_rss_bytes() if runtime is None else runtime, embed, other, int(budget), kv,
-                         buffer_bytes(cfg, dtype, context_tokens), loading, context_tokens, mapped)
+                         buffer_bytes(cfg, dtype, min(context_tokens, PREFILL_CHUNK)), loading, context_tokens, mapped)
 
 
 def available_memory_bytes() -> int:

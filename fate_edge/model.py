@@ -194,7 +194,7 @@ class MoETransformer:
     def _gqa_attention(self, x, b: int, t: int, start: int, cache, layer: int, cos, sin, lp: LayerPlan):
         """``x`` [B*T, H] → [B*T, H]: activations stay 2-D between layers, so each linear is one matmul."""
         q, k, v = self.gqa_qkv(x, b, t, cos, sin, lp)
-        k, v = cache.layers[layer].append(k, v)
+        k, v = cache.layers[layer].append(k, v, capacity_hint=cache.capacity_hint)
         out = self._attend(q, k, v, start, layer, scale=self.config.head_dim**-0.5)
         return apply_linear(out, lp.o_proj)
 
@@ -245,7 +245,7 @@ class MoETransformer:
         q_rot = apply_rope(q_rot, cos, sin, cfg.rope.interleaved)
         k_rot = apply_rope(k_rot, cos, sin, cfg.rope.interleaved)
         # The cache keeps the compressed latent (kv_lora_rank + rope dims per token), not per-head keys.
-        kv_lat, k_rot = cache.layers[layer].append(kv_lat, k_rot)
+        kv_lat, k_rot = cache.layers[layer].append(kv_lat, k_rot, capacity_hint=cache.capacity_hint)
         s = kv_lat.shape[2]
         kv = apply_linear(kv_lat, lp.mla["kv_b_proj"]).view(b, s, -1, m.qk_nope_head_dim + m.v_head_dim).transpose(1, 2)
         k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
