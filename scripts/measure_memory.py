@@ -16,6 +16,7 @@ import torch
 
 from fate_edge import Engine, GenerateConfig
 from fate_edge.budget import parse_bytes
+from fate_edge.generate import PREFILL_CHUNK
 from fate_edge.memory_account import memory_account
 from fate_edge.process_memory import peak_rss_bytes
 
@@ -31,6 +32,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, help="prompt tokens per pass (0: all)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     budget = parse_bytes(args.memory_budget)
@@ -43,7 +45,8 @@ def main() -> None:
     load_s, loaded = time.perf_counter() - t0, peak_rss_bytes()
     vocab = engine.model.config.vocab_size
     prompt = [(17 + 31 * i) % vocab for i in range(args.prompt_tokens)]
-    engine.generate(prompt, GenerateConfig(max_tokens=args.max_tokens, ignore_eos=True))
+    engine.generate(prompt, GenerateConfig(max_tokens=args.max_tokens, ignore_eos=True,
+                                           prefill_chunk=args.prefill_chunk))
     engine.close()
     peak = peak_rss_bytes()
     print(f"load {load_s:.1f} s; measured peak after load {loaded / 1e6:.0f} MB, after generating {peak / 1e6:.0f} MB; "
