@@ -29,6 +29,12 @@ def _precisions(opts: dict) -> str:
     return " + ".join(kept + (["bf16"] if opts["keep_bf16"] else [])) + f" experts, {opts['method']}"
 
 
+def _cap(cfg: dict) -> str:
+    if cfg.get("cap_bytes"):
+        return f"{cfg['cap_bytes'] / GB:.2f} GB for both sides"
+    return "what fate-edge was given (its memory_need)"
+
+
 def table(result: dict) -> str:
     cfg = result["config"]
     lines = []
@@ -108,7 +114,7 @@ def side_by_side(result: dict) -> list[str]:
     lines += ["", f"fate-edge: int4 experts streamed (O_DIRECT), {rest} attention/shared experts/lm_head, "
               f"embeddings {cfg['dtype']}; llama.cpp: q4_0 mix ({result.get('gguf_note', 'q4_0 GGUF')}), "
               f"memory-mapped{'' if cfg.get('llama_repack') else ' (Q4_0 repack off, as --no-repack)'}, in a memory "
-              f"cgroup capped at what fate-edge was given (its memory_need); "
+              f"cgroup capped at {_cap(cfg)}; "
               f"{cfg['threads']} thread(s) each on {result.get('cpus', '?')} CPUs ({result.get('cpu_model') or '?'}), "
               f"{cfg['prompt_tokens']} prompt ids shared, {cfg['decode_tokens']} "
               f"decoded tokens, page cache dropped before every run, {cfg['rounds']} interleaved round(s), medians.",
@@ -163,6 +169,8 @@ def main() -> None:
     ap.add_argument("--llama-repack", action="store_true",
                     help="leave llama.cpp's Q4_0 repack on (it copies the weights into RAM: not memory-mapped)")
     ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds (medians over them)")
+    ap.add_argument("--cap-gb", type=float, default=None,
+                    help="one memory cgroup cap for both sides (default: what fate-edge says it needs)")
     ap.add_argument("--convert-from", type=Path, default=None,
                     help="with --no-convert: the scale.json of an earlier convert-only run (--budgets ''), whose "
                          "convert figures the table keeps")
@@ -175,7 +183,8 @@ def main() -> None:
                       ConvertOptions(bits=args.bits, cold_bits=args.cold_bits, keep_bf16=args.keep_bf16),
                       args.policy, prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,
                       threads=args.threads, resident_bits=args.resident_bits, gguf=args.gguf, rounds=args.rounds,
-                      timeout_s=args.timeout, llama_repack=args.llama_repack)
+                      timeout_s=args.timeout, llama_repack=args.llama_repack,
+                      cap_bytes=int(args.cap_gb * GB) if args.cap_gb else None)
     if args.gguf is not None and not args.gguf.exists():
         q4_0_direct(args.model, args.gguf, quiet=False)
     result = run_scale(cfg, args.out)

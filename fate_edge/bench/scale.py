@@ -46,6 +46,7 @@ class ScaleConfig:
     gguf: Path | None = None  # llama.cpp q4_0 GGUF of the same checkpoint: run it memory-mapped beside us
     rounds: int = 1  # interleaved rounds (fate-edge, llama.cpp per budget in each); medians over them
     llama_repack: bool = False  # llama.cpp's Q4_0 repack copies the weights into RAM: off keeps them mapped
+    cap_bytes: int | None = None  # one cgroup cap for both sides (0.75 of llama.cpp's file, say); None: our need
 
 
 def load() -> list[float]:
@@ -295,14 +296,15 @@ def run_scale(cfg: ScaleConfig, workdir: Path) -> dict[str, Any]:
                     "threads": cfg.threads, "fetch_workers": cfg.fetch_workers, "resident_bits": cfg.resident_bits,
                     "ids": ids}
             dropped = _drop(cfg)
-            r = run_confined("run", spec, need.total, workdir, cfg.timeout_s)
+            cap = cfg.cap_bytes or need.total
+            r = run_confined("run", spec, cap, workdir, cfg.timeout_s)
             r.update(budget_bytes=budget, need=asdict(need) | {"total": need.total}, page_cache_dropped=dropped[0],
                      round=rnd)
             r["within_need"] = "peak_rss_bytes" in r and r["peak_rss_bytes"] <= need.total
             print(f"scale: round {rnd + 1} budget {budget / GB:g} GB: {_run_line(r)}", flush=True)
             result["runs"].append(r)
             if cfg.gguf is not None:
-                result["llama"].append(run_llama(cfg, ids, budget, need.total, workdir, rnd))
+                result["llama"].append(run_llama(cfg, ids, budget, cap, workdir, rnd))
     result["summary"] = summarize_scale(result["runs"], result["llama"])
     return result
 
