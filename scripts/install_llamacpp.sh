@@ -30,5 +30,8 @@ if [ -z "$WHEEL" ]; then
     WHEEL=$(ls "$WHEELS"/llama_cpp_python-"$VERSION"-*.whl | head -1)
 fi
 python -m pip install --force-reinstall --no-deps "$WHEEL"
+# --no-deps above keeps this venv's numpy as it is; the wheel's other requirements still have to be there (diskcache
+# is not otherwise installed, and without it `import llama_cpp` fails).
+python -m pip install "typing-extensions>=4.5.0" "numpy>=1.20.0" "diskcache>=5.6.1" "jinja2>=2.11.3"
 python -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__, 'installed:',
            llama_cpp.llama_print_system_info().decode())"
