@@ -16,6 +16,7 @@ from .arch import load_config
 from .checkpoint import CheckpointReader
 from .fused import quantized_group_bytes, resident_groups
 from .loader import _FP32_SUFFIXES, DTYPES, layer_names, resident_weight_names
+from .prequantized import is_float_weight
 
 # Interpreter + torch + tokenizers + onnxruntime + fate_edge imported, plus torch's allocator arenas and
 # the activations of a prefill chunk (measured on this host: ~330 MB after imports, see scripts/bench_scale.py).
@@ -42,6 +43,11 @@ def resident_bytes(store_dir: str | Path, dtype: str | torch.dtype = "bfloat16",
     cfg = load_config(store_dir)
     reader = CheckpointReader(store_dir)
     names = resident_weight_names(cfg, reader)
+    if not all(is_float_weight(n) for n in names):  # quantized at convert: the account reads what the store holds
+        from .memory_account import _weights
+
+        embed, other, _, _ = _weights(Path(store_dir), dtype, resident_bits, None)
+        return embed + other
     width = torch.empty(0, dtype=dtype).element_size()
     size = {name: 4 if name.endswith(_FP32_SUFFIXES) else width for name in names}
     total = sum(_numel(reader.shape(name)) * size[name] for name in names)

@@ -100,3 +100,14 @@ def test_the_emulated_token_reads_the_same_bytes_whether_quantized_at_convert_or
     at_load, at_convert = decode_token_work(stores[None], 4, 4), decode_token_work(stores[4], 4)
     assert abs(at_convert.bytes / at_load.bytes - 1) < 0.02  # int4 rows padded for torch's kernel, bf16 scales
     assert "int4 linears" in at_convert.what
+
+
+def test_the_older_memory_need_reads_a_prequantized_store(stores):
+    """footprint.memory_need (the scale bench's cgroup cap) counts what a store quantized at convert holds."""
+    from fate_edge.footprint import memory_need
+    from fate_edge.memory_account import memory_account
+
+    store = stores[4]
+    need = memory_need(store, 2_000_000, "float32", 64, resident_bits=4)
+    account = memory_account(store, 2_000_000, "float32", 64, resident_bits=4, runtime=0)
+    assert need.resident_bytes == account.embeddings + account.other_resident
