@@ -226,18 +226,33 @@ def step_graph(g: GraphConsts, s: StepShape, token: torch.Tensor, cos: torch.Ten
     return apply_linear(x, head), routing
 
 
+def step_shape(model: MoETransformer) -> StepShape:
+    """What a one-graph step reads besides tensors: head counts from the fused q/k/v, and the group of resident
+    int4 experts (None for float experts, or for experts the model streams)."""
+    cfg, plan = model.config, model.plan()
+    hd, qkv = cfg.head_dim, plan[0].qkv
+    experts = getattr(model.experts, "experts", None)
+    spec = getattr(next(iter(experts.values())).gate_up, "spec", None) if experts else None
+    return StepShape(qkv.sizes[0] // hd, qkv.sizes[1] // hd, hd, cfg.rms_norm_eps,
+                     spec.group_size if spec is not None else None)
+
+
+def report_routing(model: MoETransformer, routing: list) -> None:
+    """Hand a finished step's routing (per MoE layer (h, ids, weights)) to the model's observers."""
+    if model.observers:
+        model.residual = None  # reported after the step: no residual to run anything early on
+        for layer, (h, idx, weights) in zip(model.config.moe_layers, routing):
+            for obs in model.observers:
+                obs(layer, h, idx, weights)
+
+
 class CompiledDecode:
     """A model's compiled decode step; :meth:`step` returns None where the eager path must run instead."""
 
     def __init__(self, model: MoETransformer, mode: str = "on"):
         self.mode = mode
         self.failed: str | None = None
-        cfg, plan = model.config, model.plan()
-        hd = cfg.head_dim
-        qkv = plan[0].qkv
-        group = getattr(next(e for e in model.experts.experts.values()).gate_up, "spec", None)
-        self.shape = StepShape(qkv.sizes[0] // hd, qkv.sizes[1] // hd, hd, cfg.rms_norm_eps,
-                               group.group_size if group is not None else None)
+        self.shape = step_shape(model)
         self.stacks = stack_experts(model)
         self.plan_version = model._plan_version
         # Guards would cost ~120 µs a token (one check per weight tensor). Skipping them is safe here: this
@@ -279,11 +294,7 @@ class CompiledDecode:
             return None
         for lay in cache.layers:
             lay.length += 1
-        if model.observers:
-            model.residual = None  # reported after the step: no residual to run anything early on
-            for layer, (h, idx, weights) in zip(model.config.moe_layers, routing):
-                for obs in model.observers:
-                    obs(layer, h, idx, weights)
+        report_routing(model, routing)
         return logits.view(1, 1, -1)
 
     def warm(self, model: MoETransformer) -> None:

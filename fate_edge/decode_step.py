@@ -25,6 +25,8 @@ from .fused import Fused, LayerPlan, apply_linear, rms_norm
 from .rope import apply_rope
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from .kv_cache import KVCache
     from .model import MoETransformer
 
@@ -107,15 +109,23 @@ def moe(model: MoETransformer, x: torch.Tensor, h: torch.Tensor, layer: int, lp:
     just issued the layer's demand reads, which then arrive while it computes (a Qwen1.5-MoE shared expert is
     ~1.5 ms of a ~5 ms read), and the sums keep their order, so the bits are the same."""
     weights, idx = model.route(layer, h)  # [1, k]
+    serve_routing(model, x, h, layer, weights, idx,
+                  lambda: shared_out(model, h, lp.mlp, lp.down) if lp.mlp is not None else None)
+
+
+def serve_routing(model: MoETransformer, x: torch.Tensor, h: torch.Tensor, layer: int, weights: torch.Tensor,
+                  idx: torch.Tensor, shared: Callable[[], tuple[torch.Tensor, torch.Tensor | None] | None]) -> None:
+    """After one token's routing: the observers (the scheduler's reads), then ``shared()`` (computed while the
+    reads travel, or already computed by a layer graph), the routed experts into ``x``, the shared expert last."""
     if h.device.type != "cpu":
         weights, idx = routing_to_host(weights, idx)
     model.residual = x
     for obs in model.observers:
         obs(layer, h, idx, weights)
-    shared = shared_out(model, h, lp.mlp, lp.down) if lp.mlp is not None else None
+    z = shared()
     add_experts(model, x, h, None, layer, weights, idx)
-    if shared is not None:
-        add_shared(x, *shared)
+    if z is not None:
+        add_shared(x, *z)
 
 
 def routing_to_host(weights: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,13 +30,14 @@ import torch
 from . import decode_step
 from .compiled_step import (
     GraphConsts,
-    StepShape,
     _add_mlp,
     attention_block,
     position_mask,
+    report_routing,
     router_block,
     stack_experts,
     step_graph,
+    step_shape,
     unsupported_experts,
 )
 from .embedding import lookup
@@ -65,24 +66,13 @@ def unsupported(model: MoETransformer, streamed: bool = False) -> str | None:
     return None if streamed else unsupported_experts(model)
 
 
-def _shape(model: MoETransformer) -> StepShape:
-    cfg, plan = model.config, model.plan()
-    hd, qkv = cfg.head_dim, plan[0].qkv
-    spec = None
-    experts = getattr(model.experts, "experts", None)
-    if experts:
-        spec = getattr(next(iter(experts.values())).gate_up, "spec", None)
-    return StepShape(qkv.sizes[0] // hd, qkv.sizes[1] // hd, hd, cfg.rms_norm_eps,
-                     spec.group_size if spec is not None else None)
-
-
 class _StaticDecode:
     """Static inputs (token, position, rope rows), graph-owned KV buffers, and capture with a shared pool."""
 
     def __init__(self, model: MoETransformer, capture: bool):
         self.use_graph = capture
         cfg = model.config
-        self.shape = _shape(model)
+        self.shape = step_shape(model)
         self.plan_version = model._plan_version
         self.failed: str | None = None
         dev = model.device
@@ -185,11 +175,7 @@ class CudaGraphDecode(_StaticDecode):
         else:
             return None
         self._finish(cache)
-        if model.observers:  # reported after the step, as the compiled CPU step does
-            model.residual = None
-            for layer, (h, idx, weights) in zip(model.config.moe_layers, self.routing):
-                for obs in model.observers:
-                    obs(layer, h, idx, weights)
+        report_routing(model, self.routing)  # after the step, as the compiled CPU step reports it
         return self.logits.view(1, 1, -1)
 
 
@@ -246,16 +232,8 @@ class LayerGraphDecode(_StaticDecode):
             if lp.router is None:
                 continue
             out = self.outs[i]
-            h, x = out["h"], self.x
-            weights, idx = out["weights"], out["idx"]
-            if h.device.type != "cpu":
-                weights, idx = decode_step.routing_to_host(weights, idx)
-            model.residual = x
-            for obs in model.observers:
-                obs(i, h, idx, weights)
-            decode_step.add_experts(model, x, h, None, i, weights, idx)
-            if "z" in out:
-                decode_step.add_shared(x, out["z"], out["gate"])
+            decode_step.serve_routing(model, self.x, out["h"], i, out["weights"], out["idx"],
+                                      lambda out=out: (out["z"], out["gate"]) if "z" in out else None)
         if self.use_graph:
             self.graphs[-1].replay()
         else:
