@@ -68,7 +68,7 @@ def _cuda() -> tuple[bool, str | None, int | None]:
 
 def matching_profile(board_model: str | None, ram_bytes: int, cuda_device: str | None = None) -> str | None:
     """Name of the shipped profile describing this host, or None."""
-    from .profile import load_profile
+    from fate_edge.devices.profile import load_profile
 
     for key, name in _BOARD_PROFILES:
         if board_model and key in board_model:

@@ -16,8 +16,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .link import LinkSpec
-from .profile import DeviceProfile
+from fate_edge.devices.link import LinkSpec
+from fate_edge.devices.profile import DeviceProfile
 
 # Share of the roofline peaks a batch-1 decode achieves, for a profile that states no roofline_efficiency
 # (a probed host profile, a user's TOML). Source: AWQ (Lin et al., MLSys 2024, arXiv 2306.00978), TinyChat

@@ -19,10 +19,9 @@ from pathlib import Path
 
 import psutil
 import torch
+from fate_edge.devices.profile import DeviceProfile
 
-from fate_edge.cache_home import cache_home
-
-from .profile import DeviceProfile
+from fate_edge.app_dirs import cache_home
 
 
 def default_path() -> Path:
@@ -134,7 +133,7 @@ def to_toml(p: DeviceProfile) -> str:
 
 def host_profile(refresh: bool = False) -> DeviceProfile:
     """The cached host profile, probing (about ten seconds) the first time or when ``refresh``."""
-    from .profile import load_profile
+    from fate_edge.devices.profile import load_profile
 
     path = default_path()
     if refresh or not path.exists():

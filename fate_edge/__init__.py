@@ -29,17 +29,18 @@ if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):
     os.environ.update(_chosen)
     os.environ["FATE_EDGE_SET_OPENMP"] = ",".join(_chosen)
 
-from .bundled import bundled_model_dir
-from .engine import Completion, Engine
-from .errors import BudgetError, FateEdgeError, GenerationError, ModelFormatError
-from .generate import GenerateConfig, GenerationResponse, generate, stream_generate
-from .loader import load_model
-from .sampling import SamplingParams
-from .tokenizer import Tokenizer
-
-__version__ = "0.1.0"
+from fate_edge.bundled import bundled_model_dir
+from fate_edge.errors import BudgetError, FateEdgeError, GenerationError, ModelFormatError
+from fate_edge.planning.auto import Engine
+from fate_edge.runtime.engine import Completion
+from fate_edge.runtime.generate import GenerateConfig, GenerationResponse, generate, stream_generate
+from fate_edge.runtime.loader import load_model
+from fate_edge.runtime.sampling import SamplingParams
+from fate_edge.tokenizer import Tokenizer
+from fate_edge.version import __version__
 
 __all__ = [
+    "__version__",
     "BudgetError",
     "Completion",
     "Engine",

@@ -1,5 +1,5 @@
 import sys
 
-from .cli import main
+from fate_edge.apps.cli import main
 
 sys.exit(main())

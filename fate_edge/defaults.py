@@ -9,7 +9,7 @@ from fate_edge.devices.detect import thread_split
 MEMORY_BUDGET = "256MB"
 # Tokens (prompt and answer) the memory account reserves KV cache and activations for.
 CONTEXT_TOKENS = 4096
-POLICY = "fate-edge"  # our preset (fate_edge.policy.PRESETS); "auto" asks the planner
+POLICY = "fate-edge"  # our preset (fate_edge.runtime.policy.PRESETS); "auto" asks the planner
 DEVICE = "auto"  # cuda when torch sees a GPU, else cpu
 DTYPE = "float32"
 VERIFY = "once"  # check each blob's CRC32 on its first read

@@ -17,12 +17,12 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .errors import GenerationError
-from .generate import GenerateConfig, GenerationResponse
-from .sampling import SamplingParams
+from fate_edge.errors import GenerationError
+from fate_edge.runtime.generate import GenerateConfig, GenerationResponse
+from fate_edge.runtime.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from .engine import Completion, Engine
+    from fate_edge.runtime.engine import Completion, Engine
 
 
 def generate_config(
@@ -77,7 +77,7 @@ def stream(engine: Engine, prompt: str | list[int], config: GenerateConfig | Non
 
 
 def generate(engine: Engine, prompt: str | list[int], config: GenerateConfig | None = None, **kw: Any) -> Completion:
-    """Complete ``prompt`` and return a typed :class:`~fate_edge.engine.Completion` (:meth:`Engine.complete`).
+    """Complete ``prompt`` and return a typed :class:`~fate_edge.runtime.engine.Completion` (:meth:`Engine.complete`).
 
     Unlike reading ``engine.request_stats`` afterwards, ``Completion.stats`` is captured while the
     engine still serves this request, so it is this request's even when other threads are waiting.

@@ -15,7 +15,7 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
-from .errors import ModelFormatError
+from fate_edge.errors import ModelFormatError
 
 
 def _token_text(tok: Any) -> str | None:

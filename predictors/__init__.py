@@ -5,12 +5,12 @@ Every predictor answers ``predict(layer, h)``; stateful ones also learn from ``o
 and forget a request on ``reset()`` (no-ops on the others).
 """
 
-from .activation_path import ActivationPathPredictor
-from .base import EMBEDDING, Prediction, Predictor, next_moe_layers
-from .cross_layer_gate import CrossLayerGate
-from .learned import LearnedPredictor, OnnxPredictor, train_learned
-from .oracle import CallRecorder, OraclePredictor
-from .token_popularity import TokenPopularity
+from fate_edge.predictors.activation_path import ActivationPathPredictor
+from fate_edge.predictors.base import EMBEDDING, Prediction, Predictor, next_moe_layers
+from fate_edge.predictors.cross_layer_gate import CrossLayerGate
+from fate_edge.predictors.learned import LearnedPredictor, OnnxPredictor, train_learned
+from fate_edge.predictors.oracle import CallRecorder, OraclePredictor
+from fate_edge.predictors.token_popularity import TokenPopularity
 
 __all__ = [
     "EMBEDDING",

@@ -16,8 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-
-from .base import Prediction, Predictor
+from fate_edge.predictors.base import Prediction, Predictor
 
 _PRIOR_WEIGHT = 0.5  # < 1 count: global popularity only breaks ties, never overrides the request's counts
 

@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
-from .base import Prediction, Predictor
+from fate_edge.predictors.base import Prediction, Predictor
 
 _MIN_NORM = 1e-6  # keeps the norm ratio finite where a norm weight is (near) zero
 
@@ -49,7 +48,7 @@ class CrossLayerGate(Predictor):
 
     @classmethod
     def from_model(cls, model: Any, lookahead: int = 1, norm_variant: bool = False) -> CrossLayerGate:
-        """Build from a loaded :class:`fate_edge.model.MoETransformer` (its resident routers and norms)."""
+        """Build from a loaded :class:`fate_edge.model.transformer.MoETransformer` (its resident routers and norms)."""
         cfg = model.config
         gates = {i: model.w[f"{model.names[i].mlp}.gate.weight"] for i in cfg.moe_layers}
         norms = None

@@ -24,11 +24,10 @@ layers the estimate skips them.
 from __future__ import annotations
 
 import torch
+from fate_edge.predictors.base import next_moe_layers
 
-from fate_edge.fused import apply_linear, rms_norm
-from fate_edge.kv_cache import KVCache
-
-from .base import next_moe_layers
+from fate_edge.model.kv_cache import KVCache
+from fate_edge.model.layer import apply_linear, rms_norm
 
 
 def own_row_attention(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, k_true: torch.Tensor,

@@ -1,6 +1,6 @@
 """Measure expert predictors against real routing: collect traces, then score per layer.
 
-Metrics (the ones DESIGN §7 asks for; Fate, WWW'26, arXiv 2502.12224 reports the loose one):
+Metrics (the ones docs/architecture.md §7 asks for; Fate, WWW'26, arXiv 2502.12224 reports the loose one):
 * recall@k'  — share of the true top-k experts found among the predicted top-k' (k' ≥ k).
   Fate's "97% accuracy" is this with k' ≥ k; it is monotone non-decreasing in k'.
 * exact      — predicted top-k set equals the true top-k set.
@@ -16,10 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from fate_edge.predictors.base import EMBEDDING, Predictor
 
 from fate_edge.process_memory import release_freed_memory
-
-from .base import EMBEDDING, Predictor
 
 
 @dataclass
@@ -99,11 +98,11 @@ def _as_float(x: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def collect_traces(model: Any, batches: Iterable[torch.Tensor], dtype: torch.dtype = torch.float32,
                    early: bool = False) -> Trace:
-    """Run ``model`` (a :class:`fate_edge.model.MoETransformer`) over ``batches`` of token ids [B, T],
+    """Run ``model`` (a :class:`fate_edge.model.transformer.MoETransformer`) over ``batches`` of token ids [B, T],
     each from an empty KV cache, and record every MoE layer's routing (gate inputs kept in ``dtype``)
     and the token ids (rows in the router's order: batch-major, then position). With ``early`` also the
     next MoE layer's attention run early on each layer's residual (``trace.early_inputs``, early_attention.py)."""
-    from .early_attention import ResidualRecorder, early_inputs_from_cache
+    from fate_edge.predictors.early_attention import ResidualRecorder, early_inputs_from_cache
 
     rec = TraceRecorder(model.config.num_experts, dtype=dtype)
     residuals = ResidualRecorder(model) if early else None

@@ -40,12 +40,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from fate_edge.predictors.base import Prediction, Predictor, next_moe_layers
+from fate_edge.predictors.cross_layer_gate import CrossLayerGate
+from fate_edge.predictors.evaluate import Trace
+from fate_edge.predictors.previous_input import PreviousInput, ReadsPreviousInput
 from torch import nn
-
-from .base import Prediction, Predictor, next_moe_layers
-from .cross_layer_gate import CrossLayerGate
-from .evaluate import Trace
-from .previous_input import PreviousInput, ReadsPreviousInput
 
 FORMAT = "fate-edge/learned-predictor"
 VERSION = 3  # 2: "previous_input" (inputs [h, previous]); 3: "early_attention" ([h, early, previous]); the

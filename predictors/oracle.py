@@ -1,7 +1,7 @@
 """The clairvoyant predictor: replays the experts a recorded run of the same request actually used.
 
 It is the upper bound of prediction (the prefetch half of the ``oracle`` baseline in REFERENCES.md;
-Belady's MIN, Belady 1966, is the eviction half: fate_edge/cache/belady.py). ``trace_calls`` lists every MoE
+Belady's MIN, Belady 1966, is the eviction half: fate_edge/runtime/cache/belady.py). ``trace_calls`` lists every MoE
 layer call of the recorded run in execution order as (layer, expert ids): [N, k] per token of the call
 (what :class:`CallRecorder` keeps), or a flat list of the call's experts in priority order (one token's
 top-k, or the union over a prefill's tokens, most used first, as the engine's trace records it).
@@ -19,8 +19,7 @@ from bisect import bisect_right
 from collections.abc import Sequence
 
 import torch
-
-from .base import Prediction, Predictor
+from fate_edge.predictors.base import Prediction, Predictor
 
 
 class CallRecorder:

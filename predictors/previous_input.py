@@ -20,9 +20,8 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-
-from .base import next_moe_layers
-from .evaluate import Trace
+from fate_edge.predictors.base import next_moe_layers
+from fate_edge.predictors.evaluate import Trace
 
 
 def previous_rows(x: torch.Tensor, seq_len: int, start: int = 0, stop: int | None = None) -> torch.Tensor:
@@ -151,7 +150,7 @@ class ReadsPreviousInput:
         cache (needed with early attention)."""
         self.to(model.device)
         if self.early_attention:
-            from .early_attention import EarlyInput
+            from fate_edge.predictors.early_attention import EarlyInput
 
             self.early = EarlyInput(model)
 

@@ -16,9 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-
-from .base import EMBEDDING, Prediction, Predictor
-from .evaluate import Trace
+from fate_edge.predictors.base import EMBEDDING, Prediction, Predictor
+from fate_edge.predictors.evaluate import Trace
 
 
 class TokenPopularity(Predictor):

@@ -3,9 +3,9 @@
 Knows nothing about models, files or caches: tensors in, tensors out.
 """
 
-from .pack import pack, packed_nbytes, unpack
-from .rtn import Quantized, dequantize, quantize
-from .spec import QuantSpec, bytes_per_weight, tensor_nbytes
+from fate_edge.quant.pack import pack, packed_nbytes, unpack
+from fate_edge.quant.rtn import Quantized, dequantize, quantize
+from fate_edge.quant.spec import QuantSpec, bytes_per_weight, tensor_nbytes
 
 __all__ = [
     "QuantSpec",

@@ -43,9 +43,8 @@ algorithm itself is the ~20 lines below in plain torch.
 from __future__ import annotations
 
 import torch
-
-from .rtn import Quantized, quantize
-from .spec import QuantSpec
+from fate_edge.quant.rtn import Quantized, quantize
+from fate_edge.quant.spec import QuantSpec
 
 DEFAULT_ITERS = 20
 DEFAULT_P = 0.7

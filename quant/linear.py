@@ -25,12 +25,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from .native import NativeInt4, native_isa, native_supports
-from .ort import OrtMatMul, ort_available
-from .pack import pack, unpack
-from .rtn import Quantized, dequantize, quantize
-from .spec import QuantSpec
+from fate_edge.quant.native import NativeInt4, native_isa, native_supports
+from fate_edge.quant.ort import OrtMatMul, ort_available
+from fate_edge.quant.pack import pack, unpack
+from fate_edge.quant.rtn import Quantized, dequantize, quantize
+from fate_edge.quant.spec import QuantSpec
 
 KERNEL_CHOICES: dict[tuple[int, tuple[int, int], str], str] = {}
 KERNEL_TIMINGS: dict[tuple[int, tuple[int, int], str, int], dict[str, float]] = {}

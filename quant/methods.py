@@ -8,10 +8,9 @@ built with either is read by the same decoder and computed by the same kernels.
 from __future__ import annotations
 
 import torch
-
-from .hqq import quantize_hqq
-from .rtn import Quantized, quantize
-from .spec import QuantSpec
+from fate_edge.quant.hqq import quantize_hqq
+from fate_edge.quant.rtn import Quantized, quantize
+from fate_edge.quant.spec import QuantSpec
 
 METHODS = ("rtn", "hqq")
 

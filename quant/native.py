@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from fate_edge.cache_home import cache_home
+from fate_edge.app_dirs import cache_home
 
 SOURCE = "int4_gemm.c"
 _ISA_NAMES = {2: "avx512-vnni", 1: "avx2"}

@@ -8,8 +8,7 @@ onnxruntime is a runtime one). Weights go in MatMulNBits' own layout: per row, `
 from __future__ import annotations
 
 import torch
-
-from .spec import QuantSpec
+from fate_edge.quant.spec import QuantSpec
 
 _FLOAT, _UINT8 = 1, 2  # TensorProto.DataType
 _INT = 2  # AttributeProto.AttributeType

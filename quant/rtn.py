@@ -15,9 +15,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-
-from .pack import pack, unpack
-from .spec import QuantSpec, bytes_per_weight
+from fate_edge.quant.pack import pack, unpack
+from fate_edge.quant.spec import QuantSpec, bytes_per_weight
 
 __all__ = ["Quantized", "bytes_per_weight", "dequantize", "pack", "quantize", "unpack"]
 

@@ -26,19 +26,19 @@ from pathlib import Path
 
 import torch
 
-from fate_edge.budget import plan_budget
-from fate_edge.cache import AccessInfo, ExpertCache
-from fate_edge.cache.factory import build_cache
-from fate_edge.calibrate import store_popularity
-from fate_edge.device_presets import for_device
-from fate_edge.emulation import calibrate
-from fate_edge.engine import Engine
-from fate_edge.generate import GenerateConfig
-from fate_edge.planner import PlanTrace
-from fate_edge.policy import PRESETS
-from fate_edge.preload import global_choice
-from fate_edge.simulate import scale_costs
-from fate_edge.store import ExpertStore
+from fate_edge.format.store import ExpertStore
+from fate_edge.planning.device_presets import for_device
+from fate_edge.planning.emulation import calibrate
+from fate_edge.planning.planner import PlanTrace
+from fate_edge.planning.simulate import scale_costs
+from fate_edge.runtime.budget import plan_budget
+from fate_edge.runtime.cache import AccessInfo, ExpertCache
+from fate_edge.runtime.cache.factory import build_cache
+from fate_edge.runtime.calibrate import store_popularity
+from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.generate import GenerateConfig
+from fate_edge.runtime.policy import PRESETS
+from fate_edge.runtime.preload import global_choice
 from fate_edge.tokenizer import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from fate_edge import bundled_model_dir, load_model
-from fate_edge.report import publish
+from fate_edge.bench.publish import publish
 
 
 def time_ours(model, prompt: torch.Tensor, decode_tokens: int) -> tuple[float, float]:

@@ -1,4 +1,4 @@
-"""Read bandwidth of expert blobs through the fetch engine (``fate_edge/fetch.py``) on this machine.
+"""Read bandwidth of expert blobs through the fetch engine (``fate_edge/fetch/fetch_engine.py``) on this machine.
 
 A temporary file (default 256 MB) is filled with random blobs of 1-4 MB, each starting on a 4096-byte
 boundary like an expert store, and read back blob by blob through :class:`FetchEngine` (pooled aligned
@@ -41,10 +41,11 @@ from pathlib import Path
 from fate_edge.devices.link import ThrottledLink, storage_link
 from fate_edge.devices.profile import load_profile
 
+from fate_edge.bench.publish import publish
 from fate_edge.bench.scale import cpu_model
-from fate_edge.checksum import crc32
-from fate_edge.fetch import ALIGN, BlobRef, BufferPool, FetchEngine, Priority
-from fate_edge.report import publish
+from fate_edge.fetch.fetch_engine import BufferPool, FetchEngine, Priority
+from fate_edge.format.blob import ALIGN, BlobRef
+from fate_edge.format.checksum import crc32
 
 MB = 1 << 20
 

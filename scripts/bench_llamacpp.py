@@ -22,9 +22,11 @@ from pathlib import Path
 import torch
 
 from fate_edge import bundled_model_dir
+from fate_edge.apps.engine_args import resolve_store
 from fate_edge.bench.config import HEADLINE_BUDGET
 from fate_edge.bench.gguf import PeerUnavailableError, ensure_ggufs
 from fate_edge.bench.prepare import store_info
+from fate_edge.bench.publish import publish
 from fate_edge.bench.scale import cpu_model
 from fate_edge.bench.sidebyside import (
     SIDE_SETS,
@@ -38,8 +40,6 @@ from fate_edge.bench.sidebyside import (
 )
 from fate_edge.bench.threads import load_average
 from fate_edge.corpus import heldout_source
-from fate_edge.engine_args import resolve_store
-from fate_edge.report import publish
 from fate_edge.tokenizer import Tokenizer
 
 

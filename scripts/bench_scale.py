@@ -16,9 +16,9 @@ import json
 from pathlib import Path
 
 from fate_edge.bench.gguf import q4_0_direct
+from fate_edge.bench.publish import publish
 from fate_edge.bench.scale import GB, ScaleConfig, run_scale
-from fate_edge.convert import ConvertOptions
-from fate_edge.report import publish
+from fate_edge.format.convert import ConvertOptions
 
 GGUF_NOTE = ("converter from the checkpoint with its matrices Q4_0 and the output bf16, then "
              "llama_model_quantize Q4_0: output q6_K, the rest copied; routers and norms f32")

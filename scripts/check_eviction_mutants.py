@@ -1,5 +1,5 @@
 """Mutation check of the eviction policies' tests (issue 39): delete or change one term of a policy in
-fate_edge/cache/eviction.py or cache/next_use.py at a time, run the policies' fast tests (tests/test_eviction_terms.py,
+runtime/cache/eviction.py or next_use.py at a time, run the policies' fast tests (tests/test_eviction_terms.py,
 tests/test_cache.py, the known-answer tests of tests/test_next_use.py), restore the file. Every mutation must be
 KILLED (some test fails). Run from the repository root; never leaves a file changed.
 
@@ -10,8 +10,8 @@ KILLED (some test fails). Run from the repository root; never leaves a file chan
 import subprocess
 import sys
 
-P = "fate_edge/cache/eviction.py"
-NU = "fate_edge/cache/next_use.py"
+P = "fate_edge/runtime/cache/eviction.py"
+NU = "fate_edge/runtime/cache/next_use.py"
 # (what it is, text in eviction.py, what replaces it); a fourth item names another file
 M = [
     ('LCU: drop high-precision count',

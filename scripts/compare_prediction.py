@@ -21,8 +21,8 @@ def engine_run(store, budget: int, policy, link, direct_io: bool, ids: list[int]
     """The engine's decode of ``tokens`` tokens after ``ids``, per token: wall, stall, consume, predict, misses."""
     from fate_edge.devices.link import ThrottledLink
 
-    from fate_edge.engine import Engine
-    from fate_edge.generate import GenerateConfig
+    from fate_edge.runtime.engine import Engine
+    from fate_edge.runtime.generate import GenerateConfig
 
     out = {}
     for _attempt in range(2):  # the first warms torch and checks each blob's CRC, as the planner's probe does
@@ -56,10 +56,10 @@ def sim_row(r, costs, layers: int) -> dict:
 
 def main() -> None:
     from fate_edge.bench.prepare import make_prompts
-    from fate_edge.emulation import calibrate, store_side
-    from fate_edge.plan_presets import preset_candidates
-    from fate_edge.planner import describe_store, measure_host_costs, plan, probe_error, simulate_policy
-    from fate_edge.store import ExpertStore
+    from fate_edge.format.store import ExpertStore
+    from fate_edge.planning.emulation import calibrate, store_side
+    from fate_edge.planning.plan_presets import preset_candidates
+    from fate_edge.planning.planner import describe_store, measure_host_costs, plan, probe_error, simulate_policy
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--store", default=None, help="default: the bench's inflated store")
@@ -101,7 +101,7 @@ def main() -> None:
               f"{planned.policy.allocation}/{planned.policy.eviction}/{planned.policy.predictor}")
         pols = {"fate-edge": presets[0], "fate": presets[1], "planned": planned.policy}
         for name in args.policies:
-            pol = pols.get(name) or __import__("fate_edge.policy", fromlist=["PRESETS"]).PRESETS[name]
+            pol = pols.get(name) or __import__("fate_edge.runtime.policy", fromlist=["PRESETS"]).PRESETS[name]
             sim = sim_row(simulate_policy(trace, pol, budget, expert, slot, plink, costs), costs, layers)
             eng = engine_run(store_dir, budget, pol, link, direct, ids, args.decode_tokens)
             print(f"-- {name}: {pol.allocation}/{pol.eviction}/{pol.predictor} p={pol.lookahead} "

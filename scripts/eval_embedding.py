@@ -1,4 +1,4 @@
-"""Parity of quantized embedding tables (``load_model(embedding_bits=...)``, fate_edge/embedding.py).
+"""Parity of quantized embedding tables (``load_model(embedding_bits=...)``, fate_edge/model/embedding.py).
 
 Held-out perplexity and greedy agreement of the bundled model with its embedding table in fp32, int8 per row and
 int4 per group (scripts/eval_quality.py's held-out text and windows), then, on a synthetic real-vocabulary slice

@@ -42,13 +42,15 @@ from fate_edge.quant.linear import QuantizedLinear
 from fate_edge.quant.methods import METHODS, quantize_with
 
 from fate_edge import Tokenizer, bundled_model_dir, load_model
-from fate_edge.arch import load_config
-from fate_edge.calibrate import read_texts
-from fate_edge.checkpoint import CheckpointReader
+from fate_edge.bench.publish import publish
 from fate_edge.corpus import CorpusSplit, read_corpus
-from fate_edge.experts import ExpertLayout, ExpertWeights, InMemoryExpertProvider, QuantizedExpert
-from fate_edge.loader import layer_names
-from fate_edge.report import publish
+from fate_edge.format.checkpoint import CheckpointReader
+from fate_edge.format.checkpoint_experts import ExpertLayout
+from fate_edge.format.checkpoint_experts import read_experts as read_layouts
+from fate_edge.format.checkpoint_layout import layer_names
+from fate_edge.model.arch import load_config
+from fate_edge.model.experts import ExpertWeights, InMemoryExpertProvider, QuantizedExpert
+from fate_edge.runtime.calibrate import read_texts
 
 GROUPS = {8: 64, 4: 64, 3: 64, 2: 32}  # int2 at group 32 like Fate's cold copies; the rest at the store's 64
 TAIL_LABEL = "int4 + int2 tail"
@@ -104,7 +106,7 @@ def read_experts(model_dir: Path) -> dict[tuple[int, int], ExpertWeights]:
     reader = CheckpointReader(model_dir)
     names = layer_names(cfg, reader)
     layouts = {i: ExpertLayout(reader, names[i].mlp) for i in cfg.moe_layers}
-    return InMemoryExpertProvider.from_layouts(layouts, cfg.num_experts, torch.float32).experts
+    return read_layouts(layouts, cfg.num_experts, torch.float32).experts
 
 
 def spec_for(bits: int, dims: tuple[int, ...]) -> QuantSpec:

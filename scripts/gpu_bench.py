@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from fate_edge.bench.sidebyside import resident_int4
-from fate_edge.engine import Engine
-from fate_edge.generate import GenerateConfig, stream_generate
-from fate_edge.loader import load_model
+from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.generate import GenerateConfig, stream_generate
+from fate_edge.runtime.loader import load_model
 from fate_edge.tokenizer import Tokenizer
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from fate_edge import GenerateConfig, Tokenizer, bundled_model_dir, generate, load_model
+from fate_edge import GenerateConfig, Tokenizer, bundled_model_dir, load_model
+from fate_edge.runtime.generate import generate
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 def child(side: str, target: str, budget: str, resident_bits: int | None, threads: int) -> None:
     t0 = time.perf_counter()
     if side == "fate-edge":
-        from fate_edge.engine import Engine
+        from fate_edge.runtime.engine import Engine
 
         t_import = time.perf_counter()
         Engine(target, budget, "fate-edge", dtype="bfloat16", resident_bits=resident_bits)

@@ -1,4 +1,4 @@
-"""Predict a run's peak RSS by part (fate_edge.memory_account), then run it and measure the kernel's high-water mark.
+"""Predict a run's peak RSS by part (runtime.memory_account), then run it and measure the kernel's high-water mark.
 
     python scripts/measure_memory.py STORE --memory-budget 200MB --resident-bits 4 --prompt-tokens 512
 
@@ -15,10 +15,10 @@ import time
 import torch
 
 from fate_edge import Engine, GenerateConfig
-from fate_edge.budget import parse_bytes
-from fate_edge.generate import PREFILL_CHUNK
-from fate_edge.memory_account import memory_account
 from fate_edge.process_memory import peak_rss_bytes
+from fate_edge.runtime.budget import parse_bytes
+from fate_edge.runtime.generate import PREFILL_CHUNK
+from fate_edge.runtime.memory_account import memory_account
 
 
 def main() -> None:

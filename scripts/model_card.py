@@ -31,7 +31,7 @@ from fate_edge.predictors.evaluate import TraceRecorder, evaluate_predictor, usa
 
 from fate_edge.bundled import bundled_model_dir
 from fate_edge.corpus import CorpusSplit, read_corpus
-from fate_edge.loader import load_model
+from fate_edge.runtime.loader import load_model
 
 LOOKAHEAD = 3  # distances reported in the lookahead summary
 

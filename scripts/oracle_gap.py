@@ -25,11 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fate_edge.predictors.evaluate import recall_at  # noqa: E402
 from sweep_device_presets import bench_store, device_timeline, sim  # noqa: E402
 
-from fate_edge.device_presets import for_device_and_store  # noqa: E402
-from fate_edge.emulation import store_side  # noqa: E402
-from fate_edge.planner import sample_token_ids  # noqa: E402
-from fate_edge.policy import ALLOCATIONS, EVICTIONS, PRESETS  # noqa: E402
-from fate_edge.simulate import truth_scores  # noqa: E402
+from fate_edge.planning.device_presets import for_device_and_store  # noqa: E402
+from fate_edge.planning.emulation import store_side  # noqa: E402
+from fate_edge.planning.planner import sample_token_ids  # noqa: E402
+from fate_edge.planning.simulate import truth_scores  # noqa: E402
+from fate_edge.runtime.policy import ALLOCATIONS, EVICTIONS, PRESETS  # noqa: E402
 from fate_edge.tokenizer import Tokenizer  # noqa: E402
 
 

@@ -31,7 +31,7 @@ def int4_experts(provider):
     from fate_edge.quant import QuantSpec, quantize
     from fate_edge.quant.linear import QuantizedLinear
 
-    from fate_edge.experts import InMemoryExpertProvider, QuantizedExpert
+    from fate_edge.model.experts import InMemoryExpertProvider, QuantizedExpert
 
     spec = QuantSpec(4, 64)
     lin = lambda w: QuantizedLinear.from_quantized(quantize(w.float(), spec), spec)  # noqa: E731
@@ -85,8 +85,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     bits = 4 if args.experts == "int4" else None
     if args.experts == "store-int4":  # as bench_llamacpp.py's int4 side runs: the store's int4 experts, resident
+        from fate_edge.apps.engine_args import resolve_store
         from fate_edge.bench.sidebyside import resident_int4
-        from fate_edge.engine_args import resolve_store
 
         store = resolve_store(bundled_model_dir(), progress=False)
         model = load_model(store, dtype=args.dtype, experts=resident_int4(store))

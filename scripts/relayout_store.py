@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from fate_edge.relayout import relayout_store
+from fate_edge.format.relayout import relayout_store
 
 
 def main() -> None:

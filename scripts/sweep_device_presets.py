@@ -1,7 +1,7 @@
 """Sweep candidate fate-edge policies per device with the trace simulator, on each device's emulated timeline.
 
 One planner probe of the real engine on this host (costs and a decode trace with every predictor's scores), then
-per device: k from the profile's roofline (fate_edge/emulation.py), the host costs scaled by 1/k, the device's own
+per device: k from the profile's roofline (planning/emulation.py), the host costs scaled by 1/k, the device's own
 link, and the simulator (no compute: seconds for thousands of policies). Stage 1 ranks the caches (allocation x
 eviction, no prefetch); stage 2 tries every predictor / lookahead / width / gate on the best caches. Prints the
 best per device and budget beside lru, fate, the old fate-edge and the oracle, with the miss breakdown of the
@@ -22,13 +22,14 @@ from pathlib import Path
 
 import torch
 
-from fate_edge.budget import plan_budget
-from fate_edge.calibrate import store_popularity
-from fate_edge.emulation import DEVICES, calibrate, store_side
-from fate_edge.planner import measure_host_costs, sample_token_ids
-from fate_edge.policy import PRESETS, PolicyConfig
-from fate_edge.simulate import scale_costs, simulate
-from fate_edge.store import ExpertStore
+from fate_edge.format.store import ExpertStore
+from fate_edge.planning.device_costs import DEVICES
+from fate_edge.planning.emulation import calibrate, store_side
+from fate_edge.planning.planner import measure_host_costs, sample_token_ids
+from fate_edge.planning.simulate import scale_costs, simulate
+from fate_edge.runtime.budget import plan_budget
+from fate_edge.runtime.calibrate import store_popularity
+from fate_edge.runtime.policy import PRESETS, PolicyConfig
 from fate_edge.tokenizer import Tokenizer
 
 EVICTIONS = ("lru", "lfu", "arc", "lcu", "popularity", "next-use")

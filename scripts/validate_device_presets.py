@@ -31,15 +31,16 @@ from pathlib import Path
 import torch
 from fate_edge.devices.link import ThrottledLink
 
-from fate_edge.device_presets import for_device, for_device_and_store
-from fate_edge.emulation import DEVICES, calibrate, host_token_seconds, store_side
-from fate_edge.engine import Engine
-from fate_edge.generate import GenerateConfig
-from fate_edge.planner import sample_token_ids, token_compute_s
-from fate_edge.policy import PRESETS, PolicyConfig
-from fate_edge.report import replace_between_markers
-from fate_edge.simulate import scale_costs
-from fate_edge.store import ExpertStore
+from fate_edge.bench.publish import replace_between_markers
+from fate_edge.format.store import ExpertStore
+from fate_edge.planning.device_costs import DEVICES
+from fate_edge.planning.device_presets import for_device, for_device_and_store
+from fate_edge.planning.emulation import calibrate, host_token_seconds, store_side
+from fate_edge.planning.planner import sample_token_ids, token_compute_s
+from fate_edge.planning.simulate import scale_costs
+from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.generate import GenerateConfig
+from fate_edge.runtime.policy import PRESETS, PolicyConfig
 from fate_edge.tokenizer import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -22,16 +22,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fate_edge.report import replace_between_markers
+from fate_edge.bench.publish import replace_between_markers
 
 
 def run_policy(store: str, budget: int, policy: str, em, ids: list[int], tokens: int, workers: int) -> dict:
     """Decode ``tokens`` greedy tokens under the emulated link; per-token raw figures and the loading share."""
     from fate_edge.devices.link import ThrottledLink
 
-    from fate_edge.engine import Engine
-    from fate_edge.generate import GenerateConfig
-    from fate_edge.planner import token_compute_s
+    from fate_edge.planning.planner import token_compute_s
+    from fate_edge.runtime.engine import Engine
+    from fate_edge.runtime.generate import GenerateConfig
 
     eng = Engine(store, budget, policy, link=ThrottledLink(em.emulated), workers=workers, direct_io=em.direct_io)
     try:
@@ -87,11 +87,11 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from fate_edge.emulation import calibrate
-    from fate_edge.planner import measure_host_costs, sample_token_ids, simulate_policy
-    from fate_edge.policy import PRESETS
-    from fate_edge.simulate import scale_costs
-    from fate_edge.store import ExpertStore
+    from fate_edge.format.store import ExpertStore
+    from fate_edge.planning.emulation import calibrate
+    from fate_edge.planning.planner import measure_host_costs, sample_token_ids, simulate_policy
+    from fate_edge.planning.simulate import scale_costs
+    from fate_edge.runtime.policy import PRESETS
     from fate_edge.tokenizer import Tokenizer
 
     store = ExpertStore(args.store)

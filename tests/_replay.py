@@ -13,11 +13,11 @@ from fate_edge.devices.link import LinkSpec
 from fate_edge.predictors.oracle import OraclePredictor
 
 from fate_edge import GenerateConfig
-from fate_edge.convert import ConvertOptions, convert
-from fate_edge.engine import Engine, Trace
-from fate_edge.fetch import Priority
-from fate_edge.simulate import HostCosts, simulate
-from fate_edge.store import ExpertStore
+from fate_edge.fetch.fetch_engine import Priority
+from fate_edge.format.convert import ConvertOptions, convert
+from fate_edge.format.store import ExpertStore
+from fate_edge.planning.simulate import HostCosts, simulate
+from fate_edge.runtime.engine import Engine, Trace
 
 PROMPT = "def parse_args(argv):\n    "
 CFG = GenerateConfig(max_tokens=16, ignore_eos=True)
@@ -114,7 +114,7 @@ def simulate_engine(engine: Engine, trace: Trace):
 def record_with_predictions(store, config: GenerateConfig = CFG):
     """PROMPT under ``config`` on ``store``: (its Trace, each predictor's decode scores, the model config, (entry
     bytes, int4 slot bytes), the calibration popularity): what the simulator replays a request with."""
-    from fate_edge.planner import _DecodeRecorder, trace_predictions
+    from fate_edge.planning.planner import _DecodeRecorder, trace_predictions
 
     with Engine(store, "64MB", "lru") as rec:
         seen = _DecodeRecorder()

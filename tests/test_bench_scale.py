@@ -5,10 +5,10 @@ import importlib.util
 from pathlib import Path
 
 from fate_edge.bench.scale import ScaleConfig, run_scale
-from fate_edge.checkpoint import CheckpointReader
-from fate_edge.convert import ConvertOptions
-from fate_edge.footprint import memory_need
-from fate_edge.store import ExpertStore
+from fate_edge.format.checkpoint import CheckpointReader
+from fate_edge.format.convert import ConvertOptions
+from fate_edge.format.store import ExpertStore
+from fate_edge.runtime.footprint import memory_need
 
 
 def _script():
@@ -69,7 +69,7 @@ def test_llama_side_runs_beside_each_budget_in_every_round_under_the_same_cap(tm
 
     monkeypatch.setattr(sidebyside, "child_command", _fake_llama(0.5))
     store = tmp_path / "store"
-    from fate_edge.convert import convert
+    from fate_edge.format.convert import convert
 
     convert(bundled_dir, store, ConvertOptions(bits=4, keep_bf16=False), progress=False)
     budgets = [1_500_000, 3_000_000]

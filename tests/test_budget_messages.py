@@ -4,9 +4,9 @@ import re
 
 import pytest
 
-from fate_edge.budget import memory_shortfall, parse_bytes, plan_budget
 from fate_edge.errors import BudgetError
-from fate_edge.policy import PRESETS
+from fate_edge.runtime.budget import memory_shortfall, parse_bytes, plan_budget
+from fate_edge.runtime.policy import PRESETS
 from fate_edge.sizes import format_bytes
 
 

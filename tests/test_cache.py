@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fate_edge.cache import ARC, LCU, LFU, LRU, AccessInfo, Belady, DecayedPopularity, ExpertCache
-from fate_edge.cache.allocation import cost_aware, shallow_favoring, uniform
+from fate_edge.runtime.cache import ARC, LCU, LFU, LRU, AccessInfo, Belady, DecayedPopularity, ExpertCache
+from fate_edge.runtime.cache.allocation import cost_aware, shallow_favoring, uniform
 
 
 def run(policy, capacity, keys, layer_of=lambda k: 0):
@@ -100,7 +100,7 @@ def test_pinned_entries_are_never_evicted_and_budget_holds():
     policy=st.sampled_from(["lru", "lfu", "arc", "popularity", "lcu"]),
 )
 def test_budget_is_never_exceeded(capacity, ops, policy):
-    from fate_edge.cache import make_eviction
+    from fate_edge.runtime.cache import make_eviction
 
     parts = {layer: capacity // 4 for layer in range(4)}
     cache = ExpertCache(parts, lambda part, cap: make_eviction(policy, cap), entry_bytes=3)
@@ -137,7 +137,7 @@ def test_uniform_and_cost_aware_split():
 
 @pytest.mark.parametrize("name", ["lru", "lfu", "arc", "popularity", "lcu"])
 def test_policies_take_victims_only_from_candidates(name):
-    from fate_edge.cache import make_eviction
+    from fate_edge.runtime.cache import make_eviction
 
     pol = make_eviction(name, 4)
     for k in range(6):
@@ -147,8 +147,8 @@ def test_policies_take_victims_only_from_candidates(name):
 
 
 def test_cost_aware_split_from_calibration_popularity():
-    from fate_edge.cache.factory import build_cache, layer_slots, miss_curves
-    from fate_edge.policy import PRESETS
+    from fate_edge.runtime.cache.factory import build_cache, layer_slots, miss_curves
+    from fate_edge.runtime.policy import PRESETS
 
     popularity = {0: [100, 0, 0, 0], 1: [25, 25, 25, 25]}  # layer 0 is served by one expert, layer 1 needs all
     assert miss_curves(popularity)[0] == [1.0, 0.0, 0.0, 0.0, 0.0]

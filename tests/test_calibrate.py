@@ -1,4 +1,4 @@
-"""fate_edge/calibrate.py: ``fate-edge calibrate`` end to end on the tiny random model and a tiny corpus."""
+"""fate_edge/runtime/calibrate.py: ``fate-edge calibrate`` end to end on the tiny random model and a tiny corpus."""
 
 import argparse
 import json
@@ -12,7 +12,7 @@ from fate_edge.predictors import ActivationPathPredictor, LearnedPredictor, Onnx
 
 from fate_edge import Engine
 from fate_edge.bundled import bundled_model_dir
-from fate_edge.calibrate import (
+from fate_edge.runtime.calibrate import (
     CalibrateOptions,
     CalibrationError,
     add_calibrate_parser,
@@ -21,7 +21,7 @@ from fate_edge.calibrate import (
     trace_windows,
     trained_on_stdlib,
 )
-from fate_edge.loader import load_model
+from fate_edge.runtime.loader import load_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

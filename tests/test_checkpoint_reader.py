@@ -5,7 +5,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from fate_edge.checkpoint import CheckpointReader
+from fate_edge.format.checkpoint import CheckpointReader
 
 
 def _reference(path, name):

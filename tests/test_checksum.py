@@ -1,9 +1,9 @@
-"""fate_edge.checksum: ISA-L's CRC32 gives zlib's values (the store's checksums), whole or chunk by chunk."""
+"""fate_edge.format.checksum: ISA-L's CRC32 gives zlib's values (the store's checksums), whole or chunk by chunk."""
 
 import os
 import zlib
 
-from fate_edge import checksum
+from fate_edge.format import checksum
 
 
 def test_isal_is_the_backend_where_its_wheel_installs():

@@ -4,7 +4,7 @@ import sys
 import pytest
 from _corrupt import flip_byte
 
-from fate_edge.cli import main
+from fate_edge.apps.cli import main
 
 
 def test_run_streams_a_continuation_and_stats(capsys):
@@ -39,8 +39,8 @@ def test_inspect_reports_bytes_and_layers(capsys, bundled_model):
 
 
 def test_inspect_verify_checks_every_blob_and_names_a_corrupted_one(tmp_path, capsys, bundled_dir):
-    from fate_edge.convert import ConvertOptions, convert
-    from fate_edge.store import ExpertStore
+    from fate_edge.format.convert import ConvertOptions, convert
+    from fate_edge.format.store import ExpertStore
 
     store = convert(bundled_dir, tmp_path / "s", ConvertOptions(bits=4, keep_bf16=False), progress=False)
     assert main(["inspect", str(store), "--verify"]) == 0
@@ -56,7 +56,7 @@ def test_inspect_verify_checks_every_blob_and_names_a_corrupted_one(tmp_path, ca
 def test_convert_with_a_cold_copy_picks_the_smallest_group_unless_told(tmp_path, bundled_dir, flags, group):
     """`convert --cold-bits 2` alone once crashed (QuantSpec got group None): the cold copy takes the smallest of
     32/64/128 dividing the expert dimensions (192x128: 32), or the one asked for."""
-    from fate_edge.store import ExpertStore
+    from fate_edge.format.store import ExpertStore
 
     out = tmp_path / "s"
     assert main(["convert", str(bundled_dir), str(out), "--cold-bits", "2", "--no-bf16", "--quiet", *flags]) == 0

@@ -9,8 +9,8 @@ import argparse
 
 import pytest
 
-from fate_edge import cli_args
-from fate_edge.cli import build_parser, main
+from fate_edge.apps import cli_args
+from fate_edge.apps.cli import build_parser, main
 
 # Options (and positionals) that take any text, so no value of them is bad input.
 FREE_TEXT = {"prompt", "out_dir", "--system", "--api-key", "--model-alias", "--unix-socket", "--out-dir", "--json",

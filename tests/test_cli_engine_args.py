@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from fate_edge import defaults
-from fate_edge.cli import build_parser, main
-from fate_edge.engine import Engine
-from fate_edge.generate import GenerateConfig
-from fate_edge.policy import POLICY_CHOICES
+from fate_edge.apps.cli import build_parser, main
+from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.generate import GenerateConfig
+from fate_edge.runtime.policy import POLICY_CHOICES
 
 
 def test_run_closes_the_engine_when_generation_fails_midway(monkeypatch, capsys):
@@ -42,7 +42,7 @@ def test_one_default_budget_and_policy_everywhere():
 
 def test_run_without_budget_uses_the_shared_default(monkeypatch, capsys):
     assert main(["run", "--policy", "lru", "--max-tokens", "2", "--ignore-eos", "def "]) == 0
-    from fate_edge.budget import parse_bytes
+    from fate_edge.runtime.budget import parse_bytes
     from fate_edge.sizes import format_bytes
 
     assert f"expert budget {format_bytes(parse_bytes(defaults.MEMORY_BUDGET))}" in capsys.readouterr().err
@@ -72,7 +72,7 @@ def test_version_and_help_list_every_policy_and_auto(capsys):
 
 
 def test_policy_auto_reports_probes_pick_and_predicted_speed(monkeypatch, capsys):
-    from fate_edge import planner
+    from fate_edge.planning import planner
 
     real = planner.auto_plan
     calls = []
@@ -90,7 +90,7 @@ def test_policy_auto_reports_probes_pick_and_predicted_speed(monkeypatch, capsys
 
 
 def test_resident_bits_reach_the_engine_from_the_command_line(bundled_dir, tmp_path, monkeypatch):
-    from fate_edge.engine_args import EngineOptions, add_engine_args, open_engine
+    from fate_edge.apps.engine_args import EngineOptions, add_engine_args, open_engine
 
     monkeypatch.setenv("FATE_EDGE_CACHE", str(tmp_path / "cache"))
     p = argparse.ArgumentParser()

@@ -1,4 +1,4 @@
-"""Compiled decode (fate_edge.compiled_step): the eager fast path's tokens and logits from one graph per token.
+"""Compiled decode (fate_edge.model.compiled_step): the eager fast path's tokens and logits from one graph per token.
 
 Compiling costs ~40 s per model cold on this host (a few seconds once inductor's disk cache holds the kernels),
 so two models compile here: the bundled model with int4 experts (the benchmark's int4 side) and the tiny
@@ -12,10 +12,10 @@ from _tiny_moe import build_tiny_moe
 from test_decode_step import store_int4_model
 
 from fate_edge import load_model
-from fate_edge.compiled_step import unsupported
-from fate_edge.experts import InMemoryExpertProvider
-from fate_edge.store import ExpertStore
-from fate_edge.store_provider import StoreExpertProvider
+from fate_edge.fetch.store_provider import StoreExpertProvider
+from fate_edge.format.store import ExpertStore
+from fate_edge.model.compiled_step import unsupported
+from fate_edge.model.experts import InMemoryExpertProvider
 
 STEPS = 20  # the cache grows past its first capacity (64) on the way: the compiled length is dynamic
 
@@ -67,7 +67,7 @@ def test_tiny_float_experts_with_a_dense_layer_compiled_decode_matches_eager(tmp
 
 
 def test_streamed_experts_stay_eager(bundled_dir, one_thread):
-    from fate_edge.engine_args import resolve_store
+    from fate_edge.apps.engine_args import resolve_store
 
     store = resolve_store(bundled_dir, progress=False)
     model = load_model(store, torch.float32, experts=StoreExpertProvider(ExpertStore(store), bits=4))

@@ -12,10 +12,10 @@ import pytest
 from _tiny_moe import build_tokenizer
 
 from fate_edge import ModelFormatError
-from fate_edge.cli import main
-from fate_edge.convert import ConvertOptions, convert, pick_group
+from fate_edge.apps.cli import main
 from fate_edge.errors import FateEdgeError
-from fate_edge.store import ExpertStore
+from fate_edge.format.convert import ConvertOptions, convert, pick_group
+from fate_edge.format.store import ExpertStore
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_convert_refuses_when_the_disk_is_too_small(monkeypatch, tmp_path, bundl
 
 @pytest.mark.parametrize("how", ["oserror", "safetensors"])
 def test_disk_full_while_writing_is_one_error_naming_dir_and_bytes(how, monkeypatch, tmp_path, bundled_dir, capsys):
-    import fate_edge.convert as conv
+    import fate_edge.format.convert as conv
 
     def full(*a, **kw):
         if how == "oserror":

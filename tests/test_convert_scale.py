@@ -9,12 +9,12 @@ from _rtn_reference import reference_pack, reference_quantize
 from safetensors.torch import save_file
 from test_convert_hardening import width96  # noqa: F401 (fixture: a fused-layout fp32 checkpoint)
 
-import fate_edge.checkpoint as checkpoint
-import fate_edge.convert as conv
-import fate_edge.store as store
-from fate_edge.checkpoint import CheckpointReader, save_streaming
-from fate_edge.convert import ConvertOptions, convert
-from fate_edge.store import ExpertStore
+import fate_edge.format.checkpoint as checkpoint
+import fate_edge.format.convert as conv
+import fate_edge.format.store as store
+from fate_edge.format.checkpoint import CheckpointReader, save_streaming
+from fate_edge.format.convert import ConvertOptions, convert
+from fate_edge.format.store import ExpertStore
 
 OPTION_SETS = {
     "int4+int2+bf16": ConvertOptions(bits=4, cold_bits=2),
@@ -162,7 +162,7 @@ def test_opening_a_store_makes_freed_expert_blobs_leave_the_resident_set(tmp_pat
     store_dir = convert(bundled_dir, tmp_path / "s", ConvertOptions(bits=4, keep_bf16=False), progress=False)
     code = f"""
 import torch
-from fate_edge.store import ExpertStore
+from fate_edge.format.store import ExpertStore
 def anon():
     return next(int(ln.split()[1]) * 1024 for ln in open("/proc/self/status") if ln.startswith("RssAnon"))
 ExpertStore({str(store_dir)!r})

@@ -1,4 +1,4 @@
-"""The one-token decode path (fate_edge.decode_step): the same logits as the general path, with fewer operators.
+"""The one-token decode path (fate_edge.model.decode_step): the same logits as the general path, with fewer operators.
 
 Operator counts are the contract (they decide decode speed at small shapes; timings are the benchmarks' job)."""
 
@@ -8,11 +8,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from fate_edge import load_model
-from fate_edge.decode_step import roll_permutation, rope_matrix
-from fate_edge.experts import QuantizedExpert
-from fate_edge.rope import apply_rope
-from fate_edge.store import ExpertStore
-from fate_edge.store_provider import StoreExpertProvider
+from fate_edge.fetch.store_provider import StoreExpertProvider
+from fate_edge.format.store import ExpertStore
+from fate_edge.model.decode_step import roll_permutation, rope_matrix
+from fate_edge.model.experts import QuantizedExpert
+from fate_edge.model.rope import apply_rope
 
 PROMPT = torch.tensor([[5, 300, 17, 2048, 99, 1000, 7, 64]])
 # Operators that only make views (no kernel, no allocation of data): not what the fast path is counted on.
@@ -39,8 +39,8 @@ def decode_logits(model, fast: bool) -> tuple[torch.Tensor, Counter]:
 
 def store_int4_model(bundled_dir):
     """The bundled model with every int4 expert of its store resident, as `bench_llamacpp.py`'s int4 side runs."""
+    from fate_edge.apps.engine_args import resolve_store
     from fate_edge.bench.sidebyside import resident_int4
-    from fate_edge.engine_args import resolve_store
 
     store = resolve_store(bundled_dir, progress=False)
     return load_model(store, torch.float32, experts=resident_int4(store))
@@ -83,7 +83,7 @@ def test_store_int4_experts_take_one_matmul_for_gate_and_up_and_one_cast_per_lay
 
 
 def test_fused_gate_up_computes_what_separate_gate_and_up_did(bundled_dir, one_thread):
-    from fate_edge.engine_args import resolve_store
+    from fate_edge.apps.engine_args import resolve_store
 
     prov = StoreExpertProvider(ExpertStore(resolve_store(bundled_dir, progress=False)), bits=4)
     try:

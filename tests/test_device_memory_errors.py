@@ -5,12 +5,13 @@ Simulated on the CPU: the model's forward raises torch.OutOfMemoryError (what CU
 import pytest
 import torch
 
-from fate_edge import GenerateConfig, generate
-from fate_edge.engine import Engine
-from fate_edge.engine_args import resolve_store
+from fate_edge import GenerateConfig
+from fate_edge.apps.engine_args import resolve_store
+from fate_edge.apps.server.errors import error_from_exception
 from fate_edge.errors import DeviceMemoryError
-from fate_edge.model import MoETransformer
-from fate_edge.server.errors import error_from_exception
+from fate_edge.model.transformer import MoETransformer
+from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.generate import generate
 
 PROMPT = "def parse(argv):\n    "
 

@@ -15,11 +15,12 @@ from fate_edge.predictors.learned import LearnedPredictor
 from fate_edge.quant import QuantSpec, quantize
 from fate_edge.quant.linear import QuantizedLinear
 
-from fate_edge import GenerateConfig, generate, load_model
-from fate_edge.convert import ConvertOptions, convert
-from fate_edge.engine import Engine
-from fate_edge.sampling import SamplingParams
-from fate_edge.store import ExpertStore, decode_expert
+from fate_edge import GenerateConfig, load_model
+from fate_edge.format.convert import ConvertOptions, convert
+from fate_edge.format.store import ExpertStore, decode_expert
+from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.generate import generate
+from fate_edge.runtime.sampling import SamplingParams
 
 PROMPT = "def parse(argv):\n    "
 

@@ -8,15 +8,16 @@ import torch
 from _replay import PROMPT, decode_routing, record_with_predictions
 
 from fate_edge import GenerateConfig
-from fate_edge.budget import plan_budget
-from fate_edge.convert import ConvertOptions, convert
-from fate_edge.device_presets import DEVICE_PRESETS, HIDING_READ_LAYERS, for_device, for_device_and_store
-from fate_edge.emulation import DEVICES, calibrate, store_side
-from fate_edge.engine import Engine
-from fate_edge.engine_args import policy_for_device
-from fate_edge.policy import PRESETS
-from fate_edge.preload import global_choice
-from fate_edge.simulate import HostCosts, simulate
+from fate_edge.apps.engine_args import policy_for_device
+from fate_edge.format.convert import ConvertOptions, convert
+from fate_edge.planning.device_costs import DEVICES
+from fate_edge.planning.device_presets import DEVICE_PRESETS, HIDING_READ_LAYERS, for_device, for_device_and_store
+from fate_edge.planning.emulation import calibrate, store_side
+from fate_edge.planning.simulate import HostCosts, simulate
+from fate_edge.runtime.budget import plan_budget
+from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.policy import PRESETS
+from fate_edge.runtime.preload import global_choice
 
 # A global cache learns which experts are used most across layers: its edge shows over a decode longer than the
 # 16 tokens of the other replay tests (at 16 tokens the two caches are level).
@@ -61,8 +62,8 @@ def test_a_stores_read_cost_picks_its_row_per_device(recorded):
     """The bundled model's int4 expert (small next to its resident weights) over each device's link, in MoE layers
     of that device's roofline token: cheap over the laptop's PCIe, dear over a Jetson's NVMe."""
     from fate_edge.bench.worker import spec_policy
-    from fate_edge.emulation import read_layers
-    from fate_edge.store import ExpertStore
+    from fate_edge.format.store import ExpertStore
+    from fate_edge.planning.device_costs import read_layers
 
     store, side = recorded[0], recorded[5]
     entry, layers = ExpertStore(store).expert_bytes(4), len(recorded[3].moe_layers)
@@ -170,7 +171,7 @@ def test_global_choice_takes_the_most_used_experts_across_layers():
 
 def test_a_global_cache_is_filled_at_load_with_the_most_used_experts(bundled_dir, tmp_path):
     """Before, a global cache had no per-layer slots and preload filled nothing: every prompt started cold."""
-    from fate_edge.calibrate import load_popularity
+    from fate_edge.runtime.calibrate import load_popularity
 
     store = convert(bundled_dir, tmp_path / "store", ConvertOptions(bits=4), progress=False)
     policy = for_device(PRESETS["fate-edge"], "orin-nano")

@@ -1,13 +1,13 @@
-"""fate_edge.direct_write: convert's output files go past the page cache (O_DIRECT) with the same bytes."""
+"""fate_edge.format.direct_write: convert's output files go past the page cache (O_DIRECT) with the same bytes."""
 
 import errno
 import os
 
 import pytest
 
-import fate_edge.direct_write as dw
-from fate_edge.convert import ConvertOptions, convert
-from fate_edge.direct_write import ALIGN, DirectFile
+import fate_edge.format.direct_write as dw
+from fate_edge.format.convert import ConvertOptions, convert
+from fate_edge.format.direct_write import ALIGN, DirectFile
 
 
 def _fs_takes_o_direct(directory) -> bool:

@@ -8,8 +8,8 @@ from fate_edge.predictors.early_attention import early_attention, early_gate_inp
 from fate_edge.predictors.evaluate import collect_traces, exact_match
 from transformers import AutoModelForCausalLM
 
-from fate_edge.calibrate import CalibrateOptions, corpus_windows, separator_id
-from fate_edge.fused import apply_linear, rms_norm
+from fate_edge.model.layer import apply_linear, rms_norm
+from fate_edge.runtime.calibrate import CalibrateOptions, corpus_windows, separator_id
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -15,8 +15,8 @@ from fate_edge.predictors.learned import TrainConfig, train_learned
 from fate_edge.predictors.previous_input import widen_trace
 
 from fate_edge import Engine, GenerateConfig
-from fate_edge.loader import load_model
-from fate_edge.policy import get_policy
+from fate_edge.runtime.loader import load_model
+from fate_edge.runtime.policy import get_policy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SEQ = 24
@@ -143,8 +143,8 @@ def test_the_planner_scores_an_early_attention_predictor(bundled_dir, tmp_path, 
     the engine probe records each decode step's estimate."""
     from fate_edge.predictors.learned import find_learned
 
-    from fate_edge.planner import probe_engine, record_plan_trace, trace_predictions
-    from fate_edge.store_cache import ensure_store
+    from fate_edge.format.converted_stores import ensure_store
+    from fate_edge.planning.planner import probe_engine, record_plan_trace, trace_predictions
 
     model_dir, _ = calibrated_bundled_copy(bundled_dir, tmp_path, monkeypatch, early_attention=True)
     store = ensure_store(model_dir, progress=False)

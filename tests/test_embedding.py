@@ -1,13 +1,13 @@
-"""Quantized embedding tables (fate_edge/embedding.py): rows gathered from int8-per-row or int4-per-group codes,
+"""Quantized embedding tables (fate_edge/model/embedding.py): rows gathered from int8-per-row or int4-per-group codes,
 within the quantization step of the float rows, through prefill and decode alike, at the bytes the account counts."""
 
 import pytest
 import torch
 
 from fate_edge import load_model
-from fate_edge.embedding import QuantizedEmbedding, quantize_table, quantized_bytes
-from fate_edge.generate import GenerateConfig, generate
-from fate_edge.memory_account import memory_account
+from fate_edge.model.embedding import QuantizedEmbedding, quantize_table, quantized_bytes
+from fate_edge.runtime.generate import GenerateConfig, generate
+from fate_edge.runtime.memory_account import memory_account
 
 
 def _table(v=300, h=256, seed=0) -> torch.Tensor:
@@ -65,8 +65,8 @@ def test_the_model_reads_the_quantized_table_in_prefill_and_decode(bundled_dir, 
 
 @pytest.mark.parametrize("bits", [None, 8, 4])
 def test_the_account_counts_the_table_the_engine_holds(bundled_dir, tmp_path, bits, one_thread):
-    from fate_edge.convert import ConvertOptions, convert
-    from fate_edge.engine import Engine
+    from fate_edge.format.convert import ConvertOptions, convert
+    from fate_edge.runtime.engine import Engine
 
     store = convert(bundled_dir, tmp_path / "s", ConvertOptions(bits=4, keep_bf16=False), progress=False)
     account = memory_account(store, 3_000_000, "bfloat16", 100, embedding_bits=bits)
@@ -80,8 +80,8 @@ def test_the_account_counts_the_table_the_engine_holds(bundled_dir, tmp_path, bi
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_a_tied_head_multiplies_by_the_table_the_codes_stand_for(bits):
-    from fate_edge.embedding import embedding_table
-    from fate_edge.fused import Weights, apply_linear, build_head
+    from fate_edge.model.embedding import embedding_table
+    from fate_edge.model.layer import Weights, apply_linear, build_head
 
     w = _table(v=320, h=256, seed=1)
     table = embedding_table(quantize_table(lambda a, b: w[a:b], tuple(w.shape), bits), torch.float32)

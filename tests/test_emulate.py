@@ -17,13 +17,14 @@ from fate_edge.devices.emulate import (
 from fate_edge.devices.link import LinkSpec
 from fate_edge.devices.profile import DeviceProfile, load_profile
 
-from fate_edge.emulation import DEVICES, calibrate, decode_token_work
 from fate_edge.errors import ProfileError
+from fate_edge.planning.device_costs import DEVICES, decode_token_work
+from fate_edge.planning.emulation import calibrate
 
 
 @pytest.fixture(scope="module")
 def store(bundled_dir):
-    from fate_edge.store_cache import ensure_store
+    from fate_edge.format.converted_stores import ensure_store
 
     return ensure_store(bundled_dir, progress=False)
 
@@ -76,8 +77,8 @@ def test_dilation_divides_the_bandwidth_and_multiplies_the_latency():
 
 
 def test_token_work_counts_the_bundled_models_weights(store):
-    from fate_edge.arch import load_config
-    from fate_edge.store import ExpertStore
+    from fate_edge.format.store import ExpertStore
+    from fate_edge.model.arch import load_config
 
     cfg = load_config(store)
     h, v, hd = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
@@ -96,8 +97,8 @@ def test_token_work_reads_quantized_resident_linears_at_their_precision(store):
     """With resident_bits the device reads what the run holds: the linears the loader quantizes (q/k/v, o,
     shared expert gate/up/gate-scalar and down, lm_head) at int4 with an fp16 scale and zero per group, or int8
     with an fp16 scale per row; biases, norms and routers stay fp16. FLOPs do not change."""
-    from fate_edge.arch import load_config
-    from fate_edge.store import ExpertStore
+    from fate_edge.format.store import ExpertStore
+    from fate_edge.model.arch import load_config
 
     cfg = load_config(store)
     assert (cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.vocab_size) == (192, 256, 4096)
@@ -175,7 +176,7 @@ def test_bench_resident_bits_reach_the_runs_and_the_devices_roofline(store, tmp_
     (fewer resident bytes than a run at the store's dtype), and the device's roofline reads them at int4."""
     from fate_edge.bench.cli import add_arguments, config_from_args
     from fate_edge.bench.run import run_bench
-    from fate_edge.engine import Engine
+    from fate_edge.runtime.engine import Engine
 
     ap = argparse.ArgumentParser()
     add_arguments(ap)
@@ -206,8 +207,8 @@ def test_the_simulator_on_the_dilated_timeline_is_the_device_one_slowed_by_k():
     dilated link: the emulated run and the device differ only in their clock."""
     import torch
 
-    from fate_edge.policy import PRESETS
-    from fate_edge.simulate import HostCosts, scale_costs, simulate
+    from fate_edge.planning.simulate import HostCosts, scale_costs, simulate
+    from fate_edge.runtime.policy import PRESETS
 
     g = torch.Generator().manual_seed(0)
     layers, experts, n = 4, 8, 24
@@ -228,7 +229,7 @@ def test_the_simulator_on_the_dilated_timeline_is_the_device_one_slowed_by_k():
 
 
 def test_plan_emulated_scales_the_measured_costs_onto_each_devices_timeline(store, bundled_tokenizer, one_thread):
-    from fate_edge.emulation import plan_emulated
+    from fate_edge.planning.emulation import plan_emulated
 
     ids = bundled_tokenizer.encode("def main():\n    return sorted(items, key=len)\n" * 4)[:24]
     plans = plan_emulated(store, 3_000_000, ["orin-nano", "rpi5"], ids, decode_tokens=8)

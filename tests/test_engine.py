@@ -7,13 +7,14 @@ import threading
 
 import pytest
 
-from fate_edge import GenerateConfig, generate, load_model
-from fate_edge.budget import parse_bytes
-from fate_edge.convert import ConvertOptions, convert
-from fate_edge.engine import Engine
+from fate_edge import GenerateConfig, load_model
 from fate_edge.errors import BudgetError
-from fate_edge.policy import PRESETS
-from fate_edge.store import ExpertStore
+from fate_edge.format.convert import ConvertOptions, convert
+from fate_edge.format.store import ExpertStore
+from fate_edge.runtime.budget import parse_bytes
+from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.generate import generate
+from fate_edge.runtime.policy import PRESETS
 
 PROMPT = "def parse_args(argv):\n    "
 CFG = GenerateConfig(max_tokens=24, ignore_eos=True)
@@ -102,8 +103,8 @@ def test_peak_rss_within_resident_plus_budget(store, budget_35):
         import torch
         torch.set_num_threads(1)
         from fate_edge import GenerateConfig
-        from fate_edge.engine import Engine
-        from fate_edge.generate import peak_rss_bytes
+        from fate_edge.runtime.engine import Engine
+        from fate_edge.runtime.generate import peak_rss_bytes
         import psutil
         base = psutil.Process().memory_info().rss  # interpreter + torch, before any model byte
         with Engine({str(store)!r}, {budget_35}, "fate-edge") as e:
@@ -119,7 +120,7 @@ def test_peak_rss_within_resident_plus_budget(store, budget_35):
 
 
 def test_failed_read_fails_one_request_and_leaves_the_engine_clean(store, budget_35):
-    from fate_edge.fetch import FetchError
+    from fate_edge.fetch.fetch_engine import FetchError
 
     with Engine(store, budget_35, "fate-edge") as engine:
         calls = {"n": 0}
@@ -142,7 +143,7 @@ def test_failed_read_fails_one_request_and_leaves_the_engine_clean(store, budget
 
 
 def test_memory_shortfall_counts_one_pool_on_unified_memory_and_two_on_a_discrete_gpu():
-    from fate_edge.budget import memory_shortfall
+    from fate_edge.runtime.budget import memory_shortfall
 
     mb = 10**6
     # Jetson: cache (600) + staging (100) compete for the one DRAM with 650 available.

@@ -1,10 +1,10 @@
-"""Every error class lives in one place: fate_edge/errors.py (the daemon's HTTP-side ones in server/errors.py)."""
+"""Every error class lives in one place: fate_edge/errors.py (the daemon's HTTP-side ones in apps/server/errors.py)."""
 
 import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-ERROR_MODULES = {REPO / "fate_edge" / "errors.py", REPO / "fate_edge" / "server" / "errors.py"}
+ERROR_MODULES = {REPO / "fate_edge" / "errors.py", REPO / "fate_edge" / "apps" / "server" / "errors.py"}
 EXCEPTION_BASES = {"Exception", "ValueError", "RuntimeError", "OSError", "KeyError", "TypeError"}
 
 

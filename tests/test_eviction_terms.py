@@ -3,7 +3,7 @@ answer changes when its term is dropped (checked by deleting the term and seeing
 hand-made so that the policy's tie-break (the smaller key) would pick the other victim: a test that a term's
 absence leaves passing by the tie-break alone would not pin the term."""
 
-from fate_edge.cache import ARC, LCU, LFU, AccessInfo, DecayedPopularity, ExpertCache, NextUse, NextUseConfig
+from fate_edge.runtime.cache import ARC, LCU, LFU, AccessInfo, DecayedPopularity, ExpertCache, NextUse, NextUseConfig
 
 L = 8  # decoder layers in the LCU sequences
 

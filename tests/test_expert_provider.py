@@ -3,10 +3,11 @@
 import torch
 
 from fate_edge import load_model
-from fate_edge.convert import ConvertOptions, convert
-from fate_edge.engine import Engine, _NoExperts
-from fate_edge.experts import CheckpointExpertProvider, ExpertProvider, InMemoryExpertProvider
-from fate_edge.store_provider import StoreExpertProvider
+from fate_edge.fetch.store_provider import StoreExpertProvider
+from fate_edge.format.checkpoint_experts import CheckpointExpertProvider
+from fate_edge.format.convert import ConvertOptions, convert
+from fate_edge.model.experts import ExpertProvider, InMemoryExpertProvider
+from fate_edge.runtime.engine import Engine, _NoExperts
 
 
 class OnlyGet(ExpertProvider):

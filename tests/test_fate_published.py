@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from fate_edge import GenerateConfig
-from fate_edge.convert import ConvertOptions, convert
-from fate_edge.engine import Engine
-from fate_edge.fetch import Priority
-from fate_edge.policy import PRESETS
-from fate_edge.store import ExpertStore
+from fate_edge.fetch.fetch_engine import Priority
+from fate_edge.format.convert import ConvertOptions, convert
+from fate_edge.format.store import ExpertStore
+from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.policy import PRESETS
 
 PROMPT = "import os\nimport sys\nfrom pathlib import Path\n\n\ndef main(argv):\n    "
 CFG = GenerateConfig(max_tokens=12, ignore_eos=True)

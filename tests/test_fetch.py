@@ -7,16 +7,9 @@ import pytest
 from _corrupt import flip_byte
 from fate_edge.devices.link import LinkSpec, ThrottledLink
 
-from fate_edge.fetch import (
-    ALIGN,
-    BlobRef,
-    BufferPool,
-    CorruptBlobError,
-    FetchCancelled,
-    FetchEngine,
-    FetchError,
-    Priority,
-)
+from fate_edge.errors import CorruptBlobError, FetchCancelled, FetchError
+from fate_edge.fetch.fetch_engine import BufferPool, FetchEngine, Priority
+from fate_edge.format.blob import ALIGN, BlobRef
 
 BLOB = 64 * 1024
 
@@ -299,7 +292,7 @@ def test_promoted_prefetch_is_read_next(blob_file):
 
 
 def test_verified_blobs_are_bounded_and_keep_the_most_recently_checked():
-    from fate_edge.verified import VerifiedBlobs
+    from fate_edge.format.blob import VerifiedBlobs
 
     seen = VerifiedBlobs(max_entries=3)
     for i in range(4):
@@ -335,16 +328,16 @@ def test_verified_blobs_are_bounded_and_keep_the_most_recently_checked():
 
 
 def test_a_blob_forgotten_by_the_bounded_set_is_verified_again(blob_file, monkeypatch):
-    import fate_edge.fetch as fetch
+    from fate_edge.format import blob
 
-    monkeypatch.setattr(fetch._VERIFIED, "max_entries", 4)  # the process-wide set, bounded
+    monkeypatch.setattr(blob.VERIFIED_BLOBS, "max_entries", 4)  # the process-wide set, bounded
     path, refs = blob_file
     with FetchEngine(BufferPool(2, BLOB), workers=1) as eng:
         for ref in refs:  # 16 blobs through a set of 4
             req = eng.submit(ref)
             eng.wait(req)
             eng.release(req)
-        assert len(fetch._VERIFIED) == 4
+        assert len(blob.VERIFIED_BLOBS) == 4
         st = os.stat(path)
         flip_byte(path, refs[0].offset + 10)  # first blob: verified, then forgotten
         flip_byte(path, refs[-1].offset + 10)  # last blob: still remembered

@@ -8,8 +8,9 @@ import threading
 import pytest
 from fate_edge.devices.link import LinkSpec, ThrottledLink
 
-from fate_edge.checksum import crc32
-from fate_edge.fetch import ALIGN, BlobRef, BufferPool, FetchEngine, Priority
+from fate_edge.fetch.fetch_engine import BufferPool, FetchEngine, Priority
+from fate_edge.format.blob import ALIGN, BlobRef
+from fate_edge.format.checksum import crc32
 
 BLOB = 16 * ALIGN
 

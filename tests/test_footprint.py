@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from fate_edge.convert import ConvertOptions, convert
-from fate_edge.engine import Engine
-from fate_edge.footprint import RUNTIME_BASELINE_BYTES, kv_cache_bytes, memory_need
+from fate_edge.format.convert import ConvertOptions, convert
+from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.footprint import RUNTIME_BASELINE_BYTES, kv_cache_bytes, memory_need
 
 
 @pytest.fixture(scope="module")

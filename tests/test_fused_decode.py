@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from fate_edge import load_model
-from fate_edge.experts import InMemoryExpertProvider, QuantizedExpert
-from fate_edge.loader import expert_spec
+from fate_edge.model.experts import InMemoryExpertProvider, QuantizedExpert
+from fate_edge.runtime.loader import expert_spec
 
 PROMPT = torch.tensor([[5, 300, 17, 2048, 99, 1000, 7, 64]])
 
@@ -101,7 +101,7 @@ def test_resident_bits_quantize_each_group_as_it_is_read(bundled_dir, monkeypatc
     float copies at once would exceed the memory a real-size model's int4 resident weights are given."""
     import weakref
 
-    from fate_edge.checkpoint import CheckpointReader
+    from fate_edge.format.checkpoint import CheckpointReader
 
     read, most_alive = [], [0]
     linears = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
@@ -131,9 +131,9 @@ def test_int4_resident_pads_qwens_shared_expert_group_instead_of_falling_back_to
     sys.path.insert(0, str(Path(__file__).parent))
     from _tiny_moe import build_tiny_moe
 
-    from fate_edge.convert import ConvertOptions, convert
-    from fate_edge.engine import Engine
-    from fate_edge.footprint import memory_need
+    from fate_edge.format.convert import ConvertOptions, convert
+    from fate_edge.runtime.engine import Engine
+    from fate_edge.runtime.footprint import memory_need
 
     model_dir = build_tiny_moe(tmp_path / "tiny", expert_dim=32)
     ref = load_model(model_dir)

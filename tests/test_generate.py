@@ -1,6 +1,7 @@
 import pytest
 
-from fate_edge import GenerateConfig, GenerationError, SamplingParams, generate, stream_generate
+from fate_edge import GenerateConfig, GenerationError, SamplingParams, stream_generate
+from fate_edge.runtime.generate import generate
 
 PROMPT = "def parse_args(argv):\n    "
 
@@ -77,7 +78,7 @@ def test_empty_prompt_is_refused(bundled_model, bundled_tokenizer):
 def test_decode_loop_reads_peak_rss_every_32_tokens_and_at_the_end(bundled_model, bundled_tokenizer, monkeypatch):
     import sys
 
-    gen = sys.modules["fate_edge.generate"]  # the package exports a function of the same name
+    gen = sys.modules["fate_edge.runtime.generate"]  # the package exports a function of the same name
     reads = []
     monkeypatch.setattr(gen, "peak_rss_bytes", lambda: reads.append(1) or len(reads))
     steps = list(stream_generate(bundled_model, bundled_tokenizer, PROMPT, GenerateConfig(70, ignore_eos=True)))
@@ -90,7 +91,7 @@ def test_decode_loop_reads_peak_rss_every_32_tokens_and_at_the_end(bundled_model
 def test_greedy_sampling_takes_the_argmax_without_copying_the_logits(monkeypatch):
     import torch
 
-    from fate_edge.sampling import Sampler
+    from fate_edge.runtime.sampling import Sampler
 
     logits = torch.randn(1000)
     clones = []

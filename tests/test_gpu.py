@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from fate_edge import GenerateConfig, generate, load_model
-from fate_edge.convert import ConvertOptions, convert
-from fate_edge.engine import Engine
+from fate_edge import GenerateConfig, load_model
+from fate_edge.format.convert import ConvertOptions, convert
+from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.generate import generate
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch sees none here)")
 
@@ -95,7 +96,7 @@ def test_engine_on_gpu_gives_the_cpu_engine_answer(store):
 
 
 def test_copy_streams_and_events():
-    from fate_edge.transfer import CUDACopier
+    from fate_edge.fetch.transfer import CUDACopier
 
     c = CUDACopier()
     lo, hi = torch.cuda.Stream.priority_range()

@@ -9,8 +9,9 @@ import torch
 from _tiny_moe import build_tiny_moe
 from test_compiled_step import greedy
 
-from fate_edge import compiled_step, load_model
-from fate_edge.graph_step import MIN_CAPACITY, CudaGraphDecode, LayerGraphDecode, unsupported
+from fate_edge import load_model
+from fate_edge.model import compiled_step
+from fate_edge.model.graph_step import MIN_CAPACITY, CudaGraphDecode, LayerGraphDecode, unsupported
 
 STEPS = 12
 
@@ -89,8 +90,8 @@ def test_graph_step_is_for_cuda_models(bundled_model):
 def test_layer_graph_step_serves_the_engine(bundled_dir, policy, one_thread):
     """Streamed experts: the scheduler routes, reads and caches between the layer graphs as in eager decode."""
     from fate_edge import GenerateConfig
-    from fate_edge.engine import Engine
-    from fate_edge.engine_args import resolve_store
+    from fate_edge.apps.engine_args import resolve_store
+    from fate_edge.runtime.engine import Engine
 
     store = resolve_store(bundled_dir, progress=False)
     cfg = GenerateConfig(max_tokens=16, ignore_eos=True)

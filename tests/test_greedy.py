@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fate_edge.sampling import greedy
+from fate_edge.runtime.sampling import greedy
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -10,8 +10,8 @@ from _tiny_moe import build_tiny_moe
 from torch.profiler import ProfilerActivity, profile
 
 from fate_edge import load_model
-from fate_edge.dispatch import group_by_expert
-from fate_edge.model import MoETransformer
+from fate_edge.model.dispatch import group_by_expert
+from fate_edge.model.transformer import MoETransformer
 
 PROMPT = torch.tensor([[5, 300, 17, 2048, 99, 1000, 7, 64, 12, 400, 3, 77]])
 

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fate_edge import inflate as inflated
 from fate_edge import load_model
 from fate_edge.errors import FateEdgeError
+from fate_edge.format import inflate as inflated
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_inflated_model.py"
 
@@ -27,7 +27,7 @@ def test_inflated_model_has_the_same_outputs(tmp_path, bundled_dir, bundled_mode
 
 
 def test_int4_store_of_inflated_model_matches_int4_store_of_original(tmp_path, bundled_dir):
-    from fate_edge.convert import ConvertOptions, convert
+    from fate_edge.format.convert import ConvertOptions, convert
 
     out = inflated.inflate(bundled_dir, tmp_path / "inflated", intermediate=256)
     a = convert(bundled_dir, tmp_path / "a", ConvertOptions(bits=4, keep_bf16=False), progress=False)

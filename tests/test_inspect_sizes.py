@@ -2,7 +2,7 @@
 
 import pytest
 
-from fate_edge.cli import main
+from fate_edge.apps.cli import main
 from fate_edge.sizes import format_bytes
 
 
@@ -13,8 +13,8 @@ def test_format_bytes_picks_the_unit_that_fits(n, text):
 
 
 def test_inspect_store_counts_its_experts_and_aligns_tables(tmp_path, bundled_dir, capsys):
-    from fate_edge.convert import ConvertOptions, convert
-    from fate_edge.store import ExpertStore
+    from fate_edge.format.convert import ConvertOptions, convert
+    from fate_edge.format.store import ExpertStore
 
     store = convert(bundled_dir, tmp_path / "s", ConvertOptions(bits=4, cold_bits=2), progress=False)
     assert main(["inspect", str(store)]) == 0

@@ -9,7 +9,7 @@ from fate_edge.quant.linear import KERNEL_CHOICES, KERNEL_TIMINGS, pick_for_rows
 from fate_edge.quant.ort import ort_available
 
 from fate_edge import load_model
-from fate_edge.experts import EXPERT_ROWS, ExpertWeights, quantize_expert
+from fate_edge.model.experts import EXPERT_ROWS, ExpertWeights, quantize_expert
 
 SPEC = QuantSpec(4, 32)
 

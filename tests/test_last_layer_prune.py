@@ -1,12 +1,12 @@
-"""A prompt asked for its last logits only runs the last layer's MoE on its last token (fate_edge.model.forward);
+"""A prompt asked for its last logits only runs the last layer's MoE on its last token (model.transformer.forward);
 the engine's scheduler still serves that call as part of the prompt, and the answer is the unpruned one."""
 
 import pytest
 from _replay import PROMPT
 
 from fate_edge import GenerateConfig
-from fate_edge.convert import ConvertOptions, convert
-from fate_edge.engine import Engine
+from fate_edge.format.convert import ConvertOptions, convert
+from fate_edge.runtime.engine import Engine
 
 DECODE = GenerateConfig(max_tokens=8, ignore_eos=True)
 

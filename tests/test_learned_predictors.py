@@ -9,7 +9,7 @@ from fate_edge.predictors import CrossLayerGate, LearnedPredictor, OnnxPredictor
 from fate_edge.predictors.evaluate import collect_traces, evaluate_predictor
 from fate_edge.predictors.learned import SourceModel, TrainConfig, manifest_path
 
-from fate_edge.loader import load_model
+from fate_edge.runtime.loader import load_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -168,7 +168,7 @@ def test_on_the_bundled_models_own_text_training_fixes_the_gates_weak_first_laye
     cross-layer gate finds layer 1's exact top-2 for under a fifth of the tokens; trained on 16k tokens of the
     model's own stdlib text, the low-rank predictor finds it for over 40% of held-out tokens."""
     from fate_edge.bundled import bundled_model_dir
-    from fate_edge.calibrate import CalibrateOptions, corpus_windows, separator_id
+    from fate_edge.runtime.calibrate import CalibrateOptions, corpus_windows, separator_id
     from fate_edge.tokenizer import Tokenizer
 
     path = bundled_model_dir()

@@ -2,6 +2,7 @@
 checkout (scripts/ by path, REPO_ROOT, a path climbing out of the package from __file__)."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -65,3 +66,146 @@ def test_no_library_module_refers_to_the_checkout(folder):
     assert modules
     bad = {str(p.relative_to(REPO)): refs for p in modules if (refs := checkout_references(p.read_text()))}
     assert bad == {}, f"library modules tied to the source checkout (scripts import the library, not back): {bad}"
+
+
+# ----------------------------------------------------------------------------------------- import direction
+# The concern packages, bottom to top: a module imports only from its own layer or the layers below it (function-level
+# and type-checking imports included). predictors/, quant/ and devices/ are leaf packages of the product card.
+LAYERS = [
+    "fate_edge.errors fate_edge.sizes fate_edge.version fate_edge.app_dirs fate_edge.process_memory fate_edge.corpus "
+    "fate_edge.bundled fate_edge.tokenizer",
+    "fate_edge.quant fate_edge.devices",
+    "fate_edge.defaults",
+    "fate_edge.model",
+    "fate_edge.predictors",
+    "fate_edge.format",
+    "fate_edge.fetch",
+    "fate_edge.runtime",
+    "fate_edge.planning",
+    "fate_edge.bench fate_edge.synthetic",
+    "fate_edge.apps fate_edge.sdk fate_edge.__main__",
+    "fate_edge",  # the package itself: its public names come from every layer
+]
+PACKAGE_ROOTS = {"fate_edge": REPO / "fate_edge", "fate_edge.predictors": REPO / "predictors",
+                 "fate_edge.quant": REPO / "quant", "fate_edge.devices": REPO / "devices"}
+
+
+def module_files(roots: dict[str, Path]) -> dict[str, tuple[Path, bool]]:
+    """Dotted module name -> (file, is a package's __init__) for every module under the roots."""
+    out = {}
+    for pkg, folder in roots.items():
+        for p in folder.rglob("*.py"):
+            parts = list(p.relative_to(folder).with_suffix("").parts)
+            if pkg == "fate_edge" and parts[0] in ("predictors", "quant", "devices"):
+                continue
+            is_init = parts[-1] == "__init__"
+            out[".".join([pkg] + parts[:-1 if is_init else None])] = (p, is_init)
+    return out
+
+
+def import_edges(modules: dict[str, tuple[Path, bool]]) -> dict[str, set[str]]:
+    """Module -> the package modules it imports anywhere in its text (``from pkg import submodule`` names the
+    submodule; ``from module import name`` the module)."""
+    def known(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    edges = {}
+    for name, (path, is_init) in modules.items():
+        base = name if is_init else name.rpartition(".")[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {known(a.name) for a in node.names if a.name.startswith("fate_edge")}
+            elif isinstance(node, ast.ImportFrom):
+                origin = base
+                for _ in range(max(node.level - 1, 0)):
+                    origin = origin.rpartition(".")[0]
+                full = (origin + ("." + node.module if node.module else "")) if node.level else (node.module or "")
+                if full.startswith("fate_edge"):
+                    found |= {known(f"{full}.{a.name}") if f"{full}.{a.name}" in modules else known(full)
+                              for a in node.names}
+        edges[name] = found - {None, name}
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles: strongly connected groups of more than one module (Tarjan)."""
+    index, low, stack, on, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def layer_of(module: str) -> int:
+    best = (-1, -1)
+    for rank, names in enumerate(LAYERS):
+        for prefix in names.split():
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best[0]:
+                best = (len(prefix), rank)
+    assert best[1] >= 0, f"{module} is in no layer of LAYERS: add it"
+    return best[1]
+
+
+def upward(edges: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{a} -> {b}" for a, bs in edges.items() for b in bs if layer_of(b) > layer_of(a))
+
+
+def test_the_checks_catch_a_cycle_and_an_upward_import(tmp_path):
+    pkg = tmp_path / "fate_edge"
+    (pkg / "model").mkdir(parents=True)
+    (pkg / "runtime").mkdir()
+    for init in (pkg / "__init__.py", pkg / "model" / "__init__.py", pkg / "runtime" / "__init__.py"):
+        init.write_text("")
+    (pkg / "model" / "rope.py").write_text("def f():\n    from fate_edge.runtime.engine import Engine\n")
+    (pkg / "runtime" / "engine.py").write_text("from ..model import rope\n")
+    edges = import_edges(module_files({"fate_edge": pkg}))
+    assert edges["fate_edge.runtime.engine"] == {"fate_edge.model.rope"}
+    assert cycles(edges) == [["fate_edge.model.rope", "fate_edge.runtime.engine"]]
+    assert upward(edges) == ["fate_edge.model.rope -> fate_edge.runtime.engine"]
+
+
+def test_no_import_cycles_in_the_package():
+    assert cycles(import_edges(module_files(PACKAGE_ROOTS))) == []
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+    assert upward(import_edges(module_files(PACKAGE_ROOTS))) == []
+
+
+def test_few_modules_sit_directly_in_the_package():
+    flat = sorted(p.name for p in (REPO / "fate_edge").glob("*.py"))
+    assert len(flat) <= 15, f"{len(flat)} modules directly in fate_edge/ (put each in its concern package): {flat}"
+
+
+@pytest.mark.parametrize("folder", PACKAGE_DIRS)
+def test_no_issue_numbers_in_library_code(folder):
+    """Docstrings and comments say what the code does; history and results live in docs/."""
+    pattern = re.compile(r"\bissue\s*#?\d+", re.IGNORECASE)
+    bad = [f"{p.relative_to(REPO)}:{i}" for p in sorted((REPO / folder).rglob("*.py"))
+           for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert bad == []

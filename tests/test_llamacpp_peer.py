@@ -134,7 +134,7 @@ def test_gguf_of_the_bundled_model_tokenizes_and_decodes_like_fate_edge(one_thre
     from fate_edge import load_model, stream_generate
     from fate_edge.bench.llamacpp import llama_stream, open_llama, tokens_agree
     from fate_edge.corpus import heldout_source
-    from fate_edge.generate import GenerateConfig
+    from fate_edge.runtime.generate import GenerateConfig
     from fate_edge.tokenizer import Tokenizer
 
     try:

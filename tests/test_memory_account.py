@@ -1,4 +1,4 @@
-"""The memory account (fate_edge.memory_account): its parts are what an Engine holds, and its predicted peak is
+"""The memory account (fate_edge.runtime.memory_account): its parts are what an Engine holds, and its predicted peak is
 within 10% of the peak RSS measured on a synthetic Qwen1.5-MoE slice (real vocabulary, widths / 4)."""
 
 import json
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fate_edge.convert import ConvertOptions, convert
-from fate_edge.engine import Engine
-from fate_edge.memory_account import kv_bytes_per_token, memory_account
+from fate_edge.format.convert import ConvertOptions, convert
+from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.memory_account import kv_bytes_per_token, memory_account
 from fate_edge.synthetic import SyntheticOptions, make_synthetic_model
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "measure_memory.py"
@@ -64,7 +64,7 @@ def test_the_measured_peak_is_within_ten_percent_of_the_prediction(qwen_slice, s
 
 
 def test_a_run_that_cannot_fit_is_refused_before_anything_loads(bundled_store, monkeypatch):
-    import fate_edge.engine as engine_module
+    import fate_edge.runtime.engine as engine_module
 
     account = memory_account(bundled_store, 3_000_000, "bfloat16", 4096)
     free = account.to_load - 2_000_000  # 2 MB short, less than the budget: lowering it is the fix
@@ -84,7 +84,7 @@ def test_a_run_that_cannot_fit_is_refused_before_anything_loads(bundled_store, m
 
 
 def test_a_run_that_fits_is_not_refused(bundled_store, monkeypatch):
-    import fate_edge.engine as engine_module
+    import fate_edge.runtime.engine as engine_module
 
     account = memory_account(bundled_store, 3_000_000, "bfloat16", 4096)
     monkeypatch.setattr(engine_module, "available_memory_bytes", lambda: account.to_load + 50_000_000)
@@ -93,7 +93,7 @@ def test_a_run_that_fits_is_not_refused(bundled_store, monkeypatch):
 
 
 def test_inspect_prints_the_account_by_part(bundled_store, capsys):
-    from fate_edge.cli import main
+    from fate_edge.apps.cli import main
 
     assert main(["inspect", str(bundled_store), "--memory-budget", "3MB", "--resident-bits", "4", "--dtype",
                  "bfloat16", "--context-tokens", "512"]) == 0
@@ -108,7 +108,7 @@ def test_inspect_prints_the_account_by_part(bundled_store, capsys):
 
 
 def test_run_prints_the_account_before_loading(capsys):
-    from fate_edge.cli import main
+    from fate_edge.apps.cli import main
 
     assert main(["run", "--memory-budget", "2MB", "--context-tokens", "256", "--max-tokens", "2", "def"]) == 0
     err = capsys.readouterr().err

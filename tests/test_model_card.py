@@ -108,7 +108,7 @@ def test_training_script_builds_a_mixtral_layout_that_fate_edge_runs(tmp_path):
     fate-edge with the reference's logits (the second trained layout the predictor figures are measured on)."""
     import torch
 
-    from fate_edge.loader import load_model
+    from fate_edge.runtime.loader import load_model
 
     tr = _load_script("train_tiny_moe")
     cfg = tr.config_with(tr.TrainConfig(), ["architecture=mixtral", "num_experts=4", "hidden_size=32",
@@ -133,8 +133,8 @@ def test_the_ceiling_scripts_cross_token_pairs_stay_inside_a_window(tmp_path):
     from fate_edge.predictors.evaluate import Trace
     from fate_edge.predictors.learned import LearnedPredictor
 
-    from fate_edge.fused import rms_norm
-    from fate_edge.loader import load_model
+    from fate_edge.model.layer import rms_norm
+    from fate_edge.runtime.loader import load_model
 
     ceiling = _load_script("predictor_ceiling")
     ids = {0: torch.arange(12).view(6, 2), 3: 100 + torch.arange(12).view(6, 2)}  # two windows of 3 positions
@@ -164,7 +164,7 @@ def test_the_ceiling_scripts_own_router_is_exact_on_the_residual_its_norm_reads(
     from fate_edge.predictors.evaluate import collect_traces
     from transformers import AutoModelForCausalLM
 
-    from fate_edge.loader import load_model
+    from fate_edge.runtime.loader import load_model
 
     ceiling = _load_script("predictor_ceiling")
     path = build_tiny_moe(tmp_path / "tiny")

@@ -13,7 +13,7 @@ from fate_edge.quant import QuantSpec, dequantize, pack, quantize
 from fate_edge.quant.linear import QuantizedLinear, default_kernel
 from fate_edge.quant.native import native_status, set_gemm_min_rows
 
-from fate_edge.experts import QuantizedExpert
+from fate_edge.model.experts import QuantizedExpert
 
 
 def _randn(shape, seed: int, std: float = 1.0) -> torch.Tensor:
@@ -231,8 +231,8 @@ def test_streamed_experts_compute_on_the_native_kernel(tmp_path, monkeypatch):
     from fate_edge.quant.native import native_isa
 
     from fate_edge import Engine
-    from fate_edge.store import ExpertStore
-    from fate_edge.store_cache import ensure_store
+    from fate_edge.format.converted_stores import ensure_store
+    from fate_edge.format.store import ExpertStore
 
     model = _native_shaped_model(tmp_path / "m")
     monkeypatch.setenv("FATE_EDGE_CACHE", str(tmp_path / "cache"))
@@ -245,7 +245,7 @@ def test_streamed_experts_compute_on_the_native_kernel(tmp_path, monkeypatch):
         assert expert.kernel == ("native-int4" if want == "portable" else "torch-int4")
         assert eng.scheduler.zero_copy  # decoded in its read buffer, which the cache keeps: no copy out
         logits = eng.model(ids, eng.model.new_cache())
-    monkeypatch.setattr("fate_edge.store_cache.native_isa", lambda: None)
+    monkeypatch.setattr("fate_edge.format.converted_stores.native_isa", lambda: None)
     monkeypatch.setattr("fate_edge.quant.linear.native_isa", lambda: None)
     other = ensure_store(model, cold_bits=None, progress=False)
     assert ExpertStore(other).precisions[4].layout == "cpu-int4"
@@ -258,8 +258,8 @@ def test_streamed_experts_compute_on_the_native_kernel(tmp_path, monkeypatch):
 
 def test_decodes_to_views_per_layout_and_kernel(tmp_path, monkeypatch):
     """The scheduler computes in the read buffer (zero-copy) only where decoding copies nothing."""
-    from fate_edge.convert import ConvertOptions, convert
-    from fate_edge.store import ExpertStore, decodes_to_views
+    from fate_edge.format.convert import ConvertOptions, convert
+    from fate_edge.format.store import ExpertStore, decodes_to_views
 
     model = _native_shaped_model(tmp_path / "m")
     store = ExpertStore(convert(model, tmp_path / "s", ConvertOptions(bits=4, cold_bits=2, layout="portable"),
@@ -318,7 +318,7 @@ def test_a_k_of_whole_groups_is_padded_to_the_kernels_128():
 def test_resident_int4_group_with_padded_k_counts_its_bytes_and_computes_the_same():
     from fate_edge.quant.native import native_isa
 
-    from fate_edge.fused import _quantized, quantize_group, quantized_group_bytes
+    from fate_edge.model.layer import _quantized, quantize_group, quantized_group_bytes
 
     w = {"mlp.down_proj.weight": _randn((96, 1088), 12, 0.05)}
     ref = w["mlp.down_proj.weight"]

@@ -7,13 +7,13 @@ import pytest
 from _replay import LINK, PROMPT, decode_routing, record_with_predictions
 
 from fate_edge import GenerateConfig
-from fate_edge.budget import plan_budget
-from fate_edge.cache import AccessInfo, ExpertCache, NextUse, NextUseConfig
-from fate_edge.convert import ConvertOptions, convert
-from fate_edge.device_presets import for_device
-from fate_edge.engine import Engine
-from fate_edge.policy import PRESETS
-from fate_edge.simulate import HostCosts, simulate
+from fate_edge.format.convert import ConvertOptions, convert
+from fate_edge.planning.device_presets import for_device
+from fate_edge.planning.simulate import HostCosts, simulate
+from fate_edge.runtime.budget import plan_budget
+from fate_edge.runtime.cache import AccessInfo, ExpertCache, NextUse, NextUseConfig
+from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.policy import PRESETS
 
 LONG = GenerateConfig(max_tokens=96, ignore_eos=True)
 DEVICE = for_device(PRESETS["fate-edge"], "orin-nano")

@@ -14,13 +14,13 @@ from _tiny_moe import build_tiny_moe
 from fate_edge.devices.link import LinkSpec
 from fate_edge.predictors.activation_path import ActivationPathPredictor
 
-from fate_edge.budget import plan_budget
-from fate_edge.cache import AccessInfo, Belady, ExpertCache
-from fate_edge.convert import ConvertOptions, convert
-from fate_edge.engine import Engine
-from fate_edge.policy import PRESETS
-from fate_edge.prefetch_choice import plan_oracle_prefetches, ranked
-from fate_edge.simulate import HostCosts, simulate
+from fate_edge.format.convert import ConvertOptions, convert
+from fate_edge.planning.simulate import HostCosts, simulate
+from fate_edge.runtime.budget import plan_budget
+from fate_edge.runtime.cache import AccessInfo, Belady, ExpertCache
+from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.policy import PRESETS
+from fate_edge.runtime.prefetch_choice import plan_oracle_prefetches, ranked
 
 FRACTIONS = (0.2, 0.35, 0.5)
 MODELS = ("bundled", "tiny-top2", "tiny-top4")
@@ -157,7 +157,7 @@ def test_oracle_reads_the_next_tokens_first_layer_ahead():
 
 def test_oracle_warm_start_is_the_first_used_experts_in_order():
     """Belady's best start for an empty cache: the request's first distinct experts, as many as fit."""
-    from fate_edge.preload import first_used
+    from fate_edge.runtime.preload import first_used
 
     calls = [(0, [3, 1]), (1, [2, 3]), (0, [1, 4]), (1, [5])]
     assert first_used(calls, 3) == {0: [3, 1], 1: [2]}
@@ -168,13 +168,13 @@ def test_oracle_warm_start_is_the_first_used_experts_in_order():
 @pytest.mark.parametrize("fraction", FRACTIONS)
 @pytest.mark.parametrize("speed", ["link-bound", "compute-bound"])
 def test_no_preset_beats_the_best_clairvoyant_configuration(recorded, fraction, speed):
-    """The bound as the best of the oracle's configurations (read-ahead widths 0-64, fate_edge/oracle_bound.py):
+    """The bound as the best of the oracle's configurations (read-ahead widths 0-64, planning/oracle_bound.py):
     no preset, the per-device ones (next-use eviction) included, decodes faster in the simulator; and it is at
     least as fast as the oracle preset and as Belady's cache with no reads ahead."""
     from dataclasses import replace
 
-    from fate_edge.device_presets import for_device
-    from fate_edge.oracle_bound import oracle_bound
+    from fate_edge.planning.device_presets import for_device
+    from fate_edge.planning.oracle_bound import oracle_bound
 
     trace, preds, cfg, (entry, slot) = recorded[1:5]
     ids, warm = decode_routing(trace, cfg.moe_layers)

@@ -20,10 +20,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from fate_edge.checkpoint import CheckpointReader  # noqa: E402
-from fate_edge.experts import CheckpointExpertProvider, ExpertLayout  # noqa: E402
-from fate_edge.loader import load_model  # noqa: E402
-from fate_edge.rope import RotaryEmbedding  # noqa: E402
+from fate_edge.format.checkpoint import CheckpointReader  # noqa: E402
+from fate_edge.format.checkpoint_experts import CheckpointExpertProvider, ExpertLayout  # noqa: E402
+from fate_edge.model.rope import RotaryEmbedding  # noqa: E402
+from fate_edge.runtime.loader import load_model  # noqa: E402
 
 VOCAB = 128
 PROMPT_LEN = 12

@@ -5,11 +5,11 @@ from what its engine holds at load (sim_load.py). Nothing is timed."""
 import torch
 from fate_edge.devices.link import LinkSpec
 
-from fate_edge.plan_presets import MIN_MARGIN, choose, preset_candidates
-from fate_edge.planner import PlanTrace, plan, probe_error
-from fate_edge.policy import PRESETS
-from fate_edge.sim_load import sim_preload, sim_resident
-from fate_edge.simulate import HostCosts, simulate
+from fate_edge.planning.plan_presets import MIN_MARGIN, choose, preset_candidates
+from fate_edge.planning.planner import PlanTrace, plan, probe_error
+from fate_edge.planning.sim_load import sim_preload, sim_resident
+from fate_edge.planning.simulate import HostCosts, simulate
+from fate_edge.runtime.policy import PRESETS
 
 E, K, N, LAYERS = 8, 2, 40, [0, 1, 2, 3]
 LINK = LinkSpec("test", bandwidth_bytes_per_s=1e6, latency_s=0.0)  # a 1000-byte expert takes 1 ms
@@ -59,7 +59,7 @@ def test_plan_simulates_the_presets_and_picks_one_within_its_error():
 def test_probe_error_compares_the_lru_simulation_with_the_probe():
     trace = _trace()
     costs = HostCosts(0.002)
-    from fate_edge.planner import simulate_policy
+    from fate_edge.planning.planner import simulate_policy
 
     sim = simulate_policy(trace, PRESETS["lru"], 20_000, 1000, 4096, LINK, costs).tokens_per_s
     assert probe_error(trace, 20_000, 1000, 4096, LINK, costs) == 0.0  # no probe measured
@@ -101,7 +101,7 @@ def test_fates_resident_layer_is_simulated_whole():
 def test_a_recorded_requests_calls_become_a_plan_trace():
     """The engine's recorded calls (prompt: one call per layer with its experts by popularity; then one call per
     layer and token of top_k experts) split into the prompt's warm experts and the decode's routing."""
-    from fate_edge.planner import trace_from_calls
+    from fate_edge.planning.planner import trace_from_calls
 
     calls = [(0, [3, 1, 2]), (1, [0, 5, 4]), (0, [1, 2]), (1, [4, 0]), (0, [3, 2]), (1, [5, 4])]
     t = trace_from_calls(calls, [0, 1], top_k=2, num_experts=6, num_layers=2)
@@ -113,7 +113,7 @@ def test_a_recorded_requests_calls_become_a_plan_trace():
 def test_predict_on_another_routing_uses_the_plans_costs():
     """The pick simulated over another request's routing with the plan's link and costs; a policy that needs
     predictor scores the routing does not carry has no prediction there."""
-    from fate_edge.planner import predict_on, simulate_policy
+    from fate_edge.planning.planner import predict_on, simulate_policy
 
     trace, other = _trace(0), _trace(1)
     other.predictions = {}

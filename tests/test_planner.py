@@ -1,11 +1,12 @@
+import pytest
 import torch
 from fate_edge.devices.detect import reader_contention
 from fate_edge.devices.link import LinkSpec
 
-from fate_edge.cli import main
-from fate_edge.planner import PlanTrace, plan
-from fate_edge.policy import PRESETS
-from fate_edge.simulate import HostCosts, simulate
+from fate_edge.apps.cli import main
+from fate_edge.planning.planner import PlanTrace, plan
+from fate_edge.planning.simulate import HostCosts, simulate
+from fate_edge.runtime.policy import PRESETS
 
 E, K, N, LAYERS = 8, 2, 50, [0, 1, 2, 3]
 LINK = LinkSpec("test", bandwidth_bytes_per_s=1e6, latency_s=0.0)  # a 1000-byte expert takes 1 ms
@@ -72,9 +73,8 @@ def test_plan_command_on_a_device_profile(capsys, tmp_path, monkeypatch):
 
 
 def test_engine_plan_auto_runs_the_planners_choice(tmp_path, bundled_dir):
-    from fate_edge import GenerateConfig
-    from fate_edge.convert import ConvertOptions, convert
-    from fate_edge.engine import Engine
+    from fate_edge import Engine, GenerateConfig
+    from fate_edge.format.convert import ConvertOptions, convert
 
     store = convert(bundled_dir, tmp_path / "s", ConvertOptions(bits=4, keep_bf16=False), progress=False)
     with Engine(store, "2MB", plan="auto") as e:
@@ -142,8 +142,8 @@ def test_reader_contention():
 
 
 def test_measured_costs_and_decode_trace_on_the_bundled_store(tmp_path, bundled_dir):
-    from fate_edge.convert import ConvertOptions, convert
-    from fate_edge.planner import measure_host_costs
+    from fate_edge.format.convert import ConvertOptions, convert
+    from fate_edge.planning.planner import measure_host_costs
 
     store = convert(bundled_dir, tmp_path / "s", ConvertOptions(bits=4, keep_bf16=False), progress=False)
     costs, link, trace = measure_host_costs(store, 2_000_000, LINK_FAST, list(range(40, 72)), decode_tokens=12)
@@ -171,3 +171,14 @@ def test_simulated_gate_prefetches_only_where_reads_pay():
     shut = simulate(ids, _perfect(ids), pol, 4000, 1000, LINK, dear, E, len(LAYERS))
     assert paid.prefetch_hits > N  # perfect predictions on a cheap host: prefetched after the evidence phase
     assert shut.prefetch_hits == 0 and shut.prefetch_bytes == 0 and shut.wasted_bytes == 0
+
+
+def test_the_runtime_engine_leaves_auto_to_the_planning_layer(tmp_path, bundled_dir):
+    """The runtime sits below the planner: its Engine refuses "auto" with a pointer to fate_edge.Engine."""
+    from fate_edge.errors import FateEdgeError
+    from fate_edge.format.convert import ConvertOptions, convert
+    from fate_edge.runtime.engine import Engine as RuntimeEngine
+
+    store = convert(bundled_dir, tmp_path / "s", ConvertOptions(bits=4, keep_bf16=False), progress=False)
+    with pytest.raises(FateEdgeError, match="fate_edge.Engine"):
+        RuntimeEngine(store, "2MB", "auto")

@@ -3,7 +3,7 @@
 import pytest
 
 from fate_edge.errors import FateEdgeError, PolicyError
-from fate_edge.policy import ALLOCATIONS, EVICTIONS, PRESETS, PolicyConfig, get_policy
+from fate_edge.runtime.policy import ALLOCATIONS, EVICTIONS, PRESETS, PolicyConfig, get_policy
 
 BAD = [
     ("allocation", "shalow", "cost-aware"),

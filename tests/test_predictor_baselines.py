@@ -14,7 +14,7 @@ from fate_edge.predictors import (
 )
 from fate_edge.predictors.evaluate import Trace, collect_traces, evaluate_predictor
 
-from fate_edge.loader import load_model
+from fate_edge.runtime.loader import load_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

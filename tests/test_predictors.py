@@ -14,7 +14,7 @@ from fate_edge.predictors.evaluate import (
     usage_stats,
 )
 
-from fate_edge.loader import load_model
+from fate_edge.runtime.loader import load_model
 
 
 @pytest.fixture(scope="module")

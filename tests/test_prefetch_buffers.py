@@ -10,11 +10,12 @@ import torch
 from _replay import PROMPT, all_expert_bytes
 
 from fate_edge import GenerateConfig
-from fate_edge.budget import plan_budget
-from fate_edge.convert import ConvertOptions, convert
-from fate_edge.engine import Engine
-from fate_edge.fetch import BlobRef, BufferPool, FetchEngine, Priority
-from fate_edge.policy import PRESETS
+from fate_edge.fetch.fetch_engine import BufferPool, FetchEngine, Priority
+from fate_edge.format.blob import BlobRef
+from fate_edge.format.convert import ConvertOptions, convert
+from fate_edge.runtime.budget import plan_budget
+from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.policy import PRESETS
 
 BLOB = 64 * 1024
 DECODE = GenerateConfig(max_tokens=12, ignore_eos=True)
@@ -182,7 +183,7 @@ def test_an_expert_the_cache_declines_is_computed_in_its_read_buffer(store, one_
     its victim, and the prompt's reads enter only free room) computes those experts in their read buffers, as
     load-on-demand does, instead of copying each out into fresh memory: nothing is uploaded, every buffer not kept
     by the cache is back in the pool, and the text is lru's."""
-    from fate_edge.device_presets import for_device
+    from fate_edge.planning.device_presets import for_device
 
     budget = int(0.20 * all_expert_bytes(store))
     with Engine(store, budget, "lru") as ref:

@@ -4,9 +4,9 @@ import pytest
 import torch
 from _replay import CFG, PROMPT, all_expert_bytes, int4_store, record, simulate_engine, spy
 
-from fate_edge.engine import Engine
-from fate_edge.policy import PRESETS, PolicyConfig
-from fate_edge.prefetch_choice import choose, plan_prefetches, prefetch_width
+from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.policy import PRESETS, PolicyConfig
+from fate_edge.runtime.prefetch_choice import choose, plan_prefetches, prefetch_width
 
 WIDE = PolicyConfig("wide", predictor="oracle", prefetch_width=8)
 

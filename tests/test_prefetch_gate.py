@@ -4,10 +4,10 @@ reader CPU a read takes from compute, and stop paying for the predictor when non
 import pytest
 
 from fate_edge import GenerateConfig
-from fate_edge.convert import ConvertOptions, convert
-from fate_edge.engine import Engine
-from fate_edge.policy import PRESETS
-from fate_edge.store import ExpertStore
+from fate_edge.format.convert import ConvertOptions, convert
+from fate_edge.format.store import ExpertStore
+from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.policy import PRESETS
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ import pytest
 from _replay import PROMPT, all_expert_bytes
 
 from fate_edge import GenerateConfig
-from fate_edge.convert import ConvertOptions, convert
-from fate_edge.engine import Engine
+from fate_edge.format.convert import ConvertOptions, convert
+from fate_edge.runtime.engine import Engine
 
 DECODE = GenerateConfig(max_tokens=24, ignore_eos=True)
 

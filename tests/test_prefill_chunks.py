@@ -2,10 +2,10 @@
 
 import torch
 
-from fate_edge import GenerateConfig, generate
-from fate_edge.engine import Engine
-from fate_edge.engine_args import resolve_store
-from fate_edge.generate import prompt_chunks
+from fate_edge import GenerateConfig
+from fate_edge.apps.engine_args import resolve_store
+from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.generate import generate, prompt_chunks
 
 
 def _prompt(model, n: int) -> list[int]:

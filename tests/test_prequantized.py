@@ -1,15 +1,15 @@
 """convert --resident-bits / --embedding-bits: resident linears and the embedding table quantized once at convert
-and read back as they are (fate_edge/prequantized.py); stores written without the options still load."""
+and read back as they are (fate_edge/format/prequantized.py); stores written without the options still load."""
 
 import pytest
 import torch
 
-import fate_edge.loader as loader
+import fate_edge.runtime.loader as loader
 from fate_edge import load_model
-from fate_edge.checkpoint import CheckpointReader
-from fate_edge.convert import ConvertOptions, convert
 from fate_edge.errors import ModelFormatError
-from fate_edge.memory_account import memory_account
+from fate_edge.format.checkpoint import CheckpointReader
+from fate_edge.format.convert import ConvertOptions, convert
+from fate_edge.runtime.memory_account import memory_account
 
 IDS = torch.tensor([[5, 900, 33, 4000, 12, 77, 2048, 3, 64, 1]])
 
@@ -87,7 +87,7 @@ def test_the_quantized_weights_are_memory_mapped_from_the_store(stores):
 
 
 def test_inspect_counts_the_weights_the_codes_stand_for(stores):
-    from fate_edge.inspect_model import summarize
+    from fate_edge.format.inspect_model import summarize
 
     floats, quantized = summarize(stores[None]), summarize(stores[4])
     assert abs(quantized.resident_params / floats.resident_params - 1) < 0.01  # int4 rows padded for the kernel
@@ -95,7 +95,7 @@ def test_inspect_counts_the_weights_the_codes_stand_for(stores):
 
 
 def test_the_emulated_token_reads_the_same_bytes_whether_quantized_at_convert_or_at_load(stores):
-    from fate_edge.emulation import decode_token_work
+    from fate_edge.planning.emulation import decode_token_work
 
     at_load, at_convert = decode_token_work(stores[None], 4, 4), decode_token_work(stores[4], 4)
     assert abs(at_convert.bytes / at_load.bytes - 1) < 0.02  # int4 rows padded for torch's kernel, bf16 scales
@@ -104,8 +104,8 @@ def test_the_emulated_token_reads_the_same_bytes_whether_quantized_at_convert_or
 
 def test_the_older_memory_need_reads_a_prequantized_store(stores):
     """footprint.memory_need (the scale bench's cgroup cap) counts what a store quantized at convert holds."""
-    from fate_edge.footprint import memory_need
-    from fate_edge.memory_account import memory_account
+    from fate_edge.runtime.footprint import memory_need
+    from fate_edge.runtime.memory_account import memory_account
 
     store = stores[4]
     need = memory_need(store, 2_000_000, "float32", 64, resident_bits=4)

@@ -14,8 +14,8 @@ from fate_edge.predictors.learned import TrainConfig
 from fate_edge.predictors.previous_input import PreviousInput, previous_rows, widen_trace
 
 from fate_edge import Engine, GenerateConfig
-from fate_edge.loader import load_model
-from fate_edge.policy import get_policy
+from fate_edge.runtime.loader import load_model
+from fate_edge.runtime.policy import get_policy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SEQ = 32

@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-from fate_edge.policy import PRESETS
+from fate_edge.runtime.policy import PRESETS
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 EVICTIONS = {"lru": "LRU", "lfu": "LFU", "arc": "ARC", "lcu": "LCU", "belady": "Belady", "popularity": "popularity"}

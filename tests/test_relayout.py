@@ -1,4 +1,4 @@
-"""Re-laying out a cpu-int4 store as portable (``fate_edge.relayout``): the same codes, the scales and zeros to
+"""Re-laying out a cpu-int4 store as portable (``fate_edge.format.relayout``): the same codes, the scales and zeros to
 bf16 precision, every blob checked, the model's outputs kept; refusals that name the problem."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import torch
 from _corrupt import flip_byte
 
 from fate_edge import FateEdgeError, load_model
-from fate_edge.convert import ConvertOptions, convert
-from fate_edge.relayout import relayout_store
-from fate_edge.store import ExpertStore
+from fate_edge.format.convert import ConvertOptions, convert
+from fate_edge.format.relayout import relayout_store
+from fate_edge.format.store import ExpertStore
 
 
 def _parts(store: ExpertStore, layer: int, expert: int, bits: int = 4) -> dict[str, torch.Tensor]:

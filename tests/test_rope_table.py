@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from fate_edge.arch.base import RopeConfig
-from fate_edge.rope import RotaryEmbedding
+from fate_edge.model.arch.base import RopeConfig
+from fate_edge.model.rope import RotaryEmbedding
 
 CPU32 = (torch.device("cpu"), torch.float32)  # tables are kept per (device, dtype)
 

@@ -6,7 +6,7 @@ import torch
 from _rtn_reference import reference_pack, reference_quantize
 from fate_edge.quant import QuantSpec, linear, pack, rtn, unpack
 
-from fate_edge.checkpoint import CheckpointReader
+from fate_edge.format.checkpoint import CheckpointReader
 
 SPECS = [QuantSpec(4, 64), QuantSpec(4, 32), QuantSpec(4, 32, asymmetric=False), QuantSpec(3, 64),
          QuantSpec(2, 32), QuantSpec(8, 64), QuantSpec(8, 64, asymmetric=False)]  # the bundled widths: 64k

@@ -11,7 +11,7 @@ import pytest
 
 import fate_edge
 from fate_edge import Completion, Engine, GenerateConfig, GenerationError
-from fate_edge.fetch import FetchError, Priority
+from fate_edge.fetch.fetch_engine import FetchError, Priority
 from fate_edge.sdk import chat, generate, generate_config, recover, stream
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -450,9 +450,9 @@ def test_full_queue_answers_429_and_recovers(locked):
 def test_health_is_503_while_the_model_loads(monkeypatch, cache):
     from fastapi.testclient import TestClient
 
-    import fate_edge.engine_args as engine_args
-    from fate_edge.engine_args import EngineOptions
-    from fate_edge.server import ServerSettings, create_app
+    import fate_edge.apps.engine_args as engine_args
+    from fate_edge.apps.engine_args import EngineOptions
+    from fate_edge.apps.server import ServerSettings, create_app
 
     monkeypatch.setenv("FATE_EDGE_CACHE", str(cache))
     release = threading.Event()
@@ -508,7 +508,7 @@ def test_serve_and_run_refuse_a_budget_below_the_minimum(cache, monkeypatch, cap
     assert re.search(r"fate-edge: error: memory budget .* below the minimum [0-9.]+ [KMG]B ", proc.stderr), proc.stderr
     assert "Traceback" not in proc.stderr
 
-    from fate_edge.cli import main
+    from fate_edge.apps.cli import main
 
     monkeypatch.setenv("FATE_EDGE_CACHE", str(cache))
     assert main(["run", "--memory-budget", "1KB", "x"]) == 2

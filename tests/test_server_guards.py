@@ -21,8 +21,8 @@ def engine():
 
 
 def _app_client(engine, **settings) -> TestClient:
-    from fate_edge.engine_args import EngineOptions
-    from fate_edge.server import ServerSettings, create_app
+    from fate_edge.apps.engine_args import EngineOptions
+    from fate_edge.apps.server import ServerSettings, create_app
 
     options = EngineOptions(memory_budget=BUDGET, device="cpu")
     app = create_app(ServerSettings(engine=options, **settings), engine=engine)
@@ -141,7 +141,7 @@ def test_context_overflow_is_a_typed_error(engine):
 
 
 def test_context_overflow_maps_to_context_length_exceeded_by_type_not_by_message():
-    from fate_edge.server.errors import error_from_exception
+    from fate_edge.apps.server.errors import error_from_exception
 
     err = error_from_exception(ContextLengthError(2000, 1024), "prompt")
     assert (err.status, err.type, err.code, err.param) == (400, "exceed_context_size_error",

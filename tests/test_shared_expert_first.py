@@ -7,8 +7,9 @@ from pathlib import Path
 
 import torch
 
-from fate_edge import decode_step, load_model
-from fate_edge.experts import ExpertProvider
+from fate_edge import load_model
+from fate_edge.model import decode_step
+from fate_edge.model.experts import ExpertProvider
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _tiny_moe import build_tiny_moe  # noqa: E402

@@ -9,8 +9,8 @@ import pytest
 from _replay import PROMPT, all_expert_bytes
 from test_prefetch_buffers import DECODE, store  # noqa: F401  (the module's converted store fixture)
 
-from fate_edge.buffer_pool import Buffer, BufferPool
-from fate_edge.engine import Engine
+from fate_edge.fetch.buffer_pool import Buffer, BufferPool
+from fate_edge.runtime.engine import Engine
 
 MB = 1 << 20
 
@@ -30,7 +30,7 @@ def test_a_buffer_is_resident_before_anything_touches_it():
 def test_without_map_populate_a_buffer_is_a_lazy_anonymous_map(monkeypatch):
     """Hosts without MAP_POPULATE (macOS; Windows, whose mmap takes no flags) get the plain mapping: its pages fault
     in on first use."""
-    import fate_edge.buffer_pool as buffer_pool
+    import fate_edge.fetch.buffer_pool as buffer_pool
 
     monkeypatch.setattr(buffer_pool, "_POPULATE", 0)
     proc = psutil.Process()
@@ -89,8 +89,8 @@ def test_a_budget_past_every_expert_makes_no_more_spares_than_experts(store, one
 def test_a_store_provider_sizes_its_buffers_for_the_precision_it_reads(store):  # noqa: F811
     """Its buffers are faulted in when made: sized for the store's largest blob they would commit memory a read of
     a smaller precision never uses (bf16 blobs are 3.6x int4's)."""
-    from fate_edge.store import ExpertStore
-    from fate_edge.store_provider import StoreExpertProvider
+    from fate_edge.fetch.store_provider import StoreExpertProvider
+    from fate_edge.format.store import ExpertStore
 
     s = ExpertStore(store)
     prov = StoreExpertProvider(s, bits=2, workers=1)

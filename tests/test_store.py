@@ -10,10 +10,10 @@ import torch
 from _corrupt import flip_byte
 
 from fate_edge import FateEdgeError, ModelFormatError, load_model
-from fate_edge.convert import ConvertOptions, convert
-from fate_edge.fetch import CorruptBlobError
-from fate_edge.store import ExpertStore, is_store
-from fate_edge.store_provider import StoreExpertProvider
+from fate_edge.errors import CorruptBlobError
+from fate_edge.fetch.store_provider import StoreExpertProvider
+from fate_edge.format.convert import ConvertOptions, convert
+from fate_edge.format.store import ExpertStore, is_store
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +121,7 @@ def test_existing_destination_needs_force(tmp_path, bundled_dir):
 
 
 def test_interrupted_convert_leaves_nothing(tmp_path, bundled_dir, monkeypatch):
-    import fate_edge.convert as conv
+    import fate_edge.format.convert as conv
 
     calls = {"n": 0}
     real = conv.encode_expert
@@ -142,7 +142,7 @@ def test_interrupted_convert_leaves_nothing(tmp_path, bundled_dir, monkeypatch):
 def test_killed_convert_leaves_no_valid_looking_store(tmp_path, bundled_dir):
     out = tmp_path / "store"
     script = (
-        "import time, fate_edge.convert as c\n"
+        "import time, fate_edge.format.convert as c\n"
         "real = c.encode_expert\n"
         "c.encode_expert = lambda w, p, *a: (time.sleep(0.01), real(w, p, *a))[1]\n"
         f"c.convert({str(bundled_dir)!r}, {str(out)!r}, progress=False)\n"

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 from fate_edge import Tokenizer, load_model
-from fate_edge.checkpoint import INDEX_FILE
+from fate_edge.format.checkpoint import INDEX_FILE
 from fate_edge.synthetic import PRESETS, SyntheticOptions, SyntheticSpecError, make_synthetic_model, plan
 from fate_edge.synthetic.measure import measure_router_structure
 from fate_edge.synthetic.weights import BLOCK_VALUES

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from fate_edge import GenerateConfig
-from fate_edge.cli import main
-from fate_edge.convert import ConvertOptions, convert
-from fate_edge.engine import Engine, resolve_device
+from fate_edge.apps.cli import main
 from fate_edge.errors import FateEdgeError
-from fate_edge.transfer import Copier, CPUCopier, make_copier
+from fate_edge.fetch.transfer import Copier, CPUCopier, make_copier
+from fate_edge.format.convert import ConvertOptions, convert
+from fate_edge.runtime.engine import Engine, resolve_device
 
 
 class FakeEvent:

@@ -10,11 +10,11 @@ from _replay import CFG, PROMPT, all_expert_bytes, int4_store, record, spy
 from _tiny_moe import build_tiny_moe
 
 from fate_edge import load_model
-from fate_edge.budget import plan_budget
-from fate_edge.engine import Engine
-from fate_edge.experts import ExpertProvider
-from fate_edge.fetch import Priority
-from fate_edge.policy import PRESETS
+from fate_edge.fetch.fetch_engine import Priority
+from fate_edge.model.experts import ExpertProvider
+from fate_edge.runtime.budget import plan_budget
+from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.policy import PRESETS
 
 
 class Arrival(ExpertProvider):

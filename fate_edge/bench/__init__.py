@@ -1,4 +1,4 @@
-"""The side-by-side benchmark (DESIGN §8): every baseline preset and ours, in one run, as ratios.
+"""The side-by-side benchmark (docs/architecture.md §8): every baseline preset and ours, in one run, as ratios.
 
 For each emulated link (device profiles' storage or host link, plus the raw disk), each preset and each
 memory budget (a share of the int4 expert bytes), one fresh subprocess runs the same requests ``--runs``
@@ -10,14 +10,14 @@ load-on-demand (bf16 and int4), to ``fate`` and to the ``oracle`` come from the 
 installed. Outputs: JSON, a markdown table (optionally spliced into README.md) and PNG plots, next to the
 JSON unless ``--plots-dir`` says where.
 
-``--emulate DEVICE`` (fate_edge/emulation.py) replaces the links with one device-faithful emulation: the
+``--emulate DEVICE`` (fate_edge/planning/emulation.py) replaces the links with one device-faithful emulation: the
 device's link dilated by k = this host's decode compute per token / the device's (its profile's roofline),
 O_DIRECT reads where this disk outpaces the dilated link; every figure is then reported raw (this host) and
 device-equivalent (raw x k), in separate columns and tables.
 
     fate-edge bench --quick --readme README.md --plots-dir docs   # or: python scripts/bench.py ...
 
-Model: by default the bundled model inflated to realistic expert sizes (``fate_edge.inflate``, ~2 MB per
+Model: by default the bundled model inflated to realistic expert sizes (``fate_edge.format.inflate``, ~2 MB per
 int4 expert) and converted once into a store with int4, int2 (cold) and bf16 copies, kept under the
 fate-edge cache directory; ``--model`` takes another model directory or store.
 
@@ -26,10 +26,10 @@ Modules: ``config`` (presets, links, quick mode), ``prepare`` (model, store, pro
 ``report``, ``plots`` and ``outputs`` (markdown, plots, README), ``cli``.
 """
 
-from .cli import add_arguments, config_from_args, main, run_from_args
-from .config import ALL_BUDGETS, ALL_PRESETS, LINKS, BenchConfig
-from .outputs import write_outputs
-from .run import run_bench
+from fate_edge.bench.cli import add_arguments, config_from_args, main, run_from_args
+from fate_edge.bench.config import ALL_BUDGETS, ALL_PRESETS, LINKS, BenchConfig
+from fate_edge.bench.outputs import write_outputs
+from fate_edge.bench.run import run_bench
 
 __all__ = ["ALL_BUDGETS", "ALL_PRESETS", "LINKS", "BenchConfig", "add_arguments", "config_from_args", "main",
            "run_bench", "run_from_args", "write_outputs"]

@@ -8,12 +8,12 @@ import shlex
 import sys
 from pathlib import Path
 
-from .config import ALL_PRESETS, LINKS, QUICK_NOTE, BenchConfig, apply_quick
-from .outputs import check_readme, write_outputs
-from .peers import peer_main
-from .report import markdown
-from .run import run_bench
-from .worker import trace_main, worker_main
+from fate_edge.bench.config import ALL_PRESETS, LINKS, QUICK_NOTE, BenchConfig, apply_quick
+from fate_edge.bench.outputs import check_readme, write_outputs
+from fate_edge.bench.peers import peer_main
+from fate_edge.bench.report import markdown
+from fate_edge.bench.run import run_bench
+from fate_edge.bench.worker import trace_main, worker_main
 
 
 def invoked_command(argv: list[str], run_module: str | None = None) -> str:
@@ -106,7 +106,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     cfg.command = this_command()
     if cfg.emulate:  # fail now, not after preparing the model
-        from ..emulation import resolve_device
+        from fate_edge.planning.emulation import resolve_device
 
         resolve_device(cfg.emulate)
     if cfg.readme:  # fail now, not after the run

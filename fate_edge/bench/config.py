@@ -45,7 +45,7 @@ class LinkChoice:
 
 
 def emulated_choice(emulation) -> LinkChoice:
-    """The link of a ``--emulate`` run (a :class:`fate_edge.emulation.Emulation`), keyed ``emulated-<device>``."""
+    """The link of a ``--emulate`` run (a planning.emulation.Emulation), keyed ``emulated-<device>``."""
     em = emulation
     return LinkChoice(
         f"emulated-{em.device}", f"{em.profile} emulated (link dilated x{em.k:.3g})", em.profile, "emulated",
@@ -101,7 +101,7 @@ class BenchConfig:
     fetch_workers: int = 2
     peers: bool = True
     gguf: str | None = None  # GGUF of the same checkpoint for the llama.cpp peer
-    planner: bool = True  # run the planner hook when fate_edge.planner exists
+    planner: bool = True  # run the planner hook when fate_edge.planning.planner exists
     drop_caches: bool = True  # raw-disk runs: drop the page cache before every request where permitted
     timeout_s: float = 3600.0  # per configuration subprocess
     time_limit_s: float | None = None  # whole run: configurations that would start later are dropped (listed)
@@ -116,7 +116,7 @@ class BenchConfig:
     isolate: bool = True  # each run in a fresh process (per-run peak RSS); False: tests
     device: str = "cpu"  # cpu or cuda (any store runs on CUDA; the bench converts portable for it, see layout)
     command: str | None = None  # the command line that ran the benchmark, recorded in its outputs
-    emulate: str | None = None  # device-faithful emulation of this device (fate_edge/emulation.py) instead of links
+    emulate: str | None = None  # device-faithful emulation of this device (planning/emulation.py) instead of links
     emulate_host_ms: float | None = None  # reuse a calibration: this host's decode compute per token (else measured)
     # fate-edge's resident linears (attention, dense MLPs, shared experts, lm_head) quantized at load, 8 or 4; None:
     # the store's dtype. Under --emulate the device's roofline reads them at that precision too.

@@ -20,8 +20,8 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
-from ..errors import FateEdgeError, PeerUnavailableError
-from .prepare import _fingerprint
+from fate_edge.bench.prepare import _fingerprint
+from fate_edge.errors import FateEdgeError, PeerUnavailableError
 
 GGUF_TYPES = ("f32", "bf16", "q4_0")
 CONVERTED = ("f32", "bf16")  # written by the converter; q4_0 is quantized from one of them (quantize_source)

@@ -6,10 +6,10 @@ import json
 import os
 from pathlib import Path
 
-from ..report import markers, replace_between_markers
-from .config import BenchConfig
-from .plots import plots
-from .report import markdown
+from fate_edge.bench.config import BenchConfig
+from fate_edge.bench.plots import plots
+from fate_edge.bench.publish import markers, replace_between_markers
+from fate_edge.bench.report import markdown
 
 README_BEGIN, README_END = markers("bench")
 

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .config import HEADLINE_BUDGET, BenchConfig
-from .prepare import drop_page_cache
-from .worker import child_command
+from fate_edge.bench.config import HEADLINE_BUDGET, BenchConfig
+from fate_edge.bench.prepare import drop_page_cache
+from fate_edge.bench.worker import child_command
 
 
 def _memory_cgroup(limit: int) -> tuple[Path | None, str]:
@@ -72,7 +72,7 @@ def _run_peer(kind: str, spec: dict, tmp: Path, timeout: float, cgroup: Path | N
 def peer_main(spec_path: str) -> int:
     import torch
 
-    from ..process_memory import peak_rss_bytes
+    from fate_edge.process_memory import peak_rss_bytes
 
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(spec["threads"])
@@ -108,7 +108,7 @@ def peer_main(spec_path: str) -> int:
                 res["decode_tps"] = (spec["decode_tokens"] - 1) / (time.perf_counter() - t1)
                 res["tokens"] = tokens
     elif spec["kind"] == "llama.cpp":
-        from .llamacpp import llama_stream, open_llama, time_tokens
+        from fate_edge.bench.llamacpp import llama_stream, open_llama, time_tokens
 
         llm = open_llama(spec["gguf"], max(prompts) + spec["decode_tokens"] + 8, spec["threads"],
                          mmap=spec["mode"] == "mmap")
@@ -176,8 +176,8 @@ def run_peers(cfg: BenchConfig, hf_dir: Path | None, info: dict, prompts: dict, 
 
 def _peer_gguf(cfg: BenchConfig, hf_dir: Path | None) -> tuple[str | None, str | None]:
     """(GGUF for the llama.cpp peer, None) or (None, why it is skipped): --gguf, else the checkpoint's q4_0."""
-    from ..errors import FateEdgeError
-    from .gguf import ensure_ggufs, llama_cpp_missing
+    from fate_edge.bench.gguf import ensure_ggufs, llama_cpp_missing
+    from fate_edge.errors import FateEdgeError
 
     why = llama_cpp_missing()
     if why:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .config import ALL_PRESETS, LABELS, headline_budget
-from .results import find_result
+from fate_edge.bench.config import ALL_PRESETS, LABELS, headline_budget
+from fate_edge.bench.results import find_result
 
 
 def plots(result: dict, path: Path) -> list[Path]:

@@ -9,13 +9,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ..corpus import heldout_source
-from ..inflate import inflate, inflated_size
-from .config import BenchConfig
+from fate_edge.bench.config import BenchConfig
+from fate_edge.corpus import heldout_source
+from fate_edge.format.inflate import inflate, inflated_size
 
 
 def default_work_dir() -> Path:
-    from ..store_cache import cache_root
+    from fate_edge.format.converted_stores import cache_root
 
     return cache_root().parent / "bench"
 
@@ -29,8 +29,8 @@ def _fingerprint(model_dir: Path, extra: str) -> str:
 
 
 def _convert_once(model_dir: Path, out: Path, layout: str = "auto") -> Path:
-    from ..convert import ConvertOptions, convert
-    from ..store import is_store
+    from fate_edge.format.convert import ConvertOptions, convert
+    from fate_edge.format.store import is_store
 
     if layout != "auto":
         out = out.with_name(f"{out.name}-{layout}")
@@ -44,8 +44,8 @@ def _convert_once(model_dir: Path, out: Path, layout: str = "auto") -> Path:
 
 def prepare_model(cfg: BenchConfig) -> tuple[Path, Path | None, str]:
     """(store, Hugging Face checkpoint or None, description). Built once and reused from the work dir."""
-    from ..bundled import bundled_model_dir
-    from ..store import is_store
+    from fate_edge.bundled import bundled_model_dir
+    from fate_edge.format.store import is_store
 
     work = Path(cfg.work_dir) if cfg.work_dir else default_work_dir()
     if cfg.model:
@@ -70,8 +70,8 @@ def prepare_model(cfg: BenchConfig) -> tuple[Path, Path | None, str]:
 
 
 def store_info(store: Path) -> dict[str, Any]:
-    from ..arch import load_config
-    from ..store import ExpertStore
+    from fate_edge.format.store import ExpertStore
+    from fate_edge.model.arch import load_config
 
     s = ExpertStore(store)
     cfg = load_config(store)
@@ -90,7 +90,7 @@ def store_info(store: Path) -> dict[str, Any]:
 
 
 def make_prompts(store: Path, lengths: list[int]) -> tuple[dict[int, list[int]], list[str]]:
-    from ..tokenizer import Tokenizer
+    from fate_edge.tokenizer import Tokenizer
 
     tok = Tokenizer(store)
     need = max(lengths)

@@ -3,8 +3,8 @@ the planner's predictions against measurements, the peers, and what was skipped 
 
 from __future__ import annotations
 
-from .config import ALL_PRESETS, LABELS, headline_budget
-from .results import find_result
+from fate_edge.bench.config import ALL_PRESETS, LABELS, headline_budget
+from fate_edge.bench.results import find_result
 
 
 def _fmt(v, spec=".2f", none="—"):

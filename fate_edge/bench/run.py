@@ -18,11 +18,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .config import HEADLINE_BUDGET, LINKS, QUICK_NOTE, BenchConfig, LinkChoice, emulated_choice, headline_budget
-from .peers import run_peers
-from .prepare import drop_page_cache, make_prompts, prepare_model, store_info, warm_page_cache
-from .results import add_device_equivalent, compute_ratios, flag_reference_tokens, merge_runs
-from .worker import child_command, trace_main, worker_main
+from fate_edge.bench.config import (
+    HEADLINE_BUDGET,
+    LINKS,
+    QUICK_NOTE,
+    BenchConfig,
+    LinkChoice,
+    emulated_choice,
+    headline_budget,
+)
+from fate_edge.bench.peers import run_peers
+from fate_edge.bench.prepare import drop_page_cache, make_prompts, prepare_model, store_info, warm_page_cache
+from fate_edge.bench.results import add_device_equivalent, compute_ratios, flag_reference_tokens, merge_runs
+from fate_edge.bench.worker import child_command, trace_main, worker_main
 
 _CHILD_IDS = itertools.count()
 
@@ -58,13 +66,13 @@ def _run_child(mode: str, spec: dict, tmp: Path, timeout: float, isolate: bool =
 
 def preflight(store: Path, presets: list[str], budget: int) -> dict[str, str]:
     """Presets that cannot even be built here (e.g. a predictor not written yet) → why."""
-    from ..engine import Engine, Trace
-    from ..policy import PRESETS
+    from fate_edge.runtime.engine import Engine, Trace
+    from fate_edge.runtime.policy import PRESETS
 
     skipped = {}
     for name in presets:
         if name not in PRESETS:
-            skipped[name] = "not a preset of this version (fate_edge.policy.PRESETS)"
+            skipped[name] = "not a preset of this version (fate_edge.runtime.policy.PRESETS)"
             continue
         try:
             Engine(store, budget, name, trace=Trace() if name == "oracle" else None).close()
@@ -75,7 +83,7 @@ def preflight(store: Path, presets: list[str], budget: int) -> dict[str, str]:
 
 def link_check(store: Path, choice: LinkChoice, n: int = 8) -> dict[str, Any]:
     """Read ``n`` int4 experts one after another through the link: achieved vs specified bandwidth."""
-    from ..emulation import time_reads
+    from fate_edge.planning.emulation import time_reads
 
     spec = choice.spec()
     if spec is None:
@@ -92,7 +100,7 @@ def link_check(store: Path, choice: LinkChoice, n: int = 8) -> dict[str, Any]:
 
 
 def _configs(cfg: BenchConfig, info: dict, presets: list[str]) -> list[dict]:
-    from ..policy import PRESETS
+    from fate_edge.runtime.policy import PRESETS
 
     out = []
     for link in cfg.links:
@@ -108,7 +116,7 @@ def _configs(cfg: BenchConfig, info: dict, presets: list[str]) -> list[dict]:
 
 
 def compare_with_preset(r: dict, results: list[dict]) -> None:
-    """A planned row beside the ``fate-edge`` row of the same link and budget (issue 39): auto over the preset,
+    """A planned row beside the ``fate-edge`` row of the same link and budget: auto over the preset,
     measured, and the planner's prediction for the preset against the preset's measurement."""
     if r.get("preset") != "planned" or not r.get("median", {}).get("decode_tps"):
         return
@@ -136,9 +144,9 @@ def planner_configs(cfg: BenchConfig, store: Path, info: dict, budgets: list[flo
     if not cfg.planner:
         return [], "planner not run (--no-planner)"
     try:
-        from .. import planner  # noqa: F401
+        from fate_edge.planning import planner  # noqa: F401
     except ImportError:
-        return [], "fate_edge.planner not present: no predicted tok/s"
+        return [], "fate_edge.planning.planner not present: no predicted tok/s"
     total = info["int4_expert_bytes_total"]
     return [{"link": link, "preset": "planned", "budget_fraction": b, "budget_bytes": int(b * total),
              "run_planner": True} for link in cfg.links for b in budgets], None
@@ -273,7 +281,7 @@ def calibrate_emulation(cfg: BenchConfig, store: Path, prompt: list[int]):
     """k for ``cfg.emulate`` on this host, with the torch threads the configurations run with."""
     import torch
 
-    from ..emulation import calibrate, store_side
+    from fate_edge.planning.emulation import calibrate, store_side
 
     before = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)

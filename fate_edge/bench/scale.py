@@ -1,4 +1,4 @@
-"""fate-edge at a real model's size (issue #13): convert a full-size checkpoint inside a memory cgroup, then run
+"""fate-edge at a real model's size: convert a full-size checkpoint inside a memory cgroup, then run
 the store at a few expert budgets from the raw disk (page cache dropped), each run in a process confined by a
 memory cgroup to what fate-edge says it needs (``footprint.memory_need``). Used by scripts/bench_scale.py.
 
@@ -18,9 +18,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..convert import ConvertOptions
-from .peers import _memory_cgroup
-from .prepare import drop_page_cache
+from fate_edge.bench.peers import _memory_cgroup
+from fate_edge.bench.prepare import drop_page_cache
+from fate_edge.format.convert import ConvertOptions
 
 GB = 1e9
 
@@ -121,7 +121,7 @@ def _rss(field_name: str) -> int:
 
 def prompt_ids(store: str | Path, n: int) -> list[int]:
     """The benchmark prompt's first ``n`` token ids (both sides get these ids, not the text)."""
-    from ..tokenizer import Tokenizer
+    from fate_edge.tokenizer import Tokenizer
 
     text = " ".join(["The expert cache streams weights from the disk while the model decodes."] * 64)
     return Tokenizer(store).encode(text)[:n]
@@ -129,7 +129,7 @@ def prompt_ids(store: str | Path, n: int) -> list[int]:
 
 def convert_child(spec: dict) -> dict[str, Any]:
     """``fate-edge convert`` with a progress log: (seconds, bytes) samples and this process's peak RSS."""
-    from ..convert import convert
+    from fate_edge.format.convert import convert
 
     opts = ConvertOptions(**spec["opts"] | {"force": True})
     t0, samples = time.perf_counter(), []
@@ -153,10 +153,10 @@ def run_child(spec: dict) -> dict[str, Any]:
     import torch
 
     baseline = _rss("VmRSS")  # interpreter + torch + fate_edge imported, nothing loaded
-    from ..engine import Engine
-    from ..generate import GenerateConfig
-    from .llamacpp import read_bytes
-    from .worker import _stats_dict, _sum_stats
+    from fate_edge.bench.llamacpp import read_bytes
+    from fate_edge.bench.worker import _stats_dict, _sum_stats
+    from fate_edge.runtime.engine import Engine
+    from fate_edge.runtime.generate import GenerateConfig
 
     torch.set_num_threads(spec["threads"])
     ids = spec.get("ids") or prompt_ids(spec["store"], spec["prompt_tokens"])
@@ -238,14 +238,13 @@ def measure_encoder(model: Path, opts: ConvertOptions, experts: int = 24, thread
 
     import torch
 
+    from fate_edge.format.checkpoint import CheckpointReader
+    from fate_edge.format.checkpoint_experts import ExpertLayout
+    from fate_edge.format.checkpoint_layout import layer_names
+    from fate_edge.format.convert import _one_torch_thread, _precisions, with_groups
+    from fate_edge.format.store import encode_expert
+    from fate_edge.model.arch import load_config
     from fate_edge.quant.rtn import BLOCK_BYTES
-
-    from ..arch import load_config
-    from ..checkpoint import CheckpointReader
-    from ..convert import _one_torch_thread, _precisions, with_groups
-    from ..experts import ExpertLayout
-    from ..loader import layer_names
-    from ..store import encode_expert
 
     cfg = load_config(model)
     reader = CheckpointReader(model)
@@ -268,7 +267,7 @@ def measure_encoder(model: Path, opts: ConvertOptions, experts: int = 24, thread
 
 
 def run_scale(cfg: ScaleConfig, workdir: Path) -> dict[str, Any]:
-    from ..footprint import memory_need
+    from fate_edge.runtime.footprint import memory_need
 
     workdir.mkdir(parents=True, exist_ok=True)
     config = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
@@ -313,7 +312,7 @@ def run_llama(cfg: ScaleConfig, ids: list[int], budget: int, cap: int, workdir: 
     """llama.cpp on ``cfg.gguf`` memory-mapped (its Q4_0 repack off unless ``cfg.llama_repack``: see
     ``llamacpp.open_llama``), page cache dropped, in a cgroup capped at ``cap`` (the bytes fate-edge was given
     at ``budget``), the same prompt ids and thread count."""
-    from .sidebyside import child_command
+    from fate_edge.bench.sidebyside import child_command
 
     spec = {"label": f"llama-{budget}", "kind": "llama.cpp", "mode": "limited", "gguf": str(cfg.gguf),
             "ids": ids, "decode_tokens": cfg.decode_tokens, "threads": cfg.threads, "repack": cfg.llama_repack}
@@ -329,7 +328,7 @@ def run_llama(cfg: ScaleConfig, ids: list[int], budget: int, cap: int, workdir: 
 def summarize_scale(runs: list[dict[str, Any]], llama: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per budget, each side's medians over its rounds (``sidebyside.summarize``), its cgroup peak and OOM kills,
     and fate-edge / llama.cpp ratios of decode and prefill tok/s."""
-    from .sidebyside import Side, summarize
+    from fate_edge.bench.sidebyside import Side, summarize
 
     out = []
     for budget in sorted({r["budget_bytes"] for r in runs}):

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..bundled import bundled_model_dir as _bundled
-from ..report import markers
-from .llamacpp import llama_child, read_bytes, time_tokens
+from fate_edge.bench.llamacpp import llama_child, read_bytes, time_tokens
+from fate_edge.bench.publish import markers
+from fate_edge.bundled import bundled_model_dir as _bundled
 
 
 @dataclass(frozen=True)
@@ -138,9 +138,9 @@ def child_command(spec: dict[str, Any]) -> list[str]:
 def resident_int4(store: str | Path, device: str = "cpu"):
     """Every int4 expert of ``store`` decoded once into memory on ``device``: the int4 model with nothing left to
     fetch (int4 experts compute in the activations' dtype, so one provider serves fp32 and bf16 models)."""
-    from ..experts import InMemoryExpertProvider
-    from ..store import ExpertStore
-    from ..store_provider import StoreExpertProvider
+    from fate_edge.fetch.store_provider import StoreExpertProvider
+    from fate_edge.format.store import ExpertStore
+    from fate_edge.model.experts import InMemoryExpertProvider
 
     s = ExpertStore(store)
     prov = StoreExpertProvider(s, bits=4, device=device)
@@ -155,15 +155,15 @@ def resident_int4(store: str | Path, device: str = "cpu"):
 def _fate_edge_stream(spec: dict[str, Any]):
     import torch
 
-    from ..generate import GenerateConfig, stream_generate
-    from ..loader import load_model
-    from ..tokenizer import Tokenizer
+    from fate_edge.runtime.generate import GenerateConfig, stream_generate
+    from fate_edge.runtime.loader import load_model
+    from fate_edge.tokenizer import Tokenizer
 
     torch.set_num_threads(spec["threads"])
     cfg = GenerateConfig(max_tokens=spec["decode_tokens"] + 1, ignore_eos=True)
     rest = torch.bfloat16 if spec.get("dtype") == "bf16" else torch.float32
     if spec["mode"] == "limited":
-        from ..engine import Engine
+        from fate_edge.runtime.engine import Engine
 
         engine = Engine(spec["store"], spec["budget"], "fate-edge", dtype=rest, workers=spec["workers"],
                         resident_bits=spec.get("resident_bits"))
@@ -188,13 +188,13 @@ def _mark_first(stream, marks: list):
 
 def child_main(spec_json: str) -> None:
     """One side, one run: load, prefill the ids, decode; print one JSON line (tok/s, peak RSS, bytes read)."""
-    from ..process_memory import peak_rss_bytes
+    from fate_edge.process_memory import peak_rss_bytes
 
     spec = json.loads(spec_json)
     ids, io0 = spec["ids"], read_bytes()
     extra: dict[str, Any] = {}
     if spec["kind"] == "llama.cpp":
-        from .llamacpp import llama_stream, open_llama, tokens_agree
+        from fate_edge.bench.llamacpp import llama_stream, open_llama, tokens_agree
 
         llm = open_llama(spec["gguf"], len(ids) + spec["decode_tokens"] + 8, spec["threads"],
                          mmap=spec["mode"] == "limited", repack=spec.get("repack", True))
@@ -254,9 +254,9 @@ def run_rounds(base: dict[str, Any], sides: list[Side], ggufs: dict[str, str], r
     import contextlib
     import os
 
-    from .peers import _memory_cgroup, cgroup_joiner
-    from .prepare import drop_page_cache
-    from .threads import load_average, run_child
+    from fate_edge.bench.peers import _memory_cgroup, cgroup_joiner
+    from fate_edge.bench.prepare import drop_page_cache
+    from fate_edge.bench.threads import load_average, run_child
 
     runs: dict[str, list[dict[str, Any]]] = {}
     notes: dict[str, Any] = {}

@@ -18,9 +18,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..corpus import heldout_source
-from .gguf import PEER_CMAKE_HINT
-from .llamacpp import llama_child
+from fate_edge.bench.gguf import PEER_CMAKE_HINT
+from fate_edge.bench.llamacpp import llama_child
+from fate_edge.corpus import heldout_source
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ def stop_competitors(procs: list[subprocess.Popen]) -> None:
 
 
 def prompt_ids(model_dir: str | Path, n: int) -> list[int]:
-    from ..tokenizer import Tokenizer
+    from fate_edge.tokenizer import Tokenizer
 
     text, _ = heldout_source(n * 16)
     return Tokenizer(model_dir).encode(text)[:n]
@@ -99,23 +99,22 @@ def prompt_ids(model_dir: str | Path, n: int) -> list[int]:
 def child_main(spec_json: str) -> None:
     """Decode up to ``decode_tokens`` greedy tokens (stopping after ``max_s``); print one JSON line."""
     spec = json.loads(spec_json)
-    from .llamacpp import llama_stream, open_llama
+    from fate_edge.bench.llamacpp import llama_stream, open_llama
 
     ids = spec["ids"]
     if spec["kind"] == "llama.cpp":
         llm = open_llama(spec["gguf"], len(ids) + spec["decode_tokens"] + 8, spec["threads"], mmap=False)
         stream, used = llama_stream(llm, ids), {"threads": spec["threads"]}
     else:
-        from .. import defaults
-        from ..engine import Engine
-        from ..engine_args import set_threads
-        from ..generate import GenerateConfig
-
-        set_threads(spec["threads"] or defaults.THREADS)
-        workers = spec["workers"] or defaults.FETCH_WORKERS
-        engine = Engine(spec["store"], spec["budget"], "fate-edge", workers=workers)
         import torch
 
+        from fate_edge import defaults
+        from fate_edge.runtime.engine import Engine
+        from fate_edge.runtime.generate import GenerateConfig
+
+        torch.set_num_threads(spec["threads"] or defaults.THREADS)
+        workers = spec["workers"] or defaults.FETCH_WORKERS
+        engine = Engine(spec["store"], spec["budget"], "fate-edge", workers=workers)
         used = {"threads": torch.get_num_threads(), "workers": engine.fetch.workers,
                 **{k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}}
         cfg = GenerateConfig(max_tokens=spec["decode_tokens"] + 1, ignore_eos=True)

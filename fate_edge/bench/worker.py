@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .prepare import drop_page_cache
-from .results import summarize_runs
+from fate_edge.bench.prepare import drop_page_cache
+from fate_edge.bench.results import summarize_runs
 
 
 def child_command(mode: str, spec_path: Path, llama_cpp: bool = False) -> list[str]:
@@ -21,7 +21,7 @@ def child_command(mode: str, spec_path: Path, llama_cpp: bool = False) -> list[s
     installed package is imported: no source checkout or PYTHONPATH is needed. ``llama_cpp``: the child runs
     llama.cpp, whose OpenMP runtime is set up first (fate_edge.bench.llamacpp.llama_child)."""
     if llama_cpp:
-        from .llamacpp import llama_child
+        from fate_edge.bench.llamacpp import llama_child
 
         code = f"import sys; from fate_edge.bench.cli import main; sys.exit(main(['--{mode}', sys.argv[1]]))"
         return [sys.executable, "-c", llama_child(code), str(spec_path)]
@@ -56,7 +56,7 @@ def _stats_dict(s) -> dict[str, Any]:
 
 
 def _sum_stats(items):
-    from ..scheduler import SchedulerStats
+    from fate_edge.runtime.scheduler import SchedulerStats
 
     total = SchedulerStats()
     for s in items:
@@ -68,8 +68,8 @@ def _sum_stats(items):
 def spec_policy(spec: dict):
     """The configuration's policy: the planner's choice given as data, else the preset, ``fate-edge`` as it runs
     on the emulated device (device_presets.py) under ``--emulate``."""
-    from ..device_presets import for_device_and_store
-    from ..policy import PolicyConfig, get_policy
+    from fate_edge.planning.device_presets import for_device_and_store
+    from fate_edge.runtime.policy import PolicyConfig, get_policy
 
     if spec.get("policy"):
         return PolicyConfig(**spec["policy"])
@@ -79,9 +79,8 @@ def spec_policy(spec: dict):
 
 def one_request(spec: dict, ids: list[int], max_tokens: int, trace, counter_sink: dict) -> dict[str, Any]:
     from fate_edge.devices.link import LinkSpec, ThrottledLink
-
-    from ..engine import Engine
-    from ..generate import GenerateConfig
+    from fate_edge.runtime.engine import Engine
+    from fate_edge.runtime.generate import GenerateConfig
 
     link = ThrottledLink(LinkSpec(**spec["link_spec"])) if spec["link_spec"] else None
     dropped = None
@@ -139,7 +138,7 @@ def one_request(spec: dict, ids: list[int], max_tokens: int, trace, counter_sink
 
 def verify_store(spec: dict) -> None:
     """Check the CRC of every blob at the precisions this configuration reads (see fetch.py: verify once)."""
-    from ..store import ExpertStore
+    from fate_edge.format.store import ExpertStore
 
     policy = spec_policy(spec)
     store = ExpertStore(spec["store"])
@@ -151,10 +150,9 @@ def plan_in_worker(spec: dict, recorded=None) -> dict[str, Any]:
     the measured request's routing (an engine Trace), over which the pick and the fate-edge preset are simulated
     too, with the planner's costs: the time model's prediction for this very request."""
     from fate_edge.devices.link import LinkSpec
-
-    from ..arch import load_config
-    from ..planner import auto_plan, describe_store, predict_on, trace_from_calls
-    from ..store import ExpertStore
+    from fate_edge.format.store import ExpertStore
+    from fate_edge.model.arch import load_config
+    from fate_edge.planning.planner import auto_plan, describe_store, predict_on, trace_from_calls
 
     t0 = time.perf_counter()
     link = LinkSpec(**spec["link_spec"]) if spec["link_spec"] else None
@@ -184,7 +182,7 @@ def worker_main(spec_path: str) -> int:
     """Run one configuration (``spec_path``: JSON written by the parent); write ``<spec>.result.json``."""
     import torch
 
-    from ..process_memory import peak_rss_bytes
+    from fate_edge.process_memory import peak_rss_bytes
 
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(spec["threads"])
@@ -234,8 +232,8 @@ def trace_main(spec_path: str) -> int:
     """Record each request's routing trace (for the oracle) and its int4 reference tokens."""
     import torch
 
-    from ..engine import Engine
-    from ..generate import GenerateConfig
+    from fate_edge.runtime.engine import Engine
+    from fate_edge.runtime.generate import GenerateConfig
 
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(spec["threads"])

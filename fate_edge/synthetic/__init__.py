@@ -1,9 +1,9 @@
 """Synthetic checkpoints with the published shapes of real MoE models (for benchmarks at real size)."""
 
-from .build import SyntheticOptions, make_synthetic_model, plan, synthetic_config
-from .layout import SyntheticSpecError, TensorSpec, tensor_specs
-from .presets import PRESETS, Preset, get_preset
-from .weights import RouterStructure, WeightInit
+from fate_edge.synthetic.build import SyntheticOptions, make_synthetic_model, plan, synthetic_config
+from fate_edge.synthetic.layout import SyntheticSpecError, TensorSpec, tensor_specs
+from fate_edge.synthetic.presets import PRESETS, Preset, get_preset
+from fate_edge.synthetic.weights import RouterStructure, WeightInit
 
 __all__ = ["PRESETS", "Preset", "RouterStructure", "SyntheticOptions", "SyntheticSpecError", "TensorSpec",
            "WeightInit", "get_preset", "make_synthetic_model", "plan", "synthetic_config", "tensor_specs"]

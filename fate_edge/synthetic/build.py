@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
-from .layout import TensorSpec, shape_config, tensor_specs
-from .presets import get_preset
-from .tokenizer import DEFAULT_BPE_VOCAB, TRAIN_CHARS, write_tokenizer
-from .weights import RouterStructure, WeightInit
-from .writer import DEFAULT_SHARD_BYTES, write_checkpoint
+from fate_edge.synthetic.layout import TensorSpec, shape_config, tensor_specs
+from fate_edge.synthetic.presets import get_preset
+from fate_edge.synthetic.tokenizer import DEFAULT_BPE_VOCAB, TRAIN_CHARS, write_tokenizer
+from fate_edge.synthetic.weights import RouterStructure, WeightInit
+from fate_edge.synthetic.writer import DEFAULT_SHARD_BYTES, write_checkpoint
 
 
 @dataclass

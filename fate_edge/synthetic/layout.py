@@ -3,7 +3,7 @@
 The names are the published ones: ``model.layers.{i}.mlp.experts.{j}.gate_proj/up_proj/down_proj`` (Qwen,
 OLMoE, DeepSeek), ``model.layers.{i}.block_sparse_moe.experts.{j}.w1/w3/w2`` (Mixtral), ``mlp.shared_expert``
 + ``mlp.shared_expert_gate`` (Qwen1.5-MoE), ``mlp.shared_experts`` (DeepSeek). Shapes come from fate-edge's
-own config parser (``fate_edge.arch``), so the generator and the runtime read one config the same way.
+own config parser (``fate_edge.model.arch``), so the generator and the runtime read one config the same way.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..arch import ModelConfig, config_from_dict
-from ..errors import SyntheticSpecError
+from fate_edge.errors import SyntheticSpecError
+from fate_edge.model.arch import ModelConfig, config_from_dict
 
 # Keys divided by --scale (everything that is a width); counts (layers, heads, experts, top-k) and vocab stay.
 SCALED_KEYS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import torch
 
-from ..corpus import heldout_source
-from ..loader import load_model
-from ..predictors.cross_layer_gate import CrossLayerGate
-from ..predictors.evaluate import collect_traces, evaluate_predictor, usage_stats
-from ..tokenizer import Tokenizer
+from fate_edge.corpus import heldout_source
+from fate_edge.predictors.cross_layer_gate import CrossLayerGate
+from fate_edge.predictors.evaluate import collect_traces, evaluate_predictor, usage_stats
+from fate_edge.runtime.loader import load_model
+from fate_edge.tokenizer import Tokenizer
 
 
 @dataclass

@@ -12,14 +12,14 @@ import sysconfig
 from pathlib import Path
 from typing import Any
 
-from .presets import Preset
+from fate_edge.synthetic.presets import Preset
 
 DEFAULT_BPE_VOCAB = 8192
 TRAIN_CHARS = 2_000_000  # ~2 MB of stdlib source: a few seconds of training
 
 
 def stdlib_texts(max_chars: int) -> list[str]:
-    from ..calibrate import read_texts
+    from fate_edge.runtime.calibrate import read_texts
 
     return read_texts(Path(sysconfig.get_paths()["stdlib"]), max_chars)
 

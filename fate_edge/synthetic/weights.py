@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from ..arch import ModelConfig, config_from_dict
-from ..router import route
-from .layout import TensorSpec
+from fate_edge.model.arch import ModelConfig, config_from_dict
+from fate_edge.model.router import route
+from fate_edge.synthetic.layout import TensorSpec
 
 BLOCK_VALUES = 1 << 20  # values per random block (4 MB in fp32): the unit of determinism and of memory
 # E[silu(g)^2] and E[sigmoid(g)^2] for g ~ N(0, 1): the rms an MLP's activations / a sigmoid gate scale by.

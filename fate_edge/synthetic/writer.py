@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from ..checkpoint import _DTYPE_SIZES, INDEX_FILE
+from fate_edge.format.checkpoint import _DTYPE_SIZES, INDEX_FILE
 
 SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 DEFAULT_SHARD_BYTES = 2 * 1000**3  # ~2 GB shards

@@ -1,0 +1,1 @@
+"""Entry points: the command line, chat, the demo and the daemon."""

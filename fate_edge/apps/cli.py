@@ -1,0 +1,322 @@
+"""``fate-edge`` command line: a thin dispatcher over the library (run, inspect, convert, plan, probe, ...)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from fate_edge import defaults
+from fate_edge.apps.cli_args import (
+    PROG,
+    CliParser,
+    add_sampling_args,
+    byte_size,
+    emulated_device,
+    existing_path,
+    positive_int,
+    profile_name,
+    use_option_types,
+)
+from fate_edge.apps.engine_args import add_engine_args
+from fate_edge.errors import FateEdgeError
+from fate_edge.format.convert import GROUP_SIZES
+from fate_edge.sizes import format_bytes
+from fate_edge.version import __version__
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p, memory_budget=None, policy=None)
+    p.add_argument("--experts", default="memory", choices=["memory", "lazy"],
+                   help="without --memory-budget/--policy: memory keeps all experts resident; lazy reads each "
+                   "routed expert from disk when needed")
+    p.add_argument("--bits", type=int, default=None, choices=[16, 8, 4, 3, 2],
+                   help="expert store only: precision to stream (16 = bf16; default: the store's quantized copy)")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from fate_edge.apps.engine_args import EngineOptions, make_link, open_engine, set_threads
+    from fate_edge.bundled import bundled_model_dir
+    from fate_edge.runtime.engine import resolve_device
+    from fate_edge.runtime.loader import load_model
+    from fate_edge.tokenizer import Tokenizer
+
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if args.memory_budget or args.policy:
+        # closed on every path, errors included; the memory account printed before loading
+        with open_engine(EngineOptions.from_args(args), account=sys.stderr) as engine:
+            _generate(args, engine.model, engine.tokenizer, prompt, engine)
+            _print_engine_stats(engine)
+        return 0
+    set_threads(args.threads)
+    device = resolve_device(args.device)
+    model_dir = args.model or bundled_model_dir()
+    model = load_model(model_dir, dtype=args.dtype, experts=args.experts, bits=args.bits, link=make_link(args.link),
+                       device=device)
+    _generate(args, model, Tokenizer(model_dir), prompt, None)
+    return 0
+
+
+def _generate(args: argparse.Namespace, model, tokenizer, prompt: str, engine) -> None:
+    """Stream the continuation to stdout, then one line of speed and memory to stderr."""
+    from fate_edge.runtime.generate import GenerateConfig, stream_generate
+    from fate_edge.runtime.sampling import SamplingParams
+
+    if args.chat:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty, args.seed)
+    config = GenerateConfig(args.max_tokens, sampling, stop=args.stop, ignore_eos=args.ignore_eos)
+    last = None
+    if args.echo:
+        sys.stdout.write(prompt)
+    steps = engine.stream(prompt, config) if engine else stream_generate(model, tokenizer, prompt, config)
+    for last in steps:
+        sys.stdout.write(last.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    if last is not None:
+        print(
+            f"[{last.prompt_tokens} prompt tokens at {last.prompt_tps:.1f} tok/s, "
+            f"{last.generation_tokens} generated at "
+            f"{last.generation_tps:.1f} tok/s, finish: {last.finish_reason}, peak RSS "
+            f"{format_bytes(last.peak_rss_bytes)}]",
+            file=sys.stderr,
+        )
+
+
+def _print_engine_stats(engine) -> None:
+    s = engine.stats
+    print(
+        f"[policy {engine.policy.name}, expert budget {format_bytes(engine.budget)} (cache "
+        f"{format_bytes(engine.plan.cache_bytes)}): hit rate {100 * s.hit_rate:.1f}% ({s.hits} cached, "
+        f"{s.prefetch_hits} prefetched, {s.misses} demand reads), stall {1e3 * s.stall_s:.0f} ms, read "
+        f"{format_bytes(s.demand_bytes + s.prefetch_bytes)} ({format_bytes(s.demand_bytes)} on the critical path), "
+        f"wasted {format_bytes(s.wasted_bytes)}, prediction exact {100 * s.exact_match:.0f}%]",
+        file=sys.stderr,
+    )
+    if engine.load_report.reads or engine.load_report.note:  # Fate: resident first layer, cache filled at load
+        print(f"[at load: {engine.load_report.describe()}]", file=sys.stderr)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from fate_edge.bundled import bundled_model_dir
+    from fate_edge.format.inspect_model import format_store, format_summary, summarize
+    from fate_edge.format.store import is_store
+
+    path = args.model_dir or bundled_model_dir()
+    print(format_summary(summarize(path)))
+    if args.memory_budget is not None:
+        from fate_edge.runtime.budget import parse_bytes
+        from fate_edge.runtime.memory_account import memory_account
+
+        account = memory_account(path, parse_bytes(args.memory_budget), args.dtype, args.context_tokens,
+                                 args.resident_bits, embedding_bits=args.embedding_bits)
+        print(f"\nmemory account (expert budget {format_bytes(account.expert_budget)}, {args.dtype}"
+              + (f", int{args.resident_bits} resident linears" if args.resident_bits else "")
+              + (f", int{args.embedding_bits} embeddings" if args.embedding_bits else "") + ")")
+        print("\n".join(account.lines()))
+    if is_store(path):
+        print()
+        print(format_store(path))
+        if args.verify:
+            from fate_edge.format.store import ExpertStore
+
+            t0 = time.perf_counter()
+            checked = ExpertStore(path).verify()  # raises CorruptBlobError naming the first bad blob
+            print(f"verified        every blob's CRC32: {checked / 1e6:.1f} MB in {time.perf_counter() - t0:.1f} s, "
+                  "all intact")
+    elif args.verify:
+        print(f"\n--verify checks expert stores; {path} is a model directory (convert it with fate-edge convert)")
+        return 2
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from fate_edge.format.convert import ConvertOptions, convert
+
+    opts = ConvertOptions(bits=args.bits, group_size=args.group, cold_bits=args.cold_bits,
+                          cold_group_size=args.cold_group, keep_bf16=not args.no_bf16, force=args.force,
+                          method=args.method, layout=args.layout, threads=args.threads,
+                          resident_bits=args.resident_bits, embedding_bits=args.embedding_bits)
+    out = convert(args.model_dir, args.out_dir, opts, progress=not args.quiet)
+    print(f"wrote expert store {out}")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from fate_edge.apps.engine_args import resolve_store
+    from fate_edge.format.store import ExpertStore
+    from fate_edge.planning.plan_presets import preset_candidates
+    from fate_edge.planning.planner import auto_plan, plan, record_plan_trace, roofline_layer_time, sample_token_ids
+    from fate_edge.runtime.budget import parse_bytes
+    from fate_edge.tokenizer import Tokenizer
+
+    store_dir = resolve_store(args.model)
+    budget = parse_bytes(args.memory_budget)
+    tok = Tokenizer(store_dir)
+    ids = tok.encode(open(args.corpus, encoding="utf-8").read())[: args.tokens] if args.corpus else \
+        sample_token_ids(tok, args.tokens)
+    if args.emulate:
+        return _plan_emulated(store_dir, budget, args.emulate, ids)
+    if args.device == "host":
+        result = auto_plan(store_dir, budget, token_ids=ids, progress=lambda m: print(f"[planner] {m}",
+                                                                                      file=sys.stderr, flush=True))
+    else:
+        from fate_edge.devices.link import storage_link
+        from fate_edge.devices.profile import load_profile
+        from fate_edge.runtime.loader import load_model
+
+        profile = load_profile(args.device)
+        model = load_model(store_dir)
+        store = ExpertStore(store_dir)
+        bits = model.experts.bits
+        trace = record_plan_trace(model, ids, store_dir=store_dir)
+        resident = sum(t.numel() * t.element_size() for t in model.w.values()) // model.config.num_hidden_layers
+        layer_s = roofline_layer_time(model.config, profile, store.expert_bytes(bits), resident)
+        presets = preset_candidates(args.device, store_dir)  # no probe on a profile: no measured error to add
+        result = plan(trace, budget, store.expert_bytes(bits), store.precisions[bits].slot_bytes,
+                      storage_link(profile), layer_s, start=presets[0], presets=presets)
+        model.experts.close()
+    print(f"model           {store_dir}")
+    print(f"memory budget   {format_bytes(budget)} for experts, device {args.device}")
+    print(result.describe())
+    return 0
+
+
+def _plan_emulated(store_dir, budget: int, devices: list[str], ids: list[int]) -> int:
+    from fate_edge.planning.emulation import plan_emulated, resolve_device
+
+    for d in devices:  # fail before the probes
+        resolve_device(d)
+    plans = plan_emulated(store_dir, budget, devices, ids[:64],
+                          progress=lambda m: print(f"[planner] {m}", file=sys.stderr, flush=True))
+    for device, (em, result) in plans.items():
+        print(f"\n== {device} ({em.profile}): k = {em.k:.3g} (host {em.host_s_per_token * 1e3:.1f} ms / device "
+              f"{em.device_s_per_token * 1e3:.3f} ms per token); the costs below are this host's x 1/k (the device's) "
+              "and the tok/s device-equivalent")
+        print(result.describe())
+    return 0
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    from fate_edge.devices.probe import default_path, host_profile, to_toml
+
+    profile = host_profile(refresh=True)
+    print(to_toml(profile), end="")
+    print(f"# saved to {default_path()}; use it as --device host / --link host")
+    return 0
+
+
+def _add_run_parser(sub) -> None:
+    run = sub.add_parser("run", help="generate text from a prompt (argument or stdin), streaming to stdout")
+    run.add_argument("prompt", nargs="?", default=None, help="prompt text; read from stdin when omitted")
+    _add_model_args(run)
+    add_sampling_args(run)
+    run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    run.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
+    run.set_defaults(func=cmd_run)
+
+
+def _add_convert_parser(sub) -> None:
+    conv = sub.add_parser("convert", help="write an expert store: resident weights + one aligned blob per expert")
+    conv.add_argument("model_dir", type=existing_path, help="Hugging Face model directory")
+    conv.add_argument("out_dir", help="store directory to create (written atomically)")
+    conv.add_argument("--bits", type=int, default=4, choices=[8, 4, 3, 2], help="precision of the streamed copy")
+    conv.add_argument("--group", type=int, default=None, choices=GROUP_SIZES,
+                      help="quantization group size (default: the largest of 128, 64, 32 that divides the expert "
+                      "dimensions)")
+    conv.add_argument("--cold-bits", type=int, default=None, choices=[4, 3, 2], help="extra low-precision copy")
+    conv.add_argument("--cold-group", type=int, default=None, choices=GROUP_SIZES,
+                      help="group size of the low-precision copy (default: the smallest of 32, 64, 128 that divides)")
+    conv.add_argument("--method", default="rtn", choices=["rtn", "hqq"],
+                      help="quantizer: round-to-nearest (Fate's) or HQQ-style refinement (lower error, slower)")
+    conv.add_argument("--layout", default="auto", choices=["auto", "portable", "cpu-int4"],
+                      help="streamed copy's blob layout: portable (fate-edge's own int4 kernel computes on it "
+                      "directly) or cpu-int4 (torch's CPU kernel layout); auto: portable where the native kernel is "
+                      "the default here (AVX512-VNNI), else cpu-int4. Either runs on every device (CUDA re-packs "
+                      "experts for its kernel as they arrive)")
+    conv.add_argument("--no-bf16", action="store_true", help="do not keep a bf16 copy of the experts")
+    conv.add_argument("--resident-bits", type=int, default=None, choices=[8, 4],
+                      help="quantize attention, dense MLPs, shared experts and lm_head here (int8 per channel or "
+                      "int4), so a load reads them as they are: no full-precision copy, no quantizing at load")
+    conv.add_argument("--embedding-bits", type=int, default=None, choices=[8, 4],
+                      help="quantize the embedding table here (int8 per row or int4 per group)")
+    conv.add_argument("--force", action="store_true", help="replace an existing store")
+    conv.add_argument("--threads", type=positive_int, default=None,
+                      help="experts encoded in parallel (default: the CPU count, at most 8)")
+    conv.add_argument("--quiet", action="store_true", help="no progress bar")
+    conv.set_defaults(func=cmd_convert)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = CliParser(prog=PROG, description="Run Mixture-of-Experts models on small devices.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)  # subparsers are CliParsers too
+    _add_run_parser(sub)
+
+    ins = sub.add_parser("inspect", help="architecture, parameter counts, expert vs resident bytes")
+    ins.add_argument("model_dir", nargs="?", default=None, type=existing_path,
+                     help="model directory or expert store (default: the bundled model)")
+    ins.add_argument("--verify", action="store_true",
+                     help="expert store: check every blob's CRC32 and report the first corrupted one")
+    ins.add_argument("--memory-budget", default=None, type=byte_size,
+                     help="also print the predicted peak RSS by part for a run with this expert budget, e.g. 200MB")
+    ins.add_argument("--resident-bits", type=int, default=None, choices=[8, 4],
+                     help="with --memory-budget: the run quantizes its resident linears to int8 or int4")
+    ins.add_argument("--embedding-bits", type=int, default=None, choices=[8, 4],
+                     help="with --memory-budget: the run holds the embedding table in int8 or int4")
+    ins.add_argument("--dtype", default=defaults.DTYPE, choices=["float32", "bfloat16"],
+                     help="with --memory-budget: the run's compute dtype")
+    ins.add_argument("--context-tokens", type=positive_int, default=defaults.CONTEXT_TOKENS,
+                     help=f"with --memory-budget: prompt + answer tokens (default {defaults.CONTEXT_TOKENS})")
+    ins.set_defaults(func=cmd_inspect)
+
+    pl = sub.add_parser("plan", help="choose a policy for a device profile and memory budget (simulated)")
+    pl.add_argument("model", nargs="?", default=None, type=existing_path,
+                    help="model directory or expert store (default: bundled model)")
+    pl.add_argument("--device", default="host", type=profile_name,
+                    help="device profile name (devices/profiles) or 'host' (measured)")
+    pl.add_argument("--memory-budget", required=True, type=byte_size, help="bytes for experts, e.g. 4GB")
+    pl.add_argument("--corpus", default=None, type=existing_path,
+                    help="text to record routing on (default: a stdlib module's source)")
+    pl.add_argument("--tokens", type=positive_int, default=256)
+    pl.add_argument("--emulate", nargs="+", default=None, metavar="DEVICE", type=emulated_device,
+                    help="plan on each DEVICE's timeline instead: this host's measured costs scaled by 1/k (k = host "
+                    "/ device compute per token, the device from its profile's roofline) against the device's own "
+                    "link; DEVICE: orin-nano, orin-nx, agx-orin, rpi5, rtx4060 or a device profile")
+    pl.set_defaults(func=cmd_plan)
+
+    probe = sub.add_parser("probe", help="measure this machine (memory, compute, storage) as the 'host' profile")
+    probe.set_defaults(func=cmd_probe)
+    _add_convert_parser(sub)
+
+    from fate_edge.apps.bench_command import add_bench_parser
+    from fate_edge.apps.chat import add_chat_parser
+    from fate_edge.apps.demo import add_demo_parser
+    from fate_edge.apps.server.main import add_serve_parser
+    from fate_edge.runtime.calibrate import add_calibrate_parser
+
+    # Parsers written elsewhere get the shared argument types by option name (see cli_args.OPTION_TYPES).
+    for add in (add_calibrate_parser, add_bench_parser, add_serve_parser):
+        use_option_types(add(sub))
+    add_chat_parser(sub)
+    add_demo_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except FateEdgeError as exc:
+        print(f"fate-edge: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # output piped into head/less that exited early
+        sys.stderr.close()
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

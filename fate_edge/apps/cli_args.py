@@ -1,0 +1,235 @@
+"""Argument types and the parser class of the ``fate-edge`` CLI: bad input is one ``fate-edge: error:`` line.
+
+Each type checks its value when the command line is parsed, before anything is loaded, and its message
+names what is accepted; argparse prefixes the option's name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
+
+from fate_edge.errors import FateEdgeError
+
+PROG = "fate-edge"
+
+
+class CliParser(argparse.ArgumentParser):
+    """argparse with errors on one line (``fate-edge: error: argument --x: ...``), exit status 2, no usage dump."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{PROG}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def byte_size(value: str) -> str:
+    """A positive byte size such as 512MB, 2GB or 1.5GiB (kept as text: the engine reads it)."""
+    from fate_edge.runtime.budget import parse_bytes
+
+    try:
+        n = parse_bytes(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a positive size; write e.g. 512MB, 2GB or 1.5GiB")
+    return value
+
+
+def _number(kind: type, ok: Callable[[float], bool], what: str) -> Callable[[str], float]:
+    def parse(value: str):
+        try:
+            x = kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not {what}") from None
+        if not ok(x):
+            raise argparse.ArgumentTypeError(f"{value!r} is not {what}")
+        return x
+
+    parse.__name__ = what  # argparse names the type in some messages
+    return parse
+
+
+positive_int = _number(int, lambda x: x > 0, "an integer >= 1")
+non_negative_int = _number(int, lambda x: x >= 0, "an integer >= 0")
+port_number = _number(int, lambda x: 0 <= x <= 65535, "a port number in 0..65535")
+positive_float = _number(float, lambda x: x > 0 and x != float("inf"), "a number > 0")
+non_negative_float = _number(float, lambda x: 0 <= x < float("inf"), "a number >= 0")
+fraction = _number(float, lambda x: 0 < x <= 1, "a number in (0, 1]")
+below_one = _number(float, lambda x: 0 <= x < 1, "a number in [0, 1)")
+share = _number(float, lambda x: 0 < x < 1, "a number in (0, 1)")
+
+
+def non_empty(value: str) -> str:
+    if not value:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return value
+
+
+def existing_path(value: str) -> str:
+    if not Path(value).exists():
+        raise argparse.ArgumentTypeError(f"{value}: no such file or directory")
+    return value
+
+
+def device_name(value: str) -> str:
+    """auto, cpu, cuda or cuda:N (whether a GPU is there is checked when the engine opens)."""
+    if value in ("auto", "cpu") or re.fullmatch(r"cuda(:\d+)?", value):
+        return value
+    raise argparse.ArgumentTypeError(f"unknown device {value!r}; use auto, cpu, cuda or cuda:N")
+
+
+def profile_name(value: str) -> str:
+    """A shipped device profile, a profile .toml file, or 'host' (this machine, measured by fate-edge probe)."""
+    from fate_edge.devices.profile import list_profiles
+
+    if value == "host" or value in list_profiles() or value.endswith(".toml") and Path(value).is_file():
+        return value
+    raise argparse.ArgumentTypeError(f"no device profile {value!r}; use one of: {', '.join(list_profiles())}, "
+                                     "host, or a profile .toml file")
+
+
+def emulated_device(value: str) -> str:
+    """A device to emulate (planning/emulation.py): a short name (orin-nano, agx-orin, ...) or a device profile."""
+    from fate_edge.planning.device_costs import DEVICES
+
+    if value in DEVICES or value != "host" and _is_profile(value):
+        return value
+    raise argparse.ArgumentTypeError(f"no device {value!r} to emulate; use one of: {', '.join(DEVICES)}, a device "
+                                     "profile name or a profile .toml file")
+
+
+def _is_profile(value: str) -> bool:
+    try:
+        profile_name(value)
+    except argparse.ArgumentTypeError:
+        return False
+    return True
+
+
+def link_name(value: str) -> str:
+    """A device profile whose storage link reads are throttled to (see profile_name), or 'none'."""
+    return value if value == "none" else profile_name(value)
+
+
+def host_name(value: str) -> str:
+    """An IP address or a syntactically valid host name (RFC 1123 labels)."""
+    try:
+        ipaddress.ip_address(value)
+        return value
+    except ValueError:
+        pass
+    label = r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)"
+    if len(value) <= 253 and re.fullmatch(rf"{label}(\.{label})*", value):
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r} is neither an IP address nor a host name; e.g. 127.0.0.1, "
+                                     "0.0.0.0 or localhost")
+
+
+def policy_help(default: str | None = None) -> str:
+    from fate_edge.runtime.policy import POLICY_CHOICES
+
+    tail = f" (default {default})" if default else ""
+    return f"policy preset, or auto (the planner picks for this host): {', '.join(POLICY_CHOICES)}{tail}"
+
+
+def add_policy_arg(p: argparse.ArgumentParser, default: str | None) -> None:
+    from fate_edge.runtime.policy import POLICY_CHOICES
+
+    p.add_argument("--policy", default=default, choices=POLICY_CHOICES, metavar="POLICY", help=policy_help(default))
+
+
+def octal_mode(value: str) -> str:
+    """File permission bits in octal, like chmod (600, 0660); kept as text for the daemon's own parser."""
+    from fate_edge.apps.server.unix_socket import parse_mode
+
+    try:
+        parse_mode(value)
+    except FateEdgeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
+def comma_list(text: str) -> list[str]:
+    """The non-empty, stripped items of a comma-separated option value."""
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def host_list(value: str) -> str:
+    """Comma-separated host names or addresses, or '*' for any."""
+    for name in comma_list(value):
+        if name != "*":
+            host_name(name.strip("[]"))
+    return value
+
+
+def origin_list(value: str) -> str:
+    """Comma-separated browser origins (scheme://host[:port]), or '*' for any."""
+    for origin in comma_list(value):
+        m = re.fullmatch(r"(https?)://(\[[0-9A-Fa-f:.]+\]|[^/:\[\]]+)(:\d{1,5})?", origin)
+        if origin != "*" and (m is None or (m.group(2)[0] != "[" and not _is_host(m.group(2)))):
+            raise argparse.ArgumentTypeError(f"{origin!r} is not an origin; write scheme://host[:port], e.g. "
+                                             "http://localhost:3000, or '*' for any")
+    return value
+
+
+def _is_host(name: str) -> bool:
+    try:
+        host_name(name)
+        return True
+    except argparse.ArgumentTypeError:
+        return False
+
+
+def _existing_path_as_path(value: str) -> Path:
+    return Path(existing_path(value))
+
+
+# Types by option name, for the parsers written outside the CLI module (calibrate, bench, serve): the same
+# option means the same thing in every subcommand. Output paths and free text (--host aside) take any string.
+OPTION_TYPES: dict[str, Callable[[str], object]] = {
+    "--model": existing_path, "--corpus": _existing_path_as_path, "--gguf": existing_path, "--readme": existing_path,
+    "--memory-budget": byte_size, "--max-body-bytes": byte_size, "--device": device_name, "--host": host_name,
+    "--port": port_number, "--threads": non_negative_int, "--fetch-workers": positive_int,
+    "--max-queue": non_negative_int, "--max-tokens-default": positive_int, "--shutdown-timeout": non_negative_float,
+    "--tokens": positive_int, "--heldout-fraction": share, "--rank": positive_int, "--seq-len": positive_int,
+    "--batch": positive_int, "--epochs": positive_int, "--lr": positive_float, "--expert-bytes": positive_int,
+    "--int4-expert-mb": positive_float, "--budgets": fraction, "--prompt-tokens": positive_int,
+    "--decode-tokens": positive_int, "--runs": positive_int, "--timeout": positive_float,
+    "--time-limit": positive_float, "--socket-mode": octal_mode, "--allowed-hosts": host_list,
+    "--cors-origins": origin_list, "--emulate": emulated_device, "--emulate-host-ms": positive_float,
+}
+
+
+def use_option_types(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Give ``parser``'s options their types from OPTION_TYPES, and --policy / --presets the policy names."""
+    from fate_edge.runtime.policy import POLICY_CHOICES, PRESETS
+
+    for action in parser._actions:  # argparse has no public API to revisit declared options
+        if not action.option_strings and action.dest == "model":  # a positional model directory
+            action.type = existing_path
+        for opt in action.option_strings:
+            if opt in OPTION_TYPES:
+                action.type = OPTION_TYPES[opt]
+            elif opt == "--policy" and action.choices is None:
+                action.choices, action.metavar = POLICY_CHOICES, "POLICY"
+            elif opt == "--presets" and action.choices is None:
+                action.choices = list(PRESETS)
+    return parser
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """``run`` and ``chat``'s sampling options."""
+    p.add_argument("--max-tokens", type=non_negative_int, default=128)
+    p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=non_negative_int, default=0, help="0 disables it")
+    p.add_argument("--top-p", type=fraction, default=1.0, help="nucleus sampling share, in (0, 1]")
+    p.add_argument("--min-p", type=below_one, default=0.0, help="in [0, 1); 0 disables it")
+    p.add_argument("--repetition-penalty", type=positive_float, default=1.0, help="1 disables it")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], type=non_empty, help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")

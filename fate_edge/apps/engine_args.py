@@ -1,0 +1,179 @@
+"""One way to open an :class:`Engine` from command-line arguments (run, chat, demo).
+
+``add_engine_args`` declares the options (with the shared defaults of ``fate_edge.defaults``),
+``EngineOptions.from_args`` reads them back, and ``open_engine`` builds the engine: store (converted once),
+storage link, torch threads, and for ``--policy auto`` the planner, whose progress goes to ``log``.
+Callers use the engine in a ``with`` block so it is closed on every path, errors included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
+
+from fate_edge import defaults
+from fate_edge.apps.cli_args import (
+    add_policy_arg,
+    byte_size,
+    device_name,
+    emulated_device,
+    existing_path,
+    link_name,
+    positive_int,
+)
+
+if TYPE_CHECKING:
+    from fate_edge.devices.link import ThrottledLink
+    from fate_edge.runtime.engine import Engine
+    from fate_edge.runtime.policy import PolicyConfig
+
+
+@dataclass
+class EngineOptions:
+    model: str | None = None  # model directory or expert store; None: the bundled model
+    memory_budget: int | str = defaults.MEMORY_BUDGET
+    policy: str = defaults.POLICY
+    device: str = defaults.DEVICE
+    dtype: str = defaults.DTYPE
+    link: str | None = None  # device profile whose storage link reads are throttled to
+    threads: int | None = defaults.THREADS
+    verify: str = defaults.VERIFY
+    resident_bits: int | None = None  # quantize the resident weights (8 or 4); None keeps the model's dtype
+    embedding_bits: int | None = None  # hold the embedding table in 8 or 4 bits; None keeps the model's dtype
+    context_tokens: int = defaults.CONTEXT_TOKENS  # prompt + answer the memory account reserves room for
+    device_profile: str | None = None  # the device this runs on (fate-edge takes its preset); None: detected
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **override) -> EngineOptions:
+        """The options ``args`` carries; those it lacks or leaves at None keep their defaults."""
+        kw = {f.name: getattr(args, f.name) for f in fields(cls) if getattr(args, f.name, None) is not None}
+        return cls(**(kw | override))
+
+
+def add_engine_args(p: argparse.ArgumentParser, memory_budget: str | None = defaults.MEMORY_BUDGET,
+                    policy: str | None = defaults.POLICY, device: str = defaults.DEVICE, link: bool = True) -> None:
+    """The options :class:`EngineOptions` reads. ``None`` defaults mean "not given" (``run`` then skips the engine)."""
+    p.add_argument("--model", default=None, type=existing_path,
+                   help="model directory or expert store (default: the bundled tiny model)")
+    shown = memory_budget or defaults.MEMORY_BUDGET
+    p.add_argument("--memory-budget", default=memory_budget, type=byte_size,
+                   help=f"hard budget for expert memory, e.g. 64MB or 2GB (default {shown})")
+    add_policy_arg(p, policy)
+    p.add_argument("--device", default=device, type=device_name, help=f"auto, cpu or cuda (default {device})")
+    p.add_argument("--dtype", default=defaults.DTYPE, choices=["float32", "bfloat16"], help="compute dtype")
+    p.add_argument("--device-profile", default=None, type=emulated_device,
+                   help="the device this runs on (orin-nano, orin-nx, agx-orin, rpi5, rtx4060 or a profile): the "
+                        "fate-edge policy takes that device's preset (device_presets.py); default: the detected one")
+    if link:
+        p.add_argument("--link", default=None, type=link_name,
+                       help="throttle expert reads to a device profile's storage link (devices/profiles), or host")
+    p.add_argument("--threads", type=positive_int, default=defaults.THREADS,
+                   help=f"torch CPU threads (default {defaults.THREADS}: the cores this process may use, less the "
+                        f"{defaults.FETCH_WORKERS} fetch worker(s))")
+    p.add_argument("--resident-bits", type=int, default=None, choices=[8, 4],
+                   help="quantize attention, dense MLPs, shared experts and lm_head to int8 (per channel) or int4 "
+                        "(default: keep --dtype)")
+    p.add_argument("--embedding-bits", type=int, default=None, choices=[8, 4],
+                   help="hold the embedding table as int8 per row or int4 per group of 128/64/32, rows dequantized "
+                        "as gathered (default: keep --dtype)")
+    p.add_argument("--context-tokens", type=positive_int, default=defaults.CONTEXT_TOKENS,
+                   help="prompt + answer tokens the memory account (printed at start, and checked against free "
+                        "memory before loading) reserves KV cache and activations for "
+                        f"(default {defaults.CONTEXT_TOKENS})")
+    p.add_argument("--verify", default=defaults.VERIFY, choices=["once", "always"],
+                   help="expert store: check each blob's CRC32 on its first read (default) or on every read")
+
+
+def make_link(name: str | None) -> ThrottledLink | None:
+    """A throttled link for a device profile name (or 'host': this machine's probed profile); None for none."""
+    if name in (None, "", "none"):
+        return None
+    from fate_edge.devices.link import ThrottledLink, storage_link
+
+    if name == "host":
+        from fate_edge.devices.probe import host_profile
+
+        return ThrottledLink(storage_link(host_profile()))
+    from fate_edge.devices.profile import load_profile
+
+    return ThrottledLink(storage_link(load_profile(name)))
+
+
+def set_threads(threads: int | None) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def resolve_store(model: str | Path | None, progress: bool = True) -> Path:
+    """The expert store for ``model`` (a store, or a model directory converted once into the cache)."""
+    from fate_edge.bundled import bundled_model_dir
+    from fate_edge.format.converted_stores import ensure_store
+
+    return ensure_store(model or bundled_model_dir(), progress=progress)
+
+
+def policy_for_device(policy: str, device_profile: str | None = None, store: str | Path | None = None,
+                      resident_bits: int | None = None) -> PolicyConfig:
+    """The preset ``policy`` as it runs on ``device_profile``, or on the device this host is detected to be
+    (devices/detect.py; none here: the host preset); with ``store``, the row that fits that model's read cost
+    on the device (device_presets.for_device_and_store)."""
+    from fate_edge.devices.detect import detect
+    from fate_edge.planning.device_presets import for_device_and_store
+    from fate_edge.runtime.policy import get_policy
+
+    return for_device_and_store(get_policy(policy), device_profile or detect().profile, store, resident_bits)
+
+
+def print_account(store: str | Path, opts: EngineOptions, log: TextIO) -> None:
+    """The run's predicted peak RSS by part (memory_account), printed before anything loads."""
+    from fate_edge.runtime.budget import parse_bytes
+    from fate_edge.runtime.memory_account import memory_account
+
+    account = memory_account(store, parse_bytes(opts.memory_budget), opts.dtype, opts.context_tokens,
+                             opts.resident_bits, embedding_bits=opts.embedding_bits)
+    print("[memory] predicted peak RSS by part:\n" + "\n".join(account.lines()), file=log, flush=True)
+
+
+def open_engine(opts: EngineOptions, log: TextIO | None = None, progress: bool = True,
+                account: TextIO | None = None) -> Engine:
+    """Build the engine ``opts`` describes. ``--policy auto`` runs the planner first and reports its probes,
+    its pick and the decode speed it predicts on ``log`` (default stderr); ``account``: where to print the memory
+    account before loading (``run`` and ``serve``: stderr)."""
+    from fate_edge.format.checkpoint_layout import DTYPES
+    from fate_edge.runtime.budget import parse_bytes
+    from fate_edge.runtime.engine import Engine
+
+    log = log or sys.stderr
+    store = resolve_store(opts.model, progress)
+    link = make_link(opts.link)
+    set_threads(opts.threads)
+    policy, planned = opts.policy, None
+    if policy == "auto":
+        from fate_edge.devices.detect import detect
+        from fate_edge.planning.planner import auto_plan
+
+        def say(message: str) -> None:
+            print(f"[planner] {message}", file=log, flush=True)
+
+        say("choosing a policy for this host, budget and link (probes the engine; this takes a while)")
+        planned = auto_plan(store, parse_bytes(opts.memory_budget), link.spec if link else None,
+                            dtype=DTYPES[opts.dtype], progress=say, device=opts.device_profile or detect().profile)
+        p = planned.policy
+        say(f"picked allocation={p.allocation} eviction={p.eviction} predictor={p.predictor} "
+            f"lookahead={p.lookahead} width={p.prefetch_width}: predicts {planned.predicted_tokens_per_s:.1f} "
+            f"decode tok/s, hit rate {100 * planned.predicted_hit_rate:.0f}%")
+        policy = p
+    else:
+        policy = policy_for_device(policy, opts.device_profile, store, opts.resident_bits)
+    if account is not None:
+        print_account(store, opts, account)
+    engine = Engine(store, opts.memory_budget, policy, dtype=opts.dtype, link=link, device=opts.device,
+                    verify=opts.verify, resident_bits=opts.resident_bits, embedding_bits=opts.embedding_bits,
+                    context_tokens=opts.context_tokens)
+    engine.planned = planned
+    return engine

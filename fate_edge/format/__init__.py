@@ -1,0 +1,1 @@
+"""What is on disk: checkpoints, the expert store, conversion, relayout and checksums."""

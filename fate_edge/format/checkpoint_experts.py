@@ -1,0 +1,87 @@
+"""Routed experts read from a Hugging Face checkpoint: their tensor names (per-expert or fused), and a provider
+that reads each expert when it is routed."""
+
+from __future__ import annotations
+
+import torch
+
+from fate_edge.errors import MissingTensorError
+from fate_edge.format.checkpoint import CheckpointReader
+from fate_edge.model.experts import ExpertProvider, ExpertWeights, InMemoryExpertProvider, quantize_expert
+from fate_edge.quant import QuantSpec
+
+
+class ExpertLayout:
+    """Tensor names of the routed experts in a checkpoint: per-expert 2-D tensors or fused 3-D ones.
+
+    Handles ``mlp.experts.{j}.gate_proj/up_proj/down_proj`` (Qwen, OLMoE, DeepSeek),
+    ``block_sparse_moe.experts.{j}.w1/w3/w2`` (Mixtral) and the transformers-5 fused layout
+    ``experts.gate_up_proj`` [E, 2I, H] / ``experts.down_proj`` [E, H, I].
+    """
+
+    def __init__(self, reader: CheckpointReader, moe_prefix: str):
+        self.reader = reader
+        self.prefix = moe_prefix
+        if f"{moe_prefix}.experts.gate_up_proj" in reader:
+            self.fused = True
+            self.names: tuple[str, str, str] | None = None
+        else:
+            self.fused = False
+            for names in (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")):
+                if f"{moe_prefix}.experts.0.{names[0]}.weight" in reader:
+                    self.names = names
+                    break
+            else:
+                raise MissingTensorError(
+                    f"{reader.model_dir}: no routed experts under '{moe_prefix}.experts' (looked for fused "
+                    "gate_up_proj/down_proj and per-expert gate_proj|w1 tensors); the checkpoint is incomplete"
+                )
+
+    def tensor_names(self, expert: int) -> list[str]:
+        if self.fused:
+            return [f"{self.prefix}.experts.gate_up_proj", f"{self.prefix}.experts.down_proj"]
+        assert self.names is not None
+        return [f"{self.prefix}.experts.{expert}.{n}.weight" for n in self.names]
+
+    def read(self, expert: int, dtype: torch.dtype) -> ExpertWeights:
+        """Read one expert's three matrices, and nothing else, from disk."""
+        if self.fused:
+            gate_up_name, down_name = self.tensor_names(expert)
+            gate_up = self.reader.get_row(gate_up_name, expert, dtype)  # [2I, H]
+            return ExpertWeights.fused(gate_up.contiguous(), self.reader.get_row(down_name, expert, dtype))
+        g, u, d = (self.reader.get(n, dtype) for n in self.tensor_names(expert))
+        return ExpertWeights.fused(torch.cat([g, u]), d)
+
+
+class CheckpointExpertProvider(ExpertProvider):
+    """Reads each expert from the safetensors files when the router asks for it: load-on-demand, no cache.
+
+    Memory stays at the resident weights plus the experts of the layer being computed; every call reads
+    again (the OS page cache may still serve it; the fetch engine of the store path controls that).
+    """
+
+    def __init__(self, layouts: dict[int, ExpertLayout], dtype: torch.dtype, device: str | torch.device = "cpu"):
+        self.layouts = layouts
+        self.dtype = dtype
+        self.device = device
+        self.reads = 0
+        self.bytes_read = 0
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        w = self.layouts[layer].read(expert, self.dtype).to(self.device)
+        self.reads += 1
+        self.bytes_read += w.nbytes
+        return w
+
+
+def read_experts(layouts: dict[int, ExpertLayout], num_experts: int, dtype: torch.dtype,
+                 device: str | torch.device = "cpu", spec: QuantSpec | None = None,
+                 kernel: str | None = None) -> InMemoryExpertProvider:
+    """Every expert read into memory; with ``spec``, each quantized as it is read (the float experts are
+    never all in memory at once), on ``kernel`` (None: the fastest here, timed per shape)."""
+    def one(lay: ExpertLayout, e: int):
+        w = lay.read(e, dtype).to(device)
+        return w if spec is None else quantize_expert(w, spec, device, kernel)
+
+    return InMemoryExpertProvider({(layer, e): one(lay, e) for layer, lay in layouts.items()
+                                   for e in range(num_experts)})

@@ -1,0 +1,355 @@
+"""``fate-edge convert``: a Hugging Face MoE checkpoint → an expert store (see ``fate_edge.format.store``).
+
+Atomic: everything is written into a hidden sibling directory, flushed, and renamed into place as the
+last step, so an interrupted convert never leaves a directory that looks like a valid store. A hidden
+directory left by a convert that was killed is removed by the next convert into the same directory.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import errno
+import itertools
+import json
+import os
+import re
+import shutil
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from fate_edge.errors import FateEdgeError
+from fate_edge.format.checkpoint import CheckpointReader, save_streaming
+from fate_edge.format.checkpoint_experts import ExpertLayout
+from fate_edge.format.checkpoint_layout import layer_names, resident_weight_names
+from fate_edge.format.checksum import crc32
+from fate_edge.format.direct_write import DirectFile
+from fate_edge.format.store import FORMAT, FORMAT_VERSION, STORE_FILE, Precision, encode_expert, plan_parts
+from fate_edge.model.arch import load_config
+from fate_edge.quant import QuantSpec
+from fate_edge.quant.linear import default_kernel, int4_supported
+from fate_edge.quant.rtn import BLOCK_BYTES
+from fate_edge.sizes import format_bytes
+
+AUX_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+             "special_tokens_map.json", "chat_template.jinja")
+
+
+@dataclass
+class ConvertOptions:
+    bits: int = 4  # precision of the expert copies the engine streams
+    group_size: int | None = None  # None: the largest of GROUP_SIZES that divides the expert dimensions
+    cold_bits: int | None = None  # optional low-precision copy for cold experts (Fate: int2 tail)
+    cold_group_size: int | None = None  # None: the smallest of GROUP_SIZES that divides (int2 wants small groups)
+    keep_bf16: bool = True  # also store bf16 experts (the full-precision / load-on-demand baseline)
+    force: bool = False  # replace an existing store at the destination
+    method: str = "rtn"  # "rtn" (Fate's round-to-nearest) or "hqq" (half-quadratic refinement): same format
+    layout: str = "auto"  # streamed copy: portable | cpu-int4 (torch's kernel layout) | auto (portable where
+    # fate-edge's native int4 kernel is the default here, else cpu-int4 where torch's kernel takes the shapes)
+    threads: int | None = None  # experts encoded in parallel (None: the CPU count, at most 8)
+    resident_bits: int | None = None  # 8 or 4: resident linears quantized here, read as they are at load
+    embedding_bits: int | None = None  # 8 or 4: the embedding table quantized here (fate_edge/model/embedding.py)
+
+
+GROUP_SIZES = (128, 64, 32)  # quantization groups convert offers, largest (fewest scales) first
+
+
+def pick_group(dims: tuple[int, ...], requested: int | None, option: str = "--group", smallest: bool = False) -> int:
+    """``requested`` if it divides every dimension, else an error naming the groups that do; without a request,
+    the largest of GROUP_SIZES that divides them all (``smallest``: the smallest)."""
+    fits = [g for g in GROUP_SIZES if all(d % g == 0 for d in dims)]
+    shape = "x".join(map(str, dims))
+    if requested is None and fits:
+        return fits[-1] if smallest else fits[0]
+    if requested is not None and requested in fits:
+        return requested
+    if not fits:
+        raise FateEdgeError(f"expert dimensions {shape} are not multiples of {GROUP_SIZES[-1]}, the smallest "
+                            f"quantization group fate-edge supports ({', '.join(map(str, GROUP_SIZES))})")
+    raise FateEdgeError(f"{option} {requested} does not divide the expert dimensions {shape}; use {option} "
+                        + " or ".join(map(str, fits)))
+
+
+def with_groups(opts: ConvertOptions, dims: tuple[int, ...]) -> ConvertOptions:
+    """``opts`` with its quantization groups settled for experts of ``dims``: the streamed copy's (asked for, or
+    the largest that divides) and the cold copy's (asked for, or the smallest that divides: int2 wants small
+    groups); an error names the groups that fit when one asked for does not."""
+    group = pick_group(dims, opts.group_size)
+    cold = opts.cold_group_size
+    if opts.cold_bits is not None:
+        cold = pick_group(dims, cold, "--cold-group", smallest=True)
+    return replace(opts, group_size=group, cold_group_size=cold)
+
+
+def _precisions(cfg, opts: ConvertOptions) -> list[Precision]:
+    h, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    wanted: list[tuple[int, QuantSpec | None]] = []
+    if opts.keep_bf16:
+        wanted.append((16, None))
+    hot = QuantSpec(opts.bits, opts.group_size)
+    wanted.append((opts.bits, hot))
+    if opts.cold_bits is not None and opts.cold_bits != opts.bits:
+        wanted.append((opts.cold_bits, QuantSpec(opts.cold_bits, opts.cold_group_size)))
+    cpu = torch.device("cpu")
+    shapes = ((inter, h), (h, inter))
+    native = all(int4_supported(shape, hot, cpu) for shape in shapes)
+    # auto: portable where fate-edge's own kernel is the default here (it computes on those bytes directly)
+    portable_wins = all(default_kernel(shape, hot, cpu) == "native-int4" for shape in shapes)
+    if opts.layout == "cpu-int4" and not native:
+        raise FateEdgeError(f"--layout cpu-int4 needs int2-4 bits and shapes torch's CPU int4 kernel takes; "
+                            f"int{opts.bits} with expert {inter}x{h} does not fit: use --layout portable")
+    out = []
+    for bits, spec in wanted:
+        # Only the streamed (hot) copy takes the kernel layout; cold copies stay small on the link.
+        wants_kernel_layout = opts.layout == "cpu-int4" or (opts.layout == "auto" and not portable_wins)
+        layout = "cpu-int4" if bits == opts.bits and wants_kernel_layout and native else "portable"
+        parts, nbytes = plan_parts(bits, spec, h, inter, layout)
+        out.append(Precision(bits, f"experts-{bits}.bin", nbytes, parts, spec, layout))
+    return out
+
+
+def convert(model_dir: str | Path, out_dir: str | Path, opts: ConvertOptions | None = None,
+            progress: bool = True, on_progress: Callable[[int, int], None] | None = None) -> Path:
+    """Write the expert store of ``model_dir`` into ``out_dir``, streaming: one tensor block or a few experts
+    are in memory at a time. ``progress`` shows a bar on a terminal; ``on_progress(done, total)`` gets the
+    checkpoint bytes converted so far after every resident tensor and every expert."""
+    opts = opts or ConvertOptions()
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    if out_dir.exists() and not opts.force:
+        raise FateEdgeError(f"{out_dir}: already exists; choose another directory or pass --force to replace it")
+    cfg = load_config(model_dir)
+    reader = CheckpointReader(model_dir, drop_cache=True)  # each byte is read once: keep no page cache of it
+    names = layer_names(cfg, reader)
+    dims = (cfg.hidden_size, cfg.moe_intermediate_size)
+    asked = opts.group_size
+    opts = with_groups(opts, dims)
+    if asked is None and progress:
+        print(f"quantization group {opts.group_size}: the largest of {', '.join(map(str, GROUP_SIZES))} that "
+              f"divides the expert dimensions {dims[0]}x{dims[1]}", file=sys.stderr)
+    precisions = _precisions(cfg, opts)
+    remove_dead_partials(out_dir.parent)
+    need = _store_bytes(model_dir, cfg, reader, precisions)
+    _check_free_space(out_dir.parent, need)
+
+    tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        for f in AUX_FILES:
+            if (model_dir / f).exists():
+                shutil.copy2(model_dir / f, tmp / f)
+        if (model_dir / "predictors").is_dir():  # calibrated predictors travel with the model
+            shutil.copytree(model_dir / "predictors", tmp / "predictors")
+        names_resident = resident_weight_names(cfg, reader)
+        jobs = [(layer, e) for layer in cfg.moe_layers for e in range(cfg.num_experts)]
+        layouts = {layer: ExpertLayout(reader, names[layer].mlp) for layer in cfg.moe_layers}
+        expert_src = sum(reader.nbytes(n) for n in layouts[cfg.moe_layers[0]].tensor_names(0)) if jobs else 0
+        if jobs and layouts[cfg.moe_layers[0]].fused:  # a fused tensor holds every expert of the layer
+            expert_src //= cfg.num_experts
+        meter = _Progress(sum(reader.nbytes(n) for n in names_resident) + expert_src * len(jobs), progress,
+                          on_progress)
+        try:
+            if opts.resident_bits is None and opts.embedding_bits is None:
+                save_streaming(reader, names_resident, tmp / "resident.safetensors", {"format": "pt"},
+                               lambda _name, nbytes: meter.advance(nbytes))
+            else:  # quantized once, here (fate_edge/format/prequantized.py)
+                from fate_edge.format.prequantized import quantized_resident, write_quantized_resident
+
+                with _one_torch_thread():
+                    held = quantized_resident(cfg, reader, names, names_resident, opts.resident_bits,
+                                              opts.embedding_bits)
+                write_quantized_resident(tmp / "resident.safetensors", held)
+                del held
+                meter.advance(sum(reader.nbytes(n) for n in names_resident))
+            entries = _write_experts(tmp, jobs, layouts, precisions, opts, lambda: meter.advance(expert_src))
+        finally:
+            meter.close()
+
+        index = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "source": str(model_dir.resolve()),
+            "model_type": cfg.model_type,
+            "num_layers": cfg.num_hidden_layers,
+            "moe_layers": cfg.moe_layers,
+            "num_experts": cfg.num_experts,
+            "hidden_size": cfg.hidden_size,
+            "moe_intermediate_size": cfg.moe_intermediate_size,
+            "quant_method": opts.method,
+            "resident_bits": opts.resident_bits,
+            "embedding_bits": opts.embedding_bits,
+            "precisions": {str(p.bits): p.to_json() for p in precisions},
+            "experts": entries,
+        }
+        # store.json is written last: a directory without it is never taken for a store.
+        (tmp / STORE_FILE).write_text(json.dumps(index, indent=1))
+        _set_file_modes(tmp)
+        if out_dir.exists():
+            old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+            out_dir.rename(old)
+            tmp.rename(out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out_dir)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if _is_disk_full(exc):
+            raise FateEdgeError(f"{out_dir.parent}: no space left on the device while writing the store (it needs "
+                                f"about {format_bytes(need)}); free space or convert into another directory") from exc
+        raise
+    return out_dir
+
+
+@contextlib.contextmanager
+def _one_torch_thread():
+    """Convert parallelises across experts; torch's own threads on top would oversubscribe the cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _encode_job(layout: ExpertLayout, expert: int, precisions: list[Precision],
+                method: str) -> list[tuple[memoryview, int]]:
+    """One expert read from the checkpoint in its own dtype and encoded at every precision, with each blob's
+    CRC32 (a worker's job: the checksum releases the GIL, so checksums run in parallel too)."""
+    work = getattr(_scratch, "work", None)
+    if work is None:
+        work = _scratch.work = torch.empty(BLOCK_BYTES // 4, dtype=torch.float32)
+    w = layout.read(expert, None)
+    blobs = [encode_expert(w, p, method, work) for p in precisions]
+    return [(b, crc32(b)) for b in blobs]
+
+
+_scratch = threading.local()  # each worker's fp32 block buffer for the RTN encoder
+
+
+def _write_experts(tmp: Path, jobs: list[tuple[int, int]], layouts: dict[int, ExpertLayout],
+                   precisions: list[Precision], opts: ConvertOptions, done) -> dict[str, list[dict]]:
+    """Encode the experts on ``opts.threads`` workers and write their blobs in slot order. At most
+    2 x threads experts are in flight, so memory stays a few experts' worth whatever the model's size."""
+    threads = opts.threads or min(os.cpu_count() or 1, 8)
+    entries: dict[str, list[dict]] = {str(p.bits): [] for p in precisions}
+    files = {p.bits: DirectFile(tmp / p.file, p.slot_bytes) for p in precisions}  # closed below
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="convert")
+    try:
+        with _one_torch_thread():
+            def submit(item: tuple[int, tuple[int, int]]):
+                slot, (layer, e) = item
+                return slot, layer, e, pool.submit(_encode_job, layouts[layer], e, precisions, opts.method)
+
+            ahead = iter(enumerate(jobs))
+            pending = collections.deque(map(submit, itertools.islice(ahead, 2 * threads)))
+            while pending:
+                slot, layer, e, fut = pending.popleft()
+                blobs = fut.result()
+                pending.extend(map(submit, itertools.islice(ahead, 1)))  # keep the workers fed
+                for p, (blob, crc) in zip(precisions, blobs):
+                    offset = slot * p.slot_bytes
+                    files[p.bits].pwrite_at(blob, offset)
+                    entries[str(p.bits)].append(
+                        {"layer": layer, "expert": e, "offset": offset, "length": len(blob), "crc32": crc}
+                    )
+                del blobs
+                done()
+        for p in precisions:  # pad to a whole slot so the last O_DIRECT read is in bounds
+            files[p.bits].truncate(len(jobs) * p.slot_bytes)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        for f in files.values():
+            f.close()
+    return entries
+
+
+class _Progress:
+    """Bytes of the checkpoint converted so far: a tqdm bar with rate and ETA on a terminal, and the caller's
+    ``on_progress(done, total)``."""
+
+    def __init__(self, total: int, bar: bool, callback=None):
+        self.total, self.done, self.callback = total, 0, callback
+        self.bar = tqdm(total=total, desc="converting", unit="B", unit_scale=True, file=sys.stderr,
+                        disable=None if bar else True, mininterval=0.5)
+
+    def advance(self, nbytes: int) -> None:
+        self.done += nbytes
+        self.bar.update(nbytes)
+        if self.callback is not None:
+            self.callback(self.done, self.total)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _set_file_modes(directory: Path) -> None:
+    """One mode for every file of the store, as a plain open() would create it under this umask (safetensors
+    writes 0600 and copy2 keeps the source's mode)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    for f in directory.rglob("*"):
+        if f.is_file():
+            f.chmod(0o666 & ~mask)
+
+
+def _is_disk_full(exc: BaseException) -> bool:
+    """ENOSPC as an OSError, or as safetensors reports it (its own error type, "... (os error 28)")."""
+    if isinstance(exc, OSError):
+        return exc.errno == errno.ENOSPC
+    return isinstance(exc, Exception) and f"os error {errno.ENOSPC})" in str(exc)
+
+
+def _store_bytes(model_dir: Path, cfg, reader: CheckpointReader, precisions: list[Precision]) -> int:
+    """What the store will take on disk: expert files (whole slots), resident weights, copied files."""
+    experts = len(cfg.moe_layers) * cfg.num_experts * sum(p.slot_bytes for p in precisions)
+    resident = sum(reader.nbytes(n) for n in resident_weight_names(cfg, reader))
+    aux = sum((model_dir / f).stat().st_size for f in AUX_FILES if (model_dir / f).exists())
+    if (model_dir / "predictors").is_dir():
+        aux += sum(f.stat().st_size for f in (model_dir / "predictors").rglob("*") if f.is_file())
+    return experts + resident + aux
+
+
+def _check_free_space(directory: Path, need: int) -> None:
+    existing = directory
+    while not existing.exists():  # the output's parents are created later
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
+    if need > free:
+        raise FateEdgeError(f"{directory}: the store needs about {format_bytes(need)} but only {format_bytes(free)} "
+                            "is free there; free space or convert into another directory")
+
+
+_PARTIAL = re.compile(r"^\..+\.(?:partial|old)-(\d+)$")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_dead_partials(directory: Path) -> list[Path]:
+    """Remove hidden ``.<name>.partial-<pid>`` (and ``.old-<pid>``) directories whose convert process is gone
+    (killed before it could clean up); those of running processes are left alone."""
+    removed = []
+    if not directory.is_dir():
+        return removed
+    for path in sorted(directory.iterdir()):
+        m = _PARTIAL.match(path.name)
+        if m and path.is_dir() and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
+            print(f"removed {path}, left by a convert that was interrupted (process {m.group(1)} is gone)",
+                  file=sys.stderr)
+            removed.append(path)
+    return removed

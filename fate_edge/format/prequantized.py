@@ -1,0 +1,128 @@
+"""Resident weights quantized once, at convert (``convert --resident-bits``), and read back as they are at load.
+
+The store's resident.safetensors then holds, for each fused linear (``fused.resident_groups``), the tensors
+``fused.quantize_group`` would leave in memory (``<group>.int8`` / ``.int4`` / ``.nint4`` with their scales, sizes
+and group), and the embedding table as ``fate_edge.model.embedding`` holds it quantized; norms, routers and biases stay
+as in the checkpoint. The loader reads those bytes straight into the tensors the model uses: no full-precision copy,
+no quantization at load. A store written without the option holds float weights and loads as before.
+
+The int4 layout is the one ``quantize_group`` picks on the converting host (fate-edge's native kernel layout on
+AVX512-VNNI CPUs, torch's CPU int4 layout elsewhere); both load anywhere on the CPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from fate_edge.errors import ModelFormatError
+from fate_edge.format.checkpoint import CheckpointReader
+from fate_edge.model.arch import ModelConfig
+from fate_edge.model.embedding import NAME as EMBED_NAME
+from fate_edge.model.embedding import quantize_table
+from fate_edge.model.layer import Weights, quantize_group, resident_groups
+
+_FLOAT_SUFFIXES = ("weight", "bias")  # checkpoint tensors the loader casts to the compute dtype
+
+
+def is_float_weight(name: str) -> bool:
+    """A checkpoint weight or bias (cast to the compute dtype at load), not a quantized tensor's codes or scales."""
+    return name.endswith(_FLOAT_SUFFIXES)
+
+
+def in_store(reader: CheckpointReader, group: list[str]) -> bool:
+    """Whether the fused ``group`` was quantized at convert."""
+    return f"{'+'.join(group)}.sizes" in reader
+
+
+def stored_bits(reader: CheckpointReader) -> tuple[int | None, int | None]:
+    """(resident linears' bits, embedding table's bits) of a store written with ``convert --resident-bits``;
+    None where the store holds floats."""
+    keys = [k for k in reader.keys() if not is_float_weight(k)]
+    embed = 8 if f"{EMBED_NAME}.int8" in reader else 4 if f"{EMBED_NAME}.int4" in reader else None
+    linears = [k for k in keys if not k.startswith(EMBED_NAME) and k.endswith((".int8", ".int4", ".nint4"))]
+    bits = None if not linears else 8 if linears[0].endswith(".int8") else 4
+    return bits, embed
+
+
+def check_request(reader: CheckpointReader, resident_bits: int | None, embedding_bits: int | None) -> None:
+    """A load asking for other bits than the store was converted with is an error naming both fixes."""
+    held, embed = stored_bits(reader)
+    if held is not None and resident_bits not in (None, held):
+        raise ModelFormatError(f"{reader.model_dir}: the resident weights were quantized to int{held} at convert; "
+                               f"load with --resident-bits {held} (or none), or convert again without --resident-bits")
+    if embed is not None and embedding_bits not in (None, embed):
+        raise ModelFormatError(f"{reader.model_dir}: the embedding table was quantized to int{embed} at convert; "
+                               f"load with --embedding-bits {embed} (or none), or convert again without it")
+
+
+def covered(reader: CheckpointReader, name: str) -> bool:
+    """Whether the checkpoint tensor ``name`` is in the store in quantized form."""
+    if name == f"{EMBED_NAME}.weight":
+        return stored_bits(reader)[1] is not None
+    prefix = name.removesuffix(".weight")
+    return any(k.endswith(".sizes") and prefix in k.removesuffix(".sizes").split("+") for k in reader.keys())
+
+
+def quantized_resident(config: ModelConfig, reader: CheckpointReader, layer_names: list, wanted: list[str],
+                       bits: int, embedding_bits: int | None) -> dict[str, torch.Tensor]:
+    """What convert writes for ``--resident-bits bits``: each fused group quantized as the loader would (one group
+    in full precision at a time), the embedding table at ``embedding_bits``, the other tensors as stored."""
+    w = Weights()
+    groups = resident_groups(config, layer_names, set(wanted))
+    for group in groups:
+        for n in group:
+            dict.__setitem__(w, f"{n}.weight", reader.get(f"{n}.weight"))  # as stored
+        quantize_group(w, group, bits)
+    done = {f"{n}.weight" for group in groups for n in group}
+    for name in wanted:
+        if name == f"{EMBED_NAME}.weight" and embedding_bits is not None:
+            dict.update(w, quantize_table(lambda a, b, n=name: reader.get_rows(n, a, b), reader.shape(name),
+                                          embedding_bits))
+        elif name not in done:
+            dict.__setitem__(w, name, reader.get(name))
+    return {k: v.contiguous() for k, v in w.items()}
+
+
+def write_quantized_resident(path: str | Path, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.clone() if v._base is not None else v for k, v in tensors.items()}, str(path),
+              {"format": "pt"})
+
+
+class MappedFiles:
+    """Tensors of a store's safetensors files memory-mapped (MAP_PRIVATE), not read: quantized resident weights
+    are used as stored, so their pages come from the page cache as the model first touches them, with no copy
+    (as llama.cpp maps its file). Clean pages the kernel may drop under pressure and read again."""
+
+    def __init__(self, reader: CheckpointReader):
+        self.reader = reader
+        self._maps: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str) -> torch.Tensor:
+        from fate_edge.format.checkpoint import _TORCH_DTYPES
+
+        path = self.reader.model_dir / self.reader.weight_map[name]
+        _, start, header = self.reader._layout(path)
+        raw = self._maps.get(str(path))
+        if raw is None:
+            size = path.stat().st_size
+            raw = self._maps[str(path)] = torch.empty(0, dtype=torch.uint8).set_(
+                torch.UntypedStorage.from_file(str(path), False, size))
+        info = header[name]
+        dtype = _TORCH_DTYPES[info["dtype"]]
+        begin, end = (start + o for o in info["data_offsets"])
+        if begin % torch.empty(0, dtype=dtype).element_size():  # safetensors aligns each tensor; copy if not
+            return self.reader.get(name)
+        return raw[begin:end].view(dtype).reshape(info["shape"])
+
+
+def stored_params(name: str, numel: int) -> int:
+    """Weights a resident tensor stands for: its elements for a float one, two a byte for packed int4 codes, one
+    for int8 codes, none for scales, zeros and bookkeeping (inspect's parameter count of such a store; int4 rows
+    padded for torch's kernel count too)."""
+    if is_float_weight(name):
+        return numel
+    return numel * {".int4": 2, ".nint4": 2, ".int8": 1}.get("." + name.rsplit(".", 1)[-1], 0)

@@ -1,0 +1,327 @@
+"""The expert store (output of ``fate-edge convert``): format, opening, validation, blob encode/decode.
+
+Layout of a store directory (docs/architecture.md §4)::
+
+    config.json, tokenizer files        copied from the source model
+    resident.safetensors                everything that is not a routed expert
+    experts-<bits>.bin                  one file per precision (16 = bf16 as trained, 4, 2, ...)
+    store.json                          format version, quant specs, blob layout, and per expert
+                                        (layer, expert, precision): offset, length, crc32
+
+Each expert is one contiguous blob holding its three matrices (and their scales and zeros), starting
+on a 4096-byte boundary so it can be read with O_DIRECT in one request. Every expert of a precision
+has the same internal layout (``parts``), recorded once per precision.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fate_edge.errors import ModelFormatError
+from fate_edge.format.blob import ALIGN, BlobRef
+from fate_edge.format.store_files import STORE_FILE
+from fate_edge.model.experts import ExpertWeights, QuantizedExpert
+from fate_edge.quant import QuantSpec, pack
+from fate_edge.quant.linear import QuantizedLinear, default_kernel, int4_kernel_layout
+from fate_edge.quant.methods import quantize_with
+
+FORMAT = "fate-edge-expert-store"
+FORMAT_VERSION = 1
+PART_ALIGN = 64
+MATRICES = ("gate", "up", "down")
+_DTYPES = {"uint8": torch.uint8, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def is_store(path: str | Path) -> bool:
+    return (Path(path) / STORE_FILE).exists()
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str  # e.g. "gate.codes", "gate.scale", "down.weight"
+    offset: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+# Blob layouts of quantized experts:
+#   portable  packed codes (low nibble first) + fp16 scale and zero per group: any device, any kernel.
+#   cpu-int4  torch's CPU int4 kernel layout (codes pre-packed by _convert_weight_to_int4pack_for_cpu,
+#             bf16 scale/zero pairs [K/g, N, 2]): same bytes, but decoding is a view, not a repack.
+LAYOUTS = ("portable", "cpu-int4")
+
+
+@dataclass
+class Precision:
+    bits: int  # 16 means bf16 weights as trained
+    file: str
+    blob_bytes: int
+    parts: list[Part]
+    spec: QuantSpec | None  # None for bf16
+    layout: str = "portable"
+
+    @property
+    def slot_bytes(self) -> int:
+        return -(-self.blob_bytes // ALIGN) * ALIGN
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"bits": self.bits, "file": self.file, "blob_bytes": self.blob_bytes,
+                             "parts": [p.__dict__ | {"shape": list(p.shape)} for p in self.parts]}
+        if self.spec is not None:
+            d.update(group_size=self.spec.group_size, asymmetric=self.spec.asymmetric, layout=self.layout,
+                     scale_dtype="float16" if self.layout == "portable" else "bfloat16")
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Precision:
+        spec = QuantSpec(d["bits"], d["group_size"], d.get("asymmetric", True)) if d["bits"] < 16 else None
+        parts = [Part(p["name"], p["offset"], p["nbytes"], p["dtype"], tuple(p["shape"])) for p in d["parts"]]
+        return cls(d["bits"], d["file"], d["blob_bytes"], parts, spec, d.get("layout", "portable"))
+
+
+def plan_parts(bits: int, spec: QuantSpec | None, hidden: int, inter: int,
+               layout: str = "portable") -> tuple[list[Part], int]:
+    """Byte layout of one expert blob at ``bits``."""
+    shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+    parts, off = [], 0
+
+    def add(name: str, dtype: str, shape: tuple[int, ...], itemsize: int) -> None:
+        nonlocal off
+        n = itemsize
+        for d in shape:
+            n *= d
+        parts.append(Part(name, off, n, dtype, shape))
+        off = -(-(off + n) // PART_ALIGN) * PART_ALIGN
+
+    for m in MATRICES:
+        n, k = shapes[m]
+        if spec is None:
+            add(f"{m}.weight", "bfloat16", (n, k), 2)
+        elif layout == "cpu-int4":
+            add(f"{m}.packed", "uint8", (n, k // 2), 1)
+            add(f"{m}.scale_zero", "bfloat16", (k // spec.group_size, n, 2), 2)
+        else:
+            add(f"{m}.codes", "uint8", (n, k * spec.storage_bits // 8), 1)
+            add(f"{m}.scale", "float16", (n, k // spec.group_size), 2)
+            if spec.asymmetric:
+                add(f"{m}.zero", "float16", (n, k // spec.group_size), 2)
+    return parts, off
+
+
+
+def encode_expert(w: ExpertWeights, precision: Precision, method: str = "rtn",
+                  work: torch.Tensor | None = None) -> memoryview:
+    """Serialize one expert (bf16, or quantized by ``method``: "rtn" or "hqq") into its blob.
+
+    ``w`` may be in any float dtype (convert passes the checkpoint's own, no fp32 copy); ``work`` is an
+    optional fp32 scratch buffer for the RTN encoder. Returns the blob's bytes (a view of a fresh buffer)."""
+    out = torch.empty(precision.blob_bytes, dtype=torch.uint8)  # not zeros: zero-filling 17 MB cost 8 ms here
+    tensors: dict[str, torch.Tensor] = {}
+    for m in MATRICES:
+        mat = getattr(w, m)
+        if precision.spec is None:
+            tensors[f"{m}.weight"] = mat.to(torch.bfloat16)
+        elif precision.layout == "cpu-int4":
+            q = quantize_with(method, mat, precision.spec, work)
+            tensors[f"{m}.packed"], tensors[f"{m}.scale_zero"] = int4_kernel_layout(q, precision.spec)
+        else:
+            q = quantize_with(method, mat, precision.spec, work)
+            tensors[f"{m}.codes"] = pack(q.codes, precision.spec.storage_bits)
+            tensors[f"{m}.scale"] = q.scale
+            if q.zero is not None:
+                tensors[f"{m}.zero"] = q.zero
+    end = 0
+    for p in sorted(precision.parts, key=lambda p: p.offset):
+        raw = tensors[p.name].contiguous().view(-1).view(torch.uint8)
+        assert raw.numel() == p.nbytes, (p.name, raw.numel(), p.nbytes)
+        out[end : p.offset] = 0  # alignment padding: the only bytes no part writes
+        out[p.offset : p.offset + p.nbytes] = raw
+        end = p.offset + p.nbytes
+    out[end:] = 0
+    return memoryview(out.numpy())
+
+
+_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+_BLOB_MMAP_THRESHOLD = 1 << 20
+
+
+def return_freed_blobs_to_the_os() -> bool:
+    """Fix glibc's mmap threshold at 1 MiB, so every expert-sized block is its own mapping, unmapped on free.
+
+    By default glibc raises the threshold to the size of the first large block freed (up to 32 MB), and
+    later blobs come from the heap, where freed ones stay resident behind small live allocations: at real
+    shapes RSS grew ~50 MB per decoded token past the budget. Returns whether glibc took the setting."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, _BLOB_MMAP_THRESHOLD))
+    except (OSError, AttributeError):  # not glibc: its allocator has no such setting to fix
+        return False
+
+
+def blob_tensor(payload: memoryview) -> torch.Tensor:
+    """A private CPU copy of a blob's bytes (the pool buffer behind ``payload`` is about to be reused)."""
+    return torch.frombuffer(payload, dtype=torch.uint8).clone()
+
+
+def decodes_to_views(precision: Precision) -> bool:
+    """Whether :func:`decode_expert` on the CPU returns views of the blob, copying nothing: torch's kernel layout,
+    or the portable int4 layout where fate-edge's native kernel computes on the stored bytes (every matrix)."""
+    spec = precision.spec
+    if spec is None:
+        return False
+    if precision.layout == "cpu-int4":
+        return True
+    codes = [p.shape for p in precision.parts if p.name.endswith(".codes")]
+    return spec.storage_bits == 4 and bool(codes) and all(
+        default_kernel((n, width * 2), spec, "cpu") == "native-int4" for n, width in codes)
+
+
+def decode_expert(blob: torch.Tensor | memoryview, precision: Precision, dtype: torch.dtype,
+                  device: torch.device | str | None = None) -> ExpertWeights | QuantizedExpert:
+    """Turn a blob into a callable expert on ``device`` (default: where ``blob`` is).
+
+    ``blob`` is a uint8 tensor holding the blob (on the CPU, or already copied to the GPU) or a
+    memoryview of a pool buffer, which is copied out first. Parts are views into it, decoded in place.
+    """
+    if isinstance(blob, memoryview):
+        blob = blob_tensor(blob)
+    device = torch.device(device) if device is not None else blob.device
+    blob = blob.to(device, non_blocking=True)
+    t = {p.name: blob[p.offset : p.offset + p.nbytes].view(_DTYPES[p.dtype]).reshape(p.shape)
+         for p in precision.parts}
+    if precision.spec is None:
+        return ExpertWeights(*(t[f"{m}.weight"].to(dtype) for m in MATRICES))
+    spec = precision.spec
+    if precision.layout == "cpu-int4":  # on another device, re-packed there for its kernel (one store, any device)
+        lins = [QuantizedLinear.from_cpu_kernel_layout(t[f"{m}.packed"], t[f"{m}.scale_zero"], spec, device)
+                for m in MATRICES]
+        return QuantizedExpert(*lins)
+    lins = [QuantizedLinear.from_packed(t[f"{m}.codes"], t[f"{m}.scale"], t.get(f"{m}.zero"), spec, device)
+            for m in MATRICES]
+    return QuantizedExpert(*lins)
+
+
+_INDEX_FIELDS = {"precisions": dict, "experts": dict, "moe_layers": list, "num_experts": int}
+_PRECISION_FIELDS = {"bits": int, "file": str, "blob_bytes": int, "parts": list}
+_PART_FIELDS = {"name": str, "offset": int, "nbytes": int, "dtype": str, "shape": list}
+_BLOB_FIELDS = {"layer": int, "expert": int, "offset": int, "length": int, "crc32": int}
+
+
+def _check_fields(d: object, spec: dict[str, type], where: str, index_path: Path) -> None:
+    if not isinstance(d, dict):
+        raise ModelFormatError(f"{index_path}: {where} is not an object; the file is damaged, re-run fate-edge convert")
+    for key, kind in spec.items():
+        value = d.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            problem = "is missing" if key not in d else f"is {value!r}, not a {kind.__name__}"
+            raise ModelFormatError(f"{index_path}: field {where}.{key} {problem}; the file is damaged, re-run "
+                                   "fate-edge convert")
+
+
+def _check_index(index: dict, index_path: Path) -> None:
+    """Every field the store reads, with its type, so a damaged store.json is named, not an AttributeError."""
+    _check_fields(index, _INDEX_FIELDS, "store", index_path)
+    for bits, d in index["precisions"].items():
+        _check_fields(d, _PRECISION_FIELDS | ({"group_size": int} if d.get("bits", 16) < 16 else {}),
+                      f"precisions.{bits}", index_path)
+        for i, part in enumerate(d["parts"]):
+            _check_fields(part, _PART_FIELDS, f"precisions.{bits}.parts[{i}]", index_path)
+    for bits, entries in index["experts"].items():
+        if bits not in index["precisions"] or not isinstance(entries, list):
+            raise ModelFormatError(f"{index_path}: field experts.{bits} has no precisions.{bits} entry or is not a "
+                                   "list; the file is damaged, re-run fate-edge convert")
+        for i, e in enumerate(entries):
+            _check_fields(e, _BLOB_FIELDS, f"experts.{bits}[{i}]", index_path)
+
+
+class ExpertStore:
+    """An opened, validated store: where every (layer, expert, precision) blob lives."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        return_freed_blobs_to_the_os()  # blobs are allocated and freed all the time from here on
+        index_path = self.path / STORE_FILE
+        if not index_path.exists():
+            raise ModelFormatError(f"{index_path}: not found; create a store with `fate-edge convert MODEL OUT`")
+        try:
+            index = json.loads(index_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ModelFormatError(f"{index_path}: invalid JSON ({exc}); re-run fate-edge convert") from exc
+        if not isinstance(index, dict):
+            raise ModelFormatError(f"{index_path}: holds a JSON {type(index).__name__}, not the store's object; "
+                                   "re-run fate-edge convert")
+        if index.get("format") != FORMAT or index.get("format_version") != FORMAT_VERSION:
+            raise ModelFormatError(
+                f"{index_path}: format {index.get('format')!r} v{index.get('format_version')} is not "
+                f"{FORMAT!r} v{FORMAT_VERSION}; re-run fate-edge convert with this version"
+            )
+        _check_index(index, index_path)
+        self.index = index
+        self.precisions = {int(b): Precision.from_json(d) for b, d in index["precisions"].items()}
+        self.refs: dict[tuple[int, int, int], BlobRef] = {}
+        for bits_s, entries in index["experts"].items():
+            bits = int(bits_s)
+            file = str(self.path / self.precisions[bits].file)
+            for e in entries:
+                ref = BlobRef(file, e["offset"], e["length"], e["crc32"], e["layer"], e["expert"], bits)
+                self.refs[ref.key] = ref
+        self._check_files()
+
+    def _check_files(self) -> None:
+        for bits, prec in self.precisions.items():
+            path = self.path / prec.file
+            if not path.exists():
+                raise ModelFormatError(f"{path}: missing from the store; re-run fate-edge convert")
+            size = path.stat().st_size
+            short = [r for r in self.refs.values() if r.bits == bits and r.offset + r.read_length > size]
+            if short:
+                first = min(short, key=lambda r: r.offset)
+                raise ModelFormatError(
+                    f"{path}: truncated to {size} bytes; {len(short)} expert blobs are cut off, the first is "
+                    f"layer {first.layer} expert {first.expert} at offset {first.offset}; re-run fate-edge convert"
+                )
+
+    @property
+    def bits_available(self) -> list[int]:
+        return sorted(self.precisions)
+
+    @property
+    def max_blob_bytes(self) -> int:
+        return max(p.slot_bytes for p in self.precisions.values())
+
+    def ref(self, layer: int, expert: int, bits: int) -> BlobRef:
+        try:
+            return self.refs[(layer, expert, bits)]
+        except KeyError:
+            raise ModelFormatError(
+                f"{self.path}: no int{bits} blob for layer {layer} expert {expert}; available precisions: "
+                f"{self.bits_available}"
+            ) from None
+
+    def expert_bytes(self, bits: int) -> int:
+        """Bytes of one expert's blob at ``bits`` (what a fetch moves)."""
+        return self.precisions[bits].blob_bytes
+
+    def verify(self, bits: list[int] | None = None) -> int:
+        """Check every blob's CRC (of ``bits``, default all precisions); raise CorruptBlobError naming the first
+        bad one. Verified blobs are not checked again on their reads in this process. Returns bytes checked."""
+        from fate_edge.format.blob import file_identity, mark_verified
+
+        checked = 0
+        for b in bits or self.bits_available:
+            refs = sorted((r for r in self.refs.values() if r.bits == b), key=lambda r: r.offset)
+            if not refs:
+                continue
+            with open(refs[0].path, "rb") as f:
+                identity = file_identity(f.fileno())
+                for r in refs:
+                    f.seek(r.offset)
+                    mark_verified(r, f.read(r.length), identity)
+                    checked += r.length
+        return checked

@@ -1,0 +1,52 @@
+"""Architecture registry: ``config.json`` → the normalised :class:`ModelConfig` of its family."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from fate_edge.errors import ModelFormatError, UnsupportedArchitectureError
+from fate_edge.model.arch.base import MLAConfig, ModelConfig, RopeConfig
+from fate_edge.model.arch.deepseek import DeepseekV2Config, DeepseekV3Config
+from fate_edge.model.arch.mixtral import MixtralConfig
+from fate_edge.model.arch.olmoe import OlmoeConfig
+from fate_edge.model.arch.qwen2_moe import Qwen2MoeConfig
+from fate_edge.model.arch.qwen3_moe import Qwen3MoeConfig
+
+ARCHITECTURES: dict[str, type[ModelConfig]] = {
+    "mixtral": MixtralConfig,
+    "qwen2_moe": Qwen2MoeConfig,
+    "qwen3_moe": Qwen3MoeConfig,
+    "olmoe": OlmoeConfig,
+    "deepseek_v2": DeepseekV2Config,
+    "deepseek_v3": DeepseekV3Config,
+}
+
+__all__ = ["ARCHITECTURES", "MLAConfig", "ModelConfig", "RopeConfig", "config_from_dict", "load_config"]
+
+
+def config_from_dict(d: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    model_type = d.get("model_type")
+    if model_type is None:
+        raise ModelFormatError(f"{source}: no 'model_type' key; this does not look like a Hugging Face config")
+    if model_type not in ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"{source}: model_type '{model_type}' is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"
+        )
+    if d.get("text_config") and "hidden_size" not in d:
+        d = {**d["text_config"], "model_type": model_type}
+    return ARCHITECTURES[model_type].from_hf(d)
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    path = Path(model_dir) / "config.json"
+    if not path.exists():
+        raise ModelFormatError(
+            f"{path}: not found; pass a Hugging Face model directory (config.json, *.safetensors, tokenizer.json)"
+        )
+    try:
+        d = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelFormatError(f"{path}: invalid JSON ({exc})") from exc
+    return config_from_dict(d, str(path))

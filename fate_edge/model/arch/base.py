@@ -1,0 +1,169 @@
+"""The normalised model configuration every architecture file fills in.
+
+Each architecture family (one file in this package) parses its Hugging Face ``config.json`` into a
+subclass of :class:`ModelConfig`. The forward pass only reads the normalised fields below, so the
+differences between families live in their parsers, not in branches scattered over the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fate_edge.errors import ModelFormatError
+
+_MISSING = object()
+
+
+def pick(d: dict[str, Any], *names: str, default: Any = _MISSING) -> Any:
+    """The first of ``names`` present in ``d`` (and not None): configs spell the same field differently."""
+    for n in names:
+        if d.get(n) is not None:
+            return d[n]
+    if default is _MISSING:
+        raise ModelFormatError(
+            f"config.json: missing key {' / '.join(repr(n) for n in names)}; add it (see the model's original config)"
+        )
+    return default
+
+
+@dataclass
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"  # default | linear | dynamic | yarn
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    # YaRN
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+    partial_rotary_factor: float = 1.0
+    interleaved: bool = False  # DeepSeek rotates adjacent pairs (x0,x1),(x2,x3),... instead of halves
+    float32: bool = False  # rotate in float32 whatever the model dtype (DeepSeek-V2's complex-number reference)
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any], max_position_embeddings: int) -> RopeConfig:
+        # transformers 5 nests everything in rope_parameters; older configs use rope_theta + rope_scaling.
+        params = dict(d.get("rope_parameters") or {})
+        scaling = d.get("rope_scaling") or {}
+        merged = {**scaling, **params}
+        rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+        if rope_type not in ("default", "linear", "dynamic", "yarn"):
+            raise ModelFormatError(
+                f"config.json: rope type '{rope_type}' is not supported (supported: default, linear, dynamic, yarn)"
+            )
+        theta = merged.get("rope_theta", d.get("rope_theta", 10000.0))
+        original = merged.get("original_max_position_embeddings") or max_position_embeddings
+        factor = merged.get("factor")
+        if factor is None and rope_type == "yarn":
+            factor = max_position_embeddings / original  # transformers' fallback: the context extension ratio
+        return cls(
+            theta=float(theta),
+            rope_type=rope_type,
+            factor=float(factor or 1.0),
+            original_max_position_embeddings=original,
+            beta_fast=float(merged.get("beta_fast") or 32.0),
+            beta_slow=float(merged.get("beta_slow") or 1.0),
+            mscale=merged.get("mscale"),
+            mscale_all_dim=merged.get("mscale_all_dim"),
+            attention_factor=merged.get("attention_factor"),
+            truncate=bool(merged.get("truncate", True)),
+            partial_rotary_factor=float(merged.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))),
+        )
+
+
+@dataclass
+class MLAConfig:
+    """DeepSeek multi-head latent attention dimensions."""
+
+    q_lora_rank: int | None  # None: a plain q_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+
+@dataclass
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int  # q/k/v head width (for MLA: the rope part, as transformers sets it)
+    intermediate_size: int  # width of dense MLP layers
+    moe_intermediate_size: int  # width of one routed expert
+    num_experts: int
+    num_experts_per_tok: int
+    max_position_embeddings: int
+    rope: RopeConfig
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v
+    o_proj_bias: bool = False
+    qk_norm: str = "none"  # none | head (Qwen3: per-head RMSNorm) | full (OLMoE: over all heads)
+    clip_qkv: float | None = None  # OLMoE clamps q/k/v
+    sliding_window: int | None = None
+    sliding_window_layers: tuple[int, ...] = ()
+    # Router
+    router: str = "softmax"  # softmax | deepseek_v2 | deepseek_v3
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+    topk_method: str = "greedy"  # DeepSeek-V2: greedy | group_limited_greedy
+    n_group: int = 1
+    topk_group: int = 1
+    # Shared experts
+    shared_expert_intermediate_size: int = 0  # 0: none
+    shared_expert_gated: bool = False  # Qwen2-MoE: sigmoid(shared_expert_gate(x)) * shared(x)
+    dense_layers: tuple[int, ...] = ()  # layers whose MLP is dense instead of MoE
+    mla: MLAConfig | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str = "float32"
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer not in self.dense_layers
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one routed expert (gate, up and down matrices)."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+
+def common_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """Fields every family spells the same way (or in the few ways listed here)."""
+    hidden = pick(d, "hidden_size", "d_model")
+    heads = pick(d, "num_attention_heads", "n_head")
+    max_pos = pick(d, "max_position_embeddings", "max_seq_len", default=4096)
+    eos = d.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    return dict(
+        model_type=d["model_type"],
+        vocab_size=pick(d, "vocab_size"),
+        hidden_size=hidden,
+        num_hidden_layers=pick(d, "num_hidden_layers", "n_layer", "num_layers"),
+        num_attention_heads=heads,
+        num_key_value_heads=pick(d, "num_key_value_heads", "num_kv_heads", default=heads),
+        head_dim=pick(d, "head_dim", default=hidden // heads),
+        max_position_embeddings=max_pos,
+        rope=RopeConfig.from_hf(d, max_pos),
+        rms_norm_eps=float(pick(d, "rms_norm_eps", "layer_norm_eps", default=1e-6)),
+        hidden_act=pick(d, "hidden_act", "activation_function", default="silu"),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        num_experts=pick(d, "num_local_experts", "num_experts", "n_routed_experts"),
+        num_experts_per_tok=pick(d, "num_experts_per_tok", "moe_topk", "top_k"),
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        torch_dtype=str(pick(d, "dtype", "torch_dtype", default="float32")),
+        raw=d,
+    )

@@ -1,0 +1,310 @@
+"""A whole decode step as one torch.compile'd graph (inductor: C++ kernels on the CPU), experts resident.
+
+The eager fast path (:mod:`fate_edge.model.decode_step`) dispatches ~230 operators per token from Python and at the
+bundled model's size each costs more than its arithmetic. When every routed expert is resident in memory
+(``InMemoryExpertProvider``: int4 on torch's kernel, or float), the step has no I/O to wait for, so embedding,
+every layer (norms, q/k/v, rope, cache write, attention, o_proj, router top-k, the token's k experts picked
+by ``index_select`` from per-layer stacks, shared expert or dense MLP), the final norm and the head are one
+graph: one call per token. Routed experts are added in expert-id order, as the eager path adds them.
+
+Shapes stay static across positions: k and v are written into the cache's preallocated buffers at a position
+tensor, attention masks the buffers' unused tail, and their length is marked dynamic, so a grown cache does not
+recompile. Inductor caches compiled kernels on disk (``TORCHINDUCTOR_CACHE_DIR``): a later process re-traces
+(seconds) but does not recompile C++. A per-layer graph with the experts left in Python was tried first and was
+no faster than eager (per call ~30 µs of guard checks and wrapper for ~10 operators saved).
+
+Anything it does not cover (streamed experts, quantized resident weights, sliding windows) and any failure to
+compile fall back to :func:`decode_step.decode_token`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from fate_edge.model.embedding import lookup
+from fate_edge.model.experts import ExpertWeights, InMemoryExpertProvider, QuantizedExpert
+from fate_edge.model.layer import Fused, LayerPlan, apply_linear, rms_norm
+from fate_edge.model.rope import apply_rope
+from fate_edge.model.router import route
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from fate_edge.model.arch.base import ModelConfig
+    from fate_edge.model.decoding_model import DecodingModel
+    from fate_edge.model.kv_cache import KVCache
+
+MODES = ("auto", "on", "off")
+
+
+@dataclass
+class GraphConsts:
+    """The model's parts the graph reads that are not per layer."""
+
+    config: ModelConfig
+    act: Callable[[torch.Tensor], torch.Tensor]
+    embed: torch.Tensor
+    norm: torch.Tensor
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What the graph reads besides tensors (constants to it)."""
+
+    n_q: int
+    n_k: int
+    head_dim: int
+    eps: float
+    int4_group: int | None  # experts on torch's int4 kernel (group size), or None: float experts
+
+
+def _experts_of(model: DecodingModel) -> dict[int, list]:
+    prov, cfg = model.experts, model.config
+    return {i: [prov.experts.get((i, e)) for e in range(cfg.num_experts)] for i in cfg.moe_layers}
+
+
+def unsupported(model: DecodingModel) -> str | None:
+    """Why ``model``'s decode steps cannot be compiled, or None when they can."""
+    cfg = model.config
+    if not model.fast_decode:
+        return "this architecture (MLA, q/k norms or clipped q/k/v)"
+    if model.dtype != torch.float32:
+        return "bf16 models (compiled decode is tested on float32 models, int4 or float experts)"
+    if cfg.sliding_window is not None and cfg.sliding_window_layers:
+        return "sliding-window attention"
+    if model.embed.device.type != "cpu":
+        return f"device {model.embed.device.type} (compiled decode is for the CPU)"
+    for lp in model.plan():
+        for f in (lp.qkv, lp.o_proj, lp.mlp, lp.down):
+            if f is not None and not isinstance(f.weight, torch.Tensor):
+                return "quantized resident weights (--resident-bits)"
+    why = unsupported_experts(model)
+    if why is not None:
+        return why
+    if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        return "a host without a C++ compiler (g++, c++ or clang++ on PATH)"
+    return None
+
+
+def unsupported_experts(model: DecodingModel) -> str | None:
+    """Why ``model``'s routed experts cannot be stacked for one-graph decode (compiled or captured), or None."""
+    if not isinstance(model.experts, InMemoryExpertProvider):
+        return "experts streamed from a store (every expert must be resident in memory)"
+    kinds = {_kind(e) for layer in _experts_of(model).values() for e in layer}
+    if len(kinds) != 1 or None in kinds:
+        return "this mix of expert formats (all int4 on torch's kernel, or all float)"
+    return None
+
+
+def _kind(e) -> str | None:
+    if isinstance(e, QuantizedExpert) and e.gate_up is not None and e.takes_bf16:
+        return f"int4-{e.gate_up.spec.group_size}"
+    if isinstance(e, ExpertWeights):
+        return "float"
+    return None
+
+
+def stack_experts(model: DecodingModel) -> list[tuple[torch.Tensor, ...] | None]:
+    """Per layer, its experts' matrices stacked along a new first axis (None for dense layers); each expert's
+    own tensors become views into the stacks, so resident expert memory does not grow."""
+    out: list[tuple[torch.Tensor, ...] | None] = [None] * model.config.num_hidden_layers
+    for i, experts in _experts_of(model).items():
+        if isinstance(experts[0], QuantizedExpert):
+            stacks = []
+            for role, attr in (("gate_up", "packed"), ("gate_up", "scale_zero"), ("down", "packed"),
+                               ("down", "scale_zero")):
+                lins = [getattr(e, role) for e in experts]
+                st = torch.stack([getattr(lin, attr) for lin in lins])
+                for k, lin in enumerate(lins):
+                    setattr(lin, attr, st[k])
+                stacks.append(st)
+            out[i] = tuple(stacks)
+        else:
+            gu = torch.stack([torch.cat([e.gate, e.up]) for e in experts])
+            down = torch.stack([e.down for e in experts])
+            for k, e in enumerate(experts):
+                e.gate_up, e.down = gu[k], down[k]
+                e.gate, e.up = gu[k].chunk(2, dim=0)
+            out[i] = (gu, down)
+    return out
+
+
+def _expert(s: StepShape, act, h: torch.Tensor, hb: torch.Tensor, stacks: tuple, e: torch.Tensor) -> torch.Tensor:
+    """Expert ``e`` [1] of a layer's ``stacks`` on the gate input → [1, H] float32."""
+    if s.int4_group is not None:
+        pgu, sgu, pd, sd = (t.index_select(0, e)[0] for t in stacks)
+        mm = torch._weight_int4pack_mm_for_cpu if hb.device.type == "cpu" else torch._weight_int4pack_mm
+        gate, up = mm(hb, pgu, s.int4_group, sgu).chunk(2, dim=-1)
+        return mm(F.silu(gate) * up, pd, s.int4_group, sd).float()
+    gu, down = (t.index_select(0, e)[0] for t in stacks)
+    gate, up = F.linear(h, gu).chunk(2, dim=-1)
+    return F.linear(act(gate) * up, down).float()
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, n_q: int, n_k: int,
+            hd: int) -> torch.Tensor:
+    """One query per head over the whole buffer (``mask`` [1, S]): two bmm and a softmax inductor fuses with the
+    mask (CPU flash attention cost ~40 µs a call at this size; elementwise products and sums were slower)."""
+    q = q.view(n_k, n_q // n_k, hd)  # query heads grouped by their kv head
+    scores = torch.bmm(q, k[0].transpose(1, 2)) * hd**-0.5  # [n_k, g, S]
+    p = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    return torch.bmm(p, v[0]).view(1, n_q * hd)
+
+
+def _add_mlp(x: torch.Tensor, h: torch.Tensor, mlp: Fused, down: Fused, act) -> torch.Tensor:
+    """``x + mlp(h)`` (Qwen's gated shared expert: ``x + sigmoid(g(h)) * mlp(h)`` in one addcmul), as the eager
+    step's ``decode_step.add_shared`` adds it."""
+    gate, up, *gated = apply_linear(h, mlp).split(mlp.sizes, dim=-1)
+    z = apply_linear(act(gate) * up, down)
+    return torch.addcmul(x, torch.sigmoid(gated[0]), z) if gated else x + z
+
+
+def attention_block(cfg: ModelConfig, s: StepShape, x: torch.Tensor, lp: LayerPlan, kbuf: torch.Tensor,
+                    vbuf: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+                    mask: torch.Tensor) -> torch.Tensor:
+    """One layer's attention for one token at ``pos``, its k and v written into the whole-capacity buffers:
+    → ``x + o_proj(attention(input_norm(x)))`` [1, H]."""
+    hd, n_q, n_k = s.head_dim, s.n_q, s.n_k
+    h = rms_norm(x, lp.input_norm, s.eps)
+    qkv = apply_linear(h, lp.qkv)
+    qk = apply_rope(qkv[:, : (n_q + n_k) * hd].view(1, n_q + n_k, 1, hd), cos, sin, cfg.rope.interleaved)
+    qk = qk.view(n_q + n_k, hd)  # elementwise: inductor fuses it into the kernels around it
+    kbuf.index_copy_(2, pos, qk[n_q:].view(1, n_k, 1, hd))
+    vbuf.index_copy_(2, pos, qkv[0, (n_q + n_k) * hd :].view(1, n_k, 1, hd))
+    out = _attend(qk[:n_q], kbuf, vbuf, mask, n_q, n_k, hd)
+    o = lp.o_proj
+    # The eager step's arithmetic (decode_step): o_proj and the residual in one addmm where it can.
+    if isinstance(o.weight, torch.Tensor) and o.bias is None:
+        return torch.addmm(x, out, o.weight.t())
+    return x + apply_linear(out, o)
+
+
+def position_mask(kbuf: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """[1, S] True for the buffer's positions up to ``pos``: the unwritten tail is masked."""
+    return (torch.arange(kbuf.shape[2], device=pos.device) <= pos).view(1, -1)
+
+
+def router_block(cfg: ModelConfig, h: torch.Tensor, lp: LayerPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's router on gate input ``h`` [N, H] → (weights [N, k] float32, expert ids [N, k])."""
+    logits = F.linear(h if h.dtype == lp.router.dtype else h.to(lp.router.dtype), lp.router)
+    return route(cfg, logits, lp.correction_bias)
+
+
+def step_graph(g: GraphConsts, s: StepShape, token: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               pos: torch.Tensor,
+               kv: list[tuple[torch.Tensor, torch.Tensor]], plan: list[LayerPlan], stacks: list,
+               head: Fused) -> tuple[torch.Tensor, list]:
+    """One token through every layer: the graph compiled. → (logits [1, V], per MoE layer (h, ids, weights))."""
+    cfg, act = g.config, g.act
+    x = lookup(g.embed, token.view(1))
+    mask = position_mask(kv[0][0], pos)
+    routing = []
+    for lp, (kbuf, vbuf), st in zip(plan, kv, stacks):
+        x = attention_block(cfg, s, x, lp, kbuf, vbuf, cos, sin, pos, mask)
+        h = rms_norm(x, lp.post_norm, s.eps)
+        if lp.router is None:
+            x = _add_mlp(x, h, lp.mlp, lp.down, act)
+            continue
+        weights, idx = router_block(cfg, h, lp)
+        routing.append((h, idx, weights))
+        ids, order = idx[0].sort()  # experts summed in expert-id order, as the eager paths sum them
+        ws = weights[0].index_select(0, order)
+        hb = h.to(torch.bfloat16)
+        for j in range(cfg.num_experts_per_tok):
+            # x + w * expert rounded once to x's dtype: what the eager step's x.add_(part, alpha=w) computes
+            x = (x.float() + _expert(s, act, h, hb, st, ids[j : j + 1]) * ws[j]).to(x.dtype)
+        if lp.mlp is not None:
+            x = _add_mlp(x, h, lp.mlp, lp.down, act)
+    x = rms_norm(x, g.norm, s.eps)
+    return apply_linear(x, head), routing
+
+
+def step_shape(model: DecodingModel) -> StepShape:
+    """What a one-graph step reads besides tensors: head counts from the fused q/k/v, and the group of resident
+    int4 experts (None for float experts, or for experts the model streams)."""
+    cfg, plan = model.config, model.plan()
+    hd, qkv = cfg.head_dim, plan[0].qkv
+    experts = getattr(model.experts, "experts", None)
+    spec = getattr(next(iter(experts.values())).gate_up, "spec", None) if experts else None
+    return StepShape(qkv.sizes[0] // hd, qkv.sizes[1] // hd, hd, cfg.rms_norm_eps,
+                     spec.group_size if spec is not None else None)
+
+
+def report_routing(model: DecodingModel, routing: list) -> None:
+    """Hand a finished step's routing (per MoE layer (h, ids, weights)) to the model's observers."""
+    if model.observers:
+        model.residual = None  # reported after the step: no residual to run anything early on
+        for layer, (h, idx, weights) in zip(model.config.moe_layers, routing):
+            for obs in model.observers:
+                obs(layer, h, idx, weights)
+
+
+class CompiledDecode:
+    """A model's compiled decode step; :meth:`step` returns None where the eager path must run instead."""
+
+    def __init__(self, model: DecodingModel, mode: str = "on"):
+        self.mode = mode
+        self.failed: str | None = None
+        self.shape = step_shape(model)
+        self.stacks = stack_experts(model)
+        self.plan_version = model._plan_version
+        # Guards would cost ~120 µs a token (one check per weight tensor). Skipping them is safe here: this
+        # compile serves one model (isolate_recompiles: its own cache), whose weights keep their shapes; the
+        # plan version check in step() catches rebuilt weights, and the cache length is a marked dynamic size.
+        # cpp_wrapper: the ~170 kernel calls per token are made from C++, not Python (22% faster a token here,
+        # 1 thread; cold compile ~60 s instead of ~15 s under load, cached on disk after).
+        self.fn = torch.compile(step_graph, fullgraph=True, isolate_recompiles=True,
+                                options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe,
+                                         "cpp_wrapper": True})
+
+    def step(self, model: DecodingModel, token: torch.Tensor, cache: KVCache,
+             plan: list[LayerPlan]) -> torch.Tensor | None:
+        """``token`` [1, 1] continuing ``cache`` → logits [1, 1, V], or None (the cache's length unchanged)."""
+        start = cache.length
+        if start == 0:  # before a prefill the cache has no buffers to write into
+            return None
+        if self.failed is None and model._plan_version != self.plan_version:
+            self.failed = "the model's weights changed after compiling (call set_compile again)"
+        if self.failed is not None:
+            return None
+        cos, sin = model.rope.cos_sin_range(start, 1, torch.float32 if model.config.rope.float32 else model.dtype,
+                                            model.device)
+        kv = []
+        for lay in cache.layers:
+            bufs = lay.reserve(start + 1)
+            for b in bufs:
+                torch._dynamo.mark_dynamic(b, 2)  # not maybe_: a specialised length must fail, not pass
+            kv.append(tuple(bufs))
+        try:
+            g = GraphConsts(model.config, model.act, model.embed, model.w["model.norm.weight"])
+            pos = torch.tensor([start], device=model.device)
+            logits, routing = self.fn(g, self.shape, token, cos, sin, pos, kv, plan, self.stacks, model.head)
+        except Exception as e:  # noqa: BLE001 (compiler missing or broken, unsupported op: eager still works)
+            self.failed = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            if self.mode == "on":
+                warnings.warn(f"compiled decode failed, decoding eagerly instead ({self.failed})", stacklevel=2)
+            print(f"[fate-edge] compiled decode off: {self.failed}", file=sys.stderr)
+            return None
+        for lay in cache.layers:
+            lay.length += 1
+        report_routing(model, routing)
+        return logits.view(1, 1, -1)
+
+    def warm(self, model: DecodingModel) -> None:
+        """Compile now, on a throwaway two-token prefill and two decode steps, not at a request's first token."""
+        cache, observers = model.new_cache(), model.observers[:]
+        model.observers.clear()  # no routing of these dummy tokens reaches a trace or a predictor
+        try:
+            with torch.inference_mode():
+                model(torch.zeros(1, 2, dtype=torch.long, device=model.device), cache)
+                for _ in range(2):
+                    model(torch.zeros(1, 1, dtype=torch.long, device=model.device), cache)
+        finally:
+            model.observers.extend(observers)

@@ -1,0 +1,193 @@
+"""Expert weights and the ExpertProvider interface the MoE block obtains them through.
+
+The MoE block never touches a checkpoint: it asks a provider for expert (layer, index) and calls it.
+This issue ships two providers (all experts in memory, or each read from the safetensors files on
+demand); the expert store, the fetch engine and the cache plug in behind the same interface.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fate_edge.quant import QuantSpec
+from fate_edge.quant.linear import QuantizedLinear, candidate_kernels, choose_kernel
+
+
+@dataclass
+class ExpertWeights:
+    """One SwiGLU expert: ``down(act(gate(x)) * up(x))``.
+
+    With ``gate_up`` [2I, H] (what :meth:`fused` builds), ``gate`` and ``up`` are views into it and the
+    expert runs two matmuls instead of three.
+    """
+
+    gate: torch.Tensor  # [I, H]
+    up: torch.Tensor  # [I, H]
+    down: torch.Tensor  # [H, I]
+    gate_up: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [N, H] -> [N, H]
+        if self.gate_up is not None:
+            gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+            return F.linear(F.silu(gate) * up, self.down)
+        return F.linear(F.silu(F.linear(x, self.gate)) * F.linear(x, self.up), self.down)
+
+    @classmethod
+    def fused(cls, gate_up: torch.Tensor, down: torch.Tensor) -> ExpertWeights:
+        gate, up = gate_up.chunk(2, dim=0)
+        return cls(gate, up, down, gate_up)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.gate, self.up, self.down))
+
+    def to(self, device: str | torch.device) -> ExpertWeights:
+        if self.gate.device == torch.device(device):
+            return self
+        if self.gate_up is not None:
+            return ExpertWeights.fused(self.gate_up.to(device), self.down.to(device))
+        return ExpertWeights(self.gate.to(device), self.up.to(device), self.down.to(device))
+
+
+class QuantizedExpert:
+    """A SwiGLU expert whose matrices are quantized (see ``quant.linear``): gate, up, down, or gate_up and down."""
+
+    def __init__(self, gate, up, down, gate_up=None):
+        self.gate, self.up, self.down, self.gate_up = gate, up, down, gate_up
+        # Every matrix on torch's int4 kernel: a decode step can call forward_bf16 with one bf16 input per layer.
+        self.takes_bf16 = all(m.kernel == "torch-int4" for m in (gate, up, down, gate_up) if m is not None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            return self.down(F.silu(gate) * up)
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+    def forward_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [N, H] bf16 → [N, H] bf16 (``takes_bf16`` only): the kernel's own dtype, no casts between."""
+        if self.gate_up is not None:
+            gate, up = self.gate_up.mm_bf16(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate.mm_bf16(x), self.up.mm_bf16(x)
+        return self.down.mm_bf16(F.silu(gate) * up)
+
+    def fused(self) -> QuantizedExpert:
+        """This expert with gate and up as one matrix (one matmul fewer per call), when both are torch-int4 on the
+        CPU or both native-int4: each layout keeps rows apart, so stacking packed rows and their scales is the
+        layout of the stacked matrix. Every part is copied, so a blob behind the views is freed."""
+        g, u = self.gate, self.up
+        if (self.gate_up is None and g.native is not None and u.native is not None and g.spec == u.spec
+                and self.down.native is not None):  # the portable layout keeps rows apart too
+            gate_up = QuantizedLinear.from_native(*(torch.cat([a, b]) for a, b in zip(g.native.parts, u.native.parts)),
+                                                  g.spec, in_features=g.shape[1])
+            down = QuantizedLinear.from_native(*(t.clone() for t in self.down.native.parts), g.spec,
+                                               in_features=self.down.shape[1])
+            return QuantizedExpert(None, None, down, gate_up=gate_up)
+        if self.gate_up is not None or not self.takes_bf16 or g.spec != u.spec:
+            return self
+        packed = torch.cat([g.packed, u.packed])
+        scale_zero = torch.cat([g.scale_zero, u.scale_zero], dim=1)
+        if g.packed.device.type != "cpu":  # CUDA's tinygemm layout tiles rows by 8: checked once per shape
+            gate_up = QuantizedLinear(g.spec, (g.shape[0] + u.shape[0], g.shape[1]), "torch-int4", packed,
+                                      scale_zero=scale_zero)
+            if not _stacks_rows(g, u, gate_up):
+                return self
+            down = QuantizedLinear(g.spec, self.down.shape, "torch-int4", self.down.packed.clone(),
+                                   scale_zero=self.down.scale_zero.clone())
+            return QuantizedExpert(None, None, down, gate_up=gate_up)
+        gate_up = QuantizedLinear.from_kernel_layout(packed, scale_zero, g.spec)
+        down = QuantizedLinear.from_kernel_layout(self.down.packed.clone(), self.down.scale_zero.clone(), g.spec)
+        return QuantizedExpert(None, None, down, gate_up=gate_up)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in (self.gate, self.up, self.down, self.gate_up) if m is not None)
+
+    @property
+    def kernel(self) -> str:
+        return (self.gate_up if self.gate_up is not None else self.gate).kernel
+
+
+_ROW_STACKING: dict[tuple, bool] = {}  # (device type, gate shape, up shape, group) → fused gate_up is exact
+
+
+def _stacks_rows(g: QuantizedLinear, u: QuantizedLinear, gate_up: QuantizedLinear) -> bool:
+    """Whether stacking ``g`` and ``u``'s packed rows gave the matrix of both (a device kernel's layout may tile
+    rows): checked once per shape on a random input, exact or not at all."""
+    key = (g.packed.device.type, g.shape, u.shape, g.spec.group_size)
+    if key not in _ROW_STACKING:
+        x = torch.randn(2, g.shape[1], generator=torch.Generator().manual_seed(0)).to(g.packed.device,
+                                                                                     torch.bfloat16)
+        _ROW_STACKING[key] = torch.equal(gate_up.mm_bf16(x), torch.cat([g.mm_bf16(x), u.mm_bf16(x)], dim=-1))
+    return _ROW_STACKING[key]
+
+
+class ExpertProvider(ABC):
+    """Where the MoE block gets routed experts from: the whole contract the model relies on.
+
+    Per MoE layer the model calls :meth:`stream` once with the experts it needs (most popular first),
+    computes each expert as it arrives, then calls :meth:`end_layer`. A provider only has to implement
+    :meth:`get`; the scheduler overrides :meth:`stream` (cache hits first, then reads as they land) and
+    :meth:`end_layer` (unpin, drop unused prefetches).
+    """
+
+    @abstractmethod
+    def get(self, layer: int, expert: int) -> ExpertWeights | QuantizedExpert:
+        """The weights of ``expert`` in ``layer``, ready to call."""
+
+    def stream(self, layer: int, expert_ids: Iterable[int]) -> Iterator[tuple[int, object | None]]:
+        """Yield (expert id, callable expert, or None when the provider chose to skip it), in any order."""
+        for e in expert_ids:
+            yield e, self.get(layer, e)
+
+    def end_layer(self, layer: int) -> None:  # noqa: B027 (optional hook, nothing to release by default)
+        """The MoE block has computed every expert of ``layer``."""
+
+    def begin_forward(self, tokens: int) -> None:  # noqa: B027 (optional hook)
+        """A forward pass over ``tokens`` new positions per sequence starts: a prompt when more than one, even
+        where a layer then routes fewer rows (the last layer of a prompt asked for its last logits only)."""
+
+
+class InMemoryExpertProvider(ExpertProvider):
+    """Every expert resident in memory: the reference configuration for parity and the fastest when it fits."""
+
+    def __init__(self, experts: dict[tuple[int, int], ExpertWeights | QuantizedExpert]):
+        # Resident int4 experts with separate gate and up (as the store holds them) take one matmul for both.
+        self.experts = {k: e.fused() if isinstance(e, QuantizedExpert) else e for k, e in experts.items()}
+
+    @classmethod
+    def quantized(cls, provider: InMemoryExpertProvider, spec: QuantSpec, device: str | torch.device = "cpu",
+                  kernel: str | None = None) -> InMemoryExpertProvider:
+        """Every expert of ``provider`` quantized (round-to-nearest) and kept resident: gate_up and down.
+
+        ``kernel`` None: the fastest here per matrix shape, timed once (``quant.linear.choose_kernel``)."""
+        return cls({key: quantize_expert(e, spec, device, kernel) for key, e in provider.experts.items()})
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        return self.experts[(layer, expert)]
+
+
+# Row counts expert kernels are timed at: a decode token, and an expert's share of a prefill chunk (64 tokens,
+# top-8 of 64 experts: 8 rows); ``quant.linear.pick_for_rows`` keeps a kernel that wins one only if it holds the other.
+EXPERT_ROWS = (1, 8)
+
+
+def quantize_expert(e: ExpertWeights, spec: QuantSpec, device: str | torch.device = "cpu",
+                    kernel: str | None = None) -> QuantizedExpert:
+    """Round-to-nearest ``e``; gate and up become one matrix (rows quantize independently: same codes).
+    ``kernel`` None: per matrix shape, the kernel timed fastest here at :data:`EXPERT_ROWS` rows."""
+    gate_up = e.gate_up if e.gate_up is not None else torch.cat([e.gate, e.up])
+    dev = torch.device(device)
+
+    def pick(w: torch.Tensor) -> str:  # a requested kernel that cannot take this shape: the fastest that can
+        if kernel == "dequant" or kernel in candidate_kernels(tuple(w.shape), spec, dev):
+            return kernel
+        return choose_kernel(w, spec, dev, rows=EXPERT_ROWS)
+
+    gu, down = (QuantizedLinear.from_float(w, spec, device, pick(w)) for w in (gate_up, e.down))
+    return QuantizedExpert(None, None, down, gate_up=gu)

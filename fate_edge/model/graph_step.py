@@ -1,0 +1,242 @@
+"""Decode steps replayed as CUDA graphs: the whole step when every expert is resident, else each layer's
+attention, router and shared expert, with the routed experts (the reads) between the replays.
+
+Eager decode launches a few hundred kernels a token from Python, each waiting on the interpreter (~5-20 µs of
+host time against ~2-5 µs of GPU time at these sizes). Both modes run the layer function the compiled CPU step
+runs (:mod:`fate_edge.model.compiled_step`: norms, q/k/v, rope, a cache write at a position tensor, attention over the
+whole buffer with its tail masked, router top-k, experts summed in expert-id order with the eager step's
+rounding), captured once per KV capacity and replayed.
+
+* :class:`CudaGraphDecode` (every expert resident): the token's k experts are picked by ``index_select`` from
+  per-layer stacks inside the graph, so a token is one replay and no host sync.
+* :class:`LayerGraphDecode` (experts streamed through the scheduler): per layer one replay computes the attention,
+  the gate input, the routing and the shared expert into static buffers; the routing comes to the host in one copy
+  (the layer's one sync), the observers (scheduler, predictors) and the routed experts run as in eager decode
+  (``decode_step.add_experts``, in place on the static residual), and the next layer's graph reads the result.
+
+The graphs own the KV buffers (static addresses): at a request's first decode step the prefill's keys and values
+are copied into them and the request's cache points at them from then on, so eager code that reads the cache
+(early attention, a fallback step) sees the same tensors. Capacity grows in powers of two (a new capture each
+time), so a short request does not hold a whole context's cache. One sequence at a time uses the buffers.
+``capture=False`` runs the same static-buffer code without graphs: what the CPU tests exercise.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from fate_edge.model import decode_step
+from fate_edge.model.compiled_step import (
+    GraphConsts,
+    _add_mlp,
+    attention_block,
+    position_mask,
+    report_routing,
+    router_block,
+    stack_experts,
+    step_graph,
+    step_shape,
+    unsupported_experts,
+)
+from fate_edge.model.embedding import lookup
+from fate_edge.model.layer import apply_linear, rms_norm
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from fate_edge.model.decoding_model import DecodingModel
+    from fate_edge.model.kv_cache import KVCache
+    from fate_edge.model.layer import LayerPlan
+
+MIN_CAPACITY = 256
+
+
+def unsupported(model: DecodingModel, streamed: bool = False) -> str | None:
+    """Why ``model``'s decode steps cannot be captured, or None when they can (``streamed``: per layer, experts
+    read between the replays; else the whole step, every expert resident)."""
+    if model.device.type != "cuda":
+        return f"device {model.device.type} (CUDA graphs need a CUDA model)"
+    if not model.fast_decode:
+        return "this architecture (MLA, q/k norms or clipped q/k/v)"
+    cfg = model.config
+    if cfg.sliding_window is not None and cfg.sliding_window_layers:
+        return "sliding-window attention"
+    return None if streamed else unsupported_experts(model)
+
+
+class _StaticDecode:
+    """Static inputs (token, position, rope rows), graph-owned KV buffers, and capture with a shared pool."""
+
+    def __init__(self, model: DecodingModel, capture: bool):
+        self.use_graph = capture
+        cfg = model.config
+        self.shape = step_shape(model)
+        self.plan_version = model._plan_version
+        self.failed: str | None = None
+        dev = model.device
+        self.token = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.cos = torch.zeros(1, model.rope.dim, dtype=torch.float32 if cfg.rope.float32 else model.dtype,
+                               device=dev)
+        self.sin = torch.zeros_like(self.cos)
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.graphs: list = []  # torch.cuda.CUDAGraph per replayed part, once captured
+        self.captures = 0  # capture rounds (one per KV capacity reached)
+
+    @property
+    def capacity(self) -> int:
+        return self.kv[0][0].shape[2] if self.kv else 0
+
+    def _begin(self, model: DecodingModel, token: torch.Tensor, cache: KVCache) -> bool:
+        """Static inputs for this step, buffers grown and attached; False where the eager step must run."""
+        start = cache.length
+        if start == 0 or self.failed is not None or start + 1 > model.config.max_position_embeddings:
+            return False
+        if model._plan_version != self.plan_version:
+            self.failed = "the model's weights changed after capture"
+            return False
+        if start + 1 > self.capacity:
+            cap = min(model.config.max_position_embeddings, max(MIN_CAPACITY, 1 << start.bit_length()))
+            self.kv = [tuple(b.new_zeros(*b.shape[:2], cap, b.shape[3]) for b in lay.buffers[:2])
+                       for lay in cache.layers]
+            self.graphs = []
+        for lay, bufs in zip(cache.layers, self.kv):  # the request's cache points at the static buffers
+            if lay.buffers[0] is not bufs[0]:
+                for dst, src in zip(bufs, lay.buffers):
+                    dst[:, :, : lay.length] = src[:, :, : lay.length]
+                lay.buffers = list(bufs)
+        cos, sin = model.rope.cos_sin_range(start, 1, self.cos.dtype, model.device)
+        self.cos.copy_(cos)
+        self.sin.copy_(sin)
+        self.token.copy_(token.view(1, 1))
+        self.pos.fill_(start)
+        return True
+
+    def _capture(self, model: DecodingModel, parts: list[Callable[[], None]]) -> bool:
+        """Capture each of ``parts`` (in replay order, one memory pool) after a warm-up on a side stream (cuBLAS
+        handles, lazy kernel loads). Warm-ups write the step's key and value at its position again, which the replay
+        then overwrites with its own. False, with :attr:`failed` set, when an operation cannot be captured."""
+        dev = model.device
+        try:
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    for part in parts:
+                        part()
+            torch.cuda.current_stream(dev).wait_stream(side)
+            graphs, pool = [], None
+            for part in parts:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    part()
+                pool = g.pool()
+                graphs.append(g)
+        except Exception as e:  # noqa: BLE001 (an op that cannot be captured: eager still works)
+            self.failed = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            return False
+        self.graphs = graphs
+        self.captures += 1
+        return True
+
+    @staticmethod
+    def _finish(cache: KVCache) -> None:
+        for lay in cache.layers:
+            lay.length += 1
+
+
+class CudaGraphDecode(_StaticDecode):
+    """The whole decode step as one graph (every expert resident); :meth:`step` returns None where the eager
+    path must run instead."""
+
+    def __init__(self, model: DecodingModel, capture: bool = True):
+        super().__init__(model, capture)
+        self.stacks = stack_experts(model)
+        self.logits: torch.Tensor | None = None
+        self.routing: list = []
+
+    def step(self, model: DecodingModel, token: torch.Tensor, cache: KVCache,
+             plan: list[LayerPlan]) -> torch.Tensor | None:
+        """``token`` [1, 1] continuing ``cache`` → logits [1, 1, V], or None (the cache's length unchanged)."""
+        if not self._begin(model, token, cache):
+            return None
+        g = GraphConsts(model.config, model.act, model.embed, model.w["model.norm.weight"])
+
+        def run() -> None:
+            self.logits, self.routing = step_graph(g, self.shape, self.token, self.cos, self.sin, self.pos, self.kv,
+                                                   plan, self.stacks, model.head)
+
+        if not self.use_graph:
+            run()
+        elif self.graphs or self._capture(model, [run]):
+            self.graphs[0].replay()
+        else:
+            return None
+        self._finish(cache)
+        report_routing(model, self.routing)  # after the step, as the compiled CPU step reports it
+        return self.logits.view(1, 1, -1)
+
+
+class LayerGraphDecode(_StaticDecode):
+    """Per layer, attention + gate input + routing + shared expert replayed as one graph; routed experts eager
+    through the model's provider (the scheduler's reads); the head as a last graph."""
+
+    def __init__(self, model: DecodingModel, capture: bool = True):
+        super().__init__(model, capture)
+        self.x = torch.zeros(1, model.config.hidden_size, dtype=model.dtype, device=model.device)  # the residual
+        self.outs: list[dict[str, torch.Tensor]] = []  # per layer: h, weights, idx (and z, gate), static
+        self.logits: torch.Tensor | None = None
+
+    def _parts(self, model: DecodingModel, plan: list[LayerPlan]) -> list[Callable[[], None]]:
+        cfg, s, act = model.config, self.shape, model.act
+        self.outs = [{} for _ in plan]
+
+        def layer(i: int, lp: LayerPlan) -> Callable[[], None]:
+            def run() -> None:
+                out = self.outs[i]
+                if i == 0:
+                    self.x.copy_(lookup(model.embed, self.token.view(1)))
+                kbuf, vbuf = self.kv[i]
+                x = attention_block(cfg, s, self.x, lp, kbuf, vbuf, self.cos, self.sin, self.pos,
+                                    position_mask(kbuf, self.pos))
+                h = rms_norm(x, lp.post_norm, s.eps)
+                if lp.router is None:
+                    self.x.copy_(_add_mlp(x, h, lp.mlp, lp.down, act))
+                    return
+                self.x.copy_(x)
+                out["h"] = h
+                out["weights"], out["idx"] = router_block(cfg, h, lp)
+                if lp.mlp is not None:  # computed before the routed experts, added after them (decode_step.moe)
+                    out["z"], out["gate"] = decode_step.shared_out(model, h, lp.mlp, lp.down)
+            return run
+
+        def head() -> None:
+            self.logits = apply_linear(rms_norm(self.x, model.w["model.norm.weight"], s.eps), model.head)
+
+        return [layer(i, lp) for i, lp in enumerate(plan)] + [head]
+
+    def step(self, model: DecodingModel, token: torch.Tensor, cache: KVCache,
+             plan: list[LayerPlan]) -> torch.Tensor | None:
+        if not self._begin(model, token, cache):
+            return None
+        parts = self._parts(model, plan) if not self.graphs else None
+        if self.use_graph and not self.graphs and not self._capture(model, parts):
+            return None
+        for i, lp in enumerate(plan):
+            if self.use_graph:
+                self.graphs[i].replay()
+            else:
+                parts[i]()
+            if lp.router is None:
+                continue
+            out = self.outs[i]
+            decode_step.serve_routing(model, self.x, out["h"], i, out["weights"], out["idx"],
+                                      lambda out=out: (out["z"], out["gate"]) if "z" in out else None)
+        if self.use_graph:
+            self.graphs[-1].replay()
+        else:
+            parts[-1]()
+        self._finish(cache)
+        return self.logits.view(1, 1, -1)

@@ -1,0 +1,292 @@
+"""Per-layer weights the forward pass reads, fused into fewer and larger matmuls.
+
+q/k/v become one matrix, a dense MLP's (or shared expert's) gate and up one matrix (with Qwen's shared-expert
+gate as its last row). Fusing concatenates once; the checkpoint names in ``Weights`` then point at views into
+the fused tensor, so memory does not grow and ``model.w[name]`` still reads the checkpoint's tensor.
+Assigning or deleting a name bumps ``Weights.version`` and the plan is rebuilt from the dict on the next call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fate_edge.model.arch.base import ModelConfig
+from fate_edge.quant import QuantSpec, quantize
+from fate_edge.quant.int8 import Int8Linear, quantize_int8
+from fate_edge.quant.linear import QuantizedLinear, default_kernel, int4_supported
+from fate_edge.quant.native import padded_in_features
+from fate_edge.quant.pack import pack
+
+
+class Weights(dict):
+    """Resident weights by checkpoint name; every assignment or deletion bumps ``version``."""
+
+    version = 0
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        self.version += 1
+
+    def __delitem__(self, key: str) -> None:
+        super().__delitem__(key)
+        self.version += 1
+
+    def pop(self, key: str, *default: Any) -> Any:
+        self.version += 1
+        return super().pop(key, *default)
+
+
+@dataclass
+class Fused:
+    """``F.linear(x, weight, bias)`` whose output splits into ``sizes`` (one per member matrix)."""
+
+    weight: Any  # a tensor, or a callable quantized linear (``bias`` then None)
+    bias: torch.Tensor | None
+    sizes: list[int]
+
+
+@dataclass
+class LayerPlan:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: Fused | None  # GQA attention; None for MLA (its projections are in ``mla``)
+    o_proj: Fused | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    mlp: Fused | None  # dense MLP or shared expert: [gate; up(; shared gate row)]
+    down: Fused | None
+    router: torch.Tensor | None  # MoE layers
+    correction_bias: torch.Tensor | None
+    mla: dict[str, Fused] = field(default_factory=dict)  # MLA's projections by name (q_proj, kv_b_proj, ...)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as the reference models compute it (in float32, then scaled in the input's dtype)."""
+    dtype = x.dtype
+    if dtype == torch.float32 and weight.dtype == torch.float32:  # one fused kernel, bit-identical in fp32
+        return F.rms_norm(x, weight.shape, weight, eps)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def apply_linear(x: torch.Tensor, f: Fused) -> torch.Tensor:
+    """``F.linear`` through a fused (maybe quantized) linear."""
+    w = f.weight
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, f.bias)
+    y = w(x)  # a quantized linear (resident_bits); padded int4 rows are cut off by FirstRows
+    return y if f.bias is None else y + f.bias
+
+
+def mlp_forward(x: torch.Tensor, mlp: Fused, down: Fused, act) -> torch.Tensor:
+    """A dense MLP or shared expert, ``down(act(gate(x)) * up(x))``, with Qwen's sigmoid gate when ``mlp`` has a
+    third member (the eager general path and the compiled decode graph both run this)."""
+    gate, up, *gated = apply_linear(x, mlp).split(mlp.sizes, dim=-1)
+    y = apply_linear(act(gate) * up, down)
+    return torch.sigmoid(gated[0]) * y if gated else y
+
+
+def fuse(w: Weights, names: list[str]) -> Fused:
+    """One matrix for the linears ``names`` (checkpoint prefixes); their weights become views into it.
+
+    If :func:`quantize_group` quantized this group, the fused matrix is its quantized linear."""
+    key = "+".join(names)
+    biases = [w.get(f"{n}.bias") for n in names]
+    quantized = _quantized(w, key)
+    if quantized is not None:
+        weight, sizes = quantized
+    else:
+        weights = [w[f"{n}.weight"] for n in names]
+        sizes = [t.shape[0] for t in weights]
+        weight = weights[0] if len(names) == 1 else _concat(w, [f"{n}.weight" for n in names], weights)
+    if all(b is None for b in biases):
+        return Fused(weight, None, sizes)
+    if len(names) == 1:
+        return Fused(weight, biases[0], sizes)
+    like = next(b for b in biases if b is not None)
+    biases = [b if b is not None else like.new_zeros(size) for b, size in zip(biases, sizes)]
+    return Fused(weight, _concat(w, [f"{n}.bias" for n in names], biases), sizes)
+
+
+def _quantized(w: Weights, key: str) -> tuple[Any, list[int]] | None:
+    if f"{key}.int8" in w:
+        return Int8Linear(w[f"{key}.int8"], w[f"{key}.int8_scale"]), w[f"{key}.sizes"].tolist()
+    if f"{key}.nint4" in w:
+        spec = QuantSpec(4, int(w[f"{key}.int4_group"]))
+        lin = QuantizedLinear.from_native(w[f"{key}.nint4"], w[f"{key}.nint4_scale"], w[f"{key}.nint4_zero"], spec,
+                                          in_features=int(w[f"{key}.in_features"]))
+        return lin, w[f"{key}.sizes"].tolist()
+    if f"{key}.int4" in w:
+        spec = QuantSpec(4, int(w[f"{key}.int4_group"]))
+        lin = QuantizedLinear.from_kernel_layout(w[f"{key}.int4"], w[f"{key}.int4_scale_zero"], spec)
+        sizes = w[f"{key}.sizes"].tolist()
+        return (lin if sum(sizes) == lin.shape[0] else FirstRows(lin, sum(sizes))), sizes
+    return None
+
+
+@dataclass
+class FirstRows:
+    """A quantized linear whose weight was padded with zero rows for its kernel: its first ``rows`` outputs."""
+
+    linear: Any
+    rows: int
+
+    def __getattr__(self, name: str) -> Any:  # kernel, shape (padded), nbytes...: the padded linear's
+        if name in ("linear", "rows"):  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.linear, name)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)[..., : self.rows]
+
+
+def _concat(w: Weights, keys: list[str], parts: list[torch.Tensor]) -> torch.Tensor:
+    base = parts[0]._base
+    if base is not None and _are_consecutive_rows(base, parts):
+        return base  # fused before (this plan is a rebuild): reuse, no copy
+    fused = torch.cat(parts)
+    start = 0
+    for key, t in zip(keys, parts):
+        if key in w:
+            dict.__setitem__(w, key, fused[start : start + t.shape[0]])  # a view: no version bump, no copy kept
+        start += t.shape[0]
+    return fused
+
+
+def _are_consecutive_rows(base: torch.Tensor, parts: list[torch.Tensor]) -> bool:
+    offset = base.storage_offset()
+    for t in parts:
+        if t._base is not base or t.storage_offset() != offset or not t.is_contiguous():
+            return False
+        offset += t.numel()
+    return offset == base.storage_offset() + base.numel()
+
+
+def layer_groups(config: ModelConfig, i: int, n: Any) -> dict[str, list[str]]:
+    """The fused linears of decoder layer ``i`` (``n``: its LayerNames), by role."""
+    a, groups = n.attn, {"o_proj": [f"{n.attn}.o_proj"]}
+    if config.mla is None:
+        groups["qkv"] = [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"]
+    else:  # MLA: each projection alone (latent norms sit between them), in LayerPlan.mla
+        m = config.mla
+        for proj in (["q_proj"] if m.q_lora_rank is None else ["q_a_proj", "q_b_proj"]) + [
+                "kv_a_proj_with_mqa", "kv_b_proj"]:
+            groups[f"mla.{proj}"] = [f"{a}.{proj}"]
+    if not config.is_moe_layer(i):
+        groups["mlp"], groups["down"] = [f"{n.mlp}.gate_proj", f"{n.mlp}.up_proj"], [f"{n.mlp}.down_proj"]
+    elif config.shared_expert_intermediate_size:
+        shared = f"{n.mlp}.shared_expert" if config.shared_expert_gated else f"{n.mlp}.shared_experts"
+        extra = [f"{n.mlp}.shared_expert_gate"] if config.shared_expert_gated else []
+        groups["mlp"], groups["down"] = [f"{shared}.gate_proj", f"{shared}.up_proj", *extra], [f"{shared}.down_proj"]
+    return groups
+
+
+def build_plan(config: ModelConfig, w: Weights, layer_names: list) -> list[LayerPlan]:
+    plans = []
+    for i, n in enumerate(layer_names):
+        g = {role: fuse(w, names) for role, names in layer_groups(config, i, n).items()}
+        moe = config.is_moe_layer(i)
+        plans.append(LayerPlan(
+            w[f"{n.input_norm}.weight"], w[f"{n.post_attn_norm}.weight"], g.get("qkv"), g["o_proj"],
+            w.get(f"{n.attn}.q_norm.weight"), w.get(f"{n.attn}.k_norm.weight"), g.get("mlp"), g.get("down"),
+            w[f"{n.mlp}.gate.weight"] if moe else None, w.get(f"{n.mlp}.gate.e_score_correction_bias") if moe else None,
+            {role.removeprefix("mla."): f for role, f in g.items() if role.startswith("mla.")},
+        ))
+    return plans
+
+
+def build_head(w: Weights, embed: torch.Tensor) -> Fused:
+    """The output projection: lm_head (maybe quantized), or the embedding when they are tied."""
+    if "lm_head.weight" in w or _quantized(w, "lm_head") is not None:
+        return fuse(w, ["lm_head"])
+    # tied to a quantized table (fate_edge.model.embedding): the head multiplies by the same codes
+    return Fused(embed if isinstance(embed, torch.Tensor) else embed.as_linear(), None, [embed.shape[0]])
+
+
+def resident_groups(config: ModelConfig, layer_names: list, names: Any) -> list[list[str]]:
+    """The linears :func:`quantize_group` quantizes with ``resident_bits``, one list per fused matrix: lm_head
+    first (``names``: the resident weight names; lm_head only where it is one of them), then every layer's groups."""
+    head = [["lm_head"]] if "lm_head.weight" in names else []
+    return head + [g for i, n in enumerate(layer_names) for g in layer_groups(config, i, n).values()]
+
+
+def quantize_group(w: Weights, names: list[str], bits: int) -> None:
+    """Quantize one fused group of ``w`` (:func:`resident_groups`: attention, dense MLPs, shared experts, lm_head)
+    in place to ``bits``; its float weights go. The loader calls it as each group is read, so a model never holds
+    all its float weights at once.
+
+    8: per-channel int8 (torch's int8 kernel); 4: group-wise int4 in torch's CPU layout, rows padded with zeros to
+    the kernel's multiple of 16 where needed (Qwen's shared expert gate_up carries its one-row gate: 2I + 1 rows,
+    which went to int8, the slowest matmul of a Qwen prefill); :class:`FirstRows` drops the padded outputs.
+    Norms, routers, biases and the embedding stay as loaded. Groups the int4 kernel cannot take stay in 8 bits.
+    (onnxruntime's MatMulNBits, ~2x faster at prefill here, is not used: a session per matrix held 3-13x the int4
+    bytes, measured.)"""
+    key = "+".join(names)
+    parts = [w[f"{n}.weight"] for n in names]
+    full = parts[0] if len(parts) == 1 else torch.cat(parts)  # lm_head alone: no copy
+    rows, group = full.shape[0], int4_group(full.shape[1])
+    if _native_kernel(tuple(full.shape), bits, full.device):  # any row count; K padded to the kernel's 128
+        spec, k = QuantSpec(4, group), full.shape[1]
+        if padded_in_features(k) != k:  # zero columns quantize to zero weights (DeepSeek's dense down_proj)
+            full = torch.cat([full, full.new_zeros(rows, padded_in_features(k) - k)], dim=1)
+        q = quantize(full, spec)
+        dict.update(w, {f"{key}.nint4": pack(q.codes, 4), f"{key}.nint4_scale": q.scale,
+                        f"{key}.nint4_zero": q.zero, f"{key}.int4_group": torch.tensor(group),
+                        f"{key}.in_features": torch.tensor(k)})
+    elif _int4_kernel(_padded(tuple(full.shape)), bits, full.device):
+        spec = QuantSpec(4, group)
+        if rows % _INT4_ROWS:  # Qwen's shared expert: gate + up + its 1-row gate; zero rows, cut off in _quantized
+            full = torch.cat([full, full.new_zeros(-rows % _INT4_ROWS, full.shape[1])])
+        lin = QuantizedLinear.from_quantized(quantize(full, spec), spec, full.device, "torch-int4")
+        dict.update(w, {f"{key}.int4": lin.packed, f"{key}.int4_scale_zero": lin.scale_zero,
+                        f"{key}.int4_group": torch.tensor(group)})
+    else:
+        codes, scale = quantize_int8(full)
+        dict.update(w, {f"{key}.int8": codes, f"{key}.int8_scale": scale})
+    dict.__setitem__(w, f"{key}.sizes", torch.tensor([p.shape[0] for p in parts]))
+    del parts, full
+    for n in names:
+        dict.__delitem__(w, f"{n}.weight")
+
+
+_INT4_ROWS = 16  # torch's CPU int4 packer wants N % 16 == 0
+
+
+def _padded(shape: tuple[int, int]) -> tuple[int, int]:
+    return (shape[0] + -shape[0] % _INT4_ROWS, shape[1])
+
+
+def _native_kernel(shape: tuple[int, int], bits: int, device: torch.device) -> bool:
+    group = int4_group(shape[1])
+    return (bits == 4 and group is not None
+            and default_kernel(shape, QuantSpec(4, group), device, copies=True) == "native-int4")
+
+
+def _int4_kernel(shape: tuple[int, int], bits: int, device: torch.device) -> bool:
+    group = int4_group(shape[1])
+    return bits == 4 and group is not None and int4_supported(shape, QuantSpec(4, group), device)
+
+
+def quantized_group_bytes(shape: tuple[int, int], members: int, bits: int) -> int:
+    """Bytes :func:`quantize_group` leaves for a fused [N, K] group of ``members`` linears on the CPU: int4 codes
+    (N*K/2) + bf16 scale and zero per group of K, or int8 codes + a bf16 scale per row; plus the int64
+    bookkeeping (member sizes, the int4 group)."""
+    if _native_kernel(shape, bits, torch.device("cpu")):  # codes, fp16 scale and zero of K padded; no padded rows
+        k = padded_in_features(shape[1])
+        return shape[0] * k // 2 + (k // int4_group(shape[1])) * shape[0] * 2 * 2 + 8 + 8 + 8 * members
+    n, k = _padded(shape)
+    if _int4_kernel((n, k), bits, torch.device("cpu")):
+        return n * k // 2 + (k // int4_group(k)) * n * 2 * 2 + 8 + 8 * members
+    n = shape[0]
+    return n * k + n * 2 + 8 * members
+
+
+def int4_group(k: int) -> int | None:
+    """The group a resident linear of input width ``k`` is quantized to int4 in (the largest of 128/64/32 dividing
+    it); None: no group divides, and :func:`quantize_group` keeps it in 8 bits."""
+    return next((g for g in (128, 64, 32) if k % g == 0), None)

@@ -1,0 +1,370 @@
+"""The MoE transformer forward pass, shared by every supported architecture.
+
+Weights keep their Hugging Face names in one dict (``resident``); routed experts come from an
+:class:`~fate_edge.model.experts.ExpertProvider`. Architecture differences are read from the normalised
+config (``fate_edge.model.arch``), so this file reads top to bottom like the reference models it matches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fate_edge.model import decode_step, sdpa
+from fate_edge.model.arch.base import ModelConfig
+from fate_edge.model.decoding_model import RoutingObserver
+from fate_edge.model.dispatch import group_by_expert
+from fate_edge.model.embedding import embedding_table, lookup
+from fate_edge.model.experts import ExpertProvider, InMemoryExpertProvider
+from fate_edge.model.kv_cache import KVCache
+from fate_edge.model.layer import Fused, LayerPlan, Weights, apply_linear, build_head, build_plan, mlp_forward, rms_norm
+from fate_edge.model.rope import RotaryEmbedding, apply_rope, yarn_softmax_scale
+from fate_edge.model.router import route
+
+_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu}
+
+
+@dataclass
+class LayerNames:
+    """Prefixes of one decoder layer's modules in the checkpoint."""
+
+    attn: str
+    mlp: str  # the MoE block or the dense MLP
+    input_norm: str
+    post_attn_norm: str
+
+
+class MoETransformer:
+    def __init__(
+        self,
+        config: ModelConfig,
+        resident: dict[str, torch.Tensor],
+        experts: ExpertProvider,
+        layer_names: list[LayerNames],
+        dtype: torch.dtype = torch.float32,
+    ):
+        self.config = config
+        self.experts = experts
+        self.names = layer_names
+        self.dtype = dtype
+        self.act = _ACTIVATIONS[config.hidden_act]
+        self.rope = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
+        self.observers: list[RoutingObserver] = []
+        # While observers run: the routed layer's residual stream after its attention [N, H], and the KV cache of
+        # the forward in progress (predictors/early_attention.py runs the next layer's attention on them early).
+        # None where a step does not expose them (the compiled decode step reports its routing after the fact).
+        self.residual: torch.Tensor | None = None
+        self.active_cache: KVCache | None = None
+        self.w = resident if isinstance(resident, Weights) else Weights(resident)
+        self._plan: list[LayerPlan] = []
+        self._plan_version = -1
+        self.embed = embedding_table(resident, dtype)  # a tensor, or a quantized table (fate_edge.model.embedding)
+        self._head: Fused | None = None
+        # One-token decode through fate_edge.model.decode_step (fewer, larger operators); False: the general path.
+        self.fast_decode = decode_step.supported(self)
+        self.compiled = None  # a compiled_step.CompiledDecode after set_compile("on"/"auto")
+        # On CUDA: decode steps replayed as CUDA graphs (graph_step: the whole step with every expert resident, else
+        # per layer around the streamed experts), made at the first decode step; False turns it off. ``graph_off``
+        # says why a CUDA model decodes eagerly.
+        self.cuda_graphs = True
+        self.graphed = None
+        self.graph_off: str | None = None
+        self._rope_perm: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        if "lm_head.weight" not in resident and "lm_head.sizes" not in resident and not config.tie_word_embeddings:
+            from fate_edge.errors import MissingTensorError
+
+            raise MissingTensorError("checkpoint has no 'lm_head.weight' and tie_word_embeddings is false")
+
+    # ----------------------------------------------------------------- helpers
+    def plan(self) -> list[LayerPlan]:
+        """Fused per-layer weights, rebuilt when ``self.w`` has changed since the last build."""
+        if self._plan_version != self.w.version:
+            self._plan = build_plan(self.config, self.w, self.names)
+            self._head = build_head(self.w, self.embed)
+            self._plan_version = self.w.version
+        return self._plan
+
+    @property
+    def head(self) -> Fused:
+        """The output projection (after :meth:`plan`)."""
+        assert self._head is not None
+        return self._head
+
+    @property
+    def device(self) -> torch.device:
+        """Where the resident weights live: every tensor a forward pass makes is made here."""
+        return self.embed.device
+
+    def rope_permutation(self, dtype: torch.dtype) -> torch.Tensor:
+        key = (self.device, dtype)
+        p = self._rope_perm.get(key)
+        if p is None:
+            p = self._rope_perm[key] = decode_step.roll_permutation(self.rope.dim, dtype, self.device)
+        return p
+
+    def kernels(self) -> dict[str, list[str]]:
+        """Matmul kernels in use: resident linears by role, and routed experts (``quant.linear.KERNEL_CHOICES``
+        records each quantized shape's kernel and, when timed, ``KERNEL_TIMINGS`` why)."""
+        out: dict[str, set[str]] = {}
+        for lp in self.plan():
+            for role in ("qkv", "o_proj", "mlp", "down"):
+                f = getattr(lp, role)
+                if f is not None:
+                    out.setdefault(role, set()).add(_kernel(f.weight))
+        out["lm_head"] = {_kernel(self._head.weight)}
+        if isinstance(self.experts, InMemoryExpertProvider) and self.experts.experts:
+            out["experts"] = {getattr(e, "kernel", "dense") for e in self.experts.experts.values()}
+        return {role: sorted(k) for role, k in out.items()}
+
+    def set_compile(self, mode: str, warm: bool = True) -> str | None:
+        """Decode steps as one torch.compile'd graph (``compiled_step``): "on", "auto" (on where supported,
+        silently eager elsewhere) or "off". ``warm`` compiles now (seconds with inductor's disk cache warm, a
+        minute or more cold) rather than at the first decode token. Returns why it stays off, or None when on."""
+        from fate_edge.model.compiled_step import MODES, CompiledDecode, unsupported
+
+        if mode not in MODES:
+            raise ValueError(f"compile must be one of {', '.join(MODES)}, not {mode!r}")
+        self.compiled = None
+        why = "off" if mode == "off" else unsupported(self)
+        if why is None:
+            self.compiled = CompiledDecode(self, mode)
+            if warm:
+                self.compiled.warm(self)
+            why = self.compiled.failed
+        elif mode == "on":
+            import warnings
+
+            warnings.warn(f"--compile on: decoding eagerly, compiled decode does not support {why}", stacklevel=2)
+        return why
+
+    def _graph_step(self):
+        """The captured CUDA decode step where it applies (made once), else None."""
+        if self.device.type != "cuda" or not self.cuda_graphs:
+            return None
+        if self.graphed is None and self.graph_off is None:
+            from fate_edge.model.graph_step import CudaGraphDecode, LayerGraphDecode, unsupported
+
+            # The whole step where every expert is resident, else per layer around the streamed experts.
+            if unsupported(self) is None:
+                self.graphed = CudaGraphDecode(self)
+            else:
+                self.graph_off = unsupported(self, streamed=True)
+                if self.graph_off is None:
+                    self.graphed = LayerGraphDecode(self)
+        if self.graphed is not None and self.graphed.failed is not None:
+            self.graph_off = self.graphed.failed
+        return self.graphed
+
+    def _mlp(self, x: torch.Tensor, mlp: Fused, down: Fused) -> torch.Tensor:
+        return mlp_forward(x, mlp, down, self.act)
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.config.num_hidden_layers)
+
+    # --------------------------------------------------------------- attention
+    def _attend(self, q, k, v, start: int, layer: int, scale: float) -> torch.Tensor:
+        """q [B, nh, T, d], k/v [B, nkv, S, d] (S includes the cache) → [B, T, nh * dv]."""
+        cfg = self.config
+        t, s = q.shape[2], k.shape[2]
+        window = cfg.sliding_window if layer in cfg.sliding_window_layers else None
+        gqa = q.shape[1] != k.shape[1]
+        if window is None and t == 1:
+            out = sdpa.attention(q, k, v, scale=scale, enable_gqa=gqa)
+        elif window is None and t == s:
+            out = sdpa.attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            positions = torch.arange(start, start + t, device=q.device)
+            key_pos = torch.arange(s, device=q.device)
+            mask = key_pos[None, :] <= positions[:, None]
+            if window is not None:
+                mask &= key_pos[None, :] > positions[:, None] - window
+            out = sdpa.attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        b = q.shape[0]
+        if t == 1:  # [B, nh, 1, d]: moving the size-1 axis moves no data
+            return out.reshape(b * t, -1)
+        return out.transpose(1, 2).reshape(b * t, -1)
+
+    def _gqa_attention(self, x, b: int, t: int, start: int, cache, layer: int, cos, sin, lp: LayerPlan):
+        """``x`` [B*T, H] → [B*T, H]: activations stay 2-D between layers, so each linear is one matmul."""
+        q, k, v = self.gqa_qkv(x, b, t, cos, sin, lp)
+        k, v = cache.layers[layer].append(k, v, capacity_hint=cache.capacity_hint)
+        out = self._attend(q, k, v, start, layer, scale=self.config.head_dim**-0.5)
+        return apply_linear(out, lp.o_proj)
+
+    def gqa_qkv(self, x, b: int, t: int, cos, sin, lp: LayerPlan):
+        """Normed ``x`` [B*T, H] → q [B, heads, T, hd], k and v [B, kv heads, T, hd], q and k rotated (also what
+        predictors/early_attention.py runs a layer early on)."""
+        cfg = self.config
+        hd = cfg.head_dim
+        qkv = apply_linear(x, lp.qkv)
+        n_q, n_k = lp.qkv.sizes[0] // hd, lp.qkv.sizes[1] // hd
+        if cfg.qk_norm == "none" and cfg.clip_qkv is None:  # rotate q and k in one pass
+            qk = qkv[..., : (n_q + n_k) * hd].view(b, t, n_q + n_k, hd).transpose(1, 2)
+            qk = apply_rope(qk, cos, sin, cfg.rope.interleaved)
+            q, k = qk[:, :n_q], qk[:, n_q:]
+            v = qkv[..., (n_q + n_k) * hd :]
+        else:
+            q, k, v = _split(qkv, lp.qkv)
+            if cfg.qk_norm == "full":  # OLMoE: one norm over all heads
+                q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
+                k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
+            if cfg.clip_qkv is not None:
+                q, k, v = (z.clamp(-cfg.clip_qkv, cfg.clip_qkv) for z in (q, k, v))
+            q = q.view(b, t, -1, hd)
+            k = k.view(b, t, -1, hd)
+            if cfg.qk_norm == "head":  # Qwen3: per-head norm
+                q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
+                k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, heads, T, hd]
+            q, k = apply_rope(q, cos, sin, cfg.rope.interleaved), apply_rope(k, cos, sin, cfg.rope.interleaved)
+        v = v.reshape(b, t, -1, hd).transpose(1, 2)
+        return q, k, v
+
+    def _mla_attention(self, x, b: int, t: int, start: int, cache, layer: int, cos, sin, lp: LayerPlan):
+        cfg, m, p = self.config, self.config.mla, self.names[layer].attn
+        assert m is not None
+        x = x.view(b, t, -1)
+        qk_head = m.qk_nope_head_dim + m.qk_rope_head_dim
+        if m.q_lora_rank is None:
+            q = apply_linear(x, lp.mla["q_proj"])
+        else:
+            q_lat = rms_norm(apply_linear(x, lp.mla["q_a_proj"]), self.w[f"{p}.q_a_layernorm.weight"], 1e-6)
+            q = apply_linear(q_lat, lp.mla["q_b_proj"])
+        q = q.view(b, t, -1, qk_head).transpose(1, 2)
+        q_nope, q_rot = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        kv_lat, k_rot = apply_linear(x, lp.mla["kv_a_proj_with_mqa"]).split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
+        kv_lat = rms_norm(kv_lat, self.w[f"{p}.kv_a_layernorm.weight"], 1e-6).view(b, 1, t, m.kv_lora_rank)
+        k_rot = k_rot.view(b, 1, t, m.qk_rope_head_dim)
+        q_rot = apply_rope(q_rot, cos, sin, cfg.rope.interleaved)
+        k_rot = apply_rope(k_rot, cos, sin, cfg.rope.interleaved)
+        # The cache keeps the compressed latent (kv_lora_rank + rope dims per token), not per-head keys.
+        kv_lat, k_rot = cache.layers[layer].append(kv_lat, k_rot, capacity_hint=cache.capacity_hint)
+        s = kv_lat.shape[2]
+        kv = apply_linear(kv_lat, lp.mla["kv_b_proj"]).view(b, s, -1, m.qk_nope_head_dim + m.v_head_dim).transpose(1, 2)
+        k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
+        q = torch.cat([q_nope, q_rot], dim=-1)
+        scale = qk_head**-0.5 * yarn_softmax_scale(cfg.rope)
+        return apply_linear(self._attend(q, k, v, start, layer, scale), lp.o_proj)
+
+    # --------------------------------------------------------------------- MoE
+    def route(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router of ``layer`` on gate inputs ``h`` [N, H] → (weights [N, k], expert ids [N, k])."""
+        lp = self.plan()[layer]
+        logits = F.linear(h if h.dtype == lp.router.dtype else h.to(lp.router.dtype), lp.router)
+        return route(self.config, logits, lp.correction_bias)
+
+    def _moe(self, x: torch.Tensor, layer: int, lp: LayerPlan) -> torch.Tensor:
+        h = x  # [N, H]
+        weights, idx = self.route(layer, h)  # [N, k]
+        for obs in self.observers:
+            obs(layer, h, idx, weights)
+        # The shared expert first, while the reads the observers just issued arrive; added last, as it always was.
+        shared = self._mlp(h, lp.mlp, lp.down) if lp.mlp is not None else None
+        out = self._routed_one(h, layer, idx, weights) if h.shape[0] == 1 else self._routed(h, layer, idx, weights)
+        return out if shared is None else out + shared
+
+    def _routed_one(self, h: torch.Tensor, layer: int, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """One token (decode): call its k experts directly; no sort/nonzero/index bookkeeping."""
+        weight_of = dict(zip(idx.tolist()[0], weights.tolist()[0]))  # exact: fp32 -> Python float -> fp32
+        parts: dict[int, torch.Tensor] = {}
+        for e, expert in self.experts.stream(layer, sorted(weight_of)):
+            if expert is not None:  # None: skipped by precision-on-miss (opt-in)
+                parts[e] = expert(h)
+        self.experts.end_layer(layer)
+        out = None
+        for e in sorted(parts):  # expert-id order, as _routed sums
+            y = parts[e] * weight_of[e] if h.dtype == torch.float32 else (parts[e].float() * weight_of[e]).to(h.dtype)
+            out = y if out is None else out + y
+        return torch.zeros_like(h) if out is None else out
+
+    def _routed(self, h: torch.Tensor, layer: int, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Several tokens: one stable sort of the (token, expert) pairs by expert, one gather of the inputs, each
+        expert on its contiguous slice, one scaled ``index_add_`` (no per-expert mask, nonzero or scatter)."""
+        g = group_by_expert(idx)
+        hs = h.index_select(0, g.tokens)  # [N*k, H], rows grouped by expert id
+        ys = torch.empty_like(hs)
+        starts = dict(zip(g.ids, g.starts))
+        for e, expert in self.experts.stream(layer, g.by_popularity()):  # any order (cache hits first, then reads)
+            s = slice(starts[e], starts[e] + g.counts[e])
+            if expert is None:  # skipped by precision-on-miss (opt-in): its rows add zero
+                ys[s] = 0
+            else:
+                ys[s] = expert(hs[s])
+        self.experts.end_layer(layer)
+        w = weights.flatten().index_select(0, g.order)[:, None]
+        ys = ys * w if h.dtype == torch.float32 else (ys.float() * w).to(h.dtype)
+        # Each token's experts are summed in expert-id order whatever the arrival order, so fetch timing never
+        # changes the answer. fp32: index_add_ adds rows in index order. Lower precisions: index_add_ would sum a
+        # token's rows in fp32 and round once, where decode (_routed_one) rounds after each add; k passes, the
+        # j-th expert of every token in pass j, round as decode does (same bits on both paths).
+        out = torch.zeros_like(h)
+        if h.dtype == torch.float32:
+            return out.index_add_(0, g.tokens, ys)
+        n = h.shape[0]
+        by_rank = g.by_rank(idx)  # grouped rows reordered: [k blocks of n rows], block j = each token's j-th expert
+        tokens, ys = g.tokens.index_select(0, by_rank), ys.index_select(0, by_rank)
+        for j in range(idx.shape[1]):
+            out.index_add_(0, tokens[j * n : (j + 1) * n], ys[j * n : (j + 1) * n])
+        return out
+
+    # ----------------------------------------------------------------- forward
+    def forward(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+        """``input_ids`` [B, T] continuing ``cache`` → logits [B, T, V] (or [B, 1, V] with last_only)."""
+        self.active_cache, self.residual = cache, None
+        if input_ids.device != self.device:  # ids built on the CPU (a tokenizer's list): one small copy per call
+            input_ids = input_ids.to(self.device)
+        try:
+            return self._forward(input_ids, cache, last_only)
+        finally:  # a finished request's KV cache is not kept alive through the model
+            self.active_cache = self.residual = None
+
+    def _forward(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool) -> torch.Tensor:
+        cfg = self.config
+        plan = self.plan()
+        start = cache.length
+        t = input_ids.shape[1]
+        b = input_ids.shape[0]
+        self.experts.begin_forward(t)
+        if t == 1 and b == 1 and self.fast_decode:
+            step = self.compiled if self.compiled is not None else self._graph_step()
+            out = step.step(self, input_ids, cache, plan) if step is not None else None
+            return out if out is not None else decode_step.decode_token(self, input_ids, cache, plan)
+        x = lookup(self.embed, input_ids.reshape(-1))  # [B*T, H]
+        cos, sin = self.rope.cos_sin_range(start, t, torch.float32 if cfg.rope.float32 else self.dtype, self.device)
+        attention = self._mla_attention if cfg.mla is not None else self._gqa_attention
+        eps = cfg.rms_norm_eps
+        prune = last_only and t > 1 and not any(getattr(o, "needs_every_token", True) for o in self.observers)
+        for i, lp in enumerate(plan):
+            h = rms_norm(x, lp.input_norm, eps)
+            a = attention(h, b, t, start, cache, i, cos, sin, lp)
+            if prune and i == len(plan) - 1:
+                # The last attention has written every position's keys and values; past it only the last
+                # position feeds the logits asked for, so the last MLP or MoE runs on B rows, not B*T (as
+                # llama.cpp does). For a model trimmed to a layer or two that is most of a prompt's MLP work.
+                x, a = x.view(b, t, -1)[:, -1].contiguous(), a.view(b, t, -1)[:, -1]
+                t = 1
+            x = x + a
+            h = rms_norm(x, lp.post_norm, eps)
+            if lp.router is not None:
+                self.residual = x
+                x = x + self._moe(h, i, lp)
+            else:
+                x = x + self._mlp(h, lp.mlp, lp.down)
+        if last_only:
+            x = x.view(b, t, -1)[:, -1]
+            t = 1
+        x = rms_norm(x, self.w["model.norm.weight"], eps)
+        return apply_linear(x, self._head).view(b, t, -1)
+
+    __call__ = forward
+
+
+def _kernel(weight) -> str:
+    return f"dense-{str(weight.dtype).removeprefix('torch.')}" if isinstance(weight, torch.Tensor) else weight.kernel
+
+
+def _split(y: torch.Tensor, f: Fused) -> list[torch.Tensor]:
+    return y.split(f.sizes, dim=-1) if len(f.sizes) > 1 else [y]

@@ -1,0 +1,1 @@
+"""Choosing a policy: the planner, the simulator, device emulation and presets, the oracle bound."""

@@ -1,0 +1,42 @@
+"""``fate_edge.Engine``: the runtime's engine, with ``policy="auto"`` (or ``plan="auto"``) chosen by the planner
+for this host, budget and link before the engine opens."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from fate_edge.errors import FateEdgeError
+from fate_edge.format.checkpoint_layout import DTYPES
+from fate_edge.format.store import is_store
+from fate_edge.planning.planner import auto_plan
+from fate_edge.runtime import engine as runtime_engine
+from fate_edge.runtime.budget import parse_bytes
+
+_PARAMS = inspect.signature(runtime_engine.Engine.__init__)
+
+
+class Engine(runtime_engine.Engine):
+    """A model store served under a memory budget (:class:`fate_edge.runtime.engine.Engine`), whose policy may be
+    left to the planner."""
+
+    def __init__(self, *args: Any, plan: str | None = None, **kwargs: Any):
+        """The arguments of :class:`fate_edge.runtime.engine.Engine`; ``policy="auto"`` or ``plan="auto"``: the
+        planner picks the policy (its choice, prediction included, is ``self.planned``)."""
+        if plan not in (None, "auto"):
+            raise FateEdgeError(f"plan must be 'auto' or None, not {plan!r}")
+        given = _PARAMS.bind(self, *args, **kwargs)
+        given.apply_defaults()
+        a = dict(given.arguments)
+        del a["self"]
+        planned = None
+        if plan == "auto" or a["policy"] == "auto":
+            if not is_store(a["store_dir"]):
+                raise FateEdgeError(f"{a['store_dir']}: not an expert store; create one with "
+                                    "`fate-edge convert MODEL OUT`")
+            dtype, link = a["dtype"], a["link"]
+            planned = auto_plan(a["store_dir"], parse_bytes(a["memory_budget"]), link.spec if link else None,
+                                dtype=DTYPES[dtype] if isinstance(dtype, str) else dtype, workers=a["workers"])
+            a["policy"] = planned.policy
+        super().__init__(**a)
+        self.planned = planned

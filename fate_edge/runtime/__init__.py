@@ -1,0 +1,1 @@
+"""Running a model under a memory budget: the engine, generation, scheduling, the expert cache, prefetch, policies."""

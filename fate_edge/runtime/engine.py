@@ -1,0 +1,427 @@
+"""``Engine``: a model from an expert store, run under a hard expert-memory budget with a named policy.
+
+    engine = Engine("stores/tiny-int4", memory_budget="4MB", policy="fate")
+    text, last = engine.generate("def main():", GenerateConfig(max_tokens=32))
+    print(engine.stats.hit_rate, engine.stats.stall_s)
+
+The budget covers everything expert-sized the engine holds: the cache, the fetch engine's read
+buffers (allocated once, so in-flight reads are inside the budget by construction) and the one
+decoded expert being computed when it is not cached.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from fate_edge import defaults
+from fate_edge.devices.link import ThrottledLink
+from fate_edge.errors import BudgetError, FateEdgeError
+from fate_edge.fetch.fetch_engine import BufferPool, FetchEngine
+from fate_edge.fetch.transfer import make_copier
+from fate_edge.format.checkpoint_layout import DTYPES
+from fate_edge.format.store import ExpertStore, decode_expert, is_store
+from fate_edge.model.experts import ExpertProvider
+from fate_edge.runtime.budget import BudgetPlan, memory_shortfall, parse_bytes, plan_budget
+from fate_edge.runtime.cache import ExpertCache
+from fate_edge.runtime.cache.factory import Resident, build_cache, layer_slots, pick_resident
+from fate_edge.runtime.generate import GenerateConfig, GenerationResponse, stream_generate
+from fate_edge.runtime.loader import load_model
+from fate_edge.runtime.memory_account import available_memory_bytes, memory_account, shortfall
+from fate_edge.runtime.policy import PolicyConfig, for_model, get_policy
+from fate_edge.runtime.preload import LoadReport, first_used, global_choice, preload, preload_choice
+from fate_edge.runtime.request_slot import RequestSlot
+from fate_edge.runtime.scheduler import Scheduler, SchedulerStats, hands_off
+from fate_edge.sizes import format_bytes
+from fate_edge.tokenizer import Tokenizer
+
+
+@dataclass
+class Completion:
+    """A finished request."""
+
+    text: str
+    finish_reason: str  # "stop" or "length"
+    prompt_tokens: int
+    completion_tokens: int
+    prompt_tps: float
+    generation_tps: float
+    peak_rss_bytes: int
+    stats: SchedulerStats  # expert cache and fetch statistics of this request
+
+
+def resolve_device(device: str) -> str:
+    """"auto" → cuda when torch sees a GPU, else cpu; "cuda" without a GPU is a clear error."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise FateEdgeError("device 'cuda' requested but torch sees no CUDA GPU (is this the CPU build of torch, "
+                            "or is the driver missing?); use --device cpu or auto")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise FateEdgeError(f"unknown device '{device}'; use auto, cpu or cuda")
+    return device
+
+
+@dataclass
+class Trace:
+    """A recorded run's expert accesses: (layer, experts in the order the engine uses them) per MoE call."""
+
+    calls: list[tuple[int, list[int]]] = field(default_factory=list)
+
+    def accesses(self) -> list[tuple[int, int]]:
+        return [(layer, e) for layer, ids in self.calls for e in ids]
+
+
+class _TraceRecorder:
+    def __init__(self, trace: Trace):
+        self.trace = trace
+
+    def __call__(self, layer: int, h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> None:
+        ids, counts = idx.flatten().unique(return_counts=True)
+        self.trace.calls.append((layer, ids[counts.argsort(descending=True, stable=True)].tolist()))
+
+
+class Engine:
+    def __init__(
+        self,
+        store_dir: str | Path,
+        memory_budget: int | str,
+        policy: str | PolicyConfig = defaults.POLICY,
+        dtype: str | torch.dtype = defaults.DTYPE,
+        link: ThrottledLink | None = None,
+        trace: Trace | None = None,
+        workers: int = defaults.FETCH_WORKERS,
+        device: str = "cpu",
+        max_inflight_prefetches: int = 8,
+        direct_io: bool = True,
+        verify: str = defaults.VERIFY,
+        resident_bits: int | None = None,  # 8 or 4: attention, dense MLPs, shared experts and lm_head quantized
+        context_tokens: int = defaults.CONTEXT_TOKENS,  # prompt + answer the memory account reserves room for
+        embedding_bits: int | None = None,  # 8 or 4: the embedding table held quantized (fate_edge.model.embedding)
+    ):
+        if policy == "auto":  # the planner is a layer above this one: fate_edge.Engine asks it first
+            raise FateEdgeError("policy 'auto' is chosen by the planner: construct fate_edge.Engine "
+                                f"(fate_edge.planning.auto.Engine), not {type(self).__module__}.Engine")
+        device = resolve_device(device)
+        self.device = device
+        # The model, scheduler and expert cache are shared state: one step of one request runs at a time
+        # (_lock), and the open stream that may step next is tracked by _slot (see stream()).
+        self._lock = threading.Lock()
+        self._slot = RequestSlot()
+        self.stream_idle_timeout = 30.0  # seconds an open, unread stream holds the engine against a new request
+        if not is_store(store_dir):
+            raise FateEdgeError(f"{store_dir}: not an expert store; create one with `fate-edge convert MODEL OUT`")
+        self.planned = None  # the planner's choice, where fate_edge.Engine (planning.auto) made one
+        self.policy = get_policy(policy)
+        self.dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+        self.store = ExpertStore(store_dir)
+        for bits in {self.policy.bits} | ({self.policy.cold_bits} - {None}):
+            if bits not in self.store.precisions and bits != self.policy.cold_bits:
+                raise FateEdgeError(f"policy '{self.policy.name}' needs int{bits} experts but {store_dir} holds "
+                                    f"{self.store.bits_available}; re-run fate-edge convert with --bits {bits}")
+        self.budget = parse_bytes(memory_budget)
+        self.account = memory_account(store_dir, self.budget, self.dtype, context_tokens, resident_bits,
+                                      embedding_bits=embedding_bits)
+        self._check_account()
+        self.model = load_model(store_dir, dtype=self.dtype, experts=_NoExperts(), device=device,
+                                resident_bits=resident_bits, embedding_bits=embedding_bits)
+        self.policy = for_model(self.policy, self.model.config.model_type)  # e.g. Fate's tail share per model
+        self.tokenizer = Tokenizer(store_dir)
+        self.link = link
+        if self.policy.predictor == "oracle" and trace is None:
+            raise FateEdgeError("the oracle policy needs a recorded trace of the same request (Engine.record_trace)")
+        self.trace = trace
+        self.plan = self._plan_budget(max_inflight_prefetches)
+        bits_used = [b for b in (self.policy.bits, self.policy.cold_bits) if b in self.store.precisions]
+        slot = max(self.store.precisions[b].slot_bytes for b in bits_used)
+        # On a GPU, staging buffers are pinned so copies to the device are asynchronous DMA.
+        pool = BufferPool(self.plan.pool_buffers, slot, pinned=device.startswith("cuda"))
+        self.fetch = FetchEngine(pool, workers=workers, link=link, direct_io=direct_io, verify=verify,
+                                 demand_reserve=self.plan.demand_buffers)
+        self._check_memory()
+        self.cache = self._make_cache()
+        self.scheduler = Scheduler(self.model.config, self.store, self.fetch, self.cache, self.policy,
+                                   self._make_predictor(), self.dtype, device,
+                                   max_inflight_prefetches=self.plan.pool_buffers - 2)
+        self.model.experts = self.scheduler
+        # A replayed trace follows the recorded run call by call, and the recording saw every token in every layer.
+        self.scheduler.needs_every_token = trace is not None
+        self.model.observers.append(self.scheduler)
+        self.load_report = self._preload()  # reads at load: apart from every request's statistics
+        if self.scheduler.zero_copy:  # the cache's memory faulted in now, not one read at a time mid-token
+            uncached = len(self.model.config.moe_layers) * self.model.config.num_experts - len(self.cache.entries)
+            pool.add_spares(min(self.cache.free_entries(pool.size), uncached))
+        self.token_stats: list[SchedulerStats] = []  # per generated token of the last request
+        self.prefill_stats = SchedulerStats()
+        self.request_stats = SchedulerStats()
+
+    # ------------------------------------------------------------------ setup
+    def _check_account(self) -> None:
+        """Refuse before anything loads when the run's peak (memory_account) cannot fit the free memory. On a
+        discrete GPU the weights and the cache live in its memory: ``_check_memory`` judges that after load."""
+        from fate_edge.devices.detect import is_jetson_board, read_board_model
+
+        if self.device.startswith("cuda") and not is_jetson_board(read_board_model()):
+            return
+        why = shortfall(self.account, available_memory_bytes())
+        if why:
+            raise BudgetError(f"memory budget {format_bytes(self.budget)}: {why}")
+
+    def _check_memory(self) -> None:
+        """The budget is a promise: refuse at once one this machine cannot hold, rather than fail mid-answer."""
+        import psutil
+
+        from fate_edge.devices.detect import is_jetson_board, read_board_model
+
+        cfg = self.model.config
+        experts = len(cfg.moe_layers) * cfg.num_experts * self.plan.entry_bytes  # the cache never holds more
+        if self.resident is not None:  # ... but for a layer held in another precision
+            experts += self.resident.nbytes - cfg.num_experts * self.plan.entry_bytes
+        device_need = min(self.plan.cache_bytes, experts) + self.plan.working_bytes
+        device_free, unified = None, True
+        if self.device.startswith("cuda"):
+            device_free = torch.cuda.mem_get_info(torch.device(self.device))[0]
+            unified = is_jetson_board(read_board_model())  # integrated GPU: one DRAM for CPU and GPU
+        why = memory_shortfall(self.plan.pool_bytes, device_need, int(psutil.virtual_memory().available),
+                               device_free, unified)
+        if why:
+            raise BudgetError(f"memory budget {format_bytes(self.budget)}: {why}")
+
+    def _entry_bytes(self, bits: int) -> int:
+        ref = self.store.ref(self.model.config.moe_layers[0], 0, bits)
+        with open(ref.path, "rb") as f:
+            f.seek(ref.offset)
+            blob = f.read(ref.length)
+        return decode_expert(memoryview(bytearray(blob)), self.store.precisions[bits], self.dtype).nbytes
+
+    def _plan_budget(self, max_inflight: int) -> BudgetPlan:
+        p, cfg = self.policy, self.model.config
+        bits_used = [b for b in (p.bits, p.cold_bits) if b in self.store.precisions]
+        slot = max(self.store.precisions[b].slot_bytes for b in bits_used)
+        entry = self._entry_bytes(p.bits)
+        if hands_off(p, self.store, self.device):  # a cached expert keeps its whole read buffer
+            entry = max(entry, slot)
+        plan = plan_budget(self.budget, p, entry, slot, max_inflight, top_k=cfg.num_experts_per_tok)
+        self.resident = self._resident(plan.cache_bytes)
+        left = plan.cache_bytes - (self.resident.nbytes if self.resident else 0)
+        plan.slots = layer_slots(p, left // plan.entry_bytes, cfg.moe_layers, cfg.num_experts, self.popularity,
+                                 self.resident)
+        return plan
+
+    def _resident(self, cache_bytes: int) -> Resident | None:
+        """Fate's first MoE layer held whole: in full precision if the cache can hold it, else int{bits}."""
+        p, cfg = self.policy, self.model.config
+        if not (p.resident_first and p.cache and p.allocation != "global"):
+            return None
+        sizes = {b: self._entry_bytes(b) for b in (16, p.bits) if b in self.store.precisions}
+        return pick_resident(cfg.moe_layers[0], cfg.num_experts, cache_bytes, sizes)
+
+    def _preload(self) -> LoadReport:
+        """Load the resident layer, and fill the cache when the policy asks (Fate)."""
+        p, cfg, r = self.policy, self.model.config, self.resident
+        report = LoadReport(r.layer if r else None, r.bits if r else None, r.note if r else "")
+        if p.resident_first and r is None:
+            report.note = (f"the cache ({format_bytes(self.plan.cache_bytes)}) cannot hold layer {cfg.moe_layers[0]} "
+                           f"whole even as int{p.bits}: it is cached like the others")
+        if self.cache is None or not (p.preload or r):
+            return report
+        if p.predictor == "oracle" and self.trace is not None:
+            choice = first_used(self.trace.calls, self.cache.capacity_bytes // self.cache.entry_bytes)
+        elif p.preload and p.allocation == "global":  # one partition: the most used experts across layers
+            choice = global_choice(self.cache.capacity_bytes // self.cache.entry_bytes, cfg.moe_layers,
+                                   cfg.num_experts, self.popularity)
+        else:
+            slots = self.plan.slots if p.preload else {r.layer: cfg.num_experts}
+            choice = preload_choice(slots, cfg.num_experts, self.popularity)
+        # Its own copier: the scheduler's counts uploads per token, and these belong to none.
+        return preload(self.cache, self.store, choice, p.bits, r, self.dtype, make_copier(self.device), report)
+
+    @property
+    def popularity(self) -> dict[int, list[int]] | None:
+        """Calibration expert counts per layer (``fate-edge calibrate``), if the store carries them."""
+        from fate_edge.runtime.calibrate import store_popularity
+
+        return store_popularity(self.store.path)
+
+    def _make_cache(self) -> ExpertCache | None:
+        cfg = self.model.config
+        future = self.trace.calls if self.trace else None  # Belady follows the recorded run call by call
+        return build_cache(self.policy, self.plan.cache_bytes, self.plan.entry_bytes, cfg.moe_layers,
+                           cfg.num_experts, future, self.popularity, self.resident, cfg.num_experts_per_tok)
+
+    def _make_predictor(self):
+        name = self.policy.predictor
+        if name is None:
+            return None
+        if name == "best-available":  # learned if the model was calibrated, else the norm-aware gate
+            try:
+                return self._predictor("learned")
+            except FateEdgeError:
+                return self._predictor("cross-layer-norm")
+        return self._predictor(name)
+
+    def _predictor(self, name: str):
+        p, model, cfg = self.policy, self.model, self.model.config
+        found = self.store.path / "predictors"
+        if name in ("cross-layer", "cross-layer-norm"):
+            from fate_edge.predictors.cross_layer_gate import CrossLayerGate
+
+            return CrossLayerGate.from_model(model, lookahead=p.lookahead, norm_variant=name.endswith("norm"))
+        if name in ("learned", "learned-onnx"):
+            from fate_edge.predictors.learned import LearnedPredictor, OnnxPredictor, find_learned
+
+            path = find_learned(found, p.lookahead)
+            if path is not None:
+                learned = (OnnxPredictor(path, lookahead=p.lookahead) if name == "learned-onnx"
+                           else LearnedPredictor.load(path, lookahead=p.lookahead))
+                learned.attach(model)  # calibrate --early-attention: it reads the model's residual and KV cache
+                return learned
+            raise FateEdgeError(
+                f"policy '{p.name}' uses learned predictors but {found} has none with lookahead >= {p.lookahead}; "
+                f"run `fate-edge calibrate MODEL --lookahead {p.lookahead}`, then use the model again"
+            )
+        if name == "activation-path":
+            from fate_edge.predictors.activation_path import ActivationPathPredictor
+
+            return ActivationPathPredictor(cfg.moe_layers, cfg.num_experts, lookahead=p.lookahead,
+                                           popularity=self.popularity)
+        if name == "oracle":
+            from fate_edge.predictors.oracle import OraclePredictor
+
+            return OraclePredictor(self.trace.calls, cfg.moe_layers, lookahead=p.lookahead,
+                                   num_experts=cfg.num_experts)
+        raise FateEdgeError(f"unknown predictor '{name}'")
+
+    @classmethod
+    def load(
+        cls,
+        path: str | Path | None = None,
+        memory_budget: int | str = defaults.MEMORY_BUDGET,
+        policy: str | PolicyConfig = defaults.POLICY,
+        device: str = defaults.DEVICE,
+        dtype: str | torch.dtype = defaults.DTYPE,
+        **kw,
+    ) -> Engine:
+        """Open a model directory or expert store (default: the bundled model), converting it to a store once."""
+        from fate_edge.bundled import bundled_model_dir
+        from fate_edge.format.converted_stores import ensure_store
+
+        store = ensure_store(path or bundled_model_dir(), progress=False)
+        return cls(store, memory_budget, policy, dtype=dtype, device=device, **kw)
+
+    # ------------------------------------------------------------- generation
+    def stream(self, prompt: str | list[int], config: GenerateConfig | None = None) -> Iterator[GenerationResponse]:
+        """Yield one response per generated token. Requests (from any thread) are served one at a time.
+
+        The engine is held while a step runs, never across a ``yield``: a new request waits for an open
+        stream that keeps being read, but one left idle (neither advanced nor closed) for
+        ``stream_idle_timeout`` seconds is superseded, and its next step raises StreamSupersededError. So a
+        generator kept alive but abandoned cannot block a server. Close a stream you stop reading
+        (``.close()``) to free the engine at once; a step that fails leaves nothing in flight."""
+        ticket = self._slot.claim(self.stream_idle_timeout)
+        try:
+            with self._step(ticket):
+                self.scheduler.new_sequence()
+                self.token_stats = []
+                start = before = self.scheduler.stats.snapshot()
+                steps = stream_generate(self.model, self.tokenizer, prompt, config)
+            for i in itertools.count():
+                with self._step(ticket):
+                    step = next(steps, None)
+                    if step is None:
+                        return
+                    now = self.scheduler.stats.snapshot()
+                    if i == 0:
+                        self.prefill_stats = now.minus(before)  # prefill plus the first sampled token
+                    else:
+                        self.token_stats.append(now.minus(before))
+                    before = now
+                    self.request_stats = now.minus(start)
+                yield step
+        except BaseException:  # failed (a read error) or closed early: leave nothing in flight
+            with self._lock:
+                if self._slot.owns(ticket):  # a superseded stream's state already belongs to the new request
+                    self.scheduler.abort()
+            raise
+        finally:
+            self._slot.release(ticket)
+
+    @contextmanager
+    def _step(self, ticket: int) -> Iterator[None]:
+        """Run one step of the stream holding ``ticket``, alone on the engine."""
+        with self._lock:
+            self._slot.begin(ticket)
+            try:
+                yield
+            finally:
+                self._slot.end(ticket)
+
+    def generate(self, prompt: str | list[int], config: GenerateConfig | None = None) -> tuple[str, GenerationResponse]:
+        parts, last = [], None
+        for last in self.stream(prompt, config):
+            parts.append(last.text)
+        assert last is not None
+        return "".join(parts), last
+
+    def complete(self, prompt: str | list[int], config: GenerateConfig | None = None) -> Completion:
+        """Generate and return a typed :class:`Completion`."""
+        parts, last, stats = [], None, None
+        for last in self.stream(prompt, config):
+            parts.append(last.text)
+            stats = self.request_stats  # read while this request still holds the lock
+        assert last is not None and stats is not None
+        return Completion("".join(parts), last.finish_reason or "length", last.prompt_tokens,
+                          last.generation_tokens, last.prompt_tps, last.generation_tps, last.peak_rss_bytes, stats)
+
+    def chat(self, messages: list[dict], config: GenerateConfig | None = None) -> Completion:
+        """Render ``messages`` with the model's chat template and complete the assistant turn."""
+        return self.complete(self.tokenizer.apply_chat_template(messages), config)
+
+    def record_trace(self, prompt: str | list[int], config: GenerateConfig | None = None) -> Trace:
+        """Run the request once and record every layer's experts, for the oracle policy."""
+        trace = Trace()
+        recorder = _TraceRecorder(trace)
+        self.model.observers.insert(0, recorder)
+        try:
+            self.generate(prompt, config)
+        finally:
+            self.model.observers.remove(recorder)
+        return trace
+
+    @property
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats
+
+    def abort(self) -> None:
+        """Return the engine to a clean state (nothing in flight, nothing pinned); waits for a running request."""
+        with self._lock:
+            self.scheduler.abort()
+
+    def close(self) -> None:
+        """Stop the fetch workers and free the cached experts (an engine is not usable after this).
+        Waits for a step in progress; an open stream's next step then raises EngineClosedError."""
+        self._slot.close()  # no step starts from now on ...
+        with self._lock:  # ... and the one running ends first
+            self.scheduler.abort()
+            if self.cache is not None:
+                self.cache.clear()
+            self.fetch.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _NoExperts(ExpertProvider):
+    """Placeholder provider while the engine wires the scheduler in."""
+
+    def get(self, layer: int, expert: int):
+        raise FateEdgeError("engine not initialised")

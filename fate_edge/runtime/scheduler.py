@@ -1,0 +1,534 @@
+"""The prefetch scheduler: joins predictor, expert cache and fetch engine behind the ExpertProvider API.
+
+Per MoE layer i (docs/architecture.md §1): the model's router runs and calls :meth:`Scheduler.on_route` with the
+gate input and the chosen experts. The scheduler then (1) issues demand fetches for this layer's
+misses, most popular first; (2) asks the predictor for layers i+1..i+p and queues prefetches, nearest
+layer and most probable first, skipping what is cached or in flight; then the MoE block pulls experts
+through :meth:`Scheduler.stream`, which yields cached ones at once and the rest as they arrive, and
+:meth:`Scheduler.end_layer` unpins them and drops prefetches that turned out unused.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+
+import torch
+
+from fate_edge.devices.detect import reader_contention
+from fate_edge.fetch.buffer_pool import Buffer
+from fate_edge.fetch.fetch_engine import FetchEngine, FetchRequest, Priority
+from fate_edge.fetch.transfer import Copier, CPUCopier, make_copier
+from fate_edge.format.store import ExpertStore, decode_expert, decodes_to_views
+from fate_edge.model.arch.base import ModelConfig
+from fate_edge.model.experts import ExpertProvider
+from fate_edge.predictors.base import Predictor
+from fate_edge.runtime.cache import AccessInfo, ExpertCache
+from fate_edge.runtime.policy import PolicyConfig
+from fate_edge.runtime.prefetch_choice import gate_candidates, plan_prefetches, prefetch_width, ranked, room_ahead
+from fate_edge.runtime.prefetch_gate import PrefetchGate
+
+Key = tuple[int, int]
+
+
+def _decodes_in_buffer(policy: PolicyConfig, store: ExpertStore, device: str) -> bool:
+    """Whether the policy's experts decode as views of their read buffer here: on the CPU, for a layout whose decode
+    copies nothing (``store.decodes_to_views``: cpu-int4, or portable int4 on the native kernel)."""
+    precision = store.precisions.get(policy.bits)
+    return device == "cpu" and precision is not None and decodes_to_views(precision)
+
+
+def hands_off(policy: PolicyConfig, store: ExpertStore, device: str) -> bool:
+    """Whether the scheduler keeps a read buffer as the cached expert decoded in it (zero-copy hand-off): with a
+    cache, where experts decode in their buffer (:func:`_decodes_in_buffer`). The cache then charges each expert a
+    whole read buffer. Elsewhere experts are copied out of the buffer (on a GPU, the upload). Never for the oracle:
+    the bound keeps each cached expert in its own bytes, the most experts a budget can hold (fate's resident layer is
+    held so, and a bound of padded entries was beaten by it)."""
+    return policy.cache and _decodes_in_buffer(policy, store, device) and policy.predictor != "oracle"
+
+
+def lends(policy: PolicyConfig, store: ExpertStore, device: str) -> bool:
+    """Whether an uncached expert (load-on-demand) is computed in its read buffer, which goes back to the pool once
+    the layer's caller has used it, as a device computes from the memory its DMA filled. A copy out would cost this
+    CPU a memcpy per read that no device pays (4 ms per Qwen1.5-MoE expert, 0.1-0.2 s per Mixtral one here),
+    dilated into device time under emulation."""
+    return not policy.cache and _decodes_in_buffer(policy, store, device)
+
+
+def _ema(old: float, new: float, keep: float) -> float:
+    """Exponential moving average that starts at the first sample (0 means none yet)."""
+    return new if old == 0 else keep * old + (1 - keep) * new
+
+
+@dataclass
+class SchedulerStats:
+    hits: int = 0  # served from the cache
+    prefetch_hits: int = 0  # served by a prefetch issued before the layer needed it
+    misses: int = 0  # demand fetches on the critical path
+    skipped: int = 0  # dropped by precision-on-miss past T2 (opt-in)
+    low_precision: int = 0  # expert uses served in the cold precision
+    stall_s: float = 0.0  # time the forward pass waited for expert bytes
+    demand_bytes: int = 0  # bytes read on the critical path
+    prefetch_bytes: int = 0  # bytes read ahead (overlapped with compute)
+    wasted_bytes: int = 0  # prefetched bytes never used
+    predictions: int = 0  # decode-time predictions checked against the true next-layer experts
+    exact: int = 0  # ... whose top-k set equalled the true set
+    recall_sum: float = 0.0  # ... summed recall of the true experts in the predicted top-k
+    consume_s: float = 0.0  # main thread turning fetched blobs into callable experts (copy out + decode)
+    predict_s: float = 0.0  # running the predictor and issuing prefetches
+    predictions_skipped: int = 0  # predictor calls left out: every layer they target was fully cached (Fate)
+    # Decode: the caller's compute of cached experts (from yielding one to being asked for the next). These run
+    # while the layer's reads travel, so they hide part of a read (the simulator's HostCosts.expert_s).
+    expert_s: float = 0.0
+    experts_timed: int = 0
+
+    def snapshot(self) -> SchedulerStats:
+        return SchedulerStats(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+    def minus(self, other: SchedulerStats) -> SchedulerStats:
+        return SchedulerStats(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
+
+    @property
+    def uses(self) -> int:
+        return self.hits + self.prefetch_hits + self.misses
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of expert uses served without a demand read (cache or timely prefetch)."""
+        return (self.hits + self.prefetch_hits) / self.uses if self.uses else 0.0
+
+    @property
+    def exact_match(self) -> float:
+        return self.exact / self.predictions if self.predictions else 0.0
+
+    @property
+    def recall(self) -> float:
+        return self.recall_sum / self.predictions if self.predictions else 0.0
+
+
+@dataclass
+class _Fetch:
+    req: FetchRequest
+    bits: int
+    prefetched: bool
+    lent: bool = False  # decoded in its read buffer, released after use (lends)
+
+
+class Scheduler(ExpertProvider):
+    # Serving needs no routing of prompt tokens whose outputs nothing reads (see model.decoding_model.RoutingObserver).
+    needs_every_token = False
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        store: ExpertStore,
+        fetch: FetchEngine,
+        cache: ExpertCache | None,
+        policy: PolicyConfig,
+        predictor: Predictor | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        max_inflight_prefetches: int = 8,
+        copier: Copier | None = None,
+    ):
+        self.config = config
+        self.store = store
+        self.fetch = fetch
+        self.cache = cache
+        self.policy = policy
+        self.predictor = predictor
+        self.dtype = dtype
+        self.copier = copier or make_copier(device)
+        self.zero_copy = (cache is not None and isinstance(self.copier, CPUCopier)
+                          and hands_off(policy, store, self.copier.device.type))
+        self._kept: dict[Key, Buffer] = {}  # read buffers that hold cached experts (zero-copy)
+        self.lends = (cache is None and isinstance(self.copier, CPUCopier)
+                      and lends(policy, store, self.copier.device.type))
+        self._lent: list[FetchRequest] = []  # buffers of experts served by get(): released at end_layer
+        self._hold_lent = False
+        self.lent_reads = 0  # experts computed in their read buffer and not kept (the rest: copied out or handed off)
+        self._evicted: list[Buffer] = []  # ... of experts the cache let go: the pool's next buffer, once unused
+        if self.zero_copy:
+            cache.on_evict = lambda key: self._evicted.append(self._kept.pop(key)) if key in self._kept else None
+        self.max_inflight = max_inflight_prefetches
+        self.cold_bits = policy.cold_bits if policy.cold_bits in store.precisions else None
+        self.stats = SchedulerStats()
+        self.layer_index = {layer: i for i, layer in enumerate(config.moe_layers)}
+        self.prefetches: dict[Key, _Fetch] = {}
+        # Planned reads ahead waiting for room (at most max_inflight are submitted): the layer being computed
+        # still holds its own prefetches when it predicts, and frees their room as it consumes them.
+        self.deferred: dict[Key, tuple[int, Priority]] = {}
+        self._dropping: list[tuple[_Fetch, bool]] = []  # cancelled reads still stopping (see _drop)
+        self.demands: dict[Key, _Fetch] = {}
+        self.skip: set[Key] = set()
+        self.in_use: list[Key] = []
+        self.layer_uses: dict[int, list[int]] = {}  # MoE layer → [cached, prefetched, demand] expert uses
+        self.last_prediction: dict[int, list[int]] = {}
+        self._candidates: dict[int, dict[int, int]] = {}  # target → rank → expert not cached when predicted
+        self._layer_time = 0.0  # EMA of one decoder layer's compute time (decode)
+        self._read_bw = 0.0  # EMA of measured read bandwidth, bytes/s
+        self._read_cpu = 0.0  # EMA of a read's reader-thread CPU seconds
+        self._last_route: tuple[int, float] | None = None
+        self._prefill = False  # the layer call being served is part of a prompt
+        self._prompt = False  # the forward pass under way is a prompt's (begin_forward)
+        # Prefetch gate (fate-edge): per prediction rank, evidence of whether a read would pay.
+        self.gate = PrefetchGate(max(policy.max_prefetch_width, config.num_experts_per_tok))
+        self._contention = reader_contention(torch.get_num_threads(), fetch.workers)
+        self._predict_cost = 0.0  # EMA of one layer call's predictor + prefetch planning seconds
+
+    # ------------------------------------------------------------- routing hook
+    def begin_forward(self, tokens: int) -> None:
+        self._prompt = tokens > 1
+
+    def on_route(self, layer: int, h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> None:
+        now = time.perf_counter()
+        n = h.shape[0]
+        # A prompt's last layer may route its last token alone (model.forward): still served as the prompt.
+        self._prefill = prompt = n > 1 or self._prompt
+        if not prompt and self._last_route is not None and self._last_route[0] < layer:
+            dt = (now - self._last_route[1]) / max(1, self.layer_index[layer] - self.layer_index[self._last_route[0]])
+            self._layer_time = _ema(self._layer_time, dt, 0.8)
+        self._last_route = (layer, now)
+
+        ids, counts = idx.flatten().unique(return_counts=True)
+        order = counts.argsort(descending=True, stable=True)
+        needed = ids[order].tolist()
+        self._check_prediction(layer, idx, prompt)
+
+        # Prefill demand reads travel in the policy's precision: only predicted, prefetched experts may be cold
+        # (Fate reads a miss in int4; its int2 tail is the prefetch plan's, prefetch_choice.choose).
+        low = set() if prompt else self._precision_on_miss(layer, idx, weights)
+        for e in needed:
+            key = (layer, e)
+            if (self.cache is not None and key in self.cache) or key in self.prefetches or key in self.skip:
+                if key in self.prefetches:  # needed now: promote the prefetch to demand priority
+                    self.fetch.promote(self.prefetches[key].req, Priority.DEMAND)
+                continue
+            bits = self.cold_bits if (e in low and self.cold_bits) else self.policy.bits
+            req = self.fetch.submit(self.store.ref(layer, e, bits), Priority.DEMAND)
+            self.demands[key] = _Fetch(req, bits, prefetched=False)
+
+        if self.predictor is not None:
+            t0 = time.perf_counter()
+            self.predictor.observe(layer, needed)
+            width = self._width()
+            if self._targets_full(layer):
+                self.stats.predictions_skipped += 1
+            elif self._should_predict(prompt, width):
+                self._prefetch(layer, h, width)
+                if not prompt:
+                    dt = time.perf_counter() - t0
+                    self._predict_cost = _ema(self._predict_cost, dt, 0.9)
+            self.predictor.observe_input(layer, h)  # after predicting: the next token reads it as the previous one
+            self.stats.predict_s += time.perf_counter() - t0
+
+    __call__ = on_route  # usable directly as a model routing observer
+
+    def _precision_on_miss(self, layer: int, idx: torch.Tensor, weights: torch.Tensor) -> set[int]:
+        """HOBBIT/MoE-APEX: order the token's experts by normalised gate weight; s(e_i) = Σ_{j<i} w_j.
+        A miss with s > T1 loads the cold precision; s > T2 is skipped only if the policy opts in."""
+        if not self.policy.precision_on_miss or self.cold_bits is None:
+            return set()
+        w = weights[0].float()
+        w = w / w.sum()
+        order = w.argsort(descending=True)
+        low, acc = set(), 0.0
+        for j in order.tolist():
+            e = int(idx[0, j])
+            cached = self.cache is not None and (layer, e) in self.cache
+            if acc > self.policy.t2 and self.policy.skip_past_t2 and not cached:
+                self.skip.add((layer, e))
+            elif acc > self.policy.t1:
+                low.add(e)
+            acc += float(w[j])
+        return low
+
+    def _targets_full(self, layer: int) -> bool:
+        """Fate: a prediction is pointless when every layer it targets is fully cached (nothing to read)."""
+        if not self.policy.skip_full or self.cache is None:
+            return False
+        targets = self.predictor.targets(layer)
+        return bool(targets) and all(self.cache.holds_layer(t, self.config.num_experts) for t in targets)
+
+    def _check_prediction(self, layer: int, idx: torch.Tensor, prompt: bool) -> None:
+        pred = self.last_prediction.pop(layer, None)
+        if pred is None or prompt:
+            self._candidates.pop(layer, None)
+            return
+        true = set(idx[0].tolist())
+        # The gate's evidence: of the predictions that were not already cached (a read would have been
+        # needed), how often each rank was routed.
+        self.gate.record(self._candidates.pop(layer, {}), true)
+        self.stats.predictions += 1
+        self.stats.exact += int(set(pred[: len(true)]) == true)
+        self.stats.recall_sum += len(true & set(pred[: len(true)])) / len(true)
+
+    # ---------------------------------------------------------------- prefetch
+    def _width(self) -> int:
+        """This layer call's prefetch width (prefetch_choice.py), from the measured layer and read times."""
+        p = self.policy
+        per_read = self.store.expert_bytes(p.bits) / self._read_bw if self._read_bw > 0 else 0.0
+        width = prefetch_width(p, self.config.num_experts_per_tok, self._layer_time, per_read)
+        if p.prefetch_gate and self._layer_time > 0 and per_read > 0:
+            return self._gated(width, per_read)
+        return width
+
+    def _gated(self, width: int, per_read: float) -> int:
+        """fate-edge: the leading ranks whose measured hit rate pays for the reader CPU (prefetch_gate.py)."""
+        if self._read_cpu == 0:
+            return 0  # no read measured yet
+        return self.gate.width(width, per_read, self._contention * self._read_cpu, self._predict_cost,
+                               self.policy.min_prefetch_width)
+
+    def _should_predict(self, prompt: bool, width: int) -> bool:
+        """Always in prefill and for ungated policies; with the gate shut, one layer call in 8."""
+        if prompt or not self.policy.prefetch_gate:
+            return True
+        return self.gate.should_predict(shut=width == 0)
+
+    def _prefetch(self, layer: int, h: torch.Tensor, width: int) -> None:
+        """Prefetch what prefetch_choice.py picks for the predicted layers, ``width`` (:meth:`_width`) per layer."""
+        targets = self.predictor.targets(layer)
+        if not targets:
+            return
+        pred = self.predictor.predict(layer, h)
+        k = self.config.num_experts_per_tok
+        if not self._prefill and pred.layers:  # checked when the target routes: exact match, each rank's hit rate
+            target, ranks = pred.layers[0], ranked(pred.scores[0][0])
+            self.last_prediction[target] = ranks[:k]
+            self._candidates[target] = gate_candidates(ranks, len(self.gate.seen), lambda e: self._cached((target, e)))
+        def busy(key: Key) -> bool:
+            return self._cached(key) or key in self.prefetches or key in self.demands or key in self.deferred
+
+        room = room_ahead(self.max_inflight, (*self.prefetches, *self.deferred), layer)
+        plan = plan_prefetches(self.policy, list(zip(pred.layers, pred.scores)), k, width, busy, room=room,
+                               use_cold=self.cold_bits is not None)
+        for p in plan:
+            bits = self.cold_bits if p.cold else self.policy.bits
+            self.deferred[(p.layer, p.expert)] = (bits, Priority.NEXT_LAYER if p.distance == 0 else Priority.AHEAD)
+        self._issue_deferred()
+
+    def _issue_deferred(self) -> None:
+        """Submit planned reads ahead, nearest layer and most probable first, while fewer than max_inflight are."""
+        while self.deferred and len(self.prefetches) < self.max_inflight:
+            key = next(iter(self.deferred))
+            bits, prio = self.deferred.pop(key)
+            req = self.fetch.submit(self.store.ref(*key, bits), prio)
+            self.prefetches[key] = _Fetch(req, bits, prefetched=True)
+
+    def _cached(self, key: Key) -> bool:
+        return self.cache is not None and key in self.cache
+
+    # ---------------------------------------------------------------- serving
+    def stream(self, layer: int, expert_ids: list[int]) -> Iterator[tuple[int, object | None]]:
+        """Yield (expert id, callable expert or None if skipped): cached first, then in arrival order."""
+        info = AccessInfo(layer_now=layer, num_layers=self.config.num_hidden_layers)
+        pending: dict[int, _Fetch] = {}
+        for e in expert_ids:
+            key = (layer, e)
+            entry = self.cache.get(key) if self.cache is not None else None
+            if entry is not None:
+                self.cache.pin(key)
+                self.in_use.append(key)
+                self.cache.access(key, True, info)
+                self.stats.hits += 1
+                self._count_use(layer, 0)
+                t0 = time.perf_counter()
+                yield e, entry.expert
+                if not self._prefill:
+                    self.stats.expert_s += time.perf_counter() - t0
+                    self.stats.experts_timed += 1
+            elif key in self.skip:
+                self.skip.discard(key)
+                self.stats.skipped += 1
+                yield e, None
+            else:
+                f = self.prefetches.pop(key, None) or self.demands.pop(key, None)
+                if f is None:  # not announced through on_route (a provider used without the hook)
+                    f = _Fetch(self.fetch.submit(self.store.ref(layer, e, self.policy.bits), Priority.DEMAND),
+                               self.policy.bits, prefetched=False)
+                pending[e] = f
+        self._issue_deferred()  # this layer's prefetches left self.prefetches: room for the layers ahead
+        try:
+            while pending:
+                ready = [e for e, f in pending.items() if f.req.done.is_set()]
+                if not ready:
+                    t0 = time.perf_counter()
+                    with self.fetch.completed:
+                        if not any(f.req.done.is_set() for f in pending.values()):
+                            self.fetch.completed.wait(timeout=0.05)
+                    self.stats.stall_s += time.perf_counter() - t0
+                    continue
+                for e in ready:
+                    f = pending.pop(e)
+                    try:
+                        yield e, self._consume(layer, e, f, info)
+                    finally:  # the caller is done with the expert: its buffer may take the next read
+                        if f.lent:
+                            self._lent.append(f.req) if self._hold_lent else self.fetch.release(f.req)
+        except BaseException:  # a failed read, or the request abandoned mid-layer: return every buffer
+            for f in pending.values():
+                self._drop(f, wasted=False)
+            raise
+
+    def get(self, layer: int, expert: int):
+        """One expert through :meth:`stream` (cache, a fetch in flight, or a demand read); pinned until
+        :meth:`end_layer`, as in the model's flow. None if precision-on-miss skipped it."""
+        self._hold_lent = True  # the caller uses the expert after the stream ends: keep its buffer till end_layer
+        try:
+            [(_, out)] = list(self.stream(layer, [expert]))
+        finally:
+            self._hold_lent = False
+        return out
+
+    def _consume(self, layer: int, e: int, f: _Fetch, info: AccessInfo):
+        key = (layer, e)
+        t0 = time.perf_counter()
+        try:
+            payload = self.fetch.wait(f.req)
+        except BaseException:
+            self.fetch.release(f.req)
+            raise
+        low = f.bits != self.policy.bits
+        if self.cache is not None:
+            self.cache.access(key, False, AccessInfo(info.layer_now, info.num_layers, low_precision=low))
+        # Cold copies serve this use only; caching them would lower later answers' precision.
+        if not low and (self.zero_copy or self.lends):
+            # Computed in its read buffer: kept as the cached expert's memory if the cache admits it (zero-copy), else
+            # lent for this use and back to the pool after it (load-on-demand, or a cache that declined it). A copy
+            # out would allocate fresh memory per read that no device's DMA needs (2.5 ms per Qwen1.5-MoE expert on
+            # a VM where page faults are dear).
+            expert = self._decode_in_buffer(f)
+            if not (self.zero_copy and self._hand_off(key, f, expert)):
+                f.lent = True
+                self.lent_reads += 1
+        else:
+            blob, event = self.copier.upload(payload, demand=not f.prefetched)
+            # The staging buffer goes back to the pool only once the copy out of it has completed.
+            self.copier.release_after(event, lambda req=f.req: self.fetch.release(req))
+            expert = decode_expert(blob, self.store.precisions[f.bits], self.dtype)
+            if self.cache is not None and not low and self._admit(key, expert, expert.nbytes, f.bits):
+                self.cache.pin(key)
+                self.in_use.append(key)
+        self._evicted.clear()  # buffers of evicted experts not reused here are freed with their last user
+        self.stats.consume_s += time.perf_counter() - t0
+        nbytes = f.req.ref.length
+        if f.req.read_s > 0:
+            bw = nbytes / f.req.read_s
+            self._read_bw = _ema(self._read_bw, bw, 0.8)
+            self._read_cpu = _ema(self._read_cpu, f.req.cpu_s, 0.9)
+        if f.prefetched:
+            self.stats.prefetch_hits += 1
+            self.stats.prefetch_bytes += nbytes
+        else:
+            self.stats.misses += 1
+            self.stats.demand_bytes += nbytes
+        self._count_use(layer, 1 if f.prefetched else 2)
+        self.stats.low_precision += int(low)
+        return expert
+
+    def _hand_off(self, key: Key, f: _Fetch, expert: object) -> bool:
+        """Zero-copy: if the cache admits ``expert`` (decoded in its read buffer; charged the whole buffer), keep the
+        buffer as the cached expert's memory (the pool gets an evicted expert's buffer or a new one in its place).
+        False if refused: the buffer stays the request's."""
+        if not self._admit(key, expert, f.req.buffer.size, f.bits):
+            return False
+        self._kept[key] = self.fetch.hand_off(f.req, self._unused_evicted())
+        self.cache.pin(key)
+        self.in_use.append(key)
+        return True
+
+    def _decode_in_buffer(self, f: _Fetch):
+        """The expert as views of its read buffer (the whole buffer is the storage: what a cached entry keeps)."""
+        blob = torch.frombuffer(f.req.buffer.view, dtype=torch.uint8)
+        return decode_expert(blob[: f.req.ref.length], self.store.precisions[f.bits], self.dtype)
+
+    def _admit(self, key: Key, expert: object, nbytes: int, bits: int) -> bool:
+        """Cache ``expert``; in prefill under ``keep_preloaded`` only into free room (nothing evicted)."""
+        if self.policy.keep_preloaded and self._prefill and not self.cache.has_room(key, nbytes):
+            return False
+        return self.cache.insert(key, expert, nbytes, bits)
+
+    def _unused_evicted(self) -> Buffer | None:
+        """An evicted expert's buffer no tensor points into any more (its memory already faulted in, so the
+        reader does not pay for fresh pages), or None; the others are left to be freed with their last user."""
+        while self._evicted:
+            buf = self._evicted.pop()
+            if sys.getrefcount(buf.view) <= 2:  # only buf.view and this call: no tensor decoded in it is alive
+                return buf
+        return None
+
+    def _count_use(self, layer: int, kind: int) -> None:
+        self.layer_uses.setdefault(layer, [0, 0, 0])[kind] += 1
+
+    def end_layer(self, layer: int) -> None:
+        self.copier.poll()
+        self._release_lent()
+        if self.cache is not None:
+            for key in self.in_use:
+                self.cache.unpin(key)
+        self.in_use.clear()
+        for key in [k for k in self.prefetches if k[0] == layer]:  # predicted, never used: drop
+            self._drop(self.prefetches.pop(key), wait=False)
+        self._settle(wait=layer == self.config.moe_layers[-1])  # a token's counters are complete at its end
+        self._issue_deferred()
+        # What still waits for room would start after its layer's demand reads: left to them.
+        nxt = min((m for m in self.layer_index if m > layer), default=None)
+        for key in [k for k in self.deferred if k[0] <= (layer if nxt is None else nxt)]:
+            del self.deferred[key]
+        self.skip = {k for k in self.skip if k[0] != layer}
+
+    def _drop(self, f: _Fetch, wasted: bool = True, wait: bool = True) -> None:
+        """Cancel a fetch (stopping its read between chunks), give its buffer back, count what it wasted.
+        ``wait=False``: a read in progress is settled later (:meth:`_settle`) instead of blocking this thread
+        until the reader reaches its next chunk (the reader returns the buffer itself when it stops)."""
+        self.fetch.cancel(f.req)
+        if not wait and not f.req.done.is_set():
+            self._dropping.append((f, wasted))
+            return
+        f.req.done.wait()
+        if wasted:
+            self.stats.wasted_bytes += f.req.bytes_read
+        self.fetch.release(f.req)
+
+    def _settle(self, wait: bool) -> None:
+        """Account the cancelled reads that have stopped (all of them, waiting, if ``wait``)."""
+        dropping, self._dropping = self._dropping, []
+        for f, wasted in dropping:
+            self._drop(f, wasted, wait=wait)
+
+    def _release_lent(self) -> None:
+        for req in self._lent:
+            self.fetch.release(req)
+        self._lent.clear()
+
+    def abort(self) -> None:
+        """Drop everything in flight and unpin everything in use: after a failed or abandoned request."""
+        self._settle(wait=True)
+        self._release_lent()
+        for f in self.prefetches.values():
+            self._drop(f)
+        for f in self.demands.values():
+            self._drop(f, wasted=False)
+        self.prefetches.clear()
+        self.deferred.clear()
+        self.demands.clear()
+        if self.cache is not None:
+            for key in self.in_use:
+                self.cache.unpin(key)
+        self.in_use.clear()
+        self.skip.clear()
+        self.copier.drain()
+
+    def new_sequence(self) -> None:
+        """Start of a request: reset per-request predictor state and per-sequence cache statistics."""
+        self.abort()
+        self.last_prediction.clear()
+        self._candidates.clear()
+        self._last_route = None
+        if self.predictor is not None:
+            self.predictor.reset()
+        if self.cache is not None:
+            self.cache.new_sequence()
