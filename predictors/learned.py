@@ -16,7 +16,7 @@ true experts (``loss="ce"``, scores are softmax probabilities like the router's)
 standardised inputs while it trains (folded into D and c afterwards). Training stops once neither the
 validation loss nor the validation exact top-k match has improved for ``patience`` epochs, and keeps the epoch
 with the best validation exact match (the untrained gate, epoch 0, included), so on validation it never falls
-below the cross-layer gate. What it reaches on the bundled model, with how much text: README, "How well the
+below the cross-layer gate. What it reaches on the bundled model, with how much text: docs/predictors.md, "How well the
 calibrated predictors predict".
 
 A trained predictor is saved as ``learned-<kind>-p<p>.safetensors`` + ``learned-<kind>-p<p>.json`` (the

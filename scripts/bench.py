@@ -1,6 +1,6 @@
 """The side-by-side benchmark: baselines, ours, the oracle bound and peers, in one run (see fate_edge.bench).
 
-    python scripts/bench.py --quick --readme README.md --plots-dir docs   # the README "Performance" table, plots
+    python scripts/bench.py --quick --results --plots-dir docs   # docs/results/bench.md and the plots in docs/
     python scripts/bench.py                                               # everything: 4 links, 4 budgets, 3 runs
     python scripts/bench.py --help
 

@@ -3,7 +3,7 @@
 Both run fp32 on the CPU with every expert resident (this measures the forward pass, not offloading).
 Each configuration is timed ``--runs`` times and the median is reported, with the ratio to transformers.
 
-    python scripts/bench_forward.py --runs 5 --json bench-out/forward.json --readme README.md
+    python scripts/bench_forward.py --runs 5 --json bench-out/forward.json --results
 """
 
 from __future__ import annotations
@@ -56,7 +56,9 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--json", type=Path, default=Path("bench-out/forward.json"))
-    ap.add_argument("--readme", type=Path, default=None, help="rewrite the table between the bench markers")
+    ap.add_argument("--results", nargs="?", const=True, default=None, type=Path, metavar="FILE",
+                    help="rewrite the table between the bench_forward markers of FILE (without FILE: "
+                         "docs/results/bench_forward.md)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -104,7 +106,7 @@ def main() -> None:
             f"| {r['prefill_ratio']:.2f}x | {r['ours_decode_tps']:.1f} | {r['transformers_decode_tps']:.1f} "
             f"| {r['decode_ratio']:.2f}x |"
         )
-    publish(result, args.json, "\n".join(table), args.readme, "bench_forward")
+    publish(result, args.json, "\n".join(table), args.results, "bench_forward")
 
 
 if __name__ == "__main__":

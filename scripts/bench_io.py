@@ -21,7 +21,7 @@ raw disk, chunked through a link) unless a row says reads ahead (1 MB chunks, th
 
 Every row is the median of ``--runs`` passes over the whole file. The file is deleted at the end.
 
-    python scripts/bench_io.py --runs 3 --json bench-out/io.json --readme README.md
+    python scripts/bench_io.py --runs 3 --json bench-out/io.json --results
 """
 
 from __future__ import annotations
@@ -131,7 +131,9 @@ def main() -> None:
     ap.add_argument("--profiles", nargs="+", default=["jetson-orin-nano-8gb", "raspberry-pi-5-8gb"],
                     help="device profiles whose storage link to emulate")
     ap.add_argument("--json", type=Path, default=Path("bench-out/io.json"))
-    ap.add_argument("--readme", type=Path, default=None, help="rewrite the table between the bench_io markers")
+    ap.add_argument("--results", nargs="?", const=True, default=None, type=Path, metavar="FILE",
+                    help="rewrite the table between the bench_io markers of FILE (without FILE: "
+                         "docs/results/bench_io.md)")
     args = ap.parse_args()
 
     links = [(load_profile(name), storage_link(load_profile(name))) for name in args.profiles]
@@ -187,7 +189,7 @@ def main() -> None:
         "fadvise_dontneed": all(d["fadvise"] for d in drops) if drops else None,
         "load_average": os.getloadavg(), "cpus": os.cpu_count(), "cpu_model": cpu_model(), "rows": rows,
     }
-    publish(result, args.json, render(result), args.readme, "bench_io")
+    publish(result, args.json, render(result), args.results, "bench_io")
 
 
 def render(result: dict) -> str:

@@ -14,7 +14,7 @@ and Qwen1.5-MoE-A2.7B-sized ones 1408x2048 (gate/up) and 2048x1408 (down).
 Each cell is the median of ``--runs`` samples; a sample times a loop long enough (>= ``--sample-ms``) to
 dwarf the timer. It also records which kernel ``quant/linear.py`` picks per (bits, shape) on this host.
 
-    python scripts/bench_kernels.py --runs 7 --json bench-out/kernels.json --readme README.md
+    python scripts/bench_kernels.py --runs 7 --json bench-out/kernels.json --results
 """
 
 from __future__ import annotations
@@ -137,7 +137,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--shapes", nargs="+", default=[f"{n}x{k}" for n, k in SHAPES], help="NxK of W")
     ap.add_argument("--json", type=Path, default=Path("bench-out/kernels.json"))
-    ap.add_argument("--readme", type=Path, default=None, help="rewrite the table between the bench_kernels markers")
+    ap.add_argument("--results", nargs="?", const=True, default=None, type=Path, metavar="FILE",
+                    help="rewrite the table between the bench_kernels markers of FILE (without FILE: "
+                         "docs/results/bench_kernels.md)")
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
 
@@ -175,7 +177,7 @@ def main() -> None:
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads max used",
         "load_average": os.getloadavg(), "rows": rows, "quant_linear_choice": choices,
     }
-    publish(result, args.json, render(result), args.readme, "bench_kernels")
+    publish(result, args.json, render(result), args.results, "bench_kernels")
 
 
 def render(result: dict) -> str:

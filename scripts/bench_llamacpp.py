@@ -6,10 +6,11 @@ checkpoint by llama.cpp's own converter, cached in ~/.cache/fate-edge-peers; fat
 Memory-limited: fate-edge with an expert budget vs llama.cpp q4_0 memory-mapped in a memory cgroup capped at
 fate-edge's peak RSS, page cache dropped first; MB read per decoded token from /proc/PID/io.
 A bf16 checkpoint (the real-size synthetic ones) runs the ``real`` sides: bf16 vs bf16, and int4 experts with
-bf16 / int8 / int4 resident weights vs q4_0 (no f32 GGUF); its README table gets its own markers.
+bf16 / int8 / int4 resident weights vs q4_0 (no f32 GGUF); its table gets its own markers and file,
+docs/results/bench_llamacpp-MODEL-Nt.md.
 
-    python scripts/bench_llamacpp.py --rounds 3 --json bench-out/llamacpp.json --readme README.md
-    python scripts/bench_llamacpp.py --model /tmp/olmoe-2l --threads 1 --readme README.md
+    python scripts/bench_llamacpp.py --rounds 3 --json bench-out/llamacpp.json --results
+    python scripts/bench_llamacpp.py --model /tmp/olmoe-2l --threads 1 --results
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from fate_edge.apps.engine_args import resolve_store
 from fate_edge.bench.config import HEADLINE_BUDGET
 from fate_edge.bench.gguf import PeerUnavailableError, ensure_ggufs
 from fate_edge.bench.prepare import store_info
-from fate_edge.bench.publish import publish
+from fate_edge.bench.publish import publish, results_file
 from fate_edge.bench.scale import cpu_model
 from fate_edge.bench.sidebyside import (
     SIDE_SETS,
@@ -94,11 +95,14 @@ def main() -> None:
                          "(compiled at load, before timing; default off)")
     ap.add_argument("--side", action="append", default=None, metavar="NAME",
                     help="run only this side (repeatable; e.g. --side 'fate-edge int4, int4 rest' --side "
-                         "'llama.cpp q4_0'): only the GGUFs those sides need are built, and the README "
+                         "'llama.cpp q4_0'): only the GGUFs those sides need are built, and the "
                          "table says which ran")
     ap.add_argument("--timeout", type=float, default=900.0, help="per process, seconds")
     ap.add_argument("--json", type=Path, default=Path("bench-out/llamacpp.json"))
-    ap.add_argument("--readme", type=Path, default=None, help="rewrite the table between the bench_llamacpp markers")
+    ap.add_argument("--results", nargs="?", const=True, default=None, type=Path, metavar="FILE",
+                    help="rewrite the table between its markers (bench_llamacpp for the bundled model at 2 "
+                         "threads, else bench_llamacpp-MODEL-Nt) of FILE (without FILE: "
+                         "docs/results/MARKER.md, created if missing)")
     args = ap.parse_args()
     sides_set = pick_side_set(args.sides, args.model)
     if args.side:
@@ -148,9 +152,10 @@ def main() -> None:
               "notes": notes, "summary": summary, "token_agreement": agree, "tokenization": tokenization,
               "runs": runs}
     marker = readme_marker(args.model, args.threads)
-    if args.readme:
-        add_markers(args.readme, marker)
-    publish(result, args.json, table(summary, header), args.readme, marker)
+    results = results_file(marker) if args.results is True else args.results
+    if results:
+        add_markers(results, marker)
+    publish(result, args.json, table(summary, header), results, marker)
 
 
 if __name__ == "__main__":

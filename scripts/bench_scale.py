@@ -5,8 +5,8 @@ fate-edge says it needs (resident weights + budget + runtime baseline). Needs ro
     python scripts/make_synthetic_model.py --like qwen1.5-moe-a2.7b /data/qwen-moe     # 28.6 GB bf16
     python scripts/bench_scale.py /data/qwen-moe /data/qwen-moe-store --out results/scale
 
-Writes ``scale.json`` and ``scale.md`` (a README-ready table) under --out; with --readme, also the table
-between the README's ``<!-- scale:begin -->`` / ``<!-- scale:end -->`` markers.
+Writes ``scale.json`` and ``scale.md`` (a markdown table) under --out; with --results, also the table between
+the ``<!-- MARK:begin -->`` / ``<!-- MARK:end -->`` markers of docs/results/MARK.md (--mark, default scale).
 """
 
 from __future__ import annotations
@@ -175,8 +175,10 @@ def main() -> None:
                     help="with --no-convert: the scale.json of an earlier convert-only run (--budgets ''), whose "
                          "convert figures the table keeps")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds one run may take (then: an error row)")
-    ap.add_argument("--readme", type=Path, default=None, help="also write the table between the scale markers")
-    ap.add_argument("--mark", default="scale", help="README block to write (e.g. scale-2t for a 2-thread run)")
+    ap.add_argument("--results", nargs="?", const=True, default=None, type=Path, metavar="FILE",
+                    help="also write the table between the MARK markers of FILE (without FILE: "
+                         "docs/results/MARK.md)")
+    ap.add_argument("--mark", default="scale", help="the table's markers (e.g. scale-2t for a 2-thread run)")
     args = ap.parse_args()
     cfg = ScaleConfig(args.model, args.store, [int(float(b) * GB) for b in args.budgets.split(",") if b],
                       not args.no_convert, int(args.convert_limit_gb * GB),
@@ -195,7 +197,7 @@ def main() -> None:
         result.update({k: earlier[k] for k in ("convert", "disk", "encoder") if k in earlier})
     text = table(result)
     (args.out / "scale.md").write_text(text + "\n")
-    publish(result, args.out / "scale.json", text, args.readme, args.mark)
+    publish(result, args.out / "scale.json", text, args.results, args.mark)
 
 
 if __name__ == "__main__":

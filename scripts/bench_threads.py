@@ -5,7 +5,7 @@ chosen by the load at import); one thread; and llama.cpp on the f32 GGUF with as
 Fresh processes, interleaved rounds, medians; each cell shows the 1-minute load average measured as the run started
 (the competitors and other users of the host included).
 
-    python scripts/bench_threads.py --rounds 3 --json bench-out/threads.json --readme README.md
+    python scripts/bench_threads.py --rounds 3 --json bench-out/threads.json --results
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ def main() -> None:
     ap.add_argument("--max-s", type=float, default=20.0, help="stop a decode after this long (collapsed runs)")
     ap.add_argument("--memory-budget", default="256MB")
     ap.add_argument("--json", type=Path, default=Path("bench-out/threads.json"))
-    ap.add_argument("--readme", type=Path, default=None, help="rewrite the table between the bench_threads markers")
+    ap.add_argument("--results", nargs="?", const=True, default=None, type=Path, metavar="FILE",
+                    help="rewrite the table between the bench_threads markers of FILE (without FILE: "
+                         "docs/results/bench_threads.md)")
     args = ap.parse_args()
     model = bundled_model_dir()
     cores = available_cores()
@@ -56,7 +58,7 @@ def main() -> None:
               f"torch {torch.__version__} (`scripts/bench_threads.py`).")
     result = {"cores": cores, "rounds": args.rounds, "competitors": args.competitors, "torch": torch.__version__,
               "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens, "rows": rows}
-    publish(result, args.json, table(rows, args.competitors, header), args.readme, "bench_threads")
+    publish(result, args.json, table(rows, args.competitors, header), args.results, "bench_threads")
 
 
 if __name__ == "__main__":

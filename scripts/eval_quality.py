@@ -21,7 +21,7 @@ the bundled model's training run held out, ``fate_edge.corpus``; or, for any mod
 first part chooses the int2 tail, the rest is scored), in ``--seq-len`` windows up to ``--tokens`` tokens;
 agreement = share of positions whose greedy (argmax) next token equals the bf16 run's, teacher-forced on that text.
 
-    python scripts/eval_quality.py --tokens 16384 --json bench-out/quality.json --readme README.md
+    python scripts/eval_quality.py --tokens 16384 --json bench-out/quality.json --results
     python scripts/eval_quality.py --model MODEL --text heldout.txt --json bench-out/quality-model.json
 """
 
@@ -339,7 +339,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--compute", choices=("kernel", "dequant"), default="kernel")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steady timings on a shared host)")
     ap.add_argument("--json", type=Path, default=Path("bench-out/quality.json"))
-    ap.add_argument("--readme", type=Path, default=None, help="rewrite the table between the eval_quality markers")
+    ap.add_argument("--results", nargs="?", const=True, default=None, type=Path, metavar="FILE",
+                    help="rewrite the table between the eval_quality markers of FILE (without FILE: "
+                         "docs/results/eval_quality.md)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -359,7 +361,7 @@ def main(argv: list[str] | None = None) -> dict:
     result["text"] = text
     result["threads"] = args.threads
     result["torch"] = torch.__version__
-    publish(result, args.json, render(result), args.readme, "eval_quality")
+    publish(result, args.json, render(result), args.results, "eval_quality")
     return result
 
 

@@ -2,13 +2,13 @@
 # Regenerate everything measured on the bundled model, in dependency order, after (re)training it:
 # calibrated predictors, the model card, quantization quality, forward speed vs transformers, and the
 # side-by-side benchmark. Each step writes its JSON under bench-out/ (not committed) and its table into
-# the README or the model card. Run on an otherwise idle machine: the timings are real.
+# docs/results/ (one file per table) or the model card. Run on an otherwise idle machine: the timings are real.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 M=fate_edge/assets/tiny-moe
 fate-edge calibrate "$M" --predictors-dir "$M/predictors" --lookahead 2 --tokens 440000 --threads 2 --quiet \
     | tee bench-out/calibrate.txt
 python scripts/model_card.py "$M" --tokens 16384
-python scripts/eval_quality.py --tokens 16384 --json bench-out/quality.json --readme README.md
-python scripts/bench_forward.py --runs 5 --json bench-out/forward.json --readme README.md
-python scripts/bench.py --quick --readme README.md --plots-dir docs
+python scripts/eval_quality.py --tokens 16384 --json bench-out/quality.json --results
+python scripts/bench_forward.py --runs 5 --json bench-out/forward.json --results
+python scripts/bench.py --quick --results --plots-dir docs

@@ -12,7 +12,7 @@ of its own on the dilated link, scaled by 1/k: stall, blob decode and prediction
 assumes the host computed k x the device's time while reads travelled (a run that computed faster gave its reads ahead
 less time than a device would), and it leaves out what reads beside compute cost the host's compute, which a
 device's DMA does not cost its GPU.
-Optionally rewrites the README block between <!-- device-presets:begin/end -->.
+Optionally rewrites the table between <!-- MARK:begin/end --> of docs/results/MARK.md (--results, --mark).
 
     python scripts/validate_device_presets.py --host-ms 17 --trace /tmp/emul_trace.pkl --devices orin-nano
 """
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from fate_edge.devices.link import ThrottledLink
 
-from fate_edge.bench.publish import replace_between_markers
+from fate_edge.bench.publish import replace_between_markers, results_file
 from fate_edge.format.store import ExpertStore
 from fate_edge.planning.device_costs import DEVICES
 from fate_edge.planning.device_presets import for_device, for_device_and_store
@@ -174,8 +174,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="hold the resident linears at this precision in every run (and on the device's roofline)")
     ap.add_argument("--sweep", default=None, help="the sweep's JSON: also run its best candidate per device")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--readme", default=None)
-    ap.add_argument("--mark", default=MARK, help=f"README block to rewrite (default {MARK}; the real-shape run: "
+    ap.add_argument("--results", nargs="?", const=True, default=None, type=Path, metavar="FILE",
+                    help="rewrite the table between the MARK markers of FILE (without FILE: docs/results/MARK.md)")
+    ap.add_argument("--mark", default=MARK, help=f"the table's markers (default {MARK}; the real-shape run: "
                     "emulate-real)")
     args = ap.parse_args(argv)
     if args.host_probes < 1:
@@ -231,8 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
-    if args.readme:
-        replace_between_markers(args.readme, args.mark, text)
+    if args.results:
+        replace_between_markers(results_file(args.mark) if args.results is True else args.results, args.mark, text)
     return 0
 
 

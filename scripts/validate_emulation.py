@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fate_edge.bench.publish import replace_between_markers
+from fate_edge.bench.publish import replace_between_markers, results_file
 
 
 def run_policy(store: str, budget: int, policy: str, em, ids: list[int], tokens: int, workers: int) -> dict:
@@ -53,7 +53,7 @@ def run_policy(store: str, budget: int, policy: str, em, ids: list[int], tokens:
 
 
 def table(out: dict, store: str, rounds: int) -> str:
-    """The README block: one row per policy, raw and device-equivalent apart, the simulator beside the measure."""
+    """The results table: one row per policy, raw and device-equivalent apart, the simulator beside the measure."""
     em = out["emulation"]
     load = f"{out['loadavg_start'][0]:.1f}-{out['loadavg_end'][0]:.1f}"
     lines = [f"`{Path(store).name}`, emulated {em['profile']}: k = {em['dilation_k']:.3g} (host "
@@ -82,8 +82,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--readme", default=None, help="rewrite the table between this file's <!-- MARK:begin/end -->")
-    ap.add_argument("--mark", default="emulate-validate", help="README block name (default emulate-validate)")
+    ap.add_argument("--results", nargs="?", const=True, default=None, type=Path, metavar="FILE",
+                    help="rewrite the table between FILE's <!-- MARK:begin/end --> (without FILE: "
+                         "docs/results/MARK.md)")
+    ap.add_argument("--mark", default="emulate-validate", help="the table's markers (default emulate-validate)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -137,8 +139,8 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(out, indent=1))
     text = table(out, args.store, args.rounds)
     print(text)
-    if args.readme:
-        replace_between_markers(args.readme, args.mark, text)
+    if args.results:
+        replace_between_markers(results_file(args.mark) if args.results is True else args.results, args.mark, text)
 
 
 if __name__ == "__main__":

@@ -109,8 +109,9 @@ def test_quick_drops_what_it_says_and_keeps_explicit_choices():
     assert full.links == list(LINKS) and full.prompt_tokens == [128, 512] and full.decode_tokens == 128
 
 
-def test_readme_markers_are_filled_and_the_rest_kept(tmp_path):
-    readme = tmp_path / "README.md"
+def test_results_markers_are_filled_and_the_rest_kept(tmp_path):
+    readme = tmp_path / "docs" / "results" / "bench.md"
+    readme.parent.mkdir(parents=True)
     readme.write_text(f"# x\n\nbefore\n{README_BEGIN}\nold\n{README_END}\nafter\n")
     update_readme(readme, "| new | table |")
     text = readme.read_text()
@@ -179,15 +180,16 @@ def test_fate_edge_bench_records_its_own_command_and_runs_its_workers_from_the_i
 
 def test_the_command_is_recorded_as_invoked():
     assert invoked_command(["/venv/bin/fate-edge", "bench", "--quick"]) == "fate-edge bench --quick"
-    assert invoked_command(["scripts/bench.py", "--quick", "--readme", "README.md"]) == \
-        "python scripts/bench.py --quick --readme README.md"
+    assert invoked_command(["scripts/bench.py", "--quick", "--results", "docs/results/bench.md"]) == \
+        "python scripts/bench.py --quick --results docs/results/bench.md"
     assert invoked_command(["/x/fate_edge/bench/__main__.py", "--runs", "1"], "fate_edge.bench") == \
         "python -m fate_edge.bench --runs 1"
     assert invoked_command(["fate-edge", "bench", "--work-dir", "my dir"]) == "fate-edge bench --work-dir 'my dir'"
 
 
 def test_plots_go_next_to_the_json_unless_a_plots_dir_is_given(tmp_path):
-    cfg = BenchConfig(out_dir=str(tmp_path / "out"), json_path=str(tmp_path / "j" / "b.json"), readme="README.md")
+    cfg = BenchConfig(out_dir=str(tmp_path / "out"), json_path=str(tmp_path / "j" / "b.json"),
+                      readme="docs/results/bench.md")
     assert output_paths(cfg) == (tmp_path / "j" / "b.json", tmp_path / "out" / "bench.md", tmp_path / "j" / "bench.png")
     cfg.quick, cfg.plots_dir = True, str(tmp_path / "docs")
     assert output_paths(cfg)[2] == tmp_path / "docs" / "bench_quick.png"
@@ -196,3 +198,12 @@ def test_plots_go_next_to_the_json_unless_a_plots_dir_is_given(tmp_path):
     ap = argparse.ArgumentParser()
     add_arguments(ap)
     assert config_from_args(ap.parse_args(["--plots-dir", "docs"])).plots_dir == "docs"
+
+
+def test_the_table_goes_to_docs_results_when_asked():
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    assert config_from_args(ap.parse_args([])).readme is None
+    assert config_from_args(ap.parse_args(["--results"])).readme == "docs/results/bench.md"
+    assert config_from_args(ap.parse_args(["--results", "x.md"])).readme == "x.md"
+    check_readme(Path(__file__).resolve().parents[1] / "docs" / "results" / "bench.md")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -185,9 +186,10 @@ def test_llama_cpp_tokenizes_and_computes_like_fate_edge(converted, one_thread):
     np.testing.assert_allclose(theirs, ours, atol=5e-3, rtol=0, err_msg=name)
 
 
-def test_bf16_checkpoints_get_the_real_side_set_and_their_own_readme_block(tmp_path):
+def test_bf16_checkpoints_get_the_real_side_set_and_their_own_results_file(tmp_path):
     from fate_edge import bundled_model_dir
     from fate_edge.bench import sidebyside as sbs
+    from fate_edge.bench.publish import publish, results_file
 
     model = tmp_path / "olmoe-2l"
     model.mkdir()
@@ -196,12 +198,17 @@ def test_bf16_checkpoints_get_the_real_side_set_and_their_own_readme_block(tmp_p
     assert real is sbs.SIDE_SETS["real"] and "f32" not in real.gguf_types
     assert {s.resident_bits for s in real.resident if s.kind == "fate-edge"} == {None, 8, 4}
     assert sbs.pick_side_set("auto", bundled_model_dir()) is sbs.SIDE_SETS["small"]  # an fp32 checkpoint
-    assert sbs.readme_marker(bundled_model_dir(), 2) == "bench_llamacpp"  # the table already in the README
+    assert sbs.readme_marker(bundled_model_dir(), 2) == "bench_llamacpp"  # docs/results/bench_llamacpp.md
     assert sbs.readme_marker(model, 1) == "bench_llamacpp-olmoe-2l-1t" != sbs.readme_marker(model, 2)
-    readme = tmp_path / "README.md"
-    readme.write_text("a\n<!-- bench_llamacpp:begin -->\nT\n<!-- bench_llamacpp:end -->\nb\n")
-    sbs.add_markers(readme, "bench_llamacpp-olmoe-2l-1t")
-    sbs.add_markers(readme, "bench_llamacpp-olmoe-2l-1t")  # once only
-    doc = readme.read_text()
-    assert doc.count("<!-- bench_llamacpp-olmoe-2l-1t:begin -->") == 1
-    assert doc.index("bench_llamacpp:end") < doc.index("bench_llamacpp-olmoe-2l-1t:begin") < doc.index("\nb\n")
+    assert results_file("bench_llamacpp-olmoe-2l-1t") == Path("docs/results/bench_llamacpp-olmoe-2l-1t.md")
+    results = tmp_path / "docs" / "results" / "bench_llamacpp-olmoe-2l-1t.md"
+    sbs.add_markers(results, "bench_llamacpp-olmoe-2l-1t")  # a new model's file is created with its markers
+    sbs.add_markers(results, "bench_llamacpp-olmoe-2l-1t")  # once only
+    assert results.read_text() == "<!-- bench_llamacpp-olmoe-2l-1t:begin -->\n<!-- bench_llamacpp-olmoe-2l-1t:end -->\n"
+    kept = tmp_path / "kept.md"
+    kept.write_text("# title\ntext")
+    sbs.add_markers(kept, "bench_llamacpp-olmoe-2l-1t")  # a file without them gets them at its end
+    doc = kept.read_text()
+    assert doc.startswith("# title\ntext\n") and doc.count("<!-- bench_llamacpp-olmoe-2l-1t:begin -->") == 1
+    publish({}, tmp_path / "r.json", "| T |", results, "bench_llamacpp-olmoe-2l-1t")
+    assert "| T |" in results.read_text() and results.read_text().endswith("<!-- bench_llamacpp-olmoe-2l-1t:end -->\n")

@@ -17,7 +17,7 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmark every policy preset, the oracle and peers under memory budgets "
                        "on emulated device links (JSON, markdown table, plots)",
-                       description="Side-by-side benchmark (see README 'Performance'). --quick finishes in under "
+                       description="Side-by-side benchmark (see docs/performance.md). --quick finishes in under "
                        "10 minutes on a 2-CPU machine.")
     add_arguments(p)
     p.set_defaults(func=cmd_bench)

@@ -7,7 +7,7 @@ time and bytes read per decode token, hit rate (cache + timely prefetch), predic
 per-layer hit breakdown, and the process's peak RSS (VmHWM, so it is per configuration). Ratios to
 load-on-demand (bf16 and int4), to ``fate`` and to the ``oracle`` come from the same run. Peers
 (transformers + accelerate disk offload, llama.cpp through llama-cpp-python) run beside them when
-installed. Outputs: JSON, a markdown table (optionally spliced into README.md) and PNG plots, next to the
+installed. Outputs: JSON, a markdown table (optionally spliced into docs/results/bench.md) and PNG plots, next to the
 JSON unless ``--plots-dir`` says where.
 
 ``--emulate DEVICE`` (fate_edge/planning/emulation.py) replaces the links with one device-faithful emulation: the
@@ -15,7 +15,7 @@ device's link dilated by k = this host's decode compute per token / the device's
 O_DIRECT reads where this disk outpaces the dilated link; every figure is then reported raw (this host) and
 device-equivalent (raw x k), in separate columns and tables.
 
-    fate-edge bench --quick --readme README.md --plots-dir docs   # or: python scripts/bench.py ...
+    fate-edge bench --quick --results --plots-dir docs   # or: python scripts/bench.py ...
 
 Model: by default the bundled model inflated to realistic expert sizes (``fate_edge.format.inflate``, ~2 MB per
 int4 expert) and converted once into a store with int4, int2 (cold) and bf16 copies, kept under the
@@ -23,7 +23,7 @@ fate-edge cache directory; ``--model`` takes another model directory or store.
 
 Modules: ``config`` (presets, links, quick mode), ``prepare`` (model, store, prompts, page cache), ``worker``
 (the per-configuration processes), ``peers``, ``run`` (the run in phases), ``results`` (medians and ratios),
-``report``, ``plots`` and ``outputs`` (markdown, plots, README), ``cli``.
+``report``, ``plots`` and ``outputs`` (markdown, plots, docs/results), ``cli``.
 """
 
 from fate_edge.bench.cli import add_arguments, config_from_args, main, run_from_args

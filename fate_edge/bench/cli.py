@@ -11,6 +11,7 @@ from pathlib import Path
 from fate_edge.bench.config import ALL_PRESETS, LINKS, QUICK_NOTE, BenchConfig, apply_quick
 from fate_edge.bench.outputs import check_readme, write_outputs
 from fate_edge.bench.peers import peer_main
+from fate_edge.bench.publish import results_file
 from fate_edge.bench.report import markdown
 from fate_edge.bench.run import run_bench
 from fate_edge.bench.worker import trace_main, worker_main
@@ -76,7 +77,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--markdown", default=None, help="default OUT_DIR/bench[_quick].md")
     ap.add_argument("--plot", default=None, help="tokens/s plot file (default: PLOTS_DIR/bench[_quick].png)")
     ap.add_argument("--plots-dir", default=None, help="directory for the plots (default: the JSON's directory)")
-    ap.add_argument("--readme", default=None, help="rewrite the table between the bench markers of this file")
+    ap.add_argument("--results", dest="readme", nargs="?", const=str(results_file("bench")), default=None,
+                    metavar="FILE", help="rewrite the table between the bench markers of FILE (without FILE: "
+                    f"{results_file('bench')})")
     ap.add_argument("--work-dir", default=None, help="where the inflated model and its store are kept")
 
 

@@ -110,7 +110,7 @@ class BenchConfig:
     md_path: str | None = None
     plot_path: str | None = None  # tokens/s vs budget; the per-layer plot goes next to it (<stem>_layers.png)
     plots_dir: str | None = None  # where the plots go when plot_path is not given (default: next to the JSON)
-    readme: str | None = None
+    readme: str | None = None  # the file whose bench markers take the table (--results: docs/results/bench.md)
     quick: bool = False
     work_dir: str | None = None  # where the inflated model and its store live (default: the fate-edge cache)
     isolate: bool = True  # each run in a fresh process (per-run peak RSS); False: tests
@@ -133,7 +133,7 @@ class BenchConfig:
             self.threads = os.cpu_count() or 1
 
 
-# What --quick drops, applied in this order; stated in the output and the README.
+# What --quick drops, applied in this order; stated in the output and in docs/performance.md.
 QUICK = {
     "links": ["orin-nano-nvme"],  # drops pi5-microsd, pcie-rtx4060 and raw-disk
     "prompt_tokens": [128],  # drops the 512-token prompt

@@ -1,4 +1,4 @@
-"""Where the results go: JSON, markdown and plots at explicit paths, and the README's bench markers."""
+"""Where the results go: JSON, markdown and plots at explicit paths, and the bench markers of docs/results/bench.md."""
 
 from __future__ import annotations
 

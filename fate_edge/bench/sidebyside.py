@@ -110,22 +110,21 @@ def only_sides(sides: SideSet, names: list[str]) -> SideSet:
 
 
 def readme_marker(model: str, threads: int) -> str:
-    """The README block a run writes: ``bench_llamacpp`` for the bundled model at 2 threads (as before), else one
-    per model and thread count, so the tables of several models coexist."""
+    """The markers (and docs/results file) a run writes: ``bench_llamacpp`` for the bundled model at 2 threads (as
+    before), else one per model and thread count, so the tables of several models coexist."""
     if Path(model).resolve() == _bundled().resolve() and threads == 2:
         return "bench_llamacpp"
     return f"bench_llamacpp-{Path(model).resolve().name}-{threads}t"
 
 
 def add_markers(readme: Path, name: str) -> None:
-    """Empty ``name`` markers after the bundled model's table, where they are not in ``readme`` yet."""
-    doc = readme.read_text()
+    """Empty ``name`` markers at the end of ``readme`` (created if missing), where they are not in it yet."""
+    doc = readme.read_text() if readme.exists() else ""
     begin, end = markers(name)
     if begin in doc:
         return
-    anchor = markers("bench_llamacpp")[1]
-    at = doc.index(anchor) + len(anchor) if anchor in doc else len(doc)
-    readme.write_text(doc[:at] + f"\n\n{begin}\n{end}" + doc[at:])
+    readme.parent.mkdir(parents=True, exist_ok=True)
+    readme.write_text(doc + ("\n" if doc and not doc.endswith("\n") else "") + f"{begin}\n{end}\n")
 
 
 def child_command(spec: dict[str, Any]) -> list[str]:

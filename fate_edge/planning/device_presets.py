@@ -21,7 +21,7 @@ _LINK_BOUND: dict[str, Any] = {"allocation": "global", "eviction": "next-use", "
                                "prefetch_gate": False, "preload": True, "keep_preloaded": True}
 
 # Profile name → the fields of fate-edge that device changes. The five are alike because each is link-bound for
-# this model (the sweep's table per device in the README); a device where a read fits in a layer's compute would
+# this model (the sweep's table per device: docs/emulation.md); a device where a read fits in a layer's compute would
 # keep the host preset's width rule.
 DEVICE_PRESETS: dict[str, dict[str, Any]] = {
     "jetson-orin-nano-8gb": _LINK_BOUND,

@@ -131,7 +131,7 @@ PRESETS: dict[str, PolicyConfig] = {
     # Like fate, it fills its cache at load: with the request's first-used experts (preload.first_used).
     "oracle": PolicyConfig("oracle", allocation="global", eviction="belady", predictor="oracle", lookahead=1,
                            prefetch_width=64, preload=True),
-    # Ours, chosen from measurements (README "Performance"): a uniform per-layer cache (Fate's shallow-favoring
+    # Ours, chosen from measurements (docs/performance.md): a uniform per-layer cache (Fate's shallow-favoring
     # split starves deep layers at small budgets) with MoE-APEX's LCU eviction (the planner's pick at most
     # budgets; higher hit rates than LRU in the quick benchmark), the learned predictor when the model was
     # calibrated (else the cross-layer gate) one layer ahead, and Fate's width rule measured at run time but
