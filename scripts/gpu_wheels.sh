@@ -14,5 +14,6 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$py" 
     --platform "$plat" --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl \
     fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
     typing-inspection==0.4.5 uvicorn==0.55.0 isal==1.9.1 opentelemetry-api importlib-metadata
+rm -rf build   # a stale build/lib (say, from before a module moved) would ship its old files in the wheel
 python3 -m pip wheel -q --no-deps -w .whl .   # fate-edge itself, from this checkout
 ls -1 .whl
