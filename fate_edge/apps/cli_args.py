@@ -192,7 +192,7 @@ def _existing_path_as_path(value: str) -> Path:
 # Types by option name, for the parsers written outside the CLI module (calibrate, bench, serve): the same
 # option means the same thing in every subcommand. Output paths and free text (--host aside) take any string.
 OPTION_TYPES: dict[str, Callable[[str], object]] = {
-    "--model": existing_path, "--corpus": _existing_path_as_path, "--gguf": existing_path, "--readme": existing_path,
+    "--model": existing_path, "--corpus": _existing_path_as_path, "--gguf": existing_path, "--results": non_empty,
     "--memory-budget": byte_size, "--max-body-bytes": byte_size, "--device": device_name, "--host": host_name,
     "--port": port_number, "--threads": non_negative_int, "--fetch-workers": positive_int,
     "--max-queue": non_negative_int, "--max-tokens-default": positive_int, "--shutdown-timeout": non_negative_float,
