@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
     from fate_edge.model.arch.base import ModelConfig
     from fate_edge.model.decoding_model import DecodingModel
+    from fate_edge.model.embedding import QuantizedEmbedding
     from fate_edge.model.kv_cache import KVCache
 
 MODES = ("auto", "on", "off")
@@ -50,7 +51,7 @@ class GraphConsts:
 
     config: ModelConfig
     act: Callable[[torch.Tensor], torch.Tensor]
-    embed: torch.Tensor
+    embed: torch.Tensor | QuantizedEmbedding
     norm: torch.Tensor
 
 
@@ -67,6 +68,7 @@ class StepShape:
 
 def _experts_of(model: DecodingModel) -> dict[int, list]:
     prov, cfg = model.experts, model.config
+    assert isinstance(prov, InMemoryExpertProvider)  # callers check unsupported_experts first
     return {i: [prov.experts.get((i, e)) for e in range(cfg.num_experts)] for i in cfg.moe_layers}
 
 
@@ -173,6 +175,7 @@ def attention_block(cfg: ModelConfig, s: StepShape, x: torch.Tensor, lp: LayerPl
     → ``x + o_proj(attention(input_norm(x)))`` [1, H]."""
     hd, n_q, n_k = s.head_dim, s.n_q, s.n_k
     h = rms_norm(x, lp.input_norm, s.eps)
+    assert lp.qkv is not None  # GQA (unsupported() excludes MLA)
     qkv = apply_linear(h, lp.qkv)
     qk = apply_rope(qkv[:, : (n_q + n_k) * hd].view(1, n_q + n_k, 1, hd), cos, sin, cfg.rope.interleaved)
     qk = qk.view(n_q + n_k, hd)  # elementwise: inductor fuses it into the kernels around it
@@ -193,6 +196,7 @@ def position_mask(kbuf: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
 
 def router_block(cfg: ModelConfig, h: torch.Tensor, lp: LayerPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """The layer's router on gate input ``h`` [N, H] → (weights [N, k] float32, expert ids [N, k])."""
+    assert lp.router is not None  # an MoE layer
     logits = F.linear(h if h.dtype == lp.router.dtype else h.to(lp.router.dtype), lp.router)
     return route(cfg, logits, lp.correction_bias)
 
@@ -210,6 +214,7 @@ def step_graph(g: GraphConsts, s: StepShape, token: torch.Tensor, cos: torch.Ten
         x = attention_block(cfg, s, x, lp, kbuf, vbuf, cos, sin, pos, mask)
         h = rms_norm(x, lp.post_norm, s.eps)
         if lp.router is None:
+            assert lp.mlp is not None and lp.down is not None  # a dense layer's MLP
             x = _add_mlp(x, h, lp.mlp, lp.down, act)
             continue
         weights, idx = router_block(cfg, h, lp)
@@ -220,7 +225,7 @@ def step_graph(g: GraphConsts, s: StepShape, token: torch.Tensor, cos: torch.Ten
         for j in range(cfg.num_experts_per_tok):
             # x + w * expert rounded once to x's dtype: what the eager step's x.add_(part, alpha=w) computes
             x = (x.float() + _expert(s, act, h, hb, st, ids[j : j + 1]) * ws[j]).to(x.dtype)
-        if lp.mlp is not None:
+        if lp.mlp is not None and lp.down is not None:
             x = _add_mlp(x, h, lp.mlp, lp.down, act)
     x = rms_norm(x, g.norm, s.eps)
     return apply_linear(x, head), routing
@@ -231,6 +236,7 @@ def step_shape(model: DecodingModel) -> StepShape:
     int4 experts (None for float experts, or for experts the model streams)."""
     cfg, plan = model.config, model.plan()
     hd, qkv = cfg.head_dim, plan[0].qkv
+    assert qkv is not None  # GQA
     experts = getattr(model.experts, "experts", None)
     spec = getattr(next(iter(experts.values())).gate_up, "spec", None) if experts else None
     return StepShape(qkv.sizes[0] // hd, qkv.sizes[1] // hd, hd, cfg.rms_norm_eps,
@@ -260,7 +266,8 @@ class CompiledDecode:
         # plan version check in step() catches rebuilt weights, and the cache length is a marked dynamic size.
         # cpp_wrapper: the ~170 kernel calls per token are made from C++, not Python (22% faster a token here,
         # 1 thread; cold compile ~60 s instead of ~15 s under load, cached on disk after).
-        self.fn = torch.compile(step_graph, fullgraph=True, isolate_recompiles=True,
+        # torch.compile accepts isolate_recompiles, but its typed overloads do not list it.
+        self.fn = torch.compile(step_graph, fullgraph=True, isolate_recompiles=True,  # type: ignore[call-overload]
                                 options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe,
                                          "cpp_wrapper": True})
 

@@ -21,6 +21,7 @@ import torch
 
 from fate_edge.model import sdpa
 from fate_edge.model.embedding import lookup
+from fate_edge.model.experts import QuantizedExpert
 from fate_edge.model.layer import Fused, LayerPlan, apply_linear, rms_norm
 from fate_edge.model.rope import apply_rope
 
@@ -71,6 +72,7 @@ def decode_token(model: DecodingModel, token: torch.Tensor, cache: KVCache, plan
         if lp.router is not None:
             moe(model, x, h, i, lp)
         else:
+            assert lp.mlp is not None and lp.down is not None  # a dense layer's MLP
             mlp_into(model, x, h, lp.mlp, lp.down)
     x = rms_norm(x, model.w["model.norm.weight"], eps)
     return apply_linear(x, model.head).view(1, 1, -1)
@@ -81,6 +83,7 @@ def attention(model: DecodingModel, x: torch.Tensor, h: torch.Tensor, start: int
     """``x += o_proj(attention(h))`` for one token; its k and v are appended to ``cache``."""
     cfg = model.config
     hd = cfg.head_dim
+    assert lp.qkv is not None  # GQA (supported() excludes MLA)
     qkv = apply_linear(h, lp.qkv)  # [1, (nq + 2 nk) hd]
     n_q, n_k = lp.qkv.sizes[0] // hd, lp.qkv.sizes[1] // hd
     qk = qkv[0, : (n_q + n_k) * hd].view(n_q + n_k, hd)
@@ -110,7 +113,8 @@ def moe(model: DecodingModel, x: torch.Tensor, h: torch.Tensor, layer: int, lp: 
     ~1.5 ms of a ~5 ms read), and the sums keep their order, so the bits are the same."""
     weights, idx = model.route(layer, h)  # [1, k]
     serve_routing(model, x, h, layer, weights, idx,
-                  lambda: shared_out(model, h, lp.mlp, lp.down) if lp.mlp is not None else None)
+                  lambda: shared_out(model, h, lp.mlp, lp.down) if lp.mlp is not None and lp.down is not None
+                  else None)
 
 
 def serve_routing(model: DecodingModel, x: torch.Tensor, h: torch.Tensor, layer: int, weights: torch.Tensor,
@@ -145,7 +149,7 @@ def add_experts(model: DecodingModel, x: torch.Tensor, h: torch.Tensor, hb: torc
     for e, expert in model.experts.stream(layer, sorted(weight_of)):
         if expert is None:  # skipped by precision-on-miss (opt-in)
             continue
-        if getattr(expert, "takes_bf16", False):
+        if isinstance(expert, QuantizedExpert) and expert.takes_bf16:
             if hb is None:  # one bf16 copy of h for every int4 expert of the layer
                 hb = h.to(torch.bfloat16)
             parts[e] = expert.forward_bf16(hb)

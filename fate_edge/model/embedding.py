@@ -9,6 +9,7 @@ weights under their own names, so a store can carry them pre-quantized (``conver
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -45,15 +46,15 @@ def quantized_bytes(shape: tuple[int, int], bits: int) -> int:
     return v * h // 2 + 2 * 2 * v * (h // int4_group(h)) + 8
 
 
-def embedding_bytes(shape: tuple[int, ...], dtype: torch.dtype, bits: int | None = None) -> int:
+def embedding_bytes(shape: Sequence[int], dtype: torch.dtype, bits: int | None = None) -> int:
     """Bytes an embedding table of ``shape`` [V, H] takes once loaded at ``dtype``, or quantized to ``bits``."""
-    shape = tuple(shape)
+    v, h = shape[0], shape[1]
     if bits is not None:
-        return quantized_bytes(shape, bits)
-    return shape[0] * shape[1] * torch.empty(0, dtype=dtype).element_size()
+        return quantized_bytes((v, h), bits)
+    return v * h * torch.empty(0, dtype=dtype).element_size()
 
 
-def quantize_table(rows, shape: tuple[int, int], bits: int) -> dict[str, torch.Tensor]:
+def quantize_table(rows, shape: Sequence[int], bits: int) -> dict[str, torch.Tensor]:
     """Quantize a [V, H] table read ``_BLOCK_ROWS`` rows at a time (``rows(start, stop)`` -> float tensor)."""
     if bits not in EMBEDDING_BITS:
         raise ValueError(f"embedding_bits must be 8 or 4 (or None for the compute dtype), not {bits}")
@@ -102,6 +103,7 @@ class QuantizedEmbedding:
         codes, scale = self.codes.index_select(0, ids), self.scale.index_select(0, ids)
         if self.bits == 8:  # as Int8Linear dequantizes
             return (codes.float() * scale.float()[:, None]).to(self.dtype)
+        assert self.zero is not None  # int4 tables have one
         zero = self.zero.index_select(0, ids)
         spec = QuantSpec(4, self.shape[1] // scale.shape[1])
         return dequantize(Quantized(unpack(codes, 4), scale, zero), spec).to(self.dtype)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import torch
 import torch.nn.functional as F
@@ -113,6 +114,9 @@ class QuantizedExpert:
         return (self.gate_up if self.gate_up is not None else self.gate).kernel
 
 
+# A routed expert as providers hand it out: called on the gate input [N, H] -> [N, H].
+Expert: TypeAlias = ExpertWeights | QuantizedExpert
+
 _ROW_STACKING: dict[tuple, bool] = {}  # (device type, gate shape, up shape, group) → fused gate_up is exact
 
 
@@ -137,10 +141,10 @@ class ExpertProvider(ABC):
     """
 
     @abstractmethod
-    def get(self, layer: int, expert: int) -> ExpertWeights | QuantizedExpert:
+    def get(self, layer: int, expert: int) -> Expert:
         """The weights of ``expert`` in ``layer``, ready to call."""
 
-    def stream(self, layer: int, expert_ids: Iterable[int]) -> Iterator[tuple[int, object | None]]:
+    def stream(self, layer: int, expert_ids: Iterable[int]) -> Iterator[tuple[int, Expert | None]]:
         """Yield (expert id, callable expert, or None when the provider chose to skip it), in any order."""
         for e in expert_ids:
             yield e, self.get(layer, e)
@@ -156,7 +160,7 @@ class ExpertProvider(ABC):
 class InMemoryExpertProvider(ExpertProvider):
     """Every expert resident in memory: the reference configuration for parity and the fastest when it fits."""
 
-    def __init__(self, experts: dict[tuple[int, int], ExpertWeights | QuantizedExpert]):
+    def __init__(self, experts: dict[tuple[int, int], Expert]):
         # Resident int4 experts with separate gate and up (as the store holds them) take one matmul for both.
         self.experts = {k: e.fused() if isinstance(e, QuantizedExpert) else e for k, e in experts.items()}
 
@@ -166,9 +170,14 @@ class InMemoryExpertProvider(ExpertProvider):
         """Every expert of ``provider`` quantized (round-to-nearest) and kept resident: gate_up and down.
 
         ``kernel`` None: the fastest here per matrix shape, timed once (``quant.linear.choose_kernel``)."""
-        return cls({key: quantize_expert(e, spec, device, kernel) for key, e in provider.experts.items()})
+        out: dict[tuple[int, int], Expert] = {}
+        for key, e in provider.experts.items():
+            if not isinstance(e, ExpertWeights):
+                raise TypeError(f"expert {key} is quantized already")
+            out[key] = quantize_expert(e, spec, device, kernel)
+        return cls(out)
 
-    def get(self, layer: int, expert: int) -> ExpertWeights:
+    def get(self, layer: int, expert: int) -> Expert:
         return self.experts[(layer, expert)]
 
 
@@ -185,7 +194,7 @@ def quantize_expert(e: ExpertWeights, spec: QuantSpec, device: str | torch.devic
     dev = torch.device(device)
 
     def pick(w: torch.Tensor) -> str:  # a requested kernel that cannot take this shape: the fastest that can
-        if kernel == "dequant" or kernel in candidate_kernels(tuple(w.shape), spec, dev):
+        if kernel is not None and (kernel == "dequant" or kernel in candidate_kernels(tuple(w.shape), spec, dev)):
             return kernel
         return choose_kernel(w, spec, dev, rows=EXPERT_ROWS)
 

@@ -23,6 +23,7 @@ time), so a short request does not hold a whole context's cache. One sequence at
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -99,8 +100,11 @@ class _StaticDecode:
             return False
         if start + 1 > self.capacity:
             cap = min(model.config.max_position_embeddings, max(MIN_CAPACITY, 1 << start.bit_length()))
-            self.kv = [tuple(b.new_zeros(*b.shape[:2], cap, b.shape[3]) for b in lay.buffers[:2])
-                       for lay in cache.layers]
+
+            def grown(b: torch.Tensor) -> torch.Tensor:
+                return b.new_zeros(*b.shape[:2], cap, b.shape[3])
+
+            self.kv = [(grown(lay.buffers[0]), grown(lay.buffers[1])) for lay in cache.layers]
             self.graphs = []
         for lay, bufs in zip(cache.layers, self.kv):  # the request's cache points at the static buffers
             if lay.buffers[0] is not bufs[0]:
@@ -176,6 +180,7 @@ class CudaGraphDecode(_StaticDecode):
             return None
         self._finish(cache)
         report_routing(model, self.routing)  # after the step, as the compiled CPU step reports it
+        assert self.logits is not None  # the step just ran
         return self.logits.view(1, 1, -1)
 
 
@@ -186,7 +191,7 @@ class LayerGraphDecode(_StaticDecode):
     def __init__(self, model: DecodingModel, capture: bool = True):
         super().__init__(model, capture)
         self.x = torch.zeros(1, model.config.hidden_size, dtype=model.dtype, device=model.device)  # the residual
-        self.outs: list[dict[str, torch.Tensor]] = []  # per layer: h, weights, idx (and z, gate), static
+        self.outs: list[dict[str, torch.Tensor]] = []  # per layer: h, weights, idx (and z, Qwen's gate), static
         self.logits: torch.Tensor | None = None
 
     def _parts(self, model: DecodingModel, plan: list[LayerPlan]) -> list[Callable[[], None]]:
@@ -203,13 +208,16 @@ class LayerGraphDecode(_StaticDecode):
                                     position_mask(kbuf, self.pos))
                 h = rms_norm(x, lp.post_norm, s.eps)
                 if lp.router is None:
+                    assert lp.mlp is not None and lp.down is not None  # a dense layer's MLP
                     self.x.copy_(_add_mlp(x, h, lp.mlp, lp.down, act))
                     return
                 self.x.copy_(x)
                 out["h"] = h
                 out["weights"], out["idx"] = router_block(cfg, h, lp)
-                if lp.mlp is not None:  # computed before the routed experts, added after them (decode_step.moe)
-                    out["z"], out["gate"] = decode_step.shared_out(model, h, lp.mlp, lp.down)
+                if lp.mlp is not None and lp.down is not None:  # computed before the routed experts, added after
+                    out["z"], gate = decode_step.shared_out(model, h, lp.mlp, lp.down)  # them (decode_step.moe)
+                    if gate is not None:
+                        out["gate"] = gate
             return run
 
         def head() -> None:
@@ -221,7 +229,7 @@ class LayerGraphDecode(_StaticDecode):
              plan: list[LayerPlan]) -> torch.Tensor | None:
         if not self._begin(model, token, cache):
             return None
-        parts = self._parts(model, plan) if not self.graphs else None
+        parts = self._parts(model, plan) if not self.graphs else []  # captured: the graphs replay them
         if self.use_graph and not self.graphs and not self._capture(model, parts):
             return None
         for i, lp in enumerate(plan):
@@ -233,10 +241,16 @@ class LayerGraphDecode(_StaticDecode):
                 continue
             out = self.outs[i]
             decode_step.serve_routing(model, self.x, out["h"], i, out["weights"], out["idx"],
-                                      lambda out=out: (out["z"], out["gate"]) if "z" in out else None)
+                                      partial(_shared, out))
         if self.use_graph:
             self.graphs[-1].replay()
         else:
             parts[-1]()
         self._finish(cache)
+        assert self.logits is not None  # the head just ran
         return self.logits.view(1, 1, -1)
+
+
+def _shared(out: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """A layer's shared expert output and Qwen's gate logit from its static outputs; None without a shared expert."""
+    return (out["z"], out.get("gate")) if "z" in out else None

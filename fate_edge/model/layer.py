@@ -9,7 +9,7 @@ Assigning or deleting a name bumps ``Weights.version`` and the plan is rebuilt f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,9 @@ from fate_edge.quant.int8 import Int8Linear, quantize_int8
 from fate_edge.quant.linear import QuantizedLinear, default_kernel, int4_supported
 from fate_edge.quant.native import padded_in_features
 from fate_edge.quant.pack import pack
+
+if TYPE_CHECKING:
+    from fate_edge.model.embedding import QuantizedEmbedding
 
 
 class Weights(dict):
@@ -54,7 +57,7 @@ class LayerPlan:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     qkv: Fused | None  # GQA attention; None for MLA (its projections are in ``mla``)
-    o_proj: Fused | None
+    o_proj: Fused
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     mlp: Fused | None  # dense MLP or shared expert: [gate; up(; shared gate row)]
@@ -109,8 +112,8 @@ def fuse(w: Weights, names: list[str]) -> Fused:
     if len(names) == 1:
         return Fused(weight, biases[0], sizes)
     like = next(b for b in biases if b is not None)
-    biases = [b if b is not None else like.new_zeros(size) for b, size in zip(biases, sizes)]
-    return Fused(weight, _concat(w, [f"{n}.bias" for n in names], biases), sizes)
+    filled = [b if b is not None else like.new_zeros(size) for b, size in zip(biases, sizes)]
+    return Fused(weight, _concat(w, [f"{n}.bias" for n in names], filled), sizes)
 
 
 def _quantized(w: Weights, key: str) -> tuple[Any, list[int]] | None:
@@ -200,7 +203,7 @@ def build_plan(config: ModelConfig, w: Weights, layer_names: list) -> list[Layer
     return plans
 
 
-def build_head(w: Weights, embed: torch.Tensor) -> Fused:
+def build_head(w: Weights, embed: torch.Tensor | QuantizedEmbedding) -> Fused:
     """The output projection: lm_head (maybe quantized), or the embedding when they are tied."""
     if "lm_head.weight" in w or _quantized(w, "lm_head") is not None:
         return fuse(w, ["lm_head"])
@@ -276,12 +279,15 @@ def quantized_group_bytes(shape: tuple[int, int], members: int, bits: int) -> in
     """Bytes :func:`quantize_group` leaves for a fused [N, K] group of ``members`` linears on the CPU: int4 codes
     (N*K/2) + bf16 scale and zero per group of K, or int8 codes + a bf16 scale per row; plus the int64
     bookkeeping (member sizes, the int4 group)."""
+    group = int4_group(shape[1])  # not None where either int4 kernel applies
     if _native_kernel(shape, bits, torch.device("cpu")):  # codes, fp16 scale and zero of K padded; no padded rows
+        assert group is not None
         k = padded_in_features(shape[1])
-        return shape[0] * k // 2 + (k // int4_group(shape[1])) * shape[0] * 2 * 2 + 8 + 8 + 8 * members
+        return shape[0] * k // 2 + (k // group) * shape[0] * 2 * 2 + 8 + 8 + 8 * members
     n, k = _padded(shape)
     if _int4_kernel((n, k), bits, torch.device("cpu")):
-        return n * k // 2 + (k // int4_group(k)) * n * 2 * 2 + 8 + 8 * members
+        assert group is not None
+        return n * k // 2 + (k // group) * n * 2 * 2 + 8 + 8 * members
     n = shape[0]
     return n * k + n * 2 + 8 * members
 

@@ -58,6 +58,7 @@ class RotaryEmbedding:
         else:
             attn = _yarn_mscale(factor)
         orig = r.original_max_position_embeddings
+        assert orig is not None, "YaRN needs original_max_position_embeddings (RopeConfig.from_hf sets it)"
 
         def correction_dim(rotations: float) -> float:
             return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))

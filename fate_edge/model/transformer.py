@@ -7,7 +7,10 @@ config (``fate_edge.model.arch``), so this file reads top to bottom like the ref
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +26,12 @@ from fate_edge.model.layer import Fused, LayerPlan, Weights, apply_linear, build
 from fate_edge.model.rope import RotaryEmbedding, apply_rope, yarn_softmax_scale
 from fate_edge.model.router import route
 
-_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu}
+if TYPE_CHECKING:
+    from fate_edge.model.compiled_step import CompiledDecode
+    from fate_edge.model.graph_step import CudaGraphDecode, LayerGraphDecode
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu}
 
 
 @dataclass
@@ -46,6 +54,7 @@ class MoETransformer:
         dtype: torch.dtype = torch.float32,
     ):
         self.config = config
+        self.model_dir: Path | None = None  # the directory load_model read it from
         self.experts = experts
         self.names = layer_names
         self.dtype = dtype
@@ -64,12 +73,12 @@ class MoETransformer:
         self._head: Fused | None = None
         # One-token decode through fate_edge.model.decode_step (fewer, larger operators); False: the general path.
         self.fast_decode = decode_step.supported(self)
-        self.compiled = None  # a compiled_step.CompiledDecode after set_compile("on"/"auto")
+        self.compiled: CompiledDecode | None = None  # after set_compile("on"/"auto")
         # On CUDA: decode steps replayed as CUDA graphs (graph_step: the whole step with every expert resident, else
         # per layer around the streamed experts), made at the first decode step; False turns it off. ``graph_off``
         # says why a CUDA model decodes eagerly.
         self.cuda_graphs = True
-        self.graphed = None
+        self.graphed: CudaGraphDecode | LayerGraphDecode | None = None
         self.graph_off: str | None = None
         self._rope_perm: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         if "lm_head.weight" not in resident and "lm_head.sizes" not in resident and not config.tie_word_embeddings:
@@ -113,7 +122,7 @@ class MoETransformer:
                 f = getattr(lp, role)
                 if f is not None:
                     out.setdefault(role, set()).add(_kernel(f.weight))
-        out["lm_head"] = {_kernel(self._head.weight)}
+        out["lm_head"] = {_kernel(self.head.weight)}
         if isinstance(self.experts, InMemoryExpertProvider) and self.experts.experts:
             out["experts"] = {getattr(e, "kernel", "dense") for e in self.experts.experts.values()}
         return {role: sorted(k) for role, k in out.items()}
@@ -198,6 +207,7 @@ class MoETransformer:
         predictors/early_attention.py runs a layer early on)."""
         cfg = self.config
         hd = cfg.head_dim
+        assert lp.qkv is not None  # GQA layers have one
         qkv = apply_linear(x, lp.qkv)
         n_q, n_k = lp.qkv.sizes[0] // hd, lp.qkv.sizes[1] // hd
         if cfg.qk_norm == "none" and cfg.clip_qkv is None:  # rotate q and k in one pass
@@ -208,6 +218,7 @@ class MoETransformer:
         else:
             q, k, v = _split(qkv, lp.qkv)
             if cfg.qk_norm == "full":  # OLMoE: one norm over all heads
+                assert lp.q_norm is not None and lp.k_norm is not None
                 q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
                 k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
             if cfg.clip_qkv is not None:
@@ -215,6 +226,7 @@ class MoETransformer:
             q = q.view(b, t, -1, hd)
             k = k.view(b, t, -1, hd)
             if cfg.qk_norm == "head":  # Qwen3: per-head norm
+                assert lp.q_norm is not None and lp.k_norm is not None
                 q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
                 k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
             q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, heads, T, hd]
@@ -253,6 +265,7 @@ class MoETransformer:
     def route(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Router of ``layer`` on gate inputs ``h`` [N, H] → (weights [N, k], expert ids [N, k])."""
         lp = self.plan()[layer]
+        assert lp.router is not None, f"layer {layer} is dense"
         logits = F.linear(h if h.dtype == lp.router.dtype else h.to(lp.router.dtype), lp.router)
         return route(self.config, logits, lp.correction_bias)
 
@@ -262,7 +275,7 @@ class MoETransformer:
         for obs in self.observers:
             obs(layer, h, idx, weights)
         # The shared expert first, while the reads the observers just issued arrive; added last, as it always was.
-        shared = self._mlp(h, lp.mlp, lp.down) if lp.mlp is not None else None
+        shared = self._mlp(h, lp.mlp, lp.down) if lp.mlp is not None and lp.down is not None else None
         out = self._routed_one(h, layer, idx, weights) if h.shape[0] == 1 else self._routed(h, layer, idx, weights)
         return out if shared is None else out + shared
 
@@ -352,12 +365,13 @@ class MoETransformer:
                 self.residual = x
                 x = x + self._moe(h, i, lp)
             else:
+                assert lp.mlp is not None and lp.down is not None  # a dense layer's MLP
                 x = x + self._mlp(h, lp.mlp, lp.down)
         if last_only:
             x = x.view(b, t, -1)[:, -1]
             t = 1
         x = rms_norm(x, self.w["model.norm.weight"], eps)
-        return apply_linear(x, self._head).view(b, t, -1)
+        return apply_linear(x, self.head).view(b, t, -1)
 
     __call__ = forward
 

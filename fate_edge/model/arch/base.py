@@ -127,6 +127,11 @@ class ModelConfig:
     torch_dtype: str = "float32"
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
+        """The normalised config of a Hugging Face ``config.json`` dict: each architecture's subclass reads its own."""
+        raise NotImplementedError(f"{cls.__name__} does not read Hugging Face configs")
+
     def is_moe_layer(self, layer: int) -> bool:
         return layer not in self.dense_layers
 
