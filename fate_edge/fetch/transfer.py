@@ -27,7 +27,7 @@ import torch
 @dataclass
 class PendingRelease:
     event: Any  # object with .query() -> bool (a torch.cuda.Event, or a test double)
-    release: Callable[[], None]
+    release: Callable[[], object]  # its return value is ignored
 
 
 class Copier:
@@ -44,7 +44,7 @@ class Copier:
         """Start moving ``payload`` to the device; returns (device uint8 tensor, completion event or None)."""
         raise NotImplementedError
 
-    def release_after(self, event: Any, release: Callable[[], None]) -> None:
+    def release_after(self, event: Any, release: Callable[[], object]) -> None:
         """Run ``release`` (give the staging buffer back) once ``event`` has completed."""
         if event is None or event.query():
             release()

@@ -333,7 +333,7 @@ def calibrate(model_dir: str | Path, opts: CalibrateOptions | None = None) -> di
             print(f"calibrate: ONNX export skipped ({exc}); install fate-edge[onnx]", file=sys.stderr)
             files[f"learned_{kind}"] = learned.save(pred_dir, onnx=False)
 
-    report = {
+    report: dict[str, Any] = {
         "model": str(model_dir), "generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "model_type": cfg.model_type, "moe_layers": cfg.moe_layers, "num_experts": cfg.num_experts, "k": k,
         "lookahead": p, "widths": widths, "bytes_per_expert": bytes_per_expert, "previous_input": opts.previous_input,

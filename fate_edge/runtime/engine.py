@@ -154,7 +154,8 @@ class Engine:
         self.scheduler.needs_every_token = trace is not None
         self.model.observers.append(self.scheduler)
         self.load_report = self._preload()  # reads at load: apart from every request's statistics
-        if self.scheduler.zero_copy:  # the cache's memory faulted in now, not one read at a time mid-token
+        # zero-copy: the cache's memory faulted in now, not one read at a time mid-token
+        if self.scheduler.zero_copy and self.cache is not None:
             uncached = len(self.model.config.moe_layers) * self.model.config.num_experts - len(self.cache.entries)
             pool.add_spares(min(self.cache.free_entries(pool.size), uncached))
         self.token_stats: list[SchedulerStats] = []  # per generated token of the last request
@@ -237,7 +238,7 @@ class Engine:
             choice = global_choice(self.cache.capacity_bytes // self.cache.entry_bytes, cfg.moe_layers,
                                    cfg.num_experts, self.popularity)
         else:
-            slots = self.plan.slots if p.preload else {r.layer: cfg.num_experts}
+            slots = self.plan.slots if p.preload or r is None else {r.layer: cfg.num_experts}
             choice = preload_choice(slots, cfg.num_experts, self.popularity)
         # Its own copier: the scheduler's counts uploads per token, and these belong to none.
         return preload(self.cache, self.store, choice, p.bits, r, self.dtype, make_copier(self.device), report)
@@ -294,6 +295,7 @@ class Engine:
         if name == "oracle":
             from fate_edge.predictors.oracle import OraclePredictor
 
+            assert self.trace is not None  # the oracle replays a recorded trace
             return OraclePredictor(self.trace.calls, cfg.moe_layers, lookahead=p.lookahead,
                                    num_experts=cfg.num_experts)
         raise FateEdgeError(f"unknown predictor '{name}'")

@@ -53,6 +53,7 @@ def _read_resident(config, reader: CheckpointReader, names: list, wanted: list[s
     groups = resident_groups(config, names, set(wanted)) if resident_bits is not None else []
     groups = [g for g in groups if not in_store(reader, g)]  # quantized at convert: read as they are
     for group in groups:
+        assert resident_bits is not None  # groups is empty without it
         for n in group:
             dict.__setitem__(resident, f"{n}.weight", read(f"{n}.weight"))
         quantize_group(resident, group, resident_bits)

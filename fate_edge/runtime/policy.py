@@ -7,6 +7,7 @@ to prefetch. The scheduler and cache read it; baselines and fate-edge differ onl
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from typing import TypeGuard
 
 from fate_edge.errors import PolicyError
 
@@ -71,7 +72,7 @@ def _one_of(field: str, value: object, valid: tuple) -> None:
         raise _bad(field, value, "one of: " + ", ".join(map(str, valid)))
 
 
-def _is_int(v: object) -> bool:
+def _is_int(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 

@@ -91,8 +91,8 @@ def choose(policy: PolicyConfig, scores: torch.Tensor, k: int, width: int, use_c
     # prefill: union of every token's predicted top-k, ranked by popularity
     ids, counts = scores.topk(k, dim=-1).indices.flatten().unique(return_counts=True)
     popularity = dict(zip(ids.tolist(), counts.tolist()))
-    mass = DEFAULT_TAIL_MASS if policy.cold_tail_mass is None else policy.cold_tail_mass  # None: not resolved
-    cold = cold_tail(popularity, mass) if use_cold else set()
+    tail = DEFAULT_TAIL_MASS if policy.cold_tail_mass is None else policy.cold_tail_mass  # None: not resolved
+    cold = cold_tail(popularity, tail) if use_cold else set()
     return [(e, float(c), e in cold) for e, c in sorted(popularity.items(), key=lambda kv: -kv[1])]
 
 

@@ -10,7 +10,7 @@ statistics.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -43,7 +43,7 @@ class LoadReport:
 
 
 def preload_choice(slots: dict[int, int], num_experts: int,
-                   popularity: dict[int, Sequence[int]] | None = None) -> dict[int, list[int]]:
+                   popularity: Mapping[int, Sequence[int]] | None = None) -> dict[int, list[int]]:
     """Per MoE layer, the experts to cache at load: all of a layer that fits whole, else its ``slots`` most
     used (calibration counts, ties to the lower id) or, without counts, its ``slots`` lowest-numbered."""
     out = {}
@@ -58,7 +58,7 @@ def preload_choice(slots: dict[int, int], num_experts: int,
 
 
 def global_choice(capacity: int, moe_layers: Sequence[int], num_experts: int,
-                  popularity: dict[int, Sequence[int]] | None = None) -> dict[int, list[int]]:
+                  popularity: Mapping[int, Sequence[int]] | None = None) -> dict[int, list[int]]:
     """One partition for all layers (``global`` allocation): the ``capacity`` most used experts across layers by
     the calibration counts (each layer routes the same number of assignments per token, so counts compare
     across layers; ties to the shallower layer, then the lower id); without counts, the same number per layer,
@@ -111,7 +111,7 @@ def preload(cache: ExpertCache, store: ExpertStore, choice: dict[int, list[int]]
     t0 = time.perf_counter()
     first = [resident.layer] if resident is not None and resident.layer in choice else []
     for layer in first + [lay for lay in choice if lay not in first]:
-        b = resident.bits if first and layer == first[0] else bits
+        b = resident.bits if resident is not None and first and layer == first[0] else bits
         report.experts[layer] = []
         for e in choice[layer]:
             if not _load_one(cache, store, layer, e, b, dtype, copier, report):

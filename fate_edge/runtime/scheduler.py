@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields
+from functools import partial
 
 import torch
 
@@ -23,7 +24,7 @@ from fate_edge.fetch.fetch_engine import FetchEngine, FetchRequest, Priority
 from fate_edge.fetch.transfer import Copier, CPUCopier, make_copier
 from fate_edge.format.store import ExpertStore, decode_expert, decodes_to_views
 from fate_edge.model.arch.base import ModelConfig
-from fate_edge.model.experts import ExpertProvider
+from fate_edge.model.experts import Expert, ExpertProvider
 from fate_edge.predictors.base import Predictor
 from fate_edge.runtime.cache import AccessInfo, ExpertCache
 from fate_edge.runtime.policy import PolicyConfig
@@ -150,7 +151,7 @@ class Scheduler(ExpertProvider):
         self._hold_lent = False
         self.lent_reads = 0  # experts computed in their read buffer and not kept (the rest: copied out or handed off)
         self._evicted: list[Buffer] = []  # ... of experts the cache let go: the pool's next buffer, once unused
-        if self.zero_copy:
+        if self.zero_copy and cache is not None:
             cache.on_evict = lambda key: self._evicted.append(self._kept.pop(key)) if key in self._kept else None
         self.max_inflight = max_inflight_prefetches
         self.cold_bits = policy.cold_bits if policy.cold_bits in store.precisions else None
@@ -247,7 +248,7 @@ class Scheduler(ExpertProvider):
 
     def _targets_full(self, layer: int) -> bool:
         """Fate: a prediction is pointless when every layer it targets is fully cached (nothing to read)."""
-        if not self.policy.skip_full or self.cache is None:
+        if not self.policy.skip_full or self.cache is None or self.predictor is None:
             return False
         targets = self.predictor.targets(layer)
         return bool(targets) and all(self.cache.holds_layer(t, self.config.num_experts) for t in targets)
@@ -290,6 +291,7 @@ class Scheduler(ExpertProvider):
 
     def _prefetch(self, layer: int, h: torch.Tensor, width: int) -> None:
         """Prefetch what prefetch_choice.py picks for the predicted layers, ``width`` (:meth:`_width`) per layer."""
+        assert self.predictor is not None  # called only with one
         targets = self.predictor.targets(layer)
         if not targets:
             return
@@ -306,7 +308,7 @@ class Scheduler(ExpertProvider):
         plan = plan_prefetches(self.policy, list(zip(pred.layers, pred.scores)), k, width, busy, room=room,
                                use_cold=self.cold_bits is not None)
         for p in plan:
-            bits = self.cold_bits if p.cold else self.policy.bits
+            bits = self.cold_bits if p.cold and self.cold_bits is not None else self.policy.bits
             self.deferred[(p.layer, p.expert)] = (bits, Priority.NEXT_LAYER if p.distance == 0 else Priority.AHEAD)
         self._issue_deferred()
 
@@ -322,14 +324,14 @@ class Scheduler(ExpertProvider):
         return self.cache is not None and key in self.cache
 
     # ---------------------------------------------------------------- serving
-    def stream(self, layer: int, expert_ids: list[int]) -> Iterator[tuple[int, object | None]]:
+    def stream(self, layer: int, expert_ids: Iterable[int]) -> Iterator[tuple[int, Expert | None]]:
         """Yield (expert id, callable expert or None if skipped): cached first, then in arrival order."""
         info = AccessInfo(layer_now=layer, num_layers=self.config.num_hidden_layers)
         pending: dict[int, _Fetch] = {}
         for e in expert_ids:
             key = (layer, e)
             entry = self.cache.get(key) if self.cache is not None else None
-            if entry is not None:
+            if entry is not None and self.cache is not None:
                 self.cache.pin(key)
                 self.in_use.append(key)
                 self.cache.access(key, True, info)
@@ -407,7 +409,7 @@ class Scheduler(ExpertProvider):
         else:
             blob, event = self.copier.upload(payload, demand=not f.prefetched)
             # The staging buffer goes back to the pool only once the copy out of it has completed.
-            self.copier.release_after(event, lambda req=f.req: self.fetch.release(req))
+            self.copier.release_after(event, partial(self.fetch.release, f.req))
             expert = decode_expert(blob, self.store.precisions[f.bits], self.dtype)
             if self.cache is not None and not low and self._admit(key, expert, expert.nbytes, f.bits):
                 self.cache.pin(key)
@@ -433,6 +435,7 @@ class Scheduler(ExpertProvider):
         """Zero-copy: if the cache admits ``expert`` (decoded in its read buffer; charged the whole buffer), keep the
         buffer as the cached expert's memory (the pool gets an evicted expert's buffer or a new one in its place).
         False if refused: the buffer stays the request's."""
+        assert self.cache is not None and f.req.buffer is not None  # zero-copy: a cache, a read buffer
         if not self._admit(key, expert, f.req.buffer.size, f.bits):
             return False
         self._kept[key] = self.fetch.hand_off(f.req, self._unused_evicted())
@@ -442,11 +445,13 @@ class Scheduler(ExpertProvider):
 
     def _decode_in_buffer(self, f: _Fetch):
         """The expert as views of its read buffer (the whole buffer is the storage: what a cached entry keeps)."""
+        assert f.req.buffer is not None  # a completed read's
         blob = torch.frombuffer(f.req.buffer.view, dtype=torch.uint8)
         return decode_expert(blob[: f.req.ref.length], self.store.precisions[f.bits], self.dtype)
 
     def _admit(self, key: Key, expert: object, nbytes: int, bits: int) -> bool:
         """Cache ``expert``; in prefill under ``keep_preloaded`` only into free room (nothing evicted)."""
+        assert self.cache is not None  # called only with one
         if self.policy.keep_preloaded and self._prefill and not self.cache.has_room(key, nbytes):
             return False
         return self.cache.insert(key, expert, nbytes, bits)

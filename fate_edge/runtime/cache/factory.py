@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from fate_edge.runtime.cache.allocation import allocate
@@ -14,7 +14,7 @@ from fate_edge.runtime.policy import PolicyConfig
 from fate_edge.sizes import format_bytes
 
 
-def miss_curves(popularity: dict[int, Sequence[int]]) -> dict[int, list[float]]:
+def miss_curves(popularity: Mapping[int, Sequence[int]]) -> dict[int, list[float]]:
     """Per layer, the miss rate with s slots holding its s most used experts (from calibration counts)."""
     curves = {}
     for layer, counts in popularity.items():
@@ -62,7 +62,7 @@ def pick_resident(layer: int, num_experts: int, cache_bytes: int, entry_bytes: d
 
 
 def layer_slots(policy: PolicyConfig, slots: int, moe_layers: Sequence[int], num_experts: int,
-                popularity: dict[int, Sequence[int]] | None = None,
+                popularity: Mapping[int, Sequence[int]] | None = None,
                 resident: Resident | None = None) -> dict[int, int]:
     """Per-layer slot counts of the policy's allocation (empty for one global partition).
 
@@ -86,7 +86,7 @@ def layer_slots(policy: PolicyConfig, slots: int, moe_layers: Sequence[int], num
 
 def build_cache(policy: PolicyConfig, cache_bytes: int, entry_bytes: int, moe_layers: Sequence[int],
                 num_experts: int, future: list | None = None,
-                popularity: dict[int, Sequence[int]] | None = None,
+                popularity: Mapping[int, Sequence[int]] | None = None,
                 resident: Resident | None = None, top_k: int = 2) -> ExpertCache | None:
     """The cache for ``policy`` with ``cache_bytes`` of capacity; ``future`` feeds Belady's clairvoyance;
     ``resident``: a layer held whole, paid out of ``cache_bytes`` (the other layers share the rest); ``top_k``:

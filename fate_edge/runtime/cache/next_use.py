@@ -22,7 +22,7 @@ layer call). How it compares with LCU and Belady: docs/device-presets.md.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from fate_edge.runtime.cache.eviction import AccessInfo, EvictionPolicy, Key
@@ -136,6 +136,6 @@ class NextUse(EvictionPolicy):
         return False
 
 
-def seed_shares(popularity: dict[int, Sequence[int]]) -> dict[Key, float]:
+def seed_shares(popularity: Mapping[int, Sequence[int]]) -> dict[Key, float]:
     """Calibration counts → each expert's share of its layer's routed tokens."""
     return {(layer, e): c / max(1, sum(counts)) for layer, counts in popularity.items() for e, c in enumerate(counts)}
