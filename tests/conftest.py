@@ -53,3 +53,13 @@ def model_copy(tmp_path, bundled_dir) -> Path:
     dst = tmp_path / "model"
     shutil.copytree(bundled_dir, dst)
     return dst
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` skip where torch sees no CUDA GPU (docs/testing.md: ``-m gpu`` on a GPU machine)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch sees none here)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)

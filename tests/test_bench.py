@@ -41,6 +41,7 @@ def tiny_run(tmp_path_factory, bundled_dir):
     return cfg, result, paths
 
 
+@pytest.mark.slow
 def test_json_structure(tiny_run):
     cfg, result, paths = tiny_run
     saved = json.loads(paths["json"].read_text())
@@ -73,6 +74,7 @@ def test_json_structure(tiny_run):
     assert "| fate-edge |" in md and "35%" in md
 
 
+@pytest.mark.slow
 def test_ratios_are_against_the_same_run(tiny_run):
     _, result, _ = tiny_run
     runs = {r["preset"]: r for r in result["results"]}
@@ -88,6 +90,7 @@ def test_ratios_are_against_the_same_run(tiny_run):
     assert "load-on-demand" not in runs["fate-edge"]["ratios"]  # bf16 baseline not run: no made-up ratio
 
 
+@pytest.mark.slow
 def test_every_preset_generates_the_same_tokens(tiny_run):
     _, result, _ = tiny_run
     ref = result["int4_reference_tokens"]
@@ -122,6 +125,7 @@ def test_results_markers_are_filled_and_the_rest_kept(tmp_path):
         check_readme(tmp_path / "plain.md")
 
 
+@pytest.mark.slow
 def test_planned_configuration_is_planned_in_its_worker_and_reported(tiny_run):
     cfg, result, paths = tiny_run
     planned = [r for r in result["results"] if r["preset"] == "planned"]
@@ -155,6 +159,7 @@ def test_planned_configuration_is_planned_in_its_worker_and_reported(tiny_run):
 
 
 
+@pytest.mark.slow
 def test_fate_edge_bench_records_its_own_command_and_runs_its_workers_from_the_install(tmp_path, bundled_dir):
     from fate_edge.format.converted_stores import ensure_store
 

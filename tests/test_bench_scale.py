@@ -4,6 +4,8 @@ memory_need, and the table. (Cgroups need root; without them the children run un
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 from fate_edge.bench.scale import ScaleConfig, run_scale
 from fate_edge.format.checkpoint import CheckpointReader
 from fate_edge.format.convert import ConvertOptions
@@ -19,6 +21,7 @@ def _script():
     return mod
 
 
+@pytest.mark.slow
 def test_scale_bench_converts_and_runs_each_budget_within_its_cap(tmp_path, bundled_dir):
     budgets = [1_500_000, 3_000_000]
     cfg = ScaleConfig(bundled_dir, tmp_path / "store", budgets, convert_limit=1_000_000_000,
@@ -64,6 +67,7 @@ def _fake_llama(decode_tps: float):
     return lambda spec: [sys.executable, "-c", code, json.dumps(spec)]
 
 
+@pytest.mark.slow
 def test_llama_side_runs_beside_each_budget_in_every_round_under_the_same_cap(tmp_path, bundled_dir, monkeypatch):
     from fate_edge.bench import sidebyside
 

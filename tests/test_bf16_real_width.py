@@ -38,6 +38,7 @@ def _hf_last(path, dtype, ids):
         return hf(ids).logits[0, -1].float()
 
 
+@pytest.mark.slow
 def test_bf16_at_real_width_is_as_close_to_exact_as_transformers_bf16(real_width):
     ids = torch.randint(1, 512, (1, 48), generator=torch.Generator().manual_seed(1))
     exact = _hf_last(real_width, torch.float32, ids)  # the bf16 weights, computed in float32

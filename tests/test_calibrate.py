@@ -41,6 +41,7 @@ def parse(argv):
     return parser.parse_args(argv)
 
 
+@pytest.mark.slow
 def test_calibrate_command_end_to_end(tiny, tmp_path, capsys):
     model_dir, corpus = tiny
     pred_dir = tmp_path / "predictors"  # the tiny model's 16-wide experts cannot be grouped into a store

@@ -14,6 +14,7 @@ def test_run_streams_a_continuation_and_stats(capsys):
     assert "16 generated" in err and "tok/s" in err and "peak RSS" in err
 
 
+@pytest.mark.slow
 def test_run_reads_prompt_from_stdin():
     proc = subprocess.run(
         [sys.executable, "-m", "fate_edge", "run", "--max-tokens", "8", "--ignore-eos", "--echo"],
@@ -38,6 +39,7 @@ def test_inspect_reports_bytes_and_layers(capsys, bundled_model):
     assert out.count(" moe ") == len(cfg.moe_layers)
 
 
+@pytest.mark.slow
 def test_inspect_verify_checks_every_blob_and_names_a_corrupted_one(tmp_path, capsys, bundled_dir):
     from fate_edge.format.convert import ConvertOptions, convert
     from fate_edge.format.store import ExpertStore

@@ -52,6 +52,7 @@ def assert_compiled_matches_eager(model, prompt: torch.Tensor, rel: float) -> No
     assert torch.equal(greedy(model, prompt)[1], eager[1])  # off is the eager path again
 
 
+@pytest.mark.slow
 def test_bundled_int4_compiled_decode_matches_eager(bundled_dir, one_thread):
     model = store_int4_model(bundled_dir)
     prompt = torch.randint(0, model.config.vocab_size, (1, 60), generator=torch.Generator().manual_seed(0))
@@ -59,6 +60,7 @@ def test_bundled_int4_compiled_decode_matches_eager(bundled_dir, one_thread):
     assert_compiled_matches_eager(model, prompt, rel=1e-2)
 
 
+@pytest.mark.slow
 def test_tiny_float_experts_with_a_dense_layer_compiled_decode_matches_eager(tmp_path, one_thread):
     model = load_model(build_tiny_moe(tmp_path / "tiny"))
     assert not model.config.is_moe_layer(2)

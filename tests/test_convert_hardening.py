@@ -52,6 +52,7 @@ def test_pick_group_takes_the_largest_that_divides_and_checks_an_explicit_one():
         pick_group((32, 16), None)
 
 
+@pytest.mark.slow
 def test_run_on_a_width_96_model_converts_with_group_32_and_says_so(width96, capsys):
     assert main(["run", "--model", str(width96), "--memory-budget", "2MB", "--max-tokens", "2", "--ignore-eos",
                  "a"]) == 0

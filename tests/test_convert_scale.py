@@ -154,6 +154,7 @@ def test_progress_counts_every_checkpoint_byte_once_in_order(tmp_path, bundled_d
     assert len(calls) > experts  # one call per expert, plus the resident tensors'
 
 
+@pytest.mark.slow
 def test_opening_a_store_makes_freed_expert_blobs_leave_the_resident_set(tmp_path, bundled_dir):
     """At real shapes RSS grew ~50 MB per token: freed blobs stayed in glibc's heap (see store.py)."""
     import subprocess

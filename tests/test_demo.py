@@ -23,6 +23,7 @@ def _fate_edge(args, env, **kw):
                           timeout=180, cwd=ROOT, **kw)
 
 
+@pytest.mark.slow
 def test_demo_converts_once_compares_policies_and_is_quick(env):
     t0 = time.monotonic()
     proc = _fate_edge(["demo", "--max-tokens", "24"], env)
@@ -44,12 +45,14 @@ def test_demo_converts_once_compares_policies_and_is_quick(env):
     assert again.returncode == 0 and "converting" not in again.stdout  # the store is reused
 
 
+@pytest.mark.slow
 def test_demo_refuses_a_budget_below_the_minimum(env):
     proc = _fate_edge(["demo", "--memory-budget", "10KB"], env)
     assert proc.returncode == 2
     assert "below the minimum" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_chat_reads_piped_stdin_with_commands(env):
     script = "def add(a, b):\n/stats\n/reset\nhello\n/exit\nnever sent\n"
     proc = _fate_edge(["chat", "--memory-budget", "2MB", "--max-tokens", "8", "--ignore-eos"], env, input=script)

@@ -70,6 +70,7 @@ def test_without_a_residual_it_reads_zeros_and_an_unattached_predictor_refuses(m
         pred.predict(0, torch.ones(1, model.config.hidden_size))
 
 
+@pytest.mark.slow
 def test_training_on_it_and_save_load_onnx_keep_it(model, ids, tmp_path):
     """train_learned on a trace widened with the early inputs; the manifest says so (version 3); the loaded and
     ONNX predictors, attached to the model, score a decode step exactly as the trained one."""
@@ -137,6 +138,7 @@ def test_the_engine_predicts_from_the_early_attention(bundled_dir, tmp_path, mon
         torch.testing.assert_close(x[0, hidden:], trace.early_inputs[layer][position], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_the_planner_scores_an_early_attention_predictor(bundled_dir, tmp_path, monkeypatch):
     """The planner's traces carry the early attention's estimate when the store's predictor reads it: the
     teacher-forced trace scores the learned predictor on [h, s] rows (as predicting the traced rows does), and

@@ -135,6 +135,7 @@ def test_the_emulated_link_is_the_profiles_divided_by_k(store, bundled_tokenizer
     assert em.to_dict()["dilation_k"] == em.k
 
 
+@pytest.mark.slow
 def test_bench_emulate_reports_raw_and_device_equivalent_apart(store, tmp_path, one_thread):
     from fate_edge.bench.config import BenchConfig
     from fate_edge.bench.outputs import write_outputs
@@ -171,6 +172,7 @@ def test_bench_emulate_reports_raw_and_device_equivalent_apart(store, tmp_path, 
     assert "device-eq decode tok/s" in md and "Device-faithful emulation of jetson-agx-orin-64gb" in md
 
 
+@pytest.mark.slow
 def test_bench_resident_bits_reach_the_runs_and_the_devices_roofline(store, tmp_path, one_thread):
     """``fate-edge bench --emulate DEVICE --resident-bits 4``: every fate-edge run holds its resident linears in int4
     (fewer resident bytes than a run at the store's dtype), and the device's roofline reads them at int4."""

@@ -97,6 +97,7 @@ def test_parse_bytes():
         parse_bytes("lots")
 
 
+@pytest.mark.slow
 def test_peak_rss_within_resident_plus_budget(store, budget_35):
     """A fresh process generates 256 tokens; its RSS growth stays within resident weights + budget + 64 MB."""
     code = textwrap.dedent(f"""

@@ -39,6 +39,7 @@ def tiny_dir(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_evaluate_structure_and_invariants(eq, tiny_dir):
     ids = torch.randint(0, 256, (512,), generator=torch.Generator().manual_seed(1))
     res = eq.evaluate(tiny_dir, ids, ids, seq_len=64, batch=4, log=lambda _: None)

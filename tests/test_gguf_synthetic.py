@@ -138,6 +138,7 @@ def _stack(model, layer: int, part: str) -> np.ndarray:
     return torch.stack([getattr(model.experts.get(layer, e), part) for e in range(model.config.num_experts)]).numpy()
 
 
+@pytest.mark.slow
 def test_every_checkpoint_weight_lands_in_the_gguf(converted):
     name, model_dir, path = converted
     reader = gguf.read_gguf(path)
@@ -165,6 +166,7 @@ def test_every_checkpoint_weight_lands_in_the_gguf(converted):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
+@pytest.mark.slow
 def test_llama_cpp_tokenizes_and_computes_like_fate_edge(converted, one_thread):
     from llama_cpp import Llama
 

@@ -8,7 +8,7 @@ from fate_edge.format.convert import ConvertOptions, convert
 from fate_edge.runtime.engine import Engine
 from fate_edge.runtime.generate import generate
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch sees none here)")
+pytestmark = pytest.mark.gpu  # skipped where torch sees no CUDA GPU (conftest.py)
 
 
 @pytest.fixture(scope="module", params=["auto", "cpu-int4"])

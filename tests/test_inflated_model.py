@@ -13,6 +13,7 @@ from fate_edge.format import inflate as inflated
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_inflated_model.py"
 
 
+@pytest.mark.slow
 def test_inflated_model_has_the_same_outputs(tmp_path, bundled_dir, bundled_model):
     out = inflated.inflate(bundled_dir, tmp_path / "inflated", intermediate=512)
     big = load_model(out)
@@ -42,6 +43,7 @@ def test_default_size_is_realistic():
     assert 1.5e6 < 3 * 192 * inflated.inflated_size(192, 2.0) * 4.5 / 8 < 2.5e6
 
 
+@pytest.mark.slow
 def test_script_is_a_thin_wrapper_writing_the_librarys_model(tmp_path, bundled_dir):
     # Run from outside the checkout with no PYTHONPATH: the script imports the installed library.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

@@ -27,10 +27,12 @@ def _loaded_after(code: str, *args: str) -> list[str]:
 
 
 @pytest.mark.parametrize("policy", ["fate-edge", "lru"])
+@pytest.mark.slow
 def test_an_engine_run_imports_neither_onnxruntime_nor_transformers(policy):
     assert _loaded_after(_ENGINE_RUN, policy) == []
 
 
+@pytest.mark.slow
 def test_the_check_sees_a_module_that_is_imported():
     # The same probe after importing onnxruntime on purpose: it would catch an engine that did.
     assert "onnxruntime" in _loaded_after("import onnxruntime\n" + _ENGINE_RUN, "lru")

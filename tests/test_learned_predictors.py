@@ -163,6 +163,7 @@ def test_training_leaves_no_standardisation_and_rejects_unknown_schedules(traine
     assert constant.meta["training"]["config"]["schedule"] == "constant"
 
 
+@pytest.mark.slow
 def test_on_the_bundled_models_own_text_training_fixes_the_gates_weak_first_layer():
     """Layer 0's gate input is far from layer 1's (the first layer rewrites the embedding most), so the
     cross-layer gate finds layer 1's exact top-2 for under a fifth of the tokens; trained on 16k tokens of the

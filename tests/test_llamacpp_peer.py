@@ -128,6 +128,7 @@ def test_competitors_are_bounded_and_killed():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
+@pytest.mark.slow
 def test_gguf_of_the_bundled_model_tokenizes_and_decodes_like_fate_edge(one_thread):
     import torch
 

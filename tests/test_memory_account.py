@@ -51,6 +51,7 @@ def test_the_resident_parts_are_what_the_engine_loads(bundled_store, resident_bi
 
 
 @pytest.mark.parametrize("store, resident_bits", [("float", None), ("float", 4), ("int4 at convert", None)])
+@pytest.mark.slow
 def test_the_measured_peak_is_within_ten_percent_of_the_prediction(qwen_slice, store, resident_bits):
     cmd = [sys.executable, str(SCRIPT), str(qwen_slice[store]), "--memory-budget", "40MB", "--prompt-tokens", "512",
            "--max-tokens", "8"] + ([] if resident_bits is None else ["--resident-bits", str(resident_bits)])

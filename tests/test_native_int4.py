@@ -145,6 +145,7 @@ def _run(env: dict[str, str], code: str) -> str:
 
 
 @pytest.mark.parametrize("rows", [6, 12])
+@pytest.mark.slow
 def test_avx2_path_agrees_with_the_reference_and_with_avx512(rows):
     """The AVX2 path (what AMD hosts without AVX-512 run) within the activation bound of dequantize-then-matmul,
     and equal to the AVX-512 path's sums where this host has both. 6 rows: AVX2's row kernel beside AVX-512's
@@ -178,6 +179,7 @@ for group in (32, 64, 128):
             torch.testing.assert_close(y2, y5, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_disabled_native_falls_back_with_a_reason():
     code = """
 from fate_edge.quant import QuantSpec
@@ -284,6 +286,7 @@ def test_int8_linear_takes_widths_torchs_int8_kernel_crashes_on():
         torch.testing.assert_close(Int8Linear(codes, scale)(x), ref, rtol=0.02, atol=0.02)
 
 
+@pytest.mark.slow
 def test_a_new_build_removes_the_libraries_of_older_sources(tmp_path):
     """Each source version builds its own library (keyed by its hash); the older ones are removed, not piled up."""
     native_dir = tmp_path / "native"
@@ -337,6 +340,7 @@ def test_resident_int4_group_with_padded_k_counts_its_bytes_and_computes_the_sam
         assert (lin(x) - want).pow(2).mean().sqrt() < 0.01 * want.pow(2).mean().sqrt()
 
 
+@pytest.mark.slow
 def test_a_matrix_built_directly_loads_the_kernel_first():
     """NativeInt4 built before anything asked for the kernel's status failed its first call with KeyError('lib')."""
     out = _run({}, """

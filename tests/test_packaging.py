@@ -5,6 +5,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
 import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,6 +32,7 @@ def test_every_code_package_in_the_tree_is_listed_for_installation():
     assert {cfg["package-dir"][ns] for ns in SIDE_FOLDERS.values()} == set(SIDE_FOLDERS)
 
 
+@pytest.mark.slow
 def test_installed_namespace_has_no_generic_top_level_packages(tmp_path):
     # Run outside the checkout so the source folders are not on sys.path: only the install is seen.
     code = (
@@ -41,6 +43,7 @@ def test_installed_namespace_has_no_generic_top_level_packages(tmp_path):
     assert out.stdout.strip() == "[]"
 
 
+@pytest.mark.slow
 def test_wheel_ships_one_namespace_with_profiles_and_bundled_model(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(REPO)],
                    check=True, capture_output=True)

@@ -72,6 +72,7 @@ def test_plan_command_on_a_device_profile(capsys, tmp_path, monkeypatch):
     assert "jetson-orin-nano-8gb storage" in out and "predicted" in out and "chosen policy" in out
 
 
+@pytest.mark.slow
 def test_engine_plan_auto_runs_the_planners_choice(tmp_path, bundled_dir):
     from fate_edge import Engine, GenerateConfig
     from fate_edge.format.convert import ConvertOptions, convert

@@ -26,6 +26,7 @@ print(before - rss())
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="malloc_trim is glibc's; elsewhere it does nothing")
+@pytest.mark.slow
 def test_freed_holes_in_the_heap_go_back_to_the_kernel():
     out = subprocess.run([sys.executable, "-c", HOLES], capture_output=True, text=True, check=True)
     released = int(out.stdout)

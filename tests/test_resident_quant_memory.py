@@ -4,6 +4,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 from fate_edge.quant.int8 import quantize_int8
 
@@ -19,6 +20,7 @@ def test_int8_blocks_give_the_textbook_codes():
     assert codes.dtype == torch.int8 and not codes[7].any()
 
 
+@pytest.mark.slow
 def test_quantizing_a_large_matrix_does_not_copy_it_in_fp32():
     """Peak RSS while int8- and int4-quantizing a 256 MB bf16 matrix, beyond the matrix itself: the codes
     (128 MB int8, 64 MB int4) and blocks of scratch, never an fp32 copy (512 MB)."""

@@ -88,6 +88,7 @@ def test_prompt_longer_than_the_context_is_a_clear_error(engine):
     assert generate(engine, "ok", max_tokens=2).completion_tokens == 2  # still serving
 
 
+@pytest.mark.slow
 def test_threads_are_serialized_and_each_gets_its_own_answer(engine):
     alone = {(p, s): generate(engine, p, **_kw(s)) for p, s in REQUESTS}
     results: dict[tuple[int, int], Completion] = {}
@@ -159,6 +160,7 @@ def test_a_failed_read_fails_one_request_and_the_engine_recovers(engine):
     assert generate(engine, prompt, **kw).text == ref
 
 
+@pytest.mark.slow
 def test_minimal_example_runs(cache_dir):
     env = dict(os.environ, FATE_EDGE_CACHE=str(cache_dir), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "minimal.py")], capture_output=True, text=True,

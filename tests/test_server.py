@@ -322,6 +322,7 @@ def test_malformed_requests_get_4xx_openai_errors_and_the_server_keeps_serving(s
 
 
 # --------------------------------------------------------------------------- load and cancellation
+@pytest.mark.slow
 def test_fifty_requests_at_concurrency_four_match_the_same_requests_alone(client):
     prompts = ["def add(a, b):", "import json\n", "class Tree:", "for i in range(", "# parse the file\n"]
     specs = [(p, seed, kind) for p in prompts for seed, kind in ((1, "chat"), (2, "completion"))]
@@ -477,6 +478,7 @@ def test_health_is_503_while_the_model_loads(monkeypatch, cache):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_the_stream_in_flight_then_exits_0(cache):
     s = Server(cache)
     try:
@@ -500,6 +502,7 @@ def test_sigterm_finishes_the_stream_in_flight_then_exits_0(cache):
         s.stop()
 
 
+@pytest.mark.slow
 def test_serve_and_run_refuse_a_budget_below_the_minimum(cache, monkeypatch, capsys):
     proc = subprocess.run([sys.executable, "-m", "fate_edge", "serve", "--threads", "1", "--memory-budget", "1KB",
                            "--port", str(_free_port()), "--log-level", "warning"],

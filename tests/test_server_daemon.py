@@ -14,7 +14,7 @@ import time
 import pytest
 from test_server import BUDGET, COMP, ROOT, Server, _env
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]  # each test starts a daemon or shares one
 
 
 @pytest.fixture(scope="module")

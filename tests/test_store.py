@@ -139,6 +139,7 @@ def test_interrupted_convert_leaves_nothing(tmp_path, bundled_dir, monkeypatch):
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_killed_convert_leaves_no_valid_looking_store(tmp_path, bundled_dir):
     out = tmp_path / "store"
     script = (

@@ -109,6 +109,7 @@ def _prompt(model_dir: Path) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.slow
 def test_loads_in_fate_edge_and_matches_transformers(written, name):
     path, _ = written(name)
     prompt = _prompt(path)
@@ -218,6 +219,7 @@ print(json.dumps(dict(growth=after - before, total=index["metadata"]["total_size
 """
 
 
+@pytest.mark.slow
 def test_generator_peak_memory_does_not_grow_with_model_size(tmp_path):
     out = subprocess.run([sys.executable, "-c", _RSS_PROBE, str(tmp_path)], capture_output=True, text=True, check=True)
     m = json.loads(out.stdout)

@@ -41,6 +41,7 @@ def test_openmp_waits_with_a_short_spin_on_a_quiet_host_and_passively_on_an_over
     assert openmp_defaults(16.0, 2) == {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
+@pytest.mark.slow
 def test_importing_fate_edge_sets_one_of_the_two_and_names_it():
     keys = (*OPENMP, "FATE_EDGE_SET_OPENMP")
     code = f"import json, os, fate_edge; print(json.dumps({{k: os.environ.get(k) for k in {keys!r}}}))"
@@ -51,11 +52,13 @@ def test_importing_fate_edge_sets_one_of_the_two_and_names_it():
 
 @pytest.mark.parametrize("user", [{"OMP_WAIT_POLICY": "ACTIVE"}, {"OMP_WAIT_POLICY": "PASSIVE"},
                                   {"GOMP_SPINCOUNT": "5"}])
+@pytest.mark.slow
 def test_openmp_settings_the_user_made_are_kept_and_not_overridden(user):
     # libgomp lets GOMP_SPINCOUNT override the wait policy's spin, so ours must not join a user's policy
     assert _child_env(PROBE, _user_env(**user)) == {k: user.get(k) for k in OPENMP}
 
 
+@pytest.mark.slow
 def test_a_child_of_fate_edge_tells_our_spin_count_from_the_users_wait_policy():
     parent = subprocess.run([sys.executable, "-c", "import json, os, fate_edge; print(json.dumps(dict(os.environ)))"],
                             env=_user_env(), capture_output=True, text=True, check=True)
@@ -70,6 +73,7 @@ def test_a_child_of_fate_edge_tells_our_spin_count_from_the_users_wait_policy():
 PEER_PROBE = OPENMP_DEFAULT + f"import json; print(json.dumps({{k: os.environ.get(k) for k in {OPENMP!r}}}))"
 
 
+@pytest.mark.slow
 def test_llama_cpp_children_start_with_its_own_openmp_default_unless_the_user_chose_one():
     # fate_edge's former PASSIVE made llama.cpp (its own libgomp) 20x slower: the peer gets libgomp's default back
     assert _child_env(PEER_PROBE, _user_env()) == {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": None}
@@ -83,6 +87,7 @@ def test_llama_cpp_children_start_with_its_own_openmp_default_unless_the_user_ch
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
+@pytest.mark.slow
 def test_a_llama_cpp_child_loads_llama_cpps_libgomp_before_torch_does():
     # torch bundles a libgomp with the system's soname: whichever loads first serves both, with its wait policy.
     code = llama_child("import json, fate_edge, torch\n"
