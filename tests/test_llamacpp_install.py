@@ -20,6 +20,7 @@ def _built_wheels() -> list[Path]:
 
 @pytest.mark.skipif(not _built_wheels(), reason=f"no llama-cpp-python wheel built in {CACHE}/wheels "
                     "(run scripts/install_llamacpp.sh once; it builds one in ~20 min)")
+@pytest.mark.slow
 def test_the_install_script_works_in_a_clean_venv(tmp_path):
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)
