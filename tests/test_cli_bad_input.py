@@ -23,7 +23,7 @@ BAD_BY_TYPE = {
     cli_args.positive_float: NUMBERS + ["0"], cli_args.non_negative_float: NUMBERS, cli_args.fraction: NUMBERS,
     cli_args.below_one: NUMBERS + ["1"], cli_args.share: NUMBERS + ["1"],
     cli_args.byte_size: ["2XB", "-1", "0"], cli_args.existing_path: ["/nonexistent/model"],
-    cli_args._existing_path_as_path: ["/nonexistent/corpus.txt"], cli_args.device_name: ["tpu"],
+    cli_args.existing_path_as_path: ["/nonexistent/corpus.txt"], cli_args.device_name: ["tpu"],
     cli_args.link_name: ["nosuch-board"], cli_args.profile_name: ["nosuch-board"],
     cli_args.host_name: ["not a host!"], cli_args.non_empty: [""], cli_args.octal_mode: ["rw-------", "999"],
     cli_args.host_list: ["localhost,not a host!"], cli_args.origin_list: ["localhost:3000", "http://bad host"],

@@ -8,8 +8,6 @@ import time
 
 from fate_edge import defaults
 from fate_edge.apps.cli_args import (
-    PROG,
-    CliParser,
     add_sampling_args,
     byte_size,
     emulated_device,
@@ -19,6 +17,7 @@ from fate_edge.apps.cli_args import (
     use_option_types,
 )
 from fate_edge.apps.engine_args import add_engine_args
+from fate_edge.command_line import PROG, CliParser
 from fate_edge.errors import FateEdgeError
 from fate_edge.format.convert import GROUP_SIZES
 from fate_edge.sizes import format_bytes

@@ -1,7 +1,8 @@
-"""Argument types and the parser class of the ``fate-edge`` CLI: bad input is one ``fate-edge: error:`` line.
+"""Argument types of the ``fate-edge`` CLI's own subcommands, and the types by option name that the parsers
+written elsewhere (calibrate, serve) get: bad input is one ``fate-edge: error:`` line (command_line.CliParser).
 
-Each type checks its value when the command line is parsed, before anything is loaded, and its message
-names what is accepted; argparse prefixes the option's name.
+The plain types (numbers, paths, device names) live in ``fate_edge.command_line``, the device profile and
+emulated device names in ``fate_edge.planning.device_costs``; they are imported here under their own names.
 """
 
 from __future__ import annotations
@@ -9,22 +10,24 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import re
-import sys
 from collections.abc import Callable
-from pathlib import Path
-from typing import NoReturn
 
+from fate_edge.command_line import (
+    below_one,
+    device_name,
+    existing_path,
+    existing_path_as_path,
+    fraction,
+    non_empty,
+    non_negative_float,
+    non_negative_int,
+    port_number,
+    positive_float,
+    positive_int,
+    share,
+)
 from fate_edge.errors import FateEdgeError
-
-PROG = "fate-edge"
-
-
-class CliParser(argparse.ArgumentParser):
-    """argparse with errors on one line (``fate-edge: error: argument --x: ...``), exit status 2, no usage dump."""
-
-    def error(self, message: str) -> NoReturn:
-        print(f"{PROG}: error: {message} (see {self.prog} --help)", file=sys.stderr)
-        raise SystemExit(2)
+from fate_edge.planning.device_costs import emulated_device, profile_name
 
 
 def byte_size(value: str) -> str:
@@ -38,77 +41,6 @@ def byte_size(value: str) -> str:
     if n <= 0:
         raise argparse.ArgumentTypeError(f"{value!r} is not a positive size; write e.g. 512MB, 2GB or 1.5GiB")
     return value
-
-
-def _number(kind: type, ok: Callable[[float], bool], what: str) -> Callable[[str], float]:
-    def parse(value: str):
-        try:
-            x = kind(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{value!r} is not {what}") from None
-        if not ok(x):
-            raise argparse.ArgumentTypeError(f"{value!r} is not {what}")
-        return x
-
-    parse.__name__ = what  # argparse names the type in some messages
-    return parse
-
-
-positive_int = _number(int, lambda x: x > 0, "an integer >= 1")
-non_negative_int = _number(int, lambda x: x >= 0, "an integer >= 0")
-port_number = _number(int, lambda x: 0 <= x <= 65535, "a port number in 0..65535")
-positive_float = _number(float, lambda x: x > 0 and x != float("inf"), "a number > 0")
-non_negative_float = _number(float, lambda x: 0 <= x < float("inf"), "a number >= 0")
-fraction = _number(float, lambda x: 0 < x <= 1, "a number in (0, 1]")
-below_one = _number(float, lambda x: 0 <= x < 1, "a number in [0, 1)")
-share = _number(float, lambda x: 0 < x < 1, "a number in (0, 1)")
-
-
-def non_empty(value: str) -> str:
-    if not value:
-        raise argparse.ArgumentTypeError("must not be empty")
-    return value
-
-
-def existing_path(value: str) -> str:
-    if not Path(value).exists():
-        raise argparse.ArgumentTypeError(f"{value}: no such file or directory")
-    return value
-
-
-def device_name(value: str) -> str:
-    """auto, cpu, cuda or cuda:N (whether a GPU is there is checked when the engine opens)."""
-    if value in ("auto", "cpu") or re.fullmatch(r"cuda(:\d+)?", value):
-        return value
-    raise argparse.ArgumentTypeError(f"unknown device {value!r}; use auto, cpu, cuda or cuda:N")
-
-
-def profile_name(value: str) -> str:
-    """A shipped device profile, a profile .toml file, or 'host' (this machine, measured by fate-edge probe)."""
-    from fate_edge.devices.profile import list_profiles
-
-    if value == "host" or value in list_profiles() or value.endswith(".toml") and Path(value).is_file():
-        return value
-    raise argparse.ArgumentTypeError(f"no device profile {value!r}; use one of: {', '.join(list_profiles())}, "
-                                     "host, or a profile .toml file")
-
-
-def emulated_device(value: str) -> str:
-    """A device to emulate (planning/emulation.py): a short name (orin-nano, agx-orin, ...) or a device profile."""
-    from fate_edge.planning.device_costs import DEVICES
-
-    if value in DEVICES or value != "host" and _is_profile(value):
-        return value
-    raise argparse.ArgumentTypeError(f"no device {value!r} to emulate; use one of: {', '.join(DEVICES)}, a device "
-                                     "profile name or a profile .toml file")
-
-
-def _is_profile(value: str) -> bool:
-    try:
-        profile_name(value)
-    except argparse.ArgumentTypeError:
-        return False
-    return True
 
 
 def link_name(value: str) -> str:
@@ -185,14 +117,10 @@ def _is_host(name: str) -> bool:
         return False
 
 
-def _existing_path_as_path(value: str) -> Path:
-    return Path(existing_path(value))
-
-
 # Types by option name, for the parsers written outside the CLI module (calibrate, bench, serve): the same
 # option means the same thing in every subcommand. Output paths and free text (--host aside) take any string.
 OPTION_TYPES: dict[str, Callable[[str], object]] = {
-    "--model": existing_path, "--corpus": _existing_path_as_path, "--gguf": existing_path, "--results": non_empty,
+    "--model": existing_path, "--corpus": existing_path_as_path, "--gguf": existing_path, "--results": non_empty,
     "--memory-budget": byte_size, "--max-body-bytes": byte_size, "--device": device_name, "--host": host_name,
     "--port": port_number, "--threads": non_negative_int, "--fetch-workers": positive_int,
     "--max-queue": non_negative_int, "--max-tokens-default": positive_int, "--shutdown-timeout": non_negative_float,

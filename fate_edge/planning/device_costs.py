@@ -3,13 +3,14 @@ computes there, and how many MoE layers of its compute one expert read costs."""
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from fate_edge.devices.emulate import device_roofline
 from fate_edge.devices.link import LinkSpec, host_to_accelerator_link, storage_link
-from fate_edge.devices.profile import load_profile
+from fate_edge.devices.profile import list_profiles, load_profile
 from fate_edge.errors import ProfileError
 
 # Short names for the devices presets are derived on, and the profiles and links they stand for: the link is the
@@ -48,9 +49,35 @@ def resolve_device(name: str) -> tuple[str, str]:
     return name, "storage" if profile.unified_memory else "host-link"
 
 
-def device_link(profile_name: str, kind: str) -> LinkSpec:
-    profile = load_profile(profile_name)
-    spec = host_to_accelerator_link(profile) if kind == "host-link" else storage_link(profile)
+def profile_name(value: str) -> str:
+    """Command-line type: a shipped device profile, a profile .toml file, or 'host' (this machine, measured by
+    fate-edge probe)."""
+    if value == "host" or value in list_profiles() or value.endswith(".toml") and Path(value).is_file():
+        return value
+    raise argparse.ArgumentTypeError(f"no device profile {value!r}; use one of: {', '.join(list_profiles())}, "
+                                     "host, or a profile .toml file")
+
+
+def emulated_device(value: str) -> str:
+    """Command-line type: a device to emulate (planning/emulation.py), a short name from DEVICES or a device
+    profile (not 'host')."""
+    if value in DEVICES or value != "host" and _is_profile(value):
+        return value
+    raise argparse.ArgumentTypeError(f"no device {value!r} to emulate; use one of: {', '.join(DEVICES)}, a device "
+                                     "profile name or a profile .toml file")
+
+
+def _is_profile(value: str) -> bool:
+    try:
+        profile_name(value)
+    except argparse.ArgumentTypeError:
+        return False
+    return True
+
+
+def device_link(profile: str, kind: str) -> LinkSpec:
+    loaded = load_profile(profile)
+    spec = host_to_accelerator_link(loaded) if kind == "host-link" else storage_link(loaded)
     assert spec is not None  # resolve_device picks host-link only for profiles that have one
     return spec
 
@@ -113,8 +140,8 @@ def read_layers(store_dir: str | Path, device: str, bits: int = 4, resident_bits
     from fate_edge.format.store import ExpertStore
     from fate_edge.model.arch import load_config
 
-    profile_name, kind = resolve_device(device)
+    profile, kind = resolve_device(device)
     work = decode_token_work(store_dir, bits, resident_bits)
-    layer_s = device_roofline(load_profile(profile_name)).time_s(work.bytes, work.flops) / len(
+    layer_s = device_roofline(load_profile(profile)).time_s(work.bytes, work.flops) / len(
         load_config(store_dir).moe_layers)
-    return device_link(profile_name, kind).transfer_time(ExpertStore(store_dir).expert_bytes(bits)) / layer_s
+    return device_link(profile, kind).transfer_time(ExpertStore(store_dir).expert_bytes(bits)) / layer_s
