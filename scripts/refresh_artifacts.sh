@@ -11,4 +11,4 @@ fate-edge calibrate "$M" --predictors-dir "$M/predictors" --lookahead 2 --tokens
 python scripts/model_card.py "$M" --tokens 16384
 python scripts/eval_quality.py --tokens 16384 --json bench-out/quality.json --results
 python scripts/bench_forward.py --runs 5 --json bench-out/forward.json --results
-python scripts/bench.py --quick --results --plots-dir docs
+fate-edge bench --quick --results --plots-dir docs

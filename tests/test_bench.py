@@ -185,8 +185,8 @@ def test_fate_edge_bench_records_its_own_command_and_runs_its_workers_from_the_i
 
 def test_the_command_is_recorded_as_invoked():
     assert invoked_command(["/venv/bin/fate-edge", "bench", "--quick"]) == "fate-edge bench --quick"
-    assert invoked_command(["scripts/bench.py", "--quick", "--results", "docs/results/bench.md"]) == \
-        "python scripts/bench.py --quick --results docs/results/bench.md"
+    assert invoked_command(["scripts/research/bench_io.py", "--runs", "3", "--results"]) == \
+        "python scripts/research/bench_io.py --runs 3 --results"
     assert invoked_command(["/x/fate_edge/bench/__main__.py", "--runs", "1"], "fate_edge.bench") == \
         "python -m fate_edge.bench --runs 1"
     assert invoked_command(["fate-edge", "bench", "--work-dir", "my dir"]) == "fate-edge bench --work-dir 'my dir'"

@@ -1,8 +1,8 @@
 """Every subcommand, every option, a bad value: exit 2 and one ``fate-edge: error:`` line, never a traceback.
 
-The options and their types are read from the real parser, so an option added later without a type (or
-without an entry in FREE_TEXT) fails here. Values are rejected while parsing, so nothing loads: main() runs
-in-process and the whole module takes seconds.
+The options and their types are read from the real parsers (the dispatched commands' own, from their modules), so
+an option added later without a type (or without an entry in FREE_TEXT) fails here. Values are rejected while
+parsing, so nothing loads: main() runs in-process and the whole module takes seconds.
 """
 
 import argparse
@@ -10,11 +10,12 @@ import argparse
 import pytest
 
 from fate_edge.apps import cli_args
-from fate_edge.apps.cli import build_parser, main
+from fate_edge.apps.cli import COMMANDS, build_parser, main, subcommand_parsers
 
-# Options (and positionals) that take any text, so no value of them is bad input.
+# Options (and positionals) that take any text, so no value of them is bad input: output paths and free text.
 FREE_TEXT = {"prompt", "out_dir", "--system", "--api-key", "--model-alias", "--unix-socket", "--out-dir", "--json",
              "--markdown", "--plot", "--plots-dir", "--work-dir", "--out", "--predictors-dir"}
+FREE_TEXT_IN: set[tuple[str, str]] = set()  # (command, option) free in that command only
 
 NUMBERS = ["abc", "-1"]  # every numeric option's type rejects both (--seed aside: any integer is a seed)
 BAD_BY_TYPE = {
@@ -30,13 +31,13 @@ BAD_BY_TYPE = {
     cli_args.emulated_device: ["nosuch-board", "host"],
 }
 SIGNED = {"--seed"}  # int options where a negative number is valid
-REQUIRED = {"plan": ["--memory-budget", "1MB"], "convert": ["MODEL", "OUT"]}
+# What a command needs besides the bad value: (its positionals, its required options); MODEL: a model directory,
+# OUT: a path to create.
+REQUIRED = {"plan": ([], ["--memory-budget", "1MB"]), "convert": (["MODEL", "OUT"], [])}
 
 
 def _subcommands() -> dict[str, argparse.ArgumentParser]:
-    parser = build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return dict(sub.choices)
+    return subcommand_parsers()
 
 
 def _cases():
@@ -45,7 +46,7 @@ def _cases():
             if action.nargs == 0 or isinstance(action, argparse._HelpAction):
                 continue  # flags take no value
             name = action.option_strings[-1] if action.option_strings else action.dest
-            if name in FREE_TEXT:
+            if name in FREE_TEXT or (cmd, name) in FREE_TEXT_IN:
                 continue
             values = ["nosuch"] if action.choices is not None else []
             if action.type is not None or not values:
@@ -54,22 +55,23 @@ def _cases():
             if name in SIGNED:
                 values = [v for v in values if v != "-1"]
             for value in values:
-                yield pytest.param(cmd, action, name, value, id=f"{cmd} {name} {value!r}")
+                yield pytest.param(cmd, parser, action, name, value, id=f"{cmd} {name} {value!r}")
 
 
-def _argv(cmd: str, action: argparse.Action, value: str, tmp_path, bundled_dir) -> list[str]:
-    required = [str(bundled_dir) if a == "MODEL" else str(tmp_path / "out") if a == "OUT" else a
-                for a in REQUIRED.get(cmd, [])]
+def _argv(cmd: str, parser: argparse.ArgumentParser, action: argparse.Action, value: str, tmp_path,
+          bundled_dir) -> list[str]:
+    positionals, options = REQUIRED.get(cmd, ([], []))
+    positionals = [str(bundled_dir) if a == "MODEL" else str(tmp_path / "out") if a == "OUT" else a
+                   for a in positionals]
     if action.option_strings:
-        return [cmd, *required, f"{action.option_strings[-1]}={value}"]
-    if cmd == "convert":  # positionals in place
-        return [cmd, value, str(tmp_path / "out")] if action.dest == "model_dir" else [cmd, str(bundled_dir), value]
-    return [cmd, value, *required]
+        return [cmd, *positionals, *options, f"{action.option_strings[-1]}={value}"]
+    at = [a for a in parser._actions if not a.option_strings].index(action)  # the bad value in its place
+    return [cmd, *positionals[:at], value, *positionals[at + 1:], *options]
 
 
-@pytest.mark.parametrize("cmd,action,name,value", list(_cases()))
-def test_bad_value_is_one_error_line_and_exit_2(cmd, action, name, value, tmp_path, bundled_dir, capsys):
-    argv = _argv(cmd, action, value, tmp_path, bundled_dir)
+@pytest.mark.parametrize("cmd,parser,action,name,value", list(_cases()))
+def test_bad_value_is_one_error_line_and_exit_2(cmd, parser, action, name, value, tmp_path, bundled_dir, capsys):
+    argv = _argv(cmd, parser, action, value, tmp_path, bundled_dir)
     with pytest.raises(SystemExit) as info:
         main(argv)
     err = capsys.readouterr().err
@@ -84,6 +86,8 @@ def test_bad_value_is_one_error_line_and_exit_2(cmd, action, name, value, tmp_pa
 def test_every_listed_subcommand_is_covered():
     assert {"run", "chat", "demo", "serve", "convert", "inspect", "calibrate", "plan", "probe", "bench"} <= \
         set(_subcommands())
+    listed = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert set(COMMANDS) <= set(listed) and set(_subcommands()) == set(listed)
     covered = {case.values[0] for case in _cases()}
     assert covered == set(_subcommands()) - {"probe"}  # probe takes no options
 

@@ -57,7 +57,7 @@ def test_the_check_catches_what_the_bench_and_calibrate_used_to_do():
            '_TRAIN = Path(__file__).parent.parent / "scripts/train_tiny_moe.py"\n')
     found = checkout_references(old)
     assert len(found) == 7, found  # REPO_ROOT twice, parents[1], "scripts", the loader, parent.parent, the path
-    assert checkout_references('"""Docstrings may name scripts/bench.py."""\nx = Path(__file__).parent / "a"\n') == []
+    assert checkout_references('"""Docstrings may name scripts/test.sh."""\nx = Path(__file__).parent / "a"\n') == []
 
 
 @pytest.mark.parametrize("folder", PACKAGE_DIRS)

@@ -1,10 +1,18 @@
-"""``fate-edge`` command line: a thin dispatcher over the library (run, inspect, convert, plan, probe, ...)."""
+"""``fate-edge`` command line: a thin dispatcher over the library (run, inspect, convert, plan, probe, ...).
+
+The commands whose code lives in a concern package (the benchmark) are dispatched as mlx-lm dispatches its own:
+COMMANDS names each one's ``module:function``, imported only when that command runs, so ``fate-edge --help``
+lists them without importing them. Each such module has ``main(argv) -> int`` and ``build_parser()``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 
 from fate_edge import defaults
 from fate_edge.apps.cli_args import (
@@ -289,24 +297,52 @@ def build_parser() -> argparse.ArgumentParser:
     probe.set_defaults(func=cmd_probe)
     _add_convert_parser(sub)
 
-    from fate_edge.apps.bench_command import add_bench_parser
     from fate_edge.apps.chat import add_chat_parser
     from fate_edge.apps.demo import add_demo_parser
     from fate_edge.apps.server.main import add_serve_parser
     from fate_edge.runtime.calibrate import add_calibrate_parser
 
     # Parsers written elsewhere get the shared argument types by option name (see cli_args.OPTION_TYPES).
-    for add in (add_calibrate_parser, add_bench_parser, add_serve_parser):
+    for add in (add_calibrate_parser, add_serve_parser):
         use_option_types(add(sub))
     add_chat_parser(sub)
     add_demo_parser(sub)
+    for name, (_, summary) in COMMANDS.items():  # listed in --help only: main() hands them their arguments
+        sub.add_parser(name, help=summary, add_help=False)
     return parser
 
 
+# Commands that live in their concern package: name -> ("module:function", the line --help shows).
+COMMANDS: dict[str, tuple[str, str]] = {
+    "bench": ("fate_edge.bench.cli:main", "benchmark every policy preset, the oracle and peers under memory "
+              "budgets on emulated device links (JSON, markdown table, plots)"),
+}
+
+
+def resolve(spec: str) -> Callable:
+    """The function a "module:function" spec names, its module imported now."""
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:
+    """Every subcommand's own parser, the dispatched commands' included (imports every command module)."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    parsers = dict(sub.choices)
+    for name, (spec, _) in COMMANDS.items():
+        parsers[name] = importlib.import_module(spec.partition(":")[0]).build_parser()
+    return parsers
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in COMMANDS:
+        run = partial(resolve(COMMANDS[argv[0]][0]), argv[1:])
+    else:
+        args = build_parser().parse_args(argv)
+        run = partial(args.func, args)
     try:
-        return args.func(args)
+        return run()
     except FateEdgeError as exc:
         print(f"fate-edge: error: {exc}", file=sys.stderr)
         return 2

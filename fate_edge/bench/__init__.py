@@ -15,7 +15,7 @@ device's link dilated by k = this host's decode compute per token / the device's
 O_DIRECT reads where this disk outpaces the dilated link; every figure is then reported raw (this host) and
 device-equivalent (raw x k), in separate columns and tables.
 
-    fate-edge bench --quick --results --plots-dir docs   # or: python scripts/bench.py ...
+    fate-edge bench --quick --results --plots-dir docs   # or: python -m fate_edge.bench ...
 
 Model: by default the bundled model inflated to realistic expert sizes (``fate_edge.format.inflate``, ~2 MB per
 int4 expert) and converted once into a store with int4, int2 (cold) and bf16 copies, kept under the
