@@ -37,7 +37,7 @@ py=python3
   timeout 90 $py -P scripts/gpu_parity.py --json "$out/parity.json"
   echo "== real-shape slice: qwen1.5-moe-a2.7b, $layers layers"
   rm -rf "$work/model" "$work/store"
-  timeout 120 $py -P scripts/make_synthetic_model.py --like qwen1.5-moe-a2.7b --layers "$layers" --threads 16 "$work/model"
+  timeout 120 $py -P -m fate_edge synth --like qwen1.5-moe-a2.7b --layers "$layers" --threads 16 "$work/model"
   timeout 120 $py -P -m fate_edge convert "$work/model" "$work/store" --bits 4 --no-bf16
   peers=(); [ "${PEERS:-1}" = 1 ] || peers=(--no-peers)
   timeout 300 $py -P scripts/gpu_bench.py --model "$work/model" --store "$work/store" --budgets $budgets \

@@ -13,8 +13,8 @@ from fate_edge.apps import cli_args
 from fate_edge.apps.cli import COMMANDS, build_parser, main, subcommand_parsers
 
 # Options (and positionals) that take any text, so no value of them is bad input: output paths and free text.
-FREE_TEXT = {"prompt", "out_dir", "--system", "--api-key", "--model-alias", "--unix-socket", "--out-dir", "--json",
-             "--markdown", "--plot", "--plots-dir", "--work-dir", "--out", "--predictors-dir"}
+FREE_TEXT = {"prompt", "out_dir", "out", "--system", "--api-key", "--model-alias", "--unix-socket", "--out-dir",
+             "--json", "--markdown", "--plot", "--plots-dir", "--work-dir", "--out", "--predictors-dir"}
 FREE_TEXT_IN: set[tuple[str, str]] = set()  # (command, option) free in that command only
 
 NUMBERS = ["abc", "-1"]  # every numeric option's type rejects both (--seed aside: any integer is a seed)
@@ -33,7 +33,9 @@ BAD_BY_TYPE = {
 SIGNED = {"--seed"}  # int options where a negative number is valid
 # What a command needs besides the bad value: (its positionals, its required options); MODEL: a model directory,
 # OUT: a path to create.
-REQUIRED = {"plan": ([], ["--memory-budget", "1MB"]), "convert": (["MODEL", "OUT"], [])}
+REQUIRED = {"plan": ([], ["--memory-budget", "1MB"]), "convert": (["MODEL", "OUT"], []),
+            "relayout": (["MODEL", "OUT"], []),
+            "synth": (["OUT"], ["--like", "olmoe-1b-7b"])}
 
 
 def _subcommands() -> dict[str, argparse.ArgumentParser]:

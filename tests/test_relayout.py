@@ -75,3 +75,15 @@ def test_relayout_names_a_corrupted_blob_and_leaves_nothing(stores, tmp_path):
     with pytest.raises(FateEdgeError, match="layer 2 expert 3 fails its CRC"):
         relayout_store(kernel, tmp_path / "out", progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cpu"]
+
+
+def test_fate_edge_relayout_writes_the_store_and_reports_a_refusal_in_one_line(stores, tmp_path, capsys):
+    from fate_edge.apps.cli import main
+
+    kernel, portable, _ = stores
+    assert main(["relayout", str(kernel), str(tmp_path / "out")]) == 0
+    assert ExpertStore(tmp_path / "out").precisions[4].layout == "portable"
+    assert capsys.readouterr().out.startswith(f"wrote {tmp_path / 'out'} in ")
+    assert main(["relayout", str(portable), str(tmp_path / "again")]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("fate-edge: error: ") and "already portable" in line

@@ -1,4 +1,4 @@
-"""Synthetic checkpoints shaped like published MoE models (fate_edge.synthetic, scripts/make_synthetic_model.py).
+"""Synthetic checkpoints shaped like published MoE models (fate_edge.synthetic, fate-edge synth).
 
 Scaled-down copies (widths / 16, 4 layers, the published vocabularies and expert counts) are written by the
 generator, loaded by fate-edge and by transformers, and compared; the full-size shapes are checked from the
@@ -244,3 +244,17 @@ def test_resident_bits_quantize_mla_projections(written):
         assert projections and not any(k in model.w for k in projections)
         got = model(prompt, model.new_cache())
         assert (got - ref).pow(2).mean().sqrt() < tol * ref.pow(2).mean().sqrt()
+
+
+@pytest.mark.slow
+def test_fate_edge_synth_writes_what_the_library_writes(tmp_path, capsys):
+    from fate_edge.apps.cli import main
+
+    assert main(["synth", str(tmp_path / "cli"), "--like", "olmoe-1b-7b", "--scale", "16", "--layers", "1"]) == 0
+    assert "olmoe-1b-7b: " in capsys.readouterr().out
+    make_synthetic_model(tmp_path / "lib", SyntheticOptions("olmoe-1b-7b", layers=1, scale=16))
+    files = sorted(p.name for p in (tmp_path / "lib").iterdir())
+    assert sorted(p.name for p in (tmp_path / "cli").iterdir()) == files
+    for name in files:
+        if name.endswith((".safetensors", ".json")):
+            assert (tmp_path / "cli" / name).read_bytes() == (tmp_path / "lib" / name).read_bytes(), name

@@ -1,8 +1,9 @@
 """``fate-edge`` command line: a thin dispatcher over the library (run, inspect, convert, plan, probe, ...).
 
-The commands whose code lives in a concern package (the benchmark) are dispatched as mlx-lm dispatches its own:
-COMMANDS names each one's ``module:function``, imported only when that command runs, so ``fate-edge --help``
-lists them without importing them. Each such module has ``main(argv) -> int`` and ``build_parser()``.
+The commands whose code lives in a concern package (the benchmark, the synthetic generator, relayout) are
+dispatched as mlx-lm dispatches its own: COMMANDS names each one's ``module:function``, imported only when that
+command runs, so ``fate-edge --help`` lists them without importing them. Each such module has
+``main(argv) -> int`` and ``build_parser()``.
 """
 
 from __future__ import annotations
@@ -316,6 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
 COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("fate_edge.bench.cli:main", "benchmark every policy preset, the oracle and peers under memory "
               "budgets on emulated device links (JSON, markdown table, plots)"),
+    "synth": ("fate_edge.synthetic.cli:main", "write a synthetic checkpoint with a published MoE model's shapes "
+              "(random weights)"),
+    "relayout": ("fate_edge.format.relayout:main", "re-lay out an expert store's cpu-int4 experts as portable, "
+                 "without the checkpoint"),
 }
 
 

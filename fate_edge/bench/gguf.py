@@ -151,7 +151,7 @@ def patch_mla_without_q_lora(model_class: type) -> None:
 
     The converter writes the key only when the rank is set; llama.cpp then recognises the q-LoRA-free "lite"
     variant by its layer count (27 or 26) and otherwise demands the key. A checkpoint trimmed to fewer layers
-    (``make_synthetic_model.py --like deepseek-v2-lite --layers N``) would fail to load; 0 is the value
+    (``fate-edge synth --like deepseek-v2-lite --layers N``) would fail to load; 0 is the value
     llama.cpp itself assumes for the lite variant (a plain ``wq`` instead of ``wq_a``/``wq_b``)."""
     original = model_class.set_gguf_parameters
     if getattr(original, "_fate_edge_q_lora", False):

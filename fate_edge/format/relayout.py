@@ -1,9 +1,13 @@
 """Re-lay out a store's int4 experts from torch's CPU kernel layout to the portable one (which fate-edge's own
 int4 kernel computes on directly), without the checkpoint: the codes, scales and zeros are the same numbers,
-only their order and the zero's convention change, so the model's outputs are what the kernels make of them."""
+only their order and the zero's convention change, so the model's outputs are what the kernels make of them.
+
+    fate-edge relayout STORE OUT
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -14,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from fate_edge.command_line import command_parser, existing_path
 from fate_edge.errors import FateEdgeError
 from fate_edge.format.checksum import crc32
 from fate_edge.format.direct_write import DirectFile
@@ -102,3 +107,19 @@ def relayout_store(src: str | Path, dst: str | Path, progress: bool = True) -> P
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dst
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = command_parser("relayout", __doc__)
+    ap.add_argument("store", type=existing_path,
+                    help="an expert store with cpu-int4 experts (fate-edge convert --layout cpu-int4)")
+    ap.add_argument("out", help="the new store's directory (must not exist)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    t0 = time.perf_counter()
+    out = relayout_store(args.store, args.out)
+    print(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
+    return 0
