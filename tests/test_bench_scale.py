@@ -1,24 +1,16 @@
-"""scripts/bench_scale.py's library on the bundled model: convert in a capped child, runs in cgroups sized by
+"""fate-edge bench-scale's library on the bundled model: convert in a capped child, runs in cgroups sized by
 memory_need, and the table. (Cgroups need root; without them the children run uncapped and say so.)"""
 
-import importlib.util
-from pathlib import Path
+import argparse
 
 import pytest
 
-from fate_edge.bench.scale import ScaleConfig, run_scale
+from fate_edge.bench.scale import GB, ScaleConfig, run_scale
+from fate_edge.bench.scale_cli import build_parser, gb_list, side_by_side, table
 from fate_edge.format.checkpoint import CheckpointReader
 from fate_edge.format.convert import ConvertOptions
 from fate_edge.format.store import ExpertStore
 from fate_edge.runtime.footprint import memory_need
-
-
-def _script():
-    path = Path(__file__).parent.parent / "scripts" / "bench_scale.py"
-    spec = importlib.util.spec_from_file_location("bench_scale", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.mark.slow
@@ -50,7 +42,7 @@ def test_scale_bench_converts_and_runs_each_budget_within_its_cap(tmp_path, bund
         read = r["decode"]["demand_bytes"] + r["decode"]["prefetch_bytes"]
         assert abs(r["decode_mb_read_per_token"] - read / 3 / 1e6) < 1e-9
 
-    text = _script().table(result)
+    text = table(result)
     rows = [ln for ln in text.splitlines() if ln.startswith("| ") and "GB |" in ln]
     assert len(rows) == len(budgets) and "int4 + int2 experts, rtn" in text
 
@@ -101,7 +93,7 @@ def test_llama_side_runs_beside_each_budget_in_every_round_under_the_same_cap(tm
         assert ll["decode_tps"] == 0.5 and ll["decode_read_mb_per_token"] == 7.5
         assert abs(fe["decode_tps_ratio"] - fe["decode_tps"] / 0.5) < 1e-9
 
-    text = _script().table(result)
+    text = table(result)
     assert text.count("| fate-edge |") == text.count("| llama.cpp |") == len(budgets)
     assert "2 interleaved round(s)" in text and "int4 resident weights" in text
     assert result["cpu_model"] and f"({result['cpu_model']})" in text
@@ -128,6 +120,16 @@ def test_side_by_side_table_from_a_result_with_failures_and_ooms():
     assert summary[1]["sides"]["fate-edge"]["decode_tps_ratio"] == 5.0 / 3.0
     result = {"config": {"threads": 1, "prompt_tokens": 64, "decode_tokens": 16, "rounds": 2, "resident_bits": 4,
                          "dtype": "bfloat16"}, "summary": summary}
-    text = "\n".join(_script().side_by_side(result))
+    text = "\n".join(side_by_side(result))
     assert "2 GB: 4.00x (met); 4 GB: 1.67x (missed)" in text
     assert "| 2 GB | 3.00 GB | llama.cpp |" in text and "| 2 (1) |" in text
+
+
+
+def test_budgets_are_gb_lists_and_empty_means_convert_only(tmp_path):
+    assert gb_list("2,4") == [int(2 * GB), int(4 * GB)] and gb_list("0.5") == [int(0.5 * GB)]
+    assert gb_list("") == []  # convert only
+    for bad in ("abc", "0", "-1", "2,x", "inf"):
+        with pytest.raises(argparse.ArgumentTypeError, match="budgets in GB"):
+            gb_list(bad)
+    assert build_parser().parse_args([str(tmp_path), "s"]).budgets == [int(2 * GB), int(4 * GB)]  # default "2,4"

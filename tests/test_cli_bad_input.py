@@ -11,11 +11,12 @@ import pytest
 
 from fate_edge.apps import cli_args
 from fate_edge.apps.cli import COMMANDS, build_parser, main, subcommand_parsers
+from fate_edge.bench import scale_cli
 
 # Options (and positionals) that take any text, so no value of them is bad input: output paths and free text.
 FREE_TEXT = {"prompt", "out_dir", "out", "--system", "--api-key", "--model-alias", "--unix-socket", "--out-dir",
              "--json", "--markdown", "--plot", "--plots-dir", "--work-dir", "--out", "--predictors-dir"}
-FREE_TEXT_IN: set[tuple[str, str]] = set()  # (command, option) free in that command only
+FREE_TEXT_IN = {("bench-scale", "store"), ("bench-scale", "--gguf")}  # outputs there
 
 NUMBERS = ["abc", "-1"]  # every numeric option's type rejects both (--seed aside: any integer is a seed)
 BAD_BY_TYPE = {
@@ -28,13 +29,13 @@ BAD_BY_TYPE = {
     cli_args.link_name: ["nosuch-board"], cli_args.profile_name: ["nosuch-board"],
     cli_args.host_name: ["not a host!"], cli_args.non_empty: [""], cli_args.octal_mode: ["rw-------", "999"],
     cli_args.host_list: ["localhost,not a host!"], cli_args.origin_list: ["localhost:3000", "http://bad host"],
-    cli_args.emulated_device: ["nosuch-board", "host"],
+    cli_args.emulated_device: ["nosuch-board", "host"], scale_cli.gb_list: ["abc", "0", "2,x"],
 }
 SIGNED = {"--seed"}  # int options where a negative number is valid
 # What a command needs besides the bad value: (its positionals, its required options); MODEL: a model directory,
 # OUT: a path to create.
 REQUIRED = {"plan": ([], ["--memory-budget", "1MB"]), "convert": (["MODEL", "OUT"], []),
-            "relayout": (["MODEL", "OUT"], []),
+            "bench-scale": (["MODEL", "OUT"], []), "relayout": (["MODEL", "OUT"], []),
             "synth": (["OUT"], ["--like", "olmoe-1b-7b"])}
 
 

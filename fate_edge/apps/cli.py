@@ -1,6 +1,6 @@
 """``fate-edge`` command line: a thin dispatcher over the library (run, inspect, convert, plan, probe, ...).
 
-The commands whose code lives in a concern package (the benchmark, the synthetic generator, relayout) are
+The commands whose code lives in a concern package (the benchmarks, the synthetic generator, relayout) are
 dispatched as mlx-lm dispatches its own: COMMANDS names each one's ``module:function``, imported only when that
 command runs, so ``fate-edge --help`` lists them without importing them. Each such module has
 ``main(argv) -> int`` and ``build_parser()``.
@@ -317,6 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
 COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("fate_edge.bench.cli:main", "benchmark every policy preset, the oracle and peers under memory "
               "budgets on emulated device links (JSON, markdown table, plots)"),
+    "bench-llamacpp": ("fate_edge.bench.llamacpp_cli:main", "fate-edge beside llama.cpp on the same checkpoint, "
+                       "resident and memory-limited, in fresh processes"),
+    "bench-scale": ("fate_edge.bench.scale_cli:main", "a real-size checkpoint: convert it in a memory cgroup, run "
+                    "it at expert budgets from the raw disk (needs root)"),
     "synth": ("fate_edge.synthetic.cli:main", "write a synthetic checkpoint with a published MoE model's shapes "
               "(random weights)"),
     "relayout": ("fate_edge.format.relayout:main", "re-lay out an expert store's cpu-int4 experts as portable, "

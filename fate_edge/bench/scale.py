@@ -1,6 +1,7 @@
 """fate-edge at a real model's size: convert a full-size checkpoint inside a memory cgroup, then run
 the store at a few expert budgets from the raw disk (page cache dropped), each run in a process confined by a
-memory cgroup to what fate-edge says it needs (``footprint.memory_need``). Used by scripts/bench_scale.py.
+memory cgroup to what fate-edge says it needs (``footprint.memory_need``). ``fate-edge bench-scale`` runs it
+(``scale_cli``).
 
 Every measurement runs in a fresh child (``python -m fate_edge.bench.scale --child KIND SPEC``) so its peak RSS
 is its own; the parent owns the cgroups, drops the page cache and records the load average beside each number.
@@ -27,7 +28,7 @@ GB = 1e9
 
 @dataclass
 class ScaleConfig:
-    model: Path  # Hugging Face checkpoint at real shapes (scripts/make_synthetic_model.py --like ...)
+    model: Path  # Hugging Face checkpoint at real shapes (fate-edge synth --like ...)
     store: Path  # where the expert store is (or will be) written
     budgets: list[int] = field(default_factory=lambda: [int(2 * GB), int(4 * GB)])  # expert budgets
     convert: bool = True  # convert first (else the store must exist)

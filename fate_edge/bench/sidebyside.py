@@ -1,4 +1,4 @@
-"""fate-edge beside llama.cpp on the same checkpoint and the same prompt token ids (``scripts/bench_llamacpp.py``).
+"""fate-edge beside llama.cpp on the same checkpoint and the same prompt token ids (``fate-edge bench-llamacpp``).
 
 Resident: fate-edge fp32 / bf16 / int4 experts vs llama.cpp f32 / bf16 / q4_0 GGUFs, every weight in RAM.
 Memory-limited: fate-edge streaming its int4 experts under an expert budget, then llama.cpp q4_0 memory-mapped

@@ -2,23 +2,34 @@
 and 4 GB expert budgets from the raw disk (page cache dropped), each run confined by a memory cgroup to what
 fate-edge says it needs (resident weights + budget + runtime baseline). Needs root (cgroups, drop_caches).
 
-    python scripts/make_synthetic_model.py --like qwen1.5-moe-a2.7b /data/qwen-moe     # 28.6 GB bf16
-    python scripts/bench_scale.py /data/qwen-moe /data/qwen-moe-store --out results/scale
+    fate-edge synth --like qwen1.5-moe-a2.7b /data/qwen-moe     # 28.6 GB bf16
+    fate-edge bench-scale /data/qwen-moe /data/qwen-moe-store --out results/scale
 
 Writes ``scale.json`` and ``scale.md`` (a markdown table) under --out; with --results, also the table between
 the ``<!-- MARK:begin -->`` / ``<!-- MARK:end -->`` markers of docs/results/MARK.md (--mark, default scale).
+The measuring is fate_edge.bench.scale's; this module is its command line and its tables.
 """
+
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 from fate_edge.bench.gguf import q4_0_direct
 from fate_edge.bench.publish import publish
 from fate_edge.bench.scale import GB, ScaleConfig, run_scale
+from fate_edge.command_line import (
+    command_parser,
+    existing_path_as_path,
+    non_empty,
+    positive_float,
+    positive_int,
+)
 from fate_edge.format.convert import ConvertOptions
+from fate_edge.runtime.policy import PRESETS
 
 GGUF_NOTE = ("converter from the checkpoint with its matrices Q4_0 and the output bf16, then "
              "llama_model_quantize Q4_0: output q6_K, the rest copied; routers and norms f32")
@@ -145,22 +156,37 @@ def time_split(runs: list[dict]) -> dict[int, str]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model", type=Path, help="Hugging Face checkpoint (e.g. a synthetic one at real shapes)")
+def gb_list(value: str) -> list[int]:
+    """Command-line type: expert budgets in GB, comma-separated ('': none, convert only), as bytes."""
+    try:
+        gbs = [float(b) for b in value.split(",") if b.strip()]
+    except ValueError:
+        gbs = [math.nan]
+    if not all(0 < g < math.inf for g in gbs):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a list of budgets in GB > 0, e.g. 2,4 ('': convert "
+                                         "only)")
+    return [int(g * GB) for g in gbs]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = command_parser("bench-scale", __doc__)
+    ap.add_argument("model", type=existing_path_as_path,
+                    help="Hugging Face checkpoint (e.g. a synthetic one at real shapes)")
     ap.add_argument("store", type=Path, help="expert store to write (or to use, with --no-convert)")
     ap.add_argument("--out", type=Path, default=Path("results/scale"))
-    ap.add_argument("--budgets", default="2,4", help="expert budgets in GB, comma-separated (default 2,4; '': "
-                    "convert only)")
+    ap.add_argument("--budgets", type=gb_list, default="2,4",
+                    help="expert budgets in GB, comma-separated (default 2,4; '': convert only)")
     ap.add_argument("--no-convert", action="store_true", help="use the existing store")
-    ap.add_argument("--convert-limit-gb", type=float, default=2.0)
-    ap.add_argument("--bits", type=int, default=4, help="precision of the streamed experts (default 4)")
-    ap.add_argument("--cold-bits", type=int, default=None, help="also write a low-precision copy")
+    ap.add_argument("--convert-limit-gb", type=positive_float, default=2.0)
+    ap.add_argument("--bits", type=int, default=4, choices=(8, 4, 3, 2),
+                    help="precision of the streamed experts (default 4)")
+    ap.add_argument("--cold-bits", type=int, default=None, choices=(4, 3, 2), help="also write a low-precision copy")
     ap.add_argument("--keep-bf16", action="store_true", help="also write bf16 experts (+25 GB at Qwen1.5-MoE size)")
-    ap.add_argument("--policy", default="fate-edge")
-    ap.add_argument("--prompt-tokens", type=int, default=64)
-    ap.add_argument("--decode-tokens", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--policy", default="fate-edge", choices=list(PRESETS), metavar="POLICY",
+                    help=f"policy preset: {', '.join(PRESETS)} (default fate-edge)")
+    ap.add_argument("--prompt-tokens", type=positive_int, default=64)
+    ap.add_argument("--decode-tokens", type=positive_int, default=16)
+    ap.add_argument("--threads", type=positive_int, default=2)
     ap.add_argument("--resident-bits", type=int, default=None, choices=(8, 4),
                     help="quantize attention, shared experts and lm_head at load (llama.cpp's q4_0 mix does too)")
     ap.add_argument("--gguf", type=Path, default=None,
@@ -168,20 +194,25 @@ def main() -> None:
                          "the same cap (made from MODEL by gguf.q4_0_direct when missing)")
     ap.add_argument("--llama-repack", action="store_true",
                     help="leave llama.cpp's Q4_0 repack on (it copies the weights into RAM: not memory-mapped)")
-    ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds (medians over them)")
-    ap.add_argument("--cap-gb", type=float, default=None,
+    ap.add_argument("--rounds", type=positive_int, default=1, help="interleaved rounds (medians over them)")
+    ap.add_argument("--cap-gb", type=positive_float, default=None,
                     help="one memory cgroup cap for both sides (default: what fate-edge says it needs)")
-    ap.add_argument("--convert-from", type=Path, default=None,
+    ap.add_argument("--convert-from", type=existing_path_as_path, default=None,
                     help="with --no-convert: the scale.json of an earlier convert-only run (--budgets ''), whose "
                          "convert figures the table keeps")
-    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds one run may take (then: an error row)")
-    ap.add_argument("--results", nargs="?", const=True, default=None, type=Path, metavar="FILE",
+    ap.add_argument("--timeout", type=positive_float, default=3600.0,
+                    help="seconds one run may take (then: an error row)")
+    ap.add_argument("--results", nargs="?", const=True, default=None, type=non_empty, metavar="FILE",
                     help="also write the table between the MARK markers of FILE (without FILE: "
                          "docs/results/MARK.md)")
-    ap.add_argument("--mark", default="scale", help="the table's markers (e.g. scale-2t for a 2-thread run)")
-    args = ap.parse_args()
-    cfg = ScaleConfig(args.model, args.store, [int(float(b) * GB) for b in args.budgets.split(",") if b],
-                      not args.no_convert, int(args.convert_limit_gb * GB),
+    ap.add_argument("--mark", default="scale", type=non_empty,
+                    help="the table's markers (e.g. scale-2t for a 2-thread run)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cfg = ScaleConfig(args.model, args.store, args.budgets, not args.no_convert, int(args.convert_limit_gb * GB),
                       ConvertOptions(bits=args.bits, cold_bits=args.cold_bits, keep_bf16=args.keep_bf16),
                       args.policy, prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,
                       threads=args.threads, resident_bits=args.resident_bits, gguf=args.gguf, rounds=args.rounds,
@@ -198,7 +229,4 @@ def main() -> None:
     text = table(result)
     (args.out / "scale.md").write_text(text + "\n")
     publish(result, args.out / "scale.json", text, args.results, args.mark)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -9,23 +9,23 @@ A bf16 checkpoint (the real-size synthetic ones) runs the ``real`` sides: bf16 v
 bf16 / int8 / int4 resident weights vs q4_0 (no f32 GGUF); its table gets its own markers and file,
 docs/results/bench_llamacpp-MODEL-Nt.md.
 
-    python scripts/bench_llamacpp.py --rounds 3 --json bench-out/llamacpp.json --results
-    python scripts/bench_llamacpp.py --model /tmp/olmoe-2l --threads 1 --results
+    fate-edge bench-llamacpp --rounds 3 --json bench-out/llamacpp.json --results
+    fate-edge bench-llamacpp --model /tmp/olmoe-2l --threads 1 --results
+
+Needs llama-cpp-python (scripts/install_llamacpp.sh in a source checkout).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import platform
-import sys
 from pathlib import Path
 
 import torch
 
-from fate_edge import bundled_model_dir
-from fate_edge.apps.engine_args import resolve_store
 from fate_edge.bench.config import HEADLINE_BUDGET
-from fate_edge.bench.gguf import PeerUnavailableError, ensure_ggufs
+from fate_edge.bench.gguf import ensure_ggufs
 from fate_edge.bench.prepare import store_info
 from fate_edge.bench.publish import publish, results_file
 from fate_edge.bench.scale import cpu_model
@@ -40,8 +40,14 @@ from fate_edge.bench.sidebyside import (
     summarize,
 )
 from fate_edge.bench.threads import load_average
+from fate_edge.bundled import bundled_model_dir
+from fate_edge.command_line import command_parser, existing_path, fraction, non_empty, positive_float, positive_int
 from fate_edge.corpus import heldout_source
+from fate_edge.format.converted_stores import ensure_store
+from fate_edge.synthetic.presets import PRESETS
 from fate_edge.tokenizer import Tokenizer
+
+SIDE_NAMES = sorted({side.name for s in SIDE_SETS.values() for side in s.resident + s.limited})
 
 
 def _fmt(v, spec: str) -> str:
@@ -66,11 +72,9 @@ def model_label(model: str) -> str:
     path = Path(model)
     label = f"`{path.name}`"
     if (path / "synthetic.json").exists():
-        import json
-
         syn = json.loads((path / "synthetic.json").read_text())
         opts = syn.get("options", {})
-        preset = __import__("fate_edge.synthetic", fromlist=["PRESETS"]).PRESETS.get(syn.get("like", ""))
+        preset = PRESETS.get(syn.get("like", ""))
         total = preset.config["num_hidden_layers"] if preset else "?"
         scale = f", widths / {opts['scale']}" if opts.get("scale", 1) != 1 else ""
         label += (f" (synthetic {syn.get('like')} shape{scale}, {opts.get('layers') or total} of {total} layers, "
@@ -78,14 +82,15 @@ def model_label(model: str) -> str:
     return label
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=str(bundled_model_dir()), help="Hugging Face model directory")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--prompt-tokens", type=int, default=128)
-    ap.add_argument("--decode-tokens", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--budget", type=float, default=HEADLINE_BUDGET, help="expert budget, share of int4 experts")
+def build_parser() -> argparse.ArgumentParser:
+    ap = command_parser("bench-llamacpp", __doc__)
+    ap.add_argument("--model", default=str(bundled_model_dir()), type=existing_path,
+                    help="Hugging Face model directory (default: the bundled model)")
+    ap.add_argument("--rounds", type=positive_int, default=3)
+    ap.add_argument("--prompt-tokens", type=positive_int, default=128)
+    ap.add_argument("--decode-tokens", type=positive_int, default=128)
+    ap.add_argument("--threads", type=positive_int, default=2)
+    ap.add_argument("--budget", type=fraction, default=HEADLINE_BUDGET, help="expert budget, share of int4 experts")
     ap.add_argument("--no-limited", action="store_true", help="skip the memory-limited mode")
     ap.add_argument("--sides", choices=["auto", *SIDE_SETS], default="auto",
                     help="small: fp32/bf16/int4 vs f32/bf16/q4_0; real: bf16 and int4 experts with bf16/int8/int4 "
@@ -93,28 +98,30 @@ def main() -> None:
     ap.add_argument("--compile", choices=["auto", "on", "off"], default="off",
                     help="fate-edge's fully resident sides decode through one torch.compile'd graph per token "
                          "(compiled at load, before timing; default off)")
-    ap.add_argument("--side", action="append", default=None, metavar="NAME",
+    ap.add_argument("--side", action="append", default=None, choices=SIDE_NAMES, metavar="NAME",
                     help="run only this side (repeatable; e.g. --side 'fate-edge int4, int4 rest' --side "
                          "'llama.cpp q4_0'): only the GGUFs those sides need are built, and the "
                          "table says which ran")
-    ap.add_argument("--timeout", type=float, default=900.0, help="per process, seconds")
+    ap.add_argument("--timeout", type=positive_float, default=900.0, help="per process, seconds")
     ap.add_argument("--json", type=Path, default=Path("bench-out/llamacpp.json"))
-    ap.add_argument("--results", nargs="?", const=True, default=None, type=Path, metavar="FILE",
+    ap.add_argument("--results", nargs="?", const=True, default=None, type=non_empty, metavar="FILE",
                     help="rewrite the table between its markers (bench_llamacpp for the bundled model at 2 "
                          "threads, else bench_llamacpp-MODEL-Nt) of FILE (without FILE: "
                          "docs/results/MARKER.md, created if missing)")
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
     sides_set = pick_side_set(args.sides, args.model)
     if args.side:
         try:
             sides_set = only_sides(sides_set, args.side)
         except ValueError as exc:
-            sys.exit(f"bench_llamacpp: {exc}")
-    try:
-        ggufs = {k: str(p) for k, p in ensure_ggufs(args.model, sides_set.gguf_types).items()}
-    except PeerUnavailableError as exc:
-        sys.exit(f"bench_llamacpp: {exc}")
-    store = resolve_store(args.model, progress=False)
+            ap.error(f"argument --side: {exc}")
+    ggufs = {k: str(p) for k, p in ensure_ggufs(args.model, sides_set.gguf_types).items()}  # PeerUnavailableError
+    store = ensure_store(args.model, progress=False)
     info = store_info(store)
     tok = Tokenizer(args.model)
     text, files = heldout_source(args.prompt_tokens * 16)
@@ -145,18 +152,16 @@ def main() -> None:
               + "Leading greedy tokens equal: "
               + ", ".join(f"{k}: {v}" for k, v in agree.items() if v is not None)
               + f"; llama.cpp tokenizes the prompt text as fate-edge does: "
-              f"{tokenization['equal'] if tokenization else 'not checked'} (`scripts/bench_llamacpp.py`).")
+              f"{tokenization['equal'] if tokenization else 'not checked'} (`fate-edge bench-llamacpp`).")
     result = {"model": args.model, "ggufs": ggufs, "prompt_files": files, "threads": args.threads,
               "rounds": args.rounds, "cpu": cpu, "torch": torch.__version__, "load_avg_before": load_before,
               "load_avg_after": load_after,
               "notes": notes, "summary": summary, "token_agreement": agree, "tokenization": tokenization,
               "runs": runs}
     marker = readme_marker(args.model, args.threads)
-    results = results_file(marker) if args.results is True else args.results
+    results = results_file(marker) if args.results is True else Path(args.results) if args.results else None
     if results:
         add_markers(results, marker)
     publish(result, args.json, table(summary, header), results, marker)
+    return 0
 
-
-if __name__ == "__main__":
-    main()
