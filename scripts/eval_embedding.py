@@ -1,26 +1,24 @@
 """Parity of quantized embedding tables (``load_model(embedding_bits=...)``, fate_edge/model/embedding.py).
 
 Held-out perplexity and greedy agreement of the bundled model with its embedding table in fp32, int8 per row and
-int4 per group (scripts/eval_quality.py's held-out text and windows), then, on a synthetic real-vocabulary slice
-given with --slice, the last-position logits of a few prompts against the bf16 table.
+int4 per group (the held-out text and windows of `fate-edge eval-quality`, fate_edge.bench.quality), then, on a
+synthetic real-vocabulary slice given with --slice, the last-position logits of a few prompts against the bf16
+table.
 
     python scripts/eval_embedding.py --tokens 8192
-    python scripts/eval_embedding.py --tokens 0 --slice /tmp/qwen-2l   # a make_synthetic_model.py checkpoint
+    python scripts/eval_embedding.py --tokens 0 --slice /tmp/qwen-2l   # a fate-edge synth checkpoint
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
 from fate_edge import load_model
-
-sys.path.insert(0, str(Path(__file__).parent))
-from eval_quality import add_eval_args, heldout_windows, run  # noqa: E402
+from fate_edge.bench.quality import add_eval_args, heldout_windows, run
 
 
 def slice_logits(model_dir: Path, bits_list: tuple, dtype: str) -> list[dict]:

@@ -1,8 +1,8 @@
 """Held-out perplexity of the bundled model with quantized resident weights (``load_model(resident_bits=...)``).
 
-Uses ``scripts/eval_quality.py``'s machinery (held-out stdlib text, windows, teacher-forced NLL and greedy
-agreement with the reference run) over: resident fp32 / int8 / int4, each with fp32 experts and with int4
-experts (``load_model(bits=4)``, RTN, in memory).
+Uses the machinery of ``fate-edge eval-quality`` (fate_edge.bench.quality: held-out stdlib text, windows,
+teacher-forced NLL and greedy agreement with the reference run) over: resident fp32 / int8 / int4, each with
+fp32 experts and with int4 experts (``load_model(bits=4)``, RTN, in memory).
 
     python scripts/eval_resident.py --tokens 8192 --json bench-out/resident-quality.json
 """
@@ -11,15 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import torch
 
 from fate_edge import load_model
-
-sys.path.insert(0, str(Path(__file__).parent))
-from eval_quality import add_eval_args, heldout_windows, run  # noqa: E402
+from fate_edge.bench.quality import add_eval_args, heldout_windows, run
 
 
 def main() -> None:

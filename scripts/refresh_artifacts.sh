@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 M=fate_edge/assets/tiny-moe
 fate-edge calibrate "$M" --predictors-dir "$M/predictors" --lookahead 2 --tokens 440000 --threads 2 --quiet \
     | tee bench-out/calibrate.txt
-python scripts/model_card.py "$M" --tokens 16384
-python scripts/eval_quality.py --tokens 16384 --json bench-out/quality.json --results
+fate-edge model-card "$M" --tokens 16384
+fate-edge eval-quality --tokens 16384 --json bench-out/quality.json --results
 python scripts/bench_forward.py --runs 5 --json bench-out/forward.json --results
 fate-edge bench --quick --results --plots-dir docs

@@ -19,6 +19,8 @@ import argparse
 import json
 import math
 import random
+import shlex
+import sys
 import sysconfig
 import time
 from dataclasses import asdict, dataclass, fields
@@ -220,6 +222,7 @@ def main() -> None:
 
     log: list[dict] = []
     step, tokens, seconds_before = 0, 0, 0.0
+    commands = [shlex.join(["python", *sys.argv])]  # how this model was made, for its model card's "Reproduce"
     if args.resume:
         from transformers import AutoModelForCausalLM
 
@@ -229,6 +232,7 @@ def main() -> None:
         log = previous["log"]
         step, tokens = previous["steps"], previous["train_tokens"]
         seconds_before = previous["train_seconds"]
+        commands = previous.get("commands", []) + commands
         log.append({"resumed_at_step": step, "lr": cfg.lr})
     else:
         model = build_model(cfg, tok.token_to_id("<|endoftext|>"))
@@ -263,12 +267,13 @@ def main() -> None:
             print(json.dumps(entry), flush=True)
         if step % 1000 == 0:
             save(model, tok, args.out, cfg, log, {"complete": False, "steps": step, "train_tokens": tokens,
-                                                  "train_seconds": round(seconds_before + time.time() - start)})
+                                                  "train_seconds": round(seconds_before + time.time() - start),
+                                                  "commands": commands})
     final = evaluate(model, heldout_ids, cfg, max_batches=50)
     meta = {"complete": True, "steps": step, "train_tokens": tokens,
             "train_seconds": round(seconds_before + time.time() - start),
             "heldout_loss": final, "heldout_ppl": math.exp(final), "threads": args.threads,
-            "corpus": f"Python {sysconfig.get_python_version()} standard library .py files"}
+            "corpus": f"Python {sysconfig.get_python_version()} standard library .py files", "commands": commands}
     save(model, tok, args.out, cfg, log, meta)
     print(json.dumps({k: v for k, v in meta.items()}), flush=True)
 

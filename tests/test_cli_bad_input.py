@@ -16,7 +16,7 @@ from fate_edge.bench import scale_cli
 # Options (and positionals) that take any text, so no value of them is bad input: output paths and free text.
 FREE_TEXT = {"prompt", "out_dir", "out", "--system", "--api-key", "--model-alias", "--unix-socket", "--out-dir",
              "--json", "--markdown", "--plot", "--plots-dir", "--work-dir", "--out", "--predictors-dir"}
-FREE_TEXT_IN = {("bench-scale", "store"), ("bench-scale", "--gguf")}  # outputs there
+FREE_TEXT_IN = {("bench-scale", "store"), ("bench-scale", "--gguf"), ("model-card", "--readme")}  # outputs there
 
 NUMBERS = ["abc", "-1"]  # every numeric option's type rejects both (--seed aside: any integer is a seed)
 BAD_BY_TYPE = {

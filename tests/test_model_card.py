@@ -1,4 +1,5 @@
-"""scripts/model_card.py end to end on a tiny random qwen2_moe (a random model predicts ~uniformly)."""
+"""fate-edge model-card (fate_edge.bench.model_card) end to end on a tiny random qwen2_moe (a random model predicts
+~uniformly), and the training script it documents (scripts/train_tiny_moe.py)."""
 
 import importlib.util
 import json
@@ -9,34 +10,33 @@ from pathlib import Path
 import pytest
 from _tiny_moe import VOCAB, build_tiny_moe, write_training_log
 
+from fate_edge.bench import model_card
 from fate_edge.corpus import CorpusSplit, read_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load_script(name: str = "model_card"):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+def _load_script(path: str):
+    """A script of the checkout (scripts/NAME.py), imported by its path."""
+    name = Path(path).stem
+    spec = importlib.util.spec_from_file_location(name, ROOT / path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up while the file executes
     spec.loader.exec_module(module)
     return module
 
 
-model_card = _load_script()
-
-
 @pytest.fixture(scope="module")
 def card_run(tmp_path_factory):
     model_dir = build_tiny_moe(tmp_path_factory.mktemp("tiny-moe"))
     write_training_log(model_dir)
-    card = model_card.main([str(model_dir), "--tokens", "512", "--seq-len", "64", "--batch", "4", "--threads", "1"])
-    return model_dir, card
+    assert model_card.main([str(model_dir), "--tokens", "512", "--seq-len", "64", "--batch", "4",
+                            "--threads", "1"]) == 0
+    return model_dir, json.loads((model_dir / "model_card.json").read_text())
 
 
 def test_writes_json_with_measured_numbers(card_run):
     model_dir, card = card_run
-    on_disk = json.loads((model_dir / "model_card.json").read_text())
-    assert on_disk == json.loads(json.dumps(card))
     h = card["heldout"]
     assert h["files"] > 0 and h["tokens_available"] >= 512
     assert h["tokens_scored"] == 8 * 63  # 512 tokens = 8 windows of 64, each predicting 63
@@ -75,14 +75,29 @@ def test_readme_renders_training_and_tables(card_run):
     assert "| 200 | 819,200 |" in readme  # last loss-curve row
     assert "| 1 → 3 |" in readme
     assert "Intermediate checkpoint" not in readme
+    # Reproduce: the training commands the log records, then this model's calibrate and model-card commands.
+    assert "python scripts/train_tiny_moe.py --out tiny --minutes 5\n" in readme
+    assert f"fate-edge model-card {model_dir} --tokens {card['heldout']['tokens_scored']}" in readme
     log = json.loads((model_dir / "training_log.json").read_text())
     partial = {"config": log["config"], "complete": False, "log": log["log"][:3]}
     assert "**Intermediate checkpoint**" in model_card.readme_markdown(card, partial)
     assert "No `training_log.json`" in model_card.readme_markdown(card, None)
+    assert "does not record the training commands" in model_card.readme_markdown(card, partial)
+
+
+def test_the_bundled_model_card_is_what_the_command_renders(monkeypatch):
+    """The committed README of the bundled model is readme_markdown of its committed model_card.json and
+    training_log.json (so regenerating it changes only what was measured again)."""
+    monkeypatch.chdir(ROOT)  # the card names its model as refresh_artifacts.sh passes it: fate_edge/assets/tiny-moe
+    model_dir = ROOT / "fate_edge" / "assets" / "tiny-moe"
+    card = json.loads((model_dir / "model_card.json").read_text())
+    readme = model_card.readme_markdown(card, model_card.read_training_log(model_dir))
+    assert readme == (model_dir / "README.md").read_text()
+    assert "python scripts/train_tiny_moe.py --out fate_edge/assets/tiny-moe" in readme
 
 
 def test_heldout_split_is_the_training_scripts(card_run):
-    tr = _load_script("train_tiny_moe")
+    tr = _load_script("scripts/train_tiny_moe.py")
     cfg = {"heldout_fraction": 0.02, "max_corpus_bytes": 2_000_000, "unknown_key": 1}
     texts = model_card.heldout_texts(cfg)
     assert texts and texts == tr.read_corpus(tr.TrainConfig(heldout_fraction=0.02, max_corpus_bytes=2_000_000))[1]
@@ -91,7 +106,7 @@ def test_heldout_split_is_the_training_scripts(card_run):
 
 
 def test_training_config_overrides_are_typed_and_checked():
-    tr = _load_script("train_tiny_moe")
+    tr = _load_script("scripts/train_tiny_moe.py")
     cfg = tr.config_with(tr.TrainConfig(), ["num_experts=8", "lr=5e-4"])
     assert cfg.num_experts == 8 and isinstance(cfg.num_experts, int) and cfg.lr == 5e-4
     assert cfg.hidden_size == tr.TrainConfig().hidden_size  # the rest stays the bundled model's
@@ -110,7 +125,7 @@ def test_training_script_builds_a_mixtral_layout_that_fate_edge_runs(tmp_path):
 
     from fate_edge.runtime.loader import load_model
 
-    tr = _load_script("train_tiny_moe")
+    tr = _load_script("scripts/train_tiny_moe.py")
     cfg = tr.config_with(tr.TrainConfig(), ["architecture=mixtral", "num_experts=4", "hidden_size=32",
                                             "num_hidden_layers=2", "moe_intermediate_size=48", "vocab_size=64"])
     hf = tr.build_model(cfg, 0).eval()
@@ -136,7 +151,7 @@ def test_the_ceiling_scripts_cross_token_pairs_stay_inside_a_window(tmp_path):
     from fate_edge.model.layer import rms_norm
     from fate_edge.runtime.loader import load_model
 
-    ceiling = _load_script("predictor_ceiling")
+    ceiling = _load_script("scripts/predictor_ceiling.py")
     ids = {0: torch.arange(12).view(6, 2), 3: 100 + torch.arange(12).view(6, 2)}  # two windows of 3 positions
     trace = Trace({3: torch.arange(6.0)[:, None].expand(6, 4)}, ids, 16)
     src, dst = ceiling.next_token_pairs(trace, 3)
@@ -166,7 +181,7 @@ def test_the_ceiling_scripts_own_router_is_exact_on_the_residual_its_norm_reads(
 
     from fate_edge.runtime.loader import load_model
 
-    ceiling = _load_script("predictor_ceiling")
+    ceiling = _load_script("scripts/predictor_ceiling.py")
     path = build_tiny_moe(tmp_path / "tiny")
     model = load_model(path, torch.float32)
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))

@@ -1,9 +1,9 @@
 """``fate-edge`` command line: a thin dispatcher over the library (run, inspect, convert, plan, probe, ...).
 
-The commands whose code lives in a concern package (the benchmarks, the synthetic generator, relayout) are
-dispatched as mlx-lm dispatches its own: COMMANDS names each one's ``module:function``, imported only when that
-command runs, so ``fate-edge --help`` lists them without importing them. Each such module has
-``main(argv) -> int`` and ``build_parser()``.
+The commands whose code lives in a concern package (the benchmarks, the synthetic generator, quality evaluation,
+the model card, relayout) are dispatched as mlx-lm dispatches its own: COMMANDS names each one's
+``module:function``, imported only when that command runs, so ``fate-edge --help`` lists them without importing
+them. Each such module has ``main(argv) -> int`` and ``build_parser()``.
 """
 
 from __future__ import annotations
@@ -321,6 +321,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
                        "resident and memory-limited, in fresh processes"),
     "bench-scale": ("fate_edge.bench.scale_cli:main", "a real-size checkpoint: convert it in a memory cgroup, run "
                     "it at expert budgets from the raw disk (needs root)"),
+    "eval-quality": ("fate_edge.bench.quality:main", "held-out perplexity and greedy agreement of quantized "
+                     "experts (RTN, HQQ) against bf16"),
+    "model-card": ("fate_edge.bench.model_card:main", "measure a model directory and write its model card "
+                   "(perplexity, expert usage, cross-layer prediction)"),
     "synth": ("fate_edge.synthetic.cli:main", "write a synthetic checkpoint with a published MoE model's shapes "
               "(random weights)"),
     "relayout": ("fate_edge.format.relayout:main", "re-lay out an expert store's cpu-int4 experts as portable, "

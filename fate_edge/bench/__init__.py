@@ -23,7 +23,10 @@ fate-edge cache directory; ``--model`` takes another model directory or store.
 
 Modules: ``config`` (presets, links, quick mode), ``prepare`` (model, store, prompts, page cache), ``worker``
 (the per-configuration processes), ``peers``, ``run`` (the run in phases), ``results`` (medians and ratios),
-``report``, ``plots`` and ``outputs`` (markdown, plots, docs/results), ``cli``.
+``report``, ``plots`` and ``outputs`` (markdown, plots, docs/results), ``cli``. The other measuring commands:
+``llamacpp_cli`` (``fate-edge bench-llamacpp``, over ``sidebyside`` and ``gguf``), ``scale_cli``
+(``fate-edge bench-scale``, over ``scale``), ``quality`` (``fate-edge eval-quality``) and ``model_card``
+(``fate-edge model-card``).
 """
 
 from fate_edge.bench.cli import add_arguments, config_from_args, main, run_from_args

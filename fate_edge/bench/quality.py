@@ -21,8 +21,8 @@ the bundled model's training run held out, ``fate_edge.corpus``; or, for any mod
 first part chooses the int2 tail, the rest is scored), in ``--seq-len`` windows up to ``--tokens`` tokens;
 agreement = share of positions whose greedy (argmax) next token equals the bf16 run's, teacher-forced on that text.
 
-    python scripts/eval_quality.py --tokens 16384 --json bench-out/quality.json --results
-    python scripts/eval_quality.py --model MODEL --text heldout.txt --json bench-out/quality-model.json
+    fate-edge eval-quality --tokens 16384 --json bench-out/quality.json --results
+    fate-edge eval-quality --model MODEL --text heldout.txt --json bench-out/quality-model.json
 """
 
 from __future__ import annotations
@@ -37,12 +37,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from fate_edge.quant import Quantized, QuantSpec, bytes_per_weight, dequantize
-from fate_edge.quant.linear import QuantizedLinear
-from fate_edge.quant.methods import METHODS, quantize_with
 
-from fate_edge import Tokenizer, bundled_model_dir, load_model
 from fate_edge.bench.publish import publish
+from fate_edge.bundled import bundled_model_dir
+from fate_edge.command_line import command_parser, existing_path_as_path, non_empty, positive_int, share
 from fate_edge.corpus import CorpusSplit, read_corpus
 from fate_edge.format.checkpoint import CheckpointReader
 from fate_edge.format.checkpoint_experts import ExpertLayout
@@ -50,7 +48,12 @@ from fate_edge.format.checkpoint_experts import read_experts as read_layouts
 from fate_edge.format.checkpoint_layout import layer_names
 from fate_edge.model.arch import load_config
 from fate_edge.model.experts import ExpertWeights, InMemoryExpertProvider, QuantizedExpert
+from fate_edge.quant import Quantized, QuantSpec, bytes_per_weight, dequantize
+from fate_edge.quant.linear import QuantizedLinear
+from fate_edge.quant.methods import METHODS, quantize_with
 from fate_edge.runtime.calibrate import read_texts
+from fate_edge.runtime.loader import load_model
+from fate_edge.tokenizer import Tokenizer
 
 GROUPS = {8: 64, 4: 64, 3: 64, 2: 32}  # int2 at group 32 like Fate's cold copies; the rest at the store's 64
 TAIL_LABEL = "int4 + int2 tail"
@@ -58,12 +61,12 @@ TAIL_LABEL = "int4 + int2 tail"
 
 # ------------------------------------------------------------------------------------------------ data
 def add_eval_args(ap: argparse.ArgumentParser, json_default: str) -> None:
-    """The options every held-out quality script shares (model, token count, windows, batch, threads, output)."""
-    ap.add_argument("--model", type=Path, default=bundled_model_dir())
-    ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=1)
+    """The options every held-out quality measurement shares (model, token count, windows, batch, threads, output)."""
+    ap.add_argument("--model", type=existing_path_as_path, default=bundled_model_dir())
+    ap.add_argument("--tokens", type=positive_int, default=8192)
+    ap.add_argument("--seq-len", type=positive_int, default=256)
+    ap.add_argument("--batch", type=positive_int, default=8)
+    ap.add_argument("--threads", type=positive_int, default=1)
     ap.add_argument("--json", type=Path, default=Path(json_default))
 
 
@@ -285,7 +288,7 @@ def render(result: dict) -> str:
         + (f" of `{Path(result['text']['source']).name}`" if result.get("text") else "")
         + f" in windows of {result['seq_len']}; "
         f"experts compute via `{result['compute']}`; everything else fp32. Agreement = share of positions whose "
-        "greedy next token matches the bf16 experts' (`scripts/eval_quality.py`).",
+        "greedy next token matches the bf16 experts' (`fate-edge eval-quality`).",
         "",
         "| experts | bits/weight | " + " | ".join(f"ppl {m.upper()}" for m in methods) + " | "
         + " | ".join(f"agreement {m.upper()}" for m in methods) + " |",
@@ -323,26 +326,38 @@ def text_split(tok: Tokenizer, path: Path, tokens: int, calib_tokens: int, seq_l
                          "split": f"first {n_calib} tokens choose the int2 tail, the next {len(held)} are scored"}
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=bundled_model_dir())
-    ap.add_argument("--text", type=Path, default=None,
+def build_parser() -> argparse.ArgumentParser:
+    ap = command_parser("eval-quality", __doc__)
+    ap.add_argument("--model", type=existing_path_as_path, default=bundled_model_dir(),
+                    help="Hugging Face model directory (default: the bundled model)")
+    ap.add_argument("--text", type=existing_path_as_path, default=None,
                     help="score the model on this text (file, or directory of .txt/.py/.md) instead of the bundled "
                          "model's held-out stdlib files: its first part (--calib-tokens, at most half) chooses the "
                          "int2 tail, the rest (up to --tokens) is scored")
-    ap.add_argument("--tokens", type=int, default=16384, help="held-out token budget")
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=8, help="windows per forward pass")
-    ap.add_argument("--calib-tokens", type=int, default=4096, help="training-split tokens to pick the int2 tail")
-    ap.add_argument("--cold-share", type=float, default=0.30)
+    ap.add_argument("--tokens", type=positive_int, default=16384, help="held-out token budget")
+    ap.add_argument("--seq-len", type=positive_int, default=256)
+    ap.add_argument("--batch", type=positive_int, default=8, help="windows per forward pass")
+    ap.add_argument("--calib-tokens", type=positive_int, default=4096,
+                    help="training-split tokens to pick the int2 tail")
+    ap.add_argument("--cold-share", type=share, default=0.30, help="share of expert uses served in int2")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--compute", choices=("kernel", "dequant"), default="kernel")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steady timings on a shared host)")
+    ap.add_argument("--threads", type=positive_int, default=1,
+                    help="torch threads (1: steady timings on a shared host)")
     ap.add_argument("--json", type=Path, default=Path("bench-out/quality.json"))
-    ap.add_argument("--results", nargs="?", const=True, default=None, type=Path, metavar="FILE",
+    ap.add_argument("--results", nargs="?", const=True, default=None, type=non_empty, metavar="FILE",
                     help="rewrite the table between the eval_quality markers of FILE (without FILE: "
                          "docs/results/eval_quality.md)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    measure(build_parser().parse_args(argv))
+    return 0
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """The evaluation ``main`` runs, on its parsed arguments: the result it writes as JSON (and its table)."""
     torch.set_num_threads(args.threads)
 
     tok = Tokenizer(args.model)
@@ -364,6 +379,3 @@ def main(argv: list[str] | None = None) -> dict:
     publish(result, args.json, render(result), args.results, "eval_quality")
     return result
 
-
-if __name__ == "__main__":
-    main()
