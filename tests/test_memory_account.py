@@ -14,7 +14,7 @@ from fate_edge.runtime.engine import Engine
 from fate_edge.runtime.memory_account import kv_bytes_per_token, memory_account
 from fate_edge.synthetic import SyntheticOptions, make_synthetic_model
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "measure_memory.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "research" / "measure_memory.py"
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,13 @@
 """How much of the oracle's lead over fate-edge's device row is prediction (issue 14: within 1.15x of the oracle).
 
-On the sweep's (costs, trace) pickle (scripts/sweep_device_presets.py --trace), on one device's emulated timeline:
-the simulated fate-edge row the device resolves to and the oracle (each with its demand reads per MoE layer, late
-prefetches and stall), the same row with its predictor replaced by the true experts of the next MoE layers (perfect
-within-token prediction, for each lookahead and width), the row under every cache allocation and eviction the
-engine has (Belady-MIN among them: perfect eviction), and each recorded predictor's recall of the next layer's
-experts in its top k on the trace's decode.
+On the sweep's (costs, trace) pickle (scripts/research/sweep_device_presets.py --trace), on one device's emulated
+timeline: the simulated fate-edge row the device resolves to and the oracle (each with its demand reads per MoE
+layer, late prefetches and stall), the same row with its predictor replaced by the true experts of the next MoE
+layers (perfect within-token prediction, for each lookahead and width), the row under every cache allocation and
+eviction the engine has (Belady-MIN among them: perfect eviction), and each recorded predictor's recall of the
+next layer's experts in its top k on the trace's decode.
 
-    python scripts/oracle_gap.py --store S --trace T --device orin-nano --budget 0.35 --resident-bits 4
+    python scripts/research/oracle_gap.py --store S --trace T --device orin-nano --budget 0.35 --resident-bits 4
 """
 
 from __future__ import annotations

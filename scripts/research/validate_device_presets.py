@@ -4,7 +4,7 @@ For each device: k pinned by --host-ms or by the median of --host-probes planner
 compared), the device's link dilated by k, O_DIRECT reads where the emulation says so; every policy runs the same
 prompt (the planner's sample text) and decodes the same greedy tokens, in interleaved rounds; medians; beside them
 each run's own host compute per token, which the dilation assumes equals the pinned one. Beside each measured
-figure, the simulator's prediction on the sweep's recorded trace (scripts/sweep_device_presets.py --trace), the
+figure, the simulator's prediction on the sweep's recorded trace (scripts/research/sweep_device_presets.py --trace), the
 planner's view of that device.
 Device-equivalent tok/s = raw x k. A second table puts the host's drift aside: each run's decode re-timed with its
 host compute replaced by the device's (the roofline token, as the simulator has it), keeping what the run measured
@@ -14,7 +14,7 @@ less time than a device would), and it leaves out what reads beside compute cost
 device's DMA does not cost its GPU.
 Optionally rewrites the table between <!-- MARK:begin/end --> of docs/results/MARK.md (--results, --mark).
 
-    python scripts/validate_device_presets.py --host-ms 17 --trace /tmp/emul_trace.pkl --devices orin-nano
+    python scripts/research/validate_device_presets.py --host-ms 17 --trace /tmp/emul_trace.pkl --devices orin-nano
 """
 
 from __future__ import annotations

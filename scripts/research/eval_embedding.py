@@ -5,8 +5,8 @@ int4 per group (the held-out text and windows of `fate-edge eval-quality`, fate_
 synthetic real-vocabulary slice given with --slice, the last-position logits of a few prompts against the bf16
 table.
 
-    python scripts/eval_embedding.py --tokens 8192
-    python scripts/eval_embedding.py --tokens 0 --slice /tmp/qwen-2l   # a fate-edge synth checkpoint
+    python scripts/research/eval_embedding.py --tokens 8192
+    python scripts/research/eval_embedding.py --tokens 0 --slice /tmp/qwen-2l   # a fate-edge synth checkpoint
 """
 
 from __future__ import annotations

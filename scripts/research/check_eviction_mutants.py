@@ -3,8 +3,8 @@ runtime/cache/eviction.py or next_use.py at a time, run the policies' fast tests
 tests/test_cache.py, the known-answer tests of tests/test_next_use.py), restore the file. Every mutation must be
 KILLED (some test fails). Run from the repository root; never leaves a file changed.
 
-    python scripts/check_eviction_mutants.py          # all
-    python scripts/check_eviction_mutants.py 4 5      # by index
+    python scripts/research/check_eviction_mutants.py          # all
+    python scripts/research/check_eviction_mutants.py 4 5      # by index
 """
 
 import subprocess

@@ -5,7 +5,8 @@ routing and runs the engine on the same prompt (greedy: the same tokens, so the 
 and prints per decode token: compute, stall, blob decoding, predicting, total, and misses / reads, simulated beside
 measured. With ``--emulate`` the link is the device's dilated one, as ``fate-edge bench --emulate`` runs it.
 
-    python scripts/compare_prediction.py --emulate orin-nano --budgets 0.2 0.35 0.5 --policies fate-edge planned
+    python scripts/research/compare_prediction.py --emulate orin-nano --budgets 0.2 0.35 0.5 \\
+        --policies fate-edge planned
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 Reports ms per token (timed without the profiler), aten ops per token, and the share of wall time per
 category: matmul kernels, attention, other (small) aten ops, and the rest (Python and dispatch).
 
-    python scripts/profile_decode.py --dtype float32 --experts memory --threads 2
-    python scripts/profile_decode.py --experts int4          # every routed expert resident in int4
-    python scripts/profile_decode.py --experts int4 --threads 1 --compile on   # one compiled graph per token
+    python scripts/research/profile_decode.py --dtype float32 --experts memory --threads 2
+    python scripts/research/profile_decode.py --experts int4          # every routed expert resident in int4
+    python scripts/research/profile_decode.py --experts int4 --threads 1 --compile on   # one compiled graph per token
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--experts", default="memory",
                     help="memory (checkpoint dtype), int4 (resident, quantized) or store-int4 (the converted "
-                    "store's int4 experts, resident: bench_llamacpp.py's int4 side)")
+                    "store's int4 experts, resident: fate-edge bench-llamacpp's int4 side)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--steps", type=int, default=64)
@@ -84,7 +84,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     bits = 4 if args.experts == "int4" else None
-    if args.experts == "store-int4":  # as bench_llamacpp.py's int4 side runs: the store's int4 experts, resident
+    if args.experts == "store-int4":  # as fate-edge bench-llamacpp's int4 side runs: the store's int4 experts, resident
         from fate_edge.apps.engine_args import resolve_store
         from fate_edge.bench.sidebyside import resident_int4
 

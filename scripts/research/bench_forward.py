@@ -3,7 +3,7 @@
 Both run fp32 on the CPU with every expert resident (this measures the forward pass, not offloading).
 Each configuration is timed ``--runs`` times and the median is reported, with the ratio to transformers.
 
-    python scripts/bench_forward.py --runs 5 --json bench-out/forward.json --results
+    python scripts/research/bench_forward.py --runs 5 --json bench-out/forward.json --results
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def main() -> None:
     }
     table = [
         f"Bundled model, fp32, {args.threads} threads, median of {args.runs} runs, decode {args.decode_tokens} tokens "
-        f"(torch {torch.__version__}, transformers {transformers.__version__}; `scripts/bench_forward.py`).",
+        f"(torch {torch.__version__}, transformers {transformers.__version__}; `scripts/research/bench_forward.py`).",
         "",
         "| prompt tokens | prefill tok/s fate-edge | prefill tok/s transformers | ratio "
         "| decode tok/s fate-edge | decode tok/s transformers | ratio |",

@@ -4,7 +4,7 @@ Many [N, K] int4 matrices, more than the last-level cache holds, each multiplied
 GB/s of int4 codes per second, per thread count, median of ``--runs`` passes. A decode token at real size reads
 ~1.2 GB this way (Qwen1.5-MoE-A2.7B shape with int4 resident weights), so this bounds its compute time.
 
-    python scripts/bench_stream.py --matrices 500 --threads 1 2
+    python scripts/research/bench_stream.py --matrices 500 --threads 1 2
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ and Qwen1.5-MoE-A2.7B-sized ones 1408x2048 (gate/up) and 2048x1408 (down).
 Each cell is the median of ``--runs`` samples; a sample times a loop long enough (>= ``--sample-ms``) to
 dwarf the timer. It also records which kernel ``quant/linear.py`` picks per (bits, shape) on this host.
 
-    python scripts/bench_kernels.py --runs 7 --json bench-out/kernels.json --results
+    python scripts/research/bench_kernels.py --runs 7 --json bench-out/kernels.json --results
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def render(result: dict) -> str:
     present = [k for k in KERNELS if any(k in r["us"] for r in result["rows"])]
     lines = [
         f"µs per matmul `x[M,K] @ W[N,K].T`, median of {result['runs']} samples (torch {result['torch']}, "
-        f"onnxruntime {result['onnxruntime']}; group {result['group_size']}; `scripts/bench_kernels.py`).",
+        f"onnxruntime {result['onnxruntime']}; group {result['group_size']}; `scripts/research/bench_kernels.py`).",
         "int8/int4-torch take bf16 activations; int4-native is fate-edge's own kernel (" + str(result.get("native"))
         + "; int8 activations; from a few rows on its register-tiled GEMM), int4-native-rows the same kernel held "
         "to its row path (what prefill ran before the GEMM); int4-ort is `MatMulNBits` with accuracy_level 4; "

@@ -5,7 +5,7 @@ chosen by the load at import); one thread; and llama.cpp on the f32 GGUF with as
 Fresh processes, interleaved rounds, medians; each cell shows the 1-minute load average measured as the run started
 (the competitors and other users of the host included).
 
-    python scripts/bench_threads.py --rounds 3 --json bench-out/threads.json --results
+    python scripts/research/bench_threads.py --rounds 3 --json bench-out/threads.json --results
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def main() -> None:
               f"fate-edge) and llama.cpp f32 resident; {args.prompt_tokens}-token prompt, up to {args.decode_tokens} "
               f"tokens or {args.max_s:.0f} s; median of {args.rounds} interleaved rounds of fresh processes; busy "
               f"processes are `while True: pass` loops; {cores} cores available, {platform.processor() or 'cpu'}, "
-              f"torch {torch.__version__} (`scripts/bench_threads.py`).")
+              f"torch {torch.__version__} (`scripts/research/bench_threads.py`).")
     result = {"cores": cores, "rounds": args.rounds, "competitors": args.competitors, "torch": torch.__version__,
               "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens, "rows": rows}
     publish(result, args.json, table(rows, args.competitors, header), args.results, "bench_threads")

@@ -7,11 +7,11 @@ the routing is the model's own), then, per budget:
    reads kept out of it (the device preset's cache): decode misses, of which cold (first use, not preloaded), and
    Belady-MIN's from the same start: its misses less the cold ones are capacity misses no causal policy can
    avoid; a policy's misses over Belady's are what a better causal policy could still save;
-2. the simulator on a device's timeline (scripts/sweep_device_presets.py's costs and trace pickle, k pinned by
+2. the simulator on a device's timeline (scripts/research/sweep_device_presets.py's costs and trace pickle, k pinned by
    --host-ms): device-equivalent tok/s of the device preset with each eviction, Belady without prefetch, and the
    oracle preset, and oracle / this.
 
-    python scripts/analyze_misses.py --costs /tmp/emul_trace128.pkl --host-ms 29.7 --device orin-nano
+    python scripts/research/analyze_misses.py --costs /tmp/emul_trace128.pkl --host-ms 29.7 --device orin-nano
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ raw disk, chunked through a link) unless a row says reads ahead (1 MB chunks, th
 
 Every row is the median of ``--runs`` passes over the whole file. The file is deleted at the end.
 
-    python scripts/bench_io.py --runs 3 --json bench-out/io.json --results
+    python scripts/research/bench_io.py --runs 3 --json bench-out/io.json --results
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ def render(result: dict) -> str:
         f"`{result['dir']}`, median of {result['runs']} passes; cold runs evict the page cache with {drop}. "
         f"Load average during the run: {', '.join(f'{v:.1f}' for v in result['load_average'])} on "
         f"{result.get('cpus')} CPUs ({result.get('cpu_model') or 'model unknown'}) "
-        "(`scripts/bench_io.py`)."
+        "(`scripts/research/bench_io.py`)."
         + ("" if result["link_overlaps_read"] else " The engine does not pass `issued_at` to the link yet, so "
            "emulated transfers start after each real chunk read instead of overlapping it."),
         "",

@@ -3,7 +3,7 @@
 The command line of ``fate_edge.format.inflate`` (see there): inert expert units make one int4 expert ~2 MB
 (Qwen1.5-MoE-A2.7B's size) while the outputs stay the bundled model's.
 
-    python scripts/make_inflated_model.py --out /tmp/tiny-moe-inflated --int4-expert-mb 2
+    python scripts/research/make_inflated_model.py --out /tmp/tiny-moe-inflated --int4-expert-mb 2
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 device (MoE-APEX measured 86-94% of a Mixtral layer's time on a Jetson AGX Orin), and the simulator's prediction
 of the measured emulated tok/s (costs from the planner's probe, scaled by 1 / k onto the device's timeline).
 
-    python scripts/make_synthetic_model.py --like mixtral-8x7b --layers 2 /tmp/mixtral-2l
+    fate-edge synth --like mixtral-8x7b --layers 2 /tmp/mixtral-2l
     fate-edge convert /tmp/mixtral-2l /tmp/mixtral-2l-store
-    python scripts/validate_emulation.py /tmp/mixtral-2l-store --device agx-orin --json out.json
+    python scripts/research/validate_emulation.py /tmp/mixtral-2l-store --device agx-orin --json out.json
 
 Every policy runs in rounds (each round: every policy once, on a fresh engine), medians reported; the load
 average is recorded beside the figures.

@@ -7,7 +7,7 @@ eviction, no prefetch); stage 2 tries every predictor / lookahead / width / gate
 best per device and budget beside lru, fate, the old fate-edge and the oracle, with the miss breakdown of the
 best (how many of its misses the predictor named, how many prefetches landed late), and writes JSON.
 
-    python scripts/sweep_device_presets.py --out /tmp/sweep.json [--host-ms 11.4] [--trace /tmp/trace.pkl]
+    python scripts/research/sweep_device_presets.py --out /tmp/sweep.json [--host-ms 11.4] [--trace /tmp/trace.pkl]
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Uses the machinery of ``fate-edge eval-quality`` (fate_edge.bench.quality: held-
 teacher-forced NLL and greedy agreement with the reference run) over: resident fp32 / int8 / int4, each with
 fp32 experts and with int4 experts (``load_model(bits=4)``, RTN, in memory).
 
-    python scripts/eval_resident.py --tokens 8192 --json bench-out/resident-quality.json
+    python scripts/research/eval_resident.py --tokens 8192 --json bench-out/resident-quality.json
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Predict a run's peak RSS by part (runtime.memory_account), then run it and measure the kernel's high-water mark.
 
-    python scripts/measure_memory.py STORE --memory-budget 200MB --resident-bits 4 --prompt-tokens 512
+    python scripts/research/measure_memory.py STORE --memory-budget 200MB --resident-bits 4 --prompt-tokens 512
 
 Prints the account, the measured peak after loading and after generating, and one JSON line last (the test reads
 it). Run it in a fresh process: the peak (VmHWM) counts from this program's start.

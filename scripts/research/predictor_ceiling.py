@@ -31,7 +31,7 @@ already holds) and against the token table applied to the sampled token (a read 
 The pre-attention inputs come from transformers' ``output_hidden_states`` (a test and training dependency); the
 routing from fate-edge's forward.
 
-    python scripts/predictor_ceiling.py --tokens 131072 --json bench-out/predictor_ceiling.json
+    python scripts/research/predictor_ceiling.py --tokens 131072 --json bench-out/predictor_ceiling.json
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 GGUF memory-mapped, each in a fresh process (imports counted apart), rounds interleaved, warm or with the page cache
 dropped before every load (root).
 
-    python scripts/load_time.py STORE MODEL.gguf --memory-budget 0.75GB --resident-bits 4 --rounds 3 [--cold]
+    python scripts/research/load_time.py STORE MODEL.gguf --memory-budget 0.75GB --resident-bits 4 --rounds 3 [--cold]
 """
 
 from __future__ import annotations
