@@ -38,7 +38,8 @@ def decode_logits(model, fast: bool) -> tuple[torch.Tensor, Counter]:
 
 
 def store_int4_model(bundled_dir):
-    """The bundled model with every int4 expert of its store resident, as `bench_llamacpp.py`'s int4 side runs."""
+    """The bundled model with every int4 expert of its store resident, as the int4 side of `fate-edge bench-llamacpp`
+    runs."""
     from fate_edge.apps.engine_args import resolve_store
     from fate_edge.bench.sidebyside import resident_int4
 

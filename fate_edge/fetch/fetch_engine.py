@@ -4,8 +4,8 @@ Worker threads ``pread`` blobs into a pool of preallocated, page-aligned buffers
 filesystem allows it, buffered otherwise). Reads ahead go in chunks so a stale prefetch can be dropped part
 way; a demand read from the raw disk (no emulated link) goes in one request for the whole blob, because
 without kernel readahead the request size sets an O_DIRECT read's speed (blobs of 1-4 MB in random order here:
-1.13 GB/s whole, 0.68 GB/s in 256 KB chunks, ``scripts/bench_io.py``) and a demand read is never dropped but for
-an abort.
+1.13 GB/s whole, 0.68 GB/s in 256 KB chunks, ``scripts/research/bench_io.py``) and a demand read is never dropped
+but for an abort.
 Requests carry a priority (demand > next layer > further ahead); a request for a blob already queued
 or in flight is merged into it (and raises its priority). Every request records how long it queued,
 read and was waited for. A blob's CRC32 is checked before anyone sees its bytes: on its first read in

@@ -584,8 +584,8 @@ static int gemm_tiled(const uint8_t *codes, const uint16_t *scale, const uint16_
 }
 
 /* From how many x rows on the tiled GEMM beats the row kernel, timed on 1408x2048 to 4096x14336 matrices at one
-   thread (scripts/bench_kernels.py): AVX-512 from 3 rows (1.1-1.9x at 3-4 rows, 1.7-3.1x at 16-64), AVX2 from 8
-   (1.1-1.3x at 8, 1.4-1.7x at 16-64). 0: these defaults; fe_int4_set_gemm_min_rows overrides them. */
+   thread (scripts/research/bench_kernels.py): AVX-512 from 3 rows (1.1-1.9x at 3-4 rows, 1.7-3.1x at 16-64),
+   AVX2 from 8 (1.1-1.3x at 8, 1.4-1.7x at 16-64). 0: these defaults; fe_int4_set_gemm_min_rows overrides them. */
 static int gemm_min_rows = 0;
 
 void fe_int4_set_gemm_min_rows(int rows) { gemm_min_rows = rows; }
