@@ -19,7 +19,7 @@ from fate_edge.model.arch import load_config
 from fate_edge.model.layer import quantized_group_bytes, resident_groups
 
 # Interpreter + torch + tokenizers + onnxruntime + fate_edge imported, plus torch's allocator arenas and
-# the activations of a prefill chunk (measured on this host: ~330 MB after imports, see scripts/bench_scale.py).
+# the activations of a prefill chunk (measured on this host: ~330 MB after imports, see `fate-edge bench-scale`).
 RUNTIME_BASELINE_BYTES = 600_000_000
 _KV_DTYPE_BYTES = 4  # the KV cache is kept in the compute dtype; fp32 is the widest
 
