@@ -126,7 +126,6 @@ def _rewrite(src, dst, arch: str | None = None, retype: tuple[str, int] | None =
     if retype is not None:
         part = next(t for t in r.tensors if t.name == retype[0]).field.parts[4]
         data[at(part):at(part) + 4] = retype[1].to_bytes(4, "little")
-    del r
     dst.write_bytes(bytes(data))
     return dst
 
