@@ -151,3 +151,48 @@ def test_cli_converts_a_gguf(tmp_path, ggufs):
 
     assert main(["convert", str(ggufs["Q8_0"]), str(tmp_path / "store"), "--quiet", "--no-bf16"]) == 0
     assert ExpertStore(tmp_path / "store").bits_available == [8]
+
+
+def test_engine_load_takes_a_gguf_path(tmp_path, ggufs, monkeypatch):
+    """``Engine.load`` on the .gguf itself: converted once into the store cache, then the same completion as an
+    engine on the store ``fate-edge convert`` writes from the file."""
+    from fate_edge import Engine, GenerateConfig
+
+    monkeypatch.setenv("FATE_EDGE_CACHE", str(tmp_path / "cache"))
+    cfg = GenerateConfig(max_tokens=12, ignore_eos=True)
+    engine = Engine.load(ggufs["Q4_0"], "64MB", "fate-edge")
+    text, last = engine.generate(PROMPT, cfg)
+    assert engine.policy.bits == 4 and last.generation_tokens == 12
+    assert str(engine.store.path).startswith(str(tmp_path / "cache"))
+    engine.close()
+    again = Engine.load(ggufs["Q4_0"], "64MB", "fate-edge")  # from the cache: nothing converted twice
+    assert again.store.path == engine.store.path
+    again.close()
+    store = convert_gguf(ggufs["Q4_0"], tmp_path / "store", progress=False)
+    direct = Engine(store, "64MB", "fate-edge")
+    assert direct.generate(PROMPT, cfg)[0] == text
+    direct.close()
+
+
+def test_presets_run_on_the_int8_store_of_a_q8_0_gguf(tmp_path, ggufs, monkeypatch):
+    """A q8_0 GGUF converts to its own int8 codes (no int4 copy): every preset that reads the store's quantized
+    copy streams int8, load-on-demand reads bf16, and load-on-demand-int4 refuses in one line naming what the store
+    holds. The oracle needs a recorded trace and is not run here."""
+    from fate_edge import Engine, GenerateConfig
+    from fate_edge.errors import FateEdgeError
+    from fate_edge.runtime.policy import PRESETS
+
+    monkeypatch.setenv("FATE_EDGE_CACHE", str(tmp_path / "cache"))
+    cfg = GenerateConfig(max_tokens=8, ignore_eos=True)
+    texts = {}
+    for name in sorted(set(PRESETS) - {"oracle", "load-on-demand-int4"}):
+        engine = Engine.load(ggufs["Q8_0"], "64MB", name)
+        assert ExpertStore(engine.store.path).bits_available == [2, 8, 16]
+        assert engine.policy.bits == (16 if name == "load-on-demand" else 8), name
+        texts[name], last = engine.generate(PROMPT, cfg)
+        assert last.generation_tokens == 8, name
+        engine.close()
+    # int8 greedy decoding by any caching policy is the same computation: only the expert reads differ
+    assert len({t for n, t in texts.items() if n != "load-on-demand"}) == 1, texts
+    with pytest.raises(FateEdgeError, match=r"needs int4 experts but .* holds \[2, 8, 16\]"):
+        Engine.load(ggufs["Q8_0"], "64MB", "load-on-demand-int4")
