@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,8 @@ from safetensors import safe_open
 
 from fate_edge import Tokenizer, load_model
 from fate_edge.bench import gguf
+from fate_edge.format.convert import ConvertOptions
+from fate_edge.format.gguf_convert import convert_gguf
 from fate_edge.synthetic import PRESETS, SyntheticOptions, make_synthetic_model
 
 SCALE, LAYERS = 32, 2
@@ -126,8 +129,14 @@ def converted(request, converter, tmp_path_factory):
 
     out = tmp_path_factory.mktemp(request.param)
     model = out / "model"
-    make_synthetic_model(model, SyntheticOptions(request.param, LAYERS, scale=SCALE, bpe_vocab=1024,
-                                                 tokenizer_chars=200_000))
+    preset = PRESETS[request.param]
+    config = dict(preset.config)
+    if config.get("moe_intermediate_size", 32 * SCALE) // SCALE % 32:  # 1408 / 32 = 44: no int4 group divides
+        config["moe_intermediate_size"] = 2048
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(PRESETS, request.param, replace(preset, config=config))
+        make_synthetic_model(model, SyntheticOptions(request.param, LAYERS, scale=SCALE, bpe_vocab=1024,
+                                                     tokenizer_chars=200_000))
     path = out / "model-f32.gguf"
     proc = subprocess.run(gguf.convert_command(model, "f32", path, converter), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -186,6 +195,39 @@ def test_llama_cpp_tokenizes_and_computes_like_fate_edge(converted, one_thread):
     with torch.no_grad():
         ours = model(torch.tensor([prompt]), model.new_cache())[0].numpy()
     np.testing.assert_allclose(theirs, ours, atol=5e-3, rtol=0, err_msg=name)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
+def test_the_gguf_converts_to_a_store_that_tokenizes_and_computes_like_llama_cpp(converted, one_thread, tmp_path):
+    """The f32 GGUF llama.cpp's converter wrote, converted by ``fate-edge convert``: Mixtral's q/k rows un-permuted,
+    DeepSeek's kv_b_proj rebuilt from k_b/v_b, the tokenizer rebuilt from the metadata. The store's ids are
+    llama.cpp's on held-out text, and its logits (bf16 experts: the synthetic weights are bf16, so exact) are the
+    checkpoint's own and llama.cpp's on the same ids."""
+    from llama_cpp import Llama
+
+    from fate_edge.corpus import heldout_source
+
+    name, model_dir, path = converted
+    store = convert_gguf(path, tmp_path / "store", ConvertOptions(bits=None), progress=False)
+    tok, ref_tok = Tokenizer(store), Tokenizer(model_dir)
+    text, _ = heldout_source(3000)
+    ids = tok.encode(text)
+    assert ids == ref_tok.encode(text) and tok.add_bos == ref_tok.add_bos, name
+    llm = Llama(model_path=str(path), n_ctx=128, n_threads=1, logits_all=True, verbose=False)
+    assert llm.tokenize(text.encode(), add_bos=False, special=False) == tok.encode(text, add_special_tokens=False)
+    prompt = ids[:48]
+    llm.eval(prompt)
+    theirs = np.array(llm.scores[:len(prompt)])
+    with torch.no_grad():
+        model = load_model(store, torch.float32, bits=16)
+        ours = model(torch.tensor([prompt]), model.new_cache())[0].numpy()
+        model.experts.close()
+        reference = load_model(model_dir, torch.float32)
+        ckpt = reference(torch.tensor([prompt]), reference.new_cache())[0].numpy()
+    np.testing.assert_allclose(ours, ckpt, atol=1e-4, rtol=0, err_msg=name)
+    cos = (ours * theirs).sum(-1) / np.linalg.norm(ours, axis=-1) / np.linalg.norm(theirs, axis=-1)
+    assert cos.min() >= 0.9999, (name, cos.min())
+    np.testing.assert_allclose(ours, theirs, atol=5e-3, rtol=0, err_msg=name)
 
 
 def test_bf16_checkpoints_get_the_real_side_set_and_their_own_results_file(tmp_path):

@@ -141,12 +141,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from fate_edge.format.convert import ConvertOptions, convert
+    from fate_edge.format.gguf_convert import convert_gguf
+    from fate_edge.format.gguf_reader import is_gguf
 
-    opts = ConvertOptions(bits=args.bits, group_size=args.group, cold_bits=args.cold_bits,
+    gguf = is_gguf(args.model_dir)
+    opts = ConvertOptions(bits=args.bits if args.bits or gguf else 4, group_size=args.group, cold_bits=args.cold_bits,
                           cold_group_size=args.cold_group, keep_bf16=not args.no_bf16, force=args.force,
                           method=args.method, layout=args.layout, threads=args.threads,
                           resident_bits=args.resident_bits, embedding_bits=args.embedding_bits)
-    out = convert(args.model_dir, args.out_dir, opts, progress=not args.quiet)
+    out = (convert_gguf if gguf else convert)(args.model_dir, args.out_dir, opts, progress=not args.quiet)
     print(f"wrote expert store {out}")
     return 0
 
@@ -227,9 +230,10 @@ def _add_run_parser(sub) -> None:
 
 def _add_convert_parser(sub) -> None:
     conv = sub.add_parser("convert", help="write an expert store: resident weights + one aligned blob per expert")
-    conv.add_argument("model_dir", type=existing_path, help="Hugging Face model directory")
+    conv.add_argument("model_dir", type=existing_path, help="Hugging Face model directory or GGUF file")
     conv.add_argument("out_dir", help="store directory to create (written atomically)")
-    conv.add_argument("--bits", type=int, default=4, choices=[8, 4, 3, 2], help="precision of the streamed copy")
+    conv.add_argument("--bits", type=int, default=None, choices=[8, 4, 3, 2],
+                      help="precision of the streamed copy (default 4; a GGUF's q8_0 experts: 8)")
     conv.add_argument("--group", type=int, default=None, choices=GROUP_SIZES,
                       help="quantization group size (default: the largest of 128, 64, 32 that divides the expert "
                       "dimensions)")

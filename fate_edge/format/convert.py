@@ -32,7 +32,8 @@ from fate_edge.format.checkpoint_layout import layer_names, resident_weight_name
 from fate_edge.format.checksum import crc32
 from fate_edge.format.direct_write import DirectFile
 from fate_edge.format.store import FORMAT, FORMAT_VERSION, STORE_FILE, Precision, encode_expert, plan_parts
-from fate_edge.model.arch import load_config
+from fate_edge.model.arch import ModelConfig, load_config
+from fate_edge.model.transformer import LayerNames
 from fate_edge.quant import QuantSpec
 from fate_edge.quant.linear import default_kernel, int4_supported
 from fate_edge.quant.rtn import BLOCK_BYTES
@@ -44,7 +45,7 @@ AUX_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeniz
 
 @dataclass
 class ConvertOptions:
-    bits: int = 4  # precision of the expert copies the engine streams
+    bits: int | None = 4  # precision of the expert copies the engine streams (None: 4, or a GGUF's own width)
     group_size: int | None = None  # None: the largest of GROUP_SIZES that divides the expert dimensions
     cold_bits: int | None = None  # optional low-precision copy for cold experts (Fate: int2 tail)
     cold_group_size: int | None = None  # None: the smallest of GROUP_SIZES that divides (int2 wants small groups)
@@ -121,6 +122,8 @@ def convert(model_dir: str | Path, out_dir: str | Path, opts: ConvertOptions | N
     are in memory at a time. ``progress`` shows a bar on a terminal; ``on_progress(done, total)`` gets the
     checkpoint bytes converted so far after every resident tensor and every expert."""
     opts = opts or ConvertOptions()
+    if opts.bits is None:
+        opts = replace(opts, bits=4)
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if out_dir.exists() and not opts.force:
         raise FateEdgeError(f"{out_dir}: already exists; choose another directory or pass --force to replace it")
@@ -133,27 +136,61 @@ def convert(model_dir: str | Path, out_dir: str | Path, opts: ConvertOptions | N
     if asked is None and progress:
         print(f"quantization group {opts.group_size}: the largest of {', '.join(map(str, GROUP_SIZES))} that "
               f"divides the expert dimensions {dims[0]}x{dims[1]}", file=sys.stderr)
-    precisions = _precisions(cfg, opts)
+    layouts = {layer: ExpertLayout(reader, names[layer].mlp) for layer in cfg.moe_layers}
+    expert_src = sum(reader.nbytes(n) for n in layouts[cfg.moe_layers[0]].tensor_names(0)) if cfg.moe_layers else 0
+    if cfg.moe_layers and layouts[cfg.moe_layers[0]].fused:  # a fused tensor holds every expert of the layer
+        expert_src //= cfg.num_experts
+    aux = [model_dir / f for f in AUX_FILES if (model_dir / f).exists()]
+    predictors = model_dir / "predictors"
+    aux_bytes = sum(f.stat().st_size for f in aux)
+    if predictors.is_dir():
+        aux_bytes += sum(f.stat().st_size for f in predictors.rglob("*") if f.is_file())
+
+    def write_aux(tmp: Path) -> None:
+        for f in aux:
+            shutil.copy2(f, tmp / f.name)
+        if predictors.is_dir():  # calibrated predictors travel with the model
+            shutil.copytree(predictors, tmp / "predictors")
+
+    def encode(layer: int, expert: int, precisions: list[Precision], method: str):
+        return _encode_job(layouts[layer], expert, precisions, method)
+
+    source = StoreSource(model_dir, cfg, reader, names, expert_src, encode, write_aux, aux_bytes)
+    return write_store(source, out_dir, opts, _precisions(cfg, opts), progress, on_progress)
+
+
+@dataclass
+class StoreSource:
+    """What writing a store needs of a model, whatever its file format (a Hugging Face directory, a GGUF)."""
+
+    path: Path  # recorded in store.json
+    cfg: ModelConfig
+    reader: CheckpointReader  # or anything answering its calls: the resident tensors by Hugging Face name
+    names: list[LayerNames]
+    expert_bytes: int  # source bytes of one routed expert (progress)
+    encode: Callable[[int, int, list[Precision], str], list[tuple[memoryview, int]]]  # (layer, expert, ...) -> blobs
+    write_aux: Callable[[Path], None]  # config, tokenizer and other files, into the new store
+    aux_bytes: int
+
+
+def write_store(src: StoreSource, out_dir: Path, opts: ConvertOptions, precisions: list[Precision],
+                progress: bool = True, on_progress: Callable[[int, int], None] | None = None) -> Path:
+    """Write ``src`` as a store at ``out_dir``: into a hidden sibling first, renamed into place as the last step;
+    on any failure nothing is left at ``out_dir`` (an existing store there is kept)."""
+    cfg, reader = src.cfg, src.reader
     remove_dead_partials(out_dir.parent)
-    need = _store_bytes(model_dir, cfg, reader, precisions)
+    names_resident = resident_weight_names(cfg, reader)
+    experts_bytes = len(cfg.moe_layers) * cfg.num_experts * sum(p.slot_bytes for p in precisions)
+    need = experts_bytes + sum(reader.nbytes(n) for n in names_resident) + src.aux_bytes
     _check_free_space(out_dir.parent, need)
 
     tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        for f in AUX_FILES:
-            if (model_dir / f).exists():
-                shutil.copy2(model_dir / f, tmp / f)
-        if (model_dir / "predictors").is_dir():  # calibrated predictors travel with the model
-            shutil.copytree(model_dir / "predictors", tmp / "predictors")
-        names_resident = resident_weight_names(cfg, reader)
+        src.write_aux(tmp)
         jobs = [(layer, e) for layer in cfg.moe_layers for e in range(cfg.num_experts)]
-        layouts = {layer: ExpertLayout(reader, names[layer].mlp) for layer in cfg.moe_layers}
-        expert_src = sum(reader.nbytes(n) for n in layouts[cfg.moe_layers[0]].tensor_names(0)) if jobs else 0
-        if jobs and layouts[cfg.moe_layers[0]].fused:  # a fused tensor holds every expert of the layer
-            expert_src //= cfg.num_experts
-        meter = _Progress(sum(reader.nbytes(n) for n in names_resident) + expert_src * len(jobs), progress,
+        meter = _Progress(sum(reader.nbytes(n) for n in names_resident) + src.expert_bytes * len(jobs), progress,
                           on_progress)
         try:
             if opts.resident_bits is None and opts.embedding_bits is None:
@@ -163,19 +200,20 @@ def convert(model_dir: str | Path, out_dir: str | Path, opts: ConvertOptions | N
                 from fate_edge.format.prequantized import quantized_resident, write_quantized_resident
 
                 with _one_torch_thread():
-                    held = quantized_resident(cfg, reader, names, names_resident, opts.resident_bits,
+                    held = quantized_resident(cfg, reader, src.names, names_resident, opts.resident_bits,
                                               opts.embedding_bits)
                 write_quantized_resident(tmp / "resident.safetensors", held)
                 del held
                 meter.advance(sum(reader.nbytes(n) for n in names_resident))
-            entries = _write_experts(tmp, jobs, layouts, precisions, opts, lambda: meter.advance(expert_src))
+            entries = _write_experts(tmp, jobs, src.encode, precisions, opts,
+                                     lambda: meter.advance(src.expert_bytes))
         finally:
             meter.close()
 
         index = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
-            "source": str(model_dir.resolve()),
+            "source": str(src.path.resolve()),
             "model_type": cfg.model_type,
             "num_layers": cfg.num_hidden_layers,
             "moe_layers": cfg.moe_layers,
@@ -222,9 +260,7 @@ def _encode_job(layout: ExpertLayout, expert: int, precisions: list[Precision],
                 method: str) -> list[tuple[memoryview, int]]:
     """One expert read from the checkpoint in its own dtype and encoded at every precision, with each blob's
     CRC32 (a worker's job: the checksum releases the GIL, so checksums run in parallel too)."""
-    work = getattr(_scratch, "work", None)
-    if work is None:
-        work = _scratch.work = torch.empty(BLOCK_BYTES // 4, dtype=torch.float32)
+    work = _encode_scratch()
     w = layout.read(expert, None)
     blobs = [encode_expert(w, p, method, work) for p in precisions]
     return [(b, crc32(b)) for b in blobs]
@@ -233,8 +269,15 @@ def _encode_job(layout: ExpertLayout, expert: int, precisions: list[Precision],
 _scratch = threading.local()  # each worker's fp32 block buffer for the RTN encoder
 
 
-def _write_experts(tmp: Path, jobs: list[tuple[int, int]], layouts: dict[int, ExpertLayout],
-                   precisions: list[Precision], opts: ConvertOptions, done) -> dict[str, list[dict]]:
+def _encode_scratch() -> torch.Tensor:
+    work = getattr(_scratch, "work", None)
+    if work is None:
+        work = _scratch.work = torch.empty(BLOCK_BYTES // 4, dtype=torch.float32)
+    return work
+
+
+def _write_experts(tmp: Path, jobs: list[tuple[int, int]], encode, precisions: list[Precision],
+                   opts: ConvertOptions, done) -> dict[str, list[dict]]:
     """Encode the experts on ``opts.threads`` workers and write their blobs in slot order. At most
     2 x threads experts are in flight, so memory stays a few experts' worth whatever the model's size."""
     threads = opts.threads or min(os.cpu_count() or 1, 8)
@@ -245,7 +288,7 @@ def _write_experts(tmp: Path, jobs: list[tuple[int, int]], layouts: dict[int, Ex
         with _one_torch_thread():
             def submit(item: tuple[int, tuple[int, int]]):
                 slot, (layer, e) = item
-                return slot, layer, e, pool.submit(_encode_job, layouts[layer], e, precisions, opts.method)
+                return slot, layer, e, pool.submit(encode, layer, e, precisions, opts.method)
 
             ahead = iter(enumerate(jobs))
             pending = collections.deque(map(submit, itertools.islice(ahead, 2 * threads)))
@@ -304,16 +347,6 @@ def _is_disk_full(exc: BaseException) -> bool:
     if isinstance(exc, OSError):
         return exc.errno == errno.ENOSPC
     return isinstance(exc, Exception) and f"os error {errno.ENOSPC})" in str(exc)
-
-
-def _store_bytes(model_dir: Path, cfg, reader: CheckpointReader, precisions: list[Precision]) -> int:
-    """What the store will take on disk: expert files (whole slots), resident weights, copied files."""
-    experts = len(cfg.moe_layers) * cfg.num_experts * sum(p.slot_bytes for p in precisions)
-    resident = sum(reader.nbytes(n) for n in resident_weight_names(cfg, reader))
-    aux = sum((model_dir / f).stat().st_size for f in AUX_FILES if (model_dir / f).exists())
-    if (model_dir / "predictors").is_dir():
-        aux += sum(f.stat().st_size for f in (model_dir / "predictors").rglob("*") if f.is_file())
-    return experts + resident + aux
 
 
 def _check_free_space(directory: Path, need: int) -> None:

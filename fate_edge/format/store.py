@@ -27,7 +27,7 @@ from fate_edge.errors import ModelFormatError
 from fate_edge.format.blob import ALIGN, BlobRef
 from fate_edge.format.store_files import STORE_FILE
 from fate_edge.model.experts import ExpertWeights, QuantizedExpert
-from fate_edge.quant import QuantSpec, pack
+from fate_edge.quant import Quantized, QuantSpec, pack
 from fate_edge.quant.linear import QuantizedLinear, default_kernel, int4_kernel_layout
 from fate_edge.quant.methods import quantize_with
 
@@ -118,7 +118,8 @@ def plan_parts(bits: int, spec: QuantSpec | None, hidden: int, inter: int,
 
 def encode_expert(w: ExpertWeights, precision: Precision, method: str = "rtn",
                   work: torch.Tensor | None = None) -> memoryview:
-    """Serialize one expert (bf16, or quantized by ``method``: "rtn" or "hqq") into its blob.
+    """Serialize one expert (bf16, or quantized by ``method``: "rtn" or "hqq") into its blob. A matrix of ``w``
+    that is already a :class:`Quantized` in the precision's spec (a GGUF's blocks) goes in with its own codes.
 
     ``w`` may be in any float dtype (convert passes the checkpoint's own, no fp32 copy); ``work`` is an
     optional fp32 scratch buffer for the RTN encoder. Returns the blob's bytes (a view of a fresh buffer)."""
@@ -129,10 +130,10 @@ def encode_expert(w: ExpertWeights, precision: Precision, method: str = "rtn",
         if precision.spec is None:
             tensors[f"{m}.weight"] = mat.to(torch.bfloat16)
         elif precision.layout == "cpu-int4":
-            q = quantize_with(method, mat, precision.spec, work)
+            q = mat if isinstance(mat, Quantized) else quantize_with(method, mat, precision.spec, work)
             tensors[f"{m}.packed"], tensors[f"{m}.scale_zero"] = int4_kernel_layout(q, precision.spec)
         else:
-            q = quantize_with(method, mat, precision.spec, work)
+            q = mat if isinstance(mat, Quantized) else quantize_with(method, mat, precision.spec, work)
             tensors[f"{m}.codes"] = pack(q.codes, precision.spec.storage_bits)
             tensors[f"{m}.scale"] = q.scale
             if q.zero is not None:

@@ -87,6 +87,14 @@ class _TraceRecorder:
         self.trace.calls.append((layer, ids[counts.argsort(descending=True, stable=True)].tolist()))
 
 
+def streamed_by_store(policy: PolicyConfig, store: ExpertStore) -> PolicyConfig:
+    """A preset's int4 reads on a store that holds int8 and no int4 (a q8_0 GGUF converts to its own int8 codes):
+    int8, the store's quantized copy. A preset named for int4 (load-on-demand-int4) keeps asking for int4."""
+    if policy.bits == 4 and "int4" not in policy.name and 4 not in store.precisions and 8 in store.precisions:
+        return policy.with_(bits=8)
+    return policy
+
+
 class Engine:
     def __init__(
         self,
@@ -121,6 +129,8 @@ class Engine:
         self.policy = get_policy(policy)
         self.dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
         self.store = ExpertStore(store_dir)
+        if isinstance(policy, str):
+            self.policy = streamed_by_store(self.policy, self.store)
         for bits in {self.policy.bits} | ({self.policy.cold_bits} - {None}):
             if bits not in self.store.precisions and bits != self.policy.cold_bits:
                 raise FateEdgeError(f"policy '{self.policy.name}' needs int{bits} experts but {store_dir} holds "

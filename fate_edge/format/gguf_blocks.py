@@ -1,0 +1,69 @@
+"""GGML quantized blocks as fate-edge's group-wise codes, scales and zeros (``w = code * scale + zero``), copying
+the codes instead of rounding the weights again.
+
+- q4_0: 32 weights, an fp16 ``d``, codes ``q`` in 0..15 with ``w = (q - 8) d``: group-32 int4 with
+  scale ``d`` and zero ``-8 d``, both exact in fp16, and every ``code * scale + zero`` is the same float as llama.cpp's.
+- q8_0: 32 weights, an fp16 ``d``, int8 ``q``: group-32 int8 with codes ``q + 128``, scale ``d``, zero ``-128 d``
+  (exact).
+- q4_K: 256-weight super-blocks of eight 32-weight sub-blocks; fp16 ``d`` and ``dmin`` and a 6-bit scale ``sc``
+  and min ``m`` per sub-block, ``w = d sc q - dmin m``: group-32 int4 with scale ``d sc`` and zero
+  ``-dmin m``. The codes are exact; the store keeps scale and zero in fp16, so each product is rounded once to
+  fp16 (relative error at most 2^-11 of the group's scale; the kernels read fp16 scales).
+
+A 4-bit block fits an 8-bit store as it is (same scale and zero), so ``--bits 8`` keeps q4 codes exact too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fate_edge.quant import Quantized, QuantSpec
+
+Q4_0, Q8_0, Q4_K = "Q4_0", "Q8_0", "Q4_K"
+SOURCE_BITS = {Q4_0: 4, Q8_0: 8, Q4_K: 4}  # the code width of each block type taken without rounding
+
+
+def exact_into(type_name: str, spec: QuantSpec) -> bool:
+    """Whether blocks of ``type_name`` go into ``spec`` with their own codes (no second rounding)."""
+    return (type_name in SOURCE_BITS and spec.group_size == 32 and spec.asymmetric
+            and spec.bits >= SOURCE_BITS[type_name] and spec.storage_bits in (4, 8))
+
+
+def to_quantized(type_name: str, raw: torch.Tensor, spec: QuantSpec) -> Quantized:
+    """``raw`` uint8 [rows, bytes per row] of ``type_name`` blocks → codes [rows, K], fp16 scale and zero [rows, K/32]
+    in ``spec`` (which :func:`exact_into` accepts)."""
+    if not exact_into(type_name, spec):
+        raise ValueError(f"{type_name} blocks do not go into {spec} without rounding")
+    rows = raw.shape[0]
+    if type_name == Q4_0:
+        b = raw.reshape(rows, -1, 18)
+        d = b[..., :2].contiguous().view(torch.float16)[..., 0]
+        qs = b[..., 2:]
+        codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # low nibbles are weights 0..15, high 16..31
+        scale, zero = d, d * -8
+    elif type_name == Q8_0:
+        b = raw.reshape(rows, -1, 34)
+        d = b[..., :2].contiguous().view(torch.float16)[..., 0]
+        codes = (b[..., 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+        scale, zero = d, d * -128
+    elif type_name == Q4_K:
+        b = raw.reshape(rows, -1, 144)
+        d = b[..., 0:2].contiguous().view(torch.float16).float()  # [rows, nb, 1]
+        dmin = b[..., 2:4].contiguous().view(torch.float16).float()
+        sc, mn = _k_scale_min(b[..., 4:16])  # [rows, nb, 8]
+        qs = b[..., 16:].reshape(rows, -1, 4, 32)  # 4 chunks of 64 weights: low nibbles then high nibbles
+        codes = torch.stack([qs & 0x0F, qs >> 4], dim=3)  # [rows, nb, 4, 2, 32]
+        scale = (d * sc.float()).to(torch.float16)
+        zero = (-(dmin * mn.float())).to(torch.float16)
+    else:  # unreachable: exact_into knows only the types above
+        raise AssertionError(type_name)
+    codes = codes.reshape(rows, -1)
+    return Quantized(codes.contiguous(), scale.reshape(rows, -1).contiguous(), zero.reshape(rows, -1).contiguous())
+
+
+def _k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q4_K's 12 bytes of packed 6-bit scales and mins → (scales, mins) [..., 8] (ggml's get_scale_min_k4)."""
+    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc, mn

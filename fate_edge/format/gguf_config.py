@@ -1,0 +1,128 @@
+"""A GGUF file's metadata as the Hugging Face ``config.json`` of one of fate-edge's architectures.
+
+llama.cpp names the architecture (``general.architecture``) and spells every hyperparameter
+``{arch}.{key}``; this maps the MoE ones onto the ``model_type`` and keys ``fate_edge.model.arch`` reads, so a
+converted GGUF is an ordinary store from there on. Layers without a router (``blk.N.ffn_gate_inp``) are dense.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fate_edge.errors import UnsupportedArchitectureError
+from fate_edge.format.gguf_reader import GGUFFile
+
+# general.architecture -> model_type (llama with experts is Mixtral; deepseek2 with sigmoid gating is V3)
+ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "llama": "mixtral", "mixtral": "mixtral",
+                 "olmoe": "olmoe", "deepseek2": "deepseek_v2"}
+_SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+
+
+def model_type(g: GGUFFile) -> str:
+    arch = g.architecture
+    if arch not in ARCHITECTURES or (arch == "llama" and not g.arch_key("expert_count", 0)):
+        what = "a dense llama model" if arch == "llama" else f"architecture '{arch}'"
+        raise UnsupportedArchitectureError(
+            f"{g.path}: general.architecture is {what}; fate-edge runs MoE models of the architectures "
+            f"{', '.join(sorted(set(ARCHITECTURES) - {'mixtral'}))} (llama with experts: Mixtral)")
+    if arch == "deepseek2" and g.arch_key("expert_gating_func", 1) == _SIGMOID_GATING:
+        return "deepseek_v3"
+    return ARCHITECTURES[arch]
+
+
+def dense_layers(g: GGUFFile, layers: int) -> list[int]:
+    return [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in g.tensors]
+
+
+def hf_config(g: GGUFFile, dtype: str) -> dict[str, Any]:
+    """The ``config.json`` of the model in ``g``, its weights held in ``dtype`` ("bfloat16", "float32", ...)."""
+    mtype = model_type(g)
+    key = g.arch_key
+    hidden, layers, heads = key("embedding_length"), key("block_count"), key("attention.head_count")
+    kv_heads = key("attention.head_count_kv", heads)
+    if isinstance(kv_heads, list):  # per-layer counts: fate-edge keeps one
+        kv_heads = kv_heads[0]
+    vocab = len(g.get("tokenizer.ggml.tokens") or []) or g.info("token_embd.weight").shape[0]
+    d: dict[str, Any] = {
+        "model_type": mtype,
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "intermediate_size": key("feed_forward_length", 0) or key("expert_feed_forward_length"),
+        "moe_intermediate_size": key("expert_feed_forward_length", None) or key("feed_forward_length"),
+        "num_experts": key("expert_count"),
+        "num_experts_per_tok": key("expert_used_count"),
+        "max_position_embeddings": key("context_length", 4096),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        "tie_word_embeddings": "output.weight" not in g.tensors,
+        "torch_dtype": dtype,
+        "rope_theta": float(key("rope.freq_base", 10000.0)),
+        "bos_token_id": g.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": g.get("tokenizer.ggml.eos_token_id"),
+    }
+    if isinstance(d["intermediate_size"], list):
+        d["intermediate_size"] = max(d["intermediate_size"])
+    scaling = _rope_scaling(g)
+    if scaling:
+        d["rope_scaling"] = scaling
+    head_dim = key("attention.key_length", None)
+    dense = dense_layers(g, layers)
+    norm = key("expert_weights_norm", None)
+    if mtype in ("qwen2_moe", "qwen3_moe"):
+        d.update(mlp_only_layers=dense, decoder_sparse_step=1, qkv_bias="blk.0.attn_q.bias" in g.tensors,
+                 shared_expert_intermediate_size=key("expert_shared_feed_forward_length", 0),
+                 norm_topk_prob=bool(norm if norm is not None else mtype == "qwen3_moe"))
+        if head_dim:
+            d["head_dim"] = head_dim
+    elif mtype == "mixtral":
+        d["head_dim"] = head_dim or hidden // heads
+    elif mtype == "olmoe":
+        d.update(norm_topk_prob=bool(norm or False), clip_qkv=key("attention.clamp_kqv", None))
+    else:
+        d.update(_deepseek(g, dense))
+    return d
+
+
+def _rope_scaling(g: GGUFFile) -> dict[str, Any] | None:
+    kind = g.arch_key("rope.scaling.type", None)
+    if kind in (None, "none"):
+        return None
+    out: dict[str, Any] = {"rope_type": kind, "factor": float(g.arch_key("rope.scaling.factor", 1.0))}
+    original = g.arch_key("rope.scaling.original_context_length", None)
+    if original:
+        out["original_max_position_embeddings"] = original
+    if kind == "yarn":
+        log_mul = g.arch_key("rope.scaling.yarn_log_multiplier", None)
+        if log_mul:  # DeepSeek: llama.cpp stores 0.1 * mscale_all_dim
+            out["mscale_all_dim"] = float(log_mul) / 0.1
+            out["mscale"] = out["mscale_all_dim"]
+    return out
+
+
+def _deepseek(g: GGUFFile, dense: list[int]) -> dict[str, Any]:
+    key = g.arch_key
+    rope_dim = key("rope.dimension_count")
+    kv_rank = key("attention.kv_lora_rank")
+    q_rank = key("attention.q_lora_rank", 0) or None
+    if key("attention.key_length_mla", None):  # newer converters: key_length is the absorbed (latent) width
+        qk_head, v_head = key("attention.key_length_mla"), key("attention.value_length_mla")
+    else:
+        qk_head, v_head = key("attention.key_length"), key("attention.value_length")
+    gating = key("expert_gating_func", 1)
+    return {
+        "q_lora_rank": q_rank,
+        "kv_lora_rank": kv_rank,
+        "qk_rope_head_dim": rope_dim,
+        "qk_nope_head_dim": qk_head - rope_dim,
+        "v_head_dim": v_head,
+        "first_k_dense_replace": key("leading_dense_block_count", len(dense)),
+        "n_shared_experts": key("expert_shared_count", 0),
+        "routed_scaling_factor": float(key("expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(key("expert_weights_norm", gating == _SIGMOID_GATING)),
+        "n_group": key("expert_group_count", 1),
+        "topk_group": key("expert_group_used_count", 1),
+        "topk_method": "group_limited_greedy" if key("expert_group_count", 1) > 1 else "greedy",
+        "rope_interleave": True,
+    }

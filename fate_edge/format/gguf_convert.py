@@ -1,0 +1,143 @@
+"""``fate-edge convert MODEL.gguf STORE``: a GGUF file → an expert store, as ``convert`` does for a model directory.
+
+The config and tokenizer come from the file's metadata (``gguf_config``, ``gguf_tokenizer``); the resident
+tensors are dequantized into the store's dtype (``gguf_tensors``; ``--resident-bits`` quantizes them as for any
+model); each routed expert is sliced out of the stacked ``blk.N.ffn_{gate,up,down}_exps`` tensors and written as
+one blob per precision. Blocks that fit the streamed precision go in with their own codes (``gguf_blocks``:
+q4_0 and q8_0 bit-exact, q4_K with fp16 scales); other types (q5_K, q6_K, ...) are dequantized by the ``gguf``
+package and quantized again by ``--method``. Written atomically like every store: nothing is left at the target
+when it fails.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from fate_edge.errors import FateEdgeError, ModelFormatError
+from fate_edge.format.checkpoint_layout import layer_names
+from fate_edge.format.checksum import crc32
+from fate_edge.format.convert import (
+    GROUP_SIZES,
+    ConvertOptions,
+    StoreSource,
+    _encode_scratch,
+    _precisions,
+    pick_group,
+    write_store,
+)
+from fate_edge.format.gguf_blocks import SOURCE_BITS, exact_into, to_quantized
+from fate_edge.format.gguf_config import hf_config
+from fate_edge.format.gguf_reader import GGUFFile
+from fate_edge.format.gguf_tensors import GGUFCheckpoint, expert_tensor
+from fate_edge.format.gguf_tokenizer import tokenizer_files
+from fate_edge.format.store import MATRICES, Precision, encode_expert
+from fate_edge.model.arch import config_from_dict
+from fate_edge.model.experts import ExpertWeights
+
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def expert_types(g: GGUFFile, layers: list[int]) -> Counter:
+    """How many stacked expert tensors of each type the file holds (over ``layers``)."""
+    return Counter(g.info(expert_tensor(layer, m)).type_name for layer in layers for m in MATRICES)
+
+
+def default_bits(types: Counter) -> int:
+    """The streamed precision a GGUF converts to unless asked: 8 for q8_0 experts, else 4."""
+    return 8 if types.most_common(1)[0][0] == "Q8_0" else 4
+
+
+def resident_dtype(g: GGUFFile) -> str:
+    """The store's float dtype: float32 for an F32 file (its embeddings in F32), else bfloat16."""
+    return "float32" if g.info("token_embd.weight").type_name == "F32" else "bfloat16"
+
+
+def convert_gguf(path: str | Path, out_dir: str | Path, opts: ConvertOptions | None = None, progress: bool = True,
+                 on_progress: Callable[[int, int], None] | None = None) -> Path:
+    """Write the expert store of the GGUF file ``path`` into ``out_dir``. ``opts.bits`` None: 8 for q8_0 experts,
+    else 4; the group is 32 (the blocks' own) for quantized experts unless ``opts.group_size`` says otherwise."""
+    path, out_dir = Path(path), Path(out_dir)
+    opts = opts or ConvertOptions(bits=None)
+    if out_dir.exists() and not opts.force:
+        raise FateEdgeError(f"{out_dir}: already exists; choose another directory or pass --force to replace it")
+    g = GGUFFile(path, drop_cache=True)
+    dtype = resident_dtype(g)
+    cfg = config_from_dict(hf_config(g, dtype), str(path))
+    tok_files = tokenizer_files(g)
+    reader = GGUFCheckpoint(g, cfg, getattr(torch, dtype))
+    names = layer_names(cfg, reader)
+    for layer in cfg.moe_layers:
+        for m in MATRICES:
+            if expert_tensor(layer, m) not in g.tensors:
+                raise ModelFormatError(f"{path}: tensor '{expert_tensor(layer, m)}' not found; fate-edge reads the "
+                                       "stacked expert tensors llama.cpp writes (re-convert an older per-expert GGUF "
+                                       "with a current llama.cpp)")
+    types = expert_types(g, cfg.moe_layers)
+    blocks = not set(types) <= set(FLOAT_TYPES)
+    if opts.bits is None:
+        opts = replace(opts, bits=default_bits(types))
+    dims = (cfg.hidden_size, cfg.moe_intermediate_size)
+    group = opts.group_size or (32 if blocks else pick_group(dims, None))
+    opts = replace(opts, group_size=group)
+    if opts.cold_bits is not None:
+        opts = replace(opts, cold_group_size=pick_group(dims, opts.cold_group_size, "--cold-group", smallest=True))
+    if opts.layout == "auto" and blocks:
+        opts = replace(opts, layout="portable")  # torch's layout holds bf16 scales: the blocks' fp16 ones would round
+    precisions = _precisions(cfg, opts)
+    if progress:
+        exact = [t for t in types if any(p.spec is not None and exact_into(t, p.spec) for p in precisions)]
+        again = [t for t in types if t not in exact and t not in FLOAT_TYPES]
+        print(f"{path.name}: experts {', '.join(f'{n} x{c}' for n, c in types.items())}; streamed int{opts.bits} "
+              f"group {group}" + (f", {'/'.join(exact)} codes taken as they are" if exact else "")
+              + (f", {'/'.join(again)} dequantized and quantized again ({opts.method})" if again else ""),
+              file=sys.stderr)
+    one = cfg.moe_layers[0] if cfg.moe_layers else None
+    expert_bytes = 0 if one is None else sum(g.info(expert_tensor(one, m)).nbytes for m in MATRICES) // cfg.num_experts
+
+    def write_aux(tmp: Path) -> None:
+        config = hf_config(g, dtype)
+        (tmp / "config.json").write_text(json.dumps(config, indent=1))
+        for name, content in tok_files.items():
+            (tmp / name).write_text(json.dumps(content, indent=1 if name != "tokenizer.json" else None,
+                                               ensure_ascii=False))
+
+    def encode(layer: int, expert: int, precs: list[Precision], method: str) -> list[tuple[memoryview, int]]:
+        return [(b, crc32(b)) for b in encode_gguf_expert(g, layer, expert, precs, method)]
+
+    source = StoreSource(path, cfg, reader, names, expert_bytes, encode, write_aux,
+                         sum(len(json.dumps(c)) for c in tok_files.values()))
+    return write_store(source, out_dir, opts, precisions, progress, on_progress)
+
+
+def encode_gguf_expert(g: GGUFFile, layer: int, expert: int, precisions: list[Precision],
+                       method: str) -> list[memoryview]:
+    """One expert's blobs, one per precision: its blocks as they are where they fit, else dequantized."""
+    raw, floats = {}, {}
+    for m in MATRICES:
+        info = g.info(expert_tensor(layer, m))
+        rows = info.shape[1]
+        raw[m] = (info.type_name, torch.from_numpy(g.read_bytes(info.name, expert, 1).reshape(rows, -1).copy()))
+    out = []
+    for p in precisions:
+        mats = {}
+        for m in MATRICES:
+            kind, data = raw[m]
+            if p.spec is not None and exact_into(kind, p.spec):
+                mats[m] = to_quantized(kind, data, p.spec)
+            else:
+                if m not in floats:
+                    floats[m] = g.dequantize(expert_tensor(layer, m), expert, 1)[0]
+                mats[m] = floats[m]
+        out.append(encode_expert(ExpertWeights(mats["gate"], mats["up"], mats["down"]), p, method,
+                                 _encode_scratch()))
+    return out
+
+
+__all__ = ["GROUP_SIZES", "SOURCE_BITS", "convert_gguf", "default_bits", "encode_gguf_expert"]

@@ -1,0 +1,195 @@
+"""A GGUF file opened for conversion: its metadata as Python values, its tensors' types, shapes and places, and
+their bytes read with ``pread`` (not through a memory map, so converting a 20 GB file keeps no 20 GB in RSS).
+
+The ``gguf`` package (llama.cpp's own reader) parses the header; this module checks the file is whole first, so a
+truncated download is named with the first tensor it cuts, and dequantizes any tensor type through that package.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fate_edge.errors import CorruptCheckpointError, ModelFormatError
+
+MAGIC = b"GGUF"
+_FIX = "re-download or re-copy the file"
+
+
+def is_gguf(path: str | Path) -> bool:
+    """A regular file that starts with the GGUF magic (the suffix alone is not trusted)."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    with path.open("rb") as f:
+        return f.read(4) == MAGIC
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    qtype: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # PyTorch's order (ggml's reversed): a stacked expert tensor is [E, N, K]
+    offset: int  # absolute file offset of the first byte
+    nbytes: int
+
+    @property
+    def type_name(self) -> str:
+        return self.qtype.name
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row (the last dimension, in blocks)."""
+        rows = 1
+        for d in self.shape[:-1]:
+            rows *= d
+        return self.nbytes // max(rows, 1)
+
+
+class GGUFFile:
+    """Name → tensor access over one GGUF file. ``drop_cache``: tell the kernel each range read will not be read
+    again (convert reads every byte once)."""
+
+    def __init__(self, path: str | Path, drop_cache: bool = False):
+        self.path = Path(path)
+        self.model_dir = self.path  # errors name the file
+        self.drop_cache = drop_cache
+        if not self.path.is_file():
+            raise ModelFormatError(f"{self.path}: not found")
+        size = self.path.stat().st_size
+        try:
+            reader = _checked_reader(self.path)
+        except ModelFormatError:
+            raise
+        except Exception as exc:  # the reader raises ValueError, struct.error, IndexError, ... on a cut header
+            raise CorruptCheckpointError(f"{self.path}: unreadable GGUF header ({type(exc).__name__}: "
+                                         f"{str(exc).splitlines()[0] if str(exc) else 'file ends early'}); "
+                                         f"{_FIX}") from exc
+        self.fields: dict[str, Any] = {}
+        for key, field in reader.fields.items():
+            if not key.startswith("GGUF."):
+                self.fields[key] = _field_value(field)
+        self.tensors: dict[str, TensorInfo] = {}
+        for t in reader.tensors:
+            shape = tuple(int(d) for d in reversed([int(x) for x in t.shape]))
+            self.tensors[t.name] = TensorInfo(t.name, t.tensor_type, shape, int(t.data_offset), int(t.n_bytes))
+        cut = [t for t in self.tensors.values() if t.offset + t.nbytes > size]
+        if cut:
+            first = min(cut, key=lambda t: t.offset)
+            missing = max(t.offset + t.nbytes for t in cut) - size
+            raise CorruptCheckpointError(f"{self.path}: truncated, tensor '{first.name}' and {len(cut) - 1} after it "
+                                         f"are cut off ({missing} bytes missing); {_FIX}")
+        del reader  # its memory map: tensor bytes are read with pread from here on
+        self._fd = os.open(self.path, os.O_RDONLY)
+
+    # ----------------------------------------------------------------- metadata
+    @property
+    def architecture(self) -> str:
+        return str(self.require("general.architecture"))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.fields.get(key, default)
+
+    def require(self, key: str) -> Any:
+        if key not in self.fields:
+            raise ModelFormatError(f"{self.path}: metadata key '{key}' is missing; the GGUF is incomplete or was "
+                                   "written for another architecture (re-convert it with llama.cpp)")
+        return self.fields[key]
+
+    def arch_key(self, suffix: str, default: Any = ...) -> Any:
+        """``{architecture}.{suffix}``; required unless ``default`` is given."""
+        key = f"{self.architecture}.{suffix}"
+        return self.require(key) if default is ... else self.fields.get(key, default)
+
+    # ------------------------------------------------------------------ tensors
+    def info(self, name: str) -> TensorInfo:
+        if name not in self.tensors:
+            raise ModelFormatError(f"{self.path}: tensor '{name}' not found; the GGUF is incomplete or does not match "
+                                   "its metadata (re-convert it with llama.cpp)")
+        return self.tensors[name]
+
+    def read_bytes(self, name: str, first_row: int = 0, rows: int | None = None) -> np.ndarray:
+        """The raw bytes of ``name`` (``rows`` rows of its first dimension from ``first_row``; all by default) as a
+        uint8 array of shape [rows, bytes per row]."""
+        t = self.info(name)
+        row_bytes = t.nbytes // t.shape[0] if len(t.shape) > 1 else t.nbytes
+        rows = (t.shape[0] if len(t.shape) > 1 else 1) - first_row if rows is None else rows
+        begin, length = t.offset + first_row * row_bytes, rows * row_bytes
+        buf = bytearray(length)
+        view, offset = memoryview(buf), begin
+        while view:
+            got = os.preadv(self._fd, [view], offset)
+            if got == 0:
+                raise CorruptCheckpointError(f"{self.path}: ended while reading tensor '{name}'; {_FIX}")
+            view, offset = view[got:], offset + got
+        if self.drop_cache and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self._fd, begin, length, os.POSIX_FADV_DONTNEED)
+        return np.frombuffer(buf, dtype=np.uint8).reshape(rows, row_bytes)
+
+    def dequantize(self, name: str, first_row: int = 0, rows: int | None = None) -> torch.Tensor:
+        """Tensor ``name`` (or rows of its first dimension) in float32, by the ``gguf`` package's dequantizers."""
+        from gguf import GGMLQuantizationType, quants
+
+        t = self.info(name)
+        raw = self.read_bytes(name, first_row, rows)
+        try:
+            if t.qtype == GGMLQuantizationType.F32:
+                out = raw.view(np.float32)
+            elif t.qtype == GGMLQuantizationType.F16:
+                out = raw.view(np.float16).astype(np.float32)
+            elif t.qtype == GGMLQuantizationType.BF16:
+                out = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+            else:
+                out = quants.dequantize(raw, t.qtype)
+        except NotImplementedError:
+            raise ModelFormatError(f"{self.path}: tensor '{name}' has quant type {t.type_name}, which the gguf "
+                                   "package cannot dequantize; re-quantize the model to q4_0, q4_K, q8_0 or another "
+                                   "type llama.cpp's gguf-py reads") from None
+        shape = (raw.shape[0], *t.shape[1:]) if len(t.shape) > 1 else t.shape
+        return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).reshape(shape)
+
+    def close(self) -> None:
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _field_value(field) -> Any:
+    """A metadata field as a Python value (a list for arrays, str for strings)."""
+    return field.contents()
+
+
+def _checked_reader(path: Path):
+    """``gguf.GGUFReader`` on ``path``, whose tensor table is checked first: a tensor of a type the package does
+    not know, or one the file is too short to hold, is named (the reader itself fails on either without a name)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+
+    class Reader(GGUFReader):
+        def _build_tensors(self, start_offs: int, fields: list) -> None:
+            size = path.stat().st_size
+            for field in fields:
+                _, name_data, _, dims, raw_dtype, offset = field.parts
+                name = bytes(name_data).decode("utf-8", errors="replace")
+                try:
+                    qtype = GGMLQuantizationType(int(raw_dtype[0]))
+                except ValueError:
+                    raise ModelFormatError(
+                        f"{path}: tensor '{name}' has quant type {int(raw_dtype[0])}, which this gguf package does "
+                        "not know; re-quantize the model to q4_0, q4_K, q8_0 or another common type, or upgrade "
+                        "the gguf package") from None
+                block, type_size = GGML_QUANT_SIZES[qtype]
+                end = start_offs + int(offset[0]) + int(np.prod(dims)) // block * type_size
+                if end > size:
+                    raise CorruptCheckpointError(f"{path}: truncated, tensor '{name}' ends at byte {end} but the "
+                                                 f"file has {size}; {_FIX}")
+            super()._build_tensors(start_offs, fields)
+
+    return Reader(str(path))
