@@ -15,7 +15,7 @@ then, each in a fresh process:
    (the order of the two stores alternating), medians.
 
 Writes the ``qwen1.5-moe-2l`` entry of docs/results/gguf.json and, with --results, the table between the
-``gguf_parity`` markers of docs/gguf.md.
+``gguf_parity`` markers of docs/results/gguf_parity.md.
 """
 
 from __future__ import annotations
@@ -217,7 +217,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--heldout-chars", type=int, default=400_000)
     ap.add_argument("--json", default=str(ROOT / "docs" / "results" / "gguf.json"))
-    ap.add_argument("--results", action="store_true", help="write the table into docs/gguf.md")
+    ap.add_argument("--results", action="store_true", help="write the table into docs/results/gguf_parity.md")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     from fate_edge.bench.gguf import ensure_ggufs
@@ -265,9 +265,9 @@ def main() -> None:
     doc = json.loads(path.read_text()) if path.exists() else {}
     doc[KEY] = res
     text = table(res)
-    from fate_edge.bench.publish import publish
+    from fate_edge.bench.publish import publish, results_file
 
-    publish(doc, path, text, ROOT / "docs" / "gguf.md" if args.results else None, "gguf_parity")
+    publish(doc, path, text, results_file("gguf_parity") if args.results else None, "gguf_parity")
 
 
 if __name__ == "__main__":

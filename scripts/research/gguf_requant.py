@@ -13,7 +13,7 @@ quantized by ``llama_model_quantize`` to q5_K_M and q6_K (and q4_0 for compariso
 - llama.cpp on the same GGUF, for scale.
 
 Writes the ``requant`` entry of docs/results/gguf.json and, with --results, the ``gguf_requant`` table of
-docs/gguf.md.
+docs/results/gguf_requant.md.
 """
 
 from __future__ import annotations
@@ -144,9 +144,9 @@ def main() -> None:
     path = Path(args.json)
     doc = json.loads(path.read_text()) if path.exists() else {}
     doc["requant"] = res
-    from fate_edge.bench.publish import publish
+    from fate_edge.bench.publish import publish, results_file
 
-    publish(doc, path, table(res), ROOT / "docs" / "gguf.md" if args.results else None, "gguf_requant")
+    publish(doc, path, table(res), results_file("gguf_requant") if args.results else None, "gguf_requant")
 
 
 if __name__ == "__main__":
