@@ -119,8 +119,9 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def locked(cache):
-    """A second daemon: API key, a queue of one, listening on a Unix socket."""
-    s = Server(cache, "--max-queue", "1", uds=str(cache / "fe.sock"), api_key="s3cret")
+    """A second daemon: API key, one request served at a time (no batching) with a queue of one, listening on a Unix
+    socket."""
+    s = Server(cache, "--max-queue", "1", "--max-batch", "1", uds=str(cache / "fe.sock"), api_key="s3cret")
     yield s
     s.stop()
 
@@ -514,3 +515,45 @@ def test_serve_and_run_refuse_a_budget_below_the_minimum(cache, monkeypatch, cap
     assert main(["run", "--memory-budget", "1KB", "x"]) == 2
     err = capsys.readouterr().err
     assert "below the minimum" in err and "raise --memory-budget to at least" in err
+
+
+# --------------------------------------------------------------------------- batching
+def test_concurrent_streams_are_batched_and_faults_stay_with_their_request(server):
+    """Streams run together; a malformed request, one over the context and a client that disconnects mid-batch each
+    end on their own, and every other stream gets the text it gets alone; /metrics shows the batch."""
+    prompts = ["def main():", "import os\n", "class Point:"]
+    body = lambda p: {"prompt": p, "max_tokens": 40, "temperature": 0, "ignore_eos": True}  # noqa: E731
+    alone = [server.http.post(COMP, json=body(p)).json()["choices"][0]["text"] for p in prompts]
+    assert server.metric("fate_edge_batch_max_size") == 8
+    texts: dict[int, str] = {}
+    seen_batch = []
+
+    def read(i: int) -> None:
+        with server.http.stream("POST", COMP, json=body(prompts[i]) | {"stream": True}) as r:
+            parts = []
+            for d in _sse(r.iter_lines()):
+                if d != "[DONE]" and d["choices"]:
+                    parts.append(d["choices"][0]["text"])
+            texts[i] = "".join(parts)
+
+    def leave() -> None:  # reads two chunks, then hangs up
+        with server.http.stream("POST", COMP, json=body("while True:") | {"stream": True, "max_tokens": 500}) as r:
+            for n, _ in enumerate(r.iter_lines()):
+                if n >= 2:
+                    break
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(3)] + [threading.Thread(target=leave)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not seen_batch:
+        if server.metric("fate_edge_batch_size") >= 2:
+            seen_batch.append(True)
+        time.sleep(0.02)
+    _assert_error_shape(server.http.post(COMP, json={"prompt": "x", "max_tokens": -3}), 400, BAD)
+    _assert_error_shape(server.http.post(COMP, json={"prompt": "x " * 3000, "max_tokens": 4}), 400,
+                        "exceed_context_size_error")
+    for t in threads:
+        t.join(timeout=120)
+    assert seen_batch and [texts[i] for i in range(3)] == alone
+    assert server.metric("fate_edge_batch_steps_total") > 0 and server.metric("fate_edge_batch_queue") == 0
