@@ -144,3 +144,52 @@ def test_max_batch_defaults():
 
     with RuntimeEngine.load(memory_budget="2MB", device="cpu", max_batch=1) as engine:
         assert engine.batcher is None and engine.max_batch == 1
+
+
+@pytest.mark.parametrize("gather_max", [256, 0])  # 0: every decode row attends alone over its view of the slab
+def test_slab_decode_rows_attend_together_and_match_alone(bundled_model, bundled_tokenizer, gather_max, monkeypatch):
+    """Decode rows whose caches share a KV slab take one masked attention per layer; a prompt joining mid-way runs
+    in the same step. Greedy tokens equal each sequence's alone, and released ranges are reused."""
+    from fate_edge.model import batch_step
+    from fate_edge.model.kv_slab import KVSlab
+
+    monkeypatch.setattr(batch_step, "GATHER_MAX", gather_max)
+
+    def alone(prompt: str, n: int) -> list[int]:
+        cache, out = bundled_model.new_cache(), []
+        logits = bundled_model(torch.tensor([bundled_tokenizer.encode(prompt)]), cache, last_only=True)[0, -1]
+        for _ in range(n):
+            out.append(int(logits.argmax()))
+            logits = bundled_model(torch.tensor([[out[-1]]]), cache)[0, -1]
+        return out
+
+    slab = KVSlab(bundled_model, 256)
+    prompts, n = PROMPTS[:4], 12
+    expected = [alone(p, n) for p in prompts]
+    segs = [Segment(bundled_tokenizer.encode(p), slab.allocate(64)) for p in prompts[:3]]
+    got: list[list[int]] = [[] for _ in prompts]
+    logits = forward_segments(bundled_model, segs)
+    live = [0, 1, 2]
+    for step in range(n + 3):
+        for j, row in zip(list(live), logits):
+            if len(got[j]) < n:
+                got[j].append(int(row.argmax()))
+        if step == 2:  # the fourth joins: its prompt in the same step as three decode rows
+            live.append(3)
+            segs.append(Segment(bundled_tokenizer.encode(prompts[3]), slab.allocate(64)))
+        for j, seg in zip(live, segs):
+            if got[j] and len(seg.ids) and seg.cache.length > len(bundled_tokenizer.encode(prompts[j])) - 1:
+                seg.ids = [got[j][-1]]
+        keep = [i for i, j in enumerate(live) if len(got[j]) < n]
+        if not keep:
+            break
+        for i in range(len(live)):
+            if i not in keep:
+                slab.release(segs[i].cache)
+        live, segs = [live[i] for i in keep], [segs[i] for i in keep]
+        logits = forward_segments(bundled_model, segs)
+    assert got == expected
+    assert slab.free_positions == 256 - 64 * len(segs)
+    for seg in segs:
+        slab.release(seg.cache)
+    assert slab.allocate(256) is not None  # released ranges merged back into one

@@ -6,8 +6,9 @@ and runs them in one pass (``model.batch_step.forward_segments``): per MoE layer
 the batch's routed experts, reads each once and the model computes each on its rows, grouped. Every sequence keeps
 its own KV cache, sampling, stop conditions and statistics (:class:`~fate_edge.runtime.generate.TokenStream`).
 
-The KV caches are inside the budget: every sequence reserves its prompt plus answer at admission, and the sum stays
-under ``kv_budget_bytes`` (the memory account's KV room). A request that cannot fit now waits; one that could never
+The KV caches are inside the budget: every sequence reserves its prompt plus answer at admission as a range of one
+KV slab of ``kv_budget_bytes`` (the memory account's KV room; ``model.kv_slab``), which also lets a step's decode
+tokens attend in one operator per layer. A request that cannot fit now waits; one that could never
 fit is refused with :class:`BudgetError`. A sequence leaves when it finishes, when its reader closes the stream, or
 when its reader stops reading for ``idle_timeout`` seconds; the others go on untouched.
 """
@@ -27,6 +28,7 @@ import torch
 
 from fate_edge.errors import BudgetError, DeviceMemoryError, EngineClosedError, StreamSupersededError
 from fate_edge.model.batch_step import Segment, forward_segments
+from fate_edge.model.kv_slab import KVSlab, SlabCache
 from fate_edge.runtime.generate import (
     PREFILL_CHUNK,
     GenerateConfig,
@@ -43,9 +45,6 @@ if TYPE_CHECKING:
     from fate_edge.model.transformer import MoETransformer
     from fate_edge.runtime.scheduler import Scheduler
     from fate_edge.tokenizer import Tokenizer
-
-_MIN_KV_POSITIONS = 64  # a layer cache's smallest allocation (model.kv_cache.LayerCache.append)
-
 
 def default_max_batch(device: str) -> int:
     """Sequences per step when none is given: 8 on a CPU (a step's cost is mostly per operator, so 8 rows cost little
@@ -79,13 +78,13 @@ class BatchStats:
 class BatchSequence:
     """One request in the batch: its prompt, KV cache, text side, statistics and its reader's queue."""
 
-    def __init__(self, seq_id: int, prompt_ids: list[int], config: GenerateConfig, out: TokenStream, cache: KVCache,
-                 kv_bytes: int):
+    def __init__(self, seq_id: int, prompt_ids: list[int], config: GenerateConfig, out: TokenStream,
+                 cache: KVCache | None, kv_bytes: int):
         self.id = seq_id
         self.prompt_ids = prompt_ids
         self.config = config
         self.out = out
-        self.cache = cache
+        self.cache = cache  # made at admission (a range of the batch's KV slab)
         self.kv_bytes = kv_bytes
         self.chunks = deque(prompt_chunks(len(prompt_ids), config.prefill_chunk))
         self.events: queue.SimpleQueue = queue.SimpleQueue()  # GenerationResponse or an exception
@@ -135,13 +134,14 @@ class Batcher:
         self._active: list[BatchSequence] = []
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._slab: KVSlab | None = None  # made at the first request
 
     # ----------------------------------------------------------------- callers
     def submit(self, prompt: str | list[int], config: GenerateConfig | None = None) -> BatchSequence:
         """Check the request (bad input raises here, in the caller's thread) and queue it to join the batch."""
         config = config or GenerateConfig()
         prompt_ids, max_tokens = prepare_prompt(self.model, self.tokenizer, prompt, config)
-        kv = self._kv_bytes(len(prompt_ids) + max_tokens)
+        kv = self.config.kv_bytes_per_token * (len(prompt_ids) + max_tokens)
         c = self.config
         if c.kv_budget_bytes and kv > c.kv_budget_bytes:
             raise BudgetError(
@@ -149,9 +149,7 @@ class Batcher:
                 f"tokens) but the budget holds {format_bytes(c.kv_budget_bytes)} for all sequences together; "
                 "lower max_tokens or shorten the prompt, or raise --context-tokens")
         out = TokenStream(self.tokenizer, prompt_ids, config, max_tokens)
-        cache = self.model.new_cache()
-        cache.capacity_hint = len(prompt_ids) + max_tokens
-        seq = BatchSequence(next(self._ids), prompt_ids, config, out, cache, kv)
+        seq = BatchSequence(next(self._ids), prompt_ids, config, out, None, kv)
         if max_tokens == 0:  # nothing to generate: answered without joining
             seq.put(out.response("", None, "length"))
             seq.done = True
@@ -203,8 +201,17 @@ class Batcher:
         self._active.clear()
 
     # ------------------------------------------------------------------ worker
-    def _kv_bytes(self, positions: int) -> int:
-        return self.config.kv_bytes_per_token * max(_MIN_KV_POSITIONS, positions)
+    def _new_cache(self, seq: BatchSequence) -> KVCache | None:
+        """``seq``'s KV cache for its prompt and answer: a range of the slab (None while none is free)."""
+        positions = len(seq.prompt_ids) + seq.out.max_tokens
+        c = self.config
+        if not (c.kv_budget_bytes and c.kv_bytes_per_token):  # no KV limit: a cache of its own
+            cache = self.model.new_cache()
+            cache.capacity_hint = positions
+            return cache
+        if self._slab is None:
+            self._slab = KVSlab(self.model, c.kv_budget_bytes // c.kv_bytes_per_token)
+        return self._slab.allocate(positions)
 
     def _loop(self) -> None:
         while True:
@@ -228,8 +235,9 @@ class Batcher:
                 self._waiting.popleft()
                 seq.done = True
                 continue
-            if self._active and c.kv_budget_bytes and self.stats.kv_reserved_bytes + seq.kv_bytes > c.kv_budget_bytes:
-                break  # waits for a sequence to leave (first come, first served)
+            seq.cache = self._new_cache(seq)
+            if seq.cache is None:
+                break  # its KV cache waits for a sequence to leave (first come, first served)
             self._waiting.popleft()
             if not self._active:  # the batch starts afresh: per-request predictor and cache state start over too
                 with self.lock:
@@ -257,6 +265,8 @@ class Batcher:
             self._active.remove(seq)
             self.stats.kv_reserved_bytes -= seq.kv_bytes
         seq.done = True
+        if isinstance(seq.cache, SlabCache):
+            seq.cache.slab.release(seq.cache)
         seq.cache = None  # its KV cache goes with it
         self.stats.active = len(self._active)
 
