@@ -75,6 +75,7 @@ def forward_segments(model: MoETransformer, segments: list[Segment]) -> torch.Te
     model.experts.begin_forward(max(lengths), sequences=len(segments))
     model.residual = None
     prune = rows > len(segments) and not any(getattr(o, "needs_every_token", True) for o in model.observers)
+    decoding = rows == len(segments)  # every row a decode token
     x = lookup(model.embed, ids)  # [N, H]
     eps = cfg.rms_norm_eps
     try:
@@ -87,7 +88,7 @@ def forward_segments(model: MoETransformer, segments: list[Segment]) -> torch.Te
             h = rms_norm(x, lp.post_norm, eps)
             if lp.router is not None:
                 model.residual = x
-                x = x + model._moe(h, i, lp)
+                x = x + model._moe(h, i, lp, decode=decoding)
             else:
                 x = x + model._mlp(h, lp.mlp, lp.down)
     finally:
