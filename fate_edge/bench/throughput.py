@@ -1,0 +1,216 @@
+"""Throughput mode: N concurrent requests served as one batch, side by side with the same requests one at a time.
+
+    python -m fate_edge.bench.throughput --model STORE --budget-fraction 0.35 --concurrency 8 \
+        --out docs/results/batching-NAME.json --publish
+
+``--publish`` rewrites the table in docs/results/batching.md from every docs/results/batching-*.json run.
+
+Both engines are loaded in one process with the same store, budget and policy: ``alone`` (max_batch 1, the
+single-sequence decode path) serves the requests one after another; ``batched`` (max_batch N) gets them from N
+threads at once. Rounds alternate which goes first; the figures are medians over rounds. Reported per mode:
+total decode tokens/s (generated tokens over the round's wall time), per-request time to first token and per-token
+latency percentiles (gaps between a request's tokens), and expert bytes read per generated token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+PROMPTS = ["def main():", "import os\nimport sys\n", "class Point:\n    def __init__(self, x", "x = ",
+           "# read the file line by line\n", "for i in range(10):", "def parse(line):", "from typing import",
+           "if __name__ ==", "while True:", "return [x for", "with open(path) as f:", "try:\n    import",
+           "print(", "async def fetch(", "@dataclass\nclass Config:"]
+
+
+@dataclass
+class ThroughputConfig:
+    model: str | None = None  # expert store or model directory (None: the bundled model)
+    budget_fraction: float = 0.35  # of every expert at the streamed precision
+    concurrency: int = 8
+    max_tokens: int = 32
+    rounds: int = 3
+    threads: int = 2
+    policy: str = "fate-edge"
+    dtype: str = "float32"
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    v = sorted(values)
+    return v[min(len(v) - 1, max(0, round(q * (len(v) - 1))))]
+
+
+def _serve(engine, prompt: str, max_tokens: int, t_submit: float, record: dict) -> None:
+    from fate_edge.runtime.generate import GenerateConfig
+
+    times = []
+    for _ in engine.stream(prompt, GenerateConfig(max_tokens=max_tokens, ignore_eos=True)):
+        times.append(time.perf_counter())
+    record["ttft"] = times[0] - t_submit
+    record["gaps"] = [b - a for a, b in zip(times, times[1:])]
+    record["tokens"] = len(times)
+
+
+def run_round(engine, prompts: list[str], max_tokens: int, concurrent: bool) -> dict:
+    """One round: every prompt served (at once, or one after another); the round's figures."""
+    s0 = engine.stats.snapshot()
+    records = [{} for _ in prompts]
+    t0 = time.perf_counter()
+    if concurrent:
+        threads = [threading.Thread(target=_serve, args=(engine, p, max_tokens, t0, r))
+                   for p, r in zip(prompts, records)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    else:
+        for p, r in zip(prompts, records):
+            _serve(engine, p, max_tokens, t0, r)  # a request's TTFT includes waiting for the ones before it
+    wall = time.perf_counter() - t0
+    s = engine.stats.minus(s0)
+    tokens = sum(r["tokens"] for r in records)
+    gaps = [g for r in records for g in r["gaps"]]
+    ttft = [r["ttft"] for r in records]
+    read = s.demand_bytes + s.prefetch_bytes + s.wasted_bytes
+    return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "ttft_p50_s": percentile(ttft, 0.5),
+            "ttft_p90_s": percentile(ttft, 0.9), "token_p50_s": percentile(gaps, 0.5),
+            "token_p90_s": percentile(gaps, 0.9), "token_p99_s": percentile(gaps, 0.99),
+            "bytes_per_token": read / max(1, tokens), "hit_rate": s.hit_rate}
+
+
+def _median(rounds: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+
+
+def run(cfg: ThroughputConfig) -> dict:
+    from fate_edge.bundled import bundled_model_dir
+    from fate_edge.format.converted_stores import ensure_store
+    from fate_edge.format.store import ExpertStore
+    from fate_edge.runtime.engine import Engine
+
+    torch.set_num_threads(cfg.threads)
+    store = ensure_store(cfg.model or bundled_model_dir(), progress=False)
+    s = ExpertStore(store)
+    budget = int(cfg.budget_fraction * s.expert_bytes(4) * len(s.index["moe_layers"]) * s.index["num_experts"])
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(cfg.concurrency)]
+    kw = dict(policy=cfg.policy, dtype=cfg.dtype, device="cpu")
+    alone = Engine(store, budget, max_batch=1, **kw)
+    batched = Engine(store, budget, max_batch=cfg.concurrency, **kw)
+    try:
+        run_round(alone, prompts[:2], 4, False)  # warm both: first-call allocations, kernels chosen
+        run_round(batched, prompts[:2], 4, True)
+        single = [run_round(alone, prompts[:1], cfg.max_tokens, False) for _ in range(cfg.rounds)]
+        results: dict[str, list[dict]] = {"alone": [], "batched": []}
+        for r in range(cfg.rounds):
+            order = [("alone", alone, False), ("batched", batched, True)]
+            for name, engine, conc in order if r % 2 == 0 else order[::-1]:
+                results[name].append(run_round(engine, prompts, cfg.max_tokens, conc))
+        b = batched.batcher.stats
+        mean_batch = b.sequences_stepped / b.steps if b.steps else 0.0
+    finally:
+        alone.close()
+        batched.close()
+    out = {"alone": _median(results["alone"]), "batched": _median(results["batched"]),
+           "single_request": _median(single), "rounds": results, "mean_batch": mean_batch}
+    a, bt, one = out["alone"], out["batched"], out["single_request"]
+    out["ratios"] = {"tok_s_batched_over_alone": bt["tok_s"] / a["tok_s"],
+                     "token_p50_batched_over_single": bt["token_p50_s"] / one["token_p50_s"],
+                     "bytes_per_token_alone_over_batched": a["bytes_per_token"] / max(1e-9, bt["bytes_per_token"])}
+    out["config"] = asdict(cfg) | {"store": str(store), "budget_bytes": budget}
+    out["host"] = host_note()
+    return out
+
+
+def host_note() -> dict:
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "load_average": list(os.getloadavg()),
+            "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
+def table_row(name: str, r: dict) -> str:
+    a, b, one, x = r["alone"], r["batched"], r["single_request"], r["ratios"]
+    c, h = r["config"], r["host"]
+    return (f"| {name} | {c['concurrency']} | {c['dtype']} | {c['budget_fraction']:.0%} | {a['tok_s']:.1f} | "
+            f"{b['tok_s']:.1f} | **{x['tok_s_batched_over_alone']:.2f}x** | {1e3 * one['token_p50_s']:.1f} | "
+            f"{1e3 * b['token_p50_s']:.1f} / {1e3 * b['token_p90_s']:.1f} / {1e3 * b['token_p99_s']:.1f} | "
+            f"**{x['token_p50_batched_over_single']:.2f}x** | {1e3 * a['ttft_p50_s']:.0f} / {1e3 * b['ttft_p50_s']:.0f}"
+            f" | {a['bytes_per_token'] / 1e3:.0f} / {b['bytes_per_token'] / 1e3:.0f} | "
+            f"**{x['bytes_per_token_alone_over_batched']:.2f}x** | {r['mean_batch']:.1f} | "
+            f"{h['load_average'][0]:.1f} |")
+
+
+def table(runs: dict[str, dict]) -> str:
+    """The side-by-side table of throughput runs (name → JSON of :func:`run`)."""
+    head = ("| model | N | dtype | budget | alone tok/s | batched tok/s | ratio | single-request p50 ms/token | "
+            "batched p50 / p90 / p99 ms/token | p50 ratio | TTFT p50 ms alone / batched | expert KB read per token "
+            "alone / batched | bytes ratio | mean batch | load avg |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    rows = [table_row(n, r) for n, r in sorted(runs.items())]
+    cpus = sorted({r["host"]["cpu"] for r in runs.values()})
+    threads = sorted({r["host"]["torch_threads"] for r in runs.values()})
+    note = (f"\n\nCPU: {', '.join(cpus)}; torch threads {', '.join(map(str, threads))}; medians of "
+            f"{', '.join(sorted({str(r['config']['rounds']) for r in runs.values()}))} interleaved rounds; load "
+            "average: the 1-minute figure when the run ended (a shared host).")
+    return "\n".join([head, *rows]) + note
+
+
+def publish_table(results_dir: Path = Path("docs/results")) -> str:
+    from fate_edge.bench.publish import replace_between_markers, results_file
+
+    runs = {p.stem.removeprefix("batching-"): json.loads(p.read_text())
+            for p in sorted(results_dir.glob("batching-*.json")) if "alone" in json.loads(p.read_text())}
+    text = table(runs)
+    replace_between_markers(results_file("batching"), "batching", text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    d = ThroughputConfig()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--budget-fraction", type=float, default=d.budget_fraction)
+    ap.add_argument("--concurrency", type=int, default=d.concurrency)
+    ap.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    ap.add_argument("--rounds", type=int, default=d.rounds)
+    ap.add_argument("--threads", type=int, default=d.threads)
+    ap.add_argument("--policy", default=d.policy)
+    ap.add_argument("--dtype", default=d.dtype)
+    ap.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    ap.add_argument("--publish", action="store_true", help="rewrite docs/results/batching.md from every run's JSON")
+    a = ap.parse_args(argv)
+    if a.concurrency < 1 or a.rounds < 1 or not 0 < a.budget_fraction <= 1:
+        ap.error("--concurrency and --rounds must be >= 1 and --budget-fraction in (0, 1]")
+    cfg = ThroughputConfig(a.model, a.budget_fraction, a.concurrency, a.max_tokens, a.rounds, a.threads, a.policy,
+                           a.dtype)
+    out = run(cfg)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(out, indent=1) + "\n")
+    r = out["ratios"]
+    print(f"batched/alone tok/s {r['tok_s_batched_over_alone']:.2f}x, p50 token latency batched/single "
+          f"{r['token_p50_batched_over_single']:.2f}x, bytes/token alone/batched "
+          f"{r['bytes_per_token_alone_over_batched']:.2f}x; load {out['host']['load_average']}")
+    if a.publish:
+        print(publish_table(a.out.parent))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
