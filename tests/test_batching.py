@@ -193,3 +193,25 @@ def test_slab_decode_rows_attend_together_and_match_alone(bundled_model, bundled
     for seg in segs:
         slab.release(seg.cache)
     assert slab.allocate(256) is not None  # released ranges merged back into one
+
+
+def test_a_decode_batch_is_served_as_decode_and_prefetches_its_union_by_demand():
+    """The scheduler treats one row per sequence as decode (not a prompt); the prefetch plan for a batch's predicted
+    scores is the union of each sequence's top-k, the experts most sequences want first."""
+    from fate_edge.runtime.policy import PRESETS
+    from fate_edge.runtime.prefetch_choice import choose
+
+    scores = torch.zeros(4, 16)
+    for row, experts in enumerate([(3, 7), (3, 9), (3, 7), (5, 9)]):  # 3: three sequences; 7 and 9: two; 5: one
+        scores[row, list(experts)] = torch.tensor([0.9, 0.8])
+    picked = [e for e, _, _ in choose(PRESETS["fate-edge"], scores, k=2, width=2)]
+    assert picked[0] == 3 and set(picked[1:3]) == {7, 9} and picked[3] == 5
+
+    with Engine.load(memory_budget="2MB", device="cpu", max_batch=2) as engine:
+        a, b = engine.stream("def f(x):", _cfg(6)), engine.stream("def g(y):", _cfg(6))  # same length: 2 rows a step
+        before = engine.stats.predictions
+        assert len(list(a)) == len(list(b)) == 6
+        assert engine.batcher.stats.peak_active == 2 and engine.batcher.stats.steps <= 7
+        # Predictions are checked in decode steps only: more than a step or two alone (before the second joined)
+        # could give, so the two-row steps counted as decode.
+        assert engine.stats.predictions - before > 3 * (len(engine.model.config.moe_layers) - 1)
