@@ -56,6 +56,9 @@ def forward_segments(model: MoETransformer, segments: list[Segment]) -> torch.Te
         raise NotImplementedError(f"batched steps do not support {why}")
     if not segments or any(not s.ids for s in segments):
         raise ValueError("a batched step needs at least one segment and one id per segment")
+    if len(segments) == 1 and len(segments[0].ids) == 1:  # one decode token: the single-sequence decode step
+        seg = segments[0]
+        return model(torch.tensor([seg.ids], device=model.device), seg.cache)[:, -1]
     cfg, dev = model.config, model.device
     plan = model.plan()
     lengths = [len(s.ids) for s in segments]
