@@ -42,6 +42,7 @@ class ThroughputConfig:
     threads: int = 2
     policy: str = "fate-edge"
     dtype: str = "float32"
+    resident_bits: int | None = None  # 4 or 8: attention, shared experts and lm_head quantized at load
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -93,7 +94,8 @@ def _median(rounds: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
 
 
-def run(cfg: ThroughputConfig) -> dict:
+def engines(cfg: ThroughputConfig, max_batch: int):
+    """(store, budget, the one-at-a-time engine, the batching engine) for ``cfg``."""
     from fate_edge.bundled import bundled_model_dir
     from fate_edge.format.converted_stores import ensure_store
     from fate_edge.format.store import ExpertStore
@@ -103,10 +105,13 @@ def run(cfg: ThroughputConfig) -> dict:
     store = ensure_store(cfg.model or bundled_model_dir(), progress=False)
     s = ExpertStore(store)
     budget = int(cfg.budget_fraction * s.expert_bytes(4) * len(s.index["moe_layers"]) * s.index["num_experts"])
+    kw = dict(policy=cfg.policy, dtype=cfg.dtype, device="cpu", resident_bits=cfg.resident_bits)
+    return store, budget, Engine(store, budget, max_batch=1, **kw), Engine(store, budget, max_batch=max_batch, **kw)
+
+
+def run(cfg: ThroughputConfig) -> dict:
+    store, budget, alone, batched = engines(cfg, cfg.concurrency)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(cfg.concurrency)]
-    kw = dict(policy=cfg.policy, dtype=cfg.dtype, device="cpu")
-    alone = Engine(store, budget, max_batch=1, **kw)
-    batched = Engine(store, budget, max_batch=cfg.concurrency, **kw)
     try:
         run_round(alone, prompts[:2], 4, False)  # warm both: first-call allocations, kernels chosen
         run_round(batched, prompts[:2], 4, True)
@@ -132,6 +137,39 @@ def run(cfg: ThroughputConfig) -> dict:
     return out
 
 
+def sweep(cfg: ThroughputConfig, batches: tuple[int, ...] = (1, 2, 4, 8)) -> dict:
+    """The planner's roofline (planning.batch_size), calibrated on one request alone, beside the batched engine
+    measured at each batch size: step time and decode tokens/s, predicted and measured."""
+    from fate_edge.planning.batch_size import choose_batch, measure_peak_flops, step_costs
+
+    store, budget, alone, batched = engines(cfg, max(batches))
+    try:
+        run_round(alone, PROMPTS[:1], 4, False)
+        run_round(batched, PROMPTS[:2], 4, True)
+        single, rounds = [], {b: [] for b in batches}
+        for _ in range(cfg.rounds):  # interleaved: the calibration run and every batch size in each round
+            single.append(run_round(alone, PROMPTS[:1], cfg.max_tokens, False))
+            for b in batches:
+                rounds[b].append(run_round(batched, [PROMPTS[i % len(PROMPTS)] for i in range(b)], cfg.max_tokens,
+                                           True))
+        step_s = statistics.median(r["token_p50_s"] for r in single)
+        costs = step_costs(alone, step_s, alone.token_stats, measure_peak_flops())
+        chosen, preds = choose_batch(costs, max(batches))
+        measured = {b: _median(rounds[b]) for b in batches}
+    finally:
+        alone.close()
+        batched.close()
+    rows = []
+    for b in batches:
+        p, m = preds[b - 1], measured[b]
+        rows.append({"batch": b, "predicted_step_s": p.step_s, "measured_step_p50_s": m["token_p50_s"],
+                     "predicted_decode_tok_s": p.tokens_per_s, "measured_decode_tok_s": b / m["token_p50_s"],
+                     "predicted_union": p.union, "predicted_reads": p.reads, "bound": p.bound, "terms_s": p.terms,
+                     "measured_bytes_per_token": m["bytes_per_token"]})
+    return {"rows": rows, "chosen_batch": chosen, "costs": asdict(costs) | {"experts_per_layer": None, "cached": None},
+            "config": asdict(cfg) | {"store": str(store), "budget_bytes": budget}, "host": host_note()}
+
+
 def host_note() -> dict:
     cpu = platform.processor() or ""
     try:
@@ -148,7 +186,8 @@ def host_note() -> dict:
 def table_row(name: str, r: dict) -> str:
     a, b, one, x = r["alone"], r["batched"], r["single_request"], r["ratios"]
     c, h = r["config"], r["host"]
-    return (f"| {name} | {c['concurrency']} | {c['dtype']} | {c['budget_fraction']:.0%} | {a['tok_s']:.1f} | "
+    dtype = c["dtype"] + (f", int{c['resident_bits']} resident" if c.get("resident_bits") else "")
+    return (f"| {name} | {c['concurrency']} | {dtype} | {c['budget_fraction']:.0%} | {a['tok_s']:.1f} | "
             f"{b['tok_s']:.1f} | **{x['tok_s_batched_over_alone']:.2f}x** | {1e3 * one['token_p50_s']:.1f} | "
             f"{1e3 * b['token_p50_s']:.1f} / {1e3 * b['token_p90_s']:.1f} / {1e3 * b['token_p99_s']:.1f} | "
             f"**{x['token_p50_batched_over_single']:.2f}x** | {1e3 * a['ttft_p50_s']:.0f} / {1e3 * b['ttft_p50_s']:.0f}"
@@ -193,13 +232,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=d.threads)
     ap.add_argument("--policy", default=d.policy)
     ap.add_argument("--dtype", default=d.dtype)
+    ap.add_argument("--resident-bits", type=int, choices=[4, 8], default=None,
+                    help="quantize the resident linears (on a CPU without native bf16, a dense bf16 GEMM of 8 rows "
+                         "costs 8 of one row: the int4 kernel's does not)")
     ap.add_argument("--out", type=Path, required=True, help="JSON file to write")
     ap.add_argument("--publish", action="store_true", help="rewrite docs/results/batching.md from every run's JSON")
+    ap.add_argument("--sweep", action="store_true",
+                    help="the planner's batch-size roofline beside measurements at batch 1, 2, 4 and 8")
     a = ap.parse_args(argv)
     if a.concurrency < 1 or a.rounds < 1 or not 0 < a.budget_fraction <= 1:
         ap.error("--concurrency and --rounds must be >= 1 and --budget-fraction in (0, 1]")
     cfg = ThroughputConfig(a.model, a.budget_fraction, a.concurrency, a.max_tokens, a.rounds, a.threads, a.policy,
-                           a.dtype)
+                           a.dtype, a.resident_bits)
+    if a.sweep:
+        out = sweep(cfg)
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(out, indent=1) + "\n")
+        for r in out["rows"]:
+            print(f"batch {r['batch']}: step {1e3 * r['predicted_step_s']:.1f} ms predicted, "
+                  f"{1e3 * r['measured_step_p50_s']:.1f} measured; decode {r['predicted_decode_tok_s']:.1f} tok/s "
+                  f"predicted, {r['measured_decode_tok_s']:.1f} measured ({r['bound']})")
+        print(f"chosen batch: {out['chosen_batch']}; load {out['host']['load_average']}")
+        return 0
     out = run(cfg)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=1) + "\n")
