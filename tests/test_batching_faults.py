@@ -95,3 +95,14 @@ def test_a_failed_read_fails_the_step_and_the_batch_goes_on(engines, expected):
         fetch.fault_injector = old
     assert batched.batcher.stats.active == 0 and batched.batcher.stats.kv_reserved_bytes == 0
     assert [_read(batched.stream(p, _cfg(24))) for p in PROMPTS] == expected  # nothing left behind
+
+
+def test_a_failure_of_the_batch_worker_reaches_every_reader():
+    with Engine.load(memory_budget="2MB", device="cpu", max_batch=2) as engine:
+        def broken(*a):
+            raise RuntimeError("worker bug")
+
+        engine.batcher._admit = broken
+        stream = engine.stream("def f():", _cfg(4))
+        with pytest.raises(RuntimeError, match="worker bug"):  # not a reader left waiting forever
+            next(stream)

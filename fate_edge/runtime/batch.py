@@ -16,6 +16,7 @@ when its reader stops reading for ``idle_timeout`` seconds; the others go on unt
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -214,6 +215,18 @@ class Batcher:
         return self._slab.allocate(positions)
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # a bug here must not leave readers waiting forever: each gets the error
+            with self._cv:
+                self._closed = True
+                for seq in [*self._waiting, *self._active]:
+                    seq.put(exc)
+                    self._leave(seq)
+                self._waiting.clear()
+            logging.getLogger(__name__).error("the batch worker stopped: %s", exc, exc_info=exc)
+
+    def _serve(self) -> None:
         while True:
             with self._cv:
                 while not self._closed and not self._active and not self._waiting:
