@@ -221,6 +221,29 @@ def publish_table(results_dir: Path = Path("docs/results")) -> str:
     return text
 
 
+def sweep_table(runs: dict[str, dict]) -> str:
+    """Prediction beside measurement per batch size, for each ``--sweep`` run (name → JSON of :func:`sweep`)."""
+    lines = ["| model | batch | step ms predicted | step ms measured (p50) | decode tok/s predicted | decode tok/s "
+             "measured | bound (predicted) | chosen batch | load avg |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in sorted(runs.items()):
+        for row in r["rows"]:
+            lines.append(f"| {name} | {row['batch']} | {1e3 * row['predicted_step_s']:.1f} | "
+                         f"{1e3 * row['measured_step_p50_s']:.1f} | {row['predicted_decode_tok_s']:.1f} | "
+                         f"{row['measured_decode_tok_s']:.1f} | {row['bound']} | {r['chosen_batch']} | "
+                         f"{r['host']['load_average'][0]:.1f} |")
+    return "\n".join(lines)
+
+
+def publish_sweep_table(results_dir: Path = Path("docs/results")) -> str:
+    from fate_edge.bench.publish import replace_between_markers, results_file
+
+    runs = {p.stem.removeprefix("batching-sweep-"): json.loads(p.read_text())
+            for p in sorted(results_dir.glob("batching-sweep-*.json"))}
+    text = sweep_table(runs)
+    replace_between_markers(results_file("batching-sweep"), "batching-sweep", text)
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     d = ThroughputConfig()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -253,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{1e3 * r['measured_step_p50_s']:.1f} measured; decode {r['predicted_decode_tok_s']:.1f} tok/s "
                   f"predicted, {r['measured_decode_tok_s']:.1f} measured ({r['bound']})")
         print(f"chosen batch: {out['chosen_batch']}; load {out['host']['load_average']}")
+        if a.publish:
+            print(publish_sweep_table(a.out.parent))
         return 0
     out = run(cfg)
     a.out.parent.mkdir(parents=True, exist_ok=True)
