@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from fate_edge.bench.throughput import ThroughputConfig, percentile, publish_table, run
+from fate_edge.bench.throughput import ThroughputConfig, percentile, run
+from fate_edge.bench.throughput_report import publish_table
 
 
 def test_percentile_picks_ranks():

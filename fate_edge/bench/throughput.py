@@ -3,7 +3,8 @@
     python -m fate_edge.bench.throughput --model STORE --budget-fraction 0.35 --concurrency 8 \
         --out docs/results/batching-NAME.json --publish
 
-``--publish`` rewrites the table in docs/results/batching.md from every docs/results/batching-*.json run.
+``--publish`` rewrites the table in docs/results/batching.md from every docs/results/batching-*.json run
+(``throughput_report``).
 
 Both engines are loaded in one process with the same store, budget and policy: ``alone`` (max_batch 1, the
 single-sequence decode path) serves the requests one after another; ``batched`` (max_batch N) gets them from N
@@ -183,67 +184,6 @@ def host_note() -> dict:
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
-def table_row(name: str, r: dict) -> str:
-    a, b, one, x = r["alone"], r["batched"], r["single_request"], r["ratios"]
-    c, h = r["config"], r["host"]
-    dtype = c["dtype"] + (f", int{c['resident_bits']} resident" if c.get("resident_bits") else "")
-    return (f"| {name} | {c['concurrency']} | {dtype} | {c['budget_fraction']:.0%} | {a['tok_s']:.1f} | "
-            f"{b['tok_s']:.1f} | **{x['tok_s_batched_over_alone']:.2f}x** | {1e3 * one['token_p50_s']:.1f} | "
-            f"{1e3 * b['token_p50_s']:.1f} / {1e3 * b['token_p90_s']:.1f} / {1e3 * b['token_p99_s']:.1f} | "
-            f"**{x['token_p50_batched_over_single']:.2f}x** | {1e3 * a['ttft_p50_s']:.0f} / {1e3 * b['ttft_p50_s']:.0f}"
-            f" | {a['bytes_per_token'] / 1e3:.0f} / {b['bytes_per_token'] / 1e3:.0f} | "
-            f"**{x['bytes_per_token_alone_over_batched']:.2f}x** | {r['mean_batch']:.1f} | "
-            f"{h['load_average'][0]:.1f} |")
-
-
-def table(runs: dict[str, dict]) -> str:
-    """The side-by-side table of throughput runs (name → JSON of :func:`run`)."""
-    head = ("| model | N | dtype | budget | alone tok/s | batched tok/s | ratio | single-request p50 ms/token | "
-            "batched p50 / p90 / p99 ms/token | p50 ratio | TTFT p50 ms alone / batched | expert KB read per token "
-            "alone / batched | bytes ratio | mean batch | load avg |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    rows = [table_row(n, r) for n, r in sorted(runs.items())]
-    cpus = sorted({r["host"]["cpu"] for r in runs.values()})
-    threads = sorted({r["host"]["torch_threads"] for r in runs.values()})
-    note = (f"\n\nCPU: {', '.join(cpus)}; torch threads {', '.join(map(str, threads))}; medians of "
-            f"{', '.join(sorted({str(r['config']['rounds']) for r in runs.values()}))} interleaved rounds; load "
-            "average: the 1-minute figure when the run ended (a shared host).")
-    return "\n".join([head, *rows]) + note
-
-
-def publish_table(results_dir: Path = Path("docs/results")) -> str:
-    from fate_edge.bench.publish import replace_between_markers, results_file
-
-    runs = {p.stem.removeprefix("batching-"): json.loads(p.read_text())
-            for p in sorted(results_dir.glob("batching-*.json")) if "alone" in json.loads(p.read_text())}
-    text = table(runs)
-    replace_between_markers(results_file("batching"), "batching", text)
-    return text
-
-
-def sweep_table(runs: dict[str, dict]) -> str:
-    """Prediction beside measurement per batch size, for each ``--sweep`` run (name → JSON of :func:`sweep`)."""
-    lines = ["| model | batch | step ms predicted | step ms measured (p50) | decode tok/s predicted | decode tok/s "
-             "measured | bound (predicted) | chosen batch | load avg |", "|---|---|---|---|---|---|---|---|---|"]
-    for name, r in sorted(runs.items()):
-        for row in r["rows"]:
-            lines.append(f"| {name} | {row['batch']} | {1e3 * row['predicted_step_s']:.1f} | "
-                         f"{1e3 * row['measured_step_p50_s']:.1f} | {row['predicted_decode_tok_s']:.1f} | "
-                         f"{row['measured_decode_tok_s']:.1f} | {row['bound']} | {r['chosen_batch']} | "
-                         f"{r['host']['load_average'][0]:.1f} |")
-    return "\n".join(lines)
-
-
-def publish_sweep_table(results_dir: Path = Path("docs/results")) -> str:
-    from fate_edge.bench.publish import replace_between_markers, results_file
-
-    runs = {p.stem.removeprefix("batching-sweep-"): json.loads(p.read_text())
-            for p in sorted(results_dir.glob("batching-sweep-*.json"))}
-    text = sweep_table(runs)
-    replace_between_markers(results_file("batching-sweep"), "batching-sweep", text)
-    return text
-
-
 def main(argv: list[str] | None = None) -> int:
     d = ThroughputConfig()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -277,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"predicted, {r['measured_decode_tok_s']:.1f} measured ({r['bound']})")
         print(f"chosen batch: {out['chosen_batch']}; load {out['host']['load_average']}")
         if a.publish:
+            from fate_edge.bench.throughput_report import publish_sweep_table
+
             print(publish_sweep_table(a.out.parent))
         return 0
     out = run(cfg)
@@ -287,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{r['token_p50_batched_over_single']:.2f}x, bytes/token alone/batched "
           f"{r['bytes_per_token_alone_over_batched']:.2f}x; load {out['host']['load_average']}")
     if a.publish:
+        from fate_edge.bench.throughput_report import publish_table
+
         print(publish_table(a.out.parent))
     return 0
 
