@@ -7,9 +7,12 @@
         done = generate(engine, "def main():", max_tokens=32, temperature=0.7, seed=1)
         print(done.text, done.finish_reason, done.stats.hit_rate)
 
-Every helper is safe to call from several threads at once: the engine serves one request at a time
-(its lock is held from the first token to the last), so concurrent requests are serialized, never
-interleaved, and a seeded request gives the same text whatever else runs.
+Every helper is safe to call from several threads at once. ``Engine.load`` batches concurrent requests
+(``max_batch``, by default 8 on a CPU and 16 on a GPU): they run together, one forward per step over every
+active sequence, each with its own KV cache, sampling and stops, and each stream yields its own tokens. A
+seeded request gives the same text whatever else runs (greedy text at fp32 is the same alone or batched;
+docs/batching.md states how often batching changes a token at bf16 and int4). With ``max_batch=1`` requests
+are served one at a time.
 """
 
 from __future__ import annotations
@@ -63,8 +66,8 @@ def stream(engine: Engine, prompt: str | list[int], config: GenerateConfig | Non
            **kw: Any) -> Iterator[GenerationResponse]:
     """Yield one :class:`GenerationResponse` per generated token (keywords as :func:`generate_config`).
 
-    Stop iterating (or call ``.close()`` on the iterator) to cancel: the engine is free for the next
-    request as soon as the iterator is closed.
+    Stop iterating (or call ``.close()`` on the iterator) to cancel: the request leaves the batch before the
+    next step (or, unbatched, the engine is free for the next request), and the others go on.
     """
     steps = engine.stream(prompt, _config(config, kw))
     try:

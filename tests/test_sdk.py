@@ -89,7 +89,7 @@ def test_prompt_longer_than_the_context_is_a_clear_error(engine):
 
 
 @pytest.mark.slow
-def test_threads_are_serialized_and_each_gets_its_own_answer(engine):
+def test_concurrent_threads_each_get_their_own_answer(engine):
     alone = {(p, s): generate(engine, p, **_kw(s)) for p, s in REQUESTS}
     results: dict[tuple[int, int], Completion] = {}
     errors = []
@@ -115,10 +115,12 @@ def test_threads_are_serialized_and_each_gets_its_own_answer(engine):
         ref = alone[REQUESTS[i]]
         assert done.text == ref.text, (t, i)
         assert done.completion_tokens == ref.completion_tokens
-        if (i + t) % 2 == 0:  # sdk.generate captures this request's stats while it holds the engine
+        if (i + t) % 2 == 0:  # sdk.generate captures this request's stats while it is served
             prefill_max = len(engine.model.config.moe_layers) * engine.model.config.num_experts
-            assert per_token * (done.completion_tokens - 1) < done.stats.uses
-            assert done.stats.uses <= per_token * (done.completion_tokens - 1) + prefill_max
+            # Batched (Engine.load's default), a request's figures are its share of the steps it shared: the
+            # experts a step reads once serve every sequence in it, so a share is below one request's alone.
+            assert engine.max_batch > 1 and 0 < done.stats.uses
+            assert done.stats.uses <= per_token * done.completion_tokens + prefill_max
 
 
 def test_closing_a_stream_frees_the_engine(engine):

@@ -119,8 +119,9 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def locked(cache):
-    """A second daemon: API key, a queue of one, listening on a Unix socket."""
-    s = Server(cache, "--max-queue", "1", uds=str(cache / "fe.sock"), api_key="s3cret")
+    """A second daemon: API key, one request served at a time (no batching) with a queue of one, listening on a Unix
+    socket."""
+    s = Server(cache, "--max-queue", "1", "--max-batch", "1", uds=str(cache / "fe.sock"), api_key="s3cret")
     yield s
     s.stop()
 
@@ -517,3 +518,83 @@ def test_serve_and_run_refuse_a_budget_below_the_minimum(cache, monkeypatch, cap
     assert main(["run", "--memory-budget", "1KB", "x"]) == 2
     err = capsys.readouterr().err
     assert "below the minimum" in err and "raise --memory-budget to at least" in err
+
+
+# --------------------------------------------------------------------------- batching
+def test_concurrent_streams_are_batched_and_faults_stay_with_their_request(server):
+    """Streams run together; a malformed request, one over the context and a client that disconnects mid-batch each
+    end on their own, and every other stream gets the text it gets alone; /metrics shows the batch."""
+    prompts = ["def main():", "import os\n", "class Point:"]
+    body = lambda p: {"prompt": p, "max_tokens": 40, "temperature": 0, "ignore_eos": True}  # noqa: E731
+    alone = [server.http.post(COMP, json=body(p)).json()["choices"][0]["text"] for p in prompts]
+    assert server.metric("fate_edge_batch_max_size") == 8
+    texts: dict[int, str] = {}
+    seen_batch = []
+
+    def read(i: int) -> None:
+        with server.http.stream("POST", COMP, json=body(prompts[i]) | {"stream": True}) as r:
+            parts = []
+            for d in _sse(r.iter_lines()):
+                if d != "[DONE]" and d["choices"]:
+                    parts.append(d["choices"][0]["text"])
+            texts[i] = "".join(parts)
+
+    def leave() -> None:  # reads two chunks, then hangs up
+        with server.http.stream("POST", COMP, json=body("while True:") | {"stream": True, "max_tokens": 500}) as r:
+            for n, _ in enumerate(r.iter_lines()):
+                if n >= 2:
+                    break
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(3)] + [threading.Thread(target=leave)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not seen_batch:
+        if server.metric("fate_edge_batch_size") >= 2:
+            seen_batch.append(True)
+        time.sleep(0.02)
+    _assert_error_shape(server.http.post(COMP, json={"prompt": "x", "max_tokens": -3}), 400, BAD)
+    _assert_error_shape(server.http.post(COMP, json={"prompt": "x " * 3000, "max_tokens": 4}), 400,
+                        "exceed_context_size_error")
+    for t in threads:
+        t.join(timeout=120)
+    assert seen_batch and [texts[i] for i in range(3)] == alone
+    assert server.metric("fate_edge_batch_steps_total") > 0 and server.metric("fate_edge_batch_queue") == 0
+
+
+def test_load_with_batching_has_no_failures_and_flat_rss(server):
+    """Three waves of 24 requests, 8 at a time (some streamed, some malformed, some abandoned mid-stream): every good
+    request answers 200 with its tokens, every malformed one 400, and the daemon's RSS after the third wave is where
+    the first left it (the batch's KV slab and buffers are reused, nothing accumulates per request)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int) -> str:
+        kind = i % 6
+        if kind == 5:  # malformed
+            r = server.http.post(COMP, json={"prompt": "x", "max_tokens": "many"})
+            return "400" if r.status_code == 400 else f"bad {r.status_code}"
+        body = {"prompt": f"def f{i}(x):", "max_tokens": 12, "temperature": 0.7, "seed": i, "ignore_eos": True}
+        if kind == 4:  # abandoned after a few chunks
+            with server.http.stream("POST", COMP, json=body | {"stream": True}) as r:
+                for n, _ in enumerate(r.iter_lines()):
+                    if n >= 3:
+                        break
+            return "left"
+        r = server.http.post(COMP, json=body | {"stream": kind == 3}) if kind != 3 else None
+        if r is None:
+            with server.http.stream("POST", COMP, json=body | {"stream": True}) as s:
+                events = _sse(s.iter_lines())
+            return "200" if events[-1] == "[DONE]" else "bad stream"
+        return "200" if r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 12 else f"bad {r.text}"
+
+    rss = []
+    for wave in range(3):
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(one, range(24 * wave, 24 * wave + 24)))
+        assert not [r for r in results if r.startswith("bad")], results
+        deadline = time.monotonic() + 30
+        while server.metric("fate_edge_batch_size") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        rss.append(server.metric("fate_edge_rss_bytes"))
+    assert server.metric("fate_edge_batch_kv_reserved_bytes") == 0
+    assert rss[2] - rss[0] < 16e6, rss  # flat: no growth per request

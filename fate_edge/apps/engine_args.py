@@ -45,6 +45,9 @@ class EngineOptions:
     embedding_bits: int | None = None  # hold the embedding table in 8 or 4 bits; None keeps the model's dtype
     context_tokens: int = defaults.CONTEXT_TOKENS  # prompt + answer the memory account reserves room for
     device_profile: str | None = None  # the device this runs on (fate-edge takes its preset); None: detected
+    # Sequences served together (runtime.batch); 0: the machine's default; None: the command's (serve batches at the
+    # machine's default, run/chat/demo serve one request)
+    max_batch: int | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **override) -> EngineOptions:
@@ -140,10 +143,11 @@ def print_account(store: str | Path, opts: EngineOptions, log: TextIO) -> None:
 
 
 def open_engine(opts: EngineOptions, log: TextIO | None = None, progress: bool = True,
-                account: TextIO | None = None) -> Engine:
+                account: TextIO | None = None, max_batch: int = 1) -> Engine:
     """Build the engine ``opts`` describes. ``--policy auto`` runs the planner first and reports its probes,
     its pick and the decode speed it predicts on ``log`` (default stderr); ``account``: where to print the memory
-    account before loading (``run`` and ``serve``: stderr)."""
+    account before loading (``run`` and ``serve``: stderr); ``max_batch``: the command's default when ``opts``
+    gives none."""
     from fate_edge.format.checkpoint_layout import DTYPES
     from fate_edge.runtime.budget import parse_bytes
     from fate_edge.runtime.engine import Engine
@@ -174,6 +178,7 @@ def open_engine(opts: EngineOptions, log: TextIO | None = None, progress: bool =
         print_account(store, opts, account)
     engine = Engine(store, opts.memory_budget, policy, dtype=opts.dtype, link=link, device=opts.device,
                     verify=opts.verify, resident_bits=opts.resident_bits, embedding_bits=opts.embedding_bits,
-                    context_tokens=opts.context_tokens)
+                    context_tokens=opts.context_tokens,
+                    max_batch=max_batch if opts.max_batch is None else opts.max_batch)
     engine.planned = planned
     return engine

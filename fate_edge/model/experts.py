@@ -152,9 +152,10 @@ class ExpertProvider(ABC):
     def end_layer(self, layer: int) -> None:  # noqa: B027 (optional hook, nothing to release by default)
         """The MoE block has computed every expert of ``layer``."""
 
-    def begin_forward(self, tokens: int) -> None:  # noqa: B027 (optional hook)
+    def begin_forward(self, tokens: int, sequences: int = 1) -> None:  # noqa: B027 (optional hook)
         """A forward pass over ``tokens`` new positions per sequence starts: a prompt when more than one, even
-        where a layer then routes fewer rows (the last layer of a prompt asked for its last logits only)."""
+        where a layer then routes fewer rows (the last layer of a prompt asked for its last logits only).
+        ``sequences``: how many sequences the pass carries (a batched decode step routes one row per sequence)."""
 
 
 class InMemoryExpertProvider(ExpertProvider):

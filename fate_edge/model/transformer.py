@@ -20,7 +20,7 @@ from fate_edge.model.arch.base import ModelConfig
 from fate_edge.model.decoding_model import RoutingObserver
 from fate_edge.model.dispatch import group_by_expert
 from fate_edge.model.embedding import embedding_table, lookup
-from fate_edge.model.experts import ExpertProvider, InMemoryExpertProvider
+from fate_edge.model.experts import ExpertProvider, InMemoryExpertProvider, QuantizedExpert
 from fate_edge.model.kv_cache import KVCache
 from fate_edge.model.layer import Fused, LayerPlan, Weights, apply_linear, build_head, build_plan, mlp_forward, rms_norm
 from fate_edge.model.rope import RotaryEmbedding, apply_rope, yarn_softmax_scale
@@ -269,14 +269,20 @@ class MoETransformer:
         logits = F.linear(h if h.dtype == lp.router.dtype else h.to(lp.router.dtype), lp.router)
         return route(self.config, logits, lp.correction_bias)
 
-    def _moe(self, x: torch.Tensor, layer: int, lp: LayerPlan) -> torch.Tensor:
+    def _moe(self, x: torch.Tensor, layer: int, lp: LayerPlan, decode: bool = False) -> torch.Tensor:
+        """``decode``: every row is one sequence's next token (a batched decode step, model.batch_step)."""
         h = x  # [N, H]
         weights, idx = self.route(layer, h)  # [N, k]
         for obs in self.observers:
             obs(layer, h, idx, weights)
         # The shared expert first, while the reads the observers just issued arrive; added last, as it always was.
         shared = self._mlp(h, lp.mlp, lp.down) if lp.mlp is not None and lp.down is not None else None
-        out = self._routed_one(h, layer, idx, weights) if h.shape[0] == 1 else self._routed(h, layer, idx, weights)
+        if h.shape[0] == 1:
+            out = self._routed_one(h, layer, idx, weights)
+        elif decode:
+            out = self._routed(h, layer, idx, weights, decode=True)
+        else:
+            out = self._routed(h, layer, idx, weights)
         return out if shared is None else out + shared
 
     def _routed_one(self, h: torch.Tensor, layer: int, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -293,17 +299,25 @@ class MoETransformer:
             out = y if out is None else out + y
         return torch.zeros_like(h) if out is None else out
 
-    def _routed(self, h: torch.Tensor, layer: int, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _routed(self, h: torch.Tensor, layer: int, idx: torch.Tensor, weights: torch.Tensor,
+                decode: bool = False) -> torch.Tensor:
         """Several tokens: one stable sort of the (token, expert) pairs by expert, one gather of the inputs, each
-        expert on its contiguous slice, one scaled ``index_add_`` (no per-expert mask, nonzero or scatter)."""
+        expert on its contiguous slice, one scaled ``index_add_`` (no per-expert mask, nonzero or scatter).
+        ``decode`` (a batched decode step): int4 experts take one bf16 copy of the rows, as the one-token decode
+        step gives them (decode_step.add_experts), not a cast per matmul."""
         g = group_by_expert(idx)
         hs = h.index_select(0, g.tokens)  # [N*k, H], rows grouped by expert id
+        hb = None
         ys = torch.empty_like(hs)
         starts = dict(zip(g.ids, g.starts))
         for e, expert in self.experts.stream(layer, g.by_popularity()):  # any order (cache hits first, then reads)
             s = slice(starts[e], starts[e] + g.counts[e])
             if expert is None:  # skipped by precision-on-miss (opt-in): its rows add zero
                 ys[s] = 0
+            elif decode and isinstance(expert, QuantizedExpert) and expert.takes_bf16:
+                if hb is None:
+                    hb = hs.to(torch.bfloat16)
+                ys[s] = expert.forward_bf16(hb[s])
             else:
                 ys[s] = expert(hs[s])
         self.experts.end_layer(layer)

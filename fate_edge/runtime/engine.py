@@ -28,12 +28,13 @@ from fate_edge.fetch.transfer import make_copier
 from fate_edge.format.checkpoint_layout import DTYPES
 from fate_edge.format.store import ExpertStore, decode_expert, is_store
 from fate_edge.model.experts import ExpertProvider
+from fate_edge.runtime.batch import BatchConfig, Batcher, default_max_batch
 from fate_edge.runtime.budget import BudgetPlan, memory_shortfall, parse_bytes, plan_budget
 from fate_edge.runtime.cache import ExpertCache
 from fate_edge.runtime.cache.factory import Resident, build_cache, layer_slots, pick_resident
 from fate_edge.runtime.generate import GenerateConfig, GenerationResponse, stream_generate
 from fate_edge.runtime.loader import load_model
-from fate_edge.runtime.memory_account import available_memory_bytes, memory_account, shortfall
+from fate_edge.runtime.memory_account import available_memory_bytes, kv_bytes_per_token, memory_account, shortfall
 from fate_edge.runtime.policy import PolicyConfig, for_model, get_policy
 from fate_edge.runtime.preload import LoadReport, first_used, global_choice, preload, preload_choice
 from fate_edge.runtime.request_slot import RequestSlot
@@ -112,6 +113,7 @@ class Engine:
         resident_bits: int | None = None,  # 8 or 4: attention, dense MLPs, shared experts and lm_head quantized
         context_tokens: int = defaults.CONTEXT_TOKENS,  # prompt + answer the memory account reserves room for
         embedding_bits: int | None = None,  # 8 or 4: the embedding table held quantized (fate_edge.model.embedding)
+        max_batch: int = 1,  # >1: concurrent streams run as one batch (runtime.batch); 0: the machine's default
     ):
         if policy == "auto":  # the planner is a layer above this one: fate_edge.Engine asks it first
             raise FateEdgeError("policy 'auto' is chosen by the planner: construct fate_edge.Engine "
@@ -170,7 +172,40 @@ class Engine:
             pool.add_spares(min(self.cache.free_entries(pool.size), uncached))
         self.token_stats: list[SchedulerStats] = []  # per generated token of the last request
         self.prefill_stats = SchedulerStats()
-        self.request_stats = SchedulerStats()
+        self._request_stats = SchedulerStats()
+        self._local = threading.local()  # a batched stream's own statistics, per reading thread
+        self.batcher = self._make_batcher(max_batch, context_tokens)
+
+    def _make_batcher(self, max_batch: int, context_tokens: int) -> Batcher | None:
+        """Continuous batching for ``max_batch`` > 1 (0: :func:`default_max_batch`). Not for a replayed trace
+        (the oracle follows one request's recorded calls) nor a model the batched step does not cover."""
+        from fate_edge.model.batch_step import supported
+
+        if max_batch < 0:
+            raise FateEdgeError(f"max_batch must be >= 0 (0: the machine's default), got {max_batch}")
+        max_batch = max_batch or default_max_batch(self.device)
+        if max_batch == 1 or self.trace is not None or supported(self.model) is not None:
+            return None
+        per_token = kv_bytes_per_token(self.model.config, self.dtype)
+        return Batcher(self.model, self.tokenizer, self.scheduler, self._lock,
+                       BatchConfig(max_batch, self.account.kv_cache, per_token,
+                                   idle_timeout=self.stream_idle_timeout))
+
+    @property
+    def max_batch(self) -> int:
+        """Sequences one step may carry (1: requests are served one at a time)."""
+        return self.batcher.config.max_batch if self.batcher is not None else 1
+
+    @property
+    def request_stats(self) -> SchedulerStats:
+        """The statistics of the request being read on this thread (a batched stream's share of its steps), else
+        of the last request served alone."""
+        own = getattr(self._local, "stats", None)
+        return own if own is not None else self._request_stats
+
+    @request_stats.setter
+    def request_stats(self, stats: SchedulerStats) -> None:
+        self._request_stats = stats
 
     # ------------------------------------------------------------------ setup
     def _check_account(self) -> None:
@@ -320,15 +355,37 @@ class Engine:
         dtype: str | torch.dtype = defaults.DTYPE,
         **kw,
     ) -> Engine:
-        """Open a model directory or expert store (default: the bundled model), converting it to a store once."""
+        """Open a model directory or expert store (default: the bundled model), converting it to a store once.
+        Concurrent requests are batched (``max_batch``: 0, the machine's default, unless given)."""
         from fate_edge.bundled import bundled_model_dir
         from fate_edge.format.converted_stores import ensure_store
 
         store = ensure_store(path or bundled_model_dir(), progress=False)
+        kw.setdefault("max_batch", 0)  # the SDK's engine batches concurrent requests (the machine's default size)
         return cls(store, memory_budget, policy, dtype=dtype, device=device, **kw)
 
     # ------------------------------------------------------------- generation
     def stream(self, prompt: str | list[int], config: GenerateConfig | None = None) -> Iterator[GenerationResponse]:
+        """Yield one response per generated token. With ``max_batch`` > 1, streams from any thread are served
+        together (runtime.batch), each with its own KV cache, sampling and stops; closing one removes only its
+        sequence. Bad input raises before the first token."""
+        if self.batcher is None:
+            return self._stream_alone(prompt, config)
+        seq = self.batcher.submit(prompt, config)
+        return self._batched(seq)
+
+    def _batched(self, seq) -> Iterator[GenerationResponse]:
+        batcher = self.batcher
+        assert batcher is not None
+        try:
+            for step in batcher.responses(seq):
+                self._local.stats = seq.stats.snapshot()
+                yield step
+        finally:
+            batcher.cancel(seq)
+
+    def _stream_alone(self, prompt: str | list[int], config: GenerateConfig | None = None
+                      ) -> Iterator[GenerationResponse]:
         """Yield one response per generated token. Requests (from any thread) are served one at a time.
 
         The engine is held while a step runs, never across a ``yield``: a new request waits for an open
@@ -401,7 +458,8 @@ class Engine:
         recorder = _TraceRecorder(trace)
         self.model.observers.insert(0, recorder)
         try:
-            self.generate(prompt, config)
+            for _ in self._stream_alone(prompt, config):  # alone: a batch would record the others' experts too
+                pass
         finally:
             self.model.observers.remove(recorder)
         return trace
@@ -418,6 +476,8 @@ class Engine:
     def close(self) -> None:
         """Stop the fetch workers and free the cached experts (an engine is not usable after this).
         Waits for a step in progress; an open stream's next step then raises EngineClosedError."""
+        if self.batcher is not None:
+            self.batcher.close()  # its sequences end with EngineClosedError
         self._slot.close()  # no step starts from now on ...
         with self._lock:  # ... and the one running ends first
             self.scheduler.abort()

@@ -96,14 +96,10 @@ def _forward(model: MoETransformer, ids: list[int], cache, last_only: bool, stag
             "--memory-budget, or more free device memory") from None
 
 
-@torch.inference_mode()
-def stream_generate(
-    model: MoETransformer,
-    tokenizer: Tokenizer,
-    prompt: str | list[int],
-    config: GenerateConfig | None = None,
-) -> Iterator[GenerationResponse]:
-    config = config or GenerateConfig()
+def prepare_prompt(model: MoETransformer, tokenizer: Tokenizer, prompt: str | list[int],
+                   config: GenerateConfig) -> tuple[list[int], int]:
+    """A request checked before any compute: its prompt ids and the most tokens it may generate in the context.
+    Bad values raise :class:`GenerationError` (:class:`ContextLengthError` for a prompt that fills the context)."""
     if config.max_tokens < 0:
         raise GenerationError(f"max_tokens must be >= 0, got {config.max_tokens}")
     if config.prefill_chunk < 0:
@@ -113,11 +109,75 @@ def stream_generate(
         raise GenerationError("the prompt is empty; give at least one token of text")
     context = model.config.max_position_embeddings
     check_context(len(prompt_ids), context)
-    max_tokens = min(config.max_tokens, context - len(prompt_ids))
-    sampler = Sampler(config.sampling)
-    stop_ids = set(config.stop_token_ids) | (set() if config.ignore_eos else tokenizer.eos_token_ids)
-    detok = StreamingDetokenizer(tokenizer)
-    history = list(prompt_ids)
+    return prompt_ids, min(config.max_tokens, context - len(prompt_ids))
+
+
+class TokenStream:
+    """The text side of one request, after each forward pass: sampling, stop tokens and strings, text held back
+    while it may begin a stop string, and the :class:`GenerationResponse` of each token. One sequence alone
+    (:func:`stream_generate`) and a sequence in a batch (``runtime.batch``) both go through it."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], config: GenerateConfig, max_tokens: int):
+        self.config = config
+        self.max_tokens = max_tokens
+        self.prompt_tokens = len(prompt_ids)
+        self.sampler = Sampler(config.sampling)
+        self.stop_ids = set(config.stop_token_ids) | (set() if config.ignore_eos else tokenizer.eos_token_ids)
+        self.detok = StreamingDetokenizer(tokenizer)
+        self.history = list(prompt_ids)
+        self.pending = ""  # text held back because it might begin a stop string
+        self.n = 0  # tokens generated
+        self.token: int | None = None  # the last token sampled
+        self.prompt_tps = 0.0
+        self.t_gen = time.perf_counter()
+        self.rss = 0  # read when the prompt is done, every RSS_EVERY tokens and on the final response
+
+    def prompt_done(self, seconds: float) -> None:
+        """The prompt has run (in ``seconds``): generation timing starts now."""
+        self.prompt_tps = self.prompt_tokens / seconds if seconds > 0 else 0.0
+        self.t_gen = time.perf_counter()
+        self.rss = peak_rss_bytes()
+
+    def response(self, text: str, token: int | None, finish: str | None) -> GenerationResponse:
+        elapsed = time.perf_counter() - self.t_gen
+        if finish is not None or self.n % RSS_EVERY == 0:
+            self.rss = peak_rss_bytes()
+        return GenerationResponse(text, token, self.prompt_tokens, self.n, self.prompt_tps,
+                                  self.n / elapsed if elapsed > 0 else 0.0, self.rss, finish)
+
+    def step(self, logits: torch.Tensor) -> GenerationResponse:
+        """Sample the next token from ``logits`` [V]; its response (``finish_reason`` set when the request ends)."""
+        token = self.token = self.sampler(logits, self.history)
+        self.n += 1
+        self.history.append(token)
+        if token in self.stop_ids:
+            return self.response(self.pending + self.detok.flush(), token, "stop")
+        self.pending += self.detok.add(token)
+        if self.n >= self.max_tokens:
+            self.pending += self.detok.flush()
+        stops = self.config.stop
+        if stops:
+            hit = min((i for i in (self.pending.find(s) for s in stops) if i >= 0), default=-1)
+            if hit >= 0:
+                return self.response(self.pending[:hit], token, "stop")
+        if self.n >= self.max_tokens:
+            return self.response(self.pending, token, "length")
+        keep = _hold_back(self.pending, stops)
+        pending = self.pending
+        out, self.pending = (pending[: len(pending) - keep], pending[len(pending) - keep :]) if keep else (pending, "")
+        return self.response(out, token, None)
+
+
+@torch.inference_mode()
+def stream_generate(
+    model: MoETransformer,
+    tokenizer: Tokenizer,
+    prompt: str | list[int],
+    config: GenerateConfig | None = None,
+) -> Iterator[GenerationResponse]:
+    config = config or GenerateConfig()
+    prompt_ids, max_tokens = prepare_prompt(model, tokenizer, prompt, config)
+    out = TokenStream(tokenizer, prompt_ids, config, max_tokens)
     cache = model.new_cache()
     cache.capacity_hint = len(prompt_ids) + max_tokens  # allocated once: no copy of a doubled cache mid-answer
 
@@ -128,45 +188,17 @@ def stream_generate(
     logits = _forward(model, prompt_ids[last[0] : last[1]], cache, True, "prompt")
     if logits.device.type == "cuda":  # kernels run asynchronously: the prompt is done when the GPU is
         torch.cuda.synchronize(logits.device)
-    prompt_tps = len(prompt_ids) / (time.perf_counter() - t0)
-    t_gen = time.perf_counter()
-    pending = ""  # text held back because it might begin a stop string
-    n = 0
-    rss = peak_rss_bytes()
-
-    def response(text: str, token: int | None, finish: str | None) -> GenerationResponse:
-        nonlocal rss
-        elapsed = time.perf_counter() - t_gen
-        if finish is not None or n % RSS_EVERY == 0:
-            rss = peak_rss_bytes()
-        return GenerationResponse(text, token, len(prompt_ids), n, prompt_tps, n / elapsed if elapsed > 0 else 0.0,
-                                  rss, finish)
-
+    out.prompt_done(time.perf_counter() - t0)
     if max_tokens == 0:
-        yield response("", None, "length")
+        yield out.response("", None, "length")
         return
     while True:
-        token = sampler(logits, history)
-        n += 1
-        history.append(token)
-        if token in stop_ids:
-            yield response(pending + detok.flush(), token, "stop")
+        step = out.step(logits)
+        yield step
+        if step.finish_reason is not None:
             return
-        pending += detok.add(token)
-        if n >= max_tokens:
-            pending += detok.flush()
-        if config.stop:
-            hit = min((i for i in (pending.find(s) for s in config.stop) if i >= 0), default=-1)
-            if hit >= 0:
-                yield response(pending[:hit], token, "stop")
-                return
-        if n >= max_tokens:
-            yield response(pending, token, "length")
-            return
-        keep = _hold_back(pending, config.stop)
-        out, pending = (pending[: len(pending) - keep], pending[len(pending) - keep :]) if keep else (pending, "")
-        yield response(out, token, None)
-        logits = _forward(model, [token], cache, False, "decode")
+        assert out.token is not None  # a step that did not finish sampled a token
+        logits = _forward(model, [out.token], cache, False, "decode")
 
 
 def generate(model: MoETransformer, tokenizer: Tokenizer, prompt: str | list[int],

@@ -174,20 +174,23 @@ class Scheduler(ExpertProvider):
         self._last_route: tuple[int, float] | None = None
         self._prefill = False  # the layer call being served is part of a prompt
         self._prompt = False  # the forward pass under way is a prompt's (begin_forward)
+        self._sequences = 1  # sequences in the forward pass under way: a batched decode step routes one row each
         # Prefetch gate (fate-edge): per prediction rank, evidence of whether a read would pay.
         self.gate = PrefetchGate(max(policy.max_prefetch_width, config.num_experts_per_tok))
         self._contention = reader_contention(torch.get_num_threads(), fetch.workers)
         self._predict_cost = 0.0  # EMA of one layer call's predictor + prefetch planning seconds
 
     # ------------------------------------------------------------- routing hook
-    def begin_forward(self, tokens: int) -> None:
+    def begin_forward(self, tokens: int, sequences: int = 1) -> None:
         self._prompt = tokens > 1
+        self._sequences = sequences
 
     def on_route(self, layer: int, h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> None:
         now = time.perf_counter()
         n = h.shape[0]
-        # A prompt's last layer may route its last token alone (model.forward): still served as the prompt.
-        self._prefill = prompt = n > 1 or self._prompt
+        # A prompt's last layer may route its last token alone (model.forward): still served as the prompt. A
+        # batched decode step routes one row per sequence: decode, with the batch's union of experts.
+        self._prefill = prompt = n > self._sequences or self._prompt
         if not prompt and self._last_route is not None and self._last_route[0] < layer:
             dt = (now - self._last_route[1]) / max(1, self.layer_index[layer] - self.layer_index[self._last_route[0]])
             self._layer_time = _ema(self._layer_time, dt, 0.8)
@@ -200,7 +203,7 @@ class Scheduler(ExpertProvider):
 
         # Prefill demand reads travel in the policy's precision: only predicted, prefetched experts may be cold
         # (Fate reads a miss in int4; its int2 tail is the prefetch plan's, prefetch_choice.choose).
-        low = set() if prompt else self._precision_on_miss(layer, idx, weights)
+        low = set() if prompt or n > 1 else self._precision_on_miss(layer, idx, weights)
         for e in needed:
             key = (layer, e)
             if (self.cache is not None and key in self.cache) or key in self.prefetches or key in self.skip:

@@ -40,7 +40,8 @@ def _load(state: ServerState, on_load_error) -> None:
 
     t0 = time.perf_counter()
     try:
-        eng = open_engine(state.settings.engine, progress=False, account=sys.stderr)
+        # Concurrent requests are batched unless --max-batch says otherwise (0: the machine's default size).
+        eng = open_engine(state.settings.engine, progress=False, account=sys.stderr, max_batch=0)
         state.ready(eng)
         log.info("model %s ready in %.1f s (policy %s, expert budget %.1f MB)", state.model_id,
                  time.perf_counter() - t0, eng.policy.name, eng.budget / 1e6)

@@ -36,6 +36,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("FATE_EDGE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $FATE_EDGE_API_KEY, else no key)")
     p.add_argument("--model-alias", default=None, help="model id to report and accept (default: directory name)")
+    p.add_argument("--max-batch", type=int, default=0,
+                   help="concurrent requests served together in one batch, each streaming on its own (default 0: "
+                        "8 on a CPU, 16 on a GPU; 1 serves one request at a time)")
     p.add_argument("--max-queue", type=int, default=16,
                    help="requests that may wait behind the running one; more get 429 (default 16)")
     p.add_argument("--max-body-bytes", default="1MB", help="largest request body; larger gets 413 (default 1MB)")
@@ -74,6 +77,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise FateEdgeError(str(exc)) from None
     if args.max_queue < 0:
         raise FateEdgeError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.max_batch < 0:
+        raise FateEdgeError(f"--max-batch must be >= 0 (0: the machine's default), got {args.max_batch}")
     socket_mode = parse_mode(args.socket_mode)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
     if not args.unix_socket and not _is_loopback(args.host) and not args.api_key:

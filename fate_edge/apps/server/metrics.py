@@ -122,7 +122,7 @@ class Metrics:
                    [({}, self.generation_seconds)])
             metric("fate_edge_generation_tokens_per_second", "gauge", "Decode speed of the last request.",
                    [({}, self.last_generation_tps)])
-        metric("fate_edge_requests_running", "gauge", "Generations running now (0 or 1).",
+        metric("fate_edge_requests_running", "gauge", "Generations running now (at most --max-batch).",
                [({}, runner.running if runner else 0)])
         metric("fate_edge_requests_waiting", "gauge", "Generations waiting in the queue.",
                [({}, runner.waiting if runner else 0)])
@@ -137,6 +137,18 @@ class Metrics:
                    [({}, psutil.Process().memory_info().rss)])
         except Exception:  # pragma: no cover - psutil is a dependency, but metrics must not fail
             pass
+        batcher = getattr(engine, "batcher", None)
+        b = batcher.stats if batcher is not None else None
+        metric("fate_edge_batch_max_size", "gauge", "Most sequences one step may carry (--max-batch).",
+               [({}, engine.max_batch if engine is not None else 0)])
+        metric("fate_edge_batch_size", "gauge", "Sequences in the running batch now.", [({}, b.active if b else 0)])
+        metric("fate_edge_batch_queue", "gauge", "Requests waiting to join the batch (room or KV budget).",
+               [({}, b.waiting if b else 0)])
+        metric("fate_edge_batch_mean_size", "gauge", "Mean sequences per batched step since start.",
+               [({}, b.sequences_stepped / b.steps if b and b.steps else 0.0)])
+        metric("fate_edge_batch_steps_total", "counter", "Batched forward steps run.", [({}, b.steps if b else 0)])
+        metric("fate_edge_batch_kv_reserved_bytes", "gauge", "KV cache reserved by the batch's sequences.",
+               [({}, b.kv_reserved_bytes if b else 0)])
         if engine is not None:
             s = engine.stats
             metric("fate_edge_memory_budget_bytes", "gauge", "Hard budget for expert memory (--memory-budget).",

@@ -1,8 +1,10 @@
-"""Generation jobs on one worker thread, with a bounded queue and cancellation between tokens.
+"""Generation jobs on worker threads, one per place in the engine's batch, with a bounded queue and cancellation
+between tokens.
 
-The event loop never runs the model: a job's tokens travel from the worker thread to the request's
-``asyncio.Queue`` through ``call_soon_threadsafe``. A job whose client went away is stopped before its
-next token (or skipped if it had not started), and the engine is free for the next job at once.
+The event loop never runs the model: a job's tokens travel from its worker thread to the request's
+``asyncio.Queue`` through ``call_soon_threadsafe``. With a batching engine (``max_batch`` > 1) up to that many jobs
+stream at once, their sequences stepped together by the engine. A job whose client went away is stopped before its
+next token (or skipped if it had not started): its sequence leaves the batch and the others go on.
 """
 
 from __future__ import annotations
@@ -50,13 +52,14 @@ class Job:
 
 
 class Runner:
-    """Runs one job at a time on a dedicated thread; at most ``max_queue`` jobs wait behind it."""
+    """Runs up to ``engine.max_batch`` jobs at once (one without batching); at most ``max_queue`` wait behind them."""
 
     def __init__(self, engine: Any, max_queue: int, on_finish=None):
         self.engine = engine
         self.max_queue = max_queue
+        self.slots = max(1, int(getattr(engine, "max_batch", 1)))  # jobs served together
         self.on_finish = on_finish  # callable(job) on the worker thread when a job ends, for metrics
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fate-edge-generate")
+        self._executor = ThreadPoolExecutor(max_workers=self.slots, thread_name_prefix="fate-edge-generate")
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self.outstanding = 0  # running + waiting
@@ -68,7 +71,7 @@ class Runner:
 
     def submit(self, job: Job) -> Job:
         with self._lock:
-            if self.outstanding >= self.max_queue + 1:
+            if self.outstanding >= self.max_queue + self.slots:
                 raise QueueFull(f"{self.waiting} requests are already waiting (--max-queue {self.max_queue})")
             self.outstanding += 1
             job.id = next(self._ids)

@@ -1,0 +1,220 @@
+"""One forward pass over several sequences at once, each with its own KV cache (continuous batching).
+
+The rows of every sequence (a decode token, or a chunk of a joining prompt) are stacked into one [N, H] activation,
+so every linear, norm, router and routed expert runs once for the whole batch: the MoE block
+(:meth:`MoETransformer._moe`) groups the rows by expert (``dispatch.group_by_expert``) and asks the expert provider
+for the union of the batch's experts once, most wanted first. Only attention is per sequence: each segment's keys
+and values go to its own cache and its queries attend over its own positions. The pieces are the transformer's own
+(``gqa_qkv``, ``_attend``, ``_moe``, ``_mlp``): there is no second copy of the model math.
+
+Where the sequences' caches share a :class:`~fate_edge.model.kv_slab.KVSlab`, the decode tokens of a step write
+their keys and values with one ``index_copy_`` and, while their caches are short (:data:`GATHER_MAX` positions),
+attend with one masked attention per layer over their ranges gathered side by side; longer ones attend per
+sequence over views of the slab (a gather would copy more than the per-sequence calls cost). Prompt chunks attend
+per sequence.
+
+MLA attention (DeepSeek) keeps its latent per sequence in a way this step does not slice: :func:`supported`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from fate_edge.model import sdpa
+from fate_edge.model.embedding import lookup
+from fate_edge.model.kv_slab import SlabCache
+from fate_edge.model.layer import apply_linear, rms_norm
+
+if TYPE_CHECKING:
+    from fate_edge.model.kv_cache import KVCache
+    from fate_edge.model.transformer import MoETransformer
+
+
+@dataclass
+class Segment:
+    """One sequence's rows in a batched step: ``ids`` continue ``cache`` (one id when decoding)."""
+
+    ids: list[int]
+    cache: KVCache
+
+
+def supported(model: MoETransformer) -> str | None:
+    """None when ``model`` can run batched steps, else why not."""
+    if model.config.mla is not None:
+        return "MLA attention (its latent cache is not sliced per sequence)"
+    return None
+
+
+@torch.inference_mode()
+def forward_segments(model: MoETransformer, segments: list[Segment]) -> torch.Tensor:
+    """Every segment's rows in one pass → logits [S, V] of each segment's last position."""
+    why = supported(model)
+    if why is not None:
+        raise NotImplementedError(f"batched steps do not support {why}")
+    if not segments or any(not s.ids for s in segments):
+        raise ValueError("a batched step needs at least one segment and one id per segment")
+    if len(segments) == 1 and len(segments[0].ids) == 1:  # one decode token: the single-sequence decode step
+        seg = segments[0]
+        return model(torch.tensor([seg.ids], device=model.device), seg.cache)[:, -1]
+    cfg, dev = model.config, model.device
+    plan = model.plan()
+    lengths = [len(s.ids) for s in segments]
+    starts = [s.cache.length for s in segments]
+    bounds, at = [], 0
+    for n in lengths:
+        bounds.append((at, at + n))
+        at += n
+    rows = at
+    ends = torch.tensor([b - 1 for _, b in bounds], device=dev)
+    ids = torch.tensor([i for s in segments for i in s.ids], device=dev)
+    rope_dtype = torch.float32 if cfg.rope.float32 else model.dtype
+    parts = [model.rope.cos_sin_range(p, n, rope_dtype, dev) for p, n in zip(starts, lengths)]
+    cos = torch.cat([c for c, _ in parts]) if len(parts) > 1 else parts[0][0]
+    sin = torch.cat([s for _, s in parts]) if len(parts) > 1 else parts[0][1]
+    decode = _SlabDecode.of(segments, bounds, starts, dev)
+    model.experts.begin_forward(max(lengths), sequences=len(segments))
+    model.residual = None
+    prune = rows > len(segments) and not any(getattr(o, "needs_every_token", True) for o in model.observers)
+    decoding = rows == len(segments)  # every row a decode token
+    x = lookup(model.embed, ids)  # [N, H]
+    eps = cfg.rms_norm_eps
+    try:
+        for i, lp in enumerate(plan):
+            h = rms_norm(x, lp.input_norm, eps)
+            a = _attention(model, h, segments, bounds, starts, i, cos, sin, lp, decode)
+            if prune and i == len(plan) - 1:  # past the last attention only each segment's last row feeds a logit
+                x, a = x.index_select(0, ends), a.index_select(0, ends)
+            x = x + a
+            h = rms_norm(x, lp.post_norm, eps)
+            if lp.router is not None:
+                model.residual = x
+                x = x + model._moe(h, i, lp, decode=decoding)
+            else:
+                assert lp.mlp is not None and lp.down is not None  # a layer without a router has a dense MLP
+                x = x + model._mlp(h, lp.mlp, lp.down)
+    finally:
+        model.residual = None
+    if not prune or len(plan) == 0:
+        x = x.index_select(0, ends)
+    x = rms_norm(x, model.w["model.norm.weight"], eps)
+    return apply_linear(x, model.head)
+
+
+GATHER_MAX = 256  # longest decode cache whose keys a step gathers for one attention (else one call per sequence)
+
+
+class _SlabDecode:
+    """A step's decode rows whose caches share one slab: where each writes, and which slab positions each sees."""
+
+    def __init__(self, segs: list[int], rows: torch.Tensor, positions: torch.Tensor, first: torch.Tensor,
+                 lengths: list[int], every_row: bool):
+        self.segs = segs  # indices of the decode segments
+        self.rows = rows  # [S] their rows in the step
+        self.positions = positions  # [S] the slab position each writes
+        self.first = first  # [S] the first slab position of each one's range
+        self.lengths = lengths  # each one's cache length after this step
+        self.longest = max(lengths)
+        self.every_row = every_row  # the step is decode only, rows in segment order
+        dev = positions.device
+        # [S * longest] slab positions of each range's first ``longest`` positions (past its own end: masked)
+        self.gather = (first[:, None] + torch.arange(self.longest, device=dev)[None, :]).flatten()
+        self._masks: dict[int | None, torch.Tensor] = {}
+
+    @classmethod
+    def of(cls, segments: list[Segment], bounds: list[tuple[int, int]], starts: list[int], device: torch.device
+           ) -> _SlabDecode | None:
+        caches = {j: s.cache for j, s in enumerate(segments) if len(s.ids) == 1 and isinstance(s.cache, SlabCache)}
+        dec = list(caches)
+        if len(dec) < 2 or len({id(c.slab) for c in caches.values()}) != 1:
+            return None
+        offsets = [caches[j].offset for j in dec]
+        slab = caches[dec[0]].slab
+        # a range's last gathered position may run past the slab's end when it is the last range: clamp
+        if max(offsets) + max(starts[j] + 1 for j in dec) > slab.positions:
+            return None
+        pos = [o + starts[j] for o, j in zip(offsets, dec)]
+        rows = [bounds[j][0] for j in dec]
+        return cls(dec, torch.tensor(rows, device=device), torch.tensor(pos, device=device),
+                   torch.tensor(offsets, device=device), [starts[j] + 1 for j in dec], len(dec) == len(segments))
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """[S, 1, 1, longest]: row j sees its own first ``lengths[j]`` positions (the last ``window`` of them)."""
+        m = self._masks.get(window)
+        if m is None:
+            key = torch.arange(self.longest, device=self.positions.device)[None, :]
+            n = torch.tensor(self.lengths, device=key.device)[:, None]
+            m = key < n
+            if window is not None:
+                m &= key >= n - window
+            self._masks[window] = m = m[:, None, None, :]
+        return m
+
+
+def _attention(model: MoETransformer, h: torch.Tensor, segments: list[Segment], bounds: list[tuple[int, int]],
+               starts: list[int], layer: int, cos: torch.Tensor, sin: torch.Tensor, lp,
+               decode: _SlabDecode | None) -> torch.Tensor:
+    """q, k, v for all rows in one projection; each segment's keys into its cache and its queries over them (a
+    slab's decode rows all at once)."""
+    q, k, v = model.gqa_qkv(h, 1, h.shape[0], cos, sin, lp)  # [1, heads, N, hd]
+    cfg = model.config
+    scale = cfg.head_dim**-0.5
+    out = None
+    if decode is not None:
+        dec = _slab_attention(model, q, k, v, segments, layer, scale, decode)
+        if decode.every_row:
+            return apply_linear(dec, lp.o_proj)
+        out = dec.new_empty(h.shape[0], dec.shape[1])
+        out.index_copy_(0, decode.rows, dec)
+    done = set(decode.segs) if decode is not None else set()
+    outs = []
+    for j, (seg, (a, b), start) in enumerate(zip(segments, bounds, starts)):
+        if j in done:
+            continue
+        keys, values = seg.cache.layers[layer].append(k[:, :, a:b], v[:, :, a:b],
+                                                      capacity_hint=seg.cache.capacity_hint)
+        y = model._attend(q[:, :, a:b], keys, values, start, layer, scale)
+        if out is None:
+            outs.append(y)
+        else:
+            out[a:b] = y
+    if out is None:
+        out = torch.cat(outs) if len(outs) > 1 else outs[0]
+    return apply_linear(out, lp.o_proj)
+
+
+def _slab_attention(model: MoETransformer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    segments: list[Segment], layer: int, scale: float, d: _SlabDecode) -> torch.Tensor:
+    """The decode rows' keys and values into the slab in one copy each, and their attention in one call → [S, nh*hd]."""
+    cfg = model.config
+    first = segments[d.segs[0]].cache
+    assert isinstance(first, SlabCache)  # _SlabDecode.of took only slab caches
+    slab = first.slab
+    ks, vs = slab.keys[layer], slab.values[layer]
+    if d.every_row:
+        qd, kd, vd = q, k[0], v[0]
+    else:
+        qd, kd, vd = q.index_select(2, d.rows), k[0].index_select(1, d.rows), v[0].index_select(1, d.rows)
+    ks[0].index_copy_(1, d.positions, kd)
+    vs[0].index_copy_(1, d.positions, vd)
+    for j in d.segs:
+        segments[j].cache.layers[layer].length += 1
+    window = cfg.sliding_window if layer in cfg.sliding_window_layers else None
+    s, gqa = qd.shape[2], qd.shape[1] != ks.shape[1]
+    if d.longest > GATHER_MAX:  # one call per sequence over its own view of the slab
+        outs = []
+        for i, j in enumerate(d.segs):
+            layer_cache = segments[j].cache.layers[layer]
+            keys, values = (b[:, :, : layer_cache.length] for b in layer_cache.buffers)
+            if window is not None:
+                keys, values = keys[:, :, -window:], values[:, :, -window:]
+            outs.append(sdpa.attention(qd[:, :, i : i + 1], keys, values, scale=scale, enable_gqa=gqa))
+        return torch.cat(outs, dim=2)[0].transpose(0, 1).reshape(s, -1)
+    nkv, hd = ks.shape[1], ks.shape[3]
+    keys = ks[0].index_select(1, d.gather).view(nkv, s, d.longest, hd).transpose(0, 1)  # [S, nkv, longest, hd]
+    values = vs[0].index_select(1, d.gather).view(nkv, s, d.longest, -1).transpose(0, 1)
+    out = sdpa.attention(qd.permute(2, 1, 0, 3), keys, values, attn_mask=d.mask(window), scale=scale,
+                         enable_gqa=gqa)  # [S, nh, 1, hd]
+    return out.reshape(s, -1)
