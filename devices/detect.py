@@ -111,4 +111,3 @@ def reader_contention(torch_threads: int, workers: int, cores: int | None = None
     if cores is None:
         cores = available_cores()
     return min(1.0, max(0.0, (torch_threads + workers - cores) / max(1, workers)))
-

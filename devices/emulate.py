@@ -24,8 +24,10 @@ from fate_edge.devices.profile import DeviceProfile
 # decodes Llama-2-7B W4A16 at 39.1 tok/s on a Jetson AGX Orin 64GB; ~3.7 GB of weights read per token (6.5 B
 # 4-bit params with group-128 scales + the fp16 lm_head) x 39.1 = ~145 GB/s = 0.71 of its 204.8 GB/s.
 DEFAULT_EFFICIENCY = 0.7
-DEFAULT_EFFICIENCY_SOURCE = ("fate_edge.devices.emulate.DEFAULT_EFFICIENCY: AWQ/TinyChat Llama-2-7B W4A16 39.1 tok/s "
-                             "on a Jetson AGX Orin 64GB = ~145 GB/s of 204.8 (arXiv 2306.00978)")
+DEFAULT_EFFICIENCY_SOURCE = (
+    "fate_edge.devices.emulate.DEFAULT_EFFICIENCY: AWQ/TinyChat Llama-2-7B W4A16 39.1 tok/s "
+    "on a Jetson AGX Orin 64GB = ~145 GB/s of 204.8 (arXiv 2306.00978)"
+)
 
 
 @dataclass(frozen=True)
@@ -41,8 +43,9 @@ class Roofline:
 
     def time_s(self, nbytes: float, flops: float) -> float:
         """Seconds the device takes to compute what reads ``nbytes`` of weights and does ``flops``."""
-        return max(nbytes / (self.bandwidth_bytes_per_s * self.efficiency),
-                   flops / (self.flops_per_s * self.efficiency))
+        return max(
+            nbytes / (self.bandwidth_bytes_per_s * self.efficiency), flops / (self.flops_per_s * self.efficiency)
+        )
 
 
 def device_roofline(profile: DeviceProfile) -> Roofline:
@@ -54,8 +57,9 @@ def device_roofline(profile: DeviceProfile) -> Roofline:
         flops, unit = profile.gpu_tflops_fp32 * 1e12, "GPU CUDA-core fp32"
     else:
         flops, unit = profile.cpu_gflops_fp32 * 1e9, "CPU fp32"
-    bandwidth = profile.accelerator_bandwidth_gbps if profile.accelerator_bandwidth_gbps else \
-        profile.memory_bandwidth_gbps
+    bandwidth = (
+        profile.accelerator_bandwidth_gbps if profile.accelerator_bandwidth_gbps else profile.memory_bandwidth_gbps
+    )
     if profile.roofline_efficiency is not None:
         eff, src = profile.roofline_efficiency, profile.sources.get("roofline_efficiency", "the profile")
     else:
@@ -75,8 +79,12 @@ def dilated_link(spec: LinkSpec, k: float) -> LinkSpec:
     """``spec`` on the host's timeline: bandwidth / k, latency x k (a transfer takes k times as long)."""
     if k <= 0:
         raise ValueError(f"dilation must be > 0, got {k}")
-    return dataclasses.replace(spec, name=f"{spec.name}, dilated x{k:.3g}",
-                               bandwidth_bytes_per_s=spec.bandwidth_bytes_per_s / k, latency_s=spec.latency_s * k)
+    return dataclasses.replace(
+        spec,
+        name=f"{spec.name}, dilated x{k:.3g}",
+        bandwidth_bytes_per_s=spec.bandwidth_bytes_per_s / k,
+        latency_s=spec.latency_s * k,
+    )
 
 
 def reads_direct(link: LinkSpec, nbytes: int, disk_read_s: float | None) -> bool:

@@ -49,8 +49,11 @@ class DeviceProfile:
     def figures(self) -> dict[str, Any]:
         """Every stated numeric figure (None ones are not stated)."""
         skip = {"name", "description", "unified_memory", "sources"}
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in skip and getattr(self, f.name) is not None}
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in skip and getattr(self, f.name) is not None
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], origin: str = "<dict>") -> DeviceProfile:
@@ -58,8 +61,11 @@ class DeviceProfile:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ProfileError(f"{origin}: unknown keys {unknown}; known keys: {sorted(known)}")
-        required = [f.name for f in dataclasses.fields(cls)
-                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        required = [
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]
         missing = [k for k in required if k not in d]
         if missing:
             raise ProfileError(f"{origin}: missing keys {missing}")

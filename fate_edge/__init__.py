@@ -24,8 +24,9 @@ def openmp_defaults(load: float, cores: int) -> dict[str, str]:
 for _name in filter(None, os.environ.pop("FATE_EDGE_SET_OPENMP", "").split(",")):  # a parent's, not the user's
     os.environ.pop(_name, None)
 if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):
-    _chosen = openmp_defaults(os.getloadavg()[0], len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                              else os.cpu_count() or 1)
+    _chosen = openmp_defaults(
+        os.getloadavg()[0], len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    )
     os.environ.update(_chosen)
     os.environ["FATE_EDGE_SET_OPENMP"] = ",".join(_chosen)
 

@@ -9,5 +9,6 @@ from pathlib import Path
 def cache_home() -> Path:
     """``$FATE_EDGE_CACHE``, else ``$XDG_CACHE_HOME/fate-edge``, else ``~/.cache/fate-edge``."""
     root = os.environ.get("FATE_EDGE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "fate-edge")
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "fate-edge"
+    )
     return Path(root)

@@ -28,8 +28,9 @@ class CliParser(argparse.ArgumentParser):
 
 def command_parser(command: str, description: str | None) -> CliParser:
     """The parser of ``fate-edge COMMAND``, its description (a module docstring) printed as written."""
-    return CliParser(prog=f"{PROG} {command}", description=description,
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    return CliParser(
+        prog=f"{PROG} {command}", description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
 
 
 def _number(kind: type, ok: Callable[[float], bool], what: str) -> Callable[[str], float]:

@@ -29,8 +29,10 @@ class ContextLengthError(GenerationError):
     """The prompt leaves no room in the model's context for a generated token."""
 
     def __init__(self, prompt_tokens: int, context: int):
-        super().__init__(f"the prompt has {prompt_tokens} tokens but the model's context is {context} tokens (the "
-                         "prompt and at least one generated token must fit); shorten the prompt")
+        super().__init__(
+            f"the prompt has {prompt_tokens} tokens but the model's context is {context} tokens (the "
+            "prompt and at least one generated token must fit); shorten the prompt"
+        )
         self.prompt_tokens = prompt_tokens
         self.context = context
 

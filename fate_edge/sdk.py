@@ -49,11 +49,13 @@ def generate_config(
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if any(not isinstance(s, str) or not s for s in stops):
         raise GenerationError(f"stop must be a non-empty string or a list of them, got {stop!r}")
-    sampling = SamplingParams(float(temperature), int(top_k), float(top_p), float(min_p),
-                              float(repetition_penalty), seed)
+    sampling = SamplingParams(
+        float(temperature), int(top_k), float(top_p), float(min_p), float(repetition_penalty), seed
+    )
     sampling.validate()
-    return GenerateConfig(max_tokens, sampling, stop=stops, stop_token_ids=list(stop_token_ids or []),
-                          ignore_eos=bool(ignore_eos))
+    return GenerateConfig(
+        max_tokens, sampling, stop=stops, stop_token_ids=list(stop_token_ids or []), ignore_eos=bool(ignore_eos)
+    )
 
 
 def _config(config: GenerateConfig | None, kw: dict[str, Any]) -> GenerateConfig:
@@ -62,8 +64,9 @@ def _config(config: GenerateConfig | None, kw: dict[str, Any]) -> GenerateConfig
     return config if config is not None else generate_config(**kw)
 
 
-def stream(engine: Engine, prompt: str | list[int], config: GenerateConfig | None = None,
-           **kw: Any) -> Iterator[GenerationResponse]:
+def stream(
+    engine: Engine, prompt: str | list[int], config: GenerateConfig | None = None, **kw: Any
+) -> Iterator[GenerationResponse]:
     """Yield one :class:`GenerationResponse` per generated token (keywords as :func:`generate_config`).
 
     Stop iterating (or call ``.close()`` on the iterator) to cancel: the request leaves the batch before the

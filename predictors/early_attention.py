@@ -30,14 +30,22 @@ from fate_edge.model.kv_cache import KVCache
 from fate_edge.model.layer import apply_linear, rms_norm
 
 
-def own_row_attention(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, k_true: torch.Tensor,
-                      v_true: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
+def own_row_attention(
+    q: torch.Tensor,
+    k_own: torch.Tensor,
+    v_own: torch.Tensor,
+    k_true: torch.Tensor,
+    v_true: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
     """Causal attention in which row t reads the true keys/values of rows < t and its own estimated ones.
 
     q [B, nh, T, d]; k_own, v_own, k_true, v_true [B, nkv, T, d] (nh a multiple of nkv) → [B*T, nh*d]."""
     rep = q.shape[1] // k_true.shape[1]
-    k_own, v_own, k_true, v_true = (z.repeat_interleave(rep, 1) if rep > 1 else z
-                                    for z in (k_own, v_own, k_true, v_true))
+    k_own, v_own, k_true, v_true = (
+        z.repeat_interleave(rep, 1) if rep > 1 else z for z in (k_own, v_own, k_true, v_true)
+    )
     t = q.shape[2]
     pos = torch.arange(t, device=q.device)
     earlier = pos[None, :] < pos[:, None]
@@ -52,8 +60,9 @@ def own_row_attention(q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor,
 
 
 @torch.no_grad()
-def early_attention_kv(model, residual: torch.Tensor, k_true: torch.Tensor, v_true: torch.Tensor, target: int
-                       ) -> torch.Tensor:
+def early_attention_kv(
+    model, residual: torch.Tensor, k_true: torch.Tensor, v_true: torch.Tensor, target: int
+) -> torch.Tensor:
     """``s`` for layer ``target`` (module docstring) from ``residual`` [B*T, H] (the estimate of its input, rows
     window-major) and the layer's true keys and values of the same windows, k_true/v_true [B, kv heads, T, d]
     (its KV cache after a forward over them) → [B*T, H] float32."""
@@ -74,8 +83,7 @@ def _window_batches(model, layer: int, rows: int, seq_len: int, batch: int):
     """Per batch of ``batch`` windows of ``seq_len`` rows out of ``rows``: (their rows, their window count, the
     layer's plan, rope cos/sin for positions 0..seq_len-1)."""
     cfg = model.config
-    cos, sin = model.rope.cos_sin_range(0, seq_len, torch.float32 if cfg.rope.float32 else model.dtype,
-                                       model.device)
+    cos, sin = model.rope.cos_sin_range(0, seq_len, torch.float32 if cfg.rope.float32 else model.dtype, model.device)
     lp = model.plan()[layer]
     for s in range(0, rows, batch * seq_len):
         part = slice(s, min(rows, s + batch * seq_len))
@@ -83,8 +91,9 @@ def _window_batches(model, layer: int, rows: int, seq_len: int, batch: int):
 
 
 @torch.no_grad()
-def early_attention(model, residual: torch.Tensor, true_input: torch.Tensor, target: int, seq_len: int,
-                    batch: int = 8) -> torch.Tensor:
+def early_attention(
+    model, residual: torch.Tensor, true_input: torch.Tensor, target: int, seq_len: int, batch: int = 8
+) -> torch.Tensor:
     """:func:`early_attention_kv` with the true keys and values made from ``true_input`` [N, H], layer
     ``target``'s real input before attention (e.g. transformers' ``output_hidden_states``); rows window-major,
     ``seq_len`` a window → [N, H] float32."""
@@ -97,8 +106,7 @@ def early_attention(model, residual: torch.Tensor, true_input: torch.Tensor, tar
 
 
 @torch.no_grad()
-def post_attention_residual(model, layer_input: torch.Tensor, layer: int, seq_len: int,
-                            batch: int = 8) -> torch.Tensor:
+def post_attention_residual(model, layer_input: torch.Tensor, layer: int, seq_len: int, batch: int = 8) -> torch.Tensor:
     """Layer ``layer``'s residual after its own attention, r = x + attention(input_norm(x)), for its inputs
     ``layer_input`` [N, H] (rows window-major, every window from position 0) → [N, H] float32."""
     eps, out = model.config.rms_norm_eps, []
@@ -185,8 +193,7 @@ class EarlyInput:
         start = lay.length
         b = lay.buffers[0].shape[0] if lay.buffers else 1
         t = r.shape[0] // b
-        cos, sin = model.rope.cos_sin_range(start, t, torch.float32 if cfg.rope.float32 else model.dtype,
-                                       model.device)
+        cos, sin = model.rope.cos_sin_range(start, t, torch.float32 if cfg.rope.float32 else model.dtype, model.device)
         x = r.to(model.dtype)
         q, k, v = model.gqa_qkv(rms_norm(x, lp.input_norm, cfg.rms_norm_eps), b, t, cos, sin, lp)
         if start:

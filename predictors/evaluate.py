@@ -64,8 +64,10 @@ class Trace:
 
     def popularity(self) -> dict[int, list[int]]:
         """MoE layer → how many rows routed to each expert."""
-        return {i: torch.bincount(e.flatten(), minlength=self.num_experts).tolist()
-                for i, e in sorted(self.expert_ids.items())}
+        return {
+            i: torch.bincount(e.flatten(), minlength=self.num_experts).tolist()
+            for i, e in sorted(self.expert_ids.items())
+        }
 
 
 class TraceRecorder:
@@ -96,8 +98,9 @@ def _as_float(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def collect_traces(model: Any, batches: Iterable[torch.Tensor], dtype: torch.dtype = torch.float32,
-                   early: bool = False) -> Trace:
+def collect_traces(
+    model: Any, batches: Iterable[torch.Tensor], dtype: torch.dtype = torch.float32, early: bool = False
+) -> Trace:
     """Run ``model`` (a :class:`fate_edge.model.transformer.MoETransformer`) over ``batches`` of token ids [B, T],
     each from an empty KV cache, and record every MoE layer's routing (gate inputs kept in ``dtype``)
     and the token ids (rows in the router's order: batch-major, then position). With ``early`` also the
@@ -182,8 +185,9 @@ def evaluate_predictor(
             continue
         # top-wmax once; every narrower width is a prefix, which is what makes recall monotone in k'.
         # A trace may keep its gate inputs in half precision (calibrate does); predictors read float32.
-        top = torch.cat([predictor.predict(src, _as_float(h[s : s + chunk])).topk(wmax)
-                         for s in range(0, len(h), chunk)], dim=1)
+        top = torch.cat(
+            [predictor.predict(src, _as_float(h[s : s + chunk])).topk(wmax) for s in range(0, len(h), chunk)], dim=1
+        )
         layers = predictor.targets(src)
         for target in targets:
             pred, true = top[layers.index(target)], trace.expert_ids[target]  # [N, wmax], [N, k]

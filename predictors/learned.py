@@ -165,8 +165,15 @@ class LearnedPredictor(ReadsPreviousInput, Predictor):
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_gate(cls, gate: CrossLayerGate, kind: str = "linear", rank: int = 64, seed: int = 0,
-                  previous: bool = False, early: bool = False) -> LearnedPredictor:
+    def from_gate(
+        cls,
+        gate: CrossLayerGate,
+        kind: str = "linear",
+        rank: int = 64,
+        seed: int = 0,
+        previous: bool = False,
+        early: bool = False,
+    ) -> LearnedPredictor:
         """Untrained: every source layer starts from ``gate``'s stacked next-p routers (the norm variant's
         rescaled rows if ``gate`` has norms), so it scores exactly as the gate does (softmax routers). With
         ``previous`` (``early``) the weights of the previous token's input (of the early attention's estimate) start
@@ -180,8 +187,17 @@ class LearnedPredictor(ReadsPreviousInput, Predictor):
                 models[layer] = SourceModel(w, rank, seed + layer)
         init = "cross-layer-gate-norm" if gate.norms is not None else "cross-layer-gate"
         meta = {"init": init, "rank": rank}
-        return cls(models, gate.moe_layers, gate.num_experts, gate.lookahead, kind, "ce", meta=meta, previous=previous,
-                   early=early)
+        return cls(
+            models,
+            gate.moe_layers,
+            gate.num_experts,
+            gate.lookahead,
+            kind,
+            "ce",
+            meta=meta,
+            previous=previous,
+            early=early,
+        )
 
     def to(self, device: torch.device | str) -> LearnedPredictor:
         """Every source model's weights on ``device`` (where the model's gate inputs are)."""
@@ -232,15 +248,17 @@ class LearnedPredictor(ReadsPreviousInput, Predictor):
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         path = manifest_path(directory, self.kind, self.trained_lookahead)
-        tensors = {f"{i}.{name}": p.detach().contiguous() for i, m in self.models.items()
-                   for name, p in m.named_parameters()}
+        tensors = {
+            f"{i}.{name}": p.detach().contiguous() for i, m in self.models.items() for name, p in m.named_parameters()
+        }
         save_file(tensors, str(path.with_suffix(".safetensors")))
         manifest = self.manifest()
         manifest["weights"] = path.with_suffix(".safetensors").name
         manifest.pop("onnx", None)
         if onnx:
-            manifest["onnx"] = {str(i): self.export_onnx(i, path.with_name(f"{path.stem}.layer{i}.onnx")).name
-                                for i in self.models}
+            manifest["onnx"] = {
+                str(i): self.export_onnx(i, path.with_name(f"{path.stem}.layer{i}.onnx")).name for i in self.models
+            }
         path.write_text(json.dumps(manifest, indent=1))
         return path
 
@@ -259,9 +277,18 @@ class LearnedPredictor(ReadsPreviousInput, Predictor):
             model.load_state_dict({k.split(".", 1)[1]: v for k, v in tensors.items() if k.split(".", 1)[0] == src})
             models[int(src)] = model
         meta = {k: manifest[k] for k in ("init", "training", "metrics") if k in manifest}
-        return cls(models, manifest["moe_layers"], manifest["num_experts"], manifest["lookahead"],
-                   manifest["kind"], manifest["loss"], lookahead, meta, manifest.get("previous_input", False),
-                   manifest.get("early_attention", False))
+        return cls(
+            models,
+            manifest["moe_layers"],
+            manifest["num_experts"],
+            manifest["lookahead"],
+            manifest["kind"],
+            manifest["loss"],
+            lookahead,
+            meta,
+            manifest.get("previous_input", False),
+            manifest.get("early_attention", False),
+        )
 
     def export_onnx(self, layer: int, path: str | Path) -> Path:
         """One graph for ``layer``: input ``h`` [N, H] float32 (N dynamic; wider with the early attention's estimate
@@ -274,8 +301,9 @@ class LearnedPredictor(ReadsPreviousInput, Predictor):
         if dynamo:
             kw = {"dynamic_shapes": {"h": {0: torch.export.Dim("n", min=1)}}, "verbose": False, "external_data": False}
         with _quiet_export():
-            torch.onnx.export(graph, (example,), str(path), input_names=["h"], output_names=["scores"],
-                              dynamo=dynamo, **kw)
+            torch.onnx.export(
+                graph, (example,), str(path), input_names=["h"], output_names=["scores"], dynamo=dynamo, **kw
+            )
         return path
 
 
@@ -379,8 +407,9 @@ def _loss(logits: torch.Tensor, y: torch.Tensor, loss: str) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _score(pred: LearnedPredictor, layer: int, h: torch.Tensor, ids: torch.Tensor, y: torch.Tensor,
-           loss: str) -> tuple[float, float, float]:
+def _score(
+    pred: LearnedPredictor, layer: int, h: torch.Tensor, ids: torch.Tensor, y: torch.Tensor, loss: str
+) -> tuple[float, float, float]:
     """(exact top-k, recall@k, loss) on validation rows; ids [P, N, k], y [P, N, E]."""
     logits = pred.logits(layer, h)
     k = ids.shape[-1]
@@ -408,24 +437,32 @@ def train_learned(
     if val is None:
         cut = train.tokens - max(1, round(cfg.val_fraction * train.tokens))
         train, val = train.rows(0, cut), train.rows(cut)
-    pred = LearnedPredictor.from_gate(gate, cfg.kind, cfg.rank, cfg.seed, previous=cfg.previous_input,
-                                      early=cfg.early_attention)
+    pred = LearnedPredictor.from_gate(
+        gate, cfg.kind, cfg.rank, cfg.seed, previous=cfg.previous_input, early=cfg.early_attention
+    )
     pred.loss = cfg.loss
     width = pred.hidden_size * (1 + cfg.previous_input + cfg.early_attention)
     first_row = train.rows(0, 1).gate_inputs  # widths from one row: a widened trace builds a layer when read
     narrow = {i: h.shape[1] for i, h in first_row.items() if i in pred.models and h.shape[1] != width}
     if narrow:
-        raise ValueError(f"source layers {sorted(narrow)} have inputs {sorted(set(narrow.values()))} wide, the "
-                         f"predictor reads {width}" + (" (widen the trace: previous_input.widen_trace)"
-                                                       if cfg.previous_input or cfg.early_attention else ""))
+        raise ValueError(
+            f"source layers {sorted(narrow)} have inputs {sorted(set(narrow.values()))} wide, the "
+            f"predictor reads {width}"
+            + (" (widen the trace: previous_input.widen_trace)" if cfg.previous_input or cfg.early_attention else "")
+        )
     e = gate.num_experts
     sources = [i for i in pred.models if i in train.gate_inputs and all(t in train.expert_ids for t in pred.targets(i))]
     pred.models = {i: pred.models[i] for i in sources}
     t0 = time.time()
     per_layer: dict[str, Any] = {}
     gen = torch.Generator().manual_seed(cfg.seed)
-    bar = tqdm(total=len(sources) * cfg.epochs, desc=f"learned {cfg.kind} p{gate.lookahead}", disable=not progress,
-               unit="epoch", leave=False)
+    bar = tqdm(
+        total=len(sources) * cfg.epochs,
+        desc=f"learned {cfg.kind} p{gate.lookahead}",
+        disable=not progress,
+        unit="epoch",
+        leave=False,
+    )
     for layer in sources:
         targets = pred.targets(layer)
         h = train.gate_inputs[layer].float()
@@ -438,8 +475,11 @@ def train_learned(
             model.standardize(h)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         steps = cfg.epochs * math.ceil(h.shape[0] / cfg.batch_size)
-        sched = (torch.optim.lr_scheduler.OneCycleLR(opt, cfg.lr, total_steps=steps, pct_start=0.3)
-                 if cfg.schedule == "onecycle" else None)
+        sched = (
+            torch.optim.lr_scheduler.OneCycleLR(opt, cfg.lr, total_steps=steps, pct_start=0.3)
+            if cfg.schedule == "onecycle"
+            else None
+        )
         first = _score(pred, layer, vh, vids, vy, cfg.loss)
         best, best_epoch = first, 0
         best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -477,15 +517,22 @@ def train_learned(
         model.eval()
         del h, y, vh, vids, vy  # before the next layer's inputs are built: one layer's rows resident at a time
         per_layer[str(layer)] = {
-            "targets": list(targets), "epochs": epoch, "best_epoch": best_epoch,
-            "val_exact_init": first[0], "val_exact": best[0],
-            "val_recall_init": first[1], "val_recall": best[1],
-            "val_loss_init": first[2], "val_loss": best[2],
+            "targets": list(targets),
+            "epochs": epoch,
+            "best_epoch": best_epoch,
+            "val_exact_init": first[0],
+            "val_exact": best[0],
+            "val_recall_init": first[1],
+            "val_recall": best[1],
+            "val_loss_init": first[2],
+            "val_loss": best[2],
         }
     bar.close()
     pred.meta["training"] = {
         "config": asdict(cfg) | {"rank": pred.meta.get("rank", 0)},
-        "train_tokens": train.tokens, "val_tokens": val.tokens, "seconds": round(time.time() - t0, 2),
+        "train_tokens": train.tokens,
+        "val_tokens": val.tokens,
+        "seconds": round(time.time() - t0, 2),
     }
     pred.meta["metrics"] = {"validation": per_layer}
     return pred

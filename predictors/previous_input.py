@@ -43,9 +43,16 @@ class WidenedInputs(Mapping[int, torch.Tensor]):
     rows ``start:stop``: calibrating on millions of tokens holds the trace once, not every layer's widened
     float32 copy beside it (which at 1M tokens of an 8-layer, 192-wide model with both parts is 16 GB)."""
 
-    def __init__(self, gate_inputs: Mapping[int, torch.Tensor], moe_layers: list[int], seq_len: int,
-                 previous: bool = True, early: Mapping[int, torch.Tensor] | None = None, start: int = 0,
-                 stop: int | None = None):
+    def __init__(
+        self,
+        gate_inputs: Mapping[int, torch.Tensor],
+        moe_layers: list[int],
+        seq_len: int,
+        previous: bool = True,
+        early: Mapping[int, torch.Tensor] | None = None,
+        start: int = 0,
+        stop: int | None = None,
+    ):
         self.gate_inputs, self.moe_layers, self.seq_len = gate_inputs, sorted(moe_layers), seq_len
         self.previous, self.early = previous, early
         total = next(iter(gate_inputs.values())).shape[0] if gate_inputs else 0
@@ -85,18 +92,23 @@ class WidenedInputs(Mapping[int, torch.Tensor]):
     def rows(self, start: int, stop: int | None = None) -> WidenedInputs:
         """The same inputs for rows ``start:stop`` of these (Trace.rows)."""
         r = range(self.start, self.stop)[slice(start, stop)]
-        return WidenedInputs(self.gate_inputs, self.moe_layers, self.seq_len, self.previous, self.early,
-                             r.start, r.stop)
+        return WidenedInputs(
+            self.gate_inputs, self.moe_layers, self.seq_len, self.previous, self.early, r.start, r.stop
+        )
 
 
-def widen_inputs(gate_inputs: dict[int, torch.Tensor], moe_layers: list[int], seq_len: int, previous: bool = True,
-                 early: dict[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
+def widen_inputs(
+    gate_inputs: dict[int, torch.Tensor],
+    moe_layers: list[int],
+    seq_len: int,
+    previous: bool = True,
+    early: dict[int, torch.Tensor] | None = None,
+) -> dict[int, torch.Tensor]:
     """Every MoE layer that has a next one: :class:`WidenedInputs`, built at once."""
     return dict(WidenedInputs(gate_inputs, moe_layers, seq_len, previous, early))
 
 
-def widen_trace(trace: Trace, moe_layers: list[int], seq_len: int, previous: bool = True, early: bool = False
-                ) -> Trace:
+def widen_trace(trace: Trace, moe_layers: list[int], seq_len: int, previous: bool = True, early: bool = False) -> Trace:
     """``trace`` with widened gate inputs (:class:`WidenedInputs`, built per layer when read): what a
     previous-input and/or early-attention predictor reads (``early`` takes ``trace.early_inputs``:
     ``collect_traces(..., early=True)``)."""

@@ -33,8 +33,11 @@ class TokenPopularity(Predictor):
         self.smoothing = smoothing
         total = self.counts.sum(1)  # [P, E]
         # Global popularity of each target layer; uniform where the table is empty.
-        self.prior = torch.where(total.sum(-1, keepdim=True) > 0, total / total.sum(-1, keepdim=True).clamp(min=1e-12),
-                                 torch.full_like(total, 1.0 / total.shape[-1]))  # [P, E]
+        self.prior = torch.where(
+            total.sum(-1, keepdim=True) > 0,
+            total / total.sum(-1, keepdim=True).clamp(min=1e-12),
+            torch.full_like(total, 1.0 / total.shape[-1]),
+        )  # [P, E]
 
     @classmethod
     def from_trace(cls, trace: Trace, vocab_size: int, lookahead: int = 1, smoothing: float = 1.0) -> TokenPopularity:

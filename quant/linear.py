@@ -59,8 +59,9 @@ class QuantizedLinear:
     native: NativeInt4 | None = None  # native-int4
 
     @classmethod
-    def from_float(cls, w: torch.Tensor, spec: QuantSpec, device: torch.device | str = "cpu",
-                   kernel: str | None = None) -> QuantizedLinear:
+    def from_float(
+        cls, w: torch.Tensor, spec: QuantSpec, device: torch.device | str = "cpu", kernel: str | None = None
+    ) -> QuantizedLinear:
         """Quantize float ``w`` [N, K] for the fastest kernel here (timed once per shape), or for ``kernel``."""
         device = torch.device(device)
         shape = tuple(w.shape)
@@ -72,8 +73,9 @@ class QuantizedLinear:
         return cls.from_quantized(quantize(w.float(), spec), spec, device, kernel)
 
     @classmethod
-    def from_quantized(cls, q: Quantized, spec: QuantSpec, device: torch.device | str = "cpu",
-                       kernel: str | None = None) -> QuantizedLinear:
+    def from_quantized(
+        cls, q: Quantized, spec: QuantSpec, device: torch.device | str = "cpu", kernel: str | None = None
+    ) -> QuantizedLinear:
         device = torch.device(device)
         shape = tuple(q.codes.shape)
         if kernel is None:
@@ -90,8 +92,14 @@ class QuantizedLinear:
         raise ValueError(f"unknown kernel '{kernel}' (native-int4, torch-int4 or dequant)")
 
     @classmethod
-    def from_native(cls, codes4: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, spec: QuantSpec,
-                    in_features: int | None = None) -> QuantizedLinear:
+    def from_native(
+        cls,
+        codes4: torch.Tensor,
+        scale: torch.Tensor,
+        zero: torch.Tensor | None,
+        spec: QuantSpec,
+        in_features: int | None = None,
+    ) -> QuantizedLinear:
         """Wrap a matrix in the native kernel's layout (:attr:`NativeInt4.parts`: 4-bit codes, fp16 scale, zero);
         ``in_features``: K of x where the parts carry zero columns past it (default: the codes' K)."""
         shape = (codes4.shape[0], in_features or codes4.shape[1] * 2)
@@ -99,8 +107,14 @@ class QuantizedLinear:
         return cls._native(codes4, scale, zero, spec, shape)
 
     @classmethod
-    def _native(cls, codes4: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, spec: QuantSpec,
-                shape: tuple[int, int]) -> QuantizedLinear:
+    def _native(
+        cls,
+        codes4: torch.Tensor,
+        scale: torch.Tensor,
+        zero: torch.Tensor | None,
+        spec: QuantSpec,
+        shape: tuple[int, int],
+    ) -> QuantizedLinear:
         if zero is None or spec.bits > 4 or not native_supports(shape, spec.group_size, spec.asymmetric, pad=True):
             raise ValueError(f"native-int4 does not take a {shape[0]}x{shape[1]} matrix with {spec}")
         lin = NativeInt4(codes4, scale, zero, spec.group_size, in_features=shape[1])
@@ -114,8 +128,14 @@ class QuantizedLinear:
         return cls(spec, shape, "torch-int4", packed, scale_zero=scale_zero)
 
     @classmethod
-    def from_cpu_kernel_layout(cls, packed: torch.Tensor, scale_zero: torch.Tensor, spec: QuantSpec,
-                               device: torch.device | str, kernel: str | None = None) -> QuantizedLinear:
+    def from_cpu_kernel_layout(
+        cls,
+        packed: torch.Tensor,
+        scale_zero: torch.Tensor,
+        spec: QuantSpec,
+        device: torch.device | str,
+        kernel: str | None = None,
+    ) -> QuantizedLinear:
         """Weights stored in torch's CPU int4 layout (a store converted on a CPU host), for any ``device``: on the
         CPU a view (:meth:`from_kernel_layout`); elsewhere the codes are unpacked where the bytes are and packed for
         that device's kernel (CUDA's tinygemm takes the same [K/g, N, 2] scale and zero), or dequantized. The codes
@@ -130,8 +150,9 @@ class QuantizedLinear:
             kernel = "torch-int4" if int4_supported(shape, spec, device) else "dequant"
         KERNEL_CHOICES[(spec.bits, shape, device.type)] = kernel
         if kernel == "torch-int4":
-            packed4 = torch._convert_weight_to_int4pack((codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8),
-                                                        _INT4_TILES)
+            packed4 = torch._convert_weight_to_int4pack(
+                (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8), _INT4_TILES
+            )
             return cls(spec, shape, kernel, packed4, scale_zero=sz)
         if kernel != "dequant":
             raise ValueError(f"kernel {kernel!r} does not take torch's CPU int4 layout (torch-int4 or dequant)")
@@ -140,8 +161,15 @@ class QuantizedLinear:
         return cls(spec, shape, kernel, codes, q=q)
 
     @classmethod
-    def from_packed(cls, packed_codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-                    spec: QuantSpec, device: torch.device | str = "cpu", kernel: str | None = None):
+    def from_packed(
+        cls,
+        packed_codes: torch.Tensor,
+        scale: torch.Tensor,
+        zero: torch.Tensor | None,
+        spec: QuantSpec,
+        device: torch.device | str = "cpu",
+        kernel: str | None = None,
+    ):
         shape = (packed_codes.shape[0], packed_codes.shape[1] * 8 // spec.storage_bits)
         if kernel is None:
             kernel = default_kernel(shape, spec, torch.device(device))
@@ -178,8 +206,9 @@ class QuantizedLinear:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def int4_kernel_layout(q: Quantized, spec: QuantSpec, device: torch.device | str = "cpu"
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+def int4_kernel_layout(
+    q: Quantized, spec: QuantSpec, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``q`` in torch's tinygemm int4 layout on ``device``: (packed codes, ``scale_zero`` [K/g, N, 2] bf16)."""
     device = torch.device(device)
     # Centre narrower codes in the 4-bit slot (int2: 6..9, int3: 4..11) so zero' below is the group's
@@ -189,8 +218,7 @@ def int4_kernel_layout(q: Quantized, spec: QuantSpec, device: torch.device | str
         packed = pack_int4_cpu(q.codes + shift if shift else q.codes)
     else:
         codes = q.codes.to(device=device, dtype=torch.int32) + shift
-        packed = torch._convert_weight_to_int4pack((codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8),
-                                                   _INT4_TILES)
+        packed = torch._convert_weight_to_int4pack((codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8), _INT4_TILES)
     # tinygemm dequantizes (c' - 8) * scale + zero' with c' = c + shift; ours is c * scale + zero,
     # so zero' = zero + (8 - shift) * scale.
     scale = q.scale.float()
@@ -249,8 +277,12 @@ def default_kernel(shape: tuple[int, int], spec: QuantSpec, device: torch.device
     the shape, else dequantize-then-matmul. ``copies``: the codes are a fresh copy (quantized in memory, not views
     of a stored blob), so native may pad a K that is not a multiple of 128."""
     device = torch.device(device)
-    if (device.type == "cpu" and spec.bits <= 4 and native_isa() == "avx512-vnni"
-            and native_supports(shape, spec.group_size, spec.asymmetric, pad=copies)):
+    if (
+        device.type == "cpu"
+        and spec.bits <= 4
+        and native_isa() == "avx512-vnni"
+        and native_supports(shape, spec.group_size, spec.asymmetric, pad=copies)
+    ):
         return "native-int4"
     return "torch-int4" if int4_supported(shape, spec, device) else "dequant"
 
@@ -274,14 +306,26 @@ def candidate_kernels(shape: tuple[int, int], spec: QuantSpec, device: torch.dev
         out.append("native-int4")
     # onnxruntime keeps its prepacked copy beside the weights (~1.8x the int4 bytes, measured): where fate-edge's
     # own kernel takes the shape, it is not worth that memory on a memory-bound device.
-    if (device.type == "cpu" and spec.bits == 4 and spec.asymmetric and k % spec.group_size == 0 and ort_available()
-            and "native-int4" not in out):
+    if (
+        device.type == "cpu"
+        and spec.bits == 4
+        and spec.asymmetric
+        and k % spec.group_size == 0
+        and ort_available()
+        and "native-int4" not in out
+    ):
         out.append("ort-int4")
     return out
 
 
-def choose_kernel(w: torch.Tensor, spec: QuantSpec, device: torch.device, samples: int = 5, calls: int = 10,
-                  rows: tuple[int, ...] = (1,)) -> str:
+def choose_kernel(
+    w: torch.Tensor,
+    spec: QuantSpec,
+    device: torch.device,
+    samples: int = 5,
+    calls: int = 10,
+    rows: tuple[int, ...] = (1,),
+) -> str:
     """The fastest kernel for ``w``'s shape at each row count in ``rows`` (1: a decode token; more: a prefill
     chunk), timed once per (bits, shape, device, threads, rows) and kept in :data:`KERNEL_TIMINGS` (one row
     under the 4-part key, ``m`` rows under the key with ``m`` appended); :func:`pick_for_rows` decides."""

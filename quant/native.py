@@ -76,9 +76,20 @@ def _load() -> None:
         return
     lib.fe_int4_isa.restype = ctypes.c_int
     lib.fe_int4_gemm.restype = ctypes.c_int
-    lib.fe_int4_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [
-        ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-        ctypes.c_int]
+    lib.fe_int4_gemm.argtypes = (
+        [ctypes.c_void_p] * 3
+        + [ctypes.c_int] * 3
+        + [
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+        ]
+    )
     lib.fe_int4_set_gemm_min_rows.argtypes = [ctypes.c_int]
     isa = lib.fe_int4_isa()
     if os.environ.get("FATE_EDGE_NATIVE") == "avx2":  # the AVX2 path on an AVX-512 host (tests, comparisons)
@@ -182,9 +193,21 @@ class NativeInt4:
         y = torch.empty(x2.shape[0], n, dtype=torch.bfloat16 if bf16 else torch.float32)
         if x2.shape[0]:
             rc = _state["lib"].fe_int4_gemm(  # type: ignore[union-attr]  (loaded in __post_init__)
-                self.codes.data_ptr(), self.scale.data_ptr(), self.zero.data_ptr(), n, self.codes.shape[1] * 2,
-                self.group_size, x2.data_ptr(), int(bf16), k, x2.shape[0], y.data_ptr(), int(bf16),
-                torch.get_num_threads(), _state["isa"])
+                self.codes.data_ptr(),
+                self.scale.data_ptr(),
+                self.zero.data_ptr(),
+                n,
+                self.codes.shape[1] * 2,
+                self.group_size,
+                x2.data_ptr(),
+                int(bf16),
+                k,
+                x2.shape[0],
+                y.data_ptr(),
+                int(bf16),
+                torch.get_num_threads(),
+                _state["isa"],
+            )
             if rc != 0:
                 raise MemoryError(f"native int4 matmul {n}x{k} on {x2.shape[0]} rows: out of memory for its buffers")
         y = y if x.dim() == 2 else y.view(*x.shape[:-1], n)

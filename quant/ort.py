@@ -62,8 +62,9 @@ def int_zero_quantize(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, t
     return codes, scale, zp.to(torch.uint8)
 
 
-def matmulnbits_model(codes: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, block: int,
-                      accuracy_level: int = 4) -> bytes:
+def matmulnbits_model(
+    codes: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, block: int, accuracy_level: int = 4
+) -> bytes:
     """ModelProto bytes computing ``Y = A @ W.T`` for ``W = (codes - zp) * scale`` [N, K] in 4 bits."""
     n, k = codes.shape
     c = codes.reshape(n, k // block, block)

@@ -80,8 +80,11 @@ def quantize(w: torch.Tensor, spec: QuantSpec, work: torch.Tensor | None = None)
         codes[r0:r1] = x.clamp_(0, spec.qmax).view(r1 - r0, k)
     if torch.isinf(scale).any():  # after every block: a nan anywhere is reported first, as it should be
         raise ValueError("quantize: a group's range overflows the fp16 scale")
-    return Quantized(codes.view(w.shape), scale.view(*w.shape[:-1], groups),
-                     None if zero is None else zero.view(*w.shape[:-1], groups))
+    return Quantized(
+        codes.view(w.shape),
+        scale.view(*w.shape[:-1], groups),
+        None if zero is None else zero.view(*w.shape[:-1], groups),
+    )
 
 
 def _check_finite(*reductions: torch.Tensor) -> None:

@@ -60,22 +60,33 @@ def _profile(make_stream, name: str, out: Path, skip: int = 4, steps: int = 8) -
         return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
 
     (out / f"profile-{name}.txt").write_text(
-        avg.table(sort_by="self_cuda_time_total", row_limit=25) + "\n\n"
-        + avg.table(sort_by="self_cpu_time_total", row_limit=25))
+        avg.table(sort_by="self_cuda_time_total", row_limit=25)
+        + "\n\n"
+        + avg.table(sort_by="self_cpu_time_total", row_limit=25)
+    )
     count = {e.key: e.count for e in avg}
-    syncs = sum(n for k, n in count.items() if k in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
-                                                      "cudaEventSynchronize"))
+    syncs = sum(
+        n for k, n in count.items() if k in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+    )
     copies = sum(n for k, n in count.items() if k.startswith("cudaMemcpy"))
-    launches = sum(n for k, n in count.items() if k in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
-                                                         "cudaGraphLaunch"))
+    launches = sum(
+        n
+        for k, n in count.items()
+        if k in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cudaGraphLaunch")
+    )
     gpu_us = sum(dev_time(e) for e in avg if e.device_type == torch.autograd.DeviceType.CUDA)
-    return {"wall_ms_per_token": wall / steps * 1e3, "gpu_busy_ms_per_token": gpu_us / steps / 1e3,
-            "host_syncs_per_token": syncs / steps, "memcpy_calls_per_token": copies / steps,
-            "launches_per_token": launches / steps,
-            "top_gpu_ops": [(e.key, round(dev_time(e) / steps, 1)) for e in
-                            sorted(avg, key=dev_time, reverse=True)[:8]],
-            "top_cpu_ops": [(e.key, round(e.self_cpu_time_total / steps, 1)) for e in
-                            sorted(avg, key=lambda e: e.self_cpu_time_total, reverse=True)[:8]]}
+    return {
+        "wall_ms_per_token": wall / steps * 1e3,
+        "gpu_busy_ms_per_token": gpu_us / steps / 1e3,
+        "host_syncs_per_token": syncs / steps,
+        "memcpy_calls_per_token": copies / steps,
+        "launches_per_token": launches / steps,
+        "top_gpu_ops": [(e.key, round(dev_time(e) / steps, 1)) for e in sorted(avg, key=dev_time, reverse=True)[:8]],
+        "top_cpu_ops": [
+            (e.key, round(e.self_cpu_time_total / steps, 1))
+            for e in sorted(avg, key=lambda e: e.self_cpu_time_total, reverse=True)[:8]
+        ],
+    }
 
 
 def run_resident(args, prompt: list[int], graphs: bool) -> dict:
@@ -85,11 +96,17 @@ def run_resident(args, prompt: list[int], graphs: bool) -> dict:
     cfg = GenerateConfig(max_tokens=args.decode_tokens, ignore_eos=True)
     _measure(stream_generate(model, tok, prompt[:16], GenerateConfig(max_tokens=4, ignore_eos=True)))
     row = _measure(stream_generate(model, tok, prompt, cfg))
-    row["graph"] = (f"captured {model.graphed.captures}x" if model.graphed is not None and model.graph_off is None
-                    else model.graph_off or "off")
+    row["graph"] = (
+        f"captured {model.graphed.captures}x"
+        if model.graphed is not None and model.graph_off is None
+        else model.graph_off or "off"
+    )
     if args.profile_dir:
-        row["profile"] = _profile(lambda: stream_generate(model, tok, prompt, cfg),
-                                  f"resident-{'graph' if graphs else 'eager'}", args.profile_dir)
+        row["profile"] = _profile(
+            lambda: stream_generate(model, tok, prompt, cfg),
+            f"resident-{'graph' if graphs else 'eager'}",
+            args.profile_dir,
+        )
     return row
 
 
@@ -99,8 +116,13 @@ def run_engine(args, prompt: list[int], policy: str, budget: str, profile: bool)
         engine.generate(prompt[:16], GenerateConfig(max_tokens=4, ignore_eos=True))
         row = _measure(engine.stream(prompt, cfg))
         s = engine.request_stats
-        row.update(hit_rate=s.hit_rate, stall_s=s.stall_s, consume_s=s.consume_s, predict_s=s.predict_s,
-                   uploads=engine.scheduler.copier.uploads)
+        row.update(
+            hit_rate=s.hit_rate,
+            stall_s=s.stall_s,
+            consume_s=s.consume_s,
+            predict_s=s.predict_s,
+            uploads=engine.scheduler.copier.uploads,
+        )
         if profile and args.profile_dir:
             row["profile"] = _profile(lambda: engine.stream(prompt, cfg), f"{policy}-{budget}", args.profile_dir)
     return row
@@ -121,8 +143,9 @@ def run_transformers(args, prompt: list[int], offload_gib: float | None, no_cudn
         model = AutoModelForCausalLM.from_pretrained(args.model, **kw).cuda()
         n = args.decode_tokens
     else:
-        model = AutoModelForCausalLM.from_pretrained(args.model, device_map="auto",
-                                                     max_memory={0: f"{offload_gib}GiB", "cpu": "100GiB"}, **kw)
+        model = AutoModelForCausalLM.from_pretrained(
+            args.model, device_map="auto", max_memory={0: f"{offload_gib}GiB", "cpu": "100GiB"}, **kw
+        )
         n = args.offload_tokens
     ids = torch.tensor([prompt], device="cuda")
     gen = {"do_sample": False, "pad_token_id": 0}
@@ -137,8 +160,12 @@ def run_transformers(args, prompt: list[int], offload_gib: float | None, no_cudn
     torch.cuda.synchronize()
     total = time.perf_counter() - t0
     del model
-    return {"decode_tps": (n - 1) / max(total - prefill, 1e-9), "prefill_tps": len(prompt) / prefill,
-            "tokens": out[0, len(prompt):].tolist(), "decode_tokens": n}
+    return {
+        "decode_tps": (n - 1) / max(total - prefill, 1e-9),
+        "prefill_tps": len(prompt) / prefill,
+        "tokens": out[0, len(prompt) :].tolist(),
+        "decode_tokens": n,
+    }
 
 
 def main() -> None:
@@ -169,15 +196,29 @@ def main() -> None:
         runs.append((f"fate-edge preset {b}", lambda b=b, i=i: run_engine(args, prompt, "fate-edge", b, i == 0)))
     for b in args.budgets:
         runs.append((f"fate {b}", lambda b=b: run_engine(args, prompt, "fate", b, False)))
-    runs.append((f"load-on-demand-int4 {args.budgets[0]}",
-                 lambda: run_engine(args, prompt, "load-on-demand-int4", args.budgets[0], False)))
+    runs.append(
+        (
+            f"load-on-demand-int4 {args.budgets[0]}",
+            lambda: run_engine(args, prompt, "load-on-demand-int4", args.budgets[0], False),
+        )
+    )
     if not args.no_peers:
         runs.append(("transformers bf16 resident", lambda: run_transformers(args, prompt, None)))
-        runs.append(("transformers bf16 resident, SDPA without cuDNN",
-                     lambda: run_transformers(args, prompt, None, no_cudnn=True)))
+        runs.append(
+            (
+                "transformers bf16 resident, SDPA without cuDNN",
+                lambda: run_transformers(args, prompt, None, no_cudnn=True),
+            )
+        )
         runs.append(("transformers bf16 + accelerate offload 2 GiB", lambda: run_transformers(args, prompt, 2.0)))
-    result = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
-              "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens, "rows": {}}
+    result = {
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "prompt_tokens": args.prompt_tokens,
+        "decode_tokens": args.decode_tokens,
+        "rows": {},
+    }
     for name, fn in runs:
         if args.only is not None and not any(name.startswith(p) for p in args.only):
             continue
@@ -203,11 +244,14 @@ def table(result: dict) -> str:
     rows = result["rows"]
     lod = next((r for n, r in rows.items() if n.startswith("load-on-demand") and "decode_tps" in r), None)
     off = next((r for n, r in rows.items() if "offload" in n and "decode_tps" in r), None)
-    lines = [f"{result['gpu']}, torch {result['torch']} (CUDA {result['cuda']}), bf16, prompt "
-             f"{result['prompt_tokens']} tokens, greedy decode {result['decode_tokens']} tokens; "
-             "`scripts/gpu_bench.py`.", "",
-             "| run | decode tok/s | prefill tok/s | x load-on-demand-int4 | x accelerate offload | hit rate |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"{result['gpu']}, torch {result['torch']} (CUDA {result['cuda']}), bf16, prompt "
+        f"{result['prompt_tokens']} tokens, greedy decode {result['decode_tokens']} tokens; "
+        "`scripts/gpu_bench.py`.",
+        "",
+        "| run | decode tok/s | prefill tok/s | x load-on-demand-int4 | x accelerate offload | hit rate |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for name, r in rows.items():
         if "decode_tps" not in r:
             lines.append(f"| {name} | failed: {r.get('error', '?')[:80]} | | | | |")

@@ -1,6 +1,6 @@
 """GPU vs CPU on the bundled model: last-position logits difference, greedy agreement and decode tok/s.
 
-    python scripts/gpu_parity.py --json out/parity.json
+python scripts/gpu_parity.py --json out/parity.json
 """
 
 from __future__ import annotations
@@ -39,10 +39,15 @@ def main() -> None:
         torch.cuda.synchronize()
         gpu.cuda_graphs = False
         eager = generate(gpu, tok, "def main():", cfg)[1]
-        result[dtype] = {"max_abs_diff_last_logits": float((a - b).abs().max()), "greedy_text_equal": ta == tb,
-                         "first_request_equal": first == tb, "graph": gpu.graph_off or "captured",
-                         "gpu_decode_tps": last.generation_tps, "gpu_eager_decode_tps": eager.generation_tps,
-                         "gpu_wall_s": time.perf_counter() - t0}
+        result[dtype] = {
+            "max_abs_diff_last_logits": float((a - b).abs().max()),
+            "greedy_text_equal": ta == tb,
+            "first_request_equal": first == tb,
+            "graph": gpu.graph_off or "captured",
+            "gpu_decode_tps": last.generation_tps,
+            "gpu_eager_decode_tps": eager.generation_tps,
+            "gpu_wall_s": time.perf_counter() - t0,
+        }
         print(dtype, result[dtype], flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))

@@ -6,5 +6,6 @@ cd "$(dirname "$0")/.."
 . scripts/venv.sh
 pip_install --resume-retries 20 -e '.[test]'
 ruff check .
+ruff format --check .
 mypy  # the packages and settings in pyproject.toml's [tool.mypy]
 python -m pytest -q "$@"

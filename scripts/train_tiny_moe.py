@@ -131,17 +131,25 @@ def build_model(cfg: TrainConfig, eos_id: int):
     )
     torch.manual_seed(cfg.seed)
     if cfg.architecture == "mixtral":  # routed experts only, each of moe_intermediate_size
-        return MixtralForCausalLM(MixtralConfig(**common, intermediate_size=cfg.moe_intermediate_size,
-                                                num_local_experts=cfg.num_experts, sliding_window=None))
-    return Qwen2MoeForCausalLM(Qwen2MoeConfig(
-        **common,
-        intermediate_size=cfg.shared_expert_intermediate_size,
-        num_experts=cfg.num_experts,
-        moe_intermediate_size=cfg.moe_intermediate_size,
-        shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
-        norm_topk_prob=False,
-        decoder_sparse_step=1,
-    ))
+        return MixtralForCausalLM(
+            MixtralConfig(
+                **common,
+                intermediate_size=cfg.moe_intermediate_size,
+                num_local_experts=cfg.num_experts,
+                sliding_window=None,
+            )
+        )
+    return Qwen2MoeForCausalLM(
+        Qwen2MoeConfig(
+            **common,
+            intermediate_size=cfg.shared_expert_intermediate_size,
+            num_experts=cfg.num_experts,
+            moe_intermediate_size=cfg.moe_intermediate_size,
+            shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+        )
+    )
 
 
 @torch.no_grad()
@@ -195,12 +203,21 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=70.0, help="wall-clock training budget")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--eval-every", type=int, default=200)
-    ap.add_argument("--resume", type=Path, default=None,
-                    help="continue training the model saved in this directory (same tokenizer, a new LR schedule)")
+    ap.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        help="continue training the model saved in this directory (same tokenizer, a new LR schedule)",
+    )
     ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default: TrainConfig.lr)")
-    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                    help="override a TrainConfig field, e.g. --set num_experts=8 --set hidden_size=256 "
-                         "(a second trained model to measure predictors on; the bundled one uses the defaults)")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a TrainConfig field, e.g. --set num_experts=8 --set hidden_size=256 "
+        "(a second trained model to measure predictors on; the bundled one uses the defaults)",
+    )
     args = ap.parse_args()
     cfg = config_with(TrainConfig(), args.set)
     torch.set_num_threads(args.threads)
@@ -217,8 +234,11 @@ def main() -> None:
     if args.lr:
         cfg.lr = args.lr
     train_ids, heldout_ids = encode_all(tok, train_texts), encode_all(tok, heldout_texts)
-    print(f"corpus: {len(train_texts)} train files ({len(train_ids)} tokens), "
-          f"{len(heldout_texts)} held-out files ({len(heldout_ids)} tokens), {time.time() - t0:.0f}s", flush=True)
+    print(
+        f"corpus: {len(train_texts)} train files ({len(train_ids)} tokens), "
+        f"{len(heldout_texts)} held-out files ({len(heldout_ids)} tokens), {time.time() - t0:.0f}s",
+        flush=True,
+    )
 
     log: list[dict] = []
     step, tokens, seconds_before = 0, 0, 0.0
@@ -259,21 +279,45 @@ def main() -> None:
         tokens += x.numel()
         if step % 20 == 0:
             elapsed = round(seconds_before + time.time() - start, 1)
-            entry = {"step": step, "tokens": tokens, "seconds": elapsed, "lr": lr,
-                     "loss": round(out.loss.item(), 4), "aux_loss": round(out.aux_loss.item(), 4)}
+            entry = {
+                "step": step,
+                "tokens": tokens,
+                "seconds": elapsed,
+                "lr": lr,
+                "loss": round(out.loss.item(), 4),
+                "aux_loss": round(out.aux_loss.item(), 4),
+            }
             if step % args.eval_every == 0:
                 entry["heldout_loss"] = round(evaluate(model, heldout_ids, cfg), 4)
             log.append(entry)
             print(json.dumps(entry), flush=True)
         if step % 1000 == 0:
-            save(model, tok, args.out, cfg, log, {"complete": False, "steps": step, "train_tokens": tokens,
-                                                  "train_seconds": round(seconds_before + time.time() - start),
-                                                  "commands": commands})
+            save(
+                model,
+                tok,
+                args.out,
+                cfg,
+                log,
+                {
+                    "complete": False,
+                    "steps": step,
+                    "train_tokens": tokens,
+                    "train_seconds": round(seconds_before + time.time() - start),
+                    "commands": commands,
+                },
+            )
     final = evaluate(model, heldout_ids, cfg, max_batches=50)
-    meta = {"complete": True, "steps": step, "train_tokens": tokens,
-            "train_seconds": round(seconds_before + time.time() - start),
-            "heldout_loss": final, "heldout_ppl": math.exp(final), "threads": args.threads,
-            "corpus": f"Python {sysconfig.get_python_version()} standard library .py files", "commands": commands}
+    meta = {
+        "complete": True,
+        "steps": step,
+        "train_tokens": tokens,
+        "train_seconds": round(seconds_before + time.time() - start),
+        "heldout_loss": final,
+        "heldout_ppl": math.exp(final),
+        "threads": args.threads,
+        "corpus": f"Python {sysconfig.get_python_version()} standard library .py files",
+        "commands": commands,
+    }
     save(model, tok, args.out, cfg, log, meta)
     print(json.dumps({k: v for k, v in meta.items()}), flush=True)
 

@@ -19,8 +19,12 @@ def calibrated_bundled_copy(bundled_dir: Path, tmp_path: Path, monkeypatch, **op
     shutil.copytree(bundled_dir, model_dir, ignore=shutil.ignore_patterns("predictors"))
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(CORPUS))
-    report = calibrate(model_dir, CalibrateOptions(corpus=corpus, tokens=2048, seq_len=64, lookahead=1, rank=8,
-                                                   epochs=2, onnx=False, progress=False, **options))
+    report = calibrate(
+        model_dir,
+        CalibrateOptions(
+            corpus=corpus, tokens=2048, seq_len=64, lookahead=1, rank=8, epochs=2, onnx=False, progress=False, **options
+        ),
+    )
     return model_dir, report
 
 

@@ -63,5 +63,6 @@ def reference_store(model_dir: Path, out: Path, kind: str, keep_bf16: bool = Fal
             if (model_dir / f).exists():
                 shutil.copy2(model_dir / f, tmp / f)
 
-    return write_store(StoreSource(model_dir, cfg, reader, names, 0, encode, write_aux, 0), out, opts, precisions,
-                       progress=False)
+    return write_store(
+        StoreSource(model_dir, cfg, reader, names, 0, encode, write_aux, 0), out, opts, precisions, progress=False
+    )

@@ -12,8 +12,12 @@ from gguf import GGMLQuantizationType, GGUFWriter, quants
 from safetensors.torch import load_file
 
 ARCH = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
-_LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-          "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight"}
+_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+}
 for _p, _g in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "output")):
     for _kind in ("weight", "bias"):
         _LAYER[f"self_attn.{_p}_proj.{_kind}"] = f"attn_{_g}.{_kind}"
@@ -76,8 +80,9 @@ def write_gguf(model_dir: Path, out: Path, experts: str = "Q4_0", resident: str 
     if eos is not None:
         g.add_eos_token_id(eos)
     g.add_add_bos_token(False)
-    template = tcfg.get("chat_template") or ((model_dir / "chat_template.jinja").read_text()
-                                           if (model_dir / "chat_template.jinja").exists() else None)
+    template = tcfg.get("chat_template") or (
+        (model_dir / "chat_template.jinja").read_text() if (model_dir / "chat_template.jinja").exists() else None
+    )
     if template:
         g.add_chat_template(template)
 
@@ -85,8 +90,9 @@ def write_gguf(model_dir: Path, out: Path, experts: str = "Q4_0", resident: str 
         if x.ndim < 2 or x.shape[-1] % 32:
             qtype = GGMLQuantizationType.F32
         data = _quantize(x, qtype)
-        g.add_tensor(name, data, raw_dtype=qtype if qtype not in (GGMLQuantizationType.F32,
-                                                                 GGMLQuantizationType.F16) else None)
+        g.add_tensor(
+            name, data, raw_dtype=qtype if qtype not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) else None
+        )
 
     add("token_embd.weight", w.pop("model.embed_tokens.weight"), r_type)
     add("output_norm.weight", w.pop("model.norm.weight"), GGMLQuantizationType.F32)
@@ -98,7 +104,7 @@ def write_gguf(model_dir: Path, out: Path, experts: str = "Q4_0", resident: str 
             stacked = np.stack([w.pop(f"{pre}mlp.experts.{e}.{m}_proj.weight") for e in range(cfg["num_experts"])])
             add(f"blk.{i}.ffn_{m}_exps.weight", stacked, e_type)
         for key in sorted(k for k in w if k.startswith(pre)):
-            part = key[len(pre):]
+            part = key[len(pre) :]
             x = w.pop(key)
             if part == "mlp.shared_expert_gate.weight":
                 x = x.reshape(-1)

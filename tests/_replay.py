@@ -86,8 +86,9 @@ def decode_routing(trace: Trace, moe_layers: list[int]) -> tuple[dict[int, torch
     return ids, {layer: e for layer, e in prefill}
 
 
-def oracle_scores(trace: Trace, moe_layers: list[int], lookahead: int, num_experts: int
-                  ) -> dict[tuple[int, int], torch.Tensor]:
+def oracle_scores(
+    trace: Trace, moe_layers: list[int], lookahead: int, num_experts: int
+) -> dict[tuple[int, int], torch.Tensor]:
     """What the oracle predictor scores at each decode step, as the simulator takes it: (source, target) → [N, E]."""
     decode = trace.calls[len(moe_layers) :]
     oracle = OraclePredictor(decode, moe_layers, lookahead=lookahead, num_experts=num_experts)
@@ -106,9 +107,19 @@ def simulate_engine(engine: Engine, trace: Trace):
     cfg = engine.model.config
     ids, warm = decode_routing(trace, cfg.moe_layers)
     preds = oracle_scores(trace, cfg.moe_layers, engine.policy.lookahead, cfg.num_experts)
-    return simulate(ids, preds, engine.policy, engine.plan.cache_bytes, engine.plan.entry_bytes, LINK,
-                    HostCosts(1e-3), cfg.num_experts, cfg.num_hidden_layers, warm=warm,
-                    max_inflight=engine.scheduler.max_inflight)
+    return simulate(
+        ids,
+        preds,
+        engine.policy,
+        engine.plan.cache_bytes,
+        engine.plan.entry_bytes,
+        LINK,
+        HostCosts(1e-3),
+        cfg.num_experts,
+        cfg.num_hidden_layers,
+        warm=warm,
+        max_inflight=engine.scheduler.max_inflight,
+    )
 
 
 def record_with_predictions(store, config: GenerateConfig = CFG):

@@ -77,8 +77,16 @@ def write_training_log(out: Path) -> None:
     ]
     for entry in log[4::5]:
         entry["heldout_loss"] = entry["loss"] + 0.2
-    meta = {"complete": True, "steps": 200, "train_tokens": 200 * 4096, "train_seconds": 300,
-            "heldout_loss": 4.2, "heldout_ppl": 66.7, "threads": 2, "corpus": "Python standard library .py files",
-            "commands": ["python scripts/train_tiny_moe.py --out tiny --minutes 5"]}
+    meta = {
+        "complete": True,
+        "steps": 200,
+        "train_tokens": 200 * 4096,
+        "train_seconds": 300,
+        "heldout_loss": 4.2,
+        "heldout_ppl": 66.7,
+        "threads": 2,
+        "corpus": "Python standard library .py files",
+        "commands": ["python scripts/train_tiny_moe.py --out tiny --minutes 5"],
+    }
     cfg = {"seq_len": 64, "batch_size": 4, "heldout_fraction": 0.02, "max_corpus_bytes": 32_000_000}
     (out / "training_log.json").write_text(json.dumps({"config": cfg, **meta, "log": log}))

@@ -7,9 +7,17 @@ from fate_edge.planning.batch_size import StepCosts, choose_batch, predict, unio
 
 
 def _costs(**kw) -> StepCosts:
-    base = dict(step_s=0.010, expert_s=0.0005, read_s=0.0002, reads_per_step=4.0,
-                experts_per_layer=[[2 / 16] * 16 for _ in range(8)], cached=[list(range(5)) for _ in range(8)],
-                expert_flops=2 * 3 * 192 * 128, rest_flops=2e6, peak_flops=2e10)
+    base = dict(
+        step_s=0.010,
+        expert_s=0.0005,
+        read_s=0.0002,
+        reads_per_step=4.0,
+        experts_per_layer=[[2 / 16] * 16 for _ in range(8)],
+        cached=[list(range(5)) for _ in range(8)],
+        expert_flops=2 * 3 * 192 * 128,
+        rest_flops=2e6,
+        peak_flops=2e10,
+    )
     return StepCosts(**(base | kw))
 
 

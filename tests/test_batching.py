@@ -11,8 +11,14 @@ from fate_edge.model.experts import InMemoryExpertProvider
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-PROMPTS = ["def main():", "import os\nimport sys\n", "class Point:\n    def __init__(self, x", "x = ",
-           "# read the file line by line\n", "for i in range(10):"]
+PROMPTS = [
+    "def main():",
+    "import os\nimport sys\n",
+    "class Point:\n    def __init__(self, x",
+    "x = ",
+    "# read the file line by line\n",
+    "for i in range(10):",
+]
 
 
 def _cfg(n: int, **kw) -> GenerateConfig:

@@ -99,6 +99,7 @@ def test_a_failed_read_fails_the_step_and_the_batch_goes_on(engines, expected):
 
 def test_a_failure_of_the_batch_worker_reaches_every_reader():
     with Engine.load(memory_budget="2MB", device="cpu", max_batch=2) as engine:
+
         def broken(*a):
             raise RuntimeError("worker bug")
 

@@ -32,9 +32,20 @@ def tiny_run(tmp_path_factory, bundled_dir):
     tmp = tmp_path_factory.mktemp("bench")
     store = ensure_store(bundled_dir, progress=False)  # int4 + int2 + bf16, converted once, shared with other tests
     cfg = BenchConfig(
-        model=str(store), presets=PRESETS, budgets=[0.35], links=["orin-nano-nvme"], prompt_tokens=[16],
-        decode_tokens=8, runs=2, threads=2, peers=False, planner=True, out_dir=str(tmp / "out"),
-        work_dir=str(tmp / "work"), plot_path=str(tmp / "out" / "bench.png"), isolate=False,
+        model=str(store),
+        presets=PRESETS,
+        budgets=[0.35],
+        links=["orin-nano-nvme"],
+        prompt_tokens=[16],
+        decode_tokens=8,
+        runs=2,
+        threads=2,
+        peers=False,
+        planner=True,
+        out_dir=str(tmp / "out"),
+        work_dir=str(tmp / "work"),
+        plot_path=str(tmp / "out" / "bench.png"),
+        isolate=False,
     )
     result = run_bench(cfg)
     paths = write_outputs(result, cfg)
@@ -45,8 +56,18 @@ def tiny_run(tmp_path_factory, bundled_dir):
 def test_json_structure(tiny_run):
     cfg, result, paths = tiny_run
     saved = json.loads(paths["json"].read_text())
-    for key in ("date", "machine", "threads", "model", "prompts", "links", "results", "peers", "skipped_presets",
-                "int4_reference_tokens"):
+    for key in (
+        "date",
+        "machine",
+        "threads",
+        "model",
+        "prompts",
+        "links",
+        "results",
+        "peers",
+        "skipped_presets",
+        "int4_reference_tokens",
+    ):
         assert key in saved, key
     assert saved["threads"]["torch"] == 2
     assert saved["prompts"]["lengths"] == [16] and saved["prompts"]["decode_tokens"] == 8
@@ -82,11 +103,14 @@ def test_ratios_are_against_the_same_run(tiny_run):
     for name in ("fate-edge", "oracle"):
         r = runs[name]
         assert r["ratios"]["load-on-demand-int4"]["decode"] == pytest.approx(
-            r["median"]["decode_tps"] / lod["decode_tps"])
+            r["median"]["decode_tps"] / lod["decode_tps"]
+        )
         assert r["ratios"]["load-on-demand-int4"]["prefill_16"] == pytest.approx(
-            r["median"]["prefill_tps"]["16"] / lod["prefill_tps"]["16"])
+            r["median"]["prefill_tps"]["16"] / lod["prefill_tps"]["16"]
+        )
         assert r["ratios"]["oracle"]["decode"] == pytest.approx(
-            r["median"]["decode_tps"] / runs["oracle"]["median"]["decode_tps"])
+            r["median"]["decode_tps"] / runs["oracle"]["median"]["decode_tps"]
+        )
     assert "load-on-demand" not in runs["fate-edge"]["ratios"]  # bf16 baseline not run: no made-up ratio
 
 
@@ -133,18 +157,23 @@ def test_planned_configuration_is_planned_in_its_worker_and_reported(tiny_run):
     r = planned[0]
     assert r["planner_predicted_decode_tps"] > 0 and "planner_s" in r
     assert len(r["planner_predictions"]) == 2  # planned again in each round's worker; the median is reported
-    assert r["planner_predicted_decode_tps"] == pytest.approx(sorted(r["planner_predictions"])[0] / 2
-                                                              + sorted(r["planner_predictions"])[1] / 2)
+    assert r["planner_predicted_decode_tps"] == pytest.approx(
+        sorted(r["planner_predictions"])[0] / 2 + sorted(r["planner_predictions"])[1] / 2
+    )
     # the search's pick, or a preset it weighed and did not beat by more than its error (plan_presets.py)
     assert r["policy"]["name"] in ("planned", "fate-edge", "fate") and "ms compute per layer" in r["planner_costs"]
     assert r["planner_error"] == pytest.approx(r["planner_predicted_decode_tps"] / r["median"]["decode_tps"] - 1)
     # beside the fate-edge row of the same link and budget: its prediction on the planner's trace, its measurement
-    preset = next(q for q in result["results"] if q["preset"] == "fate-edge" and q["link"] == r["link"]
-                  and q["budget_fraction"] == r["budget_fraction"])
+    preset = next(
+        q
+        for q in result["results"]
+        if q["preset"] == "fate-edge" and q["link"] == r["link"] and q["budget_fraction"] == r["budget_fraction"]
+    )
     assert set(r["planner_preset_predictions"]) == {"fate-edge", "fate"}
     assert r["auto_over_preset"] == pytest.approx(r["median"]["decode_tps"] / preset["median"]["decode_tps"])
-    assert r["preset_prediction_error"] == pytest.approx(r["planner_preset_predictions"]["fate-edge"]
-                                                         / preset["median"]["decode_tps"] - 1)
+    assert r["preset_prediction_error"] == pytest.approx(
+        r["planner_preset_predictions"]["fate-edge"] / preset["median"]["decode_tps"] - 1
+    )
     md = paths["markdown"].read_text()
     assert "**Planner**" in md and f"{r['planner_predicted_decode_tps']:.2f}" in md
     assert "auto / fate-edge" in md and f"{r['auto_over_preset']:.2f}" in md
@@ -154,9 +183,9 @@ def test_planned_configuration_is_planned_in_its_worker_and_reported(tiny_run):
     without = any(q["predictor"] is None for q in r["planner_policies"])
     assert ("planner_predicted_on_run_routing" in r) == without
     if without:
-        assert r["planner_error_on_run_routing"] == pytest.approx(r["planner_predicted_on_run_routing"]
-                                                                  / r["median"]["decode_tps"] - 1)
-
+        assert r["planner_error_on_run_routing"] == pytest.approx(
+            r["planner_predicted_on_run_routing"] / r["median"]["decode_tps"] - 1
+        )
 
 
 @pytest.mark.slow
@@ -164,14 +193,40 @@ def test_fate_edge_bench_records_its_own_command_and_runs_its_workers_from_the_i
     from fate_edge.format.converted_stores import ensure_store
 
     store = ensure_store(bundled_dir, progress=False)
-    argv = ["bench", "--model", str(store), "--presets", "load-on-demand-int4", "--budgets", "0.35", "--links",
-            "orin-nano-nvme", "--prompt-tokens", "16", "--decode-tokens", "4", "--runs", "1", "--threads", "1",
-            "--no-peers", "--no-planner", "--out-dir", str(tmp_path / "out")]
+    argv = [
+        "bench",
+        "--model",
+        str(store),
+        "--presets",
+        "load-on-demand-int4",
+        "--budgets",
+        "0.35",
+        "--links",
+        "orin-nano-nvme",
+        "--prompt-tokens",
+        "16",
+        "--decode-tokens",
+        "4",
+        "--runs",
+        "1",
+        "--threads",
+        "1",
+        "--no-peers",
+        "--no-planner",
+        "--out-dir",
+        str(tmp_path / "out"),
+    ]
     # The console script, run outside the checkout without PYTHONPATH: the bench and the worker processes it
     # starts (python -m fate_edge.bench --trace / --worker) import the installed package.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([str(Path(sys.executable).with_name("fate-edge")), *argv], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [str(Path(sys.executable).with_name("fate-edge")), *argv],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads((tmp_path / "out" / "bench.json").read_text())
     want = "fate-edge " + " ".join(argv)
@@ -185,16 +240,21 @@ def test_fate_edge_bench_records_its_own_command_and_runs_its_workers_from_the_i
 
 def test_the_command_is_recorded_as_invoked():
     assert invoked_command(["/venv/bin/fate-edge", "bench", "--quick"]) == "fate-edge bench --quick"
-    assert invoked_command(["scripts/research/bench_io.py", "--runs", "3", "--results"]) == \
-        "python scripts/research/bench_io.py --runs 3 --results"
-    assert invoked_command(["/x/fate_edge/bench/__main__.py", "--runs", "1"], "fate_edge.bench") == \
-        "python -m fate_edge.bench --runs 1"
+    assert (
+        invoked_command(["scripts/research/bench_io.py", "--runs", "3", "--results"])
+        == "python scripts/research/bench_io.py --runs 3 --results"
+    )
+    assert (
+        invoked_command(["/x/fate_edge/bench/__main__.py", "--runs", "1"], "fate_edge.bench")
+        == "python -m fate_edge.bench --runs 1"
+    )
     assert invoked_command(["fate-edge", "bench", "--work-dir", "my dir"]) == "fate-edge bench --work-dir 'my dir'"
 
 
 def test_plots_go_next_to_the_json_unless_a_plots_dir_is_given(tmp_path):
-    cfg = BenchConfig(out_dir=str(tmp_path / "out"), json_path=str(tmp_path / "j" / "b.json"),
-                      readme="docs/results/bench.md")
+    cfg = BenchConfig(
+        out_dir=str(tmp_path / "out"), json_path=str(tmp_path / "j" / "b.json"), readme="docs/results/bench.md"
+    )
     assert output_paths(cfg) == (tmp_path / "j" / "b.json", tmp_path / "out" / "bench.md", tmp_path / "j" / "bench.png")
     cfg.quick, cfg.plots_dir = True, str(tmp_path / "docs")
     assert output_paths(cfg)[2] == tmp_path / "docs" / "bench_quick.png"

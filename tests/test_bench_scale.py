@@ -16,9 +16,19 @@ from fate_edge.runtime.footprint import memory_need
 @pytest.mark.slow
 def test_scale_bench_converts_and_runs_each_budget_within_its_cap(tmp_path, bundled_dir):
     budgets = [1_500_000, 3_000_000]
-    cfg = ScaleConfig(bundled_dir, tmp_path / "store", budgets, convert_limit=1_000_000_000,
-                      convert_opts=ConvertOptions(bits=4, cold_bits=2, keep_bf16=False), prompt_tokens=12,
-                      decode_tokens=3, threads=1, drop_caches=False, disk_probe_bytes=32 << 20, timeout_s=600)
+    cfg = ScaleConfig(
+        bundled_dir,
+        tmp_path / "store",
+        budgets,
+        convert_limit=1_000_000_000,
+        convert_opts=ConvertOptions(bits=4, cold_bits=2, keep_bf16=False),
+        prompt_tokens=12,
+        decode_tokens=3,
+        threads=1,
+        drop_caches=False,
+        disk_probe_bytes=32 << 20,
+        timeout_s=600,
+    )
     result = run_scale(cfg, tmp_path / "out")
 
     reader = CheckpointReader(bundled_dir)
@@ -53,9 +63,11 @@ def _fake_llama(decode_tps: float):
     import json
     import sys
 
-    code = ("import json, sys; s = json.loads(sys.argv[1]); print(json.dumps({'prefill_tps': 50.0, 'decode_tps': "
-            f"{decode_tps}, 'tokens': [1, 2, 3], 'decode_read_mb_per_token': 7.5, 'peak_rss_bytes': 123456789, "
-            "'n_ids': len(s['ids']), 'threads': s['threads'], 'mode': s['mode'], 'repack': s['repack']}))")
+    code = (
+        "import json, sys; s = json.loads(sys.argv[1]); print(json.dumps({'prefill_tps': 50.0, 'decode_tps': "
+        f"{decode_tps}, 'tokens': [1, 2, 3], 'decode_read_mb_per_token': 7.5, 'peak_rss_bytes': 123456789, "
+        "'n_ids': len(s['ids']), 'threads': s['threads'], 'mode': s['mode'], 'repack': s['repack']}))"
+    )
     return lambda spec: [sys.executable, "-c", code, json.dumps(spec)]
 
 
@@ -69,14 +81,28 @@ def test_llama_side_runs_beside_each_budget_in_every_round_under_the_same_cap(tm
 
     convert(bundled_dir, store, ConvertOptions(bits=4, keep_bf16=False), progress=False)
     budgets = [1_500_000, 3_000_000]
-    cfg = ScaleConfig(bundled_dir, store, budgets, convert=False, prompt_tokens=12, decode_tokens=3, threads=1,
-                      drop_caches=False, timeout_s=600, resident_bits=4, gguf=tmp_path / "fake.gguf", rounds=2)
+    cfg = ScaleConfig(
+        bundled_dir,
+        store,
+        budgets,
+        convert=False,
+        prompt_tokens=12,
+        decode_tokens=3,
+        threads=1,
+        drop_caches=False,
+        timeout_s=600,
+        resident_bits=4,
+        gguf=tmp_path / "fake.gguf",
+        rounds=2,
+    )
     result = run_scale(cfg, tmp_path / "out")
 
     assert [(r["round"], r["budget_bytes"]) for r in result["runs"]] == [(0, b) for b in budgets] + [
-        (1, b) for b in budgets]
+        (1, b) for b in budgets
+    ]
     assert [(r["round"], r["budget_bytes"]) for r in result["llama"]] == [
-        (r["round"], r["budget_bytes"]) for r in result["runs"]]  # interleaved: one llama.cpp run after each
+        (r["round"], r["budget_bytes"]) for r in result["runs"]
+    ]  # interleaved: one llama.cpp run after each
     for ours, theirs in zip(result["runs"], result["llama"]):
         assert "error" not in ours and "error" not in theirs, (ours, theirs)
         need = memory_need(store, ours["budget_bytes"], cfg.dtype, 15, resident_bits=4)
@@ -104,13 +130,25 @@ def test_side_by_side_table_from_a_result_with_failures_and_ooms():
     from fate_edge.bench.scale import summarize_scale
 
     def run(budget, decode, **extra):
-        return {"budget_bytes": budget, "limit_bytes": budget + 10**9, "prefill_tps": 10.0, "decode_tps": decode,
-                "peak_rss_bytes": 5 * 10**8, "decode_read_mb_per_token": 1.0, "load_before": [1.0], **extra}
+        return {
+            "budget_bytes": budget,
+            "limit_bytes": budget + 10**9,
+            "prefill_tps": 10.0,
+            "decode_tps": decode,
+            "peak_rss_bytes": 5 * 10**8,
+            "decode_read_mb_per_token": 1.0,
+            "load_before": [1.0],
+            **extra,
+        }
 
     g2, g4 = 2 * 10**9, 4 * 10**9
     runs = [run(g2, 3.0, peak_bytes=2 * 10**9), run(g4, 4.0), run(g2, 5.0), run(g4, 6.0)]
-    llama = [run(g2, 1.0, peak_bytes=3 * 10**9, oom_kills=1), {"budget_bytes": g2, "limit_bytes": g2 + 10**9,
-             "error": "killed", "oom_kills": 2, "load_before": [1.5]}, run(g4, 4.0), run(g4, 2.0)]
+    llama = [
+        run(g2, 1.0, peak_bytes=3 * 10**9, oom_kills=1),
+        {"budget_bytes": g2, "limit_bytes": g2 + 10**9, "error": "killed", "oom_kills": 2, "load_before": [1.5]},
+        run(g4, 4.0),
+        run(g4, 2.0),
+    ]
     summary = summarize_scale(runs, llama)
     two = summary[0]["sides"]
     assert two["fate-edge"]["decode_tps"] == 4.0 and two["llama.cpp"]["decode_tps"] == 1.0
@@ -118,12 +156,20 @@ def test_side_by_side_table_from_a_result_with_failures_and_ooms():
     assert (two["llama.cpp"]["runs"], two["llama.cpp"]["failed"], two["llama.cpp"]["oom_kills"]) == (2, 1, 3)
     assert two["llama.cpp"]["cgroup_peak_bytes"] == 3 * 10**9
     assert summary[1]["sides"]["fate-edge"]["decode_tps_ratio"] == 5.0 / 3.0
-    result = {"config": {"threads": 1, "prompt_tokens": 64, "decode_tokens": 16, "rounds": 2, "resident_bits": 4,
-                         "dtype": "bfloat16"}, "summary": summary}
+    result = {
+        "config": {
+            "threads": 1,
+            "prompt_tokens": 64,
+            "decode_tokens": 16,
+            "rounds": 2,
+            "resident_bits": 4,
+            "dtype": "bfloat16",
+        },
+        "summary": summary,
+    }
     text = "\n".join(side_by_side(result))
     assert "2 GB: 4.00x (met); 4 GB: 1.67x (missed)" in text
     assert "| 2 GB | 3.00 GB | llama.cpp |" in text and "| 2 (1) |" in text
-
 
 
 def test_budgets_are_gb_lists_and_empty_means_convert_only(tmp_path):

@@ -26,8 +26,11 @@ def test_throughput_run_serves_the_same_requests_both_ways(tmp_path):
         assert r["tokens"] == 3 * 4 and r["tok_s"] > 0 and r["bytes_per_token"] >= 0
         assert r["ttft_p50_s"] <= r["ttft_p90_s"] and r["token_p50_s"] <= r["token_p99_s"]
     assert out["single_request"]["tokens"] == 4 and 1 <= out["mean_batch"] <= 3
-    assert set(out["ratios"]) == {"tok_s_batched_over_alone", "token_p50_batched_over_single",
-                                  "bytes_per_token_alone_over_batched"}
+    assert set(out["ratios"]) == {
+        "tok_s_batched_over_alone",
+        "token_p50_batched_over_single",
+        "bytes_per_token_alone_over_batched",
+    }
     assert out["host"]["cores"] >= 1 and len(out["host"]["load_average"]) == 3
     (tmp_path / "batching-tiny.json").write_text(json.dumps(out))
     (tmp_path / "batching-agreement.json").write_text(json.dumps({"cases": []}))  # not a throughput run: skipped

@@ -20,10 +20,23 @@ BF16_ATOL = 2e-2  # tests/test_parity.py, DESIGN.md §3
 def real_width(tmp_path_factory):
     """One MoE layer at the published widths (4 experts, top-2, a small vocabulary), saved in bf16."""
     cfg = transformers.Qwen2MoeConfig(
-        vocab_size=512, hidden_size=2048, intermediate_size=5632, num_hidden_layers=1, num_attention_heads=16,
-        num_key_value_heads=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=1408,
-        shared_expert_intermediate_size=5632, norm_topk_prob=False, max_position_embeddings=256,
-        tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, rope_theta=1e6)
+        vocab_size=512,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=1,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=1408,
+        shared_expert_intermediate_size=5632,
+        norm_topk_prob=False,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        rope_theta=1e6,
+    )
     torch.manual_seed(0)
     model = transformers.Qwen2MoeForCausalLM(cfg).to(torch.bfloat16)
     out = tmp_path_factory.mktemp("real-width")
@@ -49,6 +62,8 @@ def test_bf16_at_real_width_is_as_close_to_exact_as_transformers_bf16(real_width
         fp32 = load_model(real_width, dtype=torch.float32)
         assert (fp32(ids, fp32.new_cache(), last_only=True)[0, -1] - exact).abs().max() <= 1e-4
     ours_err, their_err = (ours - exact).abs().max().item(), (theirs - exact).abs().max().item()
-    print(f"bf16 vs float32: ours {ours_err:.4f}, transformers {their_err:.4f}; ours vs transformers "
-          f"{(ours - theirs).abs().max().item():.4f}")
+    print(
+        f"bf16 vs float32: ours {ours_err:.4f}, transformers {their_err:.4f}; ours vs transformers "
+        f"{(ours - theirs).abs().max().item():.4f}"
+    )
     assert ours_err <= max(BF16_ATOL, 1.25 * their_err)

@@ -10,8 +10,17 @@ from fate_edge.runtime.policy import PRESETS
 from fate_edge.sizes import format_bytes
 
 
-@pytest.mark.parametrize("n,text", [(3_464_001, "3.47 MB"), (3_500_000, "3.50 MB"), (999.2, "1000 B"),
-                                    (12_340_001, "12.4 MB"), (41_472, "41.5 KB"), (2e9, "2.00 GB")])
+@pytest.mark.parametrize(
+    "n,text",
+    [
+        (3_464_001, "3.47 MB"),
+        (3_500_000, "3.50 MB"),
+        (999.2, "1000 B"),
+        (12_340_001, "12.4 MB"),
+        (41_472, "41.5 KB"),
+        (2e9, "2.00 GB"),
+    ],
+)
 def test_round_up_never_shows_less_than_the_size(n, text):
     assert format_bytes(n, round_up=True) == text
     assert parse_bytes(text.replace(" ", "")) >= n
@@ -37,6 +46,8 @@ def test_small_and_large_sizes_get_their_own_unit():
     assert "need up to 3.50 GB" in memory_shortfall(gb // 2, 3 * gb, 2 * gb, None, unified=True)
     assert "only 2.00 GB of memory" in memory_shortfall(gb // 2, 3 * gb, 2 * gb, None, unified=True)
     assert "needs up to 3.00 GB of GPU memory but 512.0 MB is free" in memory_shortfall(
-        gb // 2, 3 * gb, 8 * gb, 512_000_000, unified=False)
+        gb // 2, 3 * gb, 8 * gb, 512_000_000, unified=False
+    )
     assert "need 1.50 GB of host memory but only 800.0 MB" in memory_shortfall(
-        3 * gb // 2, gb, 800_000_000, 8 * gb, unified=False)
+        3 * gb // 2, gb, 800_000_000, 8 * gb, unified=False
+    )

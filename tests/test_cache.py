@@ -95,8 +95,15 @@ def test_pinned_entries_are_never_evicted_and_budget_holds():
 @settings(max_examples=200, deadline=None)
 @given(
     capacity=st.integers(min_value=0, max_value=40),
-    ops=st.lists(st.tuples(st.sampled_from(["insert", "pin", "unpin", "access"]), st.integers(0, 3),
-                           st.integers(0, 7), st.integers(1, 12)), max_size=120),
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["insert", "pin", "unpin", "access"]),
+            st.integers(0, 3),
+            st.integers(0, 7),
+            st.integers(1, 12),
+        ),
+        max_size=120,
+    ),
     policy=st.sampled_from(["lru", "lfu", "arc", "popularity", "lcu"]),
 )
 def test_budget_is_never_exceeded(capacity, ops, policy):

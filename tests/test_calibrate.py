@@ -45,9 +45,29 @@ def parse(argv):
 def test_calibrate_command_end_to_end(tiny, tmp_path, capsys):
     model_dir, corpus = tiny
     pred_dir = tmp_path / "predictors"  # the tiny model's 16-wide experts cannot be grouped into a store
-    args = parse(["calibrate", str(model_dir), "--corpus", str(corpus), "--tokens", "2048", "--seq-len", "64",
-                  "--lookahead", "2", "--rank", "8", "--epochs", "5", "--out", str(tmp_path), "--predictors-dir",
-                  str(pred_dir), "--quiet"])
+    args = parse(
+        [
+            "calibrate",
+            str(model_dir),
+            "--corpus",
+            str(corpus),
+            "--tokens",
+            "2048",
+            "--seq-len",
+            "64",
+            "--lookahead",
+            "2",
+            "--rank",
+            "8",
+            "--epochs",
+            "5",
+            "--out",
+            str(tmp_path),
+            "--predictors-dir",
+            str(pred_dir),
+            "--quiet",
+        ]
+    )
     assert args.func(args) == 0
     printed = capsys.readouterr().out
     assert "| learned-lowrank | 0 → 1 |" in printed and "| token-popularity | tok → 0 |" in printed
@@ -78,8 +98,10 @@ def test_calibrate_command_end_to_end(tiny, tmp_path, capsys):
     for kind in ("linear", "lowrank"):
         path = pred_dir / f"learned-{kind}-p2.json"
         manifest = json.loads(path.read_text())
-        assert manifest["training"]["train_tokens"] + manifest["training"]["val_tokens"] == \
-            report["corpus"]["train_tokens"]
+        assert (
+            manifest["training"]["train_tokens"] + manifest["training"]["val_tokens"]
+            == report["corpus"]["train_tokens"]
+        )
         assert len(manifest["metrics"]["heldout"]) == 3
         h = torch.randn(3, 32)
         onnx, torch_ = OnnxPredictor(path).predict(0, h), LearnedPredictor.load(path).predict(0, h)
@@ -98,8 +120,26 @@ def test_calibrating_a_read_only_model_gives_the_engine_its_learned_predictor(ti
     before = {p.relative_to(ro): p.stat().st_mtime_ns for p in ro.rglob("*")}
     _set_mode(ro, 0o444, 0o555)
     try:
-        args = parse(["calibrate", str(ro), "--corpus", str(corpus), "--tokens", "2048", "--seq-len", "64",
-                      "--lookahead", "1", "--rank", "8", "--epochs", "3", "--no-onnx", "--quiet"])
+        args = parse(
+            [
+                "calibrate",
+                str(ro),
+                "--corpus",
+                str(corpus),
+                "--tokens",
+                "2048",
+                "--seq-len",
+                "64",
+                "--lookahead",
+                "1",
+                "--rank",
+                "8",
+                "--epochs",
+                "3",
+                "--no-onnx",
+                "--quiet",
+            ]
+        )
         assert args.func(args) == 0
         printed = capsys.readouterr().out
         # Checked by content, not only by permission: root may write to a read-only folder.
@@ -118,11 +158,18 @@ def test_a_model_our_training_script_made_calibrates_on_its_own_stdlib_split(tin
     trained = tmp_path / "trained"
     shutil.copytree(model_dir, trained)
     # What scripts/train_tiny_moe.py writes: the split settings and the corpus it read (a small corpus cap).
-    log = {"config": {"heldout_fraction": 0.2, "max_corpus_bytes": 1_000_000}, "complete": True,
-           "corpus": "Python 3.11 standard library .py files"}
+    log = {
+        "config": {"heldout_fraction": 0.2, "max_corpus_bytes": 1_000_000},
+        "complete": True,
+        "corpus": "Python 3.11 standard library .py files",
+    }
     (trained / "training_log.json").write_text(json.dumps(log))
-    report = calibrate(trained, CalibrateOptions(tokens=1024, seq_len=64, rank=4, epochs=1, onnx=False,
-                                                 predictors_dir=tmp_path / "p", progress=False))
+    report = calibrate(
+        trained,
+        CalibrateOptions(
+            tokens=1024, seq_len=64, rank=4, epochs=1, onnx=False, predictors_dir=tmp_path / "p", progress=False
+        ),
+    )
     assert report["corpus"]["source"].startswith("Python stdlib .py files")
     assert report["corpus"]["train_files"] > 0 and report["corpus"]["heldout_tokens"] > 0
     assert trained_on_stdlib(bundled_model_dir())  # the shipped model's own log is what gives it a default corpus

@@ -18,7 +18,10 @@ def test_run_streams_a_continuation_and_stats(capsys):
 def test_run_reads_prompt_from_stdin():
     proc = subprocess.run(
         [sys.executable, "-m", "fate_edge", "run", "--max-tokens", "8", "--ignore-eos", "--echo"],
-        input="import os\n", capture_output=True, text=True, timeout=120,
+        input="import os\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("import os\n") and len(proc.stdout) > len("import os\n")

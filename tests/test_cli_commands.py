@@ -22,8 +22,9 @@ def test_the_promoted_scripts_are_commands():
 @pytest.mark.slow  # a child Python each
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_help_runs_through_python_m_fate_edge(command):
-    proc = subprocess.run([sys.executable, "-m", "fate_edge", command, "--help"], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fate_edge", command, "--help"], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"usage: fate-edge {command} ") and "options:" in proc.stdout
     assert proc.stderr == ""
@@ -44,8 +45,9 @@ def test_a_bad_value_names_the_option_and_what_it_takes(capsys):
     with pytest.raises(SystemExit) as info:
         main(["synth", "/tmp/x", "--like", "qwen1.5-moe-a2.7b", "--layers", "0"])
     assert info.value.code == 2
-    assert capsys.readouterr().err == ("fate-edge: error: argument --layers: '0' is not an integer >= 1 (see "
-                                       "fate-edge synth --help)\n")
+    assert capsys.readouterr().err == (
+        "fate-edge: error: argument --layers: '0' is not an integer >= 1 (see fate-edge synth --help)\n"
+    )
 
 
 _SEEN: list[list[str]] = []
@@ -68,10 +70,12 @@ def test_main_hands_the_rest_of_the_line_to_the_commands_function(monkeypatch, c
 
 @pytest.mark.slow  # a child Python
 def test_top_level_help_lists_the_commands_without_importing_them():
-    code = ("import json, sys\nfrom fate_edge.apps.cli import COMMANDS, main\ntry:\n    main(['--help'])\n"
-            "except SystemExit:\n    pass\n"
-            "print(json.dumps(sorted(m for m in sys.modules if m in {s.partition(':')[0] for s, _ in "
-            "COMMANDS.values()})))\n")
+    code = (
+        "import json, sys\nfrom fate_edge.apps.cli import COMMANDS, main\ntry:\n    main(['--help'])\n"
+        "except SystemExit:\n    pass\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m in {s.partition(':')[0] for s, _ in "
+        "COMMANDS.values()})))\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     *help_lines, imported = proc.stdout.strip().splitlines()

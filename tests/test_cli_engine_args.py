@@ -95,8 +95,9 @@ def test_resident_bits_reach_the_engine_from_the_command_line(bundled_dir, tmp_p
     monkeypatch.setenv("FATE_EDGE_CACHE", str(tmp_path / "cache"))
     p = argparse.ArgumentParser()
     add_engine_args(p)
-    args = p.parse_args(["--model", str(bundled_dir), "--memory-budget", "2MB", "--device", "cpu",
-                         "--resident-bits", "8"])
+    args = p.parse_args(
+        ["--model", str(bundled_dir), "--memory-budget", "2MB", "--device", "cpu", "--resident-bits", "8"]
+    )
     opts = EngineOptions.from_args(args)
     assert opts.resident_bits == 8
     with open_engine(opts, progress=False) as engine:

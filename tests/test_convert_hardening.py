@@ -20,8 +20,9 @@ from fate_edge.format.store import ExpertStore
 
 @pytest.fixture(scope="module")
 def store_dir(tmp_path_factory, bundled_dir):
-    return convert(bundled_dir, tmp_path_factory.mktemp("st") / "s", ConvertOptions(bits=4, cold_bits=2),
-                   progress=False)
+    return convert(
+        bundled_dir, tmp_path_factory.mktemp("st") / "s", ConvertOptions(bits=4, cold_bits=2), progress=False
+    )
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +32,22 @@ def width96(tmp_path_factory):
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen2MoeConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
-                         moe_intermediate_size=96, shared_expert_intermediate_size=32, max_position_embeddings=64,
-                         tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+    cfg = Qwen2MoeConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=96,
+        shared_expert_intermediate_size=32,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     out = tmp_path_factory.mktemp("w96") / "model"
     Qwen2MoeForCausalLM(cfg).save_pretrained(out)
     build_tokenizer(out)
@@ -54,8 +67,9 @@ def test_pick_group_takes_the_largest_that_divides_and_checks_an_explicit_one():
 
 @pytest.mark.slow
 def test_run_on_a_width_96_model_converts_with_group_32_and_says_so(width96, capsys):
-    assert main(["run", "--model", str(width96), "--memory-budget", "2MB", "--max-tokens", "2", "--ignore-eos",
-                 "a"]) == 0
+    assert (
+        main(["run", "--model", str(width96), "--memory-budget", "2MB", "--max-tokens", "2", "--ignore-eos", "a"]) == 0
+    )
     assert "quantization group 32" in capsys.readouterr().err
 
 
@@ -76,8 +90,10 @@ def test_disk_full_while_writing_is_one_error_naming_dir_and_bytes(how, monkeypa
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         from safetensors import SafetensorError
 
-        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "
-                              '"No space left on device" }) (os error 28)')
+        raise SafetensorError(
+            "Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "
+            '"No space left on device" }) (os error 28)'
+        )
 
     monkeypatch.setattr(conv, "save_streaming", full)  # the resident weights are written first
     assert main(["convert", str(bundled_dir), str(tmp_path / "s"), "--quiet"]) == 2
@@ -107,13 +123,16 @@ def test_every_store_file_has_one_mode_from_the_umask(store_dir):
     assert "resident.safetensors" in modes and set(modes.values()) == {0o666 & ~mask}, modes
 
 
-@pytest.mark.parametrize("damage,field", [
-    (lambda d: [], "JSON list"),
-    (lambda d: d["experts"]["4"][3].pop("crc32") and d, "experts.4[3].crc32 is missing"),
-    (lambda d: d.update(precisions="x") or d, "store.precisions"),
-    (lambda d: d["precisions"]["4"].pop("group_size") and d, "precisions.4.group_size"),
-    (lambda d: d["experts"]["2"][0].update(offset="0") or d, "experts.2[0].offset is '0'"),
-])
+@pytest.mark.parametrize(
+    "damage,field",
+    [
+        (lambda d: [], "JSON list"),
+        (lambda d: d["experts"]["4"][3].pop("crc32") and d, "experts.4[3].crc32 is missing"),
+        (lambda d: d.update(precisions="x") or d, "store.precisions"),
+        (lambda d: d["precisions"]["4"].pop("group_size") and d, "precisions.4.group_size"),
+        (lambda d: d["experts"]["2"][0].update(offset="0") or d, "experts.2[0].offset is '0'"),
+    ],
+)
 def test_store_json_of_the_wrong_shape_names_the_field(damage, field, tmp_path, store_dir):
     copy = shutil.copytree(store_dir, tmp_path / "s")
     index = json.loads((copy / "store.json").read_text())

@@ -65,8 +65,9 @@ def fused96(tmp_path_factory, width96):  # noqa: F811
     for layer in range(2):
         p = f"model.layers.{layer}.mlp.experts"
         experts = range(4)
-        w[f"{p}.gate_up_proj"] = torch.stack([torch.cat([w.pop(f"{p}.{e}.gate_proj.weight"),
-                                                         w.pop(f"{p}.{e}.up_proj.weight")]) for e in experts])
+        w[f"{p}.gate_up_proj"] = torch.stack(
+            [torch.cat([w.pop(f"{p}.{e}.gate_proj.weight"), w.pop(f"{p}.{e}.up_proj.weight")]) for e in experts]
+        )
         w[f"{p}.down_proj"] = torch.stack([w.pop(f"{p}.{e}.down_proj.weight") for e in experts])
     save_file(w, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
@@ -92,16 +93,27 @@ def test_worker_count_does_not_change_the_store(tmp_path, bundled_dir):
 
 def test_streaming_safetensors_writer_matches_save_file(tmp_path, monkeypatch):
     torch.manual_seed(0)
-    tensors = {"emb": torch.randn(300, 40).to(torch.bfloat16), "norm": torch.ones(40), "ids": torch.arange(7),
-               "mask": torch.tensor([True, False]), "q": torch.randint(0, 255, (33, 9), dtype=torch.uint8),
-               "half": torch.randn(5, 3).half(), "scalar": torch.tensor(2.5, dtype=torch.float64)}
+    tensors = {
+        "emb": torch.randn(300, 40).to(torch.bfloat16),
+        "norm": torch.ones(40),
+        "ids": torch.arange(7),
+        "mask": torch.tensor([True, False]),
+        "q": torch.randint(0, 255, (33, 9), dtype=torch.uint8),
+        "half": torch.randn(5, 3).half(),
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+    }
     src = tmp_path / "src"
     src.mkdir()
     save_file(tensors, str(src / "model.safetensors"))
     monkeypatch.setattr(checkpoint, "STREAM_CHUNK_BYTES", 1000)  # the 24 kB "emb" goes in 25-row blocks
     seen = []
-    save_streaming(CheckpointReader(src), sorted(tensors), tmp_path / "out.safetensors", {"format": "pt"},
-                   lambda n, nbytes: seen.append(n))
+    save_streaming(
+        CheckpointReader(src),
+        sorted(tensors),
+        tmp_path / "out.safetensors",
+        {"format": "pt"},
+        lambda n, nbytes: seen.append(n),
+    )
     save_file(tensors, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
     assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
     assert sorted(seen) == sorted(tensors)
@@ -124,6 +136,7 @@ class _LiveTensors:
             self.live.append((weakref.ref(t), t.numel() * t.element_size()))
             self.peak = max(self.peak, sum(n for _, n in self.live))
             return t
+
         return read
 
 
@@ -143,8 +156,13 @@ def test_convert_holds_a_few_experts_or_one_tensor_block_never_the_model(monkeyp
 
 def test_progress_counts_every_checkpoint_byte_once_in_order(tmp_path, bundled_dir):
     calls = []
-    convert(bundled_dir, tmp_path / "s", ConvertOptions(bits=4, keep_bf16=False),
-            progress=False, on_progress=lambda done, total: calls.append((done, total)))
+    convert(
+        bundled_dir,
+        tmp_path / "s",
+        ConvertOptions(bits=4, keep_bf16=False),
+        progress=False,
+        on_progress=lambda done, total: calls.append((done, total)),
+    )
     reader = CheckpointReader(bundled_dir)
     total = sum(reader.nbytes(n) for n in reader.keys())
     assert {t for _, t in calls} == {total}

@@ -16,9 +16,26 @@ from fate_edge.model.rope import apply_rope
 
 PROMPT = torch.tensor([[5, 300, 17, 2048, 99, 1000, 7, 64]])
 # Operators that only make views (no kernel, no allocation of data): not what the fast path is counted on.
-VIEWS = {"aten::view", "aten::select", "aten::slice", "aten::t", "aten::transpose", "aten::reshape", "aten::chunk",
-         "aten::split", "aten::split_with_sizes", "aten::alias", "aten::as_strided", "aten::unsqueeze", "aten::narrow",
-         "aten::expand", "aten::resolve_conj", "aten::resolve_neg", "aten::detach", "aten::lift_fresh"}
+VIEWS = {
+    "aten::view",
+    "aten::select",
+    "aten::slice",
+    "aten::t",
+    "aten::transpose",
+    "aten::reshape",
+    "aten::chunk",
+    "aten::split",
+    "aten::split_with_sizes",
+    "aten::alias",
+    "aten::as_strided",
+    "aten::unsqueeze",
+    "aten::narrow",
+    "aten::expand",
+    "aten::resolve_conj",
+    "aten::resolve_neg",
+    "aten::detach",
+    "aten::lift_fresh",
+}
 
 
 def compute_ops(ops: Counter) -> int:

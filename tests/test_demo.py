@@ -19,8 +19,9 @@ def env(tmp_path_factory):
 
 
 def _fate_edge(args, env, **kw):
-    return subprocess.run([sys.executable, "-m", "fate_edge", *args], env=env, capture_output=True, text=True,
-                          timeout=180, cwd=ROOT, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "fate_edge", *args], env=env, capture_output=True, text=True, timeout=180, cwd=ROOT, **kw
+    )
 
 
 @pytest.mark.slow
@@ -35,8 +36,7 @@ def test_demo_converts_once_compares_policies_and_is_quick(env):
     assert "--- fate-edge ---" in out and "--- load-on-demand ---" in out
     for row in ("decode tokens/s", "bytes read / token", "expert hit rate", "expert memory held", "process peak RSS"):
         assert row in out, row
-    m = re.search(r"fate-edge: ([0-9.]+)x the tokens/s of load-on-demand, ([0-9.]+)x fewer bytes read per token",
-                  out)
+    m = re.search(r"fate-edge: ([0-9.]+)x the tokens/s of load-on-demand, ([0-9.]+)x fewer bytes read per token", out)
     assert m and float(m.group(2)) > 1.0, out  # caching and int4 read fewer bytes than bf16 on demand
     held = re.search(r"expert memory held\s+([0-9.]+) MB <= ([0-9.]+) MB", out)
     assert held and float(held.group(1)) <= float(held.group(2))

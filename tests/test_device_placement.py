@@ -47,8 +47,11 @@ def test_resident_generation_makes_nothing_off_the_model_device(bundled_dir, bun
 
 def test_sampling_makes_nothing_off_the_model_device(bundled_dir, bundled_tokenizer):
     model = load_model(bundled_dir)
-    cfg = GenerateConfig(max_tokens=10, ignore_eos=True,
-                         sampling=SamplingParams(temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.2, seed=3))
+    cfg = GenerateConfig(
+        max_tokens=10,
+        ignore_eos=True,
+        sampling=SamplingParams(temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.2, seed=3),
+    )
     want = generate(model, bundled_tokenizer, PROMPT, cfg)[0]
     with torch.device("meta"):
         got = generate(model, bundled_tokenizer, PROMPT, cfg)[0]
@@ -85,8 +88,10 @@ def test_cpu_kernel_layout_decodes_for_another_kernel(kernel_layout_store):
             f.seek(ref.offset)
             blob = torch.frombuffer(bytearray(f.read(ref.length)), dtype=torch.uint8)
         cpu = decode_expert(blob, prec, torch.float32)
-        other = [QuantizedLinear.from_cpu_kernel_layout(m.packed, m.scale_zero, prec.spec, "cpu", kernel="dequant")
-                 for m in (cpu.gate, cpu.up, cpu.down)]
+        other = [
+            QuantizedLinear.from_cpu_kernel_layout(m.packed, m.scale_zero, prec.spec, "cpu", kernel="dequant")
+            for m in (cpu.gate, cpu.up, cpu.down)
+        ]
         for fast, slow in zip((cpu.gate, cpu.up, cpu.down), other):
             assert slow.kernel == "dequant"
             xin = x if fast.shape[1] == 192 else x[:, :128]

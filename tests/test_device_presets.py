@@ -30,8 +30,13 @@ def test_fate_edge_resolves_per_device_by_short_or_profile_name():
         assert profile in DEVICE_PRESETS
         for name in (short, profile):
             p = for_device(host, name)
-            assert (p.allocation, p.eviction, p.predictor, p.preload, p.keep_preloaded) == \
-                ("global", "next-use", None, True, True), name
+            assert (p.allocation, p.eviction, p.predictor, p.preload, p.keep_preloaded) == (
+                "global",
+                "next-use",
+                None,
+                True,
+                True,
+            ), name
             assert p.name == "fate-edge"
     assert for_device(host, None) is host and for_device(host, "no-such-device") is host
     for name, preset in PRESETS.items():  # only fate-edge is re-derived per device
@@ -41,17 +46,29 @@ def test_fate_edge_resolves_per_device_by_short_or_profile_name():
     assert policy_for_device("lru", "agx-orin") is PRESETS["lru"]
 
 
-@pytest.mark.parametrize("read_layers, row, width", [(0.5, "hiding", 5), (1.0, "hiding", 5), (1.15, "hiding", 4),
-                                                     (2.0, "hiding", 4), (3.47, "hiding", 3), (4.0, "hiding", 3),
-                                                     (4.01, "bound", None), (20.0, "bound", None),
-                                                     (None, "bound", None)])
+@pytest.mark.parametrize(
+    "read_layers, row, width",
+    [
+        (0.5, "hiding", 5),
+        (1.0, "hiding", 5),
+        (1.15, "hiding", 4),
+        (2.0, "hiding", 4),
+        (3.47, "hiding", 3),
+        (4.0, "hiding", 3),
+        (4.01, "bound", None),
+        (20.0, "bound", None),
+        (None, "bound", None),
+    ],
+)
 def test_the_row_follows_what_a_read_costs_in_layers_of_the_devices_compute(read_layers, row, width):
     """The cheaper a read next to the device's compute, the wider the prefetching row reads ahead; past
     HIDING_READ_LAYERS the link-bound row, which does not prefetch."""
     p = for_device(PRESETS["fate-edge"], "orin-nano", read_layers)
     got = (p.allocation, p.eviction, p.predictor, p.prefetch_gate, p.preload, p.keep_preloaded)
-    want = {"hiding": ("uniform", "next-use", "cross-layer-norm", False, True, False),
-            "bound": ("global", "next-use", None, False, True, True)}[row]
+    want = {
+        "hiding": ("uniform", "next-use", "cross-layer-norm", False, True, False),
+        "bound": ("global", "next-use", None, False, True, True),
+    }[row]
     assert got == want
     if row == "hiding":
         assert (p.lookahead, p.prefetch_width, p.max_prefetch_width) == (2, width, width)
@@ -128,13 +145,27 @@ def _on_device(recorded, device: str, fraction: float) -> dict:
     ids, warm = decode_routing(trace, cfg.moe_layers)
     budget = int(fraction * len(cfg.moe_layers) * cfg.num_experts * entry) + 3 * slot
     out = {}
-    for name, policy in (("host", PRESETS["fate-edge"]), ("device", for_device(PRESETS["fate-edge"], device)),
-                         ("oracle", PRESETS["oracle"])):
+    for name, policy in (
+        ("host", PRESETS["fate-edge"]),
+        ("device", for_device(PRESETS["fate-edge"], device)),
+        ("oracle", PRESETS["oracle"]),
+    ):
         plan = plan_budget(budget, policy, entry, slot)
         scores = preds.get(policy.predictor) if policy.predictor else None
-        out[name] = simulate(ids, scores, policy, plan.cache_bytes, entry, em.link, costs, cfg.num_experts,
-                             cfg.num_hidden_layers, warm=warm, max_inflight=plan.pool_buffers - 2,
-                             popularity=popularity)  # as the engine seeds its cache policy
+        out[name] = simulate(
+            ids,
+            scores,
+            policy,
+            plan.cache_bytes,
+            entry,
+            em.link,
+            costs,
+            cfg.num_experts,
+            cfg.num_hidden_layers,
+            warm=warm,
+            max_inflight=plan.pool_buffers - 2,
+            popularity=popularity,
+        )  # as the engine seeds its cache policy
     out["read_layers"] = em.link.transfer_time(entry) / costs.layer_compute_s  # one read, in layers of compute
     return out
 
@@ -183,8 +214,9 @@ def test_a_global_cache_is_filled_at_load_with_the_most_used_experts(bundled_dir
         popularity = load_popularity(path) if path.exists() else None
         assert 0 < report.reads == capacity
         assert report.experts == global_choice(capacity, cfg.moe_layers, cfg.num_experts, popularity)
-        assert sum(1 for layer in cfg.moe_layers for e in range(cfg.num_experts) if (layer, e) in engine.cache) \
-            == capacity
+        assert (
+            sum(1 for layer in cfg.moe_layers for e in range(cfg.num_experts) if (layer, e) in engine.cache) == capacity
+        )
 
 
 def test_the_simulators_warm_start_keeps_what_the_engines_prefill_keeps():
@@ -197,8 +229,18 @@ def test_the_simulators_warm_start_keeps_what_the_engines_prefill_keeps():
     policy = PRESETS["lru"]
     ids = {0: torch.tensor([[3, 5]]), 1: torch.tensor([[0, 1]])}
     warm = {0: [3, 5, 7, 9], 1: [0, 1, 2, 6]}  # most used first, as the prefill loads them
-    run = simulate(ids, None, policy, cache_bytes=4 * 100, expert_bytes=100, link=LinkSpec("l", 1e9, 0.0),
-                   costs=1e-3, num_experts=10, num_layers=2, warm=warm)
+    run = simulate(
+        ids,
+        None,
+        policy,
+        cache_bytes=4 * 100,
+        expert_bytes=100,
+        link=LinkSpec("l", 1e9, 0.0),
+        costs=1e-3,
+        num_experts=10,
+        num_layers=2,
+        warm=warm,
+    )
     assert (run.hits, run.misses) == (4, 0)
 
 

@@ -78,9 +78,11 @@ def test_the_docs_have_links_to_check():
 def test_a_broken_link_or_anchor_is_reported(tmp_path):
     (tmp_path / "other.md").write_text("# Other page\n\n## Beside llama.cpp (`--x`)\n\n```\n# not a heading\n```\n")
     page = tmp_path / "page.md"
-    page.write_text("# Page\n\n[ok](other.md) [ok](other.md#beside-llamacpp---x) [ok](#page) [web](https://x.y/z)\n"
-                    "[gone](missing.md) [no heading](other.md#not-a-heading) [no heading](#nowhere)\n"
-                    "![gone](img.png) `[code](not-checked.md)`\n")
+    page.write_text(
+        "# Page\n\n[ok](other.md) [ok](other.md#beside-llamacpp---x) [ok](#page) [web](https://x.y/z)\n"
+        "[gone](missing.md) [no heading](other.md#not-a-heading) [no heading](#nowhere)\n"
+        "![gone](img.png) `[code](not-checked.md)`\n"
+    )
     assert broken_links(page, tmp_path) == [
         "page.md: missing.md (no such file)",
         "page.md: other.md#not-a-heading (no heading #not-a-heading in other.md)",
@@ -91,10 +93,14 @@ def test_a_broken_link_or_anchor_is_reported(tmp_path):
 
 def test_headings_anchor_as_github_does():
     assert slug("§6 Cache and policies") == "6-cache-and-policies"
-    assert slug("At real scale (Qwen1.5-MoE-A2.7B shapes, 28.6 GB bf16)") == \
-        "at-real-scale-qwen15-moe-a27b-shapes-286-gb-bf16"
-    assert slug("Device-faithful emulation (`fate-edge bench --emulate DEVICE`)") == \
-        "device-faithful-emulation-fate-edge-bench---emulate-device"
+    assert (
+        slug("At real scale (Qwen1.5-MoE-A2.7B shapes, 28.6 GB bf16)")
+        == "at-real-scale-qwen15-moe-a27b-shapes-286-gb-bf16"
+    )
+    assert (
+        slug("Device-faithful emulation (`fate-edge bench --emulate DEVICE`)")
+        == "device-faithful-emulation-fate-edge-bench---emulate-device"
+    )
     assert slug("Kernels and I/O on this machine") == "kernels-and-io-on-this-machine"
 
 

@@ -40,8 +40,9 @@ def test_given_the_true_input_it_is_the_layers_gate_input(bundled_model, text):
         assert exact_match(bundled_model.route(j, s)[1], trace.expert_ids[j]) > 0.999
     r = post_attention_residual(bundled_model, x[moe[0]], moe[0], seq)
     post = bundled_model.plan()[moe[0]].post_norm
-    torch.testing.assert_close(rms_norm(r, post, bundled_model.config.rms_norm_eps), trace.gate_inputs[moe[0]].float(),
-                               atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        rms_norm(r, post, bundled_model.config.rms_norm_eps), trace.gate_inputs[moe[0]].float(), atol=2e-4, rtol=1e-4
+    )
 
 
 def test_each_row_is_what_a_decode_step_would_compute(bundled_model, text):

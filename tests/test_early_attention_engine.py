@@ -158,8 +158,9 @@ def test_the_planner_scores_an_early_attention_predictor(bundled_dir, tmp_path, 
     wide = widen_trace(trace, model.config.moe_layers, len(ids), previous=False, early=True)
     learned = LearnedPredictor.load(find_learned(store / "predictors", widest=True))
     src, target = model.config.moe_layers[0], model.config.moe_layers[1]
-    torch.testing.assert_close(plan.predictions["learned"][(src, target)],
-                               learned.predict(src, wide.gate_inputs[src]).for_layer(target))
+    torch.testing.assert_close(
+        plan.predictions["learned"][(src, target)], learned.predict(src, wide.gate_inputs[src]).for_layer(target)
+    )
     with pytest.raises(ValueError, match="early attention"):
         trace_predictions(model, trace.expert_ids, trace.gate_inputs, 1, store)
     policy = dataclasses.replace(get_policy("fate-edge"), predictor="learned", prefetch_gate=False, bits=16)

@@ -50,15 +50,29 @@ def test_a_profile_without_an_efficiency_gets_the_sourced_default_and_a_bad_one_
     assert load_profile("desktop-rtx4090").roofline_efficiency is None
     roof = device_roofline(load_profile("desktop-rtx4090"))
     assert roof.efficiency == DEFAULT_EFFICIENCY and "2306.00978" in roof.efficiency_source
-    d = {"name": "x", "description": "x", "ram_bytes": 1, "memory_bandwidth_gbps": 1.0, "storage_read_gbps": 1.0,
-         "storage_latency_us": 1.0, "cpu_cores": 1, "cpu_gflops_fp32": 1.0, "unified_memory": True,
-         "roofline_efficiency": 1.5}
+    d = {
+        "name": "x",
+        "description": "x",
+        "ram_bytes": 1,
+        "memory_bandwidth_gbps": 1.0,
+        "storage_read_gbps": 1.0,
+        "storage_latency_us": 1.0,
+        "cpu_cores": 1,
+        "cpu_gflops_fp32": 1.0,
+        "unified_memory": True,
+        "roofline_efficiency": 1.5,
+    }
     d["sources"] = {k: "s" for k in d if k not in ("name", "description", "unified_memory")}
     with pytest.raises(ProfileError, match="roofline_efficiency"):
         DeviceProfile.from_dict(d)
     with pytest.raises(ProfileError, match="roofline_efficiency"):  # a figure without a source is refused too
-        DeviceProfile.from_dict({**d, "roofline_efficiency": 0.5, "sources": {
-            k: v for k, v in d["sources"].items() if k != "roofline_efficiency"}})
+        DeviceProfile.from_dict(
+            {
+                **d,
+                "roofline_efficiency": 0.5,
+                "sources": {k: v for k, v in d["sources"].items() if k != "roofline_efficiency"},
+            }
+        )
 
 
 def test_dilation_divides_the_bandwidth_and_multiplies_the_latency():
@@ -143,10 +157,22 @@ def test_bench_emulate_reports_raw_and_device_equivalent_apart(store, tmp_path, 
 
     device_s = device_roofline(load_profile("jetson-agx-orin-64gb")).time_s(*_work(store))
     k = 4.0  # a given host time: k known, the dilated link fast enough for a short test
-    cfg = BenchConfig(model=str(store), presets=["load-on-demand-int4", "lru"], budgets=[0.5], prompt_tokens=[16],
-                      decode_tokens=4, runs=1, threads=1, peers=False, planner=False, out_dir=str(tmp_path / "out"),
-                      plot_path=str(tmp_path / "out" / "b.png"), isolate=False, emulate="agx-orin",
-                      emulate_host_ms=k * device_s * 1e3)
+    cfg = BenchConfig(
+        model=str(store),
+        presets=["load-on-demand-int4", "lru"],
+        budgets=[0.5],
+        prompt_tokens=[16],
+        decode_tokens=4,
+        runs=1,
+        threads=1,
+        peers=False,
+        planner=False,
+        out_dir=str(tmp_path / "out"),
+        plot_path=str(tmp_path / "out" / "b.png"),
+        isolate=False,
+        emulate="agx-orin",
+        emulate_host_ms=k * device_s * 1e3,
+    )
     result = run_bench(cfg)
     paths = write_outputs(result, cfg)
     saved = json.loads(paths["json"].read_text())
@@ -182,10 +208,34 @@ def test_bench_resident_bits_reach_the_runs_and_the_devices_roofline(store, tmp_
 
     ap = argparse.ArgumentParser()
     add_arguments(ap)
-    args = ap.parse_args(["--model", str(store), "--presets", "lru", "--budgets", "0.5", "--prompt-tokens", "16",
-                          "--decode-tokens", "4", "--runs", "1", "--threads", "1", "--no-peers", "--no-planner",
-                          "--out-dir", str(tmp_path / "out"), "--emulate", "agx-orin", "--emulate-host-ms", "50",
-                          "--resident-bits", "4"])
+    args = ap.parse_args(
+        [
+            "--model",
+            str(store),
+            "--presets",
+            "lru",
+            "--budgets",
+            "0.5",
+            "--prompt-tokens",
+            "16",
+            "--decode-tokens",
+            "4",
+            "--runs",
+            "1",
+            "--threads",
+            "1",
+            "--no-peers",
+            "--no-planner",
+            "--out-dir",
+            str(tmp_path / "out"),
+            "--emulate",
+            "agx-orin",
+            "--emulate-host-ms",
+            "50",
+            "--resident-bits",
+            "4",
+        ]
+    )
     cfg = config_from_args(args)
     cfg.isolate = False
     assert cfg.resident_bits == 4

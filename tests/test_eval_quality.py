@@ -18,10 +18,23 @@ def tiny_dir(tmp_path_factory) -> Path:
     """A random qwen2_moe whose expert dims are multiples of 32 (group-quantizable) and of 16 (int4 kernel)."""
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-    cfg = Qwen2MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
-                         num_attention_heads=2, num_key_value_heads=1, num_experts=8, num_experts_per_tok=2,
-                         moe_intermediate_size=32, shared_expert_intermediate_size=32, mlp_only_layers=[2],
-                         max_position_embeddings=128, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+    cfg = Qwen2MoeConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        mlp_only_layers=[2],
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     torch.manual_seed(0)
     out = tmp_path_factory.mktemp("tiny-eval")
     Qwen2MoeForCausalLM(cfg).save_pretrained(out)
@@ -81,10 +94,22 @@ def tiny_with_tokenizer(tmp_path_factory) -> Path:
     from _tiny_moe import VOCAB, build_tokenizer
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-    cfg = Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
-                         moe_intermediate_size=32, shared_expert_intermediate_size=32,
-                         max_position_embeddings=128, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+    cfg = Qwen2MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     torch.manual_seed(0)
     out = tmp_path_factory.mktemp("tiny-eval-tok")
     Qwen2MoeForCausalLM(cfg).save_pretrained(out)
@@ -100,8 +125,29 @@ def test_text_scores_any_model_on_its_own_heldout_text(tiny_with_tokenizer, tmp_
     text = tmp_path / "heldout.txt"
     text.write_text("".join(CORPUS[:12]))
     out = tmp_path / "quality.json"
-    assert quality.main(["--model", str(tiny_with_tokenizer), "--text", str(text), "--tokens", "4096", "--calib-tokens",
-                    "64", "--seq-len", "32", "--batch", "4", "--methods", "rtn", "--json", str(out)]) == 0
+    assert (
+        quality.main(
+            [
+                "--model",
+                str(tiny_with_tokenizer),
+                "--text",
+                str(text),
+                "--tokens",
+                "4096",
+                "--calib-tokens",
+                "64",
+                "--seq-len",
+                "32",
+                "--batch",
+                "4",
+                "--methods",
+                "rtn",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     res = json.loads(out.read_text())
     ids = quality.encode_texts(Tokenizer(tiny_with_tokenizer), [text.read_text()], 10**6)
     assert 4 * 32 < len(ids) - 64 < 4096  # the file, not the 4096-token budget, bounds what is scored

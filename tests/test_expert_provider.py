@@ -31,8 +31,11 @@ def test_every_provider_implements_the_contract(bundled_dir, tmp_path):
     streamed = load_model(store)
     with Engine(store, "8MB", "lru") as engine:
         providers = [memory.experts, lazy.experts, streamed.experts, engine.scheduler, _NoExperts()]
-        assert [type(p) for p in providers[:3]] == [InMemoryExpertProvider, CheckpointExpertProvider,
-                                                      StoreExpertProvider]
+        assert [type(p) for p in providers[:3]] == [
+            InMemoryExpertProvider,
+            CheckpointExpertProvider,
+            StoreExpertProvider,
+        ]
         for p in providers:
             assert isinstance(p, ExpertProvider), type(p)
             assert callable(p.stream) and callable(p.end_layer) and callable(p.get)

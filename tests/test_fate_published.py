@@ -117,14 +117,17 @@ def test_cache_filled_at_load_by_index_and_reads_counted_apart(uncalibrated):
         assert set(engine.cache.entries) == expected
         r = engine.load_report
         assert r.reads == len(expected) == sum(len(v) for v in r.experts.values())
-        assert r.bytes_read == sum(s.ref(layer, x, engine.cache.entries[(layer, x)].bits).length
-                                   for layer, x in expected)
+        assert r.bytes_read == sum(
+            s.ref(layer, x, engine.cache.entries[(layer, x)].bits).length for layer, x in expected
+        )
         assert engine.stats.demand_bytes == engine.stats.prefetch_bytes == engine.stats.uses == 0
         assert engine.scheduler.copier.uploads == 0  # nor in the per-token upload count
         engine.generate(PROMPT, CFG)
         per_token = [engine.prefill_stats, *engine.token_stats]
-        assert sum(t.demand_bytes + t.prefetch_bytes for t in per_token) == \
-            engine.stats.demand_bytes + engine.stats.prefetch_bytes  # load reads are in none of them
+        assert (
+            sum(t.demand_bytes + t.prefetch_bytes for t in per_token)
+            == engine.stats.demand_bytes + engine.stats.prefetch_bytes
+        )  # load reads are in none of them
         assert engine.prefill_stats.hits > 0  # the first token does not start cold
 
 
@@ -172,11 +175,30 @@ def _deepseek_store(root):
     from _tiny_moe import VOCAB, build_tokenizer
 
     cfg = transformers.DeepseekV2Config(
-        vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
-        initializer_range=0.1, tie_word_embeddings=False, intermediate_size=96, moe_intermediate_size=32,
-        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=3,
-        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, q_lora_rank=None,
-        topk_method="greedy", routed_scaling_factor=1.0, bos_token_id=0, eos_token_id=0)
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        num_hidden_layers=3,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        q_lora_rank=None,
+        topk_method="greedy",
+        routed_scaling_factor=1.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     src = root / "deepseek"

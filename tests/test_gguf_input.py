@@ -40,10 +40,10 @@ def _logits(store, bits: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind,bits", [("Q4_0", 4), ("Q8_0", 8)])
-def test_gguf_store_equals_the_store_of_the_same_weights_quantized_the_same_way(tmp_path, ggufs, bundled_dir,
-                                                                                  kind, bits):
-    ours = convert_gguf(ggufs[kind], tmp_path / "from-gguf", ConvertOptions(bits=None, keep_bf16=False),
-                        progress=False)
+def test_gguf_store_equals_the_store_of_the_same_weights_quantized_the_same_way(
+    tmp_path, ggufs, bundled_dir, kind, bits
+):
+    ours = convert_gguf(ggufs[kind], tmp_path / "from-gguf", ConvertOptions(bits=None, keep_bf16=False), progress=False)
     ref = reference_store(bundled_dir, tmp_path / "from-safetensors", kind.lower())
     assert ExpertStore(ours).bits_available == [bits]
     assert (ours / f"experts-{bits}.bin").read_bytes() == (ref / f"experts-{bits}.bin").read_bytes()
@@ -55,8 +55,17 @@ def test_gguf_config_and_tokenizer_match_the_checkpoint(tmp_path, ggufs, bundled
     store = convert_gguf(ggufs["Q4_0"], tmp_path / "s", progress=False)
     cfg = json.loads((store / "config.json").read_text())
     src = json.loads((bundled_dir / "config.json").read_text())
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "num_experts",
-                "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size", "vocab_size"):
+    for key in (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "shared_expert_intermediate_size",
+        "vocab_size",
+    ):
         assert cfg[key] == src[key], key
     text = (bundled_dir / "README.md").read_text()
     ours, theirs = Tokenizer(store), Tokenizer(bundled_dir)
@@ -122,10 +131,10 @@ def _rewrite(src, dst, arch: str | None = None, retype: tuple[str, int] | None =
     if arch is not None:
         f = r.fields["general.architecture"]
         part = f.parts[f.data[0]]
-        data[at(part):at(part) + len(part)] = arch.encode().ljust(len(part), b"x")[:len(part)]
+        data[at(part) : at(part) + len(part)] = arch.encode().ljust(len(part), b"x")[: len(part)]
     if retype is not None:
         part = next(t for t in r.tensors if t.name == retype[0]).field.parts[4]
-        data[at(part):at(part) + 4] = retype[1].to_bytes(4, "little")
+        data[at(part) : at(part) + 4] = retype[1].to_bytes(4, "little")
     dst.write_bytes(bytes(data))
     return dst
 

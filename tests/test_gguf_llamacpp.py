@@ -44,8 +44,19 @@ def llama_cpp_run(gguf, text: str, ids: list[int], tmp_path) -> tuple[np.ndarray
     (tmp_path / "text.txt").write_text(text, encoding="utf-8")
     (tmp_path / "ids.json").write_text(json.dumps(ids))
     out = tmp_path / "llama"
-    subprocess.run([sys.executable, "-c", llama_child(_CHILD), str(gguf), str(tmp_path / "text.txt"),
-                    str(tmp_path / "ids.json"), str(out)], check=True, timeout=600)
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            llama_child(_CHILD),
+            str(gguf),
+            str(tmp_path / "text.txt"),
+            str(tmp_path / "ids.json"),
+            str(out),
+        ],
+        check=True,
+        timeout=600,
+    )
     return np.load(str(out) + ".npy"), json.loads((tmp_path.joinpath("llama.json")).read_text())
 
 

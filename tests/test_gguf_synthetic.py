@@ -75,12 +75,26 @@ def test_q4_0_mix_quantizes_the_matrices_llama_cpp_would_and_leaves_routers_and_
     gguf.patch_q4_0_mix(cls, fake_gguf)
     gguf.patch_q4_0_mix(cls, fake_gguf)  # idempotent
     m = cls()
-    got = {new: m.tensor_force_quant("hf." + new, new, bid, dims) for new, bid, dims in [
-        ("blk.0.attn_q.weight", 0, 2), ("blk.0.ffn_gate_exps.weight", 0, 3), ("blk.0.ffn_down_shexp.weight", 0, 2),
-        ("token_embd.weight", None, 2), ("blk.0.ffn_gate_inp.weight", 0, 2), ("blk.0.ffn_gate_inp_shexp.weight", 0, 2),
-        ("output.weight", None, 2), ("blk.0.attn_norm.weight", 0, 1), ("blk.0.attn_q.bias", 0, 1)]}
+    got = {
+        new: m.tensor_force_quant("hf." + new, new, bid, dims)
+        for new, bid, dims in [
+            ("blk.0.attn_q.weight", 0, 2),
+            ("blk.0.ffn_gate_exps.weight", 0, 3),
+            ("blk.0.ffn_down_shexp.weight", 0, 2),
+            ("token_embd.weight", None, 2),
+            ("blk.0.ffn_gate_inp.weight", 0, 2),
+            ("blk.0.ffn_gate_inp_shexp.weight", 0, 2),
+            ("output.weight", None, 2),
+            ("blk.0.attn_norm.weight", 0, 1),
+            ("blk.0.attn_q.bias", 0, 1),
+        ]
+    }
     assert [k for k, v in got.items() if v == "Q4_0"] == [
-        "blk.0.attn_q.weight", "blk.0.ffn_gate_exps.weight", "blk.0.ffn_down_shexp.weight", "token_embd.weight"]
+        "blk.0.attn_q.weight",
+        "blk.0.ffn_gate_exps.weight",
+        "blk.0.ffn_down_shexp.weight",
+        "token_embd.weight",
+    ]
     assert sum(v is False for v in got.values()) == 5  # routers F32 and output bf16 by the converter's own rules
 
 
@@ -135,8 +149,9 @@ def converted(request, converter, tmp_path_factory):
         config["moe_intermediate_size"] = 2048
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(PRESETS, request.param, replace(preset, config=config))
-        make_synthetic_model(model, SyntheticOptions(request.param, LAYERS, scale=SCALE, bpe_vocab=1024,
-                                                     tokenizer_chars=200_000))
+        make_synthetic_model(
+            model, SyntheticOptions(request.param, LAYERS, scale=SCALE, bpe_vocab=1024, tokenizer_chars=200_000)
+        )
     path = out / "model-f32.gguf"
     proc = subprocess.run(gguf.convert_command(model, "f32", path, converter), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -170,8 +185,16 @@ def test_every_checkpoint_weight_lands_in_the_gguf(converted):
         assert f"blk.{LAYERS - 1}.attn_k_b.weight" in tensors and f"blk.{LAYERS - 1}.attn_v_b.weight" in tensors
     arch = reader.fields["general.architecture"].contents()
     assert reader.fields["tokenizer.ggml.pre"].contents() == gguf.FALLBACK_PRE_TOKENIZER
-    assert arch == {"olmoe-1b-7b": "olmoe", "qwen1.5-moe-a2.7b": "qwen2moe", "mixtral-8x7b": "llama",
-                    "deepseek-v2-lite": "deepseek2", "qwen3-30b-a3b": "qwen3moe"}[name]
+    assert (
+        arch
+        == {
+            "olmoe-1b-7b": "olmoe",
+            "qwen1.5-moe-a2.7b": "qwen2moe",
+            "mixtral-8x7b": "llama",
+            "deepseek-v2-lite": "deepseek2",
+            "qwen3-30b-a3b": "qwen3moe",
+        }[name]
+    )
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
@@ -190,7 +213,7 @@ def test_llama_cpp_tokenizes_and_computes_like_fate_edge(converted, one_thread):
     assert tokens_agree(llm, text, ids)["equal"], name
     prompt = ids[:48]
     llm.eval(prompt)
-    theirs = np.array(llm.scores[:len(prompt)])
+    theirs = np.array(llm.scores[: len(prompt)])
     model = load_model(model_dir, torch.float32)
     with torch.no_grad():
         ours = model(torch.tensor([prompt]), model.new_cache())[0].numpy()
@@ -217,7 +240,7 @@ def test_the_gguf_converts_to_a_store_that_tokenizes_and_computes_like_llama_cpp
     assert llm.tokenize(text.encode(), add_bos=False, special=False) == tok.encode(text, add_special_tokens=False)
     prompt = ids[:48]
     llm.eval(prompt)
-    theirs = np.array(llm.scores[:len(prompt)])
+    theirs = np.array(llm.scores[: len(prompt)])
     with torch.no_grad():
         model = load_model(store, torch.float32, bits=16)
         ours = model(torch.tensor([prompt]), model.new_cache())[0].numpy()

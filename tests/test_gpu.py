@@ -60,9 +60,25 @@ def test_cli_run_on_gpu(bundled_dir):
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-P", "-m", "fate_edge", "run", "def main():", "--model", str(bundled_dir),
-                          "--device", "cuda", "--max-tokens", "8"], capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-P",
+            "-m",
+            "fate_edge",
+            "run",
+            "def main():",
+            "--model",
+            str(bundled_dir),
+            "--device",
+            "cuda",
+            "--max-tokens",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip()
 

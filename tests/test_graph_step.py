@@ -42,8 +42,9 @@ def test_graph_step_sums_experts_in_expert_id_order(top4_model, monkeypatch, one
     """The eager paths add a token's experts in expert-id order; the graph must too (top-k order changes bits)."""
     order = []
     real = compiled_step._expert
-    monkeypatch.setattr(compiled_step, "_expert", lambda s, act, h, hb, st, e: order.append(int(e)) or
-                        real(s, act, h, hb, st, e))
+    monkeypatch.setattr(
+        compiled_step, "_expert", lambda s, act, h, hb, st, e: order.append(int(e)) or real(s, act, h, hb, st, e)
+    )
     model = top4_model
     model.compiled = CudaGraphDecode(model, capture=False)
     try:

@@ -47,8 +47,13 @@ def test_default_size_is_realistic():
 def test_script_is_a_thin_wrapper_writing_the_librarys_model(tmp_path, bundled_dir):
     # Run from outside the checkout with no PYTHONPATH: the script imports the installed library.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "script"), "--intermediate", "256"],
-                   cwd=tmp_path, env=env, check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path / "script"), "--intermediate", "256"],
+        cwd=tmp_path,
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     lib = inflated.inflate(bundled_dir, tmp_path / "lib", intermediate=256)
     assert sorted(p.name for p in (tmp_path / "script").iterdir()) == sorted(p.name for p in lib.iterdir())
     for name in ("model.safetensors", "config.json"):

@@ -6,8 +6,18 @@ from fate_edge.apps.cli import main
 from fate_edge.sizes import format_bytes
 
 
-@pytest.mark.parametrize("n,text", [(0, "0 B"), (999, "999 B"), (14_200, "14.2 KB"), (3_500_000, "3.50 MB"),
-                                    (41_472, "41.5 KB"), (1_200_000_000, "1.20 GB"), (25e9, "25.0 GB")])
+@pytest.mark.parametrize(
+    "n,text",
+    [
+        (0, "0 B"),
+        (999, "999 B"),
+        (14_200, "14.2 KB"),
+        (3_500_000, "3.50 MB"),
+        (41_472, "41.5 KB"),
+        (1_200_000_000, "1.20 GB"),
+        (25e9, "25.0 GB"),
+    ],
+)
 def test_format_bytes_picks_the_unit_that_fits(n, text):
     assert format_bytes(n) == text
 

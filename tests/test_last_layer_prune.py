@@ -36,7 +36,7 @@ def test_the_pruned_last_layer_is_served_as_the_prompt_and_answers_the_same(stor
         assert [layer for layer, _, _ in prompt] == moe
         assert prompt[-1][1] == 1 and all(rows > 1 for _, rows, _ in prompt[:-1])  # only the last layer pruned
         assert all(as_prompt for _, _, as_prompt in prompt)  # ... and still served as the prompt
-        assert not any(as_prompt for _, _, as_prompt in seen.calls[len(moe):])  # decode steps are not
+        assert not any(as_prompt for _, _, as_prompt in seen.calls[len(moe) :])  # decode steps are not
         pruned_prompt_uses = engine.prefill_stats.uses
     with Engine(store, "64MB", "fate-edge") as full:
         full.model.observers.append(lambda *a: None)  # an observer that may need every token: nothing pruned

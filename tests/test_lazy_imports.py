@@ -20,8 +20,12 @@ print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in {opt}) ))
 
 
 def _loaded_after(code: str, *args: str) -> list[str]:
-    out = subprocess.run([sys.executable, "-c", code.replace("{opt}", repr(set(OPTIONAL))), *args],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", code.replace("{opt}", repr(set(OPTIONAL))), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -158,8 +158,12 @@ def test_training_leaves_no_standardisation_and_rejects_unknown_schedules(traine
     gate = CrossLayerGate.from_model(model, lookahead=1)
     with pytest.raises(ValueError, match="schedule one of"):
         train_learned(gate, traces[0], config=TrainConfig(schedule="cosine"), progress=False)
-    constant = train_learned(gate, traces[0], config=TrainConfig(kind="lowrank", rank=8, schedule="constant",
-                                                                 standardize=False, epochs=2), progress=False)
+    constant = train_learned(
+        gate,
+        traces[0],
+        config=TrainConfig(kind="lowrank", rank=8, schedule="constant", standardize=False, epochs=2),
+        progress=False,
+    )
     assert constant.meta["training"]["config"]["schedule"] == "constant"
 
 
@@ -179,7 +183,9 @@ def test_on_the_bundled_models_own_text_training_fixes_the_gates_weak_first_laye
     train, held = collect_traces(model, train_ids.split(8)), collect_traces(model, held_ids.split(8))
     gate = CrossLayerGate.from_model(model, lookahead=1, norm_variant=True)
     learned = train_learned(gate, train, config=TrainConfig(kind="lowrank", rank=64, epochs=6), progress=False)
-    first = {name: next(a for a in evaluate_predictor(p, held, [2]) if a.source == 0)
-             for name, p in (("gate", gate), ("learned", learned))}
+    first = {
+        name: next(a for a in evaluate_predictor(p, held, [2]) if a.source == 0)
+        for name, p in (("gate", gate), ("learned", learned))
+    }
     assert first["gate"].exact < 0.2 and first["learned"].exact > 0.4
     assert first["learned"].recall[2] > first["gate"].recall[2] + 0.2

@@ -36,14 +36,27 @@ def checkout_references(source: str) -> list[str]:
             why = "REPO_ROOT"
         elif isinstance(node, ast.Attribute) and node.attr == "spec_from_file_location":
             why = "a module loaded by file path"
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs and (
-                node.value.strip("/") == "scripts" or "scripts/" in node.value):
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and id(node) not in docs
+            and (node.value.strip("/") == "scripts" or "scripts/" in node.value)
+        ):
             why = f"the path {node.value!r}"
-        elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) \
-                and node.value.attr == "parents" and _from_file(node.value):
+        elif (
+            isinstance(node, ast.Subscript)
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "parents"
+            and _from_file(node.value)
+        ):
             why = "a folder above the package (Path(__file__).parents[...])"
-        elif isinstance(node, ast.Attribute) and node.attr == "parent" and isinstance(node.value, ast.Attribute) \
-                and node.value.attr == "parent" and _from_file(node.value):
+        elif (
+            isinstance(node, ast.Attribute)
+            and node.attr == "parent"
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "parent"
+            and _from_file(node.value)
+        ):
             why = "a folder above the package (Path(__file__).parent.parent)"
         if why:
             found.append(f"line {node.lineno}: {why}")
@@ -51,10 +64,12 @@ def checkout_references(source: str) -> list[str]:
 
 
 def test_the_check_catches_what_the_bench_and_calibrate_used_to_do():
-    old = ('REPO_ROOT = Path(__file__).resolve().parents[1]\n'
-           'path = REPO_ROOT / "scripts" / "make_inflated_model.py"\n'
-           'spec = importlib.util.spec_from_file_location("m", path)\n'
-           '_TRAIN = Path(__file__).parent.parent / "scripts/train_tiny_moe.py"\n')
+    old = (
+        "REPO_ROOT = Path(__file__).resolve().parents[1]\n"
+        'path = REPO_ROOT / "scripts" / "make_inflated_model.py"\n'
+        'spec = importlib.util.spec_from_file_location("m", path)\n'
+        '_TRAIN = Path(__file__).parent.parent / "scripts/train_tiny_moe.py"\n'
+    )
     found = checkout_references(old)
     assert len(found) == 7, found  # REPO_ROOT twice, parents[1], "scripts", the loader, parent.parent, the path
     assert checkout_references('"""Docstrings may name scripts/test.sh."""\nx = Path(__file__).parent / "a"\n') == []
@@ -86,8 +101,12 @@ LAYERS = [
     "fate_edge.apps fate_edge.sdk fate_edge.__main__",
     "fate_edge",  # the package itself: its public names come from every layer
 ]
-PACKAGE_ROOTS = {"fate_edge": REPO / "fate_edge", "fate_edge.predictors": REPO / "predictors",
-                 "fate_edge.quant": REPO / "quant", "fate_edge.devices": REPO / "devices"}
+PACKAGE_ROOTS = {
+    "fate_edge": REPO / "fate_edge",
+    "fate_edge.predictors": REPO / "predictors",
+    "fate_edge.quant": REPO / "quant",
+    "fate_edge.devices": REPO / "devices",
+}
 
 
 def module_files(roots: dict[str, Path]) -> dict[str, tuple[Path, bool]]:
@@ -99,13 +118,14 @@ def module_files(roots: dict[str, Path]) -> dict[str, tuple[Path, bool]]:
             if pkg == "fate_edge" and parts[0] in ("predictors", "quant", "devices"):
                 continue
             is_init = parts[-1] == "__init__"
-            out[".".join([pkg] + parts[:-1 if is_init else None])] = (p, is_init)
+            out[".".join([pkg] + parts[: -1 if is_init else None])] = (p, is_init)
     return out
 
 
 def import_edges(modules: dict[str, tuple[Path, bool]]) -> dict[str, set[str]]:
     """Module -> the package modules it imports anywhere in its text (``from pkg import submodule`` names the
     submodule; ``from module import name`` the module)."""
+
     def known(name: str) -> str | None:
         while name and name not in modules:
             name = name.rpartition(".")[0]
@@ -124,8 +144,9 @@ def import_edges(modules: dict[str, tuple[Path, bool]]) -> dict[str, set[str]]:
                     origin = origin.rpartition(".")[0]
                 full = (origin + ("." + node.module if node.module else "")) if node.level else (node.module or "")
                 if full.startswith("fate_edge"):
-                    found |= {known(f"{full}.{a.name}") if f"{full}.{a.name}" in modules else known(full)
-                              for a in node.names}
+                    found |= {
+                        known(f"{full}.{a.name}") if f"{full}.{a.name}" in modules else known(full) for a in node.names
+                    }
         edges[name] = found - {None, name}
     return edges
 
@@ -206,6 +227,10 @@ def test_few_modules_sit_directly_in_the_package():
 def test_no_issue_numbers_in_library_code(folder):
     """Docstrings and comments say what the code does; history and results live in docs/."""
     pattern = re.compile(r"\bissue\s*#?\d+", re.IGNORECASE)
-    bad = [f"{p.relative_to(REPO)}:{i}" for p in sorted((REPO / folder).rglob("*.py"))
-           for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    bad = [
+        f"{p.relative_to(REPO)}:{i}"
+        for p in sorted((REPO / folder).rglob("*.py"))
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
     assert bad == []

@@ -18,20 +18,27 @@ def _built_wheels() -> list[Path]:
     return sorted(CACHE.glob("wheels/*/llama_cpp_python-*.whl"))
 
 
-@pytest.mark.skipif(not _built_wheels(), reason=f"no llama-cpp-python wheel built in {CACHE}/wheels "
-                    "(run scripts/install_llamacpp.sh once; it builds one in ~20 min)")
+@pytest.mark.skipif(
+    not _built_wheels(),
+    reason=f"no llama-cpp-python wheel built in {CACHE}/wheels "
+    "(run scripts/install_llamacpp.sh once; it builds one in ~20 min)",
+)
 @pytest.mark.slow
 def test_the_install_script_works_in_a_clean_venv(tmp_path):
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)
     env = {**os.environ, "PATH": f"{env_dir / 'bin'}{os.pathsep}{os.environ['PATH']}", "VIRTUAL_ENV": str(env_dir)}
     env.pop("PYTHONPATH", None)
-    done = subprocess.run(["bash", str(REPO / "scripts" / "install_llamacpp.sh")], env=env, capture_output=True,
-                          text=True, timeout=900)
+    done = subprocess.run(
+        ["bash", str(REPO / "scripts" / "install_llamacpp.sh")], env=env, capture_output=True, text=True, timeout=900
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    check = subprocess.run([str(env_dir / "bin" / "python"), "-c",
-                            "import llama_cpp, diskcache; print(llama_cpp.__version__)"],
-                           capture_output=True, text=True, timeout=120)
+    check = subprocess.run(
+        [str(env_dir / "bin" / "python"), "-c", "import llama_cpp, diskcache; print(llama_cpp.__version__)"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert check.returncode == 0, check.stderr[-2000:]
     assert check.stdout.strip().startswith("0.")
     assert sys.prefix != str(env_dir)  # the venv was a new one, not this interpreter's

@@ -76,8 +76,13 @@ def test_converter_is_unpacked_from_the_sdist_without_the_rest(tmp_path, monkeyp
     cache = tmp_path / "cache"
     monkeypatch.setenv("FATE_EDGE_PEERS_CACHE", str(cache))
     src = tmp_path / "pkg"
-    files = ["vendor/llama.cpp/convert_hf_to_gguf.py", "vendor/llama.cpp/conversion/base.py",
-             "vendor/llama.cpp/gguf-py/gguf/__init__.py", "vendor/llama.cpp/src/llama.cpp", "llama_cpp/__init__.py"]
+    files = [
+        "vendor/llama.cpp/convert_hf_to_gguf.py",
+        "vendor/llama.cpp/conversion/base.py",
+        "vendor/llama.cpp/gguf-py/gguf/__init__.py",
+        "vendor/llama.cpp/src/llama.cpp",
+        "llama_cpp/__init__.py",
+    ]
     for f in files:
         (src / f).parent.mkdir(parents=True, exist_ok=True)
         (src / f).write_text("# stub\n")
@@ -111,8 +116,9 @@ def test_time_tokens_counts_prefill_and_decode():
     assert time_tokens(iter([1]), 4, 3)["decode_tps"] is None
 
 
-@pytest.mark.parametrize("sig, says", [("SIGILL", "an instruction this CPU does not run"),
-                                       ("SIGTERM", "signal SIGTERM")])
+@pytest.mark.parametrize(
+    "sig, says", [("SIGILL", "an instruction this CPU does not run"), ("SIGTERM", "signal SIGTERM")]
+)
 def test_a_child_ended_by_a_signal_is_reported_by_name(sig, says):
     """A llama.cpp child built for instructions this VM faults on died with 'exit -4: ' and nothing else."""
     cmd = [sys.executable, "-c", f"import os, signal; os.kill(os.getpid(), signal.{sig})"]

@@ -19,8 +19,9 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "research" / "measure
 
 @pytest.fixture(scope="module")
 def bundled_store(tmp_path_factory, bundled_dir):
-    return convert(bundled_dir, tmp_path_factory.mktemp("acct") / "s", ConvertOptions(bits=4, keep_bf16=False),
-                   progress=False)
+    return convert(
+        bundled_dir, tmp_path_factory.mktemp("acct") / "s", ConvertOptions(bits=4, keep_bf16=False), progress=False
+    )
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +31,12 @@ def qwen_slice(tmp_path_factory):
     root = tmp_path_factory.mktemp("qwen-slice")
     make_synthetic_model(root / "ckpt", SyntheticOptions("qwen1.5-moe-a2.7b", layers=2, scale=4))
     opts = dict(bits=4, keep_bf16=False, threads=2)
-    return {"float": convert(root / "ckpt", root / "store", ConvertOptions(**opts), progress=False),
-            "int4 at convert": convert(root / "ckpt", root / "pq", ConvertOptions(**opts, resident_bits=4,
-                                                                                    embedding_bits=4), progress=False)}
+    return {
+        "float": convert(root / "ckpt", root / "store", ConvertOptions(**opts), progress=False),
+        "int4 at convert": convert(
+            root / "ckpt", root / "pq", ConvertOptions(**opts, resident_bits=4, embedding_bits=4), progress=False
+        ),
+    }
 
 
 @pytest.mark.parametrize("resident_bits", [None, 4])
@@ -53,8 +57,17 @@ def test_the_resident_parts_are_what_the_engine_loads(bundled_store, resident_bi
 @pytest.mark.parametrize("store, resident_bits", [("float", None), ("float", 4), ("int4 at convert", None)])
 @pytest.mark.slow
 def test_the_measured_peak_is_within_ten_percent_of_the_prediction(qwen_slice, store, resident_bits):
-    cmd = [sys.executable, str(SCRIPT), str(qwen_slice[store]), "--memory-budget", "40MB", "--prompt-tokens", "512",
-           "--max-tokens", "8"] + ([] if resident_bits is None else ["--resident-bits", str(resident_bits)])
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        str(qwen_slice[store]),
+        "--memory-budget",
+        "40MB",
+        "--prompt-tokens",
+        "512",
+        "--max-tokens",
+        "8",
+    ] + ([] if resident_bits is None else ["--resident-bits", str(resident_bits)])
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -96,8 +109,23 @@ def test_a_run_that_fits_is_not_refused(bundled_store, monkeypatch):
 def test_inspect_prints_the_account_by_part(bundled_store, capsys):
     from fate_edge.apps.cli import main
 
-    assert main(["inspect", str(bundled_store), "--memory-budget", "3MB", "--resident-bits", "4", "--dtype",
-                 "bfloat16", "--context-tokens", "512"]) == 0
+    assert (
+        main(
+            [
+                "inspect",
+                str(bundled_store),
+                "--memory-budget",
+                "3MB",
+                "--resident-bits",
+                "4",
+                "--dtype",
+                "bfloat16",
+                "--context-tokens",
+                "512",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     account = memory_account(bundled_store, 3_000_000, "bfloat16", 512, 4)
     part = {line[2:25].strip(): line[25:36].strip() for line in out.splitlines() if line.startswith("  ")}

@@ -30,8 +30,9 @@ def _load_script(path: str):
 def card_run(tmp_path_factory):
     model_dir = build_tiny_moe(tmp_path_factory.mktemp("tiny-moe"))
     write_training_log(model_dir)
-    assert model_card.main([str(model_dir), "--tokens", "512", "--seq-len", "64", "--batch", "4",
-                            "--threads", "1"]) == 0
+    assert (
+        model_card.main([str(model_dir), "--tokens", "512", "--seq-len", "64", "--batch", "4", "--threads", "1"]) == 0
+    )
     return model_dir, json.loads((model_dir / "model_card.json").read_text())
 
 
@@ -67,8 +68,14 @@ def test_per_layer_usage_and_prediction_tables(card_run):
 def test_readme_renders_training_and_tables(card_run):
     model_dir, card = card_run
     readme = (model_dir / "README.md").read_text()
-    for section in ("## Corpus", "## Architecture", "## Training", "## Held-out perplexity",
-                    "## Expert usage per layer", "## Cross-layer gate prediction (Fate)"):
+    for section in (
+        "## Corpus",
+        "## Architecture",
+        "## Training",
+        "## Held-out perplexity",
+        "## Expert usage per layer",
+        "## Cross-layer gate prediction (Fate)",
+    ):
         assert section in readme
     assert f"**{card['heldout']['ppl']:.2f}**" in readme
     assert "200 steps, 819,200 tokens, 5.0 minutes" in readme
@@ -126,8 +133,17 @@ def test_training_script_builds_a_mixtral_layout_that_fate_edge_runs(tmp_path):
     from fate_edge.runtime.loader import load_model
 
     tr = _load_script("scripts/train_tiny_moe.py")
-    cfg = tr.config_with(tr.TrainConfig(), ["architecture=mixtral", "num_experts=4", "hidden_size=32",
-                                            "num_hidden_layers=2", "moe_intermediate_size=48", "vocab_size=64"])
+    cfg = tr.config_with(
+        tr.TrainConfig(),
+        [
+            "architecture=mixtral",
+            "num_experts=4",
+            "hidden_size=32",
+            "num_hidden_layers=2",
+            "moe_intermediate_size=48",
+            "vocab_size=64",
+        ],
+    )
     hf = tr.build_model(cfg, 0).eval()
     assert hf.config.model_type == "mixtral" and hf.config.num_local_experts == 4
     assert hf.config.intermediate_size == 48
@@ -168,8 +184,12 @@ def test_the_ceiling_scripts_cross_token_pairs_stay_inside_a_window(tmp_path):
     h_first = rms_norm(x, model.w[f"{names[first].post_attn_norm}.weight"], cfg.rms_norm_eps)
     untrained = LearnedPredictor.from_gate(ceiling.cross_token_gate(model), "lowrank", 8)
     # Where the residual is the same, the rescaled last input is the first layer's own gate input: its routing.
-    torch.testing.assert_close(untrained.predict(0, h_last).scores[0].topk(cfg.num_experts_per_tok).indices,
-                               model.route(first, h_first)[1], atol=0, rtol=0)
+    torch.testing.assert_close(
+        untrained.predict(0, h_last).scores[0].topk(cfg.num_experts_per_tok).indices,
+        model.route(first, h_first)[1],
+        atol=0,
+        rtol=0,
+    )
 
 
 def test_the_ceiling_scripts_own_router_is_exact_on_the_residual_its_norm_reads(tmp_path):
@@ -188,9 +208,12 @@ def test_the_ceiling_scripts_own_router_is_exact_on_the_residual_its_norm_reads(
     held = collect_traces(model, [ids])
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     after_attention: dict[int, list[torch.Tensor]] = {j: [] for j in model.config.moe_layers}
-    hooks = [hf.model.layers[j].post_attention_layernorm.register_forward_pre_hook(
-        lambda _m, args, j=j: after_attention[j].append(args[0].reshape(-1, args[0].shape[-1])))
-        for j in model.config.moe_layers]
+    hooks = [
+        hf.model.layers[j].post_attention_layernorm.register_forward_pre_hook(
+            lambda _m, args, j=j: after_attention[j].append(args[0].reshape(-1, args[0].shape[-1]))
+        )
+        for j in model.config.moe_layers
+    ]
     with torch.no_grad():
         hf(input_ids=ids)
     for h in hooks:

@@ -60,9 +60,16 @@ def test_ollama_name_finds_the_model_blob_and_runs(caches, tmp_path):
     write_gguf(bundled_model_dir(), blobs / digest.replace(":", "-"), "Q4_0", "F32")
     manifest = caches / "ollama" / "manifests" / "registry.ollama.ai" / "library" / "tiny" / "q4"
     manifest.parent.mkdir(parents=True)
-    manifest.write_text(json.dumps({"layers": [
-        {"mediaType": "application/vnd.ollama.image.template", "digest": "sha256:00"},
-        {"mediaType": "application/vnd.ollama.image.model", "digest": digest}]}))
+    manifest.write_text(
+        json.dumps(
+            {
+                "layers": [
+                    {"mediaType": "application/vnd.ollama.image.template", "digest": "sha256:00"},
+                    {"mediaType": "application/vnd.ollama.image.model", "digest": digest},
+                ]
+            }
+        )
+    )
     assert locate_model("tiny:q4") == blobs / digest.replace(":", "-")
     store = ensure_store("tiny:q4", progress=False)
     assert ExpertStore(store).bits_available == [2, 4, 16]

@@ -113,8 +113,10 @@ def test_native_computes_on_the_stored_bytes():
 
 def test_native_expert_fuses_gate_and_up():
     spec = QuantSpec(4, 64)
-    gate, up, down = (QuantizedLinear.from_quantized(quantize(_randn(s, i, 0.05), spec), spec, kernel="native-int4")
-                      for i, s in enumerate([(128, 256), (128, 256), (256, 128)]))
+    gate, up, down = (
+        QuantizedLinear.from_quantized(quantize(_randn(s, i, 0.05), spec), spec, kernel="native-int4")
+        for i, s in enumerate([(128, 256), (128, 256), (256, 128)])
+    )
     e = QuantizedExpert(gate, up, down)
     f = e.fused()
     assert f.gate_up is not None and f.gate_up.kernel == "native-int4" and f.nbytes == e.nbytes
@@ -138,8 +140,9 @@ def test_native_threads_give_the_same_result():
 
 
 def _run(env: dict[str, str], code: str) -> str:
-    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
 
@@ -217,10 +220,22 @@ def _native_shaped_model(out):
     from _tiny_moe import build_tokenizer
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-    cfg = Qwen2MoeConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
-                         moe_intermediate_size=128, shared_expert_intermediate_size=128,
-                         max_position_embeddings=128, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+    cfg = Qwen2MoeConfig(
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     torch.manual_seed(0)
     Qwen2MoeForCausalLM(cfg).save_pretrained(out)
     build_tokenizer(out)
@@ -264,10 +279,12 @@ def test_decodes_to_views_per_layout_and_kernel(tmp_path, monkeypatch):
     from fate_edge.format.store import ExpertStore, decodes_to_views
 
     model = _native_shaped_model(tmp_path / "m")
-    store = ExpertStore(convert(model, tmp_path / "s", ConvertOptions(bits=4, cold_bits=2, layout="portable"),
-                                progress=False))
-    assert decodes_to_views(store.precisions[4]) == (default_kernel((128, 128), QuantSpec(4, 128), "cpu")
-                                                     == "native-int4")
+    store = ExpertStore(
+        convert(model, tmp_path / "s", ConvertOptions(bits=4, cold_bits=2, layout="portable"), progress=False)
+    )
+    assert decodes_to_views(store.precisions[4]) == (
+        default_kernel((128, 128), QuantSpec(4, 128), "cpu") == "native-int4"
+    )
     assert not decodes_to_views(store.precisions[2])  # 2-bit codes are unpacked into 4-bit slots: a copy
     assert not decodes_to_views(store.precisions[16])
     monkeypatch.setattr("fate_edge.quant.linear.native_isa", lambda: None)
@@ -292,8 +309,10 @@ def test_a_new_build_removes_the_libraries_of_older_sources(tmp_path):
     native_dir = tmp_path / "native"
     native_dir.mkdir()
     (native_dir / "int4_gemm-0123456789abcdef.so").write_bytes(b"an older build")
-    out = _run({"FATE_EDGE_CACHE": str(tmp_path)}, "from fate_edge.quant.native import native_status; "
-                                                   "print(native_status()[0])")
+    out = _run(
+        {"FATE_EDGE_CACHE": str(tmp_path)},
+        "from fate_edge.quant.native import native_status; print(native_status()[0])",
+    )
     assert out == "True"
     assert [p.name for p in native_dir.glob("*.so")] != ["int4_gemm-0123456789abcdef.so"]
     assert len(list(native_dir.glob("int4_gemm-*.so"))) == 1
@@ -343,10 +362,13 @@ def test_resident_int4_group_with_padded_k_counts_its_bytes_and_computes_the_sam
 @pytest.mark.slow
 def test_a_matrix_built_directly_loads_the_kernel_first():
     """NativeInt4 built before anything asked for the kernel's status failed its first call with KeyError('lib')."""
-    out = _run({}, """
+    out = _run(
+        {},
+        """
 import torch
 from fate_edge.quant.native import NativeInt4
 lin = NativeInt4(torch.zeros(32, 64, dtype=torch.uint8), torch.ones(32, 2).half(), torch.zeros(32, 2).half(), 64)
 print(lin(torch.ones(1, 128)).abs().sum().item())
-""")
+""",
+    )
     assert out == "0.0"

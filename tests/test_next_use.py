@@ -57,8 +57,11 @@ def test_next_use_bypasses_a_one_off_expert_once_per_call():
     """Two layers of two hot experts fill the cache; a rare expert then missed is expected back later than any of
     them: it is not cached (bypassed), the hot ones stay. A second rare miss in the same call is admitted (the
     budget holds one expert being computed outside the cache)."""
-    pol = NextUse(seed_share={(0, e): (0.45 if e < 2 else 0.01) for e in range(8)} |
-                  {(1, e): (0.45 if e < 2 else 0.01) for e in range(8)}, num_experts=8)
+    pol = NextUse(
+        seed_share={(0, e): (0.45 if e < 2 else 0.01) for e in range(8)}
+        | {(1, e): (0.45 if e < 2 else 0.01) for e in range(8)},
+        num_experts=8,
+    )
     cache = ExpertCache({0: 4}, lambda part, cap: pol, entry_bytes=1, partition_of=lambda key: 0)
     _tokens(pol, cache, [[[0, 1], [0, 1]]] * 8, num_layers=2)
     assert set(cache.entries) == {(0, 0), (0, 1), (1, 0), (1, 1)} and cache.bypassed == 0
@@ -85,8 +88,19 @@ def _simulated(recorded, policy, fraction: float):
     _, trace, cfg, (entry, slot), popularity = recorded
     ids, warm = decode_routing(trace, cfg.moe_layers)
     plan = plan_budget(_budget(recorded, fraction), policy, entry, slot)
-    return simulate(ids, None, policy, plan.cache_bytes, entry, LINK, HostCosts(1e-3), cfg.num_experts,
-                    cfg.num_hidden_layers, warm=warm, popularity=popularity)
+    return simulate(
+        ids,
+        None,
+        policy,
+        plan.cache_bytes,
+        entry,
+        LINK,
+        HostCosts(1e-3),
+        cfg.num_experts,
+        cfg.num_hidden_layers,
+        warm=warm,
+        popularity=popularity,
+    )
 
 
 @pytest.mark.parametrize("fraction", [0.2, 0.35])

@@ -38,8 +38,11 @@ def recorded(request, tmp_path_factory, bundled_dir):
     """(store with int4 and bf16 experts, its recorded trace, each predictor's decode scores, sizes)."""
     root = tmp_path_factory.mktemp(request.param)
     top2 = request.param == "tiny-top2"
-    src = bundled_dir if request.param == "bundled" else build_tiny_moe(
-        root / "model", seed=0 if top2 else 3, top_k=2 if top2 else 4, expert_dim=32)
+    src = (
+        bundled_dir
+        if request.param == "bundled"
+        else build_tiny_moe(root / "model", seed=0 if top2 else 3, top_k=2 if top2 else 4, expert_dim=32)
+    )
     store = convert(src, root / "store", ConvertOptions(bits=4), progress=False)
     trace, preds, cfg, sizes, popularity = record_with_predictions(store)
     preds["activation-path"] = _activation_path_scores(trace, cfg, PRESETS["activation-path"].lookahead, popularity)
@@ -71,8 +74,19 @@ def _simulate_all(recorded, fraction, link, costs):
     for name, policy in PRESETS.items():
         plan = plan_budget(budget, policy, entry, slot)
         scores = preds.get(policy.predictor) if policy.predictor else None
-        out[name] = simulate(ids, scores, policy, plan.cache_bytes, entry, link, costs, cfg.num_experts,
-                             cfg.num_hidden_layers, warm=warm, max_inflight=plan.pool_buffers - 2)
+        out[name] = simulate(
+            ids,
+            scores,
+            policy,
+            plan.cache_bytes,
+            entry,
+            link,
+            costs,
+            cfg.num_experts,
+            cfg.num_hidden_layers,
+            warm=warm,
+            max_inflight=plan.pool_buffers - 2,
+        )
     return out
 
 
@@ -182,19 +196,42 @@ def test_no_preset_beats_the_best_clairvoyant_configuration(recorded, fraction, 
     link = LinkSpec("bound", bandwidth_bytes_per_s=entry / read_s, latency_s=0.0)
     costs = HostCosts(1e-3, predict_s=5e-5, read_cpu_s=1e-4, consume_s=5e-5, contention=1.0)
     budget = _budget(recorded, fraction)
-    width, bound = oracle_bound(ids, preds["oracle"], budget, entry, slot, link, costs, cfg.num_experts,
-                                cfg.num_hidden_layers, warm=warm)
+    width, bound = oracle_bound(
+        ids, preds["oracle"], budget, entry, slot, link, costs, cfg.num_experts, cfg.num_hidden_layers, warm=warm
+    )
     runs = _simulate_all(recorded, fraction, link, costs)
     belady = replace(PRESETS["oracle"], prefetch_width=0)
     plan = plan_budget(budget, belady, entry, slot)
-    runs["belady, no reads ahead"] = simulate(ids, None, belady, plan.cache_bytes, entry, link, costs,
-                                              cfg.num_experts, cfg.num_hidden_layers, warm=warm, max_inflight=0)
+    runs["belady, no reads ahead"] = simulate(
+        ids,
+        None,
+        belady,
+        plan.cache_bytes,
+        entry,
+        link,
+        costs,
+        cfg.num_experts,
+        cfg.num_hidden_layers,
+        warm=warm,
+        max_inflight=0,
+    )
     device = for_device(PRESETS["fate-edge"], "orin-nano")  # the five devices' preset (next-use, one pool)
     hiding = for_device(PRESETS["fate-edge"], "orin-nano", read_layers=1.0)  # where reads are cheap: prefetching
     for name, policy in {"fate-edge, link-bound device preset": device, "fate-edge, prefetching row": hiding}.items():
         plan = plan_budget(budget, policy, entry, slot)
         scores = preds.get(policy.predictor) if policy.predictor else None
-        runs[name] = simulate(ids, scores, policy, plan.cache_bytes, entry, link, costs, cfg.num_experts,
-                              cfg.num_hidden_layers, warm=warm, max_inflight=max(plan.pool_buffers - 2, 0))
+        runs[name] = simulate(
+            ids,
+            scores,
+            policy,
+            plan.cache_bytes,
+            entry,
+            link,
+            costs,
+            cfg.num_experts,
+            cfg.num_hidden_layers,
+            warm=warm,
+            max_inflight=max(plan.pool_buffers - 2, 0),
+        )
     for name, r in runs.items():
         assert r.total_s >= bound.total_s * (1 - 1e-9), (name, width, r.tokens_per_s, bound.tokens_per_s)

@@ -45,8 +45,11 @@ def test_installed_namespace_has_no_generic_top_level_packages(tmp_path):
 
 @pytest.mark.slow
 def test_wheel_ships_one_namespace_with_profiles_and_bundled_model(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(REPO)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(REPO)],
+        check=True,
+        capture_output=True,
+    )
     (wheel,) = tmp_path.glob("*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names} == {"fate_edge", wheel.name.split("-py")[0] + ".dist-info"}

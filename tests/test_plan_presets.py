@@ -77,8 +77,20 @@ def test_preload_fill_is_simulated_and_kept_through_the_prompt():
     dev = PRESETS["fate-edge"].with_(allocation="global", eviction="lru", predictor=None, preload=True)
     fill = sim_preload(dev, [0, 1], E, 8000, 1000, pop, None)
     assert fill == {0: [0, 1, 2, 3], 1: [0, 1, 2, 3]}
-    kept = simulate(ids, None, dev.with_(keep_preloaded=True), 8000, 1000, LINK, 0.001, E, 2, warm=warm,
-                    popularity=pop, preload=fill)
+    kept = simulate(
+        ids,
+        None,
+        dev.with_(keep_preloaded=True),
+        8000,
+        1000,
+        LINK,
+        0.001,
+        E,
+        2,
+        warm=warm,
+        popularity=pop,
+        preload=fill,
+    )
     lost = simulate(ids, None, dev, 8000, 1000, LINK, 0.001, E, 2, warm=warm, popularity=pop, preload=fill)
     cold = simulate(ids, None, dev.with_(keep_preloaded=True), 8000, 1000, LINK, 0.001, E, 2, warm=warm)
     assert kept.misses == 0 and lost.misses > 0 and cold.misses > 0
@@ -86,15 +98,28 @@ def test_preload_fill_is_simulated_and_kept_through_the_prompt():
 
 def test_fates_resident_layer_is_simulated_whole():
     """Fate holds its first MoE layer whole at the highest precision that fits: every use of it hits."""
-    ids = {layer: torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(t))[:K] for t in range(N)])
-           for layer in LAYERS}
+    ids = {
+        layer: torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(t))[:K] for t in range(N)])
+        for layer in LAYERS
+    }
     fate = PRESETS["fate"]
     resident = sim_resident(fate, LAYERS, E, 20_000, {4: 1000, 16: 2000})
     assert resident is not None and resident.layer == 0 and resident.bits == 16
     assert sim_resident(fate, LAYERS, E, 12_000, {4: 1000, 16: 2000}).bits == 4  # bf16 does not fit: int4
     fill = sim_preload(fate, LAYERS, E, 20_000, 1000, None, resident)
-    r = simulate(ids, None, fate.with_(predictor=None), 20_000, 1000, LINK, 0.001, E, len(LAYERS),
-                 resident=resident, preload=fill)
+    r = simulate(
+        ids,
+        None,
+        fate.with_(predictor=None),
+        20_000,
+        1000,
+        LINK,
+        0.001,
+        E,
+        len(LAYERS),
+        resident=resident,
+        preload=fill,
+    )
     assert r.layer_misses.get(0, 0) == 0 and r.misses > 0
 
 

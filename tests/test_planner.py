@@ -103,10 +103,12 @@ def test_prefetch_reads_cost_compute_time_only_under_contention():
     ids = _trace()
     preds = {(a, b): torch.rand(N, E, generator=torch.Generator().manual_seed(a)) for a, b in zip(LAYERS, LAYERS[1:])}
     pol = PRESETS["lru"].with_(predictor="cross-layer", prefetch_width=2, lookahead=1)
-    idle = simulate(ids, preds, pol, 4000, 1000, LINK, HostCosts(0.002, read_cpu_s=0.0005, contention=0.0),
-                    E, len(LAYERS))
-    busy = simulate(ids, preds, pol, 4000, 1000, LINK, HostCosts(0.002, read_cpu_s=0.0005, contention=1.0),
-                    E, len(LAYERS))
+    idle = simulate(
+        ids, preds, pol, 4000, 1000, LINK, HostCosts(0.002, read_cpu_s=0.0005, contention=0.0), E, len(LAYERS)
+    )
+    busy = simulate(
+        ids, preds, pol, 4000, 1000, LINK, HostCosts(0.002, read_cpu_s=0.0005, contention=1.0), E, len(LAYERS)
+    )
     issued = (busy.prefetch_bytes + busy.wasted_bytes) // 1000
     assert busy.prefetch_hits == idle.prefetch_hits and issued > 0
     # Every prefetch issued (used or wasted) took its reader's CPU time away from compute.

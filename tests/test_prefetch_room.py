@@ -27,8 +27,10 @@ def decode_uses(engine: Engine) -> dict[int, list[int]]:
     before = {layer: list(v) for layer, v in engine.scheduler.layer_uses.items()}
     for _ in steps:
         pass
-    return {layer: [a - b for a, b in zip(v, before.get(layer, [0, 0, 0]))]
-            for layer, v in engine.scheduler.layer_uses.items()}
+    return {
+        layer: [a - b for a, b in zip(v, before.get(layer, [0, 0, 0]))]
+        for layer, v in engine.scheduler.layer_uses.items()
+    }
 
 
 @pytest.mark.parametrize("share", [0.20, 0.35])

@@ -24,9 +24,12 @@ def test_prompt_chunks_cover_the_prompt_in_ranges_of_two_or_more():
 
 def test_chunked_prefill_gives_the_whole_prompt_tokens(bundled_model, bundled_tokenizer):
     ids = _prompt(bundled_model, 300)
-    runs = {c: generate(bundled_model, bundled_tokenizer, ids, GenerateConfig(max_tokens=12, ignore_eos=True,
-                                                                              prefill_chunk=c))[0]
-            for c in (0, 64, 97)}
+    runs = {
+        c: generate(
+            bundled_model, bundled_tokenizer, ids, GenerateConfig(max_tokens=12, ignore_eos=True, prefill_chunk=c)
+        )[0]
+        for c in (0, 64, 97)
+    }
     assert runs[64] == runs[0] and runs[97] == runs[0]
 
 

@@ -18,11 +18,15 @@ IDS = torch.tensor([[5, 900, 33, 4000, 12, 77, 2048, 3, 64, 1]])
 def stores(tmp_path_factory, bundled_dir):
     root = tmp_path_factory.mktemp("pq")
     opts = dict(bits=4, keep_bf16=False)
-    return {None: convert(bundled_dir, root / "float", ConvertOptions(**opts), progress=False),
-            4: convert(bundled_dir, root / "int4", ConvertOptions(**opts, resident_bits=4, embedding_bits=4),
-                       progress=False),
-            8: convert(bundled_dir, root / "int8", ConvertOptions(**opts, resident_bits=8, embedding_bits=8),
-                       progress=False)}
+    return {
+        None: convert(bundled_dir, root / "float", ConvertOptions(**opts), progress=False),
+        4: convert(
+            bundled_dir, root / "int4", ConvertOptions(**opts, resident_bits=4, embedding_bits=4), progress=False
+        ),
+        8: convert(
+            bundled_dir, root / "int8", ConvertOptions(**opts, resident_bits=8, embedding_bits=8), progress=False
+        ),
+    }
 
 
 def _logits(model) -> torch.Tensor:
@@ -32,7 +36,8 @@ def _logits(model) -> torch.Tensor:
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_a_prequantized_store_loads_without_quantizing_and_computes_what_load_time_quantizing_does(
-        stores, bits, monkeypatch, one_thread):
+    stores, bits, monkeypatch, one_thread
+):
     expected = _logits(load_model(stores[None], resident_bits=bits, embedding_bits=bits))
 
     def refuse(*args, **kwargs):
@@ -82,8 +87,9 @@ def test_the_quantized_weights_are_memory_mapped_from_the_store(stores):
     assert codes and all(_mapped_file(model.w[k].data_ptr()) == resident for k in codes)
     assert _mapped_file(model.embed.codes.data_ptr()) == resident
     float_store = load_model(stores[None], resident_bits=4)  # quantized at load: the process's own memory
-    assert _mapped_file(float_store.w["lm_head.int4" if "lm_head.int4" in float_store.w else codes[0]].data_ptr()) \
-        != str(stores[None] / "resident.safetensors")
+    assert _mapped_file(
+        float_store.w["lm_head.int4" if "lm_head.int4" in float_store.w else codes[0]].data_ptr()
+    ) != str(stores[None] / "resident.safetensors")
 
 
 def test_inspect_counts_the_weights_the_codes_stand_for(stores):

@@ -67,8 +67,9 @@ def test_a_widened_trace_sliced_holds_the_rows_of_the_whole_widened_one(model, t
     narrow = dataclasses.replace(trace, gate_inputs=half, early_inputs=early)
     wide = widen_trace(narrow, model.config.moe_layers, SEQ, previous=True, early=True)
     whole = {i: wide.gate_inputs[i] for i in wide.gate_inputs}
-    assert all(h.dtype == torch.float32 and h.shape == (trace.tokens, 3 * model.config.hidden_size)
-               for h in whole.values())
+    assert all(
+        h.dtype == torch.float32 and h.shape == (trace.tokens, 3 * model.config.hidden_size) for h in whole.values()
+    )
     for start, stop in [(0, None), (SEQ + 5, 3 * SEQ - 2), (-SEQ - 3, None), (7, 7)]:
         part = wide.rows(start, stop)
         assert sorted(part.gate_inputs) == [0, 1]
@@ -89,8 +90,9 @@ def test_a_half_precision_trace_trains_the_predictor_a_float32_one_does(model, t
     full, rounded = (train_learned(gate, widen_trace(t, moe, SEQ), config=cfg, progress=False) for t in (trace, half))
     h = widen_trace(trace, moe, SEQ).gate_inputs[0]
     torch.testing.assert_close(rounded.predict(0, h).scores, full.predict(0, h).scores, atol=2e-2, rtol=2e-2)
-    scores = [evaluate_predictor(p, widen_trace(t, moe, SEQ), [2])[0].exact
-              for p, t in ((full, trace), (rounded, half))]
+    scores = [
+        evaluate_predictor(p, widen_trace(t, moe, SEQ), [2])[0].exact for p, t in ((full, trace), (rounded, half))
+    ]
     assert abs(scores[0] - scores[1]) < 0.02
 
 

@@ -21,8 +21,13 @@ def test_graph_bytes_are_a_valid_onnx_model():
     onnx.checker.check_model(model)
     (node,) = model.graph.node
     assert (node.op_type, node.domain) == ("MatMulNBits", "com.microsoft")
-    assert {a.name: a.i for a in node.attribute} == {"K": 192, "N": 64, "bits": 4, "block_size": 64,
-                                                     "accuracy_level": 4}
+    assert {a.name: a.i for a in node.attribute} == {
+        "K": 192,
+        "N": 64,
+        "bits": 4,
+        "block_size": 64,
+        "accuracy_level": 4,
+    }
 
 
 @pytest.mark.parametrize("shape", [(64, 192), (192, 128), (48, 320)])  # 320/64 = 5 blocks: odd zero-point count

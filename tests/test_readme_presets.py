@@ -39,5 +39,6 @@ def test_the_docs_name_the_eviction_and_allocation_each_cached_preset_uses(page)
         named = {e for e, word in EVICTIONS.items() if re.search(rf"\b{word}\b", text)}
         assert named == {policy.eviction}, f"{page.name} row for {name} names {named}, policy.py uses {policy.eviction}"
         shallow = "shallow-favoring" in text
-        assert shallow == (policy.allocation == "shallow"), \
+        assert shallow == (policy.allocation == "shallow"), (
             f"{page.name} row for {name}: allocation {policy.allocation}"
+        )

@@ -19,7 +19,7 @@ def _parts(store: ExpertStore, layer: int, expert: int, bits: int = 4) -> dict[s
         f.seek(ref.offset)
         blob = torch.frombuffer(bytearray(f.read(ref.length)), dtype=torch.uint8)
     dtypes = {"uint8": torch.uint8, "float16": torch.float16, "bfloat16": torch.bfloat16}
-    return {p.name: blob[p.offset: p.offset + p.nbytes].view(dtypes[p.dtype]).reshape(p.shape) for p in prec.parts}
+    return {p.name: blob[p.offset : p.offset + p.nbytes].view(dtypes[p.dtype]).reshape(p.shape) for p in prec.parts}
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """Quantizing resident weights at load stays within a small multiple of the weight itself: a real-size lm_head
 (OLMoE: 50k x 2k bf16) quantized through full fp32 copies peaked at 3.5x the loaded model's memory."""
+
 import subprocess
 import sys
 import textwrap

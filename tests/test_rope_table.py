@@ -11,8 +11,14 @@ CPU32 = (torch.device("cpu"), torch.float32)  # tables are kept per (device, dty
 
 
 def test_table_covers_the_positions_used_and_matches_the_whole_context():
-    yarn = RopeConfig(theta=10000.0, rope_type="yarn", factor=40.0, original_max_position_embeddings=4096,
-                      mscale=0.707, mscale_all_dim=0.707)  # DeepSeek-V2-Lite's rope, 163840 positions
+    yarn = RopeConfig(
+        theta=10000.0,
+        rope_type="yarn",
+        factor=40.0,
+        original_max_position_embeddings=4096,
+        mscale=0.707,
+        mscale_all_dim=0.707,
+    )  # DeepSeek-V2-Lite's rope, 163840 positions
     rope = RotaryEmbedding(yarn, 64, 163840)
     whole_cos, whole_sin = rope.cos_sin(torch.arange(163840), torch.float32)
     cos, sin = rope.cos_sin_range(0, 64, torch.float32)

@@ -8,8 +8,15 @@ from fate_edge.quant import QuantSpec, linear, pack, rtn, unpack
 
 from fate_edge.format.checkpoint import CheckpointReader
 
-SPECS = [QuantSpec(4, 64), QuantSpec(4, 32), QuantSpec(4, 32, asymmetric=False), QuantSpec(3, 64),
-         QuantSpec(2, 32), QuantSpec(8, 64), QuantSpec(8, 64, asymmetric=False)]  # the bundled widths: 64k
+SPECS = [
+    QuantSpec(4, 64),
+    QuantSpec(4, 32),
+    QuantSpec(4, 32, asymmetric=False),
+    QuantSpec(3, 64),
+    QuantSpec(2, 32),
+    QuantSpec(8, 64),
+    QuantSpec(8, 64, asymmetric=False),
+]  # the bundled widths: 64k
 
 
 def _assert_same(got, ref, spec: QuantSpec) -> None:

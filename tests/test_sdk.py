@@ -73,9 +73,21 @@ def test_keyword_helpers_match_generate_config(engine):
     assert generate_config(stop="\n").stop == ["\n"]
 
 
-@pytest.mark.parametrize("kw", [dict(max_tokens=-1), dict(temperature=-0.5), dict(top_p=0.0), dict(top_p=1.5),
-                                dict(min_p=1.0), dict(top_k=-2), dict(repetition_penalty=0), dict(stop=[""]),
-                                dict(stop=[3]), dict(max_tokens=2.5)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(max_tokens=-1),
+        dict(temperature=-0.5),
+        dict(top_p=0.0),
+        dict(top_p=1.5),
+        dict(min_p=1.0),
+        dict(top_k=-2),
+        dict(repetition_penalty=0),
+        dict(stop=[""]),
+        dict(stop=[3]),
+        dict(max_tokens=2.5),
+    ],
+)
 def test_bad_parameters_are_generation_errors(kw):
     with pytest.raises(GenerationError):
         generate_config(**kw)
@@ -165,8 +177,14 @@ def test_a_failed_read_fails_one_request_and_the_engine_recovers(engine):
 @pytest.mark.slow
 def test_minimal_example_runs(cache_dir):
     env = dict(os.environ, FATE_EDGE_CACHE=str(cache_dir), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "minimal.py")], capture_output=True, text=True,
-                          timeout=120, env=env, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "minimal.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "tok/s" in proc.stdout and "expert hit rate" in proc.stdout
     assert len((ROOT / "examples" / "minimal.py").read_text().splitlines()) <= 20
@@ -177,8 +195,9 @@ def test_generate_and_chat_go_through_engine_complete_and_chat(monkeypatch):
 
     calls = []
     real_complete = Engine.complete
-    monkeypatch.setattr(Engine, "complete", lambda self, p, c=None: (calls.append("complete"),
-                                                                     real_complete(self, p, c))[1])
+    monkeypatch.setattr(
+        Engine, "complete", lambda self, p, c=None: (calls.append("complete"), real_complete(self, p, c))[1]
+    )
     with Engine.load(memory_budget="4MB", policy="lru", device="cpu") as engine:
         done = sdk.generate(engine, "def ", max_tokens=3, ignore_eos=True)
         reply = sdk.chat(engine, [{"role": "user", "content": "hi"}], max_tokens=2, ignore_eos=True)

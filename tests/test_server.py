@@ -45,8 +45,19 @@ class Server:
         self.port = _free_port()
         self.uds = uds
         self.api_key = api_key
-        cmd = [sys.executable, "-m", "fate_edge", "serve", "--threads", "1", "--memory-budget", BUDGET,
-               "--log-level", "warning", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "fate_edge",
+            "serve",
+            "--threads",
+            "1",
+            "--memory-budget",
+            BUDGET,
+            "--log-level",
+            "warning",
+            *args,
+        ]
         cmd += ["--unix-socket", uds] if uds else ["--port", str(self.port)]
         if api_key:
             cmd += ["--api-key", api_key]
@@ -56,8 +67,9 @@ class Server:
         self.base = "http://localhost" if uds else f"http://127.0.0.1:{self.port}"
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(base_url=self.base, transport=transport, timeout=60, headers=headers)
-        self.raw = httpx.Client(base_url=self.base, transport=httpx.HTTPTransport(uds=uds) if uds else None,
-                                timeout=60)  # no credentials
+        self.raw = httpx.Client(
+            base_url=self.base, transport=httpx.HTTPTransport(uds=uds) if uds else None, timeout=60
+        )  # no credentials
         self.wait_ready()
 
     def wait_ready(self, timeout: float = 90) -> None:
@@ -80,8 +92,14 @@ class Server:
 
     def client(self, **kw) -> openai.OpenAI:
         http_client = httpx.Client(transport=httpx.HTTPTransport(uds=self.uds)) if self.uds else None
-        return openai.OpenAI(base_url=f"{self.base}/v1", api_key=self.api_key or "none", max_retries=0, timeout=60,
-                             http_client=http_client, **kw)
+        return openai.OpenAI(
+            base_url=f"{self.base}/v1",
+            api_key=self.api_key or "none",
+            max_retries=0,
+            timeout=60,
+            http_client=http_client,
+            **kw,
+        )
 
     def metric(self, name: str, labels: str = "") -> float:
         text = self.http.get("/metrics").text
@@ -131,7 +149,7 @@ def _sse(lines) -> list:
     out = []
     for line in lines:
         if line.startswith("data: "):
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             out.append(data if data == "[DONE]" else json.loads(data))
     return out
 
@@ -156,19 +174,30 @@ def test_health_models_and_metrics(server, client):
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4")
     text = server.http.get("/metrics").text
-    for series in ("fate_edge_requests_total", "fate_edge_request_duration_seconds_bucket",
-                   "fate_edge_prompt_tokens_total", "fate_edge_generation_tokens_total",
-                   "fate_edge_expert_cache_hits_total", "fate_edge_expert_prefetch_hits_total",
-                   "fate_edge_expert_misses_total", 'fate_edge_expert_bytes_read_total{kind="demand"}',
-                   'fate_edge_expert_bytes_read_total{kind="wasted"}', "fate_edge_prefetch_accuracy_ratio",
-                   "fate_edge_stall_seconds_total", "fate_edge_peak_rss_bytes", "fate_edge_expert_cache_used_bytes",
-                   "fate_edge_memory_budget_bytes 2000000", "fate_edge_requests_cancelled_total"):
+    for series in (
+        "fate_edge_requests_total",
+        "fate_edge_request_duration_seconds_bucket",
+        "fate_edge_prompt_tokens_total",
+        "fate_edge_generation_tokens_total",
+        "fate_edge_expert_cache_hits_total",
+        "fate_edge_expert_prefetch_hits_total",
+        "fate_edge_expert_misses_total",
+        'fate_edge_expert_bytes_read_total{kind="demand"}',
+        'fate_edge_expert_bytes_read_total{kind="wasted"}',
+        "fate_edge_prefetch_accuracy_ratio",
+        "fate_edge_stall_seconds_total",
+        "fate_edge_peak_rss_bytes",
+        "fate_edge_expert_cache_used_bytes",
+        "fate_edge_memory_budget_bytes 2000000",
+        "fate_edge_requests_cancelled_total",
+    ):
         assert series in text, series
 
 
 def test_chat_non_streaming(client):
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "def add(a, b):"}],
-                                       max_tokens=8, temperature=0, seed=1)
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "def add(a, b):"}], max_tokens=8, temperature=0, seed=1
+    )
     assert r.id.startswith("chatcmpl-") and r.object == "chat.completion" and r.model == MODEL
     choice = r.choices[0]
     assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
@@ -178,9 +207,17 @@ def test_chat_non_streaming(client):
 
 
 def test_chat_streaming_matches_non_streaming_and_reports_usage(client):
-    kw = dict(model=MODEL, messages=[{"role": "system", "content": "You write Python."},
-                                     {"role": "user", "content": [{"type": "text", "text": "class Stack:"}]}],
-              max_completion_tokens=12, temperature=0.8, seed=5, extra_body={"ignore_eos": True})
+    kw = dict(
+        model=MODEL,
+        messages=[
+            {"role": "system", "content": "You write Python."},
+            {"role": "user", "content": [{"type": "text", "text": "class Stack:"}]},
+        ],
+        max_completion_tokens=12,
+        temperature=0.8,
+        seed=5,
+        extra_body={"ignore_eos": True},
+    )
     full = client.chat.completions.create(**kw)
     chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -254,8 +291,17 @@ MALFORMED = [
     ("tool role", CHAT, _chat(messages=[{"role": "tool", "content": "hi", "tool_call_id": "1"}]), 400, BAD),
     ("content a number", CHAT, _chat(messages=[{"role": "user", "content": 123}]), 400, BAD),
     ("content null", CHAT, _chat(messages=[{"role": "user", "content": None}]), 400, BAD),
-    ("image content", CHAT, _chat(messages=[{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]), 400, BAD),
+    (
+        "image content",
+        CHAT,
+        _chat(
+            messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}
+            ]
+        ),
+        400,
+        BAD,
+    ),
     ("max_tokens negative", CHAT, _chat(max_tokens=-5), 400, BAD),
     ("max_tokens zero", CHAT, _chat(max_tokens=0), 400, BAD),
     ("max_tokens huge", CHAT, _chat(max_tokens=10**12), 400, BAD),
@@ -285,8 +331,13 @@ MALFORMED = [
     ("logit_bias", CHAT, _chat(logit_bias={"1": 5}), 400, BAD),
     ("model a number", CHAT, _chat(model=5), 400, BAD),
     ("unknown model", CHAT, _chat(model="gpt-4o"), 404, "not_found_error"),
-    ("chat longer than the context", CHAT, _chat(messages=[{"role": "user", "content": "word " * 3000}]), 400,
-     "exceed_context_size_error"),
+    (
+        "chat longer than the context",
+        CHAT,
+        _chat(messages=[{"role": "user", "content": "word " * 3000}]),
+        400,
+        "exceed_context_size_error",
+    ),
     ("prompt missing", COMP, {"model": MODEL, "max_tokens": 2}, 400, BAD),
     ("prompt a number", COMP, {"prompt": 123}, 400, BAD),
     ("prompt empty", COMP, {"prompt": ""}, 400, BAD),
@@ -334,8 +385,11 @@ def test_fifty_requests_at_concurrency_four_match_the_same_requests_alone(client
         if kind == "chat":
             msgs = [{"role": "user", "content": p}]
             if stream:
-                return "".join(c.choices[0].delta.content or "" for c in
-                               client.chat.completions.create(messages=msgs, stream=True, **kw) if c.choices)
+                return "".join(
+                    c.choices[0].delta.content or ""
+                    for c in client.chat.completions.create(messages=msgs, stream=True, **kw)
+                    if c.choices
+                )
             return client.chat.completions.create(messages=msgs, **kw).choices[0].message.content
         if stream:
             return "".join(c.choices[0].text for c in client.completions.create(prompt=p, stream=True, **kw))
@@ -382,16 +436,20 @@ def test_injected_read_error_fails_one_request_then_the_next_succeeds(server, cl
     with pytest.raises(openai.InternalServerError) as exc:
         client.completions.create(**kw)
     assert exc.value.status_code == 500
-    err = exc.value.body if isinstance(exc.value.body, dict) and "type" in exc.value.body else \
-        exc.value.response.json()["error"]
+    err = (
+        exc.value.body
+        if isinstance(exc.value.body, dict) and "type" in exc.value.body
+        else exc.value.response.json()["error"]
+    )
     assert err["type"] == "server_error" and "injected read error" in err["message"]
     assert server.metric("fate_edge_fetch_failures_total") >= failures + 1
     ok = client.completions.create(**kw)
     assert ok.usage.completion_tokens == 4
     # ... and the same on a streaming request: the failure comes before the first byte, as a 500.
     server.http.post("/debug/fault-injection", json={"reads": 1})
-    resp = server.http.post(COMP, json={**{k: v for k, v in kw.items() if k != "model"}, "prompt": LONG_PROMPT.upper(),
-                                        "stream": True})
+    resp = server.http.post(
+        COMP, json={**{k: v for k, v in kw.items() if k != "model"}, "prompt": LONG_PROMPT.upper(), "stream": True}
+    )
     _assert_error_shape(resp, 500, "server_error")
     assert client.completions.create(**kw).choices[0].text == ok.choices[0].text
     assert server.raw.get("/health").status_code == 200
@@ -401,16 +459,25 @@ def test_injected_read_error_fails_one_request_then_the_next_succeeds(server, cl
 def test_api_key_over_a_unix_socket(locked):
     assert stat.S_IMODE(os.stat(locked.uds).st_mode) == 0o600  # only this user may connect
     assert locked.raw.get("/health").status_code == 200  # health is public
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"},
-                    {"Authorization": "Bearer"}):
+    for headers in (
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": "Basic s3cret"},
+        {"Authorization": "Bearer"},
+    ):
         resp = locked.raw.post(CHAT, json=_chat(), headers=headers)
         _assert_error_shape(resp, 401, "authentication_error")
     _assert_error_shape(locked.raw.get("/metrics"), 401, "authentication_error")
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url="http://localhost/v1", api_key="wrong", max_retries=0,
-                      http_client=httpx.Client(transport=httpx.HTTPTransport(uds=locked.uds))).models.list()
-    r = locked.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                                max_tokens=3, temperature=0)
+        openai.OpenAI(
+            base_url="http://localhost/v1",
+            api_key="wrong",
+            max_retries=0,
+            http_client=httpx.Client(transport=httpx.HTTPTransport(uds=locked.uds)),
+        ).models.list()
+    r = locked.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0
+    )
     assert r.usage.completion_tokens <= 3
     _assert_error_shape(locked.http.post("/debug/fault-injection", json={}), 404, "not_found_error")  # not enabled
 
@@ -483,8 +550,14 @@ def test_health_is_503_while_the_model_loads(monkeypatch, cache):
 def test_sigterm_finishes_the_stream_in_flight_then_exits_0(cache):
     s = Server(cache)
     try:
-        body = {"prompt": "def drain():", "max_tokens": 60, "temperature": 0, "stream": True, "ignore_eos": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "prompt": "def drain():",
+            "max_tokens": 60,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        }
         events = []
         with s.http.stream("POST", COMP, json=body) as r:
             lines = r.iter_lines()
@@ -505,9 +578,27 @@ def test_sigterm_finishes_the_stream_in_flight_then_exits_0(cache):
 
 @pytest.mark.slow
 def test_serve_and_run_refuse_a_budget_below_the_minimum(cache, monkeypatch, capsys):
-    proc = subprocess.run([sys.executable, "-m", "fate_edge", "serve", "--threads", "1", "--memory-budget", "1KB",
-                           "--port", str(_free_port()), "--log-level", "warning"],
-                          env=_env(cache), capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fate_edge",
+            "serve",
+            "--threads",
+            "1",
+            "--memory-budget",
+            "1KB",
+            "--port",
+            str(_free_port()),
+            "--log-level",
+            "warning",
+        ],
+        env=_env(cache),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert proc.returncode == 2, proc.stderr
     assert re.search(r"fate-edge: error: memory budget .* below the minimum [0-9.]+ [KMG]B ", proc.stderr), proc.stderr
     assert "Traceback" not in proc.stderr
@@ -554,8 +645,9 @@ def test_concurrent_streams_are_batched_and_faults_stay_with_their_request(serve
             seen_batch.append(True)
         time.sleep(0.02)
     _assert_error_shape(server.http.post(COMP, json={"prompt": "x", "max_tokens": -3}), 400, BAD)
-    _assert_error_shape(server.http.post(COMP, json={"prompt": "x " * 3000, "max_tokens": 4}), 400,
-                        "exceed_context_size_error")
+    _assert_error_shape(
+        server.http.post(COMP, json={"prompt": "x " * 3000, "max_tokens": 4}), 400, "exceed_context_size_error"
+    )
     for t in threads:
         t.join(timeout=120)
     assert seen_batch and [texts[i] for i in range(3)] == alone

@@ -53,8 +53,12 @@ def test_a_non_streaming_request_stops_when_its_client_hangs_up(server):
     cancelled = server.metric("fate_edge_requests_cancelled_total")
     tokens = server.metric("fate_edge_generation_tokens_total")
     body = b'{"prompt": "def f():", "max_tokens": 1000, "ignore_eos": true, "temperature": 0}'
-    sock = _raw_request(server.port, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                                     b"Content-Type: application/json\r\nContent-Length: %d" % len(body), body)
+    sock = _raw_request(
+        server.port,
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d" % len(body),
+        body,
+    )
     try:
         assert _wait_for(lambda: server.metric("fate_edge_requests_running") == 1)
     finally:
@@ -68,8 +72,12 @@ def test_a_non_streaming_request_stops_when_its_client_hangs_up(server):
 
 @pytest.mark.parametrize("length", [b"abc", b"12abc", b"-1", b"+5", b"0x10"])
 def test_a_malformed_content_length_gets_an_openai_shaped_400(server, length):
-    sock = _raw_request(server.port, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                                     b"Content-Type: application/json\r\nContent-Length: " + length, b'{"prompt":"x"}')
+    sock = _raw_request(
+        server.port,
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/json\r\nContent-Length: " + length,
+        b'{"prompt":"x"}',
+    )
     with sock:
         head, _, body = _read_all(sock).partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 400 "), head
@@ -89,8 +97,19 @@ def test_dns_rebinding_host_is_refused_over_tcp(server):
 
 
 def _serve(cache, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "fate_edge", "serve", "--threads", "1", "--memory-budget", BUDGET,
-           "--log-level", "warning", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fate_edge",
+        "serve",
+        "--threads",
+        "1",
+        "--memory-budget",
+        BUDGET,
+        "--log-level",
+        "warning",
+        *args,
+    ]
     return subprocess.run(cmd, env=_env(cache), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 

@@ -53,9 +53,11 @@ def test_a_host_that_does_not_name_this_server_is_refused(tc, host):
 
 @pytest.mark.parametrize("origin", ["https://evil.example", "http://localhost:3000", "null"])
 def test_cross_origin_requests_are_refused_by_default(tc, origin):
-    for resp in (tc.post(COMP, json=GOOD, headers={"Origin": origin}),
-                 tc.get("/v1/models", headers={"Origin": origin}),
-                 tc.options(COMP, headers={"Origin": origin, "Access-Control-Request-Method": "POST"})):
+    for resp in (
+        tc.post(COMP, json=GOOD, headers={"Origin": origin}),
+        tc.get("/v1/models", headers={"Origin": origin}),
+        tc.options(COMP, headers={"Origin": origin, "Access-Control-Request-Method": "POST"}),
+    ):
         err = _assert_error_shape(resp, 403, "permission_error")
         assert err["code"] == "origin_not_allowed" and "--cors-origins" in err["message"]
         assert "access-control-allow-origin" not in resp.headers
@@ -66,15 +68,22 @@ def test_allowed_hosts_and_cors_origins_open_the_guard(engine):
     with _app_client(engine, allowed_hosts=["assistant.lan"], cors_origins=[web]) as c:
         assert c.post(COMP, json=GOOD, headers={"Host": "assistant.lan:8080"}).status_code == 200
         _assert_error_shape(c.post(COMP, json=GOOD, headers={"Host": "other.lan"}), 403, "permission_error")
-        pre = c.options(COMP, headers={"Origin": web, "Access-Control-Request-Method": "POST",
-                                       "Access-Control-Request-Headers": "authorization, content-type"})
+        pre = c.options(
+            COMP,
+            headers={
+                "Origin": web,
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization, content-type",
+            },
+        )
         assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == web
         assert "POST" in pre.headers["access-control-allow-methods"]
         assert "authorization" in pre.headers["access-control-allow-headers"].lower()
         resp = c.post(COMP, json=GOOD, headers={"Origin": web})
         assert resp.status_code == 200 and resp.headers["access-control-allow-origin"] == web
-        _assert_error_shape(c.post(COMP, json=GOOD, headers={"Origin": "https://evil.example"}), 403,
-                            "permission_error")
+        _assert_error_shape(
+            c.post(COMP, json=GOOD, headers={"Origin": "https://evil.example"}), 403, "permission_error"
+        )
     with _app_client(engine, allowed_hosts=["*"], cors_origins=["*"]) as c:
         resp = c.post(COMP, json=GOOD, headers={"Host": "anything.example", "Origin": "https://any.example"})
         assert resp.status_code == 200
@@ -88,27 +97,37 @@ def test_the_bound_address_is_an_allowed_host(engine):
 
 
 # --------------------------------------------------------------------------- content type
-@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
-                                          None])
+@pytest.mark.parametrize(
+    "content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data", None]
+)
 def test_a_json_body_needs_the_json_content_type(tc, content_type):
     headers = {"Content-Type": content_type} if content_type else {}
     resp = tc.post(COMP, content=b'{"prompt": "x = ", "max_tokens": 2}', headers=headers)
     err = _assert_error_shape(resp, 415, "invalid_request_error")
     assert "application/json" in err["message"]
-    ok = tc.post(COMP, content=b'{"prompt": "x = ", "max_tokens": 2}',
-                 headers={"Content-Type": "application/json; charset=utf-8"})
+    ok = tc.post(
+        COMP,
+        content=b'{"prompt": "x = ", "max_tokens": 2}',
+        headers={"Content-Type": "application/json; charset=utf-8"},
+    )
     assert ok.status_code == 200
 
 
 # --------------------------------------------------------------------------- bad input
-@pytest.mark.parametrize("path,raw,param", [
-    (COMP, rb'{"prompt": "\udfff", "max_tokens": 4}', "prompt"),
-    (CHAT, rb'{"messages": [{"role": "user", "content": "a\ud800b"}], "max_tokens": 4}', "messages[0].content"),
-    (CHAT, rb'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]}',
-     "messages[0].content[0].text"),
-    (COMP, rb'{"prompt": "x", "stop": ["\ud83d"]}', "stop[0]"),
-    (COMP, rb'{"prompt": "x", "model": "\udfff"}', "model"),
-])
+@pytest.mark.parametrize(
+    "path,raw,param",
+    [
+        (COMP, rb'{"prompt": "\udfff", "max_tokens": 4}', "prompt"),
+        (CHAT, rb'{"messages": [{"role": "user", "content": "a\ud800b"}], "max_tokens": 4}', "messages[0].content"),
+        (
+            CHAT,
+            rb'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]}',
+            "messages[0].content[0].text",
+        ),
+        (COMP, rb'{"prompt": "x", "stop": ["\ud83d"]}', "stop[0]"),
+        (COMP, rb'{"prompt": "x", "model": "\udfff"}', "model"),
+    ],
+)
 def test_lone_surrogates_are_a_400_naming_the_field(tc, path, raw, param):
     resp = tc.post(path, content=raw, headers={"Content-Type": "application/json"})
     err = _assert_error_shape(resp, 400, "invalid_request_error")
@@ -117,8 +136,9 @@ def test_lone_surrogates_are_a_400_naming_the_field(tc, path, raw, param):
 
 
 def test_a_valid_surrogate_pair_is_text(tc):
-    resp = tc.post(COMP, content=rb'{"prompt": "\ud83d\ude00 = ", "max_tokens": 2}',
-                   headers={"Content-Type": "application/json"})
+    resp = tc.post(
+        COMP, content=rb'{"prompt": "\ud83d\ude00 = ", "max_tokens": 2}', headers={"Content-Type": "application/json"}
+    )
     assert resp.status_code == 200, resp.text
 
 
@@ -144,17 +164,22 @@ def test_context_overflow_maps_to_context_length_exceeded_by_type_not_by_message
     from fate_edge.apps.server.errors import error_from_exception
 
     err = error_from_exception(ContextLengthError(2000, 1024), "prompt")
-    assert (err.status, err.type, err.code, err.param) == (400, "exceed_context_size_error",
-                                                           "context_length_exceeded", "prompt")
+    assert (err.status, err.type, err.code, err.param) == (
+        400,
+        "exceed_context_size_error",
+        "context_length_exceeded",
+        "prompt",
+    )
     assert err.body()["error"]["n_ctx"] == 1024 and err.body()["error"]["n_prompt_tokens"] == 2000
     other = error_from_exception(GenerationError("top_p must be in (0, 1] for this context"))
     assert (other.status, other.type, other.code) == (400, "invalid_request_error", None)
 
 
 def test_server_answers_context_overflow_as_context_length_exceeded(tc):
-    for path, body, param in ((COMP, {"prompt": [5] * 2000}, "prompt"),
-                              (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "word " * 3000}]},
-                               "messages")):
+    for path, body, param in (
+        (COMP, {"prompt": [5] * 2000}, "prompt"),
+        (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "word " * 3000}]}, "messages"),
+    ):
         err = _assert_error_shape(tc.post(path, json=body), 400, "exceed_context_size_error")
         assert err["code"] == "context_length_exceeded" and err["param"] == param
         assert err["n_ctx"] == 1024 and err["n_prompt_tokens"] > 1024

@@ -68,8 +68,11 @@ def test_the_engine_makes_spares_for_the_room_its_cache_has_after_load(store, on
         if not engine.scheduler.zero_copy:
             pytest.skip(f"{policy} does not hand read buffers to its cache")
         uncached = len(cfg.moe_layers) * cfg.num_experts - len(cache.entries)
-        room = sum(max(0, cache.capacity[p] - cache.used[p]) // pool.size for p in cache.capacity
-                   if p not in cache._other_sizes)
+        room = sum(
+            max(0, cache.capacity[p] - cache.used[p]) // pool.size
+            for p in cache.capacity
+            if p not in cache._other_sizes
+        )
         assert pool.spares == min(room, uncached)
         assert pool.spares * pool.size + cache.used_bytes <= cache.capacity_bytes
         made = pool.spares

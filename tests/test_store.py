@@ -162,13 +162,16 @@ def test_killed_convert_leaves_no_valid_looking_store(tmp_path, bundled_dir):
     assert not any(is_store(p) for p in tmp_path.iterdir())
 
 
-def test_cpu_kernel_layout_decodes_to_the_same_expert_without_repacking(tmp_path, bundled_dir, bundled_model,
-                                                                         monkeypatch):
+def test_cpu_kernel_layout_decodes_to_the_same_expert_without_repacking(
+    tmp_path, bundled_dir, bundled_model, monkeypatch
+):
     monkeypatch.setattr("fate_edge.quant.linear.native_isa", lambda: None)  # portable codes on torch's kernel too
-    portable = convert(bundled_dir, tmp_path / "p", ConvertOptions(bits=4, keep_bf16=False, layout="portable"),
-                       progress=False)
-    native = convert(bundled_dir, tmp_path / "n", ConvertOptions(bits=4, keep_bf16=False, layout="auto"),
-                     progress=False)
+    portable = convert(
+        bundled_dir, tmp_path / "p", ConvertOptions(bits=4, keep_bf16=False, layout="portable"), progress=False
+    )
+    native = convert(
+        bundled_dir, tmp_path / "n", ConvertOptions(bits=4, keep_bf16=False, layout="auto"), progress=False
+    )
     assert ExpertStore(native).precisions[4].layout == "cpu-int4"  # auto picks it where torch's CPU kernel applies
     assert ExpertStore(native).expert_bytes(4) == ExpertStore(portable).expert_bytes(4)  # same bytes on the link
     ids = _tokens(bundled_model)

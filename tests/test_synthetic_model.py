@@ -34,23 +34,75 @@ FP32_ATOL = 1e-4  # DESIGN.md §3
 # Published numbers, typed in from each model's config.json / model card (independently of presets.py):
 # hidden, layers, heads, kv heads, experts, top-k, expert width, vocab, total params.
 PUBLISHED = {
-    "qwen1.5-moe-a2.7b": dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16,
-                              num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408, vocab_size=151936,
-                              shared_expert_intermediate_size=5632, norm_topk_prob=False, params=14.3e9),
-    "olmoe-1b-7b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16,
-                        num_experts=64, num_experts_per_tok=8, intermediate_size=1024, vocab_size=50304,
-                        norm_topk_prob=False, params=6.9e9),
-    "deepseek-v2-lite": dict(hidden_size=2048, num_hidden_layers=27, num_attention_heads=16, n_routed_experts=64,
-                             num_experts_per_tok=6, moe_intermediate_size=1408, n_shared_experts=2,
-                             first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
-                             qk_rope_head_dim=64, v_head_dim=128, intermediate_size=10944, vocab_size=102400,
-                             params=15.7e9),
-    "qwen3-30b-a3b": dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
-                          head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
-                          vocab_size=151936, norm_topk_prob=True, rope_theta=1e6, params=30.5e9),
-    "mixtral-8x7b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                         num_local_experts=8, num_experts_per_tok=2, intermediate_size=14336, vocab_size=32000,
-                         rope_theta=1e6, params=46.7e9),
+    "qwen1.5-moe-a2.7b": dict(
+        hidden_size=2048,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        num_experts=60,
+        num_experts_per_tok=4,
+        moe_intermediate_size=1408,
+        vocab_size=151936,
+        shared_expert_intermediate_size=5632,
+        norm_topk_prob=False,
+        params=14.3e9,
+    ),
+    "olmoe-1b-7b": dict(
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        num_experts=64,
+        num_experts_per_tok=8,
+        intermediate_size=1024,
+        vocab_size=50304,
+        norm_topk_prob=False,
+        params=6.9e9,
+    ),
+    "deepseek-v2-lite": dict(
+        hidden_size=2048,
+        num_hidden_layers=27,
+        num_attention_heads=16,
+        n_routed_experts=64,
+        num_experts_per_tok=6,
+        moe_intermediate_size=1408,
+        n_shared_experts=2,
+        first_k_dense_replace=1,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        intermediate_size=10944,
+        vocab_size=102400,
+        params=15.7e9,
+    ),
+    "qwen3-30b-a3b": dict(
+        hidden_size=2048,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        vocab_size=151936,
+        norm_topk_prob=True,
+        rope_theta=1e6,
+        params=30.5e9,
+    ),
+    "mixtral-8x7b": dict(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        intermediate_size=14336,
+        vocab_size=32000,
+        rope_theta=1e6,
+        params=46.7e9,
+    ),
 }
 NAMES = list(PUBLISHED)
 
@@ -70,8 +122,11 @@ def test_full_scale_config_and_shapes_are_the_published_ones(name):
     total = sum(s.numel for s in specs)
     assert abs(total / params - 1) < 0.01, f"{total / 1e9:.2f} B parameters, the model card says {params / 1e9} B"
     names = {s.name for s in specs}
-    expert = ("model.layers.1.block_sparse_moe.experts.7.w2.weight" if name == "mixtral-8x7b"
-              else "model.layers.1.mlp.experts.7.down_proj.weight")
+    expert = (
+        "model.layers.1.block_sparse_moe.experts.7.w2.weight"
+        if name == "mixtral-8x7b"
+        else "model.layers.1.mlp.experts.7.down_proj.weight"
+    )
     assert expert in names
     # --layers trims the layer count and nothing else
     trimmed = plan(SyntheticOptions(name, layers=2))[0]
@@ -94,8 +149,9 @@ def written(tmp_path_factory, one_thread):
 
     def get(name: str) -> tuple[Path, SyntheticOptions]:
         if name not in cache:
-            opts = SyntheticOptions(name, layers=LAYERS, scale=SCALE, max_shard_bytes=SHARD_BYTES, bpe_vocab=512,
-                                    tokenizer_chars=100_000)
+            opts = SyntheticOptions(
+                name, layers=LAYERS, scale=SCALE, max_shard_bytes=SHARD_BYTES, bpe_vocab=512, tokenizer_chars=100_000
+            )
             make_synthetic_model(root / name, opts)
             cache[name] = (root / name, opts)
         return cache[name]
@@ -114,8 +170,9 @@ def test_loads_in_fate_edge_and_matches_transformers(written, name):
     path, _ = written(name)
     prompt = _prompt(path)
     ours = load_model(path, dtype=torch.float32)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                           attn_implementation="eager").eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     with torch.no_grad():
         ref = hf(prompt).logits
     got = ours(prompt, ours.new_cache())
@@ -131,8 +188,9 @@ def test_index_covers_every_tensor_and_bytes_round_trip(written, name):
     weight_map = index["weight_map"]
     assert set(weight_map) == {s.name for s in specs}
     shards = sorted(set(weight_map.values()))
-    assert len(shards) > 1 and shards == [f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-                                          for i in range(1, len(shards) + 1)]
+    assert len(shards) > 1 and shards == [
+        f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)
+    ]
     stored = 0
     for shard in shards:
         with safe_open(str(path / shard), framework="pt") as f:

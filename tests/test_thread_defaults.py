@@ -46,12 +46,15 @@ def test_importing_fate_edge_sets_one_of_the_two_and_names_it():
     keys = (*OPENMP, "FATE_EDGE_SET_OPENMP")
     code = f"import json, os, fate_edge; print(json.dumps({{k: os.environ.get(k) for k in {keys!r}}}))"
     got = _child_env(code, _user_env())
-    assert got in ({"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "10000", "FATE_EDGE_SET_OPENMP": "GOMP_SPINCOUNT"},
-                   {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None, "FATE_EDGE_SET_OPENMP": "OMP_WAIT_POLICY"})
+    assert got in (
+        {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "10000", "FATE_EDGE_SET_OPENMP": "GOMP_SPINCOUNT"},
+        {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None, "FATE_EDGE_SET_OPENMP": "OMP_WAIT_POLICY"},
+    )
 
 
-@pytest.mark.parametrize("user", [{"OMP_WAIT_POLICY": "ACTIVE"}, {"OMP_WAIT_POLICY": "PASSIVE"},
-                                  {"GOMP_SPINCOUNT": "5"}])
+@pytest.mark.parametrize(
+    "user", [{"OMP_WAIT_POLICY": "ACTIVE"}, {"OMP_WAIT_POLICY": "PASSIVE"}, {"GOMP_SPINCOUNT": "5"}]
+)
 @pytest.mark.slow
 def test_openmp_settings_the_user_made_are_kept_and_not_overridden(user):
     # libgomp lets GOMP_SPINCOUNT override the wait policy's spin, so ours must not join a user's policy
@@ -60,8 +63,13 @@ def test_openmp_settings_the_user_made_are_kept_and_not_overridden(user):
 
 @pytest.mark.slow
 def test_a_child_of_fate_edge_tells_our_spin_count_from_the_users_wait_policy():
-    parent = subprocess.run([sys.executable, "-c", "import json, os, fate_edge; print(json.dumps(dict(os.environ)))"],
-                            env=_user_env(), capture_output=True, text=True, check=True)
+    parent = subprocess.run(
+        [sys.executable, "-c", "import json, os, fate_edge; print(json.dumps(dict(os.environ)))"],
+        env=_user_env(),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     inherited = json.loads(parent.stdout.strip().splitlines()[-1])
     ours = inherited["FATE_EDGE_SET_OPENMP"]
     assert ours in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY") and ours in inherited
@@ -78,8 +86,13 @@ def test_llama_cpp_children_start_with_its_own_openmp_default_unless_the_user_ch
     # fate_edge's former PASSIVE made llama.cpp (its own libgomp) 20x slower: the peer gets libgomp's default back
     assert _child_env(PEER_PROBE, _user_env()) == {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": None}
     # also as a child of a fate_edge process, which inherits our settings with their marker,
-    parent = subprocess.run([sys.executable, "-c", "import json, os, fate_edge; print(json.dumps(dict(os.environ)))"],
-                            env=_user_env(), capture_output=True, text=True, check=True)
+    parent = subprocess.run(
+        [sys.executable, "-c", "import json, os, fate_edge; print(json.dumps(dict(os.environ)))"],
+        env=_user_env(),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     inherited = json.loads(parent.stdout.strip().splitlines()[-1])
     assert _child_env(PEER_PROBE, inherited) == {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": None}
     # but a value the user set is the user's.
@@ -90,8 +103,10 @@ def test_llama_cpp_children_start_with_its_own_openmp_default_unless_the_user_ch
 @pytest.mark.slow
 def test_a_llama_cpp_child_loads_llama_cpps_libgomp_before_torch_does():
     # torch bundles a libgomp with the system's soname: whichever loads first serves both, with its wait policy.
-    code = llama_child("import json, fate_edge, torch\n"
-                       "maps = {l.split()[-1] for l in open('/proc/self/maps') if 'libgomp' in l}\n"
-                       "print(json.dumps({'libgomp': sorted(maps)}))")
+    code = llama_child(
+        "import json, fate_edge, torch\n"
+        "maps = {l.split()[-1] for l in open('/proc/self/maps') if 'libgomp' in l}\n"
+        "print(json.dumps({'libgomp': sorted(maps)}))"
+    )
     (lib,) = _child_env(code, _user_env())["libgomp"]
     assert "/torch/" not in lib

@@ -71,8 +71,10 @@ def test_engine_returns_every_staging_buffer_and_counts_them_in_the_budget(store
         # Every fetched expert was copied out of its buffer once, kept in it as the cached expert (zero-copy), or
         # computed in it and not kept (the buffer lent for that use).
         assert e.fetch.pool.handed_off > 0
-        assert (e.scheduler.copier.uploads + e.fetch.pool.handed_off + e.scheduler.lent_reads
-                == e.stats.misses + e.stats.prefetch_hits)
+        assert (
+            e.scheduler.copier.uploads + e.fetch.pool.handed_off + e.scheduler.lent_reads
+            == e.stats.misses + e.stats.prefetch_hits
+        )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on machines without CUDA")

@@ -129,23 +129,36 @@ def cmd_chat(args: argparse.Namespace) -> int:
     out, err = sys.stdout, sys.stderr
     interactive = sys.stdin.isatty() and out.isatty()
     t0 = time.perf_counter()
-    config_kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                     min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
-                     ignore_eos=args.ignore_eos)
+    config_kw = dict(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
     config = generate_config(**config_kw)  # checked before the model loads
     with open_engine(EngineOptions.from_args(args), progress=False) as engine:
         return _chat(engine, args, config, time.perf_counter() - t0, out, err, interactive)
 
 
-def _chat(engine: Any, args: argparse.Namespace, config: Any, load_s: float, out: TextIO, err: TextIO,
-          interactive: bool) -> int:
+def _chat(
+    engine: Any, args: argparse.Namespace, config: Any, load_s: float, out: TextIO, err: TextIO, interactive: bool
+) -> int:
     from fate_edge.sdk import stream
 
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict[str, str]] = list(system)
     context_tokens = 0
-    print(f"fate-edge chat · policy {engine.policy.name} · expert budget {format_bytes(engine.budget)} · loaded in "
-          f"{load_s:.1f} s\n{HELP}", file=err, flush=True)
+    print(
+        f"fate-edge chat · policy {engine.policy.name} · expert budget {format_bytes(engine.budget)} · loaded in "
+        f"{load_s:.1f} s\n{HELP}",
+        file=err,
+        flush=True,
+    )
     bar = _StatusBar(out, interactive and not args.no_status)
     try:
         while True:
@@ -170,8 +183,11 @@ def _chat(engine: Any, args: argparse.Namespace, config: Any, load_s: float, out
                     context_tokens = 0
                     print("(conversation cleared)", file=err, flush=True)
                 elif cmd == "/stats":
-                    print(stats_report(engine, sum(m["role"] == "user" for m in history), context_tokens), file=err,
-                          flush=True)
+                    print(
+                        stats_report(engine, sum(m["role"] == "user" for m in history), context_tokens),
+                        file=err,
+                        flush=True,
+                    )
                 else:
                     print(HELP, file=err, flush=True)
                 continue

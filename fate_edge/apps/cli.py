@@ -35,11 +35,20 @@ from fate_edge.version import __version__
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p, memory_budget=None, policy=None)
-    p.add_argument("--experts", default="memory", choices=["memory", "lazy"],
-                   help="without --memory-budget/--policy: memory keeps all experts resident; lazy reads each "
-                   "routed expert from disk when needed")
-    p.add_argument("--bits", type=int, default=None, choices=[16, 8, 4, 3, 2],
-                   help="expert store only: precision to stream (16 = bf16; default: the store's quantized copy)")
+    p.add_argument(
+        "--experts",
+        default="memory",
+        choices=["memory", "lazy"],
+        help="without --memory-budget/--policy: memory keeps all experts resident; lazy reads each "
+        "routed expert from disk when needed",
+    )
+    p.add_argument(
+        "--bits",
+        type=int,
+        default=None,
+        choices=[16, 8, 4, 3, 2],
+        help="expert store only: precision to stream (16 = bf16; default: the store's quantized copy)",
+    )
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -59,8 +68,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     device = resolve_device(args.device)
     model_dir = args.model or bundled_model_dir()
-    model = load_model(model_dir, dtype=args.dtype, experts=args.experts, bits=args.bits, link=make_link(args.link),
-                       device=device)
+    model = load_model(
+        model_dir, dtype=args.dtype, experts=args.experts, bits=args.bits, link=make_link(args.link), device=device
+    )
     _generate(args, model, Tokenizer(model_dir), prompt, None)
     return 0
 
@@ -117,11 +127,20 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         from fate_edge.runtime.budget import parse_bytes
         from fate_edge.runtime.memory_account import memory_account
 
-        account = memory_account(path, parse_bytes(args.memory_budget), args.dtype, args.context_tokens,
-                                 args.resident_bits, embedding_bits=args.embedding_bits)
-        print(f"\nmemory account (expert budget {format_bytes(account.expert_budget)}, {args.dtype}"
-              + (f", int{args.resident_bits} resident linears" if args.resident_bits else "")
-              + (f", int{args.embedding_bits} embeddings" if args.embedding_bits else "") + ")")
+        account = memory_account(
+            path,
+            parse_bytes(args.memory_budget),
+            args.dtype,
+            args.context_tokens,
+            args.resident_bits,
+            embedding_bits=args.embedding_bits,
+        )
+        print(
+            f"\nmemory account (expert budget {format_bytes(account.expert_budget)}, {args.dtype}"
+            + (f", int{args.resident_bits} resident linears" if args.resident_bits else "")
+            + (f", int{args.embedding_bits} embeddings" if args.embedding_bits else "")
+            + ")"
+        )
         print("\n".join(account.lines()))
     if is_store(path):
         print()
@@ -131,8 +150,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
             t0 = time.perf_counter()
             checked = ExpertStore(path).verify()  # raises CorruptBlobError naming the first bad blob
-            print(f"verified        every blob's CRC32: {checked / 1e6:.1f} MB in {time.perf_counter() - t0:.1f} s, "
-                  "all intact")
+            print(
+                f"verified        every blob's CRC32: {checked / 1e6:.1f} MB in {time.perf_counter() - t0:.1f} s, "
+                "all intact"
+            )
     elif args.verify:
         print(f"\n--verify checks expert stores; {path} is a model directory (convert it with fate-edge convert)")
         return 2
@@ -145,10 +166,19 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from fate_edge.format.gguf_reader import is_gguf
 
     gguf = is_gguf(args.model_dir)
-    opts = ConvertOptions(bits=args.bits if args.bits or gguf else 4, group_size=args.group, cold_bits=args.cold_bits,
-                          cold_group_size=args.cold_group, keep_bf16=not args.no_bf16, force=args.force,
-                          method=args.method, layout=args.layout, threads=args.threads,
-                          resident_bits=args.resident_bits, embedding_bits=args.embedding_bits)
+    opts = ConvertOptions(
+        bits=args.bits if args.bits or gguf else 4,
+        group_size=args.group,
+        cold_bits=args.cold_bits,
+        cold_group_size=args.cold_group,
+        keep_bf16=not args.no_bf16,
+        force=args.force,
+        method=args.method,
+        layout=args.layout,
+        threads=args.threads,
+        resident_bits=args.resident_bits,
+        embedding_bits=args.embedding_bits,
+    )
     out = (convert_gguf if gguf else convert)(args.model_dir, args.out_dir, opts, progress=not args.quiet)
     print(f"wrote expert store {out}")
     return 0
@@ -165,13 +195,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     store_dir = resolve_store(args.model)
     budget = parse_bytes(args.memory_budget)
     tok = Tokenizer(store_dir)
-    ids = tok.encode(open(args.corpus, encoding="utf-8").read())[: args.tokens] if args.corpus else \
-        sample_token_ids(tok, args.tokens)
+    ids = (
+        tok.encode(open(args.corpus, encoding="utf-8").read())[: args.tokens]
+        if args.corpus
+        else sample_token_ids(tok, args.tokens)
+    )
     if args.emulate:
         return _plan_emulated(store_dir, budget, args.emulate, ids)
     if args.device == "host":
-        result = auto_plan(store_dir, budget, token_ids=ids, progress=lambda m: print(f"[planner] {m}",
-                                                                                      file=sys.stderr, flush=True))
+        result = auto_plan(
+            store_dir, budget, token_ids=ids, progress=lambda m: print(f"[planner] {m}", file=sys.stderr, flush=True)
+        )
     else:
         from fate_edge.devices.link import storage_link
         from fate_edge.devices.profile import load_profile
@@ -185,8 +219,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
         resident = sum(t.numel() * t.element_size() for t in model.w.values()) // model.config.num_hidden_layers
         layer_s = roofline_layer_time(model.config, profile, store.expert_bytes(bits), resident)
         presets = preset_candidates(args.device, store_dir)  # no probe on a profile: no measured error to add
-        result = plan(trace, budget, store.expert_bytes(bits), store.precisions[bits].slot_bytes,
-                      storage_link(profile), layer_s, start=presets[0], presets=presets)
+        result = plan(
+            trace,
+            budget,
+            store.expert_bytes(bits),
+            store.precisions[bits].slot_bytes,
+            storage_link(profile),
+            layer_s,
+            start=presets[0],
+            presets=presets,
+        )
         model.experts.close()
     print(f"model           {store_dir}")
     print(f"memory budget   {format_bytes(budget)} for experts, device {args.device}")
@@ -199,12 +241,15 @@ def _plan_emulated(store_dir, budget: int, devices: list[str], ids: list[int]) -
 
     for d in devices:  # fail before the probes
         resolve_device(d)
-    plans = plan_emulated(store_dir, budget, devices, ids[:64],
-                          progress=lambda m: print(f"[planner] {m}", file=sys.stderr, flush=True))
+    plans = plan_emulated(
+        store_dir, budget, devices, ids[:64], progress=lambda m: print(f"[planner] {m}", file=sys.stderr, flush=True)
+    )
     for device, (em, result) in plans.items():
-        print(f"\n== {device} ({em.profile}): k = {em.k:.3g} (host {em.host_s_per_token * 1e3:.1f} ms / device "
-              f"{em.device_s_per_token * 1e3:.3f} ms per token); the costs below are this host's x 1/k (the device's) "
-              "and the tok/s device-equivalent")
+        print(
+            f"\n== {device} ({em.profile}): k = {em.k:.3g} (host {em.host_s_per_token * 1e3:.1f} ms / device "
+            f"{em.device_s_per_token * 1e3:.3f} ms per token); the costs below are this host's x 1/k (the device's) "
+            "and the tok/s device-equivalent"
+        )
         print(result.describe())
     return 0
 
@@ -232,30 +277,66 @@ def _add_convert_parser(sub) -> None:
     conv = sub.add_parser("convert", help="write an expert store: resident weights + one aligned blob per expert")
     conv.add_argument("model_dir", type=existing_path, help="Hugging Face model directory or GGUF file")
     conv.add_argument("out_dir", help="store directory to create (written atomically)")
-    conv.add_argument("--bits", type=int, default=None, choices=[8, 4, 3, 2],
-                      help="precision of the streamed copy (default 4; a GGUF's q8_0 experts: 8)")
-    conv.add_argument("--group", type=int, default=None, choices=GROUP_SIZES,
-                      help="quantization group size (default: the largest of 128, 64, 32 that divides the expert "
-                      "dimensions)")
+    conv.add_argument(
+        "--bits",
+        type=int,
+        default=None,
+        choices=[8, 4, 3, 2],
+        help="precision of the streamed copy (default 4; a GGUF's q8_0 experts: 8)",
+    )
+    conv.add_argument(
+        "--group",
+        type=int,
+        default=None,
+        choices=GROUP_SIZES,
+        help="quantization group size (default: the largest of 128, 64, 32 that divides the expert dimensions)",
+    )
     conv.add_argument("--cold-bits", type=int, default=None, choices=[4, 3, 2], help="extra low-precision copy")
-    conv.add_argument("--cold-group", type=int, default=None, choices=GROUP_SIZES,
-                      help="group size of the low-precision copy (default: the smallest of 32, 64, 128 that divides)")
-    conv.add_argument("--method", default="rtn", choices=["rtn", "hqq"],
-                      help="quantizer: round-to-nearest (Fate's) or HQQ-style refinement (lower error, slower)")
-    conv.add_argument("--layout", default="auto", choices=["auto", "portable", "cpu-int4"],
-                      help="streamed copy's blob layout: portable (fate-edge's own int4 kernel computes on it "
-                      "directly) or cpu-int4 (torch's CPU kernel layout); auto: portable where the native kernel is "
-                      "the default here (AVX512-VNNI), else cpu-int4. Either runs on every device (CUDA re-packs "
-                      "experts for its kernel as they arrive)")
+    conv.add_argument(
+        "--cold-group",
+        type=int,
+        default=None,
+        choices=GROUP_SIZES,
+        help="group size of the low-precision copy (default: the smallest of 32, 64, 128 that divides)",
+    )
+    conv.add_argument(
+        "--method",
+        default="rtn",
+        choices=["rtn", "hqq"],
+        help="quantizer: round-to-nearest (Fate's) or HQQ-style refinement (lower error, slower)",
+    )
+    conv.add_argument(
+        "--layout",
+        default="auto",
+        choices=["auto", "portable", "cpu-int4"],
+        help="streamed copy's blob layout: portable (fate-edge's own int4 kernel computes on it "
+        "directly) or cpu-int4 (torch's CPU kernel layout); auto: portable where the native kernel is "
+        "the default here (AVX512-VNNI), else cpu-int4. Either runs on every device (CUDA re-packs "
+        "experts for its kernel as they arrive)",
+    )
     conv.add_argument("--no-bf16", action="store_true", help="do not keep a bf16 copy of the experts")
-    conv.add_argument("--resident-bits", type=int, default=None, choices=[8, 4],
-                      help="quantize attention, dense MLPs, shared experts and lm_head here (int8 per channel or "
-                      "int4), so a load reads them as they are: no full-precision copy, no quantizing at load")
-    conv.add_argument("--embedding-bits", type=int, default=None, choices=[8, 4],
-                      help="quantize the embedding table here (int8 per row or int4 per group)")
+    conv.add_argument(
+        "--resident-bits",
+        type=int,
+        default=None,
+        choices=[8, 4],
+        help="quantize attention, dense MLPs, shared experts and lm_head here (int8 per channel or "
+        "int4), so a load reads them as they are: no full-precision copy, no quantizing at load",
+    )
+    conv.add_argument(
+        "--embedding-bits",
+        type=int,
+        default=None,
+        choices=[8, 4],
+        help="quantize the embedding table here (int8 per row or int4 per group)",
+    )
     conv.add_argument("--force", action="store_true", help="replace an existing store")
-    conv.add_argument("--threads", type=positive_int, default=None,
-                      help="experts encoded in parallel (default: the CPU count, at most 8)")
+    conv.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="experts encoded in parallel (default: the CPU count, at most 8)",
+    )
     conv.add_argument("--quiet", action="store_true", help="no progress bar")
     conv.set_defaults(func=cmd_convert)
 
@@ -267,35 +348,84 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_parser(sub)
 
     ins = sub.add_parser("inspect", help="architecture, parameter counts, expert vs resident bytes")
-    ins.add_argument("model_dir", nargs="?", default=None, type=existing_path,
-                     help="model directory or expert store (default: the bundled model)")
-    ins.add_argument("--verify", action="store_true",
-                     help="expert store: check every blob's CRC32 and report the first corrupted one")
-    ins.add_argument("--memory-budget", default=None, type=byte_size,
-                     help="also print the predicted peak RSS by part for a run with this expert budget, e.g. 200MB")
-    ins.add_argument("--resident-bits", type=int, default=None, choices=[8, 4],
-                     help="with --memory-budget: the run quantizes its resident linears to int8 or int4")
-    ins.add_argument("--embedding-bits", type=int, default=None, choices=[8, 4],
-                     help="with --memory-budget: the run holds the embedding table in int8 or int4")
-    ins.add_argument("--dtype", default=defaults.DTYPE, choices=["float32", "bfloat16"],
-                     help="with --memory-budget: the run's compute dtype")
-    ins.add_argument("--context-tokens", type=positive_int, default=defaults.CONTEXT_TOKENS,
-                     help=f"with --memory-budget: prompt + answer tokens (default {defaults.CONTEXT_TOKENS})")
+    ins.add_argument(
+        "model_dir",
+        nargs="?",
+        default=None,
+        type=existing_path,
+        help="model directory or expert store (default: the bundled model)",
+    )
+    ins.add_argument(
+        "--verify",
+        action="store_true",
+        help="expert store: check every blob's CRC32 and report the first corrupted one",
+    )
+    ins.add_argument(
+        "--memory-budget",
+        default=None,
+        type=byte_size,
+        help="also print the predicted peak RSS by part for a run with this expert budget, e.g. 200MB",
+    )
+    ins.add_argument(
+        "--resident-bits",
+        type=int,
+        default=None,
+        choices=[8, 4],
+        help="with --memory-budget: the run quantizes its resident linears to int8 or int4",
+    )
+    ins.add_argument(
+        "--embedding-bits",
+        type=int,
+        default=None,
+        choices=[8, 4],
+        help="with --memory-budget: the run holds the embedding table in int8 or int4",
+    )
+    ins.add_argument(
+        "--dtype",
+        default=defaults.DTYPE,
+        choices=["float32", "bfloat16"],
+        help="with --memory-budget: the run's compute dtype",
+    )
+    ins.add_argument(
+        "--context-tokens",
+        type=positive_int,
+        default=defaults.CONTEXT_TOKENS,
+        help=f"with --memory-budget: prompt + answer tokens (default {defaults.CONTEXT_TOKENS})",
+    )
     ins.set_defaults(func=cmd_inspect)
 
     pl = sub.add_parser("plan", help="choose a policy for a device profile and memory budget (simulated)")
-    pl.add_argument("model", nargs="?", default=None, type=existing_path,
-                    help="model directory or expert store (default: bundled model)")
-    pl.add_argument("--device", default="host", type=profile_name,
-                    help="device profile name (devices/profiles) or 'host' (measured)")
+    pl.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        type=existing_path,
+        help="model directory or expert store (default: bundled model)",
+    )
+    pl.add_argument(
+        "--device",
+        default="host",
+        type=profile_name,
+        help="device profile name (devices/profiles) or 'host' (measured)",
+    )
     pl.add_argument("--memory-budget", required=True, type=byte_size, help="bytes for experts, e.g. 4GB")
-    pl.add_argument("--corpus", default=None, type=existing_path,
-                    help="text to record routing on (default: a stdlib module's source)")
+    pl.add_argument(
+        "--corpus",
+        default=None,
+        type=existing_path,
+        help="text to record routing on (default: a stdlib module's source)",
+    )
     pl.add_argument("--tokens", type=positive_int, default=256)
-    pl.add_argument("--emulate", nargs="+", default=None, metavar="DEVICE", type=emulated_device,
-                    help="plan on each DEVICE's timeline instead: this host's measured costs scaled by 1/k (k = host "
-                    "/ device compute per token, the device from its profile's roofline) against the device's own "
-                    "link; DEVICE: orin-nano, orin-nx, agx-orin, rpi5, rtx4060 or a device profile")
+    pl.add_argument(
+        "--emulate",
+        nargs="+",
+        default=None,
+        metavar="DEVICE",
+        type=emulated_device,
+        help="plan on each DEVICE's timeline instead: this host's measured costs scaled by 1/k (k = host "
+        "/ device compute per token, the device from its profile's roofline) against the device's own "
+        "link; DEVICE: orin-nano, orin-nx, agx-orin, rpi5, rtx4060 or a device profile",
+    )
     pl.set_defaults(func=cmd_plan)
 
     probe = sub.add_parser("probe", help="measure this machine (memory, compute, storage) as the 'host' profile")
@@ -319,20 +449,36 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Commands that live in their concern package: name -> ("module:function", the line --help shows).
 COMMANDS: dict[str, tuple[str, str]] = {
-    "bench": ("fate_edge.bench.cli:main", "benchmark every policy preset, the oracle and peers under memory "
-              "budgets on emulated device links (JSON, markdown table, plots)"),
-    "bench-llamacpp": ("fate_edge.bench.llamacpp_cli:main", "fate-edge beside llama.cpp on the same checkpoint, "
-                       "resident and memory-limited, in fresh processes"),
-    "bench-scale": ("fate_edge.bench.scale_cli:main", "a real-size checkpoint: convert it in a memory cgroup, run "
-                    "it at expert budgets from the raw disk (needs root)"),
-    "eval-quality": ("fate_edge.bench.quality:main", "held-out perplexity and greedy agreement of quantized "
-                     "experts (RTN, HQQ) against bf16"),
-    "model-card": ("fate_edge.bench.model_card:main", "measure a model directory and write its model card "
-                   "(perplexity, expert usage, cross-layer prediction)"),
-    "synth": ("fate_edge.synthetic.cli:main", "write a synthetic checkpoint with a published MoE model's shapes "
-              "(random weights)"),
-    "relayout": ("fate_edge.format.relayout:main", "re-lay out an expert store's cpu-int4 experts as portable, "
-                 "without the checkpoint"),
+    "bench": (
+        "fate_edge.bench.cli:main",
+        "benchmark every policy preset, the oracle and peers under memory "
+        "budgets on emulated device links (JSON, markdown table, plots)",
+    ),
+    "bench-llamacpp": (
+        "fate_edge.bench.llamacpp_cli:main",
+        "fate-edge beside llama.cpp on the same checkpoint, resident and memory-limited, in fresh processes",
+    ),
+    "bench-scale": (
+        "fate_edge.bench.scale_cli:main",
+        "a real-size checkpoint: convert it in a memory cgroup, run "
+        "it at expert budgets from the raw disk (needs root)",
+    ),
+    "eval-quality": (
+        "fate_edge.bench.quality:main",
+        "held-out perplexity and greedy agreement of quantized experts (RTN, HQQ) against bf16",
+    ),
+    "model-card": (
+        "fate_edge.bench.model_card:main",
+        "measure a model directory and write its model card (perplexity, expert usage, cross-layer prediction)",
+    ),
+    "synth": (
+        "fate_edge.synthetic.cli:main",
+        "write a synthetic checkpoint with a published MoE model's shapes (random weights)",
+    ),
+    "relayout": (
+        "fate_edge.format.relayout:main",
+        "re-lay out an expert store's cpu-int4 experts as portable, without the checkpoint",
+    ),
 }
 
 

@@ -58,8 +58,9 @@ def host_name(value: str) -> str:
     label = r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)"
     if len(value) <= 253 and re.fullmatch(rf"{label}(\.{label})*", value):
         return value
-    raise argparse.ArgumentTypeError(f"{value!r} is neither an IP address nor a host name; e.g. 127.0.0.1, "
-                                     "0.0.0.0 or localhost")
+    raise argparse.ArgumentTypeError(
+        f"{value!r} is neither an IP address nor a host name; e.g. 127.0.0.1, 0.0.0.0 or localhost"
+    )
 
 
 def policy_help(default: str | None = None) -> str:
@@ -104,8 +105,9 @@ def origin_list(value: str) -> str:
     for origin in comma_list(value):
         m = re.fullmatch(r"(https?)://(\[[0-9A-Fa-f:.]+\]|[^/:\[\]]+)(:\d{1,5})?", origin)
         if origin != "*" and (m is None or (m.group(2)[0] != "[" and not _is_host(m.group(2)))):
-            raise argparse.ArgumentTypeError(f"{origin!r} is not an origin; write scheme://host[:port], e.g. "
-                                             "http://localhost:3000, or '*' for any")
+            raise argparse.ArgumentTypeError(
+                f"{origin!r} is not an origin; write scheme://host[:port], e.g. http://localhost:3000, or '*' for any"
+            )
     return value
 
 
@@ -120,16 +122,40 @@ def _is_host(name: str) -> bool:
 # Types by option name, for the parsers written outside the CLI module (calibrate, bench, serve): the same
 # option means the same thing in every subcommand. Output paths and free text (--host aside) take any string.
 OPTION_TYPES: dict[str, Callable[[str], object]] = {
-    "--model": existing_path, "--corpus": existing_path_as_path, "--gguf": existing_path, "--results": non_empty,
-    "--memory-budget": byte_size, "--max-body-bytes": byte_size, "--device": device_name, "--host": host_name,
-    "--port": port_number, "--threads": non_negative_int, "--fetch-workers": positive_int,
-    "--max-queue": non_negative_int, "--max-tokens-default": positive_int, "--shutdown-timeout": non_negative_float,
-    "--tokens": positive_int, "--heldout-fraction": share, "--rank": positive_int, "--seq-len": positive_int,
-    "--batch": positive_int, "--epochs": positive_int, "--lr": positive_float, "--expert-bytes": positive_int,
-    "--int4-expert-mb": positive_float, "--budgets": fraction, "--prompt-tokens": positive_int,
-    "--decode-tokens": positive_int, "--runs": positive_int, "--timeout": positive_float,
-    "--time-limit": positive_float, "--socket-mode": octal_mode, "--allowed-hosts": host_list,
-    "--cors-origins": origin_list, "--emulate": emulated_device, "--emulate-host-ms": positive_float,
+    "--model": existing_path,
+    "--corpus": existing_path_as_path,
+    "--gguf": existing_path,
+    "--results": non_empty,
+    "--memory-budget": byte_size,
+    "--max-body-bytes": byte_size,
+    "--device": device_name,
+    "--host": host_name,
+    "--port": port_number,
+    "--threads": non_negative_int,
+    "--fetch-workers": positive_int,
+    "--max-queue": non_negative_int,
+    "--max-tokens-default": positive_int,
+    "--shutdown-timeout": non_negative_float,
+    "--tokens": positive_int,
+    "--heldout-fraction": share,
+    "--rank": positive_int,
+    "--seq-len": positive_int,
+    "--batch": positive_int,
+    "--epochs": positive_int,
+    "--lr": positive_float,
+    "--expert-bytes": positive_int,
+    "--int4-expert-mb": positive_float,
+    "--budgets": fraction,
+    "--prompt-tokens": positive_int,
+    "--decode-tokens": positive_int,
+    "--runs": positive_int,
+    "--timeout": positive_float,
+    "--time-limit": positive_float,
+    "--socket-mode": octal_mode,
+    "--allowed-hosts": host_list,
+    "--cors-origins": origin_list,
+    "--emulate": emulated_device,
+    "--emulate-host-ms": positive_float,
 }
 
 

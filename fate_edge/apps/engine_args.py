@@ -56,38 +56,81 @@ class EngineOptions:
         return cls(**(kw | override))
 
 
-def add_engine_args(p: argparse.ArgumentParser, memory_budget: str | None = defaults.MEMORY_BUDGET,
-                    policy: str | None = defaults.POLICY, device: str = defaults.DEVICE, link: bool = True) -> None:
+def add_engine_args(
+    p: argparse.ArgumentParser,
+    memory_budget: str | None = defaults.MEMORY_BUDGET,
+    policy: str | None = defaults.POLICY,
+    device: str = defaults.DEVICE,
+    link: bool = True,
+) -> None:
     """The options :class:`EngineOptions` reads. ``None`` defaults mean "not given" (``run`` then skips the engine)."""
-    p.add_argument("--model", default=None, type=existing_path,
-                   help="model directory or expert store (default: the bundled tiny model)")
+    p.add_argument(
+        "--model",
+        default=None,
+        type=existing_path,
+        help="model directory or expert store (default: the bundled tiny model)",
+    )
     shown = memory_budget or defaults.MEMORY_BUDGET
-    p.add_argument("--memory-budget", default=memory_budget, type=byte_size,
-                   help=f"hard budget for expert memory, e.g. 64MB or 2GB (default {shown})")
+    p.add_argument(
+        "--memory-budget",
+        default=memory_budget,
+        type=byte_size,
+        help=f"hard budget for expert memory, e.g. 64MB or 2GB (default {shown})",
+    )
     add_policy_arg(p, policy)
     p.add_argument("--device", default=device, type=device_name, help=f"auto, cpu or cuda (default {device})")
     p.add_argument("--dtype", default=defaults.DTYPE, choices=["float32", "bfloat16"], help="compute dtype")
-    p.add_argument("--device-profile", default=None, type=emulated_device,
-                   help="the device this runs on (orin-nano, orin-nx, agx-orin, rpi5, rtx4060 or a profile): the "
-                        "fate-edge policy takes that device's preset (device_presets.py); default: the detected one")
+    p.add_argument(
+        "--device-profile",
+        default=None,
+        type=emulated_device,
+        help="the device this runs on (orin-nano, orin-nx, agx-orin, rpi5, rtx4060 or a profile): the "
+        "fate-edge policy takes that device's preset (device_presets.py); default: the detected one",
+    )
     if link:
-        p.add_argument("--link", default=None, type=link_name,
-                       help="throttle expert reads to a device profile's storage link (devices/profiles), or host")
-    p.add_argument("--threads", type=positive_int, default=defaults.THREADS,
-                   help=f"torch CPU threads (default {defaults.THREADS}: the cores this process may use, less the "
-                        f"{defaults.FETCH_WORKERS} fetch worker(s))")
-    p.add_argument("--resident-bits", type=int, default=None, choices=[8, 4],
-                   help="quantize attention, dense MLPs, shared experts and lm_head to int8 (per channel) or int4 "
-                        "(default: keep --dtype)")
-    p.add_argument("--embedding-bits", type=int, default=None, choices=[8, 4],
-                   help="hold the embedding table as int8 per row or int4 per group of 128/64/32, rows dequantized "
-                        "as gathered (default: keep --dtype)")
-    p.add_argument("--context-tokens", type=positive_int, default=defaults.CONTEXT_TOKENS,
-                   help="prompt + answer tokens the memory account (printed at start, and checked against free "
-                        "memory before loading) reserves KV cache and activations for "
-                        f"(default {defaults.CONTEXT_TOKENS})")
-    p.add_argument("--verify", default=defaults.VERIFY, choices=["once", "always"],
-                   help="expert store: check each blob's CRC32 on its first read (default) or on every read")
+        p.add_argument(
+            "--link",
+            default=None,
+            type=link_name,
+            help="throttle expert reads to a device profile's storage link (devices/profiles), or host",
+        )
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=defaults.THREADS,
+        help=f"torch CPU threads (default {defaults.THREADS}: the cores this process may use, less the "
+        f"{defaults.FETCH_WORKERS} fetch worker(s))",
+    )
+    p.add_argument(
+        "--resident-bits",
+        type=int,
+        default=None,
+        choices=[8, 4],
+        help="quantize attention, dense MLPs, shared experts and lm_head to int8 (per channel) or int4 "
+        "(default: keep --dtype)",
+    )
+    p.add_argument(
+        "--embedding-bits",
+        type=int,
+        default=None,
+        choices=[8, 4],
+        help="hold the embedding table as int8 per row or int4 per group of 128/64/32, rows dequantized "
+        "as gathered (default: keep --dtype)",
+    )
+    p.add_argument(
+        "--context-tokens",
+        type=positive_int,
+        default=defaults.CONTEXT_TOKENS,
+        help="prompt + answer tokens the memory account (printed at start, and checked against free "
+        "memory before loading) reserves KV cache and activations for "
+        f"(default {defaults.CONTEXT_TOKENS})",
+    )
+    p.add_argument(
+        "--verify",
+        default=defaults.VERIFY,
+        choices=["once", "always"],
+        help="expert store: check each blob's CRC32 on its first read (default) or on every read",
+    )
 
 
 def make_link(name: str | None) -> ThrottledLink | None:
@@ -120,8 +163,9 @@ def resolve_store(model: str | Path | None, progress: bool = True) -> Path:
     return ensure_store(model or bundled_model_dir(), progress=progress)
 
 
-def policy_for_device(policy: str, device_profile: str | None = None, store: str | Path | None = None,
-                      resident_bits: int | None = None) -> PolicyConfig:
+def policy_for_device(
+    policy: str, device_profile: str | None = None, store: str | Path | None = None, resident_bits: int | None = None
+) -> PolicyConfig:
     """The preset ``policy`` as it runs on ``device_profile``, or on the device this host is detected to be
     (devices/detect.py; none here: the host preset); with ``store``, the row that fits that model's read cost
     on the device (device_presets.for_device_and_store)."""
@@ -137,13 +181,24 @@ def print_account(store: str | Path, opts: EngineOptions, log: TextIO) -> None:
     from fate_edge.runtime.budget import parse_bytes
     from fate_edge.runtime.memory_account import memory_account
 
-    account = memory_account(store, parse_bytes(opts.memory_budget), opts.dtype, opts.context_tokens,
-                             opts.resident_bits, embedding_bits=opts.embedding_bits)
+    account = memory_account(
+        store,
+        parse_bytes(opts.memory_budget),
+        opts.dtype,
+        opts.context_tokens,
+        opts.resident_bits,
+        embedding_bits=opts.embedding_bits,
+    )
     print("[memory] predicted peak RSS by part:\n" + "\n".join(account.lines()), file=log, flush=True)
 
 
-def open_engine(opts: EngineOptions, log: TextIO | None = None, progress: bool = True,
-                account: TextIO | None = None, max_batch: int = 1) -> Engine:
+def open_engine(
+    opts: EngineOptions,
+    log: TextIO | None = None,
+    progress: bool = True,
+    account: TextIO | None = None,
+    max_batch: int = 1,
+) -> Engine:
     """Build the engine ``opts`` describes. ``--policy auto`` runs the planner first and reports its probes,
     its pick and the decode speed it predicts on ``log`` (default stderr); ``account``: where to print the memory
     account before loading (``run`` and ``serve``: stderr); ``max_batch``: the command's default when ``opts``
@@ -165,20 +220,37 @@ def open_engine(opts: EngineOptions, log: TextIO | None = None, progress: bool =
             print(f"[planner] {message}", file=log, flush=True)
 
         say("choosing a policy for this host, budget and link (probes the engine; this takes a while)")
-        planned = auto_plan(store, parse_bytes(opts.memory_budget), link.spec if link else None,
-                            dtype=DTYPES[opts.dtype], progress=say, device=opts.device_profile or detect().profile)
+        planned = auto_plan(
+            store,
+            parse_bytes(opts.memory_budget),
+            link.spec if link else None,
+            dtype=DTYPES[opts.dtype],
+            progress=say,
+            device=opts.device_profile or detect().profile,
+        )
         p = planned.policy
-        say(f"picked allocation={p.allocation} eviction={p.eviction} predictor={p.predictor} "
+        say(
+            f"picked allocation={p.allocation} eviction={p.eviction} predictor={p.predictor} "
             f"lookahead={p.lookahead} width={p.prefetch_width}: predicts {planned.predicted_tokens_per_s:.1f} "
-            f"decode tok/s, hit rate {100 * planned.predicted_hit_rate:.0f}%")
+            f"decode tok/s, hit rate {100 * planned.predicted_hit_rate:.0f}%"
+        )
         policy = p
     else:
         policy = policy_for_device(policy, opts.device_profile, store, opts.resident_bits)
     if account is not None:
         print_account(store, opts, account)
-    engine = Engine(store, opts.memory_budget, policy, dtype=opts.dtype, link=link, device=opts.device,
-                    verify=opts.verify, resident_bits=opts.resident_bits, embedding_bits=opts.embedding_bits,
-                    context_tokens=opts.context_tokens,
-                    max_batch=max_batch if opts.max_batch is None else opts.max_batch)
+    engine = Engine(
+        store,
+        opts.memory_budget,
+        policy,
+        dtype=opts.dtype,
+        link=link,
+        device=opts.device,
+        verify=opts.verify,
+        resident_bits=opts.resident_bits,
+        embedding_bits=opts.embedding_bits,
+        context_tokens=opts.context_tokens,
+        max_batch=max_batch if opts.max_batch is None else opts.max_batch,
+    )
     engine.planned = planned
     return engine

@@ -34,5 +34,15 @@ from fate_edge.bench.config import ALL_BUDGETS, ALL_PRESETS, LINKS, BenchConfig
 from fate_edge.bench.outputs import write_outputs
 from fate_edge.bench.run import run_bench
 
-__all__ = ["ALL_BUDGETS", "ALL_PRESETS", "LINKS", "BenchConfig", "add_arguments", "config_from_args", "main",
-           "run_bench", "run_from_args", "write_outputs"]
+__all__ = [
+    "ALL_BUDGETS",
+    "ALL_PRESETS",
+    "LINKS",
+    "BenchConfig",
+    "add_arguments",
+    "config_from_args",
+    "main",
+    "run_bench",
+    "run_from_args",
+    "write_outputs",
+]

@@ -49,29 +49,65 @@ def this_command() -> str:
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     d = BenchConfig()
-    ap.add_argument("--model", default=None, type=existing_path, help="model directory or expert store (default: "
-                    "the bundled model inflated to ~2 MB int4 experts)")
-    ap.add_argument("--int4-expert-mb", type=positive_float, default=d.int4_expert_mb,
-                    help="size of one int4 expert in the inflated bundled model (without --model)")
+    ap.add_argument(
+        "--model",
+        default=None,
+        type=existing_path,
+        help="model directory or expert store (default: the bundled model inflated to ~2 MB int4 experts)",
+    )
+    ap.add_argument(
+        "--int4-expert-mb",
+        type=positive_float,
+        default=d.int4_expert_mb,
+        help="size of one int4 expert in the inflated bundled model (without --model)",
+    )
     ap.add_argument("--quick", action="store_true", help=QUICK_NOTE.replace("%", "%%"))
-    ap.add_argument("--presets", nargs="+", default=None, choices=list(PRESETS), metavar="PRESET",
-                    help=f"default: {' '.join(ALL_PRESETS)}")
-    ap.add_argument("--budgets", nargs="+", type=fraction, default=None, metavar="FRACTION",
-                    help="shares of the int4 expert bytes (default 0.2 0.35 0.5 0.75)")
-    ap.add_argument("--links", nargs="+", default=None, choices=list(LINKS), metavar="LINK",
-                    help=f"default: {' '.join(LINKS)}")
-    ap.add_argument("--emulate", default=None, metavar="DEVICE", type=emulated_device,
-                    help="device-faithful emulation instead of --links: the device's link dilated by k = host / "
-                    "device compute time per token (device: its profile's roofline), O_DIRECT reads where this "
-                    "disk is faster than that; reports raw and device-equivalent (raw x k) tok/s. DEVICE: "
-                    "orin-nano, orin-nx, agx-orin, rpi5, rtx4060 or a device profile")
-    ap.add_argument("--emulate-host-ms", type=positive_float, default=None, metavar="MS",
-                    help="with --emulate: this host's decode compute per token from an earlier calibration (the "
-                    "JSON's emulation.host_s_per_token x 1000) instead of measuring it")
-    ap.add_argument("--resident-bits", type=int, choices=(8, 4), default=None,
-                    help="quantize fate-edge's resident linears (attention, shared experts, lm_head) to this many "
-                    "bits, as a W4A16 device decode holds them; under --emulate the device's roofline reads them so "
-                    "(default: the store's dtype)")
+    ap.add_argument(
+        "--presets",
+        nargs="+",
+        default=None,
+        choices=list(PRESETS),
+        metavar="PRESET",
+        help=f"default: {' '.join(ALL_PRESETS)}",
+    )
+    ap.add_argument(
+        "--budgets",
+        nargs="+",
+        type=fraction,
+        default=None,
+        metavar="FRACTION",
+        help="shares of the int4 expert bytes (default 0.2 0.35 0.5 0.75)",
+    )
+    ap.add_argument(
+        "--links", nargs="+", default=None, choices=list(LINKS), metavar="LINK", help=f"default: {' '.join(LINKS)}"
+    )
+    ap.add_argument(
+        "--emulate",
+        default=None,
+        metavar="DEVICE",
+        type=emulated_device,
+        help="device-faithful emulation instead of --links: the device's link dilated by k = host / "
+        "device compute time per token (device: its profile's roofline), O_DIRECT reads where this "
+        "disk is faster than that; reports raw and device-equivalent (raw x k) tok/s. DEVICE: "
+        "orin-nano, orin-nx, agx-orin, rpi5, rtx4060 or a device profile",
+    )
+    ap.add_argument(
+        "--emulate-host-ms",
+        type=positive_float,
+        default=None,
+        metavar="MS",
+        help="with --emulate: this host's decode compute per token from an earlier calibration (the "
+        "JSON's emulation.host_s_per_token x 1000) instead of measuring it",
+    )
+    ap.add_argument(
+        "--resident-bits",
+        type=int,
+        choices=(8, 4),
+        default=None,
+        help="quantize fate-edge's resident linears (attention, shared experts, lm_head) to this many "
+        "bits, as a W4A16 device decode holds them; under --emulate the device's roofline reads them so "
+        "(default: the store's dtype)",
+    )
     ap.add_argument("--prompt-tokens", nargs="+", type=positive_int, default=None, help="default 128 512")
     ap.add_argument("--decode-tokens", type=positive_int, default=None, help=f"default {d.decode_tokens}")
     ap.add_argument("--runs", type=positive_int, default=None, help=f"default {d.runs}; medians are reported")
@@ -79,37 +115,69 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--fetch-workers", type=positive_int, default=d.fetch_workers)
     ap.add_argument("--device", default="cpu", type=device_name, help="cpu or cuda (experts cached on the GPU)")
     ap.add_argument("--no-peers", action="store_true", help="do not run transformers / llama.cpp")
-    ap.add_argument("--gguf", default=None, type=existing_path,
-                    help="GGUF of the same checkpoint for the llama.cpp peer")
+    ap.add_argument(
+        "--gguf", default=None, type=existing_path, help="GGUF of the same checkpoint for the llama.cpp peer"
+    )
     ap.add_argument("--no-planner", action="store_true", help="skip the planner hook (planned configurations)")
     ap.add_argument("--no-drop-caches", action="store_true", help="raw disk: keep the page cache")
     ap.add_argument("--timeout", type=positive_float, default=d.timeout_s, help="seconds per configuration")
-    ap.add_argument("--time-limit", type=positive_float, default=None,
-                    help="seconds for the whole run: later configurations are dropped and listed (quick: 480)")
+    ap.add_argument(
+        "--time-limit",
+        type=positive_float,
+        default=None,
+        help="seconds for the whole run: later configurations are dropped and listed (quick: 480)",
+    )
     ap.add_argument("--out-dir", default=d.out_dir)
     ap.add_argument("--json", default=None, help="default OUT_DIR/bench[_quick].json")
     ap.add_argument("--markdown", default=None, help="default OUT_DIR/bench[_quick].md")
     ap.add_argument("--plot", default=None, help="tokens/s plot file (default: PLOTS_DIR/bench[_quick].png)")
     ap.add_argument("--plots-dir", default=None, help="directory for the plots (default: the JSON's directory)")
-    ap.add_argument("--results", dest="readme", nargs="?", const=str(results_file("bench")), default=None,
-                    type=non_empty, metavar="FILE", help="rewrite the table between the bench markers of FILE "
-                    f"(without FILE: {results_file('bench')})")
+    ap.add_argument(
+        "--results",
+        dest="readme",
+        nargs="?",
+        const=str(results_file("bench")),
+        default=None,
+        type=non_empty,
+        metavar="FILE",
+        help=f"rewrite the table between the bench markers of FILE (without FILE: {results_file('bench')})",
+    )
     ap.add_argument("--work-dir", default=None, help="where the inflated model and its store are kept")
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    cfg = BenchConfig(model=args.model, int4_expert_mb=args.int4_expert_mb, threads=args.threads,
-                      fetch_workers=args.fetch_workers,
-                      peers=not args.no_peers, gguf=args.gguf, planner=not args.no_planner,
-                      drop_caches=not args.no_drop_caches,
-                      timeout_s=args.timeout, out_dir=args.out_dir, json_path=args.json, md_path=args.markdown,
-                      plot_path=args.plot, plots_dir=args.plots_dir, readme=args.readme, work_dir=args.work_dir,
-                      device=args.device, emulate=args.emulate, emulate_host_ms=args.emulate_host_ms,
-                      resident_bits=args.resident_bits)
+    cfg = BenchConfig(
+        model=args.model,
+        int4_expert_mb=args.int4_expert_mb,
+        threads=args.threads,
+        fetch_workers=args.fetch_workers,
+        peers=not args.no_peers,
+        gguf=args.gguf,
+        planner=not args.no_planner,
+        drop_caches=not args.no_drop_caches,
+        timeout_s=args.timeout,
+        out_dir=args.out_dir,
+        json_path=args.json,
+        md_path=args.markdown,
+        plot_path=args.plot,
+        plots_dir=args.plots_dir,
+        readme=args.readme,
+        work_dir=args.work_dir,
+        device=args.device,
+        emulate=args.emulate,
+        emulate_host_ms=args.emulate_host_ms,
+        resident_bits=args.resident_bits,
+    )
     explicit = set()
-    for name, attr in [("presets", "presets"), ("budgets", "budgets"), ("links", "links"),
-                       ("prompt_tokens", "prompt_tokens"), ("decode_tokens", "decode_tokens"), ("runs", "runs"),
-                       ("time_limit_s", "time_limit")]:
+    for name, attr in [
+        ("presets", "presets"),
+        ("budgets", "budgets"),
+        ("links", "links"),
+        ("prompt_tokens", "prompt_tokens"),
+        ("decode_tokens", "decode_tokens"),
+        ("runs", "runs"),
+        ("time_limit_s", "time_limit"),
+    ]:
         v = getattr(args, attr)
         if v is not None:
             setattr(cfg, name, v)

@@ -48,12 +48,18 @@ def emulated_choice(emulation) -> LinkChoice:
     """The link of a ``--emulate`` run (a planning.emulation.Emulation), keyed ``emulated-<device>``."""
     em = emulation
     return LinkChoice(
-        f"emulated-{em.device}", f"{em.profile} emulated (link dilated x{em.k:.3g})", em.profile, "emulated",
+        f"emulated-{em.device}",
+        f"{em.profile} emulated (link dilated x{em.k:.3g})",
+        em.profile,
+        "emulated",
         f"devices/profiles/{em.profile}.toml {em.link.name} ({em.link.bandwidth_bytes_per_s / 1e9:.3g} GB/s, "
         f"{em.link.latency_s * 1e6:.0f} us) dilated by k = host {em.host_s_per_token * 1e3:.1f} ms / device "
         f"{em.device_s_per_token * 1e3:.2f} ms per token = {em.k:.3g} (roofline: {em.roofline.compute_unit}, "
         f"x{em.roofline.efficiency} efficiency); {em.io_note}",
-        em.emulated, em.direct_io, em.k)
+        em.emulated,
+        em.direct_io,
+        em.k,
+    )
 
 
 def _sd_card_link():
@@ -69,21 +75,34 @@ SD_CARD_SOURCE = (
     "defined in fate_edge/bench/config.py: 90 MB/s sequential read = the UHS-I SDR104 bus limit of 104 MB/s "
     "(SD specification; Raspberry Pi 5 supports SDR104 per its product brief) less protocol overhead, assumed; "
     "200 us per request = 1/5,000 IOPS, the Raspberry Pi documentation's 4 KB random-read figure for its A2 "
-    "microSD card on a Raspberry Pi 5 (SDR104)")
+    "microSD card on a Raspberry Pi 5 (SDR104)"
+)
 
 
 LINKS: dict[str, LinkChoice] = {
     "orin-nano-nvme": LinkChoice(
-        "orin-nano-nvme", "Jetson Orin Nano 8GB NVMe", "jetson-orin-nano-8gb", "storage",
-        "devices/profiles/jetson-orin-nano-8gb.toml: storage_read_gbps, storage_latency_us"),
+        "orin-nano-nvme",
+        "Jetson Orin Nano 8GB NVMe",
+        "jetson-orin-nano-8gb",
+        "storage",
+        "devices/profiles/jetson-orin-nano-8gb.toml: storage_read_gbps, storage_latency_us",
+    ),
     "pi5-microsd": LinkChoice("pi5-microsd", "Raspberry Pi 5 microSD", None, "sd-card", SD_CARD_SOURCE),
     "pcie-rtx4060": LinkChoice(
-        "pcie-rtx4060", "PCIe host->GPU (RTX 4060 Laptop)", "laptop-rtx4060-8gb", "host-link",
+        "pcie-rtx4060",
+        "PCIe host->GPU (RTX 4060 Laptop)",
+        "laptop-rtx4060-8gb",
+        "host-link",
         "devices/profiles/laptop-rtx4060-8gb.toml: host_link_gbps (PCIe 4.0 x8 = 15.75 GB/s, the same "
-        "bandwidth as PCIe 3.0 x16)"),
+        "bandwidth as PCIe 3.0 x16)",
+    ),
     "raw-disk": LinkChoice(
-        "raw-disk", "raw disk (O_DIRECT, page cache dropped)", None, "raw-disk",
-        "this machine's disk, unthrottled: O_DIRECT reads, page cache dropped before every request where permitted"),
+        "raw-disk",
+        "raw disk (O_DIRECT, page cache dropped)",
+        None,
+        "raw-disk",
+        "this machine's disk, unthrottled: O_DIRECT reads, page cache dropped before every request where permitted",
+    ),
 }
 
 
@@ -142,11 +161,13 @@ QUICK = {
     "budgets": list(ALL_BUDGETS),  # kept, but the run stops starting configurations after time_limit_s
     "time_limit_s": 480.0,
 }
-QUICK_NOTE = ("--quick: only the Jetson Orin Nano NVMe link (the microSD, PCIe and raw-disk links are dropped), "
-              "only the 128-token prompt (512 dropped), 64 decode tokens instead of 128 (medians of 3 runs kept), "
-              "and a 480 s limit after which no configuration is started: the 35% budget (with "
-              "load-on-demand) runs first, then the peers, then 75%, 20% and 50% while time is left; whatever the "
-              "limit dropped is listed in the output. All presets are kept")
+QUICK_NOTE = (
+    "--quick: only the Jetson Orin Nano NVMe link (the microSD, PCIe and raw-disk links are dropped), "
+    "only the 128-token prompt (512 dropped), 64 decode tokens instead of 128 (medians of 3 runs kept), "
+    "and a 480 s limit after which no configuration is started: the 35% budget (with "
+    "load-on-demand) runs first, then the peers, then 75%, 20% and 50% while time is left; whatever the "
+    "limit dropped is listed in the output. All presets are kept"
+)
 
 
 def apply_quick(cfg: BenchConfig, explicit: set[str]) -> None:

@@ -38,16 +38,20 @@ def peers_cache() -> Path:
 # How the measured peer was built: this CPU's instruction sets named one by one, AMX off. GGML_NATIVE=ON turns AMX on
 # through -march=native whatever GGML_AMX_* say, and on VMs that report AMX but fault on its tile instructions that
 # llama.cpp dies with SIGILL on its first q4_0 matmul.
-PEER_CMAKE_HINT = ("-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON "
-                   "-DGGML_AVX512_VNNI=ON (and the other GGML_AVX* this CPU has) -DGGML_AMX_TILE=OFF "
-                   "-DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF")
+PEER_CMAKE_HINT = (
+    "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON "
+    "-DGGML_AVX512_VNNI=ON (and the other GGML_AVX* this CPU has) -DGGML_AMX_TILE=OFF "
+    "-DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+)
 
 
 def llama_cpp_missing() -> str | None:
     """Why the llama.cpp peer cannot run here, or None when llama-cpp-python imports."""
     if importlib.util.find_spec("llama_cpp") is None:
-        return ("llama-cpp-python is not installed: pip install llama-cpp-python (builds llama.cpp, ~20 min; "
-                f"the figures here used CMAKE_ARGS=\"{PEER_CMAKE_HINT}\")")
+        return (
+            "llama-cpp-python is not installed: pip install llama-cpp-python (builds llama.cpp, ~20 min; "
+            f'the figures here used CMAKE_ARGS="{PEER_CMAKE_HINT}")'
+        )
     return None
 
 
@@ -70,7 +74,8 @@ def converter_dir(extract: bool = True) -> Path:
             "llama.cpp's converter (convert_hf_to_gguf.py) is not unpacked and no llama-cpp-python sdist was "
             f"found (looked in {', '.join(str(p) for p in sdist_candidates()) or peers_cache() / 'wheels'}); "
             "run `pip download --no-binary :all: --no-deps llama-cpp-python -d ~/.cache/fate-edge-peers/wheels` "
-            "or set FATE_EDGE_LLAMACPP_SDIST to the .tar.gz")
+            "or set FATE_EDGE_LLAMACPP_SDIST to the .tar.gz"
+        )
     dest = peers_cache() / "src"
     dest.mkdir(parents=True, exist_ok=True)
     with tarfile.open(sdists[0]) as tar:
@@ -83,7 +88,8 @@ def _is_converter_member(name: str) -> bool:
     parts = name.split("/", 1)
     rest = parts[1] if len(parts) == 2 else ""
     return rest == f"{_VENDOR}/convert_hf_to_gguf.py" or any(
-        rest.startswith(f"{_VENDOR}/{d}/") for d in ("conversion", "gguf-py"))
+        rest.startswith(f"{_VENDOR}/{d}/") for d in ("conversion", "gguf-py")
+    )
 
 
 def gguf_dir(model_dir: str | Path) -> Path:
@@ -101,8 +107,18 @@ def gguf_path(model_dir: str | Path, kind: str) -> Path:
 
 def convert_command(model_dir: str | Path, outtype: str, outfile: str | Path, llama_dir: str | Path) -> list[str]:
     """The command converting ``model_dir`` to ``outfile``: this module's wrapper around the converter."""
-    return [sys.executable, "-m", "fate_edge.bench.gguf", "--convert", str(llama_dir), str(model_dir),
-            "--outtype", outtype, "--outfile", str(outfile)]
+    return [
+        sys.executable,
+        "-m",
+        "fate_edge.bench.gguf",
+        "--convert",
+        str(llama_dir),
+        str(model_dir),
+        "--outtype",
+        outtype,
+        "--outfile",
+        str(outfile),
+    ]
 
 
 def patch_pre_tokenizer(model_class: type, fallback: str = FALLBACK_PRE_TOKENIZER) -> None:

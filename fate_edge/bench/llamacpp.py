@@ -20,8 +20,12 @@ def time_tokens(stream: Iterable[int | None], n_prompt: int, want: int) -> dict[
         if len(tokens) >= want:
             break
     # Prompt tokens per second of this process's CPU time too: on a busy host wall time counts the waits for a core.
-    out: dict[str, Any] = {"prefill_tps": n_prompt / (times[0] - t0), "tokens": tokens, "decode_tps": None,
-                           "prefill_cpu_tps": n_prompt / max(cpu_first - c0, 1e-9)}
+    out: dict[str, Any] = {
+        "prefill_tps": n_prompt / (times[0] - t0),
+        "tokens": tokens,
+        "decode_tps": None,
+        "prefill_cpu_tps": n_prompt / max(cpu_first - c0, 1e-9),
+    }
     if len(times) > 1 and times[-1] > times[0]:
         out["decode_tps"] = (len(times) - 1) / (times[-1] - times[0])
     return out
@@ -32,9 +36,11 @@ def time_tokens(stream: Iterable[int | None], n_prompt: int, want: int) -> dict[
 # before anything imports torch, without the OpenMP settings importing fate_edge makes for torch (inherited by
 # children, named in FATE_EDGE_SET_OPENMP), gives llama.cpp its own default: with our former PASSIVE its decode was
 # 20x slower here (72 vs 1674 tok/s, q4_0 bundled model, 2 threads). A value the user set is kept.
-OPENMP_DEFAULT = ("import os\n"
-                  "for _name in filter(None, os.environ.pop('FATE_EDGE_SET_OPENMP', '').split(',')):\n"
-                  "    os.environ.pop(_name, None)\n")
+OPENMP_DEFAULT = (
+    "import os\n"
+    "for _name in filter(None, os.environ.pop('FATE_EDGE_SET_OPENMP', '').split(',')):\n"
+    "    os.environ.pop(_name, None)\n"
+)
 
 
 def llama_child(code: str) -> str:
@@ -63,8 +69,9 @@ def open_llama(gguf: str | Path, n_ctx: int, threads: int, mmap: bool, repack: b
 
     lib.llama_model_default_params = params  # Llama() takes no such argument; it asks this function
     try:
-        return Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                     use_mmap=mmap, verbose=False)
+        return Llama(
+            model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, use_mmap=mmap, verbose=False
+        )
     finally:
         lib.llama_model_default_params = default_params
 

@@ -55,15 +55,21 @@ def _fmt(v, spec: str) -> str:
 
 
 def table(summary: dict, header: str) -> str:
-    out = [header, "", "| side | experts | rest | prefill tok/s | ratio | decode tok/s | ratio | peak RSS MB "
-           "| MB read / token |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    out = [
+        header,
+        "",
+        "| side | experts | rest | prefill tok/s | ratio | decode tok/s | ratio | peak RSS MB | MB read / token |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, r in summary.items():
         rss = None if r["peak_rss_bytes"] is None else r["peak_rss_bytes"] / 1e6
         fail = f" ({r['failed']} of {r['runs']} failed: {'; '.join(r['errors'])[:120]})" if r["failed"] else ""
-        out.append(f"| {name}{fail} | {r['experts']} | {r['rest']} | {_fmt(r['prefill_tps'], '.0f')} "
-                   f"| {_fmt(r.get('prefill_tps_ratio'), '.2f')} | {_fmt(r['decode_tps'], '.1f')} "
-                   f"| {_fmt(r.get('decode_tps_ratio'), '.2f')} | {_fmt(rss, '.0f')} "
-                   f"| {_fmt(r['decode_read_mb_per_token'], '.2f')} |")
+        out.append(
+            f"| {name}{fail} | {r['experts']} | {r['rest']} | {_fmt(r['prefill_tps'], '.0f')} "
+            f"| {_fmt(r.get('prefill_tps_ratio'), '.2f')} | {_fmt(r['decode_tps'], '.1f')} "
+            f"| {_fmt(r.get('decode_tps_ratio'), '.2f')} | {_fmt(rss, '.0f')} "
+            f"| {_fmt(r['decode_read_mb_per_token'], '.2f')} |"
+        )
     return "\n".join(out)
 
 
@@ -77,37 +83,64 @@ def model_label(model: str) -> str:
         preset = PRESETS.get(syn.get("like", ""))
         total = preset.config["num_hidden_layers"] if preset else "?"
         scale = f", widths / {opts['scale']}" if opts.get("scale", 1) != 1 else ""
-        label += (f" (synthetic {syn.get('like')} shape{scale}, {opts.get('layers') or total} of {total} layers, "
-                  "random weights)")
+        label += (
+            f" (synthetic {syn.get('like')} shape{scale}, {opts.get('layers') or total} of {total} layers, "
+            "random weights)"
+        )
     return label
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = command_parser("bench-llamacpp", __doc__)
-    ap.add_argument("--model", default=str(bundled_model_dir()), type=existing_path,
-                    help="Hugging Face model directory (default: the bundled model)")
+    ap.add_argument(
+        "--model",
+        default=str(bundled_model_dir()),
+        type=existing_path,
+        help="Hugging Face model directory (default: the bundled model)",
+    )
     ap.add_argument("--rounds", type=positive_int, default=3)
     ap.add_argument("--prompt-tokens", type=positive_int, default=128)
     ap.add_argument("--decode-tokens", type=positive_int, default=128)
     ap.add_argument("--threads", type=positive_int, default=2)
     ap.add_argument("--budget", type=fraction, default=HEADLINE_BUDGET, help="expert budget, share of int4 experts")
     ap.add_argument("--no-limited", action="store_true", help="skip the memory-limited mode")
-    ap.add_argument("--sides", choices=["auto", *SIDE_SETS], default="auto",
-                    help="small: fp32/bf16/int4 vs f32/bf16/q4_0; real: bf16 and int4 experts with bf16/int8/int4 "
-                         "rest vs bf16/q4_0; auto: real for a bf16 checkpoint")
-    ap.add_argument("--compile", choices=["auto", "on", "off"], default="off",
-                    help="fate-edge's fully resident sides decode through one torch.compile'd graph per token "
-                         "(compiled at load, before timing; default off)")
-    ap.add_argument("--side", action="append", default=None, choices=SIDE_NAMES, metavar="NAME",
-                    help="run only this side (repeatable; e.g. --side 'fate-edge int4, int4 rest' --side "
-                         "'llama.cpp q4_0'): only the GGUFs those sides need are built, and the "
-                         "table says which ran")
+    ap.add_argument(
+        "--sides",
+        choices=["auto", *SIDE_SETS],
+        default="auto",
+        help="small: fp32/bf16/int4 vs f32/bf16/q4_0; real: bf16 and int4 experts with bf16/int8/int4 "
+        "rest vs bf16/q4_0; auto: real for a bf16 checkpoint",
+    )
+    ap.add_argument(
+        "--compile",
+        choices=["auto", "on", "off"],
+        default="off",
+        help="fate-edge's fully resident sides decode through one torch.compile'd graph per token "
+        "(compiled at load, before timing; default off)",
+    )
+    ap.add_argument(
+        "--side",
+        action="append",
+        default=None,
+        choices=SIDE_NAMES,
+        metavar="NAME",
+        help="run only this side (repeatable; e.g. --side 'fate-edge int4, int4 rest' --side "
+        "'llama.cpp q4_0'): only the GGUFs those sides need are built, and the "
+        "table says which ran",
+    )
     ap.add_argument("--timeout", type=positive_float, default=900.0, help="per process, seconds")
     ap.add_argument("--json", type=Path, default=Path("bench-out/llamacpp.json"))
-    ap.add_argument("--results", nargs="?", const=True, default=None, type=non_empty, metavar="FILE",
-                    help="rewrite the table between its markers (bench_llamacpp for the bundled model at 2 "
-                         "threads, else bench_llamacpp-MODEL-Nt) of FILE (without FILE: "
-                         "docs/results/MARKER.md, created if missing)")
+    ap.add_argument(
+        "--results",
+        nargs="?",
+        const=True,
+        default=None,
+        type=non_empty,
+        metavar="FILE",
+        help="rewrite the table between its markers (bench_llamacpp for the bundled model at 2 "
+        "threads, else bench_llamacpp-MODEL-Nt) of FILE (without FILE: "
+        "docs/results/MARKER.md, created if missing)",
+    )
     return ap
 
 
@@ -126,11 +159,20 @@ def main(argv: list[str] | None = None) -> int:
     tok = Tokenizer(args.model)
     text, files = heldout_source(args.prompt_tokens * 16)
     text_ids = tok.encode(text)
-    ids = text_ids[:args.prompt_tokens]
+    ids = text_ids[: args.prompt_tokens]
     budget = max(int(args.budget * info["int4_expert_bytes_total"]), 1)
-    base = {"model": str(Path(args.model).resolve()), "store": str(store), "ids": ids, "text": text,
-            "text_ids": text_ids, "threads": args.threads, "workers": 1, "decode_tokens": args.decode_tokens,
-            "budget": budget, "compile": args.compile}
+    base = {
+        "model": str(Path(args.model).resolve()),
+        "store": str(store),
+        "ids": ids,
+        "text": text,
+        "text_ids": text_ids,
+        "threads": args.threads,
+        "workers": 1,
+        "decode_tokens": args.decode_tokens,
+        "budget": budget,
+        "compile": args.compile,
+    }
     sides = sides_set.resident + ([] if args.no_limited else sides_set.limited)
     load_before = load_average()
     runs, notes = run_rounds(base, sides, ggufs, args.rounds, args.timeout)
@@ -139,29 +181,49 @@ def main(argv: list[str] | None = None) -> int:
     agree = {f"{a} vs {b}": same_tokens(runs, a, b) for a, b in sides_set.pairs}
     tokenization = next((r["tokenization"] for rs in runs.values() for r in rs if "tokenization" in r), None)
     cpu = cpu_model() or platform.processor()
-    header = (("Only the sides named with `--side` ran. " if args.side else "")
-              + f"{model_label(args.model)}, {len(ids)}-token held-out Python prompt (same token ids on both sides), "
-              f"{args.decode_tokens} greedy decode tokens, {args.threads} threads, median of {args.rounds} "
-              f"interleaved rounds of fresh processes; {cpu}, torch {torch.__version__}, llama-cpp-python "
-              f"{__import__('llama_cpp').__version__}; load average {load_before[0]} before, {load_after[0]} after, "
-              f"per run in the JSON. Ratios: fate-edge / llama.cpp. "
-              + ("fate-edge's resident sides decode through torch.compile (`--compile "
-                 f"{args.compile}`, compiled at load, before timing). " if args.compile != "off" else "")
-              + ("" if args.no_limited else f"Expert budget {budget / 1e6:.1f} MB ({args.budget:.0%} of int4 "
-                 f"experts); llama.cpp's cap: {notes.get('cgroup', 'none')}; {notes.get('page_cache', '')}. ")
-              + "Leading greedy tokens equal: "
-              + ", ".join(f"{k}: {v}" for k, v in agree.items() if v is not None)
-              + f"; llama.cpp tokenizes the prompt text as fate-edge does: "
-              f"{tokenization['equal'] if tokenization else 'not checked'} (`fate-edge bench-llamacpp`).")
-    result = {"model": args.model, "ggufs": ggufs, "prompt_files": files, "threads": args.threads,
-              "rounds": args.rounds, "cpu": cpu, "torch": torch.__version__, "load_avg_before": load_before,
-              "load_avg_after": load_after,
-              "notes": notes, "summary": summary, "token_agreement": agree, "tokenization": tokenization,
-              "runs": runs}
+    header = (
+        ("Only the sides named with `--side` ran. " if args.side else "")
+        + f"{model_label(args.model)}, {len(ids)}-token held-out Python prompt (same token ids on both sides), "
+        f"{args.decode_tokens} greedy decode tokens, {args.threads} threads, median of {args.rounds} "
+        f"interleaved rounds of fresh processes; {cpu}, torch {torch.__version__}, llama-cpp-python "
+        f"{__import__('llama_cpp').__version__}; load average {load_before[0]} before, {load_after[0]} after, "
+        f"per run in the JSON. Ratios: fate-edge / llama.cpp. "
+        + (
+            "fate-edge's resident sides decode through torch.compile (`--compile "
+            f"{args.compile}`, compiled at load, before timing). "
+            if args.compile != "off"
+            else ""
+        )
+        + (
+            ""
+            if args.no_limited
+            else f"Expert budget {budget / 1e6:.1f} MB ({args.budget:.0%} of int4 "
+            f"experts); llama.cpp's cap: {notes.get('cgroup', 'none')}; {notes.get('page_cache', '')}. "
+        )
+        + "Leading greedy tokens equal: "
+        + ", ".join(f"{k}: {v}" for k, v in agree.items() if v is not None)
+        + f"; llama.cpp tokenizes the prompt text as fate-edge does: "
+        f"{tokenization['equal'] if tokenization else 'not checked'} (`fate-edge bench-llamacpp`)."
+    )
+    result = {
+        "model": args.model,
+        "ggufs": ggufs,
+        "prompt_files": files,
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "cpu": cpu,
+        "torch": torch.__version__,
+        "load_avg_before": load_before,
+        "load_avg_after": load_after,
+        "notes": notes,
+        "summary": summary,
+        "token_agreement": agree,
+        "tokenization": tokenization,
+        "runs": runs,
+    }
     marker = readme_marker(args.model, args.threads)
     results = results_file(marker) if args.results is True else Path(args.results) if args.results else None
     if results:
         add_markers(results, marker)
     publish(result, args.json, table(summary, header), results, marker)
     return 0
-

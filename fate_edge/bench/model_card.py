@@ -120,19 +120,31 @@ def cross_layer_tables(model: Any, trace: Any, bytes_per_expert: int) -> dict[st
     rows = []
     for a in (a for a in plain if a.distance == 1):
         n = normed_by_src[a.source]
-        rows.append({
-            "source": a.source, "target": a.target, "tokens": a.tokens,
-            "recall@k": a.recall[k], "recall@k+2": a.recall[min(k + 2, max(a.recall))], "exact": a.exact,
-            "wasted_bytes_per_token@k+2": a.wasted_bytes[min(k + 2, max(a.recall))],
-            "norm_variant_recall@k": n.recall[k], "norm_variant_exact": n.exact,
-        })
+        rows.append(
+            {
+                "source": a.source,
+                "target": a.target,
+                "tokens": a.tokens,
+                "recall@k": a.recall[k],
+                "recall@k+2": a.recall[min(k + 2, max(a.recall))],
+                "exact": a.exact,
+                "wasted_bytes_per_token@k+2": a.wasted_bytes[min(k + 2, max(a.recall))],
+                "norm_variant_recall@k": n.recall[k],
+                "norm_variant_exact": n.exact,
+            }
+        )
     lookahead = []
     for d in range(1, LOOKAHEAD + 1):
         at_d = [a for a in plain if a.distance == d]
         if at_d:
-            lookahead.append({"distance": d, "pairs": len(at_d),
-                              "recall@k": sum(a.recall[k] for a in at_d) / len(at_d),
-                              "exact": sum(a.exact for a in at_d) / len(at_d)})
+            lookahead.append(
+                {
+                    "distance": d,
+                    "pairs": len(at_d),
+                    "recall@k": sum(a.recall[k] for a in at_d) / len(at_d),
+                    "exact": sum(a.exact for a in at_d) / len(at_d),
+                }
+            )
     keys = [key for key in (rows[0] if rows else {}) if key not in ("source", "target", "tokens")]
     mean = {key: sum(r[key] for r in rows) / len(rows) for key in keys} if rows else {}
     return {"k": k, "bytes_per_expert_bf16": bytes_per_expert, "layers": rows, "mean": mean, "lookahead": lookahead}
@@ -155,13 +167,18 @@ def measure(model_dir: Path, tokens: int, seq_len: int, batch: int) -> dict[str,
         "architecture": arch,
         "heldout": {
             "rule": "stdlib .py files with sha1(file name)[:4] / 2**32 < heldout_fraction "
-                    "(fate_edge.corpus.is_heldout), within the training corpus cap",
-            "files": len(texts), "tokens_available": len(ids), "tokens_scored": count, "seq_len": seq_len,
-            "loss": loss, "ppl": math.exp(loss),
+            "(fate_edge.corpus.is_heldout), within the training corpus cap",
+            "files": len(texts),
+            "tokens_available": len(ids),
+            "tokens_scored": count,
+            "seq_len": seq_len,
+            "loss": loss,
+            "ppl": math.exp(loss),
         },
         "usage": [vars(u) for u in usage_stats(trace)],
         "cross_layer_gate": cross_layer_tables(model, trace, arch["params_per_expert"] * 2),
-        "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
         "seconds": round(time.time() - t0, 1),
     }
 
@@ -208,12 +225,16 @@ def results_markdown(card: dict[str, Any]) -> str:
     ]
     for r in c["layers"] + ([dict(c["mean"], source="mean", target="")] if c["mean"] else []):
         arrow = f"{r['source']} → {r['target']}" if r["target"] != "" else "**mean**"
-        out.append(f"| {arrow} | {_pct(r['recall@k'])} | {_pct(r['recall@k+2'])} | {_pct(r['exact'])} "
-                   f"| {_pct(r['norm_variant_recall@k'])} | {_pct(r['norm_variant_exact'])} "
-                   f"| {r['wasted_bytes_per_token@k+2'] / 1024:.1f} |")
+        out.append(
+            f"| {arrow} | {_pct(r['recall@k'])} | {_pct(r['recall@k+2'])} | {_pct(r['exact'])} "
+            f"| {_pct(r['norm_variant_recall@k'])} | {_pct(r['norm_variant_exact'])} "
+            f"| {r['wasted_bytes_per_token@k+2'] / 1024:.1f} |"
+        )
     if c["lookahead"]:
-        look = ", ".join(f"{la['distance']} layer(s) ahead {_pct(la['recall@k'])} (exact {_pct(la['exact'])})"
-                         for la in c["lookahead"])
+        look = ", ".join(
+            f"{la['distance']} layer(s) ahead {_pct(la['recall@k'])} (exact {_pct(la['exact'])})"
+            for la in c["lookahead"]
+        )
         out += ["", f"Lookahead (stacked gates, mean recall@{k}): {look}."]
     return "\n".join(out) + "\n"
 
@@ -227,8 +248,10 @@ def _loss_curve(log: list[dict[str, Any]]) -> list[str]:
         e = log[i]
         evals = [x for x in log[: i + 1] if "heldout_loss" in x]
         held = f"{evals[-1]['heldout_loss']:.3f} (step {evals[-1]['step']})" if evals else "–"
-        rows.append(f"| {e['step']} | {e['tokens']:,} | {e['seconds'] / 60:.1f} | {e['loss']:.3f} "
-                    f"| {e.get('aux_loss', float('nan')):.3f} | {held} |")
+        rows.append(
+            f"| {e['step']} | {e['tokens']:,} | {e['seconds'] / 60:.1f} | {e['loss']:.3f} "
+            f"| {e.get('aux_loss', float('nan')):.3f} | {held} |"
+        )
     best = min(log, key=lambda x: x["loss"])
     rows += ["", f"Lowest logged train loss {best['loss']:.3f} at step {best['step']}."]
     return rows
@@ -298,8 +321,17 @@ def readme_markdown(card: dict[str, Any], log: dict[str, Any] | None) -> str:
     out += calibration_markdown(Path(card["model"]) / "predictors" / "calibration.json")
     commands = (log or {}).get("commands") or ["# training_log.json does not record the training commands"]
     model = card["model"]
-    out += ["", "## Reproduce", "", "```", *commands, f"fate-edge calibrate {model} --lookahead 2",
-            f"fate-edge model-card {model} --tokens {card['heldout']['tokens_scored']}", "```", ""]
+    out += [
+        "",
+        "## Reproduce",
+        "",
+        "```",
+        *commands,
+        f"fate-edge calibrate {model} --lookahead 2",
+        f"fate-edge model-card {model} --tokens {card['heldout']['tokens_scored']}",
+        "```",
+        "",
+    ]
     return "\n".join(out)
 
 
@@ -309,22 +341,34 @@ def calibration_markdown(path: Path) -> list[str]:
         return []
     cal = json.loads(path.read_text())
     k = cal["k"]
-    out = ["", "## Calibrated predictors (`fate-edge calibrate`)", "",
-           f"Trained on {cal['corpus']['train_tokens']:,} tokens of the training split, reported on "
-           f"{cal['corpus']['heldout_tokens']:,} held-out tokens; means over layer pairs. Files in `predictors/`.",
-           "", f"| predictor | layers ahead | exact top-{k} | recall@{k} | recall@{k + 2} |",
-           "|---|---:|---:|---:|---:|"]
+    out = [
+        "",
+        "## Calibrated predictors (`fate-edge calibrate`)",
+        "",
+        f"Trained on {cal['corpus']['train_tokens']:,} tokens of the training split, reported on "
+        f"{cal['corpus']['heldout_tokens']:,} held-out tokens; means over layer pairs. Files in `predictors/`.",
+        "",
+        f"| predictor | layers ahead | exact top-{k} | recall@{k} | recall@{k + 2} |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for name, res in cal["predictors"].items():
         for m in res["mean"]:
-            out.append(f"| {name} | {m['distance']} | {_pct(m['exact'])} | {_pct(m['recall'][str(k)])} "
-                       f"| {_pct(m['recall'][str(k + 2)])} |")
+            out.append(
+                f"| {name} | {m['distance']} | {_pct(m['exact'])} | {_pct(m['recall'][str(k)])} "
+                f"| {_pct(m['recall'][str(k + 2)])} |"
+            )
     return out
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = command_parser("model-card", __doc__)
-    ap.add_argument("model", nargs="?", type=existing_path_as_path, default=bundled_model_dir(),
-                    help="model directory (default: the bundled model)")
+    ap.add_argument(
+        "model",
+        nargs="?",
+        type=existing_path_as_path,
+        default=bundled_model_dir(),
+        help="model directory (default: the bundled model)",
+    )
     ap.add_argument("--tokens", type=positive_int, default=16384, help="held-out tokens to score (bounded for speed)")
     ap.add_argument("--seq-len", type=positive_int, default=256)
     ap.add_argument("--batch", type=positive_int, default=4, help="windows per forward pass")
@@ -348,4 +392,3 @@ def main(argv: list[str] | None = None) -> int:
         (args.readme or args.model / "README.md").write_text(readme)
     print(results_markdown(card))
     return 0
-

@@ -43,8 +43,9 @@ def write_outputs(result: dict, cfg: BenchConfig) -> dict[str, Path]:
     md = markdown(result)
     if written:
         rel = [os.path.relpath(p, Path(cfg.readme).resolve().parent) if cfg.readme else str(p) for p in written]
-        md += "\n\n" + "\n".join(f"![{'tokens/s vs budget' if i == 0 else 'per-layer hit rate'}]({r})"
-                                 for i, r in enumerate(rel))
+        md += "\n\n" + "\n".join(
+            f"![{'tokens/s vs budget' if i == 0 else 'per-layer hit rate'}]({r})" for i, r in enumerate(rel)
+        )
     result["outputs"] = {"json": str(json_path), "markdown": str(md_path), "plots": [str(p) for p in written]}
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(result, indent=1))

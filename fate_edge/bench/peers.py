@@ -55,17 +55,23 @@ def _run_peer(kind: str, spec: dict, tmp: Path, timeout: float, cgroup: Path | N
     spec_path = tmp / f"peer-{kind}-{spec.get('mode', '')}.json"
     spec_path.write_text(json.dumps(spec))
     try:
-        proc = subprocess.run(child_command("peer", spec_path, llama_cpp=kind == "llama.cpp"), capture_output=True,
-                              text=True, timeout=timeout,
-                              preexec_fn=cgroup_joiner(cgroup))
+        proc = subprocess.run(
+            child_command("peer", spec_path, llama_cpp=kind == "llama.cpp"),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            preexec_fn=cgroup_joiner(cgroup),
+        )
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f}s"}
     out = Path(str(spec_path) + ".result.json")
     if proc.returncode != 0 or not out.exists():
         killed = proc.returncode in (-9, 137)
         tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
-        return {"error": ("killed (out of memory under the cap?)" if killed else f"exit {proc.returncode}")
-                + (f": {tail}" if tail else "")}
+        return {
+            "error": ("killed (out of memory under the cap?)" if killed else f"exit {proc.returncode}")
+            + (f": {tail}" if tail else "")
+        }
     return json.loads(out.read_text())
 
 
@@ -85,8 +91,12 @@ def peer_main(spec_path: str) -> int:
         if spec["drop_caches"]:
             res["page_cache"] = drop_page_cache()[1]
         model = AutoModelForCausalLM.from_pretrained(
-            spec["model_dir"], dtype=torch.bfloat16, device_map="auto",
-            max_memory={"cpu": spec["max_memory"]}, offload_folder=spec["offload_dir"]).eval()
+            spec["model_dir"],
+            dtype=torch.bfloat16,
+            device_map="auto",
+            max_memory={"cpu": spec["max_memory"]},
+            offload_folder=spec["offload_dir"],
+        ).eval()
         res["device_map"] = sorted({str(v) for v in getattr(model, "hf_device_map", {}).values()})
         with torch.inference_mode():
             for n, ids in sorted(prompts.items()):
@@ -110,8 +120,9 @@ def peer_main(spec_path: str) -> int:
     elif spec["kind"] == "llama.cpp":
         from fate_edge.bench.llamacpp import llama_stream, open_llama, time_tokens
 
-        llm = open_llama(spec["gguf"], max(prompts) + spec["decode_tokens"] + 8, spec["threads"],
-                         mmap=spec["mode"] == "mmap")
+        llm = open_llama(
+            spec["gguf"], max(prompts) + spec["decode_tokens"] + 8, spec["threads"], mmap=spec["mode"] == "mmap"
+        )
         for n, ids in sorted(prompts.items()):
             want = spec["decode_tokens"] if n == decode_len else 1
             t = time_tokens(llama_stream(llm, ids), n, want)  # prefill includes sampling the first token
@@ -127,8 +138,12 @@ def run_peers(cfg: BenchConfig, hf_dir: Path | None, info: dict, prompts: dict, 
     peers: list[dict] = []
     budget = int(HEADLINE_BUDGET * info["int4_expert_bytes_total"])
     cap = info["resident_bytes"] + budget  # resident weights + the same expert budget as our 35% column
-    base = {"threads": cfg.threads, "prompts": {str(k): v for k, v in prompts.items()},
-            "decode_tokens": cfg.decode_tokens, "drop_caches": cfg.drop_caches}
+    base = {
+        "threads": cfg.threads,
+        "prompts": {str(k): v for k, v in prompts.items()},
+        "decode_tokens": cfg.decode_tokens,
+        "drop_caches": cfg.drop_caches,
+    }
     # transformers + accelerate, disk offload of the same checkpoint
     missing = [m for m in ("transformers", "accelerate") if importlib.util.find_spec(m) is None]
     if missing:
@@ -143,12 +158,20 @@ def run_peers(cfg: BenchConfig, hf_dir: Path | None, info: dict, prompts: dict, 
         off = tmp / "offload"
         shutil.rmtree(off, ignore_errors=True)
         t0 = time.perf_counter()
-        r = _run_peer("transformers", {**base, "kind": "transformers", "model_dir": str(hf_dir), "max_memory": cap,
-                                       "offload_dir": str(off)}, tmp, cfg.timeout_s)
+        r = _run_peer(
+            "transformers",
+            {**base, "kind": "transformers", "model_dir": str(hf_dir), "max_memory": cap, "offload_dir": str(off)},
+            tmp,
+            cfg.timeout_s,
+        )
         shutil.rmtree(off, ignore_errors=True)
-        r.update(peer="transformers+accelerate", mode="disk offload, bf16",
-                 note=f"device_map=auto, max_memory cpu = {cap / 1e6:.0f} MB (resident + 35% expert budget), "
-                      "offload_folder on this disk (page cache as the OS leaves it)", wall_s=time.perf_counter() - t0)
+        r.update(
+            peer="transformers+accelerate",
+            mode="disk offload, bf16",
+            note=f"device_map=auto, max_memory cpu = {cap / 1e6:.0f} MB (resident + 35% expert budget), "
+            "offload_folder on this disk (page cache as the OS leaves it)",
+            wall_s=time.perf_counter() - t0,
+        )
         print(f"bench: peer transformers+accelerate: {_peer_line(r)}", flush=True)
         peers.append(r)
     # llama.cpp through llama-cpp-python on a GGUF of the same checkpoint (q4_0, converted once and cached)
@@ -161,14 +184,19 @@ def run_peers(cfg: BenchConfig, hf_dir: Path | None, info: dict, prompts: dict, 
             cg, note = _memory_cgroup(cap)
             try:
                 t0 = time.perf_counter()
-                r = _run_peer("llama.cpp", {**base, "kind": "llama.cpp", "gguf": gguf, "mode": mode}, tmp,
-                              cfg.timeout_s, cg)
+                r = _run_peer(
+                    "llama.cpp", {**base, "kind": "llama.cpp", "gguf": gguf, "mode": mode}, tmp, cfg.timeout_s, cg
+                )
             finally:
                 if cg is not None:
                     with contextlib.suppress(OSError):
                         cg.rmdir()
-            r.update(peer="llama.cpp", mode="fully in RAM" if mode == "ram" else "memory-mapped", note=note,
-                     wall_s=time.perf_counter() - t0)
+            r.update(
+                peer="llama.cpp",
+                mode="fully in RAM" if mode == "ram" else "memory-mapped",
+                note=note,
+                wall_s=time.perf_counter() - t0,
+            )
             print(f"bench: peer llama.cpp ({mode}): {_peer_line(r)}", flush=True)
             peers.append(r)
     return peers
@@ -196,5 +224,7 @@ def _peer_line(r: dict) -> str:
     if "error" in r:
         return r["error"]
     pf = ", ".join(f"{n}: {v:.1f}" for n, v in r.get("prefill_tps", {}).items())
-    return (f"prefill tok/s {pf}; decode {r.get('decode_tps') or 0:.2f} tok/s; "
-            f"peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB")
+    return (
+        f"prefill tok/s {pf}; decode {r.get('decode_tps') or 0:.2f} tok/s; "
+        f"peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB"
+    )

@@ -33,8 +33,9 @@ def replace_between_markers(path: str | Path, name: str, text: str) -> None:
     path.write_text(doc[:start] + "\n" + text + "\n" + doc[stop:])
 
 
-def publish(result: dict[str, Any], json_path: str | Path, text: str, results: str | Path | bool | None,
-            name: str) -> None:
+def publish(
+    result: dict[str, Any], json_path: str | Path, text: str, results: str | Path | bool | None, name: str
+) -> None:
     """A measuring script's outputs: ``result`` as JSON at ``json_path``, ``text`` (its table) printed, and
     written between the markers named ``name`` of ``results`` when given (``True``: ``results_file(name)``)."""
     json_path = Path(json_path)
@@ -43,4 +44,3 @@ def publish(result: dict[str, Any], json_path: str | Path, text: str, results: s
     print(text)
     if results:
         replace_between_markers(results_file(name) if results is True else results, name, text)
-

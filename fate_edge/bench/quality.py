@@ -126,8 +126,9 @@ def quantize_layer(experts: dict[int, ExpertWeights], spec: QuantSpec, method: s
     per_matrix = []
     for m in ("gate", "up", "down"):
         q = quantize_with(method, torch.stack([getattr(experts[e], m) for e in ids]), spec)  # [E, N, K]
-        per_matrix.append([Quantized(q.codes[i], q.scale[i], None if q.zero is None else q.zero[i])
-                           for i in range(len(ids))])
+        per_matrix.append(
+            [Quantized(q.codes[i], q.scale[i], None if q.zero is None else q.zero[i]) for i in range(len(ids))]
+        )
     out: dict[int, object] = {}
     for i, e in enumerate(ids):
         qs = [per_matrix[j][i] for j in range(3)]
@@ -229,8 +230,17 @@ def evaluate(
     eval_counts = counter.counts
     tail = choose_tail(calib_counts, cold_share)
     again = run(load(experts), seqs, batch, ref["argmax"])  # a fresh load must reproduce the reference exactly
-    rows = [{"experts": "bf16", "method": "-", "bits_per_weight": 16.0, "ppl": again["ppl"], "nll": again["nll"],
-             "agreement": again["agreement"], "seconds": (time.perf_counter() - t0) / 3}]
+    rows = [
+        {
+            "experts": "bf16",
+            "method": "-",
+            "bits_per_weight": 16.0,
+            "ppl": again["ppl"],
+            "nll": again["nll"],
+            "agreement": again["agreement"],
+            "seconds": (time.perf_counter() - t0) / 3,
+        }
+    ]
     log(json.dumps(rows[-1]))
 
     hot_spec, cold_spec = spec_for(4, dims), spec_for(2, dims)
@@ -254,24 +264,42 @@ def evaluate(
             counter = RoutingCounter(cfg.num_experts)
             model.observers.append(counter)
             res = run(model, seqs, batch, ref["argmax"])
-            row = {"experts": label, "method": method, "ppl": res["ppl"], "nll": res["nll"],
-                   "agreement": res["agreement"], "seconds": time.perf_counter() - t0}
+            row = {
+                "experts": label,
+                "method": method,
+                "ppl": res["ppl"],
+                "nll": res["nll"],
+                "agreement": res["agreement"],
+                "seconds": time.perf_counter() - t0,
+            }
             if label == TAIL_LABEL:
                 hot_bpw, cold_bpw = 8 * bytes_per_weight(hot_spec), 8 * bytes_per_weight(cold_spec)
                 share = tail_share(counter.counts, tail)
-                row.update(tail_share=share, bits_per_weight=hot_bpw + (cold_bpw - hot_bpw) * share,
-                           memory_bits_per_weight=hot_bpw + (cold_bpw - hot_bpw) * n_tail / n_experts)
+                row.update(
+                    tail_share=share,
+                    bits_per_weight=hot_bpw + (cold_bpw - hot_bpw) * share,
+                    memory_bits_per_weight=hot_bpw + (cold_bpw - hot_bpw) * n_tail / n_experts,
+                )
             else:
                 row["bits_per_weight"] = 8 * bytes_per_weight(next(iter(specs.values())))
             rows.append(row)
             log(json.dumps(row))
     return {
-        "model": str(model_dir), "eval_tokens": seqs.numel(), "seq_len": seq_len, "calib_tokens": calib.numel(),
-        "compute": compute, "cold_share_target": cold_share,
-        "tail": {"experts": {str(k): v for k, v in tail.items()}, "experts_in_tail": n_tail,
-                 "experts_total": n_experts, "calib_share": tail_share(calib_counts, tail),
-                 "eval_share_bf16_routing": tail_share(eval_counts, tail),
-                 "hot": str(hot_spec), "cold": str(cold_spec)},
+        "model": str(model_dir),
+        "eval_tokens": seqs.numel(),
+        "seq_len": seq_len,
+        "calib_tokens": calib.numel(),
+        "compute": compute,
+        "cold_share_target": cold_share,
+        "tail": {
+            "experts": {str(k): v for k, v in tail.items()},
+            "experts_in_tail": n_tail,
+            "experts_total": n_experts,
+            "calib_share": tail_share(calib_counts, tail),
+            "eval_share_bf16_routing": tail_share(eval_counts, tail),
+            "hot": str(hot_spec),
+            "cold": str(cold_spec),
+        },
         "rows": rows,
     }
 
@@ -290,29 +318,41 @@ def render(result: dict) -> str:
         f"experts compute via `{result['compute']}`; everything else fp32. Agreement = share of positions whose "
         "greedy next token matches the bf16 experts' (`fate-edge eval-quality`).",
         "",
-        "| experts | bits/weight | " + " | ".join(f"ppl {m.upper()}" for m in methods) + " | "
-        + " | ".join(f"agreement {m.upper()}" for m in methods) + " |",
+        "| experts | bits/weight | "
+        + " | ".join(f"ppl {m.upper()}" for m in methods)
+        + " | "
+        + " | ".join(f"agreement {m.upper()}" for m in methods)
+        + " |",
         "|---|---:|" + "---:|" * (2 * len(methods)),
     ]
     for label in labels:
         ref = by.get((label, "-"))
         cells = [by.get((label, m), ref) for m in methods]
         bpw = next(c for c in cells if c is not None)["bits_per_weight"]
-        lines.append(f"| {label} | {bpw:.2f} | " + " | ".join(f"{c['ppl']:.2f}" for c in cells) + " | "
-                     + " | ".join(f"{c['agreement']:.1%}" for c in cells) + " |")
-    shares = ", ".join(f"{m.upper()} {by[(TAIL_LABEL, m)]['tail_share']:.1%}" for m in methods
-                       if (TAIL_LABEL, m) in by)
-    lines += ["", f"Tail: {tail['experts_in_tail']} of {tail['experts_total']} experts ({tail['cold']}, the rest "
-              f"{tail['hot']}) chosen on {result['calib_tokens']} training-split tokens to take "
-              f"{result['cold_share_target']:.0%} of uses (there: {tail['calib_share']:.1%}); share of uses served "
-              f"in int2 on the held-out text: {shares}. Bits/weight of the tail row are per use (bytes moved); "
-              "held in memory: "
-              + ", ".join(f"{by[(TAIL_LABEL, m)]['memory_bits_per_weight']:.2f}" for m in methods[:1]) + "."]
+        lines.append(
+            f"| {label} | {bpw:.2f} | "
+            + " | ".join(f"{c['ppl']:.2f}" for c in cells)
+            + " | "
+            + " | ".join(f"{c['agreement']:.1%}" for c in cells)
+            + " |"
+        )
+    shares = ", ".join(f"{m.upper()} {by[(TAIL_LABEL, m)]['tail_share']:.1%}" for m in methods if (TAIL_LABEL, m) in by)
+    lines += [
+        "",
+        f"Tail: {tail['experts_in_tail']} of {tail['experts_total']} experts ({tail['cold']}, the rest "
+        f"{tail['hot']}) chosen on {result['calib_tokens']} training-split tokens to take "
+        f"{result['cold_share_target']:.0%} of uses (there: {tail['calib_share']:.1%}); share of uses served "
+        f"in int2 on the held-out text: {shares}. Bits/weight of the tail row are per use (bytes moved); "
+        "held in memory: "
+        + ", ".join(f"{by[(TAIL_LABEL, m)]['memory_bits_per_weight']:.2f}" for m in methods[:1])
+        + ".",
+    ]
     return "\n".join(lines)
 
 
-def text_split(tok: Tokenizer, path: Path, tokens: int, calib_tokens: int, seq_len: int
-               ) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def text_split(
+    tok: Tokenizer, path: Path, tokens: int, calib_tokens: int, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """(held-out ids, calibration ids, where they came from) of the text in ``path`` (a file, or a directory's
     .txt/.py/.md files): the calibration part comes first (at most half of it), the held-out part after it."""
     texts = read_texts(path, 64 * (tokens + calib_tokens))
@@ -320,34 +360,59 @@ def text_split(tok: Tokenizer, path: Path, tokens: int, calib_tokens: int, seq_l
     n_calib = min(calib_tokens, len(ids) // 2)
     calib, held = ids[:n_calib], ids[n_calib : n_calib + tokens]
     if min(len(calib), len(held)) < seq_len:
-        raise SystemExit(f"{path}: {len(ids)} tokens, fewer than two windows of --seq-len {seq_len} (one to choose "
-                         "the int2 tail, one to score); pass more text or a smaller --seq-len")
-    return held, calib, {"source": str(path), "tokens": len(ids),
-                         "split": f"first {n_calib} tokens choose the int2 tail, the next {len(held)} are scored"}
+        raise SystemExit(
+            f"{path}: {len(ids)} tokens, fewer than two windows of --seq-len {seq_len} (one to choose "
+            "the int2 tail, one to score); pass more text or a smaller --seq-len"
+        )
+    return (
+        held,
+        calib,
+        {
+            "source": str(path),
+            "tokens": len(ids),
+            "split": f"first {n_calib} tokens choose the int2 tail, the next {len(held)} are scored",
+        },
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = command_parser("eval-quality", __doc__)
-    ap.add_argument("--model", type=existing_path_as_path, default=bundled_model_dir(),
-                    help="Hugging Face model directory (default: the bundled model)")
-    ap.add_argument("--text", type=existing_path_as_path, default=None,
-                    help="score the model on this text (file, or directory of .txt/.py/.md) instead of the bundled "
-                         "model's held-out stdlib files: its first part (--calib-tokens, at most half) chooses the "
-                         "int2 tail, the rest (up to --tokens) is scored")
+    ap.add_argument(
+        "--model",
+        type=existing_path_as_path,
+        default=bundled_model_dir(),
+        help="Hugging Face model directory (default: the bundled model)",
+    )
+    ap.add_argument(
+        "--text",
+        type=existing_path_as_path,
+        default=None,
+        help="score the model on this text (file, or directory of .txt/.py/.md) instead of the bundled "
+        "model's held-out stdlib files: its first part (--calib-tokens, at most half) chooses the "
+        "int2 tail, the rest (up to --tokens) is scored",
+    )
     ap.add_argument("--tokens", type=positive_int, default=16384, help="held-out token budget")
     ap.add_argument("--seq-len", type=positive_int, default=256)
     ap.add_argument("--batch", type=positive_int, default=8, help="windows per forward pass")
-    ap.add_argument("--calib-tokens", type=positive_int, default=4096,
-                    help="training-split tokens to pick the int2 tail")
+    ap.add_argument(
+        "--calib-tokens", type=positive_int, default=4096, help="training-split tokens to pick the int2 tail"
+    )
     ap.add_argument("--cold-share", type=share, default=0.30, help="share of expert uses served in int2")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--compute", choices=("kernel", "dequant"), default="kernel")
-    ap.add_argument("--threads", type=positive_int, default=1,
-                    help="torch threads (1: steady timings on a shared host)")
+    ap.add_argument(
+        "--threads", type=positive_int, default=1, help="torch threads (1: steady timings on a shared host)"
+    )
     ap.add_argument("--json", type=Path, default=Path("bench-out/quality.json"))
-    ap.add_argument("--results", nargs="?", const=True, default=None, type=non_empty, metavar="FILE",
-                    help="rewrite the table between the eval_quality markers of FILE (without FILE: "
-                         "docs/results/eval_quality.md)")
+    ap.add_argument(
+        "--results",
+        nargs="?",
+        const=True,
+        default=None,
+        type=non_empty,
+        metavar="FILE",
+        help="rewrite the table between the eval_quality markers of FILE (without FILE: docs/results/eval_quality.md)",
+    )
     return ap
 
 
@@ -371,11 +436,18 @@ def measure(args: argparse.Namespace) -> dict:
         calib_ids = encode_texts(tok, rng.sample(train, min(len(train), 200)), args.calib_tokens)
     if len(eval_ids) < args.tokens:
         print(f"note: the held-out text has only {len(eval_ids)} tokens (asked for {args.tokens})")
-    result = evaluate(args.model, eval_ids, calib_ids, args.seq_len, args.batch, tuple(args.methods),
-                      cold_share=args.cold_share, compute=args.compute)
+    result = evaluate(
+        args.model,
+        eval_ids,
+        calib_ids,
+        args.seq_len,
+        args.batch,
+        tuple(args.methods),
+        cold_share=args.cold_share,
+        compute=args.compute,
+    )
     result["text"] = text
     result["threads"] = args.threads
     result["torch"] = torch.__version__
     publish(result, args.json, render(result), args.results, "eval_quality")
     return result
-

@@ -13,8 +13,13 @@ def _median(values):
 
 def summarize_runs(runs: list[dict], decode_len: int) -> dict[str, Any]:
     """Medians over runs of the headline numbers."""
-    med: dict[str, Any] = {"prefill_tps": {}, "prefill_hit_rate": {}, "prefill_stall_s": {}, "prefill_mb": {},
-                           "prefill_low_precision": {}}
+    med: dict[str, Any] = {
+        "prefill_tps": {},
+        "prefill_hit_rate": {},
+        "prefill_stall_s": {},
+        "prefill_mb": {},
+        "prefill_low_precision": {},
+    }
     for n in sorted({int(k) for r in runs for k in r["requests"]}):
         reqs = [r["requests"][str(n)] for r in runs]
         med["prefill_tps"][str(n)] = _median(q["prefill_tps"] for q in reqs)
@@ -22,7 +27,8 @@ def summarize_runs(runs: list[dict], decode_len: int) -> dict[str, Any]:
         med["prefill_stall_s"][str(n)] = _median(q["prefill"]["stall_s"] for q in reqs)
         med["prefill_mb"][str(n)] = _median(
             (q["prefill"]["demand_bytes"] + q["prefill"]["prefetch_bytes"] + q["prefill"]["wasted_bytes"]) / 1e6
-            for q in reqs)
+            for q in reqs
+        )
         med["prefill_low_precision"][str(n)] = _median(q["prefill"]["low_precision"] for q in reqs)
     dec = [r["requests"][str(decode_len)] for r in runs]
 
@@ -33,11 +39,14 @@ def summarize_runs(runs: list[dict], decode_len: int) -> dict[str, Any]:
     med["stall_ms_per_token"] = _median(1e3 * per_tok(q, "stall_s") if q["decode_tokens"] else None for q in dec)
     med["mb_read_per_token"] = _median(
         (q["decode"]["demand_bytes"] + q["decode"]["prefetch_bytes"] + q["decode"]["wasted_bytes"])
-        / q["decode_tokens"] / 1e6 if q["decode_tokens"] else None for q in dec)
-    med["demand_mb_per_token"] = _median(per_tok(q, "demand_bytes") / 1e6 if q["decode_tokens"] else None
-                                         for q in dec)
-    med["wasted_mb_per_token"] = _median(per_tok(q, "wasted_bytes") / 1e6 if q["decode_tokens"] else None
-                                         for q in dec)
+        / q["decode_tokens"]
+        / 1e6
+        if q["decode_tokens"]
+        else None
+        for q in dec
+    )
+    med["demand_mb_per_token"] = _median(per_tok(q, "demand_bytes") / 1e6 if q["decode_tokens"] else None for q in dec)
+    med["wasted_mb_per_token"] = _median(per_tok(q, "wasted_bytes") / 1e6 if q["decode_tokens"] else None for q in dec)
     med["misses_per_token"] = _median(per_tok(q, "misses") for q in dec)
     med["hit_rate"] = _median(q["decode"]["hit_rate"] for q in dec)
     med["exact_match"] = _median(q["decode"]["exact_match"] if q["decode"]["predictions"] else None for q in dec)
@@ -74,8 +83,9 @@ def merge_runs(parts: list[dict], decode_len: int) -> dict[str, Any]:
                 out[key] = statistics.median(vals)
         weighed = [p["planner_preset_predictions"] for p in parts if p.get("planner_preset_predictions")]
         if weighed:  # the presets it weighed on the same trace: median prediction per preset
-            out["planner_preset_predictions"] = {name: statistics.median(d[name] for d in weighed if name in d)
-                                                 for name in weighed[0]}
+            out["planner_preset_predictions"] = {
+                name: statistics.median(d[name] for d in weighed if name in d) for name in weighed[0]
+            }
     return out
 
 
@@ -85,10 +95,15 @@ def _ratio(a, b):
 
 def compute_ratios(results: list[dict]) -> None:
     """Ratios against load-on-demand (same link) and fate / oracle (same link and budget), from this run."""
+
     def find(link, preset, budget=None):
         for r in results:
-            if r.get("error") is None and r["link"] == link and r["preset"] == preset and (
-                    budget is None or r["budget_fraction"] == budget):
+            if (
+                r.get("error") is None
+                and r["link"] == link
+                and r["preset"] == preset
+                and (budget is None or r["budget_fraction"] == budget)
+            ):
                 return r
         return None
 
@@ -126,8 +141,9 @@ def add_device_equivalent(results: list[dict], dilation: dict[str, float]) -> No
             "decode_tps": None if m["decode_tps"] is None else m["decode_tps"] * k,
             "prefill_tps": {n: None if v is None else v * k for n, v in m["prefill_tps"].items()},
             "stall_ms_per_token": None if m["stall_ms_per_token"] is None else m["stall_ms_per_token"] / k,
-            "planner_predicted_decode_tps": (r["planner_predicted_decode_tps"] * k
-                                             if r.get("planner_predicted_decode_tps") else None),
+            "planner_predicted_decode_tps": (
+                r["planner_predicted_decode_tps"] * k if r.get("planner_predicted_decode_tps") else None
+            ),
         }
 
 
@@ -141,7 +157,11 @@ def flag_reference_tokens(results: list[dict], reference: list[int] | None) -> N
 def find_result(results, link, preset, budget):
     """The successful result of ``preset`` on ``link`` at ``budget`` (a no-cache preset at any budget), or None."""
     for r in results:
-        if r.get("error") is None and r["link"] == link and r["preset"] == preset and (
-                r["budget_fraction"] is None or r["budget_fraction"] == budget):
+        if (
+            r.get("error") is None
+            and r["link"] == link
+            and r["preset"] == preset
+            and (r["budget_fraction"] is None or r["budget_fraction"] == budget)
+        ):
             return r
     return None

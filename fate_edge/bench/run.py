@@ -35,8 +35,9 @@ from fate_edge.bench.worker import child_command, trace_main, worker_main
 _CHILD_IDS = itertools.count()
 
 
-def _run_child(mode: str, spec: dict, tmp: Path, timeout: float, isolate: bool = True
-               ) -> tuple[dict | None, str | None]:
+def _run_child(
+    mode: str, spec: dict, tmp: Path, timeout: float, isolate: bool = True
+) -> tuple[dict | None, str | None]:
     """Run ``python -m fate_edge.bench --<mode> SPEC`` in a fresh process; (result, error).
 
     ``isolate=False`` runs the same function in this process (tests: no per-configuration peak RSS)."""
@@ -106,12 +107,24 @@ def _configs(cfg: BenchConfig, info: dict, presets: list[str]) -> list[dict]:
     for link in cfg.links:
         for p in presets:
             if not PRESETS[p].cache:  # load-on-demand: no cache; the budget only has to cover its read buffers
-                out.append({"link": link, "preset": p, "budget_fraction": None,
-                            "budget_bytes": int(info["int4_expert_bytes_total"])})
+                out.append(
+                    {
+                        "link": link,
+                        "preset": p,
+                        "budget_fraction": None,
+                        "budget_bytes": int(info["int4_expert_bytes_total"]),
+                    }
+                )
                 continue
             for b in cfg.budgets:
-                out.append({"link": link, "preset": p, "budget_fraction": b,
-                            "budget_bytes": int(b * info["int4_expert_bytes_total"])})
+                out.append(
+                    {
+                        "link": link,
+                        "preset": p,
+                        "budget_fraction": b,
+                        "budget_bytes": int(b * info["int4_expert_bytes_total"]),
+                    }
+                )
     return out
 
 
@@ -120,8 +133,17 @@ def compare_with_preset(r: dict, results: list[dict]) -> None:
     measured, and the planner's prediction for the preset against the preset's measurement."""
     if r.get("preset") != "planned" or not r.get("median", {}).get("decode_tps"):
         return
-    preset = next((q for q in results if q["preset"] == "fate-edge" and q["link"] == r["link"]
-                   and q["budget_fraction"] == r["budget_fraction"] and q.get("median", {}).get("decode_tps")), None)
+    preset = next(
+        (
+            q
+            for q in results
+            if q["preset"] == "fate-edge"
+            and q["link"] == r["link"]
+            and q["budget_fraction"] == r["budget_fraction"]
+            and q.get("median", {}).get("decode_tps")
+        ),
+        None,
+    )
     if preset is None:
         return
     measured = preset["median"]["decode_tps"]
@@ -148,16 +170,30 @@ def planner_configs(cfg: BenchConfig, store: Path, info: dict, budgets: list[flo
     except ImportError:
         return [], "fate_edge.planning.planner not present: no predicted tok/s"
     total = info["int4_expert_bytes_total"]
-    return [{"link": link, "preset": "planned", "budget_fraction": b, "budget_bytes": int(b * total),
-             "run_planner": True} for link in cfg.links for b in budgets], None
+    return [
+        {"link": link, "preset": "planned", "budget_fraction": b, "budget_bytes": int(b * total), "run_planner": True}
+        for link in cfg.links
+        for b in budgets
+    ], None
 
 
 class Phases:
     """Configurations run in phases and rounds, each run in a fresh process (``planned`` ones: see the planner
     hook). With a time limit (--quick), configurations that would start after it are listed as dropped."""
 
-    def __init__(self, cfg: BenchConfig, store: Path, info: dict, presets: list[str], common: dict,
-                 trace_file: Path, tmp: Path, t_start: float, decode_len: int, links: dict[str, LinkChoice]):
+    def __init__(
+        self,
+        cfg: BenchConfig,
+        store: Path,
+        info: dict,
+        presets: list[str],
+        common: dict,
+        trace_file: Path,
+        tmp: Path,
+        t_start: float,
+        decode_len: int,
+        links: dict[str, LinkChoice],
+    ):
         self.cfg, self.store, self.info, self.presets, self.common = cfg, store, info, presets, common
         self.links = links
         self.trace_file, self.tmp, self.t_start, self.decode_len = trace_file, tmp, t_start, decode_len
@@ -174,8 +210,11 @@ class Phases:
 
     def run(self, budgets: list[float], with_lod: bool) -> None:
         cfg, deadline, results = self.cfg, self.deadline, self.results
-        configs = [c for c in _configs(cfg, self.info, self.presets)
-                   if (c["budget_fraction"] is None and with_lod) or c["budget_fraction"] in budgets]
+        configs = [
+            c
+            for c in _configs(cfg, self.info, self.presets)
+            if (c["budget_fraction"] is None and with_lod) or c["budget_fraction"] in budgets
+        ]
         if deadline is None or time.perf_counter() < deadline:
             planned, note = planner_configs(cfg, self.store, self.info, budgets)
             configs += planned
@@ -188,7 +227,8 @@ class Phases:
         for rnd in range(cfg.runs):
             for i, c in enumerate(configs):
                 label = f"{c['link']} {c['preset']} " + (
-                    f"{100 * c['budget_fraction']:.0f}%" if c["budget_fraction"] is not None else "(no cache)")
+                    f"{100 * c['budget_fraction']:.0f}%" if c["budget_fraction"] is not None else "(no cache)"
+                )
                 if self.past_deadline():
                     if rnd == 0:
                         self.dropped.append(label)
@@ -218,10 +258,16 @@ class Phases:
             self.warmed = c["link"]
         elif choice.reads_direct:
             self.warmed = None
-        spec = {**self.common, **c, "runs": 1, "drop_caches": cfg.drop_caches, "direct_io": choice.reads_direct,
-                "link_spec": dataclasses.asdict(spec_link) if spec_link is not None else None,
-                # the oracle replays the routing; the planner also predicts the pick over it (the request measured)
-                "trace_file": str(self.trace_file) if c["preset"] in ("oracle", "planned") else None}
+        spec = {
+            **self.common,
+            **c,
+            "runs": 1,
+            "drop_caches": cfg.drop_caches,
+            "direct_io": choice.reads_direct,
+            "link_spec": dataclasses.asdict(spec_link) if spec_link is not None else None,
+            # the oracle replays the routing; the planner also predicts the pick over it (the request measured)
+            "trace_file": str(self.trace_file) if c["preset"] in ("oracle", "planned") else None,
+        }
         t0 = time.perf_counter()
         res, err = _run_child("worker", spec, self.tmp, cfg.timeout_s, cfg.isolate)
         self.n += 1
@@ -234,22 +280,34 @@ class Phases:
             return None
         m = res["median"]
         pf = " ".join(f"{n}:{v:.1f}" for n, v in m["prefill_tps"].items())
-        print(f"bench: {label}: decode {m['decode_tps'] or 0:.2f} tok/s, prefill {pf} tok/s, hit "
-              f"{100 * (m['hit_rate'] or 0):.0f}%, stall {m['stall_ms_per_token'] or 0:.1f} ms/tok, "
-              f"{m['mb_read_per_token'] or 0:.2f} MB/tok, RSS {res['peak_rss_bytes'] / 2**20:.0f} MiB "
-              f"({time.perf_counter() - t0:.0f}s; {time.perf_counter() - self.t_start:.0f}s total)"
-              + (f"; planner predicted {res['planner_predicted_decode_tps']:.2f} decode tok/s"
-                 if res.get("planner_predicted_decode_tps") else ""), flush=True)
+        print(
+            f"bench: {label}: decode {m['decode_tps'] or 0:.2f} tok/s, prefill {pf} tok/s, hit "
+            f"{100 * (m['hit_rate'] or 0):.0f}%, stall {m['stall_ms_per_token'] or 0:.1f} ms/tok, "
+            f"{m['mb_read_per_token'] or 0:.2f} MB/tok, RSS {res['peak_rss_bytes'] / 2**20:.0f} MiB "
+            f"({time.perf_counter() - t0:.0f}s; {time.perf_counter() - self.t_start:.0f}s total)"
+            + (
+                f"; planner predicted {res['planner_predicted_decode_tps']:.2f} decode tok/s"
+                if res.get("planner_predicted_decode_tps")
+                else ""
+            ),
+            flush=True,
+        )
         return res
 
 
-def record_traces(cfg: BenchConfig, common: dict, info: dict, trace_file: Path, tmp: Path, decode_len: int
-                  ) -> tuple[list[int] | None, str | None]:
+def record_traces(
+    cfg: BenchConfig, common: dict, info: dict, trace_file: Path, tmp: Path, decode_len: int
+) -> tuple[list[int] | None, str | None]:
     """Phase 1: each request's routing trace (for the oracle) and the int4 reference tokens, in a process of
     its own; (reference tokens of the decode request, error)."""
     t0 = time.perf_counter()
-    _, err = _run_child("trace", {**common, "trace_file": str(trace_file),
-                                  "int4_total": info["int4_expert_bytes_total"]}, tmp, cfg.timeout_s, cfg.isolate)
+    _, err = _run_child(
+        "trace",
+        {**common, "trace_file": str(trace_file), "int4_total": info["int4_expert_bytes_total"]},
+        tmp,
+        cfg.timeout_s,
+        cfg.isolate,
+    )
     if err is not None:
         return None, err
     with open(trace_file, "rb") as f:
@@ -270,9 +328,15 @@ def check_links(cfg: BenchConfig, store: Path, links: dict[str, LinkChoice]) -> 
             check = link_check(store, choice)
         except Exception as exc:  # noqa: BLE001
             check = {"error": f"{type(exc).__name__}: {exc}"}
-        links_out[key] = {"title": choice.title, "profile": choice.profile, "kind": choice.kind,
-                          "source": choice.source, "name": spec.name if spec else "raw disk", "check": check,
-                          "dilation": choice.dilation}
+        links_out[key] = {
+            "title": choice.title,
+            "profile": choice.profile,
+            "kind": choice.kind,
+            "source": choice.source,
+            "name": spec.name if spec else "raw disk",
+            "check": check,
+            "dilation": choice.dilation,
+        }
         print(f"bench: link {key}: {json.dumps(check)}", flush=True)
     return links_out
 
@@ -286,22 +350,37 @@ def calibrate_emulation(cfg: BenchConfig, store: Path, prompt: list[int]):
     before = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     try:
-        em = calibrate(cfg.emulate, store, prompt[:32], workers=cfg.fetch_workers,
-                       host_s_per_token=cfg.emulate_host_ms / 1e3 if cfg.emulate_host_ms else None,
-                       side=store_side(store, resident_bits=cfg.resident_bits))
+        em = calibrate(
+            cfg.emulate,
+            store,
+            prompt[:32],
+            workers=cfg.fetch_workers,
+            host_s_per_token=cfg.emulate_host_ms / 1e3 if cfg.emulate_host_ms else None,
+            side=store_side(store, resident_bits=cfg.resident_bits),
+        )
     finally:
         torch.set_num_threads(before)
-    print(f"bench: emulating {em.profile}: host {em.host_s_per_token * 1e3:.1f} ms / device "
-          f"{em.device_s_per_token * 1e3:.2f} ms per token (roofline) = k {em.k:.3g}; link "
-          f"{em.emulated.name} at {em.emulated.bandwidth_bytes_per_s / 1e9:.4g} GB/s; {em.io_note}", flush=True)
+    print(
+        f"bench: emulating {em.profile}: host {em.host_s_per_token * 1e3:.1f} ms / device "
+        f"{em.device_s_per_token * 1e3:.2f} ms per token (roofline) = k {em.k:.3g}; link "
+        f"{em.emulated.name} at {em.emulated.bandwidth_bytes_per_s / 1e9:.4g} GB/s; {em.io_note}",
+        flush=True,
+    )
     return em
 
 
 def code_commit() -> str | None:
     """The git commit of the code running, where it runs from a checkout (an installed wheel has none)."""
     with contextlib.suppress(Exception):
-        return subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, timeout=10).stdout.strip() or None
+        return (
+            subprocess.run(
+                ["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+            or None
+        )
     return None
 
 
@@ -316,9 +395,12 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     decode_len = min(prompts)
     if hf_dir is not None:
         print(f"bench: checkpoint {hf_dir}", flush=True)
-    print(f"bench: model {model_desc}; int4 experts total {info['int4_expert_bytes_total'] / 1e6:.1f} MB; "
-          f"prompts {sorted(prompts)} tokens from held-out stdlib source ({', '.join(files[:3])}"
-          f"{', ...' if len(files) > 3 else ''}); {cfg.threads} torch threads", flush=True)
+    print(
+        f"bench: model {model_desc}; int4 experts total {info['int4_expert_bytes_total'] / 1e6:.1f} MB; "
+        f"prompts {sorted(prompts)} tokens from held-out stdlib source ({', '.join(files[:3])}"
+        f"{', ...' if len(files) > 3 else ''}); {cfg.threads} torch threads",
+        flush=True,
+    )
     if cfg.quick:
         print(f"bench: {QUICK_NOTE}", flush=True)
 
@@ -330,10 +412,16 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="fate-bench-", dir=out_dir))
-    common = {"store": str(store), "threads": cfg.threads, "fetch_workers": cfg.fetch_workers, "device": cfg.device,
-              "prompts": {str(k): v for k, v in prompts.items()}, "decode_tokens": cfg.decode_tokens,
-              "emulate": cfg.emulate,  # fate-edge runs as on the emulated device (device_presets.py)
-              "resident_bits": cfg.resident_bits}
+    common = {
+        "store": str(store),
+        "threads": cfg.threads,
+        "fetch_workers": cfg.fetch_workers,
+        "device": cfg.device,
+        "prompts": {str(k): v for k, v in prompts.items()},
+        "decode_tokens": cfg.decode_tokens,
+        "emulate": cfg.emulate,  # fate-edge runs as on the emulated device (device_presets.py)
+        "resident_bits": cfg.resident_bits,
+    }
 
     links, emulation = dict(LINKS), None
     if cfg.emulate:  # device-faithful emulation: the device's link, dilated by the host/device compute ratio
@@ -388,15 +476,24 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "commit": code_commit(),
         "command": cfg.command,
-        "machine": {"cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-                    "torch": torch.__version__, "python": platform.python_version()},
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
         "threads": {"torch": cfg.threads, "fetch_workers": cfg.fetch_workers},
         "quick": cfg.quick,
         "quick_note": QUICK_NOTE if cfg.quick else None,
         "config": dataclasses.asdict(cfg),
         "model": {"description": model_desc, "checkpoint": str(hf_dir) if hf_dir else None, **info},
-        "prompts": {"lengths": sorted(prompts), "decode_tokens": cfg.decode_tokens, "source_files": files,
-                    "decode_prompt": decode_len, "greedy": True},
+        "prompts": {
+            "lengths": sorted(prompts),
+            "decode_tokens": cfg.decode_tokens,
+            "source_files": files,
+            "decode_prompt": decode_len,
+            "greedy": True,
+        },
         "links": links_out,
         "emulation": emulation.to_dict() if emulation else None,
         "skipped_presets": skipped,

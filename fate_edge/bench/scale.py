@@ -72,8 +72,9 @@ def _cgroup_stats(cg: Path) -> dict[str, Any]:
     return out
 
 
-def run_confined(kind: str, spec: dict, limit: int, workdir: Path, timeout_s: float,
-                 command: list[str] | None = None) -> dict[str, Any]:
+def run_confined(
+    kind: str, spec: dict, limit: int, workdir: Path, timeout_s: float, command: list[str] | None = None
+) -> dict[str, Any]:
     """Run child ``kind`` on ``spec`` in a fresh memory cgroup capped at ``limit`` bytes; its result plus the
     cgroup's peak charge, OOM kills and the load average before and after. ``command``: run that instead
     (a child printing its result as its last JSON line, as ``sidebyside.child_main`` does)."""
@@ -86,10 +87,14 @@ def run_confined(kind: str, spec: dict, limit: int, workdir: Path, timeout_s: fl
     info: dict[str, Any] = {"limit_bytes": limit, "cgroup": note, "load_before": load()}
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(command or [sys.executable, "-m", "fate_edge.bench.scale", "--child", kind,
-                                          str(spec_path)],
-                              timeout=timeout_s, stdout=subprocess.PIPE, stderr=None, text=True,
-                              preexec_fn=(lambda: procs.write_text(str(os.getpid()))) if procs else None)
+        proc = subprocess.run(
+            command or [sys.executable, "-m", "fate_edge.bench.scale", "--child", kind, str(spec_path)],
+            timeout=timeout_s,
+            stdout=subprocess.PIPE,
+            stderr=None,
+            text=True,
+            preexec_fn=(lambda: procs.write_text(str(os.getpid()))) if procs else None,
+        )
         info["returncode"] = proc.returncode
         printed = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
         if command and proc.returncode == 0 and printed:
@@ -107,7 +112,8 @@ def run_confined(kind: str, spec: dict, limit: int, workdir: Path, timeout_s: fl
         info.update(json.loads(result_path.read_text()))
     elif "error" not in info:
         info["error"] = f"child exited {info['returncode']} without a result" + (
-            " (killed by the OOM killer)" if info.get("oom_kills") else "")
+            " (killed by the OOM killer)" if info.get("oom_kills") else ""
+        )
     return info
 
 
@@ -144,8 +150,14 @@ def convert_child(spec: dict) -> dict[str, Any]:
     seconds = time.perf_counter() - t0
     total = samples[-1][1] if samples else 0
     written = sum(f.stat().st_size for f in Path(spec["store"]).iterdir() if f.is_file())
-    return {"seconds": seconds, "source_bytes": total, "written_bytes": written, "gb_per_s": total / seconds / GB,
-            "peak_rss_bytes": _rss("VmHWM"), "progress": samples}
+    return {
+        "seconds": seconds,
+        "source_bytes": total,
+        "written_bytes": written,
+        "gb_per_s": total / seconds / GB,
+        "peak_rss_bytes": _rss("VmHWM"),
+        "progress": samples,
+    }
 
 
 def run_child(spec: dict) -> dict[str, Any]:
@@ -162,8 +174,15 @@ def run_child(spec: dict) -> dict[str, Any]:
     torch.set_num_threads(spec["threads"])
     ids = spec.get("ids") or prompt_ids(spec["store"], spec["prompt_tokens"])
     t0 = time.perf_counter()
-    engine = Engine(spec["store"], spec["budget"], spec["policy"], dtype=spec["dtype"],
-                    workers=spec["fetch_workers"], direct_io=True, resident_bits=spec.get("resident_bits"))
+    engine = Engine(
+        spec["store"],
+        spec["budget"],
+        spec["policy"],
+        dtype=spec["dtype"],
+        workers=spec["fetch_workers"],
+        direct_io=True,
+        resident_bits=spec.get("resident_bits"),
+    )
     load_s = time.perf_counter() - t0
     resident = sum(t.numel() * t.element_size() for t in engine.model.w.values())
     try:
@@ -177,18 +196,27 @@ def run_child(spec: dict) -> dict[str, Any]:
         n_dec = len(engine.token_stats)
         pre = engine.prefill_stats
         out = {
-            "load_s": load_s, "resident_bytes": resident, "baseline_rss_bytes": baseline,
-            "prompt_tokens": len(ids), "prefill_tps": last.prompt_tps,
-            "decode_tokens": n_dec, "decode_tps": n_dec / (times[-1] - times[0]) if n_dec > 0 else None,
-            "decode_hit_rate": decode.hit_rate, "prefill_hit_rate": pre.hit_rate,
+            "load_s": load_s,
+            "resident_bytes": resident,
+            "baseline_rss_bytes": baseline,
+            "prompt_tokens": len(ids),
+            "prefill_tps": last.prompt_tps,
+            "decode_tokens": n_dec,
+            "decode_tps": n_dec / (times[-1] - times[0]) if n_dec > 0 else None,
+            "decode_hit_rate": decode.hit_rate,
+            "prefill_hit_rate": pre.hit_rate,
             "decode_mb_read_per_token": (decode.demand_bytes + decode.prefetch_bytes) / max(n_dec, 1) / 1e6,
             # what the kernel says this process read (/proc/self/io), as the llama.cpp side is measured
             "decode_read_mb_per_token": None if io[0] is None else (io[-1] - io[0]) / max(n_dec, 1) / 1e6,
             "tokens": [s.token for s in steps],
             "prefill_mb_read": (pre.demand_bytes + pre.prefetch_bytes) / 1e6,
-            "decode": _stats_dict(decode), "prefill": _stats_dict(pre),
-            "plan": {"cache_bytes": engine.plan.cache_bytes, "pool_bytes": engine.plan.pool_bytes,
-                     "entry_bytes": engine.plan.entry_bytes},
+            "decode": _stats_dict(decode),
+            "prefill": _stats_dict(pre),
+            "plan": {
+                "cache_bytes": engine.plan.cache_bytes,
+                "pool_bytes": engine.plan.pool_bytes,
+                "entry_bytes": engine.plan.entry_bytes,
+            },
             "direct_io": engine.fetch.direct_io_note,
         }
     finally:
@@ -229,8 +257,13 @@ def measure_disk(directory: Path, nbytes: int = int(1 * GB), drop: bool = True) 
     finally:
         path.unlink(missing_ok=True)
     n = nbytes // len(block) * len(block)
-    return {"write_gb_per_s": n / write_s / GB, "read_gb_per_s": n / read_s / GB, "page_cache_dropped": dropped,
-            "bytes": n, "load": load()}
+    return {
+        "write_gb_per_s": n / write_s / GB,
+        "read_gb_per_s": n / read_s / GB,
+        "page_cache_dropped": dropped,
+        "bytes": n,
+        "load": load(),
+    }
 
 
 def measure_encoder(model: Path, opts: ConvertOptions, experts: int = 24, threads: int | None = None) -> dict:
@@ -272,17 +305,23 @@ def run_scale(cfg: ScaleConfig, workdir: Path) -> dict[str, Any]:
 
     workdir.mkdir(parents=True, exist_ok=True)
     config = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
-    result: dict[str, Any] = {"config": config,
-                              "cpus": os.cpu_count(), "cpu_model": cpu_model(), "started_load": load()}
+    result: dict[str, Any] = {
+        "config": config,
+        "cpus": os.cpu_count(),
+        "cpu_model": cpu_model(),
+        "started_load": load(),
+    }
     if cfg.convert:
         result["disk"] = measure_disk(cfg.store.parent, cfg.disk_probe_bytes, cfg.drop_caches)
-        print(f"scale: disk write {result['disk']['write_gb_per_s']:.2f} GB/s, read "
-              f"{result['disk']['read_gb_per_s']:.2f} GB/s", flush=True)
+        print(
+            f"scale: disk write {result['disk']['write_gb_per_s']:.2f} GB/s, read "
+            f"{result['disk']['read_gb_per_s']:.2f} GB/s",
+            flush=True,
+        )
         result["encoder"] = measure_encoder(cfg.model, cfg.convert_opts)
         print(f"scale: encoder {result['encoder']['gb_per_s']:.3f} GB/s", flush=True)
         dropped = _drop(cfg)
-        spec = {"label": "convert", "model": str(cfg.model), "store": str(cfg.store),
-                "opts": asdict(cfg.convert_opts)}
+        spec = {"label": "convert", "model": str(cfg.model), "store": str(cfg.store), "opts": asdict(cfg.convert_opts)}
         result["convert"] = r = run_confined("convert", spec, cfg.convert_limit, workdir, cfg.timeout_s)
         r["page_cache_dropped"] = dropped[0]
         print(f"scale: convert {_convert_line(r)}", flush=True)
@@ -291,15 +330,25 @@ def run_scale(cfg: ScaleConfig, workdir: Path) -> dict[str, Any]:
     for rnd in range(cfg.rounds):
         for budget in cfg.budgets:
             need = memory_need(cfg.store, budget, cfg.dtype, cfg.prompt_tokens + cfg.decode_tokens, cfg.resident_bits)
-            spec = {"label": f"{budget}", "store": str(cfg.store), "budget": budget, "policy": cfg.policy,
-                    "dtype": cfg.dtype, "prompt_tokens": cfg.prompt_tokens, "decode_tokens": cfg.decode_tokens,
-                    "threads": cfg.threads, "fetch_workers": cfg.fetch_workers, "resident_bits": cfg.resident_bits,
-                    "ids": ids}
+            spec = {
+                "label": f"{budget}",
+                "store": str(cfg.store),
+                "budget": budget,
+                "policy": cfg.policy,
+                "dtype": cfg.dtype,
+                "prompt_tokens": cfg.prompt_tokens,
+                "decode_tokens": cfg.decode_tokens,
+                "threads": cfg.threads,
+                "fetch_workers": cfg.fetch_workers,
+                "resident_bits": cfg.resident_bits,
+                "ids": ids,
+            }
             dropped = _drop(cfg)
             cap = cfg.cap_bytes or need.total
             r = run_confined("run", spec, cap, workdir, cfg.timeout_s)
-            r.update(budget_bytes=budget, need=asdict(need) | {"total": need.total}, page_cache_dropped=dropped[0],
-                     round=rnd)
+            r.update(
+                budget_bytes=budget, need=asdict(need) | {"total": need.total}, page_cache_dropped=dropped[0], round=rnd
+            )
             r["within_need"] = "peak_rss_bytes" in r and r["peak_rss_bytes"] <= need.total
             print(f"scale: round {rnd + 1} budget {budget / GB:g} GB: {_run_line(r)}", flush=True)
             result["runs"].append(r)
@@ -315,8 +364,16 @@ def run_llama(cfg: ScaleConfig, ids: list[int], budget: int, cap: int, workdir: 
     at ``budget``), the same prompt ids and thread count."""
     from fate_edge.bench.sidebyside import child_command
 
-    spec = {"label": f"llama-{budget}", "kind": "llama.cpp", "mode": "limited", "gguf": str(cfg.gguf),
-            "ids": ids, "decode_tokens": cfg.decode_tokens, "threads": cfg.threads, "repack": cfg.llama_repack}
+    spec = {
+        "label": f"llama-{budget}",
+        "kind": "llama.cpp",
+        "mode": "limited",
+        "gguf": str(cfg.gguf),
+        "ids": ids,
+        "decode_tokens": cfg.decode_tokens,
+        "threads": cfg.threads,
+        "repack": cfg.llama_repack,
+    }
     dropped = _drop(cfg)
     r = run_confined("llama", spec, cap, workdir, cfg.timeout_s, command=child_command(spec))
     r.update(budget_bytes=budget, page_cache_dropped=dropped[0], round=rnd)
@@ -333,19 +390,25 @@ def summarize_scale(runs: list[dict[str, Any]], llama: list[dict[str, Any]]) -> 
 
     out = []
     for budget in sorted({r["budget_bytes"] for r in runs}):
-        sides = [Side("fate-edge", "fate-edge", "int4", "int4, streamed", "", "limited"),
-                 Side("llama.cpp", "llama.cpp", "q4_0", "q4_0, memory-mapped", "", "limited")]
-        by_side = {"fate-edge": [r for r in runs if r["budget_bytes"] == budget],
-                   "llama.cpp": [r for r in llama if r["budget_bytes"] == budget]}
+        sides = [
+            Side("fate-edge", "fate-edge", "int4", "int4, streamed", "", "limited"),
+            Side("llama.cpp", "llama.cpp", "q4_0", "q4_0, memory-mapped", "", "limited"),
+        ]
+        by_side = {
+            "fate-edge": [r for r in runs if r["budget_bytes"] == budget],
+            "llama.cpp": [r for r in llama if r["budget_bytes"] == budget],
+        }
         for rs in by_side.values():
             for r in rs:
                 r.setdefault("load_avg", (r.get("load_before") or [None])[0])
         rows = summarize(by_side, sides, [("fate-edge", "llama.cpp")])
         for name, rs in by_side.items():
             peaks = [r["peak_bytes"] for r in rs if r.get("peak_bytes") is not None]
-            rows[name].update(cgroup_peak_bytes=max(peaks) if peaks else None,
-                              oom_kills=sum(r.get("oom_kills") or 0 for r in rs),
-                              limit_bytes=rs[0]["limit_bytes"] if rs else None)
+            rows[name].update(
+                cgroup_peak_bytes=max(peaks) if peaks else None,
+                oom_kills=sum(r.get("oom_kills") or 0 for r in rs),
+                limit_bytes=rs[0]["limit_bytes"] if rs else None,
+            )
         out.append({"budget_bytes": budget, "sides": rows})
     return out
 
@@ -366,25 +429,31 @@ def _drop(cfg: ScaleConfig) -> tuple[bool, str]:
 def _convert_line(r: dict) -> str:
     if "error" in r:
         return r["error"]
-    return (f"{r['source_bytes'] / GB:.2f} GB in {r['seconds']:.0f} s = {r['gb_per_s']:.3f} GB/s, peak RSS "
-            f"{r['peak_rss_bytes'] / GB:.2f} GB, cgroup peak {r.get('peak_bytes', 0) / GB:.2f} GB under a "
-            f"{r['limit_bytes'] / GB:.1f} GB cap, OOM kills {r.get('oom_kills')}")
+    return (
+        f"{r['source_bytes'] / GB:.2f} GB in {r['seconds']:.0f} s = {r['gb_per_s']:.3f} GB/s, peak RSS "
+        f"{r['peak_rss_bytes'] / GB:.2f} GB, cgroup peak {r.get('peak_bytes', 0) / GB:.2f} GB under a "
+        f"{r['limit_bytes'] / GB:.1f} GB cap, OOM kills {r.get('oom_kills')}"
+    )
 
 
 def _llama_line(r: dict) -> str:
     if "error" in r:
         return r["error"] + f" (OOM kills {r.get('oom_kills')})"
-    return (f"prefill {r['prefill_tps']:.2f} tok/s, decode {r['decode_tps'] or 0:.2f} tok/s, "
-            f"{r.get('decode_read_mb_per_token') or 0:.1f} MB read/token, peak RSS {r['peak_rss_bytes'] / GB:.2f} GB, "
-            f"cgroup peak {r.get('peak_bytes', 0) / GB:.2f} GB, OOM kills {r.get('oom_kills')}")
+    return (
+        f"prefill {r['prefill_tps']:.2f} tok/s, decode {r['decode_tps'] or 0:.2f} tok/s, "
+        f"{r.get('decode_read_mb_per_token') or 0:.1f} MB read/token, peak RSS {r['peak_rss_bytes'] / GB:.2f} GB, "
+        f"cgroup peak {r.get('peak_bytes', 0) / GB:.2f} GB, OOM kills {r.get('oom_kills')}"
+    )
 
 
 def _run_line(r: dict) -> str:
     if "error" in r:
         return r["error"]
-    return (f"prefill {r['prefill_tps']:.2f} tok/s, decode {r['decode_tps']:.2f} tok/s, hit rate "
-            f"{r['decode_hit_rate']:.1%}, {r['decode_mb_read_per_token']:.1f} MB/token, peak RSS "
-            f"{r['peak_rss_bytes'] / GB:.2f} GB (cap {r['limit_bytes'] / GB:.2f} GB), OOM kills {r.get('oom_kills')}")
+    return (
+        f"prefill {r['prefill_tps']:.2f} tok/s, decode {r['decode_tps']:.2f} tok/s, hit rate "
+        f"{r['decode_hit_rate']:.1%}, {r['decode_mb_read_per_token']:.1f} MB/token, peak RSS "
+        f"{r['peak_rss_bytes'] / GB:.2f} GB (cap {r['limit_bytes'] / GB:.2f} GB), OOM kills {r.get('oom_kills')}"
+    )
 
 
 if __name__ == "__main__":

@@ -40,13 +40,24 @@ RESIDENT = [
     Side("llama.cpp q4_0", "llama.cpp", "q4_0", "q4_0", "llama.cpp's Q4_0 mix (most matrices q4_0, norms f32)"),
 ]
 LIMITED = [
-    Side("fate-edge int4, expert budget", "fate-edge", "int4", "int4, streamed from disk into the budget", "fp32",
-         "limited"),
-    Side("llama.cpp q4_0, mmap under cap", "llama.cpp", "q4_0", "q4_0, memory-mapped",
-         "llama.cpp's Q4_0 mix", "limited"),
+    Side(
+        "fate-edge int4, expert budget",
+        "fate-edge",
+        "int4",
+        "int4, streamed from disk into the budget",
+        "fp32",
+        "limited",
+    ),
+    Side(
+        "llama.cpp q4_0, mmap under cap", "llama.cpp", "q4_0", "q4_0, memory-mapped", "llama.cpp's Q4_0 mix", "limited"
+    ),
 ]
-PAIRS = [("fate-edge fp32", "llama.cpp f32"), ("fate-edge bf16", "llama.cpp bf16"),
-         ("fate-edge int4", "llama.cpp q4_0"), ("fate-edge int4, expert budget", "llama.cpp q4_0, mmap under cap")]
+PAIRS = [
+    ("fate-edge fp32", "llama.cpp f32"),
+    ("fate-edge bf16", "llama.cpp bf16"),
+    ("fate-edge int4", "llama.cpp q4_0"),
+    ("fate-edge int4, expert budget", "llama.cpp q4_0, mmap under cap"),
+]
 
 # Real-size checkpoints (bf16, synthetic or not): no f32 side (twice the bytes of bf16, same values), the rest in
 # bf16 as the checkpoint stores it, and fate-edge's quantized resident weights beside llama.cpp's q4_0 mix.
@@ -54,27 +65,54 @@ _Q4_MIX = "llama.cpp's Q4_0 mix (attention q4_0, output q6_K, norms f32)"
 REAL_RESIDENT = [
     Side("fate-edge bf16", "fate-edge", "bf16", "bf16", "bf16 (router fp32)"),
     Side("fate-edge int4, bf16 rest", "fate-edge", "int4", "int4 (group-wise RTN)", "bf16", dtype="bf16"),
-    Side("fate-edge int4, int8 rest", "fate-edge", "int4", "int4 (group-wise RTN)", "int8 (embeddings bf16)",
-         dtype="bf16", resident_bits=8),
-    Side("fate-edge int4, int4 rest", "fate-edge", "int4", "int4 (group-wise RTN)", "int4 (embeddings bf16)",
-         dtype="bf16", resident_bits=4),
+    Side(
+        "fate-edge int4, int8 rest",
+        "fate-edge",
+        "int4",
+        "int4 (group-wise RTN)",
+        "int8 (embeddings bf16)",
+        dtype="bf16",
+        resident_bits=8,
+    ),
+    Side(
+        "fate-edge int4, int4 rest",
+        "fate-edge",
+        "int4",
+        "int4 (group-wise RTN)",
+        "int4 (embeddings bf16)",
+        dtype="bf16",
+        resident_bits=4,
+    ),
     Side("llama.cpp bf16", "llama.cpp", "bf16", "bf16", "bf16 (norms f32)"),
     Side("llama.cpp q4_0", "llama.cpp", "q4_0", "q4_0", _Q4_MIX),
 ]
 REAL_LIMITED = [
     # like with like: llama.cpp's mix quantizes attention and the output matrix too
-    Side("fate-edge int4, expert budget", "fate-edge", "int4", "int4, streamed from disk into the budget",
-         "int4 (embeddings bf16)", "limited", dtype="bf16", resident_bits=4),
+    Side(
+        "fate-edge int4, expert budget",
+        "fate-edge",
+        "int4",
+        "int4, streamed from disk into the budget",
+        "int4 (embeddings bf16)",
+        "limited",
+        dtype="bf16",
+        resident_bits=4,
+    ),
     Side("llama.cpp q4_0, mmap under cap", "llama.cpp", "q4_0", "q4_0, memory-mapped", _Q4_MIX, "limited"),
 ]
-REAL_PAIRS = [("fate-edge bf16", "llama.cpp bf16"), ("fate-edge int4, bf16 rest", "llama.cpp q4_0"),
-              ("fate-edge int4, int8 rest", "llama.cpp q4_0"), ("fate-edge int4, int4 rest", "llama.cpp q4_0"),
-              ("fate-edge int4, expert budget", "llama.cpp q4_0, mmap under cap")]
+REAL_PAIRS = [
+    ("fate-edge bf16", "llama.cpp bf16"),
+    ("fate-edge int4, bf16 rest", "llama.cpp q4_0"),
+    ("fate-edge int4, int8 rest", "llama.cpp q4_0"),
+    ("fate-edge int4, int4 rest", "llama.cpp q4_0"),
+    ("fate-edge int4, expert budget", "llama.cpp q4_0, mmap under cap"),
+]
 
 
 @dataclass(frozen=True)
 class SideSet:
     """What one comparison runs: the sides, the pairs that get ratios, and the GGUF types it needs."""
+
     resident: list[Side]
     limited: list[Side]
     pairs: list[tuple[str, str]]
@@ -105,8 +143,12 @@ def only_sides(sides: SideSet, names: list[str]) -> SideSet:
         raise ValueError(f"no side {unknown} in this comparison; its sides are {known}")
     keep = [side for side in sides.resident + sides.limited if side.name in names]
     types = tuple(t for t in sides.gguf_types if any(s.kind == "llama.cpp" and s.precision == t for s in keep))
-    return SideSet([s for s in sides.resident if s in keep], [s for s in sides.limited if s in keep],
-                   [p for p in sides.pairs if p[0] in names and p[1] in names], types)
+    return SideSet(
+        [s for s in sides.resident if s in keep],
+        [s for s in sides.limited if s in keep],
+        [p for p in sides.pairs if p[0] in names and p[1] in names],
+        types,
+    )
 
 
 def readme_marker(model: str, threads: int) -> str:
@@ -144,8 +186,9 @@ def resident_int4(store: str | Path, device: str = "cpu"):
     s = ExpertStore(store)
     prov = StoreExpertProvider(s, bits=4, device=device)
     try:
-        experts = {(layer, e): prov.get(layer, e) for layer in s.index["moe_layers"]
-                   for e in range(s.index["num_experts"])}
+        experts = {
+            (layer, e): prov.get(layer, e) for layer in s.index["moe_layers"] for e in range(s.index["num_experts"])
+        }
     finally:
         prov.close()
     return InMemoryExpertProvider(experts)
@@ -164,15 +207,29 @@ def _fate_edge_stream(spec: dict[str, Any]):
     if spec["mode"] == "limited":
         from fate_edge.runtime.engine import Engine
 
-        engine = Engine(spec["store"], spec["budget"], "fate-edge", dtype=rest, workers=spec["workers"],
-                        resident_bits=spec.get("resident_bits"))
+        engine = Engine(
+            spec["store"],
+            spec["budget"],
+            "fate-edge",
+            dtype=rest,
+            workers=spec["workers"],
+            resident_bits=spec.get("resident_bits"),
+        )
         return (r.token for r in engine.stream(spec["ids"], cfg))
     if spec["precision"] == "int4":
-        model = load_model(spec["store"], rest, experts=resident_int4(spec["store"]),
-                           resident_bits=spec.get("resident_bits"), compile=spec.get("compile", "off"))
+        model = load_model(
+            spec["store"],
+            rest,
+            experts=resident_int4(spec["store"]),
+            resident_bits=spec.get("resident_bits"),
+            compile=spec.get("compile", "off"),
+        )
     else:
-        model = load_model(spec["model"], torch.float32 if spec["precision"] == "fp32" else torch.bfloat16,
-                           compile=spec.get("compile", "off"))
+        model = load_model(
+            spec["model"],
+            torch.float32 if spec["precision"] == "fp32" else torch.bfloat16,
+            compile=spec.get("compile", "off"),
+        )
     return (r.token for r in stream_generate(model, Tokenizer(spec["model"]), spec["ids"], cfg))
 
 
@@ -195,8 +252,13 @@ def child_main(spec_json: str) -> None:
     if spec["kind"] == "llama.cpp":
         from fate_edge.bench.llamacpp import llama_stream, open_llama, tokens_agree
 
-        llm = open_llama(spec["gguf"], len(ids) + spec["decode_tokens"] + 8, spec["threads"],
-                         mmap=spec["mode"] == "limited", repack=spec.get("repack", True))
+        llm = open_llama(
+            spec["gguf"],
+            len(ids) + spec["decode_tokens"] + 8,
+            spec["threads"],
+            mmap=spec["mode"] == "limited",
+            repack=spec.get("repack", True),
+        )
         stream = llama_stream(llm, ids)
     else:
         stream = _fate_edge_stream(spec)
@@ -207,23 +269,39 @@ def child_main(spec_json: str) -> None:
         extra["tokenization"] = tokens_agree(llm, spec["text"], spec["text_ids"])
     if io0 is not None:
         n_dec = max(1, len(t["tokens"]) - 1)
-        extra.update(load_read_mb=(io1 - io0) / 1e6, prefill_read_mb=(first[0] - io1) / 1e6,
-                     decode_read_mb_per_token=(io2 - first[0]) / 1e6 / n_dec)
+        extra.update(
+            load_read_mb=(io1 - io0) / 1e6,
+            prefill_read_mb=(first[0] - io1) / 1e6,
+            decode_read_mb_per_token=(io2 - first[0]) / 1e6 / n_dec,
+        )
     print(json.dumps({**t, **extra, "peak_rss_bytes": peak_rss_bytes()}), flush=True)
 
 
-def summarize(runs: dict[str, list[dict[str, Any]]], sides: list[Side],
-              pairs: list[tuple[str, str]] = PAIRS) -> dict[str, dict[str, Any]]:
+def summarize(
+    runs: dict[str, list[dict[str, Any]]], sides: list[Side], pairs: list[tuple[str, str]] = PAIRS
+) -> dict[str, dict[str, Any]]:
     """Medians per side (over the runs that did not fail) and fate-edge / llama.cpp ratios per pair."""
     out: dict[str, dict[str, Any]] = {}
     for side in sides:
         rs = runs.get(side.name, [])
         ok = [r for r in rs if "error" not in r]
-        row: dict[str, Any] = {"kind": side.kind, "experts": side.experts, "rest": side.rest, "mode": side.mode,
-                               "runs": len(rs), "failed": len(rs) - len(ok),
-                               "errors": sorted({r["error"] for r in rs if "error" in r})}
-        for key in ("prefill_tps", "prefill_cpu_tps", "decode_tps", "peak_rss_bytes", "decode_read_mb_per_token",
-                    "load_avg"):
+        row: dict[str, Any] = {
+            "kind": side.kind,
+            "experts": side.experts,
+            "rest": side.rest,
+            "mode": side.mode,
+            "runs": len(rs),
+            "failed": len(rs) - len(ok),
+            "errors": sorted({r["error"] for r in rs if "error" in r}),
+        }
+        for key in (
+            "prefill_tps",
+            "prefill_cpu_tps",
+            "decode_tps",
+            "peak_rss_bytes",
+            "decode_read_mb_per_token",
+            "load_avg",
+        ):
             vals = [r[key] for r in ok if r.get(key) is not None]
             row[key] = statistics.median(vals) if vals else None
         out[side.name] = row
@@ -245,8 +323,9 @@ def same_tokens(runs: dict[str, list[dict[str, Any]]], ours: str, theirs: str) -
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def run_rounds(base: dict[str, Any], sides: list[Side], ggufs: dict[str, str], rounds: int, timeout: float,
-               log=print) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]:
+def run_rounds(
+    base: dict[str, Any], sides: list[Side], ggufs: dict[str, str], rounds: int, timeout: float, log=print
+) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]:
     """Interleaved rounds of fresh processes; (runs per side, notes on the memory cap and the page cache).
     The llama.cpp mmap side runs under a cgroup capped at the first measured peak RSS of fate-edge's
     limited side, which therefore runs before it in every round."""
@@ -261,8 +340,15 @@ def run_rounds(base: dict[str, Any], sides: list[Side], ggufs: dict[str, str], r
     notes: dict[str, Any] = {}
     for r in range(rounds):
         for side in sides:
-            spec = {**base, "kind": side.kind, "precision": side.precision, "mode": side.mode,
-                    "gguf": ggufs.get(side.precision, ""), "dtype": side.dtype, "resident_bits": side.resident_bits}
+            spec = {
+                **base,
+                "kind": side.kind,
+                "precision": side.precision,
+                "mode": side.mode,
+                "gguf": ggufs.get(side.precision, ""),
+                "dtype": side.dtype,
+                "resident_bits": side.resident_bits,
+            }
             if r == 0 and side.kind == "llama.cpp":
                 spec.update(text=base["text"], text_ids=base["text_ids"])
             cg = None
@@ -284,7 +370,9 @@ def run_rounds(base: dict[str, Any], sides: list[Side], ggufs: dict[str, str], r
             if side.mode == "limited" and side.kind == "fate-edge" and "peak_rss_bytes" in res:
                 notes.setdefault("cap_bytes", res["peak_rss_bytes"])
             runs.setdefault(side.name, []).append(res)
-            log(f"round {r + 1} {side.name}: prefill {res.get('prefill_tps') or 0:.0f} tok/s "
+            log(
+                f"round {r + 1} {side.name}: prefill {res.get('prefill_tps') or 0:.0f} tok/s "
                 f"({res.get('prefill_cpu_tps') or 0:.0f} per CPU s), decode "
-                f"{res.get('decode_tps') or 0:.1f} tok/s {res.get('error', '')} (load {load[0]})")
+                f"{res.get('decode_tps') or 0:.1f} tok/s {res.get('error', '')} (load {load[0]})"
+            )
     return runs, notes

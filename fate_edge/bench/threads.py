@@ -38,7 +38,8 @@ class ThreadConfig:
         t = "library default" if self.threads is None else self.threads
         w = "library default" if self.workers is None else self.workers
         omp = ", ".join(f"{k}={v}" for k, v in self.env) or (
-            "OpenMP variables unset (libgomp spins ~3 ms)" if self.omp_default else "fate_edge's OpenMP default")
+            "OpenMP variables unset (libgomp spins ~3 ms)" if self.omp_default else "fate_edge's OpenMP default"
+        )
         return f"torch threads: {t}, fetch workers: {w}, {omp}"
 
 
@@ -115,8 +116,11 @@ def child_main(spec_json: str) -> None:
         torch.set_num_threads(spec["threads"] or defaults.THREADS)
         workers = spec["workers"] or defaults.FETCH_WORKERS
         engine = Engine(spec["store"], spec["budget"], "fate-edge", workers=workers)
-        used = {"threads": torch.get_num_threads(), "workers": engine.fetch.workers,
-                **{k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}}
+        used = {
+            "threads": torch.get_num_threads(),
+            "workers": engine.fetch.workers,
+            **{k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")},
+        }
         cfg = GenerateConfig(max_tokens=spec["decode_tokens"] + 1, ignore_eos=True)
         stream = (r.token for r in engine.stream(ids, cfg))
     times = []
@@ -137,8 +141,10 @@ def _why_it_died(returncode: int) -> str:
     if returncode in (-9, 137):
         return " (killed: out of memory under the cap?)"
     if returncode in (-4, 132):  # SIGILL, as llama.cpp built with AMX died on a VM whose AMX faults
-        return (" (SIGILL: the program used an instruction this CPU does not run; rebuild the peer for this host: "
-                f"CMAKE_ARGS=\"{PEER_CMAKE_HINT}\")")
+        return (
+            " (SIGILL: the program used an instruction this CPU does not run; rebuild the peer for this host: "
+            f'CMAKE_ARGS="{PEER_CMAKE_HINT}")'
+        )
     if returncode < 0:
         return f" (signal {signal.Signals(-returncode).name})" if -returncode in signal.valid_signals() else ""
     return ""
@@ -161,8 +167,9 @@ def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def run(base: dict[str, Any], cfgs: list[ThreadConfig], competition: list[int], rounds: int,
-        log=print) -> list[dict[str, Any]]:
+def run(
+    base: dict[str, Any], cfgs: list[ThreadConfig], competition: list[int], rounds: int, log=print
+) -> list[dict[str, Any]]:
     """Interleaved rounds: for each round, each competition level, each configuration, one fresh measurement."""
     rows: dict[tuple[int, str], dict[str, Any]] = {}
     for r in range(rounds):
@@ -176,11 +183,14 @@ def run(base: dict[str, Any], cfgs: list[ThreadConfig], competition: list[int], 
                     res = measure(spec, base["max_s"] + 120)
                 finally:
                     stop_competitors(procs)
-                row = rows.setdefault((n, c.name), {"competitors": n, "config": c.name, "describe": c.describe(),
-                                                     "runs": []})
+                row = rows.setdefault(
+                    (n, c.name), {"competitors": n, "config": c.name, "describe": c.describe(), "runs": []}
+                )
                 row["runs"].append({**res, "load_avg": load})
-                log(f"round {r + 1} competitors {n} {c.name}: "
-                    f"{res.get('decode_tps', 0):.2f} tok/s {res.get('error', '')} (load {load[0]})")
+                log(
+                    f"round {r + 1} competitors {n} {c.name}: "
+                    f"{res.get('decode_tps', 0):.2f} tok/s {res.get('error', '')} (load {load[0]})"
+                )
     return list(rows.values())
 
 
@@ -198,8 +208,12 @@ def summarize(rows: list[dict[str, Any]]) -> None:
 def table(rows: list[dict[str, Any]], competition: list[int], header: str) -> str:
     names = list(dict.fromkeys(r["config"] for r in rows))
     cell = {(r["competitors"], r["config"]): r for r in rows}
-    out = [header, "", "| configuration | " + " | ".join(f"{n} busy processes" for n in competition) + " |",
-           "|---|" + "---:|" * len(competition)]
+    out = [
+        header,
+        "",
+        "| configuration | " + " | ".join(f"{n} busy processes" for n in competition) + " |",
+        "|---|" + "---:|" * len(competition),
+    ]
     for name in names:
         cells = []
         for n in competition:

@@ -27,10 +27,24 @@ from pathlib import Path
 
 import torch
 
-PROMPTS = ["def main():", "import os\nimport sys\n", "class Point:\n    def __init__(self, x", "x = ",
-           "# read the file line by line\n", "for i in range(10):", "def parse(line):", "from typing import",
-           "if __name__ ==", "while True:", "return [x for", "with open(path) as f:", "try:\n    import",
-           "print(", "async def fetch(", "@dataclass\nclass Config:"]
+PROMPTS = [
+    "def main():",
+    "import os\nimport sys\n",
+    "class Point:\n    def __init__(self, x",
+    "x = ",
+    "# read the file line by line\n",
+    "for i in range(10):",
+    "def parse(line):",
+    "from typing import",
+    "if __name__ ==",
+    "while True:",
+    "return [x for",
+    "with open(path) as f:",
+    "try:\n    import",
+    "print(",
+    "async def fetch(",
+    "@dataclass\nclass Config:",
+]
 
 
 @dataclass
@@ -70,8 +84,9 @@ def run_round(engine, prompts: list[str], max_tokens: int, concurrent: bool) -> 
     records = [{} for _ in prompts]
     t0 = time.perf_counter()
     if concurrent:
-        threads = [threading.Thread(target=_serve, args=(engine, p, max_tokens, t0, r))
-                   for p, r in zip(prompts, records)]
+        threads = [
+            threading.Thread(target=_serve, args=(engine, p, max_tokens, t0, r)) for p, r in zip(prompts, records)
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -85,10 +100,18 @@ def run_round(engine, prompts: list[str], max_tokens: int, concurrent: bool) -> 
     gaps = [g for r in records for g in r["gaps"]]
     ttft = [r["ttft"] for r in records]
     read = s.demand_bytes + s.prefetch_bytes + s.wasted_bytes
-    return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "ttft_p50_s": percentile(ttft, 0.5),
-            "ttft_p90_s": percentile(ttft, 0.9), "token_p50_s": percentile(gaps, 0.5),
-            "token_p90_s": percentile(gaps, 0.9), "token_p99_s": percentile(gaps, 0.99),
-            "bytes_per_token": read / max(1, tokens), "hit_rate": s.hit_rate}
+    return {
+        "wall_s": wall,
+        "tokens": tokens,
+        "tok_s": tokens / wall,
+        "ttft_p50_s": percentile(ttft, 0.5),
+        "ttft_p90_s": percentile(ttft, 0.9),
+        "token_p50_s": percentile(gaps, 0.5),
+        "token_p90_s": percentile(gaps, 0.9),
+        "token_p99_s": percentile(gaps, 0.99),
+        "bytes_per_token": read / max(1, tokens),
+        "hit_rate": s.hit_rate,
+    }
 
 
 def _median(rounds: list[dict]) -> dict:
@@ -127,12 +150,19 @@ def run(cfg: ThroughputConfig) -> dict:
     finally:
         alone.close()
         batched.close()
-    out = {"alone": _median(results["alone"]), "batched": _median(results["batched"]),
-           "single_request": _median(single), "rounds": results, "mean_batch": mean_batch}
+    out = {
+        "alone": _median(results["alone"]),
+        "batched": _median(results["batched"]),
+        "single_request": _median(single),
+        "rounds": results,
+        "mean_batch": mean_batch,
+    }
     a, bt, one = out["alone"], out["batched"], out["single_request"]
-    out["ratios"] = {"tok_s_batched_over_alone": bt["tok_s"] / a["tok_s"],
-                     "token_p50_batched_over_single": bt["token_p50_s"] / one["token_p50_s"],
-                     "bytes_per_token_alone_over_batched": a["bytes_per_token"] / max(1e-9, bt["bytes_per_token"])}
+    out["ratios"] = {
+        "tok_s_batched_over_alone": bt["tok_s"] / a["tok_s"],
+        "token_p50_batched_over_single": bt["token_p50_s"] / one["token_p50_s"],
+        "bytes_per_token_alone_over_batched": a["bytes_per_token"] / max(1e-9, bt["bytes_per_token"]),
+    }
     out["config"] = asdict(cfg) | {"store": str(store), "budget_bytes": budget}
     out["host"] = host_note()
     return out
@@ -151,8 +181,9 @@ def sweep(cfg: ThroughputConfig, batches: tuple[int, ...] = (1, 2, 4, 8)) -> dic
         for _ in range(cfg.rounds):  # interleaved: the calibration run and every batch size in each round
             single.append(run_round(alone, PROMPTS[:1], cfg.max_tokens, False))
             for b in batches:
-                rounds[b].append(run_round(batched, [PROMPTS[i % len(PROMPTS)] for i in range(b)], cfg.max_tokens,
-                                           True))
+                rounds[b].append(
+                    run_round(batched, [PROMPTS[i % len(PROMPTS)] for i in range(b)], cfg.max_tokens, True)
+                )
         step_s = statistics.median(r["token_p50_s"] for r in single)
         costs = step_costs(alone, step_s, alone.token_stats, measure_peak_flops())
         chosen, preds = choose_batch(costs, max(batches))
@@ -163,12 +194,27 @@ def sweep(cfg: ThroughputConfig, batches: tuple[int, ...] = (1, 2, 4, 8)) -> dic
     rows = []
     for b in batches:
         p, m = preds[b - 1], measured[b]
-        rows.append({"batch": b, "predicted_step_s": p.step_s, "measured_step_p50_s": m["token_p50_s"],
-                     "predicted_decode_tok_s": p.tokens_per_s, "measured_decode_tok_s": b / m["token_p50_s"],
-                     "predicted_union": p.union, "predicted_reads": p.reads, "bound": p.bound, "terms_s": p.terms,
-                     "measured_bytes_per_token": m["bytes_per_token"]})
-    return {"rows": rows, "chosen_batch": chosen, "costs": asdict(costs) | {"experts_per_layer": None, "cached": None},
-            "config": asdict(cfg) | {"store": str(store), "budget_bytes": budget}, "host": host_note()}
+        rows.append(
+            {
+                "batch": b,
+                "predicted_step_s": p.step_s,
+                "measured_step_p50_s": m["token_p50_s"],
+                "predicted_decode_tok_s": p.tokens_per_s,
+                "measured_decode_tok_s": b / m["token_p50_s"],
+                "predicted_union": p.union,
+                "predicted_reads": p.reads,
+                "bound": p.bound,
+                "terms_s": p.terms,
+                "measured_bytes_per_token": m["bytes_per_token"],
+            }
+        )
+    return {
+        "rows": rows,
+        "chosen_batch": chosen,
+        "costs": asdict(costs) | {"experts_per_layer": None, "cached": None},
+        "config": asdict(cfg) | {"store": str(store), "budget_bytes": budget},
+        "host": host_note(),
+    }
 
 
 def host_note() -> dict:
@@ -180,8 +226,13 @@ def host_note() -> dict:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "load_average": list(os.getloadavg()),
-            "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "load_average": list(os.getloadavg()),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,26 +246,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=d.threads)
     ap.add_argument("--policy", default=d.policy)
     ap.add_argument("--dtype", default=d.dtype)
-    ap.add_argument("--resident-bits", type=int, choices=[4, 8], default=None,
-                    help="quantize the resident linears (on a CPU without native bf16, a dense bf16 GEMM of 8 rows "
-                         "costs 8 of one row: the int4 kernel's does not)")
+    ap.add_argument(
+        "--resident-bits",
+        type=int,
+        choices=[4, 8],
+        default=None,
+        help="quantize the resident linears (on a CPU without native bf16, a dense bf16 GEMM of 8 rows "
+        "costs 8 of one row: the int4 kernel's does not)",
+    )
     ap.add_argument("--out", type=Path, required=True, help="JSON file to write")
     ap.add_argument("--publish", action="store_true", help="rewrite docs/results/batching.md from every run's JSON")
-    ap.add_argument("--sweep", action="store_true",
-                    help="the planner's batch-size roofline beside measurements at batch 1, 2, 4 and 8")
+    ap.add_argument(
+        "--sweep",
+        action="store_true",
+        help="the planner's batch-size roofline beside measurements at batch 1, 2, 4 and 8",
+    )
     a = ap.parse_args(argv)
     if a.concurrency < 1 or a.rounds < 1 or not 0 < a.budget_fraction <= 1:
         ap.error("--concurrency and --rounds must be >= 1 and --budget-fraction in (0, 1]")
-    cfg = ThroughputConfig(a.model, a.budget_fraction, a.concurrency, a.max_tokens, a.rounds, a.threads, a.policy,
-                           a.dtype, a.resident_bits)
+    cfg = ThroughputConfig(
+        a.model, a.budget_fraction, a.concurrency, a.max_tokens, a.rounds, a.threads, a.policy, a.dtype, a.resident_bits
+    )
     if a.sweep:
         out = sweep(cfg)
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(out, indent=1) + "\n")
         for r in out["rows"]:
-            print(f"batch {r['batch']}: step {1e3 * r['predicted_step_s']:.1f} ms predicted, "
-                  f"{1e3 * r['measured_step_p50_s']:.1f} measured; decode {r['predicted_decode_tok_s']:.1f} tok/s "
-                  f"predicted, {r['measured_decode_tok_s']:.1f} measured ({r['bound']})")
+            print(
+                f"batch {r['batch']}: step {1e3 * r['predicted_step_s']:.1f} ms predicted, "
+                f"{1e3 * r['measured_step_p50_s']:.1f} measured; decode {r['predicted_decode_tok_s']:.1f} tok/s "
+                f"predicted, {r['measured_decode_tok_s']:.1f} measured ({r['bound']})"
+            )
         print(f"chosen batch: {out['chosen_batch']}; load {out['host']['load_average']}")
         if a.publish:
             from fate_edge.bench.throughput_report import publish_sweep_table
@@ -225,9 +287,11 @@ def main(argv: list[str] | None = None) -> int:
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=1) + "\n")
     r = out["ratios"]
-    print(f"batched/alone tok/s {r['tok_s_batched_over_alone']:.2f}x, p50 token latency batched/single "
-          f"{r['token_p50_batched_over_single']:.2f}x, bytes/token alone/batched "
-          f"{r['bytes_per_token_alone_over_batched']:.2f}x; load {out['host']['load_average']}")
+    print(
+        f"batched/alone tok/s {r['tok_s_batched_over_alone']:.2f}x, p50 token latency batched/single "
+        f"{r['token_p50_batched_over_single']:.2f}x, bytes/token alone/batched "
+        f"{r['bytes_per_token_alone_over_batched']:.2f}x; load {out['host']['load_average']}"
+    )
     if a.publish:
         from fate_edge.bench.throughput_report import publish_table
 

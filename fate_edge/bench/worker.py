@@ -73,8 +73,9 @@ def spec_policy(spec: dict):
 
     if spec.get("policy"):
         return PolicyConfig(**spec["policy"])
-    return for_device_and_store(get_policy(spec["preset"]), spec.get("emulate"), spec.get("store"),
-                                spec.get("resident_bits"))
+    return for_device_and_store(
+        get_policy(spec["preset"]), spec.get("emulate"), spec.get("store"), spec.get("resident_bits")
+    )
 
 
 def one_request(spec: dict, ids: list[int], max_tokens: int, trace, counter_sink: dict) -> dict[str, Any]:
@@ -91,9 +92,17 @@ def one_request(spec: dict, ids: list[int], max_tokens: int, trace, counter_sink
     # this disk's speed first, slower than the NVMe and PCIe links), except under --emulate where the dilated
     # link is slower than this disk: then O_DIRECT, so a read costs the CPU what a DMA does (no memcpy).
     direct = spec.get("direct_io", link is None)
-    engine = Engine(spec["store"], spec["budget_bytes"], policy, link=link, trace=trace,
-                    workers=spec["fetch_workers"], device=spec.get("device", "cpu"), direct_io=direct,
-                    resident_bits=spec.get("resident_bits"))
+    engine = Engine(
+        spec["store"],
+        spec["budget_bytes"],
+        policy,
+        link=link,
+        trace=trace,
+        workers=spec["fetch_workers"],
+        device=spec.get("device", "cpu"),
+        direct_io=direct,
+        resident_bits=spec.get("resident_bits"),
+    )
     counter = LayerCounter(engine)
     counter_counts = counter.counts
     engine.model.observers.insert(0, counter)
@@ -115,9 +124,12 @@ def one_request(spec: dict, ids: list[int], max_tokens: int, trace, counter_sink
             "tokens": tokens,
             "direct_io": engine.fetch.direct_io_note,
             "page_cache": None if dropped is None else {"dropped": dropped[0], "note": dropped[1]},
-            "plan": {"cache_bytes": engine.plan.cache_bytes, "pool_bytes": engine.plan.pool_bytes,
-                     "entry_bytes": engine.plan.entry_bytes,
-                     "slots": {str(k): v for k, v in engine.plan.slots.items()}},
+            "plan": {
+                "cache_bytes": engine.plan.cache_bytes,
+                "pool_bytes": engine.plan.pool_bytes,
+                "entry_bytes": engine.plan.entry_bytes,
+                "slots": {str(k): v for k, v in engine.plan.slots.items()},
+            },
             "load": dataclasses.asdict(engine.load_report),  # reads at load, apart from prefill and decode
             "resident_bytes": sum(t.numel() * t.element_size() for t in engine.model.w.values()),
         }
@@ -156,16 +168,32 @@ def plan_in_worker(spec: dict, recorded=None) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     link = LinkSpec(**spec["link_spec"]) if spec["link_spec"] else None
-    p = auto_plan(spec["store"], spec["budget_bytes"], link=link, workers=spec["fetch_workers"],
-                  direct_io=spec.get("direct_io"), resident_bits=spec.get("resident_bits"), device=spec.get("emulate"))
-    out = {"policy": dataclasses.asdict(p.policy), "planner_predicted_decode_tps": p.predicted_tokens_per_s,
-           "planner_costs": p.costs.describe(), "planner_s": time.perf_counter() - t0,
-           # the presets it weighed, predicted on the same trace (the bench sets them beside their measurements)
-           "planner_preset_predictions": {c.policy.name: c.result.tokens_per_s for c in p.presets},
-           "planner_margin": p.margin}
+    p = auto_plan(
+        spec["store"],
+        spec["budget_bytes"],
+        link=link,
+        workers=spec["fetch_workers"],
+        direct_io=spec.get("direct_io"),
+        resident_bits=spec.get("resident_bits"),
+        device=spec.get("emulate"),
+    )
+    out = {
+        "policy": dataclasses.asdict(p.policy),
+        "planner_predicted_decode_tps": p.predicted_tokens_per_s,
+        "planner_costs": p.costs.describe(),
+        "planner_s": time.perf_counter() - t0,
+        # the presets it weighed, predicted on the same trace (the bench sets them beside their measurements)
+        "planner_preset_predictions": {c.policy.name: c.result.tokens_per_s for c in p.presets},
+        "planner_margin": p.margin,
+    }
     cfg, store = load_config(spec["store"]), ExpertStore(spec["store"])
-    trace = (trace_from_calls(recorded.calls, cfg.moe_layers, cfg.num_experts_per_tok, cfg.num_experts,
-                              cfg.num_hidden_layers) if recorded is not None else None)
+    trace = (
+        trace_from_calls(
+            recorded.calls, cfg.moe_layers, cfg.num_experts_per_tok, cfg.num_experts, cfg.num_hidden_layers
+        )
+        if recorded is not None
+        else None
+    )
     if trace is not None:
         describe_store(trace, store)
         sizes = (spec["budget_bytes"], store.expert_bytes(p.policy.bits), store.precisions[p.policy.bits].slot_bytes)
@@ -212,12 +240,22 @@ def worker_main(spec_path: str) -> int:
         runs.append(run)
     first = runs[0]["requests"][str(decode_len)]
     result = {
-        "preset": spec["preset"], "link": spec["link"], "budget_fraction": spec["budget_fraction"],
-        "budget_bytes": spec["budget_bytes"], "threads": torch.get_num_threads(),
-        "fetch_workers": spec["fetch_workers"], "runs": runs, "median": summarize_runs(runs, decode_len),
-        "per_layer": layers, "tokens": first["tokens"], "plan": first["plan"], "direct_io": first["direct_io"],
-        "resident_bytes": first["resident_bytes"], "page_cache": first["page_cache"],
-        "peak_rss_bytes": peak_rss_bytes(), "wall_s": time.perf_counter() - t0,
+        "preset": spec["preset"],
+        "link": spec["link"],
+        "budget_fraction": spec["budget_fraction"],
+        "budget_bytes": spec["budget_bytes"],
+        "threads": torch.get_num_threads(),
+        "fetch_workers": spec["fetch_workers"],
+        "runs": runs,
+        "median": summarize_runs(runs, decode_len),
+        "per_layer": layers,
+        "tokens": first["tokens"],
+        "plan": first["plan"],
+        "direct_io": first["direct_io"],
+        "resident_bytes": first["resident_bytes"],
+        "page_cache": first["page_cache"],
+        "peak_rss_bytes": peak_rss_bytes(),
+        "wall_s": time.perf_counter() - t0,
         **planned,
     }
     first_tokens = {n: q["tokens"] for n, q in runs[0]["requests"].items()}
@@ -242,8 +280,9 @@ def trace_main(spec_path: str) -> int:
     traces, tokens = {}, {}
     big = int(spec["int4_total"] * 2 + 64e6)  # everything fits: the trace does not depend on the policy
     for n, ids in sorted(prompts.items()):
-        engine = Engine(spec["store"], big, "lru", workers=spec["fetch_workers"],
-                        resident_bits=spec.get("resident_bits"))
+        engine = Engine(
+            spec["store"], big, "lru", workers=spec["fetch_workers"], resident_bits=spec.get("resident_bits")
+        )
         cfg = GenerateConfig(max_tokens=spec["decode_tokens"] if n == decode_len else 1, ignore_eos=True)
         try:
             traces[n] = engine.record_trace(ids, cfg)

@@ -119,8 +119,10 @@ class FetchEngine:
         self._closed = False
         self.close_timeout = 5.0  # close() waits this long for the workers before leaving the files to them
         self._alive = workers  # workers not yet exited (guarded by _fd_lock)
-        self._threads = [threading.Thread(target=self._worker, name=f"fate-fetch-{i}", daemon=True)
-                         for i in range(FETCH_WORKERS if workers is None else workers)]
+        self._threads = [
+            threading.Thread(target=self._worker, name=f"fate-fetch-{i}", daemon=True)
+            for i in range(FETCH_WORKERS if workers is None else workers)
+        ]
         for t in self._threads:
             t.start()
 
@@ -344,8 +346,13 @@ class FetchEngine:
         issued = time.monotonic()  # the link's clock: emulated transfer overlaps this request's real reads
         if buf.size < ref.read_length:
             self.pool.release(buf)
-            self._fail(req, FetchError(f"{ref.where()}: blob of {ref.length} bytes exceeds the buffer size "
-                                       f"{buf.size}; the store and the engine disagree on the largest blob"))
+            self._fail(
+                req,
+                FetchError(
+                    f"{ref.where()}: blob of {ref.length} bytes exceeds the buffer size "
+                    f"{buf.size}; the store and the engine disagree on the largest blob"
+                ),
+            )
             return
         try:
             if self.fault_injector is not None:

@@ -25,9 +25,17 @@ class ProviderStats:
 
 
 class StoreExpertProvider(ExpertProvider):
-    def __init__(self, store: ExpertStore, bits: int | None = None, dtype: torch.dtype = torch.float32,
-                 engine: FetchEngine | None = None, link: ThrottledLink | None = None, workers: int = 2,
-                 direct_io: bool = True, device: str = "cpu"):
+    def __init__(
+        self,
+        store: ExpertStore,
+        bits: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        engine: FetchEngine | None = None,
+        link: ThrottledLink | None = None,
+        workers: int = 2,
+        direct_io: bool = True,
+        device: str = "cpu",
+    ):
         self.store = store
         quantized = [b for b in store.bits_available if b < 16]
         self.bits = bits if bits is not None else (max(quantized) if quantized else 16)
@@ -36,8 +44,9 @@ class StoreExpertProvider(ExpertProvider):
         self.device = device
         # Buffers for the precision read, not the store's largest (bf16) blob: they are faulted in when made.
         slot = store.precisions[self.bits].slot_bytes
-        self.engine = engine or FetchEngine(BufferPool(2 * workers, slot), workers=workers, link=link,
-                                            direct_io=direct_io)
+        self.engine = engine or FetchEngine(
+            BufferPool(2 * workers, slot), workers=workers, link=link, direct_io=direct_io
+        )
         self.stats = ProviderStats()
 
     def get(self, layer: int, expert: int):

@@ -83,13 +83,16 @@ def file_identity(fd: int) -> tuple[int, int, int]:
 
 
 def truncated(ref: BlobRef, got: int) -> FetchError:
-    return FetchError(f"{ref.where()}: file ends early (read {got} of {ref.length} bytes); "
-                      "the store is truncated, re-run fate-edge convert")
+    return FetchError(
+        f"{ref.where()}: file ends early (read {got} of {ref.length} bytes); "
+        "the store is truncated, re-run fate-edge convert"
+    )
 
 
 def corrupted(ref: BlobRef) -> CorruptBlobError:
-    return CorruptBlobError(f"checksum mismatch for {ref.where()}: the expert store is corrupted; "
-                            "re-run fate-edge convert to rebuild it")
+    return CorruptBlobError(
+        f"checksum mismatch for {ref.where()}: the expert store is corrupted; re-run fate-edge convert to rebuild it"
+    )
 
 
 def mark_verified(ref: BlobRef, payload: bytes, identity: tuple[int, int, int]) -> None:

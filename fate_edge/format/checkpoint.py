@@ -115,8 +115,10 @@ class CheckpointReader:
         while view:
             got = os.preadv(fd, [view], offset)
             if got == 0:
-                raise CorruptCheckpointError(f"{self.model_dir / self.weight_map[name]}: ended while reading "
-                                             f"'{name}'; re-download or re-copy the file")
+                raise CorruptCheckpointError(
+                    f"{self.model_dir / self.weight_map[name]}: ended while reading "
+                    f"'{name}'; re-download or re-copy the file"
+                )
             view, offset = view[got:], offset + got
         if self.drop_cache and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, start + begin, end - begin, os.POSIX_FADV_DONTNEED)
@@ -185,21 +187,65 @@ class CheckpointReader:
         return n * _DTYPE_SIZES.get(sl.get_dtype(), 4)
 
 
-_TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                 "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                 "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-_DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-                "F8_E4M3": 1, "F8_E5M2": 1}
+_TORCH_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+_DTYPE_SIZES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 
 
 # safetensors' own order for the tensors of a file: by dtype, widest enum value first, then by name.
-_DTYPE_ORDER = ["BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "I16", "U16", "F16",
-                "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64"]
+_DTYPE_ORDER = [
+    "BOOL",
+    "F4",
+    "F6_E2M3",
+    "F6_E3M2",
+    "U8",
+    "I8",
+    "F8_E5M2",
+    "F8_E4M3",
+    "F8_E8M0",
+    "I16",
+    "U16",
+    "F16",
+    "BF16",
+    "I32",
+    "U32",
+    "F32",
+    "C64",
+    "F64",
+    "I64",
+    "U64",
+]
 STREAM_CHUNK_BYTES = 64 << 20  # a larger tensor is copied this many bytes of rows at a time
 
 
-def save_streaming(reader: CheckpointReader, names: list[str], path: str | Path,
-                   metadata: dict[str, str] | None = None, on_tensor=None) -> int:
+def save_streaming(
+    reader: CheckpointReader, names: list[str], path: str | Path, metadata: dict[str, str] | None = None, on_tensor=None
+) -> int:
     """Write tensors ``names`` of ``reader`` to the safetensors file ``path`` one block of rows at a time, so
     memory holds at most STREAM_CHUNK_BYTES of them (``safe_open`` + ``save_file`` would hold them all).
     The file is byte for byte what ``safetensors.torch.save_file`` writes. ``on_tensor(name, nbytes)`` is

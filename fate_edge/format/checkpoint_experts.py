@@ -74,14 +74,21 @@ class CheckpointExpertProvider(ExpertProvider):
         return w
 
 
-def read_experts(layouts: dict[int, ExpertLayout], num_experts: int, dtype: torch.dtype,
-                 device: str | torch.device = "cpu", spec: QuantSpec | None = None,
-                 kernel: str | None = None) -> InMemoryExpertProvider:
+def read_experts(
+    layouts: dict[int, ExpertLayout],
+    num_experts: int,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    spec: QuantSpec | None = None,
+    kernel: str | None = None,
+) -> InMemoryExpertProvider:
     """Every expert read into memory; with ``spec``, each quantized as it is read (the float experts are
     never all in memory at once), on ``kernel`` (None: the fastest here, timed per shape)."""
+
     def one(lay: ExpertLayout, e: int):
         w = lay.read(e, dtype).to(device)
         return w if spec is None else quantize_expert(w, spec, device, kernel)
 
-    return InMemoryExpertProvider({(layer, e): one(lay, e) for layer, lay in layouts.items()
-                                   for e in range(num_experts)})
+    return InMemoryExpertProvider(
+        {(layer, e): one(lay, e) for layer, lay in layouts.items() for e in range(num_experts)}
+    )

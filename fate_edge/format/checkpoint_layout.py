@@ -13,8 +13,14 @@ from fate_edge.model.transformer import LayerNames
 # Router weights and DeepSeek's correction bias stay in fp32, as the reference keeps them.
 FP32_SUFFIXES = (".gate.weight", ".gate.e_score_correction_bias")
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def is_routed_expert_tensor(name: str) -> bool:

@@ -39,8 +39,14 @@ from fate_edge.quant.linear import default_kernel, int4_supported
 from fate_edge.quant.rtn import BLOCK_BYTES
 from fate_edge.sizes import format_bytes
 
-AUX_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-             "special_tokens_map.json", "chat_template.jinja")
+AUX_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
 
 
 @dataclass
@@ -72,10 +78,14 @@ def pick_group(dims: tuple[int, ...], requested: int | None, option: str = "--gr
     if requested is not None and requested in fits:
         return requested
     if not fits:
-        raise FateEdgeError(f"expert dimensions {shape} are not multiples of {GROUP_SIZES[-1]}, the smallest "
-                            f"quantization group fate-edge supports ({', '.join(map(str, GROUP_SIZES))})")
-    raise FateEdgeError(f"{option} {requested} does not divide the expert dimensions {shape}; use {option} "
-                        + " or ".join(map(str, fits)))
+        raise FateEdgeError(
+            f"expert dimensions {shape} are not multiples of {GROUP_SIZES[-1]}, the smallest "
+            f"quantization group fate-edge supports ({', '.join(map(str, GROUP_SIZES))})"
+        )
+    raise FateEdgeError(
+        f"{option} {requested} does not divide the expert dimensions {shape}; use {option} "
+        + " or ".join(map(str, fits))
+    )
 
 
 def with_groups(opts: ConvertOptions, dims: tuple[int, ...]) -> ConvertOptions:
@@ -104,8 +114,10 @@ def _precisions(cfg, opts: ConvertOptions) -> list[Precision]:
     # auto: portable where fate-edge's own kernel is the default here (it computes on those bytes directly)
     portable_wins = all(default_kernel(shape, hot, cpu) == "native-int4" for shape in shapes)
     if opts.layout == "cpu-int4" and not native:
-        raise FateEdgeError(f"--layout cpu-int4 needs int2-4 bits and shapes torch's CPU int4 kernel takes; "
-                            f"int{opts.bits} with expert {inter}x{h} does not fit: use --layout portable")
+        raise FateEdgeError(
+            f"--layout cpu-int4 needs int2-4 bits and shapes torch's CPU int4 kernel takes; "
+            f"int{opts.bits} with expert {inter}x{h} does not fit: use --layout portable"
+        )
     out = []
     for bits, spec in wanted:
         # Only the streamed (hot) copy takes the kernel layout; cold copies stay small on the link.
@@ -116,8 +128,13 @@ def _precisions(cfg, opts: ConvertOptions) -> list[Precision]:
     return out
 
 
-def convert(model_dir: str | Path, out_dir: str | Path, opts: ConvertOptions | None = None,
-            progress: bool = True, on_progress: Callable[[int, int], None] | None = None) -> Path:
+def convert(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    opts: ConvertOptions | None = None,
+    progress: bool = True,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> Path:
     """Write the expert store of ``model_dir`` into ``out_dir``, streaming: one tensor block or a few experts
     are in memory at a time. ``progress`` shows a bar on a terminal; ``on_progress(done, total)`` gets the
     checkpoint bytes converted so far after every resident tensor and every expert."""
@@ -134,8 +151,11 @@ def convert(model_dir: str | Path, out_dir: str | Path, opts: ConvertOptions | N
     asked = opts.group_size
     opts = with_groups(opts, dims)
     if asked is None and progress:
-        print(f"quantization group {opts.group_size}: the largest of {', '.join(map(str, GROUP_SIZES))} that "
-              f"divides the expert dimensions {dims[0]}x{dims[1]}", file=sys.stderr)
+        print(
+            f"quantization group {opts.group_size}: the largest of {', '.join(map(str, GROUP_SIZES))} that "
+            f"divides the expert dimensions {dims[0]}x{dims[1]}",
+            file=sys.stderr,
+        )
     layouts = {layer: ExpertLayout(reader, names[layer].mlp) for layer in cfg.moe_layers}
     expert_src = sum(reader.nbytes(n) for n in layouts[cfg.moe_layers[0]].tensor_names(0)) if cfg.moe_layers else 0
     if cfg.moe_layers and layouts[cfg.moe_layers[0]].fused:  # a fused tensor holds every expert of the layer
@@ -173,8 +193,14 @@ class StoreSource:
     aux_bytes: int
 
 
-def write_store(src: StoreSource, out_dir: Path, opts: ConvertOptions, precisions: list[Precision],
-                progress: bool = True, on_progress: Callable[[int, int], None] | None = None) -> Path:
+def write_store(
+    src: StoreSource,
+    out_dir: Path,
+    opts: ConvertOptions,
+    precisions: list[Precision],
+    progress: bool = True,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> Path:
     """Write ``src`` as a store at ``out_dir``: into a hidden sibling first, renamed into place as the last step;
     on any failure nothing is left at ``out_dir`` (an existing store there is kept)."""
     cfg, reader = src.cfg, src.reader
@@ -190,23 +216,29 @@ def write_store(src: StoreSource, out_dir: Path, opts: ConvertOptions, precision
     try:
         src.write_aux(tmp)
         jobs = [(layer, e) for layer in cfg.moe_layers for e in range(cfg.num_experts)]
-        meter = _Progress(sum(reader.nbytes(n) for n in names_resident) + src.expert_bytes * len(jobs), progress,
-                          on_progress)
+        meter = _Progress(
+            sum(reader.nbytes(n) for n in names_resident) + src.expert_bytes * len(jobs), progress, on_progress
+        )
         try:
             if opts.resident_bits is None and opts.embedding_bits is None:
-                save_streaming(reader, names_resident, tmp / "resident.safetensors", {"format": "pt"},
-                               lambda _name, nbytes: meter.advance(nbytes))
+                save_streaming(
+                    reader,
+                    names_resident,
+                    tmp / "resident.safetensors",
+                    {"format": "pt"},
+                    lambda _name, nbytes: meter.advance(nbytes),
+                )
             else:  # quantized once, here (fate_edge/format/prequantized.py)
                 from fate_edge.format.prequantized import quantized_resident, write_quantized_resident
 
                 with _one_torch_thread():
-                    held = quantized_resident(cfg, reader, src.names, names_resident, opts.resident_bits,
-                                              opts.embedding_bits)
+                    held = quantized_resident(
+                        cfg, reader, src.names, names_resident, opts.resident_bits, opts.embedding_bits
+                    )
                 write_quantized_resident(tmp / "resident.safetensors", held)
                 del held
                 meter.advance(sum(reader.nbytes(n) for n in names_resident))
-            entries = _write_experts(tmp, jobs, src.encode, precisions, opts,
-                                     lambda: meter.advance(src.expert_bytes))
+            entries = _write_experts(tmp, jobs, src.encode, precisions, opts, lambda: meter.advance(src.expert_bytes))
         finally:
             meter.close()
 
@@ -239,8 +271,10 @@ def write_store(src: StoreSource, out_dir: Path, opts: ConvertOptions, precision
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if _is_disk_full(exc):
-            raise FateEdgeError(f"{out_dir.parent}: no space left on the device while writing the store (it needs "
-                                f"about {format_bytes(need)}); free space or convert into another directory") from exc
+            raise FateEdgeError(
+                f"{out_dir.parent}: no space left on the device while writing the store (it needs "
+                f"about {format_bytes(need)}); free space or convert into another directory"
+            ) from exc
         raise
     return out_dir
 
@@ -256,8 +290,9 @@ def _one_torch_thread():
         torch.set_num_threads(before)
 
 
-def _encode_job(layout: ExpertLayout, expert: int, precisions: list[Precision],
-                method: str) -> list[tuple[memoryview, int]]:
+def _encode_job(
+    layout: ExpertLayout, expert: int, precisions: list[Precision], method: str
+) -> list[tuple[memoryview, int]]:
     """One expert read from the checkpoint in its own dtype and encoded at every precision, with each blob's
     CRC32 (a worker's job: the checksum releases the GIL, so checksums run in parallel too)."""
     work = _encode_scratch()
@@ -276,8 +311,9 @@ def _encode_scratch() -> torch.Tensor:
     return work
 
 
-def _write_experts(tmp: Path, jobs: list[tuple[int, int]], encode, precisions: list[Precision],
-                   opts: ConvertOptions, done) -> dict[str, list[dict]]:
+def _write_experts(
+    tmp: Path, jobs: list[tuple[int, int]], encode, precisions: list[Precision], opts: ConvertOptions, done
+) -> dict[str, list[dict]]:
     """Encode the experts on ``opts.threads`` workers and write their blobs in slot order. At most
     2 x threads experts are in flight, so memory stays a few experts' worth whatever the model's size."""
     threads = opts.threads or min(os.cpu_count() or 1, 8)
@@ -286,6 +322,7 @@ def _write_experts(tmp: Path, jobs: list[tuple[int, int]], encode, precisions: l
     pool = ThreadPoolExecutor(threads, thread_name_prefix="convert")
     try:
         with _one_torch_thread():
+
             def submit(item: tuple[int, tuple[int, int]]):
                 slot, (layer, e) = item
                 return slot, layer, e, pool.submit(encode, layer, e, precisions, opts.method)
@@ -319,8 +356,15 @@ class _Progress:
 
     def __init__(self, total: int, bar: bool, callback=None):
         self.total, self.done, self.callback = total, 0, callback
-        self.bar = tqdm(total=total, desc="converting", unit="B", unit_scale=True, file=sys.stderr,
-                        disable=None if bar else True, mininterval=0.5)
+        self.bar = tqdm(
+            total=total,
+            desc="converting",
+            unit="B",
+            unit_scale=True,
+            file=sys.stderr,
+            disable=None if bar else True,
+            mininterval=0.5,
+        )
 
     def advance(self, nbytes: int) -> None:
         self.done += nbytes
@@ -355,8 +399,10 @@ def _check_free_space(directory: Path, need: int) -> None:
         existing = existing.parent
     free = shutil.disk_usage(existing).free
     if need > free:
-        raise FateEdgeError(f"{directory}: the store needs about {format_bytes(need)} but only {format_bytes(free)} "
-                            "is free there; free space or convert into another directory")
+        raise FateEdgeError(
+            f"{directory}: the store needs about {format_bytes(need)} but only {format_bytes(free)} "
+            "is free there; free space or convert into another directory"
+        )
 
 
 _PARTIAL = re.compile(r"^\..+\.(?:partial|old)-(\d+)$")
@@ -382,7 +428,9 @@ def remove_dead_partials(directory: Path) -> list[Path]:
         m = _PARTIAL.match(path.name)
         if m and path.is_dir() and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))):
             shutil.rmtree(path, ignore_errors=True)
-            print(f"removed {path}, left by a convert that was interrupted (process {m.group(1)} is gone)",
-                  file=sys.stderr)
+            print(
+                f"removed {path}, left by a convert that was interrupted (process {m.group(1)} is gone)",
+                file=sys.stderr,
+            )
             removed.append(path)
     return removed

@@ -25,8 +25,13 @@ SOURCE_BITS = {Q4_0: 4, Q8_0: 8, Q4_K: 4}  # the code width of each block type t
 
 def exact_into(type_name: str, spec: QuantSpec) -> bool:
     """Whether blocks of ``type_name`` go into ``spec`` with their own codes (no second rounding)."""
-    return (type_name in SOURCE_BITS and spec.group_size == 32 and spec.asymmetric
-            and spec.bits >= SOURCE_BITS[type_name] and spec.storage_bits in (4, 8))
+    return (
+        type_name in SOURCE_BITS
+        and spec.group_size == 32
+        and spec.asymmetric
+        and spec.bits >= SOURCE_BITS[type_name]
+        and spec.storage_bits in (4, 8)
+    )
 
 
 def to_quantized(type_name: str, raw: torch.Tensor, spec: QuantSpec) -> Quantized:

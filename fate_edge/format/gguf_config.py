@@ -13,8 +13,14 @@ from fate_edge.errors import UnsupportedArchitectureError
 from fate_edge.format.gguf_reader import GGUFFile
 
 # general.architecture -> model_type (llama with experts is Mixtral; deepseek2 with sigmoid gating is V3)
-ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "llama": "mixtral", "mixtral": "mixtral",
-                 "olmoe": "olmoe", "deepseek2": "deepseek_v2"}
+ARCHITECTURES = {
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
+    "llama": "mixtral",
+    "mixtral": "mixtral",
+    "olmoe": "olmoe",
+    "deepseek2": "deepseek_v2",
+}
 _SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
 
 
@@ -24,7 +30,8 @@ def model_type(g: GGUFFile) -> str:
         what = "a dense llama model" if arch == "llama" else f"architecture '{arch}'"
         raise UnsupportedArchitectureError(
             f"{g.path}: general.architecture is {what}; fate-edge runs MoE models of the architectures "
-            f"{', '.join(sorted(set(ARCHITECTURES) - {'mixtral'}))} (llama with experts: Mixtral)")
+            f"{', '.join(sorted(set(ARCHITECTURES) - {'mixtral'}))} (llama with experts: Mixtral)"
+        )
     if arch == "deepseek2" and g.arch_key("expert_gating_func", 1) == _SIGMOID_GATING:
         return "deepseek_v3"
     return ARCHITECTURES[arch]
@@ -71,9 +78,13 @@ def hf_config(g: GGUFFile, dtype: str) -> dict[str, Any]:
     dense = dense_layers(g, layers)
     norm = key("expert_weights_norm", None)
     if mtype in ("qwen2_moe", "qwen3_moe"):
-        d.update(mlp_only_layers=dense, decoder_sparse_step=1, qkv_bias="blk.0.attn_q.bias" in g.tensors,
-                 shared_expert_intermediate_size=key("expert_shared_feed_forward_length", 0),
-                 norm_topk_prob=bool(norm if norm is not None else mtype == "qwen3_moe"))
+        d.update(
+            mlp_only_layers=dense,
+            decoder_sparse_step=1,
+            qkv_bias="blk.0.attn_q.bias" in g.tensors,
+            shared_expert_intermediate_size=key("expert_shared_feed_forward_length", 0),
+            norm_topk_prob=bool(norm if norm is not None else mtype == "qwen3_moe"),
+        )
         if head_dim:
             d["head_dim"] = head_dim
     elif mtype == "mixtral":

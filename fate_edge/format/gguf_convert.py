@@ -59,8 +59,13 @@ def resident_dtype(g: GGUFFile) -> str:
     return "float32" if g.info("token_embd.weight").type_name == "F32" else "bfloat16"
 
 
-def convert_gguf(path: str | Path, out_dir: str | Path, opts: ConvertOptions | None = None, progress: bool = True,
-                 on_progress: Callable[[int, int], None] | None = None) -> Path:
+def convert_gguf(
+    path: str | Path,
+    out_dir: str | Path,
+    opts: ConvertOptions | None = None,
+    progress: bool = True,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> Path:
     """Write the expert store of the GGUF file ``path`` into ``out_dir``. ``opts.bits`` None: 8 for q8_0 experts,
     else 4; the group is 32 (the blocks' own) for quantized experts unless ``opts.group_size`` says otherwise."""
     path, out_dir = Path(path), Path(out_dir)
@@ -76,9 +81,11 @@ def convert_gguf(path: str | Path, out_dir: str | Path, opts: ConvertOptions | N
     for layer in cfg.moe_layers:
         for m in MATRICES:
             if expert_tensor(layer, m) not in g.tensors:
-                raise ModelFormatError(f"{path}: tensor '{expert_tensor(layer, m)}' not found; fate-edge reads the "
-                                       "stacked expert tensors llama.cpp writes (re-convert an older per-expert GGUF "
-                                       "with a current llama.cpp)")
+                raise ModelFormatError(
+                    f"{path}: tensor '{expert_tensor(layer, m)}' not found; fate-edge reads the "
+                    "stacked expert tensors llama.cpp writes (re-convert an older per-expert GGUF "
+                    "with a current llama.cpp)"
+                )
     types = expert_types(g, cfg.moe_layers)
     blocks = not set(types) <= set(FLOAT_TYPES)
     if opts.bits is None:
@@ -94,10 +101,13 @@ def convert_gguf(path: str | Path, out_dir: str | Path, opts: ConvertOptions | N
     if progress:
         exact = [t for t in types if any(p.spec is not None and exact_into(t, p.spec) for p in precisions)]
         again = [t for t in types if t not in exact and t not in FLOAT_TYPES]
-        print(f"{path.name}: experts {', '.join(f'{n} x{c}' for n, c in types.items())}; streamed int{opts.bits} "
-              f"group {group}" + (f", {'/'.join(exact)} codes taken as they are" if exact else "")
-              + (f", {'/'.join(again)} dequantized and quantized again ({opts.method})" if again else ""),
-              file=sys.stderr)
+        print(
+            f"{path.name}: experts {', '.join(f'{n} x{c}' for n, c in types.items())}; streamed int{opts.bits} "
+            f"group {group}"
+            + (f", {'/'.join(exact)} codes taken as they are" if exact else "")
+            + (f", {'/'.join(again)} dequantized and quantized again ({opts.method})" if again else ""),
+            file=sys.stderr,
+        )
     one = cfg.moe_layers[0] if cfg.moe_layers else None
     expert_bytes = 0 if one is None else sum(g.info(expert_tensor(one, m)).nbytes for m in MATRICES) // cfg.num_experts
 
@@ -105,19 +115,22 @@ def convert_gguf(path: str | Path, out_dir: str | Path, opts: ConvertOptions | N
         config = hf_config(g, dtype)
         (tmp / "config.json").write_text(json.dumps(config, indent=1))
         for name, content in tok_files.items():
-            (tmp / name).write_text(json.dumps(content, indent=1 if name != "tokenizer.json" else None,
-                                               ensure_ascii=False))
+            (tmp / name).write_text(
+                json.dumps(content, indent=1 if name != "tokenizer.json" else None, ensure_ascii=False)
+            )
 
     def encode(layer: int, expert: int, precs: list[Precision], method: str) -> list[tuple[memoryview, int]]:
         return [(b, crc32(b)) for b in encode_gguf_expert(g, layer, expert, precs, method)]
 
-    source = StoreSource(path, cfg, reader, names, expert_bytes, encode, write_aux,
-                         sum(len(json.dumps(c)) for c in tok_files.values()))
+    source = StoreSource(
+        path, cfg, reader, names, expert_bytes, encode, write_aux, sum(len(json.dumps(c)) for c in tok_files.values())
+    )
     return write_store(source, out_dir, opts, precisions, progress, on_progress)
 
 
-def encode_gguf_expert(g: GGUFFile, layer: int, expert: int, precisions: list[Precision],
-                       method: str) -> list[memoryview]:
+def encode_gguf_expert(
+    g: GGUFFile, layer: int, expert: int, precisions: list[Precision], method: str
+) -> list[memoryview]:
     """One expert's blobs, one per precision: its blocks as they are where they fit, else dequantized."""
     raw, floats = {}, {}
     for m in MATRICES:
@@ -135,8 +148,7 @@ def encode_gguf_expert(g: GGUFFile, layer: int, expert: int, precisions: list[Pr
                 if m not in floats:
                     floats[m] = g.dequantize(expert_tensor(layer, m), expert, 1)[0]
                 mats[m] = floats[m]
-        out.append(encode_expert(ExpertWeights(mats["gate"], mats["up"], mats["down"]), p, method,
-                                 _encode_scratch()))
+        out.append(encode_expert(ExpertWeights(mats["gate"], mats["up"], mats["down"]), p, method, _encode_scratch()))
     return out
 
 

@@ -67,9 +67,11 @@ class GGUFFile:
         except ModelFormatError:
             raise
         except Exception as exc:  # the reader raises ValueError, struct.error, IndexError, ... on a cut header
-            raise CorruptCheckpointError(f"{self.path}: unreadable GGUF header ({type(exc).__name__}: "
-                                         f"{str(exc).splitlines()[0] if str(exc) else 'file ends early'}); "
-                                         f"{_FIX}") from exc
+            raise CorruptCheckpointError(
+                f"{self.path}: unreadable GGUF header ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else 'file ends early'}); "
+                f"{_FIX}"
+            ) from exc
         self.fields: dict[str, Any] = {}
         for key, field in reader.fields.items():
             if not key.startswith("GGUF."):
@@ -82,8 +84,10 @@ class GGUFFile:
         if cut:
             first = min(cut, key=lambda t: t.offset)
             missing = max(t.offset + t.nbytes for t in cut) - size
-            raise CorruptCheckpointError(f"{self.path}: truncated, tensor '{first.name}' and {len(cut) - 1} after it "
-                                         f"are cut off ({missing} bytes missing); {_FIX}")
+            raise CorruptCheckpointError(
+                f"{self.path}: truncated, tensor '{first.name}' and {len(cut) - 1} after it "
+                f"are cut off ({missing} bytes missing); {_FIX}"
+            )
         del reader  # its memory map: tensor bytes are read with pread from here on
         self._fd = os.open(self.path, os.O_RDONLY)
 
@@ -97,8 +101,10 @@ class GGUFFile:
 
     def require(self, key: str) -> Any:
         if key not in self.fields:
-            raise ModelFormatError(f"{self.path}: metadata key '{key}' is missing; the GGUF is incomplete or was "
-                                   "written for another architecture (re-convert it with llama.cpp)")
+            raise ModelFormatError(
+                f"{self.path}: metadata key '{key}' is missing; the GGUF is incomplete or was "
+                "written for another architecture (re-convert it with llama.cpp)"
+            )
         return self.fields[key]
 
     def arch_key(self, suffix: str, default: Any = ...) -> Any:
@@ -109,8 +115,10 @@ class GGUFFile:
     # ------------------------------------------------------------------ tensors
     def info(self, name: str) -> TensorInfo:
         if name not in self.tensors:
-            raise ModelFormatError(f"{self.path}: tensor '{name}' not found; the GGUF is incomplete or does not match "
-                                   "its metadata (re-convert it with llama.cpp)")
+            raise ModelFormatError(
+                f"{self.path}: tensor '{name}' not found; the GGUF is incomplete or does not match "
+                "its metadata (re-convert it with llama.cpp)"
+            )
         return self.tensors[name]
 
     def read_bytes(self, name: str, first_row: int = 0, rows: int | None = None) -> np.ndarray:
@@ -147,9 +155,11 @@ class GGUFFile:
             else:
                 out = quants.dequantize(raw, t.qtype)
         except NotImplementedError:
-            raise ModelFormatError(f"{self.path}: tensor '{name}' has quant type {t.type_name}, which the gguf "
-                                   "package cannot dequantize; re-quantize the model to q4_0, q4_K, q8_0 or another "
-                                   "type llama.cpp's gguf-py reads") from None
+            raise ModelFormatError(
+                f"{self.path}: tensor '{name}' has quant type {t.type_name}, which the gguf "
+                "package cannot dequantize; re-quantize the model to q4_0, q4_K, q8_0 or another "
+                "type llama.cpp's gguf-py reads"
+            ) from None
         shape = (raw.shape[0], *t.shape[1:]) if len(t.shape) > 1 else t.shape
         return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).reshape(shape)
 
@@ -184,12 +194,14 @@ def _checked_reader(path: Path):
                     raise ModelFormatError(
                         f"{path}: tensor '{name}' has quant type {int(raw_dtype[0])}, which this gguf package does "
                         "not know; re-quantize the model to q4_0, q4_K, q8_0 or another common type, or upgrade "
-                        "the gguf package") from None
+                        "the gguf package"
+                    ) from None
                 block, type_size = GGML_QUANT_SIZES[qtype]
                 end = start_offs + int(offset[0]) + int(np.prod(dims)) // block * type_size
                 if end > size:
-                    raise CorruptCheckpointError(f"{path}: truncated, tensor '{name}' ends at byte {end} but the "
-                                                 f"file has {size}; {_FIX}")
+                    raise CorruptCheckpointError(
+                        f"{path}: truncated, tensor '{name}' ends at byte {end} but the file has {size}; {_FIX}"
+                    )
             super()._build_tensors(start_offs, fields)
 
     return Reader(str(path))

@@ -17,17 +17,31 @@ from fate_edge.errors import ModelFormatError
 from fate_edge.format.gguf_reader import GGUFFile
 from fate_edge.model.arch import ModelConfig
 
-_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight"}
+_TOP = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 _LAYER = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm", "attn_q_b": "self_attn.q_b_proj",
-    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa", "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
     "attn_kv_b": "self_attn.kv_b_proj",
-    "ffn_gate_inp": "mlp.gate", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
 }
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 _NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
@@ -52,8 +66,10 @@ class GGUFCheckpoint:
                 continue
             m = _NAME.match(name)
             if m is None:
-                raise ModelFormatError(f"{g.path}: tensor '{name}' has no counterpart in fate-edge's "
-                                       f"{cfg.model_type} model; the GGUF holds parts fate-edge does not run")
+                raise ModelFormatError(
+                    f"{g.path}: tensor '{name}' has no counterpart in fate-edge's "
+                    f"{cfg.model_type} model; the GGUF holds parts fate-edge does not run"
+                )
             layer, part, kind = int(m.group(1)), m.group(2), m.group(3)
             if part in EXPERT_TENSORS or layer >= cfg.num_hidden_layers:
                 continue
@@ -70,8 +86,10 @@ class GGUFCheckpoint:
             elif part in _LAYER:
                 hf = _LAYER[part]
             else:
-                raise ModelFormatError(f"{g.path}: tensor '{name}' has no counterpart in fate-edge's "
-                                       f"{cfg.model_type} model; the GGUF holds parts fate-edge does not run")
+                raise ModelFormatError(
+                    f"{g.path}: tensor '{name}' has no counterpart in fate-edge's "
+                    f"{cfg.model_type} model; the GGUF holds parts fate-edge does not run"
+                )
             self.sources[f"{base}.{hf}.{kind}"] = (name,)
         if cfg.tie_word_embeddings:
             self.sources.pop("lm_head.weight", None)
@@ -85,8 +103,10 @@ class GGUFCheckpoint:
 
     def _gguf(self, name: str) -> tuple[str, ...]:
         if name not in self.sources:
-            raise ModelFormatError(f"{self.g.path}: no tensor for '{name}' in the GGUF; the file is incomplete or "
-                                   "was converted for another architecture")
+            raise ModelFormatError(
+                f"{self.g.path}: no tensor for '{name}' in the GGUF; the file is incomplete or "
+                "was converted for another architecture"
+            )
         return self.sources[name]
 
     def shape(self, name: str) -> list[int]:

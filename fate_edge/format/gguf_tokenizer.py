@@ -16,8 +16,20 @@ from fate_edge.errors import ModelFormatError
 from fate_edge.format.gguf_reader import GGUFFile
 
 # Texts llama.cpp takes as end-of-generation tokens whatever the metadata says (llama-vocab.cpp's EOG scan)
-EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>",
-             "<|end_of_text|>", "<EOT>", "_<EOT>", "<\uff5cend\u2581of\u2581sentence\uff5c>", "<end_of_utterance>")
+EOG_TEXTS = (
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<EOT>",
+    "_<EOT>",
+    "<\uff5cend\u2581of\u2581sentence\uff5c>",
+    "<end_of_utterance>",
+)
 
 # llama.cpp's token types
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -34,38 +46,38 @@ _LLAMA3 = [
     " ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
 ]
 _DEEPSEEK3 = [
-    '\\p{N}{1,3}',
-    '[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+',
-    '[!"#$%&\'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?['
-    '\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+',
+    "\\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?["
+    "\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
 ]
 _DEEPSEEK_LLM = [
-    '[\r\n]',
-    '\\s?[A-Za-z\xb5\xc0-\xd6\xd8-\xf6\xf8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af\u0370-\u0373'
-    '\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1\u03a3-\u03f5\u03f7-\u0481'
-    '\u048a-\u052f\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5\u13f8-\u13fd\u1c90-\u1cba\u1cbd-\u1cbf\u1d00-'
-    '\u1d2b\u1d6b-\u1d77\u1d79-\u1d9a\u1e00-\u1f15\u1f18-\u1f1d\u1f20-\u1f45\u1f48-\u1f4d\u1f50-\u1f57'
-    '\u1f59\u1f5b\u1f5d\u1f5f-\u1f7d\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe\u1fc2-\u1fc4\u1fc6-\u1fcc\u1fd0-'
-    '\u1fd3\u1fd6-\u1fdb\u1fe0-\u1fec\u1ff2-\u1ff4\u1ff6-\u1ffc\u2102\u2107\u210a-\u2113\u2115\u2119-'
-    '\u211d\u2124\u2126\u2128\u212a-\u212d\u212f-\u2134\u2139\u213c-\u213f\u2145-\u2149\u214e\u2183\u2184'
-    '\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3\ua640-\ua66d\ua680-\ua69b\ua722-\ua76f\ua771-'
-    '\ua787\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06\ufb13-\ufb17\uff21-\uff3a\uff41-\uff5a\U00010400-'
-    '\U0001044f\U000104b0-\U000104d3\U000104d8-\U000104fb\U00010c80-\U00010cb2\U00010cc0-\U00010cf2'
-    '\U000118a0-\U000118df\U0001e900-\U0001e943]+',
-    '\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+',
-    '\\s+$',
-    '[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+',
-    '\\p{N}+',
+    "[\r\n]",
+    "\\s?[A-Za-z\xb5\xc0-\xd6\xd8-\xf6\xf8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af\u0370-\u0373"
+    "\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1\u03a3-\u03f5\u03f7-\u0481"
+    "\u048a-\u052f\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5\u13f8-\u13fd\u1c90-\u1cba\u1cbd-\u1cbf\u1d00-"
+    "\u1d2b\u1d6b-\u1d77\u1d79-\u1d9a\u1e00-\u1f15\u1f18-\u1f1d\u1f20-\u1f45\u1f48-\u1f4d\u1f50-\u1f57"
+    "\u1f59\u1f5b\u1f5d\u1f5f-\u1f7d\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe\u1fc2-\u1fc4\u1fc6-\u1fcc\u1fd0-"
+    "\u1fd3\u1fd6-\u1fdb\u1fe0-\u1fec\u1ff2-\u1ff4\u1ff6-\u1ffc\u2102\u2107\u210a-\u2113\u2115\u2119-"
+    "\u211d\u2124\u2126\u2128\u212a-\u212d\u212f-\u2134\u2139\u213c-\u213f\u2145-\u2149\u214e\u2183\u2184"
+    "\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3\ua640-\ua66d\ua680-\ua69b\ua722-\ua76f\ua771-"
+    "\ua787\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06\ufb13-\ufb17\uff21-\uff3a\uff41-\uff5a\U00010400-"
+    "\U0001044f\U000104b0-\U000104d3\U000104d8-\U000104fb\U00010c80-\U00010cb2\U00010cc0-\U00010cf2"
+    "\U000118a0-\U000118df\U0001e900-\U0001e943]+",
+    "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
+    "\\s+$",
+    "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
+    "\\p{N}+",
 ]
 _STARCODER = [
-    '\\p{N}',
+    "\\p{N}",
     "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)",
 ]
 _DEFAULT = [
-    '[\\p{P}\\$\\+<=>\\^~\\|]+',
+    "[\\p{P}\\$\\+<=>\\^~\\|]+",
     "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)",
-    '\\p{N}+',
-    '[0-9][0-9][0-9]',
+    "\\p{N}+",
+    "[0-9][0-9][0-9]",
 ]
 
 # tokenizer.ggml.pre -> (split regexes, ignore_merges): the names llama.cpp maps onto each regex set
@@ -91,15 +103,20 @@ def tokenizer_files(g: GGUFFile) -> dict[str, dict[str, Any]]:
     elif kind == "llama":
         tok = _spm_tokenizer(g, tokens, types)
     else:
-        raise ModelFormatError(f"{g.path}: tokenizer.ggml.model is '{kind}'; fate-edge rebuilds 'gpt2' (byte-level "
-                               "BPE) and 'llama' (SentencePiece) tokenizers")
+        raise ModelFormatError(
+            f"{g.path}: tokenizer.ggml.model is '{kind}'; fate-edge rebuilds 'gpt2' (byte-level "
+            "BPE) and 'llama' (SentencePiece) tokenizers"
+        )
 
     def text(key: str) -> str | None:
         i = g.get(key)
         return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
 
-    eos_ids = [g.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                                  "tokenizer.ggml.eom_token_id") if isinstance(g.get(k), int)]
+    eos_ids = [
+        g.get(k)
+        for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+        if isinstance(g.get(k), int)
+    ]
     eos_ids += [i for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (CONTROL, USER_DEFINED) and t in EOG_TEXTS]
     config: dict[str, Any] = {
         "bos_token": text("tokenizer.ggml.bos_token_id"),
@@ -111,35 +128,65 @@ def tokenizer_files(g: GGUFFile) -> dict[str, dict[str, Any]]:
     }
     if g.get("tokenizer.chat_template"):
         config["chat_template"] = g.get("tokenizer.chat_template")
-    generation = {"bos_token_id": g.get("tokenizer.ggml.bos_token_id"),
-                  "eos_token_id": sorted(set(eos_ids)) if len(set(eos_ids)) > 1 else (eos_ids or [None])[0]}
+    generation = {
+        "bos_token_id": g.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": sorted(set(eos_ids)) if len(set(eos_ids)) > 1 else (eos_ids or [None])[0],
+    }
     return {"tokenizer.json": tok, "tokenizer_config.json": config, "generation_config.json": generation}
 
 
 def _added(tokens: list[str], types: list[int]) -> list[dict[str, Any]]:
-    return [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
-             "special": ty == CONTROL} for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (CONTROL, USER_DEFINED)]
+    return [
+        {
+            "id": i,
+            "content": t,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": ty == CONTROL,
+        }
+        for i, (t, ty) in enumerate(zip(tokens, types))
+        if ty in (CONTROL, USER_DEFINED)
+    ]
 
 
 def _bpe_tokenizer(g: GGUFFile, tokens: list[str], types: list[int]) -> dict[str, Any]:
     pre = g.get("tokenizer.ggml.pre", "default")
     if pre not in _PRE:
-        raise ModelFormatError(f"{g.path}: tokenizer.ggml.pre is '{pre}', a pre-tokenizer fate-edge does not know; "
-                               f"known: {', '.join(sorted(_PRE))}")
+        raise ModelFormatError(
+            f"{g.path}: tokenizer.ggml.pre is '{pre}', a pre-tokenizer fate-edge does not know; "
+            f"known: {', '.join(sorted(_PRE))}"
+        )
     regexes, ignore_merges = _PRE[pre]
     splits = [{"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated", "invert": False} for r in regexes]
     return {
-        "version": "1.0", "truncation": None, "padding": None,
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
         "added_tokens": _added(tokens, types),
         "normalizer": None,
-        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            *splits, {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
+        "pre_tokenizer": {
+            "type": "Sequence",
+            "pretokenizers": [
+                *splits,
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+            ],
+        },
         "post_processor": None,
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
-                  "ignore_merges": ignore_merges, "vocab": {t: i for i, t in enumerate(tokens)},
-                  "merges": list(g.require("tokenizer.ggml.merges"))},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": ignore_merges,
+            "vocab": {t: i for i, t in enumerate(tokens)},
+            "merges": list(g.require("tokenizer.ggml.merges")),
+        },
     }
 
 
@@ -159,17 +206,38 @@ def _spm_tokenizer(g: GGUFFile, tokens: list[str], types: list[int]) -> dict[str
         merges = [f"{left} {right}" for _, _, left, right in sorted(found)]
     unk = g.get("tokenizer.ggml.unknown_token_id")
     return {
-        "version": "1.0", "truncation": None, "padding": None,
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
         "added_tokens": _added(tokens, types),
-        "normalizer": {"type": "Sequence", "normalizers": [
-            {"type": "Prepend", "prepend": "\u2581"}, {"type": "Replace", "pattern": {"String": " "},
-                                                     "content": "\u2581"}]},
+        "normalizer": {
+            "type": "Sequence",
+            "normalizers": [
+                {"type": "Prepend", "prepend": "\u2581"},
+                {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"},
+            ],
+        },
         "pre_tokenizer": None,
         "post_processor": None,
-        "decoder": {"type": "Sequence", "decoders": [
-            {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "}, {"type": "ByteFallback"},
-            {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
-        "model": {"type": "BPE", "dropout": None, "unk_token": tokens[unk] if isinstance(unk, int) else None,
-                  "continuing_subword_prefix": None, "end_of_word_suffix": None, "fuse_unk": True,
-                  "byte_fallback": True, "ignore_merges": False, "vocab": vocab, "merges": merges},
+        "decoder": {
+            "type": "Sequence",
+            "decoders": [
+                {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+                {"type": "ByteFallback"},
+                {"type": "Fuse"},
+                {"type": "Strip", "content": " ", "start": 1, "stop": 0},
+            ],
+        },
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": tokens[unk] if isinstance(unk, int) else None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": True,
+            "byte_fallback": True,
+            "ignore_merges": False,
+            "vocab": vocab,
+            "merges": merges,
+        },
     }

@@ -33,8 +33,10 @@ def inflate(src: Path, out: Path, intermediate: int, seed: int = 0) -> Path:
     cfg = json.loads((src / "config.json").read_text())
     old = cfg["moe_intermediate_size"]
     if intermediate <= old:
-        raise FateEdgeError(f"target intermediate size {intermediate} must exceed {src}'s current {old}; "
-                            "ask for a larger size (or a larger --int4-expert-mb)")
+        raise FateEdgeError(
+            f"target intermediate size {intermediate} must exceed {src}'s current {old}; "
+            "ask for a larger size (or a larger --int4-expert-mb)"
+        )
     tensors = load_file(src / "model.safetensors")
     gen = torch.Generator().manual_seed(seed)
     extra = intermediate - old

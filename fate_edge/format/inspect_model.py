@@ -67,8 +67,15 @@ def summarize(model_dir: str | Path) -> ModelSummary:
     for i in range(config.num_hidden_layers):
         if config.is_moe_layer(i):
             h, inter = config.hidden_size, config.moe_intermediate_size
-            layers.append(LayerSummary(i, "moe", config.num_experts, [[inter, h], [inter, h], [h, inter]],
-                                       exp_b // (n_moe * config.num_experts)))
+            layers.append(
+                LayerSummary(
+                    i,
+                    "moe",
+                    config.num_experts,
+                    [[inter, h], [inter, h], [h, inter]],
+                    exp_b // (n_moe * config.num_experts),
+                )
+            )
         else:
             layers.append(LayerSummary(i, "dense", 0, [], 0))
     return ModelSummary(str(model_dir), config, exp_p + res_p, exp_p, res_p, exp_b, res_b, layers, precision)
@@ -77,8 +84,10 @@ def summarize(model_dir: str | Path) -> ModelSummary:
 def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[str]:
     """Columns as wide as their widest cell; the ``right`` columns right-aligned (numbers)."""
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    return ["  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
-            for r in [header, *rows]]
+    return [
+        "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+        for r in [header, *rows]
+    ]
 
 
 def format_summary(s: ModelSummary) -> str:
@@ -95,9 +104,16 @@ def format_summary(s: ModelSummary) -> str:
         f"resident bytes {format_bytes(s.resident_bytes)} ({s.resident_params / 1e6:.2f} M params)",
         "",
     ]
-    rows = [[str(lay.layer), lay.kind, str(lay.experts),
-             " ".join("x".join(map(str, sh)) for sh in lay.expert_shapes) or "-",
-             format_bytes(lay.expert_bytes) if lay.expert_bytes else "-"] for lay in s.layers]
+    rows = [
+        [
+            str(lay.layer),
+            lay.kind,
+            str(lay.experts),
+            " ".join("x".join(map(str, sh)) for sh in lay.expert_shapes) or "-",
+            format_bytes(lay.expert_bytes) if lay.expert_bytes else "-",
+        ]
+        for lay in s.layers
+    ]
     lines += _table(["layer", "kind", "experts", "expert shapes (gate, up, down)", "bytes/expert"], rows, {0, 2, 4})
     return "\n".join(lines)
 

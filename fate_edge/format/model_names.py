@@ -49,9 +49,11 @@ def locate_model(model: str | Path) -> Path:
     if found is not None:
         return found
     looked = [str(d) for d in hf_hub_dirs()] + [str(d) for d in ollama_dirs()]
-    raise ModelNotFoundError(f"{name}: not a file or directory, and no Hugging Face hub or Ollama model of that name "
-                             f"was found locally (looked in {', '.join(looked)}); fate-edge downloads nothing: fetch "
-                             "it with `huggingface-cli download` or `ollama pull`, or pass a path")
+    raise ModelNotFoundError(
+        f"{name}: not a file or directory, and no Hugging Face hub or Ollama model of that name "
+        f"was found locally (looked in {', '.join(looked)}); fate-edge downloads nothing: fetch "
+        "it with `huggingface-cli download` or `ollama pull`, or pass a path"
+    )
 
 
 def find_hf(name: str) -> Path | None:
@@ -77,8 +79,10 @@ def find_hf(name: str) -> Path | None:
         if len(ggufs) == 1:
             return ggufs[0]
         if ggufs:
-            raise ModelNotFoundError(f"{name}: {snap} holds several GGUFs ({', '.join(p.name for p in ggufs)}); "
-                                     f"name one as {repo}:PART (for example {repo}:{_quant_tag(ggufs[0].name)})")
+            raise ModelNotFoundError(
+                f"{name}: {snap} holds several GGUFs ({', '.join(p.name for p in ggufs)}); "
+                f"name one as {repo}:PART (for example {repo}:{_quant_tag(ggufs[0].name)})"
+            )
     return None
 
 
@@ -107,8 +111,10 @@ def find_ollama(name: str) -> Path | None:
             if layer.get("mediaType") == OLLAMA_MODEL_LAYER:
                 blob = root / "blobs" / str(layer.get("digest", "")).replace(":", "-")
                 if not blob.is_file():
-                    raise ModelNotFoundError(f"{name}: {manifest} names the model blob {blob.name}, which is not in "
-                                             f"{blob.parent}; run `ollama pull {name}` again")
+                    raise ModelNotFoundError(
+                        f"{name}: {manifest} names the model blob {blob.name}, which is not in "
+                        f"{blob.parent}; run `ollama pull {name}` again"
+                    )
                 return blob
         raise ModelFormatError(f"{manifest}: has no {OLLAMA_MODEL_LAYER} layer; it is not a model fate-edge can run")
     return None

@@ -50,11 +50,15 @@ def check_request(reader: CheckpointReader, resident_bits: int | None, embedding
     """A load asking for other bits than the store was converted with is an error naming both fixes."""
     held, embed = stored_bits(reader)
     if held is not None and resident_bits not in (None, held):
-        raise ModelFormatError(f"{reader.model_dir}: the resident weights were quantized to int{held} at convert; "
-                               f"load with --resident-bits {held} (or none), or convert again without --resident-bits")
+        raise ModelFormatError(
+            f"{reader.model_dir}: the resident weights were quantized to int{held} at convert; "
+            f"load with --resident-bits {held} (or none), or convert again without --resident-bits"
+        )
     if embed is not None and embedding_bits not in (None, embed):
-        raise ModelFormatError(f"{reader.model_dir}: the embedding table was quantized to int{embed} at convert; "
-                               f"load with --embedding-bits {embed} (or none), or convert again without it")
+        raise ModelFormatError(
+            f"{reader.model_dir}: the embedding table was quantized to int{embed} at convert; "
+            f"load with --embedding-bits {embed} (or none), or convert again without it"
+        )
 
 
 def covered(reader: CheckpointReader, name: str) -> bool:
@@ -65,8 +69,14 @@ def covered(reader: CheckpointReader, name: str) -> bool:
     return any(k.endswith(".sizes") and prefix in k.removesuffix(".sizes").split("+") for k in reader.keys())
 
 
-def quantized_resident(config: ModelConfig, reader: CheckpointReader, layer_names: list, wanted: list[str],
-                       bits: int, embedding_bits: int | None) -> dict[str, torch.Tensor]:
+def quantized_resident(
+    config: ModelConfig,
+    reader: CheckpointReader,
+    layer_names: list,
+    wanted: list[str],
+    bits: int,
+    embedding_bits: int | None,
+) -> dict[str, torch.Tensor]:
     """What convert writes for ``--resident-bits bits``: each fused group quantized as the loader would (one group
     in full precision at a time), the embedding table at ``embedding_bits``, the other tensors as stored."""
     w = Weights()
@@ -78,8 +88,9 @@ def quantized_resident(config: ModelConfig, reader: CheckpointReader, layer_name
     done = {f"{n}.weight" for group in groups for n in group}
     for name in wanted:
         if name == f"{EMBED_NAME}.weight" and embedding_bits is not None:
-            dict.update(w, quantize_table(lambda a, b, n=name: reader.get_rows(n, a, b), reader.shape(name),
-                                          embedding_bits))
+            dict.update(
+                w, quantize_table(lambda a, b, n=name: reader.get_rows(n, a, b), reader.shape(name), embedding_bits)
+            )
         elif name not in done:
             dict.__setitem__(w, name, reader.get(name))
     return {k: v.contiguous() for k, v in w.items()}
@@ -88,8 +99,7 @@ def quantized_resident(config: ModelConfig, reader: CheckpointReader, layer_name
 def write_quantized_resident(path: str | Path, tensors: dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
 
-    save_file({k: v.clone() if v._base is not None else v for k, v in tensors.items()}, str(path),
-              {"format": "pt"})
+    save_file({k: v.clone() if v._base is not None else v for k, v in tensors.items()}, str(path), {"format": "pt"})
 
 
 class MappedFiles:
@@ -110,7 +120,8 @@ class MappedFiles:
         if raw is None:
             size = path.stat().st_size
             raw = self._maps[str(path)] = torch.empty(0, dtype=torch.uint8).set_(
-                torch.UntypedStorage.from_file(str(path), False, size))
+                torch.UntypedStorage.from_file(str(path), False, size)
+            )
         info = header[name]
         dtype = _TORCH_DTYPES[info["dtype"]]
         begin, end = (start + o for o in info["data_offsets"])

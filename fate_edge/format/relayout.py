@@ -31,7 +31,7 @@ def _portable_parts(blob: torch.Tensor, old: Precision, new: Precision) -> torch
     """One expert's blob in ``old`` (cpu-int4) → the same expert's blob in ``new`` (portable)."""
     spec = old.spec
     assert spec is not None
-    src = {p.name: blob[p.offset: p.offset + p.nbytes] for p in old.parts}
+    src = {p.name: blob[p.offset : p.offset + p.nbytes] for p in old.parts}
     out = torch.zeros(new.blob_bytes, dtype=torch.uint8)
     shift = 8 - (spec.qmax + 1) // 2  # the cpu-int4 layout centres narrower codes in the 4-bit slot
     for m in MATRICES:
@@ -43,11 +43,14 @@ def _portable_parts(blob: torch.Tensor, old: Precision, new: Precision) -> torch
         zero = sz[..., 1].T - (8 - shift) * scale  # zero' = zero + (8 - shift) * scale
         if shift:
             codes = codes - shift
-        values = {f"{m}.codes": pack(codes, spec.storage_bits), f"{m}.scale": scale.to(torch.float16),
-                  f"{m}.zero": zero.to(torch.float16)}
+        values = {
+            f"{m}.codes": pack(codes, spec.storage_bits),
+            f"{m}.scale": scale.to(torch.float16),
+            f"{m}.zero": zero.to(torch.float16),
+        }
         for p in new.parts:
             if p.name in values:
-                out[p.offset: p.offset + p.nbytes] = values[p.name].contiguous().view(torch.uint8).reshape(-1)
+                out[p.offset : p.offset + p.nbytes] = values[p.name].contiguous().view(torch.uint8).reshape(-1)
     return out
 
 
@@ -71,8 +74,7 @@ def relayout_store(src: str | Path, dst: str | Path, progress: bool = True) -> P
                 continue
             (shutil.copytree if f.is_dir() else shutil.copy2)(f, tmp / f.name)
         for bits, old in todo.items():
-            parts, nbytes = plan_parts(bits, old.spec, index["hidden_size"], index["moe_intermediate_size"],
-                                       "portable")
+            parts, nbytes = plan_parts(bits, old.spec, index["hidden_size"], index["moe_intermediate_size"], "portable")
             new = replace(old, blob_bytes=nbytes, parts=parts, layout="portable")
             refs = sorted((r for r in store.refs.values() if r.bits == bits), key=lambda r: r.offset)
             out = DirectFile(tmp / new.file, new.slot_bytes)
@@ -83,17 +85,30 @@ def relayout_store(src: str | Path, dst: str | Path, progress: bool = True) -> P
                         f.seek(r.offset)
                         data = f.read(r.length)
                         if crc32(data) != r.crc32:
-                            raise FateEdgeError(f"{src / old.file}: layer {r.layer} expert {r.expert} fails its "
-                                                "CRC; the store is damaged, re-run fate-edge convert")
+                            raise FateEdgeError(
+                                f"{src / old.file}: layer {r.layer} expert {r.expert} fails its "
+                                "CRC; the store is damaged, re-run fate-edge convert"
+                            )
                         blob = _portable_parts(torch.frombuffer(bytearray(data), dtype=torch.uint8), old, new)
                         view = memoryview(blob.numpy())
                         out.pwrite_at(view, slot * new.slot_bytes)
-                        entries.append({"layer": r.layer, "expert": r.expert, "offset": slot * new.slot_bytes,
-                                        "length": new.blob_bytes, "crc32": crc32(view)})
+                        entries.append(
+                            {
+                                "layer": r.layer,
+                                "expert": r.expert,
+                                "offset": slot * new.slot_bytes,
+                                "length": new.blob_bytes,
+                                "crc32": crc32(view),
+                            }
+                        )
                         if progress and (slot % 64 == 63 or slot == len(refs) - 1):
                             rate = (slot + 1) * r.length / (time.perf_counter() - t0) / 1e9
-                            print(f"\rint{bits}: {slot + 1}/{len(refs)} experts, {rate:.2f} GB/s", end="",
-                                  file=sys.stderr, flush=True)
+                            print(
+                                f"\rint{bits}: {slot + 1}/{len(refs)} experts, {rate:.2f} GB/s",
+                                end="",
+                                file=sys.stderr,
+                                flush=True,
+                            )
                 out.truncate(len(refs) * new.slot_bytes)
             finally:
                 out.close()
@@ -111,8 +126,9 @@ def relayout_store(src: str | Path, dst: str | Path, progress: bool = True) -> P
 
 def build_parser() -> argparse.ArgumentParser:
     ap = command_parser("relayout", __doc__)
-    ap.add_argument("store", type=existing_path,
-                    help="an expert store with cpu-int4 experts (fate-edge convert --layout cpu-int4)")
+    ap.add_argument(
+        "store", type=existing_path, help="an expert store with cpu-int4 experts (fate-edge convert --layout cpu-int4)"
+    )
     ap.add_argument("out", help="the new store's directory (must not exist)")
     return ap
 

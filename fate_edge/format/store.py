@@ -72,11 +72,19 @@ class Precision:
         return -(-self.blob_bytes // ALIGN) * ALIGN
 
     def to_json(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"bits": self.bits, "file": self.file, "blob_bytes": self.blob_bytes,
-                             "parts": [p.__dict__ | {"shape": list(p.shape)} for p in self.parts]}
+        d: dict[str, Any] = {
+            "bits": self.bits,
+            "file": self.file,
+            "blob_bytes": self.blob_bytes,
+            "parts": [p.__dict__ | {"shape": list(p.shape)} for p in self.parts],
+        }
         if self.spec is not None:
-            d.update(group_size=self.spec.group_size, asymmetric=self.spec.asymmetric, layout=self.layout,
-                     scale_dtype="float16" if self.layout == "portable" else "bfloat16")
+            d.update(
+                group_size=self.spec.group_size,
+                asymmetric=self.spec.asymmetric,
+                layout=self.layout,
+                scale_dtype="float16" if self.layout == "portable" else "bfloat16",
+            )
         return d
 
     @classmethod
@@ -86,8 +94,9 @@ class Precision:
         return cls(d["bits"], d["file"], d["blob_bytes"], parts, spec, d.get("layout", "portable"))
 
 
-def plan_parts(bits: int, spec: QuantSpec | None, hidden: int, inter: int,
-               layout: str = "portable") -> tuple[list[Part], int]:
+def plan_parts(
+    bits: int, spec: QuantSpec | None, hidden: int, inter: int, layout: str = "portable"
+) -> tuple[list[Part], int]:
     """Byte layout of one expert blob at ``bits``."""
     shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
     parts, off = [], 0
@@ -115,9 +124,9 @@ def plan_parts(bits: int, spec: QuantSpec | None, hidden: int, inter: int,
     return parts, off
 
 
-
-def encode_expert(w: ExpertWeights, precision: Precision, method: str = "rtn",
-                  work: torch.Tensor | None = None) -> memoryview:
+def encode_expert(
+    w: ExpertWeights, precision: Precision, method: str = "rtn", work: torch.Tensor | None = None
+) -> memoryview:
     """Serialize one expert (bf16, or quantized by ``method``: "rtn" or "hqq") into its blob. A matrix of ``w``
     that is already a :class:`Quantized` in the precision's spec (a GGUF's blocks) goes in with its own codes.
 
@@ -179,12 +188,16 @@ def decodes_to_views(precision: Precision) -> bool:
     if precision.layout == "cpu-int4":
         return True
     codes = [p.shape for p in precision.parts if p.name.endswith(".codes")]
-    return spec.storage_bits == 4 and bool(codes) and all(
-        default_kernel((n, width * 2), spec, "cpu") == "native-int4" for n, width in codes)
+    return (
+        spec.storage_bits == 4
+        and bool(codes)
+        and all(default_kernel((n, width * 2), spec, "cpu") == "native-int4" for n, width in codes)
+    )
 
 
-def decode_expert(blob: torch.Tensor | memoryview, precision: Precision, dtype: torch.dtype,
-                  device: torch.device | str | None = None) -> ExpertWeights | QuantizedExpert:
+def decode_expert(
+    blob: torch.Tensor | memoryview, precision: Precision, dtype: torch.dtype, device: torch.device | str | None = None
+) -> ExpertWeights | QuantizedExpert:
     """Turn a blob into a callable expert on ``device`` (default: where ``blob`` is).
 
     ``blob`` is a uint8 tensor holding the blob (on the CPU, or already copied to the GPU) or a
@@ -194,17 +207,20 @@ def decode_expert(blob: torch.Tensor | memoryview, precision: Precision, dtype: 
         blob = blob_tensor(blob)
     device = torch.device(device) if device is not None else blob.device
     blob = blob.to(device, non_blocking=True)
-    t = {p.name: blob[p.offset : p.offset + p.nbytes].view(_DTYPES[p.dtype]).reshape(p.shape)
-         for p in precision.parts}
+    t = {p.name: blob[p.offset : p.offset + p.nbytes].view(_DTYPES[p.dtype]).reshape(p.shape) for p in precision.parts}
     if precision.spec is None:
         return ExpertWeights(*(t[f"{m}.weight"].to(dtype) for m in MATRICES))
     spec = precision.spec
     if precision.layout == "cpu-int4":  # on another device, re-packed there for its kernel (one store, any device)
-        lins = [QuantizedLinear.from_cpu_kernel_layout(t[f"{m}.packed"], t[f"{m}.scale_zero"], spec, device)
-                for m in MATRICES]
+        lins = [
+            QuantizedLinear.from_cpu_kernel_layout(t[f"{m}.packed"], t[f"{m}.scale_zero"], spec, device)
+            for m in MATRICES
+        ]
         return QuantizedExpert(*lins)
-    lins = [QuantizedLinear.from_packed(t[f"{m}.codes"], t[f"{m}.scale"], t.get(f"{m}.zero"), spec, device)
-            for m in MATRICES]
+    lins = [
+        QuantizedLinear.from_packed(t[f"{m}.codes"], t[f"{m}.scale"], t.get(f"{m}.zero"), spec, device)
+        for m in MATRICES
+    ]
     return QuantizedExpert(*lins)
 
 
@@ -221,22 +237,29 @@ def _check_fields(d: object, spec: dict[str, type], where: str, index_path: Path
         value = d.get(key)
         if not isinstance(value, kind) or isinstance(value, bool):
             problem = "is missing" if key not in d else f"is {value!r}, not a {kind.__name__}"
-            raise ModelFormatError(f"{index_path}: field {where}.{key} {problem}; the file is damaged, re-run "
-                                   "fate-edge convert")
+            raise ModelFormatError(
+                f"{index_path}: field {where}.{key} {problem}; the file is damaged, re-run fate-edge convert"
+            )
 
 
 def _check_index(index: dict, index_path: Path) -> None:
     """Every field the store reads, with its type, so a damaged store.json is named, not an AttributeError."""
     _check_fields(index, _INDEX_FIELDS, "store", index_path)
     for bits, d in index["precisions"].items():
-        _check_fields(d, _PRECISION_FIELDS | ({"group_size": int} if d.get("bits", 16) < 16 else {}),
-                      f"precisions.{bits}", index_path)
+        _check_fields(
+            d,
+            _PRECISION_FIELDS | ({"group_size": int} if d.get("bits", 16) < 16 else {}),
+            f"precisions.{bits}",
+            index_path,
+        )
         for i, part in enumerate(d["parts"]):
             _check_fields(part, _PART_FIELDS, f"precisions.{bits}.parts[{i}]", index_path)
     for bits, entries in index["experts"].items():
         if bits not in index["precisions"] or not isinstance(entries, list):
-            raise ModelFormatError(f"{index_path}: field experts.{bits} has no precisions.{bits} entry or is not a "
-                                   "list; the file is damaged, re-run fate-edge convert")
+            raise ModelFormatError(
+                f"{index_path}: field experts.{bits} has no precisions.{bits} entry or is not a "
+                "list; the file is damaged, re-run fate-edge convert"
+            )
         for i, e in enumerate(entries):
             _check_fields(e, _BLOB_FIELDS, f"experts.{bits}[{i}]", index_path)
 
@@ -255,8 +278,9 @@ class ExpertStore:
         except json.JSONDecodeError as exc:
             raise ModelFormatError(f"{index_path}: invalid JSON ({exc}); re-run fate-edge convert") from exc
         if not isinstance(index, dict):
-            raise ModelFormatError(f"{index_path}: holds a JSON {type(index).__name__}, not the store's object; "
-                                   "re-run fate-edge convert")
+            raise ModelFormatError(
+                f"{index_path}: holds a JSON {type(index).__name__}, not the store's object; re-run fate-edge convert"
+            )
         if index.get("format") != FORMAT or index.get("format_version") != FORMAT_VERSION:
             raise ModelFormatError(
                 f"{index_path}: format {index.get('format')!r} v{index.get('format_version')} is not "

@@ -15,6 +15,8 @@ def check_store_complete(path: str | Path) -> None:
     path = Path(path)
     blobs = sorted(p.name for p in path.glob("experts-*.bin"))
     if blobs and not (path / STORE_FILE).exists():
-        raise ModelFormatError(f"{path}: has expert blob files ({', '.join(blobs)}) but no {STORE_FILE}: it is an "
-                               f"expert store whose {STORE_FILE} is missing; re-create it with `fate-edge convert "
-                               f"MODEL {path} --force`")
+        raise ModelFormatError(
+            f"{path}: has expert blob files ({', '.join(blobs)}) but no {STORE_FILE}: it is an "
+            f"expert store whose {STORE_FILE} is missing; re-create it with `fate-edge convert "
+            f"MODEL {path} --force`"
+        )

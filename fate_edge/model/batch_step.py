@@ -109,8 +109,15 @@ GATHER_MAX = 256  # longest decode cache whose keys a step gathers for one atten
 class _SlabDecode:
     """A step's decode rows whose caches share one slab: where each writes, and which slab positions each sees."""
 
-    def __init__(self, segs: list[int], rows: torch.Tensor, positions: torch.Tensor, first: torch.Tensor,
-                 lengths: list[int], every_row: bool):
+    def __init__(
+        self,
+        segs: list[int],
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        first: torch.Tensor,
+        lengths: list[int],
+        every_row: bool,
+    ):
         self.segs = segs  # indices of the decode segments
         self.rows = rows  # [S] their rows in the step
         self.positions = positions  # [S] the slab position each writes
@@ -124,8 +131,9 @@ class _SlabDecode:
         self._masks: dict[int | None, torch.Tensor] = {}
 
     @classmethod
-    def of(cls, segments: list[Segment], bounds: list[tuple[int, int]], starts: list[int], device: torch.device
-           ) -> _SlabDecode | None:
+    def of(
+        cls, segments: list[Segment], bounds: list[tuple[int, int]], starts: list[int], device: torch.device
+    ) -> _SlabDecode | None:
         caches = {j: s.cache for j, s in enumerate(segments) if len(s.ids) == 1 and isinstance(s.cache, SlabCache)}
         dec = list(caches)
         if len(dec) < 2 or len({id(c.slab) for c in caches.values()}) != 1:
@@ -137,8 +145,14 @@ class _SlabDecode:
             return None
         pos = [o + starts[j] for o, j in zip(offsets, dec)]
         rows = [bounds[j][0] for j in dec]
-        return cls(dec, torch.tensor(rows, device=device), torch.tensor(pos, device=device),
-                   torch.tensor(offsets, device=device), [starts[j] + 1 for j in dec], len(dec) == len(segments))
+        return cls(
+            dec,
+            torch.tensor(rows, device=device),
+            torch.tensor(pos, device=device),
+            torch.tensor(offsets, device=device),
+            [starts[j] + 1 for j in dec],
+            len(dec) == len(segments),
+        )
 
     def mask(self, window: int | None) -> torch.Tensor:
         """[S, 1, 1, longest]: row j sees its own first ``lengths[j]`` positions (the last ``window`` of them)."""
@@ -153,9 +167,18 @@ class _SlabDecode:
         return m
 
 
-def _attention(model: MoETransformer, h: torch.Tensor, segments: list[Segment], bounds: list[tuple[int, int]],
-               starts: list[int], layer: int, cos: torch.Tensor, sin: torch.Tensor, lp,
-               decode: _SlabDecode | None) -> torch.Tensor:
+def _attention(
+    model: MoETransformer,
+    h: torch.Tensor,
+    segments: list[Segment],
+    bounds: list[tuple[int, int]],
+    starts: list[int],
+    layer: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    lp,
+    decode: _SlabDecode | None,
+) -> torch.Tensor:
     """q, k, v for all rows in one projection; each segment's keys into its cache and its queries over them (a
     slab's decode rows all at once)."""
     q, k, v = model.gqa_qkv(h, 1, h.shape[0], cos, sin, lp)  # [1, heads, N, hd]
@@ -173,8 +196,7 @@ def _attention(model: MoETransformer, h: torch.Tensor, segments: list[Segment], 
     for j, (seg, (a, b), start) in enumerate(zip(segments, bounds, starts)):
         if j in done:
             continue
-        keys, values = seg.cache.layers[layer].append(k[:, :, a:b], v[:, :, a:b],
-                                                      capacity_hint=seg.cache.capacity_hint)
+        keys, values = seg.cache.layers[layer].append(k[:, :, a:b], v[:, :, a:b], capacity_hint=seg.cache.capacity_hint)
         y = model._attend(q[:, :, a:b], keys, values, start, layer, scale)
         if out is None:
             outs.append(y)
@@ -185,8 +207,16 @@ def _attention(model: MoETransformer, h: torch.Tensor, segments: list[Segment], 
     return apply_linear(out, lp.o_proj)
 
 
-def _slab_attention(model: MoETransformer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    segments: list[Segment], layer: int, scale: float, d: _SlabDecode) -> torch.Tensor:
+def _slab_attention(
+    model: MoETransformer,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segments: list[Segment],
+    layer: int,
+    scale: float,
+    d: _SlabDecode,
+) -> torch.Tensor:
     """The decode rows' keys and values into the slab in one copy each, and their attention in one call → [S, nh*hd]."""
     cfg = model.config
     first = segments[d.segs[0]].cache
@@ -215,6 +245,7 @@ def _slab_attention(model: MoETransformer, q: torch.Tensor, k: torch.Tensor, v: 
     nkv, hd = ks.shape[1], ks.shape[3]
     keys = ks[0].index_select(1, d.gather).view(nkv, s, d.longest, hd).transpose(0, 1)  # [S, nkv, longest, hd]
     values = vs[0].index_select(1, d.gather).view(nkv, s, d.longest, -1).transpose(0, 1)
-    out = sdpa.attention(qd.permute(2, 1, 0, 3), keys, values, attn_mask=d.mask(window), scale=scale,
-                         enable_gqa=gqa)  # [S, nh, 1, hd]
+    out = sdpa.attention(
+        qd.permute(2, 1, 0, 3), keys, values, attn_mask=d.mask(window), scale=scale, enable_gqa=gqa
+    )  # [S, nh, 1, hd]
     return out.reshape(s, -1)

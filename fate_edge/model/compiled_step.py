@@ -120,8 +120,12 @@ def stack_experts(model: DecodingModel) -> list[tuple[torch.Tensor, ...] | None]
     for i, experts in _experts_of(model).items():
         if isinstance(experts[0], QuantizedExpert):
             stacks = []
-            for role, attr in (("gate_up", "packed"), ("gate_up", "scale_zero"), ("down", "packed"),
-                               ("down", "scale_zero")):
+            for role, attr in (
+                ("gate_up", "packed"),
+                ("gate_up", "scale_zero"),
+                ("down", "packed"),
+                ("down", "scale_zero"),
+            ):
                 lins = [getattr(e, role) for e in experts]
                 st = torch.stack([getattr(lin, attr) for lin in lins])
                 for k, lin in enumerate(lins):
@@ -150,8 +154,9 @@ def _expert(s: StepShape, act, h: torch.Tensor, hb: torch.Tensor, stacks: tuple,
     return F.linear(act(gate) * up, down).float()
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, n_q: int, n_k: int,
-            hd: int) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, n_q: int, n_k: int, hd: int
+) -> torch.Tensor:
     """One query per head over the whole buffer (``mask`` [1, S]): two bmm and a softmax inductor fuses with the
     mask (CPU flash attention cost ~40 µs a call at this size; elementwise products and sums were slower)."""
     q = q.view(n_k, n_q // n_k, hd)  # query heads grouped by their kv head
@@ -168,9 +173,18 @@ def _add_mlp(x: torch.Tensor, h: torch.Tensor, mlp: Fused, down: Fused, act) -> 
     return torch.addcmul(x, torch.sigmoid(gated[0]), z) if gated else x + z
 
 
-def attention_block(cfg: ModelConfig, s: StepShape, x: torch.Tensor, lp: LayerPlan, kbuf: torch.Tensor,
-                    vbuf: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-                    mask: torch.Tensor) -> torch.Tensor:
+def attention_block(
+    cfg: ModelConfig,
+    s: StepShape,
+    x: torch.Tensor,
+    lp: LayerPlan,
+    kbuf: torch.Tensor,
+    vbuf: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pos: torch.Tensor,
+    mask: torch.Tensor,
+) -> torch.Tensor:
     """One layer's attention for one token at ``pos``, its k and v written into the whole-capacity buffers:
     → ``x + o_proj(attention(input_norm(x)))`` [1, H]."""
     hd, n_q, n_k = s.head_dim, s.n_q, s.n_k
@@ -201,10 +215,18 @@ def router_block(cfg: ModelConfig, h: torch.Tensor, lp: LayerPlan) -> tuple[torc
     return route(cfg, logits, lp.correction_bias)
 
 
-def step_graph(g: GraphConsts, s: StepShape, token: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               pos: torch.Tensor,
-               kv: list[tuple[torch.Tensor, torch.Tensor]], plan: list[LayerPlan], stacks: list,
-               head: Fused) -> tuple[torch.Tensor, list]:
+def step_graph(
+    g: GraphConsts,
+    s: StepShape,
+    token: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pos: torch.Tensor,
+    kv: list[tuple[torch.Tensor, torch.Tensor]],
+    plan: list[LayerPlan],
+    stacks: list,
+    head: Fused,
+) -> tuple[torch.Tensor, list]:
     """One token through every layer: the graph compiled. → (logits [1, V], per MoE layer (h, ids, weights))."""
     cfg, act = g.config, g.act
     x = lookup(g.embed, token.view(1))
@@ -239,8 +261,9 @@ def step_shape(model: DecodingModel) -> StepShape:
     assert qkv is not None  # GQA
     experts = getattr(model.experts, "experts", None)
     spec = getattr(next(iter(experts.values())).gate_up, "spec", None) if experts else None
-    return StepShape(qkv.sizes[0] // hd, qkv.sizes[1] // hd, hd, cfg.rms_norm_eps,
-                     spec.group_size if spec is not None else None)
+    return StepShape(
+        qkv.sizes[0] // hd, qkv.sizes[1] // hd, hd, cfg.rms_norm_eps, spec.group_size if spec is not None else None
+    )
 
 
 def report_routing(model: DecodingModel, routing: list) -> None:
@@ -267,12 +290,16 @@ class CompiledDecode:
         # cpp_wrapper: the ~170 kernel calls per token are made from C++, not Python (22% faster a token here,
         # 1 thread; cold compile ~60 s instead of ~15 s under load, cached on disk after).
         # torch.compile accepts isolate_recompiles, but its typed overloads do not list it.
-        self.fn = torch.compile(step_graph, fullgraph=True, isolate_recompiles=True,  # type: ignore[call-overload]
-                                options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe,
-                                         "cpp_wrapper": True})
+        self.fn = torch.compile(
+            step_graph,
+            fullgraph=True,
+            isolate_recompiles=True,  # type: ignore[call-overload]
+            options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe, "cpp_wrapper": True},
+        )
 
-    def step(self, model: DecodingModel, token: torch.Tensor, cache: KVCache,
-             plan: list[LayerPlan]) -> torch.Tensor | None:
+    def step(
+        self, model: DecodingModel, token: torch.Tensor, cache: KVCache, plan: list[LayerPlan]
+    ) -> torch.Tensor | None:
         """``token`` [1, 1] continuing ``cache`` → logits [1, 1, V], or None (the cache's length unchanged)."""
         start = cache.length
         if start == 0:  # before a prefill the cache has no buffers to write into
@@ -281,8 +308,9 @@ class CompiledDecode:
             self.failed = "the model's weights changed after compiling (call set_compile again)"
         if self.failed is not None:
             return None
-        cos, sin = model.rope.cos_sin_range(start, 1, torch.float32 if model.config.rope.float32 else model.dtype,
-                                            model.device)
+        cos, sin = model.rope.cos_sin_range(
+            start, 1, torch.float32 if model.config.rope.float32 else model.dtype, model.device
+        )
         kv = []
         for lay in cache.layers:
             bufs = lay.reserve(start + 1)

@@ -78,8 +78,18 @@ def decode_token(model: DecodingModel, token: torch.Tensor, cache: KVCache, plan
     return apply_linear(x, model.head).view(1, 1, -1)
 
 
-def attention(model: DecodingModel, x: torch.Tensor, h: torch.Tensor, start: int, cache: KVCache, layer: int,
-              lp: LayerPlan, cos: torch.Tensor, sin: torch.Tensor, rot: torch.Tensor | None) -> None:
+def attention(
+    model: DecodingModel,
+    x: torch.Tensor,
+    h: torch.Tensor,
+    start: int,
+    cache: KVCache,
+    layer: int,
+    lp: LayerPlan,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rot: torch.Tensor | None,
+) -> None:
     """``x += o_proj(attention(h))`` for one token; its k and v are appended to ``cache``."""
     cfg = model.config
     hd = cfg.head_dim
@@ -92,8 +102,9 @@ def attention(model: DecodingModel, x: torch.Tensor, h: torch.Tensor, start: int
     else:
         qk = apply_rope(qk.view(1, n_q + n_k, 1, hd), cos, sin, cfg.rope.interleaved).view(n_q + n_k, hd)
     q = qk[:n_q].view(1, n_q, 1, hd)
-    k, v = cache.layers[layer].append(qk[n_q:].view(1, n_k, 1, hd), qkv[0, (n_q + n_k) * hd :].view(1, n_k, 1, hd),
-                                      capacity_hint=cache.capacity_hint)
+    k, v = cache.layers[layer].append(
+        qk[n_q:].view(1, n_k, 1, hd), qkv[0, (n_q + n_k) * hd :].view(1, n_k, 1, hd), capacity_hint=cache.capacity_hint
+    )
     if layer in cfg.sliding_window_layers and cfg.sliding_window is not None:
         first = max(0, k.shape[2] - cfg.sliding_window)  # keys at positions > start - window
         k, v = k[:, :, first:], v[:, :, first:]
@@ -112,13 +123,26 @@ def moe(model: DecodingModel, x: torch.Tensor, h: torch.Tensor, layer: int, lp: 
     just issued the layer's demand reads, which then arrive while it computes (a Qwen1.5-MoE shared expert is
     ~1.5 ms of a ~5 ms read), and the sums keep their order, so the bits are the same."""
     weights, idx = model.route(layer, h)  # [1, k]
-    serve_routing(model, x, h, layer, weights, idx,
-                  lambda: shared_out(model, h, lp.mlp, lp.down) if lp.mlp is not None and lp.down is not None
-                  else None)
+    serve_routing(
+        model,
+        x,
+        h,
+        layer,
+        weights,
+        idx,
+        lambda: shared_out(model, h, lp.mlp, lp.down) if lp.mlp is not None and lp.down is not None else None,
+    )
 
 
-def serve_routing(model: DecodingModel, x: torch.Tensor, h: torch.Tensor, layer: int, weights: torch.Tensor,
-                  idx: torch.Tensor, shared: Callable[[], tuple[torch.Tensor, torch.Tensor | None] | None]) -> None:
+def serve_routing(
+    model: DecodingModel,
+    x: torch.Tensor,
+    h: torch.Tensor,
+    layer: int,
+    weights: torch.Tensor,
+    idx: torch.Tensor,
+    shared: Callable[[], tuple[torch.Tensor, torch.Tensor | None] | None],
+) -> None:
     """After one token's routing: the observers (the scheduler's reads), then ``shared()`` (computed while the
     reads travel, or already computed by a layer graph), the routed experts into ``x``, the shared expert last."""
     if h.device.type != "cpu":
@@ -141,8 +165,15 @@ def routing_to_host(weights: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Ten
     return both[:, :k], both[:, k:].long()
 
 
-def add_experts(model: DecodingModel, x: torch.Tensor, h: torch.Tensor, hb: torch.Tensor | None, layer: int,
-                weights: torch.Tensor, idx: torch.Tensor) -> None:
+def add_experts(
+    model: DecodingModel,
+    x: torch.Tensor,
+    h: torch.Tensor,
+    hb: torch.Tensor | None,
+    layer: int,
+    weights: torch.Tensor,
+    idx: torch.Tensor,
+) -> None:
     """``x += Σ w_e · expert_e(h)`` over the token's routed experts (``hb``: ``h`` in bf16, made when None)."""
     weight_of = dict(zip(idx.tolist()[0], weights.tolist()[0]))
     parts: dict[int, torch.Tensor] = {}
@@ -165,8 +196,9 @@ def mlp_into(model: DecodingModel, x: torch.Tensor, h: torch.Tensor, mlp: Fused,
     add_shared(x, *shared_out(model, h, mlp, down))
 
 
-def shared_out(model: DecodingModel, h: torch.Tensor, mlp: Fused, down: Fused
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def shared_out(
+    model: DecodingModel, h: torch.Tensor, mlp: Fused, down: Fused
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A dense MLP's or shared expert's output ``mlp(h)`` and Qwen's gate logit (None without one), not yet added."""
     y = apply_linear(h, mlp)
     gate, up, *gated = y.split(mlp.sizes, dim=-1)
@@ -179,4 +211,3 @@ def add_shared(x: torch.Tensor, z: torch.Tensor, gate: torch.Tensor | None) -> N
         x.addcmul_(torch.sigmoid(gate), z)
     else:
         x.add_(z)
-

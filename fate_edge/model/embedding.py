@@ -116,8 +116,9 @@ class QuantizedEmbedding:
         from fate_edge.quant.linear import QuantizedLinear
 
         spec = QuantSpec(4, self.shape[1] // self.scale.shape[1])
-        return QuantizedLinear.from_quantized(Quantized(unpack(self.codes, 4), self.scale, self.zero), spec,
-                                              self.device)
+        return QuantizedLinear.from_quantized(
+            Quantized(unpack(self.codes, 4), self.scale, self.zero), spec, self.device
+        )
 
 
 def embedding_table(w: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor | QuantizedEmbedding:

@@ -82,24 +82,33 @@ class QuantizedExpert:
         CPU or both native-int4: each layout keeps rows apart, so stacking packed rows and their scales is the
         layout of the stacked matrix. Every part is copied, so a blob behind the views is freed."""
         g, u = self.gate, self.up
-        if (self.gate_up is None and g.native is not None and u.native is not None and g.spec == u.spec
-                and self.down.native is not None):  # the portable layout keeps rows apart too
-            gate_up = QuantizedLinear.from_native(*(torch.cat([a, b]) for a, b in zip(g.native.parts, u.native.parts)),
-                                                  g.spec, in_features=g.shape[1])
-            down = QuantizedLinear.from_native(*(t.clone() for t in self.down.native.parts), g.spec,
-                                               in_features=self.down.shape[1])
+        if (
+            self.gate_up is None
+            and g.native is not None
+            and u.native is not None
+            and g.spec == u.spec
+            and self.down.native is not None
+        ):  # the portable layout keeps rows apart too
+            gate_up = QuantizedLinear.from_native(
+                *(torch.cat([a, b]) for a, b in zip(g.native.parts, u.native.parts)), g.spec, in_features=g.shape[1]
+            )
+            down = QuantizedLinear.from_native(
+                *(t.clone() for t in self.down.native.parts), g.spec, in_features=self.down.shape[1]
+            )
             return QuantizedExpert(None, None, down, gate_up=gate_up)
         if self.gate_up is not None or not self.takes_bf16 or g.spec != u.spec:
             return self
         packed = torch.cat([g.packed, u.packed])
         scale_zero = torch.cat([g.scale_zero, u.scale_zero], dim=1)
         if g.packed.device.type != "cpu":  # CUDA's tinygemm layout tiles rows by 8: checked once per shape
-            gate_up = QuantizedLinear(g.spec, (g.shape[0] + u.shape[0], g.shape[1]), "torch-int4", packed,
-                                      scale_zero=scale_zero)
+            gate_up = QuantizedLinear(
+                g.spec, (g.shape[0] + u.shape[0], g.shape[1]), "torch-int4", packed, scale_zero=scale_zero
+            )
             if not _stacks_rows(g, u, gate_up):
                 return self
-            down = QuantizedLinear(g.spec, self.down.shape, "torch-int4", self.down.packed.clone(),
-                                   scale_zero=self.down.scale_zero.clone())
+            down = QuantizedLinear(
+                g.spec, self.down.shape, "torch-int4", self.down.packed.clone(), scale_zero=self.down.scale_zero.clone()
+            )
             return QuantizedExpert(None, None, down, gate_up=gate_up)
         gate_up = QuantizedLinear.from_kernel_layout(packed, scale_zero, g.spec)
         down = QuantizedLinear.from_kernel_layout(self.down.packed.clone(), self.down.scale_zero.clone(), g.spec)
@@ -125,8 +134,7 @@ def _stacks_rows(g: QuantizedLinear, u: QuantizedLinear, gate_up: QuantizedLinea
     rows): checked once per shape on a random input, exact or not at all."""
     key = (g.packed.device.type, g.shape, u.shape, g.spec.group_size)
     if key not in _ROW_STACKING:
-        x = torch.randn(2, g.shape[1], generator=torch.Generator().manual_seed(0)).to(g.packed.device,
-                                                                                     torch.bfloat16)
+        x = torch.randn(2, g.shape[1], generator=torch.Generator().manual_seed(0)).to(g.packed.device, torch.bfloat16)
         _ROW_STACKING[key] = torch.equal(gate_up.mm_bf16(x), torch.cat([g.mm_bf16(x), u.mm_bf16(x)], dim=-1))
     return _ROW_STACKING[key]
 
@@ -166,8 +174,13 @@ class InMemoryExpertProvider(ExpertProvider):
         self.experts = {k: e.fused() if isinstance(e, QuantizedExpert) else e for k, e in experts.items()}
 
     @classmethod
-    def quantized(cls, provider: InMemoryExpertProvider, spec: QuantSpec, device: str | torch.device = "cpu",
-                  kernel: str | None = None) -> InMemoryExpertProvider:
+    def quantized(
+        cls,
+        provider: InMemoryExpertProvider,
+        spec: QuantSpec,
+        device: str | torch.device = "cpu",
+        kernel: str | None = None,
+    ) -> InMemoryExpertProvider:
         """Every expert of ``provider`` quantized (round-to-nearest) and kept resident: gate_up and down.
 
         ``kernel`` None: the fastest here per matrix shape, timed once (``quant.linear.choose_kernel``)."""
@@ -187,8 +200,9 @@ class InMemoryExpertProvider(ExpertProvider):
 EXPERT_ROWS = (1, 8)
 
 
-def quantize_expert(e: ExpertWeights, spec: QuantSpec, device: str | torch.device = "cpu",
-                    kernel: str | None = None) -> QuantizedExpert:
+def quantize_expert(
+    e: ExpertWeights, spec: QuantSpec, device: str | torch.device = "cpu", kernel: str | None = None
+) -> QuantizedExpert:
     """Round-to-nearest ``e``; gate and up become one matrix (rows quantize independently: same codes).
     ``kernel`` None: per matrix shape, the kernel timed fastest here at :data:`EXPERT_ROWS` rows."""
     gate_up = e.gate_up if e.gate_up is not None else torch.cat([e.gate, e.up])

@@ -79,8 +79,7 @@ class _StaticDecode:
         dev = model.device
         self.token = torch.zeros(1, 1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
-        self.cos = torch.zeros(1, model.rope.dim, dtype=torch.float32 if cfg.rope.float32 else model.dtype,
-                               device=dev)
+        self.cos = torch.zeros(1, model.rope.dim, dtype=torch.float32 if cfg.rope.float32 else model.dtype, device=dev)
         self.sin = torch.zeros_like(self.cos)
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: list = []  # torch.cuda.CUDAGraph per replayed part, once captured
@@ -161,16 +160,18 @@ class CudaGraphDecode(_StaticDecode):
         self.logits: torch.Tensor | None = None
         self.routing: list = []
 
-    def step(self, model: DecodingModel, token: torch.Tensor, cache: KVCache,
-             plan: list[LayerPlan]) -> torch.Tensor | None:
+    def step(
+        self, model: DecodingModel, token: torch.Tensor, cache: KVCache, plan: list[LayerPlan]
+    ) -> torch.Tensor | None:
         """``token`` [1, 1] continuing ``cache`` → logits [1, 1, V], or None (the cache's length unchanged)."""
         if not self._begin(model, token, cache):
             return None
         g = GraphConsts(model.config, model.act, model.embed, model.w["model.norm.weight"])
 
         def run() -> None:
-            self.logits, self.routing = step_graph(g, self.shape, self.token, self.cos, self.sin, self.pos, self.kv,
-                                                   plan, self.stacks, model.head)
+            self.logits, self.routing = step_graph(
+                g, self.shape, self.token, self.cos, self.sin, self.pos, self.kv, plan, self.stacks, model.head
+            )
 
         if not self.use_graph:
             run()
@@ -204,8 +205,9 @@ class LayerGraphDecode(_StaticDecode):
                 if i == 0:
                     self.x.copy_(lookup(model.embed, self.token.view(1)))
                 kbuf, vbuf = self.kv[i]
-                x = attention_block(cfg, s, self.x, lp, kbuf, vbuf, self.cos, self.sin, self.pos,
-                                    position_mask(kbuf, self.pos))
+                x = attention_block(
+                    cfg, s, self.x, lp, kbuf, vbuf, self.cos, self.sin, self.pos, position_mask(kbuf, self.pos)
+                )
                 h = rms_norm(x, lp.post_norm, s.eps)
                 if lp.router is None:
                     assert lp.mlp is not None and lp.down is not None  # a dense layer's MLP
@@ -218,6 +220,7 @@ class LayerGraphDecode(_StaticDecode):
                     out["z"], gate = decode_step.shared_out(model, h, lp.mlp, lp.down)  # them (decode_step.moe)
                     if gate is not None:
                         out["gate"] = gate
+
             return run
 
         def head() -> None:
@@ -225,8 +228,9 @@ class LayerGraphDecode(_StaticDecode):
 
         return [layer(i, lp) for i, lp in enumerate(plan)] + [head]
 
-    def step(self, model: DecodingModel, token: torch.Tensor, cache: KVCache,
-             plan: list[LayerPlan]) -> torch.Tensor | None:
+    def step(
+        self, model: DecodingModel, token: torch.Tensor, cache: KVCache, plan: list[LayerPlan]
+    ) -> torch.Tensor | None:
         if not self._begin(model, token, cache):
             return None
         parts = self._parts(model, plan) if not self.graphs else []  # captured: the graphs replay them
@@ -240,8 +244,7 @@ class LayerGraphDecode(_StaticDecode):
             if lp.router is None:
                 continue
             out = self.outs[i]
-            decode_step.serve_routing(model, self.x, out["h"], i, out["weights"], out["idx"],
-                                      partial(_shared, out))
+            decode_step.serve_routing(model, self.x, out["h"], i, out["weights"], out["idx"], partial(_shared, out))
         if self.use_graph:
             self.graphs[-1].replay()
         else:

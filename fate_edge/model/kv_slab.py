@@ -44,8 +44,7 @@ class KVSlab:
         self.positions = positions
         shape = (1, cfg.num_key_value_heads, positions, cfg.head_dim)
         self.keys = [torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in range(cfg.num_hidden_layers)]
-        self.values = [torch.zeros(shape, dtype=model.dtype, device=model.device)
-                       for _ in range(cfg.num_hidden_layers)]
+        self.values = [torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in range(cfg.num_hidden_layers)]
         self._free: list[tuple[int, int]] = [(0, positions)]  # (start, length), by start
 
     @property

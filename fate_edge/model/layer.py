@@ -121,8 +121,13 @@ def _quantized(w: Weights, key: str) -> tuple[Any, list[int]] | None:
         return Int8Linear(w[f"{key}.int8"], w[f"{key}.int8_scale"]), w[f"{key}.sizes"].tolist()
     if f"{key}.nint4" in w:
         spec = QuantSpec(4, int(w[f"{key}.int4_group"]))
-        lin = QuantizedLinear.from_native(w[f"{key}.nint4"], w[f"{key}.nint4_scale"], w[f"{key}.nint4_zero"], spec,
-                                          in_features=int(w[f"{key}.in_features"]))
+        lin = QuantizedLinear.from_native(
+            w[f"{key}.nint4"],
+            w[f"{key}.nint4_scale"],
+            w[f"{key}.nint4_zero"],
+            spec,
+            in_features=int(w[f"{key}.in_features"]),
+        )
         return lin, w[f"{key}.sizes"].tolist()
     if f"{key}.int4" in w:
         spec = QuantSpec(4, int(w[f"{key}.int4_group"]))
@@ -178,7 +183,9 @@ def layer_groups(config: ModelConfig, i: int, n: Any) -> dict[str, list[str]]:
     else:  # MLA: each projection alone (latent norms sit between them), in LayerPlan.mla
         m = config.mla
         for proj in (["q_proj"] if m.q_lora_rank is None else ["q_a_proj", "q_b_proj"]) + [
-                "kv_a_proj_with_mqa", "kv_b_proj"]:
+            "kv_a_proj_with_mqa",
+            "kv_b_proj",
+        ]:
             groups[f"mla.{proj}"] = [f"{a}.{proj}"]
     if not config.is_moe_layer(i):
         groups["mlp"], groups["down"] = [f"{n.mlp}.gate_proj", f"{n.mlp}.up_proj"], [f"{n.mlp}.down_proj"]
@@ -194,12 +201,21 @@ def build_plan(config: ModelConfig, w: Weights, layer_names: list) -> list[Layer
     for i, n in enumerate(layer_names):
         g = {role: fuse(w, names) for role, names in layer_groups(config, i, n).items()}
         moe = config.is_moe_layer(i)
-        plans.append(LayerPlan(
-            w[f"{n.input_norm}.weight"], w[f"{n.post_attn_norm}.weight"], g.get("qkv"), g["o_proj"],
-            w.get(f"{n.attn}.q_norm.weight"), w.get(f"{n.attn}.k_norm.weight"), g.get("mlp"), g.get("down"),
-            w[f"{n.mlp}.gate.weight"] if moe else None, w.get(f"{n.mlp}.gate.e_score_correction_bias") if moe else None,
-            {role.removeprefix("mla."): f for role, f in g.items() if role.startswith("mla.")},
-        ))
+        plans.append(
+            LayerPlan(
+                w[f"{n.input_norm}.weight"],
+                w[f"{n.post_attn_norm}.weight"],
+                g.get("qkv"),
+                g["o_proj"],
+                w.get(f"{n.attn}.q_norm.weight"),
+                w.get(f"{n.attn}.k_norm.weight"),
+                g.get("mlp"),
+                g.get("down"),
+                w[f"{n.mlp}.gate.weight"] if moe else None,
+                w.get(f"{n.mlp}.gate.e_score_correction_bias") if moe else None,
+                {role.removeprefix("mla."): f for role, f in g.items() if role.startswith("mla.")},
+            )
+        )
     return plans
 
 
@@ -238,16 +254,29 @@ def quantize_group(w: Weights, names: list[str], bits: int) -> None:
         if padded_in_features(k) != k:  # zero columns quantize to zero weights (DeepSeek's dense down_proj)
             full = torch.cat([full, full.new_zeros(rows, padded_in_features(k) - k)], dim=1)
         q = quantize(full, spec)
-        dict.update(w, {f"{key}.nint4": pack(q.codes, 4), f"{key}.nint4_scale": q.scale,
-                        f"{key}.nint4_zero": q.zero, f"{key}.int4_group": torch.tensor(group),
-                        f"{key}.in_features": torch.tensor(k)})
+        dict.update(
+            w,
+            {
+                f"{key}.nint4": pack(q.codes, 4),
+                f"{key}.nint4_scale": q.scale,
+                f"{key}.nint4_zero": q.zero,
+                f"{key}.int4_group": torch.tensor(group),
+                f"{key}.in_features": torch.tensor(k),
+            },
+        )
     elif _int4_kernel(_padded(tuple(full.shape)), bits, full.device):
         spec = QuantSpec(4, group)
         if rows % _INT4_ROWS:  # Qwen's shared expert: gate + up + its 1-row gate; zero rows, cut off in _quantized
             full = torch.cat([full, full.new_zeros(-rows % _INT4_ROWS, full.shape[1])])
         lin = QuantizedLinear.from_quantized(quantize(full, spec), spec, full.device, "torch-int4")
-        dict.update(w, {f"{key}.int4": lin.packed, f"{key}.int4_scale_zero": lin.scale_zero,
-                        f"{key}.int4_group": torch.tensor(group)})
+        dict.update(
+            w,
+            {
+                f"{key}.int4": lin.packed,
+                f"{key}.int4_scale_zero": lin.scale_zero,
+                f"{key}.int4_group": torch.tensor(group),
+            },
+        )
     else:
         codes, scale = quantize_int8(full)
         dict.update(w, {f"{key}.int8": codes, f"{key}.int8_scale": scale})
@@ -266,8 +295,11 @@ def _padded(shape: tuple[int, int]) -> tuple[int, int]:
 
 def _native_kernel(shape: tuple[int, int], bits: int, device: torch.device) -> bool:
     group = int4_group(shape[1])
-    return (bits == 4 and group is not None
-            and default_kernel(shape, QuantSpec(4, group), device, copies=True) == "native-int4")
+    return (
+        bits == 4
+        and group is not None
+        and default_kernel(shape, QuantSpec(4, group), device, copies=True) == "native-int4"
+    )
 
 
 def _int4_kernel(shape: tuple[int, int], bits: int, device: torch.device) -> bool:

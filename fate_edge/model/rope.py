@@ -92,8 +92,9 @@ class RotaryEmbedding:
             self.inv_freq = self._original_inv_freq
             self._cached_len = orig
 
-    def cos_sin_range(self, start: int, t: int, dtype: torch.dtype, device: torch.device | str = "cpu"
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin_range(
+        self, start: int, t: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [t, dim] on ``device`` for positions ``start .. start + t - 1``: slices of a table per (device,
         dtype), grown in powers
         of two as positions come (a position's row does not depend on the table's length). The whole context at

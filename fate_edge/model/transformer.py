@@ -31,7 +31,11 @@ if TYPE_CHECKING:
     from fate_edge.model.graph_step import CudaGraphDecode, LayerGraphDecode
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu}
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "relu": F.relu,
+}
 
 
 @dataclass
@@ -299,8 +303,9 @@ class MoETransformer:
             out = y if out is None else out + y
         return torch.zeros_like(h) if out is None else out
 
-    def _routed(self, h: torch.Tensor, layer: int, idx: torch.Tensor, weights: torch.Tensor,
-                decode: bool = False) -> torch.Tensor:
+    def _routed(
+        self, h: torch.Tensor, layer: int, idx: torch.Tensor, weights: torch.Tensor, decode: bool = False
+    ) -> torch.Tensor:
         """Several tokens: one stable sort of the (token, expert) pairs by expert, one gather of the inputs, each
         expert on its contiguous slice, one scaled ``index_add_`` (no per-expert mask, nonzero or scatter).
         ``decode`` (a batched decode step): int4 experts take one bf16 copy of the rows, as the one-token decode

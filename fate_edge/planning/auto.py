@@ -32,11 +32,17 @@ class Engine(runtime_engine.Engine):
         planned = None
         if plan == "auto" or a["policy"] == "auto":
             if not is_store(a["store_dir"]):
-                raise FateEdgeError(f"{a['store_dir']}: not an expert store; create one with "
-                                    "`fate-edge convert MODEL OUT`")
+                raise FateEdgeError(
+                    f"{a['store_dir']}: not an expert store; create one with `fate-edge convert MODEL OUT`"
+                )
             dtype, link = a["dtype"], a["link"]
-            planned = auto_plan(a["store_dir"], parse_bytes(a["memory_budget"]), link.spec if link else None,
-                                dtype=DTYPES[dtype] if isinstance(dtype, str) else dtype, workers=a["workers"])
+            planned = auto_plan(
+                a["store_dir"],
+                parse_bytes(a["memory_budget"]),
+                link.spec if link else None,
+                dtype=DTYPES[dtype] if isinstance(dtype, str) else dtype,
+                workers=a["workers"],
+            )
             a["policy"] = planned.policy
         super().__init__(**a)
         self.planned = planned

@@ -83,8 +83,12 @@ def predict(c: StepCosts, batch: int) -> StepPrediction:
 
 
 def _reads(c: StepCosts, batch: int) -> float:
-    return sum((1 - (1 - min(1.0, q)) ** batch) for p, cached in zip(c.experts_per_layer, c.cached)
-               for e, q in enumerate(p) if e not in set(cached))
+    return sum(
+        (1 - (1 - min(1.0, q)) ** batch)
+        for p, cached in zip(c.experts_per_layer, c.cached)
+        for e, q in enumerate(p)
+        if e not in set(cached)
+    )
 
 
 def _rest_s(c: StepCosts) -> float:
@@ -134,8 +138,20 @@ def step_costs(engine, step_s: float, token_stats: list, peak_flops: float) -> S
     expert = sum(t.expert_s for t in token_stats) / timed if timed else 0.0
     h = cfg.hidden_size
     expert_flops = 2 * cfg.expert_params
-    resident = sum(t.numel() for t in engine.model.w.values()
-                   if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[0] != cfg.vocab_size)
+    resident = sum(
+        t.numel()
+        for t in engine.model.w.values()
+        if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[0] != cfg.vocab_size
+    )
     rest_flops = 2 * (resident + h * cfg.vocab_size)  # the embedding is a lookup; lm_head a matmul
-    return StepCosts(step_s, expert, consume / reads if reads else 0.0, reads / steps, shares, cached,
-                     expert_flops, rest_flops, peak_flops)
+    return StepCosts(
+        step_s,
+        expert,
+        consume / reads if reads else 0.0,
+        reads / steps,
+        shares,
+        cached,
+        expert_flops,
+        rest_flops,
+        peak_flops,
+    )

@@ -44,8 +44,9 @@ def resolve_device(name: str) -> tuple[str, str]:
     try:
         profile = load_profile(name)
     except ProfileError as exc:
-        raise ProfileError(f"--emulate {name}: not a device; use one of {', '.join(DEVICES)} or a profile "
-                           f"({exc})") from exc
+        raise ProfileError(
+            f"--emulate {name}: not a device; use one of {', '.join(DEVICES)} or a profile ({exc})"
+        ) from exc
     return name, "storage" if profile.unified_memory else "host-link"
 
 
@@ -54,8 +55,9 @@ def profile_name(value: str) -> str:
     fate-edge probe)."""
     if value == "host" or value in list_profiles() or value.endswith(".toml") and Path(value).is_file():
         return value
-    raise argparse.ArgumentTypeError(f"no device profile {value!r}; use one of: {', '.join(list_profiles())}, "
-                                     "host, or a profile .toml file")
+    raise argparse.ArgumentTypeError(
+        f"no device profile {value!r}; use one of: {', '.join(list_profiles())}, host, or a profile .toml file"
+    )
 
 
 def emulated_device(value: str) -> str:
@@ -63,8 +65,10 @@ def emulated_device(value: str) -> str:
     profile (not 'host')."""
     if value in DEVICES or value != "host" and _is_profile(value):
         return value
-    raise argparse.ArgumentTypeError(f"no device {value!r} to emulate; use one of: {', '.join(DEVICES)}, a device "
-                                     "profile name or a profile .toml file")
+    raise argparse.ArgumentTypeError(
+        f"no device {value!r} to emulate; use one of: {', '.join(DEVICES)}, a device "
+        "profile name or a profile .toml file"
+    )
 
 
 def _is_profile(value: str) -> bool:
@@ -127,8 +131,10 @@ def decode_token_work(store_dir: str | Path, bits: int = 4, resident_bits: int |
     flops = 2 * (params + experts * cfg.expert_params)
     resident_bits = resident_bits or stored_bits(reader)[0]
     held = "fp16" if resident_bits is None else f"int{resident_bits} linears (the rest fp16)"
-    what = (f"{params / 1e6:.1f} M resident params at {held} + {experts} experts per token "
-            f"({len(cfg.moe_layers)} MoE layers x top-{cfg.num_experts_per_tok}) at int{bits}")
+    what = (
+        f"{params / 1e6:.1f} M resident params at {held} + {experts} experts per token "
+        f"({len(cfg.moe_layers)} MoE layers x top-{cfg.num_experts_per_tok}) at int{bits}"
+    )
     return TokenWork(float(nbytes), float(flops), what)
 
 
@@ -143,5 +149,6 @@ def read_layers(store_dir: str | Path, device: str, bits: int = 4, resident_bits
     profile, kind = resolve_device(device)
     work = decode_token_work(store_dir, bits, resident_bits)
     layer_s = device_roofline(load_profile(profile)).time_s(work.bytes, work.flops) / len(
-        load_config(store_dir).moe_layers)
+        load_config(store_dir).moe_layers
+    )
     return device_link(profile, kind).transfer_time(ExpertStore(store_dir).expert_bytes(bits)) / layer_s

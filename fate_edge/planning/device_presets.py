@@ -17,8 +17,14 @@ from fate_edge.planning.device_costs import read_layers as expert_read_layers
 from fate_edge.runtime.policy import PolicyConfig
 
 # What every link-bound device changes in fate-edge (see the module docstring).
-_LINK_BOUND: dict[str, Any] = {"allocation": "global", "eviction": "next-use", "predictor": None,
-                               "prefetch_gate": False, "preload": True, "keep_preloaded": True}
+_LINK_BOUND: dict[str, Any] = {
+    "allocation": "global",
+    "eviction": "next-use",
+    "predictor": None,
+    "prefetch_gate": False,
+    "preload": True,
+    "keep_preloaded": True,
+}
 
 # Profile name → the fields of fate-edge that device changes. The five are alike because each is link-bound for
 # this model (the sweep's table per device: docs/emulation.md); a device where a read fits in a layer's compute would
@@ -43,8 +49,15 @@ HIDING_READ_LAYERS = 4.0
 # rule), the decode after it read 28.6 MB per token against 21.1 (Orin Nano, 35%). The learned predictor is not used:
 # calibrated on that model it scored better on held-out corpus text (recall@4 87% against 81%) but worse on the decode
 # the engine runs (65% against 81%).
-_HIDES_READS: dict[str, Any] = {"allocation": "uniform", "eviction": "next-use", "predictor": "cross-layer-norm",
-                                "lookahead": 2, "prefetch_gate": False, "preload": True, "keep_preloaded": False}
+_HIDES_READS: dict[str, Any] = {
+    "allocation": "uniform",
+    "eviction": "next-use",
+    "predictor": "cross-layer-norm",
+    "lookahead": 2,
+    "prefetch_gate": False,
+    "preload": True,
+    "keep_preloaded": False,
+}
 HIDING_PRESETS: dict[str, dict[str, Any]] = {name: _HIDES_READS for name in DEVICE_PRESETS}
 
 # Prefetch width by what a read costs (at most that many MoE layers of compute → width): the cheaper a read, the
@@ -81,8 +94,9 @@ def for_device(policy: PolicyConfig, device: str | None, read_layers: float | No
     return policy.with_(**change)
 
 
-def for_device_and_store(policy: PolicyConfig, device: str | None, store_dir, resident_bits: int | None = None
-                         ) -> PolicyConfig:
+def for_device_and_store(
+    policy: PolicyConfig, device: str | None, store_dir, resident_bits: int | None = None
+) -> PolicyConfig:
     """:func:`for_device` with the read cost of ``store_dir``'s experts on ``device`` (resident linears held at
     ``resident_bits``), so the row fits the model as well as the device; without a store, :func:`for_device`."""
     if store_dir is None:

@@ -50,18 +50,29 @@ class Emulation:
         compare = f"one expert: {disk} on this disk vs {link_ms:.1f} ms on the dilated link"
         if self.direct_io:
             return f"O_DIRECT reads (as a DMA: no page-cache copy; {compare})"
-        return (f"buffered reads from a warm page cache ({compare}): each read pays a memcpy on this host's CPU "
-                "that a DMA would not")
+        return (
+            f"buffered reads from a warm page cache ({compare}): each read pays a memcpy on this host's CPU "
+            "that a DMA would not"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "device": self.device, "profile": self.profile, "roofline": dataclasses.asdict(self.roofline),
-            "token_bytes": self.work.bytes, "token_flops": self.work.flops, "token_work": self.work.what,
-            "host_s_per_token": self.host_s_per_token, "device_s_per_token": self.device_s_per_token,
-            "dilation_k": self.k, "device_link": dataclasses.asdict(self.link),
-            "emulated_link": dataclasses.asdict(self.emulated), "direct_io": self.direct_io,
-            "expert_bytes": self.expert_bytes, "disk_direct_read_s": self.disk_read_s,
-            "io": self.io_note, "host_probe": self.host_probe,
+            "device": self.device,
+            "profile": self.profile,
+            "roofline": dataclasses.asdict(self.roofline),
+            "token_bytes": self.work.bytes,
+            "token_flops": self.work.flops,
+            "token_work": self.work.what,
+            "host_s_per_token": self.host_s_per_token,
+            "device_s_per_token": self.device_s_per_token,
+            "dilation_k": self.k,
+            "device_link": dataclasses.asdict(self.link),
+            "emulated_link": dataclasses.asdict(self.emulated),
+            "direct_io": self.direct_io,
+            "expert_bytes": self.expert_bytes,
+            "disk_direct_read_s": self.disk_read_s,
+            "io": self.io_note,
+            "host_probe": self.host_probe,
             "note": "raw = measured on this host with the dilated link; device-equivalent = raw x dilation_k",
         }
 
@@ -72,8 +83,9 @@ def disk_direct_read_s(store_dir: str | Path, n: int = 8, bits: int = 4) -> floa
     return statistics.median(seconds) if io == "O_DIRECT" else None
 
 
-def time_reads(store_dir: str | Path, link: LinkSpec | None, direct_io: bool, n: int = 8, bits: int = 4
-               ) -> tuple[int, list[float], str]:
+def time_reads(
+    store_dir: str | Path, link: LinkSpec | None, direct_io: bool, n: int = 8, bits: int = 4
+) -> tuple[int, list[float], str]:
     """Read ``n`` experts one after another through the fetch engine: (bytes, seconds of each read, its I/O path
     note)."""
     from fate_edge.fetch.fetch_engine import BufferPool, FetchEngine, Priority
@@ -81,8 +93,12 @@ def time_reads(store_dir: str | Path, link: LinkSpec | None, direct_io: bool, n:
 
     s = ExpertStore(store_dir)
     refs = [s.ref(layer, e, bits) for layer in s.index["moe_layers"][:2] for e in range(s.index["num_experts"])][:n]
-    fe = FetchEngine(BufferPool(2, s.precisions[bits].slot_bytes), workers=1,
-                     link=ThrottledLink(link) if link else None, direct_io=direct_io)
+    fe = FetchEngine(
+        BufferPool(2, s.precisions[bits].slot_bytes),
+        workers=1,
+        link=ThrottledLink(link) if link else None,
+        direct_io=direct_io,
+    )
     try:
         nbytes, seconds = 0, []
         for ref in refs:
@@ -97,8 +113,14 @@ def time_reads(store_dir: str | Path, link: LinkSpec | None, direct_io: bool, n:
         fe.close()
 
 
-def host_token_seconds(store_dir: str | Path, token_ids: list[int], tokens: int = 8, workers: int = 2,
-                       bits: int = 4, resident_bits: int | None = None) -> tuple[float, str]:
+def host_token_seconds(
+    store_dir: str | Path,
+    token_ids: list[int],
+    tokens: int = 8,
+    workers: int = 2,
+    bits: int = 4,
+    resident_bits: int | None = None,
+) -> tuple[float, str]:
     """This host's decode compute per token: the planner's probe of the real engine (LRU, every int4 expert
     fitting, O_DIRECT reads, resident weights held as ``resident_bits`` says), each token's time less its stall
     and blob decoding, median over tokens."""
@@ -115,13 +137,24 @@ def host_token_seconds(store_dir: str | Path, token_ids: list[int], tokens: int 
     slot = store.precisions[bits].slot_bytes
     # Every expert fits (up to 4 GB), so few reads run beside the timed compute.
     budget = min(n_experts * store.expert_bytes(bits), int(4e9)) + 4 * slot
-    run = probe_engine(store_dir, budget, PRESETS["lru"], None, token_ids, DTYPES[defaults.DTYPE], tokens=tokens,
-                       workers=workers, resident_bits=resident_bits)
+    run = probe_engine(
+        store_dir,
+        budget,
+        PRESETS["lru"],
+        None,
+        token_ids,
+        DTYPES[defaults.DTYPE],
+        tokens=tokens,
+        workers=workers,
+        resident_bits=resident_bits,
+    )
     per_token = run.compute_s / max(1, run.tokens)
     held = "" if resident_bits is None else f", int{resident_bits} resident linears"
-    what = (f"engine decode of {run.tokens} tokens after {len(token_ids)} prompt tokens, every int{bits} expert "
-            f"fitting (LRU){held}, {torch.get_num_threads()} torch threads: median token time less stall and blob "
-            "decode")
+    what = (
+        f"engine decode of {run.tokens} tokens after {len(token_ids)} prompt tokens, every int{bits} expert "
+        f"fitting (LRU){held}, {torch.get_num_threads()} torch threads: median token time less stall and blob "
+        "decode"
+    )
     return per_token, what
 
 
@@ -140,12 +173,24 @@ def store_side(store_dir: str | Path, bits: int = 4, resident_bits: int | None =
     device's roofline then reads too (a W4A16 decode), and the host's probe holds them at."""
     from fate_edge.format.store import ExpertStore
 
-    return StoreSide(decode_token_work(store_dir, bits, resident_bits), ExpertStore(store_dir).expert_bytes(bits),
-                     resident_bits, disk_direct_read_s(store_dir, bits=bits))
+    return StoreSide(
+        decode_token_work(store_dir, bits, resident_bits),
+        ExpertStore(store_dir).expert_bytes(bits),
+        resident_bits,
+        disk_direct_read_s(store_dir, bits=bits),
+    )
 
 
-def calibrate(device: str, store_dir: str | Path, token_ids: list[int], tokens: int = 8, workers: int = 2,
-              bits: int = 4, host_s_per_token: float | None = None, side: StoreSide | None = None) -> Emulation:
+def calibrate(
+    device: str,
+    store_dir: str | Path,
+    token_ids: list[int],
+    tokens: int = 8,
+    workers: int = 2,
+    bits: int = 4,
+    host_s_per_token: float | None = None,
+    side: StoreSide | None = None,
+) -> Emulation:
     """The emulation of ``store_dir`` on ``device``: host time measured (unless given), device time from the
     profile's roofline, k, the dilated link, and whether reads go O_DIRECT. ``side``: the store's figures, when
     already measured (several devices, one store)."""
@@ -161,13 +206,33 @@ def calibrate(device: str, store_dir: str | Path, token_ids: list[int], tokens: 
     k = dilation(host_s_per_token, dev_s)
     link = device_link(profile_name, kind)
     emulated = dilated_link(link, k)
-    return Emulation(device, profile.name, roof, side.work, host_s_per_token, dev_s, k, link, emulated,
-                     reads_direct(emulated, side.expert_bytes, side.disk_read_s), side.expert_bytes,
-                     side.disk_read_s, probe)
+    return Emulation(
+        device,
+        profile.name,
+        roof,
+        side.work,
+        host_s_per_token,
+        dev_s,
+        k,
+        link,
+        emulated,
+        reads_direct(emulated, side.expert_bytes, side.disk_read_s),
+        side.expert_bytes,
+        side.disk_read_s,
+        probe,
+    )
 
 
-def plan_emulated(store_dir: str | Path, budget: int, devices: list[str], token_ids: list[int],
-                  workers: int = 2, decode_tokens: int = 64, bits: int = 4, progress=None) -> dict[str, tuple]:
+def plan_emulated(
+    store_dir: str | Path,
+    budget: int,
+    devices: list[str],
+    token_ids: list[int],
+    workers: int = 2,
+    decode_tokens: int = 64,
+    bits: int = 4,
+    progress=None,
+) -> dict[str, tuple]:
     """The planner on each device's timeline: this host's costs and a decode trace measured once (the planner's
     probes, O_DIRECT reads), each device's k from them, the costs scaled by 1 / k and simulated against the
     device's own link: the compute/link ratio is the device's. {device: (Emulation, Plan)}; a Plan's tokens/s
@@ -178,8 +243,16 @@ def plan_emulated(store_dir: str | Path, budget: int, devices: list[str], token_
     from fate_edge.planning.planner import describe_store, measure_host_costs, plan, probe_error
     from fate_edge.planning.simulate import scale_costs
 
-    costs, host_link, trace = measure_host_costs(store_dir, budget, None, token_ids, workers=workers,
-                                                 decode_tokens=decode_tokens, progress=progress, direct_io=True)
+    costs, host_link, trace = measure_host_costs(
+        store_dir,
+        budget,
+        None,
+        token_ids,
+        workers=workers,
+        decode_tokens=decode_tokens,
+        progress=progress,
+        direct_io=True,
+    )
     host_s = costs.layer_compute_s * len(load_config(store_dir).moe_layers)
     store = ExpertStore(store_dir)
     describe_store(trace, store)
@@ -191,6 +264,18 @@ def plan_emulated(store_dir: str | Path, budget: int, devices: list[str], token_
         em = calibrate(device, store_dir, token_ids, workers=workers, bits=bits, host_s_per_token=host_s, side=side)
         em.host_probe = "the planner's LRU probe (compute per MoE layer x MoE layers)"
         presets = preset_candidates(device, store_dir)  # the descent starts from the first, the device's row
-        out[device] = (em, plan(trace, budget, expert, slot, em.link, scale_costs(costs, 1 / em.k),
-                                start=presets[0], presets=presets, margin=margin))
+        out[device] = (
+            em,
+            plan(
+                trace,
+                budget,
+                expert,
+                slot,
+                em.link,
+                scale_costs(costs, 1 / em.k),
+                start=presets[0],
+                presets=presets,
+                margin=margin,
+            ),
+        )
     return out

@@ -21,19 +21,39 @@ from fate_edge.runtime.policy import PRESETS
 ORACLE_WIDTHS = (0, 1, 2, 4, 8, 64)  # read-ahead widths tried; 0 = Belady's cache alone
 
 
-def oracle_bound(expert_ids: dict[int, torch.Tensor], oracle_scores: dict[tuple[int, int], torch.Tensor],
-                 budget: int, entry_bytes: int, slot_bytes: int, link: LinkSpec, costs: HostCosts | float,
-                 num_experts: int, num_layers: int, warm: dict[int, list[int]] | None = None,
-                 popularity: dict[int, list[int]] | None = None) -> tuple[int, SimResult]:
+def oracle_bound(
+    expert_ids: dict[int, torch.Tensor],
+    oracle_scores: dict[tuple[int, int], torch.Tensor],
+    budget: int,
+    entry_bytes: int,
+    slot_bytes: int,
+    link: LinkSpec,
+    costs: HostCosts | float,
+    num_experts: int,
+    num_layers: int,
+    warm: dict[int, list[int]] | None = None,
+    popularity: dict[int, list[int]] | None = None,
+) -> tuple[int, SimResult]:
     """(width, result) of the fastest clairvoyant configuration under ``budget`` on this trace; ``oracle_scores``
     as the oracle predictor scores (``_replay.oracle_scores`` in the tests, the recorded trace in a bench)."""
     best: tuple[int, SimResult] | None = None
     for width in ORACLE_WIDTHS:
         policy = replace(PRESETS["oracle"], prefetch_width=width)
         plan = plan_budget(budget, policy, entry_bytes, slot_bytes)
-        r = simulate(expert_ids, oracle_scores if width else None, policy, plan.cache_bytes, entry_bytes, link,
-                     costs, num_experts, num_layers, warm=warm, max_inflight=max(plan.pool_buffers - 2, 0),
-                     popularity=popularity)
+        r = simulate(
+            expert_ids,
+            oracle_scores if width else None,
+            policy,
+            plan.cache_bytes,
+            entry_bytes,
+            link,
+            costs,
+            num_experts,
+            num_layers,
+            warm=warm,
+            max_inflight=max(plan.pool_buffers - 2, 0),
+            popularity=popularity,
+        )
         if best is None or r.total_s < best[1].total_s:
             best = (width, r)
     assert best is not None

@@ -15,8 +15,9 @@ from fate_edge.runtime.policy import PRESETS, PolicyConfig
 MIN_MARGIN = 0.03
 
 
-def preset_candidates(device: str | None = None, store_dir: str | Path | None = None,
-                      resident_bits: int | None = None) -> list[PolicyConfig]:
+def preset_candidates(
+    device: str | None = None, store_dir: str | Path | None = None, resident_bits: int | None = None
+) -> list[PolicyConfig]:
     """``fate-edge`` as it runs on ``device`` (the host preset when None or unknown; device_presets.py) and
     ``fate`` as published."""
     from fate_edge.planning.device_presets import for_device_and_store
@@ -24,8 +25,12 @@ def preset_candidates(device: str | None = None, store_dir: str | Path | None = 
     return [for_device_and_store(PRESETS["fate-edge"], device, store_dir, resident_bits), PRESETS["fate"]]
 
 
-def choose(searched: PolicyConfig, presets: Sequence[PolicyConfig], tokens_per_s: Callable[[PolicyConfig], float],
-           margin: float) -> PolicyConfig:
+def choose(
+    searched: PolicyConfig,
+    presets: Sequence[PolicyConfig],
+    tokens_per_s: Callable[[PolicyConfig], float],
+    margin: float,
+) -> PolicyConfig:
     """The best preset by ``tokens_per_s`` (predicted), unless ``searched`` is predicted faster than it by more than
     ``margin`` (a share, at least :data:`MIN_MARGIN`)."""
     if not presets:

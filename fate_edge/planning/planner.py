@@ -46,8 +46,9 @@ class PlanTrace:
     probe_tokens_per_s: float | None = None  # the LRU probe's measured decode speed (the planner's own error)
 
 
-def record_plan_trace(model, token_ids: list[int], lookahead: int = 3, store_dir: str | Path | None = None
-                      ) -> PlanTrace:
+def record_plan_trace(
+    model, token_ids: list[int], lookahead: int = 3, store_dir: str | Path | None = None
+) -> PlanTrace:
     """Run ``model`` over ``token_ids`` once (teacher-forced) and record the true experts plus the
     predictors' scores (see :func:`trace_predictions`). For a device profile, where the engine cannot be
     probed; on this host :func:`auto_plan` records the engine's own decode instead."""
@@ -67,9 +68,14 @@ def reads_early_attention(store_dir: str | Path | None) -> bool:
     return path is not None and bool(read_manifest(path).get("early_attention", False))
 
 
-def trace_predictions(model, expert_ids: dict[int, torch.Tensor], gate_inputs: dict[int, torch.Tensor],
-                      lookahead: int = 3, store_dir: str | Path | None = None,
-                      early: dict[int, torch.Tensor] | None = None) -> PlanTrace:
+def trace_predictions(
+    model,
+    expert_ids: dict[int, torch.Tensor],
+    gate_inputs: dict[int, torch.Tensor],
+    lookahead: int = 3,
+    store_dir: str | Path | None = None,
+    early: dict[int, torch.Tensor] | None = None,
+) -> PlanTrace:
     """Score every recorded gate input with each predictor the engine can run: the cross-layer gate (raw
     and norm variants) up to ``lookahead`` layers ahead, and the learned predictor (``fate-edge
     calibrate``) when ``store_dir`` has one, which is what ``best-available`` runs (``early``: the early
@@ -91,17 +97,25 @@ def trace_predictions(model, expert_ids: dict[int, torch.Tensor], gate_inputs: d
     # A learned predictor reading the previous token's inputs reads them from the rows above (consecutive tokens).
     widened = {}
     if learned is not None and learned.early_attention and early is None:
-        raise ValueError("the learned predictor reads the early attention's estimate; the trace has none "
-                         "(record it with collect_traces(..., early=True))")
+        raise ValueError(
+            "the learned predictor reads the early attention's estimate; the trace has none "
+            "(record it with collect_traces(..., early=True))"
+        )
     if learned is not None and (learned.context is not None or learned.early_attention) and gate_inputs:
-        widened = widen_inputs(gate_inputs, layers, len(next(iter(gate_inputs.values()))),
-                               previous=learned.context is not None, early=early if learned.early_attention else None)
+        widened = widen_inputs(
+            gate_inputs,
+            layers,
+            len(next(iter(gate_inputs.values()))),
+            previous=learned.context is not None,
+            early=early if learned.early_attention else None,
+        )
     for name, predictor in predictors.items():
         preds: dict[tuple[int, int], torch.Tensor] = {}
         with torch.inference_mode():
             for src in layers:
-                p = predictor.predict(src, widened.get(src, gate_inputs[src]) if predictor is learned
-                                      else gate_inputs[src])
+                p = predictor.predict(
+                    src, widened.get(src, gate_inputs[src]) if predictor is learned else gate_inputs[src]
+                )
                 for target in p.layers:
                     preds[(src, target)] = p.for_layer(target)
         out.predictions[name] = preds
@@ -161,9 +175,19 @@ def expert_compute_s(token_stats: list) -> float:
     return float(np.median(per)) if per else 0.0
 
 
-def probe_engine(store_dir, budget: int, policy: PolicyConfig, link: LinkSpec | None, token_ids: list[int],
-                 dtype: torch.dtype, tokens: int = 16, workers: int = defaults.FETCH_WORKERS,
-                 record: bool = False, direct_io: bool | None = None, resident_bits: int | None = None) -> ProbeRun:
+def probe_engine(
+    store_dir,
+    budget: int,
+    policy: PolicyConfig,
+    link: LinkSpec | None,
+    token_ids: list[int],
+    dtype: torch.dtype,
+    tokens: int = 16,
+    workers: int = defaults.FETCH_WORKERS,
+    record: bool = False,
+    direct_io: bool | None = None,
+    resident_bits: int | None = None,
+) -> ProbeRun:
     """Decode ``tokens`` greedy tokens after ``token_ids`` with the real engine under ``budget``; the second
     of two runs is measured (the first warms torch's kernels and checks each blob's CRC once, as a
     long-running engine would have). ``record``: also keep the decode's routing as a :class:`PlanTrace`.
@@ -175,9 +199,16 @@ def probe_engine(store_dir, budget: int, policy: PolicyConfig, link: LinkSpec | 
 
     run = None
     for attempt in range(2):
-        eng = Engine(store_dir, budget, policy, dtype=dtype, link=ThrottledLink(link) if link else None,
-                     workers=workers, direct_io=link is None if direct_io is None else direct_io,
-                     resident_bits=resident_bits)
+        eng = Engine(
+            store_dir,
+            budget,
+            policy,
+            dtype=dtype,
+            link=ThrottledLink(link) if link else None,
+            workers=workers,
+            direct_io=link is None if direct_io is None else direct_io,
+            resident_bits=resident_bits,
+        )
         rec = None
         if record and attempt == 1:
             from fate_edge.predictors.early_attention import EarlyInput
@@ -196,11 +227,20 @@ def probe_engine(store_dir, budget: int, policy: PolicyConfig, link: LinkSpec | 
             # Compute per token = its time minus its stall and blob decoding; the median over tokens, so a
             # hiccup of the host (another process, page-cache writeback) does not skew it.
             compute = token_compute_s(times, st)
-            run = ProbeRun(len(st), float(np.median(compute)) * len(st), sum(s.stall_s for s in st),
-                           sum(s.consume_s for s in st), sum(s.predict_s for s in st),
-                           f1.reads_completed - f0.reads_completed, f1.cpu_s - f0.cpu_s, f1.read_s - f0.read_s,
-                           f1.bytes_read - f0.bytes_read, decode_s=times[-1] - times[0],
-                           expert_s=expert_compute_s(st), compute_sum_s=float(np.sum(compute)))
+            run = ProbeRun(
+                len(st),
+                float(np.median(compute)) * len(st),
+                sum(s.stall_s for s in st),
+                sum(s.consume_s for s in st),
+                sum(s.predict_s for s in st),
+                f1.reads_completed - f0.reads_completed,
+                f1.cpu_s - f0.cpu_s,
+                f1.read_s - f0.read_s,
+                f1.bytes_read - f0.bytes_read,
+                decode_s=times[-1] - times[0],
+                expert_s=expert_compute_s(st),
+                compute_sum_s=float(np.sum(compute)),
+            )
             if rec is not None and rec.ids:
                 ids = {layer: torch.cat(v) for layer, v in rec.ids.items()}
                 h = {layer: torch.cat(v) for layer, v in rec.h.items()}
@@ -216,12 +256,20 @@ def probe_engine(store_dir, budget: int, policy: PolicyConfig, link: LinkSpec | 
     return run
 
 
-def measure_host_costs(store_dir, budget: int, link: LinkSpec | None, token_ids: list[int],
-                       dtype: torch.dtype = torch.float32, predictor_policy: PolicyConfig | None = None,
-                       workers: int = defaults.FETCH_WORKERS, decode_tokens: int = 128,
-                       progress: Callable[[str], None] | None = None, direct_io: bool | None = None,
-                       predictor_probe: bool = True, resident_bits: int | None = None
-                       ) -> tuple[HostCosts, LinkSpec, PlanTrace | None]:
+def measure_host_costs(
+    store_dir,
+    budget: int,
+    link: LinkSpec | None,
+    token_ids: list[int],
+    dtype: torch.dtype = torch.float32,
+    predictor_policy: PolicyConfig | None = None,
+    workers: int = defaults.FETCH_WORKERS,
+    decode_tokens: int = 128,
+    progress: Callable[[str], None] | None = None,
+    direct_io: bool | None = None,
+    predictor_probe: bool = True,
+    resident_bits: int | None = None,
+) -> tuple[HostCosts, LinkSpec, PlanTrace | None]:
     """The simulator's constants for this host and a decode trace, from probe runs of the engine under
     ``budget``: an LRU cache without prediction decoding ``decode_tokens`` tokens after ``token_ids`` (all
     reads are demand reads, so what is not stalling or decoding blobs is compute; its routing is the
@@ -234,8 +282,19 @@ def measure_host_costs(store_dir, budget: int, link: LinkSpec | None, token_ids:
     say = progress or (lambda message: None)
     moe_layers = len(load_config(store_dir).moe_layers)
     say(f"probe 1/2: {decode_tokens} tokens with an LRU cache and no prediction (compute, reads, routing)")
-    base = probe_engine(store_dir, budget, PRESETS["lru"], link, token_ids, dtype, tokens=decode_tokens,
-                        workers=workers, record=True, direct_io=direct_io, resident_bits=resident_bits)
+    base = probe_engine(
+        store_dir,
+        budget,
+        PRESETS["lru"],
+        link,
+        token_ids,
+        dtype,
+        tokens=decode_tokens,
+        workers=workers,
+        record=True,
+        direct_io=direct_io,
+        resident_bits=resident_bits,
+    )
     reads = max(1, base.reads)
     contention = reader_contention(torch.get_num_threads(), workers)
     # The mean token's compute, not the median's: what is predicted is decode tokens over wall time, which the
@@ -246,8 +305,17 @@ def measure_host_costs(store_dir, budget: int, link: LinkSpec | None, token_ids:
     predict_s = 0.0
     if predictor_probe:
         say("probe 2/2: a few tokens with the predictor on every layer (its cost)")
-        pred = probe_engine(store_dir, budget, (predictor_policy or PRESETS["fate-edge"]).with_(prefetch_gate=False),
-                            link, token_ids, dtype, workers=workers, direct_io=direct_io, resident_bits=resident_bits)
+        pred = probe_engine(
+            store_dir,
+            budget,
+            (predictor_policy or PRESETS["fate-edge"]).with_(prefetch_gate=False),
+            link,
+            token_ids,
+            dtype,
+            workers=workers,
+            direct_io=direct_io,
+            resident_bits=resident_bits,
+        )
         predict_s = pred.predict_s / max(1, pred.tokens) / moe_layers
     costs = HostCosts(
         layer_compute_s=max(1e-6, compute),
@@ -297,7 +365,8 @@ class Plan:
             f"host costs      {self.costs.describe()}",
             f"chosen policy   allocation={p.allocation} eviction={p.eviction} predictor={p.predictor} "
             f"lookahead={p.lookahead} width={p.prefetch_width}"
-            + (f" (mass {p.prefetch_mass})" if p.prefetch_width == "mass" else "") + f" bits={p.bits}",
+            + (f" (mass {p.prefetch_mass})" if p.prefetch_width == "mass" else "")
+            + f" bits={p.bits}",
             f"predicted       {self.predicted_tokens_per_s:.1f} decode tok/s, "
             f"hit rate {100 * self.predicted_hit_rate:.1f}%",
             *(f"preset          {c.policy.name}: {c.result.tokens_per_s:.1f} tok/s predicted" for c in self.presets),
@@ -309,8 +378,10 @@ class Plan:
         for c in sorted(self.candidates, key=lambda c: -c.result.tokens_per_s)[:10]:
             q = c.policy
             width = f"mass{q.prefetch_mass}" if q.prefetch_width == "mass" else q.prefetch_width
-            lines.append(f"  {c.result.tokens_per_s:8.1f} tok/s  {100 * c.result.hit_rate:5.1f}%  {q.allocation}/"
-                         f"{q.eviction}/{q.predictor}/p={q.lookahead}/w={width}")
+            lines.append(
+                f"  {c.result.tokens_per_s:8.1f} tok/s  {100 * c.result.hit_rate:5.1f}%  {q.allocation}/"
+                f"{q.eviction}/{q.predictor}/p={q.lookahead}/w={width}"
+            )
         return "\n".join(lines)
 
 
@@ -325,23 +396,44 @@ def _neighbours(p: PolicyConfig) -> list[PolicyConfig]:
     return out
 
 
-def simulate_policy(trace: PlanTrace, policy: PolicyConfig, budget: int, expert_bytes: int, slot_bytes: int,
-                    link: LinkSpec, costs: HostCosts) -> SimResult:
+def simulate_policy(
+    trace: PlanTrace,
+    policy: PolicyConfig,
+    budget: int,
+    expert_bytes: int,
+    slot_bytes: int,
+    link: LinkSpec,
+    costs: HostCosts,
+) -> SimResult:
     """``policy`` under ``budget`` simulated over ``trace``: its cache gets what the engine's budget plan leaves,
     seeded with the store's calibration counts and filled at load as the engine fills it (sim_load.py)."""
     cache_bytes = plan_budget(budget, policy, expert_bytes, slot_bytes).cache_bytes
     preds = trace.predictions.get(policy.predictor) if policy.predictor else None
     layers = sorted(trace.expert_ids)
-    resident = sim_resident(policy, layers, trace.num_experts, cache_bytes,
-                            {policy.bits: expert_bytes, **trace.entry_bytes})
+    resident = sim_resident(
+        policy, layers, trace.num_experts, cache_bytes, {policy.bits: expert_bytes, **trace.entry_bytes}
+    )
     fill = sim_preload(policy, layers, trace.num_experts, cache_bytes, expert_bytes, trace.popularity, resident)
-    return simulate(trace.expert_ids, preds, policy, cache_bytes, expert_bytes, link, costs,
-                    trace.num_experts, trace.num_layers, warm=trace.warm, popularity=trace.popularity,
-                    resident=resident, preload=fill)
+    return simulate(
+        trace.expert_ids,
+        preds,
+        policy,
+        cache_bytes,
+        expert_bytes,
+        link,
+        costs,
+        trace.num_experts,
+        trace.num_layers,
+        warm=trace.warm,
+        popularity=trace.popularity,
+        resident=resident,
+        preload=fill,
+    )
 
 
-def probe_error(trace: PlanTrace, budget: int, expert_bytes: int, slot_bytes: int, link: LinkSpec,
-                costs: HostCosts) -> float:
+def probe_error(
+    trace: PlanTrace, budget: int, expert_bytes: int, slot_bytes: int, link: LinkSpec, costs: HostCosts
+) -> float:
     """The simulator's relative error on the run it was measured from: the LRU probe (``trace`` is its decode)
     simulated with the costs measured on it, against its measured decode speed; 0 when not measured."""
     if not trace.probe_tokens_per_s:
@@ -350,9 +442,18 @@ def probe_error(trace: PlanTrace, budget: int, expert_bytes: int, slot_bytes: in
     return abs(sim.tokens_per_s / trace.probe_tokens_per_s - 1)
 
 
-def plan(trace: PlanTrace, budget: int, expert_bytes: int, slot_bytes: int, link: LinkSpec,
-         layer_compute_s: float | HostCosts, start: PolicyConfig | None = None, rounds: int = 2,
-         presets: Sequence[PolicyConfig] = (), margin: float = 0.0) -> Plan:
+def plan(
+    trace: PlanTrace,
+    budget: int,
+    expert_bytes: int,
+    slot_bytes: int,
+    link: LinkSpec,
+    layer_compute_s: float | HostCosts,
+    start: PolicyConfig | None = None,
+    rounds: int = 2,
+    presets: Sequence[PolicyConfig] = (),
+    margin: float = 0.0,
+) -> Plan:
     """Coordinate descent over policy settings, scored by simulated decode tokens/s. ``layer_compute_s``:
     the measured :class:`HostCosts`, or just per-layer compute seconds (a device profile's roofline).
     ``presets`` are simulated too, and the best of them is the pick unless the search's best is predicted faster
@@ -376,13 +477,21 @@ def plan(trace: PlanTrace, budget: int, expert_bytes: int, slot_bytes: int, link
     for p in presets:
         score(p)
     pick = choose(best, presets, score, margin)
-    return Plan(pick, seen[pick].tokens_per_s, seen[pick].hit_rate, link,
-                [Candidate(p, r) for p, r in seen.items()], costs, [Candidate(p, seen[p]) for p in presets],
-                max(margin, MIN_MARGIN) if presets else 0.0)
+    return Plan(
+        pick,
+        seen[pick].tokens_per_s,
+        seen[pick].hit_rate,
+        link,
+        [Candidate(p, r) for p, r in seen.items()],
+        costs,
+        [Candidate(p, seen[p]) for p in presets],
+        max(margin, MIN_MARGIN) if presets else 0.0,
+    )
 
 
-def trace_from_calls(calls: list[tuple[int, list[int]]], moe_layers: list[int], top_k: int, num_experts: int,
-                     num_layers: int) -> PlanTrace | None:
+def trace_from_calls(
+    calls: list[tuple[int, list[int]]], moe_layers: list[int], top_k: int, num_experts: int, num_layers: int
+) -> PlanTrace | None:
     """A recorded request's calls (``Engine.record_trace``: per MoE call, its experts) as a :class:`PlanTrace`
     without predictor scores: the decode's routing (the trailing whole tokens of ``top_k`` experts a layer) and the
     prompt's experts per layer as ``warm``. None when no decode token was recorded."""
@@ -399,8 +508,9 @@ def trace_from_calls(calls: list[tuple[int, list[int]]], moe_layers: list[int], 
     return PlanTrace(ids, {}, num_experts, num_layers, warm)
 
 
-def predict_on(result: Plan, trace: PlanTrace, budget: int, expert_bytes: int, slot_bytes: int,
-               policy: PolicyConfig | None = None) -> float | None:
+def predict_on(
+    result: Plan, trace: PlanTrace, budget: int, expert_bytes: int, slot_bytes: int, policy: PolicyConfig | None = None
+) -> float | None:
     """``policy`` (default: the plan's pick) simulated with the plan's costs and link over another routing (a
     benchmark's own prompt): the time model's prediction for that request, apart from how well the planner's probe
     text stands for it. None for a policy that needs predictor scores (the trace has none)."""
@@ -418,10 +528,20 @@ def sample_token_ids(tokenizer, n: int = 256) -> list[int]:
     return tokenizer.encode(text)[:n]
 
 
-def auto_plan(store_dir, budget: int, link: LinkSpec | None = None, token_ids: list[int] | None = None,
-              dtype: torch.dtype = torch.float32, prompt_tokens: int = 64, decode_tokens: int = 128,
-              workers: int = 2, progress: Callable[[str], None] | None = None, direct_io: bool | None = None,
-              resident_bits: int | None = None, device: str | None = None) -> Plan:
+def auto_plan(
+    store_dir,
+    budget: int,
+    link: LinkSpec | None = None,
+    token_ids: list[int] | None = None,
+    dtype: torch.dtype = torch.float32,
+    prompt_tokens: int = 64,
+    decode_tokens: int = 128,
+    workers: int = 2,
+    progress: Callable[[str], None] | None = None,
+    direct_io: bool | None = None,
+    resident_bits: int | None = None,
+    device: str | None = None,
+) -> Plan:
     """Plan for this host: probe the engine under ``budget`` on sample text (the prompt's first
     ``prompt_tokens`` tokens, then ``decode_tokens`` greedy tokens) to measure the host's costs and record
     the decode's routing, then simulate candidates over that trace. ``resident_bits``: the probe holds the resident
@@ -436,9 +556,18 @@ def auto_plan(store_dir, budget: int, link: LinkSpec | None = None, token_ids: l
     from fate_edge.tokenizer import Tokenizer
 
     ids = token_ids or sample_token_ids(Tokenizer(store_dir))
-    costs, link, trace = measure_host_costs(store_dir, budget, link, ids[:prompt_tokens], dtype,
-                                            workers=workers, decode_tokens=decode_tokens, progress=progress,
-                                            direct_io=direct_io, resident_bits=resident_bits)
+    costs, link, trace = measure_host_costs(
+        store_dir,
+        budget,
+        link,
+        ids[:prompt_tokens],
+        dtype,
+        workers=workers,
+        decode_tokens=decode_tokens,
+        progress=progress,
+        direct_io=direct_io,
+        resident_bits=resident_bits,
+    )
     store = ExpertStore(store_dir)
     bits = PRESETS["fate-edge"].bits
     if trace is None:  # nothing decoded (cannot happen with decode_tokens >= 1): fall back to teacher forcing
@@ -451,8 +580,10 @@ def auto_plan(store_dir, budget: int, link: LinkSpec | None = None, token_ids: l
     expert, slot = store.expert_bytes(bits), store.precisions[bits].slot_bytes
     margin = probe_error(trace, budget, expert, slot, link, costs)
     if progress:
-        progress(f"simulating candidate policies over the recorded routing (simulator off by {100 * margin:.1f}% "
-                 "on the probe)")
+        progress(
+            f"simulating candidate policies over the recorded routing (simulator off by {100 * margin:.1f}% "
+            "on the probe)"
+        )
     presets = preset_candidates(device, store_dir, resident_bits)
     return plan(trace, budget, expert, slot, link, costs, start=presets[0], presets=presets, margin=margin)
 

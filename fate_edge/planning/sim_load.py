@@ -12,8 +12,9 @@ from fate_edge.runtime.policy import PolicyConfig
 from fate_edge.runtime.preload import global_choice, preload_choice
 
 
-def sim_resident(policy: PolicyConfig, layers: Sequence[int], num_experts: int, cache_bytes: int,
-                 entry_bytes: dict[int, int]) -> Resident | None:
+def sim_resident(
+    policy: PolicyConfig, layers: Sequence[int], num_experts: int, cache_bytes: int, entry_bytes: dict[int, int]
+) -> Resident | None:
     """Fate's first MoE layer held whole (``resident_first``), at the highest precision of ``entry_bytes``
     (bits → bytes of one expert) that fits ``cache_bytes``; None for other policies, as ``Engine._resident``."""
     if not (policy.resident_first and policy.cache and policy.allocation != "global"):
@@ -21,8 +22,15 @@ def sim_resident(policy: PolicyConfig, layers: Sequence[int], num_experts: int, 
     return pick_resident(layers[0], num_experts, cache_bytes, entry_bytes)
 
 
-def sim_preload(policy: PolicyConfig, layers: Sequence[int], num_experts: int, cache_bytes: int, entry_bytes: int,
-                popularity: dict[int, list[int]] | None, resident: Resident | None) -> dict[int, list[int]] | None:
+def sim_preload(
+    policy: PolicyConfig,
+    layers: Sequence[int],
+    num_experts: int,
+    cache_bytes: int,
+    entry_bytes: int,
+    popularity: dict[int, list[int]] | None,
+    resident: Resident | None,
+) -> dict[int, list[int]] | None:
     """Per MoE layer the experts the engine caches at load (``preload``: the calibration's most used, across layers
     for one global partition, per layer's slots otherwise; the resident layer whole), or None."""
     if not policy.cache or not (policy.preload or resident):

@@ -58,9 +58,11 @@ class HostCosts:
     expert_s: float = 0.0
 
     def describe(self) -> str:
-        return (f"{self.layer_compute_s * 1e3:.3f} ms compute per layer ({self.expert_s * 1e3:.3f} ms per routed "
-                f"expert), {self.predict_s * 1e3:.3f} ms predicting, per read {self.read_cpu_s * 1e3:.3f} ms reader "
-                f"CPU (x{self.contention:.2f} contention) + {self.consume_s * 1e3:.3f} ms decode")
+        return (
+            f"{self.layer_compute_s * 1e3:.3f} ms compute per layer ({self.expert_s * 1e3:.3f} ms per routed "
+            f"expert), {self.predict_s * 1e3:.3f} ms predicting, per read {self.read_cpu_s * 1e3:.3f} ms reader "
+            f"CPU (x{self.contention:.2f} contention) + {self.consume_s * 1e3:.3f} ms decode"
+        )
 
 
 @dataclass
@@ -179,9 +181,9 @@ def simulate(
                 r.prompt_prefetches += 1
             clock += prefetch_cpu  # the reader thread takes a core from compute
         return link_free, clock
+
     if oracle and n:  # the prompt's last layer read token 0's first layers ahead (OraclePredictor.targets)
-        first = [(target, one_hot(expert_ids[target][:1], num_experts))
-                 for target in layers[: policy.lookahead]]
+        first = [(target, one_hot(expert_ids[target][:1], num_experts)) for target in layers[: policy.lookahead]]
         deferred.extend((p.layer, p.expert) for p in plan_oracle_prefetches(first, cached, max_inflight))
         link_free, clock = issue(-1, clock, link_free)
         deferred.clear()
@@ -241,15 +243,21 @@ def simulate(
                 width = gate.width(base_width, read_time, prefetch_cpu, costs.predict_s, policy.min_prefetch_width)
                 predict = gate.should_predict(shut=width == 0)
             if predict:
-                targets = [(target, predictions[(layer, target)][t : t + 1])
-                           for target in layers[li + 1 : li + 1 + policy.lookahead] if (layer, target) in predictions]
+                targets = [
+                    (target, predictions[(layer, target)][t : t + 1])
+                    for target in layers[li + 1 : li + 1 + policy.lookahead]
+                    if (layer, target) in predictions
+                ]
                 if oracle and t + 1 < n:  # past the last layer: the next token's first ones (OraclePredictor.targets)
-                    targets += [(target, one_hot(expert_ids[target][t + 1 : t + 2], num_experts))
-                                for target in layers[: policy.lookahead - len(targets)]]
+                    targets += [
+                        (target, one_hot(expert_ids[target][t + 1 : t + 2], num_experts))
+                        for target in layers[: policy.lookahead - len(targets)]
+                    ]
                 if gate is not None and targets:
                     target, scores = targets[0]
-                    candidates[target] = gate_candidates(ranked(scores[0]), len(gate.seen),
-                                                         lambda e, target=target: cached((target, e)))
+                    candidates[target] = gate_candidates(
+                        ranked(scores[0]), len(gate.seen), lambda e, target=target: cached((target, e))
+                    )
 
                 def busy(key: tuple[int, int], inflight=inflight) -> bool:
                     return cached(key) or key in inflight or key in deferred
@@ -276,12 +284,16 @@ def simulate(
     return r
 
 
-def truth_scores(expert_ids: dict[int, torch.Tensor], layers: list[int], lookahead: int, num_experts: int
-                 ) -> dict[tuple[int, int], torch.Tensor]:
+def truth_scores(
+    expert_ids: dict[int, torch.Tensor], layers: list[int], lookahead: int, num_experts: int
+) -> dict[tuple[int, int], torch.Tensor]:
     """The oracle's scores, (source, target) → [N, E]: each token's true experts of the ``lookahead`` MoE layers
     after the source (:func:`one_hot`)."""
-    return {(src, target): one_hot(expert_ids[target], num_experts)
-            for i, src in enumerate(layers) for target in layers[i + 1 : i + 1 + lookahead]}
+    return {
+        (src, target): one_hot(expert_ids[target], num_experts)
+        for i, src in enumerate(layers)
+        for target in layers[i + 1 : i + 1 + lookahead]
+    }
 
 
 def one_hot(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -293,6 +305,10 @@ def scale_costs(costs: HostCosts, factor: float) -> HostCosts:
     """``costs`` on a timeline ``factor`` times as long: device-faithful emulation (planning/emulation.py) runs
     the device's timeline k times slower on this host, so ``factor`` = 1 / k turns costs measured under emulation
     into the device's. ``contention`` is a share, not a time, and stays."""
-    return dataclasses.replace(costs, layer_compute_s=costs.layer_compute_s * factor,
-                               predict_s=costs.predict_s * factor, read_cpu_s=costs.read_cpu_s * factor,
-                               consume_s=costs.consume_s * factor)
+    return dataclasses.replace(
+        costs,
+        layer_compute_s=costs.layer_compute_s * factor,
+        predict_s=costs.predict_s * factor,
+        read_cpu_s=costs.read_cpu_s * factor,
+        consume_s=costs.consume_s * factor,
+    )

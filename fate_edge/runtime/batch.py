@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from fate_edge.runtime.scheduler import Scheduler
     from fate_edge.tokenizer import Tokenizer
 
+
 def default_max_batch(device: str) -> int:
     """Sequences per step when none is given: 8 on a CPU (a step's cost is mostly per operator, so 8 rows cost little
     more than one), 16 on a GPU."""
@@ -79,8 +80,15 @@ class BatchStats:
 class BatchSequence:
     """One request in the batch: its prompt, KV cache, text side, statistics and its reader's queue."""
 
-    def __init__(self, seq_id: int, prompt_ids: list[int], config: GenerateConfig, out: TokenStream,
-                 cache: KVCache | None, kv_bytes: int):
+    def __init__(
+        self,
+        seq_id: int,
+        prompt_ids: list[int],
+        config: GenerateConfig,
+        out: TokenStream,
+        cache: KVCache | None,
+        kv_bytes: int,
+    ):
         self.id = seq_id
         self.prompt_ids = prompt_ids
         self.config = config
@@ -119,8 +127,14 @@ def add_stats(into: SchedulerStats, more: SchedulerStats) -> None:
 class Batcher:
     """Serves :meth:`stream` calls from any thread together, one batched forward per step, on its own thread."""
 
-    def __init__(self, model: MoETransformer, tokenizer: Tokenizer, scheduler: Scheduler, lock: threading.Lock,
-                 config: BatchConfig):
+    def __init__(
+        self,
+        model: MoETransformer,
+        tokenizer: Tokenizer,
+        scheduler: Scheduler,
+        lock: threading.Lock,
+        config: BatchConfig,
+    ):
         if config.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {config.max_batch}")
         self.model = model
@@ -148,7 +162,8 @@ class Batcher:
             raise BudgetError(
                 f"this request needs {format_bytes(kv)} of KV cache ({len(prompt_ids)} prompt + {max_tokens} answer "
                 f"tokens) but the budget holds {format_bytes(c.kv_budget_bytes)} for all sequences together; "
-                "lower max_tokens or shorten the prompt, or raise --context-tokens")
+                "lower max_tokens or shorten the prompt, or raise --context-tokens"
+            )
         out = TokenStream(self.tokenizer, prompt_ids, config, max_tokens)
         seq = BatchSequence(next(self._ids), prompt_ids, config, out, None, kv)
         if max_tokens == 0:  # nothing to generate: answered without joining
@@ -266,9 +281,12 @@ class Batcher:
         now = time.monotonic()
         for seq in list(self._active):
             if not seq.cancelled.is_set() and seq.unread > 0 and now - seq.last_read > self.config.idle_timeout:
-                seq.put(StreamSupersededError(
-                    f"this stream left its tokens unread for {self.config.idle_timeout:.0f} s, so its sequence was "
-                    "removed from the batch; read a stream to its end or close() it"))
+                seq.put(
+                    StreamSupersededError(
+                        f"this stream left its tokens unread for {self.config.idle_timeout:.0f} s, so its sequence was "
+                        "removed from the batch; read a stream to its end or close() it"
+                    )
+                )
                 seq.cancelled.set()
             if seq.cancelled.is_set():
                 self._leave(seq)
@@ -340,9 +358,11 @@ class Batcher:
         if isinstance(exc, torch.OutOfMemoryError):
             if self.model.device.type == "cuda":
                 torch.cuda.empty_cache()
-            exc = DeviceMemoryError(f"{self.model.device.type} ran out of memory during a batched step of "
-                                    f"{len(stepped)} sequences; they were stopped and hold nothing: retry, or lower "
-                                    "--max-batch or --memory-budget")
+            exc = DeviceMemoryError(
+                f"{self.model.device.type} ran out of memory during a batched step of "
+                f"{len(stepped)} sequences; they were stopped and hold nothing: retry, or lower "
+                "--max-batch or --memory-budget"
+            )
         with self._cv:
             for seq in stepped:
                 seq.put(exc)

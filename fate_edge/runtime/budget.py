@@ -39,8 +39,15 @@ class BudgetPlan:
         return self.pool_bytes + self.working_bytes
 
 
-def plan_budget(budget: int, policy: PolicyConfig, entry_bytes: int, slot_bytes: int, max_inflight: int = 8,
-                min_buffers: int = 2, top_k: int = 2) -> BudgetPlan:
+def plan_budget(
+    budget: int,
+    policy: PolicyConfig,
+    entry_bytes: int,
+    slot_bytes: int,
+    max_inflight: int = 8,
+    min_buffers: int = 2,
+    top_k: int = 2,
+) -> BudgetPlan:
     """Split ``budget`` into read buffers, the one expert being computed, and the cache.
 
     ``min_buffers`` read buffers let demand reads proceed whatever prefetches hold; prefetching policies
@@ -48,8 +55,9 @@ def plan_budget(budget: int, policy: PolicyConfig, entry_bytes: int, slot_bytes:
     per layer: a tenth of the rest of the budget, but never fewer than lookahead x ``top_k`` (one layer's
     experts per layer ahead) while the rest of the budget holds them, so small budgets still prefetch.
     """
-    plan = BudgetPlan(budget, min_buffers, min_buffers * slot_bytes, entry_bytes, 0, entry_bytes,
-                      demand_buffers=min_buffers)
+    plan = BudgetPlan(
+        budget, min_buffers, min_buffers * slot_bytes, entry_bytes, 0, entry_bytes, demand_buffers=min_buffers
+    )
     if budget < plan.minimum:
         raise BudgetError(
             f"memory budget {format_bytes(budget)} is below the minimum {format_bytes(plan.minimum, round_up=True)} "
@@ -69,21 +77,28 @@ def plan_budget(budget: int, policy: PolicyConfig, entry_bytes: int, slot_bytes:
     return plan
 
 
-def memory_shortfall(host_need: int, device_need: int, host_available: int, device_free: int | None,
-                     unified: bool) -> str | None:
+def memory_shortfall(
+    host_need: int, device_need: int, host_available: int, device_free: int | None, unified: bool
+) -> str | None:
     """Why the expert memory cannot fit, or None. ``unified``: CPU and GPU share one memory (a Jetson, or no
     GPU), so everything is counted against it; a discrete GPU holds the cache and the host the staging."""
     if unified or device_free is None:
         need = host_need + device_need
         if need > host_available:
-            return (f"the experts need up to {format_bytes(need)} (cache, read buffers and the expert being computed"
-                    f"{', in the memory CPU and GPU share' if unified and device_free is not None else ''}) but only "
-                    f"{format_bytes(host_available)} of memory is available; lower --memory-budget or free memory")
+            return (
+                f"the experts need up to {format_bytes(need)} (cache, read buffers and the expert being computed"
+                f"{', in the memory CPU and GPU share' if unified and device_free is not None else ''}) but only "
+                f"{format_bytes(host_available)} of memory is available; lower --memory-budget or free memory"
+            )
         return None
     if device_need > device_free:
-        return (f"the expert cache needs up to {format_bytes(device_need)} of GPU memory but "
-                f"{format_bytes(device_free)} is free; lower --memory-budget or free GPU memory")
+        return (
+            f"the expert cache needs up to {format_bytes(device_need)} of GPU memory but "
+            f"{format_bytes(device_free)} is free; lower --memory-budget or free GPU memory"
+        )
     if host_need > host_available:
-        return (f"the pinned read buffers need {format_bytes(host_need)} of host memory but only "
-                f"{format_bytes(host_available)} is available; lower --memory-budget or free memory")
+        return (
+            f"the pinned read buffers need {format_bytes(host_need)} of host memory but only "
+            f"{format_bytes(host_available)} is available; lower --memory-budget or free memory"
+        )
     return None

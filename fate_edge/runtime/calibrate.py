@@ -117,8 +117,9 @@ def windows(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
     return ids[: n * seq_len].view(n, seq_len)
 
 
-def corpus_windows(model_dir: Path, tokenizer: Any, eos: int | None, opts: CalibrateOptions
-                   ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+def corpus_windows(
+    model_dir: Path, tokenizer: Any, eos: int | None, opts: CalibrateOptions
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
     """(training windows [n, T], held-out windows [m, T], a description of where they came from)."""
     if not 0 < opts.heldout_fraction < 1:
         raise CalibrationError(f"--heldout-fraction must be in (0, 1), not {opts.heldout_fraction}")
@@ -129,22 +130,32 @@ def corpus_windows(model_dir: Path, tokenizer: Any, eos: int | None, opts: Calib
         random.Random(opts.seed).shuffle(train_texts)  # the files are in path order: mix packages
         train = windows(encode_texts(tokenizer, train_texts, train_budget, eos), opts.seq_len)
         held = windows(encode_texts(tokenizer, held_texts, held_budget, eos), opts.seq_len)
-        desc = {"source": "Python stdlib .py files, split as the bundled model was trained (fate_edge.corpus: "
-                          "training / held-out files)",
-                "train_files": len(train_texts), "heldout_files": len(held_texts)}
+        desc = {
+            "source": "Python stdlib .py files, split as the bundled model was trained (fate_edge.corpus: "
+            "training / held-out files)",
+            "train_files": len(train_texts),
+            "heldout_files": len(held_texts),
+        }
     else:
         texts = read_texts(opts.corpus, max(1 << 20, 16 * opts.tokens))
         all_windows = windows(encode_texts(tokenizer, texts, train_budget + held_budget, eos), opts.seq_len)
         if len(all_windows) < 2:
-            raise CalibrationError(f"{opts.corpus}: gives fewer than 2 windows of {opts.seq_len} tokens; "
-                                   "pass more text or a smaller --seq-len")
+            raise CalibrationError(
+                f"{opts.corpus}: gives fewer than 2 windows of {opts.seq_len} tokens; "
+                "pass more text or a smaller --seq-len"
+            )
         n_held = min(len(all_windows) - 1, max(1, round(opts.heldout_fraction * len(all_windows))))
         train, held = all_windows[:-n_held], all_windows[-n_held:]
-        desc = {"source": str(opts.corpus), "files": len(texts),
-                "split": f"last {n_held} of {len(all_windows)} windows held out"}
+        desc = {
+            "source": str(opts.corpus),
+            "files": len(texts),
+            "split": f"last {n_held} of {len(all_windows)} windows held out",
+        }
     if len(train) == 0 or len(held) == 0:
-        raise CalibrationError(f"not enough text for one {opts.seq_len}-token window of training and of held-out "
-                               "data; raise --tokens or lower --seq-len")
+        raise CalibrationError(
+            f"not enough text for one {opts.seq_len}-token window of training and of held-out "
+            "data; raise --tokens or lower --seq-len"
+        )
     desc |= {"seq_len": opts.seq_len, "train_tokens": train.numel(), "heldout_tokens": held.numel()}
     return train, held, desc
 
@@ -176,15 +187,21 @@ def engine_predictors_dir(model_dir: Path, progress: bool = True) -> Path:
     try:
         return ensure_store(model_dir, progress=progress) / PREDICTORS_DIR
     except FateEdgeError as exc:
-        raise CalibrationError(f"{model_dir}: the engine cannot open this model as an expert store ({exc}), so it "
-                               "would never load predictors for it; pass --predictors-dir DIR to keep them") from exc
+        raise CalibrationError(
+            f"{model_dir}: the engine cannot open this model as an expert store ({exc}), so it "
+            "would never load predictors for it; pass --predictors-dir DIR to keep them"
+        ) from exc
 
 
 # ------------------------------------------------------------------------------------------- popularity
 def popularity_json(trace: Any, model_dir: Path) -> dict[str, Any]:
     return {
-        "format": POPULARITY_FORMAT, "version": 1, "model": str(model_dir),
-        "tokens": trace.tokens, "top_k": trace.top_k, "num_experts": trace.num_experts,
+        "format": POPULARITY_FORMAT,
+        "version": 1,
+        "model": str(model_dir),
+        "tokens": trace.tokens,
+        "top_k": trace.top_k,
+        "num_experts": trace.num_experts,
         "layers": {str(layer): counts for layer, counts in trace.popularity().items()},
     }
 
@@ -206,9 +223,19 @@ def store_popularity(store_dir: str | Path) -> dict[int, list[int]] | None:
 
 # ------------------------------------------------------------------------------------------------ report
 def rows_json(name: str, results: list[Any]) -> list[dict[str, Any]]:
-    return [{"predictor": name, "source": a.source, "target": a.target, "distance": a.distance, "tokens": a.tokens,
-             "exact": a.exact, "recall": {str(w): r for w, r in a.recall.items()},
-             "wasted_bytes": {str(w): b for w, b in a.wasted_bytes.items()}} for a in results]
+    return [
+        {
+            "predictor": name,
+            "source": a.source,
+            "target": a.target,
+            "distance": a.distance,
+            "tokens": a.tokens,
+            "exact": a.exact,
+            "recall": {str(w): r for w, r in a.recall.items()},
+            "wasted_bytes": {str(w): b for w, b in a.wasted_bytes.items()},
+        }
+        for a in results
+    ]
 
 
 def means(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -216,9 +243,10 @@ def means(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for d in sorted({r["distance"] for r in rows}):
         at = [r for r in rows if r["distance"] == d]
-        out.append({"distance": d, "pairs": len(at), "exact": sum(r["exact"] for r in at) / len(at)}
-                   | {key: {w: sum(r[key][w] for r in at) / len(at) for w in at[0][key]}
-                      for key in ("recall", "wasted_bytes")})
+        out.append(
+            {"distance": d, "pairs": len(at), "exact": sum(r["exact"] for r in at) / len(at)}
+            | {key: {w: sum(r[key][w] for r in at) / len(at) for w in at[0][key]} for key in ("recall", "wasted_bytes")}
+        )
     return out
 
 
@@ -226,11 +254,20 @@ def table_markdown(report: dict[str, Any]) -> str:
     k = report["k"]
     widths = [str(w) for w in report["widths"]]
     waste = [w for w in (str(k), str(k + 2)) if w in widths]
-    head = ["predictor", "layer i → j", "exact", *(f"recall@{w}" for w in widths),
-            *(f"waste KiB/tok @{w}" for w in waste)]
-    out = [f"Held-out: {report['corpus']['heldout_tokens']:,} tokens; top-{k} of {report['num_experts']} experts; "
-           f"{report['bytes_per_expert'] / 1024:.1f} KiB per expert; lookahead {report['lookahead']}.", "",
-           "| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
+    head = [
+        "predictor",
+        "layer i → j",
+        "exact",
+        *(f"recall@{w}" for w in widths),
+        *(f"waste KiB/tok @{w}" for w in waste),
+    ]
+    out = [
+        f"Held-out: {report['corpus']['heldout_tokens']:,} tokens; top-{k} of {report['num_experts']} experts; "
+        f"{report['bytes_per_expert'] / 1024:.1f} KiB per expert; lookahead {report['lookahead']}.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|---|---|" + "---:|" * (len(head) - 2),
+    ]
 
     def line(name: str, arrow: str, r: dict[str, Any]) -> str:
         cells = [name, arrow, f"{100 * r['exact']:.1f}%"] + [f"{100 * r['recall'][w]:.1f}%" for w in widths]
@@ -262,19 +299,26 @@ def calibrate(model_dir: str | Path, opts: CalibrateOptions | None = None) -> di
     if not 1 <= opts.lookahead <= 4:
         raise CalibrationError(f"--lookahead must be 1..4, not {opts.lookahead}")
     if opts.corpus is None and not trained_on_stdlib(model_dir):
-        raise CalibrationError("--corpus FILE is required (only the bundled model, and models whose training_log.json "
-                               "names the Python standard library corpus, have a default corpus: their stdlib split)")
+        raise CalibrationError(
+            "--corpus FILE is required (only the bundled model, and models whose training_log.json "
+            "names the Python standard library corpus, have a default corpus: their stdlib split)"
+        )
     pred_dir = opts.predictors_dir or engine_predictors_dir(model_dir, opts.progress)  # before hours of tracing
     model = load_model(model_dir, torch.float32)
     cfg = model.config
     if opts.early_attention and cfg.mla is not None:
-        raise CalibrationError("--early-attention runs the next layer's GQA attention early; this model's attention "
-                               "is MLA (DeepSeek), which it does not support: calibrate without it")
+        raise CalibrationError(
+            "--early-attention runs the next layer's GQA attention early; this model's attention "
+            "is MLA (DeepSeek), which it does not support: calibrate without it"
+        )
     tokenizer = Tokenizer(model_dir)
     train_wins, held_wins, corpus = corpus_windows(model_dir, tokenizer, separator_id(tokenizer, cfg), opts)
     log = print if opts.progress else (lambda *a, **k: None)
-    log(f"calibrate: {corpus['train_tokens']:,} training and {corpus['heldout_tokens']:,} held-out tokens "
-        f"({corpus['source']})", file=sys.stderr)
+    log(
+        f"calibrate: {corpus['train_tokens']:,} training and {corpus['heldout_tokens']:,} held-out tokens "
+        f"({corpus['source']})",
+        file=sys.stderr,
+    )
 
     early = opts.early_attention
     train = trace_windows(model, train_wins, opts.batch, "tracing training text", opts.progress, early)
@@ -303,11 +347,20 @@ def calibrate(model_dir: str | Path, opts: CalibrateOptions | None = None) -> di
     # the previous token's next-layer gate inputs.
     learned_train, learned_held = train, held
     if opts.previous_input or early:
-        learned_train, learned_held = (widen_trace(t, cfg.moe_layers, opts.seq_len, opts.previous_input, early)
-                                       for t in (train, held))
+        learned_train, learned_held = (
+            widen_trace(t, cfg.moe_layers, opts.seq_len, opts.previous_input, early) for t in (train, held)
+        )
     for kind in ("linear", "lowrank"):
-        tc = TrainConfig(kind=kind, rank=opts.rank, epochs=opts.epochs, lr=opts.lr, seed=opts.seed,
-                         val_fraction=val_fraction, previous_input=opts.previous_input, early_attention=early)
+        tc = TrainConfig(
+            kind=kind,
+            rank=opts.rank,
+            epochs=opts.epochs,
+            lr=opts.lr,
+            seed=opts.seed,
+            val_fraction=val_fraction,
+            previous_input=opts.previous_input,
+            early_attention=early,
+        )
         learned = train_learned(predictors[init], learned_train, config=tc, progress=opts.progress)
         predictors[f"learned-{kind}"] = learned
         training[kind] = learned.meta["training"]
@@ -316,11 +369,14 @@ def calibrate(model_dir: str | Path, opts: CalibrateOptions | None = None) -> di
 
     report_preds: dict[str, Any] = {}
     for name, pred in predictors.items():
-        rows = rows_json(name, evaluate_predictor(pred, learned_held if name.startswith("learned") else held,
-                                                  widths, bytes_per_expert))
+        rows = rows_json(
+            name,
+            evaluate_predictor(pred, learned_held if name.startswith("learned") else held, widths, bytes_per_expert),
+        )
         report_preds[name] = {"rows": rows, "mean": means(rows)}
-    rows = rows_json("token-popularity", evaluate_predictor(token_pop, held, widths, bytes_per_expert,
-                                                            sources=[EMBEDDING]))
+    rows = rows_json(
+        "token-popularity", evaluate_predictor(token_pop, held, widths, bytes_per_expert, sources=[EMBEDDING])
+    )
     report_preds["token-popularity"] = {"rows": rows, "mean": means(rows)}
 
     for kind in ("linear", "lowrank"):
@@ -334,14 +390,25 @@ def calibrate(model_dir: str | Path, opts: CalibrateOptions | None = None) -> di
             files[f"learned_{kind}"] = learned.save(pred_dir, onnx=False)
 
     report: dict[str, Any] = {
-        "model": str(model_dir), "generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "model_type": cfg.model_type, "moe_layers": cfg.moe_layers, "num_experts": cfg.num_experts, "k": k,
-        "lookahead": p, "widths": widths, "bytes_per_expert": bytes_per_expert, "previous_input": opts.previous_input,
+        "model": str(model_dir),
+        "generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "model_type": cfg.model_type,
+        "moe_layers": cfg.moe_layers,
+        "num_experts": cfg.num_experts,
+        "k": k,
+        "lookahead": p,
+        "widths": widths,
+        "bytes_per_expert": bytes_per_expert,
+        "previous_input": opts.previous_input,
         "early_attention": early,
         "bytes_per_expert_source": "--expert-bytes" if opts.expert_bytes is not None else "3·H·I·2 (bf16)",
-        "corpus": corpus, "training": training, "predictors": report_preds,
+        "corpus": corpus,
+        "training": training,
+        "predictors": report_preds,
         "files": {key: str(path) for key, path in files.items()},
-        "torch": torch.__version__, "threads": torch.get_num_threads(), "seconds": round(time.time() - t0, 1),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "seconds": round(time.time() - t0, 1),
     }
     out = opts.out or pred_dir
     out.mkdir(parents=True, exist_ok=True)
@@ -356,18 +423,32 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     opts = CalibrateOptions(
-        corpus=args.corpus, lookahead=args.lookahead, tokens=args.tokens, heldout_fraction=args.heldout_fraction,
-        rank=args.rank, seq_len=args.seq_len, batch=args.batch, epochs=args.epochs, lr=args.lr,
-        expert_bytes=args.expert_bytes, out=args.out, predictors_dir=args.predictors_dir, onnx=not args.no_onnx,
-        progress=not args.quiet, seed=args.seed, previous_input=args.previous_input,
+        corpus=args.corpus,
+        lookahead=args.lookahead,
+        tokens=args.tokens,
+        heldout_fraction=args.heldout_fraction,
+        rank=args.rank,
+        seq_len=args.seq_len,
+        batch=args.batch,
+        epochs=args.epochs,
+        lr=args.lr,
+        expert_bytes=args.expert_bytes,
+        out=args.out,
+        predictors_dir=args.predictors_dir,
+        onnx=not args.no_onnx,
+        progress=not args.quiet,
+        seed=args.seed,
+        previous_input=args.previous_input,
         early_attention=args.early_attention,
     )
     report = calibrate(args.model or bundled_model_dir(), opts)
     print(table_markdown(report))
     where = Path(report["files"]["popularity"]).parent
-    print(f"wrote {report['files']['calibration']}; predictors and popularity in {where}"
-          + (" (the expert store the engine uses for this model)" if args.predictors_dir is None else "")
-          + f" ({report['seconds']:.0f}s)")
+    print(
+        f"wrote {report['files']['calibration']}; predictors and popularity in {where}"
+        + (" (the expert store the engine uses for this model)" if args.predictors_dir is None else "")
+        + f" ({report['seconds']:.0f}s)"
+    )
     return 0
 
 
@@ -375,36 +456,67 @@ def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``calibrate`` on the CLI's subparsers (``fate_edge.apps.cli.build_parser``)."""
     p = subparsers.add_parser("calibrate", help="record routing on a corpus, train and measure expert predictors")
     p.add_argument("model", nargs="?", default=None, help="model directory (default: the bundled model)")
-    p.add_argument("--corpus", type=Path, default=None,
-                   help="UTF-8 text file or directory of .txt/.py/.md files (default, for the bundled model "
-                        "and models trained on the stdlib, per their training_log.json: that training / held-out "
-                        "split)")
-    p.add_argument("--lookahead", type=int, default=CalibrateOptions.lookahead, choices=[1, 2, 3, 4],
-                   help="MoE layers ahead to predict")
-    p.add_argument("--tokens", type=int, default=CalibrateOptions.tokens,
-                   help="tokens to run through the model (training + held-out). More text trains markedly better "
-                        "predictors; the trace keeps tokens x hidden size x 4 bytes per MoE layer in memory")
-    p.add_argument("--heldout-fraction", type=float, default=CalibrateOptions.heldout_fraction,
-                   help="share of the tokens held out for the report")
+    p.add_argument(
+        "--corpus",
+        type=Path,
+        default=None,
+        help="UTF-8 text file or directory of .txt/.py/.md files (default, for the bundled model "
+        "and models trained on the stdlib, per their training_log.json: that training / held-out "
+        "split)",
+    )
+    p.add_argument(
+        "--lookahead",
+        type=int,
+        default=CalibrateOptions.lookahead,
+        choices=[1, 2, 3, 4],
+        help="MoE layers ahead to predict",
+    )
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=CalibrateOptions.tokens,
+        help="tokens to run through the model (training + held-out). More text trains markedly better "
+        "predictors; the trace keeps tokens x hidden size x 4 bytes per MoE layer in memory",
+    )
+    p.add_argument(
+        "--heldout-fraction",
+        type=float,
+        default=CalibrateOptions.heldout_fraction,
+        help="share of the tokens held out for the report",
+    )
     p.add_argument("--rank", type=int, default=CalibrateOptions.rank, help="width of the low-rank predictor")
     p.add_argument("--seq-len", type=int, default=CalibrateOptions.seq_len, help="tokens per window")
     p.add_argument("--batch", type=int, default=CalibrateOptions.batch, help="windows per forward pass")
-    p.add_argument("--epochs", type=int, default=CalibrateOptions.epochs,
-                   help="training epochs: the one-cycle schedule's length (early stopping may end sooner)")
+    p.add_argument(
+        "--epochs",
+        type=int,
+        default=CalibrateOptions.epochs,
+        help="training epochs: the one-cycle schedule's length (early stopping may end sooner)",
+    )
     p.add_argument("--lr", type=float, default=CalibrateOptions.lr, help="peak AdamW learning rate of the predictors")
     p.add_argument("--expert-bytes", type=int, default=None, help="bytes one expert moves (default: bf16 size)")
     p.add_argument("--out", type=Path, default=None, help="directory for calibration.json (default: predictors dir)")
-    p.add_argument("--predictors-dir", type=Path, default=None,
-                   help="where predictors and popularity go (default: predictors/ of the expert store the "
-                        "engine uses for MODEL, converted into the fate-edge cache once; the model folder is not "
-                        "written)")
-    p.add_argument("--previous-input", action="store_true",
-                   help="learned predictors also read the previous token's gate input of the layer they predict "
-                        "(causal in decode; most help on the first layer pair; the predictor's input doubles)")
-    p.add_argument("--early-attention", action="store_true",
-                   help="learned predictors also read the layer they predict's attention run one layer early on the "
-                        "current residual (the earlier tokens' keys and values are cached; one more attention per "
-                        "layer and token in decode; GQA models)")
+    p.add_argument(
+        "--predictors-dir",
+        type=Path,
+        default=None,
+        help="where predictors and popularity go (default: predictors/ of the expert store the "
+        "engine uses for MODEL, converted into the fate-edge cache once; the model folder is not "
+        "written)",
+    )
+    p.add_argument(
+        "--previous-input",
+        action="store_true",
+        help="learned predictors also read the previous token's gate input of the layer they predict "
+        "(causal in decode; most help on the first layer pair; the predictor's input doubles)",
+    )
+    p.add_argument(
+        "--early-attention",
+        action="store_true",
+        help="learned predictors also read the layer they predict's attention run one layer early on the "
+        "current residual (the earlier tokens' keys and values are cached; one more attention per "
+        "layer and token in decode; GQA models)",
+    )
     p.add_argument("--no-onnx", action="store_true", help="skip the ONNX export")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=CalibrateOptions.seed)

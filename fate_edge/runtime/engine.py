@@ -58,12 +58,14 @@ class Completion:
 
 
 def resolve_device(device: str) -> str:
-    """"auto" → cuda when torch sees a GPU, else cpu; "cuda" without a GPU is a clear error."""
+    """ "auto" → cuda when torch sees a GPU, else cpu; "cuda" without a GPU is a clear error."""
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise FateEdgeError("device 'cuda' requested but torch sees no CUDA GPU (is this the CPU build of torch, "
-                            "or is the driver missing?); use --device cpu or auto")
+        raise FateEdgeError(
+            "device 'cuda' requested but torch sees no CUDA GPU (is this the CPU build of torch, "
+            "or is the driver missing?); use --device cpu or auto"
+        )
     if device != "cpu" and not device.startswith("cuda"):
         raise FateEdgeError(f"unknown device '{device}'; use auto, cpu or cuda")
     return device
@@ -116,8 +118,10 @@ class Engine:
         max_batch: int = 1,  # >1: concurrent streams run as one batch (runtime.batch); 0: the machine's default
     ):
         if policy == "auto":  # the planner is a layer above this one: fate_edge.Engine asks it first
-            raise FateEdgeError("policy 'auto' is chosen by the planner: construct fate_edge.Engine "
-                                f"(fate_edge.planning.auto.Engine), not {type(self).__module__}.Engine")
+            raise FateEdgeError(
+                "policy 'auto' is chosen by the planner: construct fate_edge.Engine "
+                f"(fate_edge.planning.auto.Engine), not {type(self).__module__}.Engine"
+            )
         device = resolve_device(device)
         self.device = device
         # The model, scheduler and expert cache are shared state: one step of one request runs at a time
@@ -135,14 +139,23 @@ class Engine:
             self.policy = streamed_by_store(self.policy, self.store)
         for bits in {self.policy.bits} | ({self.policy.cold_bits} - {None}):
             if bits not in self.store.precisions and bits != self.policy.cold_bits:
-                raise FateEdgeError(f"policy '{self.policy.name}' needs int{bits} experts but {store_dir} holds "
-                                    f"{self.store.bits_available}; re-run fate-edge convert with --bits {bits}")
+                raise FateEdgeError(
+                    f"policy '{self.policy.name}' needs int{bits} experts but {store_dir} holds "
+                    f"{self.store.bits_available}; re-run fate-edge convert with --bits {bits}"
+                )
         self.budget = parse_bytes(memory_budget)
-        self.account = memory_account(store_dir, self.budget, self.dtype, context_tokens, resident_bits,
-                                      embedding_bits=embedding_bits)
+        self.account = memory_account(
+            store_dir, self.budget, self.dtype, context_tokens, resident_bits, embedding_bits=embedding_bits
+        )
         self._check_account()
-        self.model = load_model(store_dir, dtype=self.dtype, experts=_NoExperts(), device=device,
-                                resident_bits=resident_bits, embedding_bits=embedding_bits)
+        self.model = load_model(
+            store_dir,
+            dtype=self.dtype,
+            experts=_NoExperts(),
+            device=device,
+            resident_bits=resident_bits,
+            embedding_bits=embedding_bits,
+        )
         self.policy = for_model(self.policy, self.model.config.model_type)  # e.g. Fate's tail share per model
         self.tokenizer = Tokenizer(store_dir)
         self.link = link
@@ -154,13 +167,27 @@ class Engine:
         slot = max(self.store.precisions[b].slot_bytes for b in bits_used)
         # On a GPU, staging buffers are pinned so copies to the device are asynchronous DMA.
         pool = BufferPool(self.plan.pool_buffers, slot, pinned=device.startswith("cuda"))
-        self.fetch = FetchEngine(pool, workers=workers, link=link, direct_io=direct_io, verify=verify,
-                                 demand_reserve=self.plan.demand_buffers)
+        self.fetch = FetchEngine(
+            pool,
+            workers=workers,
+            link=link,
+            direct_io=direct_io,
+            verify=verify,
+            demand_reserve=self.plan.demand_buffers,
+        )
         self._check_memory()
         self.cache = self._make_cache()
-        self.scheduler = Scheduler(self.model.config, self.store, self.fetch, self.cache, self.policy,
-                                   self._make_predictor(), self.dtype, device,
-                                   max_inflight_prefetches=self.plan.pool_buffers - 2)
+        self.scheduler = Scheduler(
+            self.model.config,
+            self.store,
+            self.fetch,
+            self.cache,
+            self.policy,
+            self._make_predictor(),
+            self.dtype,
+            device,
+            max_inflight_prefetches=self.plan.pool_buffers - 2,
+        )
         self.model.experts = self.scheduler
         # A replayed trace follows the recorded run call by call, and the recording saw every token in every layer.
         self.scheduler.needs_every_token = trace is not None
@@ -187,9 +214,13 @@ class Engine:
         if max_batch == 1 or self.trace is not None or supported(self.model) is not None:
             return None
         per_token = kv_bytes_per_token(self.model.config, self.dtype)
-        return Batcher(self.model, self.tokenizer, self.scheduler, self._lock,
-                       BatchConfig(max_batch, self.account.kv_cache, per_token,
-                                   idle_timeout=self.stream_idle_timeout))
+        return Batcher(
+            self.model,
+            self.tokenizer,
+            self.scheduler,
+            self._lock,
+            BatchConfig(max_batch, self.account.kv_cache, per_token, idle_timeout=self.stream_idle_timeout),
+        )
 
     @property
     def max_batch(self) -> int:
@@ -234,8 +265,9 @@ class Engine:
         if self.device.startswith("cuda"):
             device_free = torch.cuda.mem_get_info(torch.device(self.device))[0]
             unified = is_jetson_board(read_board_model())  # integrated GPU: one DRAM for CPU and GPU
-        why = memory_shortfall(self.plan.pool_bytes, device_need, int(psutil.virtual_memory().available),
-                               device_free, unified)
+        why = memory_shortfall(
+            self.plan.pool_bytes, device_need, int(psutil.virtual_memory().available), device_free, unified
+        )
         if why:
             raise BudgetError(f"memory budget {format_bytes(self.budget)}: {why}")
 
@@ -256,8 +288,9 @@ class Engine:
         plan = plan_budget(self.budget, p, entry, slot, max_inflight, top_k=cfg.num_experts_per_tok)
         self.resident = self._resident(plan.cache_bytes)
         left = plan.cache_bytes - (self.resident.nbytes if self.resident else 0)
-        plan.slots = layer_slots(p, left // plan.entry_bytes, cfg.moe_layers, cfg.num_experts, self.popularity,
-                                 self.resident)
+        plan.slots = layer_slots(
+            p, left // plan.entry_bytes, cfg.moe_layers, cfg.num_experts, self.popularity, self.resident
+        )
         return plan
 
     def _resident(self, cache_bytes: int) -> Resident | None:
@@ -273,15 +306,18 @@ class Engine:
         p, cfg, r = self.policy, self.model.config, self.resident
         report = LoadReport(r.layer if r else None, r.bits if r else None, r.note if r else "")
         if p.resident_first and r is None:
-            report.note = (f"the cache ({format_bytes(self.plan.cache_bytes)}) cannot hold layer {cfg.moe_layers[0]} "
-                           f"whole even as int{p.bits}: it is cached like the others")
+            report.note = (
+                f"the cache ({format_bytes(self.plan.cache_bytes)}) cannot hold layer {cfg.moe_layers[0]} "
+                f"whole even as int{p.bits}: it is cached like the others"
+            )
         if self.cache is None or not (p.preload or r):
             return report
         if p.predictor == "oracle" and self.trace is not None:
             choice = first_used(self.trace.calls, self.cache.capacity_bytes // self.cache.entry_bytes)
         elif p.preload and p.allocation == "global":  # one partition: the most used experts across layers
-            choice = global_choice(self.cache.capacity_bytes // self.cache.entry_bytes, cfg.moe_layers,
-                                   cfg.num_experts, self.popularity)
+            choice = global_choice(
+                self.cache.capacity_bytes // self.cache.entry_bytes, cfg.moe_layers, cfg.num_experts, self.popularity
+            )
         else:
             slots = self.plan.slots if p.preload or r is None else {r.layer: cfg.num_experts}
             choice = preload_choice(slots, cfg.num_experts, self.popularity)
@@ -298,8 +334,17 @@ class Engine:
     def _make_cache(self) -> ExpertCache | None:
         cfg = self.model.config
         future = self.trace.calls if self.trace else None  # Belady follows the recorded run call by call
-        return build_cache(self.policy, self.plan.cache_bytes, self.plan.entry_bytes, cfg.moe_layers,
-                           cfg.num_experts, future, self.popularity, self.resident, cfg.num_experts_per_tok)
+        return build_cache(
+            self.policy,
+            self.plan.cache_bytes,
+            self.plan.entry_bytes,
+            cfg.moe_layers,
+            cfg.num_experts,
+            future,
+            self.popularity,
+            self.resident,
+            cfg.num_experts_per_tok,
+        )
 
     def _make_predictor(self):
         name = self.policy.predictor
@@ -324,8 +369,11 @@ class Engine:
 
             path = find_learned(found, p.lookahead)
             if path is not None:
-                learned = (OnnxPredictor(path, lookahead=p.lookahead) if name == "learned-onnx"
-                           else LearnedPredictor.load(path, lookahead=p.lookahead))
+                learned = (
+                    OnnxPredictor(path, lookahead=p.lookahead)
+                    if name == "learned-onnx"
+                    else LearnedPredictor.load(path, lookahead=p.lookahead)
+                )
                 learned.attach(model)  # calibrate --early-attention: it reads the model's residual and KV cache
                 return learned
             raise FateEdgeError(
@@ -335,14 +383,14 @@ class Engine:
         if name == "activation-path":
             from fate_edge.predictors.activation_path import ActivationPathPredictor
 
-            return ActivationPathPredictor(cfg.moe_layers, cfg.num_experts, lookahead=p.lookahead,
-                                           popularity=self.popularity)
+            return ActivationPathPredictor(
+                cfg.moe_layers, cfg.num_experts, lookahead=p.lookahead, popularity=self.popularity
+            )
         if name == "oracle":
             from fate_edge.predictors.oracle import OraclePredictor
 
             assert self.trace is not None  # the oracle replays a recorded trace
-            return OraclePredictor(self.trace.calls, cfg.moe_layers, lookahead=p.lookahead,
-                                   num_experts=cfg.num_experts)
+            return OraclePredictor(self.trace.calls, cfg.moe_layers, lookahead=p.lookahead, num_experts=cfg.num_experts)
         raise FateEdgeError(f"unknown predictor '{name}'")
 
     @classmethod
@@ -384,8 +432,9 @@ class Engine:
         finally:
             batcher.cancel(seq)
 
-    def _stream_alone(self, prompt: str | list[int], config: GenerateConfig | None = None
-                      ) -> Iterator[GenerationResponse]:
+    def _stream_alone(
+        self, prompt: str | list[int], config: GenerateConfig | None = None
+    ) -> Iterator[GenerationResponse]:
         """Yield one response per generated token. Requests (from any thread) are served one at a time.
 
         The engine is held while a step runs, never across a ``yield``: a new request waits for an open
@@ -445,8 +494,16 @@ class Engine:
             parts.append(last.text)
             stats = self.request_stats  # read while this request still holds the lock
         assert last is not None and stats is not None
-        return Completion("".join(parts), last.finish_reason or "length", last.prompt_tokens,
-                          last.generation_tokens, last.prompt_tps, last.generation_tps, last.peak_rss_bytes, stats)
+        return Completion(
+            "".join(parts),
+            last.finish_reason or "length",
+            last.prompt_tokens,
+            last.generation_tokens,
+            last.prompt_tps,
+            last.generation_tps,
+            last.peak_rss_bytes,
+            stats,
+        )
 
     def chat(self, messages: list[dict], config: GenerateConfig | None = None) -> Completion:
         """Render ``messages`` with the model's chat template and complete the assistant turn."""

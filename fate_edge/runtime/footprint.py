@@ -35,8 +35,9 @@ class MemoryNeed:
         return self.resident_bytes + self.budget_bytes + self.baseline_bytes
 
 
-def resident_bytes(store_dir: str | Path, dtype: str | torch.dtype = "bfloat16",
-                   resident_bits: int | None = None) -> int:
+def resident_bytes(
+    store_dir: str | Path, dtype: str | torch.dtype = "bfloat16", resident_bits: int | None = None
+) -> int:
     """Bytes the resident weights take once loaded at ``dtype`` (routers stay fp32, as the loader keeps them),
     with ``resident_bits`` (8 or 4) the fused linears quantized as the loader does (``fused.quantize_group``)."""
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
@@ -75,9 +76,17 @@ def kv_cache_bytes(store_dir: str | Path, context_tokens: int) -> int:
     return 2 * cfg.num_hidden_layers * heads * head_dim * 2 * max(64, context_tokens) * _KV_DTYPE_BYTES
 
 
-def memory_need(store_dir: str | Path, budget: int, dtype: str | torch.dtype = "bfloat16",
-                context_tokens: int = 2048, resident_bits: int | None = None) -> MemoryNeed:
+def memory_need(
+    store_dir: str | Path,
+    budget: int,
+    dtype: str | torch.dtype = "bfloat16",
+    context_tokens: int = 2048,
+    resident_bits: int | None = None,
+) -> MemoryNeed:
     """What an Engine on ``store_dir`` with expert budget ``budget`` (and ``resident_bits``) needs in memory
     (see module doc)."""
-    return MemoryNeed(resident_bytes(store_dir, dtype, resident_bits), int(budget),
-                      RUNTIME_BASELINE_BYTES + kv_cache_bytes(store_dir, context_tokens))
+    return MemoryNeed(
+        resident_bytes(store_dir, dtype, resident_bits),
+        int(budget),
+        RUNTIME_BASELINE_BYTES + kv_cache_bytes(store_dir, context_tokens),
+    )

@@ -82,8 +82,11 @@ def _forward(model: MoETransformer, ids: list[int], cache, last_only: bool, stag
     """One forward pass over ``ids`` (one sequence); the device running out of memory becomes a one-line
     :class:`DeviceMemoryError` (the pass holds nothing afterwards: its KV cache is the request's and goes with it)."""
     # One decode token is written on the device by a fill kernel: no host-to-device copy (and wait) per token.
-    x = (torch.full((1, 1), ids[0], dtype=torch.long, device=model.device) if len(ids) == 1
-         else torch.tensor([ids], device=model.device))
+    x = (
+        torch.full((1, 1), ids[0], dtype=torch.long, device=model.device)
+        if len(ids) == 1
+        else torch.tensor([ids], device=model.device)
+    )
     try:
         return model(x, cache, last_only=last_only)[0, -1]
     except torch.OutOfMemoryError as exc:
@@ -93,11 +96,13 @@ def _forward(model: MoETransformer, ids: list[int], cache, last_only: bool, stag
         raise DeviceMemoryError(
             f"{model.device.type} ran out of memory during the {stage} at position {cache.length} ({first}); the "
             "request was stopped and holds nothing: retry with a shorter prompt or --max-tokens, a lower "
-            "--memory-budget, or more free device memory") from None
+            "--memory-budget, or more free device memory"
+        ) from None
 
 
-def prepare_prompt(model: MoETransformer, tokenizer: Tokenizer, prompt: str | list[int],
-                   config: GenerateConfig) -> tuple[list[int], int]:
+def prepare_prompt(
+    model: MoETransformer, tokenizer: Tokenizer, prompt: str | list[int], config: GenerateConfig
+) -> tuple[list[int], int]:
     """A request checked before any compute: its prompt ids and the most tokens it may generate in the context.
     Bad values raise :class:`GenerationError` (:class:`ContextLengthError` for a prompt that fills the context)."""
     if config.max_tokens < 0:
@@ -142,8 +147,16 @@ class TokenStream:
         elapsed = time.perf_counter() - self.t_gen
         if finish is not None or self.n % RSS_EVERY == 0:
             self.rss = peak_rss_bytes()
-        return GenerationResponse(text, token, self.prompt_tokens, self.n, self.prompt_tps,
-                                  self.n / elapsed if elapsed > 0 else 0.0, self.rss, finish)
+        return GenerationResponse(
+            text,
+            token,
+            self.prompt_tokens,
+            self.n,
+            self.prompt_tps,
+            self.n / elapsed if elapsed > 0 else 0.0,
+            self.rss,
+            finish,
+        )
 
     def step(self, logits: torch.Tensor) -> GenerationResponse:
         """Sample the next token from ``logits`` [V]; its response (``finish_reason`` set when the request ends)."""
@@ -201,8 +214,9 @@ def stream_generate(
         logits = _forward(model, [out.token], cache, False, "decode")
 
 
-def generate(model: MoETransformer, tokenizer: Tokenizer, prompt: str | list[int],
-             config: GenerateConfig | None = None) -> tuple[str, GenerationResponse]:
+def generate(
+    model: MoETransformer, tokenizer: Tokenizer, prompt: str | list[int], config: GenerateConfig | None = None
+) -> tuple[str, GenerationResponse]:
     """The whole completion and the final step's stats."""
     parts, last = [], None
     for last in stream_generate(model, tokenizer, prompt, config):

@@ -32,8 +32,16 @@ def expert_spec(config: ModelConfig, bits: int) -> QuantSpec:
     return QuantSpec(bits, pick_group((config.hidden_size, config.moe_intermediate_size), None))
 
 
-def _read_resident(config, reader: CheckpointReader, names: list, wanted: list[str], dtype: torch.dtype,
-                   device, resident_bits: int | None, embedding_bits: int | None = None) -> Weights:
+def _read_resident(
+    config,
+    reader: CheckpointReader,
+    names: list,
+    wanted: list[str],
+    dtype: torch.dtype,
+    device,
+    resident_bits: int | None,
+    embedding_bits: int | None = None,
+) -> Weights:
     """The resident weights at ``dtype`` (routers fp32). With ``resident_bits`` each fused group is quantized
     as soon as it is read (lm_head first), so loading never holds every float weight at once: at
     Qwen1.5-MoE-A2.7B's size the bf16 resident weights (3.7 GB) would exceed the memory that the int4 ones

@@ -71,26 +71,38 @@ class MemoryAccount:
     def lines(self) -> list[str]:
         """The account in MB, one part a line (what inspect, run and serve print)."""
         mb = lambda n: f"{n / 1e6:8.0f} MB"  # noqa: E731
-        rows = [("runtime baseline", self.runtime, "interpreter + torch + fate_edge"),
-                ("embeddings", self.embeddings, "memory-mapped: at most this, as tokens use rows"
-                 if self.embeddings_mapped else ""),
-                ("other resident weights", self.other_resident, "attention, norms, routers, shared experts, lm_head"),
-                ("expert budget", self.expert_budget, "cache, read buffers, expert being computed"),
-                ("KV cache", self.kv_cache, f"{self.context_tokens} tokens"),
-                ("buffers", self.buffers,
-                 f"activations of a {min(self.context_tokens, PREFILL_CHUNK)}-token prefill chunk")]
+        rows = [
+            ("runtime baseline", self.runtime, "interpreter + torch + fate_edge"),
+            (
+                "embeddings",
+                self.embeddings,
+                "memory-mapped: at most this, as tokens use rows" if self.embeddings_mapped else "",
+            ),
+            ("other resident weights", self.other_resident, "attention, norms, routers, shared experts, lm_head"),
+            ("expert budget", self.expert_budget, "cache, read buffers, expert being computed"),
+            ("KV cache", self.kv_cache, f"{self.context_tokens} tokens"),
+            (
+                "buffers",
+                self.buffers,
+                f"activations of a {min(self.context_tokens, PREFILL_CHUNK)}-token prefill chunk",
+            ),
+        ]
         out = [f"  {name:<23}{mb(n)}  {why}".rstrip() for name, n, why in rows]
         if self.loading > self.running:
-            out.append(f"  {'(loading holds':<23}{mb(self.loading)}  beyond the runtime: quantizing resident "
-                       "weights at load; convert --resident-bits avoids it)")
+            out.append(
+                f"  {'(loading holds':<23}{mb(self.loading)}  beyond the runtime: quantizing resident "
+                "weights at load; convert --resident-bits avoids it)"
+            )
         out.append(f"  {'predicted peak RSS':<23}{mb(self.peak)}")
         return out
 
     def summary(self) -> str:
-        return (f"{format_bytes(self.peak)} (runtime {self.runtime / 1e6:.0f} MB + embeddings "
-                f"{self.embeddings / 1e6:.0f} + other resident {self.other_resident / 1e6:.0f} + expert budget "
-                f"{self.expert_budget / 1e6:.0f} + KV cache {self.kv_cache / 1e6:.0f} + buffers "
-                f"{self.buffers / 1e6:.0f} MB)")
+        return (
+            f"{format_bytes(self.peak)} (runtime {self.runtime / 1e6:.0f} MB + embeddings "
+            f"{self.embeddings / 1e6:.0f} + other resident {self.other_resident / 1e6:.0f} + expert budget "
+            f"{self.expert_budget / 1e6:.0f} + KV cache {self.kv_cache / 1e6:.0f} + buffers "
+            f"{self.buffers / 1e6:.0f} MB)"
+        )
 
 
 def current_rss_bytes() -> int:
@@ -123,8 +135,9 @@ def buffer_bytes(cfg: ModelConfig, dtype: torch.dtype, tokens: int) -> int:
     return _BUFFER_FIXED_BYTES + tokens * per_token * width
 
 
-def _weights(store_dir: Path, dtype: torch.dtype, resident_bits: int | None,
-             embedding_bits: int | None) -> tuple[int, int, int, bool]:
+def _weights(
+    store_dir: Path, dtype: torch.dtype, resident_bits: int | None, embedding_bits: int | None
+) -> tuple[int, int, int, bool]:
     """(embedding bytes, other resident bytes, loading peak, whether the table is memory-mapped) as
     ``loader._read_resident`` holds them."""
     from fate_edge.model.embedding import embedding_bytes
@@ -162,8 +175,12 @@ def _weights(store_dir: Path, dtype: torch.dtype, resident_bits: int | None,
         loading = max(loading, held + size + converted)
         held += size
         embed += size if n.startswith(EMBEDDING_PREFIX) else 0
-    return embed, held - embed, max(loading, held), any(n.startswith(EMBEDDING_PREFIX) and not is_float_weight(n)
-                                                        for n in names)
+    return (
+        embed,
+        held - embed,
+        max(loading, held),
+        any(n.startswith(EMBEDDING_PREFIX) and not is_float_weight(n) for n in names),
+    )
 
 
 def _numel(shape) -> int:
@@ -173,9 +190,15 @@ def _numel(shape) -> int:
     return n
 
 
-def memory_account(store_dir: str | Path, budget: int, dtype: str | torch.dtype = "bfloat16",
-                   context_tokens: int = defaults.CONTEXT_TOKENS, resident_bits: int | None = None,
-                   runtime: int | None = None, embedding_bits: int | None = None) -> MemoryAccount:
+def memory_account(
+    store_dir: str | Path,
+    budget: int,
+    dtype: str | torch.dtype = "bfloat16",
+    context_tokens: int = defaults.CONTEXT_TOKENS,
+    resident_bits: int | None = None,
+    runtime: int | None = None,
+    embedding_bits: int | None = None,
+) -> MemoryAccount:
     """The account of an Engine on ``store_dir`` with expert budget ``budget``, serving up to ``context_tokens``
     (prompt and answer), its embedding table held at ``embedding_bits`` (None: ``dtype``); ``runtime``: the
     process's own bytes (default: its RSS now, imports done)."""
@@ -184,8 +207,17 @@ def memory_account(store_dir: str | Path, budget: int, dtype: str | torch.dtype 
     cfg = load_config(store_dir)
     embed, other, loading, mapped = _weights(store_dir, dtype, resident_bits, embedding_bits)
     kv = kv_bytes_per_token(cfg, dtype) * max(64, context_tokens)
-    return MemoryAccount(current_rss_bytes() if runtime is None else runtime, embed, other, int(budget), kv,
-                         buffer_bytes(cfg, dtype, min(context_tokens, PREFILL_CHUNK)), loading, context_tokens, mapped)
+    return MemoryAccount(
+        current_rss_bytes() if runtime is None else runtime,
+        embed,
+        other,
+        int(budget),
+        kv,
+        buffer_bytes(cfg, dtype, min(context_tokens, PREFILL_CHUNK)),
+        loading,
+        context_tokens,
+        mapped,
+    )
 
 
 def available_memory_bytes() -> int:
@@ -215,17 +247,23 @@ def shortfall(account: MemoryAccount, free: int) -> str | None:
         return None
     over = account.running - free
     if account.loading > free:
-        fix = ("loading the resident weights alone takes more: hold them in fewer bits (--resident-bits 4, from a "
-               "store converted with --resident-bits 4) or free memory")
+        fix = (
+            "loading the resident weights alone takes more: hold them in fewer bits (--resident-bits 4, from a "
+            "store converted with --resident-bits 4) or free memory"
+        )
     elif account.expert_budget > over:
         fix = f"lower --memory-budget to {(account.expert_budget - over) / 1e6:.0f} MB or free memory"
     else:
-        fix = ("without any expert budget the resident weights, KV cache and buffers still do not fit: hold the "
-               "weights in fewer bits (--resident-bits 4, --embedding-bits 4) or free memory")
+        fix = (
+            "without any expert budget the resident weights, KV cache and buffers still do not fit: hold the "
+            "weights in fewer bits (--resident-bits 4, --embedding-bits 4) or free memory"
+        )
     held = max(account.loading, account.running)
-    return (f"this run needs {need / 1e6:.0f} MB beyond the {account.runtime / 1e6:.0f} MB the runtime holds "
-            f"(embeddings {account.embeddings / 1e6:.0f} + other resident weights {account.other_resident / 1e6:.0f}"
-            f" + expert budget {account.expert_budget / 1e6:.0f} + KV cache {account.kv_cache / 1e6:.0f} at "
-            f"{account.context_tokens} tokens + buffers {account.buffers / 1e6:.0f} MB"
-            + ("" if held == account.running else f"; loading holds {account.loading / 1e6:.0f} MB") +
-            f") but only {free / 1e6:.0f} MB is free; {fix}")
+    return (
+        f"this run needs {need / 1e6:.0f} MB beyond the {account.runtime / 1e6:.0f} MB the runtime holds "
+        f"(embeddings {account.embeddings / 1e6:.0f} + other resident weights {account.other_resident / 1e6:.0f}"
+        f" + expert budget {account.expert_budget / 1e6:.0f} + KV cache {account.kv_cache / 1e6:.0f} at "
+        f"{account.context_tokens} tokens + buffers {account.buffers / 1e6:.0f} MB"
+        + ("" if held == account.running else f"; loading holds {account.loading / 1e6:.0f} MB")
+        + f") but only {free / 1e6:.0f} MB is free; {fix}"
+    )

@@ -14,8 +14,16 @@ from fate_edge.errors import PolicyError
 # The values each field accepts (the cache, scheduler and engine dispatch on these names).
 ALLOCATIONS = ("uniform", "shallow", "cost-aware", "global")
 EVICTIONS = ("lru", "lfu", "arc", "popularity", "lcu", "belady", "next-use")
-PREDICTORS = (None, "cross-layer", "cross-layer-norm", "learned", "learned-onnx", "best-available",
-              "activation-path", "oracle")
+PREDICTORS = (
+    None,
+    "cross-layer",
+    "cross-layer-norm",
+    "learned",
+    "learned-onnx",
+    "best-available",
+    "activation-path",
+    "oracle",
+)
 PREFETCH_WIDTHS = ("fate", "mass")  # or an int >= 0
 BITS = (2, 3, 4, 8, 16)
 COLD_BITS = (None, 2, 3, 4, 8)
@@ -101,8 +109,11 @@ def _validate(p: PolicyConfig) -> None:
         value = getattr(p, name)
         if name == "cold_tail_mass" and value is None:
             continue  # the model's own, resolved at load
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (0 < value <= 1 if low_open
-                                                                                  else 0 <= value <= 1)
+        ok = (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and (0 < value <= 1 if low_open else 0 <= value <= 1)
+        )
         if not ok:
             raise _bad(name, value, "a number in (0, 1]" if low_open else "a number in [0, 1]")
     if p.t1 > p.t2:
@@ -116,22 +127,45 @@ PRESETS: dict[str, PolicyConfig] = {
     # mixtral-offloading: per-layer LRU, no prefetch.
     "lru": PolicyConfig("lru", allocation="uniform", eviction="lru", predictor=None),
     # MoE-Infinity-like: prefetch by this request's activation history, cache by activation frequency.
-    "activation-path": PolicyConfig("activation-path", allocation="uniform", eviction="lfu",
-                                    predictor="activation-path", lookahead=2, prefetch_width="fate"),
+    "activation-path": PolicyConfig(
+        "activation-path",
+        allocation="uniform",
+        eviction="lfu",
+        predictor="activation-path",
+        lookahead=2,
+        prefetch_width="fate",
+    ),
     # Fate (WWW'26, authors' code FFFzy/Fate_open) as published: the cross-layer gate one layer ahead, skipped
     # when the next layer is fully cached; the first MoE layer resident in full precision (never predicted);
     # shallow-favoring ARC caches filled at load; int4 reads, except the predicted prefill tail (the least
     # popular experts, 0.5 of the assignments on DeepSeek models, 0.3 otherwise), which is prefetched as int2.
-    "fate": PolicyConfig("fate", allocation="shallow", eviction="arc", predictor="cross-layer", lookahead=1,
-                         prefetch_width="fate", cold_bits=2, cold_tail_mass=None, resident_first=True,
-                         preload=True, skip_full=True),
+    "fate": PolicyConfig(
+        "fate",
+        allocation="shallow",
+        eviction="arc",
+        predictor="cross-layer",
+        lookahead=1,
+        prefetch_width="fate",
+        cold_bits=2,
+        cold_tail_mass=None,
+        resident_first=True,
+        preload=True,
+        skip_full=True,
+    ),
     # Clairvoyant bound: Belady-MIN over one pool, following the recorded request call by call (cache/belady.py),
     # and the true experts of the next layer (past the last one, the next token's first) read ahead in order of
     # next use (prefetch_choice.plan_oracle_prefetches); the width only sizes its read buffers. Its cached experts
     # are copied out of their read buffers (scheduler.hands_off): each charged its own bytes, as many as fit.
     # Like fate, it fills its cache at load: with the request's first-used experts (preload.first_used).
-    "oracle": PolicyConfig("oracle", allocation="global", eviction="belady", predictor="oracle", lookahead=1,
-                           prefetch_width=64, preload=True),
+    "oracle": PolicyConfig(
+        "oracle",
+        allocation="global",
+        eviction="belady",
+        predictor="oracle",
+        lookahead=1,
+        prefetch_width=64,
+        preload=True,
+    ),
     # Ours, chosen from measurements (docs/performance.md): a uniform per-layer cache (Fate's shallow-favoring
     # split starves deep layers at small budgets) with MoE-APEX's LCU eviction (the planner's pick at most
     # budgets; higher hit rates than LRU in the quick benchmark), the learned predictor when the model was
@@ -139,9 +173,17 @@ PRESETS: dict[str, PolicyConfig] = {
     # allowed to reach 0 (when one read outlasts a layer's compute, a prefetch cannot arrive in time and only
     # takes the link from demand reads), behind the prefetch gate (prefetch_gate.py): a rank is read ahead only
     # when its measured hit rate pays for the reader CPU the read takes from compute.
-    "fate-edge": PolicyConfig("fate-edge", allocation="uniform", eviction="lcu", predictor="best-available",
-                              lookahead=1, prefetch_width="fate", min_prefetch_width=0, max_prefetch_width=2,
-                              prefetch_gate=True),
+    "fate-edge": PolicyConfig(
+        "fate-edge",
+        allocation="uniform",
+        eviction="lcu",
+        predictor="best-available",
+        lookahead=1,
+        prefetch_width="fate",
+        min_prefetch_width=0,
+        max_prefetch_width=2,
+        prefetch_gate=True,
+    ),
 }
 
 

@@ -72,8 +72,9 @@ def cold_tail(popularity: dict[int, int], mass: float) -> set[int]:
     return cold
 
 
-def choose(policy: PolicyConfig, scores: torch.Tensor, k: int, width: int, use_cold: bool = False
-           ) -> list[tuple[int, float, bool]]:
+def choose(
+    policy: PolicyConfig, scores: torch.Tensor, k: int, width: int, use_cold: bool = False
+) -> list[tuple[int, float, bool]]:
     """(expert, score, cold) worth prefetching for one target layer, from its scores [N, E]."""
     if scores.shape[0] == 1:  # decode: most probable experts up to the width (or the mass)
         probs = scores[0]
@@ -96,8 +97,15 @@ def choose(policy: PolicyConfig, scores: torch.Tensor, k: int, width: int, use_c
     return [(e, float(c), e in cold) for e, c in sorted(popularity.items(), key=lambda kv: -kv[1])]
 
 
-def plan_prefetches(policy: PolicyConfig, targets: Sequence[tuple[int, torch.Tensor]], k: int, width: int,
-                    busy: Callable[[Key], bool], room: int | None = None, use_cold: bool = False) -> list[Prefetch]:
+def plan_prefetches(
+    policy: PolicyConfig,
+    targets: Sequence[tuple[int, torch.Tensor]],
+    k: int,
+    width: int,
+    busy: Callable[[Key], bool],
+    room: int | None = None,
+    use_cold: bool = False,
+) -> list[Prefetch]:
     """The reads to issue, in order. ``targets``: (target layer, scores [N, E]), nearest first; ``busy(key)``:
     cached or already in flight (never read twice); ``room``: how many more reads may be in flight. The oracle
     policy reads by its own rule (:func:`plan_oracle_prefetches`)."""
@@ -116,8 +124,9 @@ def plan_prefetches(policy: PolicyConfig, targets: Sequence[tuple[int, torch.Ten
     return out
 
 
-def plan_oracle_prefetches(targets: Sequence[tuple[int, torch.Tensor]], busy: Callable[[Key], bool],
-                           room: int | None) -> list[Prefetch]:
+def plan_oracle_prefetches(
+    targets: Sequence[tuple[int, torch.Tensor]], busy: Callable[[Key], bool], room: int | None
+) -> list[Prefetch]:
     """The oracle's reads (the clairvoyant bound; no width, no cold tail): every true expert of the target
     layers in order of next use (nearest layer first; within a layer, most used first), skipping what is
     cached or in flight; ``room``: as above. No read ahead can cost a hit: it waits in its read buffer and

@@ -36,14 +36,20 @@ class LoadReport:
     experts: dict[int, list[int]] = field(default_factory=dict)  # MoE layer → experts cached at load
 
     def describe(self) -> str:
-        first = (f"layer {self.resident_layer} resident as {precision_name(self.resident_bits)}"
-                 if self.resident_layer is not None and self.resident_bits else "no resident layer")
-        return (f"{first}{f' ({self.note})' if self.note else ''}; cache filled at load: {self.reads} experts, "
-                f"{format_bytes(self.bytes_read)} in {self.seconds:.2f} s")
+        first = (
+            f"layer {self.resident_layer} resident as {precision_name(self.resident_bits)}"
+            if self.resident_layer is not None and self.resident_bits
+            else "no resident layer"
+        )
+        return (
+            f"{first}{f' ({self.note})' if self.note else ''}; cache filled at load: {self.reads} experts, "
+            f"{format_bytes(self.bytes_read)} in {self.seconds:.2f} s"
+        )
 
 
-def preload_choice(slots: dict[int, int], num_experts: int,
-                   popularity: Mapping[int, Sequence[int]] | None = None) -> dict[int, list[int]]:
+def preload_choice(
+    slots: dict[int, int], num_experts: int, popularity: Mapping[int, Sequence[int]] | None = None
+) -> dict[int, list[int]]:
     """Per MoE layer, the experts to cache at load: all of a layer that fits whole, else its ``slots`` most
     used (calibration counts, ties to the lower id) or, without counts, its ``slots`` lowest-numbered."""
     out = {}
@@ -57,8 +63,9 @@ def preload_choice(slots: dict[int, int], num_experts: int,
     return out
 
 
-def global_choice(capacity: int, moe_layers: Sequence[int], num_experts: int,
-                  popularity: Mapping[int, Sequence[int]] | None = None) -> dict[int, list[int]]:
+def global_choice(
+    capacity: int, moe_layers: Sequence[int], num_experts: int, popularity: Mapping[int, Sequence[int]] | None = None
+) -> dict[int, list[int]]:
     """One partition for all layers (``global`` allocation): the ``capacity`` most used experts across layers by
     the calibration counts (each layer routes the same number of assignments per token, so counts compare
     across layers; ties to the shallower layer, then the lower id); without counts, the same number per layer,
@@ -67,8 +74,10 @@ def global_choice(capacity: int, moe_layers: Sequence[int], num_experts: int,
         from fate_edge.runtime.cache.allocation import uniform
 
         return preload_choice(uniform(capacity, moe_layers, num_experts), num_experts)
-    ranked = sorted(((layer, e) for layer in moe_layers for e in range(num_experts)),
-                    key=lambda key: (-popularity[key[0]][key[1]], key[0], key[1]))
+    ranked = sorted(
+        ((layer, e) for layer in moe_layers for e in range(num_experts)),
+        key=lambda key: (-popularity[key[0]][key[1]], key[0], key[1]),
+    )
     out: dict[int, list[int]] = {}
     for layer, e in sorted(ranked[:capacity]):
         out.setdefault(layer, []).append(e)
@@ -101,9 +110,16 @@ def read_verified(store: ExpertStore, layer: int, expert: int, bits: int) -> byt
     return bytearray(data)
 
 
-def preload(cache: ExpertCache, store: ExpertStore, choice: dict[int, list[int]], bits: int,
-            resident: Resident | None, dtype: torch.dtype, copier: Copier,
-            report: LoadReport | None = None) -> LoadReport:
+def preload(
+    cache: ExpertCache,
+    store: ExpertStore,
+    choice: dict[int, list[int]],
+    bits: int,
+    resident: Resident | None,
+    dtype: torch.dtype,
+    copier: Copier,
+    report: LoadReport | None = None,
+) -> LoadReport:
     """Read, decode and cache ``choice`` (the resident layer at its own precision, the rest at ``bits``);
     stops at a layer the cache refuses (its partition is full). The resident layer goes first, while the
     rest of the cache is still empty."""
@@ -121,8 +137,16 @@ def preload(cache: ExpertCache, store: ExpertStore, choice: dict[int, list[int]]
     return report
 
 
-def _load_one(cache: ExpertCache, store: ExpertStore, layer: int, expert: int, bits: int, dtype: torch.dtype,
-              copier: Copier, report: LoadReport) -> bool:
+def _load_one(
+    cache: ExpertCache,
+    store: ExpertStore,
+    layer: int,
+    expert: int,
+    bits: int,
+    dtype: torch.dtype,
+    copier: Copier,
+    report: LoadReport,
+) -> bool:
     blob = read_verified(store, layer, expert, bits)
     report.reads += 1
     report.bytes_read += len(blob)
@@ -133,4 +157,3 @@ def _load_one(cache: ExpertCache, store: ExpertStore, layer: int, expert: int, b
         return False
     report.experts[layer].append(expert)
     return True
-

@@ -49,7 +49,8 @@ class RequestSlot:
             if self._owner != ticket:
                 raise StreamSupersededError(
                     "this stream was left idle and a newer request took the engine (an engine serves one request "
-                    "at a time); iterate a stream to its end or close() it before starting another")
+                    "at a time); iterate a stream to its end or close() it before starting another"
+                )
             self._busy = True
 
     def end(self, ticket: int) -> None:

@@ -24,8 +24,10 @@ class SamplingParams:
             (self.top_k >= 0, f"top_k must be >= 0 (0 disables it), got {self.top_k}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (0 <= self.min_p < 1, f"min_p must be in [0, 1), got {self.min_p}"),
-            (self.repetition_penalty > 0,
-             f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}"),
+            (
+                self.repetition_penalty > 0,
+                f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}",
+            ),
         ]
         for ok, message in checks:
             if not ok:

@@ -142,11 +142,15 @@ class Scheduler(ExpertProvider):
         self.predictor = predictor
         self.dtype = dtype
         self.copier = copier or make_copier(device)
-        self.zero_copy = (cache is not None and isinstance(self.copier, CPUCopier)
-                          and hands_off(policy, store, self.copier.device.type))
+        self.zero_copy = (
+            cache is not None
+            and isinstance(self.copier, CPUCopier)
+            and hands_off(policy, store, self.copier.device.type)
+        )
         self._kept: dict[Key, Buffer] = {}  # read buffers that hold cached experts (zero-copy)
-        self.lends = (cache is None and isinstance(self.copier, CPUCopier)
-                      and lends(policy, store, self.copier.device.type))
+        self.lends = (
+            cache is None and isinstance(self.copier, CPUCopier) and lends(policy, store, self.copier.device.type)
+        )
         self._lent: list[FetchRequest] = []  # buffers of experts served by get(): released at end_layer
         self._hold_lent = False
         self.lent_reads = 0  # experts computed in their read buffer and not kept (the rest: copied out or handed off)
@@ -283,8 +287,9 @@ class Scheduler(ExpertProvider):
         """fate-edge: the leading ranks whose measured hit rate pays for the reader CPU (prefetch_gate.py)."""
         if self._read_cpu == 0:
             return 0  # no read measured yet
-        return self.gate.width(width, per_read, self._contention * self._read_cpu, self._predict_cost,
-                               self.policy.min_prefetch_width)
+        return self.gate.width(
+            width, per_read, self._contention * self._read_cpu, self._predict_cost, self.policy.min_prefetch_width
+        )
 
     def _should_predict(self, prompt: bool, width: int) -> bool:
         """Always in prefill and for ungated policies; with the gate shut, one layer call in 8."""
@@ -304,12 +309,20 @@ class Scheduler(ExpertProvider):
             target, ranks = pred.layers[0], ranked(pred.scores[0][0])
             self.last_prediction[target] = ranks[:k]
             self._candidates[target] = gate_candidates(ranks, len(self.gate.seen), lambda e: self._cached((target, e)))
+
         def busy(key: Key) -> bool:
             return self._cached(key) or key in self.prefetches or key in self.demands or key in self.deferred
 
         room = room_ahead(self.max_inflight, (*self.prefetches, *self.deferred), layer)
-        plan = plan_prefetches(self.policy, list(zip(pred.layers, pred.scores)), k, width, busy, room=room,
-                               use_cold=self.cold_bits is not None)
+        plan = plan_prefetches(
+            self.policy,
+            list(zip(pred.layers, pred.scores)),
+            k,
+            width,
+            busy,
+            room=room,
+            use_cold=self.cold_bits is not None,
+        )
         for p in plan:
             bits = self.cold_bits if p.cold and self.cold_bits is not None else self.policy.bits
             self.deferred[(p.layer, p.expert)] = (bits, Priority.NEXT_LAYER if p.distance == 0 else Priority.AHEAD)
@@ -352,8 +365,11 @@ class Scheduler(ExpertProvider):
             else:
                 f = self.prefetches.pop(key, None) or self.demands.pop(key, None)
                 if f is None:  # not announced through on_route (a provider used without the hook)
-                    f = _Fetch(self.fetch.submit(self.store.ref(layer, e, self.policy.bits), Priority.DEMAND),
-                               self.policy.bits, prefetched=False)
+                    f = _Fetch(
+                        self.fetch.submit(self.store.ref(layer, e, self.policy.bits), Priority.DEMAND),
+                        self.policy.bits,
+                        prefetched=False,
+                    )
                 pending[e] = f
         self._issue_deferred()  # this layer's prefetches left self.prefetches: room for the layers ahead
         try:

@@ -5,5 +5,17 @@ from fate_edge.synthetic.layout import SyntheticSpecError, TensorSpec, tensor_sp
 from fate_edge.synthetic.presets import PRESETS, Preset, get_preset
 from fate_edge.synthetic.weights import RouterStructure, WeightInit
 
-__all__ = ["PRESETS", "Preset", "RouterStructure", "SyntheticOptions", "SyntheticSpecError", "TensorSpec",
-           "WeightInit", "get_preset", "make_synthetic_model", "plan", "synthetic_config", "tensor_specs"]
+__all__ = [
+    "PRESETS",
+    "Preset",
+    "RouterStructure",
+    "SyntheticOptions",
+    "SyntheticSpecError",
+    "TensorSpec",
+    "WeightInit",
+    "get_preset",
+    "make_synthetic_model",
+    "plan",
+    "synthetic_config",
+    "tensor_specs",
+]

@@ -40,8 +40,9 @@ def plan(opts: SyntheticOptions) -> tuple[dict[str, Any], list[TensorSpec], Weig
     return config, tensor_specs(config), WeightInit(config, opts.seed, opts.structure)
 
 
-def make_synthetic_model(out: str | Path, opts: SyntheticOptions,
-                         on_tensor: Callable[[TensorSpec, int], None] | None = None) -> dict[str, Any]:
+def make_synthetic_model(
+    out: str | Path, opts: SyntheticOptions, on_tensor: Callable[[TensorSpec, int], None] | None = None
+) -> dict[str, Any]:
     """Write the checkpoint to ``out``; returns the safetensors index (``metadata.total_size``: weight bytes)."""
     out = Path(out)
     preset = get_preset(opts.like)
@@ -51,11 +52,17 @@ def make_synthetic_model(out: str | Path, opts: SyntheticOptions,
     write_tokenizer(out, preset, config, opts.bpe_vocab, opts.tokenizer_chars)
     index = write_checkpoint(out, specs, init.blocks, torch.bfloat16, opts.max_shard_bytes, on_tensor)
     routing = {i: round(init.routing(i).entropy, 3) for i in init.cfg.moe_layers}
-    meta = {"like": preset.name, "source": preset.source, "options": {**asdict(opts), "structure": None},
-            "structure": asdict(opts.structure), "monte_carlo_usage_entropy": routing}
+    meta = {
+        "like": preset.name,
+        "source": preset.source,
+        "options": {**asdict(opts), "structure": None},
+        "structure": asdict(opts.structure),
+        "monte_carlo_usage_entropy": routing,
+    }
     (out / "synthetic.json").write_text(json.dumps(meta, indent=2) + "\n")
     (out / "README.md").write_text(
         f"Synthetic checkpoint shaped like {preset.name} ({preset.source}): random bf16 weights with trained-like "
         f"routing (skewed expert popularity, correlated layers), not a language model. Made by "
-        f"fate_edge.synthetic (make_synthetic_model); settings in synthetic.json.\n")
+        f"fate_edge.synthetic (make_synthetic_model); settings in synthetic.json.\n"
+    )
     return index

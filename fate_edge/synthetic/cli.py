@@ -29,12 +29,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--like", required=True, choices=sorted(PRESETS), help="the model whose shapes to take")
     ap.add_argument("--layers", type=positive_int, default=None, help="keep the first N layers (default: all)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--scale", type=positive_int, default=1, help="divide every width by this (default 1: real "
-                    "shapes)")
+    ap.add_argument("--scale", type=positive_int, default=1, help="divide every width by this (default 1: real shapes)")
     ap.add_argument("--shard-gb", type=positive_float, default=2.0, help="shard size in GB")
     ap.add_argument("--threads", type=positive_int, default=1, help="torch threads for the random numbers")
-    ap.add_argument("--measure", type=non_negative_int, default=0, metavar="TOKENS",
-                    help="afterwards, load the model and report expert-usage entropy and cross-layer gate recall")
+    ap.add_argument(
+        "--measure",
+        type=non_negative_int,
+        default=0,
+        metavar="TOKENS",
+        help="afterwards, load the model and report expert-usage entropy and cross-layer gate recall",
+    )
     return ap
 
 
@@ -44,8 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     opts = SyntheticOptions(args.like, args.layers, args.seed, args.scale, int(args.shard_gb * 1e9))
     _, specs, _ = plan(opts)
     total = sum(s.numel for s in specs) * 2
-    print(f"{args.like}: {len(specs)} tensors, {sum(s.numel for s in specs) / 1e9:.2f} B params, "
-          f"{total / 1e9:.2f} GB bf16 -> {args.out}", flush=True)
+    print(
+        f"{args.like}: {len(specs)} tensors, {sum(s.numel for s in specs) / 1e9:.2f} B params, "
+        f"{total / 1e9:.2f} GB bf16 -> {args.out}",
+        flush=True,
+    )
     start, done = time.perf_counter(), [0]
 
     def progress(spec, nbytes: int) -> None:

@@ -16,8 +16,18 @@ from fate_edge.errors import SyntheticSpecError
 from fate_edge.model.arch import ModelConfig, config_from_dict
 
 # Keys divided by --scale (everything that is a width); counts (layers, heads, experts, top-k) and vocab stay.
-SCALED_KEYS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
-               "head_dim", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+SCALED_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "head_dim",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+)
 
 
 @dataclass(frozen=True)
@@ -58,8 +68,9 @@ def shape_config(config: dict[str, Any], scale: int = 1, layers: int | None = No
         del out["head_dim"]  # keep the published key set
     for key in ("qk_rope_head_dim", "head_dim"):
         if out.get(key) is not None and out[key] % 2:
-            raise SyntheticSpecError(f"--scale {scale} makes {key}={out[key]} odd; rotary needs pairs: "
-                                     "pick a smaller scale")
+            raise SyntheticSpecError(
+                f"--scale {scale} makes {key}={out[key]} odd; rotary needs pairs: pick a smaller scale"
+            )
     if layers is not None:
         if not 1 <= layers <= config["num_hidden_layers"]:
             raise SyntheticSpecError(f"--layers must be in 1..{config['num_hidden_layers']}, not {layers}")
@@ -75,14 +86,20 @@ def _attention(cfg: ModelConfig, p: str, i: int) -> list[TensorSpec]:
         if m.q_lora_rank is None:
             out.append(TensorSpec(f"{p}.q_proj.weight", (cfg.num_attention_heads * qk, h), "proj_in", i))
         else:
-            out += [TensorSpec(f"{p}.q_a_proj.weight", (m.q_lora_rank, h), "proj_in", i),
-                    TensorSpec(f"{p}.q_a_layernorm.weight", (m.q_lora_rank,), "norm", i),
-                    TensorSpec(f"{p}.q_b_proj.weight", (cfg.num_attention_heads * qk, m.q_lora_rank), "proj_in", i)]
+            out += [
+                TensorSpec(f"{p}.q_a_proj.weight", (m.q_lora_rank, h), "proj_in", i),
+                TensorSpec(f"{p}.q_a_layernorm.weight", (m.q_lora_rank,), "norm", i),
+                TensorSpec(f"{p}.q_b_proj.weight", (cfg.num_attention_heads * qk, m.q_lora_rank), "proj_in", i),
+            ]
         out += [
             TensorSpec(f"{p}.kv_a_proj_with_mqa.weight", (m.kv_lora_rank + m.qk_rope_head_dim, h), "proj_in", i),
             TensorSpec(f"{p}.kv_a_layernorm.weight", (m.kv_lora_rank,), "norm", i),
-            TensorSpec(f"{p}.kv_b_proj.weight",
-                       (cfg.num_attention_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank), "proj_in", i),
+            TensorSpec(
+                f"{p}.kv_b_proj.weight",
+                (cfg.num_attention_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+                "proj_in",
+                i,
+            ),
             TensorSpec(f"{p}.o_proj.weight", (h, cfg.num_attention_heads * m.v_head_dim), "attn_out", i),
         ]
         return out
@@ -97,16 +114,20 @@ def _attention(cfg: ModelConfig, p: str, i: int) -> list[TensorSpec]:
     if cfg.qk_norm == "full":  # OLMoE: over all heads
         out += [TensorSpec(f"{p}.q_norm.weight", (q,), "norm", i), TensorSpec(f"{p}.k_norm.weight", (kv,), "norm", i)]
     elif cfg.qk_norm == "head":  # Qwen3: per head
-        out += [TensorSpec(f"{p}.q_norm.weight", (cfg.head_dim,), "norm", i),
-                TensorSpec(f"{p}.k_norm.weight", (cfg.head_dim,), "norm", i)]
+        out += [
+            TensorSpec(f"{p}.q_norm.weight", (cfg.head_dim,), "norm", i),
+            TensorSpec(f"{p}.k_norm.weight", (cfg.head_dim,), "norm", i),
+        ]
     return out
 
 
 def _mlp(prefix: str, hidden: int, width: int, i: int, kind: str, names=("gate_proj", "up_proj", "down_proj")):
     gate, up, down = names
-    return [TensorSpec(f"{prefix}.{gate}.weight", (width, hidden), "proj_in", i, kind),
-            TensorSpec(f"{prefix}.{up}.weight", (width, hidden), "proj_in", i, kind),
-            TensorSpec(f"{prefix}.{down}.weight", (hidden, width), "mlp_out", i, kind)]
+    return [
+        TensorSpec(f"{prefix}.{gate}.weight", (width, hidden), "proj_in", i, kind),
+        TensorSpec(f"{prefix}.{up}.weight", (width, hidden), "proj_in", i, kind),
+        TensorSpec(f"{prefix}.{down}.weight", (hidden, width), "mlp_out", i, kind),
+    ]
 
 
 def tensor_specs(config: dict[str, Any]) -> list[TensorSpec]:
@@ -118,8 +139,10 @@ def tensor_specs(config: dict[str, Any]) -> list[TensorSpec]:
     for i in range(cfg.num_hidden_layers):
         base = f"model.layers.{i}"
         specs += _attention(cfg, f"{base}.self_attn", i)
-        specs += [TensorSpec(f"{base}.input_layernorm.weight", (h,), "norm", i),
-                  TensorSpec(f"{base}.post_attention_layernorm.weight", (h,), "norm", i)]
+        specs += [
+            TensorSpec(f"{base}.input_layernorm.weight", (h,), "norm", i),
+            TensorSpec(f"{base}.post_attention_layernorm.weight", (h,), "norm", i),
+        ]
         mlp = f"{base}.block_sparse_moe" if mixtral else f"{base}.mlp"
         if not cfg.is_moe_layer(i):
             specs += _mlp(mlp, h, cfg.intermediate_size, i, "dense")

@@ -22,9 +22,14 @@ class RouterStructureReport:
 
     def summary(self) -> str:
         e, r = list(self.entropy.values()), list(self.recall.values())
-        return (f"{self.tokens} tokens: usage entropy / log E {min(e):.3f}..{max(e):.3f} (mean {sum(e) / len(e):.3f}); "
-                + (f"cross-layer gate recall@k {min(r):.3f}..{max(r):.3f} (mean {sum(r) / len(r):.3f})" if r else
-                   "one MoE layer: no cross-layer recall"))
+        return (
+            f"{self.tokens} tokens: usage entropy / log E {min(e):.3f}..{max(e):.3f} (mean {sum(e) / len(e):.3f}); "
+            + (
+                f"cross-layer gate recall@k {min(r):.3f}..{max(r):.3f} (mean {sum(r) / len(r):.3f})"
+                if r
+                else "one MoE layer: no cross-layer recall"
+            )
+        )
 
 
 @torch.no_grad()

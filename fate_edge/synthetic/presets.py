@@ -51,7 +51,7 @@ _QWEN_SPECIALS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>":
 QWEN15_MOE_A27B = Preset(
     name="qwen1.5-moe-a2.7b",
     source="https://huggingface.co/Qwen/Qwen1.5-MoE-A2.7B/blob/main/config.json (model card: 14.3B params, "
-           "2.7B active)",
+    "2.7B active)",
     config={
         "architectures": ["Qwen2MoeForCausalLM"],
         "bos_token_id": 151643,
@@ -82,8 +82,12 @@ QWEN15_MOE_A27B = Preset(
         "vocab_size": 151936,
     },
     special_tokens=_QWEN_SPECIALS,
-    tokenizer_config={"bos_token": None, "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
-                      "add_bos_token": False},
+    tokenizer_config={
+        "bos_token": None,
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+        "add_bos_token": False,
+    },
     generation_config={"bos_token_id": 151643, "eos_token_id": 151643, "do_sample": False, "max_new_tokens": 2048},
     chat_template=CHATML,
     published_params=14.3e9,
@@ -92,7 +96,7 @@ QWEN15_MOE_A27B = Preset(
 OLMOE_1B_7B = Preset(
     name="olmoe-1b-7b",
     source="https://huggingface.co/allenai/OLMoE-1B-7B-0924/blob/main/config.json (model card: 6.9B params, "
-           "1.3B active)",
+    "1.3B active)",
     config={
         "architectures": ["OlmoeForCausalLM"],
         "attention_bias": False,
@@ -121,8 +125,12 @@ OLMOE_1B_7B = Preset(
         "vocab_size": 50304,
     },
     special_tokens={"<|padding|>": 1, "<|endoftext|>": 50279},
-    tokenizer_config={"bos_token": None, "eos_token": "<|endoftext|>", "pad_token": "<|padding|>",
-                      "add_bos_token": False},
+    tokenizer_config={
+        "bos_token": None,
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|padding|>",
+        "add_bos_token": False,
+    },
     generation_config={"eos_token_id": 50279, "pad_token_id": 1},
     chat_template=TULU,
     published_params=6.9e9,
@@ -131,7 +139,7 @@ OLMOE_1B_7B = Preset(
 DEEPSEEK_V2_LITE = Preset(
     name="deepseek-v2-lite",
     source="https://huggingface.co/deepseek-ai/DeepSeek-V2-Lite/blob/main/config.json (model card: 15.7B params, "
-           "2.4B active)",
+    "2.4B active)",
     config={
         "architectures": ["DeepseekV2ForCausalLM"],
         "attention_bias": False,
@@ -180,10 +188,19 @@ DEEPSEEK_V2_LITE = Preset(
         "vocab_size": 102400,
     },
     special_tokens={"<｜begin▁of▁sentence｜>": 100000, "<｜end▁of▁sentence｜>": 100001},
-    tokenizer_config={"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>",
-                      "pad_token": "<｜end▁of▁sentence｜>", "add_bos_token": True},
-    generation_config={"bos_token_id": 100000, "eos_token_id": 100001, "do_sample": True, "temperature": 0.3,
-                       "top_p": 0.95},
+    tokenizer_config={
+        "bos_token": "<｜begin▁of▁sentence｜>",
+        "eos_token": "<｜end▁of▁sentence｜>",
+        "pad_token": "<｜end▁of▁sentence｜>",
+        "add_bos_token": True,
+    },
+    generation_config={
+        "bos_token_id": 100000,
+        "eos_token_id": 100001,
+        "do_sample": True,
+        "temperature": 0.3,
+        "top_p": 0.95,
+    },
     chat_template=DEEPSEEK,
     published_params=15.7e9,
 )
@@ -224,10 +241,21 @@ QWEN3_30B_A3B = Preset(
         "vocab_size": 151936,
     },
     special_tokens=_QWEN_SPECIALS,
-    tokenizer_config={"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-                      "add_bos_token": False},
-    generation_config={"bos_token_id": 151643, "eos_token_id": [151645, 151643], "pad_token_id": 151643,
-                       "do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95},
+    tokenizer_config={
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "add_bos_token": False,
+    },
+    generation_config={
+        "bos_token_id": 151643,
+        "eos_token_id": [151645, 151643],
+        "pad_token_id": 151643,
+        "do_sample": True,
+        "temperature": 0.6,
+        "top_k": 20,
+        "top_p": 0.95,
+    },
     chat_template=CHATML,
     published_params=30.5e9,
 )
@@ -235,7 +263,7 @@ QWEN3_30B_A3B = Preset(
 MIXTRAL_8X7B = Preset(
     name="mixtral-8x7b",
     source="https://huggingface.co/mistralai/Mixtral-8x7B-v0.1/blob/main/config.json (model card: 46.7B params, "
-           "12.9B active)",
+    "12.9B active)",
     config={
         "architectures": ["MixtralForCausalLM"],
         "bos_token_id": 1,
@@ -266,8 +294,9 @@ MIXTRAL_8X7B = Preset(
     published_params=46.7e9,
 )
 
-PRESETS: dict[str, Preset] = {p.name: p for p in (QWEN15_MOE_A27B, OLMOE_1B_7B, DEEPSEEK_V2_LITE, QWEN3_30B_A3B,
-                                                  MIXTRAL_8X7B)}
+PRESETS: dict[str, Preset] = {
+    p.name: p for p in (QWEN15_MOE_A27B, OLMOE_1B_7B, DEEPSEEK_V2_LITE, QWEN3_30B_A3B, MIXTRAL_8X7B)
+}
 
 
 def get_preset(name: str) -> Preset:

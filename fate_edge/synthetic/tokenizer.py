@@ -31,8 +31,9 @@ def train_bpe(texts: list[str], vocab_size: int) -> dict[str, Any]:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
     tok.train_from_iterator(texts, trainer=trainer)
     return json.loads(tok.to_str())
 
@@ -50,14 +51,27 @@ def place_specials(tokenizer: dict[str, Any], specials: dict[str, int]) -> dict[
     vocab.update(specials)
     tokenizer["model"]["vocab"] = vocab
     tokenizer["added_tokens"] = [
-        {"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
-         "special": True} for t, i in sorted(specials.items(), key=lambda kv: kv[1])
+        {
+            "id": i,
+            "content": t,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for t, i in sorted(specials.items(), key=lambda kv: kv[1])
     ]
     return tokenizer
 
 
-def write_tokenizer(out: Path, preset: Preset, config: dict[str, Any], bpe_vocab: int = DEFAULT_BPE_VOCAB,
-                    train_chars: int = TRAIN_CHARS) -> int:
+def write_tokenizer(
+    out: Path,
+    preset: Preset,
+    config: dict[str, Any],
+    bpe_vocab: int = DEFAULT_BPE_VOCAB,
+    train_chars: int = TRAIN_CHARS,
+) -> int:
     """tokenizer.json, tokenizer_config.json and generation_config.json in ``out``; returns the largest token id."""
     vocab_size = config["vocab_size"]
     size = min(bpe_vocab, vocab_size - len(preset.special_tokens))
@@ -66,8 +80,12 @@ def write_tokenizer(out: Path, preset: Preset, config: dict[str, Any], bpe_vocab
     if top >= vocab_size:
         raise ValueError(f"token id {top} does not fit vocab_size {vocab_size}; lower the BPE vocabulary")
     (out / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
-    tok_cfg = {**preset.tokenizer_config, "chat_template": preset.chat_template,
-               "model_max_length": config["max_position_embeddings"], "tokenizer_class": "PreTrainedTokenizerFast"}
+    tok_cfg = {
+        **preset.tokenizer_config,
+        "chat_template": preset.chat_template,
+        "model_max_length": config["max_position_embeddings"],
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False) + "\n")
     (out / "generation_config.json").write_text(json.dumps(preset.generation_config, indent=2) + "\n")
     return top

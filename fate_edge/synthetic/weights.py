@@ -80,8 +80,9 @@ class LayerRouting:
     entropy: float  # Monte-Carlo usage entropy / log E
 
 
-def design_router(cfg: ModelConfig, z: torch.Tensor, target: float, noise: torch.Tensor, logit_std: float
-                  ) -> LayerRouting:
+def design_router(
+    cfg: ModelConfig, z: torch.Tensor, target: float, noise: torch.Tensor, logit_std: float
+) -> LayerRouting:
     """Solve for the skew β (bias_e = β·z_e) whose top-k usage entropy is ``target``; token-specific logits
     are ``logit_std`` · ``noise`` [N, E]."""
     e = cfg.num_experts
@@ -119,8 +120,9 @@ class WeightInit:
             lo, hi = self.structure.entropy
             u = float(torch.rand((), generator=_gen(self.seed, "entropy", layer)))
             z = torch.randn(self.cfg.num_experts, generator=_gen(self.seed, "skew", layer))
-            self._routing[layer] = design_router(self.cfg, z, lo + (hi - lo) * u, self._mc_noise,
-                                                 self.structure.router_logit_std)
+            self._routing[layer] = design_router(
+                self.cfg, z, lo + (hi - lo) * u, self._mc_noise, self.structure.router_logit_std
+            )
         return self._routing[layer]
 
     @cached_property

@@ -57,8 +57,9 @@ def record(store_dir: str, prompt_tokens: int, decode_tokens: int) -> dict[str, 
     with Engine(store_dir, 2 * total, "lru") as eng:
         for name in MODULES:
             text = Path(importlib.import_module(name).__file__).read_text(encoding="utf-8")
-            trace = eng.record_trace(tok.encode(text)[:prompt_tokens],
-                                     GenerateConfig(max_tokens=decode_tokens + 1, ignore_eos=True))
+            trace = eng.record_trace(
+                tok.encode(text)[:prompt_tokens], GenerateConfig(max_tokens=decode_tokens + 1, ignore_eos=True)
+            )
             out[name] = trace.calls
     return out
 
@@ -93,8 +94,10 @@ def counts(traces: dict, st: ExpertStore, fraction: float) -> dict:
     pop = store_popularity(st.path)
     dev = for_device(PRESETS["fate-edge"], "orin-nano")
     entry = st.expert_bytes(4)
-    slots = plan_budget(int(fraction * entry * len(layers) * e), dev, entry, st.precisions[4].slot_bytes
-                        ).cache_bytes // entry
+    slots = (
+        plan_budget(int(fraction * entry * len(layers) * e), dev, entry, st.precisions[4].slot_bytes).cache_bytes
+        // entry
+    )
     start = global_choice(slots, layers, e, pop)
     top_k = len(next(iter(traces.values()))[len(layers)][1])  # a decode call's experts
     out: dict = {"slots": slots}
@@ -111,7 +114,7 @@ def counts(traces: dict, st: ExpertStore, fraction: float) -> dict:
 
 
 def as_plan_trace(calls: list, layers: list[int], num_experts: int) -> PlanTrace:
-    decode = calls[len(layers):]
+    decode = calls[len(layers) :]
     ids = {layer: torch.tensor([ex for lyr, ex in decode if lyr == layer]) for layer in layers}
     return PlanTrace(ids, {}, num_experts, len(layers), {layer: ex for layer, ex in calls[: len(layers)]})
 
@@ -127,8 +130,10 @@ def simulated(traces: dict, st: ExpertStore, fraction: float, device: str, costs
     budget = int(fraction * st.expert_bytes(4) * len(layers) * e)
     out = {}
     for label, p in pols.items():
-        tps = [sim(as_plan_trace(calls, layers, e), p, budget, st, em.link, dev_costs).tokens_per_s
-               for calls in traces.values()]
+        tps = [
+            sim(as_plan_trace(calls, layers, e), p, budget, st, em.link, dev_costs).tokens_per_s
+            for calls in traces.values()
+        ]
         out[label] = statistics.mean(tps)
     return out
 
@@ -137,8 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--store", default=None, help="expert store (default: the bench's inflated bundled model)")
     ap.add_argument("--traces", default=None, help="pickle of recorded calls per prompt: reused, else written")
-    ap.add_argument("--costs", default=None, help="sweep_device_presets.py's (costs, trace) pickle: adds the "
-                    "simulated device-equivalent tok/s")
+    ap.add_argument(
+        "--costs",
+        default=None,
+        help="sweep_device_presets.py's (costs, trace) pickle: adds the simulated device-equivalent tok/s",
+    )
     ap.add_argument("--device", default="orin-nano")
     ap.add_argument("--host-ms", type=float, default=29.7)
     ap.add_argument("--budgets", nargs="+", type=float, default=[0.2, 0.35, 0.5])
@@ -160,16 +168,24 @@ def main(argv: list[str] | None = None) -> int:
     for f in args.budgets:
         row = report[str(f)] = {"counts": counts(traces, st, f)}
         c = row["counts"]
-        print(f"{f:.0%} ({c['slots']} slots), decode misses over {len(traces)} prompts: " +
-              ", ".join(f"{k} {c[k]}" for k in (*EVICTIONS, "belady", "cold")) +
-              f"; capacity (Belady - cold) {c['belady'] - c['cold']}; lcu / belady {c['lcu'] / c['belady']:.2f}, "
-              f"next-use / belady {c['next-use'] / c['belady']:.2f}", flush=True)
+        print(
+            f"{f:.0%} ({c['slots']} slots), decode misses over {len(traces)} prompts: "
+            + ", ".join(f"{k} {c[k]}" for k in (*EVICTIONS, "belady", "cold"))
+            + f"; capacity (Belady - cold) {c['belady'] - c['cold']}; lcu / belady {c['lcu'] / c['belady']:.2f}, "
+            f"next-use / belady {c['next-use'] / c['belady']:.2f}",
+            flush=True,
+        )
         if costs is not None:
             s = row["simulated"] = simulated(traces, st, f, args.device, costs, args.host_ms)
             best = max(s["oracle"], s["belady, no prefetch"])
-            print(f"  simulated {args.device} device-eq. tok/s: " +
-                  ", ".join(f"{k} {v:.0f} (oracle/this {s['oracle'] / v:.2f}x, best bound/this {best / v:.2f}x)"
-                            for k, v in s.items()), flush=True)
+            print(
+                f"  simulated {args.device} device-eq. tok/s: "
+                + ", ".join(
+                    f"{k} {v:.0f} (oracle/this {s['oracle'] / v:.2f}x, best bound/this {best / v:.2f}x)"
+                    for k, v in s.items()
+                ),
+                flush=True,
+            )
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     return 0

@@ -18,10 +18,12 @@ from fate_edge.bench.throughput import PROMPTS, host_note
 from fate_edge.runtime.engine import Engine
 from fate_edge.runtime.generate import GenerateConfig
 
-CASES = [("float32", "load-on-demand", "bf16 experts computed in fp32"),
-         ("float32", "fate-edge", "int4 experts, fp32 activations"),
-         ("bfloat16", "load-on-demand", "bf16 experts and activations"),
-         ("bfloat16", "fate-edge", "int4 experts, bf16 activations")]
+CASES = [
+    ("float32", "load-on-demand", "bf16 experts computed in fp32"),
+    ("float32", "fate-edge", "int4 experts, fp32 activations"),
+    ("bfloat16", "load-on-demand", "bf16 experts and activations"),
+    ("bfloat16", "fate-edge", "int4 experts, bf16 activations"),
+]
 
 
 def tokens(engine: Engine, prompt: str, n: int) -> list[int]:
@@ -45,9 +47,16 @@ def compare(dtype: str, policy: str, n: int, batch: int) -> dict:
         mean_batch = batched.batcher.stats.sequences_stepped / max(1, batched.batcher.stats.steps)
     first = [next((j for j, (a, b) in enumerate(zip(r, g)) if a != b), None) for r, g in zip(ref, got)]
     changed = [f for f in first if f is not None]
-    return {"dtype": dtype, "policy": policy, "requests": len(PROMPTS), "tokens_each": n, "mean_batch": mean_batch,
-            "requests_changed": len(changed), "first_change_median": statistics.median(changed) if changed else None,
-            "tokens_before_first_change_share": sum(n if f is None else f for f in first) / (n * len(PROMPTS))}
+    return {
+        "dtype": dtype,
+        "policy": policy,
+        "requests": len(PROMPTS),
+        "tokens_each": n,
+        "mean_batch": mean_batch,
+        "requests_changed": len(changed),
+        "first_change_median": statistics.median(changed) if changed else None,
+        "tokens_before_first_change_share": sum(n if f is None else f for f in first) / (n * len(PROMPTS)),
+    }
 
 
 def main() -> int:

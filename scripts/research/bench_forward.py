@@ -56,9 +56,16 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--json", type=Path, default=Path("bench-out/forward.json"))
-    ap.add_argument("--results", nargs="?", const=True, default=None, type=Path, metavar="FILE",
-                    help="rewrite the table between the bench_forward markers of FILE (without FILE: "
-                         "docs/results/bench_forward.md)")
+    ap.add_argument(
+        "--results",
+        nargs="?",
+        const=True,
+        default=None,
+        type=Path,
+        metavar="FILE",
+        help="rewrite the table between the bench_forward markers of FILE (without FILE: "
+        "docs/results/bench_forward.md)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -87,8 +94,12 @@ def main() -> None:
     import transformers
 
     result = {
-        "model": str(args.model), "runs": args.runs, "threads": args.threads, "dtype": "float32",
-        "torch": torch.__version__, "transformers": transformers.__version__,
+        "model": str(args.model),
+        "runs": args.runs,
+        "threads": args.threads,
+        "dtype": "float32",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
         "rows": rows,
     }

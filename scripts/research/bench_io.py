@@ -50,7 +50,6 @@ from fate_edge.format.checksum import crc32
 MB = 1 << 20
 
 
-
 def make_blob_file(path: Path, total: int, min_blob: int, max_blob: int, seed: int = 0) -> list[BlobRef]:
     """Write random blobs of ``min_blob..max_blob`` bytes at 4096-aligned offsets until ``total`` bytes."""
     rng = random.Random(seed)
@@ -95,8 +94,14 @@ def warm_page_cache(path: Path) -> None:
             pass
 
 
-def read_all(refs: list[BlobRef], workers: int, direct_io: bool, link: ThrottledLink | None = None,
-             chunk_bytes: int | None = None, priority: Priority = Priority.DEMAND) -> dict:
+def read_all(
+    refs: list[BlobRef],
+    workers: int,
+    direct_io: bool,
+    link: ThrottledLink | None = None,
+    chunk_bytes: int | None = None,
+    priority: Priority = Priority.DEMAND,
+) -> dict:
     """Read every blob through a fresh FetchEngine, consuming in order; bandwidth of payload bytes.
 
     At most ``pool.count`` requests are outstanding: with more, a worker that picked the oldest request
@@ -128,12 +133,22 @@ def main() -> None:
     ap.add_argument("--max-blob-mb", type=float, default=4.0)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--profiles", nargs="+", default=["jetson-orin-nano-8gb", "raspberry-pi-5-8gb"],
-                    help="device profiles whose storage link to emulate")
+    ap.add_argument(
+        "--profiles",
+        nargs="+",
+        default=["jetson-orin-nano-8gb", "raspberry-pi-5-8gb"],
+        help="device profiles whose storage link to emulate",
+    )
     ap.add_argument("--json", type=Path, default=Path("bench-out/io.json"))
-    ap.add_argument("--results", nargs="?", const=True, default=None, type=Path, metavar="FILE",
-                    help="rewrite the table between the bench_io markers of FILE (without FILE: "
-                         "docs/results/bench_io.md)")
+    ap.add_argument(
+        "--results",
+        nargs="?",
+        const=True,
+        default=None,
+        type=Path,
+        metavar="FILE",
+        help="rewrite the table between the bench_io markers of FILE (without FILE: docs/results/bench_io.md)",
+    )
     args = ap.parse_args()
 
     links = [(load_profile(name), storage_link(load_profile(name))) for name in args.profiles]
@@ -146,12 +161,15 @@ def main() -> None:
         refs = make_blob_file(path, args.size_mb * MB, int(args.min_blob_mb * MB), int(args.max_blob_mb * MB))
         total = sum(r.length for r in refs)
         demand, ahead = Priority.DEMAND, Priority.AHEAD
-        modes = [("cold buffered", False, "cold", None, None, demand), ("O_DIRECT", True, "cold", None, None, demand),
-                 ("O_DIRECT, reads ahead (1 MB chunks)", True, "cold", None, None, ahead),
-                 ("O_DIRECT, reads ahead in 256 KB chunks", True, "cold", None, 256 * 1024, ahead),
-                 ("O_DIRECT, shuffled", True, "shuffled", None, None, demand),
-                 ("O_DIRECT, shuffled, reads ahead in 256 KB chunks", True, "shuffled", None, 256 * 1024, ahead),
-                 ("warm page cache", False, "warm", None, None, demand)]
+        modes = [
+            ("cold buffered", False, "cold", None, None, demand),
+            ("O_DIRECT", True, "cold", None, None, demand),
+            ("O_DIRECT, reads ahead (1 MB chunks)", True, "cold", None, None, ahead),
+            ("O_DIRECT, reads ahead in 256 KB chunks", True, "cold", None, 256 * 1024, ahead),
+            ("O_DIRECT, shuffled", True, "shuffled", None, None, demand),
+            ("O_DIRECT, shuffled, reads ahead in 256 KB chunks", True, "shuffled", None, 256 * 1024, ahead),
+            ("warm page cache", False, "warm", None, None, demand),
+        ]
         modes += [(f"link: {profile.name}", False, "link", spec, None, demand) for profile, spec in links]
         warm: dict[int, float] = {}
         for label, direct, state, spec, chunk, prio in modes:
@@ -165,15 +183,24 @@ def main() -> None:
                     link = ThrottledLink(spec) if spec is not None else None
                     order = random.Random(len(runs)).sample(refs, len(refs)) if state == "shuffled" else refs
                     runs.append(read_all(order, workers, direct, link, chunk, prio))
-                row = {"mode": label, "workers": workers, "gb_per_s": statistics.median(r["gb_per_s"] for r in runs),
-                       "runs_gb_per_s": [round(r["gb_per_s"], 3) for r in runs], "io": runs[-1]["io"]}
+                row = {
+                    "mode": label,
+                    "workers": workers,
+                    "gb_per_s": statistics.median(r["gb_per_s"] for r in runs),
+                    "runs_gb_per_s": [round(r["gb_per_s"], 3) for r in runs],
+                    "io": runs[-1]["io"],
+                }
                 if state == "warm":
                     warm[workers] = row["gb_per_s"]
                 if spec is not None:
                     expected = total / (len(refs) * spec.latency_s + total / spec.bandwidth_bytes_per_s) / 1e9
-                    row.update(link_gb_per_s=spec.bandwidth_bytes_per_s / 1e9, latency_us=spec.latency_s * 1e6,
-                               expected_gb_per_s=expected, ratio_to_expected=row["gb_per_s"] / expected,
-                               host_limited=expected > warm.get(workers, float("inf")))
+                    row.update(
+                        link_gb_per_s=spec.bandwidth_bytes_per_s / 1e9,
+                        latency_us=spec.latency_s * 1e6,
+                        expected_gb_per_s=expected,
+                        ratio_to_expected=row["gb_per_s"] / expected,
+                        host_limited=expected > warm.get(workers, float("inf")),
+                    )
                     row["within_10pct"] = abs(row["ratio_to_expected"] - 1) <= 0.10
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -181,20 +208,29 @@ def main() -> None:
         path.unlink(missing_ok=True)
 
     result = {
-        "file_mb": args.size_mb, "blobs": len(refs), "blob_mb": [args.min_blob_mb, args.max_blob_mb],
-        "runs": args.runs, "dir": str(args.dir),
+        "file_mb": args.size_mb,
+        "blobs": len(refs),
+        "blob_mb": [args.min_blob_mb, args.max_blob_mb],
+        "runs": args.runs,
+        "dir": str(args.dir),
         # Whether the engine tells the link when each request began (so emulated transfers overlap real reads).
         "link_overlaps_read": "issued_at" in inspect.getsource(FetchEngine._read),
         "global_drop_caches": all(d["drop_caches"] for d in drops) if drops else None,
         "fadvise_dontneed": all(d["fadvise"] for d in drops) if drops else None,
-        "load_average": os.getloadavg(), "cpus": os.cpu_count(), "cpu_model": cpu_model(), "rows": rows,
+        "load_average": os.getloadavg(),
+        "cpus": os.cpu_count(),
+        "cpu_model": cpu_model(),
+        "rows": rows,
     }
     publish(result, args.json, render(result), args.results, "bench_io")
 
 
 def render(result: dict) -> str:
-    drop = ("`drop_caches` (permitted here) and `posix_fadvise(DONTNEED)`" if result["global_drop_caches"]
-            else "`posix_fadvise(DONTNEED)` only (`drop_caches` not writable)")
+    drop = (
+        "`drop_caches` (permitted here) and `posix_fadvise(DONTNEED)`"
+        if result["global_drop_caches"]
+        else "`posix_fadvise(DONTNEED)` only (`drop_caches` not writable)"
+    )
     lines = [
         "GB/s of blob payload through `FetchEngine` (demand reads: one request per blob from the disk, 1 MB chunks "
         "through a link; CRC32 checked), "
@@ -204,8 +240,12 @@ def render(result: dict) -> str:
         f"Load average during the run: {', '.join(f'{v:.1f}' for v in result['load_average'])} on "
         f"{result.get('cpus')} CPUs ({result.get('cpu_model') or 'model unknown'}) "
         "(`scripts/research/bench_io.py`)."
-        + ("" if result["link_overlaps_read"] else " The engine does not pass `issued_at` to the link yet, so "
-           "emulated transfers start after each real chunk read instead of overlapping it."),
+        + (
+            ""
+            if result["link_overlaps_read"]
+            else " The engine does not pass `issued_at` to the link yet, so "
+            "emulated transfers start after each real chunk read instead of overlapping it."
+        ),
         "",
         "| mode | workers | GB/s | I/O path | note |",
         "|---|---:|---:|---|---|",
@@ -213,10 +253,12 @@ def render(result: dict) -> str:
     for r in result["rows"]:
         note = ""
         if "expected_gb_per_s" in r:
-            note = (f"target {r['expected_gb_per_s']:.2f} GB/s ({r['link_gb_per_s']:g} GB/s, {r['latency_us']:g} µs "
-                    f"per request): {r['ratio_to_expected']:.0%} of it, "
-                    + ("within 10%" if r["within_10pct"] else "NOT within 10%")
-                    + (" (host-limited: faster than warm reads here)" if r["host_limited"] else ""))
+            note = (
+                f"target {r['expected_gb_per_s']:.2f} GB/s ({r['link_gb_per_s']:g} GB/s, {r['latency_us']:g} µs "
+                f"per request): {r['ratio_to_expected']:.0%} of it, "
+                + ("within 10%" if r["within_10pct"] else "NOT within 10%")
+                + (" (host-limited: faster than warm reads here)" if r["host_limited"] else "")
+            )
         lines.append(f"| {r['mode']} | {r['workers']} | {r['gb_per_s']:.2f} | {r['io']} | {note} |")
     return "\n".join(lines)
 

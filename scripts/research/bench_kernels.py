@@ -42,7 +42,6 @@ GROUP = 64
 KERNELS = ["fp32", "bf16", "int8", "int4-torch", "int4-native", "int4-native-rows", "int4-ort", "dequant-int4"]
 
 
-
 def time_call(fn: Callable[[], object], runs: int, sample_ms: float) -> float:
     """Median seconds per call over ``runs`` samples."""
     fn()
@@ -137,9 +136,16 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--shapes", nargs="+", default=[f"{n}x{k}" for n, k in SHAPES], help="NxK of W")
     ap.add_argument("--json", type=Path, default=Path("bench-out/kernels.json"))
-    ap.add_argument("--results", nargs="?", const=True, default=None, type=Path, metavar="FILE",
-                    help="rewrite the table between the bench_kernels markers of FILE (without FILE: "
-                         "docs/results/bench_kernels.md)")
+    ap.add_argument(
+        "--results",
+        nargs="?",
+        const=True,
+        default=None,
+        type=Path,
+        metavar="FILE",
+        help="rewrite the table between the bench_kernels markers of FILE (without FILE: "
+        "docs/results/bench_kernels.md)",
+    )
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
 
@@ -172,10 +178,17 @@ def main() -> None:
                     print(json.dumps(row), flush=True)
     choices = kernel_choices(shapes)
     result = {
-        "runs": args.runs, "threads": args.threads, "group_size": GROUP, "torch": torch.__version__,
-        "onnxruntime": ort_version, "ort_layout_max_rel_error": ort_error, "native": native_isa() or native_status()[1],
+        "runs": args.runs,
+        "threads": args.threads,
+        "group_size": GROUP,
+        "torch": torch.__version__,
+        "onnxruntime": ort_version,
+        "ort_layout_max_rel_error": ort_error,
+        "native": native_isa() or native_status()[1],
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads max used",
-        "load_average": os.getloadavg(), "rows": rows, "quant_linear_choice": choices,
+        "load_average": os.getloadavg(),
+        "rows": rows,
+        "quant_linear_choice": choices,
     }
     publish(result, args.json, render(result), args.results, "bench_kernels")
 
@@ -185,13 +198,16 @@ def render(result: dict) -> str:
     lines = [
         f"µs per matmul `x[M,K] @ W[N,K].T`, median of {result['runs']} samples (torch {result['torch']}, "
         f"onnxruntime {result['onnxruntime']}; group {result['group_size']}; `scripts/research/bench_kernels.py`).",
-        "int8/int4-torch take bf16 activations; int4-native is fate-edge's own kernel (" + str(result.get("native"))
+        "int8/int4-torch take bf16 activations; int4-native is fate-edge's own kernel ("
+        + str(result.get("native"))
         + "; int8 activations; from a few rows on its register-tiled GEMM), int4-native-rows the same kernel held "
         "to its row path (what prefill ran before the GEMM); int4-ort is `MatMulNBits` with accuracy_level 4; "
         "dequant-int4 unpacks and dequantizes on every call, then an fp32 matmul. Load average during the run: "
-        + ", ".join(f"{v:.1f}" for v in result["load_average"]) + " on a shared host (2 threads suffer most).",
+        + ", ".join(f"{v:.1f}" for v in result["load_average"])
+        + " on a shared host (2 threads suffer most).",
         "",
-        "| threads | N x K | M | " + " | ".join(present)
+        "| threads | N x K | M | "
+        + " | ".join(present)
         + " | fastest | fastest 4-bit | quant/linear.py picks (int4) |",
         "|---:|---|---:|" + "---:|" * len(present) + "---|---|---|",
     ]
@@ -202,8 +218,11 @@ def render(result: dict) -> str:
             cell = "–" if v is None else f"{v:.0f}" if v >= 10 else f"{v:.1f}"
             cells.append(f"**{cell}**" if k == r["fastest"] else cell)
         picked = result["quant_linear_choice"]["int4"][r["shape"]]
-        lines.append(f"| {r['threads']} | {r['shape']} | {r['tokens']} | " + " | ".join(cells)
-                     + f" | {r['fastest']} | {r['fastest_4bit']} | {picked} |")
+        lines.append(
+            f"| {r['threads']} | {r['shape']} | {r['tokens']} | "
+            + " | ".join(cells)
+            + f" | {r['fastest']} | {r['fastest_4bit']} | {picked} |"
+        )
     choice = result["quant_linear_choice"]
     picked_name = {"torch-int4": "int4-torch", "native-int4": "int4-native", "dequant": "dequant-int4"}
     slower = []
@@ -216,16 +235,27 @@ def render(result: dict) -> str:
         ratio = r["us"][picked] / r["us"][best] if picked in r["us"] else 1.0
         if ratio >= 1.1:
             slower.append(f"{r['shape']} M={r['tokens']}: {best} {ratio:.1f}x faster than {picked}")
-    lines += ["", f"Conclusion: the fastest kernel per row is in bold. At {one} thread(s), where the 4-bit kernel "
-              "`quant/linear.py` picks is >10% slower than the fastest 4-bit one: "
-              + ("; ".join(slower) if slower else "nowhere") + "."]
+    lines += [
+        "",
+        f"Conclusion: the fastest kernel per row is in bold. At {one} thread(s), where the 4-bit kernel "
+        "`quant/linear.py` picks is >10% slower than the fastest 4-bit one: "
+        + ("; ".join(slower) if slower else "nowhere")
+        + ".",
+    ]
     if result["load_average"][0] > (os.cpu_count() or 1):
         load = result["load_average"][0]
-        lines += ["", f"Caution: the load average ({load:.1f}) exceeded the {os.cpu_count()} cores, so "
-                  "multi-threaded cells include waits for descheduled worker threads (milliseconds where the "
-                  "kernel needs microseconds); rerun on an idle host before reading them."]
-    lines += ["", "Kernel `quant/linear.py` picks on this host per precision: "
-              + "; ".join(f"{b}: " + ", ".join(f"{s} {k}" for s, k in by.items()) for b, by in choice.items()) + "."]
+        lines += [
+            "",
+            f"Caution: the load average ({load:.1f}) exceeded the {os.cpu_count()} cores, so "
+            "multi-threaded cells include waits for descheduled worker threads (milliseconds where the "
+            "kernel needs microseconds); rerun on an idle host before reading them.",
+        ]
+    lines += [
+        "",
+        "Kernel `quant/linear.py` picks on this host per precision: "
+        + "; ".join(f"{b}: " + ", ".join(f"{s} {k}" for s, k in by.items()) for b, by in choice.items())
+        + ".",
+    ]
     return "\n".join(lines)
 
 

@@ -30,13 +30,21 @@ def main() -> None:
         raise SystemExit(f"bench_stream: {why}")
     n, k = (int(v) for v in args.shape.split("x"))
     gen = torch.Generator().manual_seed(0)
-    mats = [NativeInt4(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen),
-                       (torch.rand(n, k // 64, generator=gen) * 0.01).half(),
-                       (torch.randn(n, k // 64, generator=gen) * 0.01).half(), 64) for _ in range(args.matrices)]
+    mats = [
+        NativeInt4(
+            torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen),
+            (torch.rand(n, k // 64, generator=gen) * 0.01).half(),
+            (torch.randn(n, k // 64, generator=gen) * 0.01).half(),
+            64,
+        )
+        for _ in range(args.matrices)
+    ]
     x = torch.randn(1, k, generator=gen).to(torch.bfloat16)
     total = sum(m.codes.numel() for m in mats)
-    print(f"{args.matrices} matrices of {n}x{k} int4 ({total / 1e9:.2f} GB of codes), load average "
-          f"{os.getloadavg()[0]:.2f}")
+    print(
+        f"{args.matrices} matrices of {n}x{k} int4 ({total / 1e9:.2f} GB of codes), load average "
+        f"{os.getloadavg()[0]:.2f}"
+    )
     for threads in args.threads:
         torch.set_num_threads(threads)
         times = []

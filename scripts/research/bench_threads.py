@@ -33,9 +33,16 @@ def main() -> None:
     ap.add_argument("--max-s", type=float, default=20.0, help="stop a decode after this long (collapsed runs)")
     ap.add_argument("--memory-budget", default="256MB")
     ap.add_argument("--json", type=Path, default=Path("bench-out/threads.json"))
-    ap.add_argument("--results", nargs="?", const=True, default=None, type=Path, metavar="FILE",
-                    help="rewrite the table between the bench_threads markers of FILE (without FILE: "
-                         "docs/results/bench_threads.md)")
+    ap.add_argument(
+        "--results",
+        nargs="?",
+        const=True,
+        default=None,
+        type=Path,
+        metavar="FILE",
+        help="rewrite the table between the bench_threads markers of FILE (without FILE: "
+        "docs/results/bench_threads.md)",
+    )
     args = ap.parse_args()
     model = bundled_model_dir()
     cores = available_cores()
@@ -45,19 +52,34 @@ def main() -> None:
     except PeerUnavailableError as exc:
         print(f"bench_threads: llama.cpp skipped: {exc}", file=sys.stderr)
         gguf, cfgs = "", [c for c in cfgs if c.kind != "llama.cpp"]
-    base = {"ids": prompt_ids(model, args.prompt_tokens), "store": str(resolve_store(model, progress=False)),
-            "budget": args.memory_budget, "gguf": gguf, "decode_tokens": args.decode_tokens, "max_s": args.max_s}
+    base = {
+        "ids": prompt_ids(model, args.prompt_tokens),
+        "store": str(resolve_store(model, progress=False)),
+        "budget": args.memory_budget,
+        "gguf": gguf,
+        "decode_tokens": args.decode_tokens,
+        "max_s": args.max_s,
+    }
     rows = run(base, cfgs, args.competitors, args.rounds)
     summarize(rows)
     import torch
 
-    header = (f"Decode tok/s, bundled model, fate-edge int4 experts under its {args.memory_budget} budget (policy "
-              f"fate-edge) and llama.cpp f32 resident; {args.prompt_tokens}-token prompt, up to {args.decode_tokens} "
-              f"tokens or {args.max_s:.0f} s; median of {args.rounds} interleaved rounds of fresh processes; busy "
-              f"processes are `while True: pass` loops; {cores} cores available, {platform.processor() or 'cpu'}, "
-              f"torch {torch.__version__} (`scripts/research/bench_threads.py`).")
-    result = {"cores": cores, "rounds": args.rounds, "competitors": args.competitors, "torch": torch.__version__,
-              "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens, "rows": rows}
+    header = (
+        f"Decode tok/s, bundled model, fate-edge int4 experts under its {args.memory_budget} budget (policy "
+        f"fate-edge) and llama.cpp f32 resident; {args.prompt_tokens}-token prompt, up to {args.decode_tokens} "
+        f"tokens or {args.max_s:.0f} s; median of {args.rounds} interleaved rounds of fresh processes; busy "
+        f"processes are `while True: pass` loops; {cores} cores available, {platform.processor() or 'cpu'}, "
+        f"torch {torch.__version__} (`scripts/research/bench_threads.py`)."
+    )
+    result = {
+        "cores": cores,
+        "rounds": args.rounds,
+        "competitors": args.competitors,
+        "torch": torch.__version__,
+        "prompt_tokens": args.prompt_tokens,
+        "decode_tokens": args.decode_tokens,
+        "rows": rows,
+    }
     publish(result, args.json, table(rows, args.competitors, header), args.results, "bench_threads")
 
 

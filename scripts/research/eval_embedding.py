@@ -32,10 +32,15 @@ def slice_logits(model_dir: Path, bits_list: tuple, dtype: str) -> list[dict]:
         if ref is None:
             ref = logits
             continue
-        rows.append({"embedding": f"int{bits}", "dtype": dtype,
-                     "max_abs_logit_diff": round(float((logits - ref).abs().max()), 5),
-                     "logit_scale": round(float(ref.abs().max()), 3),
-                     "top1_agreement": float((logits.argmax(-1) == ref.argmax(-1)).float().mean())})
+        rows.append(
+            {
+                "embedding": f"int{bits}",
+                "dtype": dtype,
+                "max_abs_logit_diff": round(float((logits - ref).abs().max()), 5),
+                "logit_scale": round(float(ref.abs().max()), 3),
+                "top1_agreement": float((logits.argmax(-1) == ref.argmax(-1)).float().mean()),
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -55,10 +60,13 @@ def main() -> None:
                 out = run(model, seqs, args.batch, ref)
                 if ref is None:
                     ref = out["argmax"]
-                row = {"resident": f"int{resident_bits}" if resident_bits else "fp32",
-                       "embedding": f"int{bits}" if bits else "fp32", "embedding_bytes": model.embed.nbytes
-                       if bits else model.embed.numel() * model.embed.element_size(),
-                       "ppl": round(out["ppl"], 4), "agreement": round(out.get("agreement", 1.0), 4)}
+                row = {
+                    "resident": f"int{resident_bits}" if resident_bits else "fp32",
+                    "embedding": f"int{bits}" if bits else "fp32",
+                    "embedding_bytes": model.embed.nbytes if bits else model.embed.numel() * model.embed.element_size(),
+                    "ppl": round(out["ppl"], 4),
+                    "agreement": round(out.get("agreement", 1.0), 4),
+                }
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     logits = slice_logits(args.slice, (8, 4), "bfloat16") if args.slice else []

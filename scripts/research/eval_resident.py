@@ -32,9 +32,13 @@ def main() -> None:
             if ref is None:
                 ref = out["argmax"]
             resident = sum(t.numel() * t.element_size() for t in model.w.values())
-            row = {"experts": f"int{experts_bits}" if experts_bits else "fp32",
-                   "resident": f"int{resident_bits}" if resident_bits else "fp32", "resident_bytes": resident,
-                   "ppl": round(out["ppl"], 4), "agreement": round(out.get("agreement", 1.0), 4)}
+            row = {
+                "experts": f"int{experts_bits}" if experts_bits else "fp32",
+                "resident": f"int{resident_bits}" if resident_bits else "fp32",
+                "resident_bytes": resident,
+                "ppl": round(out["ppl"], 4),
+                "agreement": round(out.get("agreement", 1.0), 4),
+            }
             rows.append(row)
             print(json.dumps(row), flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -51,8 +51,9 @@ def timed(cmd: list[str], env: dict[str, str] | None = None) -> dict:
     with tempfile.NamedTemporaryFile("r", suffix=".time") as tf:
         before = loadavg()
         t0 = time.perf_counter()
-        proc = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", tf.name, *cmd], capture_output=True, text=True,
-                              env=env)
+        proc = subprocess.run(
+            ["/usr/bin/time", "-f", "%M", "-o", tf.name, *cmd], capture_output=True, text=True, env=env
+        )
         wall = time.perf_counter() - t0
         if proc.returncode != 0:
             raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
@@ -67,8 +68,19 @@ def child_env(threads: int) -> dict[str, str]:
 
 # ---------------------------------------------------------------------------------------------------- convert
 def convert_cmd(src: Path, out: Path, threads: int, gguf: bool) -> list[str]:
-    cmd = [PY, "-m", "fate_edge", "convert", str(src), str(out), "--no-bf16", "--force", "--quiet",
-           "--threads", str(threads)]
+    cmd = [
+        PY,
+        "-m",
+        "fate_edge",
+        "convert",
+        str(src),
+        str(out),
+        "--no-bf16",
+        "--force",
+        "--quiet",
+        "--threads",
+        str(threads),
+    ]
     return cmd if gguf else [*cmd, "--bits", "4", "--group", "32", "--layout", "portable"]
 
 
@@ -115,20 +127,41 @@ def logits_vs_llama(gguf: Path, store: Path, work: Path, threads: int, heldout_c
     text, _ = heldout_source(heldout_chars)
     (work / "text.txt").write_text(text, encoding="utf-8")
     env = child_env(threads)
-    subprocess.run([PY, "-c", _OURS, str(store), str(work / "text.txt"), PROMPT, str(work / "ours"), str(threads)],
-                   check=True, env=env)
+    subprocess.run(
+        [PY, "-c", _OURS, str(store), str(work / "text.txt"), PROMPT, str(work / "ours"), str(threads)],
+        check=True,
+        env=env,
+    )
     mine = json.loads((work / "ours.json").read_text())
     (work / "ids.json").write_text(json.dumps(mine["ids"]))
-    subprocess.run([PY, "-c", llama_child(_LLAMA), str(gguf), str(work / "text.txt"), str(work / "ids.json"),
-                    str(work / "llama"), str(threads)], check=True, env=env)
+    subprocess.run(
+        [
+            PY,
+            "-c",
+            llama_child(_LLAMA),
+            str(gguf),
+            str(work / "text.txt"),
+            str(work / "ids.json"),
+            str(work / "llama"),
+            str(threads),
+        ],
+        check=True,
+        env=env,
+    )
     ours, theirs = np.load(work / "ours.npy"), np.load(work / "llama.npy")
     their_ids = json.loads((work / "llama.json").read_text())
     cos = [float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b))) for a, b in zip(ours, theirs)]
     top1 = float(np.mean(ours.argmax(-1) == theirs.argmax(-1)))
-    return {"cos_first": round(cos[0], 7), "cos_min": round(min(cos), 7), "positions": len(cos),
-            "top1_agree": round(top1, 4), "max_abs_diff_first": round(float(np.abs(ours[0] - theirs[0]).max()), 5),
-            "tokens_equal": mine["text_ids"] == their_ids, "heldout_chars": len(text),
-            "heldout_tokens": len(their_ids)}
+    return {
+        "cos_first": round(cos[0], 7),
+        "cos_min": round(min(cos), 7),
+        "positions": len(cos),
+        "top1_agree": round(top1, 4),
+        "max_abs_diff_first": round(float(np.abs(ours[0] - theirs[0]).max()), 5),
+        "tokens_equal": mine["text_ids"] == their_ids,
+        "heldout_chars": len(text),
+        "heldout_tokens": len(their_ids),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------- decode
@@ -149,13 +182,34 @@ def decode_worker(argv: list[str]) -> None:
     prompt = [(17 + 31 * i) % min(vocab, 8000) for i in range(int(prompt_tokens))]
     _, last = engine.generate(prompt, GenerateConfig(max_tokens=int(max_tokens), ignore_eos=True))
     engine.close()
-    print(json.dumps({"tok_s": last.generation_tps, "prefill_tok_s": last.prompt_tps, "load_s": load_s,
-                      "peak_rss_mb": peak_rss_bytes() / 2**20, "tokens": last.generation_tokens}))
+    print(
+        json.dumps(
+            {
+                "tok_s": last.generation_tps,
+                "prefill_tok_s": last.prompt_tps,
+                "load_s": load_s,
+                "peak_rss_mb": peak_rss_bytes() / 2**20,
+                "tokens": last.generation_tokens,
+            }
+        )
+    )
 
 
 def decode_round(store: Path, budget: str, policy: str, threads: int, prompt_tokens: int, max_tokens: int) -> dict:
-    r = timed([PY, __file__, "--decode-worker", str(store), budget, policy, str(threads), str(prompt_tokens),
-               str(max_tokens)], child_env(threads))
+    r = timed(
+        [
+            PY,
+            __file__,
+            "--decode-worker",
+            str(store),
+            budget,
+            policy,
+            str(threads),
+            str(prompt_tokens),
+            str(max_tokens),
+        ],
+        child_env(threads),
+    )
     out = json.loads(r["stdout"].strip().splitlines()[-1])
     out["loadavg"] = r["loadavg"]
     return out
@@ -192,11 +246,15 @@ def table(res: dict) -> str:
     ]
     for name, d in res["decode"].items():
         st, gg = d["safetensors"], d["gguf"]
-        lines.append(f"| {name} | safetensors | {st['tok_s']} | 1.00 | {st['tok_s_min']}-{st['tok_s_max']} | "
-                     f"{st['peak_rss_mb']:.0f} | 1.00 |")
-        lines.append(f"| | q4_0 GGUF | {gg['tok_s']} | {gg['tok_s'] / st['tok_s']:.2f} | "
-                     f"{gg['tok_s_min']}-{gg['tok_s_max']} | {gg['peak_rss_mb']:.0f} | "
-                     f"{gg['peak_rss_mb'] / st['peak_rss_mb']:.3f} |")
+        lines.append(
+            f"| {name} | safetensors | {st['tok_s']} | 1.00 | {st['tok_s_min']}-{st['tok_s_max']} | "
+            f"{st['peak_rss_mb']:.0f} | 1.00 |"
+        )
+        lines.append(
+            f"| | q4_0 GGUF | {gg['tok_s']} | {gg['tok_s'] / st['tok_s']:.2f} | "
+            f"{gg['tok_s_min']}-{gg['tok_s_max']} | {gg['peak_rss_mb']:.0f} | "
+            f"{gg['peak_rss_mb'] / st['peak_rss_mb']:.3f} |"
+        )
     return "\n".join(lines)
 
 
@@ -211,8 +269,9 @@ def main() -> None:
     ap.add_argument("--convert-rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--policy", default="fate-edge")
-    ap.add_argument("--budgets", default="partial=250MB,all-resident=1GB",
-                    help="NAME=BUDGET,...: expert budgets the decode runs at")
+    ap.add_argument(
+        "--budgets", default="partial=250MB,all-resident=1GB", help="NAME=BUDGET,...: expert budgets the decode runs at"
+    )
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--heldout-chars", type=int, default=400_000)
@@ -226,40 +285,52 @@ def main() -> None:
     work = Path(args.work or tempfile.mkdtemp(prefix="gguf-parity-"))
     work.mkdir(parents=True, exist_ok=True)
     synth = model / "synthetic.json"
-    res: dict = {"model": f"{model.name}: scripts/make_synthetic_model.py "
-                          f"{json.loads(synth.read_text())['options'] if synth.exists() else '(not synthetic)'}",
-                 "cpu": f"{cpu_model()} ({os.cpu_count()} cores, shared)", "threads": args.threads,
-                 "rounds": args.rounds, "policy": args.policy, "loadavg_start": loadavg()}
+    res: dict = {
+        "model": f"{model.name}: scripts/make_synthetic_model.py "
+        f"{json.loads(synth.read_text())['options'] if synth.exists() else '(not synthetic)'}",
+        "cpu": f"{cpu_model()} ({os.cpu_count()} cores, shared)",
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "policy": args.policy,
+        "loadavg_start": loadavg(),
+    }
     gguf = ensure_ggufs(model, ("bf16", "q4_0"), quiet=True)["q4_0"]
     res["gguf_bytes"] = gguf.stat().st_size
     stores = {"safetensors": work / "store-safetensors", "gguf": work / "store-gguf"}
     srcs = {"safetensors": model, "gguf": gguf}
     runs: dict[str, list[dict]] = {k: [] for k in stores}
     for r in range(args.convert_rounds):
-        for kind in (("safetensors", "gguf") if r % 2 == 0 else ("gguf", "safetensors")):
+        for kind in ("safetensors", "gguf") if r % 2 == 0 else ("gguf", "safetensors"):
             one = timed(convert_cmd(srcs[kind], stores[kind], args.threads, kind == "gguf"), child_env(args.threads))
             one.pop("stdout")
             runs[kind].append(one)
             print(f"convert {kind} round {r}: {one}", flush=True)
-    res["convert"] = {k: {"wall_s": med([x["wall_s"] for x in v]), "rss_mb": med([x["rss_mb"] for x in v], 1),
-                          "runs": v} for k, v in runs.items()}
+    res["convert"] = {
+        k: {"wall_s": med([x["wall_s"] for x in v]), "rss_mb": med([x["rss_mb"] for x in v], 1), "runs": v}
+        for k, v in runs.items()
+    }
     res["logits"] = logits_vs_llama(gguf, stores["gguf"], work, args.threads, args.heldout_chars)
     print(f"logits: {res['logits']}", flush=True)
     budgets = dict(b.split("=") for b in args.budgets.split(","))
     dec: dict[str, dict[str, list[dict]]] = {n: {k: [] for k in stores} for n in budgets}
     for r in range(args.rounds):
         for name, budget in budgets.items():
-            for kind in (("safetensors", "gguf") if r % 2 == 0 else ("gguf", "safetensors")):
-                one = decode_round(stores[kind], budget, args.policy, args.threads, args.prompt_tokens,
-                                   args.max_tokens)
+            for kind in ("safetensors", "gguf") if r % 2 == 0 else ("gguf", "safetensors"):
+                one = decode_round(stores[kind], budget, args.policy, args.threads, args.prompt_tokens, args.max_tokens)
                 dec[name][kind].append(one)
                 print(f"decode {name} {kind} round {r}: {one}", flush=True)
     res["decode"] = {}
     for name, by in dec.items():
         res["decode"][f"{args.policy} {budgets[name]} ({name})"] = {
-            k: {"tok_s": med([x["tok_s"] for x in v]), "tok_s_min": round(min(x["tok_s"] for x in v), 2),
+            k: {
+                "tok_s": med([x["tok_s"] for x in v]),
+                "tok_s_min": round(min(x["tok_s"] for x in v), 2),
                 "tok_s_max": round(max(x["tok_s"] for x in v), 2),
-                "peak_rss_mb": med([x["peak_rss_mb"] for x in v], 1), "runs": v} for k, v in by.items()}
+                "peak_rss_mb": med([x["peak_rss_mb"] for x in v], 1),
+                "runs": v,
+            }
+            for k, v in by.items()
+        }
     res["loadavg_end"] = loadavg()
     path = Path(args.json)
     doc = json.loads(path.read_text()) if path.exists() else {}

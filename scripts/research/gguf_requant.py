@@ -81,24 +81,37 @@ def compare(x: np.ndarray, ref: np.ndarray) -> dict:
 
     lp, lq = logp(ref.astype(np.float64)), logp(x.astype(np.float64))
     kl = (np.exp(lp) * (lp - lq)).sum(-1)
-    return {"max_abs_first": round(float(np.abs(x[0] - ref[0]).max()), 5),
-            "max_abs_all": round(float(np.abs(x - ref).max()), 5),
-            "cos_first": round(float(cos[0]), 7), "cos_min": round(float(cos.min()), 7),
-            "kl_mean": float(f"{kl.mean():.3g}"), "kl_max": float(f"{kl.max():.3g}"),
-            "top1_agree": round(float((x.argmax(-1) == ref.argmax(-1)).mean()), 4)}
+    return {
+        "max_abs_first": round(float(np.abs(x[0] - ref[0]).max()), 5),
+        "max_abs_all": round(float(np.abs(x - ref).max()), 5),
+        "cos_first": round(float(cos[0]), 7),
+        "cos_min": round(float(cos.min()), 7),
+        "kl_mean": float(f"{kl.mean():.3g}"),
+        "kl_max": float(f"{kl.max():.3g}"),
+        "top1_agree": round(float((x.argmax(-1) == ref.argmax(-1)).mean()), 4),
+    }
 
 
 def table(res: dict) -> str:
-    lines = [f"{res['model']}; the first {res['positions']} positions of one prompt against the checkpoint's "
-             f"logits (fate-edge, float32). {res['cpu']}, load average {res['loadavg']}.", "",
-             "| GGUF (llama.cpp quantizer) | expert tensors | run by | max abs Δ, first position | lowest cosine | "
-             "mean KL | top-1 agreement |", "|---|---|---|---:|---:|---:|---:|"]
+    lines = [
+        f"{res['model']}; the first {res['positions']} positions of one prompt against the checkpoint's "
+        f"logits (fate-edge, float32). {res['cpu']}, load average {res['loadavg']}.",
+        "",
+        "| GGUF (llama.cpp quantizer) | expert tensors | run by | max abs Δ, first position | lowest cosine | "
+        "mean KL | top-1 agreement |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
     for kind, r in res["ggufs"].items():
-        for label, key in (("fate-edge, bf16 experts (dequantized)", "bf16"), ("fate-edge, int4 experts", "int4"),
-                           ("llama.cpp", "llama")):
+        for label, key in (
+            ("fate-edge, bf16 experts (dequantized)", "bf16"),
+            ("fate-edge, int4 experts", "int4"),
+            ("llama.cpp", "llama"),
+        ):
             m = r[key]
-            lines.append(f"| {kind} | {r['expert_types']} | {label} | {m['max_abs_first']} | {m['cos_min']:.5f} | "
-                         f"{m['kl_mean']:.2e} | {m['top1_agree']:.2f} |")
+            lines.append(
+                f"| {kind} | {r['expert_types']} | {label} | {m['max_abs_first']} | {m['cos_min']:.5f} | "
+                f"{m['kl_mean']:.2e} | {m['top1_agree']:.2f} |"
+            )
     return "\n".join(lines)
 
 
@@ -118,13 +131,15 @@ def main() -> None:
     ids = Tokenizer(model_dir).encode(PROMPT)
     (work / "ids.json").write_text(json.dumps(ids))
     ref = forward(model_dir, ids, None)
-    res: dict = {"model": f"{model_dir.name} (bf16 checkpoint; its bf16 GGUF by llama.cpp's converter)",
-                 "positions": len(ids), "ggufs": {}}
+    res: dict = {
+        "model": f"{model_dir.name} (bf16 checkpoint; its bf16 GGUF by llama.cpp's converter)",
+        "positions": len(ids),
+        "ggufs": {},
+    }
     for kind in args.types.split(","):
         path = work / f"model-{kind}.gguf"
         if not path.exists():
-            subprocess.run([sys.executable, "-c", llama_child(_QUANT), str(bf16), str(path), FTYPES[kind]],
-                           check=True)
+            subprocess.run([sys.executable, "-c", llama_child(_QUANT), str(bf16), str(path), FTYPES[kind]], check=True)
         g = GGUFFile(path)
         from fate_edge.format.gguf_config import hf_config
         from fate_edge.model.arch import config_from_dict
@@ -132,12 +147,23 @@ def main() -> None:
         cfg = config_from_dict(hf_config(g, "bfloat16"), str(path))
         types = expert_types(g, cfg.moe_layers)
         store = convert_gguf(path, work / f"store-{kind}", ConvertOptions(bits=4, force=True), progress=True)
-        subprocess.run([sys.executable, "-c", llama_child(_LLAMA), str(path), str(work / "ids.json"),
-                        str(work / f"llama-{kind}.npy")], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                llama_child(_LLAMA),
+                str(path),
+                str(work / "ids.json"),
+                str(work / f"llama-{kind}.npy"),
+            ],
+            check=True,
+        )
         res["ggufs"][kind] = {
             "expert_types": ", ".join(f"{n} x{c}" for n, c in sorted(types.items())),
-            "bf16": compare(forward(store, ids, 16), ref), "int4": compare(forward(store, ids, 4), ref),
-            "llama": compare(np.load(work / f"llama-{kind}.npy"), ref)}
+            "bf16": compare(forward(store, ids, 16), ref),
+            "int4": compare(forward(store, ids, 4), ref),
+            "llama": compare(np.load(work / f"llama-{kind}.npy"), ref),
+        }
         print(kind, json.dumps(res["ggufs"][kind]), flush=True)
     res["cpu"] = "AMD EPYC (2 cores, shared)"
     res["loadavg"] = [round(x, 2) for x in os.getloadavg()]

@@ -56,15 +56,28 @@ def main() -> None:
         for side, target in (("fate-edge", args.store), ("llama.cpp", args.gguf)):
             if args.cold:
                 drop_page_cache()
-            cmd = [sys.executable, __file__, str(args.store), str(args.gguf), "--memory-budget", args.memory_budget,
-                   "--threads", str(args.threads), "--child", side, str(target)]
+            cmd = [
+                sys.executable,
+                __file__,
+                str(args.store),
+                str(args.gguf),
+                "--memory-budget",
+                args.memory_budget,
+                "--threads",
+                str(args.threads),
+                "--child",
+                side,
+                str(target),
+            ]
             if args.resident_bits:
                 cmd += ["--resident-bits", str(args.resident_bits)]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
             rows[side].append(json.loads(out))
             print(out, flush=True)
-    med = {side: {k: statistics.median(r[k] for r in rs) for k in ("import_s", "load_s", "total_s")}
-           for side, rs in rows.items()}
+    med = {
+        side: {k: statistics.median(r[k] for r in rs) for k in ("import_s", "load_s", "total_s")}
+        for side, rs in rows.items()
+    }
     ratio = med["fate-edge"]["total_s"] / med["llama.cpp"]["total_s"]
     print(json.dumps({"cold": args.cold, "medians": med, "fate_edge_over_llamacpp_total": round(ratio, 2)}))
 

@@ -26,8 +26,10 @@ def main() -> None:
     hidden = json.loads((args.model / "config.json").read_text())["hidden_size"]
     size = args.intermediate or inflated_size(hidden, args.int4_expert_mb)
     inflate(args.model, args.out, size)
-    print(f"wrote {args.out} (expert intermediate size {size}, ~{3 * hidden * size * INT4_BYTES_PER_WEIGHT / 1e6:.2f} "
-          f"MB per int4 expert)")
+    print(
+        f"wrote {args.out} (expert intermediate size {size}, ~{3 * hidden * size * INT4_BYTES_PER_WEIGHT / 1e6:.2f} "
+        f"MB per int4 expert)"
+    )
 
 
 if __name__ == "__main__":

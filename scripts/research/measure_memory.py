@@ -45,15 +45,30 @@ def main() -> None:
     load_s, loaded = time.perf_counter() - t0, peak_rss_bytes()
     vocab = engine.model.config.vocab_size
     prompt = [(17 + 31 * i) % vocab for i in range(args.prompt_tokens)]
-    engine.generate(prompt, GenerateConfig(max_tokens=args.max_tokens, ignore_eos=True,
-                                           prefill_chunk=args.prefill_chunk))
+    engine.generate(
+        prompt, GenerateConfig(max_tokens=args.max_tokens, ignore_eos=True, prefill_chunk=args.prefill_chunk)
+    )
     engine.close()
     peak = peak_rss_bytes()
-    print(f"load {load_s:.1f} s; measured peak after load {loaded / 1e6:.0f} MB, after generating {peak / 1e6:.0f} MB; "
-          f"predicted {account.peak / 1e6:.0f} MB ({100 * (peak / account.peak - 1):+.1f}%)")
-    print(json.dumps({"predicted": account.peak, "measured": peak, "loaded": loaded, "load_s": load_s,
-                      "running": account.running, "loading": account.loading, "runtime": account.runtime,
-                      "embeddings": account.embeddings, "embeddings_mapped": account.embeddings_mapped}))
+    print(
+        f"load {load_s:.1f} s; measured peak after load {loaded / 1e6:.0f} MB, after generating {peak / 1e6:.0f} MB; "
+        f"predicted {account.peak / 1e6:.0f} MB ({100 * (peak / account.peak - 1):+.1f}%)"
+    )
+    print(
+        json.dumps(
+            {
+                "predicted": account.peak,
+                "measured": peak,
+                "loaded": loaded,
+                "load_s": load_s,
+                "running": account.running,
+                "loading": account.loading,
+                "runtime": account.runtime,
+                "embeddings": account.embeddings,
+                "embeddings_mapped": account.embeddings_mapped,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -38,16 +38,24 @@ def next_layer_recall(trace, layers: list[int], top: int) -> dict[str, float]:
     averaged over the layer pairs (each pair has every decode token)."""
     out = {}
     for name, preds in trace.predictions.items():
-        pairs = [recall_at(scores.topk(top, dim=1).indices, trace.expert_ids[target])
-                 for (src, target), scores in preds.items() if layers.index(target) == layers.index(src) + 1]
+        pairs = [
+            recall_at(scores.topk(top, dim=1).indices, trace.expert_ids[target])
+            for (src, target), scores in preds.items()
+            if layers.index(target) == layers.index(src) + 1
+        ]
         out[name] = sum(pairs) / max(1, len(pairs))
     return out
 
 
 def stalls(r) -> dict:
     """Where a simulated run waits: demand reads (all, and per MoE layer), late prefetches, stall seconds."""
-    return {"misses": r.misses, "layer_misses": dict(sorted(r.layer_misses.items())),
-            "late_prefetches": r.late_prefetches, "stall_s": r.stall_s, "total_s": r.total_s}
+    return {
+        "misses": r.misses,
+        "layer_misses": dict(sorted(r.layer_misses.items())),
+        "late_prefetches": r.late_prefetches,
+        "stall_s": r.stall_s,
+        "total_s": r.total_s,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,32 +74,55 @@ def main(argv: list[str] | None = None) -> int:
     moe = len(layers)
     budget = int(args.budget * store.expert_bytes(4) * moe * store.index["num_experts"])
     ids = sample_token_ids(Tokenizer(args.store))[:64]
-    em, dev = device_timeline(args.device, args.store, ids, costs, costs.layer_compute_s * moe,
-                              store_side(args.store, resident_bits=args.resident_bits), moe)
+    em, dev = device_timeline(
+        args.device,
+        args.store,
+        ids,
+        costs,
+        costs.layer_compute_s * moe,
+        store_side(args.store, resident_bits=args.resident_bits),
+        moe,
+    )
     row = for_device_and_store(PRESETS["fate-edge"], args.device, args.store, args.resident_bits)
     oracle_run = sim(trace, PRESETS["oracle"], budget, store, em.link, dev)
     row_run = sim(trace, row, budget, store, em.link, dev)
     oracle, got = oracle_run.tokens_per_s, row_run.tokens_per_s
     top = trace.expert_ids[layers[0]].shape[1]
-    out = {"device": args.device, "budget": args.budget,
-           "row": f"{row.predictor}/p{row.lookahead}/w{row.prefetch_width}", "row_tps": got,
-           "oracle_tps": oracle, "row_stalls": stalls(row_run), "oracle_stalls": stalls(oracle_run),
-           "recall_next_layer": next_layer_recall(trace, layers, top), "perfect": {}, "caches": {}}
-    print(f"{args.device} {args.budget:.0%}: fate-edge row ({out['row']}) {got:.1f} tok/s, oracle {oracle:.1f} "
-          f"({oracle / got:.3f}x ahead)")
+    out = {
+        "device": args.device,
+        "budget": args.budget,
+        "row": f"{row.predictor}/p{row.lookahead}/w{row.prefetch_width}",
+        "row_tps": got,
+        "oracle_tps": oracle,
+        "row_stalls": stalls(row_run),
+        "oracle_stalls": stalls(oracle_run),
+        "recall_next_layer": next_layer_recall(trace, layers, top),
+        "perfect": {},
+        "caches": {},
+    }
+    print(
+        f"{args.device} {args.budget:.0%}: fate-edge row ({out['row']}) {got:.1f} tok/s, oracle {oracle:.1f} "
+        f"({oracle / got:.3f}x ahead)"
+    )
     for name, s in (("row", out["row_stalls"]), ("oracle", out["oracle_stalls"])):
-        print(f"  {name}: {s['misses']} demand reads (per MoE layer {s['layer_misses']}), {s['late_prefetches']} late "
-              f"prefetches, {s['stall_s'] * 1e3:.0f} ms stalled of {s['total_s'] * 1e3:.0f} ms "
-              f"({trace.expert_ids[layers[0]].shape[0]} tokens, device time)")
+        print(
+            f"  {name}: {s['misses']} demand reads (per MoE layer {s['layer_misses']}), {s['late_prefetches']} late "
+            f"prefetches, {s['stall_s'] * 1e3:.0f} ms stalled of {s['total_s'] * 1e3:.0f} ms "
+            f"({trace.expert_ids[layers[0]].shape[0]} tokens, device time)"
+        )
     if row.predictor and not row.prefetch_gate:  # ungated: the predictor runs on every MoE layer of every token
-        print(f"  row's predictor: {dev.predict_s * moe * trace.expert_ids[layers[0]].shape[0] * 1e3:.0f} ms "
-              "(the oracle pays none)")
+        print(
+            f"  row's predictor: {dev.predict_s * moe * trace.expert_ids[layers[0]].shape[0] * 1e3:.0f} ms "
+            "(the oracle pays none)"
+        )
     for allocation in ALLOCATIONS:
         for eviction in EVICTIONS:
             r = sim(trace, row.with_(allocation=allocation, eviction=eviction), budget, store, em.link, dev)
             out["caches"][f"{allocation}/{eviction}"] = r.tokens_per_s
-            print(f"  the row with a {allocation} cache, {eviction} eviction: {r.tokens_per_s:.1f} tok/s "
-                  f"(oracle {oracle / r.tokens_per_s:.3f}x ahead)")
+            print(
+                f"  the row with a {allocation} cache, {eviction} eviction: {r.tokens_per_s:.1f} tok/s "
+                f"(oracle {oracle / r.tokens_per_s:.3f}x ahead)"
+            )
     if row.predictor:
         trace.predictions[row.predictor] = truth_scores(trace.expert_ids, layers, 3, trace.num_experts)
         for lookahead in (1, 2, 3):
@@ -99,8 +130,10 @@ def main(argv: list[str] | None = None) -> int:
                 p = row.with_(lookahead=lookahead, prefetch_width=width, max_prefetch_width=width)
                 tps = sim(trace, p, budget, store, em.link, dev).tokens_per_s
                 out["perfect"][f"p{lookahead}/w{width}"] = tps
-                print(f"  true experts as predictions, p{lookahead}/w{width}: {tps:.1f} tok/s "
-                      f"(oracle {oracle / tps:.3f}x ahead)")
+                print(
+                    f"  true experts as predictions, p{lookahead}/w{width}: {tps:.1f} tok/s "
+                    f"(oracle {oracle / tps:.3f}x ahead)"
+                )
     for name, share in out["recall_next_layer"].items():
         print(f"  {name}: {share:.1%} of the next layer's experts in its top {top}")
     if args.out:

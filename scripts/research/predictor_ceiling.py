@@ -58,8 +58,9 @@ from fate_edge.tokenizer import Tokenizer
 
 
 @torch.no_grad()
-def pre_attention_inputs(hf: torch.nn.Module, windows: torch.Tensor, layers: list[int],
-                         batch: int) -> dict[int, torch.Tensor]:
+def pre_attention_inputs(
+    hf: torch.nn.Module, windows: torch.Tensor, layers: list[int], batch: int
+) -> dict[int, torch.Tensor]:
     """Layer j's input (the residual stream before its attention) for every token of ``windows``, from the
     transformers model ``hf``, rows in collect_traces' order (batch-major, then position)."""
     out: dict[int, list[torch.Tensor]] = {j: [] for j in layers}
@@ -83,14 +84,19 @@ def own_router_rows(model, held: Trace, x_held: dict[int, torch.Tensor]) -> dict
     for a in evaluate_predictor(gate, held, [held.top_k]):
         if a.distance == 1:
             cross[a.target] = {"exact": a.exact, "recall": a.recall[min(a.recall)]}
-    return {"layer j's router on its input before its attention": own,
-            "cross-layer gate (norm-aware) on the previous MoE layer's gate input": cross}
+    return {
+        "layer j's router on its input before its attention": own,
+        "cross-layer gate (norm-aware) on the previous MoE layer's gate input": cross,
+    }
 
 
 def beside(trace: Trace, extra: dict[int, torch.Tensor]) -> Trace:
     """``trace`` whose sources in ``extra`` read [h_i, extra_i] (the others are left out)."""
-    return Trace({i: torch.cat([trace.gate_inputs[i].float(), e], 1) for i, e in extra.items()}, trace.expert_ids,
-                 trace.num_experts)
+    return Trace(
+        {i: torch.cat([trace.gate_inputs[i].float(), e], 1) for i, e in extra.items()},
+        trace.expert_ids,
+        trace.num_experts,
+    )
 
 
 def scores(pred: torch.Tensor, true: torch.Tensor) -> dict[str, float]:
@@ -114,8 +120,11 @@ def write_json(path: Path | None, report: dict, t0: float) -> None:
 
 
 def per_layer(results) -> dict[int, dict[str, float]]:
-    return {a.source: {"target": a.target, "exact": a.exact, "recall": a.recall[min(a.recall)]}
-            for a in results if a.distance == 1}
+    return {
+        a.source: {"target": a.target, "exact": a.exact, "recall": a.recall[min(a.recall)]}
+        for a in results
+        if a.distance == 1
+    }
 
 
 def main() -> None:
@@ -127,12 +136,22 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=TrainConfig.rank)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                    help="both models' weights (bfloat16 halves the memory of a real-shape checkpoint)")
-    ap.add_argument("--routers-only", action="store_true",
-                    help="train nothing: score each layer's own router on its pre-attention input (see above)")
-    ap.add_argument("--cross-token", action="store_true",
-                    help="predict the next token's first MoE layer from the last one's gate input (see above)")
+    ap.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="both models' weights (bfloat16 halves the memory of a real-shape checkpoint)",
+    )
+    ap.add_argument(
+        "--routers-only",
+        action="store_true",
+        help="train nothing: score each layer's own router on its pre-attention input (see above)",
+    )
+    ap.add_argument(
+        "--cross-token",
+        action="store_true",
+        help="predict the next token's first MoE layer from the last one's gate input (see above)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = args.model or bundled_model_dir()
@@ -168,25 +187,35 @@ def main() -> None:
     rows["learned on layer i's gate input"] = per_layer(evaluate_predictor(learned, held, [train.top_k]))
     pre = train_learned(gate, later(train, x_train), config=cfg, progress=False)
     rows["learned on layer i+1's input before its attention"] = per_layer(
-        evaluate_predictor(pre, later(held, x_held), [train.top_k]))
+        evaluate_predictor(pre, later(held, x_held), [train.top_k])
+    )
 
     # Source i reads [h_i(t), h_{i+1}(t-1)], as `fate-edge calibrate --previous-input` trains it.
-    prev = train_learned(gate, widen_trace(train, moe, opts.seq_len),
-                         config=dataclasses.replace(cfg, previous_input=True), progress=False)
+    prev = train_learned(
+        gate,
+        widen_trace(train, moe, opts.seq_len),
+        config=dataclasses.replace(cfg, previous_input=True),
+        progress=False,
+    )
     rows["learned on layer i's gate input + the previous token's layer i+1 gate input"] = per_layer(
-        evaluate_predictor(prev, widen_trace(held, moe, opts.seq_len), [train.top_k]))
+        evaluate_predictor(prev, widen_trace(held, moe, opts.seq_len), [train.top_k])
+    )
 
     # Source i reads [h_i(t), s_{i+1}(t)]: layer i+1's attention run early on layer i's residual
     # (early_attention.py). train_learned takes any doubled input as it takes the previous one; nothing is dropped.
     early_cfg = dataclasses.replace(cfg, previous_input=True, previous_dropout=0.0)
-    early = train_learned(gate, beside(train, early_gate_inputs(model, x_train, opts.seq_len)), config=early_cfg,
-                          progress=False)
+    early = train_learned(
+        gate, beside(train, early_gate_inputs(model, x_train, opts.seq_len)), config=early_cfg, progress=False
+    )
     rows["learned on layer i's gate input + layer i+1's attention run early on layer i's residual"] = per_layer(
-        evaluate_predictor(early, beside(held, early_gate_inputs(model, x_held, opts.seq_len)), [train.top_k]))
+        evaluate_predictor(early, beside(held, early_gate_inputs(model, x_held, opts.seq_len)), [train.top_k])
+    )
 
     k = train.top_k
-    print(f"Model {model_dir.name}: {train.tokens:,} training and {held.tokens:,} held-out tokens "
-          f"({corpus['source']}); exact top-{k} / recall@{k} one MoE layer ahead, rank {args.rank}.\n")
+    print(
+        f"Model {model_dir.name}: {train.tokens:,} training and {held.tokens:,} held-out tokens "
+        f"({corpus['source']}); exact top-{k} / recall@{k} one MoE layer ahead, rank {args.rank}.\n"
+    )
     print("| predictor | " + " | ".join(f"{i} → {j}" for i, j in pairs.items()) + " | mean |")
     print("|---|" + "---:|" * (len(pairs) + 1))
     for name, got in rows.items():
@@ -198,8 +227,9 @@ def main() -> None:
     write_json(args.json, {"model": str(model_dir), "corpus": corpus, "rank": args.rank, "k": k, "rows": rows}, t0)
 
 
-def routers_only(args, model, model_dir: Path, held_ids: torch.Tensor, corpus: dict, dtype: torch.dtype,
-                 t0: float) -> None:
+def routers_only(
+    args, model, model_dir: Path, held_ids: torch.Tensor, corpus: dict, dtype: torch.dtype, t0: float
+) -> None:
     """``--routers-only``: the held-out text only, nothing trained (:func:`own_router_rows`)."""
     from transformers import AutoModelForCausalLM
 
@@ -209,8 +239,10 @@ def routers_only(args, model, model_dir: Path, held_ids: torch.Tensor, corpus: d
     del hf
     rows = own_router_rows(model, held, x_held)
     k = held.top_k
-    print(f"Model {model_dir.name}: {held.tokens:,} held-out tokens ({corpus['source']}); exact top-{k} / recall@{k} "
-          f"of each MoE layer's experts, no training, {args.dtype}.\n")
+    print(
+        f"Model {model_dir.name}: {held.tokens:,} held-out tokens ({corpus['source']}); exact top-{k} / recall@{k} "
+        f"of each MoE layer's experts, no training, {args.dtype}.\n"
+    )
     print_by_target(rows, model.config.moe_layers)
     print(f"\n({time.time() - t0:.0f} s, torch {torch.__version__}, {args.threads} threads)")
     write_json(args.json, {"model": str(model_dir), "corpus": corpus, "k": k, "dtype": args.dtype, "rows": rows}, t0)
@@ -227,8 +259,11 @@ def cross_token_trace(trace: Trace, seq_len: int, first: int, last: int) -> Trac
     """A two-layer trace for train_learned: pseudo-layer 0 reads the last MoE layer's gate input at token t,
     pseudo-layer 1 holds the first MoE layer's experts at token t + 1."""
     src, dst = next_token_pairs(trace, seq_len)
-    return Trace({0: trace.gate_inputs[last][src]}, {0: trace.expert_ids[last][src], 1: trace.expert_ids[first][dst]},
-                 trace.num_experts)
+    return Trace(
+        {0: trace.gate_inputs[last][src]},
+        {0: trace.expert_ids[last][src], 1: trace.expert_ids[first][dst]},
+        trace.num_experts,
+    )
 
 
 def cross_token_gate(model) -> CrossLayerGate:
@@ -241,8 +276,9 @@ def cross_token_gate(model) -> CrossLayerGate:
     return CrossLayerGate({0: router, 1: router}, 1, norms)
 
 
-def cross_token(args, model, model_dir: Path, train_ids: torch.Tensor, held_ids: torch.Tensor, corpus: dict,
-                t0: float) -> None:
+def cross_token(
+    args, model, model_dir: Path, train_ids: torch.Tensor, held_ids: torch.Tensor, corpus: dict, t0: float
+) -> None:
     """``--cross-token``: the next token's first MoE layer, predicted before it is sampled and after."""
     from fate_edge.predictors.token_popularity import TokenPopularity
 
@@ -254,30 +290,41 @@ def cross_token(args, model, model_dir: Path, train_ids: torch.Tensor, held_ids:
     popular = torch.bincount(train.expert_ids[first].flatten(), minlength=train.num_experts).float()
     gate = cross_token_gate(model)
     held_pair = cross_token_trace(held, seq_len, first, last)
-    learned = train_learned(gate, cross_token_trace(train, seq_len, first, last),
-                            config=TrainConfig(kind="lowrank", rank=args.rank), progress=False)
+    learned = train_learned(
+        gate,
+        cross_token_trace(train, seq_len, first, last),
+        config=TrainConfig(kind="lowrank", rank=args.rank),
+        progress=False,
+    )
     table = TokenPopularity.from_trace(train, model.config.vocab_size, 1)
     rows = {
         "expert popularity (no input)": popular.expand(len(dst), -1),
-        "first layer's router on the last layer's gate input (norm-aware, untrained)":
-            gate.predict(0, held_pair.gate_inputs[0]).scores[0],
-        "learned on the last layer's gate input (before the lm_head)":
-            learned.predict(0, held_pair.gate_inputs[0]).scores[0],
-        "token table on the sampled token (after the lm_head and sampler)":
-            table.predict_from_tokens(held.token_ids[dst]).scores[0],
+        "first layer's router on the last layer's gate input (norm-aware, untrained)": gate.predict(
+            0, held_pair.gate_inputs[0]
+        ).scores[0],
+        "learned on the last layer's gate input (before the lm_head)": learned.predict(
+            0, held_pair.gate_inputs[0]
+        ).scores[0],
+        "token table on the sampled token (after the lm_head and sampler)": table.predict_from_tokens(
+            held.token_ids[dst]
+        ).scores[0],
     }
     widths = (k, k + 2)
-    print(f"Model {model_dir.name}: {train.tokens:,} training and {held.tokens:,} held-out tokens "
-          f"({corpus['source']}); the next token's MoE layer {first} from token t, "
-          f"exact top-{k} / recall@{widths[0]} / recall@{widths[1]}, "
-          f"rank {args.rank}.\n")
+    print(
+        f"Model {model_dir.name}: {train.tokens:,} training and {held.tokens:,} held-out tokens "
+        f"({corpus['source']}); the next token's MoE layer {first} from token t, "
+        f"exact top-{k} / recall@{widths[0]} / recall@{widths[1]}, "
+        f"rank {args.rank}.\n"
+    )
     print(f"| predictor of token t+1's layer-{first} experts | exact | recall@{widths[0]} | recall@{widths[1]} |")
     print("|---|---:|---:|---:|")
     report = {}
     for name, got in rows.items():
         top = got.topk(widths[1]).indices
-        report[name] = {"exact": exact_match(top[:, :k], true), **{f"recall@{w}": recall_at(top[:, :w], true)
-                                                                      for w in widths}}
+        report[name] = {
+            "exact": exact_match(top[:, :k], true),
+            **{f"recall@{w}": recall_at(top[:, :w], true) for w in widths},
+        }
         print(f"| {name} | " + " | ".join(f"{100 * v:.1f}" for v in report[name].values()) + " |")
     print(f"\n({time.time() - t0:.0f} s, torch {torch.__version__}, {args.threads} threads)")
     write_json(args.json, {"model": str(model_dir), "corpus": corpus, "rank": args.rank, "k": k, "rows": report}, t0)

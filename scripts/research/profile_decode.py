@@ -22,8 +22,18 @@ from torch.profiler import ProfilerActivity, profile
 
 from fate_edge import bundled_model_dir, load_model
 
-MATMUL = ("aten::addmm", "aten::mm", "aten::bmm", "aten::mv", "aten::addmv", "aten::_weight_int4pack_mm_for_cpu",
-          "aten::_weight_int8pack_mm", "aten::matmul", "aten::linear", "ort::MatMulNBits")
+MATMUL = (
+    "aten::addmm",
+    "aten::mm",
+    "aten::bmm",
+    "aten::mv",
+    "aten::addmv",
+    "aten::_weight_int4pack_mm_for_cpu",
+    "aten::_weight_int8pack_mm",
+    "aten::matmul",
+    "aten::linear",
+    "ort::MatMulNBits",
+)
 ATTENTION = ("aten::_scaled_dot_product", "aten::scaled_dot_product")
 
 
@@ -35,8 +45,9 @@ def int4_experts(provider):
 
     spec = QuantSpec(4, 64)
     lin = lambda w: QuantizedLinear.from_quantized(quantize(w.float(), spec), spec)  # noqa: E731
-    return InMemoryExpertProvider({k: QuantizedExpert(lin(e.gate), lin(e.up), lin(e.down))
-                                   for k, e in provider.experts.items()})
+    return InMemoryExpertProvider(
+        {k: QuantizedExpert(lin(e.gate), lin(e.up), lin(e.down)) for k, e in provider.experts.items()}
+    )
 
 
 def decode(model, prompt: torch.Tensor, steps: int) -> float:
@@ -54,8 +65,9 @@ def categorise(events, wall_us: float, steps: int) -> dict:
     counts = Counter(e.name for e in events if e.name.startswith("aten::"))
     share = {"matmul": 0.0, "attention": 0.0, "small_ops": 0.0, "compiled_graph": 0.0}
     # A compiled step runs inside one region (its kernels called from C++ with cpp_wrapper: few aten events)
-    share["compiled_graph"] = sum(e.time_range.elapsed_us() for e in events
-                                  if e.name.startswith("Torch-Compiled Region") and not e.cpu_parent)
+    share["compiled_graph"] = sum(
+        e.time_range.elapsed_us() for e in events if e.name.startswith("Torch-Compiled Region") and not e.cpu_parent
+    )
     for e in top:
         us = e.time_range.elapsed_us()
         if e.name.startswith(ATTENTION):
@@ -65,17 +77,23 @@ def categorise(events, wall_us: float, steps: int) -> dict:
         else:
             share["small_ops"] += us
     share["python_dispatch"] = max(0.0, wall_us - sum(share.values()))
-    return {"aten_ops_per_token": sum(counts.values()) / steps, "top_level_ops_per_token": len(top) / steps,
-            "share": {k: round(v / wall_us, 3) for k, v in share.items()},
-            "top_ops_per_token": {k: round(v / steps, 1) for k, v in counts.most_common(12)}}
+    return {
+        "aten_ops_per_token": sum(counts.values()) / steps,
+        "top_level_ops_per_token": len(top) / steps,
+        "share": {k: round(v / wall_us, 3) for k, v in share.items()},
+        "top_ops_per_token": {k: round(v / steps, 1) for k, v in counts.most_common(12)},
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--experts", default="memory",
-                    help="memory (checkpoint dtype), int4 (resident, quantized) or store-int4 (the converted "
-                    "store's int4 experts, resident: fate-edge bench-llamacpp's int4 side)")
+    ap.add_argument(
+        "--experts",
+        default="memory",
+        help="memory (checkpoint dtype), int4 (resident, quantized) or store-int4 (the converted "
+        "store's int4 experts, resident: fate-edge bench-llamacpp's int4 side)",
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--steps", type=int, default=64)
@@ -109,10 +127,16 @@ def main() -> None:
             for _ in range(args.steps):
                 tok = model(tok, cache)[0, -1].argmax().view(1, 1)
             wall_us = (time.perf_counter() - t0) * 1e6
-    out = {"dtype": args.dtype, "experts": args.experts, "threads": args.threads, "compiled": compile_off is None,
-           "ms_per_token": round(ms, 3),
-           "tok_s": round(1e3 / ms, 1), "load_average": os.getloadavg(),
-           **categorise(prof.events(), wall_us, args.steps)}
+    out = {
+        "dtype": args.dtype,
+        "experts": args.experts,
+        "threads": args.threads,
+        "compiled": compile_off is None,
+        "ms_per_token": round(ms, 3),
+        "tok_s": round(1e3 / ms, 1),
+        "load_average": os.getloadavg(),
+        **categorise(prof.events(), wall_us, args.steps),
+    }
     print(json.dumps(out, indent=1))
 
 

@@ -44,9 +44,20 @@ def sim(trace, policy: PolicyConfig, budget: int, store: ExpertStore, link, cost
     bp = plan_budget(budget, policy, store.expert_bytes(bits), store.precisions[bits].slot_bytes)
     preds = trace.predictions.get(policy.predictor) if policy.predictor else None
     inflight = bp.pool_buffers - bp.demand_buffers if policy.predictor else None
-    return simulate(trace.expert_ids, preds, policy, bp.cache_bytes, store.expert_bytes(bits), link, costs,
-                    trace.num_experts, trace.num_layers, warm=trace.warm, max_inflight=inflight,
-                    popularity=store_popularity(store.path))
+    return simulate(
+        trace.expert_ids,
+        preds,
+        policy,
+        bp.cache_bytes,
+        store.expert_bytes(bits),
+        link,
+        costs,
+        trace.num_experts,
+        trace.num_layers,
+        warm=trace.warm,
+        max_inflight=inflight,
+        popularity=store_popularity(store.path),
+    )
 
 
 def bench_store(path: str | None) -> ExpertStore:
@@ -54,6 +65,7 @@ def bench_store(path: str | None) -> ExpertStore:
     if path is None:
         from fate_edge.bench.config import BenchConfig
         from fate_edge.bench.prepare import prepare_model
+
         path = str(prepare_model(BenchConfig())[0])
     return ExpertStore(path)
 
@@ -75,10 +87,17 @@ def label(p: PolicyConfig) -> str:
 
 
 def row(r) -> dict:
-    return {"tps": r.tokens_per_s, "hit_rate": r.hit_rate, "misses": r.misses, "prefetch_hits": r.prefetch_hits,
-            "late": r.late_prefetches, "prefetch_reads": len(r.prefetched), "wasted_mb": r.wasted_bytes / 1e6,
-            "mb_per_token": (r.demand_bytes + r.prefetch_bytes + r.wasted_bytes) / 1e6 / max(1, r.tokens),
-            "misses_by_layer": {str(layer): n for layer, n in sorted(r.layer_misses.items())}}
+    return {
+        "tps": r.tokens_per_s,
+        "hit_rate": r.hit_rate,
+        "misses": r.misses,
+        "prefetch_hits": r.prefetch_hits,
+        "late": r.late_prefetches,
+        "prefetch_reads": len(r.prefetched),
+        "wasted_mb": r.wasted_bytes / 1e6,
+        "mb_per_token": (r.demand_bytes + r.prefetch_bytes + r.wasted_bytes) / 1e6 / max(1, r.tokens),
+        "misses_by_layer": {str(layer): n for layer, n in sorted(r.layer_misses.items())},
+    }
 
 
 def sweep(trace, budget: int, store: ExpertStore, link, costs) -> dict:
@@ -92,19 +111,31 @@ def sweep(trace, budget: int, store: ExpertStore, link, costs) -> dict:
     for c, q, la, w, g in itertools.product(best_caches, PREDICTORS, LOOKAHEADS, WIDTHS, (True, False)):
         if q not in trace.predictions:
             continue
-        p = c.with_(predictor=q, lookahead=la, prefetch_width=w, prefetch_gate=g, min_prefetch_width=0,
-                    max_prefetch_width=max(2, w if isinstance(w, int) else 2))
+        p = c.with_(
+            predictor=q,
+            lookahead=la,
+            prefetch_width=w,
+            prefetch_gate=g,
+            min_prefetch_width=0,
+            max_prefetch_width=max(2, w if isinstance(w, int) else 2),
+        )
         results[p] = sim(trace, p, budget, store, link, costs)
     best = max(results, key=lambda p: results[p].tokens_per_s)
-    ref = {name: sim(trace, PRESETS[name], budget, store, link, costs)
-           for name in ("lru", "fate", "fate-edge", "oracle")}
+    ref = {
+        name: sim(trace, PRESETS[name], budget, store, link, costs) for name in ("lru", "fate", "fate-edge", "oracle")
+    }
     top = sorted(results, key=lambda p: -results[p].tokens_per_s)[:8]
-    return {"best": label(best), "best_policy": dict(best.__dict__), "best_result": row(results[best]),
-            "reference": {k: row(v) for k, v in ref.items()},
-            "top": [(label(p), row(results[p])) for p in top],
-            "best_with_prefetch": max(((label(p), row(r)) for p, r in results.items() if p.predictor),
-                                      key=lambda x: x[1]["tps"]),
-            "best_no_prefetch": max(((label(p), row(r)) for p, r in caches.items()), key=lambda x: x[1]["tps"])}
+    return {
+        "best": label(best),
+        "best_policy": dict(best.__dict__),
+        "best_result": row(results[best]),
+        "reference": {k: row(v) for k, v in ref.items()},
+        "top": [(label(p), row(results[p])) for p in top],
+        "best_with_prefetch": max(
+            ((label(p), row(r)) for p, r in results.items() if p.predictor), key=lambda x: x[1]["tps"]
+        ),
+        "best_no_prefetch": max(((label(p), row(r)) for p, r in caches.items()), key=lambda x: x[1]["tps"]),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,12 +143,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--store", default=None, help="expert store (default: the bench's inflated bundled model)")
     ap.add_argument("--devices", nargs="+", default=list(DEVICES))
     ap.add_argument("--budgets", nargs="+", type=float, default=[0.2, 0.35, 0.5])
-    ap.add_argument("--host-ms", type=float, default=None, help="pin this host's decode compute per token (else the "
-                    "probe's)")
+    ap.add_argument(
+        "--host-ms", type=float, default=None, help="pin this host's decode compute per token (else the probe's)"
+    )
     ap.add_argument("--decode-tokens", type=int, default=48)
     ap.add_argument("--trace", default=None, help="pickle of (costs, trace): reused when it exists, else written")
-    ap.add_argument("--resident-bits", type=int, choices=(8, 4), default=None,
-                    help="the probe's resident linears at this precision (and the device roofline's)")
+    ap.add_argument(
+        "--resident-bits",
+        type=int,
+        choices=(8, 4),
+        default=None,
+        help="the probe's resident linears at this precision (and the device roofline's)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -129,10 +166,17 @@ def main(argv: list[str] | None = None) -> int:
         costs, trace = pickle.loads(Path(args.trace).read_bytes())
     else:
         t0 = time.perf_counter()
-        costs, _, trace = measure_host_costs(args.store, int(0.35 * total), None, ids, workers=1,
-                                             decode_tokens=args.decode_tokens, direct_io=True,
-                                             resident_bits=args.resident_bits,
-                                             progress=lambda m: print(f"[probe] {m}", file=sys.stderr, flush=True))
+        costs, _, trace = measure_host_costs(
+            args.store,
+            int(0.35 * total),
+            None,
+            ids,
+            workers=1,
+            decode_tokens=args.decode_tokens,
+            direct_io=True,
+            resident_bits=args.resident_bits,
+            progress=lambda m: print(f"[probe] {m}", file=sys.stderr, flush=True),
+        )
         print(f"probe: {time.perf_counter() - t0:.0f} s; {costs.describe()}", file=sys.stderr)
         if args.trace:
             Path(args.trace).write_bytes(pickle.dumps((costs, trace)))
@@ -142,17 +186,23 @@ def main(argv: list[str] | None = None) -> int:
     out = {"store": args.store, "host_s_per_token": host_s, "host_costs": costs.__dict__, "devices": {}}
     for device in args.devices:
         em, dev_costs = device_timeline(device, args.store, ids, costs, host_s, side, moe)
-        dev = out["devices"][device] = {"k": em.k, "device_ms_per_token": em.device_s_per_token * 1e3,
-                                        "read_ms": em.link.transfer_time(em.expert_bytes) * 1e3, "budgets": {}}
+        dev = out["devices"][device] = {
+            "k": em.k,
+            "device_ms_per_token": em.device_s_per_token * 1e3,
+            "read_ms": em.link.transfer_time(em.expert_bytes) * 1e3,
+            "budgets": {},
+        }
         for b in args.budgets:
             res = sweep(trace, int(b * total), store, em.link, dev_costs)
             dev["budgets"][str(b)] = res
             ref = res["reference"]
-            print(f"{device} {b:.0%}: best {res['best']} {res['best_result']['tps']:.0f} tok/s "
-                  f"(hit {res['best_result']['hit_rate']:.0%}); " +
-                  ", ".join(f"{k} {v['tps']:.0f}" for k, v in ref.items()) +
-                  f"; best prefetching {res['best_with_prefetch'][0]} {res['best_with_prefetch'][1]['tps']:.0f}",
-                  flush=True)
+            print(
+                f"{device} {b:.0%}: best {res['best']} {res['best_result']['tps']:.0f} tok/s "
+                f"(hit {res['best_result']['hit_rate']:.0%}); "
+                + ", ".join(f"{k} {v['tps']:.0f}" for k, v in ref.items())
+                + f"; best prefetching {res['best_with_prefetch'][0]} {res['best_with_prefetch'][1]['tps']:.0f}",
+                flush=True,
+            )
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1, default=str))
     return 0

@@ -60,13 +60,22 @@ def sweep_best(path: str | None, device: str, budget: float) -> dict:
 
 
 def policies(device: str, lod: bool, store: str, resident_bits: int | None) -> dict:
-    base = {"load-on-demand (bf16)": PRESETS["load-on-demand"],
-            "load-on-demand-int4": PRESETS["load-on-demand-int4"]} if lod else {}
+    base = (
+        {"load-on-demand (bf16)": PRESETS["load-on-demand"], "load-on-demand-int4": PRESETS["load-on-demand-int4"]}
+        if lod
+        else {}
+    )
     dev = for_device_and_store(PRESETS["fate-edge"], device, store, resident_bits)  # the row for this model
     bound = for_device(PRESETS["fate-edge"], device)  # the link-bound row, whatever the model
     rows = {"fate-edge": dev} if dev == bound else {"fate-edge (link-bound row)": bound, "fate-edge": dev}
-    return {**base, "lru": PRESETS["lru"], "fate": PRESETS["fate"], "fate-edge (host preset)": PRESETS["fate-edge"],
-            **rows, "oracle": PRESETS["oracle"]}
+    return {
+        **base,
+        "lru": PRESETS["lru"],
+        "fate": PRESETS["fate"],
+        "fate-edge (host preset)": PRESETS["fate-edge"],
+        **rows,
+        "oracle": PRESETS["oracle"],
+    }
 
 
 def first_tokens(trace, n: int):
@@ -84,10 +93,19 @@ def normalised_tps(token_stats: list, device_s: float, k: float) -> float:
     return len(token_stats) / total if total > 0 else 0.0
 
 
-def run_once(store: str, budget: int, policy, em, ids: list[int], decode: int, trace,
-             resident_bits: int | None = None) -> dict:
-    eng = Engine(store, budget, policy, link=ThrottledLink(em.emulated), trace=trace, workers=1,
-                 direct_io=em.direct_io, resident_bits=resident_bits)
+def run_once(
+    store: str, budget: int, policy, em, ids: list[int], decode: int, trace, resident_bits: int | None = None
+) -> dict:
+    eng = Engine(
+        store,
+        budget,
+        policy,
+        link=ThrottledLink(em.emulated),
+        trace=trace,
+        workers=1,
+        direct_io=em.direct_io,
+        resident_bits=resident_bits,
+    )
     try:
         times, last = [], None
         for step in eng.stream(ids, GenerateConfig(max_tokens=decode + 1, ignore_eos=True)):
@@ -101,12 +119,15 @@ def run_once(store: str, budget: int, policy, em, ids: list[int], decode: int, t
         uses = sum(s.hits + s.prefetch_hits + s.misses for s in st)
         nbytes = sum(s.demand_bytes + s.prefetch_bytes + s.wasted_bytes for s in st)
         pf = eng.prefill_stats
-        return {"decode_tps": len(st) / (times[-1] - times[0]), "prefill_tps": last.prompt_tps,
-                "prefill_mb": (pf.demand_bytes + pf.prefetch_bytes + pf.wasted_bytes) / 1e6,
-                "host_ms": 1e3 * statistics.median(compute),
-                "normalised_tps": normalised_tps(st, em.device_s_per_token, em.k),
-                "hit_rate": sum(s.hits + s.prefetch_hits for s in st) / max(1, uses),
-                "mb_per_token": nbytes / 1e6 / max(1, len(st))}
+        return {
+            "decode_tps": len(st) / (times[-1] - times[0]),
+            "prefill_tps": last.prompt_tps,
+            "prefill_mb": (pf.demand_bytes + pf.prefetch_bytes + pf.wasted_bytes) / 1e6,
+            "host_ms": 1e3 * statistics.median(compute),
+            "normalised_tps": normalised_tps(st, em.device_s_per_token, em.k),
+            "hit_rate": sum(s.hits + s.prefetch_hits for s in st) / max(1, uses),
+            "mb_per_token": nbytes / 1e6 / max(1, len(st)),
+        }
     finally:
         eng.close()
 
@@ -127,31 +148,42 @@ def table(results: dict) -> str:
         pols = d["policies"]
         lod, lod4, fate = (pols.get(n) for n in ("load-on-demand (bf16)", "load-on-demand-int4", "fate"))
         held = "" if d.get("resident_bits") is None else f"int{d['resident_bits']} resident linears, "
-        lines += [f"**{d['profile']}** (emulated: k = {d['k']:.3g}, host {d['host_ms']:.1f} ms pinned, device "
-                  f"{d['device_ms']:.2f} ms per token{probes(d)}; {held}{d['rounds']} interleaved rounds, medians; "
-                  f"load {d['load']}; device-equivalent = raw x k)", "",
-                  "| policy | device-eq. decode tok/s | simulated (device-eq.) | sim error | device-eq. prefill tok/s "
-                  "| prefill MB read | hit rate | MB read / token | host ms / token in run "
-                  "| x LOD bf16 decode / prefill | x LOD int4 | x fate | oracle / this |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            f"**{d['profile']}** (emulated: k = {d['k']:.3g}, host {d['host_ms']:.1f} ms pinned, device "
+            f"{d['device_ms']:.2f} ms per token{probes(d)}; {held}{d['rounds']} interleaved rounds, medians; "
+            f"load {d['load']}; device-equivalent = raw x k)",
+            "",
+            "| policy | device-eq. decode tok/s | simulated (device-eq.) | sim error | device-eq. prefill tok/s "
+            "| prefill MB read | hit rate | MB read / token | host ms / token in run "
+            "| x LOD bf16 decode / prefill | x LOD int4 | x fate | oracle / this |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         oracle = pols["oracle"]["decode_tps"]
         for name, r in pols.items():
             err = r["sim_tps"] / r["decode_tps"] - 1
-            lines.append(f"| {name} | {r['decode_tps']:.0f} | {r['sim_tps']:.0f} | {err:+.0%} | {r['prefill_tps']:.0f} "
-                         f"| {r['prefill_mb']:.0f} | {r['hit_rate']:.0%} | {r['mb_per_token']:.1f} "
-                         f"| {r['host_ms']:.1f} "
-                         f"| {ratio(r, lod)} / {ratio(r, lod, 'prefill_tps')} | {ratio(r, lod4)} | {ratio(r, fate)} "
-                         f"| {oracle / r['decode_tps']:.2f}x |")
-        lines += ["", f"Compute-normalised ({d['profile']}: each run's host compute replaced by the device's "
-                      f"{d['device_ms']:.2f} ms token, its stall, blob decode and prediction scaled by 1 / k):", "",
-                  "| policy | compute-normalised decode tok/s | per round | simulated | sim error | oracle / this |",
-                  "|---|---:|---:|---:|---:|---:|"]
+            lines.append(
+                f"| {name} | {r['decode_tps']:.0f} | {r['sim_tps']:.0f} | {err:+.0%} | {r['prefill_tps']:.0f} "
+                f"| {r['prefill_mb']:.0f} | {r['hit_rate']:.0%} | {r['mb_per_token']:.1f} "
+                f"| {r['host_ms']:.1f} "
+                f"| {ratio(r, lod)} / {ratio(r, lod, 'prefill_tps')} | {ratio(r, lod4)} | {ratio(r, fate)} "
+                f"| {oracle / r['decode_tps']:.2f}x |"
+            )
+        lines += [
+            "",
+            f"Compute-normalised ({d['profile']}: each run's host compute replaced by the device's "
+            f"{d['device_ms']:.2f} ms token, its stall, blob decode and prediction scaled by 1 / k):",
+            "",
+            "| policy | compute-normalised decode tok/s | per round | simulated | sim error | oracle / this |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
         norm_oracle = pols["oracle"]["normalised_tps"]
         for name, r in pols.items():
             rounds = " / ".join(f"{x:.0f}" for x in r["normalised_rounds"])
-            lines.append(f"| {name} | {r['normalised_tps']:.0f} | {rounds} | {r['sim_tps']:.0f} "
-                         f"| {r['sim_tps'] / r['normalised_tps'] - 1:+.0%} "
-                         f"| {norm_oracle / r['normalised_tps']:.2f}x |")
+            lines.append(
+                f"| {name} | {r['normalised_tps']:.0f} | {rounds} | {r['sim_tps']:.0f} "
+                f"| {r['sim_tps'] / r['normalised_tps'] - 1:+.0%} "
+                f"| {norm_oracle / r['normalised_tps']:.2f}x |"
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -161,23 +193,44 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--store", required=True)
     ap.add_argument("--devices", nargs="+", default=list(DEVICES))
     ap.add_argument("--budget", type=float, default=0.35)
-    ap.add_argument("--host-ms", type=float, default=None,
-                    help="this host's decode compute per token (pins k); default: measured at the start")
-    ap.add_argument("--host-probes", type=int, default=3,
-                    help="without --host-ms: the planner probes whose median pins it (one drifts with the host)")
+    ap.add_argument(
+        "--host-ms",
+        type=float,
+        default=None,
+        help="this host's decode compute per token (pins k); default: measured at the start",
+    )
+    ap.add_argument(
+        "--host-probes",
+        type=int,
+        default=3,
+        help="without --host-ms: the planner probes whose median pins it (one drifts with the host)",
+    )
     ap.add_argument("--trace", required=True, help="the sweep's (costs, trace) pickle: the simulator's input")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--decode-tokens", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--lod", action="store_true", help="also run load-on-demand bf16 and int4 (slow: every read)")
-    ap.add_argument("--resident-bits", type=int, choices=(8, 4), default=None,
-                    help="hold the resident linears at this precision in every run (and on the device's roofline)")
+    ap.add_argument(
+        "--resident-bits",
+        type=int,
+        choices=(8, 4),
+        default=None,
+        help="hold the resident linears at this precision in every run (and on the device's roofline)",
+    )
     ap.add_argument("--sweep", default=None, help="the sweep's JSON: also run its best candidate per device")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--results", nargs="?", const=True, default=None, type=Path, metavar="FILE",
-                    help="rewrite the table between the MARK markers of FILE (without FILE: docs/results/MARK.md)")
-    ap.add_argument("--mark", default=MARK, help=f"the table's markers (default {MARK}; the real-shape run: "
-                    "emulate-real)")
+    ap.add_argument(
+        "--results",
+        nargs="?",
+        const=True,
+        default=None,
+        type=Path,
+        metavar="FILE",
+        help="rewrite the table between the MARK markers of FILE (without FILE: docs/results/MARK.md)",
+    )
+    ap.add_argument(
+        "--mark", default=MARK, help=f"the table's markers (default {MARK}; the real-shape run: emulate-real)"
+    )
     args = ap.parse_args(argv)
     if args.host_probes < 1:
         ap.error(f"--host-probes must be at least 1, not {args.host_probes}")
@@ -194,26 +247,47 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     host_probes = []
     if args.host_ms is None:  # measured at the start, then the same k basis for every device and policy
-        host_probes = [1e3 * host_token_seconds(args.store, ids, workers=1, resident_bits=side.resident_bits)[0]
-                       for _ in range(args.host_probes)]  # one fetch worker, as the runs have
+        host_probes = [
+            1e3 * host_token_seconds(args.store, ids, workers=1, resident_bits=side.resident_bits)[0]
+            for _ in range(args.host_probes)
+        ]  # one fetch worker, as the runs have
         args.host_ms = statistics.median(host_probes)
-        print(f"host token: {' / '.join(f'{x:.1f}' for x in host_probes)} ms, pinned {args.host_ms:.1f}",
-              file=sys.stderr, flush=True)
+        print(
+            f"host token: {' / '.join(f'{x:.1f}' for x in host_probes)} ms, pinned {args.host_ms:.1f}",
+            file=sys.stderr,
+            flush=True,
+        )
     for device in args.devices:
         em = calibrate(device, args.store, ids, host_s_per_token=args.host_ms / 1e3, side=side)
         dev_costs = scale_costs(costs, 1 / em.k)
         dev_costs.layer_compute_s = em.device_s_per_token / len(store.index["moe_layers"])
-        pols = {**policies(device, args.lod, args.store, args.resident_bits),
-                **sweep_best(args.sweep, device, args.budget)}
+        pols = {
+            **policies(device, args.lod, args.store, args.resident_bits),
+            **sweep_best(args.sweep, device, args.budget),
+        }
         runs: dict[str, list[dict]] = {n: [] for n in pols}
         loads = []
         for _ in range(args.rounds):
             loads.append(open("/proc/loadavg").read().split()[0])
             for name, p in pols.items():
-                runs[name].append(run_once(args.store, budget, p, em, ids, args.decode_tokens,
-                                           trace if p.predictor == "oracle" else None, args.resident_bits))
-                print(f"  round {len(runs[name])} {name}: raw {runs[name][-1]['decode_tps']:.3g} tok/s decode "
-                      f"(load {open('/proc/loadavg').read().split()[0]})", file=sys.stderr, flush=True)
+                runs[name].append(
+                    run_once(
+                        args.store,
+                        budget,
+                        p,
+                        em,
+                        ids,
+                        args.decode_tokens,
+                        trace if p.predictor == "oracle" else None,
+                        args.resident_bits,
+                    )
+                )
+                print(
+                    f"  round {len(runs[name])} {name}: raw {runs[name][-1]['decode_tps']:.3g} tok/s decode "
+                    f"(load {open('/proc/loadavg').read().split()[0]})",
+                    file=sys.stderr,
+                    flush=True,
+                )
         out = {}
         for name, rs in runs.items():
             med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
@@ -224,10 +298,17 @@ def main(argv: list[str] | None = None) -> int:
             out[name] = med
             shown = {k: v if isinstance(v, list) else round(v, 3) for k, v in med.items()}
             print(f"{device} {name}: {json.dumps(shown)}", flush=True)
-        results[device] = {"profile": em.profile, "k": em.k, "host_ms": args.host_ms, "host_ms_probes": host_probes,
-                           "device_ms": em.device_s_per_token * 1e3, "rounds": args.rounds,
-                           "resident_bits": args.resident_bits,
-                           "load": "-".join(loads), "policies": out}
+        results[device] = {
+            "profile": em.profile,
+            "k": em.k,
+            "host_ms": args.host_ms,
+            "host_ms_probes": host_probes,
+            "device_ms": em.device_s_per_token * 1e3,
+            "rounds": args.rounds,
+            "resident_bits": args.resident_bits,
+            "load": "-".join(loads),
+            "policies": out,
+        }
     text = table(results)
     print(text)
     if args.out:

@@ -42,12 +42,18 @@ def run_policy(store: str, budget: int, policy: str, em, ids: list[int], tokens:
         consume = float(np.median([s.consume_s for s in st]))
         compute = float(np.median(token_compute_s(times, st)))
         total = float(np.median(dts))
-        return {"decode_tps": len(dts) / float(np.sum(dts)), "ms_per_token": 1e3 * total, "stall_ms": 1e3 * stall,
-                "blob_decode_ms": 1e3 * consume, "compute_ms": 1e3 * compute,
-                "loading_share": stall / (stall + compute),
-                "loading_share_with_blob_decode": (stall + consume) / (stall + consume + compute),
-                "misses_per_token": sum(s.misses for s in st) / len(st), "hit_rate": sum(s.hits for s in st) / max(
-                    1, sum(s.uses for s in st)), "io": eng.fetch.direct_io_note}
+        return {
+            "decode_tps": len(dts) / float(np.sum(dts)),
+            "ms_per_token": 1e3 * total,
+            "stall_ms": 1e3 * stall,
+            "blob_decode_ms": 1e3 * consume,
+            "compute_ms": 1e3 * compute,
+            "loading_share": stall / (stall + compute),
+            "loading_share_with_blob_decode": (stall + consume) / (stall + consume + compute),
+            "misses_per_token": sum(s.misses for s in st) / len(st),
+            "hit_rate": sum(s.hits for s in st) / max(1, sum(s.uses for s in st)),
+            "io": eng.fetch.direct_io_note,
+        }
     finally:
         eng.close()
 
@@ -56,17 +62,23 @@ def table(out: dict, store: str, rounds: int) -> str:
     """The results table: one row per policy, raw and device-equivalent apart, the simulator beside the measure."""
     em = out["emulation"]
     load = f"{out['loadavg_start'][0]:.1f}-{out['loadavg_end'][0]:.1f}"
-    lines = [f"`{Path(store).name}`, emulated {em['profile']}: k = {em['dilation_k']:.3g} (host "
-             f"{1e3 * em['host_s_per_token']:.1f} ms, device {1e3 * em['device_s_per_token']:.2f} ms per token), "
-             f"median of {rounds} interleaved rounds, load {load}; device-equivalent = raw x k", "",
-             "| policy | budget | raw tok/s | device-eq. tok/s | simulator (device-eq.) | error | loading share "
-             "| counting blob decode |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"`{Path(store).name}`, emulated {em['profile']}: k = {em['dilation_k']:.3g} (host "
+        f"{1e3 * em['host_s_per_token']:.1f} ms, device {1e3 * em['device_s_per_token']:.2f} ms per token), "
+        f"median of {rounds} interleaved rounds, load {load}; device-equivalent = raw x k",
+        "",
+        "| policy | budget | raw tok/s | device-eq. tok/s | simulator (device-eq.) | error | loading share "
+        "| counting blob decode |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for p, r in out["policies"].items():
         m = r["median_raw"]
-        lines.append(f"| {p} | {r['budget_share']:.0%} | {m['decode_tps']:.3g} "
-                     f"| {r['device_equivalent_decode_tps']:.3g} | {r['simulator_predicted_device_tps']:.3g} "
-                     f"| {100 * r['simulator_error']:+.1f}% "
-                     f"| {100 * m['loading_share']:.1f}% | {100 * m['loading_share_with_blob_decode']:.1f}% |")
+        lines.append(
+            f"| {p} | {r['budget_share']:.0%} | {m['decode_tps']:.3g} "
+            f"| {r['device_equivalent_decode_tps']:.3g} | {r['simulator_predicted_device_tps']:.3g} "
+            f"| {100 * r['simulator_error']:+.1f}% "
+            f"| {100 * m['loading_share']:.1f}% | {100 * m['loading_share_with_blob_decode']:.1f}% |"
+        )
     return "\n".join(lines)
 
 
@@ -82,9 +94,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--results", nargs="?", const=True, default=None, type=Path, metavar="FILE",
-                    help="rewrite the table between FILE's <!-- MARK:begin/end --> (without FILE: "
-                         "docs/results/MARK.md)")
+    ap.add_argument(
+        "--results",
+        nargs="?",
+        const=True,
+        default=None,
+        type=Path,
+        metavar="FILE",
+        help="rewrite the table between FILE's <!-- MARK:begin/end --> (without FILE: docs/results/MARK.md)",
+    )
     ap.add_argument("--mark", default="emulate-validate", help="the table's markers (default emulate-validate)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -102,12 +120,22 @@ def main() -> None:
     budget = int(args.budget * total)
     load0 = os.getloadavg()
     em = calibrate(args.device, args.store, ids, tokens=args.tokens, workers=args.workers)
-    print(f"k = {em.k:.3g}: host {em.host_s_per_token * 1e3:.1f} ms, device {em.device_s_per_token * 1e3:.2f} ms per "
-          f"token; link {em.emulated.bandwidth_bytes_per_s / 1e6:.1f} MB/s; {em.io_note}", flush=True)
+    print(
+        f"k = {em.k:.3g}: host {em.host_s_per_token * 1e3:.1f} ms, device {em.device_s_per_token * 1e3:.2f} ms per "
+        f"token; link {em.emulated.bandwidth_bytes_per_s / 1e6:.1f} MB/s; {em.io_note}",
+        flush=True,
+    )
     # The simulator's costs, as the planner measures them (LRU probe under the budget), on the emulated link.
-    costs, _, trace = measure_host_costs(args.store, budget, em.emulated, ids, workers=args.workers,
-                                         decode_tokens=args.tokens, direct_io=em.direct_io,
-                                         predictor_probe=any(PRESETS[p].predictor for p in args.policies))
+    costs, _, trace = measure_host_costs(
+        args.store,
+        budget,
+        em.emulated,
+        ids,
+        workers=args.workers,
+        decode_tokens=args.tokens,
+        direct_io=em.direct_io,
+        predictor_probe=any(PRESETS[p].predictor for p in args.policies),
+    )
     device_costs = scale_costs(costs, 1 / em.k)
     print(f"host costs: {costs.describe()}\ndevice costs: {device_costs.describe()}", flush=True)
     measured: dict[str, list[dict]] = {p: [] for p in args.policies}
@@ -116,25 +144,51 @@ def main() -> None:
             b = budget if PRESETS[p].cache else total
             r = run_policy(args.store, b, p, em, ids, args.tokens, args.workers)
             measured[p].append(r)
-            print(f"round {rnd + 1} {p}: {r['decode_tps']:.3f} raw tok/s, stall {r['stall_ms']:.0f} ms, compute "
-                  f"{r['compute_ms']:.0f} ms, blob decode {r['blob_decode_ms']:.0f} ms, loading share "
-                  f"{100 * r['loading_share']:.1f}% (load {os.getloadavg()[0]:.1f})", flush=True)
-    out = {"emulation": em.to_dict(), "host_costs": costs.describe(), "device_costs": device_costs.describe(),
-           "loadavg_start": load0, "loadavg_end": os.getloadavg(), "threads": args.threads, "policies": {}}
+            print(
+                f"round {rnd + 1} {p}: {r['decode_tps']:.3f} raw tok/s, stall {r['stall_ms']:.0f} ms, compute "
+                f"{r['compute_ms']:.0f} ms, blob decode {r['blob_decode_ms']:.0f} ms, loading share "
+                f"{100 * r['loading_share']:.1f}% (load {os.getloadavg()[0]:.1f})",
+                flush=True,
+            )
+    out = {
+        "emulation": em.to_dict(),
+        "host_costs": costs.describe(),
+        "device_costs": device_costs.describe(),
+        "loadavg_start": load0,
+        "loadavg_end": os.getloadavg(),
+        "threads": args.threads,
+        "policies": {},
+    }
     eb, slot = store.expert_bytes(4), store.precisions[4].slot_bytes
     for p, runs in measured.items():
         b = budget if PRESETS[p].cache else total
         pred = simulate_policy(trace, PRESETS[p], b, eb, slot, em.link, device_costs).tokens_per_s
-        med = {key: statistics.median(r[key] for r in runs) for key in
-               ("decode_tps", "stall_ms", "compute_ms", "blob_decode_ms", "loading_share",
-                "loading_share_with_blob_decode")}
+        med = {
+            key: statistics.median(r[key] for r in runs)
+            for key in (
+                "decode_tps",
+                "stall_ms",
+                "compute_ms",
+                "blob_decode_ms",
+                "loading_share",
+                "loading_share_with_blob_decode",
+            )
+        }
         dev = med["decode_tps"] * em.k
-        out["policies"][p] = {"median_raw": med, "device_equivalent_decode_tps": dev, "budget_share": b / total,
-                              "simulator_predicted_device_tps": pred, "simulator_error": pred / dev - 1,
-                              "runs": runs}
-        print(f"{p}: raw {med['decode_tps']:.3f} tok/s, device-equivalent {dev:.2f} tok/s, simulator {pred:.2f} "
-              f"({100 * (pred / dev - 1):+.1f}%), loading share {100 * med['loading_share']:.1f}% "
-              f"({100 * med['loading_share_with_blob_decode']:.1f}% counting blob decode as loading)", flush=True)
+        out["policies"][p] = {
+            "median_raw": med,
+            "device_equivalent_decode_tps": dev,
+            "budget_share": b / total,
+            "simulator_predicted_device_tps": pred,
+            "simulator_error": pred / dev - 1,
+            "runs": runs,
+        }
+        print(
+            f"{p}: raw {med['decode_tps']:.3f} tok/s, device-equivalent {dev:.2f} tok/s, simulator {pred:.2f} "
+            f"({100 * (pred / dev - 1):+.1f}%), loading share {100 * med['loading_share']:.1f}% "
+            f"({100 * med['loading_share_with_blob_decode']:.1f}% counting blob decode as loading)",
+            flush=True,
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     text = table(out, args.store, args.rounds)

@@ -43,8 +43,13 @@ def _load(state: ServerState, on_load_error) -> None:
         # Concurrent requests are batched unless --max-batch says otherwise (0: the machine's default size).
         eng = open_engine(state.settings.engine, progress=False, account=sys.stderr, max_batch=0)
         state.ready(eng)
-        log.info("model %s ready in %.1f s (policy %s, expert budget %.1f MB)", state.model_id,
-                 time.perf_counter() - t0, eng.policy.name, eng.budget / 1e6)
+        log.info(
+            "model %s ready in %.1f s (policy %s, expert budget %.1f MB)",
+            state.model_id,
+            time.perf_counter() - t0,
+            eng.policy.name,
+            eng.budget / 1e6,
+        )
     except BaseException as exc:  # noqa: BLE001 - reported through /health and on_load_error
         state.load_error = exc
         log.error("cannot load the model: %s", exc)
@@ -62,8 +67,9 @@ def _add_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 404:
             return APIError(404, f"no route {request.method} {request.url.path}", "not_found_error").response()
         if exc.status_code == 405:
-            return APIError(405, f"method {request.method} is not allowed on {request.url.path}",
-                            "invalid_request_error").response()
+            return APIError(
+                405, f"method {request.method} is not allowed on {request.url.path}", "invalid_request_error"
+            ).response()
         return APIError(exc.status_code, str(exc.detail), "invalid_request_error").response()
 
     @app.exception_handler(Exception)
@@ -93,12 +99,17 @@ def create_app(settings: ServerSettings | None = None, engine: Any = None, on_lo
         if state.engine is not None and engine is None:
             state.engine.close()
 
-    app = FastAPI(title="fate-edge", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    app = FastAPI(
+        title="fate-edge", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.state.fate_edge = state
     if state.settings.cors_origins:  # answers preflights and adds the CORS headers for the allowed origins
-        app.add_middleware(CORSMiddleware, allow_origins=state.settings.cors_origins, allow_methods=["GET", "POST"],
-                           allow_headers=["*"])
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=state.settings.cors_origins,
+            allow_methods=["GET", "POST"],
+            allow_headers=["*"],
+        )
     app.add_middleware(BrowserGuard, settings=state.settings)
     app.add_middleware(Observe, metrics=state.metrics)  # added last: outermost, so it counts rejections too
     _add_error_handlers(app)

@@ -37,8 +37,16 @@ class Disconnected(Exception):
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None, **extra: Any):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+        **extra: Any,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -49,8 +57,9 @@ class APIError(Exception):
         self.extra = extra
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code,
-                          **self.extra}}
+        return {
+            "error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code, **self.extra}
+        }
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
@@ -61,15 +70,27 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
 
 
 def unsupported(param: str, what: str) -> APIError:
-    return APIError(400, f"'{param}': {what} is not supported by this server", "invalid_request_error", param,
-                    "unsupported_parameter")
+    return APIError(
+        400,
+        f"'{param}': {what} is not supported by this server",
+        "invalid_request_error",
+        param,
+        "unsupported_parameter",
+    )
 
 
 def error_from_exception(exc: BaseException, param: str | None = None) -> APIError:
     """The API error for an exception raised while preparing or running a generation (by type, never by text)."""
     if isinstance(exc, ContextLengthError):
-        return APIError(400, str(exc), "exceed_context_size_error", param, "context_length_exceeded",
-                        n_prompt_tokens=exc.prompt_tokens, n_ctx=exc.context)
+        return APIError(
+            400,
+            str(exc),
+            "exceed_context_size_error",
+            param,
+            "context_length_exceeded",
+            n_prompt_tokens=exc.prompt_tokens,
+            n_ctx=exc.context,
+        )
     if isinstance(exc, DeviceMemoryError):  # transient: the engine still serves; retry later or ask for less
         return APIError(503, str(exc), "unavailable_error", None, "device_out_of_memory")
     if isinstance(exc, GenerationError):

@@ -32,14 +32,25 @@ async def generate(request: Request, kind: str) -> Any:
     body = await read_json(request)
     model_name = body.get("model")
     if isinstance(model_name, str) and model_name != state.model_id:
-        raise APIError(404, f"model '{model_name}' not found; this server serves '{state.model_id}'",
-                       "not_found_error", "model", "model_not_found")
+        raise APIError(
+            404,
+            f"model '{model_name}' not found; this server serves '{state.model_id}'",
+            "not_found_error",
+            "model",
+            "model_not_found",
+        )
     context = eng.model.config.max_position_embeddings
     prompt_param = "messages" if kind == "chat" else "prompt"
 
     def prepare() -> tuple[ParsedRequest, list[int]]:
-        parsed = parse_request(kind, body, context, eng.tokenizer.vocab_size, state.settings.default_max_tokens,
-                               eng.tokenizer.apply_chat_template)
+        parsed = parse_request(
+            kind,
+            body,
+            context,
+            eng.tokenizer.vocab_size,
+            state.settings.default_max_tokens,
+            eng.tokenizer.apply_chat_template,
+        )
         ids = eng.tokenizer.encode(parsed.prompt) if isinstance(parsed.prompt, str) else parsed.prompt
         return parsed, ids
 
@@ -54,8 +65,14 @@ async def generate(request: Request, kind: str) -> Any:
     try:
         state.runner.submit(job)
     except QueueFull as exc:
-        raise APIError(429, f"the server is busy: {exc}; retry later", "unavailable_error", None,
-                       "queue_full", headers={"Retry-After": "1"}) from None
+        raise APIError(
+            429,
+            f"the server is busy: {exc}; retry later",
+            "unavailable_error",
+            None,
+            "queue_full",
+            headers={"Retry-After": "1"},
+        ) from None
     watch = DisconnectWatch(request)
     try:
         return await _answer(state, job, parsed, watch, t0, prompt_param)
@@ -67,8 +84,9 @@ async def generate(request: Request, kind: str) -> Any:
             job.cancel.set()  # no-op once finished; stops the worker if this handler is cancelled
 
 
-async def _answer(state: ServerState, job: Job, parsed: ParsedRequest, watch: DisconnectWatch, t0: float,
-                  prompt_param: str) -> Any:
+async def _answer(
+    state: ServerState, job: Job, parsed: ParsedRequest, watch: DisconnectWatch, t0: float, prompt_param: str
+) -> Any:
     chat = parsed.kind == "chat"
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
@@ -81,8 +99,11 @@ async def _answer(state: ServerState, job: Job, parsed: ParsedRequest, watch: Di
         raise error_from_exception(first.error, prompt_param)
     state.metrics.first_token("/v1/chat/completions" if chat else "/v1/completions", time.perf_counter() - t0)
     if parsed.stream:  # from here the response watches the client itself (a failed send ends the stream)
-        return StreamingResponse(_stream(state, job, first, parsed, rid, created), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            _stream(state, job, first, parsed, rid, created),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
     parts, last, ev = [], None, first
     while ev.kind == "token":
         parts.append(ev.step.text)
@@ -93,13 +114,24 @@ async def _answer(state: ServerState, job: Job, parsed: ParsedRequest, watch: Di
     text = "".join(parts)
     finish = (last.finish_reason if last else None) or "length"
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish,
+        }
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": state.model_id, "choices": [choice], "usage": _usage(job), "system_fingerprint": "fate-edge",
-            "fate_edge": _engine_figures(job)}
+    return {
+        "id": rid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": created,
+        "model": state.model_id,
+        "choices": [choice],
+        "usage": _usage(job),
+        "system_fingerprint": "fate-edge",
+        "fate_edge": _engine_figures(job),
+    }
 
 
 def _usage(job: Job) -> dict[str, int]:
@@ -112,9 +144,15 @@ def _engine_figures(job: Job) -> dict[str, Any]:
     s, last = job.stats, job.last
     if s is None or last is None:
         return {}
-    return {"prompt_tps": last.prompt_tps, "generation_tps": last.generation_tps, "expert_hit_rate": s.hit_rate,
-            "expert_misses": s.misses, "bytes_read": s.demand_bytes + s.prefetch_bytes + s.wasted_bytes,
-            "stall_s": s.stall_s, "peak_rss_bytes": last.peak_rss_bytes}
+    return {
+        "prompt_tps": last.prompt_tps,
+        "generation_tps": last.generation_tps,
+        "expert_hit_rate": s.hit_rate,
+        "expert_misses": s.misses,
+        "bytes_read": s.demand_bytes + s.prefetch_bytes + s.wasted_bytes,
+        "stall_s": s.stall_s,
+        "peak_rss_bytes": last.peak_rss_bytes,
+    }
 
 
 async def _stream(state: ServerState, job: Job, first: Event, parsed: ParsedRequest, rid: str, created: int):
@@ -123,13 +161,20 @@ async def _stream(state: ServerState, job: Job, first: Event, parsed: ParsedRequ
 
     def chunk(text: str | None, finish: str | None, role: bool = False) -> bytes:
         if chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else \
-                ({} if text is None else {"content": text})
+            delta: dict[str, Any] = (
+                {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+            )
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-        data: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": state.model_id,
-                                "system_fingerprint": "fate-edge", "choices": [choice]}
+        data: dict[str, Any] = {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": state.model_id,
+            "system_fingerprint": "fate-edge",
+            "choices": [choice],
+        }
         if parsed.include_usage:
             data["usage"] = None
         return sse(data)
@@ -152,9 +197,18 @@ async def _stream(state: ServerState, job: Job, first: Event, parsed: ParsedRequ
                 if job.last is not None and job.last.finish_reason is None:  # ended without a final token
                     yield chunk(None, "length")
                 if parsed.include_usage:
-                    yield sse({"id": rid, "object": obj, "created": created, "model": state.model_id,
-                               "system_fingerprint": "fate-edge", "choices": [], "usage": _usage(job),
-                               "fate_edge": _engine_figures(job)})
+                    yield sse(
+                        {
+                            "id": rid,
+                            "object": obj,
+                            "created": created,
+                            "model": state.model_id,
+                            "system_fingerprint": "fate-edge",
+                            "choices": [],
+                            "usage": _usage(job),
+                            "fate_edge": _engine_figures(job),
+                        }
+                    )
                 yield b"data: [DONE]\n\n"
                 return
             ev = await job.queue.get()

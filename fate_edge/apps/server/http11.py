@@ -15,10 +15,19 @@ from fate_edge.apps.server.errors import invalid
 
 class JSONErrorH11Protocol(H11Protocol):
     def send_400_response(self, msg: str) -> None:
-        body = invalid(f"malformed HTTP request ({msg.rstrip('.')}): check the request line and headers, such as "
-                       "Content-Length").response().body
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                   (b"connection", b"close")]
+        body = (
+            invalid(
+                f"malformed HTTP request ({msg.rstrip('.')}): check the request line and headers, such as "
+                "Content-Length"
+            )
+            .response()
+            .body
+        )
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
         self.transport.write(self.conn.send(h11.Response(status_code=400, headers=headers, reason=b"Bad Request")))
         self.transport.write(self.conn.send(h11.Data(data=body)))
         self.transport.write(self.conn.send(h11.EndOfMessage()))

@@ -100,87 +100,200 @@ class Metrics:
                 out.append(f"{name}_count{_labels({'endpoint': endpoint})} {h.count}")
 
         with self._lock:
-            metric("fate_edge_info", "gauge", "Served model and policy.",
-                   [({"model": model_id, "policy": policy}, 1)])
-            metric("fate_edge_model_loaded", "gauge", "1 once the model is loaded and requests are served.",
-                   [({}, int(loaded))])
-            metric("fate_edge_requests_total", "counter", "HTTP requests by endpoint and status code.",
-                   [({"endpoint": e, "status": s}, n) for (e, s), n in sorted(self.requests.items())])
-            histogram("fate_edge_request_duration_seconds", "Request latency, first byte in to last byte out.",
-                      self.latency)
-            histogram("fate_edge_time_to_first_token_seconds", "Queueing plus prefill until the first token.",
-                      self.ttft)
-            metric("fate_edge_requests_cancelled_total", "counter",
-                   "Generations stopped because the client disconnected.", [({}, self.cancelled)])
-            metric("fate_edge_requests_failed_total", "counter", "Generations that failed with a server error.",
-                   [({}, self.failed)])
-            metric("fate_edge_prompt_tokens_total", "counter", "Prompt tokens processed.",
-                   [({}, self.prompt_tokens)])
-            metric("fate_edge_generation_tokens_total", "counter", "Tokens generated.",
-                   [({}, self.generation_tokens)])
-            metric("fate_edge_generation_seconds_total", "counter", "Time spent generating tokens (decode).",
-                   [({}, self.generation_seconds)])
-            metric("fate_edge_generation_tokens_per_second", "gauge", "Decode speed of the last request.",
-                   [({}, self.last_generation_tps)])
-        metric("fate_edge_requests_running", "gauge", "Generations running now (at most --max-batch).",
-               [({}, runner.running if runner else 0)])
-        metric("fate_edge_requests_waiting", "gauge", "Generations waiting in the queue.",
-               [({}, runner.waiting if runner else 0)])
-        metric("fate_edge_queue_capacity", "gauge", "Most requests that may wait (--max-queue).",
-               [({}, runner.max_queue if runner else 0)])
-        metric("fate_edge_peak_rss_bytes", "gauge", "Peak resident set size of the process (VmHWM).",
-               [({}, peak_rss_bytes())])
+            metric("fate_edge_info", "gauge", "Served model and policy.", [({"model": model_id, "policy": policy}, 1)])
+            metric(
+                "fate_edge_model_loaded",
+                "gauge",
+                "1 once the model is loaded and requests are served.",
+                [({}, int(loaded))],
+            )
+            metric(
+                "fate_edge_requests_total",
+                "counter",
+                "HTTP requests by endpoint and status code.",
+                [({"endpoint": e, "status": s}, n) for (e, s), n in sorted(self.requests.items())],
+            )
+            histogram(
+                "fate_edge_request_duration_seconds", "Request latency, first byte in to last byte out.", self.latency
+            )
+            histogram(
+                "fate_edge_time_to_first_token_seconds", "Queueing plus prefill until the first token.", self.ttft
+            )
+            metric(
+                "fate_edge_requests_cancelled_total",
+                "counter",
+                "Generations stopped because the client disconnected.",
+                [({}, self.cancelled)],
+            )
+            metric(
+                "fate_edge_requests_failed_total",
+                "counter",
+                "Generations that failed with a server error.",
+                [({}, self.failed)],
+            )
+            metric("fate_edge_prompt_tokens_total", "counter", "Prompt tokens processed.", [({}, self.prompt_tokens)])
+            metric("fate_edge_generation_tokens_total", "counter", "Tokens generated.", [({}, self.generation_tokens)])
+            metric(
+                "fate_edge_generation_seconds_total",
+                "counter",
+                "Time spent generating tokens (decode).",
+                [({}, self.generation_seconds)],
+            )
+            metric(
+                "fate_edge_generation_tokens_per_second",
+                "gauge",
+                "Decode speed of the last request.",
+                [({}, self.last_generation_tps)],
+            )
+        metric(
+            "fate_edge_requests_running",
+            "gauge",
+            "Generations running now (at most --max-batch).",
+            [({}, runner.running if runner else 0)],
+        )
+        metric(
+            "fate_edge_requests_waiting",
+            "gauge",
+            "Generations waiting in the queue.",
+            [({}, runner.waiting if runner else 0)],
+        )
+        metric(
+            "fate_edge_queue_capacity",
+            "gauge",
+            "Most requests that may wait (--max-queue).",
+            [({}, runner.max_queue if runner else 0)],
+        )
+        metric(
+            "fate_edge_peak_rss_bytes",
+            "gauge",
+            "Peak resident set size of the process (VmHWM).",
+            [({}, peak_rss_bytes())],
+        )
         try:
             import psutil
 
-            metric("fate_edge_rss_bytes", "gauge", "Resident set size of the process now.",
-                   [({}, psutil.Process().memory_info().rss)])
+            metric(
+                "fate_edge_rss_bytes",
+                "gauge",
+                "Resident set size of the process now.",
+                [({}, psutil.Process().memory_info().rss)],
+            )
         except Exception:  # pragma: no cover - psutil is a dependency, but metrics must not fail
             pass
         batcher = getattr(engine, "batcher", None)
         b = batcher.stats if batcher is not None else None
-        metric("fate_edge_batch_max_size", "gauge", "Most sequences one step may carry (--max-batch).",
-               [({}, engine.max_batch if engine is not None else 0)])
+        metric(
+            "fate_edge_batch_max_size",
+            "gauge",
+            "Most sequences one step may carry (--max-batch).",
+            [({}, engine.max_batch if engine is not None else 0)],
+        )
         metric("fate_edge_batch_size", "gauge", "Sequences in the running batch now.", [({}, b.active if b else 0)])
-        metric("fate_edge_batch_queue", "gauge", "Requests waiting to join the batch (room or KV budget).",
-               [({}, b.waiting if b else 0)])
-        metric("fate_edge_batch_mean_size", "gauge", "Mean sequences per batched step since start.",
-               [({}, b.sequences_stepped / b.steps if b and b.steps else 0.0)])
+        metric(
+            "fate_edge_batch_queue",
+            "gauge",
+            "Requests waiting to join the batch (room or KV budget).",
+            [({}, b.waiting if b else 0)],
+        )
+        metric(
+            "fate_edge_batch_mean_size",
+            "gauge",
+            "Mean sequences per batched step since start.",
+            [({}, b.sequences_stepped / b.steps if b and b.steps else 0.0)],
+        )
         metric("fate_edge_batch_steps_total", "counter", "Batched forward steps run.", [({}, b.steps if b else 0)])
-        metric("fate_edge_batch_kv_reserved_bytes", "gauge", "KV cache reserved by the batch's sequences.",
-               [({}, b.kv_reserved_bytes if b else 0)])
+        metric(
+            "fate_edge_batch_kv_reserved_bytes",
+            "gauge",
+            "KV cache reserved by the batch's sequences.",
+            [({}, b.kv_reserved_bytes if b else 0)],
+        )
         if engine is not None:
             s = engine.stats
-            metric("fate_edge_memory_budget_bytes", "gauge", "Hard budget for expert memory (--memory-budget).",
-                   [({}, engine.budget)])
-            metric("fate_edge_expert_cache_capacity_bytes", "gauge", "Part of the budget given to the expert cache.",
-                   [({}, engine.plan.cache_bytes)])
-            metric("fate_edge_expert_cache_used_bytes", "gauge", "Expert cache bytes in use.",
-                   [({}, engine.cache.used_bytes if engine.cache is not None else 0)])
-            metric("fate_edge_read_buffer_bytes", "gauge", "Read buffers allocated once inside the budget.",
-                   [({}, engine.plan.pool_bytes)])
-            metric("fate_edge_expert_cache_hits_total", "counter", "Expert uses served from the cache.",
-                   [({}, s.hits)])
-            metric("fate_edge_expert_prefetch_hits_total", "counter",
-                   "Expert uses served by a prefetch issued before the layer needed it.", [({}, s.prefetch_hits)])
-            metric("fate_edge_expert_misses_total", "counter", "Expert uses that waited for a demand read.",
-                   [({}, s.misses)])
-            metric("fate_edge_expert_hit_ratio", "gauge", "(hits + prefetch hits) / uses since start.",
-                   [({}, s.hit_rate)])
-            metric("fate_edge_expert_bytes_read_total", "counter",
-                   "Expert bytes read from storage: demand (critical path), prefetch (used), wasted (never used).",
-                   [({"kind": "demand"}, s.demand_bytes), ({"kind": "prefetch"}, s.prefetch_bytes),
-                    ({"kind": "wasted"}, s.wasted_bytes)])
-            metric("fate_edge_prefetch_predictions_total", "counter", "Decode-time expert predictions checked.",
-                   [({}, s.predictions)])
-            metric("fate_edge_prefetch_exact_total", "counter", "Predictions whose top-k equalled the true experts.",
-                   [({}, s.exact)])
-            metric("fate_edge_prefetch_accuracy_ratio", "gauge", "Share of exact predictions (prefetch accuracy).",
-                   [({}, s.exact_match)])
-            metric("fate_edge_prefetch_recall_ratio", "gauge", "Mean recall of the true experts in predictions.",
-                   [({}, s.recall)])
-            metric("fate_edge_stall_seconds_total", "counter", "Time the forward pass waited for expert bytes.",
-                   [({}, s.stall_s)])
-            metric("fate_edge_fetch_failures_total", "counter", "Expert reads that failed.",
-                   [({}, engine.fetch.stats.failures)])
+            metric(
+                "fate_edge_memory_budget_bytes",
+                "gauge",
+                "Hard budget for expert memory (--memory-budget).",
+                [({}, engine.budget)],
+            )
+            metric(
+                "fate_edge_expert_cache_capacity_bytes",
+                "gauge",
+                "Part of the budget given to the expert cache.",
+                [({}, engine.plan.cache_bytes)],
+            )
+            metric(
+                "fate_edge_expert_cache_used_bytes",
+                "gauge",
+                "Expert cache bytes in use.",
+                [({}, engine.cache.used_bytes if engine.cache is not None else 0)],
+            )
+            metric(
+                "fate_edge_read_buffer_bytes",
+                "gauge",
+                "Read buffers allocated once inside the budget.",
+                [({}, engine.plan.pool_bytes)],
+            )
+            metric("fate_edge_expert_cache_hits_total", "counter", "Expert uses served from the cache.", [({}, s.hits)])
+            metric(
+                "fate_edge_expert_prefetch_hits_total",
+                "counter",
+                "Expert uses served by a prefetch issued before the layer needed it.",
+                [({}, s.prefetch_hits)],
+            )
+            metric(
+                "fate_edge_expert_misses_total",
+                "counter",
+                "Expert uses that waited for a demand read.",
+                [({}, s.misses)],
+            )
+            metric(
+                "fate_edge_expert_hit_ratio", "gauge", "(hits + prefetch hits) / uses since start.", [({}, s.hit_rate)]
+            )
+            metric(
+                "fate_edge_expert_bytes_read_total",
+                "counter",
+                "Expert bytes read from storage: demand (critical path), prefetch (used), wasted (never used).",
+                [
+                    ({"kind": "demand"}, s.demand_bytes),
+                    ({"kind": "prefetch"}, s.prefetch_bytes),
+                    ({"kind": "wasted"}, s.wasted_bytes),
+                ],
+            )
+            metric(
+                "fate_edge_prefetch_predictions_total",
+                "counter",
+                "Decode-time expert predictions checked.",
+                [({}, s.predictions)],
+            )
+            metric(
+                "fate_edge_prefetch_exact_total",
+                "counter",
+                "Predictions whose top-k equalled the true experts.",
+                [({}, s.exact)],
+            )
+            metric(
+                "fate_edge_prefetch_accuracy_ratio",
+                "gauge",
+                "Share of exact predictions (prefetch accuracy).",
+                [({}, s.exact_match)],
+            )
+            metric(
+                "fate_edge_prefetch_recall_ratio",
+                "gauge",
+                "Mean recall of the true experts in predictions.",
+                [({}, s.recall)],
+            )
+            metric(
+                "fate_edge_stall_seconds_total",
+                "counter",
+                "Time the forward pass waited for expert bytes.",
+                [({}, s.stall_s)],
+            )
+            metric(
+                "fate_edge_fetch_failures_total",
+                "counter",
+                "Expert reads that failed.",
+                [({}, engine.fetch.stats.failures)],
+            )
         return "\n".join(out) + "\n"

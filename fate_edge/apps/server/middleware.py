@@ -91,13 +91,23 @@ class BrowserGuard:
             host, origin = headers.get("host"), headers.get("origin")
             error = None
             if host is not None and self.hosts is not None and host_name(host) not in self.hosts:
-                error = APIError(403, f"the Host header {host!r} does not name this server; if clients reach it by "
-                                      "that name, start it with --allowed-hosts NAME", "permission_error", None,
-                                 "host_not_allowed")
+                error = APIError(
+                    403,
+                    f"the Host header {host!r} does not name this server; if clients reach it by "
+                    "that name, start it with --allowed-hosts NAME",
+                    "permission_error",
+                    None,
+                    "host_not_allowed",
+                )
             elif origin is not None and self.origins is not None and origin.rstrip("/").lower() not in self.origins:
-                error = APIError(403, f"cross-origin requests from {origin!r} are not allowed; to let that web page "
-                                      "use the API, start the server with --cors-origins ORIGIN", "permission_error",
-                                 None, "origin_not_allowed")
+                error = APIError(
+                    403,
+                    f"cross-origin requests from {origin!r} are not allowed; to let that web page "
+                    "use the API, start the server with --cors-origins ORIGIN",
+                    "permission_error",
+                    None,
+                    "origin_not_allowed",
+                )
             if error is not None:
                 return await error.response()(scope, receive, send)
         await self.app(scope, receive, send)

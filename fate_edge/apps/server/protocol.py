@@ -48,8 +48,12 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
         raise invalid(f"the request body must be a JSON object, got {_type(body)}")
     bad = _lone_surrogate(body)
     if bad is not None:
-        raise invalid(f"'{bad}' holds a lone UTF-16 surrogate escape (such as \\ud800 without its pair), which is "
-                      "not text; send valid Unicode", bad, "invalid_value")
+        raise invalid(
+            f"'{bad}' holds a lone UTF-16 surrogate escape (such as \\ud800 without its pair), which is "
+            "not text; send valid Unicode",
+            bad,
+            "invalid_value",
+        )
     return body
 
 
@@ -123,8 +127,9 @@ class _Body:
             raise invalid(f"'{name}' must be <= {hi}, got {v}", name, "invalid_value")
         return v
 
-    def num(self, name: str, default: float, lo: float, hi: float, lo_open: bool = False,
-            hi_open: bool = False) -> float:
+    def num(
+        self, name: str, default: float, lo: float, hi: float, lo_open: bool = False, hi_open: bool = False
+    ) -> float:
         v = self.body.get(name)
         if v is None:
             return default
@@ -164,7 +169,7 @@ def _reject_unsupported(b: _Body, kind: str) -> None:
         fmt = b.get("response_format")
         if fmt is not None:
             if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
-                raise invalid("'response_format' must be an object like {\"type\": \"text\"}", "response_format")
+                raise invalid('\'response_format\' must be an object like {"type": "text"}', "response_format")
             if fmt["type"] != "text":
                 raise unsupported("response_format", f"response_format type '{fmt['type']}'")
         if b.get("audio") is not None or b.get("modalities") not in (None, ["text"]):
@@ -223,8 +228,7 @@ def _config(b: _Body, context: int, default_max_tokens: int) -> GenerateConfig:
         repetition_penalty=b.num("repetition_penalty", 1.0, 0.0, 10.0, lo_open=True),
         seed=None if seed is None else seed % 2**63,
     )
-    return GenerateConfig(max_tokens=chosen, sampling=sampling, stop=_stop(b),
-                          ignore_eos=b.bool("ignore_eos", False))
+    return GenerateConfig(max_tokens=chosen, sampling=sampling, stop=_stop(b), ignore_eos=b.bool("ignore_eos", False))
 
 
 def _stream(b: _Body) -> tuple[bool, bool]:
@@ -238,8 +242,11 @@ def _stream(b: _Body) -> tuple[bool, bool]:
         raise invalid("'stream_options' is only allowed when 'stream' is true", "stream_options")
     usage = opts.get("include_usage", False)
     if not isinstance(usage, bool):
-        raise invalid(f"'stream_options.include_usage' must be a boolean, got {_type(usage)}",
-                      "stream_options.include_usage", "invalid_type")
+        raise invalid(
+            f"'stream_options.include_usage' must be a boolean, got {_type(usage)}",
+            "stream_options.include_usage",
+            "invalid_type",
+        )
     return stream, usage
 
 
@@ -267,8 +274,7 @@ def _content(i: int, content: Any) -> str:
         return "".join(parts)
     if content is None:
         raise invalid(f"'{param}' is required (tool calls are not supported)", param, "missing_required_parameter")
-    raise invalid(f"'{param}' must be a string or an array of text parts, got {_type(content)}", param,
-                  "invalid_type")
+    raise invalid(f"'{param}' must be a string or an array of text parts, got {_type(content)}", param, "invalid_type")
 
 
 def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
@@ -289,8 +295,11 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
         if role in ("tool", "function"):
             raise unsupported(f"messages[{i}].role", f"the '{role}' role (tool calling)")
         if role not in ROLES:
-            raise invalid(f"'messages[{i}].role' must be one of {', '.join(sorted(ROLES))}; got '{role}'",
-                          f"messages[{i}].role", "invalid_value")
+            raise invalid(
+                f"'messages[{i}].role' must be one of {', '.join(sorted(ROLES))}; got '{role}'",
+                f"messages[{i}].role",
+                "invalid_value",
+            )
         if m.get("tool_calls"):
             raise unsupported(f"messages[{i}].tool_calls", "tool calling")
         out.append({"role": "system" if role == "developer" else role, "content": _content(i, m.get("content"))})
@@ -315,19 +324,21 @@ def completion_prompt(body: dict[str, Any], vocab_size: int) -> str | list[int]:
         if all(isinstance(t, list) for t in prompt):
             raise unsupported("prompt", "a batch of several prompts")
         if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
-            raise invalid("'prompt' must be a string, an array of token ids or an array of one of those",
-                          "prompt", "invalid_type")
+            raise invalid(
+                "'prompt' must be a string, an array of token ids or an array of one of those", "prompt", "invalid_type"
+            )
         bad = [t for t in prompt if not 0 <= t < vocab_size]
         if bad:
-            raise invalid(f"'prompt' holds token id {bad[0]} outside the vocabulary [0, {vocab_size})", "prompt",
-                          "invalid_value")
+            raise invalid(
+                f"'prompt' holds token id {bad[0]} outside the vocabulary [0, {vocab_size})", "prompt", "invalid_value"
+            )
         return list(prompt)
-    raise invalid(f"'prompt' must be a string or an array of token ids, got {_type(prompt)}", "prompt",
-                  "invalid_type")
+    raise invalid(f"'prompt' must be a string or an array of token ids, got {_type(prompt)}", "prompt", "invalid_type")
 
 
-def parse_request(kind: str, body: dict[str, Any], context: int, vocab_size: int, default_max_tokens: int,
-                  render_chat) -> ParsedRequest:
+def parse_request(
+    kind: str, body: dict[str, Any], context: int, vocab_size: int, default_max_tokens: int, render_chat
+) -> ParsedRequest:
     """Validate an OpenAI chat or completion body; ``render_chat(messages) -> str`` applies the template."""
     b = _Body(body)
     model = _model(b)

@@ -25,8 +25,14 @@ def check_auth(request: Request) -> None:
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     if not header:
-        raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
-                       "authentication_error", None, "invalid_api_key", headers=BEARER)
+        raise APIError(
+            401,
+            "missing API key: send the header 'Authorization: Bearer <key>'",
+            "authentication_error",
+            None,
+            "invalid_api_key",
+            headers=BEARER,
+        )
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
         raise APIError(401, "invalid API key", "authentication_error", None, "invalid_api_key", headers=BEARER)
 
@@ -44,8 +50,13 @@ def ready_engine(request: Request) -> Any:
 
 async def read_body(request: Request) -> bytes:
     limit = state_of(request).settings.max_body_bytes
-    too_big = APIError(413, f"the request body is larger than the limit of {limit} bytes (--max-body-bytes)",
-                       "invalid_request_error", None, "request_too_large")
+    too_big = APIError(
+        413,
+        f"the request body is larger than the limit of {limit} bytes (--max-body-bytes)",
+        "invalid_request_error",
+        None,
+        "request_too_large",
+    )
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.strip().isdigit():
@@ -71,8 +82,13 @@ async def read_json(request: Request) -> dict[str, Any]:
     raw = await read_body(request)
     media = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media != "application/json":
-        raise APIError(415, f"send the JSON body with 'Content-Type: application/json' (got {media or 'none'!r})",
-                       "invalid_request_error", None, "unsupported_media_type")
+        raise APIError(
+            415,
+            f"send the JSON body with 'Content-Type: application/json' (got {media or 'none'!r})",
+            "invalid_request_error",
+            None,
+            "unsupported_media_type",
+        )
     return parse_json_body(raw)
 
 

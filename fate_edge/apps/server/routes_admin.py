@@ -29,18 +29,27 @@ async def health(request: Request):
     if state.engine is not None:
         return {"status": "ok"}
     if state.load_error is not None:
-        return JSONResponse({"status": "error", **APIError(500, f"the model failed to load: {state.load_error}",
-                                                           "server_error").body()}, status_code=500)
-    return JSONResponse({"status": "loading", **APIError(503, "Loading model", "unavailable_error").body()},
-                        status_code=503, headers={"Retry-After": "1"})
+        return JSONResponse(
+            {
+                "status": "error",
+                **APIError(500, f"the model failed to load: {state.load_error}", "server_error").body(),
+            },
+            status_code=500,
+        )
+    return JSONResponse(
+        {"status": "loading", **APIError(503, "Loading model", "unavailable_error").body()},
+        status_code=503,
+        headers={"Retry-After": "1"},
+    )
 
 
 @router.get("/metrics")
 async def metrics(request: Request):
     check_auth(request)
     state = state_of(request)
-    text = state.metrics.render(state.engine, state.runner, state.engine is not None, state.model_id,
-                                str(state.settings.engine.policy))
+    text = state.metrics.render(
+        state.engine, state.runner, state.engine is not None, state.model_id, str(state.settings.engine.policy)
+    )
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

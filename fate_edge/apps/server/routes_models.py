@@ -14,12 +14,15 @@ router = APIRouter()
 
 
 def model_card(state: ServerState) -> dict[str, Any]:
-    card: dict[str, Any] = {"id": state.model_id, "object": "model", "created": state.started,
-                            "owned_by": "fate-edge"}
+    card: dict[str, Any] = {"id": state.model_id, "object": "model", "created": state.started, "owned_by": "fate-edge"}
     eng = state.engine
     if eng is not None:
-        card["meta"] = {"context_length": eng.model.config.max_position_embeddings,
-                        "policy": eng.policy.name, "memory_budget_bytes": eng.budget, "device": eng.device}
+        card["meta"] = {
+            "context_length": eng.model.config.max_position_embeddings,
+            "policy": eng.policy.name,
+            "memory_budget_bytes": eng.budget,
+            "device": eng.device,
+        }
     return card
 
 
@@ -34,6 +37,11 @@ async def model(model_id: str, request: Request):
     check_auth(request)
     state = state_of(request)
     if model_id != state.model_id:
-        raise APIError(404, f"model '{model_id}' not found; this server serves '{state.model_id}'",
-                       "not_found_error", "model", "model_not_found")
+        raise APIError(
+            404,
+            f"model '{model_id}' not found; this server serves '{state.model_id}'",
+            "not_found_error",
+            "model",
+            "model_not_found",
+        )
     return model_card(state)

@@ -58,8 +58,9 @@ def _remove_stale(path: str) -> None:
     except FileNotFoundError:
         return
     if not stat.S_ISSOCK(st.st_mode):
-        raise FateEdgeError(f"--unix-socket {path}: the path exists and is not a socket; remove it or choose "
-                            "another path")
+        raise FateEdgeError(
+            f"--unix-socket {path}: the path exists and is not a socket; remove it or choose another path"
+        )
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.connect(path)
@@ -71,8 +72,9 @@ def _remove_stale(path: str) -> None:
         raise FateEdgeError(f"--unix-socket {path}: cannot check whether a server listens there ({exc})") from None
     finally:
         probe.close()
-    raise FateEdgeError(f"--unix-socket {path}: another server is listening on this socket; stop it or choose "
-                        "another path")
+    raise FateEdgeError(
+        f"--unix-socket {path}: another server is listening on this socket; stop it or choose another path"
+    )
 
 
 def bind_unix_socket(path: str, mode: int = DEFAULT_MODE) -> BoundSocket:
@@ -85,8 +87,9 @@ def bind_unix_socket(path: str, mode: int = DEFAULT_MODE) -> BoundSocket:
     except OSError as exc:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
-            raise FateEdgeError(f"--unix-socket {path}: another server bound this path just now; stop it or "
-                                "choose another path") from None
+            raise FateEdgeError(
+                f"--unix-socket {path}: another server bound this path just now; stop it or choose another path"
+            ) from None
         raise FateEdgeError(f"--unix-socket {path}: cannot bind ({exc})") from None
     finally:
         os.umask(old_umask)

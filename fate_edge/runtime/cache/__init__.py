@@ -16,6 +16,21 @@ from fate_edge.runtime.cache.factory import make_eviction
 from fate_edge.runtime.cache.next_use import NextUse, NextUseConfig
 
 __all__ = [
-    "ARC", "LCU", "LFU", "LRU", "AccessInfo", "Belady", "CacheEntry", "DecayedPopularity", "EvictionPolicy",
-    "ExpertCache", "NextUse", "NextUseConfig", "allocate", "cost_aware", "make_eviction", "shallow_favoring", "uniform",
+    "ARC",
+    "LCU",
+    "LFU",
+    "LRU",
+    "AccessInfo",
+    "Belady",
+    "CacheEntry",
+    "DecayedPopularity",
+    "EvictionPolicy",
+    "ExpertCache",
+    "NextUse",
+    "NextUseConfig",
+    "allocate",
+    "cost_aware",
+    "make_eviction",
+    "shallow_favoring",
+    "uniform",
 ]

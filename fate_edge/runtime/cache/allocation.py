@@ -12,8 +12,9 @@ def uniform(budget_slots: int, moe_layers: Sequence[int], num_experts: int) -> d
     return {layer: min(num_experts, base + (1 if i < extra else 0)) for i, layer in enumerate(moe_layers)}
 
 
-def shallow_favoring(budget_slots: int, moe_layers: Sequence[int], num_experts: int,
-                     full_layers: int = 4) -> dict[int, int]:
+def shallow_favoring(
+    budget_slots: int, moe_layers: Sequence[int], num_experts: int, full_layers: int = 4
+) -> dict[int, int]:
     """Fate (WWW'26, arXiv 2502.12224): prediction is weakest in shallow layers, so cache them whole.
 
     With C slots and E experts per layer: if C < full_layers·E, fill layers 0, 1, ... completely in
@@ -36,14 +37,20 @@ def shallow_favoring(budget_slots: int, moe_layers: Sequence[int], num_experts: 
     return out
 
 
-def cost_aware(budget_slots: int, moe_layers: Sequence[int], num_experts: int,
-               miss_curves: dict[int, Sequence[float]], miss_cost: dict[int, float] | None = None) -> dict[int, int]:
+def cost_aware(
+    budget_slots: int,
+    moe_layers: Sequence[int],
+    num_experts: int,
+    miss_curves: dict[int, Sequence[float]],
+    miss_cost: dict[int, float] | None = None,
+) -> dict[int, int]:
     """Greedy marginal-gain split (our extension of Fate's fixed rule; in the spirit of MoE-Lightning's
     policy search): ``miss_curves[layer][s]`` is the layer's miss rate with ``s`` slots, measured on
     calibration traces; each slot goes to the layer whose expected stall time drops most by it."""
     cost = miss_cost or {layer: 1.0 for layer in moe_layers}
     out = {layer: 0 for layer in moe_layers}
     for _ in range(min(budget_slots, num_experts * len(moe_layers))):
+
         def gain(layer: int) -> float:
             s = out[layer]
             curve = miss_curves[layer]

@@ -71,4 +71,3 @@ class Belady(EvictionPolicy):
             return True
         self.bypassed_in = self.cur
         return False
-

@@ -42,8 +42,9 @@ class ExpertCache:
         self.partition_of = partition_of or (lambda key: key[0])
         sizes = entry_bytes_of or {}
         self._other_sizes = set(sizes)
-        self.policies = {p: make_policy(p, max(1, cap // max(1, sizes.get(p, entry_bytes))))
-                         for p, cap in self.capacity.items()}
+        self.policies = {
+            p: make_policy(p, max(1, cap // max(1, sizes.get(p, entry_bytes)))) for p, cap in self.capacity.items()
+        }
         self.per_layer: dict[int, int] = {}  # MoE layer → entries held (whatever the partitioning)
         self.entries: dict[Key, CacheEntry] = {}
         self.used: dict[int, int] = {p: 0 for p in self.capacity}
@@ -62,8 +63,11 @@ class ExpertCache:
 
     def free_entries(self, nbytes: int) -> int:
         """How many more ``nbytes`` entries the partitions of standard-size entries hold without evicting."""
-        return sum(max(0, cap - self.used[p]) // nbytes for p, cap in self.capacity.items()
-                   if p not in self._other_sizes) if nbytes > 0 else 0
+        return (
+            sum(max(0, cap - self.used[p]) // nbytes for p, cap in self.capacity.items() if p not in self._other_sizes)
+            if nbytes > 0
+            else 0
+        )
 
     def __contains__(self, key: Key) -> bool:
         return key in self.entries

@@ -54,16 +54,27 @@ def pick_resident(layer: int, num_experts: int, cache_bytes: int, entry_bytes: d
     for bits in sorted(entry_bytes, reverse=True):
         need = num_experts * entry_bytes[bits]
         if need <= cache_bytes:
-            note = "" if bits == best else (f"{precision_name(best)} would need "
-                                            f"{format_bytes(num_experts * entry_bytes[best])} of the "
-                                            f"{format_bytes(cache_bytes)} cache: held as {precision_name(bits)}")
+            note = (
+                ""
+                if bits == best
+                else (
+                    f"{precision_name(best)} would need "
+                    f"{format_bytes(num_experts * entry_bytes[best])} of the "
+                    f"{format_bytes(cache_bytes)} cache: held as {precision_name(bits)}"
+                )
+            )
             return Resident(layer, bits, entry_bytes[bits], num_experts, note)
     return None
 
 
-def layer_slots(policy: PolicyConfig, slots: int, moe_layers: Sequence[int], num_experts: int,
-                popularity: Mapping[int, Sequence[int]] | None = None,
-                resident: Resident | None = None) -> dict[int, int]:
+def layer_slots(
+    policy: PolicyConfig,
+    slots: int,
+    moe_layers: Sequence[int],
+    num_experts: int,
+    popularity: Mapping[int, Sequence[int]] | None = None,
+    resident: Resident | None = None,
+) -> dict[int, int]:
     """Per-layer slot counts of the policy's allocation (empty for one global partition).
 
     ``cost-aware`` needs calibration popularity (``fate-edge calibrate``); without it the split is uniform.
@@ -73,8 +84,10 @@ def layer_slots(policy: PolicyConfig, slots: int, moe_layers: Sequence[int], num
     if resident is not None:
         rest = [layer for layer in moe_layers if layer != resident.layer]
         full = max(0, policy.full_layers - 1)
-        return {resident.layer: num_experts, **layer_slots(policy.with_(full_layers=full), slots, rest, num_experts,
-                                                          popularity)}
+        return {
+            resident.layer: num_experts,
+            **layer_slots(policy.with_(full_layers=full), slots, rest, num_experts, popularity),
+        }
     if policy.allocation == "global":
         return {}
     if policy.allocation == "shallow":
@@ -84,10 +97,17 @@ def layer_slots(policy: PolicyConfig, slots: int, moe_layers: Sequence[int], num
     return allocate("uniform", slots, moe_layers, num_experts)
 
 
-def build_cache(policy: PolicyConfig, cache_bytes: int, entry_bytes: int, moe_layers: Sequence[int],
-                num_experts: int, future: list | None = None,
-                popularity: Mapping[int, Sequence[int]] | None = None,
-                resident: Resident | None = None, top_k: int = 2) -> ExpertCache | None:
+def build_cache(
+    policy: PolicyConfig,
+    cache_bytes: int,
+    entry_bytes: int,
+    moe_layers: Sequence[int],
+    num_experts: int,
+    future: list | None = None,
+    popularity: Mapping[int, Sequence[int]] | None = None,
+    resident: Resident | None = None,
+    top_k: int = 2,
+) -> ExpertCache | None:
     """The cache for ``policy`` with ``cache_bytes`` of capacity; ``future`` feeds Belady's clairvoyance;
     ``resident``: a layer held whole, paid out of ``cache_bytes`` (the other layers share the rest); ``top_k``:
     experts per token per layer (next-use turns calibration shares into per-token rates with it)."""
@@ -96,11 +116,17 @@ def build_cache(policy: PolicyConfig, cache_bytes: int, entry_bytes: int, moe_la
     kw: dict = {"future": future or []} if policy.eviction == "belady" else {}
     if policy.eviction == "popularity" and popularity:
         # Seed each expert's score with its calibration share (the most used expert of a layer starts at 50).
-        kw["seed_counts"] = {(layer, e): 50.0 * c / max(1, max(counts))
-                             for layer, counts in popularity.items() for e, c in enumerate(counts)}
+        kw["seed_counts"] = {
+            (layer, e): 50.0 * c / max(1, max(counts))
+            for layer, counts in popularity.items()
+            for e, c in enumerate(counts)
+        }
     if policy.eviction == "next-use":
-        kw.update(config=NextUseConfig(top_k=top_k), seed_share=seed_shares(popularity) if popularity else None,
-                  num_experts=num_experts)
+        kw.update(
+            config=NextUseConfig(top_k=top_k),
+            seed_share=seed_shares(popularity) if popularity else None,
+            num_experts=num_experts,
+        )
 
     def make(part: int, cap: int):
         return make_eviction(policy.eviction, cap, **kw)

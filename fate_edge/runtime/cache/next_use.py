@@ -44,8 +44,9 @@ class NextUse(EvictionPolicy):
 
     name = "next-use"
 
-    def __init__(self, config: NextUseConfig | None = None, seed_share: dict[Key, float] | None = None,
-                 num_experts: int = 0):
+    def __init__(
+        self, config: NextUseConfig | None = None, seed_share: dict[Key, float] | None = None, num_experts: int = 0
+    ):
         """``seed_share``: per key, its share of its layer's routed tokens (calibration); without it every expert
         of a layer starts at 1 / ``num_experts`` (or 1 / the experts seen, when that is 0 too)."""
         self.cfg = config or NextUseConfig()
