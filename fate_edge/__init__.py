@@ -7,11 +7,9 @@ def openmp_defaults(load: float, cores: int) -> dict[str, str]:
     """How idle OpenMP threads should wait, chosen from the host's load when fate_edge is imported.
 
     Decode runs ~300 small operators a token, so waiting threads either spin (and steal the core from whoever
-    they wait for when the host is busy) or sleep (and are woken for every operator). Measured with 2 torch
-    threads on 2 cores (scripts/research/bench_threads.py): on a quiet host PASSIVE 71 tok/s, libgomp's default
-    ~3 ms spin 266, GOMP_SPINCOUNT=10000 (~0.1 ms) 254; with 2 busy processes 37 / 47 / 46; on a host at load 15-20,
-    PASSIVE ~40, 10000 spins ~5, libgomp's default ~0.4. So: a short spin while the host has a core per running
-    task, passive waiting once it is oversubscribed.
+    they wait for when the host is busy) or sleep (and are woken for every operator): a short spin while the host
+    has a core per running task, passive waiting once it is oversubscribed. The measurements behind this:
+    docs/performance.md, "Threads under load".
     """
     return {"GOMP_SPINCOUNT": "10000"} if load < cores else {"OMP_WAIT_POLICY": "PASSIVE"}
 
