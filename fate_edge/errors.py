@@ -9,6 +9,10 @@ class ModelFormatError(FateEdgeError):
     """A model directory or checkpoint is missing, malformed or unsupported."""
 
 
+class ModelNotFoundError(ModelFormatError):
+    """A model name that is neither a path nor in a local cache."""
+
+
 class UnsupportedArchitectureError(ModelFormatError):
     """config.json names a model_type this runtime does not implement."""
 

@@ -8,8 +8,9 @@ import shutil
 
 import pytest
 
+from fate_edge.errors import ModelNotFoundError
 from fate_edge.format.converted_stores import ensure_store
-from fate_edge.format.model_names import ModelNotFoundError, locate_model
+from fate_edge.format.model_names import locate_model
 from fate_edge.format.store import ExpertStore
 
 

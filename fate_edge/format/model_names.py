@@ -13,14 +13,10 @@ import json
 import os
 from pathlib import Path
 
-from fate_edge.errors import ModelFormatError
+from fate_edge.errors import ModelFormatError, ModelNotFoundError
 
 OLLAMA_REGISTRY = "registry.ollama.ai"
 OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
-
-
-class ModelNotFoundError(ModelFormatError):
-    """A model name that is neither a path nor in a local cache."""
 
 
 def hf_hub_dirs() -> list[Path]:
