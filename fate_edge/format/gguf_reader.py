@@ -1,8 +1,8 @@
 """A GGUF file opened for conversion: its metadata as Python values, its tensors' types, shapes and places, and
 their bytes read with ``pread`` (not through a memory map, so converting a 20 GB file keeps no 20 GB in RSS).
 
-The ``gguf`` package (llama.cpp's own reader) parses the header; this module checks the file is whole first, so a
-truncated download is named with the first tensor it cuts, and dequantizes any tensor type through that package.
+The header is parsed by :mod:`gguf_header`; a truncated download is named with the first tensor it cuts, and any
+tensor type is dequantized through the ``gguf`` package (llama.cpp's own Python reader and dequantizers).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from fate_edge.errors import CorruptCheckpointError, ModelFormatError
+from fate_edge.format.gguf_header import read_header
 
 MAGIC = b"GGUF"
 _FIX = "re-download or re-copy the file"
@@ -59,27 +60,33 @@ class GGUFFile:
         self.path = Path(path)
         self.model_dir = self.path  # errors name the file
         self.drop_cache = drop_cache
+        from gguf import GGML_QUANT_SIZES
+
         if not self.path.is_file():
             raise ModelFormatError(f"{self.path}: not found")
         size = self.path.stat().st_size
         try:
-            reader = _checked_reader(self.path)
+            header = read_header(self.path)
         except ModelFormatError:
             raise
-        except Exception as exc:  # the reader raises ValueError, struct.error, IndexError, ... on a cut header
+        except Exception as exc:  # struct.error, IndexError, ... on a cut header
             raise CorruptCheckpointError(
                 f"{self.path}: unreadable GGUF header ({type(exc).__name__}: "
                 f"{str(exc).splitlines()[0] if str(exc) else 'file ends early'}); "
                 f"{_FIX}"
             ) from exc
-        self.fields: dict[str, Any] = {}
-        for key, field in reader.fields.items():
-            if not key.startswith("GGUF."):
-                self.fields[key] = _field_value(field)
+        self.fields: dict[str, Any] = header.fields
         self.tensors: dict[str, TensorInfo] = {}
-        for t in reader.tensors:
-            shape = tuple(int(d) for d in reversed([int(x) for x in t.shape]))
-            self.tensors[t.name] = TensorInfo(t.name, t.tensor_type, shape, int(t.data_offset), int(t.n_bytes))
+        for t in header.tensors:
+            qtype = _quant_type(self.path, t.name, t.qtype)
+            block, type_size = GGML_QUANT_SIZES[qtype]
+            n = 1
+            for d in t.dims:
+                n *= d
+            shape = tuple(reversed(t.dims))
+            self.tensors[t.name] = TensorInfo(
+                t.name, qtype, shape, header.data_start + t.offset, n // block * type_size
+            )
         cut = [t for t in self.tensors.values() if t.offset + t.nbytes > size]
         if cut:
             first = min(cut, key=lambda t: t.offset)
@@ -88,7 +95,6 @@ class GGUFFile:
                 f"{self.path}: truncated, tensor '{first.name}' and {len(cut) - 1} after it "
                 f"are cut off ({missing} bytes missing); {_FIX}"
             )
-        del reader  # its memory map: tensor bytes are read with pread from here on
         self._fd = os.open(self.path, os.O_RDONLY)
 
     # ----------------------------------------------------------------- metadata
@@ -172,36 +178,14 @@ class GGUFFile:
         self.close()
 
 
-def _field_value(field) -> Any:
-    """A metadata field as a Python value (a list for arrays, str for strings)."""
-    return field.contents()
+def _quant_type(path: Path, name: str, number: int):
+    """The ggml type ``number`` of tensor ``name``, or a one-line error naming both."""
+    from gguf import GGMLQuantizationType
 
-
-def _checked_reader(path: Path):
-    """``gguf.GGUFReader`` on ``path``, whose tensor table is checked first: a tensor of a type the package does
-    not know, or one the file is too short to hold, is named (the reader itself fails on either without a name)."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
-
-    class Reader(GGUFReader):
-        def _build_tensors(self, start_offs: int, fields: list) -> None:
-            size = path.stat().st_size
-            for field in fields:
-                _, name_data, _, dims, raw_dtype, offset = field.parts
-                name = bytes(name_data).decode("utf-8", errors="replace")
-                try:
-                    qtype = GGMLQuantizationType(int(raw_dtype[0]))
-                except ValueError:
-                    raise ModelFormatError(
-                        f"{path}: tensor '{name}' has quant type {int(raw_dtype[0])}, which this gguf package does "
-                        "not know; re-quantize the model to q4_0, q4_K, q8_0 or another common type, or upgrade "
-                        "the gguf package"
-                    ) from None
-                block, type_size = GGML_QUANT_SIZES[qtype]
-                end = start_offs + int(offset[0]) + int(np.prod(dims)) // block * type_size
-                if end > size:
-                    raise CorruptCheckpointError(
-                        f"{path}: truncated, tensor '{name}' ends at byte {end} but the file has {size}; {_FIX}"
-                    )
-            super()._build_tensors(start_offs, fields)
-
-    return Reader(str(path))
+    try:
+        return GGMLQuantizationType(number)
+    except ValueError:
+        raise ModelFormatError(
+            f"{path}: tensor '{name}' has quant type {number}, which this gguf package does not know; re-quantize "
+            "the model to q4_0, q4_K, q8_0 or another common type, or upgrade the gguf package"
+        ) from None
