@@ -205,3 +205,31 @@ def test_presets_run_on_the_int8_store_of_a_q8_0_gguf(tmp_path, ggufs, monkeypat
     assert len({t for n, t in texts.items() if n != "load-on-demand"}) == 1, texts
     with pytest.raises(FateEdgeError, match=r"needs int4 experts but .* holds \[2, 8, 16\]"):
         Engine.load(ggufs["Q8_0"], "64MB", "load-on-demand-int4")
+
+
+def test_our_header_parse_equals_the_gguf_packages(ggufs):
+    """format/gguf_header.py reads the same metadata and tensor table as llama.cpp's own Python reader."""
+    from gguf import GGUFReader
+
+    from fate_edge.format.gguf_header import read_header
+
+    for path in ggufs.values():
+        ours, theirs = read_header(path), GGUFReader(str(path))
+        assert ours.fields == {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+        assert [(t.name, t.dims, t.qtype, ours.data_start + t.offset) for t in ours.tensors] == [
+            (t.name, tuple(int(d) for d in t.shape), int(t.tensor_type), int(t.data_offset)) for t in theirs.tensors
+        ]
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_fast_dequantizers_equal_the_gguf_packages(qtype):
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    from fate_edge.format.gguf_reader import _q4_0_floats, _q8_0_floats
+
+    w = np.random.default_rng(0).standard_normal((48, 512)).astype(np.float32)
+    t = GGMLQuantizationType[qtype]
+    raw = quants.quantize(w, t)
+    fast = {"Q4_0": _q4_0_floats, "Q8_0": _q8_0_floats}[qtype](raw)
+    assert np.array_equal(fast, quants.dequantize(raw, t))
