@@ -16,7 +16,9 @@ import numpy as np
 import torch
 
 from fate_edge.errors import CorruptCheckpointError, ModelFormatError
+from fate_edge.format.gguf_blocks import Q4_0, Q8_0, SOURCE_BITS, to_quantized
 from fate_edge.format.gguf_header import read_header
+from fate_edge.quant import QuantSpec, dequantize
 
 MAGIC = b"GGUF"
 _FIX = "re-download or re-copy the file"
@@ -158,10 +160,9 @@ class GGUFFile:
                 out = raw.view(np.float16).astype(np.float32)
             elif t.qtype == GGMLQuantizationType.BF16:
                 out = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-            elif t.qtype == GGMLQuantizationType.Q4_0:
-                out = _q4_0_floats(raw)
-            elif t.qtype == GGMLQuantizationType.Q8_0:
-                out = _q8_0_floats(raw)
+            elif t.type_name in (Q4_0, Q8_0):  # in torch through the exact block mapping: numpy's takes seconds
+                spec = QuantSpec(SOURCE_BITS[t.type_name], 32)
+                out = dequantize(to_quantized(t.type_name, torch.from_numpy(raw), spec), spec).numpy()
             else:
                 out = quants.dequantize(raw, t.qtype)
         except NotImplementedError:
@@ -180,24 +181,6 @@ class GGUFFile:
 
     def __del__(self) -> None:
         self.close()
-
-
-def _q4_0_floats(raw: np.ndarray) -> np.ndarray:
-    """q4_0 rows to float32 in torch (the gguf package's numpy path takes seconds on an embedding table): blocks of
-    an fp16 scale d and 16 bytes, the low nibbles weights 0-15 and the high ones 16-31, each d * (q - 8)."""
-    blocks = torch.from_numpy(raw).reshape(raw.shape[0], -1, 18)
-    d = blocks[..., :2].contiguous().view(torch.float16).float()
-    qs = blocks[..., 2:]
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float() - 8.0
-    return (q * d).reshape(raw.shape[0], -1).numpy()
-
-
-def _q8_0_floats(raw: np.ndarray) -> np.ndarray:
-    """q8_0 rows to float32: blocks of an fp16 scale d and 32 int8 codes, each d * q."""
-    blocks = torch.from_numpy(raw).reshape(raw.shape[0], -1, 34)
-    d = blocks[..., :2].contiguous().view(torch.float16).float()
-    q = blocks[..., 2:].contiguous().view(torch.int8).float()
-    return (q * d).reshape(raw.shape[0], -1).numpy()
 
 
 def _quant_type(path: Path, name: str, number: int):
