@@ -11,7 +11,7 @@ from pathlib import Path
 from fate_edge.bench.config import ALL_PRESETS, LINKS, QUICK_NOTE, BenchConfig, apply_quick
 from fate_edge.bench.outputs import check_readme, write_outputs
 from fate_edge.bench.peers import peer_main
-from fate_edge.bench.publish import results_file
+from fate_edge.bench.publish import add_results_arg, results_file
 from fate_edge.bench.report import markdown
 from fate_edge.bench.run import run_bench
 from fate_edge.bench.worker import trace_main, worker_main
@@ -20,7 +20,6 @@ from fate_edge.command_line import (
     device_name,
     existing_path,
     fraction,
-    non_empty,
     non_negative_int,
     positive_float,
     positive_int,
@@ -132,15 +131,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--markdown", default=None, help="default OUT_DIR/bench[_quick].md")
     ap.add_argument("--plot", default=None, help="tokens/s plot file (default: PLOTS_DIR/bench[_quick].png)")
     ap.add_argument("--plots-dir", default=None, help="directory for the plots (default: the JSON's directory)")
-    ap.add_argument(
-        "--results",
+    add_results_arg(
+        ap,
+        f"rewrite the table between the bench markers of FILE (without FILE: {results_file('bench')})",
         dest="readme",
-        nargs="?",
         const=str(results_file("bench")),
-        default=None,
-        type=non_empty,
-        metavar="FILE",
-        help=f"rewrite the table between the bench markers of FILE (without FILE: {results_file('bench')})",
     )
     ap.add_argument("--work-dir", default=None, help="where the inflated model and its store are kept")
 

@@ -27,7 +27,7 @@ import torch
 from fate_edge.bench.config import HEADLINE_BUDGET
 from fate_edge.bench.gguf import ensure_ggufs
 from fate_edge.bench.prepare import store_info
-from fate_edge.bench.publish import publish, results_file
+from fate_edge.bench.publish import add_results_arg, publish, results_file
 from fate_edge.bench.scale import cpu_model
 from fate_edge.bench.sidebyside import (
     SIDE_SETS,
@@ -41,7 +41,7 @@ from fate_edge.bench.sidebyside import (
 )
 from fate_edge.bench.threads import load_average
 from fate_edge.bundled import bundled_model_dir
-from fate_edge.command_line import command_parser, existing_path, fraction, non_empty, positive_float, positive_int
+from fate_edge.command_line import command_parser, existing_path, fraction, positive_float, positive_int
 from fate_edge.corpus import heldout_source
 from fate_edge.format.converted_stores import ensure_store
 from fate_edge.synthetic.presets import PRESETS
@@ -130,14 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--timeout", type=positive_float, default=900.0, help="per process, seconds")
     ap.add_argument("--json", type=Path, default=Path("bench-out/llamacpp.json"))
-    ap.add_argument(
-        "--results",
-        nargs="?",
-        const=True,
-        default=None,
-        type=non_empty,
-        metavar="FILE",
-        help="rewrite the table between its markers (bench_llamacpp for the bundled model at 2 "
+    add_results_arg(
+        ap,
+        "rewrite the table between its markers (bench_llamacpp for the bundled model at 2 "
         "threads, else bench_llamacpp-MODEL-Nt) of FILE (without FILE: "
         "docs/results/MARKER.md, created if missing)",
     )

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Any
 
+from fate_edge.command_line import non_empty
+
 RESULTS_DIR = Path("docs/results")  # one file per table, named after its markers; relative to the repository root
+
+
+def add_results_arg(ap: argparse.ArgumentParser, help: str, **overrides: Any) -> None:
+    """``--results [FILE]``: rewrite the command's table in FILE, or without FILE (the value ``True``) in its
+    docs/results file; ``help`` says which markers and file."""
+    opts: dict[str, Any] = {"nargs": "?", "const": True, "default": None, "type": non_empty, "metavar": "FILE"}
+    ap.add_argument("--results", **(opts | overrides), help=help)
 
 
 def results_file(name: str) -> Path:

@@ -38,9 +38,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from fate_edge.bench.publish import publish
+from fate_edge.bench.publish import add_results_arg, publish
 from fate_edge.bundled import bundled_model_dir
-from fate_edge.command_line import command_parser, existing_path_as_path, non_empty, positive_int, share
+from fate_edge.command_line import command_parser, existing_path_as_path, positive_int, share
 from fate_edge.corpus import CorpusSplit, read_corpus
 from fate_edge.format.checkpoint import CheckpointReader
 from fate_edge.format.checkpoint_experts import ExpertLayout
@@ -404,14 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--threads", type=positive_int, default=1, help="torch threads (1: steady timings on a shared host)"
     )
     ap.add_argument("--json", type=Path, default=Path("bench-out/quality.json"))
-    ap.add_argument(
-        "--results",
-        nargs="?",
-        const=True,
-        default=None,
-        type=non_empty,
-        metavar="FILE",
-        help="rewrite the table between the eval_quality markers of FILE (without FILE: docs/results/eval_quality.md)",
+    add_results_arg(
+        ap, "rewrite the table between the eval_quality markers of FILE (without FILE: docs/results/eval_quality.md)"
     )
     return ap
 

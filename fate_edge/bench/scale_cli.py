@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 
 from fate_edge.bench.gguf import q4_0_direct
-from fate_edge.bench.publish import publish
+from fate_edge.bench.publish import add_results_arg, publish
 from fate_edge.bench.scale import GB, ScaleConfig, run_scale
 from fate_edge.command_line import (
     command_parser,
@@ -253,15 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--timeout", type=positive_float, default=3600.0, help="seconds one run may take (then: an error row)"
     )
-    ap.add_argument(
-        "--results",
-        nargs="?",
-        const=True,
-        default=None,
-        type=non_empty,
-        metavar="FILE",
-        help="also write the table between the MARK markers of FILE (without FILE: docs/results/MARK.md)",
-    )
+    add_results_arg(ap, "also write the table between the MARK markers of FILE (without FILE: docs/results/MARK.md)")
     ap.add_argument(
         "--mark", default="scale", type=non_empty, help="the table's markers (e.g. scale-2t for a 2-thread run)"
     )

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from fate_edge import bundled_model_dir, load_model
-from fate_edge.bench.publish import publish
+from fate_edge.bench.publish import add_results_arg, publish
 
 
 def time_ours(model, prompt: torch.Tensor, decode_tokens: int) -> tuple[float, float]:
@@ -56,15 +56,8 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--json", type=Path, default=Path("bench-out/forward.json"))
-    ap.add_argument(
-        "--results",
-        nargs="?",
-        const=True,
-        default=None,
-        type=Path,
-        metavar="FILE",
-        help="rewrite the table between the bench_forward markers of FILE (without FILE: "
-        "docs/results/bench_forward.md)",
+    add_results_arg(
+        ap, "rewrite the table between the bench_forward markers of FILE (without FILE: docs/results/bench_forward.md)"
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

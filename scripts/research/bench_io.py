@@ -41,7 +41,7 @@ from pathlib import Path
 from fate_edge.devices.link import ThrottledLink, storage_link
 from fate_edge.devices.profile import load_profile
 
-from fate_edge.bench.publish import publish
+from fate_edge.bench.publish import add_results_arg, publish
 from fate_edge.bench.scale import cpu_model
 from fate_edge.fetch.fetch_engine import BufferPool, FetchEngine, Priority
 from fate_edge.format.blob import ALIGN, BlobRef
@@ -140,14 +140,8 @@ def main() -> None:
         help="device profiles whose storage link to emulate",
     )
     ap.add_argument("--json", type=Path, default=Path("bench-out/io.json"))
-    ap.add_argument(
-        "--results",
-        nargs="?",
-        const=True,
-        default=None,
-        type=Path,
-        metavar="FILE",
-        help="rewrite the table between the bench_io markers of FILE (without FILE: docs/results/bench_io.md)",
+    add_results_arg(
+        ap, "rewrite the table between the bench_io markers of FILE (without FILE: docs/results/bench_io.md)"
     )
     args = ap.parse_args()
 

@@ -35,7 +35,7 @@ from fate_edge.quant.linear import KERNEL_CHOICES, QuantizedLinear, choose_kerne
 from fate_edge.quant.native import native_isa, native_status, native_supports, set_gemm_min_rows
 from fate_edge.quant.ort import OrtMatMul, int_zero_quantize, ort_available
 
-from fate_edge.bench.publish import publish
+from fate_edge.bench.publish import add_results_arg, publish
 
 SHAPES = [(128, 192), (192, 128), (1408, 2048), (2048, 1408)]
 GROUP = 64
@@ -136,15 +136,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--shapes", nargs="+", default=[f"{n}x{k}" for n, k in SHAPES], help="NxK of W")
     ap.add_argument("--json", type=Path, default=Path("bench-out/kernels.json"))
-    ap.add_argument(
-        "--results",
-        nargs="?",
-        const=True,
-        default=None,
-        type=Path,
-        metavar="FILE",
-        help="rewrite the table between the bench_kernels markers of FILE (without FILE: "
-        "docs/results/bench_kernels.md)",
+    add_results_arg(
+        ap, "rewrite the table between the bench_kernels markers of FILE (without FILE: docs/results/bench_kernels.md)"
     )
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]

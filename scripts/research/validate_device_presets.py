@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from fate_edge.devices.link import ThrottledLink
 
-from fate_edge.bench.publish import replace_between_markers, results_file
+from fate_edge.bench.publish import add_results_arg, replace_between_markers, results_file
 from fate_edge.format.store import ExpertStore
 from fate_edge.planning.device_costs import DEVICES
 from fate_edge.planning.device_presets import for_device, for_device_and_store
@@ -219,15 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--sweep", default=None, help="the sweep's JSON: also run its best candidate per device")
     ap.add_argument("--out", default=None)
-    ap.add_argument(
-        "--results",
-        nargs="?",
-        const=True,
-        default=None,
-        type=Path,
-        metavar="FILE",
-        help="rewrite the table between the MARK markers of FILE (without FILE: docs/results/MARK.md)",
-    )
+    add_results_arg(ap, "rewrite the table between the MARK markers of FILE (without FILE: docs/results/MARK.md)")
     ap.add_argument(
         "--mark", default=MARK, help=f"the table's markers (default {MARK}; the real-shape run: emulate-real)"
     )

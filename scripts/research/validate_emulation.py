@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fate_edge.bench.publish import replace_between_markers, results_file
+from fate_edge.bench.publish import add_results_arg, replace_between_markers, results_file
 
 
 def run_policy(store: str, budget: int, policy: str, em, ids: list[int], tokens: int, workers: int) -> dict:
@@ -94,15 +94,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--json", default=None)
-    ap.add_argument(
-        "--results",
-        nargs="?",
-        const=True,
-        default=None,
-        type=Path,
-        metavar="FILE",
-        help="rewrite the table between FILE's <!-- MARK:begin/end --> (without FILE: docs/results/MARK.md)",
-    )
+    add_results_arg(ap, "rewrite the table between FILE's <!-- MARK:begin/end --> (without FILE: docs/results/MARK.md)")
     ap.add_argument("--mark", default="emulate-validate", help="the table's markers (default emulate-validate)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
