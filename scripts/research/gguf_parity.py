@@ -30,26 +30,18 @@ import tempfile
 import time
 from pathlib import Path
 
+from fate_edge.bench.scale import cpu_model
+from fate_edge.bench.threads import load_average
+
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 KEY = "qwen1.5-moe-2l"
 
 
-def loadavg() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
-def cpu_model() -> str:
-    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
-
-
 def timed(cmd: list[str], env: dict[str, str] | None = None) -> dict:
     """Run ``cmd`` under /usr/bin/time: wall seconds, the child's peak RSS in MB, and the load average before."""
     with tempfile.NamedTemporaryFile("r", suffix=".time") as tf:
-        before = loadavg()
+        before = load_average()
         t0 = time.perf_counter()
         proc = subprocess.run(
             ["/usr/bin/time", "-f", "%M", "-o", tf.name, *cmd], capture_output=True, text=True, env=env
@@ -292,7 +284,7 @@ def main() -> None:
         "threads": args.threads,
         "rounds": args.rounds,
         "policy": args.policy,
-        "loadavg_start": loadavg(),
+        "loadavg_start": load_average(),
     }
     gguf = ensure_ggufs(model, ("bf16", "q4_0"), quiet=True)["q4_0"]
     res["gguf_bytes"] = gguf.stat().st_size
@@ -331,7 +323,7 @@ def main() -> None:
             }
             for k, v in by.items()
         }
-    res["loadavg_end"] = loadavg()
+    res["loadavg_end"] = load_average()
     path = Path(args.json)
     doc = json.loads(path.read_text()) if path.exists() else {}
     doc[KEY] = res
