@@ -157,10 +157,14 @@ def verify_store(spec: dict) -> None:
     store.verify([b for b in (policy.bits, policy.cold_bits) if b in store.precisions])
 
 
-def plan_in_worker(spec: dict, recorded=None) -> dict[str, Any]:
-    """The planner's choice for this configuration's link and budget (see :func:`planner_configs`). ``recorded``:
-    the measured request's routing (an engine Trace), over which the pick and the fate-edge preset are simulated
-    too, with the planner's costs: the time model's prediction for this very request."""
+def plan_in_worker(spec: dict, prompt: list[int], recorded=None) -> dict[str, Any]:
+    """The planner's choice for this configuration's link and budget (see :func:`planner_configs`), planned for the
+    request the bench measures: its probes decode ``prompt`` for ``spec["decode_tokens"]`` tokens, as a user plans
+    with a sample of their own prompts (``fate-edge plan --corpus``). One request's speed depends on its text (the
+    spread over texts: scripts/research/probe_text_spread.py), so a plan probed on other text predicts the mean
+    request, not this one. ``recorded``: the measured request's routing (an engine Trace), over which the pick and
+    the fate-edge preset are simulated too, with the planner's costs: the time model's prediction for this very
+    request."""
     from fate_edge.devices.link import LinkSpec
     from fate_edge.format.store import ExpertStore
     from fate_edge.model.arch import load_config
@@ -176,6 +180,9 @@ def plan_in_worker(spec: dict, recorded=None) -> dict[str, Any]:
         direct_io=spec.get("direct_io"),
         resident_bits=spec.get("resident_bits"),
         device=spec.get("emulate"),
+        token_ids=prompt,
+        prompt_tokens=len(prompt),
+        decode_tokens=spec["decode_tokens"],
     )
     out = {
         "policy": dataclasses.asdict(p.policy),
@@ -222,7 +229,7 @@ def worker_main(spec_path: str) -> int:
     prompts = {int(k): v for k, v in spec["prompts"].items()}
     decode_len = min(prompts)
     trace = traces.get(decode_len) if spec["preset"] == "oracle" else None
-    planned = plan_in_worker(spec, traces.get(decode_len)) if spec.get("run_planner") else {}
+    planned = plan_in_worker(spec, prompts[decode_len], traces.get(decode_len)) if spec.get("run_planner") else {}
     if planned:
         spec["policy"] = planned["policy"]
     # Every configuration measures the steady state of a long-running engine, in which each blob's CRC
