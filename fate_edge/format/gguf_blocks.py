@@ -2,7 +2,8 @@
 the codes instead of rounding the weights again.
 
 - q4_0: 32 weights, an fp16 ``d``, codes ``q`` in 0..15 with ``w = (q - 8) d``: group-32 int4 with
-  scale ``d`` and zero ``-8 d``, both exact in fp16, and every ``code * scale + zero`` is the same float as llama.cpp's.
+  scale ``d`` and zero ``-8 d``, both exact in fp16, and every ``code * scale + zero`` is the same number as llama.cpp's
+  (+0.0 where its ``d (q - 8)`` may give -0.0).
 - q8_0: 32 weights, an fp16 ``d``, int8 ``q``: group-32 int8 with codes ``q + 128``, scale ``d``, zero ``-128 d``
   (exact).
 - q4_K: 256-weight super-blocks of eight 32-weight sub-blocks; fp16 ``d`` and ``dmin`` and a 6-bit scale ``sc``
