@@ -2,7 +2,8 @@
 the codes instead of rounding the weights again.
 
 - q4_0: 32 weights, an fp16 ``d``, codes ``q`` in 0..15 with ``w = (q - 8) d``: group-32 int4 with
-  scale ``d`` and zero ``-8 d``, both exact in fp16, and every ``code * scale + zero`` is the same float as llama.cpp's.
+  scale ``d`` and zero ``-8 d``, both exact in fp16, and every ``code * scale + zero`` is the same number as llama.cpp's
+  (+0.0 where its ``d (q - 8)`` may give -0.0).
 - q8_0: 32 weights, an fp16 ``d``, int8 ``q``: group-32 int8 with codes ``q + 128``, scale ``d``, zero ``-128 d``
   (exact).
 - q4_K: 256-weight super-blocks of eight 32-weight sub-blocks; fp16 ``d`` and ``dmin`` and a 6-bit scale ``sc``
@@ -55,7 +56,7 @@ def to_quantized(type_name: str, raw: torch.Tensor, spec: QuantSpec) -> Quantize
         b = raw.reshape(rows, -1, 144)
         d = b[..., 0:2].contiguous().view(torch.float16).float()  # [rows, nb, 1]
         dmin = b[..., 2:4].contiguous().view(torch.float16).float()
-        sc, mn = _k_scale_min(b[..., 4:16])  # [rows, nb, 8]
+        sc, mn = k_scale_min(b[..., 4:16])  # [rows, nb, 8]
         qs = b[..., 16:].reshape(rows, -1, 4, 32)  # 4 chunks of 64 weights: low nibbles then high nibbles
         codes = torch.stack([qs & 0x0F, qs >> 4], dim=3)  # [rows, nb, 4, 2, 32]
         scale = (d * sc.float()).to(torch.float16)
@@ -66,7 +67,7 @@ def to_quantized(type_name: str, raw: torch.Tensor, spec: QuantSpec) -> Quantize
     return Quantized(codes.contiguous(), scale.reshape(rows, -1).contiguous(), zero.reshape(rows, -1).contiguous())
 
 
-def _k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q4_K's 12 bytes of packed 6-bit scales and mins → (scales, mins) [..., 8] (ggml's get_scale_min_k4)."""
     d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
     sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)

@@ -1,12 +1,12 @@
 """``fate-edge convert MODEL.gguf STORE``: a GGUF file → an expert store, as ``convert`` does for a model directory.
 
-The config and tokenizer come from the file's metadata (``gguf_config``, ``gguf_tokenizer``); the resident
-tensors are dequantized into the store's dtype (``gguf_tensors``; ``--resident-bits`` quantizes them as for any
-model); each routed expert is sliced out of the stacked ``blk.N.ffn_{gate,up,down}_exps`` tensors and written as
-one blob per precision. Blocks that fit the streamed precision go in with their own codes (``gguf_blocks``:
-q4_0 and q8_0 bit-exact, q4_K with fp16 scales); other types (q5_K, q6_K, ...) are dequantized by the ``gguf``
-package and quantized again by ``--method``. Written atomically like every store: nothing is left at the target
-when it fails.
+The config and tokenizer come from the file's metadata (``gguf_config``, ``gguf_tokenizer``); the resident tensors
+are dequantized into the store's dtype (``gguf_tensors``; ``--resident-bits`` quantizes them as for any model); each
+routed expert is sliced out of the stacked ``blk.N.ffn_{gate,up,down}_exps`` tensors and written as one blob per
+precision. Blocks that fit the streamed precision go in with their own codes (``gguf_blocks``: q4_0 and q8_0
+bit-exact, q4_K with fp16 scales); other types (q5_K, q6_K, ...) are dequantized as the ``gguf`` package does
+(``GGUFFile.dequantize``) and quantized again by ``--method``. Written atomically like every store: nothing is left
+at the target when it fails.
 """
 
 from __future__ import annotations

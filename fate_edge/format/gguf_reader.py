@@ -2,7 +2,8 @@
 their bytes read with ``pread`` (not through a memory map, so converting a 20 GB file keeps no 20 GB in RSS).
 
 The header is parsed by :mod:`gguf_header`; a truncated download is named with the first tensor it cuts, and any
-tensor type is dequantized through the ``gguf`` package (llama.cpp's own Python reader and dequantizers).
+tensor type is dequantized as the ``gguf`` package (llama.cpp's own Python reader and dequantizers) does: the common
+block types by :mod:`gguf_dequant` in torch, float for float the same, the others by the package itself.
 """
 
 from __future__ import annotations
@@ -16,9 +17,8 @@ import numpy as np
 import torch
 
 from fate_edge.errors import CorruptCheckpointError, ModelFormatError
-from fate_edge.format.gguf_blocks import Q4_0, Q8_0, SOURCE_BITS, to_quantized
+from fate_edge.format.gguf_dequant import TORCH_TYPES, dequantize_blocks
 from fate_edge.format.gguf_header import read_header
-from fate_edge.quant import QuantSpec, dequantize
 
 MAGIC = b"GGUF"
 _FIX = "re-download or re-copy the file"
@@ -97,7 +97,7 @@ class GGUFFile:
                 f"{self.path}: truncated, tensor '{first.name}' and {len(cut) - 1} after it "
                 f"are cut off ({missing} bytes missing); {_FIX}"
             )
-        self._fd = os.open(self.path, os.O_RDONLY)
+        self._fd: int | None = os.open(self.path, os.O_RDONLY)
 
     # ----------------------------------------------------------------- metadata
     @property
@@ -133,6 +133,8 @@ class GGUFFile:
         """The raw bytes of ``name`` (``rows`` rows of its first dimension from ``first_row``; all by default) as a
         uint8 array of shape [rows, bytes per row]."""
         t = self.info(name)
+        if self._fd is None:
+            raise ValueError(f"{self.path}: read after close()")
         row_bytes = t.nbytes // t.shape[0] if len(t.shape) > 1 else t.nbytes
         rows = (t.shape[0] if len(t.shape) > 1 else 1) - first_row if rows is None else rows
         begin, length = t.offset + first_row * row_bytes, rows * row_bytes
@@ -148,11 +150,15 @@ class GGUFFile:
         return np.frombuffer(buf, dtype=np.uint8).reshape(rows, row_bytes)
 
     def dequantize(self, name: str, first_row: int = 0, rows: int | None = None) -> torch.Tensor:
-        """Tensor ``name`` (or rows of its first dimension) in float32, by the ``gguf`` package's dequantizers."""
+        """Tensor ``name`` (or rows of its first dimension) in float32: the common block types in torch
+        (:mod:`gguf_dequant`), any other by the ``gguf`` package's dequantizers."""
         from gguf import GGMLQuantizationType, quants
 
         t = self.info(name)
         raw = self.read_bytes(name, first_row, rows)
+        shape = (raw.shape[0], *t.shape[1:]) if len(t.shape) > 1 else t.shape
+        if t.type_name in TORCH_TYPES:  # bit-equal to the package's numpy dequantizers, several times faster
+            return dequantize_blocks(t.type_name, torch.from_numpy(raw)).reshape(shape)
         try:
             if t.qtype == GGMLQuantizationType.F32:
                 out = raw.view(np.float32)
@@ -160,9 +166,6 @@ class GGUFFile:
                 out = raw.view(np.float16).astype(np.float32)
             elif t.qtype == GGMLQuantizationType.BF16:
                 out = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-            elif t.type_name in (Q4_0, Q8_0):  # in torch through the exact block mapping: numpy's takes seconds
-                spec = QuantSpec(SOURCE_BITS[t.type_name], 32)
-                out = dequantize(to_quantized(t.type_name, torch.from_numpy(raw), spec), spec).numpy()
             else:
                 out = quants.dequantize(raw, t.qtype)
         except NotImplementedError:
@@ -171,12 +174,12 @@ class GGUFFile:
                 "package cannot dequantize; re-quantize the model to q4_0, q4_K, q8_0 or another "
                 "type llama.cpp's gguf-py reads"
             ) from None
-        shape = (raw.shape[0], *t.shape[1:]) if len(t.shape) > 1 else t.shape
         return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).reshape(shape)
 
     def close(self) -> None:
-        if getattr(self, "_fd", None) is not None:
-            os.close(self._fd)
+        fd = getattr(self, "_fd", None)  # absent when __init__ raised before opening
+        if fd is not None:
+            os.close(fd)
             self._fd = None
 
     def __del__(self) -> None:

@@ -1,10 +1,10 @@
 """A GGUF file's tensors under the Hugging Face names fate-edge's loader reads, as a read-only checkpoint.
 
-:class:`GGUFCheckpoint` answers the calls convert makes of a ``CheckpointReader`` (``keys``, ``get``,
-``get_rows``, ``shape``, ``dtype_name``, ``nbytes``) for every tensor but the routed experts: each is dequantized
-by the ``gguf`` package into the store's dtype and put back into the checkpoint's layout (llama.cpp's converter
-permutes Mixtral's q/k rows for its rotary layout and splits DeepSeek's ``kv_b_proj``; both are undone here).
-The stacked experts (``blk.N.ffn_{gate,up,down}_exps``) are read block by block by ``gguf_convert``.
+:class:`GGUFCheckpoint` answers the calls convert makes of a ``CheckpointReader`` (``keys``, ``get``, ``get_rows``,
+``shape``, ``dtype_name``, ``nbytes``) for every tensor but the routed experts: each is dequantized as the ``gguf``
+package does (``GGUFFile.dequantize``) into the store's dtype and put back into the checkpoint's layout (llama.cpp's
+converter permutes Mixtral's q/k rows for its rotary layout and splits DeepSeek's ``kv_b_proj``; both are undone
+here). The stacked experts (``blk.N.ffn_{gate,up,down}_exps``) are read block by block by ``gguf_convert``.
 """
 
 from __future__ import annotations
