@@ -1,11 +1,11 @@
 """fate-edge's own int4 matmul (``native/int4_gemm.c``), built on first use with the system C compiler.
 
-It computes on the portable store layout directly (packed codes, fp16 scale and zero per group): no repacking when
-an expert arrives, and int8 dot products (AVX512-VNNI, or AVX2) where torch's CPU int4 kernel converts every weight
-to float first. Measured on a 2-vCPU Xeon (AVX512-VNNI), one thread: 1408x2048 at one row ~100 us against torch's
-~185 us. The shared library is cached under ``$FATE_EDGE_CACHE`` (default ``~/.cache/fate-edge``) by a hash of the
-source and the compiler; without a compiler, or with ``FATE_EDGE_NATIVE=0``, :func:`native_status` says why and the
-other kernels are used (``FATE_EDGE_NATIVE=avx2`` keeps an AVX-512 host on the AVX2 path).
+It computes on the portable store layout directly (packed codes, fp16 or fp32 scale and zero per group): no
+repacking when an expert arrives, and int8 dot products (AVX512-VNNI, or AVX2) where torch's CPU int4 kernel converts
+every weight to float first. Measured on a 2-vCPU Xeon (AVX512-VNNI), one thread: 1408x2048 at one row ~100 us
+against torch's ~185 us. The shared library is cached under ``$FATE_EDGE_CACHE`` (default ``~/.cache/fate-edge``) by
+a hash of the source and the compiler; without a compiler, or with ``FATE_EDGE_NATIVE=0``, :func:`native_status`
+says why and the other kernels are used (``FATE_EDGE_NATIVE=avx2`` keeps an AVX-512 host on the AVX2 path).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def _load() -> None:
     lib.fe_int4_gemm.restype = ctypes.c_int
     lib.fe_int4_gemm.argtypes = (
         [ctypes.c_void_p] * 3
-        + [ctypes.c_int] * 3
+        + [ctypes.c_int] * 4  # scale_f32, N, K, g
         + [
             ctypes.c_void_p,
             ctypes.c_int,
@@ -149,7 +149,9 @@ def native_supports(shape: tuple[int, int], group_size: int, asymmetric: bool, p
 @dataclass
 class NativeInt4:
     """``x [M, K] -> x @ W.T`` for W = codes * scale + zero (portable layout: ``codes`` [N, K/2] two per byte,
-    low nibble first; ``scale`` and ``zero`` fp16 [N, K/g]). The tensors may be views into an expert's blob."""
+    low nibble first; ``scale`` and ``zero`` [N, K/g], fp16 or fp32: the kernel reads either as stored, so fp32 ones,
+    a GGUF's q4_K scales which fp16 would round, stay exact; a pair in other or mixed dtypes is converted, to fp32
+    where either is fp32, else to fp16). The tensors may be views into an expert's blob."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -163,8 +165,10 @@ class NativeInt4:
             t = getattr(self, name)
             if not t.is_contiguous():
                 setattr(self, name, t.contiguous())
-        if self.scale.dtype != torch.float16 or self.zero.dtype != torch.float16:
-            self.scale, self.zero = self.scale.to(torch.float16), self.zero.to(torch.float16)
+        if self.scale.dtype != self.zero.dtype or self.scale.dtype not in (torch.float16, torch.float32):
+            wide = torch.float32 in (self.scale.dtype, self.zero.dtype)  # never round an fp32 part to fp16
+            dtype = torch.float32 if wide else torch.float16
+            self.scale, self.zero = self.scale.to(dtype), self.zero.to(dtype)
         k = self.codes.shape[1] * 2
         self.in_features = self.in_features or k
         pad = padded_in_features(k) - k  # zero codes with zero scale and zero add nothing
@@ -196,6 +200,7 @@ class NativeInt4:
                 self.codes.data_ptr(),
                 self.scale.data_ptr(),
                 self.zero.data_ptr(),
+                int(self.scale.dtype == torch.float32),
                 n,
                 self.codes.shape[1] * 2,
                 self.group_size,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from fate_edge.quant import QuantSpec, dequantize, pack, quantize
 from fate_edge.quant.linear import QuantizedLinear, default_kernel
-from fate_edge.quant.native import native_status, set_gemm_min_rows
+from fate_edge.quant.native import NativeInt4, native_status, set_gemm_min_rows
 
 from fate_edge.model.experts import QuantizedExpert
 
@@ -122,6 +122,53 @@ def test_native_expert_fuses_gate_and_up():
     assert f.gate_up is not None and f.gate_up.kernel == "native-int4" and f.nbytes == e.nbytes
     x = _randn((3, 256), 9)
     torch.testing.assert_close(f(x), e(x), rtol=0, atol=1e-6)
+
+
+def _exact_x(m: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """Integers whose every group of 32 reaches 127: the kernel's int8 step is then 1 and x quantizes exactly."""
+    x = torch.randint(-127, 128, (m, k), generator=g).float()
+    x[:, ::32] = 127
+    return x
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("m", [1, 9])
+def test_fp32_scales_and_zeros_are_read_as_they_are(group, m):
+    """fp32 scale and zero parts (a GGUF's q4_K products, which fp16 would round) go into both kernels, row and
+    tiled GEMM, as they are: on x that int8 quantizes exactly only fp32 accumulation separates the result from a
+    float64 matmul with those weights, while an fp16 rounding of the scales is seen. 40 rows: partial blocks."""
+    n, k = 40, 512
+    g = torch.Generator().manual_seed(group + m)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scale = torch.rand(n, k // group, generator=g) * 0.01 + 1e-3  # random fp32: almost never an fp16 number
+    zero = -torch.rand(n, k // group, generator=g) * 0.1
+    x = _exact_x(m, k, g)
+
+    def w64(s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return (codes.double().view(n, -1, group) * s.double()[..., None] + z.double()[..., None]).view(n, k)
+
+    want, size = x.double() @ w64(scale, zero).T, x.double().abs() @ w64(scale, zero).abs().T
+    rounded = x.double() @ w64(scale.half(), zero.half()).T
+    assert ((rounded - want).abs() > 2**-20 * size).any()  # the bound below tells an fp16 rounding apart
+    lin = NativeInt4(pack(codes, 4), scale, zero, group)
+    assert lin.scale.dtype == lin.zero.dtype == torch.float32
+    for min_rows in (1000, 1):  # the row kernel, then the tiled GEMM
+        before = set_gemm_min_rows(min_rows)
+        try:
+            y = lin(x)
+        finally:
+            set_gemm_min_rows(before)
+        assert ((y.double() - want).abs() <= 2**-20 * size).all()
+
+
+def test_mixed_scale_dtypes_widen_instead_of_rounding():
+    g = torch.Generator().manual_seed(7)
+    codes = pack(torch.randint(0, 16, (16, 128), generator=g, dtype=torch.uint8), 4)
+    scale = torch.rand(16, 4, generator=g) + 0.5
+    lin = NativeInt4(codes, scale, (-scale).half(), 32)
+    assert lin.scale.dtype == lin.zero.dtype == torch.float32 and torch.equal(lin.scale, scale)
+    lin = NativeInt4(codes, scale.bfloat16(), scale.bfloat16(), 32)
+    assert lin.scale.dtype == torch.float16  # as before: the kernel's narrow dtype
 
 
 def test_native_threads_give_the_same_result():

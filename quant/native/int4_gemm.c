@@ -1,9 +1,10 @@
 /* y[M, N] = x[M, K] @ W.T for a group-quantized int4 W (fate-edge's portable expert layout), on int8 dot products.
 
-   W: codes uint8 [N, K/2], byte j = code 2j | code 2j+1 << 4 (quant/pack.py); scale and zero fp16 [N, K/g];
-   w[n, k] = code * scale + zero for k in group k / g. x is quantized per 32 values to int8 (scale max|x| / 127,
-   as llama.cpp's q8_0), so sum_k w x = sum_g scale_g * sx * sum_k code * xq  +  sum_g zero_g * sum_k x.
-   Codes are unsigned (0..15) and xq signed: exactly what VPDPBUSD (AVX512-VNNI) multiplies and adds, four
+   W: codes uint8 [N, K/2], byte j = code 2j | code 2j+1 << 4 (quant/pack.py); scale and zero [N, K/g] in fp16, or
+   in fp32 (a GGUF's q4_K products d * sc, exact in fp32 only; widened once per row block either way, so the loops
+   below see fp32 only); w[n, k] = code * scale + zero for k in group k / g. x is quantized per 32 values to int8
+   (scale max|x| / 127, as llama.cpp's q8_0), so sum_k w x = sum_g scale_g * sx * sum_k code * xq  +  sum_g zero_g
+   * sum_k x. Codes are unsigned (0..15) and xq signed: exactly what VPDPBUSD (AVX512-VNNI) multiplies and adds, four
    products per 32-bit lane; AVX2 machines get the same sums from VPMADDUBSW + VPMADDWD.
 
    A chunk is 128 codes (AVX-512: 64 bytes) or 64 (AVX2: 32 bytes). Its low nibbles are the chunk's even k and
@@ -40,6 +41,12 @@ typedef struct {
     float *lane_sx; /* [M][K/8]: the x scale of each 32-bit lane of each chunk (8 k per lane) */
     float *gsum;    /* [M][K/g padded to 16]: sum of quantized x per weight group (the zero term), zeros after */
 } prepared;
+
+/* A matrix's scales and zeros as stored: fp16 (the portable layout), or fp32 where fp16 would round them. */
+typedef struct {
+    const void *scale, *zero;
+    int f32;
+} wscales;
 
 static float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
@@ -100,11 +107,13 @@ T512 static inline float x_scale_512(__m512 a, __m512 c, float *inv) {
     return s;
 }
 
-/* fp16 [count] → fp32, zero-padded to a multiple of 16 (the kernels load 16 floats past a chunk's first group). */
-T512 static void halves_512(const uint16_t *h, int count, float *out) {
+/* Groups at..at+count of ``src`` (fp16 or fp32) → fp32, zero-padded to a multiple of 16 (the kernels load 16 floats
+   past a chunk's first group). */
+T512 static void widen_512(const void *src, int f32, size_t at, int count, float *out) {
     for (int j = 0; j < count; j += 16) {
         __mmask16 k = count - j >= 16 ? 0xffff : (__mmask16)((1u << (count - j)) - 1);
-        _mm512_storeu_ps(out + j, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, h + j)));
+        _mm512_storeu_ps(out + j, f32 ? _mm512_maskz_loadu_ps(k, (const float *)src + at + j)
+                                      : _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, (const uint16_t *)src + at + j)));
     }
 }
 
@@ -168,14 +177,14 @@ T512 static inline __attribute__((always_inline)) void tile_512(const uint8_t *w
 
 #define BLOCK 16 /* weight rows per task: their codes (K/2 bytes each) and an x tile stay in L1 */
 
-/* Rows n0..n1 of W against every x row, for one instruction set (HALVES, TILE, DOT: its helpers; CHUNK: codes
+/* Rows n0..n1 of W against every x row, for one instruction set (WIDEN, TILE, DOT: its helpers; CHUNK: codes
    per chunk): the block's scales and zeros converted once, then each x tile against every row of the block. */
-#define ROWS_BODY(HALVES, TILE, DOT, CHUNK)                                                                    \
+#define ROWS_BODY(WIDEN, TILE, DOT, CHUNK)                                                                     \
     const int groups = K / g, padded = (groups + 15) & ~15, gshift = __builtin_ctz(g), stride = K / 32 + 32;   \
     float sw[BLOCK * stride], zw[BLOCK * stride], out[MT];                                                     \
     for (int n = n0; n < n1; n++) {                                                                            \
-        HALVES(scale + (size_t)n * groups, groups, sw + (n - n0) * stride);                                    \
-        HALVES(zero + (size_t)n * groups, groups, zw + (n - n0) * stride);                                     \
+        WIDEN(w.scale, w.f32, (size_t)n * groups, groups, sw + (n - n0) * stride);                             \
+        WIDEN(w.zero, w.f32, (size_t)n * groups, groups, zw + (n - n0) * stride);                              \
     }                                                                                                          \
     for (int m0 = 0; m0 < M; m0 += MT) {                                                                       \
         int mt = M - m0 < MT ? M - m0 : MT;                                                                    \
@@ -194,15 +203,22 @@ T512 static inline __attribute__((always_inline)) void tile_512(const uint8_t *w
         }                                                                                                      \
     }
 
-T512 static void rows_512(const uint8_t *codes, const uint16_t *scale, const uint16_t *zero, int n0, int n1, int N,
+T512 static void rows_512(const uint8_t *codes, wscales w, int n0, int n1, int N,
                           int K, int g, const prepared *p, int M, float *y) {
-    ROWS_BODY(halves_512, tile_512, dot_512, 128)
+    ROWS_BODY(widen_512, tile_512, dot_512, 128)
 }
 
-T256 static void halves_256(const uint16_t *h, int count, float *out) {
+T256 static void widen_256(const void *src, int f32, size_t at, int count, float *out) {
     int j = 0;
-    for (; j + 8 <= count; j += 8) _mm256_storeu_ps(out + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + j))));
-    for (; j < count; j++) out[j] = half_to_float(h[j]);
+    if (f32) {
+        memcpy(out, (const float *)src + at, sizeof(float) * (size_t)count);
+        j = count;
+    } else {
+        const uint16_t *h = (const uint16_t *)src + at;
+        for (; j + 8 <= count; j += 8)
+            _mm256_storeu_ps(out + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + j))));
+        for (; j < count; j++) out[j] = half_to_float(h[j]);
+    }
     for (; j < ((count + 15) & ~15); j++) out[j] = 0.f;
 }
 
@@ -244,9 +260,9 @@ T256 static inline __attribute__((always_inline)) void tile_256(const uint8_t *w
     }
 }
 
-T256 static void rows_256(const uint8_t *codes, const uint16_t *scale, const uint16_t *zero, int n0, int n1, int N,
+T256 static void rows_256(const uint8_t *codes, wscales w, int n0, int n1, int N,
                           int K, int g, const prepared *p, int M, float *y) {
-    ROWS_BODY(halves_256, tile_256, dot_256, 64)
+    ROWS_BODY(widen_256, tile_256, dot_256, 64)
 }
 
 /* Prefill (several x rows): a register-tiled GEMM. Each 32-bit lane of a vector is one weight row, so a lane's
@@ -322,7 +338,7 @@ T512 static inline __attribute__((always_inline)) void transpose16_512(__m512i r
 }
 
 /* Rows n0..n0+15 (rows past N read as zero) into the scratch: words [K/8][16], scales and zeros [K/g][16] fp32. */
-T512 static void block_512(const uint8_t *codes, const uint16_t *scale, const uint16_t *zero, int n0, int N, int K,
+T512 static void block_512(const uint8_t *codes, wscales w, int n0, int N, int K,
                            int g, uint32_t *wt, float *swt, float *zwt) {
     const int words = K / 8, groups = K / g, valid = N - n0 < 16 ? N - n0 : 16;
     for (int j0 = 0; j0 < words; j0 += 16) {
@@ -332,18 +348,21 @@ T512 static void block_512(const uint8_t *codes, const uint16_t *scale, const ui
         transpose16_512(r);
         for (int j = 0; j < 16; j++) _mm512_storeu_si512(wt + (size_t)(j0 + j) * 16, r[j]);
     }
-    /* scales and zeros: each row's fp16 groups to fp32 (16 at a time), then 16 x 16 transposes into group-major */
+    /* scales and zeros: each row's groups to fp32 (16 at a time), then 16 x 16 transposes into group-major */
     for (int G0 = 0; G0 < groups; G0 += 16) {
         const int count = groups - G0 < 16 ? groups - G0 : 16;
         const __mmask16 k = (__mmask16)((1u << count) - 1);
         for (int which = 0; which < 2; which++) {
-            const uint16_t *src = which ? zero : scale;
+            const void *src = which ? w.zero : w.scale;
             float *dst = which ? zwt : swt;
             __m512i r[16];
-            for (int i = 0; i < 16; i++)
-                r[i] = i < valid ? _mm512_castps_si512(_mm512_cvtph_ps(
-                                       _mm256_maskz_loadu_epi16(k, src + (size_t)(n0 + i) * groups + G0)))
-                                 : _mm512_setzero_si512();
+            for (int i = 0; i < 16; i++) {
+                const size_t at = (size_t)(n0 + i) * groups + G0;
+                r[i] = i >= valid ? _mm512_setzero_si512()
+                       : w.f32    ? _mm512_maskz_loadu_epi32(k, (const float *)src + at)
+                                  : _mm512_castps_si512(_mm512_cvtph_ps(
+                                     _mm256_maskz_loadu_epi16(k, (const uint16_t *)src + at)));
+            }
             transpose16_512(r);
             for (int G = 0; G < count; G++) _mm512_storeu_si512(dst + (size_t)(G0 + G) * 16, r[G]);
         }
@@ -399,7 +418,7 @@ T512 static inline __attribute__((always_inline)) void gemm_tile_512(const uint3
     const int gshift = __builtin_ctz(g);                                                                       \
     for (int t = t0; t < t1; t++) {                                                                            \
         const int n0 = t * WIDTH;                                                                              \
-        BLOCK(codes, scale, zero, n0, N, K, g, wt, swt, zwt);                                                  \
+        BLOCK(codes, w, n0, N, K, g, wt, swt, zwt);                                                             \
         for (int m0 = 0; m0 < M; m0 += MT) {                                                                   \
             switch (M - m0 < MT ? M - m0 : MT) {                                                               \
             case 8: TILE(wt, swt, zwt, K, gshift, p, m0, 8 <= MT ? 8 : 1, y, N, n0); break;                   \
@@ -414,7 +433,7 @@ T512 static inline __attribute__((always_inline)) void gemm_tile_512(const uint3
         }                                                                                                      \
     }
 
-T512 static void gemm_rows_512(const uint8_t *codes, const uint16_t *scale, const uint16_t *zero, int t0, int t1,
+T512 static void gemm_rows_512(const uint8_t *codes, wscales w, int t0, int t1,
                                int N, int K, int g, const prepared_gemm *p, int M, float *y, uint32_t *wt,
                                float *swt, float *zwt) {
     GEMM_ROWS_BODY(block_512, gemm_tile_512, 16, MT_GEMM)
@@ -461,7 +480,7 @@ T256 static inline __attribute__((always_inline)) void transpose8_256(__m256i r[
     for (int i = 0; i < 8; i++) r[i] = t[i];
 }
 
-T256 static void block_256(const uint8_t *codes, const uint16_t *scale, const uint16_t *zero, int n0, int N, int K,
+T256 static void block_256(const uint8_t *codes, wscales w, int n0, int N, int K,
                            int g, uint32_t *wt, float *swt, float *zwt) {
     const int words = K / 8, groups = K / g, valid = N - n0 < 8 ? N - n0 : 8;
     for (int j0 = 0; j0 < words; j0 += 8) {
@@ -475,13 +494,16 @@ T256 static void block_256(const uint8_t *codes, const uint16_t *scale, const ui
     for (int G0 = 0; G0 < groups; G0 += 8) { /* as block_512: per row to fp32, then 8 x 8 transposes */
         const int count = groups - G0 < 8 ? groups - G0 : 8;
         for (int which = 0; which < 2; which++) {
-            const uint16_t *src = which ? zero : scale;
+            const void *src = which ? w.zero : w.scale;
             float *dst = which ? zwt : swt;
+            const size_t size = w.f32 ? 4 : 2;
             __m256i r[8];
             for (int i = 0; i < 8; i++) {
-                uint16_t h[8] = {0};
-                if (i < valid) memcpy(h, src + (size_t)(n0 + i) * groups + G0, 2 * (size_t)count);
-                r[i] = _mm256_castps_si256(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)));
+                union { uint16_t h[8]; float f[8]; } row = {{0}}; /* f: room for 8 fp32 groups, or h: 8 fp16 */
+                if (i < valid)
+                    memcpy(&row, (const char *)src + ((size_t)(n0 + i) * groups + G0) * size, size * (size_t)count);
+                r[i] = _mm256_castps_si256(w.f32 ? _mm256_loadu_ps(row.f)
+                                                 : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)row.h)));
             }
             transpose8_256(r);
             for (int G = 0; G < count; G++) _mm256_storeu_si256((__m256i *)(dst + (size_t)(G0 + G) * 8), r[G]);
@@ -535,7 +557,7 @@ T256 static inline __attribute__((always_inline)) void gemm_tile_256(const uint3
     }
 }
 
-T256 static void gemm_rows_256(const uint8_t *codes, const uint16_t *scale, const uint16_t *zero, int t0, int t1,
+T256 static void gemm_rows_256(const uint8_t *codes, wscales w, int t0, int t1,
                                int N, int K, int g, const prepared_gemm *p, int M, float *y, uint32_t *wt,
                                float *swt, float *zwt) {
     GEMM_ROWS_BODY(block_256, gemm_tile_256, 8, MT_GEMM_256)
@@ -543,7 +565,7 @@ T256 static void gemm_rows_256(const uint8_t *codes, const uint16_t *scale, cons
 
 /* The tiled GEMM for either instruction set: x prepared once, then each thread a contiguous run of row blocks
    (as schedule(static) would split them), with its own scratch for the block being multiplied. */
-static int gemm_tiled(const uint8_t *codes, const uint16_t *scale, const uint16_t *zero, int N, int K, int g,
+static int gemm_tiled(const uint8_t *codes, wscales w, int N, int K, int g,
                       const float *x, int M, float *y, int threads, int isa) {
     prepared_gemm p;
     const int width = isa == 2 ? 16 : 8, groups = K / g, tasks = (N + width - 1) / width;
@@ -572,9 +594,9 @@ static int gemm_tiled(const uint8_t *codes, const uint16_t *scale, const uint16_
                 int t0 = (int)((long)tasks * me / all), t1 = (int)((long)tasks * (me + 1) / all);
                 float *swt = (float *)(buf + words), *zwt = swt + width * (size_t)groups;
                 if (isa == 2)
-                    gemm_rows_512(codes, scale, zero, t0, t1, N, K, g, &p, M, y, (uint32_t *)buf, swt, zwt);
+                    gemm_rows_512(codes, w, t0, t1, N, K, g, &p, M, y, (uint32_t *)buf, swt, zwt);
                 else
-                    gemm_rows_256(codes, scale, zero, t0, t1, N, K, g, &p, M, y, (uint32_t *)buf, swt, zwt);
+                    gemm_rows_256(codes, w, t0, t1, N, K, g, &p, M, y, (uint32_t *)buf, swt, zwt);
                 free(buf);
             }
         }
@@ -601,10 +623,10 @@ int fe_int4_isa(void) {
 }
 
 /* fe_int4_gemm on fp32 x and y: the row kernel for few rows, the tiled GEMM from gemm_min_rows on. */
-static int gemm_f32(const uint8_t *codes, const uint16_t *scale, const uint16_t *zero, int N, int K, int g,
+static int gemm_f32(const uint8_t *codes, wscales w, int N, int K, int g,
                     const float *x, int M, float *y, int threads, int isa) {
     if (M >= (gemm_min_rows > 0 ? gemm_min_rows : isa == 2 ? 3 : 8))
-        return gemm_tiled(codes, scale, zero, N, K, g, x, M, y, threads, isa);
+        return gemm_tiled(codes, w, N, K, g, x, M, y, threads, isa);
     int chunk = isa == 2 ? 128 : 64;
     prepared p;
     p.q = malloc((size_t)M * K);
@@ -624,9 +646,9 @@ static int gemm_f32(const uint8_t *codes, const uint16_t *scale, const uint16_t 
     for (int t = 0; t < tasks; t++) {
         int n0 = t * block, n1 = n0 + block < N ? n0 + block : N;
         if (isa == 2)
-            rows_512(codes, scale, zero, n0, n1, N, K, g, &p, M, y);
+            rows_512(codes, w, n0, n1, N, K, g, &p, M, y);
         else
-            rows_256(codes, scale, zero, n0, n1, N, K, g, &p, M, y);
+            rows_256(codes, w, n0, n1, N, K, g, &p, M, y);
     }
     free(p.q); free(p.lane_sx); free(p.gsum);
     return 0;
@@ -653,7 +675,7 @@ static void f32_to_bf16(const float *in, size_t count, uint16_t *out) {
    x and y are fp32, or bf16 where x_bf16 / y_bf16 say so. Widening, padding and narrowing happen here in one pass,
    so a bf16 model pays no tensor conversions around each call. Returns 0, or -1 for shapes it does not take
    (K % 128, kx > K, g not 32/64/128) or an allocation failure. */
-int fe_int4_gemm(const uint8_t *codes, const uint16_t *scale, const uint16_t *zero, int N, int K, int g,
+int fe_int4_gemm(const uint8_t *codes, const void *scale, const void *zero, int scale_f32, int N, int K, int g,
                  const void *x, int x_bf16, int kx, int M, void *y, int y_bf16, int threads, int isa) {
     if (K % 128 || (g != 32 && g != 64 && g != 128) || kx <= 0 || kx > K || M <= 0 || N <= 0 || isa <= 0) return -1;
     const int copy = x_bf16 || kx != K;
@@ -669,7 +691,7 @@ int fe_int4_gemm(const uint8_t *codes, const uint16_t *scale, const uint16_t *ze
                 memcpy(row, (const float *)x + (size_t)m * kx, sizeof(float) * kx);
             memset(row + kx, 0, sizeof(float) * (size_t)(K - kx));
         }
-        rc = gemm_f32(codes, scale, zero, N, K, g, xf, M, yf, threads, isa);
+        rc = gemm_f32(codes, (wscales){scale, zero, scale_f32 != 0}, N, K, g, xf, M, yf, threads, isa);
         if (rc == 0 && y_bf16) f32_to_bf16(yf, (size_t)M * N, y);
     }
     if (copy) free(xf);
