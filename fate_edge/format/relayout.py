@@ -75,7 +75,7 @@ def relayout_store(src: str | Path, dst: str | Path, progress: bool = True) -> P
             (shutil.copytree if f.is_dir() else shutil.copy2)(f, tmp / f.name)
         for bits, old in todo.items():
             parts, nbytes = plan_parts(bits, old.spec, index["hidden_size"], index["moe_intermediate_size"], "portable")
-            new = replace(old, blob_bytes=nbytes, parts=parts, layout="portable")
+            new = replace(old, blob_bytes=nbytes, parts=parts, layout="portable", scale_dtype="float16")
             refs = sorted((r for r in store.refs.values() if r.bits == bits), key=lambda r: r.offset)
             out = DirectFile(tmp / new.file, new.slot_bytes)
             entries, t0 = [], time.perf_counter()

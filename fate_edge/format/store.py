@@ -35,7 +35,7 @@ FORMAT = "fate-edge-expert-store"
 FORMAT_VERSION = 1
 PART_ALIGN = 64
 MATRICES = ("gate", "up", "down")
-_DTYPES = {"uint8": torch.uint8, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPES = {"uint8": torch.uint8, "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def is_store(path: str | Path) -> bool:
@@ -52,10 +52,12 @@ class Part:
 
 
 # Blob layouts of quantized experts:
-#   portable  packed codes (low nibble first) + fp16 scale and zero per group: any device, any kernel.
+#   portable  packed codes (low nibble first) + scale and zero per group, fp16 (or fp32 where a source's own
+#             scales are exact only in fp32: a GGUF's q4_K): any device, any kernel.
 #   cpu-int4  torch's CPU int4 kernel layout (codes pre-packed by _convert_weight_to_int4pack_for_cpu,
 #             bf16 scale/zero pairs [K/g, N, 2]): same bytes, but decoding is a view, not a repack.
 LAYOUTS = ("portable", "cpu-int4")
+SCALE_DTYPES = {"portable": ("float16", "float32"), "cpu-int4": ("bfloat16",)}  # the first: a store's default
 
 
 @dataclass
@@ -66,6 +68,13 @@ class Precision:
     parts: list[Part]
     spec: QuantSpec | None  # None for bf16
     layout: str = "portable"
+    scale_dtype: str = ""  # of the scale and zero parts; "": the layout's default (what stores without it hold)
+
+    def __post_init__(self) -> None:
+        allowed = SCALE_DTYPES.get(self.layout, ("float16",))
+        self.scale_dtype = self.scale_dtype or allowed[0]
+        if self.scale_dtype not in allowed:
+            raise ValueError(f"the {self.layout} layout holds {' or '.join(allowed)} scales, not {self.scale_dtype}")
 
     @property
     def slot_bytes(self) -> int:
@@ -83,7 +92,7 @@ class Precision:
                 group_size=self.spec.group_size,
                 asymmetric=self.spec.asymmetric,
                 layout=self.layout,
-                scale_dtype="float16" if self.layout == "portable" else "bfloat16",
+                scale_dtype=self.scale_dtype,
             )
         return d
 
@@ -91,13 +100,20 @@ class Precision:
     def from_json(cls, d: dict[str, Any]) -> Precision:
         spec = QuantSpec(d["bits"], d["group_size"], d.get("asymmetric", True)) if d["bits"] < 16 else None
         parts = [Part(p["name"], p["offset"], p["nbytes"], p["dtype"], tuple(p["shape"])) for p in d["parts"]]
-        return cls(d["bits"], d["file"], d["blob_bytes"], parts, spec, d.get("layout", "portable"))
+        layout = d.get("layout", "portable")
+        return cls(d["bits"], d["file"], d["blob_bytes"], parts, spec, layout, d.get("scale_dtype", ""))
 
 
 def plan_parts(
-    bits: int, spec: QuantSpec | None, hidden: int, inter: int, layout: str = "portable"
+    bits: int,
+    spec: QuantSpec | None,
+    hidden: int,
+    inter: int,
+    layout: str = "portable",
+    scale_dtype: str = "float16",
 ) -> tuple[list[Part], int]:
-    """Byte layout of one expert blob at ``bits``."""
+    """Byte layout of one expert blob at ``bits``; ``scale_dtype``: of the portable layout's scales and zeros."""
+    scale_bytes = _DTYPES[scale_dtype].itemsize
     shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
     parts, off = [], 0
 
@@ -118,9 +134,9 @@ def plan_parts(
             add(f"{m}.scale_zero", "bfloat16", (k // spec.group_size, n, 2), 2)
         else:
             add(f"{m}.codes", "uint8", (n, k * spec.storage_bits // 8), 1)
-            add(f"{m}.scale", "float16", (n, k // spec.group_size), 2)
+            add(f"{m}.scale", scale_dtype, (n, k // spec.group_size), scale_bytes)
             if spec.asymmetric:
-                add(f"{m}.zero", "float16", (n, k // spec.group_size), 2)
+                add(f"{m}.zero", scale_dtype, (n, k // spec.group_size), scale_bytes)
     return parts, off
 
 
@@ -144,9 +160,10 @@ def encode_expert(
         else:
             q = mat if isinstance(mat, Quantized) else quantize_with(method, mat, precision.spec, work)
             tensors[f"{m}.codes"] = pack(q.codes, precision.spec.storage_bits)
-            tensors[f"{m}.scale"] = q.scale
+            scale_dtype = _DTYPES[precision.scale_dtype]  # fp32 scales (q4_K's) round here in an fp16 store
+            tensors[f"{m}.scale"] = q.scale.to(scale_dtype)
             if q.zero is not None:
-                tensors[f"{m}.zero"] = q.zero
+                tensors[f"{m}.zero"] = q.zero.to(scale_dtype)
     end = 0
     for p in sorted(precision.parts, key=lambda p: p.offset):
         raw = tensors[p.name].contiguous().view(-1).view(torch.uint8)
@@ -242,6 +259,23 @@ def _check_fields(d: object, spec: dict[str, type], where: str, index_path: Path
             )
 
 
+def _check_scale_dtype(d: dict, where: str, index_path: Path) -> None:
+    """A quantized precision's layout and scale dtype (absent in older stores: the layout's default)."""
+    layout = d.get("layout", "portable")
+    if layout not in SCALE_DTYPES:
+        raise ModelFormatError(
+            f"{index_path}: field {where}.layout is {layout!r}, not one of {', '.join(LAYOUTS)}; the store was "
+            "written by a newer fate-edge or is damaged, re-run fate-edge convert"
+        )
+    dtype = d.get("scale_dtype", SCALE_DTYPES[layout][0])
+    if dtype not in SCALE_DTYPES[layout]:
+        raise ModelFormatError(
+            f"{index_path}: field {where}.scale_dtype is {dtype!r}, not one of {', '.join(SCALE_DTYPES[layout])} "
+            f"(the {layout} layout's); the store was written by a newer fate-edge or is damaged, re-run fate-edge "
+            "convert"
+        )
+
+
 def _check_index(index: dict, index_path: Path) -> None:
     """Every field the store reads, with its type, so a damaged store.json is named, not an AttributeError."""
     _check_fields(index, _INDEX_FIELDS, "store", index_path)
@@ -254,6 +288,14 @@ def _check_index(index: dict, index_path: Path) -> None:
         )
         for i, part in enumerate(d["parts"]):
             _check_fields(part, _PART_FIELDS, f"precisions.{bits}.parts[{i}]", index_path)
+            if part["dtype"] not in _DTYPES:
+                raise ModelFormatError(
+                    f"{index_path}: field precisions.{bits}.parts[{i}].dtype is {part['dtype']!r}, not one of "
+                    f"{', '.join(_DTYPES)}; the store was written by a newer fate-edge or is damaged, re-run "
+                    "fate-edge convert"
+                )
+        if d["bits"] < 16:
+            _check_scale_dtype(d, f"precisions.{bits}", index_path)
     for bits, entries in index["experts"].items():
         if bits not in index["precisions"] or not isinstance(entries, list):
             raise ModelFormatError(
