@@ -28,11 +28,37 @@ _LAYER["self_attn.q_norm.weight"] = "attn_q_norm.weight"
 _LAYER["self_attn.k_norm.weight"] = "attn_k_norm.weight"
 
 
+def q4_k_blocks(x: np.ndarray) -> np.ndarray:
+    """``x`` [..., K] (K a multiple of 256) as q4_K blocks [..., K / 256 * 144] by a plain min/max rounding (gguf-py has
+    no q4_K quantizer; llama.cpp's searches its scales, but any valid blocks do here): per 32 weights a 6-bit scale
+    and min under the super-block's fp16 ``d`` and ``dmin``, ``w = d sc q - dmin m``."""
+    sub = x.astype(np.float32).reshape(-1, 8, 32)
+    n = sub.shape[0]
+    mins = -np.minimum(sub.min(-1), 0)  # ggml's mins are subtracted: m >= 0
+    scales = (sub.max(-1) + mins) / 15
+    d, dmin = (scales.max(-1) / 63).astype(np.float16), (mins.max(-1) / 63).astype(np.float16)
+    df, dmf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    sc = np.clip(np.round(scales / np.where(df > 0, df, 1)), 0, 63).astype(np.uint8)
+    m = np.clip(np.round(mins / np.where(dmf > 0, dmf, 1)), 0, 63).astype(np.uint8)
+    s, z = df * sc, dmf * m
+    q = np.clip(np.round((sub + z[..., None]) / np.where(s > 0, s, 1)[..., None]), 0, 15).astype(np.uint8)
+    packed_scales = np.concatenate(  # ggml's get_scale_min_k4, inverted
+        [sc[:, :4] | (sc[:, 4:] >> 4) << 6, m[:, :4] | (m[:, 4:] >> 4) << 6, (sc[:, 4:] & 0xF) | (m[:, 4:] & 0xF) << 4],
+        axis=1,
+    )
+    pairs = q.reshape(n, 4, 2, 32)  # per 64 weights: the first 32 in the low nibbles, the next 32 in the high
+    qs = (pairs[:, :, 0] | pairs[:, :, 1] << 4).reshape(n, 128)
+    blocks = np.concatenate([d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2), packed_scales, qs], 1)
+    return blocks.reshape(*x.shape[:-1], x.shape[-1] // 256 * 144)
+
+
 def _quantize(x: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     if qtype == GGMLQuantizationType.F32:
         return x.astype(np.float32)
     if qtype == GGMLQuantizationType.F16:
         return x.astype(np.float16)
+    if qtype == GGMLQuantizationType.Q4_K:
+        return q4_k_blocks(x)
     return quants.quantize(x.astype(np.float32), qtype)
 
 
@@ -87,7 +113,7 @@ def write_gguf(model_dir: Path, out: Path, experts: str = "Q4_0", resident: str 
         g.add_chat_template(template)
 
     def add(name: str, x: np.ndarray, qtype: GGMLQuantizationType) -> None:
-        if x.ndim < 2 or x.shape[-1] % 32:
+        if x.ndim < 2 or x.shape[-1] % (256 if qtype == GGMLQuantizationType.Q4_K else 32):
             qtype = GGMLQuantizationType.F32
         data = _quantize(x, qtype)
         g.add_tensor(

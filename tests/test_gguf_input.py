@@ -1,7 +1,6 @@
 """GGUF input without llama.cpp: the ``gguf`` package writes GGUFs of the bundled checkpoint (q4_0, q8_0 experts;
 f32 resident), fate-edge converts them, and the store equals one converted from the same weights quantized the same
-way (ggml's rounding): the same expert bytes, the same logits. q4_K blocks (gguf-py cannot write them) are built
-by hand and checked against the gguf package's own dequantizer."""
+way (ggml's rounding): the same expert bytes, the same logits. q4_K (gguf-py cannot write it): test_gguf_q4k.py."""
 
 from __future__ import annotations
 
@@ -12,12 +11,10 @@ import pytest
 import torch
 from _gguf_reference import reference_store
 from _gguf_writer import write_gguf
-from fate_edge.quant import QuantSpec, dequantize
 
 from fate_edge import Tokenizer
 from fate_edge.errors import ModelFormatError, UnsupportedArchitectureError
 from fate_edge.format.convert import ConvertOptions
-from fate_edge.format.gguf_blocks import to_quantized
 from fate_edge.format.gguf_convert import convert_gguf
 from fate_edge.format.store import ExpertStore
 from fate_edge.runtime.loader import load_model
@@ -73,30 +70,6 @@ def test_gguf_config_and_tokenizer_match_the_checkpoint(tmp_path, ggufs, bundled
     assert ours.eos_token_ids == theirs.eos_token_ids
     msgs = [{"role": "user", "content": "hi"}]
     assert ours.apply_chat_template(msgs) == theirs.apply_chat_template(msgs)
-
-
-def test_q4_k_blocks_keep_their_codes(tmp_path):
-    """Hand-made q4_K blocks (gguf-py has no q4_K quantizer): where d * sc and dmin * m are fp16 numbers the store
-    holds the very weights the gguf package dequantizes; elsewhere each group's scale and zero round once to fp16."""
-    from gguf import GGMLQuantizationType, quants
-
-    rng = np.random.default_rng(0)
-    rows, nb = 16, 2
-    raw = rng.integers(0, 256, (rows, nb, 144), dtype=np.uint8)
-    raw[..., 0:2] = np.full((rows, nb), 2.0**-8, np.float16).view(np.uint8).reshape(rows, nb, 2)  # d: a power of 2
-    raw[..., 2:4] = np.full((rows, nb), 2.0**-9, np.float16).view(np.uint8).reshape(rows, nb, 2)
-    raw = raw.reshape(rows, -1)
-    spec = QuantSpec(4, 32)
-    ref = quants.dequantize(raw, GGMLQuantizationType.Q4_K)
-    q = to_quantized("Q4_K", torch.from_numpy(raw), spec)
-    assert np.array_equal(dequantize(q, spec).numpy(), ref)
-    raw2 = raw.reshape(rows, nb, 144).copy()
-    raw2[..., 0:2] = (rng.random((rows, nb)) * 0.01).astype(np.float16).view(np.uint8).reshape(rows, nb, 2)
-    raw2 = raw2.reshape(rows, -1)
-    q2 = to_quantized("Q4_K", torch.from_numpy(raw2), spec)
-    err = np.abs(dequantize(q2, spec).numpy() - quants.dequantize(raw2, GGMLQuantizationType.Q4_K))
-    bound = (15 * q2.scale.float().abs() + q2.zero.float().abs()).numpy().repeat(32, 1) * 2.0**-11
-    assert (err <= bound + 1e-9).all()
 
 
 def _left_behind(directory) -> list[str]:
@@ -223,7 +196,6 @@ def test_our_header_parse_equals_the_gguf_packages(ggufs):
 
 def test_q4_0_and_q8_0_tensors_dequantize_as_the_gguf_package_does(ggufs):
     """The reader's torch path for q4_0 / q8_0 (through the exact block mapping) gives the package's floats."""
-    import numpy as np
     from gguf import quants
 
     from fate_edge.format.gguf_reader import GGUFFile

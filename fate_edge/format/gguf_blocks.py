@@ -8,8 +8,10 @@ the codes instead of rounding the weights again.
   (exact).
 - q4_K: 256-weight super-blocks of eight 32-weight sub-blocks; fp16 ``d`` and ``dmin`` and a 6-bit scale ``sc``
   and min ``m`` per sub-block, ``w = d sc q - dmin m``: group-32 int4 with scale ``d sc`` and zero
-  ``-dmin m``. The codes are exact; the store keeps scale and zero in fp16, so each product is rounded once to
-  fp16 (relative error at most 2^-11 of the group's scale; the kernels read fp16 scales).
+  ``-dmin m``, both in fp32, where they are exact (11 significant bits times 6). ggml computes ``(d sc) q - dmin m``
+  in fp32: ``(d sc) q`` is exact too (at most 21 bits), so its one rounding is the subtraction's, and
+  ``code * scale + zero`` rounds the same sum once: the same float, signed zeros included (x - y is x + (-y)).
+  The store keeps them exact in an fp32-scale precision (``gguf_convert``); an fp16 one rounds each product once.
 
 A 4-bit block fits an 8-bit store as it is (same scale and zero), so ``--bits 8`` keeps q4 codes exact too.
 """
@@ -22,6 +24,7 @@ from fate_edge.quant import Quantized, QuantSpec
 
 Q4_0, Q8_0, Q4_K = "Q4_0", "Q8_0", "Q4_K"
 SOURCE_BITS = {Q4_0: 4, Q8_0: 8, Q4_K: 4}  # the code width of each block type taken without rounding
+FP32_SCALES = (Q4_K,)  # block types whose scales and zeros are exact in fp32 only
 
 
 def exact_into(type_name: str, spec: QuantSpec) -> bool:
@@ -36,8 +39,8 @@ def exact_into(type_name: str, spec: QuantSpec) -> bool:
 
 
 def to_quantized(type_name: str, raw: torch.Tensor, spec: QuantSpec) -> Quantized:
-    """``raw`` uint8 [rows, bytes per row] of ``type_name`` blocks → codes [rows, K], fp16 scale and zero [rows, K/32]
-    in ``spec`` (which :func:`exact_into` accepts)."""
+    """``raw`` uint8 [rows, bytes per row] of ``type_name`` blocks → codes [rows, K], scale and zero [rows, K/32] in
+    ``spec`` (which :func:`exact_into` accepts): fp16 for q4_0 and q8_0, fp32 for q4_K (see the module's notes)."""
     if not exact_into(type_name, spec):
         raise ValueError(f"{type_name} blocks do not go into {spec} without rounding")
     rows = raw.shape[0]
@@ -59,8 +62,8 @@ def to_quantized(type_name: str, raw: torch.Tensor, spec: QuantSpec) -> Quantize
         sc, mn = k_scale_min(b[..., 4:16])  # [rows, nb, 8]
         qs = b[..., 16:].reshape(rows, -1, 4, 32)  # 4 chunks of 64 weights: low nibbles then high nibbles
         codes = torch.stack([qs & 0x0F, qs >> 4], dim=3)  # [rows, nb, 4, 2, 32]
-        scale = (d * sc.float()).to(torch.float16)
-        zero = (-(dmin * mn.float())).to(torch.float16)
+        scale = d * sc.float()  # exact in fp32, as ggml's own d * sc
+        zero = -(dmin * mn.float())
     else:  # unreachable: exact_into knows only the types above
         raise AssertionError(type_name)
     codes = codes.reshape(rows, -1)

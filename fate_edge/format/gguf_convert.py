@@ -4,9 +4,9 @@ The config and tokenizer come from the file's metadata (``gguf_config``, ``gguf_
 are dequantized into the store's dtype (``gguf_tensors``; ``--resident-bits`` quantizes them as for any model); each
 routed expert is sliced out of the stacked ``blk.N.ffn_{gate,up,down}_exps`` tensors and written as one blob per
 precision. Blocks that fit the streamed precision go in with their own codes (``gguf_blocks``: q4_0 and q8_0
-bit-exact, q4_K with fp16 scales); other types (q5_K, q6_K, ...) are dequantized as the ``gguf`` package does
-(``GGUFFile.dequantize``) and quantized again by ``--method``. Written atomically like every store: nothing is left
-at the target when it fails.
+bit-exact with fp16 scales, q4_K bit-exact with fp32 ones in the portable layout); other types (q5_K, q6_K, ...)
+are dequantized as the ``gguf`` package does (``GGUFFile.dequantize``) and quantized again by ``--method``. Written
+atomically like every store: nothing is left at the target when it fails.
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ from fate_edge.format.convert import (
     pick_group,
     write_store,
 )
-from fate_edge.format.gguf_blocks import SOURCE_BITS, exact_into, to_quantized
+from fate_edge.format.gguf_blocks import FP32_SCALES, SOURCE_BITS, exact_into, to_quantized
 from fate_edge.format.gguf_config import hf_config
 from fate_edge.format.gguf_reader import GGUFFile
 from fate_edge.format.gguf_tensors import GGUFCheckpoint, expert_tensor
 from fate_edge.format.gguf_tokenizer import tokenizer_files
-from fate_edge.format.store import MATRICES, Precision, encode_expert
+from fate_edge.format.store import MATRICES, Precision, encode_expert, plan_parts
 from fate_edge.model.arch import config_from_dict
 from fate_edge.model.experts import ExpertWeights
 
@@ -57,6 +57,17 @@ def default_bits(types: Counter) -> int:
 def resident_dtype(g: GGUFFile) -> str:
     """The store's float dtype: float32 for an F32 file (its embeddings in F32), else bfloat16."""
     return "float32" if g.info("token_embd.weight").type_name == "F32" else "bfloat16"
+
+
+def exact_scales(p: Precision, types: Counter, hidden: int, inter: int) -> Precision:
+    """``p`` with fp32 scale and zero parts where blocks whose scales are exact in fp32 only (q4_K) go in with their
+    own codes, in the portable layout (torch's layout holds bf16 whatever the store says). The precision's other
+    matrices (a q6_K down projection quantized again, with fp16 scales) are exact in fp32 too, at 2 bytes more per
+    group of 32."""
+    if p.spec is None or p.layout != "portable" or not any(t in FP32_SCALES and exact_into(t, p.spec) for t in types):
+        return p
+    parts, nbytes = plan_parts(p.bits, p.spec, hidden, inter, p.layout, "float32")
+    return replace(p, parts=parts, blob_bytes=nbytes, scale_dtype="float32")
 
 
 def convert_gguf(
@@ -97,7 +108,7 @@ def convert_gguf(
         opts = replace(opts, cold_group_size=pick_group(dims, opts.cold_group_size, "--cold-group", smallest=True))
     if opts.layout == "auto" and blocks:
         opts = replace(opts, layout="portable")  # torch's layout holds bf16 scales: the blocks' fp16 ones would round
-    precisions = _precisions(cfg, opts)
+    precisions = [exact_scales(p, types, *dims) for p in _precisions(cfg, opts)]
     if progress:
         exact = [t for t in types if any(p.spec is not None and exact_into(t, p.spec) for p in precisions)]
         again = [t for t in types if t not in exact and t not in FLOAT_TYPES]
