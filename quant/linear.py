@@ -7,7 +7,7 @@ Kernels, by preference:
 * ``ort-int4``: onnxruntime's ``MatMulNBits`` (``quant.ort``), 4 bits with integer zero points. It needs the
   float weights (it quantizes them in its own scheme), so only weights quantized in memory can take it.
 * ``native-int4``: fate-edge's own kernel (``quant.native``): int8 dot products on the portable layout (packed
-  codes, fp16 scale and zero), built on first use with the system C compiler; the default for stored codes on
+  codes, fp16 or fp32 scale and zero), built on first use with the system C compiler; the default for stored codes on
   AVX512-VNNI CPUs, where it is ~1.9x torch's kernel at one row. x is quantized to int8 per 32 values, as
   llama.cpp and onnxruntime do, which adds ~0.5% relative error to the weights' own.
 * ``dequant``: unpack, ``codes * scale + zero``, then a plain matmul: any bit width, any device.
@@ -220,7 +220,8 @@ def int4_kernel_layout(
         codes = q.codes.to(device=device, dtype=torch.int32) + shift
         packed = torch._convert_weight_to_int4pack((codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8), _INT4_TILES)
     # tinygemm dequantizes (c' - 8) * scale + zero' with c' = c + shift; ours is c * scale + zero,
-    # so zero' = zero + (8 - shift) * scale.
+    # so zero' = zero + (8 - shift) * scale. Its kernels take bf16 pairs: fp16 or fp32 scales (a GGUF's exact
+    # q4_K ones) round here; the native kernel and dequantize-then-matmul read them as stored.
     scale = q.scale.float()
     sz = torch.stack([scale, q.zero.float() + (8 - shift) * scale], dim=-1)  # [N, K/g, 2]
     return packed, sz.transpose(0, 1).contiguous().to(device=device, dtype=torch.bfloat16)

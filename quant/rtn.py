@@ -23,8 +23,8 @@ __all__ = ["Quantized", "bytes_per_weight", "dequantize", "pack", "quantize", "u
 
 class Quantized(NamedTuple):
     codes: torch.Tensor  # uint8 [..., K], one unpacked code per weight
-    scale: torch.Tensor  # float16 [..., K / group_size]
-    zero: torch.Tensor | None  # float16 [..., K / group_size]; None for symmetric specs
+    scale: torch.Tensor  # float16 [..., K / group_size] (float32 where a source's scales need it: GGUF q4_K)
+    zero: torch.Tensor | None  # as scale; None for symmetric specs
 
 
 def _fp16_round(x: torch.Tensor, up: bool) -> torch.Tensor:
