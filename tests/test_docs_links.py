@@ -119,3 +119,27 @@ def test_each_generated_table_has_its_own_results_file():
     for page in PAGES:
         if page.parent.name != "results":
             assert not MARKER.search(page.read_text()), f"{page.name} holds generated-table markers"
+
+
+SCRIPT_PATH = re.compile(r"(?<![\w/.-])scripts/[\w/.-]+\.(?:py|sh)\b")
+
+
+def missing_scripts(text: str, root: Path = ROOT) -> list[str]:
+    """Each ``scripts/...py|sh`` path named in ``text`` (commands in code spans and blocks included) that the
+    repository does not have: a command a reader copies must run."""
+    return sorted({p for p in SCRIPT_PATH.findall(text) if not (root / p).exists()})
+
+
+# docs/results tables record the command of the run that made them, with its commit: a record, not a recipe
+@pytest.mark.parametrize(
+    "page", [p for p in PAGES if p.parent.name != "results"], ids=lambda p: str(p.relative_to(ROOT))
+)
+def test_every_script_a_page_names_exists(page):
+    assert missing_scripts(page.read_text()) == []
+
+
+def test_a_moved_script_is_reported(tmp_path):
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "here.sh").write_text("")
+    text = "`bash scripts/here.sh` then `python scripts/gone.py --x` and fate_edge/scripts/not_ours.py"
+    assert missing_scripts(text, tmp_path) == ["scripts/gone.py"]

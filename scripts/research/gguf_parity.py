@@ -2,7 +2,7 @@
 
     python scripts/research/gguf_parity.py MODEL_DIR [--rounds 5] [--results]
 
-MODEL_DIR is a checkpoint from ``scripts/make_synthetic_model.py`` (the issue's: ``--like qwen1.5-moe-a2.7b
+MODEL_DIR is a checkpoint from ``fate-edge synth`` (the issue's: ``--like qwen1.5-moe-a2.7b
 --layers 2``). Its q4_0 GGUF is made by llama.cpp's own converter (bf16) and quantizer (``fate_edge.bench.gguf``),
 then, each in a fresh process:
 
@@ -278,7 +278,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     synth = model / "synthetic.json"
     res: dict = {
-        "model": f"{model.name}: scripts/make_synthetic_model.py "
+        "model": f"{model.name}: fate-edge synth "
         f"{json.loads(synth.read_text())['options'] if synth.exists() else '(not synthetic)'}",
         "cpu": f"{cpu_model()} ({os.cpu_count()} cores, shared)",
         "threads": args.threads,
