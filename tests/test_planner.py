@@ -185,3 +185,28 @@ def test_the_runtime_engine_leaves_auto_to_the_planning_layer(tmp_path, bundled_
     store = convert(bundled_dir, tmp_path / "s", ConvertOptions(bits=4, keep_bf16=False), progress=False)
     with pytest.raises(FateEdgeError, match="fate_edge.Engine"):
         RuntimeEngine(store, "2MB", "auto")
+
+
+def test_stalls_slow_the_compute_after_them_by_the_measured_drag():
+    ids = _trace()
+    costs = HostCosts(0.002)
+    plain = simulate(ids, None, PRESETS["load-on-demand-int4"], 0, 1000, LINK, costs, E, len(LAYERS))
+    dragged = simulate(
+        ids, None, PRESETS["load-on-demand-int4"], 0, 1000, LINK, HostCosts(0.002, stall_drag=0.5), E, len(LAYERS)
+    )
+    assert dragged.stall_s == pytest.approx(plain.stall_s)  # the wait itself is unchanged...
+    assert dragged.total_s == pytest.approx(plain.total_s + 0.5 * plain.stall_s)  # ...the compute after it is not
+
+
+def test_stall_drag_is_the_line_through_two_probes():
+    from fate_edge.planning.planner import stall_drag
+
+    # compute 10 ms + 0.3 s per s of stall, seen at 20 ms and at 40 ms of stall per token
+    per_token, drag = stall_drag([(0.040, 0.022), (0.020, 0.016)], fallback=0.5)
+    assert drag == pytest.approx(0.3) and per_token == pytest.approx(0.010)
+    # stalls too close to tell a slope, or compute falling with stall: the fallback and no drag
+    assert stall_drag([(0.020, 0.016), (0.021, 0.030)], fallback=0.5) == (0.5, 0.0)
+    assert stall_drag([(0.020, 0.016), (0.040, 0.012)], fallback=0.5) == (0.5, 0.0)
+    # a steep line from two noisy probes is capped: compute without stall keeps half the smaller measured one
+    per_token, drag = stall_drag([(0.020, 0.010), (0.030, 0.030)], fallback=0.5)
+    assert per_token == pytest.approx(0.005) and drag == pytest.approx(0.25)

@@ -61,6 +61,7 @@ def merge_runs(parts: list[dict], decode_len: int) -> dict[str, Any]:
     out["median"] = summarize_runs(out["runs"], decode_len)
     out["peak_rss_bytes"] = max(p["peak_rss_bytes"] for p in parts)
     out["wall_s"] = sum(p["wall_s"] for p in parts)
+    out["load_averages"] = [p["load_average"] for p in parts if p.get("load_average")]  # one per round
     layers: dict[str, dict[str, list[int]]] = {}
     for p in parts:
         for phase, per_layer in p["per_layer"].items():

@@ -256,6 +256,26 @@ def probe_engine(
     return run
 
 
+def probe_point(run: ProbeRun) -> tuple[float, float]:
+    """A probe's (stall, compute) per decode token, mean over its tokens; compute leaves out the predictor's time
+    (charged apart, as ``predict_s``)."""
+    n = max(1, run.tokens)
+    return run.stall_s / n, ((run.compute_sum_s or run.compute_s) - run.predict_s) / n
+
+
+def stall_drag(points: list[tuple[float, float]], fallback: float) -> tuple[float, float]:
+    """Compute per token with no stall, and the extra compute per second of stall, from (stall, compute) per token
+    of two probe runs: the line through both. Where their stalls are too close to tell a slope (under 2 ms or 20%
+    apart), or compute does not grow with stall, (``fallback``, 0). The slope is capped so that compute with no
+    stall is at least half the smaller measured one: two short probes on a shared host give no more evidence."""
+    (s1, c1), (s2, c2) = sorted(points)
+    if s2 - s1 < max(2e-3, 0.2 * s2) or c2 <= c1:
+        return fallback, 0.0
+    floor = 0.5 * min(c1, c2)
+    slope = min((c2 - c1) / (s2 - s1), (c1 - floor) / s1 if s1 > 0 else float("inf"))
+    return c1 - slope * s1, slope
+
+
 def measure_host_costs(
     store_dir,
     budget: int,
@@ -269,19 +289,22 @@ def measure_host_costs(
     direct_io: bool | None = None,
     predictor_probe: bool = True,
     resident_bits: int | None = None,
+    preset: PolicyConfig | None = None,
 ) -> tuple[HostCosts, LinkSpec, PlanTrace | None]:
     """The simulator's constants for this host and a decode trace, from probe runs of the engine under
     ``budget``: an LRU cache without prediction decoding ``decode_tokens`` tokens after ``token_ids`` (all
     reads are demand reads, so what is not stalling or decoding blobs is compute; its routing is the
-    trace), then the predictor's policy for a few tokens (the predictor's per-layer cost; skipped, with no
-    predictor cost, when ``predictor_probe`` is False). Without
+    trace); then ``preset`` (the device's preset) for up to 32 tokens, whose stall differs from the LRU probe's: the
+    two give compute as a function of stall (:func:`stall_drag`), and a preset with a predictor its cost; then,
+    where no predictor cost was measured yet, the predictor's policy for a few tokens (skipped, with no predictor
+    cost, when ``predictor_probe`` is False). Without
     ``link`` the disk is read with O_DIRECT and its bandwidth is the one measured. ``progress`` is told
     before each probe. ``resident_bits``: the probes' resident linears quantized (8 or 4)."""
     from fate_edge.model.arch import load_config
 
     say = progress or (lambda message: None)
     moe_layers = len(load_config(store_dir).moe_layers)
-    say(f"probe 1/2: {decode_tokens} tokens with an LRU cache and no prediction (compute, reads, routing)")
+    say(f"probe 1/3: {decode_tokens} tokens with an LRU cache and no prediction (compute, reads, routing)")
     base = probe_engine(
         store_dir,
         budget,
@@ -301,21 +324,36 @@ def measure_host_costs(
     # host's hiccups lengthen as much in the planned run as in the probe (a median-based compute predicted
     # every pick faster than measured on a loaded host).
     compute = (base.compute_sum_s or base.compute_s) / max(1, base.tokens) / moe_layers
-    # Ungated, so the predictor runs on every layer call and its cost per call is what is measured.
-    predict_s = 0.0
-    if predictor_probe:
-        say("probe 2/2: a few tokens with the predictor on every layer (its cost)")
-        pred = probe_engine(
+    predict_s, drag = 0.0, 0.0
+
+    def probe(policy: PolicyConfig, tokens: int) -> ProbeRun:
+        return probe_engine(
             store_dir,
             budget,
-            (predictor_policy or PRESETS["fate-edge"]).with_(prefetch_gate=False),
+            policy,
             link,
             token_ids,
             dtype,
+            tokens=tokens,
             workers=workers,
             direct_io=direct_io,
             resident_bits=resident_bits,
         )
+
+    if preset is not None:
+        # The preset at its own stall level (it caches and prefetches; the LRU probe waits on every miss): compute
+        # per token as the line through both runs' (stall, compute) (stall_drag). Ungated, so a predictor runs on
+        # every layer call and its cost per call is measured too.
+        say(f"probe 2/3: {min(32, decode_tokens)} tokens of the preset (compute at its stall level)")
+        pre = probe(preset.with_(prefetch_gate=False), min(32, decode_tokens))
+        per_token, drag = stall_drag([probe_point(base), probe_point(pre)], compute * moe_layers)
+        compute = per_token / moe_layers
+        if pre.predict_s > 0:
+            predict_s = pre.predict_s / max(1, pre.tokens) / moe_layers
+    if predictor_probe and predict_s == 0.0:
+        # Ungated, so the predictor runs on every layer call and its cost per call is what is measured.
+        say("probe 3/3: a few tokens with the predictor on every layer (its cost)")
+        pred = probe((predictor_policy or PRESETS["fate-edge"]).with_(prefetch_gate=False), 16)
         predict_s = pred.predict_s / max(1, pred.tokens) / moe_layers
     costs = HostCosts(
         layer_compute_s=max(1e-6, compute),
@@ -324,6 +362,7 @@ def measure_host_costs(
         consume_s=base.consume_s / reads if base.reads else 0.0,
         contention=contention,
         expert_s=base.expert_s,
+        stall_drag=drag,
     )
     if link is None:
         bw = base.bytes_read / base.read_s if base.read_s > 0 else 1e9
@@ -556,6 +595,7 @@ def auto_plan(
     from fate_edge.tokenizer import Tokenizer
 
     ids = token_ids or sample_token_ids(Tokenizer(store_dir))
+    presets = preset_candidates(device, store_dir, resident_bits)
     costs, link, trace = measure_host_costs(
         store_dir,
         budget,
@@ -567,6 +607,7 @@ def auto_plan(
         progress=progress,
         direct_io=direct_io,
         resident_bits=resident_bits,
+        preset=presets[0],
     )
     store = ExpertStore(store_dir)
     bits = PRESETS["fate-edge"].bits
@@ -584,7 +625,6 @@ def auto_plan(
             f"simulating candidate policies over the recorded routing (simulator off by {100 * margin:.1f}% "
             "on the probe)"
         )
-    presets = preset_candidates(device, store_dir, resident_bits)
     return plan(trace, budget, expert, slot, link, costs, start=presets[0], presets=presets, margin=margin)
 
 

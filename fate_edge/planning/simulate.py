@@ -56,12 +56,18 @@ class HostCosts:
     # cached experts are computed while they travel (the scheduler yields them first), so these hide part of the
     # first read. 0: nothing overlaps (all of a layer's compute before its reads or after them).
     expert_s: float = 0.0
+    # Compute slowed by waiting: seconds of extra compute per second of stall. After the main thread sleeps on a
+    # read its OpenMP team has gone to sleep too, and the cores and caches it computes on have gone cold; on a
+    # 2-vCPU host a token computes up to 2x slower in a stall-heavy run than in a stall-free one. Measured from
+    # two probes at different stall levels (planner.stall_drag); 0: compute does not depend on stalls.
+    stall_drag: float = 0.0
 
     def describe(self) -> str:
         return (
             f"{self.layer_compute_s * 1e3:.3f} ms compute per layer ({self.expert_s * 1e3:.3f} ms per routed "
             f"expert), {self.predict_s * 1e3:.3f} ms predicting, per read {self.read_cpu_s * 1e3:.3f} ms reader "
-            f"CPU (x{self.contention:.2f} contention) + {self.consume_s * 1e3:.3f} ms decode"
+            f"CPU (x{self.contention:.2f} contention) + {self.consume_s * 1e3:.3f} ms decode, "
+            f"+{self.stall_drag:.2f} s compute per s of stall"
         )
 
 
@@ -234,7 +240,7 @@ def simulate(
                 wait = max(0.0, a - cpu)
                 cpu += wait + costs.consume_s + costs.expert_s
                 stall += wait + costs.consume_s
-            clock += stall
+            clock += stall * (1 + costs.stall_drag)  # the wait, and the slower compute after it
             r.stall_s += stall
             width, predict = base_width, predictions is not None
             if gate is not None:
@@ -304,7 +310,7 @@ def one_hot(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
 def scale_costs(costs: HostCosts, factor: float) -> HostCosts:
     """``costs`` on a timeline ``factor`` times as long: device-faithful emulation (planning/emulation.py) runs
     the device's timeline k times slower on this host, so ``factor`` = 1 / k turns costs measured under emulation
-    into the device's. ``contention`` is a share, not a time, and stays."""
+    into the device's. ``contention`` and ``stall_drag`` are shares, not times, and stay."""
     return dataclasses.replace(
         costs,
         layer_compute_s=costs.layer_compute_s * factor,

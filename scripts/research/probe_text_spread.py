@@ -22,12 +22,12 @@ import time
 from pathlib import Path
 
 import torch
+from fate_edge.devices.link import ThrottledLink
 
 from fate_edge.bench.publish import add_results_arg, publish
 from fate_edge.bench.scale import cpu_model
 from fate_edge.bench.threads import load_average
 from fate_edge.corpus import is_heldout, stdlib_files
-from fate_edge.devices.link import ThrottledLink
 from fate_edge.format.store import ExpertStore
 from fate_edge.planning.emulation import calibrate
 from fate_edge.planning.plan_presets import preset_candidates
@@ -58,8 +58,7 @@ def decode_tps(store: Path, budget: int, policy, em, ids: list[int], decode_toke
     eng = Engine(store, budget, policy, link=ThrottledLink(em.emulated), direct_io=em.direct_io)
     try:
         times = [
-            time.perf_counter()
-            for _ in eng.stream(ids, GenerateConfig(max_tokens=decode_tokens + 1, ignore_eos=True))
+            time.perf_counter() for _ in eng.stream(ids, GenerateConfig(max_tokens=decode_tokens + 1, ignore_eos=True))
         ]
     finally:
         eng.close()
