@@ -210,3 +210,27 @@ def test_stall_drag_is_the_line_through_two_probes():
     # a steep line from two noisy probes is capped: compute without stall keeps half the smaller measured one
     per_token, drag = stall_drag([(0.020, 0.010), (0.030, 0.030)], fallback=0.5)
     assert per_token == pytest.approx(0.005) and drag == pytest.approx(0.25)
+
+
+def test_engine_plans_on_the_sample_it_is_given(tmp_path, bundled_dir, monkeypatch):
+    from fate_edge import Engine, Tokenizer
+    from fate_edge.errors import FateEdgeError
+    from fate_edge.format.convert import ConvertOptions, convert
+    from fate_edge.planning import auto
+
+    store = convert(bundled_dir, tmp_path / "s", ConvertOptions(bits=4, keep_bf16=False), progress=False)
+    seen = []
+    real = auto.auto_plan
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(auto, "auto_plan", spy)
+    sample = "for name in sorted(os.listdir(root)):\n    print(name)\n"
+    with Engine(store, "2MB", plan="auto", plan_sample=sample) as e:
+        assert e.planned is not None
+    ids = Tokenizer(store).encode(sample)
+    assert seen[0]["token_ids"] == ids and seen[0]["prompt_tokens"] == len(ids)
+    with pytest.raises(FateEdgeError, match="plan_sample is empty"):
+        Engine(store, "2MB", plan="auto", plan_sample="")

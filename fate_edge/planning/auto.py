@@ -20,9 +20,11 @@ class Engine(runtime_engine.Engine):
     """A model store served under a memory budget (:class:`fate_edge.runtime.engine.Engine`), whose policy may be
     left to the planner."""
 
-    def __init__(self, *args: Any, plan: str | None = None, **kwargs: Any):
+    def __init__(self, *args: Any, plan: str | None = None, plan_sample: str | list[int] | None = None, **kwargs: Any):
         """The arguments of :class:`fate_edge.runtime.engine.Engine`; ``policy="auto"`` or ``plan="auto"``: the
-        planner picks the policy (its choice, prediction included, is ``self.planned``)."""
+        planner picks the policy (its choice, prediction included, is ``self.planned``). ``plan_sample``: a prompt
+        like the ones this engine will serve (text or token ids), which the planner probes instead of its own sample
+        text: one request's speed depends on its text (docs/planner.md), so the prediction is for text like it."""
         if plan not in (None, "auto"):
             raise FateEdgeError(f"plan must be 'auto' or None, not {plan!r}")
         given = _PARAMS.bind(self, *args, **kwargs)
@@ -36,12 +38,21 @@ class Engine(runtime_engine.Engine):
                     f"{a['store_dir']}: not an expert store; create one with `fate-edge convert MODEL OUT`"
                 )
             dtype, link = a["dtype"], a["link"]
+            ids = None
+            if plan_sample is not None:
+                from fate_edge.tokenizer import Tokenizer
+
+                ids = Tokenizer(a["store_dir"]).encode(plan_sample) if isinstance(plan_sample, str) else plan_sample
+                if not ids:
+                    raise FateEdgeError("plan_sample is empty: give a prompt like the ones this engine will serve")
             planned = auto_plan(
                 a["store_dir"],
                 parse_bytes(a["memory_budget"]),
                 link.spec if link else None,
                 dtype=DTYPES[dtype] if isinstance(dtype, str) else dtype,
                 workers=a["workers"],
+                token_ids=ids,
+                prompt_tokens=len(ids) if ids else 64,
             )
             a["policy"] = planned.policy
         super().__init__(**a)

@@ -51,14 +51,17 @@ def rows(bench: dict) -> list[dict]:
                 "picks": picks,
                 "load": [a[0] for a in r.get("load_averages", [])],
                 "date": bench["date"],
+                "commit": bench.get("commit"),
             }
         )
     return sorted(out, key=lambda r: r["budget"])
 
 
 def table(all_rows: list[dict], cpu: str) -> str:
+    runs = sorted({f"{r['date'][:16]} (commit {r['commit']})" for r in all_rows})
     lines = [
-        f"CPU: {cpu}, 2 torch threads; raw host decode tok/s (device-equivalent = raw x k), 128-token prompt + 48 "
+        f"Runs: {', '.join(runs)}. CPU: {cpu}, 2 torch threads; "
+        "raw host decode tok/s (device-equivalent = raw x k), 128-token prompt + 48 "
         "greedy tokens, medians of 3 rounds (each in a fresh process); the planner plans for the measured request.",
         "",
         "| device | budget | `fate-edge` measured | `auto` measured | auto / preset | `auto`'s pick | predicted "
