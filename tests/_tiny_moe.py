@@ -69,6 +69,33 @@ def build_tiny_moe(out: Path, seed: int = 0, top_k: int = 2, expert_dim: int = 1
     return out
 
 
+def build_wide_moe(out: Path, width: int, vocab: int = VOCAB) -> Path:
+    """A 2-layer Qwen2-MoE checkpoint (4 experts, top-2) whose hidden and expert width is ``width``: wide enough for
+    the kernels and block formats that need whole groups (the native int4 kernel: 128; q4_K super-blocks: 256)."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    cfg = Qwen2MoeConfig(
+        vocab_size=vocab,
+        hidden_size=width,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=width,
+        shared_expert_intermediate_size=128,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    Qwen2MoeForCausalLM(cfg).save_pretrained(out)
+    build_tokenizer(out)
+    return out
+
+
 def write_training_log(out: Path) -> None:
     """A small training_log.json in the format scripts/train_tiny_moe.py writes."""
     log = [

@@ -85,6 +85,7 @@ def test_policy_auto_reports_probes_pick_and_predicted_speed(monkeypatch, capsys
     assert main(["run", "--policy", "auto", "--memory-budget", "4MB", "--max-tokens", "2", "def "]) == 0
     err = capsys.readouterr().err
     assert calls and calls[0] is not None
+    # the LRU probe and the host preset's (which runs the predictor): two probes, numbered
     assert "[planner] probe 1/2" in err and "[planner] probe 2/2" in err and "simulating" in err
     assert "[planner] picked" in err and "decode tok/s" in err and "policy planned" in err
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from _gguf_writer import q4_k_blocks, write_gguf
-from _tiny_moe import VOCAB, build_tiny_moe, build_tokenizer
+from _tiny_moe import build_tiny_moe, build_wide_moe
 from fate_edge.quant import Quantized, QuantSpec, dequantize
 from gguf import GGMLQuantizationType, quants
 
@@ -57,27 +57,7 @@ def test_q4_k_blocks_dequantize_to_the_packages_floats():
 
 def _q4_k_model(out):
     """A 2-layer Qwen2-MoE checkpoint whose expert rows are whole q4_K super-blocks (hidden and expert width 256)."""
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
-
-    cfg = Qwen2MoeConfig(
-        vocab_size=VOCAB,
-        hidden_size=256,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=256,
-        shared_expert_intermediate_size=128,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    torch.manual_seed(0)
-    Qwen2MoeForCausalLM(cfg).save_pretrained(out)
-    build_tokenizer(out)
+    build_wide_moe(out, 256)
     (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
     return out
 

@@ -264,29 +264,9 @@ def test_onnxruntime_is_not_a_candidate_where_native_takes_the_shape():
 
 def _native_shaped_model(out):
     """A 2-layer Qwen2-MoE checkpoint whose expert matrices the native kernel takes (hidden and expert width 128)."""
-    from _tiny_moe import build_tokenizer
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+    from _tiny_moe import build_wide_moe
 
-    cfg = Qwen2MoeConfig(
-        vocab_size=1024,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=128,
-        shared_expert_intermediate_size=128,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    torch.manual_seed(0)
-    Qwen2MoeForCausalLM(cfg).save_pretrained(out)
-    build_tokenizer(out)
-    return out
+    return build_wide_moe(out, 128, vocab=1024)
 
 
 def test_streamed_experts_compute_on_the_native_kernel(tmp_path, monkeypatch):

@@ -304,7 +304,9 @@ def measure_host_costs(
 
     say = progress or (lambda message: None)
     moe_layers = len(load_config(store_dir).moe_layers)
-    say(f"probe 1/3: {decode_tokens} tokens with an LRU cache and no prediction (compute, reads, routing)")
+    # The probes this call runs: the LRU one; the preset's; the predictor's, where the preset runs none.
+    total = 1 + (preset is not None) + (predictor_probe and (preset is None or preset.predictor is None))
+    say(f"probe 1/{total}: {decode_tokens} tokens with an LRU cache and no prediction (compute, reads, routing)")
     base = probe_engine(
         store_dir,
         budget,
@@ -344,7 +346,7 @@ def measure_host_costs(
         # The preset at its own stall level (it caches and prefetches; the LRU probe waits on every miss): compute
         # per token as the line through both runs' (stall, compute) (stall_drag). Ungated, so a predictor runs on
         # every layer call and its cost per call is measured too.
-        say(f"probe 2/3: {min(32, decode_tokens)} tokens of the preset (compute at its stall level)")
+        say(f"probe 2/{total}: {min(32, decode_tokens)} tokens of the preset (compute at its stall level)")
         pre = probe(preset.with_(prefetch_gate=False), min(32, decode_tokens))
         per_token, drag = stall_drag([probe_point(base), probe_point(pre)], compute * moe_layers)
         compute = per_token / moe_layers
@@ -352,7 +354,7 @@ def measure_host_costs(
             predict_s = pre.predict_s / max(1, pre.tokens) / moe_layers
     if predictor_probe and predict_s == 0.0:
         # Ungated, so the predictor runs on every layer call and its cost per call is what is measured.
-        say("probe 3/3: a few tokens with the predictor on every layer (its cost)")
+        say(f"probe {total}/{total}: a few tokens with the predictor on every layer (its cost)")
         pred = probe((predictor_policy or PRESETS["fate-edge"]).with_(prefetch_gate=False), 16)
         predict_s = pred.predict_s / max(1, pred.tokens) / moe_layers
     costs = HostCosts(
