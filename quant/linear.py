@@ -7,9 +7,9 @@ Kernels, by preference:
 * ``ort-int4``: onnxruntime's ``MatMulNBits`` (``quant.ort``), 4 bits with integer zero points. It needs the
   float weights (it quantizes them in its own scheme), so only weights quantized in memory can take it.
 * ``native-int4``: fate-edge's own kernel (``quant.native``): int8 dot products on the portable layout (packed
-  codes, fp16 or fp32 scale and zero), built on first use with the system C compiler; the default for stored codes on
-  AVX512-VNNI CPUs, where it is ~1.9x torch's kernel at one row. x is quantized to int8 per 32 values, as
-  llama.cpp and onnxruntime do, which adds ~0.5% relative error to the weights' own.
+  codes, fp16 or fp32 scale and zero), built on first use with the system C compiler; the default for stored codes
+  wherever it runs (AVX512-VNNI: ~1.9x torch's kernel at one row; AVX2: 1.8-3.2x at 1-128 rows). x is quantized
+  to int8 per 32 values, as llama.cpp and onnxruntime do, which adds ~0.5% relative error to the weights' own.
 * ``dequant``: unpack, ``codes * scale + zero``, then a plain matmul: any bit width, any device.
 The choice per (bits, shape, device) is recorded in :data:`KERNEL_CHOICES` so benchmarks can report it;
 :meth:`QuantizedLinear.from_float` picks among the kernels that apply by timing them once per shape and
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from fate_edge.quant.native import NativeInt4, native_isa, native_supports
+from fate_edge.quant.native import NativeInt4, native_is_default, native_supports
 from fate_edge.quant.ort import OrtMatMul, ort_available
 from fate_edge.quant.pack import pack, unpack
 from fate_edge.quant.rtn import Quantized, dequantize, quantize
@@ -273,15 +273,16 @@ def _block_pack(codes: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def default_kernel(shape: tuple[int, int], spec: QuantSpec, device: torch.device | str, copies: bool = False) -> str:
-    """The kernel codes get without timing: native-int4 on AVX512-VNNI CPUs (measured ~1.9x torch-int4 at one row,
-    ~1.3x at 8 with its row kernel, 2-3x from 8 rows on with its tiled GEMM), else torch's int4 kernel where it takes
+    """The kernel codes get without timing: native-int4 where it runs (AVX512-VNNI: measured ~1.9x torch-int4 at
+    one row, ~1.3x at 8 with its row kernel, 2-3x from 8 rows on with its tiled GEMM; AVX2: 1.8-3.2x at 1-128
+    rows), else torch's int4 kernel where it takes
     the shape, else dequantize-then-matmul. ``copies``: the codes are a fresh copy (quantized in memory, not views
     of a stored blob), so native may pad a K that is not a multiple of 128."""
     device = torch.device(device)
     if (
         device.type == "cpu"
         and spec.bits <= 4
-        and native_isa() == "avx512-vnni"
+        and native_is_default()
         and native_supports(shape, spec.group_size, spec.asymmetric, pad=copies)
     ):
         return "native-int4"

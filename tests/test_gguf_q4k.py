@@ -72,7 +72,7 @@ def q4_k_store(tmp_path_factory):
 
 def _dequant_kernel_only(monkeypatch) -> None:
     """Stored codes decode for dequantize-then-matmul (fp32 weights as stored), not a kernel that rounds scales."""
-    monkeypatch.setattr("fate_edge.quant.linear.native_isa", lambda: None)
+    monkeypatch.setattr("fate_edge.quant.linear.native_is_default", lambda: False)
     monkeypatch.setattr("fate_edge.quant.linear.int4_supported", lambda *a: False)
 
 
@@ -124,7 +124,7 @@ def test_q4_k_store_logits_on_the_native_kernel(q4_k_store, monkeypatch):
         _dequant_kernel_only(m)
         ref, kernel = _logits(store)
         assert kernel == "dequant"
-    monkeypatch.setattr("fate_edge.quant.linear.native_isa", lambda: "avx512-vnni")
+    monkeypatch.setattr("fate_edge.quant.linear.native_is_default", lambda: True)
     got, kernel = _logits(store)
     assert kernel == "native-int4"
     assert torch.isfinite(ref).all() and ref.std() > 0

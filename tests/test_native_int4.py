@@ -242,10 +242,10 @@ print(default_kernel((256, 2048), QuantSpec(4, 64), "cpu"), "|", native_status()
 
 
 def test_default_kernel_for_stored_codes():
-    """On an AVX512-VNNI host stored int4 codes default to the native kernel, elsewhere to torch's."""
-    from fate_edge.quant.native import native_isa
+    """Where the native kernel runs (AVX512-VNNI or AVX2) stored int4 codes default to it, elsewhere to torch's."""
+    from fate_edge.quant.native import native_is_default
 
-    want = "native-int4" if native_isa() == "avx512-vnni" else "torch-int4"
+    want = "native-int4" if native_is_default() else "torch-int4"
     assert default_kernel((2048, 1408), QuantSpec(4, 64), "cpu") == want
     assert default_kernel((2048, 1344), QuantSpec(4, 64), "cpu") != "native-int4"  # K not a multiple of 128
     assert default_kernel((2048, 1408), QuantSpec(8, 64), "cpu") != "native-int4"  # 8-bit codes: not 4-bit slots
@@ -272,7 +272,7 @@ def _native_shaped_model(out):
 def test_streamed_experts_compute_on_the_native_kernel(tmp_path, monkeypatch):
     """convert's auto layout is portable where native is the default; the engine's streamed experts then run on
     it straight from their blobs, and the logits stay within int8-activation error of torch's kernel's."""
-    from fate_edge.quant.native import native_isa
+    from fate_edge.quant.native import native_is_default
 
     from fate_edge import Engine
     from fate_edge.format.converted_stores import ensure_store
@@ -281,7 +281,7 @@ def test_streamed_experts_compute_on_the_native_kernel(tmp_path, monkeypatch):
     model = _native_shaped_model(tmp_path / "m")
     monkeypatch.setenv("FATE_EDGE_CACHE", str(tmp_path / "cache"))
     native = ensure_store(model, cold_bits=None, progress=False)
-    want = "portable" if native_isa() == "avx512-vnni" else "cpu-int4"
+    want = "portable" if native_is_default() else "cpu-int4"
     assert ExpertStore(native).precisions[4].layout == want
     ids = torch.tensor([[3, 17, 99, 5, 250, 8, 61, 7]])
     with Engine(native, memory_budget="64MB", policy="lru") as eng:
@@ -289,11 +289,13 @@ def test_streamed_experts_compute_on_the_native_kernel(tmp_path, monkeypatch):
         assert expert.kernel == ("native-int4" if want == "portable" else "torch-int4")
         assert eng.scheduler.zero_copy  # decoded in its read buffer, which the cache keeps: no copy out
         logits = eng.model(ids, eng.model.new_cache())
-    monkeypatch.setattr("fate_edge.format.converted_stores.native_isa", lambda: None)
-    monkeypatch.setattr("fate_edge.quant.linear.native_isa", lambda: None)
+    monkeypatch.setattr("fate_edge.format.converted_stores.native_is_default", lambda: False)
+    monkeypatch.setattr("fate_edge.quant.linear.native_is_default", lambda: False)
     other = ensure_store(model, cold_bits=None, progress=False)
     assert ExpertStore(other).precisions[4].layout == "cpu-int4"
-    assert (other != native) == (want == "portable")  # without AVX-512 VNNI torch's layout was the default: one store
+    assert (other != native) == (
+        want == "portable"
+    )  # without the native kernel torch's layout is the default: one store
     with Engine(other, memory_budget="64MB", policy="lru") as eng:
         assert eng.model.experts.get(1, 2).kernel == "torch-int4"
         ref = eng.model(ids, eng.model.new_cache())
@@ -314,7 +316,7 @@ def test_decodes_to_views_per_layout_and_kernel(tmp_path, monkeypatch):
     )
     assert not decodes_to_views(store.precisions[2])  # 2-bit codes are unpacked into 4-bit slots: a copy
     assert not decodes_to_views(store.precisions[16])
-    monkeypatch.setattr("fate_edge.quant.linear.native_isa", lambda: None)
+    monkeypatch.setattr("fate_edge.quant.linear.native_is_default", lambda: False)
     assert not decodes_to_views(store.precisions[4])  # torch's kernel repacks portable codes
 
 
@@ -365,7 +367,7 @@ def test_a_k_of_whole_groups_is_padded_to_the_kernels_128():
 
 
 def test_resident_int4_group_with_padded_k_counts_its_bytes_and_computes_the_same():
-    from fate_edge.quant.native import native_isa
+    from fate_edge.quant.native import native_is_default
 
     from fate_edge.model.layer import _quantized, quantize_group, quantized_group_bytes
 
@@ -375,7 +377,7 @@ def test_resident_int4_group_with_padded_k_counts_its_bytes_and_computes_the_sam
     assert sum(t.numel() * t.element_size() for t in w.values()) == quantized_group_bytes((96, 1088), 1, 4)
     lin, sizes = _quantized(w, "mlp.down_proj")
     assert sizes == [96] and lin.shape == (96, 1088)
-    assert lin.kernel == ("native-int4" if native_isa() == "avx512-vnni" else "torch-int4")
+    assert lin.kernel == ("native-int4" if native_is_default() else "torch-int4")
     spec = QuantSpec(4, 64)
     w_hat = dequantize(quantize(ref, spec), spec)  # the zero columns leave the real columns' groups as they were
     x = _randn((5, 1088), 13)

@@ -165,7 +165,8 @@ def test_killed_convert_leaves_no_valid_looking_store(tmp_path, bundled_dir):
 def test_cpu_kernel_layout_decodes_to_the_same_expert_without_repacking(
     tmp_path, bundled_dir, bundled_model, monkeypatch
 ):
-    monkeypatch.setattr("fate_edge.quant.linear.native_isa", lambda: None)  # portable codes on torch's kernel too
+    # portable codes on torch's kernel too
+    monkeypatch.setattr("fate_edge.quant.linear.native_is_default", lambda: False)
     portable = convert(
         bundled_dir, tmp_path / "p", ConvertOptions(bits=4, keep_bf16=False, layout="portable"), progress=False
     )

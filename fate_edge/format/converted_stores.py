@@ -12,7 +12,7 @@ from fate_edge.format.gguf_convert import convert_gguf
 from fate_edge.format.gguf_reader import is_gguf
 from fate_edge.format.model_names import locate_model
 from fate_edge.format.store import is_store
-from fate_edge.quant.native import native_isa
+from fate_edge.quant.native import native_is_default
 
 
 def cache_root() -> Path:
@@ -34,7 +34,7 @@ def ensure_store(model_dir: str | Path, bits: int = 4, cold_bits: int | None = 2
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     # convert's auto layout depends on the kernel this host prefers: a store made for the other one still works,
     # but would compute on the slower kernel, so each preference keeps its own
-    h.update(f"{bits}/{cold_bits}/{'native' if native_isa() == 'avx512-vnni' else 'torch'}".encode())
+    h.update(f"{bits}/{cold_bits}/{'native' if native_is_default() else 'torch'}".encode())
     name = model_dir.name.removesuffix(".gguf") if gguf else model_dir.name
     out = cache_root() / f"{name}-int{bits}-{h.hexdigest()[:12]}"
     if not is_store(out):
