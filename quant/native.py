@@ -201,7 +201,9 @@ class NativeInt4:
             x2 = x2.to(torch.float32)
         x2 = x2.contiguous()
         bf16 = x2.dtype == torch.bfloat16  # the kernel reads and writes bf16 itself: no conversions around it
-        y = torch.empty(x2.shape[0], n, dtype=torch.bfloat16 if bf16 else torch.float32)
+        # On x's device, whatever the default device is (under ``torch.device("meta")`` a bare empty() would hand the
+        # kernel a tensor without storage to write into)
+        y = torch.empty(x2.shape[0], n, dtype=torch.bfloat16 if bf16 else torch.float32, device=x2.device)
         if x2.shape[0]:
             rc = _state["lib"].fe_int4_gemm(  # type: ignore[union-attr]  (loaded in __post_init__)
                 self.codes.data_ptr(),

@@ -311,7 +311,7 @@ def _add_convert_parser(sub) -> None:
         choices=["auto", "portable", "cpu-int4"],
         help="streamed copy's blob layout: portable (fate-edge's own int4 kernel computes on it "
         "directly) or cpu-int4 (torch's CPU kernel layout); auto: portable where the native kernel is "
-        "the default here (AVX512-VNNI), else cpu-int4. Either runs on every device (CUDA re-packs "
+        "the default here (AVX512-VNNI or AVX2), else cpu-int4. Either runs on every device (CUDA re-packs "
         "experts for its kernel as they arrive)",
     )
     conv.add_argument("--no-bf16", action="store_true", help="do not keep a bf16 copy of the experts")

@@ -6,8 +6,8 @@ and group), and the embedding table as ``fate_edge.model.embedding`` holds it qu
 as in the checkpoint. The loader reads those bytes straight into the tensors the model uses: no full-precision copy,
 no quantization at load. A store written without the option holds float weights and loads as before.
 
-The int4 layout is the one ``quantize_group`` picks on the converting host (fate-edge's native kernel layout on
-AVX512-VNNI CPUs, torch's CPU int4 layout elsewhere); both load anywhere on the CPU.
+The int4 layout is the one ``quantize_group`` picks on the converting host (fate-edge's native kernel layout where
+that kernel runs: AVX512-VNNI or AVX2; torch's CPU int4 layout elsewhere); both load anywhere on the CPU.
 """
 
 from __future__ import annotations
