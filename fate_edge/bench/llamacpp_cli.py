@@ -26,9 +26,9 @@ import torch
 
 from fate_edge.bench.config import HEADLINE_BUDGET
 from fate_edge.bench.gguf import ensure_ggufs
+from fate_edge.bench.host import cpu_model, load_average
 from fate_edge.bench.prepare import store_info
 from fate_edge.bench.publish import add_results_arg, publish, results_file
-from fate_edge.bench.scale import cpu_model
 from fate_edge.bench.sidebyside import (
     SIDE_SETS,
     add_markers,
@@ -39,7 +39,6 @@ from fate_edge.bench.sidebyside import (
     same_tokens,
     summarize,
 )
-from fate_edge.bench.threads import load_average
 from fate_edge.bundled import bundled_model_dir
 from fate_edge.command_line import command_parser, existing_path, fraction, positive_float, positive_int
 from fate_edge.corpus import heldout_source

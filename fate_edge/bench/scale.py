@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fate_edge.bench.host import cpu_model, load_average
 from fate_edge.bench.peers import _memory_cgroup
 from fate_edge.bench.prepare import drop_page_cache
 from fate_edge.format.convert import ConvertOptions
@@ -48,10 +49,6 @@ class ScaleConfig:
     rounds: int = 1  # interleaved rounds (fate-edge, llama.cpp per budget in each); medians over them
     llama_repack: bool = False  # llama.cpp's Q4_0 repack copies the weights into RAM: off keeps them mapped
     cap_bytes: int | None = None  # one cgroup cap for both sides (0.75 of llama.cpp's file, say); None: our need
-
-
-def load() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 def _cgroup_stats(cg: Path) -> dict[str, Any]:
@@ -84,7 +81,7 @@ def run_confined(
     result_path.unlink(missing_ok=True)
     cg, note = _memory_cgroup(limit)
     procs = None if cg is None else cg / ("cgroup.procs" if (cg / "cgroup.procs").exists() else "tasks")
-    info: dict[str, Any] = {"limit_bytes": limit, "cgroup": note, "load_before": load()}
+    info: dict[str, Any] = {"limit_bytes": limit, "cgroup": note, "load_before": load_average()}
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(
@@ -103,7 +100,7 @@ def run_confined(
         info["returncode"] = None
         info["error"] = f"timed out after {timeout_s:.0f}s"
     info["wall_s"] = time.perf_counter() - t0
-    info["load_after"] = load()
+    info["load_after"] = load_average()
     if cg is not None:
         info.update(_cgroup_stats(cg))
         with contextlib.suppress(OSError):
@@ -262,7 +259,7 @@ def measure_disk(directory: Path, nbytes: int = int(1 * GB), drop: bool = True) 
         "read_gb_per_s": n / read_s / GB,
         "page_cache_dropped": dropped,
         "bytes": n,
-        "load": load(),
+        "load": load_average(),
     }
 
 
@@ -297,7 +294,7 @@ def measure_encoder(model: Path, opts: ConvertOptions, experts: int = 24, thread
         t0 = time.perf_counter()
         list(pool.map(job, ws))
         seconds = time.perf_counter() - t0
-    return {"gb_per_s": nbytes / seconds / GB, "experts": experts, "threads": threads, "load": load()}
+    return {"gb_per_s": nbytes / seconds / GB, "experts": experts, "threads": threads, "load": load_average()}
 
 
 def run_scale(cfg: ScaleConfig, workdir: Path) -> dict[str, Any]:
@@ -309,7 +306,7 @@ def run_scale(cfg: ScaleConfig, workdir: Path) -> dict[str, Any]:
         "config": config,
         "cpus": os.cpu_count(),
         "cpu_model": cpu_model(),
-        "started_load": load(),
+        "started_load": load_average(),
     }
     if cfg.convert:
         result["disk"] = measure_disk(cfg.store.parent, cfg.disk_probe_bytes, cfg.drop_caches)
@@ -411,15 +408,6 @@ def summarize_scale(runs: list[dict[str, Any]], llama: list[dict[str, Any]]) -> 
             )
         out.append({"budget_bytes": budget, "sides": rows})
     return out
-
-
-def cpu_model() -> str:
-    """The CPU's model name as /proc/cpuinfo gives it ("" where it does not)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return ""
-    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "")
 
 
 def _drop(cfg: ScaleConfig) -> tuple[bool, str]:

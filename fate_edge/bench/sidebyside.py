@@ -332,9 +332,10 @@ def run_rounds(
     import contextlib
     import os
 
+    from fate_edge.bench.host import load_average
     from fate_edge.bench.peers import _memory_cgroup, cgroup_joiner
     from fate_edge.bench.prepare import drop_page_cache
-    from fate_edge.bench.threads import load_average, run_child
+    from fate_edge.bench.threads import run_child
 
     runs: dict[str, list[dict[str, Any]]] = {}
     notes: dict[str, Any] = {}

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fate_edge.bench.gguf import PEER_CMAKE_HINT
+from fate_edge.bench.host import load_average
 from fate_edge.bench.llamacpp import llama_child
 from fate_edge.corpus import heldout_source
 
@@ -161,10 +162,6 @@ def run_child(cmd: list[str], timeout: float, env: dict[str, str] | None = None,
         tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
         return {"error": f"exit {proc.returncode}{_why_it_died(proc.returncode)}: {tail}"}
     return json.loads(lines[-1])
-
-
-def load_average() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 def run(

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from fate_edge.bench.host import cpu_model, load_average
+
 PROMPTS = [
     "def main():",
     "import os\nimport sys\n",
@@ -218,18 +220,11 @@ def sweep(cfg: ThroughputConfig, batches: tuple[int, ...] = (1, 2, 4, 8)) -> dic
 
 
 def host_note() -> dict:
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model() or platform.processor() or ""
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
-        "load_average": list(os.getloadavg()),
+        "load_average": load_average(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }

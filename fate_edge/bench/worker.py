@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
-import os
 import pickle
 import sys
 import time
@@ -218,6 +217,7 @@ def worker_main(spec_path: str) -> int:
     """Run one configuration (``spec_path``: JSON written by the parent); write ``<spec>.result.json``."""
     import torch
 
+    from fate_edge.bench.host import load_average
     from fate_edge.process_memory import peak_rss_bytes
 
     spec = json.loads(Path(spec_path).read_text())
@@ -264,7 +264,7 @@ def worker_main(spec_path: str) -> int:
         "page_cache": first["page_cache"],
         "peak_rss_bytes": peak_rss_bytes(),
         "wall_s": time.perf_counter() - t0,
-        "load_average": [round(x, 2) for x in os.getloadavg()],  # 1/5/15-minute, as the worker ended
+        "load_average": load_average(),  # 1/5/15-minute, as the worker ended
         **planned,
     }
     first_tokens = {n: q["tokens"] for n, q in runs[0]["requests"].items()}

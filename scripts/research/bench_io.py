@@ -41,8 +41,8 @@ from pathlib import Path
 from fate_edge.devices.link import ThrottledLink, storage_link
 from fate_edge.devices.profile import load_profile
 
+from fate_edge.bench.host import cpu_model
 from fate_edge.bench.publish import add_results_arg, publish
-from fate_edge.bench.scale import cpu_model
 from fate_edge.fetch.fetch_engine import BufferPool, FetchEngine, Priority
 from fate_edge.format.blob import ALIGN, BlobRef
 from fate_edge.format.checksum import crc32

@@ -30,8 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from fate_edge.bench.scale import cpu_model
-from fate_edge.bench.threads import load_average
+from fate_edge.bench.host import cpu_model, load_average
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable

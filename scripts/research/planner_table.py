@@ -98,7 +98,7 @@ def main() -> int:
     if not all_rows:
         raise SystemExit("no planned rows with a fate-edge row beside them in these bench files")
     if not args.cpu:
-        from fate_edge.bench.scale import cpu_model
+        from fate_edge.bench.host import cpu_model
 
         args.cpu = cpu_model()
     publish({"rows": all_rows, "cpu": args.cpu}, args.json, table(all_rows, args.cpu), args.results, "planner")

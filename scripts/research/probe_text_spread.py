@@ -24,9 +24,8 @@ from pathlib import Path
 import torch
 from fate_edge.devices.link import ThrottledLink
 
+from fate_edge.bench.host import cpu_model, load_average
 from fate_edge.bench.publish import add_results_arg, publish
-from fate_edge.bench.scale import cpu_model
-from fate_edge.bench.threads import load_average
 from fate_edge.corpus import is_heldout, stdlib_files
 from fate_edge.format.store import ExpertStore
 from fate_edge.planning.emulation import calibrate
