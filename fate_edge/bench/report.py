@@ -34,6 +34,14 @@ def _budget_table(results: list[dict], link: str, presets: list[str], budgets: l
     return lines
 
 
+def describe_policy(q: dict) -> str:
+    """A policy (PolicyConfig as a dict) in one line: name, allocation/eviction, predictor, lookahead and width."""
+    width = f"mass {q.get('prefetch_mass')}" if q.get("prefetch_width") == "mass" else q.get("prefetch_width")
+    return f"{q.get('name')}: {q.get('allocation')}/{q.get('eviction')}, " + (
+        f"{q['predictor']} p={q.get('lookahead')} w={width}" if q.get("predictor") else "no prefetch"
+    )
+
+
 def emulation_note(em: dict) -> str:
     """One paragraph saying what a --emulate run assumed and measured."""
     roof = em["roofline"]
@@ -198,11 +206,7 @@ def markdown(result: dict) -> str:
             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         ]
         for r in sorted(planned, key=lambda r: (r["link"], r["budget_fraction"])):
-            q = r.get("policy", {})
-            width = f"mass {q.get('prefetch_mass')}" if q.get("prefetch_width") == "mass" else q.get("prefetch_width")
-            pick = f"{q.get('name')}: {q.get('allocation')}/{q.get('eviction')}, " + (
-                f"{q['predictor']} p={q.get('lookahead')} w={width}" if q.get("predictor") else "no prefetch"
-            )
+            pick = describe_policy(r.get("policy", {}))
             perr, rerr = r.get("preset_prediction_error"), r.get("preset_prediction_error_on_run_routing")
             err_run = r.get("planner_error_on_run_routing")
             on_run = f"{_fmt(r.get('planner_predicted_on_run_routing'))} | " + (

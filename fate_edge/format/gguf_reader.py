@@ -158,6 +158,7 @@ class GGUFFile:
         if t.type_name in TORCH_TYPES:  # bit-equal to the package's numpy dequantizers, several times faster
             return dequantize_blocks(t.type_name, torch.from_numpy(raw)).reshape(shape)
         from gguf import GGMLQuantizationType, quants
+
         try:
             if t.qtype == GGMLQuantizationType.F32:
                 out = raw.view(np.float32)

@@ -18,15 +18,7 @@ import statistics
 from pathlib import Path
 
 from fate_edge.bench.publish import add_results_arg, publish
-
-
-def pick_name(policy: dict) -> str:
-    if not policy:
-        return "—"
-    if policy.get("name") != "planned":
-        return policy["name"]
-    what = f"{policy.get('predictor')} p={policy.get('lookahead')}" if policy.get("predictor") else "no prefetch"
-    return f"searched: {policy.get('allocation')}/{policy.get('eviction')}, {what}"
+from fate_edge.bench.report import describe_policy
 
 
 def rows(bench: dict) -> list[dict]:
@@ -36,7 +28,7 @@ def rows(bench: dict) -> list[dict]:
     for r in bench["results"]:
         if r["preset"] != "planned" or not r.get("preset_decode_tps"):
             continue
-        picks = sorted({pick_name(p) for p in r.get("planner_policies") or [r.get("policy") or {}]})
+        picks = sorted({describe_policy(p) for p in r.get("planner_policies") or [r.get("policy") or {}]})
         out.append(
             {
                 "where": where,
