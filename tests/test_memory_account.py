@@ -72,9 +72,7 @@ def test_the_measured_peak_is_within_ten_percent_of_the_prediction(qwen_slice, s
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["measured"] <= 1.10 * result["predicted"], out.stdout
-    # a memory-mapped table pages in only the rows the tokens use: the account is its upper bound
-    floor = result["predicted"] - (result["embeddings"] if result["embeddings_mapped"] else 0)
-    assert result["measured"] >= 0.90 * floor, out.stdout
+    assert result["measured"] >= 0.90 * result["predicted"], out.stdout
 
 
 def test_a_run_that_cannot_fit_is_refused_before_anything_loads(bundled_store, monkeypatch):

@@ -92,6 +92,17 @@ def test_the_quantized_weights_are_memory_mapped_from_the_store(stores):
     ) != str(stores[None] / "resident.safetensors")
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_prequantized_table_is_read_by_row_from_the_store_not_through_its_mapping(stores, bits, one_thread):
+    model = load_model(stores[bits])
+    assert model.embed.rows is not None
+    expected = _logits(model)
+    # the mapping's bytes no longer matter: every row the tokens use comes from the file
+    model.embed.codes, model.embed.scale = torch.zeros_like(model.embed.codes), torch.zeros_like(model.embed.scale)
+    torch.testing.assert_close(_logits(model), expected, rtol=0, atol=0)
+    assert memory_account(stores[bits], 3_000_000, "float32", 256).embeddings_held == 0
+
+
 def test_inspect_counts_the_weights_the_codes_stand_for(stores):
     from fate_edge.format.inspect_model import summarize
 

@@ -18,6 +18,7 @@ import torch
 
 from fate_edge.errors import ModelFormatError
 from fate_edge.format.checkpoint import CheckpointReader
+from fate_edge.format.file_rows import FileRows
 from fate_edge.model.arch import ModelConfig
 from fate_edge.model.embedding import NAME as EMBED_NAME
 from fate_edge.model.embedding import quantize_table
@@ -128,6 +129,15 @@ class MappedFiles:
         if begin % torch.empty(0, dtype=dtype).element_size():  # safetensors aligns each tensor; copy if not
             return self.reader.get(name)
         return raw[begin:end].view(dtype).reshape(info["shape"])
+
+    def rows(self, name: str) -> FileRows:
+        """The stored tensor ``name`` as rows read from its file (``file_rows``): for a table gathered by row."""
+        from fate_edge.format.checkpoint import _TORCH_DTYPES
+
+        path = self.reader.model_dir / self.reader.weight_map[name]
+        _, start, header = self.reader._layout(path)
+        info = header[name]
+        return FileRows(path, start + info["data_offsets"][0], tuple(info["shape"]), _TORCH_DTYPES[info["dtype"]])
 
 
 def stored_params(name: str, numel: int) -> int:

@@ -10,7 +10,8 @@ weights under their own names, so a store can carry them pre-quantized (``conver
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -76,6 +77,12 @@ def quantize_table(rows, shape: Sequence[int], bits: int) -> dict[str, torch.Ten
     return dict(zip(names, (packed, scale, zero, torch.tensor(spec.group_size))))
 
 
+class RowSource(Protocol):
+    """Rows of a stored table read on demand (``fate_edge.format.file_rows.FileRows``)."""
+
+    def gather(self, ids: torch.Tensor) -> torch.Tensor: ...
+
+
 @dataclass
 class QuantizedEmbedding:
     """An embedding table held in 8 or 4 bits; calling it gathers rows and dequantizes them to ``dtype``."""
@@ -85,6 +92,9 @@ class QuantizedEmbedding:
     scale: torch.Tensor  # bf16 [V] (8) or fp16 [V, H/g] (4)
     zero: torch.Tensor | None  # fp16 [V, H/g] (4)
     dtype: torch.dtype
+    # codes, scale, zero read by row from the store's file where the table is memory-mapped from one: a gather
+    # through the mapping would fault in the pages around every row (readahead), most of the table in a long prompt
+    rows: tuple[RowSource, ...] | None = field(default=None, repr=False)
 
     @property
     def device(self) -> torch.device:
@@ -100,11 +110,15 @@ class QuantizedEmbedding:
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids`` [N] -> rows [N, H] in ``dtype``."""
-        codes, scale = self.codes.index_select(0, ids), self.scale.index_select(0, ids)
+        if self.rows is not None and ids.device.type == "cpu" and not torch.compiler.is_compiling():
+            parts = [r.gather(ids) for r in self.rows]
+        else:
+            parts = [t.index_select(0, ids) for t in (self.codes, self.scale, self.zero) if t is not None]
+        codes, scale = parts[0], parts[1]
         if self.bits == 8:  # as Int8Linear dequantizes
             return (codes.float() * scale.float()[:, None]).to(self.dtype)
         assert self.zero is not None  # int4 tables have one
-        zero = self.zero.index_select(0, ids)
+        zero = parts[2]
         spec = QuantSpec(4, self.shape[1] // scale.shape[1])
         return dequantize(Quantized(unpack(codes, 4), scale, zero), spec).to(self.dtype)
 
@@ -121,13 +135,18 @@ class QuantizedEmbedding:
         )
 
 
-def embedding_table(w: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor | QuantizedEmbedding:
+def embedding_table(
+    w: dict[str, torch.Tensor], dtype: torch.dtype, rows: dict[str, RowSource] | None = None
+) -> torch.Tensor | QuantizedEmbedding:
     """The table in the resident weights ``w``: the float tensor, or its quantized form where the loader (or the
-    store) left one."""
-    if f"{NAME}.int8" in w:
-        return QuantizedEmbedding(8, w[f"{NAME}.int8"], w[f"{NAME}.int8_scale"], None, dtype)
-    if f"{NAME}.int4" in w:
-        return QuantizedEmbedding(4, w[f"{NAME}.int4"], w[f"{NAME}.int4_scale"], w[f"{NAME}.int4_zero"], dtype)
+    store) left one; ``rows``: its parts by name where they can be read by row from the store's file."""
+    rows = rows or {}
+    for bits in EMBEDDING_BITS:
+        names = quantized_names(bits)[: 2 if bits == 8 else 3]
+        if names[0] in w:
+            parts = [w[n] for n in names] + ([None] if bits == 8 else [])
+            from_file = tuple(rows[n] for n in names) if all(n in rows for n in names) else None
+            return QuantizedEmbedding(bits, parts[0], parts[1], parts[2], dtype, from_file)
     return w[f"{NAME}.weight"]
 
 

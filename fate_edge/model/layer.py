@@ -29,6 +29,9 @@ class Weights(dict):
     """Resident weights by checkpoint name; every assignment or deletion bumps ``version``."""
 
     version = 0
+    # Stored tensors that can also be read by row from their file (a memory-mapped embedding table's parts; set by
+    # the loader): name -> a ``RowSource``
+    row_sources: dict[str, Any] | None = None
 
     def __setitem__(self, key: str, value: Any) -> None:
         super().__setitem__(key, value)

@@ -73,7 +73,8 @@ class MoETransformer:
         self.w = resident if isinstance(resident, Weights) else Weights(resident)
         self._plan: list[LayerPlan] = []
         self._plan_version = -1
-        self.embed = embedding_table(resident, dtype)  # a tensor, or a quantized table (fate_edge.model.embedding)
+        # a tensor, or a quantized table (fate_edge.model.embedding), read by row from the store where it is mapped
+        self.embed = embedding_table(self.w, dtype, self.w.row_sources)
         self._head: Fused | None = None
         # One-token decode through fate_edge.model.decode_step (fewer, larger operators); False: the general path.
         self.fast_decode = decode_step.supported(self)

@@ -20,6 +20,7 @@ from fate_edge.format.convert import pick_group
 from fate_edge.format.prequantized import MappedFiles, check_request, covered, in_store, is_float_weight
 from fate_edge.format.store import is_store
 from fate_edge.model.arch import ModelConfig, load_config
+from fate_edge.model.embedding import NAME as EMBED_NAME
 from fate_edge.model.embedding import quantize_table
 from fate_edge.model.experts import ExpertProvider
 from fate_edge.model.layer import Weights, quantize_group, resident_groups
@@ -51,9 +52,13 @@ def _read_resident(
     resident = Weights()
 
     mapped = MappedFiles(reader)
+    resident.row_sources = {}
 
     def read(name: str) -> torch.Tensor:  # codes and scales quantized at convert: memory-mapped as stored
         if not is_float_weight(name):
+            if name.startswith(EMBED_NAME + ".") and torch.device(device).type == "cpu":
+                assert resident.row_sources is not None
+                resident.row_sources[name] = mapped.rows(name)
             return mapped.get(name).to(device)
         return reader.get(name, torch.float32 if name.endswith(FP32_SUFFIXES) else dtype).to(device)
 

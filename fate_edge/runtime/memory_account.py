@@ -51,13 +51,18 @@ class MemoryAccount:
     buffers: int  # activations of one prefill chunk (at most ``generate.PREFILL_CHUNK`` tokens), thread pools, arenas
     loading: int  # the most the loader holds at once (resident weights so far + the one being read or quantized)
     context_tokens: int
-    # The table is memory-mapped from a store quantized at convert: a row's pages come in when a token first uses
-    # it, so the peak holds at most ``embeddings`` of it (measured: 2-layer Qwen slice, 288 tokens, 141 MB less).
+    # The table is quantized at convert: the model reads the rows a pass uses from the store's file
+    # (``format.file_rows``) and holds none of it (a gather through its memory map faulted in 121 MB more at a
+    # 4000-token prompt of the 2-layer Qwen slice: readahead around every row).
     embeddings_mapped: bool = False
 
     @property
+    def embeddings_held(self) -> int:
+        return 0 if self.embeddings_mapped else self.embeddings
+
+    @property
     def running(self) -> int:
-        return self.embeddings + self.other_resident + self.expert_budget + self.kv_cache + self.buffers
+        return self.embeddings_held + self.other_resident + self.expert_budget + self.kv_cache + self.buffers
 
     @property
     def peak(self) -> int:
@@ -75,8 +80,8 @@ class MemoryAccount:
             ("runtime baseline", self.runtime, "interpreter + torch + fate_edge"),
             (
                 "embeddings",
-                self.embeddings,
-                "memory-mapped: at most this, as tokens use rows" if self.embeddings_mapped else "",
+                self.embeddings_held,
+                f"read by row from the store ({self.embeddings / 1e6:.0f} MB there)" if self.embeddings_mapped else "",
             ),
             ("other resident weights", self.other_resident, "attention, norms, routers, shared experts, lm_head"),
             ("expert budget", self.expert_budget, "cache, read buffers, expert being computed"),
@@ -99,7 +104,7 @@ class MemoryAccount:
     def summary(self) -> str:
         return (
             f"{format_bytes(self.peak)} (runtime {self.runtime / 1e6:.0f} MB + embeddings "
-            f"{self.embeddings / 1e6:.0f} + other resident {self.other_resident / 1e6:.0f} + expert budget "
+            f"{self.embeddings_held / 1e6:.0f} + other resident {self.other_resident / 1e6:.0f} + expert budget "
             f"{self.expert_budget / 1e6:.0f} + KV cache {self.kv_cache / 1e6:.0f} + buffers "
             f"{self.buffers / 1e6:.0f} MB)"
         )
@@ -175,12 +180,9 @@ def _weights(
         loading = max(loading, held + size + converted)
         held += size
         embed += size if n.startswith(EMBEDDING_PREFIX) else 0
-    return (
-        embed,
-        held - embed,
-        max(loading, held),
-        any(n.startswith(EMBEDDING_PREFIX) and not is_float_weight(n) for n in names),
-    )
+    mapped = any(n.startswith(EMBEDDING_PREFIX) and not is_float_weight(n) for n in names)
+    # a table read by row is not held while loading either
+    return embed, held - embed, max(loading, held) - (embed if mapped else 0), mapped
 
 
 def _numel(shape) -> int:
@@ -261,7 +263,7 @@ def shortfall(account: MemoryAccount, free: int) -> str | None:
     held = max(account.loading, account.running)
     return (
         f"this run needs {need / 1e6:.0f} MB beyond the {account.runtime / 1e6:.0f} MB the runtime holds "
-        f"(embeddings {account.embeddings / 1e6:.0f} + other resident weights {account.other_resident / 1e6:.0f}"
+        f"(embeddings {account.embeddings_held / 1e6:.0f} + other resident weights {account.other_resident / 1e6:.0f}"
         f" + expert budget {account.expert_budget / 1e6:.0f} + KV cache {account.kv_cache / 1e6:.0f} at "
         f"{account.context_tokens} tokens + buffers {account.buffers / 1e6:.0f} MB"
         + ("" if held == account.running else f"; loading holds {account.loading / 1e6:.0f} MB")
