@@ -144,9 +144,9 @@ def embedding_table(
     for bits in EMBEDDING_BITS:
         names = quantized_names(bits)[: 2 if bits == 8 else 3]
         if names[0] in w:
-            parts = [w[n] for n in names] + ([None] if bits == 8 else [])
             from_file = tuple(rows[n] for n in names) if all(n in rows for n in names) else None
-            return QuantizedEmbedding(bits, parts[0], parts[1], parts[2], dtype, from_file)
+            zero = w[names[2]] if bits == 4 else None
+            return QuantizedEmbedding(bits, w[names[0]], w[names[1]], zero, dtype, from_file)
     return w[f"{NAME}.weight"]
 
 
