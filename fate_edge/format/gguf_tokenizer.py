@@ -10,6 +10,8 @@ stored piece scores, as llama.cpp's SPM tokenizer merges the highest-scoring pai
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from fate_edge.errors import ModelFormatError
@@ -133,6 +135,15 @@ def tokenizer_files(g: GGUFFile) -> dict[str, dict[str, Any]]:
         "eos_token_id": sorted(set(eos_ids)) if len(set(eos_ids)) > 1 else (eos_ids or [None])[0],
     }
     return {"tokenizer.json": tok, "tokenizer_config.json": config, "generation_config.json": generation}
+
+
+def write_tokenizer_files(files: dict[str, dict[str, Any]], out_dir: str | Path) -> None:
+    """Write :func:`tokenizer_files`' output into ``out_dir`` (a store's directory, or a bare tokenizer's)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, content in files.items():
+        text = json.dumps(content, indent=1 if name != "tokenizer.json" else None, ensure_ascii=False)
+        (out_dir / name).write_text(text, encoding="utf-8")
 
 
 def _added(tokens: list[str], types: list[int]) -> list[dict[str, Any]]:
