@@ -15,7 +15,10 @@ Two ways of tokenizing are compared, each like for like:
 
 from __future__ import annotations
 
+import os
+import shutil
 import tarfile
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,42 +47,78 @@ VOCABS: dict[str, str] = {
     "qwen35": "qwen35: Qwen3.5",
 }
 
+# Fixtures with keys changed, for settings no fixture has: name -> (fixture, {key: value})
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-spm-no-prefix": ("llama-spm", {"tokenizer.ggml.add_space_prefix": False}),
+}
+VOCABS["llama-spm-no-prefix"] = "llama-spm with add_space_prefix = false (as some SentencePiece GGUFs)"
+
 
 def fixtures_missing() -> str | None:
-    """Why the fixtures cannot be read here (no llama-cpp-python sdist), or None."""
-    try:
-        fixtures_dir()
-    except PeerUnavailableError as exc:
-        return str(exc)
-    return None
+    """Why the fixtures cannot be read here (no llama-cpp-python sdist), or None. Unpacks nothing."""
+    if any(p.is_file() for p in sdist_candidates()):
+        return None
+    return (
+        "llama.cpp's tokenizer fixtures (models/ggml-vocab-*.gguf) come from the llama-cpp-python sdist, and none "
+        f"was found (looked in {', '.join(str(p) for p in sdist_candidates())}); run `pip download --no-binary "
+        ":all: --no-deps llama-cpp-python -d ~/.cache/fate-edge-peers/wheels` or set FATE_EDGE_LLAMACPP_SDIST"
+    )
 
 
 def fixtures_dir() -> Path:
     """The directory holding ``ggml-vocab-*.gguf`` and their ``.inp``/``.out``, unpacked from the sdist once."""
-    sdists = [p for p in sdist_candidates() if p.is_file()]
-    if not sdists:
-        raise PeerUnavailableError(
-            "llama.cpp's tokenizer fixtures (models/ggml-vocab-*.gguf) come from the llama-cpp-python sdist, and none "
-            f"was found (looked in {', '.join(str(p) for p in sdist_candidates())}); run `pip download --no-binary "
-            ":all: --no-deps llama-cpp-python -d ~/.cache/fate-edge-peers/wheels` or set FATE_EDGE_LLAMACPP_SDIST"
-        )
-    sdist = sdists[0]
+    missing = fixtures_missing()
+    if missing:
+        raise PeerUnavailableError(missing)
+    sdist = next(p for p in sdist_candidates() if p.is_file())
     dest = peers_cache() / "vocab" / sdist.name.removesuffix(".tar.gz")
-    if not (dest / ".complete").exists():
-        dest.mkdir(parents=True, exist_ok=True)
-        with tarfile.open(sdist) as tar:
-            for m in tar.getmembers():
-                name = Path(m.name).name
-                if m.isfile() and _MODELS in m.name and name.startswith("ggml-vocab-"):
-                    src = tar.extractfile(m)
-                    assert src is not None
-                    (dest / name).write_bytes(src.read())
-        (dest / ".complete").touch()
+    if dest.is_dir():
+        return dest
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}")  # renamed into place whole: no reader sees half of it
+    tmp.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(sdist) as tar:
+        for m in tar.getmembers():
+            name = Path(m.name).name
+            if m.isfile() and _MODELS in m.name and name.startswith("ggml-vocab-"):
+                src = tar.extractfile(m)
+                assert src is not None
+                (tmp / name).write_bytes(src.read())
+    try:
+        tmp.rename(dest)
+    except OSError:  # another process unpacked it first
+        shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
 
 def vocab_path(name: str) -> Path:
-    return fixtures_dir() / f"ggml-vocab-{name}.gguf"
+    """The GGUF of fixture ``name``; a variant's is written beside the fixtures the first time."""
+    path = fixtures_dir() / f"ggml-vocab-{name}.gguf"
+    if name in VARIANTS and not path.exists():
+        base, keys = VARIANTS[name]
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        with_keys(vocab_path(base), tmp, keys)
+        tmp.rename(path)
+    return path
+
+
+def with_keys(src: Path, dst: Path, keys: dict[str, Any]) -> None:
+    """``src`` (a vocab-only GGUF) written to ``dst`` by the gguf package with ``keys`` set (bool, int or str)."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    reader = GGUFReader(src)
+    writer = GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
+    for name, f in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture" or name in keys:
+            continue
+        sub = f.types[1] if f.types[0] == GGUFValueType.ARRAY else None
+        writer.add_key_value(name, f.contents(), f.types[0], sub_type=sub)
+    kinds = {bool: GGUFValueType.BOOL, int: GGUFValueType.INT32, str: GGUFValueType.STRING}
+    for name, value in keys.items():
+        writer.add_key_value(name, value, kinds[type(value)])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
 
 
 def read_cases(gguf: Path) -> list[tuple[str, list[int]]]:
@@ -136,12 +175,12 @@ def special_texts(tok: Tokenizer, most: int = 12) -> list[str]:
     return texts
 
 
-def edge_texts() -> list[str]:
-    """Runs of spaces, tabs and newlines (1 to 40, alone and between words and brackets) and texts SentencePiece
+def edge_texts(runs: Iterable[int] = range(1, 41)) -> list[str]:
+    """Runs of spaces, tabs and newlines (``runs`` long, alone and between words and brackets) and texts SentencePiece
     vocabularies treat specially: byte-token and control-token text, U+2581 itself, other spaces, control bytes. None
     starts with BOS's text (see :func:`special_texts`)."""
     texts = []
-    for n in range(1, 41):
+    for n in runs:
         for c in (" ", "\t", "\n"):
             texts += [c * n, f"a{c * n}b", f"{c * n}x", f"x{c * n}", f"({c * n})"]
     return texts + [

@@ -44,11 +44,12 @@ def measure(name: str, text_chunks: list[str], work: Path) -> dict:
         row["error"] = str(exc).split(": ", 1)[-1].split(";")[0]  # the reason, without the path
         return row
     row["build_s"] = round(time.perf_counter() - t0, 2)
-    fixture = gv.Agreement()
-    cases = gv.read_cases(gguf) if Path(f"{gguf}.inp").exists() else []
-    for text, want in cases:
-        fixture.add(text, want, gv.ours(tok, text, "plain"))
-    row["fixture"] = fixture
+    variant = name in gv.VARIANTS  # its .inp texts are its fixture's; the .out ids are for the unchanged key
+    cases = gv.read_cases(gv.vocab_path(gv.VARIANTS[name][0]) if variant else gguf)
+    if not variant:
+        row["fixture"] = gv.Agreement()
+        for text, want in cases:
+            row["fixture"].add(text, want, gv.ours(tok, text, "plain"))
     if llama_cpp_missing() is None:
         from llama_cpp import Llama
 
@@ -56,7 +57,7 @@ def measure(name: str, text_chunks: list[str], work: Path) -> dict:
         probes = {"inp": [t for t, _ in cases], "special": gv.special_texts(tok), "edge": gv.edge_texts()}
         for mode in ("plain", "runtime"):
             for label, texts in (*probes.items(), ("heldout", text_chunks)):
-                if label == "inp" and mode == "plain":
+                if label == "inp" and mode == "plain" and not variant:
                     continue  # the .out ids above are llama.cpp's plain ids of these texts
                 a = gv.Agreement()
                 for text in texts:
@@ -79,7 +80,8 @@ def table(rows: list[dict], chars: int, loads: tuple[list[float], list[float]]) 
     lines = [
         f"llama.cpp's tokenizer fixtures (`models/ggml-vocab-*.gguf` of the {gv.fixtures_dir().name} sdist's "
         "llama.cpp): fate-edge's tokenizer built from each GGUF's metadata against the `.out` ids of every `.inp` text "
-        "(no BOS, special-token text read as text, as llama.cpp's test-tokenizer-0 wrote them) and "
+        "(no BOS, special-token text read as text, as llama.cpp's test-tokenizer-0 wrote them; for the variant with "
+        "a changed key, llama.cpp's own ids of its fixture's texts) and "
         f"against llama.cpp itself (llama-cpp-python `vocab_only`) on {chars:,} characters of held-out stdlib "
         "source in pieces of about 2,000 characters at line ends, plain (the fixtures' settings) and as the runtime "
         "encodes (BOS where the GGUF says, special tokens matched; llama.cpp `add_special`, `parse_special`). "
@@ -102,7 +104,8 @@ def table(rows: list[dict], chars: int, loads: tuple[list[float], list[float]]) 
             lines.append(f"| {r['vocab']} | {r['stands_for']} | not built: {r['error']} | | | | | |")
             continue
         lines.append(
-            f"| {r['vocab']} | {r['stands_for']} | {ratio(r['fixture'])} | {ratio(r.get('inp_runtime'))} | "
+            f"| {r['vocab']} | {r['stands_for']} | {ratio(r.get('fixture') or r.get('inp_plain'))} | "
+            f"{ratio(r.get('inp_runtime'))} | "
             f"{ratio(r.get('special_plain'))} / {ratio(r.get('special_runtime'))} | "
             f"{ratio(r.get('edge_plain'))} / {ratio(r.get('edge_runtime'))} | "
             f"{ratio(r.get('heldout_plain'))} / {ratio(r.get('heldout_runtime'))} | "
