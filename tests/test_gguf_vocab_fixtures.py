@@ -141,3 +141,12 @@ def test_the_fixtures_are_read_as_llama_cpps_test_reads_them(tmp_path):
     Path(f"{fake}.inp").write_bytes(f"a\r\nb{gv.SEPARATOR}{gv.SEPARATOR}c{gv.SEPARATOR}".encode())
     Path(f"{fake}.out").write_text(" 1 2\n\n3\n")
     assert gv.read_cases(fake) == [("a\r\nb", [1, 2]), ("", []), ("c", [3])]
+
+
+def test_without_the_sdist_the_reason_says_how_to_get_it(monkeypatch, tmp_path):
+    from fate_edge.errors import PeerUnavailableError
+
+    monkeypatch.setattr(gv, "sdist_candidates", lambda: [tmp_path / "absent.tar.gz"])
+    assert "pip download --no-binary :all: --no-deps llama-cpp-python" in str(gv.fixtures_missing())
+    with pytest.raises(PeerUnavailableError, match="absent.tar.gz"):
+        gv.fixtures_dir()

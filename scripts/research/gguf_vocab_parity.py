@@ -28,6 +28,7 @@ from fate_edge.bench import gguf_vocab as gv
 from fate_edge.bench.gguf import llama_cpp_missing
 from fate_edge.bench.host import cpu_model, load_average
 from fate_edge.bench.publish import add_results_arg, replace_between_markers, results_file
+from fate_edge.bench.run import code_commit
 from fate_edge.corpus import heldout_source
 from fate_edge.errors import FateEdgeError
 
@@ -77,7 +78,12 @@ def ratio(a: gv.Agreement | None, tokens: bool = False) -> str:
 
 def table(rows: list[dict], chars: int, loads: tuple[list[float], list[float]]) -> str:
     have_llama = any("heldout_plain" in r for r in rows)
+    commit = code_commit()
     lines = [
+        "Generated: `python scripts/research/gguf_vocab_parity.py --results`"
+        + (f" at commit {commit}" if commit else "")
+        + " rewrites the table between the markers. What it shows: [gguf.md](../gguf.md#measured).",
+        "",
         f"llama.cpp's tokenizer fixtures (`models/ggml-vocab-*.gguf` of the {gv.fixtures_dir().name} sdist's "
         "llama.cpp): fate-edge's tokenizer built from each GGUF's metadata against the `.out` ids of every `.inp` text "
         "(no BOS, special-token text read as text, as llama.cpp's test-tokenizer-0 wrote them; for the variant with "
