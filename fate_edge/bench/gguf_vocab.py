@@ -60,8 +60,9 @@ def fixtures_missing() -> str | None:
         return None
     return (
         "llama.cpp's tokenizer fixtures (models/ggml-vocab-*.gguf) come from the llama-cpp-python sdist, and none "
-        f"was found (looked in {', '.join(str(p) for p in sdist_candidates())}); run `pip download --no-binary "
-        ":all: --no-deps llama-cpp-python -d ~/.cache/fate-edge-peers/wheels` or set FATE_EDGE_LLAMACPP_SDIST"
+        f"was found (looked in {', '.join(str(p) for p in sdist_candidates()) or peers_cache() / 'wheels'}); run "
+        "`pip download --no-binary :all: --no-deps llama-cpp-python -d ~/.cache/fate-edge-peers/wheels` or set "
+        "FATE_EDGE_LLAMACPP_SDIST"
     )
 
 
