@@ -54,20 +54,33 @@ class Tokenizer:
                 eos_ids.add(source)
             elif isinstance(source, list):
                 eos_ids.update(source)
-        if self.eos_token and self._tok.token_to_id(self.eos_token) is not None:
-            eos_ids.add(self._tok.token_to_id(self.eos_token))
+        eos_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        if eos_id is not None:
+            eos_ids.add(eos_id)
         self.eos_token_ids = eos_ids
+        self.added_tokens = {t.content for t in self._tok.get_added_tokens_decoder().values()}
         self.special_tokens = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
+        self._as_text: _HFTokenizer | None = None  # a copy that reads special-token text as text (parse_special)
         self.chat_template = _find_chat_template(model_dir, cfg)
 
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
-        if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_token_id):
-            ids = [self.bos_token_id, *ids]
+    def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
+        """``text``'s ids, BOS first where the model adds one; ``parse_special=False`` tokenizes the text of special
+        tokens ("<s>", "<|im_end|>") as text, as llama.cpp does without ``parse_special`` (user-defined tokens are
+        matched either way, in llama.cpp too)."""
+        tok = self._tok
+        if not parse_special:
+            if self._as_text is None:  # a copy: the flag is the tokenizer's state, and other threads may encode
+                self._as_text = _HFTokenizer.from_str(self._tok.to_str())
+                self._as_text.encode_special_tokens = True
+            tok = self._as_text
+        ids = tok.encode(text, add_special_tokens=False).ids
+        bos = self.bos_token_id
+        if add_special_tokens and self.add_bos and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos, *ids]
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

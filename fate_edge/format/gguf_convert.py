@@ -17,10 +17,12 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import cast
 
 import torch
 
 from fate_edge.errors import FateEdgeError, ModelFormatError
+from fate_edge.format.checkpoint import CheckpointReader
 from fate_edge.format.checkpoint_layout import layer_names
 from fate_edge.format.checksum import crc32
 from fate_edge.format.convert import (
@@ -36,7 +38,7 @@ from fate_edge.format.gguf_blocks import FP32_SCALES, SOURCE_BITS, exact_into, t
 from fate_edge.format.gguf_config import hf_config
 from fate_edge.format.gguf_reader import GGUFFile
 from fate_edge.format.gguf_tensors import GGUFCheckpoint, expert_tensor
-from fate_edge.format.gguf_tokenizer import tokenizer_files
+from fate_edge.format.gguf_tokenizer import tokenizer_files, write_tokenizer_files
 from fate_edge.format.store import MATRICES, Precision, encode_expert, plan_parts
 from fate_edge.model.arch import config_from_dict
 from fate_edge.model.experts import ExpertWeights
@@ -87,7 +89,8 @@ def convert_gguf(
     dtype = resident_dtype(g)
     cfg = config_from_dict(hf_config(g, dtype), str(path))
     tok_files = tokenizer_files(g)
-    reader = GGUFCheckpoint(g, cfg, getattr(torch, dtype))
+    # answers every call convert makes of a safetensors reader (names, ``in``, tensors by Hugging Face name)
+    reader = cast(CheckpointReader, GGUFCheckpoint(g, cfg, getattr(torch, dtype)))
     names = layer_names(cfg, reader)
     for layer in cfg.moe_layers:
         for m in MATRICES:
@@ -125,10 +128,7 @@ def convert_gguf(
     def write_aux(tmp: Path) -> None:
         config = hf_config(g, dtype)
         (tmp / "config.json").write_text(json.dumps(config, indent=1))
-        for name, content in tok_files.items():
-            (tmp / name).write_text(
-                json.dumps(content, indent=1 if name != "tokenizer.json" else None, ensure_ascii=False)
-            )
+        write_tokenizer_files(tok_files, tmp)
 
     def encode(layer: int, expert: int, precs: list[Precision], method: str) -> list[tuple[memoryview, int]]:
         return [(b, crc32(b)) for b in encode_gguf_expert(g, layer, expert, precs, method)]

@@ -5,30 +5,45 @@ Byte-level BPE (``tokenizer.ggml.model = gpt2``: Qwen, OLMoE, DeepSeek): the voc
 special tokens from the token types, and the pre-tokenizer llama.cpp applies for ``tokenizer.ggml.pre`` (its split
 regexes, in order, from llama.cpp's ``llama-vocab.cpp``), so the ids are llama.cpp's own on the same text.
 SentencePiece vocabularies (``llama``: Mixtral) become a byte-fallback BPE whose merges are ranked by the
-stored piece scores, as llama.cpp's SPM tokenizer merges the highest-scoring pair first.
+stored piece scores, as llama.cpp's SPM tokenizer merges the highest-scoring pair first. Token types, BOS and the
+space prefix are taken as llama.cpp's vocabulary loader takes them; tests/test_gguf_vocab_fixtures.py checks the
+ids against llama.cpp's own tokenizer fixtures (real models' vocabularies) and llama.cpp itself.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from fate_edge.errors import ModelFormatError
 from fate_edge.format.gguf_reader import GGUFFile
 
-# Texts llama.cpp takes as end-of-generation tokens whatever the metadata says (llama-vocab.cpp's EOG scan)
+# Texts llama.cpp takes as end-of-generation tokens whatever the metadata says (llama-vocab.cpp's EOG scan); it
+# also makes each such token a control token, so its text in a prompt is that token, not pieces of text
 EOG_TEXTS = (
     "<|eot_id|>",
     "<|im_end|>",
     "<|end|>",
     "<|return|>",
     "<|call|>",
+    "<|flush|>",
+    "<|calls|>",
     "<end_of_turn>",
     "<|endoftext|>",
-    "<|end_of_text|>",
+    "</s>",
+    "<|eom_id|>",
     "<EOT>",
     "_<EOT>",
-    "<\uff5cend\u2581of\u2581sentence\uff5c>",
+    "[EOT]",
+    "[EOS]",
+    "<|end_of_text|>",
     "<end_of_utterance>",
+    "<eos>",
+    "<turn|>",
+    "<|tool_response>",
+    "<\uff5cend\u2581of\u2581sentence\uff5c>",
+    "[e~[",
 )
 
 # llama.cpp's token types
@@ -80,6 +95,23 @@ _DEFAULT = [
     "[0-9][0-9][0-9]",
 ]
 
+_DEEPSEEK_CODER = [
+    "[\r\n]",
+    "\\s?\\p{L}+",
+    "\\s?\\p{P}+",
+    "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
+    "\\p{N}",
+]
+_FALCON = [
+    "[\\p{P}\\$\\+<=>\\^~\\|`]+",
+    "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)",
+    "[0-9][0-9][0-9]",
+]
+_QWEN35 = [
+    "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?[\\p{L}\\p{M}]+|\\p{N}| ?[^"
+    "\\s\\p{L}\\p{M}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
+]
+
 # tokenizer.ggml.pre -> (split regexes, ignore_merges): the names llama.cpp maps onto each regex set
 _PRE: dict[str, tuple[list[str], bool]] = {
     **{n: (_GPT2, False) for n in ("gpt-2", "phi-2", "olmo", "mpt", "jais", "trillion", "granite-docling")},
@@ -89,15 +121,21 @@ _PRE: dict[str, tuple[list[str], bool]] = {
     **{n: (_STARCODER, False) for n in ("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone")},
     "deepseek-v3": (_DEEPSEEK3, False),
     "deepseek-llm": (_DEEPSEEK_LLM, False),
+    "deepseek-coder": (_DEEPSEEK_CODER, False),
+    "falcon": (_FALCON, False),
+    "qwen35": (_QWEN35, False),
     "default": (_DEFAULT, False),
 }
+# Pre-tokenizers for which llama.cpp adds BOS when the GGUF has no tokenizer.ggml.add_bos_token (Llama 3's family);
+# SentencePiece vocabularies add it by default, other byte-level ones do not
+_BOS_BY_DEFAULT = {"llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"}
 
 
 def tokenizer_files(g: GGUFFile) -> dict[str, dict[str, Any]]:
     """``{"tokenizer.json": ..., "tokenizer_config.json": ..., "generation_config.json": ...}`` for ``g``."""
     kind = g.require("tokenizer.ggml.model")
     tokens: list[str] = g.require("tokenizer.ggml.tokens")
-    types: list[int] = g.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+    types = llama_cpp_types(tokens, g.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
     if kind == "gpt2":
         tok = _bpe_tokenizer(g, tokens, types)
     elif kind == "llama":
@@ -123,7 +161,9 @@ def tokenizer_files(g: GGUFFile) -> dict[str, dict[str, Any]]:
         "eos_token": text("tokenizer.ggml.eos_token_id"),
         "pad_token": text("tokenizer.ggml.padding_token_id"),
         "unk_token": text("tokenizer.ggml.unknown_token_id"),
-        "add_bos_token": bool(g.get("tokenizer.ggml.add_bos_token", kind == "llama")),
+        "add_bos_token": bool(
+            g.get("tokenizer.ggml.add_bos_token", kind == "llama" or g.get("tokenizer.ggml.pre") in _BOS_BY_DEFAULT)
+        ),
         "add_eos_token": bool(g.get("tokenizer.ggml.add_eos_token", False)),
     }
     if g.get("tokenizer.chat_template"):
@@ -135,19 +175,57 @@ def tokenizer_files(g: GGUFFile) -> dict[str, dict[str, Any]]:
     return {"tokenizer.json": tok, "tokenizer_config.json": config, "generation_config.json": generation}
 
 
-def _added(tokens: list[str], types: list[int]) -> list[dict[str, Any]]:
+def write_tokenizer_files(files: dict[str, dict[str, Any]], out_dir: str | Path) -> None:
+    """Write :func:`tokenizer_files`' output into ``out_dir`` (a store's directory, or a bare tokenizer's)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, content in files.items():
+        text = json.dumps(content, indent=1 if name != "tokenizer.json" else None, ensure_ascii=False)
+        (out_dir / name).write_text(text, encoding="utf-8")
+
+
+def llama_cpp_types(tokens: list[str], types: list[int]) -> list[int]:
+    """The token types as llama.cpp's vocabulary loader leaves them: a token with an end-of-generation text is a
+    control token whatever its stored type, but for the two exceptions llama-vocab.cpp makes (a harmony-style
+    vocabulary's '<|end|>', a user-defined token; '</s>' beside '<|tool_response>' or '<|plamo:eos|>', a normal one)."""
+    types = [CONTROL if t in EOG_TEXTS else ty for t, ty in zip(tokens, types)]
+    present = set(tokens) & {*EOG_TEXTS, "<|plamo:eos|>"}
+    if "<|end|>" in present and ({"<|return|>", "<|call|>"} <= present or {"<|calls|>", "<|flush|>"} <= present):
+        types[tokens.index("<|end|>")] = USER_DEFINED
+    if "</s>" in present and present & {"<|tool_response>", "<|plamo:eos|>"}:
+        types[tokens.index("</s>")] = NORMAL
+    return types
+
+
+def _rstrip(g: GGUFFile, tokens: list[str], types: list[int]) -> set[int]:
+    """Added tokens that swallow the whitespace after them in a prompt: llama.cpp sets that on Phi-3's (by the
+    model's name), but for <unk>, <s> and <|endoftext|>."""
+    name = str(g.get("general.name") or "").lower()
+    if "phi-3" not in name and "phi3" not in name:
+        return set()
+    keep = {"<unk>", "<s>", "<|endoftext|>"}
+    return {i for i, (t, ty) in enumerate(zip(tokens, types)) if ty in _ADDED and t not in keep}
+
+
+_ADDED = (CONTROL, USER_DEFINED, UNKNOWN)  # matched in the text before the model splits it (llama.cpp's partition)
+
+
+def _added(g: GGUFFile, tokens: list[str], types: list[int]) -> list[dict[str, Any]]:
+    """Control, unknown-type and user-defined tokens, matched in the text as llama.cpp's partition matches them;
+    the first two are special (read as text where llama.cpp does not parse special tokens), the last are not."""
+    rstrip = _rstrip(g, tokens, types)
     return [
         {
             "id": i,
             "content": t,
             "single_word": False,
             "lstrip": False,
-            "rstrip": False,
+            "rstrip": i in rstrip,
             "normalized": False,
-            "special": ty == CONTROL,
+            "special": ty != USER_DEFINED,
         }
         for i, (t, ty) in enumerate(zip(tokens, types))
-        if ty in (CONTROL, USER_DEFINED)
+        if ty in _ADDED
     ]
 
 
@@ -164,7 +242,7 @@ def _bpe_tokenizer(g: GGUFFile, tokens: list[str], types: list[int]) -> dict[str
         "version": "1.0",
         "truncation": None,
         "padding": None,
-        "added_tokens": _added(tokens, types),
+        "added_tokens": _added(g, tokens, types),
         "normalizer": None,
         "pre_tokenizer": {
             "type": "Sequence",
@@ -191,13 +269,17 @@ def _bpe_tokenizer(g: GGUFFile, tokens: list[str], types: list[int]) -> dict[str
 
 
 def _spm_tokenizer(g: GGUFFile, tokens: list[str], types: list[int]) -> dict[str, Any]:
+    """llama.cpp's SPM tokenizer: ' ' escaped to '\u2581' (and one prepended to each run of text unless
+    tokenizer.ggml.add_space_prefix is false: at the start and after each added token), then adjacent pieces merged
+    while their concatenation is in the vocabulary, highest score first, any token type; a character outside the
+    vocabulary becomes its UTF-8 bytes' <0xNN> tokens."""
     scores: list[float] = g.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
     vocab = {t: i for i, t in enumerate(tokens)}
     merges = g.get("tokenizer.ggml.merges")
-    if not merges:  # ranked by the merged piece's score, highest first (llama.cpp's SPM merge order)
+    if not merges:  # every split of every piece into two pieces, ranked by the whole piece's score, highest first
         found = []
         for piece, i in vocab.items():
-            if types[i] != NORMAL or len(piece) < 2:
+            if len(piece) < 2 or " " in piece:  # a ' ' never reaches the merges: the text's are escaped
                 continue
             for cut in range(1, len(piece)):
                 left, right = piece[:cut], piece[cut:]
@@ -205,28 +287,27 @@ def _spm_tokenizer(g: GGUFFile, tokens: list[str], types: list[int]) -> dict[str
                     found.append((-scores[i], i, left, right))
         merges = [f"{left} {right}" for _, _, left, right in sorted(found)]
     unk = g.get("tokenizer.ggml.unknown_token_id")
+    prefix = bool(g.get("tokenizer.ggml.add_space_prefix", True))
+    escape = [{"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]
+    decoders: list[dict[str, Any]] = [
+        {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+        {"type": "ByteFallback"},
+        {"type": "Fuse"},
+    ]
     return {
         "version": "1.0",
         "truncation": None,
         "padding": None,
-        "added_tokens": _added(tokens, types),
+        "added_tokens": _added(g, tokens, types),
         "normalizer": {
             "type": "Sequence",
-            "normalizers": [
-                {"type": "Prepend", "prepend": "\u2581"},
-                {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"},
-            ],
+            "normalizers": [{"type": "Prepend", "prepend": "\u2581"}, *escape] if prefix else escape,
         },
         "pre_tokenizer": None,
         "post_processor": None,
         "decoder": {
             "type": "Sequence",
-            "decoders": [
-                {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
-                {"type": "ByteFallback"},
-                {"type": "Fuse"},
-                {"type": "Strip", "content": " ", "start": 1, "stop": 0},
-            ],
+            "decoders": [*decoders, {"type": "Strip", "content": " ", "start": 1, "stop": 0}] if prefix else decoders,
         },
         "model": {
             "type": "BPE",
