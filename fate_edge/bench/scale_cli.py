@@ -90,12 +90,21 @@ def table(result: dict) -> str:
     lines.append("")
     rest = f"int{cfg['resident_bits']}" if cfg.get("resident_bits") else cfg["dtype"]
     lines.append(
-        f"Policy {cfg['policy']}, {rest} resident weights (embeddings {cfg['dtype']}), {cfg['threads']} torch "
+        f"Policy {cfg['policy']}, {rest} resident weights (embeddings {_embeddings(result)}), {cfg['threads']} torch "
         f"threads, {cfg['decode_tokens']} decoded tokens, page cache dropped before each run, O_DIRECT reads."
     )
     if result.get("llama"):
         lines += ["", *side_by_side(result)]
     return "\n".join(lines)
+
+
+# fate-edge's decode against llama.cpp's when both are capped at 0.75 of llama.cpp's file (docs/memory.md)
+DECODE_TARGET = 3.0
+
+
+def _embeddings(result: dict) -> str:
+    bits = result.get("store_embedding_bits")
+    return f"int{bits}, read by row from the store" if bits else result["config"]["dtype"]
 
 
 def _gb(x) -> str:
@@ -129,19 +138,23 @@ def side_by_side(result: dict) -> list[str]:
         ratio = row["sides"]["fate-edge"].get("decode_tps_ratio")
         verdicts.append(
             f"{b / GB:g} GB: "
-            + ("no llama.cpp figure" if ratio is None else f"{ratio:.2f}x ({'met' if ratio >= 2 else 'missed'})")
+            + (
+                "no llama.cpp figure"
+                if ratio is None
+                else f"{ratio:.2f}x ({'met' if ratio >= DECODE_TARGET else 'missed'})"
+            )
         )
     rest = f"int{cfg['resident_bits']}" if cfg.get("resident_bits") else cfg["dtype"]
     lines += [
         "",
         f"fate-edge: int4 experts streamed (O_DIRECT), {rest} attention/shared experts/lm_head, "
-        f"embeddings {cfg['dtype']}; llama.cpp: q4_0 mix ({result.get('gguf_note', 'q4_0 GGUF')}), "
+        f"embeddings {_embeddings(result)}; llama.cpp: q4_0 mix ({result.get('gguf_note', 'q4_0 GGUF')}), "
         f"memory-mapped{'' if cfg.get('llama_repack') else ' (Q4_0 repack off, as --no-repack)'}, in a memory "
         f"cgroup capped at {_cap(cfg)}; "
         f"{cfg['threads']} thread(s) each on {result.get('cpus', '?')} CPUs ({result.get('cpu_model') or '?'}), "
         f"{cfg['prompt_tokens']} prompt ids shared, {cfg['decode_tokens']} "
         f"decoded tokens, page cache dropped before every run, {cfg['rounds']} interleaved round(s), medians.",
-        "Target decode >= 2x llama.cpp: " + "; ".join(verdicts) + ".",
+        f"Target decode >= {DECODE_TARGET:g}x llama.cpp: " + "; ".join(verdicts) + ".",
         "",
     ]
     lines += [
