@@ -152,8 +152,12 @@ class GGUFFile:
     def dequantize(self, name: str, first_row: int = 0, rows: int | None = None) -> torch.Tensor:
         """Tensor ``name`` (or rows of its first dimension) in float32: the common block types in torch
         (:mod:`gguf_dequant`), any other by the ``gguf`` package's dequantizers."""
+        return self.dequantize_bytes(name, self.read_bytes(name, first_row, rows))
+
+    def dequantize_bytes(self, name: str, raw: np.ndarray) -> torch.Tensor:
+        """Rows of tensor ``name`` from their raw bytes (uint8 [rows, bytes per row], as :meth:`read_bytes` gives
+        them), in float32: what :meth:`dequantize` returns for those rows."""
         t = self.info(name)
-        raw = self.read_bytes(name, first_row, rows)
         shape = (raw.shape[0], *t.shape[1:]) if len(t.shape) > 1 else t.shape
         if t.type_name in TORCH_TYPES:  # bit-equal to the package's numpy dequantizers, several times faster
             return dequantize_blocks(t.type_name, torch.from_numpy(raw)).reshape(shape)
