@@ -1,21 +1,29 @@
-"""convert reads a GGUF's experts in large runs ahead of the encoders: the same store, byte for byte, as the
-sequential writer reading each expert by itself."""
+"""convert writes the resident part and the experts at once (the resident part on its own thread, the blobs by
+writer threads, a GGUF's experts read in large runs ahead of the encoders): the same store, byte for byte, as the
+sequential writer it replaced; a failure on either side stops the other and leaves nothing at the target."""
 
 from __future__ import annotations
 
 import errno
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
+import torch
 from _gguf_writer import write_gguf
-from _sequential_store import sequential_gguf_write_store
+from _sequential_store import sequential_gguf_write_store, sequential_write_store
 
+import fate_edge.format.convert as conv
 import fate_edge.format.direct_read as direct_read
 import fate_edge.format.gguf_convert as gguf_convert
 import fate_edge.format.gguf_expert_reads as expert_reads
-from fate_edge.format.convert import ConvertOptions
+from fate_edge.errors import FateEdgeError
+from fate_edge.format.background import Stopped
+from fate_edge.format.checkpoint import save_streaming
+from fate_edge.format.convert import ConvertOptions, convert
+from fate_edge.format.direct_write import DirectFile
 from fate_edge.format.gguf_convert import convert_gguf
 from fate_edge.format.gguf_expert_reads import ExpertReads
 from fate_edge.format.gguf_reader import GGUFFile
@@ -88,6 +96,23 @@ def test_gguf_store_is_byte_identical_to_the_sequential_writers(case, ggufs, tmp
     _same_files(ours, ref)
 
 
+@pytest.mark.parametrize(
+    "opts",
+    [
+        ConvertOptions(bits=4, cold_bits=2, threads=3),
+        ConvertOptions(bits=8, keep_bf16=False, layout="portable", threads=1),
+        ConvertOptions(bits=4, keep_bf16=False, resident_bits=8, embedding_bits=4),
+    ],
+    ids=["int4+int2+bf16", "int8", "resident int8"],
+)
+def test_safetensors_store_is_byte_identical_to_the_sequential_writers(opts, bundled_dir, tmp_path, monkeypatch):
+    ours = _within(TIMEOUT_S, convert, bundled_dir, tmp_path / "ours", opts, progress=False)
+    with monkeypatch.context() as m:
+        m.setattr(conv, "write_store", sequential_write_store)
+        ref = convert(bundled_dir, tmp_path / "ref", opts, progress=False)
+    _same_files(ours, ref)
+
+
 @pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
 def test_expert_reads_give_every_experts_own_bytes(direct, ggufs, monkeypatch):
     if not direct:  # a filesystem that refuses O_DIRECT: reads through the page cache
@@ -117,3 +142,105 @@ def test_expert_reads_give_every_experts_own_bytes(direct, ggufs, monkeypatch):
     finally:
         reads.close()
     g.close()
+
+
+def test_a_failure_writing_the_resident_part_leaves_nothing_and_does_not_hang(bundled_dir, tmp_path, monkeypatch):
+    started = threading.Event()
+
+    def failing(reader, names, path, metadata=None, on_tensor=None):
+        path.write_bytes(b"partial")
+        started.set()
+        raise RuntimeError("resident part failed")
+
+    encoded = []
+
+    def slow_encode(*args):  # the experts would take much longer than the resident part's failure
+        encoded.append(args[1])
+        time.sleep(0.05)
+        return real_encode(*args)
+
+    real_encode = conv._encode_job
+    monkeypatch.setattr(conv, "save_streaming", failing)
+    monkeypatch.setattr(conv, "_encode_job", slow_encode)
+    out = tmp_path / "out" / "store"
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match="resident part failed"):
+        _within(TIMEOUT_S, convert, bundled_dir, out, ConvertOptions(bits=4, threads=2), progress=False)
+    assert started.is_set() and time.perf_counter() - t0 < 30
+    assert len(encoded) < 8 * 16  # stopped early, not after every expert
+    assert _leftovers(out.parent) == []
+
+
+def test_a_failure_on_the_experts_side_stops_the_resident_part(bundled_dir, tmp_path, monkeypatch):
+    ends = []
+
+    def endless(reader, names, path, metadata=None, on_tensor=None):  # a resident part that never ends by itself
+        try:
+            while True:
+                for n in names:
+                    reader.get(n)
+                time.sleep(0.01)
+        except Stopped:
+            ends.append("stopped")
+            raise
+
+    def failing_encode(layout, expert, precisions, method):
+        if expert == 5:
+            raise ValueError("expert 5 failed")
+        return real_encode(layout, expert, precisions, method)
+
+    real_encode = conv._encode_job
+    monkeypatch.setattr(conv, "save_streaming", endless)
+    monkeypatch.setattr(conv, "_encode_job", failing_encode)
+    with pytest.raises(ValueError, match="expert 5 failed"):
+        _within(TIMEOUT_S, convert, bundled_dir, tmp_path / "store", ConvertOptions(bits=4), progress=False)
+    assert ends == ["stopped"]
+    assert _leftovers(tmp_path) == []
+
+
+def test_a_disk_full_in_a_blob_writer_is_the_one_error_and_leaves_nothing(bundled_dir, tmp_path, monkeypatch):
+    real = DirectFile.pwrite_at
+    calls = []
+
+    def full_on_the_fifth(self, data, offset, staging=None):
+        calls.append(offset)
+        if len(calls) == 5:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, data, offset, staging)
+
+    monkeypatch.setattr(DirectFile, "pwrite_at", full_on_the_fifth)
+    with pytest.raises(FateEdgeError, match="no space left"):
+        _within(TIMEOUT_S, convert, bundled_dir, tmp_path / "store", ConvertOptions(bits=4), progress=False)
+    assert _leftovers(tmp_path) == []
+
+
+def test_the_resident_part_runs_beside_the_experts_on_one_torch_thread(bundled_dir, tmp_path, monkeypatch):
+    """The resident writer waits for the experts' encoders to have started: written one after the other, this
+    would not end. While the experts run it computes on one torch thread, afterwards on the process's count."""
+    experts_started = threading.Event()
+    seen: dict[str, int] = {}
+
+    def after_experts_start(reader, names, path, metadata=None, on_tensor=None):
+        assert experts_started.wait(30), "the experts did not start while the resident part was being written"
+        seen["during"] = torch.get_num_threads()
+        deadline = time.monotonic() + 30
+        while torch.get_num_threads() != before and time.monotonic() < deadline:
+            reader.get(names[0])  # the first read after the experts are done takes the process's threads
+            time.sleep(0.01)
+        seen["after"] = torch.get_num_threads()
+        return save_streaming(reader, names, path, metadata, on_tensor)
+
+    def encode(*args):
+        experts_started.set()
+        return real_encode(*args)
+
+    real_encode = conv._encode_job
+    monkeypatch.setattr(conv, "save_streaming", after_experts_start)
+    monkeypatch.setattr(conv, "_encode_job", encode)
+    before = torch.get_num_threads()
+    opts = ConvertOptions(bits=4, keep_bf16=False)
+    ours = _within(TIMEOUT_S, convert, bundled_dir, tmp_path / "ours", opts, progress=False)
+    assert seen == {"during": 1, "after": before}
+    assert torch.get_num_threads() == before
+    monkeypatch.setattr(conv, "write_store", sequential_write_store)
+    _same_files(ours, convert(bundled_dir, tmp_path / "ref", opts, progress=False))
