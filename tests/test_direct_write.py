@@ -43,6 +43,33 @@ def test_slots_are_written_at_their_offsets_zero_padded_to_the_final_length(tmp_
     assert data[5000 : 4 * ALIGN] == bytes(4 * ALIGN - 5000) and data[4 * ALIGN + 3000 :] == bytes(2 * ALIGN - 3000)
 
 
+def test_slots_written_from_several_threads_each_with_its_staging_buffer(tmp_path):
+    import threading
+
+    from fate_edge.format.direct_write import Staging
+
+    blobs = [os.urandom(5000 + 97 * i) for i in range(24)]
+    slot = 2 * ALIGN
+    with DirectFile(tmp_path / "f", buffer_bytes=ALIGN) as f:
+
+        def writer(k: int) -> None:
+            staging = Staging()
+            for i in range(k, len(blobs), 3):
+                f.pwrite_at(blobs[i], i * slot, staging)
+            staging.close()
+
+        threads = [threading.Thread(target=writer, args=(k,)) for k in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert f.size == (len(blobs) - 1) * slot + len(blobs[-1])
+    data = (tmp_path / "f").read_bytes()
+    for i, b in enumerate(blobs):
+        gap = data[i * slot + len(b) : (i + 1) * slot]  # zeros up to the next slot (the file ends at the last blob)
+        assert data[i * slot : i * slot + len(b)] == b and gap == bytes(len(gap))
+
+
 def test_a_filesystem_that_refuses_o_direct_gets_buffered_writes(tmp_path, monkeypatch):
     real_open, real_pwrite = os.open, os.pwrite
 

@@ -55,6 +55,21 @@ def test_random_k_blocks_dequantize_to_the_packages_floats(type_name):
     assert _same_bits(dequantize_blocks(type_name, torch.from_numpy(raw)), want)
 
 
+@pytest.mark.parametrize("type_name", sorted(TORCH_TYPES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dequantizing_into_a_narrower_dtype_rounds_as_to_does(type_name, dtype, monkeypatch):
+    """Chunk by chunk into ``dtype``: the very bits of the float32 result's ``.to(dtype)`` (signed zeros included)."""
+    monkeypatch.setattr(gguf_dequant, "CHUNK_WEIGHTS", 1000)  # several chunks, the last one short
+    blocks = 5 if type_name.endswith("_K") else 40
+    if type_name in FP16_FIELDS:
+        raw = _random_blocks(type_name, 7, blocks, seed=3)
+    else:
+        raw = _quantized(type_name, 7, 32 * blocks, seed=3)
+    want = dequantize_blocks(type_name, torch.from_numpy(raw)).to(dtype)
+    got = dequantize_blocks(type_name, torch.from_numpy(raw), dtype)
+    assert got.dtype == dtype and torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 @pytest.mark.parametrize("type_name", ["Q6_K", "Q5_0"])
 def test_chunk_boundaries_do_not_show(type_name, monkeypatch):
     """Chunks smaller than a row and a last chunk that is cut short give the same floats as one pass."""

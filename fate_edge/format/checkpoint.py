@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 from pathlib import Path
 
 import torch
@@ -57,6 +58,7 @@ class CheckpointReader:
         self.model_dir = Path(model_dir)
         self.drop_cache = drop_cache
         self._files: dict[str, tuple[int, int, dict]] = {}  # file -> (fd, data start, header)
+        self._lock = threading.RLock()  # convert reads from several threads: each file opened once
         check_store_complete(self.model_dir)
         index_path = self.model_dir / INDEX_FILE
         if index_path.exists():
@@ -90,12 +92,15 @@ class CheckpointReader:
 
     def _layout(self, path: Path) -> tuple[int, int, dict]:
         key = str(path)
-        if key not in self._files:
-            if not path.exists():
-                raise ModelFormatError(f"{path}: shard listed in {INDEX_FILE} is missing; copy it next to the index")
-            start, header = _check_safetensors_file(path)
-            self._files[key] = (os.open(path, os.O_RDONLY), start, header)
-        return self._files[key]
+        with self._lock:
+            if key not in self._files:
+                if not path.exists():
+                    raise ModelFormatError(
+                        f"{path}: shard listed in {INDEX_FILE} is missing; copy it next to the index"
+                    )
+                start, header = _check_safetensors_file(path)
+                self._files[key] = (os.open(path, os.O_RDONLY), start, header)
+            return self._files[key]
 
     def _read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The tensor ``name``, or its rows ``rows[0]:rows[1]`` (clipped to 0..rows), read with pread."""
@@ -137,9 +142,10 @@ class CheckpointReader:
 
     def _handle(self, name: str):
         file = self.weight_map[name]
-        if file not in self._handles:
-            self._handles[file] = self._open(self.model_dir / file)
-        return self._handles[file]
+        with self._lock:
+            if file not in self._handles:
+                self._handles[file] = self._open(self.model_dir / file)
+            return self._handles[file]
 
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map

@@ -21,11 +21,14 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import cast
 
 import torch
 from tqdm import tqdm
 
 from fate_edge.errors import FateEdgeError
+from fate_edge.format.background import Background, Stopped
+from fate_edge.format.blob_writer import BlobWriter
 from fate_edge.format.checkpoint import CheckpointReader, save_streaming
 from fate_edge.format.checkpoint_experts import ExpertLayout
 from fate_edge.format.checkpoint_layout import layer_names, resident_weight_names
@@ -219,26 +222,29 @@ def write_store(
         meter = _Progress(
             sum(reader.nbytes(n) for n in names_resident) + src.expert_bytes * len(jobs), progress, on_progress
         )
+        # The resident part and the experts are written at once, the resident part on its own thread: each alone
+        # leaves the disk (or the cores) half idle. One torch thread each while both run: the parallelism is across
+        # experts and between the two parts, torch's own threads on top would oversubscribe the cores; the resident
+        # part takes the process's torch threads back if it is still running once the experts are done.
+        experts_done = threading.Event()
+        threads = torch.get_num_threads()
         try:
-            if opts.resident_bits is None and opts.embedding_bits is None:
-                save_streaming(
-                    reader,
-                    names_resident,
-                    tmp / "resident.safetensors",
-                    {"format": "pt"},
-                    lambda _name, nbytes: meter.advance(nbytes),
+            with _one_torch_thread():
+                resident = Background(
+                    lambda stop: _write_resident(
+                        src, names_resident, tmp / "resident.safetensors", opts, meter, stop, (experts_done, threads)
+                    ),
+                    "convert-resident",
                 )
-            else:  # quantized once, here (fate_edge/format/prequantized.py)
-                from fate_edge.format.prequantized import quantized_resident, write_quantized_resident
-
-                with _one_torch_thread():
-                    held = quantized_resident(
-                        cfg, reader, src.names, names_resident, opts.resident_bits, opts.embedding_bits
+                try:
+                    entries = _write_experts(
+                        tmp, jobs, src.encode, precisions, opts, lambda: meter.advance(src.expert_bytes), resident
                     )
-                write_quantized_resident(tmp / "resident.safetensors", held)
-                del held
-                meter.advance(sum(reader.nbytes(n) for n in names_resident))
-            entries = _write_experts(tmp, jobs, src.encode, precisions, opts, lambda: meter.advance(src.expert_bytes))
+                    experts_done.set()
+                    resident.result()
+                except BaseException:
+                    resident.cancel()  # it writes nothing more into tmp, removed below
+                    raise
         finally:
             meter.close()
 
@@ -279,6 +285,61 @@ def write_store(
     return out_dir
 
 
+def _write_resident(
+    src: StoreSource,
+    names: list[str],
+    path: Path,
+    opts: ConvertOptions,
+    meter: _Progress,
+    stop: threading.Event,
+    widen: tuple[threading.Event, int],
+) -> None:
+    """resident.safetensors: streamed tensor by tensor as stored, or quantized once here (prequantized.py)."""
+    reader = cast(CheckpointReader, _ResidentReader(src.reader, stop, *widen))  # answers the same calls
+    if opts.resident_bits is None and opts.embedding_bits is None:
+        save_streaming(reader, names, path, {"format": "pt"}, lambda _name, nbytes: meter.advance(nbytes))
+    else:
+        from fate_edge.format.prequantized import quantized_resident, write_quantized_resident
+
+        held = quantized_resident(src.cfg, reader, src.names, names, opts.resident_bits, opts.embedding_bits)
+        write_quantized_resident(path, held)
+        del held
+        meter.advance(sum(src.reader.nbytes(n) for n in names))
+
+
+class _ResidentReader:
+    """``reader`` as the resident part's thread reads it. Before each tensor read: raise :class:`Stopped` once
+    ``stop`` is set (the experts' part failed: the resident part ends at once), and take ``threads`` torch threads
+    once ``widen`` is set (the experts are done: the cores are the resident part's alone)."""
+
+    def __init__(self, reader, stop: threading.Event, widen: threading.Event, threads: int):
+        self._reader, self._stop, self._widen, self._threads = reader, stop, widen, threads
+
+    def __getattr__(self, name: str):
+        return getattr(self._reader, name)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._reader
+
+    def _before_read(self) -> None:
+        if self._stop.is_set():
+            raise Stopped("convert stopped")
+        if self._widen.is_set() and torch.get_num_threads() != self._threads:
+            torch.set_num_threads(self._threads)  # this thread's own count (torch keeps one per thread)
+
+    def get(self, *args, **kwargs) -> torch.Tensor:
+        self._before_read()
+        return self._reader.get(*args, **kwargs)
+
+    def get_rows(self, *args, **kwargs) -> torch.Tensor:
+        self._before_read()
+        return self._reader.get_rows(*args, **kwargs)
+
+    def get_row(self, *args, **kwargs) -> torch.Tensor:
+        self._before_read()
+        return self._reader.get_row(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def _one_torch_thread():
     """Convert parallelises across experts; torch's own threads on top would oversubscribe the cores."""
@@ -312,38 +373,49 @@ def _encode_scratch() -> torch.Tensor:
 
 
 def _write_experts(
-    tmp: Path, jobs: list[tuple[int, int]], encode, precisions: list[Precision], opts: ConvertOptions, done
+    tmp: Path,
+    jobs: list[tuple[int, int]],
+    encode,
+    precisions: list[Precision],
+    opts: ConvertOptions,
+    done,
+    beside: Background | None = None,
 ) -> dict[str, list[dict]]:
-    """Encode the experts on ``opts.threads`` workers and write their blobs in slot order. At most
-    2 x threads experts are in flight, so memory stays a few experts' worth whatever the model's size."""
+    """Encode the experts on ``opts.threads`` workers and hand their blobs in slot order to the writer threads
+    (``blob_writer``). At most 2 x threads experts are in flight and a few blobs queued, so memory stays a few
+    experts' worth whatever the model's size. ``beside``: work running meanwhile; its failure stops this one."""
     threads = opts.threads or min(os.cpu_count() or 1, 8)
     entries: dict[str, list[dict]] = {str(p.bits): [] for p in precisions}
     files = {p.bits: DirectFile(tmp / p.file, p.slot_bytes) for p in precisions}  # closed below
     pool = ThreadPoolExecutor(threads, thread_name_prefix="convert")
+    writer = BlobWriter()
     try:
-        with _one_torch_thread():
 
-            def submit(item: tuple[int, tuple[int, int]]):
-                slot, (layer, e) = item
-                return slot, layer, e, pool.submit(encode, layer, e, precisions, opts.method)
+        def submit(item: tuple[int, tuple[int, int]]):
+            slot, (layer, e) = item
+            return slot, layer, e, pool.submit(encode, layer, e, precisions, opts.method)
 
-            ahead = iter(enumerate(jobs))
-            pending = collections.deque(map(submit, itertools.islice(ahead, 2 * threads)))
-            while pending:
-                slot, layer, e, fut = pending.popleft()
-                blobs = fut.result()
-                pending.extend(map(submit, itertools.islice(ahead, 1)))  # keep the workers fed
-                for p, (blob, crc) in zip(precisions, blobs):
-                    offset = slot * p.slot_bytes
-                    files[p.bits].pwrite_at(blob, offset)
-                    entries[str(p.bits)].append(
-                        {"layer": layer, "expert": e, "offset": offset, "length": len(blob), "crc32": crc}
-                    )
-                del blobs
-                done()
+        ahead = iter(enumerate(jobs))
+        pending = collections.deque(map(submit, itertools.islice(ahead, 2 * threads)))
+        while pending:
+            slot, layer, e, fut = pending.popleft()
+            blobs = fut.result()
+            if beside is not None:
+                beside.check()
+            pending.extend(map(submit, itertools.islice(ahead, 1)))  # keep the workers fed
+            for p, (blob, crc) in zip(precisions, blobs):
+                offset = slot * p.slot_bytes
+                writer.put(files[p.bits], blob, offset)
+                entries[str(p.bits)].append(
+                    {"layer": layer, "expert": e, "offset": offset, "length": len(blob), "crc32": crc}
+                )
+            del blobs
+            done()
+        writer.close()
         for p in precisions:  # pad to a whole slot so the last O_DIRECT read is in bounds
             files[p.bits].truncate(len(jobs) * p.slot_bytes)
     finally:
+        writer.abort()  # no writer touches the files below (a no-op after close())
         pool.shutdown(wait=True, cancel_futures=True)
         for f in files.values():
             f.close()
@@ -356,6 +428,7 @@ class _Progress:
 
     def __init__(self, total: int, bar: bool, callback=None):
         self.total, self.done, self.callback = total, 0, callback
+        self.lock = threading.Lock()
         self.bar = tqdm(
             total=total,
             desc="converting",
@@ -367,10 +440,11 @@ class _Progress:
         )
 
     def advance(self, nbytes: int) -> None:
-        self.done += nbytes
-        self.bar.update(nbytes)
-        if self.callback is not None:
-            self.callback(self.done, self.total)
+        with self.lock:  # the resident part and the experts' advance from their own threads
+            self.done += nbytes
+            self.bar.update(nbytes)
+            if self.callback is not None:
+                self.callback(self.done, self.total)
 
     def close(self) -> None:
         self.bar.close()
@@ -421,7 +495,7 @@ def _alive(pid: int) -> bool:
 def remove_dead_partials(directory: Path) -> list[Path]:
     """Remove hidden ``.<name>.partial-<pid>`` (and ``.old-<pid>``) directories whose convert process is gone
     (killed before it could clean up); those of running processes are left alone."""
-    removed = []
+    removed: list[Path] = []
     if not directory.is_dir():
         return removed
     for path in sorted(directory.iterdir()):

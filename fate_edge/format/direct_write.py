@@ -14,6 +14,7 @@ import errno
 import fcntl
 import mmap
 import os
+import threading
 from pathlib import Path
 
 ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and memory on every filesystem fate-edge targets
@@ -25,7 +26,8 @@ def _align(n: int) -> int:
 
 class DirectFile:
     """A write-only file: ``write`` appends (staged in an aligned buffer of ``buffer_bytes``), ``pwrite_at``
-    writes at an aligned offset; ``close`` cuts the file to the bytes written and fsyncs it."""
+    writes at an aligned offset (from several threads at once when each passes its own ``staging`` buffer);
+    ``close`` cuts the file to the bytes written and fsyncs it."""
 
     def __init__(self, path: str | Path, buffer_bytes: int = 8 << 20):
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
@@ -41,6 +43,7 @@ class DirectFile:
         self.fill = 0  # bytes staged in ``buf``
         self.pos = 0  # file offset of buf[0]
         self.size = 0  # the file's true length
+        self._size_lock = threading.Lock()  # pwrite_at may run on several writer threads
 
     # ------------------------------------------------------------------ sequential
     def write(self, data) -> int:
@@ -62,19 +65,25 @@ class DirectFile:
         self.fill = 0
 
     # ------------------------------------------------------------------ slots
-    def pwrite_at(self, data, offset: int) -> None:
-        """Write ``data`` at ``offset`` (a multiple of ALIGN), zero-padded to a whole ALIGN block."""
+    def pwrite_at(self, data, offset: int, staging: Staging | None = None) -> None:
+        """Write ``data`` at ``offset`` (a multiple of ALIGN), zero-padded to a whole ALIGN block. ``staging``: the
+        calling thread's own aligned buffer (the file's is shared), for writes from several threads at once."""
         view = memoryview(data).cast("B")
         if offset % ALIGN:
             raise ValueError(f"pwrite_at: offset {offset} is not a multiple of {ALIGN}")
-        if len(self.buf) < _align(len(view)):
-            self.buf.close()
-            self.buf = mmap.mmap(-1, _align(len(view)))
-        self.buf[: len(view)] = view
         padded = _align(len(view))
-        self.buf[len(view) : padded] = bytes(padded - len(view))
-        self._pwrite(memoryview(self.buf)[:padded], offset)
-        self.size = max(self.size, offset + len(view))
+        if staging is None:
+            if len(self.buf) < padded:
+                self.buf.close()
+                self.buf = mmap.mmap(-1, padded)
+            buf = self.buf
+        else:
+            buf = staging.reserve(padded)
+        buf[: len(view)] = view
+        buf[len(view) : padded] = bytes(padded - len(view))
+        self._pwrite(memoryview(buf)[:padded], offset)
+        with self._size_lock:
+            self.size = max(self.size, offset + len(view))
 
     def _pwrite(self, view: memoryview, offset: int) -> None:
         while len(view):
@@ -115,3 +124,21 @@ class DirectFile:
             os.close(self.fd)
             self.fd = -1
             self.buf.close()
+
+
+class Staging:
+    """One writer thread's page-aligned buffer for :meth:`DirectFile.pwrite_at`, grown to the largest blob."""
+
+    def __init__(self) -> None:
+        self.buf: mmap.mmap | None = None
+
+    def reserve(self, nbytes: int) -> mmap.mmap:
+        if self.buf is None or len(self.buf) < nbytes:
+            self.close()
+            self.buf = mmap.mmap(-1, _align(nbytes))
+        return self.buf
+
+    def close(self) -> None:
+        if self.buf is not None:
+            self.buf.close()
+            self.buf = None

@@ -19,6 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import cast
 
+import numpy as np
 import torch
 
 from fate_edge.errors import FateEdgeError, ModelFormatError
@@ -36,6 +37,7 @@ from fate_edge.format.convert import (
 )
 from fate_edge.format.gguf_blocks import FP32_SCALES, SOURCE_BITS, exact_into, to_quantized
 from fate_edge.format.gguf_config import hf_config
+from fate_edge.format.gguf_expert_reads import ExpertReads
 from fate_edge.format.gguf_reader import GGUFFile
 from fate_edge.format.gguf_tensors import GGUFCheckpoint, expert_tensor
 from fate_edge.format.gguf_tokenizer import tokenizer_files, write_tokenizer_files
@@ -130,34 +132,46 @@ def convert_gguf(
         (tmp / "config.json").write_text(json.dumps(config, indent=1))
         write_tokenizer_files(tok_files, tmp)
 
+    reads = ExpertReads(g, cfg.moe_layers, cfg.num_experts)
+
     def encode(layer: int, expert: int, precs: list[Precision], method: str) -> list[tuple[memoryview, int]]:
-        return [(b, crc32(b)) for b in encode_gguf_expert(g, layer, expert, precs, method)]
+        blobs = encode_gguf_expert(g, layer, expert, precs, method, reads.expert(layer, expert))
+        return [(b, crc32(b)) for b in blobs]
 
     source = StoreSource(
         path, cfg, reader, names, expert_bytes, encode, write_aux, sum(len(json.dumps(c)) for c in tok_files.values())
     )
-    return write_store(source, out_dir, opts, precisions, progress, on_progress)
+    try:
+        return write_store(source, out_dir, opts, precisions, progress, on_progress)
+    finally:
+        reads.close()
 
 
 def encode_gguf_expert(
-    g: GGUFFile, layer: int, expert: int, precisions: list[Precision], method: str
+    g: GGUFFile,
+    layer: int,
+    expert: int,
+    precisions: list[Precision],
+    method: str,
+    source: dict[str, np.ndarray] | None = None,
 ) -> list[memoryview]:
-    """One expert's blobs, one per precision: its blocks as they are where they fit, else dequantized."""
+    """One expert's blobs, one per precision: its blocks as they are where they fit, else dequantized. ``source``:
+    the expert's raw bytes per matrix, already read (``ExpertReads``); else they are read here."""
     raw, floats = {}, {}
     for m in MATRICES:
         info = g.info(expert_tensor(layer, m))
-        rows = info.shape[1]
-        raw[m] = (info.type_name, torch.from_numpy(g.read_bytes(info.name, expert, 1).reshape(rows, -1).copy()))
+        data = g.read_bytes(info.name, expert, 1).copy() if source is None else source[m]
+        raw[m] = (info.type_name, info.shape[1], data.reshape(1, -1))
     out = []
     for p in precisions:
         mats = {}
         for m in MATRICES:
-            kind, data = raw[m]
+            kind, rows, data = raw[m]
             if p.spec is not None and exact_into(kind, p.spec):
-                mats[m] = to_quantized(kind, data, p.spec)
+                mats[m] = to_quantized(kind, torch.from_numpy(data.reshape(rows, -1)), p.spec)
             else:
                 if m not in floats:
-                    floats[m] = g.dequantize(expert_tensor(layer, m), expert, 1)[0]
+                    floats[m] = g.dequantize_bytes(expert_tensor(layer, m), data)[0]
                 mats[m] = floats[m]
         out.append(encode_expert(ExpertWeights(mats["gate"], mats["up"], mats["down"]), p, method, _encode_scratch()))
     return out

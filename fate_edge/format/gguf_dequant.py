@@ -99,11 +99,13 @@ _BLOCKS: dict[str, tuple[int, int, Callable[[torch.Tensor], torch.Tensor]]] = { 
 TORCH_TYPES = frozenset(_BLOCKS)
 
 
-def dequantize_blocks(type_name: str, raw: torch.Tensor) -> torch.Tensor:
-    """``raw`` uint8 [rows, bytes per row] of ``type_name`` blocks (one of :data:`TORCH_TYPES`) → float32 [rows, K]."""
+def dequantize_blocks(type_name: str, raw: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``raw`` uint8 [rows, bytes per row] of ``type_name`` blocks (one of :data:`TORCH_TYPES`) → [rows, K] in
+    ``dtype``: computed in float32 a chunk at a time, each chunk rounded into ``dtype`` as ``.to(dtype)`` would (no
+    float32 copy of the whole tensor: convert's bf16 resident tensors spent most of their time faulting it in)."""
     weights, size, fn = _BLOCKS[type_name]
     blocks = raw.reshape(-1, size)
-    out = torch.empty(blocks.shape[0], weights, dtype=torch.float32)
+    out = torch.empty(blocks.shape[0], weights, dtype=dtype)
     step = max(1, CHUNK_WEIGHTS // weights)
     for i in range(0, blocks.shape[0], step):
         out[i : i + step] = fn(blocks[i : i + step])

@@ -149,14 +149,20 @@ class GGUFFile:
             os.posix_fadvise(self._fd, begin, length, os.POSIX_FADV_DONTNEED)
         return np.frombuffer(buf, dtype=np.uint8).reshape(rows, row_bytes)
 
-    def dequantize(self, name: str, first_row: int = 0, rows: int | None = None) -> torch.Tensor:
-        """Tensor ``name`` (or rows of its first dimension) in float32: the common block types in torch
-        (:mod:`gguf_dequant`), any other by the ``gguf`` package's dequantizers."""
+    def dequantize(
+        self, name: str, first_row: int = 0, rows: int | None = None, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """Tensor ``name`` (or rows of its first dimension) in float32, rounded to ``dtype`` if another: the common
+        block types in torch (:mod:`gguf_dequant`), any other by the ``gguf`` package's dequantizers."""
+        return self.dequantize_bytes(name, self.read_bytes(name, first_row, rows), dtype)
+
+    def dequantize_bytes(self, name: str, raw: np.ndarray, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows of tensor ``name`` from their raw bytes (uint8 [rows, bytes per row], as :meth:`read_bytes` gives
+        them): what :meth:`dequantize` returns for those rows."""
         t = self.info(name)
-        raw = self.read_bytes(name, first_row, rows)
         shape = (raw.shape[0], *t.shape[1:]) if len(t.shape) > 1 else t.shape
         if t.type_name in TORCH_TYPES:  # bit-equal to the package's numpy dequantizers, several times faster
-            return dequantize_blocks(t.type_name, torch.from_numpy(raw)).reshape(shape)
+            return dequantize_blocks(t.type_name, torch.from_numpy(raw), dtype).reshape(shape)
         from gguf import GGMLQuantizationType, quants
 
         try:
@@ -174,7 +180,7 @@ class GGUFFile:
                 "package cannot dequantize; re-quantize the model to q4_0, q4_K, q8_0 or another "
                 "type llama.cpp's gguf-py reads"
             ) from None
-        return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).reshape(shape)
+        return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).reshape(shape).to(dtype)
 
     def close(self) -> None:
         fd = getattr(self, "_fd", None)  # absent when __init__ raised before opening

@@ -133,20 +133,21 @@ class GGUFCheckpoint:
         return n * torch.empty(0, dtype=self._dtype(name)).element_size()
 
     def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        src = self._gguf(name)
+        src, dtype = self._gguf(name), dtype or self._dtype(name)
+        # dequantized straight into ``dtype`` (the same numbers as float32 then .to(dtype)): no float32 copy
         if len(src) == 2:
-            k_b, v_b = (self.g.dequantize(s) for s in src)
+            k_b, v_b = (self.g.dequantize(s, dtype=dtype) for s in src)
             t = torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(self.shape(name))
         else:
-            t = self.g.dequantize(src[0]).reshape(self.shape(name))
+            t = self.g.dequantize(src[0], dtype=dtype).reshape(self.shape(name))
             t = self._unpermute(name, t)
-        return t.to(dtype or self._dtype(name))
+        return t
 
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         src = self._gguf(name)
         if len(src) == 1 and not self._permuted(name) and len(self.shape(name)) == 2:
             stop = min(stop, self.shape(name)[0])
-            return self.g.dequantize(src[0], start, max(stop - start, 0)).to(self._dtype(name))
+            return self.g.dequantize(src[0], start, max(stop - start, 0), self._dtype(name))
         return self.get(name)[start:stop]
 
     def _permuted(self, name: str) -> bool:

@@ -2,6 +2,7 @@
 disk-bound.
 
     python scripts/research/gguf_full_shape.py SLICE.gguf CHECKPOINT --work DIR [--results]
+    python scripts/research/gguf_full_shape.py SLICE.gguf --only gguf --work DIR [--rounds N]
 
 SLICE.gguf: a q4_0 GGUF of the 2-layer synthetic slice made by llama.cpp's own converter and quantizer (the one
 ``scripts/research/gguf_parity.py`` makes, under ~/.cache/fate-edge-peers/gguf). Its layers are repeated into a
@@ -91,7 +92,8 @@ def size_gb(path: Path) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("slice_gguf", type=Path)
-    ap.add_argument("checkpoint", type=Path)
+    ap.add_argument("checkpoint", type=Path, nargs="?", help="the bf16 checkpoint (not needed with --only gguf)")
+    ap.add_argument("--only", choices=("gguf", "safetensors"), help="convert only this source (no --results)")
     ap.add_argument("--work", type=Path, required=True, help="where the 24-layer GGUF and the stores go")
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=1)
@@ -99,12 +101,18 @@ def main() -> int:
     ap.add_argument("--json", default="/tmp/gguf_full_shape.json")
     add_results_arg(ap, "write the table into docs/results/gguf_full_shape.md (or FILE) between its markers")
     args = ap.parse_args()
+    if args.only != "gguf" and args.checkpoint is None:
+        ap.error("CHECKPOINT is needed unless --only gguf")
+    if args.only and args.results:
+        ap.error("--results writes the table of both sources: leave out --only")
     args.work.mkdir(parents=True, exist_ok=True)
     full = args.work / f"model-q4_0-{args.layers}l.gguf"
     if not full.exists():
         repeat_layers(args.slice_gguf, full, args.layers)
     disk = disk_speed(full, args.work / "dd.scratch")
     sources = {"gguf": full, "safetensors": args.checkpoint}
+    if args.only:
+        sources = {args.only: sources[args.only]}
     runs: dict[str, list[dict]] = {k: [] for k in sources}
     load_start = load_average()
     for _ in range(args.rounds):
@@ -132,12 +140,11 @@ def main() -> int:
         "loadavg_start": load_start,
         "loadavg_end": load_average(),
     }
-    g, s = med["gguf"], med["safetensors"]
     lines = [
         f"Qwen1.5-MoE-A2.7B shape, {args.layers} layers; {cpu_model()}, {args.threads} threads; load average "
         f"{load_start} at the start, {result['loadavg_end']} at the end. Each convert in a fresh process, page cache "
         f"dropped before it, {args.rounds} round(s), medians. This disk, O_DIRECT sequential: read "
-        f"{disk['read_gbps']} GB/s, write {disk['write_gbps']} GB/s. Both stores: int4 group-32 experts, portable "
+        f"{disk['read_gbps']} GB/s, write {disk['write_gbps']} GB/s. Stores: int4 group-32 experts, portable "
         "layout, `--no-bf16`.",
         "",
         "| source | input GB | store GB | convert s | disk-bound time s (read + write) | convert / disk-bound "
@@ -150,7 +157,9 @@ def main() -> int:
             f"| {kind} | {r0['in_gb']} | {r0['out_gb']} | {m['wall_s']:.1f} | {m['disk_bound_s']:.1f} | "
             f"{m['wall_s'] / m['disk_bound_s']:.2f}x | {m['rss_mb']:.0f} |"
         )
-    lines += ["", f"GGUF convert / safetensors convert: **{g['wall_s'] / s['wall_s']:.2f}x** time."]
+    if len(med) == 2:
+        g, s = med["gguf"], med["safetensors"]
+        lines += ["", f"GGUF convert / safetensors convert: **{g['wall_s'] / s['wall_s']:.2f}x** time."]
     publish(result, args.json, "\n".join(lines), args.results, "gguf_full_shape")
     return 0
 
