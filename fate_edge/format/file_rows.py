@@ -26,6 +26,11 @@ class FileRows:
     dtype: torch.dtype
     _fd: int = field(default=-1, repr=False)
 
+    @staticmethod
+    def available() -> bool:
+        """``pread`` exists here (not on Windows, where the table is gathered through its mapping instead)."""
+        return hasattr(os, "pread")
+
     def __post_init__(self) -> None:
         # Opened once: a store replaced on disk while this runs keeps serving the file that was loaded.
         self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -39,9 +44,12 @@ class FileRows:
         rows, inverse = torch.unique(flat, sorted=True, return_inverse=True)
         out = np.empty((rows.numel(), self.row_bytes), dtype=np.uint8)
         for i, r in enumerate(rows.tolist()):
-            got = os.preadv(self._fd, [out[i]], self.offset + r * self.row_bytes)
-            if got != self.row_bytes:
-                raise OSError(f"{self.path}: short read of row {r} ({got} of {self.row_bytes} bytes): truncated store?")
+            got = os.pread(self._fd, self.row_bytes, self.offset + r * self.row_bytes)
+            if len(got) != self.row_bytes:
+                raise OSError(
+                    f"{self.path}: short read of row {r} ({len(got)} of {self.row_bytes} bytes): truncated store?"
+                )
+            out[i] = np.frombuffer(got, dtype=np.uint8)
         table = torch.from_numpy(out).view(self.dtype).reshape(rows.numel(), *self.shape[1:])
         return table if flat.numel() == 1 else table.index_select(0, inverse)
 

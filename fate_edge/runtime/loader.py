@@ -17,6 +17,7 @@ from fate_edge.format.checkpoint_layout import (
     resident_weight_names,
 )
 from fate_edge.format.convert import pick_group
+from fate_edge.format.file_rows import FileRows
 from fate_edge.format.prequantized import MappedFiles, check_request, covered, in_store, is_float_weight
 from fate_edge.format.store import is_store
 from fate_edge.model.arch import ModelConfig, load_config
@@ -56,7 +57,7 @@ def _read_resident(
 
     def read(name: str) -> torch.Tensor:  # codes and scales quantized at convert: memory-mapped as stored
         if not is_float_weight(name):
-            if name.startswith(EMBED_NAME + ".") and torch.device(device).type == "cpu":
+            if name.startswith(EMBED_NAME + ".") and torch.device(device).type == "cpu" and FileRows.available():
                 assert resident.row_sources is not None
                 resident.row_sources[name] = mapped.rows(name)
             return mapped.get(name).to(device)
