@@ -284,8 +284,11 @@ def test_plan_emulated_scales_the_measured_costs_onto_each_devices_timeline(stor
     from fate_edge.planning.emulation import plan_emulated
 
     ids = bundled_tokenizer.encode("def main():\n    return sorted(items, key=len)\n" * 4)[:24]
-    plans = plan_emulated(store, 3_000_000, ["orin-nano", "rpi5"], ids, decode_tokens=8)
+    said: list[str] = []
+    plans = plan_emulated(store, 3_000_000, ["orin-nano", "rpi5"], ids, decode_tokens=8, progress=said.append)
     assert set(plans) == {"orin-nano", "rpi5"}
+    # the first device's preset is probed too: compute as a function of stall, as `fate-edge plan` measures it
+    assert any("tokens of the preset" in line for line in said), said
     host = {d: em.host_s_per_token for d, (em, _) in plans.items()}
     assert host["orin-nano"] == host["rpi5"]  # one measurement, two devices
     for em, plan in plans.values():

@@ -243,6 +243,9 @@ def plan_emulated(
     from fate_edge.planning.planner import describe_store, measure_host_costs, plan, probe_error
     from fate_edge.planning.simulate import scale_costs
 
+    # The first device's preset is probed too (ungated, on this host's disk): its stall differs from the LRU
+    # probe's, and the two give compute as a function of stall (planner.stall_drag), a host property the scaled
+    # costs keep for every device.
     costs, host_link, trace = measure_host_costs(
         store_dir,
         budget,
@@ -252,6 +255,7 @@ def plan_emulated(
         decode_tokens=decode_tokens,
         progress=progress,
         direct_io=True,
+        preset=preset_candidates(devices[0], store_dir)[0] if devices else None,
     )
     host_s = costs.layer_compute_s * len(load_config(store_dir).moe_layers)
     store = ExpertStore(store_dir)
