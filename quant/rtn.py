@@ -18,13 +18,22 @@ import torch
 from fate_edge.quant.pack import pack, unpack
 from fate_edge.quant.spec import QuantSpec, bytes_per_weight
 
-__all__ = ["Quantized", "bytes_per_weight", "dequantize", "pack", "quantize", "unpack"]
+__all__ = ["PackedQuantized", "Quantized", "bytes_per_weight", "dequantize", "pack", "quantize", "unpack"]
 
 
 class Quantized(NamedTuple):
     codes: torch.Tensor  # uint8 [..., K], one unpacked code per weight
     scale: torch.Tensor  # float16 [..., K / group_size] (float32 where a source's scales need it: GGUF q4_K)
     zero: torch.Tensor | None  # as scale; None for symmetric specs
+
+
+class PackedQuantized(NamedTuple):
+    """A :class:`Quantized` whose codes are already packed as :func:`pack` packs them (a GGUF's q4_0 blocks repacked
+    nibble to nibble, with no byte per code in between: the convert's CPU cost per expert)."""
+
+    packed: torch.Tensor  # uint8 [..., K * bits / 8]
+    scale: torch.Tensor
+    zero: torch.Tensor | None
 
 
 def _fp16_round(x: torch.Tensor, up: bool) -> torch.Tensor:

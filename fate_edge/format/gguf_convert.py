@@ -35,7 +35,7 @@ from fate_edge.format.convert import (
     pick_group,
     write_store,
 )
-from fate_edge.format.gguf_blocks import FP32_SCALES, SOURCE_BITS, exact_into, to_quantized
+from fate_edge.format.gguf_blocks import FP32_SCALES, SOURCE_BITS, exact_into, to_packed, to_quantized
 from fate_edge.format.gguf_config import hf_config
 from fate_edge.format.gguf_expert_reads import ExpertReads
 from fate_edge.format.gguf_reader import GGUFFile
@@ -168,7 +168,9 @@ def encode_gguf_expert(
         for m in MATRICES:
             kind, rows, data = raw[m]
             if p.spec is not None and exact_into(kind, p.spec):
-                mats[m] = to_quantized(kind, torch.from_numpy(data.reshape(rows, -1)), p.spec)
+                blocks = torch.from_numpy(data.reshape(rows, -1))
+                packed = to_packed(kind, blocks, p.spec) if p.layout == "portable" else None
+                mats[m] = packed if packed is not None else to_quantized(kind, blocks, p.spec)
             else:
                 if m not in floats:
                     floats[m] = g.dequantize_bytes(expert_tensor(layer, m), data)[0]

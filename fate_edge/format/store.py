@@ -27,7 +27,7 @@ from fate_edge.errors import ModelFormatError
 from fate_edge.format.blob import ALIGN, BlobRef
 from fate_edge.format.store_files import STORE_FILE
 from fate_edge.model.experts import ExpertWeights, QuantizedExpert
-from fate_edge.quant import Quantized, QuantSpec, pack
+from fate_edge.quant import PackedQuantized, Quantized, QuantSpec, pack
 from fate_edge.quant.linear import QuantizedLinear, default_kernel, int4_kernel_layout
 from fate_edge.quant.methods import quantize_with
 
@@ -158,8 +158,11 @@ def encode_expert(
             q = mat if isinstance(mat, Quantized) else quantize_with(method, mat, precision.spec, work)
             tensors[f"{m}.packed"], tensors[f"{m}.scale_zero"] = int4_kernel_layout(q, precision.spec)
         else:
-            q = mat if isinstance(mat, Quantized) else quantize_with(method, mat, precision.spec, work)
-            tensors[f"{m}.codes"] = pack(q.codes, precision.spec.storage_bits)
+            if isinstance(mat, PackedQuantized):  # packed already, as pack() below would
+                q, tensors[f"{m}.codes"] = mat, mat.packed
+            else:
+                q = mat if isinstance(mat, Quantized) else quantize_with(method, mat, precision.spec, work)
+                tensors[f"{m}.codes"] = pack(q.codes, precision.spec.storage_bits)
             scale_dtype = _DTYPES[precision.scale_dtype]  # fp32 scales (q4_K's) round here in an fp16 store
             tensors[f"{m}.scale"] = q.scale.to(scale_dtype)
             if q.zero is not None:

@@ -698,3 +698,19 @@ int fe_int4_gemm(const uint8_t *codes, const void *scale, const void *zero, int 
     if (y_bf16) free(yf);
     return rc;
 }
+
+/* ---- the store layout from llama.cpp's q4_0 blocks (GGUF convert) ----------------------------------------------
+ * A q4_0 block is an fp16 scale and 16 bytes: byte i holds weight i in its low nibble and weight i + 16 in its
+ * high one. The portable layout packs weights 2j and 2j + 1 into byte j (low nibble first). This writes the 16
+ * packed bytes of each of ``nblocks`` consecutive blocks (18 bytes each) to ``out``; the scales stay to the caller.
+ */
+void fe_q4_0_codes(const uint8_t *blocks, int64_t nblocks, uint8_t *out) {
+    for (int64_t b = 0; b < nblocks; b++) {
+        const uint8_t *q = blocks + 18 * b + 2;
+        uint8_t *o = out + 16 * b;
+        for (int j = 0; j < 8; j++) {
+            o[j] = (uint8_t)((q[2 * j] & 0x0F) | ((q[2 * j + 1] & 0x0F) << 4));
+            o[8 + j] = (uint8_t)((q[2 * j] >> 4) | (q[2 * j + 1] & 0xF0));
+        }
+    }
+}
