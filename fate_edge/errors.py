@@ -87,3 +87,8 @@ class PeerUnavailableError(FateEdgeError):
 
 class ProfileError(FateEdgeError, ValueError):
     """A device profile is missing, malformed, or states a figure without a source."""
+
+
+class ConvertStopped(FateEdgeError):
+    """Raised inside one part of a convert (the resident weights' thread) when the other part has failed and asked
+    it to stop; never reaches a user: the other part's error does."""

@@ -19,8 +19,7 @@ import fate_edge.format.convert as conv
 import fate_edge.format.direct_read as direct_read
 import fate_edge.format.gguf_convert as gguf_convert
 import fate_edge.format.gguf_expert_reads as expert_reads
-from fate_edge.errors import FateEdgeError
-from fate_edge.format.background import Stopped
+from fate_edge.errors import ConvertStopped, FateEdgeError
 from fate_edge.format.checkpoint import save_streaming
 from fate_edge.format.convert import ConvertOptions, convert
 from fate_edge.format.direct_write import DirectFile
@@ -180,7 +179,7 @@ def test_a_failure_on_the_experts_side_stops_the_resident_part(bundled_dir, tmp_
                 for n in names:
                     reader.get(n)
                 time.sleep(0.01)
-        except Stopped:
+        except ConvertStopped:
             ends.append("stopped")
             raise
 

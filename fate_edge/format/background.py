@@ -6,14 +6,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-
-class Stopped(Exception):
-    """Raised inside the work when the caller has asked it to stop."""
+from fate_edge.errors import ConvertStopped
 
 
 class Background:
     """``work(stop)`` started on a thread now. ``stop`` is a ``threading.Event`` the work checks between steps
-    (and raises :class:`Stopped` when set). ``check()`` raises its error in the caller's thread as soon as it has
+    (and raises :class:`ConvertStopped` when set). ``check()`` raises its error in the caller's thread as soon as it has
     failed, ``result()`` waits for it and raises its error, ``cancel()`` sets ``stop`` and waits for it to end."""
 
     def __init__(self, work: Callable[[threading.Event], None], name: str):
@@ -30,7 +28,7 @@ class Background:
 
     def check(self) -> None:
         """Raise the work's error if it has failed (a stop the caller asked for is no failure)."""
-        if self._error is not None and not isinstance(self._error, Stopped):
+        if self._error is not None and not isinstance(self._error, ConvertStopped):
             raise self._error
 
     def result(self) -> None:

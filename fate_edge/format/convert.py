@@ -26,8 +26,8 @@ from typing import cast
 import torch
 from tqdm import tqdm
 
-from fate_edge.errors import FateEdgeError
-from fate_edge.format.background import Background, Stopped
+from fate_edge.errors import ConvertStopped, FateEdgeError
+from fate_edge.format.background import Background
 from fate_edge.format.blob_writer import BlobWriter
 from fate_edge.format.checkpoint import CheckpointReader, save_streaming
 from fate_edge.format.checkpoint_experts import ExpertLayout
@@ -308,7 +308,7 @@ def _write_resident(
 
 
 class _ResidentReader:
-    """``reader`` as the resident part's thread reads it. Before each tensor read: raise :class:`Stopped` once
+    """``reader`` as the resident part's thread reads it. Before each tensor read: raise :class:`ConvertStopped` once
     ``stop`` is set (the experts' part failed: the resident part ends at once), and take ``threads`` torch threads
     once ``widen`` is set (the experts are done: the cores are the resident part's alone)."""
 
@@ -323,7 +323,7 @@ class _ResidentReader:
 
     def _before_read(self) -> None:
         if self._stop.is_set():
-            raise Stopped("convert stopped")
+            raise ConvertStopped("convert stopped")
         if self._widen.is_set() and torch.get_num_threads() != self._threads:
             torch.set_num_threads(self._threads)  # this thread's own count (torch keeps one per thread)
 
