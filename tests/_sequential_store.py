@@ -18,9 +18,9 @@ import torch
 from fate_edge.format.checkpoint import save_streaming
 from fate_edge.format.checkpoint_layout import resident_weight_names
 from fate_edge.format.checksum import crc32
-from fate_edge.format.convert import ConvertOptions, StoreSource, _set_file_modes
+from fate_edge.format.convert import ConvertOptions, StoreSource, _set_file_modes, store_index
 from fate_edge.format.direct_write import DirectFile
-from fate_edge.format.store import FORMAT, FORMAT_VERSION, STORE_FILE, Precision
+from fate_edge.format.store import STORE_FILE, Precision
 
 
 def sequential_write_store(
@@ -68,23 +68,7 @@ def sequential_write_store(
     for p in precisions:
         files[p.bits].truncate(len(jobs) * p.slot_bytes)
         files[p.bits].close()
-    index = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "source": str(src.path.resolve()),
-        "model_type": cfg.model_type,
-        "num_layers": cfg.num_hidden_layers,
-        "moe_layers": cfg.moe_layers,
-        "num_experts": cfg.num_experts,
-        "hidden_size": cfg.hidden_size,
-        "moe_intermediate_size": cfg.moe_intermediate_size,
-        "quant_method": opts.method,
-        "resident_bits": opts.resident_bits,
-        "embedding_bits": opts.embedding_bits,
-        "precisions": {str(p.bits): p.to_json() for p in precisions},
-        "experts": entries,
-    }
-    (out_dir / STORE_FILE).write_text(json.dumps(index, indent=1))
+    (out_dir / STORE_FILE).write_text(json.dumps(store_index(src, opts, precisions, entries), indent=1))
     _set_file_modes(out_dir)
     return out_dir
 

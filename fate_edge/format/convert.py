@@ -248,24 +248,8 @@ def write_store(
         finally:
             meter.close()
 
-        index = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "source": str(src.path.resolve()),
-            "model_type": cfg.model_type,
-            "num_layers": cfg.num_hidden_layers,
-            "moe_layers": cfg.moe_layers,
-            "num_experts": cfg.num_experts,
-            "hidden_size": cfg.hidden_size,
-            "moe_intermediate_size": cfg.moe_intermediate_size,
-            "quant_method": opts.method,
-            "resident_bits": opts.resident_bits,
-            "embedding_bits": opts.embedding_bits,
-            "precisions": {str(p.bits): p.to_json() for p in precisions},
-            "experts": entries,
-        }
         # store.json is written last: a directory without it is never taken for a store.
-        (tmp / STORE_FILE).write_text(json.dumps(index, indent=1))
+        (tmp / STORE_FILE).write_text(json.dumps(store_index(src, opts, precisions, entries), indent=1))
         _set_file_modes(tmp)
         if out_dir.exists():
             old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
@@ -338,6 +322,27 @@ class _ResidentReader:
     def get_row(self, *args, **kwargs) -> torch.Tensor:
         self._before_read()
         return self._reader.get_row(*args, **kwargs)
+
+
+def store_index(src: StoreSource, opts: ConvertOptions, precisions: list[Precision], entries: dict) -> dict:
+    """The store's ``store.json``: the model's shape, the options it was written with, every blob's place."""
+    cfg = src.cfg
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "source": str(src.path.resolve()),
+        "model_type": cfg.model_type,
+        "num_layers": cfg.num_hidden_layers,
+        "moe_layers": cfg.moe_layers,
+        "num_experts": cfg.num_experts,
+        "hidden_size": cfg.hidden_size,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "quant_method": opts.method,
+        "resident_bits": opts.resident_bits,
+        "embedding_bits": opts.embedding_bits,
+        "precisions": {str(p.bits): p.to_json() for p in precisions},
+        "experts": entries,
+    }
 
 
 @contextlib.contextmanager
