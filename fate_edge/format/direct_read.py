@@ -11,15 +11,13 @@ cache and tells the kernel to drop what it read.
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import mmap
 import os
 from pathlib import Path
 
 import numpy as np
 
-from fate_edge.format.direct_write import ALIGN
+from fate_edge.format.direct_write import ALIGN, open_direct, refused_direct
 
 
 class DirectReader:
@@ -27,14 +25,7 @@ class DirectReader:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        direct = getattr(os, "O_DIRECT", 0)
-        try:
-            self.fd = os.open(self.path, os.O_RDONLY | direct)
-            self.direct = bool(direct)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-            self.fd, self.direct = os.open(self.path, os.O_RDONLY), False
+        self.fd, self.direct = open_direct(self.path, os.O_RDONLY)
 
     def read(self, begin: int, length: int) -> np.ndarray:
         """The ``length`` bytes at ``begin``; an error if the file ends before them."""
@@ -46,9 +37,7 @@ class DirectReader:
             try:
                 got = os.preadv(self.fd, [view], offset)
             except OSError as exc:  # O_DIRECT accepted at open, refused at read: go through the page cache
-                if exc.errno != errno.EINVAL or not self.direct:
-                    raise
-                fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+                refused_direct(self.fd, exc, self.direct)
                 self.direct = False
                 continue
             if got == 0:  # end of file: fine past the range's last byte (O_DIRECT reads whole pages)

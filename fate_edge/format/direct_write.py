@@ -24,21 +24,33 @@ def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+def open_direct(path: str | Path, flags: int, mode: int = 0o666) -> tuple[int, bool]:
+    """``(fd, direct)``: ``path`` opened with O_DIRECT added to ``flags``, or without it (``direct`` False) where
+    the filesystem refuses it at open."""
+    direct = getattr(os, "O_DIRECT", 0)
+    try:
+        return os.open(path, flags | direct, mode), bool(direct)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return os.open(path, flags, mode), False
+
+
+def refused_direct(fd: int, exc: OSError, direct: bool) -> None:
+    """After ``exc`` from an I/O call on ``fd``: return where it was O_DIRECT refused at the call (EINVAL), with
+    O_DIRECT now off on ``fd`` so the caller retries through the page cache; raise ``exc`` otherwise."""
+    if exc.errno != errno.EINVAL or not direct:
+        raise exc
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+
+
 class DirectFile:
     """A write-only file: ``write`` appends (staged in an aligned buffer of ``buffer_bytes``), ``pwrite_at``
     writes at an aligned offset (from several threads at once when each passes its own ``staging`` buffer);
     ``close`` cuts the file to the bytes written and fsyncs it."""
 
     def __init__(self, path: str | Path, buffer_bytes: int = 8 << 20):
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-        direct = getattr(os, "O_DIRECT", 0)
-        try:
-            self.fd = os.open(path, flags | direct, 0o666)
-            self.direct = bool(direct)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-            self.fd, self.direct = os.open(path, flags, 0o666), False
+        self.fd, self.direct = open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         self.buf = mmap.mmap(-1, _align(buffer_bytes))
         self.fill = 0  # bytes staged in ``buf``
         self.pos = 0  # file offset of buf[0]
@@ -90,9 +102,7 @@ class DirectFile:
             try:
                 n = os.pwrite(self.fd, view, offset)
             except OSError as exc:  # O_DIRECT accepted at open, refused at write: go through the page cache
-                if exc.errno != errno.EINVAL or not self.direct:
-                    raise
-                fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+                refused_direct(self.fd, exc, self.direct)
                 self.direct = False
                 continue
             view, offset = view[n:], offset + n
