@@ -112,32 +112,32 @@ class MappedFiles:
         self.reader = reader
         self._maps: dict[str, torch.Tensor] = {}
 
-    def get(self, name: str) -> torch.Tensor:
+    def _locate(self, name: str) -> tuple[Path, int, int, torch.dtype, list[int]]:
+        """Where the stored tensor ``name`` lies: (file, first byte, end byte, dtype, shape)."""
         from fate_edge.format.checkpoint import _TORCH_DTYPES
 
         path = self.reader.model_dir / self.reader.weight_map[name]
         _, start, header = self.reader._layout(path)
+        info = header[name]
+        begin, end = (start + o for o in info["data_offsets"])
+        return path, begin, end, _TORCH_DTYPES[info["dtype"]], info["shape"]
+
+    def get(self, name: str) -> torch.Tensor:
+        path, begin, end, dtype, shape = self._locate(name)
         raw = self._maps.get(str(path))
         if raw is None:
             size = path.stat().st_size
             raw = self._maps[str(path)] = torch.empty(0, dtype=torch.uint8).set_(
                 torch.UntypedStorage.from_file(str(path), False, size)
             )
-        info = header[name]
-        dtype = _TORCH_DTYPES[info["dtype"]]
-        begin, end = (start + o for o in info["data_offsets"])
         if begin % torch.empty(0, dtype=dtype).element_size():  # safetensors aligns each tensor; copy if not
             return self.reader.get(name)
-        return raw[begin:end].view(dtype).reshape(info["shape"])
+        return raw[begin:end].view(dtype).reshape(shape)
 
     def rows(self, name: str) -> FileRows:
         """The stored tensor ``name`` as rows read from its file (``file_rows``): for a table gathered by row."""
-        from fate_edge.format.checkpoint import _TORCH_DTYPES
-
-        path = self.reader.model_dir / self.reader.weight_map[name]
-        _, start, header = self.reader._layout(path)
-        info = header[name]
-        return FileRows(path, start + info["data_offsets"][0], tuple(info["shape"]), _TORCH_DTYPES[info["dtype"]])
+        path, begin, _, dtype, shape = self._locate(name)
+        return FileRows(path, begin, tuple(shape), dtype)
 
 
 def stored_params(name: str, numel: int) -> int:
