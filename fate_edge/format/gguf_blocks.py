@@ -49,10 +49,9 @@ def to_quantized(type_name: str, raw: torch.Tensor, spec: QuantSpec) -> Quantize
     rows = raw.shape[0]
     if type_name == Q4_0:
         b = raw.reshape(rows, -1, 18)
-        d = b[..., :2].contiguous().view(torch.float16)[..., 0]
         qs = b[..., 2:]
         codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # low nibbles are weights 0..15, high 16..31
-        scale, zero = d, d * -8
+        scale, zero = _q4_0_scale_zero(b)
     elif type_name == Q8_0:
         b = raw.reshape(rows, -1, 34)
         d = b[..., :2].contiguous().view(torch.float16)[..., 0]
@@ -82,19 +81,26 @@ def to_packed(type_name: str, raw: torch.Tensor, spec: QuantSpec) -> PackedQuant
         return None
     rows = raw.shape[0]
     b = raw.reshape(rows, -1, 18)
-    d = b[..., :2].contiguous().view(torch.float16)[..., 0]
-    # Byte i of a block holds weight i in its low nibble and weight i + 16 in its high one. Read as 16-bit words w
-    # (bytes 2j, 2j+1, little-endian), output byte j takes weights 2j, 2j+1 from w's low nibbles of each byte, and
-    # byte 8 + j weights 16 + 2j, 17 + 2j from their high nibbles: whole-word masks and shifts, no strided slices
-    # (the sign an int16 shift drags in lands in bits the masks clear).
     packed = q4_0_codes(raw.contiguous())  # in C where the native library is built: ~15x the torch below
     if packed is None:
+        # Byte i of a block holds weight i in its low nibble and weight i + 16 in its high one. Read as 16-bit words
+        # w (bytes 2j, 2j+1, little-endian), output byte j takes weights 2j, 2j+1 from w's low nibbles of each byte,
+        # and byte 8 + j weights 16 + 2j, 17 + 2j from their high nibbles: whole-word masks and shifts, no strided
+        # slices (the sign an int16 shift drags in lands in bits the masks clear).
         w = b[..., 2:].contiguous().view(torch.int16)  # [rows, blocks, 8]
         w4 = w >> 4
         packed = torch.empty(*w.shape[:-1], 16, dtype=torch.uint8)
         packed[..., :8] = (w & 0x000F) | (w4 & 0x00F0)
         packed[..., 8:] = (w4 & 0x000F) | ((w >> 8) & 0x00F0)
-    return PackedQuantized(packed.reshape(rows, -1), d.contiguous(), (d * -8).contiguous())
+    scale, zero = _q4_0_scale_zero(b)
+    return PackedQuantized(packed.reshape(rows, -1), scale.contiguous(), zero.contiguous())
+
+
+def _q4_0_scale_zero(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q4_0 blocks [rows, blocks, 18] → their fp16 scale ``d`` and zero ``-8 d`` [rows, blocks]: ``code * scale +
+    zero`` is ggml's ``d (q - 8)``."""
+    d = b[..., :2].contiguous().view(torch.float16)[..., 0]
+    return d, d * -8
 
 
 def k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
