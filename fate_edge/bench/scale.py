@@ -23,6 +23,7 @@ from fate_edge.bench.host import cpu_model, load_average
 from fate_edge.bench.peers import _memory_cgroup
 from fate_edge.bench.prepare import drop_page_cache
 from fate_edge.format.convert import ConvertOptions
+from fate_edge.format.store_files import STORE_FILE
 
 GB = 1e9
 
@@ -323,8 +324,8 @@ def run_scale(cfg: ScaleConfig, workdir: Path) -> dict[str, Any]:
         r["page_cache_dropped"] = dropped[0]
         print(f"scale: convert {_convert_line(r)}", flush=True)
     result["runs"], result["llama"] = [], []
-    if (cfg.store / "store.json").exists():  # what the store holds, for the table's note
-        result["store_embedding_bits"] = json.loads((cfg.store / "store.json").read_text()).get("embedding_bits")
+    if (cfg.store / STORE_FILE).exists():  # what the store holds, for the table's note
+        result["store_embedding_bits"] = json.loads((cfg.store / STORE_FILE).read_text()).get("embedding_bits")
     ids = prompt_ids(cfg.store, cfg.prompt_tokens) if cfg.budgets else []
     for rnd in range(cfg.rounds):
         for budget in cfg.budgets:
