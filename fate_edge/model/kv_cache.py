@@ -31,10 +31,10 @@ class LayerCache:
             cap = max(64, t, capacity_hint)
             self.buffers = [x.new_zeros(*x.shape[:2], cap, x.shape[3]) for x in new]
         self.reserve(self.length + t)
-        for b, x in zip(self.buffers, new):
-            b[:, :, self.length : self.length + t] = x
+        for b, x in zip(self.buffers, new):  # narrow: cheaper to dispatch than slice indexing, per decode token
+            b.narrow(2, self.length, t).copy_(x)
         self.length += t
-        return tuple(b[:, :, : self.length] for b in self.buffers)
+        return tuple(b.narrow(2, 0, self.length) for b in self.buffers)
 
 
 class KVCache:
