@@ -27,7 +27,8 @@ import torch
 from fate_edge.predictors.base import next_moe_layers
 
 from fate_edge.model.kv_cache import KVCache
-from fate_edge.model.layer import apply_linear, rms_norm
+from fate_edge.model.layer import rms_norm
+from fate_edge.model.layer_step import add_projection
 
 
 def own_row_attention(
@@ -75,8 +76,8 @@ def early_attention_kv(
     window = cfg.sliding_window if target in cfg.sliding_window_layers else None
     r = residual.to(model.dtype)
     q, k, v = model.gqa_qkv(rms_norm(r, lp.input_norm, cfg.rms_norm_eps), b, t, cos, sin, lp)
-    a = apply_linear(own_row_attention(q, k, v, k_true, v_true, cfg.head_dim**-0.5, window), lp.o_proj)
-    return rms_norm(r + a, lp.post_norm, cfg.rms_norm_eps).float()
+    r = add_projection(r, own_row_attention(q, k, v, k_true, v_true, cfg.head_dim**-0.5, window), lp.o_proj)
+    return rms_norm(r, lp.post_norm, cfg.rms_norm_eps).float()
 
 
 def _window_batches(model, layer: int, rows: int, seq_len: int, batch: int):
@@ -114,7 +115,7 @@ def post_attention_residual(model, layer_input: torch.Tensor, layer: int, seq_le
         x = layer_input[part].to(model.dtype)
         cache = KVCache(model.config.num_hidden_layers)
         a = model._gqa_attention(rms_norm(x, lp.input_norm, eps), b, seq_len, 0, cache, layer, cos, sin, lp)
-        out.append((x + a).float())
+        out.append(add_projection(x, a, lp.o_proj).float())
     return torch.cat(out)
 
 
@@ -199,5 +200,5 @@ class EarlyInput:
         if start:
             k = torch.cat([lay.buffers[0][:, :, :start], k], 2)
             v = torch.cat([lay.buffers[1][:, :, :start], v], 2)
-        a = apply_linear(model._attend(q, k, v, start, target, cfg.head_dim**-0.5), lp.o_proj)
-        return rms_norm(x + a, lp.post_norm, cfg.rms_norm_eps).float()
+        x = add_projection(x, model._attend(q, k, v, start, target, cfg.head_dim**-0.5), lp.o_proj)
+        return rms_norm(x, lp.post_norm, cfg.rms_norm_eps).float()

@@ -59,7 +59,7 @@ def test_a_shape_torch_int4_takes_only_padded_stays_int4_not_int8(tmp_path, one_
     want = ref(ids, ref.new_cache()).float()
     got = model(ids, model.new_cache()).float()
     assert (got - want).norm() / want.norm() < 0.15
-    cache = model.new_cache()  # decode (decode_step.mlp_into) splits the shared expert's outputs too
+    cache = model.new_cache()  # decode (layer_step.shared_out) splits the shared expert's outputs too
     model(ids[:, :4], cache)
     step = model(ids[:, 4:5], cache).float()
     assert (step[0, 0] - want[0, 4]).norm() / want[0, 4].norm() < 0.15

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from fate_edge import load_model
-from fate_edge.model import decode_step
+from fate_edge.model import routed_experts
 from fate_edge.model.experts import ExpertProvider
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -36,18 +36,13 @@ def _order(tmp_path, monkeypatch, tokens: int, fast: bool) -> list:
     events: list = []
     model.experts = _Recording(model.experts, events)
     model.observers.append(lambda layer, h, idx, w: events.append(("reads issued", layer)))
-    real_mlp, real_shared = model._mlp, decode_step.shared_out
+    real_shared = routed_experts.shared_out
 
-    def mlp(h, mlp_, down):
+    def shared(act, h, mlp_, down):
         events.append(("shared", None))
-        return real_mlp(h, mlp_, down)
+        return real_shared(act, h, mlp_, down)
 
-    def shared(m, h, mlp_, down):
-        events.append(("shared", None))
-        return real_shared(m, h, mlp_, down)
-
-    monkeypatch.setattr(model, "_mlp", mlp)
-    monkeypatch.setattr(decode_step, "shared_out", shared)
+    monkeypatch.setattr(routed_experts, "shared_out", shared)  # both paths' MoE layers run routed_experts
     cache = model.new_cache()
     with torch.inference_mode():
         model(torch.tensor([[5, 9, 17, 3]]), cache)

@@ -66,14 +66,20 @@ def test_decode_sums_experts_in_a_fixed_order_whatever_their_arrival(top4_dir, d
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_token_path_equals_the_general_path(top4_dir, dtype):
-    """Decode's direct loop over a token's k experts gives the bits of the batched (indexed) path."""
+    """Decode's direct loop over a token's k experts sums them to the bits of the grouped (indexed) path."""
+    from fate_edge.model.layer_step import moe_sum
+    from fate_edge.model.routed_experts import routed_grouped, routed_one
+
     model = load_model(top4_dir, dtype=dtype)
     gen = torch.Generator().manual_seed(2)
     for layer in model.config.moe_layers:
         for _ in range(4):
             h = torch.randn(1, model.config.hidden_size, generator=gen).to(dtype)
+            x = torch.randn(1, model.config.hidden_size, generator=gen).to(dtype)
             weights, idx = model.route(layer, h)
-            assert torch.equal(model._routed_one(h, layer, idx, weights), model._routed(h, layer, idx, weights))
+            one = routed_one(model, moe_sum(x.clone()), h, layer, weights, idx)
+            grouped = routed_grouped(model, moe_sum(x.clone()), h, layer, weights, idx)
+            assert one is not None and one.dtype == torch.float32 and torch.equal(one, grouped)
 
 
 @pytest.fixture(scope="module")

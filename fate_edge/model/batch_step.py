@@ -2,10 +2,11 @@
 
 The rows of every sequence (a decode token, or a chunk of a joining prompt) are stacked into one [N, H] activation,
 so every linear, norm, router and routed expert runs once for the whole batch: the MoE block
-(:meth:`MoETransformer._moe`) groups the rows by expert (``dispatch.group_by_expert``) and asks the expert provider
-for the union of the batch's experts once, most wanted first. Only attention is per sequence: each segment's keys
-and values go to its own cache and its queries attend over its own positions. The pieces are the transformer's own
-(``gqa_qkv``, ``_attend``, ``_moe``, ``_mlp``): there is no second copy of the model math.
+(:mod:`fate_edge.model.routed_experts`) groups the rows by expert (``dispatch.group_by_expert``) and asks the
+expert provider for the union of the batch's experts once, most wanted first. Only attention is per sequence: each
+segment's keys and values go to its own cache and its queries attend over its own positions. The layer is the one
+layer function (:func:`~fate_edge.model.layer_step.decoder_layer`) with the transformer's own ``gqa_qkv`` and
+``_attend``: there is no second copy of the model math.
 
 Where the sequences' caches share a :class:`~fate_edge.model.kv_slab.KVSlab`, the decode tokens of a step write
 their keys and values with one ``index_copy_`` and, while their caches are short (:data:`GATHER_MAX` positions),
@@ -26,7 +27,9 @@ import torch
 from fate_edge.model import sdpa
 from fate_edge.model.embedding import lookup
 from fate_edge.model.kv_slab import SlabCache
-from fate_edge.model.layer import apply_linear, rms_norm
+from fate_edge.model.layer import LayerPlan, apply_linear, rms_norm
+from fate_edge.model.layer_step import LayerPath, add_projection, decoder_layer
+from fate_edge.model.routed_experts import provider_moe
 
 if TYPE_CHECKING:
     from fate_edge.model.kv_cache import KVCache
@@ -78,28 +81,23 @@ def forward_segments(model: MoETransformer, segments: list[Segment]) -> torch.Te
     model.experts.begin_forward(max(lengths), sequences=len(segments))
     model.residual = None
     prune = rows > len(segments) and not any(getattr(o, "needs_every_token", True) for o in model.observers)
-    decoding = rows == len(segments)  # every row a decode token
+    last = len(plan) - 1
+
+    def attend(x: torch.Tensor, h: torch.Tensor, i: int, lp: LayerPlan) -> torch.Tensor:
+        x = add_projection(x, _attention(model, h, segments, bounds, starts, i, cos, sin, lp, decode), lp.o_proj)
+        # past the last attention only each segment's last row feeds a logit
+        return x.index_select(0, ends) if prune and i == last else x
+
+    path = LayerPath(cfg, model.act, attend, provider_moe(model))
     x = lookup(model.embed, ids)  # [N, H]
-    eps = cfg.rms_norm_eps
     try:
         for i, lp in enumerate(plan):
-            h = rms_norm(x, lp.input_norm, eps)
-            a = _attention(model, h, segments, bounds, starts, i, cos, sin, lp, decode)
-            if prune and i == len(plan) - 1:  # past the last attention only each segment's last row feeds a logit
-                x, a = x.index_select(0, ends), a.index_select(0, ends)
-            x = x + a
-            h = rms_norm(x, lp.post_norm, eps)
-            if lp.router is not None:
-                model.residual = x
-                x = x + model._moe(h, i, lp, decode=decoding)
-            else:
-                assert lp.mlp is not None and lp.down is not None  # a layer without a router has a dense MLP
-                x = x + model._mlp(h, lp.mlp, lp.down)
+            x = decoder_layer(path, x, i, lp)
     finally:
         model.residual = None
     if not prune or len(plan) == 0:
         x = x.index_select(0, ends)
-    x = rms_norm(x, model.w["model.norm.weight"], eps)
+    x = rms_norm(x, model.w["model.norm.weight"], cfg.rms_norm_eps)
     return apply_linear(x, model.head)
 
 
@@ -180,7 +178,7 @@ def _attention(
     decode: _SlabDecode | None,
 ) -> torch.Tensor:
     """q, k, v for all rows in one projection; each segment's keys into its cache and its queries over them (a
-    slab's decode rows all at once)."""
+    slab's decode rows all at once) → the attention's output before its projection [N, heads * head_dim]."""
     q, k, v = model.gqa_qkv(h, 1, h.shape[0], cos, sin, lp)  # [1, heads, N, hd]
     cfg = model.config
     scale = cfg.head_dim**-0.5
@@ -188,7 +186,7 @@ def _attention(
     if decode is not None:
         dec = _slab_attention(model, q, k, v, segments, layer, scale, decode)
         if decode.every_row:
-            return apply_linear(dec, lp.o_proj)
+            return dec
         out = dec.new_empty(h.shape[0], dec.shape[1])
         out.index_copy_(0, decode.rows, dec)
     done = set(decode.segs) if decode is not None else set()
@@ -204,7 +202,7 @@ def _attention(
             out[a:b] = y
     if out is None:
         out = torch.cat(outs) if len(outs) > 1 else outs[0]
-    return apply_linear(out, lp.o_proj)
+    return out
 
 
 def _slab_attention(

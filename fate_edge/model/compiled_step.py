@@ -3,9 +3,9 @@
 The eager fast path (:mod:`fate_edge.model.decode_step`) dispatches ~230 operators per token from Python and at the
 bundled model's size each costs more than its arithmetic. When every routed expert is resident in memory
 (``InMemoryExpertProvider``: int4 on torch's kernel, or float), the step has no I/O to wait for, so embedding,
-every layer (norms, q/k/v, rope, cache write, attention, o_proj, router top-k, the token's k experts picked
-by ``index_select`` from per-layer stacks, shared expert or dense MLP), the final norm and the head are one
-graph: one call per token. Routed experts are added in expert-id order, as the eager path adds them.
+every layer (the one layer function, :func:`fate_edge.model.layer_step.decoder_layer`, with an attention over a
+static buffer and the token's k experts picked by ``index_select`` from per-layer stacks), the final norm and the
+head are one graph: one call per token. Routed experts are added in expert-id order by the rule every path uses.
 
 Shapes stay static across positions: k and v are written into the cache's preallocated buffers at a position
 tensor, attention masks the buffers' unused tail, and their length is marked dynamic, so a grown cache does not
@@ -31,8 +31,18 @@ import torch.nn.functional as F
 from fate_edge.model.embedding import lookup
 from fate_edge.model.experts import ExpertWeights, InMemoryExpertProvider, QuantizedExpert
 from fate_edge.model.layer import Fused, LayerPlan, apply_linear, rms_norm
+from fate_edge.model.layer_step import (
+    LayerPath,
+    Moe,
+    add_moe,
+    add_projection,
+    add_routed,
+    add_shared,
+    decoder_layer,
+    moe_sum,
+    shared_out,
+)
 from fate_edge.model.rope import apply_rope
-from fate_edge.model.router import route
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -143,15 +153,16 @@ def stack_experts(model: DecodingModel) -> list[tuple[torch.Tensor, ...] | None]
 
 
 def _expert(s: StepShape, act, h: torch.Tensor, hb: torch.Tensor, stacks: tuple, e: torch.Tensor) -> torch.Tensor:
-    """Expert ``e`` [1] of a layer's ``stacks`` on the gate input → [1, H] float32."""
+    """Expert ``e`` [1] of a layer's ``stacks`` on the gate input ``h`` (``hb``: it in bf16) → [1, H] in ``h``'s dtype,
+    as the eager expert computes it: torch's int4 kernel in bf16, the rest in the activations' dtype."""
     if s.int4_group is not None:
         pgu, sgu, pd, sd = (t.index_select(0, e)[0] for t in stacks)
         mm = torch._weight_int4pack_mm_for_cpu if hb.device.type == "cpu" else torch._weight_int4pack_mm
-        gate, up = mm(hb, pgu, s.int4_group, sgu).chunk(2, dim=-1)
-        return mm(F.silu(gate) * up, pd, s.int4_group, sd).float()
+        gate, up = mm(hb, pgu, s.int4_group, sgu).to(h.dtype).chunk(2, dim=-1)
+        return mm((F.silu(gate) * up).to(torch.bfloat16), pd, s.int4_group, sd).to(h.dtype)
     gu, down = (t.index_select(0, e)[0] for t in stacks)
     gate, up = F.linear(h, gu).chunk(2, dim=-1)
-    return F.linear(act(gate) * up, down).float()
+    return F.linear(act(gate) * up, down)
 
 
 def _attend(
@@ -165,18 +176,11 @@ def _attend(
     return torch.bmm(p, v[0]).view(1, n_q * hd)
 
 
-def _add_mlp(x: torch.Tensor, h: torch.Tensor, mlp: Fused, down: Fused, act) -> torch.Tensor:
-    """``x + mlp(h)`` (Qwen's gated shared expert: ``x + sigmoid(g(h)) * mlp(h)`` in one addcmul), as the eager
-    step's ``decode_step.add_shared`` adds it."""
-    gate, up, *gated = apply_linear(h, mlp).split(mlp.sizes, dim=-1)
-    z = apply_linear(act(gate) * up, down)
-    return torch.addcmul(x, torch.sigmoid(gated[0]), z) if gated else x + z
-
-
 def attention_block(
     cfg: ModelConfig,
     s: StepShape,
     x: torch.Tensor,
+    h: torch.Tensor,
     lp: LayerPlan,
     kbuf: torch.Tensor,
     vbuf: torch.Tensor,
@@ -185,22 +189,16 @@ def attention_block(
     pos: torch.Tensor,
     mask: torch.Tensor,
 ) -> torch.Tensor:
-    """One layer's attention for one token at ``pos``, its k and v written into the whole-capacity buffers:
-    → ``x + o_proj(attention(input_norm(x)))`` [1, H]."""
+    """One layer's attention for one token at ``pos`` on its normed input ``h``, its k and v written into the
+    whole-capacity buffers: → ``x + o_proj(attention(h))`` [1, H]."""
     hd, n_q, n_k = s.head_dim, s.n_q, s.n_k
-    h = rms_norm(x, lp.input_norm, s.eps)
     assert lp.qkv is not None  # GQA (unsupported() excludes MLA)
     qkv = apply_linear(h, lp.qkv)
     qk = apply_rope(qkv[:, : (n_q + n_k) * hd].view(1, n_q + n_k, 1, hd), cos, sin, cfg.rope.interleaved)
     qk = qk.view(n_q + n_k, hd)  # elementwise: inductor fuses it into the kernels around it
     kbuf.index_copy_(2, pos, qk[n_q:].view(1, n_k, 1, hd))
     vbuf.index_copy_(2, pos, qkv[0, (n_q + n_k) * hd :].view(1, n_k, 1, hd))
-    out = _attend(qk[:n_q], kbuf, vbuf, mask, n_q, n_k, hd)
-    o = lp.o_proj
-    # The eager step's arithmetic (decode_step): o_proj and the residual in one addmm where it can.
-    if isinstance(o.weight, torch.Tensor) and o.bias is None:
-        return torch.addmm(x, out, o.weight.t())
-    return x + apply_linear(out, o)
+    return add_projection(x, _attend(qk[:n_q], kbuf, vbuf, mask, n_q, n_k, hd), lp.o_proj)
 
 
 def position_mask(kbuf: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -208,11 +206,44 @@ def position_mask(kbuf: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return (torch.arange(kbuf.shape[2], device=pos.device) <= pos).view(1, -1)
 
 
-def router_block(cfg: ModelConfig, h: torch.Tensor, lp: LayerPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layer's router on gate input ``h`` [N, H] → (weights [N, k] float32, expert ids [N, k])."""
-    assert lp.router is not None  # an MoE layer
-    logits = F.linear(h if h.dtype == lp.router.dtype else h.to(lp.router.dtype), lp.router)
-    return route(cfg, logits, lp.correction_bias)
+def static_attention(
+    cfg: ModelConfig,
+    s: StepShape,
+    kv: list[tuple[torch.Tensor, torch.Tensor]],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pos: torch.Tensor,
+    mask: torch.Tensor,
+):
+    """The ``attention`` part of a :class:`LayerPath` over static whole-capacity buffers (one per layer), for the
+    token at ``pos`` (``mask``: :func:`position_mask`)."""
+
+    def attention(x: torch.Tensor, h: torch.Tensor, layer: int, lp: LayerPlan) -> torch.Tensor:
+        kbuf, vbuf = kv[layer]
+        return attention_block(cfg, s, x, h, lp, kbuf, vbuf, cos, sin, pos, mask)
+
+    return attention
+
+
+def stacked_moe(cfg: ModelConfig, s: StepShape, act, stacks: list, routing: list) -> Moe:
+    """The ``moe`` part of a :class:`LayerPath` whose experts are resident in per-layer stacks: the token's k
+    experts picked inside the graph (no host sync), each layer's routing appended to ``routing`` as (h, ids,
+    weights) for the observers after the step."""
+
+    def moe(
+        x: torch.Tensor, h: torch.Tensor, layer: int, lp: LayerPlan, weights: torch.Tensor, idx: torch.Tensor
+    ) -> torch.Tensor:
+        routing.append((h, idx, weights))
+        z = shared_out(act, h, lp.mlp, lp.down) if lp.mlp is not None and lp.down is not None else None
+        ids, order = idx[0].sort()  # expert-id order, as every path adds them
+        ws = weights[0].index_select(0, order)
+        hb = h.to(torch.bfloat16)
+        acc = moe_sum(x)
+        for j in range(cfg.num_experts_per_tok):
+            acc = add_routed(acc, _expert(s, act, h, hb, stacks[layer], ids[j : j + 1]), ws[j : j + 1])
+        return add_moe(x, acc if z is None else add_shared(acc, *z))
+
+    return moe
 
 
 def step_graph(
@@ -228,27 +259,13 @@ def step_graph(
     head: Fused,
 ) -> tuple[torch.Tensor, list]:
     """One token through every layer: the graph compiled. → (logits [1, V], per MoE layer (h, ids, weights))."""
-    cfg, act = g.config, g.act
+    cfg = g.config
+    routing: list = []
+    attention = static_attention(cfg, s, kv, cos, sin, pos, position_mask(kv[0][0], pos))
+    path = LayerPath(cfg, g.act, attention, stacked_moe(cfg, s, g.act, stacks, routing))
     x = lookup(g.embed, token.view(1))
-    mask = position_mask(kv[0][0], pos)
-    routing = []
-    for lp, (kbuf, vbuf), st in zip(plan, kv, stacks):
-        x = attention_block(cfg, s, x, lp, kbuf, vbuf, cos, sin, pos, mask)
-        h = rms_norm(x, lp.post_norm, s.eps)
-        if lp.router is None:
-            assert lp.mlp is not None and lp.down is not None  # a dense layer's MLP
-            x = _add_mlp(x, h, lp.mlp, lp.down, act)
-            continue
-        weights, idx = router_block(cfg, h, lp)
-        routing.append((h, idx, weights))
-        ids, order = idx[0].sort()  # experts summed in expert-id order, as the eager paths sum them
-        ws = weights[0].index_select(0, order)
-        hb = h.to(torch.bfloat16)
-        for j in range(cfg.num_experts_per_tok):
-            # x + w * expert rounded once to x's dtype: what the eager step's x.add_(part, alpha=w) computes
-            x = (x.float() + _expert(s, act, h, hb, st, ids[j : j + 1]) * ws[j]).to(x.dtype)
-        if lp.mlp is not None and lp.down is not None:
-            x = _add_mlp(x, h, lp.mlp, lp.down, act)
+    for i, lp in enumerate(plan):
+        x = decoder_layer(path, x, i, lp)
     x = rms_norm(x, g.norm, s.eps)
     return apply_linear(x, head), routing
 

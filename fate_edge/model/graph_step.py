@@ -2,17 +2,17 @@
 attention, router and shared expert, with the routed experts (the reads) between the replays.
 
 Eager decode launches a few hundred kernels a token from Python, each waiting on the interpreter (~5-20 µs of
-host time against ~2-5 µs of GPU time at these sizes). Both modes run the layer function the compiled CPU step
-runs (:mod:`fate_edge.model.compiled_step`: norms, q/k/v, rope, a cache write at a position tensor, attention over the
-whole buffer with its tail masked, router top-k, experts summed in expert-id order with the eager step's
-rounding), captured once per KV capacity and replayed.
+host time against ~2-5 µs of GPU time at these sizes). Both modes run the one layer function
+(:func:`fate_edge.model.layer_step.decoder_layer`) with the compiled CPU step's static attention
+(:mod:`fate_edge.model.compiled_step`: a cache write at a position tensor, attention over the whole buffer with its
+tail masked), captured once per KV capacity and replayed.
 
 * :class:`CudaGraphDecode` (every expert resident): the token's k experts are picked by ``index_select`` from
   per-layer stacks inside the graph, so a token is one replay and no host sync.
 * :class:`LayerGraphDecode` (experts streamed through the scheduler): per layer one replay computes the attention,
   the gate input, the routing and the shared expert into static buffers; the routing comes to the host in one copy
   (the layer's one sync), the observers (scheduler, predictors) and the routed experts run as in eager decode
-  (``decode_step.add_experts``, in place on the static residual), and the next layer's graph reads the result.
+  (``routed_experts.serve_routing``, in place on the static residual), and the next layer's graph reads the result.
 
 The graphs own the KV buffers (static addresses): at a request's first decode step the prefill's keys and values
 are copied into them and the request's cache points at them from then on, so eager code that reads the cache
@@ -28,21 +28,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fate_edge.model import decode_step
 from fate_edge.model.compiled_step import (
     GraphConsts,
-    _add_mlp,
-    attention_block,
     position_mask,
     report_routing,
-    router_block,
     stack_experts,
+    static_attention,
     step_graph,
     step_shape,
     unsupported_experts,
 )
 from fate_edge.model.embedding import lookup
 from fate_edge.model.layer import apply_linear, rms_norm
+from fate_edge.model.layer_step import LayerPath, decoder_layer, shared_out
+from fate_edge.model.routed_experts import serve_routing
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -199,27 +198,26 @@ class LayerGraphDecode(_StaticDecode):
         cfg, s, act = model.config, self.shape, model.act
         self.outs = [{} for _ in plan]
 
+        def routed_later(
+            x: torch.Tensor, h: torch.Tensor, layer: int, lp: LayerPlan, weights: torch.Tensor, idx: torch.Tensor
+        ) -> torch.Tensor:
+            """The layer function's ``moe`` inside a layer graph: the routing and the shared expert (computed
+            before the routed experts, added after them) into static outputs; :meth:`step` serves the rest."""
+            out = self.outs[layer]
+            out["h"], out["weights"], out["idx"] = h, weights, idx
+            if lp.mlp is not None and lp.down is not None:
+                out["z"], gate = shared_out(act, h, lp.mlp, lp.down)
+                if gate is not None:
+                    out["gate"] = gate
+            return x
+
         def layer(i: int, lp: LayerPlan) -> Callable[[], None]:
-            def run() -> None:
-                out = self.outs[i]
+            def run() -> None:  # captured: the mask is made inside the graph, from the position buffer
                 if i == 0:
                     self.x.copy_(lookup(model.embed, self.token.view(1)))
-                kbuf, vbuf = self.kv[i]
-                x = attention_block(
-                    cfg, s, self.x, lp, kbuf, vbuf, self.cos, self.sin, self.pos, position_mask(kbuf, self.pos)
-                )
-                h = rms_norm(x, lp.post_norm, s.eps)
-                if lp.router is None:
-                    assert lp.mlp is not None and lp.down is not None  # a dense layer's MLP
-                    self.x.copy_(_add_mlp(x, h, lp.mlp, lp.down, act))
-                    return
-                self.x.copy_(x)
-                out["h"] = h
-                out["weights"], out["idx"] = router_block(cfg, h, lp)
-                if lp.mlp is not None and lp.down is not None:  # computed before the routed experts, added after
-                    out["z"], gate = decode_step.shared_out(model, h, lp.mlp, lp.down)  # them (decode_step.moe)
-                    if gate is not None:
-                        out["gate"] = gate
+                mask = position_mask(self.kv[i][0], self.pos)
+                attention = static_attention(cfg, s, self.kv, self.cos, self.sin, self.pos, mask)
+                self.x.copy_(decoder_layer(LayerPath(cfg, act, attention, routed_later), self.x, i, lp))
 
             return run
 
@@ -244,7 +242,7 @@ class LayerGraphDecode(_StaticDecode):
             if lp.router is None:
                 continue
             out = self.outs[i]
-            decode_step.serve_routing(model, self.x, out["h"], i, out["weights"], out["idx"], partial(_shared, out))
+            serve_routing(model, self.x, out["h"], i, out["weights"], out["idx"], partial(_shared, out))
         if self.use_graph:
             self.graphs[-1].replay()
         else:

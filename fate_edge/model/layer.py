@@ -89,14 +89,6 @@ def apply_linear(x: torch.Tensor, f: Fused) -> torch.Tensor:
     return y if f.bias is None else y + f.bias
 
 
-def mlp_forward(x: torch.Tensor, mlp: Fused, down: Fused, act) -> torch.Tensor:
-    """A dense MLP or shared expert, ``down(act(gate(x)) * up(x))``, with Qwen's sigmoid gate when ``mlp`` has a
-    third member (the eager general path and the compiled decode graph both run this)."""
-    gate, up, *gated = apply_linear(x, mlp).split(mlp.sizes, dim=-1)
-    y = apply_linear(act(gate) * up, down)
-    return torch.sigmoid(gated[0]) * y if gated else y
-
-
 def fuse(w: Weights, names: list[str]) -> Fused:
     """One matrix for the linears ``names`` (checkpoint prefixes); their weights become views into it.
 

@@ -18,13 +18,13 @@ import torch.nn.functional as F
 from fate_edge.model import decode_step, sdpa
 from fate_edge.model.arch.base import ModelConfig
 from fate_edge.model.decoding_model import RoutingObserver
-from fate_edge.model.dispatch import group_by_expert
 from fate_edge.model.embedding import embedding_table, lookup
-from fate_edge.model.experts import ExpertProvider, InMemoryExpertProvider, QuantizedExpert
+from fate_edge.model.experts import ExpertProvider, InMemoryExpertProvider
 from fate_edge.model.kv_cache import KVCache
-from fate_edge.model.layer import Fused, LayerPlan, Weights, apply_linear, build_head, build_plan, mlp_forward, rms_norm
+from fate_edge.model.layer import Fused, LayerPlan, Weights, apply_linear, build_head, build_plan, rms_norm
+from fate_edge.model.layer_step import LayerPath, add_projection, decoder_layer, router_block
 from fate_edge.model.rope import RotaryEmbedding, apply_rope, yarn_softmax_scale
-from fate_edge.model.router import route
+from fate_edge.model.routed_experts import provider_moe
 
 if TYPE_CHECKING:
     from fate_edge.model.compiled_step import CompiledDecode
@@ -171,9 +171,6 @@ class MoETransformer:
             self.graph_off = self.graphed.failed
         return self.graphed
 
-    def _mlp(self, x: torch.Tensor, mlp: Fused, down: Fused) -> torch.Tensor:
-        return mlp_forward(x, mlp, down, self.act)
-
     def new_cache(self) -> KVCache:
         return KVCache(self.config.num_hidden_layers)
 
@@ -201,11 +198,11 @@ class MoETransformer:
         return out.transpose(1, 2).reshape(b * t, -1)
 
     def _gqa_attention(self, x, b: int, t: int, start: int, cache, layer: int, cos, sin, lp: LayerPlan):
-        """``x`` [B*T, H] → [B*T, H]: activations stay 2-D between layers, so each linear is one matmul."""
+        """Normed ``x`` [B*T, H] → the attention's output before its projection [B*T, heads * head_dim]
+        (activations stay 2-D between layers, so each linear is one matmul)."""
         q, k, v = self.gqa_qkv(x, b, t, cos, sin, lp)
         k, v = cache.layers[layer].append(k, v, capacity_hint=cache.capacity_hint)
-        out = self._attend(q, k, v, start, layer, scale=self.config.head_dim**-0.5)
-        return apply_linear(out, lp.o_proj)
+        return self._attend(q, k, v, start, layer, scale=self.config.head_dim**-0.5)
 
     def gqa_qkv(self, x, b: int, t: int, cos, sin, lp: LayerPlan):
         """Normed ``x`` [B*T, H] → q [B, heads, T, hd], k and v [B, kv heads, T, hd], q and k rotated (also what
@@ -264,84 +261,14 @@ class MoETransformer:
         k = torch.cat([k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
         q = torch.cat([q_nope, q_rot], dim=-1)
         scale = qk_head**-0.5 * yarn_softmax_scale(cfg.rope)
-        return apply_linear(self._attend(q, k, v, start, layer, scale), lp.o_proj)
+        return self._attend(q, k, v, start, layer, scale)  # before o_proj, as _gqa_attention
 
     # --------------------------------------------------------------------- MoE
     def route(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Router of ``layer`` on gate inputs ``h`` [N, H] → (weights [N, k], expert ids [N, k])."""
         lp = self.plan()[layer]
         assert lp.router is not None, f"layer {layer} is dense"
-        logits = F.linear(h if h.dtype == lp.router.dtype else h.to(lp.router.dtype), lp.router)
-        return route(self.config, logits, lp.correction_bias)
-
-    def _moe(self, x: torch.Tensor, layer: int, lp: LayerPlan, decode: bool = False) -> torch.Tensor:
-        """``decode``: every row is one sequence's next token (a batched decode step, model.batch_step)."""
-        h = x  # [N, H]
-        weights, idx = self.route(layer, h)  # [N, k]
-        for obs in self.observers:
-            obs(layer, h, idx, weights)
-        # The shared expert first, while the reads the observers just issued arrive; added last, as it always was.
-        shared = self._mlp(h, lp.mlp, lp.down) if lp.mlp is not None and lp.down is not None else None
-        if h.shape[0] == 1:
-            out = self._routed_one(h, layer, idx, weights)
-        elif decode:
-            out = self._routed(h, layer, idx, weights, decode=True)
-        else:
-            out = self._routed(h, layer, idx, weights)
-        return out if shared is None else out + shared
-
-    def _routed_one(self, h: torch.Tensor, layer: int, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """One token (decode): call its k experts directly; no sort/nonzero/index bookkeeping."""
-        weight_of = dict(zip(idx.tolist()[0], weights.tolist()[0]))  # exact: fp32 -> Python float -> fp32
-        parts: dict[int, torch.Tensor] = {}
-        for e, expert in self.experts.stream(layer, sorted(weight_of)):
-            if expert is not None:  # None: skipped by precision-on-miss (opt-in)
-                parts[e] = expert(h)
-        self.experts.end_layer(layer)
-        out = None
-        for e in sorted(parts):  # expert-id order, as _routed sums
-            y = parts[e] * weight_of[e] if h.dtype == torch.float32 else (parts[e].float() * weight_of[e]).to(h.dtype)
-            out = y if out is None else out + y
-        return torch.zeros_like(h) if out is None else out
-
-    def _routed(
-        self, h: torch.Tensor, layer: int, idx: torch.Tensor, weights: torch.Tensor, decode: bool = False
-    ) -> torch.Tensor:
-        """Several tokens: one stable sort of the (token, expert) pairs by expert, one gather of the inputs, each
-        expert on its contiguous slice, one scaled ``index_add_`` (no per-expert mask, nonzero or scatter).
-        ``decode`` (a batched decode step): int4 experts take one bf16 copy of the rows, as the one-token decode
-        step gives them (decode_step.add_experts), not a cast per matmul."""
-        g = group_by_expert(idx)
-        hs = h.index_select(0, g.tokens)  # [N*k, H], rows grouped by expert id
-        hb = None
-        ys = torch.empty_like(hs)
-        starts = dict(zip(g.ids, g.starts))
-        for e, expert in self.experts.stream(layer, g.by_popularity()):  # any order (cache hits first, then reads)
-            s = slice(starts[e], starts[e] + g.counts[e])
-            if expert is None:  # skipped by precision-on-miss (opt-in): its rows add zero
-                ys[s] = 0
-            elif decode and isinstance(expert, QuantizedExpert) and expert.takes_bf16:
-                if hb is None:
-                    hb = hs.to(torch.bfloat16)
-                ys[s] = expert.forward_bf16(hb[s])
-            else:
-                ys[s] = expert(hs[s])
-        self.experts.end_layer(layer)
-        w = weights.flatten().index_select(0, g.order)[:, None]
-        ys = ys * w if h.dtype == torch.float32 else (ys.float() * w).to(h.dtype)
-        # Each token's experts are summed in expert-id order whatever the arrival order, so fetch timing never
-        # changes the answer. fp32: index_add_ adds rows in index order. Lower precisions: index_add_ would sum a
-        # token's rows in fp32 and round once, where decode (_routed_one) rounds after each add; k passes, the
-        # j-th expert of every token in pass j, round as decode does (same bits on both paths).
-        out = torch.zeros_like(h)
-        if h.dtype == torch.float32:
-            return out.index_add_(0, g.tokens, ys)
-        n = h.shape[0]
-        by_rank = g.by_rank(idx)  # grouped rows reordered: [k blocks of n rows], block j = each token's j-th expert
-        tokens, ys = g.tokens.index_select(0, by_rank), ys.index_select(0, by_rank)
-        for j in range(idx.shape[1]):
-            out.index_add_(0, tokens[j * n : (j + 1) * n], ys[j * n : (j + 1) * n])
-        return out
+        return router_block(self.config, h, lp)
 
     # ----------------------------------------------------------------- forward
     def forward(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
@@ -368,28 +295,27 @@ class MoETransformer:
         x = lookup(self.embed, input_ids.reshape(-1))  # [B*T, H]
         cos, sin = self.rope.cos_sin_range(start, t, torch.float32 if cfg.rope.float32 else self.dtype, self.device)
         attention = self._mla_attention if cfg.mla is not None else self._gqa_attention
-        eps = cfg.rms_norm_eps
         prune = last_only and t > 1 and not any(getattr(o, "needs_every_token", True) for o in self.observers)
-        for i, lp in enumerate(plan):
-            h = rms_norm(x, lp.input_norm, eps)
-            a = attention(h, b, t, start, cache, i, cos, sin, lp)
-            if prune and i == len(plan) - 1:
+        last = len(plan) - 1
+
+        def attend(x: torch.Tensor, h: torch.Tensor, i: int, lp: LayerPlan) -> torch.Tensor:
+            x = add_projection(x, attention(h, b, t, start, cache, i, cos, sin, lp), lp.o_proj)
+            if prune and i == last:
                 # The last attention has written every position's keys and values; past it only the last
                 # position feeds the logits asked for, so the last MLP or MoE runs on B rows, not B*T (as
                 # llama.cpp does). For a model trimmed to a layer or two that is most of a prompt's MLP work.
-                x, a = x.view(b, t, -1)[:, -1].contiguous(), a.view(b, t, -1)[:, -1]
-                t = 1
-            x = x + a
-            h = rms_norm(x, lp.post_norm, eps)
-            if lp.router is not None:
-                self.residual = x
-                x = x + self._moe(h, i, lp)
-            else:
-                assert lp.mlp is not None and lp.down is not None  # a dense layer's MLP
-                x = x + self._mlp(h, lp.mlp, lp.down)
+                x = x.view(b, t, -1)[:, -1].contiguous()
+            return x
+
+        path = LayerPath(cfg, self.act, attend, provider_moe(self))
+        for i, lp in enumerate(plan):
+            x = decoder_layer(path, x, i, lp)
+        if prune and plan:
+            t = 1
         if last_only:
             x = x.view(b, t, -1)[:, -1]
             t = 1
+        eps = cfg.rms_norm_eps
         x = rms_norm(x, self.w["model.norm.weight"], eps)
         return apply_linear(x, self.head).view(b, t, -1)
 

@@ -1,0 +1,140 @@
+"""A MoE layer's routed experts from the model's expert provider (the eager paths: prompts, batches, one-token
+decode, and the per-layer CUDA graphs between their replays).
+
+After the router: the observers see the routing (the scheduler issues the layer's reads, predictors look ahead),
+the shared expert computes while those reads travel, the routed experts arrive from the provider in any order (cache
+hits first) and are summed in expert-id order by :func:`~fate_edge.model.layer_step.add_routed` (in float32: into
+the residual itself in a float32 model, else into an accumulator added once), the shared expert last. One row calls
+its k experts directly; several rows are grouped by expert (``dispatch.group_by_expert``: one gather, each expert on
+its contiguous slice) and summed in k passes, pass j adding every row's j-th expert by id, so each row gets the
+one-row path's bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from fate_edge.model.dispatch import group_by_expert
+from fate_edge.model.layer_step import (
+    Moe,
+    add_moe,
+    add_routed,
+    add_shared,
+    moe_sum,
+    shared_out,
+)
+
+if TYPE_CHECKING:
+    from fate_edge.model.decoding_model import DecodingModel
+    from fate_edge.model.layer import LayerPlan
+
+Shared = Callable[[], "tuple[torch.Tensor, torch.Tensor | None] | None"]
+
+
+def provider_moe(model: DecodingModel) -> Moe:
+    """The ``moe`` part of a :class:`~fate_edge.model.layer_step.LayerPath`, experts from ``model.experts``."""
+
+    def moe(
+        x: torch.Tensor, h: torch.Tensor, layer: int, lp: LayerPlan, weights: torch.Tensor, idx: torch.Tensor
+    ) -> torch.Tensor:
+        mlp, down = lp.mlp, lp.down
+        if mlp is None or down is None:
+            return serve_routing(model, x, h, layer, weights, idx, _no_shared)
+        return serve_routing(model, x, h, layer, weights, idx, lambda: shared_out(model.act, h, mlp, down))
+
+    return moe
+
+
+def _no_shared() -> None:
+    return None
+
+
+def serve_routing(
+    model: DecodingModel,
+    x: torch.Tensor,
+    h: torch.Tensor,
+    layer: int,
+    weights: torch.Tensor,
+    idx: torch.Tensor,
+    shared: Shared,
+) -> torch.Tensor:
+    """After a layer's routing (weights, ids [N, k] on ``h``'s device): the observers, then ``shared()`` (computed
+    while the reads travel, or already computed by a layer graph), the routed experts into ``x``, the shared expert
+    last → ``x``, updated in place."""
+    host_w, host_idx = (weights, idx) if h.device.type == "cpu" else routing_to_host(weights, idx)
+    model.residual = x
+    for obs in model.observers:
+        obs(layer, h, host_idx, host_w)
+    z = shared()
+    acc = moe_sum(x)
+    if h.shape[0] == 1:
+        acc = routed_one(model, acc, h, layer, host_w, host_idx)
+    else:
+        acc = routed_grouped(model, acc, h, layer, weights, idx)
+    return add_moe(x, acc if z is None else add_shared(acc, *z))
+
+
+def routing_to_host(weights: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GPU layer's routing on the host in one copy (the layer's one sync): the observers and the expert loop
+    then read Python numbers, where each ``tolist``/``unique`` of a GPU tensor would wait on the GPU again.
+    Expert ids travel as float32, exact below 2**24."""
+    k = weights.shape[1]
+    both = torch.cat([weights.float(), idx.float()], dim=1).cpu()
+    return both[:, :k], both[:, k:].long()
+
+
+def routed_one(
+    model: DecodingModel,
+    acc: torch.Tensor | None,
+    h: torch.Tensor,
+    layer: int,
+    host_w: torch.Tensor,
+    host_idx: torch.Tensor,
+) -> torch.Tensor | None:
+    """One row: its k experts called directly (no sort or index bookkeeping), added to the float32 sum ``acc``
+    (:func:`~fate_edge.model.layer_step.moe_sum`) in expert-id order with their weights as Python floats
+    (``host_w``, ``host_idx`` [1, k] on the host) → the sum [1, H] (None: none started and every expert skipped)."""
+    weight_of = dict(zip(host_idx.tolist()[0], host_w.tolist()[0]))  # exact: float32 → Python float → float32
+    parts: dict[int, torch.Tensor] = {}
+    for e, expert in model.experts.stream(layer, sorted(weight_of)):
+        if expert is not None:  # None: skipped by precision-on-miss (opt-in)
+            parts[e] = expert(h)
+    model.experts.end_layer(layer)
+    for e in sorted(parts):  # whatever order they arrived in
+        acc = add_routed(acc, parts[e], weight_of[e])
+    return acc
+
+
+def routed_grouped(
+    model: DecodingModel,
+    acc: torch.Tensor | None,
+    h: torch.Tensor,
+    layer: int,
+    weights: torch.Tensor,
+    idx: torch.Tensor,
+) -> torch.Tensor:
+    """Several rows: one stable sort of the (row, expert) pairs by expert, one gather of the inputs, each expert on
+    its contiguous slice (no per-expert mask, nonzero or scatter), then k passes of :func:`add_routed` into the
+    float32 sums ``acc`` [N, H] (None: from zero) → the sums."""
+    g = group_by_expert(idx)
+    hs = h.index_select(0, g.tokens)  # [N*k, H], rows grouped by expert id
+    ys = torch.empty_like(hs)
+    starts = dict(zip(g.ids, g.starts))
+    for e, expert in model.experts.stream(layer, g.by_popularity()):  # any order (cache hits first, then reads)
+        part = slice(starts[e], starts[e] + g.counts[e])
+        if expert is None:  # skipped by precision-on-miss (opt-in): its rows add zero
+            ys[part] = 0
+        else:
+            ys[part] = expert(hs[part])
+    model.experts.end_layer(layer)
+    by_rank = g.by_rank(idx)  # [k blocks of N rows]: block j holds every row's j-th expert by id, rows in order
+    ys = ys.index_select(0, by_rank)
+    w = weights.flatten().index_select(0, g.order).index_select(0, by_rank)[:, None]
+    n = idx.shape[0]
+    for j in range(idx.shape[1]):
+        acc = add_routed(acc, ys[j * n : (j + 1) * n], w[j * n : (j + 1) * n])
+    assert acc is not None  # k >= 1
+    return acc
