@@ -12,12 +12,12 @@ from torch.profiler import ProfilerActivity, profile
 from fate_edge import load_model
 from fate_edge.model import routed_experts
 from fate_edge.model.dispatch import group_by_expert
-from fate_edge.model.layer_step import add_routed
+from fate_edge.model.layer_step import ExpertInput, add_routed, expert_rows
 
 PROMPT = torch.tensor([[5, 300, 17, 2048, 99, 1000, 7, 64, 12, 400, 3, 77]])
 
 
-def masked_sum(model, acc, h, layer, weights, idx):
+def masked_sum(model, acc, h, layer, weights, idx, decode):
     """The block as it was before grouping, per expert a mask, a ``nonzero`` and its rows' outputs, then each row's
     experts summed one row at a time in expert-id order (the reference for the grouped block's k passes)."""
     ids, counts = idx.flatten().unique(return_counts=True)
@@ -27,7 +27,7 @@ def masked_sum(model, acc, h, layer, weights, idx):
         if expert is None:
             continue
         tok, slot = torch.where(idx == e)
-        ys = expert(h[tok])
+        ys = expert_rows(expert, ExpertInput(h[tok], decode))
         for j, (t, s) in enumerate(zip(tok.tolist(), slot.tolist())):
             out[t, e] = (ys[j : j + 1], weights[t, s : s + 1])
     model.experts.end_layer(layer)

@@ -80,3 +80,28 @@ def test_the_paths_agree_on_a_token(top4, monkeypatch, one_thread):
     for path, got in logits.items():
         assert torch.equal(got.argmax(), ref.argmax()), path
         assert ((got - ref).norm() / ref.norm()).item() < 1e-5, path
+
+
+def test_a_decode_row_beside_a_prompt_chunk_gets_its_bits_alone(bundled_dir, one_thread):
+    """int4 experts on torch's kernel compute a decode token's row in bf16 and a prompt's rows in float32
+    (layer_step.expert_rows): by the row's role, so a decode row batched beside a joining prompt's chunk gets the
+    sum it gets alone, and the prompt's rows the sums they get without it."""
+    from test_decode_step import store_int4_model
+
+    from fate_edge.model.layer_step import moe_sum
+    from fate_edge.model.routed_experts import routed_grouped, routed_one
+
+    model = store_int4_model(bundled_dir)
+    layer, hidden = model.config.moe_layers[0], model.config.hidden_size
+    gen = torch.Generator().manual_seed(3)
+    h, x = torch.randn(5, hidden, generator=gen), torch.randn(5, hidden, generator=gen)
+    weights, idx = model.route(layer, h)
+    decode = torch.tensor([False, False, True, False, False])  # row 2: a decode token
+    with torch.inference_mode():
+        mixed = routed_grouped(model, moe_sum(x.clone()), h, layer, weights, idx, decode)
+        alone = routed_one(model, moe_sum(x[2:3].clone()), h[2:3], layer, weights[2:3], idx[2:3], True)
+        prompt = routed_grouped(model, moe_sum(x.clone()), h, layer, weights, idx, False)
+    assert torch.equal(mixed[2:3], alone)
+    others = [0, 1, 3, 4]
+    assert torch.equal(mixed[others], prompt[others])
+    assert not torch.equal(mixed[2], prompt[2])  # the role decides the arithmetic

@@ -88,7 +88,19 @@ def forward_segments(model: MoETransformer, segments: list[Segment]) -> torch.Te
         # past the last attention only each segment's last row feeds a logit
         return x.index_select(0, ends) if prune and i == last else x
 
-    path = LayerPath(cfg, model.act, attend, provider_moe(model))
+    # which rows are decode tokens (layer_step.expert_rows): all, none, or a prompt chunk beside decode tokens
+    decoding = rows == len(segments)
+    every: bool | torch.Tensor = decoding
+    last_rows: bool | torch.Tensor = decoding
+    if not decoding and any(n == 1 for n in lengths):
+        mask = torch.tensor([n == 1 for n in lengths for _ in range(n)], device=dev)
+        every, last_rows = mask, mask.index_select(0, ends) if prune else mask
+    moe_every, moe_last = provider_moe(model, every), provider_moe(model, last_rows)
+
+    def moe(x: torch.Tensor, h: torch.Tensor, i: int, lp: LayerPlan, w: torch.Tensor, idx: torch.Tensor):
+        return (moe_last if i == last else moe_every)(x, h, i, lp, w, idx)
+
+    path = LayerPath(cfg, model.act, attend, moe)
     x = lookup(model.embed, ids)  # [N, H]
     try:
         for i, lp in enumerate(plan):

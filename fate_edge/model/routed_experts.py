@@ -19,10 +19,12 @@ import torch
 
 from fate_edge.model.dispatch import group_by_expert
 from fate_edge.model.layer_step import (
+    ExpertInput,
     Moe,
     add_moe,
     add_routed,
     add_shared,
+    expert_rows,
     moe_sum,
     shared_out,
 )
@@ -34,16 +36,18 @@ if TYPE_CHECKING:
 Shared = Callable[[], "tuple[torch.Tensor, torch.Tensor | None] | None"]
 
 
-def provider_moe(model: DecodingModel) -> Moe:
-    """The ``moe`` part of a :class:`~fate_edge.model.layer_step.LayerPath`, experts from ``model.experts``."""
+def provider_moe(model: DecodingModel, decode: bool | torch.Tensor) -> Moe:
+    """The ``moe`` part of a :class:`~fate_edge.model.layer_step.LayerPath`, experts from ``model.experts``;
+    ``decode``: whether its rows are decode tokens (all, none, or a bool mask over the rows)."""
 
     def moe(
         x: torch.Tensor, h: torch.Tensor, layer: int, lp: LayerPlan, weights: torch.Tensor, idx: torch.Tensor
     ) -> torch.Tensor:
         mlp, down = lp.mlp, lp.down
         if mlp is None or down is None:
-            return serve_routing(model, x, h, layer, weights, idx, _no_shared)
-        return serve_routing(model, x, h, layer, weights, idx, lambda: shared_out(model.act, h, mlp, down))
+            return serve_routing(model, x, h, layer, weights, idx, _no_shared, decode)
+        shared = lambda: shared_out(model.act, h, mlp, down)  # noqa: E731
+        return serve_routing(model, x, h, layer, weights, idx, shared, decode)
 
     return moe
 
@@ -60,10 +64,11 @@ def serve_routing(
     weights: torch.Tensor,
     idx: torch.Tensor,
     shared: Shared,
+    decode: bool | torch.Tensor = True,
 ) -> torch.Tensor:
     """After a layer's routing (weights, ids [N, k] on ``h``'s device): the observers, then ``shared()`` (computed
     while the reads travel, or already computed by a layer graph), the routed experts into ``x``, the shared expert
-    last → ``x``, updated in place."""
+    last → ``x``, updated in place. ``decode``: which rows are decode tokens (``layer_step.expert_rows``)."""
     host_w, host_idx = (weights, idx) if h.device.type == "cpu" else routing_to_host(weights, idx)
     model.residual = x
     for obs in model.observers:
@@ -71,9 +76,9 @@ def serve_routing(
     z = shared()
     acc = moe_sum(x)
     if h.shape[0] == 1:
-        acc = routed_one(model, acc, h, layer, host_w, host_idx)
+        acc = routed_one(model, acc, h, layer, host_w, host_idx, bool(decode))
     else:
-        acc = routed_grouped(model, acc, h, layer, weights, idx)
+        acc = routed_grouped(model, acc, h, layer, weights, idx, decode)
     return add_moe(x, acc if z is None else add_shared(acc, *z))
 
 
@@ -93,15 +98,17 @@ def routed_one(
     layer: int,
     host_w: torch.Tensor,
     host_idx: torch.Tensor,
+    decode: bool = True,
 ) -> torch.Tensor | None:
     """One row: its k experts called directly (no sort or index bookkeeping), added to the float32 sum ``acc``
     (:func:`~fate_edge.model.layer_step.moe_sum`) in expert-id order with their weights as Python floats
     (``host_w``, ``host_idx`` [1, k] on the host) → the sum [1, H] (None: none started and every expert skipped)."""
     weight_of = dict(zip(host_idx.tolist()[0], host_w.tolist()[0]))  # exact: float32 → Python float → float32
+    rows = ExpertInput(h, decode)
     parts: dict[int, torch.Tensor] = {}
     for e, expert in model.experts.stream(layer, sorted(weight_of)):
         if expert is not None:  # None: skipped by precision-on-miss (opt-in)
-            parts[e] = expert(h)
+            parts[e] = expert_rows(expert, rows)
     model.experts.end_layer(layer)
     for e in sorted(parts):  # whatever order they arrived in
         acc = add_routed(acc, parts[e], weight_of[e])
@@ -115,20 +122,22 @@ def routed_grouped(
     layer: int,
     weights: torch.Tensor,
     idx: torch.Tensor,
+    decode: bool | torch.Tensor = False,
 ) -> torch.Tensor:
     """Several rows: one stable sort of the (row, expert) pairs by expert, one gather of the inputs, each expert on
     its contiguous slice (no per-expert mask, nonzero or scatter), then k passes of :func:`add_routed` into the
     float32 sums ``acc`` [N, H] (None: from zero) → the sums."""
     g = group_by_expert(idx)
-    hs = h.index_select(0, g.tokens)  # [N*k, H], rows grouped by expert id
-    ys = torch.empty_like(hs)
+    grouped_decode = decode.index_select(0, g.tokens) if isinstance(decode, torch.Tensor) else decode
+    rows = ExpertInput(h.index_select(0, g.tokens), grouped_decode)  # [N*k, H], rows grouped by expert id
+    ys = torch.empty_like(rows.h)  # bf16 kernel outputs widen exactly into a float32 model's rows
     starts = dict(zip(g.ids, g.starts))
     for e, expert in model.experts.stream(layer, g.by_popularity()):  # any order (cache hits first, then reads)
         part = slice(starts[e], starts[e] + g.counts[e])
         if expert is None:  # skipped by precision-on-miss (opt-in): its rows add zero
             ys[part] = 0
         else:
-            ys[part] = expert(hs[part])
+            ys[part] = expert_rows(expert, rows, part)
     model.experts.end_layer(layer)
     by_rank = g.by_rank(idx)  # [k blocks of N rows]: block j holds every row's j-th expert by id, rows in order
     ys = ys.index_select(0, by_rank)

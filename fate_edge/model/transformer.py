@@ -307,7 +307,7 @@ class MoETransformer:
                 x = x.view(b, t, -1)[:, -1].contiguous()
             return x
 
-        path = LayerPath(cfg, self.act, attend, provider_moe(self))
+        path = LayerPath(cfg, self.act, attend, provider_moe(self, decode=t == 1))  # one position: decode tokens
         for i, lp in enumerate(plan):
             x = decoder_layer(path, x, i, lp)
         if prune and plan:
