@@ -237,7 +237,7 @@ def stacked_moe(cfg: ModelConfig, s: StepShape, act, stacks: list, routing: list
         z = shared_out(act, h, lp.mlp, lp.down) if lp.mlp is not None and lp.down is not None else None
         ids, order = idx[0].sort()  # expert-id order, as every path adds them
         ws = weights[0].index_select(0, order)
-        hb = h.to(torch.bfloat16)
+        hb = h.to(torch.bfloat16) if s.int4_group is not None else h  # the bf16 copy only int4 stacks read
         acc = moe_sum(x)
         for j in range(cfg.num_experts_per_tok):
             acc = add_routed(acc, _expert(s, act, h, hb, stacks[layer], ids[j : j + 1]), ws[j : j + 1])

@@ -315,8 +315,7 @@ class MoETransformer:
         if last_only:
             x = x.view(b, t, -1)[:, -1]
             t = 1
-        eps = cfg.rms_norm_eps
-        x = rms_norm(x, self.w["model.norm.weight"], eps)
+        x = rms_norm(x, self.w["model.norm.weight"], cfg.rms_norm_eps)
         return apply_linear(x, self.head).view(b, t, -1)
 
     __call__ = forward
