@@ -11,50 +11,20 @@ says why and the other kernels are used (``FATE_EDGE_NATIVE=avx2`` keeps an AVX-
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import shutil
 import subprocess
-import tempfile
 import threading
 from dataclasses import dataclass
 from importlib import resources
-from pathlib import Path
 
 import torch
 
-from fate_edge.app_dirs import cache_home
+from fate_edge.native_build import build_shared_library, compiler
 
 SOURCE = "int4_gemm.c"
 _ISA_NAMES = {2: "avx512-vnni", 1: "avx2"}
 _lock = threading.Lock()
 _state: dict[str, object] = {}
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-
-
-def _build(src: bytes, cc: str) -> Path:
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(src + version.encode()).hexdigest()[:16]
-    lib = cache_home() / "native" / f"int4_gemm-{key}.so"
-    if lib.exists():
-        return lib
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
-        c_file, out = Path(tmp) / SOURCE, Path(tmp) / lib.name
-        c_file.write_bytes(src)
-        # No -march: the code picks AVX512-VNNI or AVX2 at run time, so one build serves any x86-64 host.
-        cmd = [cc, "-O3", "-fno-math-errno", "-fPIC", "-shared", "-fopenmp", str(c_file), "-o", str(out), "-lm"]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            raise RuntimeError(f"`{' '.join(cmd)}` failed: {done.stderr.strip()[-400:]}")
-        os.replace(out, lib)  # atomic: a concurrent build of the same source writes the same bytes
-    for old in lib.parent.glob("int4_gemm-*.so"):  # builds of older sources: one per upgrade would pile up
-        if old != lib:
-            old.unlink(missing_ok=True)  # a process that loaded it keeps its mapping
-    return lib
 
 
 def _load() -> None:
@@ -64,13 +34,13 @@ def _load() -> None:
     if os.uname().machine not in ("x86_64", "AMD64"):
         _state.update(lib=None, reason=f"no x86-64 CPU ({os.uname().machine})")
         return
-    cc = _compiler()
+    cc = compiler()
     if cc is None:
         _state.update(lib=None, reason="no C compiler (cc, gcc or clang) on PATH; install one, e.g. `apt install gcc`")
         return
     try:
         src = resources.files("fate_edge.quant").joinpath("native", SOURCE).read_bytes()
-        lib = ctypes.CDLL(str(_build(src, cc)))
+        lib = ctypes.CDLL(str(build_shared_library(src, "int4_gemm", cc)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         _state.update(lib=None, reason=f"building the native int4 kernel failed: {e}")
         return

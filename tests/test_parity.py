@@ -8,6 +8,7 @@ the transformers-5 fused layout (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.
 
 from __future__ import annotations
 
+import math
 import re
 import shutil
 from collections import defaultdict
@@ -507,6 +508,50 @@ def test_bf16_matches_transformers_bf16(built: Built):
     # And no less accurate than transformers' own bf16 run, measured against the float32 logits.
     exact = built.reference.prefill[0, -1]
     assert max_diff(ours, exact) <= max(BF16_ATOL, 1.25 * max_diff(ref, exact))
+
+
+@pytest.mark.parametrize(
+    "built",
+    by_id(
+        "qwen2_moe-shared_gate-dense_layer",
+        "mixtral-sliding_window",
+        "qwen3_moe-head_dim24-qk_norm",
+        "deepseek_v2-q_proj-greedy",
+    ),
+    ids=["qwen2_moe", "mixtral_window", "qwen3_moe", "deepseek_v2"],
+    indirect=True,
+)
+def test_bf16_decode_steps_match_transformers_bf16(built: Built):
+    # Decode queries in bf16 take fate-edge's CPU attention kernel (model/decode_attention.py) and, on the one-token
+    # path, rope as an fp32 matmul: each step, fed the reference's greedy tokens, beside transformers' bf16 decode
+    # with its own cache.
+    ref = built.reference
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        built.dirs["per_expert"], dtype=torch.bfloat16, attn_implementation="sdpa"
+    ).eval()
+    built.reset_hf_rope(hf)
+    model = load_model(built.dirs["per_expert"], dtype=torch.bfloat16)
+    cache = model.new_cache()
+    ours = [model(built.prompt, cache, last_only=True)[0, -1]]
+    with torch.no_grad():
+        out = hf(built.prompt, use_cache=True)
+        theirs, past = [out.logits[0, -1]], out.past_key_values
+        for tok in ref.tokens[:-1]:
+            ours.append(model(torch.tensor([[tok]]), cache)[0, -1])
+            out = hf(torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+            theirs.append(out.logits[0, -1])
+            past = out.past_key_values
+    # Two bf16 runs each within a rounding or two of the exact logits can be two roundings apart (a logit near 6
+    # moves in steps of 0.03 in bf16), so the bar is accuracy: our distance to the float32 logits, step by step,
+    # at most one bf16 rounding more than transformers' own bf16 distance, and over the run no more than 1.25x it.
+    ours_err = [max_diff(a, exact) for a, exact in zip(ours, ref.step_logits)]
+    theirs_err = [max_diff(b, exact) for b, exact in zip(theirs, ref.step_logits)]
+    MEASURED[f"{built.case.id}/bf16/decode vs float32 (transformers bf16)"] = max(ours_err)
+    MEASURED[f"{built.case.id}/bf16/decode vs transformers bf16"] = max(map(max_diff, ours, theirs))
+    assert max(ours_err) <= 1.25 * max(theirs_err)
+    for step, (o, t, exact) in enumerate(zip(ours_err, theirs_err, ref.step_logits)):
+        ulp = 2.0 ** (math.floor(math.log2(exact.abs().max().item())) - 7)  # bf16's spacing at the largest logit
+        assert o <= t + ulp, f"step {step}: {o:.3g} from the float32 logits, transformers {t:.3g}"
 
 
 # ----------------------------------------------------------------------------------------- fused checkpoints

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fate_edge.model import sdpa
+from fate_edge.model import decode_attention, sdpa
 from fate_edge.model.embedding import lookup
 from fate_edge.model.kv_slab import SlabCache
 from fate_edge.model.layer import LayerPlan, apply_linear, rms_norm
@@ -139,6 +139,7 @@ class _SlabDecode:
         # [S * longest] slab positions of each range's first ``longest`` positions (past its own end: masked)
         self.gather = (first[:, None] + torch.arange(self.longest, device=dev)[None, :]).flatten()
         self._masks: dict[int | None, torch.Tensor] = {}
+        self._ranges: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
     def of(
@@ -163,6 +164,16 @@ class _SlabDecode:
             [starts[j] + 1 for j in dec],
             len(dec) == len(segments),
         )
+
+    def ranges(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """([S] first slab position, [S] count) of the positions each row sees (its last ``window``), int64 on the
+        host: the native decode attention reads them in place, no gather and no mask."""
+        r = self._ranges.get(window)
+        if r is None:
+            n = torch.tensor(self.lengths, dtype=torch.int64)
+            seen = n if window is None else n.clamp(max=window)
+            r = self._ranges[window] = (self.first.to("cpu", torch.int64) + n - seen, seen)
+        return r
 
     def mask(self, window: int | None) -> torch.Tensor:
         """[S, 1, 1, longest]: row j sees its own first ``lengths[j]`` positions (the last ``window`` of them)."""
@@ -243,6 +254,9 @@ def _slab_attention(
         segments[j].cache.layers[layer].length += 1
     window = cfg.sliding_window if layer in cfg.sliding_window_layers else None
     s, gqa = qd.shape[2], qd.shape[1] != ks.shape[1]
+    rows = qd[0].transpose(0, 1)  # [S, nh, hd]
+    if decode_attention.takes_ranges(rows, ks[0], vs[0]):  # bf16/fp16 on the CPU: each row over its own range
+        return decode_attention.attend_ranges(rows, ks[0], vs[0], *d.ranges(window), scale).reshape(s, -1)
     if d.longest > GATHER_MAX:  # one call per sequence over its own view of the slab
         outs = []
         for i, j in enumerate(d.segs):

@@ -1,0 +1,44 @@
+"""Building fate-edge's C kernels on first use with the system C compiler, cached by a hash of source and compiler.
+
+The shared libraries live under ``$FATE_EDGE_CACHE`` (default ``~/.cache/fate-edge``)/native. No ``-march``: each
+kernel picks its instruction set at run time, so one build serves any x86-64 host.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from fate_edge.app_dirs import cache_home
+
+
+def compiler() -> str | None:
+    """The C compiler to build with: ``$CC``, else cc, gcc or clang on PATH (None: none)."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def build_shared_library(src: bytes, name: str, cc: str) -> Path:
+    """``src`` (C) compiled with ``cc`` into ``<cache>/native/<name>-<hash>.so`` unless already there; older builds
+    of ``name`` are removed. Raises RuntimeError with the compiler's message when the build fails."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(src + version.encode()).hexdigest()[:16]
+    lib = cache_home() / "native" / f"{name}-{key}.so"
+    if lib.exists():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+        c_file, out = Path(tmp) / f"{name}.c", Path(tmp) / lib.name
+        c_file.write_bytes(src)
+        cmd = [cc, "-O3", "-fno-math-errno", "-fPIC", "-shared", "-fopenmp", str(c_file), "-o", str(out), "-lm"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"`{' '.join(cmd)}` failed: {done.stderr.strip()[-400:]}")
+        os.replace(out, lib)  # atomic: a concurrent build of the same source writes the same bytes
+    for old in lib.parent.glob(f"{name}-*.so"):  # builds of older sources: one per upgrade would pile up
+        if old != lib:
+            old.unlink(missing_ok=True)  # a process that loaded it keeps its mapping
+    return lib
