@@ -64,11 +64,18 @@ def _fake_llama(decode_tps: float):
     import sys
 
     code = (
-        "import json, sys; s = json.loads(sys.argv[1]); print(json.dumps({'prefill_tps': 50.0, 'decode_tps': "
+        "import json, sys; s = json.loads(open(sys.argv[1]).read()); print(json.dumps({'prefill_tps': 50.0, "
+        "'decode_tps': "
         f"{decode_tps}, 'tokens': [1, 2, 3], 'decode_read_mb_per_token': 7.5, 'peak_rss_bytes': 123456789, "
         "'n_ids': len(s['ids']), 'threads': s['threads'], 'mode': s['mode'], 'repack': s['repack']}))"
     )
-    return lambda spec: [sys.executable, "-c", code, json.dumps(spec)]
+
+    def command(spec, folder):
+        path = folder / "spec.json"
+        path.write_text(json.dumps(spec))
+        return [sys.executable, "-c", code, str(path)]
+
+    return command
 
 
 @pytest.mark.slow
@@ -179,3 +186,15 @@ def test_budgets_are_gb_lists_and_empty_means_convert_only(tmp_path):
         with pytest.raises(argparse.ArgumentTypeError, match="budgets in GB"):
             gb_list(bad)
     assert build_parser().parse_args([str(tmp_path), "s"]).budgets == [int(2 * GB), int(4 * GB)]  # default "2,4"
+
+
+def test_a_side_reads_a_long_prompt_from_its_spec_file(tmp_path):
+    # A 4,096-token prompt's ids and text once overflowed the argument list ("Argument list too long").
+    import json
+
+    from fate_edge.bench import sidebyside
+
+    spec = {"kind": "fate-edge", "ids": list(range(200_000)), "text": "x" * 2_000_000}
+    cmd = sidebyside.child_command(spec, tmp_path)
+    assert sum(len(a) for a in cmd) < 4096
+    assert json.loads(open(cmd[-1]).read()) == spec

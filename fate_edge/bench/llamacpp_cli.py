@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 from pathlib import Path
 
 import torch
@@ -89,6 +90,13 @@ def model_label(model: str) -> str:
     return label
 
 
+def table_name(value: str) -> str:
+    """A results table's name: letters, digits, '.', '_' and '-' (it names a file in docs/results)."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", value):
+        raise argparse.ArgumentTypeError(f"'{value}' is not a table name: use letters, digits, '.', '_' and '-'")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = command_parser("bench-llamacpp", __doc__)
     ap.add_argument(
@@ -129,11 +137,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--timeout", type=positive_float, default=900.0, help="per process, seconds")
     ap.add_argument("--json", type=Path, default=Path("bench-out/llamacpp.json"))
+    ap.add_argument(
+        "--label",
+        type=table_name,
+        default=None,
+        metavar="NAME",
+        help="the table's name: its markers and docs/results/NAME.md (default: bench_llamacpp for the bundled "
+        "model at 2 threads, else bench_llamacpp-MODEL-Nt); for runs that would otherwise share one, e.g. a "
+        "longer --prompt-tokens",
+    )
     add_results_arg(
         ap,
-        "rewrite the table between its markers (bench_llamacpp for the bundled model at 2 "
-        "threads, else bench_llamacpp-MODEL-Nt) of FILE (without FILE: "
-        "docs/results/MARKER.md, created if missing)",
+        "rewrite the table between its markers (see --label) of FILE (without FILE: "
+        "docs/results/NAME.md, created if missing)",
     )
     return ap
 
@@ -215,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         "tokenization": tokenization,
         "runs": runs,
     }
-    marker = readme_marker(args.model, args.threads)
+    marker = args.label or readme_marker(args.model, args.threads)
     results = results_file(marker) if args.results is True else Path(args.results) if args.results else None
     if results:
         add_markers(results, marker)

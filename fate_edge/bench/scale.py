@@ -375,7 +375,7 @@ def run_llama(cfg: ScaleConfig, ids: list[int], budget: int, cap: int, workdir: 
         "repack": cfg.llama_repack,
     }
     dropped = _drop(cfg)
-    r = run_confined("llama", spec, cap, workdir, cfg.timeout_s, command=child_command(spec))
+    r = run_confined("llama", spec, cap, workdir, cfg.timeout_s, command=child_command(spec, workdir))
     r.update(budget_bytes=budget, page_cache_dropped=dropped[0], round=rnd)
     if "error" not in r:
         r["within_need"] = r["peak_rss_bytes"] <= cap

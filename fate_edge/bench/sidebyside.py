@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+import tempfile
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -169,11 +171,15 @@ def add_markers(readme: Path, name: str) -> None:
     readme.write_text(doc + ("\n" if doc and not doc.endswith("\n") else "") + f"{begin}\n{end}\n")
 
 
-def child_command(spec: dict[str, Any]) -> list[str]:
-    code = "import sys; from fate_edge.bench.sidebyside import child_main; child_main(sys.argv[1])"
+def child_command(spec: dict[str, Any], folder: str | Path) -> list[str]:
+    """The command that runs one side for ``spec``, which it reads from a file written into ``folder`` (a long
+    prompt's ids and text overflow the argument list: a 4,096-token prompt did)."""
+    path = Path(folder) / f"spec-{uuid.uuid4().hex}.json"
+    path.write_text(json.dumps(spec))
+    code = "import sys; from fate_edge.bench.sidebyside import child_main; child_main(open(sys.argv[1]).read())"
     if spec["kind"] == "llama.cpp":
         code = llama_child(code)
-    return [sys.executable, "-c", code, json.dumps(spec)]
+    return [sys.executable, "-c", code, str(path)]
 
 
 def resident_int4(store: str | Path, device: str = "cpu"):
@@ -339,41 +345,42 @@ def run_rounds(
 
     runs: dict[str, list[dict[str, Any]]] = {}
     notes: dict[str, Any] = {}
-    for r in range(rounds):
-        for side in sides:
-            spec = {
-                **base,
-                "kind": side.kind,
-                "precision": side.precision,
-                "mode": side.mode,
-                "gguf": ggufs.get(side.precision, ""),
-                "dtype": side.dtype,
-                "resident_bits": side.resident_bits,
-            }
-            if r == 0 and side.kind == "llama.cpp":
-                spec.update(text=base["text"], text_ids=base["text_ids"])
-            cg = None
-            if side.mode == "limited":
-                notes["page_cache"] = drop_page_cache()[1]
-                if side.kind == "llama.cpp":
-                    if "cap_bytes" not in notes:
-                        runs.setdefault(side.name, []).append({"error": "no fate-edge peak RSS to cap at"})
-                        continue
-                    cg, notes["cgroup"] = _memory_cgroup(notes["cap_bytes"])
-            load = load_average()
-            try:
-                res = run_child(child_command(spec), timeout, dict(os.environ), cgroup_joiner(cg))
-            finally:
-                if cg is not None:
-                    with contextlib.suppress(OSError):
-                        cg.rmdir()
-            res["load_avg"] = load[0]
-            if side.mode == "limited" and side.kind == "fate-edge" and "peak_rss_bytes" in res:
-                notes.setdefault("cap_bytes", res["peak_rss_bytes"])
-            runs.setdefault(side.name, []).append(res)
-            log(
-                f"round {r + 1} {side.name}: prefill {res.get('prefill_tps') or 0:.0f} tok/s "
-                f"({res.get('prefill_cpu_tps') or 0:.0f} per CPU s), decode "
-                f"{res.get('decode_tps') or 0:.1f} tok/s {res.get('error', '')} (load {load[0]})"
-            )
+    with tempfile.TemporaryDirectory(prefix="fate-edge-sides-") as specs:  # each run's spec file
+        for r in range(rounds):
+            for side in sides:
+                spec = {
+                    **base,
+                    "kind": side.kind,
+                    "precision": side.precision,
+                    "mode": side.mode,
+                    "gguf": ggufs.get(side.precision, ""),
+                    "dtype": side.dtype,
+                    "resident_bits": side.resident_bits,
+                }
+                if r == 0 and side.kind == "llama.cpp":
+                    spec.update(text=base["text"], text_ids=base["text_ids"])
+                cg = None
+                if side.mode == "limited":
+                    notes["page_cache"] = drop_page_cache()[1]
+                    if side.kind == "llama.cpp":
+                        if "cap_bytes" not in notes:
+                            runs.setdefault(side.name, []).append({"error": "no fate-edge peak RSS to cap at"})
+                            continue
+                        cg, notes["cgroup"] = _memory_cgroup(notes["cap_bytes"])
+                load = load_average()
+                try:
+                    res = run_child(child_command(spec, specs), timeout, dict(os.environ), cgroup_joiner(cg))
+                finally:
+                    if cg is not None:
+                        with contextlib.suppress(OSError):
+                            cg.rmdir()
+                res["load_avg"] = load[0]
+                if side.mode == "limited" and side.kind == "fate-edge" and "peak_rss_bytes" in res:
+                    notes.setdefault("cap_bytes", res["peak_rss_bytes"])
+                runs.setdefault(side.name, []).append(res)
+                log(
+                    f"round {r + 1} {side.name}: prefill {res.get('prefill_tps') or 0:.0f} tok/s "
+                    f"({res.get('prefill_cpu_tps') or 0:.0f} per CPU s), decode "
+                    f"{res.get('decode_tps') or 0:.1f} tok/s {res.get('error', '')} (load {load[0]})"
+                )
     return runs, notes

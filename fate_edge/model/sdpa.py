@@ -25,7 +25,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.
     """``F.scaled_dot_product_attention(q, k, v, **kw)``, without cuDNN's per-shape plans on CUDA and with bf16/fp16
     decode queries on the CPU in fate-edge's kernel."""
     if q.device.type != "cuda":
-        if _plain(kw) and decode_attention.takes(q, k, v):
+        if q.dtype in decode_attention.NATIVE_DTYPES and _plain(kw) and decode_attention.takes(q, k, v):
             scale = kw.get("scale")
             return decode_attention.attend(q, k, v, q.shape[-1] ** -0.5 if scale is None else scale)
         return F.scaled_dot_product_attention(q, k, v, **kw)
