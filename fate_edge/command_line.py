@@ -63,6 +63,13 @@ def non_empty(value: str) -> str:
     return value
 
 
+def table_name(value: str) -> str:
+    """A results table's name: letters, digits, '.', '_' and '-' (it names a file in docs/results)."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", value):
+        raise argparse.ArgumentTypeError(f"'{value}' is not a table name: use letters, digits, '.', '_' and '-'")
+    return value
+
+
 def existing_path(value: str) -> str:
     if not Path(value).exists():
         raise argparse.ArgumentTypeError(f"{value}: no such file or directory")

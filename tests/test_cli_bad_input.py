@@ -12,6 +12,7 @@ import pytest
 from fate_edge.apps import cli_args
 from fate_edge.apps.cli import COMMANDS, build_parser, main, subcommand_parsers
 from fate_edge.bench import scale_cli
+from fate_edge.command_line import table_name
 
 # Options (and positionals) that take any text, so no value of them is bad input: output paths and free text.
 FREE_TEXT = {
@@ -53,6 +54,7 @@ BAD_BY_TYPE = {
     cli_args.profile_name: ["nosuch-board"],
     cli_args.host_name: ["not a host!"],
     cli_args.non_empty: [""],
+    table_name: ["", "../results", "a/b"],
     cli_args.octal_mode: ["rw-------", "999"],
     cli_args.host_list: ["localhost,not a host!"],
     cli_args.origin_list: ["localhost:3000", "http://bad host"],

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import re
 from pathlib import Path
 
 import torch
@@ -41,7 +40,14 @@ from fate_edge.bench.sidebyside import (
     summarize,
 )
 from fate_edge.bundled import bundled_model_dir
-from fate_edge.command_line import command_parser, existing_path, fraction, positive_float, positive_int
+from fate_edge.command_line import (
+    command_parser,
+    existing_path,
+    fraction,
+    positive_float,
+    positive_int,
+    table_name,
+)
 from fate_edge.corpus import heldout_source
 from fate_edge.format.converted_stores import ensure_store
 from fate_edge.synthetic.presets import PRESETS
@@ -88,13 +94,6 @@ def model_label(model: str) -> str:
             "random weights)"
         )
     return label
-
-
-def table_name(value: str) -> str:
-    """A results table's name: letters, digits, '.', '_' and '-' (it names a file in docs/results)."""
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", value):
-        raise argparse.ArgumentTypeError(f"'{value}' is not a table name: use letters, digits, '.', '_' and '-'")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
