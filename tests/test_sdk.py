@@ -203,3 +203,23 @@ def test_generate_and_chat_go_through_engine_complete_and_chat(monkeypatch):
         reply = sdk.chat(engine, [{"role": "user", "content": "hi"}], max_tokens=2, ignore_eos=True)
     assert done.completion_tokens == 3 and reply.completion_tokens == 2
     assert calls == ["complete", "complete"]  # Engine.chat completes through Engine.complete
+
+
+def test_load_sets_torch_threads_as_the_cli_does(cache_dir):
+    # torch's own default takes every core; beside the fetch worker that was a thread more than a 2-core host has
+    import torch
+
+    from fate_edge import defaults
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        with Engine.load(memory_budget="2MB", device="cpu", threads=None):
+            assert torch.get_num_threads() == 3  # None: the process's own setting stands
+        with Engine.load(memory_budget="2MB", device="cpu"):
+            assert torch.get_num_threads() == (defaults.THREADS or 3)
+            assert defaults.THREADS is None or defaults.THREADS + defaults.FETCH_WORKERS <= max(2, os.cpu_count() or 2)
+        with Engine.load(memory_budget="2MB", device="cpu", threads=2):
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
