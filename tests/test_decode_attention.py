@@ -51,7 +51,7 @@ def test_as_accurate_as_torch_on_a_strided_cache(dtype, hq, hkv, dk, dv, length)
     assert _err(ours, exact) <= 1.25 * rounding + 1e-6
 
 
-def test_ranges_of_one_slab_match_each_sequence_alone_with_windows():
+def test_ranges_of_one_slab_match_each_sequence_alone():
     g = torch.Generator().manual_seed(0)
     hq, hkv, d, cap = 8, 2, 64, 300
     k = torch.randn(hkv, cap, d, generator=g).bfloat16()
@@ -141,3 +141,18 @@ def test_a_bf16_engine_decodes_with_the_kernel_alone_and_batched(monkeypatch):
         streams = [batched.stream(p, cfg) for p in ("def main():", "import os\n", "x = ")]
         texts = ["".join(s.text for s in stream) for stream in streams]
     assert all(texts) and calls["batched"] > 0
+
+
+@pytest.mark.parametrize("window", [None, 1, 3, 50])
+def test_slab_ranges_see_the_positions_the_mask_lets_through(window):
+    # the batched step's native path reads ranges where the torch path masks a gathered block: the same keys
+    from fate_edge.model.batch_step import _SlabDecode
+
+    lengths = [5, 1, 12, 7]
+    first = torch.tensor([0, 40, 80, 200])
+    d = _SlabDecode(list(range(4)), torch.arange(4), first + torch.tensor(lengths) - 1, first, lengths, every_row=True)
+    starts, counts = d.ranges(window)
+    mask = d.mask(window)[:, 0, 0]  # [S, longest]: positions first[j] + i
+    for j in range(4):
+        seen = (first[j] + mask[j].nonzero().flatten()).tolist()
+        assert seen == list(range(int(starts[j]), int(starts[j] + counts[j])))
