@@ -6,11 +6,13 @@ kernel picks its instruction set at run time, so one build serves any x86-64 hos
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import shutil
 import subprocess
 import tempfile
+from importlib import resources
 from pathlib import Path
 
 from fate_edge.app_dirs import cache_home
@@ -42,3 +44,21 @@ def build_shared_library(src: bytes, name: str, cc: str) -> Path:
         if old != lib:
             old.unlink(missing_ok=True)  # a process that loaded it keeps its mapping
     return lib
+
+
+def load_kernel(package: str, source: str, name: str, what: str) -> tuple[ctypes.CDLL | None, str]:
+    """The library built from ``package``'s ``native/<source>`` (cached as ``name``), or None and why not: disabled
+    by ``FATE_EDGE_NATIVE=0``, not an x86-64 CPU, no C compiler, or the build failed (``what`` names the kernel in
+    that message). The caller checks the instruction set its kernel needs."""
+    if os.environ.get("FATE_EDGE_NATIVE", "1") == "0":
+        return None, "disabled by FATE_EDGE_NATIVE=0"
+    if os.uname().machine not in ("x86_64", "AMD64"):
+        return None, f"no x86-64 CPU ({os.uname().machine})"
+    cc = compiler()
+    if cc is None:
+        return None, "no C compiler (cc, gcc or clang) on PATH; install one, e.g. `apt install gcc`"
+    try:
+        src = resources.files(package).joinpath("native").joinpath(source).read_bytes()
+        return ctypes.CDLL(str(build_shared_library(src, name, cc))), "built"
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        return None, f"building the native {what} failed: {e}"

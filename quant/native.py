@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import ctypes
 import os
-import subprocess
 import threading
 from dataclasses import dataclass
-from importlib import resources
 
 import torch
 
-from fate_edge.native_build import build_shared_library, compiler
+from fate_edge.native_build import load_kernel
 
 SOURCE = "int4_gemm.c"
 _ISA_NAMES = {2: "avx512-vnni", 1: "avx2"}
@@ -28,21 +26,9 @@ _state: dict[str, object] = {}
 
 
 def _load() -> None:
-    if os.environ.get("FATE_EDGE_NATIVE", "1") == "0":
-        _state.update(lib=None, reason="disabled by FATE_EDGE_NATIVE=0")
-        return
-    if os.uname().machine not in ("x86_64", "AMD64"):
-        _state.update(lib=None, reason=f"no x86-64 CPU ({os.uname().machine})")
-        return
-    cc = compiler()
-    if cc is None:
-        _state.update(lib=None, reason="no C compiler (cc, gcc or clang) on PATH; install one, e.g. `apt install gcc`")
-        return
-    try:
-        src = resources.files("fate_edge.quant").joinpath("native", SOURCE).read_bytes()
-        lib = ctypes.CDLL(str(build_shared_library(src, "int4_gemm", cc)))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        _state.update(lib=None, reason=f"building the native int4 kernel failed: {e}")
+    lib, reason = load_kernel("fate_edge.quant", SOURCE, "int4_gemm", "int4 kernel")
+    if lib is None:
+        _state.update(lib=None, reason=reason)
         return
     lib.fe_int4_isa.restype = ctypes.c_int
     lib.fe_int4_gemm.restype = ctypes.c_int

@@ -11,15 +11,12 @@ AVX2, or with ``FATE_EDGE_NATIVE=0``, :func:`available` is False and callers use
 from __future__ import annotations
 
 import ctypes
-import os
-import subprocess
 import threading
-from importlib import resources
 from typing import Any, cast
 
 import torch
 
-from fate_edge.native_build import build_shared_library, compiler
+from fate_edge.native_build import load_kernel
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 NATIVE_DTYPES = (torch.bfloat16, torch.float16)  # the cache dtypes this kernel serves by default
@@ -28,21 +25,9 @@ _state: dict[str, object] = {}
 
 
 def _load() -> None:
-    if os.environ.get("FATE_EDGE_NATIVE", "1") == "0":
-        _state.update(lib=None, reason="disabled by FATE_EDGE_NATIVE=0")
-        return
-    if os.uname().machine not in ("x86_64", "AMD64"):
-        _state.update(lib=None, reason=f"no x86-64 CPU ({os.uname().machine})")
-        return
-    cc = compiler()
-    if cc is None:
-        _state.update(lib=None, reason="no C compiler (cc, gcc or clang) on PATH")
-        return
-    try:
-        src = resources.files("fate_edge.model").joinpath("native").joinpath("decode_attention.c").read_bytes()
-        lib = ctypes.CDLL(str(build_shared_library(src, "decode_attention", cc)))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        _state.update(lib=None, reason=f"building the native attention kernel failed: {e}")
+    lib, reason = load_kernel("fate_edge.model", "decode_attention.c", "decode_attention", "attention kernel")
+    if lib is None:
+        _state.update(lib=None, reason=reason)
         return
     if not lib.fe_attention_supported():
         _state.update(lib=None, reason="this CPU lacks AVX2, FMA or F16C")
