@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+import sys
 from pathlib import Path
 
 import torch
@@ -25,26 +24,11 @@ from fate_edge.bench.host import cpu_model, load_average
 from fate_edge.bench.publish import add_results_arg, publish
 from fate_edge.model import decode_attention
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kernels import time_call  # noqa: E402  (one timing loop for the research benches)
+
 LAYOUTS = {"bundled 4/2x48": (4, 2, 48), "qwen1.5-moe 16/16x128": (16, 16, 128), "gqa 32/4x128": (32, 4, 128)}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def time_call(fn, runs: int, sample_ms: float) -> float:
-    fn()
-    n, t = 1, 0.0
-    while t < sample_ms / 1e3:  # calls per sample: enough to dwarf the timer
-        n *= 2
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        t = time.perf_counter() - t0
-    samples = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        samples.append((time.perf_counter() - t0) / n)
-    return statistics.median(samples)
 
 
 def measure(layout: str, length: int, dtype: str, runs: int, sample_ms: float) -> dict:
