@@ -170,7 +170,7 @@ class _SlabDecode:
         host: the native decode attention reads them in place, no gather and no mask."""
         r = self._ranges.get(window)
         if r is None:
-            n = torch.tensor(self.lengths, dtype=torch.int64)
+            n = torch.tensor(self.lengths, dtype=torch.int64, device="cpu")  # the kernel reads them on the host
             seen = n if window is None else n.clamp(max=window)
             r = self._ranges[window] = (self.first.to("cpu", torch.int64) + n - seen, seen)
         return r
