@@ -96,6 +96,41 @@ def build_wide_moe(out: Path, width: int, vocab: int = VOCAB) -> Path:
     return out
 
 
+def build_tiny_mla(out: Path) -> Path:
+    """A tiny random DeepSeek-V2 checkpoint (MLA attention, 8 experts top-2, a shared expert, layer 0 dense), wide
+    enough for convert's int4 groups of 32."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    cfg = DeepseekV2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=32,
+        q_lora_rank=None,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        topk_method="greedy",
+        max_position_embeddings=256,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    DeepseekV2ForCausalLM(cfg).save_pretrained(out)
+    build_tokenizer(out)
+    return out
+
+
 def write_training_log(out: Path) -> None:
     """A small training_log.json in the format scripts/train_tiny_moe.py writes."""
     log = [

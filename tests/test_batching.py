@@ -82,6 +82,23 @@ def test_greedy_text_is_the_same_alone_or_batched_at_fp32(engines):
     assert batched.batcher.stats.peak_active == 4  # and never more than max_batch
 
 
+def test_an_mla_model_is_batched_with_the_text_it_has_alone(tmp_path):
+    """DeepSeek's MLA attention batches too (each sequence's latent in its range of the KV slab): fp32 greedy
+    text is the same alone or batched, with the sequences really sharing steps."""
+    from _tiny_moe import build_tiny_mla
+
+    path = build_tiny_mla(tmp_path / "tiny-mla")
+    kw = dict(memory_budget="2MB", device="cpu", policy="fate-edge", dtype="float32")
+    with Engine.load(path, max_batch=1, **kw) as alone, Engine.load(path, max_batch=4, **kw) as batched:
+        assert batched.max_batch == 4
+        requests = [(p, _cfg(12 + 4 * i)) for i, p in enumerate(PROMPTS[:5])]
+        expected = [alone.generate(p, c)[0] for p, c in requests]
+        assert _interleaved(batched, requests, lead=1) == expected
+        stats = batched.batcher.stats
+        assert stats.sequences_stepped > 2 * stats.steps and stats.peak_active == 4
+        assert stats.active == 0 and stats.kv_reserved_bytes == 0
+
+
 def test_stop_string_and_a_closed_stream_leave_the_others_untouched(engines):
     alone, batched = engines
     full = alone.generate(PROMPTS[0], _cfg(30))[0]

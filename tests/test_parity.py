@@ -403,6 +403,45 @@ def test_a_prompt_asked_for_its_last_logits_runs_the_last_mlp_on_one_row_and_sti
     assert [rows for _, rows in counter.rows] == [n] * len(model.config.moe_layers)
 
 
+def _alone(model, prompt: list[int], n: int) -> list[torch.Tensor]:
+    """A sequence served by itself: its prompt's last logits, then ``n`` greedy decode steps' logits."""
+    cache = model.new_cache()
+    steps = [model(torch.tensor([prompt]), cache, last_only=True)[0, -1]]
+    for _ in range(n):
+        steps.append(model(torch.tensor([[int(steps[-1].argmax())]]), cache)[0, -1])
+    return steps
+
+
+@pytest.mark.parametrize("built", CASES, ids=CASE_IDS, indirect=True)
+def test_batched_steps_give_each_sequence_its_alone_logits(built: Built):
+    """Continuous batching (``batch_step.forward_segments``) on every architecture, MLA included: two prompts of
+    different lengths in one step, a third prompt joining beside their decode tokens, then decode steps of all
+    three, on caches that are ranges of one KV slab. Every step's logits are each sequence's alone (fp32)."""
+    from fate_edge.model.batch_step import Segment, forward_segments
+    from fate_edge.model.kv_slab import KVSlab
+
+    model = load_model(built.dirs["per_expert"], dtype=torch.float32)
+    full = built.prompt[0].tolist()
+    prompts, n = [full, full[:5], full[3:10]], 6
+    expected = [_alone(model, p, n) for p in prompts]
+    slab = KVSlab(model, 3 * 32)
+    segs = [Segment(p, slab.allocate(32)) for p in prompts[:2]]
+    got: list[list[torch.Tensor]] = [[], [], []]
+    for step in range(n + 2):
+        live = [j for j in range(len(segs)) if len(got[j]) <= n]
+        for j, row in zip(live, forward_segments(model, [segs[j] for j in live])):
+            got[j].append(row)
+            segs[j].ids = [int(row.argmax())]
+        if step == 0:  # the third joins: its whole prompt in the step of the others' first decode tokens
+            segs.append(Segment(prompts[2], slab.allocate(32)))
+    for j, (ours, alone) in enumerate(zip(got, expected)):
+        assert len(ours) == n + 1
+        diff = max(max_diff(a, b) for a, b in zip(ours, alone))
+        assert diff <= FP32_ATOL, f"sequence {j}: batched logits differ from alone by {diff:.3g}"
+        assert [int(a.argmax()) for a in ours] == [int(b.argmax()) for b in alone]
+        assert segs[j].cache.length == len(prompts[j]) + n
+
+
 # Each variant must change the output when switched off in the runtime: otherwise the parity test above would
 # pass whether or not the runtime implements it.
 def _set(**changes):

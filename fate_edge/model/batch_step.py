@@ -14,7 +14,8 @@ attend with one masked attention per layer over their ranges gathered side by si
 sequence over views of the slab (a gather would copy more than the per-sequence calls cost). Prompt chunks attend
 per sequence.
 
-MLA attention (DeepSeek) keeps its latent per sequence in a way this step does not slice: :func:`supported`.
+MLA attention (DeepSeek) projects every row at once too; each sequence then caches its latent and attends over its
+own cache (:func:`_mla_attention`), as it would alone: its keys and values are expanded from the latent per sequence.
 """
 
 from __future__ import annotations
@@ -44,19 +45,9 @@ class Segment:
     cache: KVCache
 
 
-def supported(model: MoETransformer) -> str | None:
-    """None when ``model`` can run batched steps, else why not."""
-    if model.config.mla is not None:
-        return "MLA attention (its latent cache is not sliced per sequence)"
-    return None
-
-
 @torch.inference_mode()
 def forward_segments(model: MoETransformer, segments: list[Segment]) -> torch.Tensor:
     """Every segment's rows in one pass → logits [S, V] of each segment's last position."""
-    why = supported(model)
-    if why is not None:
-        raise NotImplementedError(f"batched steps do not support {why}")
     if not segments or any(not s.ids for s in segments):
         raise ValueError("a batched step needs at least one segment and one id per segment")
     if len(segments) == 1 and len(segments[0].ids) == 1:  # one decode token: the single-sequence decode step
@@ -77,7 +68,7 @@ def forward_segments(model: MoETransformer, segments: list[Segment]) -> torch.Te
     parts = [model.rope.cos_sin_range(p, n, rope_dtype, dev) for p, n in zip(starts, lengths)]
     cos = torch.cat([c for c, _ in parts]) if len(parts) > 1 else parts[0][0]
     sin = torch.cat([s for _, s in parts]) if len(parts) > 1 else parts[0][1]
-    decode = _SlabDecode.of(segments, bounds, starts, dev)
+    decode = _SlabDecode.of(segments, bounds, starts, dev) if cfg.mla is None else None
     model.experts.begin_forward(max(lengths), sequences=len(segments))
     model.residual = None
     prune = rows > len(segments) and not any(getattr(o, "needs_every_token", True) for o in model.observers)
@@ -202,6 +193,8 @@ def _attention(
 ) -> torch.Tensor:
     """q, k, v for all rows in one projection; each segment's keys into its cache and its queries over them (a
     slab's decode rows all at once) → the attention's output before its projection [N, heads * head_dim]."""
+    if model.config.mla is not None:
+        return _mla_attention(model, h, segments, bounds, starts, layer, cos, sin, lp)
     q, k, v = model.gqa_qkv(h, 1, h.shape[0], cos, sin, lp)  # [1, heads, N, hd]
     cfg = model.config
     scale = cfg.head_dim**-0.5
@@ -228,6 +221,28 @@ def _attention(
     return out
 
 
+def _mla_attention(
+    model: MoETransformer,
+    h: torch.Tensor,
+    segments: list[Segment],
+    bounds: list[tuple[int, int]],
+    starts: list[int],
+    layer: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    lp: LayerPlan,
+) -> torch.Tensor:
+    """MLA: q and the latent for all rows in one projection; each segment's latent into its cache and its queries
+    over the keys and values expanded from it → [N, heads * v_head_dim]."""
+    q, latent, rope_key = model.mla_qkv(h, 1, h.shape[0], cos, sin, layer, lp)
+    outs = []
+    for seg, (a, b), start in zip(segments, bounds, starts):
+        cache = seg.cache
+        held = cache.layers[layer].append(latent[:, :, a:b], rope_key[:, :, a:b], capacity_hint=cache.capacity_hint)
+        outs.append(model.mla_attend(q[:, :, a:b], *held, start, layer, lp))
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
 def _slab_attention(
     model: MoETransformer,
     q: torch.Tensor,
@@ -243,7 +258,7 @@ def _slab_attention(
     first = segments[d.segs[0]].cache
     assert isinstance(first, SlabCache)  # _SlabDecode.of took only slab caches
     slab = first.slab
-    ks, vs = slab.keys[layer], slab.values[layer]
+    ks, vs = slab.buffers[layer]
     if d.every_row:
         qd, kd, vd = q, k[0], v[0]
     else:

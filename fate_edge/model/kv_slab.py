@@ -4,7 +4,8 @@ Each sequence still has its own :class:`~fate_edge.model.kv_cache.KVCache`: its 
 contiguous range of the slab (its prompt plus answer, reserved at admission), appended to as any cache is. Because
 every range lives in the same [1, kv heads, positions, d] tensor, one step's decode tokens write their keys and
 values with one ``index_copy_`` and attend with one masked ``scaled_dot_product_attention`` per layer
-(``batch_step``), instead of an append and an attention per sequence.
+(``batch_step``), instead of an append and an attention per sequence. An MLA model's slab holds its latent and
+rope key the same way (its sequences append and attend one by one).
 
 The slab is the batch's KV budget: a range that does not fit waits for one to be released. It starts zeroed and
 ranges are never left holding NaN, so masked-out keys weigh exactly zero.
@@ -26,10 +27,10 @@ class SlabCache(KVCache):
     """A sequence's KV cache held in ``slab`` at positions [offset, offset + capacity)."""
 
     def __init__(self, slab: KVSlab, offset: int, capacity: int):
-        super().__init__(len(slab.keys), capacity_hint=capacity)
+        super().__init__(len(slab.buffers), capacity_hint=capacity)
         self.slab, self.offset, self.capacity = slab, offset, capacity
-        for layer, k, v in zip(self.layers, slab.keys, slab.values):
-            layer.buffers = [k[:, :, offset : offset + capacity], v[:, :, offset : offset + capacity]]
+        for layer, held in zip(self.layers, slab.buffers):
+            layer.buffers = [b[:, :, offset : offset + capacity] for b in held]
 
 
 class KVSlab:
@@ -37,19 +38,23 @@ class KVSlab:
 
     def __init__(self, model: MoETransformer, positions: int):
         cfg = model.config
-        if cfg.mla is not None:
-            raise NotImplementedError("a KV slab holds per-head keys and values, not MLA's latent")
         if positions < 1:
             raise ValueError(f"a KV slab needs at least one position, got {positions}")
         self.positions = positions
-        shape = (1, cfg.num_key_value_heads, positions, cfg.head_dim)
-        self.keys = [torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in range(cfg.num_hidden_layers)]
-        self.values = [torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in range(cfg.num_hidden_layers)]
+        if cfg.mla is None:  # keys and values [1, kv heads, positions, head dim]
+            shapes = [(1, cfg.num_key_value_heads, positions, cfg.head_dim)] * 2
+        else:  # MLA's cache: the latent and the rope key, one "head" each
+            shapes = [(1, 1, positions, cfg.mla.kv_lora_rank), (1, 1, positions, cfg.mla.qk_rope_head_dim)]
+        # per layer, what a LayerCache holds (kv_cache.LayerCache.buffers): keys and values, or MLA's pair
+        self.buffers = [
+            [torch.zeros(shape, dtype=model.dtype, device=model.device) for shape in shapes]
+            for _ in range(cfg.num_hidden_layers)
+        ]
         self._free: list[tuple[int, int]] = [(0, positions)]  # (start, length), by start
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        return sum(t.numel() * t.element_size() for held in self.buffers for t in held)
 
     @property
     def free_positions(self) -> int:
@@ -71,9 +76,9 @@ class KVSlab:
     def release(self, cache: SlabCache) -> None:
         """Give ``cache``'s range back (zeroed, so stale keys never reach a later sequence), merging neighbours."""
         a, n = cache.offset, cache.capacity
-        for k, v in zip(self.keys, self.values):
-            k[:, :, a : a + n].zero_()
-            v[:, :, a : a + n].zero_()
+        for held in self.buffers:
+            for b in held:
+                b[:, :, a : a + n].zero_()
         for layer in cache.layers:
             layer.buffers, layer.length = [], 0
         merged = sorted([*self._free, (a, n)])

@@ -237,6 +237,14 @@ class MoETransformer:
         return q, k, v
 
     def _mla_attention(self, x, b: int, t: int, start: int, cache, layer: int, cos, sin, lp: LayerPlan):
+        q, kv_lat, k_rot = self.mla_qkv(x, b, t, cos, sin, layer, lp)
+        # The cache keeps the compressed latent (kv_lora_rank + rope dims per token), not per-head keys.
+        kv_lat, k_rot = cache.layers[layer].append(kv_lat, k_rot, capacity_hint=cache.capacity_hint)
+        return self.mla_attend(q, kv_lat, k_rot, start, layer, lp)  # before o_proj, as _gqa_attention
+
+    def mla_qkv(self, x, b: int, t: int, cos, sin, layer: int, lp: LayerPlan):
+        """Normed ``x`` [B*T, H] → q [B, heads, T, nope + rope] (rotated), and what MLA caches: the normed latent
+        [B, 1, T, kv_lora_rank] and the rotated rope key [B, 1, T, rope dims]."""
         cfg, m, p = self.config, self.config.mla, self.names[layer].attn
         assert m is not None
         x = x.view(b, t, -1)
@@ -253,15 +261,19 @@ class MoETransformer:
         k_rot = k_rot.view(b, 1, t, m.qk_rope_head_dim)
         q_rot = apply_rope(q_rot, cos, sin, cfg.rope.interleaved)
         k_rot = apply_rope(k_rot, cos, sin, cfg.rope.interleaved)
-        # The cache keeps the compressed latent (kv_lora_rank + rope dims per token), not per-head keys.
-        kv_lat, k_rot = cache.layers[layer].append(kv_lat, k_rot, capacity_hint=cache.capacity_hint)
-        s = kv_lat.shape[2]
+        return torch.cat([q_nope, q_rot], dim=-1), kv_lat, k_rot
+
+    def mla_attend(self, q, kv_lat, k_rot, start: int, layer: int, lp: LayerPlan) -> torch.Tensor:
+        """q [B, heads, T, nope + rope] over a cache's latent [B, 1, S, r] and rope keys [B, 1, S, rope]
+        (S includes the cache) → [B*T, heads * v_head_dim]."""
+        cfg, m = self.config, self.config.mla
+        assert m is not None
+        b, s = kv_lat.shape[0], kv_lat.shape[2]
         kv = apply_linear(kv_lat, lp.mla["kv_b_proj"]).view(b, s, -1, m.qk_nope_head_dim + m.v_head_dim).transpose(1, 2)
         k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
-        q = torch.cat([q_nope, q_rot], dim=-1)
-        scale = qk_head**-0.5 * yarn_softmax_scale(cfg.rope)
-        return self._attend(q, k, v, start, layer, scale)  # before o_proj, as _gqa_attention
+        scale = (m.qk_nope_head_dim + m.qk_rope_head_dim) ** -0.5 * yarn_softmax_scale(cfg.rope)
+        return self._attend(q, k, v, start, layer, scale)
 
     # --------------------------------------------------------------------- MoE
     def route(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -205,13 +205,11 @@ class Engine:
 
     def _make_batcher(self, max_batch: int, context_tokens: int) -> Batcher | None:
         """Continuous batching for ``max_batch`` > 1 (0: :func:`default_max_batch`). Not for a replayed trace
-        (the oracle follows one request's recorded calls) nor a model the batched step does not cover."""
-        from fate_edge.model.batch_step import supported
-
+        (the oracle follows one request's recorded calls)."""
         if max_batch < 0:
             raise FateEdgeError(f"max_batch must be >= 0 (0: the machine's default), got {max_batch}")
         max_batch = max_batch or default_max_batch(self.device)
-        if max_batch == 1 or self.trace is not None or supported(self.model) is not None:
+        if max_batch == 1 or self.trace is not None:
             return None
         per_token = kv_bytes_per_token(self.model.config, self.dtype)
         return Batcher(
