@@ -238,8 +238,8 @@ def _mla_attention(
     outs = []
     for seg, (a, b), start in zip(segments, bounds, starts):
         cache = seg.cache
-        held = cache.layers[layer].append(latent[:, :, a:b], rope_key[:, :, a:b], capacity_hint=cache.capacity_hint)
-        outs.append(model.mla_attend(q[:, :, a:b], *held, start, layer, lp))
+        lat, rot = cache.layers[layer].append(latent[:, :, a:b], rope_key[:, :, a:b], capacity_hint=cache.capacity_hint)
+        outs.append(model.mla_attend(q[:, :, a:b], lat, rot, start, layer, lp))
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
