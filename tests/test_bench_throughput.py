@@ -5,8 +5,9 @@ import json
 import pytest
 import torch
 
-from fate_edge.bench.throughput import ThroughputConfig, percentile, run
+from fate_edge.bench.throughput import run
 from fate_edge.bench.throughput_report import publish_table
+from fate_edge.bench.throughput_rounds import ThroughputConfig, percentile
 
 
 def test_percentile_picks_ranks():
@@ -44,3 +45,50 @@ def test_throughput_run_serves_the_same_requests_both_ways(tmp_path):
         publish.RESULTS_DIR = old
     assert text.count("\n| tiny |") == 1 and "load avg" in text
     assert "batching:begin" in (tmp_path / "batching.md").read_text()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_emulated_throughput_dilates_each_mode_by_its_own_step(tmp_path):
+    """``--emulate``: each mode's k is its host step over its roofline step (a batched step reads the resident
+    weights once and its measured union of experts), its link is the device's dilated by that k, and its figures
+    are the raw ones x k (latencies / k). The emulated table reads the JSON; the host table leaves it out."""
+    from fate_edge.devices.emulate import device_roofline
+    from fate_edge.devices.profile import load_profile
+
+    from fate_edge.bench.throughput_emulated import run_emulated
+    from fate_edge.bench.throughput_report import publish_emulated_table
+
+    before = torch.get_num_threads()
+    try:
+        out = run_emulated(ThroughputConfig(concurrency=3, max_tokens=4, rounds=1, threads=1, emulate="orin-nano"))
+    finally:
+        torch.set_num_threads(before)
+    em = out["emulation"]
+    roof = device_roofline(load_profile(em["profile"]))
+    link = em["device_link"]
+    alone, batched = em["alone"], em["batched"]
+    assert alone["rows"] == 1 and alone["union_per_layer"] == 2  # the bundled model routes top-2
+    assert 2 < batched["union_per_layer"] <= 6 and batched["rows"] == 3  # 3 rows: more experts, at most 3 x 2
+    assert batched["device_bytes"] > alone["device_bytes"] and batched["device_flops"] == 3 * alone["device_flops"]
+    for mode, name in ((alone, "alone"), (batched, "batched")):
+        assert mode["device_step_s"] == pytest.approx(roof.time_s(mode["device_bytes"], mode["device_flops"]))
+        assert mode["k"] == pytest.approx(mode["host_step_s"] / mode["device_step_s"])
+        dilated = em[f"emulated_link_{name}"]
+        assert dilated["bandwidth_bytes_per_s"] == pytest.approx(link["bandwidth_bytes_per_s"] / mode["k"])
+        raw, dev = out["raw"][name], out[name]
+        assert dev["tok_s"] == pytest.approx(raw["tok_s"] * mode["k"])
+        assert dev["token_p50_s"] == pytest.approx(raw["token_p50_s"] / mode["k"])
+        assert dev["bytes_per_token"] == raw["bytes_per_token"] and dev["tokens"] == 3 * 4
+    assert out["ratios"]["tok_s_batched_over_alone"] == pytest.approx(out["batched"]["tok_s"] / out["alone"]["tok_s"])
+    (tmp_path / "batching-emulated-tiny.json").write_text(json.dumps(out))
+    import fate_edge.bench.publish as publish
+
+    old = publish.RESULTS_DIR
+    publish.RESULTS_DIR = tmp_path
+    try:
+        text = publish_emulated_table(tmp_path)
+        host_table = publish_table(tmp_path)
+    finally:
+        publish.RESULTS_DIR = old
+    assert text.count("\n| tiny | jetson-orin-nano-8gb | 3 |") == 1 and "Device-equivalent" in text
+    assert "emulated-tiny" not in host_table

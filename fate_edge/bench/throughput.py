@@ -4,7 +4,8 @@
         --out docs/results/batching-NAME.json --publish
 
 ``--publish`` rewrites the table in docs/results/batching.md from every docs/results/batching-*.json run
-(``throughput_report``).
+(``throughput_report``). ``--emulate DEVICE`` serves them on an emulated device (``throughput_emulated``; its runs go
+to docs/results/batching-emulated-NAME.json and docs/results/batching-emulated.md).
 
 Both engines are loaded in one process with the same store, budget and policy: ``alone`` (max_batch 1, the
 single-sequence decode path) serves the requests one after another; ``batched`` (max_batch N) gets them from N
@@ -17,120 +18,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
-import threading
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
-import torch
-
-from fate_edge.bench.host import cpu_model, load_average
-
-PROMPTS = [
-    "def main():",
-    "import os\nimport sys\n",
-    "class Point:\n    def __init__(self, x",
-    "x = ",
-    "# read the file line by line\n",
-    "for i in range(10):",
-    "def parse(line):",
-    "from typing import",
-    "if __name__ ==",
-    "while True:",
-    "return [x for",
-    "with open(path) as f:",
-    "try:\n    import",
-    "print(",
-    "async def fetch(",
-    "@dataclass\nclass Config:",
-]
-
-
-@dataclass
-class ThroughputConfig:
-    model: str | None = None  # expert store or model directory (None: the bundled model)
-    budget_fraction: float = 0.35  # of every expert at the streamed precision
-    concurrency: int = 8
-    max_tokens: int = 32
-    rounds: int = 3
-    threads: int = 2
-    policy: str = "fate-edge"
-    dtype: str = "float32"
-    resident_bits: int | None = None  # 4 or 8: attention, shared experts and lm_head quantized at load
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    v = sorted(values)
-    return v[min(len(v) - 1, max(0, round(q * (len(v) - 1))))]
-
-
-def _serve(engine, prompt: str, max_tokens: int, t_submit: float, record: dict) -> None:
-    from fate_edge.runtime.generate import GenerateConfig
-
-    times = []
-    for _ in engine.stream(prompt, GenerateConfig(max_tokens=max_tokens, ignore_eos=True)):
-        times.append(time.perf_counter())
-    record["ttft"] = times[0] - t_submit
-    record["gaps"] = [b - a for a, b in zip(times, times[1:])]
-    record["tokens"] = len(times)
-
-
-def run_round(engine, prompts: list[str], max_tokens: int, concurrent: bool) -> dict:
-    """One round: every prompt served (at once, or one after another); the round's figures."""
-    s0 = engine.stats.snapshot()
-    records = [{} for _ in prompts]
-    t0 = time.perf_counter()
-    if concurrent:
-        threads = [
-            threading.Thread(target=_serve, args=(engine, p, max_tokens, t0, r)) for p, r in zip(prompts, records)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    else:
-        for p, r in zip(prompts, records):
-            _serve(engine, p, max_tokens, t0, r)  # a request's TTFT includes waiting for the ones before it
-    wall = time.perf_counter() - t0
-    s = engine.stats.minus(s0)
-    tokens = sum(r["tokens"] for r in records)
-    gaps = [g for r in records for g in r["gaps"]]
-    ttft = [r["ttft"] for r in records]
-    read = s.demand_bytes + s.prefetch_bytes + s.wasted_bytes
-    return {
-        "wall_s": wall,
-        "tokens": tokens,
-        "tok_s": tokens / wall,
-        "ttft_p50_s": percentile(ttft, 0.5),
-        "ttft_p90_s": percentile(ttft, 0.9),
-        "token_p50_s": percentile(gaps, 0.5),
-        "token_p90_s": percentile(gaps, 0.9),
-        "token_p99_s": percentile(gaps, 0.99),
-        "bytes_per_token": read / max(1, tokens),
-        "hit_rate": s.hit_rate,
-    }
-
-
-def _median(rounds: list[dict]) -> dict:
-    return {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+from fate_edge.bench.throughput_rounds import (
+    PROMPTS,
+    ThroughputConfig,
+    engine_store,
+    host_note,
+    median_rounds,
+    run_round,
+    serve_both,
+)
+from fate_edge.planning.device_costs import emulated_device
 
 
 def engines(cfg: ThroughputConfig, max_batch: int):
     """(store, budget, the one-at-a-time engine, the batching engine) for ``cfg``."""
-    from fate_edge.bundled import bundled_model_dir
-    from fate_edge.format.converted_stores import ensure_store
-    from fate_edge.format.store import ExpertStore
     from fate_edge.runtime.engine import Engine
 
-    torch.set_num_threads(cfg.threads)
-    store = ensure_store(cfg.model or bundled_model_dir(), progress=False)
-    s = ExpertStore(store)
-    budget = int(cfg.budget_fraction * s.expert_bytes(4) * len(s.index["moe_layers"]) * s.index["num_experts"])
+    store, budget = engine_store(cfg)
     kw = dict(policy=cfg.policy, dtype=cfg.dtype, device="cpu", resident_bits=cfg.resident_bits)
     return store, budget, Engine(store, budget, max_batch=1, **kw), Engine(store, budget, max_batch=max_batch, **kw)
 
@@ -139,25 +47,16 @@ def run(cfg: ThroughputConfig) -> dict:
     store, budget, alone, batched = engines(cfg, cfg.concurrency)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(cfg.concurrency)]
     try:
-        run_round(alone, prompts[:2], 4, False)  # warm both: first-call allocations, kernels chosen
-        run_round(batched, prompts[:2], 4, True)
-        single = [run_round(alone, prompts[:1], cfg.max_tokens, False) for _ in range(cfg.rounds)]
-        results: dict[str, list[dict]] = {"alone": [], "batched": []}
-        for r in range(cfg.rounds):
-            order = [("alone", alone, False), ("batched", batched, True)]
-            for name, engine, conc in order if r % 2 == 0 else order[::-1]:
-                results[name].append(run_round(engine, prompts, cfg.max_tokens, conc))
-        b = batched.batcher.stats
-        mean_batch = b.sequences_stepped / b.steps if b.steps else 0.0
+        served = serve_both(alone, batched, prompts, cfg)
     finally:
         alone.close()
         batched.close()
     out = {
-        "alone": _median(results["alone"]),
-        "batched": _median(results["batched"]),
-        "single_request": _median(single),
-        "rounds": results,
-        "mean_batch": mean_batch,
+        "alone": median_rounds(served.rounds["alone"]),
+        "batched": median_rounds(served.rounds["batched"]),
+        "single_request": median_rounds(served.single),
+        "rounds": served.rounds,
+        "mean_batch": served.mean_batch,
     }
     a, bt, one = out["alone"], out["batched"], out["single_request"]
     out["ratios"] = {
@@ -189,7 +88,7 @@ def sweep(cfg: ThroughputConfig, batches: tuple[int, ...] = (1, 2, 4, 8)) -> dic
         step_s = statistics.median(r["token_p50_s"] for r in single)
         costs = step_costs(alone, step_s, alone.token_stats, measure_peak_flops())
         chosen, preds = choose_batch(costs, max(batches))
-        measured = {b: _median(rounds[b]) for b in batches}
+        measured = {b: median_rounds(rounds[b]) for b in batches}
     finally:
         alone.close()
         batched.close()
@@ -219,17 +118,6 @@ def sweep(cfg: ThroughputConfig, batches: tuple[int, ...] = (1, 2, 4, 8)) -> dic
     }
 
 
-def host_note() -> dict:
-    cpu = cpu_model() or platform.processor() or ""
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "load_average": load_average(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     d = ThroughputConfig()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -249,6 +137,14 @@ def main(argv: list[str] | None = None) -> int:
         help="quantize the resident linears (on a CPU without native bf16, a dense bf16 GEMM of 8 rows "
         "costs 8 of one row: the int4 kernel's does not)",
     )
+    ap.add_argument(
+        "--emulate",
+        type=emulated_device,
+        default=None,
+        metavar="DEVICE",
+        help="device-faithful emulation (orin-nano, orin-nx, agx-orin, or a profile): each mode's link dilated by "
+        "its own host/device ratio, figures device-equivalent (bench.throughput_emulated)",
+    )
     ap.add_argument("--out", type=Path, required=True, help="JSON file to write")
     ap.add_argument("--publish", action="store_true", help="rewrite docs/results/batching.md from every run's JSON")
     ap.add_argument(
@@ -260,8 +156,19 @@ def main(argv: list[str] | None = None) -> int:
     if a.concurrency < 1 or a.rounds < 1 or not 0 < a.budget_fraction <= 1:
         ap.error("--concurrency and --rounds must be >= 1 and --budget-fraction in (0, 1]")
     cfg = ThroughputConfig(
-        a.model, a.budget_fraction, a.concurrency, a.max_tokens, a.rounds, a.threads, a.policy, a.dtype, a.resident_bits
+        a.model,
+        a.budget_fraction,
+        a.concurrency,
+        a.max_tokens,
+        a.rounds,
+        a.threads,
+        a.policy,
+        a.dtype,
+        a.resident_bits,
+        a.emulate,
     )
+    if a.sweep and a.emulate:
+        ap.error("--sweep runs on this host's timeline; leave out --emulate")
     if a.sweep:
         out = sweep(cfg)
         a.out.parent.mkdir(parents=True, exist_ok=True)
@@ -278,7 +185,12 @@ def main(argv: list[str] | None = None) -> int:
 
             print(publish_sweep_table(a.out.parent))
         return 0
-    out = run(cfg)
+    if a.emulate:
+        from fate_edge.bench.throughput_emulated import run_emulated
+
+        out = run_emulated(cfg)
+    else:
+        out = run(cfg)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=1) + "\n")
     r = out["ratios"]
@@ -287,7 +199,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{r['token_p50_batched_over_single']:.2f}x, bytes/token alone/batched "
         f"{r['bytes_per_token_alone_over_batched']:.2f}x; load {out['host']['load_average']}"
     )
-    if a.publish:
+    if a.publish and a.emulate:
+        from fate_edge.bench.throughput_report import publish_emulated_table
+
+        print(publish_emulated_table(a.out.parent))
+    elif a.publish:
         from fate_edge.bench.throughput_report import publish_table
 
         print(publish_table(a.out.parent))

@@ -1,6 +1,7 @@
 """The throughput mode's tables (``python -m fate_edge.bench.throughput --publish``): its runs side by side in
-docs/results/batching.md, and its ``--sweep`` runs (the batch-size roofline beside measurement) in
-docs/results/batching-sweep.md, each rebuilt from every run's JSON in docs/results."""
+docs/results/batching.md, its ``--emulate`` runs in docs/results/batching-emulated.md, and its ``--sweep`` runs (the
+batch-size roofline beside measurement) in docs/results/batching-sweep.md, each rebuilt from every run's JSON in
+docs/results."""
 
 from __future__ import annotations
 
@@ -32,14 +33,18 @@ def table(runs: dict[str, dict]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     rows = [table_row(n, r) for n, r in sorted(runs.items())]
+    return "\n".join([head, *rows]) + "\n\n" + _how(runs, "CPU")
+
+
+def _how(runs: dict[str, dict], host: str) -> str:
+    """The table's footnote: the hosts, threads and rounds of its runs."""
     cpus = sorted({r["host"]["cpu"] for r in runs.values()})
     threads = sorted({r["host"]["torch_threads"] for r in runs.values()})
-    note = (
-        f"\n\nCPU: {', '.join(cpus)}; torch threads {', '.join(map(str, threads))}; medians of "
+    return (
+        f"{host}: {', '.join(cpus)}; torch threads {', '.join(map(str, threads))}; medians of "
         f"{', '.join(sorted({str(r['config']['rounds']) for r in runs.values()}))} interleaved rounds; load "
         "average: the 1-minute figure when the run ended (a shared host)."
     )
-    return "\n".join([head, *rows]) + note
 
 
 def publish_table(results_dir: Path = Path("docs/results")) -> str:
@@ -48,10 +53,53 @@ def publish_table(results_dir: Path = Path("docs/results")) -> str:
     runs = {
         p.stem.removeprefix("batching-"): json.loads(p.read_text())
         for p in sorted(results_dir.glob("batching-*.json"))
-        if "alone" in json.loads(p.read_text())
+        if "alone" in (r := json.loads(p.read_text())) and "emulation" not in r
     }
     text = table(runs)
     replace_between_markers(results_file("batching"), "batching", text)
+    return text
+
+
+def emulated_row(name: str, r: dict) -> str:
+    a, b, one, x, em = r["alone"], r["batched"], r["single_request"], r["ratios"], r["emulation"]
+    c, raw = r["config"], r["raw"]
+
+    def stall(mode: dict) -> str:
+        return f"{mode['stall_s_per_token'] * mode['tokens'] / mode['wall_s']:.0%}"
+
+    return (
+        f"| {name} | {em['profile']} | {c['concurrency']} | {c['budget_fraction']:.0%} | "
+        f"{em['alone']['k']:.3g} / {em['batched']['k']:.3g} | {a['tok_s']:.0f} | {b['tok_s']:.0f} | "
+        f"**{x['tok_s_batched_over_alone']:.2f}x** | {1e3 * one['token_p50_s']:.2f} | {1e3 * b['token_p50_s']:.2f} | "
+        f"**{x['token_p50_batched_over_single']:.2f}x** | {a['bytes_per_token'] / 1e3:.0f} / "
+        f"{b['bytes_per_token'] / 1e3:.0f} | **{x['bytes_per_token_alone_over_batched']:.2f}x** | "
+        f"{em['batched']['union_per_layer']:.1f} | {stall(raw['alone'])} / {stall(raw['batched'])} | "
+        f"{r['mean_batch']:.1f} | {r['host']['load_average'][0]:.1f} |"
+    )
+
+
+def emulated_table(runs: dict[str, dict]) -> str:
+    """The side-by-side table of ``--emulate`` runs (name → JSON of ``throughput_emulated.run_emulated``)."""
+    head = (
+        "| model | device | N | budget | k alone / batched | alone tok/s | batched tok/s | ratio | single-request "
+        "p50 ms/token | batched p50 ms/token | p50 ratio | expert KB read per token alone / batched | bytes ratio | "
+        "experts a batched layer computes | stall share alone / batched | mean batch | load avg |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    )
+    rows = [emulated_row(n, r) for n, r in sorted(runs.items())]
+    lead = "Device-equivalent figures (raw x k, latencies / k; each mode with its own k). "
+    return "\n".join([head, *rows]) + "\n\n" + lead + _how(runs, "Host")
+
+
+def publish_emulated_table(results_dir: Path = Path("docs/results")) -> str:
+    from fate_edge.bench.publish import replace_between_markers, results_file
+
+    runs = {
+        p.stem.removeprefix("batching-emulated-"): json.loads(p.read_text())
+        for p in sorted(results_dir.glob("batching-emulated-*.json"))
+    }
+    text = emulated_table(runs)
+    replace_between_markers(results_file("batching-emulated"), "batching-emulated", text)
     return text
 
 

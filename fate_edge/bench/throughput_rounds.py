@@ -1,0 +1,155 @@
+"""The throughput mode's pieces shared by its host and emulated runs: the requests, the configuration, one round
+of serving them (at once or one after another) and its figures, the store and budget, and the host's note."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fate_edge.bench.host import cpu_model, load_average
+
+PROMPTS = [
+    "def main():",
+    "import os\nimport sys\n",
+    "class Point:\n    def __init__(self, x",
+    "x = ",
+    "# read the file line by line\n",
+    "for i in range(10):",
+    "def parse(line):",
+    "from typing import",
+    "if __name__ ==",
+    "while True:",
+    "return [x for",
+    "with open(path) as f:",
+    "try:\n    import",
+    "print(",
+    "async def fetch(",
+    "@dataclass\nclass Config:",
+]
+
+
+@dataclass
+class ThroughputConfig:
+    model: str | None = None  # expert store or model directory (None: the bundled model)
+    budget_fraction: float = 0.35  # of every expert at the streamed precision
+    concurrency: int = 8
+    max_tokens: int = 32
+    rounds: int = 3
+    threads: int = 2
+    policy: str = "fate-edge"
+    dtype: str = "float32"
+    resident_bits: int | None = None  # 4 or 8: attention, shared experts and lm_head quantized at load
+    emulate: str | None = None  # a device (orin-nano, ...): device-faithful emulation (bench.throughput_emulated)
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    v = sorted(values)
+    return v[min(len(v) - 1, max(0, round(q * (len(v) - 1))))]
+
+
+def _serve(engine, prompt: str, max_tokens: int, t_submit: float, record: dict) -> None:
+    from fate_edge.runtime.generate import GenerateConfig
+
+    times = []
+    for _ in engine.stream(prompt, GenerateConfig(max_tokens=max_tokens, ignore_eos=True)):
+        times.append(time.perf_counter())
+    record["ttft"] = times[0] - t_submit
+    record["gaps"] = [b - a for a, b in zip(times, times[1:])]
+    record["tokens"] = len(times)
+
+
+def run_round(engine, prompts: list[str], max_tokens: int, concurrent: bool) -> dict:
+    """One round: every prompt served (at once, or one after another); the round's figures."""
+    s0 = engine.stats.snapshot()
+    records = [{} for _ in prompts]
+    t0 = time.perf_counter()
+    if concurrent:
+        threads = [
+            threading.Thread(target=_serve, args=(engine, p, max_tokens, t0, r)) for p, r in zip(prompts, records)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    else:
+        for p, r in zip(prompts, records):
+            _serve(engine, p, max_tokens, t0, r)  # a request's TTFT includes waiting for the ones before it
+    wall = time.perf_counter() - t0
+    s = engine.stats.minus(s0)
+    tokens = sum(r["tokens"] for r in records)
+    gaps = [g for r in records for g in r["gaps"]]
+    ttft = [r["ttft"] for r in records]
+    read = s.demand_bytes + s.prefetch_bytes + s.wasted_bytes
+    return {
+        "wall_s": wall,
+        "tokens": tokens,
+        "tok_s": tokens / wall,
+        "ttft_p50_s": percentile(ttft, 0.5),
+        "ttft_p90_s": percentile(ttft, 0.9),
+        "token_p50_s": percentile(gaps, 0.5),
+        "token_p90_s": percentile(gaps, 0.9),
+        "token_p99_s": percentile(gaps, 0.99),
+        "bytes_per_token": read / max(1, tokens),
+        "hit_rate": s.hit_rate,
+        "stall_s_per_token": s.stall_s / max(1, tokens),
+    }
+
+
+def median_rounds(rounds: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+
+
+def engine_store(cfg: ThroughputConfig) -> tuple[Path, int]:
+    """(the store of ``cfg.model``, converted once, and the expert budget in bytes), torch's threads set."""
+    from fate_edge.bundled import bundled_model_dir
+    from fate_edge.format.converted_stores import ensure_store
+    from fate_edge.format.store import ExpertStore
+
+    torch.set_num_threads(cfg.threads)
+    store = ensure_store(cfg.model or bundled_model_dir(), progress=False)
+    s = ExpertStore(store)
+    return store, int(cfg.budget_fraction * s.expert_bytes(4) * len(s.index["moe_layers"]) * s.index["num_experts"])
+
+
+def host_note() -> dict:
+    cpu = cpu_model() or platform.processor() or ""
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "load_average": load_average(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+
+
+@dataclass
+class Served:
+    """Both modes' rounds: one request alone (``single``), and the N requests one at a time and batched."""
+
+    single: list[dict]
+    rounds: dict[str, list[dict]]  # "alone", "batched"
+    mean_batch: float  # sequences a batched step carried, on average
+
+
+def serve_both(alone, batched, prompts: list[str], cfg: ThroughputConfig) -> Served:
+    """Warm both engines, time one request alone, then ``cfg.rounds`` rounds of ``prompts`` served one at a time
+    by ``alone`` and at once by ``batched``, alternating which goes first."""
+    run_round(alone, prompts[:2], 4, False)  # warm both: first-call allocations, kernels chosen
+    run_round(batched, prompts[:2], 4, True)
+    single = [run_round(alone, prompts[:1], cfg.max_tokens, False) for _ in range(cfg.rounds)]
+    rounds: dict[str, list[dict]] = {"alone": [], "batched": []}
+    for r in range(cfg.rounds):
+        order = [("alone", alone, False), ("batched", batched, True)]
+        for name, engine, concurrent in order if r % 2 == 0 else order[::-1]:
+            rounds[name].append(run_round(engine, prompts, cfg.max_tokens, concurrent))
+    b = batched.batcher.stats
+    return Served(single, rounds, b.sequences_stepped / b.steps if b.steps else 0.0)
