@@ -5,7 +5,8 @@
 # Then: the GPU tests, logits GPU vs CPU on the bundled model, and the real-shape benchmark (a synthetic
 # Qwen1.5-MoE-A2.7B slice: generate, convert with the defaults, fate-edge resident and at two budgets, fate,
 # load-on-demand-int4, transformers resident and accelerate-offloaded), with torch.profiler's view of where a
-# token's time goes. Writes OUT_DIR/gpu_check.log, parity.json, gpu_bench.json, gpu_bench.md, profile-*.txt.
+# token's time goes; then the throughput mode (8 concurrent requests against one at a time) on the slice.
+# Writes OUT_DIR/gpu_check.log, parity.json, gpu_bench.json, gpu_bench.md, profile-*.txt, throughput.json.
 # Usage: scripts/gpu_check.sh OUT_DIR      (LAYERS=8 PEERS=1 BUDGETS="1GB 0.5GB" to change the benchmark)
 set -uo pipefail
 out="${1:?usage: scripts/gpu_check.sh OUT_DIR}"
@@ -42,5 +43,8 @@ py=python3
   peers=(); [ "${PEERS:-1}" = 1 ] || peers=(--no-peers)
   timeout 300 $py -P scripts/gpu_bench.py --model "$work/model" --store "$work/store" --budgets $budgets \
     "${peers[@]}" --json "$out/gpu_bench.json" --markdown "$out/gpu_bench.md" --profile-dir "$out"
+  echo "== throughput: 8 concurrent requests against one at a time (the slice, 35% budget; issue 38's GPU row)"
+  timeout 150 $py -P -m fate_edge.bench.throughput --device cuda --model "$work/store" --dtype bfloat16 \
+    --concurrency 8 --max-tokens 32 --rounds 3 --out "$out/throughput.json"
   echo "== done"; date -u
 } 2>&1 | tee "$out/gpu_check.log"

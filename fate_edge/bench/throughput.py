@@ -31,6 +31,7 @@ from fate_edge.bench.throughput_rounds import (
     run_round,
     serve_both,
 )
+from fate_edge.command_line import device_name
 from fate_edge.planning.device_costs import emulated_device
 
 
@@ -39,7 +40,7 @@ def engines(cfg: ThroughputConfig, max_batch: int):
     from fate_edge.runtime.engine import Engine
 
     store, budget = engine_store(cfg)
-    kw = dict(policy=cfg.policy, dtype=cfg.dtype, device="cpu", resident_bits=cfg.resident_bits)
+    kw = dict(policy=cfg.policy, dtype=cfg.dtype, device=cfg.device, resident_bits=cfg.resident_bits)
     return store, budget, Engine(store, budget, max_batch=1, **kw), Engine(store, budget, max_batch=max_batch, **kw)
 
 
@@ -65,7 +66,7 @@ def run(cfg: ThroughputConfig) -> dict:
         "bytes_per_token_alone_over_batched": a["bytes_per_token"] / max(1e-9, bt["bytes_per_token"]),
     }
     out["config"] = asdict(cfg) | {"store": str(store), "budget_bytes": budget}
-    out["host"] = host_note()
+    out["host"] = host_note(cfg.device)
     return out
 
 
@@ -114,7 +115,7 @@ def sweep(cfg: ThroughputConfig, batches: tuple[int, ...] = (1, 2, 4, 8)) -> dic
         "chosen_batch": chosen,
         "costs": asdict(costs) | {"experts_per_layer": None, "cached": None},
         "config": asdict(cfg) | {"store": str(store), "budget_bytes": budget},
-        "host": host_note(),
+        "host": host_note(cfg.device),
     }
 
 
@@ -129,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=d.threads)
     ap.add_argument("--policy", default=d.policy)
     ap.add_argument("--dtype", default=d.dtype)
+    ap.add_argument("--device", type=device_name, default=d.device, help="cpu, cuda or cuda:N (not with --emulate)")
     ap.add_argument(
         "--resident-bits",
         type=int,
@@ -165,8 +167,11 @@ def main(argv: list[str] | None = None) -> int:
         a.policy,
         a.dtype,
         a.resident_bits,
+        a.device,
         a.emulate,
     )
+    if a.emulate and a.device != "cpu":
+        ap.error("--emulate runs on this host's CPU; leave out --device")
     if a.sweep and a.emulate:
         ap.error("--sweep runs on this host's timeline; leave out --emulate")
     if a.sweep:

@@ -13,6 +13,8 @@ def table_row(name: str, r: dict) -> str:
     a, b, one, x = r["alone"], r["batched"], r["single_request"], r["ratios"]
     c, h = r["config"], r["host"]
     dtype = c["dtype"] + (f", int{c['resident_bits']} resident" if c.get("resident_bits") else "")
+    if "gpu" in h:  # a CUDA run (the GPU check's): the row names its GPU
+        dtype += f", {h['gpu']}"
     return (
         f"| {name} | {c['concurrency']} | {dtype} | {c['budget_fraction']:.0%} | {a['tok_s']:.1f} | "
         f"{b['tok_s']:.1f} | **{x['tok_s_batched_over_alone']:.2f}x** | {1e3 * one['token_p50_s']:.1f} | "

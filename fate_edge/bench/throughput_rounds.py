@@ -46,6 +46,7 @@ class ThroughputConfig:
     policy: str = "fate-edge"
     dtype: str = "float32"
     resident_bits: int | None = None  # 4 or 8: attention, shared experts and lm_head quantized at load
+    device: str = "cpu"  # cpu, cuda or cuda:N (the GPU check runs it on cuda)
     emulate: str | None = None  # a device (orin-nano, ...): device-faithful emulation (bench.throughput_emulated)
 
 
@@ -120,15 +121,19 @@ def engine_store(cfg: ThroughputConfig) -> tuple[Path, int]:
     return store, int(cfg.budget_fraction * s.expert_bytes(4) * len(s.index["moe_layers"]) * s.index["num_experts"])
 
 
-def host_note() -> dict:
+def host_note(device: str = "cpu") -> dict:
+    """The machine a run was measured on: CPU, cores, load, torch threads and version, and the GPU on a CUDA run."""
     cpu = cpu_model() or platform.processor() or ""
-    return {
+    note = {
         "cpu": cpu,
         "cores": os.cpu_count(),
         "load_average": load_average(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }
+    if device.startswith("cuda"):
+        note["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return note
 
 
 @dataclass
