@@ -234,12 +234,12 @@ def _mla_attention(
 ) -> torch.Tensor:
     """MLA: q and the latent for all rows in one projection; each segment's latent into its cache and its queries
     over the keys and values expanded from it → [N, heads * v_head_dim]."""
-    q, latent, rope_key = model.mla_qkv(h, 1, h.shape[0], cos, sin, layer, lp)
+    q, latent = model.mla_qkv(h, 1, h.shape[0], cos, sin, layer, lp)
     outs = []
     for seg, (a, b), start in zip(segments, bounds, starts):
         cache = seg.cache
-        lat, rot = cache.layers[layer].append(latent[:, :, a:b], rope_key[:, :, a:b], capacity_hint=cache.capacity_hint)
-        outs.append(model.mla_attend(q[:, :, a:b], lat, rot, start, layer, lp))
+        (held,) = cache.layers[layer].append(latent[:, :, a:b], capacity_hint=cache.capacity_hint)
+        outs.append(model.mla_attend(q[:, :, a:b], held, start, layer, lp))
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 

@@ -43,9 +43,9 @@ class KVSlab:
         self.positions = positions
         if cfg.mla is None:  # keys and values [1, kv heads, positions, head dim]
             shapes = [(1, cfg.num_key_value_heads, positions, cfg.head_dim)] * 2
-        else:  # MLA's cache: the latent and the rope key, one "head" each
-            shapes = [(1, 1, positions, cfg.mla.kv_lora_rank), (1, 1, positions, cfg.mla.qk_rope_head_dim)]
-        # per layer, what a LayerCache holds (kv_cache.LayerCache.buffers): keys and values, or MLA's pair
+        else:  # MLA's cache: the latent and the rope key side by side, one "head"
+            shapes = [(1, 1, positions, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim)]
+        # per layer, what a LayerCache holds (kv_cache.LayerCache.buffers): keys and values, or MLA's latent
         self.buffers = [
             [torch.zeros(shape, dtype=model.dtype, device=model.device) for shape in shapes]
             for _ in range(cfg.num_hidden_layers)

@@ -224,9 +224,14 @@ def build_head(w: Weights, embed: torch.Tensor | QuantizedEmbedding) -> Fused:
 
 def resident_groups(config: ModelConfig, layer_names: list, names: Any) -> list[list[str]]:
     """The linears :func:`quantize_group` quantizes with ``resident_bits``, one list per fused matrix: lm_head
-    first (``names``: the resident weight names; lm_head only where it is one of them), then every layer's groups."""
+    first (``names``: the resident weight names; lm_head only where it is one of them), then every layer's groups.
+
+    MLA's ``kv_b_proj`` stays in the model's dtype: decode multiplies by its per-head blocks from the other side
+    (the absorbed form, ``MoETransformer.mla_attend``), which no quantized kernel does, and expanding the cache through
+    it instead costs the whole matrix at every cached position, every token."""
     head = [["lm_head"]] if "lm_head.weight" in names else []
-    return head + [g for i, n in enumerate(layer_names) for g in layer_groups(config, i, n).values()]
+    layers = [g for i, n in enumerate(layer_names) for g in layer_groups(config, i, n).values()]
+    return head + [g for g in layers if not g[0].endswith(".kv_b_proj")]
 
 
 def quantize_group(w: Weights, names: list[str], bits: int) -> None:

@@ -237,14 +237,15 @@ class MoETransformer:
         return q, k, v
 
     def _mla_attention(self, x, b: int, t: int, start: int, cache, layer: int, cos, sin, lp: LayerPlan):
-        q, kv_lat, k_rot = self.mla_qkv(x, b, t, cos, sin, layer, lp)
-        # The cache keeps the compressed latent (kv_lora_rank + rope dims per token), not per-head keys.
-        kv_lat, k_rot = cache.layers[layer].append(kv_lat, k_rot, capacity_hint=cache.capacity_hint)
-        return self.mla_attend(q, kv_lat, k_rot, start, layer, lp)  # before o_proj, as _gqa_attention
+        q, latent = self.mla_qkv(x, b, t, cos, sin, layer, lp)
+        # The cache keeps the compressed latent and the rope key (kv_lora_rank + rope dims per token), not per-head
+        # keys and values.
+        (latent,) = cache.layers[layer].append(latent, capacity_hint=cache.capacity_hint)
+        return self.mla_attend(q, latent, start, layer, lp)  # before o_proj, as _gqa_attention
 
     def mla_qkv(self, x, b: int, t: int, cos, sin, layer: int, lp: LayerPlan):
-        """Normed ``x`` [B*T, H] → q [B, heads, T, nope + rope] (rotated), and what MLA caches: the normed latent
-        [B, 1, T, kv_lora_rank] and the rotated rope key [B, 1, T, rope dims]."""
+        """Normed ``x`` [B*T, H] → q [B, heads, T, nope + rope] (rotated), and what MLA caches per position: the
+        normed latent and the rotated rope key side by side, [B, 1, T, kv_lora_rank + rope dims]."""
         cfg, m, p = self.config, self.config.mla, self.names[layer].attn
         assert m is not None
         x = x.view(b, t, -1)
@@ -261,18 +262,39 @@ class MoETransformer:
         k_rot = k_rot.view(b, 1, t, m.qk_rope_head_dim)
         q_rot = apply_rope(q_rot, cos, sin, cfg.rope.interleaved)
         k_rot = apply_rope(k_rot, cos, sin, cfg.rope.interleaved)
-        return torch.cat([q_nope, q_rot], dim=-1), kv_lat, k_rot
+        return torch.cat([q_nope, q_rot], dim=-1), torch.cat([kv_lat, k_rot], dim=-1)
 
-    def mla_attend(self, q, kv_lat, k_rot, start: int, layer: int, lp: LayerPlan) -> torch.Tensor:
-        """q [B, heads, T, nope + rope] over a cache's latent [B, 1, S, r] and rope keys [B, 1, S, rope]
-        (S includes the cache) → [B*T, heads * v_head_dim]."""
+    def mla_attend(self, q, latent, start: int, layer: int, lp: LayerPlan) -> torch.Tensor:
+        """q [B, heads, T, nope + rope] over a cache's latents and rope keys [B, 1, S, kv_lora_rank + rope]
+        (S includes the cache) → [B*T, heads * v_head_dim].
+
+        A decode position with a dense ``kv_b_proj`` attends in the latent space (DeepSeek-V2's absorbed form):
+        q's no-rope part goes through each head's key block of ``kv_b_proj`` once, the scores are taken against the
+        cached latents themselves (one key "head" shared by every query head, as MQA), and the weighted latent goes
+        through the head's value block once. Expanding the cache instead costs ``kv_b_proj`` on every cached
+        position at every token: DeepSeek-V2-Lite's 512 x 4096 per position and layer, 2 GFLOP a layer at 1,000
+        positions. Prompts expand, as does a ``kv_b_proj`` quantized at convert by an older fate-edge (no quantized
+        kernel multiplies from that side; ``layer.resident_groups`` now keeps it in the model's dtype)."""
         cfg, m = self.config, self.config.mla
         assert m is not None
-        b, s = kv_lat.shape[0], kv_lat.shape[2]
-        kv = apply_linear(kv_lat, lp.mla["kv_b_proj"]).view(b, s, -1, m.qk_nope_head_dim + m.v_head_dim).transpose(1, 2)
-        k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
+        r, nope, dv = m.kv_lora_rank, m.qk_nope_head_dim, m.v_head_dim
+        scale = (nope + m.qk_rope_head_dim) ** -0.5 * yarn_softmax_scale(cfg.rope)
+        kv_b = lp.mla["kv_b_proj"]
+        b, heads, s = q.shape[0], q.shape[1], latent.shape[2]
+        if q.shape[2] == 1 and isinstance(kv_b.weight, torch.Tensor) and kv_b.bias is None:
+            w = kv_b.weight.view(heads, nope + dv, r)  # per head: its key rows, then its value rows
+            q_nope, q_rot = q.split([nope, m.qk_rope_head_dim], dim=-1)
+            if q.device.type == "cpu" and q.dtype != torch.float32:  # no native bf16 GEMM: fp32, ~5x faster here
+                q_lat = torch.matmul(q_nope.float(), w[:, :nope].float()).to(q.dtype)
+            else:
+                q_lat = torch.matmul(q_nope, w[:, :nope])
+            q_lat = torch.cat([q_lat, q_rot], dim=-1)  # [B, heads, 1, r + rope]
+            o = sdpa.attention(q_lat, latent, latent[..., :r], scale=scale, enable_gqa=heads > 1)  # [B, heads, 1, r]
+            return torch.matmul(o, w[:, nope:].transpose(1, 2)).reshape(b, heads * dv)
+        kv_lat, k_rot = latent.split([r, m.qk_rope_head_dim], dim=-1)
+        kv = apply_linear(kv_lat, kv_b).view(b, s, -1, nope + dv).transpose(1, 2)
+        k_nope, v = kv.split([nope, dv], dim=-1)
         k = torch.cat([k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
-        scale = (m.qk_nope_head_dim + m.qk_rope_head_dim) ** -0.5 * yarn_softmax_scale(cfg.rope)
         return self._attend(q, k, v, start, layer, scale)
 
     # --------------------------------------------------------------------- MoE

@@ -1,0 +1,82 @@
+"""MLA decode in the latent space (DeepSeek-V2's absorbed form, ``MoETransformer.mla_attend``): a decode step never
+expands the cached latents through ``kv_b_proj``, and its logits are the expanded form's."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fate_edge.model import transformer
+from fate_edge.model.layer import Fused
+from fate_edge.runtime.loader import load_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def tiny_mla(tmp_path_factory):
+    from _tiny_moe import build_tiny_mla
+
+    return build_tiny_mla(tmp_path_factory.mktemp("mla") / "tiny-mla")
+
+
+class _Expanding:
+    """A dense ``kv_b_proj`` held as a callable (as a quantized linear is): ``mla_attend`` then expands the cache."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+def _decode(model, prompt: list[int], tokens: list[int]) -> list[torch.Tensor]:
+    """The prompt's last logits, then one decode step per token of ``tokens`` (fed, not sampled)."""
+    cache = model.new_cache()
+    steps = [model(torch.tensor([prompt]), cache, last_only=True)[0, -1]]
+    for tok in tokens:
+        steps.append(model(torch.tensor([[tok]]), cache)[0, -1])
+    return steps
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_absorbed_decode_gives_the_expanded_logits(tiny_mla, dtype):
+    prompt = list(range(3, 40, 3))
+    absorbed = load_model(tiny_mla, dtype=dtype)
+    expanded = load_model(tiny_mla, dtype=dtype)
+    for lp in expanded.plan():
+        f = lp.mla["kv_b_proj"]
+        lp.mla["kv_b_proj"] = Fused(_Expanding(f.weight), f.bias, f.sizes)
+    tokens = list(range(50, 62))
+    a, e = _decode(absorbed, prompt, tokens), _decode(expanded, prompt, tokens)
+    assert torch.equal(a[0], e[0])  # the prompt expands either way
+    if dtype == torch.float32:
+        diff = max((x - y).abs().max().item() for x, y in zip(a, e))
+        assert diff <= 1e-5, diff
+        return
+    # bf16: the two forms round at different places, a step or two of bf16 apart (0.016 at these logits); the bar is
+    # accuracy against the float32 logits, no worse than the expanded form's over the run
+    exact = _decode(load_model(tiny_mla, dtype=torch.float32), prompt, tokens)
+    err_a, err_e = ([(x.float() - z).abs().max().item() for x, z in zip(steps, exact)] for steps in (a, e))
+    assert max(err_a) <= 1.25 * max(err_e) and sum(err_a) <= 1.25 * sum(err_e), (err_a, err_e)
+
+
+def test_a_decode_step_does_not_expand_the_cache(tiny_mla, monkeypatch):
+    model = load_model(tiny_mla, dtype=torch.float32)
+    kv_b = {id(lp.mla["kv_b_proj"]) for lp in model.plan()}
+    rows: list[int] = []
+    real = transformer.apply_linear
+
+    def spy(x, f):
+        if id(f) in kv_b:
+            rows.append(x.shape[-2])
+        return real(x, f)
+
+    monkeypatch.setattr(transformer, "apply_linear", spy)
+    cache = model.new_cache()
+    model(torch.tensor([list(range(5, 25))]), cache)
+    assert rows == [20] * len(model.plan())  # the prompt: every layer expands its 20 positions once
+    rows.clear()
+    for t in range(4):
+        model(torch.tensor([[7 + t]]), cache)
+    assert rows == []  # decode steps attend in the latent space
+    assert cache.layers[0].buffers[0].shape[-1] == model.config.mla.kv_lora_rank + model.config.mla.qk_rope_head_dim
