@@ -15,7 +15,7 @@ sequence over views of the slab (a gather would copy more than the per-sequence 
 per sequence.
 
 MLA attention (DeepSeek) projects every row at once too; each sequence then caches its latent and attends over its
-own cache (:func:`_mla_attention`), as it would alone: its keys and values are expanded from the latent per sequence.
+own cache (:func:`_mla_attention`), as it would alone (a decode row in the latent space: ``MoETransformer.mla_attend``).
 """
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ def _mla_attention(
     lp: LayerPlan,
 ) -> torch.Tensor:
     """MLA: q and the latent for all rows in one projection; each segment's latent into its cache and its queries
-    over the keys and values expanded from it → [N, heads * v_head_dim]."""
+    over it (``mla_attend``) → [N, heads * v_head_dim]."""
     q, latent = model.mla_qkv(h, 1, h.shape[0], cos, sin, layer, lp)
     outs = []
     for seg, (a, b), start in zip(segments, bounds, starts):
