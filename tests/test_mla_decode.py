@@ -80,3 +80,45 @@ def test_a_decode_step_does_not_expand_the_cache(tiny_mla, monkeypatch):
         model(torch.tensor([[7 + t]]), cache)
     assert rows == []  # decode steps attend in the latent space
     assert cache.layers[0].buffers[0].shape[-1] == model.config.mla.kv_lora_rank + model.config.mla.qk_rope_head_dim
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_head_matvec_is_fp32_exact_from_either_side_on_strided_blocks(dtype):
+    """The kernel behind the absorbed decode on the CPU: per head x @ W and W @ x over column-contiguous blocks of
+    one matrix (kv_b_proj's key and value rows), as accurate as fp32 arithmetic on the stored weights."""
+    from fate_edge.model import head_matvec
+
+    if not head_matvec.available()[0]:
+        pytest.skip(f"no native kernel here: {head_matvec.available()[1]}")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(6 * 40, 72, generator=g).to(dtype).view(6, 40, 72)
+    wk, wv = w[:, :16], w[:, 16:]  # strided views: 16 and 24 rows of each head's 40
+    x, y = torch.randn(6, 16, generator=g), torch.randn(6, 72, generator=g)
+    assert head_matvec.takes(wk) and head_matvec.takes(wv)
+    exact_xw = torch.einsum("hr,hrc->hc", x.double(), wk.double())
+    exact_wx = torch.einsum("hrc,hc->hr", wv.double(), y.double())
+    for got, exact, k in ((head_matvec.x_w(x, wk), exact_xw, 16), (head_matvec.w_x(y, wv), exact_wx, 72)):
+        assert got.dtype == torch.float32 and got.shape == exact.shape
+        # fp32 sums of k exact products: within k roundings of fp32 of the largest partial sum
+        bound = k * 2.0**-23 * exact.abs().max().item() * 4
+        assert (got.double() - exact).abs().max().item() <= bound
+    assert not head_matvec.takes(wk.float()) and not head_matvec.takes(w[:, :, :12])  # fp32; 12 columns
+    with pytest.raises(ValueError, match="does not fit"):
+        head_matvec.x_w(torch.randn(6, 15), wk)
+
+
+def test_bf16_decode_takes_the_head_matvec_kernel(tiny_mla, monkeypatch):
+    from fate_edge.model import head_matvec
+
+    if not head_matvec.available()[0]:
+        pytest.skip(f"no native kernel here: {head_matvec.available()[1]}")
+    calls: list[str] = []
+    for name in ("x_w", "w_x"):
+        real = getattr(head_matvec, name)
+        monkeypatch.setattr(head_matvec, name, lambda x, w, real=real, name=name: calls.append(name) or real(x, w))
+    model = load_model(tiny_mla, dtype=torch.bfloat16)
+    cache = model.new_cache()
+    model(torch.tensor([list(range(5, 25))]), cache)
+    assert calls == []  # the prompt expands
+    model(torch.tensor([[7]]), cache)
+    assert calls == ["x_w", "w_x"] * len(model.plan())

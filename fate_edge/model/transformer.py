@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from fate_edge.model import decode_step, sdpa
+from fate_edge.model import decode_step, head_matvec, sdpa
 from fate_edge.model.arch.base import ModelConfig
 from fate_edge.model.decoding_model import RoutingObserver
 from fate_edge.model.embedding import embedding_table, lookup
@@ -85,6 +85,7 @@ class MoETransformer:
         self.cuda_graphs = True
         self.graphed: CudaGraphDecode | LayerGraphDecode | None = None
         self.graph_off: str | None = None
+        self._fp32_scratch: torch.Tensor | None = None  # MLA's key blocks widened for a decode step
         self._rope_perm: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         if "lm_head.weight" not in resident and "lm_head.sizes" not in resident and not config.tie_word_embeddings:
             from fate_edge.errors import MissingTensorError
@@ -287,12 +288,20 @@ class MoETransformer:
         widen = dense and q.device.type == "cpu" and q.dtype != torch.float32
         if q.shape[2] == 1 and dense:
             w = kv_b.weight.view(heads, nope + dv, r)  # per head: its key rows, then its value rows
+            wk, wv = w[:, :nope], w[:, nope:]
             q_nope, q_rot = q.split([nope, m.qk_rope_head_dim], dim=-1)
-            wk = w[:, :nope]
-            q_lat = torch.matmul(q_nope.float(), wk.float()).to(q.dtype) if widen else torch.matmul(q_nope, wk)
+            own = b == 1 and head_matvec.takes(w)  # bf16/fp16 on the CPU: each weight read once, in fp32
+            if own:
+                q_lat = head_matvec.x_w(q_nope.reshape(heads, nope), wk).to(q.dtype).view(1, heads, 1, r)
+            elif widen:
+                q_lat = torch.matmul(q_nope.float(), self._widened(wk)).to(q.dtype)
+            else:
+                q_lat = torch.matmul(q_nope, wk)
             q_lat = torch.cat([q_lat, q_rot], dim=-1)  # [B, heads, 1, r + rope]
             o = sdpa.attention(q_lat, latent, latent[..., :r], scale=scale, enable_gqa=heads > 1)  # [B, heads, 1, r]
-            return torch.matmul(o, w[:, nope:].transpose(1, 2)).reshape(b, heads * dv)
+            if own:
+                return head_matvec.w_x(o.reshape(heads, r), wv).to(q.dtype).view(1, heads * dv)
+            return torch.matmul(o, wv.transpose(1, 2)).reshape(b, heads * dv)
         kv_lat, k_rot = latent.split([r, m.qk_rope_head_dim], dim=-1)
         if widen:
             kv = F.linear(kv_lat.float(), kv_b.weight.float()).to(q.dtype)
@@ -302,6 +311,14 @@ class MoETransformer:
         k_nope, v = kv.split([nope, dv], dim=-1)
         k = torch.cat([k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
         return self._attend(q, k, v, start, layer, scale)
+
+    def _widened(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` in fp32, in a buffer the model keeps for it: a fresh 4 MB tensor a token (DeepSeek-V2-Lite's key
+        blocks) cost 1-3 ms in page faults, ten times the copy."""
+        n = t.numel()
+        if self._fp32_scratch is None or self._fp32_scratch.numel() < n or self._fp32_scratch.device != t.device:
+            self._fp32_scratch = torch.empty(n, dtype=torch.float32, device=t.device)
+        return self._fp32_scratch[:n].view(t.shape).copy_(t)
 
     # --------------------------------------------------------------------- MoE
     def route(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
