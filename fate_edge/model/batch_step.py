@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fate_edge.model import decode_attention, sdpa
+from fate_edge.model import decode_attention, head_matvec, sdpa
 from fate_edge.model.embedding import lookup
 from fate_edge.model.kv_slab import SlabCache
 from fate_edge.model.layer import LayerPlan, apply_linear, rms_norm
@@ -68,7 +68,7 @@ def forward_segments(model: MoETransformer, segments: list[Segment]) -> torch.Te
     parts = [model.rope.cos_sin_range(p, n, rope_dtype, dev) for p, n in zip(starts, lengths)]
     cos = torch.cat([c for c, _ in parts]) if len(parts) > 1 else parts[0][0]
     sin = torch.cat([s for _, s in parts]) if len(parts) > 1 else parts[0][1]
-    decode = _SlabDecode.of(segments, bounds, starts, dev) if cfg.mla is None else None
+    decode = _SlabDecode.of(segments, bounds, starts, dev)
     model.experts.begin_forward(max(lengths), sequences=len(segments))
     model.residual = None
     prune = rows > len(segments) and not any(getattr(o, "needs_every_token", True) for o in model.observers)
@@ -194,7 +194,7 @@ def _attention(
     """q, k, v for all rows in one projection; each segment's keys into its cache and its queries over them (a
     slab's decode rows all at once) → the attention's output before its projection [N, heads * head_dim]."""
     if model.config.mla is not None:
-        return _mla_attention(model, h, segments, bounds, starts, layer, cos, sin, lp)
+        return _mla_attention(model, h, segments, bounds, starts, layer, cos, sin, lp, decode)
     q, k, v = model.gqa_qkv(h, 1, h.shape[0], cos, sin, lp)  # [1, heads, N, hd]
     cfg = model.config
     scale = cfg.head_dim**-0.5
@@ -231,16 +231,73 @@ def _mla_attention(
     cos: torch.Tensor,
     sin: torch.Tensor,
     lp: LayerPlan,
+    decode: _SlabDecode | None,
 ) -> torch.Tensor:
-    """MLA: q and the latent for all rows in one projection; each segment's latent into its cache and its queries
-    over it (``mla_attend``) → [N, heads * v_head_dim]."""
+    """MLA: q and the latent for all rows in one projection; the slab's decode rows in one pass where the CPU
+    kernels take them (:func:`_mla_slab_decode`), every other segment's latent into its cache and its queries over
+    it (``mla_attend``) → [N, heads * v_head_dim]."""
     q, latent = model.mla_qkv(h, 1, h.shape[0], cos, sin, layer, lp)
+    out, done = None, set()
+    dec = _mla_slab_decode(model, q, latent, segments, layer, lp, decode) if decode is not None else None
+    if dec is not None:
+        assert decode is not None
+        if decode.every_row:
+            return dec
+        out = dec.new_empty(h.shape[0], dec.shape[1])
+        out.index_copy_(0, decode.rows, dec)
+        done = set(decode.segs)
     outs = []
-    for seg, (a, b), start in zip(segments, bounds, starts):
+    for j, (seg, (a, b), start) in enumerate(zip(segments, bounds, starts)):
+        if j in done:
+            continue
         cache = seg.cache
         (held,) = cache.layers[layer].append(latent[:, :, a:b], capacity_hint=cache.capacity_hint)
-        outs.append(model.mla_attend(q[:, :, a:b], held, start, layer, lp))
-    return torch.cat(outs) if len(outs) > 1 else outs[0]
+        y = model.mla_attend(q[:, :, a:b], held, start, layer, lp)
+        if out is None:
+            outs.append(y)
+        else:
+            out[a:b] = y
+    if out is None:
+        out = torch.cat(outs) if len(outs) > 1 else outs[0]
+    return out
+
+
+def _mla_slab_decode(
+    model: MoETransformer,
+    q: torch.Tensor,
+    latent: torch.Tensor,
+    segments: list[Segment],
+    layer: int,
+    lp: LayerPlan,
+    d: _SlabDecode,
+) -> torch.Tensor | None:
+    """The decode rows of MLA caches in one slab, absorbed (``mla_attend``'s form) in one pass: their latents into
+    the slab with one copy, every row's query through each head's key block of ``kv_b_proj`` with the block read
+    once (``head_matvec``), one attention over the rows' own ranges, one pass through the value blocks → [S, heads *
+    v_head_dim], each row as it decodes alone. None (nothing written) where the CPU kernels do not take them."""
+    m = model.config.mla
+    assert m is not None
+    kv_b = lp.mla["kv_b_proj"]
+    first = segments[d.segs[0]].cache
+    assert isinstance(first, SlabCache)  # _SlabDecode.of took only slab caches
+    (held,) = first.slab.buffers[layer]  # [1, 1, positions, r + rope]
+    r, nope, dv, heads = m.kv_lora_rank, m.qk_nope_head_dim, m.v_head_dim, q.shape[1]
+    if not isinstance(kv_b.weight, torch.Tensor) or kv_b.bias is not None:
+        return None
+    w = kv_b.weight.view(heads, nope + dv, r)
+    cache = held[0]  # [1, positions, r + rope]: MLA's one key "head"
+    probe = q.new_empty(1, heads, r + m.qk_rope_head_dim)
+    if not (head_matvec.takes(w) and decode_attention.takes_ranges(probe, cache, cache[..., :r])):
+        return None
+    rows_q = (q[0] if d.every_row else q[0].index_select(1, d.rows)).transpose(0, 1)  # [S, heads, nope + rope]
+    new = latent[0, 0] if d.every_row else latent[0, 0].index_select(0, d.rows)  # [S, r + rope]
+    cache[0].index_copy_(0, d.positions, new)
+    for j in d.segs:
+        segments[j].cache.layers[layer].length += 1
+    q_nope, q_rot = rows_q.split([nope, m.qk_rope_head_dim], dim=-1)
+    q_lat = torch.cat([head_matvec.x_w(q_nope, w[:, :nope]).to(q.dtype), q_rot], dim=-1)  # [S, heads, r + rope]
+    o = decode_attention.attend_ranges(q_lat, cache, cache[..., :r], *d.ranges(None), model.mla_scale())
+    return head_matvec.w_x(o, w[:, nope:]).to(q.dtype).reshape(len(d.segs), heads * dv)
 
 
 def _slab_attention(

@@ -33,7 +33,7 @@ def _load() -> None:
         return
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.fe_head_matvec.restype = i32
-    argtypes: list[Any] = [i32, ptr, i32, i32, i32, ptr, i32, i64, i64, ptr, i32]
+    argtypes: list[Any] = [i32, ptr, i32, i32, i32, i32, ptr, i32, i64, i64, ptr, i32]
     lib.fe_head_matvec.argtypes = argtypes
     _state.update(lib=lib, reason="built")
 
@@ -60,27 +60,31 @@ def takes(w: torch.Tensor) -> bool:
 
 
 def x_w(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Per head ``x[h] @ w[h]``: x [heads, rows], w [heads, rows, cols] → [heads, cols] fp32."""
+    """Per head ``x[..., h, :] @ w[h]``: x [heads, rows] or [vectors, heads, rows], w [heads, rows, cols] → x's
+    leading shape with cols, fp32 (the weights read once for every vector)."""
     return _call(0, x, w, w.shape[2])
 
 
 def w_x(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Per head ``w[h] @ x[h]``: x [heads, cols], w [heads, rows, cols] → [heads, rows] fp32."""
+    """Per head ``w[h] @ x[..., h, :]``: x [heads, cols] or [vectors, heads, cols], w [heads, rows, cols] → x's
+    leading shape with rows, fp32."""
     return _call(1, x, w, w.shape[1])
 
 
 def _call(mode: int, x: torch.Tensor, w: torch.Tensor, width: int) -> torch.Tensor:
     heads, rows, cols = w.shape
     x = x.to(torch.float32).contiguous()
-    if x.shape != (heads, rows if mode == 0 else cols):
+    if x.dim() not in (2, 3) or x.shape[-2:] != (heads, rows if mode == 0 else cols):
         raise ValueError(f"head matvec: x {tuple(x.shape)} does not fit w {tuple(w.shape)}")
-    out = torch.empty(heads, width, dtype=torch.float32)
+    vectors = x.shape[0] if x.dim() == 3 else 1
+    out = torch.empty(*x.shape[:-1], width, dtype=torch.float32)
     ok, why = available()
     if not ok:
         raise RuntimeError(f"the native head matvec kernel is not available: {why}")
     rc = cast(ctypes.CDLL, _state["lib"]).fe_head_matvec(
         mode,
         x.data_ptr(),
+        vectors,
         heads,
         rows,
         cols,

@@ -276,10 +276,10 @@ class MoETransformer:
         position at every token: DeepSeek-V2-Lite's 512 x 4096 per position and layer, 2 GFLOP a layer at 1,000
         positions. Prompts expand, as does a ``kv_b_proj`` quantized at convert by an older fate-edge (no quantized
         kernel multiplies from that side; ``layer.resident_groups`` now keeps it in the model's dtype)."""
-        cfg, m = self.config, self.config.mla
+        m = self.config.mla
         assert m is not None
         r, nope, dv = m.kv_lora_rank, m.qk_nope_head_dim, m.v_head_dim
-        scale = (nope + m.qk_rope_head_dim) ** -0.5 * yarn_softmax_scale(cfg.rope)
+        scale = self.mla_scale()
         kv_b = lp.mla["kv_b_proj"]
         b, heads, s = q.shape[0], q.shape[1], latent.shape[2]
         dense = isinstance(kv_b.weight, torch.Tensor) and kv_b.bias is None
@@ -311,6 +311,12 @@ class MoETransformer:
         k_nope, v = kv.split([nope, dv], dim=-1)
         k = torch.cat([k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
         return self._attend(q, k, v, start, layer, scale)
+
+    def mla_scale(self) -> float:
+        """MLA's softmax scale: 1 / sqrt(the query-key width), times YaRN's attention factor where it applies."""
+        m = self.config.mla
+        assert m is not None
+        return (m.qk_nope_head_dim + m.qk_rope_head_dim) ** -0.5 * yarn_softmax_scale(self.config.rope)
 
     def _widened(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` in fp32, in a buffer the model keeps for it: a fresh 4 MB tensor a token (DeepSeek-V2-Lite's key
