@@ -85,7 +85,6 @@ class MoETransformer:
         self.cuda_graphs = True
         self.graphed: CudaGraphDecode | LayerGraphDecode | None = None
         self.graph_off: str | None = None
-        self._fp32_scratch: torch.Tensor | None = None  # MLA's key blocks widened for a decode step
         self._rope_perm: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         if "lm_head.weight" not in resident and "lm_head.sizes" not in resident and not config.tie_word_embeddings:
             from fate_edge.errors import MissingTensorError
@@ -279,29 +278,14 @@ class MoETransformer:
         m = self.config.mla
         assert m is not None
         r, nope, dv = m.kv_lora_rank, m.qk_nope_head_dim, m.v_head_dim
-        scale = self.mla_scale()
         kv_b = lp.mla["kv_b_proj"]
-        b, heads, s = q.shape[0], q.shape[1], latent.shape[2]
         dense = isinstance(kv_b.weight, torch.Tensor) and kv_b.bias is None
         # CPUs without native bf16 emulate a bf16 GEMM (the 4096 x 512 kv_b_proj over a 1,024-token prompt: 0.47 s
         # a layer here, ~50 ms in fp32); the fp32 products of bf16 values are exact, rounded once on the way back
         widen = dense and q.device.type == "cpu" and q.dtype != torch.float32
         if q.shape[2] == 1 and dense:
-            w = kv_b.weight.view(heads, nope + dv, r)  # per head: its key rows, then its value rows
-            wk, wv = w[:, :nope], w[:, nope:]
-            q_nope, q_rot = q.split([nope, m.qk_rope_head_dim], dim=-1)
-            own = b == 1 and head_matvec.takes(w)  # bf16/fp16 on the CPU: each weight read once, in fp32
-            if own:
-                q_lat = head_matvec.x_w(q_nope.reshape(heads, nope), wk).to(q.dtype).view(1, heads, 1, r)
-            elif widen:
-                q_lat = torch.matmul(q_nope.float(), self._widened(wk)).to(q.dtype)
-            else:
-                q_lat = torch.matmul(q_nope, wk)
-            q_lat = torch.cat([q_lat, q_rot], dim=-1)  # [B, heads, 1, r + rope]
-            o = sdpa.attention(q_lat, latent, latent[..., :r], scale=scale, enable_gqa=heads > 1)  # [B, heads, 1, r]
-            if own:
-                return head_matvec.w_x(o.reshape(heads, r), wv).to(q.dtype).view(1, heads * dv)
-            return torch.matmul(o, wv.transpose(1, 2)).reshape(b, heads * dv)
+            return self._mla_absorbed(q, latent, kv_b.weight, widen)
+        b, s = latent.shape[0], latent.shape[2]
         kv_lat, k_rot = latent.split([r, m.qk_rope_head_dim], dim=-1)
         if widen:
             kv = F.linear(kv_lat.float(), kv_b.weight.float()).to(q.dtype)
@@ -310,21 +294,38 @@ class MoETransformer:
         kv = kv.view(b, s, -1, nope + dv).transpose(1, 2)
         k_nope, v = kv.split([nope, dv], dim=-1)
         k = torch.cat([k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
-        return self._attend(q, k, v, start, layer, scale)
+        return self._attend(q, k, v, start, layer, self.mla_scale())
+
+    def _mla_absorbed(self, q, latent, weight: torch.Tensor, widen: bool) -> torch.Tensor:
+        """:meth:`mla_attend` for one decode position per sequence, in the latent space; ``weight``: the dense
+        ``kv_b_proj``. On the CPU in bf16/fp16 the per-head products run in fate-edge's kernel (``head_matvec``: each
+        weight read once, fp32 arithmetic); elsewhere in torch (widened to fp32 on the CPU: ``widen``)."""
+        m = self.config.mla
+        assert m is not None
+        r, nope, dv = m.kv_lora_rank, m.qk_nope_head_dim, m.v_head_dim
+        b, heads = q.shape[0], q.shape[1]
+        w = weight.view(heads, nope + dv, r)  # per head: its key rows, then its value rows
+        wk, wv = w[:, :nope], w[:, nope:]
+        q_nope, q_rot = q.split([nope, m.qk_rope_head_dim], dim=-1)
+        own = b == 1 and head_matvec.takes(w)
+        if own:
+            q_lat = head_matvec.x_w(q_nope.reshape(heads, nope), wk).to(q.dtype).view(1, heads, 1, r)
+        elif widen:
+            q_lat = torch.matmul(q_nope.float(), wk.float()).to(q.dtype)
+        else:
+            q_lat = torch.matmul(q_nope, wk)
+        q_lat = torch.cat([q_lat, q_rot], dim=-1)  # [B, heads, 1, r + rope]
+        scale = self.mla_scale()
+        o = sdpa.attention(q_lat, latent, latent[..., :r], scale=scale, enable_gqa=heads > 1)  # [B, heads, 1, r]
+        if own:
+            return head_matvec.w_x(o.reshape(heads, r), wv).to(q.dtype).view(1, heads * dv)
+        return torch.matmul(o, wv.transpose(1, 2)).reshape(b, heads * dv)
 
     def mla_scale(self) -> float:
         """MLA's softmax scale: 1 / sqrt(the query-key width), times YaRN's attention factor where it applies."""
         m = self.config.mla
         assert m is not None
         return (m.qk_nope_head_dim + m.qk_rope_head_dim) ** -0.5 * yarn_softmax_scale(self.config.rope)
-
-    def _widened(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` in fp32, in a buffer the model keeps for it: a fresh 4 MB tensor a token (DeepSeek-V2-Lite's key
-        blocks) cost 1-3 ms in page faults, ten times the copy."""
-        n = t.numel()
-        if self._fp32_scratch is None or self._fp32_scratch.numel() < n or self._fp32_scratch.device != t.device:
-            self._fp32_scratch = torch.empty(n, dtype=torch.float32, device=t.device)
-        return self._fp32_scratch[:n].view(t.shape).copy_(t)
 
     # --------------------------------------------------------------------- MoE
     def route(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
