@@ -12,6 +12,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
@@ -62,3 +64,34 @@ def load_kernel(package: str, source: str, name: str, what: str) -> tuple[ctypes
         return ctypes.CDLL(str(build_shared_library(src, name, cc))), "built"
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return None, f"building the native {what} failed: {e}"
+
+
+class LazyKernel:
+    """A kernel :func:`load_kernel` builds and loads on first use, once per process. ``setup`` checks the
+    instruction set its kernel needs and declares its functions' argument types: it returns None, or why this CPU
+    cannot run it."""
+
+    def __init__(self, package: str, source: str, name: str, what: str, setup: Callable[[ctypes.CDLL], str | None]):
+        self._args = (package, source, name, what)
+        self._setup = setup
+        self._lock = threading.Lock()
+        self._lib: ctypes.CDLL | None = None
+        self._reason: str | None = None  # None: not loaded yet
+
+    def available(self) -> tuple[bool, str]:
+        """(usable here, why not)."""
+        with self._lock:
+            if self._reason is None:
+                lib, reason = load_kernel(*self._args)
+                why = self._setup(lib) if lib is not None else reason
+                self._lib, self._reason = (lib, "built") if why is None else (None, why)
+        return self._lib is not None, self._reason
+
+    @property
+    def lib(self) -> ctypes.CDLL:
+        """The loaded library; RuntimeError naming why where it is not available."""
+        ok, why = self.available()
+        if not ok:
+            raise RuntimeError(f"the native {self._args[3]} is not available: {why}")
+        assert self._lib is not None
+        return self._lib

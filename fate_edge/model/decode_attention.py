@@ -11,27 +11,19 @@ AVX2, or with ``FATE_EDGE_NATIVE=0``, :func:`available` is False and callers use
 from __future__ import annotations
 
 import ctypes
-import threading
-from typing import Any, cast
+from typing import Any
 
 import torch
 
-from fate_edge.native_build import load_kernel
+from fate_edge.native_build import LazyKernel
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 NATIVE_DTYPES = (torch.bfloat16, torch.float16)  # the cache dtypes this kernel serves by default
-_lock = threading.Lock()
-_state: dict[str, object] = {}
 
 
-def _load() -> None:
-    lib, reason = load_kernel("fate_edge.model", "decode_attention.c", "decode_attention", "attention kernel")
-    if lib is None:
-        _state.update(lib=None, reason=reason)
-        return
+def _setup(lib: ctypes.CDLL) -> str | None:
     if not lib.fe_attention_supported():
-        _state.update(lib=None, reason="this CPU lacks AVX2, FMA or F16C")
-        return
+        return "this CPU lacks AVX2, FMA or F16C"
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.fe_decode_attention.restype = ctypes.c_int
     argtypes: list[Any] = (
@@ -42,22 +34,11 @@ def _load() -> None:
         + [ctypes.c_float, ptr, ctypes.c_int]  # scale, out, threads
     )
     lib.fe_decode_attention.argtypes = argtypes
-    _state.update(lib=lib, reason="built")
+    return None
 
 
-def available() -> tuple[bool, str]:
-    """(usable here, why not)."""
-    with _lock:
-        if "reason" not in _state:
-            _load()
-    return _state["lib"] is not None, str(_state["reason"])
-
-
-def _lib() -> ctypes.CDLL:
-    ok, why = available()
-    if not ok:
-        raise RuntimeError(f"the native attention kernel is not available: {why}")
-    return cast(ctypes.CDLL, _state["lib"])
+_kernel = LazyKernel("fate_edge.model", "decode_attention.c", "decode_attention", "attention kernel", _setup)
+available = _kernel.available  # (usable here, why not)
 
 
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtypes: tuple[torch.dtype, ...] = NATIVE_DTYPES) -> bool:
@@ -128,7 +109,7 @@ def _call(
     r, hq, dk = q.shape
     dv = v.shape[3]
     out = torch.empty(r, hq, dv, dtype=q.dtype, device=q.device)
-    rc = _lib().fe_decode_attention(
+    rc = _kernel.lib.fe_decode_attention(
         q.data_ptr(),
         _DTYPES[q.dtype],
         k.data_ptr(),

@@ -11,39 +11,27 @@ and the caller uses torch.
 from __future__ import annotations
 
 import ctypes
-import threading
-from typing import Any, cast
+from typing import Any
 
 import torch
 
-from fate_edge.native_build import load_kernel
+from fate_edge.native_build import LazyKernel
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_lock = threading.Lock()
-_state: dict[str, object] = {}
 
 
-def _load() -> None:
-    lib, reason = load_kernel("fate_edge.model", "head_matvec.c", "head_matvec", "head matvec kernel")
-    if lib is None:
-        _state.update(lib=None, reason=reason)
-        return
+def _setup(lib: ctypes.CDLL) -> str | None:
     if not lib.fe_head_matvec_supported():
-        _state.update(lib=None, reason="this CPU lacks AVX2, FMA or F16C")
-        return
+        return "this CPU lacks AVX2, FMA or F16C"
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.fe_head_matvec.restype = i32
     argtypes: list[Any] = [i32, ptr, i32, i32, i32, i32, ptr, i32, i64, i64, ptr, i32]
     lib.fe_head_matvec.argtypes = argtypes
-    _state.update(lib=lib, reason="built")
+    return None
 
 
-def available() -> tuple[bool, str]:
-    """(usable here, why not)."""
-    with _lock:
-        if "reason" not in _state:
-            _load()
-    return _state["lib"] is not None, str(_state["reason"])
+_kernel = LazyKernel("fate_edge.model", "head_matvec.c", "head_matvec", "head matvec kernel", _setup)
+available = _kernel.available  # (usable here, why not)
 
 
 def takes(w: torch.Tensor) -> bool:
@@ -78,10 +66,7 @@ def _call(mode: int, x: torch.Tensor, w: torch.Tensor, width: int) -> torch.Tens
         raise ValueError(f"head matvec: x {tuple(x.shape)} does not fit w {tuple(w.shape)}")
     vectors = x.shape[0] if x.dim() == 3 else 1
     out = torch.empty(*x.shape[:-1], width, dtype=torch.float32)
-    ok, why = available()
-    if not ok:
-        raise RuntimeError(f"the native head matvec kernel is not available: {why}")
-    rc = cast(ctypes.CDLL, _state["lib"]).fe_head_matvec(
+    rc = _kernel.lib.fe_head_matvec(
         mode,
         x.data_ptr(),
         vectors,
