@@ -20,6 +20,8 @@ own cache (:func:`_mla_attention`), as it would alone (a decode row in the laten
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -126,9 +128,6 @@ class _SlabDecode:
         self.lengths = lengths  # each one's cache length after this step
         self.longest = max(lengths)
         self.every_row = every_row  # the step is decode only, rows in segment order
-        dev = positions.device
-        # [S * longest] slab positions of each range's first ``longest`` positions (past its own end: masked)
-        self.gather = (first[:, None] + torch.arange(self.longest, device=dev)[None, :]).flatten()
         self._masks: dict[int | None, torch.Tensor] = {}
         self._ranges: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -155,6 +154,12 @@ class _SlabDecode:
             [starts[j] + 1 for j in dec],
             len(dec) == len(segments),
         )
+
+    @functools.cached_property
+    def gather(self) -> torch.Tensor:
+        """[S * longest] slab positions of each range's first ``longest`` positions (past its own end: masked); made
+        only for the gathered attention (the native kernel and MLA's rows read their ranges in place)."""
+        return (self.first[:, None] + torch.arange(self.longest, device=self.first.device)[None, :]).flatten()
 
     def ranges(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """([S] first slab position, [S] count) of the positions each row sees (its last ``window``), int64 on the
@@ -196,29 +201,44 @@ def _attention(
     if model.config.mla is not None:
         return _mla_attention(model, h, segments, bounds, starts, layer, cos, sin, lp, decode)
     q, k, v = model.gqa_qkv(h, 1, h.shape[0], cos, sin, lp)  # [1, heads, N, hd]
-    cfg = model.config
-    scale = cfg.head_dim**-0.5
-    out = None
-    if decode is not None:
-        dec = _slab_attention(model, q, k, v, segments, layer, scale, decode)
-        if decode.every_row:
-            return dec
-        out = dec.new_empty(h.shape[0], dec.shape[1])
-        out.index_copy_(0, decode.rows, dec)
-    done = set(decode.segs) if decode is not None else set()
+    scale = model.config.head_dim**-0.5
+    together = None if decode is None else (decode, _slab_attention(model, q, k, v, segments, layer, scale, decode))
+
+    def one(seg: Segment, a: int, b: int, start: int) -> torch.Tensor:
+        keys, values = seg.cache.layers[layer].append(k[:, :, a:b], v[:, :, a:b], capacity_hint=seg.cache.capacity_hint)
+        return model._attend(q[:, :, a:b], keys, values, start, layer, scale)
+
+    return _with_the_rest(h.shape[0], segments, bounds, starts, together, one)
+
+
+def _with_the_rest(
+    rows: int,
+    segments: list[Segment],
+    bounds: list[tuple[int, int]],
+    starts: list[int],
+    together: tuple[_SlabDecode, torch.Tensor] | None,
+    one: Callable[[Segment, int, int, int], torch.Tensor],
+) -> torch.Tensor:
+    """A step's attention output [rows, width]: the slab's decode rows computed ``together`` (None: none were) in
+    their places, every other segment from ``one(segment, first row, end row, start position)``."""
+    out, done = None, set()
+    if together is not None:
+        d, y = together
+        if d.every_row:
+            return y
+        out = y.new_empty(rows, y.shape[1])
+        out.index_copy_(0, d.rows, y)
+        done = set(d.segs)
     outs = []
     for j, (seg, (a, b), start) in enumerate(zip(segments, bounds, starts)):
         if j in done:
             continue
-        keys, values = seg.cache.layers[layer].append(k[:, :, a:b], v[:, :, a:b], capacity_hint=seg.cache.capacity_hint)
-        y = model._attend(q[:, :, a:b], keys, values, start, layer, scale)
+        y = one(seg, a, b, start)
         if out is None:
             outs.append(y)
         else:
             out[a:b] = y
-    if out is None:
-        out = torch.cat(outs) if len(outs) > 1 else outs[0]
-    return out
+    return out if out is not None else torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
 def _mla_attention(
@@ -237,29 +257,14 @@ def _mla_attention(
     kernels take them (:func:`_mla_slab_decode`), every other segment's latent into its cache and its queries over
     it (``mla_attend``) → [N, heads * v_head_dim]."""
     q, latent = model.mla_qkv(h, 1, h.shape[0], cos, sin, layer, lp)
-    out, done = None, set()
-    dec = _mla_slab_decode(model, q, latent, segments, layer, lp, decode) if decode is not None else None
-    if dec is not None:
-        assert decode is not None
-        if decode.every_row:
-            return dec
-        out = dec.new_empty(h.shape[0], dec.shape[1])
-        out.index_copy_(0, decode.rows, dec)
-        done = set(decode.segs)
-    outs = []
-    for j, (seg, (a, b), start) in enumerate(zip(segments, bounds, starts)):
-        if j in done:
-            continue
-        cache = seg.cache
-        (held,) = cache.layers[layer].append(latent[:, :, a:b], capacity_hint=cache.capacity_hint)
-        y = model.mla_attend(q[:, :, a:b], held, start, layer, lp)
-        if out is None:
-            outs.append(y)
-        else:
-            out[a:b] = y
-    if out is None:
-        out = torch.cat(outs) if len(outs) > 1 else outs[0]
-    return out
+    dec = None if decode is None else _mla_slab_decode(model, q, latent, segments, layer, lp, decode)
+    together = None if decode is None or dec is None else (decode, dec)
+
+    def one(seg: Segment, a: int, b: int, start: int) -> torch.Tensor:
+        (held,) = seg.cache.layers[layer].append(latent[:, :, a:b], capacity_hint=seg.cache.capacity_hint)
+        return model.mla_attend(q[:, :, a:b], held, start, layer, lp)
+
+    return _with_the_rest(h.shape[0], segments, bounds, starts, together, one)
 
 
 def _mla_slab_decode(
