@@ -286,23 +286,22 @@ def _mla_slab_decode(
     first = segments[d.segs[0]].cache
     assert isinstance(first, SlabCache)  # _SlabDecode.of took only slab caches
     (held,) = first.slab.buffers[layer]  # [1, 1, positions, r + rope]
-    r, nope, dv, heads = m.kv_lora_rank, m.qk_nope_head_dim, m.v_head_dim, q.shape[1]
+    r, heads = m.kv_lora_rank, q.shape[1]
     if not isinstance(kv_b.weight, torch.Tensor) or kv_b.bias is not None:
         return None
-    w = kv_b.weight.view(heads, nope + dv, r)
+    wk, wv = model.mla_blocks(kv_b.weight, heads)
     cache = held[0]  # [1, positions, r + rope]: MLA's one key "head"
     probe = q.new_empty(1, heads, r + m.qk_rope_head_dim)
-    if not (head_matvec.takes(w) and decode_attention.takes_ranges(probe, cache, cache[..., :r])):
+    if not (head_matvec.takes(wk) and decode_attention.takes_ranges(probe, cache, cache[..., :r])):
         return None
     rows_q = (q[0] if d.every_row else q[0].index_select(1, d.rows)).transpose(0, 1)  # [S, heads, nope + rope]
     new = latent[0, 0] if d.every_row else latent[0, 0].index_select(0, d.rows)  # [S, r + rope]
     cache[0].index_copy_(0, d.positions, new)
     for j in d.segs:
         segments[j].cache.layers[layer].length += 1
-    q_nope, q_rot = rows_q.split([nope, m.qk_rope_head_dim], dim=-1)
-    q_lat = torch.cat([head_matvec.x_w(q_nope, w[:, :nope]).to(q.dtype), q_rot], dim=-1)  # [S, heads, r + rope]
+    q_lat = model.mla_latent_queries(rows_q, wk)  # [S, heads, r + rope]
     o = decode_attention.attend_ranges(q_lat, cache, cache[..., :r], *d.ranges(None), model.mla_scale())
-    return head_matvec.w_x(o, w[:, nope:]).to(q.dtype).reshape(len(d.segs), heads * dv)
+    return model.mla_latent_values(o, wv)
 
 
 def _slab_attention(

@@ -304,22 +304,40 @@ class MoETransformer:
         assert m is not None
         r, nope, dv = m.kv_lora_rank, m.qk_nope_head_dim, m.v_head_dim
         b, heads = q.shape[0], q.shape[1]
-        w = weight.view(heads, nope + dv, r)  # per head: its key rows, then its value rows
-        wk, wv = w[:, :nope], w[:, nope:]
+        wk, wv = self.mla_blocks(weight, heads)
+        scale = self.mla_scale()
+        if b == 1 and head_matvec.takes(wk):
+            q_lat = self.mla_latent_queries(q[:, :, 0], wk)[:, :, None]  # [1, heads, 1, r + rope]
+            o = sdpa.attention(q_lat, latent, latent[..., :r], scale=scale, enable_gqa=heads > 1)
+            return self.mla_latent_values(o[:, :, 0], wv)
         q_nope, q_rot = q.split([nope, m.qk_rope_head_dim], dim=-1)
-        own = b == 1 and head_matvec.takes(w)
-        if own:
-            q_lat = head_matvec.x_w(q_nope.reshape(heads, nope), wk).to(q.dtype).view(1, heads, 1, r)
-        elif widen:
+        if widen:
             q_lat = torch.matmul(q_nope.float(), wk.float()).to(q.dtype)
         else:
             q_lat = torch.matmul(q_nope, wk)
         q_lat = torch.cat([q_lat, q_rot], dim=-1)  # [B, heads, 1, r + rope]
-        scale = self.mla_scale()
         o = sdpa.attention(q_lat, latent, latent[..., :r], scale=scale, enable_gqa=heads > 1)  # [B, heads, 1, r]
-        if own:
-            return head_matvec.w_x(o.reshape(heads, r), wv).to(q.dtype).view(1, heads * dv)
         return torch.matmul(o, wv.transpose(1, 2)).reshape(b, heads * dv)
+
+    def mla_blocks(self, weight: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A dense ``kv_b_proj``'s per-head key rows [heads, nope, r] and value rows [heads, v_head_dim, r] (views)."""
+        m = self.config.mla
+        assert m is not None
+        w = weight.view(heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)  # per head: key rows, value rows
+        return w[:, : m.qk_nope_head_dim], w[:, m.qk_nope_head_dim :]
+
+    def mla_latent_queries(self, q: torch.Tensor, wk: torch.Tensor) -> torch.Tensor:
+        """Decode queries [V, heads, nope + rope] into the latent space, [V, heads, r + rope]: each head's no-rope
+        part through its key block (``head_matvec``), the rope part as it is. Check ``head_matvec.takes`` first."""
+        m = self.config.mla
+        assert m is not None
+        q_nope, q_rot = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        return torch.cat([head_matvec.x_w(q_nope, wk).to(q.dtype), q_rot], dim=-1)
+
+    def mla_latent_values(self, o: torch.Tensor, wv: torch.Tensor) -> torch.Tensor:
+        """Weighted latents [V, heads, r] through each head's value block (``head_matvec``) → [V, heads * v_head_dim]
+        in o's dtype."""
+        return head_matvec.w_x(o, wv).to(o.dtype).reshape(o.shape[0], -1)
 
     def mla_scale(self) -> float:
         """MLA's softmax scale: 1 / sqrt(the query-key width), times YaRN's attention factor where it applies."""
