@@ -25,6 +25,7 @@ from pathlib import Path
 from fate_edge.bench.throughput_rounds import (
     PROMPTS,
     ThroughputConfig,
+    engine_kwargs,
     engine_store,
     host_note,
     median_rounds,
@@ -40,7 +41,7 @@ def engines(cfg: ThroughputConfig, max_batch: int):
     from fate_edge.runtime.engine import Engine
 
     store, budget = engine_store(cfg)
-    kw = dict(policy=cfg.policy, dtype=cfg.dtype, device=cfg.device, resident_bits=cfg.resident_bits)
+    kw = engine_kwargs(cfg)
     return store, budget, Engine(store, budget, max_batch=1, **kw), Engine(store, budget, max_batch=max_batch, **kw)
 
 

@@ -24,6 +24,16 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from fate_edge.bench.throughput_rounds import (
+    PROMPTS,
+    engine_kwargs,
+    engine_store,
+    host_note,
+    median_rounds,
+    run_round,
+    serve_both,
+)
+
 
 @dataclass(frozen=True)
 class ModeDilation:
@@ -58,7 +68,6 @@ class UnionCounter:
 
 def _host_step(engine, prompts: list[str], max_tokens: int, rounds: int, concurrent: bool) -> tuple[float, dict]:
     """Median gap between a request's tokens, less the step's mean stall, over ``rounds`` warm rounds."""
-    from fate_edge.bench.throughput_rounds import median_rounds, run_round
 
     run_round(engine, prompts, max_tokens, concurrent)  # every expert read once: later rounds hit the cache
     per = [run_round(engine, prompts, max_tokens, concurrent) for _ in range(rounds)]
@@ -82,7 +91,7 @@ def calibrate_modes(cfg, store, prompts: list[str]) -> tuple[dict, ModeDilation,
     layers, k_top = len(mcfg.moe_layers), mcfg.num_experts_per_tok
     expert_bytes = s.expert_bytes(4)
     everything = expert_bytes * layers * s.index["num_experts"] + 4 * s.precisions[4].slot_bytes
-    kw = dict(policy=cfg.policy, dtype=cfg.dtype, device="cpu", resident_bits=cfg.resident_bits)
+    kw = engine_kwargs(cfg)
     n = len(prompts)
     with Engine(store, everything, max_batch=1, **kw) as alone, Engine(store, everything, max_batch=n, **kw) as batch:
         one = UnionCounter(1)
@@ -132,7 +141,6 @@ def device_equivalent(raw: dict, k: float) -> dict:
 
 def run_emulated(cfg) -> dict:
     """The throughput run of ``cfg`` (a ThroughputConfig with ``emulate``) on the emulated device."""
-    from fate_edge.bench.throughput_rounds import PROMPTS, engine_store, host_note, median_rounds, serve_both
     from fate_edge.devices.emulate import dilated_link, reads_direct
     from fate_edge.devices.link import LinkSpec, ThrottledLink
     from fate_edge.runtime.engine import Engine
@@ -140,7 +148,7 @@ def run_emulated(cfg) -> dict:
     store, budget = engine_store(cfg)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(cfg.concurrency)]
     facts, d1, db = calibrate_modes(cfg, store, prompts)
-    kw = dict(policy=cfg.policy, dtype=cfg.dtype, device="cpu", resident_bits=cfg.resident_bits)
+    kw = engine_kwargs(cfg)
     link = LinkSpec(**facts["device_link"])
 
     def engine(max_batch: int, k: float) -> Engine:

@@ -109,6 +109,11 @@ def median_rounds(rounds: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
 
 
+def engine_kwargs(cfg: ThroughputConfig) -> dict:
+    """The Engine settings every engine of a run shares (besides its store, budget, batch size and link)."""
+    return dict(policy=cfg.policy, dtype=cfg.dtype, device=cfg.device, resident_bits=cfg.resident_bits)
+
+
 def engine_store(cfg: ThroughputConfig) -> tuple[Path, int]:
     """(the store of ``cfg.model``, converted once, and the expert budget in bytes), torch's threads set."""
     from fate_edge.bundled import bundled_model_dir
