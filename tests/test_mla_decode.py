@@ -31,10 +31,10 @@ class _Expanding:
 
 def _decode(model, prompt: list[int], tokens: list[int]) -> list[torch.Tensor]:
     """The prompt's last logits, then one decode step per token of ``tokens`` (fed, not sampled)."""
-    cache = model.new_cache()
-    steps = [model(torch.tensor([prompt]), cache, last_only=True)[0, -1]]
+    cache = model.new_cache()  # ids on the host, as a tokenizer's are (also under torch.device("meta"))
+    steps = [model(torch.tensor([prompt], device="cpu"), cache, last_only=True)[0, -1]]
     for tok in tokens:
-        steps.append(model(torch.tensor([[tok]]), cache)[0, -1])
+        steps.append(model(torch.tensor([[tok]], device="cpu"), cache)[0, -1])
     return steps
 
 
@@ -161,3 +161,28 @@ def test_batched_bf16_decode_rows_take_one_pass_and_match_alone(tiny_mla, monkey
     for ours, alone in zip(got, expected):
         diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(ours, alone))
         assert diff <= 0.05, diff
+
+
+def test_mla_decode_alone_and_batched_makes_nothing_off_the_model_device(tiny_mla):
+    """Under ``torch.device("meta")`` a tensor made without ``device=`` is a meta tensor (tests/test_device_placement
+    .py): the absorbed decode, alone and in a batch's slab pass, gives the same logits there as outside it."""
+    from fate_edge.model.batch_step import Segment, forward_segments
+    from fate_edge.model.kv_slab import KVSlab
+
+    model = load_model(tiny_mla, dtype=torch.bfloat16)
+    prompts = [list(range(3, 15)), list(range(20, 27))]
+
+    def run() -> list[torch.Tensor]:
+        slab = KVSlab(model, 2 * 16)
+        segs = [Segment(p, slab.allocate(16)) for p in prompts]
+        rows = [forward_segments(model, segs)]
+        for t in (50, 51):
+            for seg in segs:
+                seg.ids = [t]
+            rows.append(forward_segments(model, segs))
+        return [*rows, *_decode(model, prompts[0], [50, 51])]
+
+    want = run()
+    with torch.device("meta"):
+        got = run()
+    assert all(g.device.type == "cpu" and torch.equal(g, w) for g, w in zip(got, want))

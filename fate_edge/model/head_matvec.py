@@ -65,7 +65,9 @@ def _call(mode: int, x: torch.Tensor, w: torch.Tensor, width: int) -> torch.Tens
     if x.dim() not in (2, 3) or x.shape[-2:] != (heads, rows if mode == 0 else cols):
         raise ValueError(f"head matvec: x {tuple(x.shape)} does not fit w {tuple(w.shape)}")
     vectors = x.shape[0] if x.dim() == 3 else 1
-    out = torch.empty(*x.shape[:-1], width, dtype=torch.float32)
+    # on x's device, whatever the default device is (under ``torch.device("meta")`` a bare empty() would hand the
+    # kernel a tensor without storage to write into)
+    out = torch.empty(*x.shape[:-1], width, dtype=torch.float32, device=x.device)
     rc = _kernel.lib.fe_head_matvec(
         mode,
         x.data_ptr(),
