@@ -26,13 +26,34 @@ def _err(a, b) -> float:
     return (a.double() - b).abs().max().item()
 
 
+@pytest.fixture(params=[1, 2], ids=["avx2", "avx512"])
+def isa(request):
+    """Each instruction-set path of the kernel: 8 floats a vector, and 16 where the CPU has AVX-512."""
+    used = decode_attention.use_isa(request.param)
+    if used != request.param:
+        decode_attention.use_isa(2)
+        pytest.skip("this CPU lacks AVX-512 (F, BW): only the AVX2 path runs here")
+    yield used
+    decode_attention.use_isa(2)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize(
     "hq, hkv, dk, dv, length",
-    [(16, 16, 128, 128, 85), (4, 2, 32, 32, 37), (32, 8, 128, 128, 700), (8, 1, 64, 64, 1), (16, 16, 192, 128, 50)],
-    ids=["mha", "bundled-gqa", "gqa-long", "mqa-one-key", "mla-dk-not-dv"],
+    [
+        (16, 16, 128, 128, 85),
+        (4, 2, 32, 32, 37),
+        (32, 8, 128, 128, 700),
+        (8, 1, 64, 64, 1),
+        (16, 16, 192, 128, 50),
+        (4, 2, 48, 48, 70),
+        (4, 4, 40, 24, 16),
+    ],
+    # head sizes: multiples of 32 (bf16 rows widened split on both paths), 48 (split on AVX2 only), 40 and 24
+    # (neither: a vector of 8 at a time, the AVX-512 path falling back to AVX2)
+    ids=["mha", "bundled-gqa", "gqa-long", "mqa-one-key", "mla-dk-not-dv", "bundled-48", "head-40-24"],
 )
-def test_as_accurate_as_torch_on_a_strided_cache(dtype, hq, hkv, dk, dv, length):
+def test_as_accurate_as_torch_on_a_strided_cache(isa, dtype, hq, hkv, dk, dv, length):
     g = torch.Generator().manual_seed(length)
     q = torch.randn(2, hq, 1, dk, generator=g).to(dtype)
     # views of caches with room to spare, as a KV cache hands them out
@@ -49,6 +70,18 @@ def test_as_accurate_as_torch_on_a_strided_cache(dtype, hq, hkv, dk, dv, length)
     # torch's fp32 result rounded once to the dtype: the best a kernel returning that dtype can do, and no better
     rounding = _err(theirs.to(dtype), exact)
     assert _err(ours, exact) <= 1.25 * rounding + 1e-6
+
+
+def test_the_avx2_and_avx512_paths_agree(isa):
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 16, 1, 128, generator=g).bfloat16()
+    k, v = torch.randn(1, 16, 300, 128, generator=g).bfloat16(), torch.randn(1, 16, 300, 128, generator=g).bfloat16()
+    ours = decode_attention.attend(q, k, v, 0.1)
+    decode_attention.use_isa(1)
+    narrow = decode_attention.attend(q, k, v, 0.1)
+    assert (ours.float() - narrow.float()).abs().max() <= 2**-7  # one bf16 rounding apart at most
+    exact = _reference(q, k, v, 0.1)
+    assert _err(ours, exact) < 1e-2 and _err(narrow, exact) < 1e-2
 
 
 def test_ranges_of_one_slab_match_each_sequence_alone():

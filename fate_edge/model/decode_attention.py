@@ -34,11 +34,19 @@ def _setup(lib: ctypes.CDLL) -> str | None:
         + [ctypes.c_float, ptr, ctypes.c_int]  # scale, out, threads
     )
     lib.fe_decode_attention.argtypes = argtypes
+    lib.fe_attention_set_isa.argtypes = [ctypes.c_int]
+    lib.fe_attention_set_isa.restype = ctypes.c_int
     return None
 
 
 _kernel = LazyKernel("fate_edge.model", "decode_attention.c", "decode_attention", "attention kernel", _setup)
 available = _kernel.available  # (usable here, why not)
+
+
+def use_isa(isa: int) -> int:
+    """Hold the kernel to an instruction set (2: AVX-512, 1: AVX2), for tests and benchmarks that compare the two
+    paths; returns the one it uses now (at most this CPU's)."""
+    return int(_kernel.lib.fe_attention_set_isa(isa))
 
 
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtypes: tuple[torch.dtype, ...] = NATIVE_DTYPES) -> bool:

@@ -8,6 +8,8 @@ largest difference of each side from float64, beside the float32 result rounded 
 that returns the dtype can do).
 
     python scripts/research/bench_decode_attention.py --threads 1 2 --json bench-out/decode_attention.json --results
+
+``--isa avx2 avx512`` times the kernel's paths side by side on an AVX-512 host (default: the widest this CPU runs).
 """
 
 from __future__ import annotations
@@ -29,9 +31,12 @@ from bench_kernels import time_call  # noqa: E402  (one timing loop for the rese
 
 LAYOUTS = {"bundled 4/2x48": (4, 2, 48), "qwen1.5-moe 16/16x128": (16, 16, 128), "gqa 32/4x128": (32, 4, 128)}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+ISAS = {"avx2": 1, "avx512": 2}
 
 
-def measure(layout: str, length: int, dtype: str, runs: int, sample_ms: float) -> dict:
+def measure(layout: str, length: int, dtype: str, runs: int, sample_ms: float, isa: str) -> dict:
+    if decode_attention.use_isa(ISAS[isa]) != ISAS[isa]:
+        raise SystemExit(f"this CPU does not run the kernel's {isa} path")
     hq, hkv, d = LAYOUTS[layout]
     g = torch.Generator().manual_seed(length)
     dt = DTYPES[dtype]
@@ -57,6 +62,7 @@ def measure(layout: str, length: int, dtype: str, runs: int, sample_ms: float) -
         "layout": layout,
         "positions": length,
         "dtype": dtype,
+        "path": isa,
         "threads": torch.get_num_threads(),
         "torch_us": torch_us,
         "native_us": native_us,
@@ -76,13 +82,14 @@ def render(result: dict) -> str:
         f"(`scripts/research/bench_decode_attention.py`). err: largest difference from float64; rounding: the "
         "float32 result rounded to the dtype.",
         "",
-        "| layout | positions | dtype | threads | cache MB | torch us | fate-edge us | speedup | err torch / fate-edge "
-        "/ rounding |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---|",
+        "| layout | positions | dtype | kernel path | threads | cache MB | torch us | fate-edge us | speedup "
+        "| err torch / fate-edge / rounding |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in result["rows"]:
         lines.append(
-            f"| {r['layout']} | {r['positions']} | {r['dtype']} | {r['threads']} | {r['cache_mb']:.1f} | "
+            f"| {r['layout']} | {r['positions']} | {r['dtype']} | {r.get('path', 'avx2')} | {r['threads']} | "
+            f"{r['cache_mb']:.1f} | "
             f"{r['torch_us']:.0f} | {r['native_us']:.0f} | **{r['speedup']:.2f}x** | "
             f"{r['err_torch']:.1e} / {r['err_native']:.1e} / {r['err_rounding']:.1e} |"
         )
@@ -97,6 +104,7 @@ def main() -> None:
     ap.add_argument("--positions", type=int, nargs="+", default=[64, 512, 2048, 4096])
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=list(DTYPES))
+    ap.add_argument("--isa", nargs="+", choices=list(ISAS), help="kernel paths to time (default: the widest here)")
     ap.add_argument("--json", type=Path, default=Path("bench-out/decode_attention.json"))
     add_results_arg(
         ap,
@@ -107,6 +115,8 @@ def main() -> None:
     ok, why = decode_attention.available()
     if not ok:
         raise SystemExit(f"the kernel is not available here: {why}")
+    widest = decode_attention.use_isa(max(ISAS.values()))
+    isas = args.isa or [next(name for name, i in ISAS.items() if i == widest)]
     rows = []
     with torch.inference_mode():
         for threads in args.threads:
@@ -114,8 +124,9 @@ def main() -> None:
             for layout in args.layouts:
                 for length in args.positions:
                     for dtype in args.dtypes:
-                        rows.append(measure(layout, length, dtype, args.runs, args.sample_ms))
-                        print(json.dumps(rows[-1]), flush=True)
+                        for isa in isas:
+                            rows.append(measure(layout, length, dtype, args.runs, args.sample_ms, isa))
+                            print(json.dumps(rows[-1]), flush=True)
     result = {
         "cpu": cpu_model(),
         "torch": torch.__version__,
