@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 BLOCK_BYTES = 16 << 20  # fp32 working set per block of rows
+_ALIGN = 64  # bytes: torch's allocations are aligned to this, so a clone always is
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,6 +36,13 @@ class Int8Linear:
     scale: torch.Tensor  # bf16 [N]
 
     kernel = "torch-int8"
+
+    def __post_init__(self) -> None:
+        # torch's CPU int8 kernel crashes (segfault) on codes that do not start on a 16-byte boundary, measured on
+        # an AVX-512 Xeon (offsets 1-12 crash, 16 and 32 do not; AVX2 hosts did not); a store's memory-mapped
+        # tensors start wherever safetensors put them. Such codes are copied once into an aligned allocation.
+        if self.codes.device.type == "cpu" and self.codes.data_ptr() % _ALIGN:
+            self.codes = self.codes.clone()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # torch's CPU int8 kernel segfaults when K is not a multiple of 16 (measured: 676-700 crash, 688 and 704
