@@ -47,6 +47,8 @@ def _load() -> None:
         ]
     )
     lib.fe_int4_set_gemm_min_rows.argtypes = [ctypes.c_int]
+    lib.fe_int4_gemm_grouped.restype = ctypes.c_int
+    lib.fe_int4_gemm_grouped.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.fe_q4_0_codes.restype = None
     lib.fe_q4_0_codes.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     isa = lib.fe_int4_isa()
@@ -164,6 +166,27 @@ class NativeInt4:
     def shape(self) -> tuple[int, int]:
         return self.codes.shape[0], self.in_features
 
+    def call_args(self, x: torch.Tensor, y: torch.Tensor) -> list[int]:
+        """fe_int4_gemm's arguments for ``y = x @ W.T`` (x, y contiguous [M, K] / [M, N], both bf16 or both fp32):
+        one row of :func:`gemm_grouped`'s table."""
+        n, k = self.shape
+        bf16 = int(x.dtype == torch.bfloat16)
+        return [
+            self.codes.data_ptr(),
+            self.scale.data_ptr(),
+            self.zero.data_ptr(),
+            int(self.scale.dtype == torch.float32),
+            n,
+            self.codes.shape[1] * 2,
+            self.group_size,
+            x.data_ptr(),
+            bf16,
+            k,
+            x.shape[0],
+            y.data_ptr(),
+            bf16,
+        ]
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n, k = self.shape
         x2 = x.reshape(-1, k)
@@ -200,3 +223,22 @@ class NativeInt4:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
+
+
+def gemm_grouped(calls: list[tuple[NativeInt4, torch.Tensor, torch.Tensor]]) -> None:
+    """``y = x @ W.T`` for every (matrix, x, y) in one call into the kernel, the threads sharing out whole matrices
+    (a MoE layer's experts on their own rows: one parallel region instead of one per matrix). x and y: contiguous
+    [M, K] / [M, N] views, both bf16 or both fp32, M > 0; each y is written in place, with the bits
+    :meth:`NativeInt4.__call__` gives (a matrix is computed the same way whichever thread takes it)."""
+    if not calls:
+        return
+    for lin, x, y in calls:
+        n, k = lin.shape
+        if x.dim() != 2 or x.shape[1] != k or not x.is_contiguous() or not y.is_contiguous():
+            raise ValueError(f"gemm_grouped: x {tuple(x.shape)} for a {n}x{k} matrix must be a contiguous [M, {k}]")
+        if y.shape != (x.shape[0], n) or y.dtype != x.dtype or x.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"gemm_grouped: y {tuple(y.shape)} {y.dtype} does not fit x {tuple(x.shape)} {x.dtype}")
+    table = torch.tensor([lin.call_args(x, y) for lin, x, y in calls], dtype=torch.int64)
+    rc = _lib().fe_int4_gemm_grouped(len(calls), table.data_ptr(), torch.get_num_threads(), _state["isa"])
+    if rc != 0:
+        raise MemoryError(f"native int4 grouped matmul of {len(calls)} matrices: out of memory for its buffers")

@@ -147,9 +147,9 @@ def _stacks_rows(g: QuantizedLinear, u: QuantizedLinear, gate_up: QuantizedLinea
 class ExpertProvider(ABC):
     """Where the MoE block gets routed experts from: the whole contract the model relies on.
 
-    Per MoE layer the model calls :meth:`stream` once with the experts it needs (most popular first),
-    computes each expert as it arrives, then calls :meth:`end_layer`. A provider only has to implement
-    :meth:`get`; the scheduler overrides :meth:`stream` (cache hits first, then reads as they land) and
+    Per MoE layer the model calls :meth:`stream_groups` once with the experts it needs (most popular first),
+    computes each group as it arrives, then calls :meth:`end_layer`. A provider only has to implement
+    :meth:`get`; the scheduler overrides :meth:`stream_groups` (cache hits together, then reads as they land) and
     :meth:`end_layer` (unpin, drop unused prefetches).
     """
 
@@ -161,6 +161,12 @@ class ExpertProvider(ABC):
         """Yield (expert id, callable expert, or None when the provider chose to skip it), in any order."""
         for e in expert_ids:
             yield e, self.get(layer, e)
+
+    def stream_groups(self, layer: int, expert_ids: Iterable[int]) -> Iterator[list[tuple[int, Expert | None]]]:
+        """:meth:`stream` in groups the caller may compute together (one kernel call for several experts): each
+        group's experts stay valid until the caller asks for the next group. By default one expert a group."""
+        for item in self.stream(layer, expert_ids):
+            yield [item]
 
     def end_layer(self, layer: int) -> None:  # noqa: B027 (optional hook, nothing to release by default)
         """The MoE block has computed every expert of ``layer``."""
@@ -198,6 +204,9 @@ class InMemoryExpertProvider(ExpertProvider):
 
     def get(self, layer: int, expert: int) -> Expert:
         return self.experts[(layer, expert)]
+
+    def stream_groups(self, layer: int, expert_ids: Iterable[int]) -> Iterator[list[tuple[int, Expert | None]]]:
+        yield list(self.stream(layer, expert_ids))  # all resident: one group
 
 
 # Row counts expert kernels are timed at: a decode token, and an expert's share of a prefill chunk (64 tokens,

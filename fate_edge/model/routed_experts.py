@@ -7,7 +7,9 @@ hits first) and are summed in expert-id order by :func:`~fate_edge.model.layer_s
 the residual itself in a float32 model, else into an accumulator added once), the shared expert last. One row calls
 its k experts directly; several rows are grouped by expert (``dispatch.group_by_expert``: one gather, each expert on
 its contiguous slice) and summed in k passes, pass j adding every row's j-th expert by id, so each row gets the
-one-row path's bits.
+one-row path's bits. The provider hands experts out in groups (``stream_groups``: the scheduler's cache hits
+together, then the reads that have landed); a group of native int4 experts computes in grouped kernel calls
+(``grouped_experts``), with each expert's own bits.
 """
 
 from __future__ import annotations
@@ -18,13 +20,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from fate_edge.model.dispatch import group_by_expert
+from fate_edge.model.grouped_experts import group_rows
 from fate_edge.model.layer_step import (
     ExpertInput,
     Moe,
     add_moe,
     add_routed,
     add_shared,
-    expert_rows,
     moe_sum,
     shared_out,
 )
@@ -106,9 +108,8 @@ def routed_one(
     weight_of = dict(zip(host_idx.tolist()[0], host_w.tolist()[0]))  # exact: float32 → Python float → float32
     rows = ExpertInput(h, decode)
     parts: dict[int, torch.Tensor] = {}
-    for e, expert in model.experts.stream(layer, sorted(weight_of)):
-        if expert is not None:  # None: skipped by precision-on-miss (opt-in)
-            parts[e] = expert_rows(expert, rows)
+    for group in model.experts.stream_groups(layer, sorted(weight_of)):
+        parts.update(group_rows(group, rows))  # an expert skipped by precision-on-miss (opt-in) has no part
     model.experts.end_layer(layer)
     for e in sorted(parts):  # whatever order they arrived in
         acc = add_routed(acc, parts[e], weight_of[e])
@@ -131,13 +132,13 @@ def routed_grouped(
     grouped_decode = decode.index_select(0, g.tokens) if isinstance(decode, torch.Tensor) else decode
     rows = ExpertInput(h.index_select(0, g.tokens), grouped_decode)  # [N*k, H], rows grouped by expert id
     ys = torch.empty_like(rows.h)  # bf16 kernel outputs widen exactly into a float32 model's rows
-    starts = dict(zip(g.ids, g.starts))
-    for e, expert in model.experts.stream(layer, g.by_popularity()):  # any order (cache hits first, then reads)
-        part = slice(starts[e], starts[e] + g.counts[e])
-        if expert is None:  # skipped by precision-on-miss (opt-in): its rows add zero
-            ys[part] = 0
-        else:
-            ys[part] = expert_rows(expert, rows, part)
+    parts = {e: slice(a, a + g.counts[e]) for e, a in zip(g.ids, g.starts)}
+    for group in model.experts.stream_groups(layer, g.by_popularity()):  # cache hits together, then reads
+        for e, expert in group:
+            if expert is None:  # skipped by precision-on-miss (opt-in): its rows add zero
+                ys[parts[e]] = 0
+        for e, y in group_rows(group, rows, parts).items():
+            ys[parts[e]] = y
     model.experts.end_layer(layer)
     by_rank = g.by_rank(idx)  # [k blocks of N rows]: block j holds every row's j-th expert by id, rows in order
     ys = ys.index_select(0, by_rank)

@@ -342,8 +342,16 @@ class Scheduler(ExpertProvider):
     # ---------------------------------------------------------------- serving
     def stream(self, layer: int, expert_ids: Iterable[int]) -> Iterator[tuple[int, Expert | None]]:
         """Yield (expert id, callable expert or None if skipped): cached first, then in arrival order."""
+        for group in self.stream_groups(layer, expert_ids):
+            yield from group
+
+    def stream_groups(self, layer: int, expert_ids: Iterable[int]) -> Iterator[list[tuple[int, Expert | None]]]:
+        """:meth:`stream` in groups: first every cached (pinned till :meth:`end_layer`) or skipped expert, then the
+        reads that have landed, together, as they land (their read buffers may go back to the pool once the caller
+        asks for the next group)."""
         info = AccessInfo(layer_now=layer, num_layers=self.config.num_hidden_layers)
         pending: dict[int, _Fetch] = {}
+        at_hand: list[tuple[int, Expert | None]] = []
         for e in expert_ids:
             key = (layer, e)
             entry = self.cache.get(key) if self.cache is not None else None
@@ -353,15 +361,11 @@ class Scheduler(ExpertProvider):
                 self.cache.access(key, True, info)
                 self.stats.hits += 1
                 self._count_use(layer, 0)
-                t0 = time.perf_counter()
-                yield e, entry.expert
-                if not self._prefill:
-                    self.stats.expert_s += time.perf_counter() - t0
-                    self.stats.experts_timed += 1
+                at_hand.append((e, entry.expert))
             elif key in self.skip:
                 self.skip.discard(key)
                 self.stats.skipped += 1
-                yield e, None
+                at_hand.append((e, None))
             else:
                 f = self.prefetches.pop(key, None) or self.demands.pop(key, None)
                 if f is None:  # not announced through on_route (a provider used without the hook)
@@ -372,6 +376,13 @@ class Scheduler(ExpertProvider):
                     )
                 pending[e] = f
         self._issue_deferred()  # this layer's prefetches left self.prefetches: room for the layers ahead
+        if at_hand:
+            t0 = time.perf_counter()
+            yield at_hand
+            computed = sum(expert is not None for _, expert in at_hand)
+            if not self._prefill and computed:  # the caller computed them before asking for more
+                self.stats.expert_s += time.perf_counter() - t0
+                self.stats.experts_timed += computed
         try:
             while pending:
                 ready = [e for e, f in pending.items() if f.req.done.is_set()]
@@ -382,11 +393,15 @@ class Scheduler(ExpertProvider):
                             self.fetch.completed.wait(timeout=0.05)
                     self.stats.stall_s += time.perf_counter() - t0
                     continue
-                for e in ready:
-                    f = pending.pop(e)
-                    try:
-                        yield e, self._consume(layer, e, f, info)
-                    finally:  # the caller is done with the expert: its buffer may take the next read
+                landed: list[_Fetch] = []
+                try:
+                    group = []
+                    for e in ready:
+                        landed.append(f := pending.pop(e))
+                        group.append((e, self._consume(layer, e, f, info)))
+                    yield group
+                finally:  # the caller is done with these experts: their buffers may take the next reads
+                    for f in landed:
                         if f.lent:
                             self._lent.append(f.req) if self._hold_lent else self.fetch.release(f.req)
         except BaseException:  # a failed read, or the request abandoned mid-layer: return every buffer

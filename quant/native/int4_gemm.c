@@ -699,6 +699,25 @@ int fe_int4_gemm(const uint8_t *codes, const void *scale, const void *zero, int 
     return rc;
 }
 
+/* ``G`` independent fe_int4_gemm calls (a MoE layer's experts, each on its own rows), one thread each: the threads
+   share out whole matrices (dynamic: rows per matrix differ) instead of splitting each one, so a step of many small
+   expert GEMMs pays one parallel region, not one (and a barrier) per matrix. ``table``: per call, 13 int64 fields in
+   fe_int4_gemm's argument order (codes, scale, zero, scale_f32, N, K, g, x, x_bf16, kx, M, y, y_bf16). Fewer
+   calls than threads: each call is split across the threads instead. Returns 0, or -1 if any call failed. */
+int fe_int4_gemm_grouped(int G, const int64_t *table, int threads, int isa) {
+    int failed = 0;
+    const int across = threads > 1 && G >= threads;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (across) reduction(| : failed)
+    for (int i = 0; i < G; i++) {
+        const int64_t *a = table + 13 * (size_t)i;
+        failed |= fe_int4_gemm((const uint8_t *)(intptr_t)a[0], (const void *)(intptr_t)a[1],
+                               (const void *)(intptr_t)a[2], (int)a[3], (int)a[4], (int)a[5], (int)a[6],
+                               (const void *)(intptr_t)a[7], (int)a[8], (int)a[9], (int)a[10], (void *)(intptr_t)a[11],
+                               (int)a[12], across ? 1 : threads, isa) != 0;
+    }
+    return failed ? -1 : 0;
+}
+
 /* ---- the store layout from llama.cpp's q4_0 blocks (GGUF convert) ----------------------------------------------
  * A q4_0 block is an fp16 scale and 16 bytes: byte i holds weight i in its low nibble and weight i + 16 in its
  * high one. The portable layout packs weights 2j and 2j + 1 into byte j (low nibble first). This writes the 16

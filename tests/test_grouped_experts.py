@@ -1,0 +1,142 @@
+"""Several experts of a layer in grouped kernel calls (``model.grouped_experts``, ``quant.native.gemm_grouped``): each
+expert's output has the bits of its own call, whatever the rows, dtype, layout or threads; a provider's groups (the
+scheduler: cache hits together, then reads as they land) feed them; and an engine's logits do not change."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fate_edge.quant import QuantSpec
+from fate_edge.quant.linear import QuantizedLinear
+from fate_edge.quant.native import gemm_grouped, native_status
+
+from fate_edge.model import grouped_experts
+from fate_edge.model.experts import ExpertWeights, QuantizedExpert
+from fate_edge.model.grouped_experts import compute_group, group_rows, groupable
+from fate_edge.model.layer_step import ExpertInput
+
+pytestmark = pytest.mark.skipif(not native_status()[0], reason=f"native int4 kernel: {native_status()[1]}")
+
+SPEC = QuantSpec(4, 64)
+
+
+def _expert(seed: int, hidden: int = 256, inter: int = 128, fused: bool = True) -> QuantizedExpert:
+    g = torch.Generator().manual_seed(seed)
+    gate, up = torch.randn(inter, hidden, generator=g), torch.randn(inter, hidden, generator=g)
+    down = torch.randn(hidden, inter, generator=g)
+    lin = [QuantizedLinear.from_float(w, SPEC, kernel="native-int4") for w in (gate, up, down)]
+    expert = QuantizedExpert(*lin)
+    return expert.fused() if fused else expert
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("fused", [True, False], ids=["gate-up-fused", "gate-up-apart"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_expert_gets_the_bits_of_its_own_call(threads, fused, dtype):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        experts = [_expert(i, fused=fused) for i in range(5)]
+        rows = [1, 3, 1, 2, 8]  # the row kernel and the tiled GEMM both
+        g = torch.Generator().manual_seed(9)
+        items = [(e, torch.randn(m, 256, generator=g).to(dtype)) for e, m in zip(experts, rows)]
+        assert groupable(items)
+        outs = compute_group(items)
+        for (expert, x), y in zip(items, outs):
+            assert y.dtype == dtype and y.shape == x.shape
+            assert torch.equal(y, expert(x))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_only_native_experts_of_one_shape_and_dtype_are_grouped():
+    a, b = _expert(0), _expert(1)
+    x = torch.randn(2, 256)
+    assert groupable([(a, x), (b, x)])
+    assert not groupable([(a, x)])  # one expert: its own call
+    assert not groupable([(a, x), (_expert(2, fused=False), x)])  # gate_up beside gate and up
+    assert not groupable([(a, x), (_expert(3, inter=256), x)])  # another intermediate size
+    assert not groupable([(a, x), (b, x.bfloat16())])  # another dtype
+    assert not groupable([(a, x), (b, x[:0])])  # no rows
+    torch_kernel = QuantizedExpert(
+        *(QuantizedLinear.from_float(torch.randn(128, 256), SPEC, kernel="torch-int4") for _ in range(2)),
+        QuantizedLinear.from_float(torch.randn(256, 128), SPEC, kernel="torch-int4"),
+    )
+    assert not groupable([(a, x), (torch_kernel, x)])
+    dense = ExpertWeights(torch.randn(128, 256), torch.randn(128, 256), torch.randn(256, 128))
+    assert not groupable([(a, x), (dense, x)])
+
+
+def test_group_rows_falls_back_to_one_call_each_and_leaves_skipped_experts_out():
+    dense = {e: ExpertWeights(torch.randn(8, 16), torch.randn(8, 16), torch.randn(16, 8)) for e in (1, 4)}
+    rows = ExpertInput(torch.randn(5, 16), decode=False)
+    parts = {1: slice(0, 2), 3: slice(2, 3), 4: slice(3, 5)}
+    out = group_rows([(1, dense[1]), (3, None), (4, dense[4])], rows, parts)
+    assert sorted(out) == [1, 4]
+    for e in (1, 4):
+        assert torch.equal(out[e], dense[e](rows.h[parts[e]]))
+
+
+def test_gemm_grouped_refuses_rows_that_do_not_fit():
+    lin = QuantizedLinear.from_float(torch.randn(128, 256), SPEC, kernel="native-int4").native
+    x = torch.randn(2, 256)
+    with pytest.raises(ValueError, match="does not fit"):
+        gemm_grouped([(lin, x, torch.empty(2, 64))])
+    with pytest.raises(ValueError, match="contiguous"):
+        gemm_grouped([(lin, torch.randn(256, 4).T, torch.empty(4, 128))])
+
+
+@pytest.fixture(scope="module")
+def native_model(tmp_path_factory):
+    from _tiny_moe import build_wide_moe
+
+    return build_wide_moe(tmp_path_factory.mktemp("wide") / "m", 128, vocab=1024)
+
+
+def test_the_scheduler_hands_out_cache_hits_together_and_the_logits_do_not_change(native_model, monkeypatch, tmp_path):
+    """In an engine with a budget the scheduler's first group holds every cached expert of a step; computing the
+    groups in grouped kernel calls gives the logits the one-call-per-expert path gives, bit for bit."""
+    from fate_edge import Engine
+    from fate_edge.format.converted_stores import ensure_store
+    from fate_edge.model.batch_step import Segment, forward_segments
+
+    monkeypatch.setenv("FATE_EDGE_CACHE", str(tmp_path / "cache"))
+    store = ensure_store(native_model, cold_bits=None, progress=False)
+    prompts = [[3, 17, 99, 5, 250], [8, 61, 7], [40, 41, 42, 43], [900, 2]]
+    groups: list[list[int]] = []
+    grouped_calls: list[int] = []
+    real_stream, real_compute = None, compute_group
+
+    def counting_compute(items):
+        grouped_calls.append(len(items))
+        return real_compute(items)
+
+    def run(grouping: bool) -> list[torch.Tensor]:
+        nonlocal real_stream
+        monkeypatch.setattr(grouped_experts, "compute_group", counting_compute)
+        if not grouping:
+            monkeypatch.setattr(grouped_experts, "groupable", lambda items: False)
+        with Engine(store, memory_budget="64MB", policy="lru", dtype="bfloat16") as eng:
+            real_stream = eng.model.experts.stream_groups
+
+            def recording(layer, ids):
+                for group in real_stream(layer, ids):
+                    groups.append([e for e, _ in group])
+                    yield group
+
+            eng.model.experts.stream_groups = recording
+            caches = [eng.model.new_cache() for _ in prompts]
+            first = forward_segments(eng.model, [Segment(p, c) for p, c in zip(prompts, caches)])
+            second = forward_segments(eng.model, [Segment([p[-1]], c) for p, c in zip(prompts, caches)])
+        monkeypatch.undo()
+        monkeypatch.setenv("FATE_EDGE_CACHE", str(tmp_path / "cache"))
+        return [first, second]
+
+    grouped = run(grouping=True)
+    assert grouped_calls and max(grouped_calls) >= 2  # the decode step's cache hits went through grouped calls
+    assert any(len(g) >= 2 for g in groups)
+    grouped_calls.clear()
+    alone = run(grouping=False)
+    assert not grouped_calls
+    for a, b in zip(grouped, alone):
+        assert torch.equal(a, b)
