@@ -22,7 +22,7 @@ def table_row(name: str, r: dict) -> str:
         f"**{x['token_p50_batched_over_single']:.2f}x** | {1e3 * a['ttft_p50_s']:.0f} / {1e3 * b['ttft_p50_s']:.0f}"
         f" | {a['bytes_per_token'] / 1e3:.0f} / {b['bytes_per_token'] / 1e3:.0f} | "
         f"**{x['bytes_per_token_alone_over_batched']:.2f}x** | {r['mean_batch']:.1f} | "
-        f"{h['load_average'][0]:.1f} | {h['cpu']} |"
+        f"{h['load_average'][0]:.1f} | {h['cpu']}, {h['torch_threads']} torch threads |"
     )
 
 
@@ -31,7 +31,7 @@ def table(runs: dict[str, dict]) -> str:
     head = (
         "| model | N | dtype | budget | alone tok/s | batched tok/s | ratio | single-request p50 ms/token | "
         "batched p50 / p90 / p99 ms/token | p50 ratio | TTFT p50 ms alone / batched | expert KB read per token "
-        "alone / batched | bytes ratio | mean batch | load avg | CPU |\n"
+        "alone / batched | bytes ratio | mean batch | load avg | CPU, threads |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     rows = [table_row(n, r) for n, r in sorted(runs.items())]
