@@ -33,6 +33,7 @@ from fate_edge.runtime.budget import BudgetPlan, memory_shortfall, parse_bytes, 
 from fate_edge.runtime.cache import ExpertCache
 from fate_edge.runtime.cache.factory import Resident, build_cache, layer_slots, pick_resident
 from fate_edge.runtime.generate import GenerateConfig, GenerationResponse, stream_generate
+from fate_edge.runtime.load_threads import one_torch_thread
 from fate_edge.runtime.loader import load_model
 from fate_edge.runtime.memory_account import available_memory_bytes, kv_bytes_per_token, memory_account, shortfall
 from fate_edge.runtime.policy import PolicyConfig, for_model, get_policy
@@ -144,63 +145,69 @@ class Engine:
                     f"{self.store.bits_available}; re-run fate-edge convert with --bits {bits}"
                 )
         self.budget = parse_bytes(memory_budget)
-        self.account = memory_account(
-            store_dir, self.budget, self.dtype, context_tokens, resident_bits, embedding_bits=embedding_bits
-        )
-        self._check_account()
-        self.model = load_model(
-            store_dir,
-            dtype=self.dtype,
-            experts=_NoExperts(),
-            device=device,
-            resident_bits=resident_bits,
-            embedding_bits=embedding_bits,
-        )
-        self.policy = for_model(self.policy, self.model.config.model_type)  # e.g. Fate's tail share per model
-        self.tokenizer = Tokenizer(store_dir)
-        self.link = link
-        if self.policy.predictor == "oracle" and trace is None:
-            raise FateEdgeError("the oracle policy needs a recorded trace of the same request (Engine.record_trace)")
-        self.trace = trace
-        self.plan = self._plan_budget(max_inflight_prefetches)
-        bits_used = [b for b in (self.policy.bits, self.policy.cold_bits) if b in self.store.precisions]
-        slot = max(self.store.precisions[b].slot_bytes for b in bits_used)
-        # On a GPU, staging buffers are pinned so copies to the device are asynchronous DMA.
-        pool = BufferPool(self.plan.pool_buffers, slot, pinned=device.startswith("cuda"))
-        self.fetch = FetchEngine(
-            pool,
-            workers=workers,
-            link=link,
-            direct_io=direct_io,
-            verify=verify,
-            demand_reserve=self.plan.demand_buffers,
-        )
-        self._check_memory()
-        self.cache = self._make_cache()
-        self.scheduler = Scheduler(
-            self.model.config,
-            self.store,
-            self.fetch,
-            self.cache,
-            self.policy,
-            self._make_predictor(),
-            self.dtype,
-            device,
-            max_inflight_prefetches=self.plan.pool_buffers - 2,
-        )
-        self.model.experts = self.scheduler
-        # A replayed trace follows the recorded run call by call, and the recording saw every token in every layer.
-        self.scheduler.needs_every_token = trace is not None
-        self.model.observers.append(self.scheduler)
-        self.load_report = self._preload()  # reads at load: apart from every request's statistics
-        # zero-copy: the cache's memory faulted in now, not one read at a time mid-token
-        if self.scheduler.zero_copy and self.cache is not None:
-            uncached = len(self.model.config.moe_layers) * self.model.config.num_experts - len(self.cache.entries)
-            pool.add_spares(min(self.cache.free_entries(pool.size), uncached))
-        self.token_stats: list[SchedulerStats] = []  # per generated token of the last request
-        self.prefill_stats = SchedulerStats()
-        self._request_stats = SchedulerStats()
-        self._local = threading.local()  # a batched stream's own statistics, per reading thread
+        # A batched engine computes on its batcher thread: it loads here on one torch thread, so that the batcher
+        # thread's OpenMP team is the process's only one (runtime.load_threads: 4x on the bundled model)
+        batched = (max_batch or default_max_batch(device)) > 1 and trace is None and device == "cpu"
+        with one_torch_thread(batched):
+            self.account = memory_account(
+                store_dir, self.budget, self.dtype, context_tokens, resident_bits, embedding_bits=embedding_bits
+            )
+            self._check_account()
+            self.model = load_model(
+                store_dir,
+                dtype=self.dtype,
+                experts=_NoExperts(),
+                device=device,
+                resident_bits=resident_bits,
+                embedding_bits=embedding_bits,
+            )
+            self.policy = for_model(self.policy, self.model.config.model_type)  # e.g. Fate's tail share per model
+            self.tokenizer = Tokenizer(store_dir)
+            self.link = link
+            if self.policy.predictor == "oracle" and trace is None:
+                raise FateEdgeError(
+                    "the oracle policy needs a recorded trace of the same request (Engine.record_trace)"
+                )
+            self.trace = trace
+            self.plan = self._plan_budget(max_inflight_prefetches)
+            bits_used = [b for b in (self.policy.bits, self.policy.cold_bits) if b in self.store.precisions]
+            slot = max(self.store.precisions[b].slot_bytes for b in bits_used)
+            # On a GPU, staging buffers are pinned so copies to the device are asynchronous DMA.
+            pool = BufferPool(self.plan.pool_buffers, slot, pinned=device.startswith("cuda"))
+            self.fetch = FetchEngine(
+                pool,
+                workers=workers,
+                link=link,
+                direct_io=direct_io,
+                verify=verify,
+                demand_reserve=self.plan.demand_buffers,
+            )
+            self._check_memory()
+            self.cache = self._make_cache()
+            self.scheduler = Scheduler(
+                self.model.config,
+                self.store,
+                self.fetch,
+                self.cache,
+                self.policy,
+                self._make_predictor(),
+                self.dtype,
+                device,
+                max_inflight_prefetches=self.plan.pool_buffers - 2,
+            )
+            self.model.experts = self.scheduler
+            # A replayed trace follows the recorded run call by call, and the recording saw every token in every layer.
+            self.scheduler.needs_every_token = trace is not None
+            self.model.observers.append(self.scheduler)
+            self.load_report = self._preload()  # reads at load: apart from every request's statistics
+            # zero-copy: the cache's memory faulted in now, not one read at a time mid-token
+            if self.scheduler.zero_copy and self.cache is not None:
+                uncached = len(self.model.config.moe_layers) * self.model.config.num_experts - len(self.cache.entries)
+                pool.add_spares(min(self.cache.free_entries(pool.size), uncached))
+            self.token_stats: list[SchedulerStats] = []  # per generated token of the last request
+            self.prefill_stats = SchedulerStats()
+            self._request_stats = SchedulerStats()
+            self._local = threading.local()  # a batched stream's own statistics, per reading thread
         self.batcher = self._make_batcher(max_batch, context_tokens)
 
     def _make_batcher(self, max_batch: int, context_tokens: int) -> Batcher | None:
@@ -413,8 +420,10 @@ class Engine:
 
         if threads:
             torch.set_num_threads(threads)
-        store = ensure_store(path or bundled_model_dir(), progress=False)
         kw.setdefault("max_batch", 0)  # the SDK's engine batches concurrent requests (the machine's default size)
+        # a first use converts here: on one thread too where the batcher will compute (runtime.load_threads)
+        with one_torch_thread(kw["max_batch"] != 1 and resolve_device(device) == "cpu"):
+            store = ensure_store(path or bundled_model_dir(), progress=False)
         return cls(store, memory_budget, policy, dtype=dtype, device=device, **kw)
 
     # ------------------------------------------------------------- generation
