@@ -157,9 +157,13 @@ def serve_both(alone, batched, prompts: list[str], cfg: ThroughputConfig) -> Ser
     run_round(batched, prompts[:2], 4, True)
     single = [run_round(alone, prompts[:1], cfg.max_tokens, False) for _ in range(cfg.rounds)]
     rounds: dict[str, list[dict]] = {"alone": [], "batched": []}
+    steps = carried = 0  # the batched rounds' steps and the sequences they carried (``alone`` may be the same engine)
     for r in range(cfg.rounds):
         order = [("alone", alone, False), ("batched", batched, True)]
         for name, engine, concurrent in order if r % 2 == 0 else order[::-1]:
+            b0 = (batched.batcher.stats.steps, batched.batcher.stats.sequences_stepped)
             rounds[name].append(run_round(engine, prompts, cfg.max_tokens, concurrent))
-    b = batched.batcher.stats
-    return Served(single, rounds, b.sequences_stepped / b.steps if b.steps else 0.0)
+            if name == "batched":
+                steps += batched.batcher.stats.steps - b0[0]
+                carried += batched.batcher.stats.sequences_stepped - b0[1]
+    return Served(single, rounds, carried / steps if steps else 0.0)
