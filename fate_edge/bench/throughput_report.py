@@ -22,7 +22,7 @@ def table_row(name: str, r: dict) -> str:
         f"**{x['token_p50_batched_over_single']:.2f}x** | {1e3 * a['ttft_p50_s']:.0f} / {1e3 * b['ttft_p50_s']:.0f}"
         f" | {a['bytes_per_token'] / 1e3:.0f} / {b['bytes_per_token'] / 1e3:.0f} | "
         f"**{x['bytes_per_token_alone_over_batched']:.2f}x** | {r['mean_batch']:.1f} | "
-        f"{h['load_average'][0]:.1f} | {h['cpu']}, {h['torch_threads']} torch threads |"
+        f"{h['load_average'][0]:.1f} | {h['cpu']}, {h['torch_threads']} torch thread{'s' if h['torch_threads'] != 1 else ''} |"
     )
 
 
