@@ -12,6 +12,7 @@ from pathlib import Path
 def table_row(name: str, r: dict) -> str:
     a, b, one, x = r["alone"], r["batched"], r["single_request"], r["ratios"]
     c, h = r["config"], r["host"]
+    threads = f"{h['torch_threads']} torch thread" + ("" if h["torch_threads"] == 1 else "s")
     dtype = c["dtype"] + (f", int{c['resident_bits']} resident" if c.get("resident_bits") else "")
     if "gpu" in h:  # a CUDA run (the GPU check's): the row names its GPU
         dtype += f", {h['gpu']}"
@@ -22,7 +23,7 @@ def table_row(name: str, r: dict) -> str:
         f"**{x['token_p50_batched_over_single']:.2f}x** | {1e3 * a['ttft_p50_s']:.0f} / {1e3 * b['ttft_p50_s']:.0f}"
         f" | {a['bytes_per_token'] / 1e3:.0f} / {b['bytes_per_token'] / 1e3:.0f} | "
         f"**{x['bytes_per_token_alone_over_batched']:.2f}x** | {r['mean_batch']:.1f} | "
-        f"{h['load_average'][0]:.1f} | {h['cpu']}, {h['torch_threads']} torch thread{'s' if h['torch_threads'] != 1 else ''} |"
+        f"{h['load_average'][0]:.1f} | {h['cpu']}, {threads} |"
     )
 
 
