@@ -12,7 +12,7 @@ from fate_edge.quant.native import gemm_grouped, native_status
 
 from fate_edge.model import grouped_experts
 from fate_edge.model.experts import ExpertWeights, QuantizedExpert
-from fate_edge.model.grouped_experts import compute_group, group_rows, groupable
+from fate_edge.model.grouped_experts import GROUP_MAX_ROWS, compute_group, group_rows, groupable
 from fate_edge.model.layer_step import ExpertInput
 
 pytestmark = pytest.mark.skipif(not native_status()[0], reason=f"native int4 kernel: {native_status()[1]}")
@@ -58,6 +58,9 @@ def test_only_native_experts_of_one_shape_and_dtype_are_grouped():
     assert not groupable([(a, x), (_expert(3, inter=256), x)])  # another intermediate size
     assert not groupable([(a, x), (b, x.bfloat16())])  # another dtype
     assert not groupable([(a, x), (b, x[:0])])  # no rows
+    many = torch.randn(GROUP_MAX_ROWS, 256)
+    assert groupable([(a, many[:32]), (b, many[32:])])
+    assert not groupable([(a, many), (b, x)])  # a prompt chunk's rows: one call each, memory as before
     torch_kernel = QuantizedExpert(
         *(QuantizedLinear.from_float(torch.randn(128, 256), SPEC, kernel="torch-int4") for _ in range(2)),
         QuantizedLinear.from_float(torch.randn(256, 128), SPEC, kernel="torch-int4"),

@@ -47,10 +47,18 @@ def native_stages(expert: Expert | None) -> tuple[list[NativeInt4], NativeInt4] 
     return up, down
 
 
+# Most rows a group computes together: a batched decode step's (8 sequences x top-k), not a prompt chunk's. The
+# group holds every expert's intermediate rows at once (3 x the intermediate size a row: at most ~11 MB on Mixtral's
+# 14336 in fp32, within the memory account's fixed buffer term), where one call each held one expert's; a prompt
+# chunk's many rows per expert amortize a call anyway.
+GROUP_MAX_ROWS = 64
+
+
 def groupable(items: Sequence[tuple[Expert | None, torch.Tensor]]) -> bool:
     """Whether :func:`compute_group` takes these (expert, rows) pairs in grouped kernel calls: two or more, every one
-    on the native kernel with the same stage layout and intermediate size, rows fp32 or bf16 of one dtype."""
-    if len(items) < 2:
+    on the native kernel with the same stage layout and intermediate size, rows fp32 or bf16 of one dtype, at most
+    :data:`GROUP_MAX_ROWS` rows in all."""
+    if len(items) < 2 or sum(x.shape[0] for _, x in items) > GROUP_MAX_ROWS:
         return False
     shapes = set()
     for expert, x in items:
