@@ -1,5 +1,9 @@
-"""A batched engine loads on one torch thread (``runtime.load_threads``): its batcher thread must hold the process's
-only OpenMP team, or libgomp throttles every team's spin-waiting and the bundled model decodes ~4x slower."""
+"""A batched engine loads on a thread of its own (``runtime.load_threads``): its batcher thread must hold the
+process's only OpenMP team, or libgomp throttles every team's spin-waiting and the bundled model decodes ~4x slower.
+A thread's OpenMP helpers end with it."""
+
+import os
+import threading
 
 import pytest
 import torch
@@ -7,7 +11,8 @@ import torch
 import fate_edge.runtime.engine as engine_module
 from fate_edge.format.convert import ConvertOptions, convert
 from fate_edge.runtime.engine import Engine
-from fate_edge.runtime.load_threads import one_torch_thread
+from fate_edge.runtime.generate import GenerateConfig
+from fate_edge.runtime.load_threads import in_own_thread
 
 
 @pytest.fixture(scope="module")
@@ -17,42 +22,47 @@ def bundled_store(tmp_path_factory, bundled_dir):
     return out
 
 
-def test_one_torch_thread_holds_one_thread_for_the_block_and_restores_the_setting():
-    before = torch.get_num_threads()
+def test_in_own_thread_returns_the_result_or_raises_the_error_of_another_thread():
+    here = threading.get_ident()
+    assert in_own_thread(threading.get_ident) != here
+
+    def fail():
+        raise ValueError("a damaged store")
+
+    with pytest.raises(ValueError, match="a damaged store"):
+        in_own_thread(fail)
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux's /proc")
+def test_the_openmp_helpers_of_a_finished_thread_are_gone():
+    before_threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        with one_torch_thread():
-            assert torch.get_num_threads() == 1
-        assert torch.get_num_threads() == 2
-        with one_torch_thread(active=False):
-            assert torch.get_num_threads() == 2
-        with pytest.raises(RuntimeError), one_torch_thread():
-            raise RuntimeError("a failed load")
-        assert torch.get_num_threads() == 2  # restored on the way out of a failure too
+        x = torch.randn(512, 512)
+        start = _threads()
+        in_own_thread(lambda: [x @ x for _ in range(20)])  # parallel regions with 2 threads, on a thread of its own
+        assert _threads() == start
     finally:
-        torch.set_num_threads(before)
+        torch.set_num_threads(before_threads)
 
 
-@pytest.mark.parametrize("max_batch, threads_at_load", [(4, 1), (0, 1), (1, 2)])
-def test_a_batched_engine_loads_on_one_thread_and_computes_on_all(
-    bundled_store, monkeypatch, max_batch, threads_at_load
-):
-    """max_batch > 1 (or 0, the machine's default of 8): loaded on one thread; alone (1): the caller's thread
-    computes, so it loads with the threads it has. Either way the process keeps its setting afterwards."""
+@pytest.mark.parametrize("max_batch, elsewhere", [(4, True), (0, True), (1, False)])
+def test_a_batched_engine_loads_on_a_thread_of_its_own(bundled_store, monkeypatch, max_batch, elsewhere):
+    """max_batch > 1 (or 0, the machine's default of 8): the batcher thread computes, so the load runs elsewhere;
+    alone (1): the caller's thread computes, and loads."""
     seen = []
     real = engine_module.load_model
 
     def recording(*args, **kwargs):
-        seen.append(torch.get_num_threads())
+        seen.append(threading.get_ident())
         return real(*args, **kwargs)
 
     monkeypatch.setattr(engine_module, "load_model", recording)
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        with Engine(bundled_store, memory_budget="2MB", max_batch=max_batch) as eng:
-            assert seen == [threads_at_load]
-            assert torch.get_num_threads() == 2
-            assert (eng.batcher is not None) == (max_batch != 1)
-    finally:
-        torch.set_num_threads(before)
+    with Engine(bundled_store, memory_budget="2MB", max_batch=max_batch) as eng:
+        assert (seen[0] != threading.get_ident()) == elsewhere
+        assert (eng.batcher is not None) == (max_batch != 1)
+        assert eng.generate("def f():", GenerateConfig(max_tokens=4))[0]  # it works after a load elsewhere

@@ -206,9 +206,12 @@ def open_engine(
     from fate_edge.format.checkpoint_layout import DTYPES
     from fate_edge.runtime.budget import parse_bytes
     from fate_edge.runtime.engine import Engine
+    from fate_edge.runtime.load_threads import in_own_thread
 
     log = log or sys.stderr
-    store = resolve_store(opts.model, progress)
+    # converting (once) and the planner's probes run torch on threads of their own: their OpenMP helper threads end
+    # with them instead of slowing a batching engine's (runtime.load_threads)
+    store = in_own_thread(lambda: resolve_store(opts.model, progress))
     link = make_link(opts.link)
     set_threads(opts.threads)
     policy, planned = opts.policy, None
@@ -220,13 +223,15 @@ def open_engine(
             print(f"[planner] {message}", file=log, flush=True)
 
         say("choosing a policy for this host, budget and link (probes the engine; this takes a while)")
-        planned = auto_plan(
-            store,
-            parse_bytes(opts.memory_budget),
-            link.spec if link else None,
-            dtype=DTYPES[opts.dtype],
-            progress=say,
-            device=opts.device_profile or detect().profile,
+        planned = in_own_thread(
+            lambda: auto_plan(
+                store,
+                parse_bytes(opts.memory_budget),
+                link.spec if link else None,
+                dtype=DTYPES[opts.dtype],
+                progress=say,
+                device=opts.device_profile or detect().profile,
+            )
         )
         p = planned.policy
         say(

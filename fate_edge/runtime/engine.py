@@ -33,7 +33,7 @@ from fate_edge.runtime.budget import BudgetPlan, memory_shortfall, parse_bytes, 
 from fate_edge.runtime.cache import ExpertCache
 from fate_edge.runtime.cache.factory import Resident, build_cache, layer_slots, pick_resident
 from fate_edge.runtime.generate import GenerateConfig, GenerationResponse, stream_generate
-from fate_edge.runtime.load_threads import one_torch_thread
+from fate_edge.runtime.load_threads import in_own_thread
 from fate_edge.runtime.loader import load_model
 from fate_edge.runtime.memory_account import available_memory_bytes, kv_bytes_per_token, memory_account, shortfall
 from fate_edge.runtime.policy import PolicyConfig, for_model, get_policy
@@ -145,10 +145,12 @@ class Engine:
                     f"{self.store.bits_available}; re-run fate-edge convert with --bits {bits}"
                 )
         self.budget = parse_bytes(memory_budget)
-        # A batched engine computes on its batcher thread: it loads here on one torch thread, so that the batcher
-        # thread's OpenMP team is the process's only one (runtime.load_threads: 4x on the bundled model)
+        # A batched engine computes on its batcher thread: it loads on a thread of its own, whose OpenMP helper
+        # threads end with it, so that the batcher's team is the process's only one (runtime.load_threads: 4x on the
+        # bundled model)
         batched = (max_batch or default_max_batch(device)) > 1 and trace is None and device == "cpu"
-        with one_torch_thread(batched):
+
+        def load() -> None:
             self.account = memory_account(
                 store_dir, self.budget, self.dtype, context_tokens, resident_bits, embedding_bits=embedding_bits
             )
@@ -208,6 +210,11 @@ class Engine:
             self.prefill_stats = SchedulerStats()
             self._request_stats = SchedulerStats()
             self._local = threading.local()  # a batched stream's own statistics, per reading thread
+
+        if batched:
+            in_own_thread(load)
+        else:
+            load()
         self.batcher = self._make_batcher(max_batch, context_tokens)
 
     def _make_batcher(self, max_batch: int, context_tokens: int) -> Batcher | None:
@@ -421,9 +428,10 @@ class Engine:
         if threads:
             torch.set_num_threads(threads)
         kw.setdefault("max_batch", 0)  # the SDK's engine batches concurrent requests (the machine's default size)
-        # a first use converts here: on one thread too where the batcher will compute (runtime.load_threads)
-        with one_torch_thread(kw["max_batch"] != 1 and resolve_device(device) == "cpu"):
-            store = ensure_store(path or bundled_model_dir(), progress=False)
+        # a first use converts here: on a thread of its own too where the batcher will compute (runtime.load_threads)
+        convert = lambda: ensure_store(path or bundled_model_dir(), progress=False)  # noqa: E731
+        batched = kw["max_batch"] != 1 and resolve_device(device) == "cpu"
+        store = in_own_thread(convert) if batched else convert()
         return cls(store, memory_budget, policy, dtype=dtype, device=device, **kw)
 
     # ------------------------------------------------------------- generation
