@@ -12,6 +12,7 @@ from fate_edge.format.store import is_store
 from fate_edge.planning.planner import auto_plan
 from fate_edge.runtime import engine as runtime_engine
 from fate_edge.runtime.budget import parse_bytes
+from fate_edge.runtime.load_threads import in_own_thread
 
 _PARAMS = inspect.signature(runtime_engine.Engine.__init__)
 
@@ -45,14 +46,17 @@ class Engine(runtime_engine.Engine):
                 ids = Tokenizer(a["store_dir"]).encode(plan_sample) if isinstance(plan_sample, str) else plan_sample
                 if not ids:
                     raise FateEdgeError("plan_sample is empty: give a prompt like the ones this engine will serve")
-            planned = auto_plan(
-                a["store_dir"],
-                parse_bytes(a["memory_budget"]),
-                link.spec if link else None,
-                dtype=DTYPES[dtype] if isinstance(dtype, str) else dtype,
-                workers=a["workers"],
-                token_ids=ids,
-                prompt_tokens=len(ids) if ids else 64,
+            # the probes run torch on a thread of their own: its OpenMP helpers end with it (runtime.load_threads)
+            planned = in_own_thread(
+                lambda: auto_plan(
+                    a["store_dir"],
+                    parse_bytes(a["memory_budget"]),
+                    link.spec if link else None,
+                    dtype=DTYPES[dtype] if isinstance(dtype, str) else dtype,
+                    workers=a["workers"],
+                    token_ids=ids,
+                    prompt_tokens=len(ids) if ids else 64,
+                )
             )
             a["policy"] = planned.policy
         super().__init__(**a)
