@@ -39,13 +39,26 @@ def _threads() -> int:
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux's /proc")
 def test_the_openmp_helpers_of_a_finished_thread_are_gone():
+    """Each run is a new thread with its own OpenMP team: helpers that outlived their thread would add threads at
+    every run. The first run may start process-wide pools, and other tests' threads may come and go, so it takes
+    one run in three that leaves the count as it found it."""
     before_threads = torch.get_num_threads()
     torch.set_num_threads(2)
+    x = torch.randn(512, 512)
+
+    def work():
+        return [x @ x for _ in range(20)]  # parallel regions with 2 threads
+
     try:
-        x = torch.randn(512, 512)
-        start = _threads()
-        in_own_thread(lambda: [x @ x for _ in range(20)])  # parallel regions with 2 threads, on a thread of its own
-        assert _threads() == start
+        in_own_thread(work)
+        counts = []
+        for _ in range(3):
+            start = _threads()
+            in_own_thread(work)
+            counts.append(_threads() - start)
+            if counts[-1] <= 0:
+                break
+        assert min(counts) <= 0, f"threads left behind per run: {counts}"
     finally:
         torch.set_num_threads(before_threads)
 
