@@ -9,10 +9,14 @@ import json
 from pathlib import Path
 
 
+def host_cell(h: dict) -> str:
+    """A row's host: its CPU and torch threads (rows measured on different hosts share a table)."""
+    return f"{h['cpu']}, {h['torch_threads']} torch thread" + ("" if h["torch_threads"] == 1 else "s")
+
+
 def table_row(name: str, r: dict) -> str:
     a, b, one, x = r["alone"], r["batched"], r["single_request"], r["ratios"]
     c, h = r["config"], r["host"]
-    threads = f"{h['torch_threads']} torch thread" + ("" if h["torch_threads"] == 1 else "s")
     dtype = c["dtype"] + (f", int{c['resident_bits']} resident" if c.get("resident_bits") else "")
     if "gpu" in h:  # a CUDA run (the GPU check's): the row names its GPU
         dtype += f", {h['gpu']}"
@@ -23,7 +27,7 @@ def table_row(name: str, r: dict) -> str:
         f"**{x['token_p50_batched_over_single']:.2f}x** | {1e3 * a['ttft_p50_s']:.0f} / {1e3 * b['ttft_p50_s']:.0f}"
         f" | {a['bytes_per_token'] / 1e3:.0f} / {b['bytes_per_token'] / 1e3:.0f} | "
         f"**{x['bytes_per_token_alone_over_batched']:.2f}x** | {r['mean_batch']:.1f} | "
-        f"{h['load_average'][0]:.1f} | {h['cpu']}, {threads} |"
+        f"{h['load_average'][0]:.1f} | {host_cell(h)} |"
     )
 
 
@@ -77,7 +81,7 @@ def emulated_row(name: str, r: dict) -> str:
         f"**{x['token_p50_batched_over_single']:.2f}x** | {a['bytes_per_token'] / 1e3:.0f} / "
         f"{b['bytes_per_token'] / 1e3:.0f} | **{x['bytes_per_token_alone_over_batched']:.2f}x** | "
         f"{em['batched']['union_per_layer']:.1f} | {stall(raw['alone'])} / {stall(raw['batched'])} | "
-        f"{r['mean_batch']:.1f} | {r['host']['load_average'][0]:.1f} |"
+        f"{r['mean_batch']:.1f} | {r['host']['load_average'][0]:.1f} | {host_cell(r['host'])} |"
     )
 
 
@@ -86,8 +90,8 @@ def emulated_table(runs: dict[str, dict]) -> str:
     head = (
         "| model | device | N | budget | k alone / batched | alone tok/s | batched tok/s | ratio | single-request "
         "p50 ms/token | batched p50 ms/token | p50 ratio | expert KB read per token alone / batched | bytes ratio | "
-        "experts a batched layer computes | stall share alone / batched | mean batch | load avg |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "experts a batched layer computes | stall share alone / batched | mean batch | load avg | CPU, threads |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     rows = [emulated_row(n, r) for n, r in sorted(runs.items())]
     lead = "Device-equivalent figures (raw x k, latencies / k; each mode with its own k). "
