@@ -1,0 +1,53 @@
+"""Large tensors made in memory (weights quantized at load) on transparent huge pages, where the kernel gives them
+on request (``/sys/kernel/mm/transparent_hugepage/enabled`` = ``madvise``, a common default).
+
+Why: decode streams every resident weight once a token, and 4 KB pages cost it: on a 2-vCPU Xeon (THP ``madvise``)
+DeepSeek-V2-Lite's 2-layer slice decoded at 36.2 tok/s with its linears quantized at load, into anonymous 4 KB
+pages, against 46.9 with the same bytes memory-mapped from a store converted with ``--resident-bits 4``; cloning
+only the int4 ``lm_head`` into anonymous memory took 46.0 to 39.5. A copy made here lands in 2 MB pages (the range is
+advised before its first touch), and holds no more resident memory than the tensor: only whole huge pages inside
+it are advised, the rest of the allocation is never touched.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+import torch
+
+HUGE_PAGE = 2 << 20
+MIN_BYTES = 4 << 20  # smaller tensors gain little and would round to a huge page
+_MADV_HUGEPAGE = 14  # Linux
+_libc: ctypes.CDLL | None = None
+
+
+def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    global _libc
+    if not sys.platform.startswith("linux"):
+        return None
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        except OSError:
+            return None
+    fn = _libc.madvise
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """``t`` copied into memory advised for huge pages before it is touched: a contiguous CPU tensor of at least
+    :data:`MIN_BYTES` on Linux; anything else is returned as it is (as is ``t`` where the advice is refused)."""
+    nbytes = t.numel() * t.element_size()
+    madvise = _madvise()
+    if madvise is None or t.device.type != "cpu" or nbytes < MIN_BYTES or not t.is_contiguous():
+        return t
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # a fresh mapping: no page touched yet
+    start = (-raw.data_ptr()) % HUGE_PAGE
+    if madvise(raw.data_ptr() + start, nbytes // HUGE_PAGE * HUGE_PAGE, _MADV_HUGEPAGE) != 0:
+        return t
+    out = raw[start : start + nbytes].view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out

@@ -1,0 +1,47 @@
+"""Weights quantized at load on transparent huge pages (``fate_edge.huge_pages``): the same values in a new
+allocation, only for large contiguous CPU tensors, and nothing more resident than the tensor."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fate_edge.huge_pages import HUGE_PAGE, MIN_BYTES, on_huge_pages
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _rss_anon_huge() -> int:
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_a_large_tensor_is_copied_with_its_values_and_a_small_one_is_left_as_it_is():
+    big = torch.randint(0, 255, (MIN_BYTES // 64 + 7, 64), dtype=torch.uint8)
+    out = on_huge_pages(big)
+    assert torch.equal(out, big) and out.dtype == big.dtype and out.shape == big.shape and out.is_contiguous()
+    if sys.platform.startswith("linux"):
+        assert out.data_ptr() != big.data_ptr() and out.data_ptr() % HUGE_PAGE == 0
+    small = torch.randn(100)
+    assert on_huge_pages(small) is small
+    strided = torch.randn(2 * MIN_BYTES // 4).view(-1, 2)[:, 0]
+    assert on_huge_pages(strided) is strided  # not contiguous: left as it is
+    halves = torch.randn(MIN_BYTES).bfloat16()
+    assert torch.equal(on_huge_pages(halves), halves)
+
+
+@pytest.mark.skipif(
+    not THP.exists() or "[never]" in THP.read_text(), reason="needs Linux transparent huge pages (madvise or always)"
+)
+def test_the_copy_lands_in_huge_pages_and_holds_no_more_than_its_bytes():
+    t = torch.randint(0, 255, (8 * HUGE_PAGE + 12345,), dtype=torch.uint8)
+    before = _rss_anon_huge()
+    out = on_huge_pages(t)
+    grown = _rss_anon_huge() - before
+    assert torch.equal(out, t)
+    # whole huge pages inside the tensor, none past it (the advised range stops at its last whole huge page);
+    # a busy host may not find every huge page, so at least one
+    assert HUGE_PAGE <= grown <= 8 * HUGE_PAGE
