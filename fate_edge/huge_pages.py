@@ -12,6 +12,7 @@ it are advised, the rest of the allocation is never touched.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import sys
 
 import torch
@@ -44,7 +45,11 @@ def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
     madvise = _madvise()
     if madvise is None or t.device.type != "cpu" or nbytes < MIN_BYTES or not t.is_contiguous():
         return t
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # a fresh mapping: no page touched yet
+    # a mapping of its own, so no page of it is touched yet (torch.empty may reuse heap memory already faulted in
+    # 4 KB pages, depending on what the process freed before); the tensor keeps the mapping alive
+    # (private: a shared anonymous mapping is shmem, whose huge pages are another setting, off by default)
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)
     start = (-raw.data_ptr()) % HUGE_PAGE
     if madvise(raw.data_ptr() + start, nbytes // HUGE_PAGE * HUGE_PAGE, _MADV_HUGEPAGE) != 0:
         return t
