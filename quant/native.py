@@ -199,21 +199,7 @@ class NativeInt4:
         y = torch.empty(x2.shape[0], n, dtype=torch.bfloat16 if bf16 else torch.float32, device=x2.device)
         if x2.shape[0]:
             rc = _state["lib"].fe_int4_gemm(  # type: ignore[union-attr]  (loaded in __post_init__)
-                self.codes.data_ptr(),
-                self.scale.data_ptr(),
-                self.zero.data_ptr(),
-                int(self.scale.dtype == torch.float32),
-                n,
-                self.codes.shape[1] * 2,
-                self.group_size,
-                x2.data_ptr(),
-                int(bf16),
-                k,
-                x2.shape[0],
-                y.data_ptr(),
-                int(bf16),
-                torch.get_num_threads(),
-                _state["isa"],
+                *self.call_args(x2, y), torch.get_num_threads(), _state["isa"]
             )
             if rc != 0:
                 raise MemoryError(f"native int4 matmul {n}x{k} on {x2.shape[0]} rows: out of memory for its buffers")
