@@ -71,13 +71,14 @@ def test_tiled_gemm_and_row_kernel_give_the_same_sums(group, n):
         assert torch.all((tiled - x @ w_hat.T).abs() <= 1.01 * _bound(x, w_hat) + 1e-5)
 
 
-@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("m", [1, 5, 12])
 def test_bf16_activations_give_the_fp32_result_rounded(m):
-    """bf16 x is widened and y rounded to bf16 inside the kernel (no tensor conversions around each call): the
-    result is bit for bit the fp32 call on the widened x, rounded as torch rounds, on the row kernel (1 row) and the
-    tiled GEMM (5 rows); NaN stays NaN."""
+    """bf16 x is widened and y rounded to bf16 inside the kernel (no tensor conversions around each call; the
+    kernels write bf16 from their registers): the result is bit for bit the fp32 call on the widened x, rounded as
+    torch rounds, on the row kernel (1 row) and the tiled GEMM (5 and 12 rows: one tile and a tile and a half); 76
+    weight rows leave a partial block of 12 (masked stores); NaN stays NaN."""
     spec = QuantSpec(4, 64)
-    lin = QuantizedLinear.from_quantized(quantize(_randn((72, 256), 3, 0.05), spec), spec, kernel="native-int4")
+    lin = QuantizedLinear.from_quantized(quantize(_randn((76, 256), 3, 0.05), spec), spec, kernel="native-int4")
     x = _randn((m, 256), 4).to(torch.bfloat16)
     y = lin(x)
     assert y.dtype == torch.bfloat16
@@ -87,6 +88,28 @@ def test_bf16_activations_give_the_fp32_result_rounded(m):
     assert torch.equal(lin(x.half()), lin(x.float()).half())  # other dtypes compute in fp32
     x[0, 0] = float("nan")
     assert torch.isnan(lin(x)[0]).all()
+
+
+@pytest.mark.parametrize("m", [1, 5])
+def test_bf16_output_ties_round_to_even(m):
+    """Outputs exactly halfway between two bf16 values round to the even one, as torch rounds: x of integers with
+    max |x| = 127 quantizes exactly, scale 1 and zero 0 make every y an exact integer sum, and each odd integer in
+    [257, 407] lies halfway between bf16 neighbours 2 apart (the row kernel at 1 row, the tiled GEMM at 5)."""
+    n, k = 76, 256
+    codes = torch.zeros(n, k, dtype=torch.uint8)
+    codes[:, 0] = 2  # 2 * 127
+    for r in range(n):
+        ones = 3 + 2 * r  # y = 254 + ones: 257, 259, ...
+        codes[r, 1 : 1 + ones // 15] = 15
+        codes[r, 1 + ones // 15] = ones % 15
+    lin = NativeInt4(
+        pack(codes, 4), torch.ones(n, k // 64, dtype=torch.float16), torch.zeros(n, k // 64, dtype=torch.float16), 64
+    )
+    x = torch.ones(m, k, dtype=torch.bfloat16)
+    x[:, 0] = 127
+    exact = torch.tensor([254.0 + 3 + 2 * r for r in range(n)]).expand(m, n)
+    assert torch.equal(lin(x.float()), exact)
+    assert torch.equal(lin(x), exact.to(torch.bfloat16))
 
 
 def test_native_relative_error_on_an_expert_shape():
@@ -192,6 +215,31 @@ def _run(env: dict[str, str], code: str) -> str:
     )
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
+
+
+@pytest.mark.slow
+def test_avx2_path_writes_bf16_as_torch_rounds():
+    """The AVX2 path's bf16 output (its row kernel at 1 and 6 rows, its tiled GEMM at 12), 76 weight rows (a partial
+    block of 4): bit for bit its fp32 result rounded by torch, NaN kept (rows from the sixth on hold one)."""
+    code = """
+import torch
+from fate_edge.quant import QuantSpec, quantize
+from fate_edge.quant.linear import QuantizedLinear
+from fate_edge.quant.native import native_isa
+spec = QuantSpec(4, 64)
+g = torch.Generator().manual_seed(0)
+w = quantize(torch.randn(76, 256, generator=g) * 0.05, spec)
+lin = QuantizedLinear.from_quantized(w, spec, kernel="native-int4")
+for m in (1, 6, 12):
+    x = torch.randn(m, 256, generator=g).to(torch.bfloat16)
+    x[5:, 3] = float("nan")  # rows from 5 on: NaN
+    y = lin(x)
+    same = torch.equal(y[:5], lin(x.float()).to(torch.bfloat16)[:5]) and bool(torch.isnan(y[5:]).all())
+    print(native_isa(), m, y.dtype, same)
+"""
+    lines = [line.split() for line in _run({"FATE_EDGE_NATIVE": "avx2"}, code).splitlines()]
+    assert [line[1:] for line in lines] == [[str(m), "torch.bfloat16", "True"] for m in (1, 6, 12)]
+    assert all(line[0] == "avx2" for line in lines)
 
 
 @pytest.mark.parametrize("rows", [6, 12])

@@ -42,6 +42,30 @@ typedef struct {
     float *gsum;    /* [M][K/g padded to 16]: sum of quantized x per weight group (the zero term), zeros after */
 } prepared;
 
+/* Where y goes: fp32, or bf16 written straight from the kernels' registers. Narrowing through a temporary fp32 y
+   cost the whole y twice over, and a temporary of 1 MiB or more (lm_head at 8 rows: 4.9 MB) was a fresh mapping on
+   every call once a store has fixed glibc's mmap threshold (format/store.py): its page faults took 8 rows of
+   Qwen's lm_head from 13.7-14.3 ms to 20.0-20.3 on a 2-vCPU Xeon; written directly, 14.0-14.7. */
+typedef struct {
+    void *p;
+    int bf16;
+} yout;
+
+/* fp32 -> bf16: round to nearest even, NaN kept a quiet NaN, as torch's .to() does. */
+static inline uint16_t bf16_of(float v) {
+    uint32_t bits;
+    memcpy(&bits, &v, 4);
+    return (bits & 0x7fffffff) > 0x7f800000 ? (uint16_t)((bits >> 16) | 0x40)
+                                            : (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
+static inline void y_put(yout y, size_t at, float v) {
+    if (y.bf16)
+        ((uint16_t *)y.p)[at] = bf16_of(v);
+    else
+        ((float *)y.p)[at] = v;
+}
+
 /* A matrix's scales and zeros as stored: fp16 (the portable layout), or fp32 where fp16 would round them. */
 typedef struct {
     const void *scale, *zero;
@@ -198,13 +222,13 @@ T512 static inline __attribute__((always_inline)) void tile_512(const uint8_t *w
             default: TILE(wr, s, K / CHUNK, gshift, p, m0, 1, K, out); break;                                  \
             }                                                                                                  \
             for (int i = 0; i < mt; i++)                                                                       \
-                y[(size_t)(m0 + i) * N + n] =                                                                  \
-                    out[i] + DOT(zw + (n - n0) * stride, p->gsum + (size_t)(m0 + i) * padded, padded);        \
+                y_put(y, (size_t)(m0 + i) * N + n,                                                             \
+                      out[i] + DOT(zw + (n - n0) * stride, p->gsum + (size_t)(m0 + i) * padded, padded));     \
         }                                                                                                      \
     }
 
 T512 static void rows_512(const uint8_t *codes, wscales w, int n0, int n1, int N,
-                          int K, int g, const prepared *p, int M, float *y) {
+                          int K, int g, const prepared *p, int M, yout y) {
     ROWS_BODY(widen_512, tile_512, dot_512, 128)
 }
 
@@ -261,7 +285,7 @@ T256 static inline __attribute__((always_inline)) void tile_256(const uint8_t *w
 }
 
 T256 static void rows_256(const uint8_t *codes, wscales w, int n0, int n1, int N,
-                          int K, int g, const prepared *p, int M, float *y) {
+                          int K, int g, const prepared *p, int M, yout y) {
     ROWS_BODY(widen_256, tile_256, dot_256, 64)
 }
 
@@ -341,10 +365,15 @@ T512 static inline __attribute__((always_inline)) void transpose16_512(__m512i r
 T512 static void block_512(const uint8_t *codes, wscales w, int n0, int N, int K,
                            int g, uint32_t *wt, float *swt, float *zwt) {
     const int words = K / 8, groups = K / g, valid = N - n0 < 16 ? N - n0 : 16;
+    const int next = N - n0 - 16 <= 0 ? 0 : N - n0 - 16 < 16 ? N - n0 - 16 : 16;
     for (int j0 = 0; j0 < words; j0 += 16) {
         __m512i r[16];
         for (int i = 0; i < 16; i++)
             r[i] = i < valid ? _mm512_loadu_si512(codes + (size_t)(n0 + i) * (K / 2) + 4 * j0) : _mm512_setzero_si512();
+        /* the next block's same bytes into L2 meanwhile: they land while this block computes (without it, each block
+           waited on DRAM with the multiplier idle: 8 rows of Qwen's lm_head 16.8-17.5 ms, with it 13.6-14.3) */
+        for (int i = 0; i < next; i++)
+            _mm_prefetch((const char *)(codes + (size_t)(n0 + 16 + i) * (K / 2) + 4 * j0), _MM_HINT_T1);
         transpose16_512(r);
         for (int j = 0; j < 16; j++) _mm512_storeu_si512(wt + (size_t)(j0 + j) * 16, r[j]);
     }
@@ -373,7 +402,7 @@ T512 static void block_512(const uint8_t *codes, wscales w, int n0, int N, int K
 T512 static inline __attribute__((always_inline)) void gemm_tile_512(const uint32_t *wt, const float *swt,
                                                                       const float *zwt, int K, int gshift,
                                                                       const prepared_gemm *p, int m0, int mt,
-                                                                      float *y, int N, int n0) {
+                                                                      yout y, int N, int n0) {
     const __m512i mask = _mm512_set1_epi8(0x0f);
     const int groups = K >> gshift, xgroups = K / XG;
     __m512 acc[MT_GEMM];
@@ -383,8 +412,8 @@ T512 static inline __attribute__((always_inline)) void gemm_tile_512(const uint3
         xq[i] = p->q + (size_t)(m0 + i) * K;
     }
     for (int b = 0; b < xgroups; b++) {
-        __m512i ae[MT_GEMM], ao[MT_GEMM]; /* even and odd k apart: twice the independent VPDPBUSD chains */
-        for (int i = 0; i < mt; i++) ae[i] = ao[i] = _mm512_setzero_si512();
+        __m512i ae[MT_GEMM]; /* one chain per x row: 8 rows keep the multiplier busy, and registers stay free */
+        for (int i = 0; i < mt; i++) ae[i] = _mm512_setzero_si512();
         for (int jj = 0; jj < 4; jj++) {
             const int j = 4 * b + jj;
             __m512i v = _mm512_loadu_si512(wt + (size_t)j * 16);
@@ -394,12 +423,12 @@ T512 static inline __attribute__((always_inline)) void gemm_tile_512(const uint3
                 memcpy(&e, xq[i] + 8 * j, 4);
                 memcpy(&o, xq[i] + 8 * j + 4, 4);
                 ae[i] = _mm512_dpbusd_epi32(ae[i], lo, _mm512_set1_epi32(e));
-                ao[i] = _mm512_dpbusd_epi32(ao[i], hi, _mm512_set1_epi32(o));
+                ae[i] = _mm512_dpbusd_epi32(ae[i], hi, _mm512_set1_epi32(o));
             }
         }
         __m512 s = _mm512_loadu_ps(swt + ((b * XG) >> gshift) * 16);
         for (int i = 0; i < mt; i++)
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ae[i], ao[i])),
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ae[i]),
                                      _mm512_mul_ps(s, _mm512_set1_ps(p->sx[(size_t)(m0 + i) * xgroups + b])), acc[i]);
     }
     for (int G = 0; G < groups; G++) {
@@ -408,7 +437,21 @@ T512 static inline __attribute__((always_inline)) void gemm_tile_512(const uint3
             acc[i] = _mm512_fmadd_ps(z, _mm512_set1_ps(p->gsum[(size_t)(m0 + i) * groups + G]), acc[i]);
     }
     const __mmask16 keep = N - n0 >= 16 ? 0xffff : (__mmask16)((1u << (N - n0)) - 1);
-    for (int i = 0; i < mt; i++) _mm512_mask_storeu_ps(y + (size_t)(m0 + i) * N + n0, keep, acc[i]);
+    for (int i = 0; i < mt; i++) {
+        const size_t at = (size_t)(m0 + i) * N + n0;
+        if (y.bf16) { /* bf16_of on 16 lanes */
+            __m512i b = _mm512_castps_si512(acc[i]);
+            __m512i r = _mm512_srli_epi32(
+                _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)),
+                                 _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1))), 16);
+            __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff)),
+                                                    _mm512_set1_epi32(0x7f800000));
+            r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(b, 16), _mm512_set1_epi32(0x40));
+            _mm256_mask_storeu_epi16((uint16_t *)y.p + at, keep, _mm512_cvtepi32_epi16(r));
+        } else {
+            _mm512_mask_storeu_ps((float *)y.p + at, keep, acc[i]);
+        }
+    }
 }
 
 /* Row blocks t0..t1 of W (WIDTH rows each) against every x row, for one instruction set (BLOCK, TILE: its helpers;
@@ -434,7 +477,7 @@ T512 static inline __attribute__((always_inline)) void gemm_tile_512(const uint3
     }
 
 T512 static void gemm_rows_512(const uint8_t *codes, wscales w, int t0, int t1,
-                               int N, int K, int g, const prepared_gemm *p, int M, float *y, uint32_t *wt,
+                               int N, int K, int g, const prepared_gemm *p, int M, yout y, uint32_t *wt,
                                float *swt, float *zwt) {
     GEMM_ROWS_BODY(block_512, gemm_tile_512, 16, MT_GEMM)
 }
@@ -514,7 +557,7 @@ T256 static void block_256(const uint8_t *codes, wscales w, int n0, int N, int K
 T256 static inline __attribute__((always_inline)) void gemm_tile_256(const uint32_t *wt, const float *swt,
                                                                       const float *zwt, int K, int gshift,
                                                                       const prepared_gemm *p, int m0, int mt,
-                                                                      float *y, int N, int n0) {
+                                                                      yout y, int N, int n0) {
     const __m256i mask = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     const int groups = K >> gshift, xgroups = K / XG;
     __m256 acc[MT_GEMM_256];
@@ -546,19 +589,19 @@ T256 static inline __attribute__((always_inline)) void gemm_tile_256(const uint3
             acc[i] = _mm256_fmadd_ps(z, _mm256_set1_ps(p->gsum[(size_t)(m0 + i) * groups + G]), acc[i]);
     }
     for (int i = 0; i < mt; i++) {
-        float *out = y + (size_t)(m0 + i) * N + n0;
-        if (N - n0 >= 8) {
-            _mm256_storeu_ps(out, acc[i]);
+        const size_t at = (size_t)(m0 + i) * N + n0;
+        if (!y.bf16 && N - n0 >= 8) {
+            _mm256_storeu_ps((float *)y.p + at, acc[i]);
         } else {
             float tmp[8];
             _mm256_storeu_ps(tmp, acc[i]);
-            for (int c = 0; c < N - n0; c++) out[c] = tmp[c];
+            for (int c = 0; c < 8 && c < N - n0; c++) y_put(y, at + c, tmp[c]);
         }
     }
 }
 
 T256 static void gemm_rows_256(const uint8_t *codes, wscales w, int t0, int t1,
-                               int N, int K, int g, const prepared_gemm *p, int M, float *y, uint32_t *wt,
+                               int N, int K, int g, const prepared_gemm *p, int M, yout y, uint32_t *wt,
                                float *swt, float *zwt) {
     GEMM_ROWS_BODY(block_256, gemm_tile_256, 8, MT_GEMM_256)
 }
@@ -566,7 +609,7 @@ T256 static void gemm_rows_256(const uint8_t *codes, wscales w, int t0, int t1,
 /* The tiled GEMM for either instruction set: x prepared once, then each thread a contiguous run of row blocks
    (as schedule(static) would split them), with its own scratch for the block being multiplied. */
 static int gemm_tiled(const uint8_t *codes, wscales w, int N, int K, int g,
-                      const float *x, int M, float *y, int threads, int isa) {
+                      const float *x, int M, yout y, int threads, int isa) {
     prepared_gemm p;
     const int width = isa == 2 ? 16 : 8, groups = K / g, tasks = (N + width - 1) / width;
     p.q = malloc((size_t)M * K);
@@ -624,7 +667,7 @@ int fe_int4_isa(void) {
 
 /* fe_int4_gemm on fp32 x and y: the row kernel for few rows, the tiled GEMM from gemm_min_rows on. */
 static int gemm_f32(const uint8_t *codes, wscales w, int N, int K, int g,
-                    const float *x, int M, float *y, int threads, int isa) {
+                    const float *x, int M, yout y, int threads, int isa) {
     if (M >= (gemm_min_rows > 0 ? gemm_min_rows : isa == 2 ? 3 : 8))
         return gemm_tiled(codes, w, N, K, g, x, M, y, threads, isa);
     int chunk = isa == 2 ? 128 : 64;
@@ -654,7 +697,7 @@ static int gemm_f32(const uint8_t *codes, wscales w, int N, int K, int g,
     return 0;
 }
 
-/* bf16 -> fp32 is exact; fp32 -> bf16 rounds to nearest even and keeps NaN a quiet NaN, as torch's .to() does. */
+/* bf16 -> fp32 is exact. */
 static void bf16_to_f32(const uint16_t *in, size_t count, float *out) {
     for (size_t i = 0; i < count; i++) {
         uint32_t bits = (uint32_t)in[i] << 16;
@@ -662,27 +705,17 @@ static void bf16_to_f32(const uint16_t *in, size_t count, float *out) {
     }
 }
 
-static void f32_to_bf16(const float *in, size_t count, uint16_t *out) {
-    for (size_t i = 0; i < count; i++) {
-        uint32_t bits;
-        memcpy(&bits, in + i, 4);
-        out[i] = (bits & 0x7fffffff) > 0x7f800000 ? (uint16_t)((bits >> 16) | 0x40)
-                                                  : (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
-    }
-}
-
 /* y[M, N] = x[M, kx] @ W.T for W [N, K] whose columns past kx are zero (a matrix padded to K, a multiple of 128);
-   x and y are fp32, or bf16 where x_bf16 / y_bf16 say so. Widening, padding and narrowing happen here in one pass,
-   so a bf16 model pays no tensor conversions around each call. Returns 0, or -1 for shapes it does not take
-   (K % 128, kx > K, g not 32/64/128) or an allocation failure. */
+   x and y are fp32, or bf16 where x_bf16 / y_bf16 say so. Widening and padding happen here in one pass and the
+   kernels write a bf16 y themselves, so a bf16 model pays no tensor conversions around each call. Returns 0, or -1
+   for shapes it does not take (K % 128, kx > K, g not 32/64/128) or an allocation failure. */
 int fe_int4_gemm(const uint8_t *codes, const void *scale, const void *zero, int scale_f32, int N, int K, int g,
                  const void *x, int x_bf16, int kx, int M, void *y, int y_bf16, int threads, int isa) {
     if (K % 128 || (g != 32 && g != 64 && g != 128) || kx <= 0 || kx > K || M <= 0 || N <= 0 || isa <= 0) return -1;
     const int copy = x_bf16 || kx != K;
     float *xf = copy ? malloc(sizeof(float) * (size_t)M * K) : (float *)x;
-    float *yf = y_bf16 ? malloc(sizeof(float) * (size_t)M * N) : (float *)y;
     int rc = -1;
-    if (xf && yf) {
+    if (xf) {
         for (int m = 0; copy && m < M; m++) {
             float *row = xf + (size_t)m * K;
             if (x_bf16)
@@ -691,11 +724,9 @@ int fe_int4_gemm(const uint8_t *codes, const void *scale, const void *zero, int 
                 memcpy(row, (const float *)x + (size_t)m * kx, sizeof(float) * kx);
             memset(row + kx, 0, sizeof(float) * (size_t)(K - kx));
         }
-        rc = gemm_f32(codes, (wscales){scale, zero, scale_f32 != 0}, N, K, g, xf, M, yf, threads, isa);
-        if (rc == 0 && y_bf16) f32_to_bf16(yf, (size_t)M * N, y);
+        rc = gemm_f32(codes, (wscales){scale, zero, scale_f32 != 0}, N, K, g, xf, M, (yout){y, y_bf16}, threads, isa);
     }
     if (copy) free(xf);
-    if (y_bf16) free(yf);
     return rc;
 }
 
