@@ -1,5 +1,6 @@
-"""Large tensors made in memory (weights quantized at load) on transparent huge pages, where the kernel gives them
-on request (``/sys/kernel/mm/transparent_hugepage/enabled`` = ``madvise``, a common default).
+"""Large tensors made in memory (weights quantized at load) and the fetch engine's read buffers (which become the
+cached experts) on transparent huge pages, where the kernel gives them on request
+(``/sys/kernel/mm/transparent_hugepage/enabled`` = ``madvise``, a common default).
 
 Why: decode streams every resident weight once a token, and 4 KB pages cost it: on a 2-vCPU Xeon (THP ``madvise``)
 DeepSeek-V2-Lite's 2-layer slice decoded at 36.2 tok/s with its linears quantized at load, into anonymous 4 KB
@@ -38,21 +39,40 @@ def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     return fn
 
 
+def huge_page_window(nbytes: int) -> tuple[mmap.mmap, int] | None:
+    """A private anonymous mapping holding ``nbytes`` from a 2 MB-aligned offset (returned with it), the whole huge
+    pages of that window advised and nothing touched yet; None off Linux, below one huge page, or where the advice
+    is refused. The window's tail past its last whole huge page is not advised (khugepaged would fill a huge page
+    around it past ``nbytes``), and nothing outside the window is ever touched, so the resident memory stays
+    ``nbytes``. Private: a shared anonymous mapping is shmem, whose huge pages are another setting, off by
+    default."""
+    madvise = _madvise()
+    if madvise is None or nbytes < HUGE_PAGE:
+        return None
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    anchor = ctypes.c_char.from_buffer(mapping)  # the mapping's address (released at once: close() stays possible)
+    base = ctypes.addressof(anchor)
+    del anchor
+    start = (-base) % HUGE_PAGE
+    if madvise(base + start, nbytes // HUGE_PAGE * HUGE_PAGE, _MADV_HUGEPAGE) != 0:
+        mapping.close()
+        return None
+    return mapping, start
+
+
 def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
     """``t`` copied into memory advised for huge pages before it is touched: a contiguous CPU tensor of at least
     :data:`MIN_BYTES` on Linux; anything else is returned as it is (as is ``t`` where the advice is refused)."""
     nbytes = t.numel() * t.element_size()
-    madvise = _madvise()
-    if madvise is None or t.device.type != "cpu" or nbytes < MIN_BYTES or not t.is_contiguous():
+    if t.device.type != "cpu" or nbytes < MIN_BYTES or not t.is_contiguous():
         return t
     # a mapping of its own, so no page of it is touched yet (torch.empty may reuse heap memory already faulted in
     # 4 KB pages, depending on what the process freed before); the tensor keeps the mapping alive
-    # (private: a shared anonymous mapping is shmem, whose huge pages are another setting, off by default)
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    raw = torch.frombuffer(mapping, dtype=torch.uint8)
-    start = (-raw.data_ptr()) % HUGE_PAGE
-    if madvise(raw.data_ptr() + start, nbytes // HUGE_PAGE * HUGE_PAGE, _MADV_HUGEPAGE) != 0:
+    window = huge_page_window(nbytes)
+    if window is None:
         return t
+    mapping, start = window
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)
     out = raw[start : start + nbytes].view(t.dtype).view(t.shape)
     out.copy_(t)
     return out

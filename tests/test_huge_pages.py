@@ -1,6 +1,9 @@
-"""Weights quantized at load on transparent huge pages (``fate_edge.huge_pages``): the same values in a new
-allocation, only for large contiguous CPU tensors, and nothing more resident than the tensor."""
+"""Weights quantized at load and the fetch engine's read buffers on transparent huge pages
+(``fate_edge.huge_pages``): the same values in a new allocation, only for large contiguous CPU tensors, and nothing
+more resident than the tensor or the buffer."""
 
+import ctypes
+import gc
 import sys
 from pathlib import Path
 
@@ -45,3 +48,35 @@ def test_the_copy_lands_in_huge_pages_and_holds_no_more_than_its_bytes():
     # whole huge pages inside the tensor, none past it (the advised range stops at its last whole huge page);
     # a busy host may not find every huge page, so at least one
     assert HUGE_PAGE <= grown <= 8 * HUGE_PAGE
+
+
+@pytest.mark.skipif(
+    not THP.exists() or "[never]" in THP.read_text(), reason="needs Linux transparent huge pages (madvise or always)"
+)
+def test_a_read_buffer_lands_in_huge_pages_resident_at_once_and_no_more_than_its_bytes():
+    """The fetch engine's read buffers (which become cached experts) on huge pages where they hold whole ones: 2 MB
+    aligned (so O_DIRECT's alignment too), faulted in when made, and no huge page past the buffer's end."""
+    import psutil
+
+    from fate_edge.fetch.buffer_pool import Buffer
+
+    size = 5 * HUGE_PAGE + 3 * 4096
+    proc = psutil.Process()
+    gc.collect()
+    rss, huge = proc.memory_info().rss, _rss_anon_huge()
+    buf = Buffer(size)
+    grown, grown_huge = proc.memory_info().rss - rss, _rss_anon_huge() - huge
+    assert len(buf.view) == size
+    address = ctypes.addressof(ctypes.c_char.from_buffer(buf.view))
+    assert address % HUGE_PAGE == 0
+    assert size - HUGE_PAGE // 2 <= grown <= size + HUGE_PAGE // 2  # resident now; a huge page past the end: +2 MB
+    assert HUGE_PAGE <= grown_huge <= 5 * HUGE_PAGE  # a busy host may not find all five
+    buf.view[size - 3 : size] = b"end"
+    assert bytes(buf.view[size - 3 :]) == b"end"
+
+
+def test_a_read_buffer_smaller_than_a_huge_page_is_an_ordinary_page_aligned_mapping():
+    from fate_edge.fetch.buffer_pool import Buffer
+
+    buf = Buffer(64 * 4096)
+    assert len(buf.view) == 64 * 4096 and ctypes.addressof(ctypes.c_char.from_buffer(buf.view)) % 4096 == 0

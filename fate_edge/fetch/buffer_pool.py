@@ -12,11 +12,13 @@ cache to keep, so its first ``n`` hand-offs take faulted-in memory too.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import threading
 from collections.abc import Callable
 
 from fate_edge.format.blob import ALIGN
+from fate_edge.huge_pages import huge_page_window
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: fault every page in at mmap time
 
@@ -33,6 +35,13 @@ class Buffer:
             self.mem = torch.empty(size + ALIGN, dtype=torch.uint8).pin_memory()
             skip = (-self.mem.data_ptr()) % ALIGN
             self.view = memoryview(self.mem.numpy())[skip : skip + size]
+        elif (window := huge_page_window(size) if _POPULATE else None) is not None:
+            # On 2 MB pages where it holds whole ones (Linux, THP madvise or always): the kernels stream a cached
+            # expert from here, and 4 KB pages cost them ~22% (40 Qwen1.5-MoE experts: 26.6 -> 20.9 ms at one
+            # thread). Zeroed at once: faulted in as MAP_POPULATE would, but after the advice.
+            self.mem, start = window
+            self.view = memoryview(self.mem)[start : start + size]
+            ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(self.view)), 0, size)
         else:
             # anonymous mmap: page-aligned, as O_DIRECT needs; populated, so no read pays its page faults
             if _POPULATE:
