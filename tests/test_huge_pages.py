@@ -80,3 +80,41 @@ def test_a_read_buffer_smaller_than_a_huge_page_is_an_ordinary_page_aligned_mapp
 
     buf = Buffer(64 * 4096)
     assert len(buf.view) == 64 * 4096 and ctypes.addressof(ctypes.c_char.from_buffer(buf.view)) % 4096 == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
+def test_a_mapped_tensor_moves_to_huge_pages_and_its_file_pages_leave_the_resident_set(tmp_path):
+    """A store's int4 codes (a view of the file's private mapping) copied onto huge pages: the same bytes, 2 MB
+    aligned, the file's pages let go behind the copy (resident memory grows by the tensor once, not twice), and the
+    mapping still reads the file's bytes if touched again."""
+    import psutil
+
+    from fate_edge.huge_pages import moved_to_huge_pages
+
+    nbytes = 6 * HUGE_PAGE + 4096 * 5 + 17
+    data = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    path = tmp_path / "codes.bin"
+    path.write_bytes(bytes(4096) + data.numpy().tobytes())
+    size = path.stat().st_size
+    raw = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage.from_file(str(path), False, size))
+    view = raw[4096:]
+    proc = psutil.Process()
+    gc.collect()
+    rss = proc.memory_info().rss
+    assert int(view.sum()) == int(data.sum())  # every page of the mapping touched: resident
+    touched = proc.memory_info().rss - rss
+    assert touched >= nbytes - HUGE_PAGE
+    moved = moved_to_huge_pages(view)
+    assert torch.equal(moved, data) and moved.data_ptr() % HUGE_PAGE == 0
+    grown = proc.memory_info().rss - rss
+    assert grown <= nbytes + HUGE_PAGE, f"{grown} bytes resident for a {nbytes}-byte tensor moved"
+    assert torch.equal(view, data)  # let go, not lost: the file's bytes again
+
+
+def test_a_small_or_strided_mapped_tensor_is_left_as_it_is():
+    from fate_edge.huge_pages import moved_to_huge_pages
+
+    small = torch.randint(0, 255, (1000,), dtype=torch.uint8)
+    assert moved_to_huge_pages(small) is small
+    strided = torch.randint(0, 255, (2 * MIN_BYTES,), dtype=torch.uint8)[::2]
+    assert moved_to_huge_pages(strided) is strided

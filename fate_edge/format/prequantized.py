@@ -19,6 +19,7 @@ import torch
 from fate_edge.errors import ModelFormatError
 from fate_edge.format.checkpoint import CheckpointReader
 from fate_edge.format.file_rows import FileRows
+from fate_edge.huge_pages import moved_to_huge_pages
 from fate_edge.model.arch import ModelConfig
 from fate_edge.model.embedding import NAME as EMBED_NAME
 from fate_edge.model.embedding import quantize_table
@@ -122,7 +123,10 @@ class MappedFiles:
         begin, end = (start + o for o in info["data_offsets"])
         return path, begin, end, _TORCH_DTYPES[info["dtype"]], info["shape"]
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, streamed: bool = False) -> torch.Tensor:
+        """The stored tensor ``name``, a view of its file's mapping. ``streamed``: one the kernels read whole every
+        token (int4 codes), moved onto huge pages instead, its file pages let go (``huge_pages.moved_to_huge_pages``;
+        large ones, on Linux)."""
         path, begin, end, dtype, shape = self._locate(name)
         raw = self._maps.get(str(path))
         if raw is None:
@@ -132,7 +136,8 @@ class MappedFiles:
             )
         if begin % torch.empty(0, dtype=dtype).element_size():  # safetensors aligns each tensor; copy if not
             return self.reader.get(name)
-        return raw[begin:end].view(dtype).reshape(shape)
+        view = raw[begin:end].view(dtype).reshape(shape)
+        return moved_to_huge_pages(view) if streamed else view  # only a view of the mapping: its pages are let go
 
     def rows(self, name: str) -> FileRows:
         """The stored tensor ``name`` as rows read from its file (``file_rows``): for a table gathered by row."""

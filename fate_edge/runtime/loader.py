@@ -60,7 +60,9 @@ def _read_resident(
             if name.startswith(EMBED_NAME + ".") and torch.device(device).type == "cpu" and FileRows.available():
                 assert resident.row_sources is not None
                 resident.row_sources[name] = mapped.rows(name)
-            return mapped.get(name).to(device)
+            # int4 codes the kernels stream every token: onto huge pages (huge_pages.moved_to_huge_pages)
+            streamed = name.endswith(".nint4") and torch.device(device).type == "cpu"
+            return mapped.get(name, streamed=streamed).to(device)
         return reader.get(name, torch.float32 if name.endswith(FP32_SUFFIXES) else dtype).to(device)
 
     check_request(reader, resident_bits, embedding_bits)
