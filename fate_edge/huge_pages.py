@@ -13,6 +13,7 @@ it are advised, the rest of the allocation is never touched.
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import sys
 
@@ -39,6 +40,20 @@ def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     return fn
 
 
+THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+@functools.cache
+def thp_available() -> bool:
+    """Whether the kernel gives transparent huge pages on request (``madvise`` or ``always``). Where it never does,
+    a copy would only trade the file's reclaimable pages for anonymous ones."""
+    try:
+        with open(THP_SETTING) as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
 def huge_page_window(nbytes: int) -> tuple[mmap.mmap, int] | None:
     """A private anonymous mapping holding ``nbytes`` from a 2 MB-aligned offset (returned with it), the whole huge
     pages of that window advised and nothing touched yet; None off Linux, below one huge page, or where the advice
@@ -47,7 +62,7 @@ def huge_page_window(nbytes: int) -> tuple[mmap.mmap, int] | None:
     ``nbytes``. Private: a shared anonymous mapping is shmem, whose huge pages are another setting, off by
     default."""
     madvise = _madvise()
-    if madvise is None or nbytes < HUGE_PAGE:
+    if madvise is None or nbytes < HUGE_PAGE or not thp_available():
         return None
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     anchor = ctypes.c_char.from_buffer(mapping)  # the mapping's address (released at once: close() stays possible)

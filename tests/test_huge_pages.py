@@ -118,3 +118,16 @@ def test_a_small_or_strided_mapped_tensor_is_left_as_it_is():
     assert moved_to_huge_pages(small) is small
     strided = torch.randint(0, 255, (2 * MIN_BYTES,), dtype=torch.uint8)[::2]
     assert moved_to_huge_pages(strided) is strided
+
+
+def test_where_the_kernel_never_gives_huge_pages_nothing_is_copied_or_moved(monkeypatch):
+    """THP ``never``: a mapped tensor stays in its file's (reclaimable) pages and a tensor made in memory where it is;
+    a read buffer is the ordinary populated mapping."""
+    import fate_edge.huge_pages as hp
+    from fate_edge.fetch.buffer_pool import Buffer
+
+    monkeypatch.setattr(hp, "thp_available", lambda: False)
+    t = torch.randint(0, 255, (2 * MIN_BYTES,), dtype=torch.uint8)
+    assert hp.moved_to_huge_pages(t) is t and hp.on_huge_pages(t) is t
+    assert hp.huge_page_window(8 * HUGE_PAGE) is None
+    assert len(Buffer(3 * HUGE_PAGE).view) == 3 * HUGE_PAGE
