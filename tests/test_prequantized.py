@@ -1,6 +1,8 @@
 """convert --resident-bits / --embedding-bits: resident linears and the embedding table quantized once at convert
 and read back as they are (fate_edge/format/prequantized.py); stores written without the options still load."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from fate_edge import load_model
 from fate_edge.errors import ModelFormatError
 from fate_edge.format.checkpoint import CheckpointReader
 from fate_edge.format.convert import ConvertOptions, convert
+from fate_edge.huge_pages import THP_SETTING
 from fate_edge.runtime.memory_account import memory_account
 
 IDS = torch.tensor([[5, 900, 33, 4000, 12, 77, 2048, 3, 64, 1]])
@@ -90,6 +93,25 @@ def test_the_quantized_weights_are_memory_mapped_from_the_store(stores):
     assert _mapped_file(
         float_store.w["lm_head.int4" if "lm_head.int4" in float_store.w else codes[0]].data_ptr()
     ) != str(stores[None] / "resident.safetensors")
+
+
+@pytest.mark.skipif(not Path(THP_SETTING).exists() or "[never]" in Path(THP_SETTING).read_text(), reason="needs THP")
+def test_large_streamed_codes_leave_the_mapping_for_huge_pages_and_the_rest_stay_mapped(tmp_path):
+    """``MappedFiles.get(streamed=True)``: int4 codes large enough to gain (an ``lm_head``'s) are copied onto huge
+    pages and no longer read through the file's mapping; small ones, and anything not streamed, stay mapped."""
+    from safetensors.torch import save_file
+
+    from fate_edge.format.prequantized import MappedFiles
+
+    big = torch.randint(0, 255, (1024, 6 * 1024), dtype=torch.uint8)
+    small = torch.randint(0, 255, (64, 64), dtype=torch.uint8)
+    save_file({"lm_head.nint4": big, "o_proj.nint4": small}, str(tmp_path / "model.safetensors"))
+    mapped = MappedFiles(CheckpointReader(tmp_path))
+    moved, kept = mapped.get("lm_head.nint4", streamed=True), mapped.get("o_proj.nint4", streamed=True)
+    assert torch.equal(moved, big) and torch.equal(kept, small)
+    assert _mapped_file(moved.data_ptr()) is None and moved.data_ptr() % (2 << 20) == 0  # anonymous, 2 MB aligned
+    file = str(tmp_path / "model.safetensors")
+    assert _mapped_file(kept.data_ptr()) == file and _mapped_file(mapped.get("lm_head.nint4").data_ptr()) == file
 
 
 @pytest.mark.parametrize("bits", [8, 4])

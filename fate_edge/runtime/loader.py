@@ -60,8 +60,11 @@ def _read_resident(
             if name.startswith(EMBED_NAME + ".") and torch.device(device).type == "cpu" and FileRows.available():
                 assert resident.row_sources is not None
                 resident.row_sources[name] = mapped.rows(name)
-            # int4 codes the kernels stream every token: onto huge pages (huge_pages.moved_to_huge_pages)
-            streamed = name.endswith(".nint4") and torch.device(device).type == "cpu"
+            # int4 codes the kernels stream every token: onto huge pages (huge_pages.moved_to_huge_pages); never the
+            # embedding, whose rows are gathered (only those touched are resident)
+            streamed = (
+                name.endswith(".nint4") and not name.startswith(EMBED_NAME + ".") and torch.device(device).type == "cpu"
+            )
             return mapped.get(name, streamed=streamed).to(device)
         return reader.get(name, torch.float32 if name.endswith(FP32_SUFFIXES) else dtype).to(device)
 
