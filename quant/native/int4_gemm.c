@@ -45,7 +45,7 @@ typedef struct {
 /* Where y goes: fp32, or bf16 written straight from the kernels' registers. Narrowing through a temporary fp32 y
    cost the whole y twice over, and a temporary of 1 MiB or more (lm_head at 8 rows: 4.9 MB) was a fresh mapping on
    every call once a store has fixed glibc's mmap threshold (format/store.py): its page faults took 8 rows of
-   Qwen's lm_head from 13.7-14.3 ms to 20.0-20.3 on a 2-vCPU Xeon; written directly, 14.0-14.7. */
+   Qwen's lm_head from 13.7-14.3 ms to 20.0-20.7 on a 2-vCPU Xeon; written directly, 14.0-14.7. */
 typedef struct {
     void *p;
     int bf16;
