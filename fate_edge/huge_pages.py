@@ -75,20 +75,28 @@ def huge_page_window(nbytes: int) -> tuple[mmap.mmap, int] | None:
     return mapping, start
 
 
+def _huge_page_bytes(t: torch.Tensor) -> torch.Tensor | None:
+    """Untouched memory for ``t``'s bytes (uint8, flat) advised for huge pages, or None where ``t`` stays as it is:
+    not a contiguous CPU tensor of at least :data:`MIN_BYTES`, or no window (:func:`huge_page_window`). A mapping
+    of its own, so no page of it is touched yet (torch.empty may reuse heap memory already faulted in 4 KB pages,
+    depending on what the process freed before); the tensor keeps the mapping alive."""
+    nbytes = t.numel() * t.element_size()
+    if t.device.type != "cpu" or nbytes < MIN_BYTES or not t.is_contiguous():
+        return None
+    window = huge_page_window(nbytes)
+    if window is None:
+        return None
+    mapping, start = window
+    return torch.frombuffer(mapping, dtype=torch.uint8)[start : start + nbytes]
+
+
 def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
     """``t`` copied into memory advised for huge pages before it is touched: a contiguous CPU tensor of at least
     :data:`MIN_BYTES` on Linux; anything else is returned as it is (as is ``t`` where the advice is refused)."""
-    nbytes = t.numel() * t.element_size()
-    if t.device.type != "cpu" or nbytes < MIN_BYTES or not t.is_contiguous():
+    raw = _huge_page_bytes(t)
+    if raw is None:
         return t
-    # a mapping of its own, so no page of it is touched yet (torch.empty may reuse heap memory already faulted in
-    # 4 KB pages, depending on what the process freed before); the tensor keeps the mapping alive
-    window = huge_page_window(nbytes)
-    if window is None:
-        return t
-    mapping, start = window
-    raw = torch.frombuffer(mapping, dtype=torch.uint8)
-    out = raw[start : start + nbytes].view(t.dtype).view(t.shape)
+    out = raw.view(t.dtype).view(t.shape)
     out.copy_(t)
     return out
 
@@ -114,16 +122,11 @@ def moved_to_huge_pages(mapped: torch.Tensor) -> torch.Tensor:
     ``lm_head`` from 4 KB file pages at 8.5 ms a token on a 2-vCPU Xeon, from huge pages at 6.5 (Qwen1.5-MoE).
     Anything :func:`on_huge_pages` would leave as it is is returned as it is. Only for a mapping nothing writes:
     a page written there would be dropped for the file's bytes."""
-    nbytes = mapped.numel() * mapped.element_size()
-    if mapped.device.type != "cpu" or nbytes < MIN_BYTES or not mapped.is_contiguous():
+    out = _huge_page_bytes(mapped)
+    if out is None:
         return mapped
-    window = huge_page_window(nbytes)
-    if window is None:
-        return mapped
-    mapping, start = window
-    out = torch.frombuffer(mapping, dtype=torch.uint8)[start : start + nbytes]
     src = mapped.view(-1).view(torch.uint8)
-    for at in range(0, nbytes, MOVE_CHUNK):
+    for at in range(0, out.numel(), MOVE_CHUNK):
         out[at : at + MOVE_CHUNK].copy_(src[at : at + MOVE_CHUNK])
         _release(src[at : at + MOVE_CHUNK])
     return out.view(mapped.dtype).view(mapped.shape)
