@@ -13,7 +13,7 @@ from fate_edge import FateEdgeError, ModelFormatError, load_model
 from fate_edge.errors import CorruptBlobError
 from fate_edge.fetch.store_provider import StoreExpertProvider
 from fate_edge.format.convert import ConvertOptions, convert
-from fate_edge.format.store import ExpertStore, is_store
+from fate_edge.format.store import ExpertStore, Part, is_store, part_views
 
 
 @pytest.fixture(scope="module")
@@ -179,3 +179,41 @@ def test_cpu_kernel_layout_decodes_to_the_same_expert_without_repacking(
     a, b = load_model(portable), load_model(native)
     assert torch.equal(a(ids, a.new_cache()), b(ids, b.new_cache()))
     # On another device the CPU layout is re-packed for that device's kernel (tests/test_device_placement.py).
+
+
+def _sliced_views(blob: torch.Tensor, parts) -> dict[str, torch.Tensor]:
+    dtypes = {"uint8": torch.uint8, "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+    return {p.name: blob[p.offset : p.offset + p.nbytes].view(dtypes[p.dtype]).reshape(p.shape) for p in parts}
+
+
+def test_part_views_are_views_of_the_blob_equal_to_sliced_ones(store_dir):
+    store = ExpertStore(store_dir)
+    for bits in store.bits_available:  # int2 and int4 (fp16 scales), bf16 weights
+        prec = store.precisions[bits]
+        ref = store.ref(1, 3, bits)
+        with open(ref.path, "rb") as f:
+            f.seek(ref.offset)
+            raw = torch.frombuffer(bytearray(f.read(ref.length)), dtype=torch.uint8)
+        blob = torch.zeros(ref.length + 64, dtype=torch.uint8)[32 : 32 + ref.length]  # not at its storage's start
+        blob.copy_(raw)
+        views = part_views(blob, prec.parts)
+        for name, want in _sliced_views(blob, prec.parts).items():
+            got = views[name]
+            assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), name
+            assert got.is_contiguous() and got.data_ptr() == want.data_ptr(), name  # the blob's bytes, no copy
+        # a view, not a copy: a write to the blob shows in the parts
+        blob.fill_(0)
+        assert all(not v.any() for v in views.values())
+
+
+def test_part_views_refuse_a_short_blob_and_a_part_that_is_not_its_shape():
+    parts = [Part("a.codes", 0, 64, "uint8", (4, 16)), Part("a.scale", 64, 16, "float16", (4, 2))]
+    blob = torch.arange(80, dtype=torch.uint8)
+    views = part_views(blob, parts)
+    assert views["a.codes"].shape == (4, 16) and views["a.scale"].shape == (4, 2)
+    with pytest.raises(ModelFormatError, match="shorter than its parts"):
+        part_views(blob[:70], parts)
+    with pytest.raises(ModelFormatError, match="not a whole float16 array"):
+        part_views(blob, [Part("a.scale", 64, 12, "float16", (4, 2))])  # 12 bytes for 8 fp16 values
+    with pytest.raises(ModelFormatError, match="not a whole float16 array"):
+        part_views(blob, [Part("a.scale", 63, 16, "float16", (4, 2))])  # an odd byte offset
