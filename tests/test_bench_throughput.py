@@ -6,8 +6,29 @@ import pytest
 import torch
 
 from fate_edge.bench.throughput import run
-from fate_edge.bench.throughput_report import publish_table
-from fate_edge.bench.throughput_rounds import ThroughputConfig, percentile
+from fate_edge.bench.throughput_report import publish_table, table_row
+from fate_edge.bench.throughput_rounds import ThroughputConfig, bytes_ratio, percentile, ratio_text
+
+
+def test_bytes_ratio_is_none_where_the_batch_read_nothing_and_the_table_says_so():
+    assert bytes_ratio(138.0, 69.0) == 2.0 and bytes_ratio(5.0, 0.0) is None and bytes_ratio(0.0, 0.0) is None
+    assert ratio_text(1.414) == "1.41x" and ratio_text(None) == "-"
+    mode = {"tok_s": 1.0, "token_p50_s": 0.01, "token_p90_s": 0.01, "token_p99_s": 0.01, "ttft_p50_s": 0.1}
+    run = {
+        "alone": mode | {"bytes_per_token": 0.0},
+        "batched": mode | {"bytes_per_token": 0.0},
+        "single_request": mode,
+        "ratios": {
+            "tok_s_batched_over_alone": 1.0,
+            "token_p50_batched_over_single": 1.0,
+            "bytes_per_token_alone_over_batched": None,
+        },
+        "config": {"dtype": "float32", "concurrency": 8, "budget_fraction": 1.0},
+        "host": {"cpu": "x", "torch_threads": 1, "load_average": [0.5, 0.5, 0.5]},
+        "mean_batch": 8.0,
+    }
+    cells = [c.strip() for c in table_row("every-expert-cached", run).split("|")]
+    assert cells[13] == "**-**" and cells[12] == "0 / 0"  # the bytes ratio column, after the KB read per token
 
 
 def test_percentile_picks_ranks():

@@ -27,10 +27,12 @@ from pathlib import Path
 from fate_edge.bench.throughput_rounds import (
     PROMPTS,
     ThroughputConfig,
+    bytes_ratio,
     engine_kwargs,
     engine_store,
     host_note,
     median_rounds,
+    ratio_text,
     run_round,
     serve_both,
 )
@@ -72,7 +74,7 @@ def run(cfg: ThroughputConfig) -> dict:
     out["ratios"] = {
         "tok_s_batched_over_alone": bt["tok_s"] / a["tok_s"],
         "token_p50_batched_over_single": bt["token_p50_s"] / one["token_p50_s"],
-        "bytes_per_token_alone_over_batched": a["bytes_per_token"] / max(1e-9, bt["bytes_per_token"]),
+        "bytes_per_token_alone_over_batched": bytes_ratio(a["bytes_per_token"], bt["bytes_per_token"]),
     }
     out["config"] = asdict(cfg) | {"store": str(store), "budget_bytes": budget}
     out["host"] = host_note(cfg.device)
@@ -211,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"batched/alone tok/s {r['tok_s_batched_over_alone']:.2f}x, p50 token latency batched/single "
         f"{r['token_p50_batched_over_single']:.2f}x, bytes/token alone/batched "
-        f"{r['bytes_per_token_alone_over_batched']:.2f}x; load {out['host']['load_average']}"
+        f"{ratio_text(r['bytes_per_token_alone_over_batched'])}; load {out['host']['load_average']}"
     )
     if a.publish and a.emulate:
         from fate_edge.bench.throughput_report import publish_emulated_table

@@ -26,6 +26,7 @@ import torch
 
 from fate_edge.bench.throughput_rounds import (
     PROMPTS,
+    bytes_ratio,
     engine_kwargs,
     engine_store,
     host_note,
@@ -177,7 +178,7 @@ def run_emulated(cfg) -> dict:
         "ratios": {
             "tok_s_batched_over_alone": bt["tok_s"] / a["tok_s"],
             "token_p50_batched_over_single": bt["token_p50_s"] / one["token_p50_s"],
-            "bytes_per_token_alone_over_batched": a["bytes_per_token"] / max(1e-9, bt["bytes_per_token"]),
+            "bytes_per_token_alone_over_batched": bytes_ratio(a["bytes_per_token"], bt["bytes_per_token"]),
         },
         "config": asdict(cfg) | {"store": str(store), "budget_bytes": budget},
         "host": host_note(),

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from fate_edge.bench.throughput_rounds import ratio_text
+
 
 def host_cell(h: dict) -> str:
     """A row's host: its CPU and torch threads (rows measured on different hosts share a table)."""
@@ -26,7 +28,7 @@ def table_row(name: str, r: dict) -> str:
         f"{1e3 * b['token_p50_s']:.1f} / {1e3 * b['token_p90_s']:.1f} / {1e3 * b['token_p99_s']:.1f} | "
         f"**{x['token_p50_batched_over_single']:.2f}x** | {1e3 * a['ttft_p50_s']:.0f} / {1e3 * b['ttft_p50_s']:.0f}"
         f" | {a['bytes_per_token'] / 1e3:.0f} / {b['bytes_per_token'] / 1e3:.0f} | "
-        f"**{x['bytes_per_token_alone_over_batched']:.2f}x** | {r['mean_batch']:.1f} | "
+        f"**{ratio_text(x['bytes_per_token_alone_over_batched'])}** | {r['mean_batch']:.1f} | "
         f"{h['load_average'][0]:.1f} | {host_cell(h)} |"
     )
 
@@ -79,7 +81,7 @@ def emulated_row(name: str, r: dict) -> str:
         f"{em['alone']['k']:.3g} / {em['batched']['k']:.3g} | {a['tok_s']:.0f} | {b['tok_s']:.0f} | "
         f"**{x['tok_s_batched_over_alone']:.2f}x** | {1e3 * one['token_p50_s']:.2f} | {1e3 * b['token_p50_s']:.2f} | "
         f"**{x['token_p50_batched_over_single']:.2f}x** | {a['bytes_per_token'] / 1e3:.0f} / "
-        f"{b['bytes_per_token'] / 1e3:.0f} | **{x['bytes_per_token_alone_over_batched']:.2f}x** | "
+        f"{b['bytes_per_token'] / 1e3:.0f} | **{ratio_text(x['bytes_per_token_alone_over_batched'])}** | "
         f"{em['batched']['union_per_layer']:.1f} | {stall(raw['alone'])} / {stall(raw['batched'])} | "
         f"{r['mean_batch']:.1f} | {r['host']['load_average'][0]:.1f} | {host_cell(r['host'])} |"
     )

@@ -105,6 +105,17 @@ def run_round(engine, prompts: list[str], max_tokens: int, concurrent: bool) -> 
     }
 
 
+def bytes_ratio(alone_bytes: float, batched_bytes: float) -> float | None:
+    """Expert bytes read per token alone over batched; None where the batch read nothing (a budget that holds every
+    expert: no ratio to speak of, where dividing by a floor printed 0.00x or a huge number)."""
+    return alone_bytes / batched_bytes if batched_bytes > 0 else None
+
+
+def ratio_text(ratio: float | None) -> str:
+    """A ratio as the tables print it: ``2.00x``, or ``-`` for none."""
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
 def median_rounds(rounds: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
 
