@@ -47,3 +47,39 @@ def test_choice_maximises_throughput_within_the_latency_cap():
     assert preds[capped - 1].step_s <= 2.0 * preds[0].step_s and capped <= free
     skewed = _costs(experts_per_layer=[[1.0, 1.0] + [0.0] * 14 for _ in range(8)])  # every token: experts 0 and 1
     assert predict(skewed, 8).union == pytest.approx(16) and choose_batch(skewed, 8)[0] == 8
+
+
+def test_read_cost_is_the_slope_of_token_times_over_reads():
+    from fate_edge.planning.batch_size import read_cost
+    from fate_edge.runtime.scheduler import SchedulerStats
+
+    reads = [0, 1, 3, 2, 0, 4, 1, 2]
+    stats = [SchedulerStats(misses=r - r // 2, prefetch_hits=r // 2) for r in reads]
+    times = [0.003 + 0.00025 * r + (0.00001 if i % 2 else -0.00001) for i, r in enumerate(reads)]  # 250 us a read
+    assert read_cost(times, stats) == pytest.approx(0.00025, rel=0.05)
+    assert read_cost(times[:2], stats[:2]) is None  # too few tokens
+    assert read_cost([0.003] * 4, [SchedulerStats(misses=2)] * 4) is None  # the counts do not vary
+    assert read_cost([0.004, 0.003, 0.002], [SchedulerStats(misses=m) for m in (0, 1, 2)]) is None  # not positive
+
+
+def test_head_rate_times_the_models_own_output_layer(monkeypatch):
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from fate_edge.planning.batch_size import measure_head_rate
+
+    seen = []
+
+    def slow_head(x, head):  # 10 ms a call: the rate is the head's FLOPs over that
+        seen.append((tuple(x.shape), x.dtype, head))
+        time.sleep(0.01)
+        return x.new_zeros(x.shape[0], 1000)
+
+    monkeypatch.setattr("fate_edge.model.layer.apply_linear", slow_head)
+    model = SimpleNamespace(head="the head", config=SimpleNamespace(hidden_size=64), dtype=torch.bfloat16, device="cpu")
+    rate = measure_head_rate(model, rows=8, repeats=2)
+    flops = 2 * 8 * 1000 * 64
+    assert flops / 0.01 / 3 < rate <= flops / 0.01
+    assert seen == [((8, 64), torch.bfloat16, "the head")] * 3  # a warm-up call, then the timed ones

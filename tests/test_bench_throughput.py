@@ -113,3 +113,57 @@ def test_emulated_throughput_dilates_each_mode_by_its_own_step(tmp_path):
         publish.RESULTS_DIR = old
     assert text.count("\n| tiny | jetson-orin-nano-8gb | 3 |") == 1 and "Device-equivalent" in text
     assert "emulated-tiny" not in host_table
+
+
+def test_run_round_serves_in_waves_of_at_once():
+    """``at_once``: every prompt served, never more than that many at a time (a fake engine counts them)."""
+    import threading
+    import time
+
+    from fate_edge.bench.throughput_rounds import run_round
+    from fate_edge.runtime.scheduler import SchedulerStats
+
+    class Counting:
+        stats = SchedulerStats()
+
+        def __init__(self):
+            self.lock, self.active, self.most, self.served = threading.Lock(), 0, 0, []
+
+        def stream(self, prompt, config):
+            with self.lock:
+                self.active += 1
+                self.most = max(self.most, self.active)
+            try:
+                for _ in range(config.max_tokens):
+                    time.sleep(0.002)
+                    yield prompt
+            finally:
+                with self.lock:
+                    self.active -= 1
+                    self.served.append(prompt)
+
+    for at_once, most in ((2, 2), (0, 5), (1, 1)):
+        engine = Counting()
+        out = run_round(engine, [f"p{i}" for i in range(5)], 3, True, at_once=at_once)
+        assert out["tokens"] == 15 and sorted(engine.served) == [f"p{i}" for i in range(5)]
+        assert engine.most == most
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_sweep_predicts_beside_measuring_the_same_requests_at_each_batch():
+    from fate_edge.bench.throughput import sweep
+    from fate_edge.bench.throughput_report import sweep_table
+
+    before = torch.get_num_threads()
+    try:
+        out = sweep(ThroughputConfig(max_tokens=6, rounds=1, threads=1), batches=(1, 2))
+    finally:
+        torch.set_num_threads(before)
+    assert [r["batch"] for r in out["rows"]] == [1, 2] and out["chosen_batch"] in (1, 2)
+    for r in out["rows"]:
+        assert r["predicted_step_s"] > 0 and r["measured_step_p50_s"] > 0
+        assert r["measured_decode_tok_s"] == pytest.approx(r["batch"] / r["measured_step_p50_s"])
+    costs = out["costs"]
+    assert costs["read_s"] >= 0 and costs["step_s"] > 0 and costs["reads_per_step"] >= 0
+    row = sweep_table({"tiny": out}).splitlines()[2]
+    assert row.startswith("| tiny | 1 |") and row.rstrip().endswith("torch thread |")  # the CPU and its threads

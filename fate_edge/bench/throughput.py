@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from fate_edge.bench.throughput_rounds import (
     ratio_text,
     run_round,
     serve_both,
+    serve_request,
 )
 from fate_edge.command_line import device_name
 from fate_edge.planning.device_costs import emulated_device
@@ -82,23 +84,32 @@ def run(cfg: ThroughputConfig) -> dict:
 
 
 def sweep(cfg: ThroughputConfig, batches: tuple[int, ...] = (1, 2, 4, 8)) -> dict:
-    """The planner's roofline (planning.batch_size), calibrated on one request alone, beside the batched engine
-    measured at each batch size: step time and decode tokens/s, predicted and measured."""
-    from fate_edge.planning.batch_size import choose_batch, measure_peak_flops, step_costs
+    """The planner's roofline (planning.batch_size), calibrated on requests served alone, beside the batched engine
+    measured at each batch size: step time and decode tokens/s, predicted and measured. Every batch size serves the
+    same ``max(batches)`` requests, ``b`` at a time, and the calibration serves them one at a time: a batch of one
+    repeating one request would find its experts still cached from the round before (a hit rate of 0.94 against
+    0.82 on the bundled model at 35%)."""
+    from fate_edge.planning.batch_size import choose_batch, measure_head_rate, step_costs
 
     store, budget, alone, batched = engines(cfg, max(batches))
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(max(batches))]
     try:
         run_round(alone, PROMPTS[:1], 4, False)
         run_round(batched, PROMPTS[:2], 4, True)
-        single, rounds = [], {b: [] for b in batches}
+        gaps: list[float] = []
+        token_stats: list = []
+        rounds: dict[int, list[dict]] = {b: [] for b in batches}
         for _ in range(cfg.rounds):  # interleaved: the calibration run and every batch size in each round
-            single.append(run_round(alone, PROMPTS[:1], cfg.max_tokens, False))
+            for p in prompts:  # one at a time, each request's tokens beside their statistics
+                record: dict = {}
+                serve_request(alone, p, cfg.max_tokens, time.perf_counter(), record)
+                gaps += record["gaps"]
+                token_stats += alone.token_stats[: len(record["gaps"])]
             for b in batches:
-                rounds[b].append(
-                    run_round(batched, [PROMPTS[i % len(PROMPTS)] for i in range(b)], cfg.max_tokens, True)
-                )
-        step_s = statistics.median(r["token_p50_s"] for r in single)
-        costs = step_costs(alone, step_s, alone.token_stats, measure_peak_flops())
+                rounds[b].append(run_round(batched, prompts, cfg.max_tokens, True, at_once=b))
+        step_s = statistics.median(gaps)
+        peak = measure_head_rate(alone.model, max(batches))  # the resident work's roof, in its own kernel
+        costs = step_costs(alone, step_s, token_stats, peak, token_s=gaps)
         chosen, preds = choose_batch(costs, max(batches))
         measured = {b: median_rounds(rounds[b]) for b in batches}
     finally:

@@ -116,8 +116,8 @@ def sweep_table(runs: dict[str, dict]) -> str:
     """Prediction beside measurement per batch size, for each ``--sweep`` run (name → JSON of :func:`sweep`)."""
     lines = [
         "| model | batch | step ms predicted | step ms measured (p50) | decode tok/s predicted | decode tok/s "
-        "measured | bound (predicted) | chosen batch | load avg |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "measured | bound (predicted) | chosen batch | load avg | CPU, threads |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in sorted(runs.items()):
         for row in r["rows"]:
@@ -125,7 +125,7 @@ def sweep_table(runs: dict[str, dict]) -> str:
                 f"| {name} | {row['batch']} | {1e3 * row['predicted_step_s']:.1f} | "
                 f"{1e3 * row['measured_step_p50_s']:.1f} | {row['predicted_decode_tok_s']:.1f} | "
                 f"{row['measured_decode_tok_s']:.1f} | {row['bound']} | {r['chosen_batch']} | "
-                f"{r['host']['load_average'][0]:.1f} |"
+                f"{r['host']['load_average'][0]:.1f} | {host_cell(r['host'])} |"
             )
     return "\n".join(lines)
 

@@ -57,7 +57,9 @@ def percentile(values: list[float], q: float) -> float:
     return v[min(len(v) - 1, max(0, round(q * (len(v) - 1))))]
 
 
-def _serve(engine, prompt: str, max_tokens: int, t_submit: float, record: dict) -> None:
+def serve_request(engine, prompt: str, max_tokens: int, t_submit: float, record: dict) -> None:
+    """One request streamed to its end: into ``record``, its time to first token (from ``t_submit``), the gaps
+    between its tokens (seconds) and its token count."""
     from fate_edge.runtime.generate import GenerateConfig
 
     times = []
@@ -68,22 +70,26 @@ def _serve(engine, prompt: str, max_tokens: int, t_submit: float, record: dict) 
     record["tokens"] = len(times)
 
 
-def run_round(engine, prompts: list[str], max_tokens: int, concurrent: bool) -> dict:
-    """One round: every prompt served (at once, or one after another); the round's figures."""
+def run_round(engine, prompts: list[str], max_tokens: int, concurrent: bool, at_once: int = 0) -> dict:
+    """One round: every prompt served (at once, or one after another; ``at_once``: in waves of that many at once,
+    each wave after the one before); the round's figures, over every request."""
     s0 = engine.stats.snapshot()
     records = [{} for _ in prompts]
     t0 = time.perf_counter()
     if concurrent:
-        threads = [
-            threading.Thread(target=_serve, args=(engine, p, max_tokens, t0, r)) for p, r in zip(prompts, records)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        wave = at_once or len(prompts)
+        for w in range(0, len(prompts), wave):
+            threads = [
+                threading.Thread(target=serve_request, args=(engine, p, max_tokens, t0, r))
+                for p, r in zip(prompts[w : w + wave], records[w : w + wave])
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
     else:
         for p, r in zip(prompts, records):
-            _serve(engine, p, max_tokens, t0, r)  # a request's TTFT includes waiting for the ones before it
+            serve_request(engine, p, max_tokens, t0, r)  # a request's TTFT includes waiting for the ones before it
     wall = time.perf_counter() - t0
     s = engine.stats.minus(s0)
     tokens = sum(r["tokens"] for r in records)

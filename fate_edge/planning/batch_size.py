@@ -8,12 +8,14 @@ part of it ``sum over the cached e`` of the same (the cache holds the most popul
 
     step(B) = max(rest, B * rest_flops / peak)           resident weights, attention, norms, head, overhead
             + sum over the union of max(c1, rows_e * expert_flops / peak)   each expert once, a GEMM on its rows
-            + reads(B) * r                                each read's CPU cost (decode of its blob)
+            + reads(B) * r                                each read's cost to the step
 
-where ``c1`` (one expert on one row), ``r`` (one read) and ``rest`` (everything else of a step) come from the engine's
-statistics of one sequence decoding alone, and ``peak`` from a matmul probe of this host. Throughput is
-``B / step(B)``; :func:`choose_batch` takes the B that maximises it with ``step(B)`` at most ``latency_cap`` times
-the single step. ``fate-edge``'s bench prints the prediction beside the measurement
+where ``c1`` (one expert on one row), ``r`` (what one read costs a step: the slope of the single-sequence tokens' times
+over their reads, which holds what a read slows around it besides its own decode) and ``rest`` (everything else of a
+step) come from the engine's statistics of one sequence decoding alone, and ``peak`` from the model's own output
+layer on B rows (:func:`measure_head_rate`).
+Throughput is ``B / step(B)``; :func:`choose_batch` takes the B that maximises it with ``step(B)`` at most
+``latency_cap`` times the single step. ``fate-edge``'s bench prints the prediction beside the measurement
 (``python -m fate_edge.bench.throughput --sweep``).
 """
 
@@ -31,13 +33,13 @@ class StepCosts:
 
     step_s: float  # one decode step alone
     expert_s: float  # one expert computed on one row (the scheduler's ``expert_s / experts_timed``)
-    read_s: float  # one read's cost on the critical path's CPU (``consume_s`` per read)
+    read_s: float  # what one read costs a step (step_costs: fitted on the tokens' times, at least its consume_s)
     reads_per_step: float  # reads one step made alone
     experts_per_layer: list[list[float]]  # per MoE layer: p_e, the share of tokens routing to each expert
     cached: list[list[int]]  # per MoE layer: the experts the cache holds (the most popular)
     expert_flops: float  # one expert on one row
     rest_flops: float  # one token's resident work (attention, shared experts, lm_head)
-    peak_flops: float  # this host's measured matmul rate
+    peak_flops: float  # this host's measured rate on the resident work (measure_head_rate)
 
     @property
     def top_k(self) -> float:
@@ -105,20 +107,51 @@ def choose_batch(c: StepCosts, max_batch: int, latency_cap: float = 2.0) -> tupl
     return max(ok, key=lambda p: p.tokens_per_s).batch, preds
 
 
-def measure_peak_flops(n: int = 256, repeats: int = 20) -> float:
-    """This host's fp32 matmul rate at the engine's thread count (FLOP/s, best of ``repeats``)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def read_cost(token_s: list[float], token_stats: list) -> float | None:
+    """What one read costs a single-sequence step, from its tokens' times (seconds) and statistics: the slope of a
+    least-squares line through (reads, time), over tokens that read different counts. Besides the read's own CPU
+    (``consume_s``) it holds what the read makes slower around it: on a 2-vCPU VM ~250 us a read of the bundled
+    model against ~60 us of consume (docs/batching.md). None where the counts do not vary or the slope is not
+    positive (no evidence)."""
+    pairs = [(t.misses + t.prefetch_hits, s) for s, t in zip(token_s, token_stats)]
+    if len(pairs) < 3:
+        return None
+    mx = sum(r for r, _ in pairs) / len(pairs)
+    my = sum(s for _, s in pairs) / len(pairs)
+    var = sum((r - mx) ** 2 for r, _ in pairs)
+    if var <= 0:
+        return None
+    slope = sum((r - mx) * (s - my) for r, s in pairs) / var
+    return slope if slope > 0 else None
+
+
+def measure_head_rate(model, rows: int = 8, repeats: int = 5) -> float:
+    """This host's rate (FLOP/s) on the model's own output layer at ``rows`` rows, in its precision and on its kernel
+    (best of ``repeats``): the compute roof of a batch's resident work. A dense fp32 probe misplaces it for int4
+    resident weights, whose kernel multiplies int8 products at several times the fp32 rate: on the Qwen1.5-MoE slice
+    it put the 8-row roof at 23.5 ms of resident work where the step's measured total was 41 ms."""
+    from fate_edge.model.layer import apply_linear
+
+    head = model.head
+    x = torch.randn(rows, model.config.hidden_size, dtype=model.dtype, device=model.device)
+    cuda = x.device.type == "cuda"
     best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
+    with torch.inference_mode():
+        for _ in range(repeats + 1):  # the first call warms the kernel
+            t0 = time.perf_counter()
+            y = apply_linear(x, head)
+            if cuda:
+                torch.cuda.synchronize(x.device)
+            best = min(best, time.perf_counter() - t0)
+    return 2 * rows * y.shape[-1] * model.config.hidden_size / best
 
 
-def step_costs(engine, step_s: float, token_stats: list, peak_flops: float) -> StepCosts:
+def step_costs(
+    engine, step_s: float, token_stats: list, peak_flops: float, token_s: list[float] | None = None
+) -> StepCosts:
     """:class:`StepCosts` from ``engine`` (its model, cache and store's popularity) and the per-token statistics
-    ``token_stats`` (``Engine.token_stats``) of single-sequence decode steps of ``step_s`` each."""
+    ``token_stats`` (``Engine.token_stats``) of single-sequence decode steps of ``step_s`` each; with ``token_s``
+    (each of those tokens' times), a read costs what :func:`read_cost` finds, else its ``consume_s``."""
     cfg = engine.model.config
     k, num_e = cfg.num_experts_per_tok, cfg.num_experts
     pop = engine.popularity or {}
@@ -144,10 +177,12 @@ def step_costs(engine, step_s: float, token_stats: list, peak_flops: float) -> S
         if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[0] != cfg.vocab_size
     )
     rest_flops = 2 * (resident + h * cfg.vocab_size)  # the embedding is a lookup; lm_head a matmul
+    fitted = read_cost(token_s, token_stats) if token_s is not None else None
+    per_read = consume / reads if reads else 0.0
     return StepCosts(
         step_s,
         expert,
-        consume / reads if reads else 0.0,
+        max(per_read, fitted) if fitted is not None else per_read,
         reads / steps,
         shares,
         cached,
