@@ -103,8 +103,9 @@ def sweep(cfg: ThroughputConfig, batches: tuple[int, ...] = (1, 2, 4, 8)) -> dic
             for p in prompts:  # one at a time, each request's tokens beside their statistics
                 record: dict = {}
                 serve_request(alone, p, cfg.max_tokens, time.perf_counter(), record)
-                gaps += record["gaps"]
-                token_stats += alone.token_stats[: len(record["gaps"])]
+                n = min(len(record["gaps"]), len(alone.token_stats))  # token i's gap beside token i's statistics
+                gaps += record["gaps"][:n]
+                token_stats += alone.token_stats[:n]
             for b in batches:
                 rounds[b].append(run_round(batched, prompts, cfg.max_tokens, True, at_once=b))
         step_s = statistics.median(gaps)
