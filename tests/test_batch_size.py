@@ -83,3 +83,18 @@ def test_head_rate_times_the_models_own_output_layer(monkeypatch):
     flops = 2 * 8 * 1000 * 64
     assert flops / 0.01 / 3 < rate <= flops / 0.01
     assert seen == [((8, 64), torch.bfloat16, "the head")] * 3  # a warm-up call, then the timed ones
+
+
+def test_pair_probe_adds_the_batched_paths_own_cost_from_two_sequences_on():
+    from fate_edge.planning.batch_size import with_pair_probe
+
+    c = _costs()
+    two = predict(c, 2).step_s
+    probed = with_pair_probe(c, two + 0.003)  # a step of two measured 3 ms over the model of single steps
+    assert probed.batch_path_s == pytest.approx(0.003)
+    assert predict(probed, 1).step_s == pytest.approx(predict(c, 1).step_s)  # one sequence: the fused step
+    for b in (2, 4, 8):
+        assert predict(probed, b).step_s == pytest.approx(predict(c, b).step_s + 0.003)
+        assert predict(probed, b).terms["batch path"] == pytest.approx(0.003)
+    assert with_pair_probe(c, two - 0.001).batch_path_s == 0.0  # faster than predicted: nothing added
+    assert with_pair_probe(probed, two + 0.001).batch_path_s == pytest.approx(0.001)  # re-probed from the base model

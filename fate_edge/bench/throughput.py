@@ -84,18 +84,20 @@ def run(cfg: ThroughputConfig) -> dict:
 
 
 def sweep(cfg: ThroughputConfig, batches: tuple[int, ...] = (1, 2, 4, 8)) -> dict:
-    """The planner's roofline (planning.batch_size), calibrated on requests served alone, beside the batched engine
+    """The planner's roofline (planning.batch_size), calibrated on requests served alone and one step of two (the
+    batched path's own cost: ``with_pair_probe``), beside the batched engine
     measured at each batch size: step time and decode tokens/s, predicted and measured. Every batch size serves the
     same ``max(batches)`` requests, ``b`` at a time, and the calibration serves them one at a time: a batch of one
     repeating one request would find its experts still cached from the round before (a hit rate of 0.94 against
     0.82 on the bundled model at 35%)."""
-    from fate_edge.planning.batch_size import choose_batch, measure_head_rate, step_costs
+    from fate_edge.planning.batch_size import choose_batch, measure_head_rate, step_costs, with_pair_probe
 
     store, budget, alone, batched = engines(cfg, max(batches))
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(max(batches))]
     try:
         run_round(alone, PROMPTS[:1], 4, False)
         run_round(batched, PROMPTS[:2], 4, True)
+        pairs: list[float] = []  # the planner's look at the batched path: two other requests at once, each round
         gaps: list[float] = []
         token_stats: list = []
         rounds: dict[int, list[dict]] = {b: [] for b in batches}
@@ -106,11 +108,12 @@ def sweep(cfg: ThroughputConfig, batches: tuple[int, ...] = (1, 2, 4, 8)) -> dic
                 n = min(len(record["gaps"]), len(alone.token_stats))  # token i's gap beside token i's statistics
                 gaps += record["gaps"][:n]
                 token_stats += alone.token_stats[:n]
+            pairs.append(run_round(batched, PROMPTS[-2:], cfg.max_tokens, True)["token_p50_s"])
             for b in batches:
                 rounds[b].append(run_round(batched, prompts, cfg.max_tokens, True, at_once=b))
         step_s = statistics.median(gaps)
         peak = measure_head_rate(alone.model, max(batches))  # the resident work's roof, in its own kernel
-        costs = step_costs(alone, step_s, token_stats, peak, token_s=gaps)
+        costs = with_pair_probe(step_costs(alone, step_s, token_stats, peak, token_s=gaps), statistics.median(pairs))
         chosen, preds = choose_batch(costs, max(batches))
         measured = {b: median_rounds(rounds[b]) for b in batches}
     finally:

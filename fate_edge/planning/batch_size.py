@@ -22,7 +22,7 @@ Throughput is ``B / step(B)``; :func:`choose_batch` takes the B that maximises i
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -40,6 +40,10 @@ class StepCosts:
     expert_flops: float  # one expert on one row
     rest_flops: float  # one token's resident work (attention, shared experts, lm_head)
     peak_flops: float  # this host's measured rate on the resident work (measure_head_rate)
+    # What a step of two or more sequences costs beyond this model of it: the general batched path's own work
+    # (grouping rows by expert, the slab attention), which one sequence's fused step does not do. 0: not measured
+    # (with_pair_probe sets it from a two-sequence step)
+    batch_path_s: float = 0.0
 
     @property
     def top_k(self) -> float:
@@ -80,6 +84,8 @@ def predict(c: StepCosts, batch: int) -> StepPrediction:
     reads *= c.reads_per_step / at_one if at_one > 0 else 1.0
     rest = max(_rest_s(c), batch * c.rest_flops / c.peak_flops)
     terms = {"rest": rest, "experts": experts_s, "reads": reads * c.read_s}
+    if batch > 1 and c.batch_path_s > 0:
+        terms["batch path"] = c.batch_path_s
     step = sum(terms.values())
     return StepPrediction(batch, union, reads, step, batch / step, terms, max(terms, key=terms.__getitem__))
 
@@ -97,6 +103,15 @@ def _rest_s(c: StepCosts) -> float:
     """Everything of a single step but its experts and reads (at least a tenth of it: never negative)."""
     layers_k = c.top_k * len(c.experts_per_layer)
     return max(0.1 * c.step_s, c.step_s - layers_k * c.expert_s - c.reads_per_step * c.read_s)
+
+
+def with_pair_probe(c: StepCosts, pair_step_s: float) -> StepCosts:
+    """``c`` with :attr:`StepCosts.batch_path_s` from a measured step of two sequences (seconds): what it took beyond
+    this model's prediction of it (never negative). On the bundled model a step of two cost 7.5 ms where the model
+    of single steps predicted 4.9: the general batched path's own work, a quarter of its step, that no calibration
+    on single-sequence steps sees. Taken as fixed in B (it grows ~0.3 ms a row there, which this leaves out)."""
+    base = replace(c, batch_path_s=0.0)
+    return replace(c, batch_path_s=max(0.0, pair_step_s - predict(base, 2).step_s))
 
 
 def choose_batch(c: StepCosts, max_batch: int, latency_cap: float = 2.0) -> tuple[int, list[StepPrediction]]:
