@@ -71,7 +71,9 @@ def test_load_model_bits_quantizes_memory_experts(bundled_dir, one_thread):
     assert kernels["qkv"] == kernels["lm_head"] == ["torch-int8"] and kernels["experts"] == [e.kernel]
     assert load_model(bundled_dir).kernels()["qkv"] == ["dense-float32"]
     f = load_model(bundled_dir).experts.get(1, 3)
-    assert e.nbytes < f.nbytes / 6  # 4-bit codes plus group scales vs fp32
+    # 4-bit codes plus group scales vs fp32; onnxruntime, picked where it timed fastest (the choice is timed, so a
+    # loaded host can make it), keeps its prepacked copy beside them (~1.8x the int4 bytes)
+    assert e.nbytes < f.nbytes / (6 if e.kernel == "torch-int4" else 3)
 
 
 @pytest.mark.parametrize(("bits", "max_rel"), [(8, 0.02), (4, 0.15)])
