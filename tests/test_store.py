@@ -13,7 +13,7 @@ from fate_edge import FateEdgeError, ModelFormatError, load_model
 from fate_edge.errors import CorruptBlobError
 from fate_edge.fetch.store_provider import StoreExpertProvider
 from fate_edge.format.convert import ConvertOptions, convert
-from fate_edge.format.store import ExpertStore, Part, is_store, part_views
+from fate_edge.format.store import ExpertStore, Part, Precision, is_store, part_views
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +196,7 @@ def test_part_views_are_views_of_the_blob_equal_to_sliced_ones(store_dir):
             raw = torch.frombuffer(bytearray(f.read(ref.length)), dtype=torch.uint8)
         blob = torch.zeros(ref.length + 64, dtype=torch.uint8)[32 : 32 + ref.length]  # not at its storage's start
         blob.copy_(raw)
-        views = part_views(blob, prec.parts)
+        views = part_views(blob, prec)
         for name, want in _sliced_views(blob, prec.parts).items():
             got = views[name]
             assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), name
@@ -207,13 +207,16 @@ def test_part_views_are_views_of_the_blob_equal_to_sliced_ones(store_dir):
 
 
 def test_part_views_refuse_a_short_blob_and_a_part_that_is_not_its_shape():
-    parts = [Part("a.codes", 0, 64, "uint8", (4, 16)), Part("a.scale", 64, 16, "float16", (4, 2))]
+    def precision(*parts: Part) -> Precision:
+        return Precision(4, "experts-4.bin", 80, list(parts), None)
+
+    codes, scale = Part("a.codes", 0, 64, "uint8", (4, 16)), Part("a.scale", 64, 16, "float16", (4, 2))
     blob = torch.arange(80, dtype=torch.uint8)
-    views = part_views(blob, parts)
+    views = part_views(blob, precision(codes, scale))
     assert views["a.codes"].shape == (4, 16) and views["a.scale"].shape == (4, 2)
     with pytest.raises(ModelFormatError, match="shorter than its parts"):
-        part_views(blob[:70], parts)
+        part_views(blob[:70], precision(codes, scale))
     with pytest.raises(ModelFormatError, match="not a whole float16 array"):
-        part_views(blob, [Part("a.scale", 64, 12, "float16", (4, 2))])  # 12 bytes for 8 fp16 values
+        part_views(blob, precision(Part("a.scale", 64, 12, "float16", (4, 2))))  # 12 bytes for 8 fp16 values
     with pytest.raises(ModelFormatError, match="not a whole float16 array"):
-        part_views(blob, [Part("a.scale", 63, 16, "float16", (4, 2))])  # an odd byte offset
+        part_views(blob, precision(Part("a.scale", 63, 16, "float16", (4, 2))))  # an odd byte offset

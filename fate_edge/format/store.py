@@ -16,6 +16,7 @@ has the same internal layout (``parts``), recorded once per precision.
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,6 +80,11 @@ class Precision:
     @property
     def slot_bytes(self) -> int:
         return -(-self.blob_bytes // ALIGN) * ALIGN
+
+    @functools.cached_property
+    def view_plan(self) -> ViewPlan:
+        """How :func:`part_views` lays each part over a blob, its parts checked once (``_view_plan``)."""
+        return _view_plan(self.parts)
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -215,16 +221,12 @@ def decodes_to_views(precision: Precision) -> bool:
     )
 
 
-def part_views(blob: torch.Tensor, parts: list[Part]) -> dict[str, torch.Tensor]:
-    """Each part of a blob (a uint8 tensor) as a view of it in the part's dtype and shape: one strided view a part,
-    on one dtype view of the blob per dtype. A slice, a dtype view and a reshape a part were three dispatcher calls:
-    17 us for the bundled model's six parts, against ~8 (a read's decode, paid on every cache miss)."""
-    cached = _PLANS.get(id(parts))
-    if cached is None or cached[0] is not parts:  # keyed by identity: a store's parts list lives as long as it
-        if len(_PLANS) > 256:
-            _PLANS.clear()
-        cached = _PLANS[id(parts)] = (parts, *_view_plan(parts))
-    _, plan, end = cached
+def part_views(blob: torch.Tensor, precision: Precision) -> dict[str, torch.Tensor]:
+    """Each part of a blob (a uint8 tensor) of ``precision`` as a view of it in the part's dtype and shape: one
+    strided view a part, on one dtype view of the blob per dtype. A slice, a dtype view and a reshape a part were
+    three dispatcher calls: 17 us for the bundled model's six parts, against ~8 (a read's decode, paid on every cache
+    miss)."""
+    plan, end = precision.view_plan
     if blob.numel() < end:
         raise ModelFormatError(
             f"a blob of {blob.numel()} bytes is shorter than its parts ({end} bytes); the store is damaged, "
@@ -241,11 +243,12 @@ def part_views(blob: torch.Tensor, parts: list[Part]) -> dict[str, torch.Tensor]
     return out
 
 
-_PLANS: dict[int, tuple[list[Part], list[tuple[str, torch.dtype, tuple, tuple, int]], int]] = {}
+# Per part: name, dtype, shape, strides, offset in elements; and the bytes the parts span
+ViewPlan = tuple[list[tuple[str, torch.dtype, tuple, tuple, int]], int]
 
 
-def _view_plan(parts: list[Part]) -> tuple[list[tuple[str, torch.dtype, tuple, tuple, int]], int]:
-    """(per part: name, dtype, shape, strides, offset in elements; the bytes the parts span), checked once."""
+def _view_plan(parts: list[Part]) -> ViewPlan:
+    """The :data:`ViewPlan` of ``parts``, each checked to be a whole array of its dtype."""
     plan, end = [], 0
     for p in parts:
         dtype = _DTYPES[p.dtype]
@@ -276,7 +279,7 @@ def decode_expert(
         blob = blob_tensor(blob)
     device = torch.device(device) if device is not None else blob.device
     blob = blob.to(device, non_blocking=True)
-    t = part_views(blob, precision.parts)
+    t = part_views(blob, precision)
     if precision.spec is None:
         return ExpertWeights(*(t[f"{m}.weight"].to(dtype) for m in MATRICES))
     spec = precision.spec
