@@ -28,6 +28,7 @@ from pathlib import Path
 from fate_edge.bench.throughput_rounds import (
     PROMPTS,
     ThroughputConfig,
+    bench_prompts,
     bytes_ratio,
     engine_kwargs,
     engine_store,
@@ -60,7 +61,7 @@ def run(cfg: ThroughputConfig) -> dict:
 
     store, budget = engine_store(cfg)
     engine = Engine(store, budget, max_batch=cfg.concurrency, **engine_kwargs(cfg))
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(cfg.concurrency)]
+    prompts = bench_prompts(cfg.concurrency)
     try:
         served = serve_both(engine, engine, prompts, cfg)
     finally:
@@ -93,7 +94,7 @@ def sweep(cfg: ThroughputConfig, batches: tuple[int, ...] = (1, 2, 4, 8)) -> dic
     from fate_edge.planning.batch_size import choose_batch, measure_head_rate, step_costs, with_pair_probe
 
     store, budget, alone, batched = engines(cfg, max(batches))
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(max(batches))]
+    prompts = bench_prompts(max(batches))
     try:
         run_round(alone, PROMPTS[:1], 4, False)
         run_round(batched, PROMPTS[:2], 4, True)

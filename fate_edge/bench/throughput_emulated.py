@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from fate_edge.bench.throughput_rounds import (
-    PROMPTS,
+    bench_prompts,
     bytes_ratio,
     engine_kwargs,
     engine_store,
@@ -147,7 +147,7 @@ def run_emulated(cfg) -> dict:
     from fate_edge.runtime.engine import Engine
 
     store, budget = engine_store(cfg)
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(cfg.concurrency)]
+    prompts = bench_prompts(cfg.concurrency)
     facts, d1, db = calibrate_modes(cfg, store, prompts)
     kw = engine_kwargs(cfg)
     link = LinkSpec(**facts["device_link"])

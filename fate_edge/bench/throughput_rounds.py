@@ -50,6 +50,11 @@ class ThroughputConfig:
     emulate: str | None = None  # a device (orin-nano, ...): device-faithful emulation (bench.throughput_emulated)
 
 
+def bench_prompts(n: int) -> list[str]:
+    """``n`` of the bench's prompts, from the first, cycling past the list's end."""
+    return [PROMPTS[i % len(PROMPTS)] for i in range(n)]
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")

@@ -26,7 +26,7 @@ import torch
 import fate_edge.model.batch_step as batch_step
 import fate_edge.model.routed_experts as routed_experts
 from fate_edge.bench.throughput import host_note
-from fate_edge.bench.throughput_rounds import PROMPTS, ThroughputConfig, engine_kwargs, engine_store, run_round
+from fate_edge.bench.throughput_rounds import ThroughputConfig, bench_prompts, engine_kwargs, engine_store, run_round
 from fate_edge.runtime.batch import Batcher
 from fate_edge.runtime.engine import Engine
 from fate_edge.runtime.scheduler import Scheduler
@@ -69,7 +69,7 @@ def measure(
     store, budget = engine_store(cfg)
     engine = Engine(store, budget, max_batch=8, direct_io=direct_io, **engine_kwargs(cfg))
     try:
-        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
+        prompts = bench_prompts(batch)
         run_round(engine, prompts, cfg.max_tokens, True)
         totals.clear()
         before = engine.stats.snapshot()
