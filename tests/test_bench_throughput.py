@@ -118,7 +118,6 @@ def test_emulated_throughput_dilates_each_mode_by_its_own_step(tmp_path):
 def test_run_round_serves_in_waves_of_at_once():
     """``at_once``: every prompt served, never more than that many at a time (a fake engine counts them)."""
     import threading
-    import time
 
     from fate_edge.bench.throughput_rounds import run_round
     from fate_edge.runtime.scheduler import SchedulerStats
@@ -126,24 +125,33 @@ def test_run_round_serves_in_waves_of_at_once():
     class Counting:
         stats = SchedulerStats()
 
-        def __init__(self):
-            self.lock, self.active, self.most, self.served = threading.Lock(), 0, 0, []
+        def __init__(self, wave: int, total: int):
+            self.cv, self.wave, self.total = threading.Condition(), wave, total
+            self.active = self.started = self.most = 0
+            self.served: list[str] = []
 
         def stream(self, prompt, config):
-            with self.lock:
+            with self.cv:
                 self.active += 1
+                self.started += 1
                 self.most = max(self.most, self.active)
+                self.cv.notify_all()
+                # held until the rest of its wave has started (arrivals only grow: no wake-up is lost), so a thread
+                # slow to start cannot hide requests that run together; then a moment more for a request of a later
+                # wave, which a run_round that started it too early would let in while this one still runs
+                wave_end = min(self.total, -(-self.started // self.wave) * self.wave)
+                self.cv.wait_for(lambda: self.started >= wave_end, timeout=10)
+                self.cv.wait_for(lambda: self.started > wave_end, timeout=0.2 if wave_end < self.total else 0)
             try:
                 for _ in range(config.max_tokens):
-                    time.sleep(0.002)
                     yield prompt
             finally:
-                with self.lock:
+                with self.cv:
                     self.active -= 1
                     self.served.append(prompt)
 
     for at_once, most in ((2, 2), (0, 5), (1, 1)):
-        engine = Counting()
+        engine = Counting(at_once or 5, 5)
         out = run_round(engine, [f"p{i}" for i in range(5)], 3, True, at_once=at_once)
         assert out["tokens"] == 15 and sorted(engine.served) == [f"p{i}" for i in range(5)]
         assert engine.most == most
