@@ -109,7 +109,8 @@ def with_pair_probe(c: StepCosts, pair_step_s: float) -> StepCosts:
     """``c`` with :attr:`StepCosts.batch_path_s` from a measured step of two sequences (seconds): what it took beyond
     this model's prediction of it (never negative). On the bundled model a step of two cost 7.5 ms where the model
     of single steps predicted 4.9: the general batched path's own work, a quarter of its step, that no calibration
-    on single-sequence steps sees. Taken as fixed in B (it grows ~0.3 ms a row there, which this leaves out)."""
+    on single-sequence steps sees. Taken as fixed in B, which it is not quite: there the steps of 4 and 8 ran
+    1.5-1.8 ms past the prediction."""
     base = replace(c, batch_path_s=0.0)
     return replace(c, batch_path_s=max(0.0, pair_step_s - predict(base, 2).step_s))
 
