@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from fate_edge.bench.sidebyside import resident_int4
+from fate_edge.planning.read_bound import decode_reads
 from fate_edge.runtime.engine import Engine
 from fate_edge.runtime.generate import GenerateConfig, stream_generate
 from fate_edge.runtime.loader import load_model
@@ -114,7 +115,10 @@ def run_engine(args, prompt: list[int], policy: str, budget: str, profile: bool)
     with Engine(args.store, budget, policy, dtype="bfloat16", device="cuda") as engine:
         cfg = GenerateConfig(max_tokens=args.decode_tokens, ignore_eos=True)
         engine.generate(prompt[:16], GenerateConfig(max_tokens=4, ignore_eos=True))
-        row = _measure(engine.stream(prompt, cfg))
+        # the decode's expert reads beside the fewest any cache could make on the same routing
+        responses, reads = decode_reads(engine, engine.stream(prompt, cfg))
+        row = _measure(responses)
+        row["reads"] = reads
         s = engine.request_stats
         row.update(
             hit_rate=s.hit_rate,
@@ -260,7 +264,32 @@ def table(result: dict) -> str:
         x_off = f"{r['decode_tps'] / off['decode_tps']:.1f}x" if off else ""
         hit = f"{r['hit_rate']:.1%}" if "hit_rate" in r else ""
         lines.append(f"| {name} | {r['decode_tps']:.1f} | {r['prefill_tps']:.0f} | {x_lod} | {x_off} | {hit} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + reads_table(rows)) + "\n"
+
+
+def reads_table(rows: dict) -> list[str]:
+    """The budgeted runs' expert reads per decode token beside the fewest any cache could make on the same routing
+    (``planning.read_bound``), and the decode tokens/s those fewest reads alone allow at the reads' measured speed."""
+    lines = [
+        "",
+        "| run | reads a decode token: engine / fewest (cache room) / fewest (whole budget) | read GB/s "
+        "| decode tok/s the fewest reads allow |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, r in rows.items():
+        x = r.get("reads")
+        if not x:
+            continue
+        few, gbps = x["fewest_reads_per_token"], x["read_gbps"]
+        cap = "no reads" if not few["cache_room"] else ""
+        if few["cache_room"] and gbps:
+            cap = f"{gbps * 1e9 / x['expert_bytes'] / few['cache_room']:.0f}"
+        speed = f"{gbps:.2f}" if gbps else ""
+        lines.append(
+            f"| {name} | {x['engine_reads_per_token']:.2f} / {few['cache_room']:.2f} / {few['whole_budget']:.2f} "
+            f"| {speed} | {cap} |"
+        )
+    return lines if len(lines) > 3 else []
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fate_edge.model.batch_step import Segment, forward_segments
-from fate_edge.planning.read_bound import CallRecorder, fewest_reads
+from fate_edge.planning.read_bound import CallRecorder, fewest_reads, fewest_reads_warm
 from fate_edge.runtime.cache import AccessInfo
 from fate_edge.runtime.cache.expert_cache import ExpertCache
 from fate_edge.runtime.cache.factory import make_eviction
@@ -62,6 +62,14 @@ def test_fewest_reads_is_below_every_policy_and_falls_with_room():
     assert fewest_reads(calls, distinct, num_layers=4) == distinct  # room for all: each read once
 
 
+def test_a_warm_cache_saves_at_most_its_room():
+    calls = [(0, F({1, 2})), (0, F({3})), (0, F({1, 2})), (0, F({3, 4}))]
+    assert fewest_reads(calls, 2, num_layers=1) == 5  # 1, 2, 3 (bypassed), 3 again, 4
+    assert fewest_reads_warm(calls, 2, num_layers=1) == 3  # 1 and 2 held beforehand
+    assert fewest_reads_warm(calls, 4, num_layers=1) == 0  # room for every expert: nothing to read
+    assert fewest_reads_warm(calls, 0, num_layers=1) == 7  # no room: every use a read
+
+
 def test_fewest_reads_refuses_negative_room():
     with pytest.raises(ValueError, match="capacity"):
         fewest_reads([(0, F({1}))], -1, num_layers=1)
@@ -97,3 +105,44 @@ def test_recorder_records_each_layer_union_of_a_batched_step(bundled_model, bund
         assert all(len(a[j][1]) == cfg.num_experts_per_tok and a[j][0] == layer for a in alone)
         assert experts == alone[0][j][1] | alone[1][j][1]
     assert rec.take() == []
+
+
+def test_decode_reads_counts_one_request_decode(bundled_dir):
+    from fate_edge.format.converted_stores import ensure_store
+    from fate_edge.format.store import ExpertStore
+    from fate_edge.planning.read_bound import decode_reads
+    from fate_edge.runtime.engine import Engine
+    from fate_edge.runtime.generate import GenerateConfig
+
+    store = ensure_store(bundled_dir, progress=False)
+    s = ExpertStore(store)
+    budget = int(0.35 * s.expert_bytes(4) * len(s.index["moe_layers"]) * s.index["num_experts"])
+    with Engine(store, budget, max_batch=1) as engine:
+        cfg = GenerateConfig(max_tokens=12, ignore_eos=True)
+        mine, seen_at_first = CallRecorder(), []  # the calls, recorded beside decode_reads' own recorder
+
+        def marked(stream):
+            for i, response in enumerate(stream):
+                if i == 0:
+                    seen_at_first.append(len(mine.calls))
+                yield response
+
+        engine.model.observers.append(mine)
+        out, r = decode_reads(engine, marked(engine.stream("def parse(line):", cfg)))
+        engine.model.observers.remove(mine)
+        assert len(out) == 12 and r["decode_tokens"] == 11
+        decode = mine.calls[seen_at_first[0] :]  # the calls after the prompt's: 11 tokens through each MoE layer
+        assert len(decode) == 11 * len(s.index["moe_layers"]) and all(len(ids) == 2 for _, ids in decode)
+        rooms = r["experts"]
+        for room in ("cache_room", "whole_budget"):
+            want = fewest_reads_warm(decode, rooms[room], len(s.index["moe_layers"])) / 11
+            assert r["fewest_reads_per_token"][room] == pytest.approx(want)
+        few = r["fewest_reads_per_token"]
+        # the whole budget holds more than the engine's cache and its read buffers: no cache of it reads more
+        assert 0 <= few["whole_budget"] <= few["cache_room"]
+        assert few["whole_budget"] <= r["engine_reads_per_token"]
+        assert r["engine_reads_per_token"] > 0 and r["read_gbps"] > 0  # at 35% the decode reads
+        assert r["experts"]["cache_room"] < r["experts"]["whole_budget"] < r["experts"]["all"]
+        assert engine.model.observers == [engine.scheduler]  # its recorder is gone
+        with pytest.raises(ValueError, match="two tokens"):
+            decode_reads(engine, engine.stream("x", GenerateConfig(max_tokens=1, ignore_eos=True)))

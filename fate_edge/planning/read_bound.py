@@ -11,11 +11,17 @@ moves a read earlier, it does not remove it).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
 import torch
 
 from fate_edge.runtime.cache import AccessInfo
 from fate_edge.runtime.cache.belady import Belady
 from fate_edge.runtime.cache.expert_cache import ExpertCache
+
+if TYPE_CHECKING:
+    from fate_edge.runtime.engine import Engine
 
 Call = tuple[int, frozenset[int]]  # (layer, the distinct experts it computes)
 
@@ -39,7 +45,8 @@ class CallRecorder:
 
 def fewest_reads(calls: list[Call], capacity: int, num_layers: int) -> int:
     """Expert reads of Belady-MIN (with bypass) over ``calls``, with room for ``capacity`` experts of any layers,
-    starting empty: the fewest any cache of that size could make."""
+    starting empty: the fewest any cache of that size could make. A cache filled before the calls (with whatever
+    they need first) saves at most ``capacity`` of them: :func:`fewest_reads_warm`."""
     if capacity < 0:
         raise ValueError(f"capacity must be >= 0 experts, got {capacity}")
     policy = Belady(future=calls)
@@ -55,3 +62,47 @@ def fewest_reads(calls: list[Call], capacity: int, num_layers: int) -> int:
                 reads += 1
                 cache.insert(key, None, 1, 4)
     return reads
+
+
+def fewest_reads_warm(calls: list[Call], capacity: int, num_layers: int) -> int:
+    """The fewest reads of ``calls`` for a cache of ``capacity`` experts filled beforehand at no cost with the best
+    experts to hold (MIN's own first ``capacity`` distinct ones): what no cache, preloaded or warm, can go below."""
+    return max(0, fewest_reads(calls, capacity, num_layers) - capacity)
+
+
+def decode_reads(engine: Engine, responses: Iterable[Any]) -> tuple[list[Any], dict]:
+    """Serve one request's ``responses`` (``engine.stream(...)``, one request at a time on this thread), recording its
+    MoE calls → (the responses, its decode's figures per decode token): the engine's expert reads (demand, prefetch
+    and wasted) and the fewest any cache could make (:func:`fewest_reads_warm`) in the room the engine's cache has
+    and in the whole budget; the read bandwidth the engine's reads had (GB/s, None before any read)."""
+    store, model = engine.store, engine.model
+    expert_bytes = store.expert_bytes(engine.policy.bits)
+    layers = len(store.index["moe_layers"])
+    rec = CallRecorder()
+    model.observers.append(rec)
+    out, first, start = [], None, 0
+    fetched = engine.fetch.stats
+    f0 = (fetched.bytes_read, fetched.read_s)
+    try:
+        for r in responses:
+            out.append(r)
+            if first is None:  # the prompt is done: the decode's reads start here
+                first, start = engine.stats.snapshot(), len(rec.calls)
+    finally:
+        model.observers.remove(rec)
+    decoded = len(out) - 1
+    if first is None or decoded < 1:
+        raise ValueError("decode_reads needs a request of two tokens or more")
+    s = engine.stats.minus(first)
+    rooms = {"cache_room": engine.plan.cache_bytes // expert_bytes, "whole_budget": engine.budget // expert_bytes}
+    decode = rec.calls[start:]
+    read_bytes, read_s = fetched.bytes_read - f0[0], fetched.read_s - f0[1]
+    return out, {
+        "decode_tokens": decoded,
+        "expert_bytes": expert_bytes,
+        "experts": rooms | {"all": layers * store.index["num_experts"]},
+        "hit_rate": s.hit_rate,
+        "engine_reads_per_token": (s.demand_bytes + s.prefetch_bytes + s.wasted_bytes) / expert_bytes / decoded,
+        "fewest_reads_per_token": {k: fewest_reads_warm(decode, n, layers) / decoded for k, n in rooms.items()},
+        "read_gbps": read_bytes / read_s / 1e9 if read_s > 0 else None,
+    }

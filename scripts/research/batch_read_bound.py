@@ -5,10 +5,10 @@ Serves the throughput bench's requests (``bench_prompts``) on one batching engin
 does: one at a time, then all at once, after a warm-up round each, and records every MoE layer call
 (``planning.read_bound.CallRecorder``). For each mode it prints the engine's expert reads per generated token
 (demand, prefetch and wasted) and the fewest any cache with the whole budget as room could make on the same calls
-(``fewest_reads``: Belady-MIN over one partition), with the room the engine's cache has (its budget less its read
-buffers) and with the whole budget. Belady starts empty where the engine starts warm, so its count less one full
-cache is what the table takes: a lower bound on the batch's reads, and so an upper bound on the ratio of today's
-alone reads to the batch's.
+(``fewest_reads_warm``: Belady-MIN over one partition), with the room the engine's cache has (its budget less its
+read buffers) and with the whole budget. Belady starts empty where the engine starts warm, so its count less one
+full cache is what the table takes: a lower bound on the batch's reads, and so an upper bound on the ratio of
+today's alone reads to the batch's.
 
     python scripts/research/batch_read_bound.py --budgets 0.35 0.5 0.75 --threads 1
     python scripts/research/batch_read_bound.py --model /tmp/qwen-moe-2l-int4 --budgets 0.35 --max-tokens 16
@@ -33,7 +33,7 @@ from fate_edge.bench.throughput_rounds import (
     run_round,
 )
 from fate_edge.format.store import ExpertStore
-from fate_edge.planning.read_bound import CallRecorder, fewest_reads
+from fate_edge.planning.read_bound import CallRecorder, fewest_reads_warm
 from fate_edge.runtime.engine import Engine
 
 
@@ -64,8 +64,8 @@ def measure(cfg: ThroughputConfig) -> dict:
             calls = rec.take()
             tokens = sum(r["tokens"] for r in rounds)
             engine_reads = sum(r["bytes_per_token"] * r["tokens"] for r in rounds) / expert_bytes
-            bound = max(0, fewest_reads(calls, capacity, layers) - capacity)
-            in_cache = max(0, fewest_reads(calls, cache_entries, layers) - cache_entries)
+            bound = fewest_reads_warm(calls, capacity, layers)
+            in_cache = fewest_reads_warm(calls, cache_entries, layers)
             out[mode] = {
                 "tokens": tokens,
                 "calls": len(calls),
