@@ -1,6 +1,7 @@
 """The fewest-reads bound (planning.read_bound): Belady-MIN's expert reads on recorded layer calls, and the recorder
 that records them from a batched step."""
 
+import argparse
 import random
 
 import pytest
@@ -146,3 +147,60 @@ def test_decode_reads_counts_one_request_decode(bundled_dir):
         assert engine.model.observers == [engine.scheduler]  # its recorder is gone
         with pytest.raises(ValueError, match="two tokens"):
             decode_reads(engine, engine.stream("x", GenerateConfig(max_tokens=1, ignore_eos=True)))
+
+
+def _load_script(path: str):
+    """A script of the checkout, imported by its path."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    name = Path(path).stem
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_bench_table_puts_the_reads_beside_the_fewest():
+    gpu_bench = _load_script("scripts/gpu_bench.py")
+    reads = {
+        "engine_reads_per_token": 1.81,
+        "fewest_reads_per_token": {"cache_room": 0.5, "whole_budget": 0.4},
+        "read_gbps": 2.0,
+        "expert_bytes": 4_000_000,
+    }
+    rows = {
+        "fate-edge preset 1GB": {"decode_tps": 48.6, "prefill_tps": 353.0, "hit_rate": 0.906, "reads": reads},
+        "transformers bf16 resident": {"decode_tps": 17.6, "prefill_tps": 184.0},
+    }
+    result = {"gpu": "GPU", "torch": "t", "cuda": "c", "prompt_tokens": 128, "decode_tokens": 64, "rows": rows}
+    text = gpu_bench.table(result)
+    # 2 GB/s over 0.5 reads of 4 MB a token: 1000 tok/s
+    assert "| fate-edge preset 1GB | 1.81 / 0.50 / 0.40 | 2.00 | 1000 |" in text
+    assert text.count("| transformers bf16 resident |") == 1  # in the speed table only
+    del rows["fate-edge preset 1GB"]["reads"]
+    assert "fewest" not in gpu_bench.table(result)  # no budgeted run measured reads: no second table
+
+
+def test_request_read_bound_serves_the_gpu_bench_request(bundled_dir, capsys):
+    from fate_edge.format.converted_stores import ensure_store
+
+    script = _load_script("scripts/research/request_read_bound.py")
+    store = ensure_store(bundled_dir, progress=False)
+    args = argparse.Namespace(
+        store=str(store),
+        policy="fate-edge",
+        dtype="float32",
+        device="cpu",
+        prompt_tokens=24,
+        decode_tokens=8,
+        read_gbps=1.0,
+    )
+    row = script.measure(args, "2MB")
+    assert row["decode_tokens"] == 7 and row["budget"] == "2MB"
+    few = row["fewest_reads_per_token"]["cache_room"]
+    assert few > 0  # 2 MB holds ~38% of the bundled model's int4 experts: even Belady reads in decode
+    assert row["decode_tok_s_cap"]["fewest"] == pytest.approx(1e9 / row["expert_bytes"] / few)  # at 1 GB/s
+    assert row["engine_reads_per_token"] >= row["fewest_reads_per_token"]["whole_budget"]
