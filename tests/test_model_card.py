@@ -1,29 +1,15 @@
 """fate-edge model-card (fate_edge.bench.model_card) end to end on a tiny random qwen2_moe (a random model predicts
 ~uniformly), and the training script it documents (scripts/train_tiny_moe.py)."""
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
+from _scripts import ROOT, load_script
 from _tiny_moe import VOCAB, build_tiny_moe, write_training_log
 
 from fate_edge.bench import model_card
 from fate_edge.corpus import CorpusSplit, read_corpus
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load_script(path: str):
-    """A script of the checkout (scripts/NAME.py or scripts/research/NAME.py), imported by its path."""
-    name = Path(path).stem
-    spec = importlib.util.spec_from_file_location(name, ROOT / path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +90,7 @@ def test_the_bundled_model_card_is_what_the_command_renders(monkeypatch):
 
 
 def test_heldout_split_is_the_training_scripts(card_run):
-    tr = _load_script("scripts/train_tiny_moe.py")
+    tr = load_script("scripts/train_tiny_moe.py")
     cfg = {"heldout_fraction": 0.02, "max_corpus_bytes": 2_000_000, "unknown_key": 1}
     texts = model_card.heldout_texts(cfg)
     assert texts and texts == tr.read_corpus(tr.TrainConfig(heldout_fraction=0.02, max_corpus_bytes=2_000_000))[1]
@@ -113,7 +99,7 @@ def test_heldout_split_is_the_training_scripts(card_run):
 
 
 def test_training_config_overrides_are_typed_and_checked():
-    tr = _load_script("scripts/train_tiny_moe.py")
+    tr = load_script("scripts/train_tiny_moe.py")
     cfg = tr.config_with(tr.TrainConfig(), ["num_experts=8", "lr=5e-4"])
     assert cfg.num_experts == 8 and isinstance(cfg.num_experts, int) and cfg.lr == 5e-4
     assert cfg.hidden_size == tr.TrainConfig().hidden_size  # the rest stays the bundled model's
@@ -132,7 +118,7 @@ def test_training_script_builds_a_mixtral_layout_that_fate_edge_runs(tmp_path):
 
     from fate_edge.runtime.loader import load_model
 
-    tr = _load_script("scripts/train_tiny_moe.py")
+    tr = load_script("scripts/train_tiny_moe.py")
     cfg = tr.config_with(
         tr.TrainConfig(),
         [
@@ -167,7 +153,7 @@ def test_the_ceiling_scripts_cross_token_pairs_stay_inside_a_window(tmp_path):
     from fate_edge.model.layer import rms_norm
     from fate_edge.runtime.loader import load_model
 
-    ceiling = _load_script("scripts/research/predictor_ceiling.py")
+    ceiling = load_script("scripts/research/predictor_ceiling.py")
     ids = {0: torch.arange(12).view(6, 2), 3: 100 + torch.arange(12).view(6, 2)}  # two windows of 3 positions
     trace = Trace({3: torch.arange(6.0)[:, None].expand(6, 4)}, ids, 16)
     src, dst = ceiling.next_token_pairs(trace, 3)
@@ -201,7 +187,7 @@ def test_the_ceiling_scripts_own_router_is_exact_on_the_residual_its_norm_reads(
 
     from fate_edge.runtime.loader import load_model
 
-    ceiling = _load_script("scripts/research/predictor_ceiling.py")
+    ceiling = load_script("scripts/research/predictor_ceiling.py")
     path = build_tiny_moe(tmp_path / "tiny")
     model = load_model(path, torch.float32)
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))

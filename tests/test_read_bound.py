@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from _scripts import load_script
 
 from fate_edge.model.batch_step import Segment, forward_segments
 from fate_edge.planning.read_bound import CallRecorder, fewest_reads, fewest_reads_warm
@@ -149,22 +150,8 @@ def test_decode_reads_counts_one_request_decode(bundled_dir):
             decode_reads(engine, engine.stream("x", GenerateConfig(max_tokens=1, ignore_eos=True)))
 
 
-def _load_script(path: str):
-    """A script of the checkout, imported by its path."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    name = Path(path).stem
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_gpu_bench_table_puts_the_reads_beside_the_fewest():
-    gpu_bench = _load_script("scripts/gpu_bench.py")
+    gpu_bench = load_script("scripts/gpu_bench.py")
     reads = {
         "engine_reads_per_token": 1.81,
         "fewest_reads_per_token": {"cache_room": 0.5, "whole_budget": 0.4},
@@ -187,7 +174,7 @@ def test_gpu_bench_table_puts_the_reads_beside_the_fewest():
 def test_request_read_bound_serves_the_gpu_bench_request(bundled_dir, capsys):
     from fate_edge.format.converted_stores import ensure_store
 
-    script = _load_script("scripts/research/request_read_bound.py")
+    script = load_script("scripts/research/request_read_bound.py")
     store = ensure_store(bundled_dir, progress=False)
     args = argparse.Namespace(
         store=str(store),
