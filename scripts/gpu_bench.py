@@ -28,7 +28,8 @@ from fate_edge.runtime.loader import load_model
 from fate_edge.tokenizer import Tokenizer
 
 
-def _prompt(vocab: int, n: int) -> list[int]:
+def prompt_ids(vocab: int, n: int) -> list[int]:
+    """The benchmark's prompt: ``n`` seeded random ids (every run and script that reproduces it uses these)."""
     return torch.randint(10, vocab, (n,), generator=torch.Generator().manual_seed(0)).tolist()
 
 
@@ -193,7 +194,7 @@ def main() -> None:
     if args.profile_dir:
         args.profile_dir.mkdir(parents=True, exist_ok=True)
     vocab = json.loads((args.store / "config.json").read_text())["vocab_size"]
-    prompt = _prompt(vocab, args.prompt_tokens)
+    prompt = prompt_ids(vocab, args.prompt_tokens)
     runs: list[tuple[str, object]] = [
         ("fate-edge resident int4 (CUDA graph)", lambda: run_resident(args, prompt, True)),
         ("fate-edge resident int4 (eager)", lambda: run_resident(args, prompt, False)),

@@ -17,6 +17,7 @@ engine's cache gets of the budget (less its read buffers); "whole budget" takes 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 from pathlib import Path
 
@@ -27,15 +28,15 @@ from fate_edge.planning.read_bound import decode_reads
 from fate_edge.runtime.engine import Engine
 from fate_edge.runtime.generate import GenerateConfig
 
-
-def gpu_bench_prompt(vocab: int, n: int) -> list[int]:
-    """The GPU benchmark's prompt ids (scripts/gpu_bench.py ``_prompt``)."""
-    return torch.randint(10, vocab, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+_spec = importlib.util.spec_from_file_location("gpu_bench", Path(__file__).parents[1] / "gpu_bench.py")
+assert _spec is not None and _spec.loader is not None
+gpu_bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_bench)  # its prompt ids: the request this script reproduces
 
 
 def measure(args: argparse.Namespace, budget: str) -> dict:
     with Engine(args.store, budget, args.policy, dtype=args.dtype, device=args.device, max_batch=1) as engine:
-        prompt = gpu_bench_prompt(engine.model.config.vocab_size, args.prompt_tokens)
+        prompt = gpu_bench.prompt_ids(engine.model.config.vocab_size, args.prompt_tokens)
         engine.generate(prompt[:16], GenerateConfig(max_tokens=4, ignore_eos=True))  # warm-up, as gpu_bench
         cfg = GenerateConfig(max_tokens=args.decode_tokens, ignore_eos=True)
         _, row = decode_reads(engine, engine.stream(prompt, cfg))
