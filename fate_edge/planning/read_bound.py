@@ -70,6 +70,13 @@ def fewest_reads_warm(calls: list[Call], capacity: int, num_layers: int) -> int:
     return max(0, fewest_reads(calls, capacity, num_layers) - capacity)
 
 
+def engine_rooms(engine: Engine) -> dict[str, int]:
+    """The rooms the bound is taken in, in experts of the engine's precision: what its cache gets of the budget (its
+    read buffers apart), and the whole budget as cache."""
+    expert_bytes = engine.store.expert_bytes(engine.policy.bits)
+    return {"cache_room": engine.plan.cache_bytes // expert_bytes, "whole_budget": engine.budget // expert_bytes}
+
+
 def decode_reads(engine: Engine, responses: Iterable[Any]) -> tuple[list[Any], dict]:
     """Serve one request's ``responses`` (``engine.stream(...)``, one request at a time on this thread), recording its
     MoE calls → (the responses, its decode's figures per decode token): the engine's expert reads (demand, prefetch
@@ -94,7 +101,7 @@ def decode_reads(engine: Engine, responses: Iterable[Any]) -> tuple[list[Any], d
     if first is None or decoded < 1:
         raise ValueError("decode_reads needs a request of two tokens or more")
     s = engine.stats.minus(first)
-    rooms = {"cache_room": engine.plan.cache_bytes // expert_bytes, "whole_budget": engine.budget // expert_bytes}
+    rooms = engine_rooms(engine)
     decode = rec.calls[start:]
     read_bytes, read_s = fetched.bytes_read - f0[0], fetched.read_s - f0[1]
     return out, {

@@ -32,20 +32,18 @@ from fate_edge.bench.throughput_rounds import (
     ratio_text,
     run_round,
 )
-from fate_edge.format.store import ExpertStore
-from fate_edge.planning.read_bound import CallRecorder, fewest_reads_warm
+from fate_edge.planning.read_bound import CallRecorder, engine_rooms, fewest_reads_warm
 from fate_edge.runtime.engine import Engine
 
 
 def measure(cfg: ThroughputConfig) -> dict:
     store, budget = engine_store(cfg)
-    s = ExpertStore(store)
-    expert_bytes = s.expert_bytes(4)
-    layers = len(s.index["moe_layers"])
-    capacity = budget // expert_bytes  # the whole budget as room: more than the engine's cache gets
     prompts = bench_prompts(cfg.concurrency)
     engine = Engine(store, budget, max_batch=cfg.concurrency, **engine_kwargs(cfg))
-    cache_entries = engine.plan.cache_bytes // expert_bytes  # the room the engine's cache gets (buffers apart)
+    expert_bytes = engine.store.expert_bytes(engine.policy.bits)
+    layers = len(engine.store.index["moe_layers"])
+    rooms = engine_rooms(engine)
+    capacity, cache_entries = rooms["whole_budget"], rooms["cache_room"]
     rec = CallRecorder()
     engine.model.observers.append(rec)
     out: dict = {
@@ -63,7 +61,7 @@ def measure(cfg: ThroughputConfig) -> dict:
             st = engine.stats.minus(s0)
             calls = rec.take()
             tokens = sum(r["tokens"] for r in rounds)
-            engine_reads = sum(r["bytes_per_token"] * r["tokens"] for r in rounds) / expert_bytes
+            engine_reads = (st.demand_bytes + st.prefetch_bytes + st.wasted_bytes) / expert_bytes
             bound = fewest_reads_warm(calls, capacity, layers)
             in_cache = fewest_reads_warm(calls, cache_entries, layers)
             out[mode] = {
