@@ -25,6 +25,11 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
+# How the kernels are compiled (beside -fPIC -shared): what a program built on a kernel's source uses too, so that
+# it measures the kernel as the library runs it (a benchmark of a kernel's internals)
+CFLAGS = ("-O3", "-fno-math-errno", "-fopenmp")
+
+
 def build_shared_library(src: bytes, name: str, cc: str) -> Path:
     """``src`` (C) compiled with ``cc`` into ``<cache>/native/<name>-<hash>.so`` unless already there; older builds
     of ``name`` are removed. Raises RuntimeError with the compiler's message when the build fails."""
@@ -37,7 +42,7 @@ def build_shared_library(src: bytes, name: str, cc: str) -> Path:
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         c_file, out = Path(tmp) / f"{name}.c", Path(tmp) / lib.name
         c_file.write_bytes(src)
-        cmd = [cc, "-O3", "-fno-math-errno", "-fPIC", "-shared", "-fopenmp", str(c_file), "-o", str(out), "-lm"]
+        cmd = [cc, *CFLAGS, "-fPIC", "-shared", str(c_file), "-o", str(out), "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"`{' '.join(cmd)}` failed: {done.stderr.strip()[-400:]}")

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from fate_edge.bench.throughput_rounds import host_note
-from fate_edge.native_build import compiler
+from fate_edge.native_build import CFLAGS, compiler
 
 PROBE = Path(__file__).with_name("amx_int4_tiles.c")
 VARIANTS = {  # name: -D flags
@@ -40,7 +40,7 @@ SHAPES = [  # (what, N, K, group, x rows)
 
 
 def build(cc: str, flags: list[str], out: Path) -> Path:
-    cmd = [cc, "-O3", "-fno-math-errno", "-fopenmp", *(f"-D{f}" for f in flags), str(PROBE), "-o", str(out), "-lm"]
+    cmd = [cc, *CFLAGS, *(f"-D{f}" for f in flags), str(PROBE), "-o", str(out), "-lm"]
     subprocess.run(cmd, check=True)
     return out
 
