@@ -11,8 +11,6 @@ import pytest
 from fate_edge.native_build import compiler
 from tests._scripts import ROOT, load_script
 
-NO_AMX = 3  # the probe's exit code where the CPU, the kernel's instruction set or Linux rule AMX out
-
 
 @pytest.mark.parametrize("variant", ["one chunk at a time", "three phases"])
 def test_amx_probe_matches_the_kernel_bit_for_bit(tmp_path, variant):
@@ -24,7 +22,7 @@ def test_amx_probe_matches_the_kernel_bit_for_bit(tmp_path, variant):
     # 8 and 11 x rows (a second, partial pass of the tile's 8), groups of 64, N and K past one block and one chunk
     for rows in (8, 11):
         done = subprocess.run([str(exe), "48", "384", "64", str(rows), "1"], capture_output=True, text=True, cwd=ROOT)
-        if done.returncode == NO_AMX:
+        if done.returncode == probe.NO_AMX:
             assert "no AMX-INT8 here" in done.stdout
             return  # built and ran; this host cannot run the tiles
         assert done.returncode == 0, done.stderr

@@ -24,6 +24,7 @@ from fate_edge.bench.throughput_rounds import host_note
 from fate_edge.native_build import CFLAGS, compiler
 
 PROBE = Path(__file__).with_name("amx_int4_tiles.c")
+NO_AMX = 3  # the probe's exit code where the CPU, the kernel's instruction set or Linux rule AMX out
 VARIANTS = {  # name: -D flags
     "one chunk at a time": ["PER_CHUNK"],
     "three phases": [],
@@ -61,9 +62,9 @@ def main() -> None:
                 if name.startswith("phases,") and (what, m) != ("lm_head", 8):
                     continue  # where the time goes: one shape is enough
                 done = subprocess.run([str(exe), *map(str, (n, k, g, m, a.rounds))], capture_output=True, text=True)
-                if done.returncode == 3:
+                if done.returncode == NO_AMX:
                     sys.stdout.write(done.stdout)
-                    sys.exit(3)
+                    sys.exit(NO_AMX)
                 done.check_returncode()
                 r = json.loads(done.stdout)
                 rows.append({"matrix": what, "shape": [n, k], "group": g, "rows": m, "variant": name, **r})
