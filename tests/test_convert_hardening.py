@@ -5,8 +5,6 @@ import json
 import os
 import shutil
 import stat
-import subprocess
-import sys
 
 import pytest
 from _tiny_moe import build_tokenizer
@@ -101,19 +99,6 @@ def test_disk_full_while_writing_is_one_error_naming_dir_and_bytes(how, monkeypa
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert f"{tmp_path}: no space left" in err and "needs about" in err and " MB" in err
     assert list(tmp_path.iterdir()) == []  # the partial directory is gone
-
-
-def test_next_convert_removes_partials_of_dead_processes_only(tmp_path, bundled_dir, capsys):
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()  # reaped: its pid is free
-    stale = tmp_path / f".s.partial-{dead.pid}"
-    live = tmp_path / f".other.partial-{os.getppid()}"  # pytest's parent is alive
-    for d in (stale, live):
-        d.mkdir()
-        (d / "resident.safetensors").write_bytes(b"x")
-    convert(bundled_dir, tmp_path / "s", ConvertOptions(bits=4, keep_bf16=False), progress=False)
-    assert not stale.exists() and live.exists()
-    assert f"removed {stale}" in capsys.readouterr().err
 
 
 def test_every_store_file_has_one_mode_from_the_umask(store_dir):

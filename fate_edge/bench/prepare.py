@@ -5,13 +5,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 from fate_edge.bench.config import BenchConfig
 from fate_edge.corpus import heldout_source
 from fate_edge.format.inflate import inflate, inflated_size
+from fate_edge.format.work_dirs import make_work_dir, replace_dir
 
 
 def default_work_dir() -> Path:
@@ -61,10 +61,9 @@ def prepare_model(cfg: BenchConfig) -> tuple[Path, Path | None, str]:
     model_dir = work / f"tiny-moe-inflated-{inter}-{tag}"
     if not (model_dir / "config.json").exists():
         print(f"bench: inflating the bundled model to expert intermediate size {inter} -> {model_dir}", flush=True)
-        tmp = model_dir.parent / f".{model_dir.name}.partial-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
+        tmp = make_work_dir(model_dir)
         inflate(bundled, tmp, inter)
-        tmp.rename(model_dir)
+        replace_dir(tmp, model_dir)
     store = _convert_once(model_dir, work / f"{model_dir.name}-store", cfg.layout)
     return store, model_dir, f"bundled tiny-moe inflated to expert intermediate size {inter} (inert units)"
 

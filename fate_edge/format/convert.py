@@ -13,7 +13,6 @@ import errno
 import itertools
 import json
 import os
-import re
 import shutil
 import sys
 import threading
@@ -35,6 +34,7 @@ from fate_edge.format.checkpoint_layout import layer_names, resident_weight_name
 from fate_edge.format.checksum import crc32
 from fate_edge.format.direct_write import DirectFile
 from fate_edge.format.store import FORMAT, FORMAT_VERSION, STORE_FILE, Precision, encode_expert, plan_parts
+from fate_edge.format.work_dirs import make_work_dir, remove_dead_work_dirs, replace_dir
 from fate_edge.model.arch import ModelConfig, load_config
 from fate_edge.model.transformer import LayerNames
 from fate_edge.quant import QuantSpec
@@ -207,15 +207,13 @@ def write_store(
     """Write ``src`` as a store at ``out_dir``: into a hidden sibling first, renamed into place as the last step;
     on any failure nothing is left at ``out_dir`` (an existing store there is kept)."""
     cfg, reader = src.cfg, src.reader
-    remove_dead_partials(out_dir.parent)
+    remove_dead_work_dirs(out_dir.parent)
     names_resident = resident_weight_names(cfg, reader)
     experts_bytes = len(cfg.moe_layers) * cfg.num_experts * sum(p.slot_bytes for p in precisions)
     need = experts_bytes + sum(reader.nbytes(n) for n in names_resident) + src.aux_bytes
     _check_free_space(out_dir.parent, need)
 
-    tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = make_work_dir(out_dir)
     try:
         src.write_aux(tmp)
         jobs = [(layer, e) for layer in cfg.moe_layers for e in range(cfg.num_experts)]
@@ -251,13 +249,7 @@ def write_store(
         # store.json is written last: a directory without it is never taken for a store.
         (tmp / STORE_FILE).write_text(json.dumps(store_index(src, opts, precisions, entries), indent=1))
         _set_file_modes(tmp)
-        if out_dir.exists():
-            old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-            out_dir.rename(old)
-            tmp.rename(out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out_dir)
+        replace_dir(tmp, out_dir)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if _is_disk_full(exc):
@@ -482,34 +474,3 @@ def _check_free_space(directory: Path, need: int) -> None:
             f"{directory}: the store needs about {format_bytes(need)} but only {format_bytes(free)} "
             "is free there; free space or convert into another directory"
         )
-
-
-_PARTIAL = re.compile(r"^\..+\.(?:partial|old)-(\d+)$")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
-def remove_dead_partials(directory: Path) -> list[Path]:
-    """Remove hidden ``.<name>.partial-<pid>`` (and ``.old-<pid>``) directories whose convert process is gone
-    (killed before it could clean up); those of running processes are left alone."""
-    removed: list[Path] = []
-    if not directory.is_dir():
-        return removed
-    for path in sorted(directory.iterdir()):
-        m = _PARTIAL.match(path.name)
-        if m and path.is_dir() and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))):
-            shutil.rmtree(path, ignore_errors=True)
-            print(
-                f"removed {path}, left by a convert that was interrupted (process {m.group(1)} is gone)",
-                file=sys.stderr,
-            )
-            removed.append(path)
-    return removed

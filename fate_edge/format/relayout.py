@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import time
@@ -23,6 +22,7 @@ from fate_edge.errors import FateEdgeError
 from fate_edge.format.checksum import crc32
 from fate_edge.format.direct_write import DirectFile
 from fate_edge.format.store import MATRICES, STORE_FILE, ExpertStore, Precision, plan_parts
+from fate_edge.format.work_dirs import make_work_dir, replace_dir
 from fate_edge.quant.linear import unpack_int4_cpu
 from fate_edge.quant.pack import pack
 
@@ -65,9 +65,7 @@ def relayout_store(src: str | Path, dst: str | Path, progress: bool = True) -> P
     if not todo:
         raise FateEdgeError(f"{src}: has no cpu-int4 experts; it is already portable")
     index = json.loads((src / STORE_FILE).read_text())
-    tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = make_work_dir(dst)
     try:
         for f in src.iterdir():  # resident weights, config, tokenizer, predictors, other precisions
             if f.name == STORE_FILE or f.name in {p.file for p in todo.values()}:
@@ -117,7 +115,7 @@ def relayout_store(src: str | Path, dst: str | Path, progress: bool = True) -> P
             index["precisions"][str(bits)] = new.to_json()
             index["experts"][str(bits)] = entries
         (tmp / STORE_FILE).write_text(json.dumps(index))
-        os.replace(tmp, dst)
+        replace_dir(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
