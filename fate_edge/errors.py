@@ -61,6 +61,11 @@ class BudgetError(FateEdgeError):
     """The memory budget is too small to run the model."""
 
 
+class KVRoomError(BudgetError, GenerationError):
+    """One request needs more KV cache than the budget holds for all sequences: the request is too large, the
+    engine is fine (a 400 to a client, not a 500)."""
+
+
 class FetchError(FateEdgeError):
     """A blob could not be read."""
 

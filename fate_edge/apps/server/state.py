@@ -34,6 +34,9 @@ class ServerSettings:
     host: str = "127.0.0.1"  # the bound address: a Host header naming it is accepted besides the loopback names
     allowed_hosts: list[str] = field(default_factory=list)  # more Host names to accept; "*" accepts any
     cors_origins: list[str] = field(default_factory=list)  # browser origins allowed to call the API; "*": any
+    header_timeout: float = 10.0  # seconds a connection may take to send a request's line and headers
+    body_timeout: float = 60.0  # seconds a request may take to send its body
+    max_connections: int = 64  # open connections at once; past it uvicorn answers 503
 
 
 @dataclass
