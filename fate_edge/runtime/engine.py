@@ -32,6 +32,7 @@ from fate_edge.runtime.batch import BatchConfig, Batcher, default_max_batch
 from fate_edge.runtime.budget import BudgetPlan, memory_shortfall, parse_bytes, plan_budget
 from fate_edge.runtime.cache import ExpertCache
 from fate_edge.runtime.cache.factory import Resident, build_cache, layer_slots, pick_resident
+from fate_edge.runtime.exit_close import close_at_exit, closed
 from fate_edge.runtime.generate import GenerateConfig, GenerationResponse, stream_generate
 from fate_edge.runtime.load_threads import in_own_thread
 from fate_edge.runtime.loader import load_model
@@ -216,6 +217,7 @@ class Engine:
         else:
             load()
         self.batcher = self._make_batcher(max_batch, context_tokens)
+        close_at_exit(self)  # no thread of this engine left computing when the interpreter exits (exit_close)
 
     def _make_batcher(self, max_batch: int, context_tokens: int) -> Batcher | None:
         """Continuous batching for ``max_batch`` > 1 (0: :func:`default_max_batch`). Not for a replayed trace
@@ -563,6 +565,7 @@ class Engine:
             if self.cache is not None:
                 self.cache.clear()
             self.fetch.close()
+        closed(self)
 
     def __enter__(self) -> Engine:
         return self
