@@ -83,7 +83,10 @@ def _generate(args: argparse.Namespace, model, tokenizer, prompt: str, engine) -
     if args.chat:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty, args.seed)
-    config = GenerateConfig(args.max_tokens, sampling, stop=args.stop, ignore_eos=args.ignore_eos)
+    # no --max-tokens: until end of text or the context the run reserved (--context-tokens)
+    config = GenerateConfig(
+        args.max_tokens, sampling, stop=args.stop, ignore_eos=args.ignore_eos, context_limit=args.context_tokens
+    )
     last = None
     if args.echo:
         sys.stdout.write(prompt)

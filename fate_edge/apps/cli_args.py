@@ -43,6 +43,13 @@ def byte_size(value: str) -> str:
     return value
 
 
+def tokens_or_context(value: str) -> int | None:
+    """A token count >= 1, or 'context' (None): until end of text or the context is full."""
+    if value.strip().lower() in ("context", "none"):
+        return None
+    return int(positive_int(value))
+
+
 def link_name(value: str) -> str:
     """A device profile whose storage link reads are throttled to (see profile_name), or 'none'."""
     return value if value == "none" else profile_name(value)
@@ -134,7 +141,7 @@ OPTION_TYPES: dict[str, Callable[[str], object]] = {
     "--threads": non_negative_int,
     "--fetch-workers": positive_int,
     "--max-queue": non_negative_int,
-    "--max-tokens-default": positive_int,
+    "--max-tokens-default": tokens_or_context,
     "--shutdown-timeout": non_negative_float,
     "--tokens": positive_int,
     "--heldout-fraction": share,
@@ -178,7 +185,12 @@ def use_option_types(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     """``run`` and ``chat``'s sampling options."""
-    p.add_argument("--max-tokens", type=non_negative_int, default=128)
+    p.add_argument(
+        "--max-tokens",
+        type=non_negative_int,
+        default=None,
+        help="most tokens to generate (default: until end of text or the context, --context-tokens)",
+    )
     p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=non_negative_int, default=0, help="0 disables it")
     p.add_argument("--top-p", type=fraction, default=1.0, help="nucleus sampling share, in (0, 1]")

@@ -15,7 +15,7 @@ import itertools
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -126,6 +126,7 @@ class Engine:
             )
         device = resolve_device(device)
         self.device = device
+        self.context_tokens = context_tokens  # the KV room the account reserves: an unbounded request stops there
         # The model, scheduler and expert cache are shared state: one step of one request runs at a time
         # (_lock), and the open stream that may step next is tracked by _slot (see stream()).
         self._lock = threading.Lock()
@@ -441,6 +442,9 @@ class Engine:
         """Yield one response per generated token. With ``max_batch`` > 1, streams from any thread are served
         together (runtime.batch), each with its own KV cache, sampling and stops; closing one removes only its
         sequence. Bad input raises before the first token."""
+        config = config or GenerateConfig()
+        if config.max_tokens is None and config.context_limit is None:  # until end of text or this engine's room
+            config = replace(config, context_limit=self.context_tokens)
         if self.batcher is None:
             return self._stream_alone(prompt, config)
         seq = self.batcher.submit(prompt, config)

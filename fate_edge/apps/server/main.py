@@ -69,7 +69,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument("--max-body-bytes", default="1MB", help="largest request body; larger gets 413 (default 1MB)")
     p.add_argument(
-        "--max-tokens-default", type=int, default=256, help="max_tokens when a request gives none (default 256)"
+        "--max-tokens-default",
+        default=None,
+        help="max_tokens when a request gives none: a number, or 'context' (the default: until end of text or "
+        "the context is full, as llama-server and Ollama)",
     )
     p.add_argument(
         "--shutdown-timeout",

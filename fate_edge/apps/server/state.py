@@ -28,7 +28,7 @@ class ServerSettings:
     api_key: str | None = None
     max_queue: int = 16
     max_body_bytes: int = 1_000_000
-    default_max_tokens: int = 256
+    default_max_tokens: int | None = None  # a request without max_tokens: None = until end of text or context
     model_alias: str | None = None
     enable_fault_injection: bool = False
     host: str = "127.0.0.1"  # the bound address: a Host header naming it is accepted besides the loopback names
