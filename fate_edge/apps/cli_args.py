@@ -18,6 +18,7 @@ from fate_edge.command_line import (
     existing_path,
     existing_path_as_path,
     fraction,
+    model_ref,
     non_empty,
     non_negative_float,
     non_negative_int,
@@ -129,7 +130,7 @@ def _is_host(name: str) -> bool:
 # Types by option name, for the parsers written outside the CLI module (calibrate, bench, serve): the same
 # option means the same thing in every subcommand. Output paths and free text (--host aside) take any string.
 OPTION_TYPES: dict[str, Callable[[str], object]] = {
-    "--model": existing_path,
+    "--model": model_ref,
     "--corpus": existing_path_as_path,
     "--gguf": existing_path,
     "--results": non_empty,
@@ -172,7 +173,7 @@ def use_option_types(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 
     for action in parser._actions:  # argparse has no public API to revisit declared options
         if not action.option_strings and action.dest == "model":  # a positional model directory
-            action.type = existing_path
+            action.type = model_ref
         for opt in action.option_strings:
             if opt in OPTION_TYPES:
                 action.type = OPTION_TYPES[opt]

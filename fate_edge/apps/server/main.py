@@ -170,6 +170,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
         if bound is not None:
             bound.cleanup()
+    from fate_edge.runtime.load_threads import exit_if_loading
+
+    exit_if_loading(0)  # stopped while the model still loads (converts): exit now, not abort at interpreter exit
     err = app.state.fate_edge.load_error
     if err is not None:
         if isinstance(err, FateEdgeError):
