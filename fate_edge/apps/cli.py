@@ -132,6 +132,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from fate_edge.format.store import is_store
 
     path = args.model_dir or bundled_model_dir()
+    from fate_edge.format.gguf_reader import is_gguf
+
+    if is_gguf(path):  # its header only: the per-layer table is the store's, made on first use
+        return _inspect_gguf(path)
     print(format_summary(summarize(path)))
     if args.memory_budget is not None:
         from fate_edge.runtime.budget import parse_bytes
@@ -180,6 +184,25 @@ def cmd_list(args: argparse.Namespace) -> int:
         return 0
     print(format_models(models))
     print(f"\n{len(models)} model(s); run one with: {PROG} run --model NAME PROMPT")
+    return 0
+
+
+def _inspect_gguf(path: str) -> int:
+    from pathlib import Path
+
+    from fate_edge.format.model_list import ListedModel, describe
+
+    m = describe(ListedModel(str(path), "gguf", Path(path)))
+    if m.problem:
+        raise FateEdgeError(f"{path}: {m.problem}")
+    params = f"{m.params / 1e6:.1f}M" if m.params else "?"
+    print(f"model           {path} (GGUF)\narchitecture    {m.architecture}\nparameters      {params}")
+    print(f"file size       {format_bytes(m.file_bytes)}")
+    print(
+        "converted       "
+        + (f"yes, store {format_bytes(m.store_bytes)}" if m.store_bytes is not None else "not yet")
+        + f" (its layers and memory account: {PROG} inspect STORE, after `{PROG} convert` or a first run)"
+    )
     return 0
 
 

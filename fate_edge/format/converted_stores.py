@@ -45,7 +45,10 @@ def cached_store_path(model: str | Path, found: Path | None = None, bits: int = 
     # convert's auto layout depends on the kernel this host prefers: a store made for the other one still works,
     # but would compute on the slower kernel, so each preference keeps its own
     h.update(f"{bits}/{cold_bits}/{'native' if native_is_default() else 'torch'}".encode())
-    return cache_root() / f"{_label(model, model_dir)}-int{bits}-{h.hexdigest()[:12]}"
+    key = f"-int{bits}-{h.hexdigest()[:12]}"
+    # the same source named another way (an Ollama name, then its blob's path) has its store already
+    made = [p for p in cache_root().glob(f"*{key}") if not p.name.startswith(".") and is_store(p)]
+    return made[0] if made else cache_root() / f"{_label(model, model_dir)}{key}"
 
 
 def ensure_store(
