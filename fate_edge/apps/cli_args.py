@@ -18,6 +18,7 @@ from fate_edge.command_line import (
     existing_path,
     existing_path_as_path,
     fraction,
+    model_path,
     model_ref,
     non_empty,
     non_negative_float,
@@ -172,8 +173,8 @@ def use_option_types(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     from fate_edge.runtime.policy import POLICY_CHOICES, PRESETS
 
     for action in parser._actions:  # argparse has no public API to revisit declared options
-        if not action.option_strings and action.dest == "model":  # a positional model directory
-            action.type = model_ref
+        if not action.option_strings and action.dest == "model":  # a positional model directory, read as files
+            action.type = model_path
         for opt in action.option_strings:
             if opt in OPTION_TYPES:
                 action.type = OPTION_TYPES[opt]
