@@ -69,7 +69,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument("--max-body-bytes", default="1MB", help="largest request body; larger gets 413 (default 1MB)")
     p.add_argument(
-        "--max-tokens-default", type=int, default=256, help="max_tokens when a request gives none (default 256)"
+        "--max-tokens-default",
+        default=None,
+        help="max_tokens when a request gives none: a number, or 'context' (the default: until end of text or "
+        "the context is full, as llama-server and Ollama)",
     )
     p.add_argument(
         "--shutdown-timeout",
@@ -187,6 +190,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
         if bound is not None:
             bound.cleanup()
+    from fate_edge.runtime.load_threads import exit_if_loading
+
+    exit_if_loading(0)  # stopped while the model still loads (converts): exit now, not abort at interpreter exit
     err = app.state.fate_edge.load_error
     if err is not None:
         if isinstance(err, FateEdgeError):
