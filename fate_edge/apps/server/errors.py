@@ -23,11 +23,15 @@ type                           status  when
 
 from __future__ import annotations
 
+import logging
+import re
 from typing import Any
 
 from fastapi.responses import JSONResponse
 
 from fate_edge.errors import ContextLengthError, DeviceMemoryError, FateEdgeError, GenerationError, KVRoomError
+
+log = logging.getLogger("fate_edge.apps.server")
 
 
 class QueueFull(Exception):
@@ -99,6 +103,22 @@ def error_from_exception(exc: BaseException, param: str | None = None) -> APIErr
         return APIError(503, str(exc), "unavailable_error", None, "device_out_of_memory")
     if isinstance(exc, GenerationError):
         return invalid(str(exc))
+    # the server's own trouble: its log has the whole message; the client's names no path on this machine
+    log.warning("generation failed: %s: %s", type(exc).__name__, exc)
     if isinstance(exc, FateEdgeError):
-        return APIError(500, f"generation failed: {exc}", "server_error", None, "generation_failed")
-    return APIError(500, f"generation failed: {type(exc).__name__}: {exc}", "server_error", None, "internal_error")
+        return APIError(500, f"generation failed: {redact_paths(str(exc))}", "server_error", None, "generation_failed")
+    return APIError(
+        500,
+        f"generation failed: {type(exc).__name__}: {redact_paths(str(exc))}",
+        "server_error",
+        None,
+        "internal_error",
+    )
+
+
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.])/(?:[^\s:'\"/]+/)*([^\s:'\"/]+)")
+
+
+def redact_paths(text: str) -> str:
+    """``text`` with each absolute path cut to its last part (``/home/u/.cache/s/experts-4.bin``: ``experts-4.bin``)."""
+    return _ABSOLUTE_PATH.sub(lambda m: m.group(1), text)
