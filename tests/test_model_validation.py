@@ -198,3 +198,14 @@ def test_an_index_naming_a_shard_outside_the_model_is_refused(tmp_path, bundled_
     index = {"metadata": {}, "weight_map": {n: "../outside.safetensors" for n in names}}
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
     _convert_fails(tmp_path, d, capsys, "model.safetensors.index.json", "../outside.safetensors", "inside")
+
+
+def test_a_transposed_expert_in_a_safetensors_checkpoint_is_refused_at_convert(tmp_path, bundled_dir, capsys):
+    from safetensors.torch import load_file, save_file
+
+    d = _config_dir(tmp_path, bundled_dir)
+    w = load_file(d / "model.safetensors")
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"
+    w[name] = w[name].t().contiguous()
+    save_file(w, d / "model.safetensors", metadata={"format": "pt"})
+    _convert_fails(tmp_path, d, capsys, name, "has shape [128, 192], expected [192, 128]")

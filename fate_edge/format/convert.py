@@ -161,6 +161,8 @@ def convert(
             file=sys.stderr,
         )
     layouts = {layer: ExpertLayout(reader, names[layer].mlp) for layer in cfg.moe_layers}
+    for layout in layouts.values():
+        layout.check_shapes(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
     expert_src = sum(reader.nbytes(n) for n in layouts[cfg.moe_layers[0]].tensor_names(0)) if cfg.moe_layers else 0
     if cfg.moe_layers and layouts[cfg.moe_layers[0]].fused:  # a fused tensor holds every expert of the layer
         expert_src //= cfg.num_experts
