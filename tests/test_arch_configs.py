@@ -47,3 +47,26 @@ def test_minimax_m2_routes_every_layer_with_one_expert_width():
         )
     )
     assert cfg.moe_layers == [0, 1] and cfg.moe_intermediate_size == 32 and cfg.qk_norm == "full"
+
+
+def test_ernie_with_biases_on_every_linear_is_refused_by_name():
+    import pytest
+
+    from fate_edge.errors import UnsupportedArchitectureError
+
+    d = dict(
+        model_type="ernie4_5_moe",
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        moe_num_experts=8,
+        moe_k=2,
+    )
+    cfg = config_from_dict(dict(d))
+    assert cfg.dense_layers == (0,) and cfg.tie_word_embeddings and cfg.rope.interleaved
+    with pytest.raises(UnsupportedArchitectureError, match="use_bias"):
+        config_from_dict({**d, "use_bias": True})

@@ -232,6 +232,21 @@ CASES = [
             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
         ),
     ),
+    Case(
+        "ernie4_5_moe-interleaved_rope-selection_bias-interval2",
+        "Ernie4_5_MoeConfig",
+        dict(
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            moe_num_experts=8,
+            moe_k=2,
+            moe_num_shared_experts=1,
+            num_hidden_layers=4,
+            moe_layer_start_index=1,
+            moe_layer_interval=2,  # layers 1 and 3 routed, 0 and 2 dense
+            use_bias=False,
+        ),
+    ),
 ]
 CASE_IDS = [c.id for c in CASES]
 LAYOUTS = ["per_expert", "fused"]
@@ -283,7 +298,7 @@ class Built:
         torch.manual_seed(case.seed)
         hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
         with torch.no_grad():
-            for name, buf in hf.named_buffers():
+            for name, buf in [*hf.named_buffers(), *hf.named_parameters()]:  # ERNIE's is a frozen parameter
                 if name.endswith("e_score_correction_bias"):  # zeros by default: make the selection-only bias bite
                     buf.copy_(torch.randn_like(buf) * 0.2)
         self.hf = hf
