@@ -18,7 +18,7 @@ def openmp_defaults(load: float, cores: int) -> dict[str, str]:
 # GOMP_SPINCOUNT override the policy's spin, so we never add one to a user's policy); torch imported before
 # fate_edge keeps libgomp's default. FATE_EDGE_SET_OPENMP names what we set (inherited by child processes, which
 # choose again), so peers with an OpenMP runtime of their own (llama.cpp links the system libgomp) start without
-# it (fate_edge.bench.llamacpp).
+# it (fate_edge_lab.bench.llamacpp).
 for _name in filter(None, os.environ.pop("FATE_EDGE_SET_OPENMP", "").split(",")):  # a parent's, not the user's
     os.environ.pop(_name, None)
 if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):

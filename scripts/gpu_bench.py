@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
-from fate_edge.bench.sidebyside import resident_int4
-from fate_edge.planning.read_bound import decode_reads
 from fate_edge.runtime.engine import Engine
 from fate_edge.runtime.generate import GenerateConfig, stream_generate
 from fate_edge.runtime.loader import load_model
 from fate_edge.tokenizer import Tokenizer
+from fate_edge_lab.bench.sidebyside import resident_int4
+from fate_edge_lab.bounds.read_bound import decode_reads
 
 
 def prompt_ids(vocab: int, n: int) -> list[int]:
@@ -272,7 +272,8 @@ def table(result: dict) -> str:
 
 def reads_table(rows: dict) -> list[str]:
     """The budgeted runs' expert reads per decode token beside the fewest any cache could make on the same routing
-    (``planning.read_bound``), and the decode tokens/s those fewest reads alone allow at the reads' measured speed."""
+    (``fate_edge_lab.bounds.read_bound``), and the decode tokens/s those fewest reads alone allow at the reads'
+    measured speed."""
     lines = [
         "",
         "| run | reads a decode token: engine / fewest (cache room) / fewest (whole budget) | read GB/s "

@@ -78,9 +78,9 @@ def test_the_row_follows_what_a_read_costs_in_layers_of_the_devices_compute(read
 def test_a_stores_read_cost_picks_its_row_per_device(recorded):
     """The bundled model's int4 expert (small next to its resident weights) over each device's link, in MoE layers
     of that device's roofline token: cheap over the laptop's PCIe, dear over a Jetson's NVMe."""
-    from fate_edge.bench.worker import spec_policy
     from fate_edge.format.store import ExpertStore
     from fate_edge.planning.device_costs import read_layers
+    from fate_edge_lab.bench.worker import spec_policy
 
     store, side = recorded[0], recorded[5]
     entry, layers = ExpertStore(store).expert_bytes(4), len(recorded[3].moe_layers)
@@ -121,7 +121,7 @@ def test_the_prefetching_row_prefetches_in_the_engine_and_keeps_the_text(recorde
 
 
 def test_the_bench_runs_fate_edge_as_on_the_emulated_device():
-    from fate_edge.bench.worker import spec_policy
+    from fate_edge_lab.bench.worker import spec_policy
 
     assert spec_policy({"preset": "fate-edge", "emulate": "orin-nano"}).allocation == "global"
     assert spec_policy({"preset": "fate-edge"}) is PRESETS["fate-edge"]

@@ -44,7 +44,7 @@ def test_generate_on_gpu_gives_the_cpu_tokens(bundled_dir, bundled_tokenizer, dt
 
 
 def test_resident_int4_store_on_gpu_captures_the_graph(store, bundled_tokenizer):
-    from fate_edge.bench.sidebyside import resident_int4
+    from fate_edge_lab.bench.sidebyside import resident_int4
 
     cfg = GenerateConfig(max_tokens=24, ignore_eos=True)
     cpu = load_model(store, dtype="bfloat16", experts=resident_int4(store))

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGE_DIRS = ["fate_edge", "predictors", "quant", "devices"]  # the side folders install as fate_edge.*
+# the side folders install as fate_edge.*; the lab as fate_edge_lab
+PACKAGE_DIRS = ["fate_edge", "predictors", "quant", "devices", "fate_edge_lab"]
 
 
 def _docstrings(tree: ast.AST) -> set[int]:
@@ -97,15 +98,17 @@ LAYERS = [
     "fate_edge.fetch",
     "fate_edge.runtime",
     "fate_edge.planning",
-    "fate_edge.bench fate_edge.synthetic",
+    "fate_edge_lab.bench fate_edge_lab.synthetic",
     "fate_edge.apps fate_edge.sdk fate_edge.__main__",
     "fate_edge",  # the package itself: its public names come from every layer
+    "fate_edge_lab",  # the lab (benchmarks, synthetic checkpoints, bounds) imports the product, never the reverse
 ]
 PACKAGE_ROOTS = {
     "fate_edge": REPO / "fate_edge",
     "fate_edge.predictors": REPO / "predictors",
     "fate_edge.quant": REPO / "quant",
     "fate_edge.devices": REPO / "devices",
+    "fate_edge_lab": REPO / "fate_edge_lab",
 }
 
 

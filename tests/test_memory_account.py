@@ -12,7 +12,7 @@ import torch
 from fate_edge.format.convert import ConvertOptions, convert
 from fate_edge.runtime.engine import Engine
 from fate_edge.runtime.memory_account import kv_bytes_per_token, memory_account
-from fate_edge.synthetic import SyntheticOptions, make_synthetic_model
+from fate_edge_lab.synthetic import SyntheticOptions, make_synthetic_model
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "research" / "measure_memory.py"
 

@@ -450,29 +450,29 @@ def build_parser() -> argparse.ArgumentParser:
 # Commands that live in their concern package: name -> ("module:function", the line --help shows).
 COMMANDS: dict[str, tuple[str, str]] = {
     "bench": (
-        "fate_edge.bench.cli:main",
+        "fate_edge_lab.bench.cli:main",
         "benchmark every policy preset, the oracle and peers under memory "
         "budgets on emulated device links (JSON, markdown table, plots)",
     ),
     "bench-llamacpp": (
-        "fate_edge.bench.llamacpp_cli:main",
+        "fate_edge_lab.bench.llamacpp_cli:main",
         "fate-edge beside llama.cpp on the same checkpoint, resident and memory-limited, in fresh processes",
     ),
     "bench-scale": (
-        "fate_edge.bench.scale_cli:main",
+        "fate_edge_lab.bench.scale_cli:main",
         "a real-size checkpoint: convert it in a memory cgroup, run "
         "it at expert budgets from the raw disk (needs root)",
     ),
     "eval-quality": (
-        "fate_edge.bench.quality:main",
+        "fate_edge_lab.bench.quality:main",
         "held-out perplexity and greedy agreement of quantized experts (RTN, HQQ) against bf16",
     ),
     "model-card": (
-        "fate_edge.bench.model_card:main",
+        "fate_edge_lab.bench.model_card:main",
         "measure a model directory and write its model card (perplexity, expert usage, cross-layer prediction)",
     ),
     "synth": (
-        "fate_edge.synthetic.cli:main",
+        "fate_edge_lab.synthetic.cli:main",
         "write a synthetic checkpoint with a published MoE model's shapes (random weights)",
     ),
     "relayout": (
@@ -482,10 +482,19 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+LAB = "fate_edge_lab"  # the benchmarks' package: the product never imports it, only dispatches to it
+
+
 def resolve(spec: str) -> Callable:
-    """The function a "module:function" spec names, its module imported now."""
+    """The function a "module:function" spec names, its module imported now; a lab command without the lab installed
+    is one error line naming the extra."""
     module, _, name = spec.partition(":")
-    return getattr(importlib.import_module(module), name)
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as exc:
+        if module.startswith(LAB + ".") and exc.name is not None and exc.name.split(".")[0] == LAB:
+            raise FateEdgeError("this command is in the lab, not installed: pip install 'fate-edge[lab]'") from exc
+        raise
 
 
 def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:

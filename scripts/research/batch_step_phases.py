@@ -25,11 +25,17 @@ import torch
 
 import fate_edge.model.batch_step as batch_step
 import fate_edge.model.routed_experts as routed_experts
-from fate_edge.bench.throughput import host_note
-from fate_edge.bench.throughput_rounds import ThroughputConfig, bench_prompts, engine_kwargs, engine_store, run_round
 from fate_edge.runtime.batch import Batcher
 from fate_edge.runtime.engine import Engine
 from fate_edge.runtime.scheduler import Scheduler
+from fate_edge_lab.bench.throughput import host_note
+from fate_edge_lab.bench.throughput_rounds import (
+    ThroughputConfig,
+    bench_prompts,
+    engine_kwargs,
+    engine_store,
+    run_round,
+)
 
 PHASES: list[tuple[Any, str, str]] = [  # (owner, attribute, phase)
     (Batcher, "_step", "step"),

@@ -71,11 +71,11 @@ def sim_row(r, costs, layers: int) -> dict:
 
 
 def main() -> None:
-    from fate_edge.bench.prepare import make_prompts
     from fate_edge.format.store import ExpertStore
     from fate_edge.planning.emulation import calibrate, store_side
     from fate_edge.planning.plan_presets import preset_candidates
     from fate_edge.planning.planner import describe_store, measure_host_costs, plan, probe_error, simulate_policy
+    from fate_edge_lab.bench.prepare import make_prompts
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--store", default=None, help="default: the bench's inflated store")
@@ -88,8 +88,8 @@ def main() -> None:
     args = ap.parse_args()
     store_dir = args.store
     if store_dir is None:
-        from fate_edge.bench.config import BenchConfig
-        from fate_edge.bench.prepare import prepare_model
+        from fate_edge_lab.bench.config import BenchConfig
+        from fate_edge_lab.bench.prepare import prepare_model
 
         store_dir = str(prepare_model(BenchConfig())[0])
     store = ExpertStore(store_dir)

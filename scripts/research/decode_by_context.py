@@ -16,11 +16,11 @@ import time
 
 import torch
 
-from fate_edge.bench.host import cpu_model, load_average
-from fate_edge.bench.sidebyside import resident_int4
 from fate_edge.runtime.generate import GenerateConfig, stream_generate
 from fate_edge.runtime.loader import load_model
 from fate_edge.tokenizer import Tokenizer
+from fate_edge_lab.bench.host import cpu_model, load_average
+from fate_edge_lab.bench.sidebyside import resident_int4
 
 
 def main() -> None:

@@ -24,8 +24,6 @@ from pathlib import Path
 import torch
 from fate_edge.devices.link import ThrottledLink
 
-from fate_edge.bench.host import cpu_model, load_average
-from fate_edge.bench.publish import add_results_arg, publish
 from fate_edge.corpus import is_heldout, stdlib_files
 from fate_edge.format.store import ExpertStore
 from fate_edge.planning.emulation import calibrate
@@ -34,6 +32,8 @@ from fate_edge.planning.planner import auto_plan
 from fate_edge.runtime.engine import Engine
 from fate_edge.runtime.generate import GenerateConfig
 from fate_edge.tokenizer import Tokenizer
+from fate_edge_lab.bench.host import cpu_model, load_average
+from fate_edge_lab.bench.publish import add_results_arg, publish
 
 
 def texts(tok: Tokenizer, n: int, prompt_tokens: int) -> list[tuple[str, list[int]]]:

@@ -42,7 +42,7 @@ def main() -> None:
     if args.child:
         child(args.child, args.budget)
         return
-    from fate_edge.bench.host import cpu_model, load_average
+    from fate_edge_lab.bench.host import cpu_model, load_average
 
     runs: dict[str, list[float]] = {"torch-default": [], "load-default": []}
     for _ in range(args.rounds):

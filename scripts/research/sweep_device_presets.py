@@ -63,8 +63,8 @@ def sim(trace, policy: PolicyConfig, budget: int, store: ExpertStore, link, cost
 def bench_store(path: str | None) -> ExpertStore:
     """The store at ``path``, or the bench's inflated bundled model (built on first use)."""
     if path is None:
-        from fate_edge.bench.config import BenchConfig
-        from fate_edge.bench.prepare import prepare_model
+        from fate_edge_lab.bench.config import BenchConfig
+        from fate_edge_lab.bench.prepare import prepare_model
 
         path = str(prepare_model(BenchConfig())[0])
     return ExpertStore(path)

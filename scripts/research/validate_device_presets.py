@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 from fate_edge.devices.link import ThrottledLink
 
-from fate_edge.bench.publish import add_results_arg, replace_between_markers, results_file
 from fate_edge.format.store import ExpertStore
 from fate_edge.planning.device_costs import DEVICES
 from fate_edge.planning.device_presets import for_device, for_device_and_store
@@ -42,6 +41,7 @@ from fate_edge.runtime.engine import Engine
 from fate_edge.runtime.generate import GenerateConfig
 from fate_edge.runtime.policy import PRESETS, PolicyConfig
 from fate_edge.tokenizer import Tokenizer
+from fate_edge_lab.bench.publish import add_results_arg, replace_between_markers, results_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sweep_device_presets import sim  # noqa: E402

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fate_edge.bench.publish import add_results_arg, replace_between_markers, results_file
+from fate_edge_lab.bench.publish import add_results_arg, replace_between_markers, results_file
 
 
 def run_policy(store: str, budget: int, policy: str, em, ids: list[int], tokens: int, workers: int) -> dict:
