@@ -125,7 +125,8 @@ def simulate_engine(engine: Engine, trace: Trace):
 def record_with_predictions(store, config: GenerateConfig = CFG):
     """PROMPT under ``config`` on ``store``: (its Trace, each predictor's decode scores, the model config, (entry
     bytes, int4 slot bytes), the calibration popularity): what the simulator replays a request with."""
-    from fate_edge.planning.planner import _DecodeRecorder, trace_predictions
+    from fate_edge.planning.host_costs import _DecodeRecorder
+    from fate_edge.planning.plan_trace import trace_predictions
 
     with Engine(store, "64MB", "lru") as rec:
         seen = _DecodeRecorder()

@@ -11,7 +11,7 @@ import pytest
 
 from fate_edge.apps import cli_args
 from fate_edge.apps.cli import COMMANDS, build_parser, main, subcommand_parsers
-from fate_edge.command_line import table_name
+from fate_edge.apps.command_line import table_name
 from fate_edge_lab.bench import scale_cli
 
 # Options (and positionals) that take any text, so no value of them is bad input: output paths and free text.

@@ -202,7 +202,7 @@ def test_global_choice_takes_the_most_used_experts_across_layers():
 
 def test_a_global_cache_is_filled_at_load_with_the_most_used_experts(bundled_dir, tmp_path):
     """Before, a global cache had no per-layer slots and preload filled nothing: every prompt started cold."""
-    from fate_edge.runtime.calibrate import load_popularity
+    from fate_edge.format.popularity import load_popularity
 
     store = convert(bundled_dir, tmp_path / "store", ConvertOptions(bits=4), progress=False)
     policy = for_device(PRESETS["fate-edge"], "orin-nano")

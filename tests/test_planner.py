@@ -4,7 +4,8 @@ from fate_edge.devices.detect import reader_contention
 from fate_edge.devices.link import LinkSpec
 
 from fate_edge.apps.cli import main
-from fate_edge.planning.planner import PlanTrace, plan
+from fate_edge.planning.plan_trace import PlanTrace
+from fate_edge.planning.planner import plan
 from fate_edge.planning.simulate import HostCosts, simulate
 from fate_edge.runtime.policy import PRESETS
 
@@ -146,7 +147,7 @@ def test_reader_contention():
 
 def test_measured_costs_and_decode_trace_on_the_bundled_store(tmp_path, bundled_dir):
     from fate_edge.format.convert import ConvertOptions, convert
-    from fate_edge.planning.planner import measure_host_costs
+    from fate_edge.planning.host_costs import measure_host_costs
 
     store = convert(bundled_dir, tmp_path / "s", ConvertOptions(bits=4, keep_bf16=False), progress=False)
     costs, link, trace = measure_host_costs(store, 2_000_000, LINK_FAST, list(range(40, 72)), decode_tokens=12)
@@ -199,7 +200,7 @@ def test_stalls_slow_the_compute_after_them_by_the_measured_drag():
 
 
 def test_stall_drag_is_the_line_through_two_probes():
-    from fate_edge.planning.planner import stall_drag
+    from fate_edge.planning.host_costs import stall_drag
 
     # compute 10 ms + 0.3 s per s of stall, seen at 20 ms and at 40 ms of stall per token
     per_token, drag = stall_drag([(0.040, 0.022), (0.020, 0.016)], fallback=0.5)

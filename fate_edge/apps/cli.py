@@ -25,8 +25,8 @@ from fate_edge.apps.cli_args import (
     profile_name,
     use_option_types,
 )
+from fate_edge.apps.command_line import PROG, CliParser
 from fate_edge.apps.engine_args import add_engine_args
-from fate_edge.command_line import PROG, CliParser
 from fate_edge.errors import FateEdgeError
 from fate_edge.format.convert import GROUP_SIZES
 from fate_edge.sizes import format_bytes
@@ -187,8 +187,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from fate_edge.apps.engine_args import resolve_store
     from fate_edge.format.store import ExpertStore
+    from fate_edge.planning.host_costs import roofline_layer_time
     from fate_edge.planning.plan_presets import preset_candidates
-    from fate_edge.planning.planner import auto_plan, plan, record_plan_trace, roofline_layer_time, sample_token_ids
+    from fate_edge.planning.plan_trace import record_plan_trace, sample_token_ids
+    from fate_edge.planning.planner import auto_plan, plan
     from fate_edge.runtime.budget import parse_bytes
     from fate_edge.tokenizer import Tokenizer
 
@@ -432,10 +434,10 @@ def build_parser() -> argparse.ArgumentParser:
     probe.set_defaults(func=cmd_probe)
     _add_convert_parser(sub)
 
+    from fate_edge.apps.calibrate_cli import add_calibrate_parser
     from fate_edge.apps.chat import add_chat_parser
     from fate_edge.apps.demo import add_demo_parser
     from fate_edge.apps.server.main import add_serve_parser
-    from fate_edge.runtime.calibrate import add_calibrate_parser
 
     # Parsers written elsewhere get the shared argument types by option name (see cli_args.OPTION_TYPES).
     for add in (add_calibrate_parser, add_serve_parser):
@@ -476,7 +478,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "write a synthetic checkpoint with a published MoE model's shapes (random weights)",
     ),
     "relayout": (
-        "fate_edge.format.relayout:main",
+        "fate_edge.apps.relayout_cli:main",
         "re-lay out an expert store's cpu-int4 experts as portable, without the checkpoint",
     ),
 }

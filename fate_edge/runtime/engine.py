@@ -339,7 +339,7 @@ class Engine:
     @property
     def popularity(self) -> dict[int, list[int]] | None:
         """Calibration expert counts per layer (``fate-edge calibrate``), if the store carries them."""
-        from fate_edge.runtime.calibrate import store_popularity
+        from fate_edge.format.popularity import store_popularity
 
         return store_popularity(self.store.path)
 

@@ -8,16 +8,16 @@ import shlex
 import sys
 from pathlib import Path
 
-from fate_edge.command_line import (
+from fate_edge.apps.command_line import (
     command_parser,
     device_name,
+    emulated_device,
     existing_path,
     fraction,
     non_negative_int,
     positive_float,
     positive_int,
 )
-from fate_edge.planning.device_costs import emulated_device
 from fate_edge.runtime.policy import PRESETS
 from fate_edge_lab.bench.config import ALL_PRESETS, LINKS, QUICK_NOTE, BenchConfig, apply_quick
 from fate_edge_lab.bench.outputs import check_readme, write_outputs

@@ -24,8 +24,7 @@ from pathlib import Path
 
 import torch
 
-from fate_edge.bundled import bundled_model_dir
-from fate_edge.command_line import (
+from fate_edge.apps.command_line import (
     command_parser,
     existing_path,
     fraction,
@@ -33,6 +32,7 @@ from fate_edge.command_line import (
     positive_int,
     table_name,
 )
+from fate_edge.bundled import bundled_model_dir
 from fate_edge.corpus import heldout_source
 from fate_edge.format.converted_stores import ensure_store
 from fate_edge.tokenizer import Tokenizer

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fate_edge.command_line import non_empty
+from fate_edge.apps.command_line import non_empty
 
 RESULTS_DIR = Path("docs/results")  # one file per table, named after its markers; relative to the repository root
 

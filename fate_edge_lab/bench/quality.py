@@ -41,8 +41,8 @@ from fate_edge.quant import Quantized, QuantSpec, bytes_per_weight, dequantize
 from fate_edge.quant.linear import QuantizedLinear
 from fate_edge.quant.methods import METHODS, quantize_with
 
+from fate_edge.apps.command_line import command_parser, existing_path_as_path, positive_int, share
 from fate_edge.bundled import bundled_model_dir
-from fate_edge.command_line import command_parser, existing_path_as_path, positive_int, share
 from fate_edge.corpus import CorpusSplit, read_corpus
 from fate_edge.format.checkpoint import CheckpointReader
 from fate_edge.format.checkpoint_experts import ExpertLayout
@@ -50,7 +50,7 @@ from fate_edge.format.checkpoint_experts import read_experts as read_layouts
 from fate_edge.format.checkpoint_layout import layer_names
 from fate_edge.model.arch import load_config
 from fate_edge.model.experts import ExpertWeights, InMemoryExpertProvider, QuantizedExpert
-from fate_edge.runtime.calibrate import read_texts
+from fate_edge.planning.calibrate import read_texts
 from fate_edge.runtime.loader import load_model
 from fate_edge.tokenizer import Tokenizer
 from fate_edge_lab.bench.publish import add_results_arg, publish

@@ -17,7 +17,7 @@ import json
 import math
 from pathlib import Path
 
-from fate_edge.command_line import (
+from fate_edge.apps.command_line import (
     command_parser,
     existing_path_as_path,
     non_empty,

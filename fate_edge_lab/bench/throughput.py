@@ -25,8 +25,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from fate_edge.command_line import device_name
-from fate_edge.planning.device_costs import emulated_device
+from fate_edge.apps.command_line import device_name, emulated_device
 from fate_edge_lab.bench.throughput_rounds import (
     PROMPTS,
     ThroughputConfig,

@@ -170,7 +170,8 @@ def plan_in_worker(spec: dict, prompt: list[int], recorded=None) -> dict[str, An
 
     from fate_edge.format.store import ExpertStore
     from fate_edge.model.arch import load_config
-    from fate_edge.planning.planner import auto_plan, describe_store, predict_on, trace_from_calls
+    from fate_edge.planning.plan_trace import describe_store, trace_from_calls
+    from fate_edge.planning.planner import auto_plan, predict_on
 
     t0 = time.perf_counter()
     link = LinkSpec(**spec["link_spec"]) if spec["link_spec"] else None

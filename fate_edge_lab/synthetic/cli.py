@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from fate_edge.command_line import command_parser, non_negative_int, positive_float, positive_int
+from fate_edge.apps.command_line import command_parser, non_negative_int, positive_float, positive_int
 from fate_edge_lab.synthetic.build import SyntheticOptions, make_synthetic_model, plan
 from fate_edge_lab.synthetic.measure import measure_router_structure
 from fate_edge_lab.synthetic.presets import PRESETS

@@ -19,7 +19,7 @@ TRAIN_CHARS = 2_000_000  # ~2 MB of stdlib source: a few seconds of training
 
 
 def stdlib_texts(max_chars: int) -> list[str]:
-    from fate_edge.runtime.calibrate import read_texts
+    from fate_edge.planning.calibrate import read_texts
 
     return read_texts(Path(sysconfig.get_paths()["stdlib"]), max_chars)
 

@@ -26,15 +26,15 @@ from pathlib import Path
 
 import torch
 
+from fate_edge.format.popularity import store_popularity
 from fate_edge.format.store import ExpertStore
 from fate_edge.planning.device_presets import for_device
 from fate_edge.planning.emulation import calibrate
-from fate_edge.planning.planner import PlanTrace
+from fate_edge.planning.plan_trace import PlanTrace
 from fate_edge.planning.simulate import scale_costs
 from fate_edge.runtime.budget import plan_budget
 from fate_edge.runtime.cache import AccessInfo, ExpertCache
 from fate_edge.runtime.cache.factory import build_cache
-from fate_edge.runtime.calibrate import store_popularity
 from fate_edge.runtime.engine import Engine
 from fate_edge.runtime.generate import GenerateConfig
 from fate_edge.runtime.policy import PRESETS

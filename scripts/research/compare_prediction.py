@@ -73,8 +73,10 @@ def sim_row(r, costs, layers: int) -> dict:
 def main() -> None:
     from fate_edge.format.store import ExpertStore
     from fate_edge.planning.emulation import calibrate, store_side
+    from fate_edge.planning.host_costs import measure_host_costs
     from fate_edge.planning.plan_presets import preset_candidates
-    from fate_edge.planning.planner import describe_store, measure_host_costs, plan, probe_error, simulate_policy
+    from fate_edge.planning.plan_trace import describe_store
+    from fate_edge.planning.planner import plan, probe_error, simulate_policy
     from fate_edge_lab.bench.prepare import make_prompts
 
     ap = argparse.ArgumentParser()

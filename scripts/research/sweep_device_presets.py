@@ -22,13 +22,14 @@ from pathlib import Path
 
 import torch
 
+from fate_edge.format.popularity import store_popularity
 from fate_edge.format.store import ExpertStore
 from fate_edge.planning.device_costs import DEVICES
 from fate_edge.planning.emulation import calibrate, store_side
-from fate_edge.planning.planner import measure_host_costs, sample_token_ids
+from fate_edge.planning.host_costs import measure_host_costs
+from fate_edge.planning.plan_trace import sample_token_ids
 from fate_edge.planning.simulate import scale_costs, simulate
 from fate_edge.runtime.budget import plan_budget
-from fate_edge.runtime.calibrate import store_popularity
 from fate_edge.runtime.policy import PRESETS, PolicyConfig
 from fate_edge.tokenizer import Tokenizer
 

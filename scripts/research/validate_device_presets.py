@@ -35,7 +35,8 @@ from fate_edge.format.store import ExpertStore
 from fate_edge.planning.device_costs import DEVICES
 from fate_edge.planning.device_presets import for_device, for_device_and_store
 from fate_edge.planning.emulation import calibrate, host_token_seconds, store_side
-from fate_edge.planning.planner import sample_token_ids, token_compute_s
+from fate_edge.planning.host_costs import token_compute_s
+from fate_edge.planning.plan_trace import sample_token_ids
 from fate_edge.planning.simulate import scale_costs
 from fate_edge.runtime.engine import Engine
 from fate_edge.runtime.generate import GenerateConfig

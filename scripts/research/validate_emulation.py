@@ -29,7 +29,7 @@ def run_policy(store: str, budget: int, policy: str, em, ids: list[int], tokens:
     """Decode ``tokens`` greedy tokens under the emulated link; per-token raw figures and the loading share."""
     from fate_edge.devices.link import ThrottledLink
 
-    from fate_edge.planning.planner import token_compute_s
+    from fate_edge.planning.host_costs import token_compute_s
     from fate_edge.runtime.engine import Engine
     from fate_edge.runtime.generate import GenerateConfig
 
@@ -101,7 +101,9 @@ def main() -> None:
 
     from fate_edge.format.store import ExpertStore
     from fate_edge.planning.emulation import calibrate
-    from fate_edge.planning.planner import measure_host_costs, sample_token_ids, simulate_policy
+    from fate_edge.planning.host_costs import measure_host_costs
+    from fate_edge.planning.plan_trace import sample_token_ids
+    from fate_edge.planning.planner import simulate_policy
     from fate_edge.planning.simulate import scale_costs
     from fate_edge.runtime.policy import PRESETS
     from fate_edge.tokenizer import Tokenizer

@@ -8,9 +8,9 @@ import torch
 
 from fate_edge import load_model
 from fate_edge.errors import FateEdgeError
-from fate_edge.format import inflate as inflated
+from fate_edge_lab.synthetic import inflate as inflated
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "research" / "make_inflated_model.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "research" / "make_inflated_model.py"
 
 
 @pytest.mark.slow

@@ -1,9 +1,8 @@
 """What every ``fate-edge`` command's parser shares: bad input is one ``fate-edge: error:`` line, and the plain
-argument types (numbers, paths, device names).
+argument types (numbers, paths, device names, device profiles).
 
 Each type checks its value when the command line is parsed, before anything is loaded, and its message names
-what is accepted; argparse prefixes the option's name. Types that read profiles or presets live with them
-(``planning.device_costs``, ``apps.cli_args``).
+what is accepted; argparse prefixes the option's name. Types that read presets live in ``apps.cli_args``.
 """
 
 from __future__ import annotations
@@ -14,6 +13,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
+
+from fate_edge.devices.profile import list_profiles
+from fate_edge.planning.device_costs import DEVICES
 
 PROG = "fate-edge"
 
@@ -86,3 +88,32 @@ def device_name(value: str) -> str:
     if value in ("auto", "cpu") or re.fullmatch(r"cuda(:\d+)?", value):
         return value
     raise argparse.ArgumentTypeError(f"unknown device {value!r}; use auto, cpu, cuda or cuda:N")
+
+
+def profile_name(value: str) -> str:
+    """Command-line type: a shipped device profile, a profile .toml file, or 'host' (this machine, measured by
+    fate-edge probe)."""
+    if value == "host" or value in list_profiles() or value.endswith(".toml") and Path(value).is_file():
+        return value
+    raise argparse.ArgumentTypeError(
+        f"no device profile {value!r}; use one of: {', '.join(list_profiles())}, host, or a profile .toml file"
+    )
+
+
+def emulated_device(value: str) -> str:
+    """Command-line type: a device to emulate (planning/emulation.py), a short name from DEVICES or a device
+    profile (not 'host')."""
+    if value in DEVICES or value != "host" and _is_profile(value):
+        return value
+    raise argparse.ArgumentTypeError(
+        f"no device {value!r} to emulate; use one of: {', '.join(DEVICES)}, a device "
+        "profile name or a profile .toml file"
+    )
+
+
+def _is_profile(value: str) -> bool:
+    try:
+        profile_name(value)
+    except argparse.ArgumentTypeError:
+        return False
+    return True
