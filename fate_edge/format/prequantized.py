@@ -76,13 +76,13 @@ def quantized_resident(
     reader: CheckpointReader,
     layer_names: list,
     wanted: list[str],
-    bits: int,
+    bits: int | None,
     embedding_bits: int | None,
 ) -> dict[str, torch.Tensor]:
     """What convert writes for ``--resident-bits bits``: each fused group quantized as the loader would (one group
     in full precision at a time), the embedding table at ``embedding_bits``, the other tensors as stored."""
     w = Weights()
-    groups = resident_groups(config, layer_names, set(wanted))
+    groups = resident_groups(config, layer_names, set(wanted)) if bits is not None else []  # None: as stored
     for group in groups:
         for n in group:
             dict.__setitem__(w, f"{n}.weight", reader.get(f"{n}.weight"))  # as stored
