@@ -203,6 +203,7 @@ def test_bench_resident_bits_reach_the_runs_and_the_devices_roofline(store, tmp_
     """``fate-edge bench --emulate DEVICE --resident-bits 4``: every fate-edge run holds its resident linears in int4
     (fewer resident bytes than a run at the store's dtype), and the device's roofline reads them at int4."""
     from fate_edge.runtime.engine import Engine
+    from fate_edge.runtime.engine_config import EngineConfig
     from fate_edge_lab.bench.cli import add_arguments, config_from_args
     from fate_edge_lab.bench.run import run_bench
 
@@ -242,7 +243,7 @@ def test_bench_resident_bits_reach_the_runs_and_the_devices_roofline(store, tmp_
     result = run_bench(cfg)
     em = result["emulation"]
     assert em["token_bytes"] == decode_token_work(store, 4, 4).bytes < decode_token_work(store).bytes
-    with Engine(store, "8MB", "lru") as plain:
+    with Engine(EngineConfig(store, "8MB", "lru")) as plain:
         plain_bytes = sum(t.numel() * t.element_size() for t in plain.model.w.values())
     [r] = result["results"]
     assert "error" not in r, r.get("error")

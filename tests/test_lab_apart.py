@@ -27,6 +27,7 @@ print(sorted(m for m in sys.modules if m.split(".")[0] == "fate_edge_lab"))
 """
 
 
+@pytest.mark.slow
 def test_serving_a_request_loads_no_lab_module():
     out = subprocess.run([sys.executable, "-c", SERVE], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

@@ -170,6 +170,7 @@ def test_int8_codes_that_start_off_a_16_byte_boundary_are_realigned_not_crashed_
         assert torch.equal(lin(x), want)
 
 
+@pytest.mark.slow
 def test_embedding_bits_alone_quantize_the_table_and_leave_the_linears_as_stored(tmp_path, bundled_dir):
     """``embedding_bits`` without ``resident_bits``: only the embedding table is quantized (the linears went to int8
     when the missing resident bits reached the group quantizer as None)."""

@@ -77,7 +77,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace, model, tokenizer, prompt: str, engine) -> None:
     """Stream the continuation to stdout, then one line of speed and memory to stderr."""
-    from fate_edge.runtime.generate import GenerateConfig, stream_generate
+    from fate_edge.runtime.generate import GenerateConfig, stream_from_model
     from fate_edge.runtime.sampling import SamplingParams
 
     if args.chat:
@@ -87,7 +87,7 @@ def _generate(args: argparse.Namespace, model, tokenizer, prompt: str, engine) -
     last = None
     if args.echo:
         sys.stdout.write(prompt)
-    steps = engine.stream(prompt, config) if engine else stream_generate(model, tokenizer, prompt, config)
+    steps = engine.stream(prompt, config) if engine else stream_from_model(model, tokenizer, prompt, config)
     for last in steps:
         sys.stdout.write(last.text)
         sys.stdout.flush()
@@ -211,12 +211,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         from fate_edge.devices.link import storage_link
         from fate_edge.devices.profile import load_profile
+        from fate_edge.fetch.store_provider import StoreExpertProvider
         from fate_edge.runtime.loader import load_model
 
         profile = load_profile(args.device)
         model = load_model(store_dir)
+        experts = model.experts
+        assert isinstance(experts, StoreExpertProvider)  # a store's experts stream through the fetch engine
         store = ExpertStore(store_dir)
-        bits = model.experts.bits
+        bits = experts.bits
         trace = record_plan_trace(model, ids, store_dir=store_dir)
         resident = sum(t.numel() * t.element_size() for t in model.w.values()) // model.config.num_hidden_layers
         layer_s = roofline_layer_time(model.config, profile, store.expert_bytes(bits), resident)
@@ -231,7 +234,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             start=presets[0],
             presets=presets,
         )
-        model.experts.close()
+        experts.close()
     print(f"model           {store_dir}")
     print(f"memory budget   {format_bytes(budget)} for experts, device {args.device}")
     print(result.describe())

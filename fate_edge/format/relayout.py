@@ -76,17 +76,17 @@ def relayout_store(src: str | Path, dst: str | Path, progress: bool = True) -> P
             out = DirectFile(tmp / new.file, new.slot_bytes)
             entries, t0 = [], time.perf_counter()
             try:
-                with open(src / old.file, "rb") as f:
+                with open(src / old.file, "rb") as blobs:
                     for slot, r in enumerate(refs):
-                        f.seek(r.offset)
-                        data = f.read(r.length)
+                        blobs.seek(r.offset)
+                        data = blobs.read(r.length)
                         if crc32(data) != r.crc32:
                             raise FateEdgeError(
                                 f"{src / old.file}: layer {r.layer} expert {r.expert} fails its "
                                 "CRC; the store is damaged, re-run fate-edge convert"
                             )
                         blob = _portable_parts(torch.frombuffer(bytearray(data), dtype=torch.uint8), old, new)
-                        view = memoryview(blob.numpy())
+                        view = blob.numpy().data
                         out.pwrite_at(view, slot * new.slot_bytes)
                         entries.append(
                             {

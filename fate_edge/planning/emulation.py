@@ -259,6 +259,7 @@ def plan_emulated(
         direct_io=True,
         preset=preset_candidates(devices[0], store_dir)[0] if devices else None,
     )
+    assert trace is not None  # decode_tokens >= 1: the probe recorded its decode
     host_s = costs.layer_compute_s * len(load_config(store_dir).moe_layers)
     store = ExpertStore(store_dir)
     describe_store(trace, store)

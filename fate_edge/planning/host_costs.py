@@ -94,19 +94,22 @@ def probe_engine(
     engine's resident linears quantized (8 or 4), as the run being planned holds them."""
     from fate_edge.devices.link import ThrottledLink
     from fate_edge.runtime.engine import Engine
+    from fate_edge.runtime.engine_config import EngineConfig
     from fate_edge.runtime.generate import GenerateConfig
 
     run = None
     for attempt in range(2):
         eng = Engine(
-            store_dir,
-            budget,
-            policy,
-            dtype=dtype,
-            link=ThrottledLink(link) if link else None,
-            workers=workers,
-            direct_io=link is None if direct_io is None else direct_io,
-            resident_bits=resident_bits,
+            EngineConfig(
+                store_dir,
+                budget,
+                policy,
+                dtype=dtype,
+                link=ThrottledLink(link) if link else None,
+                workers=workers,
+                direct_io=link is None if direct_io is None else direct_io,
+                resident_bits=resident_bits,
+            )
         )
         rec = None
         if record and attempt == 1:
@@ -122,6 +125,7 @@ def probe_engine(
                 if f0 is None:  # the first token ends prefill: measure decode from here
                     f0 = dataclasses.replace(eng.fetch.stats)
             f1 = eng.fetch.stats
+            assert f0 is not None  # max_tokens >= 1: a first token always ends prefill
             st = eng.token_stats
             # Compute per token = its time minus its stall and blob decoding; the median over tokens, so a
             # hiccup of the host (another process, page-cache writeback) does not skew it.

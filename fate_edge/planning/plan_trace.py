@@ -57,13 +57,14 @@ def trace_predictions(
     and norm variants) up to ``lookahead`` layers ahead, and the learned predictor (``fate-edge
     calibrate``) when ``store_dir`` has one, which is what ``best-available`` runs (``early``: the early
     attention's estimates for the same rows, which a predictor calibrated with ``--early-attention`` reads)."""
+    from fate_edge.predictors.base import Predictor
     from fate_edge.predictors.cross_layer_gate import CrossLayerGate
     from fate_edge.predictors.learned import LearnedPredictor, find_learned
     from fate_edge.predictors.previous_input import widen_inputs
 
     out = PlanTrace(expert_ids, {}, model.config.num_experts, model.config.num_hidden_layers)
     layers = sorted(expert_ids)
-    predictors: dict[str, object] = {
+    predictors: dict[str, Predictor] = {
         "cross-layer": CrossLayerGate.from_model(model, lookahead=lookahead, norm_variant=False),
         "cross-layer-norm": CrossLayerGate.from_model(model, lookahead=lookahead, norm_variant=True),
     }

@@ -1,4 +1,4 @@
-"""The planner: pick a policy for a device and a memory budget (``fate-edge plan``, ``plan="auto"``).
+"""The planner: pick a policy for a device and a memory budget (``fate-edge plan``, ``policy="auto"``).
 
 A cost model in the spirit of MoE-Lightning's hierarchical roofline (ASPLOS'25): per-layer decode
 compute (measured on this host, or from a device profile's peaks), each expert read's link time from
@@ -211,6 +211,7 @@ def auto_plan(
 
     Without ``link`` the expert reads are modelled at the disk bandwidth the probes measured. ``progress``
     receives a line before each probe and before the simulation."""
+    from fate_edge.fetch.store_provider import StoreExpertProvider
     from fate_edge.format.store import ExpertStore
     from fate_edge.runtime.loader import load_model
     from fate_edge.tokenizer import Tokenizer
@@ -234,10 +235,12 @@ def auto_plan(
     bits = PRESETS["fate-edge"].bits
     if trace is None:  # nothing decoded (cannot happen with decode_tokens >= 1): fall back to teacher forcing
         model = load_model(store_dir, dtype=dtype)
+        experts = model.experts
+        assert isinstance(experts, StoreExpertProvider)  # a store's experts stream through the fetch engine
         try:
             trace = record_plan_trace(model, ids, store_dir=store_dir)
         finally:
-            model.experts.close()
+            experts.close()
     describe_store(trace, store)
     expert, slot = store.expert_bytes(bits), store.precisions[bits].slot_bytes
     margin = probe_error(trace, budget, expert, slot, link, costs)

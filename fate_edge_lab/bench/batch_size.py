@@ -175,7 +175,7 @@ def step_costs(
     for layer in cfg.moe_layers:
         counts = pop.get(layer)
         total = sum(counts) if counts else 0
-        shares.append([k * n / total for n in counts] if total else [k / num_e] * num_e)
+        shares.append([k * n / total for n in counts] if counts and total else [k / num_e] * num_e)
     cached = []
     for layer in cfg.moe_layers:
         held = [e for (lay, e) in (engine.cache.entries if engine.cache is not None else {}) if lay == layer]

@@ -121,7 +121,7 @@ def convert_command(model_dir: str | Path, outtype: str, outfile: str | Path, ll
     ]
 
 
-def patch_pre_tokenizer(model_class: type, fallback: str = FALLBACK_PRE_TOKENIZER) -> None:
+def patch_pre_tokenizer(model_class: Any, fallback: str = FALLBACK_PRE_TOKENIZER) -> None:
     """Make ``model_class.get_vocab_base_pre`` answer ``fallback`` for a tokenizer whose hash it does not know.
 
     The converter identifies a BPE pre-tokenizer by the hash of a test string's token ids and refuses any
@@ -141,7 +141,7 @@ def patch_pre_tokenizer(model_class: type, fallback: str = FALLBACK_PRE_TOKENIZE
     model_class.get_vocab_base_pre = get_vocab_base_pre
 
 
-def patch_sentencepiece_probe(model_class: type) -> None:
+def patch_sentencepiece_probe(model_class: Any) -> None:
     """Make ``model_class._create_vocab_sentencepiece`` raise FileNotFoundError without a ``tokenizer.model``
     before it imports sentencepiece.
 
@@ -162,7 +162,7 @@ def patch_sentencepiece_probe(model_class: type) -> None:
     model_class._create_vocab_sentencepiece = _create_vocab_sentencepiece
 
 
-def patch_mla_without_q_lora(model_class: type) -> None:
+def patch_mla_without_q_lora(model_class: Any) -> None:
     """Write ``attention.q_lora_rank = 0`` for a DeepSeek-V2 checkpoint whose ``q_lora_rank`` is null.
 
     The converter writes the key only when the rank is set; llama.cpp then recognises the q-LoRA-free "lite"
@@ -182,7 +182,7 @@ def patch_mla_without_q_lora(model_class: type) -> None:
     model_class.set_gguf_parameters = set_gguf_parameters
 
 
-def patch_q4_0_mix(model_class: type, gguf_mod: Any) -> None:
+def patch_q4_0_mix(model_class: Any, gguf_mod: Any) -> None:
     """Make the converter write llama.cpp's Q4_0 mix straight from the checkpoint, but for the output matrix.
 
     Every matrix the converter would quantize becomes Q4_0 (gguf-py's numpy quantizer, the same rounding as
@@ -215,7 +215,7 @@ def _convert_main(llama_dir: str, argv: list[str]) -> None:
     import conversion.base  # type: ignore[import-not-found]
     import conversion.deepseek  # type: ignore[import-not-found]
     import convert_hf_to_gguf  # type: ignore[import-not-found]
-    import gguf  # type: ignore[import-not-found]
+    import gguf
 
     patch_pre_tokenizer(conversion.base.TextModel)
     patch_sentencepiece_probe(conversion.base.TextModel)
@@ -233,7 +233,7 @@ def read_gguf(path: str | Path):
     gguf_py = str(converter_dir() / "gguf-py")
     if gguf_py not in sys.path:
         sys.path.append(gguf_py)
-    from gguf import GGUFReader  # type: ignore[import-not-found]
+    from gguf import GGUFReader
 
     return GGUFReader(str(path))
 
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--convert"]:
         _convert_main(argv[1], argv[2:])
         return 0
-    kinds = GGUF_TYPES
+    kinds: tuple[str, ...] = GGUF_TYPES
     if len(argv) == 3 and argv[1] == "--types":
         kinds, argv = tuple(argv[2].split(",")), argv[:1]
     if len(argv) != 1 or argv[0].startswith("-") or not set(kinds) <= set(GGUF_TYPES):

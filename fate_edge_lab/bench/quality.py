@@ -50,6 +50,7 @@ from fate_edge.format.checkpoint_experts import read_experts as read_layouts
 from fate_edge.format.checkpoint_layout import layer_names
 from fate_edge.model.arch import load_config
 from fate_edge.model.experts import ExpertWeights, InMemoryExpertProvider, QuantizedExpert
+from fate_edge.model.transformer import MoETransformer
 from fate_edge.planning.calibrate import read_texts
 from fate_edge.runtime.loader import load_model
 from fate_edge.tokenizer import Tokenizer
@@ -109,7 +110,11 @@ def read_experts(model_dir: Path) -> dict[tuple[int, int], ExpertWeights]:
     reader = CheckpointReader(model_dir)
     names = layer_names(cfg, reader)
     layouts = {i: ExpertLayout(reader, names[i].mlp) for i in cfg.moe_layers}
-    return read_layouts(layouts, cfg.num_experts, torch.float32).experts
+    out = {}
+    for key, w in read_layouts(layouts, cfg.num_experts, torch.float32).experts.items():
+        assert isinstance(w, ExpertWeights)  # read in float32: none is quantized
+        out[key] = w
+    return out
 
 
 def spec_for(bits: int, dims: tuple[int, ...]) -> QuantSpec:
@@ -216,7 +221,7 @@ def evaluate(
     seqs, calib = windows(eval_ids, seq_len), windows(calib_ids, seq_len)
     experts = read_experts(model_dir)
 
-    def load(provider_experts: dict) -> object:
+    def load(provider_experts: dict) -> MoETransformer:
         return load_model(model_dir, dtype=torch.float32, experts=InMemoryExpertProvider(provider_experts))
 
     t0 = time.perf_counter()
@@ -326,9 +331,8 @@ def render(result: dict) -> str:
         "|---|---:|" + "---:|" * (2 * len(methods)),
     ]
     for label in labels:
-        ref = by.get((label, "-"))
-        cells = [by.get((label, m), ref) for m in methods]
-        bpw = next(c for c in cells if c is not None)["bits_per_weight"]
+        cells = [by[(label, m)] if (label, m) in by else by[(label, "-")] for m in methods]  # "-": one for all
+        bpw = cells[0]["bits_per_weight"]
         lines.append(
             f"| {label} | {bpw:.2f} | "
             + " | ".join(f"{c['ppl']:.2f}" for c in cells)

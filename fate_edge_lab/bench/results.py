@@ -133,7 +133,7 @@ def add_device_equivalent(results: list[dict], dilation: dict[str, float]) -> No
     """On each emulated link (link key → its dilation k), the device-equivalent tokens/s = raw x k, kept apart
     from the raw figures measured on this host (``median``)."""
     for r in results:
-        k = dilation.get(r.get("link"))
+        k = dilation.get(r.get("link", ""))
         if k is None or r.get("error") is not None:
             continue
         m = r["median"]

@@ -68,6 +68,7 @@ def _run_child(
 def preflight(store: Path, presets: list[str], budget: int) -> dict[str, str]:
     """Presets that cannot even be built here (e.g. a predictor not written yet) → why."""
     from fate_edge.runtime.engine import Engine, Trace
+    from fate_edge.runtime.engine_config import EngineConfig
     from fate_edge.runtime.policy import PRESETS
 
     skipped = {}
@@ -76,7 +77,7 @@ def preflight(store: Path, presets: list[str], budget: int) -> dict[str, str]:
             skipped[name] = "not a preset of this version (fate_edge.runtime.policy.PRESETS)"
             continue
         try:
-            Engine(store, budget, name, trace=Trace() if name == "oracle" else None).close()
+            Engine(EngineConfig(store, budget, name, trace=Trace() if name == "oracle" else None)).close()
         except Exception as exc:  # ImportError of a predictor being written, a missing precision, ...
             skipped[name] = f"{type(exc).__name__}: {exc}"
     return skipped
@@ -103,7 +104,7 @@ def link_check(store: Path, choice: LinkChoice, n: int = 8) -> dict[str, Any]:
 def _configs(cfg: BenchConfig, info: dict, presets: list[str]) -> list[dict]:
     from fate_edge.runtime.policy import PRESETS
 
-    out = []
+    out: list[dict[str, Any]] = []
     for link in cfg.links:
         for p in presets:
             if not PRESETS[p].cache:  # load-on-demand: no cache; the budget only has to cover its read buffers
@@ -160,7 +161,7 @@ def compare_with_preset(r: dict, results: list[dict]) -> None:
 
 def planner_configs(cfg: BenchConfig, store: Path, info: dict, budgets: list[float]) -> tuple[list[dict], str | None]:
     """One ``planned`` configuration per (link, budget). Its worker process runs the planner (probe, simulate,
-    choose) and then measures the chosen policy at once, as ``Engine(plan="auto")`` would: on a shared host
+    choose) and then measures the chosen policy at once, as ``Engine.load(policy="auto")`` would: on a shared host
     whose speed drifts from minute to minute, a plan made minutes before its measurement would be compared
     with a different machine."""
     if not cfg.planner:
@@ -278,6 +279,7 @@ class Phases:
             if "BudgetError" not in err:
                 self.failed_presets[c["preset"]] = err
             return None
+        assert res is not None  # a child gives its result or an error
         m = res["median"]
         pf = " ".join(f"{n}:{v:.1f}" for n, v in m["prefill_tps"].items())
         print(
@@ -347,6 +349,7 @@ def calibrate_emulation(cfg: BenchConfig, store: Path, prompt: list[int]):
 
     from fate_edge.planning.emulation import calibrate, store_side
 
+    assert cfg.emulate is not None  # only an emulated bench calibrates
     before = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     try:

@@ -137,7 +137,8 @@ def convert_child(spec: dict) -> dict[str, Any]:
     from fate_edge.format.convert import convert
 
     opts = ConvertOptions(**spec["opts"] | {"force": True})
-    t0, samples = time.perf_counter(), []
+    t0 = time.perf_counter()
+    samples: list[tuple[float, int]] = []
 
     def on_progress(done: int, total: int) -> None:
         now = time.perf_counter() - t0
@@ -165,6 +166,7 @@ def run_child(spec: dict) -> dict[str, Any]:
 
     baseline = _rss("VmRSS")  # interpreter + torch + fate_edge imported, nothing loaded
     from fate_edge.runtime.engine import Engine
+    from fate_edge.runtime.engine_config import EngineConfig
     from fate_edge.runtime.generate import GenerateConfig
     from fate_edge_lab.bench.llamacpp import read_bytes
     from fate_edge_lab.bench.worker import _stats_dict, _sum_stats
@@ -173,18 +175,22 @@ def run_child(spec: dict) -> dict[str, Any]:
     ids = spec.get("ids") or prompt_ids(spec["store"], spec["prompt_tokens"])
     t0 = time.perf_counter()
     engine = Engine(
-        spec["store"],
-        spec["budget"],
-        spec["policy"],
-        dtype=spec["dtype"],
-        workers=spec["fetch_workers"],
-        direct_io=True,
-        resident_bits=spec.get("resident_bits"),
+        EngineConfig(
+            spec["store"],
+            spec["budget"],
+            spec["policy"],
+            dtype=spec["dtype"],
+            workers=spec["fetch_workers"],
+            direct_io=True,
+            resident_bits=spec.get("resident_bits"),
+        )
     )
     load_s = time.perf_counter() - t0
     resident = sum(t.numel() * t.element_size() for t in engine.model.w.values())
     try:
-        times, steps, io = [], [], []
+        times: list[float] = []
+        steps = []
+        io: list[int | None] = []
         for step in engine.stream(ids, GenerateConfig(max_tokens=spec["decode_tokens"] + 1, ignore_eos=True)):
             times.append(time.perf_counter())
             io.append(read_bytes())
@@ -205,7 +211,9 @@ def run_child(spec: dict) -> dict[str, Any]:
             "prefill_hit_rate": pre.hit_rate,
             "decode_mb_read_per_token": (decode.demand_bytes + decode.prefetch_bytes) / max(n_dec, 1) / 1e6,
             # what the kernel says this process read (/proc/self/io), as the llama.cpp side is measured
-            "decode_read_mb_per_token": None if io[0] is None else (io[-1] - io[0]) / max(n_dec, 1) / 1e6,
+            "decode_read_mb_per_token": None
+            if io[0] is None or io[-1] is None
+            else (io[-1] - io[0]) / max(n_dec, 1) / 1e6,
             "tokens": [s.token for s in steps],
             "prefill_mb_read": (pre.demand_bytes + pre.prefetch_bytes) / 1e6,
             "decode": _stats_dict(decode),
@@ -319,7 +327,12 @@ def run_scale(cfg: ScaleConfig, workdir: Path) -> dict[str, Any]:
         result["encoder"] = measure_encoder(cfg.model, cfg.convert_opts)
         print(f"scale: encoder {result['encoder']['gb_per_s']:.3f} GB/s", flush=True)
         dropped = _drop(cfg)
-        spec = {"label": "convert", "model": str(cfg.model), "store": str(cfg.store), "opts": asdict(cfg.convert_opts)}
+        spec: dict[str, Any] = {
+            "label": "convert",
+            "model": str(cfg.model),
+            "store": str(cfg.store),
+            "opts": asdict(cfg.convert_opts),
+        }
         result["convert"] = r = run_confined("convert", spec, cfg.convert_limit, workdir, cfg.timeout_s)
         r["page_cache_dropped"] = dropped[0]
         print(f"scale: convert {_convert_line(r)}", flush=True)

@@ -203,7 +203,7 @@ def resident_int4(store: str | Path, device: str = "cpu"):
 def _fate_edge_stream(spec: dict[str, Any]):
     import torch
 
-    from fate_edge.runtime.generate import GenerateConfig, stream_generate
+    from fate_edge.runtime.generate import GenerateConfig, stream_from_model
     from fate_edge.runtime.loader import load_model
     from fate_edge.tokenizer import Tokenizer
 
@@ -212,14 +212,17 @@ def _fate_edge_stream(spec: dict[str, Any]):
     rest = torch.bfloat16 if spec.get("dtype") == "bf16" else torch.float32
     if spec["mode"] == "limited":
         from fate_edge.runtime.engine import Engine
+        from fate_edge.runtime.engine_config import EngineConfig
 
         engine = Engine(
-            spec["store"],
-            spec["budget"],
-            "fate-edge",
-            dtype=rest,
-            workers=spec["workers"],
-            resident_bits=spec.get("resident_bits"),
+            EngineConfig(
+                spec["store"],
+                spec["budget"],
+                "fate-edge",
+                dtype=rest,
+                workers=spec["workers"],
+                resident_bits=spec.get("resident_bits"),
+            )
         )
         return (r.token for r in engine.stream(spec["ids"], cfg))
     if spec["precision"] == "int4":
@@ -236,7 +239,7 @@ def _fate_edge_stream(spec: dict[str, Any]):
             torch.float32 if spec["precision"] == "fp32" else torch.bfloat16,
             compile=spec.get("compile", "off"),
         )
-    return (r.token for r in stream_generate(model, Tokenizer(spec["model"]), spec["ids"], cfg))
+    return (r.token for r in stream_from_model(model, Tokenizer(spec["model"]), spec["ids"], cfg))
 
 
 def _mark_first(stream, marks: list):
@@ -268,12 +271,13 @@ def child_main(spec_json: str) -> None:
         stream = llama_stream(llm, ids)
     else:
         stream = _fate_edge_stream(spec)
-    io1, first = read_bytes(), []
+    io1 = read_bytes()
+    first: list[int | None] = []
     t = time_tokens(_mark_first(stream, first), len(ids), spec["decode_tokens"] + 1)
     io2 = read_bytes()
     if spec["kind"] == "llama.cpp" and spec.get("text"):
         extra["tokenization"] = tokens_agree(llm, spec["text"], spec["text_ids"])
-    if io0 is not None:
+    if io0 is not None and io1 is not None and io2 is not None and first[0] is not None:  # the kernel reports reads
         n_dec = max(1, len(t["tokens"]) - 1)
         extra.update(
             load_read_mb=(io1 - io0) / 1e6,

@@ -112,11 +112,14 @@ def child_main(spec_json: str) -> None:
 
         from fate_edge import defaults
         from fate_edge.runtime.engine import Engine
+        from fate_edge.runtime.engine_config import EngineConfig
         from fate_edge.runtime.generate import GenerateConfig
 
-        torch.set_num_threads(spec["threads"] or defaults.THREADS)
+        threads = spec["threads"] or defaults.THREADS
+        if threads is not None:  # None: torch's own default
+            torch.set_num_threads(threads)
         workers = spec["workers"] or defaults.FETCH_WORKERS
-        engine = Engine(spec["store"], spec["budget"], "fate-edge", workers=workers)
+        engine = Engine(EngineConfig(spec["store"], spec["budget"], "fate-edge", workers=workers))
         used = {
             "threads": torch.get_num_threads(),
             "workers": engine.fetch.workers,

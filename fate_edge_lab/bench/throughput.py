@@ -24,6 +24,7 @@ import statistics
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from fate_edge.apps.command_line import device_name, emulated_device
 from fate_edge_lab.bench.throughput_rounds import (
@@ -45,10 +46,16 @@ from fate_edge_lab.bench.throughput_rounds import (
 def engines(cfg: ThroughputConfig, max_batch: int):
     """(store, budget, the one-at-a-time engine, the batching engine) for ``cfg``."""
     from fate_edge.runtime.engine import Engine
+    from fate_edge.runtime.engine_config import EngineConfig
 
     store, budget = engine_store(cfg)
     kw = engine_kwargs(cfg)
-    return store, budget, Engine(store, budget, max_batch=1, **kw), Engine(store, budget, max_batch=max_batch, **kw)
+    return (
+        store,
+        budget,
+        Engine(EngineConfig(store, budget, max_batch=1, **kw)),
+        Engine(EngineConfig(store, budget, max_batch=max_batch, **kw)),
+    )
 
 
 def run(cfg: ThroughputConfig) -> dict:
@@ -57,15 +64,16 @@ def run(cfg: ThroughputConfig) -> dict:
     throttles both teams' spin-waiting (runtime.load_threads): at 2 threads on 2 cores that slowed the bundled model
     3-4x in both modes."""
     from fate_edge.runtime.engine import Engine
+    from fate_edge.runtime.engine_config import EngineConfig
 
     store, budget = engine_store(cfg)
-    engine = Engine(store, budget, max_batch=cfg.concurrency, **engine_kwargs(cfg))
+    engine = Engine(EngineConfig(store, budget, max_batch=cfg.concurrency, **engine_kwargs(cfg)))
     prompts = bench_prompts(cfg.concurrency)
     try:
         served = serve_both(engine, engine, prompts, cfg)
     finally:
         engine.close()
-    out = {
+    out: dict[str, Any] = {
         "alone": median_rounds(served.rounds["alone"]),
         "batched": median_rounds(served.rounds["batched"]),
         "single_request": median_rounds(served.single),
@@ -121,18 +129,18 @@ def sweep(cfg: ThroughputConfig, batches: tuple[int, ...] = (1, 2, 4, 8)) -> dic
         batched.close()
     rows = []
     for b in batches:
-        p, m = preds[b - 1], measured[b]
+        pred, m = preds[b - 1], measured[b]
         rows.append(
             {
                 "batch": b,
-                "predicted_step_s": p.step_s,
+                "predicted_step_s": pred.step_s,
                 "measured_step_p50_s": m["token_p50_s"],
-                "predicted_decode_tok_s": p.tokens_per_s,
+                "predicted_decode_tok_s": pred.tokens_per_s,
                 "measured_decode_tok_s": b / m["token_p50_s"],
-                "predicted_union": p.union,
-                "predicted_reads": p.reads,
-                "bound": p.bound,
-                "terms_s": p.terms,
+                "predicted_union": pred.union,
+                "predicted_reads": pred.reads,
+                "bound": pred.bound,
+                "terms_s": pred.terms,
                 "measured_bytes_per_token": m["bytes_per_token"],
             }
         )

@@ -87,6 +87,7 @@ def calibrate_modes(cfg, store, prompts: list[str]) -> tuple[dict, ModeDilation,
     from fate_edge.planning.device_costs import decode_token_work, device_link, resolve_device
     from fate_edge.planning.emulation import disk_direct_read_s
     from fate_edge.runtime.engine import Engine
+    from fate_edge.runtime.engine_config import EngineConfig
 
     s = ExpertStore(store)
     mcfg = load_config(store)
@@ -95,7 +96,10 @@ def calibrate_modes(cfg, store, prompts: list[str]) -> tuple[dict, ModeDilation,
     everything = expert_bytes * layers * s.index["num_experts"] + 4 * s.precisions[4].slot_bytes
     kw = engine_kwargs(cfg)
     n = len(prompts)
-    with Engine(store, everything, max_batch=1, **kw) as alone, Engine(store, everything, max_batch=n, **kw) as batch:
+    with (
+        Engine(EngineConfig(store, everything, max_batch=1, **kw)) as alone,
+        Engine(EngineConfig(store, everything, max_batch=n, **kw)) as batch,
+    ):
         one = UnionCounter(1)
         many = UnionCounter(n)
         alone.model.observers.append(one)
@@ -147,6 +151,7 @@ def run_emulated(cfg) -> dict:
     from fate_edge.devices.link import LinkSpec, ThrottledLink
 
     from fate_edge.runtime.engine import Engine
+    from fate_edge.runtime.engine_config import EngineConfig
 
     store, budget = engine_store(cfg)
     prompts = bench_prompts(cfg.concurrency)
@@ -157,7 +162,9 @@ def run_emulated(cfg) -> dict:
     def engine(max_batch: int, k: float) -> Engine:
         dilated = dilated_link(link, k)
         direct = reads_direct(dilated, facts["expert_bytes"], facts["disk_direct_read_s"])
-        return Engine(store, budget, max_batch=max_batch, link=ThrottledLink(dilated), direct_io=direct, **kw)
+        return Engine(
+            EngineConfig(store, budget, max_batch=max_batch, link=ThrottledLink(dilated), direct_io=direct, **kw)
+        )
 
     with engine(1, d1.k) as alone, engine(cfg.concurrency, db.k) as batched:
         served = serve_both(alone, batched, prompts, cfg)

@@ -10,6 +10,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -79,7 +80,7 @@ def run_round(engine, prompts: list[str], max_tokens: int, concurrent: bool, at_
     """One round: every prompt served (at once, or one after another; ``at_once``: in waves of that many at once,
     each wave after the one before); the round's figures, over every request."""
     s0 = engine.stats.snapshot()
-    records = [{} for _ in prompts]
+    records: list[dict[str, Any]] = [{} for _ in prompts]
     t0 = time.perf_counter()
     if concurrent:
         wave = at_once or len(prompts)

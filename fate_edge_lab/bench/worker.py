@@ -82,6 +82,7 @@ def one_request(spec: dict, ids: list[int], max_tokens: int, trace, counter_sink
     from fate_edge.devices.link import LinkSpec, ThrottledLink
 
     from fate_edge.runtime.engine import Engine
+    from fate_edge.runtime.engine_config import EngineConfig
     from fate_edge.runtime.generate import GenerateConfig
 
     link = ThrottledLink(LinkSpec(**spec["link_spec"])) if spec["link_spec"] else None
@@ -94,15 +95,17 @@ def one_request(spec: dict, ids: list[int], max_tokens: int, trace, counter_sink
     # link is slower than this disk: then O_DIRECT, so a read costs the CPU what a DMA does (no memcpy).
     direct = spec.get("direct_io", link is None)
     engine = Engine(
-        spec["store"],
-        spec["budget_bytes"],
-        policy,
-        link=link,
-        trace=trace,
-        workers=spec["fetch_workers"],
-        device=spec.get("device", "cpu"),
-        direct_io=direct,
-        resident_bits=spec.get("resident_bits"),
+        EngineConfig(
+            spec["store"],
+            spec["budget_bytes"],
+            policy,
+            link=link,
+            trace=trace,
+            workers=spec["fetch_workers"],
+            device=spec.get("device", "cpu"),
+            direct_io=direct,
+            resident_bits=spec.get("resident_bits"),
+        )
     )
     counter = LayerCounter(engine)
     counter_counts = counter.counts
@@ -241,9 +244,10 @@ def worker_main(spec_path: str) -> int:
     verify_store(spec)
     # Warm-up (not measured): first-call costs of torch and of the engine's code paths.
     one_request(spec, prompts[decode_len][:2], 2, trace, {})
-    runs, layers = [], {}
+    runs: list[dict[str, Any]] = []
+    layers: dict[str, Any] = {}
     for _ in range(spec["runs"]):
-        run = {"requests": {}}
+        run: dict[str, Any] = {"requests": {}}
         for n, ids in sorted(prompts.items()):
             max_tokens = spec["decode_tokens"] if n == decode_len else 1
             trace = traces.get(n) if spec["preset"] == "oracle" else None
@@ -283,6 +287,7 @@ def trace_main(spec_path: str) -> int:
     import torch
 
     from fate_edge.runtime.engine import Engine
+    from fate_edge.runtime.engine_config import EngineConfig
     from fate_edge.runtime.generate import GenerateConfig
 
     spec = json.loads(Path(spec_path).read_text())
@@ -293,7 +298,9 @@ def trace_main(spec_path: str) -> int:
     big = int(spec["int4_total"] * 2 + 64e6)  # everything fits: the trace does not depend on the policy
     for n, ids in sorted(prompts.items()):
         engine = Engine(
-            spec["store"], big, "lru", workers=spec["fetch_workers"], resident_bits=spec.get("resident_bits")
+            EngineConfig(
+                spec["store"], big, "lru", workers=spec["fetch_workers"], resident_bits=spec.get("resident_bits")
+            )
         )
         cfg = GenerateConfig(max_tokens=spec["decode_tokens"] if n == decode_len else 1, ignore_eos=True)
         try:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -26,17 +26,23 @@ DEFAULT_SHARD_BYTES = 2 * 1000**3  # ~2 GB shards
 class Entry(Protocol):
     """What the writer needs of a tensor (e.g. a :class:`~fate_edge_lab.synthetic.layout.TensorSpec`)."""
 
-    name: str
-    shape: tuple[int, ...]
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+
+E = TypeVar("E", bound=Entry)  # the caller's own entry type, handed back to its callbacks
 
 
 def nbytes(e: Entry, dtype: str) -> int:
     return math.prod(e.shape) * _DTYPE_SIZES[dtype]
 
 
-def plan_shards(entries: list[Entry], dtype: str, max_bytes: int = DEFAULT_SHARD_BYTES) -> list[list[Entry]]:
+def plan_shards(entries: list[E], dtype: str, max_bytes: int = DEFAULT_SHARD_BYTES) -> list[list[E]]:
     """Consecutive tensors packed into shards of at most ``max_bytes`` (a bigger tensor gets a shard alone)."""
-    shards: list[list[Entry]] = [[]]
+    shards: list[list[E]] = [[]]
     size = 0
     for e in entries:
         n = nbytes(e, dtype)
@@ -52,7 +58,7 @@ def shard_name(i: int, n: int) -> str:
     return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
 
 
-def header_bytes(entries: list[Entry], dtype: str, metadata: dict[str, str] | None = None) -> bytes:
+def header_bytes(entries: Sequence[Entry], dtype: str, metadata: dict[str, str] | None = None) -> bytes:
     """The 8-byte length + padded JSON header of a safetensors file holding ``entries`` in this order."""
     header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
     offset = 0
@@ -69,16 +75,16 @@ def _raw(block: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy (bf16 has no numpy dtype: view as int16)."""
     block = block.contiguous()
     as_int = block.view(torch.int16) if block.dtype in (torch.bfloat16, torch.float16) else block
-    return memoryview(as_int.numpy()).cast("B")
+    return as_int.numpy().data.cast("B")
 
 
 def write_checkpoint(
     out: Path,
-    entries: Iterable[Entry],
-    blocks: Callable[[Entry], Iterator[torch.Tensor]],
+    entries: Iterable[E],
+    blocks: Callable[[E], Iterator[torch.Tensor]],
     dtype: torch.dtype = torch.bfloat16,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-    on_tensor: Callable[[Entry, int], None] | None = None,
+    on_tensor: Callable[[E, int], None] | None = None,
 ) -> dict:
     """Write ``entries`` as sharded safetensors in ``out``, each tensor's values taken from ``blocks(entry)``
     (converted to ``dtype`` one block at a time), plus ``model.safetensors.index.json``; returns the index.

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.engine_config import EngineConfig
 from fate_edge_lab.bench.throughput import host_note
 from fate_edge_lab.bench.throughput_rounds import (
     ThroughputConfig,
@@ -39,7 +40,7 @@ from fate_edge_lab.bounds.read_bound import CallRecorder, engine_rooms, fewest_r
 def measure(cfg: ThroughputConfig) -> dict:
     store, budget = engine_store(cfg)
     prompts = bench_prompts(cfg.concurrency)
-    engine = Engine(store, budget, max_batch=cfg.concurrency, **engine_kwargs(cfg))
+    engine = Engine(EngineConfig(store, budget, max_batch=cfg.concurrency, **engine_kwargs(cfg)))
     expert_bytes = engine.store.expert_bytes(engine.policy.bits)
     layers = len(engine.store.index["moe_layers"])
     rooms = engine_rooms(engine)

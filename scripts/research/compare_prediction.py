@@ -23,12 +23,15 @@ def engine_run(store, budget: int, policy, link, direct_io: bool, ids: list[int]
     from fate_edge.devices.link import ThrottledLink
 
     from fate_edge.runtime.engine import Engine
+    from fate_edge.runtime.engine_config import EngineConfig
     from fate_edge.runtime.generate import GenerateConfig
 
     out = {}
     for _attempt in range(2):  # the first warms torch and checks each blob's CRC, as the planner's probe does
         with Engine(
-            store, budget, policy, link=ThrottledLink(link) if link else None, direct_io=direct_io, workers=2
+            EngineConfig(
+                store, budget, policy, link=ThrottledLink(link) if link else None, direct_io=direct_io, workers=2
+            )
         ) as eng:
             times = []
             for _ in eng.stream(ids, GenerateConfig(max_tokens=tokens + 1, ignore_eos=True)):

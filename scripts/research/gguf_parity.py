@@ -165,13 +165,14 @@ def decode_worker(argv: list[str]) -> None:
     from fate_edge import GenerateConfig
     from fate_edge.process_memory import peak_rss_bytes
     from fate_edge.runtime.engine import Engine
+    from fate_edge.runtime.engine_config import EngineConfig
 
     t0 = time.perf_counter()
-    engine = Engine(store, budget, policy)
+    engine = Engine(EngineConfig(store, budget, policy))
     load_s = time.perf_counter() - t0
     vocab = engine.model.config.vocab_size
     prompt = [(17 + 31 * i) % min(vocab, 8000) for i in range(int(prompt_tokens))]
-    _, last = engine.generate(prompt, GenerateConfig(max_tokens=int(max_tokens), ignore_eos=True))
+    _, last = engine.generate_text(prompt, GenerateConfig(max_tokens=int(max_tokens), ignore_eos=True))
     engine.close()
     print(
         json.dumps(

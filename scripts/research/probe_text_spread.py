@@ -30,6 +30,7 @@ from fate_edge.planning.emulation import calibrate
 from fate_edge.planning.plan_presets import preset_candidates
 from fate_edge.planning.planner import auto_plan
 from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.engine_config import EngineConfig
 from fate_edge.runtime.generate import GenerateConfig
 from fate_edge.tokenizer import Tokenizer
 from fate_edge_lab.bench.host import cpu_model, load_average
@@ -54,7 +55,7 @@ def texts(tok: Tokenizer, n: int, prompt_tokens: int) -> list[tuple[str, list[in
 
 def decode_tps(store: Path, budget: int, policy, em, ids: list[int], decode_tokens: int) -> float:
     """One request on a fresh engine: decode tokens over the time from the first streamed token to the last."""
-    eng = Engine(store, budget, policy, link=ThrottledLink(em.emulated), direct_io=em.direct_io)
+    eng = Engine(EngineConfig(store, budget, policy, link=ThrottledLink(em.emulated), direct_io=em.direct_io))
     try:
         times = [
             time.perf_counter() for _ in eng.stream(ids, GenerateConfig(max_tokens=decode_tokens + 1, ignore_eos=True))

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.engine_config import EngineConfig
 from fate_edge.runtime.generate import GenerateConfig
 from fate_edge_lab.bench.throughput import host_note
 from fate_edge_lab.bounds.read_bound import decode_reads
@@ -35,9 +36,11 @@ _spec.loader.exec_module(gpu_bench)  # its prompt ids: the request this script r
 
 
 def measure(args: argparse.Namespace, budget: str) -> dict:
-    with Engine(args.store, budget, args.policy, dtype=args.dtype, device=args.device, max_batch=1) as engine:
+    with Engine(
+        EngineConfig(args.store, budget, args.policy, dtype=args.dtype, device=args.device, max_batch=1)
+    ) as engine:
         prompt = gpu_bench.prompt_ids(engine.model.config.vocab_size, args.prompt_tokens)
-        engine.generate(prompt[:16], GenerateConfig(max_tokens=4, ignore_eos=True))  # warm-up, as gpu_bench
+        engine.generate_text(prompt[:16], GenerateConfig(max_tokens=4, ignore_eos=True))  # warm-up, as gpu_bench
         cfg = GenerateConfig(max_tokens=args.decode_tokens, ignore_eos=True)
         _, row = decode_reads(engine, engine.stream(prompt, cfg))
     row["budget"] = budget

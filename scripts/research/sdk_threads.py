@@ -23,7 +23,7 @@ def child(mode: str, budget: str | None) -> None:
     if budget:
         kw["memory_budget"] = budget
     with Engine.load(**kw) as engine:
-        engine.generate("def main():", GenerateConfig(max_tokens=8, ignore_eos=True))  # warm
+        engine.generate_text("def main():", GenerateConfig(max_tokens=8, ignore_eos=True))  # warm
         rates = []
         for _ in range(3):
             t0, n = time.perf_counter(), 0

@@ -39,6 +39,7 @@ from fate_edge.planning.host_costs import token_compute_s
 from fate_edge.planning.plan_trace import sample_token_ids
 from fate_edge.planning.simulate import scale_costs
 from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.engine_config import EngineConfig
 from fate_edge.runtime.generate import GenerateConfig
 from fate_edge.runtime.policy import PRESETS, PolicyConfig
 from fate_edge.tokenizer import Tokenizer
@@ -98,14 +99,16 @@ def run_once(
     store: str, budget: int, policy, em, ids: list[int], decode: int, trace, resident_bits: int | None = None
 ) -> dict:
     eng = Engine(
-        store,
-        budget,
-        policy,
-        link=ThrottledLink(em.emulated),
-        trace=trace,
-        workers=1,
-        direct_io=em.direct_io,
-        resident_bits=resident_bits,
+        EngineConfig(
+            store,
+            budget,
+            policy,
+            link=ThrottledLink(em.emulated),
+            trace=trace,
+            workers=1,
+            direct_io=em.direct_io,
+            resident_bits=resident_bits,
+        )
     )
     try:
         times, last = [], None
@@ -234,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     ids = sample_token_ids(Tokenizer(args.store))[: args.prompt_tokens]
     costs, plan_trace = pickle.loads(Path(args.trace).read_bytes())
     plan_trace = first_tokens(plan_trace, args.decode_tokens)  # the simulator over the decode the engine runs
-    with Engine(args.store, 2 * total, "lru", resident_bits=args.resident_bits) as big:  # routing, for the oracle
+    with Engine(
+        EngineConfig(args.store, 2 * total, "lru", resident_bits=args.resident_bits)
+    ) as big:  # routing, for the oracle
         trace = big.record_trace(ids, GenerateConfig(max_tokens=args.decode_tokens + 1, ignore_eos=True))
     side = store_side(args.store, resident_bits=args.resident_bits)
     results = {}

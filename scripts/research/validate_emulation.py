@@ -31,9 +31,12 @@ def run_policy(store: str, budget: int, policy: str, em, ids: list[int], tokens:
 
     from fate_edge.planning.host_costs import token_compute_s
     from fate_edge.runtime.engine import Engine
+    from fate_edge.runtime.engine_config import EngineConfig
     from fate_edge.runtime.generate import GenerateConfig
 
-    eng = Engine(store, budget, policy, link=ThrottledLink(em.emulated), workers=workers, direct_io=em.direct_io)
+    eng = Engine(
+        EngineConfig(store, budget, policy, link=ThrottledLink(em.emulated), workers=workers, direct_io=em.direct_io)
+    )
     try:
         times = [time.perf_counter() for _ in eng.stream(ids, GenerateConfig(max_tokens=tokens + 1, ignore_eos=True))]
         st = eng.token_stats

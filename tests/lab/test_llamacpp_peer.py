@@ -138,7 +138,7 @@ def test_competitors_are_bounded_and_killed():
 def test_gguf_of_the_bundled_model_tokenizes_and_decodes_like_fate_edge(one_thread):
     import torch
 
-    from fate_edge import load_model, stream_generate
+    from fate_edge import load_model, stream_from_model
     from fate_edge.corpus import heldout_source
     from fate_edge.runtime.generate import GenerateConfig
     from fate_edge.tokenizer import Tokenizer
@@ -155,7 +155,7 @@ def test_gguf_of_the_bundled_model_tokenizes_and_decodes_like_fate_edge(one_thre
     assert tokens_agree(llm, text, ids)["equal"]
     theirs = time_tokens(llama_stream(llm, ids[:64]), 64, 8)["tokens"]
     model = load_model(bundled_model_dir(), torch.float32)
-    ours = [r.token for r in stream_generate(model, tok, ids[:64], GenerateConfig(max_tokens=8, ignore_eos=True))]
+    ours = [r.token for r in stream_from_model(model, tok, ids[:64], GenerateConfig(max_tokens=8, ignore_eos=True))]
     assert ours == theirs
 
 

@@ -19,6 +19,7 @@ from fate_edge.planning.simulate import HostCosts, simulate
 from fate_edge.runtime.budget import plan_budget
 from fate_edge.runtime.cache import AccessInfo, Belady, ExpertCache
 from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.engine_config import EngineConfig
 from fate_edge.runtime.policy import PRESETS
 from fate_edge.runtime.prefetch_choice import plan_oracle_prefetches, ranked
 
@@ -47,7 +48,7 @@ def recorded(request, tmp_path_factory, bundled_dir):
     trace, preds, cfg, sizes, popularity = record_with_predictions(store)
     preds["activation-path"] = _activation_path_scores(trace, cfg, PRESETS["activation-path"].lookahead, popularity)
     preds["oracle"] = oracle_scores(trace, cfg.moe_layers, PRESETS["oracle"].lookahead, cfg.num_experts)
-    with Engine(store, "64MB", "load-on-demand") as bf16:
+    with Engine(EngineConfig(store, "64MB", "load-on-demand")) as bf16:
         minimum = bf16.plan.minimum
     return store, trace, preds, cfg, sizes, minimum
 
@@ -114,8 +115,8 @@ def test_no_preset_beats_the_oracle_in_the_engine(recorded, fraction, one_thread
     budget = _budget(recorded, fraction)
     rates = {}
     for name in PRESETS:
-        with Engine(store, budget, name, trace=trace if name == "oracle" else None) as engine:
-            engine.generate(PROMPT, CFG)
+        with Engine(EngineConfig(store, budget, name, trace=trace if name == "oracle" else None)) as engine:
+            engine.generate_text(PROMPT, CFG)
             s = engine.request_stats
             assert s.uses > 0
             rates[name] = (s.hits + s.prefetch_hits) / s.uses

@@ -113,13 +113,14 @@ def test_decode_reads_counts_one_request_decode(bundled_dir):
     from fate_edge.format.converted_stores import ensure_store
     from fate_edge.format.store import ExpertStore
     from fate_edge.runtime.engine import Engine
+    from fate_edge.runtime.engine_config import EngineConfig
     from fate_edge.runtime.generate import GenerateConfig
     from fate_edge_lab.bounds.read_bound import decode_reads
 
     store = ensure_store(bundled_dir, progress=False)
     s = ExpertStore(store)
     budget = int(0.35 * s.expert_bytes(4) * len(s.index["moe_layers"]) * s.index["num_experts"])
-    with Engine(store, budget, max_batch=1) as engine:
+    with Engine(EngineConfig(store, budget, max_batch=1)) as engine:
         cfg = GenerateConfig(max_tokens=12, ignore_eos=True)
         mine, seen_at_first = CallRecorder(), []  # the calls, recorded beside decode_reads' own recorder
 

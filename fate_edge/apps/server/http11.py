@@ -29,6 +29,6 @@ class JSONErrorH11Protocol(H11Protocol):
             (b"connection", b"close"),
         ]
         self.transport.write(self.conn.send(h11.Response(status_code=400, headers=headers, reason=b"Bad Request")))
-        self.transport.write(self.conn.send(h11.Data(data=body)))
+        self.transport.write(self.conn.send(h11.Data(data=bytes(body))))
         self.transport.write(self.conn.send(h11.EndOfMessage()))
         self.transport.close()
