@@ -89,7 +89,7 @@ def test_no_library_module_refers_to_the_checkout(folder):
 # and type-checking imports included). predictors/, quant/ and devices/ are leaf packages of the product card.
 LAYERS = [
     "fate_edge.errors fate_edge.sizes fate_edge.version fate_edge.app_dirs fate_edge.process_memory fate_edge.corpus "
-    "fate_edge.bundled fate_edge.tokenizer fate_edge.native_build fate_edge.huge_pages",
+    "fate_edge.bundled fate_edge.tokenizer fate_edge.native_build fate_edge.huge_pages fate_edge.small_files",
     "fate_edge.quant fate_edge.devices",
     "fate_edge.defaults",
     "fate_edge.model",

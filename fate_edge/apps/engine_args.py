@@ -20,13 +20,14 @@ from fate_edge.apps.cli_args import (
     byte_size,
     device_name,
     emulated_device,
-    existing_path,
     link_name,
+    model_ref,
     positive_int,
 )
 
 if TYPE_CHECKING:
     from fate_edge.devices.link import ThrottledLink
+    from fate_edge.format.convert_progress import LoadStatus
     from fate_edge.runtime.engine import Engine
     from fate_edge.runtime.policy import PolicyConfig
 
@@ -67,8 +68,9 @@ def add_engine_args(
     p.add_argument(
         "--model",
         default=None,
-        type=existing_path,
-        help="model directory or expert store (default: the bundled tiny model)",
+        type=model_ref,
+        help="model directory, GGUF file or expert store, a Hugging Face id (org/name, org/name:Q4_K_M) or an "
+        "Ollama name (name, name:tag) found in the local caches (default: the bundled tiny model)",
     )
     shown = memory_budget or defaults.MEMORY_BUDGET
     p.add_argument(
@@ -155,12 +157,12 @@ def set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
-def resolve_store(model: str | Path | None, progress: bool = True) -> Path:
-    """The expert store for ``model`` (a store, or a model directory converted once into the cache)."""
+def resolve_store(model: str | Path | None, progress: bool = True, status: LoadStatus | None = None) -> Path:
+    """The expert store for ``model`` (a store, or a model converted once into the cache, its progress shown)."""
     from fate_edge.bundled import bundled_model_dir
     from fate_edge.format.converted_stores import ensure_store
 
-    return ensure_store(model or bundled_model_dir(), progress=progress)
+    return ensure_store(model or bundled_model_dir(), progress=progress, status=status)
 
 
 def policy_for_device(
@@ -198,11 +200,12 @@ def open_engine(
     progress: bool = True,
     account: TextIO | None = None,
     max_batch: int = 1,
+    status: LoadStatus | None = None,
 ) -> Engine:
     """Build the engine ``opts`` describes. ``--policy auto`` runs the planner first and reports its probes,
     its pick and the decode speed it predicts on ``log`` (default stderr); ``account``: where to print the memory
     account before loading (``run`` and ``serve``: stderr); ``max_batch``: the command's default when ``opts``
-    gives none."""
+    gives none; ``status``: the stage it is at (the daemon's /health)."""
     from fate_edge.format.checkpoint_layout import DTYPES
     from fate_edge.runtime.budget import parse_bytes
     from fate_edge.runtime.engine import Engine
@@ -212,7 +215,7 @@ def open_engine(
     log = log or sys.stderr
     # converting (once) and the planner's probes run torch on threads of their own: their OpenMP helper threads end
     # with them instead of slowing a batching engine's (runtime.load_threads)
-    store = in_own_thread(lambda: resolve_store(opts.model, progress))
+    store = in_own_thread(lambda: resolve_store(opts.model, progress, status))
     link = make_link(opts.link)
     set_threads(opts.threads)
     policy: str | PolicyConfig = opts.policy
@@ -225,6 +228,8 @@ def open_engine(
             print(f"[planner] {message}", file=log, flush=True)
 
         say("choosing a policy for this host, budget and link (probes the engine; this takes a while)")
+        if status is not None:
+            status.set("planning")
         planned = in_own_thread(
             lambda: auto_plan(
                 store,
@@ -246,6 +251,8 @@ def open_engine(
         policy = policy_for_device(opts.policy, opts.device_profile, store, opts.resident_bits)
     if account is not None:
         print_account(store, opts, account)
+    if status is not None:
+        status.set("loading")
     engine = Engine(
         EngineConfig(
             store,

@@ -12,6 +12,7 @@ import contextlib
 import errno
 import itertools
 import json
+import logging
 import os
 import shutil
 import sys
@@ -213,7 +214,12 @@ def write_store(
     names_resident = resident_weight_names(cfg, reader)
     experts_bytes = len(cfg.moe_layers) * cfg.num_experts * sum(p.slot_bytes for p in precisions)
     need = experts_bytes + sum(reader.nbytes(n) for n in names_resident) + src.aux_bytes
-    _check_free_space(out_dir.parent, need)
+    free = _check_free_space(out_dir.parent, need)
+    disk = f"writing {out_dir}: needs about {format_bytes(need)} of disk, {format_bytes(free)} free there"
+    if progress:
+        print(f"[convert] {disk}", file=sys.stderr, flush=True)
+    else:
+        logging.getLogger("fate_edge.convert").info(disk)
 
     tmp = make_work_dir(out_dir)
     try:
@@ -466,7 +472,8 @@ def _is_disk_full(exc: BaseException) -> bool:
     return isinstance(exc, Exception) and f"os error {errno.ENOSPC})" in str(exc)
 
 
-def _check_free_space(directory: Path, need: int) -> None:
+def _check_free_space(directory: Path, need: int) -> int:
+    """The bytes free where ``directory`` will be; a refusal when ``need`` does not fit."""
     existing = directory
     while not existing.exists():  # the output's parents are created later
         existing = existing.parent
@@ -476,3 +483,4 @@ def _check_free_space(directory: Path, need: int) -> None:
             f"{directory}: the store needs about {format_bytes(need)} but only {format_bytes(free)} "
             "is free there; free space or convert into another directory"
         )
+    return free

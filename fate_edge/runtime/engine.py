@@ -33,6 +33,7 @@ from fate_edge.runtime.budget import BudgetPlan, memory_shortfall, parse_bytes, 
 from fate_edge.runtime.cache import ExpertCache
 from fate_edge.runtime.cache.factory import Resident, build_cache, layer_slots, pick_resident
 from fate_edge.runtime.engine_config import EngineConfig, PolicyChoice, Trace, plan_policy, resolve_device
+from fate_edge.runtime.exit_close import close_at_exit, closed
 from fate_edge.runtime.generate import GenerateConfig, GenerationResponse, stream_from_model
 from fate_edge.runtime.load_threads import in_own_thread
 from fate_edge.runtime.loader import load_model
@@ -85,6 +86,7 @@ class Engine:
         c = self.config = config
         device = resolve_device(c.device)
         self.device = device
+        self.context_tokens = c.context_tokens  # the KV room the account reserves: an unbounded request stops there
         # The model, scheduler and expert cache are shared state: one step of one request runs at a time
         # (_lock), and the open stream that may step next is tracked by _slot (see stream()).
         self._lock = threading.Lock()
@@ -114,6 +116,7 @@ class Engine:
         else:
             self._open()
         self.batcher = self._make_batcher(c.max_batch, c.context_tokens)
+        close_at_exit(self)  # no thread of this engine left computing when the interpreter exits (exit_close)
 
     def _open(self) -> None:
         """Load the model and build the fetch engine, cache and scheduler under the budget."""
@@ -409,6 +412,9 @@ class Engine:
         """Yield one response per generated token. With ``max_batch`` > 1, streams from any thread are served
         together (runtime.batch), each with its own KV cache, sampling and stops; closing one removes only its
         sequence. Bad input raises before the first token."""
+        config = config or GenerateConfig()
+        if config.max_tokens is None and config.context_limit is None:  # until end of text or this engine's room
+            config = replace(config, context_limit=self.context_tokens)
         if self.batcher is None:
             return self._stream_alone(prompt, config)
         seq = self.batcher.submit(prompt, config)
@@ -535,6 +541,7 @@ class Engine:
             if self.cache is not None:
                 self.cache.clear()
             self.fetch.close()
+        closed(self)
 
     def __enter__(self) -> Engine:
         return self

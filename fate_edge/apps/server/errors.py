@@ -7,10 +7,12 @@ type                           status  when
 =============================  ======  ==================================================================
 ``invalid_request_error``      400     malformed JSON or UTF-8, a wrong type or range, an unsupported option
 ``exceed_context_size_error``  400     the prompt does not fit in the model's context
+``invalid_request_error``      400     prompt + max_tokens need more KV cache than the memory budget holds
 ``authentication_error``       401     ``--api-key`` set and the bearer token is missing or wrong
 ``permission_error``           403     a ``Host`` not in ``--allowed-hosts`` or an ``Origin`` not in ``--cors-origins``
 ``not_found_error``            404     unknown model or route
 ``invalid_request_error``      405     wrong HTTP method
+``invalid_request_error``      408     the body did not arrive within ``--body-timeout``
 ``invalid_request_error``      413     request body over ``--max-body-bytes``
 ``invalid_request_error``      415     a JSON body sent without ``Content-Type: application/json``
 ``unavailable_error``          429     the request queue is full (``--max-queue``); retry later
@@ -25,7 +27,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from fate_edge.errors import ContextLengthError, DeviceMemoryError, FateEdgeError, GenerationError
+from fate_edge.errors import ContextLengthError, DeviceMemoryError, FateEdgeError, GenerationError, KVRoomError
 
 
 class QueueFull(Exception):
@@ -91,6 +93,8 @@ def error_from_exception(exc: BaseException, param: str | None = None) -> APIErr
             n_prompt_tokens=exc.prompt_tokens,
             n_ctx=exc.context,
         )
+    if isinstance(exc, KVRoomError):  # this request is too large for the memory budget; a retry fails the same way
+        return APIError(400, str(exc), "invalid_request_error", param, "kv_room_exceeded")
     if isinstance(exc, DeviceMemoryError):  # transient: the engine still serves; retry later or ask for less
         return APIError(503, str(exc), "unavailable_error", None, "device_out_of_memory")
     if isinstance(exc, GenerationError):
