@@ -19,9 +19,9 @@ from starlette.requests import Request
 from fate_edge.apps.server.errors import APIError, Disconnected, QueueFull, error_from_exception, invalid
 from fate_edge.apps.server.protocol import ParsedRequest, parse_request
 from fate_edge.apps.server.request_helpers import DisconnectWatch, check_auth, read_json, ready_engine
-from fate_edge.apps.server.runner import Event, Job
+from fate_edge.apps.server.runner import Event, Failed, Job, Token
 from fate_edge.apps.server.state import ServerState, state_of
-from fate_edge.runtime.generate import check_context
+from fate_edge.runtime.generate import GenerationResponse, check_context
 
 
 async def generate(request: Request, kind: str) -> Any:
@@ -62,8 +62,10 @@ async def generate(request: Request, kind: str) -> Any:
     except Exception as exc:
         raise error_from_exception(exc, prompt_param) from None
     job = Job(ids, parsed.config, asyncio.get_running_loop())
+    runner = state.runner
+    assert runner is not None  # made with the engine, which ready_engine found
     try:
-        state.runner.submit(job)
+        runner.submit(job)
     except QueueFull as exc:
         raise APIError(
             429,
@@ -95,7 +97,7 @@ async def _answer(
     except BaseException:
         job.cancel.set()
         raise
-    if first.kind == "error":
+    if isinstance(first, Failed):
         raise error_from_exception(first.error, prompt_param)
     state.metrics.first_token("/v1/chat/completions" if chat else "/v1/completions", time.perf_counter() - t0)
     if parsed.stream:  # from here the response watches the client itself (a failed send ends the stream)
@@ -104,12 +106,14 @@ async def _answer(
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    parts, last, ev = [], None, first
-    while ev.kind == "token":
+    parts: list[str] = []
+    last: GenerationResponse | None = None
+    ev: Event = first
+    while isinstance(ev, Token):
         parts.append(ev.step.text)
         last = ev.step
         ev = await watch.next_event(job)
-    if ev.kind == "error":
+    if isinstance(ev, Failed):
         raise error_from_exception(ev.error, prompt_param)
     text = "".join(parts)
     finish = (last.finish_reason if last else None) or "length"
@@ -184,13 +188,13 @@ async def _stream(state: ServerState, job: Job, first: Event, parsed: ParsedRequ
         if chat:
             yield chunk(None, None, role=True)
         while True:
-            if ev.kind == "token":
+            if isinstance(ev, Token):
                 step = ev.step
                 if step.text:
                     yield chunk(step.text, None)
                 if step.finish_reason is not None:
                     yield chunk(None, step.finish_reason)
-            elif ev.kind == "error":
+            elif isinstance(ev, Failed):
                 yield sse(error_from_exception(ev.error).body())
                 return  # no [DONE]: the stream ended in an error
             else:
