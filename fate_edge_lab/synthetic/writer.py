@@ -17,7 +17,8 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from fate_edge.format.checkpoint import _DTYPE_SIZES, INDEX_FILE
+from fate_edge.format.checkpoint import INDEX_FILE
+from fate_edge.format.safetensors_header import DTYPE_BYTES
 
 SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 DEFAULT_SHARD_BYTES = 2 * 1000**3  # ~2 GB shards
@@ -37,7 +38,7 @@ E = TypeVar("E", bound=Entry)  # the caller's own entry type, handed back to its
 
 
 def nbytes(e: Entry, dtype: str) -> int:
-    return math.prod(e.shape) * _DTYPE_SIZES[dtype]
+    return math.prod(e.shape) * DTYPE_BYTES[dtype]
 
 
 def plan_shards(entries: list[E], dtype: str, max_bytes: int = DEFAULT_SHARD_BYTES) -> list[list[E]]:
