@@ -12,7 +12,7 @@ and the lower mask cost per token measured on the bundled model (docs/server.md,
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import numpy as np
@@ -21,9 +21,12 @@ import torch
 from fate_edge.errors import GenerationError
 from fate_edge.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
 # Compact separators as json.dumps writes them, and no free whitespace: a small model given free whitespace can
 # spend its whole budget on blanks.
-JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
