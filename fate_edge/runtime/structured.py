@@ -96,16 +96,21 @@ class GrammarMask:
         return bits[: self.ll_tokenizer.vocab_size].astype(bool)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """A copy of ``logits`` [V] with every token the grammar does not allow at -inf (the model's vocabulary may be
-        padded past the tokenizer's: the padding is never allowed)."""
-        allowed = torch.from_numpy(self.allowed())
-        out = torch.full(logits.shape, float("-inf"), dtype=torch.float32, device=logits.device)
-        n = min(allowed.numel(), logits.numel())
-        keep = allowed[:n].to(logits.device)
-        out[:n] = torch.where(keep, logits[:n].float(), out[:n])
+        """A copy of ``logits`` [V] in fp32 with every token the grammar does not allow at -inf (the model's vocabulary
+        may be padded past the tokenizer's: the padding is never allowed)."""
+        allowed = self.allowed()
         if self.matcher.is_error():
             raise GenerationError(f"the grammar failed: {self.matcher.get_error()}")
-        return out
+        n = min(allowed.size, logits.numel())
+        if logits.device.type == "cpu":  # in numpy: a few µs where each torch operator costs several
+            values = logits.detach().reshape(-1).float().numpy()
+            out = np.full(values.size, -np.inf, dtype=np.float32)
+            np.copyto(out[:n], values[:n], where=allowed[:n])
+            return torch.from_numpy(out)
+        keep = torch.from_numpy(allowed[:n]).to(logits.device)
+        masked = torch.full(logits.shape, float("-inf"), dtype=torch.float32, device=logits.device)
+        masked[:n] = torch.where(keep, logits[:n].float(), masked[:n])
+        return masked
 
     def consume(self, token: int) -> None:
         if not self.matcher.consume_token(token):

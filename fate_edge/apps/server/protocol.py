@@ -287,7 +287,7 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         if not isinstance(role, str):
             raise invalid(f"'messages[{i}].role' must be a string", f"messages[{i}].role", "invalid_type")
         if role == "tool" or (role == "assistant" and m.get("tool_calls")):  # tool calling (tool_calls.py)
-            out.append(tool_message(i, m))
+            out.append(tool_message(i, m, out[-1] if out else None))
             continue
         if role == "function":
             raise unsupported(f"messages[{i}].role", "the legacy 'function' role (send 'tool' messages)")

@@ -139,10 +139,15 @@ def parse_tools(body: dict[str, Any], template: str | None) -> ToolSpec | None:
     return ToolSpec(style, rendered, choice, grammar)
 
 
-def tool_message(i: int, m: dict[str, Any]) -> dict[str, Any]:
+def tool_message(i: int, m: dict[str, Any], previous: dict[str, Any] | None) -> dict[str, Any]:
     """A ``tool`` message or an assistant message carrying ``tool_calls``, as chat templates read them (arguments as
-    an object, which templates serialise with ``tojson``)."""
+    an object, which templates serialise with ``tojson``); ``previous`` is the message before it."""
     if m.get("role") == "tool":
+        if previous is None or not (previous["role"] == "tool" or previous.get("tool_calls")):
+            raise invalid(
+                f"'messages[{i}]': a 'tool' message must answer an assistant message with 'tool_calls'",
+                f"messages[{i}].role",
+            )
         content = m.get("content")
         if isinstance(content, list):
             content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
