@@ -287,7 +287,7 @@ def test_tool_call_round_trip_streamed(tool_client):
             call["arguments"] += d.function.arguments or ""
             pieces += 1
         finish = chunk.choices[0].finish_reason or finish
-    assert finish == "tool_calls" and len(calls) == 1 and pieces >= 2  # the name, then arguments
+    assert finish == "tool_calls" and len(calls) == 1 and pieces > 2  # the name, then arguments in pieces
     call = calls[0]
     tool = {"get_weather": WEATHER, "get_time": CLOCK}[call["name"]]
     jsonschema.validate(json.loads(call["arguments"]), tool["function"]["parameters"])

@@ -201,21 +201,19 @@ async def _stream(state: ServerState, job: Job, first: Event, parsed: ParsedRequ
             if ev.kind == "token":
                 step = ev.step
                 assert step is not None  # a token event carries its step
+                text, finish, called = step.text, step.finish_reason, False
                 deltas: list[dict[str, Any]] = []
-                text, finish = step.text, step.finish_reason
                 if tools is not None:  # text that may be a tool call is held, and sent as tool_calls deltas
-                    text = tools.feed(text)
+                    text, deltas = tools.feed(text)
                     if finish is not None:
-                        rest, deltas = tools.finish()
-                        text += rest
+                        rest, last_deltas, called = tools.finish()
+                        text, deltas = text + rest, deltas + last_deltas
                 if text:
                     yield chunk(text, None)
+                for delta in deltas:
+                    yield tool_chunk(delta)
                 if finish is not None:
-                    if tools is not None and deltas:
-                        for delta in deltas:
-                            yield tool_chunk(delta)
-                        finish = "tool_calls"
-                    yield chunk(None, finish)
+                    yield chunk(None, "tool_calls" if called and finish == "stop" else finish)
             elif ev.kind == "error":
                 yield sse(error_from_exception(ev.error).body())
                 return  # no [DONE]: the stream ended in an error

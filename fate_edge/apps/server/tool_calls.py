@@ -227,27 +227,72 @@ def call_deltas(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return deltas
 
 
+# A call's head as the templates teach it, name first: its arguments then stream as they are written.
+_HEAD = re.compile(r'\{\s*"name"\s*:\s*"([^"\\]+)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
+
+
+class _ArgumentScan:
+    """Where a JSON object that begins at ``start`` ends, found one character at a time as the text grows."""
+
+    def __init__(self, start: int):
+        self.pos = start
+        self.depth = 0
+        self.in_string = False
+        self.escape = False
+
+    def advance(self, text: str) -> int | None:
+        """Scan what has arrived; the index just past the object once it is complete, else None."""
+        while self.pos < len(text):
+            c = text[self.pos]
+            self.pos += 1
+            if self.in_string:
+                if self.escape:
+                    self.escape = False
+                elif c == "\\":
+                    self.escape = True
+                elif c == '"':
+                    self.in_string = False
+            elif c == '"':
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return self.pos
+        return None
+
+
 class ToolStream:
     """Streamed text split as it comes: content is sent on while it cannot be a call; from where a call may begin the
-    text is held, and at the end parsed into ``delta.tool_calls`` (or sent as content if it made no call)."""
+    text is held. A held call whose head (``{"name": ..., "arguments": ``) names a tool is sent as ``delta.tool_calls``
+    at once: its id and name, then its arguments piece by piece as the model writes them. At the end, held text that
+    made no call is sent as content (and calls in another order, name after arguments, are parsed then)."""
 
     def __init__(self, spec: ToolSpec):
         self.spec = spec
+        self.names = {t["function"]["name"] for t in spec.tools}
         self.text = ""
         self.sent = 0  # characters of text sent as content
         self.holding = spec.choice is not None  # a forced call: everything is the call
+        self.cursor = 0  # where the next call's head is looked for
+        self.scan: _ArgumentScan | None = None  # the arguments being streamed
+        self.args_sent = 0  # their characters sent
+        self.calls = 0  # calls streamed
 
-    def feed(self, piece: str) -> str:
-        """The content to send now for ``piece`` of text."""
+    def feed(self, piece: str) -> tuple[str, list[dict[str, Any]]]:
+        """The content and the tool-call deltas to send now for ``piece`` of text."""
         self.text += piece
-        if self.holding:
-            return ""
+        content = "" if self.holding else self._content()
+        return content, (self._calls() if self.holding else [])
+
+    def _content(self) -> str:
         if self.spec.style == "hermes":
             marker = "<tool_call>"
             at = self.text.find(marker, self.sent)
             if at >= 0:
                 self.holding = True
-                end = at
+                end = self.cursor = at
             else:  # keep back a tail that may be the marker's beginning
                 keep = next((n for n in range(len(marker) - 1, 0, -1) if self.text.endswith(marker[:n])), 0)
                 end = len(self.text) - keep
@@ -257,15 +302,39 @@ class ToolStream:
                 return ""
             if head[0] in "[{":
                 self.holding = True
+                self.cursor = self.sent
                 return ""
             end = len(self.text)
         out, self.sent = self.text[self.sent : end], max(self.sent, end)
         return out
 
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """The content still to send, and the tool-call deltas (none: the answer made no call)."""
+    def _calls(self) -> list[dict[str, Any]]:
+        deltas: list[dict[str, Any]] = []
+        while True:
+            if self.scan is None:
+                m = _HEAD.search(self.text, self.cursor)
+                if m is None or m.group(1) not in self.names:
+                    return deltas
+                call_id = "call_" + uuid.uuid4().hex[:24]
+                fn = {"name": m.group(1), "arguments": ""}
+                deltas.append({"index": self.calls, "id": call_id, "type": "function", "function": fn})
+                self.scan, self.args_sent = _ArgumentScan(m.end()), m.end()
+            end = self.scan.advance(self.text)
+            upto = len(self.text) if end is None else end
+            if upto > self.args_sent:
+                args = self.text[self.args_sent : upto]
+                deltas.append({"index": self.calls, "function": {"arguments": args}})
+                self.args_sent = upto
+            if end is None:
+                return deltas
+            self.scan, self.cursor, self.calls = None, end, self.calls + 1
+
+    def finish(self) -> tuple[str, list[dict[str, Any]], bool]:
+        """At the end: the content still to send, the last tool-call deltas, and whether the answer made calls."""
+        if self.calls or self.scan is not None:  # calls were streamed
+            return "", [], True
         _, calls = parse_calls(self.spec, self.text)
         if not calls:
             rest, self.sent = self.text[self.sent :], len(self.text)
-            return rest, []
-        return "", call_deltas(calls)
+            return rest, [], False
+        return "", call_deltas(calls), True
