@@ -48,6 +48,8 @@ class GenerateConfig:
     # Positions (prompt and answer) an unbounded request may fill: the engine's KV room (its context_tokens);
     # None: the model's context
     context_limit: int | None = None
+    # llguidance grammar text (runtime.structured): the answer is constrained to it token by token; None: free text
+    grammar: str | None = None
 
 
 def _hold_back(text: str, stops: list[str]) -> int:
@@ -147,6 +149,11 @@ class TokenStream:
         self.prompt_tps = 0.0
         self.t_gen = time.perf_counter()
         self.rss = 0  # read when the prompt is done, every RSS_EVERY tokens and on the final response
+        self.grammar = None
+        if config.grammar is not None:  # structured output: the grammar masks the logits before each sample
+            from fate_edge.runtime.structured import GrammarMask
+
+            self.grammar = GrammarMask(tokenizer, config.grammar)
 
     def prompt_done(self, seconds: float) -> None:
         """The prompt has run (in ``seconds``): generation timing starts now."""
@@ -171,11 +178,17 @@ class TokenStream:
 
     def step(self, logits: torch.Tensor) -> GenerationResponse:
         """Sample the next token from ``logits`` [V]; its response (``finish_reason`` set when the request ends)."""
+        if self.grammar is not None:
+            logits = self.grammar.apply(logits)
         token = self.token = self.sampler(logits, self.history)
         self.n += 1
         self.history.append(token)
         if token in self.stop_ids:
             return self.response(self.pending + self.detok.flush(), token, "stop")
+        if self.grammar is not None:
+            self.grammar.consume(token)
+            if self.grammar.finished:  # accepted, and nothing may follow: the answer is complete
+                return self.response(self.pending + self.detok.add(token) + self.detok.flush(), token, "stop")
         self.pending += self.detok.add(token)
         if self.n >= self.max_tokens:
             self.pending += self.detok.flush()

@@ -21,6 +21,7 @@ from fate_edge.apps.server.protocol import ParsedRequest, parse_request
 from fate_edge.apps.server.request_helpers import DisconnectWatch, check_auth, read_json, ready_engine
 from fate_edge.apps.server.runner import Event, Failed, Job, Token
 from fate_edge.apps.server.state import ServerState, state_of
+from fate_edge.apps.server.tool_calls import ToolStream, parse_calls
 from fate_edge.runtime.generate import GenerationResponse, check_context
 
 
@@ -50,6 +51,7 @@ async def generate(request: Request, kind: str) -> Any:
             eng.tokenizer.vocab_size,
             state.settings.default_max_tokens,
             eng.tokenizer.apply_chat_template,
+            eng.tokenizer.chat_template,
         )
         ids = eng.tokenizer.encode(parsed.prompt) if isinstance(parsed.prompt, str) else parsed.prompt
         return parsed, ids
@@ -118,12 +120,14 @@ async def _answer(
     text = "".join(parts)
     finish = (last.finish_reason if last else None) or "length"
     if chat:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish,
-        }
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        tools = parsed.extra.get("tools")
+        if tools is not None:  # the calls the answer makes, as OpenAI's tool_calls
+            content, calls = parse_calls(tools, text)
+            if calls:
+                message = {"role": "assistant", "content": content or None, "tool_calls": calls}
+                finish = "tool_calls"
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
     return {
@@ -183,6 +187,16 @@ async def _stream(state: ServerState, job: Job, first: Event, parsed: ParsedRequ
             data["usage"] = None
         return sse(data)
 
+    tools = ToolStream(parsed.extra["tools"]) if parsed.extra.get("tools") is not None else None
+
+    def tool_chunk(delta: dict[str, Any]) -> bytes:
+        data: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": state.model_id}
+        data["system_fingerprint"] = "fate-edge"
+        data["choices"] = [{"index": 0, "delta": {"tool_calls": [delta]}, "logprobs": None, "finish_reason": None}]
+        if parsed.include_usage:
+            data["usage"] = None
+        return sse(data)
+
     ev = first
     try:
         if chat:
@@ -190,10 +204,19 @@ async def _stream(state: ServerState, job: Job, first: Event, parsed: ParsedRequ
         while True:
             if isinstance(ev, Token):
                 step = ev.step
-                if step.text:
-                    yield chunk(step.text, None)
-                if step.finish_reason is not None:
-                    yield chunk(None, step.finish_reason)
+                text, finish, called = step.text, step.finish_reason, False
+                deltas: list[dict[str, Any]] = []
+                if tools is not None:  # text that may be a tool call is held, and sent as tool_calls deltas
+                    text, deltas = tools.feed(text)
+                    if finish is not None:
+                        rest, last_deltas, called = tools.finish()
+                        text, deltas = text + rest, deltas + last_deltas
+                if text:
+                    yield chunk(text, None)
+                for delta in deltas:
+                    yield tool_chunk(delta)
+                if finish is not None:
+                    yield chunk(None, "tool_calls" if called and finish == "stop" else finish)
             elif isinstance(ev, Failed):
                 yield sse(error_from_exception(ev.error).body())
                 return  # no [DONE]: the stream ended in an error

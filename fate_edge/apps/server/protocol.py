@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, overload
 
 from fate_edge.apps.server.errors import APIError, invalid, unsupported
+from fate_edge.apps.server.response_format import response_format_grammar
+from fate_edge.apps.server.tool_calls import parse_tools, tool_message
 from fate_edge.runtime.generate import GenerateConfig
 from fate_edge.runtime.sampling import SamplingParams
 
@@ -170,19 +172,11 @@ def _reject_unsupported(b: _Body, kind: str) -> None:
             raise unsupported("logprobs", "logprobs")
         if b.get("top_logprobs") not in (None, 0):
             raise unsupported("top_logprobs", "top_logprobs")
-        for name in ("tools", "functions"):
-            if b.get(name) not in (None, []):
-                raise unsupported(name, "tool and function calling")
-        if b.get("tool_choice") not in (None, "none"):
-            raise unsupported("tool_choice", "tool calling")
+        # tools and tool_choice: tool_calls.parse_tools; response_format: response_format.py
+        if b.get("functions") not in (None, []):
+            raise unsupported("functions", "the legacy 'functions' (send 'tools')")
         if b.get("function_call") not in (None, "none"):
-            raise unsupported("function_call", "function calling")
-        fmt = b.get("response_format")
-        if fmt is not None:
-            if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
-                raise invalid('\'response_format\' must be an object like {"type": "text"}', "response_format")
-            if fmt["type"] != "text":
-                raise unsupported("response_format", f"response_format type '{fmt['type']}'")
+            raise unsupported("function_call", "the legacy 'function_call' (send 'tool_choice')")
         if b.get("audio") is not None or b.get("modalities") not in (None, ["text"]):
             raise unsupported("modalities", "audio output")
     else:
@@ -284,11 +278,11 @@ def _content(i: int, content: Any) -> str:
             parts.append(part["text"])
         return "".join(parts)
     if content is None:
-        raise invalid(f"'{param}' is required (tool calls are not supported)", param, "missing_required_parameter")
+        raise invalid(f"'{param}' is required", param, "missing_required_parameter")
     raise invalid(f"'{param}' must be a string or an array of text parts, got {_type(content)}", param, "invalid_type")
 
 
-def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if messages is None:
         raise invalid("'messages' is required", "messages", "missing_required_parameter")
@@ -296,23 +290,24 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
         raise invalid(f"'messages' must be an array, got {_type(messages)}", "messages", "invalid_type")
     if not messages:
         raise invalid("'messages' must hold at least one message", "messages", "invalid_value")
-    out = []
+    out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise invalid(f"'messages[{i}]' must be an object, got {_type(m)}", f"messages[{i}]", "invalid_type")
         role = m.get("role")
         if not isinstance(role, str):
             raise invalid(f"'messages[{i}].role' must be a string", f"messages[{i}].role", "invalid_type")
-        if role in ("tool", "function"):
-            raise unsupported(f"messages[{i}].role", f"the '{role}' role (tool calling)")
+        if role == "tool" or (role == "assistant" and m.get("tool_calls")):  # tool calling (tool_calls.py)
+            out.append(tool_message(i, m, out[-1] if out else None))
+            continue
+        if role == "function":
+            raise unsupported(f"messages[{i}].role", "the legacy 'function' role (send 'tool' messages)")
         if role not in ROLES:
             raise invalid(
                 f"'messages[{i}].role' must be one of {', '.join(sorted(ROLES))}; got '{role}'",
                 f"messages[{i}].role",
                 "invalid_value",
             )
-        if m.get("tool_calls"):
-            raise unsupported(f"messages[{i}].tool_calls", "tool calling")
         out.append({"role": "system" if role == "developer" else role, "content": _content(i, m.get("content"))})
     return out
 
@@ -348,22 +343,34 @@ def completion_prompt(body: dict[str, Any], vocab_size: int) -> str | list[int]:
 
 
 def parse_request(
-    kind: str, body: dict[str, Any], context: int, vocab_size: int, default_max_tokens: int | None, render_chat
+    kind: str,
+    body: dict[str, Any],
+    context: int,
+    vocab_size: int,
+    default_max_tokens: int | None,
+    render_chat,
+    chat_template: str | None = None,
 ) -> ParsedRequest:
-    """Validate an OpenAI chat or completion body; ``render_chat(messages) -> str`` applies the template."""
+    """Validate an OpenAI chat or completion body; ``render_chat(messages, **kw) -> str`` applies the template
+    (``chat_template``, its text, tells the tool-call syntax)."""
     b = _Body(body)
     model = _model(b)
     stream, include_usage = _stream(b)
     _reject_unsupported(b, kind)
     config = _config(b, context, default_max_tokens)
+    config.grammar = response_format_grammar(body)  # structured output: None for free text
+    extra: dict[str, Any] = {}
     if kind == "chat":
+        tools = extra["tools"] = parse_tools(body, chat_template)
+        if tools is not None and tools.grammar is not None:  # a forced call: its grammar wins over response_format
+            config.grammar = tools.grammar
         messages = chat_messages(body)
         try:
-            prompt: str | list[int] = render_chat(messages)
+            prompt: str | list[int] = render_chat(messages, tools=tools.tools) if tools else render_chat(messages)
         except APIError:
             raise
         except Exception as exc:  # a template that rejects the conversation (raise_exception in jinja)
             raise invalid(f"the chat template rejected these messages: {exc}", "messages") from None
     else:
         prompt = completion_prompt(body, vocab_size)
-    return ParsedRequest(kind, model, prompt, config, stream, include_usage)
+    return ParsedRequest(kind, model, prompt, config, stream, include_usage, extra)
