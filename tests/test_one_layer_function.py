@@ -45,14 +45,14 @@ def next_logits(model, path: str, rows: list[int]) -> torch.Tensor:
             return forward_segments(model, [Segment([NEXT], cache), Segment([11], other)])[0]
         model.fast_decode = path != "general"
         if path == "whole-step graph":
-            model.compiled = CudaGraphDecode(model, capture=False)
+            model.runner = CudaGraphDecode(model, capture=False)
         elif path == "layer graphs":
-            model.compiled = LayerGraphDecode(model, capture=False)
+            model.runner = LayerGraphDecode(model, capture=False)
         rows.clear()
         try:
             return model(torch.tensor([[NEXT]]), cache)[0, -1]
         finally:
-            model.compiled, model.fast_decode = None, True
+            model.runner, model.fast_decode = None, True
 
 
 @pytest.mark.parametrize("path", PATHS)

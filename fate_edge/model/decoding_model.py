@@ -1,11 +1,11 @@
 """What the decode steps read of a model, as a structural type: ``MoETransformer`` is one. The steps
-(``decode_step``, ``compiled_step``, ``graph_step``) are called by the transformer, so they name this
+(``decode_step``, ``compiled_step``, ``graph_step``, ``runner``) are called by the transformer, so they name this
 protocol rather than import the transformer back."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -15,6 +15,9 @@ from fate_edge.model.experts import ExpertProvider
 from fate_edge.model.kv_cache import KVCache
 from fate_edge.model.layer import Fused, LayerPlan, Weights
 from fate_edge.model.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from fate_edge.model.runner import DecodeRunner
 
 # Called after each MoE layer's routing: (layer, gate input [N, H], expert ids [N, k], weights [N, k]). An observer
 # sees every prompt token in every layer unless all of them say ``needs_every_token = False``: then a prompt asked
@@ -34,6 +37,11 @@ class DecodingModel(Protocol):
     embed: torch.Tensor | QuantizedEmbedding
     fast_decode: bool
     _plan_version: int  # which ``w.version`` the plan was built from (a compiled step checks it)
+    runner: DecodeRunner | None  # how its decode steps run (fate_edge.model.runner), None: not chosen yet
+    graph_off: str | None  # why a CUDA model decodes without CUDA graphs
+
+    @property
+    def cuda_graphs(self) -> bool: ...
 
     @property
     def device(self) -> torch.device: ...

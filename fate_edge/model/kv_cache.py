@@ -1,8 +1,62 @@
-"""Per-layer key/value cache, grown geometrically so decode appends are amortised O(1)."""
+"""The state an attention layer keeps between forward passes, behind one interface: :class:`AttentionState`.
+
+Every forward path writes a layer's new keys and values with ``state.update(layer, k, v)`` and gets back what the
+layer's queries read (:class:`Held`): every held position's tensors, and how the queries see them. The attention
+functions (:mod:`fate_edge.model.attention`) are written once against that; the kinds of state here differ only
+in where the positions live:
+
+* :class:`KVCache`: one sequence's cache that grows (geometrically, so a decode append is amortised O(1)); its
+  queries see a prefix of positions (``Held.start``);
+* ``kv_slab.SlabCache``: the same, as a range of a batch's shared slab; ``kv_slab.SlabRows``: one decode row per
+  sequence of a slab in one update, each row seeing its own range (``Held.rows``);
+* :class:`StaticKV`: whole-capacity buffers written at a position tensor, the unwritten tail masked
+  (``Held.mask``): what a compiled or captured step needs (static shapes and addresses).
+
+New kinds belong here too, as subclasses of :class:`AttentionState` whose ``update`` returns what their attention
+reads: a sliding-window ring or attention sinks (keep only the positions a query can see, ``Held.start`` at the
+first one kept), or a recurrent state (linear attention, a convolution's last inputs: ``update(layer, *new)`` folds
+the new rows in and returns the state, ``Held.held`` = its tensors).
+"""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from fate_edge.model.kv_slab import SlabRows
+
+
+@dataclass
+class Held:
+    """What a layer's queries read after an update. ``held``: every held position's tensors (k and v [B, kv heads, S,
+    d], or MLA's latent [B, 1, S, r + rope]). Which of them a query sees, by kind of state:
+
+    * prefix (neither ``mask`` nor ``rows``): positions 0 .. S-1 of one sequence, the first query at ``start``
+      (causal over the new positions);
+    * ``mask`` [1, S]: one query over a whole-capacity buffer, True where written (``static_cache``);
+    * ``rows``: one decode query per sequence of a slab, each over its own range (``kv_slab.SlabRows``);
+    * ``parts``: a batch of sequences, each part (which query rows: a slice, or an index tensor for a slab's decode
+      rows, first) with what its own state handed back (``batch_step.BatchState``)."""
+
+    held: tuple[torch.Tensor, ...] = ()
+    start: int = 0
+    mask: torch.Tensor | None = None
+    rows: SlabRows | None = None
+    parts: list[tuple[slice | torch.Tensor, Held]] | None = None
+
+
+class AttentionState(ABC):
+    """Per-layer attention state of one sequence (or of a batch's decode rows): the interface every forward path
+    writes through and every attention function reads through."""
+
+    @abstractmethod
+    def update(self, layer: int, *new: torch.Tensor) -> Held:
+        """Add ``new`` (k and v [B, kv heads, T, d], or MLA's latent) at the next positions of ``layer`` → what the
+        layer's queries read. A forward pass updates each layer once."""
 
 
 class LayerCache:
@@ -37,7 +91,9 @@ class LayerCache:
         return tuple(b.narrow(2, 0, self.length) for b in self.buffers)
 
 
-class KVCache:
+class KVCache(AttentionState):
+    """One sequence's cache, grown per layer as positions arrive."""
+
     def __init__(self, num_layers: int, capacity_hint: int = 0):
         self.layers = [LayerCache() for _ in range(num_layers)]
         self.capacity_hint = capacity_hint  # positions the request will reach (prompt + answer), 0: unknown
@@ -46,6 +102,27 @@ class KVCache:
     def length(self) -> int:
         return self.layers[0].length
 
+    def update(self, layer: int, *new: torch.Tensor) -> Held:
+        lay = self.layers[layer]
+        start = lay.length
+        return Held(lay.append(*new, capacity_hint=self.capacity_hint), start)
+
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for lay in self.layers for b in lay.buffers)
+
+
+class StaticKV(AttentionState):
+    """Whole-capacity buffers per layer (``kv``: k and v [1, kv heads, capacity, d]) for one decode token at ``pos``
+    [1] (a tensor: a compiled or captured step reads it on the device): its k and v written there, its query seeing
+    the written positions (the unwritten tail masked, so the buffers start zeroed: 0 * NaN would poison the sum)."""
+
+    def __init__(self, kv: list[tuple[torch.Tensor, torch.Tensor]], pos: torch.Tensor):
+        self.kv, self.pos = kv, pos
+        self.mask = (torch.arange(kv[0][0].shape[2], device=pos.device) <= pos).view(1, -1)
+
+    def update(self, layer: int, *new: torch.Tensor) -> Held:
+        bufs = self.kv[layer]
+        for buf, x in zip(bufs, new):
+            buf.index_copy_(2, self.pos, x)
+        return Held(bufs, mask=self.mask)

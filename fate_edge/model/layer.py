@@ -228,7 +228,7 @@ def resident_groups(config: ModelConfig, layer_names: list, names: Any) -> list[
     first (``names``: the resident weight names; lm_head only where it is one of them), then every layer's groups.
 
     MLA's ``kv_b_proj`` stays in the model's dtype: decode multiplies by its per-head blocks from the other side
-    (the absorbed form, ``MoETransformer.mla_attend``), which no quantized kernel does, and expanding the cache through
+    (the absorbed form, ``mla.attend``), which no quantized kernel does, and expanding the cache through
     it instead costs the whole matrix at every cached position, every token."""
     head = [["lm_head"]] if "lm_head.weight" in names else []
     layers = [g for i, n in enumerate(layer_names) for g in layer_groups(config, i, n).values()]
