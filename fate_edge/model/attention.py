@@ -22,8 +22,7 @@ from fate_edge.model.rope import apply_rope
 
 if TYPE_CHECKING:
     from fate_edge.model.arch.base import ModelConfig
-    from fate_edge.model.kv_cache import AttentionState, Held
-    from fate_edge.model.kv_slab import SlabRows
+    from fate_edge.model.kv_cache import AttentionState, Held, RowRanges
 
 GATHER_MAX = 256  # longest decode range whose keys a slab step gathers for one attention (else one call per row)
 
@@ -156,7 +155,7 @@ def _slab_rows(
     q: torch.Tensor,
     ks: torch.Tensor,
     vs: torch.Tensor,
-    d: SlabRows,
+    d: RowRanges,
     layer: int,
     window: int | None,
     scale: float,

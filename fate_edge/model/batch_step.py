@@ -51,9 +51,12 @@ def forward_segments(model: MoETransformer, segments: list[Segment]) -> torch.Te
     """Every segment's rows in one pass → logits [S, V] of each segment's last position."""
     if not segments or any(not s.ids for s in segments):
         raise ValueError("a batched step needs at least one segment and one id per segment")
-    if len(segments) == 1 and len(segments[0].ids) == 1:  # one decode token: the single-sequence decode step
+    if len(segments) == 1:  # a batch of one: the model's own forward (its one-token step, or a prompt, last logits)
         seg = segments[0]
-        return model(torch.tensor([seg.ids], device=model.device), seg.cache)[:, -1]
+        if len(seg.ids) == 1:  # written on the device by a fill kernel: no host-to-device copy (and wait) per token
+            ids = torch.full((1, 1), seg.ids[0], dtype=torch.long, device=model.device)
+            return model(ids, seg.cache)[:, -1]
+        return model(torch.tensor([seg.ids], device=model.device), seg.cache, last_only=True)[:, -1]
     cfg, dev = model.config, model.device
     plan = model.plan()
     lengths = [len(s.ids) for s in segments]
@@ -77,7 +80,7 @@ def forward_segments(model: MoETransformer, segments: list[Segment]) -> torch.Te
 
     def attend(x: torch.Tensor, h: torch.Tensor, i: int, lp: LayerPlan) -> torch.Tensor:
         if cfg.mla is not None:
-            out = mla(model, h, 1, rows, i, lp, state, cos, sin)
+            out = mla(cfg, h, 1, rows, i, lp, state, cos, sin)
         else:
             out = gqa(cfg, h, 1, rows, i, lp, state, cos, sin)
         x = add_projection(x, out, lp.o_proj)

@@ -5,7 +5,7 @@ protocol rather than import the transformer back."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
@@ -16,13 +16,18 @@ from fate_edge.model.kv_cache import KVCache
 from fate_edge.model.layer import Fused, LayerPlan, Weights
 from fate_edge.model.rope import RotaryEmbedding
 
-if TYPE_CHECKING:
-    from fate_edge.model.runner import DecodeRunner
-
 # Called after each MoE layer's routing: (layer, gate input [N, H], expert ids [N, k], weights [N, k]). An observer
 # sees every prompt token in every layer unless all of them say ``needs_every_token = False``: then a prompt asked
 # for its last logits only runs the last layer's MLP or MoE on its last token (MoETransformer.forward).
 RoutingObserver = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+class StepRunner(Protocol):
+    """How a model's one-token decode steps run (``runner.DecodeRunner`` and its kinds)."""
+
+    def step(
+        self, model: DecodingModel, token: torch.Tensor, cache: KVCache, plan: list[LayerPlan]
+    ) -> torch.Tensor: ...
 
 
 class DecodingModel(Protocol):
@@ -37,7 +42,7 @@ class DecodingModel(Protocol):
     embed: torch.Tensor | QuantizedEmbedding
     fast_decode: bool
     _plan_version: int  # which ``w.version`` the plan was built from (a compiled step checks it)
-    runner: DecodeRunner | None  # how its decode steps run (fate_edge.model.runner), None: not chosen yet
+    runner: StepRunner | None  # how its decode steps run (fate_edge.model.runner), None: not chosen yet
     graph_off: str | None  # why a CUDA model decodes without CUDA graphs
 
     @property

@@ -22,12 +22,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from fate_edge.model.kv_slab import SlabRows
 
 
 @dataclass
@@ -45,8 +42,31 @@ class Held:
     held: tuple[torch.Tensor, ...] = ()
     start: int = 0
     mask: torch.Tensor | None = None
-    rows: SlabRows | None = None
+    rows: RowRanges | None = None
     parts: list[tuple[slice | torch.Tensor, Held]] | None = None
+
+
+class RowRanges(Protocol):
+    """One decode row per sequence over one buffer, each row seeing its own range (``kv_slab.SlabRows``)."""
+
+    longest: int  # the longest range
+
+    @property
+    def gather(self) -> torch.Tensor:
+        """[rows * longest] buffer positions of each range's first ``longest`` positions."""
+        ...
+
+    def ranges(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """([rows] first position, [rows] count) each row sees (its last ``window``), int64 on the host."""
+        ...
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """[rows, 1, 1, longest]: which gathered positions each row sees."""
+        ...
+
+    def views(self, layer: int) -> list[Held]:
+        """Each row's own positions of ``layer`` as a sequence's prefix."""
+        ...
 
 
 class AttentionState(ABC):

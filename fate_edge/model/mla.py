@@ -21,13 +21,11 @@ from fate_edge.model.rope import apply_rope, yarn_softmax_scale
 
 if TYPE_CHECKING:
     from fate_edge.model.arch.base import ModelConfig
-    from fate_edge.model.kv_cache import AttentionState, Held
-    from fate_edge.model.kv_slab import SlabRows
-    from fate_edge.model.transformer import MoETransformer
+    from fate_edge.model.kv_cache import AttentionState, Held, RowRanges
 
 
 def mla(
-    model: MoETransformer,
+    cfg: ModelConfig,
     h: torch.Tensor,
     b: int,
     t: int,
@@ -39,26 +37,27 @@ def mla(
 ) -> torch.Tensor:
     """Normed ``h`` [B*T, H] → the attention's output before its projection [B*T, heads * v_head_dim], the latent
     written through ``state``."""
-    q, latent = mla_qkv(model, h, b, t, cos, sin, layer, lp)
-    return attend(model.config, q, state.update(layer, latent), layer, lp)
+    q, latent = mla_qkv(cfg, h, b, t, cos, sin, lp)
+    return attend(cfg, q, state.update(layer, latent), layer, lp)
 
 
-def mla_qkv(model: MoETransformer, x, b: int, t: int, cos, sin, layer: int, lp: LayerPlan):
+def mla_qkv(cfg: ModelConfig, x, b: int, t: int, cos, sin, lp: LayerPlan):
     """Normed ``x`` [B*T, H] → q [B, heads, T, nope + rope] (rotated), and what MLA caches per position: the
     normed latent and the rotated rope key side by side, [B, 1, T, kv_lora_rank + rope dims]."""
-    cfg, m, p = model.config, model.config.mla, model.names[layer].attn
-    assert m is not None
+    m = cfg.mla
+    assert m is not None and lp.k_norm is not None  # MLA's plan holds its latent norms as q_norm and k_norm
     x = x.view(b, t, -1)
     qk_head = m.qk_nope_head_dim + m.qk_rope_head_dim
     if m.q_lora_rank is None:
         q = apply_linear(x, lp.mla["q_proj"])
     else:
-        q_lat = rms_norm(apply_linear(x, lp.mla["q_a_proj"]), model.w[f"{p}.q_a_layernorm.weight"], 1e-6)
+        assert lp.q_norm is not None
+        q_lat = rms_norm(apply_linear(x, lp.mla["q_a_proj"]), lp.q_norm, 1e-6)
         q = apply_linear(q_lat, lp.mla["q_b_proj"])
     q = q.view(b, t, -1, qk_head).transpose(1, 2)
     q_nope, q_rot = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
     kv_lat, k_rot = apply_linear(x, lp.mla["kv_a_proj_with_mqa"]).split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
-    kv_lat = rms_norm(kv_lat, model.w[f"{p}.kv_a_layernorm.weight"], 1e-6).view(b, 1, t, m.kv_lora_rank)
+    kv_lat = rms_norm(kv_lat, lp.k_norm, 1e-6).view(b, 1, t, m.kv_lora_rank)
     k_rot = k_rot.view(b, 1, t, m.qk_rope_head_dim)
     q_rot = apply_rope(q_rot, cos, sin, cfg.rope.interleaved)
     k_rot = apply_rope(k_rot, cos, sin, cfg.rope.interleaved)
@@ -129,7 +128,7 @@ def _absorbed(cfg: ModelConfig, q, latent, weight: torch.Tensor, widen: bool) ->
     return torch.matmul(o, wv.transpose(1, 2)).reshape(b, heads * dv)
 
 
-def _slab_rows(cfg: ModelConfig, q: torch.Tensor, held: Held, d: SlabRows, layer: int, lp: LayerPlan) -> torch.Tensor:
+def _slab_rows(cfg: ModelConfig, q: torch.Tensor, held: Held, d: RowRanges, layer: int, lp: LayerPlan) -> torch.Tensor:
     """One decode query per sequence of a slab (``q`` [1, heads, S, nope + rope], the rows' own), absorbed in one pass
     where the CPU kernels take them: every row's query through each head's key block of ``kv_b_proj`` with the block
     read once (``head_matvec``), one attention over the rows' own ranges, one pass through the value blocks →

@@ -2,8 +2,8 @@
 
 Every runner runs the same layer function and the same attention (``attention.gqa``); they differ in what holds
 the KV cache while a step runs (a growing cache, or static buffers a compiled or captured graph writes at a position
-tensor) and in who launches the kernels. :func:`choose_runner` picks the runner for a model as it is at its first decode
-step (after an engine has attached its expert provider); ``MoETransformer.set_compile`` picks the compiled one.
+tensor) and in who launches the kernels. ``graph_step.choose_runner`` picks the runner for a model as it is at its first
+decode step (after an engine has attached its expert provider); ``MoETransformer.set_compile`` picks the compiled one.
 A compiled or captured runner that fails (a compiler error, an operation that cannot be captured, weights changed
 under it) hands the model over to the eager runner for good, with the reason (:meth:`DecodeRunner.give_up`); a
 token it cannot take as it stands (no prefill yet to copy into its buffers) it runs eagerly itself.
@@ -41,17 +41,3 @@ class DecodeRunner:
         self.failed = why
         model.runner = eager = DecodeRunner(why)
         return eager
-
-
-def choose_runner(model: DecodingModel) -> DecodeRunner:
-    """The runner for ``model`` as it stands: CUDA graphs on a CUDA model that allows them (the whole step where
-    every expert is resident, else per layer around the streamed experts; ``model.graph_off`` says why not),
-    else the eager step. The compiled runner is chosen by ``set_compile``, not here."""
-    if model.device.type != "cuda" or not model.cuda_graphs:
-        return DecodeRunner()
-    from fate_edge.model.graph_step import CudaGraphDecode, LayerGraphDecode, unsupported
-
-    if unsupported(model) is None:
-        return CudaGraphDecode(model)
-    model.graph_off = unsupported(model, streamed=True)
-    return LayerGraphDecode(model) if model.graph_off is None else DecodeRunner()

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from fate_edge.model import decode_step
 from fate_edge.model.arch.base import ModelConfig
 from fate_edge.model.attention import gqa
-from fate_edge.model.decoding_model import RoutingObserver
+from fate_edge.model.decoding_model import RoutingObserver, StepRunner
 from fate_edge.model.embedding import embedding_table, lookup
 from fate_edge.model.experts import ExpertProvider, InMemoryExpertProvider
 from fate_edge.model.kv_cache import KVCache
@@ -27,7 +27,6 @@ from fate_edge.model.layer_step import LayerPath, add_projection, decoder_layer,
 from fate_edge.model.mla import mla
 from fate_edge.model.rope import RotaryEmbedding
 from fate_edge.model.routed_experts import provider_moe
-from fate_edge.model.runner import DecodeRunner, choose_runner
 
 if TYPE_CHECKING:
     from fate_edge.model.graph_step import CudaGraphDecode, LayerGraphDecode
@@ -82,7 +81,7 @@ class MoETransformer:
         self.fast_decode = decode_step.supported(self)
         # How a one-token decode step runs (fate_edge.model.runner): eager, compiled (set_compile) or CUDA graphs,
         # chosen once; None: chosen at the next decode step (by then an engine has attached its expert provider).
-        self.runner: DecodeRunner | None = None
+        self.runner: StepRunner | None = None
         # On CUDA: decode steps replayed as CUDA graphs (graph_step: the whole step with every expert resident, else
         # per layer around the streamed experts); False turns it off. ``graph_off`` says why a CUDA model decodes
         # eagerly.
@@ -202,6 +201,8 @@ class MoETransformer:
         self.experts.begin_forward(t)
         if t == 1 and b == 1 and self.fast_decode:
             if self.runner is None:
+                from fate_edge.model.graph_step import choose_runner
+
                 self.runner = choose_runner(self)
             return self.runner.step(self, input_ids, cache, plan)
         x = lookup(self.embed, input_ids.reshape(-1))  # [B*T, H]
@@ -211,7 +212,7 @@ class MoETransformer:
 
         def attend(x: torch.Tensor, h: torch.Tensor, i: int, lp: LayerPlan) -> torch.Tensor:
             if cfg.mla is not None:
-                out = mla(self, h, b, t, i, lp, cache, cos, sin)
+                out = mla(cfg, h, b, t, i, lp, cache, cos, sin)
             else:
                 out = gqa(cfg, h, b, t, i, lp, cache, cos, sin)
             x = add_projection(x, out, lp.o_proj)
