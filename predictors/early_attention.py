@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from fate_edge.predictors.base import next_moe_layers
 
-from fate_edge.model.attention import gqa, gqa_qkv, prefix, window_of
+from fate_edge.model.attention import attend, gqa, gqa_qkv
 from fate_edge.model.kv_cache import KVCache
 from fate_edge.model.layer import rms_norm
 from fate_edge.model.layer_step import add_projection
@@ -201,5 +201,5 @@ class EarlyInput:
         if start:
             k = torch.cat([lay.buffers[0][:, :, :start], k], 2)
             v = torch.cat([lay.buffers[1][:, :, :start], v], 2)
-        x = add_projection(x, prefix(q, k, v, start, window_of(cfg, target), cfg.head_dim**-0.5), lp.o_proj)
+        x = add_projection(x, attend(cfg, q, (k, v), target, cfg.head_dim**-0.5), lp.o_proj)
         return rms_norm(x, lp.post_norm, cfg.rms_norm_eps).float()

@@ -3,8 +3,8 @@ step, the compiled step and the CUDA graphs (MLA's is :mod:`fate_edge.model.mla`
 
 :func:`gqa` projects q, k and v, writes k and v through the layer's state (``state.update``: any
 :class:`~fate_edge.model.kv_cache.AttentionState`) and attends over what the update hands back
-(:class:`~fate_edge.model.kv_cache.Held`). The paths differ only in that state, and :func:`attend` picks the kernel
-for its kind: a sequence's prefix (torch's attention, causal or masked; a bf16 decode query in fate-edge's kernel
+(``kv_cache.Keys``). The paths differ only in that state, and :func:`attend` picks the kernel for its kind: a
+sequence's prefix (torch's attention, causal or masked; a bf16 decode query in fate-edge's kernel
 through ``sdpa``), a whole-capacity static buffer (two bmm and a masked softmax, which inductor fuses), a slab's
 decode rows (one call over every row's own range), or a batch's parts (each part by its own kind).
 """
@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from fate_edge.model import decode_attention, sdpa
+from fate_edge.model.kv_cache import Held
 from fate_edge.model.layer import LayerPlan, apply_linear, rms_norm
 from fate_edge.model.rope import apply_rope
 
 if TYPE_CHECKING:
     from fate_edge.model.arch.base import ModelConfig
-    from fate_edge.model.kv_cache import AttentionState, Held, RowRanges
+    from fate_edge.model.kv_cache import AttentionState, Keys, RowRanges
 
 GATHER_MAX = 256  # longest decode range whose keys a slab step gathers for one attention (else one call per row)
 
@@ -41,7 +42,7 @@ def gqa(
 ) -> torch.Tensor:
     """Normed ``h`` [B*T, H] → the attention's output before its projection [B*T, heads * head_dim], k and v
     written through ``state`` (``rot``: one decode token's rope as a matrix, :func:`gqa_qkv`)."""
-    q, k, v = gqa_qkv(cfg, h, b, t, cos, sin, lp, rot)
+    q, k, v = gqa_qkv(cfg, h, b, t, cos, sin, lp, rot) if rot is None else _rotated_qkv(cfg, h, lp, rot)
     return attend(cfg, q, state.update(layer, k, v), layer, cfg.head_dim**-0.5)
 
 
@@ -60,18 +61,12 @@ def gqa_qkv(
 
     ``rot`` [d, d] (one token of one sequence, no q/k norm or clipping: ``decode_step.supported``): rope as one small
     matmul over q and k together (``decode_step.rope_matrix``), the fewest operators a decode token can take."""
+    if rot is not None:
+        return _rotated_qkv(cfg, x, lp, rot)
     hd = cfg.head_dim
     assert lp.qkv is not None  # GQA layers have one
     qkv = apply_linear(x, lp.qkv)
     n_q, n_k = lp.qkv.sizes[0] // hd, lp.qkv.sizes[1] // hd
-    if rot is not None:
-        flat = qkv.view(-1)  # [(nq + 2 nk) hd]
-        # narrow, not [a:b]: a slice costs ~2.5 µs to dispatch from Python, narrow ~1 µs (four a layer, every token)
-        qk = flat.narrow(0, 0, (n_q + n_k) * hd).view(n_q + n_k, hd)
-        qk = qk @ rot if rot.dtype == qk.dtype else torch.mm(qk.float(), rot).to(qk.dtype)
-        q = qk.narrow(0, 0, n_q).view(1, n_q, 1, hd)
-        k = qk.narrow(0, n_q, n_k).view(1, n_k, 1, hd)
-        return q, k, flat.narrow(0, (n_q + n_k) * hd, n_k * hd).view(1, n_k, 1, hd)
     if cfg.qk_norm == "none" and cfg.clip_qkv is None:  # rotate q and k in one pass
         qk = qkv[..., : (n_q + n_k) * hd].view(b, t, n_q + n_k, hd).transpose(1, 2)
         qk = apply_rope(qk, cos, sin, cfg.rope.interleaved)
@@ -97,46 +92,56 @@ def gqa_qkv(
     return q, k, v
 
 
-def window_of(cfg: ModelConfig, layer: int) -> int | None:
-    """The positions a query of ``layer`` sees back (itself included), or None: all of them."""
-    return cfg.sliding_window if layer in cfg.sliding_window_layers else None
+def _rotated_qkv(
+    cfg: ModelConfig, x: torch.Tensor, lp: LayerPlan, rot: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`gqa_qkv` for one token of one sequence with its rope as a matrix ``rot``."""
+    hd = cfg.head_dim
+    assert lp.qkv is not None  # GQA layers have one
+    n_q, n_k = lp.qkv.sizes[0] // hd, lp.qkv.sizes[1] // hd
+    flat = apply_linear(x, lp.qkv).view(-1)  # [(nq + 2 nk) hd]
+    # narrow, not [a:b]: a slice costs ~2.5 µs to dispatch from Python, narrow ~1 µs (four a layer, every token)
+    qk = flat.narrow(0, 0, (n_q + n_k) * hd).view(n_q + n_k, hd)
+    qk = qk @ rot if rot.dtype == qk.dtype else torch.mm(qk.float(), rot).to(qk.dtype)
+    q = qk.narrow(0, 0, n_q).view(1, n_q, 1, hd)
+    k = qk.narrow(0, n_q, n_k).view(1, n_k, 1, hd)
+    return q, k, flat.narrow(0, (n_q + n_k) * hd, n_k * hd).view(1, n_k, 1, hd)
 
 
-def attend(cfg: ModelConfig, q: torch.Tensor, held: Held, layer: int, scale: float) -> torch.Tensor:
-    """q [B, heads, T, dk] over what a state update handed back → [B*T, heads * dv], by the kind of state."""
+def attend(cfg: ModelConfig, q: torch.Tensor, held: Keys, layer: int, scale: float) -> torch.Tensor:
+    """q [B, heads, T, dk] over what a state update handed back → [B*T, heads * dv], by the kind of state.
+
+    A sequence's prefix (a plain tuple k, v [B, nkv, S, d]: its positions 0 .. S-1, the queries the last T of them)
+    attends causally, over the last ``window`` positions on a sliding-window layer: one decode query over every
+    held key (its window sliced, no mask), a whole prompt causally, a chunk after cached positions with a mask."""
+    window = cfg.sliding_window if layer in cfg.sliding_window_layers else None
+    if type(held) is tuple:  # the common kind first: no attribute to look up per decode layer
+        k, v = held
+        t, s = q.shape[2], k.shape[2]
+        grouped = q.shape[1] != k.shape[1]
+        if t == 1:
+            if window is not None and s > window:
+                k, v = k[:, :, s - window :], v[:, :, s - window :]
+            out = sdpa.attention(q, k, v, scale=scale, enable_gqa=grouped)
+            return out.reshape(q.shape[0], -1)  # [B, nh, 1, d]: moving the size-1 axis moves no data
+        if window is None and t == s:
+            out = sdpa.attention(q, k, v, is_causal=True, scale=scale, enable_gqa=grouped)
+        else:
+            positions = torch.arange(s - t, s, device=q.device)
+            key_pos = torch.arange(s, device=q.device)
+            mask = key_pos[None, :] <= positions[:, None]
+            if window is not None:
+                mask &= key_pos[None, :] > positions[:, None] - window
+            out = sdpa.attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=grouped)
+        return out.transpose(1, 2).reshape(q.shape[0] * t, -1)
+    assert isinstance(held, Held)
     if held.parts is not None:
         return over_parts(q, held, lambda qp, hp: attend(cfg, qp, hp, layer, scale))
     k, v = held.held
-    window = window_of(cfg, layer)
     if held.rows is not None:
         return _slab_rows(cfg, q, k, v, held.rows, layer, window, scale)
-    if held.mask is not None:
-        return _static(q, k, v, held.mask, scale)
-    return prefix(q, k, v, held.start, window, scale)
-
-
-def prefix(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, window: int | None, scale: float
-) -> torch.Tensor:
-    """One sequence: q [B, nh, T, dk] at positions ``start`` ..; k/v [B, nkv, S, d] its positions 0 .. S-1, causal
-    (the last ``window`` of them) → [B*T, nh * dv]."""
-    t, s = q.shape[2], k.shape[2]
-    gqa = q.shape[1] != k.shape[1]
-    if t == 1:  # a decode query sees every held key (of its window: sliced, no mask)
-        if window is not None and s > window:
-            k, v = k[:, :, s - window :], v[:, :, s - window :]
-        out = sdpa.attention(q, k, v, scale=scale, enable_gqa=gqa)
-        return out.reshape(q.shape[0], -1)  # [B, nh, 1, d]: moving the size-1 axis moves no data
-    if window is None and t == s:
-        out = sdpa.attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    else:
-        positions = torch.arange(start, start + t, device=q.device)
-        key_pos = torch.arange(s, device=q.device)
-        mask = key_pos[None, :] <= positions[:, None]
-        if window is not None:
-            mask &= key_pos[None, :] > positions[:, None] - window
-        out = sdpa.attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    return out.transpose(1, 2).reshape(q.shape[0] * t, -1)
+    assert held.mask is not None  # the last kind: a whole-capacity buffer
+    return _static(q, k, v, held.mask, scale)
 
 
 def _static(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -167,10 +172,7 @@ def _slab_rows(
     if decode_attention.takes_ranges(rows, ks[0], vs[0]):  # bf16/fp16 on the CPU: each row over its own range
         return decode_attention.attend_ranges(rows, ks[0], vs[0], *d.ranges(window), scale).reshape(s, -1)
     if d.longest > GATHER_MAX:  # one call per sequence over its own view of the slab (a gather would copy more)
-        outs = []
-        for i, one in enumerate(d.views(layer)):
-            outs.append(prefix(q[:, :, i : i + 1], one.held[0], one.held[1], one.start, window, scale))
-        return torch.cat(outs)
+        return torch.cat([attend(cfg, q[:, :, i : i + 1], one, layer, scale) for i, one in enumerate(d.views(layer))])
     nkv, hd = ks.shape[1], ks.shape[3]
     keys = ks[0].index_select(1, d.gather).view(nkv, s, d.longest, hd).transpose(0, 1)  # [S, nkv, longest, hd]
     values = vs[0].index_select(1, d.gather).view(nkv, s, d.longest, -1).transpose(0, 1)
@@ -180,7 +182,7 @@ def _slab_rows(
     return out.reshape(s, -1)
 
 
-def over_parts(q: torch.Tensor, held: Held, attend_part: Callable[[torch.Tensor, Held], torch.Tensor]) -> torch.Tensor:
+def over_parts(q: torch.Tensor, held: Held, attend_part: Callable[[torch.Tensor, Keys], torch.Tensor]) -> torch.Tensor:
     """A batch's attention output [rows, width] from its parts (``held.parts``: which rows of ``q`` [1, nh, rows,
     dk] each part's state serves, consecutive rows as a slice or, first, a slab's decode rows as an index tensor),
     each attended by its own kind."""

@@ -26,7 +26,7 @@ import torch
 
 from fate_edge.model.attention import gqa
 from fate_edge.model.embedding import lookup
-from fate_edge.model.kv_cache import AttentionState, Held
+from fate_edge.model.kv_cache import AttentionState, Held, Keys
 from fate_edge.model.kv_slab import SlabCache, SlabRows
 from fate_edge.model.layer import LayerPlan, apply_linear, rms_norm
 from fate_edge.model.layer_step import LayerPath, add_projection, decoder_layer
@@ -128,7 +128,7 @@ class BatchState(AttentionState):
 
     def update(self, layer: int, *new: torch.Tensor) -> Held:
         """``new``: every row's k and v [1, kv heads, rows, d] (or MLA's latent)."""
-        parts: list[tuple[slice | torch.Tensor, Held]] = []
+        parts: list[tuple[slice | torch.Tensor, Keys]] = []
         d = self.together
         if d is not None:
             mine = new if d.every_row else tuple(x.index_select(2, d.rows) for x in new)

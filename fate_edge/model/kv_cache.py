@@ -1,20 +1,21 @@
 """The state an attention layer keeps between forward passes, behind one interface: :class:`AttentionState`.
 
 Every forward path writes a layer's new keys and values with ``state.update(layer, k, v)`` and gets back what the
-layer's queries read (:class:`Held`): every held position's tensors, and how the queries see them. The attention
+layer's queries read (:data:`Keys`): a sequence's held positions themselves, ``(k_all, v_all)``, or a
+:class:`Held` saying how the queries see a buffer of another kind. The attention
 functions (:mod:`fate_edge.model.attention`) are written once against that; the kinds of state here differ only
 in where the positions live:
 
 * :class:`KVCache`: one sequence's cache that grows (geometrically, so a decode append is amortised O(1)); its
-  queries see a prefix of positions (``Held.start``);
+  queries see a prefix of positions (the plain tuple);
 * ``kv_slab.SlabCache``: the same, as a range of a batch's shared slab; ``kv_slab.SlabRows``: one decode row per
   sequence of a slab in one update, each row seeing its own range (``Held.rows``);
 * :class:`StaticKV`: whole-capacity buffers written at a position tensor, the unwritten tail masked
   (``Held.mask``): what a compiled or captured step needs (static shapes and addresses).
 
 New kinds belong here too, as subclasses of :class:`AttentionState` whose ``update`` returns what their attention
-reads: a sliding-window ring or attention sinks (keep only the positions a query can see, ``Held.start`` at the
-first one kept), or a recurrent state (linear attention, a convolution's last inputs: ``update(layer, *new)`` folds
+reads: a sliding-window ring or attention sinks (keep only the positions a query can see, a ``Held`` saying where
+they start), or a recurrent state (linear attention, a convolution's last inputs: ``update(layer, *new)`` folds
 the new rows in and returns the state, ``Held.held`` = its tensors).
 """
 
@@ -29,21 +30,24 @@ import torch
 
 @dataclass
 class Held:
-    """What a layer's queries read after an update. ``held``: every held position's tensors (k and v [B, kv heads, S,
-    d], or MLA's latent [B, 1, S, r + rope]). Which of them a query sees, by kind of state:
+    """What a layer's queries read after an update of a state that is not one sequence's prefix (that one hands back
+    its tensors as a plain tuple). ``held``: the buffer's tensors (k and v [B, kv heads, S, d], or MLA's latent [B, 1,
+    S, r + rope]). Which of them a query sees, by kind of state:
 
-    * prefix (neither ``mask`` nor ``rows``): positions 0 .. S-1 of one sequence, the first query at ``start``
-      (causal over the new positions);
     * ``mask`` [1, S]: one query over a whole-capacity buffer, True where written (``static_cache``);
     * ``rows``: one decode query per sequence of a slab, each over its own range (``kv_slab.SlabRows``);
     * ``parts``: a batch of sequences, each part (which query rows: a slice, or an index tensor for a slab's decode
       rows, first) with what its own state handed back (``batch_step.BatchState``)."""
 
     held: tuple[torch.Tensor, ...] = ()
-    start: int = 0
     mask: torch.Tensor | None = None
     rows: RowRanges | None = None
-    parts: list[tuple[slice | torch.Tensor, Held]] | None = None
+    parts: list[tuple[slice | torch.Tensor, Keys]] | None = None
+
+
+# What an update hands back: one sequence's held positions 0 .. S-1 themselves (k and v, or MLA's latent), its T new
+# queries the last T of them; or a Held of another kind.
+Keys = tuple[torch.Tensor, ...] | Held
 
 
 class RowRanges(Protocol):
@@ -64,7 +68,7 @@ class RowRanges(Protocol):
         """[rows, 1, 1, longest]: which gathered positions each row sees."""
         ...
 
-    def views(self, layer: int) -> list[Held]:
+    def views(self, layer: int) -> list[tuple[torch.Tensor, ...]]:
         """Each row's own positions of ``layer`` as a sequence's prefix."""
         ...
 
@@ -74,7 +78,7 @@ class AttentionState(ABC):
     writes through and every attention function reads through."""
 
     @abstractmethod
-    def update(self, layer: int, *new: torch.Tensor) -> Held:
+    def update(self, layer: int, *new: torch.Tensor) -> Keys:
         """Add ``new`` (k and v [B, kv heads, T, d], or MLA's latent) at the next positions of ``layer`` → what the
         layer's queries read. A forward pass updates each layer once."""
 
@@ -104,11 +108,13 @@ class LayerCache:
         if not self.buffers:  # the request's whole length when known: growing copies the cache (twice it, briefly)
             cap = max(64, t, capacity_hint)
             self.buffers = [x.new_zeros(*x.shape[:2], cap, x.shape[3]) for x in new]
-        self.reserve(self.length + t)
+        n = self.length + t
+        if n > self.buffers[0].shape[2]:
+            self.reserve(n)
         for b, x in zip(self.buffers, new):  # narrow: cheaper to dispatch than slice indexing, per decode token
             b.narrow(2, self.length, t).copy_(x)
-        self.length += t
-        return tuple(b.narrow(2, 0, self.length) for b in self.buffers)
+        self.length = n
+        return tuple([b.narrow(2, 0, n) for b in self.buffers])  # a list, not a generator: one frame, not three
 
 
 class KVCache(AttentionState):
@@ -122,10 +128,8 @@ class KVCache(AttentionState):
     def length(self) -> int:
         return self.layers[0].length
 
-    def update(self, layer: int, *new: torch.Tensor) -> Held:
-        lay = self.layers[layer]
-        start = lay.length
-        return Held(lay.append(*new, capacity_hint=self.capacity_hint), start)
+    def update(self, layer: int, *new: torch.Tensor) -> Keys:
+        return self.layers[layer].append(*new, capacity_hint=self.capacity_hint)
 
     @property
     def nbytes(self) -> int:

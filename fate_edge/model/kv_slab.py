@@ -142,13 +142,9 @@ class SlabRows(AttentionState):
             c.layers[layer].length += 1
         return Held(tuple(held), rows=self)
 
-    def views(self, layer: int) -> list[Held]:
+    def views(self, layer: int) -> list[tuple[torch.Tensor, ...]]:
         """Each row's own cache of ``layer`` after the update, as a sequence's prefix (its query the last position)."""
-        out = []
-        for c in self.caches:
-            lay = c.layers[layer]
-            out.append(Held(tuple(b.narrow(2, 0, lay.length) for b in lay.buffers), lay.length - 1))
-        return out
+        return [tuple(b.narrow(2, 0, c.layers[layer].length) for b in c.layers[layer].buffers) for c in self.caches]
 
     @functools.cached_property
     def gather(self) -> torch.Tensor:

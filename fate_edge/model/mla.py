@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from fate_edge.model import decode_attention, head_matvec, sdpa
-from fate_edge.model.attention import over_parts, prefix, window_of
+from fate_edge.model import attention, decode_attention, head_matvec, sdpa
+from fate_edge.model.kv_cache import Held
 from fate_edge.model.layer import LayerPlan, apply_linear, rms_norm
 from fate_edge.model.rope import apply_rope, yarn_softmax_scale
 
 if TYPE_CHECKING:
     from fate_edge.model.arch.base import ModelConfig
-    from fate_edge.model.kv_cache import AttentionState, Held, RowRanges
+    from fate_edge.model.kv_cache import AttentionState, Keys, RowRanges
 
 
 def mla(
@@ -64,7 +64,7 @@ def mla_qkv(cfg: ModelConfig, x, b: int, t: int, cos, sin, lp: LayerPlan):
     return torch.cat([q_nope, q_rot], dim=-1), torch.cat([kv_lat, k_rot], dim=-1)
 
 
-def attend(cfg: ModelConfig, q: torch.Tensor, held: Held, layer: int, lp: LayerPlan) -> torch.Tensor:
+def attend(cfg: ModelConfig, q: torch.Tensor, held: Keys, layer: int, lp: LayerPlan) -> torch.Tensor:
     """q [B, heads, T, nope + rope] over what a state update handed back (latents and rope keys [B, 1, S,
     kv_lora_rank + rope]) → [B*T, heads * v_head_dim], by the kind of state.
 
@@ -75,13 +75,15 @@ def attend(cfg: ModelConfig, q: torch.Tensor, held: Held, layer: int, lp: LayerP
     position at every token: DeepSeek-V2-Lite's 512 x 4096 per position and layer, 2 GFLOP a layer at 1,000
     positions. Prompts expand, as does a ``kv_b_proj`` quantized at convert by an older fate-edge (no quantized
     kernel multiplies from that side; ``layer.resident_groups`` now keeps it in the model's dtype)."""
-    if held.parts is not None:
-        return over_parts(q, held, lambda qp, hp: attend(cfg, qp, hp, layer, lp))
-    if held.rows is not None:
+    if type(held) is not tuple:  # a batch's parts, or a slab's decode rows
+        assert isinstance(held, Held)
+        if held.parts is not None:
+            return attention.over_parts(q, held, lambda qp, hp: attend(cfg, qp, hp, layer, lp))
+        assert held.rows is not None
         return _slab_rows(cfg, q, held, held.rows, layer, lp)
     m = cfg.mla
     assert m is not None
-    (latent,) = held.held
+    (latent,) = held
     r, nope, dv = m.kv_lora_rank, m.qk_nope_head_dim, m.v_head_dim
     kv_b = lp.mla["kv_b_proj"]
     dense = isinstance(kv_b.weight, torch.Tensor) and kv_b.bias is None
@@ -101,7 +103,7 @@ def attend(cfg: ModelConfig, q: torch.Tensor, held: Held, layer: int, lp: LayerP
     kv = kv.view(b, s, -1, nope + dv).transpose(1, 2)
     k_nope, v = kv.split([nope, dv], dim=-1)
     k = torch.cat([k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
-    return prefix(q, k, v, held.start, window_of(cfg, layer), scale(cfg))
+    return attention.attend(cfg, q, (k, v), layer, scale(cfg))
 
 
 def _absorbed(cfg: ModelConfig, q, latent, weight: torch.Tensor, widen: bool) -> torch.Tensor:
