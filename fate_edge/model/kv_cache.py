@@ -2,9 +2,9 @@
 
 Every forward path writes a layer's new keys and values with ``state.update(layer, k, v)`` and gets back what the
 layer's queries read (:data:`Keys`): a sequence's held positions themselves, ``(k_all, v_all)``, or a
-:class:`Held` saying how the queries see a buffer of another kind. The attention
-functions (:mod:`fate_edge.model.attention`) are written once against that; the kinds of state here differ only
-in where the positions live:
+:class:`Held` saying how the queries see a buffer of another kind. The attention functions
+(:mod:`fate_edge.model.attention`, :mod:`fate_edge.model.mla`) are written once against that; the kinds of state
+differ only in where the positions live:
 
 * :class:`KVCache`: one sequence's cache that grows (geometrically, so a decode append is amortised O(1)); its
   queries see a prefix of positions (the plain tuple);
@@ -14,9 +14,10 @@ in where the positions live:
   (``Held.mask``): what a compiled or captured step needs (static shapes and addresses).
 
 New kinds belong here too, as subclasses of :class:`AttentionState` whose ``update`` returns what their attention
-reads: a sliding-window ring or attention sinks (keep only the positions a query can see, a ``Held`` saying where
-they start), or a recurrent state (linear attention, a convolution's last inputs: ``update(layer, *new)`` folds
-the new rows in and returns the state, ``Held.held`` = its tensors).
+reads: a sliding-window ring or attention sinks (keep only the positions a query can see, a ``Held`` field saying
+where they start), or a recurrent state (linear attention, a convolution's last inputs: ``update(layer, *new)``
+folds the new rows in and hands back the state, in ``Held.held`` with a field naming its kind). A new field gets its
+branch in the family's ``attend``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class Held:
     its tensors as a plain tuple). ``held``: the buffer's tensors (k and v [B, kv heads, S, d], or MLA's latent [B, 1,
     S, r + rope]). Which of them a query sees, by kind of state:
 
-    * ``mask`` [1, S]: one query over a whole-capacity buffer, True where written (``static_cache``);
+    * ``mask`` [1, S]: one query over a whole-capacity buffer, True where written (:class:`StaticKV`);
     * ``rows``: one decode query per sequence of a slab, each over its own range (``kv_slab.SlabRows``);
     * ``parts``: a batch of sequences, each part (which query rows: a slice, or an index tensor for a slab's decode
       rows, first) with what its own state handed back (``batch_step.BatchState``)."""
