@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from fate_edge.predictors.base import next_moe_layers
 
+from fate_edge.model.attention import attend, gqa, gqa_qkv
 from fate_edge.model.kv_cache import KVCache
 from fate_edge.model.layer import rms_norm
 from fate_edge.model.layer_step import add_projection
@@ -75,7 +76,7 @@ def early_attention_kv(
     cos, sin = model.rope.cos_sin_range(0, t, torch.float32 if cfg.rope.float32 else model.dtype, model.device)
     window = cfg.sliding_window if target in cfg.sliding_window_layers else None
     r = residual.to(model.dtype)
-    q, k, v = model.gqa_qkv(rms_norm(r, lp.input_norm, cfg.rms_norm_eps), b, t, cos, sin, lp)
+    q, k, v = gqa_qkv(model.config, rms_norm(r, lp.input_norm, cfg.rms_norm_eps), b, t, cos, sin, lp)
     r = add_projection(r, own_row_attention(q, k, v, k_true, v_true, cfg.head_dim**-0.5, window), lp.o_proj)
     return rms_norm(r, lp.post_norm, cfg.rms_norm_eps).float()
 
@@ -101,7 +102,7 @@ def early_attention(
     eps, out = model.config.rms_norm_eps, []
     for part, b, lp, cos, sin in _window_batches(model, target, residual.shape[0], seq_len, batch):
         x = rms_norm(true_input[part].to(model.dtype), lp.input_norm, eps)
-        _, k_true, v_true = model.gqa_qkv(x, b, seq_len, cos, sin, lp)
+        _, k_true, v_true = gqa_qkv(model.config, x, b, seq_len, cos, sin, lp)
         out.append(early_attention_kv(model, residual[part], k_true, v_true, target))
     return torch.cat(out)
 
@@ -114,7 +115,7 @@ def post_attention_residual(model, layer_input: torch.Tensor, layer: int, seq_le
     for part, b, lp, cos, sin in _window_batches(model, layer, layer_input.shape[0], seq_len, batch):
         x = layer_input[part].to(model.dtype)
         cache = KVCache(model.config.num_hidden_layers)
-        a = model._gqa_attention(rms_norm(x, lp.input_norm, eps), b, seq_len, 0, cache, layer, cos, sin, lp)
+        a = gqa(model.config, rms_norm(x, lp.input_norm, eps), b, seq_len, layer, lp, cache, cos, sin)
         out.append(add_projection(x, a, lp.o_proj).float())
     return torch.cat(out)
 
@@ -196,9 +197,9 @@ class EarlyInput:
         t = r.shape[0] // b
         cos, sin = model.rope.cos_sin_range(start, t, torch.float32 if cfg.rope.float32 else model.dtype, model.device)
         x = r.to(model.dtype)
-        q, k, v = model.gqa_qkv(rms_norm(x, lp.input_norm, cfg.rms_norm_eps), b, t, cos, sin, lp)
+        q, k, v = gqa_qkv(model.config, rms_norm(x, lp.input_norm, cfg.rms_norm_eps), b, t, cos, sin, lp)
         if start:
             k = torch.cat([lay.buffers[0][:, :, :start], k], 2)
             v = torch.cat([lay.buffers[1][:, :, :start], v], 2)
-        x = add_projection(x, model._attend(q, k, v, start, target, cfg.head_dim**-0.5), lp.o_proj)
+        x = add_projection(x, attend(cfg, q, (k, v), target, cfg.head_dim**-0.5), lp.o_proj)
         return rms_norm(x, lp.post_norm, cfg.rms_norm_eps).float()

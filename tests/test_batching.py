@@ -173,10 +173,10 @@ def test_max_batch_defaults():
 def test_slab_decode_rows_attend_together_and_match_alone(bundled_model, bundled_tokenizer, gather_max, monkeypatch):
     """Decode rows whose caches share a KV slab take one masked attention per layer; a prompt joining mid-way runs
     in the same step. Greedy tokens equal each sequence's alone, and released ranges are reused."""
-    from fate_edge.model import batch_step
+    from fate_edge.model import attention
     from fate_edge.model.kv_slab import KVSlab
 
-    monkeypatch.setattr(batch_step, "GATHER_MAX", gather_max)
+    monkeypatch.setattr(attention, "GATHER_MAX", gather_max)
 
     def alone(prompt: str, n: int) -> list[int]:
         cache, out = bundled_model.new_cache(), []

@@ -39,12 +39,12 @@ def greedy(model, prompt: torch.Tensor, steps: int = STEPS) -> tuple[torch.Tenso
 
 def assert_compiled_matches_eager(model, prompt: torch.Tensor, rel: float) -> None:
     eager = greedy(model, prompt)
-    assert model.set_compile("on") is None, model.compiled.failed
+    assert model.set_compile("on") is None, model.runner.failed
     calls = []
-    fn = model.compiled.fn
-    model.compiled.fn = lambda *a: calls.append(1) or fn(*a)  # count compiled steps: no silent eager fallback
+    fn = model.runner.fn
+    model.runner.fn = lambda *a: calls.append(1) or fn(*a)  # count compiled steps: no silent eager fallback
     compiled = greedy(model, prompt)
-    assert len(calls) == STEPS and model.compiled.failed is None
+    assert len(calls) == STEPS and model.runner.failed is None
     assert torch.equal(compiled[0], eager[0])  # same greedy tokens
     assert ((compiled[1] - eager[1]).norm() / eager[1].norm()).item() < rel
     assert [(layer, ids) for layer, ids, _ in compiled[2]] == [(layer, ids) for layer, ids, _ in eager[2]]
@@ -75,7 +75,7 @@ def test_streamed_experts_stay_eager(bundled_dir, one_thread):
     model = load_model(store, torch.float32, experts=StoreExpertProvider(ExpertStore(store), bits=4))
     try:
         assert "streamed" in unsupported(model)
-        assert "streamed" in model.set_compile("auto") and model.compiled is None  # auto: silently eager
+        assert "streamed" in model.set_compile("auto") and model.runner is None  # auto: silently eager
         with pytest.warns(UserWarning, match="decoding eagerly"):
             model.set_compile("on")
     finally:
@@ -92,9 +92,9 @@ def test_a_failing_compile_falls_back_to_eager_for_good(bundled_dir, one_thread)
     def broken(*args):
         raise RuntimeError("C++ compile failed")
 
-    model.compiled.fn = broken
+    model.runner.fn = broken
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # auto: no warning, one line on stderr
         fallback = greedy(model, prompt, steps=3)
-    assert "C++ compile failed" in model.compiled.failed
+    assert "C++ compile failed" in model.runner.failed
     assert torch.equal(fallback[1], eager[1])

@@ -179,11 +179,11 @@ def test_a_bf16_engine_decodes_with_the_kernel_alone_and_batched(monkeypatch):
 @pytest.mark.parametrize("window", [None, 1, 3, 50])
 def test_slab_ranges_see_the_positions_the_mask_lets_through(window):
     # the batched step's native path reads ranges where the torch path masks a gathered block: the same keys
-    from fate_edge.model.batch_step import _SlabDecode
+    from fate_edge.model.kv_slab import SlabRows
 
     lengths = [5, 1, 12, 7]
     first = torch.tensor([0, 40, 80, 200])
-    d = _SlabDecode(list(range(4)), torch.arange(4), first + torch.tensor(lengths) - 1, first, lengths, every_row=True)
+    d = SlabRows([], torch.arange(4), first + torch.tensor(lengths) - 1, first, lengths, every_row=True)
     with torch.device("meta"):  # made on the host whatever the default device (the kernel reads their memory)
         starts, counts = d.ranges(window)
     assert starts.device.type == counts.device.type == "cpu"

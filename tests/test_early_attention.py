@@ -8,6 +8,7 @@ from fate_edge.predictors.early_attention import early_attention, early_gate_inp
 from fate_edge.predictors.evaluate import collect_traces, exact_match
 from transformers import AutoModelForCausalLM
 
+from fate_edge.model.attention import attend, gqa_qkv
 from fate_edge.model.layer import apply_linear, rms_norm
 from fate_edge.planning.calibrate import CalibrateOptions, corpus_windows, separator_id
 
@@ -58,9 +59,9 @@ def test_each_row_is_what_a_decode_step_would_compute(bundled_model, text):
         model(ids[:1, :t], cache)
         lp = model.plan()[target]
         cos, sin = model.rope.cos_sin_range(t, 1, torch.float32)
-        q, k, v = model.gqa_qkv(rms_norm(r[t : t + 1], lp.input_norm, cfg.rms_norm_eps), 1, 1, cos, sin, lp)
+        q, k, v = gqa_qkv(cfg, rms_norm(r[t : t + 1], lp.input_norm, cfg.rms_norm_eps), 1, 1, cos, sin, lp)
         keys, values = cache.layers[target].append(k, v)
-        a = apply_linear(model._attend(q, keys, values, t, target, cfg.head_dim**-0.5), lp.o_proj)
+        a = apply_linear(attend(cfg, q, (keys, values), target, cfg.head_dim**-0.5), lp.o_proj)
         want = rms_norm(r[t : t + 1] + a, lp.post_norm, cfg.rms_norm_eps)
     torch.testing.assert_close(s[t : t + 1], want, atol=2e-4, rtol=1e-4)
 

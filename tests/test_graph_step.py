@@ -28,11 +28,11 @@ def test_static_steps_give_the_eager_tokens_on_a_top4_model_with_a_dense_layer(t
     assert not model.config.is_moe_layer(2)
     prompt = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(2))
     eager = greedy(model, prompt, STEPS)
-    model.compiled = step(model, capture=False)
+    model.runner = step(model, capture=False)
     try:
         static = greedy(model, prompt, STEPS)
     finally:
-        model.compiled = None
+        model.runner = None
     assert torch.equal(static[0], eager[0])
     assert ((static[1] - eager[1]).norm() / eager[1].norm()).item() < 1e-5  # fp32: rounding only
     assert [(layer, ids) for layer, ids, _ in static[2]] == [(layer, ids) for layer, ids, _ in eager[2]]
@@ -46,11 +46,11 @@ def test_graph_step_sums_experts_in_expert_id_order(top4_model, monkeypatch, one
         compiled_step, "_expert", lambda s, act, h, hb, st, e: order.append(int(e)) or real(s, act, h, hb, st, e)
     )
     model = top4_model
-    model.compiled = CudaGraphDecode(model, capture=False)
+    model.runner = CudaGraphDecode(model, capture=False)
     try:
         greedy(model, torch.tensor([[5, 9, 3]]), 3)
     finally:
-        model.compiled = None
+        model.runner = None
     k = model.config.num_experts_per_tok
     per_layer = [order[i : i + k] for i in range(0, len(order), k)]
     assert len(per_layer) == 3 * len(model.config.moe_layers)
@@ -60,7 +60,7 @@ def test_graph_step_sums_experts_in_expert_id_order(top4_model, monkeypatch, one
 def test_static_buffers_grow_and_the_cache_points_at_them(bundled_model, one_thread):
     model = bundled_model
     step = CudaGraphDecode(model, capture=False)
-    model.compiled = step
+    model.runner = step
     try:
         cache = model.new_cache()
         prompt = torch.randint(0, 4000, (1, MIN_CAPACITY - 2), generator=torch.Generator().manual_seed(0))
@@ -68,19 +68,19 @@ def test_static_buffers_grow_and_the_cache_points_at_them(bundled_model, one_thr
         tok = torch.tensor([[7]])
         with torch.inference_mode():
             model(prompt, cache, last_only=True)
-            model.compiled = None
+            model.runner = None
             model(prompt, eager_cache, last_only=True)
             for i in range(4):  # crosses MIN_CAPACITY: the static buffers are reallocated once
-                model.compiled = step
+                model.runner = step
                 a = model(tok, cache)
-                model.compiled = None
+                model.runner = None
                 b = model(tok, eager_cache)
                 assert cache.length == eager_cache.length == MIN_CAPACITY - 1 + i
                 assert ((a - b).norm() / b.norm()).item() < 1e-5
         assert step.capacity == 2 * MIN_CAPACITY
         assert all(lay.buffers[0] is kv[0] for lay, kv in zip(cache.layers, step.kv))
     finally:
-        model.compiled = None
+        model.runner = None
 
 
 def test_graph_step_is_for_cuda_models(bundled_model):
@@ -100,7 +100,7 @@ def test_layer_graph_step_serves_the_engine(bundled_dir, policy, one_thread):
     with Engine(EngineConfig(store, "2MB", policy)) as engine:
         want, stats = engine.generate_text("def parse(argv):\n    ", cfg)[0], engine.request_stats
     with Engine(EngineConfig(store, "2MB", policy)) as engine:
-        engine.model.compiled = step = LayerGraphDecode(engine.model, capture=False)
+        engine.model.runner = step = LayerGraphDecode(engine.model, capture=False)
         got, got_stats = engine.generate_text("def parse(argv):\n    ", cfg)[0], engine.request_stats
         assert step.failed is None and step.capacity == MIN_CAPACITY
     assert got == want

@@ -1,11 +1,11 @@
-"""MLA decode in the latent space (DeepSeek-V2's absorbed form, ``MoETransformer.mla_attend``): a decode step never
+"""MLA decode in the latent space (DeepSeek-V2's absorbed form, ``mla.attend``): a decode step never
 expands the cached latents through ``kv_b_proj``, and its logits are the expanded form's."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from fate_edge.model import transformer
+from fate_edge.model import mla
 from fate_edge.model.layer import Fused
 from fate_edge.runtime.loader import load_model
 
@@ -64,14 +64,14 @@ def test_a_decode_step_does_not_expand_the_cache(tiny_mla, monkeypatch):
     model = load_model(tiny_mla, dtype=torch.float32)
     kv_b = {id(lp.mla["kv_b_proj"]) for lp in model.plan()}
     rows: list[int] = []
-    real = transformer.apply_linear
+    real = mla.apply_linear
 
     def spy(x, f):
         if id(f) in kv_b:
             rows.append(x.shape[-2])
         return real(x, f)
 
-    monkeypatch.setattr(transformer, "apply_linear", spy)
+    monkeypatch.setattr(mla, "apply_linear", spy)
     cache = model.new_cache()
     model(torch.tensor([list(range(5, 25))]), cache)
     assert rows == [20] * len(model.plan())  # the prompt: every layer expands its 20 positions once
@@ -133,7 +133,7 @@ def test_bf16_decode_takes_the_head_matvec_kernel(tiny_mla, monkeypatch):
 
 def test_batched_bf16_decode_rows_take_one_pass_and_match_alone(tiny_mla, monkeypatch):
     """A batch's MLA decode rows on one KV slab: one attention over their ranges and one pass through each
-    kv_b_proj block per layer and step (batch_step._mla_slab_decode), each row's logits those it decodes alone."""
+    kv_b_proj block per layer and step (mla._slab_rows), each row's logits those it decodes alone."""
     from fate_edge.model import decode_attention, head_matvec
     from fate_edge.model.batch_step import Segment, forward_segments
     from fate_edge.model.kv_slab import KVSlab

@@ -1,5 +1,5 @@
 """Every way a forward pass runs is the one layer function (``fate_edge.model.layer_step.decoder_layer``) with its
-own attention and expert source: the general path (prompts, and decode for the architectures the one-token step
+own attention state and expert source: the general path (prompts, and decode for the architectures the one-token step
 does not cover), the one-token decode step, a batched step, and the static steps the compiled and captured decodes
 run (``capture=False``: the CUDA graphs' code, uncaptured). Each is counted through ``layer_step.router_block``,
 which only the layer function calls, and their logits for the same token agree."""
@@ -9,7 +9,7 @@ import torch
 from _tiny_moe import build_tiny_moe
 
 from fate_edge import load_model
-from fate_edge.model import layer_step
+from fate_edge.model import attention, layer_step
 from fate_edge.model.batch_step import Segment, forward_segments
 from fate_edge.model.graph_step import CudaGraphDecode, LayerGraphDecode
 
@@ -45,14 +45,14 @@ def next_logits(model, path: str, rows: list[int]) -> torch.Tensor:
             return forward_segments(model, [Segment([NEXT], cache), Segment([11], other)])[0]
         model.fast_decode = path != "general"
         if path == "whole-step graph":
-            model.compiled = CudaGraphDecode(model, capture=False)
+            model.runner = CudaGraphDecode(model, capture=False)
         elif path == "layer graphs":
-            model.compiled = LayerGraphDecode(model, capture=False)
+            model.runner = LayerGraphDecode(model, capture=False)
         rows.clear()
         try:
             return model(torch.tensor([[NEXT]]), cache)[0, -1]
         finally:
-            model.compiled, model.fast_decode = None, True
+            model.runner, model.fast_decode = None, True
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -62,6 +62,26 @@ def test_every_decode_path_runs_the_one_layer_function(top4, path, monkeypatch, 
     moe_layers = len(top4.config.moe_layers)
     assert moe_layers == top4.config.num_hidden_layers - 1  # the dense layer has no router
     assert rows == [2 if path == "batched" else 1] * moe_layers
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_every_decode_path_attends_through_the_one_attention(top4, path, monkeypatch, one_thread):
+    """One GQA attention (``attention.attend``) over one state interface serves every path: each sequence's keys
+    are read there once per layer, whatever holds them (a growing cache, a batch's parts, a static buffer)."""
+    leaves: list[str] = []
+    real = attention.attend
+
+    def counted(cfg, q, held, layer, scale):
+        if q.shape[2] == 1 and (type(held) is tuple or held.parts is None):  # decode rows; a batch's parts recurse
+            leaves.append("prefix" if type(held) is tuple else "masked" if held.mask is not None else "rows")
+        return real(cfg, q, held, layer, scale)
+
+    monkeypatch.setattr(attention, "attend", counted)
+    rows = router_rows(monkeypatch)
+    next_logits(top4, path, rows)
+    sequences = 2 if path == "batched" else 1
+    assert len(leaves) == top4.config.num_hidden_layers * sequences
+    assert set(leaves) == {"masked" if "graph" in path else "prefix"}
 
 
 def test_prompts_run_it_too(top4, monkeypatch, one_thread):

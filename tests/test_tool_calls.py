@@ -58,7 +58,7 @@ def test_a_forced_call_in_each_syntax_parses_back_and_validates(engine, style):
         cfg = GenerateConfig(
             max_tokens=64, sampling=SamplingParams(temperature=temperature, seed=seed), grammar=spec.grammar
         )
-        text, last = engine.generate("def main():", cfg)
+        text, last = engine.generate_text("def main():", cfg)
         assert last.finish_reason == "stop", text
         content, calls = parse_calls(spec, text)
         assert len(calls) == 1 and calls[0]["function"]["name"] == "forecast", text
@@ -78,7 +78,7 @@ def test_required_picks_one_of_the_tools(engine):
     names = set()
     for seed in range(4):
         cfg = GenerateConfig(max_tokens=64, sampling=SamplingParams(temperature=1.0, seed=seed), grammar=spec.grammar)
-        _, calls = parse_calls(spec, engine.generate("x", cfg)[0])
+        _, calls = parse_calls(spec, engine.generate_text("x", cfg)[0])
         assert len(calls) == 1
         names.add(calls[0]["function"]["name"])
     assert names <= {"forecast", "noop"}

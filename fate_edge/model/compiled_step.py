@@ -8,13 +8,15 @@ static buffer and the token's k experts picked by ``index_select`` from per-laye
 head are one graph: one call per token. Routed experts are added in expert-id order by the rule every path uses.
 
 Shapes stay static across positions: k and v are written into the cache's preallocated buffers at a position
-tensor, attention masks the buffers' unused tail, and their length is marked dynamic, so a grown cache does not
-recompile. Inductor caches compiled kernels on disk (``TORCHINDUCTOR_CACHE_DIR``): a later process re-traces
-(seconds) but does not recompile C++. A per-layer graph with the experts left in Python was tried first and was
-no faster than eager (per call ~30 µs of guard checks and wrapper for ~10 operators saved).
+tensor (``kv_cache.StaticKV``: the one attention, ``attention.gqa``, masks the buffers' unused tail), and their
+length is marked dynamic, so a grown cache does not recompile. Inductor caches compiled kernels on disk
+(``TORCHINDUCTOR_CACHE_DIR``): a later process re-traces (seconds) but does not recompile C++. A per-layer graph
+with the experts left in Python was tried first and was no faster than eager (per call ~30 µs of guard checks and
+wrapper for ~10 operators saved).
 
-Anything it does not cover (streamed experts, quantized resident weights, sliding windows) and any failure to
-compile fall back to :func:`decode_step.decode_token`.
+It is a decode runner (:mod:`fate_edge.model.runner`), chosen once by ``set_compile`` where :func:`unsupported`
+allows (not for streamed experts, quantized resident weights, sliding windows); a failure to compile hands the
+model over to the eager runner for good.
 """
 
 from __future__ import annotations
@@ -28,10 +30,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from fate_edge.model.attention import gqa
 from fate_edge.model.embedding import lookup
 from fate_edge.model.experts import ExpertWeights, InMemoryExpertProvider, QuantizedExpert
+from fate_edge.model.kv_cache import StaticKV
 from fate_edge.model.layer import Fused, LayerPlan, apply_linear, rms_norm
 from fate_edge.model.layer_step import (
+    Attention,
     LayerPath,
     Moe,
     add_moe,
@@ -42,7 +47,7 @@ from fate_edge.model.layer_step import (
     moe_sum,
     shared_out,
 )
-from fate_edge.model.rope import apply_rope
+from fate_edge.model.runner import DecodeRunner
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -69,9 +74,6 @@ class GraphConsts:
 class StepShape:
     """What the graph reads besides tensors (constants to it)."""
 
-    n_q: int
-    n_k: int
-    head_dim: int
     eps: float
     int4_group: int | None  # experts on torch's int4 kernel (group size), or None: float experts
 
@@ -165,62 +167,12 @@ def _expert(s: StepShape, act, h: torch.Tensor, hb: torch.Tensor, stacks: tuple,
     return F.linear(act(gate) * up, down)
 
 
-def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, n_q: int, n_k: int, hd: int
-) -> torch.Tensor:
-    """One query per head over the whole buffer (``mask`` [1, S]): two bmm and a softmax inductor fuses with the
-    mask (CPU flash attention cost ~40 µs a call at this size; elementwise products and sums were slower)."""
-    q = q.view(n_k, n_q // n_k, hd)  # query heads grouped by their kv head
-    scores = torch.bmm(q, k[0].transpose(1, 2)) * hd**-0.5  # [n_k, g, S]
-    p = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-    return torch.bmm(p, v[0]).view(1, n_q * hd)
-
-
-def attention_block(
-    cfg: ModelConfig,
-    s: StepShape,
-    x: torch.Tensor,
-    h: torch.Tensor,
-    lp: LayerPlan,
-    kbuf: torch.Tensor,
-    vbuf: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    pos: torch.Tensor,
-    mask: torch.Tensor,
-) -> torch.Tensor:
-    """One layer's attention for one token at ``pos`` on its normed input ``h``, its k and v written into the
-    whole-capacity buffers: → ``x + o_proj(attention(h))`` [1, H]."""
-    hd, n_q, n_k = s.head_dim, s.n_q, s.n_k
-    assert lp.qkv is not None  # GQA (unsupported() excludes MLA)
-    qkv = apply_linear(h, lp.qkv)
-    qk = apply_rope(qkv[:, : (n_q + n_k) * hd].view(1, n_q + n_k, 1, hd), cos, sin, cfg.rope.interleaved)
-    qk = qk.view(n_q + n_k, hd)  # elementwise: inductor fuses it into the kernels around it
-    kbuf.index_copy_(2, pos, qk[n_q:].view(1, n_k, 1, hd))
-    vbuf.index_copy_(2, pos, qkv[0, (n_q + n_k) * hd :].view(1, n_k, 1, hd))
-    return add_projection(x, _attend(qk[:n_q], kbuf, vbuf, mask, n_q, n_k, hd), lp.o_proj)
-
-
-def position_mask(kbuf: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """[1, S] True for the buffer's positions up to ``pos``: the unwritten tail is masked."""
-    return (torch.arange(kbuf.shape[2], device=pos.device) <= pos).view(1, -1)
-
-
-def static_attention(
-    cfg: ModelConfig,
-    s: StepShape,
-    kv: list[tuple[torch.Tensor, torch.Tensor]],
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    pos: torch.Tensor,
-    mask: torch.Tensor,
-):
-    """The ``attention`` part of a :class:`LayerPath` over static whole-capacity buffers (one per layer), for the
-    token at ``pos`` (``mask``: :func:`position_mask`)."""
+def static_attention(cfg: ModelConfig, state: StaticKV, cos: torch.Tensor, sin: torch.Tensor) -> Attention:
+    """The ``attention`` part of a :class:`LayerPath` for one token over whole-capacity buffers (``state``: the
+    token's position and the buffers; the one attention, ``attention.gqa``, picks its masked kernel for them)."""
 
     def attention(x: torch.Tensor, h: torch.Tensor, layer: int, lp: LayerPlan) -> torch.Tensor:
-        kbuf, vbuf = kv[layer]
-        return attention_block(cfg, s, x, h, lp, kbuf, vbuf, cos, sin, pos, mask)
+        return add_projection(x, gqa(cfg, h, 1, 1, layer, lp, state, cos, sin), lp.o_proj)
 
     return attention
 
@@ -261,7 +213,7 @@ def step_graph(
     """One token through every layer: the graph compiled. → (logits [1, V], per MoE layer (h, ids, weights))."""
     cfg = g.config
     routing: list = []
-    attention = static_attention(cfg, s, kv, cos, sin, pos, position_mask(kv[0][0], pos))
+    attention = static_attention(cfg, StaticKV(kv, pos), cos, sin)
     path = LayerPath(cfg, g.act, attention, stacked_moe(cfg, s, g.act, stacks, routing))
     x = lookup(g.embed, token.view(1))
     for i, lp in enumerate(plan):
@@ -271,16 +223,11 @@ def step_graph(
 
 
 def step_shape(model: DecodingModel) -> StepShape:
-    """What a one-graph step reads besides tensors: head counts from the fused q/k/v, and the group of resident
-    int4 experts (None for float experts, or for experts the model streams)."""
-    cfg, plan = model.config, model.plan()
-    hd, qkv = cfg.head_dim, plan[0].qkv
-    assert qkv is not None  # GQA
+    """What a one-graph step reads besides tensors: the norm's epsilon, and the group of resident int4 experts
+    (None for float experts, or for experts the model streams)."""
     experts = getattr(model.experts, "experts", None)
     spec = getattr(next(iter(experts.values())).gate_up, "spec", None) if experts else None
-    return StepShape(
-        qkv.sizes[0] // hd, qkv.sizes[1] // hd, hd, cfg.rms_norm_eps, spec.group_size if spec is not None else None
-    )
+    return StepShape(model.config.rms_norm_eps, spec.group_size if spec is not None else None)
 
 
 def report_routing(model: DecodingModel, routing: list) -> None:
@@ -292,14 +239,17 @@ def report_routing(model: DecodingModel, routing: list) -> None:
                 obs(layer, h, idx, weights)
 
 
-class CompiledDecode:
-    """A model's compiled decode step; :meth:`step` returns None where the eager path must run instead."""
+class CompiledDecode(DecodeRunner):
+    """A model's decode steps as one compiled graph (the runner ``set_compile`` chooses)."""
+
+    kind = "compiled"
 
     def __init__(self, model: DecodingModel, mode: str = "on"):
+        super().__init__()
         self.mode = mode
-        self.failed: str | None = None
         self.shape = step_shape(model)
         self.stacks = stack_experts(model)
+        model.plan()  # built now: a plan rebuilt later (weights changed) is what the version check catches
         self.plan_version = model._plan_version
         # Guards would cost ~120 µs a token (one check per weight tensor). Skipping them is safe here: this
         # compile serves one model (isolate_recompiles: its own cache), whose weights keep their shapes; the
@@ -314,17 +264,14 @@ class CompiledDecode:
             options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe, "cpp_wrapper": True},
         )
 
-    def step(
-        self, model: DecodingModel, token: torch.Tensor, cache: KVCache, plan: list[LayerPlan]
-    ) -> torch.Tensor | None:
-        """``token`` [1, 1] continuing ``cache`` → logits [1, 1, V], or None (the cache's length unchanged)."""
+    def step(self, model: DecodingModel, token: torch.Tensor, cache: KVCache, plan: list[LayerPlan]) -> torch.Tensor:
+        """``token`` [1, 1] continuing ``cache`` → logits [1, 1, V]."""
         start = cache.length
-        if start == 0:  # before a prefill the cache has no buffers to write into
-            return None
-        if self.failed is None and model._plan_version != self.plan_version:
-            self.failed = "the model's weights changed after compiling (call set_compile again)"
-        if self.failed is not None:
-            return None
+        if start == 0:  # before a prefill the cache has no buffers to write into: this token eagerly
+            return super().step(model, token, cache, plan)
+        if model._plan_version != self.plan_version:
+            why = "the model's weights changed after compiling (call set_compile again)"
+            return self.give_up(model, why).step(model, token, cache, plan)
         cos, sin = model.rope.cos_sin_range(
             start, 1, torch.float32 if model.config.rope.float32 else model.dtype, model.device
         )
@@ -333,17 +280,17 @@ class CompiledDecode:
             bufs = lay.reserve(start + 1)
             for b in bufs:
                 torch._dynamo.mark_dynamic(b, 2)  # not maybe_: a specialised length must fail, not pass
-            kv.append(tuple(bufs))
+            kv.append((bufs[0], bufs[1]))
         try:
             g = GraphConsts(model.config, model.act, model.embed, model.w["model.norm.weight"])
             pos = torch.tensor([start], device=model.device)
             logits, routing = self.fn(g, self.shape, token, cos, sin, pos, kv, plan, self.stacks, model.head)
         except Exception as e:  # noqa: BLE001 (compiler missing or broken, unsupported op: eager still works)
-            self.failed = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            why = f"{type(e).__name__}: {e}".splitlines()[0][:300]
             if self.mode == "on":
-                warnings.warn(f"compiled decode failed, decoding eagerly instead ({self.failed})", stacklevel=2)
-            print(f"[fate-edge] compiled decode off: {self.failed}", file=sys.stderr)
-            return None
+                warnings.warn(f"compiled decode failed, decoding eagerly instead ({why})", stacklevel=2)
+            print(f"[fate-edge] compiled decode off: {why}", file=sys.stderr)
+            return self.give_up(model, why).step(model, token, cache, plan)
         for lay in cache.layers:
             lay.length += 1
         report_routing(model, routing)

@@ -1,5 +1,5 @@
 """What the decode steps read of a model, as a structural type: ``MoETransformer`` is one. The steps
-(``decode_step``, ``compiled_step``, ``graph_step``) are called by the transformer, so they name this
+(``decode_step``, ``compiled_step``, ``graph_step``, ``runner``) are called by the transformer, so they name this
 protocol rather than import the transformer back."""
 
 from __future__ import annotations
@@ -22,6 +22,14 @@ from fate_edge.model.rope import RotaryEmbedding
 RoutingObserver = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
+class StepRunner(Protocol):
+    """How a model's one-token decode steps run (``runner.DecodeRunner`` and its kinds)."""
+
+    def step(
+        self, model: DecodingModel, token: torch.Tensor, cache: KVCache, plan: list[LayerPlan]
+    ) -> torch.Tensor: ...
+
+
 class DecodingModel(Protocol):
     config: ModelConfig
     experts: ExpertProvider
@@ -34,6 +42,11 @@ class DecodingModel(Protocol):
     embed: torch.Tensor | QuantizedEmbedding
     fast_decode: bool
     _plan_version: int  # which ``w.version`` the plan was built from (a compiled step checks it)
+    runner: StepRunner | None  # how its decode steps run (fate_edge.model.runner), None: not chosen yet
+    graph_off: str | None  # why a CUDA model decodes without CUDA graphs
+
+    @property
+    def cuda_graphs(self) -> bool: ...
 
     @property
     def device(self) -> torch.device: ...

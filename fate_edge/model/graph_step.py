@@ -30,7 +30,6 @@ import torch
 
 from fate_edge.model.compiled_step import (
     GraphConsts,
-    position_mask,
     report_routing,
     stack_experts,
     static_attention,
@@ -39,9 +38,11 @@ from fate_edge.model.compiled_step import (
     unsupported_experts,
 )
 from fate_edge.model.embedding import lookup
+from fate_edge.model.kv_cache import StaticKV
 from fate_edge.model.layer import apply_linear, rms_norm
 from fate_edge.model.layer_step import LayerPath, decoder_layer, shared_out
 from fate_edge.model.routed_experts import serve_routing
+from fate_edge.model.runner import DecodeRunner
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -66,15 +67,16 @@ def unsupported(model: DecodingModel, streamed: bool = False) -> str | None:
     return None if streamed else unsupported_experts(model)
 
 
-class _StaticDecode:
+class _StaticDecode(DecodeRunner):
     """Static inputs (token, position, rope rows), graph-owned KV buffers, and capture with a shared pool."""
 
     def __init__(self, model: DecodingModel, capture: bool):
+        super().__init__()
         self.use_graph = capture
         cfg = model.config
         self.shape = step_shape(model)
+        model.plan()  # built now: a plan rebuilt later (weights changed) is what the version check catches
         self.plan_version = model._plan_version
-        self.failed: str | None = None
         dev = model.device
         self.token = torch.zeros(1, 1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
@@ -88,13 +90,15 @@ class _StaticDecode:
     def capacity(self) -> int:
         return self.kv[0][0].shape[2] if self.kv else 0
 
+    def give_up(self, model: DecodingModel, why: str) -> DecodeRunner:
+        model.graph_off = why
+        return super().give_up(model, why)
+
     def _begin(self, model: DecodingModel, token: torch.Tensor, cache: KVCache) -> bool:
-        """Static inputs for this step, buffers grown and attached; False where the eager step must run."""
+        """Static inputs for this step, buffers grown and attached; False where this token runs eagerly (no prefill
+        to copy yet, or past the model's positions)."""
         start = cache.length
-        if start == 0 or self.failed is not None or start + 1 > model.config.max_position_embeddings:
-            return False
-        if model._plan_version != self.plan_version:
-            self.failed = "the model's weights changed after capture"
+        if start == 0 or start + 1 > model.config.max_position_embeddings:
             return False
         if start + 1 > self.capacity:
             cap = min(model.config.max_position_embeddings, max(MIN_CAPACITY, 1 << start.bit_length()))
@@ -150,8 +154,9 @@ class _StaticDecode:
 
 
 class CudaGraphDecode(_StaticDecode):
-    """The whole decode step as one graph (every expert resident); :meth:`step` returns None where the eager
-    path must run instead."""
+    """The whole decode step as one graph (every expert resident)."""
+
+    kind = "cuda-graph"
 
     def __init__(self, model: DecodingModel, capture: bool = True):
         super().__init__(model, capture)
@@ -159,12 +164,12 @@ class CudaGraphDecode(_StaticDecode):
         self.logits: torch.Tensor | None = None
         self.routing: list = []
 
-    def step(
-        self, model: DecodingModel, token: torch.Tensor, cache: KVCache, plan: list[LayerPlan]
-    ) -> torch.Tensor | None:
-        """``token`` [1, 1] continuing ``cache`` → logits [1, 1, V], or None (the cache's length unchanged)."""
+    def step(self, model: DecodingModel, token: torch.Tensor, cache: KVCache, plan: list[LayerPlan]) -> torch.Tensor:
+        """``token`` [1, 1] continuing ``cache`` → logits [1, 1, V]."""
+        if model._plan_version != self.plan_version:
+            return self.give_up(model, "the model's weights changed after capture").step(model, token, cache, plan)
         if not self._begin(model, token, cache):
-            return None
+            return super().step(model, token, cache, plan)
         g = GraphConsts(model.config, model.act, model.embed, model.w["model.norm.weight"])
 
         def run() -> None:
@@ -177,7 +182,8 @@ class CudaGraphDecode(_StaticDecode):
         elif self.graphs or self._capture(model, [run]):
             self.graphs[0].replay()
         else:
-            return None
+            assert self.failed is not None  # _capture says why
+            return self.give_up(model, self.failed).step(model, token, cache, plan)
         self._finish(cache)
         report_routing(model, self.routing)  # after the step, as the compiled CPU step reports it
         assert self.logits is not None  # the step just ran
@@ -187,6 +193,8 @@ class CudaGraphDecode(_StaticDecode):
 class LayerGraphDecode(_StaticDecode):
     """Per layer, attention + gate input + routing + shared expert replayed as one graph; routed experts eager
     through the model's provider (the scheduler's reads); the head as a last graph."""
+
+    kind = "cuda-layer-graphs"
 
     def __init__(self, model: DecodingModel, capture: bool = True):
         super().__init__(model, capture)
@@ -215,8 +223,7 @@ class LayerGraphDecode(_StaticDecode):
             def run() -> None:  # captured: the mask is made inside the graph, from the position buffer
                 if i == 0:
                     self.x.copy_(lookup(model.embed, self.token.view(1)))
-                mask = position_mask(self.kv[i][0], self.pos)
-                attention = static_attention(cfg, s, self.kv, self.cos, self.sin, self.pos, mask)
+                attention = static_attention(cfg, StaticKV(self.kv, self.pos), self.cos, self.sin)
                 self.x.copy_(decoder_layer(LayerPath(cfg, act, attention, routed_later), self.x, i, lp))
 
             return run
@@ -226,14 +233,15 @@ class LayerGraphDecode(_StaticDecode):
 
         return [layer(i, lp) for i, lp in enumerate(plan)] + [head]
 
-    def step(
-        self, model: DecodingModel, token: torch.Tensor, cache: KVCache, plan: list[LayerPlan]
-    ) -> torch.Tensor | None:
+    def step(self, model: DecodingModel, token: torch.Tensor, cache: KVCache, plan: list[LayerPlan]) -> torch.Tensor:
+        if model._plan_version != self.plan_version:
+            return self.give_up(model, "the model's weights changed after capture").step(model, token, cache, plan)
         if not self._begin(model, token, cache):
-            return None
+            return super().step(model, token, cache, plan)
         parts = self._parts(model, plan) if not self.graphs else []  # captured: the graphs replay them
         if self.use_graph and not self.graphs and not self._capture(model, parts):
-            return None
+            assert self.failed is not None  # _capture says why
+            return self.give_up(model, self.failed).step(model, token, cache, plan)
         for i, lp in enumerate(plan):
             if self.use_graph:
                 self.graphs[i].replay()
@@ -255,3 +263,15 @@ class LayerGraphDecode(_StaticDecode):
 def _shared(out: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """A layer's shared expert output and Qwen's gate logit from its static outputs; None without a shared expert."""
     return (out["z"], out.get("gate")) if "z" in out else None
+
+
+def choose_runner(model: DecodingModel) -> DecodeRunner:
+    """The decode runner for ``model`` as it stands: CUDA graphs on a CUDA model that allows them (the whole step
+    where every expert is resident, else per layer around the streamed experts; ``model.graph_off`` says why not),
+    else the eager step. The compiled runner is chosen by ``set_compile``, not here."""
+    if model.device.type != "cuda" or not model.cuda_graphs:
+        return DecodeRunner()
+    if unsupported(model) is None:
+        return CudaGraphDecode(model)
+    model.graph_off = unsupported(model, streamed=True)
+    return LayerGraphDecode(model) if model.graph_off is None else DecodeRunner()

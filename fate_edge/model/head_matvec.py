@@ -1,5 +1,5 @@
 """Per-head matrix-vector products over bf16 and fp16 weights on the CPU, in fate-edge's own kernel
-(``native/head_matvec.c``), for MLA's absorbed decode (``MoETransformer.mla_attend``).
+(``native/head_matvec.c``), for MLA's absorbed decode (``mla.attend``).
 
 torch multiplies each head's block of ``kv_b_proj`` by a vector as a batched bf16 GEMM, which CPUs without
 AVX512-BF16 emulate (1.6 ms a layer for DeepSeek-V2-Lite's key blocks on a 2-vCPU AVX2 EPYC, one thread). The kernel

@@ -1,8 +1,87 @@
-"""Per-layer key/value cache, grown geometrically so decode appends are amortised O(1)."""
+"""The state an attention layer keeps between forward passes, behind one interface: :class:`AttentionState`.
+
+Every forward path writes a layer's new keys and values with ``state.update(layer, k, v)`` and gets back what the
+layer's queries read (:data:`Keys`): a sequence's held positions themselves, ``(k_all, v_all)``, or a
+:class:`Held` saying how the queries see a buffer of another kind. The attention functions
+(:mod:`fate_edge.model.attention`, :mod:`fate_edge.model.mla`) are written once against that; the kinds of state
+differ only in where the positions live:
+
+* :class:`KVCache`: one sequence's cache that grows (geometrically, so a decode append is amortised O(1)); its
+  queries see a prefix of positions (the plain tuple);
+* ``kv_slab.SlabCache``: the same, as a range of a batch's shared slab; ``kv_slab.SlabRows``: one decode row per
+  sequence of a slab in one update, each row seeing its own range (``Held.rows``);
+* :class:`StaticKV`: whole-capacity buffers written at a position tensor, the unwritten tail masked
+  (``Held.mask``): what a compiled or captured step needs (static shapes and addresses).
+
+New kinds belong here too, as subclasses of :class:`AttentionState` whose ``update`` returns what their attention
+reads: a sliding-window ring or attention sinks (keep only the positions a query can see, a ``Held`` field saying
+where they start), or a recurrent state (linear attention, a convolution's last inputs: ``update(layer, *new)``
+folds the new rows in and hands back the state, in ``Held.held`` with a field naming its kind). A new field gets its
+branch in the family's ``attend``.
+"""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch
+
+
+@dataclass
+class Held:
+    """What a layer's queries read after an update of a state that is not one sequence's prefix (that one hands back
+    its tensors as a plain tuple). ``held``: the buffer's tensors (k and v [B, kv heads, S, d], or MLA's latent [B, 1,
+    S, r + rope]). Which of them a query sees, by kind of state:
+
+    * ``mask`` [1, S]: one query over a whole-capacity buffer, True where written (:class:`StaticKV`);
+    * ``rows``: one decode query per sequence of a slab, each over its own range (``kv_slab.SlabRows``);
+    * ``parts``: a batch of sequences, each part (which query rows: a slice, or an index tensor for a slab's decode
+      rows, first) with what its own state handed back (``batch_step.BatchState``)."""
+
+    held: tuple[torch.Tensor, ...] = ()
+    mask: torch.Tensor | None = None
+    rows: RowRanges | None = None
+    parts: list[tuple[slice | torch.Tensor, Keys]] | None = None
+
+
+# What an update hands back: one sequence's held positions 0 .. S-1 themselves (k and v, or MLA's latent), its T new
+# queries the last T of them; or a Held of another kind.
+Keys = tuple[torch.Tensor, ...] | Held
+
+
+class RowRanges(Protocol):
+    """One decode row per sequence over one buffer, each row seeing its own range (``kv_slab.SlabRows``)."""
+
+    longest: int  # the longest range
+
+    @property
+    def gather(self) -> torch.Tensor:
+        """[rows * longest] buffer positions of each range's first ``longest`` positions."""
+        ...
+
+    def ranges(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """([rows] first position, [rows] count) each row sees (its last ``window``), int64 on the host."""
+        ...
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """[rows, 1, 1, longest]: which gathered positions each row sees."""
+        ...
+
+    def views(self, layer: int) -> list[tuple[torch.Tensor, ...]]:
+        """Each row's own positions of ``layer`` as a sequence's prefix."""
+        ...
+
+
+class AttentionState(ABC):
+    """Per-layer attention state of one sequence (or of a batch's decode rows): the interface every forward path
+    writes through and every attention function reads through."""
+
+    @abstractmethod
+    def update(self, layer: int, *new: torch.Tensor) -> Keys:
+        """Add ``new`` (k and v [B, kv heads, T, d], or MLA's latent) at the next positions of ``layer`` → what the
+        layer's queries read. A forward pass updates each layer once."""
 
 
 class LayerCache:
@@ -30,14 +109,18 @@ class LayerCache:
         if not self.buffers:  # the request's whole length when known: growing copies the cache (twice it, briefly)
             cap = max(64, t, capacity_hint)
             self.buffers = [x.new_zeros(*x.shape[:2], cap, x.shape[3]) for x in new]
-        self.reserve(self.length + t)
+        n = self.length + t
+        if n > self.buffers[0].shape[2]:
+            self.reserve(n)
         for b, x in zip(self.buffers, new):  # narrow: cheaper to dispatch than slice indexing, per decode token
             b.narrow(2, self.length, t).copy_(x)
-        self.length += t
-        return tuple(b.narrow(2, 0, self.length) for b in self.buffers)
+        self.length = n
+        return tuple([b.narrow(2, 0, n) for b in self.buffers])  # a list, not a generator: one frame, not three
 
 
-class KVCache:
+class KVCache(AttentionState):
+    """One sequence's cache, grown per layer as positions arrive."""
+
     def __init__(self, num_layers: int, capacity_hint: int = 0):
         self.layers = [LayerCache() for _ in range(num_layers)]
         self.capacity_hint = capacity_hint  # positions the request will reach (prompt + answer), 0: unknown
@@ -46,6 +129,25 @@ class KVCache:
     def length(self) -> int:
         return self.layers[0].length
 
+    def update(self, layer: int, *new: torch.Tensor) -> Keys:
+        return self.layers[layer].append(*new, capacity_hint=self.capacity_hint)
+
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for lay in self.layers for b in lay.buffers)
+
+
+class StaticKV(AttentionState):
+    """Whole-capacity buffers per layer (``kv``: k and v [1, kv heads, capacity, d]) for one decode token at ``pos``
+    [1] (a tensor: a compiled or captured step reads it on the device): its k and v written there, its query seeing
+    the written positions (the unwritten tail masked, so the buffers start zeroed: 0 * NaN would poison the sum)."""
+
+    def __init__(self, kv: list[tuple[torch.Tensor, torch.Tensor]], pos: torch.Tensor):
+        self.kv, self.pos = kv, pos
+        self.mask = (torch.arange(kv[0][0].shape[2], device=pos.device) <= pos).view(1, -1)
+
+    def update(self, layer: int, *new: torch.Tensor) -> Held:
+        bufs = self.kv[layer]
+        for buf, x in zip(bufs, new):
+            buf.index_copy_(2, self.pos, x)
+        return Held(bufs, mask=self.mask)

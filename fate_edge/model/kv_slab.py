@@ -4,8 +4,8 @@ Each sequence still has its own :class:`~fate_edge.model.kv_cache.KVCache`: its 
 contiguous range of the slab (its prompt plus answer, reserved at admission), appended to as any cache is. Because
 every range lives in the same [1, kv heads, positions, d] tensor, one step's decode tokens write their keys and
 values with one ``index_copy_`` and attend with one masked ``scaled_dot_product_attention`` per layer
-(``batch_step``), instead of an append and an attention per sequence. An MLA model's slab holds its latent and
-rope key the same way (its sequences append and attend one by one).
+(:class:`SlabRows`, a kind of ``kv_cache.AttentionState``), instead of an append and an attention per sequence.
+An MLA model's slab holds its latent and rope key the same way.
 
 The slab is the batch's KV budget: a range that does not fit waits for one to be released. It starts zeroed and
 ranges are never left holding NaN, so masked-out keys weigh exactly zero.
@@ -13,11 +13,12 @@ ranges are never left holding NaN, so masked-out keys weigh exactly zero.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
 
-from fate_edge.model.kv_cache import KVCache
+from fate_edge.model.kv_cache import AttentionState, Held, KVCache
 
 if TYPE_CHECKING:
     from fate_edge.model.transformer import MoETransformer
@@ -88,3 +89,87 @@ class KVSlab:
                 self._free[-1] = (self._free[-1][0], self._free[-1][1] + length)
             else:
                 self._free.append((start, length))
+
+
+class SlabRows(AttentionState):
+    """One decode row each of sequences whose caches share one slab, as one state: an update writes every row's
+    new position with one ``index_copy_`` per tensor, and each row's query sees its own range."""
+
+    def __init__(
+        self,
+        caches: list[SlabCache],
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        first: torch.Tensor,
+        lengths: list[int],
+        every_row: bool,
+    ):
+        self.caches = caches
+        self.rows = rows  # [S] the rows' places among the step's rows
+        self.positions = positions  # [S] the slab position each writes
+        self.first = first  # [S] the first slab position of each one's range
+        self.lengths = lengths  # each one's cache length after this step
+        self.longest = max(lengths)
+        self.every_row = every_row  # the step is these rows only, in this order
+        self._masks: dict[int | None, torch.Tensor] = {}
+        self._ranges: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @classmethod
+    def of(cls, caches: list[SlabCache], rows: list[int], every_row: bool, device: torch.device) -> SlabRows | None:
+        """``caches`` (one decode row each, at step ``rows``) as one state, or None where they cannot step as one:
+        fewer than two, more than one slab, or a range whose gathered positions (``longest`` from its start) would
+        run past the slab's end."""
+        if len(caches) < 2 or len({id(c.slab) for c in caches}) != 1:
+            return None
+        starts, offsets = [c.length for c in caches], [c.offset for c in caches]  # lengths before the step
+        if max(offsets) + max(n + 1 for n in starts) > caches[0].slab.positions:
+            return None
+        return cls(
+            caches,
+            torch.tensor(rows, device=device),
+            torch.tensor([o + n for o, n in zip(offsets, starts)], device=device),
+            torch.tensor(offsets, device=device),
+            [n + 1 for n in starts],
+            every_row,
+        )
+
+    def update(self, layer: int, *new: torch.Tensor) -> Held:
+        """``new``: the rows' k and v [1, kv heads, S, d] (or MLA's latent), in the order of :attr:`caches`."""
+        held = self.caches[0].slab.buffers[layer]
+        for buf, x in zip(held, new):
+            buf[0].index_copy_(1, self.positions, x[0])
+        for c in self.caches:
+            c.layers[layer].length += 1
+        return Held(tuple(held), rows=self)
+
+    def views(self, layer: int) -> list[tuple[torch.Tensor, ...]]:
+        """Each row's own cache of ``layer`` after the update, as a sequence's prefix (its query the last position)."""
+        return [tuple(b.narrow(2, 0, c.layers[layer].length) for b in c.layers[layer].buffers) for c in self.caches]
+
+    @functools.cached_property
+    def gather(self) -> torch.Tensor:
+        """[S * longest] slab positions of each range's first ``longest`` positions (past its own end: masked); made
+        only for the gathered attention (the native kernel and MLA's rows read their ranges in place)."""
+        return (self.first[:, None] + torch.arange(self.longest, device=self.first.device)[None, :]).flatten()
+
+    def ranges(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """([S] first slab position, [S] count) of the positions each row sees (its last ``window``), int64 on the
+        host: the native decode attention reads them in place, no gather and no mask."""
+        r = self._ranges.get(window)
+        if r is None:
+            n = torch.tensor(self.lengths, dtype=torch.int64, device="cpu")  # the kernel reads them on the host
+            seen = n if window is None else n.clamp(max=window)
+            r = self._ranges[window] = (self.first.to("cpu", torch.int64) + n - seen, seen)
+        return r
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """[S, 1, 1, longest]: row j sees its own first ``lengths[j]`` positions (the last ``window`` of them)."""
+        m = self._masks.get(window)
+        if m is None:
+            key = torch.arange(self.longest, device=self.positions.device)[None, :]
+            n = torch.tensor(self.lengths, device=key.device)[:, None]
+            m = key < n
+            if window is not None:
+                m &= key >= n - window
+            self._masks[window] = m = m[:, None, None, :]
+        return m

@@ -62,8 +62,8 @@ class LayerPlan:
     post_norm: torch.Tensor
     qkv: Fused | None  # GQA attention; None for MLA (its projections are in ``mla``)
     o_proj: Fused
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
+    q_norm: torch.Tensor | None  # GQA's q norm (config.qk_norm), or MLA's q_a_layernorm (None: no q LoRA)
+    k_norm: torch.Tensor | None  # GQA's k norm, or MLA's kv_a_layernorm
     mlp: Fused | None  # dense MLP or shared expert: [gate; up(; shared gate row)]
     down: Fused | None
     router: torch.Tensor | None  # MoE layers
@@ -203,8 +203,8 @@ def build_plan(config: ModelConfig, w: Weights, layer_names: list) -> list[Layer
                 w[f"{n.post_attn_norm}.weight"],
                 g.get("qkv"),
                 g["o_proj"],
-                w.get(f"{n.attn}.q_norm.weight"),
-                w.get(f"{n.attn}.k_norm.weight"),
+                w.get(f"{n.attn}.q_a_layernorm.weight" if config.mla else f"{n.attn}.q_norm.weight"),
+                w.get(f"{n.attn}.kv_a_layernorm.weight" if config.mla else f"{n.attn}.k_norm.weight"),
                 g.get("mlp"),
                 g.get("down"),
                 w[f"{n.mlp}.gate.weight"] if moe else None,
@@ -237,7 +237,7 @@ def resident_groups(config: ModelConfig, layer_names: list, names: Any) -> list[
     first (``names``: the resident weight names; lm_head only where it is one of them), then every layer's groups.
 
     MLA's ``kv_b_proj`` stays in the model's dtype: decode multiplies by its per-head blocks from the other side
-    (the absorbed form, ``MoETransformer.mla_attend``), which no quantized kernel does, and expanding the cache through
+    (the absorbed form, ``mla.attend``), which no quantized kernel does, and expanding the cache through
     it instead costs the whole matrix at every cached position, every token."""
     head = [["lm_head"]] if "lm_head.weight" in names else []
     layers = [g for i, n in enumerate(layer_names) for g in layer_groups(config, i, n).values()]

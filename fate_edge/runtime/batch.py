@@ -28,15 +28,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from fate_edge.errors import DeviceMemoryError, EngineClosedError, KVRoomError, StreamSupersededError
-from fate_edge.model.batch_step import Segment, forward_segments
+from fate_edge.model.batch_step import forward_segments
 from fate_edge.model.kv_slab import KVSlab, SlabCache
 from fate_edge.runtime.generate import (
     PREFILL_CHUNK,
     GenerateConfig,
     GenerationResponse,
+    Sequence,
     TokenStream,
     prepare_prompt,
-    prompt_chunks,
 )
 from fate_edge.runtime.scheduler import SchedulerStats
 from fate_edge.sizes import format_bytes
@@ -77,8 +77,9 @@ class BatchStats:
     kv_reserved_bytes: int = 0
 
 
-class BatchSequence:
-    """One request in the batch: its prompt, KV cache, text side, statistics and its reader's queue."""
+class BatchSequence(Sequence):
+    """One request in the batch (a :class:`~fate_edge.runtime.generate.Sequence`, stepped as one alone is), with
+    its statistics and its reader's queue."""
 
     def __init__(
         self,
@@ -89,19 +90,13 @@ class BatchSequence:
         cache: KVCache | None,
         kv_bytes: int,
     ):
+        super().__init__(prompt_ids, config, out, cache)  # the cache is made at admission (a range of the KV slab)
         self.id = seq_id
-        self.prompt_ids = prompt_ids
-        self.config = config
-        self.out = out
-        self.cache = cache  # made at admission (a range of the batch's KV slab)
         self.kv_bytes = kv_bytes
-        self.chunks = deque(prompt_chunks(len(prompt_ids), config.prefill_chunk))
         self.events: queue.SimpleQueue = queue.SimpleQueue()  # GenerationResponse or an exception
         self.cancelled = threading.Event()
         self.done = False
         self.stats = SchedulerStats()  # this sequence's share of each step it took part in
-        self.t_join = 0.0
-        self.t_prompt = 0.0  # prompt seconds (from joining the batch to its last chunk)
         self.unread = 0
         self.last_read = time.monotonic()
 
@@ -302,20 +297,15 @@ class Batcher:
         self.stats.active = len(self._active)
 
     def _step(self, batch: list[BatchSequence]) -> None:
-        segments, stepped, prompt_rows = [], [], 0
+        stepped, prompt_rows = [], 0
         for seq in batch:
             if seq.chunks:
                 a, b = seq.chunks[0]
                 if prompt_rows and prompt_rows + (b - a) > self.config.prompt_rows:
                     continue  # its chunk waits for the next step
                 prompt_rows += b - a
-                ids = seq.prompt_ids[a:b]
-            else:
-                assert seq.out.token is not None  # past its prompt, a sequence has sampled a token
-                ids = [seq.out.token]
-            assert seq.cache is not None  # only a sequence that left has no cache
-            segments.append(Segment(ids, seq.cache))
             stepped.append(seq)
+        segments = [seq.segment() for seq in stepped]
         with self.lock:
             before = self.scheduler.stats.snapshot()
             try:
@@ -333,15 +323,12 @@ class Batcher:
         self.stats.sequences_stepped += len(stepped)
         for seq, seg, row in zip(stepped, segments, logits):
             add_stats(seq.stats, share(delta, len(seg.ids) / rows))
-            if seq.chunks:
-                seq.chunks.popleft()
-                if seq.chunks:
-                    continue
-                seq.out.prompt_done(time.perf_counter() - seq.t_join)
             try:
-                resp = seq.out.step(row)
+                resp = seq.advance(row)
             except Exception as exc:  # sampling failed for this request alone
                 self._finish(seq, exc)
+                continue
+            if resp is None:  # a prompt chunk before its last
                 continue
             self.stats.tokens += 1
             if resp.finish_reason is not None:

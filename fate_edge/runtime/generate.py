@@ -1,21 +1,30 @@
 """Generation as a generator: prefill, then one token per step, each step yielding its text and stats.
 
-Modelled on mlx-lm's ``stream_from_model``: callers iterate and get a :class:`GenerationResponse` per token.
+Modelled on mlx-lm's ``stream_generate`` (here ``stream_from_model``): callers iterate and get a
+:class:`GenerationResponse` per token. One request alone is a batch of one: a :class:`Sequence` stepped by the batch's
+step (``batch_step.forward_segments``, whose one-sequence case is the model's own forward), as every sequence of a
+continuous batch is (``runtime.batch``); only who iterates differs (this generator, or the batch's worker thread).
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from fate_edge.errors import ContextLengthError, DeviceMemoryError, GenerationError
+from fate_edge.model.batch_step import Segment, forward_segments
 from fate_edge.model.transformer import MoETransformer
 from fate_edge.process_memory import peak_rss_bytes
 from fate_edge.runtime.sampling import Sampler, SamplingParams
 from fate_edge.tokenizer import StreamingDetokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    from fate_edge.model.kv_cache import KVCache
 
 
 @dataclass
@@ -84,24 +93,20 @@ def prompt_chunks(n: int, chunk: int) -> list[tuple[int, int]]:
     return list(zip([0, *stops[:-1]], stops))
 
 
-def _forward(model: MoETransformer, ids: list[int], cache, last_only: bool, stage: str) -> torch.Tensor:
-    """One forward pass over ``ids`` (one sequence); the device running out of memory becomes a one-line
+def _step(model: MoETransformer, seq: Sequence) -> torch.Tensor:
+    """``seq``'s next segment as a batch of one → its logits [V]; the device running out of memory becomes a one-line
     :class:`DeviceMemoryError` (the pass holds nothing afterwards: its KV cache is the request's and goes with it)."""
-    # One decode token is written on the device by a fill kernel: no host-to-device copy (and wait) per token.
-    x = (
-        torch.full((1, 1), ids[0], dtype=torch.long, device=model.device)
-        if len(ids) == 1
-        else torch.tensor([ids], device=model.device)
-    )
+    assert seq.cache is not None  # a sequence being stepped holds its cache
     try:
-        return model(x, cache, last_only=last_only)[0, -1]
+        return forward_segments(model, [seq.segment()])[0]
     except torch.OutOfMemoryError as exc:
         if model.device.type == "cuda":
             torch.cuda.empty_cache()  # the failed pass's blocks back to the driver before anyone retries
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else "out of memory"
+        stage = "prompt" if seq.chunks else "decode"
         raise DeviceMemoryError(
-            f"{model.device.type} ran out of memory during the {stage} at position {cache.length} ({first}); the "
-            "request was stopped and holds nothing: retry with a shorter prompt or --max-tokens, a lower "
+            f"{model.device.type} ran out of memory during the {stage} at position {seq.cache.length} ({first}); "
+            "the request was stopped and holds nothing: retry with a shorter prompt or --max-tokens, a lower "
             "--memory-budget, or more free device memory"
         ) from None
 
@@ -205,6 +210,43 @@ class TokenStream:
         return self.response(out, token, None)
 
 
+class Sequence:
+    """One request between steps: its prompt chunks still to run, its KV cache and its text side. A step takes its
+    :meth:`segment` (the next prompt chunk, or the last sampled token) and hands that segment's logits to
+    :meth:`advance`. Alone (:func:`stream_from_model`) or in a batch (``runtime.batch.BatchSequence``), the same."""
+
+    def __init__(self, prompt_ids: list[int], config: GenerateConfig, out: TokenStream, cache: KVCache | None):
+        self.prompt_ids = prompt_ids
+        self.config = config
+        self.out = out
+        self.cache = cache  # made when it starts stepping (a batch: a range of its KV slab, at admission)
+        self.chunks = deque(prompt_chunks(len(prompt_ids), config.prefill_chunk))
+        self.t_join = 0.0  # when its prompt started running
+
+    def segment(self) -> Segment:
+        """What the next step runs for it: its next prompt chunk, or its last sampled token."""
+        assert self.cache is not None  # only a sequence that left has no cache
+        if self.chunks:
+            a, b = self.chunks[0]
+            return Segment(self.prompt_ids[a:b], self.cache)
+        assert self.out.token is not None  # past its prompt, a sequence has sampled a token
+        return Segment([self.out.token], self.cache)
+
+    def advance(self, logits: torch.Tensor) -> GenerationResponse | None:
+        """The step's logits [V] for :meth:`segment` → the token's response, or None after a prompt chunk that is not
+        its last (those logits are not needed). Sampling errors propagate (the request's alone)."""
+        if self.chunks:
+            self.chunks.popleft()
+            if self.chunks:
+                return None
+            if logits.device.type == "cuda":  # kernels run asynchronously: the prompt is done when the GPU is
+                torch.cuda.synchronize(logits.device)
+            self.out.prompt_done(time.perf_counter() - self.t_join)
+            if self.out.max_tokens == 0:  # the prompt ran (its keys, its statistics); nothing to sample
+                return self.out.response("", None, "length")
+        return self.out.step(logits)
+
+
 @torch.inference_mode()
 def stream_from_model(
     model: MoETransformer,
@@ -217,25 +259,15 @@ def stream_from_model(
     out = TokenStream(tokenizer, prompt_ids, config, max_tokens)
     cache = model.new_cache()
     cache.capacity_hint = len(prompt_ids) + max_tokens  # allocated once: no copy of a doubled cache mid-answer
-
-    t0 = time.perf_counter()
-    *first, last = prompt_chunks(len(prompt_ids), config.prefill_chunk)
-    for a, b in first:  # every chunk but the last leaves its keys and values; its logits are not needed
-        _forward(model, prompt_ids[a:b], cache, True, "prompt")
-    logits = _forward(model, prompt_ids[last[0] : last[1]], cache, True, "prompt")
-    if logits.device.type == "cuda":  # kernels run asynchronously: the prompt is done when the GPU is
-        torch.cuda.synchronize(logits.device)
-    out.prompt_done(time.perf_counter() - t0)
-    if max_tokens == 0:
-        yield out.response("", None, "length")
-        return
-    while True:
-        step = out.step(logits)
+    seq = Sequence(prompt_ids, config, out, cache)
+    seq.t_join = time.perf_counter()
+    while True:  # a batch of one
+        step = seq.advance(_step(model, seq))
+        if step is None:
+            continue
         yield step
         if step.finish_reason is not None:
             return
-        assert out.token is not None  # a step that did not finish sampled a token
-        logits = _forward(model, [out.token], cache, False, "decode")
 
 
 def generate_from_model(

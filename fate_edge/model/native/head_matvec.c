@@ -1,6 +1,6 @@
 /* Per-head matrix-vector products over bf16, fp16 or fp32 weights on the CPU, computed in fp32.
 
-   Why: MLA's absorbed decode (model/transformer.py, mla_attend) multiplies each head's block of kv_b_proj by a
+   Why: MLA's absorbed decode (model/mla.py, attend) multiplies each head's block of kv_b_proj by a
    vector from both sides at every token. torch runs those as batched bf16 GEMMs, which CPUs without AVX512-BF16
    emulate: DeepSeek-V2-Lite's 16 key blocks of 128 x 512 took 1.6 ms a layer on a 2-vCPU AVX2 EPYC (one thread),
    and widening them to fp32 first 0.65 ms (a 4 MB copy, then a GEMV over it). Here each weight is read once in its
