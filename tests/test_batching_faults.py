@@ -107,3 +107,55 @@ def test_a_failure_of_the_batch_worker_reaches_every_reader():
         stream = engine.stream("def f():", _cfg(4))
         with pytest.raises(RuntimeError, match="worker bug"):  # not a reader left waiting forever
             next(stream)
+
+
+def _experts_used(engine, prompt: str) -> set[tuple[int, int]]:
+    seen: set[tuple[int, int]] = set()
+    observer = lambda layer, h, idx, w: seen.update((layer, int(e)) for e in idx.reshape(-1))  # noqa: E731
+    engine.model.observers.append(observer)
+    try:
+        engine.generate_text(prompt, _cfg(24))
+    finally:
+        engine.model.observers.remove(observer)
+    return seen
+
+
+def test_a_failed_read_ends_only_the_sequences_that_need_that_expert(engines, expected):
+    """Reads of the experts only the first prompt routes to fail, every time: its stream ends with the read error,
+    and the two streams batched with it give their alone texts (the step is undone and run one sequence at a time)."""
+    import errno
+    import threading
+
+    alone, _ = engines
+    used = [_experts_used(alone, p) for p in PROMPTS]
+    only_first = used[0] - used[1] - used[2]
+    assert only_first, "the prompts route to the same experts; pick others"
+    with Engine.load(memory_budget="2MB", device="cpu", dtype="float32", max_batch=4) as batched:
+        failed: list[tuple[int, int]] = []
+
+        def inject(ref):
+            if (ref.layer, ref.expert) in only_first:
+                failed.append((ref.layer, ref.expert))
+                raise OSError(errno.EIO, "injected read error")
+
+        batched.fetch.fault_injector = inject
+        results: dict[int, str | BaseException] = {}
+        gate = threading.Barrier(len(PROMPTS))
+
+        def run(i: int) -> None:
+            gate.wait()
+            try:
+                results[i] = _read(batched.stream(PROMPTS[i], _cfg(24)))
+            except Exception as exc:
+                results[i] = exc
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert batched.batcher.stats.peak_active >= 2  # they did share steps
+        assert failed, "no read of those experts was attempted (all cached?)"
+        assert isinstance(results[0], Exception) and "injected read error" in str(results[0])
+        assert [results[1], results[2]] == expected[1:]
+        assert batched.batcher.stats.active == 0 and batched.batcher.stats.kv_reserved_bytes == 0

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fate_edge.errors import DeviceMemoryError, EngineClosedError, KVRoomError, StreamSupersededError
+from fate_edge.errors import DeviceMemoryError, EngineClosedError, FetchError, KVRoomError, StreamSupersededError
 from fate_edge.model.batch_step import forward_segments
 from fate_edge.model.kv_slab import KVSlab, SlabCache
 from fate_edge.runtime.generate import (
@@ -305,18 +305,39 @@ class Batcher:
                     continue  # its chunk waits for the next step
                 prompt_rows += b - a
             stepped.append(seq)
+        self._run(stepped)
+
+    def _run(self, stepped: list[BatchSequence]) -> None:
+        """One forward over ``stepped``. A failed expert read fails only the sequences that need that expert: the
+        step is undone (each cache back to its length) and run again one sequence at a time."""
         segments = [seq.segment() for seq in stepped]
+        lengths = [[layer.length for layer in seq.cache.layers] if seq.cache else [] for seq in stepped]
         with self.lock:
             before = self.scheduler.stats.snapshot()
             try:
                 logits = forward_segments(self.model, segments)
                 if logits.device.type == "cuda":
                     torch.cuda.synchronize(logits.device)
-            except BaseException as exc:  # a failed read or out of memory: the step's sequences fail, nothing stays
+            except FetchError as exc:
+                self.scheduler.abort()
+                if len(stepped) == 1:
+                    self._fail(stepped, exc)
+                    return
+                for seq, held in zip(stepped, lengths):
+                    for layer, n in zip(seq.cache.layers if seq.cache else [], held):
+                        layer.length = n
+                retry = True
+            except BaseException as exc:  # out of memory or a bug: the step's sequences fail, nothing stays
                 self.scheduler.abort()
                 self._fail(stepped, exc)
                 return
-            delta = self.scheduler.stats.minus(before)
+            else:
+                retry = False
+                delta = self.scheduler.stats.minus(before)
+        if retry:  # outside the lock: each alone takes it again
+            for seq in stepped:
+                self._run([seq])
+            return
         rows = sum(len(s.ids) for s in segments)
         self.stats.steps += 1
         self.stats.rows += rows
