@@ -29,8 +29,13 @@ class SlabCache(KVCache):
 
     def __init__(self, slab: KVSlab, offset: int, capacity: int):
         super().__init__(len(slab.buffers), capacity_hint=capacity)
-        self.slab, self.offset, self.capacity = slab, offset, capacity
-        for layer, held in zip(self.layers, slab.buffers):
+        self.slab = slab
+        self.place(offset, capacity)
+
+    def place(self, offset: int, capacity: int) -> None:
+        """Hold positions [offset, offset + capacity) of the slab (the layers' buffers are views of them)."""
+        self.offset, self.capacity = offset, capacity
+        for layer, held in zip(self.layers, self.slab.buffers):
             layer.buffers = [b[:, :, offset : offset + capacity] for b in held]
 
 
@@ -74,14 +79,42 @@ class KVSlab:
                 return SlabCache(self, start, capacity)
         return None
 
+    def grow(self, cache: SlabCache, capacity: int) -> bool:
+        """``cache`` holding ``capacity`` positions: extended in place where the range after it is free, else moved
+        (its keys copied) to the lowest free range that holds it. False, and ``cache`` unchanged, while neither fits.
+        A request's answer grows its range as it is written, so an answer of unknown length reserves no more than
+        it has written (plus a step) and sequences share the slab as they need it."""
+        extra = capacity - cache.capacity
+        if extra <= 0:
+            return True
+        end = cache.offset + cache.capacity
+        for i, (start, n) in enumerate(self._free):
+            if start == end and n >= extra:  # the range right after it is free: take what it needs
+                self._free[i : i + 1] = [(start + extra, n - extra)] if n > extra else []
+                cache.place(cache.offset, capacity)
+                return True
+        moved = self.allocate(capacity)
+        if moved is None:
+            return False
+        length = cache.length
+        for held in self.buffers:
+            for b in held:
+                b[:, :, moved.offset : moved.offset + length] = b[:, :, cache.offset : cache.offset + length]
+        old = (cache.offset, cache.capacity)
+        cache.place(moved.offset, capacity)
+        self._give_back(*old)
+        return True
+
     def release(self, cache: SlabCache) -> None:
         """Give ``cache``'s range back (zeroed, so stale keys never reach a later sequence), merging neighbours."""
-        a, n = cache.offset, cache.capacity
+        for layer in cache.layers:
+            layer.buffers, layer.length = [], 0
+        self._give_back(cache.offset, cache.capacity)
+
+    def _give_back(self, a: int, n: int) -> None:
         for held in self.buffers:
             for b in held:
                 b[:, :, a : a + n].zero_()
-        for layer in cache.layers:
-            layer.buffers, layer.length = [], 0
         merged = sorted([*self._free, (a, n)])
         self._free = []
         for start, length in merged:

@@ -41,6 +41,11 @@ from fate_edge.runtime.generate import (
 from fate_edge.runtime.scheduler import SchedulerStats
 from fate_edge.sizes import format_bytes
 
+# KV positions a sequence reserves past its prompt when it joins; its range grows as its answer is written, so an
+# answer of unknown length (no max_tokens) does not hold the whole context from the start
+ANSWER_ROOM = 256
+GROW_STEP = 64  # positions a range grows by when its answer reaches its end
+
 if TYPE_CHECKING:
     from fate_edge.model.kv_cache import KVCache
     from fate_edge.model.transformer import MoETransformer
@@ -145,6 +150,7 @@ class Batcher:
         self._closed = False
         self._thread: threading.Thread | None = None
         self._slab: KVSlab | None = None  # made at the first request
+        self._starved = False  # a sequence could not grow its KV range last step: admit no one until it can
 
     # ----------------------------------------------------------------- callers
     def submit(self, prompt: str | list[int], config: GenerateConfig | None = None) -> BatchSequence:
@@ -213,7 +219,8 @@ class Batcher:
 
     # ------------------------------------------------------------------ worker
     def _new_cache(self, seq: BatchSequence) -> KVCache | None:
-        """``seq``'s KV cache for its prompt and answer: a range of the slab (None while none is free)."""
+        """``seq``'s KV cache: a range of the slab for its prompt and the first :data:`ANSWER_ROOM` positions of its
+        answer, grown as it writes (:meth:`_room_for`); None while no range is free."""
         positions = len(seq.prompt_ids) + seq.out.max_tokens
         c = self.config
         if not (c.kv_budget_bytes and c.kv_bytes_per_token):  # no KV limit: a cache of its own
@@ -222,7 +229,30 @@ class Batcher:
             return cache
         if self._slab is None:
             self._slab = KVSlab(self.model, c.kv_budget_bytes // c.kv_bytes_per_token)
-        return self._slab.allocate(positions)
+        slab = self._slab.allocate(min(positions, len(seq.prompt_ids) + ANSWER_ROOM))
+        if slab is not None:
+            seq.kv_bytes = c.kv_bytes_per_token * slab.capacity
+        return slab
+
+    def _room_for(self, seq: BatchSequence) -> bool:
+        """Whether ``seq``'s cache holds its next segment, growing its slab range when it does not (by
+        :data:`GROW_STEP`, or by the segment alone where only that fits; never past what its prompt and answer
+        can take)."""
+        cache = seq.cache
+        rows = len(seq.segment().ids)
+        if not isinstance(cache, SlabCache) or cache.length + rows <= cache.capacity:
+            return True
+        need = len(seq.prompt_ids) + seq.out.max_tokens
+        before = cache.capacity
+        # a step's worth more where it fits, else just this segment's rows (the slab's last free positions)
+        if not any(
+            cache.slab.grow(cache, min(need, n)) for n in (cache.length + rows + GROW_STEP, cache.length + rows)
+        ):
+            return False
+        grown = self.config.kv_bytes_per_token * (cache.capacity - before)
+        seq.kv_bytes += grown
+        self.stats.kv_reserved_bytes += grown
+        return True
 
     def _loop(self) -> None:
         try:
@@ -252,7 +282,7 @@ class Batcher:
     def _admit(self) -> None:
         """Waiting requests join in order while the batch has a place and their KV cache fits (under ``_cv``)."""
         c = self.config
-        while self._waiting and len(self._active) < c.max_batch:
+        while self._waiting and len(self._active) < c.max_batch and not self._starved:
             seq = self._waiting[0]
             if seq.cancelled.is_set():
                 self._waiting.popleft()
@@ -297,14 +327,25 @@ class Batcher:
         self.stats.active = len(self._active)
 
     def _step(self, batch: list[BatchSequence]) -> None:
-        stepped, prompt_rows = [], 0
+        stepped: list[BatchSequence] = []
+        blocked: list[BatchSequence] = []
+        prompt_rows = 0
         for seq in batch:
             if seq.chunks:
                 a, b = seq.chunks[0]
                 if prompt_rows and prompt_rows + (b - a) > self.config.prompt_rows:
                     continue  # its chunk waits for the next step
-                prompt_rows += b - a
+            if not self._room_for(seq):
+                blocked.append(seq)  # its range cannot grow now: it waits for room
+                continue
+            if seq.chunks:
+                prompt_rows += seq.chunks[0][1] - seq.chunks[0][0]
             stepped.append(seq)
+        self._starved = bool(blocked)
+        if not stepped and blocked:  # every sequence waits on another: the one holding most ends here, at its length
+            longest = max(blocked, key=lambda q: q.kv_bytes)
+            self._finish(longest, longest.out.response("", None, "length"))
+            return
         self._run(stepped)
 
     def _run(self, stepped: list[BatchSequence]) -> None:
