@@ -15,6 +15,7 @@ from fate_edge.errors import ContextLengthError, DeviceMemoryError, GenerationEr
 from fate_edge.model.transformer import MoETransformer
 from fate_edge.process_memory import peak_rss_bytes
 from fate_edge.runtime.sampling import Sampler, SamplingParams
+from fate_edge.runtime.token_logprobs import TokenLogprob, token_logprob
 from fate_edge.tokenizer import StreamingDetokenizer, Tokenizer
 
 
@@ -28,6 +29,7 @@ class GenerationResponse:
     generation_tps: float
     peak_rss_bytes: int  # read every RSS_EVERY tokens and on the final response (a /proc read costs ~30 µs)
     finish_reason: str | None = None  # None while running, then "stop" or "length"
+    logprob: TokenLogprob | None = None  # this token's, when GenerateConfig.logprobs asks (not for a stop token)
 
 
 RSS_EVERY = 32  # decode tokens between peak-RSS reads
@@ -48,6 +50,8 @@ class GenerateConfig:
     # Positions (prompt and answer) an unbounded request may fill: the engine's KV room (its context_tokens);
     # None: the model's context
     context_limit: int | None = None
+    # Each sampled token's log-probability with this many likeliest alternatives (0: the token's alone); None: off
+    logprobs: int | None = None
 
 
 def _hold_back(text: str, stops: list[str]) -> int:
@@ -176,6 +180,12 @@ class TokenStream:
         self.history.append(token)
         if token in self.stop_ids:
             return self.response(self.pending + self.detok.flush(), token, "stop")
+        resp = self._respond(token)
+        if self.config.logprobs is not None:
+            resp.logprob = token_logprob(logits, token, self.config.logprobs)
+        return resp
+
+    def _respond(self, token: int) -> GenerationResponse:
         self.pending += self.detok.add(token)
         if self.n >= self.max_tokens:
             self.pending += self.detok.flush()

@@ -10,6 +10,7 @@ import asyncio
 import json
 import time
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from fastapi.responses import Response, StreamingResponse
@@ -17,11 +18,14 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from fate_edge.apps.server.errors import APIError, Disconnected, QueueFull, error_from_exception, invalid
+from fate_edge.apps.server.logprobs import CompletionLogprobs, chat_entry, kv_room, merge, score_prompt
 from fate_edge.apps.server.protocol import ParsedRequest, parse_request
 from fate_edge.apps.server.request_helpers import DisconnectWatch, check_auth, read_json, ready_engine
 from fate_edge.apps.server.runner import Event, Job
 from fate_edge.apps.server.state import ServerState, state_of
-from fate_edge.runtime.generate import check_context
+from fate_edge.runtime.generate import GenerateConfig, check_context
+from fate_edge.runtime.token_logprobs import TokenLogprob
+from fate_edge.sizes import format_bytes
 
 
 async def generate(request: Request, kind: str) -> Any:
@@ -61,10 +65,32 @@ async def generate(request: Request, kind: str) -> Any:
         check_context(len(ids), context)
     except Exception as exc:
         raise error_from_exception(exc, prompt_param) from None
-    job = Job(ids, parsed.config, asyncio.get_running_loop())
+    room, per_token = kv_room(eng)
+    answer = parsed.config.max_tokens
+    if answer is None:
+        answer = max(0, min(context, getattr(eng, "context_tokens", context)) - len(ids))
+    if parsed.n > 1 and room and parsed.n * (len(ids) + answer) * per_token > room:
+        raise invalid(
+            f"'n': {parsed.n} choices of {len(ids)} prompt + {answer} answer tokens need "
+            f"{format_bytes(parsed.n * (len(ids) + answer) * per_token)} of KV cache together, more than the "
+            f"budget's {format_bytes(room)}; lower n or max_tokens, or raise --context-tokens",
+            "n",
+            "kv_room_exceeded",
+        )
+    prompt_lp = None
+    if parsed.echo and parsed.logprobs is not None:  # the prompt's own logprobs: one teacher-forced prefill
+        try:
+            prompt_lp = await run_in_threadpool(score_prompt, eng, ids, parsed.logprobs)
+        except Exception as exc:
+            raise error_from_exception(exc, prompt_param) from None
+    loop = asyncio.get_running_loop()
+    jobs = [Job(ids, _choice_config(parsed.config, i), loop) for i in range(parsed.n)]
     try:
-        state.runner.submit(job)
+        for job in jobs:
+            state.runner.submit(job)
     except QueueFull as exc:
+        for job in jobs:
+            job.cancel.set()
         raise APIError(
             429,
             f"the server is busy: {exc}; retry later",
@@ -73,70 +99,104 @@ async def generate(request: Request, kind: str) -> Any:
             "queue_full",
             headers={"Retry-After": "1"},
         ) from None
+    group = Group(jobs, loop)
     watch = DisconnectWatch(request)
+    echo = Echo(parsed, eng.tokenizer, ids, prompt_lp)
     try:
-        return await _answer(state, job, parsed, watch, t0, prompt_param)
+        return await _answer(state, group, parsed, watch, t0, prompt_param, echo)
     except Disconnected:
         return Response(status_code=499)
     finally:
         watch.stop()
         if not parsed.stream:
-            job.cancel.set()  # no-op once finished; stops the worker if this handler is cancelled
+            group.cancel.set()  # no-op once finished; stops the workers if this handler is cancelled
+
+
+def _choice_config(config: GenerateConfig, i: int) -> GenerateConfig:
+    """Choice ``i``'s config: a given seed moves on by the choice's index, so the n choices differ but repeat."""
+    if i == 0 or config.sampling.seed is None:
+        return config
+    return replace(config, sampling=replace(config.sampling, seed=(config.sampling.seed + i) % 2**63))
 
 
 async def _answer(
-    state: ServerState, job: Job, parsed: ParsedRequest, watch: DisconnectWatch, t0: float, prompt_param: str
+    state: ServerState,
+    group: Group,
+    parsed: ParsedRequest,
+    watch: DisconnectWatch,
+    t0: float,
+    prompt_param: str,
+    echo: Echo,
 ) -> Any:
     chat = parsed.kind == "chat"
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     try:
-        first = await watch.next_event(job)
+        first = await watch.next_event(group)
     except BaseException:
-        job.cancel.set()
+        group.cancel.set()
         raise
-    if first.kind == "error":
-        raise error_from_exception(first.error, prompt_param)
+    if first[1].kind == "error":
+        raise error_from_exception(first[1].error, prompt_param)
     state.metrics.first_token("/v1/chat/completions" if chat else "/v1/completions", time.perf_counter() - t0)
     if parsed.stream:  # from here the response watches the client itself (a failed send ends the stream)
         return StreamingResponse(
-            _stream(state, job, first, parsed, rid, created),
+            _stream(state, group, first, parsed, rid, created, echo),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    parts, last, ev = [], None, first
-    while ev.kind == "token":
-        parts.append(ev.step.text)
-        last = ev.step
-        ev = await watch.next_event(job)
-    if ev.kind == "error":
-        raise error_from_exception(ev.error, prompt_param)
-    text = "".join(parts)
-    finish = (last.finish_reason if last else None) or "length"
-    if chat:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish,
-        }
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    n = len(group.jobs)
+    parts: list[list[str]] = [[] for _ in range(n)]
+    lasts: list[Any] = [None] * n
+    logprobs: list[list[Any]] = [[] for _ in range(n)]
+    ended, item = 0, first
+    while True:
+        i, ev = item
+        if ev.kind == "error":
+            raise error_from_exception(ev.error, prompt_param)
+        if ev.kind == "token":
+            parts[i].append(ev.step.text)
+            lasts[i] = ev.step
+            if ev.step.logprob is not None:
+                logprobs[i].append(ev.step.logprob)
+        else:
+            ended += 1
+            if ended == n:
+                break
+        item = await watch.next_event(group)
+    choices = []
+    for i in range(n):
+        text = "".join(parts[i])
+        finish = (lasts[i].finish_reason if lasts[i] else None) or "length"
+        if chat:
+            lp = None
+            if parsed.logprobs is not None:
+                lp = {"content": [chat_entry(echo.tokenizer, e) for e in logprobs[i]], "refusal": None}
+            choice = {
+                "index": i,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": lp,
+                "finish_reason": finish,
+            }
+        else:
+            lpc = echo.completion_logprobs(logprobs[i]) if parsed.logprobs is not None else None
+            choice = {"index": i, "text": echo.text + text, "logprobs": lpc, "finish_reason": finish}
+        choices.append(choice)
     return {
         "id": rid,
         "object": "chat.completion" if chat else "text_completion",
         "created": created,
         "model": state.model_id,
-        "choices": [choice],
-        "usage": _usage(job),
+        "choices": choices,
+        "usage": _usage(group.jobs),
         "system_fingerprint": "fate-edge",
-        "fate_edge": _engine_figures(job),
+        "fate_edge": _engine_figures(group.jobs[0]),
     }
 
 
-def _usage(job: Job) -> dict[str, int]:
-    p = job.last.prompt_tokens if job.last else len(job.prompt)
-    c = job.last.generation_tokens if job.last else 0
+def _usage(jobs: list[Job]) -> dict[str, int]:
+    p = len(jobs[0].prompt)  # the prompt once, however many choices (as OpenAI counts)
+    c = sum(job.last.generation_tokens if job.last else 0 for job in jobs)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
@@ -155,18 +215,27 @@ def _engine_figures(job: Job) -> dict[str, Any]:
     }
 
 
-async def _stream(state: ServerState, job: Job, first: Event, parsed: ParsedRequest, rid: str, created: int):
+async def _stream(
+    state: ServerState,
+    group: Group,
+    first: tuple[int, Event],
+    parsed: ParsedRequest,
+    rid: str,
+    created: int,
+    echo: Echo,
+):
     chat = parsed.kind == "chat"
     obj = "chat.completion.chunk" if chat else "text_completion"
+    n = len(group.jobs)
 
-    def chunk(text: str | None, finish: str | None, role: bool = False) -> bytes:
+    def chunk(i: int, text: str | None, finish: str | None, role: bool = False, lp: Any = None) -> bytes:
         if chat:
             delta: dict[str, Any] = (
                 {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
             )
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": i, "text": text or "", "logprobs": lp, "finish_reason": finish}
         data: dict[str, Any] = {
             "id": rid,
             "object": obj,
@@ -179,23 +248,42 @@ async def _stream(state: ServerState, job: Job, first: Event, parsed: ParsedRequ
             data["usage"] = None
         return sse(data)
 
-    ev = first
+    offsets = [len(echo.text)] * n  # completions' text_offset of each choice's next token
+    item, ended, finished = first, 0, [False] * n
     try:
-        if chat:
-            yield chunk(None, None, role=True)
+        for i in range(n):
+            if chat:
+                yield chunk(i, None, None, role=True)
+            elif echo.text:  # echo: the prompt (and its logprobs) first
+                yield chunk(i, echo.text, None, lp=echo.prompt_logprobs())
         while True:
+            i, ev = item
             if ev.kind == "token":
                 step = ev.step
-                if step.text:
-                    yield chunk(step.text, None)
+                lp = None
+                if step.logprob is not None:
+                    if chat:
+                        lp = {"content": [chat_entry(echo.tokenizer, step.logprob)], "refusal": None}
+                    else:
+                        cl = CompletionLogprobs(echo.tokenizer, offsets[i])
+                        lp = cl.entries([step.logprob], [step.logprob.token])
+                        offsets[i] += len(step.text)
+                if step.text or lp is not None:
+                    yield chunk(i, step.text, None, lp=lp)
                 if step.finish_reason is not None:
-                    yield chunk(None, step.finish_reason)
+                    finished[i] = True
+                    yield chunk(i, None, step.finish_reason)
             elif ev.kind == "error":
                 yield sse(error_from_exception(ev.error).body())
                 return  # no [DONE]: the stream ended in an error
             else:
-                if job.last is not None and job.last.finish_reason is None:  # ended without a final token
-                    yield chunk(None, "length")
+                ended += 1
+                job = group.jobs[i]
+                if not finished[i] and (job.last is None or job.last.finish_reason is None):  # no final token
+                    yield chunk(i, None, "length")
+                if ended < n:
+                    item = await group.queue.get()
+                    continue
                 if parsed.include_usage:
                     yield sse(
                         {
@@ -205,16 +293,66 @@ async def _stream(state: ServerState, job: Job, first: Event, parsed: ParsedRequ
                             "model": state.model_id,
                             "system_fingerprint": "fate-edge",
                             "choices": [],
-                            "usage": _usage(job),
-                            "fate_edge": _engine_figures(job),
+                            "usage": _usage(group.jobs),
+                            "fate_edge": _engine_figures(group.jobs[0]),
                         }
                     )
                 yield b"data: [DONE]\n\n"
                 return
-            ev = await job.queue.get()
+            item = await group.queue.get()
     finally:
-        job.cancel.set()  # the client went away (or we are done): stop generating before the next token
+        group.cancel.set()  # the client went away (or we are done): stop generating before the next token
 
 
 def sse(data: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+class _CancelAll:
+    """``cancel.set()`` of a group: every choice's job stops."""
+
+    def __init__(self, jobs: list[Job]):
+        self.jobs = jobs
+
+    def set(self) -> None:
+        for job in self.jobs:
+            job.cancel.set()
+
+
+class Group:
+    """A request's ``n`` jobs read as one: ``queue`` yields (choice index, event) in the order they come."""
+
+    def __init__(self, jobs: list[Job], loop: asyncio.AbstractEventLoop):
+        self.jobs = jobs
+        self.cancel = _CancelAll(jobs)
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self._tasks = [loop.create_task(self._forward(i, job)) for i, job in enumerate(jobs)]
+
+    async def _forward(self, i: int, job: Job) -> None:
+        while True:
+            ev = await job.queue.get()
+            self.queue.put_nowait((i, ev))
+            if ev.kind != "token":
+                return
+
+
+class Echo:
+    """What ``echo`` puts before a completion: the prompt's text and, with ``logprobs``, its tokens' logprobs."""
+
+    def __init__(self, parsed: ParsedRequest, tokenizer: Any, ids: list[int], prompt_lp: list[Any] | None):
+        self.tokenizer = tokenizer
+        self.ids = ids
+        self.prompt_lp = prompt_lp
+        self.text = ""
+        if parsed.echo:
+            self.text = parsed.prompt if isinstance(parsed.prompt, str) else tokenizer.decode(ids)
+
+    def prompt_logprobs(self) -> dict[str, Any] | None:
+        if self.prompt_lp is None:
+            return None
+        return CompletionLogprobs(self.tokenizer).entries(self.prompt_lp, self.ids)
+
+    def completion_logprobs(self, items: list[TokenLogprob]) -> dict[str, Any]:
+        out = self.prompt_logprobs()
+        more = CompletionLogprobs(self.tokenizer, len(self.text)).entries(list(items), [e.token for e in items])
+        return merge(out, more)

@@ -14,8 +14,10 @@ from typing import Any
 from fate_edge.apps.server.errors import APIError, invalid, unsupported
 from fate_edge.runtime.generate import GenerateConfig
 from fate_edge.runtime.sampling import SamplingParams
+from fate_edge.runtime.token_logprobs import MAX_TOP_LOGPROBS
 
 MAX_STOP = 16
+MAX_N = 16  # choices per request (each is a sequence in the batch)
 ROLES = {"system", "developer", "user", "assistant"}
 
 
@@ -28,6 +30,9 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    n: int = 1  # choices, decoded together as n sequences of the batch
+    logprobs: int | None = None  # None: off; else the top alternatives per token (0: the chosen token's alone)
+    echo: bool = False  # completions: the prompt first in the text, with its tokens' logprobs when asked
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -150,15 +155,20 @@ class _Body:
         return v
 
 
-def _reject_unsupported(b: _Body, kind: str) -> None:
-    n = b.int("n", 1)
-    if n != 1:
-        raise unsupported("n", f"n={n} (several choices per request)")
+def _logprobs(b: _Body, kind: str) -> int | None:
+    """Chat: ``logprobs: true`` with ``top_logprobs: N``; completions: ``logprobs: N``. At most OpenAI's 20."""
     if kind == "chat":
-        if b.get("logprobs") not in (None, False):
-            raise unsupported("logprobs", "logprobs")
-        if b.get("top_logprobs") not in (None, 0):
-            raise unsupported("top_logprobs", "top_logprobs")
+        top = b.int("top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+        if not b.bool("logprobs", False):
+            if top is not None:
+                raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
+            return None
+        return top or 0
+    return b.int("logprobs", None, 0, MAX_TOP_LOGPROBS)
+
+
+def _reject_unsupported(b: _Body, kind: str) -> None:
+    if kind == "chat":
         for name in ("tools", "functions"):
             if b.get(name) not in (None, []):
                 raise unsupported(name, "tool and function calling")
@@ -175,10 +185,6 @@ def _reject_unsupported(b: _Body, kind: str) -> None:
         if b.get("audio") is not None or b.get("modalities") not in (None, ["text"]):
             raise unsupported("modalities", "audio output")
     else:
-        if b.get("logprobs") not in (None, 0):
-            raise unsupported("logprobs", "logprobs")
-        if b.bool("echo", False):
-            raise unsupported("echo", "echo")
         if b.get("suffix") not in (None, ""):
             raise unsupported("suffix", "suffix (fill in the middle)")
         best_of = b.int("best_of", 1)
@@ -213,9 +219,9 @@ def _stop(b: _Body) -> list[str]:
     return stop
 
 
-def _config(b: _Body, context: int, default_max_tokens: int | None) -> GenerateConfig:
-    max_tokens = b.int("max_tokens", None, 1, context)
-    max_completion = b.int("max_completion_tokens", None, 1, context)
+def _config(b: _Body, context: int, default_max_tokens: int | None, least: int = 1) -> GenerateConfig:
+    max_tokens = b.int("max_tokens", None, least, context)
+    max_completion = b.int("max_completion_tokens", None, least, context)
     chosen = max_completion if max_completion is not None else max_tokens
     if chosen is None and default_max_tokens is not None:  # None: until end of text or the engine's context
         chosen = min(default_max_tokens, context)
@@ -344,7 +350,11 @@ def parse_request(
     model = _model(b)
     stream, include_usage = _stream(b)
     _reject_unsupported(b, kind)
-    config = _config(b, context, default_max_tokens)
+    n = b.int("n", 1, 1, MAX_N)
+    assert n is not None
+    logprobs = _logprobs(b, kind)
+    config = _config(b, context, default_max_tokens, 1 if kind == "chat" else 0)  # completions: 0 with echo
+    config.logprobs = logprobs
     if kind == "chat":
         messages = chat_messages(body)
         try:
@@ -355,4 +365,5 @@ def parse_request(
             raise invalid(f"the chat template rejected these messages: {exc}", "messages") from None
     else:
         prompt = completion_prompt(body, vocab_size)
-    return ParsedRequest(kind, model, prompt, config, stream, include_usage)
+    echo = kind != "chat" and b.bool("echo", False)
+    return ParsedRequest(kind, model, prompt, config, stream, include_usage, n=n, logprobs=logprobs, echo=echo)
