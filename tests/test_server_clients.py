@@ -4,7 +4,6 @@ client on Ollama's API, the ``openai`` client with logprobs, ``echo`` and ``n``,
 
 from __future__ import annotations
 
-import json
 import math
 import socket
 import threading
