@@ -165,6 +165,8 @@ def test_echo_with_max_tokens_0_scores_the_prompt(base, engine):
     assert r.choices[0].text == prompt and r.usage.completion_tokens == 0
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and len(lp.token_logprobs) == len(ids)
     assert lp.token_logprobs[1:] == pytest.approx(_direct(engine, ids)[1:], abs=1e-4)
+    slab = engine.batcher._slab  # the scoring pass took its KV cache from the batch's slab, and gave it back
+    assert slab is not None and slab.free_positions == slab.positions
     # echo with a token prompt and one generated token (what lm-eval sends): the prompt's entries, then the new one's
     r = client.completions.create(model=MODEL, prompt=ids[:10], echo=True, logprobs=2, max_tokens=1, temperature=0)
     lp = r.choices[0].logprobs

@@ -7,6 +7,7 @@ OpenAI and vLLM report them. The first prompt token has no logprob (nothing prec
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -27,12 +28,12 @@ def kv_room(eng: Any) -> tuple[int, int]:
 
 
 @torch.inference_mode()
-def score_prompt(eng: Any, ids: list[int], top: int) -> list[TokenLogprob | None]:
+def score_prompt(eng: Any, ids: list[int], top: int, wait_s: float = 600.0) -> list[TokenLogprob | None]:
     """Each prompt token's log-probability given the tokens before it (None for the first), from the model's
     logits at every position of one prefill (``MoETransformer.forward`` without ``last_only``).
 
-    The pass runs between batch steps under the engine's lock, with a KV cache of its own that lives only for the
-    pass; it must fit the KV room like any request's."""
+    The pass runs between batch steps under the engine's lock. Its KV cache is a range of the batch's KV slab, like a
+    request's (so the memory budget covers it), waited for while the slab is full and given back when done."""
     room, per_token = kv_room(eng)
     if room and per_token * len(ids) > room:
         raise KVRoomError(
@@ -40,20 +41,54 @@ def score_prompt(eng: Any, ids: list[int], top: int) -> list[TokenLogprob | None
             f"budget holds {format_bytes(room)}; shorten the prompt or raise --context-tokens"
         )
     model = eng.model
-    cache = model.new_cache()
-    cache.capacity_hint = len(ids)
+    cache = _slab_cache(eng, len(ids), wait_s) if room and per_token else None
+    own = cache is None
+    if own:
+        cache = model.new_cache()
+        cache.capacity_hint = len(ids)
     out: list[TokenLogprob | None] = [None]
-    with eng._lock:  # one step of anything at a time (the batcher's steps take the same lock)
-        try:
-            for a in range(0, len(ids) - 1, SCORE_CHUNK):
-                b = min(a + SCORE_CHUNK, len(ids) - 1)
-                x = torch.tensor([ids[a:b]], device=model.device)
-                logits = model(x, cache)[0]  # [b - a, V]: position i predicts token i + 1
-                out.extend(logprob_rows(logits, ids[a + 1 : b + 1], top))
-        except BaseException:
-            eng.scheduler.abort()  # nothing of this pass stays in flight
-            raise
+    try:
+        with eng._lock:  # one step of anything at a time (the batcher's steps take the same lock)
+            try:
+                for a in range(0, len(ids) - 1, SCORE_CHUNK):
+                    b = min(a + SCORE_CHUNK, len(ids) - 1)
+                    x = torch.tensor([ids[a:b]], device=model.device)
+                    logits = model(x, cache)[0]  # [b - a, V]: position i predicts token i + 1
+                    out.extend(logprob_rows(logits, ids[a + 1 : b + 1], top))
+            except BaseException:
+                eng.scheduler.abort()  # nothing of this pass stays in flight
+                raise
+    finally:
+        if not own:
+            batcher = eng.batcher
+            with batcher._cv:
+                batcher._slab.release(cache)
+                batcher._cv.notify_all()
     return out
+
+
+def _slab_cache(eng: Any, positions: int, wait_s: float) -> Any:
+    """A range of ``positions`` of the batcher's KV slab (made as the batcher makes it at its first request), waiting
+    up to ``wait_s`` seconds while running sequences hold it all. Reads the batcher's slab under its condition."""
+    from fate_edge.model.kv_slab import KVSlab
+
+    batcher = eng.batcher
+    c = batcher.config
+    deadline = time.monotonic() + wait_s
+    with batcher._cv:
+        if batcher._slab is None:
+            batcher._slab = KVSlab(eng.model, c.kv_budget_bytes // c.kv_bytes_per_token)
+        while True:
+            cache = batcher._slab.allocate(positions)
+            if cache is not None:
+                return cache
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise KVRoomError(
+                    f"no KV room for scoring {positions} prompt tokens within {wait_s:.0f} s: the running requests "
+                    "hold it all; retry later"
+                )
+            batcher._cv.wait(min(left, 0.05))  # a leaving sequence frees its range without a notify
 
 
 def _text(tokenizer: Any, token: int) -> str:
