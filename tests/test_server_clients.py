@@ -104,6 +104,9 @@ def test_ollama_errors_have_its_shape_and_the_daemon_keeps_serving(base):
     with pytest.raises(ollama.ResponseError) as exc:
         client.embed(model=MODEL, input="x")
     assert exc.value.status_code == 400 and "embeddings" in exc.value.error
+    with pytest.raises(ollama.ResponseError) as exc:  # a prompt longer than the request's num_ctx
+        client.generate(model=MODEL, prompt="word " * 200, raw=True, options={"num_ctx": 64})
+    assert exc.value.status_code == 400 and "64" in exc.value.error
     raw = httpx.post(f"{base}/api/chat", content=b"{", headers={"Content-Type": "application/json"})
     assert raw.status_code == 400 and set(raw.json()) == {"error"}
     foreign = httpx.get(f"{base}/api/tags", headers={"Origin": "http://evil.example"})
@@ -274,6 +277,7 @@ def hf_same_experts(tmp_path_factory):
     return model, transformers.AutoTokenizer.from_pretrained(dst)
 
 
+@pytest.mark.slow  # transformers loads the reference model
 def test_lm_eval_loglikelihood_through_the_daemon_equals_the_model_directly(base, engine, hf_same_experts):
     hf, tok = hf_same_experts
     http = httpx.Client(base_url=base, timeout=120)
