@@ -114,6 +114,7 @@ def test_ollama_errors_have_its_shape_and_the_daemon_keeps_serving(base):
     assert httpx.get(f"{base}/api/nothing").json().keys() == {"error"}
     assert client.generate(model=MODEL, prompt="ok", options={"num_predict": 2}).done  # still serving
     assert httpx.get(f"{base}/api/version").json()["version"]
+    assert httpx.head(base).status_code == 200  # Ollama's heartbeat
 
 
 # --------------------------------------------------------------------------- openai: logprobs, echo, n

@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from fate_edge.apps.server.errors import APIError, Disconnected, QueueFull, error_from_exception
@@ -74,6 +74,12 @@ def _card(state: ServerState) -> dict[str, Any]:
         "digest": "",
         "details": _details(eng),
     }
+
+
+@router.api_route("/", methods=["GET", "HEAD"])
+async def root(request: Request):
+    """Ollama's heartbeat (its Go client sends ``HEAD /`` first): open like ``/health``."""
+    return PlainTextResponse("fate-edge is running")
 
 
 @router.get("/api/version")
