@@ -187,6 +187,11 @@ def test_n_choices_are_decoded_together_each_its_own(base, engine):
     again = client.completions.create(prompt="def f(x):", n=3, **kw)
     assert [c.text for c in again.choices] == [c.text for c in r.choices]  # a seed repeats every choice
     assert len({c.text for c in r.choices}) > 1  # ... and the choices differ (seed + index)
+    stats = engine.batcher.stats
+    steps, stepped = stats.steps, stats.sequences_stepped
+    long = client.completions.create(prompt="def f(x):", n=4, **{**kw, "max_tokens": 24})
+    assert len(long.choices) == 4
+    assert stats.sequences_stepped - stepped > 1.5 * (stats.steps - steps)  # the choices shared steps
     first = client.completions.create(prompt="def f(x):", n=1, **kw)
     assert first.choices[0].text == r.choices[0].text
     texts = ["", "", ""]

@@ -267,7 +267,7 @@ async def _stream(
                     else:
                         cl = CompletionLogprobs(echo.tokenizer, offsets[i])
                         lp = cl.entries([step.logprob], [step.logprob.token])
-                        offsets[i] += len(step.text)
+                        offsets[i] = cl.offset  # as the whole answer counts them: token by token
                 if step.text or lp is not None:
                     yield chunk(i, step.text, None, lp=lp)
                 if step.finish_reason is not None:
