@@ -215,6 +215,8 @@ def test_bad_logprobs_and_n_get_openai_errors_naming_the_field(base):
         ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
         ("/v1/completions", {"prompt": "x", "n": 16, "max_tokens": 1000}, "n"),  # 16 x 1000 positions: over the KV room
     ]
+    cases.append(("/v1/completions", {"prompt": ["a"] * 30, "max_tokens": 1}, "prompt"))  # over batch + queue places
+    cases.append(("/v1/completions", {"prompt": ["a"] * 4, "max_tokens": 1000, "n": 4}, "prompt"))  # over the KV room
     for path, body, param in cases:
         r = http.post(path, json=body)
         assert r.status_code == 400, (body, r.text)
@@ -288,7 +290,7 @@ def test_lm_eval_loglikelihood_through_the_daemon_equals_the_model_directly(base
     hf, tok = hf_same_experts
     http = httpx.Client(base_url=base, timeout=120)
     for context, choices, _gold in TASK:
-        scores, direct, reference = [], [], []
+        scores, direct, reference, batch = [], [], [], []
         for cont in choices:
             ctx, cont_enc = _encode_pair(tok, context, cont)
             inp, ctxlen = (ctx + cont_enc)[-2048:], len(ctx)
@@ -305,6 +307,7 @@ def test_lm_eval_loglikelihood_through_the_daemon_equals_the_model_directly(base
             assert r.status_code == 200, r.text
             ((score, _greedy),) = _parse_logprobs(r.json(), [ctxlen])
             scores.append(score)
+            batch.append((inp, ctxlen))
             direct.append(sum(_direct(engine, inp)[ctxlen:]))
             with torch.inference_mode():
                 lp = torch.log_softmax(hf(torch.tensor([inp])).logits[0].float(), dim=-1)
@@ -314,6 +317,13 @@ def test_lm_eval_loglikelihood_through_the_daemon_equals_the_model_directly(base
             assert r0["choices"][0]["logprobs"]["token_logprobs"][ctxlen:] == pytest.approx(
                 r.json()["choices"][0]["logprobs"]["token_logprobs"][ctxlen:-1]
             )
+        # lm-eval's --batch_size: the question's requests as one batch of prompts, choices in the prompts' order
+        payload["prompt"] = [inp for inp, _ in batch]
+        r = http.post("/v1/completions", json=payload)
+        assert r.status_code == 200, r.text
+        batched = _parse_logprobs(r.json(), [c for _, c in batch])
+        assert [s for s, _ in batched] == pytest.approx(scores, abs=1e-5)
+        assert r.json()["usage"]["prompt_tokens"] == sum(len(i) for i, _ in batch)
         assert scores == pytest.approx(direct, abs=1e-4)
         assert scores == pytest.approx(reference, abs=1e-4)
         assert max(range(len(choices)), key=scores.__getitem__) == max(range(len(choices)), key=reference.__getitem__)

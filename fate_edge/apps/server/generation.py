@@ -46,7 +46,7 @@ async def generate(request: Request, kind: str) -> Any:
     context = eng.model.config.max_position_embeddings
     prompt_param = "messages" if kind == "chat" else "prompt"
 
-    def prepare() -> tuple[ParsedRequest, list[int]]:
+    def prepare() -> tuple[ParsedRequest, list[list[int]]]:
         parsed = parse_request(
             kind,
             body,
@@ -55,36 +55,51 @@ async def generate(request: Request, kind: str) -> Any:
             state.settings.default_max_tokens,
             eng.tokenizer.apply_chat_template,
         )
-        ids = eng.tokenizer.encode(parsed.prompt) if isinstance(parsed.prompt, str) else parsed.prompt
-        return parsed, ids
+        return parsed, [eng.tokenizer.encode(p) if isinstance(p, str) else p for p in parsed.prompts]
 
-    parsed, ids = await run_in_threadpool(prepare)
-    if not ids:
-        raise invalid("the prompt encodes to no tokens; send some text", prompt_param)
-    try:
-        check_context(len(ids), context)
-    except Exception as exc:
-        raise error_from_exception(exc, prompt_param) from None
+    parsed, all_ids = await run_in_threadpool(prepare)
     room, per_token = kv_room(eng)
-    answer = parsed.config.max_tokens
-    if answer is None:
-        answer = max(0, min(context, getattr(eng, "context_tokens", context)) - len(ids))
-    if parsed.n > 1 and room and parsed.n * (len(ids) + answer) * per_token > room:
-        raise invalid(
-            f"'n': {parsed.n} choices of {len(ids)} prompt + {answer} answer tokens need "
-            f"{format_bytes(parsed.n * (len(ids) + answer) * per_token)} of KV cache together, more than the "
-            f"budget's {format_bytes(room)}; lower n or max_tokens, or raise --context-tokens",
-            "n",
-            "kv_room_exceeded",
-        )
-    prompt_lp = None
-    if parsed.echo and parsed.logprobs is not None:  # the prompt's own logprobs: one teacher-forced prefill
+    positions = 0
+    for ids in all_ids:
+        if not ids:
+            raise invalid("the prompt encodes to no tokens; send some text", prompt_param)
         try:
-            prompt_lp = await run_in_threadpool(score_prompt, eng, ids, parsed.logprobs)
+            check_context(len(ids), context)
         except Exception as exc:
             raise error_from_exception(exc, prompt_param) from None
+        answer = parsed.config.max_tokens
+        if answer is None:
+            answer = max(0, min(context, getattr(eng, "context_tokens", context)) - len(ids))
+        positions += parsed.n * (len(ids) + answer)
+    jobs_wanted = parsed.n * len(all_ids)
+    if jobs_wanted > 1 and room and positions * per_token > room:
+        param = "n" if len(all_ids) == 1 else "prompt"
+        raise invalid(
+            f"'{param}': {parsed.n} choice(s) of {len(all_ids)} prompt(s) need {positions} positions, "
+            f"{format_bytes(positions * per_token)} of KV cache together, more than the budget's "
+            f"{format_bytes(room)}; lower n, max_tokens or the prompts in the batch, or raise --context-tokens",
+            param,
+            "kv_room_exceeded",
+        )
+    places = state.runner.slots + state.runner.max_queue
+    if jobs_wanted > places:
+        raise invalid(
+            f"'prompt': {len(all_ids)} prompt(s) x n={parsed.n} are {jobs_wanted} sequences, more than this server "
+            f"runs and queues at once ({places}: --max-batch plus --max-queue); send fewer per request",
+            "prompt" if len(all_ids) > 1 else "n",
+            "too_many_sequences",
+        )
+    echoes = []
+    for ids, prompt in zip(all_ids, parsed.prompts):
+        prompt_lp = None
+        if parsed.echo and parsed.logprobs is not None:  # the prompt's own logprobs: one teacher-forced prefill
+            try:
+                prompt_lp = await run_in_threadpool(score_prompt, eng, ids, parsed.logprobs)
+            except Exception as exc:
+                raise error_from_exception(exc, prompt_param) from None
+        echoes.append(Echo(parsed.echo, prompt, eng.tokenizer, ids, prompt_lp))
     loop = asyncio.get_running_loop()
-    jobs = [Job(ids, _choice_config(parsed.config, i), loop) for i in range(parsed.n)]
+    jobs = [Job(ids, _choice_config(parsed.config, i), loop) for ids in all_ids for i in range(parsed.n)]
     try:
         for job in jobs:
             state.runner.submit(job)
@@ -101,9 +116,8 @@ async def generate(request: Request, kind: str) -> Any:
         ) from None
     group = Group(jobs, loop)
     watch = DisconnectWatch(request)
-    echo = Echo(parsed, eng.tokenizer, ids, prompt_lp)
     try:
-        return await _answer(state, group, parsed, watch, t0, prompt_param, echo)
+        return await _answer(state, group, parsed, watch, t0, prompt_param, echoes)
     except Disconnected:
         return Response(status_code=499)
     finally:
@@ -126,7 +140,7 @@ async def _answer(
     watch: DisconnectWatch,
     t0: float,
     prompt_param: str,
-    echo: Echo,
+    echoes: list[Echo],
 ) -> Any:
     chat = parsed.kind == "chat"
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -141,7 +155,7 @@ async def _answer(
     state.metrics.first_token("/v1/chat/completions" if chat else "/v1/completions", time.perf_counter() - t0)
     if parsed.stream:  # from here the response watches the client itself (a failed send ends the stream)
         return StreamingResponse(
-            _stream(state, group, first, parsed, rid, created, echo),
+            _stream(state, group, first, parsed, rid, created, echoes),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -166,6 +180,7 @@ async def _answer(
         item = await watch.next_event(group)
     choices = []
     for i in range(n):
+        echo = echoes[i // parsed.n]  # choices come prompt by prompt, n each (as OpenAI orders them)
         text = "".join(parts[i])
         finish = (lasts[i].finish_reason if lasts[i] else None) or "length"
         if chat:
@@ -188,14 +203,14 @@ async def _answer(
         "created": created,
         "model": state.model_id,
         "choices": choices,
-        "usage": _usage(group.jobs),
+        "usage": _usage(group.jobs, parsed.n),
         "system_fingerprint": "fate-edge",
         "fate_edge": _engine_figures(group.jobs[0]),
     }
 
 
-def _usage(jobs: list[Job]) -> dict[str, int]:
-    p = len(jobs[0].prompt)  # the prompt once, however many choices (as OpenAI counts)
+def _usage(jobs: list[Job], n: int = 1) -> dict[str, int]:
+    p = sum(len(job.prompt) for job in jobs[::n])  # each prompt once, however many choices (as OpenAI counts)
     c = sum(job.last.generation_tokens if job.last else 0 for job in jobs)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
@@ -222,7 +237,7 @@ async def _stream(
     parsed: ParsedRequest,
     rid: str,
     created: int,
-    echo: Echo,
+    echoes: list[Echo],
 ):
     chat = parsed.kind == "chat"
     obj = "chat.completion.chunk" if chat else "text_completion"
@@ -248,14 +263,15 @@ async def _stream(
             data["usage"] = None
         return sse(data)
 
-    offsets = [len(echo.text)] * n  # completions' text_offset of each choice's next token
+    echo_of = [echoes[i // parsed.n] for i in range(n)]  # choices come prompt by prompt, n each
+    offsets = [len(e.text) for e in echo_of]  # completions' text_offset of each choice's next token
     item, ended, finished = first, 0, [False] * n
     try:
         for i in range(n):
             if chat:
                 yield chunk(i, None, None, role=True)
-            elif echo.text:  # echo: the prompt (and its logprobs) first
-                yield chunk(i, echo.text, None, lp=echo.prompt_logprobs())
+            elif echo_of[i].text:  # echo: the prompt (and its logprobs) first
+                yield chunk(i, echo_of[i].text, None, lp=echo_of[i].prompt_logprobs())
         while True:
             i, ev = item
             if ev.kind == "token":
@@ -263,9 +279,9 @@ async def _stream(
                 lp = None
                 if step.logprob is not None:
                     if chat:
-                        lp = {"content": [chat_entry(echo.tokenizer, step.logprob)], "refusal": None}
+                        lp = {"content": [chat_entry(echo_of[i].tokenizer, step.logprob)], "refusal": None}
                     else:
-                        cl = CompletionLogprobs(echo.tokenizer, offsets[i])
+                        cl = CompletionLogprobs(echo_of[i].tokenizer, offsets[i])
                         lp = cl.entries([step.logprob], [step.logprob.token])
                         offsets[i] = cl.offset  # as the whole answer counts them: token by token
                 if step.text or lp is not None:
@@ -293,7 +309,7 @@ async def _stream(
                             "model": state.model_id,
                             "system_fingerprint": "fate-edge",
                             "choices": [],
-                            "usage": _usage(group.jobs),
+                            "usage": _usage(group.jobs, parsed.n),
                             "fate_edge": _engine_figures(group.jobs[0]),
                         }
                     )
@@ -339,13 +355,15 @@ class Group:
 class Echo:
     """What ``echo`` puts before a completion: the prompt's text and, with ``logprobs``, its tokens' logprobs."""
 
-    def __init__(self, parsed: ParsedRequest, tokenizer: Any, ids: list[int], prompt_lp: list[Any] | None):
+    def __init__(
+        self, echo: bool, prompt: str | list[int], tokenizer: Any, ids: list[int], prompt_lp: list[Any] | None
+    ):
         self.tokenizer = tokenizer
         self.ids = ids
         self.prompt_lp = prompt_lp
         self.text = ""
-        if parsed.echo:
-            self.text = parsed.prompt if isinstance(parsed.prompt, str) else tokenizer.decode(ids)
+        if echo:
+            self.text = prompt if isinstance(prompt, str) else tokenizer.decode(ids)
 
     def prompt_logprobs(self) -> dict[str, Any] | None:
         if self.prompt_lp is None:

@@ -18,6 +18,7 @@ from fate_edge.runtime.token_logprobs import MAX_TOP_LOGPROBS
 
 MAX_STOP = 16
 MAX_N = 16  # choices per request (each is a sequence in the batch)
+MAX_PROMPTS = 64  # prompts in one completions request (lm-eval's --batch_size sends several)
 ROLES = {"system", "developer", "user", "assistant"}
 
 
@@ -33,6 +34,9 @@ class ParsedRequest:
     n: int = 1  # choices, decoded together as n sequences of the batch
     logprobs: int | None = None  # None: off; else the top alternatives per token (0: the chosen token's alone)
     echo: bool = False  # completions: the prompt first in the text, with its tokens' logprobs when asked
+    prompts: list[str | list[int]] = field(
+        default_factory=list
+    )  # completions: every prompt of a batch (``prompt``: the first)
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -342,6 +346,27 @@ def completion_prompt(body: dict[str, Any], vocab_size: int) -> str | list[int]:
     raise invalid(f"'prompt' must be a string or an array of token ids, got {_type(prompt)}", "prompt", "invalid_type")
 
 
+def completion_prompts(body: dict[str, Any], vocab_size: int) -> list[str | list[int]]:
+    """A completions ``prompt``: one (a string or token ids) or a batch of them (strings or arrays of token ids)."""
+    prompt = body.get("prompt")
+    batch = (
+        isinstance(prompt, list)
+        and len(prompt) > 1
+        and (all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt))
+    )
+    if not batch:
+        return [completion_prompt(body, vocab_size)]
+    if len(prompt) > MAX_PROMPTS:
+        raise invalid(f"'prompt' may hold at most {MAX_PROMPTS} prompts, got {len(prompt)}", "prompt", "invalid_value")
+    out = []
+    for i, p in enumerate(prompt):
+        try:
+            out.append(completion_prompt({"prompt": p}, vocab_size))
+        except APIError as exc:
+            raise invalid(f"'prompt[{i}]': {exc.message}", "prompt", exc.code) from None
+    return out
+
+
 def parse_request(
     kind: str, body: dict[str, Any], context: int, vocab_size: int, default_max_tokens: int | None, render_chat
 ) -> ParsedRequest:
@@ -363,7 +388,11 @@ def parse_request(
             raise
         except Exception as exc:  # a template that rejects the conversation (raise_exception in jinja)
             raise invalid(f"the chat template rejected these messages: {exc}", "messages") from None
+        prompts = [prompt]
     else:
-        prompt = completion_prompt(body, vocab_size)
+        prompts = completion_prompts(body, vocab_size)
+        prompt = prompts[0]
     echo = kind != "chat" and b.bool("echo", False)
-    return ParsedRequest(kind, model, prompt, config, stream, include_usage, n=n, logprobs=logprobs, echo=echo)
+    return ParsedRequest(
+        kind, model, prompt, config, stream, include_usage, n=n, logprobs=logprobs, echo=echo, prompts=prompts
+    )
