@@ -8,6 +8,7 @@ a datasheet line, a spec-derived calculation, or a measurement, so results can s
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -15,13 +16,13 @@ from typing import Any
 
 from fate_edge.errors import ProfileError
 
-try:
+if sys.version_info >= (3, 11):
     import tomllib
-except ModuleNotFoundError:  # Python 3.10: the same parser lives in the 'tomli' package
+else:  # Python 3.10: the same parser lives in the 'tomli' package (a dependency there)
     try:
-        import tomli as tomllib  # type: ignore[no-redef]
+        import tomli as tomllib
     except ModuleNotFoundError:
-        tomllib = None  # type: ignore[assignment]
+        tomllib = None
 
 GiB = 1 << 30
 

@@ -18,7 +18,7 @@ def openmp_defaults(load: float, cores: int) -> dict[str, str]:
 # GOMP_SPINCOUNT override the policy's spin, so we never add one to a user's policy); torch imported before
 # fate_edge keeps libgomp's default. FATE_EDGE_SET_OPENMP names what we set (inherited by child processes, which
 # choose again), so peers with an OpenMP runtime of their own (llama.cpp links the system libgomp) start without
-# it (fate_edge.bench.llamacpp).
+# it (fate_edge_lab.bench.llamacpp).
 for _name in filter(None, os.environ.pop("FATE_EDGE_SET_OPENMP", "").split(",")):  # a parent's, not the user's
     os.environ.pop(_name, None)
 if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):
@@ -30,19 +30,23 @@ if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):
 
 from fate_edge.bundled import bundled_model_dir
 from fate_edge.errors import BudgetError, FateEdgeError, GenerationError, ModelFormatError
-from fate_edge.planning.auto import Engine
-from fate_edge.runtime.engine import Completion
-from fate_edge.runtime.generate import GenerateConfig, GenerationResponse, generate, stream_generate
+from fate_edge.planning.auto import plan_engine
+from fate_edge.runtime.engine import Completion, Engine
+from fate_edge.runtime.engine_config import EngineConfig, set_planner
+from fate_edge.runtime.generate import GenerateConfig, GenerationResponse, generate_from_model, stream_from_model
 from fate_edge.runtime.loader import load_model
 from fate_edge.runtime.sampling import SamplingParams
 from fate_edge.tokenizer import Tokenizer
 from fate_edge.version import __version__
+
+set_planner(plan_engine)  # policy="auto": the planner, a layer above the runtime, picks in Engine.load
 
 __all__ = [
     "__version__",
     "BudgetError",
     "Completion",
     "Engine",
+    "EngineConfig",
     "FateEdgeError",
     "GenerateConfig",
     "GenerationError",
@@ -51,7 +55,7 @@ __all__ = [
     "SamplingParams",
     "Tokenizer",
     "bundled_model_dir",
-    "generate",
+    "generate_from_model",
     "load_model",
-    "stream_generate",
+    "stream_from_model",
 ]

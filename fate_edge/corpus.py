@@ -51,7 +51,9 @@ def is_heldout(path: Path, fraction: float) -> bool:
 def read_corpus(split: CorpusSplit | None = None) -> tuple[list[str], list[str]]:
     """(training texts, held-out texts) of the stdlib corpus under ``split``."""
     split = split or CorpusSplit()
-    train, heldout, total = [], [], 0
+    train: list[str] = []
+    heldout: list[str] = []
+    total = 0
     for path in stdlib_files():
         try:
             text = path.read_text(encoding="utf-8")

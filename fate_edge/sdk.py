@@ -17,7 +17,7 @@ are served one at a time.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fate_edge.errors import GenerationError
@@ -67,7 +67,7 @@ def _config(config: GenerateConfig | None, kw: dict[str, Any]) -> GenerateConfig
 
 def stream(
     engine: Engine, prompt: str | list[int], config: GenerateConfig | None = None, **kw: Any
-) -> Iterator[GenerationResponse]:
+) -> Generator[GenerationResponse, None, None]:
     """Yield one :class:`GenerationResponse` per generated token (keywords as :func:`generate_config`).
 
     Stop iterating (or call ``.close()`` on the iterator) to cancel: the request leaves the batch before the

@@ -276,7 +276,7 @@ class LearnedPredictor(ReadsPreviousInput, Predictor):
             model = SourceModel(w, manifest["rank"])
             model.load_state_dict({k.split(".", 1)[1]: v for k, v in tensors.items() if k.split(".", 1)[0] == src})
             models[int(src)] = model
-        meta = {k: manifest[k] for k in ("init", "training", "metrics") if k in manifest}
+        meta: dict[str, Any] = {k: manifest[k] for k in ("init", "training", "metrics") if k in manifest}
         return cls(
             models,
             manifest["moe_layers"],

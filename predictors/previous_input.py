@@ -17,7 +17,7 @@ a share of rows (``TrainConfig.previous_dropout``) so zeros mean "unknown" rathe
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from fate_edge.predictors.base import next_moe_layers
@@ -156,6 +156,10 @@ class ReadsPreviousInput:
     early_attention: bool = False
     early: Any = None  # early_attention.EarlyInput
     hidden_size: int = 0  # the gate input's width, before widening
+
+    if TYPE_CHECKING:  # the Predictor's, which every class using this mixin also derives from
+
+        def to(self, device: Any) -> Any: ...
 
     def attach(self, model: Any) -> None:
         """The engine's model: the predictor moves to its device, and the early attention reads its residual and KV

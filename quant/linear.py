@@ -32,7 +32,9 @@ from fate_edge.quant.rtn import Quantized, dequantize, quantize
 from fate_edge.quant.spec import QuantSpec
 
 KERNEL_CHOICES: dict[tuple[int, tuple[int, int], str], str] = {}
-KERNEL_TIMINGS: dict[tuple[int, tuple[int, int], str, int], dict[str, float]] = {}
+# (bits, shape, device type, threads) for one row, with the row count appended for more
+TimingKey = tuple[int, tuple[int, int], str, int] | tuple[int, tuple[int, int], str, int, int]
+KERNEL_TIMINGS: dict[TimingKey, dict[str, float]] = {}
 _INT4_TILES = 2  # inner k tiles of the tinygemm layout
 
 
@@ -52,7 +54,7 @@ class QuantizedLinear:
     spec: QuantSpec
     shape: tuple[int, int]
     kernel: str
-    packed: torch.Tensor  # kernel-specific packed weights
+    packed: torch.Tensor | None  # kernel-specific packed weights (None: ort-int4 holds its own)
     scale_zero: torch.Tensor | None = None  # torch-int4: [K/g, N, 2] bf16
     q: Quantized | None = None  # dequant: codes (unpacked), scale, zero
     ort: OrtMatMul | None = None  # ort-int4
@@ -64,7 +66,7 @@ class QuantizedLinear:
     ) -> QuantizedLinear:
         """Quantize float ``w`` [N, K] for the fastest kernel here (timed once per shape), or for ``kernel``."""
         device = torch.device(device)
-        shape = tuple(w.shape)
+        shape = (w.shape[0], w.shape[1])
         if kernel is None:
             kernel = choose_kernel(w, spec, device)
         if kernel == "ort-int4":
@@ -181,6 +183,7 @@ class QuantizedLinear:
     def mm_bf16(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [M, K] bf16 → [M, N] bf16 on the torch-int4 kernel, without the casts ``__call__`` adds."""
         fn = torch._weight_int4pack_mm_for_cpu if x.device.type == "cpu" else torch._weight_int4pack_mm
+        assert self.packed is not None and self.scale_zero is not None  # torch-int4 holds both
         return fn(x, self.packed, self.spec.group_size, self.scale_zero)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [M, K] -> [M, N]
@@ -191,6 +194,7 @@ class QuantizedLinear:
         if self.kernel == "torch-int4":
             fn = torch._weight_int4pack_mm_for_cpu if x.device.type == "cpu" else torch._weight_int4pack_mm
             x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x  # the kernel takes [M, K] only
+            assert self.packed is not None and self.scale_zero is not None  # torch-int4 holds both
             y = fn(x2.to(torch.bfloat16), self.packed, self.spec.group_size, self.scale_zero)
             return (y if x.dim() == 2 else y.view(*x.shape[:-1], -1)).to(x.dtype)
         assert self.q is not None
@@ -202,7 +206,11 @@ class QuantizedLinear:
             return self.native.nbytes
         if self.ort is not None:
             return self.ort.nbytes
-        tensors = [self.packed, self.scale_zero] if self.kernel == "torch-int4" else list(self.q)  # type: ignore[arg-type]
+        if self.kernel == "torch-int4":
+            tensors = [self.packed, self.scale_zero]
+        else:
+            assert self.q is not None  # dequant holds its codes, scale and zero
+            tensors = list(self.q)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
@@ -331,9 +339,9 @@ def choose_kernel(
     """The fastest kernel for ``w``'s shape at each row count in ``rows`` (1: a decode token; more: a prefill
     chunk), timed once per (bits, shape, device, threads, rows) and kept in :data:`KERNEL_TIMINGS` (one row
     under the 4-part key, ``m`` rows under the key with ``m`` appended); :func:`pick_for_rows` decides."""
-    shape = tuple(w.shape)
+    shape = (w.shape[0], w.shape[1])
     base = (spec.bits, shape, device.type, torch.get_num_threads())
-    keys = {m: base if m == 1 else (*base, m) for m in rows}
+    keys: dict[int, TimingKey] = {m: base if m == 1 else (*base, m) for m in rows}
     missing = [m for m in rows if keys[m] not in KERNEL_TIMINGS]
     if missing:
         built = {k: QuantizedLinear.from_float(w, spec, device, k) for k in candidate_kernels(shape, spec, device)}

@@ -22,13 +22,25 @@ from fate_edge.native_build import load_kernel
 SOURCE = "int4_gemm.c"
 _ISA_NAMES = {2: "avx512-vnni", 1: "avx2"}
 _lock = threading.Lock()
-_state: dict[str, object] = {}
+
+
+@dataclass
+class _Native:
+    """The kernel library once loaded: ``reason`` says why there is none (None: not tried yet)."""
+
+    lib: ctypes.CDLL | None = None
+    isa: int = 0  # 2: AVX512-VNNI, 1: AVX2
+    reason: str | None = None
+    gemm_min_rows: int = 0  # 0: the instruction set's default
+
+
+_state = _Native()
 
 
 def _load() -> None:
     lib, reason = load_kernel("fate_edge.quant", SOURCE, "int4_gemm", "int4 kernel")
     if lib is None:
-        _state.update(lib=None, reason=reason)
+        _state.lib, _state.reason = None, reason
         return
     lib.fe_int4_isa.restype = ctypes.c_int
     lib.fe_int4_gemm.restype = ctypes.c_int
@@ -55,21 +67,21 @@ def _load() -> None:
     if os.environ.get("FATE_EDGE_NATIVE") == "avx2":  # the AVX2 path on an AVX-512 host (tests, comparisons)
         isa = min(isa, 1)
     if isa == 0:
-        _state.update(lib=None, reason="this CPU has neither AVX2 nor AVX512-VNNI")
+        _state.lib, _state.reason = None, "this CPU has neither AVX2 nor AVX512-VNNI"
         return
-    _state.update(lib=lib, isa=isa, reason=f"built ({_ISA_NAMES[isa]})")
+    _state.lib, _state.isa, _state.reason = lib, isa, f"built ({_ISA_NAMES[isa]})"
 
 
 def native_status() -> tuple[bool, str]:
     """(available, why): built and usable here, or the reason it is not (no compiler, no AVX2, disabled)."""
     with _lock:
-        if "reason" not in _state:
+        if _state.reason is None:
             _load()
-    return _state["lib"] is not None, str(_state["reason"])
+    return _state.lib is not None, str(_state.reason)
 
 
 def native_isa() -> str | None:
-    return _ISA_NAMES.get(int(_state.get("isa", 0))) if native_status()[0] else None
+    return _ISA_NAMES.get(_state.isa) if native_status()[0] else None
 
 
 def native_is_default() -> bool:
@@ -84,7 +96,8 @@ def _lib() -> ctypes.CDLL:
     ok, why = native_status()
     if not ok:
         raise RuntimeError(f"the native int4 kernel is not available: {why}")
-    return _state["lib"]  # type: ignore[return-value]
+    assert _state.lib is not None  # native_status said it is loaded
+    return _state.lib
 
 
 def q4_0_codes(blocks: torch.Tensor) -> torch.Tensor | None:
@@ -104,9 +117,9 @@ def set_gemm_min_rows(rows: int) -> int:
     weights fastest at one row); 0 restores the per-instruction-set default (3 rows on AVX-512, 8 on AVX2).
     Returns the previous setting; for tests and kernel benchmarks that compare the two paths."""
     lib = _lib()
-    before = int(_state.get("gemm_min_rows", 0))
+    before = _state.gemm_min_rows
     lib.fe_int4_set_gemm_min_rows(rows)
-    _state["gemm_min_rows"] = rows
+    _state.gemm_min_rows = rows
     return before
 
 
@@ -198,9 +211,9 @@ class NativeInt4:
         # kernel a tensor without storage to write into)
         y = torch.empty(x2.shape[0], n, dtype=torch.bfloat16 if bf16 else torch.float32, device=x2.device)
         if x2.shape[0]:
-            rc = _state["lib"].fe_int4_gemm(  # type: ignore[union-attr]  (loaded in __post_init__)
-                *self.call_args(x2, y), torch.get_num_threads(), _state["isa"]
-            )
+            lib = _state.lib
+            assert lib is not None  # loaded in __post_init__
+            rc = lib.fe_int4_gemm(*self.call_args(x2, y), torch.get_num_threads(), _state.isa)
             if rc != 0:
                 raise MemoryError(f"native int4 matmul {n}x{k} on {x2.shape[0]} rows: out of memory for its buffers")
         y = y if x.dim() == 2 else y.view(*x.shape[:-1], n)
@@ -225,6 +238,6 @@ def gemm_grouped(calls: list[tuple[NativeInt4, torch.Tensor, torch.Tensor]]) -> 
         if y.shape != (x.shape[0], n) or y.dtype != x.dtype or x.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"gemm_grouped: y {tuple(y.shape)} {y.dtype} does not fit x {tuple(x.shape)} {x.dtype}")
     table = torch.tensor([lin.call_args(x, y) for lin, x, y in calls], dtype=torch.int64)
-    rc = _lib().fe_int4_gemm_grouped(len(calls), table.data_ptr(), torch.get_num_threads(), _state["isa"])
+    rc = _lib().fe_int4_gemm_grouped(len(calls), table.data_ptr(), torch.get_num_threads(), _state.isa)
     if rc != 0:
         raise MemoryError(f"native int4 grouped matmul of {len(calls)} matrices: out of memory for its buffers")

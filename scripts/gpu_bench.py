@@ -20,12 +20,13 @@ from pathlib import Path
 
 import torch
 
-from fate_edge.bench.sidebyside import resident_int4
-from fate_edge.planning.read_bound import decode_reads
 from fate_edge.runtime.engine import Engine
-from fate_edge.runtime.generate import GenerateConfig, stream_generate
+from fate_edge.runtime.engine_config import EngineConfig
+from fate_edge.runtime.generate import GenerateConfig, stream_from_model
 from fate_edge.runtime.loader import load_model
 from fate_edge.tokenizer import Tokenizer
+from fate_edge_lab.bench.sidebyside import resident_int4
+from fate_edge_lab.bounds.read_bound import decode_reads
 
 
 def prompt_ids(vocab: int, n: int) -> list[int]:
@@ -96,8 +97,8 @@ def run_resident(args, prompt: list[int], graphs: bool) -> dict:
     model = load_model(args.store, dtype="bfloat16", experts=resident_int4(args.store, "cuda"), device="cuda")
     model.cuda_graphs = graphs
     cfg = GenerateConfig(max_tokens=args.decode_tokens, ignore_eos=True)
-    _measure(stream_generate(model, tok, prompt[:16], GenerateConfig(max_tokens=4, ignore_eos=True)))
-    row = _measure(stream_generate(model, tok, prompt, cfg))
+    _measure(stream_from_model(model, tok, prompt[:16], GenerateConfig(max_tokens=4, ignore_eos=True)))
+    row = _measure(stream_from_model(model, tok, prompt, cfg))
     row["graph"] = (
         f"captured {model.graphed.captures}x"
         if model.graphed is not None and model.graph_off is None
@@ -105,7 +106,7 @@ def run_resident(args, prompt: list[int], graphs: bool) -> dict:
     )
     if args.profile_dir:
         row["profile"] = _profile(
-            lambda: stream_generate(model, tok, prompt, cfg),
+            lambda: stream_from_model(model, tok, prompt, cfg),
             f"resident-{'graph' if graphs else 'eager'}",
             args.profile_dir,
         )
@@ -113,9 +114,9 @@ def run_resident(args, prompt: list[int], graphs: bool) -> dict:
 
 
 def run_engine(args, prompt: list[int], policy: str, budget: str, profile: bool) -> dict:
-    with Engine(args.store, budget, policy, dtype="bfloat16", device="cuda") as engine:
+    with Engine(EngineConfig(args.store, budget, policy, dtype="bfloat16", device="cuda")) as engine:
         cfg = GenerateConfig(max_tokens=args.decode_tokens, ignore_eos=True)
-        engine.generate(prompt[:16], GenerateConfig(max_tokens=4, ignore_eos=True))
+        engine.generate_text(prompt[:16], GenerateConfig(max_tokens=4, ignore_eos=True))
         # the decode's expert reads beside the fewest any cache could make on the same routing
         try:
             responses, reads = decode_reads(engine, engine.stream(prompt, cfg))
@@ -272,7 +273,8 @@ def table(result: dict) -> str:
 
 def reads_table(rows: dict) -> list[str]:
     """The budgeted runs' expert reads per decode token beside the fewest any cache could make on the same routing
-    (``planning.read_bound``), and the decode tokens/s those fewest reads alone allow at the reads' measured speed."""
+    (``fate_edge_lab.bounds.read_bound``), and the decode tokens/s those fewest reads alone allow at the reads'
+    measured speed."""
     lines = [
         "",
         "| run | reads a decode token: engine / fewest (cache room) / fewest (whole budget) | read GB/s "

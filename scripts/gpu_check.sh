@@ -44,7 +44,7 @@ py=python3
   timeout 300 $py -P scripts/gpu_bench.py --model "$work/model" --store "$work/store" --budgets $budgets \
     "${peers[@]}" --json "$out/gpu_bench.json" --markdown "$out/gpu_bench.md" --profile-dir "$out"
   echo "== throughput: 8 concurrent requests against one at a time (the slice, 35% budget; issue 38's GPU row)"
-  timeout 150 $py -P -m fate_edge.bench.throughput --device cuda --model "$work/store" --dtype bfloat16 \
+  timeout 150 $py -P -m fate_edge_lab.bench.throughput --device cuda --model "$work/store" --dtype bfloat16 \
     --concurrency 8 --max-tokens 32 --rounds 3 --out "$out/throughput.json"
   echo "== done"; date -u
 } 2>&1 | tee "$out/gpu_check.log"

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from fate_edge import GenerateConfig, Tokenizer, bundled_model_dir, load_model
-from fate_edge.runtime.generate import generate
+from fate_edge.runtime.generate import generate_from_model
 
 
 def main() -> None:
@@ -31,14 +31,16 @@ def main() -> None:
         a = cpu(ids, cpu.new_cache())[0, -1].float()
         b = gpu(ids.cuda(), gpu.new_cache())[0, -1].float().cpu()
         cfg = GenerateConfig(max_tokens=64, ignore_eos=True)
-        ta, _ = generate(cpu, tok, "def main():", cfg)
-        first, _ = generate(gpu, tok, "def main():", cfg)  # warm-up: kernel loads, cuBLAS handles, graph capture
+        ta, _ = generate_from_model(cpu, tok, "def main():", cfg)
+        first, _ = generate_from_model(
+            gpu, tok, "def main():", cfg
+        )  # warm-up: kernel loads, cuBLAS handles, graph capture
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        tb, last = generate(gpu, tok, "def main():", cfg)
+        tb, last = generate_from_model(gpu, tok, "def main():", cfg)
         torch.cuda.synchronize()
         gpu.cuda_graphs = False
-        eager = generate(gpu, tok, "def main():", cfg)[1]
+        eager = generate_from_model(gpu, tok, "def main():", cfg)[1]
         result[dtype] = {
             "max_abs_diff_last_logits": float((a - b).abs().max()),
             "greedy_text_equal": ta == tb,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install the llama.cpp peer (llama-cpp-python) the way this project measures it, and keep its sdist for the
-# GGUF converter (fate_edge.bench.gguf unpacks convert_hf_to_gguf.py from it into ~/.cache/fate-edge-peers).
+# GGUF converter (fate_edge_lab.bench.gguf unpacks convert_hf_to_gguf.py from it into ~/.cache/fate-edge-peers).
 # CPU build with every instruction set this host has except AMX: on these VMs the CPU reports AMX but the tile
 # instructions fault (SIGILL; earlier, a crash in the AMX matmul on q4_0), and GGML_NATIVE=ON turns AMX on through
 # -march=native whatever GGML_AMX_* say. So GGML_NATIVE=OFF and the ISA flags are named one by one.

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from _tiny_moe import CORPUS
 
-from fate_edge.runtime.calibrate import CalibrateOptions, calibrate
+from fate_edge.planning.calibrate import CalibrateOptions, calibrate
 
 
 def calibrated_bundled_copy(bundled_dir: Path, tmp_path: Path, monkeypatch, **options) -> tuple[Path, dict]:

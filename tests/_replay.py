@@ -18,6 +18,7 @@ from fate_edge.format.convert import ConvertOptions, convert
 from fate_edge.format.store import ExpertStore
 from fate_edge.planning.simulate import HostCosts, simulate
 from fate_edge.runtime.engine import Engine, Trace
+from fate_edge.runtime.engine_config import EngineConfig
 
 PROMPT = "def parse_args(argv):\n    "
 CFG = GenerateConfig(max_tokens=16, ignore_eos=True)
@@ -31,7 +32,7 @@ def int4_store(out, bundled_dir):
 
 def record(store) -> tuple[object, Trace]:
     """``store`` and the routing of PROMPT under CFG on it, recorded once (what the oracle replays)."""
-    with Engine(store, "64MB", "lru") as rec:
+    with Engine(EngineConfig(store, "64MB", "lru")) as rec:
         return store, rec.record_trace(PROMPT, CFG)
 
 
@@ -125,9 +126,10 @@ def simulate_engine(engine: Engine, trace: Trace):
 def record_with_predictions(store, config: GenerateConfig = CFG):
     """PROMPT under ``config`` on ``store``: (its Trace, each predictor's decode scores, the model config, (entry
     bytes, int4 slot bytes), the calibration popularity): what the simulator replays a request with."""
-    from fate_edge.planning.planner import _DecodeRecorder, trace_predictions
+    from fate_edge.planning.host_costs import _DecodeRecorder
+    from fate_edge.planning.plan_trace import trace_predictions
 
-    with Engine(store, "64MB", "lru") as rec:
+    with Engine(EngineConfig(store, "64MB", "lru")) as rec:
         seen = _DecodeRecorder()
         rec.model.observers.insert(0, seen)
         trace = rec.record_trace(PROMPT, config)

@@ -73,7 +73,7 @@ def test_forward_segments_matches_one_forward_per_sequence(bundled_model, bundle
 def test_greedy_text_is_the_same_alone_or_batched_at_fp32(engines):
     alone, batched = engines
     requests = [(p, _cfg(8 + 5 * i)) for i, p in enumerate(PROMPTS)]  # different lengths; 6 requests, 4 places
-    expected = [alone.generate(p, c)[0] for p, c in requests]
+    expected = [alone.generate_text(p, c)[0] for p, c in requests]
     before = batched.batcher.stats.steps, batched.batcher.stats.sequences_stepped
     assert _interleaved(batched, requests) == expected
     steps = batched.batcher.stats.steps - before[0]
@@ -92,7 +92,7 @@ def test_an_mla_model_is_batched_with_the_text_it_has_alone(tmp_path):
     with Engine.load(path, max_batch=1, **kw) as alone, Engine.load(path, max_batch=4, **kw) as batched:
         assert batched.max_batch == 4
         requests = [(p, _cfg(12 + 4 * i)) for i, p in enumerate(PROMPTS[:5])]
-        expected = [alone.generate(p, c)[0] for p, c in requests]
+        expected = [alone.generate_text(p, c)[0] for p, c in requests]
         assert _interleaved(batched, requests, lead=1) == expected
         stats = batched.batcher.stats
         assert stats.sequences_stepped > 2 * stats.steps and stats.peak_active == 4
@@ -101,10 +101,10 @@ def test_an_mla_model_is_batched_with_the_text_it_has_alone(tmp_path):
 
 def test_stop_string_and_a_closed_stream_leave_the_others_untouched(engines):
     alone, batched = engines
-    full = alone.generate(PROMPTS[0], _cfg(30))[0]
+    full = alone.generate_text(PROMPTS[0], _cfg(30))[0]
     stop = full[10:13]  # a string the answer reaches part way
     requests = [(PROMPTS[0], _cfg(30, stop=[stop])), (PROMPTS[1], _cfg(30)), (PROMPTS[2], _cfg(30))]
-    expected = [alone.generate(p, c)[0] for p, c in requests]
+    expected = [alone.generate_text(p, c)[0] for p, c in requests]
     assert expected[0] == full[: full.index(stop)]
     s0, s1, s2 = (batched.stream(p, c) for p, c in requests)
     cancelled = [next(s2).text for _ in range(1)]

@@ -27,7 +27,7 @@ def engines():
 @pytest.fixture(scope="module")
 def expected(engines):
     alone, _ = engines
-    return [alone.generate(p, _cfg(24))[0] for p in PROMPTS]
+    return [alone.generate_text(p, _cfg(24))[0] for p in PROMPTS]
 
 
 def _read(stream) -> str:

@@ -1,4 +1,4 @@
-"""fate_edge/runtime/calibrate.py: ``fate-edge calibrate`` end to end on the tiny random model and a tiny corpus."""
+"""fate_edge/planning/calibrate.py: ``fate-edge calibrate`` end to end on the tiny random model and a tiny corpus."""
 
 import argparse
 import json
@@ -11,16 +11,11 @@ from _tiny_moe import CORPUS, build_tiny_moe
 from fate_edge.predictors import ActivationPathPredictor, LearnedPredictor, OnnxPredictor, TokenPopularity
 
 from fate_edge import Engine
+from fate_edge.apps.calibrate_cli import add_calibrate_parser
 from fate_edge.bundled import bundled_model_dir
-from fate_edge.runtime.calibrate import (
-    CalibrateOptions,
-    CalibrationError,
-    add_calibrate_parser,
-    calibrate,
-    load_popularity,
-    trace_windows,
-    trained_on_stdlib,
-)
+from fate_edge.errors import CalibrationError
+from fate_edge.format.popularity import load_popularity
+from fate_edge.planning.calibrate import CalibrateOptions, calibrate, trace_windows, trained_on_stdlib
 from fate_edge.runtime.loader import load_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")

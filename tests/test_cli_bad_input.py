@@ -11,8 +11,8 @@ import pytest
 
 from fate_edge.apps import cli_args
 from fate_edge.apps.cli import COMMANDS, build_parser, main, subcommand_parsers
-from fate_edge.bench import scale_cli
-from fate_edge.command_line import model_path, model_path_as_path, model_ref, table_name
+from fate_edge.apps.command_line import model_path, model_path_as_path, model_ref, table_name
+from fate_edge_lab.bench import scale_cli
 
 # Options (and positionals) that take any text, so no value of them is bad input: output paths and free text.
 FREE_TEXT = {

@@ -104,5 +104,5 @@ def test_resident_bits_reach_the_engine_from_the_command_line(bundled_dir, tmp_p
     with open_engine(opts, progress=False) as engine:
         kernels = engine.model.kernels()
         assert {k for role in ("qkv", "o_proj", "lm_head") for k in kernels[role]} == {"torch-int8"}
-        text, _ = engine.generate("def add(a, b):", GenerateConfig(max_tokens=4))
+        text, _ = engine.generate_text("def add(a, b):", GenerateConfig(max_tokens=4))
         assert text

@@ -168,7 +168,7 @@ def test_a_bf16_engine_decodes_with_the_kernel_alone_and_batched(monkeypatch):
     monkeypatch.setattr(decode_attention, "attend_ranges", count("batched", real_ranges))
     cfg = GenerateConfig(max_tokens=6, ignore_eos=True)
     with Engine.load(memory_budget="2MB", device="cpu", dtype="bfloat16", max_batch=1) as alone:
-        text = alone.generate("def main():", cfg)[0]
+        text = alone.generate_text("def main():", cfg)[0]
     assert text and calls["alone"] >= 5 * 8  # every decode token, every layer
     with Engine.load(memory_budget="2MB", device="cpu", dtype="bfloat16", max_batch=4) as batched:
         streams = [batched.stream(p, cfg) for p in ("def main():", "import os\n", "x = ")]

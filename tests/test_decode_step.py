@@ -58,7 +58,7 @@ def store_int4_model(bundled_dir):
     """The bundled model with every int4 expert of its store resident, as the int4 side of `fate-edge bench-llamacpp`
     runs."""
     from fate_edge.apps.engine_args import resolve_store
-    from fate_edge.bench.sidebyside import resident_int4
+    from fate_edge_lab.bench.sidebyside import resident_int4
 
     store = resolve_store(bundled_dir, progress=False)
     return load_model(store, torch.float32, experts=resident_int4(store))

@@ -19,7 +19,8 @@ from fate_edge import GenerateConfig, load_model
 from fate_edge.format.convert import ConvertOptions, convert
 from fate_edge.format.store import ExpertStore, decode_expert
 from fate_edge.runtime.engine import Engine
-from fate_edge.runtime.generate import generate
+from fate_edge.runtime.engine_config import EngineConfig
+from fate_edge.runtime.generate import generate_from_model
 from fate_edge.runtime.sampling import SamplingParams
 
 PROMPT = "def parse(argv):\n    "
@@ -38,10 +39,10 @@ def kernel_layout_store(tmp_path_factory, bundled_dir):
 def test_resident_generation_makes_nothing_off_the_model_device(bundled_dir, bundled_tokenizer, dtype):
     model = load_model(bundled_dir, dtype=dtype)
     cfg = GenerateConfig(max_tokens=10, ignore_eos=True)
-    want = generate(model, bundled_tokenizer, PROMPT, cfg)[0]
+    want = generate_from_model(model, bundled_tokenizer, PROMPT, cfg)[0]
     fresh = load_model(bundled_dir, dtype=dtype)  # its fused weights and tables are built under the meta device
     with torch.device("meta"):
-        got = generate(fresh, bundled_tokenizer, PROMPT, cfg)[0]
+        got = generate_from_model(fresh, bundled_tokenizer, PROMPT, cfg)[0]
     assert got == want
 
 
@@ -52,19 +53,19 @@ def test_sampling_makes_nothing_off_the_model_device(bundled_dir, bundled_tokeni
         ignore_eos=True,
         sampling=SamplingParams(temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.2, seed=3),
     )
-    want = generate(model, bundled_tokenizer, PROMPT, cfg)[0]
+    want = generate_from_model(model, bundled_tokenizer, PROMPT, cfg)[0]
     with torch.device("meta"):
-        got = generate(model, bundled_tokenizer, PROMPT, cfg)[0]
+        got = generate_from_model(model, bundled_tokenizer, PROMPT, cfg)[0]
     assert got == want
 
 
 @pytest.mark.parametrize("policy", ["fate-edge", "fate", "activation-path", "load-on-demand-int4"])
 def test_engine_makes_nothing_off_the_model_device(kernel_layout_store, policy):
     cfg = GenerateConfig(max_tokens=6, ignore_eos=True)
-    with Engine(kernel_layout_store, "2MB", policy, dtype="bfloat16") as engine:
-        want = engine.generate(PROMPT, cfg)[0]
-    with Engine(kernel_layout_store, "2MB", policy, dtype="bfloat16") as engine, torch.device("meta"):
-        got = engine.generate(PROMPT, cfg)[0]
+    with Engine(EngineConfig(kernel_layout_store, "2MB", policy, dtype="bfloat16")) as engine:
+        want = engine.generate_text(PROMPT, cfg)[0]
+    with Engine(EngineConfig(kernel_layout_store, "2MB", policy, dtype="bfloat16")) as engine, torch.device("meta"):
+        got = engine.generate_text(PROMPT, cfg)[0]
     assert got == want
 
 

@@ -16,6 +16,7 @@ from fate_edge.planning.emulation import calibrate, store_side
 from fate_edge.planning.simulate import HostCosts, simulate
 from fate_edge.runtime.budget import plan_budget
 from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.engine_config import EngineConfig
 from fate_edge.runtime.policy import PRESETS
 from fate_edge.runtime.preload import global_choice
 
@@ -78,9 +79,9 @@ def test_the_row_follows_what_a_read_costs_in_layers_of_the_devices_compute(read
 def test_a_stores_read_cost_picks_its_row_per_device(recorded):
     """The bundled model's int4 expert (small next to its resident weights) over each device's link, in MoE layers
     of that device's roofline token: cheap over the laptop's PCIe, dear over a Jetson's NVMe."""
-    from fate_edge.bench.worker import spec_policy
     from fate_edge.format.store import ExpertStore
     from fate_edge.planning.device_costs import read_layers
+    from fate_edge_lab.bench.worker import spec_policy
 
     store, side = recorded[0], recorded[5]
     entry, layers = ExpertStore(store).expert_bytes(4), len(recorded[3].moe_layers)
@@ -107,9 +108,9 @@ def test_the_prefetching_row_prefetches_in_the_engine_and_keeps_the_text(recorde
     budget = int(0.35 * len(cfg.moe_layers) * cfg.num_experts * entry) + 3 * slot
     policy = for_device(PRESETS["fate-edge"], "rtx4060", read_layers=1.0)
     decode = GenerateConfig(max_tokens=24, ignore_eos=True)
-    with Engine(store, budget, "lru") as ref:
-        want = ref.generate(PROMPT, decode)[0]
-    with Engine(store, budget, policy) as eng:
+    with Engine(EngineConfig(store, budget, "lru")) as ref:
+        want = ref.generate_text(PROMPT, decode)[0]
+    with Engine(EngineConfig(store, budget, policy)) as eng:
         assert eng.load_report.reads > 0
         steps = eng.stream(PROMPT, decode)
         parts = [next(steps).text]  # the prompt's prefill and the first token
@@ -121,7 +122,7 @@ def test_the_prefetching_row_prefetches_in_the_engine_and_keeps_the_text(recorde
 
 
 def test_the_bench_runs_fate_edge_as_on_the_emulated_device():
-    from fate_edge.bench.worker import spec_policy
+    from fate_edge_lab.bench.worker import spec_policy
 
     assert spec_policy({"preset": "fate-edge", "emulate": "orin-nano"}).allocation == "global"
     assert spec_policy({"preset": "fate-edge"}) is PRESETS["fate-edge"]
@@ -202,11 +203,11 @@ def test_global_choice_takes_the_most_used_experts_across_layers():
 
 def test_a_global_cache_is_filled_at_load_with_the_most_used_experts(bundled_dir, tmp_path):
     """Before, a global cache had no per-layer slots and preload filled nothing: every prompt started cold."""
-    from fate_edge.runtime.calibrate import load_popularity
+    from fate_edge.format.popularity import load_popularity
 
     store = convert(bundled_dir, tmp_path / "store", ConvertOptions(bits=4), progress=False)
     policy = for_device(PRESETS["fate-edge"], "orin-nano")
-    with Engine(store, "1MB", policy) as engine:
+    with Engine(EngineConfig(store, "1MB", policy)) as engine:
         report = engine.load_report
         capacity = engine.cache.capacity_bytes // engine.cache.entry_bytes
         cfg = engine.model.config
@@ -252,9 +253,9 @@ def test_the_experts_filled_at_load_survive_the_prompt(bundled_dir, tmp_path):
     policy = for_device(PRESETS["fate-edge"], "orin-nano")
     misses = {}
     for keep in (True, False):
-        with Engine(store, "1MB", policy.with_(keep_preloaded=keep)) as engine:
+        with Engine(EngineConfig(store, "1MB", policy.with_(keep_preloaded=keep))) as engine:
             loaded = [(layer, e) for layer, experts in engine.load_report.experts.items() for e in experts]
-            engine.generate(PROMPT, GenerateConfig(max_tokens=1))
+            engine.generate_text(PROMPT, GenerateConfig(max_tokens=1))
             misses[keep] = engine.prefill_stats.misses
             kept = sum(key in engine.cache for key in loaded)
             assert len(loaded) > 0

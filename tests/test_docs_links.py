@@ -107,7 +107,7 @@ def test_headings_anchor_as_github_does():
 def test_each_generated_table_has_its_own_results_file():
     """Scripts write docs/results/NAME.md between the NAME markers (bench.publish.results_file); the README holds
     none, so no script rewrites it."""
-    from fate_edge.bench.publish import results_file
+    from fate_edge_lab.bench.publish import results_file
 
     assert not MARKER.search(README.read_text())
     files = sorted((ROOT / "docs" / "results").glob("*.md"))

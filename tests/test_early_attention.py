@@ -9,7 +9,7 @@ from fate_edge.predictors.evaluate import collect_traces, exact_match
 from transformers import AutoModelForCausalLM
 
 from fate_edge.model.layer import apply_linear, rms_norm
-from fate_edge.runtime.calibrate import CalibrateOptions, corpus_windows, separator_id
+from fate_edge.planning.calibrate import CalibrateOptions, corpus_windows, separator_id
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

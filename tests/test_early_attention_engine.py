@@ -146,7 +146,8 @@ def test_the_planner_scores_an_early_attention_predictor(bundled_dir, tmp_path, 
     from fate_edge.predictors.learned import find_learned
 
     from fate_edge.format.converted_stores import ensure_store
-    from fate_edge.planning.planner import probe_engine, record_plan_trace, trace_predictions
+    from fate_edge.planning.host_costs import probe_engine
+    from fate_edge.planning.plan_trace import record_plan_trace, trace_predictions
 
     model_dir, _ = calibrated_bundled_copy(bundled_dir, tmp_path, monkeypatch, early_attention=True)
     store = ensure_store(model_dir, progress=False)

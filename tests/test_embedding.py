@@ -6,7 +6,7 @@ import torch
 
 from fate_edge import load_model
 from fate_edge.model.embedding import QuantizedEmbedding, quantize_table, quantized_bytes
-from fate_edge.runtime.generate import GenerateConfig, generate
+from fate_edge.runtime.generate import GenerateConfig, generate_from_model
 from fate_edge.runtime.memory_account import memory_account
 
 
@@ -60,17 +60,21 @@ def test_the_model_reads_the_quantized_table_in_prefill_and_decode(bundled_dir, 
 
     tok = Tokenizer(bundled_dir)
     cfg = GenerateConfig(max_tokens=12, ignore_eos=True)
-    assert generate(quantized, tok, "def main():", cfg)[0] == generate(reference, tok, "def main():", cfg)[0]
+    assert (
+        generate_from_model(quantized, tok, "def main():", cfg)[0]
+        == generate_from_model(reference, tok, "def main():", cfg)[0]
+    )
 
 
 @pytest.mark.parametrize("bits", [None, 8, 4])
 def test_the_account_counts_the_table_the_engine_holds(bundled_dir, tmp_path, bits, one_thread):
     from fate_edge.format.convert import ConvertOptions, convert
     from fate_edge.runtime.engine import Engine
+    from fate_edge.runtime.engine_config import EngineConfig
 
     store = convert(bundled_dir, tmp_path / "s", ConvertOptions(bits=4, keep_bf16=False), progress=False)
     account = memory_account(store, 3_000_000, "bfloat16", 100, embedding_bits=bits)
-    with Engine(store, 3_000_000, "lru", dtype="bfloat16", embedding_bits=bits) as engine:
+    with Engine(EngineConfig(store, 3_000_000, "lru", dtype="bfloat16", embedding_bits=bits)) as engine:
         loaded = sum(t.numel() * t.element_size() for t in engine.model.w.values())
         embed = engine.model.embed
         held = embed.nbytes if bits else embed.numel() * embed.element_size()

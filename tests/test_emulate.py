@@ -151,9 +151,9 @@ def test_the_emulated_link_is_the_profiles_divided_by_k(store, bundled_tokenizer
 
 @pytest.mark.slow
 def test_bench_emulate_reports_raw_and_device_equivalent_apart(store, tmp_path, one_thread):
-    from fate_edge.bench.config import BenchConfig
-    from fate_edge.bench.outputs import write_outputs
-    from fate_edge.bench.run import run_bench
+    from fate_edge_lab.bench.config import BenchConfig
+    from fate_edge_lab.bench.outputs import write_outputs
+    from fate_edge_lab.bench.run import run_bench
 
     device_s = device_roofline(load_profile("jetson-agx-orin-64gb")).time_s(*_work(store))
     k = 4.0  # a given host time: k known, the dilated link fast enough for a short test
@@ -202,9 +202,10 @@ def test_bench_emulate_reports_raw_and_device_equivalent_apart(store, tmp_path, 
 def test_bench_resident_bits_reach_the_runs_and_the_devices_roofline(store, tmp_path, one_thread):
     """``fate-edge bench --emulate DEVICE --resident-bits 4``: every fate-edge run holds its resident linears in int4
     (fewer resident bytes than a run at the store's dtype), and the device's roofline reads them at int4."""
-    from fate_edge.bench.cli import add_arguments, config_from_args
-    from fate_edge.bench.run import run_bench
     from fate_edge.runtime.engine import Engine
+    from fate_edge.runtime.engine_config import EngineConfig
+    from fate_edge_lab.bench.cli import add_arguments, config_from_args
+    from fate_edge_lab.bench.run import run_bench
 
     ap = argparse.ArgumentParser()
     add_arguments(ap)
@@ -242,7 +243,7 @@ def test_bench_resident_bits_reach_the_runs_and_the_devices_roofline(store, tmp_
     result = run_bench(cfg)
     em = result["emulation"]
     assert em["token_bytes"] == decode_token_work(store, 4, 4).bytes < decode_token_work(store).bytes
-    with Engine(store, "8MB", "lru") as plain:
+    with Engine(EngineConfig(store, "8MB", "lru")) as plain:
         plain_bytes = sum(t.numel() * t.element_size() for t in plain.model.w.values())
     [r] = result["results"]
     assert "error" not in r, r.get("error")

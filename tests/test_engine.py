@@ -13,7 +13,8 @@ from fate_edge.format.convert import ConvertOptions, convert
 from fate_edge.format.store import ExpertStore
 from fate_edge.runtime.budget import parse_bytes
 from fate_edge.runtime.engine import Engine
-from fate_edge.runtime.generate import generate
+from fate_edge.runtime.engine_config import EngineConfig
+from fate_edge.runtime.generate import generate_from_model
 from fate_edge.runtime.policy import PRESETS
 
 PROMPT = "def parse_args(argv):\n    "
@@ -38,7 +39,7 @@ def resident_int4_text(store):
     model = load_model(store, bits=4)  # every expert read at int4, no cache: the reference at this precision
     from fate_edge import Tokenizer
 
-    return generate(model, Tokenizer(store), PROMPT, CFG)[0]
+    return generate_from_model(model, Tokenizer(store), PROMPT, CFG)[0]
 
 
 @pytest.mark.parametrize("name", [n for n in PRESETS if n != "load-on-demand"])
@@ -47,10 +48,10 @@ def test_every_policy_gives_the_resident_answer(store, budget_35, resident_int4_
     policy = PRESETS[name].with_(cold_bits=None)
     trace = None
     if policy.predictor == "oracle":
-        with Engine(store, budget_35, "lru") as rec:
+        with Engine(EngineConfig(store, budget_35, "lru")) as rec:
             trace = rec.record_trace(PROMPT, CFG)
-    with Engine(store, budget_35, policy, trace=trace) as engine:
-        text, last = engine.generate(PROMPT, CFG)
+    with Engine(EngineConfig(store, budget_35, policy, trace=trace)) as engine:
+        text, last = engine.generate_text(PROMPT, CFG)
         assert text == resident_int4_text
         s = engine.stats
         assert s.uses > 0 and s.hits + s.prefetch_hits + s.misses == s.uses
@@ -63,32 +64,32 @@ def test_every_policy_gives_the_resident_answer(store, budget_35, resident_int4_
 
 
 def test_bf16_load_on_demand_matches_resident_bf16(store, bundled_model, bundled_tokenizer):
-    ref = generate(bundled_model, bundled_tokenizer, PROMPT, CFG)[0]
-    with Engine(store, "4MB", "load-on-demand") as engine:
-        assert engine.generate(PROMPT, CFG)[0] == ref
+    ref = generate_from_model(bundled_model, bundled_tokenizer, PROMPT, CFG)[0]
+    with Engine(EngineConfig(store, "4MB", "load-on-demand")) as engine:
+        assert engine.generate_text(PROMPT, CFG)[0] == ref
         assert engine.stats.hits == 0 and engine.stats.misses == engine.stats.uses
 
 
 def test_oracle_bounds_the_hit_rate(store, budget_35):
-    with Engine(store, budget_35, "lru") as rec:
+    with Engine(EngineConfig(store, budget_35, "lru")) as rec:
         trace = rec.record_trace(PROMPT, CFG)
         lru_hit = rec.stats.hit_rate
-    with Engine(store, budget_35, "oracle", trace=trace) as oracle:
-        oracle.generate(PROMPT, CFG)
+    with Engine(EngineConfig(store, budget_35, "oracle", trace=trace)) as oracle:
+        oracle.generate_text(PROMPT, CFG)
         assert oracle.stats.hit_rate >= lru_hit
         assert oracle.stats.exact_match == 1.0  # clairvoyant predictions are the true experts
 
 
 def test_fate_prefill_tail_uses_int2(store, budget_35):
-    with Engine(store, budget_35, "fate") as engine:
-        engine.generate("import os\nimport sys\nfrom pathlib import Path\n\n\ndef main(argv):\n", CFG)
+    with Engine(EngineConfig(store, budget_35, "fate")) as engine:
+        engine.generate_text("import os\nimport sys\nfrom pathlib import Path\n\n\ndef main(argv):\n", CFG)
         assert engine.prefill_stats.low_precision > 0
         assert sum(t.low_precision for t in engine.token_stats) == 0  # decode stays int4
 
 
 def test_budget_below_minimum_is_refused_with_the_minimum(store):
     with pytest.raises(BudgetError, match=r"below the minimum .* raise --memory-budget to at least"):
-        Engine(store, "10KB", "fate")
+        Engine(EngineConfig(store, "10KB", "fate"))
 
 
 def test_parse_bytes():
@@ -105,12 +106,13 @@ def test_peak_rss_within_resident_plus_budget(store, budget_35):
         torch.set_num_threads(1)
         from fate_edge import GenerateConfig
         from fate_edge.runtime.engine import Engine
+        from fate_edge.runtime.engine_config import EngineConfig
         from fate_edge.runtime.generate import peak_rss_bytes
         import psutil
         base = psutil.Process().memory_info().rss  # interpreter + torch, before any model byte
         with Engine({str(store)!r}, {budget_35}, "fate-edge") as e:
             resident = sum(t.numel() * t.element_size() for t in e.model.w.values())
-            e.generate("def main():", GenerateConfig(max_tokens=256, ignore_eos=True))
+            e.generate_text("def main():", GenerateConfig(max_tokens=256, ignore_eos=True))
             peak = peak_rss_bytes()
             print(peak - base, resident)
     """)
@@ -123,7 +125,7 @@ def test_peak_rss_within_resident_plus_budget(store, budget_35):
 def test_failed_read_fails_one_request_and_leaves_the_engine_clean(store, budget_35):
     from fate_edge.fetch.fetch_engine import FetchError
 
-    with Engine(store, budget_35, "fate-edge") as engine:
+    with Engine(EngineConfig(store, budget_35, "fate-edge")) as engine:
         calls = {"n": 0}
 
         def fail_once(ref):
@@ -133,13 +135,13 @@ def test_failed_read_fails_one_request_and_leaves_the_engine_clean(store, budget
 
         engine.fetch.fault_injector = fail_once
         with pytest.raises(FetchError, match="read failed"):
-            engine.generate(PROMPT, CFG)
+            engine.generate_text(PROMPT, CFG)
         assert engine.fetch.pool.available == engine.fetch.pool.count  # every buffer came back
         assert not engine.scheduler.demands and not engine.scheduler.prefetches
         if engine.cache is not None:
             assert all(e.pins == 0 for e in engine.cache.entries.values())
         engine.fetch.fault_injector = None
-        text, last = engine.generate(PROMPT, CFG)  # the next request is served normally
+        text, last = engine.generate_text(PROMPT, CFG)  # the next request is served normally
         assert last.generation_tokens == CFG.max_tokens
 
 
@@ -165,11 +167,11 @@ def test_a_budget_the_machine_cannot_hold_is_refused(store, monkeypatch):
     monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=3 * 10**6))
     # refused before loading, with the memory account (memory_account.shortfall)
     with pytest.raises(BudgetError, match=r"only 3 MB is free; loading the resident weights alone takes more"):
-        Engine(store, "64MB", "lru")
+        Engine(EngineConfig(store, "64MB", "lru"))
 
 
 def test_close_frees_the_cached_experts_at_once(store, budget_35):
-    engine = Engine(store, budget_35, "lru")
+    engine = Engine(EngineConfig(store, budget_35, "lru"))
     engine.complete(PROMPT, CFG)
     assert engine.cache.used_bytes > 0
     engine.close()
@@ -179,12 +181,12 @@ def test_close_frees_the_cached_experts_at_once(store, budget_35):
 def test_an_abandoned_open_stream_does_not_block_the_next_request(store, budget_35, resident_int4_text):
     from fate_edge.errors import StreamSupersededError
 
-    with Engine(store, budget_35, "fate-edge") as engine:
+    with Engine(EngineConfig(store, budget_35, "fate-edge")) as engine:
         engine.stream_idle_timeout = 0.5  # a server would keep the default; the test need not wait that long
         abandoned = engine.stream(PROMPT, CFG)
         next(abandoned)  # open, kept alive, never read again nor closed
         out = {}
-        t = threading.Thread(target=lambda: out.setdefault("text", engine.generate(PROMPT, CFG)[0]), daemon=True)
+        t = threading.Thread(target=lambda: out.setdefault("text", engine.generate_text(PROMPT, CFG)[0]), daemon=True)
         t.start()
         t.join(120)
         assert out.get("text") == resident_int4_text  # served in full, with the right answer
@@ -203,7 +205,9 @@ def test_an_abandoned_open_stream_does_not_block_the_next_request(store, budget_
 def test_close_waits_for_the_step_in_progress(store, budget_35):
     from fate_edge.errors import EngineClosedError
 
-    engine = Engine(store, budget_35, "load-on-demand-int4")  # every expert is a read: a closed fetch would show
+    engine = Engine(
+        EngineConfig(store, budget_35, "load-on-demand-int4")
+    )  # every expert is a read: a closed fetch would show
     entered, release = threading.Event(), threading.Event()
     second_layer = engine.model.config.moe_layers[1]
 

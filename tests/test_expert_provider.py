@@ -8,6 +8,7 @@ from fate_edge.format.checkpoint_experts import CheckpointExpertProvider
 from fate_edge.format.convert import ConvertOptions, convert
 from fate_edge.model.experts import ExpertProvider, InMemoryExpertProvider
 from fate_edge.runtime.engine import Engine, _NoExperts
+from fate_edge.runtime.engine_config import EngineConfig
 
 
 class OnlyGet(ExpertProvider):
@@ -29,7 +30,7 @@ def test_every_provider_implements_the_contract(bundled_dir, tmp_path):
     lazy = load_model(bundled_dir, experts="lazy")
     store = convert(bundled_dir, tmp_path / "s", ConvertOptions(bits=4, keep_bf16=False), progress=False)
     streamed = load_model(store)
-    with Engine(store, "8MB", "lru") as engine:
+    with Engine(EngineConfig(store, "8MB", "lru")) as engine:
         providers = [memory.experts, lazy.experts, streamed.experts, engine.scheduler, _NoExperts()]
         assert [type(p) for p in providers[:3]] == [
             InMemoryExpertProvider,

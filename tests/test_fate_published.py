@@ -11,6 +11,7 @@ from fate_edge.fetch.fetch_engine import Priority
 from fate_edge.format.convert import ConvertOptions, convert
 from fate_edge.format.store import ExpertStore
 from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.engine_config import EngineConfig
 from fate_edge.runtime.policy import PRESETS
 
 PROMPT = "import os\nimport sys\nfrom pathlib import Path\n\n\ndef main(argv):\n    "
@@ -71,14 +72,14 @@ def within_budget(engine, total: int) -> None:
 
 def test_first_layer_resident_in_full_precision_never_predicted_nor_read(store):
     total = budget(store, 1.2)  # room for layer 0 in full precision (float32 compute: 2x the bf16 bytes)
-    with Engine(store, total, "fate") as engine:
+    with Engine(EngineConfig(store, total, "fate")) as engine:
         first = engine.model.config.moe_layers[0]
         e = engine.model.config.num_experts
         assert engine.load_report.resident_layer == first and engine.load_report.resident_bits == 16
         assert held(engine, first) == {x: 16 for x in range(e)}
         within_budget(engine, total)
         reads, calls = record_reads(engine), record_predictions(engine)
-        engine.generate(PROMPT, CFG)
+        engine.generate_text(PROMPT, CFG)
         assert held(engine, first) == {x: 16 for x in range(e)}  # never evicted
         assert not [r for r in reads if r[0] == first]  # never read per token
         assert calls and all(first not in targets for _, targets in calls)  # never predicted
@@ -87,7 +88,7 @@ def test_first_layer_resident_in_full_precision_never_predicted_nor_read(store):
 
 def test_first_layer_falls_back_to_int4_when_the_budget_cannot_hold_bf16(store):
     total = budget(store, 0.35)
-    with Engine(store, total, "fate") as engine:
+    with Engine(EngineConfig(store, total, "fate")) as engine:
         first, e = engine.model.config.moe_layers[0], engine.model.config.num_experts
         r = engine.load_report
         assert r.resident_layer == first and r.resident_bits == 4 and "bf16 would need" in r.note
@@ -109,7 +110,7 @@ def uncalibrated(store, tmp_path_factory):
 
 def test_cache_filled_at_load_by_index_and_reads_counted_apart(uncalibrated):
     total = budget(uncalibrated, 0.35)
-    with Engine(uncalibrated, total, "fate") as engine:
+    with Engine(EngineConfig(uncalibrated, total, "fate")) as engine:
         assert engine.popularity is None
         slots, s = engine.plan.slots, engine.store
         assert sum(slots.values()) > engine.model.config.num_experts  # more than the resident layer
@@ -122,7 +123,7 @@ def test_cache_filled_at_load_by_index_and_reads_counted_apart(uncalibrated):
         )
         assert engine.stats.demand_bytes == engine.stats.prefetch_bytes == engine.stats.uses == 0
         assert engine.scheduler.copier.uploads == 0  # nor in the per-token upload count
-        engine.generate(PROMPT, CFG)
+        engine.generate_text(PROMPT, CFG)
         per_token = [engine.prefill_stats, *engine.token_stats]
         assert (
             sum(t.demand_bytes + t.prefetch_bytes for t in per_token)
@@ -132,7 +133,7 @@ def test_cache_filled_at_load_by_index_and_reads_counted_apart(uncalibrated):
 
 
 def test_cache_filled_at_load_by_calibrated_popularity(store):
-    with Engine(store, budget(store, 0.35), "fate") as engine:
+    with Engine(EngineConfig(store, budget(store, 0.35), "fate")) as engine:
         counts, e = engine.popularity, engine.model.config.num_experts
         assert counts  # the bundled model ships its calibration counts
         partial = {layer: n for layer, n in engine.plan.slots.items() if 0 < n < e}
@@ -143,9 +144,9 @@ def test_cache_filled_at_load_by_calibrated_popularity(store):
 
 
 def test_prefill_misses_read_int4_only_the_prefetched_tail_int2(store):
-    with Engine(store, budget(store, 0.35), "fate") as engine:
+    with Engine(EngineConfig(store, budget(store, 0.35), "fate")) as engine:
         reads = record_reads(engine)
-        engine.generate(PROMPT, GenerateConfig(max_tokens=1, ignore_eos=True))  # the prefill only
+        engine.generate_text(PROMPT, GenerateConfig(max_tokens=1, ignore_eos=True))  # the prefill only
         demand = [r for r in reads if r[3] == Priority.DEMAND]
         cold = [r for r in reads if r[2] == 2]
         assert demand and all(bits == 4 for _, _, bits, _ in demand)
@@ -154,13 +155,13 @@ def test_prefill_misses_read_int4_only_the_prefetched_tail_int2(store):
 
 
 def test_no_prediction_when_the_next_layer_is_fully_cached(store):
-    with Engine(store, budget(store, 0.35), "fate") as engine:
+    with Engine(EngineConfig(store, budget(store, 0.35), "fate")) as engine:
         cfg = engine.model.config
         layers = cfg.moe_layers
         full = [layer for layer in layers if engine.cache.holds_layer(layer, cfg.num_experts)]
         assert full[:2] == layers[:2] and len(full) < len(layers)  # layers 0 and 1 whole, the rest not
         calls = record_predictions(engine)
-        engine.generate(PROMPT, CFG)
+        engine.generate_text(PROMPT, CFG)
         sources = [src for src, _ in calls]
         skipped_sources = [src for src in layers[:-1] if layers[layers.index(src) + 1] in full]
         assert skipped_sources and not set(sources) & set(skipped_sources)
@@ -210,13 +211,13 @@ def _deepseek_store(root):
 
 
 def test_tail_share_is_the_model_types(store, tmp_path):
-    with Engine(store, budget(store, 0.35), "fate") as engine:
+    with Engine(EngineConfig(store, budget(store, 0.35), "fate")) as engine:
         assert engine.model.config.model_type == "qwen2_moe" and engine.policy.cold_tail_mass == 0.3
     ds = _deepseek_store(tmp_path)
-    with Engine(ds, 2_000_000, "fate") as engine:
+    with Engine(EngineConfig(ds, 2_000_000, "fate")) as engine:
         cfg = engine.model.config
         assert cfg.model_type == "deepseek_v2" and engine.policy.cold_tail_mass == 0.5
         assert engine.load_report.resident_layer == cfg.moe_layers[0] != 0  # the first MoE layer, past the dense
-        engine.generate("def add(a, b):\n    return a + b\n", GenerateConfig(max_tokens=2, ignore_eos=True))
-    with Engine(ds, 2_000_000, PRESETS["fate"].with_(cold_tail_mass=0.2)) as engine:
+        engine.generate_text("def add(a, b):\n    return a + b\n", GenerateConfig(max_tokens=2, ignore_eos=True))
+    with Engine(EngineConfig(ds, 2_000_000, PRESETS["fate"].with_(cold_tail_mass=0.2))) as engine:
         assert engine.policy.cold_tail_mass == 0.2  # a value the user set is kept

@@ -270,6 +270,25 @@ def test_close_never_closes_a_file_a_worker_is_still_reading(blob_file):
     assert not eng._fds and eng.pool.available == 2  # the last worker closed the file and gave its buffer back
 
 
+def test_close_waits_for_a_reader_with_the_default_worker_count(blob_file):
+    """With ``workers`` left to its default, the engine still counts its live workers: close() leaves an open file to
+    the reader, which closes it on its way out (the count was None, so the file was closed under the read)."""
+    path, refs = blob_file
+    link = _HeldLink()
+    eng = FetchEngine(BufferPool(2, BLOB), link=link, chunk_bytes=ALIGN)
+    eng.close_timeout = 0.1
+    req = eng.submit(refs[0], Priority.AHEAD)
+    assert link.entered.wait(30)
+    fd = eng._fds[str(path)]
+    eng.close()
+    os.fstat(fd)  # still open under the worker's read
+    link.release.set()
+    for t in eng._threads:
+        t.join(30)
+    assert req.state == "cancelled" and req.error is None
+    assert not eng._fds  # the last worker closed the file
+
+
 def test_promoted_prefetch_is_read_next(blob_file):
     _, refs = blob_file
     order, gate = [], threading.Event()

@@ -5,6 +5,7 @@ import torch
 
 from fate_edge.format.convert import ConvertOptions, convert
 from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.engine_config import EngineConfig
 from fate_edge.runtime.footprint import RUNTIME_BASELINE_BYTES, kv_cache_bytes, memory_need
 
 
@@ -18,7 +19,7 @@ def store(tmp_path_factory, bundled_dir):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_resident_bytes_are_what_the_engine_loads(dtype, store, one_thread):
     need = memory_need(store, 3_000_000, dtype, context_tokens=100)
-    with Engine(store, 3_000_000, "lru", dtype=dtype) as engine:
+    with Engine(EngineConfig(store, 3_000_000, "lru", dtype=dtype)) as engine:
         loaded = sum(t.numel() * t.element_size() for t in engine.model.w.values())
         cache = engine.model.new_cache()
         with torch.no_grad():
@@ -32,7 +33,7 @@ def test_resident_bytes_are_what_the_engine_loads(dtype, store, one_thread):
 @pytest.mark.parametrize("bits", [8, 4])
 def test_resident_bytes_count_quantized_resident_weights(bits, store, one_thread):
     need = memory_need(store, 3_000_000, "bfloat16", context_tokens=100, resident_bits=bits)
-    with Engine(store, 3_000_000, "lru", dtype="bfloat16", resident_bits=bits) as engine:
+    with Engine(EngineConfig(store, 3_000_000, "lru", dtype="bfloat16", resident_bits=bits)) as engine:
         loaded = sum(t.numel() * t.element_size() for t in engine.model.w.values())
     assert need.resident_bytes == loaded
     assert need.resident_bytes < 0.7 * memory_need(store, 3_000_000, "bfloat16").resident_bytes

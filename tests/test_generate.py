@@ -1,20 +1,20 @@
 import pytest
 
-from fate_edge import GenerateConfig, GenerationError, SamplingParams, stream_generate
-from fate_edge.runtime.generate import generate
+from fate_edge import GenerateConfig, GenerationError, SamplingParams, stream_from_model
+from fate_edge.runtime.generate import generate_from_model
 
 PROMPT = "def parse_args(argv):\n    "
 
 
 def test_greedy_is_deterministic_and_streams(bundled_model, bundled_tokenizer):
     cfg = GenerateConfig(max_tokens=24, ignore_eos=True)
-    steps = list(stream_generate(bundled_model, bundled_tokenizer, PROMPT, cfg))
+    steps = list(stream_from_model(bundled_model, bundled_tokenizer, PROMPT, cfg))
     assert len(steps) == 24
     assert [s.generation_tokens for s in steps] == list(range(1, 25))
     assert steps[-1].finish_reason == "length" and all(s.finish_reason is None for s in steps[:-1])
     text = "".join(s.text for s in steps)
     assert text == bundled_tokenizer.decode([s.token for s in steps])
-    again, _ = generate(bundled_model, bundled_tokenizer, PROMPT, cfg)
+    again, _ = generate_from_model(bundled_model, bundled_tokenizer, PROMPT, cfg)
     assert again == text
     assert steps[-1].peak_rss_bytes > 0 and steps[-1].prompt_tps > 0
 
@@ -22,7 +22,9 @@ def test_greedy_is_deterministic_and_streams(bundled_model, bundled_tokenizer):
 def test_seeded_sampling_is_reproducible(bundled_model, bundled_tokenizer):
     def run(seed):
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, min_p=0.02, repetition_penalty=1.1, seed=seed)
-        return generate(bundled_model, bundled_tokenizer, PROMPT, GenerateConfig(20, params, ignore_eos=True))[0]
+        return generate_from_model(
+            bundled_model, bundled_tokenizer, PROMPT, GenerateConfig(20, params, ignore_eos=True)
+        )[0]
 
     a, b, c = run(1), run(1), run(2)
     assert a == b
@@ -31,9 +33,11 @@ def test_seeded_sampling_is_reproducible(bundled_model, bundled_tokenizer):
 
 def test_stop_string_ends_generation_before_it(bundled_model, bundled_tokenizer):
     cfg = GenerateConfig(max_tokens=40, ignore_eos=True)
-    full, _ = generate(bundled_model, bundled_tokenizer, PROMPT, cfg)
+    full, _ = generate_from_model(bundled_model, bundled_tokenizer, PROMPT, cfg)
     stop = full[5:8]  # a string the model is known to produce
-    cut, last = generate(bundled_model, bundled_tokenizer, PROMPT, GenerateConfig(40, stop=[stop], ignore_eos=True))
+    cut, last = generate_from_model(
+        bundled_model, bundled_tokenizer, PROMPT, GenerateConfig(40, stop=[stop], ignore_eos=True)
+    )
     assert last.finish_reason == "stop"
     assert cut == full[: full.index(stop)]
     assert stop not in cut
@@ -41,10 +45,10 @@ def test_stop_string_ends_generation_before_it(bundled_model, bundled_tokenizer)
 
 def test_stop_token_ends_generation(bundled_model, bundled_tokenizer):
     cfg = GenerateConfig(max_tokens=30, ignore_eos=True)
-    steps = list(stream_generate(bundled_model, bundled_tokenizer, PROMPT, cfg))
+    steps = list(stream_from_model(bundled_model, bundled_tokenizer, PROMPT, cfg))
     target = steps[3].token
     cfg2 = GenerateConfig(max_tokens=30, stop_token_ids=[target], ignore_eos=True)
-    steps2 = list(stream_generate(bundled_model, bundled_tokenizer, PROMPT, cfg2))
+    steps2 = list(stream_from_model(bundled_model, bundled_tokenizer, PROMPT, cfg2))
     first = next(i for i, s in enumerate(steps) if s.token == target)
     assert len(steps2) == first + 1 and steps2[-1].finish_reason == "stop"
 
@@ -61,18 +65,18 @@ def test_stop_token_ends_generation(bundled_model, bundled_tokenizer):
 )
 def test_bad_sampling_parameters_are_named(bundled_model, bundled_tokenizer, params, match):
     with pytest.raises(GenerationError, match=match):
-        generate(bundled_model, bundled_tokenizer, PROMPT, GenerateConfig(4, params))
+        generate_from_model(bundled_model, bundled_tokenizer, PROMPT, GenerateConfig(4, params))
 
 
 def test_prompt_longer_than_context_is_refused(bundled_model, bundled_tokenizer):
     ids = [5] * bundled_model.config.max_position_embeddings
     with pytest.raises(GenerationError, match="context"):
-        generate(bundled_model, bundled_tokenizer, ids, GenerateConfig(4))
+        generate_from_model(bundled_model, bundled_tokenizer, ids, GenerateConfig(4))
 
 
 def test_empty_prompt_is_refused(bundled_model, bundled_tokenizer):
     with pytest.raises(GenerationError, match="empty"):
-        generate(bundled_model, bundled_tokenizer, "", GenerateConfig(4))
+        generate_from_model(bundled_model, bundled_tokenizer, "", GenerateConfig(4))
 
 
 def test_decode_loop_reads_peak_rss_every_32_tokens_and_at_the_end(bundled_model, bundled_tokenizer, monkeypatch):
@@ -81,7 +85,7 @@ def test_decode_loop_reads_peak_rss_every_32_tokens_and_at_the_end(bundled_model
     gen = sys.modules["fate_edge.runtime.generate"]  # the package exports a function of the same name
     reads = []
     monkeypatch.setattr(gen, "peak_rss_bytes", lambda: reads.append(1) or len(reads))
-    steps = list(stream_generate(bundled_model, bundled_tokenizer, PROMPT, GenerateConfig(70, ignore_eos=True)))
+    steps = list(stream_from_model(bundled_model, bundled_tokenizer, PROMPT, GenerateConfig(70, ignore_eos=True)))
     assert len(steps) == 70
     assert len(reads) == 1 + 2 + 1  # after prefill, at tokens 32 and 64, and for the final response
     assert steps[-1].peak_rss_bytes == len(reads)  # the last response carries a fresh read

@@ -139,11 +139,12 @@ def test_engine_load_takes_a_gguf_path(tmp_path, ggufs, monkeypatch):
     """``Engine.load`` on the .gguf itself: converted once into the store cache, then the same completion as an
     engine on the store ``fate-edge convert`` writes from the file."""
     from fate_edge import Engine, GenerateConfig
+    from fate_edge.runtime.engine_config import EngineConfig
 
     monkeypatch.setenv("FATE_EDGE_CACHE", str(tmp_path / "cache"))
     cfg = GenerateConfig(max_tokens=12, ignore_eos=True)
     engine = Engine.load(ggufs["Q4_0"], "64MB", "fate-edge")
-    text, last = engine.generate(PROMPT, cfg)
+    text, last = engine.generate_text(PROMPT, cfg)
     assert engine.policy.bits == 4 and last.generation_tokens == 12
     assert str(engine.store.path).startswith(str(tmp_path / "cache"))
     engine.close()
@@ -151,8 +152,8 @@ def test_engine_load_takes_a_gguf_path(tmp_path, ggufs, monkeypatch):
     assert again.store.path == engine.store.path
     again.close()
     store = convert_gguf(ggufs["Q4_0"], tmp_path / "store", progress=False)
-    direct = Engine(store, "64MB", "fate-edge")
-    assert direct.generate(PROMPT, cfg)[0] == text
+    direct = Engine(EngineConfig(store, "64MB", "fate-edge"))
+    assert direct.generate_text(PROMPT, cfg)[0] == text
     direct.close()
 
 
@@ -171,7 +172,7 @@ def test_presets_run_on_the_int8_store_of_a_q8_0_gguf(tmp_path, ggufs, monkeypat
         engine = Engine.load(ggufs["Q8_0"], "64MB", name)
         assert ExpertStore(engine.store.path).bits_available == [2, 8, 16]
         assert engine.policy.bits == (16 if name == "load-on-demand" else 8), name
-        texts[name], last = engine.generate(PROMPT, cfg)
+        texts[name], last = engine.generate_text(PROMPT, cfg)
         assert last.generation_tokens == 8, name
         engine.close()
     # int8 greedy decoding by any caching policy is the same computation: only the expert reads differ

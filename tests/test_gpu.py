@@ -6,7 +6,8 @@ import torch
 from fate_edge import GenerateConfig, load_model
 from fate_edge.format.convert import ConvertOptions, convert
 from fate_edge.runtime.engine import Engine
-from fate_edge.runtime.generate import generate
+from fate_edge.runtime.engine_config import EngineConfig
+from fate_edge.runtime.generate import generate_from_model
 
 pytestmark = pytest.mark.gpu  # skipped where torch sees no CUDA GPU (conftest.py)
 
@@ -31,26 +32,26 @@ def test_resident_logits_match_cpu(bundled_dir, bundled_model):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_generate_on_gpu_gives_the_cpu_tokens(bundled_dir, bundled_tokenizer, dtype):
     cfg = GenerateConfig(max_tokens=32, ignore_eos=True)
-    ref = generate(load_model(bundled_dir, dtype=dtype), bundled_tokenizer, "def main():", cfg)[0]
+    ref = generate_from_model(load_model(bundled_dir, dtype=dtype), bundled_tokenizer, "def main():", cfg)[0]
     gpu = load_model(bundled_dir, dtype=dtype, device="cuda")
-    text = generate(gpu, bundled_tokenizer, "def main():", cfg)[0]  # the first request captures the graph
-    again = generate(gpu, bundled_tokenizer, "def main():", cfg)[0]  # ... the second replays it
+    text = generate_from_model(gpu, bundled_tokenizer, "def main():", cfg)[0]  # the first request captures the graph
+    again = generate_from_model(gpu, bundled_tokenizer, "def main():", cfg)[0]  # ... the second replays it
     assert gpu.graph_off is None and gpu.graphed is not None and gpu.graphed.captures >= 1
     gpu.cuda_graphs = False
-    eager = generate(gpu, bundled_tokenizer, "def main():", cfg)[0]
+    eager = generate_from_model(gpu, bundled_tokenizer, "def main():", cfg)[0]
     same = sum(a == b for a, b in zip(text, ref)) / max(len(ref), 1)
     assert again == text and (text == ref if dtype == "float32" else same > 0.8), (text, eager, ref)
     assert dtype != "float32" or eager == ref
 
 
 def test_resident_int4_store_on_gpu_captures_the_graph(store, bundled_tokenizer):
-    from fate_edge.bench.sidebyside import resident_int4
+    from fate_edge_lab.bench.sidebyside import resident_int4
 
     cfg = GenerateConfig(max_tokens=24, ignore_eos=True)
     cpu = load_model(store, dtype="bfloat16", experts=resident_int4(store))
     gpu = load_model(store, dtype="bfloat16", experts=resident_int4(store, "cuda"), device="cuda")
-    ref = generate(cpu, bundled_tokenizer, "import os\n", cfg)[0]
-    text = generate(gpu, bundled_tokenizer, "import os\n", cfg)[0]
+    ref = generate_from_model(cpu, bundled_tokenizer, "import os\n", cfg)[0]
+    text = generate_from_model(gpu, bundled_tokenizer, "import os\n", cfg)[0]
     assert gpu.graph_off is None, gpu.graph_off
     same = sum(a == b for a, b in zip(text, ref)) / max(len(ref), 1)
     assert same > 0.8, (text, ref)
@@ -99,10 +100,10 @@ def test_quantized_kernel_on_gpu_matches_dequant():
 
 def test_engine_on_gpu_gives_the_cpu_engine_answer(store):
     prompt, cfg = "def parse(argv):\n    ", GenerateConfig(max_tokens=24, ignore_eos=True)
-    with Engine(store, "2MB", "fate-edge", device="cpu") as cpu:
-        ref = cpu.generate(prompt, cfg)[0]
-    with Engine(store, "2MB", "fate-edge", device="cuda") as gpu:
-        text = gpu.generate(prompt, cfg)[0]
+    with Engine(EngineConfig(store, "2MB", "fate-edge", device="cpu")) as cpu:
+        ref = cpu.generate_text(prompt, cfg)[0]
+    with Engine(EngineConfig(store, "2MB", "fate-edge", device="cuda")) as gpu:
+        text = gpu.generate_text(prompt, cfg)[0]
         assert gpu.scheduler.copier.uploads > 0
         gpu.scheduler.copier.drain()
         assert gpu.fetch.pool.available == gpu.fetch.pool.count
@@ -128,7 +129,9 @@ def test_copy_streams_and_events():
 
 def test_bf16_generation_on_gpu(bundled_dir, bundled_tokenizer):
     m = load_model(bundled_dir, dtype="bfloat16", device="cuda")
-    text, last = generate(m, bundled_tokenizer, "import os\n", GenerateConfig(max_tokens=16, ignore_eos=True))
+    text, last = generate_from_model(
+        m, bundled_tokenizer, "import os\n", GenerateConfig(max_tokens=16, ignore_eos=True)
+    )
     assert last.generation_tokens == 16 and text
 
 
@@ -140,9 +143,9 @@ def test_batched_engine_on_gpu_gives_each_request_its_alone_text(store):
     prompts = ["def parse(argv):\n    ", "import os\n", "class Point:\n    def __init__(self, x", "for i in"]
     cfg = GenerateConfig(max_tokens=16, ignore_eos=True)
     kw = dict(device="cuda", dtype="float32")
-    with Engine(store, "2MB", "fate-edge", max_batch=1, **kw) as alone:
-        expected = [alone.generate(p, cfg)[0] for p in prompts]
-    with Engine(store, "2MB", "fate-edge", max_batch=4, **kw) as batched:
+    with Engine(EngineConfig(store, "2MB", "fate-edge", max_batch=1, **kw)) as alone:
+        expected = [alone.generate_text(p, cfg)[0] for p in prompts]
+    with Engine(EngineConfig(store, "2MB", "fate-edge", max_batch=4, **kw)) as batched:
         texts = [""] * len(prompts)
 
         def serve(i: int) -> None:

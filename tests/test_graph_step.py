@@ -93,14 +93,15 @@ def test_layer_graph_step_serves_the_engine(bundled_dir, policy, one_thread):
     from fate_edge import GenerateConfig
     from fate_edge.apps.engine_args import resolve_store
     from fate_edge.runtime.engine import Engine
+    from fate_edge.runtime.engine_config import EngineConfig
 
     store = resolve_store(bundled_dir, progress=False)
     cfg = GenerateConfig(max_tokens=16, ignore_eos=True)
-    with Engine(store, "2MB", policy) as engine:
-        want, stats = engine.generate("def parse(argv):\n    ", cfg)[0], engine.request_stats
-    with Engine(store, "2MB", policy) as engine:
+    with Engine(EngineConfig(store, "2MB", policy)) as engine:
+        want, stats = engine.generate_text("def parse(argv):\n    ", cfg)[0], engine.request_stats
+    with Engine(EngineConfig(store, "2MB", policy)) as engine:
         engine.model.compiled = step = LayerGraphDecode(engine.model, capture=False)
-        got, got_stats = engine.generate("def parse(argv):\n    ", cfg)[0], engine.request_stats
+        got, got_stats = engine.generate_text("def parse(argv):\n    ", cfg)[0], engine.request_stats
         assert step.failed is None and step.capacity == MIN_CAPACITY
     assert got == want
     if policy == "lru":  # no timing-dependent prefetch: the same hits and reads

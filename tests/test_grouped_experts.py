@@ -102,6 +102,7 @@ def test_the_scheduler_hands_out_cache_hits_together_and_the_logits_do_not_chang
     from fate_edge import Engine
     from fate_edge.format.converted_stores import ensure_store
     from fate_edge.model.batch_step import Segment, forward_segments
+    from fate_edge.runtime.engine_config import EngineConfig
 
     monkeypatch.setenv("FATE_EDGE_CACHE", str(tmp_path / "cache"))
     store = ensure_store(native_model, cold_bits=None, progress=False)
@@ -119,7 +120,7 @@ def test_the_scheduler_hands_out_cache_hits_together_and_the_logits_do_not_chang
         monkeypatch.setattr(grouped_experts, "compute_group", counting_compute)
         if not grouping:
             monkeypatch.setattr(grouped_experts, "groupable", lambda items: False)
-        with Engine(store, memory_budget="64MB", policy="lru", dtype="bfloat16") as eng:
+        with Engine(EngineConfig(store, memory_budget="64MB", policy="lru", dtype="bfloat16")) as eng:
             real_stream = eng.model.experts.stream_groups
 
             def recording(layer, ids):

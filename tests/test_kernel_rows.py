@@ -66,7 +66,7 @@ def test_a_shape_torch_int4_takes_only_padded_stays_int4_not_int8(tmp_path, one_
 
 
 def test_a_run_of_some_sides_needs_only_their_ggufs():
-    from fate_edge.bench import sidebyside as sbs
+    from fate_edge_lab.bench import sidebyside as sbs
 
     real = sbs.SIDE_SETS["real"]
     part = sbs.only_sides(real, ["fate-edge int4, int4 rest", "llama.cpp q4_0"])
@@ -80,7 +80,7 @@ def test_a_run_of_some_sides_needs_only_their_ggufs():
 def test_prefill_is_also_counted_in_cpu_time_which_waiting_does_not_spend():
     import time
 
-    from fate_edge.bench.llamacpp import time_tokens
+    from fate_edge_lab.bench.llamacpp import time_tokens
 
     def waits_then_yields():
         time.sleep(0.05)  # a busy host's wait for a core: wall time, no CPU time

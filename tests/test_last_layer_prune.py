@@ -7,6 +7,7 @@ from _replay import PROMPT
 from fate_edge import GenerateConfig
 from fate_edge.format.convert import ConvertOptions, convert
 from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.engine_config import EngineConfig
 
 DECODE = GenerateConfig(max_tokens=8, ignore_eos=True)
 
@@ -27,10 +28,10 @@ def store(tmp_path_factory, bundled_dir):
 
 
 def test_the_pruned_last_layer_is_served_as_the_prompt_and_answers_the_same(store, one_thread):
-    with Engine(store, "64MB", "fate-edge") as engine:
+    with Engine(EngineConfig(store, "64MB", "fate-edge")) as engine:
         seen = _Seen(engine)
         engine.model.observers.append(seen)
-        text, _ = engine.generate(PROMPT, DECODE)
+        text, _ = engine.generate_text(PROMPT, DECODE)
         moe = engine.model.config.moe_layers
         prompt = seen.calls[: len(moe)]
         assert [layer for layer, _, _ in prompt] == moe
@@ -38,7 +39,7 @@ def test_the_pruned_last_layer_is_served_as_the_prompt_and_answers_the_same(stor
         assert all(as_prompt for _, _, as_prompt in prompt)  # ... and still served as the prompt
         assert not any(as_prompt for _, _, as_prompt in seen.calls[len(moe) :])  # decode steps are not
         pruned_prompt_uses = engine.prefill_stats.uses
-    with Engine(store, "64MB", "fate-edge") as full:
+    with Engine(EngineConfig(store, "64MB", "fate-edge")) as full:
         full.model.observers.append(lambda *a: None)  # an observer that may need every token: nothing pruned
-        assert full.generate(PROMPT, DECODE)[0] == text
+        assert full.generate_text(PROMPT, DECODE)[0] == text
         assert full.prefill_stats.uses > pruned_prompt_uses  # the last layer routed every prompt token there

@@ -13,7 +13,7 @@ _ENGINE_RUN = """
 import json, sys
 from fate_edge import Engine, GenerateConfig
 with Engine.load(None, memory_budget="4MB", policy=sys.argv[1]) as engine:
-    engine.generate("def main():", GenerateConfig(max_tokens=4))
+    engine.generate_text("def main():", GenerateConfig(max_tokens=4))
 import fate_edge.apps.cli, fate_edge.apps.server.app  # the entry points, imported as `run` and `serve` import them
 print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in {opt}) ))
 """

@@ -173,7 +173,7 @@ def test_on_the_bundled_models_own_text_training_fixes_the_gates_weak_first_laye
     cross-layer gate finds layer 1's exact top-2 for under a fifth of the tokens; trained on 16k tokens of the
     model's own stdlib text, the low-rank predictor finds it for over 40% of held-out tokens."""
     from fate_edge.bundled import bundled_model_dir
-    from fate_edge.runtime.calibrate import CalibrateOptions, corpus_windows, separator_id
+    from fate_edge.planning.calibrate import CalibrateOptions, corpus_windows, separator_id
     from fate_edge.tokenizer import Tokenizer
 
     path = bundled_model_dir()

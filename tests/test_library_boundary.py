@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGE_DIRS = ["fate_edge", "predictors", "quant", "devices"]  # the side folders install as fate_edge.*
+# the side folders install as fate_edge.*; the lab as fate_edge_lab
+PACKAGE_DIRS = ["fate_edge", "predictors", "quant", "devices", "fate_edge_lab"]
 
 
 def _docstrings(tree: ast.AST) -> set[int]:
@@ -88,7 +89,7 @@ def test_no_library_module_refers_to_the_checkout(folder):
 # and type-checking imports included). predictors/, quant/ and devices/ are leaf packages of the product card.
 LAYERS = [
     "fate_edge.errors fate_edge.sizes fate_edge.version fate_edge.app_dirs fate_edge.process_memory fate_edge.corpus "
-    "fate_edge.bundled fate_edge.tokenizer fate_edge.command_line fate_edge.native_build fate_edge.huge_pages",
+    "fate_edge.bundled fate_edge.tokenizer fate_edge.native_build fate_edge.huge_pages fate_edge.small_files",
     "fate_edge.quant fate_edge.devices",
     "fate_edge.defaults",
     "fate_edge.model",
@@ -97,15 +98,16 @@ LAYERS = [
     "fate_edge.fetch",
     "fate_edge.runtime",
     "fate_edge.planning",
-    "fate_edge.bench fate_edge.synthetic",
     "fate_edge.apps fate_edge.sdk fate_edge.__main__",
     "fate_edge",  # the package itself: its public names come from every layer
+    "fate_edge_lab",  # the lab (benchmarks, synthetic checkpoints, bounds) imports the product, never the reverse
 ]
 PACKAGE_ROOTS = {
     "fate_edge": REPO / "fate_edge",
     "fate_edge.predictors": REPO / "predictors",
     "fate_edge.quant": REPO / "quant",
     "fate_edge.devices": REPO / "devices",
+    "fate_edge_lab": REPO / "fate_edge_lab",
 }
 
 
@@ -234,3 +236,27 @@ def test_no_issue_numbers_in_library_code(folder):
         if pattern.search(line)
     ]
     assert bad == []
+
+
+@pytest.mark.parametrize("folder", ["fate_edge", "predictors", "quant", "devices"])
+def test_command_lines_live_under_apps(folder):
+    """The library takes arguments as Python values; parsing a command line is the entry points' job (apps/) and the
+    lab's."""
+    apps = REPO / "fate_edge" / "apps"
+    bad = [
+        str(p.relative_to(REPO))
+        for p in sorted((REPO / folder).rglob("*.py"))
+        if apps not in p.parents and re.search(r"^\s*(import argparse|from argparse import)", p.read_text(), re.M)
+    ]
+    assert bad == []
+
+
+@pytest.mark.parametrize("folder", PACKAGE_DIRS)
+def test_no_module_over_600_lines(folder):
+    """One job per module: a module past 600 lines is split by job (planning/planner.py was 639)."""
+    long = {
+        str(p.relative_to(REPO)): n
+        for p in sorted((REPO / folder).rglob("*.py"))
+        if (n := len(p.read_text().splitlines())) > 600
+    }
+    assert long == {}

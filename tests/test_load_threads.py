@@ -11,6 +11,7 @@ import torch
 import fate_edge.runtime.engine as engine_module
 from fate_edge.format.convert import ConvertOptions, convert
 from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.engine_config import EngineConfig
 from fate_edge.runtime.generate import GenerateConfig
 from fate_edge.runtime.load_threads import in_own_thread
 
@@ -75,7 +76,7 @@ def test_a_batched_engine_loads_on_a_thread_of_its_own(bundled_store, monkeypatc
         return real(*args, **kwargs)
 
     monkeypatch.setattr(engine_module, "load_model", recording)
-    with Engine(bundled_store, memory_budget="2MB", max_batch=max_batch) as eng:
+    with Engine(EngineConfig(bundled_store, memory_budget="2MB", max_batch=max_batch)) as eng:
         assert (seen[0] != threading.get_ident()) == elsewhere
         assert (eng.batcher is not None) == (max_batch != 1)
-        assert eng.generate("def f():", GenerateConfig(max_tokens=4))[0]  # it works after a load elsewhere
+        assert eng.generate_text("def f():", GenerateConfig(max_tokens=4))[0]  # it works after a load elsewhere

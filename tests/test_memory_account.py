@@ -11,8 +11,9 @@ import torch
 
 from fate_edge.format.convert import ConvertOptions, convert
 from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.engine_config import EngineConfig
 from fate_edge.runtime.memory_account import kv_bytes_per_token, memory_account
-from fate_edge.synthetic import SyntheticOptions, make_synthetic_model
+from fate_edge_lab.synthetic import SyntheticOptions, make_synthetic_model
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "research" / "measure_memory.py"
 
@@ -42,7 +43,7 @@ def qwen_slice(tmp_path_factory):
 @pytest.mark.parametrize("resident_bits", [None, 4])
 def test_the_resident_parts_are_what_the_engine_loads(bundled_store, resident_bits, one_thread):
     account = memory_account(bundled_store, 3_000_000, "bfloat16", 100, resident_bits)
-    with Engine(bundled_store, 3_000_000, "lru", dtype="bfloat16", resident_bits=resident_bits) as engine:
+    with Engine(EngineConfig(bundled_store, 3_000_000, "lru", dtype="bfloat16", resident_bits=resident_bits)) as engine:
         loaded = sum(t.numel() * t.element_size() for t in engine.model.w.values())
         embed = engine.model.embed.numel() * engine.model.embed.element_size()
         cache = engine.model.new_cache()
@@ -87,7 +88,7 @@ def test_a_run_that_cannot_fit_is_refused_before_anything_loads(bundled_store, m
     monkeypatch.setattr(engine_module, "available_memory_bytes", lambda: free)
     monkeypatch.setattr(engine_module, "load_model", must_not_load)
     with pytest.raises(engine_module.BudgetError) as info:
-        Engine(bundled_store, 3_000_000, "lru", dtype="bfloat16", device="cpu")
+        Engine(EngineConfig(bundled_store, 3_000_000, "lru", dtype="bfloat16", device="cpu"))
     message = str(info.value)
     assert "\n" not in message
     assert f"only {free / 1e6:.0f} MB is free" in message
@@ -100,7 +101,7 @@ def test_a_run_that_fits_is_not_refused(bundled_store, monkeypatch):
 
     account = memory_account(bundled_store, 3_000_000, "bfloat16", 4096)
     monkeypatch.setattr(engine_module, "available_memory_bytes", lambda: account.to_load + 50_000_000)
-    with Engine(bundled_store, 3_000_000, "lru", dtype="bfloat16", device="cpu") as engine:
+    with Engine(EngineConfig(bundled_store, 3_000_000, "lru", dtype="bfloat16", device="cpu")) as engine:
         assert engine.account.expert_budget == 3_000_000
 
 

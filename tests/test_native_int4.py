@@ -325,6 +325,7 @@ def test_streamed_experts_compute_on_the_native_kernel(tmp_path, monkeypatch):
     from fate_edge import Engine
     from fate_edge.format.converted_stores import ensure_store
     from fate_edge.format.store import ExpertStore
+    from fate_edge.runtime.engine_config import EngineConfig
 
     model = _native_shaped_model(tmp_path / "m")
     monkeypatch.setenv("FATE_EDGE_CACHE", str(tmp_path / "cache"))
@@ -332,7 +333,7 @@ def test_streamed_experts_compute_on_the_native_kernel(tmp_path, monkeypatch):
     want = "portable" if native_is_default() else "cpu-int4"
     assert ExpertStore(native).precisions[4].layout == want
     ids = torch.tensor([[3, 17, 99, 5, 250, 8, 61, 7]])
-    with Engine(native, memory_budget="64MB", policy="lru") as eng:
+    with Engine(EngineConfig(native, memory_budget="64MB", policy="lru")) as eng:
         expert = eng.model.experts.get(1, 2)
         assert expert.kernel == ("native-int4" if want == "portable" else "torch-int4")
         assert eng.scheduler.zero_copy  # decoded in its read buffer, which the cache keeps: no copy out
@@ -344,7 +345,7 @@ def test_streamed_experts_compute_on_the_native_kernel(tmp_path, monkeypatch):
     assert (other != native) == (
         want == "portable"
     )  # without the native kernel torch's layout is the default: one store
-    with Engine(other, memory_budget="64MB", policy="lru") as eng:
+    with Engine(EngineConfig(other, memory_budget="64MB", policy="lru")) as eng:
         assert eng.model.experts.get(1, 2).kernel == "torch-int4"
         ref = eng.model(ids, eng.model.new_cache())
     assert (logits - ref).pow(2).mean().sqrt() < 0.02 * ref.pow(2).mean().sqrt()

@@ -13,6 +13,7 @@ from fate_edge.planning.simulate import HostCosts, simulate
 from fate_edge.runtime.budget import plan_budget
 from fate_edge.runtime.cache import AccessInfo, ExpertCache, NextUse, NextUseConfig
 from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.engine_config import EngineConfig
 from fate_edge.runtime.policy import PRESETS
 
 LONG = GenerateConfig(max_tokens=96, ignore_eos=True)
@@ -120,8 +121,8 @@ def test_the_engine_and_the_simulator_agree_on_next_use(recorded, fraction, one_
     engine takes a call's reads as they land, the simulator in expert order)."""
     policy = DEVICE.with_(eviction="next-use", preload=False, keep_preloaded=False)
     sim = _simulated(recorded, policy, fraction)
-    with Engine(recorded[0], _budget(recorded, fraction), policy) as engine:
-        engine.generate(PROMPT, LONG)
+    with Engine(EngineConfig(recorded[0], _budget(recorded, fraction), policy)) as engine:
+        engine.generate_text(PROMPT, LONG)
         hits = sum(s.hits for s in engine.token_stats)
         uses = sum(s.hits + s.prefetch_hits + s.misses for s in engine.token_stats)
     assert uses == sim.hits + sim.misses
@@ -134,7 +135,7 @@ def test_the_device_preset_misses_less_in_the_engine_than_with_lcu(recorded, fra
     same with LCU, on the engine. (At 35% this 95-token decode is level: 54 against 53 misses.)"""
     misses = {}
     for ev in ("lcu", "next-use"):
-        with Engine(recorded[0], _budget(recorded, fraction), DEVICE.with_(eviction=ev)) as engine:
-            engine.generate(PROMPT, LONG)
+        with Engine(EngineConfig(recorded[0], _budget(recorded, fraction), DEVICE.with_(eviction=ev))) as engine:
+            engine.generate_text(PROMPT, LONG)
             misses[ev] = sum(s.misses for s in engine.token_stats)
     assert misses["next-use"] < misses["lcu"], misses

@@ -19,7 +19,11 @@ def _config() -> dict:
 def test_every_code_package_in_the_tree_is_listed_for_installation():
     cfg = _config()
     listed = set(cfg["packages"])
-    roots = {"fate_edge": REPO / "fate_edge", **{ns: REPO / d for d, ns in SIDE_FOLDERS.items()}}
+    roots = {
+        "fate_edge": REPO / "fate_edge",
+        "fate_edge_lab": REPO / "fate_edge_lab",
+        **{ns: REPO / d for d, ns in SIDE_FOLDERS.items()},
+    }
     found = set()
     for ns, root in roots.items():
         for folder in (root, *(d for d in root.rglob("*") if d.is_dir())):
@@ -52,7 +56,8 @@ def test_wheel_ships_one_namespace_with_profiles_and_bundled_model(tmp_path):
     )
     (wheel,) = tmp_path.glob("*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert {n.split("/")[0] for n in names} == {"fate_edge", wheel.name.split("-py")[0] + ".dist-info"}
+    dist_info = wheel.name.split("-py")[0] + ".dist-info"
+    assert {n.split("/")[0] for n in names} == {"fate_edge", "fate_edge_lab", dist_info}
     for ns in SIDE_FOLDERS.values():
         assert ns.replace(".", "/") + "/__init__.py" in names
     assert any(n.startswith("fate_edge/devices/profiles/") and n.endswith(".toml") for n in names)

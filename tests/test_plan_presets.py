@@ -6,7 +6,8 @@ import torch
 from fate_edge.devices.link import LinkSpec
 
 from fate_edge.planning.plan_presets import MIN_MARGIN, choose, preset_candidates
-from fate_edge.planning.planner import PlanTrace, plan, probe_error
+from fate_edge.planning.plan_trace import PlanTrace
+from fate_edge.planning.planner import plan, probe_error
 from fate_edge.planning.sim_load import sim_preload, sim_resident
 from fate_edge.planning.simulate import HostCosts, simulate
 from fate_edge.runtime.policy import PRESETS
@@ -126,7 +127,7 @@ def test_fates_resident_layer_is_simulated_whole():
 def test_a_recorded_requests_calls_become_a_plan_trace():
     """The engine's recorded calls (prompt: one call per layer with its experts by popularity; then one call per
     layer and token of top_k experts) split into the prompt's warm experts and the decode's routing."""
-    from fate_edge.planning.planner import trace_from_calls
+    from fate_edge.planning.plan_trace import trace_from_calls
 
     calls = [(0, [3, 1, 2]), (1, [0, 5, 4]), (0, [1, 2]), (1, [4, 0]), (0, [3, 2]), (1, [5, 4])]
     t = trace_from_calls(calls, [0, 1], top_k=2, num_experts=6, num_layers=2)

@@ -4,7 +4,8 @@ from fate_edge.devices.detect import reader_contention
 from fate_edge.devices.link import LinkSpec
 
 from fate_edge.apps.cli import main
-from fate_edge.planning.planner import PlanTrace, plan
+from fate_edge.planning.plan_trace import PlanTrace
+from fate_edge.planning.planner import plan
 from fate_edge.planning.simulate import HostCosts, simulate
 from fate_edge.runtime.policy import PRESETS
 
@@ -78,11 +79,11 @@ def test_engine_plan_auto_runs_the_planners_choice(tmp_path, bundled_dir):
     from fate_edge.format.convert import ConvertOptions, convert
 
     store = convert(bundled_dir, tmp_path / "s", ConvertOptions(bits=4, keep_bf16=False), progress=False)
-    with Engine(store, "2MB", plan="auto") as e:
+    with Engine.load(store, "2MB", policy="auto", max_batch=1, threads=None) as e:
         # the search's pick, or a preset it did not beat by more than the planner's error (plan_presets.py)
         assert e.planned is not None and e.policy == e.planned.policy
         assert e.policy.name in ("planned", "fate-edge", "fate")
-        text, last = e.generate("def f(x):", GenerateConfig(max_tokens=8, ignore_eos=True))
+        text, last = e.generate_text("def f(x):", GenerateConfig(max_tokens=8, ignore_eos=True))
         assert last.generation_tokens == 8
 
 
@@ -146,7 +147,7 @@ def test_reader_contention():
 
 def test_measured_costs_and_decode_trace_on_the_bundled_store(tmp_path, bundled_dir):
     from fate_edge.format.convert import ConvertOptions, convert
-    from fate_edge.planning.planner import measure_host_costs
+    from fate_edge.planning.host_costs import measure_host_costs
 
     store = convert(bundled_dir, tmp_path / "s", ConvertOptions(bits=4, keep_bf16=False), progress=False)
     costs, link, trace = measure_host_costs(store, 2_000_000, LINK_FAST, list(range(40, 72)), decode_tokens=12)
@@ -176,15 +177,17 @@ def test_simulated_gate_prefetches_only_where_reads_pay():
     assert shut.prefetch_hits == 0 and shut.prefetch_bytes == 0 and shut.wasted_bytes == 0
 
 
-def test_the_runtime_engine_leaves_auto_to_the_planning_layer(tmp_path, bundled_dir):
-    """The runtime sits below the planner: its Engine refuses "auto" with a pointer to fate_edge.Engine."""
+def test_the_engine_leaves_auto_to_load(tmp_path, bundled_dir):
+    """The planner sits above the runtime: the Engine's constructor refuses "auto" with a pointer to Engine.load,
+    which asks the planner first."""
     from fate_edge.errors import FateEdgeError
     from fate_edge.format.convert import ConvertOptions, convert
     from fate_edge.runtime.engine import Engine as RuntimeEngine
+    from fate_edge.runtime.engine_config import EngineConfig
 
     store = convert(bundled_dir, tmp_path / "s", ConvertOptions(bits=4, keep_bf16=False), progress=False)
-    with pytest.raises(FateEdgeError, match="fate_edge.Engine"):
-        RuntimeEngine(store, "2MB", "auto")
+    with pytest.raises(FateEdgeError, match=r"Engine\.load"):
+        RuntimeEngine(EngineConfig(store, "2MB", "auto"))
 
 
 def test_stalls_slow_the_compute_after_them_by_the_measured_drag():
@@ -199,7 +202,7 @@ def test_stalls_slow_the_compute_after_them_by_the_measured_drag():
 
 
 def test_stall_drag_is_the_line_through_two_probes():
-    from fate_edge.planning.planner import stall_drag
+    from fate_edge.planning.host_costs import stall_drag
 
     # compute 10 ms + 0.3 s per s of stall, seen at 20 ms and at 40 ms of stall per token
     per_token, drag = stall_drag([(0.040, 0.022), (0.020, 0.016)], fallback=0.5)
@@ -228,9 +231,9 @@ def test_engine_plans_on_the_sample_it_is_given(tmp_path, bundled_dir, monkeypat
 
     monkeypatch.setattr(auto, "auto_plan", spy)
     sample = "for name in sorted(os.listdir(root)):\n    print(name)\n"
-    with Engine(store, "2MB", plan="auto", plan_sample=sample) as e:
+    with Engine.load(store, "2MB", policy="auto", plan_sample=sample, max_batch=1, threads=None) as e:
         assert e.planned is not None
     ids = Tokenizer(store).encode(sample)
     assert seen[0]["token_ids"] == ids and seen[0]["prompt_tokens"] == len(ids)
     with pytest.raises(FateEdgeError, match="plan_sample is empty"):
-        Engine(store, "2MB", plan="auto", plan_sample="")
+        Engine.load(store, "2MB", policy="auto", plan_sample="", max_batch=1, threads=None)

@@ -15,6 +15,7 @@ from fate_edge.format.blob import BlobRef
 from fate_edge.format.convert import ConvertOptions, convert
 from fate_edge.runtime.budget import plan_budget
 from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.engine_config import EngineConfig
 from fate_edge.runtime.policy import PRESETS
 
 BLOB = 64 * 1024
@@ -113,7 +114,7 @@ def test_cache_and_read_buffers_stay_within_the_budget_at_every_step(store, one_
     """Measured at every routing call and every layer's end: the memory the cached experts really hold (a
     handed-off expert keeps its whole read buffer) plus all read buffers, in flight or not, plus the one
     expert being computed, never exceeds the budget."""
-    with Engine(store, int(share * all_expert_bytes(store)), policy) as engine:
+    with Engine(EngineConfig(store, int(share * all_expert_bytes(store)), policy)) as engine:
         seen = []
         end_layer = engine.scheduler.end_layer
 
@@ -123,7 +124,7 @@ def test_cache_and_read_buffers_stay_within_the_budget_at_every_step(store, one_
 
         engine.scheduler.end_layer = at_end
         engine.model.observers.insert(0, lambda *a: seen.append(resident_bytes(engine)))
-        engine.generate(PROMPT, DECODE)
+        engine.generate_text(PROMPT, DECODE)
         assert engine.fetch.pool.handed_off > 0  # the zero-copy path ran
         assert len(seen) > 100 and max(seen) + engine.plan.working_bytes <= engine.budget
 
@@ -133,10 +134,10 @@ def test_cached_experts_live_in_their_read_buffers(store, one_thread):
     length), and only the experts the cache did not keep were copied on the main thread. What fate caches at load
     (preload.py: its resident first layer, the cache's fill) is decoded before any request, outside the read
     buffers: plain tensors charged their own bytes."""
-    with Engine(store, int(0.35 * all_expert_bytes(store)), "fate") as engine:
+    with Engine(EngineConfig(store, int(0.35 * all_expert_bytes(store)), "fate")) as engine:
         at_load = {key: entry.expert for key, entry in engine.cache.entries.items()}
         assert at_load  # fate fills its cache at load
-        engine.generate(PROMPT, DECODE)
+        engine.generate_text(PROMPT, DECODE)
         pool, copier, s = engine.fetch.pool, engine.scheduler.copier, engine.stats
         served = 0
         for key, entry in engine.cache.entries.items():
@@ -156,7 +157,7 @@ def test_uncached_experts_are_computed_in_their_read_buffers(store, one_thread):
     """load-on-demand keeps nothing: each expert is computed in its read buffer (no copy on the main thread, as a
     device computes from the memory its DMA filled), which goes back to the pool once the layer has used it; the
     answer is the copied path's (the resident run's, tests/test_engine.py)."""
-    with Engine(store, "4MB", "load-on-demand-int4") as engine:
+    with Engine(EngineConfig(store, "4MB", "load-on-demand-int4")) as engine:
         pool = engine.fetch.pool
         seen: list[set[int]] = []  # per expert served: the storage sizes of its tensors
         inner = engine.scheduler._consume
@@ -167,14 +168,14 @@ def test_uncached_experts_are_computed_in_their_read_buffers(store, one_thread):
             return expert
 
         engine.scheduler._consume = consume
-        text, _ = engine.generate(PROMPT, DECODE)
+        text, _ = engine.generate_text(PROMPT, DECODE)
         assert engine.stats.misses > 0 and len(seen) == engine.stats.misses
         assert engine.scheduler.copier.uploads == 0  # nothing copied out
         assert all(sizes == {pool.size} for sizes in seen)  # every expert's tensors are views of a read buffer
         assert pool.handed_off == 0 and pool.available == pool.count  # every buffer back in the pool
-    with Engine(store, "4MB", "load-on-demand-int4") as copied:
+    with Engine(EngineConfig(store, "4MB", "load-on-demand-int4")) as copied:
         copied.scheduler.lends = False  # the copy-out path, for the same answer
-        assert copied.generate(PROMPT, DECODE)[0] == text
+        assert copied.generate_text(PROMPT, DECODE)[0] == text
         assert copied.scheduler.copier.uploads > 0
 
 
@@ -186,10 +187,10 @@ def test_an_expert_the_cache_declines_is_computed_in_its_read_buffer(store, one_
     from fate_edge.planning.device_presets import for_device
 
     budget = int(0.20 * all_expert_bytes(store))
-    with Engine(store, budget, "lru") as ref:
-        want = ref.generate(PROMPT, DECODE)[0]
-    with Engine(store, budget, for_device(PRESETS["fate-edge"], "orin-nano")) as engine:
-        text, _ = engine.generate(PROMPT, DECODE)
+    with Engine(EngineConfig(store, budget, "lru")) as ref:
+        want = ref.generate_text(PROMPT, DECODE)[0]
+    with Engine(EngineConfig(store, budget, for_device(PRESETS["fate-edge"], "orin-nano"))) as engine:
+        text, _ = engine.generate_text(PROMPT, DECODE)
         pool, sched, s = engine.fetch.pool, engine.scheduler, engine.stats
         assert text == want
         assert sched.lent_reads > 0 and pool.handed_off > 0  # some declined (computed in place), some kept
@@ -201,7 +202,7 @@ def test_an_expert_the_cache_declines_is_computed_in_its_read_buffer(store, one_
 def test_an_uncached_expert_served_by_get_keeps_its_buffer_until_the_layer_ends(store, one_thread):
     """Scheduler.get returns the expert after its stream has ended: its read buffer must stay out of the pool (no
     read may overwrite it) until end_layer."""
-    with Engine(store, "4MB", "load-on-demand-int4") as engine:
+    with Engine(EngineConfig(store, "4MB", "load-on-demand-int4")) as engine:
         sched, pool = engine.scheduler, engine.fetch.pool
         layer = engine.model.config.moe_layers[0]
         expert = sched.get(layer, 0)
@@ -214,13 +215,13 @@ def test_an_uncached_expert_served_by_get_keeps_its_buffer_until_the_layer_ends(
 def test_evicted_buffers_are_reused_only_when_no_expert_points_into_them(store, one_thread):
     """An evicted expert's read buffer becomes the pool's next buffer (no new memory for the reader to fault
     in), unless something still holds that expert: then its bytes must stay as they are."""
-    with Engine(store, int(0.20 * all_expert_bytes(store)), "lru") as engine:
-        engine.generate(PROMPT, DECODE)
+    with Engine(EngineConfig(store, int(0.20 * all_expert_bytes(store)), "lru")) as engine:
+        engine.generate_text(PROMPT, DECODE)
         pool = engine.fetch.pool
         assert engine.cache.evictions > 0 and pool.recycled > 0
         held = {key: entry.expert for key, entry in engine.cache.entries.items()}  # a caller keeps experts
         before = {key: [t.clone() for t in _tensors(expert)] for key, expert in held.items()}
-        engine.generate("import numpy as np\nclass Model:\n    def forward(self, x):", DECODE)
+        engine.generate_text("import numpy as np\nclass Model:\n    def forward(self, x):", DECODE)
         evicted = [key for key in held if key not in engine.cache]
         assert evicted  # evicted while held ...
         for key in evicted:  # ... and their buffers not reused

@@ -5,6 +5,7 @@ import torch
 from _replay import CFG, PROMPT, all_expert_bytes, int4_store, record, simulate_engine, spy
 
 from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.engine_config import EngineConfig
 from fate_edge.runtime.policy import PRESETS, PolicyConfig
 from fate_edge.runtime.prefetch_choice import choose, plan_prefetches, prefetch_width
 
@@ -62,9 +63,9 @@ def test_engine_and_simulator_prefetch_the_same_experts(recorded, one_thread, ca
         policy, budget = oracle.with_(cache=False, lookahead=2), "16MB"
     else:  # Belady-MIN evicts, a read ahead entering the cache only when used
         policy, budget = oracle, int(0.35 * all_expert_bytes(store))
-    with Engine(store, budget, policy, trace=trace) as engine:
+    with Engine(EngineConfig(store, budget, policy, trace=trace)) as engine:
         seen = spy(engine)
-        engine.generate(PROMPT, CFG)
+        engine.generate_text(PROMPT, CFG)
         decode = engine.stats.minus(engine.prefill_stats)
         sim = simulate_engine(engine, trace)
     assert seen.prefetched and seen.prefetched == sim.prefetched

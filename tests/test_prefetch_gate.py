@@ -7,6 +7,7 @@ from fate_edge import GenerateConfig
 from fate_edge.format.convert import ConvertOptions, convert
 from fate_edge.format.store import ExpertStore
 from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.engine_config import EngineConfig
 from fate_edge.runtime.policy import PRESETS
 
 
@@ -21,7 +22,7 @@ def store(tmp_path_factory, bundled_dir):
 def engine(store):
     s = ExpertStore(store)
     budget = int(0.35 * s.expert_bytes(4) * len(s.index["moe_layers"]) * s.index["num_experts"])
-    with Engine(store, budget, "fate-edge") as e:
+    with Engine(EngineConfig(store, budget, "fate-edge")) as e:
         yield e
 
 
@@ -82,5 +83,5 @@ def test_shut_gate_runs_the_predictor_on_one_layer_call_in_eight(engine, monkeyp
 def test_ungated_policy_predicts_every_layer(store):
     s = ExpertStore(store)
     budget = int(0.35 * s.expert_bytes(4) * len(s.index["moe_layers"]) * s.index["num_experts"])
-    with Engine(store, budget, PRESETS["fate-edge"].with_(prefetch_gate=False)) as e:
+    with Engine(EngineConfig(store, budget, PRESETS["fate-edge"].with_(prefetch_gate=False))) as e:
         assert all(e.scheduler._should_predict(False, 0) for _ in range(20))  # even with width 0

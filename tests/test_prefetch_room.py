@@ -10,6 +10,7 @@ from _replay import PROMPT, all_expert_bytes
 from fate_edge import GenerateConfig
 from fate_edge.format.convert import ConvertOptions, convert
 from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.engine_config import EngineConfig
 
 DECODE = GenerateConfig(max_tokens=24, ignore_eos=True)
 
@@ -35,7 +36,7 @@ def decode_uses(engine: Engine) -> dict[int, list[int]]:
 
 @pytest.mark.parametrize("share", [0.20, 0.35])
 def test_fate_prefetches_reach_every_layer_after_the_first(store, one_thread, share):
-    with Engine(store, int(share * all_expert_bytes(store)), "fate") as engine:
+    with Engine(EngineConfig(store, int(share * all_expert_bytes(store)), "fate")) as engine:
         uses = decode_uses(engine)
         layers = engine.model.config.moe_layers[1:]
         open_layers = [layer for layer in layers if engine.plan.slots.get(layer, 0) < engine.model.config.num_experts]

@@ -5,7 +5,8 @@ import torch
 from fate_edge import GenerateConfig
 from fate_edge.apps.engine_args import resolve_store
 from fate_edge.runtime.engine import Engine
-from fate_edge.runtime.generate import generate, prompt_chunks
+from fate_edge.runtime.engine_config import EngineConfig
+from fate_edge.runtime.generate import generate_from_model, prompt_chunks
 
 
 def _prompt(model, n: int) -> list[int]:
@@ -25,7 +26,7 @@ def test_prompt_chunks_cover_the_prompt_in_ranges_of_two_or_more():
 def test_chunked_prefill_gives_the_whole_prompt_tokens(bundled_model, bundled_tokenizer):
     ids = _prompt(bundled_model, 300)
     runs = {
-        c: generate(
+        c: generate_from_model(
             bundled_model, bundled_tokenizer, ids, GenerateConfig(max_tokens=12, ignore_eos=True, prefill_chunk=c)
         )[0]
         for c in (0, 64, 97)
@@ -45,10 +46,10 @@ def test_chunked_prefill_gives_the_whole_prompt_logits(bundled_model):
 
 def test_engine_serves_a_chunked_prompt(bundled_dir):
     store = resolve_store(bundled_dir, progress=False)
-    with Engine(store, "2MB", "lru") as engine:
+    with Engine(EngineConfig(store, "2MB", "lru")) as engine:
         ids = _prompt(engine.model, 180)
-        whole = engine.generate(ids, GenerateConfig(max_tokens=10, ignore_eos=True, prefill_chunk=0))[0]
-        chunked = engine.generate(ids, GenerateConfig(max_tokens=10, ignore_eos=True, prefill_chunk=50))[0]
+        whole = engine.generate_text(ids, GenerateConfig(max_tokens=10, ignore_eos=True, prefill_chunk=0))[0]
+        chunked = engine.generate_text(ids, GenerateConfig(max_tokens=10, ignore_eos=True, prefill_chunk=50))[0]
     assert chunked == whole
 
 
@@ -57,7 +58,9 @@ def test_the_kv_cache_is_allocated_once_for_prompt_and_answer(bundled_model, bun
     real = bundled_model.new_cache
     monkeypatch.setattr(bundled_model, "new_cache", lambda: caches.append(real()) or caches[-1])
     ids = _prompt(bundled_model, 300)
-    generate(bundled_model, bundled_tokenizer, ids, GenerateConfig(max_tokens=40, ignore_eos=True, prefill_chunk=128))
+    generate_from_model(
+        bundled_model, bundled_tokenizer, ids, GenerateConfig(max_tokens=40, ignore_eos=True, prefill_chunk=128)
+    )
     [cache] = caches
     assert cache.length == 339  # the last sampled token is not fed back
     assert {b.shape[2] for lay in cache.layers for b in lay.buffers} == {340}  # never doubled to 600

@@ -168,3 +168,19 @@ def test_int8_codes_that_start_off_a_16_byte_boundary_are_realigned_not_crashed_
         lin = Int8Linear(view, scale)
         assert lin.codes.data_ptr() % 16 == 0
         assert torch.equal(lin(x), want)
+
+
+@pytest.mark.slow
+def test_embedding_bits_alone_quantize_the_table_and_leave_the_linears_as_stored(tmp_path, bundled_dir):
+    """``embedding_bits`` without ``resident_bits``: only the embedding table is quantized (the linears went to int8
+    when the missing resident bits reached the group quantizer as None)."""
+    out = convert(
+        bundled_dir, tmp_path / "s", ConvertOptions(bits=4, keep_bf16=False, embedding_bits=8), progress=False
+    )
+    quantized = {n for n in CheckpointReader(out).keys() if n.endswith((".int8", ".nint4", ".int4"))}
+    assert quantized == {"model.embed_tokens.int8"}
+    model = load_model(out)
+    try:
+        assert torch.isfinite(_logits(model)).all()
+    finally:
+        model.experts.close()

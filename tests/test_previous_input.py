@@ -159,7 +159,7 @@ def test_the_engine_predicts_from_the_previous_tokens_next_layer_input(bundled_d
         seen = spy_model_inputs(predictor, monkeypatch)
         rec = TraceRecorder(engine.model.config.num_experts)
         engine.model.observers.insert(0, rec)
-        engine.generate("def add(a, b):", GenerateConfig(max_tokens=6, ignore_eos=True))
+        engine.generate_text("def add(a, b):", GenerateConfig(max_tokens=6, ignore_eos=True))
         engine.model.observers.remove(rec)
         layers, hidden = engine.model.config.moe_layers, engine.model.config.hidden_size
     inputs = rec.trace().gate_inputs  # per layer: the prompt's rows routed there, then one row per decode token

@@ -155,7 +155,7 @@ def test_401_names_the_bearer_scheme(engine):
 def test_context_overflow_is_a_typed_error(engine):
     ids = [5] * engine.model.config.max_position_embeddings
     with pytest.raises(ContextLengthError) as exc:
-        engine.generate(ids)
+        engine.generate_text(ids)
     assert exc.value.prompt_tokens == len(ids) and exc.value.context == len(ids)
     assert isinstance(exc.value, GenerationError)  # callers catching GenerationError still catch it
 

@@ -11,6 +11,7 @@ from test_prefetch_buffers import DECODE, store  # noqa: F401  (the module's con
 
 from fate_edge.fetch.buffer_pool import Buffer, BufferPool
 from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.engine_config import EngineConfig
 
 MB = 1 << 20
 
@@ -63,7 +64,7 @@ def test_hand_offs_take_spares_before_making_buffers():
 def test_the_engine_makes_spares_for_the_room_its_cache_has_after_load(store, one_thread, policy):  # noqa: F811
     """As many spares as the cache's free entries after load (what fate fills at load is not counted twice), never
     more than the experts not cached; serving takes them before it makes any buffer."""
-    with Engine(store, int(0.35 * all_expert_bytes(store)), policy) as engine:
+    with Engine(EngineConfig(store, int(0.35 * all_expert_bytes(store)), policy)) as engine:
         pool, cache, cfg = engine.fetch.pool, engine.cache, engine.model.config
         if not engine.scheduler.zero_copy:
             pytest.skip(f"{policy} does not hand read buffers to its cache")
@@ -76,7 +77,7 @@ def test_the_engine_makes_spares_for_the_room_its_cache_has_after_load(store, on
         assert pool.spares == min(room, uncached)
         assert pool.spares * pool.size + cache.used_bytes <= cache.capacity_bytes
         made = pool.spares
-        engine.generate(PROMPT, DECODE)
+        engine.generate_text(PROMPT, DECODE)
         needed = pool.handed_off - pool.recycled  # hand-offs with no evicted buffer to put in place
         assert pool.spares_used == min(made, needed)
         assert needed - pool.spares_used == 0 or pool.spares == 0  # a buffer is made only once the spares are gone
@@ -84,7 +85,7 @@ def test_the_engine_makes_spares_for_the_room_its_cache_has_after_load(store, on
 
 
 def test_a_budget_past_every_expert_makes_no_more_spares_than_experts(store, one_thread):  # noqa: F811
-    with Engine(store, 4 * all_expert_bytes(store), "lru") as engine:
+    with Engine(EngineConfig(store, 4 * all_expert_bytes(store), "lru")) as engine:
         cfg = engine.model.config
         assert engine.fetch.pool.spares <= len(cfg.moe_layers) * cfg.num_experts
 

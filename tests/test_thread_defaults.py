@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from fate_edge.bench.llamacpp import OPENMP_DEFAULT, llama_child
+from fate_edge_lab.bench.llamacpp import OPENMP_DEFAULT, llama_child
 
 OPENMP = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 

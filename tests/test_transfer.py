@@ -9,6 +9,7 @@ from fate_edge.errors import FateEdgeError
 from fate_edge.fetch.transfer import Copier, CPUCopier, make_copier
 from fate_edge.format.convert import ConvertOptions, convert
 from fate_edge.runtime.engine import Engine, resolve_device
+from fate_edge.runtime.engine_config import EngineConfig
 
 
 class FakeEvent:
@@ -62,8 +63,8 @@ def store(tmp_path_factory, bundled_dir):
 
 
 def test_engine_returns_every_staging_buffer_and_counts_them_in_the_budget(store):
-    with Engine(store, "2MB", "fate") as e:
-        e.generate("def f(x):", GenerateConfig(max_tokens=16, ignore_eos=True))
+    with Engine(EngineConfig(store, "2MB", "fate")) as e:
+        e.generate_text("def f(x):", GenerateConfig(max_tokens=16, ignore_eos=True))
         assert not e.scheduler.copier.in_flight
         assert e.fetch.pool.available == e.fetch.pool.count  # nothing leaked
         assert e.plan.pool_bytes == e.fetch.pool.nbytes  # staging buffers are inside the budget
@@ -82,7 +83,7 @@ def test_cuda_without_a_gpu_fails_at_once_with_a_clear_message(store, capsys):
     with pytest.raises(FateEdgeError, match="no CUDA GPU"):
         resolve_device("cuda")
     with pytest.raises(FateEdgeError, match="no CUDA GPU"):
-        Engine(store, "2MB", "lru", device="cuda")
+        Engine(EngineConfig(store, "2MB", "lru", device="cuda"))
     assert main(["run", "--device", "cuda", "--max-tokens", "2", "x"]) == 2
     err = capsys.readouterr().err
     assert "no CUDA GPU" in err and "Traceback" not in err

@@ -14,6 +14,7 @@ from fate_edge.fetch.fetch_engine import Priority
 from fate_edge.model.experts import ExpertProvider
 from fate_edge.runtime.budget import plan_budget
 from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.engine_config import EngineConfig
 from fate_edge.runtime.policy import PRESETS
 
 
@@ -91,9 +92,11 @@ def test_perfect_prefetch_reads_each_expert_once_and_wastes_nothing(recorded, on
     """The oracle with room for every expert: bytes read = each used expert's blob exactly once (without its
     fill at load, which would read them all before the request)."""
     store, trace = recorded
-    with Engine(store, 4 * all_expert_bytes(store), PRESETS["oracle"].with_(preload=False), trace=trace) as engine:
+    with Engine(
+        EngineConfig(store, 4 * all_expert_bytes(store), PRESETS["oracle"].with_(preload=False), trace=trace)
+    ) as engine:
         seen = spy(engine)
-        engine.generate(PROMPT, CFG)
+        engine.generate_text(PROMPT, CFG)
         s = engine.stats
         blob = engine.store.ref(0, 0, 4)
         used = set(trace.accesses())
@@ -108,9 +111,11 @@ def test_nothing_cached_or_in_flight_is_prefetched_again(recorded, one_thread, p
     """At 35% of the expert bytes: every read ahead is of an expert neither cached nor already being read."""
     store, trace = recorded
     pol = PRESETS["oracle"].with_(lookahead=2) if policy.startswith("oracle") else PRESETS[policy]
-    with Engine(store, int(0.35 * all_expert_bytes(store)), pol.with_(cold_bits=None), trace=trace) as engine:
+    with Engine(
+        EngineConfig(store, int(0.35 * all_expert_bytes(store)), pol.with_(cold_bits=None), trace=trace)
+    ) as engine:
         seen = spy(engine)
-        engine.generate(PROMPT, CFG)
+        engine.generate_text(PROMPT, CFG)
         s = engine.stats
         assert seen.prefetched  # it did read ahead
         assert seen.of_cached == [] and seen.of_inflight == []
@@ -137,7 +142,7 @@ def test_engine_uses_every_prefetch_buffer_it_plans(recorded, one_thread):
     buffers it fills (two prefetched layers in flight), not more."""
     store, trace = recorded
     pol = PRESETS["oracle"].with_(lookahead=2, prefetch_width=2, cache=False)
-    with Engine(store, "16MB", pol, trace=trace) as engine:
+    with Engine(EngineConfig(store, "16MB", pol, trace=trace)) as engine:
         sched, most = engine.scheduler, {"n": 0}
         submit = engine.fetch.submit
 
@@ -147,6 +152,6 @@ def test_engine_uses_every_prefetch_buffer_it_plans(recorded, one_thread):
             return submit(ref, priority)
 
         engine.fetch.submit = counting
-        engine.generate(PROMPT, CFG)
+        engine.generate_text(PROMPT, CFG)
     assert engine.plan.pool_buffers - 2 == pol.lookahead * pol.prefetch_width == sched.max_inflight
     assert most["n"] == sched.max_inflight  # in flight at once: as many as planned, never more

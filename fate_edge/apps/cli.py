@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 from fate_edge import defaults
 from fate_edge.apps.cli_args import (
@@ -25,8 +26,8 @@ from fate_edge.apps.cli_args import (
     profile_name,
     use_option_types,
 )
+from fate_edge.apps.command_line import PROG, CliParser, model_path, model_ref
 from fate_edge.apps.engine_args import add_engine_args
-from fate_edge.command_line import PROG, CliParser, model_path, model_ref
 from fate_edge.errors import FateEdgeError
 from fate_edge.format.convert import GROUP_SIZES
 from fate_edge.sizes import format_bytes
@@ -84,7 +85,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace, model, tokenizer, prompt: str, engine) -> None:
     """Stream the continuation to stdout, then one line of speed and memory to stderr."""
-    from fate_edge.runtime.generate import GenerateConfig, stream_generate
+    from fate_edge.runtime.generate import GenerateConfig, stream_from_model
     from fate_edge.runtime.sampling import SamplingParams
 
     if args.chat:
@@ -97,7 +98,7 @@ def _generate(args: argparse.Namespace, model, tokenizer, prompt: str, engine) -
     last = None
     if args.echo:
         sys.stdout.write(prompt)
-    steps = engine.stream(prompt, config) if engine else stream_generate(model, tokenizer, prompt, config)
+    steps = engine.stream(prompt, config) if engine else stream_from_model(model, tokenizer, prompt, config)
     for last in steps:
         sys.stdout.write(last.text)
         sys.stdout.flush()
@@ -187,7 +188,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _inspect_gguf(path: str) -> int:
+def _inspect_gguf(path: str | Path) -> int:
     from pathlib import Path
 
     from fate_edge.format.model_list import ListedModel, describe
@@ -233,8 +234,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from fate_edge.apps.engine_args import resolve_store
     from fate_edge.format.store import ExpertStore
+    from fate_edge.planning.host_costs import roofline_layer_time
     from fate_edge.planning.plan_presets import preset_candidates
-    from fate_edge.planning.planner import auto_plan, plan, record_plan_trace, roofline_layer_time, sample_token_ids
+    from fate_edge.planning.plan_trace import record_plan_trace, sample_token_ids
+    from fate_edge.planning.planner import auto_plan, plan
     from fate_edge.runtime.budget import parse_bytes
     from fate_edge.tokenizer import Tokenizer
 
@@ -255,12 +258,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         from fate_edge.devices.link import storage_link
         from fate_edge.devices.profile import load_profile
+        from fate_edge.fetch.store_provider import StoreExpertProvider
         from fate_edge.runtime.loader import load_model
 
         profile = load_profile(args.device)
         model = load_model(store_dir)
+        experts = model.experts
+        assert isinstance(experts, StoreExpertProvider)  # a store's experts stream through the fetch engine
         store = ExpertStore(store_dir)
-        bits = model.experts.bits
+        bits = experts.bits
         trace = record_plan_trace(model, ids, store_dir=store_dir)
         resident = sum(t.numel() * t.element_size() for t in model.w.values()) // model.config.num_hidden_layers
         layer_s = roofline_layer_time(model.config, profile, store.expert_bytes(bits), resident)
@@ -275,7 +281,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             start=presets[0],
             presets=presets,
         )
-        model.experts.close()
+        experts.close()
     print(f"model           {store_dir}")
     print(f"memory budget   {format_bytes(budget)} for experts, device {args.device}")
     print(result.describe())
@@ -488,10 +494,10 @@ def build_parser() -> argparse.ArgumentParser:
     probe.set_defaults(func=cmd_probe)
     _add_convert_parser(sub)
 
+    from fate_edge.apps.calibrate_cli import add_calibrate_parser
     from fate_edge.apps.chat import add_chat_parser
     from fate_edge.apps.demo import add_demo_parser
     from fate_edge.apps.server.main import add_serve_parser
-    from fate_edge.runtime.calibrate import add_calibrate_parser
 
     # Parsers written elsewhere get the shared argument types by option name (see cli_args.OPTION_TYPES).
     for add in (add_calibrate_parser, add_serve_parser):
@@ -506,42 +512,51 @@ def build_parser() -> argparse.ArgumentParser:
 # Commands that live in their concern package: name -> ("module:function", the line --help shows).
 COMMANDS: dict[str, tuple[str, str]] = {
     "bench": (
-        "fate_edge.bench.cli:main",
+        "fate_edge_lab.bench.cli:main",
         "benchmark every policy preset, the oracle and peers under memory "
         "budgets on emulated device links (JSON, markdown table, plots)",
     ),
     "bench-llamacpp": (
-        "fate_edge.bench.llamacpp_cli:main",
+        "fate_edge_lab.bench.llamacpp_cli:main",
         "fate-edge beside llama.cpp on the same checkpoint, resident and memory-limited, in fresh processes",
     ),
     "bench-scale": (
-        "fate_edge.bench.scale_cli:main",
+        "fate_edge_lab.bench.scale_cli:main",
         "a real-size checkpoint: convert it in a memory cgroup, run "
         "it at expert budgets from the raw disk (needs root)",
     ),
     "eval-quality": (
-        "fate_edge.bench.quality:main",
+        "fate_edge_lab.bench.quality:main",
         "held-out perplexity and greedy agreement of quantized experts (RTN, HQQ) against bf16",
     ),
     "model-card": (
-        "fate_edge.bench.model_card:main",
+        "fate_edge_lab.bench.model_card:main",
         "measure a model directory and write its model card (perplexity, expert usage, cross-layer prediction)",
     ),
     "synth": (
-        "fate_edge.synthetic.cli:main",
+        "fate_edge_lab.synthetic.cli:main",
         "write a synthetic checkpoint with a published MoE model's shapes (random weights)",
     ),
     "relayout": (
-        "fate_edge.format.relayout:main",
+        "fate_edge.apps.relayout_cli:main",
         "re-lay out an expert store's cpu-int4 experts as portable, without the checkpoint",
     ),
 }
 
 
+LAB = "fate_edge_lab"  # the benchmarks' package: the product never imports it, only dispatches to it
+
+
 def resolve(spec: str) -> Callable:
-    """The function a "module:function" spec names, its module imported now."""
+    """The function a "module:function" spec names, its module imported now; a lab command without the lab installed
+    is one error line naming the extra."""
     module, _, name = spec.partition(":")
-    return getattr(importlib.import_module(module), name)
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as exc:
+        if module.startswith(LAB + ".") and exc.name is not None and exc.name.split(".")[0] == LAB:
+            raise FateEdgeError("this command is in the lab, not installed: pip install 'fate-edge[lab]'") from exc
+        raise
 
 
 def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:

@@ -1,7 +1,7 @@
 """Argument types of the ``fate-edge`` CLI's own subcommands, and the types by option name that the parsers
 written elsewhere (calibrate, serve) get: bad input is one ``fate-edge: error:`` line (command_line.CliParser).
 
-The plain types (numbers, paths, device names) live in ``fate_edge.command_line``, the device profile and
+The plain types (numbers, paths, device names) live in ``fate_edge.apps.command_line``, the device profile and
 emulated device names in ``fate_edge.planning.device_costs``; they are imported here under their own names.
 """
 
@@ -12,9 +12,10 @@ import ipaddress
 import re
 from collections.abc import Callable
 
-from fate_edge.command_line import (
+from fate_edge.apps.command_line import (
     below_one,
     device_name,
+    emulated_device,
     existing_path,
     existing_path_as_path,
     fraction,
@@ -26,10 +27,10 @@ from fate_edge.command_line import (
     port_number,
     positive_float,
     positive_int,
+    profile_name,
     share,
 )
 from fate_edge.errors import FateEdgeError
-from fate_edge.planning.device_costs import emulated_device, profile_name
 
 
 def byte_size(value: str) -> str:

@@ -16,6 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from fate_edge.errors import FateEdgeError
 from fate_edge.runtime.policy import POLICY_CHOICES
 from fate_edge.sizes import format_bytes
 
@@ -125,6 +126,8 @@ def run_policy(
         out.flush()
         held = max(held, (engine.cache.used_bytes if engine.cache is not None else 0) + engine.plan.pool_bytes)
     out.write("\n")
+    if last is None:
+        raise FateEdgeError("the demo generated no token: give max_tokens >= 1")
     s = engine.stats
     decode = SchedulerStats()
     for t in engine.token_stats:

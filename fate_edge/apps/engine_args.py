@@ -209,6 +209,7 @@ def open_engine(
     from fate_edge.format.checkpoint_layout import DTYPES
     from fate_edge.runtime.budget import parse_bytes
     from fate_edge.runtime.engine import Engine
+    from fate_edge.runtime.engine_config import EngineConfig
     from fate_edge.runtime.load_threads import in_own_thread
 
     log = log or sys.stderr
@@ -217,7 +218,8 @@ def open_engine(
     store = in_own_thread(lambda: resolve_store(opts.model, progress, status))
     link = make_link(opts.link)
     set_threads(opts.threads)
-    policy, planned = opts.policy, None
+    policy: str | PolicyConfig = opts.policy
+    planned = None
     if policy == "auto":
         from fate_edge.devices.detect import detect
         from fate_edge.planning.planner import auto_plan
@@ -246,23 +248,25 @@ def open_engine(
         )
         policy = p
     else:
-        policy = policy_for_device(policy, opts.device_profile, store, opts.resident_bits)
+        policy = policy_for_device(opts.policy, opts.device_profile, store, opts.resident_bits)
     if account is not None:
         print_account(store, opts, account)
     if status is not None:
         status.set("loading")
     engine = Engine(
-        store,
-        opts.memory_budget,
-        policy,
-        dtype=opts.dtype,
-        link=link,
-        device=opts.device,
-        verify=opts.verify,
-        resident_bits=opts.resident_bits,
-        embedding_bits=opts.embedding_bits,
-        context_tokens=opts.context_tokens,
-        max_batch=max_batch if opts.max_batch is None else opts.max_batch,
+        EngineConfig(
+            store,
+            opts.memory_budget,
+            policy,
+            dtype=opts.dtype,
+            link=link,
+            device=opts.device,
+            verify=opts.verify,
+            resident_bits=opts.resident_bits,
+            embedding_bits=opts.embedding_bits,
+            context_tokens=opts.context_tokens,
+            max_batch=max_batch if opts.max_batch is None else opts.max_batch,
+        )
     )
     engine.planned = planned
     return engine

@@ -16,9 +16,13 @@ import ctypes
 import mmap
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from fate_edge.format.blob import ALIGN
 from fate_edge.huge_pages import huge_page_window
+
+if TYPE_CHECKING:
+    import torch
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: fault every page in at mmap time
 
@@ -28,27 +32,29 @@ class Buffer:
 
     def __init__(self, size: int, pinned: bool = False):
         self.size = size
+        self.mem: torch.Tensor | mmap.mmap
         if pinned:
             import torch
 
             # Page-locked so the GPU can DMA from it; over-allocate to hand out a 4096-aligned window (O_DIRECT).
-            self.mem = torch.empty(size + ALIGN, dtype=torch.uint8).pin_memory()
-            skip = (-self.mem.data_ptr()) % ALIGN
-            self.view = memoryview(self.mem.numpy())[skip : skip + size]
+            pinned_mem = self.mem = torch.empty(size + ALIGN, dtype=torch.uint8).pin_memory()
+            skip = (-pinned_mem.data_ptr()) % ALIGN
+            self.view = pinned_mem.numpy().data[skip : skip + size]
         elif (window := huge_page_window(size) if _POPULATE else None) is not None:
             # On 2 MB pages where it holds whole ones (Linux, THP madvise or always): the kernels stream a cached
             # expert from here, and 4 KB pages cost them ~22% (40 Qwen1.5-MoE experts: 26.6 -> 20.9 ms at one
             # thread). Zeroed at once: faulted in as MAP_POPULATE would, but after the advice.
             self.mem, start = window
-            self.view = memoryview(self.mem)[start : start + size]
+            self.view = memoryview(window[0])[start : start + size]
             ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(self.view)), 0, size)
         else:
             # anonymous mmap: page-aligned, as O_DIRECT needs; populated, so no read pays its page faults
             if _POPULATE:
-                self.mem = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
+                anon = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
             else:  # no MAP_POPULATE (macOS, Windows, whose mmap takes no flags): pages fault in on first use
-                self.mem = mmap.mmap(-1, size)
-            self.view = memoryview(self.mem)
+                anon = mmap.mmap(-1, size)
+            self.mem = anon
+            self.view = memoryview(anon)
 
 
 class BufferPool:

@@ -118,11 +118,11 @@ class FetchEngine:
         self._fd_lock = threading.Lock()
         self._closed = False
         self.close_timeout = 5.0  # close() waits this long for the workers before leaving the files to them
-        self._alive = workers  # workers not yet exited (guarded by _fd_lock)
         self._threads = [
             threading.Thread(target=self._worker, name=f"fate-fetch-{i}", daemon=True)
             for i in range(FETCH_WORKERS if workers is None else workers)
         ]
+        self._alive = len(self._threads)  # workers not yet exited (guarded by _fd_lock)
         for t in self._threads:
             t.start()
 

@@ -86,7 +86,8 @@ class CUDACopier(Copier):
     def __init__(self, device: str | torch.device = "cuda") -> None:
         super().__init__()
         self.device = torch.device(device)
-        lo, hi = torch.cuda.Stream.priority_range()  # hi is the numerically lowest = highest priority
+        # hi is the numerically lowest = highest priority; torch's stubs declare this static method as an instance one
+        lo, hi = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]
         self.demand_stream = torch.cuda.Stream(self.device, priority=hi)
         self.prefetch_stream = torch.cuda.Stream(self.device, priority=lo)
 

@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from fate_edge.errors import CorruptCheckpointError, MissingTensorError, ModelFormatError
 from fate_edge.format.direct_write import DirectFile
-from fate_edge.format.safetensors_header import MAX_HEADER_BYTES, check_header
+from fate_edge.format.safetensors_header import DTYPE_BYTES, MAX_HEADER_BYTES, check_header
 from fate_edge.format.store_files import check_store_complete
 from fate_edge.small_files import read_json_object
 
@@ -190,7 +190,7 @@ class CheckpointReader:
         n = 1
         for d in sl.get_shape():
             n *= d
-        return n * _DTYPE_SIZES.get(sl.get_dtype(), 4)
+        return n * DTYPE_BYTES.get(sl.get_dtype(), 4)
 
 
 def _inside(weight_map: dict[str, str], model_dir: Path, index_path: Path) -> dict[str, str]:
@@ -217,20 +217,6 @@ _TORCH_DTYPES = {
     "BOOL": torch.bool,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
-}
-_DTYPE_SIZES = {
-    "F64": 8,
-    "F32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I64": 8,
-    "I32": 4,
-    "I16": 2,
-    "I8": 1,
-    "U8": 1,
-    "BOOL": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
 }
 
 

@@ -66,8 +66,8 @@ class ExpertLayout:
         assert self.names is not None
         return [f"{self.prefix}.experts.{expert}.{n}.weight" for n in self.names]
 
-    def read(self, expert: int, dtype: torch.dtype) -> ExpertWeights:
-        """Read one expert's three matrices, and nothing else, from disk."""
+    def read(self, expert: int, dtype: torch.dtype | None) -> ExpertWeights:
+        """Read one expert's three matrices, and nothing else, from disk (``dtype`` None: as stored)."""
         if self.fused:
             gate_up_name, down_name = self.tensor_names(expert)
             gate_up = self.reader.get_row(gate_up_name, expert, dtype)  # [2I, H]

@@ -108,8 +108,10 @@ def _precisions(cfg, opts: ConvertOptions) -> list[Precision]:
     wanted: list[tuple[int, QuantSpec | None]] = []
     if opts.keep_bf16:
         wanted.append((16, None))
-    hot = QuantSpec(opts.bits, opts.group_size)
-    wanted.append((opts.bits, hot))
+    hot_bits = opts.bits
+    assert hot_bits is not None  # convert() resolves None first
+    hot = QuantSpec(hot_bits, opts.group_size)
+    wanted.append((hot_bits, hot))
     if opts.cold_bits is not None and opts.cold_bits != opts.bits:
         wanted.append((opts.cold_bits, QuantSpec(opts.cold_bits, opts.cold_group_size)))
     cpu = torch.device("cpu")

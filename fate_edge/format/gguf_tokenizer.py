@@ -6,7 +6,7 @@ special tokens from the token types, and the pre-tokenizer llama.cpp applies for
 regexes, in order, from llama.cpp's ``llama-vocab.cpp``), so the ids are llama.cpp's own on the same text.
 SentencePiece vocabularies (``llama``: Mixtral) become a byte-fallback BPE whose merges are ranked by the
 stored piece scores, as llama.cpp's SPM tokenizer merges the highest-scoring pair first. Token types, BOS and the
-space prefix are taken as llama.cpp's vocabulary loader takes them; tests/test_gguf_vocab_fixtures.py checks the
+space prefix are taken as llama.cpp's vocabulary loader takes them; tests/lab/test_gguf_vocab_fixtures.py checks the
 ids against llama.cpp's own tokenizer fixtures (real models' vocabularies) and llama.cpp itself.
 """
 

@@ -76,17 +76,19 @@ def quantized_resident(
     reader: CheckpointReader,
     layer_names: list,
     wanted: list[str],
-    bits: int,
+    bits: int | None,
     embedding_bits: int | None,
 ) -> dict[str, torch.Tensor]:
     """What convert writes for ``--resident-bits bits``: each fused group quantized as the loader would (one group
     in full precision at a time), the embedding table at ``embedding_bits``, the other tensors as stored."""
     w = Weights()
-    groups = resident_groups(config, layer_names, set(wanted))
-    for group in groups:
-        for n in group:
-            dict.__setitem__(w, f"{n}.weight", reader.get(f"{n}.weight"))  # as stored
-        quantize_group(w, group, bits)
+    groups = []
+    if bits is not None:  # None: the linears as stored
+        groups = resident_groups(config, layer_names, set(wanted))
+        for group in groups:
+            for n in group:
+                dict.__setitem__(w, f"{n}.weight", reader.get(f"{n}.weight"))  # as stored
+            quantize_group(w, group, bits)
     done = {f"{n}.weight" for group in groups for n in group}
     for name in wanted:
         if name == f"{EMBED_NAME}.weight" and embedding_bits is not None:
@@ -132,7 +134,8 @@ class MappedFiles:
         if raw is None:
             size = path.stat().st_size
             raw = self._maps[str(path)] = torch.empty(0, dtype=torch.uint8).set_(
-                torch.UntypedStorage.from_file(str(path), False, size)
+                # torch's stubs type from_file's result as the storage base class, which set_ does not list
+                torch.UntypedStorage.from_file(str(path), False, size)  # type: ignore[arg-type]
             )
         if begin % torch.empty(0, dtype=dtype).element_size():  # safetensors aligns each tensor; copy if not
             return self.reader.get(name)

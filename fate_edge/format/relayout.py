@@ -7,7 +7,6 @@ only their order and the zero's convention change, so the model's outputs are wh
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
@@ -17,7 +16,6 @@ from pathlib import Path
 
 import torch
 
-from fate_edge.command_line import command_parser, existing_path
 from fate_edge.errors import FateEdgeError
 from fate_edge.format.checksum import crc32
 from fate_edge.format.direct_write import DirectFile
@@ -78,17 +76,17 @@ def relayout_store(src: str | Path, dst: str | Path, progress: bool = True) -> P
             out = DirectFile(tmp / new.file, new.slot_bytes)
             entries, t0 = [], time.perf_counter()
             try:
-                with open(src / old.file, "rb") as f:
+                with open(src / old.file, "rb") as blobs:
                     for slot, r in enumerate(refs):
-                        f.seek(r.offset)
-                        data = f.read(r.length)
+                        blobs.seek(r.offset)
+                        data = blobs.read(r.length)
                         if crc32(data) != r.crc32:
                             raise FateEdgeError(
                                 f"{src / old.file}: layer {r.layer} expert {r.expert} fails its "
                                 "CRC; the store is damaged, re-run fate-edge convert"
                             )
                         blob = _portable_parts(torch.frombuffer(bytearray(data), dtype=torch.uint8), old, new)
-                        view = memoryview(blob.numpy())
+                        view = blob.numpy().data
                         out.pwrite_at(view, slot * new.slot_bytes)
                         entries.append(
                             {
@@ -120,20 +118,3 @@ def relayout_store(src: str | Path, dst: str | Path, progress: bool = True) -> P
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dst
-
-
-def build_parser() -> argparse.ArgumentParser:
-    ap = command_parser("relayout", __doc__)
-    ap.add_argument(
-        "store", type=existing_path, help="an expert store with cpu-int4 experts (fate-edge convert --layout cpu-int4)"
-    )
-    ap.add_argument("out", help="the new store's directory (must not exist)")
-    return ap
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    t0 = time.perf_counter()
-    out = relayout_store(args.store, args.out)
-    print(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
-    return 0

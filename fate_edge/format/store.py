@@ -183,7 +183,7 @@ def encode_expert(
         out[p.offset : p.offset + p.nbytes] = raw
         end = p.offset + p.nbytes
     out[end:] = 0
-    return memoryview(out.numpy())
+    return out.numpy().data
 
 
 _M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
@@ -304,7 +304,7 @@ INDEX_MAX_BYTES = 256 << 20
 _INDEX_FIELDS = {"precisions": dict, "experts": dict, "moe_layers": list, "num_experts": int}
 _PRECISION_FIELDS = {"bits": int, "file": str, "blob_bytes": int, "parts": list}
 _PART_FIELDS = {"name": str, "offset": int, "nbytes": int, "dtype": str, "shape": list}
-_BLOB_FIELDS = {"layer": int, "expert": int, "offset": int, "length": int, "crc32": int}
+_BLOB_FIELDS: dict[str, type] = {"layer": int, "expert": int, "offset": int, "length": int, "crc32": int}
 
 
 def _check_fields(d: object, spec: dict[str, type], where: str, index_path: Path) -> None:

@@ -208,11 +208,20 @@ def build_plan(config: ModelConfig, w: Weights, layer_names: list) -> list[Layer
                 g.get("mlp"),
                 g.get("down"),
                 w[f"{n.mlp}.gate.weight"] if moe else None,
-                w.get(f"{n.mlp}.gate.e_score_correction_bias") if moe else None,
+                _correction_bias(w, n.mlp) if moe else None,
                 {role.removeprefix("mla."): f for role, f in g.items() if role.startswith("mla.")},
             )
         )
     return plans
+
+
+def _correction_bias(w: Weights, mlp: str) -> torch.Tensor | None:
+    """DeepSeek-V3 and GLM keep the selection bias in the router, MiniMax-M2 in the MoE block, ERNIE-4.5 in the
+    MoE block's ``moe_statics`` ([1, E])."""
+    for name in ("gate.e_score_correction_bias", "e_score_correction_bias", "moe_statics.e_score_correction_bias"):
+        if f"{mlp}.{name}" in w:
+            return w[f"{mlp}.{name}"].reshape(-1)
+    return None
 
 
 def build_head(w: Weights, embed: torch.Tensor | QuantizedEmbedding) -> Fused:

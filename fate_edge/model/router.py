@@ -1,6 +1,7 @@
 """Routers: map a token's gate logits to its top-k experts and their weights.
 
-* ``softmax``: Mixtral, Qwen-MoE, OLMoE (softmax over all experts, top-k, optional renormalisation).
+* ``softmax``: Mixtral, Qwen-MoE, OLMoE (softmax over all experts, top-k, optional renormalisation); ERNIE-4.5
+  chooses on the probabilities plus a selection-only bias.
 * ``deepseek_v2``: softmax, greedy or group-limited top-k (best expert per group), times routed_scaling_factor.
 * ``deepseek_v3``: sigmoid scores; selection on scores + e_score_correction_bias within the top groups
   (ranked by the sum of their two best biased scores); weights from the unbiased scores, optionally
@@ -29,7 +30,11 @@ def route(
     logits = logits.float() if logits.dtype != torch.float32 else logits
     if cfg.router == "softmax":
         probs = torch.softmax(logits, dim=-1)
-        weights, idx = torch.topk(probs, k, dim=-1)
+        if correction_bias is not None:  # ERNIE-4.5: chosen on probs + bias, weighted by the probs alone
+            idx = torch.topk(probs + correction_bias, k, dim=-1)[1]
+            weights = probs.gather(1, idx)
+        else:
+            weights, idx = torch.topk(probs, k, dim=-1)
         if cfg.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, idx

@@ -1,63 +1,36 @@
-"""``fate_edge.Engine``: the runtime's engine, with ``policy="auto"`` (or ``plan="auto"``) chosen by the planner
-for this host, budget and link before the engine opens."""
+"""``policy="auto"``: the planner picks the policy for this host, budget and link before the engine opens
+(``Engine.load`` asks it; the package registers :func:`plan_engine` with the runtime at import)."""
 
 from __future__ import annotations
-
-import inspect
-from typing import Any
 
 from fate_edge.errors import FateEdgeError
 from fate_edge.format.checkpoint_layout import DTYPES
 from fate_edge.format.store import is_store
-from fate_edge.planning.planner import auto_plan
-from fate_edge.runtime import engine as runtime_engine
+from fate_edge.planning.planner import Plan, auto_plan
 from fate_edge.runtime.budget import parse_bytes
-from fate_edge.runtime.load_threads import in_own_thread
-
-_PARAMS = inspect.signature(runtime_engine.Engine.__init__)
+from fate_edge.runtime.engine_config import EngineConfig
 
 
-class Engine(runtime_engine.Engine):
-    """A model store served under a memory budget (:class:`fate_edge.runtime.engine.Engine`), whose policy may be
-    left to the planner."""
+def plan_engine(config: EngineConfig) -> Plan:
+    """The planner's pick for ``config``: it probes the engine on ``config.plan_sample`` (text or token ids) when
+    given, else on its own sample text; one request's speed depends on its text (docs/planner.md), so the prediction
+    is for text like the sample."""
+    if not is_store(config.store_dir):
+        raise FateEdgeError(f"{config.store_dir}: not an expert store; create one with `fate-edge convert MODEL OUT`")
+    ids = None
+    if config.plan_sample is not None:
+        from fate_edge.tokenizer import Tokenizer
 
-    def __init__(self, *args: Any, plan: str | None = None, plan_sample: str | list[int] | None = None, **kwargs: Any):
-        """The arguments of :class:`fate_edge.runtime.engine.Engine`; ``policy="auto"`` or ``plan="auto"``: the
-        planner picks the policy (its choice, prediction included, is ``self.planned``). ``plan_sample``: a prompt
-        like the ones this engine will serve (text or token ids), which the planner probes instead of its own sample
-        text: one request's speed depends on its text (docs/planner.md), so the prediction is for text like it."""
-        if plan not in (None, "auto"):
-            raise FateEdgeError(f"plan must be 'auto' or None, not {plan!r}")
-        given = _PARAMS.bind(self, *args, **kwargs)
-        given.apply_defaults()
-        a = dict(given.arguments)
-        del a["self"]
-        planned = None
-        if plan == "auto" or a["policy"] == "auto":
-            if not is_store(a["store_dir"]):
-                raise FateEdgeError(
-                    f"{a['store_dir']}: not an expert store; create one with `fate-edge convert MODEL OUT`"
-                )
-            dtype, link = a["dtype"], a["link"]
-            ids = None
-            if plan_sample is not None:
-                from fate_edge.tokenizer import Tokenizer
-
-                ids = Tokenizer(a["store_dir"]).encode(plan_sample) if isinstance(plan_sample, str) else plan_sample
-                if not ids:
-                    raise FateEdgeError("plan_sample is empty: give a prompt like the ones this engine will serve")
-            # the probes run torch on a thread of their own: its OpenMP helpers end with it (runtime.load_threads)
-            planned = in_own_thread(
-                lambda: auto_plan(
-                    a["store_dir"],
-                    parse_bytes(a["memory_budget"]),
-                    link.spec if link else None,
-                    dtype=DTYPES[dtype] if isinstance(dtype, str) else dtype,
-                    workers=a["workers"],
-                    token_ids=ids,
-                    prompt_tokens=len(ids) if ids else 64,
-                )
-            )
-            a["policy"] = planned.policy
-        super().__init__(**a)
-        self.planned = planned
+        sample = config.plan_sample
+        ids = Tokenizer(config.store_dir).encode(sample) if isinstance(sample, str) else sample
+        if not ids:
+            raise FateEdgeError("plan_sample is empty: give a prompt like the ones this engine will serve")
+    return auto_plan(
+        config.store_dir,
+        parse_bytes(config.memory_budget),
+        config.link.spec if config.link else None,
+        dtype=DTYPES[config.dtype] if isinstance(config.dtype, str) else config.dtype,
+        workers=config.workers,
+        token_ids=ids,
+        prompt_tokens=len(ids) if ids else 64,
+    )

@@ -3,14 +3,13 @@ computes there, and how many MoE layers of its compute one expert read costs."""
 
 from __future__ import annotations
 
-import argparse
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from fate_edge.devices.emulate import device_roofline
 from fate_edge.devices.link import LinkSpec, host_to_accelerator_link, storage_link
-from fate_edge.devices.profile import list_profiles, load_profile
+from fate_edge.devices.profile import load_profile
 from fate_edge.errors import ProfileError
 
 # Short names for the devices presets are derived on, and the profiles and links they stand for: the link is the
@@ -48,35 +47,6 @@ def resolve_device(name: str) -> tuple[str, str]:
             f"--emulate {name}: not a device; use one of {', '.join(DEVICES)} or a profile ({exc})"
         ) from exc
     return name, "storage" if profile.unified_memory else "host-link"
-
-
-def profile_name(value: str) -> str:
-    """Command-line type: a shipped device profile, a profile .toml file, or 'host' (this machine, measured by
-    fate-edge probe)."""
-    if value == "host" or value in list_profiles() or value.endswith(".toml") and Path(value).is_file():
-        return value
-    raise argparse.ArgumentTypeError(
-        f"no device profile {value!r}; use one of: {', '.join(list_profiles())}, host, or a profile .toml file"
-    )
-
-
-def emulated_device(value: str) -> str:
-    """Command-line type: a device to emulate (planning/emulation.py), a short name from DEVICES or a device
-    profile (not 'host')."""
-    if value in DEVICES or value != "host" and _is_profile(value):
-        return value
-    raise argparse.ArgumentTypeError(
-        f"no device {value!r} to emulate; use one of: {', '.join(DEVICES)}, a device "
-        "profile name or a profile .toml file"
-    )
-
-
-def _is_profile(value: str) -> bool:
-    try:
-        profile_name(value)
-    except argparse.ArgumentTypeError:
-        return False
-    return True
 
 
 def device_link(profile: str, kind: str) -> LinkSpec:

@@ -88,7 +88,7 @@ def for_device(policy: PolicyConfig, device: str | None, read_layers: float | No
     change = (HIDING_PRESETS if hides else DEVICE_PRESETS).get(profile_of(device))
     if not change:
         return policy
-    if hides:
+    if hides and read_layers is not None:
         width = hiding_width(read_layers)
         change = {**change, "prefetch_width": width, "max_prefetch_width": width}
     return policy.with_(**change)

@@ -129,7 +129,7 @@ def host_token_seconds(
     from fate_edge import defaults
     from fate_edge.format.checkpoint_layout import DTYPES
     from fate_edge.format.store import ExpertStore
-    from fate_edge.planning.planner import probe_engine
+    from fate_edge.planning.host_costs import probe_engine
     from fate_edge.runtime.policy import PRESETS
 
     store = ExpertStore(store_dir)
@@ -239,12 +239,14 @@ def plan_emulated(
     are device-equivalent."""
     from fate_edge.format.store import ExpertStore
     from fate_edge.model.arch import load_config
+    from fate_edge.planning.host_costs import measure_host_costs
     from fate_edge.planning.plan_presets import preset_candidates
-    from fate_edge.planning.planner import describe_store, measure_host_costs, plan, probe_error
+    from fate_edge.planning.plan_trace import describe_store
+    from fate_edge.planning.planner import plan, probe_error
     from fate_edge.planning.simulate import scale_costs
 
     # The first device's preset is probed too (ungated, on this host's disk): its stall differs from the LRU
-    # probe's, and the two give compute as a function of stall (planner.stall_drag), a host property the scaled
+    # probe's, and the two give compute as a function of stall (host_costs.stall_drag), a host property the scaled
     # costs keep for every device.
     costs, host_link, trace = measure_host_costs(
         store_dir,
@@ -257,6 +259,7 @@ def plan_emulated(
         direct_io=True,
         preset=preset_candidates(devices[0], store_dir)[0] if devices else None,
     )
+    assert trace is not None  # decode_tokens >= 1: the probe recorded its decode
     host_s = costs.layer_compute_s * len(load_config(store_dir).moe_layers)
     store = ExpertStore(store_dir)
     describe_store(trace, store)

@@ -41,5 +41,6 @@ def sim_preload(
         left = cache_bytes - (resident.nbytes if resident else 0)
         slots = layer_slots(policy, left // entry_bytes, layers, num_experts, popularity, resident)
     else:
+        assert resident is not None  # neither preload nor resident returned above
         slots = {resident.layer: num_experts}
     return preload_choice(slots, num_experts, popularity)

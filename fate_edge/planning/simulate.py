@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -59,7 +60,7 @@ class HostCosts:
     # Compute slowed by waiting: seconds of extra compute per second of stall. After the main thread sleeps on a
     # read its OpenMP team has gone to sleep too, and the cores and caches it computes on have gone cold; on a
     # 2-vCPU host a token computes up to 2x slower in a stall-heavy run than in a stall-free one. Measured from
-    # two probes at different stall levels (planner.stall_drag); 0: compute does not depend on stalls.
+    # two probes at different stall levels (host_costs.stall_drag); 0: compute does not depend on stalls.
     stall_drag: float = 0.0
 
     def describe(self) -> str:
@@ -168,6 +169,9 @@ def simulate(
     def cached(key: tuple[int, int]) -> bool:
         return cache is not None and key in cache
 
+    def cached_in(layer: int, expert: int) -> bool:
+        return cached((layer, expert))
+
     clock, link_free = 0.0, 0.0
     inflight: dict[tuple[int, int], float] = {}  # prefetched key → arrival time
     # fate-edge's gate, deciding from the same evidence the scheduler gathers (prefetch_gate.py)
@@ -200,7 +204,7 @@ def simulate(
             routed_s = min(layer_compute_s, len(row) * costs.expert_s)  # the experts' share of the layer's compute
             clock += layer_compute_s - routed_s  # attention and routing: before any read of this layer starts
             route, used, demands, arrivals, hits = clock, [], 0, [], 0
-            for e in sorted(row, key=lambda e, layer=layer: (not cached((layer, e)), e)):
+            for _, e in sorted((not cached((layer, e)), e) for e in row):  # hits first
                 key = (layer, e)
                 if cache is not None and key in cache:
                     r.hits += 1
@@ -249,6 +253,7 @@ def simulate(
                 width = gate.width(base_width, read_time, prefetch_cpu, costs.predict_s, policy.min_prefetch_width)
                 predict = gate.should_predict(shut=width == 0)
             if predict:
+                assert predictions is not None  # predict is only ever set where there are predictions
                 targets = [
                     (target, predictions[(layer, target)][t : t + 1])
                     for target in layers[li + 1 : li + 1 + policy.lookahead]
@@ -261,9 +266,7 @@ def simulate(
                     ]
                 if gate is not None and targets:
                     target, scores = targets[0]
-                    candidates[target] = gate_candidates(
-                        ranked(scores[0]), len(gate.seen), lambda e, target=target: cached((target, e))
-                    )
+                    candidates[target] = gate_candidates(ranked(scores[0]), len(gate.seen), partial(cached_in, target))
 
                 def busy(key: tuple[int, int], inflight=inflight) -> bool:
                     return cached(key) or key in inflight or key in deferred

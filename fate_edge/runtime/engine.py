@@ -1,7 +1,7 @@
 """``Engine``: a model from an expert store, run under a hard expert-memory budget with a named policy.
 
-    engine = Engine("stores/tiny-int4", memory_budget="4MB", policy="fate")
-    text, last = engine.generate("def main():", GenerateConfig(max_tokens=32))
+    engine = Engine(EngineConfig("stores/tiny-int4", memory_budget="4MB", policy="fate"))
+    text, last = engine.generate_text("def main():", GenerateConfig(max_tokens=32))
     print(engine.stats.hit_rate, engine.stats.stall_s)
 
 The budget covers everything expert-sized the engine holds: the cache, the fetch engine's read
@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from fate_edge import defaults
-from fate_edge.devices.link import ThrottledLink
 from fate_edge.errors import BudgetError, FateEdgeError
 from fate_edge.fetch.fetch_engine import BufferPool, FetchEngine
 from fate_edge.fetch.transfer import make_copier
@@ -32,8 +32,9 @@ from fate_edge.runtime.batch import BatchConfig, Batcher, default_max_batch
 from fate_edge.runtime.budget import BudgetPlan, memory_shortfall, parse_bytes, plan_budget
 from fate_edge.runtime.cache import ExpertCache
 from fate_edge.runtime.cache.factory import Resident, build_cache, layer_slots, pick_resident
+from fate_edge.runtime.engine_config import EngineConfig, PolicyChoice, Trace, plan_policy, resolve_device
 from fate_edge.runtime.exit_close import close_at_exit, closed
-from fate_edge.runtime.generate import GenerateConfig, GenerationResponse, stream_generate
+from fate_edge.runtime.generate import GenerateConfig, GenerationResponse, stream_from_model
 from fate_edge.runtime.load_threads import in_own_thread
 from fate_edge.runtime.loader import load_model
 from fate_edge.runtime.memory_account import available_memory_bytes, kv_bytes_per_token, memory_account, shortfall
@@ -59,30 +60,6 @@ class Completion:
     stats: SchedulerStats  # expert cache and fetch statistics of this request
 
 
-def resolve_device(device: str) -> str:
-    """ "auto" → cuda when torch sees a GPU, else cpu; "cuda" without a GPU is a clear error."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise FateEdgeError(
-            "device 'cuda' requested but torch sees no CUDA GPU (is this the CPU build of torch, "
-            "or is the driver missing?); use --device cpu or auto"
-        )
-    if device != "cpu" and not device.startswith("cuda"):
-        raise FateEdgeError(f"unknown device '{device}'; use auto, cpu or cuda")
-    return device
-
-
-@dataclass
-class Trace:
-    """A recorded run's expert accesses: (layer, experts in the order the engine uses them) per MoE call."""
-
-    calls: list[tuple[int, list[int]]] = field(default_factory=list)
-
-    def accesses(self) -> list[tuple[int, int]]:
-        return [(layer, e) for layer, ids in self.calls for e in ids]
-
-
 class _TraceRecorder:
     def __init__(self, trace: Trace):
         self.trace = trace
@@ -101,124 +78,106 @@ def streamed_by_store(policy: PolicyConfig, store: ExpertStore) -> PolicyConfig:
 
 
 class Engine:
-    def __init__(
-        self,
-        store_dir: str | Path,
-        memory_budget: int | str,
-        policy: str | PolicyConfig = defaults.POLICY,
-        dtype: str | torch.dtype = defaults.DTYPE,
-        link: ThrottledLink | None = None,
-        trace: Trace | None = None,
-        workers: int = defaults.FETCH_WORKERS,
-        device: str = "cpu",
-        max_inflight_prefetches: int = 8,
-        direct_io: bool = True,
-        verify: str = defaults.VERIFY,
-        resident_bits: int | None = None,  # 8 or 4: attention, dense MLPs, shared experts and lm_head quantized
-        context_tokens: int = defaults.CONTEXT_TOKENS,  # prompt + answer the memory account reserves room for
-        embedding_bits: int | None = None,  # 8 or 4: the embedding table held quantized (fate_edge.model.embedding)
-        max_batch: int = 1,  # >1: concurrent streams run as one batch (runtime.batch); 0: the machine's default
-    ):
-        if policy == "auto":  # the planner is a layer above this one: fate_edge.Engine asks it first
-            raise FateEdgeError(
-                "policy 'auto' is chosen by the planner: construct fate_edge.Engine "
-                f"(fate_edge.planning.auto.Engine), not {type(self).__module__}.Engine"
-            )
-        device = resolve_device(device)
+    def __init__(self, config: EngineConfig):
+        """Open ``config.store_dir`` under ``config.memory_budget``; a policy of "auto" is the planner's to resolve
+        first (:meth:`load` does)."""
+        if config.policy == "auto":
+            raise FateEdgeError("policy 'auto' is chosen by the planner: open the engine with Engine.load(...)")
+        c = self.config = config
+        device = resolve_device(c.device)
         self.device = device
-        self.context_tokens = context_tokens  # the KV room the account reserves: an unbounded request stops there
+        self.context_tokens = c.context_tokens  # the KV room the account reserves: an unbounded request stops there
         # The model, scheduler and expert cache are shared state: one step of one request runs at a time
         # (_lock), and the open stream that may step next is tracked by _slot (see stream()).
         self._lock = threading.Lock()
         self._slot = RequestSlot()
         self.stream_idle_timeout = 30.0  # seconds an open, unread stream holds the engine against a new request
-        if not is_store(store_dir):
-            raise FateEdgeError(f"{store_dir}: not an expert store; create one with `fate-edge convert MODEL OUT`")
-        self.planned = None  # the planner's choice, where fate_edge.Engine (planning.auto) made one
-        self.policy = get_policy(policy)
-        self.dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
-        self.store = ExpertStore(store_dir)
-        if isinstance(policy, str):
+        if not is_store(c.store_dir):
+            raise FateEdgeError(f"{c.store_dir}: not an expert store; create one with `fate-edge convert MODEL OUT`")
+        self.planned: PolicyChoice | None = None  # the planner's choice, where Engine.load asked it
+        self.policy = get_policy(c.policy)
+        self.dtype = DTYPES[c.dtype] if isinstance(c.dtype, str) else c.dtype
+        self.store = ExpertStore(c.store_dir)
+        if isinstance(c.policy, str):
             self.policy = streamed_by_store(self.policy, self.store)
         for bits in {self.policy.bits} | ({self.policy.cold_bits} - {None}):
             if bits not in self.store.precisions and bits != self.policy.cold_bits:
                 raise FateEdgeError(
-                    f"policy '{self.policy.name}' needs int{bits} experts but {store_dir} holds "
+                    f"policy '{self.policy.name}' needs int{bits} experts but {c.store_dir} holds "
                     f"{self.store.bits_available}; re-run fate-edge convert with --bits {bits}"
                 )
-        self.budget = parse_bytes(memory_budget)
+        self.budget = parse_bytes(c.memory_budget)
         # A batched engine computes on its batcher thread: it loads on a thread of its own, whose OpenMP helper
         # threads end with it, so that the batcher's team is the process's only one (runtime.load_threads: 4x on the
         # bundled model)
-        batched = (max_batch or default_max_batch(device)) > 1 and trace is None and device == "cpu"
-
-        def load() -> None:
-            self.account = memory_account(
-                store_dir, self.budget, self.dtype, context_tokens, resident_bits, embedding_bits=embedding_bits
-            )
-            self._check_account()
-            self.model = load_model(
-                store_dir,
-                dtype=self.dtype,
-                experts=_NoExperts(),
-                device=device,
-                resident_bits=resident_bits,
-                embedding_bits=embedding_bits,
-            )
-            self.policy = for_model(self.policy, self.model.config.model_type)  # e.g. Fate's tail share per model
-            self.tokenizer = Tokenizer(store_dir)
-            self.link = link
-            if self.policy.predictor == "oracle" and trace is None:
-                raise FateEdgeError(
-                    "the oracle policy needs a recorded trace of the same request (Engine.record_trace)"
-                )
-            self.trace = trace
-            self.plan = self._plan_budget(max_inflight_prefetches)
-            bits_used = [b for b in (self.policy.bits, self.policy.cold_bits) if b in self.store.precisions]
-            slot = max(self.store.precisions[b].slot_bytes for b in bits_used)
-            # On a GPU, staging buffers are pinned so copies to the device are asynchronous DMA.
-            pool = BufferPool(self.plan.pool_buffers, slot, pinned=device.startswith("cuda"))
-            self.fetch = FetchEngine(
-                pool,
-                workers=workers,
-                link=link,
-                direct_io=direct_io,
-                verify=verify,
-                demand_reserve=self.plan.demand_buffers,
-            )
-            self._check_memory()
-            self.cache = self._make_cache()
-            self.scheduler = Scheduler(
-                self.model.config,
-                self.store,
-                self.fetch,
-                self.cache,
-                self.policy,
-                self._make_predictor(),
-                self.dtype,
-                device,
-                max_inflight_prefetches=self.plan.pool_buffers - 2,
-            )
-            self.model.experts = self.scheduler
-            # A replayed trace follows the recorded run call by call, and the recording saw every token in every layer.
-            self.scheduler.needs_every_token = trace is not None
-            self.model.observers.append(self.scheduler)
-            self.load_report = self._preload()  # reads at load: apart from every request's statistics
-            # zero-copy: the cache's memory faulted in now, not one read at a time mid-token
-            if self.scheduler.zero_copy and self.cache is not None:
-                uncached = len(self.model.config.moe_layers) * self.model.config.num_experts - len(self.cache.entries)
-                pool.add_spares(min(self.cache.free_entries(pool.size), uncached))
-            self.token_stats: list[SchedulerStats] = []  # per generated token of the last request
-            self.prefill_stats = SchedulerStats()
-            self._request_stats = SchedulerStats()
-            self._local = threading.local()  # a batched stream's own statistics, per reading thread
-
+        batched = (c.max_batch or default_max_batch(device)) > 1 and c.trace is None and device == "cpu"
         if batched:
-            in_own_thread(load)
+            in_own_thread(self._open)
         else:
-            load()
-        self.batcher = self._make_batcher(max_batch, context_tokens)
+            self._open()
+        self.batcher = self._make_batcher(c.max_batch, c.context_tokens)
         close_at_exit(self)  # no thread of this engine left computing when the interpreter exits (exit_close)
+
+    def _open(self) -> None:
+        """Load the model and build the fetch engine, cache and scheduler under the budget."""
+        c, device = self.config, self.device
+        self.account = memory_account(
+            c.store_dir, self.budget, self.dtype, c.context_tokens, c.resident_bits, embedding_bits=c.embedding_bits
+        )
+        self._check_account()
+        self.model = load_model(
+            c.store_dir,
+            dtype=self.dtype,
+            experts=_NoExperts(),
+            device=device,
+            resident_bits=c.resident_bits,
+            embedding_bits=c.embedding_bits,
+        )
+        self.policy = for_model(self.policy, self.model.config.model_type)  # e.g. Fate's tail share per model
+        self.tokenizer = Tokenizer(c.store_dir)
+        self.link = c.link
+        if self.policy.predictor == "oracle" and c.trace is None:
+            raise FateEdgeError("the oracle policy needs a recorded trace of the same request (Engine.record_trace)")
+        self.trace = c.trace
+        self.plan = self._plan_budget(c.max_inflight_prefetches)
+        bits_used = [b for b in (self.policy.bits, self.policy.cold_bits) if b in self.store.precisions]
+        slot = max(self.store.precisions[b].slot_bytes for b in bits_used)
+        # On a GPU, staging buffers are pinned so copies to the device are asynchronous DMA.
+        pool = BufferPool(self.plan.pool_buffers, slot, pinned=device.startswith("cuda"))
+        self.fetch = FetchEngine(
+            pool,
+            workers=c.workers,
+            link=c.link,
+            direct_io=c.direct_io,
+            verify=c.verify,
+            demand_reserve=self.plan.demand_buffers,
+        )
+        self._check_memory()
+        self.cache = self._make_cache()
+        self.scheduler = Scheduler(
+            self.model.config,
+            self.store,
+            self.fetch,
+            self.cache,
+            self.policy,
+            self._make_predictor(),
+            self.dtype,
+            device,
+            max_inflight_prefetches=self.plan.pool_buffers - 2,
+        )
+        self.model.experts = self.scheduler
+        # A replayed trace follows the recorded run call by call, and the recording saw every token in every layer.
+        self.scheduler.needs_every_token = c.trace is not None
+        self.model.observers.append(self.scheduler)
+        self.load_report = self._preload()  # reads at load: apart from every request's statistics
+        # zero-copy: the cache's memory faulted in now, not one read at a time mid-token
+        if self.scheduler.zero_copy and self.cache is not None:
+            uncached = len(self.model.config.moe_layers) * self.model.config.num_experts - len(self.cache.entries)
+            pool.add_spares(min(self.cache.free_entries(pool.size), uncached))
+        self.token_stats: list[SchedulerStats] = []  # per generated token of the last request
+        self.prefill_stats = SchedulerStats()
+        self._request_stats = SchedulerStats()
+        self._local = threading.local()  # a batched stream's own statistics, per reading thread
 
     def _make_batcher(self, max_batch: int, context_tokens: int) -> Batcher | None:
         """Continuous batching for ``max_batch`` > 1 (0: :func:`default_max_batch`). Not for a replayed trace
@@ -342,7 +301,7 @@ class Engine:
     @property
     def popularity(self) -> dict[int, list[int]] | None:
         """Calibration expert counts per layer (``fate-edge calibrate``), if the store carries them."""
-        from fate_edge.runtime.calibrate import store_popularity
+        from fate_edge.format.popularity import store_popularity
 
         return store_popularity(self.store.path)
 
@@ -417,14 +376,16 @@ class Engine:
         device: str = defaults.DEVICE,
         dtype: str | torch.dtype = defaults.DTYPE,
         threads: int | None = defaults.THREADS,
-        **kw,
+        **kw: Any,
     ) -> Engine:
         """Open a model directory or expert store (default: the bundled model), converting it to a store once.
-        Concurrent requests are batched (``max_batch``: 0, the machine's default, unless given). ``threads``: torch's
-        CPU threads for the process, as the CLI sets them (default: the cores this process may use less the fetch
-        workers; torch's own default takes every core, so the fetch worker made a third thread on a 2-core host and
-        the bundled model decoded at about half speed, 68 against 140 tok/s at a 35% budget); None leaves torch's
-        setting as it is."""
+        Keywords: the fields of :class:`EngineConfig`. Concurrent requests are batched (``max_batch``: 0, the
+        machine's default, unless given). ``policy="auto"``: the planner picks the policy for this host, budget
+        and link first (its choice, prediction included, is ``engine.planned``; ``plan_sample``: a prompt like the
+        ones to serve, which it probes instead of its own text). ``threads``: torch's CPU threads for the process,
+        as the CLI sets them (default: the cores this process may use less the fetch workers; torch's own default
+        takes every core, so the fetch worker made a third thread on a 2-core host and the bundled model decoded at
+        about half speed, 68 against 140 tok/s at a 35% budget); None leaves torch's setting as it is."""
         from fate_edge.bundled import bundled_model_dir
         from fate_edge.format.converted_stores import ensure_store
 
@@ -435,10 +396,19 @@ class Engine:
         convert = lambda: ensure_store(path or bundled_model_dir(), progress=False)  # noqa: E731
         batched = kw["max_batch"] != 1 and resolve_device(device) == "cpu"
         store = in_own_thread(convert) if batched else convert()
-        return cls(store, memory_budget, policy, dtype=dtype, device=device, **kw)
+        config = EngineConfig(store, memory_budget, policy, dtype=dtype, device=device, **kw)
+        planned = None
+        if config.policy == "auto":  # the planner's probes run on a thread of their own too
+            planned = in_own_thread(lambda: plan_policy(config))
+            config = replace(config, policy=planned.policy)
+        engine = cls(config)
+        engine.planned = planned
+        return engine
 
     # ------------------------------------------------------------- generation
-    def stream(self, prompt: str | list[int], config: GenerateConfig | None = None) -> Iterator[GenerationResponse]:
+    def stream(
+        self, prompt: str | list[int], config: GenerateConfig | None = None
+    ) -> Generator[GenerationResponse, None, None]:
         """Yield one response per generated token. With ``max_batch`` > 1, streams from any thread are served
         together (runtime.batch), each with its own KV cache, sampling and stops; closing one removes only its
         sequence. Bad input raises before the first token."""
@@ -450,7 +420,7 @@ class Engine:
         seq = self.batcher.submit(prompt, config)
         return self._batched(seq)
 
-    def _batched(self, seq) -> Iterator[GenerationResponse]:
+    def _batched(self, seq) -> Generator[GenerationResponse, None, None]:
         batcher = self.batcher
         assert batcher is not None
         try:
@@ -462,7 +432,7 @@ class Engine:
 
     def _stream_alone(
         self, prompt: str | list[int], config: GenerateConfig | None = None
-    ) -> Iterator[GenerationResponse]:
+    ) -> Generator[GenerationResponse, None, None]:
         """Yield one response per generated token. Requests (from any thread) are served one at a time.
 
         The engine is held while a step runs, never across a ``yield``: a new request waits for an open
@@ -476,7 +446,7 @@ class Engine:
                 self.scheduler.new_sequence()
                 self.token_stats = []
                 start = before = self.scheduler.stats.snapshot()
-                steps = stream_generate(self.model, self.tokenizer, prompt, config)
+                steps = stream_from_model(self.model, self.tokenizer, prompt, config)
             for i in itertools.count():
                 with self._step(ticket):
                     step = next(steps, None)
@@ -508,7 +478,9 @@ class Engine:
             finally:
                 self._slot.end(ticket)
 
-    def generate(self, prompt: str | list[int], config: GenerateConfig | None = None) -> tuple[str, GenerationResponse]:
+    def generate_text(
+        self, prompt: str | list[int], config: GenerateConfig | None = None
+    ) -> tuple[str, GenerationResponse]:
         parts, last = [], None
         for last in self.stream(prompt, config):
             parts.append(last.text)

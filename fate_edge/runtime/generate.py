@@ -1,6 +1,6 @@
 """Generation as a generator: prefill, then one token per step, each step yielding its text and stats.
 
-Modelled on mlx-lm's ``stream_generate``: callers iterate and get a :class:`GenerationResponse` per token.
+Modelled on mlx-lm's ``stream_from_model``: callers iterate and get a :class:`GenerationResponse` per token.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def prepare_prompt(
 class TokenStream:
     """The text side of one request, after each forward pass: sampling, stop tokens and strings, text held back
     while it may begin a stop string, and the :class:`GenerationResponse` of each token. One sequence alone
-    (:func:`stream_generate`) and a sequence in a batch (``runtime.batch``) both go through it."""
+    (:func:`stream_from_model`) and a sequence in a batch (``runtime.batch``) both go through it."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], config: GenerateConfig, max_tokens: int):
         self.config = config
@@ -203,7 +203,7 @@ class TokenStream:
 
 
 @torch.inference_mode()
-def stream_generate(
+def stream_from_model(
     model: MoETransformer,
     tokenizer: Tokenizer,
     prompt: str | list[int],
@@ -235,12 +235,12 @@ def stream_generate(
         logits = _forward(model, [out.token], cache, False, "decode")
 
 
-def generate(
+def generate_from_model(
     model: MoETransformer, tokenizer: Tokenizer, prompt: str | list[int], config: GenerateConfig | None = None
 ) -> tuple[str, GenerationResponse]:
     """The whole completion and the final step's stats."""
     parts, last = [], None
-    for last in stream_generate(model, tokenizer, prompt, config):
+    for last in stream_from_model(model, tokenizer, prompt, config):
         parts.append(last.text)
     assert last is not None
     return "".join(parts), last

@@ -20,8 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from fate_edge.bench.throughput_rounds import host_note
 from fate_edge.native_build import CFLAGS, compiler
+from fate_edge_lab.bench.throughput_rounds import host_note
 
 PROBE = Path(__file__).with_name("amx_int4_tiles.c")
 NO_AMX = 3  # the probe's exit code where the CPU, the kernel's instruction set or Linux rule AMX out

@@ -26,16 +26,17 @@ from pathlib import Path
 
 import torch
 
+from fate_edge.format.popularity import store_popularity
 from fate_edge.format.store import ExpertStore
 from fate_edge.planning.device_presets import for_device
 from fate_edge.planning.emulation import calibrate
-from fate_edge.planning.planner import PlanTrace
+from fate_edge.planning.plan_trace import PlanTrace
 from fate_edge.planning.simulate import scale_costs
 from fate_edge.runtime.budget import plan_budget
 from fate_edge.runtime.cache import AccessInfo, ExpertCache
 from fate_edge.runtime.cache.factory import build_cache
-from fate_edge.runtime.calibrate import store_popularity
 from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.engine_config import EngineConfig
 from fate_edge.runtime.generate import GenerateConfig
 from fate_edge.runtime.policy import PRESETS
 from fate_edge.runtime.preload import global_choice
@@ -54,7 +55,7 @@ def record(store_dir: str, prompt_tokens: int, decode_tokens: int) -> dict[str, 
     st = ExpertStore(store_dir)
     total = st.expert_bytes(4) * len(st.index["moe_layers"]) * st.index["num_experts"]
     out = {}
-    with Engine(store_dir, 2 * total, "lru") as eng:
+    with Engine(EngineConfig(store_dir, 2 * total, "lru")) as eng:
         for name in MODULES:
             text = Path(importlib.import_module(name).__file__).read_text(encoding="utf-8")
             trace = eng.record_trace(

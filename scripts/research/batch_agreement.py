@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from fate_edge.bench.throughput import PROMPTS, host_note
 from fate_edge.runtime.engine import Engine
 from fate_edge.runtime.generate import GenerateConfig
+from fate_edge_lab.bench.throughput import PROMPTS, host_note
 
 CASES = [
     ("float32", "load-on-demand", "bf16 experts computed in fp32"),

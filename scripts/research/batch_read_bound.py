@@ -1,10 +1,10 @@
 """How far any cache could lower the expert bytes a batch reads per token: the engine's reads beside Belady-MIN's on
 the same recorded calls (docs/batching.md, "The bound on bytes per token").
 
-Serves the throughput bench's requests (``bench_prompts``) on one batching engine, as ``fate_edge.bench.throughput``
+Serves the throughput bench's requests (``bench_prompts``) on one batching engine, as ``fate_edge_lab.bench.throughput``
 does: one at a time, then all at once, after a warm-up round each, and records every MoE layer call
-(``planning.read_bound.CallRecorder``). For each mode it prints the engine's expert reads per generated token
-(demand, prefetch and wasted) and the fewest any cache with the whole budget as room could make on the same calls
+(``fate_edge_lab.bounds.read_bound.CallRecorder``). For each mode it prints the engine's expert reads per generated
+token (demand, prefetch and wasted) and the fewest any cache with the whole budget as room could make on the same calls
 (``fewest_reads_warm``: Belady-MIN over one partition), with the room the engine's cache has (its budget less its
 read buffers) and with the whole budget. Belady starts empty where the engine starts warm, so its count less one
 full cache is what the table takes: a lower bound on the batch's reads, and so an upper bound on the ratio of
@@ -22,8 +22,10 @@ from pathlib import Path
 
 import torch
 
-from fate_edge.bench.throughput import host_note
-from fate_edge.bench.throughput_rounds import (
+from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.engine_config import EngineConfig
+from fate_edge_lab.bench.throughput import host_note
+from fate_edge_lab.bench.throughput_rounds import (
     ThroughputConfig,
     bench_prompts,
     bytes_ratio,
@@ -32,14 +34,13 @@ from fate_edge.bench.throughput_rounds import (
     ratio_text,
     run_round,
 )
-from fate_edge.planning.read_bound import CallRecorder, engine_rooms, fewest_reads_warm
-from fate_edge.runtime.engine import Engine
+from fate_edge_lab.bounds.read_bound import CallRecorder, engine_rooms, fewest_reads_warm
 
 
 def measure(cfg: ThroughputConfig) -> dict:
     store, budget = engine_store(cfg)
     prompts = bench_prompts(cfg.concurrency)
-    engine = Engine(store, budget, max_batch=cfg.concurrency, **engine_kwargs(cfg))
+    engine = Engine(EngineConfig(store, budget, max_batch=cfg.concurrency, **engine_kwargs(cfg)))
     expert_bytes = engine.store.expert_bytes(engine.policy.bits)
     layers = len(engine.store.index["moe_layers"])
     rooms = engine_rooms(engine)

@@ -25,11 +25,18 @@ import torch
 
 import fate_edge.model.batch_step as batch_step
 import fate_edge.model.routed_experts as routed_experts
-from fate_edge.bench.throughput import host_note
-from fate_edge.bench.throughput_rounds import ThroughputConfig, bench_prompts, engine_kwargs, engine_store, run_round
 from fate_edge.runtime.batch import Batcher
 from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.engine_config import EngineConfig
 from fate_edge.runtime.scheduler import Scheduler
+from fate_edge_lab.bench.throughput import host_note
+from fate_edge_lab.bench.throughput_rounds import (
+    ThroughputConfig,
+    bench_prompts,
+    engine_kwargs,
+    engine_store,
+    run_round,
+)
 
 PHASES: list[tuple[Any, str, str]] = [  # (owner, attribute, phase)
     (Batcher, "_step", "step"),
@@ -67,7 +74,7 @@ def measure(
         model=model, dtype="bfloat16" if model else "float32", threads=threads, budget_fraction=budget_fraction
     )
     store, budget = engine_store(cfg)
-    engine = Engine(store, budget, max_batch=8, direct_io=direct_io, **engine_kwargs(cfg))
+    engine = Engine(EngineConfig(store, budget, max_batch=8, direct_io=direct_io, **engine_kwargs(cfg)))
     try:
         prompts = bench_prompts(batch)
         run_round(engine, prompts, cfg.max_tokens, True)

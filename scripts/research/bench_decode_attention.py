@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from fate_edge.bench.host import cpu_model, load_average
-from fate_edge.bench.publish import add_results_arg, publish
 from fate_edge.model import decode_attention
+from fate_edge_lab.bench.host import cpu_model, load_average
+from fate_edge_lab.bench.publish import add_results_arg, publish
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import time_call  # noqa: E402  (one timing loop for the research benches)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from fate_edge import bundled_model_dir, load_model
-from fate_edge.bench.publish import add_results_arg, publish
+from fate_edge_lab.bench.publish import add_results_arg, publish
 
 
 def time_ours(model, prompt: torch.Tensor, decode_tokens: int) -> tuple[float, float]:

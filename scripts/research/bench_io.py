@@ -41,11 +41,11 @@ from pathlib import Path
 from fate_edge.devices.link import ThrottledLink, storage_link
 from fate_edge.devices.profile import load_profile
 
-from fate_edge.bench.host import cpu_model
-from fate_edge.bench.publish import add_results_arg, publish
 from fate_edge.fetch.fetch_engine import BufferPool, FetchEngine, Priority
 from fate_edge.format.blob import ALIGN, BlobRef
 from fate_edge.format.checksum import crc32
+from fate_edge_lab.bench.host import cpu_model
+from fate_edge_lab.bench.publish import add_results_arg, publish
 
 MB = 1 << 20
 

@@ -35,7 +35,7 @@ from fate_edge.quant.linear import KERNEL_CHOICES, QuantizedLinear, choose_kerne
 from fate_edge.quant.native import native_isa, native_status, native_supports, set_gemm_min_rows
 from fate_edge.quant.ort import OrtMatMul, int_zero_quantize, ort_available
 
-from fate_edge.bench.publish import add_results_arg, publish
+from fate_edge_lab.bench.publish import add_results_arg, publish
 
 SHAPES = [(128, 192), (192, 128), (1408, 2048), (2048, 1408)]
 GROUP = 64

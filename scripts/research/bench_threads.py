@@ -19,9 +19,9 @@ from fate_edge.devices.detect import available_cores
 
 from fate_edge import bundled_model_dir
 from fate_edge.apps.engine_args import resolve_store
-from fate_edge.bench.gguf import PeerUnavailableError, ensure_ggufs
-from fate_edge.bench.publish import publish
-from fate_edge.bench.threads import configs, prompt_ids, run, summarize, table
+from fate_edge_lab.bench.gguf import PeerUnavailableError, ensure_ggufs
+from fate_edge_lab.bench.publish import publish
+from fate_edge_lab.bench.threads import configs, prompt_ids, run, summarize, table
 
 
 def main() -> None:

@@ -23,12 +23,15 @@ def engine_run(store, budget: int, policy, link, direct_io: bool, ids: list[int]
     from fate_edge.devices.link import ThrottledLink
 
     from fate_edge.runtime.engine import Engine
+    from fate_edge.runtime.engine_config import EngineConfig
     from fate_edge.runtime.generate import GenerateConfig
 
     out = {}
     for _attempt in range(2):  # the first warms torch and checks each blob's CRC, as the planner's probe does
         with Engine(
-            store, budget, policy, link=ThrottledLink(link) if link else None, direct_io=direct_io, workers=2
+            EngineConfig(
+                store, budget, policy, link=ThrottledLink(link) if link else None, direct_io=direct_io, workers=2
+            )
         ) as eng:
             times = []
             for _ in eng.stream(ids, GenerateConfig(max_tokens=tokens + 1, ignore_eos=True)):
@@ -71,11 +74,13 @@ def sim_row(r, costs, layers: int) -> dict:
 
 
 def main() -> None:
-    from fate_edge.bench.prepare import make_prompts
     from fate_edge.format.store import ExpertStore
     from fate_edge.planning.emulation import calibrate, store_side
+    from fate_edge.planning.host_costs import measure_host_costs
     from fate_edge.planning.plan_presets import preset_candidates
-    from fate_edge.planning.planner import describe_store, measure_host_costs, plan, probe_error, simulate_policy
+    from fate_edge.planning.plan_trace import describe_store
+    from fate_edge.planning.planner import plan, probe_error, simulate_policy
+    from fate_edge_lab.bench.prepare import make_prompts
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--store", default=None, help="default: the bench's inflated store")
@@ -88,8 +93,8 @@ def main() -> None:
     args = ap.parse_args()
     store_dir = args.store
     if store_dir is None:
-        from fate_edge.bench.config import BenchConfig
-        from fate_edge.bench.prepare import prepare_model
+        from fate_edge_lab.bench.config import BenchConfig
+        from fate_edge_lab.bench.prepare import prepare_model
 
         store_dir = str(prepare_model(BenchConfig())[0])
     store = ExpertStore(store_dir)

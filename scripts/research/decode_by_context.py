@@ -16,11 +16,11 @@ import time
 
 import torch
 
-from fate_edge.bench.host import cpu_model, load_average
-from fate_edge.bench.sidebyside import resident_int4
-from fate_edge.runtime.generate import GenerateConfig, stream_generate
+from fate_edge.runtime.generate import GenerateConfig, stream_from_model
 from fate_edge.runtime.loader import load_model
 from fate_edge.tokenizer import Tokenizer
+from fate_edge_lab.bench.host import cpu_model, load_average
+from fate_edge_lab.bench.sidebyside import resident_int4
 
 
 def main() -> None:
@@ -42,7 +42,7 @@ def main() -> None:
         ids = [1000 + (i * 7919) % min(20000, vocab - 1000) for i in range(n)]  # fixed: the same work anywhere
         times = [
             time.perf_counter()
-            for _ in stream_generate(model, tok, ids, GenerateConfig(max_tokens=args.tokens + 1, ignore_eos=True))
+            for _ in stream_from_model(model, tok, ids, GenerateConfig(max_tokens=args.tokens + 1, ignore_eos=True))
         ]
         out[n] = round(args.tokens / (times[-1] - times[1]), 2)  # from the first decoded token on
     print(json.dumps({"decode_tok_s": out, "cpu": cpu_model(), "load_average": load_average(), **vars(args)}))

@@ -1,7 +1,7 @@
 """Parity of quantized embedding tables (``load_model(embedding_bits=...)``, fate_edge/model/embedding.py).
 
 Held-out perplexity and greedy agreement of the bundled model with its embedding table in fp32, int8 per row and
-int4 per group (the held-out text and windows of `fate-edge eval-quality`, fate_edge.bench.quality), then, on a
+int4 per group (the held-out text and windows of `fate-edge eval-quality`, fate_edge_lab.bench.quality), then, on a
 synthetic real-vocabulary slice given with --slice, the last-position logits of a few prompts against the bf16
 table.
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from fate_edge import load_model
-from fate_edge.bench.quality import add_eval_args, heldout_windows, run
+from fate_edge_lab.bench.quality import add_eval_args, heldout_windows, run
 
 
 def slice_logits(model_dir: Path, bits_list: tuple, dtype: str) -> list[dict]:

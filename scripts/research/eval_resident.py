@@ -1,6 +1,6 @@
 """Held-out perplexity of the bundled model with quantized resident weights (``load_model(resident_bits=...)``).
 
-Uses the machinery of ``fate-edge eval-quality`` (fate_edge.bench.quality: held-out stdlib text, windows,
+Uses the machinery of ``fate-edge eval-quality`` (fate_edge_lab.bench.quality: held-out stdlib text, windows,
 teacher-forced NLL and greedy agreement with the reference run) over: resident fp32 / int8 / int4, each with
 fp32 experts and with int4 experts (``load_model(bits=4)``, RTN, in memory).
 
@@ -15,7 +15,7 @@ import json
 import torch
 
 from fate_edge import load_model
-from fate_edge.bench.quality import add_eval_args, heldout_windows, run
+from fate_edge_lab.bench.quality import add_eval_args, heldout_windows, run
 
 
 def main() -> None:

@@ -28,9 +28,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from fate_edge.bench.host import cpu_model, load_average
-from fate_edge.bench.prepare import drop_page_cache
-from fate_edge.bench.publish import add_results_arg, publish
+from fate_edge_lab.bench.host import cpu_model, load_average
+from fate_edge_lab.bench.prepare import drop_page_cache
+from fate_edge_lab.bench.publish import add_results_arg, publish
 
 _spec = importlib.util.spec_from_file_location("gguf_parity", Path(__file__).with_name("gguf_parity.py"))
 assert _spec is not None and _spec.loader is not None

@@ -3,7 +3,7 @@
     python scripts/research/gguf_parity.py MODEL_DIR [--rounds 5] [--results]
 
 MODEL_DIR is a checkpoint from ``fate-edge synth`` (the issue's: ``--like qwen1.5-moe-a2.7b
---layers 2``). Its q4_0 GGUF is made by llama.cpp's own converter (bf16) and quantizer (``fate_edge.bench.gguf``),
+--layers 2``). Its q4_0 GGUF is made by llama.cpp's own converter (bf16) and quantizer (``fate_edge_lab.bench.gguf``),
 then, each in a fresh process:
 
 1. convert: ``fate-edge convert MODEL.gguf`` and ``fate-edge convert MODEL_DIR --bits 4 --group 32 --layout
@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from fate_edge.bench.host import cpu_model, load_average
+from fate_edge_lab.bench.host import cpu_model, load_average
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -112,8 +112,8 @@ PROMPT = "import os\n\ndef main(argv):\n    for name in os.listdir(argv[1]):\n  
 def logits_vs_llama(gguf: Path, store: Path, work: Path, threads: int, heldout_chars: int) -> dict:
     import numpy as np
 
-    from fate_edge.bench.llamacpp import llama_child
     from fate_edge.corpus import heldout_source
+    from fate_edge_lab.bench.llamacpp import llama_child
 
     text, _ = heldout_source(heldout_chars)
     (work / "text.txt").write_text(text, encoding="utf-8")
@@ -165,13 +165,14 @@ def decode_worker(argv: list[str]) -> None:
     from fate_edge import GenerateConfig
     from fate_edge.process_memory import peak_rss_bytes
     from fate_edge.runtime.engine import Engine
+    from fate_edge.runtime.engine_config import EngineConfig
 
     t0 = time.perf_counter()
-    engine = Engine(store, budget, policy)
+    engine = Engine(EngineConfig(store, budget, policy))
     load_s = time.perf_counter() - t0
     vocab = engine.model.config.vocab_size
     prompt = [(17 + 31 * i) % min(vocab, 8000) for i in range(int(prompt_tokens))]
-    _, last = engine.generate(prompt, GenerateConfig(max_tokens=int(max_tokens), ignore_eos=True))
+    _, last = engine.generate_text(prompt, GenerateConfig(max_tokens=int(max_tokens), ignore_eos=True))
     engine.close()
     print(
         json.dumps(
@@ -270,7 +271,7 @@ def main() -> None:
     ap.add_argument("--results", action="store_true", help="write the table into docs/results/gguf_parity.md")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    from fate_edge.bench.gguf import ensure_ggufs
+    from fate_edge_lab.bench.gguf import ensure_ggufs
 
     model = Path(args.model).resolve()
     work = Path(args.work or tempfile.mkdtemp(prefix="gguf-parity-"))
@@ -327,7 +328,7 @@ def main() -> None:
     doc = json.loads(path.read_text()) if path.exists() else {}
     doc[KEY] = res
     text = table(res)
-    from fate_edge.bench.publish import publish, results_file
+    from fate_edge_lab.bench.publish import publish, results_file
 
     publish(doc, path, text, results_file("gguf_parity") if args.results else None, "gguf_parity")
 

@@ -32,12 +32,12 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from fate_edge import Tokenizer  # noqa: E402
-from fate_edge.bench.gguf import ensure_ggufs  # noqa: E402
-from fate_edge.bench.llamacpp import llama_child  # noqa: E402
 from fate_edge.format.convert import ConvertOptions  # noqa: E402
 from fate_edge.format.gguf_convert import convert_gguf, expert_types  # noqa: E402
 from fate_edge.format.gguf_reader import GGUFFile  # noqa: E402
 from fate_edge.runtime.loader import load_model  # noqa: E402
+from fate_edge_lab.bench.gguf import ensure_ggufs  # noqa: E402
+from fate_edge_lab.bench.llamacpp import llama_child  # noqa: E402
 
 PROMPT = "import os\n\ndef main(argv):\n    for name in os.listdir(argv[1]):\n        print(name)\n"
 FTYPES = {"q5_K_M": "LLAMA_FTYPE_MOSTLY_Q5_K_M", "q6_K": "LLAMA_FTYPE_MOSTLY_Q6_K", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
@@ -170,7 +170,7 @@ def main() -> None:
     path = Path(args.json)
     doc = json.loads(path.read_text()) if path.exists() else {}
     doc["requant"] = res
-    from fate_edge.bench.publish import publish, results_file
+    from fate_edge_lab.bench.publish import publish, results_file
 
     publish(doc, path, table(res), results_file("gguf_requant") if args.results else None, "gguf_requant")
 

@@ -3,7 +3,7 @@
     python scripts/research/gguf_vocab_parity.py [--chars 400000] [--vocab NAME ...] [--results]
 
 For each vocab-only GGUF of llama.cpp's ``models/`` directory whose tokenizer fate-edge rebuilds
-(``fate_edge.bench.gguf_vocab.VOCABS``, from the llama-cpp-python sdist), the tokenizer is built from the GGUF's
+(``fate_edge_lab.bench.gguf_vocab.VOCABS``, from the llama-cpp-python sdist), the tokenizer is built from the GGUF's
 metadata as ``fate-edge convert`` builds it, then compared:
 
 - with the ``.out`` ids of every ``.inp`` text (no BOS, special-token text as text: the fixtures' settings);
@@ -24,13 +24,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from fate_edge.bench import gguf_vocab as gv
-from fate_edge.bench.gguf import llama_cpp_missing
-from fate_edge.bench.host import cpu_model, load_average
-from fate_edge.bench.publish import add_results_arg, replace_between_markers, results_file
-from fate_edge.bench.run import code_commit
 from fate_edge.corpus import heldout_source
 from fate_edge.errors import FateEdgeError
+from fate_edge_lab.bench import gguf_vocab as gv
+from fate_edge_lab.bench.gguf import llama_cpp_missing
+from fate_edge_lab.bench.host import cpu_model, load_average
+from fate_edge_lab.bench.publish import add_results_arg, replace_between_markers, results_file
+from fate_edge_lab.bench.run import code_commit
 
 NAME = "gguf_vocab_parity"
 
@@ -93,7 +93,8 @@ def table(rows: list[dict], chars: int, loads: tuple[list[float], list[float]]) 
         "encodes (BOS where the GGUF says, special tokens matched; llama.cpp `add_special`, `parse_special`). "
         "Special texts: up to 12 of the vocabulary's control, unknown-type and user-defined tokens after words, spaces "
         "and newlines and next to each other; edge texts: runs of 1-40 spaces, tabs and newlines, byte- and "
-        "control-token text, U+2581, other spaces, control bytes (`fate_edge.bench.gguf_vocab`). Tokens: llama.cpp's, "
+        "control-token text, U+2581, other spaces, control bytes (`fate_edge_lab.bench.gguf_vocab`). "
+        "Tokens: llama.cpp's, "
         "counted up to each text's first difference. "
         f"{cpu_model() or 'CPU unknown'}; load average {loads[0]} at the start, {loads[1]} at the end.",
         "",

@@ -20,9 +20,10 @@ def child(side: str, target: str, budget: str, resident_bits: int | None, thread
     t0 = time.perf_counter()
     if side == "fate-edge":
         from fate_edge.runtime.engine import Engine
+        from fate_edge.runtime.engine_config import EngineConfig
 
         t_import = time.perf_counter()
-        Engine(target, budget, "fate-edge", dtype="bfloat16", resident_bits=resident_bits)
+        Engine(EngineConfig(target, budget, "fate-edge", dtype="bfloat16", resident_bits=resident_bits))
     else:
         import llama_cpp
 

@@ -1,6 +1,6 @@
 """Make a checkpoint with realistic expert sizes but the bundled model's trained routing and outputs.
 
-The command line of ``fate_edge.format.inflate`` (see there): inert expert units make one int4 expert ~2 MB
+The command line of ``fate_edge_lab.synthetic.inflate`` (see there): inert expert units make one int4 expert ~2 MB
 (Qwen1.5-MoE-A2.7B's size) while the outputs stay the bundled model's.
 
     python scripts/research/make_inflated_model.py --out /tmp/tiny-moe-inflated --int4-expert-mb 2
@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from fate_edge import bundled_model_dir
-from fate_edge.format.inflate import INT4_BYTES_PER_WEIGHT, inflate, inflated_size
+from fate_edge_lab.synthetic.inflate import INT4_BYTES_PER_WEIGHT, inflate, inflated_size
 
 
 def main() -> None:

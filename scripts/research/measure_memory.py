@@ -17,6 +17,7 @@ import torch
 from fate_edge import Engine, GenerateConfig
 from fate_edge.process_memory import peak_rss_bytes
 from fate_edge.runtime.budget import parse_bytes
+from fate_edge.runtime.engine_config import EngineConfig
 from fate_edge.runtime.generate import PREFILL_CHUNK
 from fate_edge.runtime.memory_account import memory_account
 
@@ -41,11 +42,13 @@ def main() -> None:
     account = memory_account(args.store, budget, args.dtype, context, args.resident_bits, **extra)
     print("\n".join(account.lines()))
     t0 = time.perf_counter()
-    engine = Engine(args.store, budget, args.policy, dtype=args.dtype, resident_bits=args.resident_bits, **extra)
+    engine = Engine(
+        EngineConfig(args.store, budget, args.policy, dtype=args.dtype, resident_bits=args.resident_bits, **extra)
+    )
     load_s, loaded = time.perf_counter() - t0, peak_rss_bytes()
     vocab = engine.model.config.vocab_size
     prompt = [(17 + 31 * i) % vocab for i in range(args.prompt_tokens)]
-    engine.generate(
+    engine.generate_text(
         prompt, GenerateConfig(max_tokens=args.max_tokens, ignore_eos=True, prefill_chunk=args.prefill_chunk)
     )
     engine.close()

@@ -27,7 +27,7 @@ from sweep_device_presets import bench_store, device_timeline, sim  # noqa: E402
 
 from fate_edge.planning.device_presets import for_device_and_store  # noqa: E402
 from fate_edge.planning.emulation import store_side  # noqa: E402
-from fate_edge.planning.planner import sample_token_ids  # noqa: E402
+from fate_edge.planning.plan_trace import sample_token_ids  # noqa: E402
 from fate_edge.planning.simulate import truth_scores  # noqa: E402
 from fate_edge.runtime.policy import ALLOCATIONS, EVICTIONS, PRESETS  # noqa: E402
 from fate_edge.tokenizer import Tokenizer  # noqa: E402

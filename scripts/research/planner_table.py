@@ -17,8 +17,8 @@ import json
 import statistics
 from pathlib import Path
 
-from fate_edge.bench.publish import add_results_arg, publish
-from fate_edge.bench.report import describe_policy
+from fate_edge_lab.bench.publish import add_results_arg, publish
+from fate_edge_lab.bench.report import describe_policy
 
 
 def rows(bench: dict) -> list[dict]:
@@ -90,7 +90,7 @@ def main() -> int:
     if not all_rows:
         raise SystemExit("no planned rows with a fate-edge row beside them in these bench files")
     if not args.cpu:
-        from fate_edge.bench.host import cpu_model
+        from fate_edge_lab.bench.host import cpu_model
 
         args.cpu = cpu_model()
     publish({"rows": all_rows, "cpu": args.cpu}, args.json, table(all_rows, args.cpu), args.results, "planner")

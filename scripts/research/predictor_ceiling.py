@@ -52,7 +52,7 @@ from fate_edge.predictors.previous_input import widen_trace
 
 from fate_edge.bundled import bundled_model_dir
 from fate_edge.model.layer import rms_norm
-from fate_edge.runtime.calibrate import CalibrateOptions, corpus_windows, separator_id
+from fate_edge.planning.calibrate import CalibrateOptions, corpus_windows, separator_id
 from fate_edge.runtime.loader import load_model
 from fate_edge.tokenizer import Tokenizer
 

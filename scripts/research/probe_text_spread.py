@@ -24,16 +24,17 @@ from pathlib import Path
 import torch
 from fate_edge.devices.link import ThrottledLink
 
-from fate_edge.bench.host import cpu_model, load_average
-from fate_edge.bench.publish import add_results_arg, publish
 from fate_edge.corpus import is_heldout, stdlib_files
 from fate_edge.format.store import ExpertStore
 from fate_edge.planning.emulation import calibrate
 from fate_edge.planning.plan_presets import preset_candidates
 from fate_edge.planning.planner import auto_plan
 from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.engine_config import EngineConfig
 from fate_edge.runtime.generate import GenerateConfig
 from fate_edge.tokenizer import Tokenizer
+from fate_edge_lab.bench.host import cpu_model, load_average
+from fate_edge_lab.bench.publish import add_results_arg, publish
 
 
 def texts(tok: Tokenizer, n: int, prompt_tokens: int) -> list[tuple[str, list[int]]]:
@@ -54,7 +55,7 @@ def texts(tok: Tokenizer, n: int, prompt_tokens: int) -> list[tuple[str, list[in
 
 def decode_tps(store: Path, budget: int, policy, em, ids: list[int], decode_tokens: int) -> float:
     """One request on a fresh engine: decode tokens over the time from the first streamed token to the last."""
-    eng = Engine(store, budget, policy, link=ThrottledLink(em.emulated), direct_io=em.direct_io)
+    eng = Engine(EngineConfig(store, budget, policy, link=ThrottledLink(em.emulated), direct_io=em.direct_io))
     try:
         times = [
             time.perf_counter() for _ in eng.stream(ids, GenerateConfig(max_tokens=decode_tokens + 1, ignore_eos=True))

@@ -104,7 +104,7 @@ def main() -> None:
     bits = 4 if args.experts == "int4" else None
     if args.experts == "store-int4":  # as fate-edge bench-llamacpp's int4 side runs: the store's int4 experts, resident
         from fate_edge.apps.engine_args import resolve_store
-        from fate_edge.bench.sidebyside import resident_int4
+        from fate_edge_lab.bench.sidebyside import resident_int4
 
         store = resolve_store(bundled_model_dir(), progress=False)
         model = load_model(store, dtype=args.dtype, experts=resident_int4(store))

@@ -1,6 +1,6 @@
 """One request under an expert budget: its decode's expert reads beside the fewest any cache could make on the same
-routing (Belady-MIN on the calls the engine made, ``planning.read_bound``), and the decode tokens/s those reads
-alone would allow at a read bandwidth. Run on the GPU benchmark's setting (the 8-layer Qwen1.5-MoE slice, its
+routing (Belady-MIN on the calls the engine made, ``fate_edge_lab.bounds.read_bound``), and the decode tokens/s those
+reads alone would allow at a read bandwidth. Run on the GPU benchmark's setting (the 8-layer Qwen1.5-MoE slice, its
 128-token prompt, 64 greedy tokens, ``scripts/gpu_bench.py``) it says whether a budget's decode target is within
 reach of any cache on a link of that bandwidth (docs/gpu.md, "What is not met yet").
 
@@ -23,10 +23,11 @@ from pathlib import Path
 
 import torch
 
-from fate_edge.bench.throughput import host_note
-from fate_edge.planning.read_bound import decode_reads
 from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.engine_config import EngineConfig
 from fate_edge.runtime.generate import GenerateConfig
+from fate_edge_lab.bench.throughput import host_note
+from fate_edge_lab.bounds.read_bound import decode_reads
 
 _spec = importlib.util.spec_from_file_location("gpu_bench", Path(__file__).parents[1] / "gpu_bench.py")
 assert _spec is not None and _spec.loader is not None
@@ -35,9 +36,11 @@ _spec.loader.exec_module(gpu_bench)  # its prompt ids: the request this script r
 
 
 def measure(args: argparse.Namespace, budget: str) -> dict:
-    with Engine(args.store, budget, args.policy, dtype=args.dtype, device=args.device, max_batch=1) as engine:
+    with Engine(
+        EngineConfig(args.store, budget, args.policy, dtype=args.dtype, device=args.device, max_batch=1)
+    ) as engine:
         prompt = gpu_bench.prompt_ids(engine.model.config.vocab_size, args.prompt_tokens)
-        engine.generate(prompt[:16], GenerateConfig(max_tokens=4, ignore_eos=True))  # warm-up, as gpu_bench
+        engine.generate_text(prompt[:16], GenerateConfig(max_tokens=4, ignore_eos=True))  # warm-up, as gpu_bench
         cfg = GenerateConfig(max_tokens=args.decode_tokens, ignore_eos=True)
         _, row = decode_reads(engine, engine.stream(prompt, cfg))
     row["budget"] = budget

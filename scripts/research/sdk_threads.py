@@ -23,7 +23,7 @@ def child(mode: str, budget: str | None) -> None:
     if budget:
         kw["memory_budget"] = budget
     with Engine.load(**kw) as engine:
-        engine.generate("def main():", GenerateConfig(max_tokens=8, ignore_eos=True))  # warm
+        engine.generate_text("def main():", GenerateConfig(max_tokens=8, ignore_eos=True))  # warm
         rates = []
         for _ in range(3):
             t0, n = time.perf_counter(), 0
@@ -42,7 +42,7 @@ def main() -> None:
     if args.child:
         child(args.child, args.budget)
         return
-    from fate_edge.bench.host import cpu_model, load_average
+    from fate_edge_lab.bench.host import cpu_model, load_average
 
     runs: dict[str, list[float]] = {"torch-default": [], "load-default": []}
     for _ in range(args.rounds):

@@ -22,13 +22,14 @@ from pathlib import Path
 
 import torch
 
+from fate_edge.format.popularity import store_popularity
 from fate_edge.format.store import ExpertStore
 from fate_edge.planning.device_costs import DEVICES
 from fate_edge.planning.emulation import calibrate, store_side
-from fate_edge.planning.planner import measure_host_costs, sample_token_ids
+from fate_edge.planning.host_costs import measure_host_costs
+from fate_edge.planning.plan_trace import sample_token_ids
 from fate_edge.planning.simulate import scale_costs, simulate
 from fate_edge.runtime.budget import plan_budget
-from fate_edge.runtime.calibrate import store_popularity
 from fate_edge.runtime.policy import PRESETS, PolicyConfig
 from fate_edge.tokenizer import Tokenizer
 
@@ -63,8 +64,8 @@ def sim(trace, policy: PolicyConfig, budget: int, store: ExpertStore, link, cost
 def bench_store(path: str | None) -> ExpertStore:
     """The store at ``path``, or the bench's inflated bundled model (built on first use)."""
     if path is None:
-        from fate_edge.bench.config import BenchConfig
-        from fate_edge.bench.prepare import prepare_model
+        from fate_edge_lab.bench.config import BenchConfig
+        from fate_edge_lab.bench.prepare import prepare_model
 
         path = str(prepare_model(BenchConfig())[0])
     return ExpertStore(path)

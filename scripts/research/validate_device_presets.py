@@ -31,17 +31,19 @@ from pathlib import Path
 import torch
 from fate_edge.devices.link import ThrottledLink
 
-from fate_edge.bench.publish import add_results_arg, replace_between_markers, results_file
 from fate_edge.format.store import ExpertStore
 from fate_edge.planning.device_costs import DEVICES
 from fate_edge.planning.device_presets import for_device, for_device_and_store
 from fate_edge.planning.emulation import calibrate, host_token_seconds, store_side
-from fate_edge.planning.planner import sample_token_ids, token_compute_s
+from fate_edge.planning.host_costs import token_compute_s
+from fate_edge.planning.plan_trace import sample_token_ids
 from fate_edge.planning.simulate import scale_costs
 from fate_edge.runtime.engine import Engine
+from fate_edge.runtime.engine_config import EngineConfig
 from fate_edge.runtime.generate import GenerateConfig
 from fate_edge.runtime.policy import PRESETS, PolicyConfig
 from fate_edge.tokenizer import Tokenizer
+from fate_edge_lab.bench.publish import add_results_arg, replace_between_markers, results_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sweep_device_presets import sim  # noqa: E402
@@ -97,14 +99,16 @@ def run_once(
     store: str, budget: int, policy, em, ids: list[int], decode: int, trace, resident_bits: int | None = None
 ) -> dict:
     eng = Engine(
-        store,
-        budget,
-        policy,
-        link=ThrottledLink(em.emulated),
-        trace=trace,
-        workers=1,
-        direct_io=em.direct_io,
-        resident_bits=resident_bits,
+        EngineConfig(
+            store,
+            budget,
+            policy,
+            link=ThrottledLink(em.emulated),
+            trace=trace,
+            workers=1,
+            direct_io=em.direct_io,
+            resident_bits=resident_bits,
+        )
     )
     try:
         times, last = [], None
@@ -233,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     ids = sample_token_ids(Tokenizer(args.store))[: args.prompt_tokens]
     costs, plan_trace = pickle.loads(Path(args.trace).read_bytes())
     plan_trace = first_tokens(plan_trace, args.decode_tokens)  # the simulator over the decode the engine runs
-    with Engine(args.store, 2 * total, "lru", resident_bits=args.resident_bits) as big:  # routing, for the oracle
+    with Engine(
+        EngineConfig(args.store, 2 * total, "lru", resident_bits=args.resident_bits)
+    ) as big:  # routing, for the oracle
         trace = big.record_trace(ids, GenerateConfig(max_tokens=args.decode_tokens + 1, ignore_eos=True))
     side = store_side(args.store, resident_bits=args.resident_bits)
     results = {}

@@ -22,18 +22,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fate_edge.bench.publish import add_results_arg, replace_between_markers, results_file
+from fate_edge_lab.bench.publish import add_results_arg, replace_between_markers, results_file
 
 
 def run_policy(store: str, budget: int, policy: str, em, ids: list[int], tokens: int, workers: int) -> dict:
     """Decode ``tokens`` greedy tokens under the emulated link; per-token raw figures and the loading share."""
     from fate_edge.devices.link import ThrottledLink
 
-    from fate_edge.planning.planner import token_compute_s
+    from fate_edge.planning.host_costs import token_compute_s
     from fate_edge.runtime.engine import Engine
+    from fate_edge.runtime.engine_config import EngineConfig
     from fate_edge.runtime.generate import GenerateConfig
 
-    eng = Engine(store, budget, policy, link=ThrottledLink(em.emulated), workers=workers, direct_io=em.direct_io)
+    eng = Engine(
+        EngineConfig(store, budget, policy, link=ThrottledLink(em.emulated), workers=workers, direct_io=em.direct_io)
+    )
     try:
         times = [time.perf_counter() for _ in eng.stream(ids, GenerateConfig(max_tokens=tokens + 1, ignore_eos=True))]
         st = eng.token_stats
@@ -101,7 +104,9 @@ def main() -> None:
 
     from fate_edge.format.store import ExpertStore
     from fate_edge.planning.emulation import calibrate
-    from fate_edge.planning.planner import measure_host_costs, sample_token_ids, simulate_policy
+    from fate_edge.planning.host_costs import measure_host_costs
+    from fate_edge.planning.plan_trace import sample_token_ids
+    from fate_edge.planning.planner import simulate_policy
     from fate_edge.planning.simulate import scale_costs
     from fate_edge.runtime.policy import PRESETS
     from fate_edge.tokenizer import Tokenizer

@@ -21,7 +21,7 @@ from fate_edge.apps.server.errors import APIError, Disconnected, QueueFull, erro
 from fate_edge.apps.server.logprobs import CompletionLogprobs, chat_entry, kv_room, merge, score_prompt
 from fate_edge.apps.server.protocol import ParsedRequest, parse_request
 from fate_edge.apps.server.request_helpers import DisconnectWatch, check_auth, read_json, ready_engine
-from fate_edge.apps.server.runner import Event, Job
+from fate_edge.apps.server.runner import Event, Failed, Job, Token
 from fate_edge.apps.server.state import ServerState, state_of
 from fate_edge.runtime.generate import GenerateConfig, check_context
 from fate_edge.runtime.token_logprobs import TokenLogprob
@@ -81,7 +81,9 @@ async def generate(request: Request, kind: str) -> Any:
             param,
             "kv_room_exceeded",
         )
-    places = state.runner.slots + state.runner.max_queue
+    runner = state.runner
+    assert runner is not None  # made with the engine, which ready_engine found
+    places = runner.slots + runner.max_queue
     if jobs_wanted > places:
         raise invalid(
             f"'prompt': {len(all_ids)} prompt(s) x n={parsed.n} are {jobs_wanted} sequences, more than this server "
@@ -102,7 +104,7 @@ async def generate(request: Request, kind: str) -> Any:
     jobs = [Job(ids, _choice_config(parsed.config, i), loop) for ids in all_ids for i in range(parsed.n)]
     try:
         for job in jobs:
-            state.runner.submit(job)
+            runner.submit(job)
     except QueueFull as exc:
         for job in jobs:
             job.cancel.set()
@@ -146,11 +148,11 @@ async def _answer(
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     try:
-        first = await watch.next_event(group)
+        first = await watch.next_item(group)
     except BaseException:
         group.cancel.set()
         raise
-    if first[1].kind == "error":
+    if isinstance(first[1], Failed):
         raise error_from_exception(first[1].error, prompt_param)
     state.metrics.first_token("/v1/chat/completions" if chat else "/v1/completions", time.perf_counter() - t0)
     if parsed.stream:  # from here the response watches the client itself (a failed send ends the stream)
@@ -166,9 +168,9 @@ async def _answer(
     ended, item = 0, first
     while True:
         i, ev = item
-        if ev.kind == "error":
+        if isinstance(ev, Failed):
             raise error_from_exception(ev.error, prompt_param)
-        if ev.kind == "token":
+        if isinstance(ev, Token):
             parts[i].append(ev.step.text)
             lasts[i] = ev.step
             if ev.step.logprob is not None:
@@ -177,7 +179,7 @@ async def _answer(
             ended += 1
             if ended == n:
                 break
-        item = await watch.next_event(group)
+        item = await watch.next_item(group)
     choices = []
     for i in range(n):
         echo = echoes[i // parsed.n]  # choices come prompt by prompt, n each (as OpenAI orders them)
@@ -274,7 +276,7 @@ async def _stream(
                 yield chunk(i, echo_of[i].text, None, lp=echo_of[i].prompt_logprobs())
         while True:
             i, ev = item
-            if ev.kind == "token":
+            if isinstance(ev, Token):
                 step = ev.step
                 lp = None
                 if step.logprob is not None:
@@ -289,7 +291,7 @@ async def _stream(
                 if step.finish_reason is not None:
                     finished[i] = True
                     yield chunk(i, None, step.finish_reason)
-            elif ev.kind == "error":
+            elif isinstance(ev, Failed):
                 yield sse(error_from_exception(ev.error).body())
                 return  # no [DONE]: the stream ended in an error
             else:
@@ -348,7 +350,7 @@ class Group:
         while True:
             ev = await job.queue.get()
             self.queue.put_nowait((i, ev))
-            if ev.kind != "token":
+            if not isinstance(ev, Token):
                 return
 
 

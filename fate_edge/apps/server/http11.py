@@ -32,7 +32,8 @@ class JSONErrorH11Protocol(H11Protocol):
     def with_timeouts(cls, header_timeout: float) -> type[JSONErrorH11Protocol]:
         return type(cls.__name__, (cls,), {"header_timeout": header_timeout})
 
-    def connection_made(self, transport: asyncio.Transport) -> None:
+    # uvicorn's H11Protocol narrows the transport to asyncio.Transport the same way (its own override)
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm_header_timer()
 
@@ -78,6 +79,6 @@ class JSONErrorH11Protocol(H11Protocol):
             (b"connection", b"close"),
         ]
         self.transport.write(self.conn.send(h11.Response(status_code=400, headers=headers, reason=b"Bad Request")))
-        self.transport.write(self.conn.send(h11.Data(data=body)))
+        self.transport.write(self.conn.send(h11.Data(data=bytes(body))))
         self.transport.write(self.conn.send(h11.EndOfMessage()))
         self.transport.close()

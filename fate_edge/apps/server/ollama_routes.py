@@ -18,7 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from fate_edge.apps.server.errors import APIError, Disconnected, QueueFull, error_from_exception
 from fate_edge.apps.server.ollama_protocol import OllamaError, bad, chat_messages, common, config_of, generate_prompt
 from fate_edge.apps.server.request_helpers import DisconnectWatch, check_auth, read_json, ready_engine
-from fate_edge.apps.server.runner import Event, Job
+from fate_edge.apps.server.runner import Event, Failed, Job, Token
 from fate_edge.apps.server.state import ServerState, state_of
 from fate_edge.runtime.generate import check_context
 from fate_edge.version import __version__
@@ -197,23 +197,26 @@ async def _run(request: Request, kind: str) -> Any:
     except Exception as exc:
         raise error_from_exception(exc, "prompt") from None
     job = Job(ids, config, asyncio.get_running_loop())
+    runner = state.runner
+    assert runner is not None  # made with the engine, which ready_engine found
     try:
-        state.runner.submit(job)
+        runner.submit(job)
     except QueueFull as exc:
         raise OllamaError(503, f"server busy: {exc}; retry later", {"Retry-After": "1"}) from None
     watch = DisconnectWatch(request)
     try:
         first = await watch.next_event(job)
-        if first.kind == "error":
+        if isinstance(first, Failed):
             raise error_from_exception(first.error, "prompt")
         state.metrics.first_token(f"/api/{kind}", time.perf_counter() - t0)
         if stream:
             return StreamingResponse(_stream(job, first, model, kind, t0), media_type=NDJSON)
-        parts, ev = [], first
-        while ev.kind == "token":
+        parts: list[str] = []
+        ev: Event = first
+        while isinstance(ev, Token):
             parts.append(ev.step.text)
             ev = await watch.next_event(job)
-        if ev.kind == "error":
+        if isinstance(ev, Failed):
             raise error_from_exception(ev.error, "prompt")
         return _final(model, kind, _reason(job), job, t0, len(ids), "".join(parts))
     except Disconnected:
@@ -269,10 +272,10 @@ async def _stream(job: Job, first: Event, model: str, kind: str, t0: float):
     ev = first
     try:
         while True:
-            if ev.kind == "token":
+            if isinstance(ev, Token):
                 if ev.step.text:
                     yield _line(_piece(model, kind, ev.step.text))
-            elif ev.kind == "error":
+            elif isinstance(ev, Failed):
                 yield _line({"error": error_from_exception(ev.error).message})
                 return
             else:

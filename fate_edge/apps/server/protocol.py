@@ -6,10 +6,11 @@ problem and what to send instead; unknown top-level keys are ignored (clients ad
 
 from __future__ import annotations
 
+import builtins
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 from fate_edge.apps.server.errors import APIError, invalid, unsupported
 from fate_edge.runtime.generate import GenerateConfig
@@ -122,7 +123,17 @@ class _Body:
     def get(self, name: str) -> Any:
         return self.body.get(name)
 
-    def int(self, name: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
+    @overload
+    def int(
+        self, name: str, default: builtins.int, lo: builtins.int | None = None, hi: builtins.int | None = None
+    ) -> builtins.int: ...
+    @overload
+    def int(
+        self, name: str, default: None, lo: builtins.int | None = None, hi: builtins.int | None = None
+    ) -> builtins.int | None: ...
+    def int(
+        self, name: str, default: builtins.int | None, lo: builtins.int | None = None, hi: builtins.int | None = None
+    ) -> builtins.int | None:
         v = self.body.get(name)
         if v is None:
             return default
@@ -356,6 +367,7 @@ def completion_prompts(body: dict[str, Any], vocab_size: int) -> list[str | list
     )
     if not batch:
         return [completion_prompt(body, vocab_size)]
+    assert isinstance(prompt, list)
     if len(prompt) > MAX_PROMPTS:
         raise invalid(f"'prompt' may hold at most {MAX_PROMPTS} prompts, got {len(prompt)}", "prompt", "invalid_value")
     out = []

@@ -24,10 +24,25 @@ from fate_edge.sdk import recover
 
 
 @dataclass
-class Event:
-    kind: str  # "token" | "error" | "end"
-    step: GenerationResponse | None = None
-    error: BaseException | None = None
+class Token:
+    """One generated token."""
+
+    step: GenerationResponse
+
+
+@dataclass
+class Failed:
+    """The request ended in an error."""
+
+    error: BaseException
+
+
+@dataclass
+class End:
+    """The request ended (finished, cancelled or out of tokens)."""
+
+
+Event = Token | Failed | End  # what a job's queue carries, in order
 
 
 @dataclass
@@ -87,7 +102,7 @@ class Runner:
         try:
             if job.cancel.is_set():
                 job.state = "cancelled"
-                job.emit(Event("end"))
+                job.emit(End())
                 return
             with self._lock:
                 self.running += 1
@@ -97,7 +112,7 @@ class Runner:
                 for step in steps:
                     job.stats = self.engine.request_stats  # this request's, read while it holds the engine
                     job.last = step
-                    job.emit(Event("token", step))
+                    job.emit(Token(step))
                     if job.cancel.is_set():
                         job.state = "cancelled"
                         break
@@ -105,13 +120,13 @@ class Runner:
                 steps.close()  # releases the engine at once when cancelled mid-stream
             if job.state == "running":
                 job.state = "done"
-            job.emit(Event("end"))
+            job.emit(End())
         except Exception as exc:
             job.state = "failed"
             try:
                 recover(self.engine)
             finally:
-                job.emit(Event("error", error=exc))
+                job.emit(Failed(exc))
         finally:
             with self._lock:
                 self.outstanding -= 1

@@ -9,7 +9,10 @@ from typing import Any
 from fate_edge.errors import ModelFormatError, UnsupportedArchitectureError
 from fate_edge.model.arch.base import MLAConfig, ModelConfig, RopeConfig
 from fate_edge.model.arch.deepseek import DeepseekV2Config, DeepseekV3Config
+from fate_edge.model.arch.ernie4_5_moe import Ernie45MoeConfig
+from fate_edge.model.arch.glm4_moe import Glm4MoeConfig
 from fate_edge.model.arch.limits import check_config, check_raw_config
+from fate_edge.model.arch.minimax_m2 import MiniMaxM2Config
 from fate_edge.model.arch.mixtral import MixtralConfig
 from fate_edge.model.arch.olmoe import OlmoeConfig
 from fate_edge.model.arch.qwen2_moe import Qwen2MoeConfig
@@ -23,6 +26,9 @@ ARCHITECTURES: dict[str, type[ModelConfig]] = {
     "olmoe": OlmoeConfig,
     "deepseek_v2": DeepseekV2Config,
     "deepseek_v3": DeepseekV3Config,
+    "glm4_moe": Glm4MoeConfig,
+    "minimax_m2": MiniMaxM2Config,
+    "ernie4_5_moe": Ernie45MoeConfig,
 }
 
 __all__ = ["ARCHITECTURES", "MLAConfig", "ModelConfig", "RopeConfig", "config_from_dict", "load_config"]

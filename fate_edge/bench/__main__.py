@@ -1,8 +1,0 @@
-"""``python -m fate_edge.bench``: the benchmark's command line, and the entry point of its worker processes."""
-
-import sys
-
-from fate_edge.bench.cli import main
-
-if __name__ == "__main__":
-    sys.exit(main())

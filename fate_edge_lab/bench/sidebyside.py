@@ -1,0 +1,390 @@
+"""fate-edge beside llama.cpp on the same checkpoint and the same prompt token ids (``fate-edge bench-llamacpp``).
+
+Resident: fate-edge fp32 / bf16 / int4 experts vs llama.cpp f32 / bf16 / q4_0 GGUFs, every weight in RAM.
+Memory-limited: fate-edge streaming its int4 experts under an expert budget, then llama.cpp q4_0 memory-mapped
+inside a memory cgroup capped at fate-edge's measured peak RSS, the page cache dropped before each run.
+Each measurement is a fresh process; rounds interleave the sides so the host's drift hits them alike."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fate_edge.bundled import bundled_model_dir as _bundled
+from fate_edge_lab.bench.llamacpp import llama_child, read_bytes, time_tokens
+from fate_edge_lab.bench.publish import markers
+
+
+@dataclass(frozen=True)
+class Side:
+    name: str
+    kind: str  # fate-edge | llama.cpp
+    precision: str  # fp32 | bf16 | int4 (fate-edge); f32 | bf16 | q4_0 (the GGUF's type)
+    experts: str  # what the experts are stored and computed in
+    rest: str  # attention, embeddings, shared experts, lm_head
+    mode: str = "resident"  # resident | limited (fate-edge: expert budget; llama.cpp: mmap under a cgroup cap)
+    dtype: str = ""  # fate-edge int4 sides: what the rest is held and computed in ("" = fp32)
+    resident_bits: int | None = None  # fate-edge: attention, shared experts, lm_head quantized (fused.py)
+
+
+RESIDENT = [
+    Side("fate-edge fp32", "fate-edge", "fp32", "fp32", "fp32"),
+    Side("fate-edge bf16", "fate-edge", "bf16", "bf16", "bf16 (router fp32)"),
+    Side("fate-edge int4", "fate-edge", "int4", "int4 (fate-edge store, group-wise RTN), fp32 compute", "fp32"),
+    Side("llama.cpp f32", "llama.cpp", "f32", "f32", "f32"),
+    Side("llama.cpp bf16", "llama.cpp", "bf16", "bf16", "bf16 (norms f32)"),
+    Side("llama.cpp q4_0", "llama.cpp", "q4_0", "q4_0", "llama.cpp's Q4_0 mix (most matrices q4_0, norms f32)"),
+]
+LIMITED = [
+    Side(
+        "fate-edge int4, expert budget",
+        "fate-edge",
+        "int4",
+        "int4, streamed from disk into the budget",
+        "fp32",
+        "limited",
+    ),
+    Side(
+        "llama.cpp q4_0, mmap under cap", "llama.cpp", "q4_0", "q4_0, memory-mapped", "llama.cpp's Q4_0 mix", "limited"
+    ),
+]
+PAIRS = [
+    ("fate-edge fp32", "llama.cpp f32"),
+    ("fate-edge bf16", "llama.cpp bf16"),
+    ("fate-edge int4", "llama.cpp q4_0"),
+    ("fate-edge int4, expert budget", "llama.cpp q4_0, mmap under cap"),
+]
+
+# Real-size checkpoints (bf16, synthetic or not): no f32 side (twice the bytes of bf16, same values), the rest in
+# bf16 as the checkpoint stores it, and fate-edge's quantized resident weights beside llama.cpp's q4_0 mix.
+_Q4_MIX = "llama.cpp's Q4_0 mix (attention q4_0, output q6_K, norms f32)"
+REAL_RESIDENT = [
+    Side("fate-edge bf16", "fate-edge", "bf16", "bf16", "bf16 (router fp32)"),
+    Side("fate-edge int4, bf16 rest", "fate-edge", "int4", "int4 (group-wise RTN)", "bf16", dtype="bf16"),
+    Side(
+        "fate-edge int4, int8 rest",
+        "fate-edge",
+        "int4",
+        "int4 (group-wise RTN)",
+        "int8 (embeddings bf16)",
+        dtype="bf16",
+        resident_bits=8,
+    ),
+    Side(
+        "fate-edge int4, int4 rest",
+        "fate-edge",
+        "int4",
+        "int4 (group-wise RTN)",
+        "int4 (embeddings bf16)",
+        dtype="bf16",
+        resident_bits=4,
+    ),
+    Side("llama.cpp bf16", "llama.cpp", "bf16", "bf16", "bf16 (norms f32)"),
+    Side("llama.cpp q4_0", "llama.cpp", "q4_0", "q4_0", _Q4_MIX),
+]
+REAL_LIMITED = [
+    # like with like: llama.cpp's mix quantizes attention and the output matrix too
+    Side(
+        "fate-edge int4, expert budget",
+        "fate-edge",
+        "int4",
+        "int4, streamed from disk into the budget",
+        "int4 (embeddings bf16)",
+        "limited",
+        dtype="bf16",
+        resident_bits=4,
+    ),
+    Side("llama.cpp q4_0, mmap under cap", "llama.cpp", "q4_0", "q4_0, memory-mapped", _Q4_MIX, "limited"),
+]
+REAL_PAIRS = [
+    ("fate-edge bf16", "llama.cpp bf16"),
+    ("fate-edge int4, bf16 rest", "llama.cpp q4_0"),
+    ("fate-edge int4, int8 rest", "llama.cpp q4_0"),
+    ("fate-edge int4, int4 rest", "llama.cpp q4_0"),
+    ("fate-edge int4, expert budget", "llama.cpp q4_0, mmap under cap"),
+]
+
+
+@dataclass(frozen=True)
+class SideSet:
+    """What one comparison runs: the sides, the pairs that get ratios, and the GGUF types it needs."""
+
+    resident: list[Side]
+    limited: list[Side]
+    pairs: list[tuple[str, str]]
+    gguf_types: tuple[str, ...]
+
+
+SIDE_SETS = {
+    "small": SideSet(RESIDENT, LIMITED, PAIRS, ("f32", "bf16", "q4_0")),
+    "real": SideSet(REAL_RESIDENT, REAL_LIMITED, REAL_PAIRS, ("bf16", "q4_0")),
+}
+
+
+def pick_side_set(name: str, model_dir: str | Path) -> SideSet:
+    """``small`` (fp32 / bf16 / int4 vs f32 / bf16 / q4_0), ``real`` (bf16 and int4 experts with bf16 / int8 /
+    int4 rest vs bf16 / q4_0), or ``auto``: ``real`` for a checkpoint stored in bf16 (the real-size ones),
+    else ``small``."""
+    if name == "auto":
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        name = "real" if cfg.get("torch_dtype", cfg.get("dtype")) == "bfloat16" else "small"
+    return SIDE_SETS[name]
+
+
+def only_sides(sides: SideSet, names: list[str]) -> SideSet:
+    """``sides`` restricted to the sides called ``names`` (and the GGUF types their llama.cpp sides need)."""
+    known = [side.name for side in sides.resident + sides.limited]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"no side {unknown} in this comparison; its sides are {known}")
+    keep = [side for side in sides.resident + sides.limited if side.name in names]
+    types = tuple(t for t in sides.gguf_types if any(s.kind == "llama.cpp" and s.precision == t for s in keep))
+    return SideSet(
+        [s for s in sides.resident if s in keep],
+        [s for s in sides.limited if s in keep],
+        [p for p in sides.pairs if p[0] in names and p[1] in names],
+        types,
+    )
+
+
+def readme_marker(model: str, threads: int) -> str:
+    """The markers (and docs/results file) a run writes: ``bench_llamacpp`` for the bundled model at 2 threads (as
+    before), else one per model and thread count, so the tables of several models coexist."""
+    if Path(model).resolve() == _bundled().resolve() and threads == 2:
+        return "bench_llamacpp"
+    return f"bench_llamacpp-{Path(model).resolve().name}-{threads}t"
+
+
+def add_markers(readme: Path, name: str) -> None:
+    """Empty ``name`` markers at the end of ``readme`` (created if missing), where they are not in it yet."""
+    doc = readme.read_text() if readme.exists() else ""
+    begin, end = markers(name)
+    if begin in doc:
+        return
+    readme.parent.mkdir(parents=True, exist_ok=True)
+    readme.write_text(doc + ("\n" if doc and not doc.endswith("\n") else "") + f"{begin}\n{end}\n")
+
+
+def child_command(spec: dict[str, Any], folder: str | Path) -> list[str]:
+    """The command that runs one side for ``spec``, which it reads from a file written into ``folder`` (a long
+    prompt's ids and text overflow the argument list: a 4,096-token prompt did)."""
+    path = Path(folder) / f"spec-{uuid.uuid4().hex}.json"
+    path.write_text(json.dumps(spec))
+    code = "import sys; from fate_edge_lab.bench.sidebyside import child_main; child_main(open(sys.argv[1]).read())"
+    if spec["kind"] == "llama.cpp":
+        code = llama_child(code)
+    return [sys.executable, "-c", code, str(path)]
+
+
+def resident_int4(store: str | Path, device: str = "cpu"):
+    """Every int4 expert of ``store`` decoded once into memory on ``device``: the int4 model with nothing left to
+    fetch (int4 experts compute in the activations' dtype, so one provider serves fp32 and bf16 models)."""
+    from fate_edge.fetch.store_provider import StoreExpertProvider
+    from fate_edge.format.store import ExpertStore
+    from fate_edge.model.experts import InMemoryExpertProvider
+
+    s = ExpertStore(store)
+    prov = StoreExpertProvider(s, bits=4, device=device)
+    try:
+        experts = {
+            (layer, e): prov.get(layer, e) for layer in s.index["moe_layers"] for e in range(s.index["num_experts"])
+        }
+    finally:
+        prov.close()
+    return InMemoryExpertProvider(experts)
+
+
+def _fate_edge_stream(spec: dict[str, Any]):
+    import torch
+
+    from fate_edge.runtime.generate import GenerateConfig, stream_from_model
+    from fate_edge.runtime.loader import load_model
+    from fate_edge.tokenizer import Tokenizer
+
+    torch.set_num_threads(spec["threads"])
+    cfg = GenerateConfig(max_tokens=spec["decode_tokens"] + 1, ignore_eos=True)
+    rest = torch.bfloat16 if spec.get("dtype") == "bf16" else torch.float32
+    if spec["mode"] == "limited":
+        from fate_edge.runtime.engine import Engine
+        from fate_edge.runtime.engine_config import EngineConfig
+
+        engine = Engine(
+            EngineConfig(
+                spec["store"],
+                spec["budget"],
+                "fate-edge",
+                dtype=rest,
+                workers=spec["workers"],
+                resident_bits=spec.get("resident_bits"),
+            )
+        )
+        return (r.token for r in engine.stream(spec["ids"], cfg))
+    if spec["precision"] == "int4":
+        model = load_model(
+            spec["store"],
+            rest,
+            experts=resident_int4(spec["store"]),
+            resident_bits=spec.get("resident_bits"),
+            compile=spec.get("compile", "off"),
+        )
+    else:
+        model = load_model(
+            spec["model"],
+            torch.float32 if spec["precision"] == "fp32" else torch.bfloat16,
+            compile=spec.get("compile", "off"),
+        )
+    return (r.token for r in stream_from_model(model, Tokenizer(spec["model"]), spec["ids"], cfg))
+
+
+def _mark_first(stream, marks: list):
+    """``stream``'s tokens; the bytes read so far are appended to ``marks`` when the first one arrives, so the
+    prefill's reads (at real size the whole model, once) stay out of the decode's reads per token."""
+    for i, tok in enumerate(stream):
+        if i == 0:
+            marks.append(read_bytes())
+        yield tok
+
+
+def child_main(spec_json: str) -> None:
+    """One side, one run: load, prefill the ids, decode; print one JSON line (tok/s, peak RSS, bytes read)."""
+    from fate_edge.process_memory import peak_rss_bytes
+
+    spec = json.loads(spec_json)
+    ids, io0 = spec["ids"], read_bytes()
+    extra: dict[str, Any] = {}
+    if spec["kind"] == "llama.cpp":
+        from fate_edge_lab.bench.llamacpp import llama_stream, open_llama, tokens_agree
+
+        llm = open_llama(
+            spec["gguf"],
+            len(ids) + spec["decode_tokens"] + 8,
+            spec["threads"],
+            mmap=spec["mode"] == "limited",
+            repack=spec.get("repack", True),
+        )
+        stream = llama_stream(llm, ids)
+    else:
+        stream = _fate_edge_stream(spec)
+    io1 = read_bytes()
+    first: list[int | None] = []
+    t = time_tokens(_mark_first(stream, first), len(ids), spec["decode_tokens"] + 1)
+    io2 = read_bytes()
+    if spec["kind"] == "llama.cpp" and spec.get("text"):
+        extra["tokenization"] = tokens_agree(llm, spec["text"], spec["text_ids"])
+    if io0 is not None and io1 is not None and io2 is not None and first[0] is not None:  # the kernel reports reads
+        n_dec = max(1, len(t["tokens"]) - 1)
+        extra.update(
+            load_read_mb=(io1 - io0) / 1e6,
+            prefill_read_mb=(first[0] - io1) / 1e6,
+            decode_read_mb_per_token=(io2 - first[0]) / 1e6 / n_dec,
+        )
+    print(json.dumps({**t, **extra, "peak_rss_bytes": peak_rss_bytes()}), flush=True)
+
+
+def summarize(
+    runs: dict[str, list[dict[str, Any]]], sides: list[Side], pairs: list[tuple[str, str]] = PAIRS
+) -> dict[str, dict[str, Any]]:
+    """Medians per side (over the runs that did not fail) and fate-edge / llama.cpp ratios per pair."""
+    out: dict[str, dict[str, Any]] = {}
+    for side in sides:
+        rs = runs.get(side.name, [])
+        ok = [r for r in rs if "error" not in r]
+        row: dict[str, Any] = {
+            "kind": side.kind,
+            "experts": side.experts,
+            "rest": side.rest,
+            "mode": side.mode,
+            "runs": len(rs),
+            "failed": len(rs) - len(ok),
+            "errors": sorted({r["error"] for r in rs if "error" in r}),
+        }
+        for key in (
+            "prefill_tps",
+            "prefill_cpu_tps",
+            "decode_tps",
+            "peak_rss_bytes",
+            "decode_read_mb_per_token",
+            "load_avg",
+        ):
+            vals = [r[key] for r in ok if r.get(key) is not None]
+            row[key] = statistics.median(vals) if vals else None
+        out[side.name] = row
+    for ours, theirs in pairs:
+        a, b = out.get(ours), out.get(theirs)
+        if a and b:
+            for key in ("prefill_tps", "prefill_cpu_tps", "decode_tps"):
+                if a[key] and b[key]:
+                    a[f"{key}_ratio"] = a[key] / b[key]
+    return out
+
+
+def same_tokens(runs: dict[str, list[dict[str, Any]]], ours: str, theirs: str) -> int | None:
+    """How many leading greedy tokens two sides agree on (first successful run of each)."""
+    a = next((r["tokens"] for r in runs.get(ours, []) if "tokens" in r), None)
+    b = next((r["tokens"] for r in runs.get(theirs, []) if "tokens" in r), None)
+    if a is None or b is None:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def run_rounds(
+    base: dict[str, Any], sides: list[Side], ggufs: dict[str, str], rounds: int, timeout: float, log=print
+) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]:
+    """Interleaved rounds of fresh processes; (runs per side, notes on the memory cap and the page cache).
+    The llama.cpp mmap side runs under a cgroup capped at the first measured peak RSS of fate-edge's
+    limited side, which therefore runs before it in every round."""
+    import contextlib
+    import os
+
+    from fate_edge_lab.bench.host import load_average
+    from fate_edge_lab.bench.peers import _memory_cgroup, cgroup_joiner
+    from fate_edge_lab.bench.prepare import drop_page_cache
+    from fate_edge_lab.bench.threads import run_child
+
+    runs: dict[str, list[dict[str, Any]]] = {}
+    notes: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="fate-edge-sides-") as specs:  # each run's spec file
+        for r in range(rounds):
+            for side in sides:
+                spec = {
+                    **base,
+                    "kind": side.kind,
+                    "precision": side.precision,
+                    "mode": side.mode,
+                    "gguf": ggufs.get(side.precision, ""),
+                    "dtype": side.dtype,
+                    "resident_bits": side.resident_bits,
+                }
+                if r == 0 and side.kind == "llama.cpp":
+                    spec.update(text=base["text"], text_ids=base["text_ids"])
+                cg = None
+                if side.mode == "limited":
+                    notes["page_cache"] = drop_page_cache()[1]
+                    if side.kind == "llama.cpp":
+                        if "cap_bytes" not in notes:
+                            runs.setdefault(side.name, []).append({"error": "no fate-edge peak RSS to cap at"})
+                            continue
+                        cg, notes["cgroup"] = _memory_cgroup(notes["cap_bytes"])
+                load = load_average()
+                try:
+                    res = run_child(child_command(spec, specs), timeout, dict(os.environ), cgroup_joiner(cg))
+                finally:
+                    if cg is not None:
+                        with contextlib.suppress(OSError):
+                            cg.rmdir()
+                res["load_avg"] = load[0]
+                if side.mode == "limited" and side.kind == "fate-edge" and "peak_rss_bytes" in res:
+                    notes.setdefault("cap_bytes", res["peak_rss_bytes"])
+                runs.setdefault(side.name, []).append(res)
+                log(
+                    f"round {r + 1} {side.name}: prefill {res.get('prefill_tps') or 0:.0f} tok/s "
+                    f"({res.get('prefill_cpu_tps') or 0:.0f} per CPU s), decode "
+                    f"{res.get('decode_tps') or 0:.1f} tok/s {res.get('error', '')} (load {load[0]})"
+                )
+    return runs, notes
