@@ -327,3 +327,19 @@ def test_lm_eval_loglikelihood_through_the_daemon_equals_the_model_directly(base
         assert scores == pytest.approx(direct, abs=1e-4)
         assert scores == pytest.approx(reference, abs=1e-4)
         assert max(range(len(choices)), key=scores.__getitem__) == max(range(len(choices)), key=reference.__getitem__)
+
+
+def test_lm_eval_generate_until_requests_run(base, engine):
+    """lm-eval's generate_until payload (LocalCompletionsAPI._create_payload with generate=True) and its parsing."""
+    http = httpx.Client(base_url=base, timeout=120)
+    contexts = ["def add(a, b):\n", "import os\n"]
+    prompts = [engine.tokenizer.encode(c) for c in contexts]  # tokenized_requests: token ids, a batch of two
+    payload = {"prompt": prompts, "model": MODEL, "max_tokens": 12, "temperature": 0, "stop": ["\n\n"], "seed": 1234}
+    out = http.post("/v1/completions", json=payload).json()
+    tmp = [None] * len(out["choices"])
+    for choice in out["choices"]:  # parse_generations
+        tmp[choice["index"]] = choice["text"]
+    alone = [
+        http.post("/v1/completions", json={**payload, "prompt": [p]}).json()["choices"][0]["text"] for p in prompts
+    ]
+    assert tmp == alone and all(isinstance(t, str) and "\n\n" not in t for t in tmp)
