@@ -21,6 +21,7 @@ from fate_edge.model.batch_step import Segment, forward_segments
 from fate_edge.model.transformer import MoETransformer
 from fate_edge.process_memory import peak_rss_bytes
 from fate_edge.runtime.sampling import Sampler, SamplingParams
+from fate_edge.runtime.token_logprobs import TokenLogprob, token_logprob
 from fate_edge.tokenizer import StreamingDetokenizer, Tokenizer
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ class GenerationResponse:
     generation_tps: float
     peak_rss_bytes: int  # read every RSS_EVERY tokens and on the final response (a /proc read costs ~30 µs)
     finish_reason: str | None = None  # None while running, then "stop" or "length"
+    logprob: TokenLogprob | None = None  # this token's, when GenerateConfig.logprobs asks (not for a stop token)
 
 
 RSS_EVERY = 32  # decode tokens between peak-RSS reads
@@ -59,6 +61,8 @@ class GenerateConfig:
     context_limit: int | None = None
     # llguidance grammar text (runtime.structured): the answer is constrained to it token by token; None: free text
     grammar: str | None = None
+    # Each sampled token's log-probability with this many likeliest alternatives (0: the token's alone); None: off
+    logprobs: int | None = None
 
 
 def _hold_back(text: str, stops: list[str]) -> int:
@@ -183,6 +187,7 @@ class TokenStream:
 
     def step(self, logits: torch.Tensor) -> GenerationResponse:
         """Sample the next token from ``logits`` [V]; its response (``finish_reason`` set when the request ends)."""
+        raw = logits  # logprobs are the model's own, before the grammar's mask (as vLLM's default reports them)
         if self.grammar is not None:
             logits = self.grammar.apply(logits)
         token = self.token = self.sampler(logits, self.history)
@@ -190,6 +195,12 @@ class TokenStream:
         self.history.append(token)
         if token in self.stop_ids:
             return self.response(self.pending + self.detok.flush(), token, "stop")
+        resp = self._respond(token)
+        if self.config.logprobs is not None:
+            resp.logprob = token_logprob(raw, token, self.config.logprobs)
+        return resp
+
+    def _respond(self, token: int) -> GenerationResponse:
         if self.grammar is not None:
             self.grammar.consume(token)
             if self.grammar.finished:  # accepted, and nothing may follow: the answer is complete

@@ -24,9 +24,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-from fate_edge.apps.server import routes_admin, routes_chat, routes_completions, routes_models
+from fate_edge.apps.server import ollama_routes, routes_admin, routes_chat, routes_completions, routes_models
 from fate_edge.apps.server.errors import APIError
 from fate_edge.apps.server.middleware import BrowserGuard, Observe
+from fate_edge.apps.server.ollama_protocol import OllamaError
 from fate_edge.apps.server.state import ServerSettings, ServerState
 from fate_edge.version import __version__
 
@@ -59,24 +60,32 @@ def _load(state: ServerState, on_load_error) -> None:
 
 
 def _add_error_handlers(app: FastAPI) -> None:
+    def shaped(request: Request, exc: APIError):  # Ollama's routes answer errors in Ollama's shape
+        return ollama_routes.ollama_error(exc) if request.url.path.startswith("/api/") else exc.response()
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
+        return shaped(request, exc)
+
+    @app.exception_handler(OllamaError)
+    async def _ollama_error(request: Request, exc: OllamaError):
         return exc.response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 404:
-            return APIError(404, f"no route {request.method} {request.url.path}", "not_found_error").response()
+            return shaped(request, APIError(404, f"no route {request.method} {request.url.path}", "not_found_error"))
         if exc.status_code == 405:
-            return APIError(
-                405, f"method {request.method} is not allowed on {request.url.path}", "invalid_request_error"
-            ).response()
-        return APIError(exc.status_code, str(exc.detail), "invalid_request_error").response()
+            return shaped(
+                request,
+                APIError(405, f"method {request.method} is not allowed on {request.url.path}", "invalid_request_error"),
+            )
+        return shaped(request, APIError(exc.status_code, str(exc.detail), "invalid_request_error"))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
         log.exception("unhandled error on %s", request.url.path)
-        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").response()
+        return shaped(request, APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
 
 
 def create_app(settings: ServerSettings | None = None, engine: Any = None, on_load_error=None) -> FastAPI:
@@ -114,7 +123,7 @@ def create_app(settings: ServerSettings | None = None, engine: Any = None, on_lo
     app.add_middleware(BrowserGuard, settings=state.settings)
     app.add_middleware(Observe, metrics=state.metrics)  # added last: outermost, so it counts rejections too
     _add_error_handlers(app)
-    for module in (routes_completions, routes_chat, routes_models, routes_admin):
+    for module in (routes_completions, routes_chat, routes_models, routes_admin, ollama_routes):
         app.include_router(module.router)
     if state.settings.enable_fault_injection:
         app.include_router(routes_admin.fault_router)

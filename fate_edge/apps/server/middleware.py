@@ -109,5 +109,9 @@ class BrowserGuard:
                     "origin_not_allowed",
                 )
             if error is not None:
+                if scope["path"].startswith("/api/"):  # Ollama's routes: Ollama's error shape
+                    from fate_edge.apps.server.ollama_routes import ollama_error
+
+                    return await ollama_error(error)(scope, receive, send)
                 return await error.response()(scope, receive, send)
         await self.app(scope, receive, send)

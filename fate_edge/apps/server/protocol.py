@@ -17,8 +17,11 @@ from fate_edge.apps.server.response_format import response_format_grammar
 from fate_edge.apps.server.tool_calls import parse_tools, tool_message
 from fate_edge.runtime.generate import GenerateConfig
 from fate_edge.runtime.sampling import SamplingParams
+from fate_edge.runtime.token_logprobs import MAX_TOP_LOGPROBS
 
 MAX_STOP = 16
+MAX_N = 16  # choices per request (each is a sequence in the batch)
+MAX_PROMPTS = 64  # prompts in one completions request (lm-eval's --batch_size sends several)
 ROLES = {"system", "developer", "user", "assistant"}
 
 
@@ -31,6 +34,12 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    n: int = 1  # choices, decoded together as n sequences of the batch
+    logprobs: int | None = None  # None: off; else the top alternatives per token (0: the chosen token's alone)
+    echo: bool = False  # completions: the prompt first in the text, with its tokens' logprobs when asked
+    prompts: list[str | list[int]] = field(
+        default_factory=list
+    )  # completions: every prompt of a batch (``prompt``: the first)
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -163,16 +172,21 @@ class _Body:
         return v
 
 
-def _reject_unsupported(b: _Body, kind: str) -> None:
-    n = b.int("n", 1)
-    if n != 1:
-        raise unsupported("n", f"n={n} (several choices per request)")
+def _logprobs(b: _Body, kind: str) -> int | None:
+    """Chat: ``logprobs: true`` with ``top_logprobs: N``; completions: ``logprobs: N``. At most OpenAI's 20."""
     if kind == "chat":
-        if b.get("logprobs") not in (None, False):
-            raise unsupported("logprobs", "logprobs")
-        if b.get("top_logprobs") not in (None, 0):
-            raise unsupported("top_logprobs", "top_logprobs")
-        # tools and tool_choice: tool_calls.parse_tools; response_format: response_format.py
+        top = b.int("top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+        if not b.bool("logprobs", False):
+            if top is not None:
+                raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
+            return None
+        return top or 0
+    return b.int("logprobs", None, 0, MAX_TOP_LOGPROBS)
+
+
+def _reject_unsupported(b: _Body, kind: str) -> None:
+    if kind == "chat":
+        # tools and tool_choice: tool_calls.parse_tools; response_format: response_format.py; logprobs: _logprobs
         if b.get("functions") not in (None, []):
             raise unsupported("functions", "the legacy 'functions' (send 'tools')")
         if b.get("function_call") not in (None, "none"):
@@ -180,10 +194,6 @@ def _reject_unsupported(b: _Body, kind: str) -> None:
         if b.get("audio") is not None or b.get("modalities") not in (None, ["text"]):
             raise unsupported("modalities", "audio output")
     else:
-        if b.get("logprobs") not in (None, 0):
-            raise unsupported("logprobs", "logprobs")
-        if b.bool("echo", False):
-            raise unsupported("echo", "echo")
         if b.get("suffix") not in (None, ""):
             raise unsupported("suffix", "suffix (fill in the middle)")
         best_of = b.int("best_of", 1)
@@ -218,9 +228,9 @@ def _stop(b: _Body) -> list[str]:
     return stop
 
 
-def _config(b: _Body, context: int, default_max_tokens: int | None) -> GenerateConfig:
-    max_tokens = b.int("max_tokens", None, 1, context)
-    max_completion = b.int("max_completion_tokens", None, 1, context)
+def _config(b: _Body, context: int, default_max_tokens: int | None, least: int = 1) -> GenerateConfig:
+    max_tokens = b.int("max_tokens", None, least, context)
+    max_completion = b.int("max_completion_tokens", None, least, context)
     chosen = max_completion if max_completion is not None else max_tokens
     if chosen is None and default_max_tokens is not None:  # None: until end of text or the engine's context
         chosen = min(default_max_tokens, context)
@@ -342,6 +352,28 @@ def completion_prompt(body: dict[str, Any], vocab_size: int) -> str | list[int]:
     raise invalid(f"'prompt' must be a string or an array of token ids, got {_type(prompt)}", "prompt", "invalid_type")
 
 
+def completion_prompts(body: dict[str, Any], vocab_size: int) -> list[str | list[int]]:
+    """A completions ``prompt``: one (a string or token ids) or a batch of them (strings or arrays of token ids)."""
+    prompt = body.get("prompt")
+    batch = (
+        isinstance(prompt, list)
+        and len(prompt) > 1
+        and (all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt))
+    )
+    if not batch:
+        return [completion_prompt(body, vocab_size)]
+    assert isinstance(prompt, list)
+    if len(prompt) > MAX_PROMPTS:
+        raise invalid(f"'prompt' may hold at most {MAX_PROMPTS} prompts, got {len(prompt)}", "prompt", "invalid_value")
+    out = []
+    for i, p in enumerate(prompt):
+        try:
+            out.append(completion_prompt({"prompt": p}, vocab_size))
+        except APIError as exc:
+            raise invalid(f"'prompt[{i}]': {exc.message}", "prompt", exc.code) from None
+    return out
+
+
 def parse_request(
     kind: str,
     body: dict[str, Any],
@@ -357,7 +389,11 @@ def parse_request(
     model = _model(b)
     stream, include_usage = _stream(b)
     _reject_unsupported(b, kind)
-    config = _config(b, context, default_max_tokens)
+    n = b.int("n", 1, 1, MAX_N)
+    assert n is not None
+    logprobs = _logprobs(b, kind)
+    config = _config(b, context, default_max_tokens, 1 if kind == "chat" else 0)  # completions: 0 with echo
+    config.logprobs = logprobs
     config.grammar = response_format_grammar(body)  # structured output: None for free text
     extra: dict[str, Any] = {}
     if kind == "chat":
@@ -371,6 +407,11 @@ def parse_request(
             raise
         except Exception as exc:  # a template that rejects the conversation (raise_exception in jinja)
             raise invalid(f"the chat template rejected these messages: {exc}", "messages") from None
+        prompts = [prompt]
     else:
-        prompt = completion_prompt(body, vocab_size)
-    return ParsedRequest(kind, model, prompt, config, stream, include_usage, extra)
+        prompts = completion_prompts(body, vocab_size)
+        prompt = prompts[0]
+    echo = kind != "chat" and b.bool("echo", False)
+    return ParsedRequest(
+        kind, model, prompt, config, stream, include_usage, extra, n=n, logprobs=logprobs, echo=echo, prompts=prompts
+    )

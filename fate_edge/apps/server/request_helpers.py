@@ -136,5 +136,10 @@ class DisconnectWatch:
             if not getter.done():
                 getter.cancel()
 
+    async def next_item(self, group: Any) -> tuple[int, Event]:
+        """The next (choice index, event) of a request's group of jobs (``generation.Group``), as :meth:`next_event`."""
+        item: Any = await self.next_event(group)  # a Group has a Job's queue and cancel; its queue holds pairs
+        return item
+
     def stop(self) -> None:
         self._task.cancel()
