@@ -29,6 +29,10 @@ class GenerationError(FateEdgeError):
     """Bad generation arguments (sampling parameters, prompt longer than the context, ...)."""
 
 
+class GrammarError(GenerationError):
+    """A schema or grammar the structured-output library refuses (the server answers a 400 naming the field)."""
+
+
 class ContextLengthError(GenerationError):
     """The prompt leaves no room in the model's context for a generated token."""
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fate_edge.apps.server.ollama_protocol import OllamaError, common, config_of, generate_prompt
+from fate_edge.apps.server.errors import OllamaError
+from fate_edge.apps.server.ollama_protocol import common, config_of, generate_prompt
 
 
 def test_defaults_are_ollamas_and_special_values_map():

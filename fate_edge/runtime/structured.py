@@ -18,7 +18,7 @@ import llguidance
 import numpy as np
 import torch
 
-from fate_edge.errors import GenerationError
+from fate_edge.errors import GenerationError, GrammarError
 from fate_edge.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -28,10 +28,6 @@ if TYPE_CHECKING:
 # spend its whole budget on blanks.
 JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
-
-
-class GrammarError(GenerationError):
-    """A schema or grammar the library refuses (the server answers a 400 naming the field)."""
 
 
 def _checked(grammar: str) -> str:

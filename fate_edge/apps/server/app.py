@@ -25,9 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from fate_edge.apps.server import ollama_routes, routes_admin, routes_chat, routes_completions, routes_models
-from fate_edge.apps.server.errors import APIError
+from fate_edge.apps.server.errors import APIError, OllamaError
 from fate_edge.apps.server.middleware import BrowserGuard, Observe
-from fate_edge.apps.server.ollama_protocol import OllamaError
 from fate_edge.apps.server.state import ServerSettings, ServerState
 from fate_edge.version import __version__
 

@@ -42,6 +42,17 @@ class Disconnected(Exception):
     """The client hung up before the job's answer was complete."""
 
 
+class OllamaError(Exception):
+    """An error on Ollama's API, in its shape: ``{"error": "..."}``."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.headers = status, message, headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": self.message}, status_code=self.status, headers=self.headers)
+
+
 class APIError(Exception):
     def __init__(
         self,

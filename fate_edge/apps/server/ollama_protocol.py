@@ -12,8 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi.responses import JSONResponse
-
+from fate_edge.apps.server.errors import OllamaError
 from fate_edge.runtime.generate import GenerateConfig
 from fate_edge.runtime.sampling import SamplingParams
 
@@ -21,15 +20,6 @@ from fate_edge.runtime.sampling import SamplingParams
 # the last 64 tokens is left out: ours would cover the whole history, so the penalty is off unless asked for.
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0, "repeat_penalty": 1.0}
 MAX_STOP = 16
-
-
-class OllamaError(Exception):
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.headers = status, message, headers
-
-    def response(self) -> JSONResponse:
-        return JSONResponse({"error": self.message}, status_code=self.status, headers=self.headers)
 
 
 def bad(message: str) -> OllamaError:

@@ -15,8 +15,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from fate_edge.apps.server.errors import APIError, Disconnected, QueueFull, error_from_exception
-from fate_edge.apps.server.ollama_protocol import OllamaError, bad, chat_messages, common, config_of, generate_prompt
+from fate_edge.apps.server.errors import APIError, Disconnected, OllamaError, QueueFull, error_from_exception
+from fate_edge.apps.server.ollama_protocol import bad, chat_messages, common, config_of, generate_prompt
 from fate_edge.apps.server.request_helpers import DisconnectWatch, check_auth, read_json, ready_engine
 from fate_edge.apps.server.runner import Event, Failed, Job, Token
 from fate_edge.apps.server.state import ServerState, state_of

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from fate_edge.apps.server.errors import invalid
-from fate_edge.runtime.structured import GrammarError, json_schema_grammar
+from fate_edge.errors import GrammarError
+from fate_edge.runtime.structured import json_schema_grammar
 
 PARAM = "response_format"
 

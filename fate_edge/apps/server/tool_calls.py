@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from fate_edge.apps.server.errors import invalid, unsupported
-from fate_edge.runtime.structured import GrammarError, json_schema_grammar, lark_grammar, lark_json, lark_literal
+from fate_edge.errors import GrammarError
+from fate_edge.runtime.structured import json_schema_grammar, lark_grammar, lark_json, lark_literal
 
 STYLES = ("hermes", "mistral", "llama")
 ARGUMENT_PIECE = 16  # characters of arguments per streamed delta
