@@ -23,12 +23,13 @@ from fate_edge.apps.cli_args import (
     existing_path,
     positive_int,
     profile_name,
+    resident_width,
     use_option_types,
 )
 from fate_edge.apps.engine_args import add_engine_args
 from fate_edge.command_line import PROG, CliParser
 from fate_edge.errors import FateEdgeError
-from fate_edge.format.convert import GROUP_SIZES
+from fate_edge.format.convert import EMBEDDING_BITS, GROUP_SIZES, RESIDENT_BITS
 from fate_edge.sizes import format_bytes
 from fate_edge.version import __version__
 
@@ -171,13 +172,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
         group_size=args.group,
         cold_bits=args.cold_bits,
         cold_group_size=args.cold_group,
-        keep_bf16=not args.no_bf16,
+        keep_bf16=args.keep_bf16,
         force=args.force,
         method=args.method,
         layout=args.layout,
         threads=args.threads,
         resident_bits=args.resident_bits,
         embedding_bits=args.embedding_bits,
+        head_bits=args.head_bits,
     )
     out = (convert_gguf if gguf else convert)(args.model_dir, args.out_dir, opts, progress=not args.quiet)
     print(f"wrote expert store {out}")
@@ -314,21 +316,33 @@ def _add_convert_parser(sub) -> None:
         "the default here (AVX512-VNNI or AVX2), else cpu-int4. Either runs on every device (CUDA re-packs "
         "experts for its kernel as they arrive)",
     )
-    conv.add_argument("--no-bf16", action="store_true", help="do not keep a bf16 copy of the experts")
+    bf16 = conv.add_mutually_exclusive_group()
+    bf16.add_argument(
+        "--keep-bf16",
+        action="store_true",
+        help="also keep a bf16 copy of the experts (what the load-on-demand and full-precision baselines read; "
+        "the default policy never does)",
+    )
+    bf16.add_argument("--no-bf16", action="store_true", help="no bf16 copy of the experts (the default)")
     conv.add_argument(
         "--resident-bits",
-        type=int,
-        default=None,
-        choices=[8, 4],
-        help="quantize attention, dense MLPs, shared experts and lm_head here (int8 per channel or "
-        "int4), so a load reads them as they are: no full-precision copy, no quantizing at load",
+        type=resident_width,
+        default=RESIDENT_BITS,
+        help="quantize attention, dense MLPs, shared experts and lm_head here: 8 (per channel), 4 or none (keep "
+        f"the checkpoint's dtype); a load reads them as they are (default {RESIDENT_BITS}; a GGUF's quantized "
+        "tensors keep their own width)",
     )
     conv.add_argument(
         "--embedding-bits",
-        type=int,
+        type=resident_width,
+        default=EMBEDDING_BITS,
+        help=f"quantize the embedding table here: 8 (per row), 4 (per group) or none (default {EMBEDDING_BITS})",
+    )
+    conv.add_argument(
+        "--head-bits",
+        type=resident_width,
         default=None,
-        choices=[8, 4],
-        help="quantize the embedding table here (int8 per row or int4 per group)",
+        help="lm_head's own precision: 8, 4 or none (default: --resident-bits)",
     )
     conv.add_argument("--force", action="store_true", help="replace an existing store")
     conv.add_argument(

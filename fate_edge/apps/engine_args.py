@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
@@ -27,6 +27,7 @@ from fate_edge.apps.cli_args import (
 
 if TYPE_CHECKING:
     from fate_edge.devices.link import ThrottledLink
+    from fate_edge.runtime.auto_budget import BudgetChoice
     from fate_edge.runtime.engine import Engine
     from fate_edge.runtime.policy import PolicyConfig
 
@@ -75,11 +76,18 @@ def add_engine_args(
         "--memory-budget",
         default=memory_budget,
         type=byte_size,
-        help=f"hard budget for expert memory, e.g. 64MB or 2GB (default {shown})",
+        help=f"hard budget for expert memory, e.g. 64MB or 2GB, or auto: what this machine can give after the "
+        f"resident weights, KV cache and a headroom, capped at every expert (default {shown})",
     )
     add_policy_arg(p, policy)
     p.add_argument("--device", default=device, type=device_name, help=f"auto, cpu or cuda (default {device})")
-    p.add_argument("--dtype", default=defaults.DTYPE, choices=["float32", "bfloat16"], help="compute dtype")
+    p.add_argument(
+        "--dtype",
+        default=defaults.DTYPE,
+        choices=["auto", "float32", "bfloat16"],
+        help="compute dtype (default auto: bfloat16 on CUDA; on a CPU with AVX512-BF16 or AMX the faster of the two, "
+        "measured once on this host; float32 elsewhere)",
+    )
     p.add_argument(
         "--device-profile",
         default=None,
@@ -176,6 +184,17 @@ def policy_for_device(
     return for_device_and_store(get_policy(policy), device_profile or detect().profile, store, resident_bits)
 
 
+def auto_budget(store: str | Path, opts: EngineOptions, device: str, bits: int = 4) -> BudgetChoice:
+    """``--memory-budget auto``: the expert budget this machine can give beside the run's other parts."""
+    from fate_edge.runtime.auto_budget import choose_budget, experts_cap, free_memory, memory_sources
+    from fate_edge.runtime.memory_account import memory_account
+
+    account = memory_account(
+        store, 0, opts.dtype, opts.context_tokens, opts.resident_bits, embedding_bits=opts.embedding_bits
+    )
+    return choose_budget(account, experts_cap(store, bits), free_memory(memory_sources(device)))
+
+
 def print_account(store: str | Path, opts: EngineOptions, log: TextIO) -> None:
     """The run's predicted peak RSS by part (memory_account), printed before anything loads."""
     from fate_edge.runtime.budget import parse_bytes
@@ -204,8 +223,10 @@ def open_engine(
     account before loading (``run`` and ``serve``: stderr); ``max_batch``: the command's default when ``opts``
     gives none."""
     from fate_edge.format.checkpoint_layout import DTYPES
+    from fate_edge.runtime.auto_budget import is_auto
     from fate_edge.runtime.budget import parse_bytes
-    from fate_edge.runtime.engine import Engine
+    from fate_edge.runtime.compute_dtype import resolve_dtype
+    from fate_edge.runtime.engine import Engine, resolve_device
     from fate_edge.runtime.load_threads import in_own_thread
 
     log = log or sys.stderr
@@ -214,6 +235,12 @@ def open_engine(
     store = in_own_thread(lambda: resolve_store(opts.model, progress))
     link = make_link(opts.link)
     set_threads(opts.threads)
+    device = resolve_device(opts.device)
+    opts = replace(opts, dtype=str(resolve_dtype(opts.dtype, device)))  # auto: the hardware's (compute_dtype)
+    if is_auto(opts.memory_budget):  # the machine's room, said in one line (auto_budget)
+        choice = auto_budget(store, opts, device)
+        print(choice.line(), file=account or log, flush=True)
+        opts = replace(opts, memory_budget=str(choice.budget))
     policy, planned = opts.policy, None
     if policy == "auto":
         from fate_edge.devices.detect import detect

@@ -52,20 +52,36 @@ AUX_FILES = (
 )
 
 
+RESIDENT_BITS = 4  # the default store's resident linears (measured: docs/quantization.md#the-default-store)
+EMBEDDING_BITS = 4  # ... and embedding table
+
+
 @dataclass
 class ConvertOptions:
     bits: int | None = 4  # precision of the expert copies the engine streams (None: 4, or a GGUF's own width)
     group_size: int | None = None  # None: the largest of GROUP_SIZES that divides the expert dimensions
     cold_bits: int | None = None  # optional low-precision copy for cold experts (Fate: int2 tail)
     cold_group_size: int | None = None  # None: the smallest of GROUP_SIZES that divides (int2 wants small groups)
-    keep_bf16: bool = True  # also store bf16 experts (the full-precision / load-on-demand baseline)
+    # also store bf16 experts: the full-precision / load-on-demand baselines read them, the default policy never does
+    keep_bf16: bool = False
     force: bool = False  # replace an existing store at the destination
     method: str = "rtn"  # "rtn" (Fate's round-to-nearest) or "hqq" (half-quadratic refinement): same format
     layout: str = "auto"  # streamed copy: portable | cpu-int4 (torch's kernel layout) | auto (portable where
     # fate-edge's native int4 kernel is the default here, else cpu-int4 where torch's kernel takes the shapes)
     threads: int | None = None  # experts encoded in parallel (None: the CPU count, at most 8)
-    resident_bits: int | None = None  # 8 or 4: resident linears quantized here, read as they are at load
-    embedding_bits: int | None = None  # 8 or 4: the embedding table quantized here (fate_edge/model/embedding.py)
+    # 8 or 4: resident linears quantized here, read as they are at load; None: as in the checkpoint. The default, 4,
+    # is what eval-quality measured beside the float copy (docs/quantization.md#the-default-store)
+    resident_bits: int | None = RESIDENT_BITS
+    embedding_bits: int | None = EMBEDDING_BITS  # 8 or 4: the embedding table quantized here (model/embedding.py)
+    # lm_head's own precision (8 or 4); None: resident_bits. A GGUF's tensors keep their own width where it is
+    # 4 or 8 bits (gguf_convert.resident_widths)
+    head_bits: int | None = None
+
+    @classmethod
+    def full(cls, **kw) -> ConvertOptions:
+        """The store the baselines read (the bench, the demo): bf16 experts kept and the resident weights as in the
+        checkpoint, so a run may quantize them at load as it asks."""
+        return cls(**{"keep_bf16": True, "resident_bits": None, "embedding_bits": None} | kw)
 
 
 GROUP_SIZES = (128, 64, 32)  # quantization groups convert offers, largest (fewest scales) first
@@ -194,6 +210,8 @@ class StoreSource:
     encode: Callable[[int, int, list[Precision], str], list[tuple[memoryview, int]]]  # (layer, expert, ...) -> blobs
     write_aux: Callable[[Path], None]  # config, tokenizer and other files, into the new store
     aux_bytes: int
+    # a resident group's own width where the source fixes one (a GGUF tensor's), else None: ConvertOptions decides
+    widths: Callable[[list[str]], int | None] | None = None
 
 
 def write_store(
@@ -272,12 +290,21 @@ def _write_resident(
 ) -> None:
     """resident.safetensors: streamed tensor by tensor as stored, or quantized once here (prequantized.py)."""
     reader = cast(CheckpointReader, _ResidentReader(src.reader, stop, *widen))  # answers the same calls
-    if opts.resident_bits is None and opts.embedding_bits is None:
+    if opts.resident_bits is None and opts.embedding_bits is None and opts.head_bits is None:
         save_streaming(reader, names, path, {"format": "pt"}, lambda _name, nbytes: meter.advance(nbytes))
     else:
         from fate_edge.format.prequantized import quantized_resident, write_quantized_resident
 
-        held = quantized_resident(src.cfg, reader, src.names, names, opts.resident_bits, opts.embedding_bits)
+        head = opts.head_bits
+
+        def widths(group: list[str]) -> int | None:
+            if group == ["lm_head"] and head is not None:
+                return head
+            if opts.resident_bits is None or src.widths is None:  # asked for float: float (lm_head aside)
+                return None
+            return src.widths(group)
+
+        held = quantized_resident(src.cfg, reader, src.names, names, opts.resident_bits, opts.embedding_bits, widths)
         write_quantized_resident(path, held)
         del held
         meter.advance(sum(src.reader.nbytes(n) for n in names))
@@ -332,6 +359,7 @@ def store_index(src: StoreSource, opts: ConvertOptions, precisions: list[Precisi
         "quant_method": opts.method,
         "resident_bits": opts.resident_bits,
         "embedding_bits": opts.embedding_bits,
+        "head_bits": opts.head_bits,
         "precisions": {str(p.bits): p.to_json() for p in precisions},
         "experts": entries,
     }

@@ -4,6 +4,7 @@ named by its Hugging Face id or Ollama name and found in the local caches) just 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 from pathlib import Path
 
 from fate_edge.app_dirs import cache_home
@@ -19,14 +20,27 @@ def cache_root() -> Path:
     return cache_home() / "stores"
 
 
-def ensure_store(model_dir: str | Path, bits: int = 4, cold_bits: int | None = 2, progress: bool = True) -> Path:
+def ensure_store(
+    model_dir: str | Path,
+    bits: int = 4,
+    cold_bits: int | None = None,
+    progress: bool = True,
+    baselines: bool = False,
+) -> Path:
     """``model_dir`` itself if it is a store, else its converted store in the cache (made once). A GGUF file
-    converts the same way; a name that is not a path is looked up in the local Hugging Face and Ollama caches."""
+    converts the same way; a name that is not a path is looked up in the local Hugging Face and Ollama caches.
+
+    The store is lean: what the default policy reads (the ``bits`` experts, resident weights and embedding table
+    quantized as ``ConvertOptions`` says), nothing else. ``cold_bits`` adds a low-precision copy (Fate's int2 tail);
+    ``baselines`` (the bench, the demo) keeps the bf16 experts and the resident weights as in the checkpoint, for
+    the policies and load options that compare against them."""
     model_dir = locate_model(model_dir)
     if is_store(model_dir):
         return model_dir
     gguf = is_gguf(model_dir)
-    # Key the cached store by the source's path, weight-file sizes and times, and the precisions.
+    opts = ConvertOptions.full() if baselines else ConvertOptions()
+    opts = replace(opts, bits=None if gguf else bits, cold_bits=cold_bits, force=True)
+    # Key the cached store by the source's path, weight-file sizes and times, and everything the store holds.
     h = hashlib.sha256(str(model_dir.resolve()).encode())
     files = [model_dir] if gguf else sorted([*model_dir.glob("*.safetensors"), *model_dir.glob("predictors/*")])
     for f in files:
@@ -35,12 +49,15 @@ def ensure_store(model_dir: str | Path, bits: int = 4, cold_bits: int | None = 2
     # convert's auto layout depends on the kernel this host prefers: a store made for the other one still works,
     # but would compute on the slower kernel, so each preference keeps its own
     h.update(f"{bits}/{cold_bits}/{'native' if native_is_default() else 'torch'}".encode())
+    # the resident precisions and the kept copies (a store cached before they were defaults held bf16 experts and
+    # float resident weights: another key, so it is not taken for the lean one)
+    h.update(f"/bf16={opts.keep_bf16}/r{opts.resident_bits}/e{opts.embedding_bits}/h{opts.head_bits}".encode())
     name = model_dir.name.removesuffix(".gguf") if gguf else model_dir.name
     out = cache_root() / f"{name}-int{bits}-{h.hexdigest()[:12]}"
     if not is_store(out):
         out.parent.mkdir(parents=True, exist_ok=True)
         if gguf:  # the streamed precision is the file's own where its blocks fit (q8_0 -> int8)
-            convert_gguf(model_dir, out, ConvertOptions(bits=None, cold_bits=cold_bits, force=True), progress=progress)
+            convert_gguf(model_dir, out, opts, progress=progress)
         else:
-            convert(model_dir, out, ConvertOptions(bits=bits, cold_bits=cold_bits, force=True), progress=progress)
+            convert(model_dir, out, opts, progress=progress)
     return out

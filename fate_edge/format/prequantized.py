@@ -12,6 +12,7 @@ that kernel runs: AVX512-VNNI or AVX2; torch's CPU int4 layout elsewhere); both 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -54,12 +55,12 @@ def check_request(reader: CheckpointReader, resident_bits: int | None, embedding
     if held is not None and resident_bits not in (None, held):
         raise ModelFormatError(
             f"{reader.model_dir}: the resident weights were quantized to int{held} at convert; "
-            f"load with --resident-bits {held} (or none), or convert again without --resident-bits"
+            f"load with --resident-bits {held} (or none), or convert again with --resident-bits none"
         )
     if embed is not None and embedding_bits not in (None, embed):
         raise ModelFormatError(
             f"{reader.model_dir}: the embedding table was quantized to int{embed} at convert; "
-            f"load with --embedding-bits {embed} (or none), or convert again without it"
+            f"load with --embedding-bits {embed} (or none), or convert again with --embedding-bits none"
         )
 
 
@@ -76,17 +77,24 @@ def quantized_resident(
     reader: CheckpointReader,
     layer_names: list,
     wanted: list[str],
-    bits: int,
+    bits: int | None,
     embedding_bits: int | None,
+    widths: Callable[[list[str]], int | None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """What convert writes for ``--resident-bits bits``: each fused group quantized as the loader would (one group
-    in full precision at a time), the embedding table at ``embedding_bits``, the other tensors as stored."""
+    in full precision at a time), the embedding table at ``embedding_bits``, the other tensors as stored.
+    ``widths(group)``: that group's own bits where it has them (lm_head, a GGUF tensor's width), None for ``bits``;
+    a group whose width comes out None stays as stored."""
     w = Weights()
-    groups = resident_groups(config, layer_names, set(wanted))
-    for group in groups:
+    groups = []
+    for group in resident_groups(config, layer_names, set(wanted)):
+        width = (widths(group) if widths is not None else None) or bits
+        if width is None:
+            continue
+        groups.append(group)
         for n in group:
             dict.__setitem__(w, f"{n}.weight", reader.get(f"{n}.weight"))  # as stored
-        quantize_group(w, group, bits)
+        quantize_group(w, group, width)
     done = {f"{n}.weight" for group in groups for n in group}
     for name in wanted:
         if name == f"{EMBED_NAME}.weight" and embedding_bits is not None:

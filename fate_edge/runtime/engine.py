@@ -12,10 +12,11 @@ decoded expert being computed when it is not cached.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -28,10 +29,19 @@ from fate_edge.fetch.transfer import make_copier
 from fate_edge.format.checkpoint_layout import DTYPES
 from fate_edge.format.store import ExpertStore, decode_expert, is_store
 from fate_edge.model.experts import ExpertProvider
+from fate_edge.runtime.auto_budget import (
+    BudgetChoice,
+    choose_budget,
+    experts_cap,
+    free_memory,
+    is_auto,
+    memory_sources,
+)
 from fate_edge.runtime.batch import BatchConfig, Batcher, default_max_batch
 from fate_edge.runtime.budget import BudgetPlan, memory_shortfall, parse_bytes, plan_budget
 from fate_edge.runtime.cache import ExpertCache
 from fate_edge.runtime.cache.factory import Resident, build_cache, layer_slots, pick_resident
+from fate_edge.runtime.compute_dtype import resolve_dtype
 from fate_edge.runtime.generate import GenerateConfig, GenerationResponse, stream_generate
 from fate_edge.runtime.load_threads import in_own_thread
 from fate_edge.runtime.loader import load_model
@@ -42,6 +52,8 @@ from fate_edge.runtime.request_slot import RequestSlot
 from fate_edge.runtime.scheduler import Scheduler, SchedulerStats, hands_off
 from fate_edge.sizes import format_bytes
 from fate_edge.tokenizer import Tokenizer
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -134,17 +146,22 @@ class Engine:
             raise FateEdgeError(f"{store_dir}: not an expert store; create one with `fate-edge convert MODEL OUT`")
         self.planned = None  # the planner's choice, where fate_edge.Engine (planning.auto) made one
         self.policy = get_policy(policy)
+        dtype = resolve_dtype(dtype, device)  # "auto": the hardware's native dtype (compute_dtype)
         self.dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
         self.store = ExpertStore(store_dir)
         if isinstance(policy, str):
             self.policy = streamed_by_store(self.policy, self.store)
         for bits in {self.policy.bits} | ({self.policy.cold_bits} - {None}):
             if bits not in self.store.precisions and bits != self.policy.cold_bits:
+                fix = "--keep-bf16" if bits == 16 else f"--bits {bits}"
                 raise FateEdgeError(
-                    f"policy '{self.policy.name}' needs int{bits} experts but {store_dir} holds "
-                    f"{self.store.bits_available}; re-run fate-edge convert with --bits {bits}"
+                    f"policy '{self.policy.name}' needs {'bf16' if bits == 16 else f'int{bits}'} experts but "
+                    f"{store_dir} holds {self.store.bits_available}; re-run fate-edge convert with {fix}"
                 )
-        self.budget = parse_bytes(memory_budget)
+        # "auto": chosen at load from the memory account and this machine's free memory (auto_budget)
+        auto = is_auto(memory_budget)
+        self.budget = 0 if auto else parse_bytes(memory_budget)
+        self.budget_choice: BudgetChoice | None = None
         # A batched engine computes on its batcher thread: it loads on a thread of its own, whose OpenMP helper
         # threads end with it, so that the batcher's team is the process's only one (runtime.load_threads: 4x on the
         # bundled model)
@@ -154,6 +171,13 @@ class Engine:
             self.account = memory_account(
                 store_dir, self.budget, self.dtype, context_tokens, resident_bits, embedding_bits=embedding_bits
             )
+            if auto:
+                self.budget_choice = choose_budget(
+                    self.account, experts_cap(store_dir, self.policy.bits), free_memory(memory_sources(self.device))
+                )
+                self.budget = self.budget_choice.budget
+                self.account = replace(self.account, expert_budget=self.budget)
+                _log.info(self.budget_choice.line())
             self._check_account()
             self.model = load_model(
                 store_dir,
