@@ -38,10 +38,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p, memory_budget=None, policy=None)
     p.add_argument(
         "--experts",
-        default="memory",
+        default=None,
         choices=["memory", "lazy"],
-        help="without --memory-budget/--policy: memory keeps all experts resident; lazy reads each "
-        "routed expert from disk when needed",
+        help="no engine (no expert cache, budget or policy): memory loads every expert; lazy reads each routed "
+        "expert from disk when needed (default: the engine, at --memory-budget auto)",
     )
     p.add_argument(
         "--bits",
@@ -55,12 +55,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     from fate_edge.apps.engine_args import EngineOptions, make_link, open_engine, set_threads
     from fate_edge.bundled import bundled_model_dir
+    from fate_edge.runtime.compute_dtype import resolve_dtype
     from fate_edge.runtime.engine import resolve_device
     from fate_edge.runtime.loader import load_model
     from fate_edge.tokenizer import Tokenizer
 
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
-    if args.memory_budget or args.policy:
+    if args.memory_budget or args.policy or args.experts is None:
         # closed on every path, errors included; the memory account printed before loading
         with open_engine(EngineOptions.from_args(args), account=sys.stderr) as engine:
             _generate(args, engine.model, engine.tokenizer, prompt, engine)
@@ -70,7 +71,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     model_dir = args.model or bundled_model_dir()
     model = load_model(
-        model_dir, dtype=args.dtype, experts=args.experts, bits=args.bits, link=make_link(args.link), device=device
+        model_dir,
+        dtype=resolve_dtype(args.dtype, device),
+        experts=args.experts,
+        bits=args.bits,
+        link=make_link(args.link),
+        device=device,
     )
     _generate(args, model, Tokenizer(model_dir), prompt, None)
     return 0
@@ -125,12 +131,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     path = args.model_dir or bundled_model_dir()
     print(format_summary(summarize(path)))
     if args.memory_budget is not None:
-        from fate_edge.runtime.budget import parse_bytes
+        from fate_edge.runtime.auto_budget import resolve_budget
+        from fate_edge.runtime.compute_dtype import resolve_dtype
         from fate_edge.runtime.memory_account import memory_account
 
+        args.dtype = resolve_dtype(args.dtype, "cpu")
+        budget = resolve_budget(
+            path, args.memory_budget, args.dtype, args.context_tokens, args.resident_bits, args.embedding_bits
+        )
         account = memory_account(
             path,
-            parse_bytes(args.memory_budget),
+            budget,
             args.dtype,
             args.context_tokens,
             args.resident_bits,
@@ -397,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument(
         "--dtype",
         default=defaults.DTYPE,
-        choices=["float32", "bfloat16"],
+        choices=["auto", "float32", "bfloat16"],
         help="with --memory-budget: the run's compute dtype",
     )
     ins.add_argument(

@@ -83,12 +83,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt-tokens", type=positive_int, default=256)
     ap.add_argument("--decode-tokens", type=positive_int, default=64)
     ap.add_argument("--rounds", type=positive_int, default=5)
+    ap.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: the CLI's)")
     ap.add_argument("--json", type=Path, default=None)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from fate_edge import defaults
+
+    __import__("torch").set_num_threads(args.threads or defaults.THREADS or 1)
     r = measure(args.model, DTYPES, args.prompt_tokens, args.decode_tokens, args.rounds)
     if args.json:
         args.json.write_text(json.dumps(r, indent=1))

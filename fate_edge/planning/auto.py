@@ -11,7 +11,6 @@ from fate_edge.format.checkpoint_layout import DTYPES
 from fate_edge.format.store import is_store
 from fate_edge.planning.planner import auto_plan
 from fate_edge.runtime import engine as runtime_engine
-from fate_edge.runtime.budget import parse_bytes
 from fate_edge.runtime.load_threads import in_own_thread
 
 _PARAMS = inspect.signature(runtime_engine.Engine.__init__)
@@ -38,7 +37,23 @@ class Engine(runtime_engine.Engine):
                 raise FateEdgeError(
                     f"{a['store_dir']}: not an expert store; create one with `fate-edge convert MODEL OUT`"
                 )
-            dtype, link = a["dtype"], a["link"]
+            from fate_edge.runtime.auto_budget import resolve_budget
+            from fate_edge.runtime.compute_dtype import resolve_dtype
+            from fate_edge.runtime.engine import resolve_device
+
+            device = resolve_device(a["device"])
+            dtype, link = resolve_dtype(a["dtype"], device), a["link"]
+            a["dtype"] = dtype
+            # "auto": chosen once here, so the planner and the engine plan for the same budget
+            a["memory_budget"] = resolve_budget(
+                a["store_dir"],
+                a["memory_budget"],
+                dtype,
+                a["context_tokens"],
+                a["resident_bits"],
+                a["embedding_bits"],
+                device,
+            )
             ids = None
             if plan_sample is not None:
                 from fate_edge.tokenizer import Tokenizer
@@ -50,7 +65,7 @@ class Engine(runtime_engine.Engine):
             planned = in_own_thread(
                 lambda: auto_plan(
                     a["store_dir"],
-                    parse_bytes(a["memory_budget"]),
+                    a["memory_budget"],
                     link.spec if link else None,
                     dtype=DTYPES[dtype] if isinstance(dtype, str) else dtype,
                     workers=a["workers"],

@@ -155,3 +155,23 @@ def experts_cap(store_dir: str | Path, bits: int) -> int:
         bits = min(store.precisions, key=lambda b: abs(b - 4))
     n = len(store.index["moe_layers"]) * store.index["num_experts"]
     return (n + READ_BUFFERS) * store.precisions[bits].slot_bytes
+
+
+def resolve_budget(
+    store_dir: str | Path,
+    budget: int | str,
+    dtype,
+    context_tokens: int,
+    resident_bits: int | None = None,
+    embedding_bits: int | None = None,
+    device: str = "cpu",
+    bits: int = 4,
+) -> int:
+    """``budget`` in bytes: a size as given, or for "auto" the choice :func:`choose_budget` makes here."""
+    from fate_edge.runtime.budget import parse_bytes
+    from fate_edge.runtime.memory_account import memory_account
+
+    if not is_auto(budget):
+        return parse_bytes(budget)
+    account = memory_account(store_dir, 0, dtype, context_tokens, resident_bits, embedding_bits=embedding_bits)
+    return choose_budget(account, experts_cap(store_dir, bits), free_memory(memory_sources(device))).budget
