@@ -19,7 +19,7 @@ from fate_edge.format.store import ExpertStore
 @pytest.fixture(scope="module")
 def store_dir(tmp_path_factory, bundled_dir):
     return convert(
-        bundled_dir, tmp_path_factory.mktemp("st") / "s", ConvertOptions(bits=4, cold_bits=2), progress=False
+        bundled_dir, tmp_path_factory.mktemp("st") / "s", ConvertOptions.full(bits=4, cold_bits=2), progress=False
     )
 
 

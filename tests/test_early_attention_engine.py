@@ -149,7 +149,7 @@ def test_the_planner_scores_an_early_attention_predictor(bundled_dir, tmp_path, 
     from fate_edge.planning.planner import probe_engine, record_plan_trace, trace_predictions
 
     model_dir, _ = calibrated_bundled_copy(bundled_dir, tmp_path, monkeypatch, early_attention=True)
-    store = ensure_store(model_dir, progress=False)
+    store = ensure_store(model_dir, cold_bits=2, progress=False, baselines=True)
     model = load_model(model_dir)
     ids = [(7 * i + 3) % model.config.vocab_size for i in range(40)]
     plan = record_plan_trace(model, ids, lookahead=1, store_dir=store)

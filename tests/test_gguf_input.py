@@ -40,7 +40,9 @@ def _logits(store, bits: int) -> torch.Tensor:
 def test_gguf_store_equals_the_store_of_the_same_weights_quantized_the_same_way(
     tmp_path, ggufs, bundled_dir, kind, bits
 ):
-    ours = convert_gguf(ggufs[kind], tmp_path / "from-gguf", ConvertOptions(bits=None, keep_bf16=False), progress=False)
+    ours = convert_gguf(
+        ggufs[kind], tmp_path / "from-gguf", ConvertOptions.full(bits=None, keep_bf16=False), progress=False
+    )
     ref = reference_store(bundled_dir, tmp_path / "from-safetensors", kind.lower())
     assert ExpertStore(ours).bits_available == [bits]
     assert (ours / f"experts-{bits}.bin").read_bytes() == (ref / f"experts-{bits}.bin").read_bytes()
