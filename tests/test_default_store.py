@@ -28,7 +28,7 @@ def _size(path) -> int:
 def test_a_store_converted_with_no_options_holds_what_the_default_policy_reads(bundled_dir, tmp_path):
     lean = convert(bundled_dir, tmp_path / "lean", progress=False)
     assert sorted(ExpertStore(lean).precisions) == [4]
-    assert stored_bits(CheckpointReader(lean)) == (4, 4)
+    assert stored_bits(CheckpointReader(lean)) == (4, 8)
     full = convert(bundled_dir, tmp_path / "full", ConvertOptions.full(), progress=False)
     assert sorted(ExpertStore(full).precisions) == [4, 16]
     assert stored_bits(CheckpointReader(full)) == (None, None)
@@ -42,7 +42,7 @@ def test_a_store_converted_with_no_options_holds_what_the_default_policy_reads(b
 def test_convert_on_the_command_line_keeps_bf16_and_float_weights_only_when_asked(bundled_dir, tmp_path):
     assert cli_main(["convert", str(bundled_dir), str(tmp_path / "a"), "--quiet"]) == 0
     index = json.loads((tmp_path / "a" / STORE_FILE).read_text())
-    assert list(index["precisions"]) == ["4"] and (index["resident_bits"], index["embedding_bits"]) == (4, 4)
+    assert list(index["precisions"]) == ["4"] and (index["resident_bits"], index["embedding_bits"]) == (4, 8)
     argv = ["convert", str(bundled_dir), str(tmp_path / "b"), "--quiet", "--keep-bf16", "--resident-bits", "none"]
     assert cli_main([*argv, "--embedding-bits", "8", "--head-bits", "8"]) == 0
     b = tmp_path / "b"
@@ -56,7 +56,7 @@ def test_the_cached_store_is_lean_and_keyed_by_what_it_holds(bundled_dir):
     lean = ensure_store(bundled_dir, progress=False)
     baselines = ensure_store(bundled_dir, progress=False, baselines=True)
     assert lean != baselines  # a store cached before the lean default (bf16 + float resident) is not taken for it
-    assert sorted(ExpertStore(lean).precisions) == [4] and stored_bits(CheckpointReader(lean)) == (4, 4)
+    assert sorted(ExpertStore(lean).precisions) == [4] and stored_bits(CheckpointReader(lean)) == (4, 8)
     assert sorted(ExpertStore(baselines).precisions) == [4, 16]
     assert stored_bits(CheckpointReader(baselines)) == (None, None)
     assert ensure_store(bundled_dir, progress=False) == lean  # made once
@@ -79,5 +79,19 @@ def test_gguf_resident_tensors_keep_their_own_width(wide):
     assert "lm_head.int8" in reader  # the output matrix was q8_0
     assert any(k.endswith((".nint4", ".int4")) and "layers" in k for k in reader.keys())  # q4_0 attention: int4
     f32 = convert_gguf(write_gguf(model, d / "f32.gguf", "Q4_0", "F32"), d / "f32", progress=False)
-    assert stored_bits(CheckpointReader(f32)) == (4, 4)  # float tensors take the default
+    assert stored_bits(CheckpointReader(f32)) == (4, 8)  # float tensors take the defaults
     assert sorted(ExpertStore(f32).precisions) == [4]
+
+
+def test_a_table_tied_to_the_head_takes_the_heads_precision(tmp_path):
+    """The head multiplies by a tied table every token (it is held whole, unlike a table read by row): int4 with the
+    other linears by default, int8 with --head-bits 8; the model runs on either."""
+    model = build_wide_moe(tmp_path / "tied", 128, tie=True)
+    (model / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    lean = convert(model, tmp_path / "lean", progress=False)
+    assert stored_bits(CheckpointReader(lean)) == (4, 4)
+    head8 = convert(model, tmp_path / "head8", ConvertOptions(head_bits=8), progress=False)
+    assert stored_bits(CheckpointReader(head8)) == (4, 8)
+    for store in (lean, head8):
+        with Engine(store, "4MB", dtype="float32") as engine:
+            assert engine.complete([1, 2, 3]).completion_tokens > 0

@@ -164,9 +164,8 @@ def test_presets_run_on_the_int8_store_of_a_q8_0_gguf(tmp_path, ggufs, monkeypat
     holds. The oracle needs a recorded trace and is not run here."""
     from fate_edge import Engine, GenerateConfig
     from fate_edge.errors import FateEdgeError
-    from fate_edge.runtime.policy import PRESETS
-
     from fate_edge.format.converted_stores import ensure_store
+    from fate_edge.runtime.policy import PRESETS
 
     monkeypatch.setenv("FATE_EDGE_CACHE", str(tmp_path / "cache"))
     cfg = GenerateConfig(max_tokens=8, ignore_eos=True)

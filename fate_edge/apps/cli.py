@@ -347,7 +347,8 @@ def _add_convert_parser(sub) -> None:
         "--embedding-bits",
         type=resident_width,
         default=EMBEDDING_BITS,
-        help=f"quantize the embedding table here: 8 (per row), 4 (per group) or none (default {EMBEDDING_BITS})",
+        help=f"quantize the embedding table here: 8 (per row), 4 (per group) or none (default {EMBEDDING_BITS}: a "
+        "run reads its rows from the file and holds none; a table tied to the head takes the head's precision)",
     )
     conv.add_argument(
         "--head-bits",

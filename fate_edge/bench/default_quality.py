@@ -53,8 +53,10 @@ VARIANTS = (
     Variant("old store, bfloat16", None, None, None, "bfloat16"),
     Variant("int8 resident + int8 embedding, float32", 8, 8, None, "float32"),
     Variant("int4 resident, int8 lm_head, int4 embedding, float32", 4, 4, 8, "float32"),
+    Variant("int4 resident, int8 embedding, float32", 4, 8, None, "float32"),
+    Variant("int4 resident, int8 lm_head, int8 embedding, float32", 4, 8, 8, "float32"),
     Variant("int4 resident + int4 embedding, float32", 4, 4, None, "float32"),
-    Variant("new default: int4 resident + int4 embedding, bfloat16", 4, 4, None, "bfloat16"),
+    Variant("new default: int4 resident, int8 embedding, bfloat16", 4, 8, None, "bfloat16"),
 )
 
 

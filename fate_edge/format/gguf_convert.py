@@ -125,6 +125,8 @@ def convert_gguf(
     embed_width = widths(["model.embed_tokens"])
     if opts.embedding_bits is not None and embed_width is not None:  # the table keeps its file's width too
         opts = replace(opts, embedding_bits=embed_width)
+        if "lm_head.weight" not in reader:  # ... also where it is the head (write_store gives it the head's)
+            opts = replace(opts, head_bits=opts.head_bits or embed_width)
     types = expert_types(g, cfg.moe_layers)
     blocks = not set(types) <= set(FLOAT_TYPES)
     if opts.bits is None:
