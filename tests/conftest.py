@@ -66,3 +66,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def baseline_store(bundled_dir) -> Path:
+    """The bundled model's store with what the baselines read, asked for: the bf16 expert copy (load-on-demand),
+    Fate's int2 copy and float resident weights (the default store holds only what the default policy reads)."""
+    from fate_edge.format.converted_stores import ensure_store
+
+    return ensure_store(bundled_dir, cold_bits=2, progress=False, baselines=True)

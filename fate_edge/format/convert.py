@@ -307,7 +307,7 @@ def _write_resident(
     if opts.resident_bits is None and opts.embedding_bits is None and opts.head_bits is None:
         save_streaming(reader, names, path, {"format": "pt"}, lambda _name, nbytes: meter.advance(nbytes))
     else:
-        from fate_edge.format.prequantized import quantized_resident, write_quantized_resident
+        from fate_edge.format.resident_writer import resident_items, write_resident
 
         head = opts.head_bits
 
@@ -318,9 +318,8 @@ def _write_resident(
                 return None
             return src.widths(group)
 
-        held = quantized_resident(src.cfg, reader, src.names, names, opts.resident_bits, opts.embedding_bits, widths)
-        write_quantized_resident(path, held)
-        del held
+        items = resident_items(src.cfg, reader, src.names, names, opts.resident_bits, opts.embedding_bits, widths)
+        write_resident(path, items, reader)  # a group at a time: convert's memory stays small
         meter.advance(sum(src.reader.nbytes(n) for n in names))
 
 

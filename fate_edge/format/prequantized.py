@@ -23,8 +23,6 @@ from fate_edge.format.file_rows import FileRows
 from fate_edge.huge_pages import moved_to_huge_pages
 from fate_edge.model.arch import ModelConfig
 from fate_edge.model.embedding import NAME as EMBED_NAME
-from fate_edge.model.embedding import quantize_table
-from fate_edge.model.layer import Weights, quantize_group, resident_groups
 
 _FLOAT_SUFFIXES = ("weight", "bias")  # checkpoint tensors the loader casts to the compute dtype
 
@@ -81,29 +79,14 @@ def quantized_resident(
     embedding_bits: int | None,
     widths: Callable[[list[str]], int | None] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """What convert writes for ``--resident-bits bits``: each fused group quantized as the loader would (one group
-    in full precision at a time), the embedding table at ``embedding_bits``, the other tensors as stored.
-    ``widths(group)``: that group's own bits where it has them (lm_head, a GGUF tensor's width), None for ``bits``;
-    a group whose width comes out None stays as stored."""
-    w = Weights()
-    groups = []
-    for group in resident_groups(config, layer_names, set(wanted)):
-        width = (widths(group) if widths is not None else None) or bits
-        if width is None:
-            continue
-        groups.append(group)
-        for n in group:
-            dict.__setitem__(w, f"{n}.weight", reader.get(f"{n}.weight"))  # as stored
-        quantize_group(w, group, width)
-    done = {f"{n}.weight" for group in groups for n in group}
-    for name in wanted:
-        if name == f"{EMBED_NAME}.weight" and embedding_bits is not None:
-            dict.update(
-                w, quantize_table(lambda a, b, n=name: reader.get_rows(n, a, b), reader.shape(name), embedding_bits)
-            )
-        elif name not in done:
-            dict.__setitem__(w, name, reader.get(name))
-    return {k: v.contiguous() for k, v in w.items()}
+    """What convert writes for ``--resident-bits bits``, all held (``resident_writer.resident_items``, which
+    convert streams): each fused group quantized as the loader would, the embedding table at ``embedding_bits``, the
+    other tensors as stored. ``widths(group)``: that group's own bits (lm_head, a GGUF tensor's width), None for
+    ``bits``; a group whose width comes out None stays as stored."""
+    from fate_edge.format.resident_writer import resident_items
+
+    items = resident_items(config, reader, layer_names, wanted, bits, embedding_bits, widths)
+    return {k: (reader.get(k) if v is None else v).contiguous() for k, v in items}
 
 
 def write_quantized_resident(path: str | Path, tensors: dict[str, torch.Tensor]) -> None:
