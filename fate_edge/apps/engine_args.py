@@ -163,12 +163,21 @@ def set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
-def resolve_store(model: str | Path | None, progress: bool = True) -> Path:
-    """The expert store for ``model`` (a store, or a model directory converted once into the cache)."""
+def resolve_store(
+    model: str | Path | None, progress: bool = True, resident_bits: int | None = None, embedding_bits: int | None = None
+) -> Path:
+    """The expert store for ``model`` (a store, or a model directory converted once into the cache). A run asking for
+    ``resident_bits``/``embedding_bits`` gets a store converted with them (none asked: the default store's)."""
     from fate_edge.bundled import bundled_model_dir
+    from fate_edge.format.convert import EMBEDDING_BITS, RESIDENT_BITS
     from fate_edge.format.converted_stores import ensure_store
 
-    return ensure_store(model or bundled_model_dir(), progress=progress)
+    return ensure_store(
+        model or bundled_model_dir(),
+        progress=progress,
+        resident_bits=resident_bits or RESIDENT_BITS,
+        embedding_bits=embedding_bits or EMBEDDING_BITS,
+    )
 
 
 def policy_for_device(
@@ -232,7 +241,7 @@ def open_engine(
     log = log or sys.stderr
     # converting (once) and the planner's probes run torch on threads of their own: their OpenMP helper threads end
     # with them instead of slowing a batching engine's (runtime.load_threads)
-    store = in_own_thread(lambda: resolve_store(opts.model, progress))
+    store = in_own_thread(lambda: resolve_store(opts.model, progress, opts.resident_bits, opts.embedding_bits))
     link = make_link(opts.link)
     set_threads(opts.threads)
     device = resolve_device(opts.device)

@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from fate_edge.app_dirs import cache_home
-from fate_edge.format.convert import ConvertOptions, convert
+from fate_edge.format.convert import EMBEDDING_BITS, RESIDENT_BITS, ConvertOptions, convert
 from fate_edge.format.gguf_convert import convert_gguf
 from fate_edge.format.gguf_reader import is_gguf
 from fate_edge.format.model_names import locate_model
@@ -26,6 +26,8 @@ def ensure_store(
     cold_bits: int | None = None,
     progress: bool = True,
     baselines: bool = False,
+    resident_bits: int | None = RESIDENT_BITS,
+    embedding_bits: int | None = EMBEDDING_BITS,
 ) -> Path:
     """``model_dir`` itself if it is a store, else its converted store in the cache (made once). A GGUF file
     converts the same way; a name that is not a path is looked up in the local Hugging Face and Ollama caches.
@@ -33,12 +35,17 @@ def ensure_store(
     The store is lean: what the default policy reads (the ``bits`` experts, resident weights and embedding table
     quantized as ``ConvertOptions`` says), nothing else. ``cold_bits`` adds a low-precision copy (Fate's int2 tail);
     ``baselines`` (the bench, the demo) keeps the bf16 experts and the resident weights as in the checkpoint, for
-    the policies and load options that compare against them."""
+    the policies and load options that compare against them. ``resident_bits``/``embedding_bits``: the precisions
+    a run asks for (``run --resident-bits 8``), quantized at convert so the load reads them as they are."""
     model_dir = locate_model(model_dir)
     if is_store(model_dir):
         return model_dir
     gguf = is_gguf(model_dir)
-    opts = ConvertOptions.full() if baselines else ConvertOptions()
+    opts = (
+        ConvertOptions.full()
+        if baselines
+        else ConvertOptions(resident_bits=resident_bits, embedding_bits=embedding_bits)
+    )
     opts = replace(opts, bits=None if gguf else bits, cold_bits=cold_bits, force=True)
     # Key the cached store by the source's path, weight-file sizes and times, and everything the store holds.
     h = hashlib.sha256(str(model_dir.resolve()).encode())
