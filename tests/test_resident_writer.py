@@ -12,7 +12,7 @@ from fate_edge.format.checkpoint import CheckpointReader
 from fate_edge.format.checkpoint_layout import layer_names, resident_weight_names
 from fate_edge.format.convert import ConvertOptions, convert
 from fate_edge.format.prequantized import quantized_resident, write_quantized_resident
-from fate_edge.format.resident_writer import _quantized_group
+from fate_edge.format.resident_writer import _quantized_group, held
 from fate_edge.model.arch import load_config
 
 
@@ -41,8 +41,10 @@ def test_streamed_resident_part_is_the_bytes_of_the_held_one(
 
 def test_a_large_matrix_is_quantized_in_row_blocks_to_the_same_tensors(wide, monkeypatch):
     reader = CheckpointReader(wide)
-    whole = _quantized_group(reader, ["lm_head"], 4)
+    whole = held(_quantized_group(reader, ["lm_head"], 4), reader)
     monkeypatch.setattr("fate_edge.format.resident_writer.STREAM_CHUNK_BYTES", 16 << 10)
-    blocks = _quantized_group(reader, ["lm_head"], 4)
+    items = list(_quantized_group(reader, ["lm_head"], 4))
+    assert len(items) == 1 and items[0].rows == reader.shape("lm_head.weight")[0]  # one Blocks: row blocks
+    blocks = held(iter(items), reader)
     assert whole.keys() == blocks.keys()
     assert all(whole[k].dtype == blocks[k].dtype and whole[k].equal(blocks[k]) for k in whole)

@@ -13,6 +13,7 @@ from fate_edge.format.gguf_convert import convert_gguf
 from fate_edge.format.gguf_reader import is_gguf
 from fate_edge.format.model_names import locate_model
 from fate_edge.format.store import is_store
+from fate_edge.process_memory import release_freed_memory
 from fate_edge.quant.native import native_is_default
 
 
@@ -67,4 +68,6 @@ def ensure_store(
             convert_gguf(model_dir, out, opts, progress=progress)
         else:
             convert(model_dir, out, opts, progress=progress)
+        # the run goes on in this process: the heap pages conversion freed go back to the kernel, not into its peak
+        release_freed_memory()
     return out

@@ -83,10 +83,9 @@ def quantized_resident(
     convert streams): each fused group quantized as the loader would, the embedding table at ``embedding_bits``, the
     other tensors as stored. ``widths(group)``: that group's own bits (lm_head, a GGUF tensor's width), None for
     ``bits``; a group whose width comes out None stays as stored."""
-    from fate_edge.format.resident_writer import resident_items
+    from fate_edge.format.resident_writer import held, resident_items
 
-    items = resident_items(config, reader, layer_names, wanted, bits, embedding_bits, widths)
-    return {k: (reader.get(k) if v is None else v).contiguous() for k, v in items}
+    return held(resident_items(config, reader, layer_names, wanted, bits, embedding_bits, widths), reader)
 
 
 def write_quantized_resident(path: str | Path, tensors: dict[str, torch.Tensor]) -> None:

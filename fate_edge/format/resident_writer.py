@@ -11,7 +11,10 @@ converting, against 0.67 GB for the run itself.
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,6 +40,18 @@ _NAMES = {
 _ROW_PARTS = (".nint4", ".nint4_scale", ".nint4_zero", ".int8", ".int8_scale")
 
 
+@dataclass
+class Blocks:
+    """Tensors made a block of rows at a time (``rows`` in all): ``parts`` yields (first row, the block's
+    row-indexed tensors, tensors that are the same for every block)."""
+
+    rows: int
+    parts: Iterator[tuple[int, dict[str, torch.Tensor], dict[str, torch.Tensor]]]
+
+
+Item = tuple[str, torch.Tensor | None] | Blocks
+
+
 def resident_items(
     config: ModelConfig,
     reader: CheckpointReader,
@@ -45,58 +60,80 @@ def resident_items(
     bits: int | None,
     embedding_bits: int | None,
     widths: Callable[[list[str]], int | None] | None = None,
-) -> Iterator[tuple[str, torch.Tensor | None]]:
-    """(name, tensor) of the resident part convert writes, one group at a time; ``None``: the checkpoint's tensor
-    as stored. ``widths(group)``: a group's own bits (None: ``bits``); a group left with None stays as stored."""
+) -> Iterator[Item]:
+    """The resident part convert writes, one group at a time: (name, tensor), (name, None) for the checkpoint's
+    tensor as stored, or :class:`Blocks` for a large matrix or the embedding table, quantized a block of rows at a
+    time. ``widths(group)``: a group's own bits (None: ``bits``); a group left with None stays as stored."""
     done: set[str] = set()
     for group in resident_groups(config, layer_names, set(wanted)):
         width = (widths(group) if widths is not None else None) or bits
         if width is None:
             continue
         done.update(f"{n}.weight" for n in group)
-        yield from _quantized_group(reader, group, width).items()
+        yield from _quantized_group(reader, group, width)
     for name in wanted:
         if name == f"{EMBED_NAME}.weight" and embedding_bits is not None:
-            table = quantize_table(lambda a, b, n=name: reader.get_rows(n, a, b), reader.shape(name), embedding_bits)
-            yield from table.items()
-            del table
+            yield _table_blocks(reader, name, embedding_bits)
         elif name not in done:
             yield name, None
 
 
-def _quantized_group(reader: CheckpointReader, group: list[str], bits: int) -> dict[str, torch.Tensor]:
-    """``quantize_group`` of one fused group; a single matrix larger than STREAM_CHUNK_BYTES a block of rows at a
-    time, into tensors allocated once (where its outputs are row-indexed: the native int4 and int8 layouts)."""
+def _step(reader: CheckpointReader, name: str) -> int:
+    """Rows of ``name`` in a block of about STREAM_CHUNK_BYTES in fp32 (as the quantizers compute), a multiple of 16."""
+    shape = reader.shape(name)
+    return max(16, STREAM_CHUNK_BYTES // (4 * max(1, shape[1])) // 16 * 16)
+
+
+def _table_blocks(reader: CheckpointReader, name: str, bits: int) -> Blocks:
+    """The embedding table quantized a block of rows at a time (``quantize_table`` works row by row)."""
+    rows, width = reader.shape(name)
+    step = _step(reader, name)
+
+    def parts():
+        for r0 in range(0, rows, step):
+            n = min(step, rows - r0)
+            t = quantize_table(lambda a, b, r0=r0: reader.get_rows(name, r0 + a, r0 + b), (n, width), bits)
+            yield r0, {k: v for k, v in t.items() if v.dim()}, {k: v for k, v in t.items() if not v.dim()}
+
+    return Blocks(rows, parts())
+
+
+def _quantized_group(reader: CheckpointReader, group: list[str], bits: int) -> Iterator[Item]:
+    """``quantize_group`` of one fused group; a single matrix over STREAM_CHUNK_BYTES a block of rows at a time
+    where its outputs are row-indexed (the native int4 and the int8 layouts; torch's int4 layout tiles rows)."""
     name = group[0]
-    rows, nbytes = reader.shape(f"{name}.weight")[0], reader.nbytes(f"{name}.weight")
-    if len(group) > 1 or nbytes <= STREAM_CHUNK_BYTES:
-        return _quantize(reader, group, bits, None)
-    step = max(16, STREAM_CHUNK_BYTES // (nbytes // rows) // 16 * 16)
-    first = _quantize(reader, group, bits, (0, min(step, rows)))
-    if not all(k.endswith(_ROW_PARTS + (".sizes", ".int4_group", ".in_features")) for k in first):
-        return _quantize(reader, group, bits, None)  # torch's int4 layout tiles rows: quantized whole
-    out = {}
-    for k, v in first.items():
-        if k.endswith(_ROW_PARTS):
-            out[k] = torch.empty((rows, *v.shape[1:]), dtype=v.dtype)
-            out[k][: v.shape[0]] = v
-        else:
-            out[k] = v
-    out[f"{name}.sizes"] = torch.tensor([rows])
-    del first
-    for r0 in range(step, rows, step):
-        part = _quantize(reader, group, bits, (r0, min(r0 + step, rows)))
-        for k in out:
-            if k.endswith(_ROW_PARTS):
-                out[k][r0 : r0 + part[k].shape[0]] = part[k]
-    return out
+    weight = f"{name}.weight"
+    rows = reader.shape(weight)[0]
+    step = _step(reader, weight)
+    if len(group) > 1 or reader.nbytes(weight) <= STREAM_CHUNK_BYTES or rows <= step:
+        yield from _quantize(reader, group, bits, None).items()
+        return
+    first = _quantize(reader, group, bits, (0, step))
+    if not all(k.endswith((*_ROW_PARTS, ".sizes", ".int4_group", ".in_features")) for k in first):
+        del first
+        yield from _quantize(reader, group, bits, None).items()
+        return
+
+    def parts():
+        def split(part: dict) -> tuple[dict, dict]:
+            return {k: v for k, v in part.items() if k.endswith(_ROW_PARTS)}, {
+                k: v for k, v in part.items() if not k.endswith(_ROW_PARTS)
+            }
+
+        row_parts, fixed = split(first)
+        yield 0, row_parts, fixed | {f"{name}.sizes": torch.tensor([rows])}
+        for r0 in range(step, rows, step):
+            yield r0, split(_quantize(reader, group, bits, (r0, min(r0 + step, rows))))[0], {}
+
+    yield Blocks(rows, parts())
 
 
 def _quantize(reader: CheckpointReader, group: list[str], bits: int, rows: tuple[int, int] | None) -> dict:
+    """``quantize_group`` of ``group`` (or of its rows ``rows``), read as stored."""
     w = Weights()
     for n in group:
         t = reader.get(f"{n}.weight") if rows is None else reader.get_rows(f"{n}.weight", *rows)
-        dict.__setitem__(w, f"{n}.weight", t)  # as stored
+        dict.__setitem__(w, f"{n}.weight", t)
     quantize_group(w, group, bits)
     return {k: v.contiguous() for k, v in w.items()}
 
@@ -108,12 +145,43 @@ class _Spill:
     def __init__(self, path: Path, source: CheckpointReader):
         self.path, self.source = path, source
         self.file = open(path, "w+b")  # noqa: SIM115 (closed by write_resident)
+        self.end = 0  # the file's length once every reserved tensor is written
         self.meta: dict[str, tuple[str, list[int], int, int]] = {}  # name -> (dtype, shape, offset, nbytes)
 
     def put(self, name: str, t: torch.Tensor) -> None:
+        self.reserve(name, t.dtype, list(t.shape))
+        self.write_rows(name, 0, t)
+
+    def reserve(self, name: str, dtype: torch.dtype, shape: list[int]) -> None:
+        """Room for ``name`` at the end of the file, filled by :meth:`write_rows`."""
+        nbytes = torch.empty(0, dtype=dtype).element_size() * math.prod(shape)
+        self.meta[name] = (_NAMES[dtype], shape, self.end, nbytes)
+        self.end += nbytes
+
+    def write_rows(self, name: str, start: int, t: torch.Tensor) -> None:
+        _, shape, offset, nbytes = self.meta[name]
+        row = nbytes // shape[0] if shape and shape[0] else nbytes
         raw = t.contiguous().reshape(-1).view(torch.uint8).numpy()
-        self.meta[name] = (_NAMES[t.dtype], list(t.shape), self.file.tell(), raw.nbytes)
-        self.file.write(memoryview(raw))
+        os.pwrite(self.file.fileno(), memoryview(raw), offset + start * row)
+
+    def add(self, item: Item) -> list[str]:
+        """Spill ``item``; the names it holds. A name with no tensor is the source's, read as stored."""
+        if not isinstance(item, Blocks):
+            if item[1] is not None:
+                self.put(item[0], item[1])
+            return [item[0]]
+        names: list[str] = []
+        for start, row_parts, fixed in item.parts:
+            for k, v in row_parts.items():
+                if k not in self.meta:
+                    self.reserve(k, v.dtype, [item.rows, *v.shape[1:]])
+                    names.append(k)
+                self.write_rows(k, start, v)
+            for k, v in fixed.items():
+                if k not in self.meta:  # the same for every block
+                    self.put(k, v)
+                    names.append(k)
+        return names
 
     def dtype_name(self, name: str) -> str:
         return self.meta[name][0] if name in self.meta else self.source.dtype_name(name)
@@ -129,7 +197,7 @@ class _Spill:
 
         dtype, shape, offset, nbytes = self.meta[name]
         row = nbytes // shape[0] if shape and shape[0] else nbytes
-        buf = bytearray(os_pread(self.file, count * row, offset + start * row))
+        buf = bytearray(os.pread(self.file.fileno(), count * row, offset + start * row))
         flat = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
         return flat.view(_TORCH_DTYPES[dtype]).reshape([count, *shape[1:]] if shape else shape)
 
@@ -145,23 +213,28 @@ class _Spill:
         return self._read(name, start, min(stop, self.meta[name][1][0]) - start)
 
 
-def os_pread(f, count: int, offset: int) -> bytes:
-    import os
+def held(items: Iterator[Item], source: CheckpointReader) -> dict[str, torch.Tensor]:
+    """``items`` as one dict of tensors (the tensors as stored read from ``source``)."""
+    out: dict[str, torch.Tensor] = {}
+    for item in items:
+        if not isinstance(item, Blocks):
+            out[item[0]] = (source.get(item[0]) if item[1] is None else item[1]).contiguous()
+            continue
+        for start, row_parts, fixed in item.parts:
+            for k, v in row_parts.items():
+                if k not in out:
+                    out[k] = torch.empty((item.rows, *v.shape[1:]), dtype=v.dtype)
+                out[k][start : start + v.shape[0]] = v
+            out.update(fixed)
+    return out
 
-    f.flush()
-    return os.pread(f.fileno(), count, offset)
 
-
-def write_resident(path: Path, items: Iterator[tuple[str, torch.Tensor | None]], source: CheckpointReader) -> None:
-    """resident.safetensors at ``path`` from ``items`` (``resident_items``), holding one group at a time."""
+def write_resident(path: Path, items: Iterator[Item], source: CheckpointReader) -> None:
+    """resident.safetensors at ``path`` from ``items`` (``resident_items``), holding one block at a time."""
     scratch = path.with_name(path.name + ".spill")
     spill = _Spill(scratch, source)
     try:
-        names = []
-        for name, t in items:
-            names.append(name)
-            if t is not None:
-                spill.put(name, t)
+        names = [name for item in items for name in spill.add(item)]
         save_streaming(spill, names, path, {"format": "pt"})  # type: ignore[arg-type]  # answers its calls
     finally:
         spill.file.close()
