@@ -76,6 +76,35 @@ def existing_path(value: str) -> str:
     return value
 
 
+def _locate(value: str) -> Path:
+    from fate_edge.errors import FateEdgeError
+    from fate_edge.format.model_names import locate_model
+
+    if not value:
+        raise argparse.ArgumentTypeError("must not be empty: give a path, a Hugging Face id or an Ollama name")
+    try:
+        return locate_model(value)
+    except FateEdgeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def model_ref(value: str) -> str:
+    """A model: a path, a Hugging Face id (``org/name``, ``org/name:Q4_K_M``) or an Ollama name (``name:tag``) found
+    in the local caches; checked now, kept as given (the engine resolves it, and names its store after it)."""
+    _locate(value)
+    return value
+
+
+def model_path(value: str) -> str:
+    """A model as :func:`model_ref` takes it, resolved to its path (for the commands that read files directly)."""
+    return str(_locate(value))
+
+
+def model_path_as_path(value: str) -> Path:
+    """model_path, as a Path."""
+    return _locate(value)
+
+
 def existing_path_as_path(value: str) -> Path:
     """existing_path, as a Path."""
     return Path(existing_path(value))

@@ -32,10 +32,10 @@ class GenerationError(FateEdgeError):
 class ContextLengthError(GenerationError):
     """The prompt leaves no room in the model's context for a generated token."""
 
-    def __init__(self, prompt_tokens: int, context: int):
+    def __init__(self, prompt_tokens: int, context: int, room: str = "the model's context", fix: str = ""):
         super().__init__(
-            f"the prompt has {prompt_tokens} tokens but the model's context is {context} tokens (the "
-            "prompt and at least one generated token must fit); shorten the prompt"
+            f"the prompt has {prompt_tokens} tokens but {room} is {context} tokens (the "
+            f"prompt and at least one generated token must fit); shorten the prompt{fix}"
         )
         self.prompt_tokens = prompt_tokens
         self.context = context
@@ -59,6 +59,11 @@ class DeviceMemoryError(GenerationError):
 
 class BudgetError(FateEdgeError):
     """The memory budget is too small to run the model."""
+
+
+class KVRoomError(BudgetError, GenerationError):
+    """One request needs more KV cache than the budget holds for all sequences: the request is too large, the
+    engine is fine (a 400 to a client, not a 500)."""
 
 
 class FetchError(FateEdgeError):

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 
 def generate_config(
-    max_tokens: int = 256,
+    max_tokens: int | None = None,
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
@@ -40,12 +40,13 @@ def generate_config(
     stop_token_ids: Sequence[int] | None = None,
     ignore_eos: bool = False,
 ) -> GenerateConfig:
-    """A validated :class:`GenerateConfig` from keyword arguments (``temperature=0`` is greedy).
+    """A validated :class:`GenerateConfig` from keyword arguments (``temperature=0`` is greedy). ``max_tokens``
+    None (the default): until end of text or the engine's context (``context_tokens``), as llama-server and Ollama.
 
     Raises :class:`GenerationError` with the offending parameter named when a value is out of range.
     """
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
-        raise GenerationError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0):
+        raise GenerationError(f"max_tokens must be an integer >= 0 or None (until end of text), got {max_tokens!r}")
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if any(not isinstance(s, str) or not s for s in stops):
         raise GenerationError(f"stop must be a non-empty string or a list of them, got {stop!r}")

@@ -16,6 +16,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
 from fate_edge.errors import ModelFormatError
+from fate_edge.small_files import CONFIG_MAX_BYTES, read_json_object, read_small_text
+
+TOKENIZER_MAX_BYTES = 256 << 20  # a 256k-token vocabulary's tokenizer.json is ~35 MB
 
 
 def _token_text(tok: Any) -> str | None:
@@ -37,8 +40,9 @@ class Tokenizer:
                 f"{path}: not found; fate-edge needs the fast-tokenizer file tokenizer.json "
                 "(create it with transformers: AutoTokenizer.from_pretrained(dir).save_pretrained(dir))"
             )
+        text = read_small_text(path, TOKENIZER_MAX_BYTES)
         try:
-            self._tok = _HFTokenizer.from_file(str(path))
+            self._tok = _HFTokenizer.from_str(text)
         except Exception as exc:  # tokenizers raises plain Exceptions
             raise ModelFormatError(f"{path}: cannot be parsed by the tokenizers library ({exc})") from exc
         cfg = _read_json(model_dir / "tokenizer_config.json")
@@ -142,10 +146,7 @@ class StreamingDetokenizer:
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.exists():
         return {}
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ModelFormatError(f"{path}: invalid JSON ({exc})") from exc
+    return read_json_object(path)
 
 
 def _find_chat_template(model_dir: Path, cfg: dict[str, Any]) -> str | None:
@@ -155,5 +156,5 @@ def _find_chat_template(model_dir: Path, cfg: dict[str, Any]) -> str | None:
         template = named.get("default") or next(iter(named.values()), None)
     jinja = model_dir / "chat_template.jinja"
     if not template and jinja.exists():
-        template = jinja.read_text()
+        template = read_small_text(jinja, CONFIG_MAX_BYTES)
     return template or None

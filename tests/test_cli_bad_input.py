@@ -12,7 +12,7 @@ import pytest
 from fate_edge.apps import cli_args
 from fate_edge.apps.cli import COMMANDS, build_parser, main, subcommand_parsers
 from fate_edge.bench import scale_cli
-from fate_edge.command_line import table_name
+from fate_edge.command_line import model_path, model_path_as_path, model_ref, table_name
 
 # Options (and positionals) that take any text, so no value of them is bad input: output paths and free text.
 FREE_TEXT = {
@@ -49,6 +49,11 @@ BAD_BY_TYPE = {
     cli_args.byte_size: ["2XB", "-1", "0"],
     cli_args.existing_path: ["/nonexistent/model"],
     cli_args.existing_path_as_path: ["/nonexistent/corpus.txt"],
+    # a model: neither a path nor a name in a local cache, nor a name that may be one (.. leaves the store)
+    model_ref: ["/nonexistent/model", "nobody-here:notag", "../../etc:passwd"],
+    model_path: ["/nonexistent/model", "nobody/nothing"],
+    model_path_as_path: ["/nonexistent/model"],
+    cli_args.tokens_or_context: ["abc", "0", "-1"],
     cli_args.device_name: ["tpu"],
     cli_args.link_name: ["nosuch-board"],
     cli_args.profile_name: ["nosuch-board"],
@@ -129,7 +134,7 @@ def test_every_listed_subcommand_is_covered():
     listed = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
     assert set(COMMANDS) <= set(listed) and set(_subcommands()) == set(listed)
     covered = {case.values[0] for case in _cases()}
-    assert covered == set(_subcommands()) - {"probe"}  # probe takes no options
+    assert covered == set(_subcommands()) - {"probe", "list"}  # probe and list take no options
 
 
 @pytest.mark.parametrize(

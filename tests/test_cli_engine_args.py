@@ -70,7 +70,7 @@ def test_version_and_help_list_every_policy_and_auto(capsys):
     with pytest.raises(SystemExit):
         main(["run", "--help"])
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
-    assert all(name in out for name in POLICY_CHOICES) and "model directory or expert store" in out
+    assert all(name in out for name in POLICY_CHOICES) and "expert store" in out and "Ollama name" in out
 
 
 def test_policy_auto_reports_probes_pick_and_predicted_speed(monkeypatch, capsys):

@@ -117,6 +117,9 @@ def test_every_store_file_has_one_mode_from_the_umask(store_dir):
         (lambda d: d.update(precisions="x") or d, "store.precisions"),
         (lambda d: d["precisions"]["4"].pop("group_size") and d, "precisions.4.group_size"),
         (lambda d: d["experts"]["2"][0].update(offset="0") or d, "experts.2[0].offset is '0'"),
+        (lambda d: d["experts"]["2"][0].update(offset=-4096) or d, "experts.2[0] names a place"),
+        (lambda d: d["experts"]["4"][0].update(expert=10**6) or d, "experts.4[0] names a place or an expert"),
+        (lambda d: d.update(num_experts=2**40) or d, "store.num_experts is 1099511627776"),
     ],
 )
 def test_store_json_of_the_wrong_shape_names_the_field(damage, field, tmp_path, store_dir):
@@ -126,6 +129,28 @@ def test_store_json_of_the_wrong_shape_names_the_field(damage, field, tmp_path, 
     with pytest.raises(ModelFormatError, match="re-run fate-edge convert") as info:
         ExpertStore(copy)
     assert field in str(info.value)
+
+
+@pytest.mark.parametrize("file", ["/etc/passwd", "../../etc/passwd", "sub/experts-4.bin", "..", "experts-4.bin/"])
+def test_a_store_index_cannot_name_a_blob_file_outside_the_store(file, tmp_path, store_dir, monkeypatch):
+    copy = shutil.copytree(store_dir, tmp_path / "s")
+    index = json.loads((copy / "store.json").read_text())
+    index["precisions"]["4"]["file"] = file
+    (copy / "store.json").write_text(json.dumps(index))
+    opened = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda path, *a, **kw: opened.append(str(path)) or real_open(path, *a, **kw))
+    with pytest.raises(ModelFormatError, match="not a blob file name inside the store"):
+        ExpertStore(copy)
+    assert not any("passwd" in p for p in opened)
+
+
+def test_a_fifo_in_place_of_a_blob_file_is_refused_without_blocking(tmp_path, store_dir):
+    copy = shutil.copytree(store_dir, tmp_path / "s")
+    (copy / "experts-4.bin").unlink()
+    os.mkfifo(copy / "experts-4.bin")
+    with pytest.raises(ModelFormatError, match="not a regular file"):
+        ExpertStore(copy)
 
 
 def test_store_without_store_json_is_named_not_taken_for_a_checkpoint(tmp_path, store_dir, capsys):

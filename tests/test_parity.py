@@ -185,6 +185,53 @@ CASES = [
             ),
         ),
     ),
+    Case(
+        "glm4_moe-partial_rope-qk_norm-sigmoid_groups",
+        "Glm4MoeConfig",
+        dict(
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            num_hidden_layers=3,
+            head_dim=24,  # != hidden / heads; rope on its first 12
+            attention_bias=True,
+            use_qk_norm=True,
+            n_group=4,
+            topk_group=2,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+        ),
+    ),
+    Case(
+        "glm4_moe-air-no_qk_norm-unnormalised",
+        "Glm4MoeConfig",
+        dict(
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=2,
+            first_k_dense_replace=0,
+            attention_bias=False,
+            use_qk_norm=False,
+            norm_topk_prob=False,
+            routed_scaling_factor=1.0,
+        ),
+    ),
+    Case(
+        "minimax_m2-partial_rope-full_qk_norm-sigmoid_bias",
+        "MiniMaxM2Config",
+        dict(
+            intermediate_size=32,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            head_dim=24,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
+        ),
+    ),
 ]
 CASE_IDS = [c.id for c in CASES]
 LAYOUTS = ["per_expert", "fused"]

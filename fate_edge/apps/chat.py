@@ -192,7 +192,7 @@ def _chat(
                     print(HELP, file=err, flush=True)
                 continue
             history.append({"role": "user", "content": line})
-            ids, dropped = _fit(engine, history, reserve=min(args.max_tokens, 64))
+            ids, dropped = _fit(engine, history, reserve=min(args.max_tokens or 64, 64))
             if dropped:
                 print(f"(dropped the {dropped} oldest messages to fit the context)", file=err, flush=True)
             context_tokens = len(ids)

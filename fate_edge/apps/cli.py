@@ -27,7 +27,7 @@ from fate_edge.apps.cli_args import (
     use_option_types,
 )
 from fate_edge.apps.engine_args import add_engine_args
-from fate_edge.command_line import PROG, CliParser
+from fate_edge.command_line import PROG, CliParser, model_path, model_ref
 from fate_edge.errors import FateEdgeError
 from fate_edge.format.convert import EMBEDDING_BITS, GROUP_SIZES, RESIDENT_BITS
 from fate_edge.sizes import format_bytes
@@ -67,9 +67,16 @@ def cmd_run(args: argparse.Namespace) -> int:
             _generate(args, engine.model, engine.tokenizer, prompt, engine)
             _print_engine_stats(engine)
         return 0
+    from fate_edge.format.gguf_reader import is_gguf
+    from fate_edge.format.model_names import locate_model
+
     set_threads(args.threads)
     device = resolve_device(args.device)
-    model_dir = args.model or bundled_model_dir()
+    model_dir = locate_model(args.model or bundled_model_dir())
+    if is_gguf(model_dir):  # a GGUF runs from the store converted from it (once, into the cache)
+        from fate_edge.apps.engine_args import resolve_store
+
+        model_dir = resolve_store(args.model)
     model = load_model(
         model_dir,
         dtype=resolve_dtype(args.dtype, device),
@@ -90,7 +97,10 @@ def _generate(args: argparse.Namespace, model, tokenizer, prompt: str, engine) -
     if args.chat:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty, args.seed)
-    config = GenerateConfig(args.max_tokens, sampling, stop=args.stop, ignore_eos=args.ignore_eos)
+    # no --max-tokens: until end of text or the context the run reserved (--context-tokens)
+    config = GenerateConfig(
+        args.max_tokens, sampling, stop=args.stop, ignore_eos=args.ignore_eos, context_limit=args.context_tokens
+    )
     last = None
     if args.echo:
         sys.stdout.write(prompt)
@@ -129,6 +139,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from fate_edge.format.store import is_store
 
     path = args.model_dir or bundled_model_dir()
+    from fate_edge.format.gguf_reader import is_gguf
+
+    if is_gguf(path):  # its header only: the per-layer table is the store's, made on first use
+        return _inspect_gguf(path)
     print(format_summary(summarize(path)))
     if args.memory_budget is not None:
         from fate_edge.runtime.auto_budget import resolve_budget
@@ -169,6 +183,38 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     elif args.verify:
         print(f"\n--verify checks expert stores; {path} is a model directory (convert it with fate-edge convert)")
         return 2
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from fate_edge.format.model_list import find_models, format_models
+    from fate_edge.format.model_names import looked_in
+
+    models = find_models()
+    if not models:
+        print(f"no models found (looked in {looked_in()}); fetch one with `huggingface-cli download` or `ollama pull`")
+        return 0
+    print(format_models(models))
+    print(f"\n{len(models)} model(s); run one with: {PROG} run --model NAME PROMPT")
+    return 0
+
+
+def _inspect_gguf(path: str) -> int:
+    from pathlib import Path
+
+    from fate_edge.format.model_list import ListedModel, describe
+
+    m = describe(ListedModel(str(path), "gguf", Path(path)))
+    if m.problem:
+        raise FateEdgeError(f"{path}: {m.problem}")
+    params = f"{m.params / 1e6:.1f}M" if m.params else "?"
+    print(f"model           {path} (GGUF)\narchitecture    {m.architecture}\nparameters      {params}")
+    print(f"file size       {format_bytes(m.file_bytes)}")
+    print(
+        "converted       "
+        + (f"yes, store {format_bytes(m.store_bytes)}" if m.store_bytes is not None else "not yet")
+        + f" (its layers and memory account: {PROG} inspect STORE, after `{PROG} convert` or a first run)"
+    )
     return 0
 
 
@@ -288,7 +334,12 @@ def _add_run_parser(sub) -> None:
 
 def _add_convert_parser(sub) -> None:
     conv = sub.add_parser("convert", help="write an expert store: resident weights + one aligned blob per expert")
-    conv.add_argument("model_dir", type=existing_path, help="Hugging Face model directory or GGUF file")
+    conv.add_argument(
+        "model_dir",
+        type=model_path,
+        help="Hugging Face model directory or GGUF file, a Hugging Face id (org/name, org/name:Q4_K_M) or an Ollama "
+        "name (name:tag) found in the local caches",
+    )
     conv.add_argument("out_dir", help="store directory to create (written atomically)")
     conv.add_argument(
         "--bits",
@@ -378,8 +429,8 @@ def build_parser() -> argparse.ArgumentParser:
         "model_dir",
         nargs="?",
         default=None,
-        type=existing_path,
-        help="model directory or expert store (default: the bundled model)",
+        type=model_path,
+        help="model directory, GGUF, expert store, Hugging Face id or Ollama name (default: the bundled model)",
     )
     ins.add_argument(
         "--verify",
@@ -425,7 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
         "model",
         nargs="?",
         default=None,
-        type=existing_path,
+        type=model_ref,
         help="model directory or expert store (default: bundled model)",
     )
     pl.add_argument(
@@ -453,6 +504,11 @@ def build_parser() -> argparse.ArgumentParser:
         "link; DEVICE: orin-nano, orin-nx, agx-orin, rpi5, rtx4060 or a device profile",
     )
     pl.set_defaults(func=cmd_plan)
+
+    lst = sub.add_parser(
+        "list", help="the models in the local Hugging Face and Ollama caches, and which fate-edge has converted"
+    )
+    lst.set_defaults(func=cmd_list)
 
     probe = sub.add_parser("probe", help="measure this machine (memory, compute, storage) as the 'host' profile")
     probe.set_defaults(func=cmd_probe)
@@ -536,6 +592,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fate-edge: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        from fate_edge.runtime.load_threads import exit_if_loading
+
+        exit_if_loading(130)  # a conversion still running on its own thread: exit now, not abort at exit
         return 130
     except BrokenPipeError:  # output piped into head/less that exited early
         sys.stderr.close()

@@ -18,6 +18,8 @@ from fate_edge.command_line import (
     existing_path,
     existing_path_as_path,
     fraction,
+    model_path,
+    model_ref,
     non_empty,
     non_negative_float,
     non_negative_int,
@@ -53,6 +55,13 @@ def resident_width(value: str) -> int | None:
     if value in ("8", "4"):
         return int(value)
     raise argparse.ArgumentTypeError(f"{value!r}: use 8, 4 or none (keep the checkpoint's dtype)")
+
+
+def tokens_or_context(value: str) -> int | None:
+    """A token count >= 1, or 'context' (None): until end of text or the context is full."""
+    if value.strip().lower() in ("context", "none"):
+        return None
+    return int(positive_int(value))
 
 
 def link_name(value: str) -> str:
@@ -134,7 +143,7 @@ def _is_host(name: str) -> bool:
 # Types by option name, for the parsers written outside the CLI module (calibrate, bench, serve): the same
 # option means the same thing in every subcommand. Output paths and free text (--host aside) take any string.
 OPTION_TYPES: dict[str, Callable[[str], object]] = {
-    "--model": existing_path,
+    "--model": model_ref,
     "--corpus": existing_path_as_path,
     "--gguf": existing_path,
     "--results": non_empty,
@@ -146,7 +155,7 @@ OPTION_TYPES: dict[str, Callable[[str], object]] = {
     "--threads": non_negative_int,
     "--fetch-workers": positive_int,
     "--max-queue": non_negative_int,
-    "--max-tokens-default": positive_int,
+    "--max-tokens-default": tokens_or_context,
     "--shutdown-timeout": non_negative_float,
     "--tokens": positive_int,
     "--heldout-fraction": share,
@@ -176,8 +185,8 @@ def use_option_types(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     from fate_edge.runtime.policy import POLICY_CHOICES, PRESETS
 
     for action in parser._actions:  # argparse has no public API to revisit declared options
-        if not action.option_strings and action.dest == "model":  # a positional model directory
-            action.type = existing_path
+        if not action.option_strings and action.dest == "model":  # a positional model directory, read as files
+            action.type = model_path
         for opt in action.option_strings:
             if opt in OPTION_TYPES:
                 action.type = OPTION_TYPES[opt]
@@ -190,7 +199,12 @@ def use_option_types(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     """``run`` and ``chat``'s sampling options."""
-    p.add_argument("--max-tokens", type=non_negative_int, default=128)
+    p.add_argument(
+        "--max-tokens",
+        type=non_negative_int,
+        default=None,
+        help="most tokens to generate (default: until end of text or the context, --context-tokens)",
+    )
     p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=non_negative_int, default=0, help="0 disables it")
     p.add_argument("--top-p", type=fraction, default=1.0, help="nucleus sampling share, in (0, 1]")

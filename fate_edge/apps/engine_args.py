@@ -20,13 +20,14 @@ from fate_edge.apps.cli_args import (
     byte_size,
     device_name,
     emulated_device,
-    existing_path,
     link_name,
+    model_ref,
     positive_int,
 )
 
 if TYPE_CHECKING:
     from fate_edge.devices.link import ThrottledLink
+    from fate_edge.format.convert_progress import LoadStatus
     from fate_edge.runtime.auto_budget import BudgetChoice
     from fate_edge.runtime.engine import Engine
     from fate_edge.runtime.policy import PolicyConfig
@@ -68,8 +69,9 @@ def add_engine_args(
     p.add_argument(
         "--model",
         default=None,
-        type=existing_path,
-        help="model directory or expert store (default: the bundled tiny model)",
+        type=model_ref,
+        help="model directory, GGUF file or expert store, a Hugging Face id (org/name, org/name:Q4_K_M) or an "
+        "Ollama name (name, name:tag) found in the local caches (default: the bundled tiny model)",
     )
     shown = memory_budget or defaults.MEMORY_BUDGET
     p.add_argument(
@@ -164,10 +166,14 @@ def set_threads(threads: int | None) -> None:
 
 
 def resolve_store(
-    model: str | Path | None, progress: bool = True, resident_bits: int | None = None, embedding_bits: int | None = None
+    model: str | Path | None,
+    progress: bool = True,
+    status: LoadStatus | None = None,
+    resident_bits: int | None = None,
+    embedding_bits: int | None = None,
 ) -> Path:
-    """The expert store for ``model`` (a store, or a model directory converted once into the cache). A run asking for
-    ``resident_bits``/``embedding_bits`` gets a store converted with them (none asked: the default store's)."""
+    """The expert store for ``model`` (a store, or a model converted once into the cache, its progress shown). A run
+    asking for ``resident_bits``/``embedding_bits`` gets a store converted with them (none asked: the default's)."""
     from fate_edge.bundled import bundled_model_dir
     from fate_edge.format.convert import EMBEDDING_BITS, RESIDENT_BITS
     from fate_edge.format.converted_stores import ensure_store
@@ -175,6 +181,7 @@ def resolve_store(
     return ensure_store(
         model or bundled_model_dir(),
         progress=progress,
+        status=status,
         resident_bits=resident_bits or RESIDENT_BITS,
         embedding_bits=embedding_bits or EMBEDDING_BITS,
     )
@@ -226,11 +233,12 @@ def open_engine(
     progress: bool = True,
     account: TextIO | None = None,
     max_batch: int = 1,
+    status: LoadStatus | None = None,
 ) -> Engine:
     """Build the engine ``opts`` describes. ``--policy auto`` runs the planner first and reports its probes,
     its pick and the decode speed it predicts on ``log`` (default stderr); ``account``: where to print the memory
     account before loading (``run`` and ``serve``: stderr); ``max_batch``: the command's default when ``opts``
-    gives none."""
+    gives none; ``status``: the stage it is at (the daemon's /health)."""
     from fate_edge.format.checkpoint_layout import DTYPES
     from fate_edge.runtime.auto_budget import is_auto
     from fate_edge.runtime.budget import parse_bytes
@@ -241,7 +249,7 @@ def open_engine(
     log = log or sys.stderr
     # converting (once) and the planner's probes run torch on threads of their own: their OpenMP helper threads end
     # with them instead of slowing a batching engine's (runtime.load_threads)
-    store = in_own_thread(lambda: resolve_store(opts.model, progress, opts.resident_bits, opts.embedding_bits))
+    store = in_own_thread(lambda: resolve_store(opts.model, progress, status, opts.resident_bits, opts.embedding_bits))
     link = make_link(opts.link)
     set_threads(opts.threads)
     device = resolve_device(opts.device)
@@ -259,6 +267,8 @@ def open_engine(
             print(f"[planner] {message}", file=log, flush=True)
 
         say("choosing a policy for this host, budget and link (probes the engine; this takes a while)")
+        if status is not None:
+            status.set("planning")
         planned = in_own_thread(
             lambda: auto_plan(
                 store,
@@ -280,6 +290,8 @@ def open_engine(
         policy = policy_for_device(policy, opts.device_profile, store, opts.resident_bits)
     if account is not None:
         print_account(store, opts, account)
+    if status is not None:
+        status.set("loading")
     engine = Engine(
         store,
         opts.memory_budget,

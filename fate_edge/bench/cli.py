@@ -20,6 +20,7 @@ from fate_edge.command_line import (
     device_name,
     existing_path,
     fraction,
+    model_path,
     non_negative_int,
     positive_float,
     positive_int,
@@ -51,7 +52,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--model",
         default=None,
-        type=existing_path,
+        type=model_path,
         help="model directory or expert store (default: the bundled model inflated to ~2 MB int4 experts)",
     )
     ap.add_argument(

@@ -42,8 +42,8 @@ from fate_edge.bench.sidebyside import (
 from fate_edge.bundled import bundled_model_dir
 from fate_edge.command_line import (
     command_parser,
-    existing_path,
     fraction,
+    model_path,
     positive_float,
     positive_int,
     table_name,
@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--model",
         default=str(bundled_model_dir()),
-        type=existing_path,
+        type=model_path,
         help="Hugging Face model directory (default: the bundled model)",
     )
     ap.add_argument("--rounds", type=positive_int, default=3)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from fate_edge.bundled import bundled_model_dir
-from fate_edge.command_line import command_parser, existing_path_as_path, positive_int
+from fate_edge.command_line import command_parser, model_path_as_path, positive_int
 from fate_edge.corpus import CorpusSplit, read_corpus
 from fate_edge.predictors import CrossLayerGate
 from fate_edge.predictors.evaluate import TraceRecorder, evaluate_predictor, usage_stats
@@ -365,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "model",
         nargs="?",
-        type=existing_path_as_path,
+        type=model_path_as_path,
         default=bundled_model_dir(),
         help="model directory (default: the bundled model)",
     )

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from fate_edge.bench.publish import add_results_arg, publish
 from fate_edge.bundled import bundled_model_dir
-from fate_edge.command_line import command_parser, existing_path_as_path, positive_int, share
+from fate_edge.command_line import command_parser, existing_path_as_path, model_path_as_path, positive_int, share
 from fate_edge.corpus import CorpusSplit, read_corpus
 from fate_edge.format.checkpoint import CheckpointReader
 from fate_edge.format.checkpoint_experts import ExpertLayout
@@ -63,7 +63,7 @@ TAIL_LABEL = "int4 + int2 tail"
 # ------------------------------------------------------------------------------------------------ data
 def add_eval_args(ap: argparse.ArgumentParser, json_default: str) -> None:
     """The options every held-out quality measurement shares (model, token count, windows, batch, threads, output)."""
-    ap.add_argument("--model", type=existing_path_as_path, default=bundled_model_dir())
+    ap.add_argument("--model", type=model_path_as_path, default=bundled_model_dir())
     ap.add_argument("--tokens", type=positive_int, default=8192)
     ap.add_argument("--seq-len", type=positive_int, default=256)
     ap.add_argument("--batch", type=positive_int, default=8)
@@ -380,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = command_parser("eval-quality", __doc__)
     ap.add_argument(
         "--model",
-        type=existing_path_as_path,
+        type=model_path_as_path,
         default=bundled_model_dir(),
         help="Hugging Face model directory (default: the bundled model)",
     )

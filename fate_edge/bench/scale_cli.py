@@ -23,6 +23,7 @@ from fate_edge.bench.scale import GB, ScaleConfig, run_scale
 from fate_edge.command_line import (
     command_parser,
     existing_path_as_path,
+    model_path_as_path,
     non_empty,
     positive_float,
     positive_int,
@@ -203,7 +204,7 @@ def gb_list(value: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     ap = command_parser("bench-scale", __doc__)
     ap.add_argument(
-        "model", type=existing_path_as_path, help="Hugging Face checkpoint (e.g. a synthetic one at real shapes)"
+        "model", type=model_path_as_path, help="Hugging Face checkpoint (e.g. a synthetic one at real shapes)"
     )
     ap.add_argument("store", type=Path, help="expert store to write (or to use, with --no-convert)")
     ap.add_argument("--out", type=Path, default=Path("results/scale"))

@@ -18,7 +18,9 @@ from safetensors import safe_open
 
 from fate_edge.errors import CorruptCheckpointError, MissingTensorError, ModelFormatError
 from fate_edge.format.direct_write import DirectFile
+from fate_edge.format.safetensors_header import MAX_HEADER_BYTES, check_header
 from fate_edge.format.store_files import check_store_complete
+from fate_edge.small_files import read_json_object
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -35,14 +37,13 @@ def _check_safetensors_file(path: Path) -> tuple[int, dict]:
         (header_len,) = struct.unpack("<Q", f.read(8))
         if 8 + header_len > size:
             raise CorruptCheckpointError(f"{path}: header claims {header_len} bytes but the file has {size}; {fix}")
+        if header_len > MAX_HEADER_BYTES:
+            raise CorruptCheckpointError(f"{path}: a header of {header_len} bytes is past safetensors' limit; {fix}")
         try:
             header = json.loads(f.read(header_len))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CorruptCheckpointError(f"{path}: unreadable safetensors header ({exc}); {fix}") from exc
-    data_end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if 8 + header_len + data_end > size:
-        missing = 8 + header_len + data_end - size
-        raise CorruptCheckpointError(f"{path}: truncated, {missing} bytes of tensor data are missing; {fix}")
+    check_header(header, path, size - 8 - header_len)
     return 8 + header_len, header
 
 
@@ -62,10 +63,9 @@ class CheckpointReader:
         check_store_complete(self.model_dir)
         index_path = self.model_dir / INDEX_FILE
         if index_path.exists():
-            try:
-                weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as exc:
-                raise ModelFormatError(f"{index_path}: not a valid safetensors index ({exc})") from exc
+            weight_map = read_json_object(index_path).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ModelFormatError(f"{index_path}: not a valid safetensors index (no 'weight_map' object)")
         elif (self.model_dir / SINGLE_FILE).exists():
             weight_map = {}
         else:
@@ -80,7 +80,7 @@ class CheckpointReader:
                 weight_map.update({k: name for k in self._open(self.model_dir / name).keys()})
         if not weight_map:
             weight_map = {k: SINGLE_FILE for k in self._open(self.model_dir / SINGLE_FILE).keys()}
-        self.weight_map = weight_map
+        self.weight_map = _inside(weight_map, self.model_dir, index_path)
         self._handles: dict[str, object] = {}
 
     def _open(self, path: Path):
@@ -191,6 +191,17 @@ class CheckpointReader:
         for d in sl.get_shape():
             n *= d
         return n * _DTYPE_SIZES.get(sl.get_dtype(), 4)
+
+
+def _inside(weight_map: dict[str, str], model_dir: Path, index_path: Path) -> dict[str, str]:
+    """``weight_map`` when every shard it names is a plain file name in ``model_dir`` (nothing outside is read)."""
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or not file or file != Path(file).name or file in (".", ".."):
+            raise ModelFormatError(
+                f"{index_path}: tensor '{name}' is in shard {file!r}, not a file name inside the model directory; "
+                "the index is damaged (shards sit beside it)"
+            )
+    return weight_map
 
 
 _TORCH_DTYPES = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from fate_edge.errors import MissingTensorError
+from fate_edge.errors import MissingTensorError, ModelFormatError
 from fate_edge.format.checkpoint import CheckpointReader
 from fate_edge.model.experts import ExpertProvider, ExpertWeights, InMemoryExpertProvider, quantize_expert
 from fate_edge.quant import QuantSpec
@@ -35,6 +35,29 @@ class ExpertLayout:
                 raise MissingTensorError(
                     f"{reader.model_dir}: no routed experts under '{moe_prefix}.experts' (looked for fused "
                     "gate_up_proj/down_proj and per-expert gate_proj|w1 tensors); the checkpoint is incomplete"
+                )
+
+    def check_shapes(self, experts: int, hidden: int, inter: int) -> None:
+        """Every expert's tensors present with the shapes the config gives (read from the headers only): a
+        transposed or cut matrix is named here, not found as garbage after convert."""
+        if self.fused:
+            gate_up, down = self.tensor_names(0)
+            want = {gate_up: [experts, 2 * inter, hidden], down: [experts, hidden, inter]}
+        else:
+            want = {}
+            for e in range(experts):
+                g, u, d = self.tensor_names(e)
+                want |= {g: [inter, hidden], u: [inter, hidden], d: [hidden, inter]}
+        for name, shape in want.items():
+            if name not in self.reader:
+                raise MissingTensorError(
+                    f"{self.reader.model_dir}: tensor '{name}' is missing; the checkpoint is incomplete"
+                )
+            got = list(self.reader.shape(name))
+            if got != shape:
+                raise ModelFormatError(
+                    f"{self.reader.model_dir}: tensor '{name}' has shape {got}, expected {shape} from config.json "
+                    "(hidden_size, moe_intermediate_size, num_experts); the checkpoint and its config disagree"
                 )
 
     def tensor_names(self, expert: int) -> list[str]:

@@ -11,7 +11,7 @@ from fate_edge.model.arch import ModelConfig
 from fate_edge.model.transformer import LayerNames
 
 # Router weights and DeepSeek's correction bias stay in fp32, as the reference keeps them.
-FP32_SUFFIXES = (".gate.weight", ".gate.e_score_correction_bias")
+FP32_SUFFIXES = (".gate.weight", ".e_score_correction_bias")  # in the router or (MiniMax-M2) the MoE block
 
 DTYPES = {
     "float32": torch.float32,

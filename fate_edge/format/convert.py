@@ -12,6 +12,7 @@ import contextlib
 import errno
 import itertools
 import json
+import logging
 import os
 import shutil
 import sys
@@ -181,6 +182,8 @@ def convert(
             file=sys.stderr,
         )
     layouts = {layer: ExpertLayout(reader, names[layer].mlp) for layer in cfg.moe_layers}
+    for layout in layouts.values():
+        layout.check_shapes(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
     expert_src = sum(reader.nbytes(n) for n in layouts[cfg.moe_layers[0]].tensor_names(0)) if cfg.moe_layers else 0
     if cfg.moe_layers and layouts[cfg.moe_layers[0]].fused:  # a fused tensor holds every expert of the layer
         expert_src //= cfg.num_experts
@@ -238,7 +241,12 @@ def write_store(
             opts = replace(opts, embedding_bits=head)
     experts_bytes = len(cfg.moe_layers) * cfg.num_experts * sum(p.slot_bytes for p in precisions)
     need = experts_bytes + sum(reader.nbytes(n) for n in names_resident) + src.aux_bytes
-    _check_free_space(out_dir.parent, need)
+    free = _check_free_space(out_dir.parent, need)
+    disk = f"writing {out_dir}: needs about {format_bytes(need)} of disk, {format_bytes(free)} free there"
+    if progress:
+        print(f"[convert] {disk}", file=sys.stderr, flush=True)
+    else:
+        logging.getLogger("fate_edge.convert").info(disk)
 
     tmp = make_work_dir(out_dir)
     try:
@@ -505,7 +513,8 @@ def _is_disk_full(exc: BaseException) -> bool:
     return isinstance(exc, Exception) and f"os error {errno.ENOSPC})" in str(exc)
 
 
-def _check_free_space(directory: Path, need: int) -> None:
+def _check_free_space(directory: Path, need: int) -> int:
+    """The bytes free where ``directory`` will be; a refusal when ``need`` does not fit."""
     existing = directory
     while not existing.exists():  # the output's parents are created later
         existing = existing.parent
@@ -515,3 +524,4 @@ def _check_free_space(directory: Path, need: int) -> None:
             f"{directory}: the store needs about {format_bytes(need)} but only {format_bytes(free)} "
             "is free there; free space or convert into another directory"
         )
+    return free

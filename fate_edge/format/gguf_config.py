@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from fate_edge.errors import UnsupportedArchitectureError
+from fate_edge.errors import ModelFormatError, UnsupportedArchitectureError
 from fate_edge.format.gguf_reader import GGUFFile
+from fate_edge.model.arch.limits import LIMITS, bounded_int
 
 # general.architecture -> model_type (llama with experts is Mixtral; deepseek2 with sigmoid gating is V3)
 ARCHITECTURES = {
@@ -43,13 +44,27 @@ def dense_layers(g: GGUFFile, layers: int) -> list[int]:
 
 def hf_config(g: GGUFFile, dtype: str) -> dict[str, Any]:
     """The ``config.json`` of the model in ``g``, its weights held in ``dtype`` ("bfloat16", "float32", ...)."""
+    try:
+        return _hf_config(g, dtype)
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError, OverflowError) as exc:
+        value = g.fields.get(g.last_key, "absent")
+        raise ModelFormatError(
+            f"{g.path}: metadata '{g.last_key}' is {str(value)[:40]!s}, a value of the wrong kind ({exc}); the GGUF "
+            "is damaged (re-convert it with llama.cpp)"
+        ) from None
+
+
+def _hf_config(g: GGUFFile, dtype: str) -> dict[str, Any]:
     mtype = model_type(g)
     key = g.arch_key
-    hidden, layers, heads = key("embedding_length"), key("block_count"), key("attention.head_count")
+    hidden = _count(g, "embedding_length", "hidden_size")
+    layers = _count(g, "block_count", "num_hidden_layers")  # bounded before anything loops over it
+    heads = _count(g, "attention.head_count", "num_attention_heads")
     kv_heads = key("attention.head_count_kv", heads)
     if isinstance(kv_heads, list):  # per-layer counts: fate-edge keeps one
-        kv_heads = kv_heads[0]
-    vocab = len(g.get("tokenizer.ggml.tokens") or []) or g.info("token_embd.weight").shape[0]
+        kv_heads = kv_heads[0] if kv_heads else None
+    bounded_int(kv_heads, f"{g.path}: '{g.architecture}.attention.head_count_kv'", *LIMITS["num_key_value_heads"])
+    vocab = _vocab(g)
     d: dict[str, Any] = {
         "model_type": mtype,
         "vocab_size": vocab,
@@ -59,8 +74,8 @@ def hf_config(g: GGUFFile, dtype: str) -> dict[str, Any]:
         "num_key_value_heads": kv_heads,
         "intermediate_size": key("feed_forward_length", 0) or key("expert_feed_forward_length"),
         "moe_intermediate_size": key("expert_feed_forward_length", None) or key("feed_forward_length"),
-        "num_experts": key("expert_count"),
-        "num_experts_per_tok": key("expert_used_count"),
+        "num_experts": _count(g, "expert_count", "num_experts"),
+        "num_experts_per_tok": _count(g, "expert_used_count", "num_experts_per_tok"),
         "max_position_embeddings": key("context_length", 4096),
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
         "tie_word_embeddings": "output.weight" not in g.tensors,
@@ -94,6 +109,29 @@ def hf_config(g: GGUFFile, dtype: str) -> dict[str, Any]:
     else:
         d.update(_deepseek(g, dense))
     return d
+
+
+def _count(g: GGUFFile, suffix: str, hf_key: str) -> int:
+    """``{arch}.{suffix}``, required, within the bounds of the config key it becomes."""
+    return bounded_int(g.arch_key(suffix), f"{g.path}: '{g.architecture}.{suffix}'", *LIMITS[hf_key])
+
+
+def _vocab(g: GGUFFile) -> int:
+    """The vocabulary: the token list's length, which the embedding table must cover."""
+    rows = g.info("token_embd.weight").shape[0]
+    tokens = g.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        return rows
+    if not isinstance(tokens, list) or not tokens:
+        raise ModelFormatError(
+            f"{g.path}: tokenizer.ggml.tokens is {'empty' if tokens == [] else 'not a list'}; the GGUF has no "
+            "usable vocabulary (re-convert it with llama.cpp)"
+        )
+    if len(tokens) > rows:
+        raise ModelFormatError(
+            f"{g.path}: {len(tokens)} tokens but token_embd.weight has {rows} rows; the GGUF is damaged"
+        )
+    return len(tokens)
 
 
 def _rope_scaling(g: GGUFFile) -> dict[str, Any] | None:

@@ -113,13 +113,21 @@ def convert_gguf(
     # answers every call convert makes of a safetensors reader (names, ``in``, tensors by Hugging Face name)
     reader = cast(CheckpointReader, GGUFCheckpoint(g, cfg, getattr(torch, dtype)))
     names = layer_names(cfg, reader)
+    e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    expected = {"gate": (e, i, h), "up": (e, i, h), "down": (e, h, i)}  # PyTorch's order
     for layer in cfg.moe_layers:
         for m in MATRICES:
-            if expert_tensor(layer, m) not in g.tensors:
+            name = expert_tensor(layer, m)
+            if name not in g.tensors:
                 raise ModelFormatError(
-                    f"{path}: tensor '{expert_tensor(layer, m)}' not found; fate-edge reads the "
+                    f"{path}: tensor '{name}' not found; fate-edge reads the "
                     "stacked expert tensors llama.cpp writes (re-convert an older per-expert GGUF "
                     "with a current llama.cpp)"
+                )
+            if g.tensors[name].shape != expected[m]:
+                raise ModelFormatError(
+                    f"{path}: tensor '{name}' has shape {list(g.tensors[name].shape)}, expected {list(expected[m])} "
+                    "(experts, rows, columns) from the metadata; the GGUF is damaged or its metadata is wrong"
                 )
     widths = resident_widths(g, cast(GGUFCheckpoint, reader))
     embed_width = widths(["model.embed_tokens"])

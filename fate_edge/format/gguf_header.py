@@ -114,6 +114,8 @@ def read_header(path: str | Path) -> Header:
             n_dims = c.scalar("<I")
             dims = tuple(c.scalar("<Q") for _ in range(n_dims))
             tensors.append(HeaderTensor(name, dims, c.scalar("<I"), c.scalar("<Q")))
-        align = int(fields.get("general.alignment", DEFAULT_ALIGNMENT))
+        align = fields.get("general.alignment", DEFAULT_ALIGNMENT)
+        if isinstance(align, bool) or not isinstance(align, int) or not 1 <= align <= 1 << 20 or align & (align - 1):
+            raise ModelFormatError(f"{path}: general.alignment is {align!r}, not a power of two; the header is damaged")
         data_start = -(-c.pos // align) * align
     return Header(version, fields, tensors, data_start)

@@ -18,7 +18,7 @@ import torch
 
 from fate_edge.errors import CorruptCheckpointError, ModelFormatError
 from fate_edge.format.gguf_dequant import TORCH_TYPES, dequantize_blocks
-from fate_edge.format.gguf_header import read_header
+from fate_edge.format.gguf_header import DEFAULT_ALIGNMENT, read_header
 
 MAGIC = b"GGUF"
 _FIX = "re-download or re-copy the file"
@@ -62,6 +62,7 @@ class GGUFFile:
         self.path = Path(path)
         self.model_dir = self.path  # errors name the file
         self.drop_cache = drop_cache
+        self.last_key = ""
         from gguf import GGML_QUANT_SIZES
 
         if not self.path.is_file():
@@ -79,12 +80,18 @@ class GGUFFile:
             ) from exc
         self.fields: dict[str, Any] = header.fields
         self.tensors: dict[str, TensorInfo] = {}
+        align = header.fields.get("general.alignment", DEFAULT_ALIGNMENT)  # read_header checked it
         for t in header.tensors:
             qtype = _quant_type(self.path, t.name, t.qtype)
             block, type_size = GGML_QUANT_SIZES[qtype]
-            n = 1
-            for d in t.dims:
-                n *= d
+            n = _elements(self.path, t.name, t.dims, block)
+            if t.offset % align:
+                raise CorruptCheckpointError(
+                    f"{self.path}: tensor '{t.name}' starts at data offset {t.offset}, not a multiple of the "
+                    f"file's alignment {align}; the tensor table is damaged, {_FIX}"
+                )
+            if t.name in self.tensors:
+                raise CorruptCheckpointError(f"{self.path}: tensor '{t.name}' is listed twice; {_FIX}")
             shape = tuple(reversed(t.dims))
             self.tensors[t.name] = TensorInfo(
                 t.name, qtype, shape, header.data_start + t.offset, n // block * type_size
@@ -105,6 +112,7 @@ class GGUFFile:
         return str(self.require("general.architecture"))
 
     def get(self, key: str, default: Any = None) -> Any:
+        self.last_key = key  # names the key in an error about a value of the wrong kind (gguf_config)
         return self.fields.get(key, default)
 
     def require(self, key: str) -> Any:
@@ -118,6 +126,7 @@ class GGUFFile:
     def arch_key(self, suffix: str, default: Any = ...) -> Any:
         """``{architecture}.{suffix}``; required unless ``default`` is given."""
         key = f"{self.architecture}.{suffix}"
+        self.last_key = key
         return self.require(key) if default is ... else self.fields.get(key, default)
 
     # ------------------------------------------------------------------ tensors
@@ -190,6 +199,29 @@ class GGUFFile:
 
     def __del__(self) -> None:
         self.close()
+
+
+MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_ELEMENTS = 1 << 40  # a tensor of 2^40 values is 500 GB at 4 bits: beyond any model, a damaged table
+
+
+def _elements(path: Path, name: str, dims: tuple[int, ...], block: int) -> int:
+    """The values in tensor ``name`` of ggml dims ``dims``, or one error naming the tensor and what is wrong."""
+    if not 1 <= len(dims) <= MAX_DIMS or any(d < 1 for d in dims):
+        raise CorruptCheckpointError(
+            f"{path}: tensor '{name}' has dimensions {list(dims)}; each of 1..{MAX_DIMS} dimensions must be at least "
+            f"1, the tensor table is damaged; {_FIX}"
+        )
+    n = 1
+    for d in dims:
+        n *= d
+    if n > MAX_ELEMENTS or dims[0] % block:
+        raise CorruptCheckpointError(
+            f"{path}: tensor '{name}' has dimensions {list(dims)}: "
+            + ("too many values" if n > MAX_ELEMENTS else f"rows are not whole blocks of {block}")
+            + f"; the tensor table is damaged, {_FIX}"
+        )
+    return n
 
 
 def _quant_type(path: Path, name: str, number: int):

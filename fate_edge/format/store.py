@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from fate_edge.model.experts import ExpertWeights, QuantizedExpert
 from fate_edge.quant import PackedQuantized, Quantized, QuantSpec, pack
 from fate_edge.quant.linear import QuantizedLinear, default_kernel, int4_kernel_layout
 from fate_edge.quant.methods import quantize_with
+from fate_edge.small_files import read_small_text
 
 FORMAT = "fate-edge-expert-store"
 FORMAT_VERSION = 1
@@ -296,6 +298,9 @@ def decode_expert(
     return QuantizedExpert(*lins)
 
 
+MAX_EXPERTS, MAX_LAYERS = 16 << 10, 1 << 10  # as fate_edge.model.arch.limits bounds a config's
+_BLOB_FILE = re.compile(r"experts-\d{1,2}\.bin")  # what convert writes; nothing with a separator or ".."
+INDEX_MAX_BYTES = 256 << 20
 _INDEX_FIELDS = {"precisions": dict, "experts": dict, "moe_layers": list, "num_experts": int}
 _PRECISION_FIELDS = {"bits": int, "file": str, "blob_bytes": int, "parts": list}
 _PART_FIELDS = {"name": str, "offset": int, "nbytes": int, "dtype": str, "shape": list}
@@ -331,9 +336,19 @@ def _check_scale_dtype(d: dict, where: str, index_path: Path) -> None:
         )
 
 
+def _damaged(index_path: Path, what: str) -> ModelFormatError:
+    return ModelFormatError(f"{index_path}: {what}; the file is damaged, re-run fate-edge convert")
+
+
 def _check_index(index: dict, index_path: Path) -> None:
-    """Every field the store reads, with its type, so a damaged store.json is named, not an AttributeError."""
+    """Every field the store reads, with its type and range, so a damaged store.json is named, not an
+    AttributeError, and no path in it leads outside the store."""
     _check_fields(index, _INDEX_FIELDS, "store", index_path)
+    if not 1 <= index["num_experts"] <= MAX_EXPERTS:
+        raise _damaged(index_path, f"field store.num_experts is {index['num_experts']}, expected 1..{MAX_EXPERTS}")
+    layers = index["moe_layers"]
+    if len(layers) > MAX_LAYERS or not all(isinstance(x, int) and 0 <= x < MAX_LAYERS for x in layers):
+        raise _damaged(index_path, f"field store.moe_layers is not a list of layer numbers below {MAX_LAYERS}")
     for bits, d in index["precisions"].items():
         _check_fields(
             d,
@@ -341,6 +356,10 @@ def _check_index(index: dict, index_path: Path) -> None:
             f"precisions.{bits}",
             index_path,
         )
+        if not _BLOB_FILE.fullmatch(d["file"]):
+            raise _damaged(
+                index_path, f"field precisions.{bits}.file is {d['file'][:60]!r}, not a blob file name inside the store"
+            )
         for i, part in enumerate(d["parts"]):
             _check_fields(part, _PART_FIELDS, f"precisions.{bits}.parts[{i}]", index_path)
             if part["dtype"] not in _DTYPES:
@@ -359,6 +378,13 @@ def _check_index(index: dict, index_path: Path) -> None:
             )
         for i, e in enumerate(entries):
             _check_fields(e, _BLOB_FIELDS, f"experts.{bits}[{i}]", index_path)
+            if (
+                e["offset"] < 0
+                or e["length"] < 0
+                or e["layer"] not in layers
+                or not 0 <= e["expert"] < index["num_experts"]
+            ):
+                raise _damaged(index_path, f"experts.{bits}[{i}] names a place or an expert outside the store")
 
 
 class ExpertStore:
@@ -371,7 +397,7 @@ class ExpertStore:
         if not index_path.exists():
             raise ModelFormatError(f"{index_path}: not found; create a store with `fate-edge convert MODEL OUT`")
         try:
-            index = json.loads(index_path.read_text())
+            index = json.loads(read_small_text(index_path, INDEX_MAX_BYTES))
         except json.JSONDecodeError as exc:
             raise ModelFormatError(f"{index_path}: invalid JSON ({exc}); re-run fate-edge convert") from exc
         if not isinstance(index, dict):
@@ -400,6 +426,8 @@ class ExpertStore:
             path = self.path / prec.file
             if not path.exists():
                 raise ModelFormatError(f"{path}: missing from the store; re-run fate-edge convert")
+            if not path.is_file():
+                raise ModelFormatError(f"{path}: not a regular file; re-run fate-edge convert")
             size = path.stat().st_size
             short = [r for r in self.refs.values() if r.bits == bits and r.offset + r.read_length > size]
             if short:

@@ -208,11 +208,16 @@ def build_plan(config: ModelConfig, w: Weights, layer_names: list) -> list[Layer
                 g.get("mlp"),
                 g.get("down"),
                 w[f"{n.mlp}.gate.weight"] if moe else None,
-                w.get(f"{n.mlp}.gate.e_score_correction_bias") if moe else None,
+                _correction_bias(w, n.mlp) if moe else None,
                 {role.removeprefix("mla."): f for role, f in g.items() if role.startswith("mla.")},
             )
         )
     return plans
+
+
+def _correction_bias(w: Weights, mlp: str) -> torch.Tensor | None:
+    """DeepSeek-V3 and GLM keep the selection bias in the router, MiniMax-M2 in the MoE block."""
+    return w.get(f"{mlp}.gate.e_score_correction_bias", w.get(f"{mlp}.e_score_correction_bias"))
 
 
 def build_head(w: Weights, embed: torch.Tensor | QuantizedEmbedding) -> Fused:

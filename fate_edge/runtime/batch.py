@@ -9,8 +9,8 @@ its own KV cache, sampling, stop conditions and statistics (:class:`~fate_edge.r
 The KV caches are inside the budget: every sequence reserves its prompt plus answer at admission as a range of one
 KV slab of ``kv_budget_bytes`` (the memory account's KV room; ``model.kv_slab``), which also lets a step's decode
 tokens attend in one operator per layer. A request that cannot fit now waits; one that could never
-fit is refused with :class:`BudgetError`. A sequence leaves when it finishes, when its reader closes the stream, or
-when its reader stops reading for ``idle_timeout`` seconds; the others go on untouched.
+fit is refused with :class:`KVRoomError` (a BudgetError). A sequence leaves when it finishes, when its reader
+closes the stream, or when its reader stops reading for ``idle_timeout`` seconds; the others go on untouched.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fate_edge.errors import BudgetError, DeviceMemoryError, EngineClosedError, StreamSupersededError
+from fate_edge.errors import DeviceMemoryError, EngineClosedError, KVRoomError, StreamSupersededError
 from fate_edge.model.batch_step import Segment, forward_segments
 from fate_edge.model.kv_slab import KVSlab, SlabCache
 from fate_edge.runtime.generate import (
@@ -159,7 +159,7 @@ class Batcher:
         kv = self.config.kv_bytes_per_token * (len(prompt_ids) + max_tokens)
         c = self.config
         if c.kv_budget_bytes and kv > c.kv_budget_bytes:
-            raise BudgetError(
+            raise KVRoomError(
                 f"this request needs {format_bytes(kv)} of KV cache ({len(prompt_ids)} prompt + {max_tokens} answer "
                 f"tokens) but the budget holds {format_bytes(c.kv_budget_bytes)} for all sequences together; "
                 "lower max_tokens or shorten the prompt, or raise --context-tokens"

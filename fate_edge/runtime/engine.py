@@ -42,6 +42,7 @@ from fate_edge.runtime.budget import BudgetPlan, memory_shortfall, parse_bytes, 
 from fate_edge.runtime.cache import ExpertCache
 from fate_edge.runtime.cache.factory import Resident, build_cache, layer_slots, pick_resident
 from fate_edge.runtime.compute_dtype import resolve_dtype
+from fate_edge.runtime.exit_close import close_at_exit, closed
 from fate_edge.runtime.generate import GenerateConfig, GenerationResponse, stream_generate
 from fate_edge.runtime.load_threads import in_own_thread
 from fate_edge.runtime.loader import load_model
@@ -137,6 +138,7 @@ class Engine:
             )
         device = resolve_device(device)
         self.device = device
+        self.context_tokens = context_tokens  # the KV room the account reserves: an unbounded request stops there
         # The model, scheduler and expert cache are shared state: one step of one request runs at a time
         # (_lock), and the open stream that may step next is tracked by _slot (see stream()).
         self._lock = threading.Lock()
@@ -240,6 +242,7 @@ class Engine:
         else:
             load()
         self.batcher = self._make_batcher(max_batch, context_tokens)
+        close_at_exit(self)  # no thread of this engine left computing when the interpreter exits (exit_close)
 
     def _make_batcher(self, max_batch: int, context_tokens: int) -> Batcher | None:
         """Continuous batching for ``max_batch`` > 1 (0: :func:`default_max_batch`). Not for a replayed trace
@@ -463,6 +466,9 @@ class Engine:
         """Yield one response per generated token. With ``max_batch`` > 1, streams from any thread are served
         together (runtime.batch), each with its own KV cache, sampling and stops; closing one removes only its
         sequence. Bad input raises before the first token."""
+        config = config or GenerateConfig()
+        if config.max_tokens is None and config.context_limit is None:  # until end of text or this engine's room
+            config = replace(config, context_limit=self.context_tokens)
         if self.batcher is None:
             return self._stream_alone(prompt, config)
         seq = self.batcher.submit(prompt, config)
@@ -587,6 +593,7 @@ class Engine:
             if self.cache is not None:
                 self.cache.clear()
             self.fetch.close()
+        closed(self)
 
     def __enter__(self) -> Engine:
         return self

@@ -36,7 +36,8 @@ PREFILL_CHUNK = 512  # default prompt tokens per forward pass (GenerateConfig.pr
 
 @dataclass
 class GenerateConfig:
-    max_tokens: int = 256
+    # None: until end of text or the context is full (as llama-server and Ollama do)
+    max_tokens: int | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: list[str] = field(default_factory=list)  # stop strings: generation ends before them
     stop_token_ids: list[int] = field(default_factory=list)  # extra stop tokens beyond the model's EOS
@@ -44,6 +45,9 @@ class GenerateConfig:
     # Prompt tokens per forward pass: a long prompt's activations (not its KV cache) are bounded by this, at the
     # cost of reading the weights once per chunk. 0: the whole prompt in one pass.
     prefill_chunk: int = PREFILL_CHUNK
+    # Positions (prompt and answer) an unbounded request may fill: the engine's KV room (its context_tokens);
+    # None: the model's context
+    context_limit: int | None = None
 
 
 def _hold_back(text: str, stops: list[str]) -> int:
@@ -105,7 +109,7 @@ def prepare_prompt(
 ) -> tuple[list[int], int]:
     """A request checked before any compute: its prompt ids and the most tokens it may generate in the context.
     Bad values raise :class:`GenerationError` (:class:`ContextLengthError` for a prompt that fills the context)."""
-    if config.max_tokens < 0:
+    if config.max_tokens is not None and config.max_tokens < 0:
         raise GenerationError(f"max_tokens must be >= 0, got {config.max_tokens}")
     if config.prefill_chunk < 0:
         raise GenerationError(f"prefill_chunk must be >= 0 (0: the whole prompt at once), got {config.prefill_chunk}")
@@ -114,7 +118,14 @@ def prepare_prompt(
         raise GenerationError("the prompt is empty; give at least one token of text")
     context = model.config.max_position_embeddings
     check_context(len(prompt_ids), context)
-    return prompt_ids, min(config.max_tokens, context - len(prompt_ids))
+    if config.max_tokens is not None:
+        return prompt_ids, min(config.max_tokens, context - len(prompt_ids))
+    room = min(context, config.context_limit or context)
+    if len(prompt_ids) >= room:
+        raise ContextLengthError(
+            len(prompt_ids), room, "the engine's context", " or raise --context-tokens (context_tokens)"
+        )
+    return prompt_ids, room - len(prompt_ids)
 
 
 class TokenStream:

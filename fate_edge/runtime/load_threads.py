@@ -19,7 +19,27 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def in_own_thread(fn: Callable[[], T], name: str = "fate-edge-load") -> T:
+def exit_if_loading(status: int) -> None:
+    """End the process now with ``status`` when a load (a conversion, the planner's probes) still runs on its own
+    thread: the interpreter's exit would stop that thread inside torch's C++ code, which aborts the process
+    (SIGABRT, status 134) instead of exiting. Nothing is lost: a conversion writes into a working folder that the
+    next one removes (format.work_dirs)."""
+    import os
+    import sys
+
+    if any(t.name == LOAD_THREAD and t.is_alive() for t in threading.enumerate()):
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(status)
+
+
+LOAD_THREAD = "fate-edge-load"
+
+
+def in_own_thread(fn: Callable[[], T], name: str = LOAD_THREAD) -> T:
     """``fn()`` on a thread of its own, waited for: its result, or its exception raised here."""
     result: list[T] = []
     error: list[BaseException] = []

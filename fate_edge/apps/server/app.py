@@ -41,7 +41,8 @@ def _load(state: ServerState, on_load_error) -> None:
     t0 = time.perf_counter()
     try:
         # Concurrent requests are batched unless --max-batch says otherwise (0: the machine's default size).
-        eng = open_engine(state.settings.engine, progress=False, account=sys.stderr, max_batch=0)
+        # progress=False: a conversion on first use goes to the log (fate_edge.convert) and to /health (status)
+        eng = open_engine(state.settings.engine, progress=False, account=sys.stderr, max_batch=0, status=state.status)
         state.ready(eng)
         log.info(
             "model %s ready in %.1f s (policy %s, expert budget %.1f MB)",

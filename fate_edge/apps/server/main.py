@@ -69,7 +69,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument("--max-body-bytes", default="1MB", help="largest request body; larger gets 413 (default 1MB)")
     p.add_argument(
-        "--max-tokens-default", type=int, default=256, help="max_tokens when a request gives none (default 256)"
+        "--max-tokens-default",
+        default=None,
+        help="max_tokens when a request gives none: a number, or 'context' (the default: until end of text or "
+        "the context is full, as llama-server and Ollama)",
     )
     p.add_argument(
         "--shutdown-timeout",
@@ -78,6 +81,19 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         help="seconds in-flight requests get to finish after SIGTERM (default 60)",
     )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a client may take to send a request's line and headers; slower connections are closed "
+        "(default 10)",
+    )
+    p.add_argument(
+        "--body-timeout", type=float, default=60.0, help="seconds a client may take to send a body; 408 (default 60)"
+    )
+    p.add_argument(
+        "--max-connections", type=int, default=64, help="open connections at once; more get 503 (default 64)"
+    )
     p.add_argument(
         "--enable-fault-injection",
         action="store_true",
@@ -113,6 +129,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise FateEdgeError(str(exc)) from None
     if args.max_queue < 0:
         raise FateEdgeError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if min(args.header_timeout, args.body_timeout) <= 0 or args.max_connections < 1:
+        raise FateEdgeError("--header-timeout and --body-timeout must be > 0 s and --max-connections >= 1")
     if args.max_batch < 0:
         raise FateEdgeError(f"--max-batch must be >= 0 (0: the machine's default), got {args.max_batch}")
     socket_mode = parse_mode(args.socket_mode)
@@ -133,6 +151,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # no browser reaches a Unix socket, and its clients send all kinds of Host names
         allowed_hosts=["*"] if args.unix_socket else comma_list(args.allowed_hosts),
         cors_origins=comma_list(args.cors_origins),
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        max_connections=args.max_connections,
     )
     server: uvicorn.Server | None = None
 
@@ -149,7 +170,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=args.shutdown_timeout,
         access_log=args.log_level == "debug",
         lifespan="on",
-        http=JSONErrorH11Protocol,
+        http=JSONErrorH11Protocol.with_timeouts(args.header_timeout),
+        timeout_keep_alive=5,  # an idle kept-alive connection closes after this (uvicorn's default, said here)
+        limit_concurrency=args.max_connections,
     )
     server = uvicorn.Server(config)
     bound = bind_unix_socket(args.unix_socket, socket_mode) if args.unix_socket else None  # refuses a live one
@@ -169,6 +192,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
         if bound is not None:
             bound.cleanup()
+    from fate_edge.runtime.load_threads import exit_if_loading
+
+    exit_if_loading(0)  # stopped while the model still loads (converts): exit now, not abort at interpreter exit
     err = app.state.fate_edge.load_error
     if err is not None:
         if isinstance(err, FateEdgeError):

@@ -213,11 +213,11 @@ def _stop(b: _Body) -> list[str]:
     return stop
 
 
-def _config(b: _Body, context: int, default_max_tokens: int) -> GenerateConfig:
+def _config(b: _Body, context: int, default_max_tokens: int | None) -> GenerateConfig:
     max_tokens = b.int("max_tokens", None, 1, context)
     max_completion = b.int("max_completion_tokens", None, 1, context)
     chosen = max_completion if max_completion is not None else max_tokens
-    if chosen is None:
+    if chosen is None and default_max_tokens is not None:  # None: until end of text or the engine's context
         chosen = min(default_max_tokens, context)
     seed = b.int("seed", None, -(2**63), 2**64 - 1)
     sampling = SamplingParams(
@@ -337,7 +337,7 @@ def completion_prompt(body: dict[str, Any], vocab_size: int) -> str | list[int]:
 
 
 def parse_request(
-    kind: str, body: dict[str, Any], context: int, vocab_size: int, default_max_tokens: int, render_chat
+    kind: str, body: dict[str, Any], context: int, vocab_size: int, default_max_tokens: int | None, render_chat
 ) -> ParsedRequest:
     """Validate an OpenAI chat or completion body; ``render_chat(messages) -> str`` applies the template."""
     b = _Body(body)

@@ -7,7 +7,7 @@ import asyncio
 import hmac
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from fate_edge.apps.server.errors import APIError, Disconnected, invalid
 from fate_edge.apps.server.protocol import parse_json_body
@@ -65,12 +65,28 @@ async def read_body(request: Request) -> bytes:
             raise too_big
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > DRAIN_LIMIT:
-            raise too_big
-        if size <= limit:
-            chunks.append(chunk)
+
+    async def collect() -> None:
+        nonlocal size
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > DRAIN_LIMIT:
+                raise too_big
+            if size <= limit:
+                chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(collect(), state_of(request).settings.body_timeout)
+    except ClientDisconnect:  # hung up mid-upload: nobody to answer, nothing to log
+        raise APIError(
+            499, "the client closed the connection before sending its whole request", code="client_closed_request"
+        ) from None
+    except asyncio.TimeoutError:
+        raise APIError(
+            408,
+            f"the request body did not arrive within {state_of(request).settings.body_timeout:g} s (--body-timeout)",
+            code="request_timeout",
+        ) from None
     if size > limit:
         raise too_big  # read to the end first, so the client is listening when the answer comes
     return b"".join(chunks)

@@ -37,7 +37,7 @@ async def health(request: Request):
             status_code=500,
         )
     return JSONResponse(
-        {"status": "loading", **APIError(503, "Loading model", "unavailable_error").body()},
+        {"status": "loading", **state.status.snapshot(), **APIError(503, "Loading model", "unavailable_error").body()},
         status_code=503,
         headers={"Retry-After": "1"},
     )

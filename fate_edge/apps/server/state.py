@@ -18,6 +18,7 @@ from starlette.requests import Request
 from fate_edge.apps.engine_args import EngineOptions
 from fate_edge.apps.server.metrics import Metrics
 from fate_edge.apps.server.runner import Runner
+from fate_edge.format.convert_progress import LoadStatus
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 
@@ -28,12 +29,15 @@ class ServerSettings:
     api_key: str | None = None
     max_queue: int = 16
     max_body_bytes: int = 1_000_000
-    default_max_tokens: int = 256
+    default_max_tokens: int | None = None  # a request without max_tokens: None = until end of text or context
     model_alias: str | None = None
     enable_fault_injection: bool = False
     host: str = "127.0.0.1"  # the bound address: a Host header naming it is accepted besides the loopback names
     allowed_hosts: list[str] = field(default_factory=list)  # more Host names to accept; "*" accepts any
     cors_origins: list[str] = field(default_factory=list)  # browser origins allowed to call the API; "*": any
+    header_timeout: float = 10.0  # seconds a connection may take to send a request's line and headers
+    body_timeout: float = 60.0  # seconds a request may take to send its body
+    max_connections: int = 64  # open connections at once; past it uvicorn answers 503
 
 
 @dataclass
@@ -45,6 +49,7 @@ class ServerState:
     engine: Any = None  # set last by ready(): /health turns 200 only when everything is in place
     runner: Runner | None = None
     load_error: BaseException | None = None
+    status: LoadStatus = field(default_factory=LoadStatus)  # the loading stage /health reports until ready
     metrics: Metrics = field(default_factory=Metrics)
     started: int = field(default_factory=lambda: int(time.time()))
     closing: bool = False  # set when the server shuts down: the runner drains, then the engine closes
@@ -55,7 +60,11 @@ class ServerState:
     def create(cls, settings: ServerSettings) -> ServerState:
         from fate_edge.bundled import bundled_model_dir
 
-        model_id = settings.model_alias or Path(settings.engine.model or bundled_model_dir()).resolve().name
+        model = settings.engine.model
+        if model and not Path(model).exists():  # a Hugging Face id or Ollama name: its own id
+            model_id = settings.model_alias or model
+        else:
+            model_id = settings.model_alias or Path(model or bundled_model_dir()).resolve().name
         return cls(settings, model_id)
 
     def ready(self, engine: Any) -> None:

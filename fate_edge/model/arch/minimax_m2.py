@@ -1,0 +1,27 @@
+"""MiniMax-M2 (``minimax_m2``): grouped-query attention with q/k RMSNorm over all heads at once and rope over part
+of each head (``partial_rotary_factor``); sigmoid routing with a selection-only correction bias (the MoE block's
+``e_score_correction_bias``), top-k weights renormalised; no shared expert. Experts are Mixtral's ``w1/w3/w2``
+under ``block_sparse_moe`` in the original checkpoints."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fate_edge.model.arch.base import ModelConfig, common_fields, pick
+
+
+@dataclass
+class MiniMaxM2Config(ModelConfig):
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> MiniMaxM2Config:
+        f = common_fields(d)
+        return cls(
+            **f,
+            intermediate_size=pick(d, "intermediate_size"),
+            moe_intermediate_size=pick(d, "intermediate_size"),  # every MLP is routed: one width
+            qk_norm="full",
+            router="deepseek_v3",  # sigmoid + correction bias in one group, as MiniMaxM2TopKRouter
+            norm_topk_prob=True,
+            routed_scaling_factor=float(pick(d, "routed_scaling_factor", default=1.0)),
+        )
