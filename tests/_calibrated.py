@@ -40,3 +40,14 @@ def spy_model_inputs(predictor, monkeypatch) -> list:
 
     monkeypatch.setattr(predictor, "predict", predict)
     return seen
+
+
+def calibrated_baseline_store(model_dir: Path) -> Path:
+    """The baselines' store of a calibrated model (the bf16 and int2 copies, asked for), with the predictors that
+    calibrate wrote into the default store the engine opens."""
+    from fate_edge.format.converted_stores import ensure_store
+
+    lean = ensure_store(model_dir, progress=False)
+    store = ensure_store(model_dir, cold_bits=2, progress=False, baselines=True)
+    shutil.copytree(lean / "predictors", store / "predictors", dirs_exist_ok=True)
+    return store

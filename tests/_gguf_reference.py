@@ -50,7 +50,7 @@ def reference_store(model_dir: Path, out: Path, kind: str, keep_bf16: bool = Fal
     reader = CheckpointReader(model_dir)
     names = layer_names(cfg, reader)
     layouts = {layer: ExpertLayout(reader, names[layer].mlp) for layer in cfg.moe_layers}
-    opts = ConvertOptions(bits=8 if kind == "q8_0" else 4, group_size=32, keep_bf16=keep_bf16, layout="portable")
+    opts = ConvertOptions.full(bits=8 if kind == "q8_0" else 4, group_size=32, keep_bf16=keep_bf16, layout="portable")
     precisions = _precisions(cfg, opts)
 
     def encode(layer, e, precs, method):

@@ -62,9 +62,12 @@ def _quantize(x: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     return quants.quantize(x.astype(np.float32), qtype)
 
 
-def write_gguf(model_dir: Path, out: Path, experts: str = "Q4_0", resident: str = "F32") -> Path:
+def write_gguf(
+    model_dir: Path, out: Path, experts: str = "Q4_0", resident: str = "F32", output: str | None = None
+) -> Path:
     """``model_dir`` (a qwen2_moe/qwen3_moe/olmoe checkpoint) as the GGUF ``out``: routed experts in ``experts``,
-    2-D resident matrices in ``resident`` (routers and norms stay F32, as llama.cpp's converter keeps them)."""
+    2-D resident matrices in ``resident`` (routers and norms stay F32, as llama.cpp's converter keeps them), the
+    output matrix in ``output`` (default: ``resident``)."""
     cfg = json.loads((model_dir / "config.json").read_text())
     arch = ARCH[cfg["model_type"]]
     tok = json.loads((model_dir / "tokenizer.json").read_text())
@@ -123,7 +126,7 @@ def write_gguf(model_dir: Path, out: Path, experts: str = "Q4_0", resident: str 
     add("token_embd.weight", w.pop("model.embed_tokens.weight"), r_type)
     add("output_norm.weight", w.pop("model.norm.weight"), GGMLQuantizationType.F32)
     if "lm_head.weight" in w:
-        add("output.weight", w.pop("lm_head.weight"), r_type)
+        add("output.weight", w.pop("lm_head.weight"), GGMLQuantizationType[output] if output else r_type)
     for i in range(cfg["num_hidden_layers"]):
         pre = f"model.layers.{i}."
         for m in ("gate", "up", "down"):

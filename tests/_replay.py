@@ -27,7 +27,7 @@ LINK = LinkSpec("replay", bandwidth_bytes_per_s=1e9, latency_s=0.0)
 
 def int4_store(out, bundled_dir):
     """The bundled model as an int4 expert store."""
-    return convert(bundled_dir, out, ConvertOptions(bits=4, keep_bf16=False), progress=False)
+    return convert(bundled_dir, out, ConvertOptions.full(bits=4, keep_bf16=False), progress=False)
 
 
 def record(store) -> tuple[object, Trace]:

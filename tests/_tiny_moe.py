@@ -69,7 +69,7 @@ def build_tiny_moe(out: Path, seed: int = 0, top_k: int = 2, expert_dim: int = 1
     return out
 
 
-def build_wide_moe(out: Path, width: int, vocab: int = VOCAB) -> Path:
+def build_wide_moe(out: Path, width: int, vocab: int = VOCAB, tie: bool = False) -> Path:
     """A 2-layer Qwen2-MoE checkpoint (4 experts, top-2) whose hidden and expert width is ``width``: wide enough for
     the kernels and block formats that need whole groups (the native int4 kernel: 128; q4_K super-blocks: 256)."""
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
@@ -86,7 +86,7 @@ def build_wide_moe(out: Path, width: int, vocab: int = VOCAB) -> Path:
         moe_intermediate_size=width,
         shared_expert_intermediate_size=128,
         max_position_embeddings=128,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie,
         bos_token_id=0,
         eos_token_id=0,
     )

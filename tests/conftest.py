@@ -16,6 +16,9 @@ def _private_cache(tmp_path_factory):
 
     old = os.environ.get("FATE_EDGE_CACHE")
     os.environ["FATE_EDGE_CACHE"] = str(tmp_path_factory.mktemp("fate-edge-cache"))
+    # --dtype auto measures on a CPU with bf16 instructions (runtime.compute_dtype, tested in test_compute_dtype):
+    # the suite's expected numbers are float32's on every host
+    os.environ.setdefault("FATE_EDGE_DTYPE", "float32")
     yield
     if old is None:
         os.environ.pop("FATE_EDGE_CACHE", None)
@@ -63,3 +66,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def baseline_store(bundled_dir) -> Path:
+    """The bundled model's store with what the baselines read, asked for: the bf16 expert copy (load-on-demand),
+    Fate's int2 copy and float resident weights (the default store holds only what the default policy reads)."""
+    from fate_edge.format.converted_stores import ensure_store
+
+    return ensure_store(bundled_dir, cold_bits=2, progress=False, baselines=True)

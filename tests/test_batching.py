@@ -49,11 +49,12 @@ def _interleaved(engine: Engine, requests: list[tuple[str, GenerateConfig]], lea
 
 
 @pytest.fixture(scope="module", params=["load-on-demand", "fate-edge"])
-def engines(request):
+def engines(request, baseline_store):
     """fp32 engines on the bundled model: one serving requests alone, one batching (bf16 experts read and computed
-    in fp32 with load-on-demand; int4 experts with fate-edge)."""
+    in fp32 with load-on-demand, from the store that keeps them; int4 experts with fate-edge, the default store)."""
     kw = dict(memory_budget="2MB", device="cpu", policy=request.param, dtype="float32")
-    with Engine.load(max_batch=1, **kw) as alone, Engine.load(max_batch=4, **kw) as batched:
+    path = baseline_store if request.param == "load-on-demand" else None
+    with Engine.load(path, max_batch=1, **kw) as alone, Engine.load(path, max_batch=4, **kw) as batched:
         yield alone, batched
 
 

@@ -47,7 +47,7 @@ def test_inspect_verify_checks_every_blob_and_names_a_corrupted_one(tmp_path, ca
     from fate_edge.format.convert import ConvertOptions, convert
     from fate_edge.format.store import ExpertStore
 
-    store = convert(bundled_dir, tmp_path / "s", ConvertOptions(bits=4, keep_bf16=False), progress=False)
+    store = convert(bundled_dir, tmp_path / "s", ConvertOptions.full(bits=4, keep_bf16=False), progress=False)
     assert main(["inspect", str(store), "--verify"]) == 0
     assert "all intact" in capsys.readouterr().out
     ref = ExpertStore(store).ref(2, 9, 4)

@@ -19,7 +19,7 @@ from fate_edge.format.store import ExpertStore
 @pytest.fixture(scope="module")
 def store_dir(tmp_path_factory, bundled_dir):
     return convert(
-        bundled_dir, tmp_path_factory.mktemp("st") / "s", ConvertOptions(bits=4, cold_bits=2), progress=False
+        bundled_dir, tmp_path_factory.mktemp("st") / "s", ConvertOptions.full(bits=4, cold_bits=2), progress=False
     )
 
 
@@ -93,7 +93,8 @@ def test_disk_full_while_writing_is_one_error_naming_dir_and_bytes(how, monkeypa
             '"No space left on device" }) (os error 28)'
         )
 
-    monkeypatch.setattr(conv, "save_streaming", full)  # the resident weights are written first
+    monkeypatch.setattr(conv, "save_streaming", full)  # the resident weights are written first: float ...
+    monkeypatch.setattr("fate_edge.format.resident_writer.save_streaming", full)  # ... or quantized (the default)
     assert main(["convert", str(bundled_dir), str(tmp_path / "s"), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err

@@ -74,10 +74,10 @@ def _within(timeout: float, fn, *args, **kwargs):
 
 
 GGUF_CASES = {
-    "q4_0 int4+int2+bf16": ("Q4_0", ConvertOptions(bits=None, cold_bits=2)),
-    "q8_0 int8": ("Q8_0", ConvertOptions(bits=None, keep_bf16=False)),
-    "q5_0 int4 again": ("Q5_0", ConvertOptions(bits=4, keep_bf16=False)),
-    "f16 int4+bf16 resident int8": ("F16", ConvertOptions(bits=4, resident_bits=8)),
+    "q4_0 int4+int2+bf16": ("Q4_0", ConvertOptions.full(bits=None, cold_bits=2)),
+    "q8_0 int8": ("Q8_0", ConvertOptions.full(bits=None, keep_bf16=False)),
+    "q5_0 int4 again": ("Q5_0", ConvertOptions.full(bits=4, keep_bf16=False)),
+    "f16 int4+bf16 resident int8": ("F16", ConvertOptions.full(bits=4, resident_bits=8)),
 }
 
 
@@ -98,9 +98,9 @@ def test_gguf_store_is_byte_identical_to_the_sequential_writers(case, ggufs, tmp
 @pytest.mark.parametrize(
     "opts",
     [
-        ConvertOptions(bits=4, cold_bits=2, threads=3),
-        ConvertOptions(bits=8, keep_bf16=False, layout="portable", threads=1),
-        ConvertOptions(bits=4, keep_bf16=False, resident_bits=8, embedding_bits=4),
+        ConvertOptions.full(bits=4, cold_bits=2, threads=3),
+        ConvertOptions.full(bits=8, keep_bf16=False, layout="portable", threads=1),
+        ConvertOptions.full(bits=4, keep_bf16=False, resident_bits=8, embedding_bits=4),
     ],
     ids=["int4+int2+bf16", "int8", "resident int8"],
 )
@@ -164,7 +164,7 @@ def test_a_failure_writing_the_resident_part_leaves_nothing_and_does_not_hang(bu
     out = tmp_path / "out" / "store"
     t0 = time.perf_counter()
     with pytest.raises(RuntimeError, match="resident part failed"):
-        _within(TIMEOUT_S, convert, bundled_dir, out, ConvertOptions(bits=4, threads=2), progress=False)
+        _within(TIMEOUT_S, convert, bundled_dir, out, ConvertOptions.full(bits=4, threads=2), progress=False)
     assert started.is_set() and time.perf_counter() - t0 < 30
     assert len(encoded) < 8 * 16  # stopped early, not after every expert
     assert _leftovers(out.parent) == []
@@ -192,7 +192,7 @@ def test_a_failure_on_the_experts_side_stops_the_resident_part(bundled_dir, tmp_
     monkeypatch.setattr(conv, "save_streaming", endless)
     monkeypatch.setattr(conv, "_encode_job", failing_encode)
     with pytest.raises(ValueError, match="expert 5 failed"):
-        _within(TIMEOUT_S, convert, bundled_dir, tmp_path / "store", ConvertOptions(bits=4), progress=False)
+        _within(TIMEOUT_S, convert, bundled_dir, tmp_path / "store", ConvertOptions.full(bits=4), progress=False)
     assert ends == ["stopped"]
     assert _leftovers(tmp_path) == []
 
@@ -209,7 +209,7 @@ def test_a_disk_full_in_a_blob_writer_is_the_one_error_and_leaves_nothing(bundle
 
     monkeypatch.setattr(DirectFile, "pwrite_at", full_on_the_fifth)
     with pytest.raises(FateEdgeError, match="no space left"):
-        _within(TIMEOUT_S, convert, bundled_dir, tmp_path / "store", ConvertOptions(bits=4), progress=False)
+        _within(TIMEOUT_S, convert, bundled_dir, tmp_path / "store", ConvertOptions.full(bits=4), progress=False)
     assert _leftovers(tmp_path) == []
 
 
@@ -237,7 +237,7 @@ def test_the_resident_part_runs_beside_the_experts_on_one_torch_thread(bundled_d
     monkeypatch.setattr(conv, "save_streaming", after_experts_start)
     monkeypatch.setattr(conv, "_encode_job", encode)
     before = torch.get_num_threads()
-    opts = ConvertOptions(bits=4, keep_bf16=False)
+    opts = ConvertOptions.full(bits=4, keep_bf16=False)
     ours = _within(TIMEOUT_S, convert, bundled_dir, tmp_path / "ours", opts, progress=False)
     assert seen == {"during": 1, "after": before}
     assert torch.get_num_threads() == before

@@ -17,9 +17,9 @@ from fate_edge.format.convert import ConvertOptions, convert
 from fate_edge.format.store import ExpertStore
 
 OPTION_SETS = {
-    "int4+int2+bf16": ConvertOptions(bits=4, cold_bits=2),
-    "portable int4": ConvertOptions(bits=4, keep_bf16=False, layout="portable"),
-    "int8": ConvertOptions(bits=8, keep_bf16=False),
+    "int4+int2+bf16": ConvertOptions.full(bits=4, cold_bits=2),
+    "portable int4": ConvertOptions.full(bits=4, keep_bf16=False, layout="portable"),
+    "int8": ConvertOptions.full(bits=8, keep_bf16=False),
 }
 
 
@@ -76,7 +76,7 @@ def fused96(tmp_path_factory, width96):  # noqa: F811
 @pytest.mark.parametrize("model", ["width96", "fused96"])
 def test_fp32_checkpoints_per_expert_and_fused_convert_to_the_reference_bytes(model, request, monkeypatch, tmp_path):
     src = request.getfixturevalue(model)
-    opts = ConvertOptions(bits=4, cold_bits=2, cold_group_size=32)
+    opts = ConvertOptions.full(bits=4, cold_bits=2, cold_group_size=32)
     ref = _reference_convert(monkeypatch, src, tmp_path / "ref", opts)
     fast = convert(src, tmp_path / "fast", opts, progress=False)
     a, b = _files(ref), _files(fast)
@@ -86,8 +86,10 @@ def test_fp32_checkpoints_per_expert_and_fused_convert_to_the_reference_bytes(mo
 
 
 def test_worker_count_does_not_change_the_store(tmp_path, bundled_dir):
-    one = convert(bundled_dir, tmp_path / "one", ConvertOptions(bits=4, cold_bits=2, threads=1), progress=False)
-    three = convert(bundled_dir, tmp_path / "three", ConvertOptions(bits=4, cold_bits=2, threads=3), progress=False)
+    one = convert(bundled_dir, tmp_path / "one", ConvertOptions.full(bits=4, cold_bits=2, threads=1), progress=False)
+    three = convert(
+        bundled_dir, tmp_path / "three", ConvertOptions.full(bits=4, cold_bits=2, threads=3), progress=False
+    )
     assert _files(one) == _files(three)
 
 
@@ -148,7 +150,7 @@ def test_convert_holds_a_few_experts_or_one_tensor_block_never_the_model(monkeyp
     resident = sum(reader.nbytes(n) for n in reader.keys() if ".experts." not in n)
     live = _LiveTensors(monkeypatch)
     threads = 2
-    convert(bundled_dir, tmp_path / "s", ConvertOptions(bits=4, cold_bits=2, threads=threads), progress=False)
+    convert(bundled_dir, tmp_path / "s", ConvertOptions.full(bits=4, cold_bits=2, threads=threads), progress=False)
     # in flight: 2 x threads experts queued, plus one being read; and, written beside them, one block of rows of a
     # resident tensor
     bound = (2 * threads + 1) * expert + (1 << 16) + largest // 64
@@ -160,7 +162,7 @@ def test_progress_counts_every_checkpoint_byte_once_in_order(tmp_path, bundled_d
     convert(
         bundled_dir,
         tmp_path / "s",
-        ConvertOptions(bits=4, keep_bf16=False),
+        ConvertOptions.full(bits=4, keep_bf16=False),
         progress=False,
         on_progress=lambda done, total: calls.append((done, total)),
     )
@@ -179,7 +181,7 @@ def test_opening_a_store_makes_freed_expert_blobs_leave_the_resident_set(tmp_pat
     import subprocess
     import sys
 
-    store_dir = convert(bundled_dir, tmp_path / "s", ConvertOptions(bits=4, keep_bf16=False), progress=False)
+    store_dir = convert(bundled_dir, tmp_path / "s", ConvertOptions.full(bits=4, keep_bf16=False), progress=False)
     code = f"""
 import torch
 from fate_edge.format.store import ExpertStore

@@ -31,7 +31,7 @@ def kernel_layout_store(tmp_path_factory, bundled_dir):
     """The bundled model converted with torch's CPU int4 layout (what `convert` writes by default on a host
     without AVX512-VNNI) and an int2 cold copy."""
     out = tmp_path_factory.mktemp("placement") / "s"
-    convert(bundled_dir, out, ConvertOptions(bits=4, cold_bits=2, layout="cpu-int4"), progress=False)
+    convert(bundled_dir, out, ConvertOptions.full(bits=4, cold_bits=2, layout="cpu-int4"), progress=False)
     return out
 
 

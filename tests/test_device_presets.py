@@ -132,7 +132,7 @@ def test_the_bench_runs_fate_edge_as_on_the_emulated_device():
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory, bundled_dir):
     """The bundled store, its recorded decode routing and predictor scores, sizes, and its store-side figures."""
-    store = convert(bundled_dir, tmp_path_factory.mktemp("dev") / "store", ConvertOptions(bits=4), progress=False)
+    store = convert(bundled_dir, tmp_path_factory.mktemp("dev") / "store", ConvertOptions.full(bits=4), progress=False)
     trace, preds, cfg, sizes, popularity = record_with_predictions(store, LONG)
     return store, trace, preds, cfg, sizes, store_side(store), popularity
 
@@ -205,7 +205,7 @@ def test_a_global_cache_is_filled_at_load_with_the_most_used_experts(bundled_dir
     """Before, a global cache had no per-layer slots and preload filled nothing: every prompt started cold."""
     from fate_edge.format.popularity import load_popularity
 
-    store = convert(bundled_dir, tmp_path / "store", ConvertOptions(bits=4), progress=False)
+    store = convert(bundled_dir, tmp_path / "store", ConvertOptions.full(bits=4), progress=False)
     policy = for_device(PRESETS["fate-edge"], "orin-nano")
     with Engine(EngineConfig(store, "1MB", policy)) as engine:
         report = engine.load_report
@@ -249,7 +249,7 @@ def test_the_experts_filled_at_load_survive_the_prompt(bundled_dir, tmp_path):
     """With ``keep_preloaded`` prefill reads enter only free room: every expert the global cache was filled with at
     load is still cached after the prompt, and the prompt misses fewer. Before, the prompt's reads for shallow
     layers evicted deep layers' preloaded experts before their layers ran."""
-    store = convert(bundled_dir, tmp_path / "store", ConvertOptions(bits=4), progress=False)
+    store = convert(bundled_dir, tmp_path / "store", ConvertOptions.full(bits=4), progress=False)
     policy = for_device(PRESETS["fate-edge"], "orin-nano")
     misses = {}
     for keep in (True, False):

@@ -111,7 +111,7 @@ def test_convert_writes_experts_and_resident_weights_directly(tmp_path, bundled_
         opened.append((os.path.basename(path), self.direct))
 
     monkeypatch.setattr(DirectFile, "__init__", spy)
-    convert(bundled_dir, tmp_path / "s", ConvertOptions(bits=4, cold_bits=2), progress=False)
+    convert(bundled_dir, tmp_path / "s", ConvertOptions.full(bits=4, cold_bits=2), progress=False)
     direct = _fs_takes_o_direct(tmp_path)
     assert sorted(opened) == [
         ("experts-16.bin", direct),

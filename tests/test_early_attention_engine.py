@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from _calibrated import calibrated_bundled_copy, spy_model_inputs
+from _calibrated import calibrated_baseline_store, calibrated_bundled_copy, spy_model_inputs
 from _tiny_moe import build_tiny_moe
 from fate_edge.predictors import CrossLayerGate, LearnedPredictor, OnnxPredictor
 from fate_edge.predictors.early_attention import EarlyInput
@@ -121,7 +121,8 @@ def test_the_engine_predicts_from_the_early_attention(bundled_dir, tmp_path, mon
     # quantise activations differently for one row and for many)
     policy = dataclasses.replace(get_policy("fate-edge"), predictor="learned", prefetch_gate=False, bits=16)
     prompt = [11, 42, 7, 99, 3]
-    with Engine.load(model_dir, "64MB", policy=policy) as engine:
+    store = calibrated_baseline_store(model_dir)  # the bf16 copy, asked for
+    with Engine.load(store, "64MB", policy=policy) as engine:
         predictor = engine.scheduler.predictor
         assert isinstance(predictor, LearnedPredictor) and predictor.early is not None
         seen = spy_model_inputs(predictor, monkeypatch)
@@ -145,12 +146,11 @@ def test_the_planner_scores_an_early_attention_predictor(bundled_dir, tmp_path, 
     the engine probe records each decode step's estimate."""
     from fate_edge.predictors.learned import find_learned
 
-    from fate_edge.format.converted_stores import ensure_store
     from fate_edge.planning.host_costs import probe_engine
     from fate_edge.planning.plan_trace import record_plan_trace, trace_predictions
 
     model_dir, _ = calibrated_bundled_copy(bundled_dir, tmp_path, monkeypatch, early_attention=True)
-    store = ensure_store(model_dir, progress=False)
+    store = calibrated_baseline_store(model_dir)
     model = load_model(model_dir)
     ids = [(7 * i + 3) % model.config.vocab_size for i in range(40)]
     plan = record_plan_trace(model, ids, lookahead=1, store_dir=store)

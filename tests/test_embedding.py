@@ -72,7 +72,7 @@ def test_the_account_counts_the_table_the_engine_holds(bundled_dir, tmp_path, bi
     from fate_edge.runtime.engine import Engine
     from fate_edge.runtime.engine_config import EngineConfig
 
-    store = convert(bundled_dir, tmp_path / "s", ConvertOptions(bits=4, keep_bf16=False), progress=False)
+    store = convert(bundled_dir, tmp_path / "s", ConvertOptions.full(bits=4, keep_bf16=False), progress=False)
     account = memory_account(store, 3_000_000, "bfloat16", 100, embedding_bits=bits)
     with Engine(EngineConfig(store, 3_000_000, "lru", dtype="bfloat16", embedding_bits=bits)) as engine:
         loaded = sum(t.numel() * t.element_size() for t in engine.model.w.values())

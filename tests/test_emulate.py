@@ -26,7 +26,7 @@ from fate_edge.planning.emulation import calibrate
 def store(bundled_dir):
     from fate_edge.format.converted_stores import ensure_store
 
-    return ensure_store(bundled_dir, progress=False)
+    return ensure_store(bundled_dir, cold_bits=2, progress=False, baselines=True)
 
 
 def test_roofline_is_the_slower_of_bytes_and_flops_at_the_stated_efficiency():

@@ -24,7 +24,7 @@ CFG = GenerateConfig(max_tokens=24, ignore_eos=True)
 @pytest.fixture(scope="module")
 def store(tmp_path_factory, bundled_dir):
     out = tmp_path_factory.mktemp("engine") / "tiny-int4"
-    convert(bundled_dir, out, ConvertOptions(bits=4, cold_bits=2), progress=False)
+    convert(bundled_dir, out, ConvertOptions.full(bits=4, cold_bits=2), progress=False)
     return out
 
 

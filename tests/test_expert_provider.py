@@ -28,7 +28,7 @@ class OnlyGet(ExpertProvider):
 def test_every_provider_implements_the_contract(bundled_dir, tmp_path):
     memory = load_model(bundled_dir, experts="memory")
     lazy = load_model(bundled_dir, experts="lazy")
-    store = convert(bundled_dir, tmp_path / "s", ConvertOptions(bits=4, keep_bf16=False), progress=False)
+    store = convert(bundled_dir, tmp_path / "s", ConvertOptions.full(bits=4, keep_bf16=False), progress=False)
     streamed = load_model(store)
     with Engine(EngineConfig(store, "8MB", "lru")) as engine:
         providers = [memory.experts, lazy.experts, streamed.experts, engine.scheduler, _NoExperts()]

@@ -26,7 +26,7 @@ def _one(one_thread):
 @pytest.fixture(scope="module")
 def store(tmp_path_factory, bundled_dir):
     out = tmp_path_factory.mktemp("fatepub") / "tiny-int4"
-    convert(bundled_dir, out, ConvertOptions(bits=4, cold_bits=2), progress=False)
+    convert(bundled_dir, out, ConvertOptions.full(bits=4, cold_bits=2), progress=False)
     return out
 
 
@@ -206,7 +206,7 @@ def _deepseek_store(root):
     model.save_pretrained(src)
     build_tokenizer(src)
     out = root / "deepseek-store"
-    convert(src, out, ConvertOptions(bits=4, cold_bits=2), progress=False)
+    convert(src, out, ConvertOptions.full(bits=4, cold_bits=2), progress=False)
     return out
 
 

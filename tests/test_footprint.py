@@ -12,7 +12,7 @@ from fate_edge.runtime.footprint import RUNTIME_BASELINE_BYTES, kv_cache_bytes, 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory, bundled_dir):
     return convert(
-        bundled_dir, tmp_path_factory.mktemp("fp") / "s", ConvertOptions(bits=4, keep_bf16=False), progress=False
+        bundled_dir, tmp_path_factory.mktemp("fp") / "s", ConvertOptions.full(bits=4, keep_bf16=False), progress=False
     )
 
 

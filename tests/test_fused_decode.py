@@ -149,7 +149,7 @@ def test_int4_resident_pads_qwens_shared_expert_group_instead_of_falling_back_to
     model(PROMPT[:, :4] % 200, cache)
     step = model(PROMPT[:, 4:5] % 200, cache)  # the decode fast path through the trimmed linear
     assert ((step[0, 0] - want[0, 4]).norm() / want[0, 4].norm()) < 0.15
-    store = convert(model_dir, tmp_path / "store", ConvertOptions(bits=4, keep_bf16=False), progress=False)
+    store = convert(model_dir, tmp_path / "store", ConvertOptions.full(bits=4, keep_bf16=False), progress=False)
     with Engine(EngineConfig(store, 3_000_000, "lru", dtype="float32", resident_bits=4)) as engine:
         loaded = sum(t.numel() * t.element_size() for t in engine.model.w.values())
     assert memory_need(store, 3_000_000, "float32", resident_bits=4).resident_bytes == loaded

@@ -40,7 +40,9 @@ def _logits(store, bits: int) -> torch.Tensor:
 def test_gguf_store_equals_the_store_of_the_same_weights_quantized_the_same_way(
     tmp_path, ggufs, bundled_dir, kind, bits
 ):
-    ours = convert_gguf(ggufs[kind], tmp_path / "from-gguf", ConvertOptions(bits=None, keep_bf16=False), progress=False)
+    ours = convert_gguf(
+        ggufs[kind], tmp_path / "from-gguf", ConvertOptions.full(bits=None, keep_bf16=False), progress=False
+    )
     ref = reference_store(bundled_dir, tmp_path / "from-safetensors", kind.lower())
     assert ExpertStore(ours).bits_available == [bits]
     assert (ours / f"experts-{bits}.bin").read_bytes() == (ref / f"experts-{bits}.bin").read_bytes()
@@ -163,13 +165,16 @@ def test_presets_run_on_the_int8_store_of_a_q8_0_gguf(tmp_path, ggufs, monkeypat
     holds. The oracle needs a recorded trace and is not run here."""
     from fate_edge import Engine, GenerateConfig
     from fate_edge.errors import FateEdgeError
+    from fate_edge.format.converted_stores import ensure_store
     from fate_edge.runtime.policy import PRESETS
 
     monkeypatch.setenv("FATE_EDGE_CACHE", str(tmp_path / "cache"))
     cfg = GenerateConfig(max_tokens=8, ignore_eos=True)
     texts = {}
+    # the baselines' store: the bf16 copy load-on-demand reads and Fate's int2 copy, asked for (the default is lean)
+    store = ensure_store(ggufs["Q8_0"], cold_bits=2, progress=False, baselines=True)
     for name in sorted(set(PRESETS) - {"oracle", "load-on-demand-int4"}):
-        engine = Engine.load(ggufs["Q8_0"], "64MB", name)
+        engine = Engine.load(store, "64MB", name)
         assert ExpertStore(engine.store.path).bits_available == [2, 8, 16]
         assert engine.policy.bits == (16 if name == "load-on-demand" else 8), name
         texts[name], last = engine.generate_text(PROMPT, cfg)
@@ -178,7 +183,7 @@ def test_presets_run_on_the_int8_store_of_a_q8_0_gguf(tmp_path, ggufs, monkeypat
     # int8 greedy decoding by any caching policy is the same computation: only the expert reads differ
     assert len({t for n, t in texts.items() if n != "load-on-demand"}) == 1, texts
     with pytest.raises(FateEdgeError, match=r"needs int4 experts but .* holds \[2, 8, 16\]"):
-        Engine.load(ggufs["Q8_0"], "64MB", "load-on-demand-int4")
+        Engine.load(store, "64MB", "load-on-demand-int4")
 
 
 def test_our_header_parse_equals_the_gguf_packages(ggufs):

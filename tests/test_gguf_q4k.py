@@ -66,7 +66,7 @@ def _q4_k_model(out):
 def q4_k_store(tmp_path_factory):
     d = tmp_path_factory.mktemp("q4k")
     path = write_gguf(_q4_k_model(d / "model"), d / "tiny-q4_k.gguf", "Q4_K", "F32")
-    store = convert_gguf(path, d / "store", ConvertOptions(bits=None, keep_bf16=False), progress=False)
+    store = convert_gguf(path, d / "store", ConvertOptions.full(bits=None, keep_bf16=False), progress=False)
     return path, store
 
 
@@ -136,7 +136,7 @@ def test_a_store_without_scale_dtype_loads_as_before(tmp_path, layout):
     """Stores written before the index's scale_dtype was read: the layout's default (fp16 portable, bf16 cpu-int4),
     and the same logits as with the field."""
     model = build_tiny_moe(tmp_path / "m", expert_dim=32)
-    store = convert(model, tmp_path / "s", ConvertOptions(bits=4, keep_bf16=False, layout=layout), progress=False)
+    store = convert(model, tmp_path / "s", ConvertOptions.full(bits=4, keep_bf16=False, layout=layout), progress=False)
     want = {"portable": "float16", "cpu-int4": "bfloat16"}[layout]
     assert ExpertStore(store).precisions[4].scale_dtype == want
     before, _ = _logits(store)
@@ -152,7 +152,9 @@ def test_a_store_without_scale_dtype_loads_as_before(tmp_path, layout):
 
 def test_unknown_dtypes_are_named(tmp_path):
     model = build_tiny_moe(tmp_path / "m", expert_dim=32)
-    store = convert(model, tmp_path / "s", ConvertOptions(bits=4, keep_bf16=False, layout="portable"), progress=False)
+    store = convert(
+        model, tmp_path / "s", ConvertOptions.full(bits=4, keep_bf16=False, layout="portable"), progress=False
+    )
     index_path = store / STORE_FILE
     good = index_path.read_text()
     index = json.loads(good)

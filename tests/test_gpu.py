@@ -17,7 +17,7 @@ def store(request, tmp_path_factory, bundled_dir):
     """Converted with the defaults on this machine (torch's CPU int4 layout unless the CPU has AVX512-VNNI), and in
     torch's CPU layout whatever the CPU: the same store runs on the CPU and on CUDA."""
     out = tmp_path_factory.mktemp("gpu") / "s"
-    convert(bundled_dir, out, ConvertOptions(bits=4, cold_bits=2, layout=request.param), progress=False)
+    convert(bundled_dir, out, ConvertOptions.full(bits=4, cold_bits=2, layout=request.param), progress=False)
     return out
 
 

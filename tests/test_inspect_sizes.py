@@ -26,7 +26,7 @@ def test_inspect_store_counts_its_experts_and_aligns_tables(tmp_path, bundled_di
     from fate_edge.format.convert import ConvertOptions, convert
     from fate_edge.format.store import ExpertStore
 
-    store = convert(bundled_dir, tmp_path / "s", ConvertOptions(bits=4, cold_bits=2), progress=False)
+    store = convert(bundled_dir, tmp_path / "s", ConvertOptions.full(bits=4, cold_bits=2), progress=False)
     assert main(["inspect", str(store)]) == 0
     out = capsys.readouterr().out
     s = ExpertStore(store)

@@ -24,7 +24,7 @@ class _Seen:
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory, bundled_dir):
-    return convert(bundled_dir, tmp_path_factory.mktemp("prune") / "store", ConvertOptions(bits=4), progress=False)
+    return convert(bundled_dir, tmp_path_factory.mktemp("prune") / "store", ConvertOptions.full(bits=4), progress=False)
 
 
 def test_the_pruned_last_layer_is_served_as_the_prompt_and_answers_the_same(store, one_thread):

@@ -19,7 +19,7 @@ from fate_edge.runtime.load_threads import in_own_thread
 @pytest.fixture(scope="module")
 def bundled_store(tmp_path_factory, bundled_dir):
     out = tmp_path_factory.mktemp("load-threads") / "tiny-int4"
-    convert(bundled_dir, out, ConvertOptions(bits=4), progress=False)
+    convert(bundled_dir, out, ConvertOptions.full(bits=4), progress=False)
     return out
 
 

@@ -21,7 +21,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "research" / "measure
 @pytest.fixture(scope="module")
 def bundled_store(tmp_path_factory, bundled_dir):
     return convert(
-        bundled_dir, tmp_path_factory.mktemp("acct") / "s", ConvertOptions(bits=4, keep_bf16=False), progress=False
+        bundled_dir, tmp_path_factory.mktemp("acct") / "s", ConvertOptions.full(bits=4, keep_bf16=False), progress=False
     )
 
 
@@ -33,9 +33,9 @@ def qwen_slice(tmp_path_factory):
     make_synthetic_model(root / "ckpt", SyntheticOptions("qwen1.5-moe-a2.7b", layers=2, scale=4))
     opts = dict(bits=4, keep_bf16=False, threads=2)
     return {
-        "float": convert(root / "ckpt", root / "store", ConvertOptions(**opts), progress=False),
+        "float": convert(root / "ckpt", root / "store", ConvertOptions.full(**opts), progress=False),
         "int4 at convert": convert(
-            root / "ckpt", root / "pq", ConvertOptions(**opts, resident_bits=4, embedding_bits=4), progress=False
+            root / "ckpt", root / "pq", ConvertOptions.full(**opts, resident_bits=4, embedding_bits=4), progress=False
         ),
     }
 

@@ -358,7 +358,7 @@ def test_decodes_to_views_per_layout_and_kernel(tmp_path, monkeypatch):
 
     model = _native_shaped_model(tmp_path / "m")
     store = ExpertStore(
-        convert(model, tmp_path / "s", ConvertOptions(bits=4, cold_bits=2, layout="portable"), progress=False)
+        convert(model, tmp_path / "s", ConvertOptions.full(bits=4, cold_bits=2, layout="portable"), progress=False)
     )
     assert decodes_to_views(store.precisions[4]) == (
         default_kernel((128, 128), QuantSpec(4, 128), "cpu") == "native-int4"

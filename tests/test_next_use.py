@@ -74,7 +74,7 @@ def test_next_use_bypasses_a_one_off_expert_once_per_call():
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory, bundled_dir):
-    store = convert(bundled_dir, tmp_path_factory.mktemp("nu") / "store", ConvertOptions(bits=4), progress=False)
+    store = convert(bundled_dir, tmp_path_factory.mktemp("nu") / "store", ConvertOptions.full(bits=4), progress=False)
     trace, _, cfg, sizes, popularity = record_with_predictions(store, LONG)
     assert popularity is not None  # the bundled model is calibrated: next-use starts from its shares
     return store, trace, cfg, sizes, popularity

@@ -78,7 +78,7 @@ def test_engine_plan_auto_runs_the_planners_choice(tmp_path, bundled_dir):
     from fate_edge import Engine, GenerateConfig
     from fate_edge.format.convert import ConvertOptions, convert
 
-    store = convert(bundled_dir, tmp_path / "s", ConvertOptions(bits=4, keep_bf16=False), progress=False)
+    store = convert(bundled_dir, tmp_path / "s", ConvertOptions.full(bits=4, keep_bf16=False), progress=False)
     with Engine.load(store, "2MB", policy="auto", max_batch=1, threads=None) as e:
         # the search's pick, or a preset it did not beat by more than the planner's error (plan_presets.py)
         assert e.planned is not None and e.policy == e.planned.policy
@@ -149,7 +149,7 @@ def test_measured_costs_and_decode_trace_on_the_bundled_store(tmp_path, bundled_
     from fate_edge.format.convert import ConvertOptions, convert
     from fate_edge.planning.host_costs import measure_host_costs
 
-    store = convert(bundled_dir, tmp_path / "s", ConvertOptions(bits=4, keep_bf16=False), progress=False)
+    store = convert(bundled_dir, tmp_path / "s", ConvertOptions.full(bits=4, keep_bf16=False), progress=False)
     costs, link, trace = measure_host_costs(store, 2_000_000, LINK_FAST, list(range(40, 72)), decode_tokens=12)
     assert costs.layer_compute_s > 0 and costs.read_cpu_s > 0 and costs.consume_s > 0 and costs.predict_s > 0
     assert link is LINK_FAST
@@ -185,7 +185,7 @@ def test_the_engine_leaves_auto_to_load(tmp_path, bundled_dir):
     from fate_edge.runtime.engine import Engine as RuntimeEngine
     from fate_edge.runtime.engine_config import EngineConfig
 
-    store = convert(bundled_dir, tmp_path / "s", ConvertOptions(bits=4, keep_bf16=False), progress=False)
+    store = convert(bundled_dir, tmp_path / "s", ConvertOptions.full(bits=4, keep_bf16=False), progress=False)
     with pytest.raises(FateEdgeError, match=r"Engine\.load"):
         RuntimeEngine(EngineConfig(store, "2MB", "auto"))
 
@@ -221,7 +221,7 @@ def test_engine_plans_on_the_sample_it_is_given(tmp_path, bundled_dir, monkeypat
     from fate_edge.format.convert import ConvertOptions, convert
     from fate_edge.planning import auto
 
-    store = convert(bundled_dir, tmp_path / "s", ConvertOptions(bits=4, keep_bf16=False), progress=False)
+    store = convert(bundled_dir, tmp_path / "s", ConvertOptions.full(bits=4, keep_bf16=False), progress=False)
     seen = []
     real = auto.auto_plan
 

@@ -85,7 +85,7 @@ def test_small_budgets_still_get_one_layer_of_prefetch_buffers():
 @pytest.fixture(scope="module")
 def store(tmp_path_factory, bundled_dir):
     out = tmp_path_factory.mktemp("buffers") / "tiny-int4-int2"
-    return convert(bundled_dir, out, ConvertOptions(bits=4, cold_bits=2, keep_bf16=False), progress=False)
+    return convert(bundled_dir, out, ConvertOptions.full(bits=4, cold_bits=2, keep_bf16=False), progress=False)
 
 
 def _tensors(obj, depth: int = 3):

@@ -14,7 +14,7 @@ from fate_edge.runtime.policy import PRESETS
 @pytest.fixture(scope="module")
 def store(tmp_path_factory, bundled_dir):
     out = tmp_path_factory.mktemp("gate") / "tiny-int4"
-    convert(bundled_dir, out, ConvertOptions(bits=4, keep_bf16=False), progress=False)
+    convert(bundled_dir, out, ConvertOptions.full(bits=4, keep_bf16=False), progress=False)
     return out
 
 

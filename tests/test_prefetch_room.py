@@ -18,7 +18,7 @@ DECODE = GenerateConfig(max_tokens=24, ignore_eos=True)
 @pytest.fixture(scope="module")
 def store(tmp_path_factory, bundled_dir):
     out = tmp_path_factory.mktemp("room") / "tiny-int4-int2"
-    return convert(bundled_dir, out, ConvertOptions(bits=4, cold_bits=2, keep_bf16=False), progress=False)
+    return convert(bundled_dir, out, ConvertOptions.full(bits=4, cold_bits=2, keep_bf16=False), progress=False)
 
 
 def decode_uses(engine: Engine) -> dict[int, list[int]]:

@@ -22,12 +22,12 @@ def stores(tmp_path_factory, bundled_dir):
     root = tmp_path_factory.mktemp("pq")
     opts = dict(bits=4, keep_bf16=False)
     return {
-        None: convert(bundled_dir, root / "float", ConvertOptions(**opts), progress=False),
+        None: convert(bundled_dir, root / "float", ConvertOptions.full(**opts), progress=False),
         4: convert(
-            bundled_dir, root / "int4", ConvertOptions(**opts, resident_bits=4, embedding_bits=4), progress=False
+            bundled_dir, root / "int4", ConvertOptions.full(**opts, resident_bits=4, embedding_bits=4), progress=False
         ),
         8: convert(
-            bundled_dir, root / "int8", ConvertOptions(**opts, resident_bits=8, embedding_bits=8), progress=False
+            bundled_dir, root / "int8", ConvertOptions.full(**opts, resident_bits=8, embedding_bits=8), progress=False
         ),
     }
 

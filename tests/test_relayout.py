@@ -26,8 +26,8 @@ def _parts(store: ExpertStore, layer: int, expert: int, bits: int = 4) -> dict[s
 def stores(tmp_path_factory, bundled_dir):
     tmp = tmp_path_factory.mktemp("relayout")
     opts = dict(bits=4, keep_bf16=False, cold_bits=2)
-    kernel = convert(bundled_dir, tmp / "cpu", ConvertOptions(**opts, layout="cpu-int4"), progress=False)
-    portable = convert(bundled_dir, tmp / "portable", ConvertOptions(**opts, layout="portable"), progress=False)
+    kernel = convert(bundled_dir, tmp / "cpu", ConvertOptions.full(**opts, layout="cpu-int4"), progress=False)
+    portable = convert(bundled_dir, tmp / "portable", ConvertOptions.full(**opts, layout="portable"), progress=False)
     return kernel, portable, relayout_store(kernel, tmp / "relaid", progress=False)
 
 

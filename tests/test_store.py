@@ -19,7 +19,7 @@ from fate_edge.format.store import ExpertStore, Part, Precision, is_store, part_
 @pytest.fixture(scope="module")
 def store_dir(tmp_path_factory, bundled_dir):
     out = tmp_path_factory.mktemp("stores") / "tiny-int4"
-    convert(bundled_dir, out, ConvertOptions(bits=4, cold_bits=2), progress=False)
+    convert(bundled_dir, out, ConvertOptions.full(bits=4, cold_bits=2), progress=False)
     return out
 
 
@@ -112,10 +112,10 @@ def test_wrong_format_version_is_refused(store_copy):
 
 def test_existing_destination_needs_force(tmp_path, bundled_dir):
     out = tmp_path / "s"
-    convert(bundled_dir, out, ConvertOptions(bits=4, keep_bf16=False), progress=False)
+    convert(bundled_dir, out, ConvertOptions.full(bits=4, keep_bf16=False), progress=False)
     with pytest.raises(FateEdgeError, match="--force"):
-        convert(bundled_dir, out, ConvertOptions(bits=2, keep_bf16=False), progress=False)
-    convert(bundled_dir, out, ConvertOptions(bits=2, keep_bf16=False, force=True), progress=False)
+        convert(bundled_dir, out, ConvertOptions.full(bits=2, keep_bf16=False), progress=False)
+    convert(bundled_dir, out, ConvertOptions.full(bits=2, keep_bf16=False, force=True), progress=False)
     assert ExpertStore(out).bits_available == [2]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no leftovers
 
@@ -168,10 +168,10 @@ def test_cpu_kernel_layout_decodes_to_the_same_expert_without_repacking(
     # portable codes on torch's kernel too
     monkeypatch.setattr("fate_edge.quant.linear.native_is_default", lambda: False)
     portable = convert(
-        bundled_dir, tmp_path / "p", ConvertOptions(bits=4, keep_bf16=False, layout="portable"), progress=False
+        bundled_dir, tmp_path / "p", ConvertOptions.full(bits=4, keep_bf16=False, layout="portable"), progress=False
     )
     native = convert(
-        bundled_dir, tmp_path / "n", ConvertOptions(bits=4, keep_bf16=False, layout="auto"), progress=False
+        bundled_dir, tmp_path / "n", ConvertOptions.full(bits=4, keep_bf16=False, layout="auto"), progress=False
     )
     assert ExpertStore(native).precisions[4].layout == "cpu-int4"  # auto picks it where torch's CPU kernel applies
     assert ExpertStore(native).expert_bytes(4) == ExpertStore(portable).expert_bytes(4)  # same bytes on the link

@@ -58,7 +58,7 @@ def test_cpu_copier_copies_out_of_the_buffer():
 @pytest.fixture(scope="module")
 def store(tmp_path_factory, bundled_dir):
     out = tmp_path_factory.mktemp("transfer") / "s"
-    convert(bundled_dir, out, ConvertOptions(bits=4, keep_bf16=False), progress=False)
+    convert(bundled_dir, out, ConvertOptions.full(bits=4, keep_bf16=False), progress=False)
     return out
 
 

@@ -58,7 +58,7 @@ def test_next_convert_removes_what_a_killed_convert_left_and_nothing_of_a_live_o
     stale = _left_by_a_killed_convert(tmp_path / "s")
     assert stale.is_dir() and (stale / MARKER).is_file()
     live = make_work_dir(tmp_path / "other")  # this process is alive
-    convert(bundled_dir, tmp_path / "s", ConvertOptions(bits=4, keep_bf16=False), progress=False)
+    convert(bundled_dir, tmp_path / "s", ConvertOptions.full(bits=4, keep_bf16=False), progress=False)
     assert not stale.exists() and live.is_dir()
     assert f"removed {stale}" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["s", live.name])
@@ -84,7 +84,7 @@ def test_a_planted_link_at_the_work_name_cannot_redirect_the_write(tmp_path, bun
     victim = tmp_path / "victim"
     victim.mkdir()
     (tmp_path / f".s.partial-{os.getpid()}").symlink_to(victim)
-    convert(bundled_dir, tmp_path / "s", ConvertOptions(bits=4, keep_bf16=False), progress=False)
+    convert(bundled_dir, tmp_path / "s", ConvertOptions.full(bits=4, keep_bf16=False), progress=False)
     assert is_store(tmp_path / "s") and list(victim.iterdir()) == []
 
 

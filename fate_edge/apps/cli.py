@@ -24,12 +24,13 @@ from fate_edge.apps.cli_args import (
     existing_path,
     positive_int,
     profile_name,
+    resident_width,
     use_option_types,
 )
 from fate_edge.apps.command_line import PROG, CliParser, model_path, model_ref
 from fate_edge.apps.engine_args import add_engine_args
 from fate_edge.errors import FateEdgeError
-from fate_edge.format.convert import GROUP_SIZES
+from fate_edge.format.convert import EMBEDDING_BITS, GROUP_SIZES, RESIDENT_BITS
 from fate_edge.sizes import format_bytes
 from fate_edge.version import __version__
 
@@ -38,10 +39,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p, memory_budget=None, policy=None)
     p.add_argument(
         "--experts",
-        default="memory",
+        default=None,
         choices=["memory", "lazy"],
-        help="without --memory-budget/--policy: memory keeps all experts resident; lazy reads each "
-        "routed expert from disk when needed",
+        help="no engine (no expert cache, budget or policy): memory loads every expert; lazy reads each routed "
+        "expert from disk when needed (default: the engine, at --memory-budget auto)",
     )
     p.add_argument(
         "--bits",
@@ -55,12 +56,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     from fate_edge.apps.engine_args import EngineOptions, make_link, open_engine, set_threads
     from fate_edge.bundled import bundled_model_dir
+    from fate_edge.runtime.compute_dtype import resolve_dtype
     from fate_edge.runtime.engine import resolve_device
     from fate_edge.runtime.loader import load_model
     from fate_edge.tokenizer import Tokenizer
 
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
-    if args.memory_budget or args.policy:
+    if args.memory_budget or args.policy or args.experts is None:
         # closed on every path, errors included; the memory account printed before loading
         with open_engine(EngineOptions.from_args(args), account=sys.stderr) as engine:
             _generate(args, engine.model, engine.tokenizer, prompt, engine)
@@ -77,7 +79,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         model_dir = resolve_store(args.model)
     model = load_model(
-        model_dir, dtype=args.dtype, experts=args.experts, bits=args.bits, link=make_link(args.link), device=device
+        model_dir,
+        dtype=resolve_dtype(args.dtype, device),
+        experts=args.experts,
+        bits=args.bits,
+        link=make_link(args.link),
+        device=device,
     )
     _generate(args, model, Tokenizer(model_dir), prompt, None)
     return 0
@@ -139,12 +146,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return _inspect_gguf(path)
     print(format_summary(summarize(path)))
     if args.memory_budget is not None:
-        from fate_edge.runtime.budget import parse_bytes
+        from fate_edge.runtime.auto_budget import resolve_budget
+        from fate_edge.runtime.compute_dtype import resolve_dtype
         from fate_edge.runtime.memory_account import memory_account
 
+        args.dtype = resolve_dtype(args.dtype, "cpu")
+        budget = resolve_budget(
+            path, args.memory_budget, args.dtype, args.context_tokens, args.resident_bits, args.embedding_bits
+        )
         account = memory_account(
             path,
-            parse_bytes(args.memory_budget),
+            budget,
             args.dtype,
             args.context_tokens,
             args.resident_bits,
@@ -218,13 +230,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
         group_size=args.group,
         cold_bits=args.cold_bits,
         cold_group_size=args.cold_group,
-        keep_bf16=not args.no_bf16,
+        keep_bf16=args.keep_bf16,
         force=args.force,
         method=args.method,
         layout=args.layout,
         threads=args.threads,
         resident_bits=args.resident_bits,
         embedding_bits=args.embedding_bits,
+        head_bits=args.head_bits,
     )
     out = (convert_gguf if gguf else convert)(args.model_dir, args.out_dir, opts, progress=not args.quiet)
     print(f"wrote expert store {out}")
@@ -371,21 +384,34 @@ def _add_convert_parser(sub) -> None:
         "the default here (AVX512-VNNI or AVX2), else cpu-int4. Either runs on every device (CUDA re-packs "
         "experts for its kernel as they arrive)",
     )
-    conv.add_argument("--no-bf16", action="store_true", help="do not keep a bf16 copy of the experts")
+    bf16 = conv.add_mutually_exclusive_group()
+    bf16.add_argument(
+        "--keep-bf16",
+        action="store_true",
+        help="also keep a bf16 copy of the experts (what the load-on-demand and full-precision baselines read; "
+        "the default policy never does)",
+    )
+    bf16.add_argument("--no-bf16", action="store_true", help="no bf16 copy of the experts (the default)")
     conv.add_argument(
         "--resident-bits",
-        type=int,
-        default=None,
-        choices=[8, 4],
-        help="quantize attention, dense MLPs, shared experts and lm_head here (int8 per channel or "
-        "int4), so a load reads them as they are: no full-precision copy, no quantizing at load",
+        type=resident_width,
+        default=RESIDENT_BITS,
+        help="quantize attention, dense MLPs, shared experts and lm_head here: 8 (per channel), 4 or none (keep "
+        f"the checkpoint's dtype); a load reads them as they are (default {RESIDENT_BITS}; a GGUF's quantized "
+        "tensors keep their own width)",
     )
     conv.add_argument(
         "--embedding-bits",
-        type=int,
+        type=resident_width,
+        default=EMBEDDING_BITS,
+        help=f"quantize the embedding table here: 8 (per row), 4 (per group) or none (default {EMBEDDING_BITS}: a "
+        "run reads its rows from the file and holds none; a table tied to the head takes the head's precision)",
+    )
+    conv.add_argument(
+        "--head-bits",
+        type=resident_width,
         default=None,
-        choices=[8, 4],
-        help="quantize the embedding table here (int8 per row or int4 per group)",
+        help="lm_head's own precision: 8, 4 or none (default: --resident-bits)",
     )
     conv.add_argument("--force", action="store_true", help="replace an existing store")
     conv.add_argument(
@@ -440,7 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument(
         "--dtype",
         default=defaults.DTYPE,
-        choices=["float32", "bfloat16"],
+        choices=["auto", "float32", "bfloat16"],
         help="with --memory-budget: the run's compute dtype",
     )
     ins.add_argument(

@@ -34,8 +34,11 @@ from fate_edge.errors import FateEdgeError
 
 
 def byte_size(value: str) -> str:
-    """A positive byte size such as 512MB, 2GB or 1.5GiB (kept as text: the engine reads it)."""
+    """A positive byte size such as 512MB, 2GB or 1.5GiB, or auto (kept as text: the engine reads it)."""
     from fate_edge.runtime.budget import parse_bytes
+
+    if value.strip().lower() == "auto":
+        return "auto"
 
     try:
         n = parse_bytes(value)
@@ -44,6 +47,15 @@ def byte_size(value: str) -> str:
     if n <= 0:
         raise argparse.ArgumentTypeError(f"{value!r} is not a positive size; write e.g. 512MB, 2GB or 1.5GiB")
     return value
+
+
+def resident_width(value: str) -> int | None:
+    """A resident precision convert writes: 8, 4, or none (the checkpoint's dtype)."""
+    if value.lower() in ("none", "16", "bf16", "float"):
+        return None
+    if value in ("8", "4"):
+        return int(value)
+    raise argparse.ArgumentTypeError(f"{value!r}: use 8, 4 or none (keep the checkpoint's dtype)")
 
 
 def tokens_or_context(value: str) -> int | None:

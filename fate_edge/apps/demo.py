@@ -218,11 +218,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     fresh = not any(cache_root().glob(f"{src.name}-int4-*")) if cache_root().exists() else True
     if fresh:
         print(
-            f"bundled model {src.name}: converting it to an expert store (int4 + int2 + bf16) in {cache_root()} "
-            "(once) ...",
+            f"bundled model {src.name}: converting it to an expert store (int4 + int2 + bf16: the baseline reads "
+            f"bf16) in {cache_root()} (once) ...",
             flush=True,
         )
-    store = ensure_store(src, progress=False)
+    store = ensure_store(src, cold_bits=2, progress=False, baselines=True)
     s = ExpertStore(store)
     n_experts = len(s.index["moe_layers"]) * s.index["num_experts"]
     int4_bytes = s.expert_bytes(4) * n_experts

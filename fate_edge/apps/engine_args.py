@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
@@ -28,6 +28,7 @@ from fate_edge.apps.cli_args import (
 if TYPE_CHECKING:
     from fate_edge.devices.link import ThrottledLink
     from fate_edge.format.convert_progress import LoadStatus
+    from fate_edge.runtime.auto_budget import BudgetChoice
     from fate_edge.runtime.engine import Engine
     from fate_edge.runtime.policy import PolicyConfig
 
@@ -77,11 +78,18 @@ def add_engine_args(
         "--memory-budget",
         default=memory_budget,
         type=byte_size,
-        help=f"hard budget for expert memory, e.g. 64MB or 2GB (default {shown})",
+        help=f"hard budget for expert memory, e.g. 64MB or 2GB, or auto: what this machine can give after the "
+        f"resident weights, KV cache and a headroom, capped at every expert (default {shown})",
     )
     add_policy_arg(p, policy)
     p.add_argument("--device", default=device, type=device_name, help=f"auto, cpu or cuda (default {device})")
-    p.add_argument("--dtype", default=defaults.DTYPE, choices=["float32", "bfloat16"], help="compute dtype")
+    p.add_argument(
+        "--dtype",
+        default=defaults.DTYPE,
+        choices=["auto", "float32", "bfloat16"],
+        help="compute dtype (default auto: bfloat16 on CUDA; on a CPU with AVX512-BF16 or AMX the faster of the two, "
+        "measured once on this host; float32 elsewhere)",
+    )
     p.add_argument(
         "--device-profile",
         default=None,
@@ -157,12 +165,26 @@ def set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
-def resolve_store(model: str | Path | None, progress: bool = True, status: LoadStatus | None = None) -> Path:
-    """The expert store for ``model`` (a store, or a model converted once into the cache, its progress shown)."""
+def resolve_store(
+    model: str | Path | None,
+    progress: bool = True,
+    status: LoadStatus | None = None,
+    resident_bits: int | None = None,
+    embedding_bits: int | None = None,
+) -> Path:
+    """The expert store for ``model`` (a store, or a model converted once into the cache, its progress shown). A run
+    asking for ``resident_bits``/``embedding_bits`` gets a store converted with them (none asked: the default's)."""
     from fate_edge.bundled import bundled_model_dir
+    from fate_edge.format.convert import EMBEDDING_BITS, RESIDENT_BITS
     from fate_edge.format.converted_stores import ensure_store
 
-    return ensure_store(model or bundled_model_dir(), progress=progress, status=status)
+    return ensure_store(
+        model or bundled_model_dir(),
+        progress=progress,
+        status=status,
+        resident_bits=resident_bits or RESIDENT_BITS,
+        embedding_bits=embedding_bits or EMBEDDING_BITS,
+    )
 
 
 def policy_for_device(
@@ -176,6 +198,17 @@ def policy_for_device(
     from fate_edge.runtime.policy import get_policy
 
     return for_device_and_store(get_policy(policy), device_profile or detect().profile, store, resident_bits)
+
+
+def auto_budget(store: str | Path, opts: EngineOptions, device: str, bits: int = 4) -> BudgetChoice:
+    """``--memory-budget auto``: the expert budget this machine can give beside the run's other parts."""
+    from fate_edge.runtime.auto_budget import choose_budget, experts_cap, free_memory, memory_sources
+    from fate_edge.runtime.memory_account import memory_account
+
+    account = memory_account(
+        store, 0, opts.dtype, opts.context_tokens, opts.resident_bits, embedding_bits=opts.embedding_bits
+    )
+    return choose_budget(account, experts_cap(store, bits), free_memory(memory_sources(device)))
 
 
 def print_account(store: str | Path, opts: EngineOptions, log: TextIO) -> None:
@@ -207,17 +240,25 @@ def open_engine(
     account before loading (``run`` and ``serve``: stderr); ``max_batch``: the command's default when ``opts``
     gives none; ``status``: the stage it is at (the daemon's /health)."""
     from fate_edge.format.checkpoint_layout import DTYPES
+    from fate_edge.runtime.auto_budget import is_auto
     from fate_edge.runtime.budget import parse_bytes
+    from fate_edge.runtime.compute_dtype import resolve_dtype
     from fate_edge.runtime.engine import Engine
-    from fate_edge.runtime.engine_config import EngineConfig
+    from fate_edge.runtime.engine_config import EngineConfig, resolve_device
     from fate_edge.runtime.load_threads import in_own_thread
 
     log = log or sys.stderr
     # converting (once) and the planner's probes run torch on threads of their own: their OpenMP helper threads end
     # with them instead of slowing a batching engine's (runtime.load_threads)
-    store = in_own_thread(lambda: resolve_store(opts.model, progress, status))
+    store = in_own_thread(lambda: resolve_store(opts.model, progress, status, opts.resident_bits, opts.embedding_bits))
     link = make_link(opts.link)
     set_threads(opts.threads)
+    device = resolve_device(opts.device)
+    opts = replace(opts, dtype=str(resolve_dtype(opts.dtype, device)))  # auto: the hardware's (compute_dtype)
+    if is_auto(opts.memory_budget):  # the machine's room, said in one line (auto_budget)
+        choice = auto_budget(store, opts, device)
+        print(choice.line(), file=account or log, flush=True)
+        opts = replace(opts, memory_budget=str(choice.budget))
     policy: str | PolicyConfig = opts.policy
     planned = None
     if policy == "auto":

@@ -53,20 +53,41 @@ AUX_FILES = (
 )
 
 
+# The default store's resident precisions, chosen on measured quality and memory (docs/quantization.md#the-default-
+# store): linears int4 (lm_head included: int8 would add its whole size to every run's peak); the embedding table
+# int8, which costs disk only (a run reads the rows it gathers from the file and holds none: memory_account) and
+# measured better than int4 (bundled model: perplexity 6.518 against 6.537). A table tied to the head is the head
+# too, read whole every token: it takes the head's precision (write_store).
+RESIDENT_BITS = 4
+EMBEDDING_BITS = 8
+
+
 @dataclass
 class ConvertOptions:
     bits: int | None = 4  # precision of the expert copies the engine streams (None: 4, or a GGUF's own width)
     group_size: int | None = None  # None: the largest of GROUP_SIZES that divides the expert dimensions
     cold_bits: int | None = None  # optional low-precision copy for cold experts (Fate: int2 tail)
     cold_group_size: int | None = None  # None: the smallest of GROUP_SIZES that divides (int2 wants small groups)
-    keep_bf16: bool = True  # also store bf16 experts (the full-precision / load-on-demand baseline)
+    # also store bf16 experts: the full-precision / load-on-demand baselines read them, the default policy never does
+    keep_bf16: bool = False
     force: bool = False  # replace an existing store at the destination
     method: str = "rtn"  # "rtn" (Fate's round-to-nearest) or "hqq" (half-quadratic refinement): same format
     layout: str = "auto"  # streamed copy: portable | cpu-int4 (torch's kernel layout) | auto (portable where
     # fate-edge's native int4 kernel is the default here, else cpu-int4 where torch's kernel takes the shapes)
     threads: int | None = None  # experts encoded in parallel (None: the CPU count, at most 8)
-    resident_bits: int | None = None  # 8 or 4: resident linears quantized here, read as they are at load
-    embedding_bits: int | None = None  # 8 or 4: the embedding table quantized here (fate_edge/model/embedding.py)
+    # 8 or 4: resident linears quantized here, read as they are at load; None: as in the checkpoint. The default, 4,
+    # is what eval-quality measured beside the float copy (docs/quantization.md#the-default-store)
+    resident_bits: int | None = RESIDENT_BITS
+    embedding_bits: int | None = EMBEDDING_BITS  # 8 or 4: the embedding table quantized here (model/embedding.py)
+    # lm_head's own precision (8 or 4); None: resident_bits. A GGUF's tensors keep their own width where it is
+    # 4 or 8 bits (gguf_convert.resident_widths)
+    head_bits: int | None = None
+
+    @classmethod
+    def full(cls, **kw) -> ConvertOptions:
+        """The store the baselines read (the bench, the demo): bf16 experts kept and the resident weights as in the
+        checkpoint, so a run may quantize them at load as it asks."""
+        return cls(**{"keep_bf16": True, "resident_bits": None, "embedding_bits": None} | kw)
 
 
 GROUP_SIZES = (128, 64, 32)  # quantization groups convert offers, largest (fewest scales) first
@@ -199,6 +220,8 @@ class StoreSource:
     encode: Callable[[int, int, list[Precision], str], list[tuple[memoryview, int]]]  # (layer, expert, ...) -> blobs
     write_aux: Callable[[Path], None]  # config, tokenizer and other files, into the new store
     aux_bytes: int
+    # a resident group's own width where the source fixes one (a GGUF tensor's), else None: ConvertOptions decides
+    widths: Callable[[list[str]], int | None] | None = None
 
 
 def write_store(
@@ -214,6 +237,10 @@ def write_store(
     cfg, reader = src.cfg, src.reader
     remove_dead_work_dirs(out_dir.parent)
     names_resident = resident_weight_names(cfg, reader)
+    if tied_head(cfg, names_resident) and opts.embedding_bits is not None:
+        head = opts.head_bits or opts.resident_bits  # the table is the head too: the head's precision
+        if head is not None:
+            opts = replace(opts, embedding_bits=head)
     experts_bytes = len(cfg.moe_layers) * cfg.num_experts * sum(p.slot_bytes for p in precisions)
     need = experts_bytes + sum(reader.nbytes(n) for n in names_resident) + src.aux_bytes
     free = _check_free_space(out_dir.parent, need)
@@ -271,6 +298,11 @@ def write_store(
     return out_dir
 
 
+def tied_head(cfg: ModelConfig, names: list[str]) -> bool:
+    """Whether the model's head multiplies by its embedding table (no lm_head of its own)."""
+    return cfg.tie_word_embeddings or "lm_head.weight" not in names
+
+
 def _write_resident(
     src: StoreSource,
     names: list[str],
@@ -282,14 +314,22 @@ def _write_resident(
 ) -> None:
     """resident.safetensors: streamed tensor by tensor as stored, or quantized once here (prequantized.py)."""
     reader = cast(CheckpointReader, _ResidentReader(src.reader, stop, *widen))  # answers the same calls
-    if opts.resident_bits is None and opts.embedding_bits is None:
+    if opts.resident_bits is None and opts.embedding_bits is None and opts.head_bits is None:
         save_streaming(reader, names, path, {"format": "pt"}, lambda _name, nbytes: meter.advance(nbytes))
     else:
-        from fate_edge.format.prequantized import quantized_resident, write_quantized_resident
+        from fate_edge.format.resident_writer import resident_items, write_resident
 
-        held = quantized_resident(src.cfg, reader, src.names, names, opts.resident_bits, opts.embedding_bits)
-        write_quantized_resident(path, held)
-        del held
+        head = opts.head_bits
+
+        def widths(group: list[str]) -> int | None:
+            if group == ["lm_head"] and head is not None:
+                return head
+            if opts.resident_bits is None or src.widths is None:  # asked for float: float (lm_head aside)
+                return None
+            return src.widths(group)
+
+        items = resident_items(src.cfg, reader, src.names, names, opts.resident_bits, opts.embedding_bits, widths)
+        write_resident(path, items, reader)  # a group at a time: convert's memory stays small
         meter.advance(sum(src.reader.nbytes(n) for n in names))
 
 
@@ -342,6 +382,7 @@ def store_index(src: StoreSource, opts: ConvertOptions, precisions: list[Precisi
         "quant_method": opts.method,
         "resident_bits": opts.resident_bits,
         "embedding_bits": opts.embedding_bits,
+        "head_bits": opts.head_bits,
         "precisions": {str(p.bits): p.to_json() for p in precisions},
         "experts": entries,
     }

@@ -58,6 +58,25 @@ def default_bits(types: Counter) -> int:
     return 8 if types.most_common(1)[0][0] == "Q8_0" else 4
 
 
+# Resident tensors keep their file's width: 4-bit-or-less block types go to int4, wider quantized types to int8 (a
+# float file's tensors take ConvertOptions' choice). q4_0 and q4_K blocks are requantized at the loader's group: the
+# same 16 levels per block where a block spans its whole range, within one step otherwise.
+NARROW_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS")
+
+
+def resident_widths(g: GGUFFile, reader: GGUFCheckpoint) -> Callable[[list[str]], int | None]:
+    """A fused resident group's width as its GGUF tensors hold it (the widest of them): 4 for q4 and narrower
+    blocks, 8 for wider quantized blocks (q5, q6, q8), None (ConvertOptions decides) for float tensors."""
+
+    def width(group: list[str]) -> int | None:
+        kinds = {g.info(src).type_name for n in group for src in reader.sources.get(f"{n}.weight", ())}
+        if not kinds or kinds & set(FLOAT_TYPES):
+            return None
+        return 4 if kinds <= set(NARROW_TYPES) else 8
+
+    return width
+
+
 def resident_dtype(g: GGUFFile) -> str:
     """The store's float dtype: float32 for an F32 file (its embeddings in F32), else bfloat16."""
     return "float32" if g.info("token_embd.weight").type_name == "F32" else "bfloat16"
@@ -110,6 +129,12 @@ def convert_gguf(
                     f"{path}: tensor '{name}' has shape {list(g.tensors[name].shape)}, expected {list(expected[m])} "
                     "(experts, rows, columns) from the metadata; the GGUF is damaged or its metadata is wrong"
                 )
+    widths = resident_widths(g, cast(GGUFCheckpoint, reader))
+    embed_width = widths(["model.embed_tokens"])
+    if opts.embedding_bits is not None and embed_width is not None:  # the table keeps its file's width too
+        opts = replace(opts, embedding_bits=embed_width)
+        if "lm_head.weight" not in reader:  # ... also where it is the head (write_store gives it the head's)
+            opts = replace(opts, head_bits=opts.head_bits or embed_width)
     types = expert_types(g, cfg.moe_layers)
     blocks = not set(types) <= set(FLOAT_TYPES)
     if opts.bits is None:
@@ -147,7 +172,15 @@ def convert_gguf(
         return [(b, crc32(b)) for b in blobs]
 
     source = StoreSource(
-        path, cfg, reader, names, expert_bytes, encode, write_aux, sum(len(json.dumps(c)) for c in tok_files.values())
+        path,
+        cfg,
+        reader,
+        names,
+        expert_bytes,
+        encode,
+        write_aux,
+        sum(len(json.dumps(c)) for c in tok_files.values()),
+        widths,
     )
     try:
         return write_store(source, out_dir, opts, precisions, progress, on_progress)

@@ -12,6 +12,7 @@ that kernel runs: AVX512-VNNI or AVX2; torch's CPU int4 layout elsewhere); both 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -22,8 +23,6 @@ from fate_edge.format.file_rows import FileRows
 from fate_edge.huge_pages import moved_to_huge_pages
 from fate_edge.model.arch import ModelConfig
 from fate_edge.model.embedding import NAME as EMBED_NAME
-from fate_edge.model.embedding import quantize_table
-from fate_edge.model.layer import Weights, quantize_group, resident_groups
 
 _FLOAT_SUFFIXES = ("weight", "bias")  # checkpoint tensors the loader casts to the compute dtype
 
@@ -54,12 +53,12 @@ def check_request(reader: CheckpointReader, resident_bits: int | None, embedding
     if held is not None and resident_bits not in (None, held):
         raise ModelFormatError(
             f"{reader.model_dir}: the resident weights were quantized to int{held} at convert; "
-            f"load with --resident-bits {held} (or none), or convert again without --resident-bits"
+            f"load with --resident-bits {held} (or none), or convert again with --resident-bits none"
         )
     if embed is not None and embedding_bits not in (None, embed):
         raise ModelFormatError(
             f"{reader.model_dir}: the embedding table was quantized to int{embed} at convert; "
-            f"load with --embedding-bits {embed} (or none), or convert again without it"
+            f"load with --embedding-bits {embed} (or none), or convert again with --embedding-bits none"
         )
 
 
@@ -78,26 +77,15 @@ def quantized_resident(
     wanted: list[str],
     bits: int | None,
     embedding_bits: int | None,
+    widths: Callable[[list[str]], int | None] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """What convert writes for ``--resident-bits bits``: each fused group quantized as the loader would (one group
-    in full precision at a time), the embedding table at ``embedding_bits``, the other tensors as stored."""
-    w = Weights()
-    groups = []
-    if bits is not None:  # None: the linears as stored
-        groups = resident_groups(config, layer_names, set(wanted))
-        for group in groups:
-            for n in group:
-                dict.__setitem__(w, f"{n}.weight", reader.get(f"{n}.weight"))  # as stored
-            quantize_group(w, group, bits)
-    done = {f"{n}.weight" for group in groups for n in group}
-    for name in wanted:
-        if name == f"{EMBED_NAME}.weight" and embedding_bits is not None:
-            dict.update(
-                w, quantize_table(lambda a, b, n=name: reader.get_rows(n, a, b), reader.shape(name), embedding_bits)
-            )
-        elif name not in done:
-            dict.__setitem__(w, name, reader.get(name))
-    return {k: v.contiguous() for k, v in w.items()}
+    """What convert writes for ``--resident-bits bits``, all held (``resident_writer.resident_items``, which
+    convert streams): each fused group quantized as the loader would, the embedding table at ``embedding_bits``, the
+    other tensors as stored. ``widths(group)``: that group's own bits (lm_head, a GGUF tensor's width), None for
+    ``bits``; a group whose width comes out None stays as stored."""
+    from fate_edge.format.resident_writer import held, resident_items
+
+    return held(resident_items(config, reader, layer_names, wanted, bits, embedding_bits, widths), reader)
 
 
 def write_quantized_resident(path: str | Path, tensors: dict[str, torch.Tensor]) -> None:

@@ -130,6 +130,7 @@ def host_token_seconds(
     from fate_edge.format.checkpoint_layout import DTYPES
     from fate_edge.format.store import ExpertStore
     from fate_edge.planning.host_costs import probe_engine
+    from fate_edge.runtime.compute_dtype import resolve_dtype
     from fate_edge.runtime.policy import PRESETS
 
     store = ExpertStore(store_dir)
@@ -143,7 +144,7 @@ def host_token_seconds(
         PRESETS["lru"],
         None,
         token_ids,
-        DTYPES[defaults.DTYPE],
+        DTYPES[str(resolve_dtype(defaults.DTYPE, "cpu"))],  # auto: the dtype a run here computes in
         tokens=tokens,
         workers=workers,
         resident_bits=resident_bits,

@@ -12,6 +12,7 @@ decoded expert being computed when it is not cached.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from collections.abc import Generator, Iterator
 from contextlib import contextmanager
@@ -28,10 +29,19 @@ from fate_edge.fetch.transfer import make_copier
 from fate_edge.format.checkpoint_layout import DTYPES
 from fate_edge.format.store import ExpertStore, decode_expert, is_store
 from fate_edge.model.experts import ExpertProvider
+from fate_edge.runtime.auto_budget import (
+    BudgetChoice,
+    choose_budget,
+    experts_cap,
+    free_memory,
+    is_auto,
+    memory_sources,
+)
 from fate_edge.runtime.batch import BatchConfig, Batcher, default_max_batch
 from fate_edge.runtime.budget import BudgetPlan, memory_shortfall, parse_bytes, plan_budget
 from fate_edge.runtime.cache import ExpertCache
 from fate_edge.runtime.cache.factory import Resident, build_cache, layer_slots, pick_resident
+from fate_edge.runtime.compute_dtype import resolve_dtype
 from fate_edge.runtime.engine_config import EngineConfig, PolicyChoice, Trace, plan_policy, resolve_device
 from fate_edge.runtime.exit_close import close_at_exit, closed
 from fate_edge.runtime.generate import GenerateConfig, GenerationResponse, stream_from_model
@@ -44,6 +54,8 @@ from fate_edge.runtime.request_slot import RequestSlot
 from fate_edge.runtime.scheduler import Scheduler, SchedulerStats, hands_off
 from fate_edge.sizes import format_bytes
 from fate_edge.tokenizer import Tokenizer
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -96,17 +108,22 @@ class Engine:
             raise FateEdgeError(f"{c.store_dir}: not an expert store; create one with `fate-edge convert MODEL OUT`")
         self.planned: PolicyChoice | None = None  # the planner's choice, where Engine.load asked it
         self.policy = get_policy(c.policy)
-        self.dtype = DTYPES[c.dtype] if isinstance(c.dtype, str) else c.dtype
+        dtype = resolve_dtype(c.dtype, device)  # "auto": the hardware's native dtype (compute_dtype)
+        self.dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
         self.store = ExpertStore(c.store_dir)
         if isinstance(c.policy, str):
             self.policy = streamed_by_store(self.policy, self.store)
         for bits in {self.policy.bits} | ({self.policy.cold_bits} - {None}):
             if bits not in self.store.precisions and bits != self.policy.cold_bits:
+                fix = "--keep-bf16" if bits == 16 else f"--bits {bits}"
                 raise FateEdgeError(
-                    f"policy '{self.policy.name}' needs int{bits} experts but {c.store_dir} holds "
-                    f"{self.store.bits_available}; re-run fate-edge convert with --bits {bits}"
+                    f"policy '{self.policy.name}' needs {'bf16' if bits == 16 else f'int{bits}'} experts but "
+                    f"{c.store_dir} holds {self.store.bits_available}; re-run fate-edge convert with {fix}"
                 )
-        self.budget = parse_bytes(c.memory_budget)
+        # "auto": chosen at load from the memory account and this machine's free memory (auto_budget)
+        self._auto_budget = is_auto(c.memory_budget)
+        self.budget = 0 if self._auto_budget else parse_bytes(c.memory_budget)
+        self.budget_choice: BudgetChoice | None = None
         # A batched engine computes on its batcher thread: it loads on a thread of its own, whose OpenMP helper
         # threads end with it, so that the batcher's team is the process's only one (runtime.load_threads: 4x on the
         # bundled model)
@@ -124,6 +141,13 @@ class Engine:
         self.account = memory_account(
             c.store_dir, self.budget, self.dtype, c.context_tokens, c.resident_bits, embedding_bits=c.embedding_bits
         )
+        if self._auto_budget:
+            self.budget_choice = choose_budget(
+                self.account, experts_cap(c.store_dir, self.policy.bits), free_memory(memory_sources(self.device))
+            )
+            self.budget = self.budget_choice.budget
+            self.account = replace(self.account, expert_budget=self.budget)
+            _log.info(self.budget_choice.line())
         self._check_account()
         self.model = load_model(
             c.store_dir,
@@ -399,6 +423,15 @@ class Engine:
         config = EngineConfig(store, memory_budget, policy, dtype=dtype, device=device, **kw)
         planned = None
         if config.policy == "auto":  # the planner's probes run on a thread of their own too
+            from fate_edge.runtime.auto_budget import resolve_budget
+
+            dev = resolve_device(config.device)
+            dt = resolve_dtype(config.dtype, dev)
+            # "auto" chosen once here, so the planner and the engine plan for the same budget and dtype
+            b = resolve_budget(
+                store, config.memory_budget, dt, config.context_tokens, config.resident_bits, config.embedding_bits, dev
+            )
+            config = replace(config, dtype=dt, memory_budget=b)
             planned = in_own_thread(lambda: plan_policy(config))
             config = replace(config, policy=planned.policy)
         engine = cls(config)

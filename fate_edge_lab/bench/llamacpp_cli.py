@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             ap.error(f"argument --side: {exc}")
     ggufs = {k: str(p) for k, p in ensure_ggufs(args.model, sides_set.gguf_types).items()}  # PeerUnavailableError
-    store = ensure_store(args.model, progress=False)
+    store = ensure_store(args.model, progress=False, baselines=True)  # sides quantize resident weights at load
     info = store_info(store)
     tok = Tokenizer(args.model)
     text, files = heldout_source(args.prompt_tokens * 16)

@@ -35,8 +35,13 @@ def _convert_once(model_dir: Path, out: Path, layout: str = "auto") -> Path:
     if layout != "auto":
         out = out.with_name(f"{out.name}-{layout}")
     if not is_store(out):
-        print(f"bench: converting {model_dir} -> {out} (int4 + int2 cold copy + bf16)", flush=True)
-        convert(model_dir, out, ConvertOptions(bits=4, cold_bits=2, keep_bf16=True, layout=layout), progress=False)
+        # the baselines' store: bf16 experts and float resident weights kept (load-on-demand reads bf16, and the runs
+        # quantize resident weights at load as each asks); the default store holds neither (ConvertOptions)
+        print(
+            f"bench: converting {model_dir} -> {out} (int4 + int2 cold copy + bf16 for the baselines, float resident)",
+            flush=True,
+        )
+        convert(model_dir, out, ConvertOptions.full(bits=4, cold_bits=2, layout=layout), progress=False)
         # Flush the new files to disk now, so their writeback does not take CPU from the first measurements.
         os.sync()
     return out

@@ -31,6 +31,7 @@ import argparse
 import json
 import math
 import random
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -408,6 +409,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--threads", type=positive_int, default=1, help="torch threads (1: steady timings on a shared host)"
     )
     ap.add_argument("--json", type=Path, default=Path("bench-out/quality.json"))
+    ap.add_argument(
+        "--defaults",
+        action="store_true",
+        help="instead: the default store (quantized resident weights) and compute dtype beside the old ones, on "
+        "real stores (fate_edge/bench/default_quality.py; its own options: eval-quality --defaults --help)",
+    )
     add_results_arg(
         ap, "rewrite the table between the eval_quality markers of FILE (without FILE: docs/results/eval_quality.md)"
     )
@@ -415,6 +422,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--defaults" in argv:  # the default store and dtype against the old ones (default_quality.py)
+        from fate_edge_lab.bench.default_quality import main as defaults_main
+
+        return defaults_main([a for a in argv if a != "--defaults"])
     measure(build_parser().parse_args(argv))
     return 0
 

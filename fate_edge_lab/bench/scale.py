@@ -35,7 +35,10 @@ class ScaleConfig:
     budgets: list[int] = field(default_factory=lambda: [int(2 * GB), int(4 * GB)])  # expert budgets
     convert: bool = True  # convert first (else the store must exist)
     convert_limit: int = int(2 * GB)  # the convert child's memory cap
-    convert_opts: ConvertOptions = field(default_factory=lambda: ConvertOptions(keep_bf16=False))  # int4 only
+    # int4 experts only, resident weights as in the checkpoint: the runs quantize them at load (resident_bits)
+    convert_opts: ConvertOptions = field(
+        default_factory=lambda: ConvertOptions(keep_bf16=False, resident_bits=None, embedding_bits=None)
+    )
     policy: str = "fate-edge"
     dtype: str = "bfloat16"  # resident weights and activations
     prompt_tokens: int = 64

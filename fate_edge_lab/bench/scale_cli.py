@@ -282,7 +282,10 @@ def main(argv: list[str] | None = None) -> int:
         args.budgets,
         not args.no_convert,
         int(args.convert_limit_gb * GB),
-        ConvertOptions(bits=args.bits, cold_bits=args.cold_bits, keep_bf16=args.keep_bf16),
+        # resident weights as in the checkpoint: --resident-bits quantizes them at load
+        ConvertOptions(
+            bits=args.bits, cold_bits=args.cold_bits, keep_bf16=args.keep_bf16, resident_bits=None, embedding_bits=None
+        ),
         args.policy,
         prompt_tokens=args.prompt_tokens,
         decode_tokens=args.decode_tokens,

@@ -144,7 +144,8 @@ def engine_store(cfg: ThroughputConfig) -> tuple[Path, int]:
     from fate_edge.format.store import ExpertStore
 
     torch.set_num_threads(cfg.threads)
-    store = ensure_store(cfg.model or bundled_model_dir(), progress=False)
+    # the baselines' store (float resident weights: cfg.resident_bits quantizes them at load)
+    store = ensure_store(cfg.model or bundled_model_dir(), progress=False, baselines=True)
     s = ExpertStore(store)
     return store, int(cfg.budget_fraction * s.expert_bytes(4) * len(s.index["moe_layers"]) * s.index["num_experts"])
 

@@ -37,7 +37,9 @@ def tiny_run(tmp_path_factory, bundled_dir):
     from fate_edge.format.converted_stores import ensure_store
 
     tmp = tmp_path_factory.mktemp("bench")
-    store = ensure_store(bundled_dir, progress=False)  # int4 + int2 + bf16, converted once, shared with other tests
+    store = ensure_store(
+        bundled_dir, cold_bits=2, progress=False, baselines=True
+    )  # int4 + int2 + bf16, converted once, shared with other tests
     cfg = BenchConfig(
         model=str(store),
         presets=PRESETS,
@@ -199,7 +201,7 @@ def test_planned_configuration_is_planned_in_its_worker_and_reported(tiny_run):
 def test_fate_edge_bench_records_its_own_command_and_runs_its_workers_from_the_install(tmp_path, bundled_dir):
     from fate_edge.format.converted_stores import ensure_store
 
-    store = ensure_store(bundled_dir, progress=False)
+    store = ensure_store(bundled_dir, cold_bits=2, progress=False, baselines=True)
     argv = [
         "bench",
         "--model",

@@ -21,7 +21,7 @@ def test_scale_bench_converts_and_runs_each_budget_within_its_cap(tmp_path, bund
         tmp_path / "store",
         budgets,
         convert_limit=1_000_000_000,
-        convert_opts=ConvertOptions(bits=4, cold_bits=2, keep_bf16=False),
+        convert_opts=ConvertOptions.full(bits=4, cold_bits=2, keep_bf16=False),
         prompt_tokens=12,
         decode_tokens=3,
         threads=1,
@@ -86,7 +86,7 @@ def test_llama_side_runs_beside_each_budget_in_every_round_under_the_same_cap(tm
     store = tmp_path / "store"
     from fate_edge.format.convert import convert
 
-    convert(bundled_dir, store, ConvertOptions(bits=4, keep_bf16=False), progress=False)
+    convert(bundled_dir, store, ConvertOptions.full(bits=4, keep_bf16=False), progress=False)
     budgets = [1_500_000, 3_000_000]
     cfg = ScaleConfig(
         bundled_dir,

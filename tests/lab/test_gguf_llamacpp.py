@@ -72,7 +72,7 @@ def _cos(a: np.ndarray, b: np.ndarray) -> float:
 @pytest.mark.parametrize("kind,bits,floor", [("f32", 16, 0.9999), ("q4_0", 4, 0.999)])
 def test_logits_and_ids_match_llama_cpp(tmp_path, llama_ggufs, kind, bits, floor):
     """f32: bf16 experts against llama.cpp's f32; q4_0: the blocks' own int4 codes against llama.cpp's q4_0."""
-    store = convert_gguf(llama_ggufs[kind], tmp_path / "store", ConvertOptions(bits=None), progress=False)
+    store = convert_gguf(llama_ggufs[kind], tmp_path / "store", ConvertOptions.full(bits=None), progress=False)
     tok = Tokenizer(store)
     text, _ = heldout_source(20000)
     ids = tok.encode(PROMPT)

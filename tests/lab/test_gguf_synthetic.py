@@ -231,7 +231,7 @@ def test_the_gguf_converts_to_a_store_that_tokenizes_and_computes_like_llama_cpp
     from fate_edge.corpus import heldout_source
 
     name, model_dir, path = converted
-    store = convert_gguf(path, tmp_path / "store", ConvertOptions(bits=None), progress=False)
+    store = convert_gguf(path, tmp_path / "store", ConvertOptions.full(bits=None), progress=False)
     tok, ref_tok = Tokenizer(store), Tokenizer(model_dir)
     text, _ = heldout_source(3000)
     ids = tok.encode(text)

@@ -31,8 +31,8 @@ def test_int4_store_of_inflated_model_matches_int4_store_of_original(tmp_path, b
     from fate_edge.format.convert import ConvertOptions, convert
 
     out = inflated.inflate(bundled_dir, tmp_path / "inflated", intermediate=256)
-    a = convert(bundled_dir, tmp_path / "a", ConvertOptions(bits=4, keep_bf16=False), progress=False)
-    b = convert(out, tmp_path / "b", ConvertOptions(bits=4, keep_bf16=False), progress=False)
+    a = convert(bundled_dir, tmp_path / "a", ConvertOptions.full(bits=4, keep_bf16=False), progress=False)
+    b = convert(out, tmp_path / "b", ConvertOptions.full(bits=4, keep_bf16=False), progress=False)
     ids = torch.randint(0, 4000, (1, 24), generator=torch.Generator().manual_seed(1))
     ma, mb = load_model(a), load_model(b)
     # Inert groups quantize to exact zeros, so the quantized models agree too.

@@ -44,7 +44,7 @@ def recorded(request, tmp_path_factory, bundled_dir):
         if request.param == "bundled"
         else build_tiny_moe(root / "model", seed=0 if top2 else 3, top_k=2 if top2 else 4, expert_dim=32)
     )
-    store = convert(src, root / "store", ConvertOptions(bits=4), progress=False)
+    store = convert(src, root / "store", ConvertOptions.full(bits=4), progress=False)
     trace, preds, cfg, sizes, popularity = record_with_predictions(store)
     preds["activation-path"] = _activation_path_scores(trace, cfg, PRESETS["activation-path"].lookahead, popularity)
     preds["oracle"] = oracle_scores(trace, cfg.moe_layers, PRESETS["oracle"].lookahead, cfg.num_experts)

@@ -117,7 +117,7 @@ def test_decode_reads_counts_one_request_decode(bundled_dir):
     from fate_edge.runtime.generate import GenerateConfig
     from fate_edge_lab.bounds.read_bound import decode_reads
 
-    store = ensure_store(bundled_dir, progress=False)
+    store = ensure_store(bundled_dir, cold_bits=2, progress=False, baselines=True)
     s = ExpertStore(store)
     budget = int(0.35 * s.expert_bytes(4) * len(s.index["moe_layers"]) * s.index["num_experts"])
     with Engine(EngineConfig(store, budget, max_batch=1)) as engine:
@@ -176,7 +176,7 @@ def test_request_read_bound_serves_the_gpu_bench_request(bundled_dir, capsys):
     from fate_edge.format.converted_stores import ensure_store
 
     script = load_script("scripts/research/request_read_bound.py")
-    store = ensure_store(bundled_dir, progress=False)
+    store = ensure_store(bundled_dir, cold_bits=2, progress=False, baselines=True)
     args = argparse.Namespace(
         store=str(store),
         policy="fate-edge",

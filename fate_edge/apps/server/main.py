@@ -118,10 +118,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from fate_edge.apps.server.app import ServerSettings, create_app
     from fate_edge.apps.server.http11 import JSONErrorH11Protocol
     from fate_edge.apps.server.unix_socket import bind_unix_socket, parse_mode
+    from fate_edge.runtime.auto_budget import is_auto
     from fate_edge.runtime.budget import parse_bytes
 
     try:
-        parse_bytes(args.memory_budget)
+        if not is_auto(args.memory_budget):  # auto: chosen when the engine loads, and said on one line
+            parse_bytes(args.memory_budget)
         max_body = parse_bytes(args.max_body_bytes)
     except ValueError as exc:
         raise FateEdgeError(str(exc)) from None

@@ -1,0 +1,126 @@
+"""``--dtype auto`` (the default): the compute dtype this hardware runs best.
+
+CUDA (a Jetson Orin included): bfloat16 where the GPU computes it natively (``torch.cuda.is_bf16_supported``).
+A CPU without bf16 instructions (AVX512-BF16 or AMX-BF16): float32, which it computes natively. A CPU with them:
+measured, not assumed: the probe decodes with the bundled model in both dtypes (interleaved rounds, a few seconds,
+once per host) and keeps the faster; the answer is cached beside the host's probed profile, keyed by the CPU,
+its thread count and torch's version (an AMD EPYC Zen 4 with AVX512-BF16 decoded at 0.67x in bfloat16:
+docs/performance.md#compute-dtype). ``FATE_EDGE_DTYPE`` overrides the probe (float32 or bfloat16).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+DTYPES = ("float32", "bfloat16")
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+PROBE_ROUNDS = 3
+PROBE_TOKENS = 24
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_has_bf16(flags: set[str] | None = None) -> bool:
+    return bool(set(CPU_BF16_FLAGS) & (cpu_flags() if flags is None else flags))
+
+
+def probe_path() -> Path:
+    from fate_edge.app_dirs import cache_home
+
+    return cache_home() / "compute-dtype.json"
+
+
+def _cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def _host_key() -> str:
+    return f"{_cpu_model()}|{torch.get_num_threads()} threads|torch {torch.__version__}"
+
+
+def probe_decode_speed() -> dict[str, float]:
+    """Decode tokens/s of the bundled model's default store in each dtype: interleaved rounds, medians."""
+    from fate_edge.bundled import bundled_model_dir
+    from fate_edge.format.converted_stores import ensure_store
+    from fate_edge.format.store import ExpertStore
+    from fate_edge.runtime.engine import Engine
+    from fate_edge.runtime.engine_config import EngineConfig
+    from fate_edge.runtime.generate import GenerateConfig
+
+    path = ensure_store(bundled_model_dir(), progress=False)
+    store = ExpertStore(path)
+    budget = 2 * len(store.index["moe_layers"]) * store.index["num_experts"] * store.expert_bytes(4) + (16 << 20)
+    engines = {d: Engine(EngineConfig(path, budget, dtype=d)) for d in DTYPES}
+    try:
+        ids = engines[DTYPES[0]].tokenizer.encode("def expert_cache(budget, layers):\n    return")
+        config = GenerateConfig(max_tokens=PROBE_TOKENS, ignore_eos=True)
+        speeds: dict[str, list[float]] = {d: [] for d in DTYPES}
+        for e in engines.values():
+            e.complete(ids, GenerateConfig(max_tokens=4, ignore_eos=True))  # warm up
+        for _ in range(PROBE_ROUNDS):
+            for d, e in engines.items():
+                speeds[d].append(e.complete(ids, config).generation_tps)
+    finally:
+        for e in engines.values():
+            e.close()
+    return {d: statistics.median(v) for d, v in speeds.items()}
+
+
+def probed_cpu_dtype(probe: Callable[[], dict[str, float]] = probe_decode_speed, path: Path | None = None) -> str:
+    """The faster dtype of this host's CPU, probed once and cached (bfloat16 only where it is not slower)."""
+    path = path or probe_path()
+    key = _host_key()
+    try:
+        cached = json.loads(path.read_text())
+        if cached.get("host") == key and cached.get("dtype") in DTYPES:
+            return str(cached["dtype"])
+    except (OSError, ValueError):
+        pass
+    speeds = probe()
+    dtype = "bfloat16" if speeds["bfloat16"] >= speeds["float32"] else "float32"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"host": key, "dtype": dtype, "decode_tok_s": speeds}, indent=1))
+    except OSError:
+        pass  # a read-only cache: probe again next time
+    return dtype
+
+
+def native_dtype(device: str, flags: set[str] | None = None, probe: Callable[[], str] = probed_cpu_dtype) -> str:
+    """The compute dtype ``--dtype auto`` resolves to on ``device`` (cpu, cuda, cuda:N)."""
+    forced = os.environ.get("FATE_EDGE_DTYPE")
+    if forced in DTYPES:
+        return forced
+    if device.startswith("cuda"):
+        return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
+    if not cpu_has_bf16(flags):
+        return "float32"
+    return probe()
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str) -> str | torch.dtype:
+    """``dtype`` itself, or for "auto" the hardware's native one (:func:`native_dtype`)."""
+    if isinstance(dtype, str) and dtype == "auto":
+        return native_dtype(device)
+    return dtype
