@@ -46,7 +46,7 @@ def test_request_level_fields():
     for body, word in [
         ({}, "model"),
         ({"model": "m", "stream": "no"}, "stream"),
-        ({"model": "m", "format": "json"}, "format"),
+        ({"model": "m", "format": "yaml"}, "format"),
         ({"model": "m", "options": 3}, "options"),
     ]:
         with pytest.raises(OllamaError, match=word):

@@ -26,13 +26,14 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def engine():
+def engine(baseline_store):
     from fate_edge import Engine
     from fate_edge.runtime.policy import get_policy
 
-    # fp32 compute with the store's 16-bit experts, every one cached after its first read (64 MB holds them all)
+    # fp32 compute with the baseline store's 16-bit experts and float resident weights, every expert cached after its
+    # first read (64 MB holds them all)
     policy = get_policy("lru").with_(bits=16)
-    with Engine.load(memory_budget="64MB", device="cpu", dtype="float32", policy=policy) as eng:
+    with Engine.load(baseline_store, memory_budget="64MB", device="cpu", dtype="float32", policy=policy) as eng:
         yield eng
 
 
@@ -81,6 +82,33 @@ def test_ollama_client_chat_generate_tags_show_ps(base):
     assert client.generate(model=MODEL, prompt="x", options={"num_predict": 4, "repeat_penalty": 1.3}).eval_count <= 4
 
 
+def test_ollama_format_json_and_a_schema_constrain_the_answer(base):
+    import json
+
+    import jsonschema
+
+    client = ollama.Client(host=base)
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 12}, "size": {"type": "integer", "maximum": 999}},
+        "required": ["name", "size"],
+        "additionalProperties": False,
+    }
+    for seed in range(3):
+        opts = {"num_predict": 96, "temperature": 1.0, "seed": seed}
+        answer = client.chat(model=MODEL, messages=[{"role": "user", "content": "x"}], format=schema, options=opts)
+        assert answer.done_reason == "stop"
+        jsonschema.validate(json.loads(answer.message.content), schema)
+    for seed, temperature in [(1, 0.0), (2, 0.7), (3, 1.0)]:  # any object: the grammar alone ends it
+        free = client.chat(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Describe a tree as JSON"}],
+            format="json",
+            options={"num_predict": 200, "temperature": temperature, "seed": seed},
+        )
+        assert free.done_reason == "stop" and isinstance(json.loads(free.message.content), dict)
+
+
 def test_ollama_errors_have_its_shape_and_the_daemon_keeps_serving(base):
     client = ollama.Client(host=base)
     with pytest.raises(ollama.ResponseError) as exc:
@@ -96,7 +124,7 @@ def test_ollama_errors_have_its_shape_and_the_daemon_keeps_serving(base):
         client.generate(model=MODEL, prompt="x", images=["aGk="])
     assert exc.value.status_code == 400 and "images" in exc.value.error
     with pytest.raises(ollama.ResponseError) as exc:
-        client.generate(model=MODEL, prompt="x", format="json")
+        client.generate(model=MODEL, prompt="x", format={"type": "object", "properties": 3})
     assert exc.value.status_code == 400 and "format" in exc.value.error
     with pytest.raises(ollama.ResponseError) as exc:
         client.pull(MODEL)

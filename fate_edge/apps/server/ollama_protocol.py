@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from fate_edge.apps.server.errors import OllamaError
+from fate_edge.errors import GrammarError
 from fate_edge.runtime.generate import GenerateConfig
 from fate_edge.runtime.sampling import SamplingParams
+from fate_edge.runtime.structured import json_schema_grammar
 
 # Ollama's defaults where a Modelfile sets none (its api/types.go DefaultOptions); its repeat_penalty of 1.1 over
 # the last 64 tokens is left out: ours would cover the whole history, so the penalty is off unless asked for.
@@ -107,8 +109,28 @@ def config_of(body: dict[str, Any], context: int) -> GenerateConfig:
     if max_tokens is not None:
         max_tokens = min(max_tokens, context)
     return GenerateConfig(
-        max_tokens=max_tokens, sampling=sampling, stop=_stops(options), context_limit=min(num_ctx or context, context)
+        max_tokens=max_tokens,
+        sampling=sampling,
+        stop=_stops(options),
+        context_limit=min(num_ctx or context, context),
+        grammar=format_grammar(body),
     )
+
+
+def format_grammar(body: dict[str, Any]) -> str | None:
+    """``format``: "json" (any JSON object) or a JSON schema, enforced by grammar-constrained sampling
+    (runtime.structured, as the OpenAI routes' ``response_format``); absent or "": free text."""
+    fmt = body.get("format")
+    if fmt in (None, ""):
+        return None
+    if fmt == "json":
+        return json_schema_grammar(None)
+    if not isinstance(fmt, dict):
+        raise bad(f'"format" must be "json" or a JSON schema object, got {str(fmt)[:40]!r}')
+    try:
+        return json_schema_grammar(fmt)
+    except GrammarError as exc:
+        raise bad(f'"format" is not a JSON schema the grammar library accepts: {exc}') from None
 
 
 def common(body: dict[str, Any]) -> tuple[str, bool]:
@@ -121,9 +143,6 @@ def common(body: dict[str, Any]) -> tuple[str, bool]:
         stream = True
     if not isinstance(stream, bool):
         raise bad(f'"stream" must be a boolean, got {type(stream).__name__}')
-    fmt = body.get("format")
-    if fmt not in (None, ""):
-        raise not_done('"format" (structured output)', "constrained sampling is not built yet; ask in the prompt")
     if body.get("think") not in (None, False):
         raise bad(f'"{model}" does not support thinking')
     if body.get("tools"):
