@@ -55,12 +55,13 @@ def decode_logits(model, fast: bool) -> tuple[torch.Tensor, Counter]:
 
 
 def store_int4_model(bundled_dir):
-    """The bundled model with every int4 expert of its store resident, as the int4 side of `fate-edge bench-llamacpp`
+    """The bundled model with every int4 expert of its store resident and float resident weights (the baselines'
+    store: the default one quantizes the resident linears too), as the int4 side of `fate-edge bench-llamacpp`
     runs."""
-    from fate_edge.apps.engine_args import resolve_store
+    from fate_edge.format.converted_stores import ensure_store
     from fate_edge_lab.bench.sidebyside import resident_int4
 
-    store = resolve_store(bundled_dir, progress=False)
+    store = ensure_store(bundled_dir, cold_bits=2, progress=False, baselines=True)
     return load_model(store, torch.float32, experts=resident_int4(store))
 
 

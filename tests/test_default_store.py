@@ -34,10 +34,10 @@ def test_a_store_converted_with_no_options_holds_what_the_default_policy_reads(b
     assert sorted(ExpertStore(full).precisions) == [4, 16]
     assert stored_bits(CheckpointReader(full)) == (None, None)
     assert _size(lean) < 0.6 * _size(full)
-    with Engine(lean, "8MB", dtype="float32") as engine:  # the default policy runs on it
+    with Engine(EngineConfig(lean, "8MB", dtype="float32")) as engine:  # the default policy runs on it
         assert engine.complete("def f():").completion_tokens > 0
     with pytest.raises(FateEdgeError, match="needs bf16 experts.*--keep-bf16"):
-        Engine(lean, "8MB", policy="load-on-demand", dtype="float32")
+        Engine(EngineConfig(lean, "8MB", policy="load-on-demand", dtype="float32"))
 
 
 def test_convert_on_the_command_line_keeps_bf16_and_float_weights_only_when_asked(bundled_dir, tmp_path):

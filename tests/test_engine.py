@@ -110,7 +110,7 @@ def test_peak_rss_within_resident_plus_budget(store, budget_35):
         from fate_edge.runtime.generate import peak_rss_bytes
         import psutil
         base = psutil.Process().memory_info().rss  # interpreter + torch, before any model byte
-        with Engine({str(store)!r}, {budget_35}, "fate-edge") as e:
+        with Engine(EngineConfig({str(store)!r}, {budget_35}, "fate-edge")) as e:
             resident = sum(t.numel() * t.element_size() for t in e.model.w.values())
             e.generate_text("def main():", GenerateConfig(max_tokens=256, ignore_eos=True))
             peak = peak_rss_bytes()

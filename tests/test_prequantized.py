@@ -175,7 +175,10 @@ def test_embedding_bits_alone_quantize_the_table_and_leave_the_linears_as_stored
     """``embedding_bits`` without ``resident_bits``: only the embedding table is quantized (the linears went to int8
     when the missing resident bits reached the group quantizer as None)."""
     out = convert(
-        bundled_dir, tmp_path / "s", ConvertOptions(bits=4, keep_bf16=False, embedding_bits=8), progress=False
+        bundled_dir,
+        tmp_path / "s",
+        ConvertOptions(bits=4, keep_bf16=False, resident_bits=None, embedding_bits=8),
+        progress=False,
     )
     quantized = {n for n in CheckpointReader(out).keys() if n.endswith((".int8", ".nint4", ".int4"))}
     assert quantized == {"model.embed_tokens.int8"}

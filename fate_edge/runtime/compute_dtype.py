@@ -60,30 +60,25 @@ def _host_key() -> str:
 
 
 def probe_decode_speed() -> dict[str, float]:
-    """Decode tokens/s of the bundled model's default store in each dtype: interleaved rounds, medians."""
+    """Decode tokens/s of the bundled model's default store in each dtype, every expert in memory: interleaved
+    rounds, medians. (The model and its generation loop, not an Engine: the engine resolves its dtype here.)"""
     from fate_edge.bundled import bundled_model_dir
     from fate_edge.format.converted_stores import ensure_store
-    from fate_edge.format.store import ExpertStore
-    from fate_edge.runtime.engine import Engine
-    from fate_edge.runtime.engine_config import EngineConfig
-    from fate_edge.runtime.generate import GenerateConfig
+    from fate_edge.runtime.generate import GenerateConfig, generate_from_model
+    from fate_edge.runtime.loader import load_model
+    from fate_edge.tokenizer import Tokenizer
 
     path = ensure_store(bundled_model_dir(), progress=False)
-    store = ExpertStore(path)
-    budget = 2 * len(store.index["moe_layers"]) * store.index["num_experts"] * store.expert_bytes(4) + (16 << 20)
-    engines = {d: Engine(EngineConfig(path, budget, dtype=d)) for d in DTYPES}
-    try:
-        ids = engines[DTYPES[0]].tokenizer.encode("def expert_cache(budget, layers):\n    return")
-        config = GenerateConfig(max_tokens=PROBE_TOKENS, ignore_eos=True)
-        speeds: dict[str, list[float]] = {d: [] for d in DTYPES}
-        for e in engines.values():
-            e.complete(ids, GenerateConfig(max_tokens=4, ignore_eos=True))  # warm up
-        for _ in range(PROBE_ROUNDS):
-            for d, e in engines.items():
-                speeds[d].append(e.complete(ids, config).generation_tps)
-    finally:
-        for e in engines.values():
-            e.close()
+    models = {d: load_model(path, dtype=d) for d in DTYPES}
+    tok = Tokenizer(path)
+    ids = tok.encode("def expert_cache(budget, layers):\n    return")
+    config = GenerateConfig(max_tokens=PROBE_TOKENS, ignore_eos=True)
+    speeds: dict[str, list[float]] = {d: [] for d in DTYPES}
+    for m in models.values():
+        generate_from_model(m, tok, ids, GenerateConfig(max_tokens=4, ignore_eos=True))  # warm up
+    for _ in range(PROBE_ROUNDS):
+        for d, m in models.items():
+            speeds[d].append(generate_from_model(m, tok, ids, config)[1].generation_tps)
     return {d: statistics.median(v) for d, v in speeds.items()}
 
 

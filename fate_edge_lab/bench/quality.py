@@ -422,12 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--defaults" in argv:  # the default store and dtype against the old ones (default_quality.py)
-        from fate_edge_lab.bench.default_quality import main as defaults_main
-
-        return defaults_main([a for a in argv if a != "--defaults"])
-    measure(build_parser().parse_args(argv))
+    measure(build_parser().parse_args(list(sys.argv[1:] if argv is None else argv)))
     return 0
 
 
