@@ -26,7 +26,7 @@ import torch
 
 from fate_edge.bench.config import HEADLINE_BUDGET
 from fate_edge.bench.gguf import ensure_ggufs
-from fate_edge.bench.host import cpu_model, load_average
+from fate_edge.bench.host import cpu_flags, cpu_label, cpu_model, load_average
 from fate_edge.bench.prepare import store_info
 from fate_edge.bench.publish import add_results_arg, publish, results_file
 from fate_edge.bench.sidebyside import (
@@ -190,11 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     agree = {f"{a} vs {b}": same_tokens(runs, a, b) for a, b in sides_set.pairs}
     tokenization = next((r["tokenization"] for rs in runs.values() for r in rs if "tokenization" in r), None)
     cpu = cpu_model() or platform.processor()
+    label = cpu_label() if cpu_model() else cpu
     header = (
         ("Only the sides named with `--side` ran. " if args.side else "")
         + f"{model_label(args.model)}, {len(ids)}-token held-out Python prompt (same token ids on both sides), "
         f"{args.decode_tokens} greedy decode tokens, {args.threads} threads, median of {args.rounds} "
-        f"interleaved rounds of fresh processes; {cpu}, torch {torch.__version__}, llama-cpp-python "
+        f"interleaved rounds of fresh processes; {label}, torch {torch.__version__}, llama-cpp-python "
         f"{__import__('llama_cpp').__version__}; load average {load_before[0]} before, {load_after[0]} after, "
         f"per run in the JSON. Ratios: fate-edge / llama.cpp. "
         + (
@@ -221,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads,
         "rounds": args.rounds,
         "cpu": cpu,
+        "cpu_flags": cpu_flags(),
         "torch": torch.__version__,
         "load_avg_before": load_before,
         "load_avg_after": load_after,
