@@ -64,8 +64,9 @@ def table(summary: dict, header: str) -> str:
     out = [
         header,
         "",
-        "| side | experts | rest | prefill tok/s | ratio | decode tok/s | ratio | peak RSS MB | MB read / token |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+        "| side | experts | rest | prefill tok/s | ratio | decode tok/s | ratio | decode tok / CPU s | ratio "
+        "| peak RSS MB | MB read / token |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in summary.items():
         rss = None if r["peak_rss_bytes"] is None else r["peak_rss_bytes"] / 1e6
@@ -73,7 +74,8 @@ def table(summary: dict, header: str) -> str:
         out.append(
             f"| {name}{fail} | {r['experts']} | {r['rest']} | {_fmt(r['prefill_tps'], '.0f')} "
             f"| {_fmt(r.get('prefill_tps_ratio'), '.2f')} | {_fmt(r['decode_tps'], '.1f')} "
-            f"| {_fmt(r.get('decode_tps_ratio'), '.2f')} | {_fmt(rss, '.0f')} "
+            f"| {_fmt(r.get('decode_tps_ratio'), '.2f')} | {_fmt(r.get('decode_cpu_tps'), '.1f')} "
+            f"| {_fmt(r.get('decode_cpu_tps_ratio'), '.2f')} | {_fmt(rss, '.0f')} "
             f"| {_fmt(r['decode_read_mb_per_token'], '.2f')} |"
         )
     return "\n".join(out)
@@ -197,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.decode_tokens} greedy decode tokens, {args.threads} threads, median of {args.rounds} "
         f"interleaved rounds of fresh processes; {label}, torch {torch.__version__}, llama-cpp-python "
         f"{__import__('llama_cpp').__version__}; load average {load_before[0]} before, {load_after[0]} after, "
-        f"per run in the JSON. Ratios: fate-edge / llama.cpp. "
+        f"per run in the JSON. Ratios: fate-edge / llama.cpp; per CPU s: decode tokens over the process's "
+        "CPU time (on a shared host wall time counts waits for a core; at more threads spin-waits count as CPU time). "
         + (
             "fate-edge's resident sides decode through torch.compile (`--compile "
             f"{args.compile}`, compiled at load, before timing). "
