@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from fate_edge.bench.host import cpu_model
+from fate_edge.huge_pages import on_huge_pages
 from fate_edge.native_build import CFLAGS, compiler
 
 GROUP = 64
@@ -68,6 +69,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--hot", action="store_true", help="one small matrix, resident in L2")
     ap.add_argument("--isa", type=int, default=2, help="2: AVX512-VNNI, 1: AVX2")
+    ap.add_argument(
+        "--huge-pages",
+        action="store_true",
+        help="the codes on transparent huge pages, as a loaded model holds its weights (fate_edge.huge_pages)",
+    )
     args = ap.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="fate-edge-int4-ab-"))
     libs = [build(s, folder) for s in args.sources]
@@ -76,14 +82,17 @@ def main() -> None:
     mats, xs = [], []
     for n, k in shapes:
         copies = 1 if args.hot else max(2, int(64e6 // (n * k // 2)))
+        codes = torch.randint(0, 256, (copies, n, k // 2), dtype=torch.uint8, generator=gen)
+        if args.huge_pages:
+            codes = on_huge_pages(codes)
         mats.append(
             [
                 (
-                    torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen),
+                    codes[i],
                     (torch.rand(n, k // GROUP, generator=gen) * 0.01).half(),
                     (torch.randn(n, k // GROUP, generator=gen) * 0.01).half(),
                 )
-                for _ in range(copies)
+                for i in range(copies)
             ]
         )
         xs.append(torch.randn(args.rows, k, generator=gen).bfloat16())
@@ -114,7 +123,8 @@ def main() -> None:
             for j, lib in enumerate(libs):
                 times[(j, i)].append(run(lib, i)[0])
     print(
-        f"{cpu_model()}; {args.rows} row(s), {args.threads} thread(s), {'hot' if args.hot else 'from DRAM'}, "
+        f"{cpu_model()}; {args.rows} row(s), {args.threads} thread(s), {'hot' if args.hot else 'from DRAM'}"
+        f"{', huge pages' if args.huge_pages else ''}, "
         f"median of {args.rounds} interleaved rounds; load average {load0[0]:.2f} before, "
         f"{os.getloadavg()[0]:.2f} after"
     )

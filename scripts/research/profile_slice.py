@@ -3,7 +3,8 @@
 expert and lm_head int4 on the native kernel): ms per token timed without the profiler, then torch.profiler's
 self time per operator (kernels called through ctypes show up under the Python function that calls them, so
 the int4 matmuls are timed here by wrapping ``NativeInt4.__call__`` and ``gemm_grouped``) against the bytes each
-reads: the memory-bandwidth floor at ``--gbps``.
+reads: the memory-bandwidth floor at ``--gbps``. The kernels' times are the process's CPU time (a shared host's
+waits for a core left out; at more threads, spin-waits in).
 
     python scripts/research/profile_slice.py --model /data/qwen-moe-2l --threads 1
     python scripts/research/profile_slice.py --model /data/qwen-moe-8l --threads 2 --json out.json
@@ -36,22 +37,22 @@ def wrap_native() -> dict[str, list[float]]:
     def timed_call(self, x):
         n, k = self.shape
         key = f"int4 {n}x{k}"
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         with record_function(key):
             y = call(self, x)
         s = seen[key]
-        s[0] += time.perf_counter() - t0
+        s[0] += time.process_time() - t0
         s[1] += self.nbytes
         s[2] += 1
         return y
 
     def timed_grouped(calls):
         key = f"int4 grouped experts ({len(calls)} matrices)"
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         with record_function("int4 grouped experts"):
             grouped(calls)
         s = seen[key]
-        s[0] += time.perf_counter() - t0
+        s[0] += time.process_time() - t0
         s[1] += sum(lin.nbytes for lin, _, _ in calls)
         s[2] += 1
 
@@ -64,14 +65,15 @@ def wrap_native() -> dict[str, list[float]]:
     return seen
 
 
-def decode(model, prompt: torch.Tensor, steps: int) -> float:
+def decode(model, prompt: torch.Tensor, steps: int) -> tuple[float, float]:
+    """Seconds per decode token: wall-clock and this process's CPU time."""
     cache = model.new_cache()
     cache.capacity_hint = prompt.shape[1] + steps + 8
     tok = model(prompt, cache, last_only=True)[0, -1].argmax().view(1, 1)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(steps):
         tok = model(tok, cache)[0, -1].argmax().view(1, 1)
-    return (time.perf_counter() - t0) / steps
+    return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
 
 
 def main() -> None:
@@ -92,7 +94,8 @@ def main() -> None:
     with torch.inference_mode():
         decode(model, prompt, 4)
         runs = [decode(model, prompt, args.steps) for _ in range(args.runs)]
-        ms = statistics.median(runs) * 1e3
+        ms = statistics.median(r[0] for r in runs) * 1e3
+        cpu_ms = statistics.median(r[1] for r in runs) * 1e3
         seen = wrap_native()
         cache = model.new_cache()
         cache.capacity_hint = args.prompt_tokens + args.steps + 8
@@ -126,8 +129,11 @@ def main() -> None:
         "threads": args.threads,
         "ms_per_token": round(ms, 3),
         "tok_s": round(1e3 / ms, 2),
-        "runs_ms": [round(r * 1e3, 3) for r in runs],
+        "cpu_ms_per_token": round(cpu_ms, 3),
+        "cpu_tok_s": round(1e3 / cpu_ms, 2),
+        "runs_ms": [round(r[0] * 1e3, 3) for r in runs],
         "profiled_ms_per_token": round(wall * 1e3 / args.steps, 3),
+        "profiled_cpu_ms_per_token": round(cpu * 1e3 / args.steps, 3),
         "cpu_share_of_wall": round(cpu / wall, 3),
         "load_average": os.getloadavg(),
         "int4_kernels": kern,
