@@ -12,7 +12,9 @@ CACHE="${FATE_EDGE_PEERS_CACHE:-$HOME/.cache/fate-edge-peers}"
 mkdir -p "$CACHE/wheels"
 SDIST="$CACHE/wheels/llama_cpp_python-$VERSION.tar.gz"
 if [ ! -f "$SDIST" ]; then
-    python -m pip download --no-binary :all: --no-deps "llama-cpp-python==$VERSION" -d "$CACHE/wheels"
+    # --no-binary for this package only: with :all: pip also built the sdist's build requirements (scikit-build-core
+    # and its own) from source just to read its metadata, minutes on 2 cores before the download finished
+    python -m pip download --no-binary llama-cpp-python --no-deps "llama-cpp-python==$VERSION" -d "$CACHE/wheels"
 fi
 flags=$(grep -m1 '^flags' /proc/cpuinfo || true)
 has() { [[ " $flags " == *" $1 "* ]] && echo ON || echo OFF; }

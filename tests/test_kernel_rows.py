@@ -88,3 +88,19 @@ def test_prefill_is_also_counted_in_cpu_time_which_waiting_does_not_spend():
 
     t = time_tokens(waits_then_yields(), n_prompt=8, want=2)
     assert t["prefill_cpu_tps"] > 4 * t["prefill_tps"] > 0
+
+
+def test_decode_is_also_counted_in_cpu_time_which_waiting_does_not_spend():
+    import time
+
+    from fate_edge_lab.bench.llamacpp import time_tokens
+
+    def yields_then_waits():
+        yield 1
+        for tok in (2, 3):
+            time.sleep(0.05)  # waits between decode tokens, as for a core on a shared host
+            yield tok
+
+    t = time_tokens(yields_then_waits(), n_prompt=8, want=3)
+    assert t["decode_cpu_tps"] > 4 * t["decode_tps"] > 0
+    assert time_tokens(iter([1]), 4, 3).get("decode_cpu_tps") is None

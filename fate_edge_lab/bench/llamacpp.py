@@ -19,7 +19,8 @@ def time_tokens(stream: Iterable[int | None], n_prompt: int, want: int) -> dict[
         tokens.append(None if tok is None else int(tok))
         if len(tokens) >= want:
             break
-    # Prompt tokens per second of this process's CPU time too: on a busy host wall time counts the waits for a core.
+    # Prompt and decode tokens per second of this process's CPU time too: on a busy host wall time counts the waits
+    # for a core (at one thread; more threads' CPU time counts their spin-waits at barriers as well).
     out: dict[str, Any] = {
         "prefill_tps": n_prompt / (times[0] - t0),
         "tokens": tokens,
@@ -28,6 +29,7 @@ def time_tokens(stream: Iterable[int | None], n_prompt: int, want: int) -> dict[
     }
     if len(times) > 1 and times[-1] > times[0]:
         out["decode_tps"] = (len(times) - 1) / (times[-1] - times[0])
+        out["decode_cpu_tps"] = (len(times) - 1) / max(time.process_time() - cpu_first, 1e-9)
     return out
 
 

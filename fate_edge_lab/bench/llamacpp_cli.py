@@ -38,7 +38,7 @@ from fate_edge.format.converted_stores import ensure_store
 from fate_edge.tokenizer import Tokenizer
 from fate_edge_lab.bench.config import HEADLINE_BUDGET
 from fate_edge_lab.bench.gguf import ensure_ggufs
-from fate_edge_lab.bench.host import cpu_model, load_average
+from fate_edge_lab.bench.host import cpu_flags, cpu_label, cpu_model, load_average
 from fate_edge_lab.bench.prepare import store_info
 from fate_edge_lab.bench.publish import add_results_arg, publish, results_file
 from fate_edge_lab.bench.sidebyside import (
@@ -64,8 +64,9 @@ def table(summary: dict, header: str) -> str:
     out = [
         header,
         "",
-        "| side | experts | rest | prefill tok/s | ratio | decode tok/s | ratio | peak RSS MB | MB read / token |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+        "| side | experts | rest | prefill tok/s | ratio | decode tok/s | ratio | decode tok / CPU s | ratio "
+        "| peak RSS MB | MB read / token |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in summary.items():
         rss = None if r["peak_rss_bytes"] is None else r["peak_rss_bytes"] / 1e6
@@ -73,7 +74,8 @@ def table(summary: dict, header: str) -> str:
         out.append(
             f"| {name}{fail} | {r['experts']} | {r['rest']} | {_fmt(r['prefill_tps'], '.0f')} "
             f"| {_fmt(r.get('prefill_tps_ratio'), '.2f')} | {_fmt(r['decode_tps'], '.1f')} "
-            f"| {_fmt(r.get('decode_tps_ratio'), '.2f')} | {_fmt(rss, '.0f')} "
+            f"| {_fmt(r.get('decode_tps_ratio'), '.2f')} | {_fmt(r.get('decode_cpu_tps'), '.1f')} "
+            f"| {_fmt(r.get('decode_cpu_tps_ratio'), '.2f')} | {_fmt(rss, '.0f')} "
             f"| {_fmt(r['decode_read_mb_per_token'], '.2f')} |"
         )
     return "\n".join(out)
@@ -190,13 +192,15 @@ def main(argv: list[str] | None = None) -> int:
     agree = {f"{a} vs {b}": same_tokens(runs, a, b) for a, b in sides_set.pairs}
     tokenization = next((r["tokenization"] for rs in runs.values() for r in rs if "tokenization" in r), None)
     cpu = cpu_model() or platform.processor()
+    label = cpu_label() if cpu_model() else cpu
     header = (
         ("Only the sides named with `--side` ran. " if args.side else "")
         + f"{model_label(args.model)}, {len(ids)}-token held-out Python prompt (same token ids on both sides), "
         f"{args.decode_tokens} greedy decode tokens, {args.threads} threads, median of {args.rounds} "
-        f"interleaved rounds of fresh processes; {cpu}, torch {torch.__version__}, llama-cpp-python "
+        f"interleaved rounds of fresh processes; {label}, torch {torch.__version__}, llama-cpp-python "
         f"{__import__('llama_cpp').__version__}; load average {load_before[0]} before, {load_after[0]} after, "
-        f"per run in the JSON. Ratios: fate-edge / llama.cpp. "
+        f"per run in the JSON. Ratios: fate-edge / llama.cpp; per CPU s: decode tokens over the process's "
+        "CPU time (on a shared host wall time counts waits for a core; at more threads spin-waits count as CPU time). "
         + (
             "fate-edge's resident sides decode through torch.compile (`--compile "
             f"{args.compile}`, compiled at load, before timing). "
@@ -221,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads,
         "rounds": args.rounds,
         "cpu": cpu,
+        "cpu_flags": cpu_flags(),
         "torch": torch.__version__,
         "load_avg_before": load_before,
         "load_avg_after": load_after,

@@ -413,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--defaults",
         action="store_true",
         help="instead: the default store (quantized resident weights) and compute dtype beside the old ones, on "
-        "real stores (fate_edge/bench/default_quality.py; its own options: eval-quality --defaults --help)",
+        "real stores (fate_edge_lab/bench/default_quality.py; its own options: eval-quality --defaults --help)",
     )
     add_results_arg(
         ap, "rewrite the table between the eval_quality markers of FILE (without FILE: docs/results/eval_quality.md)"

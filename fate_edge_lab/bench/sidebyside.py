@@ -308,6 +308,7 @@ def summarize(
             "prefill_tps",
             "prefill_cpu_tps",
             "decode_tps",
+            "decode_cpu_tps",
             "peak_rss_bytes",
             "decode_read_mb_per_token",
             "load_avg",
@@ -318,7 +319,7 @@ def summarize(
     for ours, theirs in pairs:
         a, b = out.get(ours), out.get(theirs)
         if a and b:
-            for key in ("prefill_tps", "prefill_cpu_tps", "decode_tps"):
+            for key in ("prefill_tps", "prefill_cpu_tps", "decode_tps", "decode_cpu_tps"):
                 if a[key] and b[key]:
                     a[f"{key}_ratio"] = a[key] / b[key]
     return out

@@ -118,7 +118,11 @@ static void prepare(const float *x, int M, int K, int g, int chunk, prepared *p)
 }
 
 #define MT 4         /* x rows per pass over a weight row */
-#define PREFETCH 4096 /* bytes of weights requested ahead of the ones being multiplied */
+#define PREFETCH 4096 /* bytes of weights requested ahead of the ones being multiplied (AVX2, into L1) */
+/* AVX-512: 16 KB ahead into L2. On a 2-vCPU Zen 4 (AMD EPYC), one row, once the accumulators stayed in registers
+   (tile_512), 4 KB into L1 streamed 8-10 GB/s of CPU time, 8 KB into L2 12-18, 16 KB into L2 12-20 (interleaved
+   A/B, scripts/research/bench_int4_rows.py) */
+#define PREFETCH_512 16384
 #define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 #define T256 __attribute__((target("avx2,fma,f16c")))
 
@@ -171,7 +175,25 @@ T512 static float dot_512(const float *a, const float *b, int count) { /* count:
     return _mm512_reduce_add_ps(acc);
 }
 
-/* ``mt`` (a constant after inlining) x rows against one weight row: accumulators stay in registers. */
+/* One chunk of ``mt`` x rows against one weight row into ``acc`` (even or odd chunks' accumulators). */
+#define TILE_512_CHUNK(c, acc)                                                                                 \
+    do {                                                                                                       \
+        _mm_prefetch((const char *)(wr + (c) * 64 + PREFETCH_512), _MM_HINT_T1);                               \
+        __m512i v = _mm512_loadu_si512(wr + (c) * 64);                                                         \
+        __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);         \
+        __m512 swv = _mm512_permutexvar_ps(widx, _mm512_loadu_ps(sw + (((c) * 128) >> gshift)));               \
+        for (int i = 0; i < mt; i++) {                                                                         \
+            const int8_t *q = p->q + (size_t)(m0 + i) * K + (c) * 128;                                         \
+            __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q));               \
+            d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512(q + 64));                                        \
+            __m512 s = _mm512_mul_ps(swv, _mm512_loadu_ps(p->lane_sx + (size_t)(m0 + i) * lanes + (c) * 16));  \
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, acc[i]);                                        \
+        }                                                                                                      \
+    } while (0)
+
+/* ``mt`` (a constant after inlining) x rows against one weight row: accumulators stay in registers. The prefetch:
+   at one row the kernel streams weights from DRAM, and the hardware prefetcher alone left it at 5-6 GB/s on a Xeon
+   (8-10 GB/s with 4 KB ahead into L1, one thread). */
 T512 static inline __attribute__((always_inline)) void tile_512(const uint8_t *wr, const float *sw, int chunks,
                                                                  int gshift, const prepared *p, int m0, int mt,
                                                                  int K, float *out) {
@@ -179,24 +201,18 @@ T512 static inline __attribute__((always_inline)) void tile_512(const uint8_t *w
     const __m512i widx = _mm512_srli_epi32(_mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104,
                                                              112, 120), gshift);
     const int lanes = K / 8;
-    __m512 acc[2][MT];  /* even and odd chunks: two independent FMA chains per x row */
-    for (int i = 0; i < mt; i++) acc[0][i] = acc[1][i] = _mm512_setzero_ps();
-    for (int c = 0; c < chunks; c++) {
-        /* 4 KB ahead: at one row the kernel streams weights from DRAM, and the hardware prefetcher alone left it
-           at 5-6 GB/s here (8-10 GB/s with this, one thread) */
-        _mm_prefetch((const char *)(wr + c * 64 + PREFETCH), _MM_HINT_T0);
-        __m512i v = _mm512_loadu_si512(wr + c * 64);
-        __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
-        __m512 swv = _mm512_permutexvar_ps(widx, _mm512_loadu_ps(sw + ((c * 128) >> gshift)));
-        for (int i = 0; i < mt; i++) {
-            const int8_t *q = p->q + (size_t)(m0 + i) * K + c * 128;
-            __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q));
-            d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512(q + 64));
-            __m512 s = _mm512_mul_ps(swv, _mm512_loadu_ps(p->lane_sx + (size_t)(m0 + i) * lanes + c * 16));
-            acc[c & 1][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, acc[c & 1][i]);
-        }
+    /* even and odd chunks: two independent FMA chains per x row. Two arrays walked two chunks a step, not one
+       indexed by c & 1: a run-time index kept them on the stack, every FMA waiting on the last one's store (GCC 12;
+       a 2-vCPU Zen 4 then streamed ~13 cycles per 64 bytes of codes even from L2) */
+    __m512 acc0[MT], acc1[MT];
+    for (int i = 0; i < mt; i++) acc0[i] = acc1[i] = _mm512_setzero_ps();
+    int c = 0;
+    for (; c + 1 < chunks; c += 2) {
+        TILE_512_CHUNK(c, acc0);
+        TILE_512_CHUNK(c + 1, acc1);
     }
-    for (int i = 0; i < mt; i++) out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][i], acc[1][i]));
+    if (c < chunks) TILE_512_CHUNK(c, acc0);
+    for (int i = 0; i < mt; i++) out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[i], acc1[i]));
 }
 
 #define BLOCK 16 /* weight rows per task: their codes (K/2 bytes each) and an x tile stay in L1 */
@@ -227,8 +243,65 @@ T512 static inline __attribute__((always_inline)) void tile_512(const uint8_t *w
         }                                                                                                      \
     }
 
+#define R1 4 /* weight rows per pass at one x row (2 and 8: a little slower on a 2-vCPU Zen 4) */
+
+/* One x row against ``R1`` weight rows at a time (decode): each chunk's x codes and lane scales are loaded once for
+   the R1 rows, where a pass per row loaded three vectors of x for each one of weights. Every row's sums are the ones tile_512 computes at
+   mt = 1, in the same order (even and odd chunks apart, added at the end), so its bits do not change. */
+T512 static inline __attribute__((always_inline)) void tile1_512(const uint8_t *codes, const float *sw, int stride,
+                                                                  int chunks, int gshift, const prepared *p, int K,
+                                                                  float *out) {
+    const __m512i mask = _mm512_set1_epi8(0x0f);
+    const __m512i widx = _mm512_srli_epi32(_mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104,
+                                                             112, 120), gshift);
+    __m512 acc0[R1], acc1[R1]; /* even and odd chunks, as tile_512's */
+    for (int r = 0; r < R1; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
+#define TILE1_512_CHUNK(c, acc)                                                                                \
+    do {                                                                                                       \
+        const __m512i q0 = _mm512_loadu_si512(p->q + (c) * 128), q1 = _mm512_loadu_si512(p->q + (c) * 128 + 64); \
+        const __m512 sx = _mm512_loadu_ps(p->lane_sx + (c) * 16);                                              \
+        for (int r = 0; r < R1; r++) {                                                                         \
+            const uint8_t *wr = codes + (size_t)r * (K / 2) + (c) * 64;                                        \
+            _mm_prefetch((const char *)(wr + PREFETCH_512), _MM_HINT_T1);                                      \
+            __m512i v = _mm512_loadu_si512(wr);                                                                \
+            __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);     \
+            __m512 swv = _mm512_permutexvar_ps(widx, _mm512_loadu_ps(sw + r * stride + (((c) * 128) >> gshift))); \
+            __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, q0);                                   \
+            d = _mm512_dpbusd_epi32(d, hi, q1);                                                                \
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(swv, sx), acc[r]);                   \
+        }                                                                                                      \
+    } while (0)
+    int c = 0;
+    for (; c + 1 < chunks; c += 2) {
+        TILE1_512_CHUNK(c, acc0);
+        TILE1_512_CHUNK(c + 1, acc1);
+    }
+    if (c < chunks) TILE1_512_CHUNK(c, acc0);
+#undef TILE1_512_CHUNK
+    for (int r = 0; r < R1; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
+}
+
 T512 static void rows_512(const uint8_t *codes, wscales w, int n0, int n1, int N,
                           int K, int g, const prepared *p, int M, yout y) {
+    if (M == 1) {
+        const int groups = K / g, padded = (groups + 15) & ~15, gshift = __builtin_ctz(g), stride = K / 32 + 32;
+        float sw[BLOCK * stride], zw[BLOCK * stride], out[R1];
+        for (int n = n0; n < n1; n++) {
+            widen_512(w.scale, w.f32, (size_t)n * groups, groups, sw + (n - n0) * stride);
+            widen_512(w.zero, w.f32, (size_t)n * groups, groups, zw + (n - n0) * stride);
+        }
+        int n = n0;
+        for (; n + R1 <= n1; n += R1) {
+            tile1_512(codes + (size_t)n * (K / 2), sw + (n - n0) * stride, stride, K / 128, gshift, p, K, out);
+            for (int r = 0; r < R1; r++)
+                y_put(y, (size_t)(n + r), out[r] + dot_512(zw + (n + r - n0) * stride, p->gsum, padded));
+        }
+        for (; n < n1; n++) {
+            tile_512(codes + (size_t)n * (K / 2), sw + (n - n0) * stride, K / 128, gshift, p, 0, 1, K, out);
+            y_put(y, (size_t)n, out[0] + dot_512(zw + (n - n0) * stride, p->gsum, padded));
+        }
+        return;
+    }
     ROWS_BODY(widen_512, tile_512, dot_512, 128)
 }
 
