@@ -2,10 +2,9 @@
 cached experts) on transparent huge pages, where the kernel gives them on request
 (``/sys/kernel/mm/transparent_hugepage/enabled`` = ``madvise``, a common default).
 
-Why: decode streams every resident weight once a token, and 4 KB pages cost it: on a 2-vCPU Xeon (THP ``madvise``)
-DeepSeek-V2-Lite's 2-layer slice decoded at 36.2 tok/s with its linears quantized at load, into anonymous 4 KB
-pages, against 46.9 with the same bytes memory-mapped from a store converted with ``--resident-bits 4``; cloning
-only the int4 ``lm_head`` into anonymous memory took 46.0 to 39.5. A copy made here lands in 2 MB pages (the range is
+Why: decode streams every resident weight once a token, and 4 KB pages cost it (linears quantized at load into
+anonymous 4 KB pages decoded about a quarter slower than the same bytes memory-mapped; docs/measured-choices.md).
+A copy made here lands in 2 MB pages (the range is
 advised before its first touch), and holds no more resident memory than the tensor: only whole huge pages inside
 it are advised, the rest of the allocation is never touched.
 """

@@ -42,8 +42,8 @@ class Buffer:
             self.view = pinned_mem.numpy().data[skip : skip + size]
         elif (window := huge_page_window(size) if _POPULATE else None) is not None:
             # On 2 MB pages where it holds whole ones (Linux, THP madvise or always): the kernels stream a cached
-            # expert from here, and 4 KB pages cost them ~22% (40 Qwen1.5-MoE experts: 26.6 -> 20.9 ms at one
-            # thread). Zeroed at once: faulted in as MAP_POPULATE would, but after the advice.
+            # expert from here, and 4 KB pages slow them (docs/measured-choices.md). Zeroed at once: faulted in
+            # as MAP_POPULATE would, but after the advice.
             self.mem, start = window
             self.view = memoryview(window[0])[start : start + size]
             ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(self.view)), 0, size)

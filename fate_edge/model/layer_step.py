@@ -22,7 +22,7 @@ Everything else, and every rule for adding into the residual, is here once:
   is added to the residual directly (:func:`add_mlp`);
 * an expert's output comes from :func:`expert_rows` on every path, by the row's role. An int4 expert on torch's
   kernel computes a decode token's row in bf16 from one bf16 copy of the layer's rows (the kernel's dtype: casting
-  in and out at each matmul doubled an expert's time in a bundled-model decode step, measured 44 against 20 µs) and
+  in and out at each matmul doubled an expert's time in a decode step: docs/measured-choices.md) and
   a prompt's rows in the activations' dtype between its matmuls (the casts cost per call, not per row, so a prompt
   keeps float32's precision for free); any other expert computes in the activations' dtype. The role, not the
   path, decides, so a decode row gets the same bits alone, in a batch or beside a joining prompt.
@@ -125,7 +125,7 @@ def shared_out(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A dense MLP's or shared expert's output ``down(act(gate(h)) * up(h))`` and Qwen's gate logit (None without
     one), not yet added."""
-    # split_with_sizes: Tensor.split's Python wrapper costs ~3 µs a call, a tenth of a decode layer's MoE half
+    # split_with_sizes: Tensor.split's Python wrapper costs a tenth of a decode layer's MoE half (measured-choices)
     gate, up, *gated = apply_linear(h, mlp).split_with_sizes(mlp.sizes, dim=-1)
     return apply_linear(act(gate) * up, down), (gated[0] if gated else None)
 

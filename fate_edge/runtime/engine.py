@@ -408,8 +408,8 @@ class Engine:
         and link first (its choice, prediction included, is ``engine.planned``; ``plan_sample``: a prompt like the
         ones to serve, which it probes instead of its own text). ``threads``: torch's CPU threads for the process,
         as the CLI sets them (default: the cores this process may use less the fetch workers; torch's own default
-        takes every core, so the fetch worker made a third thread on a 2-core host and the bundled model decoded at
-        about half speed, 68 against 140 tok/s at a 35% budget); None leaves torch's setting as it is."""
+        takes every core, so the fetch worker made a third thread on a 2-core host and decode ran at about half
+        speed: docs/measured-choices.md); None leaves torch's setting as it is."""
         from fate_edge.bundled import bundled_model_dir
         from fate_edge.format.converted_stores import ensure_store
 

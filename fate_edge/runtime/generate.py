@@ -36,7 +36,7 @@ class GenerationResponse:
     generation_tokens: int
     prompt_tps: float
     generation_tps: float
-    peak_rss_bytes: int  # read every RSS_EVERY tokens and on the final response (a /proc read costs ~30 µs)
+    peak_rss_bytes: int  # read every RSS_EVERY tokens and on the final response (a /proc read is not free)
     finish_reason: str | None = None  # None while running, then "stop" or "length"
     logprob: TokenLogprob | None = None  # this token's, when GenerateConfig.logprobs asks (not for a stop token)
 

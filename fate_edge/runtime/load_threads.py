@@ -2,9 +2,9 @@
 
 Why: every thread that runs a parallel region with several threads keeps its own pool of OpenMP helper threads
 until it exits, and libgomp (torch's and the one fate-edge's kernels link) cuts its spin-waiting to ~100 iterations
-once it manages more threads than the process's CPUs. An engine loaded with 2 torch threads on a 2-core Xeon left
-the loading thread's helpers behind; the batcher thread's own team then slept at every barrier: the bundled model
-decoded at 82 tok/s batched against 338 when the same engine computed on the loading thread (measured 2026-12-05).
+once it manages more threads than the process's CPUs. An engine loaded with 2 torch threads left the loading
+thread's helpers behind, and the batcher thread's own team then slept at every barrier (a 4x slower decode:
+docs/measured-choices.md).
 Work run through :func:`in_own_thread` keeps every torch thread, and its helpers end with its thread. A caller that
 runs multi-threaded torch work in another long-lived thread of the process (its own model) brings the slowdown back;
 docs/batching.md says so.
