@@ -3,6 +3,7 @@ compute dtype beside the old ones (default_quality.py)."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 
@@ -15,3 +16,10 @@ def main(argv: list[str] | None = None) -> int:
     from fate_edge_lab.bench.quality import main as quality_main
 
     return quality_main(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The evaluation's parser (``--defaults`` and its own options are in default_quality.py)."""
+    from fate_edge_lab.bench.quality import build_parser as quality_parser
+
+    return quality_parser()
