@@ -399,9 +399,9 @@ class Batcher:
                 seq.put(resp)
 
     def _finish(self, seq: BatchSequence, last: GenerationResponse | BaseException) -> None:
-        seq.put(last)
-        with self._cv:
+        with self._cv:  # out of the batch before its reader sees the end: the stats it reads next are current
             self._leave(seq)
+        seq.put(last)
 
     def _fail(self, stepped: list[BatchSequence], exc: BaseException) -> None:
         if isinstance(exc, torch.OutOfMemoryError):
@@ -414,5 +414,5 @@ class Batcher:
             )
         with self._cv:
             for seq in stepped:
-                seq.put(exc)
                 self._leave(seq)
+                seq.put(exc)
