@@ -15,7 +15,10 @@ from _gguf_writer import write_gguf
 from fate_edge import Tokenizer
 from fate_edge.errors import ModelFormatError, UnsupportedArchitectureError
 from fate_edge.format.convert import ConvertOptions
+from fate_edge.format.gguf_config import hf_config
 from fate_edge.format.gguf_convert import convert_gguf
+from fate_edge.format.gguf_reader import GGUFFile
+from fate_edge.format.gguf_tokenizer import tokenizer_files
 from fate_edge.format.store import ExpertStore
 from fate_edge.runtime.loader import load_model
 
@@ -216,3 +219,21 @@ def test_q4_0_and_q8_0_tensors_dequantize_as_the_gguf_package_does(ggufs):
                 checked.add(t.type_name)
         f.close()
     assert checked == {"Q4_0", "Q8_0"}
+
+
+@pytest.mark.parametrize(
+    "key,value,read",
+    [
+        ("{arch}.rope.freq_base", "fast", lambda g: hf_config(g, "float32")),
+        ("tokenizer.ggml.merges", 7, tokenizer_files),
+    ],
+)
+def test_a_metadata_value_of_the_wrong_kind_names_its_key(ggufs, key, value, read):
+    g = GGUFFile(ggufs["Q4_0"])
+    key = key.format(arch=g.architecture)
+    g.fields[key] = value
+    with pytest.raises(ModelFormatError) as err:
+        read(g)
+    msg = str(err.value)
+    assert f"metadata '{key}' is {value}, a value of the wrong kind" in msg and "\n" not in msg
+    assert "re-convert it with llama.cpp" in msg

@@ -44,14 +44,8 @@ def dense_layers(g: GGUFFile, layers: int) -> list[int]:
 
 def hf_config(g: GGUFFile, dtype: str) -> dict[str, Any]:
     """The ``config.json`` of the model in ``g``, its weights held in ``dtype`` ("bfloat16", "float32", ...)."""
-    try:
+    with g.metadata_read("the model's config"):
         return _hf_config(g, dtype)
-    except (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError, OverflowError) as exc:
-        value = g.fields.get(g.last_key, "absent")
-        raise ModelFormatError(
-            f"{g.path}: metadata '{g.last_key}' is {str(value)[:40]!s}, a value of the wrong kind ({exc}); the GGUF "
-            "is damaged (re-convert it with llama.cpp)"
-        ) from None
 
 
 def _hf_config(g: GGUFFile, dtype: str) -> dict[str, Any]:

@@ -9,6 +9,8 @@ block types by :mod:`gguf_dequant` in torch, float for float the same, the other
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -112,16 +114,32 @@ class GGUFFile:
         return str(self.require("general.architecture"))
 
     def get(self, key: str, default: Any = None) -> Any:
-        self.last_key = key  # names the key in an error about a value of the wrong kind (gguf_config)
+        self.last_key = key  # names the key in an error about a value of the wrong kind (metadata_read)
         return self.fields.get(key, default)
 
     def require(self, key: str) -> Any:
+        self.last_key = key
         if key not in self.fields:
             raise ModelFormatError(
                 f"{self.path}: metadata key '{key}' is missing; the GGUF is incomplete or was "
                 "written for another architecture (re-convert it with llama.cpp)"
             )
         return self.fields[key]
+
+    @contextmanager
+    def metadata_read(self, what: str = "") -> Iterator[None]:
+        """Inside, a metadata value of the wrong kind (a string where a count belongs, ...) surfaces as one
+        ModelFormatError naming the key read last (through :meth:`get` or :meth:`arch_key`) and ``what`` it was
+        read for."""
+        try:
+            yield
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError, OverflowError) as exc:
+            value = self.fields.get(self.last_key, "absent")
+            raise ModelFormatError(
+                f"{self.path}: metadata '{self.last_key}' is {str(value)[:40]!s}, a value of the wrong kind"
+                f"{f' for {what}' if what else ''} ({type(exc).__name__}: {exc}); the GGUF is damaged (re-convert it "
+                "with llama.cpp)"
+            ) from None
 
     def arch_key(self, suffix: str, default: Any = ...) -> Any:
         """``{architecture}.{suffix}``; required unless ``default`` is given."""

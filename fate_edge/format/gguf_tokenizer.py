@@ -133,14 +133,8 @@ _BOS_BY_DEFAULT = {"llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"}
 
 def tokenizer_files(g: GGUFFile) -> dict[str, dict[str, Any]]:
     """``{"tokenizer.json": ..., "tokenizer_config.json": ..., "generation_config.json": ...}`` for ``g``."""
-    try:
+    with g.metadata_read("the tokenizer"):
         return _tokenizer_files(g)
-    except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError) as exc:
-        value = g.fields.get(g.last_key, "absent")
-        raise ModelFormatError(
-            f"{g.path}: metadata '{g.last_key}' is {str(value)[:40]!s}, a value of the wrong kind for the tokenizer "
-            f"({type(exc).__name__}: {exc}); the GGUF is damaged (re-convert it with llama.cpp)"
-        ) from None
 
 
 def _tokenizer_files(g: GGUFFile) -> dict[str, dict[str, Any]]:

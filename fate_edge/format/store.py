@@ -28,6 +28,7 @@ import torch
 from fate_edge.errors import ModelFormatError
 from fate_edge.format.blob import ALIGN, BlobRef
 from fate_edge.format.store_files import STORE_FILE
+from fate_edge.model.arch.limits import LIMITS
 from fate_edge.model.experts import ExpertWeights, QuantizedExpert
 from fate_edge.quant import PackedQuantized, Quantized, QuantSpec, pack
 from fate_edge.quant.linear import QuantizedLinear, default_kernel, int4_kernel_layout
@@ -156,7 +157,7 @@ def encode_expert(
 
     ``w`` may be in any float dtype (convert passes the checkpoint's own, no fp32 copy); ``work`` is an
     optional fp32 scratch buffer for the RTN encoder. Returns the blob's bytes (a view of a fresh buffer)."""
-    out = torch.empty(precision.blob_bytes, dtype=torch.uint8)  # not zeros: zero-filling 17 MB cost 8 ms here
+    out = torch.empty(precision.blob_bytes, dtype=torch.uint8)  # not zeros: filling is a pass over the blob
     tensors: dict[str, torch.Tensor] = {}
     for m in MATRICES:
         mat = getattr(w, m)
@@ -226,8 +227,8 @@ def decodes_to_views(precision: Precision) -> bool:
 def part_views(blob: torch.Tensor, precision: Precision) -> dict[str, torch.Tensor]:
     """Each part of a blob (a uint8 tensor) of ``precision`` as a view of it in the part's dtype and shape: one
     strided view a part, on one dtype view of the blob per dtype. A slice, a dtype view and a reshape a part were
-    three dispatcher calls: 17 us for the bundled model's six parts, against ~8 (a read's decode, paid on every cache
-    miss)."""
+    three dispatcher calls, about twice the time (a read's decode, paid on every cache miss;
+    docs/measured-choices.md)."""
     plan, end = precision.view_plan
     if blob.numel() < end:
         raise ModelFormatError(
@@ -298,7 +299,8 @@ def decode_expert(
     return QuantizedExpert(*lins)
 
 
-MAX_EXPERTS, MAX_LAYERS = 16 << 10, 1 << 10  # as fate_edge.model.arch.limits bounds a config's
+# a store's counts within the bounds a config's are held to
+MAX_EXPERTS, MAX_LAYERS = LIMITS["num_experts"][1], LIMITS["num_hidden_layers"][1]
 _BLOB_FILE = re.compile(r"experts-\d{1,2}\.bin")  # what convert writes; nothing with a separator or ".."
 INDEX_MAX_BYTES = 256 << 20
 _INDEX_FIELDS = {"precisions": dict, "experts": dict, "moe_layers": list, "num_experts": int}

@@ -132,6 +132,11 @@ class KVCache(AttentionState):
     def update(self, layer: int, *new: torch.Tensor) -> Keys:
         return self.layers[layer].append(*new, capacity_hint=self.capacity_hint)
 
+    def rewind(self, length: int) -> None:
+        """Forget every position from ``length`` on, in every layer (a step undone)."""
+        for layer in self.layers:
+            layer.length = min(layer.length, length)
+
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for lay in self.layers for b in lay.buffers)

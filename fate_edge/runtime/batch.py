@@ -239,7 +239,7 @@ class Batcher:
         :data:`GROW_STEP`, or by the segment alone where only that fits; never past what its prompt and answer
         can take)."""
         cache = seq.cache
-        rows = len(seq.segment().ids)
+        rows = seq.rows
         if not isinstance(cache, SlabCache) or cache.length + rows <= cache.capacity:
             return True
         need = len(seq.prompt_ids) + seq.out.max_tokens
@@ -331,15 +331,13 @@ class Batcher:
         blocked: list[BatchSequence] = []
         prompt_rows = 0
         for seq in batch:
-            if seq.chunks:
-                a, b = seq.chunks[0]
-                if prompt_rows and prompt_rows + (b - a) > self.config.prompt_rows:
-                    continue  # its chunk waits for the next step
+            if seq.chunks and prompt_rows and prompt_rows + seq.rows > self.config.prompt_rows:
+                continue  # its chunk waits for the next step
             if not self._room_for(seq):
                 blocked.append(seq)  # its range cannot grow now: it waits for room
                 continue
             if seq.chunks:
-                prompt_rows += seq.chunks[0][1] - seq.chunks[0][0]
+                prompt_rows += seq.rows
             stepped.append(seq)
         self._starved = bool(blocked)
         if not stepped and blocked:  # every sequence waits on another: the one holding most ends here, at its length
@@ -352,7 +350,7 @@ class Batcher:
         """One forward over ``stepped``. A failed expert read fails only the sequences that need that expert: the
         step is undone (each cache back to its length) and run again one sequence at a time."""
         segments = [seq.segment() for seq in stepped]
-        lengths = [[layer.length for layer in seq.cache.layers] if seq.cache else [] for seq in stepped]
+        lengths = [seq.cache.length if seq.cache else 0 for seq in stepped]  # every layer's, before the step
         with self.lock:
             before = self.scheduler.stats.snapshot()
             try:
@@ -365,8 +363,8 @@ class Batcher:
                     self._fail(stepped, exc)
                     return
                 for seq, held in zip(stepped, lengths):
-                    for layer, n in zip(seq.cache.layers if seq.cache else [], held):
-                        layer.length = n
+                    if seq.cache is not None:
+                        seq.cache.rewind(held)
                 retry = True
             except BaseException as exc:  # out of memory or a bug: the step's sequences fail, nothing stays
                 self.scheduler.abort()

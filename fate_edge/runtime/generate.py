@@ -243,6 +243,14 @@ class Sequence:
         assert self.out.token is not None  # past its prompt, a sequence has sampled a token
         return Segment([self.out.token], self.cache)
 
+    @property
+    def rows(self) -> int:
+        """How many tokens its next :meth:`segment` runs (its next prompt chunk's, or one)."""
+        if self.chunks:
+            a, b = self.chunks[0]
+            return b - a
+        return 1
+
     def advance(self, logits: torch.Tensor) -> GenerationResponse | None:
         """The step's logits [V] for :meth:`segment` → the token's response, or None after a prompt chunk that is not
         its last (those logits are not needed). Sampling errors propagate (the request's alone)."""
