@@ -21,8 +21,8 @@ from fate_edge.devices.profile import DeviceProfile
 
 # Share of the roofline peaks a batch-1 decode achieves, for a profile that states no roofline_efficiency
 # (a probed host profile, a user's TOML). Source: AWQ (Lin et al., MLSys 2024, arXiv 2306.00978), TinyChat
-# decodes Llama-2-7B W4A16 at 39.1 tok/s on a Jetson AGX Orin 64GB; ~3.7 GB of weights read per token (6.5 B
-# 4-bit params with group-128 scales + the fp16 lm_head) x 39.1 = ~145 GB/s = 0.71 of its 204.8 GB/s.
+# decoding Llama-2-7B W4A16 on a Jetson AGX Orin 64GB reads its weights at about 0.71 of the memory's peak (the
+# derivation: docs/measured-choices.md).
 DEFAULT_EFFICIENCY = 0.7
 DEFAULT_EFFICIENCY_SOURCE = (
     "fate_edge.devices.emulate.DEFAULT_EFFICIENCY: AWQ/TinyChat Llama-2-7B W4A16 39.1 tok/s "

@@ -41,8 +41,7 @@ class ThrottledLink:
         emulated transfer then overlaps the real read and the request's chunks follow each other on the
         link back to back, as one device command would. Without it the transfer starts *now*, after the
         chunk was read, so a caller that reserves after each chunk pays read time + link time + every
-        sleep overshoot per chunk, and a stream delivers far below the link's bandwidth (scripts/research/bench_io.py
-        on a loaded 2-core host, 0.45 GB/s link, two workers: 72% of it without, 97% with ``issued_at``).
+        sleep overshoot per chunk, and a stream delivers far below the link's bandwidth (docs/measured-choices.md).
         """
         with self._lock:
             now = time.monotonic()

@@ -118,7 +118,7 @@ def moved_to_huge_pages(mapped: torch.Tensor) -> torch.Tensor:
     """A tensor memory-mapped from a store's file (``format.prequantized.MappedFiles``: MAP_PRIVATE, never written)
     copied onto huge pages, the file's pages let go behind the copy as it goes, so the resident memory ends where it
     started plus the tensor (at most :data:`MOVE_CHUNK` more on the way). Why: the kernels stream a store's int4
-    ``lm_head`` from 4 KB file pages at 8.5 ms a token on a 2-vCPU Xeon, from huge pages at 6.5 (Qwen1.5-MoE).
+    ``lm_head`` faster from huge pages than from 4 KB file pages (docs/measured-choices.md).
     Anything :func:`on_huge_pages` would leave as it is is returned as it is. Only for a mapping nothing writes:
     a page written there would be dropped for the file's bytes."""
     out = _huge_page_bytes(mapped)

@@ -8,7 +8,7 @@ Kernels, by preference:
   float weights (it quantizes them in its own scheme), so only weights quantized in memory can take it.
 * ``native-int4``: fate-edge's own kernel (``quant.native``): int8 dot products on the portable layout (packed
   codes, fp16 or fp32 scale and zero), built on first use with the system C compiler; the default for stored codes
-  wherever it runs (AVX512-VNNI: ~1.9x torch's kernel at one row; AVX2: 1.8-3.2x at 1-128 rows). x is quantized
+  wherever it runs (faster than torch's kernel there: docs/measured-choices.md). x is quantized
   to int8 per 32 values, as llama.cpp and onnxruntime do, which adds ~0.5% relative error to the weights' own.
 * ``dequant``: unpack, ``codes * scale + zero``, then a plain matmul: any bit width, any device.
 The choice per (bits, shape, device) is recorded in :data:`KERNEL_CHOICES` so benchmarks can report it;
@@ -159,7 +159,7 @@ class QuantizedLinear:
         if kernel != "dequant":
             raise ValueError(f"kernel {kernel!r} does not take torch's CPU int4 layout (torch-int4 or dequant)")
         scale = sz[..., 0].T.float()  # [N, K/g]
-        q = Quantized(codes, scale, sz[..., 1].T.float() - 8 * scale)  # ours: c' * s + (z' - 8 s)
+        q = Quantized(codes, scale, sz[..., 1].T.float() - 8 * scale)  # ours: c' * s + (z' - 8 * s)
         return cls(spec, shape, kernel, codes, q=q)
 
     @classmethod
@@ -236,7 +236,7 @@ def int4_kernel_layout(
 
 
 def pack_int4_cpu(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 codes [N, K] (< 16) → the bytes of ``torch._convert_weight_to_int4pack_for_cpu``, ~8x faster.
+    """uint8 codes [N, K] (< 16) → the bytes of ``torch._convert_weight_to_int4pack_for_cpu``, computed faster.
 
     torch's packer walks the matrix one code at a time from an int32 copy. Its layout is, per block of B rows
     (B = 64 with AVX-512, 32 with AVX2), byte ``k * B/2 + j`` = row ``j`` | row ``j + B/2`` << 4 (column ``k``):
@@ -281,9 +281,8 @@ def _block_pack(codes: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def default_kernel(shape: tuple[int, int], spec: QuantSpec, device: torch.device | str, copies: bool = False) -> str:
-    """The kernel codes get without timing: native-int4 where it runs (AVX512-VNNI: measured ~1.9x torch-int4 at
-    one row, ~1.3x at 8 with its row kernel, 2-3x from 8 rows on with its tiled GEMM; AVX2: 1.8-3.2x at 1-128
-    rows), else torch's int4 kernel where it takes
+    """The kernel codes get without timing: native-int4 where it runs (faster than torch-int4 at every row count
+    measured: docs/measured-choices.md), else torch's int4 kernel where it takes
     the shape, else dequantize-then-matmul. ``copies``: the codes are a fresh copy (quantized in memory, not views
     of a stored blob), so native may pad a K that is not a multiple of 128."""
     device = torch.device(device)

@@ -1,11 +1,11 @@
 """fate-edge's own int4 matmul (``native/int4_gemm.c``), built on first use with the system C compiler.
 
-It computes on the portable store layout directly (packed codes, fp16 or fp32 scale and zero per group): no
-repacking when an expert arrives, and int8 dot products (AVX512-VNNI, or AVX2) where torch's CPU int4 kernel converts
-every weight to float first. Measured on a 2-vCPU Xeon (AVX512-VNNI), one thread: 1408x2048 at one row ~100 us
-against torch's ~185 us. The shared library is cached under ``$FATE_EDGE_CACHE`` (default ``~/.cache/fate-edge``) by
-a hash of the source and the compiler; without a compiler, or with ``FATE_EDGE_NATIVE=0``, :func:`native_status`
-says why and the other kernels are used (``FATE_EDGE_NATIVE=avx2`` keeps an AVX-512 host on the AVX2 path).
+It computes on the portable store layout directly (packed codes, fp16 or fp32 scale and zero per group): no repacking
+when an expert arrives, and int8 dot products (AVX512-VNNI, or AVX2) where torch's CPU int4 kernel converts every weight
+to float first (docs/measured-choices.md). The shared library is cached under ``$FATE_EDGE_CACHE`` (default
+``~/.cache/fate-edge``) by a hash of the source and the compiler; without a compiler, or with ``FATE_EDGE_NATIVE=0``,
+:func:`native_status` says why and the other kernels are used (``FATE_EDGE_NATIVE=avx2`` keeps an AVX-512 host on the
+AVX2 path).
 """
 
 from __future__ import annotations
@@ -85,9 +85,8 @@ def native_isa() -> str | None:
 
 
 def native_is_default() -> bool:
-    """Whether stored int4 codes compute on this kernel by default: wherever it runs (AVX512-VNNI or AVX2). On a
-    2-vCPU AMD EPYC with AVX2 only it was 1.8-3.2x torch's int4 kernel at 1, 16 and 128 rows on Qwen1.5-MoE-sized
-    matrices (``scripts/research/bench_kernels.py``); on AVX512-VNNI ~1.9x at one row."""
+    """Whether stored int4 codes compute on this kernel by default: wherever it runs (AVX512-VNNI or AVX2), where
+    it was faster than torch's int4 kernel at every row count measured (docs/measured-choices.md)."""
     return native_isa() is not None
 
 
@@ -102,8 +101,8 @@ def _lib() -> ctypes.CDLL:
 
 def q4_0_codes(blocks: torch.Tensor) -> torch.Tensor | None:
     """llama.cpp q4_0 blocks (contiguous uint8, 18 bytes a block) → their codes packed in the portable layout
-    (uint8, 16 bytes a block), in C: the GGUF convert's main CPU cost in torch (~10 ms an expert at Qwen1.5-MoE's
-    size, against the disk's ~4 ms). None where the library is not available (the caller repacks in torch)."""
+    (uint8, 16 bytes a block), in C: the GGUF convert's main CPU cost in torch, longer than the disk's read
+    (docs/measured-choices.md). None where the library is not available (the caller repacks in torch)."""
     if not native_status()[0] or blocks.dtype != torch.uint8 or not blocks.is_contiguous() or blocks.numel() % 18:
         return None
     n = blocks.numel() // 18

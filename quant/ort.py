@@ -51,7 +51,7 @@ def int_zero_quantize(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, t
 
     Returns (codes uint8 [N, K], scale fp32 [N, K/g], zero point uint8 [N, K/g]): ``w ≈ (codes - zp) * scale``.
     (Our stored codes have a float zero, ``codes * scale + zero``; with a float zero point onnxruntime falls
-    back to a kernel ~40x slower, so this kernel quantizes from the float weights instead.)
+    back to a far slower kernel (docs/measured-choices.md), so this kernel quantizes from the float weights instead.)
     """
     n, k = w.shape
     g = w.float().reshape(n, k // spec.group_size, spec.group_size)

@@ -3,9 +3,8 @@
 Worker threads ``pread`` blobs into a pool of preallocated, page-aligned buffers (O_DIRECT where the
 filesystem allows it, buffered otherwise). Reads ahead go in chunks so a stale prefetch can be dropped part
 way; a demand read from the raw disk (no emulated link) goes in one request for the whole blob, because
-without kernel readahead the request size sets an O_DIRECT read's speed (blobs of 1-4 MB in random order here:
-1.13 GB/s whole, 0.68 GB/s in 256 KB chunks, ``scripts/research/bench_io.py``) and a demand read is never dropped
-but for an abort.
+without kernel readahead the request size sets an O_DIRECT read's speed (whole blobs read much faster than chunks:
+docs/measured-choices.md) and a demand read is never dropped but for an abort.
 Requests carry a priority (demand > next layer > further ahead); a request for a blob already queued
 or in flight is merged into it (and raises its priority). Every request records how long it queued,
 read and was waited for. A blob's CRC32 is checked before anyone sees its bytes: on its first read in
@@ -98,9 +97,8 @@ class FetchEngine:
         self._prefetch_held = 0
         # "once": each blob's CRC is checked on its first read in this process, which catches what
         # was corrupted or truncated at rest; later re-reads of a verified blob skip the CRC, the largest
-        # CPU cost of a read (fate_edge.format.checksum: ISA-L's CRC32 ~20 GB/s, zlib's ~2 GB/s where no ISA-L wheel
-        # exists; page-cache reads ~6.5 GB/s on the 2-core dev host), so evict-and-reload traffic does not
-        # steal compute. "always" checks every read.
+        # CPU cost of a read (fate_edge.format.checksum; docs/measured-choices.md), so evict-and-reload traffic
+        # does not steal compute. "always" checks every read.
         self.verify = verify
         self._ident: dict[str, tuple[int, int, int]] = {}
         self.link = link

@@ -35,7 +35,7 @@ class LoadStatus:
 
 class ProgressLines:
     """``on_progress(done, total)`` for convert: a line to ``emit`` at most every ``every`` seconds, and at the end,
-    "converting NAME: 42% (8.4 of 20.1 MB, 3.2 MB/s, about 4 s left)"; ``status`` follows every call."""
+    "converting NAME: 42% (8.4 of 20.1 MB, RATE MB/s, about N s left)"; ``status`` follows every call."""
 
     def __init__(
         self,

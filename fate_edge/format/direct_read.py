@@ -1,12 +1,11 @@
 """Large reads of a file past the page cache (O_DIRECT) where the filesystem allows it, buffered elsewhere.
 
-Convert reads every byte of its input once. A buffered ``pread`` of a few MB goes to the disk as the kernel's
-readahead windows, one after another, and is then copied out of the page cache; an O_DIRECT read of the same range
-goes to the disk as one request split across the device queue (``dd iflag=direct bs=16M`` reads this VM's disk at
-1.07 GB/s). O_DIRECT needs page-aligned offsets, lengths and memory: a range is read from the page below its start
-to the page above its end into an anonymous ``mmap`` (page-aligned), and the caller gets a view of its own bytes.
-Where the filesystem refuses O_DIRECT (tmpfs, some network filesystems) the same call reads through the page
-cache and tells the kernel to drop what it read.
+Convert reads every byte of its input once. A buffered ``pread`` of a few MB goes to the disk as the kernel's readahead
+windows, one after another, and is then copied out of the page cache; an O_DIRECT read of the same range goes to the
+disk as one request split across the device queue (docs/measured-choices.md). O_DIRECT needs page-aligned offsets,
+lengths and memory: a range is read from the page below its start to the page above its end into an anonymous ``mmap``
+(page-aligned), and the caller gets a view of its own bytes. Where the filesystem refuses O_DIRECT (tmpfs, some network
+filesystems) the same call reads through the page cache and tells the kernel to drop what it read.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Writing big output files with O_DIRECT, past the page cache, where the filesystem allows it.
 
 Convert writes each byte once and never reads it back. Through the page cache that costs a copy into dirty
-pages and, once the dirty limit is reached, writeback throttling: on the development VM buffered writes (plus
-the final fsync) ran at 0.09 GB/s while O_DIRECT wrote 0.89 GB/s to the same disk (``dd``, same minute).
+pages and, once the dirty limit is reached, writeback throttling, which made buffered writes several times slower
+than O_DIRECT ones to the same disk (docs/measured-choices.md).
 O_DIRECT needs page-aligned memory, offsets and lengths, so data goes through an anonymous ``mmap`` buffer
 (page-aligned) and the file is cut to its true length at the end. Where the filesystem refuses O_DIRECT
 (tmpfs, some network filesystems) the same calls write through the page cache.

@@ -81,7 +81,7 @@ def to_packed(type_name: str, raw: torch.Tensor, spec: QuantSpec) -> PackedQuant
         return None
     rows = raw.shape[0]
     b = raw.reshape(rows, -1, 18)
-    packed = q4_0_codes(raw.contiguous())  # in C where the native library is built: ~15x the torch below
+    packed = q4_0_codes(raw.contiguous())  # in C where the native library is built (docs/measured-choices.md)
     if packed is None:
         # Byte i of a block holds weight i in its low nibble and weight i + 16 in its high one. Read as 16-bit words
         # w (bytes 2j, 2j+1, little-endian), output byte j takes weights 2j, 2j+1 from w's low nibbles of each byte,

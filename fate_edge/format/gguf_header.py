@@ -1,8 +1,8 @@
 """A GGUF file's header parsed in one pass: the metadata as Python values and the tensor table.
 
-The ``gguf`` package's reader builds a numpy view per value, which takes ~10 s on a 150k-token vocabulary's
-metadata (two arrays of 150k strings); this reads the same layout (GGUF v2 and v3, little-endian) with ``struct``
-over a memory map of the header in a fraction of that. Tensor bytes are not touched here.
+The ``gguf`` package's reader builds a numpy view per value, which is slow on a 150k-token vocabulary's
+metadata (two arrays of 150k strings; docs/measured-choices.md); this reads the same layout (GGUF v2 and v3,
+little-endian) with ``struct`` over a memory map of the header in a fraction of that. Tensor bytes are not touched here.
 """
 
 from __future__ import annotations

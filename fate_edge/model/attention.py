@@ -146,8 +146,8 @@ def attend(cfg: ModelConfig, q: torch.Tensor, held: Keys, layer: int, scale: flo
 
 def _static(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """One query per head over a whole-capacity buffer (``mask`` [1, S]: the written positions): two bmm and a
-    softmax inductor fuses with the mask (CPU flash attention cost ~40 µs a call at this size; elementwise products
-    and sums were slower)."""
+    softmax inductor fuses with the mask (CPU flash attention and elementwise products and sums were slower at this
+    size: docs/measured-choices.md)."""
     n_q, n_k, hd = q.shape[1], k.shape[1], q.shape[3]
     qg = q.reshape(n_k, n_q // n_k, hd)  # query heads grouped by their kv head
     scores = torch.bmm(qg, k[0].transpose(1, 2)) * scale  # [n_k, g, S]

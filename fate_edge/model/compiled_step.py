@@ -11,8 +11,8 @@ Shapes stay static across positions: k and v are written into the cache's preall
 tensor (``kv_cache.StaticKV``: the one attention, ``attention.gqa``, masks the buffers' unused tail), and their
 length is marked dynamic, so a grown cache does not recompile. Inductor caches compiled kernels on disk
 (``TORCHINDUCTOR_CACHE_DIR``): a later process re-traces (seconds) but does not recompile C++. A per-layer graph
-with the experts left in Python was tried first and was no faster than eager (per call ~30 µs of guard checks and
-wrapper for ~10 operators saved).
+with the experts left in Python was tried first and was no faster than eager (its guard checks and wrapper cost what
+its ~10 operators saved: docs/measured-choices.md).
 
 It is a decode runner (:mod:`fate_edge.model.runner`), chosen once by ``set_compile`` where :func:`unsupported`
 allows (not for streamed experts, quantized resident weights, sliding windows); a failure to compile hands the
@@ -251,11 +251,11 @@ class CompiledDecode(DecodeRunner):
         self.stacks = stack_experts(model)
         model.plan()  # built now: a plan rebuilt later (weights changed) is what the version check catches
         self.plan_version = model._plan_version
-        # Guards would cost ~120 µs a token (one check per weight tensor). Skipping them is safe here: this
+        # Guards would check every weight tensor every token. Skipping them is safe here: this
         # compile serves one model (isolate_recompiles: its own cache), whose weights keep their shapes; the
         # plan version check in step() catches rebuilt weights, and the cache length is a marked dynamic size.
-        # cpp_wrapper: the ~170 kernel calls per token are made from C++, not Python (22% faster a token here,
-        # 1 thread; cold compile ~60 s instead of ~15 s under load, cached on disk after).
+        # cpp_wrapper: the ~170 kernel calls per token are made from C++, not Python (a faster token for a slower
+        # cold compile, cached on disk after: docs/measured-choices.md).
         # torch.compile accepts isolate_recompiles, but its typed overloads do not list it.
         self.fn = torch.compile(
             step_graph,

@@ -1,8 +1,8 @@
 """Decode attention on the CPU over bf16 and fp16 caches, in fate-edge's own kernel (``native/decode_attention.c``).
 
-torch's CPU attention computes a bf16 decode query with bf16 GEMMs, which CPUs without AVX512-BF16 emulate: on a
-2-vCPU AVX2 EPYC, one thread, 16 heads of 128 over 512 cached positions took 2.9 ms in bf16 against 0.4 ms in fp32,
-so a bf16 model's decode slowed with its context far faster than its cache grew. The kernel reads the cache once in
+torch's CPU attention computes a bf16 decode query with bf16 GEMMs, which CPUs without AVX512-BF16 emulate several
+times slower than fp32 (docs/measured-choices.md), so a bf16 model's decode slowed with its context far faster than
+its cache grew. The kernel reads the cache once in
 its own dtype and computes in fp32. fp32 attention stays on torch (as fast, and its bits are what the fp32 parity and
 batching tests pin). Built on first use like the int4 kernel (:mod:`fate_edge.native_build`); without a compiler or
 AVX2, or with ``FATE_EDGE_NATIVE=0``, :func:`available` is False and callers use torch.

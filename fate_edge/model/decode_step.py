@@ -1,7 +1,7 @@
 """One decode token through the model with as few operators as the arithmetic allows.
 
-Decode pays per operator, not per flop (the bundled model: ~500 operators a token, each a few µs of dispatch,
-against ~1 µs of matmul). This path runs every layer through the one layer function
+Decode pays per operator, not per flop (the bundled model: ~500 operators a token, each's dispatch costing more
+than its matmul; docs/measured-choices.md). This path runs every layer through the one layer function
 (:func:`fate_edge.model.layer_step.decoder_layer`) with an attention made for one token of one sequence: rope as one
 small matmul with a rotation built once per token (not four elementwise operators per layer; the one attention,
 ``attention.gqa``, takes it as ``rot``), and the output projection added to the residual in the same matmul
@@ -62,8 +62,8 @@ def decode_token(model: DecodingModel, token: torch.Tensor, cache: KVCache, plan
     if cos.dtype == x.dtype and not cfg.rope.interleaved:
         rot = rope_matrix(cos, sin, model.rope_permutation(cos.dtype))
         if x.device.type == "cpu" and x.dtype != torch.float32:
-            # CPUs without native bf16 emulate a bf16 matmul (32 x 128 rows of Qwen1.5-MoE: 350 µs against 20 in
-            # fp32, casts included); the fp32 product of bf16 values rounds back to the same bits
+            # CPUs without native bf16 emulate a bf16 matmul, far slower than fp32 even with the casts
+            # (docs/measured-choices.md); the fp32 product of bf16 values rounds back to the same bits
             rot = rot.float()
 
     def attend(x: torch.Tensor, h: torch.Tensor, layer: int, lp: LayerPlan) -> torch.Tensor:

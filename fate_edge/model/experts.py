@@ -74,8 +74,8 @@ class QuantizedExpert:
 
     def forward_bf16(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [N, H] bf16 → [N, H] bf16 (``takes_bf16`` only): the kernel's own dtype, no casts between (what a
-        decode row runs, ``layer_step.expert_rows``: half the time of ``__call__`` on float32 rows, measured 44
-        against 20 µs an expert of the bundled model, whose kernel casts in and out at every matmul)."""
+        decode row runs, ``layer_step.expert_rows``: about half the time of ``__call__`` on float32 rows, whose kernel
+        casts in and out at every matmul; docs/measured-choices.md)."""
         if self.gate_up is not None:
             gate, up = self.gate_up.mm_bf16(x).chunk(2, dim=-1)
         else:

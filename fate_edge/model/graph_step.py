@@ -1,8 +1,8 @@
 """Decode steps replayed as CUDA graphs: the whole step when every expert is resident, else each layer's
 attention, router and shared expert, with the routed experts (the reads) between the replays.
 
-Eager decode launches a few hundred kernels a token from Python, each waiting on the interpreter (~5-20 µs of
-host time against ~2-5 µs of GPU time at these sizes). Both modes run the one layer function
+Eager decode launches a few hundred kernels a token from Python, each waiting on the interpreter longer than the GPU
+runs it at these sizes (docs/measured-choices.md). Both modes run the one layer function
 (:func:`fate_edge.model.layer_step.decoder_layer`) with the compiled CPU step's static attention
 (:mod:`fate_edge.model.compiled_step`: a cache write at a position tensor, attention over the whole buffer with its
 tail masked), captured once per KV capacity and replayed.

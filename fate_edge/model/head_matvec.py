@@ -2,7 +2,7 @@
 (``native/head_matvec.c``), for MLA's absorbed decode (``mla.attend``).
 
 torch multiplies each head's block of ``kv_b_proj`` by a vector as a batched bf16 GEMM, which CPUs without
-AVX512-BF16 emulate (1.6 ms a layer for DeepSeek-V2-Lite's key blocks on a 2-vCPU AVX2 EPYC, one thread). The kernel
+AVX512-BF16 emulate slowly (docs/measured-choices.md). The kernel
 reads each weight once in its own dtype and computes in fp32. Built on first use like the other kernels
 (:mod:`fate_edge.native_build`); without a compiler or AVX2, or with ``FATE_EDGE_NATIVE=0``, :func:`takes` is False
 and the caller uses torch.

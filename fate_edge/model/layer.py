@@ -253,8 +253,8 @@ def quantize_group(w: Weights, names: list[str], bits: int) -> None:
     the kernel's multiple of 16 where needed (Qwen's shared expert gate_up carries its one-row gate: 2I + 1 rows,
     which went to int8, the slowest matmul of a Qwen prefill); :class:`FirstRows` drops the padded outputs.
     Norms, routers, biases and the embedding stay as loaded. Groups the int4 kernel cannot take stay in 8 bits.
-    (onnxruntime's MatMulNBits, ~2x faster at prefill here, is not used: a session per matrix held 3-13x the int4
-    bytes, measured.)"""
+    (onnxruntime's MatMulNBits, faster at prefill, is not used: a session per matrix held several times the int4
+    bytes; docs/measured-choices.md.)"""
     key = "+".join(names)
     parts = [w[f"{n}.weight"] for n in names]
     full = parts[0] if len(parts) == 1 else torch.cat(parts)  # lm_head alone: no copy

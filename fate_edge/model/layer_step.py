@@ -101,7 +101,7 @@ def add_routed(acc: torch.Tensor | None, y: torch.Tensor, w: torch.Tensor | floa
     Python float where eager code has it on the host (cheaper to dispatch). On a float32 ``acc`` both forms round
     alike, product and fused multiply-add (``tests/test_waste.py`` checks the bits), which a bf16 one would not."""
     if isinstance(w, float):
-        if acc is None:  # 0 + w·y is the float32 product's rounding; ~2x faster than y * w, which wraps w
+        if acc is None:  # 0 + w·y is the float32 product's rounding, without y * w's wrapping of w
             acc = torch.zeros_like(y, dtype=torch.float32)
         return acc.add_(y, alpha=w)
     return y * w if acc is None else acc.addcmul_(y, w)

@@ -87,8 +87,8 @@ def attend(cfg: ModelConfig, q: torch.Tensor, held: Keys, layer: int, lp: LayerP
     r, nope, dv = m.kv_lora_rank, m.qk_nope_head_dim, m.v_head_dim
     kv_b = lp.mla["kv_b_proj"]
     dense = isinstance(kv_b.weight, torch.Tensor) and kv_b.bias is None
-    # CPUs without native bf16 emulate a bf16 GEMM (the 4096 x 512 kv_b_proj over a 1,024-token prompt: 0.47 s
-    # a layer here, ~50 ms in fp32); the fp32 products of bf16 values are exact, rounded once on the way back
+    # CPUs without native bf16 emulate a bf16 GEMM, far slower than fp32 at a prompt's size
+    # (docs/measured-choices.md); the fp32 products of bf16 values are exact, rounded once on the way back
     widen = dense and q.device.type == "cpu" and q.dtype != torch.float32
     if q.shape[2] == 1 and dense:
         assert isinstance(kv_b.weight, torch.Tensor)

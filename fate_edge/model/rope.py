@@ -98,7 +98,7 @@ class RotaryEmbedding:
         """cos/sin [t, dim] on ``device`` for positions ``start .. start + t - 1``: slices of a table per (device,
         dtype), grown in powers
         of two as positions come (a position's row does not depend on the table's length). The whole context at
-        once cost DeepSeek-V2-Lite's first prompt 135 ms and 84 MB (163840 positions) for a 64-token prompt.
+        once cost a short first prompt the table of every position (docs/measured-choices.md).
 
         Dynamic NTK changes its frequencies with the sequence length, so it computes them each call.
         """

@@ -1,13 +1,12 @@
 """Scaled dot-product attention with the backends that suit decode on every device.
 
 On CUDA, torch may route bf16 attention to cuDNN's kernel, which builds an execution plan for every new shape: in
-decode the key length grows by one each token, so every token paid a plan build (measured on an H200: bf16 eager
-decode of the bundled model at 14 tok/s against 113 in fp32, which cuDNN does not take). Flash attention (then
-memory-efficient, then math) needs no per-shape plan.
+decode the key length grows by one each token, so every token paid a plan build
+(docs/measured-choices.md). Flash attention (then memory-efficient, then math) needs no per-shape plan.
 
 On the CPU, a decode query (one position, no mask) over a bf16 or fp16 cache goes to fate-edge's own kernel
-(:mod:`fate_edge.model.decode_attention`: torch emulates bf16 GEMMs on CPUs without AVX512-BF16, 3-11x slower at
-real shapes); everything else keeps torch's own choice.
+(:mod:`fate_edge.model.decode_attention`: torch emulates bf16 GEMMs on CPUs without AVX512-BF16, several times
+slower at real shapes); everything else keeps torch's own choice.
 """
 
 from __future__ import annotations

@@ -168,9 +168,10 @@ def probe_point(run: ProbeRun) -> tuple[float, float]:
 
 def stall_drag(points: list[tuple[float, float]], fallback: float) -> tuple[float, float]:
     """Compute per token with no stall, and the extra compute per second of stall, from (stall, compute) per token
-    of two probe runs: the line through both. Where their stalls are too close to tell a slope (under 2 ms or 20%
-    apart), or compute does not grow with stall, (``fallback``, 0). The slope is capped so that compute with no
-    stall is at least half the smaller measured one: two short probes on a shared host give no more evidence."""
+    of two probe runs: the line through both. Where their stalls are too close to tell a slope (closer than two
+    thousandths of a second or a fifth of the larger), or compute does not grow with stall, (``fallback``, 0). The slope
+    is capped so that compute with no stall is at least half the smaller measured one: two short probes on a shared host
+    give no more evidence."""
     (s1, c1), (s2, c2) = sorted(points)
     if s2 - s1 < max(2e-3, 0.2 * s2) or c2 <= c1:
         return fallback, 0.0

@@ -58,8 +58,8 @@ class HostCosts:
     # first read. 0: nothing overlaps (all of a layer's compute before its reads or after them).
     expert_s: float = 0.0
     # Compute slowed by waiting: seconds of extra compute per second of stall. After the main thread sleeps on a
-    # read its OpenMP team has gone to sleep too, and the cores and caches it computes on have gone cold; on a
-    # 2-vCPU host a token computes up to 2x slower in a stall-heavy run than in a stall-free one. Measured from
+    # read its OpenMP team has gone to sleep too, and the cores and caches it computes on have gone cold, so a
+    # token computes slower in a stall-heavy run than in a stall-free one (docs/measured-choices.md). Measured from
     # two probes at different stall levels (host_costs.stall_drag); 0: compute does not depend on stalls.
     stall_drag: float = 0.0
 

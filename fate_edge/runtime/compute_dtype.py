@@ -4,7 +4,7 @@ CUDA (a Jetson Orin included): bfloat16 where the GPU computes it natively (``to
 A CPU without bf16 instructions (AVX512-BF16 or AMX-BF16): float32, which it computes natively. A CPU with them:
 measured, not assumed: the probe decodes with the bundled model in both dtypes (interleaved rounds, a few seconds,
 once per host) and keeps the faster; the answer is cached beside the host's probed profile, keyed by the CPU,
-its thread count and torch's version (an AMD EPYC Zen 4 with AVX512-BF16 decoded at 0.67x in bfloat16:
+its thread count and torch's version (an AMD EPYC Zen 4 with AVX512-BF16 decoded slower in bfloat16:
 docs/performance.md#compute-dtype). ``FATE_EDGE_DTYPE`` overrides the probe (float32 or bfloat16).
 """
 

@@ -3,7 +3,7 @@
 Why: every thread that runs a parallel region with several threads keeps its own pool of OpenMP helper threads
 until it exits, and libgomp (torch's and the one fate-edge's kernels link) cuts its spin-waiting to ~100 iterations
 once it manages more threads than the process's CPUs. An engine loaded with 2 torch threads left the loading
-thread's helpers behind, and the batcher thread's own team then slept at every barrier (a 4x slower decode:
+thread's helpers behind, and the batcher thread's own team then slept at every barrier (a several times slower decode:
 docs/measured-choices.md).
 Work run through :func:`in_own_thread` keeps every torch thread, and its helpers end with its thread. A caller that
 runs multi-threaded torch work in another long-lived thread of the process (its own model) brings the slowdown back;

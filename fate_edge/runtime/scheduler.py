@@ -53,8 +53,8 @@ def hands_off(policy: PolicyConfig, store: ExpertStore, device: str) -> bool:
 def lends(policy: PolicyConfig, store: ExpertStore, device: str) -> bool:
     """Whether an uncached expert (load-on-demand) is computed in its read buffer, which goes back to the pool once
     the layer's caller has used it, as a device computes from the memory its DMA filled. A copy out would cost this
-    CPU a memcpy per read that no device pays (4 ms per Qwen1.5-MoE expert, 0.1-0.2 s per Mixtral one here),
-    dilated into device time under emulation."""
+    CPU a memcpy per read that no device pays (docs/measured-choices.md), dilated into device time under
+    emulation."""
     return not policy.cache and _decodes_in_buffer(policy, store, device)
 
 
@@ -434,8 +434,8 @@ class Scheduler(ExpertProvider):
         if not low and (self.zero_copy or self.lends):
             # Computed in its read buffer: kept as the cached expert's memory if the cache admits it (zero-copy), else
             # lent for this use and back to the pool after it (load-on-demand, or a cache that declined it). A copy
-            # out would allocate fresh memory per read that no device's DMA needs (2.5 ms per Qwen1.5-MoE expert on
-            # a VM where page faults are dear).
+            # out would allocate fresh memory per read that no device's DMA needs (dear where page faults are:
+            # docs/measured-choices.md).
             expert = self._decode_in_buffer(f)
             if not (self.zero_copy and self._hand_off(key, f, expert)):
                 f.lent = True

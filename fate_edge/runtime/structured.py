@@ -64,7 +64,7 @@ def lark_json(schema: dict[str, Any]) -> str:
 
 
 def _ll_tokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
-    """llguidance's view of ``tokenizer``, built once per tokenizer (~40 ms for a 4k vocabulary)."""
+    """llguidance's view of ``tokenizer``, built once per tokenizer (it takes a while)."""
     cached = getattr(tokenizer, "_llguidance", None)
     if cached is None:
         cached = llguidance.LLTokenizer(
