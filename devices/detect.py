@@ -98,7 +98,7 @@ def thread_split(cores: int | None = None) -> tuple[int, int]:
     """Default (torch threads, fetch workers): together no more than the ``cores`` available (one each at least).
 
     One thread per core, none left to spin or wait for a core: with a thread more than the cores, or other
-    processes busy, OpenMP's barriers stall decode (scripts/research/bench_threads.py). Fetch workers mostly wait on
+    processes busy, OpenMP's barriers stall decode (research/bench_threads.py). Fetch workers mostly wait on
     reads, so one serves up to 4 cores and two above that; torch takes the rest."""
     cores = max(1, available_cores() if cores is None else cores)
     workers = 1 if cores <= 4 else 2

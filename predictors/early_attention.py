@@ -1,7 +1,7 @@
 """Layer i+1's attention run one layer early, on layer i's residual: an estimate of layer i+1's gate input.
 
 Layer i's gate input decides most of layer i+1's routing; most of the rest is decided by layer i+1's attention
-over the other tokens (``scripts/research/predictor_ceiling.py``: everything a token's own residual holds before that
+over the other tokens (``research/predictor_ceiling.py``: everything a token's own residual holds before that
 attention adds about one point). In decode that attention is mostly known when layer i routes: the keys and
 values of every earlier token are already in layer i+1's KV cache; only the current token's own query, key and
 value need its layer i+1 input, which does not exist until layer i's experts have run. So run layer i+1's
@@ -11,7 +11,7 @@ attention early, on layer i's post-attention residual r_i (the layer i+1 input m
     s = post_norm_{i+1}(r_i + o_{i+1}(attention(q, [K_{<t}, k], [V_{<t}, v])))
 
 K_{<t}, V_{<t} being the true keys and values of the earlier positions. ``s`` is what layer i+1's router would
-read if layer i's experts added nothing; a learned predictor reads [h_i, s] (``scripts/research/predictor_ceiling.py``
+read if layer i's experts added nothing; a learned predictor reads [h_i, s] (``research/predictor_ceiling.py``
 measures it). The price is one more attention per layer and token, on resident weights, while the reads fly.
 
 Here the estimate is computed for recorded windows (training and scoring); every row attends to the true keys

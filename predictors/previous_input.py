@@ -5,7 +5,7 @@ over the other tokens, which has not run when the prefetch must start. Part of i
 the previous token's forward pass is finished, and its layer i+1 gate input h_{i+1}(t-1) holds what that
 attention saw one position earlier. A predictor reading [h_i(t), h_{i+1}(t-1)] stays causal and finds more of
 layer i+1's experts, most on the first layer pair, where the gate input moves furthest
-(``scripts/research/predictor_ceiling.py`` measures it; docs/predictors.md).
+(``research/predictor_ceiling.py`` measures it; docs/predictors.md).
 
 In the engine the previous row comes from state (:class:`PreviousInput`, fed every layer call by the
 scheduler); on a recorded trace, whose rows are consecutive tokens of windows, it is the row above

@@ -10,5 +10,5 @@ fate-edge calibrate "$M" --predictors-dir "$M/predictors" --lookahead 2 --tokens
     | tee bench-out/calibrate.txt
 fate-edge model-card "$M" --tokens 16384
 fate-edge eval-quality --tokens 16384 --json bench-out/quality.json --results
-python scripts/research/bench_forward.py --runs 5 --json bench-out/forward.json --results
+python research/bench_forward.py --runs 5 --json bench-out/forward.json --results
 fate-edge bench --quick --results --plots-dir docs

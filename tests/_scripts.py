@@ -1,4 +1,4 @@
-"""Loading the checkout's scripts (scripts/NAME.py, scripts/research/NAME.py) in tests: they are files, not modules
+"""Loading the checkout's scripts (scripts/NAME.py, research/NAME.py) in tests: they are files, not modules
 of the package."""
 
 from __future__ import annotations

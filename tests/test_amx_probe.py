@@ -1,4 +1,4 @@
-"""The AMX probe (scripts/research/amx_int4_tiles.c) builds against the int4 kernel it includes, and where this CPU
+"""The AMX probe (research/amx_int4_tiles.c) builds against the int4 kernel it includes, and where this CPU
 runs AMX its tile GEMM gives every output the kernel's bits (docs/batching.md quotes its timings on that claim)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def test_amx_probe_matches_the_kernel_bit_for_bit(tmp_path, variant):
     cc = compiler()
     if cc is None:
         pytest.skip("no C compiler here (the probe, like the native kernel, is built with one)")
-    probe = load_script("scripts/research/amx_int4_tiles.py")
+    probe = load_script("research/amx_int4_tiles.py")
     exe = probe.build(cc, probe.VARIANTS[variant], tmp_path / "probe")
     # 8 and 11 x rows (a second, partial pass of the tile's 8), groups of 64, N and K past one block and one chunk
     for rows in (8, 11):

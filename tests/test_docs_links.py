@@ -121,12 +121,12 @@ def test_each_generated_table_has_its_own_results_file():
             assert not MARKER.search(page.read_text()), f"{page.name} holds generated-table markers"
 
 
-SCRIPT_PATH = re.compile(r"(?<![\w/.-])scripts/[\w/.-]+\.(?:py|sh)\b")
+SCRIPT_PATH = re.compile(r"(?<![\w/.-])(?:scripts|research)/[\w/.-]+\.(?:py|sh)\b")
 
 
 def missing_scripts(text: str, root: Path = ROOT) -> list[str]:
-    """Each ``scripts/...py|sh`` path named in ``text`` (commands in code spans and blocks included) that the
-    repository does not have: a command a reader copies must run."""
+    """Each ``scripts/...py|sh`` or ``research/...py`` path named in ``text`` (commands in code spans and blocks
+    included) that the repository does not have: a command a reader copies must run."""
     return sorted({p for p in SCRIPT_PATH.findall(text) if not (root / p).exists()})
 
 
@@ -143,3 +143,4 @@ def test_a_moved_script_is_reported(tmp_path):
     (tmp_path / "scripts" / "here.sh").write_text("")
     text = "`bash scripts/here.sh` then `python scripts/gone.py --x` and fate_edge/scripts/not_ours.py"
     assert missing_scripts(text, tmp_path) == ["scripts/gone.py"]
+    assert missing_scripts("`python research/moved_away.py`", tmp_path) == ["research/moved_away.py"]

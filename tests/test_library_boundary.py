@@ -1,5 +1,5 @@
 """Scripts import the library, never the reverse: no module of the installed package reaches into the source
-checkout (scripts/ by path, REPO_ROOT, a path climbing out of the package from __file__)."""
+checkout (scripts/ or the lab's research/ by path, REPO_ROOT, a path climbing out of the package from __file__)."""
 
 import ast
 import re
@@ -41,7 +41,11 @@ def checkout_references(source: str) -> list[str]:
             isinstance(node, ast.Constant)
             and isinstance(node.value, str)
             and id(node) not in docs
-            and (node.value.strip("/") == "scripts" or "scripts/" in node.value)
+            and (
+                node.value.strip("/") in ("scripts", "research")
+                or "scripts/" in node.value
+                or "research/" in node.value
+            )
         ):
             why = f"the path {node.value!r}"
         elif (
@@ -74,6 +78,12 @@ def test_the_check_catches_what_the_bench_and_calibrate_used_to_do():
     found = checkout_references(old)
     assert len(found) == 7, found  # REPO_ROOT twice, parents[1], "scripts", the loader, parent.parent, the path
     assert checkout_references('"""Docstrings may name scripts/test.sh."""\nx = Path(__file__).parent / "a"\n') == []
+    assert sorted(
+        checkout_references('p = ROOT / "research" / "bench_io.py"\nq = "research/probe_text_spread.py"\n')
+    ) == [
+        "line 1: the path 'research'",
+        "line 2: the path 'research/probe_text_spread.py'",
+    ]
 
 
 @pytest.mark.parametrize("folder", PACKAGE_DIRS)

@@ -15,7 +15,7 @@ from fate_edge.runtime.engine_config import EngineConfig
 from fate_edge.runtime.memory_account import kv_bytes_per_token, memory_account
 from fate_edge_lab.synthetic import SyntheticOptions, make_synthetic_model
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "research" / "measure_memory.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "research" / "measure_memory.py"
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ here); each step, :class:`GrammarMask` computes the tokens the grammar allows ne
 ends when the grammar has accepted and allows nothing more (or at EOS, which it allows only where it accepts).
 
 llguidance over xgrammar: a 3 MB wheel with no dependencies (xgrammar needs transformers and triton at run time),
-and the lower mask cost per token measured on the bundled model (docs/server.md, scripts/research/grammar_mask_cost.py).
+and the lower mask cost per token measured on the bundled model (docs/server.md, research/grammar_mask_cost.py).
 """
 
 from __future__ import annotations

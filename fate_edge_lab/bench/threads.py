@@ -1,6 +1,6 @@
 """Decode speed under CPU competition: fate-edge with as many torch threads as cores waiting as libgomp does by
 default (~3 ms spin), passively, or with a short spin; its library defaults; one thread; and llama.cpp; each with
-0, 1 and 2 busy-looping processes beside it (``scripts/research/bench_threads.py``).
+0, 1 and 2 busy-looping processes beside it (``research/bench_threads.py``).
 
 Every measurement is a fresh interpreter, so each starts OpenMP with its own settings: the old default is
 reproduced by importing torch before fate_edge (libgomp reads OMP_WAIT_POLICY when torch loads it, before

@@ -165,7 +165,7 @@ def plan_in_worker(spec: dict, prompt: list[int], recorded=None) -> dict[str, An
     """The planner's choice for this configuration's link and budget (see :func:`planner_configs`), planned for the
     request the bench measures: its probes decode ``prompt`` for ``spec["decode_tokens"]`` tokens, as a user plans
     with a sample of their own prompts (``fate-edge plan --corpus``). One request's speed depends on its text (the
-    spread over texts: scripts/research/probe_text_spread.py), so a plan probed on other text predicts the mean
+    spread over texts: research/probe_text_spread.py), so a plan probed on other text predicts the mean
     request, not this one. ``recorded``: the measured request's routing (an engine Trace), over which the pick and
     the fate-edge preset are simulated too, with the planner's costs: the time model's prediction for this very
     request."""

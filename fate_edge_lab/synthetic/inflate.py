@@ -4,7 +4,7 @@ Each routed expert's intermediate size is raised (default: so one int4 expert is
 Qwen1.5-MoE-A2.7B's) by appending inert units: their gate/up rows are random (so compute and bytes
 are real) and their down-projection columns are zero (so they add exactly nothing). The outputs equal
 the source model's; benchmarks on it measure realistic I/O and compute with trained routing.
-``scripts/research/make_inflated_model.py`` is the command line; the benchmark builds its default model here.
+``research/make_inflated_model.py`` is the command line; the benchmark builds its default model here.
 """
 
 from __future__ import annotations

@@ -121,7 +121,7 @@ static void prepare(const float *x, int M, int K, int g, int chunk, prepared *p)
 #define PREFETCH 4096 /* bytes of weights requested ahead of the ones being multiplied (AVX2, into L1) */
 /* AVX-512: 16 KB ahead into L2. On a 2-vCPU Zen 4 (AMD EPYC), one row, once the accumulators stayed in registers
    (tile_512), 4 KB into L1 streamed 8-10 GB/s of CPU time, 8 KB into L2 12-18, 16 KB into L2 12-20 (interleaved
-   A/B, scripts/research/bench_int4_rows.py) */
+   A/B, research/bench_int4_rows.py) */
 #define PREFETCH_512 16384
 #define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 #define T256 __attribute__((target("avx2,fma,f16c")))
@@ -722,7 +722,7 @@ static int gemm_tiled(const uint8_t *codes, wscales w, int N, int K, int g,
 }
 
 /* From how many x rows on the tiled GEMM beats the row kernel, timed on 1408x2048 to 4096x14336 matrices at one
-   thread (scripts/research/bench_kernels.py): AVX-512 from 3 rows (1.1-1.9x at 3-4 rows, 1.7-3.1x at 16-64),
+   thread (research/bench_kernels.py): AVX-512 from 3 rows (1.1-1.9x at 3-4 rows, 1.7-3.1x at 16-64),
    AVX2 from 8 (1.1-1.3x at 8, 1.4-1.7x at 16-64). 0: these defaults; fe_int4_set_gemm_min_rows overrides them. */
 static int gemm_min_rows = 0;
 

@@ -250,8 +250,8 @@ def test_fate_edge_bench_records_its_own_command_and_runs_its_workers_from_the_i
 def test_the_command_is_recorded_as_invoked():
     assert invoked_command(["/venv/bin/fate-edge", "bench", "--quick"]) == "fate-edge bench --quick"
     assert (
-        invoked_command(["scripts/research/bench_io.py", "--runs", "3", "--results"])
-        == "python scripts/research/bench_io.py --runs 3 --results"
+        invoked_command(["research/bench_io.py", "--runs", "3", "--results"])
+        == "python research/bench_io.py --runs 3 --results"
     )
     assert (
         invoked_command(["/x/fate_edge_lab/bench/__main__.py", "--runs", "1"], "fate_edge_lab.bench")

@@ -10,7 +10,7 @@ from fate_edge import load_model
 from fate_edge.errors import FateEdgeError
 from fate_edge_lab.synthetic import inflate as inflated
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "research" / "make_inflated_model.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "research" / "make_inflated_model.py"
 
 
 @pytest.mark.slow

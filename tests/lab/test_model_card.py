@@ -153,7 +153,7 @@ def test_the_ceiling_scripts_cross_token_pairs_stay_inside_a_window(tmp_path):
     from fate_edge.model.layer import rms_norm
     from fate_edge.runtime.loader import load_model
 
-    ceiling = load_script("scripts/research/predictor_ceiling.py")
+    ceiling = load_script("research/predictor_ceiling.py")
     ids = {0: torch.arange(12).view(6, 2), 3: 100 + torch.arange(12).view(6, 2)}  # two windows of 3 positions
     trace = Trace({3: torch.arange(6.0)[:, None].expand(6, 4)}, ids, 16)
     src, dst = ceiling.next_token_pairs(trace, 3)
@@ -187,7 +187,7 @@ def test_the_ceiling_scripts_own_router_is_exact_on_the_residual_its_norm_reads(
 
     from fate_edge.runtime.loader import load_model
 
-    ceiling = load_script("scripts/research/predictor_ceiling.py")
+    ceiling = load_script("research/predictor_ceiling.py")
     path = build_tiny_moe(tmp_path / "tiny")
     model = load_model(path, torch.float32)
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))

@@ -175,7 +175,7 @@ def test_gpu_bench_table_puts_the_reads_beside_the_fewest():
 def test_request_read_bound_serves_the_gpu_bench_request(bundled_dir, capsys):
     from fate_edge.format.converted_stores import ensure_store
 
-    script = load_script("scripts/research/request_read_bound.py")
+    script = load_script("research/request_read_bound.py")
     store = ensure_store(bundled_dir, cold_bits=2, progress=False, baselines=True)
     args = argparse.Namespace(
         store=str(store),

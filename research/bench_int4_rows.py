@@ -1,0 +1,143 @@
+"""Interleaved A/B of builds of the native int4 kernel (``quant/native/int4_gemm.c``) at a few x rows: each C file is
+compiled as fate-edge builds it (``native_build.CFLAGS``), every build runs every Qwen1.5-MoE-shaped matrix in turn
+within each round, and the medians are reported as microseconds per call and GB/s of weights (codes, fp16 scales
+and zeros). The builds' outputs must agree bit for bit (a kernel change that keeps the sums' order keeps them).
+
+Timing is the calling thread's CPU time at one thread (a shared host's other processes then cost nothing but the
+cache and memory traffic they cause), wall time at more. ``--hot`` multiplies one small matrix that stays in L2 (the
+kernel's compute ceiling); otherwise enough copies of each matrix to leave the last-level cache (decode, fully
+resident: weights stream from DRAM).
+
+    git show main:quant/native/int4_gemm.c > /tmp/old.c
+    python research/bench_int4_rows.py /tmp/old.c quant/native/int4_gemm.c --rows 1 --threads 1 --rounds 9
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from fate_edge.huge_pages import on_huge_pages
+from fate_edge.native_build import CFLAGS, compiler
+from fate_edge_lab.bench.host import cpu_model
+
+GROUP = 64
+SHAPES = [(1408, 2048), (2048, 1408), (5632, 2048), (2048, 5632), (2048, 2048)]
+HOT_SHAPES = [(512, 2048), (256, 2048)]
+
+
+def build(src: Path, folder: Path) -> ctypes.CDLL:
+    out = folder / f"int4-{hashlib.sha1(src.read_bytes()).hexdigest()[:12]}.so"
+    if not out.exists():
+        cc = compiler()
+        if cc is None:
+            raise SystemExit("no C compiler")
+        subprocess.run([cc, *CFLAGS, "-fPIC", "-shared", str(src), "-o", str(out), "-lm"], check=True)
+    lib = ctypes.CDLL(str(out))
+    lib.fe_int4_gemm.restype = ctypes.c_int
+    lib.fe_int4_gemm.argtypes = (
+        [ctypes.c_void_p] * 3
+        + [ctypes.c_int] * 4
+        + [
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+        ]
+    )
+    return lib
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("sources", nargs="+", type=Path)
+    ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--hot", action="store_true", help="one small matrix, resident in L2")
+    ap.add_argument("--isa", type=int, default=2, help="2: AVX512-VNNI, 1: AVX2")
+    ap.add_argument(
+        "--huge-pages",
+        action="store_true",
+        help="the codes on transparent huge pages, as a loaded model holds its weights (fate_edge.huge_pages)",
+    )
+    args = ap.parse_args()
+    folder = Path(tempfile.mkdtemp(prefix="fate-edge-int4-ab-"))
+    libs = [build(s, folder) for s in args.sources]
+    shapes = HOT_SHAPES if args.hot else SHAPES
+    gen = torch.Generator().manual_seed(0)
+    mats, xs = [], []
+    for n, k in shapes:
+        copies = 1 if args.hot else max(2, int(64e6 // (n * k // 2)))
+        codes = torch.randint(0, 256, (copies, n, k // 2), dtype=torch.uint8, generator=gen)
+        if args.huge_pages:
+            codes = on_huge_pages(codes)
+        mats.append(
+            [
+                (
+                    codes[i],
+                    (torch.rand(n, k // GROUP, generator=gen) * 0.01).half(),
+                    (torch.randn(n, k // GROUP, generator=gen) * 0.01).half(),
+                )
+                for i in range(copies)
+            ]
+        )
+        xs.append(torch.randn(args.rows, k, generator=gen).bfloat16())
+    clock = time.thread_time if args.threads == 1 else time.perf_counter
+
+    def run(lib: ctypes.CDLL, i: int, reps: int = 20) -> tuple[float, torch.Tensor]:
+        (n, k), x = shapes[i], xs[i]
+        y = torch.empty(args.rows, n, dtype=torch.bfloat16)
+        t0 = clock()
+        for _ in range(reps):
+            for c, s, z in mats[i]:
+                rc = lib.fe_int4_gemm(
+                    c.data_ptr(), s.data_ptr(), z.data_ptr(), 0, n, k, GROUP, x.data_ptr(), 1, k, args.rows,
+                    y.data_ptr(), 1, args.threads, args.isa,
+                )  # fmt: skip
+                assert rc == 0
+        return (clock() - t0) / (reps * len(mats[i])), y
+
+    for i, shape in enumerate(shapes):
+        ys = [run(lib, i, 1)[1] for lib in libs]
+        for j, y in enumerate(ys[1:], 1):
+            if not torch.equal(ys[0], y):
+                print(f"{shape}: {args.sources[j]} differs from {args.sources[0]}")
+    times: dict[tuple[int, int], list[float]] = {(j, i): [] for j in range(len(libs)) for i in range(len(shapes))}
+    load0 = os.getloadavg()
+    for _ in range(args.rounds):
+        for i in range(len(shapes)):
+            for j, lib in enumerate(libs):
+                times[(j, i)].append(run(lib, i)[0])
+    print(
+        f"{cpu_model()}; {args.rows} row(s), {args.threads} thread(s), {'hot' if args.hot else 'from DRAM'}"
+        f"{', huge pages' if args.huge_pages else ''}, "
+        f"median of {args.rounds} interleaved rounds; load average {load0[0]:.2f} before, "
+        f"{os.getloadavg()[0]:.2f} after"
+    )
+    print("| N x K | " + " | ".join(str(s) for s in args.sources) + " |")
+    print("|---|" + "---:|" * len(libs))
+    for i, (n, k) in enumerate(shapes):
+        nbytes = n * k / 2 + 2 * 2 * n * k / GROUP
+        cells = []
+        for j in range(len(libs)):
+            med = statistics.median(times[(j, i)])
+            cells.append(f"{med * 1e6:.0f} us, {nbytes / med / 1e9:.1f} GB/s")
+        print(f"| {n}x{k} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
