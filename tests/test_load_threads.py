@@ -80,30 +80,3 @@ def test_a_batched_engine_loads_on_a_thread_of_its_own(bundled_store, monkeypatc
         assert (seen[0] != threading.get_ident()) == elsewhere
         assert (eng.batcher is not None) == (max_batch != 1)
         assert eng.generate_text("def f():", GenerateConfig(max_tokens=4))[0]  # it works after a load elsewhere
-
-
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux's /proc")
-def test_a_thread_that_stops_computing_can_end_its_openmp_helpers_while_it_lives():
-    """What a request's reader does when it stops stepping its batch of one (runtime.batch): its team goes now, not
-    at its exit, so the worker's team is the only one."""
-    from fate_edge.runtime.load_threads import release_openmp_threads
-
-    before_threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    x = torch.randn(512, 512)
-    seen: dict[str, int | bool] = {}
-
-    def work():
-        [x @ x for _ in range(20)]  # a team of 2: one helper thread
-        seen["with_team"] = _threads()
-        seen["released"] = release_openmp_threads()
-        seen["after"] = _threads()
-
-    try:
-        thread = threading.Thread(target=work)
-        thread.start()
-        thread.join()
-    finally:
-        torch.set_num_threads(before_threads)
-    assert seen["released"] is True
-    assert seen["after"] < seen["with_team"], seen

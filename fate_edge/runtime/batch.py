@@ -1,15 +1,10 @@
 """Continuous batching: requests join and leave between steps, and each step is one forward over every active sequence.
 
-A request alone steps in its reader's thread: while it is the only one and no worker runs, each read of its stream
-runs the next step (a batch of one: no hop to another thread, whose wake-up each token would wait on). When another
-request comes, a worker thread starts and owns the steps from then on; the reader that stepped ends its OpenMP
-helpers (``load_threads.release_openmp_threads``), so one thread's team computes at a time.
-
-Each step stacks, per active sequence, either its next prompt chunk (a joining request; all joining requests' chunks
-together at most ``prompt_rows`` tokens a step) or its last sampled token, and runs them in one pass
-(``model.batch_step.forward_segments``): per MoE layer the scheduler sees the union of the batch's routed experts, reads
-each once and the model computes each on its rows, grouped. Every sequence keeps its own KV cache, sampling, stop
-conditions and statistics (:class:`~fate_edge.runtime.generate.TokenStream`).
+A worker thread owns the steps. Each step stacks, per active sequence, either its next prompt chunk (a joining
+request; all joining requests' chunks together at most ``prompt_rows`` tokens a step) or its last sampled token,
+and runs them in one pass (``model.batch_step.forward_segments``): per MoE layer the scheduler sees the union of
+the batch's routed experts, reads each once and the model computes each on its rows, grouped. Every sequence keeps
+its own KV cache, sampling, stop conditions and statistics (:class:`~fate_edge.runtime.generate.TokenStream`).
 
 The KV caches are inside the budget: every sequence reserves its prompt plus answer at admission as a range of one
 KV slab of ``kv_budget_bytes`` (the memory account's KV room; ``model.kv_slab``), which also lets a step's decode
@@ -43,7 +38,6 @@ from fate_edge.runtime.generate import (
     TokenStream,
     prepare_prompt,
 )
-from fate_edge.runtime.load_threads import release_openmp_threads
 from fate_edge.runtime.scheduler import SchedulerStats
 from fate_edge.sizes import format_bytes
 
@@ -131,8 +125,7 @@ def add_stats(into: SchedulerStats, more: SchedulerStats) -> None:
 
 
 class Batcher:
-    """Serves requests from any thread together, one batched forward per step: a lone request's steps run in its
-    reader's thread, requests together on the worker's thread (started at the first time two are in)."""
+    """Serves :meth:`stream` calls from any thread together, one batched forward per step, on its own thread."""
 
     def __init__(
         self,
@@ -155,8 +148,7 @@ class Batcher:
         self._waiting: deque[BatchSequence] = deque()
         self._active: list[BatchSequence] = []
         self._closed = False
-        self._thread: threading.Thread | None = None  # the worker, from the first time two requests are in
-        self._stepper: threading.Thread | None = None  # a reader running its step alone, while it does
+        self._thread: threading.Thread | None = None
         self._slab: KVSlab | None = None  # made at the first request
         self._starved = False  # a sequence could not grow its KV range last step: admit no one until it can
 
@@ -184,24 +176,17 @@ class Batcher:
                 raise EngineClosedError("the engine is closed; create a new Engine to serve more requests")
             self._waiting.append(seq)
             self.stats.waiting = len(self._waiting)
-            self._cv.notify_all()  # the worker where one runs, else its reader steps it (responses)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="fate-edge-batch", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
         return seq
 
     def responses(self, seq: BatchSequence) -> Iterator[GenerationResponse]:
-        """``seq``'s responses as they come; closing the iterator removes it from the batch before the next step.
-        While ``seq`` is the only request, each read runs its next step here (:meth:`_step_alone`)."""
-        stepped = False  # this thread computed: its OpenMP helpers end when it stops
+        """``seq``'s responses as they come; closing the iterator removes it from the batch before the next step."""
         try:
             while True:
-                try:
-                    item = seq.events.get_nowait()
-                except queue.Empty:
-                    if self._step_alone(seq):
-                        stepped = True
-                        continue
-                    if stepped:  # the worker computes from here on
-                        stepped = not release_openmp_threads()
-                    item = seq.events.get()
+                item = seq.events.get()
                 seq.unread -= 1
                 seq.last_read = time.monotonic()
                 if isinstance(item, BaseException):
@@ -211,52 +196,17 @@ class Batcher:
                     return
         finally:
             self.cancel(seq)
-            if stepped:
-                release_openmp_threads()
 
     def cancel(self, seq: BatchSequence) -> None:
         seq.cancelled.set()
         with self._cv:
-            if self._thread is None and self._stepper is None:  # no one steps next: it leaves now
-                self._leave_cancelled()
             self._cv.notify_all()
-
-    def _step_alone(self, seq: BatchSequence) -> bool:
-        """Run the next step in this thread if ``seq`` is the only request and no worker runs (True); else start
-        the worker where another request is in (False: the worker steps them all, ``seq`` with them)."""
-        with self._cv:
-            while self._stepper is not None:  # a step of the request before this one, ending
-                self._cv.wait()
-            if self._closed or seq.done or self._thread is not None:
-                return False
-            if any(q is not seq and not q.cancelled.is_set() for q in [*self._waiting, *self._active]):
-                self._start_worker()
-                return False
-            batch = self._turn()
-            if not batch:  # not admitted (cannot happen alone: the slab is empty); the worker waits for room
-                self._start_worker()
-                return False
-            self._stepper = threading.current_thread()
-        try:
-            self._step(batch)
-        finally:
-            with self._cv:
-                self._stepper = None
-                self._cv.notify_all()
-        return True
-
-    def _start_worker(self) -> None:
-        """The worker thread, which steps the batch from now on (under ``_cv``)."""
-        self._thread = threading.Thread(target=self._loop, name="fate-edge-batch", daemon=True)
-        self._thread.start()
 
     def close(self) -> None:
         """Stop the worker after its step; every sequence still queued or running gets EngineClosedError."""
         with self._cv:
             self._closed = True
             self._cv.notify_all()
-            while self._stepper not in (None, threading.current_thread()):  # a reader's step alone ends first
-                self._cv.wait()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
         closed = EngineClosedError("the engine was closed while this request was being served")
@@ -319,21 +269,15 @@ class Batcher:
     def _serve(self) -> None:
         while True:
             with self._cv:
-                while not self._closed and (self._stepper is not None or not (self._active or self._waiting)):
+                while not self._closed and not self._active and not self._waiting:
                     self._cv.wait()
                 if self._closed:
                     return
-                batch = self._turn()
+                self._leave_cancelled()
+                self._admit()
+                batch = list(self._active)
             if batch:
                 self._step(batch)
-
-    def _turn(self) -> list[BatchSequence]:
-        """Who the next step runs (under ``_cv``): the batch less those that left, with those that join."""
-        self._leave_cancelled()
-        if not self._active:
-            self._starved = False  # no one is left to wait for room from
-        self._admit()
-        return list(self._active)
 
     def _admit(self) -> None:
         """Waiting requests join in order while the batch has a place and their KV cache fits (under ``_cv``)."""

@@ -124,9 +124,8 @@ class Engine:
         self._auto_budget = is_auto(c.memory_budget)
         self.budget = 0 if self._auto_budget else parse_bytes(c.memory_budget)
         self.budget_choice: BudgetChoice | None = None
-        # A batched engine computes on its readers' threads (a lone request) or its batcher thread: it loads on a
-        # thread of its own, whose OpenMP helper threads end with it, so that one computing team is the process's
-        # only one (runtime.load_threads;
+        # A batched engine computes on its batcher thread: it loads on a thread of its own, whose OpenMP helper
+        # threads end with it, so that the batcher's team is the process's only one (runtime.load_threads;
         # docs/measured-choices.md)
         batched = (c.max_batch or default_max_batch(device)) > 1 and c.trace is None and device == "cpu"
         if batched:

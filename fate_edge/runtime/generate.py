@@ -3,8 +3,7 @@
 Modelled on mlx-lm's ``stream_generate`` (here ``stream_from_model``): callers iterate and get a
 :class:`GenerationResponse` per token. One request alone is a batch of one: a :class:`Sequence` stepped by the batch's
 step (``batch_step.forward_segments``, whose one-sequence case is the model's own forward), as every sequence of a
-continuous batch is (``runtime.batch``); only who iterates differs (this generator, a lone request's reader, or the
-batch's worker thread).
+continuous batch is (``runtime.batch``); only who iterates differs (this generator, or the batch's worker thread).
 """
 
 from __future__ import annotations

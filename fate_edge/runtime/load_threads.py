@@ -5,17 +5,16 @@ until it exits, and libgomp (torch's and the one fate-edge's kernels link) cuts 
 once it manages more threads than the process's CPUs. An engine loaded with 2 torch threads left the loading
 thread's helpers behind, and the batcher thread's own team then slept at every barrier (a several times slower decode:
 docs/measured-choices.md).
-Work run through :func:`in_own_thread` keeps every torch thread, and its helpers end with its thread; a reader that
-stepped its lone request and stops (``runtime.batch``) ends its helpers at once (:func:`release_openmp_threads`). A
-caller that runs multi-threaded torch work in another long-lived thread of the process (its own model) brings the
-slowdown back; docs/batching.md says so.
+Work run through :func:`in_own_thread` keeps every torch thread, and its helpers end with its thread. A caller that
+runs multi-threaded torch work in another long-lived thread of the process (its own model) brings the slowdown back;
+docs/batching.md says so.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
 
@@ -57,35 +56,3 @@ def in_own_thread(fn: Callable[[], T], name: str = LOAD_THREAD) -> T:
     if error:
         raise error[0]
     return result[0]
-
-
-_OMP_PAUSE: dict[str, Any] = {}  # a libgomp's path -> its omp_pause_resource_all (None: it has none)
-
-
-def _omp_pauses() -> list:
-    """omp_pause_resource_all of each libgomp loaded now: torch's, and the system's where fate-edge's kernels link
-    another copy (read from the process's maps each time: a kernel library may have loaded one since)."""
-    import ctypes
-
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "libgomp" in line.rsplit("/", 1)[-1]}
-    except OSError:  # no /proc (macOS): nothing to release
-        return []
-    for path in paths - _OMP_PAUSE.keys():
-        try:
-            fn = ctypes.CDLL(path).omp_pause_resource_all
-            fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
-        except (OSError, AttributeError):  # an old libgomp without OpenMP 5's pause
-            fn = None
-        _OMP_PAUSE[path] = fn
-    return [_OMP_PAUSE[p] for p in sorted(paths) if _OMP_PAUSE[p] is not None]
-
-
-def release_openmp_threads() -> bool:
-    """End the calling thread's OpenMP helper threads now, as its exit would (``omp_pause_resource_all``, soft):
-    a thread that computed for a while and stops (a request's reader that stepped its batch of one, ``runtime.batch``)
-    leaves no team behind to crowd the one that computes next. Its next parallel region starts a team afresh. False
-    where no libgomp is loaded or none can pause (nothing is done)."""
-    done = [fn(1) == 0 for fn in _omp_pauses()]  # 1: omp_pause_soft
-    return bool(done) and all(done)
