@@ -283,7 +283,8 @@ def decode_expert(
     blob = blob.to(device, non_blocking=True)
     t = part_views(blob, precision)
     if precision.spec is None:
-        return ExpertWeights(*(t[f"{m}.weight"].to(dtype) for m in MATRICES))
+        gate, up, down = (t[f"{m}.weight"].to(dtype) for m in MATRICES)
+        return ExpertWeights(gate, up, down)
     spec = precision.spec
     if precision.layout == "cpu-int4":  # on another device, re-packed there for its kernel (one store, any device)
         lins = [
