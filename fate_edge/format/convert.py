@@ -150,7 +150,7 @@ def _precisions(cfg, opts: ConvertOptions) -> list[Precision]:
         # Only the streamed (hot) copy takes the kernel layout; cold copies stay small on the link.
         wants_kernel_layout = opts.layout == "cpu-int4" or (opts.layout == "auto" and not portable_wins)
         layout = "cpu-int4" if bits == opts.bits and wants_kernel_layout and native else "portable"
-        parts, nbytes = plan_parts(bits, spec, h, inter, layout)
+        parts, nbytes = plan_parts(bits, spec, h, inter, layout, bias=cfg.expert_bias)
         out.append(Precision(bits, f"experts-{bits}.bin", nbytes, parts, spec, layout))
     return out
 
@@ -385,7 +385,7 @@ def store_index(src: StoreSource, opts: ConvertOptions, precisions: list[Precisi
         "head_bits": opts.head_bits,
         "precisions": {str(p.bits): p.to_json() for p in precisions},
         "experts": entries,
-    }
+    } | ({} if cfg.swiglu_limit is None else {"swiglu_limit": cfg.swiglu_limit, "swiglu_alpha": cfg.swiglu_alpha})
 
 
 @contextlib.contextmanager
