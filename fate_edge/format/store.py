@@ -308,12 +308,12 @@ def decode_expert(
             QuantizedLinear.from_cpu_kernel_layout(t[f"{m}.packed"], t[f"{m}.scale_zero"], spec, device)
             for m in MATRICES
         ]
-        return QuantizedExpert(*lins, None, bias, glu)
+        return QuantizedExpert(lins[0], lins[1], lins[2], None, bias, glu)
     lins = [
         QuantizedLinear.from_packed(t[f"{m}.codes"], t[f"{m}.scale"], t.get(f"{m}.zero"), spec, device)
         for m in MATRICES
     ]
-    return QuantizedExpert(*lins, None, bias, glu)
+    return QuantizedExpert(lins[0], lins[1], lins[2], None, bias, glu)
 
 
 MAX_EXPERTS, MAX_LAYERS = 16 << 10, 1 << 10  # as fate_edge.model.arch.limits bounds a config's
