@@ -255,3 +255,18 @@ def test_the_compiled_step_declines_it_by_name(built):
     full = load_model(build(built["path"].parent / "full", layer_types=["full_attention"] * 3)[1])
     assert not full.config.sliding_window_layers
     assert "gpt-oss" in (compiled_step.unsupported(full) or "")
+
+
+def test_early_attention_takes_the_sinks():
+    """The early-attention predictor's own-row attention (true keys before, the estimate on the diagonal) with the
+    estimate equal to the truth is the model's attention: sinks and window included."""
+    from fate_edge.predictors.early_attention import own_row_attention
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(1, 4, 7, 8, generator=g), torch.randn(1, 2, 7, 8, generator=g), torch.randn(1, 2, 7, 8)
+    sinks = torch.randn(4, generator=g)
+    pos = torch.arange(7)
+    mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - 3)
+    want = sink_attention(q, k, v, 0.3, sinks, mask).transpose(1, 2).reshape(7, -1)
+    assert max_diff(own_row_attention(q, k, v, k, v, 0.3, 3, sinks), want) <= 1e-5
+    assert max_diff(own_row_attention(q, k, v, k, v, 0.3, 3), want) > 1e-3
