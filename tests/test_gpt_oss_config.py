@@ -55,6 +55,7 @@ def test_the_published_20b_config():
     assert cfg.router == "topk_softmax" and cfg.moe_layers == list(range(24)) and cfg.num_experts == 32
     assert cfg.expert_bias and cfg.experts_interleaved and cfg.swiglu_limit == 7.0 and cfg.swiglu_alpha == 1.702
     assert cfg.moe_intermediate_size == 2880 and cfg.head_dim == 64 and cfg.eos_token_ids == (200002,)
+    assert cfg.expert_params == 3 * 2880 * 2880 + 2 * 2880 + 2880  # the matrices and their biases
     r = cfg.rope
     assert (r.rope_type, r.factor, r.theta, r.original_max_position_embeddings) == ("yarn", 32.0, 150000.0, 4096)
     assert r.truncate is False and r.beta_fast == 32.0 and r.beta_slow == 1.0
