@@ -151,3 +151,15 @@ def test_a_gguf_converts_to_the_store_of_its_checkpoint(llama_cpp_clamp, tmp_pat
         diff = max_diff(ours(PROMPT, ours.new_cache()), theirs(PROMPT, theirs.new_cache()))
         # F32 experts: the same store but for rms_norm_eps, which GGUF holds in float32; q8_0: ggml's rounding
         assert diff <= (1e-4 if experts == "F32" else 5e-2), f"bits {b}: {diff:.3g}"
+
+
+def test_sinks_and_fused_experts_are_float_weights(stored):
+    """A checkpoint's sinks and fused expert tensors are weights in the model's dtype (not a store's quantized
+    codes): a bf16 model holds bf16 sinks, and inspect counts every expert parameter, biases included."""
+    from fate_edge.format.inspect_model import summarize
+
+    path, _ = stored
+    model = load_model(path, dtype=torch.bfloat16)
+    assert model.w["model.layers.0.self_attn.sinks"].dtype == torch.bfloat16
+    cfg = model.config
+    assert summarize(path).expert_params == cfg.expert_params * cfg.num_experts * len(cfg.moe_layers)
