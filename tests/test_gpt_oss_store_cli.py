@@ -163,3 +163,30 @@ def test_sinks_and_fused_experts_are_float_weights(stored):
     assert model.w["model.layers.0.self_attn.sinks"].dtype == torch.bfloat16
     cfg = model.config
     assert summarize(path).expert_params == cfg.expert_params * cfg.num_experts * len(cfg.moe_layers)
+
+
+def test_the_cross_layer_gate_reads_the_router_and_its_bias(stored):
+    """Fate's predictor applies the next layer's router, named ``mlp.router`` with a bias in gpt-oss, to this
+    layer's gate input: its scores are that router's softmax, bias included."""
+    import torch.nn.functional as F
+    from fate_edge.predictors import CrossLayerGate
+
+    path, _ = stored
+    model = load_model(path)
+    gate = CrossLayerGate.from_model(model)
+    h = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    pred = gate.predict(0, h)
+    lp = model.plan()[1]
+    want = F.linear(h, lp.router, lp.router_bias).softmax(-1)
+    assert pred.layers == (1,) and max_diff(pred.for_layer(1), want) <= 1e-6
+
+
+def test_cli_runs_it_through_the_engine_under_a_budget(with_tokenizer, capsys):
+    """The default run: converted to a store on demand, experts streamed under a budget, prefetched by the
+    cross-layer gate."""
+    _, path = with_tokenizer
+    assert (
+        main(["run", "--model", str(path), "--memory-budget", "1MB", "--max-tokens", "6", "--ignore-eos", "def"]) == 0
+    )
+    out, err = capsys.readouterr()
+    assert out.strip() and "6 generated" in err and "hit rate" in err
