@@ -191,6 +191,12 @@ def _default_rope(model):
     model.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
 
 
+def _truncated_yarn(model):
+    cfg = model.config
+    cfg.rope = replace(cfg.rope, truncate=True)
+    model.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
+
+
 VARIANTS = {
     "sinks": _drop("self_attn.sinks"),
     "window": _set(sliding_window=None, sliding_window_layers=()),
@@ -200,6 +206,7 @@ VARIANTS = {
     "expert_bias": _expert_change(bias=None),
     "clamp": _expert_change(glu=Glu(None, 1.702)),
     "rope_yarn": _default_rope,
+    "yarn_untruncated": _truncated_yarn,  # gpt-oss's YaRN keeps the correction range unrounded
 }
 
 
