@@ -38,6 +38,10 @@ def test_the_store_records_the_clamp_and_holds_the_biases_exactly(stored):
     index = json.loads((store / "store.json").read_text())
     assert index["swiglu_limit"] == 1.0 and index["swiglu_alpha"] == 1.702
     memory = load_model(path)
+    from fate_edge.format.inspect_model import summarize
+
+    cfg = memory.config  # inspect counts the biases the blobs hold
+    assert summarize(store).expert_params == cfg.expert_params * cfg.num_experts * len(cfg.moe_layers)
     opened = ExpertStore(store)
     for bits in (16, 4):
         precision = opened.precisions[bits]
