@@ -309,3 +309,32 @@ def test_a_long_prompt_attends_in_chunks_with_the_same_result(monkeypatch):
     monkeypatch.setattr(attention, "SINK_CHUNK_SCORES", 4 * 9 * 2)  # two query rows a chunk
     for m, want in zip((causal, None, causal[-1:]), whole):
         assert max_diff(sink_attention(q, k, v, 0.3, sinks, m), want) <= 1e-6  # matmul blocking may round apart
+
+
+def test_bf16_decode_steps_through_the_kernel_as_close_as_transformers_bf16(built, monkeypatch):
+    """bf16 decode steps (past the window) take the sinks in fate-edge's CPU attention kernel where it runs here;
+    each step's logits no further from the float32 ones than transformers' bf16 decode is."""
+    from fate_edge.model import decode_attention
+
+    calls: list[bool] = []
+    real = decode_attention.attend
+    monkeypatch.setattr(decode_attention, "attend", lambda *a, **kw: calls.append(len(a) > 4) or real(*a, **kw))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        built["path"], dtype=torch.bfloat16, attn_implementation="eager"
+    ).eval()
+    model = load_model(built["path"], dtype=torch.bfloat16)
+    cache = model.new_cache()
+    ours = [model(built["prompt"], cache, last_only=True)[0, -1]]
+    with torch.no_grad():
+        out = hf(built["prompt"], use_cache=True)
+        theirs, past = [out.logits[0, -1]], out.past_key_values
+        for tok in built["tokens"][:-1]:
+            ours.append(model(torch.tensor([[tok]]), cache)[0, -1])
+            out = hf(torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+            theirs.append(out.logits[0, -1])
+            past = out.past_key_values
+    exact = built["steps"]
+    ours_err = max(max_diff(a, e) for a, e in zip(ours, exact))
+    assert ours_err <= max(2e-2, 1.25 * max(max_diff(b, e) for b, e in zip(theirs, exact)))
+    if decode_attention.available()[0]:
+        assert calls and all(calls)  # every decode attention took the kernel, with the sinks

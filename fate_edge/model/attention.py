@@ -9,8 +9,9 @@ through ``sdpa``), a whole-capacity static buffer (two bmm and a masked softmax,
 decode rows (one call over every row's own range), or a batch's parts (each part by its own kind).
 
 Attention sinks (gpt-oss: ``LayerPlan.sinks``, a learned logit per head that joins every softmax's denominator
-and weighs no value) are taken by every kind through :func:`sink_attention`, the scores written out (no fused
-kernel takes a sink).
+and weighs no value) are taken by every kind: bf16/fp16 decode queries on the CPU in fate-edge's kernel (its
+softmax adds the sink), everything else through :func:`sink_attention`, the scores written out (torch's fused
+kernels take no sink).
 """
 
 from __future__ import annotations
@@ -130,6 +131,8 @@ def attend(
             if window is not None and s > window:
                 k, v = k[:, :, s - window :], v[:, :, s - window :]
             if sinks is not None:
+                if q.dtype in decode_attention.NATIVE_DTYPES and decode_attention.takes(q, k, v):  # bf16 on the CPU
+                    return decode_attention.attend(q, k, v, scale, sinks).reshape(q.shape[0], -1)
                 return sink_attention(q, k, v, scale, sinks).reshape(q.shape[0], -1)
             out = sdpa.attention(q, k, v, scale=scale, enable_gqa=grouped)
             return out.reshape(q.shape[0], -1)  # [B, nh, 1, d]: moving the size-1 axis moves no data
@@ -234,8 +237,8 @@ def _slab_rows(
     range of the slab ``ks``/``vs`` [1, nkv, positions, hd] → [S, nh * hd]."""
     s, gqa = q.shape[2], q.shape[1] != ks.shape[1]
     rows = q[0].transpose(0, 1)  # [S, nh, hd]
-    if sinks is None and decode_attention.takes_ranges(rows, ks[0], vs[0]):  # bf16/fp16 CPU: each over its range
-        return decode_attention.attend_ranges(rows, ks[0], vs[0], *d.ranges(window), scale).reshape(s, -1)
+    if decode_attention.takes_ranges(rows, ks[0], vs[0]):  # bf16/fp16 on the CPU: each row over its own range
+        return decode_attention.attend_ranges(rows, ks[0], vs[0], *d.ranges(window), scale, sinks).reshape(s, -1)
     if d.longest > GATHER_MAX:  # one call per sequence over its own view of the slab (a gather would copy more)
         return torch.cat(
             [attend(cfg, q[:, :, i : i + 1], one, layer, scale, sinks) for i, one in enumerate(d.views(layer))]
