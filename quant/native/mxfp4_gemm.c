@@ -1,0 +1,216 @@
+/* y[M, N] = x[M, K] @ W.T for an MXFP4 W (OCP Microscaling), computed on its blocks: no dequantized copy.
+
+   W: blocks uint8 [N, K/2], byte j of a row = E2M1 code of k = 2j (low nibble) | code of k = 2j + 1 << 4 (the byte
+   order of Hugging Face's gpt-oss ``*_blocks`` tensors); scales uint8 [N, K/32], one E8M0 exponent per 32 k:
+   w[n, k] = e2m1(code) * 2^(scale - 127). Every such product has at most two significant bits, so decoding is exact
+   in fp32 (and bf16) and the kernel computes in fp32 throughout: x is NOT quantized (unlike the int4 kernel's int8
+   activations), so y differs from dequantize-then-matmul in fp32 by summation order only.
+
+   Codes are looked up as doubled integers (0, 1, 2, 3, 4, 6, 8, 12 and their negatives, as ggml's kvalues_mxfp4) by
+   one byte shuffle, widened to fp32 and multiplied by half the block's scale: a power of two, so exact. E8M0 255 is
+   NaN in the OCP format and decodes to NaN here (the converters refuse it). */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define QB 32    /* values per block (and per scale) */
+#define ROWS 16  /* weight rows per parallel task */
+#define T256 __attribute__((target("avx2,fma")))
+
+static const int8_t KVALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* Half of 2^(e - 127) as fp32 bits: exact for every e but 255 (NaN in OCP MX); e = 0 and 1 are fp32 subnormals. */
+static inline float e8m0_half(uint8_t e) {
+    uint32_t bits = e == 255 ? 0x7fc00000u : e >= 2 ? (uint32_t)(e - 1) << 23 : 0x00200000u << e;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+typedef struct {
+    void *p;
+    int bf16;
+} yout;
+
+/* fp32 -> bf16: round to nearest even, NaN kept a quiet NaN, as torch's .to() does (and the int4 kernel). */
+static inline uint16_t bf16_of(float v) {
+    uint32_t bits;
+    memcpy(&bits, &v, 4);
+    return (bits & 0x7fffffff) > 0x7f800000 ? (uint16_t)((bits >> 16) | 0x40)
+                                            : (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
+static inline void y_put(yout y, size_t at, float v) {
+    if (y.bf16)
+        ((uint16_t *)y.p)[at] = bf16_of(v);
+    else
+        ((float *)y.p)[at] = v;
+}
+
+/* ---- portable C: any x86-64 (and the reference for the vector path's decoding) ---------------------------------- */
+
+static void decode_row(const uint8_t *q, const uint8_t *sc, int K, float *w) {
+    for (int b = 0; b < K / QB; b++) {
+        float s = e8m0_half(sc[b]);
+        for (int j = 0; j < QB / 2; j++) {
+            uint8_t v = q[b * (QB / 2) + j];
+            w[b * QB + 2 * j] = (float)KVALUES[v & 0x0F] * s;
+            w[b * QB + 2 * j + 1] = (float)KVALUES[v >> 4] * s;
+        }
+    }
+}
+
+static void rows_c(const uint8_t *blocks, const uint8_t *scales, int n0, int n1, int N, int K, const float *x, int M,
+                   yout y, float *w) {
+    for (int n = n0; n < n1; n++) {
+        decode_row(blocks + (size_t)n * (K / 2), scales + (size_t)n * (K / QB), K, w);
+        for (int m = 0; m < M; m++) {
+            const float *xm = x + (size_t)m * K;
+            float acc = 0.f;
+            for (int k = 0; k < K; k++) acc += w[k] * xm[k];
+            y_put(y, (size_t)m * N + n, acc);
+        }
+    }
+}
+
+/* ---- AVX2 + FMA ------------------------------------------------------------------------------------------------ */
+
+/* One block's 32 weights as four fp32 vectors (k 0-7, 8-15, 16-23, 24-31), scaled exactly. */
+T256 static inline void decode_block(const uint8_t *q, uint8_t e, __m128i lut, __m256 *w) {
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    __m128i bytes = _mm_loadu_si128((const __m128i *)q);
+    __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(bytes, mask));                     /* even k */
+    __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(bytes, 4), mask));  /* odd k */
+    __m128i a = _mm_unpacklo_epi8(lo, hi), b = _mm_unpackhi_epi8(lo, hi);               /* k 0-15, 16-31 */
+    __m256 s = _mm256_set1_ps(e8m0_half(e));
+    w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a)), s);
+    w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8))), s);
+    w[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), s);
+    w[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))), s);
+}
+
+T256 static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Few x rows: each block decoded in registers and multiplied into every row, four accumulators a row (independent
+   FMA chains: one chain would wait on the FMA latency at every block). */
+T256 static void rows_fused(const uint8_t *blocks, const uint8_t *scales, int n0, int n1, int N, int K,
+                            const float *x, int M, yout y) {
+    const __m128i lut = _mm_loadu_si128((const __m128i *)KVALUES);
+    for (int n = n0; n < n1; n++) {
+        const uint8_t *q = blocks + (size_t)n * (K / 2), *sc = scales + (size_t)n * (K / QB);
+        for (int m0 = 0; m0 < M; m0 += 2) {
+            const float *x0 = x + (size_t)m0 * K, *x1 = m0 + 1 < M ? x0 + K : x0;
+            __m256 a[2][4];
+            for (int i = 0; i < 4; i++) a[0][i] = a[1][i] = _mm256_setzero_ps();
+            for (int b = 0; b < K / QB; b++) {
+                __m256 w[4];
+                decode_block(q + b * (QB / 2), sc[b], lut, w);
+                for (int i = 0; i < 4; i++) {
+                    a[0][i] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(x0 + b * QB + 8 * i), a[0][i]);
+                    a[1][i] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(x1 + b * QB + 8 * i), a[1][i]);
+                }
+            }
+            for (int r = 0; r < 2 && m0 + r < M; r++) {
+                __m256 s = _mm256_add_ps(_mm256_add_ps(a[r][0], a[r][1]), _mm256_add_ps(a[r][2], a[r][3]));
+                y_put(y, (size_t)(m0 + r) * N + n, hsum(s));
+            }
+        }
+    }
+}
+
+/* More rows: each weight row decoded once into ``w`` (K floats, in L1/L2), then a plain fp32 dot per x row. */
+T256 static void rows_buffered(const uint8_t *blocks, const uint8_t *scales, int n0, int n1, int N, int K,
+                               const float *x, int M, yout y, float *w) {
+    const __m128i lut = _mm_loadu_si128((const __m128i *)KVALUES);
+    for (int n = n0; n < n1; n++) {
+        const uint8_t *q = blocks + (size_t)n * (K / 2), *sc = scales + (size_t)n * (K / QB);
+        for (int b = 0; b < K / QB; b++) {
+            __m256 v[4];
+            decode_block(q + b * (QB / 2), sc[b], lut, v);
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps(w + b * QB + 8 * i, v[i]);
+        }
+        for (int m = 0; m < M; m++) {
+            const float *xm = x + (size_t)m * K;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int k = 0; k < K; k += QB) {
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(xm + k), a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8), _mm256_loadu_ps(xm + k + 8), a1);
+                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 16), _mm256_loadu_ps(xm + k + 16), a2);
+                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 24), _mm256_loadu_ps(xm + k + 24), a3);
+            }
+            y_put(y, (size_t)m * N + n, hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3))));
+        }
+    }
+}
+
+/* 1: AVX2 + FMA, 0: portable C only. */
+int fe_mxfp4_isa(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
+}
+
+/* bf16 -> fp32 is exact. */
+static void bf16_to_f32(const uint16_t *in, size_t count, float *out) {
+    for (size_t i = 0; i < count; i++) {
+        uint32_t bits = (uint32_t)in[i] << 16;
+        memcpy(out + i, &bits, 4);
+    }
+}
+
+/* y[M, N] = x[M, K] @ W.T; x and y fp32, or bf16 where x_bf16 / y_bf16 say so (widened here in one pass, y written
+   by the kernels). ``isa``: 1 AVX2, 0 portable C. Returns 0, or -1 for a shape it does not take (K % 32) or an
+   allocation failure. */
+int fe_mxfp4_gemm(const uint8_t *blocks, const uint8_t *scales, int N, int K, const void *x, int x_bf16, int M,
+                  void *y, int y_bf16, int threads, int isa) {
+    if (K <= 0 || K % QB || M <= 0 || N <= 0) return -1;
+    float *xf = x_bf16 ? malloc(sizeof(float) * (size_t)M * K) : (float *)x;
+    if (!xf) return -1;
+    if (x_bf16) bf16_to_f32((const uint16_t *)x, (size_t)M * K, xf);
+    const yout yo = {y, y_bf16};
+    const int fused = isa >= 1 && M <= 2, tasks = (N + ROWS - 1) / ROWS;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && tasks > 1) reduction(| : failed)
+    {
+        float *w = fused ? NULL : malloc(sizeof(float) * (size_t)K);
+        if (!fused && !w) failed = 1;
+#pragma omp for schedule(static)
+        for (int t = 0; t < tasks; t++) {
+            int n0 = t * ROWS, n1 = n0 + ROWS < N ? n0 + ROWS : N;
+            if (fused)
+                rows_fused(blocks, scales, n0, n1, N, K, xf, M, yo);
+            else if (!w)
+                continue;
+            else if (isa >= 1)
+                rows_buffered(blocks, scales, n0, n1, N, K, xf, M, yo, w);
+            else
+                rows_c(blocks, scales, n0, n1, N, K, xf, M, yo, w);
+        }
+        free(w);
+    }
+    if (x_bf16) free(xf);
+    return failed ? -1 : 0;
+}
+
+/* llama.cpp's block_mxfp4 (an E8M0 byte, then 16 bytes: k = j in the low nibble of byte j, k = j + 16 in its high
+   one) → the layout above: the 16 code bytes of each of ``nblocks`` blocks (17 bytes each) into ``codes`` and its
+   exponent into ``scales``. */
+void fe_mxfp4_from_ggml(const uint8_t *in, int64_t nblocks, uint8_t *codes, uint8_t *scales) {
+    for (int64_t b = 0; b < nblocks; b++) {
+        const uint8_t *q = in + 17 * b + 1;
+        uint8_t *o = codes + 16 * b;
+        scales[b] = in[17 * b];
+        for (int j = 0; j < 8; j++) {
+            o[j] = (uint8_t)((q[2 * j] & 0x0F) | ((q[2 * j + 1] & 0x0F) << 4));
+            o[8 + j] = (uint8_t)((q[2 * j] >> 4) | (q[2 * j + 1] & 0xF0));
+        }
+    }
+}
