@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,17 @@ from fate_edge.native_build import LazyKernel
 MXFP4 = QuantSpec(4, 32, False, "mxfp4")
 BLOCK = 32  # values per E8M0 scale
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+class Mxfp4Weights(NamedTuple):
+    """One MXFP4 matrix as a checkpoint holds it: ``blocks`` uint8 [N, K/2] and ``scales`` uint8 [N, K/32]."""
+
+    blocks: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.blocks.shape[0], self.blocks.shape[1] * 2
 
 
 def _setup(lib: ctypes.CDLL) -> str | None:

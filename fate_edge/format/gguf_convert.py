@@ -44,6 +44,7 @@ from fate_edge.format.gguf_tokenizer import tokenizer_files, write_tokenizer_fil
 from fate_edge.format.store import MATRICES, Precision, encode_expert, plan_parts
 from fate_edge.model.arch import config_from_dict
 from fate_edge.model.experts import ExpertWeights
+from fate_edge.quant.mxfp4 import MXFP4, Mxfp4Weights, from_ggml
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
@@ -91,6 +92,15 @@ def exact_scales(p: Precision, types: Counter, hidden: int, inter: int) -> Preci
         return p
     parts, nbytes = plan_parts(p.bits, p.spec, hidden, inter, p.layout, "float32")
     return replace(p, parts=parts, blob_bytes=nbytes, scale_dtype="float32")
+
+
+def keep_mxfp4(p: Precision, types: Counter, hidden: int, inter: int, layout: str) -> Precision:
+    """``p`` in the mxfp4 layout where every expert tensor is MXFP4 (gpt-oss as llama.cpp writes it) and ``p`` is the
+    4-bit precision of an ``auto`` layout: the blocks go in as they are, no second rounding."""
+    if set(types) != {"MXFP4"} or p.bits != 4 or p.spec is None or layout != "auto":
+        return p
+    parts, nbytes = plan_parts(4, MXFP4, hidden, inter, "mxfp4")
+    return replace(p, parts=parts, blob_bytes=nbytes, spec=MXFP4, layout="mxfp4", scale_dtype="uint8")
 
 
 def convert_gguf(
@@ -144,11 +154,13 @@ def convert_gguf(
     opts = replace(opts, group_size=group)
     if opts.cold_bits is not None:
         opts = replace(opts, cold_group_size=pick_group(dims, opts.cold_group_size, "--cold-group", smallest=True))
+    asked = opts.layout
     if opts.layout == "auto" and blocks:
         opts = replace(opts, layout="portable")  # torch's layout holds bf16 scales: the blocks' fp16 ones would round
-    precisions = [exact_scales(p, types, *dims) for p in _precisions(cfg, opts)]
+    precisions = [keep_mxfp4(exact_scales(p, types, *dims), types, *dims, asked) for p in _precisions(cfg, opts)]
     if progress:
         exact = [t for t in types if any(p.spec is not None and exact_into(t, p.spec) for p in precisions)]
+        exact += ["MXFP4"] if any(p.layout == "mxfp4" for p in precisions) else []
         again = [t for t in types if t not in exact and t not in FLOAT_TYPES]
         print(
             f"{path.name}: experts {', '.join(f'{n} x{c}' for n, c in types.items())}; streamed int{opts.bits} "
@@ -208,7 +220,9 @@ def encode_gguf_expert(
         mats = {}
         for m in MATRICES:
             kind, rows, data = raw[m]
-            if p.spec is not None and exact_into(kind, p.spec):
+            if p.layout == "mxfp4" and kind == "MXFP4":  # E2M1 codes and E8M0 scales as they are
+                mats[m] = Mxfp4Weights(*from_ggml(torch.from_numpy(data.reshape(rows, -1))))
+            elif p.spec is not None and exact_into(kind, p.spec):
                 blocks = torch.from_numpy(data.reshape(rows, -1))
                 packed = to_packed(kind, blocks, p.spec) if p.layout == "portable" else None
                 mats[m] = packed if packed is not None else to_quantized(kind, blocks, p.spec)
