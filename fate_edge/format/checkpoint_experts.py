@@ -7,8 +7,25 @@ import torch
 
 from fate_edge.errors import MissingTensorError, ModelFormatError
 from fate_edge.format.checkpoint import CheckpointReader
-from fate_edge.model.experts import ExpertProvider, ExpertWeights, InMemoryExpertProvider, quantize_expert
+from fate_edge.model.arch.base import ModelConfig
+from fate_edge.model.experts import (
+    SILU,
+    ExpertBias,
+    ExpertProvider,
+    ExpertWeights,
+    Glu,
+    InMemoryExpertProvider,
+    quantize_expert,
+)
 from fate_edge.quant import QuantSpec
+
+BIAS_NAMES = ("gate_up_proj_bias", "down_proj_bias")  # gpt-oss's expert biases, beside its matrices
+
+
+def layouts_of(cfg: ModelConfig, reader: CheckpointReader, names: list) -> dict[int, ExpertLayout]:
+    """Each MoE layer's :class:`ExpertLayout` (``names``: the layers' LayerNames)."""
+    glu = Glu(cfg.swiglu_limit, cfg.swiglu_alpha)
+    return {i: ExpertLayout(reader, names[i].mlp, cfg.experts_interleaved, glu) for i in cfg.moe_layers}
 
 
 class ExpertLayout:
@@ -16,12 +33,16 @@ class ExpertLayout:
 
     Handles ``mlp.experts.{j}.gate_proj/up_proj/down_proj`` (Qwen, OLMoE, DeepSeek),
     ``block_sparse_moe.experts.{j}.w1/w3/w2`` (Mixtral) and the transformers-5 fused layout
-    ``experts.gate_up_proj`` [E, 2I, H] / ``experts.down_proj`` [E, H, I].
+    ``experts.gate_up_proj`` [E, 2I, H] / ``experts.down_proj`` [E, H, I]; gpt-oss's (``interleaved``):
+    ``experts.gate_up_proj`` [E, H, 2I] with gate and up in alternating columns, ``experts.down_proj`` [E, I, H] and
+    their biases ``gate_up_proj_bias`` [E, 2I] (alternating too) and ``down_proj_bias`` [E, H]. ``glu``: the
+    activation the experts read apply (gpt-oss's clamped SwiGLU).
     """
 
-    def __init__(self, reader: CheckpointReader, moe_prefix: str):
+    def __init__(self, reader: CheckpointReader, moe_prefix: str, interleaved: bool = False, glu: Glu = SILU):
         self.reader = reader
         self.prefix = moe_prefix
+        self.interleaved, self.glu = interleaved, glu
         if f"{moe_prefix}.experts.gate_up_proj" in reader:
             self.fused = True
             self.names: tuple[str, str, str] | None = None
@@ -40,7 +61,15 @@ class ExpertLayout:
     def check_shapes(self, experts: int, hidden: int, inter: int) -> None:
         """Every expert's tensors present with the shapes the config gives (read from the headers only): a
         transposed or cut matrix is named here, not found as garbage after convert."""
-        if self.fused:
+        if self.interleaved:
+            gate_up, down, gate_up_bias, down_bias = self.tensor_names(0)
+            want = {
+                gate_up: [experts, hidden, 2 * inter],
+                down: [experts, inter, hidden],
+                gate_up_bias: [experts, 2 * inter],
+                down_bias: [experts, hidden],
+            }
+        elif self.fused:
             gate_up, down = self.tensor_names(0)
             want = {gate_up: [experts, 2 * inter, hidden], down: [experts, hidden, inter]}
         else:
@@ -61,6 +90,8 @@ class ExpertLayout:
                 )
 
     def tensor_names(self, expert: int) -> list[str]:
+        if self.interleaved:
+            return [f"{self.prefix}.experts.{n}" for n in ("gate_up_proj", "down_proj", *BIAS_NAMES)]
         if self.fused:
             return [f"{self.prefix}.experts.gate_up_proj", f"{self.prefix}.experts.down_proj"]
         assert self.names is not None
@@ -68,6 +99,14 @@ class ExpertLayout:
 
     def read(self, expert: int, dtype: torch.dtype | None) -> ExpertWeights:
         """Read one expert's three matrices, and nothing else, from disk (``dtype`` None: as stored)."""
+        if self.interleaved:  # gpt-oss: [H, 2I] with gate and up alternating → [gate; up] rows [2I, H]
+            gate_up_name, down_name, gate_up_bias, down_bias = self.tensor_names(expert)
+            gu = self.reader.get_row(gate_up_name, expert, dtype)
+            gb = self.reader.get_row(gate_up_bias, expert, dtype)
+            bias = ExpertBias(torch.cat([gb[::2], gb[1::2]]), self.reader.get_row(down_bias, expert, dtype).clone())
+            gate_up = torch.cat([gu[:, ::2].t(), gu[:, 1::2].t()])
+            down = self.reader.get_row(down_name, expert, dtype).t().contiguous()
+            return ExpertWeights.fused(gate_up, down, bias, self.glu)
         if self.fused:
             gate_up_name, down_name = self.tensor_names(expert)
             gate_up = self.reader.get_row(gate_up_name, expert, dtype)  # [2I, H]

@@ -11,7 +11,8 @@ from fate_edge.model.arch import ModelConfig
 from fate_edge.model.transformer import LayerNames
 
 # Router weights and DeepSeek's correction bias stay in fp32, as the reference keeps them.
-FP32_SUFFIXES = (".gate.weight", ".e_score_correction_bias")  # in the router or (MiniMax-M2) the MoE block
+# gpt-oss's router (weight and bias) is ``mlp.router``.
+FP32_SUFFIXES = (".gate.weight", ".e_score_correction_bias", ".mlp.router.weight", ".mlp.router.bias")
 
 DTYPES = {
     "float32": torch.float32,
@@ -32,16 +33,19 @@ def layer_names(config: ModelConfig, reader: CheckpointReader) -> list[LayerName
     for i in range(config.num_hidden_layers):
         base = f"model.layers.{i}"
         mlp = f"{base}.mlp"
+        router = ""
         if config.is_moe_layer(i) and f"{mlp}.gate.weight" not in reader:
             if f"{base}.block_sparse_moe.gate.weight" in reader:  # Mixtral's original naming
                 mlp = f"{base}.block_sparse_moe"
+            elif f"{mlp}.router.weight" in reader:  # gpt-oss
+                router = f"{mlp}.router"
             else:
                 raise MissingTensorError(
                     f"{reader.model_dir}: tensor '{mlp}.gate.weight' (layer {i}'s router) not found; "
                     "the checkpoint is incomplete or does not match config.json"
                 )
         attn, norms = f"{base}.self_attn", (f"{base}.input_layernorm", f"{base}.post_attention_layernorm")
-        names.append(LayerNames(attn, mlp, *norms))
+        names.append(LayerNames(attn, mlp, *norms, router=router))
     return names
 
 
@@ -58,6 +62,8 @@ def required_tensors(config: ModelConfig, names: list[LayerNames]) -> list[str]:
             proj += ["kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj"]
             proj += ["q_proj"] if config.mla.q_lora_rank is None else ["q_a_proj", "q_a_layernorm", "q_b_proj"]
         req += [f"{n.attn}.{p}.weight" for p in proj] + [f"{n.input_norm}.weight", f"{n.post_attn_norm}.weight"]
+        if config.attention_sinks:
+            req.append(f"{n.attn}.sinks")
         dense = [] if config.is_moe_layer(i) else [n.mlp]
         if config.is_moe_layer(i) and config.shared_expert_intermediate_size:
             dense.append(f"{n.mlp}.shared_expert" if config.shared_expert_gated else f"{n.mlp}.shared_experts")

@@ -30,7 +30,7 @@ from fate_edge.errors import ConvertStopped, FateEdgeError
 from fate_edge.format.background import Background
 from fate_edge.format.blob_writer import BlobWriter
 from fate_edge.format.checkpoint import CheckpointReader, save_streaming
-from fate_edge.format.checkpoint_experts import ExpertLayout
+from fate_edge.format.checkpoint_experts import ExpertLayout, layouts_of
 from fate_edge.format.checkpoint_layout import layer_names, resident_weight_names
 from fate_edge.format.checksum import crc32
 from fate_edge.format.direct_write import DirectFile
@@ -150,7 +150,7 @@ def _precisions(cfg, opts: ConvertOptions) -> list[Precision]:
         # Only the streamed (hot) copy takes the kernel layout; cold copies stay small on the link.
         wants_kernel_layout = opts.layout == "cpu-int4" or (opts.layout == "auto" and not portable_wins)
         layout = "cpu-int4" if bits == opts.bits and wants_kernel_layout and native else "portable"
-        parts, nbytes = plan_parts(bits, spec, h, inter, layout)
+        parts, nbytes = plan_parts(bits, spec, h, inter, layout, bias=cfg.expert_bias)
         out.append(Precision(bits, f"experts-{bits}.bin", nbytes, parts, spec, layout))
     return out
 
@@ -183,7 +183,7 @@ def convert(
             f"divides the expert dimensions {dims[0]}x{dims[1]}",
             file=sys.stderr,
         )
-    layouts = {layer: ExpertLayout(reader, names[layer].mlp) for layer in cfg.moe_layers}
+    layouts = layouts_of(cfg, reader, names)
     for layout in layouts.values():
         layout.check_shapes(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
     expert_src = sum(reader.nbytes(n) for n in layouts[cfg.moe_layers[0]].tensor_names(0)) if cfg.moe_layers else 0
@@ -385,7 +385,7 @@ def store_index(src: StoreSource, opts: ConvertOptions, precisions: list[Precisi
         "head_bits": opts.head_bits,
         "precisions": {str(p.bits): p.to_json() for p in precisions},
         "experts": entries,
-    }
+    } | ({} if cfg.swiglu_limit is None else {"swiglu_limit": cfg.swiglu_limit, "swiglu_alpha": cfg.swiglu_alpha})
 
 
 @contextlib.contextmanager

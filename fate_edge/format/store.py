@@ -19,7 +19,7 @@ import ctypes
 import functools
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,8 @@ import torch
 from fate_edge.errors import ModelFormatError
 from fate_edge.format.blob import ALIGN, BlobRef
 from fate_edge.format.store_files import STORE_FILE
-from fate_edge.model.experts import ExpertWeights, QuantizedExpert
+from fate_edge.model.arch.limits import positive_number
+from fate_edge.model.experts import SILU, ExpertBias, ExpertWeights, Glu, QuantizedExpert
 from fate_edge.quant import PackedQuantized, Quantized, QuantSpec, pack
 from fate_edge.quant.linear import QuantizedLinear, default_kernel, int4_kernel_layout
 from fate_edge.quant.methods import quantize_with
@@ -46,6 +47,8 @@ FORMAT = "fate-edge-expert-store"
 FORMAT_VERSION = 1
 PART_ALIGN = 64
 MATRICES = ("gate", "up", "down")
+# gpt-oss's expert biases: float32 parts after the matrices, whatever precision the matrices are in
+BIASES = ("gate_up.bias", "down.bias")
 _DTYPES = {"uint8": torch.uint8, "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -84,6 +87,8 @@ class Precision:
     spec: QuantSpec | None  # None for bf16
     layout: str = "portable"
     scale_dtype: str = ""  # of the scale and zero parts; "": the layout's default (what stores without it hold)
+    # the experts' activation (gpt-oss's clamped SwiGLU): the store's, not the precision's, and not in its JSON
+    glu: Glu = field(default=SILU, compare=False)
 
     def __post_init__(self) -> None:
         allowed = SCALE_DTYPES.get(self.layout, ("float16",))
@@ -142,8 +147,10 @@ def plan_parts(
     inter: int,
     layout: str = "portable",
     scale_dtype: str = "float16",
+    bias: bool = False,
 ) -> tuple[list[Part], int]:
-    """Byte layout of one expert blob at ``bits``; ``scale_dtype``: of the portable layout's scales and zeros."""
+    """Byte layout of one expert blob at ``bits``; ``scale_dtype``: of the portable layout's scales and zeros;
+    ``bias``: gpt-oss's expert biases after the matrices (:data:`BIASES`, float32)."""
     scale_bytes = _DTYPES[scale_dtype].itemsize
     shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
     parts, off = [], 0
@@ -173,6 +180,9 @@ def plan_parts(
             add(f"{m}.scale", scale_dtype, (n, k // spec.group_size), scale_bytes)
             if spec.asymmetric:
                 add(f"{m}.zero", scale_dtype, (n, k // spec.group_size), scale_bytes)
+    if bias:
+        add(BIASES[0], "float32", (2 * inter,), 4)
+        add(BIASES[1], "float32", (hidden,), 4)
     return parts, off
 
 
@@ -209,6 +219,10 @@ def encode_expert(
             tensors[f"{m}.scale"] = q.scale.to(scale_dtype)
             if q.zero is not None:
                 tensors[f"{m}.zero"] = q.zero.to(scale_dtype)
+    if any(p.name in BIASES for p in precision.parts):
+        if w.bias is None:
+            raise ValueError("this store's blobs hold expert biases, and the expert has none")
+        tensors[BIASES[0]], tensors[BIASES[1]] = w.bias.gate_up.float(), w.bias.down.float()
     end = 0
     for p in sorted(precision.parts, key=lambda p: p.offset):
         raw = tensors[p.name].contiguous().view(-1).view(torch.uint8)
@@ -318,8 +332,12 @@ def decode_expert(
     device = torch.device(device) if device is not None else blob.device
     blob = blob.to(device, non_blocking=True)
     t = part_views(blob, precision)
+    bias, glu = None, precision.glu
+    if BIASES[0] in t:  # in the model's dtype, as the reference holds them (float32 in the blob)
+        bias = ExpertBias(t[BIASES[0]].to(dtype), t[BIASES[1]].to(dtype))
     if precision.spec is None:
-        return ExpertWeights(*(t[f"{m}.weight"].to(dtype) for m in MATRICES))
+        gate, up, down = (t[f"{m}.weight"].to(dtype) for m in MATRICES)
+        return ExpertWeights(gate, up, down, None, bias, glu)
     spec = precision.spec
     if precision.layout == "mxfp4":  # the blocks as stored: the native kernel on the CPU, dequantized elsewhere
         kernel = "" if device.type == "cpu" else "dequant"
@@ -329,12 +347,12 @@ def decode_expert(
             QuantizedLinear.from_cpu_kernel_layout(t[f"{m}.packed"], t[f"{m}.scale_zero"], spec, device)
             for m in MATRICES
         ]
-        return QuantizedExpert(*lins)
+        return QuantizedExpert(*lins, None, bias, glu)
     lins = [
         QuantizedLinear.from_packed(t[f"{m}.codes"], t[f"{m}.scale"], t.get(f"{m}.zero"), spec, device)
         for m in MATRICES
     ]
-    return QuantizedExpert(*lins)
+    return QuantizedExpert(*lins, None, bias, glu)
 
 
 MAX_EXPERTS, MAX_LAYERS = 16 << 10, 1 << 10  # as fate_edge.model.arch.limits bounds a config's
@@ -457,6 +475,14 @@ class ExpertStore:
         _check_index(index, index_path)
         self.index = index
         self.precisions = {int(b): Precision.from_json(d) for b, d in index["precisions"].items()}
+        if index.get("swiglu_limit") is not None:  # gpt-oss's clamped SwiGLU, for every precision's experts
+            where = f"{index_path}: field store.swiglu"
+            glu = Glu(
+                positive_number(index["swiglu_limit"], f"{where}_limit"),
+                positive_number(index.get("swiglu_alpha", 1.702), f"{where}_alpha"),
+            )
+            for p in self.precisions.values():
+                p.glu = glu
         self.refs: dict[tuple[int, int, int], BlobRef] = {}
         for bits_s, entries in index["experts"].items():
             bits = int(bits_s)

@@ -93,6 +93,8 @@ def unsupported(model: DecodingModel) -> str | None:
         return "bf16 models (compiled decode is tested on float32 models, int4 or float experts)"
     if cfg.sliding_window is not None and cfg.sliding_window_layers:
         return "sliding-window attention"
+    if cfg.expert_bias or cfg.swiglu_limit is not None:
+        return "gpt-oss experts (biases and the clamped SwiGLU)"
     if model.embed.device.type != "cpu":
         return f"device {model.embed.device.type} (compiled decode is for the CPU)"
     for lp in model.plan():

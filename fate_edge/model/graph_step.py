@@ -64,6 +64,8 @@ def unsupported(model: DecodingModel, streamed: bool = False) -> str | None:
     cfg = model.config
     if cfg.sliding_window is not None and cfg.sliding_window_layers:
         return "sliding-window attention"
+    if cfg.expert_bias or cfg.swiglu_limit is not None:
+        return "gpt-oss experts (biases and the clamped SwiGLU)"
     return None if streamed else unsupported_experts(model)
 
 

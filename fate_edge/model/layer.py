@@ -69,6 +69,8 @@ class LayerPlan:
     router: torch.Tensor | None  # MoE layers
     correction_bias: torch.Tensor | None
     mla: dict[str, Fused] = field(default_factory=dict)  # MLA's projections by name (q_proj, kv_b_proj, ...)
+    sinks: torch.Tensor | None = None  # gpt-oss: each head's sink logit [heads] (attention.sink_attention)
+    router_bias: torch.Tensor | None = None  # gpt-oss: the router's bias [E]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -207,9 +209,11 @@ def build_plan(config: ModelConfig, w: Weights, layer_names: list) -> list[Layer
                 w.get(f"{n.attn}.kv_a_layernorm.weight" if config.mla else f"{n.attn}.k_norm.weight"),
                 g.get("mlp"),
                 g.get("down"),
-                w[f"{n.mlp}.gate.weight"] if moe else None,
+                w[f"{n.router}.weight"] if moe else None,
                 _correction_bias(w, n.mlp) if moe else None,
                 {role.removeprefix("mla."): f for role, f in g.items() if role.startswith("mla.")},
+                sinks=w.get(f"{n.attn}.sinks"),
+                router_bias=w.get(f"{n.router}.bias") if moe else None,
             )
         )
     return plans

@@ -47,6 +47,11 @@ class LayerNames:
     mlp: str  # the MoE block or the dense MLP
     input_norm: str
     post_attn_norm: str
+    router: str = ""  # the router's prefix: ``{mlp}.gate`` unless named (gpt-oss: ``{mlp}.router``)
+
+    def __post_init__(self) -> None:
+        if not self.router:
+            self.router = f"{self.mlp}.gate"
 
 
 class MoETransformer:

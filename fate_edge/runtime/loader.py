@@ -8,7 +8,7 @@ import torch
 
 from fate_edge.devices.link import ThrottledLink
 from fate_edge.format.checkpoint import CheckpointReader
-from fate_edge.format.checkpoint_experts import CheckpointExpertProvider, ExpertLayout, read_experts
+from fate_edge.format.checkpoint_experts import CheckpointExpertProvider, layouts_of, read_experts
 from fate_edge.format.checkpoint_layout import (
     DTYPES,
     FP32_SUFFIXES,
@@ -123,7 +123,7 @@ def load_model(
         if required not in wanted and not covered(reader, required):
             reader.get(required)  # raises MissingTensorError naming the tensor
     if isinstance(experts, str):
-        layouts = {i: ExpertLayout(reader, names[i].mlp) for i in config.moe_layers}
+        layouts = layouts_of(config, reader, names)
         if experts == "memory":
             # bits: resident and quantized in memory (round-to-nearest), each expert as it is read
             spec = expert_spec(config, bits) if bits is not None and bits < 16 else None

@@ -110,8 +110,9 @@ class ModelConfig:
     clip_qkv: float | None = None  # OLMoE clamps q/k/v
     sliding_window: int | None = None
     sliding_window_layers: tuple[int, ...] = ()
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head in each softmax's denominator (self_attn.sinks)
     # Router
-    router: str = "softmax"  # softmax | deepseek_v2 | deepseek_v3
+    router: str = "softmax"  # softmax | deepseek_v2 | deepseek_v3 | topk_softmax (gpt-oss: top-k logits, softmax)
     norm_topk_prob: bool = False
     routed_scaling_factor: float = 1.0
     topk_method: str = "greedy"  # DeepSeek-V2: greedy | group_limited_greedy
@@ -121,6 +122,12 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # 0: none
     shared_expert_gated: bool = False  # Qwen2-MoE: sigmoid(shared_expert_gate(x)) * shared(x)
     dense_layers: tuple[int, ...] = ()  # layers whose MLP is dense instead of MoE
+    # Routed experts of gpt-oss: biases on both matmuls and a clamped SwiGLU, (clamp(up) + 1) * g * sigmoid(alpha g)
+    # with g = gate clamped above at the limit; checkpoint rows [E, H, 2I] with gate and up alternating columns
+    expert_bias: bool = False
+    swiglu_limit: float | None = None  # None: the plain silu(gate) * up
+    swiglu_alpha: float = 1.702
+    experts_interleaved: bool = False
     mla: MLAConfig | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
