@@ -41,10 +41,10 @@ from fate_edge.format.gguf_expert_reads import ExpertReads
 from fate_edge.format.gguf_reader import GGUFFile
 from fate_edge.format.gguf_tensors import GGUFCheckpoint, expert_tensor
 from fate_edge.format.gguf_tokenizer import tokenizer_files, write_tokenizer_files
-from fate_edge.format.store import MATRICES, Precision, encode_expert, plan_parts
+from fate_edge.format.store import MATRICES, Precision, as_mxfp4, encode_expert, plan_parts
 from fate_edge.model.arch import config_from_dict
 from fate_edge.model.experts import ExpertWeights
-from fate_edge.quant.mxfp4 import MXFP4, Mxfp4Weights, from_ggml
+from fate_edge.quant.mxfp4 import Mxfp4Weights, from_ggml
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
@@ -99,8 +99,7 @@ def keep_mxfp4(p: Precision, types: Counter, hidden: int, inter: int, layout: st
     4-bit precision of an ``auto`` layout: the blocks go in as they are, no second rounding."""
     if set(types) != {"MXFP4"} or p.bits != 4 or p.spec is None or layout != "auto":
         return p
-    parts, nbytes = plan_parts(4, MXFP4, hidden, inter, "mxfp4")
-    return replace(p, parts=parts, blob_bytes=nbytes, spec=MXFP4, layout="mxfp4", scale_dtype="uint8")
+    return as_mxfp4(p, hidden, inter)
 
 
 def convert_gguf(

@@ -133,6 +133,13 @@ class Precision:
         return cls(d["bits"], d["file"], d["blob_bytes"], parts, spec, layout, d.get("scale_dtype", ""))
 
 
+def as_mxfp4(p: Precision, hidden: int, inter: int) -> Precision:
+    """The 4-bit precision ``p`` in the mxfp4 layout (MXFP4 source experts kept as they are), biases kept."""
+    bias = any(q.name in BIASES for q in p.parts)
+    parts, nbytes = plan_parts(4, MXFP4, hidden, inter, "mxfp4", bias=bias)
+    return Precision(4, p.file, nbytes, parts, MXFP4, "mxfp4", "uint8", p.glu)
+
+
 def _part_json(p: Part) -> dict[str, Any]:
     d = p.__dict__ | {"shape": list(p.shape)}
     if not p.kind:  # int stores keep the JSON they always had
@@ -341,18 +348,19 @@ def decode_expert(
     spec = precision.spec
     if precision.layout == "mxfp4":  # the blocks as stored: the native kernel on the CPU, dequantized elsewhere
         kernel = "" if device.type == "cpu" else "dequant"
-        return QuantizedExpert(*(Mxfp4Linear(t[f"{m}.blocks"], t[f"{m}.scales"], kernel) for m in MATRICES))
+        gate, up, down = (Mxfp4Linear(t[f"{m}.blocks"], t[f"{m}.scales"], kernel) for m in MATRICES)
+        return QuantizedExpert(gate, up, down, None, bias, glu)
     if precision.layout == "cpu-int4":  # on another device, re-packed there for its kernel (one store, any device)
         lins = [
             QuantizedLinear.from_cpu_kernel_layout(t[f"{m}.packed"], t[f"{m}.scale_zero"], spec, device)
             for m in MATRICES
         ]
-        return QuantizedExpert(*lins, None, bias, glu)
+        return QuantizedExpert(lins[0], lins[1], lins[2], None, bias, glu)
     lins = [
         QuantizedLinear.from_packed(t[f"{m}.codes"], t[f"{m}.scale"], t.get(f"{m}.zero"), spec, device)
         for m in MATRICES
     ]
-    return QuantizedExpert(*lins, None, bias, glu)
+    return QuantizedExpert(lins[0], lins[1], lins[2], None, bias, glu)
 
 
 MAX_EXPERTS, MAX_LAYERS = 16 << 10, 1 << 10  # as fate_edge.model.arch.limits bounds a config's
