@@ -14,6 +14,7 @@ format: :func:`check_mxfp4` refuses it at convert.
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -58,8 +59,12 @@ def native_mxfp4_status() -> tuple[bool, str]:
 
 
 def native_mxfp4_isa() -> int:
-    """1: the kernel's AVX2 path runs here, 0: its portable C path (-1: no native kernel)."""
-    return int(_kernel.lib.fe_mxfp4_isa()) if _kernel.available()[0] else -1
+    """2: the kernel's AVX-512 path runs here, 1: its AVX2 path, 0: its portable C path (-1: no native kernel).
+    ``FATE_EDGE_NATIVE=avx2`` keeps an AVX-512 host on the AVX2 path, as for the int4 kernel."""
+    if not _kernel.available()[0]:
+        return -1
+    isa = int(_kernel.lib.fe_mxfp4_isa())
+    return min(isa, 1) if os.environ.get("FATE_EDGE_NATIVE") == "avx2" else isa
 
 
 def e8m0_to_float(scales: torch.Tensor) -> torch.Tensor:
@@ -169,7 +174,8 @@ class Mxfp4Linear:
         return self.blocks.shape[0], self.blocks.shape[1] * 2
 
     def __call__(self, x: torch.Tensor, isa: int | None = None) -> torch.Tensor:
-        """x [..., K] → [..., N]. ``isa``: the native path to take (1 AVX2, 0 portable C; default the best here)."""
+        """x [..., K] → [..., N]. ``isa``: the native path to take (2 AVX-512, 1 AVX2, 0 portable C; default the best
+        here)."""
         if self.kernel == "dequant":
             return F.linear(x, dequantize_mxfp4(self.blocks, self.scales, x.dtype))
         n, k = self.shape

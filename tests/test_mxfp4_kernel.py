@@ -63,14 +63,16 @@ def test_from_ggml_reads_llama_cpp_blocks_exactly():
 def test_native_kernel_builds_here():
     ok, why = native_mxfp4_status()
     assert ok, why
-    assert native_mxfp4_isa() == 1  # development and CI hosts have AVX2
+    assert native_mxfp4_isa() >= 1  # development and CI hosts have AVX2
 
 
-@pytest.mark.parametrize("isa", [1, 0])
+@pytest.mark.parametrize("isa", [2, 1, 0])
 @pytest.mark.parametrize(
     ("n", "k", "m"), [(48, 384, 1), (33, 96, 1), (64, 2048, 1), (40, 160, 2), (17, 32, 3), (96, 512, 9)]
 )
 def test_native_kernel_matches_dequantize_then_matmul(isa, n, k, m):
+    if native_mxfp4_isa() < isa:
+        pytest.skip(f"this CPU does not run the kernel's path {isa}")
     blocks, scales = _mxfp4(n, k, n * k + m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     ref = x @ dequantize_mxfp4(blocks, scales).T
@@ -94,12 +96,13 @@ def test_native_kernel_bf16_rows_and_leading_dims():
     assert lin(x[:0]).shape == (0, 3, 32)
 
 
-def test_nan_activation_gives_nan_rows_only():
+@pytest.mark.parametrize("rows", [1, 2, 3])  # the decode paths (one, two rows) and the row-buffered one
+def test_nan_activation_gives_nan_rows_only(rows):
     blocks, scales = _mxfp4(16, 64, 9)
-    x = torch.randn(3, 64)
-    x[1, 5] = float("nan")
+    x = torch.randn(rows, 64)
+    x[rows - 1, 5] = float("nan")
     y = Mxfp4Linear(blocks, scales)(x)
-    assert bool(y[1].isnan().all()) and bool(y[[0, 2]].isfinite().all())
+    assert bool(y[rows - 1].isnan().all()) and bool(y[: rows - 1].isfinite().all())
 
 
 def test_bad_blocks_and_scales_are_named():

@@ -100,29 +100,116 @@ T256 static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* Few x rows: each block decoded in registers and multiplied into every row, four accumulators a row (independent
-   FMA chains: one chain would wait on the FMA latency at every block). */
+/* Few x rows (the decode case): x comes deinterleaved per block (``deinterleave``: its 16 even k, then its 16 odd k),
+   so a block's low nibbles pair with the first half and its high nibbles with the second, no byte interleaving; each
+   weight row's block scales are widened once into ``sb`` (fp32, exact); even and odd blocks go to separate
+   accumulators (independent FMA chains) kept in named registers. */
+static void deinterleave(const float *x, int M, int K, float *xd) {
+    for (size_t i = 0; i < (size_t)M * K; i += QB)
+        for (int j = 0; j < QB / 2; j++) {
+            xd[i + j] = x[i + 2 * j];
+            xd[i + QB / 2 + j] = x[i + 2 * j + 1];
+        }
+}
+
+static void row_scales(const uint8_t *sc, int nb, float *sb) {
+    for (int b = 0; b < nb; b++) sb[b] = e8m0_half(sc[b]);
+}
+
+/* A block's codes as doubled E2M1 integers in fp32: even k (low nibbles) in w[0..1], odd k in w[2..3]. */
+T256 static inline void block_ints(const uint8_t *q, __m128i lut, __m256 *w) {
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    __m128i bytes = _mm_loadu_si128((const __m128i *)q);
+    __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(bytes, mask));
+    __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
+    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+T256 static inline __m256 block_dot(const __m256 *w, const float *xd) {
+    __m256 p = _mm256_mul_ps(w[0], _mm256_loadu_ps(xd));
+    p = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xd + 8), p);
+    p = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xd + 16), p);
+    return _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xd + 24), p);
+}
+
 T256 static void rows_fused(const uint8_t *blocks, const uint8_t *scales, int n0, int n1, int N, int K,
-                            const float *x, int M, yout y) {
+                            const float *xd, int M, yout y, float *sb) {
     const __m128i lut = _mm_loadu_si128((const __m128i *)KVALUES);
+    const int nb = K / QB;
     for (int n = n0; n < n1; n++) {
-        const uint8_t *q = blocks + (size_t)n * (K / 2), *sc = scales + (size_t)n * (K / QB);
+        const uint8_t *q = blocks + (size_t)n * (K / 2);
+        row_scales(scales + (size_t)n * nb, nb, sb);
         for (int m0 = 0; m0 < M; m0 += 2) {
-            const float *x0 = x + (size_t)m0 * K, *x1 = m0 + 1 < M ? x0 + K : x0;
-            __m256 a[2][4];
-            for (int i = 0; i < 4; i++) a[0][i] = a[1][i] = _mm256_setzero_ps();
-            for (int b = 0; b < K / QB; b++) {
-                __m256 w[4];
-                decode_block(q + b * (QB / 2), sc[b], lut, w);
-                for (int i = 0; i < 4; i++) {
-                    a[0][i] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(x0 + b * QB + 8 * i), a[0][i]);
-                    a[1][i] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(x1 + b * QB + 8 * i), a[1][i]);
-                }
+            const float *x0 = xd + (size_t)m0 * K, *x1 = m0 + 1 < M ? x0 + K : NULL;
+            __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, w[4];
+            int b = 0;
+            for (; b + 2 <= nb; b += 2) {
+                __m256 s0 = _mm256_broadcast_ss(sb + b), s1 = _mm256_broadcast_ss(sb + b + 1);
+                block_ints(q + b * (QB / 2), lut, w);
+                a00 = _mm256_fmadd_ps(block_dot(w, x0 + b * QB), s0, a00);
+                if (x1) a10 = _mm256_fmadd_ps(block_dot(w, x1 + b * QB), s0, a10);
+                block_ints(q + (b + 1) * (QB / 2), lut, w);
+                a01 = _mm256_fmadd_ps(block_dot(w, x0 + (b + 1) * QB), s1, a01);
+                if (x1) a11 = _mm256_fmadd_ps(block_dot(w, x1 + (b + 1) * QB), s1, a11);
             }
-            for (int r = 0; r < 2 && m0 + r < M; r++) {
-                __m256 s = _mm256_add_ps(_mm256_add_ps(a[r][0], a[r][1]), _mm256_add_ps(a[r][2], a[r][3]));
-                y_put(y, (size_t)(m0 + r) * N + n, hsum(s));
+            if (b < nb) {
+                __m256 s0 = _mm256_broadcast_ss(sb + b);
+                block_ints(q + b * (QB / 2), lut, w);
+                a00 = _mm256_fmadd_ps(block_dot(w, x0 + b * QB), s0, a00);
+                if (x1) a10 = _mm256_fmadd_ps(block_dot(w, x1 + b * QB), s0, a10);
             }
+            y_put(y, (size_t)m0 * N + n, hsum(_mm256_add_ps(a00, a01)));
+            if (x1) y_put(y, (size_t)(m0 + 1) * N + n, hsum(_mm256_add_ps(a10, a11)));
+        }
+    }
+}
+
+/* ---- AVX-512 (F, BW, VL): sixteen weights a vector ------------------------------------------------------------- */
+#define T512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+
+/* A block's codes as doubled E2M1 integers in fp32: even k in w0, odd k in w1, each code widened to a 32-bit index
+   and looked up in a table of floats (``lut``: a permute, off the FP pipes a conversion would take). */
+T512 static inline void block_ints_512(const uint8_t *q, __m512 lut, __m512 *w0, __m512 *w1) {
+    __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+    *w0 = _mm512_permutexvar_ps(codes, lut);                         /* index bits past the fourth are ignored */
+    *w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), lut);
+}
+
+T512 static inline __m512 block_dot_512(__m512 w0, __m512 w1, const float *xd) {
+    return _mm512_fmadd_ps(w1, _mm512_loadu_ps(xd + 16), _mm512_mul_ps(w0, _mm512_loadu_ps(xd)));
+}
+
+T512 static void rows_fused_512(const uint8_t *blocks, const uint8_t *scales, int n0, int n1, int N, int K,
+                                const float *xd, int M, yout y, float *sb) {
+    const __m512 lut = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)KVALUES)));
+    const int nb = K / QB;
+    for (int n = n0; n < n1; n++) {
+        const uint8_t *q = blocks + (size_t)n * (K / 2);
+        row_scales(scales + (size_t)n * nb, nb, sb);
+        for (int m0 = 0; m0 < M; m0 += 2) {
+            const float *x0 = xd + (size_t)m0 * K, *x1 = m0 + 1 < M ? x0 + K : NULL;
+            __m512 a00 = _mm512_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, w0, w1;
+            int b = 0;
+            for (; b + 2 <= nb; b += 2) {
+                __m512 s0 = _mm512_set1_ps(sb[b]), s1 = _mm512_set1_ps(sb[b + 1]);
+                block_ints_512(q + b * (QB / 2), lut, &w0, &w1);
+                a00 = _mm512_fmadd_ps(block_dot_512(w0, w1, x0 + b * QB), s0, a00);
+                if (x1) a10 = _mm512_fmadd_ps(block_dot_512(w0, w1, x1 + b * QB), s0, a10);
+                block_ints_512(q + (b + 1) * (QB / 2), lut, &w0, &w1);
+                a01 = _mm512_fmadd_ps(block_dot_512(w0, w1, x0 + (b + 1) * QB), s1, a01);
+                if (x1) a11 = _mm512_fmadd_ps(block_dot_512(w0, w1, x1 + (b + 1) * QB), s1, a11);
+            }
+            if (b < nb) {
+                __m512 s0 = _mm512_set1_ps(sb[b]);
+                block_ints_512(q + b * (QB / 2), lut, &w0, &w1);
+                a00 = _mm512_fmadd_ps(block_dot_512(w0, w1, x0 + b * QB), s0, a00);
+                if (x1) a10 = _mm512_fmadd_ps(block_dot_512(w0, w1, x1 + b * QB), s0, a10);
+            }
+            y_put(y, (size_t)m0 * N + n, _mm512_reduce_add_ps(_mm512_add_ps(a00, a01)));
+            if (x1) y_put(y, (size_t)(m0 + 1) * N + n, _mm512_reduce_add_ps(_mm512_add_ps(a10, a11)));
         }
     }
 }
@@ -152,10 +239,14 @@ T256 static void rows_buffered(const uint8_t *blocks, const uint8_t *scales, int
     }
 }
 
-/* 1: AVX2 + FMA, 0: portable C only. */
+/* 2: AVX-512 (F, BW, VL), 1: AVX2 + FMA, 0: portable C only. */
 int fe_mxfp4_isa(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return 0;
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                   __builtin_cpu_supports("avx512vl")
+               ? 2
+               : 1;
 }
 
 /* bf16 -> fp32 is exact. */
@@ -167,7 +258,7 @@ static void bf16_to_f32(const uint16_t *in, size_t count, float *out) {
 }
 
 /* y[M, N] = x[M, K] @ W.T; x and y fp32, or bf16 where x_bf16 / y_bf16 say so (widened here in one pass, y written
-   by the kernels). ``isa``: 1 AVX2, 0 portable C. Returns 0, or -1 for a shape it does not take (K % 32) or an
+   by the kernels). ``isa``: 2 AVX-512 (its own path at one or two rows), 1 AVX2, 0 portable C. Returns 0, or -1 for a shape it does not take (K % 32) or an
    allocation failure. */
 int fe_mxfp4_gemm(const uint8_t *blocks, const uint8_t *scales, int N, int K, const void *x, int x_bf16, int M,
                   void *y, int y_bf16, int threads, int isa) {
@@ -177,18 +268,24 @@ int fe_mxfp4_gemm(const uint8_t *blocks, const uint8_t *scales, int N, int K, co
     if (x_bf16) bf16_to_f32((const uint16_t *)x, (size_t)M * K, xf);
     const yout yo = {y, y_bf16};
     const int fused = isa >= 1 && M <= 2, tasks = (N + ROWS - 1) / ROWS;
-    int failed = 0;
+    float *xd = fused ? malloc(sizeof(float) * (size_t)M * K) : NULL;
+    int failed = fused && !xd;
+    if (xd) deinterleave(xf, M, K, xd);
+    if (!failed) {
 #pragma omp parallel num_threads(threads) if (threads > 1 && tasks > 1) reduction(| : failed)
     {
-        float *w = fused ? NULL : malloc(sizeof(float) * (size_t)K);
-        if (!fused && !w) failed = 1;
+        /* per thread: a weight row decoded (K floats), or a row's block scales (K / 32) */
+        float *w = malloc(sizeof(float) * (size_t)(fused ? K / QB : K));
+        if (!w) failed = 1;
 #pragma omp for schedule(static)
         for (int t = 0; t < tasks; t++) {
             int n0 = t * ROWS, n1 = n0 + ROWS < N ? n0 + ROWS : N;
-            if (fused)
-                rows_fused(blocks, scales, n0, n1, N, K, xf, M, yo);
-            else if (!w)
+            if (!w)
                 continue;
+            else if (fused && isa >= 2)
+                rows_fused_512(blocks, scales, n0, n1, N, K, xd, M, yo, w);
+            else if (fused)
+                rows_fused(blocks, scales, n0, n1, N, K, xd, M, yo, w);
             else if (isa >= 1)
                 rows_buffered(blocks, scales, n0, n1, N, K, xf, M, yo, w);
             else
@@ -196,6 +293,8 @@ int fe_mxfp4_gemm(const uint8_t *blocks, const uint8_t *scales, int N, int K, co
         }
         free(w);
     }
+    }
+    free(xd);
     if (x_bf16) free(xf);
     return failed ? -1 : 0;
 }
