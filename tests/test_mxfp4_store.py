@@ -125,3 +125,20 @@ def test_a_reader_refuses_a_kind_it_does_not_know(mxfp4_store, tmp_path, field, 
     (out / STORE_FILE).write_text(json.dumps(index))
     with pytest.raises(ModelFormatError, match=f"{message}.*written by a newer fate-edge"):
         ExpertStore(out)
+
+
+def test_a_nan_scale_in_a_gguf_is_named_with_its_tensor_and_expert(mxfp4_store, tmp_path):
+    from gguf import GGUFReader
+
+    src = next(mxfp4_store.parent.glob("*.gguf"))
+    bad = tmp_path / "nan.gguf"
+    shutil.copy(src, bad)
+    name = "blk.1.ffn_down_exps.weight"
+    t = next(t for t in GGUFReader(str(bad)).tensors if t.name == name)
+    at = int(t.data_offset) + 3 * (int(t.n_bytes) // 16)  # expert 3's first block: its E8M0 byte comes first
+    with open(bad, "r+b") as f:
+        f.seek(at)
+        f.write(bytes([255]))
+    with pytest.raises(ModelFormatError, match=rf"tensor '{name}' \(expert 3\): an MXFP4 scale is 255"):
+        convert_gguf(bad, tmp_path / "store", ConvertOptions.full(bits=None, keep_bf16=False), progress=False)
+    assert not (tmp_path / "store").exists()

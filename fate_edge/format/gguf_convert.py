@@ -44,7 +44,7 @@ from fate_edge.format.gguf_tokenizer import tokenizer_files, write_tokenizer_fil
 from fate_edge.format.store import MATRICES, Precision, as_mxfp4, encode_expert, plan_parts
 from fate_edge.model.arch import config_from_dict
 from fate_edge.model.experts import ExpertWeights
-from fate_edge.quant.mxfp4 import Mxfp4Weights, from_ggml
+from fate_edge.quant.mxfp4 import Mxfp4Weights, check_mxfp4, from_ggml
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
@@ -221,6 +221,10 @@ def encode_gguf_expert(
             kind, rows, data = raw[m]
             if p.layout == "mxfp4" and kind == "MXFP4":  # E2M1 codes and E8M0 scales as they are
                 mats[m] = Mxfp4Weights(*from_ggml(torch.from_numpy(data.reshape(rows, -1))))
+                try:
+                    check_mxfp4(f"{g.path}: tensor '{expert_tensor(layer, m)}' (expert {expert})", *mats[m])
+                except ValueError as exc:
+                    raise ModelFormatError(str(exc)) from None
             elif p.spec is not None and exact_into(kind, p.spec):
                 blocks = torch.from_numpy(data.reshape(rows, -1))
                 packed = to_packed(kind, blocks, p.spec) if p.layout == "portable" else None
