@@ -119,3 +119,47 @@ def test_cli_run_generates_transformers_greedy_text(with_tokenizer, capsys):
     args = ["run", "--model", str(path), "--experts", "memory", "--dtype", "float32", "--temperature", "0"]
     assert main([*args, "--max-tokens", "12", "--ignore-eos", prompt]) == 0
     assert capsys.readouterr().out.rstrip("\n") == want.rstrip("\n")
+
+
+@pytest.fixture(scope="module")
+def llama_cpp_clamp(tmp_path_factory):
+    """llama.cpp computes gpt-oss's SwiGLU at limit 7.0 and alpha 1.702 (constants, not in the GGUF): a checkpoint
+    with those."""
+    _, path = build(tmp_path_factory.mktemp("gpt_oss_gguf") / "hf", vocab_size=VOCAB, swiglu_limit=7.0)
+    build_tokenizer(path)
+    return path
+
+
+@pytest.mark.parametrize("experts", ["F32", "Q8_0"])
+def test_a_gguf_converts_to_the_store_of_its_checkpoint(llama_cpp_clamp, tmp_path, experts):
+    """The GGUF llama.cpp writes of the checkpoint: F32 experts give the checkpoint's own store (bf16 and int4
+    precisions equal, biases included); q8_0 experts go in with their own codes, at most their rounding away."""
+    from _gguf_gpt_oss import write_gpt_oss_gguf
+
+    from fate_edge.format.gguf_convert import convert_gguf
+
+    path = llama_cpp_clamp
+    gguf = write_gpt_oss_gguf(path, tmp_path / "m.gguf", experts)
+    bits = 8 if experts == "Q8_0" else 4
+    opts = ConvertOptions.full(bits=bits, group_size=32, keep_bf16=True, layout="portable")
+    from_gguf = convert_gguf(gguf, tmp_path / "from-gguf", opts, progress=False)
+    from_hf = convert(path, tmp_path / "from-hf", opts, progress=False)
+    cfg = load_model(from_gguf).config
+    assert cfg.model_type == "gpt_oss" and cfg.sliding_window_layers == (0, 2) and cfg.rope.truncate is False
+    for b in (16, bits):
+        ours, theirs = load_model(from_gguf, bits=b), load_model(from_hf, bits=b)
+        diff = max_diff(ours(PROMPT, ours.new_cache()), theirs(PROMPT, theirs.new_cache()))
+        # F32 experts: the same store but for rms_norm_eps, which GGUF holds in float32; q8_0: ggml's rounding
+        assert diff <= (1e-4 if experts == "F32" else 5e-2), f"bits {b}: {diff:.3g}"
+
+
+def test_sinks_and_fused_experts_are_float_weights(stored):
+    """A checkpoint's sinks and fused expert tensors are weights in the model's dtype (not a store's quantized
+    codes): a bf16 model holds bf16 sinks, and inspect counts every expert parameter, biases included."""
+    from fate_edge.format.inspect_model import summarize
+
+    path, _ = stored
+    model = load_model(path, dtype=torch.bfloat16)
+    assert model.w["model.layers.0.self_attn.sinks"].dtype == torch.bfloat16
+    cfg = model.config
+    assert summarize(path).expert_params == cfg.expert_params * cfg.num_experts * len(cfg.moe_layers)

@@ -255,3 +255,34 @@ def test_the_compiled_step_declines_it_by_name(built):
     full = load_model(build(built["path"].parent / "full", layer_types=["full_attention"] * 3)[1])
     assert not full.config.sliding_window_layers
     assert "gpt-oss" in (compiled_step.unsupported(full) or "")
+
+
+def test_early_attention_takes_the_sinks():
+    """The early-attention predictor's own-row attention (true keys before, the estimate on the diagonal) with the
+    estimate equal to the truth is the model's attention: sinks and window included."""
+    from fate_edge.predictors.early_attention import own_row_attention
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(1, 4, 7, 8, generator=g), torch.randn(1, 2, 7, 8, generator=g), torch.randn(1, 2, 7, 8)
+    sinks = torch.randn(4, generator=g)
+    pos = torch.arange(7)
+    mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - 3)
+    want = sink_attention(q, k, v, 0.3, sinks, mask).transpose(1, 2).reshape(7, -1)
+    assert max_diff(own_row_attention(q, k, v, k, v, 0.3, 3, sinks), want) <= 1e-5
+    assert max_diff(own_row_attention(q, k, v, k, v, 0.3, 3), want) > 1e-3
+
+
+def test_bf16_is_as_close_to_exact_as_transformers_bf16(built):
+    """bf16 (transformers runs gpt-oss's eager attention only): our logits no further from the float32 ones than
+    transformers' bf16 logits are (DESIGN's relative bar; this clamp-heavy tiny model is far from exact in both)."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        built["path"], dtype=torch.bfloat16, attn_implementation="eager"
+    ).eval()
+    with torch.no_grad():
+        theirs = hf(built["prompt"]).logits
+    model = load_model(built["path"], dtype=torch.bfloat16)
+    ours = model(built["prompt"], model.new_cache())
+    assert ours.dtype == torch.bfloat16
+    exact = built["prefill"]
+    assert max_diff(ours, exact) <= max(2e-2, 1.25 * max_diff(theirs, exact))
+    assert max_diff(ours, theirs) <= 5e-2

@@ -21,6 +21,7 @@ ARCHITECTURES = {
     "mixtral": "mixtral",
     "olmoe": "olmoe",
     "deepseek2": "deepseek_v2",
+    "gpt-oss": "gpt_oss",
 }
 _SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
 
@@ -106,6 +107,8 @@ def _hf_config(g: GGUFFile, dtype: str) -> dict[str, Any]:
         d["head_dim"] = head_dim or hidden // heads
     elif mtype == "olmoe":
         d.update(norm_topk_prob=bool(norm or False), clip_qkv=key("attention.clamp_kqv", None))
+    elif mtype == "gpt_oss":
+        d.update(_gpt_oss(g, layers, head_dim))
     else:
         d.update(_deepseek(g, dense))
     return d
@@ -143,10 +146,34 @@ def _rope_scaling(g: GGUFFile) -> dict[str, Any] | None:
     if original:
         out["original_max_position_embeddings"] = original
     if kind == "yarn":
+        for name in ("beta_fast", "beta_slow"):  # llama.cpp's converter writes them where the config has them
+            value = g.arch_key(f"rope.scaling.yarn_{name}", None)
+            if value is not None:
+                out[name] = float(value)
         log_mul = g.arch_key("rope.scaling.yarn_log_multiplier", None)
         if log_mul:  # DeepSeek: llama.cpp stores 0.1 * mscale_all_dim
             out["mscale_all_dim"] = float(log_mul) / 0.1
             out["mscale"] = out["mscale_all_dim"]
+    return out
+
+
+def _gpt_oss(g: GGUFFile, layers: int, head_dim: int | None) -> dict[str, Any]:
+    """gpt-oss: llama.cpp sets its sliding-window pattern to 2 (even layers slide, as transformers' default
+    ``layer_types``) and computes the clamped SwiGLU at 7.0 and 1.702 (not stored); YaRN without truncation."""
+    key = g.arch_key
+    out: dict[str, Any] = {
+        "intermediate_size": key("expert_feed_forward_length"),
+        "sliding_window": key("attention.sliding_window"),
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        "attention_bias": True,
+        "swiglu_limit": 7.0,
+        "swiglu_alpha": 1.702,
+    }
+    if head_dim:
+        out["head_dim"] = head_dim
+    scaling = _rope_scaling(g)
+    if scaling:
+        out["rope_scaling"] = {**scaling, "truncate": False}
     return out
 
 

@@ -43,13 +43,20 @@ _LAYER = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# gpt-oss (llama.cpp's arch gpt-oss) names three parts its own way; its expert biases are ffn_*_exps.bias
+_GPT_OSS = {
+    "ffn_gate_inp": "{base}.mlp.router.{kind}",
+    "attn_sinks": "{base}.self_attn.sinks",
+    "post_attention_norm": "{base}.post_attention_layernorm.{kind}",
+}
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 _NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
-def expert_tensor(layer: int, matrix: str) -> str:
-    """GGUF name of layer ``layer``'s stacked ``matrix`` ("gate", "up", "down") experts."""
-    return f"blk.{layer}.ffn_{matrix}_exps.weight"
+def expert_tensor(layer: int, matrix: str, kind: str = "weight") -> str:
+    """GGUF name of layer ``layer``'s stacked ``matrix`` ("gate", "up", "down") experts (``kind`` "bias": gpt-oss's
+    stacked expert biases [E, rows])."""
+    return f"blk.{layer}.ffn_{matrix}_exps.{kind}"
 
 
 class GGUFCheckpoint:
@@ -80,6 +87,10 @@ class GGUFCheckpoint:
                 continue
             if part == "exp_probs_b":
                 self.sources[f"{base}.mlp.gate.e_score_correction_bias"] = (name,)
+                continue
+            if cfg.model_type == "gpt_oss" and part in _GPT_OSS:  # its router, sinks and post-attention norm
+                hf = _GPT_OSS[part]
+                self.sources[hf.format(base=base, kind=kind)] = (name,)
                 continue
             if part.endswith("_shexp") and part != "ffn_gate_inp_shexp":
                 hf = f"mlp.{shared}.{part.removeprefix('ffn_').removesuffix('_shexp')}_proj"
@@ -124,7 +135,8 @@ class GGUFCheckpoint:
 
     def _dtype(self, name: str) -> torch.dtype:
         # routers and DeepSeek's selection bias stay in fp32, as the loader keeps them
-        return torch.float32 if name.endswith((".gate.weight", ".e_score_correction_bias")) else self.dtype
+        routers = (".gate.weight", ".e_score_correction_bias", ".mlp.router.weight", ".mlp.router.bias")
+        return torch.float32 if name.endswith(routers) else self.dtype
 
     def nbytes(self, name: str) -> int:
         n = 1

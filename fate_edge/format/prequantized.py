@@ -24,7 +24,9 @@ from fate_edge.huge_pages import moved_to_huge_pages
 from fate_edge.model.arch import ModelConfig
 from fate_edge.model.embedding import NAME as EMBED_NAME
 
-_FLOAT_SUFFIXES = ("weight", "bias")  # checkpoint tensors the loader casts to the compute dtype
+# checkpoint tensors the loader casts to the compute dtype: weights and biases, gpt-oss's attention sinks, and the
+# fused expert tensors (transformers 5's and gpt-oss's ``experts.gate_up_proj``, ``down_proj``, their biases)
+_FLOAT_SUFFIXES = ("weight", "bias", ".sinks", "_proj")
 
 
 def is_float_weight(name: str) -> bool:

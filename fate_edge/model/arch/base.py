@@ -148,8 +148,9 @@ class ModelConfig:
 
     @property
     def expert_params(self) -> int:
-        """Parameters of one routed expert (gate, up and down matrices)."""
-        return 3 * self.hidden_size * self.moe_intermediate_size
+        """Parameters of one routed expert (gate, up and down matrices; gpt-oss's biases too)."""
+        bias = 2 * self.moe_intermediate_size + self.hidden_size if self.expert_bias else 0
+        return 3 * self.hidden_size * self.moe_intermediate_size + bias
 
 
 def common_fields(d: dict[str, Any]) -> dict[str, Any]:
