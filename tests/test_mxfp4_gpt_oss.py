@@ -1,6 +1,7 @@
 """gpt-oss as published, its experts in MXFP4 (``*_blocks`` / ``*_scales``, as transformers saves a quantized gpt-oss):
 converted with the experts kept as their blocks (no second rounding) and computed on by the MXFP4 kernel, its logits
-and greedy tokens those of transformers' own dequantized model; bad blocks or scales are named at convert."""
+and greedy tokens those of transformers' own dequantized model; bad blocks or scales are named at convert. The GGUF
+llama.cpp writes of it (MXFP4 expert tensors, type 39) converts to the same blocks and logits."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from fate_edge.quant.mxfp4 import MXFP4, Mxfp4Linear, quantize_mxfp4  # noqa: E402
+from _tiny_moe import VOCAB, build_tokenizer  # noqa: E402
+from fate_edge.quant.mxfp4 import MXFP4, Mxfp4Linear, dequantize_mxfp4, quantize_mxfp4  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from test_parity import NEW_TOKENS, max_diff, our_greedy  # noqa: E402
 from test_parity_gpt_oss import build  # noqa: E402
@@ -136,3 +138,32 @@ def test_a_nan_scale_is_named_with_its_expert(published, tmp_path):
     with pytest.raises(ModelFormatError, match=rf"tensor '{blocks}' \(expert 5\): an MXFP4 scale is 255"):
         convert(path, tmp_path / "store", ConvertOptions.full(bits=4, keep_bf16=False), progress=False)
     assert not (tmp_path / "store").exists()
+
+
+@pytest.mark.slow
+def test_a_gguf_with_mxfp4_experts_keeps_them_and_matches_transformers(tmp_path):
+    """llama.cpp's GGUF of a gpt-oss whose experts are on the MXFP4 grid (so its MXFP4 quantizer, ours bit for bit,
+    gives back the same blocks): the store keeps the blocks and its logits are transformers' on the checkpoint
+    (within 1e-4: GGUF holds rms_norm_eps in float32), at llama.cpp's clamp constants."""
+    from _gguf_gpt_oss import write_gpt_oss_gguf
+
+    from fate_edge.format.gguf_convert import convert_gguf
+
+    hf, path = build(tmp_path / "hf", vocab_size=VOCAB, swiglu_limit=7.0)
+    build_tokenizer(path)
+    w = load_file(str(path / "model.safetensors"))
+    for name in [n for n in w if n.endswith(tuple(f"experts.{m}" for m in MATS))]:  # onto the grid, [E, out, in]
+        w[name] = dequantize_mxfp4(*quantize_mxfp4(w[name].float().transpose(1, 2))).transpose(1, 2).contiguous()
+    save_file(w, str(path / "model.safetensors"), metadata={"format": "pt"})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf(PROMPT).logits
+    gguf = write_gpt_oss_gguf(path, tmp_path / "m.gguf", "MXFP4")
+    store = convert_gguf(gguf, tmp_path / "store", ConvertOptions.full(bits=None, keep_bf16=False), progress=False)
+    p = ExpertStore(store).precisions[4]
+    assert p.layout == "mxfp4" and p.glu.limit == 7.0
+    model = load_model(store, torch.float32, bits=4)
+    try:
+        assert max_diff(model(PROMPT, model.new_cache()), want) <= 1e-4
+    finally:
+        model.experts.close()
