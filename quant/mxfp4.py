@@ -102,10 +102,12 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, e.squeeze(-1).to(torch.uint8)
 
 
-def check_mxfp4(name: str, blocks: torch.Tensor, scales: torch.Tensor, shape: tuple[int, ...] | None = None) -> None:
+def check_mxfp4(
+    name: str, blocks: torch.Tensor, scales: torch.Tensor, shape: tuple[int, ...] | None = None, values: bool = True
+) -> None:
     """``blocks`` and ``scales`` of the tensor ``name`` fit each other (and ``shape``, the weight's, where given):
-    uint8, blocks [..., K/2] or [..., K/32, 16] (Hugging Face's) for scales [..., K/32]; no E8M0 255 (NaN). A
-    ValueError naming the tensor otherwise."""
+    uint8, blocks [..., K/2] or [..., K/32, 16] (Hugging Face's) for scales [..., K/32]; with ``values``, no E8M0 255
+    (NaN: the converters scan for it, a decode need not). A ValueError naming the tensor otherwise."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"{name}: MXFP4 blocks and scales must be uint8, not {blocks.dtype} and {scales.dtype}")
     split = blocks.dim() == scales.dim() + 1  # [..., G, 16]
@@ -127,7 +129,7 @@ def check_mxfp4(name: str, blocks: torch.Tensor, scales: torch.Tensor, shape: tu
             f"{name}: MXFP4 blocks of {scales.shape[-1] * BLOCK} weights a row and {list(scales.shape[:-1])} rows "
             f"do not make the expected {list(shape)} weights; the checkpoint does not match its config"
         )
-    if scales.numel() and int(scales.max()) == 255:
+    if values and scales.numel() and int(scales.max()) == 255:
         raise ValueError(f"{name}: an MXFP4 scale is 255 (E8M0's NaN); the checkpoint is damaged")
 
 
@@ -159,7 +161,7 @@ class Mxfp4Linear:
     spec: QuantSpec = MXFP4
 
     def __post_init__(self) -> None:
-        check_mxfp4("Mxfp4Linear", self.blocks, self.scales)
+        check_mxfp4("Mxfp4Linear", self.blocks, self.scales, values=False)  # shapes only: a decode per expert
         if not self.kernel:
             native = self.blocks.device.type == "cpu" and native_mxfp4_status()[0]
             self.kernel = "native-mxfp4" if native else "dequant"
@@ -195,6 +197,14 @@ class Mxfp4Linear:
                 raise MemoryError(f"native mxfp4 matmul {n}x{k} on {x2.shape[0]} rows: out of memory for its buffer")
         y = y.view(*x.shape[:-1], n)
         return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    def stacked(self, other: Mxfp4Linear) -> Mxfp4Linear:
+        """``self``'s rows then ``other``'s, as one matrix (a copy: rows and their scales stay apart in this layout, so
+        stacking them is exact); an expert's gate and up computed in one call."""
+        if self.shape[1] != other.shape[1]:
+            raise ValueError(f"Mxfp4Linear.stacked: {self.shape} and {other.shape} differ in K")
+        blocks, scales = torch.cat([self.blocks, other.blocks]), torch.cat([self.scales, other.scales])
+        return Mxfp4Linear(blocks, scales, self.kernel)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_mxfp4(self.blocks, self.scales, dtype)

@@ -23,7 +23,7 @@ from fate_edge.format.convert import ConvertOptions
 from fate_edge.format.gguf_convert import convert_gguf
 from fate_edge.format.store import MATRICES, ExpertStore, Precision, decode_expert, encode_expert, plan_parts
 from fate_edge.format.store_files import STORE_FILE
-from fate_edge.model.experts import ExpertWeights
+from fate_edge.model.experts import ExpertWeights, InMemoryExpertProvider, QuantizedExpert
 from fate_edge.runtime.loader import load_model
 
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
@@ -56,6 +56,11 @@ def test_blob_keeps_the_blocks_and_computes_on_them():
     dq = ExpertWeights(*(dequantize_mxfp4(*mx[m]) for m in MATRICES))
     want = dq(x)
     assert float((e(x) - want).abs().max()) <= 1e-5 * float(want.abs().max())
+    resident = InMemoryExpertProvider({(0, 0): e}).get(0, 0)  # gate and up stacked: one call, the same rows
+    assert isinstance(resident, QuantizedExpert) and isinstance(resident.gate_up, Mxfp4Linear)
+    assert resident.gate_up.shape == (2 * inter, hidden) and resident.gate_up.blocks.data_ptr() != blob.data_ptr()
+    for rows in (1, 2, 3):  # the decode paths and the row-buffered one
+        assert torch.equal(resident(x[:rows]), e(x[:rows]))
     # float weights into an mxfp4 precision are encoded (llama.cpp's scheme): the same bytes as the blocks above
     assert bytes(encode_expert(w, p)) == bytes(encode_expert(ExpertWeights(*mx.values()), p))
     # a cold int2 copy of MXFP4 weights starts from their exact values
