@@ -94,6 +94,7 @@ def test_experts_are_stored_as_the_checkpoints_blocks(published):
         assert expert.bias is not None and expert.glu.limit == 1.0
 
 
+@pytest.mark.slow
 def test_store_logits_and_greedy_equal_transformers_dequantized_model(published):
     model = load_model(published["store"], torch.float32, bits=4)
     try:
