@@ -191,6 +191,12 @@ def _default_rope(model):
     model.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
 
 
+def _truncated_yarn(model):
+    cfg = model.config
+    cfg.rope = replace(cfg.rope, truncate=True)
+    model.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
+
+
 VARIANTS = {
     "sinks": _drop("self_attn.sinks"),
     "window": _set(sliding_window=None, sliding_window_layers=()),
@@ -200,6 +206,7 @@ VARIANTS = {
     "expert_bias": _expert_change(bias=None),
     "clamp": _expert_change(glu=Glu(None, 1.702)),
     "rope_yarn": _default_rope,
+    "yarn_untruncated": _truncated_yarn,  # gpt-oss's YaRN keeps the correction range unrounded
 }
 
 
@@ -286,3 +293,19 @@ def test_bf16_is_as_close_to_exact_as_transformers_bf16(built):
     exact = built["prefill"]
     assert max_diff(ours, exact) <= max(2e-2, 1.25 * max_diff(theirs, exact))
     assert max_diff(ours, theirs) <= 5e-2
+
+
+def test_a_long_prompt_attends_in_chunks_with_the_same_result(monkeypatch):
+    """sink_attention's scores for a long prompt go in chunks of query rows (a whole 8k-token prompt's would be
+    16 GB): chunked gives what at once does, masks of one row per query or one for all."""
+    from fate_edge.model import attention
+
+    g = torch.Generator().manual_seed(2)
+    q, k, v = torch.randn(1, 4, 9, 8, generator=g), torch.randn(1, 2, 9, 8, generator=g), torch.randn(1, 2, 9, 8)
+    sinks = torch.randn(4, generator=g)
+    pos = torch.arange(9)
+    causal = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - 4)
+    whole = [sink_attention(q, k, v, 0.3, sinks, m) for m in (causal, None, causal[-1:])]
+    monkeypatch.setattr(attention, "SINK_CHUNK_SCORES", 4 * 9 * 2)  # two query rows a chunk
+    for m, want in zip((causal, None, causal[-1:]), whole):
+        assert max_diff(sink_attention(q, k, v, 0.3, sinks, m), want) <= 1e-6  # matmul blocking may round apart

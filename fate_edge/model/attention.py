@@ -156,6 +156,9 @@ def attend(
     return _static(q, k, v, held.mask, scale, sinks)
 
 
+SINK_CHUNK_SCORES = 1 << 22  # float32 scores one sink_attention step holds (16 MB): a long prompt goes in row chunks
+
+
 def sink_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -166,7 +169,25 @@ def sink_attention(
 ) -> torch.Tensor:
     """Attention whose softmax has one more logit per head, ``sinks`` [nh], that weighs no value (gpt-oss): q [B,
     nh, T, d] over k, v [B, nkv, S, d] (query head h reads kv head h // (nh / nkv)) where ``mask`` (broadcast to
-    [B, nh, T, S]; None: every key) is True → [B, nh, T, dv]. Scores and softmax in float32."""
+    [B, nh, T, S]; None: every key) is True → [B, nh, T, dv]. Scores and softmax in float32, written out (no fused
+    kernel takes a sink), so a long prompt's queries go in chunks of rows: at most :data:`SINK_CHUNK_SCORES` scores
+    at once, where all of them for an 8k-token prompt of 64 heads would be 16 GB."""
+    b, nh, t, _ = q.shape
+    rows = max(1, SINK_CHUNK_SCORES // max(1, b * nh * k.shape[2]))
+    if t <= rows:
+        return _sink_rows(q, k, v, scale, sinks, mask)
+    per_row = mask is not None and mask.dim() >= 2 and mask.shape[-2] == t  # else one mask row for every query
+    out = []
+    for a in range(0, t, rows):
+        n = min(rows, t - a)
+        part = mask.narrow(-2, a, n) if per_row and mask is not None else mask
+        out.append(_sink_rows(q.narrow(2, a, n), k, v, scale, sinks, part))
+    return torch.cat(out, dim=2)
+
+
+def _sink_rows(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sinks: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
     b, nh, t, d = q.shape
     nkv, s = k.shape[1], k.shape[2]
     qg = q.reshape(b, nkv, (nh // nkv) * t, d)  # each kv head's query heads, one after another
@@ -175,7 +196,7 @@ def sink_attention(
         scores = scores.masked_fill(~mask, float("-inf"))
     logits = torch.cat([scores, sinks.float().view(1, nh, 1, 1).expand(b, nh, t, 1)], dim=-1)
     p = logits.softmax(-1).narrow(-1, 0, s)  # the sink's share goes nowhere
-    out = torch.matmul(p.to(v.dtype).view(b, nkv, -1, s), v)  # [B, nkv, g*T, dv]
+    out = torch.matmul(p.to(v.dtype).reshape(b, nkv, -1, s), v)  # [B, nkv, g*T, dv]
     return out.view(b, nh, t, -1)
 
 
