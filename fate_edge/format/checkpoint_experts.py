@@ -18,8 +18,11 @@ from fate_edge.model.experts import (
     quantize_expert,
 )
 from fate_edge.quant import QuantSpec
+from fate_edge.quant.mxfp4 import Mxfp4Weights, check_mxfp4, dequantize_mxfp4
 
 BIAS_NAMES = ("gate_up_proj_bias", "down_proj_bias")  # gpt-oss's expert biases, beside its matrices
+# gpt-oss as published: each matrix MXFP4, ``<name>_blocks`` [E, rows, K/32, 16] and ``<name>_scales`` [E, rows, K/32]
+MXFP4_NAMES = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")
 
 
 def layouts_of(cfg: ModelConfig, reader: CheckpointReader, names: list) -> dict[int, ExpertLayout]:
@@ -36,14 +39,17 @@ class ExpertLayout:
     ``experts.gate_up_proj`` [E, 2I, H] / ``experts.down_proj`` [E, H, I]; gpt-oss's (``interleaved``):
     ``experts.gate_up_proj`` [E, H, 2I] with gate and up in alternating columns, ``experts.down_proj`` [E, I, H] and
     their biases ``gate_up_proj_bias`` [E, 2I] (alternating too) and ``down_proj_bias`` [E, H]. ``glu``: the
-    activation the experts read apply (gpt-oss's clamped SwiGLU).
+    activation the experts read apply (gpt-oss's clamped SwiGLU). gpt-oss as published holds its two matrices in
+    MXFP4 (``mxfp4``: :data:`MXFP4_NAMES`, rows in the transposed, [out, in] order, gate and up rows alternating),
+    read as their blocks (no dequantized copy) where the caller asks for them as stored.
     """
 
     def __init__(self, reader: CheckpointReader, moe_prefix: str, interleaved: bool = False, glu: Glu = SILU):
         self.reader = reader
         self.prefix = moe_prefix
         self.interleaved, self.glu = interleaved, glu
-        if f"{moe_prefix}.experts.gate_up_proj" in reader:
+        self.mxfp4 = interleaved and f"{moe_prefix}.experts.{MXFP4_NAMES[0]}" in reader
+        if f"{moe_prefix}.experts.gate_up_proj" in reader or self.mxfp4:
             self.fused = True
             self.names: tuple[str, str, str] | None = None
         else:
@@ -61,7 +67,22 @@ class ExpertLayout:
     def check_shapes(self, experts: int, hidden: int, inter: int) -> None:
         """Every expert's tensors present with the shapes the config gives (read from the headers only): a
         transposed or cut matrix is named here, not found as garbage after convert."""
-        if self.interleaved:
+        if self.mxfp4:
+            if hidden % 32 or inter % 32:
+                raise ModelFormatError(
+                    f"{self.reader.model_dir}: MXFP4 experts need hidden_size and intermediate_size in whole blocks "
+                    f"of 32, not {hidden} and {inter}; the checkpoint and its config disagree"
+                )
+            gub, gus, db, ds, gate_up_bias, down_bias = self.tensor_names(0)
+            want = {
+                gub: [experts, 2 * inter, hidden // 32, 16],
+                gus: [experts, 2 * inter, hidden // 32],
+                db: [experts, hidden, inter // 32, 16],
+                ds: [experts, hidden, inter // 32],
+                gate_up_bias: [experts, 2 * inter],
+                down_bias: [experts, hidden],
+            }
+        elif self.interleaved:
             gate_up, down, gate_up_bias, down_bias = self.tensor_names(0)
             want = {
                 gate_up: [experts, hidden, 2 * inter],
@@ -90,6 +111,8 @@ class ExpertLayout:
                 )
 
     def tensor_names(self, expert: int) -> list[str]:
+        if self.mxfp4:
+            return [f"{self.prefix}.experts.{n}" for n in (*MXFP4_NAMES, *BIAS_NAMES)]
         if self.interleaved:
             return [f"{self.prefix}.experts.{n}" for n in ("gate_up_proj", "down_proj", *BIAS_NAMES)]
         if self.fused:
@@ -98,7 +121,10 @@ class ExpertLayout:
         return [f"{self.prefix}.experts.{expert}.{n}.weight" for n in self.names]
 
     def read(self, expert: int, dtype: torch.dtype | None) -> ExpertWeights:
-        """Read one expert's three matrices, and nothing else, from disk (``dtype`` None: as stored)."""
+        """Read one expert's three matrices, and nothing else, from disk (``dtype`` None: as stored, which for MXFP4
+        experts is their blocks: :class:`Mxfp4Weights` matrices that only the store's encoder takes)."""
+        if self.mxfp4:
+            return self._read_mxfp4(expert, dtype)
         if self.interleaved:  # gpt-oss: [H, 2I] with gate and up alternating → [gate; up] rows [2I, H]
             gate_up_name, down_name, gate_up_bias, down_bias = self.tensor_names(expert)
             gu = self.reader.get_row(gate_up_name, expert, dtype)
@@ -113,6 +139,27 @@ class ExpertLayout:
             return ExpertWeights.fused(gate_up.contiguous(), self.reader.get_row(down_name, expert, dtype))
         g, u, d = (self.reader.get(n, dtype) for n in self.tensor_names(expert))
         return ExpertWeights.fused(torch.cat([g, u]), d)
+
+    def _read_mxfp4(self, expert: int, dtype: torch.dtype | None) -> ExpertWeights:
+        """gpt-oss's MXFP4 expert: gate and up rows de-interleaved on the blocks (whole rows: exact), down as stored;
+        with ``dtype``, dequantized (exactly, as transformers does) into float matrices."""
+        gub, gus, db, ds, gate_up_bias, down_bias = self.tensor_names(expert)
+        mats = []
+        for b_name, s_name in ((gub, gus), (db, ds)):
+            blocks, scales = self.reader.get_row(b_name, expert), self.reader.get_row(s_name, expert)
+            try:
+                check_mxfp4(f"{self.reader.model_dir}: tensor '{b_name}' (expert {expert})", blocks, scales)
+            except ValueError as exc:
+                raise ModelFormatError(str(exc)) from None
+            mats.append(Mxfp4Weights(blocks.reshape(blocks.shape[0], -1), scales))
+        (gu_b, gu_s), down = mats
+        gate, up = Mxfp4Weights(gu_b[::2], gu_s[::2]), Mxfp4Weights(gu_b[1::2], gu_s[1::2])
+        gb = self.reader.get_row(gate_up_bias, expert, dtype)
+        bias = ExpertBias(torch.cat([gb[::2], gb[1::2]]), self.reader.get_row(down_bias, expert, dtype).clone())
+        if dtype is None:
+            return ExpertWeights(gate, up, down, None, bias, self.glu)  # Mxfp4Weights: the encoder's input
+        gate_up = dequantize_mxfp4(torch.cat([gate.blocks, up.blocks]), torch.cat([gate.scales, up.scales]), dtype)
+        return ExpertWeights.fused(gate_up, dequantize_mxfp4(*down, dtype), bias, self.glu)
 
 
 class CheckpointExpertProvider(ExpertProvider):

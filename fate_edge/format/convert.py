@@ -34,7 +34,7 @@ from fate_edge.format.checkpoint_experts import ExpertLayout, layouts_of
 from fate_edge.format.checkpoint_layout import layer_names, resident_weight_names
 from fate_edge.format.checksum import crc32
 from fate_edge.format.direct_write import DirectFile
-from fate_edge.format.store import FORMAT, FORMAT_VERSION, STORE_FILE, Precision, encode_expert, plan_parts
+from fate_edge.format.store import FORMAT, FORMAT_VERSION, STORE_FILE, Precision, as_mxfp4, encode_expert, plan_parts
 from fate_edge.format.work_dirs import make_work_dir, remove_dead_work_dirs, replace_dir
 from fate_edge.model.arch import ModelConfig, load_config
 from fate_edge.model.transformer import LayerNames
@@ -205,7 +205,10 @@ def convert(
         return _encode_job(layouts[layer], expert, precisions, method)
 
     source = StoreSource(model_dir, cfg, reader, names, expert_src, encode, write_aux, aux_bytes)
-    return write_store(source, out_dir, opts, _precisions(cfg, opts), progress, on_progress)
+    precisions = _precisions(cfg, opts)
+    if opts.layout == "auto" and any(lay.mxfp4 for lay in layouts.values()):  # gpt-oss's MXFP4: kept as published
+        precisions = [as_mxfp4(p, *dims) if p.bits == 4 and p.spec is not None else p for p in precisions]
+    return write_store(source, out_dir, opts, precisions, progress, on_progress)
 
 
 @dataclass

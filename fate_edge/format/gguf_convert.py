@@ -41,9 +41,10 @@ from fate_edge.format.gguf_expert_reads import ExpertReads
 from fate_edge.format.gguf_reader import GGUFFile
 from fate_edge.format.gguf_tensors import GGUFCheckpoint, expert_tensor
 from fate_edge.format.gguf_tokenizer import tokenizer_files, write_tokenizer_files
-from fate_edge.format.store import BIASES, MATRICES, Precision, encode_expert, plan_parts
+from fate_edge.format.store import BIASES, MATRICES, Precision, as_mxfp4, encode_expert, plan_parts
 from fate_edge.model.arch import config_from_dict
 from fate_edge.model.experts import ExpertBias, ExpertWeights
+from fate_edge.quant.mxfp4 import Mxfp4Weights, check_mxfp4, from_ggml
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
@@ -92,6 +93,14 @@ def exact_scales(p: Precision, types: Counter, hidden: int, inter: int) -> Preci
     bias = any(part.name in BIASES for part in p.parts)
     parts, nbytes = plan_parts(p.bits, p.spec, hidden, inter, p.layout, "float32", bias=bias)
     return replace(p, parts=parts, blob_bytes=nbytes, scale_dtype="float32")
+
+
+def keep_mxfp4(p: Precision, types: Counter, hidden: int, inter: int, layout: str) -> Precision:
+    """``p`` in the mxfp4 layout where every expert tensor is MXFP4 (gpt-oss as llama.cpp writes it) and ``p`` is the
+    4-bit precision of an ``auto`` layout: the blocks go in as they are, no second rounding."""
+    if set(types) != {"MXFP4"} or p.bits != 4 or p.spec is None or layout != "auto":
+        return p
+    return as_mxfp4(p, hidden, inter)
 
 
 def convert_gguf(
@@ -151,11 +160,13 @@ def convert_gguf(
     opts = replace(opts, group_size=group)
     if opts.cold_bits is not None:
         opts = replace(opts, cold_group_size=pick_group(dims, opts.cold_group_size, "--cold-group", smallest=True))
+    asked = opts.layout
     if opts.layout == "auto" and blocks:
         opts = replace(opts, layout="portable")  # torch's layout holds bf16 scales: the blocks' fp16 ones would round
-    precisions = [exact_scales(p, types, *dims) for p in _precisions(cfg, opts)]
+    precisions = [keep_mxfp4(exact_scales(p, types, *dims), types, *dims, asked) for p in _precisions(cfg, opts)]
     if progress:
         exact = [t for t in types if any(p.spec is not None and exact_into(t, p.spec) for p in precisions)]
+        exact += ["MXFP4"] if any(p.layout == "mxfp4" for p in precisions) else []
         again = [t for t in types if t not in exact and t not in FLOAT_TYPES]
         print(
             f"{path.name}: experts {', '.join(f'{n} x{c}' for n, c in types.items())}; streamed int{opts.bits} "
@@ -218,7 +229,13 @@ def encode_gguf_expert(
         mats = {}
         for m in MATRICES:
             kind, rows, data = raw[m]
-            if p.spec is not None and exact_into(kind, p.spec):
+            if p.layout == "mxfp4" and kind == "MXFP4":  # E2M1 codes and E8M0 scales as they are
+                mats[m] = Mxfp4Weights(*from_ggml(torch.from_numpy(data.reshape(rows, -1))))
+                try:
+                    check_mxfp4(f"{g.path}: tensor '{expert_tensor(layer, m)}' (expert {expert})", *mats[m])
+                except ValueError as exc:
+                    raise ModelFormatError(str(exc)) from None
+            elif p.spec is not None and exact_into(kind, p.spec):
                 blocks = torch.from_numpy(data.reshape(rows, -1))
                 packed = to_packed(kind, blocks, p.spec) if p.layout == "portable" else None
                 mats[m] = packed if packed is not None else to_quantized(kind, blocks, p.spec)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from fate_edge.quant import QuantSpec
 from fate_edge.quant.linear import QuantizedLinear, candidate_kernels, choose_kernel
+from fate_edge.quant.mxfp4 import Mxfp4Linear
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,9 @@ class QuantizedExpert:
         CPU or both native-int4: each layout keeps rows apart, so stacking packed rows and their scales is the
         layout of the stacked matrix. Every part is copied, so a blob behind the views is freed."""
         g, u = self.gate, self.up
+        if self.gate_up is None and all(isinstance(m, Mxfp4Linear) for m in (g, u, self.down)):  # MXFP4 rows too
+            down = Mxfp4Linear(self.down.blocks.clone(), self.down.scales.clone(), self.down.kernel)
+            return QuantizedExpert(None, None, down, g.stacked(u), self.bias, self.glu)
         if (
             self.gate_up is None
             and g.native is not None
