@@ -23,6 +23,12 @@ DTYPES = {
 }
 
 
+# The module holding each kind of token mixer (ModelConfig.mixer)
+_MIXER_MODULE = {"attention": "self_attn", "conv": "conv"}
+# A recurrent mixer's tensors (fate_edge.model.recurrent), by kind
+_MIXER_TENSORS = {"conv": ["in_proj.weight", "out_proj.weight", "conv.weight"]}
+
+
 def is_routed_expert_tensor(name: str) -> bool:
     return ".experts." in name
 
@@ -40,7 +46,8 @@ def layer_names(config: ModelConfig, reader: CheckpointReader) -> list[LayerName
                     f"{reader.model_dir}: tensor '{mlp}.gate.weight' (layer {i}'s router) not found; "
                     "the checkpoint is incomplete or does not match config.json"
                 )
-        attn, norms = f"{base}.self_attn", (f"{base}.input_layernorm", f"{base}.post_attention_layernorm")
+        attn = f"{base}.{_MIXER_MODULE[config.mixer(i)]}"
+        norms = (f"{base}.input_layernorm", f"{base}.post_attention_layernorm")
         names.append(LayerNames(attn, mlp, *norms))
     return names
 
@@ -52,7 +59,10 @@ def required_tensors(config: ModelConfig, names: list[LayerNames]) -> list[str]:
         req.append("lm_head.weight")
     for i, n in enumerate(names):
         proj = ["o_proj"]
-        if config.mla is None:
+        if config.mixer(i) != "attention":
+            req += [f"{n.attn}.{t}" for t in _MIXER_TENSORS[config.mixer(i)]]
+            proj = []
+        elif config.mla is None:
             proj += ["q_proj", "k_proj", "v_proj"] + (["q_norm", "k_norm"] if config.qk_norm != "none" else [])
         else:
             proj += ["kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj"]

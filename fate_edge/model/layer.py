@@ -69,6 +69,11 @@ class LayerPlan:
     router: torch.Tensor | None  # MoE layers
     correction_bias: torch.Tensor | None
     mla: dict[str, Fused] = field(default_factory=dict)  # MLA's projections by name (q_proj, kv_b_proj, ...)
+    # A recurrent mixer's weights (config.mixer: "conv", "linear_attention"; fate_edge.model.recurrent): its input
+    # projections by role, and its other tensors by checkpoint suffix (the convolution's weight [C, 1, K], ...)
+    mixer: str = "attention"
+    mix_in: dict[str, Fused] = field(default_factory=dict)
+    mix: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -174,7 +179,12 @@ def _are_consecutive_rows(base: torch.Tensor, parts: list[torch.Tensor]) -> bool
 def layer_groups(config: ModelConfig, i: int, n: Any) -> dict[str, list[str]]:
     """The fused linears of decoder layer ``i`` (``n``: its LayerNames), by role."""
     a, groups = n.attn, {"o_proj": [f"{n.attn}.o_proj"]}
-    if config.mla is None:
+    kind = config.mixer(i)
+    if kind == "conv":  # LFM2's short convolution: in_proj [B; C; x], out_proj
+        groups = {"o_proj": [f"{a}.out_proj"], "mix.in_proj": [f"{a}.in_proj"]}
+    elif kind != "attention":
+        raise ValueError(f"layer {i}: unknown token mixer {kind!r}")
+    elif config.mla is None:
         groups["qkv"] = [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"]
     else:  # MLA: each projection alone (latent norms sit between them), in LayerPlan.mla
         m = config.mla
@@ -210,9 +220,18 @@ def build_plan(config: ModelConfig, w: Weights, layer_names: list) -> list[Layer
                 w[f"{n.mlp}.gate.weight"] if moe else None,
                 _correction_bias(w, n.mlp) if moe else None,
                 {role.removeprefix("mla."): f for role, f in g.items() if role.startswith("mla.")},
+                config.mixer(i),
+                {role.removeprefix("mix."): f for role, f in g.items() if role.startswith("mix.")},
+                _mixer_tensors(config, w, i, n.attn),
             )
         )
     return plans
+
+
+def _mixer_tensors(config: ModelConfig, w: Weights, i: int, prefix: str) -> dict[str, torch.Tensor]:
+    """A recurrent mixer's tensors other than its linears, by their name under the mixer."""
+    names = {"conv": ["conv.weight", "conv.bias"]}.get(config.mixer(i), [])
+    return {n: w[f"{prefix}.{n}"] for n in names if f"{prefix}.{n}" in w}
 
 
 def _correction_bias(w: Weights, mlp: str) -> torch.Tensor | None:

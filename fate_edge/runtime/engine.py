@@ -47,7 +47,13 @@ from fate_edge.runtime.exit_close import close_at_exit, closed
 from fate_edge.runtime.generate import GenerateConfig, GenerationResponse, stream_from_model
 from fate_edge.runtime.load_threads import in_own_thread
 from fate_edge.runtime.loader import load_model
-from fate_edge.runtime.memory_account import available_memory_bytes, kv_bytes_per_token, memory_account, shortfall
+from fate_edge.runtime.memory_account import (
+    available_memory_bytes,
+    kv_bytes_per_token,
+    memory_account,
+    shortfall,
+    state_bytes,
+)
 from fate_edge.runtime.policy import PolicyConfig, for_model, get_policy
 from fate_edge.runtime.preload import LoadReport, first_used, global_choice, preload, preload_choice
 from fate_edge.runtime.request_slot import RequestSlot
@@ -217,7 +223,13 @@ class Engine:
             self.tokenizer,
             self.scheduler,
             self._lock,
-            BatchConfig(max_batch, self.account.kv_cache, per_token, idle_timeout=self.stream_idle_timeout),
+            BatchConfig(
+                max_batch,
+                self.account.kv_cache,
+                per_token,
+                state_bytes=state_bytes(self.model.config, self.dtype),
+                idle_timeout=self.stream_idle_timeout,
+            ),
         )
 
     @property

@@ -11,6 +11,7 @@ from fate_edge.model.arch.base import MLAConfig, ModelConfig, RopeConfig
 from fate_edge.model.arch.deepseek import DeepseekV2Config, DeepseekV3Config
 from fate_edge.model.arch.ernie4_5_moe import Ernie45MoeConfig
 from fate_edge.model.arch.glm4_moe import Glm4MoeConfig
+from fate_edge.model.arch.lfm2_moe import Lfm2MoeConfig
 from fate_edge.model.arch.limits import check_config, check_raw_config
 from fate_edge.model.arch.minimax_m2 import MiniMaxM2Config
 from fate_edge.model.arch.mixtral import MixtralConfig
@@ -29,6 +30,7 @@ ARCHITECTURES: dict[str, type[ModelConfig]] = {
     "glm4_moe": Glm4MoeConfig,
     "minimax_m2": MiniMaxM2Config,
     "ernie4_5_moe": Ernie45MoeConfig,
+    "lfm2_moe": Lfm2MoeConfig,
 }
 
 __all__ = ["ARCHITECTURES", "MLAConfig", "ModelConfig", "RopeConfig", "config_from_dict", "load_config"]

@@ -122,6 +122,12 @@ class ModelConfig:
     shared_expert_gated: bool = False  # Qwen2-MoE: sigmoid(shared_expert_gate(x)) * shared(x)
     dense_layers: tuple[int, ...] = ()  # layers whose MLP is dense instead of MoE
     mla: MLAConfig | None = None
+    # Token mixer per layer (empty: attention everywhere): "attention", "conv" (LFM2's gated short convolution)
+    # or "linear_attention" (Qwen3-Next's gated DeltaNet); see fate_edge.model.recurrent
+    layer_types: tuple[str, ...] = ()
+    conv_kernel: int = 0  # the recurrent layers' causal convolution width (LFM2's L_cache)
+    conv_bias: bool = False
+    topk_norm_eps: float = 1e-20  # added to the top-k sum when renormalising sigmoid weights (LFM2: 1e-6)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
@@ -131,6 +137,15 @@ class ModelConfig:
     def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
         """The normalised config of a Hugging Face ``config.json`` dict: each architecture's subclass reads its own."""
         raise NotImplementedError(f"{cls.__name__} does not read Hugging Face configs")
+
+    def mixer(self, layer: int) -> str:
+        """Layer ``layer``'s token mixer: "attention", "conv" or "linear_attention"."""
+        return self.layer_types[layer] if self.layer_types else "attention"
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether some layer keeps a recurrent state (not a KV cache)."""
+        return any(t != "attention" for t in self.layer_types)
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer not in self.dense_layers

@@ -1,0 +1,342 @@
+"""Parity against transformers of the architectures whose layers keep a recurrent state (``model.recurrent``):
+LFM2-MoE's gated short convolutions beside attention. Each tiny random checkpoint is saved by transformers and
+rewritten into the other expert layout (LFM2: transformers writes fused ``experts.gate_up_proj``; LiquidAI's
+published files hold ``experts.{j}.w1/w3/w2``). The state is carried across prompt chunks, decode steps and batched
+steps beside other sequences; every logit is within 1e-4 of transformers' (fp32), every greedy token equal."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from fate_edge.model.kv_cache import RecurrentLayer  # noqa: E402
+from fate_edge.runtime.loader import load_model  # noqa: E402
+
+VOCAB = 128
+PROMPT_LEN = 12
+NEW_TOKENS = 16
+FP32_ATOL = 1e-4
+LAYOUTS = ["fused", "per_expert"]
+
+_BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    initializer_range=0.1,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+
+
+@dataclass
+class Case:
+    id: str
+    config_cls: str
+    kwargs: dict
+    seed: int = 0
+
+
+CASES = [
+    Case(
+        "lfm2_moe-conv_attn-expert_bias-dense",
+        "Lfm2MoeConfig",
+        dict(
+            num_hidden_layers=4,
+            layer_types=["conv", "full_attention", "conv", "full_attention"],
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            num_dense_layers=1,
+            use_expert_bias=True,
+            routed_scaling_factor=1.5,
+            tie_word_embeddings=False,
+        ),
+    ),
+    Case(
+        "lfm2_moe-conv_bias-L4-tied-no_bias",
+        "Lfm2MoeConfig",
+        dict(
+            num_hidden_layers=3,
+            layer_types=["conv", "conv", "full_attention"],
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=3,
+            num_dense_layers=0,
+            use_expert_bias=False,
+            conv_bias=True,
+            conv_L_cache=4,
+            norm_topk_prob=False,
+            tie_word_embeddings=True,
+        ),
+        seed=1,
+    ),
+]
+CASE_IDS = [c.id for c in CASES]
+
+_FUSED = re.compile(r"^(.*)\.experts\.(gate_up_proj|down_proj)$")
+
+
+def split_experts(src: Path, dst: Path) -> None:
+    """The fused checkpoint rewritten per expert as LiquidAI publishes it: ``experts.{j}.w1/w3/w2.weight``."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix == ".json":
+            shutil.copy(f, dst / f.name)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in load_file(src / "model.safetensors").items():
+        m = _FUSED.match(name)
+        if not m:
+            out[name] = t
+            continue
+        for j, row in enumerate(t):
+            if m.group(2) == "down_proj":
+                out[f"{m.group(1)}.experts.{j}.w2.weight"] = row.contiguous()
+            else:
+                gate, up = row.chunk(2)
+                out[f"{m.group(1)}.experts.{j}.w1.weight"] = gate.contiguous()
+                out[f"{m.group(1)}.experts.{j}.w3.weight"] = up.contiguous()
+    assert any(".experts.0.w1." in n for n in out), "no fused experts to split"
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+
+
+class Built:
+    def __init__(self, case: Case, root: Path):
+        self.case = case
+        config = getattr(transformers, case.config_cls)(**{**_BASE, **case.kwargs})
+        torch.manual_seed(case.seed)
+        hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+        with torch.no_grad():
+            for name, buf in hf.named_buffers():
+                if name.endswith("expert_bias"):  # zeros by default: make the selection-only bias bite
+                    buf.copy_(torch.randn_like(buf) * 0.2)
+            for name, p in hf.named_parameters():
+                if name.endswith("conv.bias"):
+                    p.copy_(torch.randn_like(p) * 0.5)
+        self.hf = hf
+        self.dirs = {layout: root / case.id / layout for layout in LAYOUTS}
+        hf.save_pretrained(self.dirs["fused"])
+        split_experts(self.dirs["fused"], self.dirs["per_expert"])
+        self.prompt = torch.randint(0, VOCAB, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(1234))
+        with torch.no_grad():
+            self.prefill = hf(self.prompt).logits
+            out = hf.generate(
+                self.prompt,
+                attention_mask=torch.ones_like(self.prompt),
+                do_sample=False,
+                max_new_tokens=NEW_TOKENS,
+                eos_token_id=None,
+                pad_token_id=0,
+                return_dict_in_generate=True,
+                output_logits=True,
+            )
+        self.tokens = out.sequences[0, PROMPT_LEN:].tolist()
+        self.step_logits = [lg[0] for lg in out.logits]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_quiet_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    transformers.utils.logging.disable_progress_bar()
+    yield
+    transformers.utils.logging.enable_progress_bar()
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory):
+    return {"root": tmp_path_factory.mktemp("recurrent_parity"), "built": {}}
+
+
+@pytest.fixture
+def built(request, registry) -> Built:
+    case = request.param
+    if case.id not in registry["built"]:
+        registry["built"][case.id] = Built(case, registry["root"])
+    return registry["built"][case.id]
+
+
+def by_id(*ids: str) -> list[Case]:
+    return [c for c in CASES if c.id in ids]
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def greedy(model, prompt: torch.Tensor, chunks: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+    """The prompt in chunks of the given sizes (the state carried between them), then greedy decode steps."""
+    cache = model.new_cache()
+    at = 0
+    for n in chunks:
+        logits = model(prompt[:, at : at + n], cache, last_only=True)[0, -1]
+        at += n
+    assert at == prompt.shape[1]
+    tokens, steps = [], []
+    for _ in range(NEW_TOKENS):
+        steps.append(logits)
+        tokens.append(int(logits.argmax()))
+        logits = model(torch.tensor([[tokens[-1]]]), cache)[0, -1]
+    return tokens, steps
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("built", CASES, ids=CASE_IDS, indirect=True)
+def test_logits_and_greedy_match_transformers(built: Built, layout: str):
+    model = load_model(built.dirs[layout], dtype=torch.float32)
+    assert model.config.recurrent and "attention" in model.config.layer_types
+    routing: list[tuple[int, torch.Tensor]] = []
+    model.observers.append(lambda layer, h, idx, w: routing.append((layer, idx.clone())))
+    diff = max_diff(model(built.prompt, model.new_cache()), built.prefill)
+    assert diff <= FP32_ATOL, f"prefill logits (all positions) differ by {diff:.3g}"
+    assert {layer for layer, _ in routing} == set(model.config.moe_layers)
+    for layer, idx in routing:
+        assert idx.unique().numel() > model.config.num_experts_per_tok, f"layer {layer}: routing never varies"
+    for chunks in ([PROMPT_LEN], [5, 1, 6]):  # whole, and in chunks: the convolution window carried across them
+        tokens, steps = greedy(model, built.prompt, chunks)
+        step_diff = max(max_diff(a, b) for a, b in zip(steps, built.step_logits))
+        assert tokens == built.tokens, f"chunks {chunks}"
+        assert step_diff <= FP32_ATOL, f"chunks {chunks}: decode-step logits differ by {step_diff:.3g}"
+
+
+def _alone(model, prompt: list[int], n: int) -> list[torch.Tensor]:
+    cache = model.new_cache()
+    steps = [model(torch.tensor([prompt]), cache, last_only=True)[0, -1]]
+    for _ in range(n):
+        steps.append(model(torch.tensor([[int(steps[-1].argmax())]]), cache)[0, -1])
+    return steps
+
+
+@pytest.mark.parametrize("built", CASES, ids=CASE_IDS, indirect=True)
+def test_batched_steps_give_each_sequence_its_alone_logits(built: Built):
+    """Two prompts in one step, a third joining beside their decode tokens, then decode steps of all three, their
+    attention layers in one KV slab and each its own recurrent states: every logit is the sequence's alone."""
+    from fate_edge.model.batch_step import Segment, forward_segments
+    from fate_edge.model.kv_slab import KVSlab
+
+    model = load_model(built.dirs["fused"], dtype=torch.float32)
+    full = built.prompt[0].tolist()
+    prompts, n = [full, full[:5], full[3:10]], 6
+    expected = [_alone(model, p, n) for p in prompts]
+    slab = KVSlab(model, 3 * 32)
+    assert all(slab.buffers[i] == [] for i, t in enumerate(model.config.layer_types) if t != "attention")
+    segs = [Segment(p, slab.allocate(32)) for p in prompts[:2]]
+    got: list[list[torch.Tensor]] = [[], [], []]
+    for step in range(n + 2):
+        live = [j for j in range(len(segs)) if len(got[j]) <= n]
+        for j, row in zip(live, forward_segments(model, [segs[j] for j in live])):
+            got[j].append(row)
+            segs[j].ids = [int(row.argmax())]
+        if step == 0:
+            segs.append(Segment(prompts[2], slab.allocate(32)))
+    for j, (ours, alone) in enumerate(zip(got, expected)):
+        assert len(ours) == n + 1
+        diff = max(max_diff(a, b) for a, b in zip(ours, alone))
+        assert diff <= FP32_ATOL, f"sequence {j}: batched logits differ from alone by {diff:.3g}"
+        assert [int(a.argmax()) for a in ours] == [int(b.argmax()) for b in alone]
+        assert segs[j].cache.length == len(prompts[j]) + n
+
+
+def _no_expert_bias(model):
+    for name in [n for n in model.w if n.endswith("e_score_correction_bias")]:
+        del model.w[name]
+
+
+def _zero(suffix: str):
+    def apply(model):
+        for name in [n for n in model.w if n.endswith(suffix)]:
+            model.w[name] = torch.zeros_like(model.w[name])
+
+    return apply
+
+
+def _conv_without_state(model):
+    """Every convolution sees only its own rows (no window carried in): the state switched off."""
+    for lay in [n for n in model.w if n.endswith("conv.conv.weight")]:
+        w = model.w[lay].clone()
+        w[..., :-1] = 0  # only the current position's tap
+        model.w[lay] = w
+
+
+VARIANTS = [
+    ("lfm2_moe-conv_attn-expert_bias-dense", "expert_bias", _no_expert_bias),
+    ("lfm2_moe-conv_bias-L4-tied-no_bias", "conv_bias", _zero("conv.conv.bias")),
+    ("lfm2_moe-conv_attn-expert_bias-dense", "conv_window", _conv_without_state),
+]
+
+
+@pytest.mark.parametrize(
+    ("built", "switch_off"),
+    [(by_id(case_id)[0], fn) for case_id, _, fn in VARIANTS],
+    ids=[f"{case_id}:{name}" for case_id, name, _ in VARIANTS],
+    indirect=["built"],
+)
+def test_variant_is_exercised(built: Built, switch_off):
+    model = load_model(built.dirs["fused"])
+    with_variant = model(built.prompt, model.new_cache())
+    switch_off(model)
+    without = model(built.prompt, model.new_cache())
+    assert max_diff(with_variant, without) > 1e-2
+
+
+@pytest.mark.parametrize("built", by_id(CASE_IDS[0]), ids=["lfm2_moe"], indirect=True)
+def test_state_snapshot_restores_exactly_and_is_kept_only_at_its_length(built: Built):
+    """An undone step (the batcher's retry) or a prompt cache's entry: a snapshot brings the recurrent states back
+    bit for bit, and a state is never cut to another length (it holds no positions to cut)."""
+    model = load_model(built.dirs["fused"])
+    cache = model.new_cache()
+    model(built.prompt[:, :8], cache)
+    saved = cache.snapshot()
+    first = model(built.prompt[:, 8:], cache)
+    cache.restore(saved)
+    assert cache.length == 8
+    assert torch.equal(model(built.prompt[:, 8:], cache), first)
+    with pytest.raises(ValueError, match="cannot be cut"):
+        cache.truncate(4)
+    cache.truncate(PROMPT_LEN)
+    assert any(isinstance(lay, RecurrentLayer) for lay in cache.layers)
+
+
+@pytest.mark.parametrize("built", by_id(CASE_IDS[0]), ids=["lfm2_moe"], indirect=True)
+def test_compiled_and_graph_steps_decline_recurrent_layers(built: Built):
+    from fate_edge.model import compiled_step, graph_step
+
+    model = load_model(built.dirs["fused"])
+    assert not model.fast_decode
+    assert "recurrent" in (compiled_step.unsupported(model) or "")
+    assert model.set_compile("auto") is not None and model.runner is None
+    assert "recurrent" in (graph_step.unsupported(model) or "")
+
+
+@pytest.mark.parametrize("built", by_id(CASE_IDS[0]), ids=["lfm2_moe"], indirect=True)
+def test_memory_account_counts_attention_positions_and_fixed_states(built: Built):
+    """The KV account grows only with the attention layers' positions; the recurrent states are a fixed size per
+    sequence, the bytes a cache really holds for them."""
+    from fate_edge.model.arch import load_config
+    from fate_edge.runtime.memory_account import kv_bytes_per_token, state_bytes
+
+    cfg = load_config(built.dirs["fused"])
+    attention = [i for i, t in enumerate(cfg.layer_types) if t == "attention"]
+    conv = [i for i, t in enumerate(cfg.layer_types) if t == "conv"]
+    assert kv_bytes_per_token(cfg, torch.float32) == len(attention) * 2 * cfg.num_key_value_heads * cfg.head_dim * 4
+    assert state_bytes(cfg, torch.float32) == len(conv) * cfg.hidden_size * (cfg.conv_kernel - 1) * 4
+    model = load_model(built.dirs["fused"])
+    cache = model.new_cache()
+    model(built.prompt, cache)
+    held = sum(b.numel() * b.element_size() for i in conv for b in cache.layers[i].buffers)
+    assert held == state_bytes(cfg, torch.float32)
+    model(built.prompt[:, :3], cache)  # longer: the states do not grow
+    assert sum(b.numel() * b.element_size() for i in conv for b in cache.layers[i].buffers) == held
