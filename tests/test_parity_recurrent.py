@@ -1,8 +1,9 @@
 """Parity against transformers of the architectures whose layers keep a recurrent state (``model.recurrent``):
-LFM2-MoE's gated short convolutions beside attention. Each tiny random checkpoint is saved by transformers and
-rewritten into the other expert layout (LFM2: transformers writes fused ``experts.gate_up_proj``; LiquidAI's
-published files hold ``experts.{j}.w1/w3/w2``). The state is carried across prompt chunks, decode steps and batched
-steps beside other sequences; every logit is within 1e-4 of transformers' (fp32), every greedy token equal."""
+LFM2-MoE's gated short convolutions and Qwen3-Next's gated DeltaNet layers beside (gated) attention. Each tiny
+random checkpoint is saved by transformers (the fused ``experts.gate_up_proj`` layout) and rewritten per expert as
+the published files hold them (LFM2: ``experts.{j}.w1/w3/w2``, Qwen3-Next: ``experts.{j}.gate_proj/...``). The
+states are carried across prompt chunks, decode steps and batched steps beside other sequences; every logit is
+within 1e-4 of transformers' (fp32), every greedy token equal."""
 
 from __future__ import annotations
 
@@ -39,12 +40,33 @@ _BASE = dict(
 )
 
 
+# Qwen3.5 MoE: every layer routed (no dense MLP), the DeltaNet's four input projections apart
+_QWEN35 = dict(
+    num_hidden_layers=4,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    head_dim=16,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+    num_experts=8,
+    num_experts_per_tok=2,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+)
+_VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=64)
+
+
 @dataclass
 class Case:
     id: str
     config_cls: str
     kwargs: dict
     seed: int = 0
+    prompt_len: int = PROMPT_LEN
+    expert_names: tuple[str, str, str] = ("w1", "w3", "w2")  # gate, up, down in the per-expert layout
+    multimodal: str | None = None  # a multimodal model class: the text config nested, a tiny vision tower beside
 
 
 CASES = [
@@ -83,14 +105,80 @@ CASES = [
         ),
         seed=1,
     ),
+    Case(
+        "qwen3_next-deltanet_gqa-gated_attn-shared_gate-dense",
+        "Qwen3NextConfig",
+        dict(
+            num_hidden_layers=4,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+            head_dim=16,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=8,
+            num_experts_per_tok=2,
+            mlp_only_layers=[2],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,  # two value heads per key head
+            linear_key_head_dim=16,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
+            tie_word_embeddings=False,
+        ),
+        expert_names=("gate_proj", "up_proj", "down_proj"),
+    ),
+    Case(
+        "qwen3_next-70_tokens-two_chunks-tied",
+        "Qwen3NextConfig",
+        dict(
+            num_hidden_layers=3,
+            layer_types=["linear_attention", "linear_attention", "full_attention"],
+            head_dim=16,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            linear_num_key_heads=2,
+            linear_num_value_heads=2,
+            linear_key_head_dim=8,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=3,
+            tie_word_embeddings=True,
+        ),
+        seed=2,
+        prompt_len=70,  # past the delta rule's 64-position chunk: the state carried between chunks of a prompt
+        expert_names=("gate_proj", "up_proj", "down_proj"),
+    ),
+    Case(
+        "qwen3_5_moe_text-split_projections",
+        "Qwen3_5MoeTextConfig",
+        dict(_QWEN35, tie_word_embeddings=False),
+        seed=3,
+        expert_names=("gate_proj", "up_proj", "down_proj"),
+    ),
+    Case(
+        "qwen3_5_moe-multimodal_checkpoint",
+        "Qwen3_5MoeConfig",
+        dict(
+            _QWEN35,
+            layer_types=["full_attention", "linear_attention", "linear_attention"],
+            num_hidden_layers=3,
+            tie_word_embeddings=True,
+        ),
+        seed=4,
+        expert_names=("gate_proj", "up_proj", "down_proj"),
+        multimodal="Qwen3_5MoeForConditionalGeneration",
+    ),
 ]
 CASE_IDS = [c.id for c in CASES]
 
 _FUSED = re.compile(r"^(.*)\.experts\.(gate_up_proj|down_proj)$")
 
 
-def split_experts(src: Path, dst: Path) -> None:
-    """The fused checkpoint rewritten per expert as LiquidAI publishes it: ``experts.{j}.w1/w3/w2.weight``."""
+def split_experts(src: Path, dst: Path, names: tuple[str, str, str]) -> None:
+    """The fused checkpoint rewritten per expert as the family publishes it: ``experts.{j}.<names>.weight``."""
     dst.mkdir()
     for f in src.iterdir():
         if f.suffix == ".json":
@@ -103,21 +191,28 @@ def split_experts(src: Path, dst: Path) -> None:
             continue
         for j, row in enumerate(t):
             if m.group(2) == "down_proj":
-                out[f"{m.group(1)}.experts.{j}.w2.weight"] = row.contiguous()
+                out[f"{m.group(1)}.experts.{j}.{names[2]}.weight"] = row.contiguous()
             else:
                 gate, up = row.chunk(2)
-                out[f"{m.group(1)}.experts.{j}.w1.weight"] = gate.contiguous()
-                out[f"{m.group(1)}.experts.{j}.w3.weight"] = up.contiguous()
-    assert any(".experts.0.w1." in n for n in out), "no fused experts to split"
+                out[f"{m.group(1)}.experts.{j}.{names[0]}.weight"] = gate.contiguous()
+                out[f"{m.group(1)}.experts.{j}.{names[1]}.weight"] = up.contiguous()
+    assert any(f".experts.0.{names[0]}." in n for n in out), "no fused experts to split"
     save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
 
 
 class Built:
     def __init__(self, case: Case, root: Path):
         self.case = case
-        config = getattr(transformers, case.config_cls)(**{**_BASE, **case.kwargs})
+        text = {**_BASE, **case.kwargs}
         torch.manual_seed(case.seed)
-        hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+        if case.multimodal:
+            config = getattr(transformers, case.config_cls)(
+                text_config=text, vision_config=_VISION, tie_word_embeddings=text["tie_word_embeddings"]
+            )
+            hf = getattr(transformers, case.multimodal)(config).eval()
+        else:
+            config = getattr(transformers, case.config_cls)(**text)
+            hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
         with torch.no_grad():
             for name, buf in hf.named_buffers():
                 if name.endswith("expert_bias"):  # zeros by default: make the selection-only bias bite
@@ -125,11 +220,13 @@ class Built:
             for name, p in hf.named_parameters():
                 if name.endswith("conv.bias"):
                     p.copy_(torch.randn_like(p) * 0.5)
+                if name.endswith("norm.weight") and "linear_attn" not in name and case.config_cls.startswith("Qwen3"):
+                    p.copy_(torch.randn_like(p) * 0.2)  # zeros by default (scaled by 1 + weight): make them count
         self.hf = hf
         self.dirs = {layout: root / case.id / layout for layout in LAYOUTS}
         hf.save_pretrained(self.dirs["fused"])
-        split_experts(self.dirs["fused"], self.dirs["per_expert"])
-        self.prompt = torch.randint(0, VOCAB, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(1234))
+        split_experts(self.dirs["fused"], self.dirs["per_expert"], case.expert_names)
+        self.prompt = torch.randint(0, VOCAB, (1, case.prompt_len), generator=torch.Generator().manual_seed(1234))
         with torch.no_grad():
             self.prefill = hf(self.prompt).logits
             out = hf.generate(
@@ -142,7 +239,7 @@ class Built:
                 return_dict_in_generate=True,
                 output_logits=True,
             )
-        self.tokens = out.sequences[0, PROMPT_LEN:].tolist()
+        self.tokens = out.sequences[0, case.prompt_len :].tolist()
         self.step_logits = [lg[0] for lg in out.logits]
 
 
@@ -205,7 +302,8 @@ def test_logits_and_greedy_match_transformers(built: Built, layout: str):
     assert {layer for layer, _ in routing} == set(model.config.moe_layers)
     for layer, idx in routing:
         assert idx.unique().numel() > model.config.num_experts_per_tok, f"layer {layer}: routing never varies"
-    for chunks in ([PROMPT_LEN], [5, 1, 6]):  # whole, and in chunks: the convolution window carried across them
+    n = built.prompt.shape[1]
+    for chunks in ([n], [5, 1, n - 6]):  # whole, and in chunks: the recurrent states carried across them
         tokens, steps = greedy(model, built.prompt, chunks)
         step_diff = max(max_diff(a, b) for a, b in zip(steps, built.step_logits))
         assert tokens == built.tokens, f"chunks {chunks}"
@@ -271,10 +369,30 @@ def _conv_without_state(model):
         model.w[lay] = w
 
 
+def _norms_without_offset(model):
+    from fate_edge.runtime.loader import OFFSET_NORMS
+
+    for name in [n for n in model.w if n.endswith(OFFSET_NORMS)]:
+        model.w[name] = model.w[name] - model.config.norm_offset
+
+
+def _ungated_shared_expert(model):
+    for name in [n for n in model.w if n.endswith("shared_expert_gate.weight")]:
+        model.w[name] = torch.zeros_like(model.w[name])  # sigmoid(0) = 0.5 instead of the learned gate
+
+
+def _no_decay(model):
+    for name in [n for n in model.w if n.endswith("linear_attn.A_log")]:
+        model.w[name] = torch.full_like(model.w[name], -30.0)  # exp(g) = 1: the state never forgets
+
+
 VARIANTS = [
     ("lfm2_moe-conv_attn-expert_bias-dense", "expert_bias", _no_expert_bias),
     ("lfm2_moe-conv_bias-L4-tied-no_bias", "conv_bias", _zero("conv.conv.bias")),
     ("lfm2_moe-conv_attn-expert_bias-dense", "conv_window", _conv_without_state),
+    ("qwen3_next-deltanet_gqa-gated_attn-shared_gate-dense", "norm_offset", _norms_without_offset),
+    ("qwen3_next-deltanet_gqa-gated_attn-shared_gate-dense", "shared_expert_gate", _ungated_shared_expert),
+    ("qwen3_next-deltanet_gqa-gated_attn-shared_gate-dense", "decay", _no_decay),
 ]
 
 
@@ -292,7 +410,7 @@ def test_variant_is_exercised(built: Built, switch_off):
     assert max_diff(with_variant, without) > 1e-2
 
 
-@pytest.mark.parametrize("built", by_id(CASE_IDS[0]), ids=["lfm2_moe"], indirect=True)
+@pytest.mark.parametrize("built", by_id(CASE_IDS[0], CASE_IDS[2]), ids=["lfm2_moe", "qwen3_next"], indirect=True)
 def test_state_snapshot_restores_exactly_and_is_kept_only_at_its_length(built: Built):
     """An undone step (the batcher's retry) or a prompt cache's entry: a snapshot brings the recurrent states back
     bit for bit, and a state is never cut to another length (it holds no positions to cut)."""
@@ -306,7 +424,7 @@ def test_state_snapshot_restores_exactly_and_is_kept_only_at_its_length(built: B
     assert torch.equal(model(built.prompt[:, 8:], cache), first)
     with pytest.raises(ValueError, match="cannot be cut"):
         cache.truncate(4)
-    cache.truncate(PROMPT_LEN)
+    cache.truncate(built.prompt.shape[1])
     assert any(isinstance(lay, RecurrentLayer) for lay in cache.layers)
 
 

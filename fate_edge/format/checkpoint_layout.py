@@ -8,6 +8,7 @@ import torch
 from fate_edge.errors import MissingTensorError
 from fate_edge.format.checkpoint import CheckpointReader
 from fate_edge.model.arch import ModelConfig
+from fate_edge.model.layer import delta_projections
 from fate_edge.model.transformer import LayerNames
 
 # Router weights and DeepSeek's correction bias stay in fp32, as the reference keeps them.
@@ -24,9 +25,16 @@ DTYPES = {
 
 
 # The module holding each kind of token mixer (ModelConfig.mixer)
-_MIXER_MODULE = {"attention": "self_attn", "conv": "conv"}
+_MIXER_MODULE = {"attention": "self_attn", "conv": "conv", "linear_attention": "linear_attn"}
 # A recurrent mixer's tensors (fate_edge.model.recurrent), by kind
-_MIXER_TENSORS = {"conv": ["in_proj.weight", "out_proj.weight", "conv.weight"]}
+_MIXER_TENSORS = {
+    "conv": ["in_proj.weight", "out_proj.weight", "conv.weight"],
+    "linear_attention": ["out_proj.weight", "conv1d.weight", "dt_bias", "A_log", "norm.weight"],
+}
+
+
+# Parts of a checkpoint the text model never reads: a multimodal model's vision tower, multi-token-prediction heads
+NOT_READ = ("model.visual.", "mtp.")
 
 
 def is_routed_expert_tensor(name: str) -> bool:
@@ -61,6 +69,8 @@ def required_tensors(config: ModelConfig, names: list[LayerNames]) -> list[str]:
         proj = ["o_proj"]
         if config.mixer(i) != "attention":
             req += [f"{n.attn}.{t}" for t in _MIXER_TENSORS[config.mixer(i)]]
+            if config.mixer(i) == "linear_attention":
+                req += [f"{n.attn}.{p}.weight" for group in delta_projections(config).values() for p in group]
             proj = []
         elif config.mla is None:
             proj += ["q_proj", "k_proj", "v_proj"] + (["q_norm", "k_norm"] if config.qk_norm != "none" else [])
@@ -82,6 +92,8 @@ def resident_weight_names(config: ModelConfig, reader: CheckpointReader) -> list
     out = []
     for name in reader.keys():
         if is_routed_expert_tensor(name):
+            continue
+        if name.startswith(NOT_READ):
             continue
         if name.startswith("model.layers."):
             if int(name.split(".")[2]) >= config.num_hidden_layers:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 # model_type -> (pattern, replacement), applied in order to every tensor name
 _RENAMES: dict[str, list[tuple[re.Pattern[str], str]]] = {
+    # Qwen3.5 MoE's multimodal checkpoint: the text model under model.language_model
+    "qwen3_5_moe": [(re.compile(r"^model\.language_model\."), "model.")],
     "lfm2_moe": [
         (re.compile(p), r)
         for p, r in [

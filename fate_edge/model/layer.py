@@ -182,6 +182,10 @@ def layer_groups(config: ModelConfig, i: int, n: Any) -> dict[str, list[str]]:
     kind = config.mixer(i)
     if kind == "conv":  # LFM2's short convolution: in_proj [B; C; x], out_proj
         groups = {"o_proj": [f"{a}.out_proj"], "mix.in_proj": [f"{a}.in_proj"]}
+    elif kind == "linear_attention":  # Qwen3-Next's gated DeltaNet (Qwen3.5: its four input projections as one)
+        groups = {"o_proj": [f"{a}.out_proj"]}
+        for role, names in delta_projections(config).items():
+            groups[f"mix.{role}"] = [f"{a}.{n}" for n in names]
     elif kind != "attention":
         raise ValueError(f"layer {i}: unknown token mixer {kind!r}")
     elif config.mla is None:
@@ -200,6 +204,13 @@ def layer_groups(config: ModelConfig, i: int, n: Any) -> dict[str, list[str]]:
         extra = [f"{n.mlp}.shared_expert_gate"] if config.shared_expert_gated else []
         groups["mlp"], groups["down"] = [f"{shared}.gate_proj", f"{shared}.up_proj", *extra], [f"{shared}.down_proj"]
     return groups
+
+
+def delta_projections(config: ModelConfig) -> dict[str, list[str]]:
+    """A DeltaNet layer's input linears by fused role: Qwen3.5's four as one, Qwen3-Next's two."""
+    if config.delta is not None and config.delta.split_proj:
+        return {"in_proj": ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"]}
+    return {"in_proj_qkvz": ["in_proj_qkvz"], "in_proj_ba": ["in_proj_ba"]}
 
 
 def build_plan(config: ModelConfig, w: Weights, layer_names: list) -> list[LayerPlan]:
@@ -230,7 +241,10 @@ def build_plan(config: ModelConfig, w: Weights, layer_names: list) -> list[Layer
 
 def _mixer_tensors(config: ModelConfig, w: Weights, i: int, prefix: str) -> dict[str, torch.Tensor]:
     """A recurrent mixer's tensors other than its linears, by their name under the mixer."""
-    names = {"conv": ["conv.weight", "conv.bias"]}.get(config.mixer(i), [])
+    names = {
+        "conv": ["conv.weight", "conv.bias"],
+        "linear_attention": ["conv1d.weight", "dt_bias", "A_log", "norm.weight"],
+    }.get(config.mixer(i), [])
     return {n: w[f"{prefix}.{n}"] for n in names if f"{prefix}.{n}" in w}
 
 

@@ -28,6 +28,15 @@ from fate_edge.model.layer import Weights, quantize_group, resident_groups
 from fate_edge.model.transformer import MoETransformer
 from fate_edge.quant import QuantSpec
 
+# The RMSNorms that ModelConfig.norm_offset shifts (not a DeltaNet layer's gated output norm)
+OFFSET_NORMS = (
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "model.norm.weight",
+    "q_norm.weight",
+    "k_norm.weight",
+)
+
 
 def expert_spec(config: ModelConfig, bits: int) -> QuantSpec:
     """Group-wise spec for quantizing this model's experts in memory: the largest group that divides them."""
@@ -119,6 +128,10 @@ def load_model(
     names = layer_names(config, reader)
     wanted = resident_weight_names(config, reader)
     resident = _read_resident(config, reader, names, wanted, dtype, device, resident_bits, embedding_bits)
+    if config.norm_offset:  # Qwen3-Next's norms scale by 1 + weight: held as that sum, added in float32
+        for name in [n for n in resident if n.endswith(OFFSET_NORMS)]:
+            summed = reader.get(name, torch.float32) + config.norm_offset
+            dict.__setitem__(resident, name, summed.to(dtype).to(device))
     for required in required_tensors(config, names):
         if required not in wanted and not covered(reader, required):
             reader.get(required)  # raises MissingTensorError naming the tensor

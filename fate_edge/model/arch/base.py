@@ -87,6 +87,22 @@ class MLAConfig:
 
 
 @dataclass
+class DeltaNetConfig:
+    """Gated DeltaNet head counts and widths (Qwen3-Next's ``linear_attention`` layers)."""
+
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    # Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a; Qwen3-Next: in_proj_qkvz, in_proj_ba (by key head)
+    split_proj: bool = False
+
+    @property
+    def conv_channels(self) -> int:  # the convolution runs over q, k and v together
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+
+@dataclass
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -127,6 +143,9 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     conv_kernel: int = 0  # the recurrent layers' causal convolution width (LFM2's L_cache)
     conv_bias: bool = False
+    delta: DeltaNetConfig | None = None  # "linear_attention" layers' heads
+    attn_output_gate: bool = False  # Qwen3-Next: q_proj gives each head's query then its gate, sigmoid(gate) * out
+    norm_offset: float = 0.0  # Qwen3-Next's RMSNorms scale by 1 + weight (added to the weights at load)
     topk_norm_eps: float = 1e-20  # added to the top-k sum when renormalising sigmoid weights (LFM2: 1e-6)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
