@@ -1,14 +1,12 @@
 """Parity against transformers of the architectures whose layers keep a recurrent state (``model.recurrent``):
 LFM2-MoE's gated short convolutions and Qwen3-Next's gated DeltaNet layers beside (gated) attention. Each tiny
-random checkpoint is saved by transformers (the fused ``experts.gate_up_proj`` layout) and rewritten per expert as
-the published files hold them (LFM2: ``experts.{j}.w1/w3/w2``, Qwen3-Next: ``experts.{j}.gate_proj/...``). The
+random checkpoint is saved by transformers in the published per-expert layout (LFM2: ``experts.{j}.w1/w3/w2``,
+Qwen3-Next and Qwen3.5: ``experts.{j}.gate_proj/...``) and rewritten into transformers 5's fused one. The
 states are carried across prompt chunks, decode steps and batched steps beside other sequences; every logit is
 within 1e-4 of transformers' (fp32), every greedy token equal."""
 
 from __future__ import annotations
 
-import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +14,8 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from safetensors.torch import load_file, save_file  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from test_parity import fuse_checkpoint  # noqa: E402
 
 from fate_edge.model.kv_cache import RecurrentLayer  # noqa: E402
 from fate_edge.runtime.loader import load_model  # noqa: E402
@@ -65,7 +64,7 @@ class Case:
     kwargs: dict
     seed: int = 0
     prompt_len: int = PROMPT_LEN
-    expert_names: tuple[str, str, str] = ("w1", "w3", "w2")  # gate, up, down in the per-expert layout
+    expert_names: tuple[str, str, str] = ("w1", "w3", "w2")  # gate, up, down in the per-expert layout (LFM2's)
     multimodal: str | None = None  # a multimodal model class: the text config nested, a tiny vision tower beside
 
 
@@ -174,31 +173,6 @@ CASES = [
 ]
 CASE_IDS = [c.id for c in CASES]
 
-_FUSED = re.compile(r"^(.*)\.experts\.(gate_up_proj|down_proj)$")
-
-
-def split_experts(src: Path, dst: Path, names: tuple[str, str, str]) -> None:
-    """The fused checkpoint rewritten per expert as the family publishes it: ``experts.{j}.<names>.weight``."""
-    dst.mkdir()
-    for f in src.iterdir():
-        if f.suffix == ".json":
-            shutil.copy(f, dst / f.name)
-    out: dict[str, torch.Tensor] = {}
-    for name, t in load_file(src / "model.safetensors").items():
-        m = _FUSED.match(name)
-        if not m:
-            out[name] = t
-            continue
-        for j, row in enumerate(t):
-            if m.group(2) == "down_proj":
-                out[f"{m.group(1)}.experts.{j}.{names[2]}.weight"] = row.contiguous()
-            else:
-                gate, up = row.chunk(2)
-                out[f"{m.group(1)}.experts.{j}.{names[0]}.weight"] = gate.contiguous()
-                out[f"{m.group(1)}.experts.{j}.{names[1]}.weight"] = up.contiguous()
-    assert any(f".experts.0.{names[0]}." in n for n in out), "no fused experts to split"
-    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
-
 
 class Built:
     def __init__(self, case: Case, root: Path):
@@ -224,8 +198,10 @@ class Built:
                     p.copy_(torch.randn_like(p) * 0.2)  # zeros by default (scaled by 1 + weight): make them count
         self.hf = hf
         self.dirs = {layout: root / case.id / layout for layout in LAYOUTS}
-        hf.save_pretrained(self.dirs["fused"])
-        split_experts(self.dirs["fused"], self.dirs["per_expert"], case.expert_names)
+        hf.save_pretrained(self.dirs["per_expert"])  # transformers writes the published per-expert layout
+        fuse_checkpoint(self.dirs["per_expert"], self.dirs["fused"])
+        names = load_file(self.dirs["per_expert"] / "model.safetensors").keys()
+        assert any(f".experts.0.{case.expert_names[0]}.weight" in n for n in names)
         self.prompt = torch.randint(0, VOCAB, (1, case.prompt_len), generator=torch.Generator().manual_seed(1234))
         with torch.no_grad():
             self.prefill = hf(self.prompt).logits
@@ -458,3 +434,16 @@ def test_memory_account_counts_attention_positions_and_fixed_states(built: Built
     assert held == state_bytes(cfg, torch.float32)
     model(built.prompt[:, :3], cache)  # longer: the states do not grow
     assert sum(b.numel() * b.element_size() for i in conv for b in cache.layers[i].buffers) == held
+
+
+@pytest.mark.parametrize("built", CASES, ids=CASE_IDS, indirect=True)
+def test_fused_checkpoint_loads_in_transformers(built: Built):
+    """The rewritten file is transformers 5's own fused layout: it loads there, to the same weights."""
+    cls = getattr(transformers, built.case.multimodal) if built.case.multimodal else transformers.AutoModelForCausalLM
+    hf2 = cls.from_pretrained(built.dirs["fused"]).eval()
+    names = load_file(built.dirs["fused"] / "model.safetensors").keys()
+    assert any(n.endswith(".experts.gate_up_proj") for n in names)
+    want, got = built.hf.state_dict(), hf2.state_dict()
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(want[name], got[name]), name

@@ -21,6 +21,7 @@ ARCHITECTURES = {
     "mixtral": "mixtral",
     "olmoe": "olmoe",
     "deepseek2": "deepseek_v2",
+    "lfm2moe": "lfm2_moe",
 }
 _SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
 
@@ -61,8 +62,9 @@ def _hf_config(g: GGUFFile, dtype: str) -> dict[str, Any]:
     layers = _count(g, "block_count", "num_hidden_layers")  # bounded before anything loops over it
     heads = _count(g, "attention.head_count", "num_attention_heads")
     kv_heads = key("attention.head_count_kv", heads)
-    if isinstance(kv_heads, list):  # per-layer counts: fate-edge keeps one
-        kv_heads = kv_heads[0] if kv_heads else None
+    per_layer_kv = kv_heads if isinstance(kv_heads, list) else None
+    if isinstance(kv_heads, list):  # per-layer counts: fate-edge keeps one (0: a layer without attention, LFM2's)
+        kv_heads = next((n for n in kv_heads if n), None)
     bounded_int(kv_heads, f"{g.path}: '{g.architecture}.attention.head_count_kv'", *LIMITS["num_key_value_heads"])
     vocab = _vocab(g)
     d: dict[str, Any] = {
@@ -104,6 +106,8 @@ def _hf_config(g: GGUFFile, dtype: str) -> dict[str, Any]:
             d["head_dim"] = head_dim
     elif mtype == "mixtral":
         d["head_dim"] = head_dim or hidden // heads
+    elif mtype == "lfm2_moe":
+        d.update(_lfm2(g, layers, per_layer_kv))
     elif mtype == "olmoe":
         d.update(norm_topk_prob=bool(norm or False), clip_qkv=key("attention.clamp_kqv", None))
     else:
@@ -174,4 +178,19 @@ def _deepseek(g: GGUFFile, dense: list[int]) -> dict[str, Any]:
         "topk_group": key("expert_group_used_count", 1),
         "topk_method": "group_limited_greedy" if key("expert_group_count", 1) > 1 else "greedy",
         "rope_interleave": True,
+    }
+
+
+def _lfm2(g: GGUFFile, layers: int, per_layer_kv: list | None) -> dict[str, Any]:
+    """LFM2-MoE: its convolution layers are those llama.cpp gives no key/value heads; every MoE layer routes on
+    sigmoid scores plus the expert bias, renormalised (llama.cpp always renormalises this family)."""
+    key = g.arch_key
+    kv = per_layer_kv if per_layer_kv is not None and len(per_layer_kv) == layers else [1] * layers
+    return {
+        "layer_types": ["full_attention" if n else "conv" for n in kv],
+        "conv_L_cache": key("shortconv.l_cache"),
+        "num_dense_layers": key("leading_dense_block_count", 0),
+        "norm_topk_prob": True,
+        "routed_scaling_factor": float(key("expert_weights_scale", 0.0) or 1.0),
+        "use_expert_bias": True,
     }

@@ -21,6 +21,7 @@ _TOP = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
+    "token_embd_norm.weight": "model.norm.weight",  # LFM2's final norm (llama.cpp keeps its HF name's slot)
 }
 _LAYER = {
     "attn_norm": "input_layernorm",
@@ -42,9 +43,12 @@ _LAYER = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "shortconv.conv": "conv.conv",  # LFM2's short convolution, its weight [H, L] in the GGUF
+    "shortconv.in_proj": "conv.in_proj",
+    "shortconv.out_proj": "conv.out_proj",
 }
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
-_NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+_NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+(?:\.[a-z_]+)?)\.(weight|bias)$")
 
 
 def expert_tensor(layer: int, matrix: str) -> str:
@@ -117,6 +121,8 @@ class GGUFCheckpoint:
         shape = list(self.g.info(src[0]).shape)
         if name.endswith("shared_expert_gate.weight") and len(shape) == 1:
             shape = [1, shape[0]]
+        if name.endswith(".conv.conv.weight") and len(shape) == 2:  # the depthwise convolution: [H, 1, L]
+            shape = [shape[0], 1, shape[1]]
         return shape
 
     def dtype_name(self, name: str) -> str:

@@ -1,0 +1,153 @@
+"""GGUF input of LFM2-MoE (llama.cpp's ``lfm2moe``) without llama.cpp: the ``gguf`` package writes a tiny random
+checkpoint under the names and metadata llama.cpp's converter gives it (``conversion/lfm2.py``: the convolution
+layers have no key/value heads, the convolution weight squeezed to [H, L], the final norm as ``token_embd_norm``,
+the expert bias as ``exp_probs_b.bias``), q8_0 experts; fate-edge converts it, and the store equals the one
+converted from the safetensors checkpoint with ggml's q8_0 rounding: the same expert bytes, the same logits."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from _gguf_reference import reference_store
+from _gguf_writer import _quantize
+
+transformers = pytest.importorskip("transformers")
+from gguf import ExpertGatingFuncType, GGMLQuantizationType, GGUFWriter  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from fate_edge.format.convert import ConvertOptions  # noqa: E402
+from fate_edge.format.gguf_convert import convert_gguf  # noqa: E402
+from fate_edge.model.arch import load_config  # noqa: E402
+from fate_edge.runtime.loader import load_model  # noqa: E402
+
+ASSET = Path(__file__).resolve().parents[1] / "fate_edge" / "assets" / "tiny-moe"
+F32, Q8 = GGMLQuantizationType.F32, GGMLQuantizationType.Q8_0
+_LAYER = {
+    "operator_norm.weight": "attn_norm.weight",
+    "ffn_norm.weight": "ffn_norm.weight",
+    "conv.in_proj.weight": "shortconv.in_proj.weight",
+    "conv.out_proj.weight": "shortconv.out_proj.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.out_proj.weight": "attn_output.weight",
+    "self_attn.q_layernorm.weight": "attn_q_norm.weight",
+    "self_attn.k_layernorm.weight": "attn_k_norm.weight",
+    "feed_forward.w1.weight": "ffn_gate.weight",
+    "feed_forward.w3.weight": "ffn_up.weight",
+    "feed_forward.w2.weight": "ffn_down.weight",
+    "feed_forward.gate.weight": "ffn_gate_inp.weight",
+    "feed_forward.expert_bias": "exp_probs_b.bias",
+}
+
+
+def write_lfm2_gguf(model_dir: Path, out: Path) -> Path:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    w = {k: v.float().numpy() for k, v in load_file(str(model_dir / "model.safetensors")).items()}
+    g = GGUFWriter(str(out), "lfm2moe")
+    g.add_block_count(cfg["num_hidden_layers"])
+    g.add_context_length(cfg["max_position_embeddings"])
+    g.add_embedding_length(cfg["hidden_size"])
+    g.add_feed_forward_length(cfg["intermediate_size"])
+    g.add_head_count(cfg["num_attention_heads"])
+    g.add_head_count_kv([cfg["num_key_value_heads"] if t == "full_attention" else 0 for t in cfg["layer_types"]])
+    g.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    g.add_layer_norm_rms_eps(cfg["norm_eps"])
+    g.add_expert_count(cfg["num_experts"])
+    g.add_expert_used_count(cfg["num_experts_per_tok"])
+    g.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    g.add_leading_dense_block_count(cfg["num_dense_layers"])
+    g.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+    g.add_shortconv_l_cache(cfg["conv_L_cache"])
+    vocab = tok["model"]["vocab"]
+    g.add_tokenizer_model("gpt2")
+    g.add_tokenizer_pre("gpt-2")
+    g.add_token_list([t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])])
+    g.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    g.add_add_bos_token(False)
+
+    def add(name: str, x: np.ndarray, qtype: GGMLQuantizationType = F32) -> None:
+        g.add_tensor(name, _quantize(x, qtype), raw_dtype=None if qtype == F32 else qtype)
+
+    add("token_embd.weight", w.pop("model.embed_tokens.weight"))
+    add("token_embd_norm.weight", w.pop("model.embedding_norm.weight"))
+    add("output.weight", w.pop("lm_head.weight"))
+    for i in range(cfg["num_hidden_layers"]):
+        pre = f"model.layers.{i}."
+        if f"{pre}feed_forward.experts.0.w1.weight" in w:  # llama.cpp stacks the per-expert matrices
+            for hf, gg in (("w1", "gate"), ("w3", "up"), ("w2", "down")):
+                stacked = [w.pop(f"{pre}feed_forward.experts.{e}.{hf}.weight") for e in range(cfg["num_experts"])]
+                add(f"blk.{i}.ffn_{gg}_exps.weight", np.stack(stacked), Q8)
+        if f"{pre}conv.conv.weight" in w:
+            add(f"blk.{i}.shortconv.conv.weight", w.pop(f"{pre}conv.conv.weight")[:, 0])  # squeezed, as llama.cpp
+        for key in sorted(k for k in w if k.startswith(pre)):
+            add(f"blk.{i}.{_LAYER[key[len(pre) :]]}", w.pop(key))
+    assert not w, f"tensors left unwritten: {sorted(w)[:5]}"
+    g.write_header_to_file()
+    g.write_kv_data_to_file()
+    g.write_tensors_to_file()
+    g.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def lfm2(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("lfm2_gguf") / "hf"
+    config = transformers.Lfm2MoeConfig(
+        vocab_size=4096,  # the bundled tokenizer's
+        hidden_size=64,
+        num_hidden_layers=4,
+        layer_types=["conv", "full_attention", "conv", "full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        num_dense_layers=1,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, buf in hf.named_buffers():
+            if name.endswith("expert_bias"):
+                buf.copy_(torch.randn_like(buf) * 0.2)
+    hf.save_pretrained(d)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ASSET / name, d / name)
+    return d
+
+
+def _logits(store: Path, ids: torch.Tensor) -> torch.Tensor:
+    model = load_model(store, torch.float32, bits=8)
+    try:
+        cache = model.new_cache()
+        prompt = model(ids[:, :-1], cache)
+        step = model(ids[:, -1:], cache)  # the states carried into a decode step
+        return torch.cat([prompt, step], dim=1)[0]
+    finally:
+        model.experts.close()
+
+
+def test_lfm2moe_gguf_converts_to_the_store_of_the_same_q8_0_weights(lfm2: Path, tmp_path: Path):
+    gguf = write_lfm2_gguf(lfm2, tmp_path / "lfm2.gguf")
+    ours = convert_gguf(gguf, tmp_path / "from-gguf", ConvertOptions.full(bits=None, keep_bf16=False), progress=False)
+    ref = reference_store(lfm2, tmp_path / "from-safetensors", "q8_0")
+    a, b = load_config(ours), load_config(ref)
+    assert a.model_type == "lfm2_moe" and a.layer_types == b.layer_types == ("conv", "attention", "conv", "attention")
+    assert (a.conv_kernel, a.dense_layers, a.norm_topk_prob) == (b.conv_kernel, b.dense_layers, b.norm_topk_prob)
+    assert (ours / "experts-8.bin").read_bytes() == (ref / "experts-8.bin").read_bytes()
+    ids = torch.randint(0, 4096, (1, 10), generator=torch.Generator().manual_seed(7))
+    assert torch.equal(_logits(ours, ids), _logits(ref, ids))
