@@ -151,3 +151,163 @@ def test_lfm2moe_gguf_converts_to_the_store_of_the_same_q8_0_weights(lfm2: Path,
     assert (ours / "experts-8.bin").read_bytes() == (ref / "experts-8.bin").read_bytes()
     ids = torch.randint(0, 4096, (1, 10), generator=torch.Generator().manual_seed(7))
     assert torch.equal(_logits(ours, ids), _logits(ref, ids))
+
+
+# ------------------------------------------------------------------------------------------------- Qwen3-Next
+def write_qwen3_next_gguf(model_dir: Path, out: Path) -> Path:
+    """``model_dir`` as llama.cpp's ``Qwen3NextModel`` converter writes it (conversion/qwen.py): in_proj_qkvz
+    regrouped into attn_qkv ([q; k; v] over all key heads) and attn_gate (z), A_log as -exp(A_log), dt_bias as
+    ssm_dt.bias, the convolution squeezed, 1 added to every RMSNorm but the DeltaNet's gated one."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    w = {k: v.float().numpy() for k, v in load_file(str(model_dir / "model.safetensors")).items()}
+    nk, nv, dk, dv = (
+        cfg[k]
+        for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+    )
+    g = GGUFWriter(str(out), "qwen3next")
+    g.add_block_count(cfg["num_hidden_layers"])
+    g.add_context_length(cfg["max_position_embeddings"])
+    g.add_embedding_length(cfg["hidden_size"])
+    g.add_feed_forward_length(cfg["intermediate_size"])
+    g.add_head_count(cfg["num_attention_heads"])
+    g.add_head_count_kv(cfg["num_key_value_heads"])
+    g.add_key_length(cfg["head_dim"])
+    g.add_value_length(cfg["head_dim"])
+    g.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    g.add_rope_dimension_count(int(cfg["head_dim"] * cfg["rope_parameters"]["partial_rotary_factor"]))
+    g.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    g.add_expert_count(cfg["num_experts"])
+    g.add_expert_used_count(cfg["num_experts_per_tok"])
+    g.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    g.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    g.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
+    g.add_ssm_state_size(dk)
+    g.add_ssm_group_count(nk)
+    g.add_ssm_time_step_rank(nv)
+    g.add_ssm_inner_size(dv * nv)
+    g.add_array("qwen3next.attention.recurrent_layers", [t == "linear_attention" for t in cfg["layer_types"]])
+    g.add_full_attention_interval(4)
+    vocab = tok["model"]["vocab"]
+    g.add_tokenizer_model("gpt2")
+    g.add_tokenizer_pre("gpt-2")
+    g.add_token_list([t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])])
+    g.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    g.add_add_bos_token(False)
+
+    def add(name: str, x: np.ndarray, qtype: GGMLQuantizationType = F32) -> None:
+        g.add_tensor(name, _quantize(np.ascontiguousarray(x), qtype), raw_dtype=None if qtype == F32 else qtype)
+
+    add("token_embd.weight", w.pop("model.embed_tokens.weight"))
+    add("output_norm.weight", w.pop("model.norm.weight") + 1)
+    add("output.weight", w.pop("lm_head.weight"))
+    names = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "post_attention_norm.weight",
+        "self_attn.q_proj.weight": "attn_q.weight",
+        "self_attn.k_proj.weight": "attn_k.weight",
+        "self_attn.v_proj.weight": "attn_v.weight",
+        "self_attn.o_proj.weight": "attn_output.weight",
+        "self_attn.q_norm.weight": "attn_q_norm.weight",
+        "self_attn.k_norm.weight": "attn_k_norm.weight",
+        "linear_attn.in_proj_ba.weight": "ssm_ba.weight",
+        "linear_attn.norm.weight": "ssm_norm.weight",
+        "linear_attn.out_proj.weight": "ssm_out.weight",
+        "linear_attn.dt_bias": "ssm_dt.bias",
+        "mlp.gate.weight": "ffn_gate_inp.weight",
+        "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    }
+    for m in ("gate", "up", "down"):
+        names[f"mlp.shared_expert.{m}_proj.weight"] = f"ffn_{m}_shexp.weight"
+        names[f"mlp.{m}_proj.weight"] = f"ffn_{m}.weight"
+    r = nv // nk
+    for i in range(cfg["num_hidden_layers"]):
+        pre = f"model.layers.{i}."
+        if f"{pre}mlp.experts.0.gate_proj.weight" in w:
+            for m in ("gate", "up", "down"):
+                stacked = [w.pop(f"{pre}mlp.experts.{e}.{m}_proj.weight") for e in range(cfg["num_experts"])]
+                add(f"blk.{i}.ffn_{m}_exps.weight", np.stack(stacked), Q8)
+        if f"{pre}linear_attn.in_proj_qkvz.weight" in w:
+            qkvz = w.pop(f"{pre}linear_attn.in_proj_qkvz.weight").T.reshape(-1, nk, 2 * dk + 2 * r * dv)
+            q, k, v, z = np.split(qkvz, np.cumsum([dk, dk, r * dv]), axis=-1)
+            hidden = qkvz.shape[0]
+            qkv = np.concatenate([x.reshape(hidden, -1) for x in (q, k, v)], axis=-1).T
+            add(f"blk.{i}.attn_qkv.weight", qkv)
+            add(f"blk.{i}.attn_gate.weight", z.reshape(hidden, -1).T)
+            add(f"blk.{i}.ssm_a", -np.exp(w.pop(f"{pre}linear_attn.A_log")))
+            add(f"blk.{i}.ssm_conv1d.weight", w.pop(f"{pre}linear_attn.conv1d.weight")[:, 0])
+        for key in sorted(k for k in w if k.startswith(pre)):
+            part, x = key[len(pre) :], w.pop(key)
+            if part.endswith("norm.weight") and not part.startswith("linear_attn."):
+                x = x + 1
+            if part == "mlp.shared_expert_gate.weight":
+                x = x.reshape(-1)
+            add(f"blk.{i}.{names[part]}", x)
+    assert not w, f"tensors left unwritten: {sorted(w)[:5]}"
+    g.write_header_to_file()
+    g.write_kv_data_to_file()
+    g.write_tensors_to_file()
+    g.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("qwen3_next_gguf") / "hf"
+    config = transformers.Qwen3NextConfig(
+        vocab_size=4096,
+        hidden_size=64,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        mlp_only_layers=[2],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight") and "linear_attn" not in name:
+                p.copy_(torch.randn_like(p) * 0.2)
+    hf.save_pretrained(d)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ASSET / name, d / name)
+    return d
+
+
+def test_qwen3next_gguf_converts_to_the_store_of_the_same_q8_0_weights(qwen3_next: Path, tmp_path: Path):
+    """llama.cpp's rewrites undone (in_proj_qkvz regrouped back, A_log from -exp(A_log), the norms' 1 taken off):
+    the same config, expert bytes and (float32 round trips of exp/log and +1/-1 aside) the same logits."""
+    gguf = write_qwen3_next_gguf(qwen3_next, tmp_path / "qwen3next.gguf")
+    ours = convert_gguf(gguf, tmp_path / "from-gguf", ConvertOptions.full(bits=None, keep_bf16=False), progress=False)
+    ref = reference_store(qwen3_next, tmp_path / "from-safetensors", "q8_0")
+    a, b = load_config(ours), load_config(ref)
+    assert a.model_type == "qwen3_next" and a.layer_types == b.layer_types
+    assert (a.delta, a.conv_kernel, a.dense_layers, a.rope.partial_rotary_factor) == (
+        b.delta,
+        b.conv_kernel,
+        b.dense_layers,
+        b.rope.partial_rotary_factor,
+    )
+    assert (ours / "experts-8.bin").read_bytes() == (ref / "experts-8.bin").read_bytes()
+    ids = torch.randint(0, 4096, (1, 10), generator=torch.Generator().manual_seed(7))
+    x, y = _logits(ours, ids), _logits(ref, ids)
+    assert (x - y).abs().max().item() <= 1e-4
+    assert torch.equal(x.argmax(-1), y.argmax(-1))

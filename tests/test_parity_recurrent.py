@@ -346,7 +346,7 @@ def _conv_without_state(model):
 
 
 def _norms_without_offset(model):
-    from fate_edge.runtime.loader import OFFSET_NORMS
+    from fate_edge.model.arch.base import OFFSET_NORMS
 
     for name in [n for n in model.w if n.endswith(OFFSET_NORMS)]:
         model.w[name] = model.w[name] - model.config.norm_offset

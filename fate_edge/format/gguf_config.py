@@ -22,6 +22,7 @@ ARCHITECTURES = {
     "olmoe": "olmoe",
     "deepseek2": "deepseek_v2",
     "lfm2moe": "lfm2_moe",
+    "qwen3next": "qwen3_next",
 }
 _SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
 
@@ -108,6 +109,8 @@ def _hf_config(g: GGUFFile, dtype: str) -> dict[str, Any]:
         d["head_dim"] = head_dim or hidden // heads
     elif mtype == "lfm2_moe":
         d.update(_lfm2(g, layers, per_layer_kv))
+    elif mtype == "qwen3_next":
+        d.update(_qwen3_next(g, layers, dense, head_dim or hidden // heads))
     elif mtype == "olmoe":
         d.update(norm_topk_prob=bool(norm or False), clip_qkv=key("attention.clamp_kqv", None))
     else:
@@ -193,4 +196,31 @@ def _lfm2(g: GGUFFile, layers: int, per_layer_kv: list | None) -> dict[str, Any]
         "norm_topk_prob": True,
         "routed_scaling_factor": float(key("expert_weights_scale", 0.0) or 1.0),
         "use_expert_bias": True,
+    }
+
+
+def _qwen3_next(g: GGUFFile, layers: int, dense: list[int], head_dim: int) -> dict[str, Any]:
+    """Qwen3-Next: its DeltaNet layers from ``attention.recurrent_layers`` (or every ``full_attention_interval``-th
+    layer attention), their widths from the ``ssm.*`` keys, rope over ``rope.dimension_count`` of each head."""
+    key = g.arch_key
+    recurrent = key("attention.recurrent_layers", None)
+    if not isinstance(recurrent, list) or len(recurrent) < layers:
+        every = key("full_attention_interval", 4)
+        recurrent = [bool((i + 1) % every) for i in range(layers)]
+    value_heads = key("ssm.time_step_rank")
+    layers -= key("nextn_predict_layers", 0) or 0  # multi-token-prediction blocks past the model's own: not run
+    return {
+        "num_hidden_layers": layers,
+        "layer_types": ["linear_attention" if r else "full_attention" for r in recurrent[:layers]],
+        "head_dim": head_dim,
+        "partial_rotary_factor": key("rope.dimension_count", head_dim) / head_dim,
+        "linear_conv_kernel_dim": key("ssm.conv_kernel"),
+        "linear_num_key_heads": key("ssm.group_count"),
+        "linear_key_head_dim": key("ssm.state_size"),
+        "linear_num_value_heads": value_heads,
+        "linear_value_head_dim": key("ssm.inner_size") // value_heads,
+        "mlp_only_layers": [i for i in dense if i < layers],
+        "decoder_sparse_step": 1,
+        "shared_expert_intermediate_size": key("expert_shared_feed_forward_length", 0),
+        "norm_topk_prob": bool(key("expert_weights_norm", True)),
     }

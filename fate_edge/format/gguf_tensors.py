@@ -16,6 +16,7 @@ import torch
 from fate_edge.errors import ModelFormatError
 from fate_edge.format.gguf_reader import GGUFFile
 from fate_edge.model.arch import ModelConfig
+from fate_edge.model.arch.base import OFFSET_NORMS
 
 _TOP = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -46,9 +47,17 @@ _LAYER = {
     "shortconv.conv": "conv.conv",  # LFM2's short convolution, its weight [H, L] in the GGUF
     "shortconv.in_proj": "conv.in_proj",
     "shortconv.out_proj": "conv.out_proj",
+    # Qwen3-Next (its in_proj_qkvz is rebuilt from attn_qkv and attn_gate: _QKVZ)
+    "post_attention_norm": "post_attention_layernorm",
+    "ssm_ba": "linear_attn.in_proj_ba",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
 }
+# llama.cpp's Qwen3-Next tensors without a .weight/.bias HF counterpart: GGUF part -> HF name under the layer
+_BARE = {"ssm_a": "linear_attn.A_log", "ssm_dt": "linear_attn.dt_bias"}
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
-_NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+(?:\.[a-z_]+)?)\.(weight|bias)$")
+_NAME = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+(?:\.(?!(?:weight|bias)$)[a-z_]+)?)(?:\.(weight|bias))?$")
 
 
 def expert_tensor(layer: int, matrix: str) -> str:
@@ -85,15 +94,23 @@ class GGUFCheckpoint:
             if part == "exp_probs_b":
                 self.sources[f"{base}.mlp.gate.e_score_correction_bias"] = (name,)
                 continue
-            if part.endswith("_shexp") and part != "ffn_gate_inp_shexp":
-                hf = f"mlp.{shared}.{part.removeprefix('ffn_').removesuffix('_shexp')}_proj"
-            elif part in _LAYER:
-                hf = _LAYER[part]
-            else:
+            if part in _BARE:
+                self.sources[f"{base}.{_BARE[part]}"] = (name,)
+                continue
+            if part == "attn_qkv" and cfg.delta is not None:  # with attn_gate: Qwen3-Next's in_proj_qkvz
+                self.sources[f"{base}.linear_attn.in_proj_qkvz.weight"] = (name, name.replace("attn_qkv", "attn_gate"))
+                continue
+            if part == "attn_gate" and cfg.delta is not None:
+                continue
+            if kind is None or (part not in _LAYER and not part.endswith("_shexp")):
                 raise ModelFormatError(
                     f"{g.path}: tensor '{name}' has no counterpart in fate-edge's "
                     f"{cfg.model_type} model; the GGUF holds parts fate-edge does not run"
                 )
+            if part.endswith("_shexp") and part != "ffn_gate_inp_shexp":
+                hf = f"mlp.{shared}.{part.removeprefix('ffn_').removesuffix('_shexp')}_proj"
+            else:
+                hf = _LAYER[part]
             self.sources[f"{base}.{hf}.{kind}"] = (name,)
         if cfg.tie_word_embeddings:
             self.sources.pop("lm_head.weight", None)
@@ -115,13 +132,16 @@ class GGUFCheckpoint:
 
     def shape(self, name: str) -> list[int]:
         src = self._gguf(name)
+        if name.endswith(".in_proj_qkvz.weight"):  # Qwen3-Next: [q; k; v] and z rows together
+            qkv, z = self.g.info(src[0]).shape, self.g.info(src[1]).shape
+            return [qkv[0] + z[0], qkv[1]]
         if len(src) == 2:  # kv_b_proj from k_b [H, rank, nope] and v_b [H, v, rank]
             (h, rank, nope), (_, v, _) = self.g.info(src[0]).shape, self.g.info(src[1]).shape
             return [h * (nope + v), rank]
         shape = list(self.g.info(src[0]).shape)
         if name.endswith("shared_expert_gate.weight") and len(shape) == 1:
             shape = [1, shape[0]]
-        if name.endswith(".conv.conv.weight") and len(shape) == 2:  # the depthwise convolution: [H, 1, L]
+        if name.endswith((".conv.conv.weight", ".conv1d.weight")) and len(shape) == 2:  # depthwise: [C, 1, L]
             shape = [shape[0], 1, shape[1]]
         return shape
 
@@ -141,6 +161,13 @@ class GGUFCheckpoint:
     def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         src, dtype = self._gguf(name), dtype or self._dtype(name)
         # dequantized straight into ``dtype`` (the same numbers as float32 then .to(dtype)): no float32 copy
+        if name.endswith(".in_proj_qkvz.weight"):
+            return self._qkvz(*(self.g.dequantize(s, dtype=dtype) for s in src))
+        if name.endswith(".A_log") or (self.cfg.norm_offset and name.endswith(OFFSET_NORMS)):
+            t = self.g.dequantize(src[0], dtype=torch.float32).reshape(self.shape(name))
+            # llama.cpp stores -exp(A_log), and Qwen3-Next's norms with their 1 added: undone in float32
+            t = torch.log(-t) if name.endswith(".A_log") else t - self.cfg.norm_offset
+            return t.to(dtype)
         if len(src) == 2:
             k_b, v_b = (self.g.dequantize(s, dtype=dtype) for s in src)
             t = torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(self.shape(name))
@@ -155,6 +182,16 @@ class GGUFCheckpoint:
             stop = min(stop, self.shape(name)[0])
             return self.g.dequantize(src[0], start, max(stop - start, 0), self._dtype(name))
         return self.get(name)[start:stop]
+
+    def _qkvz(self, qkv: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """Qwen3-Next's in_proj_qkvz from llama.cpp's regrouped halves: ``qkv`` [q of every key head; k ...; v ...]
+        and ``z`` [every head's z], back to the checkpoint's [q, k, v, z] per key head."""
+        d = self.cfg.delta
+        assert d is not None
+        n, h = d.key_heads, qkv.shape[1]
+        q, k, v = qkv.split([n * d.key_dim, n * d.key_dim, d.value_heads * d.value_dim])
+        parts = [q.view(n, -1, h), k.view(n, -1, h), v.view(n, -1, h), z.view(n, -1, h)]
+        return torch.cat(parts, dim=1).reshape(-1, h)
 
     def _permuted(self, name: str) -> bool:
         return self.g.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight"))

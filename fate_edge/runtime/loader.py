@@ -21,21 +21,13 @@ from fate_edge.format.file_rows import FileRows
 from fate_edge.format.prequantized import MappedFiles, check_request, covered, in_store, is_float_weight
 from fate_edge.format.store import is_store
 from fate_edge.model.arch import ModelConfig, load_config
+from fate_edge.model.arch.base import OFFSET_NORMS
 from fate_edge.model.embedding import NAME as EMBED_NAME
 from fate_edge.model.embedding import quantize_table
 from fate_edge.model.experts import ExpertProvider
 from fate_edge.model.layer import Weights, quantize_group, resident_groups
 from fate_edge.model.transformer import MoETransformer
 from fate_edge.quant import QuantSpec
-
-# The RMSNorms that ModelConfig.norm_offset shifts (not a DeltaNet layer's gated output norm)
-OFFSET_NORMS = (
-    "input_layernorm.weight",
-    "post_attention_layernorm.weight",
-    "model.norm.weight",
-    "q_norm.weight",
-    "k_norm.weight",
-)
 
 
 def expert_spec(config: ModelConfig, bits: int) -> QuantSpec:

@@ -86,6 +86,16 @@ class MLAConfig:
     v_head_dim: int
 
 
+# The RMSNorms that ModelConfig.norm_offset shifts (not a DeltaNet layer's gated output norm)
+OFFSET_NORMS = (
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "model.norm.weight",
+    "q_norm.weight",
+    "k_norm.weight",
+)
+
+
 @dataclass
 class DeltaNetConfig:
     """Gated DeltaNet head counts and widths (Qwen3-Next's ``linear_attention`` layers)."""
