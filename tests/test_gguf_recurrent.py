@@ -154,10 +154,12 @@ def test_lfm2moe_gguf_converts_to_the_store_of_the_same_q8_0_weights(lfm2: Path,
 
 
 # ------------------------------------------------------------------------------------------------- Qwen3-Next
-def write_qwen3_next_gguf(model_dir: Path, out: Path) -> Path:
+def write_qwen3_next_gguf(model_dir: Path, out: Path, arch: str = "qwen3next") -> Path:
     """``model_dir`` as llama.cpp's ``Qwen3NextModel`` converter writes it (conversion/qwen.py): in_proj_qkvz
     regrouped into attn_qkv ([q; k; v] over all key heads) and attn_gate (z), A_log as -exp(A_log), dt_bias as
-    ssm_dt.bias, the convolution squeezed, 1 added to every RMSNorm but the DeltaNet's gated one."""
+    ssm_dt.bias, the convolution squeezed, 1 added to every RMSNorm but the DeltaNet's gated one. ``qwen35moe``
+    (``Qwen3_5MoeTextModel``): the projections apart (attn_qkv, attn_gate, ssm_beta, ssm_alpha), each DeltaNet
+    tensor's value heads first reordered from grouped by key head to tiled (``_LinearAttentionVReorderBase``)."""
     cfg = json.loads((model_dir / "config.json").read_text())
     tok = json.loads((model_dir / "tokenizer.json").read_text())
     w = {k: v.float().numpy() for k, v in load_file(str(model_dir / "model.safetensors")).items()}
@@ -165,11 +167,12 @@ def write_qwen3_next_gguf(model_dir: Path, out: Path) -> Path:
         cfg[k]
         for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
     )
-    g = GGUFWriter(str(out), "qwen3next")
+    g = GGUFWriter(str(out), arch)
     g.add_block_count(cfg["num_hidden_layers"])
     g.add_context_length(cfg["max_position_embeddings"])
     g.add_embedding_length(cfg["hidden_size"])
-    g.add_feed_forward_length(cfg["intermediate_size"])
+    if cfg.get("intermediate_size"):
+        g.add_feed_forward_length(cfg["intermediate_size"])
     g.add_head_count(cfg["num_attention_heads"])
     g.add_head_count_kv(cfg["num_key_value_heads"])
     g.add_key_length(cfg["head_dim"])
@@ -186,7 +189,7 @@ def write_qwen3_next_gguf(model_dir: Path, out: Path) -> Path:
     g.add_ssm_group_count(nk)
     g.add_ssm_time_step_rank(nv)
     g.add_ssm_inner_size(dv * nv)
-    g.add_array("qwen3next.attention.recurrent_layers", [t == "linear_attention" for t in cfg["layer_types"]])
+    g.add_array(f"{arch}.attention.recurrent_layers", [t == "linear_attention" for t in cfg["layer_types"]])
     g.add_full_attention_interval(4)
     vocab = tok["model"]["vocab"]
     g.add_tokenizer_model("gpt2")
@@ -221,6 +224,36 @@ def write_qwen3_next_gguf(model_dir: Path, out: Path) -> Path:
         names[f"mlp.shared_expert.{m}_proj.weight"] = f"ffn_{m}_shexp.weight"
         names[f"mlp.{m}_proj.weight"] = f"ffn_{m}.weight"
     r = nv // nk
+
+    def tile(x: np.ndarray, axis: int, width: int, skip: int = 0) -> np.ndarray:
+        """llama.cpp's _reorder_v_heads: value heads grouped by key head -> tiled (past ``skip`` q/k channels)."""
+        x = np.moveaxis(x, axis, 0)
+        rest = x[skip:].reshape(nk, r, width, *x.shape[1:]).swapaxes(0, 1).reshape(x[skip:].shape)
+        return np.moveaxis(np.concatenate([x[:skip], rest]), 0, axis)
+
+    if arch == "qwen35moe":
+        qk = 2 * nk * dk
+        for i in range(cfg["num_hidden_layers"]):
+            la = f"model.layers.{i}.linear_attn."
+            if f"{la}in_proj_qkv.weight" not in w:
+                continue
+            for key, axis, width, skip in (
+                ("in_proj_qkv.weight", 0, dv, qk),
+                ("in_proj_z.weight", 0, dv, 0),
+                ("in_proj_b.weight", 0, 1, 0),
+                ("in_proj_a.weight", 0, 1, 0),
+                ("A_log", 0, 1, 0),
+                ("dt_bias", 0, 1, 0),
+                ("conv1d.weight", 0, dv, qk),
+                ("out_proj.weight", 1, dv, 0),
+            ):
+                w[la + key] = tile(w[la + key], axis, width, skip)
+        names |= {
+            "linear_attn.in_proj_qkv.weight": "attn_qkv.weight",
+            "linear_attn.in_proj_z.weight": "attn_gate.weight",
+            "linear_attn.in_proj_b.weight": "ssm_beta.weight",
+            "linear_attn.in_proj_a.weight": "ssm_alpha.weight",
+        }
     for i in range(cfg["num_hidden_layers"]):
         pre = f"model.layers.{i}."
         if f"{pre}mlp.experts.0.gate_proj.weight" in w:
@@ -234,6 +267,7 @@ def write_qwen3_next_gguf(model_dir: Path, out: Path) -> Path:
             qkv = np.concatenate([x.reshape(hidden, -1) for x in (q, k, v)], axis=-1).T
             add(f"blk.{i}.attn_qkv.weight", qkv)
             add(f"blk.{i}.attn_gate.weight", z.reshape(hidden, -1).T)
+        if f"{pre}linear_attn.A_log" in w:
             add(f"blk.{i}.ssm_a", -np.exp(w.pop(f"{pre}linear_attn.A_log")))
             add(f"blk.{i}.ssm_conv1d.weight", w.pop(f"{pre}linear_attn.conv1d.weight")[:, 0])
         for key in sorted(k for k in w if k.startswith(pre)):
@@ -249,6 +283,53 @@ def write_qwen3_next_gguf(model_dir: Path, out: Path) -> Path:
     g.write_tensors_to_file()
     g.close()
     return out
+
+
+_DELTANET = dict(
+    vocab_size=4096,
+    hidden_size=64,
+    num_hidden_layers=4,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=64,
+    num_experts=8,
+    num_experts_per_tok=2,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,  # two value heads per key head: Qwen3.5's GGUF reorders them
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+    tie_word_embeddings=False,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+
+
+def _deltanet_checkpoint(d: Path, config) -> Path:
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight") and "linear_attn" not in name:
+                p.copy_(torch.randn_like(p) * 0.2)
+            if name.endswith(("A_log", "dt_bias")):  # distinct per head: a head order left wrong shows
+                p.copy_(torch.randn_like(p))
+    hf.save_pretrained(d)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ASSET / name, d / name)
+    return d
+
+
+@pytest.fixture(scope="module")
+def qwen35(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("qwen35_gguf") / "hf"
+    return _deltanet_checkpoint(d, transformers.Qwen3_5MoeTextConfig(**_DELTANET))
 
 
 @pytest.fixture(scope="module")
@@ -306,6 +387,21 @@ def test_qwen3next_gguf_converts_to_the_store_of_the_same_q8_0_weights(qwen3_nex
         b.dense_layers,
         b.rope.partial_rotary_factor,
     )
+    assert (ours / "experts-8.bin").read_bytes() == (ref / "experts-8.bin").read_bytes()
+    ids = torch.randint(0, 4096, (1, 10), generator=torch.Generator().manual_seed(7))
+    x, y = _logits(ours, ids), _logits(ref, ids)
+    assert (x - y).abs().max().item() <= 1e-4
+    assert torch.equal(x.argmax(-1), y.argmax(-1))
+
+
+def test_qwen35moe_gguf_converts_to_the_store_of_the_same_q8_0_weights(qwen35: Path, tmp_path: Path):
+    """Qwen3.5: the value heads llama.cpp tiled put back in groups by key head, in every DeltaNet tensor."""
+    gguf = write_qwen3_next_gguf(qwen35, tmp_path / "qwen35moe.gguf", arch="qwen35moe")
+    ours = convert_gguf(gguf, tmp_path / "from-gguf", ConvertOptions.full(bits=None, keep_bf16=False), progress=False)
+    ref = reference_store(qwen35, tmp_path / "from-safetensors", "q8_0")
+    a, b = load_config(ours), load_config(ref)
+    assert a.model_type == "qwen3_5_moe_text" and a.delta == b.delta and a.delta is not None and a.delta.split_proj
+    assert a.layer_types == b.layer_types and a.dense_layers == b.dense_layers == ()
     assert (ours / "experts-8.bin").read_bytes() == (ref / "experts-8.bin").read_bytes()
     ids = torch.randint(0, 4096, (1, 10), generator=torch.Generator().manual_seed(7))
     x, y = _logits(ours, ids), _logits(ref, ids)

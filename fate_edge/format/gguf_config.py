@@ -23,6 +23,7 @@ ARCHITECTURES = {
     "deepseek2": "deepseek_v2",
     "lfm2moe": "lfm2_moe",
     "qwen3next": "qwen3_next",
+    "qwen35moe": "qwen3_5_moe_text",
 }
 _SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
 
@@ -109,7 +110,7 @@ def _hf_config(g: GGUFFile, dtype: str) -> dict[str, Any]:
         d["head_dim"] = head_dim or hidden // heads
     elif mtype == "lfm2_moe":
         d.update(_lfm2(g, layers, per_layer_kv))
-    elif mtype == "qwen3_next":
+    elif mtype in ("qwen3_next", "qwen3_5_moe_text"):
         d.update(_qwen3_next(g, layers, dense, head_dim or hidden // heads))
     elif mtype == "olmoe":
         d.update(norm_topk_prob=bool(norm or False), clip_qkv=key("attention.clamp_kqv", None))

@@ -56,6 +56,25 @@ _LAYER = {
 }
 # llama.cpp's Qwen3-Next tensors without a .weight/.bias HF counterpart: GGUF part -> HF name under the layer
 _BARE = {"ssm_a": "linear_attn.A_log", "ssm_dt": "linear_attn.dt_bias"}
+# Qwen3.5's DeltaNet projections apart (attn_qkv and attn_gate are Qwen3-Next's in_proj_qkvz halves instead)
+_SPLIT = {
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+}
+# Qwen3.5 tensors whose value heads llama.cpp reorders from grouped by key head to tiled (conversion/qwen.py,
+# _LinearAttentionVReorderBase): HF suffix -> (axis, width of one head: "v" value_dim or 1, leading q/k channels kept)
+_TILED = {
+    ".linear_attn.in_proj_qkv.weight": (0, "v", True),
+    ".linear_attn.in_proj_z.weight": (0, "v", False),
+    ".linear_attn.in_proj_b.weight": (0, 1, False),
+    ".linear_attn.in_proj_a.weight": (0, 1, False),
+    ".linear_attn.A_log": (0, 1, False),
+    ".linear_attn.dt_bias": (0, 1, False),
+    ".linear_attn.conv1d.weight": (0, "v", True),
+    ".linear_attn.out_proj.weight": (1, "v", False),
+}
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 _NAME = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+(?:\.(?!(?:weight|bias)$)[a-z_]+)?)(?:\.(weight|bias))?$")
 
@@ -96,6 +115,9 @@ class GGUFCheckpoint:
                 continue
             if part in _BARE:
                 self.sources[f"{base}.{_BARE[part]}"] = (name,)
+                continue
+            if part in _SPLIT and cfg.delta is not None and cfg.delta.split_proj:
+                self.sources[f"{base}.{_SPLIT[part]}.weight"] = (name,)
                 continue
             if part == "attn_qkv" and cfg.delta is not None:  # with attn_gate: Qwen3-Next's in_proj_qkvz
                 self.sources[f"{base}.linear_attn.in_proj_qkvz.weight"] = (name, name.replace("attn_qkv", "attn_gate"))
@@ -167,7 +189,7 @@ class GGUFCheckpoint:
             t = self.g.dequantize(src[0], dtype=torch.float32).reshape(self.shape(name))
             # llama.cpp stores -exp(A_log), and Qwen3-Next's norms with their 1 added: undone in float32
             t = torch.log(-t) if name.endswith(".A_log") else t - self.cfg.norm_offset
-            return t.to(dtype)
+            return self._unpermute(name, t.to(dtype))
         if len(src) == 2:
             k_b, v_b = (self.g.dequantize(s, dtype=dtype) for s in src)
             t = torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(self.shape(name))
@@ -194,10 +216,33 @@ class GGUFCheckpoint:
         return torch.cat(parts, dim=1).reshape(-1, h)
 
     def _permuted(self, name: str) -> bool:
+        if self._tiled(name) is not None:
+            return True
         return self.g.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight"))
 
+    def _tiled(self, name: str) -> tuple[int, int, int] | None:
+        """(axis, head width, leading channels kept) where llama.cpp tiled ``name``'s value heads, else None."""
+        d = self.cfg.delta
+        if d is None or not d.split_proj or d.value_heads == d.key_heads:
+            return None
+        for suffix, (axis, width, skip_qk) in _TILED.items():
+            if name.endswith(suffix):
+                return axis, d.value_dim if width == "v" else 1, 2 * d.key_heads * d.key_dim if skip_qk else 0
+        return None
+
     def _unpermute(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """Undo llama.cpp's ``LlamaModel.permute`` of q/k rows (its rotary layout pairs neighbours, HF's halves)."""
+        """Undo llama.cpp's ``LlamaModel.permute`` of q/k rows (its rotary layout pairs neighbours, HF's halves), and
+        Qwen3.5's tiling of value heads ([head j of every key group], j = 0 .. r-1) back to grouped by key head."""
+        tiled = self._tiled(name)
+        if tiled is not None:
+            axis, width, skip = tiled
+            d = self.cfg.delta
+            assert d is not None
+            r = d.value_heads // d.key_heads
+            x = t.movedim(axis, 0)
+            head, rest = x[:skip], x[skip:]
+            rest = rest.reshape(r, d.key_heads, width, *rest.shape[1:]).transpose(0, 1).reshape(rest.shape)
+            return torch.cat([head, rest]).movedim(0, axis).contiguous()
         if not self._permuted(name):
             return t
         heads = self.cfg.num_attention_heads if name.endswith("q_proj.weight") else self.cfg.num_key_value_heads
