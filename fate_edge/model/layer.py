@@ -83,6 +83,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return F.rms_norm(x, weight.shape, weight, eps)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype == torch.float32:  # held in float32 (Qwen3-Next's 1 + weight): scaled there, rounded once
+        return (h * weight).to(dtype)
     return weight * h.to(dtype)
 
 

@@ -120,10 +120,10 @@ def load_model(
     names = layer_names(config, reader)
     wanted = resident_weight_names(config, reader)
     resident = _read_resident(config, reader, names, wanted, dtype, device, resident_bits, embedding_bits)
-    if config.norm_offset:  # Qwen3-Next's norms scale by 1 + weight: held as that sum, added in float32
+    if config.norm_offset:  # Qwen3-Next's norms scale by 1 + weight: held as that sum, in float32
         for name in [n for n in resident if n.endswith(OFFSET_NORMS)]:
-            summed = reader.get(name, torch.float32) + config.norm_offset
-            dict.__setitem__(resident, name, summed.to(dtype).to(device))
+            # kept in float32: the reference scales by (1 + weight) in float32 and rounds once (layer.rms_norm)
+            dict.__setitem__(resident, name, (reader.get(name, torch.float32) + config.norm_offset).to(device))
     for required in required_tensors(config, names):
         if required not in wanted and not covered(reader, required):
             reader.get(required)  # raises MissingTensorError naming the tensor
