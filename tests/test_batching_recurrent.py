@@ -55,3 +55,29 @@ def test_batched_greedy_text_is_each_sequences_alone_within_the_kv_budget(arch: 
         slab = batched.batcher._slab
         assert slab is not None  # the slab is what the batch's states leave of the budget
         assert slab.positions == (c.kv_budget_bytes - c.max_batch * c.state_bytes) // c.kv_bytes_per_token
+
+
+@pytest.mark.slow
+def test_an_undone_step_restores_every_recurrent_state(tmp_path: Path):
+    """One expert read fails in a step of several sequences: the batcher undoes the step (each cache back to its
+    snapshot, the recurrent states copied back, not only the lengths) and runs it again one sequence at a time, so
+    every text is still its alone text (a state advanced twice by the same rows would change it)."""
+    import errno
+
+    path = tmp_path / "lfm2"
+    build_tiny("lfm2_moe", path)
+    kw = dict(memory_budget="100KB", device="cpu", policy="fate-edge", dtype="float32", context_tokens=128)
+    requests = [(p, GenerateConfig(max_tokens=12, ignore_eos=True)) for p in PROMPTS[:3]]
+    with Engine.load(path, max_batch=1, **kw) as alone:
+        expected = [alone.generate_text(p, g)[0] for p, g in requests]
+    with Engine.load(path, max_batch=3, **kw) as batched:
+        failed: list[int] = []
+
+        def inject(ref):
+            if not failed and len(batched.batcher._active) >= 2:
+                failed.append(ref.layer)
+                raise OSError(errno.EIO, "injected read error")
+
+        batched.fetch.fault_injector = inject
+        assert _interleaved(batched, requests) == expected
+        assert failed, "no read failed in a step of several sequences"
