@@ -409,6 +409,7 @@ def test_compiled_and_graph_steps_decline_recurrent_layers(built: Built):
     from fate_edge.model import compiled_step, graph_step
 
     model = load_model(built.dirs["fused"])
+    assert model.kernels()["mix_in"] == ["dense-float32"]  # the recurrent mixers' linears are listed too
     assert not model.fast_decode
     assert "recurrent" in (compiled_step.unsupported(model) or "")
     assert model.set_compile("auto") is not None and model.runner is None

@@ -128,6 +128,8 @@ class MoETransformer:
                 f = getattr(lp, role)
                 if f is not None:
                     out.setdefault(role, set()).add(_kernel(f.weight))
+            for f in lp.mix_in.values():  # a recurrent mixer's input projections
+                out.setdefault("mix_in", set()).add(_kernel(f.weight))
         out["lm_head"] = {_kernel(self.head.weight)}
         if isinstance(self.experts, InMemoryExpertProvider) and self.experts.experts:
             out["experts"] = {getattr(e, "kernel", "dense") for e in self.experts.experts.values()}
