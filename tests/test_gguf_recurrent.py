@@ -141,6 +141,7 @@ def _logits(store: Path, ids: torch.Tensor) -> torch.Tensor:
         model.experts.close()
 
 
+@pytest.mark.slow
 def test_lfm2moe_gguf_converts_to_the_store_of_the_same_q8_0_weights(lfm2: Path, tmp_path: Path):
     gguf = write_lfm2_gguf(lfm2, tmp_path / "lfm2.gguf")
     ours = convert_gguf(gguf, tmp_path / "from-gguf", ConvertOptions.full(bits=None, keep_bf16=False), progress=False)
@@ -373,6 +374,7 @@ def qwen3_next(tmp_path_factory) -> Path:
     return d
 
 
+@pytest.mark.slow
 def test_qwen3next_gguf_converts_to_the_store_of_the_same_q8_0_weights(qwen3_next: Path, tmp_path: Path):
     """llama.cpp's rewrites undone (in_proj_qkvz regrouped back, A_log from -exp(A_log), the norms' 1 taken off):
     the same config, expert bytes and (float32 round trips of exp/log and +1/-1 aside) the same logits."""
@@ -394,6 +396,7 @@ def test_qwen3next_gguf_converts_to_the_store_of_the_same_q8_0_weights(qwen3_nex
     assert torch.equal(x.argmax(-1), y.argmax(-1))
 
 
+@pytest.mark.slow
 def test_qwen35moe_gguf_converts_to_the_store_of_the_same_q8_0_weights(qwen35: Path, tmp_path: Path):
     """Qwen3.5: the value heads llama.cpp tiled put back in groups by key head, in every DeltaNet tensor."""
     gguf = write_qwen3_next_gguf(qwen35, tmp_path / "qwen35moe.gguf", arch="qwen35moe")
