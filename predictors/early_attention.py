@@ -67,6 +67,12 @@ def own_row_attention(
     return out.transpose(1, 2).reshape(q.shape[0] * t, -1)
 
 
+RECURRENT_REFUSED = (
+    "early attention runs GQA attention; models with recurrent layers (LFM2 short convolutions, Qwen3-Next "
+    "DeltaNet) are not supported"
+)
+
+
 @torch.no_grad()
 def early_attention_kv(
     model, residual: torch.Tensor, k_true: torch.Tensor, v_true: torch.Tensor, target: int
@@ -77,6 +83,8 @@ def early_attention_kv(
     cfg = model.config
     if cfg.mla is not None:
         raise ValueError("early attention runs GQA attention; MLA models (DeepSeek) are not supported")
+    if cfg.recurrent:
+        raise ValueError(RECURRENT_REFUSED)
     lp = model.plan()[target]
     b, t = k_true.shape[0], k_true.shape[2]
     cos, sin = model.rope.cos_sin_range(0, t, torch.float32 if cfg.rope.float32 else model.dtype, model.device)
@@ -188,6 +196,8 @@ class EarlyInput:
     def __init__(self, model):
         if model.config.mla is not None:
             raise ValueError("early attention runs GQA attention; MLA models (DeepSeek) are not supported")
+        if model.config.recurrent:
+            raise ValueError(RECURRENT_REFUSED)
         self.model = model
         self.next = dict(_pairs(model))
 

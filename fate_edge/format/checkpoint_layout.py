@@ -8,6 +8,7 @@ import torch
 from fate_edge.errors import MissingTensorError
 from fate_edge.format.checkpoint import CheckpointReader
 from fate_edge.model.arch import ModelConfig
+from fate_edge.model.layer import delta_projections
 from fate_edge.model.transformer import LayerNames
 
 # Router weights and DeepSeek's correction bias stay in fp32, as the reference keeps them.
@@ -22,6 +23,19 @@ DTYPES = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
+
+
+# The module holding each kind of token mixer (ModelConfig.mixer)
+_MIXER_MODULE = {"attention": "self_attn", "conv": "conv", "linear_attention": "linear_attn"}
+# A recurrent mixer's tensors (fate_edge.model.recurrent), by kind
+_MIXER_TENSORS = {
+    "conv": ["in_proj.weight", "out_proj.weight", "conv.weight"],
+    "linear_attention": ["out_proj.weight", "conv1d.weight", "dt_bias", "A_log", "norm.weight"],
+}
+
+
+# Parts of a checkpoint the text model never reads: a multimodal model's vision tower, multi-token-prediction heads
+NOT_READ = ("model.visual.", "mtp.")
 
 
 def is_routed_expert_tensor(name: str) -> bool:
@@ -44,7 +58,8 @@ def layer_names(config: ModelConfig, reader: CheckpointReader) -> list[LayerName
                     f"{reader.model_dir}: tensor '{mlp}.gate.weight' (layer {i}'s router) not found; "
                     "the checkpoint is incomplete or does not match config.json"
                 )
-        attn, norms = f"{base}.self_attn", (f"{base}.input_layernorm", f"{base}.post_attention_layernorm")
+        attn = f"{base}.{_MIXER_MODULE[config.mixer(i)]}"
+        norms = (f"{base}.input_layernorm", f"{base}.post_attention_layernorm")
         names.append(LayerNames(attn, mlp, *norms, router=router))
     return names
 
@@ -56,7 +71,12 @@ def required_tensors(config: ModelConfig, names: list[LayerNames]) -> list[str]:
         req.append("lm_head.weight")
     for i, n in enumerate(names):
         proj = ["o_proj"]
-        if config.mla is None:
+        if config.mixer(i) != "attention":
+            req += [f"{n.attn}.{t}" for t in _MIXER_TENSORS[config.mixer(i)]]
+            if config.mixer(i) == "linear_attention":
+                req += [f"{n.attn}.{p}.weight" for group in delta_projections(config).values() for p in group]
+            proj = []
+        elif config.mla is None:
             proj += ["q_proj", "k_proj", "v_proj"] + (["q_norm", "k_norm"] if config.qk_norm != "none" else [])
         else:
             proj += ["kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj"]
@@ -78,6 +98,8 @@ def resident_weight_names(config: ModelConfig, reader: CheckpointReader) -> list
     out = []
     for name in reader.keys():
         if is_routed_expert_tensor(name):
+            continue
+        if name.startswith(NOT_READ):
             continue
         if name.startswith("model.layers."):
             if int(name.split(".")[2]) >= config.num_hidden_layers:

@@ -47,6 +47,11 @@ def gqa(
 ) -> torch.Tensor:
     """Normed ``h`` [B*T, H] → the attention's output before its projection [B*T, heads * head_dim], k and v
     written through ``state`` (``rot``: one decode token's rope as a matrix, :func:`gqa_qkv`)."""
+    if cfg.attn_output_gate:  # Qwen3-Next: sigmoid(gate) times each head's output
+        gate: list[torch.Tensor] = []
+        q, k, v = gqa_qkv(cfg, h, b, t, cos, sin, lp, gate_out=gate)
+        out = attend(cfg, q, state.update(layer, k, v), layer, cfg.head_dim**-0.5)
+        return out * torch.sigmoid(gate[0].reshape(out.shape))
     q, k, v = gqa_qkv(cfg, h, b, t, cos, sin, lp, rot) if rot is None else _rotated_qkv(cfg, h, lp, rot)
     return attend(cfg, q, state.update(layer, k, v), layer, cfg.head_dim**-0.5, lp.sinks)
 
@@ -60,6 +65,7 @@ def gqa_qkv(
     sin: torch.Tensor,
     lp: LayerPlan,
     rot: torch.Tensor | None = None,
+    gate_out: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Normed ``x`` [B*T, H] → q [B, heads, T, hd], k and v [B, kv heads, T, hd], q and k rotated (also what
     predictors/early_attention.py runs a layer early on).
@@ -72,13 +78,17 @@ def gqa_qkv(
     assert lp.qkv is not None  # GQA layers have one
     qkv = apply_linear(x, lp.qkv)
     n_q, n_k = lp.qkv.sizes[0] // hd, lp.qkv.sizes[1] // hd
-    if cfg.qk_norm == "none" and cfg.clip_qkv is None:  # rotate q and k in one pass
+    if cfg.qk_norm == "none" and cfg.clip_qkv is None and not cfg.attn_output_gate:  # rotate q and k in one pass
         qk = qkv[..., : (n_q + n_k) * hd].view(b, t, n_q + n_k, hd).transpose(1, 2)
         qk = apply_rope(qk, cos, sin, cfg.rope.interleaved)
         q, k = qk[:, :n_q], qk[:, n_q:]
         v = qkv[..., (n_q + n_k) * hd :]
     else:
         q, k, v = qkv.split(lp.qkv.sizes, dim=-1) if len(lp.qkv.sizes) > 1 else [qkv]
+        if cfg.attn_output_gate:  # each head's query, then its output gate (``gate_out`` gets the gates)
+            q, gate = q.reshape(b, t, -1, 2 * hd).chunk(2, dim=-1)
+            assert gate_out is not None, "a gated attention's caller takes its gate"
+            gate_out.append(gate.reshape(b * t, -1))
         if cfg.qk_norm == "full":  # OLMoE: one norm over all heads
             assert lp.q_norm is not None and lp.k_norm is not None
             q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)

@@ -57,6 +57,8 @@ MIN_CAPACITY = 256
 def unsupported(model: DecodingModel, streamed: bool = False) -> str | None:
     """Why ``model``'s decode steps cannot be captured, or None when they can (``streamed``: per layer, experts
     read between the replays; else the whole step, every expert resident)."""
+    if model.config.recurrent:
+        return "recurrent token mixers (short convolutions, linear attention)"
     if model.device.type != "cuda":
         return f"device {model.device.type} (CUDA graphs need a CUDA model)"
     if not model.fast_decode:

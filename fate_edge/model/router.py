@@ -58,6 +58,6 @@ def route(
         idx = torch.topk(choice, k=k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, idx)
         if cfg.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + cfg.topk_norm_eps)
         return weights * cfg.routed_scaling_factor, idx
     raise ValueError(f"unknown router '{cfg.router}'")
