@@ -29,10 +29,12 @@ class CrossLayerGate(Predictor):
         norms: dict[int, torch.Tensor] | None = None,
         score: str = "softmax",
         score_bias: dict[int, torch.Tensor] | None = None,
+        logit_bias: dict[int, torch.Tensor] | None = None,
     ):
         """``gates``: MoE layer → router weight [E, H]. ``norms``: layer → post_attention_layernorm weight
         [H] for every layer (enables the norm variant). ``score``: "softmax" (Mixtral, Qwen, OLMoE,
-        DeepSeek-V2) or "sigmoid" (DeepSeek-V3, whose ``score_bias`` correction is added for ranking)."""
+        DeepSeek-V2) or "sigmoid" (DeepSeek-V3, whose ``score_bias`` correction is added for ranking).
+        ``logit_bias``: MoE layer → the router's own bias [E] (gpt-oss), added to its logits."""
         super().__init__(list(gates), lookahead)
         if score not in ("softmax", "sigmoid"):
             raise ValueError(f"score must be 'softmax' or 'sigmoid', not {score!r}")
@@ -43,6 +45,9 @@ class CrossLayerGate(Predictor):
         self.bias = None
         if score_bias:
             self.bias = torch.stack([score_bias[i].float() for i in self.moe_layers])  # [M, E]
+        self.logit_bias = None
+        if logit_bias:
+            self.logit_bias = torch.stack([logit_bias[i].float() for i in self.moe_layers])  # [M, E]
         self._position = {layer: m for m, layer in enumerate(self.moe_layers)}
         self._scaled: dict[int, torch.Tensor] = {}  # norm variant: source layer → stacked [P·E, H]
 
@@ -50,7 +55,9 @@ class CrossLayerGate(Predictor):
     def from_model(cls, model: Any, lookahead: int = 1, norm_variant: bool = False) -> CrossLayerGate:
         """Build from a loaded :class:`fate_edge.model.transformer.MoETransformer` (its resident routers and norms)."""
         cfg = model.config
-        gates = {i: model.w[f"{model.names[i].mlp}.gate.weight"] for i in cfg.moe_layers}
+        gates = {i: model.w[f"{model.names[i].router}.weight"] for i in cfg.moe_layers}
+        biases = {i: model.w.get(f"{model.names[i].router}.bias") for i in cfg.moe_layers}
+        logit_bias = biases if all(b is not None for b in biases.values()) else None
         norms = None
         if norm_variant:
             norms = {i: model.w[f"{n.post_attn_norm}.weight"] for i, n in enumerate(model.names)}
@@ -59,7 +66,7 @@ class CrossLayerGate(Predictor):
             score = "sigmoid"
             bias = {i: model.w.get(f"{model.names[i].mlp}.gate.e_score_correction_bias") for i in cfg.moe_layers}
             bias = bias if all(b is not None for b in bias.values()) else None
-        return cls(gates, lookahead, norms, score, bias)
+        return cls(gates, lookahead, norms, score, bias, logit_bias)
 
     def _matrix(self, layer: int, first: int, p: int) -> torch.Tensor:
         plain = self.stack[first : first + p]  # [P, E, H], a view: no copy for the plain predictor
@@ -88,6 +95,8 @@ class CrossLayerGate(Predictor):
         first = self._position[targets[0]]
         w = self._matrix(layer, first, len(targets))
         logits = F.linear(h.to(w.dtype), w).view(n, len(targets), e).transpose(0, 1)  # [P, N, E]
+        if self.logit_bias is not None:
+            logits = logits + self.logit_bias[first : first + len(targets), None, :]
         if self.score == "softmax":
             return Prediction(targets, torch.softmax(logits, dim=-1))
         scores = torch.sigmoid(logits)

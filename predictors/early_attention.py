@@ -40,10 +40,12 @@ def own_row_attention(
     v_true: torch.Tensor,
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention in which row t reads the true keys/values of rows < t and its own estimated ones.
 
-    q [B, nh, T, d]; k_own, v_own, k_true, v_true [B, nkv, T, d] (nh a multiple of nkv) → [B*T, nh*d]."""
+    q [B, nh, T, d]; k_own, v_own, k_true, v_true [B, nkv, T, d] (nh a multiple of nkv) → [B*T, nh*d]; ``sinks``
+    [nh]: gpt-oss's per-head logit in the softmax's denominator (``attention.sink_attention``)."""
     rep = q.shape[1] // k_true.shape[1]
     k_own, v_own, k_true, v_true = (
         z.repeat_interleave(rep, 1) if rep > 1 else z for z in (k_own, v_own, k_true, v_true)
@@ -55,10 +57,20 @@ def own_row_attention(
         earlier &= pos[None, :] > pos[:, None] - window
     scores = (q @ k_true.transpose(-1, -2)).mul_(scale).masked_fill_(~earlier, float("-inf"))
     scores[..., pos, pos] = (q * k_own).sum(-1) * scale  # the diagonal: own query on own estimated key
-    p = scores.float().softmax(-1).to(q.dtype)
+    if sinks is None:
+        p = scores.float().softmax(-1).to(q.dtype)
+    else:
+        sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        p = torch.cat([scores.float(), sink], -1).softmax(-1).narrow(-1, 0, t).to(q.dtype)
     # Σ_{s<t} p_s v_s + p_t v_own_t: the true value at the diagonal swapped for the estimated one.
     out = p @ v_true + p[..., pos, pos].unsqueeze(-1) * (v_own - v_true)
     return out.transpose(1, 2).reshape(q.shape[0] * t, -1)
+
+
+RECURRENT_REFUSED = (
+    "early attention runs GQA attention; models with recurrent layers (LFM2 short convolutions, Qwen3-Next "
+    "DeltaNet) are not supported"
+)
 
 
 @torch.no_grad()
@@ -71,13 +83,16 @@ def early_attention_kv(
     cfg = model.config
     if cfg.mla is not None:
         raise ValueError("early attention runs GQA attention; MLA models (DeepSeek) are not supported")
+    if cfg.recurrent:
+        raise ValueError(RECURRENT_REFUSED)
     lp = model.plan()[target]
     b, t = k_true.shape[0], k_true.shape[2]
     cos, sin = model.rope.cos_sin_range(0, t, torch.float32 if cfg.rope.float32 else model.dtype, model.device)
     window = cfg.sliding_window if target in cfg.sliding_window_layers else None
     r = residual.to(model.dtype)
     q, k, v = gqa_qkv(model.config, rms_norm(r, lp.input_norm, cfg.rms_norm_eps), b, t, cos, sin, lp)
-    r = add_projection(r, own_row_attention(q, k, v, k_true, v_true, cfg.head_dim**-0.5, window), lp.o_proj)
+    out = own_row_attention(q, k, v, k_true, v_true, cfg.head_dim**-0.5, window, lp.sinks)
+    r = add_projection(r, out, lp.o_proj)
     return rms_norm(r, lp.post_norm, cfg.rms_norm_eps).float()
 
 
@@ -181,6 +196,8 @@ class EarlyInput:
     def __init__(self, model):
         if model.config.mla is not None:
             raise ValueError("early attention runs GQA attention; MLA models (DeepSeek) are not supported")
+        if model.config.recurrent:
+            raise ValueError(RECURRENT_REFUSED)
         self.model = model
         self.next = dict(_pairs(model))
 
@@ -201,5 +218,5 @@ class EarlyInput:
         if start:
             k = torch.cat([lay.buffers[0][:, :, :start], k], 2)
             v = torch.cat([lay.buffers[1][:, :, :start], v], 2)
-        x = add_projection(x, attend(cfg, q, (k, v), target, cfg.head_dim**-0.5), lp.o_proj)
+        x = add_projection(x, attend(cfg, q, (k, v), target, cfg.head_dim**-0.5, lp.sinks), lp.o_proj)
         return rms_norm(x, lp.post_norm, cfg.rms_norm_eps).float()

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 SUPPORTED_BITS = (8, 4, 3, 2)
 SUPPORTED_GROUPS = (32, 64, 128)
 META_BYTES = 2  # scale and zero are stored as fp16 (Fate stores fp32, which costs int2 most of its saving)
+KINDS = ("int", "mxfp4")  # integer codes with scale (and zero), or OCP MXFP4: E2M1 codes with one E8M0 scale a block
 
 
 @dataclass(frozen=True)
@@ -20,8 +21,15 @@ class QuantSpec:
     bits: int = 4  # 8, 4, 3 or 2 bits per weight code
     group_size: int = 64  # consecutive weights along the input dimension that share one scale/zero
     asymmetric: bool = True  # True: scale and zero per group; False: scale only, codes centred on 2**(bits-1)
+    kind: str = "int"  # "mxfp4": 4-bit E2M1 codes in blocks of 32 with a one-byte E8M0 scale (quant.mxfp4)
 
     def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"QuantSpec.kind must be one of {KINDS}, not {self.kind!r}")
+        if self.kind == "mxfp4" and (self.bits, self.group_size, self.asymmetric) != (4, 32, False):
+            raise ValueError(
+                "an mxfp4 QuantSpec is 4 bits in groups of 32 with no zero: QuantSpec(4, 32, False, 'mxfp4')"
+            )
         if self.bits not in SUPPORTED_BITS:
             raise ValueError(f"QuantSpec.bits must be one of {SUPPORTED_BITS}, not {self.bits}")
         if self.group_size not in SUPPORTED_GROUPS:
@@ -39,9 +47,13 @@ class QuantSpec:
 
     @property
     def meta_bytes_per_group(self) -> int:
+        if self.kind == "mxfp4":
+            return 1  # one E8M0 exponent byte
         return META_BYTES * (2 if self.asymmetric else 1)
 
     def __str__(self) -> str:
+        if self.kind == "mxfp4":
+            return "mxfp4"
         return f"int{self.bits}-g{self.group_size}-{'asym' if self.asymmetric else 'sym'}"
 
 

@@ -191,3 +191,40 @@ def test_slab_ranges_see_the_positions_the_mask_lets_through(window):
     for j in range(4):
         seen = (first[j] + mask[j].nonzero().flatten()).tolist()
         assert seen == list(range(int(starts[j]), int(starts[j] + counts[j])))
+
+
+def _reference_sinks(q, k, v, scale, sinks):
+    """gpt-oss's attention in float64: each head's sink one more logit in the softmax, weighing no value."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+    scores = q.double() @ k.transpose(-1, -2) * scale
+    logits = torch.cat([scores, sinks.double().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)], -1)
+    return logits.softmax(-1)[..., :-1] @ v
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("hq, hkv, d, length", [(8, 2, 64, 130), (4, 4, 48, 9), (8, 1, 64, 1)])
+def test_attention_sinks_are_as_accurate_as_torch(isa, dtype, hq, hkv, d, length):
+    """gpt-oss's sinks in the kernel's softmax (a sink can outweigh every key: the largest logit then): as near the
+    float64 result as that result rounded once to the dtype, on both instruction-set paths."""
+    g = torch.Generator().manual_seed(length)
+    q = torch.randn(2, hq, 1, d, generator=g).to(dtype)
+    k, v = torch.randn(2, hkv, length, d, generator=g).to(dtype), torch.randn(2, hkv, length, d, generator=g).to(dtype)
+    sinks = torch.randn(hq, generator=g) * 3
+    sinks[0] = 20.0  # above every score: the softmax's maximum is the sink's
+    exact = _reference_sinks(q, k, v, d**-0.5, sinks)
+    ours = decode_attention.attend(q, k, v, d**-0.5, sinks)
+    assert _err(ours, exact) <= 1.25 * _err(exact.to(dtype), exact) + 1e-6
+    assert _err(decode_attention.attend(q, k, v, d**-0.5), exact) > 1e-2  # the sinks moved it
+
+
+def test_ranges_with_sinks_match_each_sequence_alone():
+    g = torch.Generator().manual_seed(4)
+    k, v = torch.randn(2, 200, 64, generator=g).bfloat16(), torch.randn(2, 200, 64, generator=g).bfloat16()
+    q, sinks = torch.randn(2, 8, 64, generator=g).bfloat16(), torch.randn(8, generator=g)
+    starts, lengths = torch.tensor([0, 150], dtype=torch.int64), torch.tensor([120, 7], dtype=torch.int64)
+    out = decode_attention.attend_ranges(q, k, v, starts, lengths, 0.125, sinks)
+    for r in range(2):
+        a, n = int(starts[r]), int(lengths[r])
+        alone = decode_attention.attend(q[r][None, :, None], k[None, :, a : a + n], v[None, :, a : a + n], 0.125, sinks)
+        assert torch.equal(out[r], alone[0, :, 0])

@@ -1,5 +1,5 @@
 """The torch dequantizers of ``format/gguf_dequant.py`` give the very floats of the ``gguf`` package's numpy ones
-(compared bit for bit, so -0.0 against 0.0 counts): on blocks the package quantizes itself where it can (q4_0,
+(compared bit for bit, so -0.0 against 0.0 counts): on blocks the package quantizes itself where it can (q4_0, mxfp4,
 q4_1, q5_0, q5_1, q8_0), and on random raw blocks with finite fp16 fields for the K types it cannot write."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from fate_edge.format import gguf_dequant
 from fate_edge.format.gguf_dequant import TORCH_TYPES, dequantize_blocks
 from fate_edge.format.gguf_reader import GGUFFile
 
-QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4")
 FP16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # byte offsets of each block's fp16 numbers
 
 

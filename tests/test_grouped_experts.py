@@ -144,3 +144,30 @@ def test_the_scheduler_hands_out_cache_hits_together_and_the_logits_do_not_chang
     assert not grouped_calls
     for a, b in zip(grouped, alone):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["gate-up-fused", "gate-up-apart"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpt_oss_experts_with_biases_and_the_clamp_keep_their_own_bits(fused, dtype):
+    """gpt-oss's experts (float32 biases on both matmuls, the clamped SwiGLU) grouped: each one's own bits; an
+    expert without biases or with another activation is not grouped with them."""
+
+    from fate_edge.model.experts import ExpertBias, Glu
+
+    glu = Glu(1.0, 1.702)
+    experts = []
+    for i in range(4):
+        e = _expert(i, fused=fused)
+        g = torch.Generator().manual_seed(100 + i)
+        e.bias, e.glu = ExpertBias(torch.randn(256, generator=g), torch.randn(256, generator=g)), glu
+        experts.append(e)
+    g = torch.Generator().manual_seed(7)
+    items = [(e, torch.randn(m, 256, generator=g).to(dtype)) for e, m in zip(experts, [1, 2, 5, 1])]
+    assert groupable(items)
+    for (expert, x), y in zip(items, compute_group(items)):
+        assert torch.equal(y, expert(x))
+    x = items[0][1]
+    plain = _expert(9, fused=fused)
+    assert not groupable([(experts[0], x), (plain, x)])  # biases beside none
+    plain.bias = experts[1].bias
+    assert not groupable([(experts[0], x), (plain, x)])  # the clamp beside silu

@@ -71,10 +71,10 @@ def test_every_decode_path_attends_through_the_one_attention(top4, path, monkeyp
     leaves: list[str] = []
     real = attention.attend
 
-    def counted(cfg, q, held, layer, scale):
+    def counted(cfg, q, held, layer, scale, sinks=None):
         if q.shape[2] == 1 and (type(held) is tuple or held.parts is None):  # decode rows; a batch's parts recurse
             leaves.append("prefix" if type(held) is tuple else "masked" if held.mask is not None else "rows")
-        return real(cfg, q, held, layer, scale)
+        return real(cfg, q, held, layer, scale, sinks)
 
     monkeypatch.setattr(attention, "attend", counted)
     rows = router_rows(monkeypatch)

@@ -20,6 +20,7 @@ from fate_edge.errors import CorruptCheckpointError, MissingTensorError, ModelFo
 from fate_edge.format.direct_write import DirectFile
 from fate_edge.format.safetensors_header import DTYPE_BYTES, MAX_HEADER_BYTES, check_header
 from fate_edge.format.store_files import check_store_complete
+from fate_edge.format.tensor_names import common_names, model_type_of
 from fate_edge.small_files import read_json_object
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -81,6 +82,14 @@ class CheckpointReader:
         if not weight_map:
             weight_map = {k: SINGLE_FILE for k in self._open(self.model_dir / SINGLE_FILE).keys()}
         self.weight_map = _inside(weight_map, self.model_dir, index_path)
+        # a family's own module names served as the common ones (format.tensor_names): common -> stored
+        self.stored = common_names(model_type_of(self.model_dir), list(self.weight_map))
+        if self.stored:
+            renamed = set(self.stored.values())
+            self.weight_map = {
+                **{k: f for k, f in self.weight_map.items() if k not in renamed},
+                **{k: self.weight_map[s] for k, s in self.stored.items()},
+            }
         self._handles: dict[str, object] = {}
 
     def _open(self, path: Path):
@@ -106,7 +115,7 @@ class CheckpointReader:
         """The tensor ``name``, or its rows ``rows[0]:rows[1]`` (clipped to 0..rows), read with pread."""
         self._require(name)
         fd, start, header = self._layout(self.model_dir / self.weight_map[name])
-        info = header[name]
+        info = header[self.stored.get(name, name)]
         dtype, shape = _TORCH_DTYPES[info["dtype"]], list(info["shape"])
         begin, end = info["data_offsets"]
         if rows is not None:
@@ -178,15 +187,15 @@ class CheckpointReader:
     def dtype_name(self, name: str) -> str:
         """The tensor's safetensors dtype ("BF16", "F32", ...), without reading it."""
         self._require(name)
-        return self._handle(name).get_slice(name).get_dtype()
+        return self._handle(name).get_slice(self.stored.get(name, name)).get_dtype()
 
     def shape(self, name: str) -> list[int]:
         self._require(name)
-        return list(self._handle(name).get_slice(name).get_shape())
+        return list(self._handle(name).get_slice(self.stored.get(name, name)).get_shape())
 
     def nbytes(self, name: str) -> int:
         self._require(name)
-        sl = self._handle(name).get_slice(name)
+        sl = self._handle(name).get_slice(self.stored.get(name, name))
         n = 1
         for d in sl.get_shape():
             n *= d

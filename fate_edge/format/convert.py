@@ -30,11 +30,11 @@ from fate_edge.errors import ConvertStopped, FateEdgeError
 from fate_edge.format.background import Background
 from fate_edge.format.blob_writer import BlobWriter
 from fate_edge.format.checkpoint import CheckpointReader, save_streaming
-from fate_edge.format.checkpoint_experts import ExpertLayout
+from fate_edge.format.checkpoint_experts import ExpertLayout, layouts_of
 from fate_edge.format.checkpoint_layout import layer_names, resident_weight_names
 from fate_edge.format.checksum import crc32
 from fate_edge.format.direct_write import DirectFile
-from fate_edge.format.store import FORMAT, FORMAT_VERSION, STORE_FILE, Precision, encode_expert, plan_parts
+from fate_edge.format.store import FORMAT, FORMAT_VERSION, STORE_FILE, Precision, as_mxfp4, encode_expert, plan_parts
 from fate_edge.format.work_dirs import make_work_dir, remove_dead_work_dirs, replace_dir
 from fate_edge.model.arch import ModelConfig, load_config
 from fate_edge.model.transformer import LayerNames
@@ -150,7 +150,7 @@ def _precisions(cfg, opts: ConvertOptions) -> list[Precision]:
         # Only the streamed (hot) copy takes the kernel layout; cold copies stay small on the link.
         wants_kernel_layout = opts.layout == "cpu-int4" or (opts.layout == "auto" and not portable_wins)
         layout = "cpu-int4" if bits == opts.bits and wants_kernel_layout and native else "portable"
-        parts, nbytes = plan_parts(bits, spec, h, inter, layout)
+        parts, nbytes = plan_parts(bits, spec, h, inter, layout, bias=cfg.expert_bias)
         out.append(Precision(bits, f"experts-{bits}.bin", nbytes, parts, spec, layout))
     return out
 
@@ -183,7 +183,7 @@ def convert(
             f"divides the expert dimensions {dims[0]}x{dims[1]}",
             file=sys.stderr,
         )
-    layouts = {layer: ExpertLayout(reader, names[layer].mlp) for layer in cfg.moe_layers}
+    layouts = layouts_of(cfg, reader, names)
     for layout in layouts.values():
         layout.check_shapes(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
     expert_src = sum(reader.nbytes(n) for n in layouts[cfg.moe_layers[0]].tensor_names(0)) if cfg.moe_layers else 0
@@ -205,7 +205,10 @@ def convert(
         return _encode_job(layouts[layer], expert, precisions, method)
 
     source = StoreSource(model_dir, cfg, reader, names, expert_src, encode, write_aux, aux_bytes)
-    return write_store(source, out_dir, opts, _precisions(cfg, opts), progress, on_progress)
+    precisions = _precisions(cfg, opts)
+    if opts.layout == "auto" and any(lay.mxfp4 for lay in layouts.values()):  # gpt-oss's MXFP4: kept as published
+        precisions = [as_mxfp4(p, *dims) if p.bits == 4 and p.spec is not None else p for p in precisions]
+    return write_store(source, out_dir, opts, precisions, progress, on_progress)
 
 
 @dataclass
@@ -385,7 +388,7 @@ def store_index(src: StoreSource, opts: ConvertOptions, precisions: list[Precisi
         "head_bits": opts.head_bits,
         "precisions": {str(p.bits): p.to_json() for p in precisions},
         "experts": entries,
-    }
+    } | ({} if cfg.swiglu_limit is None else {"swiglu_limit": cfg.swiglu_limit, "swiglu_alpha": cfg.swiglu_alpha})
 
 
 @contextlib.contextmanager

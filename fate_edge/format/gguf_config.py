@@ -21,6 +21,10 @@ ARCHITECTURES = {
     "mixtral": "mixtral",
     "olmoe": "olmoe",
     "deepseek2": "deepseek_v2",
+    "gpt-oss": "gpt_oss",
+    "lfm2moe": "lfm2_moe",
+    "qwen3next": "qwen3_next",
+    "qwen35moe": "qwen3_5_moe_text",
 }
 _SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
 
@@ -55,8 +59,9 @@ def _hf_config(g: GGUFFile, dtype: str) -> dict[str, Any]:
     layers = _count(g, "block_count", "num_hidden_layers")  # bounded before anything loops over it
     heads = _count(g, "attention.head_count", "num_attention_heads")
     kv_heads = key("attention.head_count_kv", heads)
-    if isinstance(kv_heads, list):  # per-layer counts: fate-edge keeps one
-        kv_heads = kv_heads[0] if kv_heads else None
+    per_layer_kv = kv_heads if isinstance(kv_heads, list) else None
+    if isinstance(kv_heads, list):  # per-layer counts: fate-edge keeps one (0: a layer without attention, LFM2's)
+        kv_heads = next((n for n in kv_heads if n), None)
     bounded_int(kv_heads, f"{g.path}: '{g.architecture}.attention.head_count_kv'", *LIMITS["num_key_value_heads"])
     vocab = _vocab(g)
     d: dict[str, Any] = {
@@ -98,8 +103,14 @@ def _hf_config(g: GGUFFile, dtype: str) -> dict[str, Any]:
             d["head_dim"] = head_dim
     elif mtype == "mixtral":
         d["head_dim"] = head_dim or hidden // heads
+    elif mtype == "lfm2_moe":
+        d.update(_lfm2(g, layers, per_layer_kv))
+    elif mtype in ("qwen3_next", "qwen3_5_moe_text"):
+        d.update(_qwen3_next(g, layers, dense, head_dim or hidden // heads))
     elif mtype == "olmoe":
         d.update(norm_topk_prob=bool(norm or False), clip_qkv=key("attention.clamp_kqv", None))
+    elif mtype == "gpt_oss":
+        d.update(_gpt_oss(g, layers, head_dim))
     else:
         d.update(_deepseek(g, dense))
     return d
@@ -137,10 +148,34 @@ def _rope_scaling(g: GGUFFile) -> dict[str, Any] | None:
     if original:
         out["original_max_position_embeddings"] = original
     if kind == "yarn":
+        for name in ("beta_fast", "beta_slow"):  # llama.cpp's converter writes them where the config has them
+            value = g.arch_key(f"rope.scaling.yarn_{name}", None)
+            if value is not None:
+                out[name] = float(value)
         log_mul = g.arch_key("rope.scaling.yarn_log_multiplier", None)
         if log_mul:  # DeepSeek: llama.cpp stores 0.1 * mscale_all_dim
             out["mscale_all_dim"] = float(log_mul) / 0.1
             out["mscale"] = out["mscale_all_dim"]
+    return out
+
+
+def _gpt_oss(g: GGUFFile, layers: int, head_dim: int | None) -> dict[str, Any]:
+    """gpt-oss: llama.cpp sets its sliding-window pattern to 2 (even layers slide, as transformers' default
+    ``layer_types``) and computes the clamped SwiGLU at 7.0 and 1.702 (not stored); YaRN without truncation."""
+    key = g.arch_key
+    out: dict[str, Any] = {
+        "intermediate_size": key("expert_feed_forward_length"),
+        "sliding_window": key("attention.sliding_window"),
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        "attention_bias": True,
+        "swiglu_limit": 7.0,
+        "swiglu_alpha": 1.702,
+    }
+    if head_dim:
+        out["head_dim"] = head_dim
+    scaling = _rope_scaling(g)
+    if scaling:
+        out["rope_scaling"] = {**scaling, "truncate": False}
     return out
 
 
@@ -168,4 +203,46 @@ def _deepseek(g: GGUFFile, dense: list[int]) -> dict[str, Any]:
         "topk_group": key("expert_group_used_count", 1),
         "topk_method": "group_limited_greedy" if key("expert_group_count", 1) > 1 else "greedy",
         "rope_interleave": True,
+    }
+
+
+def _lfm2(g: GGUFFile, layers: int, per_layer_kv: list | None) -> dict[str, Any]:
+    """LFM2-MoE: its convolution layers are those llama.cpp gives no key/value heads; every MoE layer routes on
+    sigmoid scores plus the expert bias, renormalised (llama.cpp always renormalises this family)."""
+    key = g.arch_key
+    kv = per_layer_kv if per_layer_kv is not None and len(per_layer_kv) == layers else [1] * layers
+    return {
+        "layer_types": ["full_attention" if n else "conv" for n in kv],
+        "conv_L_cache": key("shortconv.l_cache"),
+        "num_dense_layers": key("leading_dense_block_count", 0),
+        "norm_topk_prob": True,
+        "routed_scaling_factor": float(key("expert_weights_scale", 0.0) or 1.0),
+        "use_expert_bias": True,
+    }
+
+
+def _qwen3_next(g: GGUFFile, layers: int, dense: list[int], head_dim: int) -> dict[str, Any]:
+    """Qwen3-Next: its DeltaNet layers from ``attention.recurrent_layers`` (or every ``full_attention_interval``-th
+    layer attention), their widths from the ``ssm.*`` keys, rope over ``rope.dimension_count`` of each head."""
+    key = g.arch_key
+    recurrent = key("attention.recurrent_layers", None)
+    if not isinstance(recurrent, list) or len(recurrent) < layers:
+        every = key("full_attention_interval", 4)
+        recurrent = [bool((i + 1) % every) for i in range(layers)]
+    value_heads = key("ssm.time_step_rank")
+    layers -= key("nextn_predict_layers", 0) or 0  # multi-token-prediction blocks past the model's own: not run
+    return {
+        "num_hidden_layers": layers,
+        "layer_types": ["linear_attention" if r else "full_attention" for r in recurrent[:layers]],
+        "head_dim": head_dim,
+        "partial_rotary_factor": key("rope.dimension_count", head_dim) / head_dim,
+        "linear_conv_kernel_dim": key("ssm.conv_kernel"),
+        "linear_num_key_heads": key("ssm.group_count"),
+        "linear_key_head_dim": key("ssm.state_size"),
+        "linear_num_value_heads": value_heads,
+        "linear_value_head_dim": key("ssm.inner_size") // value_heads,
+        "mlp_only_layers": [i for i in dense if i < layers],
+        "decoder_sparse_step": 1,
+        "shared_expert_intermediate_size": key("expert_shared_feed_forward_length", 0),
+        "norm_topk_prob": bool(key("expert_weights_norm", True)),
     }

@@ -41,9 +41,10 @@ from fate_edge.format.gguf_expert_reads import ExpertReads
 from fate_edge.format.gguf_reader import GGUFFile
 from fate_edge.format.gguf_tensors import GGUFCheckpoint, expert_tensor
 from fate_edge.format.gguf_tokenizer import tokenizer_files, write_tokenizer_files
-from fate_edge.format.store import MATRICES, Precision, encode_expert, plan_parts
+from fate_edge.format.store import BIASES, MATRICES, Precision, as_mxfp4, encode_expert, plan_parts
 from fate_edge.model.arch import config_from_dict
-from fate_edge.model.experts import ExpertWeights
+from fate_edge.model.experts import ExpertBias, ExpertWeights
+from fate_edge.quant.mxfp4 import Mxfp4Weights, check_mxfp4, from_ggml
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
@@ -89,8 +90,17 @@ def exact_scales(p: Precision, types: Counter, hidden: int, inter: int) -> Preci
     group of 32."""
     if p.spec is None or p.layout != "portable" or not any(t in FP32_SCALES and exact_into(t, p.spec) for t in types):
         return p
-    parts, nbytes = plan_parts(p.bits, p.spec, hidden, inter, p.layout, "float32")
+    bias = any(part.name in BIASES for part in p.parts)
+    parts, nbytes = plan_parts(p.bits, p.spec, hidden, inter, p.layout, "float32", bias=bias)
     return replace(p, parts=parts, blob_bytes=nbytes, scale_dtype="float32")
+
+
+def keep_mxfp4(p: Precision, types: Counter, hidden: int, inter: int, layout: str) -> Precision:
+    """``p`` in the mxfp4 layout where every expert tensor is MXFP4 (gpt-oss as llama.cpp writes it) and ``p`` is the
+    4-bit precision of an ``auto`` layout: the blocks go in as they are, no second rounding."""
+    if set(types) != {"MXFP4"} or p.bits != 4 or p.spec is None or layout != "auto":
+        return p
+    return as_mxfp4(p, hidden, inter)
 
 
 def convert_gguf(
@@ -129,6 +139,12 @@ def convert_gguf(
                     f"{path}: tensor '{name}' has shape {list(g.tensors[name].shape)}, expected {list(expected[m])} "
                     "(experts, rows, columns) from the metadata; the GGUF is damaged or its metadata is wrong"
                 )
+            bias = expert_tensor(layer, m, "bias")
+            if cfg.expert_bias and (bias not in g.tensors or g.tensors[bias].shape != expected[m][:2]):
+                raise ModelFormatError(
+                    f"{path}: tensor '{bias}' is missing or not {list(expected[m][:2])} (experts, rows); gpt-oss's "
+                    "experts have biases, the GGUF is incomplete"
+                )
     widths = resident_widths(g, cast(GGUFCheckpoint, reader))
     embed_width = widths(["model.embed_tokens"])
     if opts.embedding_bits is not None and embed_width is not None:  # the table keeps its file's width too
@@ -144,11 +160,13 @@ def convert_gguf(
     opts = replace(opts, group_size=group)
     if opts.cold_bits is not None:
         opts = replace(opts, cold_group_size=pick_group(dims, opts.cold_group_size, "--cold-group", smallest=True))
+    asked = opts.layout
     if opts.layout == "auto" and blocks:
         opts = replace(opts, layout="portable")  # torch's layout holds bf16 scales: the blocks' fp16 ones would round
-    precisions = [exact_scales(p, types, *dims) for p in _precisions(cfg, opts)]
+    precisions = [keep_mxfp4(exact_scales(p, types, *dims), types, *dims, asked) for p in _precisions(cfg, opts)]
     if progress:
         exact = [t for t in types if any(p.spec is not None and exact_into(t, p.spec) for p in precisions)]
+        exact += ["MXFP4"] if any(p.layout == "mxfp4" for p in precisions) else []
         again = [t for t in types if t not in exact and t not in FLOAT_TYPES]
         print(
             f"{path.name}: experts {', '.join(f'{n} x{c}' for n, c in types.items())}; streamed int{opts.bits} "
@@ -168,7 +186,8 @@ def convert_gguf(
     reads = ExpertReads(g, cfg.moe_layers, cfg.num_experts)
 
     def encode(layer: int, expert: int, precs: list[Precision], method: str) -> list[tuple[memoryview, int]]:
-        blobs = encode_gguf_expert(g, layer, expert, precs, method, reads.expert(layer, expert))
+        bias = expert_bias(g, layer, expert) if cfg.expert_bias else None
+        blobs = encode_gguf_expert(g, layer, expert, precs, method, reads.expert(layer, expert), bias)
         return [(b, crc32(b)) for b in blobs]
 
     source = StoreSource(
@@ -195,9 +214,11 @@ def encode_gguf_expert(
     precisions: list[Precision],
     method: str,
     source: dict[str, np.ndarray] | None = None,
+    bias: ExpertBias | None = None,
 ) -> list[memoryview]:
     """One expert's blobs, one per precision: its blocks as they are where they fit, else dequantized. ``source``:
-    the expert's raw bytes per matrix, already read (``ExpertReads``); else they are read here."""
+    the expert's raw bytes per matrix, already read (``ExpertReads``); else they are read here. ``bias``: gpt-oss's
+    (:func:`expert_bias`)."""
     raw, floats = {}, {}
     for m in MATRICES:
         info = g.info(expert_tensor(layer, m))
@@ -208,7 +229,13 @@ def encode_gguf_expert(
         mats = {}
         for m in MATRICES:
             kind, rows, data = raw[m]
-            if p.spec is not None and exact_into(kind, p.spec):
+            if p.layout == "mxfp4" and kind == "MXFP4":  # E2M1 codes and E8M0 scales as they are
+                mats[m] = Mxfp4Weights(*from_ggml(torch.from_numpy(data.reshape(rows, -1))))
+                try:
+                    check_mxfp4(f"{g.path}: tensor '{expert_tensor(layer, m)}' (expert {expert})", *mats[m])
+                except ValueError as exc:
+                    raise ModelFormatError(str(exc)) from None
+            elif p.spec is not None and exact_into(kind, p.spec):
                 blocks = torch.from_numpy(data.reshape(rows, -1))
                 packed = to_packed(kind, blocks, p.spec) if p.layout == "portable" else None
                 mats[m] = packed if packed is not None else to_quantized(kind, blocks, p.spec)
@@ -216,8 +243,15 @@ def encode_gguf_expert(
                 if m not in floats:
                     floats[m] = g.dequantize_bytes(expert_tensor(layer, m), data)[0]
                 mats[m] = floats[m]
-        out.append(encode_expert(ExpertWeights(mats["gate"], mats["up"], mats["down"]), p, method, _encode_scratch()))
+        w = ExpertWeights(mats["gate"], mats["up"], mats["down"], None, bias)
+        out.append(encode_expert(w, p, method, _encode_scratch()))
     return out
+
+
+def expert_bias(g: GGUFFile, layer: int, expert: int) -> ExpertBias:
+    """gpt-oss's biases of one expert from the stacked ``ffn_{gate,up,down}_exps.bias`` (float32)."""
+    gate, up, down = (g.dequantize(expert_tensor(layer, m, "bias"), expert, 1)[0] for m in MATRICES)
+    return ExpertBias(torch.cat([gate, up]), down)
 
 
 __all__ = ["GROUP_SIZES", "SOURCE_BITS", "convert_gguf", "default_bits", "encode_gguf_expert"]

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from fate_edge.format.gguf_blocks import k_scale_min
+from fate_edge.quant.mxfp4 import dequantize_mxfp4, from_ggml
 
 CHUNK_WEIGHTS = 1 << 20  # weights per chunk: 4 MB of float32 output; measured faster than 2^16-2^18 (fewer ops to
 # dispatch) and than 2^22 (the intermediates leave the cache)
@@ -86,6 +87,10 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:  # 128 bytes of low nibbles, 64 of 2
     return q.mul_(scale.unsqueeze(-1)).reshape(-1, 256)
 
 
+def _mxfp4(b: torch.Tensor) -> torch.Tensor:  # E8M0 exponent, 16 bytes of E2M1 nibbles: exact in fp32
+    return dequantize_mxfp4(*from_ggml(b.contiguous()))
+
+
 _BLOCKS: dict[str, tuple[int, int, Callable[[torch.Tensor], torch.Tensor]]] = {  # name: (weights, bytes, fn)
     "Q4_0": (32, 18, _q4_0),
     "Q8_0": (32, 34, _q8_0),
@@ -95,6 +100,7 @@ _BLOCKS: dict[str, tuple[int, int, Callable[[torch.Tensor], torch.Tensor]]] = { 
     "Q4_K": (256, 144, _q4_k),
     "Q5_K": (256, 176, _q5_k),
     "Q6_K": (256, 210, _q6_k),
+    "MXFP4": (32, 17, _mxfp4),
 }
 TORCH_TYPES = frozenset(_BLOCKS)
 

@@ -60,7 +60,7 @@ def summarize(model_dir: str | Path) -> ModelSummary:
         store = ExpertStore(model_dir)
         bits = max((b for b in store.bits_available if b < 16), default=16)
         n_experts = len(config.moe_layers) * config.num_experts
-        exp_p = n_experts * 3 * config.hidden_size * config.moe_intermediate_size
+        exp_p = n_experts * config.expert_params
         exp_b = n_experts * store.expert_bytes(bits)
         precision = "at " + ("bf16" if bits == 16 else f"int{bits}") + ", the copy the engine streams,"
     layers = []

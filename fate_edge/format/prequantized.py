@@ -24,7 +24,10 @@ from fate_edge.huge_pages import moved_to_huge_pages
 from fate_edge.model.arch import ModelConfig
 from fate_edge.model.embedding import NAME as EMBED_NAME
 
-_FLOAT_SUFFIXES = ("weight", "bias")  # checkpoint tensors the loader casts to the compute dtype
+# checkpoint tensors the loader casts to the compute dtype: weights and biases, gpt-oss's attention sinks, the
+# fused expert tensors (transformers 5's and gpt-oss's ``experts.gate_up_proj``, ``down_proj``, their biases) and a
+# DeltaNet layer's decay rates per head (A_log)
+_FLOAT_SUFFIXES = ("weight", "bias", ".sinks", "_proj", "A_log")
 
 
 def is_float_weight(name: str) -> bool:
@@ -109,7 +112,7 @@ class MappedFiles:
 
         path = self.reader.model_dir / self.reader.weight_map[name]
         _, start, header = self.reader._layout(path)
-        info = header[name]
+        info = header[self.reader.stored.get(name, name)]  # a family's own name in the file (format.tensor_names)
         begin, end = (start + o for o in info["data_offsets"])
         return path, begin, end, _TORCH_DTYPES[info["dtype"]], info["shape"]
 

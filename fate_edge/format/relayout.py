@@ -19,7 +19,7 @@ import torch
 from fate_edge.errors import FateEdgeError
 from fate_edge.format.checksum import crc32
 from fate_edge.format.direct_write import DirectFile
-from fate_edge.format.store import MATRICES, STORE_FILE, ExpertStore, Precision, plan_parts
+from fate_edge.format.store import BIASES, MATRICES, STORE_FILE, ExpertStore, Precision, plan_parts
 from fate_edge.format.work_dirs import make_work_dir, replace_dir
 from fate_edge.quant.linear import unpack_int4_cpu
 from fate_edge.quant.pack import pack
@@ -49,6 +49,9 @@ def _portable_parts(blob: torch.Tensor, old: Precision, new: Precision) -> torch
         for p in new.parts:
             if p.name in values:
                 out[p.offset : p.offset + p.nbytes] = values[p.name].contiguous().view(torch.uint8).reshape(-1)
+    for p in new.parts:
+        if p.name in BIASES:  # gpt-oss's float32 biases: the same bytes
+            out[p.offset : p.offset + p.nbytes] = src[p.name]
     return out
 
 
@@ -70,7 +73,9 @@ def relayout_store(src: str | Path, dst: str | Path, progress: bool = True) -> P
                 continue
             (shutil.copytree if f.is_dir() else shutil.copy2)(f, tmp / f.name)
         for bits, old in todo.items():
-            parts, nbytes = plan_parts(bits, old.spec, index["hidden_size"], index["moe_intermediate_size"], "portable")
+            bias = any(p.name in BIASES for p in old.parts)  # gpt-oss's expert biases travel as they are
+            h, inter = index["hidden_size"], index["moe_intermediate_size"]
+            parts, nbytes = plan_parts(bits, old.spec, h, inter, "portable", bias=bias)
             new = replace(old, blob_bytes=nbytes, parts=parts, layout="portable", scale_dtype="float16")
             refs = sorted((r for r in store.refs.values() if r.bits == bits), key=lambda r: r.offset)
             out = DirectFile(tmp / new.file, new.slot_bytes)

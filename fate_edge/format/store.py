@@ -19,7 +19,7 @@ import ctypes
 import functools
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,17 +28,27 @@ import torch
 from fate_edge.errors import ModelFormatError
 from fate_edge.format.blob import ALIGN, BlobRef
 from fate_edge.format.store_files import STORE_FILE
-from fate_edge.model.arch.limits import LIMITS
-from fate_edge.model.experts import ExpertWeights, QuantizedExpert
+from fate_edge.model.arch.limits import LIMITS, positive_number
+from fate_edge.model.experts import SILU, ExpertBias, ExpertWeights, Glu, QuantizedExpert
 from fate_edge.quant import PackedQuantized, Quantized, QuantSpec, pack
 from fate_edge.quant.linear import QuantizedLinear, default_kernel, int4_kernel_layout
 from fate_edge.quant.methods import quantize_with
+from fate_edge.quant.mxfp4 import (
+    MXFP4,
+    Mxfp4Linear,
+    Mxfp4Weights,
+    dequantize_mxfp4,
+    native_mxfp4_status,
+    quantize_mxfp4,
+)
 from fate_edge.small_files import read_small_text
 
 FORMAT = "fate-edge-expert-store"
 FORMAT_VERSION = 1
 PART_ALIGN = 64
 MATRICES = ("gate", "up", "down")
+# gpt-oss's expert biases: float32 parts after the matrices, whatever precision the matrices are in
+BIASES = ("gate_up.bias", "down.bias")
 _DTYPES = {"uint8": torch.uint8, "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -53,15 +63,19 @@ class Part:
     nbytes: int
     dtype: str
     shape: tuple[int, ...]
+    kind: str = ""  # what the bytes encode where the dtype does not say: "e2m1" codes, "e8m0" scales (PART_KINDS)
 
 
+PART_KINDS = ("", "e2m1", "e8m0")  # a reader refuses a store whose parts name a kind it does not know
 # Blob layouts of quantized experts:
 #   portable  packed codes (low nibble first) + scale and zero per group, fp16 (or fp32 where a source's own
 #             scales are exact only in fp32: a GGUF's q4_K): any device, any kernel.
 #   cpu-int4  torch's CPU int4 kernel layout (codes pre-packed by _convert_weight_to_int4pack_for_cpu,
 #             bf16 scale/zero pairs [K/g, N, 2]): same bytes, but decoding is a view, not a repack.
-LAYOUTS = ("portable", "cpu-int4")
-SCALE_DTYPES = {"portable": ("float16", "float32"), "cpu-int4": ("bfloat16",)}  # the first: a store's default
+#   mxfp4     OCP MXFP4 as gpt-oss publishes it (quant.mxfp4): E2M1 codes two a byte [N, K/2] ("e2m1" parts) and one
+#             E8M0 exponent byte per 32 weights [N, K/32] ("e8m0" parts); kept exact, computed on by its own kernel.
+LAYOUTS = ("portable", "cpu-int4", "mxfp4")
+SCALE_DTYPES = {"portable": ("float16", "float32"), "cpu-int4": ("bfloat16",), "mxfp4": ("uint8",)}  # first: default
 
 
 @dataclass
@@ -73,6 +87,8 @@ class Precision:
     spec: QuantSpec | None  # None for bf16
     layout: str = "portable"
     scale_dtype: str = ""  # of the scale and zero parts; "": the layout's default (what stores without it hold)
+    # the experts' activation (gpt-oss's clamped SwiGLU): the store's, not the precision's, and not in its JSON
+    glu: Glu = field(default=SILU, compare=False)
 
     def __post_init__(self) -> None:
         allowed = SCALE_DTYPES.get(self.layout, ("float16",))
@@ -94,7 +110,7 @@ class Precision:
             "bits": self.bits,
             "file": self.file,
             "blob_bytes": self.blob_bytes,
-            "parts": [p.__dict__ | {"shape": list(p.shape)} for p in self.parts],
+            "parts": [_part_json(p) for p in self.parts],
         }
         if self.spec is not None:
             d.update(
@@ -107,10 +123,28 @@ class Precision:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Precision:
-        spec = QuantSpec(d["bits"], d["group_size"], d.get("asymmetric", True)) if d["bits"] < 16 else None
-        parts = [Part(p["name"], p["offset"], p["nbytes"], p["dtype"], tuple(p["shape"])) for p in d["parts"]]
         layout = d.get("layout", "portable")
+        spec = QuantSpec(d["bits"], d["group_size"], d.get("asymmetric", True)) if d["bits"] < 16 else None
+        spec = MXFP4 if layout == "mxfp4" else spec
+        parts = [
+            Part(p["name"], p["offset"], p["nbytes"], p["dtype"], tuple(p["shape"]), p.get("kind", ""))
+            for p in d["parts"]
+        ]
         return cls(d["bits"], d["file"], d["blob_bytes"], parts, spec, layout, d.get("scale_dtype", ""))
+
+
+def as_mxfp4(p: Precision, hidden: int, inter: int) -> Precision:
+    """The 4-bit precision ``p`` in the mxfp4 layout (MXFP4 source experts kept as they are), biases kept."""
+    bias = any(q.name in BIASES for q in p.parts)
+    parts, nbytes = plan_parts(4, MXFP4, hidden, inter, "mxfp4", bias=bias)
+    return Precision(4, p.file, nbytes, parts, MXFP4, "mxfp4", "uint8", p.glu)
+
+
+def _part_json(p: Part) -> dict[str, Any]:
+    d = p.__dict__ | {"shape": list(p.shape)}
+    if not p.kind:  # int stores keep the JSON they always had
+        d.pop("kind")
+    return d
 
 
 def plan_parts(
@@ -120,24 +154,31 @@ def plan_parts(
     inter: int,
     layout: str = "portable",
     scale_dtype: str = "float16",
+    bias: bool = False,
 ) -> tuple[list[Part], int]:
-    """Byte layout of one expert blob at ``bits``; ``scale_dtype``: of the portable layout's scales and zeros."""
+    """Byte layout of one expert blob at ``bits``; ``scale_dtype``: of the portable layout's scales and zeros;
+    ``bias``: gpt-oss's expert biases after the matrices (:data:`BIASES`, float32)."""
     scale_bytes = _DTYPES[scale_dtype].itemsize
     shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
     parts, off = [], 0
 
-    def add(name: str, dtype: str, shape: tuple[int, ...], itemsize: int) -> None:
+    def add(name: str, dtype: str, shape: tuple[int, ...], itemsize: int, kind: str = "") -> None:
         nonlocal off
         n = itemsize
         for d in shape:
             n *= d
-        parts.append(Part(name, off, n, dtype, shape))
+        parts.append(Part(name, off, n, dtype, shape, kind))
         off = -(-(off + n) // PART_ALIGN) * PART_ALIGN
 
     for m in MATRICES:
         n, k = shapes[m]
         if spec is None:
             add(f"{m}.weight", "bfloat16", (n, k), 2)
+        elif layout == "mxfp4":
+            if spec.kind != "mxfp4" or k % spec.group_size:
+                raise ValueError(f"the mxfp4 layout holds MXFP4 matrices of whole 32-weight blocks, not {spec} {n}x{k}")
+            add(f"{m}.blocks", "uint8", (n, k // 2), 1, "e2m1")
+            add(f"{m}.scales", "uint8", (n, k // spec.group_size), 1, "e8m0")
         elif layout == "cpu-int4":
             add(f"{m}.packed", "uint8", (n, k // 2), 1)
             add(f"{m}.scale_zero", "bfloat16", (k // spec.group_size, n, 2), 2)
@@ -146,6 +187,9 @@ def plan_parts(
             add(f"{m}.scale", scale_dtype, (n, k // spec.group_size), scale_bytes)
             if spec.asymmetric:
                 add(f"{m}.zero", scale_dtype, (n, k // spec.group_size), scale_bytes)
+    if bias:
+        add(BIASES[0], "float32", (2 * inter,), 4)
+        add(BIASES[1], "float32", (hidden,), 4)
     return parts, off
 
 
@@ -161,8 +205,14 @@ def encode_expert(
     tensors: dict[str, torch.Tensor] = {}
     for m in MATRICES:
         mat = getattr(w, m)
+        if isinstance(mat, Mxfp4Weights) and precision.layout != "mxfp4":  # an int or bf16 copy of MXFP4 weights
+            mat = dequantize_mxfp4(mat.blocks, mat.scales)
         if precision.spec is None:
             tensors[f"{m}.weight"] = mat.to(torch.bfloat16)
+        elif precision.layout == "mxfp4":  # MXFP4 weights go in as they are; float ones are encoded (llama.cpp's way)
+            tensors[f"{m}.blocks"], tensors[f"{m}.scales"] = (
+                mat if isinstance(mat, Mxfp4Weights) else quantize_mxfp4(mat)
+            )
         elif precision.layout == "cpu-int4":
             q = mat if isinstance(mat, Quantized) else quantize_with(method, mat, precision.spec, work)
             tensors[f"{m}.packed"], tensors[f"{m}.scale_zero"] = int4_kernel_layout(q, precision.spec)
@@ -176,6 +226,10 @@ def encode_expert(
             tensors[f"{m}.scale"] = q.scale.to(scale_dtype)
             if q.zero is not None:
                 tensors[f"{m}.zero"] = q.zero.to(scale_dtype)
+    if any(p.name in BIASES for p in precision.parts):
+        if w.bias is None:
+            raise ValueError("this store's blobs hold expert biases, and the expert has none")
+        tensors[BIASES[0]], tensors[BIASES[1]] = w.bias.gate_up.float(), w.bias.down.float()
     end = 0
     for p in sorted(precision.parts, key=lambda p: p.offset):
         raw = tensors[p.name].contiguous().view(-1).view(torch.uint8)
@@ -216,6 +270,8 @@ def decodes_to_views(precision: Precision) -> bool:
         return False
     if precision.layout == "cpu-int4":
         return True
+    if precision.layout == "mxfp4":
+        return native_mxfp4_status()[0]
     codes = [p.shape for p in precision.parts if p.name.endswith(".codes")]
     return (
         spec.storage_bits == 4
@@ -283,20 +339,28 @@ def decode_expert(
     device = torch.device(device) if device is not None else blob.device
     blob = blob.to(device, non_blocking=True)
     t = part_views(blob, precision)
+    bias, glu = None, precision.glu
+    if BIASES[0] in t:  # in the model's dtype, as the reference holds them (float32 in the blob)
+        bias = ExpertBias(t[BIASES[0]].to(dtype), t[BIASES[1]].to(dtype))
     if precision.spec is None:
-        return ExpertWeights(*(t[f"{m}.weight"].to(dtype) for m in MATRICES))
+        gate, up, down = (t[f"{m}.weight"].to(dtype) for m in MATRICES)
+        return ExpertWeights(gate, up, down, None, bias, glu)
     spec = precision.spec
+    if precision.layout == "mxfp4":  # the blocks as stored: the native kernel on the CPU, dequantized elsewhere
+        kernel = "" if device.type == "cpu" else "dequant"
+        gate, up, down = (Mxfp4Linear(t[f"{m}.blocks"], t[f"{m}.scales"], kernel) for m in MATRICES)
+        return QuantizedExpert(gate, up, down, None, bias, glu)
     if precision.layout == "cpu-int4":  # on another device, re-packed there for its kernel (one store, any device)
         lins = [
             QuantizedLinear.from_cpu_kernel_layout(t[f"{m}.packed"], t[f"{m}.scale_zero"], spec, device)
             for m in MATRICES
         ]
-        return QuantizedExpert(*lins)
+        return QuantizedExpert(lins[0], lins[1], lins[2], None, bias, glu)
     lins = [
         QuantizedLinear.from_packed(t[f"{m}.codes"], t[f"{m}.scale"], t.get(f"{m}.zero"), spec, device)
         for m in MATRICES
     ]
-    return QuantizedExpert(*lins)
+    return QuantizedExpert(lins[0], lins[1], lins[2], None, bias, glu)
 
 
 # a store's counts within the bounds a config's are held to
@@ -364,6 +428,12 @@ def _check_index(index: dict, index_path: Path) -> None:
             )
         for i, part in enumerate(d["parts"]):
             _check_fields(part, _PART_FIELDS, f"precisions.{bits}.parts[{i}]", index_path)
+            if part.get("kind", "") not in PART_KINDS:
+                raise ModelFormatError(
+                    f"{index_path}: field precisions.{bits}.parts[{i}].kind is {part['kind']!r}, not one of "
+                    f"{', '.join(k for k in PART_KINDS if k)}; the store was written by a newer fate-edge or is "
+                    "damaged, re-run fate-edge convert"
+                )
             if part["dtype"] not in _DTYPES:
                 raise ModelFormatError(
                     f"{index_path}: field precisions.{bits}.parts[{i}].dtype is {part['dtype']!r}, not one of "
@@ -414,6 +484,14 @@ class ExpertStore:
         _check_index(index, index_path)
         self.index = index
         self.precisions = {int(b): Precision.from_json(d) for b, d in index["precisions"].items()}
+        if index.get("swiglu_limit") is not None:  # gpt-oss's clamped SwiGLU, for every precision's experts
+            where = f"{index_path}: field store.swiglu"
+            glu = Glu(
+                positive_number(index["swiglu_limit"], f"{where}_limit"),
+                positive_number(index.get("swiglu_alpha", 1.702), f"{where}_alpha"),
+            )
+            for p in self.precisions.values():
+                p.glu = glu
         self.refs: dict[tuple[int, int, int], BlobRef] = {}
         for bits_s, entries in index["experts"].items():
             bits = int(bits_s)

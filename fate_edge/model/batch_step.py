@@ -24,13 +24,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fate_edge.model.attention import gqa
 from fate_edge.model.embedding import lookup
-from fate_edge.model.kv_cache import AttentionState, Held, Keys
+from fate_edge.model.kv_cache import AttentionState, Held, Keys, RecurrentLayer
 from fate_edge.model.kv_slab import SlabCache, SlabRows
 from fate_edge.model.layer import LayerPlan, apply_linear, rms_norm
 from fate_edge.model.layer_step import LayerPath, add_projection, decoder_layer
-from fate_edge.model.mla import mla
+from fate_edge.model.recurrent import mix
 from fate_edge.model.routed_experts import provider_moe
 
 if TYPE_CHECKING:
@@ -79,10 +78,7 @@ def forward_segments(model: MoETransformer, segments: list[Segment]) -> torch.Te
     last = len(plan) - 1
 
     def attend(x: torch.Tensor, h: torch.Tensor, i: int, lp: LayerPlan) -> torch.Tensor:
-        if cfg.mla is not None:
-            out = mla(cfg, h, 1, rows, i, lp, state, cos, sin)
-        else:
-            out = gqa(cfg, h, 1, rows, i, lp, state, cos, sin)
+        out = mix(cfg, h, 1, rows, i, lp, state, cos, sin)  # attention, or a recurrent mixer
         x = add_projection(x, out, lp.o_proj)
         # past the last attention only each segment's last row feeds a logit
         return x.index_select(0, ends) if prune and i == last else x
@@ -129,6 +125,13 @@ class BatchState(AttentionState):
     def update(self, layer: int, *new: torch.Tensor) -> Held:
         """``new``: every row's k and v [1, kv heads, rows, d] (or MLA's latent)."""
         parts: list[tuple[slice | torch.Tensor, Keys]] = []
+        if isinstance(self.caches[0].layers[layer], RecurrentLayer):  # a state per sequence, never a slab's rows
+            return Held(
+                parts=[
+                    (slice(a, b), c.update(layer, *(x[:, :, a:b] for x in new)))
+                    for c, (a, b) in zip(self.caches, self.bounds)
+                ]
+            )
         d = self.together
         if d is not None:
             mine = new if d.every_row else tuple(x.index_select(2, d.rows) for x in new)

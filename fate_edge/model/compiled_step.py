@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from fate_edge.model.attention import gqa
 from fate_edge.model.embedding import lookup
 from fate_edge.model.experts import ExpertWeights, InMemoryExpertProvider, QuantizedExpert
-from fate_edge.model.kv_cache import StaticKV
+from fate_edge.model.kv_cache import LayerCache, StaticKV
 from fate_edge.model.layer import Fused, LayerPlan, apply_linear, rms_norm
 from fate_edge.model.layer_step import (
     Attention,
@@ -87,12 +87,16 @@ def _experts_of(model: DecodingModel) -> dict[int, list]:
 def unsupported(model: DecodingModel) -> str | None:
     """Why ``model``'s decode steps cannot be compiled, or None when they can."""
     cfg = model.config
+    if model.config.recurrent:
+        return "recurrent token mixers (short convolutions, linear attention)"
     if not model.fast_decode:
         return "this architecture (MLA, q/k norms or clipped q/k/v)"
     if model.dtype != torch.float32:
         return "bf16 models (compiled decode is tested on float32 models, int4 or float experts)"
     if cfg.sliding_window is not None and cfg.sliding_window_layers:
         return "sliding-window attention"
+    if cfg.expert_bias or cfg.swiglu_limit is not None:
+        return "gpt-oss experts (biases and the clamped SwiGLU)"
     if model.embed.device.type != "cpu":
         return f"device {model.embed.device.type} (compiled decode is for the CPU)"
     for lp in model.plan():
@@ -277,6 +281,7 @@ class CompiledDecode(DecodeRunner):
         )
         kv = []
         for lay in cache.layers:
+            assert isinstance(lay, LayerCache)  # recurrent layers are declined (unsupported)
             bufs = lay.reserve(start + 1)
             for b in bufs:
                 torch._dynamo.mark_dynamic(b, 2)  # not maybe_: a specialised length must fail, not pass

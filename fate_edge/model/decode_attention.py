@@ -32,6 +32,7 @@ def _setup(lib: ctypes.CDLL) -> str | None:
         + [ptr, ptr, i64]  # first position and length per row (or NULL, NULL, every row's length)
         + [ctypes.c_int] * 5  # rows, q heads, kv heads, Dk, Dv
         + [ctypes.c_float, ptr, ctypes.c_int]  # scale, out, threads
+        + [ptr]  # attention sinks, float32 per query head (gpt-oss), or NULL
     )
     lib.fe_decode_attention.argtypes = argtypes
     lib.fe_attention_set_isa.argtypes = [ctypes.c_int]
@@ -89,20 +90,30 @@ def _fits(
     )
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
     """``softmax(q k^T * scale) v`` for one query position per sequence: q [B, Hq, 1, Dk], k/v [B, Hkv, L, D]
-    (strided views of a cache are read in place) → [B, Hq, 1, Dv] in q's dtype. Check :func:`takes` first."""
+    (strided views of a cache are read in place) → [B, Hq, 1, Dv] in q's dtype. ``sinks`` [Hq]: gpt-oss's attention
+    sinks, one more logit per head in the softmax's denominator. Check :func:`takes` first."""
     b, hq, _, dk = q.shape
-    return _call(q.reshape(b, hq, dk), k, v, None, k.shape[2], scale).view(b, hq, 1, -1)
+    return _call(q.reshape(b, hq, dk), k, v, None, k.shape[2], scale, sinks).view(b, hq, 1, -1)
 
 
 def attend_ranges(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    starts: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rows of queries q [R, Hq, Dk] over ranges of one cache k/v [Hkv, C, D]: row r attends to positions
-    ``starts[r] .. starts[r] + lengths[r] - 1`` (int64 tensors on the CPU) → [R, Hq, Dv]."""
+    ``starts[r] .. starts[r] + lengths[r] - 1`` (int64 tensors on the CPU) → [R, Hq, Dv] (``sinks``: as
+    :func:`attend`)."""
     k, v = k.unsqueeze(0).expand(q.shape[0], -1, -1, -1), v.unsqueeze(0).expand(q.shape[0], -1, -1, -1)
-    return _call(q, k, v, (starts, lengths), 0, scale)  # expanded: every row's sequence stride is 0
+    return _call(q, k, v, (starts, lengths), 0, scale, sinks)  # expanded: every row's sequence stride is 0
 
 
 def _call(
@@ -112,8 +123,12 @@ def _call(
     ranges: tuple[torch.Tensor, torch.Tensor] | None,
     length: int,
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     q = q.contiguous()
+    if sinks is not None:
+        sinks = sinks.to(torch.float32).contiguous()
+        assert sinks.shape == (q.shape[1],), f"sinks {tuple(sinks.shape)} for {q.shape[1]} query heads"
     r, hq, dk = q.shape
     dv = v.shape[3]
     out = torch.empty(r, hq, dv, dtype=q.dtype, device=q.device)
@@ -140,6 +155,7 @@ def _call(
         scale,
         out.data_ptr(),
         torch.get_num_threads(),
+        sinks.data_ptr() if sinks is not None else None,
     )
     if rc == -2:
         raise MemoryError(f"decode attention over {k.shape[2]} cached positions: out of memory for its scratch")

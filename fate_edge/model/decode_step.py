@@ -32,7 +32,13 @@ if TYPE_CHECKING:
 def supported(model: DecodingModel) -> bool:
     """Whether every layer of ``model`` can take this path (checked once per plan)."""
     cfg = model.config
-    return cfg.mla is None and cfg.qk_norm == "none" and cfg.clip_qkv is None and model.rope.dim == cfg.head_dim
+    return (
+        not cfg.recurrent
+        and cfg.mla is None
+        and cfg.qk_norm == "none"
+        and cfg.clip_qkv is None
+        and model.rope.dim == cfg.head_dim
+    )
 
 
 def rope_matrix(cos: torch.Tensor, sin: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:

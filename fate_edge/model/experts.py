@@ -17,11 +17,55 @@ import torch.nn.functional as F
 
 from fate_edge.quant import QuantSpec
 from fate_edge.quant.linear import QuantizedLinear, candidate_kernels, choose_kernel
+from fate_edge.quant.mxfp4 import Mxfp4Linear
+
+
+@dataclass(frozen=True)
+class Glu:
+    """The gated activation between an expert's two matmuls: ``silu(gate) * up``, or with ``limit`` gpt-oss's clamped
+    SwiGLU, ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``."""
+
+    limit: float | None = None
+    alpha: float = 1.702
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.limit is None:
+            return F.silu(gate) * up
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(-self.limit, self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))  # the reference's order of operations
+
+
+SILU = Glu()
+
+
+@dataclass
+class ExpertBias:
+    """An expert's biases (gpt-oss), kept in full precision whatever its matrices are stored in: ``gate_up`` [2I]
+    (gate's then up's) and ``down`` [H]."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.gate_up, self.down))
+
+    def to(self, device: str | torch.device) -> ExpertBias:
+        return ExpertBias(self.gate_up.to(device), self.down.to(device))
+
+
+def plus_bias(y: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """``y + b`` in ``y``'s dtype (a full-precision bias on a bf16 kernel's output rounds once, into its dtype)."""
+    if b is None:
+        return y
+    return y.add_(b) if b.dtype == y.dtype else y.add_(b.to(y.dtype))
 
 
 @dataclass
 class ExpertWeights:
-    """One SwiGLU expert: ``down(act(gate(x)) * up(x))``.
+    """One SwiGLU expert: ``down(act(gate(x)) * up(x))`` (``glu``: the activation and product; ``bias``: gpt-oss's
+    biases on both matmuls).
 
     With ``gate_up`` [2I, H] (what :meth:`fused` builds), ``gate`` and ``up`` are views into it and the
     expert runs two matmuls instead of three.
@@ -31,35 +75,47 @@ class ExpertWeights:
     up: torch.Tensor  # [I, H]
     down: torch.Tensor  # [H, I]
     gate_up: torch.Tensor | None = None
+    bias: ExpertBias | None = None
+    glu: Glu = SILU
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [N, H] -> [N, H]
+        b = self.bias
         if self.gate_up is not None:
-            gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-            return F.linear(F.silu(gate) * up, self.down)
-        return F.linear(F.silu(F.linear(x, self.gate)) * F.linear(x, self.up), self.down)
+            gate, up = F.linear(x, self.gate_up, None if b is None else b.gate_up).chunk(2, dim=-1)
+        elif b is None:
+            gate, up = F.linear(x, self.gate), F.linear(x, self.up)
+        else:
+            gb, ub = b.gate_up.chunk(2)
+            gate, up = F.linear(x, self.gate, gb), F.linear(x, self.up, ub)
+        return F.linear(self.glu(gate, up), self.down, None if b is None else b.down)
 
     @classmethod
-    def fused(cls, gate_up: torch.Tensor, down: torch.Tensor) -> ExpertWeights:
+    def fused(
+        cls, gate_up: torch.Tensor, down: torch.Tensor, bias: ExpertBias | None = None, glu: Glu = SILU
+    ) -> ExpertWeights:
         gate, up = gate_up.chunk(2, dim=0)
-        return cls(gate, up, down, gate_up)
+        return cls(gate, up, down, gate_up, bias, glu)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.gate, self.up, self.down))
+        extra = 0 if self.bias is None else self.bias.nbytes
+        return sum(t.numel() * t.element_size() for t in (self.gate, self.up, self.down)) + extra
 
     def to(self, device: str | torch.device) -> ExpertWeights:
         if self.gate.device == torch.device(device):
             return self
+        bias = None if self.bias is None else self.bias.to(device)
         if self.gate_up is not None:
-            return ExpertWeights.fused(self.gate_up.to(device), self.down.to(device))
-        return ExpertWeights(self.gate.to(device), self.up.to(device), self.down.to(device))
+            return ExpertWeights.fused(self.gate_up.to(device), self.down.to(device), bias, self.glu)
+        return ExpertWeights(self.gate.to(device), self.up.to(device), self.down.to(device), None, bias, self.glu)
 
 
 class QuantizedExpert:
     """A SwiGLU expert whose matrices are quantized (see ``quant.linear``): gate, up, down, or gate_up and down."""
 
-    def __init__(self, gate, up, down, gate_up=None):
+    def __init__(self, gate, up, down, gate_up=None, bias: ExpertBias | None = None, glu: Glu = SILU):
         self.gate, self.up, self.down, self.gate_up = gate, up, down, gate_up
+        self.bias, self.glu = bias, glu  # gpt-oss: full-precision biases, the clamped SwiGLU
         # Every matrix on torch's int4 kernel: computed in bf16 (forward_bf16) and stackable for the one-graph decode
         # steps (compiled_step).
         self.takes_bf16 = all(m.kernel == "torch-int4" for m in (gate, up, down, gate_up) if m is not None)
@@ -67,26 +123,36 @@ class QuantizedExpert:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.takes_bf16 and x.dtype == torch.bfloat16:  # the kernel's own dtype: skip its no-op casts
             return self.forward_bf16(x)
+        b = self.bias
         if self.gate_up is not None:
-            gate, up = self.gate_up(x).chunk(2, dim=-1)
-            return self.down(F.silu(gate) * up)
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+            gate, up = plus_bias(self.gate_up(x), None if b is None else b.gate_up).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate(x), self.up(x)
+            if b is not None:
+                gate, up = plus_bias(torch.cat([gate, up], dim=-1), b.gate_up).chunk(2, dim=-1)
+        return plus_bias(self.down(self.glu(gate, up)), None if b is None else b.down)
 
     def forward_bf16(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [N, H] bf16 → [N, H] bf16 (``takes_bf16`` only): the kernel's own dtype, no casts between (what a
         decode row runs, ``layer_step.expert_rows``: about half the time of ``__call__`` on float32 rows, whose kernel
         casts in and out at every matmul; docs/measured-choices.md)."""
+        b = self.bias
         if self.gate_up is not None:
-            gate, up = self.gate_up.mm_bf16(x).chunk(2, dim=-1)
+            gate, up = plus_bias(self.gate_up.mm_bf16(x), None if b is None else b.gate_up).chunk(2, dim=-1)
         else:
             gate, up = self.gate.mm_bf16(x), self.up.mm_bf16(x)
-        return self.down.mm_bf16(F.silu(gate) * up)
+            if b is not None:
+                gate, up = plus_bias(torch.cat([gate, up], dim=-1), b.gate_up).chunk(2, dim=-1)
+        return plus_bias(self.down.mm_bf16(self.glu(gate, up)), None if b is None else b.down)
 
     def fused(self) -> QuantizedExpert:
         """This expert with gate and up as one matrix (one matmul fewer per call), when both are torch-int4 on the
         CPU or both native-int4: each layout keeps rows apart, so stacking packed rows and their scales is the
         layout of the stacked matrix. Every part is copied, so a blob behind the views is freed."""
         g, u = self.gate, self.up
+        if self.gate_up is None and all(isinstance(m, Mxfp4Linear) for m in (g, u, self.down)):  # MXFP4 rows too
+            down = Mxfp4Linear(self.down.blocks.clone(), self.down.scales.clone(), self.down.kernel)
+            return QuantizedExpert(None, None, down, g.stacked(u), self.bias, self.glu)
         if (
             self.gate_up is None
             and g.native is not None
@@ -100,7 +166,7 @@ class QuantizedExpert:
             down = QuantizedLinear.from_native(
                 *(t.clone() for t in self.down.native.parts), g.spec, in_features=self.down.shape[1]
             )
-            return QuantizedExpert(None, None, down, gate_up=gate_up)
+            return QuantizedExpert(None, None, down, gate_up, self.bias, self.glu)
         if self.gate_up is not None or not self.takes_bf16 or g.spec != u.spec:
             return self
         packed = torch.cat([g.packed, u.packed])
@@ -114,14 +180,15 @@ class QuantizedExpert:
             down = QuantizedLinear(
                 g.spec, self.down.shape, "torch-int4", self.down.packed.clone(), scale_zero=self.down.scale_zero.clone()
             )
-            return QuantizedExpert(None, None, down, gate_up=gate_up)
+            return QuantizedExpert(None, None, down, gate_up, self.bias, self.glu)
         gate_up = QuantizedLinear.from_kernel_layout(packed, scale_zero, g.spec)
         down = QuantizedLinear.from_kernel_layout(self.down.packed.clone(), self.down.scale_zero.clone(), g.spec)
-        return QuantizedExpert(None, None, down, gate_up=gate_up)
+        return QuantizedExpert(None, None, down, gate_up, self.bias, self.glu)
 
     @property
     def nbytes(self) -> int:
-        return sum(m.nbytes for m in (self.gate, self.up, self.down, self.gate_up) if m is not None)
+        extra = 0 if self.bias is None else self.bias.nbytes
+        return sum(m.nbytes for m in (self.gate, self.up, self.down, self.gate_up) if m is not None) + extra
 
     @property
     def kernel(self) -> str:
@@ -228,4 +295,5 @@ def quantize_expert(
         return choose_kernel(w, spec, dev, rows=EXPERT_ROWS)
 
     gu, down = (QuantizedLinear.from_float(w, spec, device, pick(w)) for w in (gate_up, e.down))
-    return QuantizedExpert(None, None, down, gate_up=gu)
+    bias = None if e.bias is None else e.bias.to(dev)
+    return QuantizedExpert(None, None, down, gu, bias, e.glu)

@@ -57,6 +57,8 @@ MIN_CAPACITY = 256
 def unsupported(model: DecodingModel, streamed: bool = False) -> str | None:
     """Why ``model``'s decode steps cannot be captured, or None when they can (``streamed``: per layer, experts
     read between the replays; else the whole step, every expert resident)."""
+    if model.config.recurrent:
+        return "recurrent token mixers (short convolutions, linear attention)"
     if model.device.type != "cuda":
         return f"device {model.device.type} (CUDA graphs need a CUDA model)"
     if not model.fast_decode:
@@ -64,6 +66,8 @@ def unsupported(model: DecodingModel, streamed: bool = False) -> str | None:
     cfg = model.config
     if cfg.sliding_window is not None and cfg.sliding_window_layers:
         return "sliding-window attention"
+    if cfg.expert_bias or cfg.swiglu_limit is not None:
+        return "gpt-oss experts (biases and the clamped SwiGLU)"
     return None if streamed else unsupported_experts(model)
 
 

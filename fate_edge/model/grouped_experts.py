@@ -14,9 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
-from fate_edge.model.experts import Expert, QuantizedExpert
+from fate_edge.model.experts import Expert, QuantizedExpert, plus_bias
 from fate_edge.model.layer_step import ExpertInput, expert_rows
 from fate_edge.quant.native import NativeInt4, gemm_grouped
 
@@ -66,7 +65,8 @@ def groupable(items: Sequence[tuple[Expert | None, torch.Tensor]]) -> bool:
         if stages is None or x.dim() != 2 or x.shape[0] == 0 or x.dtype not in (torch.float32, torch.bfloat16):
             return False
         up, down = stages
-        shapes.add((len(up), tuple(m.shape for m in up), down.shape, x.dtype))
+        assert isinstance(expert, QuantizedExpert)  # native_stages said so
+        shapes.add((len(up), tuple(m.shape for m in up), down.shape, x.dtype, expert.glu, expert.bias is None))
     return len(shapes) == 1
 
 
@@ -87,11 +87,21 @@ def compute_group(items: Sequence[tuple[Expert | None, torch.Tensor]]) -> list[t
     dtype, device = xs[0].dtype, xs[0].device
     first = [torch.empty(total, m.shape[0], dtype=dtype, device=device) for m in stages[0][0]]
     gemm_grouped([(m, x, out[a:b]) for (up, _), x, (a, b) in zip(stages, xs, bounds) for m, out in zip(up, first)])
+    experts = [e for e, _ in items if isinstance(e, QuantizedExpert)]  # every one (native_stages)
+    biases = [e.bias for e in experts if e.bias is not None]  # gpt-oss: all or none (groupable)
+    for (a, b), bias in zip(bounds, biases):  # each expert's bias on its own rows, as its own call adds it
+        if len(first) == 1:
+            plus_bias(first[0][a:b], bias.gate_up)
+        else:
+            gb, ub = bias.gate_up.chunk(2)
+            plus_bias(first[0][a:b], gb), plus_bias(first[1][a:b], ub)
     if len(first) == 1:  # gate_up: each row is [gate | up]
         gate, up = first[0].chunk(2, dim=-1)
     else:
         gate, up = first
-    act = F.silu(gate) * up  # every row at once: elementwise, the bits each expert's own call gives
+    act = experts[0].glu(gate, up)  # every row at once: elementwise, the bits each expert's own call gives
     y = torch.empty(total, stages[0][1].shape[0], dtype=dtype, device=device)
     gemm_grouped([(down, act[a:b], y[a:b]) for (_, down), (a, b) in zip(stages, bounds)])
+    for (a, b), bias in zip(bounds, biases):
+        plus_bias(y[a:b], bias.down)
     return [y[a:b] for a, b in bounds]

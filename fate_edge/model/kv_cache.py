@@ -38,12 +38,15 @@ class Held:
     * ``mask`` [1, S]: one query over a whole-capacity buffer, True where written (:class:`StaticKV`);
     * ``rows``: one decode query per sequence of a slab, each over its own range (``kv_slab.SlabRows``);
     * ``parts``: a batch of sequences, each part (which query rows: a slice, or an index tensor for a slab's decode
-      rows, first) with what its own state handed back (``batch_step.BatchState``)."""
+      rows, first) with what its own state handed back (``batch_step.BatchState``);
+    * ``kind``: a recurrent layer's state (:class:`RecurrentLayer`): "conv", the convolution's window (its last
+      inputs, then the new rows), or "delta", that window and the DeltaNet matrix to read and overwrite."""
 
     held: tuple[torch.Tensor, ...] = ()
     mask: torch.Tensor | None = None
     rows: RowRanges | None = None
     parts: list[tuple[slice | torch.Tensor, Keys]] | None = None
+    kind: str | None = None
 
 
 # What an update hands back: one sequence's held positions 0 .. S-1 themselves (k and v, or MLA's latent), its T new
@@ -118,12 +121,98 @@ class LayerCache:
         return tuple([b.narrow(2, 0, n) for b in self.buffers])  # a list, not a generator: one frame, not three
 
 
-class KVCache(AttentionState):
-    """One sequence's cache, grown per layer as positions arrive."""
+@dataclass(frozen=True)
+class RecurrentSpec:
+    """A recurrent layer's state shape: ``kind`` "conv" (a causal convolution's last ``kernel - 1`` inputs of
+    ``channels``) or "delta" (those and a float32 matrix ``matrix`` [heads, key dim, value dim])."""
 
-    def __init__(self, num_layers: int, capacity_hint: int = 0):
-        self.layers = [LayerCache() for _ in range(num_layers)]
+    kind: str
+    channels: int
+    kernel: int
+    matrix: tuple[int, int, int] | None = None
+
+
+class RecurrentLayer:
+    """A recurrent layer's state of one sequence, in place of a :class:`LayerCache`: a fixed size, whatever the
+    length. ``append(x)`` (the new convolution inputs [B, channels, T]) folds them into the window and hands back
+    ``Held(kind=...)``: the window [B, channels, kernel - 1 + T] and, for "delta", the matrix [B, heads, dk, dv],
+    which the mixer overwrites with the state after the new rows. Zeros before the first append, as the reference's
+    zero padding. A state is only right at its own length: :meth:`snapshot` keeps it with that length."""
+
+    def __init__(self, spec: RecurrentSpec):
+        self.spec = spec
+        self.conv: torch.Tensor | None = None
+        self.matrix: torch.Tensor | None = None
+        self.length = 0
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        return [t for t in (self.conv, self.matrix) if t is not None]
+
+    @buffers.setter
+    def buffers(self, value: list[torch.Tensor]) -> None:  # a released slab range: the state goes
+        if value:
+            raise ValueError("a recurrent layer's state is not a slab range")
+        self.conv = self.matrix = None
+
+    def append(self, *new: torch.Tensor, capacity_hint: int = 0) -> Held:
+        x = new[0]
+        s = self.spec
+        if self.conv is None:
+            self.conv = x.new_zeros(x.shape[0], s.channels, s.kernel - 1)
+            if s.matrix is not None:
+                self.matrix = x.new_zeros(x.shape[0], *s.matrix, dtype=torch.float32)
+        window = torch.cat([self.conv, x], dim=2)
+        self.conv = window[:, :, window.shape[2] - (s.kernel - 1) :].clone()
+        self.length += x.shape[2]
+        held = (window,) if self.matrix is None else (window, self.matrix)
+        return Held(held, kind=s.kind)
+
+    def snapshot(self) -> tuple[int, list[torch.Tensor]]:
+        return self.length, [t.clone() for t in self.buffers]
+
+    def restore(self, saved: tuple[int, list[torch.Tensor]]) -> None:
+        self.length, tensors = saved
+        self.conv, self.matrix = (tensors + [None, None])[:2] if tensors else (None, None)
+
+
+CacheSnapshot = list[int | tuple[int, list[torch.Tensor]]]
+
+
+class KVCache(AttentionState):
+    """One sequence's cache, grown per layer as positions arrive (``recurrent``: the layers that keep a recurrent
+    state instead, by index)."""
+
+    def __init__(self, num_layers: int, capacity_hint: int = 0, recurrent: dict[int, RecurrentSpec] | None = None):
+        recurrent = recurrent or {}
+        self.layers: list[LayerCache | RecurrentLayer] = [
+            RecurrentLayer(recurrent[i]) if i in recurrent else LayerCache() for i in range(num_layers)
+        ]
         self.capacity_hint = capacity_hint  # positions the request will reach (prompt + answer), 0: unknown
+
+    def snapshot(self) -> CacheSnapshot:
+        """What :meth:`restore` needs to bring the cache back to now: each attention layer's length (its positions
+        past it are simply overwritten later), each recurrent layer's state, copied."""
+        return [lay.snapshot() if isinstance(lay, RecurrentLayer) else lay.length for lay in self.layers]
+
+    def restore(self, saved: CacheSnapshot) -> None:
+        """Back to a :meth:`snapshot` of this cache (an undone step)."""
+        for lay, s in zip(self.layers, saved):
+            if isinstance(lay, RecurrentLayer):
+                assert isinstance(s, tuple)
+                lay.restore(s)
+            else:
+                assert isinstance(s, int)
+                lay.length = s
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` positions (a prompt cache reusing a prefix). A recurrent state holds only its own
+        length: cutting it elsewhere is refused."""
+        for lay in self.layers:
+            if isinstance(lay, RecurrentLayer) and lay.length != n:
+                raise ValueError(f"a recurrent state of {lay.length} positions cannot be cut to {n}")
+        for lay in self.layers:
+            lay.length = min(lay.length, n)
 
     @property
     def length(self) -> int:
@@ -131,11 +220,6 @@ class KVCache(AttentionState):
 
     def update(self, layer: int, *new: torch.Tensor) -> Keys:
         return self.layers[layer].append(*new, capacity_hint=self.capacity_hint)
-
-    def rewind(self, length: int) -> None:
-        """Forget every position from ``length`` on, in every layer (a step undone)."""
-        for layer in self.layers:
-            layer.length = min(layer.length, length)
 
     @property
     def nbytes(self) -> int:

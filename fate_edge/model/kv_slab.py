@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fate_edge.model.kv_cache import AttentionState, Held, KVCache
+from fate_edge.model.kv_cache import AttentionState, Held, KVCache, RecurrentLayer
+from fate_edge.model.recurrent import recurrent_specs
 
 if TYPE_CHECKING:
     from fate_edge.model.transformer import MoETransformer
@@ -28,7 +29,7 @@ class SlabCache(KVCache):
     """A sequence's KV cache held in ``slab`` at positions [offset, offset + capacity)."""
 
     def __init__(self, slab: KVSlab, offset: int, capacity: int):
-        super().__init__(len(slab.buffers), capacity_hint=capacity)
+        super().__init__(len(slab.buffers), capacity_hint=capacity, recurrent=slab.recurrent)
         self.slab = slab
         self.place(offset, capacity)
 
@@ -36,7 +37,8 @@ class SlabCache(KVCache):
         """Hold positions [offset, offset + capacity) of the slab (the layers' buffers are views of them)."""
         self.offset, self.capacity = offset, capacity
         for layer, held in zip(self.layers, self.slab.buffers):
-            layer.buffers = [b[:, :, offset : offset + capacity] for b in held]
+            if not isinstance(layer, RecurrentLayer):  # a recurrent state is the sequence's own, not in the slab
+                layer.buffers = [b[:, :, offset : offset + capacity] for b in held]
 
 
 class KVSlab:
@@ -51,10 +53,14 @@ class KVSlab:
             shapes = [(1, cfg.num_key_value_heads, positions, cfg.head_dim)] * 2
         else:  # MLA's cache: the latent and the rope key side by side, one "head"
             shapes = [(1, 1, positions, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim)]
-        # per layer, what a LayerCache holds (kv_cache.LayerCache.buffers): keys and values, or MLA's latent
+        # per layer, what a LayerCache holds (kv_cache.LayerCache.buffers): keys and values, or MLA's latent; none
+        # for a recurrent layer (its state, a fixed size, is each sequence's own: kv_cache.RecurrentLayer)
+        self.recurrent = recurrent_specs(cfg)
         self.buffers = [
-            [torch.zeros(shape, dtype=model.dtype, device=model.device) for shape in shapes]
-            for _ in range(cfg.num_hidden_layers)
+            []
+            if i in self.recurrent
+            else [torch.zeros(shape, dtype=model.dtype, device=model.device) for shape in shapes]
+            for i in range(cfg.num_hidden_layers)
         ]
         self._free: list[tuple[int, int]] = [(0, positions)]  # (start, length), by start
 

@@ -69,6 +69,13 @@ class LayerPlan:
     router: torch.Tensor | None  # MoE layers
     correction_bias: torch.Tensor | None
     mla: dict[str, Fused] = field(default_factory=dict)  # MLA's projections by name (q_proj, kv_b_proj, ...)
+    sinks: torch.Tensor | None = None  # gpt-oss: each head's sink logit [heads] (attention.sink_attention)
+    router_bias: torch.Tensor | None = None  # gpt-oss: the router's bias [E]
+    # A recurrent mixer's weights (config.mixer: "conv", "linear_attention"; fate_edge.model.recurrent): its input
+    # projections by role, and its other tensors by checkpoint suffix (the convolution's weight [C, 1, K], ...)
+    mixer: str = "attention"
+    mix_in: dict[str, Fused] = field(default_factory=dict)
+    mix: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -78,6 +85,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return F.rms_norm(x, weight.shape, weight, eps)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype == torch.float32:  # held in float32 (Qwen3-Next's 1 + weight): scaled there, rounded once
+        return (h * weight).to(dtype)
     return weight * h.to(dtype)
 
 
@@ -174,7 +183,16 @@ def _are_consecutive_rows(base: torch.Tensor, parts: list[torch.Tensor]) -> bool
 def layer_groups(config: ModelConfig, i: int, n: Any) -> dict[str, list[str]]:
     """The fused linears of decoder layer ``i`` (``n``: its LayerNames), by role."""
     a, groups = n.attn, {"o_proj": [f"{n.attn}.o_proj"]}
-    if config.mla is None:
+    kind = config.mixer(i)
+    if kind == "conv":  # LFM2's short convolution: in_proj [B; C; x], out_proj
+        groups = {"o_proj": [f"{a}.out_proj"], "mix.in_proj": [f"{a}.in_proj"]}
+    elif kind == "linear_attention":  # Qwen3-Next's gated DeltaNet (Qwen3.5: its four input projections as one)
+        groups = {"o_proj": [f"{a}.out_proj"]}
+        for role, names in delta_projections(config).items():
+            groups[f"mix.{role}"] = [f"{a}.{n}" for n in names]
+    elif kind != "attention":
+        raise ValueError(f"layer {i}: unknown token mixer {kind!r}")
+    elif config.mla is None:
         groups["qkv"] = [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"]
     else:  # MLA: each projection alone (latent norms sit between them), in LayerPlan.mla
         m = config.mla
@@ -192,6 +210,13 @@ def layer_groups(config: ModelConfig, i: int, n: Any) -> dict[str, list[str]]:
     return groups
 
 
+def delta_projections(config: ModelConfig) -> dict[str, list[str]]:
+    """A DeltaNet layer's input linears by fused role: Qwen3.5's four as one, Qwen3-Next's two."""
+    if config.delta is not None and config.delta.split_proj:
+        return {"in_proj": ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"]}
+    return {"in_proj_qkvz": ["in_proj_qkvz"], "in_proj_ba": ["in_proj_ba"]}
+
+
 def build_plan(config: ModelConfig, w: Weights, layer_names: list) -> list[LayerPlan]:
     plans = []
     for i, n in enumerate(layer_names):
@@ -207,12 +232,26 @@ def build_plan(config: ModelConfig, w: Weights, layer_names: list) -> list[Layer
                 w.get(f"{n.attn}.kv_a_layernorm.weight" if config.mla else f"{n.attn}.k_norm.weight"),
                 g.get("mlp"),
                 g.get("down"),
-                w[f"{n.mlp}.gate.weight"] if moe else None,
+                w[f"{n.router}.weight"] if moe else None,
                 _correction_bias(w, n.mlp) if moe else None,
                 {role.removeprefix("mla."): f for role, f in g.items() if role.startswith("mla.")},
+                sinks=w.get(f"{n.attn}.sinks"),
+                router_bias=w.get(f"{n.router}.bias") if moe else None,
+                mixer=config.mixer(i),
+                mix_in={role.removeprefix("mix."): f for role, f in g.items() if role.startswith("mix.")},
+                mix=_mixer_tensors(config, w, i, n.attn),
             )
         )
     return plans
+
+
+def _mixer_tensors(config: ModelConfig, w: Weights, i: int, prefix: str) -> dict[str, torch.Tensor]:
+    """A recurrent mixer's tensors other than its linears, by their name under the mixer."""
+    names = {
+        "conv": ["conv.weight", "conv.bias"],
+        "linear_attention": ["conv1d.weight", "dt_bias", "A_log", "norm.weight"],
+    }.get(config.mixer(i), [])
+    return {n: w[f"{prefix}.{n}"] for n in names if f"{prefix}.{n}" in w}
 
 
 def _correction_bias(w: Weights, mlp: str) -> torch.Tensor | None:

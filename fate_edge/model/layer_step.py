@@ -75,7 +75,7 @@ def decoder_layer(path: LayerPath, x: torch.Tensor, layer: int, lp: LayerPlan) -
 def router_block(cfg: ModelConfig, h: torch.Tensor, lp: LayerPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """The layer's router on gate input ``h`` [N, H] → (weights [N, k] float32, expert ids [N, k])."""
     assert lp.router is not None  # an MoE layer
-    logits = F.linear(h if h.dtype == lp.router.dtype else h.to(lp.router.dtype), lp.router)
+    logits = F.linear(h if h.dtype == lp.router.dtype else h.to(lp.router.dtype), lp.router, lp.router_bias)
     return route(cfg, logits, lp.correction_bias)
 
 

@@ -6,6 +6,7 @@
 * ``deepseek_v3``: sigmoid scores; selection on scores + e_score_correction_bias within the top groups
   (ranked by the sum of their two best biased scores); weights from the unbiased scores, optionally
   renormalised, times routed_scaling_factor.
+* ``topk_softmax``: gpt-oss: top-k of the logits (its router has a bias), weights the softmax over those k.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ def route(
         if cfg.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, idx
+    if cfg.router == "topk_softmax":
+        top, idx = torch.topk(logits, k, dim=-1)
+        return top.softmax(dim=-1), idx
     e = logits.shape[-1]
     if cfg.router == "deepseek_v2":
         scores = logits.softmax(dim=-1)
@@ -54,6 +58,6 @@ def route(
         idx = torch.topk(choice, k=k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, idx)
         if cfg.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + cfg.topk_norm_eps)
         return weights * cfg.routed_scaling_factor, idx
     raise ValueError(f"unknown router '{cfg.router}'")

@@ -17,14 +17,13 @@ import torch.nn.functional as F
 
 from fate_edge.model import decode_step
 from fate_edge.model.arch.base import ModelConfig
-from fate_edge.model.attention import gqa
 from fate_edge.model.decoding_model import RoutingObserver, StepRunner
 from fate_edge.model.embedding import embedding_table, lookup
 from fate_edge.model.experts import ExpertProvider, InMemoryExpertProvider
 from fate_edge.model.kv_cache import KVCache
 from fate_edge.model.layer import Fused, LayerPlan, Weights, apply_linear, build_head, build_plan, rms_norm
 from fate_edge.model.layer_step import LayerPath, add_projection, decoder_layer, router_block
-from fate_edge.model.mla import mla
+from fate_edge.model.recurrent import mix, recurrent_specs
 from fate_edge.model.rope import RotaryEmbedding
 from fate_edge.model.routed_experts import provider_moe
 
@@ -47,6 +46,11 @@ class LayerNames:
     mlp: str  # the MoE block or the dense MLP
     input_norm: str
     post_attn_norm: str
+    router: str = ""  # the router's prefix: ``{mlp}.gate`` unless named (gpt-oss: ``{mlp}.router``)
+
+    def __post_init__(self) -> None:
+        if not self.router:
+            self.router = f"{self.mlp}.gate"
 
 
 class MoETransformer:
@@ -129,6 +133,8 @@ class MoETransformer:
                 f = getattr(lp, role)
                 if f is not None:
                     out.setdefault(role, set()).add(_kernel(f.weight))
+            for f in lp.mix_in.values():  # a recurrent mixer's input projections
+                out.setdefault("mix_in", set()).add(_kernel(f.weight))
         out["lm_head"] = {_kernel(self.head.weight)}
         if isinstance(self.experts, InMemoryExpertProvider) and self.experts.experts:
             out["experts"] = {getattr(e, "kernel", "dense") for e in self.experts.experts.values()}
@@ -172,7 +178,7 @@ class MoETransformer:
         return self.runner if isinstance(self.runner, CudaGraphDecode | LayerGraphDecode) else None
 
     def new_cache(self) -> KVCache:
-        return KVCache(self.config.num_hidden_layers)
+        return KVCache(self.config.num_hidden_layers, recurrent=recurrent_specs(self.config))
 
     # --------------------------------------------------------------------- MoE
     def route(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,10 +217,7 @@ class MoETransformer:
         last = len(plan) - 1
 
         def attend(x: torch.Tensor, h: torch.Tensor, i: int, lp: LayerPlan) -> torch.Tensor:
-            if cfg.mla is not None:
-                out = mla(cfg, h, b, t, i, lp, cache, cos, sin)
-            else:
-                out = gqa(cfg, h, b, t, i, lp, cache, cos, sin)
+            out = mix(cfg, h, b, t, i, lp, cache, cos, sin)  # attention, or a recurrent mixer
             x = add_projection(x, out, lp.o_proj)
             if prune and i == last:
                 # The last attention has written every position's keys and values; past it only the last

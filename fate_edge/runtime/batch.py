@@ -66,6 +66,9 @@ class BatchConfig:
     kv_bytes_per_token: int = 0  # one position's keys and values over all layers
     prompt_rows: int = PREFILL_CHUNK  # joining prompts' tokens per step, all together
     idle_timeout: float = 30.0  # seconds a stream may leave tokens unread before its sequence is removed
+    # one sequence's recurrent states (short convolutions, DeltaNet: recurrent.state_bytes), a fixed size drawn from
+    # the same budget: the slab is what the batch's states leave of it
+    state_bytes: int = 0
 
 
 @dataclass
@@ -157,7 +160,7 @@ class Batcher:
         """Check the request (bad input raises here, in the caller's thread) and queue it to join the batch."""
         config = config or GenerateConfig()
         prompt_ids, max_tokens = prepare_prompt(self.model, self.tokenizer, prompt, config)
-        kv = self.config.kv_bytes_per_token * (len(prompt_ids) + max_tokens)
+        kv = self.config.kv_bytes_per_token * (len(prompt_ids) + max_tokens) + self.config.state_bytes
         c = self.config
         if c.kv_budget_bytes and kv > c.kv_budget_bytes:
             raise KVRoomError(
@@ -228,10 +231,11 @@ class Batcher:
             cache.capacity_hint = positions
             return cache
         if self._slab is None:
-            self._slab = KVSlab(self.model, c.kv_budget_bytes // c.kv_bytes_per_token)
+            states = c.state_bytes * c.max_batch  # every sequence's recurrent states, at most, beside the slab
+            self._slab = KVSlab(self.model, max(1, (c.kv_budget_bytes - states) // c.kv_bytes_per_token))
         slab = self._slab.allocate(min(positions, len(seq.prompt_ids) + ANSWER_ROOM))
         if slab is not None:
-            seq.kv_bytes = c.kv_bytes_per_token * slab.capacity
+            seq.kv_bytes = c.kv_bytes_per_token * slab.capacity + c.state_bytes
         return slab
 
     def _room_for(self, seq: BatchSequence) -> bool:
@@ -350,7 +354,7 @@ class Batcher:
         """One forward over ``stepped``. A failed expert read fails only the sequences that need that expert: the
         step is undone (each cache back to its length) and run again one sequence at a time."""
         segments = [seq.segment() for seq in stepped]
-        lengths = [seq.cache.length if seq.cache else 0 for seq in stepped]  # every layer's, before the step
+        saved = [seq.cache.snapshot() if seq.cache else [] for seq in stepped]  # recurrent states copied too
         with self.lock:
             before = self.scheduler.stats.snapshot()
             try:
@@ -362,9 +366,9 @@ class Batcher:
                 if len(stepped) == 1:
                     self._fail(stepped, exc)
                     return
-                for seq, held in zip(stepped, lengths):
-                    if seq.cache is not None:
-                        seq.cache.rewind(held)
+                for seq, held in zip(stepped, saved):
+                    if seq.cache:
+                        seq.cache.restore(held)
                 retry = True
             except BaseException as exc:  # out of memory or a bug: the step's sequences fail, nothing stays
                 self.scheduler.abort()

@@ -28,6 +28,7 @@ from fate_edge.fetch.fetch_engine import BufferPool, FetchEngine
 from fate_edge.fetch.transfer import make_copier
 from fate_edge.format.checkpoint_layout import DTYPES
 from fate_edge.format.store import ExpertStore, decode_expert, is_store
+from fate_edge.model import recurrent
 from fate_edge.model.experts import ExpertProvider
 from fate_edge.runtime.auto_budget import (
     BudgetChoice,
@@ -212,13 +213,9 @@ class Engine:
         if max_batch == 1 or self.trace is not None:
             return None
         per_token = kv_bytes_per_token(self.model.config, self.dtype)
-        return Batcher(
-            self.model,
-            self.tokenizer,
-            self.scheduler,
-            self._lock,
-            BatchConfig(max_batch, self.account.kv_cache, per_token, idle_timeout=self.stream_idle_timeout),
-        )
+        config = BatchConfig(max_batch, self.account.kv_cache, per_token, idle_timeout=self.stream_idle_timeout)
+        config.state_bytes = recurrent.state_bytes(self.model.config, self.dtype)  # each sequence's, if any
+        return Batcher(self.model, self.tokenizer, self.scheduler, self._lock, config)
 
     @property
     def max_batch(self) -> int:

@@ -8,7 +8,7 @@ import torch
 
 from fate_edge.devices.link import ThrottledLink
 from fate_edge.format.checkpoint import CheckpointReader
-from fate_edge.format.checkpoint_experts import CheckpointExpertProvider, ExpertLayout, read_experts
+from fate_edge.format.checkpoint_experts import CheckpointExpertProvider, layouts_of, read_experts
 from fate_edge.format.checkpoint_layout import (
     DTYPES,
     FP32_SUFFIXES,
@@ -21,6 +21,7 @@ from fate_edge.format.file_rows import FileRows
 from fate_edge.format.prequantized import MappedFiles, check_request, covered, in_store, is_float_weight
 from fate_edge.format.store import is_store
 from fate_edge.model.arch import ModelConfig, load_config
+from fate_edge.model.arch.base import OFFSET_NORMS
 from fate_edge.model.embedding import NAME as EMBED_NAME
 from fate_edge.model.embedding import quantize_table
 from fate_edge.model.experts import ExpertProvider
@@ -119,11 +120,15 @@ def load_model(
     names = layer_names(config, reader)
     wanted = resident_weight_names(config, reader)
     resident = _read_resident(config, reader, names, wanted, dtype, device, resident_bits, embedding_bits)
+    if config.norm_offset:  # Qwen3-Next's norms scale by 1 + weight: held as that sum, in float32
+        for name in [n for n in resident if n.endswith(OFFSET_NORMS)]:
+            # kept in float32: the reference scales by (1 + weight) in float32 and rounds once (layer.rms_norm)
+            dict.__setitem__(resident, name, (reader.get(name, torch.float32) + config.norm_offset).to(device))
     for required in required_tensors(config, names):
         if required not in wanted and not covered(reader, required):
             reader.get(required)  # raises MissingTensorError naming the tensor
     if isinstance(experts, str):
-        layouts = {i: ExpertLayout(reader, names[i].mlp) for i in config.moe_layers}
+        layouts = layouts_of(config, reader, names)
         if experts == "memory":
             # bits: resident and quantized in memory (round-to-nearest), each expert as it is read
             spec = expert_spec(config, bits) if bits is not None and bits < 16 else None

@@ -20,6 +20,7 @@ from fate_edge import defaults
 from fate_edge.format.checkpoint import CheckpointReader
 from fate_edge.format.checkpoint_layout import DTYPES, FP32_SUFFIXES, layer_names, resident_weight_names
 from fate_edge.format.prequantized import in_store, is_float_weight
+from fate_edge.model import recurrent
 from fate_edge.model.arch import ModelConfig, load_config
 from fate_edge.model.layer import quantized_group_bytes, resident_groups
 from fate_edge.runtime.generate import PREFILL_CHUNK
@@ -121,13 +122,20 @@ def current_rss_bytes() -> int:
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """KV cache bytes one token takes over all layers (keys and values; MLA: its latent and rope key)."""
+    """KV cache bytes one token takes over all attention layers (keys and values; MLA: its latent and rope key);
+    a recurrent layer's state does not grow with the length (:func:`state_bytes`)."""
     width = torch.empty(0, dtype=dtype).element_size()
     if cfg.mla is not None:
         per_layer = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
     else:
         per_layer = 2 * cfg.num_key_value_heads * cfg.head_dim
-    return cfg.num_hidden_layers * per_layer * width
+    attention = sum(1 for i in range(cfg.num_hidden_layers) if cfg.mixer(i) == "attention")
+    return attention * per_layer * width
+
+
+def state_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """One sequence's recurrent states over all layers (convolution windows, DeltaNet matrices): a fixed size."""
+    return recurrent.state_bytes(cfg, dtype)
 
 
 def buffer_bytes(cfg: ModelConfig, dtype: torch.dtype, tokens: int) -> int:
@@ -208,7 +216,7 @@ def memory_account(
     store_dir = Path(store_dir)
     cfg = load_config(store_dir)
     embed, other, loading, mapped = _weights(store_dir, dtype, resident_bits, embedding_bits)
-    kv = kv_bytes_per_token(cfg, dtype) * max(64, context_tokens)
+    kv = kv_bytes_per_token(cfg, dtype) * max(64, context_tokens) + state_bytes(cfg, dtype)
     return MemoryAccount(
         current_rss_bytes() if runtime is None else runtime,
         embed,

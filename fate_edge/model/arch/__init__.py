@@ -11,12 +11,15 @@ from fate_edge.model.arch.base import MLAConfig, ModelConfig, RopeConfig
 from fate_edge.model.arch.deepseek import DeepseekV2Config, DeepseekV3Config
 from fate_edge.model.arch.ernie4_5_moe import Ernie45MoeConfig
 from fate_edge.model.arch.glm4_moe import Glm4MoeConfig
+from fate_edge.model.arch.gpt_oss import GptOssConfig
+from fate_edge.model.arch.lfm2_moe import Lfm2MoeConfig
 from fate_edge.model.arch.limits import check_config, check_raw_config
 from fate_edge.model.arch.minimax_m2 import MiniMaxM2Config
 from fate_edge.model.arch.mixtral import MixtralConfig
 from fate_edge.model.arch.olmoe import OlmoeConfig
 from fate_edge.model.arch.qwen2_moe import Qwen2MoeConfig
 from fate_edge.model.arch.qwen3_moe import Qwen3MoeConfig
+from fate_edge.model.arch.qwen3_next import Qwen3NextConfig, Qwen35MoeConfig
 from fate_edge.small_files import CONFIG_MAX_BYTES, read_small_text
 
 ARCHITECTURES: dict[str, type[ModelConfig]] = {
@@ -29,6 +32,11 @@ ARCHITECTURES: dict[str, type[ModelConfig]] = {
     "glm4_moe": Glm4MoeConfig,
     "minimax_m2": MiniMaxM2Config,
     "ernie4_5_moe": Ernie45MoeConfig,
+    "gpt_oss": GptOssConfig,
+    "lfm2_moe": Lfm2MoeConfig,
+    "qwen3_next": Qwen3NextConfig,
+    "qwen3_5_moe": Qwen35MoeConfig,
+    "qwen3_5_moe_text": Qwen35MoeConfig,
 }
 
 __all__ = ["ARCHITECTURES", "MLAConfig", "ModelConfig", "RopeConfig", "config_from_dict", "load_config"]

@@ -86,6 +86,32 @@ class MLAConfig:
     v_head_dim: int
 
 
+# The RMSNorms that ModelConfig.norm_offset shifts (not a DeltaNet layer's gated output norm)
+OFFSET_NORMS = (
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "model.norm.weight",
+    "q_norm.weight",
+    "k_norm.weight",
+)
+
+
+@dataclass
+class DeltaNetConfig:
+    """Gated DeltaNet head counts and widths (Qwen3-Next's ``linear_attention`` layers)."""
+
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    # Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a; Qwen3-Next: in_proj_qkvz, in_proj_ba (by key head)
+    split_proj: bool = False
+
+    @property
+    def conv_channels(self) -> int:  # the convolution runs over q, k and v together
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+
 @dataclass
 class ModelConfig:
     model_type: str
@@ -110,8 +136,9 @@ class ModelConfig:
     clip_qkv: float | None = None  # OLMoE clamps q/k/v
     sliding_window: int | None = None
     sliding_window_layers: tuple[int, ...] = ()
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head in each softmax's denominator (self_attn.sinks)
     # Router
-    router: str = "softmax"  # softmax | deepseek_v2 | deepseek_v3
+    router: str = "softmax"  # softmax | deepseek_v2 | deepseek_v3 | topk_softmax (gpt-oss: top-k logits, softmax)
     norm_topk_prob: bool = False
     routed_scaling_factor: float = 1.0
     topk_method: str = "greedy"  # DeepSeek-V2: greedy | group_limited_greedy
@@ -121,7 +148,22 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # 0: none
     shared_expert_gated: bool = False  # Qwen2-MoE: sigmoid(shared_expert_gate(x)) * shared(x)
     dense_layers: tuple[int, ...] = ()  # layers whose MLP is dense instead of MoE
+    # Routed experts of gpt-oss: biases on both matmuls and a clamped SwiGLU, (clamp(up) + 1) * g * sigmoid(alpha g)
+    # with g = gate clamped above at the limit; checkpoint rows [E, H, 2I] with gate and up alternating columns
+    expert_bias: bool = False
+    swiglu_limit: float | None = None  # None: the plain silu(gate) * up
+    swiglu_alpha: float = 1.702
+    experts_interleaved: bool = False
     mla: MLAConfig | None = None
+    # Token mixer per layer (empty: attention everywhere): "attention", "conv" (LFM2's gated short convolution)
+    # or "linear_attention" (Qwen3-Next's gated DeltaNet); see fate_edge.model.recurrent
+    layer_types: tuple[str, ...] = ()
+    conv_kernel: int = 0  # the recurrent layers' causal convolution width (LFM2's L_cache)
+    conv_bias: bool = False
+    delta: DeltaNetConfig | None = None  # "linear_attention" layers' heads
+    attn_output_gate: bool = False  # Qwen3-Next: q_proj gives each head's query then its gate, sigmoid(gate) * out
+    norm_offset: float = 0.0  # Qwen3-Next's RMSNorms scale by 1 + weight (added to the weights at load)
+    topk_norm_eps: float = 1e-20  # added to the top-k sum when renormalising sigmoid weights (LFM2: 1e-6)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
@@ -132,6 +174,15 @@ class ModelConfig:
         """The normalised config of a Hugging Face ``config.json`` dict: each architecture's subclass reads its own."""
         raise NotImplementedError(f"{cls.__name__} does not read Hugging Face configs")
 
+    def mixer(self, layer: int) -> str:
+        """Layer ``layer``'s token mixer: "attention", "conv" or "linear_attention"."""
+        return self.layer_types[layer] if self.layer_types else "attention"
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether some layer keeps a recurrent state (not a KV cache)."""
+        return any(t != "attention" for t in self.layer_types)
+
     def is_moe_layer(self, layer: int) -> bool:
         return layer not in self.dense_layers
 
@@ -141,8 +192,9 @@ class ModelConfig:
 
     @property
     def expert_params(self) -> int:
-        """Parameters of one routed expert (gate, up and down matrices)."""
-        return 3 * self.hidden_size * self.moe_intermediate_size
+        """Parameters of one routed expert (gate, up and down matrices; gpt-oss's biases too)."""
+        bias = 2 * self.moe_intermediate_size + self.hidden_size if self.expert_bias else 0
+        return 3 * self.hidden_size * self.moe_intermediate_size + bias
 
 
 def common_fields(d: dict[str, Any]) -> dict[str, Any]:

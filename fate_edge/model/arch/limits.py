@@ -113,6 +113,25 @@ def check_config(cfg: Any, source: str) -> None:
         )
 
 
+def check_layer_types(types: Any, layers: int, source: str, kinds: tuple[str, ...]) -> None:
+    """``layer_types`` (gpt-oss: which layers attend over a sliding window): one known kind per layer."""
+    if not isinstance(types, list) or len(types) != layers:
+        raise ModelFormatError(
+            f"{source}: 'layer_types' is {_show(types)}; expected a list of {layers} entries (one per layer) of "
+            f"{' / '.join(kinds)}"
+        )
+    for i, kind in enumerate(types):
+        if kind not in kinds:
+            raise ModelFormatError(f"{source}: 'layer_types'[{i}] is {_show(kind)}; expected one of {', '.join(kinds)}")
+
+
+def positive_number(value: Any, where: str) -> float:
+    """``value`` as a float when it is a finite positive number; else one error naming ``where``."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise ModelFormatError(f"{where} is {_show(value)}; expected a positive number")
+    return float(value)
+
+
 def _show(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."

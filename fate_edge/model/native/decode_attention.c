@@ -297,11 +297,12 @@ T256 static void store(const float *in, int n, int dtype, void *out) {
     }
 }
 
-/* Each head's scores s [len8] (len8: length rounded up to 8; the pad holds -inf) → probabilities, in place. */
-T256 static void softmax(float *s, int64_t len8) {
+/* Each head's scores s [len8] (len8: length rounded up to 8; the pad holds -inf) → probabilities, in place. ``sink``:
+   gpt-oss's attention sink, one more logit in the denominator that weighs no value (-inf: none). */
+T256 static void softmax(float *s, int64_t len8, float sink) {
     __m256 mv = _mm256_set1_ps(-INFINITY);
     for (int64_t j = 0; j < len8; j += 8) mv = _mm256_max_ps(_mm256_loadu_ps(s + j), mv); /* a NaN score: skipped */
-    float lanes[8], m = -INFINITY;
+    float lanes[8], m = sink;
     _mm256_storeu_ps(lanes, mv);
     for (int i = 0; i < 8; i++) m = lanes[i] > m ? lanes[i] : m;
     if (m == -INFINITY) m = 0.f; /* every score -inf: the sum is 0 and the output NaN, as torch's is */
@@ -315,6 +316,7 @@ T256 static void softmax(float *s, int64_t len8) {
     _mm256_storeu_ps(lanes, sv);
     float sum = 0.f;
     for (int i = 0; i < 8; i++) sum += lanes[i];
+    if (sink != -INFINITY) sum += expf(sink - m);
     const __m256 inv = _mm256_set1_ps(1.f / sum);
     for (int64_t j = 0; j < len8; j += 8) _mm256_storeu_ps(s + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), inv));
 }
@@ -344,7 +346,7 @@ T256 static void softmax(float *s, int64_t len8) {
     }                                                                                                                \
     for (int h = 0; h < g; h++) {                                                                                    \
         for (int64_t j = length; j < len8; j++) s[(size_t)h * len8 + j] = -INFINITY;                                 \
-        softmax(s + (size_t)h * len8, len8);                                                                         \
+        softmax(s + (size_t)h * len8, len8, sinks ? sinks[h] : -INFINITY);                                           \
         memset(acc + (size_t)h * Dv, 0, sizeof(float) * (size_t)Dv);                                                 \
     }                                                                                                                \
     for (int64_t j0 = 0; j0 < length; j0 += BLOCK) {                                                                 \
@@ -365,7 +367,7 @@ T256 static void softmax(float *s, int64_t len8) {
 
 #define GROUP_ARGS                                                                                                    \
     const char *q, int q_dtype, const char *k, const char *v, int kv_dtype, int64_t kp, int64_t vp, int64_t length, \
-        int g, int Dk, int Dv, float scale, char *out, float *work
+        int g, int Dk, int Dv, float scale, char *out, float *work, const float *sinks
 
 T256 static void group_256(GROUP_ARGS) { GROUP_BODY(widen_256, scores_256, values_256, scores_direct_256, values_direct_256, unsplit_256, 8) }
 T512 static void group_512(GROUP_ARGS) { GROUP_BODY(widen_512, scores_512, values_512, scores_direct_512, values_direct_512, unsplit_512, 16) }
@@ -392,11 +394,12 @@ int fe_attention_set_isa(int isa) {
     return isa < have ? isa : have;
 }
 
-/* Returns 0, -1 for shapes it does not take (the caller uses torch), -2 when out of memory. */
+/* Returns 0, -1 for shapes it does not take (the caller uses torch), -2 when out of memory. ``sinks``: float32 [Hq],
+   each query head's attention sink (gpt-oss), or NULL. */
 int fe_decode_attention(const void *q, int q_dtype, const void *k, const void *v, int kv_dtype, int64_t kb,
                         int64_t kh, int64_t kp, int64_t vb, int64_t vh, int64_t vp, const int64_t *starts,
                         const int64_t *lengths, int64_t length, int R, int Hq, int Hkv, int Dk, int Dv,
-                        float scale, void *out, int threads) {
+                        float scale, void *out, int threads, const float *sinks) {
     if (R <= 0 || Hkv <= 0 || Hq % Hkv || Dk % 8 || Dv % 8 || Dk <= 0 || Dv <= 0) return -1;
     const int g = Hq / Hkv, tasks = R * Hkv;
     int64_t longest = 0, work = 0;
@@ -428,10 +431,11 @@ int fe_decode_attention(const void *q, int q_dtype, const void *k, const void *v
                 const char *kr = (const char *)k + kvsize * (size_t)(r * kb + h * kh + first * kp);
                 const char *vr = (const char *)v + kvsize * (size_t)(r * vb + h * vh + first * vp);
                 char *o = (char *)out + qsize * ((size_t)r * Hq + (size_t)h * g) * Dv;
+                const float *sk = sinks ? sinks + (size_t)h * g : NULL; /* this kv head's query heads' sinks */
                 if (wide)
-                    group_512(qr, q_dtype, kr, vr, kv_dtype, kp, vp, n, g, Dk, Dv, scale, o, buf);
+                    group_512(qr, q_dtype, kr, vr, kv_dtype, kp, vp, n, g, Dk, Dv, scale, o, buf, sk);
                 else
-                    group_256(qr, q_dtype, kr, vr, kv_dtype, kp, vp, n, g, Dk, Dv, scale, o, buf);
+                    group_256(qr, q_dtype, kr, vr, kv_dtype, kp, vp, n, g, Dk, Dv, scale, o, buf, sk);
             }
         }
         free(buf);
