@@ -388,6 +388,7 @@ class Scheduler(ExpertProvider):
                 ready = [e for e, f in pending.items() if f.req.done.is_set()]
                 if not ready:
                     t0 = time.perf_counter()
+                    self._free_staging()
                     with self.fetch.completed:
                         if not any(f.req.done.is_set() for f in pending.values()):
                             self.fetch.completed.wait(timeout=0.05)
@@ -464,6 +465,13 @@ class Scheduler(ExpertProvider):
         self._count_use(layer, 1 if f.prefetched else 2)
         self.stats.low_precision += int(low)
         return expert
+
+    def _free_staging(self) -> None:
+        """Give back the staging buffers whose copies to the device have landed, while a layer waits for reads: the
+        readers need them. With every buffer still copying, wait for the oldest copy (a DMA, bounded) rather than
+        for a read that no reader can start without a buffer (the layer would block forever)."""
+        if self.copier.in_flight and self.copier.poll() and self.fetch.pool.available == 0:
+            self.copier.wait_oldest()
 
     def _hand_off(self, key: Key, f: _Fetch, expert: object) -> bool:
         """Zero-copy: if the cache admits ``expert`` (decoded in its read buffer; charged the whole buffer), keep the
