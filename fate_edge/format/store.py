@@ -30,7 +30,7 @@ from fate_edge.format.blob import ALIGN, BlobRef
 from fate_edge.format.store_files import STORE_FILE
 from fate_edge.model.experts import ExpertWeights, QuantizedExpert
 from fate_edge.quant import PackedQuantized, Quantized, QuantSpec, pack
-from fate_edge.quant.linear import QuantizedLinear, default_kernel, int4_kernel_layout
+from fate_edge.quant.linear import QuantizedLinear, default_kernel, host_int4_block_rows, int4_kernel_layout
 from fate_edge.quant.methods import quantize_with
 from fate_edge.small_files import read_small_text
 
@@ -58,7 +58,9 @@ class Part:
 #   portable  packed codes (low nibble first) + scale and zero per group, fp16 (or fp32 where a source's own
 #             scales are exact only in fp32: a GGUF's q4_K): any device, any kernel.
 #   cpu-int4  torch's CPU int4 kernel layout (codes pre-packed by _convert_weight_to_int4pack_for_cpu,
-#             bf16 scale/zero pairs [K/g, N, 2]): same bytes, but decoding is a view, not a repack.
+#             bf16 scale/zero pairs [K/g, N, 2]): same bytes, but decoding is a view, not a repack. The packer's
+#             block order depends on the converting CPU (64 rows with AVX-512, 32 with AVX2 and ARM): the
+#             precision records it (int4_block_rows) and a CPU of the other order re-packs on decode.
 LAYOUTS = ("portable", "cpu-int4")
 SCALE_DTYPES = {"portable": ("float16", "float32"), "cpu-int4": ("bfloat16",)}  # the first: a store's default
 
@@ -72,6 +74,7 @@ class Precision:
     spec: QuantSpec | None  # None for bf16
     layout: str = "portable"
     scale_dtype: str = ""  # of the scale and zero parts; "": the layout's default (what stores without it hold)
+    block_rows: int = 0  # cpu-int4: rows per block of the packer that wrote it (64 or 32); 0 elsewhere
 
     def __post_init__(self) -> None:
         allowed = SCALE_DTYPES.get(self.layout, ("float16",))
@@ -102,6 +105,8 @@ class Precision:
                 layout=self.layout,
                 scale_dtype=self.scale_dtype,
             )
+        if self.layout == "cpu-int4":
+            d["int4_block_rows"] = self.block_rows
         return d
 
     @classmethod
@@ -109,7 +114,8 @@ class Precision:
         spec = QuantSpec(d["bits"], d["group_size"], d.get("asymmetric", True)) if d["bits"] < 16 else None
         parts = [Part(p["name"], p["offset"], p["nbytes"], p["dtype"], tuple(p["shape"])) for p in d["parts"]]
         layout = d.get("layout", "portable")
-        return cls(d["bits"], d["file"], d["blob_bytes"], parts, spec, layout, d.get("scale_dtype", ""))
+        rows = d.get("int4_block_rows", 0)
+        return cls(d["bits"], d["file"], d["blob_bytes"], parts, spec, layout, d.get("scale_dtype", ""), rows)
 
 
 def plan_parts(
@@ -164,7 +170,9 @@ def encode_expert(
             tensors[f"{m}.weight"] = mat.to(torch.bfloat16)
         elif precision.layout == "cpu-int4":
             q = mat if isinstance(mat, Quantized) else quantize_with(method, mat, precision.spec, work)
-            tensors[f"{m}.packed"], tensors[f"{m}.scale_zero"] = int4_kernel_layout(q, precision.spec)
+            tensors[f"{m}.packed"], tensors[f"{m}.scale_zero"] = int4_kernel_layout(
+                q, precision.spec, rows=precision.block_rows
+            )
         else:
             if isinstance(mat, PackedQuantized):  # packed already, as pack() below would
                 q, tensors[f"{m}.codes"] = mat, mat.packed
@@ -214,7 +222,7 @@ def decodes_to_views(precision: Precision) -> bool:
     if spec is None:
         return False
     if precision.layout == "cpu-int4":
-        return True
+        return precision.block_rows == host_int4_block_rows()  # another CPU's block order: re-packed, not viewed
     codes = [p.shape for p in precision.parts if p.name.endswith(".codes")]
     return (
         spec.storage_bits == 4
@@ -287,7 +295,9 @@ def decode_expert(
     spec = precision.spec
     if precision.layout == "cpu-int4":  # on another device, re-packed there for its kernel (one store, any device)
         lins = [
-            QuantizedLinear.from_cpu_kernel_layout(t[f"{m}.packed"], t[f"{m}.scale_zero"], spec, device)
+            QuantizedLinear.from_cpu_kernel_layout(
+                t[f"{m}.packed"], t[f"{m}.scale_zero"], spec, device, rows=precision.block_rows
+            )
             for m in MATRICES
         ]
         return QuantizedExpert(*lins)
@@ -336,6 +346,22 @@ def _check_scale_dtype(d: dict, where: str, index_path: Path) -> None:
         )
 
 
+def _check_block_rows(d: dict, where: str, index_path: Path) -> None:
+    """A cpu-int4 precision's block order (64 or 32 rows, the converting CPU's). Stores written before it was
+    recorded are refused: their bytes decode wrong on a CPU of the other order while every checksum passes, and
+    nothing in them says which order they hold (docs/quantization.md)."""
+    if d.get("layout") != "cpu-int4":
+        return
+    rows = d.get("int4_block_rows")
+    if rows is None:
+        raise ModelFormatError(
+            f"{index_path}: its cpu-int4 experts do not record the CPU block order they were packed in (a store "
+            "from before fate-edge recorded it), so they may decode wrong on this CPU; re-run fate-edge convert"
+        )
+    if rows not in (32, 64) or isinstance(rows, bool):
+        raise _damaged(index_path, f"field {where}.int4_block_rows is {rows!r}, not 64 or 32")
+
+
 def _damaged(index_path: Path, what: str) -> ModelFormatError:
     return ModelFormatError(f"{index_path}: {what}; the file is damaged, re-run fate-edge convert")
 
@@ -370,6 +396,7 @@ def _check_index(index: dict, index_path: Path) -> None:
                 )
         if d["bits"] < 16:
             _check_scale_dtype(d, f"precisions.{bits}", index_path)
+            _check_block_rows(d, f"precisions.{bits}", index_path)
     for bits, entries in index["experts"].items():
         if bits not in index["precisions"] or not isinstance(entries, list):
             raise ModelFormatError(
