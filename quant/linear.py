@@ -148,12 +148,15 @@ class QuantizedLinear:
         device = torch.device(device)
         foreign = device.type == "cpu" and rows not in (0, host_int4_block_rows())
         if device.type == "cpu" and kernel in (None, "torch-int4"):
-            if foreign:
-                packed = pack_int4_cpu(unpack_int4_cpu(packed, rows))
+            if foreign:  # re-packed: the scales copied out too, or their view keeps the whole blob alive
+                return cls.from_kernel_layout(pack_int4_cpu(unpack_int4_cpu(packed, rows)), scale_zero.clone(), spec)
             return cls.from_kernel_layout(packed, scale_zero, spec)
         shape = (packed.shape[0], packed.shape[1] * 2)
         codes = unpack_int4_cpu(packed.to(device), rows)  # c' = c + shift, tinygemm's convention: (c' - 8) * s + z'
+        # The codes are re-packed: the scales must not stay a view of the blob, or they keep all of it alive
         sz = scale_zero.to(device)
+        if sz.untyped_storage().nbytes() > sz.numel() * sz.element_size():
+            sz = sz.clone()
         if kernel is None:
             kernel = "torch-int4" if int4_supported(shape, spec, device) else "dequant"
         KERNEL_CHOICES[(spec.bits, shape, device.type)] = kernel

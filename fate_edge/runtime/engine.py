@@ -45,6 +45,7 @@ from fate_edge.runtime.compute_dtype import resolve_dtype
 from fate_edge.runtime.engine_config import EngineConfig, PolicyChoice, Trace, plan_policy, resolve_device
 from fate_edge.runtime.exit_close import close_at_exit, closed
 from fate_edge.runtime.generate import GenerateConfig, GenerationResponse, stream_from_model
+from fate_edge.runtime.held_bytes import held_bytes
 from fate_edge.runtime.load_threads import in_own_thread
 from fate_edge.runtime.loader import load_model
 from fate_edge.runtime.memory_account import available_memory_bytes, kv_bytes_per_token, memory_account, shortfall
@@ -274,7 +275,9 @@ class Engine:
         with open(ref.path, "rb") as f:
             f.seek(ref.offset)
             blob = f.read(ref.length)
-        return decode_expert(memoryview(bytearray(blob)), self.store.precisions[bits], self.dtype).nbytes
+        # decoded where it will run (a CUDA expert's kernel layout is not a CPU decode's), charged what it holds
+        expert = decode_expert(memoryview(bytearray(blob)), self.store.precisions[bits], self.dtype, self.device)
+        return max(expert.nbytes, held_bytes(expert))
 
     def _plan_budget(self, max_inflight: int) -> BudgetPlan:
         p, cfg = self.policy, self.model.config

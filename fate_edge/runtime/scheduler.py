@@ -27,6 +27,7 @@ from fate_edge.model.arch.base import ModelConfig
 from fate_edge.model.experts import Expert, ExpertProvider
 from fate_edge.predictors.base import Predictor
 from fate_edge.runtime.cache import AccessInfo, ExpertCache
+from fate_edge.runtime.held_bytes import held_bytes
 from fate_edge.runtime.policy import PolicyConfig
 from fate_edge.runtime.prefetch_choice import gate_candidates, plan_prefetches, prefetch_width, ranked, room_ahead
 from fate_edge.runtime.prefetch_gate import PrefetchGate
@@ -446,7 +447,9 @@ class Scheduler(ExpertProvider):
             # The staging buffer goes back to the pool only once the copy out of it has completed.
             self.copier.release_after(event, partial(self.fetch.release, f.req))
             expert = decode_expert(blob, self.store.precisions[f.bits], self.dtype)
-            if self.cache is not None and not low and self._admit(key, expert, expert.nbytes, f.bits):
+            # charged what it holds: a view in it keeps its whole base (the uploaded blob) alive
+            held = max(expert.nbytes, held_bytes(expert))
+            if self.cache is not None and not low and self._admit(key, expert, held, f.bits):
                 self.cache.pin(key)
                 self.in_use.append(key)
         self._evicted.clear()  # buffers of evicted experts not reused here are freed with their last user
