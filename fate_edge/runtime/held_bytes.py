@@ -50,3 +50,16 @@ def pinned_held_bytes(nbytes: int) -> int:
 def own_storage(t: torch.Tensor) -> torch.Tensor:
     """``t``, copied into storage of its own where it is a view of a larger one (so it does not keep the rest)."""
     return t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t
+
+
+def entry_bytes(store: Any, layer: int, bits: int, dtype: torch.dtype, device: str) -> int:
+    """Bytes one cached expert of ``store`` at ``bits`` holds on ``device``: decoded where it will run (a CUDA
+    expert's kernel layout is not a CPU decode's), charged what it holds (:func:`held_bytes`)."""
+    from fate_edge.format.store import decode_expert
+
+    ref = store.ref(layer, 0, bits)
+    with open(ref.path, "rb") as f:
+        f.seek(ref.offset)
+        blob = f.read(ref.length)
+    expert = decode_expert(memoryview(bytearray(blob)), store.precisions[bits], dtype, device)
+    return max(expert.nbytes, held_bytes(expert))
