@@ -77,3 +77,24 @@ def test_a_layer_with_every_staging_buffer_in_flight_still_gets_its_reads(store)
         assert sorted(served) == [0, 1, 2]
         sched.copier.drain()
         assert pool.available == pool.count  # every buffer back in the pool
+
+
+def test_the_reader_cpu_gate_is_off_where_a_gpu_computes(store):
+    """fate-edge's prefetch gate weighs a read's reader CPU against the CPU compute it delays; on a GPU the compute
+    is not the CPU's, so the width comes from the measured layer and read times alone."""
+    config = load_config(store)
+    experts = ExpertStore(store)
+    policy = get_policy("fate-edge")
+    assert policy.prefetch_gate
+    pool = BufferPool(4, experts.precisions[policy.bits].slot_bytes)
+
+    class GPUCopier(DMACopier):
+        device = torch.device("cuda")
+
+    with FetchEngine(pool, workers=1) as fetch:
+        widths = []
+        for copier in (DMACopier(), GPUCopier()):
+            sched = Scheduler(config, experts, fetch, None, policy, copier=copier)
+            sched._layer_time, sched._read_bw = 5e-3, 2e9  # measured: a read lands well within a layer
+            widths.append(sched._width())
+        assert widths == [0, policy.max_prefetch_width]  # CPU: shut until reads are costed; GPU: the times' width

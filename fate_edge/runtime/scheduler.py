@@ -182,6 +182,8 @@ class Scheduler(ExpertProvider):
         self._sequences = 1  # sequences in the forward pass under way: a batched decode step routes one row each
         # Prefetch gate (fate-edge): per prediction rank, evidence of whether a read would pay.
         self.gate = PrefetchGate(max(policy.max_prefetch_width, config.num_experts_per_tok))
+        # The gate weighs a read's reader CPU against the compute it delays: on a GPU the compute is not the CPU's
+        self._gate = policy.prefetch_gate and self.copier.device.type == "cpu"
         self._contention = reader_contention(torch.get_num_threads(), fetch.workers)
         self._predict_cost = 0.0  # EMA of one layer call's predictor + prefetch planning seconds
 
@@ -280,7 +282,7 @@ class Scheduler(ExpertProvider):
         p = self.policy
         per_read = self.store.expert_bytes(p.bits) / self._read_bw if self._read_bw > 0 else 0.0
         width = prefetch_width(p, self.config.num_experts_per_tok, self._layer_time, per_read)
-        if p.prefetch_gate and self._layer_time > 0 and per_read > 0:
+        if self._gate and self._layer_time > 0 and per_read > 0:
             return self._gated(width, per_read)
         return width
 
@@ -294,7 +296,7 @@ class Scheduler(ExpertProvider):
 
     def _should_predict(self, prompt: bool, width: int) -> bool:
         """Always in prefill and for ungated policies; with the gate shut, one layer call in 8."""
-        if prompt or not self.policy.prefetch_gate:
+        if prompt or not self._gate:
             return True
         return self.gate.should_predict(shut=width == 0)
 
