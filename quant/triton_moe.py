@@ -204,6 +204,25 @@ def _kernel(interpret: bool) -> Any:
     return triton.jit(_body)
 
 
+@dataclass
+class MoEScratch:
+    """The kernel's working memory: the partial rows, the finish counter (the last program resets it to 0, so it is
+    zeroed once), and the output."""
+
+    part: torch.Tensor  # [k * INTER / block_i, H] float32
+    count: torch.Tensor  # [1] int32, 0 between launches
+    out: torch.Tensor  # [H] float32
+
+    @classmethod
+    def for_layout(cls, layout: Int4MoELayout, k: int, block_i: int, device: torch.device) -> MoEScratch:
+        rows = k * (layout.inter // block_i)
+        return cls(
+            torch.empty(rows, layout.hidden, dtype=torch.float32, device=device),
+            torch.zeros(1, dtype=torch.int32, device=device),
+            torch.empty(layout.hidden, dtype=torch.float32, device=device),
+        )
+
+
 def moe_int4(
     x: torch.Tensor,
     slab: torch.Tensor,
@@ -212,12 +231,14 @@ def moe_int4(
     layout: Int4MoELayout,
     block_i: int | None = None,
     block_h: int = 64,
+    scratch: MoEScratch | None = None,
 ) -> torch.Tensor:
     """One token's routed experts: ``Σ_e weights[e] · expert_e(x)`` in float32 [H], the experts read from
     ``slab`` (uint8, slot ``slots[e]`` at ``slots[e] * layout.slot_bytes``) in place.
 
     ``x`` [H] (any float dtype), ``slots`` and ``weights`` [k] in expert-id order (the sum follows it).
-    ``block_i``: intermediate rows a program computes (divides the group; default the group, at most 64)."""
+    ``block_i``: intermediate rows a program computes (divides the group; default the group, at most 64).
+    ``scratch``: buffers kept from call to call (a captured graph's: the launch is then the only kernel), else new."""
     if triton is None:
         raise RuntimeError("the Triton int4 MoE kernel needs triton; install fate-edge[test] or triton")
     h, inter, g = layout.hidden, layout.inter, layout.group
@@ -227,10 +248,10 @@ def moe_int4(
         raise ValueError(f"blocks {block_i}/{block_h} do not tile the expert {inter}x{h} (group {g})")
     k = slots.numel()
     n_ib = inter // block_i
-    dev = x.device
-    part = torch.empty(k * n_ib, h, dtype=torch.float32, device=dev)
-    count = torch.zeros(1, dtype=torch.int32, device=dev)
-    out = torch.empty(h, dtype=torch.float32, device=dev)
+    scratch = scratch or MoEScratch.for_layout(layout, k, block_i, x.device)
+    part, count, out = scratch.part, scratch.count, scratch.out
+    if part.shape[0] < k * n_ib or out.numel() != h:
+        raise ValueError(f"scratch for {part.shape[0]} partial rows of {out.numel()}, need {k * n_ib} of {h}")
     kernel = _kernel(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
     kernel[(k, n_ib)](
         x.contiguous(),
