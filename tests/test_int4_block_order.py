@@ -114,3 +114,16 @@ def test_resident_weights_in_torchs_layout_record_their_order_too(monkeypatch):
     dict.__delitem__(w, "a.int4_block_rows")
     with pytest.raises(ModelFormatError, match="block order.*re-run fate-edge convert"):
         layer._quantized(w, "a")
+
+
+def test_the_store_cache_keys_torchs_layout_by_its_order(monkeypatch, bundled_dir):
+    """A cached store in torch's layout from before the record is refused at open: the cache key names the order,
+    so the default path converts again under a new key instead of failing."""
+    from fate_edge.format import converted_stores
+
+    monkeypatch.setattr(converted_stores, "native_is_default", lambda: False)
+    paths = set()
+    for rows in (64, 32):
+        monkeypatch.setattr(converted_stores, "host_int4_block_rows", lambda rows=rows: rows)
+        paths.add(converted_stores.cached_store_path(bundled_dir))
+    assert len(paths) == 2
