@@ -127,3 +127,13 @@ def test_the_store_cache_keys_torchs_layout_by_its_order(monkeypatch, bundled_di
         monkeypatch.setattr(converted_stores, "host_int4_block_rows", lambda rows=rows: rows)
         paths.add(converted_stores.cached_store_path(bundled_dir))
     assert len(paths) == 2
+
+
+def test_convert_refuses_torchs_layout_where_its_order_is_unknown(monkeypatch, bundled_dir, tmp_path):
+    from fate_edge.errors import FateEdgeError
+
+    monkeypatch.setattr(convert_module, "host_int4_block_rows", lambda: 0)  # a packer matching neither order
+    opts = ConvertOptions.full(bits=4, keep_bf16=False, layout="cpu-int4")
+    with pytest.raises(FateEdgeError, match="neither block order.*--layout portable"):
+        convert(bundled_dir, tmp_path / "s", opts, progress=False)
+    assert not (tmp_path / "s").exists()

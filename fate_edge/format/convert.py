@@ -152,6 +152,11 @@ def _precisions(cfg, opts: ConvertOptions) -> list[Precision]:
         layout = "cpu-int4" if bits == opts.bits and wants_kernel_layout and native else "portable"
         parts, nbytes = plan_parts(bits, spec, h, inter, layout)
         rows = host_int4_block_rows() if layout == "cpu-int4" else 0  # the order this CPU's packer writes
+        if layout == "cpu-int4" and not rows:  # neither known order: no other CPU could tell how to read it
+            raise FateEdgeError(
+                "torch's CPU int4 packer here writes neither block order fate-edge knows (64 or 32 rows); "
+                "use --layout portable"
+            )
         out.append(Precision(bits, f"experts-{bits}.bin", nbytes, parts, spec, layout, block_rows=rows))
     return out
 
