@@ -32,11 +32,13 @@ torch.save(first, sys.argv[2])
 """
 
 
-def _interpreted(tmp_path, **args) -> torch.Tensor:
-    """``moe_int4(**args)`` under Triton's interpreter, in a process of its own: Triton reads TRITON_INTERPRET when
-    triton.language is imported, which another test (or torch) may have done here already."""
+def _interpreted(tmp_path, interpret: bool = True, **args) -> torch.Tensor:
+    """``moe_int4(**args)`` under Triton's interpreter (or compiled for the GPU), in a process of its own: Triton
+    reads TRITON_INTERPRET when triton.language is imported, which another test (or torch) may have done here."""
     torch.save(args, tmp_path / "args.pt")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | (
+        {"TRITON_INTERPRET": "1"} if interpret else {}
+    )
     run = subprocess.run(
         [sys.executable, "-c", _CHILD, str(tmp_path / "args.pt"), str(tmp_path / "out.pt")],
         env=env,
@@ -45,7 +47,7 @@ def _interpreted(tmp_path, **args) -> torch.Tensor:
         timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    return torch.load(tmp_path / "out.pt")
+    return torch.load(tmp_path / "out.pt").cpu()
 
 
 @pytest.fixture(scope="module", params=[(4, True, "float16"), (4, False, "float32")], ids=["asym-fp16", "sym-fp32"])
@@ -131,3 +133,19 @@ def test_the_kernel_refuses_a_layout_it_does_not_read(tmp_path, bundled_dir):
     convert(bundled_dir, out, ConvertOptions.full(bits=4, keep_bf16=False, layout="cpu-int4"), progress=False)
     with pytest.raises(ValueError, match="portable blobs of 4-bit codes.*--layout portable"):
         Int4MoELayout.of(ExpertStore(out).precisions[4])
+
+
+@pytest.mark.gpu
+def test_the_kernel_compiled_for_the_gpu_matches_the_reference(store, tmp_path):
+    """The same launch compiled for CUDA (scripts/gpu_check.sh runs it where a GPU is lent)."""
+    blobs, prec = _blobs(store, 3, [0, 7, 11, 15])
+    layout = Int4MoELayout.of(prec)
+    slab = torch.zeros(4, layout.slot_bytes, dtype=torch.uint8)
+    slots = torch.tensor([2, 0, 3, 1])
+    for s, blob in zip(slots.tolist(), blobs):
+        slab[s, : blob.numel()] = blob
+    x = torch.randn(192, generator=torch.Generator().manual_seed(5))
+    w = torch.softmax(torch.randn(4, generator=torch.Generator().manual_seed(6)), 0)
+    args = {"x": x.cuda(), "slab": slab.cuda(), "slots": slots.cuda(), "weights": w.cuda()}
+    got = _interpreted(tmp_path, interpret=False, **args, layout=layout, block_i=32)
+    torch.testing.assert_close(got, _reference(blobs, prec, w, x), rtol=1e-4, atol=1e-4)
