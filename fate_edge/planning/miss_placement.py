@@ -1,4 +1,4 @@
-"""Where a missed expert is computed on a discrete GPU: copied to the device, or run on the CPU (issue 59, item 6).
+"""Where a missed expert is computed on a discrete GPU: copied to the device, or run on the CPU.
 
 A miss the host holds (the pinned host tier) can be copied over the link and computed on the GPU, or computed where
 it lies, on the CPU's int4 kernel, with only the token's hidden state sent across and the output sent back

@@ -1,4 +1,4 @@
-"""Fixed expert slots and a (layer, expert) → slot table that a captured graph can index (issue 59, item 4).
+"""Fixed expert slots and a (layer, expert) → slot table that a captured graph can index.
 
 For one CUDA graph per token under a budget, the cache's memory is a slab of fixed slots (one expert blob each,
 as the store holds it) and a table [MoE layers, experts] of int32 slot numbers (-1: not cached). Inside the graph
