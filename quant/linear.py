@@ -137,17 +137,26 @@ class QuantizedLinear:
         spec: QuantSpec,
         device: torch.device | str,
         kernel: str | None = None,
+        rows: int = 0,
     ) -> QuantizedLinear:
         """Weights stored in torch's CPU int4 layout (a store converted on a CPU host), for any ``device``: on the
         CPU a view (:meth:`from_kernel_layout`); elsewhere the codes are unpacked where the bytes are and packed for
         that device's kernel (CUDA's tinygemm takes the same [K/g, N, 2] scale and zero), or dequantized. The codes
-        and scales are the stored numbers: no second rounding."""
+        and scales are the stored numbers: no second rounding. ``rows``: the block order the bytes were written in
+        (64 or 32, :func:`host_int4_block_rows` of the converting CPU; 0: this CPU's); on a CPU of another order the
+        codes are re-packed in this one's."""
         device = torch.device(device)
+        foreign = device.type == "cpu" and rows not in (0, host_int4_block_rows())
         if device.type == "cpu" and kernel in (None, "torch-int4"):
+            if foreign:  # re-packed: the scales copied out too, or their view keeps the whole blob alive
+                return cls.from_kernel_layout(pack_int4_cpu(unpack_int4_cpu(packed, rows)), scale_zero.clone(), spec)
             return cls.from_kernel_layout(packed, scale_zero, spec)
         shape = (packed.shape[0], packed.shape[1] * 2)
-        codes = unpack_int4_cpu(packed.to(device))  # c' = c + shift, the tinygemm convention: (c' - 8) * s + z'
+        codes = unpack_int4_cpu(packed.to(device), rows)  # c' = c + shift, tinygemm's convention: (c' - 8) * s + z'
+        # The codes are re-packed: the scales must not stay a view of the blob, or they keep all of it alive
         sz = scale_zero.to(device)
+        if sz.untyped_storage().nbytes() > sz.numel() * sz.element_size():
+            sz = sz.clone()
         if kernel is None:
             kernel = "torch-int4" if int4_supported(shape, spec, device) else "dequant"
         KERNEL_CHOICES[(spec.bits, shape, device.type)] = kernel
@@ -215,15 +224,16 @@ class QuantizedLinear:
 
 
 def int4_kernel_layout(
-    q: Quantized, spec: QuantSpec, device: torch.device | str = "cpu"
+    q: Quantized, spec: QuantSpec, device: torch.device | str = "cpu", rows: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q`` in torch's tinygemm int4 layout on ``device``: (packed codes, ``scale_zero`` [K/g, N, 2] bf16)."""
+    """``q`` in torch's tinygemm int4 layout on ``device``: (packed codes, ``scale_zero`` [K/g, N, 2] bf16); on the
+    CPU in blocks of ``rows`` (0: this CPU's, :func:`host_int4_block_rows`)."""
     device = torch.device(device)
     # Centre narrower codes in the 4-bit slot (int2: 6..9, int3: 4..11) so zero' below is the group's
     # midpoint, small for centred weights: its bf16 rounding then costs ~2**-9 of a weight, not of 8 scales.
     shift = 8 - (spec.qmax + 1) // 2
     if device.type == "cpu":
-        packed = pack_int4_cpu(q.codes + shift if shift else q.codes)
+        packed = pack_int4_cpu(q.codes + shift if shift else q.codes, rows)
     else:
         codes = q.codes.to(device=device, dtype=torch.int32) + shift
         packed = torch._convert_weight_to_int4pack((codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8), _INT4_TILES)
@@ -235,14 +245,25 @@ def int4_kernel_layout(
     return packed, sz.transpose(0, 1).contiguous().to(device=device, dtype=torch.bfloat16)
 
 
-def pack_int4_cpu(codes: torch.Tensor) -> torch.Tensor:
+def host_int4_block_rows() -> int:
+    """Rows per block of torch's CPU int4 layout on this CPU: 64 with AVX-512, 32 with AVX2 and ARM. A store in
+    that layout records the order it was written in (store.Precision.block_rows): another CPU re-packs."""
+    return _block_rows(128, 128)
+
+
+def pack_int4_cpu(codes: torch.Tensor, rows: int = 0) -> torch.Tensor:
     """uint8 codes [N, K] (< 16) → the bytes of ``torch._convert_weight_to_int4pack_for_cpu``, computed faster.
 
     torch's packer walks the matrix one code at a time from an int32 copy. Its layout is, per block of B rows
     (B = 64 with AVX-512, 32 with AVX2), byte ``k * B/2 + j`` = row ``j`` | row ``j + B/2`` << 4 (column ``k``):
     a block-wise transpose that vectorised ops build directly. A last partial block is left to torch's packer.
-    The layout is checked against torch's packer once per shape on random codes; no match, torch packs."""
+    The layout is checked against torch's packer once per shape on random codes; no match, torch packs.
+    ``rows``: the block order to write (another CPU's, whole blocks only); 0: this CPU's."""
     n, k = codes.shape
+    if rows and rows != host_int4_block_rows():
+        if n % rows:
+            raise ValueError(f"pack_int4_cpu: a {n}x{k} matrix is not whole blocks of {rows} rows")
+        return _block_pack(codes, rows)
     rows = _block_rows(n, k)
     if not rows:
         return torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), _INT4_TILES)
@@ -296,11 +317,11 @@ def default_kernel(shape: tuple[int, int], spec: QuantSpec, device: torch.device
     return "torch-int4" if int4_supported(shape, spec, device) else "dequant"
 
 
-def unpack_int4_cpu(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack_int4_cpu`: torch's CPU int4 layout [N, K/2] → codes uint8 [N, K] (to re-lay out a
-    store written for torch's kernel). Whole blocks of the layout's rows only; another shape raises."""
+def unpack_int4_cpu(packed: torch.Tensor, rows: int = 0) -> torch.Tensor:
+    """Inverse of :func:`pack_int4_cpu`: torch's CPU int4 layout [N, K/2] in blocks of ``rows`` (0: this CPU's) →
+    codes uint8 [N, K] (to re-lay out a store written for torch's kernel). Whole blocks only; another shape raises."""
     n, k = packed.shape[0], packed.shape[1] * 2
-    rows = _block_rows(n, k)
+    rows = rows or _block_rows(n, k)
     if not rows or n % rows:
         raise ValueError(f"unpack_int4_cpu: a {n}x{k} matrix is not whole blocks of torch's CPU int4 layout")
     pairs = packed.reshape(n // rows, k, rows // 2).transpose(1, 2)  # [NB, B/2, K]: row j | row j + B/2 << 4

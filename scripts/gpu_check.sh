@@ -33,7 +33,7 @@ py=python3
   export PYTHONPATH="$site"
   # -P: never import the source tree from the current directory (its side folders install under fate_edge.*)
   $py -P -c "import fate_edge, fastapi, isal; print('fate-edge', fate_edge.__version__, 'from', fate_edge.__file__)" || exit 1
-  echo "== GPU tests"; timeout 150 $py -P -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_transfer.py
+  echo "== GPU tests"; timeout 240 $py -P -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_transfer.py tests/test_triton_moe.py tests/test_staging_release.py
   echo "== logits parity GPU vs CPU and decode speed (bundled model)"
   timeout 90 $py -P scripts/gpu_parity.py --json "$out/parity.json"
   echo "== real-shape slice: qwen1.5-moe-a2.7b, $layers layers"

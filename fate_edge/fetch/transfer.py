@@ -12,7 +12,8 @@ and decodes the expert from the tensor it returns. Two implementations share the
   could read an expert before its copy landed.)
 
 Buffers whose copies are still in flight stay in :attr:`Copier.in_flight` and count against the budget
-because they belong to the fetch engine's preallocated pool.
+because they belong to the fetch engine's preallocated pool. Whoever waits for a read polls them (the scheduler's
+wait loop): with every buffer copying, no reader could start the read it waits for.
 """
 
 from __future__ import annotations
@@ -62,6 +63,14 @@ class Copier:
                 still.append(p)
         self.in_flight = still
         return len(still)
+
+    def wait_oldest(self) -> None:
+        """Wait for the oldest outstanding copy and release its buffer (then any others that have landed)."""
+        if self.in_flight:
+            oldest = self.in_flight.pop(0)
+            oldest.event.synchronize()
+            oldest.release()
+            self.poll()
 
     def drain(self) -> None:
         """Wait for every outstanding copy and release its buffer."""

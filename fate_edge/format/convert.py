@@ -39,7 +39,7 @@ from fate_edge.format.work_dirs import make_work_dir, remove_dead_work_dirs, rep
 from fate_edge.model.arch import ModelConfig, load_config
 from fate_edge.model.transformer import LayerNames
 from fate_edge.quant import QuantSpec
-from fate_edge.quant.linear import default_kernel, int4_supported
+from fate_edge.quant.linear import default_kernel, host_int4_block_rows, int4_supported
 from fate_edge.quant.rtn import BLOCK_BYTES
 from fate_edge.sizes import format_bytes
 
@@ -151,7 +151,13 @@ def _precisions(cfg, opts: ConvertOptions) -> list[Precision]:
         wants_kernel_layout = opts.layout == "cpu-int4" or (opts.layout == "auto" and not portable_wins)
         layout = "cpu-int4" if bits == opts.bits and wants_kernel_layout and native else "portable"
         parts, nbytes = plan_parts(bits, spec, h, inter, layout, bias=cfg.expert_bias)
-        out.append(Precision(bits, f"experts-{bits}.bin", nbytes, parts, spec, layout))
+        rows = host_int4_block_rows() if layout == "cpu-int4" else 0  # the order this CPU's packer writes
+        if layout == "cpu-int4" and not rows:  # neither known order: no other CPU could tell how to read it
+            raise FateEdgeError(
+                "torch's CPU int4 packer here writes neither block order fate-edge knows (64 or 32 rows); "
+                "use --layout portable"
+            )
+        out.append(Precision(bits, f"experts-{bits}.bin", nbytes, parts, spec, layout, block_rows=rows))
     return out
 
 

@@ -18,6 +18,7 @@ from fate_edge.format.gguf_reader import is_gguf
 from fate_edge.format.model_names import locate_model
 from fate_edge.format.store import is_store
 from fate_edge.process_memory import release_freed_memory
+from fate_edge.quant.linear import host_int4_block_rows
 from fate_edge.quant.native import native_is_default
 
 
@@ -70,7 +71,10 @@ def cached_store_path(
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     # convert's auto layout depends on the kernel this host prefers: a store made for the other one still works,
     # but would compute on the slower kernel, so each preference keeps its own
-    h.update(f"{bits}/{cold_bits}/{'native' if native_is_default() else 'torch'}".encode())
+    # torch's layout is keyed by its block order too: one cached before the store recorded it is refused at open
+    # (format.store), so it is converted again under this key instead, once
+    kernel = "native" if native_is_default() else f"torch{host_int4_block_rows()}"
+    h.update(f"{bits}/{cold_bits}/{kernel}".encode())
     # the resident precisions and the kept copies (a store cached before they were defaults held bf16 experts and
     # float resident weights: another key, so it is not taken for the lean one)
     h.update(f"/bf16={opts.keep_bf16}/r{opts.resident_bits}/e{opts.embedding_bits}/h{opts.head_bits}".encode())

@@ -37,7 +37,7 @@ def _portable_parts(blob: torch.Tensor, old: Precision, new: Precision) -> torch
         packed = src[f"{m}.packed"].view(shape)
         sz = src[f"{m}.scale_zero"].view(torch.bfloat16).view(-1, shape[0], 2).float()  # [K/g, N, 2]
         scale = sz[..., 0].T
-        codes = unpack_int4_cpu(packed)
+        codes = unpack_int4_cpu(packed, old.block_rows)  # in the order the converting CPU packed
         zero = sz[..., 1].T - (8 - shift) * scale  # zero' = zero + (8 - shift) * scale
         if shift:
             codes = codes - shift
@@ -76,7 +76,7 @@ def relayout_store(src: str | Path, dst: str | Path, progress: bool = True) -> P
             bias = any(p.name in BIASES for p in old.parts)  # gpt-oss's expert biases travel as they are
             h, inter = index["hidden_size"], index["moe_intermediate_size"]
             parts, nbytes = plan_parts(bits, old.spec, h, inter, "portable", bias=bias)
-            new = replace(old, blob_bytes=nbytes, parts=parts, layout="portable", scale_dtype="float16")
+            new = replace(old, blob_bytes=nbytes, parts=parts, layout="portable", scale_dtype="float16", block_rows=0)
             refs = sorted((r for r in store.refs.values() if r.bits == bits), key=lambda r: r.offset)
             out = DirectFile(tmp / new.file, new.slot_bytes)
             entries, t0 = [], time.perf_counter()

@@ -31,7 +31,7 @@ from fate_edge.format.store_files import STORE_FILE
 from fate_edge.model.arch.limits import LIMITS, positive_number
 from fate_edge.model.experts import SILU, ExpertBias, ExpertWeights, Glu, QuantizedExpert
 from fate_edge.quant import PackedQuantized, Quantized, QuantSpec, pack
-from fate_edge.quant.linear import QuantizedLinear, default_kernel, int4_kernel_layout
+from fate_edge.quant.linear import QuantizedLinear, default_kernel, host_int4_block_rows, int4_kernel_layout
 from fate_edge.quant.methods import quantize_with
 from fate_edge.quant.mxfp4 import (
     MXFP4,
@@ -71,7 +71,9 @@ PART_KINDS = ("", "e2m1", "e8m0")  # a reader refuses a store whose parts name a
 #   portable  packed codes (low nibble first) + scale and zero per group, fp16 (or fp32 where a source's own
 #             scales are exact only in fp32: a GGUF's q4_K): any device, any kernel.
 #   cpu-int4  torch's CPU int4 kernel layout (codes pre-packed by _convert_weight_to_int4pack_for_cpu,
-#             bf16 scale/zero pairs [K/g, N, 2]): same bytes, but decoding is a view, not a repack.
+#             bf16 scale/zero pairs [K/g, N, 2]): same bytes, but decoding is a view, not a repack. The packer's
+#             block order depends on the converting CPU (64 rows with AVX-512, 32 with AVX2 and ARM): the
+#             precision records it (int4_block_rows) and a CPU of the other order re-packs on decode.
 #   mxfp4     OCP MXFP4 as gpt-oss publishes it (quant.mxfp4): E2M1 codes two a byte [N, K/2] ("e2m1" parts) and one
 #             E8M0 exponent byte per 32 weights [N, K/32] ("e8m0" parts); kept exact, computed on by its own kernel.
 LAYOUTS = ("portable", "cpu-int4", "mxfp4")
@@ -87,6 +89,7 @@ class Precision:
     spec: QuantSpec | None  # None for bf16
     layout: str = "portable"
     scale_dtype: str = ""  # of the scale and zero parts; "": the layout's default (what stores without it hold)
+    block_rows: int = 0  # cpu-int4: rows per block of the packer that wrote it (64 or 32); 0 elsewhere
     # the experts' activation (gpt-oss's clamped SwiGLU): the store's, not the precision's, and not in its JSON
     glu: Glu = field(default=SILU, compare=False)
 
@@ -119,6 +122,8 @@ class Precision:
                 layout=self.layout,
                 scale_dtype=self.scale_dtype,
             )
+        if self.layout == "cpu-int4":
+            d["int4_block_rows"] = self.block_rows
         return d
 
     @classmethod
@@ -130,14 +135,23 @@ class Precision:
             Part(p["name"], p["offset"], p["nbytes"], p["dtype"], tuple(p["shape"]), p.get("kind", ""))
             for p in d["parts"]
         ]
-        return cls(d["bits"], d["file"], d["blob_bytes"], parts, spec, layout, d.get("scale_dtype", ""))
+        return cls(
+            d["bits"],
+            d["file"],
+            d["blob_bytes"],
+            parts,
+            spec,
+            layout,
+            d.get("scale_dtype", ""),
+            d.get("int4_block_rows", 0),
+        )
 
 
 def as_mxfp4(p: Precision, hidden: int, inter: int) -> Precision:
     """The 4-bit precision ``p`` in the mxfp4 layout (MXFP4 source experts kept as they are), biases kept."""
     bias = any(q.name in BIASES for q in p.parts)
     parts, nbytes = plan_parts(4, MXFP4, hidden, inter, "mxfp4", bias=bias)
-    return Precision(4, p.file, nbytes, parts, MXFP4, "mxfp4", "uint8", p.glu)
+    return Precision(4, p.file, nbytes, parts, MXFP4, "mxfp4", "uint8", glu=p.glu)
 
 
 def _part_json(p: Part) -> dict[str, Any]:
@@ -215,7 +229,9 @@ def encode_expert(
             )
         elif precision.layout == "cpu-int4":
             q = mat if isinstance(mat, Quantized) else quantize_with(method, mat, precision.spec, work)
-            tensors[f"{m}.packed"], tensors[f"{m}.scale_zero"] = int4_kernel_layout(q, precision.spec)
+            tensors[f"{m}.packed"], tensors[f"{m}.scale_zero"] = int4_kernel_layout(
+                q, precision.spec, rows=precision.block_rows
+            )
         else:
             if isinstance(mat, PackedQuantized):  # packed already, as pack() below would
                 q, tensors[f"{m}.codes"] = mat, mat.packed
@@ -269,7 +285,7 @@ def decodes_to_views(precision: Precision) -> bool:
     if spec is None:
         return False
     if precision.layout == "cpu-int4":
-        return True
+        return precision.block_rows == host_int4_block_rows()  # another CPU's block order: re-packed, not viewed
     if precision.layout == "mxfp4":
         return native_mxfp4_status()[0]
     codes = [p.shape for p in precision.parts if p.name.endswith(".codes")]
@@ -352,7 +368,9 @@ def decode_expert(
         return QuantizedExpert(gate, up, down, None, bias, glu)
     if precision.layout == "cpu-int4":  # on another device, re-packed there for its kernel (one store, any device)
         lins = [
-            QuantizedLinear.from_cpu_kernel_layout(t[f"{m}.packed"], t[f"{m}.scale_zero"], spec, device)
+            QuantizedLinear.from_cpu_kernel_layout(
+                t[f"{m}.packed"], t[f"{m}.scale_zero"], spec, device, rows=precision.block_rows
+            )
             for m in MATRICES
         ]
         return QuantizedExpert(lins[0], lins[1], lins[2], None, bias, glu)
@@ -402,6 +420,22 @@ def _check_scale_dtype(d: dict, where: str, index_path: Path) -> None:
         )
 
 
+def _check_block_rows(d: dict, where: str, index_path: Path) -> None:
+    """A cpu-int4 precision's block order (64 or 32 rows, the converting CPU's). Stores written before it was
+    recorded are refused: their bytes decode wrong on a CPU of the other order while every checksum passes, and
+    nothing in them says which order they hold (docs/quantization.md)."""
+    if d.get("layout") != "cpu-int4":
+        return
+    rows = d.get("int4_block_rows")
+    if rows is None:
+        raise ModelFormatError(
+            f"{index_path}: its cpu-int4 experts do not record the CPU block order they were packed in (a store "
+            "from before fate-edge recorded it), so they may decode wrong on this CPU; re-run fate-edge convert"
+        )
+    if rows not in (32, 64) or isinstance(rows, bool):
+        raise _damaged(index_path, f"field {where}.int4_block_rows is {rows!r}, not 64 or 32")
+
+
 def _damaged(index_path: Path, what: str) -> ModelFormatError:
     return ModelFormatError(f"{index_path}: {what}; the file is damaged, re-run fate-edge convert")
 
@@ -442,6 +476,7 @@ def _check_index(index: dict, index_path: Path) -> None:
                 )
         if d["bits"] < 16:
             _check_scale_dtype(d, f"precisions.{bits}", index_path)
+            _check_block_rows(d, f"precisions.{bits}", index_path)
     for bits, entries in index["experts"].items():
         if bits not in index["precisions"] or not isinstance(entries, list):
             raise ModelFormatError(

@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from fate_edge.errors import ModelFormatError
 from fate_edge.huge_pages import on_huge_pages
 from fate_edge.model.arch.base import ModelConfig
 from fate_edge.quant import QuantSpec, quantize
 from fate_edge.quant.int8 import Int8Linear, quantize_int8
-from fate_edge.quant.linear import QuantizedLinear, default_kernel, int4_supported
+from fate_edge.quant.linear import QuantizedLinear, default_kernel, host_int4_block_rows, int4_supported
 from fate_edge.quant.native import padded_in_features
 from fate_edge.quant.pack import pack
 
@@ -136,10 +137,25 @@ def _quantized(w: Weights, key: str) -> tuple[Any, list[int]] | None:
         return lin, w[f"{key}.sizes"].tolist()
     if f"{key}.int4" in w:
         spec = QuantSpec(4, int(w[f"{key}.int4_group"]))
-        lin = QuantizedLinear.from_kernel_layout(w[f"{key}.int4"], w[f"{key}.int4_scale_zero"], spec)
+        # torch's CPU int4 layout depends on the packing CPU's ISA: re-packed where this CPU's order differs
+        lin = QuantizedLinear.from_cpu_kernel_layout(
+            w[f"{key}.int4"], w[f"{key}.int4_scale_zero"], spec, "cpu", rows=_block_rows(w, key)
+        )
         sizes = w[f"{key}.sizes"].tolist()
         return (lin if sum(sizes) == lin.shape[0] else FirstRows(lin, sum(sizes))), sizes
     return None
+
+
+def _block_rows(w: Weights, key: str) -> int:
+    """The CPU block order ``key``'s int4 codes were packed in (quantize_group records it). Resident weights
+    pre-quantized before it was recorded are refused: on a CPU of the other order they decode wrong."""
+    rows = w.get(f"{key}.int4_block_rows")
+    if rows is None:
+        raise ModelFormatError(
+            f"resident weight {key} is in torch's CPU int4 layout without the CPU block order it was packed in (a "
+            "store from before fate-edge recorded it); re-run fate-edge convert"
+        )
+    return int(rows)
 
 
 @dataclass
@@ -327,6 +343,7 @@ def quantize_group(w: Weights, names: list[str], bits: int) -> None:
                 f"{key}.int4": lin.packed,
                 f"{key}.int4_scale_zero": lin.scale_zero,
                 f"{key}.int4_group": torch.tensor(group),
+                f"{key}.int4_block_rows": torch.tensor(host_int4_block_rows()),
             },
         )
     else:
@@ -362,7 +379,7 @@ def _int4_kernel(shape: tuple[int, int], bits: int, device: torch.device) -> boo
 def quantized_group_bytes(shape: tuple[int, int], members: int, bits: int) -> int:
     """Bytes :func:`quantize_group` leaves for a fused [N, K] group of ``members`` linears on the CPU: int4 codes
     (N*K/2) + bf16 scale and zero per group of K, or int8 codes + a bf16 scale per row; plus the int64
-    bookkeeping (member sizes, the int4 group)."""
+    bookkeeping (member sizes, the int4 group; torch's layout: its CPU block order)."""
     group = int4_group(shape[1])  # not None where either int4 kernel applies
     if _native_kernel(shape, bits, torch.device("cpu")):  # codes, fp16 scale and zero of K padded; no padded rows
         assert group is not None
@@ -371,7 +388,7 @@ def quantized_group_bytes(shape: tuple[int, int], members: int, bits: int) -> in
     n, k = _padded(shape)
     if _int4_kernel((n, k), bits, torch.device("cpu")):
         assert group is not None
-        return n * k // 2 + (k // group) * n * 2 * 2 + 8 + 8 * members
+        return n * k // 2 + (k // group) * n * 2 * 2 + 8 + 8 + 8 * members  # + the group, its block order
     n = shape[0]
     return n * k + n * 2 + 8 * members
 

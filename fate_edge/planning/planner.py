@@ -12,7 +12,7 @@ allocation, eviction, predictor, lookahead and prefetch width.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -213,6 +213,7 @@ def auto_plan(
     receives a line before each probe and before the simulation."""
     from fate_edge.fetch.store_provider import StoreExpertProvider
     from fate_edge.format.store import ExpertStore
+    from fate_edge.model.arch import load_config
     from fate_edge.runtime.loader import load_model
     from fate_edge.tokenizer import Tokenizer
 
@@ -249,4 +250,24 @@ def auto_plan(
             f"simulating candidate policies over the recorded routing (simulator off by {100 * margin:.1f}% "
             "on the probe)"
         )
-    return plan(trace, budget, expert, slot, link, costs, start=presets[0], presets=presets, margin=margin)
+    result = plan(trace, budget, expert, slot, link, costs, start=presets[0], presets=presets, margin=margin)
+    return with_miss_compute(result, device, expert, 4 * load_config(store_dir).hidden_size)
+
+
+def with_miss_compute(result: Plan, device: str | None, expert_bytes: int, hidden_bytes: int) -> Plan:
+    """The plan's policy with ``miss_compute="hybrid"`` where ``device`` is a discrete GPU whose link makes a miss
+    cheaper on the CPU at the probe's measured per-expert time (planning/miss_placement.py); else unchanged."""
+    from fate_edge.devices.profile import load_profile
+    from fate_edge.planning.device_presets import profile_of
+    from fate_edge.planning.miss_placement import miss_compute_for
+
+    if device is None or result.costs.expert_s <= 0:
+        return result
+    try:
+        profile = load_profile(profile_of(device))
+    except (OSError, ValueError):  # a device without a profile: nothing says it has a link
+        return result
+    choice = miss_compute_for(profile, expert_bytes, hidden_bytes, result.costs.expert_s)
+    if choice == result.policy.miss_compute:
+        return result
+    return replace(result, policy=result.policy.with_(miss_compute=choice))

@@ -33,10 +33,19 @@ class BudgetPlan:
     entry_bytes: int  # one cached expert at the policy's precision
     slots: dict[int, int] = field(default_factory=dict)  # per MoE layer (empty for global / no cache)
     demand_buffers: int = 2  # read buffers prefetches never take (FetchEngine's demand_reserve)
+    # Host memory the read buffers hold outside the budget: a discrete GPU's pinned staging (runtime.memory_tiers);
+    # 0 where they come out of the budget (one memory: a CPU, a Jetson)
+    host_bytes: int = 0
+
+    @property
+    def staging_on_host(self) -> bool:
+        return self.host_bytes > 0
 
     @property
     def minimum(self) -> int:
-        return self.pool_bytes + self.working_bytes
+        """The least budget the plan needs: read buffers and the expert being computed (the buffers on the host,
+        outside it, for a discrete GPU)."""
+        return (0 if self.staging_on_host else self.pool_bytes) + self.working_bytes
 
 
 def plan_budget(
@@ -47,6 +56,7 @@ def plan_budget(
     max_inflight: int = 8,
     min_buffers: int = 2,
     top_k: int = 2,
+    staging_held: int = 0,
 ) -> BudgetPlan:
     """Split ``budget`` into read buffers, the one expert being computed, and the cache.
 
@@ -54,10 +64,15 @@ def plan_budget(
     get extra buffers, at most ``max_inflight`` and at most lookahead x the widest prefetch the policy issues
     per layer: a tenth of the rest of the budget, but never fewer than lookahead x ``top_k`` (one layer's
     experts per layer ahead) while the rest of the budget holds them, so small budgets still prefetch.
+
+    ``staging_held`` > 0: the read buffers are host memory apart from the budget (a discrete GPU's pinned staging,
+    each holding that many bytes: ``memory_tiers.staging_held``); the budget is the device's, all of it cache but
+    the expert being computed. 0: the buffers come out of the budget (one memory).
     """
     plan = BudgetPlan(
         budget, min_buffers, min_buffers * slot_bytes, entry_bytes, 0, entry_bytes, demand_buffers=min_buffers
     )
+    plan.host_bytes = min_buffers * staging_held
     if budget < plan.minimum:
         raise BudgetError(
             f"memory budget {format_bytes(budget)} is below the minimum {format_bytes(plan.minimum, round_up=True)} "
@@ -73,7 +88,8 @@ def plan_budget(
         extra = min(max_inflight, policy.lookahead * width, share)
         plan.pool_buffers += max(0, extra)
         plan.pool_bytes = plan.pool_buffers * slot_bytes
-    plan.cache_bytes = budget - plan.pool_bytes - plan.working_bytes if policy.cache else 0
+        plan.host_bytes = plan.pool_buffers * staging_held
+    plan.cache_bytes = budget - plan.minimum if policy.cache else 0
     return plan
 
 

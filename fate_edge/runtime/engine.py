@@ -27,7 +27,7 @@ from fate_edge.errors import BudgetError, FateEdgeError
 from fate_edge.fetch.fetch_engine import BufferPool, FetchEngine
 from fate_edge.fetch.transfer import make_copier
 from fate_edge.format.checkpoint_layout import DTYPES
-from fate_edge.format.store import ExpertStore, decode_expert, is_store
+from fate_edge.format.store import ExpertStore, is_store
 from fate_edge.model import recurrent
 from fate_edge.model.experts import ExpertProvider
 from fate_edge.runtime.auto_budget import (
@@ -46,9 +46,11 @@ from fate_edge.runtime.compute_dtype import resolve_dtype
 from fate_edge.runtime.engine_config import EngineConfig, PolicyChoice, Trace, plan_policy, resolve_device
 from fate_edge.runtime.exit_close import close_at_exit, closed
 from fate_edge.runtime.generate import GenerateConfig, GenerationResponse, stream_from_model
+from fate_edge.runtime.held_bytes import entry_bytes
 from fate_edge.runtime.load_threads import in_own_thread
 from fate_edge.runtime.loader import load_model
 from fate_edge.runtime.memory_account import available_memory_bytes, kv_bytes_per_token, memory_account, shortfall
+from fate_edge.runtime.memory_tiers import is_unified, plan_tiers, staging_held
 from fate_edge.runtime.policy import PolicyConfig, for_model, get_policy
 from fate_edge.runtime.preload import LoadReport, first_used, global_choice, preload, preload_choice
 from fate_edge.runtime.request_slot import RequestSlot
@@ -165,6 +167,7 @@ class Engine:
             raise FateEdgeError("the oracle policy needs a recorded trace of the same request (Engine.record_trace)")
         self.trace = c.trace
         self.plan = self._plan_budget(c.max_inflight_prefetches)
+        self.account = replace(self.account, tiers=plan_tiers(self.plan, self._unified))  # device and host budgets
         bits_used = [b for b in (self.policy.bits, self.policy.cold_bits) if b in self.store.precisions]
         slot = max(self.store.precisions[b].slot_bytes for b in bits_used)
         # On a GPU, staging buffers are pinned so copies to the device are asynchronous DMA.
@@ -260,18 +263,17 @@ class Engine:
         if self.device.startswith("cuda"):
             device_free = torch.cuda.mem_get_info(torch.device(self.device))[0]
             unified = is_jetson_board(read_board_model())  # integrated GPU: one DRAM for CPU and GPU
-        why = memory_shortfall(
-            self.plan.pool_bytes, device_need, int(psutil.virtual_memory().available), device_free, unified
-        )
+        host_need = self.plan.host_bytes if self.plan.staging_on_host else self.plan.pool_bytes
+        why = memory_shortfall(host_need, device_need, int(psutil.virtual_memory().available), device_free, unified)
         if why:
             raise BudgetError(f"memory budget {format_bytes(self.budget)}: {why}")
 
+    @property
+    def _unified(self) -> bool:  # one memory for the experts, or a device and a host budget (runtime.memory_tiers)
+        return is_unified(self.device)
+
     def _entry_bytes(self, bits: int) -> int:
-        ref = self.store.ref(self.model.config.moe_layers[0], 0, bits)
-        with open(ref.path, "rb") as f:
-            f.seek(ref.offset)
-            blob = f.read(ref.length)
-        return decode_expert(memoryview(bytearray(blob)), self.store.precisions[bits], self.dtype).nbytes
+        return entry_bytes(self.store, self.model.config.moe_layers[0], bits, self.dtype, self.device)
 
     def _plan_budget(self, max_inflight: int) -> BudgetPlan:
         p, cfg = self.policy, self.model.config
@@ -280,7 +282,9 @@ class Engine:
         entry = self._entry_bytes(p.bits)
         if hands_off(p, self.store, self.device):  # a cached expert keeps its whole read buffer
             entry = max(entry, slot)
-        plan = plan_budget(self.budget, p, entry, slot, max_inflight, top_k=cfg.num_experts_per_tok)
+        # a discrete GPU's staging is pinned host memory, outside its device budget (runtime.memory_tiers)
+        held = 0 if self._unified else staging_held(slot, pinned=True)
+        plan = plan_budget(self.budget, p, entry, slot, max_inflight, top_k=cfg.num_experts_per_tok, staging_held=held)
         self.resident = self._resident(plan.cache_bytes)
         left = plan.cache_bytes - (self.resident.nbytes if self.resident else 0)
         plan.slots = layer_slots(

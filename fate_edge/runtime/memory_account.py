@@ -5,7 +5,8 @@
 ``loading`` is the most the loader holds at once on its way to the resident part: the weights read so far plus
 the one being read and, where the resident linears are quantized at load (``resident_bits`` on a store written
 without ``convert --resident-bits``), that group in full precision with its codes. Everything is in bytes on the
-host (CPU); a CUDA run's cache lives in GPU memory instead (``budget.memory_shortfall`` splits that case).
+host (CPU); a discrete GPU's cache lives in GPU memory instead: once planned, ``tiers`` splits the expert budget
+into the device's and the host's (runtime.memory_tiers), and only the host's counts here.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from fate_edge.model import recurrent
 from fate_edge.model.arch import ModelConfig, load_config
 from fate_edge.model.layer import quantized_group_bytes, resident_groups
 from fate_edge.runtime.generate import PREFILL_CHUNK
+from fate_edge.runtime.memory_tiers import MemoryTiers
 from fate_edge.sizes import format_bytes
 
 EMBEDDING = "model.embed_tokens.weight"
@@ -56,14 +58,27 @@ class MemoryAccount:
     # (``format.file_rows``) and holds none of it (a gather through its memory map faulted in 121 MB more at a
     # 4000-token prompt of the 2-layer Qwen slice: readahead around every row).
     embeddings_mapped: bool = False
+    # The experts' two budgets, device and host (runtime.memory_tiers), once the engine has planned them; None: the
+    # expert budget is all host memory (a CPU run, and every account before the plan)
+    tiers: MemoryTiers | None = None
 
     @property
     def embeddings_held(self) -> int:
         return 0 if self.embeddings_mapped else self.embeddings
 
     @property
+    def device_budget(self) -> int:
+        """Expert bytes in GPU memory (cache slots, the expert computed): 0 with one memory."""
+        return self.tiers.in_device_memory if self.tiers is not None else 0
+
+    @property
+    def host_budget(self) -> int:
+        """Expert bytes in host memory: the whole expert budget with one memory, else pinned staging and host tier."""
+        return self.tiers.in_host_memory if self.tiers is not None else self.expert_budget
+
+    @property
     def running(self) -> int:
-        return self.embeddings_held + self.other_resident + self.expert_budget + self.kv_cache + self.buffers
+        return self.embeddings_held + self.other_resident + self.host_budget + self.kv_cache + self.buffers
 
     @property
     def peak(self) -> int:
@@ -85,7 +100,13 @@ class MemoryAccount:
                 f"read by row from the store ({self.embeddings / 1e6:.0f} MB there)" if self.embeddings_mapped else "",
             ),
             ("other resident weights", self.other_resident, "attention, norms, routers, shared experts, lm_head"),
-            ("expert budget", self.expert_budget, "cache, read buffers, expert being computed"),
+            ("expert budget", self.host_budget, "cache, read buffers, expert being computed")
+            if self.device_budget == 0
+            else (
+                "host expert budget",
+                self.host_budget,
+                "pinned read buffers and host tier (the cache is on the GPU)",
+            ),
             ("KV cache", self.kv_cache, f"{self.context_tokens} tokens"),
             (
                 "buffers",
@@ -100,13 +121,15 @@ class MemoryAccount:
                 "weights at load; convert --resident-bits avoids it)"
             )
         out.append(f"  {'predicted peak RSS':<23}{mb(self.peak)}")
+        if self.device_budget:
+            out.append(f"  {'GPU expert budget':<23}{mb(self.device_budget)}  cache slots, expert being computed")
         return out
 
     def summary(self) -> str:
         return (
             f"{format_bytes(self.peak)} (runtime {self.runtime / 1e6:.0f} MB + embeddings "
             f"{self.embeddings_held / 1e6:.0f} + other resident {self.other_resident / 1e6:.0f} + expert budget "
-            f"{self.expert_budget / 1e6:.0f} + KV cache {self.kv_cache / 1e6:.0f} + buffers "
+            f"{self.host_budget / 1e6:.0f} + KV cache {self.kv_cache / 1e6:.0f} + buffers "
             f"{self.buffers / 1e6:.0f} MB)"
         )
 

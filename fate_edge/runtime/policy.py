@@ -27,6 +27,7 @@ PREDICTORS = (
 PREFETCH_WIDTHS = ("fate", "mass")  # or an int >= 0
 BITS = (2, 3, 4, 8, 16)
 COLD_BITS = (None, 2, 3, 4, 8)
+MISS_COMPUTE = ("device", "hybrid")
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,9 @@ class PolicyConfig:
     # Prefill reads enter the cache only into free room, so what the cache was filled with at load survives the
     # prompt (a global cache otherwise evicts deep layers' preloaded experts for shallow layers' prompt reads).
     keep_preloaded: bool = False
+    # Where a miss is computed on a discrete GPU: "device" (copied there), or "hybrid": on the CPU where the measured
+    # link and CPU speeds say it is cheaper (planning/miss_placement.py). One memory (CPU, Jetson): always "device".
+    miss_compute: str = "device"
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -97,6 +101,7 @@ def _validate(p: PolicyConfig) -> None:
     _one_of("predictor", p.predictor, PREDICTORS)
     _one_of("bits", p.bits, BITS)
     _one_of("cold_bits", p.cold_bits, COLD_BITS)
+    _one_of("miss_compute", p.miss_compute, MISS_COMPUTE)
     if not (_is_int(p.prefetch_width) and p.prefetch_width >= 0 or p.prefetch_width in PREFETCH_WIDTHS):
         raise _bad("prefetch_width", p.prefetch_width, "an integer >= 0 or one of: " + ", ".join(PREFETCH_WIDTHS))
     for name, low in (("lookahead", 1), ("max_prefetch_width", 1), ("min_prefetch_width", 0), ("full_layers", 0)):

@@ -27,6 +27,7 @@ from fate_edge.model.arch.base import ModelConfig
 from fate_edge.model.experts import Expert, ExpertProvider
 from fate_edge.predictors.base import Predictor
 from fate_edge.runtime.cache import AccessInfo, ExpertCache
+from fate_edge.runtime.held_bytes import held_bytes
 from fate_edge.runtime.policy import PolicyConfig
 from fate_edge.runtime.prefetch_choice import gate_candidates, plan_prefetches, prefetch_width, ranked, room_ahead
 from fate_edge.runtime.prefetch_gate import PrefetchGate
@@ -181,6 +182,8 @@ class Scheduler(ExpertProvider):
         self._sequences = 1  # sequences in the forward pass under way: a batched decode step routes one row each
         # Prefetch gate (fate-edge): per prediction rank, evidence of whether a read would pay.
         self.gate = PrefetchGate(max(policy.max_prefetch_width, config.num_experts_per_tok))
+        # The gate weighs a read's reader CPU against the compute it delays: on a GPU the compute is not the CPU's
+        self._gate = policy.prefetch_gate and self.copier.device.type == "cpu"
         self._contention = reader_contention(torch.get_num_threads(), fetch.workers)
         self._predict_cost = 0.0  # EMA of one layer call's predictor + prefetch planning seconds
 
@@ -279,7 +282,7 @@ class Scheduler(ExpertProvider):
         p = self.policy
         per_read = self.store.expert_bytes(p.bits) / self._read_bw if self._read_bw > 0 else 0.0
         width = prefetch_width(p, self.config.num_experts_per_tok, self._layer_time, per_read)
-        if p.prefetch_gate and self._layer_time > 0 and per_read > 0:
+        if self._gate and self._layer_time > 0 and per_read > 0:
             return self._gated(width, per_read)
         return width
 
@@ -293,7 +296,7 @@ class Scheduler(ExpertProvider):
 
     def _should_predict(self, prompt: bool, width: int) -> bool:
         """Always in prefill and for ungated policies; with the gate shut, one layer call in 8."""
-        if prompt or not self.policy.prefetch_gate:
+        if prompt or not self._gate:
             return True
         return self.gate.should_predict(shut=width == 0)
 
@@ -388,6 +391,7 @@ class Scheduler(ExpertProvider):
                 ready = [e for e, f in pending.items() if f.req.done.is_set()]
                 if not ready:
                     t0 = time.perf_counter()
+                    self._free_staging()
                     with self.fetch.completed:
                         if not any(f.req.done.is_set() for f in pending.values()):
                             self.fetch.completed.wait(timeout=0.05)
@@ -445,7 +449,9 @@ class Scheduler(ExpertProvider):
             # The staging buffer goes back to the pool only once the copy out of it has completed.
             self.copier.release_after(event, partial(self.fetch.release, f.req))
             expert = decode_expert(blob, self.store.precisions[f.bits], self.dtype)
-            if self.cache is not None and not low and self._admit(key, expert, expert.nbytes, f.bits):
+            # charged what it holds: a view in it keeps its whole base (the uploaded blob) alive
+            held = max(expert.nbytes, held_bytes(expert))
+            if self.cache is not None and not low and self._admit(key, expert, held, f.bits):
                 self.cache.pin(key)
                 self.in_use.append(key)
         self._evicted.clear()  # buffers of evicted experts not reused here are freed with their last user
@@ -464,6 +470,13 @@ class Scheduler(ExpertProvider):
         self._count_use(layer, 1 if f.prefetched else 2)
         self.stats.low_precision += int(low)
         return expert
+
+    def _free_staging(self) -> None:
+        """Give back the staging buffers whose copies to the device have landed, while a layer waits for reads: the
+        readers need them. With every buffer still copying, wait for the oldest copy (a DMA, bounded) rather than
+        for a read that no reader can start without a buffer (the layer would block forever)."""
+        if self.copier.in_flight and self.copier.poll() and self.fetch.pool.available == 0:
+            self.copier.wait_oldest()
 
     def _hand_off(self, key: Key, f: _Fetch, expert: object) -> bool:
         """Zero-copy: if the cache admits ``expert`` (decoded in its read buffer; charged the whole buffer), keep the

@@ -1,0 +1,52 @@
+"""Misses computed where it is cheaper (planning/miss_placement.py): the copy over the link against the CPU's kernel
+with the hidden state sent across, from measured speeds; the planner's ``hybrid`` pick."""
+
+import pytest
+from fate_edge.devices.link import LinkSpec
+from fate_edge.devices.profile import load_profile
+
+from fate_edge.errors import PolicyError
+from fate_edge.planning.miss_placement import MissCosts, miss_compute_for, place_miss
+from fate_edge.planning.planner import Plan, with_miss_compute
+from fate_edge.planning.simulate import HostCosts
+from fate_edge.runtime.policy import PRESETS, PolicyConfig
+
+EXPERT = 4_612_096  # a Qwen1.5-MoE int4 expert
+HIDDEN = 2048 * 4  # its hidden state in float32
+
+
+def test_the_cheaper_place_follows_the_measured_speeds():
+    fast_link = MissCosts(EXPERT, HIDDEN, 25e9, cpu_expert_s=400e-6)
+    assert fast_link.copy_s == pytest.approx(10e-6 + EXPERT / 25e9) and place_miss(fast_link) == "copy"
+    slow_link = MissCosts(EXPERT, HIDDEN, 2e9, cpu_expert_s=400e-6)  # 2.3 ms to copy, 0.4 ms on the CPU
+    assert slow_link.cpu_s == pytest.approx(2 * (10e-6 + HIDDEN / 2e9) + 400e-6) and place_miss(slow_link) == "cpu"
+    with pytest.raises(ValueError, match="positive link speed"):
+        MissCosts(EXPERT, HIDDEN, 0.0, 1e-3)
+
+
+def test_hybrid_only_on_a_discrete_gpu_where_the_cpu_wins():
+    laptop, jetson = load_profile("laptop-rtx4060-8gb"), load_profile("jetson-orin-nano-8gb")
+    # 15.75 GB/s: a copy takes 0.3 ms; a CPU at 0.1 ms an expert wins, one at 1 ms does not
+    assert miss_compute_for(laptop, EXPERT, HIDDEN, 100e-6) == "hybrid"
+    assert miss_compute_for(laptop, EXPERT, HIDDEN, 1e-3) == "device"
+    assert miss_compute_for(jetson, EXPERT, HIDDEN, 1e-6) == "device"  # one DRAM: nothing is copied
+    assert miss_compute_for(None, EXPERT, HIDDEN, 1e-6) == "device"
+
+
+def test_the_policy_field_is_validated():
+    assert PolicyConfig("x").miss_compute == "device"
+    with pytest.raises(PolicyError, match="miss_compute='cpu' is not valid; use one of: device, hybrid"):
+        PolicyConfig("x", miss_compute="cpu")
+
+
+def _plan(expert_s: float) -> Plan:
+    link = LinkSpec("disk", 1e9, 1e-4)
+    return Plan(PRESETS["fate-edge"], 10.0, 0.5, link, [], HostCosts(1e-3, expert_s=expert_s))
+
+
+def test_the_planner_picks_hybrid_for_a_discrete_gpu_only():
+    assert with_miss_compute(_plan(100e-6), "laptop-rtx4060-8gb", EXPERT, HIDDEN).policy.miss_compute == "hybrid"
+    assert with_miss_compute(_plan(1e-3), "laptop-rtx4060-8gb", EXPERT, HIDDEN).policy.miss_compute == "device"
+    for device in (None, "jetson-orin-nano-8gb", "orin-nano", "no-such-device"):
+        plan = _plan(100e-6)
+        assert with_miss_compute(plan, device, EXPERT, HIDDEN) is plan  # the CPU and a Jetson: as before
