@@ -1,6 +1,8 @@
 """Continuous batching (runtime/batch.py, model/batch_step.py): one forward over every active sequence, each
 sequence's text the same as alone, the batch's experts unioned and read once, KV caches inside the budget."""
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -239,3 +241,17 @@ def test_a_decode_batch_is_served_as_decode_and_prefetches_its_union_by_demand()
         # Predictions are checked in decode steps only: more than a step or two alone (before the second joined)
         # could give, so the two-row steps counted as decode.
         assert engine.stats.predictions - before > 3 * (len(engine.model.config.moe_layers) - 1)
+
+
+def test_a_prompt_scored_before_any_request_leaves_the_slab_usable():
+    """The daemon's first request may be an echo with logprobs (lm-eval's loglikelihood): scoring it makes the KV slab
+    under inference mode; the batcher must still release ranges of it afterwards (it stopped with a RuntimeError)."""
+    from fate_edge.apps.server.logprobs import score_prompt
+
+    with Engine.load(None, max_batch=2, memory_budget="2MB", device="cpu", dtype="float32") as eng:
+        ids = eng.tokenizer.encode("def add(a, b):\n    return a + b")
+        assert len(score_prompt(eng, ids, 1)) == len(ids)
+        with ThreadPoolExecutor(1) as pool:  # a stopped batcher left its reader waiting: bounded here
+            text, last = pool.submit(eng.generate_text, ids, _cfg(3)).result(timeout=60)
+            assert last.generation_tokens == 3
+            assert pool.submit(eng.generate_text, ids, _cfg(3)).result(timeout=60)[0] == text  # still serving

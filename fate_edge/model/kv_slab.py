@@ -51,11 +51,14 @@ class KVSlab:
             shapes = [(1, cfg.num_key_value_heads, positions, cfg.head_dim)] * 2
         else:  # MLA's cache: the latent and the rope key side by side, one "head"
             shapes = [(1, 1, positions, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim)]
-        # per layer, what a LayerCache holds (kv_cache.LayerCache.buffers): keys and values, or MLA's latent
-        self.buffers = [
-            [torch.zeros(shape, dtype=model.dtype, device=model.device) for shape in shapes]
-            for _ in range(cfg.num_hidden_layers)
-        ]
+        # per layer, what a LayerCache holds (kv_cache.LayerCache.buffers): keys and values, or MLA's latent. Never
+        # inference tensors, even when made under inference mode (a prompt scored first: server.logprobs): the
+        # batcher zeroes released ranges outside it, which torch refuses on an inference tensor.
+        with torch.inference_mode(False):
+            self.buffers = [
+                [torch.zeros(shape, dtype=model.dtype, device=model.device) for shape in shapes]
+                for _ in range(cfg.num_hidden_layers)
+            ]
         self._free: list[tuple[int, int]] = [(0, positions)]  # (start, length), by start
 
     @property

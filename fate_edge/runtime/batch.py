@@ -406,9 +406,11 @@ class Batcher:
     def _finish(self, seq: BatchSequence, last: GenerationResponse | BaseException) -> None:
         if not isinstance(last, BaseException):
             seq.keep_in(self.config.prompt_cache)  # its state, before its range goes back to the slab
-        with self._cv:  # out of the batch before its reader sees the end: the stats it reads next are current
-            self._leave(seq)
-        seq.put(last)
+        try:
+            with self._cv:  # out of the batch before its reader sees the end: the stats it reads next are current
+                self._leave(seq)
+        finally:  # its reader gets its end even where leaving failed (the worker then stops, failing the others)
+            seq.put(last)
 
     def _fail(self, stepped: list[BatchSequence], exc: BaseException) -> None:
         if isinstance(exc, torch.OutOfMemoryError):
