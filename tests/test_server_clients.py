@@ -285,9 +285,10 @@ def test_bad_logprobs_and_n_get_openai_errors_naming_the_field(base):
 
 
 # --------------------------------------------------------------------------- lm-evaluation-harness
-# lm_eval itself pulls datasets, evaluate, scikit-learn, sacrebleu and rouge-score into the test environment, so its
-# local-completions loglikelihood path is reproduced here line for line (lm_eval 0.4.13: TemplateLM._encode_pair,
-# TemplateAPI.batch_loglikelihood_requests, LocalCompletionsAPI._create_payload and parse_logprobs).
+# lm_eval itself runs against the daemon in tests/test_lm_eval.py. Its local-completions loglikelihood requests are
+# also written out here (lm_eval 0.4.13: TemplateLM._encode_pair, TemplateAPI.batch_loglikelihood_requests,
+# LocalCompletionsAPI._create_payload and parse_logprobs) for what that test does not check: the scores against
+# transformers' own model (an implementation not ours), a --batch_size request of several prompts, and max_tokens 0.
 TASK = [  # a small multiple-choice task: (context, choices, gold)
     ("def add(a, b):\n    return", [" a + b", " a - b", " print(a)"], 0),
     ("import os\nimport", [" sys", " 42", " ("], 0),
