@@ -233,3 +233,17 @@ def test_the_memory_account_declares_the_room_and_auto_budget_leaves_it(bundled_
     with Engine.load(None, max_batch=1, prompt_cache="64KB", **KW) as eng:
         assert eng.prompt_cache is not None and eng.prompt_cache.room_bytes == 64_000
         assert eng.account.prompt_cache == 64_000
+
+
+def test_the_cli_option_reaches_the_engine_options():
+    import argparse
+
+    from fate_edge.apps.engine_args import EngineOptions, add_engine_args
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert EngineOptions.from_args(p.parse_args([])).prompt_cache == "auto"
+    assert EngineOptions.from_args(p.parse_args(["--prompt-cache", "0"])).prompt_cache == "0"
+    assert EngineOptions.from_args(p.parse_args(["--prompt-cache", "256MB"])).prompt_cache == "256MB"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--prompt-cache", "lots"])

@@ -276,6 +276,7 @@ def shortfall(account: MemoryAccount, free: int) -> str | None:
         fix = (
             "without any expert budget the resident weights, KV cache and buffers still do not fit: hold the "
             "weights in fewer bits (--resident-bits 4, --embedding-bits 4) or free memory"
+            + (f"; --prompt-cache 0 frees {account.prompt_cache / 1e6:.0f} MB" if account.prompt_cache else "")
         )
     held = max(account.loading, account.running)
     return (
