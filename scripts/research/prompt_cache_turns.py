@@ -10,7 +10,9 @@ emptied, turn 1 (a ~1,500-token prompt, a new one each round) runs to its ``--an
 prompt less the positions the cache supplied) and time to first token. Medians over rounds; the load average and CPU
 beside them.
 
-    python scripts/research/prompt_cache_turns.py --rounds 5 --out docs/results/prompt-cache-turns.json
+    python scripts/research/prompt_cache_turns.py --rounds 5 --out docs/results/prompt-cache-turns.json --results
+
+``--from-json FILE`` rewrites the table from a saved result without measuring.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 
 from fate_edge.runtime.engine import Engine
 from fate_edge.runtime.generate import GenerateConfig
+from fate_edge_lab.bench.publish import add_results_arg, publish
 
 
 def cpu_model() -> str:
@@ -74,6 +77,40 @@ def ttft(engine: Engine, prompt: list[int], max_tokens: int) -> tuple[float, lis
     return first, tokens
 
 
+def table(result: dict) -> str:
+    """The docs table (docs/results/prompt-cache.md, between its markers) of one result."""
+    s, rows = result["summary"], result["rounds"]
+    lines = [
+        f"{result['model']}; experts {result['experts']}, {result['dtype']}, {result['threads']} thread(s), max_batch "
+        f"{result['max_batch']}, prompt cache room {result['prompt_cache_room_bytes'] / 1e6:.1f} MB. CPU: "
+        f"{result['cpu']}, load average {result['loadavg_start_end'][0]:.1f} at the start, "
+        f"{result['loadavg_start_end'][1]:.1f} at the end. Medians of {len(rows) // 2} interleaved rounds.",
+        "",
+        "| | turn 1 prefill tokens | turn 1 TTFT (s) | turn 2 prompt tokens | turn 2 prefill tokens "
+        "| turn 2 TTFT (s) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for mode in ("off", "on"):
+        x = s["medians"][mode]
+        lines.append(
+            f"| cache {mode} | {x['turn1_prefill_tokens']:.0f} | {x['turn1_ttft_s']:.2f} | "
+            f"{x['turn2_prompt_tokens']:.0f} | {x['turn2_prefill_tokens']:.0f} | {x['turn2_ttft_s']:.3f} |"
+        )
+    per = ", ".join(
+        " / ".join(
+            f"{r['turn2_ttft_s']:.3f}" for m in ("on", "off") for r in rows if (r["round"], r["cache"]) == (i, m)
+        )
+        for i in sorted({r["round"] for r in rows})
+    )
+    lines += [
+        "",
+        f"Turn 2 prefills {100 * s['turn2_prefill_share_of_turn1']:.1f}% of turn 1's tokens (target: at most 10%); its "
+        f"first token comes at {s['turn2_ttft_on_over_off']:.2f}x the cache-off time (target: at most 0.25x). Turn 2 "
+        f"TTFT per round, on / off (s): {per}.",
+    ]
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--work", type=Path, default=Path("/tmp/fate-edge-prompt-cache"))
@@ -86,7 +123,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--from-json", type=Path, help="a saved result: rewrite its table, measure nothing")
+    add_results_arg(ap, "rewrite the table between the prompt-cache markers of docs/results/prompt-cache.md")
     args = ap.parse_args()
+    if args.from_json:
+        result = json.loads(args.from_json.read_text())
+        publish(result, args.from_json, table(result), args.results, "prompt-cache")
+        return
     torch.set_num_threads(args.threads)
     ckpt = build(args.work, args.layers, args.scale)
     kw = dict(memory_budget=args.budget, device="cpu", dtype="bfloat16", threads=args.threads, context_tokens=4096)
@@ -141,11 +184,9 @@ def main() -> None:
         "rounds": rows,
         "summary": summary,
     }
-    print(json.dumps(summary, indent=2))
     for eng in engines.values():
         eng.close()
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    publish(result, args.out or args.work / "prompt-cache-turns.json", table(result), args.results, "prompt-cache")
 
 
 if __name__ == "__main__":
