@@ -247,3 +247,18 @@ def test_the_cli_option_reaches_the_engine_options():
     assert EngineOptions.from_args(p.parse_args(["--prompt-cache", "256MB"])).prompt_cache == "256MB"
     with pytest.raises(SystemExit):
         p.parse_args(["--prompt-cache", "lots"])
+
+
+def test_an_mla_model_through_the_batcher_gives_the_cache_off_text(tiny_mla):
+    """MLA's latent cache in the batch's slab: a kept prefix restored there continues as a fresh prefill does."""
+    prompt = [(5 * i + 7) % 200 + 3 for i in range(40)]
+    kw = dict(memory_budget="64MB", device="cpu", dtype="float32", max_batch=2, context_tokens=256)
+    texts = {}
+    for room in ("auto", 0):
+        with Engine.load(tiny_mla, prompt_cache=room, **kw) as eng:
+            first, _ = eng.generate_text(prompt, _cfg(6))
+            second = prompt + eng.tokenizer.encode(first) + prompt[:10]
+            texts[room] = (first, eng.generate_text(second, _cfg(6))[0])
+            if room:
+                assert eng.model.config.mla is not None and eng.prompt_cache.stats.tokens_saved >= len(prompt)
+    assert texts["auto"] == texts[0]
