@@ -6,8 +6,11 @@ of ``room_bytes`` that the memory account declares as its own part (``MemoryAcco
 covers it: the cache never holds more (an entry that does not fit even alone keeps only the prefix that fits, or is
 not kept). A new request starts from the entry sharing the longest prefix with its prompt, up to the prompt's last
 token, which always runs again (its logits pick the first token). A chat's next turn thus prefills only its new
-message. Reuse of positional state may stop anywhere inside an entry; a recurrent layer's snapshot only at exactly its
-length (``SavedLayer.usable``), so an entry holding one is reused whole or not at all.
+message. The reused positions were computed in an earlier step: the same values where the kernels do not depend on
+what ran beside them (the suite's greedy texts are the same on and off, tests/test_prompt_cache.py); int4 experts
+compute an expert's rows by how many it gets, so a near tie can tip. Reuse of positional state may stop anywhere
+inside an entry; a recurrent layer's snapshot only at exactly its length (``SavedLayer.usable``), so an entry holding
+one is reused whole or not at all.
 
 The batcher (``runtime.batch``) and a request served alone (``generate.stream_from_model``, a batch of one) both call
 :meth:`PromptCache.restore` when a sequence starts and :meth:`PromptCache.keep` when it ends; a request with
