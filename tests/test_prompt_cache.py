@@ -165,8 +165,8 @@ def test_the_room_is_never_exceeded_lru_evicts_and_a_too_big_entry_keeps_what_fi
         assert pc.keep(caches[start], ids)
         assert pc.bytes_held <= pc.room_bytes
     assert pc.stats.entries == 2 and pc.stats.evictions == 1  # the first went
-    assert pc.restore(model.new_cache(), list(range(10, 20)) + [1]) == 0
-    assert pc.restore(model.new_cache(), list(range(40, 50)) + [1]) == 10
+    assert pc.restore(model.new_cache(), list(range(10, 20)) + [1, 2]) == 0
+    assert pc.restore(model.new_cache(), list(range(40, 50)) + [1, 2]) == 10
     big = list(range(100, 140))
     cache = model.new_cache()
     _prefill(model, big, cache)
@@ -209,10 +209,10 @@ def test_a_recurrent_snapshot_is_reused_only_at_its_exact_length():
     pc = PromptCache(1 << 20, 2)
     assert pc.keep(state, [1, 2, 3, 4, 5, 6])
     exact = _Recurrent(2)
-    assert pc.restore(exact, [1, 2, 3, 4, 5, 6, 7]) == 6 and exact.length == 6
+    assert pc.restore(exact, [1, 2, 3, 4, 5, 6, 7, 8]) == 6 and exact.length == 6
     assert torch.equal(exact.state[1], state.state[1])
     assert pc.restore(_Recurrent(2), [1, 2, 3, 4, 9, 9]) == 0  # shares 4: a snapshot cannot be cut back
-    assert pc.restore(_Recurrent(2), [1, 2, 3, 4, 5, 6]) == 0  # the last prompt token must run: 5 < 6
+    assert pc.restore(_Recurrent(2), [1, 2, 3, 4, 5, 6, 7]) == 0  # its last two tokens run again: 5 < 6
     assert not PromptCache(10, 2).keep(state, [1, 2, 3, 4, 5, 6])  # too big for the room, and cannot be cut
 
 

@@ -4,13 +4,14 @@ When a request ends, its state (every layer's ``kv_cache.AttentionState.save_lay
 or a recurrent state's snapshot) is kept under the tokens it holds, least recently used evicted first, inside a room
 of ``room_bytes`` that the memory account declares as its own part (``MemoryAccount.prompt_cache``), so the budget
 covers it: the cache never holds more (an entry that does not fit even alone keeps only the prefix that fits, or is
-not kept). A new request starts from the entry sharing the longest prefix with its prompt, up to the prompt's last
-token, which always runs again (its logits pick the first token). A chat's next turn thus prefills only its new
-message. The reused positions were computed in an earlier step: the same values where the kernels do not depend on
-what ran beside them (the suite's greedy texts are the same on and off, tests/test_prompt_cache.py); int4 experts
-compute an expert's rows by how many it gets, so a near tie can tip. Reuse of positional state may stop anywhere
-inside an entry; a recurrent layer's snapshot only at exactly its length (``SavedLayer.usable``), so an entry holding
-one is reused whole or not at all.
+not kept). A new request starts from the entry sharing the longest prefix with its prompt, short of its last
+:data:`RERUN` tokens, which always run again (the last one's logits pick the first token). A chat's next turn thus
+prefills only its new message. The reused positions were computed in an earlier step: the same values where the
+kernels do not depend on what ran beside them (the suite's greedy texts are the same on and off,
+tests/test_prompt_cache.py); int4 experts round an expert's rows differently by how many run together, so a near tie
+can tip (llama-server's cache_prompt has the same caveat): ``cache_prompt`` False where answers must be reproducible
+to the bit. Reuse of positional state may stop anywhere inside an entry; a recurrent layer's snapshot only at
+exactly its length (``SavedLayer.usable``), so an entry holding one is reused whole or not at all.
 
 The batcher (``runtime.batch``) and a request served alone (``generate.stream_from_model``, a batch of one) both call
 :meth:`PromptCache.restore` when a sequence starts and :meth:`PromptCache.keep` when it ends; a request with
@@ -26,6 +27,10 @@ from dataclasses import dataclass
 from fate_edge.model.kv_cache import AttentionState, SavedLayer
 from fate_edge.runtime.budget import parse_bytes
 
+# Prompt tokens a hit runs again, at least: the last one's logits pick the first token, and two run as a prompt (one
+# alone would run as a decode step, whose int4 expert kernel rounds differently from a prompt's: the greedy text
+# with the cache on would differ from the text without it)
+RERUN = 2
 # "auto": room for this many full contexts (context_tokens) of keys and values: a conversation's whole state
 AUTO_CONTEXTS = 1
 
@@ -97,9 +102,10 @@ class PromptCache:
         return self.stats.bytes_held
 
     def _match(self, prompt: list[int]) -> tuple[_Entry | None, int]:
-        """The entry giving the most reusable positions of ``prompt`` (its last token excluded), and how many."""
+        """The entry giving the most reusable positions of ``prompt``, and how many: never its last
+        :data:`RERUN` tokens."""
         best, best_n = None, 0
-        limit = len(prompt) - 1
+        limit = len(prompt) - RERUN
         for entry in self._entries.values():
             n = min(_common(entry.tokens, prompt), limit)
             if n > best_n and entry.usable(n):
