@@ -19,7 +19,9 @@ def _cfg(n: int) -> GenerateConfig:
 
 @pytest.fixture(scope="module")
 def engines():
-    kw = dict(memory_budget="2MB", device="cpu", dtype="float32")
+    # no prompt cache: the subject is batched = alone under faults, and a kept prefix (computed in another step, int4
+    # experts rounding rows by how many run together) can tip a near tie (tests/test_prompt_cache.py covers the cache)
+    kw = dict(memory_budget="2MB", device="cpu", dtype="float32", prompt_cache=0)
     with Engine.load(max_batch=1, **kw) as alone, Engine.load(max_batch=4, **kw) as batched:
         yield alone, batched
 

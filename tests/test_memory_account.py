@@ -79,7 +79,7 @@ def test_the_measured_peak_is_within_ten_percent_of_the_prediction(qwen_slice, s
 def test_a_run_that_cannot_fit_is_refused_before_anything_loads(bundled_store, monkeypatch):
     import fate_edge.runtime.engine as engine_module
 
-    account = memory_account(bundled_store, 3_000_000, "bfloat16", 4096)
+    account = memory_account(bundled_store, 3_000_000, "bfloat16", 4096, prompt_cache="auto")  # the engine's default
     free = account.to_load - 2_000_000  # 2 MB short, less than the budget: lowering it is the fix
 
     def must_not_load(*args, **kwargs):
@@ -99,7 +99,7 @@ def test_a_run_that_cannot_fit_is_refused_before_anything_loads(bundled_store, m
 def test_a_run_that_fits_is_not_refused(bundled_store, monkeypatch):
     import fate_edge.runtime.engine as engine_module
 
-    account = memory_account(bundled_store, 3_000_000, "bfloat16", 4096)
+    account = memory_account(bundled_store, 3_000_000, "bfloat16", 4096, prompt_cache="auto")
     monkeypatch.setattr(engine_module, "available_memory_bytes", lambda: account.to_load + 50_000_000)
     with Engine(EngineConfig(bundled_store, 3_000_000, "lru", dtype="bfloat16", device="cpu")) as engine:
         assert engine.account.expert_budget == 3_000_000

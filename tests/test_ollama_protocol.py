@@ -32,6 +32,7 @@ def test_defaults_are_ollamas_and_special_values_map():
         ({"top_p": 2}, "top_p"),
         ({"stop": [1]}, "stop"),
         ({"repeat_penalty": None, "min_p": [0.1]}, "min_p"),
+        ({"cache_prompt": "no"}, "cache_prompt"),
     ],
 )
 def test_a_wrong_option_is_a_400_naming_it(options, field):
@@ -59,3 +60,11 @@ def test_request_level_fields():
     with pytest.raises(OllamaError, match="images") as exc:
         generate_prompt({"prompt": "x", "images": ["aGk="]}, None)
     assert exc.value.status == 400
+
+
+def test_cache_prompt_opts_out_in_options_or_the_body():
+    assert config_of({}, 1024).cache_prompt
+    assert not config_of({"options": {"cache_prompt": False}}, 1024).cache_prompt
+    assert not config_of({"cache_prompt": False}, 1024).cache_prompt
+    with pytest.raises(OllamaError, match="cache_prompt"):
+        config_of({"cache_prompt": 0}, 1024)

@@ -145,6 +145,38 @@ def test_ollama_errors_have_its_shape_and_the_daemon_keeps_serving(base):
     assert httpx.head(base).status_code == 200  # Ollama's heartbeat
 
 
+# --------------------------------------------------------------------------- prompt cache
+def _series(base: str, name: str) -> float:
+    text = httpx.get(f"{base}/metrics").text
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
+def test_a_chats_next_turn_hits_the_prompt_cache_and_cache_prompt_false_opts_out(base):
+    client = ollama.Client(host=base)
+    opts = {"num_predict": 4, "temperature": 0}
+    msgs = [{"role": "user", "content": "Write a function that adds two numbers, please. " * 4}]
+    first = client.chat(model=MODEL, messages=msgs, options=opts)
+    hits, saved = (
+        _series(base, "fate_edge_prompt_cache_hits_total"),
+        _series(base, "fate_edge_prompt_cache_tokens_saved_total"),
+    )
+    msgs += [{"role": "assistant", "content": first.message.content}, {"role": "user", "content": "And subtract?"}]
+    second = client.chat(model=MODEL, messages=msgs, options=opts)
+    assert _series(base, "fate_edge_prompt_cache_hits_total") == hits + 1
+    assert _series(base, "fate_edge_prompt_cache_tokens_saved_total") - saved >= first.prompt_eval_count
+    assert 0 < _series(base, "fate_edge_prompt_cache_bytes") <= _series(base, "fate_edge_prompt_cache_capacity_bytes")
+    hits = _series(base, "fate_edge_prompt_cache_hits_total")
+    off = client.chat(model=MODEL, messages=msgs, options={**opts, "cache_prompt": False})
+    assert off.message.content == second.message.content  # greedy: the same answer without the cache
+    http = httpx.Client(base_url=base, timeout=60)
+    body = {"model": MODEL, "messages": msgs, "max_tokens": 4, "temperature": 0, "cache_prompt": False}
+    chat = http.post("/v1/chat/completions", json=body)
+    assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"] == second.message.content
+    assert _series(base, "fate_edge_prompt_cache_hits_total") == hits  # neither looked
+    bad = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "cache_prompt": "no"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_prompt"
+
+
 # --------------------------------------------------------------------------- openai: logprobs, echo, n
 def _direct(engine, ids: list[int]) -> list[float]:
     """Each token's log-probability given those before it, from one forward of the engine's model (the first: nan)."""
@@ -253,9 +285,10 @@ def test_bad_logprobs_and_n_get_openai_errors_naming_the_field(base):
 
 
 # --------------------------------------------------------------------------- lm-evaluation-harness
-# lm_eval itself pulls datasets, evaluate, scikit-learn, sacrebleu and rouge-score into the test environment, so its
-# local-completions loglikelihood path is reproduced here line for line (lm_eval 0.4.13: TemplateLM._encode_pair,
-# TemplateAPI.batch_loglikelihood_requests, LocalCompletionsAPI._create_payload and parse_logprobs).
+# lm_eval itself runs against the daemon in tests/test_lm_eval.py. Its local-completions loglikelihood requests are
+# also written out here (lm_eval 0.4.13: TemplateLM._encode_pair, TemplateAPI.batch_loglikelihood_requests,
+# LocalCompletionsAPI._create_payload and parse_logprobs) for what that test does not check: the scores against
+# transformers' own model (an implementation not ours), a --batch_size request of several prompts, and max_tokens 0.
 TASK = [  # a small multiple-choice task: (context, choices, gold)
     ("def add(a, b):\n    return", [" a + b", " a - b", " print(a)"], 0),
     ("import os\nimport", [" sys", " 42", " ("], 0),

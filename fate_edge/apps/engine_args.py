@@ -50,6 +50,7 @@ class EngineOptions:
     # Sequences served together (runtime.batch); 0: the machine's default; None: the command's (serve batches at the
     # machine's default, run/chat/demo serve one request)
     max_batch: int | None = None
+    prompt_cache: int | str = "auto"  # finished requests' KV kept for later prompts (runtime.prompt_cache); 0: off
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **override) -> EngineOptions:
@@ -141,6 +142,19 @@ def add_engine_args(
         choices=["once", "always"],
         help="expert store: check each blob's CRC32 on its first read (default) or on every read",
     )
+    p.add_argument(
+        "--prompt-cache",
+        type=prompt_cache_size,
+        default="auto",
+        help="room for finished requests' KV cache, reused by later prompts that start the same (a chat's next "
+        "turn prefills only its new message), part of the memory account: auto (one --context-tokens of KV), a "
+        "size such as 256MB, or 0 (off)",
+    )
+
+
+def prompt_cache_size(value: str) -> str:
+    """``--prompt-cache``: auto, a size, or 0."""
+    return "0" if value.strip() == "0" else byte_size(value)
 
 
 def make_link(name: str | None) -> ThrottledLink | None:
@@ -206,7 +220,7 @@ def auto_budget(store: str | Path, opts: EngineOptions, device: str, bits: int =
     from fate_edge.runtime.memory_account import memory_account
 
     account = memory_account(
-        store, 0, opts.dtype, opts.context_tokens, opts.resident_bits, embedding_bits=opts.embedding_bits
+        store, 0, opts.dtype, opts.context_tokens, opts.resident_bits, None, opts.embedding_bits, opts.prompt_cache
     )
     return choose_budget(account, experts_cap(store, bits), free_memory(memory_sources(device)))
 
@@ -223,6 +237,7 @@ def print_account(store: str | Path, opts: EngineOptions, log: TextIO) -> None:
         opts.context_tokens,
         opts.resident_bits,
         embedding_bits=opts.embedding_bits,
+        prompt_cache=opts.prompt_cache,
     )
     print("[memory] predicted peak RSS by part:\n" + "\n".join(account.lines()), file=log, flush=True)
 
@@ -307,6 +322,7 @@ def open_engine(
             embedding_bits=opts.embedding_bits,
             context_tokens=opts.context_tokens,
             max_batch=max_batch if opts.max_batch is None else opts.max_batch,
+            prompt_cache=opts.prompt_cache,
         )
     )
     engine.planned = planned

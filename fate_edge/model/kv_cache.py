@@ -18,6 +18,14 @@ reads: a sliding-window ring or attention sinks (keep only the positions a query
 where they start), or a recurrent state (linear attention, a convolution's last inputs: ``update(layer, *new)``
 folds the new rows in and hands back the state, in ``Held.held`` with a field naming its kind). A new field gets its
 branch in the family's ``attend``.
+
+Keeping a state past its request (``runtime.prompt_cache``): a kind saves a layer with ``save_layer(layer, n)`` as a
+:class:`SavedLayer` and a new sequence's empty state takes it back with ``restore_layer(layer, saved, n)``. Positional
+kinds (keys and values, MLA's latent) save their first ``n`` positions, and any prefix of them can be restored: a new
+prompt that shares only ``m`` < ``n`` tokens with the saved one reuses ``m``. A recurrent state (a convolution's last
+inputs, a linear-attention state) cannot be cut back: it saves a *snapshot* (``SavedLayer.positional`` False) taken at
+its length, usable only by a prompt that shares exactly that many tokens (``SavedLayer.usable``); the prompt cache then
+refuses any shorter reuse for the whole sequence. A kind that does neither raises ``NotImplementedError`` (not kept).
 """
 
 from __future__ import annotations
@@ -77,6 +85,24 @@ class RowRanges(Protocol):
         ...
 
 
+@dataclass
+class SavedLayer:
+    """One layer's state kept past its request (``runtime.prompt_cache``): positional tensors [B, heads, length, d]
+    whose every prefix is reusable, or a recurrent state's snapshot, reusable only at exactly ``length``."""
+
+    tensors: tuple[torch.Tensor, ...]
+    length: int  # positions saved (a snapshot: the length it was taken at)
+    positional: bool = True
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def usable(self, n: int) -> bool:
+        """Whether a new sequence may take this layer's first ``n`` positions."""
+        return n <= self.length if self.positional else n == self.length
+
+
 class AttentionState(ABC):
     """Per-layer attention state of one sequence (or of a batch's decode rows): the interface every forward path
     writes through and every attention function reads through."""
@@ -85,6 +111,19 @@ class AttentionState(ABC):
     def update(self, layer: int, *new: torch.Tensor) -> Keys:
         """Add ``new`` (k and v [B, kv heads, T, d], or MLA's latent) at the next positions of ``layer`` → what the
         layer's queries read. A forward pass updates each layer once."""
+
+    def save_layer(self, layer: int, n: int) -> SavedLayer:
+        """``layer``'s state of the first ``n`` positions, copied so it outlives this state (a recurrent kind: a
+        snapshot, only where ``n`` is its length). Kinds that cannot be kept raise NotImplementedError."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be kept past its request")
+
+    def saved_nbytes(self, layer: int, n: int) -> int:
+        """Bytes :meth:`save_layer` would copy for ``n`` positions (known before copying, so room is made first)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be kept past its request")
+
+    def restore_layer(self, layer: int, saved: SavedLayer, n: int) -> None:
+        """Start ``layer`` (empty) from ``saved``'s first ``n`` positions (``saved.usable(n)``)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot start from a kept state")
 
 
 class LayerCache:
@@ -224,6 +263,20 @@ class KVCache(AttentionState):
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for lay in self.layers for b in lay.buffers)
+
+    def save_layer(self, layer: int, n: int) -> SavedLayer:
+        held = self.layers[layer]
+        if not 0 < n <= held.length:
+            raise ValueError(f"layer {layer} holds {held.length} positions; cannot save {n}")
+        return SavedLayer(tuple(b.narrow(2, 0, n).clone() for b in held.buffers), n)
+
+    def saved_nbytes(self, layer: int, n: int) -> int:
+        return n * sum(b[:, :, :1].numel() * b.element_size() for b in self.layers[layer].buffers)
+
+    def restore_layer(self, layer: int, saved: SavedLayer, n: int) -> None:
+        if self.layers[layer].length or not saved.usable(n):
+            raise ValueError(f"layer {layer} cannot start from {n} of {saved.length} saved positions")
+        self.layers[layer].append(*(t.narrow(2, 0, n) for t in saved.tensors), capacity_hint=self.capacity_hint)
 
 
 class StaticKV(AttentionState):

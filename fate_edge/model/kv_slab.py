@@ -54,14 +54,17 @@ class KVSlab:
         else:  # MLA's cache: the latent and the rope key side by side, one "head"
             shapes = [(1, 1, positions, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim)]
         # per layer, what a LayerCache holds (kv_cache.LayerCache.buffers): keys and values, or MLA's latent; none
-        # for a recurrent layer (its state, a fixed size, is each sequence's own: kv_cache.RecurrentLayer)
+        # for a recurrent layer (its state, a fixed size, is each sequence's own: kv_cache.RecurrentLayer). Never
+        # inference tensors, even when made under inference mode (a prompt scored first: server.logprobs): the
+        # batcher zeroes released ranges outside it, which torch refuses on an inference tensor.
         self.recurrent = recurrent_specs(cfg)
-        self.buffers = [
-            []
-            if i in self.recurrent
-            else [torch.zeros(shape, dtype=model.dtype, device=model.device) for shape in shapes]
-            for i in range(cfg.num_hidden_layers)
-        ]
+        with torch.inference_mode(False):
+            self.buffers = [
+                []
+                if i in self.recurrent
+                else [torch.zeros(shape, dtype=model.dtype, device=model.device) for shape in shapes]
+                for i in range(cfg.num_hidden_layers)
+            ]
         self._free: list[tuple[int, int]] = [(0, positions)]  # (start, length), by start
 
     @property

@@ -166,6 +166,7 @@ def resolve_budget(
     embedding_bits: int | None = None,
     device: str = "cpu",
     bits: int = 4,
+    prompt_cache: int | str = 0,
 ) -> int:
     """``budget`` in bytes: a size as given, or for "auto" the choice :func:`choose_budget` makes here."""
     from fate_edge.runtime.budget import parse_bytes
@@ -173,5 +174,7 @@ def resolve_budget(
 
     if not is_auto(budget):
         return parse_bytes(budget)
-    account = memory_account(store_dir, 0, dtype, context_tokens, resident_bits, embedding_bits=embedding_bits)
+    account = memory_account(
+        store_dir, 0, dtype, context_tokens, resident_bits, embedding_bits=embedding_bits, prompt_cache=prompt_cache
+    )
     return choose_budget(account, experts_cap(store_dir, bits), free_memory(memory_sources(device))).budget

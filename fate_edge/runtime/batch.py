@@ -11,6 +11,8 @@ KV slab of ``kv_budget_bytes`` (the memory account's KV room; ``model.kv_slab``)
 tokens attend in one operator per layer. A request that cannot fit now waits; one that could never
 fit is refused with :class:`KVRoomError` (a BudgetError). A sequence leaves when it finishes, when its reader
 closes the stream, or when its reader stops reading for ``idle_timeout`` seconds; the others go on untouched.
+A finished sequence's state is kept in the prompt cache (``runtime.prompt_cache``, its own room of the budget), and
+a joining one starts from its prompt's longest kept prefix.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ GROW_STEP = 64  # positions a range grows by when its answer reaches its end
 if TYPE_CHECKING:
     from fate_edge.model.kv_cache import KVCache
     from fate_edge.model.transformer import MoETransformer
+    from fate_edge.runtime.prompt_cache import PromptCache
     from fate_edge.runtime.scheduler import Scheduler
     from fate_edge.tokenizer import Tokenizer
 
@@ -66,6 +69,7 @@ class BatchConfig:
     kv_bytes_per_token: int = 0  # one position's keys and values over all layers
     prompt_rows: int = PREFILL_CHUNK  # joining prompts' tokens per step, all together
     idle_timeout: float = 30.0  # seconds a stream may leave tokens unread before its sequence is removed
+    prompt_cache: PromptCache | None = None  # finished sequences' states, reused by later prompts (None: off)
     # one sequence's recurrent states (short convolutions, DeltaNet: recurrent.state_bytes), a fixed size drawn from
     # the same budget: the slab is what the batch's states leave of it
     state_bytes: int = 0
@@ -296,6 +300,7 @@ class Batcher:
             if seq.cache is None:
                 break  # its KV cache waits for a sequence to leave (first come, first served)
             self._waiting.popleft()
+            seq.start_from(c.prompt_cache)  # only the prompt past its longest kept prefix runs
             if not self._active:  # the batch starts afresh: per-request predictor and cache state start over too
                 with self.lock:
                     self.scheduler.new_sequence()
@@ -401,9 +406,13 @@ class Batcher:
                 seq.put(resp)
 
     def _finish(self, seq: BatchSequence, last: GenerationResponse | BaseException) -> None:
-        with self._cv:  # out of the batch before its reader sees the end: the stats it reads next are current
-            self._leave(seq)
-        seq.put(last)
+        if not isinstance(last, BaseException):
+            seq.keep_in(self.config.prompt_cache)  # its state, before its range goes back to the slab
+        try:
+            with self._cv:  # out of the batch before its reader sees the end: the stats it reads next are current
+                self._leave(seq)
+        finally:  # its reader gets its end even where leaving failed (the worker then stops, failing the others)
+            seq.put(last)
 
     def _fail(self, stepped: list[BatchSequence], exc: BaseException) -> None:
         if isinstance(exc, torch.OutOfMemoryError):

@@ -45,7 +45,7 @@ from fate_edge.runtime.cache.factory import Resident, build_cache, layer_slots, 
 from fate_edge.runtime.compute_dtype import resolve_dtype
 from fate_edge.runtime.engine_config import EngineConfig, PolicyChoice, Trace, plan_policy, resolve_device
 from fate_edge.runtime.exit_close import close_at_exit, closed
-from fate_edge.runtime.generate import GenerateConfig, GenerationResponse, stream_from_model
+from fate_edge.runtime.generate import PREFILL_CHUNK, GenerateConfig, GenerationResponse, stream_from_model
 from fate_edge.runtime.held_bytes import entry_bytes
 from fate_edge.runtime.load_threads import in_own_thread
 from fate_edge.runtime.loader import load_model
@@ -53,6 +53,7 @@ from fate_edge.runtime.memory_account import available_memory_bytes, kv_bytes_pe
 from fate_edge.runtime.memory_tiers import is_unified, plan_tiers, staging_held
 from fate_edge.runtime.policy import PolicyConfig, for_model, get_policy
 from fate_edge.runtime.preload import LoadReport, first_used, global_choice, preload, preload_choice
+from fate_edge.runtime.prompt_cache import PromptCache
 from fate_edge.runtime.request_slot import RequestSlot
 from fate_edge.runtime.scheduler import Scheduler, SchedulerStats, hands_off
 from fate_edge.sizes import format_bytes
@@ -141,9 +142,8 @@ class Engine:
     def _open(self) -> None:
         """Load the model and build the fetch engine, cache and scheduler under the budget."""
         c, device = self.config, self.device
-        self.account = memory_account(
-            c.store_dir, self.budget, self.dtype, c.context_tokens, c.resident_bits, embedding_bits=c.embedding_bits
-        )
+        args = (c.store_dir, self.budget, self.dtype, c.context_tokens, c.resident_bits, None, c.embedding_bits)
+        self.account = memory_account(*args, prompt_cache=c.prompt_cache)
         if self._auto_budget:
             self.budget_choice = choose_budget(
                 self.account, experts_cap(c.store_dir, self.policy.bits), free_memory(memory_sources(self.device))
@@ -202,6 +202,8 @@ class Engine:
         if self.scheduler.zero_copy and self.cache is not None:
             uncached = len(self.model.config.moe_layers) * self.model.config.num_experts - len(self.cache.entries)
             pool.add_spares(min(self.cache.free_entries(pool.size), uncached))
+        room = self.account.prompt_cache  # the account's part: the cache holds no more
+        self.prompt_cache = PromptCache(room, self.model.config.num_hidden_layers) if room else None
         self.token_stats: list[SchedulerStats] = []  # per generated token of the last request
         self.prefill_stats = SchedulerStats()
         self._request_stats = SchedulerStats()
@@ -216,7 +218,8 @@ class Engine:
         if max_batch == 1 or self.trace is not None:
             return None
         per_token = kv_bytes_per_token(self.model.config, self.dtype)
-        config = BatchConfig(max_batch, self.account.kv_cache, per_token, idle_timeout=self.stream_idle_timeout)
+        kv = (self.account.kv_cache, per_token, PREFILL_CHUNK, self.stream_idle_timeout, self.prompt_cache)
+        config = BatchConfig(max_batch, *kv)
         config.state_bytes = recurrent.state_bytes(self.model.config, self.dtype)  # each sequence's, if any
         return Batcher(self.model, self.tokenizer, self.scheduler, self._lock, config)
 
@@ -429,8 +432,9 @@ class Engine:
             dev = resolve_device(config.device)
             dt = resolve_dtype(config.dtype, dev)
             # "auto" chosen once here, so the planner and the engine plan for the same budget and dtype
+            c = config
             b = resolve_budget(
-                store, config.memory_budget, dt, config.context_tokens, config.resident_bits, config.embedding_bits, dev
+                store, c.memory_budget, dt, c.context_tokens, c.resident_bits, c.embedding_bits, dev, 4, c.prompt_cache
             )
             config = replace(config, dtype=dt, memory_budget=b)
             planned = in_own_thread(lambda: plan_policy(config))
@@ -480,7 +484,7 @@ class Engine:
                 self.scheduler.new_sequence()
                 self.token_stats = []
                 start = before = self.scheduler.stats.snapshot()
-                steps = stream_from_model(self.model, self.tokenizer, prompt, config)
+                steps = stream_from_model(self.model, self.tokenizer, prompt, config, self.prompt_cache)
             for i in itertools.count():
                 with self._step(ticket):
                     step = next(steps, None)

@@ -46,6 +46,9 @@ class EngineConfig:
     embedding_bits: int | None = None  # 8 or 4: the embedding table held quantized (fate_edge.model.embedding)
     max_batch: int = 1  # >1: concurrent streams run as one batch (runtime.batch); 0: the machine's default
     plan_sample: str | list[int] | None = None  # with policy "auto": a prompt like the ones to serve (docs/planner.md)
+    # finished requests' KV kept for later prompts (runtime.prompt_cache), a part of the memory account: "auto" (one
+    # context_tokens of KV), a size such as "256MB", or 0 (off)
+    prompt_cache: int | str = "auto"
 
 
 class PolicyChoice(Protocol):

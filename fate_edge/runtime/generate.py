@@ -26,6 +26,7 @@ from fate_edge.tokenizer import StreamingDetokenizer, Tokenizer
 
 if TYPE_CHECKING:
     from fate_edge.model.kv_cache import KVCache
+    from fate_edge.runtime.prompt_cache import PromptCache
 
 
 @dataclass
@@ -63,6 +64,9 @@ class GenerateConfig:
     grammar: str | None = None
     # Each sampled token's log-probability with this many likeliest alternatives (0: the token's alone); None: off
     logprobs: int | None = None
+    # Start from the longest kept prefix of the prompt and keep this request's state when it ends
+    # (runtime.prompt_cache; llama-server's name); False: neither
+    cache_prompt: bool = True
 
 
 def _hold_back(text: str, stops: list[str]) -> int:
@@ -233,6 +237,24 @@ class Sequence:
         self.cache = cache  # made when it starts stepping (a batch: a range of its KV slab, at admission)
         self.chunks = deque(prompt_chunks(len(prompt_ids), config.prefill_chunk))
         self.t_join = 0.0  # when its prompt started running
+        self.reused = 0  # prompt positions its cache started with (runtime.prompt_cache)
+
+    def start_from(self, cache: PromptCache | None) -> None:
+        """Its (empty) cache from the longest kept prefix of its prompt, where the request allows: only the rest
+        of the prompt is run."""
+        if cache is None or not self.config.cache_prompt or self.cache is None:
+            return
+        n = cache.restore(self.cache, self.prompt_ids)
+        if n:
+            self.reused = n
+            rest = prompt_chunks(len(self.prompt_ids) - n, self.config.prefill_chunk)
+            self.chunks = deque((a + n, b + n) for a, b in rest)
+
+    def keep_in(self, cache: PromptCache | None) -> None:
+        """Its state kept in ``cache`` under the tokens it holds, where the request allows (it ended well)."""
+        if cache is None or not self.config.cache_prompt or self.cache is None or not self.cache.length:
+            return
+        cache.keep(self.cache, self.out.history[: self.cache.length])
 
     def segment(self) -> Segment:
         """What the next step runs for it: its next prompt chunk, or its last sampled token."""
@@ -272,6 +294,7 @@ def stream_from_model(
     tokenizer: Tokenizer,
     prompt: str | list[int],
     config: GenerateConfig | None = None,
+    prompt_cache: PromptCache | None = None,
 ) -> Iterator[GenerationResponse]:
     config = config or GenerateConfig()
     prompt_ids, max_tokens = prepare_prompt(model, tokenizer, prompt, config)
@@ -280,10 +303,13 @@ def stream_from_model(
     cache.capacity_hint = len(prompt_ids) + max_tokens  # allocated once: no copy of a doubled cache mid-answer
     seq = Sequence(prompt_ids, config, out, cache)
     seq.t_join = time.perf_counter()
+    seq.start_from(prompt_cache)
     while True:  # a batch of one
         step = seq.advance(_step(model, seq))
         if step is None:
             continue
+        if step.finish_reason is not None:
+            seq.keep_in(prompt_cache)  # before the caller sees the end: its next request finds it
         yield step
         if step.finish_reason is not None:
             return

@@ -58,6 +58,8 @@ class MemoryAccount:
     # (``format.file_rows``) and holds none of it (a gather through its memory map faulted in 121 MB more at a
     # 4000-token prompt of the 2-layer Qwen slice: readahead around every row).
     embeddings_mapped: bool = False
+    # finished requests' KV kept for reuse by later prompts (runtime.prompt_cache): never more than this
+    prompt_cache: int = 0
     # The experts' two budgets, device and host (runtime.memory_tiers), once the engine has planned them; None: the
     # expert budget is all host memory (a CPU run, and every account before the plan)
     tiers: MemoryTiers | None = None
@@ -78,7 +80,14 @@ class MemoryAccount:
 
     @property
     def running(self) -> int:
-        return self.embeddings_held + self.other_resident + self.host_budget + self.kv_cache + self.buffers
+        return (
+            self.embeddings_held
+            + self.other_resident
+            + self.host_budget
+            + self.kv_cache
+            + self.prompt_cache
+            + self.buffers
+        )
 
     @property
     def peak(self) -> int:
@@ -108,6 +117,7 @@ class MemoryAccount:
                 "pinned read buffers and host tier (the cache is on the GPU)",
             ),
             ("KV cache", self.kv_cache, f"{self.context_tokens} tokens"),
+            ("prompt cache", self.prompt_cache, "finished requests' KV, reused by later prompts"),
             (
                 "buffers",
                 self.buffers,
@@ -129,7 +139,8 @@ class MemoryAccount:
         return (
             f"{format_bytes(self.peak)} (runtime {self.runtime / 1e6:.0f} MB + embeddings "
             f"{self.embeddings_held / 1e6:.0f} + other resident {self.other_resident / 1e6:.0f} + expert budget "
-            f"{self.host_budget / 1e6:.0f} + KV cache {self.kv_cache / 1e6:.0f} + buffers "
+            f"{self.host_budget / 1e6:.0f} + KV cache {self.kv_cache / 1e6:.0f} + prompt cache "
+            f"{self.prompt_cache / 1e6:.0f} + buffers "
             f"{self.buffers / 1e6:.0f} MB)"
         )
 
@@ -231,15 +242,20 @@ def memory_account(
     resident_bits: int | None = None,
     runtime: int | None = None,
     embedding_bits: int | None = None,
+    prompt_cache: int | str = 0,
 ) -> MemoryAccount:
     """The account of an Engine on ``store_dir`` with expert budget ``budget``, serving up to ``context_tokens``
-    (prompt and answer), its embedding table held at ``embedding_bits`` (None: ``dtype``); ``runtime``: the
-    process's own bytes (default: its RSS now, imports done)."""
+    (prompt and answer), its embedding table held at ``embedding_bits`` (None: ``dtype``), with a prompt cache of
+    ``prompt_cache`` (``prompt_cache.prompt_cache_room``; 0: none); ``runtime``: the process's own bytes (default: its
+    RSS now, imports done)."""
+    from fate_edge.runtime.prompt_cache import prompt_cache_room
+
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     store_dir = Path(store_dir)
     cfg = load_config(store_dir)
     embed, other, loading, mapped = _weights(store_dir, dtype, resident_bits, embedding_bits)
     kv = kv_bytes_per_token(cfg, dtype) * max(64, context_tokens) + state_bytes(cfg, dtype)
+    room = prompt_cache_room(prompt_cache, kv_bytes_per_token(cfg, dtype), max(64, context_tokens))
     return MemoryAccount(
         current_rss_bytes() if runtime is None else runtime,
         embed,
@@ -250,6 +266,7 @@ def memory_account(
         loading,
         context_tokens,
         mapped,
+        room,
     )
 
 
@@ -290,13 +307,15 @@ def shortfall(account: MemoryAccount, free: int) -> str | None:
         fix = (
             "without any expert budget the resident weights, KV cache and buffers still do not fit: hold the "
             "weights in fewer bits (--resident-bits 4, --embedding-bits 4) or free memory"
+            + (f"; --prompt-cache 0 frees {account.prompt_cache / 1e6:.0f} MB" if account.prompt_cache else "")
         )
     held = max(account.loading, account.running)
     return (
         f"this run needs {need / 1e6:.0f} MB beyond the {account.runtime / 1e6:.0f} MB the runtime holds "
         f"(embeddings {account.embeddings_held / 1e6:.0f} + other resident weights {account.other_resident / 1e6:.0f}"
         f" + expert budget {account.expert_budget / 1e6:.0f} + KV cache {account.kv_cache / 1e6:.0f} at "
-        f"{account.context_tokens} tokens + buffers {account.buffers / 1e6:.0f} MB"
+        f"{account.context_tokens} tokens + prompt cache {account.prompt_cache / 1e6:.0f} + buffers "
+        f"{account.buffers / 1e6:.0f} MB"
         + ("" if held == account.running else f"; loading holds {account.loading / 1e6:.0f} MB")
         + f") but only {free / 1e6:.0f} MB is free; {fix}"
     )

@@ -208,6 +208,7 @@ class Metrics:
             "KV cache reserved by the batch's sequences.",
             [({}, b.kv_reserved_bytes if b else 0)],
         )
+        _prompt_cache(metric, getattr(engine, "prompt_cache", None))
         if engine is not None:
             s = engine.stats
             metric(
@@ -297,3 +298,18 @@ class Metrics:
                 [({}, engine.fetch.stats.failures)],
             )
         return "\n".join(out) + "\n"
+
+
+def _prompt_cache(metric: Any, cache: Any) -> None:
+    """The prompt cache's series (runtime.prompt_cache); zeros with the cache off (--prompt-cache 0)."""
+    st = cache.stats if cache is not None else None
+    for name, kind, help_, value in (
+        ("hits_total", "counter", "Requests that started from a kept prompt prefix.", st.hits if st else 0),
+        ("misses_total", "counter", "Requests that looked for a kept prefix and found none.", st.misses if st else 0),
+        ("tokens_saved_total", "counter", "Prompt tokens not prefilled (kept).", st.tokens_saved if st else 0),
+        ("evictions_total", "counter", "Kept prefixes dropped for room.", st.evictions if st else 0),
+        ("bytes", "gauge", "KV bytes the prompt cache holds now.", st.bytes_held if st else 0),
+        ("capacity_bytes", "gauge", "The prompt cache's room in the memory account.", cache.room_bytes if cache else 0),
+        ("entries", "gauge", "Kept prefixes held now.", st.entries if st else 0),
+    ):
+        metric(f"fate_edge_prompt_cache_{name}", kind, help_, [({}, value)])

@@ -66,6 +66,17 @@ def _integer(options: dict[str, Any], name: str, lo: int, hi: int) -> int | None
     return v
 
 
+def _cache_prompt(body: dict[str, Any], options: dict[str, Any]) -> bool:
+    """``cache_prompt`` (llama-server's name) in ``options`` or the body: False opts out of the prompt cache."""
+    for where, d in (("option ", options), ("", body)):
+        v = d.get("cache_prompt")
+        if v is not None:
+            if not isinstance(v, bool):
+                raise bad(f'{where}"cache_prompt" must be of type boolean, got {type(v).__name__} {v!r}')
+            return v
+    return True
+
+
 def _stops(options: dict[str, Any]) -> list[str]:
     stop = options.get("stop")
     if stop is None:
@@ -114,6 +125,7 @@ def config_of(body: dict[str, Any], context: int) -> GenerateConfig:
         stop=_stops(options),
         context_limit=min(num_ctx or context, context),
         grammar=format_grammar(body),
+        cache_prompt=_cache_prompt(body, options),
     )
 
 

@@ -243,7 +243,13 @@ def _config(b: _Body, context: int, default_max_tokens: int | None, least: int =
         repetition_penalty=b.num("repetition_penalty", 1.0, 0.0, 10.0, lo_open=True),
         seed=None if seed is None else seed % 2**63,
     )
-    return GenerateConfig(max_tokens=chosen, sampling=sampling, stop=_stop(b), ignore_eos=b.bool("ignore_eos", False))
+    return GenerateConfig(
+        max_tokens=chosen,
+        sampling=sampling,
+        stop=_stop(b),
+        ignore_eos=b.bool("ignore_eos", False),
+        cache_prompt=b.bool("cache_prompt", True),  # llama-server's name: false opts out of the prompt cache
+    )
 
 
 def _stream(b: _Body) -> tuple[bool, bool]:
