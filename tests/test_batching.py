@@ -291,3 +291,35 @@ def test_a_prompt_scored_before_any_request_leaves_the_slab_usable():
             text, last = pool.submit(eng.generate_text, ids, _cfg(3)).result(timeout=60)
             assert last.generation_tokens == 3
             assert pool.submit(eng.generate_text, ids, _cfg(3)).result(timeout=60)[0] == text  # still serving
+
+
+def test_a_request_waiting_behind_a_starved_sequence_is_admitted_when_it_ends(monkeypatch):
+    """A sequence whose KV range cannot grow waits while others step, then ends at its length when it is the last;
+    the request queued behind the full batch must then join. The starved flag outlived the batch, and the worker
+    spun with that request waiting forever."""
+    import fate_edge.runtime.batch as batch_module
+
+    real = batch_module.Batcher._room_for
+    seen: list[int] = []
+
+    def starved_after_three(self, seq):
+        if seq.prompt_ids == first_ids and len(seq.out.history) - len(seq.prompt_ids) >= 3:
+            seen.append(1)
+            return False  # its range cannot grow any more
+        return real(self, seq)
+
+    monkeypatch.setattr(batch_module.Batcher, "_room_for", starved_after_three)
+    with Engine.load(None, max_batch=2, memory_budget="2MB", device="cpu", dtype="float32") as eng:
+        first_ids = eng.tokenizer.encode(PROMPTS[0])
+        a = eng.stream(first_ids, _cfg(20))
+        c = eng.stream(PROMPTS[2], _cfg(8))
+        heads = [next(a), next(c)]  # both run: the batch is full
+        b = eng.stream(PROMPTS[1], _cfg(4))  # waits for a place
+        pool = ThreadPoolExecutor(3)  # not waited for on the way out: a hung reader fails the test, not the suite
+        try:
+            runs = [pool.submit(lambda s=s: list(s)) for s in (a, c, b)]
+            ends = [r.result(timeout=60) for r in runs]
+        finally:
+            pool.shutdown(wait=False)
+        assert seen and (ends[0] or heads[:1])[-1].finish_reason == "length"
+        assert ends[2][-1].generation_tokens == 4  # admitted once the starved one ended

@@ -81,3 +81,29 @@ def test_an_undone_step_restores_every_recurrent_state(tmp_path: Path):
         batched.fetch.fault_injector = inject
         assert _interleaved(batched, requests) == expected
         assert failed, "no read failed in a step of several sequences"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("max_batch", [1, 3], ids=["alone", "batched"])
+@pytest.mark.parametrize("arch", ["lfm2_moe", "qwen3_next"])
+def test_a_next_turn_starts_from_the_kept_recurrent_state_with_the_same_text(arch: str, max_batch: int, tmp_path):
+    """The prompt cache keeps a finished request's convolution windows and DeltaNet matrices (a snapshot at its
+    length, beside the attention layers' keys and values); the next turn starts from it, prefills only its new tokens
+    and answers as a cold run does."""
+    path = tmp_path / arch
+    build_tiny(arch, path)
+    kw = dict(memory_budget="2MB", device="cpu", policy="fate-edge", dtype="float32", context_tokens=128)
+    config = GenerateConfig(max_tokens=6, ignore_eos=True)
+    with Engine.load(path, max_batch=max_batch, **kw) as on, Engine.load(path, prompt_cache=0, **kw) as off:
+        tok = on.tokenizer
+        prompt = tok.encode(PROMPTS[2])
+        first, _ = on.generate_text(prompt, config)
+        assert first == off.generate_text(prompt, config)[0]
+        stats = on.prompt_cache.stats
+        assert stats.kept == 1 and stats.bytes_held > 0
+        # the kept state holds the prompt and the answer bar its last token (never fed back)
+        held = next(iter(on.prompt_cache._entries))
+        follow = list(held) + tok.encode("\n    return 1\n")
+        again, _ = on.generate_text(follow, config)
+        assert stats.hits == 1 and stats.tokens_saved == len(held)
+        assert again == off.generate_text(follow, config)[0]

@@ -96,3 +96,31 @@ def test_a_table_tied_to_the_head_takes_the_heads_precision(tmp_path):
     for store in (lean, head8):
         with Engine(EngineConfig(store, "4MB", dtype="float32")) as engine:
             assert engine.complete([1, 2, 3]).completion_tokens > 0
+
+
+def test_a_cached_store_from_before_the_block_order_record_is_converted_again(bundled_dir, tmp_path):
+    """Stores cached before fate-edge recorded torch's int4 block order are refused at open; the store cache must
+    convert its own stale copy again (once) rather than fail every run of a user who upgraded."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from fate_edge.format.store_age import RESIDENT_FILE, predates_block_order
+
+    src = shutil.copytree(bundled_dir, tmp_path / "tiny")  # its own cache key: the shared cached store stays as it is
+    store = ensure_store(src, progress=False)
+    index = json.loads((store / STORE_FILE).read_text())
+    planted = 0
+    for p in index["precisions"].values():  # as an older fate-edge wrote them: no block order
+        planted += p.pop("int4_block_rows", None) is not None
+    (store / STORE_FILE).write_text(json.dumps(index))
+    tensors = load_file(store / RESIDENT_FILE)
+    old = {k: v for k, v in tensors.items() if not k.endswith(".int4_block_rows")}
+    planted += len(tensors) - len(old)
+    save_file(old, store / RESIDENT_FILE, metadata={"format": "pt"})
+    assert planted and predates_block_order(store)
+    with pytest.raises(FateEdgeError, match="block order"):
+        Engine.load(store, memory_budget="2MB", device="cpu").close()
+    assert ensure_store(src, progress=False) == store and not predates_block_order(store)
+    with Engine.load(src, memory_budget="2MB", device="cpu", dtype="float32") as eng:
+        assert eng.generate_text("def main():", None)[0]

@@ -17,6 +17,7 @@ from fate_edge.format.gguf_convert import convert_gguf
 from fate_edge.format.gguf_reader import is_gguf
 from fate_edge.format.model_names import locate_model
 from fate_edge.format.store import is_store
+from fate_edge.format.store_age import predates_block_order
 from fate_edge.process_memory import release_freed_memory
 from fate_edge.quant.linear import host_int4_block_rows
 from fate_edge.quant.native import native_is_default
@@ -113,11 +114,16 @@ def ensure_store(
     gguf = is_gguf(found)
     opts = store_options(gguf, bits, cold_bits, baselines, resident_bits, embedding_bits)
     out = cached_store_path(model_dir, found, bits, cold_bits, opts)
-    if not is_store(out):
+    outdated = is_store(out) and predates_block_order(out)
+    if not is_store(out) or outdated:
         out.parent.mkdir(parents=True, exist_ok=True)
         log = logging.getLogger("fate_edge.convert")
         say = (lambda m: print(f"[convert] {m}", file=sys.stderr, flush=True)) if progress else log.info
-        say(f"first use of {model_dir}: converting it once into an expert store ({out})")
+        if outdated:  # our own cached copy, made by an older fate-edge: replaced whole, in place, once
+            opts = replace(opts, force=True)
+            say(f"{out}: cached by an older fate-edge (no int4 block order recorded); converting {model_dir} again")
+        else:
+            say(f"first use of {model_dir}: converting it once into an expert store ({out})")
         lines = ProgressLines(str(model_dir), None if progress and sys.stderr.isatty() else say, status=status)
         if gguf:  # the streamed precision is the file's own where its blocks fit (q8_0 -> int8)
             convert_gguf(found, out, opts, progress=progress, on_progress=lines)

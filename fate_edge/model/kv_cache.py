@@ -266,17 +266,30 @@ class KVCache(AttentionState):
 
     def save_layer(self, layer: int, n: int) -> SavedLayer:
         held = self.layers[layer]
+        if isinstance(held, RecurrentLayer):  # a snapshot, right only at its own length
+            if n != held.length or not held.buffers:
+                raise ValueError(f"layer {layer}'s recurrent state holds {held.length} positions; cannot save {n}")
+            return SavedLayer(tuple(b.clone() for b in held.buffers), n, positional=False)
         if not 0 < n <= held.length:
             raise ValueError(f"layer {layer} holds {held.length} positions; cannot save {n}")
         return SavedLayer(tuple(b.narrow(2, 0, n).clone() for b in held.buffers), n)
 
     def saved_nbytes(self, layer: int, n: int) -> int:
-        return n * sum(b[:, :, :1].numel() * b.element_size() for b in self.layers[layer].buffers)
+        held = self.layers[layer]
+        if isinstance(held, RecurrentLayer):  # a fixed size, whatever the length
+            return sum(b.numel() * b.element_size() for b in held.buffers)
+        return n * sum(b[:, :, :1].numel() * b.element_size() for b in held.buffers)
 
     def restore_layer(self, layer: int, saved: SavedLayer, n: int) -> None:
-        if self.layers[layer].length or not saved.usable(n):
+        held = self.layers[layer]
+        if held.length or not saved.usable(n):
             raise ValueError(f"layer {layer} cannot start from {n} of {saved.length} saved positions")
-        self.layers[layer].append(*(t.narrow(2, 0, n) for t in saved.tensors), capacity_hint=self.capacity_hint)
+        if isinstance(held, RecurrentLayer):  # copies: the mixer overwrites its matrix in place
+            if saved.positional:
+                raise ValueError(f"layer {layer} is recurrent; a positional state cannot start it")
+            held.restore((n, [t.clone() for t in saved.tensors]))
+            return
+        held.append(*(t.narrow(2, 0, n) for t in saved.tensors), capacity_hint=self.capacity_hint)
 
 
 class StaticKV(AttentionState):

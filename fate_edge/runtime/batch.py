@@ -329,6 +329,7 @@ class Batcher:
         if seq in self._active:
             self._active.remove(seq)
             self.stats.kv_reserved_bytes -= seq.kv_bytes
+            self._starved = False  # its range is free: a waiting request may fit (else the next step says so)
         seq.done = True
         if isinstance(seq.cache, SlabCache):
             seq.cache.slab.release(seq.cache)
