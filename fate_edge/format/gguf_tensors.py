@@ -25,6 +25,7 @@ _TOP = {
 _LAYER = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "post_attention_norm": "post_attention_layernorm",  # GLM-4.5's name for the norm before the MLP
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -45,6 +46,7 @@ _LAYER = {
 }
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 _NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+_LAYER_NUMBER = re.compile(r"^blk\.(\d+)\.")
 
 
 def expert_tensor(layer: int, matrix: str) -> str:
@@ -64,6 +66,9 @@ class GGUFCheckpoint:
             if name in _TOP:
                 self.sources[_TOP[name]] = (name,)
                 continue
+            n = _LAYER_NUMBER.match(name)
+            if n is not None and int(n.group(1)) >= cfg.num_hidden_layers:
+                continue  # GLM-4.5's NextN (MTP) layers (blk.N.nextn.*) and their decoder layer: not run
             m = _NAME.match(name)
             if m is None:
                 raise ModelFormatError(
