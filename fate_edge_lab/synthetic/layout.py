@@ -46,7 +46,7 @@ class TensorSpec:
 
     name: str
     shape: tuple[int, ...]
-    role: str  # embed | lm_head | norm | bias | proj_in | attn_out | mlp_out | router | shared_gate
+    role: str  # embed | lm_head | norm | bias | score_bias | proj_in | attn_out | mlp_out | router | shared_gate
     layer: int = -1  # decoder layer, -1 outside the layers
     kind: str = ""  # for mlp_out: dense | expert | shared
 
@@ -169,7 +169,7 @@ def tensor_specs(config: dict[str, Any]) -> list[TensorSpec]:
         if cfg.model_type in SCORE_BIAS:
             name, row = SCORE_BIAS[cfg.model_type]
             shape = (1, cfg.num_experts) if row else (cfg.num_experts,)
-            specs.append(TensorSpec(f"{mlp}.{name}", shape, "bias", i))
+            specs.append(TensorSpec(f"{mlp}.{name}", shape, "score_bias", i))
         names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
         for j in range(cfg.num_experts):
             specs += _mlp(f"{mlp}.experts.{j}", h, cfg.moe_intermediate_size, i, "expert", names)
