@@ -321,6 +321,7 @@ def q4_0_direct(model_dir: str | Path, out: str | Path, quiet: bool = True) -> P
     out = Path(out)
     if out.exists():
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)  # gguf_path's folder is made by ensure_ggufs otherwise
     mix = out.with_name(out.name + f".mix-partial-{os.getpid()}")
     print(f"gguf: converting {model_dir} -> {mix} (q4_0 mix, bf16 output)", flush=True)
     proc = subprocess.run(convert_command(model_dir, Q4_0_MIX, mix, converter_dir()), capture_output=quiet, text=True)
