@@ -442,7 +442,7 @@ MINIMAX_M2 = Preset(
     chat_template=MINIMAX_CHAT,
     published_params=230e9,
 )
-# gpt-oss-20b, Qwen3-Next-80B-A3B and LFM2-8B-A1B get their presets with their architectures (issue 57).
+# gpt-oss-20b, Qwen3-Next-80B-A3B and LFM2-8B-A1B get their presets with their architectures.
 
 PRESETS: dict[str, Preset] = {
     p.name: p
