@@ -143,27 +143,34 @@ def converter():
         pytest.skip(str(exc))
 
 
-@pytest.fixture(scope="module", params=sorted(PRESETS))
+# Presets with a setting their family's other releases have: GLM-4.5 and 4.6 (not Air) norm q and k per head
+VARIANTS = {"glm-4.5-air+qk_norm": ("glm-4.5-air", {"use_qk_norm": True})}
+
+
+@pytest.fixture(scope="module", params=sorted(PRESETS) + sorted(VARIANTS))
 def converted(request, converter, tmp_path_factory):
     """A tiny synthetic checkpoint of one preset and its f32 GGUF (the converter run as ensure_ggufs runs it)."""
     import subprocess
 
+    name, changes = VARIANTS.get(request.param, (request.param, {}))
     out = tmp_path_factory.mktemp(request.param)
     model = out / "model"
-    preset = PRESETS[request.param]
-    config = dict(preset.config)
-    scale = SCALES.get(request.param, SCALE)
+    preset = PRESETS[name]
+    config = {**preset.config, **changes}
+    scale = SCALES.get(name, SCALE)
     if config.get("moe_intermediate_size", 32 * scale) // scale % 32:  # 1408 / 32 = 44: no int4 group divides
         config["moe_intermediate_size"] = 2048
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(PRESETS, request.param, replace(preset, config=config))
+        mp.setitem(PRESETS, name, replace(preset, config=config))
         make_synthetic_model(
-            model, SyntheticOptions(request.param, LAYERS, scale=scale, bpe_vocab=1024, tokenizer_chars=200_000)
+            model, SyntheticOptions(name, LAYERS, scale=scale, bpe_vocab=1024, tokenizer_chars=200_000)
         )
     path = out / "model-f32.gguf"
     proc = subprocess.run(gguf.convert_command(model, "f32", path, converter), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return request.param, model, path
+    if changes.get("use_qk_norm"):
+        assert "blk.1.attn_q_norm.weight" in GGUFFile(path).tensors  # the variant is exercised
+    return name, model, path
 
 
 def _stack(model, layer: int, part: str) -> np.ndarray:
