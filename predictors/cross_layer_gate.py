@@ -33,7 +33,8 @@ class CrossLayerGate(Predictor):
     ):
         """``gates``: MoE layer → router weight [E, H]. ``norms``: layer → post_attention_layernorm weight
         [H] for every layer (enables the norm variant). ``score``: "softmax" (Mixtral, Qwen, OLMoE,
-        DeepSeek-V2) or "sigmoid" (DeepSeek-V3, whose ``score_bias`` correction is added for ranking).
+        DeepSeek-V2, ERNIE-4.5) or "sigmoid" (DeepSeek-V3, GLM-4.5, MiniMax-M2). ``score_bias``: the selection-only
+        correction the router adds to the scores for ranking (DeepSeek-V3, GLM, MiniMax-M2, ERNIE).
         ``logit_bias``: MoE layer → the router's own bias [E] (gpt-oss), added to its logits."""
         super().__init__(list(gates), lookahead)
         if score not in ("softmax", "sigmoid"):
@@ -61,12 +62,12 @@ class CrossLayerGate(Predictor):
         norms = None
         if norm_variant:
             norms = {i: model.w[f"{n.post_attn_norm}.weight"] for i, n in enumerate(model.names)}
-        score, bias = "softmax", None
-        if cfg.router == "deepseek_v3":
-            score = "sigmoid"
-            bias = {i: model.w.get(f"{model.names[i].mlp}.gate.e_score_correction_bias") for i in cfg.moe_layers}
-            bias = bias if all(b is not None for b in bias.values()) else None
-        return cls(gates, lookahead, norms, score, bias, logit_bias)
+        from fate_edge.model.layer import _correction_bias  # the loader's lookup: router, block or moe_statics
+
+        score = "sigmoid" if cfg.router == "deepseek_v3" else "softmax"
+        found = {i: _correction_bias(model.w, model.names[i].mlp) for i in cfg.moe_layers}
+        bias = {i: b for i, b in found.items() if b is not None}
+        return cls(gates, lookahead, norms, score, bias if len(bias) == len(found) else None, logit_bias)
 
     def _matrix(self, layer: int, first: int, p: int) -> torch.Tensor:
         plain = self.stack[first : first + p]  # [P, E, H], a view: no copy for the plain predictor
@@ -97,9 +98,7 @@ class CrossLayerGate(Predictor):
         logits = F.linear(h.to(w.dtype), w).view(n, len(targets), e).transpose(0, 1)  # [P, N, E]
         if self.logit_bias is not None:
             logits = logits + self.logit_bias[first : first + len(targets), None, :]
-        if self.score == "softmax":
-            return Prediction(targets, torch.softmax(logits, dim=-1))
-        scores = torch.sigmoid(logits)
+        scores = torch.softmax(logits, dim=-1) if self.score == "softmax" else torch.sigmoid(logits)
         if self.bias is not None:
             scores = scores + self.bias[first : first + len(targets), None, :]
         return Prediction(targets, scores)

@@ -73,6 +73,11 @@ def test_calibrate_command_end_to_end(tiny, tmp_path, capsys):
     assert report["bytes_per_expert"] == 3 * 32 * 16 * 2  # 3·H·I·2 (bf16)
     names = {"cross-layer-gate", "cross-layer-gate-norm", "learned-linear", "learned-lowrank", "token-popularity"}
     assert set(report["predictors"]) == names
+    moe = report["moe_layers"]
+    sim = report["gate_input_similarity"]
+    assert [(r["source"], r["target"]) for r in sim] == list(zip(moe, moe[1:])) + list(zip(moe, moe[2:]))
+    assert all(-1 <= r["cosine_p10"] <= r["cosine"] <= 1 for r in sim)
+    assert "Gate-input cosine similarity" in printed
     for name in names - {"token-popularity"}:
         rows = report["predictors"][name]["rows"]
         assert {(r["source"], r["target"], r["distance"]) for r in rows} == {(0, 1, 1), (0, 3, 2), (1, 3, 1)}
@@ -199,3 +204,21 @@ def test_traces_are_kept_in_half_precision_unless_a_gate_input_overflows_it(tiny
     assert full.gate_inputs[0].dtype == torch.float32 and torch.isfinite(full.gate_inputs[0]).all()
     assert full.gate_inputs[0].abs().max() > 65504
     assert "overflows float16; tracing again in float32" in capsys.readouterr().err
+
+
+def test_gate_input_similarity_is_the_mean_cosine_per_token():
+    from fate_edge.predictors.evaluate import Trace
+
+    from fate_edge.planning.gate_similarity import gate_input_similarity
+
+    g = torch.Generator().manual_seed(0)
+    h0 = torch.randn(1000, 16, generator=g)
+    other = torch.randn(1000, 16, generator=g)
+    other -= (other * h0).sum(-1, keepdim=True) / h0.pow(2).sum(-1, keepdim=True) * h0  # orthogonal to h0, per row
+    inputs = {1: h0.half(), 2: (3 * h0).half(), 3: other.half(), 5: (-h0).half()}
+    trace = Trace(inputs, {i: torch.zeros(1000, 2, dtype=torch.long) for i in inputs}, 8)
+    rows = {(r["source"], r["target"]): r for r in gate_input_similarity(trace, [1, 2, 3, 5], 2)}
+    assert set(rows) == {(1, 2), (2, 3), (3, 5), (1, 3), (2, 5)}
+    assert rows[(1, 2)]["cosine"] == pytest.approx(1, abs=1e-3) and rows[(1, 2)]["distance"] == 1
+    assert rows[(2, 3)]["cosine"] == pytest.approx(0, abs=2e-3) and rows[(1, 3)]["distance"] == 2
+    assert rows[(2, 5)]["cosine"] == pytest.approx(-1, abs=1e-3) and rows[(2, 5)]["cosine_p10"] <= -0.99

@@ -133,3 +133,55 @@ def test_stacked_matrix_is_what_predict_uses(model):
     w = gate.stacked(0)
     assert w.shape == (2 * 8, 32) and gate.stacked(3).shape == (0, 32)
     torch.testing.assert_close(torch.softmax((h @ w.T).view(3, 2, 8), -1).transpose(0, 1), gate.predict(0, h).scores)
+
+
+@pytest.mark.parametrize(
+    "config_cls,kwargs",
+    [
+        ("MiniMaxM2Config", dict(num_local_experts=8, intermediate_size=32, head_dim=16)),  # bias in the block
+        (
+            "Ernie4_5_MoeConfig",  # a softmax router with the bias in moe_statics, [1, E]
+            dict(moe_num_experts=8, moe_k=2, moe_intermediate_size=32, intermediate_size=64, moe_layer_start_index=0),
+        ),
+        (
+            "Glm4MoeConfig",
+            dict(n_routed_experts=8, moe_intermediate_size=32, intermediate_size=64, first_k_dense_replace=0),
+        ),
+    ],
+    ids=["minimax_m2", "ernie4_5_moe", "glm4_moe"],
+)
+def test_cross_layer_gate_ranks_with_the_selection_bias_wherever_the_block_keeps_it(tmp_path, config_cls, kwargs):
+    """Fed the target layer's own gate input, the cross-layer gate must choose what that layer's router chose:
+    with the selection-only bias MiniMax-M2 keeps in the MoE block and ERNIE-4.5 in ``moe_statics``, as GLM in the
+    router (without it the predictor ranked on the unbiased scores)."""
+    transformers = pytest.importorskip("transformers")
+    config = getattr(transformers, config_cls)(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_experts_per_tok=2,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        **kwargs,
+    )
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, buf in [*hf.named_buffers(), *hf.named_parameters()]:
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn_like(buf) * 0.3)
+    hf.save_pretrained(tmp_path)
+    model = load_model(tmp_path, torch.float32)
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    model.observers.append(lambda layer, h, idx, w: seen.setdefault(layer, (h.clone(), idx.clone())))
+    with torch.no_grad():
+        model(torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(1)), model.new_cache())
+    gate = CrossLayerGate.from_model(model)
+    assert gate.bias is not None
+    h1, chosen = seen[1]
+    pred = gate.predict(0, h1)
+    assert pred.layers == (1,)
+    predicted = pred.scores[0].topk(2, dim=-1).indices
+    assert torch.equal(predicted.sort(-1).values, chosen.sort(-1).values)

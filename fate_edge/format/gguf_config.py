@@ -25,6 +25,9 @@ ARCHITECTURES = {
     "lfm2moe": "lfm2_moe",
     "qwen3next": "qwen3_next",
     "qwen35moe": "qwen3_5_moe_text",
+    "glm4moe": "glm4_moe",
+    "ernie4_5-moe": "ernie4_5_moe",
+    "minimax-m2": "minimax_m2",
 }
 _SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
 
@@ -57,6 +60,7 @@ def _hf_config(g: GGUFFile, dtype: str) -> dict[str, Any]:
     key = g.arch_key
     hidden = _count(g, "embedding_length", "hidden_size")
     layers = _count(g, "block_count", "num_hidden_layers")  # bounded before anything loops over it
+    layers -= _mtp_layers(g, mtype, layers)
     heads = _count(g, "attention.head_count", "num_attention_heads")
     kv_heads = key("attention.head_count_kv", heads)
     per_layer_kv = kv_heads if isinstance(kv_heads, list) else None
@@ -111,9 +115,94 @@ def _hf_config(g: GGUFFile, dtype: str) -> dict[str, Any]:
         d.update(norm_topk_prob=bool(norm or False), clip_qkv=key("attention.clamp_kqv", None))
     elif mtype == "gpt_oss":
         d.update(_gpt_oss(g, layers, head_dim))
+    elif mtype in FAMILIES_2025:
+        d.update(FAMILIES_2025[mtype](g, head_dim or hidden // heads, layers, dense))
+        _check_dense(g, d, dense)
     else:
         d.update(_deepseek(g, dense))
     return d
+
+
+def _mtp_layers(g: GGUFFile, mtype: str, block_count: int) -> int:
+    """GLM-4.5's block_count counts its NextN (MTP) layers, written after the main ones: they are not run."""
+    if mtype != "glm4_moe":
+        return 0
+    n = g.arch_key("nextn_predict_layers", 0)
+    return bounded_int(n, f"{g.path}: '{g.architecture}.nextn_predict_layers'", 0, block_count - 1)
+
+
+def _rotary(g: GGUFFile, head_dim: int) -> dict[str, Any]:
+    """Partial rotary as transformers reads it: rope over the first ``rope.dimension_count`` of each head (llama.cpp's
+    default where the key is absent: the whole head)."""
+    rot = g.arch_key("rope.dimension_count", head_dim)
+    if not isinstance(rot, int) or isinstance(rot, bool) or not 2 <= rot <= head_dim or rot % 2:
+        raise ModelFormatError(
+            f"{g.path}: metadata '{g.architecture}.rope.dimension_count' is {str(rot)[:40]}, not an even width in "
+            f"2..{head_dim} (the head width); the GGUF is damaged (re-convert it with llama.cpp)"
+        )
+    return {"head_dim": head_dim, "partial_rotary_factor": rot / head_dim}
+
+
+def _glm4_moe(g: GGUFFile, head_dim: int, layers: int, dense: list[int]) -> dict[str, Any]:
+    key = g.arch_key
+    return {
+        **_rotary(g, head_dim),
+        "attention_bias": "blk.0.attn_q.bias" in g.tensors,
+        "use_qk_norm": "blk.0.attn_q_norm.weight" in g.tensors,
+        "n_shared_experts": key("expert_shared_count", 0),
+        "first_k_dense_replace": key("leading_dense_block_count", len(dense)),
+        "routed_scaling_factor": float(key("expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(key("expert_weights_norm", True)),
+        "n_group": key("expert_group_count", 1),
+        "topk_group": key("expert_group_used_count", 1),
+        "num_nextn_predict_layers": 0,  # the store holds the main layers only
+    }
+
+
+def _ernie4_5_moe(g: GGUFFile, head_dim: int, layers: int, dense: list[int]) -> dict[str, Any]:
+    key = g.arch_key
+    moe = [i for i in range(layers) if i not in dense]
+    return {
+        "head_dim": head_dim,
+        "moe_num_shared_experts": key("expert_shared_count", 0),
+        "moe_layer_start_index": key("leading_dense_block_count", moe[0] if moe else layers),
+        "moe_layer_interval": key("interleave_moe_layer_step", 1),
+        "moe_layer_end_index": moe[-1] if moe else -1,  # not in the metadata: the last layer with a router
+        "use_bias": False,
+    }
+
+
+def _minimax_m2(g: GGUFFile, head_dim: int, layers: int, dense: list[int]) -> dict[str, Any]:
+    key = g.arch_key
+    return {
+        **_rotary(g, head_dim),
+        "intermediate_size": key("expert_feed_forward_length"),  # every MLP is routed
+        "use_qk_norm": True,
+        "scoring_func": "sigmoid",
+        "use_routing_bias": True,
+        "routed_scaling_factor": float(key("expert_weights_scale", 1.0)),
+    }
+
+
+FAMILIES_2025 = {"glm4_moe": _glm4_moe, "ernie4_5_moe": _ernie4_5_moe, "minimax_m2": _minimax_m2}
+_DENSE_KEYS = {
+    "glm4_moe": ("leading_dense_block_count",),
+    "ernie4_5_moe": ("leading_dense_block_count", "interleave_moe_layer_step"),
+}
+
+
+def _check_dense(g: GGUFFile, d: dict[str, Any], dense: list[int]) -> None:
+    """The dense layers the metadata implies are the layers without a router (else the forward would look for
+    experts that are not there, or skip some that are)."""
+    from fate_edge.model.arch import config_from_dict
+
+    said = list(config_from_dict(d, str(g.path)).dense_layers)
+    if said != dense:
+        what = " / ".join(f"'{g.architecture}.{k}'" for k in _DENSE_KEYS.get(d["model_type"], ("block_count",)))
+        raise ModelFormatError(
+            f"{g.path}: metadata {what} makes layers {said[:8]} dense but layers {dense[:8]} have "
+            "no router (blk.N.ffn_gate_inp); the GGUF's metadata does not match its tensors (re-convert it)"
+        )
 
 
 def _count(g: GGUFFile, suffix: str, hf_key: str) -> int:

@@ -27,6 +27,7 @@ _TOP = {
 _LAYER = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "post_attention_norm": "post_attention_layernorm",  # GLM-4.5's and Qwen3-Next's name for the norm before the MLP
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -48,7 +49,6 @@ _LAYER = {
     "shortconv.in_proj": "conv.in_proj",
     "shortconv.out_proj": "conv.out_proj",
     # Qwen3-Next (its in_proj_qkvz is rebuilt from attn_qkv and attn_gate: _QKVZ)
-    "post_attention_norm": "post_attention_layernorm",
     "ssm_ba": "linear_attn.in_proj_ba",
     "ssm_conv1d": "linear_attn.conv1d",
     "ssm_norm": "linear_attn.norm",
@@ -83,6 +83,7 @@ _GPT_OSS = {
 }
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 _NAME = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+(?:\.(?!(?:weight|bias)$)[a-z_]+)?)(?:\.(weight|bias))?$")
+_LAYER_NUMBER = re.compile(r"^blk\.(\d+)\.")
 
 
 def expert_tensor(layer: int, matrix: str, kind: str = "weight") -> str:
@@ -103,6 +104,9 @@ class GGUFCheckpoint:
             if name in _TOP:
                 self.sources[_TOP[name]] = (name,)
                 continue
+            n = _LAYER_NUMBER.match(name)
+            if n is not None and int(n.group(1)) >= cfg.num_hidden_layers:
+                continue  # GLM-4.5's NextN (MTP) layers (blk.N.nextn.*) and their decoder layer: not run
             m = _NAME.match(name)
             if m is None:
                 raise ModelFormatError(

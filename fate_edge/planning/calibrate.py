@@ -29,6 +29,7 @@ import torch
 from fate_edge.corpus import CorpusSplit, read_corpus
 from fate_edge.errors import CalibrationError, FateEdgeError
 from fate_edge.format.popularity import PREDICTORS_DIR, popularity_json
+from fate_edge.planning.gate_similarity import gate_input_similarity, similarity_line
 
 
 @dataclass
@@ -243,6 +244,9 @@ def table_markdown(report: dict[str, Any]) -> str:
         cells += [f"{r['wasted_bytes'][w] / 1024:.1f}" for w in waste]
         return "| " + " | ".join(cells) + " |"
 
+    similarity = similarity_line(report.get("gate_input_similarity", []))
+    if similarity:
+        out[1:1] = ["", similarity]
     for name, block in report["predictors"].items():
         for r in block["rows"]:
             src = "tok" if r["source"] < 0 else str(r["source"])
@@ -374,6 +378,7 @@ def calibrate(model_dir: str | Path, opts: CalibrateOptions | None = None) -> di
         "corpus": corpus,
         "training": training,
         "predictors": report_preds,
+        "gate_input_similarity": gate_input_similarity(held, cfg.moe_layers, p),
         "files": {key: str(path) for key, path in files.items()},
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),

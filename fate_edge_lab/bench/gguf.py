@@ -162,6 +162,25 @@ def patch_sentencepiece_probe(model_class: Any) -> None:
     model_class._create_vocab_sentencepiece = _create_vocab_sentencepiece
 
 
+def patch_bpe_vocab_fallback(model_class: Any) -> None:
+    """Make ``model_class.set_vocab`` (ERNIE-4.5's: SentencePiece only) write the Hugging Face byte-level BPE
+    when the checkpoint has no ``tokenizer.model``, as the Llama family's converter falls back by itself.
+
+    The published ERNIE-4.5 ships a SentencePiece model; synthetic copies (``fate-edge synth``) carry the byte-level
+    BPE every synthetic checkpoint has, which llama.cpp runs as ``gpt2`` with the ``gpt-2`` pre-tokenizer."""
+    original = model_class.set_vocab
+    if getattr(original, "_fate_edge_bpe", False):
+        return
+
+    def set_vocab(self) -> None:
+        if (Path(self.dir_model) / "tokenizer.model").is_file():
+            return original(self)
+        return self._set_vocab_gpt2()
+
+    set_vocab._fate_edge_bpe = True  # type: ignore[attr-defined]
+    model_class.set_vocab = set_vocab
+
+
 def patch_mla_without_q_lora(model_class: Any) -> None:
     """Write ``attention.q_lora_rank = 0`` for a DeepSeek-V2 checkpoint whose ``q_lora_rank`` is null.
 
@@ -210,16 +229,19 @@ def patch_q4_0_mix(model_class: Any, gguf_mod: Any) -> None:
 
 def _convert_main(llama_dir: str, argv: list[str]) -> None:
     """In the converter's process: import it from ``llama_dir``, patch the hash check, the SentencePiece
-    probe and DeepSeek-V2's q-LoRA rank, run its main(). ``--outtype q4_0-mix``: see :func:`patch_q4_0_mix`."""
+    probe, ERNIE's SentencePiece-only vocabulary and DeepSeek-V2's q-LoRA rank, run its main(). ``--outtype
+    q4_0-mix``: see :func:`patch_q4_0_mix`."""
     sys.path[:0] = [llama_dir, str(Path(llama_dir) / "gguf-py")]
     import conversion.base  # type: ignore[import-not-found]
     import conversion.deepseek  # type: ignore[import-not-found]
+    import conversion.ernie  # type: ignore[import-not-found]
     import convert_hf_to_gguf  # type: ignore[import-not-found]
     import gguf
 
     patch_pre_tokenizer(conversion.base.TextModel)
     patch_sentencepiece_probe(conversion.base.TextModel)
     patch_mla_without_q_lora(conversion.deepseek.DeepseekV2Model)
+    patch_bpe_vocab_fallback(conversion.ernie.Ernie4_5Model)
     if Q4_0_MIX in argv:
         patch_q4_0_mix(conversion.base.TextModel, gguf)
         argv = ["bf16" if a == Q4_0_MIX else a for a in argv]
@@ -299,6 +321,7 @@ def q4_0_direct(model_dir: str | Path, out: str | Path, quiet: bool = True) -> P
     out = Path(out)
     if out.exists():
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)  # gguf_path's folder is made by ensure_ggufs otherwise
     mix = out.with_name(out.name + f".mix-partial-{os.getpid()}")
     print(f"gguf: converting {model_dir} -> {mix} (q4_0 mix, bf16 output)", flush=True)
     proc = subprocess.run(convert_command(model_dir, Q4_0_MIX, mix, converter_dir()), capture_output=quiet, text=True)

@@ -4,9 +4,9 @@ trained-like routing), to benchmark fate-edge at real size without downloading t
     fate-edge synth --like qwen1.5-moe-a2.7b --layers 2 /tmp/qwen-moe-2l
     fate-edge synth --like olmoe-1b-7b --scale 16 --measure 512 /tmp/olmoe-small
 
-Presets: qwen1.5-moe-a2.7b, olmoe-1b-7b, deepseek-v2-lite, qwen3-30b-a3b, mixtral-8x7b (see
-fate_edge_lab/synthetic/presets.py for the configs and their sources). Weights are written streaming:
-memory stays small whatever the model's size.
+Presets: qwen1.5-moe-a2.7b, olmoe-1b-7b, deepseek-v2-lite, qwen3-30b-a3b, mixtral-8x7b, glm-4.5-air,
+ernie-4.5-21b-a3b, minimax-m2 (see fate_edge_lab/synthetic/presets.py for the configs and their sources).
+Weights are written streaming: memory stays small whatever the model's size.
 """
 
 from __future__ import annotations

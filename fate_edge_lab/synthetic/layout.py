@@ -1,9 +1,11 @@
 """Which tensors a checkpoint of a given config holds, named and shaped as the published checkpoints are.
 
 The names are the published ones: ``model.layers.{i}.mlp.experts.{j}.gate_proj/up_proj/down_proj`` (Qwen,
-OLMoE, DeepSeek), ``model.layers.{i}.block_sparse_moe.experts.{j}.w1/w3/w2`` (Mixtral), ``mlp.shared_expert``
-+ ``mlp.shared_expert_gate`` (Qwen1.5-MoE), ``mlp.shared_experts`` (DeepSeek). Shapes come from fate-edge's
-own config parser (``fate_edge.model.arch``), so the generator and the runtime read one config the same way.
+OLMoE, DeepSeek, GLM-4.5, ERNIE-4.5), ``model.layers.{i}.block_sparse_moe.experts.{j}.w1/w3/w2`` (Mixtral,
+MiniMax-M2), ``mlp.shared_expert`` + ``mlp.shared_expert_gate`` (Qwen1.5-MoE), ``mlp.shared_experts`` (DeepSeek,
+GLM-4.5, ERNIE-4.5); GLM-4.5's MTP layers past ``num_hidden_layers`` as published (the runtime does not read
+them). Shapes come from fate-edge's own config parser (``fate_edge.model.arch``), so the generator and the runtime
+read one config the same way.
 """
 
 from __future__ import annotations
@@ -27,7 +29,15 @@ SCALED_KEYS = (
     "qk_nope_head_dim",
     "qk_rope_head_dim",
     "v_head_dim",
+    "rotary_dim",  # MiniMax-M2's rotary width
 )
+# The MoE block's selection-only correction bias, where the published checkpoint holds one: name under the block
+# and shape (GLM-4.5 in the router, MiniMax-M2 in the block, ERNIE-4.5 in the block's ``moe_statics`` as [1, E]).
+SCORE_BIAS = {
+    "glm4_moe": ("gate.e_score_correction_bias", False),
+    "minimax_m2": ("e_score_correction_bias", False),
+    "ernie4_5_moe": ("moe_statics.e_score_correction_bias", True),
+}
 
 
 @dataclass(frozen=True)
@@ -36,7 +46,7 @@ class TensorSpec:
 
     name: str
     shape: tuple[int, ...]
-    role: str  # embed | lm_head | norm | bias | proj_in | attn_out | mlp_out | router | shared_gate
+    role: str  # embed | lm_head | norm | bias | score_bias | proj_in | attn_out | mlp_out | router | shared_gate
     layer: int = -1  # decoder layer, -1 outside the layers
     kind: str = ""  # for mlp_out: dense | expert | shared
 
@@ -134,20 +144,32 @@ def tensor_specs(config: dict[str, Any]) -> list[TensorSpec]:
     """Every tensor of a checkpoint for ``config`` (a config.json dict), in checkpoint order (by layer)."""
     cfg = config_from_dict(dict(config))
     h = cfg.hidden_size
-    mixtral = cfg.model_type == "mixtral"
+    mixtral = cfg.model_type in ("mixtral", "minimax_m2")
     specs = [TensorSpec("model.embed_tokens.weight", (cfg.vocab_size, h), "embed")]
-    for i in range(cfg.num_hidden_layers):
+    mtp = int(config.get("num_nextn_predict_layers") or 0) if cfg.model_type == "glm4_moe" else 0
+    for i in range(cfg.num_hidden_layers + mtp):
         base = f"model.layers.{i}"
+        if i >= cfg.num_hidden_layers:  # GLM's MTP layer: a MoE decoder layer and its own projections
+            specs += [
+                TensorSpec(f"{base}.eh_proj.weight", (h, 2 * h), "proj_in", i),
+                TensorSpec(f"{base}.enorm.weight", (h,), "norm", i),
+                TensorSpec(f"{base}.hnorm.weight", (h,), "norm", i),
+                TensorSpec(f"{base}.shared_head.norm.weight", (h,), "norm", i),
+            ]
         specs += _attention(cfg, f"{base}.self_attn", i)
         specs += [
             TensorSpec(f"{base}.input_layernorm.weight", (h,), "norm", i),
             TensorSpec(f"{base}.post_attention_layernorm.weight", (h,), "norm", i),
         ]
         mlp = f"{base}.block_sparse_moe" if mixtral else f"{base}.mlp"
-        if not cfg.is_moe_layer(i):
+        if i < cfg.num_hidden_layers and not cfg.is_moe_layer(i):
             specs += _mlp(mlp, h, cfg.intermediate_size, i, "dense")
             continue
         specs.append(TensorSpec(f"{mlp}.gate.weight", (cfg.num_experts, h), "router", i))
+        if cfg.model_type in SCORE_BIAS:
+            name, row = SCORE_BIAS[cfg.model_type]
+            shape = (1, cfg.num_experts) if row else (cfg.num_experts,)
+            specs.append(TensorSpec(f"{mlp}.{name}", shape, "score_bias", i))
         names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
         for j in range(cfg.num_experts):
             specs += _mlp(f"{mlp}.experts.{j}", h, cfg.moe_intermediate_size, i, "expert", names)

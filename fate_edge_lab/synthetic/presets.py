@@ -294,8 +294,168 @@ MIXTRAL_8X7B = Preset(
     published_params=46.7e9,
 )
 
+GLM_CHAT = (
+    "[gMASK]<sop>{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+ERNIE_CHAT = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ 'User: ' + m['content'] + '\\n' }}"
+    "{% elif m['role'] == 'assistant' %}{{ 'Assistant: ' + m['content'] + eos_token }}"
+    "{% else %}{{ m['content'] + '\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant: ' }}{% endif %}"
+)
+MINIMAX_CHAT = (
+    "{% for m in messages %}{{ ']~b]' + m['role'] + '\\n' + m['content'] + '[e~[\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ ']~b]ai\\n' }}{% endif %}"
+)
+
+GLM45_AIR = Preset(
+    name="glm-4.5-air",
+    source="https://huggingface.co/zai-org/GLM-4.5-Air/blob/main/config.json (model card: 106B params, 12B "
+    "active; one MTP layer past num_hidden_layers)",
+    config={
+        "architectures": ["Glm4MoeForCausalLM"],
+        "attention_bias": True,
+        "eos_token_id": [151329, 151336, 151338],
+        "first_k_dense_replace": 1,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 10944,
+        "max_position_embeddings": 131072,
+        "model_type": "glm4_moe",
+        "moe_intermediate_size": 1408,
+        "n_group": 1,
+        "n_routed_experts": 128,
+        "n_shared_experts": 1,
+        "norm_topk_prob": True,
+        "num_attention_heads": 96,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 46,
+        "num_key_value_heads": 8,
+        "num_nextn_predict_layers": 1,
+        "pad_token_id": 151329,
+        "partial_rotary_factor": 0.5,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": None,
+        "rope_theta": 1000000,
+        "routed_scaling_factor": 1.0,
+        "tie_word_embeddings": False,
+        "topk_group": 1,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "use_qk_norm": False,
+        "vocab_size": 151552,
+    },
+    special_tokens={
+        "<|endoftext|>": 151329,
+        "[MASK]": 151330,
+        "[gMASK]": 151331,
+        "[sMASK]": 151332,
+        "<sop>": 151333,
+        "<eop>": 151334,
+        "<|system|>": 151335,
+        "<|user|>": 151336,
+        "<|assistant|>": 151337,
+        "<|observation|>": 151338,
+    },
+    tokenizer_config={"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "add_bos_token": False},
+    generation_config={"eos_token_id": [151329, 151336, 151338], "pad_token_id": 151329, "temperature": 0.6},
+    chat_template=GLM_CHAT,
+    published_params=106e9,
+)
+
+ERNIE45_21B_A3B = Preset(
+    name="ernie-4.5-21b-a3b",
+    source="https://huggingface.co/baidu/ERNIE-4.5-21B-A3B-PT/blob/main/config.json (model card: 21B params, "
+    "3B active)",
+    config={
+        "architectures": ["Ernie4_5_MoeForCausalLM"],
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 2560,
+        "intermediate_size": 12288,
+        "max_position_embeddings": 131072,
+        "model_type": "ernie4_5_moe",
+        "moe_intermediate_size": 1536,
+        "moe_k": 6,
+        "moe_layer_end_index": 27,
+        "moe_layer_interval": 1,
+        "moe_layer_start_index": 1,
+        "moe_num_experts": 64,
+        "moe_num_shared_experts": 2,
+        "num_attention_heads": 20,
+        "num_hidden_layers": 28,
+        "num_key_value_heads": 4,
+        "pad_token_id": 0,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 500000,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "use_bias": False,
+        "use_cache": False,
+        "vocab_size": 103424,
+    },
+    special_tokens={"<unk>": 0, "<s>": 1, "</s>": 2},
+    tokenizer_config={"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": False},
+    generation_config={"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "top_p": 0.8, "temperature": 0.8},
+    chat_template=ERNIE_CHAT,
+    published_params=21e9,
+)
+
+MINIMAX_M2 = Preset(
+    name="minimax-m2",
+    source="https://huggingface.co/MiniMaxAI/MiniMax-M2/blob/main/config.json (model card: 230B params, 10B "
+    "active; the MTP keys describe modules the released weights do not hold)",
+    config={
+        "architectures": ["MiniMaxM2ForCausalLM"],
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 3072,
+        "intermediate_size": 1536,
+        "max_position_embeddings": 196608,
+        "model_type": "minimax_m2",
+        "num_attention_heads": 48,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 62,
+        "num_key_value_heads": 8,
+        "num_local_experts": 256,
+        "qk_norm_type": "per_layer",
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 5000000,
+        "rotary_dim": 64,
+        "scoring_func": "sigmoid",
+        "shared_intermediate_size": 0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "use_qk_norm": True,
+        "use_routing_bias": True,
+        "vocab_size": 200064,
+    },
+    special_tokens={"]~!b[": 200019, "[e~[": 200020},
+    tokenizer_config={"bos_token": "]~!b[", "eos_token": "[e~[", "add_bos_token": False},
+    generation_config={"bos_token_id": 200019, "eos_token_id": 200020, "temperature": 1.0, "top_p": 0.95},
+    chat_template=MINIMAX_CHAT,
+    published_params=230e9,
+)
+# gpt-oss-20b, Qwen3-Next-80B-A3B and LFM2-8B-A1B get their presets with their architectures.
+
 PRESETS: dict[str, Preset] = {
-    p.name: p for p in (QWEN15_MOE_A27B, OLMOE_1B_7B, DEEPSEEK_V2_LITE, QWEN3_30B_A3B, MIXTRAL_8X7B)
+    p.name: p
+    for p in (
+        QWEN15_MOE_A27B,
+        OLMOE_1B_7B,
+        DEEPSEEK_V2_LITE,
+        QWEN3_30B_A3B,
+        MIXTRAL_8X7B,
+        GLM45_AIR,
+        ERNIE45_21B_A3B,
+        MINIMAX_M2,
+    )
 }
 
 

@@ -160,6 +160,9 @@ class WeightInit:
             return fan_in**-0.5  # unit-rms outputs from unit-rms (normalised) inputs
         if spec.role == "bias":
             return self.structure.bias_std
+        if spec.role == "score_bias":  # a tenth of the scores' spread: it moves some choices, not the design
+            sigmoid = self.cfg.router == "deepseek_v3"
+            return 0.1 * (0.25 * self.structure.router_logit_std if sigmoid else 1 / self.cfg.num_experts)
         if spec.role == "attn_out":
             return self.update_rms(spec.layer, 0) * fan_in**-0.5
         if spec.role == "mlp_out":

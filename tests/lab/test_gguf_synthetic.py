@@ -1,7 +1,9 @@
 """GGUFs of synthetic real-architecture checkpoints (fate_edge_lab.bench.gguf on fate_edge_lab.synthetic models).
 
-Tiny copies (widths / 32, 2 layers) of every preset are converted to f32 by llama.cpp's own converter with
-fate-edge's patches; the GGUF must hold every checkpoint weight (experts stacked per layer, the same values), and
+Tiny copies (widths / 32, or / 16 where 32 leaves widths no int4 group divides; 2 layers) of every preset are
+converted to f32 (and f16) by llama.cpp's own converter with fate-edge's patches; the GGUF must hold every
+checkpoint weight (experts stacked per layer, the same values), fate-edge's store of it must compute the
+checkpoint's and transformers' logits, and
 llama.cpp must tokenize held-out text to fate-edge's ids and compute fate-edge's logits. The converter and
 llama-cpp-python are optional peers: without the sdist or the package these skip with the reason.
 """
@@ -19,12 +21,17 @@ import torch
 from safetensors import safe_open
 
 from fate_edge import Tokenizer, load_model
+from fate_edge.errors import ModelFormatError
 from fate_edge.format.convert import ConvertOptions
 from fate_edge.format.gguf_convert import convert_gguf
+from fate_edge.format.gguf_reader import GGUFFile
 from fate_edge_lab.bench import gguf
 from fate_edge_lab.synthetic import PRESETS, SyntheticOptions, make_synthetic_model
 
 SCALE, LAYERS = 32, 2
+# llama.cpp's KV cache in f32, not its default f16: ERNIE's logits (up to ~175 here) move by 7e-3 through an f16 cache
+F32_KV = {"type_k": 0, "type_v": 0}  # GGML_TYPE_F32
+SCALES = {"ernie-4.5-21b-a3b": 16, "minimax-m2": 16}  # hidden 2560 / 32 = 80, expert 1536 / 32 = 48: no group
 
 
 class _FakeDeepseek:
@@ -136,26 +143,34 @@ def converter():
         pytest.skip(str(exc))
 
 
-@pytest.fixture(scope="module", params=sorted(PRESETS))
+# Presets with a setting their family's other releases have: GLM-4.5 and 4.6 (not Air) norm q and k per head
+VARIANTS = {"glm-4.5-air+qk_norm": ("glm-4.5-air", {"use_qk_norm": True})}
+
+
+@pytest.fixture(scope="module", params=sorted(PRESETS) + sorted(VARIANTS))
 def converted(request, converter, tmp_path_factory):
     """A tiny synthetic checkpoint of one preset and its f32 GGUF (the converter run as ensure_ggufs runs it)."""
     import subprocess
 
+    name, changes = VARIANTS.get(request.param, (request.param, {}))
     out = tmp_path_factory.mktemp(request.param)
     model = out / "model"
-    preset = PRESETS[request.param]
-    config = dict(preset.config)
-    if config.get("moe_intermediate_size", 32 * SCALE) // SCALE % 32:  # 1408 / 32 = 44: no int4 group divides
+    preset = PRESETS[name]
+    config = {**preset.config, **changes}
+    scale = SCALES.get(name, SCALE)
+    if config.get("moe_intermediate_size", 32 * scale) // scale % 32:  # 1408 / 32 = 44: no int4 group divides
         config["moe_intermediate_size"] = 2048
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(PRESETS, request.param, replace(preset, config=config))
+        mp.setitem(PRESETS, name, replace(preset, config=config))
         make_synthetic_model(
-            model, SyntheticOptions(request.param, LAYERS, scale=SCALE, bpe_vocab=1024, tokenizer_chars=200_000)
+            model, SyntheticOptions(name, LAYERS, scale=scale, bpe_vocab=1024, tokenizer_chars=200_000)
         )
     path = out / "model-f32.gguf"
     proc = subprocess.run(gguf.convert_command(model, "f32", path, converter), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return request.param, model, path
+    if changes.get("use_qk_norm"):
+        assert "blk.1.attn_q_norm.weight" in GGUFFile(path).tensors  # the variant is exercised
+    return name, model, path
 
 
 def _stack(model, layer: int, part: str) -> np.ndarray:
@@ -193,6 +208,9 @@ def test_every_checkpoint_weight_lands_in_the_gguf(converted):
             "mixtral-8x7b": "llama",
             "deepseek-v2-lite": "deepseek2",
             "qwen3-30b-a3b": "qwen3moe",
+            "glm-4.5-air": "glm4moe",
+            "ernie-4.5-21b-a3b": "ernie4_5-moe",
+            "minimax-m2": "minimax-m2",
         }[name]
     )
 
@@ -209,7 +227,7 @@ def test_llama_cpp_tokenizes_and_computes_like_fate_edge(converted, one_thread):
     tok = Tokenizer(model_dir)
     text, _ = heldout_source(1500)
     ids = tok.encode(text)
-    llm = Llama(model_path=str(path), n_ctx=128, n_threads=1, logits_all=True, verbose=False)
+    llm = Llama(model_path=str(path), n_ctx=128, n_threads=1, logits_all=True, verbose=False, **F32_KV)
     assert tokens_agree(llm, text, ids)["equal"], name
     prompt = ids[:48]
     llm.eval(prompt)
@@ -236,7 +254,7 @@ def test_the_gguf_converts_to_a_store_that_tokenizes_and_computes_like_llama_cpp
     text, _ = heldout_source(3000)
     ids = tok.encode(text)
     assert ids == ref_tok.encode(text) and tok.add_bos == ref_tok.add_bos, name
-    llm = Llama(model_path=str(path), n_ctx=128, n_threads=1, logits_all=True, verbose=False)
+    llm = Llama(model_path=str(path), n_ctx=128, n_threads=1, logits_all=True, verbose=False, **F32_KV)
     assert llm.tokenize(text.encode(), add_bos=False, special=False) == tok.encode(text, add_special_tokens=False)
     prompt = ids[:48]
     llm.eval(prompt)
@@ -279,3 +297,102 @@ def test_bf16_checkpoints_get_the_real_side_set_and_their_own_results_file(tmp_p
     assert doc.startswith("# title\ntext\n") and doc.count("<!-- bench_llamacpp-olmoe-2l-1t:begin -->") == 1
     publish({}, tmp_path / "r.json", "| T |", results, "bench_llamacpp-olmoe-2l-1t")
     assert "| T |" in results.read_text() and results.read_text().endswith("<!-- bench_llamacpp-olmoe-2l-1t:end -->\n")
+
+
+@pytest.fixture(scope="module")
+def converted_f16(converted, converter):
+    """The same checkpoint's f16 GGUF (bf16 weights: f16 holds every one of them but the tiniest exactly)."""
+    import subprocess
+
+    name, model, _ = converted
+    path = model.parent / "model-f16.gguf"
+    if not path.exists():
+        proc = subprocess.run(gguf.convert_command(model, "f16", path, converter), capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    return name, model, path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["f32", "f16"])
+def test_the_gguf_store_computes_like_the_checkpoint_and_transformers(request, converted, kind, one_thread, tmp_path):
+    """The GGUF llama.cpp's converter wrote, converted by ``fate-edge convert``, computes the checkpoint's logits
+    (loaded by fate-edge) and transformers' on the same checkpoint: GLM-4.5's MTP layer skipped and its
+    post-attention norm found, ERNIE-4.5's [1, E] selection bias, MiniMax-M2's rotary width, ..."""
+    import transformers
+
+    name, model_dir, path = request.getfixturevalue("converted_f16") if kind == "f16" else converted
+    store = convert_gguf(path, tmp_path / "store", ConvertOptions.full(bits=None), progress=False)
+    ids = Tokenizer(model_dir).encode("def f(x):\n    return [y * 2 for y in x if y % 3]\n")
+    with torch.no_grad():
+        model = load_model(store, torch.float32, bits=16)
+        ours = model(torch.tensor([ids]), model.new_cache())[0]
+        model.experts.close()
+        reference = load_model(model_dir, torch.float32)
+        ckpt = reference(torch.tensor([ids]), reference.new_cache())[0]
+        hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        theirs = hf(torch.tensor([ids])).logits[0]
+    # f16 holds bf16 weights exactly but for the subnormal ones (below 6e-5): 3e-5 on ERNIE's logits
+    within = {"f32": 1e-5, "f16": 1e-4}[kind]
+    assert (ours - ckpt).abs().max() <= within, (name, kind)
+    assert (ours - theirs).abs().max() <= 1e-4 + within, (name, kind)
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1)), (name, kind)
+
+
+def _bad_copy(path: Path, out: Path, **changes) -> Path:
+    """``path`` written again with metadata keys changed (None: removed)."""
+    from _gguf_rewrite import parse, rewrite
+
+    src = parse(path)
+    fields = {k: v for k, v in src.header.fields.items() if changes.get(k, 0) is not None}
+    fields.update({k: v for k, v in changes.items() if v is not None})
+    return rewrite(src, out, fields)
+
+
+def _refused(path: Path, out: Path) -> str:
+    with pytest.raises(ModelFormatError) as err:
+        convert_gguf(path, out, progress=False)
+    assert not out.exists()  # nothing written at the target
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("converted", ["glm-4.5-air"], indirect=True)
+def test_glm_block_count_holds_the_mtp_layer_which_is_not_run(converted, tmp_path):
+    import json
+
+    _, model_dir, path = converted
+    g = GGUFFile(path)
+    assert g.fields["glm4moe.block_count"] == LAYERS + 1 and g.fields["glm4moe.nextn_predict_layers"] == 1
+    assert f"blk.{LAYERS}.nextn.eh_proj.weight" in g.tensors and f"blk.{LAYERS}.ffn_gate_exps.weight" in g.tensors
+    store = convert_gguf(path, tmp_path / "store", ConvertOptions.full(bits=None), progress=False)
+    cfg = json.loads((store / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == LAYERS and cfg["num_nextn_predict_layers"] == 0
+    assert cfg["first_k_dense_replace"] == 1 and cfg["partial_rotary_factor"] == 0.5
+    # without the count the MTP layer's own tensors are named: they are not a decoder layer's
+    msg = _refused(_bad_copy(path, tmp_path / "a.gguf", **{"glm4moe.nextn_predict_layers": None}), tmp_path / "o")
+    assert f"blk.{LAYERS}.nextn." in msg
+    msg = _refused(_bad_copy(path, tmp_path / "b.gguf", **{"glm4moe.nextn_predict_layers": 3}), tmp_path / "o")
+    assert "glm4moe.nextn_predict_layers" in msg and "3" in msg
+    msg = _refused(_bad_copy(path, tmp_path / "c.gguf", **{"glm4moe.leading_dense_block_count": 0}), tmp_path / "o")
+    assert "glm4moe.leading_dense_block_count" in msg
+
+
+@pytest.mark.parametrize("converted", ["minimax-m2"], indirect=True)
+def test_minimax_rotary_width_is_read_and_a_bad_one_is_named(converted, tmp_path):
+    import json
+
+    _, _, path = converted
+    store = convert_gguf(path, tmp_path / "store", ConvertOptions.full(bits=None), progress=False)
+    assert json.loads((store / "config.json").read_text())["partial_rotary_factor"] == 0.5
+    for bad in (5, 64, "x"):
+        msg = _refused(_bad_copy(path, tmp_path / "m.gguf", **{"minimax-m2.rope.dimension_count": bad}), tmp_path / "o")
+        assert "minimax-m2.rope.dimension_count" in msg
+
+
+@pytest.mark.parametrize("converted", ["ernie-4.5-21b-a3b"], indirect=True)
+def test_ernie_moe_layers_follow_the_routers_and_a_contradiction_is_named(converted, tmp_path):
+    _, _, path = converted
+    msg = _refused(
+        _bad_copy(path, tmp_path / "e.gguf", **{"ernie4_5-moe.leading_dense_block_count": 0}), tmp_path / "o"
+    )
+    assert "ernie4_5-moe.leading_dense_block_count" in msg and "ffn_gate_inp" in msg

@@ -181,3 +181,15 @@ def test_decode_reads_per_token_leave_out_the_prefills_reads(monkeypatch, capsys
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["tokens"] == [1, 2, 3, 4, 5]
     assert out["prefill_read_mb"] == 5.0 and out["decode_read_mb_per_token"] == 2.0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
+def test_q4_0_direct_makes_its_folder(tmp_path):
+    """The cache folder of a model seen for the first time does not exist yet (the converter failed to open it)."""
+    try:
+        gguf.converter_dir()
+    except gguf.PeerUnavailableError as exc:
+        pytest.skip(str(exc))
+    out = tmp_path / "gguf" / "tiny-moe-0123" / "model-q4_0.gguf"
+    assert gguf.q4_0_direct(bundled_model_dir(), out) == out and out.stat().st_size > 0
+    assert [p.name for p in out.parent.iterdir()] == [out.name]  # the mix is deleted

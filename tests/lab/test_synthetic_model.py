@@ -103,6 +103,49 @@ PUBLISHED = {
         rope_theta=1e6,
         params=46.7e9,
     ),
+    "glm-4.5-air": dict(
+        hidden_size=4096,
+        num_hidden_layers=46,
+        num_attention_heads=96,
+        num_key_value_heads=8,
+        head_dim=128,
+        n_routed_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=1408,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        partial_rotary_factor=0.5,
+        num_nextn_predict_layers=1,
+        vocab_size=151552,
+        params=106e9,  # the model card's count leaves out the MTP layer
+    ),
+    "ernie-4.5-21b-a3b": dict(
+        hidden_size=2560,
+        num_hidden_layers=28,
+        num_attention_heads=20,
+        num_key_value_heads=4,
+        moe_num_experts=64,
+        moe_k=6,
+        moe_intermediate_size=1536,
+        moe_num_shared_experts=2,
+        moe_layer_start_index=1,
+        vocab_size=103424,
+        tie_word_embeddings=True,
+        params=21.8e9,  # the hub's count of the safetensors (the card rounds to 21B)
+    ),
+    "minimax-m2": dict(
+        hidden_size=3072,
+        num_hidden_layers=62,
+        num_attention_heads=48,
+        num_key_value_heads=8,
+        head_dim=128,
+        rotary_dim=64,
+        num_local_experts=256,
+        num_experts_per_tok=8,
+        intermediate_size=1536,
+        vocab_size=200064,
+        params=230e9,
+    ),
 }
 NAMES = list(PUBLISHED)
 
@@ -119,15 +162,17 @@ def test_full_scale_config_and_shapes_are_the_published_ones(name):
     params = want.pop("params")
     assert {k: config.get(k) for k in want} == want
     assert config["torch_dtype"] == "bfloat16"
-    total = sum(s.numel for s in specs)
+    total = sum(s.numel for s in specs if s.layer < config["num_hidden_layers"])  # GLM's MTP layer apart
     assert abs(total / params - 1) < 0.01, f"{total / 1e9:.2f} B parameters, the model card says {params / 1e9} B"
     names = {s.name for s in specs}
     expert = (
         "model.layers.1.block_sparse_moe.experts.7.w2.weight"
-        if name == "mixtral-8x7b"
+        if name in ("mixtral-8x7b", "minimax-m2")
         else "model.layers.1.mlp.experts.7.down_proj.weight"
     )
     assert expert in names
+    mtp = config.get("num_nextn_predict_layers", 0)
+    assert (f"model.layers.{config['num_hidden_layers']}.eh_proj.weight" in names) == (mtp == 1)
     # --layers trims the layer count and nothing else
     trimmed = plan(SyntheticOptions(name, layers=2))[0]
     assert trimmed["num_hidden_layers"] == 2 and {**trimmed, "num_hidden_layers": config["num_hidden_layers"]} == config
