@@ -9,7 +9,7 @@ import argparse
 
 import pytest
 
-from fate_edge.apps import cli_args
+from fate_edge.apps import cli_args, engine_args
 from fate_edge.apps.cli import COMMANDS, build_parser, main, subcommand_parsers
 from fate_edge.apps.command_line import model_path, model_path_as_path, model_ref, table_name
 from fate_edge_lab.bench import scale_cli
@@ -47,6 +47,7 @@ BAD_BY_TYPE = {
     cli_args.below_one: NUMBERS + ["1"],
     cli_args.share: NUMBERS + ["1"],
     cli_args.byte_size: ["2XB", "-1", "0"],
+    engine_args.prompt_cache_size: ["2XB", "-1", "none"],
     cli_args.existing_path: ["/nonexistent/model"],
     cli_args.existing_path_as_path: ["/nonexistent/corpus.txt"],
     # a model: neither a path nor a name in a local cache, nor a name that may be one (.. leaves the store)
