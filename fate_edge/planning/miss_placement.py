@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-# A host → GPU copy's fixed cost (a launch and a DMA setup) where nothing measured it: PCIe's ~10 us
+# A host → GPU copy's fixed cost (a launch and a DMA setup) where nothing measured it (docs/measured-choices.md)
 DEFAULT_LINK_LATENCY_S = 10e-6
 
 
