@@ -190,8 +190,10 @@ PUBLISHED = {
     ),
 }
 NAMES = list(PUBLISHED)
-# The scaled copies hold 4 layers; LFM2's first two are dense, so it gets 6 (four routed: three layer pairs).
+# The scaled copies hold 4 layers; LFM2's first two are dense, so it gets 6 (four routed: three layer pairs), and
+# its widths over 8, so its experts (1792 / 8 = 224) fit a quantization group.
 LAYERS_OF = {"lfm2-8b-a1b": 6}
+SCALE_OF = {"lfm2-8b-a1b": 8}
 # Where each family keeps expert 7's down projection in layer `layer` (gpt-oss: all experts in one tensor).
 EXPERT_DOWN = {
     "mixtral-8x7b": "model.layers.{layer}.block_sparse_moe.experts.7.w2.weight",
@@ -249,7 +251,7 @@ def written(tmp_path_factory, one_thread):
             opts = SyntheticOptions(
                 name,
                 layers=LAYERS_OF.get(name, LAYERS),
-                scale=SCALE,
+                scale=SCALE_OF.get(name, SCALE),
                 max_shard_bytes=SHARD_BYTES,
                 bpe_vocab=512,
                 tokenizer_chars=100_000,
@@ -280,6 +282,21 @@ def test_loads_in_fate_edge_and_matches_transformers(written, name):
     got = ours(prompt, ours.new_cache())
     assert got.shape == ref.shape == (1, prompt.shape[1], PUBLISHED[name]["vocab_size"])
     assert (got - ref).abs().max().item() <= FP32_ATOL
+
+
+# gpt-oss's widths over 16 (180) fit no quantization group, and at a scale they fit (2) the copy is 1.6 GB: its store
+# is converted from the full-width slice in the bench (docs/results/bench_llamacpp-gpt-oss-20b-*).
+@pytest.mark.parametrize("name", ["qwen3-next-80b-a3b", "lfm2-8b-a1b"])
+def test_converted_store_computes_the_checkpoints_logits(written, name, tmp_path):
+    """The expert store fate-edge converts from the synthetic checkpoint (bf16 experts kept) gives the logits the
+    checkpoint itself gives: the converter reads every tensor the generator writes, under the published names."""
+    from fate_edge.format.convert import ConvertOptions, convert
+
+    path, _ = written(name)
+    prompt = _prompt(path)
+    store = convert(path, tmp_path / "store", ConvertOptions.full(bits=4, keep_bf16=True), progress=False)
+    ours, want = load_model(store, bits=16), load_model(path)
+    assert (ours(prompt, ours.new_cache()) - want(prompt, want.new_cache())).abs().max().item() <= FP32_ATOL
 
 
 @pytest.mark.parametrize("name", ["qwen1.5-moe-a2.7b", "mixtral-8x7b"])
