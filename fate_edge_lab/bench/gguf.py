@@ -28,7 +28,16 @@ CONVERTED = ("f32", "bf16")  # written by the converter; q4_0 is quantized from 
 FALLBACK_PRE_TOKENIZER = "gpt-2"  # byte-level BPE with GPT-2's split regex, as our tokenizers use
 _VENDOR = "vendor/llama.cpp"
 Q4_0_MIX = "q4_0-mix"  # our --outtype: see patch_q4_0_mix
-Q4_0_MIX_KEPT = ("FFN_GATE_INP", "FFN_GATE_INP_SHEXP", "POS_EMBD", "TOKEN_TYPES", "OUTPUT")  # not made Q4_0 here
+# not made Q4_0 here: routers, output, and the recurrent layers' conv kernels (ggml's ssm_conv asserts F32 ones)
+Q4_0_MIX_KEPT = (
+    "FFN_GATE_INP",
+    "FFN_GATE_INP_SHEXP",
+    "POS_EMBD",
+    "TOKEN_TYPES",
+    "OUTPUT",
+    "SSM_CONV1D",
+    "SHORTCONV_CONV",
+)
 
 
 def peers_cache() -> Path:

@@ -94,6 +94,8 @@ def test_q4_0_mix_quantizes_the_matrices_llama_cpp_would_and_leaves_routers_and_
             ("output.weight", None, 2),
             ("blk.0.attn_norm.weight", 0, 1),
             ("blk.0.attn_q.bias", 0, 1),
+            ("blk.0.shortconv_conv.weight", 0, 2),  # conv kernels (LFM2, DeltaNet): ggml's ssm_conv reads F32
+            ("blk.0.ssm_conv1d.weight", 0, 2),
         ]
     }
     assert [k for k, v in got.items() if v == "Q4_0"] == [
@@ -102,7 +104,8 @@ def test_q4_0_mix_quantizes_the_matrices_llama_cpp_would_and_leaves_routers_and_
         "blk.0.ffn_down_shexp.weight",
         "token_embd.weight",
     ]
-    assert sum(v is False for v in got.values()) == 5  # routers F32 and output bf16 by the converter's own rules
+    # routers and conv kernels F32, output bf16 by the converter's own rules
+    assert sum(v is False for v in got.values()) == 7
 
 
 def test_sentencepiece_probe_needs_no_sentencepiece_without_a_tokenizer_model(tmp_path):
