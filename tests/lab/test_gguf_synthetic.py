@@ -108,6 +108,27 @@ def test_q4_0_mix_quantizes_the_matrices_llama_cpp_would_and_leaves_routers_and_
     assert sum(v is False for v in got.values()) == 7
 
 
+def test_no_mtp_flag_only_for_a_qwen3_next_checkpoint_without_mtp_tensors(tmp_path):
+    """llama.cpp's Qwen3-Next converter asserts on a checkpoint without mtp.* tensors unless given --no-mtp."""
+    import json
+
+    from safetensors.torch import save_file
+
+    def checkpoint(name: str, model_type: str, tensors: list[str]) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"model_type": model_type}))
+        save_file({t: torch.zeros(2) for t in tensors}, str(d / "model.safetensors"))
+        return d
+
+    bare = checkpoint("bare", "qwen3_next", ["model.norm.weight"])
+    with_mtp = checkpoint("mtp", "qwen3_next", ["model.norm.weight", "mtp.fc.weight"])
+    glm = checkpoint("glm", "glm4_moe", ["model.norm.weight"])
+    assert gguf.mtp_flags(bare) == ["--no-mtp"]
+    assert gguf.mtp_flags(with_mtp) == [] and gguf.mtp_flags(glm) == []
+    assert gguf.convert_command(bare, "f32", tmp_path / "o.gguf", tmp_path)[-1] == "--no-mtp"
+
+
 def test_sentencepiece_probe_needs_no_sentencepiece_without_a_tokenizer_model(tmp_path):
     class Fake:
         dir_model = tmp_path
