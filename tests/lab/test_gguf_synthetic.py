@@ -171,7 +171,13 @@ def converter():
 VARIANTS = {"glm-4.5-air+qk_norm": ("glm-4.5-air", {"use_qk_norm": True})}
 
 
-@pytest.fixture(scope="module", params=sorted(PRESETS) + sorted(VARIANTS))
+# Not here: gpt-oss (its widths over 32, 90, fit no quantization group), LFM2-8B-A1B (2 layers are all dense) and
+# Qwen3-Next (2 layers hold no attention layer, on which llama.cpp 0.3.36 aborts). Their GGUF route is tested on
+# transformers-built checkpoints: tests/lab/test_gguf_recurrent_converter.py, tests/test_gpt_oss_store_cli.py.
+OWN_GGUF_TESTS = {"gpt-oss-20b", "lfm2-8b-a1b", "qwen3-next-80b-a3b"}
+
+
+@pytest.fixture(scope="module", params=sorted(set(PRESETS) - OWN_GGUF_TESTS) + sorted(VARIANTS))
 def converted(request, converter, tmp_path_factory):
     """A tiny synthetic checkpoint of one preset and its f32 GGUF (the converter run as ensure_ggufs runs it)."""
     import subprocess
