@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from fate_edge.errors import FateEdgeError, PeerUnavailableError
+from fate_edge.format.checkpoint import CheckpointReader
 from fate_edge_lab.bench.prepare import _fingerprint
 
 GGUF_TYPES = ("f32", "bf16", "q4_0")
@@ -28,7 +30,16 @@ CONVERTED = ("f32", "bf16")  # written by the converter; q4_0 is quantized from 
 FALLBACK_PRE_TOKENIZER = "gpt-2"  # byte-level BPE with GPT-2's split regex, as our tokenizers use
 _VENDOR = "vendor/llama.cpp"
 Q4_0_MIX = "q4_0-mix"  # our --outtype: see patch_q4_0_mix
-Q4_0_MIX_KEPT = ("FFN_GATE_INP", "FFN_GATE_INP_SHEXP", "POS_EMBD", "TOKEN_TYPES", "OUTPUT")  # not made Q4_0 here
+# not made Q4_0 here: routers, output, and the recurrent layers' conv kernels (ggml's ssm_conv asserts F32 ones)
+Q4_0_MIX_KEPT = (
+    "FFN_GATE_INP",
+    "FFN_GATE_INP_SHEXP",
+    "POS_EMBD",
+    "TOKEN_TYPES",
+    "OUTPUT",
+    "SSM_CONV1D",
+    "SHORTCONV_CONV",
+)
 
 
 def peers_cache() -> Path:
@@ -118,7 +129,26 @@ def convert_command(model_dir: str | Path, outtype: str, outfile: str | Path, ll
         outtype,
         "--outfile",
         str(outfile),
+        *mtp_flags(model_dir),
     ]
+
+
+# Families whose converter class expects MTP tensors (Qwen3-Next's config does not say how many) unless told not to
+_MTP_EXPECTED = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
+
+
+def mtp_flags(model_dir: str | Path) -> list[str]:
+    """``--no-mtp`` for a Qwen3-Next-family checkpoint that holds no ``mtp.*`` tensors (transformers' saves, the
+    synthetic ones): llama.cpp's converter asserts on them otherwise. Other checkpoints: no flag."""
+    model_dir = Path(model_dir)
+    try:
+        model_type = json.loads((model_dir / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return []
+    if model_type not in _MTP_EXPECTED:
+        return []
+    names = CheckpointReader(model_dir).keys()
+    return [] if any(n.startswith(("mtp.", "model.mtp.")) for n in names) else ["--no-mtp"]
 
 
 def patch_pre_tokenizer(model_class: Any, fallback: str = FALLBACK_PRE_TOKENIZER) -> None:

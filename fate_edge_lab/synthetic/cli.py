@@ -5,8 +5,8 @@ trained-like routing), to benchmark fate-edge at real size without downloading t
     fate-edge synth --like olmoe-1b-7b --scale 16 --measure 512 /tmp/olmoe-small
 
 Presets: qwen1.5-moe-a2.7b, olmoe-1b-7b, deepseek-v2-lite, qwen3-30b-a3b, mixtral-8x7b, glm-4.5-air,
-ernie-4.5-21b-a3b, minimax-m2 (see fate_edge_lab/synthetic/presets.py for the configs and their sources).
-Weights are written streaming: memory stays small whatever the model's size.
+ernie-4.5-21b-a3b, minimax-m2, gpt-oss-20b, qwen3-next-80b-a3b, lfm2-8b-a1b (see fate_edge_lab/synthetic/presets.py
+for the configs and their sources). Weights are written streaming: memory stays small whatever the model's size.
 """
 
 from __future__ import annotations

@@ -10,12 +10,14 @@ read one config the same way.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Any
 
 from fate_edge.errors import SyntheticSpecError
 from fate_edge.model.arch import ModelConfig, config_from_dict
+from fate_edge_lab.synthetic.layout_hybrid import hybrid_specs
+from fate_edge_lab.synthetic.tensor_spec import TensorSpec, _mlp
+
+__all__ = ["SCALED_KEYS", "SCORE_BIAS", "TensorSpec", "shape_config", "tensor_specs"]
 
 # Keys divided by --scale (everything that is a width); counts (layers, heads, experts, top-k) and vocab stay.
 SCALED_KEYS = (
@@ -30,6 +32,8 @@ SCALED_KEYS = (
     "qk_rope_head_dim",
     "v_head_dim",
     "rotary_dim",  # MiniMax-M2's rotary width
+    "linear_key_head_dim",  # Qwen3-Next's DeltaNet heads
+    "linear_value_head_dim",
 )
 # The MoE block's selection-only correction bias, where the published checkpoint holds one: name under the block
 # and shape (GLM-4.5 in the router, MiniMax-M2 in the block, ERNIE-4.5 in the block's ``moe_statics`` as [1, E]).
@@ -38,21 +42,6 @@ SCORE_BIAS = {
     "minimax_m2": ("e_score_correction_bias", False),
     "ernie4_5_moe": ("moe_statics.e_score_correction_bias", True),
 }
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One tensor of the checkpoint and how to initialise it."""
-
-    name: str
-    shape: tuple[int, ...]
-    role: str  # embed | lm_head | norm | bias | score_bias | proj_in | attn_out | mlp_out | router | shared_gate
-    layer: int = -1  # decoder layer, -1 outside the layers
-    kind: str = ""  # for mlp_out: dense | expert | shared
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
 
 
 def shape_config(config: dict[str, Any], scale: int = 1, layers: int | None = None) -> dict[str, Any]:
@@ -85,6 +74,8 @@ def shape_config(config: dict[str, Any], scale: int = 1, layers: int | None = No
         if not 1 <= layers <= config["num_hidden_layers"]:
             raise SyntheticSpecError(f"--layers must be in 1..{config['num_hidden_layers']}, not {layers}")
         out["num_hidden_layers"] = layers
+        if isinstance(out.get("layer_types"), list):  # one entry per layer (gpt-oss, LFM2-MoE)
+            out["layer_types"] = out["layer_types"][:layers]
     return out
 
 
@@ -131,18 +122,12 @@ def _attention(cfg: ModelConfig, p: str, i: int) -> list[TensorSpec]:
     return out
 
 
-def _mlp(prefix: str, hidden: int, width: int, i: int, kind: str, names=("gate_proj", "up_proj", "down_proj")):
-    gate, up, down = names
-    return [
-        TensorSpec(f"{prefix}.{gate}.weight", (width, hidden), "proj_in", i, kind),
-        TensorSpec(f"{prefix}.{up}.weight", (width, hidden), "proj_in", i, kind),
-        TensorSpec(f"{prefix}.{down}.weight", (hidden, width), "mlp_out", i, kind),
-    ]
-
-
 def tensor_specs(config: dict[str, Any]) -> list[TensorSpec]:
     """Every tensor of a checkpoint for ``config`` (a config.json dict), in checkpoint order (by layer)."""
     cfg = config_from_dict(dict(config))
+    hybrid = hybrid_specs(cfg)
+    if hybrid is not None:
+        return hybrid
     h = cfg.hidden_size
     mixtral = cfg.model_type in ("mixtral", "minimax_m2")
     specs = [TensorSpec("model.embed_tokens.weight", (cfg.vocab_size, h), "embed")]

@@ -9,13 +9,11 @@ tokens and generation settings come from the same repositories' ``tokenizer_conf
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from fate_edge_lab.synthetic.preset_types import _QWEN_SPECIALS, CHATML, Preset
+from fate_edge_lab.synthetic.presets_hybrid import GPT_OSS_20B, LFM2_8B_A1B, QWEN3_NEXT_80B_A3B
 
-CHATML = (
-    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+__all__ = ["CHATML", "PRESETS", "Preset", "get_preset"]
+
 INST = (
     "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
     "{% else %}{{ m['content'] + eos_token }}{% endif %}{% endfor %}"
@@ -31,22 +29,6 @@ TULU = (
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
 
-
-@dataclass(frozen=True)
-class Preset:
-    """One published MoE checkpoint: its config.json and the tokenizer facts a synthetic copy reproduces."""
-
-    name: str  # the --like name
-    source: str  # where the numbers below come from
-    config: dict[str, Any]  # the published config.json
-    special_tokens: dict[str, int]  # token text -> its published id
-    tokenizer_config: dict[str, Any]  # bos/eos/pad token texts, add_bos_token
-    generation_config: dict[str, Any]
-    chat_template: str
-    published_params: float  # total parameters the model card states
-
-
-_QWEN_SPECIALS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645}
 
 QWEN15_MOE_A27B = Preset(
     name="qwen1.5-moe-a2.7b",
@@ -442,8 +424,6 @@ MINIMAX_M2 = Preset(
     chat_template=MINIMAX_CHAT,
     published_params=230e9,
 )
-# gpt-oss-20b, Qwen3-Next-80B-A3B and LFM2-8B-A1B get their presets with their architectures.
-
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
@@ -455,6 +435,9 @@ PRESETS: dict[str, Preset] = {
         GLM45_AIR,
         ERNIE45_21B_A3B,
         MINIMAX_M2,
+        GPT_OSS_20B,
+        QWEN3_NEXT_80B_A3B,
+        LFM2_8B_A1B,
     )
 }
 

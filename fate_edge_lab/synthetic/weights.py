@@ -153,12 +153,12 @@ class WeightInit:
         return ANCHOR * math.sqrt(h) * rms / self.anchor_value
 
     def std(self, spec: TensorSpec) -> float:
-        fan_in = spec.shape[-1]
+        fan_in = spec.shape[-2] if spec.out_last else spec.shape[-1]
         if spec.role == "embed":
             return self.structure.embed_std
         if spec.role in ("lm_head", "proj_in", "shared_gate"):
             return fan_in**-0.5  # unit-rms outputs from unit-rms (normalised) inputs
-        if spec.role == "bias":
+        if spec.role in ("bias", "out_bias"):
             return self.structure.bias_std
         if spec.role == "score_bias":  # a tenth of the scores' spread: it moves some choices, not the design
             sigmoid = self.cfg.router == "deepseek_v3"
@@ -190,8 +190,9 @@ class WeightInit:
             g = _gen(self.seed, spec.name, b)
             if spec.role == "norm":
                 block = 1.0 + self.structure.norm_jitter * (2 * torch.rand(n, cols, generator=g) - 1)
-                if spec.name.endswith("post_attention_layernorm.weight"):
+                if spec.name.endswith(("post_attention_layernorm.weight", "ffn_norm.weight")):
                     block[:, ANCHOR_DIM] = self.anchor_norm(spec.layer)
+                block -= spec.offset
             elif spec.role == "router":
                 block = torch.randn(n, cols, generator=g)
                 block *= self.structure.router_logit_std / block.norm(dim=1, keepdim=True)  # unit-rms h: N(0, std²)
@@ -201,6 +202,10 @@ class WeightInit:
                 block = torch.randn(n, cols, generator=g) * self.std(spec)
                 if spec.role == "embed":
                     block[:, ANCHOR_DIM] = self.anchor_value
+                elif spec.role == "out_bias" or (
+                    spec.out_last and spec.role == "mlp_out"
+                ):  # [..., H]: the anchor is a column
+                    block[:, ANCHOR_DIM] = 0.0
                 elif spec.role in ("attn_out", "mlp_out") and start == 0:
                     block[ANCHOR_DIM] = 0.0  # nothing writes to the anchor: it stays the same for every token
             yield block

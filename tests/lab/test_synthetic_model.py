@@ -146,8 +146,61 @@ PUBLISHED = {
         vocab_size=200064,
         params=230e9,
     ),
+    "gpt-oss-20b": dict(
+        hidden_size=2880,
+        num_hidden_layers=24,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        intermediate_size=2880,
+        sliding_window=128,
+        vocab_size=201088,
+        params=20.91e9,  # OpenAI's model card (the hub card rounds to 21B)
+    ),
+    "qwen3-next-80b-a3b": dict(
+        hidden_size=2048,
+        num_hidden_layers=48,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        num_experts=512,
+        num_experts_per_tok=10,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        full_attention_interval=4,
+        vocab_size=151936,
+        params=80e9,  # without the MTP weights, which the generator does not write
+    ),
+    "lfm2-8b-a1b": dict(
+        hidden_size=2048,
+        num_hidden_layers=24,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_experts=32,
+        num_experts_per_tok=4,
+        moe_intermediate_size=1792,
+        intermediate_size=7168,
+        num_dense_layers=2,
+        vocab_size=65536,
+        params=8.3e9,
+    ),
 }
 NAMES = list(PUBLISHED)
+# The scaled copies hold 4 layers; LFM2's first two are dense, so it gets 6 (four routed: three layer pairs), and
+# its widths over 8, so its experts (1792 / 8 = 224) fit a quantization group.
+LAYERS_OF = {"lfm2-8b-a1b": 6}
+SCALE_OF = {"lfm2-8b-a1b": 8}
+# Where each family keeps expert 7's down projection in layer `layer` (gpt-oss: all experts in one tensor).
+EXPERT_DOWN = {
+    "mixtral-8x7b": "model.layers.{layer}.block_sparse_moe.experts.7.w2.weight",
+    "minimax-m2": "model.layers.{layer}.block_sparse_moe.experts.7.w2.weight",
+    "gpt-oss-20b": "model.layers.{layer}.mlp.experts.down_proj",
+    "lfm2-8b-a1b": "model.layers.{layer}.feed_forward.experts.7.w2.weight",
+}
 
 
 def test_every_preset_has_published_numbers():
@@ -165,17 +218,18 @@ def test_full_scale_config_and_shapes_are_the_published_ones(name):
     total = sum(s.numel for s in specs if s.layer < config["num_hidden_layers"])  # GLM's MTP layer apart
     assert abs(total / params - 1) < 0.01, f"{total / 1e9:.2f} B parameters, the model card says {params / 1e9} B"
     names = {s.name for s in specs}
-    expert = (
-        "model.layers.1.block_sparse_moe.experts.7.w2.weight"
-        if name in ("mixtral-8x7b", "minimax-m2")
-        else "model.layers.1.mlp.experts.7.down_proj.weight"
-    )
-    assert expert in names
+    expert = EXPERT_DOWN.get(name, "model.layers.{layer}.mlp.experts.7.down_proj.weight")
+    assert expert.format(layer=2) in names
     mtp = config.get("num_nextn_predict_layers", 0)
     assert (f"model.layers.{config['num_hidden_layers']}.eh_proj.weight" in names) == (mtp == 1)
     # --layers trims the layer count and nothing else
-    trimmed = plan(SyntheticOptions(name, layers=2))[0]
-    assert trimmed["num_hidden_layers"] == 2 and {**trimmed, "num_hidden_layers": config["num_hidden_layers"]} == config
+    n = 4 if name == "lfm2-8b-a1b" else 2  # LFM2's first two layers are dense: the smallest slice with experts
+    trimmed = plan(SyntheticOptions(name, layers=n))[0]
+    back = {**trimmed, "num_hidden_layers": config["num_hidden_layers"]}
+    if "layer_types" in config:  # one entry per layer: trimmed with them
+        assert trimmed["layer_types"] == config["layer_types"][:n]
+        back["layer_types"] = config["layer_types"]
+    assert trimmed["num_hidden_layers"] == n and back == config
 
 
 def test_scale_and_layers_are_checked():
@@ -195,7 +249,12 @@ def written(tmp_path_factory, one_thread):
     def get(name: str) -> tuple[Path, SyntheticOptions]:
         if name not in cache:
             opts = SyntheticOptions(
-                name, layers=LAYERS, scale=SCALE, max_shard_bytes=SHARD_BYTES, bpe_vocab=512, tokenizer_chars=100_000
+                name,
+                layers=LAYERS_OF.get(name, LAYERS),
+                scale=SCALE_OF.get(name, SCALE),
+                max_shard_bytes=SHARD_BYTES,
+                bpe_vocab=512,
+                tokenizer_chars=100_000,
             )
             make_synthetic_model(root / name, opts)
             cache[name] = (root / name, opts)
@@ -223,6 +282,21 @@ def test_loads_in_fate_edge_and_matches_transformers(written, name):
     got = ours(prompt, ours.new_cache())
     assert got.shape == ref.shape == (1, prompt.shape[1], PUBLISHED[name]["vocab_size"])
     assert (got - ref).abs().max().item() <= FP32_ATOL
+
+
+# gpt-oss's widths over 16 (180) fit no quantization group, and at a scale they fit (2) the copy is 1.6 GB: its store
+# is converted from the full-width slice in the bench (docs/results/bench_llamacpp-gpt-oss-20b-*).
+@pytest.mark.parametrize("name", ["qwen3-next-80b-a3b", "lfm2-8b-a1b"])
+def test_converted_store_computes_the_checkpoints_logits(written, name, tmp_path):
+    """The expert store fate-edge converts from the synthetic checkpoint (bf16 experts kept) gives the logits the
+    checkpoint itself gives: the converter reads every tensor the generator writes, under the published names."""
+    from fate_edge.format.convert import ConvertOptions, convert
+
+    path, _ = written(name)
+    prompt = _prompt(path)
+    store = convert(path, tmp_path / "store", ConvertOptions.full(bits=4, keep_bf16=True), progress=False)
+    ours, want = load_model(store, bits=16), load_model(path)
+    assert (ours(prompt, ours.new_cache()) - want(prompt, want.new_cache())).abs().max().item() <= FP32_ATOL
 
 
 @pytest.mark.parametrize("name", ["qwen1.5-moe-a2.7b", "mixtral-8x7b"])
