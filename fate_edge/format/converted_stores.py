@@ -72,8 +72,8 @@ def cached_store_path(
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     # convert's auto layout depends on the kernel this host prefers: a store made for the other one still works,
     # but would compute on the slower kernel, so each preference keeps its own
-    # torch's layout is keyed by its block order too: one cached before the store recorded it is refused at open
-    # (format.store), so it is converted again under this key instead, once
+    # torch's layout is keyed by its block order too (a store cached before it was recorded is converted again in
+    # place by ensure_store: format.store_age)
     kernel = "native" if native_is_default() else f"torch{host_int4_block_rows()}"
     h.update(f"{bits}/{cold_bits}/{kernel}".encode())
     # the resident precisions and the kept copies (a store cached before they were defaults held bf16 experts and
@@ -119,8 +119,7 @@ def ensure_store(
         out.parent.mkdir(parents=True, exist_ok=True)
         log = logging.getLogger("fate_edge.convert")
         say = (lambda m: print(f"[convert] {m}", file=sys.stderr, flush=True)) if progress else log.info
-        if outdated:  # our own cached copy, made by an older fate-edge: replaced whole, in place, once
-            opts = replace(opts, force=True)
+        if outdated:  # our own cached copy, made by an older fate-edge: replaced whole (store_options forces)
             say(f"{out}: cached by an older fate-edge (no int4 block order recorded); converting {model_dir} again")
         else:
             say(f"first use of {model_dir}: converting it once into an expert store ({out})")
