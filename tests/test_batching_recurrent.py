@@ -107,3 +107,52 @@ def test_a_next_turn_starts_from_the_kept_recurrent_state_with_the_same_text(arc
         again, _ = on.generate_text(follow, config)
         assert stats.hits == 1 and stats.tokens_saved == len(held)
         assert again == off.generate_text(follow, config)[0]
+
+
+@pytest.mark.parametrize("arch", ["lfm2_moe", "qwen3_next"])
+def test_decode_rows_step_their_recurrent_states_as_one(arch: str, tmp_path: Path, monkeypatch):
+    """A step's decode rows step each recurrent layer's states stacked, in one call (``RecurrentLayer.step_rows``),
+    also beside a joining prompt's chunk: every logit and every state (convolution window, DeltaNet matrix) within
+    fp32 1e-6 of stepping each sequence's state alone (``BatchState.stack_recurrent`` False), the states still each
+    sequence's own."""
+    import torch
+
+    from fate_edge.model.batch_step import BatchState, Segment, forward_segments
+    from fate_edge.model.kv_cache import RecurrentLayer
+    from fate_edge.model.kv_slab import KVSlab
+    from fate_edge.model.recurrent import recurrent_specs
+    from fate_edge.runtime.loader import load_model
+
+    build_tiny(arch, tmp_path / arch)
+    model = load_model(tmp_path / arch, dtype=torch.float32)
+    prompts = [[(7 * j + 3 * i) % 4000 + 5 for i in range(n)] for j, n in enumerate((9, 5, 12, 7))]
+    stacked: list[int] = []
+    real = RecurrentLayer.step_rows
+    monkeypatch.setattr(RecurrentLayer, "step_rows", lambda lays, x: stacked.append(len(lays)) or real(lays, x))
+    runs = []
+    for together in (True, False):
+        monkeypatch.setattr(BatchState, "stack_recurrent", together)
+        slab = KVSlab(model, 4 * 64)
+        segs = [Segment(p, slab.allocate(64)) for p in prompts[:3]]
+        logits = []
+        for step in range(7):
+            if step == 2:  # a prompt joins beside three decode rows: their rows picked out of the step
+                segs.append(Segment(prompts[3], slab.allocate(64)))
+            out = forward_segments(model, segs)
+            logits.append(out)
+            for j, seg in enumerate(segs):
+                seg.ids = [(11 * step + 5 * j) % 4000 + 1]
+        states = [
+            [t.clone() for t in lay.buffers] for s in segs for lay in s.cache.layers if isinstance(lay, RecurrentLayer)
+        ]
+        runs.append((logits, states))
+    layers = len(recurrent_specs(model.config))
+    assert stacked and set(stacked) == {3, 4} and len(stacked) == 6 * layers  # decode steps only, every layer
+    (ours, our_states), (alone, alone_states) = runs
+    for a, b in zip(ours, alone):
+        assert (a - b).abs().max().item() <= 1e-6
+    assert len(our_states) == len(alone_states) == 4 * layers
+    for a_lay, b_lay in zip(our_states, alone_states):
+        assert len(a_lay) == len(b_lay) > 0
+        assert all((a - b).abs().max().item() <= 1e-6 for a, b in zip(a_lay, b_lay))
+        assert all(a.shape[0] == 1 for a in a_lay)  # each sequence's own row

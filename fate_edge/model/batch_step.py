@@ -111,7 +111,11 @@ def forward_segments(model: MoETransformer, segments: list[Segment]) -> torch.Te
 class BatchState(AttentionState):
     """A step's sequences as one state: an update writes each sequence's rows (the step's rows of every segment, in
     order) into its own cache, a slab's decode rows all at once (``kv_slab.SlabRows``, first), and hands back the
-    parts for the attention to serve each by its kind."""
+    parts for the attention to serve each by its kind. A recurrent layer's decode rows step their states as one
+    (stacked), unless ``stack_recurrent`` is False: each alone, the reference the stacked step is tested and timed
+    against."""
+
+    stack_recurrent = True
 
     def __init__(self, segments: list[Segment], bounds: list[tuple[int, int]], device: torch.device):
         self.caches = [s.cache for s in segments]
@@ -121,22 +125,44 @@ class BatchState(AttentionState):
         rows = SlabRows.of(slab, [bounds[j][0] for j in dec], len(dec) == len(segments), device)
         self.together = rows
         self.rest = [j for j in range(len(segments)) if rows is None or j not in dec]
+        # every decode row, whatever its cache: a recurrent layer steps their states as one (stacked)
+        self.one_row = [j for j, (a, b) in enumerate(bounds) if b - a == 1]
+        every = len(self.one_row) == len(segments)
+        self.one_row_sel: slice | torch.Tensor = (
+            slice(0, len(segments)) if every else torch.tensor([bounds[j][0] for j in self.one_row], device=device)
+        )
 
     def update(self, layer: int, *new: torch.Tensor) -> Held:
-        """``new``: every row's k and v [1, kv heads, rows, d] (or MLA's latent)."""
+        """``new``: every row's k and v [1, kv heads, rows, d] (or MLA's latent, or a recurrent layer's inputs)."""
+        lay = self.caches[0].layers[layer]
+        if isinstance(lay, RecurrentLayer):  # a state per sequence, never a slab's rows
+            return self._recurrent(layer, new[0])
+        if lay.window is not None:  # a sliding window's end is each sequence's own too
+            return Held(parts=self._each(layer, range(len(self.caches)), new))
         parts: list[tuple[slice | torch.Tensor, Keys]] = []
-        if isinstance(self.caches[0].layers[layer], RecurrentLayer):  # a state per sequence, never a slab's rows
-            return Held(
-                parts=[
-                    (slice(a, b), c.update(layer, *(x[:, :, a:b] for x in new)))
-                    for c, (a, b) in zip(self.caches, self.bounds)
-                ]
-            )
         d = self.together
         if d is not None:
             mine = new if d.every_row else tuple(x.index_select(2, d.rows) for x in new)
             parts.append((slice(0, new[0].shape[2]) if d.every_row else d.rows, d.update(layer, *mine)))
-        for j in self.rest:
-            a, b = self.bounds[j]
-            parts.append((slice(a, b), self.caches[j].update(layer, *(x[:, :, a:b] for x in new))))
+        parts += self._each(layer, self.rest, new)
         return Held(parts=parts)
+
+    def _each(self, layer: int, which, new: tuple[torch.Tensor, ...]) -> list[tuple[slice | torch.Tensor, Keys]]:
+        """Sequences ``which``, each updating its own state with its rows."""
+        out: list[tuple[slice | torch.Tensor, Keys]] = []
+        for j in which:
+            a, b = self.bounds[j]
+            out.append((slice(a, b), self.caches[j].update(layer, *(x[:, :, a:b] for x in new))))
+        return out
+
+    def _recurrent(self, layer: int, x: torch.Tensor) -> Held:
+        """A recurrent layer's inputs ``x`` [1, channels, rows]: the decode rows' states stepped as one
+        (``RecurrentLayer.step_rows``, first), each prompt chunk from its own state."""
+        if len(self.one_row) < 2 or not self.stack_recurrent:
+            return Held(parts=self._each(layer, range(len(self.caches)), (x,)))
+        sel = self.one_row_sel
+        states = [st for st in (self.caches[j].layers[layer] for j in self.one_row) if isinstance(st, RecurrentLayer)]
+        mine = x if isinstance(sel, slice) else x.index_select(2, sel)
+        stacked = RecurrentLayer.step_rows(states, mine.permute(2, 1, 0))  # the rows as a batch [S, channels, 1]
+        rest = [j for j in range(len(self.caches)) if self.bounds[j][1] - self.bounds[j][0] != 1]
+        return Held(parts=[(sel, stacked), *self._each(layer, rest, (x,))])

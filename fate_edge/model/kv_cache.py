@@ -32,9 +32,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from fate_edge.model.arch.base import ModelConfig
 
 
 @dataclass
@@ -87,20 +90,31 @@ class RowRanges(Protocol):
 
 @dataclass
 class SavedLayer:
-    """One layer's state kept past its request (``runtime.prompt_cache``): positional tensors [B, heads, length, d]
-    whose every prefix is reusable, or a recurrent state's snapshot, reusable only at exactly ``length``."""
+    """One layer's state kept past its request (``runtime.prompt_cache``): positional tensors [B, heads, length -
+    first, d] of positions ``first`` .. ``length - 1``, reusable up to any length whose window they hold (from 0:
+    every prefix), or a recurrent state's snapshot, reusable only at exactly ``length``."""
 
     tensors: tuple[torch.Tensor, ...]
     length: int  # positions saved (a snapshot: the length it was taken at)
     positional: bool = True
+    first: int = 0  # the first position saved: a sliding-window layer keeps only the end of a long sequence
+    window: int | None = None  # that layer's window (what a query at n reads: n - window + 1 .. n)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
+    @property
+    def every_prefix(self) -> bool:
+        """Whether every length up to :attr:`length` can be taken (positional, saved from position 0)."""
+        return self.positional and self.first == 0
+
     def usable(self, n: int) -> bool:
-        """Whether a new sequence may take this layer's first ``n`` positions."""
-        return n <= self.length if self.positional else n == self.length
+        """Whether a new sequence may take this layer's first ``n`` positions (a windowed layer: the window before
+        position ``n`` saved)."""
+        if not self.positional:
+            return n == self.length
+        return n <= self.length and (self.first == 0 or self.first <= n - (self.window or 1) + 1)
 
 
 class AttentionState(ABC):
@@ -126,12 +140,48 @@ class AttentionState(ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot start from a kept state")
 
 
-class LayerCache:
-    """Holds any number of aligned tensors [B, heads, S, d] (k and v, or MLA's latent and rope key)."""
+# Positions a sliding-window layer keeps past the window its next query reads: a prompt-cache reuse a little short of
+# the saved length (prompt_cache.RERUN, a re-rendered last turn) or an undone step still finds its window.
+WINDOW_REACH = 16
 
-    def __init__(self) -> None:
+
+def window_positions(window: int) -> int:
+    """Positions a sliding-window layer's cache holds at most (:class:`LayerCache` ``window``): the ``window - 1``
+    its next query reads, :data:`WINDOW_REACH` more, and room to append decode tokens before sliding again (a
+    quarter window: a slide copies what it keeps, so decode pays about four positions' copy a token)."""
+    return window - 1 + WINDOW_REACH + max(16, window // 4)
+
+
+def window_layers(cfg: ModelConfig) -> dict[int, int]:
+    """Sliding-window attention layers of ``cfg`` by index → their window (recurrent layers are not attention)."""
+    if cfg.sliding_window is None:
+        return {}
+    return {i: cfg.sliding_window for i in cfg.sliding_window_layers if cfg.mixer(i) == "attention"}
+
+
+class LayerCache:
+    """Holds any number of aligned tensors [B, heads, S, d] (k and v, or MLA's latent and rope key).
+
+    ``window`` (a sliding-window layer): it keeps only what a later query can read, at most
+    :func:`window_positions`: its buffers hold positions ``first`` .. ``length - 1``, in order, and when an append
+    does not fit they *slide* to fresh buffers holding the last ``window - 1 +`` :data:`WINDOW_REACH` positions and
+    the new ones. What an update hands back is still a run of consecutive positions whose last T are the new
+    queries (only no longer from position 0), so every attention reads it as a prefix, the window's mask relative
+    (``attention.attend``); a chunk longer than the buffer attends over its keys joined to the kept ones, a
+    temporary. Sliding never writes into the buffers a :meth:`snapshot` refers to, so an undone step gets them
+    back."""
+
+    def __init__(self, window: int | None = None) -> None:
         self.buffers: list[torch.Tensor] = []
         self.length = 0
+        self.first = 0  # the position at the buffers' index 0 (0 but on a sliding-window layer)
+        self.window = window
+        self.keep = None if window is None else window - 1 + WINDOW_REACH  # positions a slide keeps
+
+    @property
+    def held(self) -> int:
+        """Positions in the buffers: ``first`` .. ``length - 1``."""
+        return self.length - self.first
 
     def reserve(self, n: int) -> list[torch.Tensor]:
         """Room for ``n`` positions (buffers made by a first :meth:`append`); the buffers, at full capacity.
@@ -142,7 +192,7 @@ class LayerCache:
             cap = max(2 * self.buffers[0].shape[2], n)
             grown = [b.new_zeros(*b.shape[:2], cap, b.shape[3]) for b in self.buffers]
             for g, b in zip(grown, self.buffers):
-                g[:, :, : self.length] = b[:, :, : self.length]
+                g[:, :, : self.held] = b[:, :, : self.held]
             self.buffers = grown
         return self.buffers
 
@@ -150,14 +200,59 @@ class LayerCache:
         t = new[0].shape[2]
         if not self.buffers:  # the request's whole length when known: growing copies the cache (twice it, briefly)
             cap = max(64, t, capacity_hint)
+            if self.window is not None:
+                cap = min(cap, window_positions(self.window))
             self.buffers = [x.new_zeros(*x.shape[:2], cap, x.shape[3]) for x in new]
-        n = self.length + t
+        at = self.held
+        n = at + t
         if n > self.buffers[0].shape[2]:
+            if self.window is not None:
+                return self._slide(new)
             self.reserve(n)
         for b, x in zip(self.buffers, new):  # narrow: cheaper to dispatch than slice indexing, per decode token
-            b.narrow(2, self.length, t).copy_(x)
-        self.length = n
+            b.narrow(2, at, t).copy_(x)
+        self.length += t
         return tuple([b.narrow(2, 0, n) for b in self.buffers])  # a list, not a generator: one frame, not three
+
+    def _slide(self, new: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """A sliding-window layer whose buffers cannot take ``new``: the kept positions and the new ones joined (what
+        the new queries read), the last ``keep`` of them into fresh buffers."""
+        assert self.window is not None and self.keep is not None
+        t = new[0].shape[2]
+        old = min(self.held, self.keep)
+        seen = tuple(
+            [torch.cat([b.narrow(2, self.held - old, old), x], dim=2) if old else x for b, x in zip(self.buffers, new)]
+        )
+        stored = min(self.keep, old + t)
+        cap = window_positions(self.window)
+        self.buffers = [x.new_zeros(*x.shape[:2], cap, x.shape[3]) for x in seen]
+        for b, x in zip(self.buffers, seen):
+            b.narrow(2, 0, stored).copy_(x.narrow(2, old + t - stored, stored))
+        self.length += t
+        self.first = self.length - stored
+        return seen
+
+    def keeps(self, n: int) -> bool:
+        """Whether the layer can go on from position ``n`` (<= its length): it holds the window before it."""
+        return n <= self.length and (self.window is None or self.first <= max(0, n - (self.window - 1)))
+
+    def start(self, n: int) -> int:
+        """The first position a copy of this layer's state at ``n`` keeps (0 but on a sliding-window layer)."""
+        return 0 if self.keep is None else max(self.first, n - self.keep)
+
+    def snapshot(self) -> int | tuple[int, int, list[torch.Tensor]]:
+        """What :meth:`restore` needs: the length, and on a sliding-window layer where its buffers start and them."""
+        return self.length if self.window is None else (self.length, self.first, list(self.buffers))
+
+    def restore(self, saved: int | tuple[int, int, list[torch.Tensor]] | tuple[int, list[torch.Tensor]]) -> None:
+        if isinstance(saved, int):
+            self.length = saved
+            return
+        assert len(saved) == 3, "a recurrent layer's snapshot restores a recurrent layer"
+        self.length, self.first, self.buffers = saved
+
+    def clear(self) -> None:
+        self.buffers, self.length, self.first = [], 0, 0
 
 
 @dataclass(frozen=True)
@@ -207,49 +302,86 @@ class RecurrentLayer:
         held = (window,) if self.matrix is None else (window, self.matrix)
         return Held(held, kind=s.kind)
 
+    @staticmethod
+    def step_rows(layers: list[RecurrentLayer], x: torch.Tensor) -> Held:
+        """One new input each of S sequences' states of one layer (``x`` [S, channels, 1]), stepped as one: the
+        windows [S, channels, kernel] and, for "delta", the matrices [S, heads, dk, dv], stacked. Each sequence's
+        state then is its row of them (a view: the mixer overwrites the stacked matrices in place, so the new states
+        land in every sequence's own with no copy back; the next step stacks them afresh)."""
+        spec = layers[0].spec
+        for lay in layers:
+            if lay.conv is None:  # never stepped (a decode row always follows a prompt; zeros as the reference's)
+                lay.append(x.new_zeros(1, spec.channels, 0))
+        window = torch.cat([torch.cat([lay.conv for lay in layers if lay.conv is not None]), x], dim=2)
+        tails = window[:, :, window.shape[2] - (spec.kernel - 1) :].clone()
+        for j, lay in enumerate(layers):
+            lay.conv = tails[j : j + 1]
+            lay.length += x.shape[2]
+        if spec.matrix is None:
+            return Held((window,), kind=spec.kind)
+        matrix = torch.cat([lay.matrix for lay in layers if lay.matrix is not None])
+        for j, lay in enumerate(layers):
+            lay.matrix = matrix[j : j + 1]
+        return Held((window, matrix), kind=spec.kind)
+
     def snapshot(self) -> tuple[int, list[torch.Tensor]]:
         return self.length, [t.clone() for t in self.buffers]
 
-    def restore(self, saved: tuple[int, list[torch.Tensor]]) -> None:
+    def restore(self, saved: int | tuple[int, int, list[torch.Tensor]] | tuple[int, list[torch.Tensor]]) -> None:
+        assert isinstance(saved, tuple) and len(saved) == 2, "a recurrent layer restores its own snapshot"
         self.length, tensors = saved
         self.conv, self.matrix = (tensors + [None, None])[:2] if tensors else (None, None)
 
+    def clear(self) -> None:
+        self.conv = self.matrix = None
+        self.length = 0
 
-CacheSnapshot = list[int | tuple[int, list[torch.Tensor]]]
+
+# per layer: an attention layer's length (a sliding-window one's with where its buffers start and them), a recurrent
+# layer's copied state
+CacheSnapshot = list[int | tuple[int, int, list[torch.Tensor]] | tuple[int, list[torch.Tensor]]]
 
 
 class KVCache(AttentionState):
     """One sequence's cache, grown per layer as positions arrive (``recurrent``: the layers that keep a recurrent
-    state instead, by index)."""
+    state instead, by index; ``windows``: sliding-window layers by index → window, which keep only its end)."""
 
-    def __init__(self, num_layers: int, capacity_hint: int = 0, recurrent: dict[int, RecurrentSpec] | None = None):
-        recurrent = recurrent or {}
+    def __init__(
+        self,
+        num_layers: int,
+        capacity_hint: int = 0,
+        recurrent: dict[int, RecurrentSpec] | None = None,
+        windows: dict[int, int] | None = None,
+    ):
+        recurrent, windows = recurrent or {}, windows or {}
         self.layers: list[LayerCache | RecurrentLayer] = [
-            RecurrentLayer(recurrent[i]) if i in recurrent else LayerCache() for i in range(num_layers)
+            RecurrentLayer(recurrent[i]) if i in recurrent else LayerCache(windows.get(i)) for i in range(num_layers)
         ]
         self.capacity_hint = capacity_hint  # positions the request will reach (prompt + answer), 0: unknown
 
     def snapshot(self) -> CacheSnapshot:
         """What :meth:`restore` needs to bring the cache back to now: each attention layer's length (its positions
-        past it are simply overwritten later), each recurrent layer's state, copied."""
-        return [lay.snapshot() if isinstance(lay, RecurrentLayer) else lay.length for lay in self.layers]
+        past it are simply overwritten later; a sliding-window layer's buffers too, which a slide replaces rather
+        than overwrites), each recurrent layer's state, copied."""
+        return [lay.snapshot() for lay in self.layers]
 
     def restore(self, saved: CacheSnapshot) -> None:
         """Back to a :meth:`snapshot` of this cache (an undone step)."""
         for lay, s in zip(self.layers, saved):
-            if isinstance(lay, RecurrentLayer):
-                assert isinstance(s, tuple)
-                lay.restore(s)
-            else:
-                assert isinstance(s, int)
-                lay.length = s
+            lay.restore(s)
 
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` positions (a prompt cache reusing a prefix). A recurrent state holds only its own
-        length: cutting it elsewhere is refused."""
+        length, a sliding-window layer only the end of the sequence: cutting them where they cannot go on from is
+        refused."""
         for lay in self.layers:
             if isinstance(lay, RecurrentLayer) and lay.length != n:
                 raise ValueError(f"a recurrent state of {lay.length} positions cannot be cut to {n}")
+            if isinstance(lay, LayerCache) and n < lay.length and not lay.keeps(n):
+                raise ValueError(
+                    f"a sliding-window layer holding positions {lay.first}..{lay.length - 1} cannot be cut to {n} "
+                    f"(its window of {lay.window} before position {n} is gone)"
+                )
         for lay in self.layers:
             lay.length = min(lay.length, n)
 
@@ -270,15 +402,21 @@ class KVCache(AttentionState):
             if n != held.length or not held.buffers:
                 raise ValueError(f"layer {layer}'s recurrent state holds {held.length} positions; cannot save {n}")
             return SavedLayer(tuple(b.clone() for b in held.buffers), n, positional=False)
-        if not 0 < n <= held.length:
-            raise ValueError(f"layer {layer} holds {held.length} positions; cannot save {n}")
-        return SavedLayer(tuple(b.narrow(2, 0, n).clone() for b in held.buffers), n)
+        if not 0 < n <= held.length or not held.keeps(n):
+            raise ValueError(
+                f"layer {layer} holds positions {held.first}..{held.length - 1}; cannot save the state at {n}"
+            )
+        a = held.start(n)  # a sliding-window layer: the end of the sequence its queries can still read
+        tensors = tuple(b.narrow(2, a - held.first, n - a).clone() for b in held.buffers)
+        return SavedLayer(tensors, n, first=a, window=held.window)
 
     def saved_nbytes(self, layer: int, n: int) -> int:
         held = self.layers[layer]
         if isinstance(held, RecurrentLayer):  # a fixed size, whatever the length
             return sum(b.numel() * b.element_size() for b in held.buffers)
-        return n * sum(b[:, :, :1].numel() * b.element_size() for b in held.buffers)
+        if not held.keeps(n):
+            raise ValueError(f"layer {layer} holds positions {held.first}..{held.length - 1}; cannot save {n}")
+        return (n - held.start(n)) * sum(b[:, :, :1].numel() * b.element_size() for b in held.buffers)
 
     def restore_layer(self, layer: int, saved: SavedLayer, n: int) -> None:
         held = self.layers[layer]
@@ -289,7 +427,11 @@ class KVCache(AttentionState):
                 raise ValueError(f"layer {layer} is recurrent; a positional state cannot start it")
             held.restore((n, [t.clone() for t in saved.tensors]))
             return
-        held.append(*(t.narrow(2, 0, n) for t in saved.tensors), capacity_hint=self.capacity_hint)
+        a = saved.first if held.keep is None else max(saved.first, n - held.keep)  # what the layer keeps of it
+        if a and held.window is None:
+            raise ValueError(f"layer {layer} attends over every position; a sliding window's state cannot start it")
+        held.append(*(t.narrow(2, a - saved.first, n - a) for t in saved.tensors), capacity_hint=self.capacity_hint)
+        held.first, held.length = a, n
 
 
 class StaticKV(AttentionState):

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fate_edge.model.kv_cache import AttentionState, Held, KVCache, RecurrentLayer
+from fate_edge.model.kv_cache import AttentionState, Held, KVCache, LayerCache, window_layers
 from fate_edge.model.recurrent import recurrent_specs
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ class SlabCache(KVCache):
     """A sequence's KV cache held in ``slab`` at positions [offset, offset + capacity)."""
 
     def __init__(self, slab: KVSlab, offset: int, capacity: int):
-        super().__init__(len(slab.buffers), capacity_hint=capacity, recurrent=slab.recurrent)
+        super().__init__(len(slab.buffers), capacity, slab.recurrent, slab.windows)
         self.slab = slab
         self.place(offset, capacity)
 
@@ -37,7 +37,8 @@ class SlabCache(KVCache):
         """Hold positions [offset, offset + capacity) of the slab (the layers' buffers are views of them)."""
         self.offset, self.capacity = offset, capacity
         for layer, held in zip(self.layers, self.slab.buffers):
-            if not isinstance(layer, RecurrentLayer):  # a recurrent state is the sequence's own, not in the slab
+            if held:  # a recurrent state or a sliding window's end is the sequence's own, not in the slab
+                assert isinstance(layer, LayerCache)
                 layer.buffers = [b[:, :, offset : offset + capacity] for b in held]
 
 
@@ -54,14 +55,16 @@ class KVSlab:
         else:  # MLA's cache: the latent and the rope key side by side, one "head"
             shapes = [(1, 1, positions, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim)]
         # per layer, what a LayerCache holds (kv_cache.LayerCache.buffers): keys and values, or MLA's latent; none
-        # for a recurrent layer (its state, a fixed size, is each sequence's own: kv_cache.RecurrentLayer). Never
+        # for a recurrent layer (its state, a fixed size, is each sequence's own: kv_cache.RecurrentLayer) or a
+        # sliding-window one (the end of the sequence it keeps, a fixed size too: kv_cache.window_positions). Never
         # inference tensors, even when made under inference mode (a prompt scored first: server.logprobs): the
         # batcher zeroes released ranges outside it, which torch refuses on an inference tensor.
         self.recurrent = recurrent_specs(cfg)
+        self.windows = window_layers(cfg)
         with torch.inference_mode(False):
             self.buffers = [
                 []
-                if i in self.recurrent
+                if i in self.recurrent or i in self.windows
                 else [torch.zeros(shape, dtype=model.dtype, device=model.device) for shape in shapes]
                 for i in range(cfg.num_hidden_layers)
             ]
@@ -117,7 +120,7 @@ class KVSlab:
     def release(self, cache: SlabCache) -> None:
         """Give ``cache``'s range back (zeroed, so stale keys never reach a later sequence), merging neighbours."""
         for layer in cache.layers:
-            layer.buffers, layer.length = [], 0
+            layer.clear()
         self._give_back(cache.offset, cache.capacity)
 
     def _give_back(self, a: int, n: int) -> None:

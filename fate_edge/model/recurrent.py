@@ -125,6 +125,8 @@ def gated_deltanet(
     def run(x: torch.Tensor, part: Keys) -> torch.Tensor:
         assert isinstance(part, Held) and part.kind == "delta", "a DeltaNet layer's state is a recurrent one"
         window, matrix = part.held
+        if window.shape[0] != x.shape[0]:  # a batch's decode rows stepped together: each row a sequence
+            x = x.permute(2, 1, 0)
         n = x.shape[2]
         conv = F.silu(F.conv1d(window.to(lp.mix["conv1d.weight"].dtype), lp.mix["conv1d.weight"], groups=c))
         conv = conv.transpose(1, 2).to(x.dtype)  # [B, n, C]

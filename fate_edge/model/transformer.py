@@ -20,7 +20,7 @@ from fate_edge.model.arch.base import ModelConfig
 from fate_edge.model.decoding_model import RoutingObserver, StepRunner
 from fate_edge.model.embedding import embedding_table, lookup
 from fate_edge.model.experts import ExpertProvider, InMemoryExpertProvider
-from fate_edge.model.kv_cache import KVCache
+from fate_edge.model.kv_cache import KVCache, window_layers
 from fate_edge.model.layer import Fused, LayerPlan, Weights, apply_linear, build_head, build_plan, rms_norm
 from fate_edge.model.layer_step import LayerPath, add_projection, decoder_layer, router_block
 from fate_edge.model.recurrent import mix, recurrent_specs
@@ -178,7 +178,8 @@ class MoETransformer:
         return self.runner if isinstance(self.runner, CudaGraphDecode | LayerGraphDecode) else None
 
     def new_cache(self) -> KVCache:
-        return KVCache(self.config.num_hidden_layers, recurrent=recurrent_specs(self.config))
+        cfg = self.config
+        return KVCache(cfg.num_hidden_layers, recurrent=recurrent_specs(cfg), windows=window_layers(cfg))
 
     # --------------------------------------------------------------------- MoE
     def route(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

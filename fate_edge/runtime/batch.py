@@ -66,12 +66,12 @@ def default_max_batch(device: str) -> int:
 class BatchConfig:
     max_batch: int = 8  # sequences per step
     kv_budget_bytes: int = 0  # KV room for all sequences together (0: no limit)
-    kv_bytes_per_token: int = 0  # one position's keys and values over all layers
+    kv_bytes_per_token: int = 0  # one position's keys and values over the layers that grow with the length
     prompt_rows: int = PREFILL_CHUNK  # joining prompts' tokens per step, all together
     idle_timeout: float = 30.0  # seconds a stream may leave tokens unread before its sequence is removed
     prompt_cache: PromptCache | None = None  # finished sequences' states, reused by later prompts (None: off)
-    # one sequence's recurrent states (short convolutions, DeltaNet: recurrent.state_bytes), a fixed size drawn from
-    # the same budget: the slab is what the batch's states leave of it
+    # one sequence's fixed-size state (short convolutions, DeltaNet, sliding-window layers' rings:
+    # memory_account.state_bytes) drawn from the same budget: the slab is what the batch's states leave of it
     state_bytes: int = 0
 
 

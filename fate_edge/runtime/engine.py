@@ -28,7 +28,6 @@ from fate_edge.fetch.fetch_engine import BufferPool, FetchEngine
 from fate_edge.fetch.transfer import make_copier
 from fate_edge.format.checkpoint_layout import DTYPES
 from fate_edge.format.store import ExpertStore, is_store
-from fate_edge.model import recurrent
 from fate_edge.model.experts import ExpertProvider
 from fate_edge.runtime.auto_budget import (
     BudgetChoice,
@@ -49,7 +48,7 @@ from fate_edge.runtime.generate import PREFILL_CHUNK, GenerateConfig, Generation
 from fate_edge.runtime.held_bytes import entry_bytes
 from fate_edge.runtime.load_threads import in_own_thread
 from fate_edge.runtime.loader import load_model
-from fate_edge.runtime.memory_account import available_memory_bytes, kv_bytes_per_token, memory_account, shortfall
+from fate_edge.runtime.memory_account import available_memory_bytes, kv_shape, memory_account, shortfall
 from fate_edge.runtime.memory_tiers import is_unified, plan_tiers, staging_held
 from fate_edge.runtime.policy import PolicyConfig, for_model, get_policy
 from fate_edge.runtime.preload import LoadReport, first_used, global_choice, preload, preload_choice
@@ -217,10 +216,10 @@ class Engine:
         max_batch = max_batch or default_max_batch(self.device)
         if max_batch == 1 or self.trace is not None:
             return None
-        per_token = kv_bytes_per_token(self.model.config, self.dtype)
+        per_token, fixed = kv_shape(self.model.config, self.dtype, self.account.context_tokens)
         kv = (self.account.kv_cache, per_token, PREFILL_CHUNK, self.stream_idle_timeout, self.prompt_cache)
         config = BatchConfig(max_batch, *kv)
-        config.state_bytes = recurrent.state_bytes(self.model.config, self.dtype)  # each sequence's, if any
+        config.state_bytes = fixed  # each sequence's recurrent states and sliding windows' rings, if any
         return Batcher(self.model, self.tokenizer, self.scheduler, self._lock, config)
 
     @property

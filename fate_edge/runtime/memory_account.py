@@ -23,6 +23,7 @@ from fate_edge.format.checkpoint_layout import DTYPES, FP32_SUFFIXES, layer_name
 from fate_edge.format.prequantized import in_store, is_float_weight
 from fate_edge.model import recurrent
 from fate_edge.model.arch import ModelConfig, load_config
+from fate_edge.model.kv_cache import window_layers, window_positions
 from fate_edge.model.layer import quantized_group_bytes, resident_groups
 from fate_edge.runtime.generate import PREFILL_CHUNK
 from fate_edge.runtime.memory_tiers import MemoryTiers
@@ -155,21 +156,43 @@ def current_rss_bytes() -> int:
         return RUNTIME_FALLBACK_BYTES
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """KV cache bytes one token takes over all attention layers (keys and values; MLA: its latent and rope key);
-    a recurrent layer's state does not grow with the length (:func:`state_bytes`)."""
+def window_rings(cfg: ModelConfig, context_tokens: int | None = None) -> dict[int, int]:
+    """Sliding-window layers whose cache stops growing short of ``context_tokens`` (None: of any length), by index →
+    the positions each holds at most (``kv_cache.window_positions``): a fixed size per sequence, like a recurrent
+    state. A window as long as the context costs what a full layer does, counted per token."""
+    rings = {i: window_positions(w) for i, w in window_layers(cfg).items()}
+    return {i: n for i, n in rings.items() if context_tokens is None or n < context_tokens}
+
+
+def _position_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """One position of one attention layer: keys and values (MLA: its latent and rope key)."""
     width = torch.empty(0, dtype=dtype).element_size()
     if cfg.mla is not None:
-        per_layer = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
-    else:
-        per_layer = 2 * cfg.num_key_value_heads * cfg.head_dim
-    attention = sum(1 for i in range(cfg.num_hidden_layers) if cfg.mixer(i) == "attention")
-    return attention * per_layer * width
+        return (cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim) * width
+    return 2 * cfg.num_key_value_heads * cfg.head_dim * width
 
 
-def state_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """One sequence's recurrent states over all layers (convolution windows, DeltaNet matrices): a fixed size."""
-    return recurrent.state_bytes(cfg, dtype)
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, context_tokens: int | None = None) -> int:
+    """KV cache bytes one token takes over all attention layers (keys and values; MLA: its latent and rope key)
+    serving up to ``context_tokens``; a recurrent layer's state and a sliding-window layer's ring
+    (:func:`window_rings`) do not grow with the length (:func:`state_bytes`)."""
+    rings = window_rings(cfg, context_tokens)
+    attention = sum(1 for i in range(cfg.num_hidden_layers) if cfg.mixer(i) == "attention" and i not in rings)
+    return attention * _position_bytes(cfg, dtype)
+
+
+def state_bytes(cfg: ModelConfig, dtype: torch.dtype, context_tokens: int | None = None) -> int:
+    """One sequence's fixed-size state over all layers: recurrent states (convolution windows, DeltaNet matrices)
+    and the sliding-window layers' rings that stop short of ``context_tokens``."""
+    rings = sum(window_rings(cfg, context_tokens).values())
+    return recurrent.state_bytes(cfg, dtype) + rings * _position_bytes(cfg, dtype)
+
+
+def kv_shape(cfg: ModelConfig, dtype: torch.dtype, context_tokens: int) -> tuple[int, int]:
+    """(bytes per token, fixed bytes per sequence) of the KV cache serving up to ``context_tokens`` (64 at least):
+    what the account reserves and the batcher's slab is cut from."""
+    ctx = max(64, context_tokens)
+    return kv_bytes_per_token(cfg, dtype, ctx), state_bytes(cfg, dtype, ctx)
 
 
 def buffer_bytes(cfg: ModelConfig, dtype: torch.dtype, tokens: int) -> int:
@@ -254,8 +277,9 @@ def memory_account(
     store_dir = Path(store_dir)
     cfg = load_config(store_dir)
     embed, other, loading, mapped = _weights(store_dir, dtype, resident_bits, embedding_bits)
-    kv = kv_bytes_per_token(cfg, dtype) * max(64, context_tokens) + state_bytes(cfg, dtype)
-    room = prompt_cache_room(prompt_cache, kv_bytes_per_token(cfg, dtype), max(64, context_tokens))
+    per_token, fixed = kv_shape(cfg, dtype, context_tokens)
+    kv = per_token * max(64, context_tokens) + fixed
+    room = prompt_cache_room(prompt_cache, per_token, max(64, context_tokens), fixed)
     return MemoryAccount(
         current_rss_bytes() if runtime is None else runtime,
         embed,

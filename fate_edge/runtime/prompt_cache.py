@@ -35,11 +35,12 @@ RERUN = 2
 AUTO_CONTEXTS = 1
 
 
-def prompt_cache_room(setting: int | str, kv_bytes_per_token: int, context_tokens: int) -> int:
-    """The room in bytes for ``EngineConfig.prompt_cache``: "auto" (:data:`AUTO_CONTEXTS` contexts of KV), a size
-    ("256MB") or bytes; 0 turns the cache off."""
+def prompt_cache_room(setting: int | str, kv_bytes_per_token: int, context_tokens: int, fixed_bytes: int = 0) -> int:
+    """The room in bytes for ``EngineConfig.prompt_cache``: "auto" (:data:`AUTO_CONTEXTS` contexts of KV, each with
+    a sequence's ``fixed_bytes``: recurrent states, sliding windows' rings), a size ("256MB") or bytes; 0 turns the
+    cache off."""
     if isinstance(setting, str) and setting.strip().lower() == "auto":
-        return AUTO_CONTEXTS * kv_bytes_per_token * context_tokens
+        return AUTO_CONTEXTS * (kv_bytes_per_token * context_tokens + fixed_bytes)
     try:
         room = parse_bytes(setting)
     except ValueError as exc:
@@ -70,8 +71,9 @@ class _Entry:
         return sum(s.nbytes for s in self.layers)
 
     @property
-    def positional(self) -> bool:
-        return all(s.positional for s in self.layers)
+    def every_prefix(self) -> bool:
+        """Whether it serves every prefix of its tokens (no recurrent snapshot, no sliding window's end)."""
+        return all(s.every_prefix for s in self.layers)
 
     def usable(self, n: int) -> bool:
         return all(s.usable(n) for s in self.layers)
@@ -135,18 +137,17 @@ class PromptCache:
         n = len(tokens)
         key = tuple(tokens)
         try:
-            sizes = [state.saved_nbytes(i, n) for i in range(self.num_layers)]
-        except NotImplementedError:
+            size = sum(state.saved_nbytes(i, n) for i in range(self.num_layers))
+            if size > self.room_bytes:  # a sliding window cannot go back that far: saved_nbytes says so
+                n = self.room_bytes * n // size
+                key, size = key[:n], sum(state.saved_nbytes(i, n) for i in range(self.num_layers))
+        except (NotImplementedError, ValueError):
             return False
-        size = sum(sizes)
-        if size > self.room_bytes:
-            n = self.room_bytes * n // size
-            key, size = key[:n], sum(state.saved_nbytes(i, n) for i in range(self.num_layers))
-        if n < 2:
+        if n < 2 or size > self.room_bytes:
             return False
         with self._lock:
             for other in self._entries.values():  # already served by a kept, longer prefix
-                if other.positional and _prefix_of(key, other.tokens):
+                if other.every_prefix and _prefix_of(key, other.tokens):
                     self._entries.move_to_end(other.tokens)
                     return False
             while self._entries and self.stats.bytes_held + size > self.room_bytes:
@@ -156,8 +157,8 @@ class PromptCache:
                 entry = _Entry(key, [state.save_layer(i, n) for i in range(self.num_layers)])
             except (NotImplementedError, ValueError):
                 return False
-            if entry.positional:  # it serves every prompt a kept prefix of it did
-                for k in [k for k, e in self._entries.items() if e.positional and _prefix_of(k, key)]:
+            if entry.every_prefix:  # it serves every prompt a kept prefix of it did
+                for k in [k for k, e in self._entries.items() if e.every_prefix and _prefix_of(k, key)]:
                     self._drop(k)
             self._entries[key] = entry
             self.stats.bytes_held += entry.nbytes

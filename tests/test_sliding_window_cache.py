@@ -1,0 +1,203 @@
+"""Sliding-window layers keep only their window (``kv_cache.LayerCache`` ``window``): on gpt-oss (windows alternating
+with full attention) a conversation far past the window costs the window's bytes on those layers, not the whole
+length, and its logits stay transformers' (fp32 within 1e-4), alone, batched, chunked, undone and restored from the
+prompt cache. The memory account and the batcher count those layers at their ring, not per token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from test_parity import max_diff  # noqa: E402
+from test_parity_gpt_oss import build  # noqa: E402
+
+from fate_edge.model.kv_cache import WINDOW_REACH, LayerCache, window_positions  # noqa: E402
+from fate_edge.runtime.loader import load_model  # noqa: E402
+
+FP32_ATOL = 1e-4
+WINDOW = 5
+RING = window_positions(WINDOW)  # positions a window layer holds at most
+PROMPT_LEN = 12
+STEPS = 3 * RING  # decode steps: the ring slides several times
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    transformers.utils.logging.disable_progress_bar()
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """The gpt-oss checkpoint, our greedy decode far past the ring, and transformers' logits at every position of
+    that same sequence (one teacher-forced forward: its sliding layers mask what ours no longer hold)."""
+    hf, path = build(tmp_path_factory.mktemp("gpt_oss_window") / "hf", max_position_embeddings=256)
+    model = load_model(path, dtype=torch.float32)
+    prompt = torch.randint(0, 128, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(7)).tolist()[0]
+    cache = model.new_cache()
+    steps = [model(torch.tensor([prompt]), cache, last_only=True)[0, -1]]
+    tokens: list[int] = []
+    for _ in range(STEPS):
+        tokens.append(int(steps[-1].argmax()))
+        steps.append(model(torch.tensor([[tokens[-1]]]), cache)[0, -1])
+    sequence = prompt + tokens
+    with torch.no_grad():
+        theirs = hf(torch.tensor([sequence])).logits[0]
+    return dict(hf=hf, path=path, model=model, cache=cache, prompt=prompt, sequence=sequence, steps=steps, ref=theirs)
+
+
+def test_decode_far_past_the_window_matches_transformers(built):
+    """Every decode step's logits (the ring slid several times) are transformers' on the whole sequence, and each
+    greedy token is transformers' pick at its position."""
+    ref, steps = built["ref"], built["steps"]
+    assert len(built["sequence"]) > 2 * RING
+    for i, ours in enumerate(steps):
+        pos = PROMPT_LEN - 1 + i
+        assert max_diff(ours, ref[pos]) <= FP32_ATOL, f"position {pos}"
+        if pos + 1 < len(built["sequence"]):
+            assert built["sequence"][pos + 1] == int(ref[pos].argmax())
+
+
+def test_window_layers_stop_growing_past_their_ring(built):
+    """The sliding layers hold at most the ring's positions whatever the length; the full layer holds them all."""
+    model, cache = built["model"], built["cache"]
+    cfg = model.config
+    assert cfg.sliding_window_layers == (0, 2)
+    n = len(built["sequence"])  # every token fed back
+    assert cache.length == n
+    one = 2 * cfg.num_key_value_heads * cfg.head_dim * 4  # one position of one layer, fp32
+    for i, lay in enumerate(cache.layers):
+        assert isinstance(lay, LayerCache)
+        size = sum(b.numel() * b.element_size() for b in lay.buffers)
+        if i in cfg.sliding_window_layers:
+            assert lay.window == WINDOW and lay.first > 0 and size == RING * one < n * one
+            assert WINDOW <= lay.held <= RING
+        else:
+            assert lay.window is None and lay.first == 0 and size >= n * one
+    # the bytes stay put as decoding goes on
+    before = [sum(b.numel() for b in cache.layers[i].buffers) for i in cfg.sliding_window_layers]
+    for tok in (3, 4, 5, 6, 7, 8, 9, 10) * 4:
+        model(torch.tensor([[tok]]), cache)
+    assert [sum(b.numel() for b in cache.layers[i].buffers) for i in cfg.sliding_window_layers] == before
+
+
+def test_a_long_prompt_whole_and_in_chunks_matches_transformers(built):
+    """A prompt longer than the ring in one forward, and in chunks of every size against it, attends as
+    transformers does: each chunk's queries over the kept end joined to its own keys."""
+    model, seq, ref = built["model"], built["sequence"], built["ref"]
+    prompt = seq[: 2 * RING + 7]
+    whole = model(torch.tensor([prompt]), model.new_cache())[0]
+    assert max_diff(whole, ref[: len(prompt)]) <= FP32_ATOL
+    for chunk in (1, 3, RING - 1, RING + 2):
+        cache, outs = model.new_cache(), []
+        for a in range(0, len(prompt), chunk):
+            outs.append(model(torch.tensor([prompt[a : a + chunk]]), cache)[0])
+        assert max_diff(torch.cat(outs), ref[: len(prompt)]) <= FP32_ATOL, f"chunks of {chunk}"
+
+
+def test_an_undone_chunk_that_slid_the_ring_runs_again_the_same(built):
+    """An undone step (the batcher's retry after a failed read) brings a sliding layer back to its buffers before the
+    step, though the step's slide dropped positions: run again, the logits are transformers'."""
+    model, seq, ref = built["model"], built["sequence"], built["ref"]
+    cache = model.new_cache()
+    model(torch.tensor([seq[:20]]), cache)
+    saved = cache.snapshot()
+    model(torch.tensor([seq[20 : 20 + RING]]), cache)  # slides every window layer
+    assert all(lay.first > 0 for lay in cache.layers[::2])
+    cache.restore(saved)
+    assert cache.length == 20
+    again = model(torch.tensor([seq[20 : 20 + RING]]), cache)[0]
+    assert max_diff(again, ref[20 : 20 + RING]) <= FP32_ATOL
+
+
+def test_a_cut_the_window_cannot_go_on_from_is_refused(built):
+    model, seq = built["model"], built["sequence"]
+    cache = model.new_cache()
+    model(torch.tensor([seq[: 2 * RING]]), cache)
+    with pytest.raises(ValueError, match="sliding-window layer holding positions .* cannot be cut to 3"):
+        cache.truncate(3)
+    assert cache.length == 2 * RING  # nothing cut
+    cache.truncate(2 * RING - 2)  # within what the ring holds: allowed, and goes on right
+    out = model(torch.tensor([seq[2 * RING - 2 : 2 * RING + 3]]), cache)[0]
+    assert max_diff(out, built["ref"][2 * RING - 2 : 2 * RING + 3]) <= FP32_ATOL
+
+
+def test_batched_decode_far_past_the_window_gives_each_sequence_transformers_logits(built):
+    """Three sequences on a KV slab (the window layers' rings each sequence's own, outside it), one joining beside
+    the others' decode tokens, decoding past the ring: every step's logits are transformers' on that sequence."""
+    from fate_edge.model.batch_step import Segment, forward_segments
+    from fate_edge.model.kv_slab import KVSlab
+
+    model, hf = built["model"], built["hf"]
+    seq = built["sequence"]
+    prompts, n = [seq[:PROMPT_LEN], seq[3:9], seq[20 : 20 + RING + 4]], RING + 10
+    slab = KVSlab(model, 3 * 128)
+    assert [i for i, b in enumerate(slab.buffers) if not b] == [0, 2]  # the window layers are not in the slab
+    segs = [Segment(p, slab.allocate(128)) for p in prompts[:2]]
+    got: list[list[torch.Tensor]] = [[], [], []]
+    for step in range(n + 2):
+        live = [j for j in range(len(segs)) if len(got[j]) <= n]
+        for j, row in zip(live, forward_segments(model, [segs[j] for j in live])):
+            got[j].append(row)
+            segs[j].ids = [int(row.argmax())]
+        if step == 0:
+            segs.append(Segment(prompts[2], slab.allocate(128)))
+    for j, (p, ours) in enumerate(zip(prompts, got)):
+        tokens = [int(r.argmax()) for r in ours[:-1]]
+        with torch.no_grad():
+            theirs = hf(torch.tensor([p + tokens])).logits[0, len(p) - 1 :]
+        assert len(ours) == n + 1
+        assert max(max_diff(a, b) for a, b in zip(ours, theirs)) <= FP32_ATOL, f"sequence {j}"
+        assert all(lay.held <= RING for lay in segs[j].cache.layers[::2])
+
+
+def test_the_prompt_cache_restores_a_window_layers_end(built):
+    """A kept long sequence's window layers keep only their end: a next turn sharing it (short of RERUN tokens)
+    starts from it with transformers' logits; a prompt sharing only a prefix whose window is gone does not."""
+    from fate_edge.runtime.prompt_cache import RERUN, PromptCache
+
+    model, seq, ref = built["model"], built["sequence"], built["ref"]
+    kept = seq[: 3 * RING]
+    cache = model.new_cache()
+    model(torch.tensor([kept]), cache)
+    pc = PromptCache(10**8, model.config.num_hidden_layers)
+    assert pc.keep(cache, kept)
+    (entry,) = pc._entries.values()
+    assert entry.layers[0].first > 0 and entry.layers[1].first == 0 and not entry.every_prefix
+    assert [s.tensors[0].shape[2] for s in entry.layers] == [
+        WINDOW - 1 + WINDOW_REACH,
+        len(kept),
+        WINDOW - 1 + WINDOW_REACH,
+    ]
+    # the same tokens again: all but the last RERUN reused, the window before them restored
+    for prompt in (kept, seq[: 3 * RING + 9]):
+        fresh = model.new_cache()
+        n = pc.restore(fresh, prompt)
+        assert n == min(len(prompt) - RERUN, len(kept))
+        out = model(torch.tensor([prompt[n:]]), fresh)[0]
+        assert max_diff(out, ref[n : len(prompt)]) <= FP32_ATOL
+    # sharing only the first 10 tokens: the kept window layers hold nothing that far back; not reused
+    other = seq[:10] + [(t + 1) % 128 for t in seq[10:30]]
+    assert pc.restore(model.new_cache(), other) == 0
+
+
+def test_the_account_counts_window_layers_at_their_ring(built):
+    """kv_bytes_per_token counts the full layer alone; the window layers' rings are a fixed size per sequence
+    (state_bytes); where the context is shorter than the ring, they count per token as before."""
+    from fate_edge.runtime.memory_account import kv_bytes_per_token, kv_shape, state_bytes
+
+    cfg = built["model"].config
+    one = 2 * cfg.num_key_value_heads * cfg.head_dim * 4
+    assert kv_bytes_per_token(cfg, torch.float32) == one  # layer 1, the full one
+    assert state_bytes(cfg, torch.float32) == 2 * RING * one
+    assert kv_shape(cfg, torch.float32, 4096) == (one, 2 * RING * one)
+    short = RING - 1
+    assert kv_bytes_per_token(cfg, torch.float32, short) == 3 * one and state_bytes(cfg, torch.float32, short) == 0
+    # what one sequence really holds past its ring: the account's figure for its length
+    cache = built["model"].new_cache()
+    built["model"](torch.tensor([built["sequence"][:100]]), cache)
+    assert cache.nbytes == 100 * kv_bytes_per_token(cfg, torch.float32) + state_bytes(cfg, torch.float32)
