@@ -201,3 +201,32 @@ def test_the_account_counts_window_layers_at_their_ring(built):
     cache = built["model"].new_cache()
     built["model"](torch.tensor([built["sequence"][:100]]), cache)
     assert cache.nbytes == 100 * kv_bytes_per_token(cfg, torch.float32) + state_bytes(cfg, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ring_decode_is_the_whole_cache_decode_to_the_bit(built, dtype, monkeypatch):
+    """Decode past several slides reads exactly the keys a cache holding every position does (the window's last
+    positions, contiguous and in order: no wrapped ring reaches a kernel), so the logits are the same bits; in bf16
+    every step goes through fate-edge's decode attention kernel where it runs here."""
+    from fate_edge.model import decode_attention
+    from fate_edge.model.kv_cache import KVCache
+
+    calls: list[int] = []
+    real = decode_attention.attend
+    monkeypatch.setattr(
+        decode_attention, "attend", lambda q, k, *a, **kw: calls.append(k.shape[2]) or real(q, k, *a, **kw)
+    )
+    model = load_model(built["path"], dtype=dtype)
+    seq = built["sequence"]
+    ring, whole = model.new_cache(), KVCache(model.config.num_hidden_layers)  # whole: every position kept
+    assert ring.layers[0].window == WINDOW and whole.layers[0].window is None
+    outs = []
+    for cache in (ring, whole):
+        steps = [model(torch.tensor([seq[:PROMPT_LEN]]), cache, last_only=True)[0, -1]]
+        steps += [model(torch.tensor([[tok]]), cache)[0, -1] for tok in seq[PROMPT_LEN:]]
+        outs.append(torch.stack(steps))
+    assert ring.layers[0].first > 2 * RING  # slid several times
+    assert torch.equal(outs[0], outs[1])
+    if dtype == torch.bfloat16 and decode_attention.available()[0]:
+        assert calls and max(calls) == len(seq)  # the full layer reads every key; the window layers ...
+        assert min(calls) == WINDOW  # ... their window, read in place

@@ -14,7 +14,9 @@ Where the decode tokens' caches share a :class:`~fate_edge.model.kv_slab.KVSlab`
 (``attention.GATHER_MAX`` positions), attend with one masked attention per layer over their ranges gathered side by
 side (bf16 on the CPU: one native call over the ranges in place; MLA: absorbed, in one pass); longer ones attend per
 sequence over views of the slab (a gather would copy more than the per-sequence calls cost). Prompt chunks attend
-per sequence.
+per sequence, and so does a sliding-window layer (each sequence keeps its own window's end, outside the slab).
+A recurrent layer (short convolution, DeltaNet) steps the decode rows' states together, stacked
+(``kv_cache.RecurrentLayer.step_rows``): one convolution and one delta-rule call for all of them.
 """
 
 from __future__ import annotations

@@ -7,22 +7,24 @@ layer's queries read (:data:`Keys`): a sequence's held positions themselves, ``(
 differ only in where the positions live:
 
 * :class:`KVCache`: one sequence's cache that grows (geometrically, so a decode append is amortised O(1)); its
-  queries see a prefix of positions (the plain tuple);
+  queries see a prefix of positions (the plain tuple); a sliding-window layer's (:class:`LayerCache` ``window``)
+  keeps only the end its later queries can read, and hands back consecutive positions that no longer start at 0
+  (the window's mask is relative, so attention reads them as it reads a prefix);
 * ``kv_slab.SlabCache``: the same, as a range of a batch's shared slab; ``kv_slab.SlabRows``: one decode row per
   sequence of a slab in one update, each row seeing its own range (``Held.rows``);
 * :class:`StaticKV`: whole-capacity buffers written at a position tensor, the unwritten tail masked
   (``Held.mask``): what a compiled or captured step needs (static shapes and addresses).
 
 New kinds belong here too, as subclasses of :class:`AttentionState` whose ``update`` returns what their attention
-reads: a sliding-window ring or attention sinks (keep only the positions a query can see, a ``Held`` field saying
-where they start), or a recurrent state (linear attention, a convolution's last inputs: ``update(layer, *new)``
-folds the new rows in and hands back the state, in ``Held.held`` with a field naming its kind). A new field gets its
-branch in the family's ``attend``.
+reads, like the recurrent state (linear attention, a convolution's last inputs: ``update(layer, *new)`` folds the
+new rows in and hands back the state, in ``Held.held`` with a field naming its kind: :class:`RecurrentLayer`). A
+new field gets its branch in the family's ``attend``.
 
 Keeping a state past its request (``runtime.prompt_cache``): a kind saves a layer with ``save_layer(layer, n)`` as a
 :class:`SavedLayer` and a new sequence's empty state takes it back with ``restore_layer(layer, saved, n)``. Positional
 kinds (keys and values, MLA's latent) save their first ``n`` positions, and any prefix of them can be restored: a new
-prompt that shares only ``m`` < ``n`` tokens with the saved one reuses ``m``. A recurrent state (a convolution's last
+prompt that shares only ``m`` < ``n`` tokens with the saved one reuses ``m`` (a sliding-window layer saves only its
+end, ``SavedLayer.first``: reusable where that still holds the window before ``m``). A recurrent state (a convolution's last
 inputs, a linear-attention state) cannot be cut back: it saves a *snapshot* (``SavedLayer.positional`` False) taken at
 its length, usable only by a prompt that shares exactly that many tokens (``SavedLayer.usable``); the prompt cache then
 refuses any shorter reuse for the whole sequence. A kind that does neither raises ``NotImplementedError`` (not kept).

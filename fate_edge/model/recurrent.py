@@ -11,9 +11,10 @@ output before the layer's output projection (which ``layer_step.add_projection``
 
 Their state goes through the same ``AttentionState.update(layer, *new)`` as keys and values: the convolution's new
 inputs [B, channels, T] in, the window (the last ``kernel - 1`` inputs, then the new ones) back as
-``Held(kind="conv")`` (``kv_cache.RecurrentLayer``). A batch's update hands back one part per sequence, each run
-over its own window, so a sequence's rows get the same state whether it steps alone or in a batch, over a whole
-prompt or in chunks.
+``Held(kind="conv")`` (``kv_cache.RecurrentLayer``). A batch's update hands back its decode rows' states as one
+part, stacked [rows, ...] (``RecurrentLayer.step_rows``: the mixer runs them as a batch, each row a sequence), and
+each prompt chunk's as its own part, so a sequence's rows get the same state whether it steps alone or in a batch,
+over a whole prompt or in chunks.
 """
 
 from __future__ import annotations

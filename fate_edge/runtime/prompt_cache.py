@@ -10,8 +10,9 @@ prefills only its new message. The reused positions were computed in an earlier 
 kernels do not depend on what ran beside them (the suite's greedy texts are the same on and off,
 tests/test_prompt_cache.py); int4 experts round an expert's rows differently by how many run together, so a near tie
 can tip (llama-server's cache_prompt has the same caveat): ``cache_prompt`` False where answers must be reproducible
-to the bit. Reuse of positional state may stop anywhere inside an entry; a recurrent layer's snapshot only at
-exactly its length (``SavedLayer.usable``), so an entry holding one is reused whole or not at all.
+to the bit. Reuse of positional state may stop anywhere inside an entry; a sliding-window layer's (which keeps only
+its window's end) only where that still holds the window; a recurrent layer's snapshot only at exactly its length
+(``SavedLayer.usable``), so an entry holding one is reused whole or not at all.
 
 The batcher (``runtime.batch``) and a request served alone (``generate.stream_from_model``, a batch of one) both call
 :meth:`PromptCache.restore` when a sequence starts and :meth:`PromptCache.keep` when it ends; a request with
