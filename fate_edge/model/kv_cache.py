@@ -24,9 +24,10 @@ Keeping a state past its request (``runtime.prompt_cache``): a kind saves a laye
 :class:`SavedLayer` and a new sequence's empty state takes it back with ``restore_layer(layer, saved, n)``. Positional
 kinds (keys and values, MLA's latent) save their first ``n`` positions, and any prefix of them can be restored: a new
 prompt that shares only ``m`` < ``n`` tokens with the saved one reuses ``m`` (a sliding-window layer saves only its
-end, ``SavedLayer.first``: reusable where that still holds the window before ``m``). A recurrent state (a convolution's last
-inputs, a linear-attention state) cannot be cut back: it saves a *snapshot* (``SavedLayer.positional`` False) taken at
-its length, usable only by a prompt that shares exactly that many tokens (``SavedLayer.usable``); the prompt cache then
+end, ``SavedLayer.first``: reusable where that still holds the window before ``m``). A recurrent state (a
+convolution's last inputs, a linear-attention state) cannot be cut back: it saves a *snapshot*
+(``SavedLayer.positional`` False) taken at its length, usable only by a prompt that shares exactly that many tokens
+(``SavedLayer.usable``); the prompt cache then
 refuses any shorter reuse for the whole sequence. A kind that does neither raises ``NotImplementedError`` (not kept).
 """
 
