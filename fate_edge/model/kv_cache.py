@@ -27,8 +27,8 @@ prompt that shares only ``m`` < ``n`` tokens with the saved one reuses ``m`` (a 
 end, ``SavedLayer.first``: reusable where that still holds the window before ``m``). A recurrent state (a
 convolution's last inputs, a linear-attention state) cannot be cut back: it saves a *snapshot*
 (``SavedLayer.positional`` False) taken at its length, usable only by a prompt that shares exactly that many tokens
-(``SavedLayer.usable``); the prompt cache then
-refuses any shorter reuse for the whole sequence. A kind that does neither raises ``NotImplementedError`` (not kept).
+(``SavedLayer.usable``); the prompt cache then refuses any shorter reuse for the whole sequence. A kind that does
+neither raises ``NotImplementedError`` (not kept).
 """
 
 from __future__ import annotations
