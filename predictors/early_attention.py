@@ -27,7 +27,7 @@ import torch
 from fate_edge.predictors.base import next_moe_layers
 
 from fate_edge.model.attention import attend, gqa, gqa_qkv
-from fate_edge.model.kv_cache import KVCache
+from fate_edge.model.kv_cache import KVCache, LayerCache
 from fate_edge.model.layer import rms_norm
 from fate_edge.model.layer_step import add_projection
 
@@ -182,7 +182,8 @@ def early_inputs_from_cache(model, residuals: dict[int, torch.Tensor], cache: KV
     for i, j in _pairs(model):
         if i in residuals:
             lay = cache.layers[j]
-            k_true, v_true = (b[:, :, : lay.length] for b in lay.buffers[:2])
+            assert isinstance(lay, LayerCache)  # recurrent models are refused
+            k_true, v_true = (b[:, :, : lay.held] for b in lay.buffers[:2])  # a sliding window's: its end
             out[i] = early_attention_kv(model, residuals[i], k_true, v_true, j)
     return out
 
@@ -215,8 +216,8 @@ class EarlyInput:
         cos, sin = model.rope.cos_sin_range(start, t, torch.float32 if cfg.rope.float32 else model.dtype, model.device)
         x = r.to(model.dtype)
         q, k, v = gqa_qkv(model.config, rms_norm(x, lp.input_norm, cfg.rms_norm_eps), b, t, cos, sin, lp)
-        if start:
-            k = torch.cat([lay.buffers[0][:, :, :start], k], 2)
-            v = torch.cat([lay.buffers[1][:, :, :start], v], 2)
+        if start:  # the positions it holds (a sliding-window layer: its end, the window's mask relative)
+            k = torch.cat([lay.buffers[0][:, :, : lay.held], k], 2)
+            v = torch.cat([lay.buffers[1][:, :, : lay.held], v], 2)
         x = add_projection(x, attend(cfg, q, (k, v), target, cfg.head_dim**-0.5, lp.sinks), lp.o_proj)
         return rms_norm(x, lp.post_norm, cfg.rms_norm_eps).float()

@@ -230,3 +230,27 @@ def test_ring_decode_is_the_whole_cache_decode_to_the_bit(built, dtype, monkeypa
     if dtype == torch.bfloat16 and decode_attention.available()[0]:
         assert calls and max(calls) == len(seq)  # the full layer reads every key; the window layers ...
         assert min(calls) == WINDOW  # ... their window, read in place
+
+
+def test_early_attention_reads_a_window_layers_end(built):
+    """The early-attention predictor input for a sliding-window layer past its ring reads the positions the layer
+    holds (its end), the same as over a cache holding every position."""
+    from fate_edge.predictors.early_attention import EarlyInput
+
+    from fate_edge.model.kv_cache import KVCache
+
+    model, seq = built["model"], built["sequence"]
+    ring, whole = model.new_cache(), KVCache(model.config.num_hidden_layers)
+    for cache in (ring, whole):
+        model(torch.tensor([seq[:100]]), cache)
+    assert ring.layers[2].first > 0
+    early = EarlyInput(model)
+    r = torch.randn(1, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    outs = []
+    try:
+        for cache in (ring, whole):
+            model.active_cache, model.residual = cache, r
+            outs.append(early.estimate(1, r))  # layer 1's next MoE layer: 2, a window layer
+    finally:
+        model.active_cache, model.residual = None, None
+    assert outs[0].abs().sum() > 0 and torch.equal(outs[0], outs[1])
