@@ -254,3 +254,46 @@ def test_early_attention_reads_a_window_layers_end(built):
     finally:
         model.active_cache, model.residual = None, None
     assert outs[0].abs().sum() > 0 and torch.equal(outs[0], outs[1])
+
+
+def test_a_model_of_window_layers_only_admits_what_the_budget_holds(tmp_path):
+    """Every layer a sliding window (Mixtral's ``sliding_window``): nothing grows per token, so the batch's budget
+    (one sequence's rings) admits one sequence at a time, each answering its alone text."""
+    import shutil
+
+    from _tiny_recurrent import ASSET
+
+    from fate_edge import Engine, GenerateConfig
+
+    config = transformers.MixtralConfig(
+        vocab_size=4096,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        sliding_window=WINDOW,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ASSET / name, tmp_path / name)
+    kw = dict(memory_budget="2MB", device="cpu", policy="fate-edge", dtype="float32", context_tokens=128)
+    g = GenerateConfig(max_tokens=RING, ignore_eos=True)  # answers past the ring
+    prompts = ["def main():\n", "import os\n", "x = [1, 2, 3]\n"]
+    with Engine.load(tmp_path, max_batch=1, **kw) as alone:
+        expected = [alone.generate_text(p, g)[0] for p in prompts]
+    with Engine.load(tmp_path, max_batch=3, **kw) as batched:
+        c = batched.batcher.config
+        assert c.kv_bytes_per_token == 0 and c.state_bytes == 2 * RING * 2 * 2 * 16 * 4 == c.kv_budget_bytes
+        streams = [batched.stream(p, g) for p in prompts]
+        texts = ["".join(step.text for step in s) for s in streams]
+        assert texts == expected
+        assert batched.batcher.stats.peak_active == 1

@@ -230,7 +230,9 @@ class Batcher:
         answer, grown as it writes (:meth:`_room_for`); None while no range is free."""
         positions = len(seq.prompt_ids) + seq.out.max_tokens
         c = self.config
-        if not (c.kv_budget_bytes and c.kv_bytes_per_token):  # no KV limit: a cache of its own
+        if not (c.kv_budget_bytes and c.kv_bytes_per_token):  # no slab: a cache of its own
+            if c.kv_budget_bytes and self._active and (len(self._active) + 1) * c.state_bytes > c.kv_budget_bytes:
+                return None  # no layer grows with the length (all sliding windows): the fixed states fill the budget
             cache = self.model.new_cache()
             cache.capacity_hint = positions
             return cache
