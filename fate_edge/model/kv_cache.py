@@ -151,7 +151,8 @@ WINDOW_REACH = 16
 def window_positions(window: int) -> int:
     """Positions a sliding-window layer's cache holds at most (:class:`LayerCache` ``window``): the ``window - 1``
     its next query reads, :data:`WINDOW_REACH` more, and room to append decode tokens before sliding again (a
-    quarter window: a slide copies what it keeps, so decode pays about four positions' copy a token)."""
+    quarter window, 16 at least: a slide copies what it keeps, so decode pays about four positions' copy a token
+    where its attention reads ``window``)."""
     return window - 1 + WINDOW_REACH + max(16, window // 4)
 
 
@@ -218,21 +219,28 @@ class LayerCache:
         return tuple([b.narrow(2, 0, n) for b in self.buffers])  # a list, not a generator: one frame, not three
 
     def _slide(self, new: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """A sliding-window layer whose buffers cannot take ``new``: the kept positions and the new ones joined (what
-        the new queries read), the last ``keep`` of them into fresh buffers."""
+        """A sliding-window layer whose buffers cannot take ``new``: fresh buffers with the last ``keep`` positions
+        and the new ones (what the new queries read); a chunk too long for them attends over the two joined (a
+        temporary) and the buffers keep the last ``keep`` of it."""
         assert self.window is not None and self.keep is not None
-        t = new[0].shape[2]
-        old = min(self.held, self.keep)
+        t, held = new[0].shape[2], self.held
+        old = min(held, self.keep)
+        cap = window_positions(self.window)
+        fresh = [x.new_zeros(*x.shape[:2], cap, x.shape[3]) for x in new]
+        self.length += t
+        if old + t <= cap:  # a decode token or a short chunk: one copy of the kept end
+            for f, b, x in zip(fresh, self.buffers, new):
+                f.narrow(2, 0, old).copy_(b.narrow(2, held - old, old))
+                f.narrow(2, old, t).copy_(x)
+            self.buffers, self.first = fresh, self.length - old - t
+            return tuple([f.narrow(2, 0, old + t) for f in fresh])
         seen = tuple(
-            [torch.cat([b.narrow(2, self.held - old, old), x], dim=2) if old else x for b, x in zip(self.buffers, new)]
+            [torch.cat([b.narrow(2, held - old, old), x], dim=2) if old else x for b, x in zip(self.buffers, new)]
         )
         stored = min(self.keep, old + t)
-        cap = window_positions(self.window)
-        self.buffers = [x.new_zeros(*x.shape[:2], cap, x.shape[3]) for x in seen]
-        for b, x in zip(self.buffers, seen):
-            b.narrow(2, 0, stored).copy_(x.narrow(2, old + t - stored, stored))
-        self.length += t
-        self.first = self.length - stored
+        for f, x in zip(fresh, seen):
+            f.narrow(2, 0, stored).copy_(x.narrow(2, old + t - stored, stored))
+        self.buffers, self.first = fresh, self.length - stored
         return seen
 
     def keeps(self, n: int) -> bool:
