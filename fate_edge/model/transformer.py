@@ -29,6 +29,7 @@ from fate_edge.model.routed_experts import provider_moe
 
 if TYPE_CHECKING:
     from fate_edge.model.graph_step import CudaGraphDecode, LayerGraphDecode
+    from fate_edge.model.slot_step import SlotGraphDecode
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -171,11 +172,13 @@ class MoETransformer:
         self.runner = None  # chosen again at the next decode step
 
     @property
-    def graphed(self) -> CudaGraphDecode | LayerGraphDecode | None:
+    def graphed(self) -> CudaGraphDecode | LayerGraphDecode | SlotGraphDecode | None:
         """The CUDA graph runner while the model decodes with one."""
         from fate_edge.model.graph_step import CudaGraphDecode, LayerGraphDecode
+        from fate_edge.model.slot_step import SlotGraphDecode
 
-        return self.runner if isinstance(self.runner, CudaGraphDecode | LayerGraphDecode) else None
+        graphs = CudaGraphDecode | LayerGraphDecode | SlotGraphDecode
+        return self.runner if isinstance(self.runner, graphs) else None
 
     def new_cache(self) -> KVCache:
         return KVCache(self.config.num_hidden_layers, recurrent=recurrent_specs(self.config))
