@@ -267,20 +267,3 @@ class LayerGraphDecode(_StaticDecode):
 def _shared(out: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """A layer's shared expert output and Qwen's gate logit from its static outputs; None without a shared expert."""
     return (out["z"], out.get("gate")) if "z" in out else None
-
-
-def choose_runner(model: DecodingModel) -> DecodeRunner:
-    """The decode runner for ``model`` as it stands: CUDA graphs on a CUDA model that allows them (the whole step
-    where every expert is resident; for streamed experts the whole step over the cache's slots where the provider
-    has a cache, else per layer around the reads; ``model.graph_off`` says why not), else the eager step. The
-    compiled runner is chosen by ``set_compile``, not here."""
-    if model.device.type != "cuda" or not model.cuda_graphs:
-        return DecodeRunner()
-    if unsupported(model) is None:
-        return CudaGraphDecode(model)
-    model.graph_off = unsupported(model, streamed=True)
-    if model.graph_off is not None:
-        return DecodeRunner()
-    from fate_edge.model import slot_step  # it builds on this module
-
-    return slot_step.SlotGraphDecode(model) if slot_step.unsupported(model) is None else LayerGraphDecode(model)

@@ -4,7 +4,7 @@
 :class:`~fate_edge.model.graph_step.LayerGraphDecode` replays one graph per layer with a host sync between each.
 Every expert the scheduler's cache holds is also in a slot of a slab (one row per slot, the expert's tensors as
 its kernel reads them) and the cached expert's own tensors are re-pointed at its slot, so the memory is the slab's
-(no second copy). A (layer, expert) → slot table (:class:`~fate_edge.runtime.cache.slot_table.SlotTable`)
+(no second copy). A (layer, expert) → slot table (:class:`~fate_edge.model.slot_table.SlotTable`)
 follows the cache: an admission takes a slot, an eviction (the cache's ``on_evict``) frees it.
 
 A token is one replay: every layer's attention, router and shared expert, and its routed experts read from their
@@ -41,7 +41,7 @@ from fate_edge.model.kv_cache import StaticKV
 from fate_edge.model.layer import apply_linear, rms_norm
 from fate_edge.model.layer_step import LayerPath, add_moe, add_routed, add_shared, decoder_layer, moe_sum, shared_out
 from fate_edge.model.runner import DecodeRunner
-from fate_edge.runtime.cache.slot_table import SlotTable
+from fate_edge.model.slot_table import SlotTable
 
 if TYPE_CHECKING:
     from fate_edge.model.decoding_model import DecodingModel

@@ -92,6 +92,7 @@ class MoETransformer:
         # eagerly.
         self._cuda_graphs = True
         self.graph_off: str | None = None
+        self.grouped_prefill: Callable[..., torch.Tensor] | None = None  # grouped_prefill.use_grouped_prefill
         self._rope_perm: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         if "lm_head.weight" not in resident and "lm_head.sizes" not in resident and not config.tie_word_embeddings:
             from fate_edge.errors import MissingTensorError
@@ -210,7 +211,7 @@ class MoETransformer:
         self.experts.begin_forward(t)
         if t == 1 and b == 1 and self.fast_decode:
             if self.runner is None:
-                from fate_edge.model.graph_step import choose_runner
+                from fate_edge.model.runner_choice import choose_runner
 
                 self.runner = choose_runner(self)
             return self.runner.step(self, input_ids, cache, plan)

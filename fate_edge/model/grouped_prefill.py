@@ -1,0 +1,46 @@
+"""Grouped prefill: each MoE layer of a prompt as one grouped call over the layer's experts, read in place.
+
+Eager prefill asks the provider for each expert a layer's rows were routed to and runs it on its slice of the rows
+(``routed_experts.routed_grouped``): on a GPU one expert at a time, launches and a host sync per layer for the
+expert list. :class:`GroupedPrefill` holds every routed expert of a store's portable int4 precision in one slab,
+as the store holds them, and serves a prompt's layer with ``quant.triton_moe_grouped.moe_prefill_int4``: the
+(token, expert) pairs sorted on the device, two launches (gate/up with the SwiGLU, then down) over tiles of one
+expert's rows, each token's experts summed in expert-id order in float32 (``layer_step.add_routed``, the rule
+every path keeps). Nothing in it waits on the device; the observers, where a model has any, still get the layer's
+routing on the host (``routed_experts.serve_routing``).
+
+For a model whose experts are all resident (an ``InMemoryExpertProvider``): with experts streamed under a budget
+the scheduler serves prompts as before (reads pipelined with a grouped compute are not built). The slab is a second
+copy of the experts beside the provider's own (the provider's serve decode); docs/gpu.md. Checked on the CPU under
+Triton's interpreter against the eager prefill (tests/test_grouped_prefill.py); not measured on a GPU. The slab is
+read from a store by ``runtime.grouped_prefill``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fate_edge.model.layer_step import add_routed
+from fate_edge.quant.triton_moe import Int4MoELayout
+from fate_edge.quant.triton_moe_grouped import moe_prefill_int4
+
+
+class GroupedPrefill:
+    """The routed experts of every MoE layer in the slots of one slab (portable int4 blobs, ``layout``), expert
+    ``e`` of ``layer`` in slot ``slot_of[layer][e]``; a prompt's layer computed from them in two launches."""
+
+    def __init__(self, slab: torch.Tensor, slot_of: dict[int, torch.Tensor], layout: Int4MoELayout, block_m: int = 16):
+        self.slab, self.slot_of, self.layout, self.block_m = slab, slot_of, layout, block_m
+        self.calls = 0  # layers served
+
+    def __call__(
+        self, layer: int, h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, acc: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``acc`` (the layer's float32 sum so far: the residual in a float32 model, else None) plus the routed
+        experts of rows ``h`` [N, H] (``idx``, ``weights`` [N, k]) in expert-id order → the sum [N, H]."""
+        ys, ws = moe_prefill_int4(h, idx, weights, self.slab, self.slot_of[layer], self.layout, block_m=self.block_m)
+        for j in range(idx.shape[1]):  # an expert's rows in the activations' dtype, as every path has them
+            acc = add_routed(acc, ys[:, j].to(h.dtype) if h.dtype != torch.float32 else ys[:, j], ws[:, j : j + 1])
+        self.calls += 1
+        assert acc is not None  # k >= 1
+        return acc
