@@ -75,11 +75,13 @@ torch.save((eager, got, want), sys.argv[3])
 """
 
 
-def _child(script: str, tmp_path, *args) -> object:
-    """``script`` under Triton's interpreter in a process of its own (Triton reads TRITON_INTERPRET when
-    triton.language is imported, which another test may have done here) → what it saved."""
+def _child(script: str, tmp_path, *args, interpret: bool = True) -> object:
+    """``script`` under Triton's interpreter (or compiled for the GPU) in a process of its own (Triton reads
+    TRITON_INTERPRET when triton.language is imported, which another test may have done here) → what it saved."""
     out = tmp_path / "out.pt"
-    env = os.environ | {"TRITON_INTERPRET": "1"}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | (
+        {"TRITON_INTERPRET": "1"} if interpret else {}
+    )
     run = subprocess.run(
         [sys.executable, "-c", script, *map(str, args), str(out)], env=env, capture_output=True, text=True, timeout=300
     )
@@ -120,30 +122,51 @@ def test_expert_tiles_cover_each_experts_rows_once():
     assert tiles == [(0, 0, 2), (0, 2, 3), (2, 3, 4), (5, 4, 6), (5, 6, 8), (5, 8, 9)]
 
 
-@pytest.mark.slow
-def test_the_grouped_kernels_match_the_reference(bundled_store, tmp_path):
+def _kernel_case(bundled_store, device: str = "cpu"):
+    """A layer's 16 experts in a slab in the cache's order, 21 rows top-2 with one expert on 18 of them (two tiles)
+    and most on none or one → (the call's arguments, the experts' dequantized matrices)."""
     store = ExpertStore(bundled_store)
     layout = Int4MoELayout.of(store.precisions[4])
     layer, n_exp, n, k = 2, 16, 21, 2
     slab = torch.zeros(n_exp + 3, layout.slot_bytes, dtype=torch.uint8)
-    slot_of = torch.randperm(n_exp + 3, generator=torch.Generator().manual_seed(0))[:n_exp]  # the cache's order
+    slot_of = torch.randperm(n_exp + 3, generator=torch.Generator().manual_seed(0))[:n_exp]
     experts = [_expert(store, layer, e) for e in range(n_exp)]
     for e, (blob, _) in enumerate(experts):
         slab[slot_of[e], : blob.numel()] = blob
     g = torch.Generator().manual_seed(1)
     h = torch.randn(n, layout.hidden, generator=g)
     idx = torch.stack([torch.randperm(n_exp, generator=g)[:k] for _ in range(n)])
-    idx[:18, 0] = 9  # one expert on 18 rows: two tiles of 16; most experts on none or one row
+    idx[:18, 0] = 9
     w = torch.softmax(torch.randn(n, k, generator=g), 1)
-    args = {"h": h, "idx": idx, "weights": w, "slab": slab, "slot_of": slot_of, "layout": layout, "block_i": 32}
-    ys, ws = _child(_KERNEL, tmp_path, *_save(tmp_path, args))
-    assert ys.shape == (n, k, layout.hidden) and ys.dtype == torch.float32
-    for row in range(n):
+    args = {"h": h, "idx": idx, "weights": w, "slab": slab, "slot_of": slot_of}
+    return {name: t.to(device) for name, t in args.items()} | {"layout": layout, "block_i": 32}, experts
+
+
+def _check_kernel_outputs(args, experts, ys, ws, tol: float) -> None:
+    h, idx, w = (args[name].cpu() for name in ("h", "idx", "weights"))
+    assert ys.shape == (*idx.shape, h.shape[1]) and ys.dtype == torch.float32
+    for row in range(idx.shape[0]):
         for j, e in enumerate(sorted(idx[row].tolist())):  # expert-id order, each with its own weight
             gate, up, down = experts[e][1]
             want = down(torch.nn.functional.silu(gate(h[row : row + 1])) * up(h[row : row + 1]))[0]
-            torch.testing.assert_close(ys[row, j], want, rtol=1e-5, atol=1e-5)
-            assert ws[row, j] == w[row, idx[row].tolist().index(e)]
+            torch.testing.assert_close(ys[row, j].cpu(), want, rtol=tol, atol=tol)
+            assert ws[row, j].cpu() == w[row, idx[row].tolist().index(e)]
+
+
+@pytest.mark.slow
+def test_the_grouped_kernels_match_the_reference(bundled_store, tmp_path):
+    args, experts = _kernel_case(bundled_store)
+    ys, ws = _child(_KERNEL, tmp_path, *_save(tmp_path, args))
+    _check_kernel_outputs(args, experts, ys, ws, 1e-5)
+
+
+@pytest.mark.gpu
+def test_the_grouped_kernels_compiled_for_the_gpu_match_the_reference(bundled_store, tmp_path):
+    """The same launches compiled for CUDA (scripts/gpu_check.sh runs it where a GPU is lent); tl.dot in IEEE
+    float32."""
+    args, experts = _kernel_case(bundled_store, "cuda")
+    ys, ws = _child(_KERNEL, tmp_path, *_save(tmp_path, args), interpret=False)
+    _check_kernel_outputs(args, experts, ys, ws, 1e-4)
 
 
 def _save(tmp_path, args) -> list:

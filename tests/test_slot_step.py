@@ -22,11 +22,11 @@ def store(bundled_dir):
     return resolve_store(bundled_dir, progress=False)
 
 
-def engine(store, budget: str = "2MB"):
+def engine(store, budget: str = "2MB", device: str = "cpu"):
     from fate_edge.runtime.engine import Engine
     from fate_edge.runtime.engine_config import EngineConfig
 
-    return Engine(EngineConfig(store, budget, "lru"))
+    return Engine(EngineConfig(store, budget, "lru", device=device))
 
 
 def decode(eng, runner=None, steps: int = STEPS):
@@ -37,7 +37,7 @@ def decode(eng, runner=None, steps: int = STEPS):
     model.runner = runner
     seen: list = []
     model.observers.append(lambda layer, h, idx, w: seen.append((layer, idx.tolist())))
-    ids = torch.tensor([eng.tokenizer.encode(PROMPT)])
+    ids = torch.tensor([eng.tokenizer.encode(PROMPT)], device=model.device)
     cache, toks, logits = model.new_cache(), [], []
     try:
         with torch.inference_mode():
@@ -154,3 +154,21 @@ def test_experts_the_slots_cannot_compute_hand_over_to_the_layer_graphs(store, o
         got = decode(eng, step, steps=6)
     assert "torch's int4 or float only" in step.failed and torch.equal(got[0], eager[0])
     assert isinstance(eng.model.graph_off, str)  # said why, as the graph runners do
+
+
+@pytest.mark.gpu
+def test_the_captured_slot_step_on_cuda_gives_the_layer_graphs_tokens(store):
+    """Captured and replayed (scripts/gpu_check.sh runs it where a GPU is lent): the per-layer graphs' tokens, one
+    read-back per replay, the copies into the slots on the copy stream; the runner CUDA picks for streamed experts."""
+    from fate_edge.model.runner_choice import choose_runner
+
+    with engine(store, device="cuda") as eng:
+        want = decode(eng, LayerGraphDecode(eng.model))
+    with engine(store, device="cuda") as eng:
+        step = choose_runner(eng.model)
+        assert isinstance(step, SlotGraphDecode) and step.copy_stream is not None
+        got = decode(eng, step)
+        assert step.failed is None and step.captures >= 1 and step.eager_tokens == 0
+    assert torch.equal(got[0], want[0])
+    assert ((got[1] - want[1]).norm() / want[1].norm()).item() < 1e-3
+    assert step.reruns > 0 and sum(step.syncs_per_token) == STEPS + step.reruns
