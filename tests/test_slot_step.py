@@ -156,6 +156,32 @@ def test_experts_the_slots_cannot_compute_hand_over_to_the_layer_graphs(store, o
     assert isinstance(eng.model.graph_off, str)  # said why, as the graph runners do
 
 
+def _other_kernel_after(cache, n: int) -> None:
+    """From the ``n``-th insert on, the cache's new experts are on another kernel (as if re-quantized on a miss)."""
+    real, count = cache.insert, [0]
+
+    def insert(key, expert, *a):
+        count[0] += 1
+        if count[0] > n:
+            expert.takes_bf16 = False
+        return real(key, expert, *a)
+
+    cache.insert = insert
+
+
+def test_a_cached_expert_the_slots_cannot_hold_hands_over_to_the_layer_graphs(store, one_thread):
+    with engine(store) as eng:
+        _other_kernel_after(eng.model.experts.cache, 60)  # after the prompt's inserts
+        eager = decode(eng, steps=12)
+    with engine(store) as eng:
+        _other_kernel_after(eng.model.experts.cache, 60)
+        step = SlotGraphDecode(eng.model, capture=False)
+        got = decode(eng, step, steps=12)
+        assert step.syncs_per_token and step.eager_tokens == 1  # served some tokens, then one eagerly, then gave up
+        assert "not in the slots' format" in step.refused and eng.model.graph_off == step.refused
+    assert torch.equal(got[0], eager[0])
+
+
 @pytest.mark.gpu
 def test_the_captured_slot_step_on_cuda_gives_the_layer_graphs_tokens(store):
     """Captured and replayed (scripts/gpu_check.sh runs it where a GPU is lent): the per-layer graphs' tokens, one

@@ -17,7 +17,9 @@ layers before it computed with every expert) and its experts are cached now, so 
 changes land on the device in one copy, and the token is run again: a token with a miss costs one more replay and
 one more sync per layer it first misses at. The layers already verified route the same on the rerun (same inputs,
 same slots) and are not reported twice. Where a miss cannot get a slot (the cache declined it, precision-on-miss
-skipped it, or a later admission evicted an earlier layer's expert) the token runs on the eager step instead.
+skipped it, or a later admission evicted an earlier layer's expert) the token runs on the eager step instead; where
+a cached expert cannot take a slot at all (another format, every slot taken) the model is handed over to the
+per-layer graphs for good.
 
 Admissions and evictions happen between replays; on CUDA the copies into the slots run on a copy stream the
 compute stream waits on before the next replay. ``capture=False`` runs the same code without graphs: what the CPU
@@ -102,6 +104,7 @@ class SlotGraphDecode(_StaticDecode):
         self.reruns = 0  # replays after a miss
         self.eager_tokens = 0  # tokens handed to the eager step (a miss that could not get a slot)
         self.admitted = 0  # experts copied into slots
+        self.refused: str | None = None  # why a cached expert could not take a slot (another format, no slot left)
 
     # ------------------------------------------------------------------ slots
     def _setup(self) -> str | None:
@@ -232,7 +235,10 @@ class SlotGraphDecode(_StaticDecode):
         if not self._begin(model, token, cache):
             return DecodeRunner.step(self, model, token, cache, plan)
         if self.table is None:
-            why = self._setup()
+            try:
+                why = self._setup()
+            except RuntimeError as e:  # no room for the slab (out of memory): the per-layer graphs need none
+                why = f"{type(e).__name__}: {e}".splitlines()[0][:300]
             if why is not None:
                 return self._hand_over(model, why).step(model, token, cache, plan)
         run = self._parts_fn(model, plan) if not self.graphs else None
@@ -260,7 +266,10 @@ class SlotGraphDecode(_StaticDecode):
                 break
             if verified < 0:  # a miss that cannot take a slot: this token eagerly (its observers hear it again)
                 self.eager_tokens += 1
-                return DecodeRunner.step(self, model, token, cache, plan)
+                out = DecodeRunner.step(self, model, token, cache, plan)
+                if self.refused is not None:  # a cached expert the slots cannot hold: not this token's problem alone
+                    self._hand_over(model, self.refused)
+                return out
             self.reruns += 1
         self.syncs_per_token.append(syncs)
         self._finish(cache)
@@ -291,7 +300,9 @@ class SlotGraphDecode(_StaticDecode):
             model.experts.end_layer(layer)
             if not missed:
                 continue
-            if skipped or self._sync_slots() is not None or any((layer, e) not in table for e in ids):
+            if not skipped:
+                self.refused = self._sync_slots()
+            if skipped or self.refused is not None or any((layer, e) not in table for e in ids):
                 return -1, True
             return li + 1, True
         return len(self.moe_layers), False
