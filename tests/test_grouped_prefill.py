@@ -195,3 +195,38 @@ def test_grouped_prefill_gives_the_eager_prefills_logits(which, bundled_store, t
     assert 0 < eager_off < 0.1 and abs((got - eager).abs().max().item() - eager_off) <= 1e-4
     if which == "bundled":  # a trained model's clear choices: the same greedy token at every position
         assert torch.equal(got.argmax(-1), eager.argmax(-1))
+
+
+@pytest.mark.parametrize("which", ["bundled", "qwen-shared-expert"])
+def test_without_triton_the_torch_layer_gives_the_eager_prefill_bit_for_bit(which, bundled_store, tmp_path):
+    """No Triton for the slab's device (a CPU, no interpreter): each expert dequantized from its slot, run on its
+    rows, summed in k passes, as the eager prefill does; on a model whose experts are those dequantized experts
+    the logits are the eager prefill's to the bit."""
+    from fate_edge import load_model
+    from fate_edge.model.experts import InMemoryExpertProvider, QuantizedExpert
+    from fate_edge.runtime.grouped_prefill import use_grouped_prefill
+
+    if which == "bundled":
+        store, vocab = bundled_store, 4000
+    else:
+        store, vocab = _portable(build_tiny_moe(tmp_path / "qwen", top_k=4, expert_dim=32), tmp_path / "qs"), 256
+    s = ExpertStore(store)
+    experts = {
+        (layer, e): QuantizedExpert(*_expert(s, layer, e)[1])
+        for layer in s.index["moe_layers"]
+        for e in range(s.index["num_experts"])
+    }
+    model = load_model(store, experts=InMemoryExpertProvider(experts))
+    ids = torch.randint(0, vocab, (1, 24), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        want = model(ids, model.new_cache())
+        grouped = use_grouped_prefill(model, store)
+        assert not grouped.triton
+        got = model(ids, model.new_cache())
+    assert grouped.calls == len(model.config.moe_layers) and torch.equal(got, want)
+    with pytest.raises(ValueError, match="grouped prefill is for resident experts"):
+        from fate_edge.runtime.engine import Engine
+        from fate_edge.runtime.engine_config import EngineConfig
+
+        with Engine(EngineConfig(store, "2MB", "lru")) as eng:
+            use_grouped_prefill(eng.model, store)

@@ -23,7 +23,7 @@ def load_grouped_prefill(store: ExpertStore | str | Path, device: str | torch.de
     store = store if isinstance(store, ExpertStore) else ExpertStore(store)
     if bits not in store.precisions:
         raise ValueError(f"{store.path} has no int{bits} experts (it has {store.bits_available})")
-    layout = Int4MoELayout.of(store.precisions[bits])  # refuses another layout, naming the fix
+    layout = Int4MoELayout.of(store.precisions[bits])  # refuses another layout (before reading), naming the fix
     layers, n = list(store.index["moe_layers"]), int(store.index["num_experts"])
     slab = torch.zeros(len(layers) * n, layout.slot_bytes, dtype=torch.uint8)
     refs = [(store.ref(layer, e, bits), i * n + e) for i, layer in enumerate(layers) for e in range(n)]
@@ -45,7 +45,7 @@ def load_grouped_prefill(store: ExpertStore | str | Path, device: str | torch.de
         if f is not None:
             f.close()
     slot_of = {layer: torch.arange(i * n, (i + 1) * n, device=device) for i, layer in enumerate(layers)}
-    return GroupedPrefill(slab.to(device), slot_of, layout)
+    return GroupedPrefill(slab.to(device), slot_of, store.precisions[bits])
 
 
 def use_grouped_prefill(model: DecodingModel, store: ExpertStore | str | Path) -> GroupedPrefill:
