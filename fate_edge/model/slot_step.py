@@ -150,15 +150,16 @@ class SlotGraphDecode(_StaticDecode):
         parts = slot_parts(expert)
         if parts is None or {name for _, _, name in parts} != set(self.slab):
             return f"expert {key} is not in the slots' format"
+        for holder, attr, name in parts:  # every part checked before any is moved
+            src, row = getattr(holder, attr), self.slab[name][0]
+            if src.shape != row.shape or src.dtype != row.dtype:
+                return f"expert {key} has another shape or dtype than the slots ({name}: {tuple(src.shape)})"
         try:
             slot = self.table.admit(key)
         except BudgetError as e:
             return str(e)
         for holder, attr, name in parts:
             src, dst = getattr(holder, attr), self.slab[name][slot]
-            if src.shape != dst.shape:
-                self.table.release(key)
-                return f"expert {key} has another shape than the slots ({tuple(src.shape)})"
             if self.copy_stream is not None:
                 with torch.cuda.stream(self.copy_stream):
                     dst.copy_(src, non_blocking=True)
