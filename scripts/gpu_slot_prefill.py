@@ -5,8 +5,8 @@ Triton kernels against the eager prefill; on the real-shape slice, the prompt an
     python scripts/gpu_slot_prefill.py --store /tmp/q/store --portable-store /tmp/q/store-portable \\
         --budget 1GB --json out/slot_prefill.json
 
-Rounds alternate the two runners (and the two prefills), each in a fresh engine after a short warm-up request
-(captures, kernel loads); the JSON keeps every round, the medians and whether the greedy tokens agree.
+Rounds alternate the two runners (and the two prefills), each in a fresh engine (model) after a short warm-up
+request (captures, kernel loads); the JSON keeps every round, the medians and whether the greedy tokens agree.
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ def main() -> None:
     ap.add_argument("--policy", default="fate-edge")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--decode-tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2, help="decode rounds of each runner")
+    ap.add_argument("--prefill-rounds", type=int, default=1, help="prefill rounds of each (each the best of 2 runs)")
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run without graphs (TRITON_INTERPRET=1 for prefill)")
     ap.add_argument("--dtype", default="bfloat16")
@@ -114,7 +115,7 @@ def main() -> None:
     out["decode_tokens_agree"] = len({tuple(r["tokens"]) for r in ok}) == 1 if ok else None
     if args.portable_store:
         logits = {}
-        for _ in range(args.rounds):
+        for _ in range(args.prefill_rounds):
             for grouped in (False, True):
                 try:
                     row = prefill_round(args, prompt, grouped)
