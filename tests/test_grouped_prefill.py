@@ -230,3 +230,11 @@ def test_without_triton_the_torch_layer_gives_the_eager_prefill_bit_for_bit(whic
 
         with Engine(EngineConfig(store, "2MB", "lru")) as eng:
             use_grouped_prefill(eng.model, store)
+
+
+def test_a_store_in_another_layout_is_refused_with_the_fix(bundled_dir):
+    from fate_edge.apps.engine_args import resolve_store
+    from fate_edge.runtime.grouped_prefill import load_grouped_prefill
+
+    with pytest.raises(ValueError, match="portable blobs of 4-bit codes.*--layout portable"):
+        load_grouped_prefill(resolve_store(bundled_dir, progress=False))  # the default store: torch's CPU layout
