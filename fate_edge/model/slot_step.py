@@ -29,6 +29,7 @@ tests check against the eager streamed step (tests/test_slot_step.py). The runne
 
 from __future__ import annotations
 
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -100,7 +101,9 @@ class SlotGraphDecode(_StaticDecode):
         self.logits: torch.Tensor | None = None
         dev = model.device
         self.copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
-        self.syncs_per_token: list[int] = []  # host syncs (routing read-backs) of each token the graph took
+        # host syncs (routing read-backs) of the last tokens the graph took, and of all of them
+        self.syncs_per_token: deque[int] = deque(maxlen=4096)
+        self.syncs = 0
         self.reruns = 0  # replays after a miss
         self.eager_tokens = 0  # tokens handed to the eager step (a miss that could not get a slot)
         self.admitted = 0  # experts copied into slots
@@ -273,6 +276,7 @@ class SlotGraphDecode(_StaticDecode):
                 return out
             self.reruns += 1
         self.syncs_per_token.append(syncs)
+        self.syncs += syncs
         self._finish(cache)
         assert self.logits is not None
         return self.logits.view(1, 1, -1)
