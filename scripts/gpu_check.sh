@@ -6,7 +6,10 @@
 # Qwen1.5-MoE-A2.7B slice: generate, convert with the defaults, fate-edge resident and at two budgets, fate,
 # load-on-demand-int4, transformers resident and accelerate-offloaded), with torch.profiler's view of where a
 # token's time goes; then the throughput mode (8 concurrent requests against one at a time) on the slice.
-# Writes OUT_DIR/gpu_check.log, parity.json, gpu_bench.json, gpu_bench.md, profile-*.txt, throughput.json.
+# Then issue 59's one graph per token under the first budget against the per-layer graphs, and resident prefill
+# with the grouped Triton kernels against the eager one (scripts/gpu_slot_prefill.py, a portable store of the slice).
+# Writes OUT_DIR/gpu_check.log, parity.json, gpu_bench.json, gpu_bench.md, profile-*.txt, slot_prefill.json,
+# throughput.json.
 # Usage: scripts/gpu_check.sh OUT_DIR      (LAYERS=8 PEERS=1 BUDGETS="1GB 0.5GB" to change the benchmark)
 set -uo pipefail
 out="${1:?usage: scripts/gpu_check.sh OUT_DIR}"
@@ -33,7 +36,8 @@ py=python3
   export PYTHONPATH="$site"
   # -P: never import the source tree from the current directory (its side folders install under fate_edge.*)
   $py -P -c "import fate_edge, fastapi, isal; print('fate-edge', fate_edge.__version__, 'from', fate_edge.__file__)" || exit 1
-  echo "== GPU tests"; timeout 240 $py -P -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_transfer.py tests/test_triton_moe.py tests/test_staging_release.py
+  echo "== GPU tests"; timeout 240 $py -P -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_transfer.py tests/test_triton_moe.py tests/test_staging_release.py \
+    tests/test_slot_step.py tests/test_grouped_prefill.py
   echo "== logits parity GPU vs CPU and decode speed (bundled model)"
   timeout 90 $py -P scripts/gpu_parity.py --json "$out/parity.json"
   echo "== real-shape slice: qwen1.5-moe-a2.7b, $layers layers"
@@ -43,6 +47,11 @@ py=python3
   peers=(); [ "${PEERS:-1}" = 1 ] || peers=(--no-peers)
   timeout 300 $py -P scripts/gpu_bench.py --model "$work/model" --store "$work/store" --budgets $budgets \
     "${peers[@]}" --json "$out/gpu_bench.json" --markdown "$out/gpu_bench.md" --profile-dir "$out"
+  echo "== issue 59 items 4-5: one graph per token at $(echo $budgets | cut -d' ' -f1) (slots vs per-layer graphs), grouped prefill"
+  rm -rf "$work/store-portable"
+  timeout 120 $py -P -m fate_edge convert "$work/model" "$work/store-portable" --bits 4 --no-bf16 --layout portable
+  timeout 300 $py -P scripts/gpu_slot_prefill.py --store "$work/store" --portable-store "$work/store-portable" \
+    --budget "$(echo $budgets | cut -d' ' -f1)" --json "$out/slot_prefill.json"
   echo "== throughput: 8 concurrent requests against one at a time (the slice, 35% budget; issue 38's GPU row)"
   timeout 150 $py -P -m fate_edge_lab.bench.throughput --device cuda --model "$work/store" --dtype bfloat16 \
     --concurrency 8 --max-tokens 32 --rounds 3 --out "$out/throughput.json"

@@ -1,4 +1,4 @@
-"""The cache as fixed slots with a (layer, expert) → slot table (runtime/cache/slot_table.py), on the CPU."""
+"""The cache as fixed slots with a (layer, expert) → slot table (model/slot_table.py), on the CPU."""
 
 import random
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from fate_edge.errors import BudgetError
+from fate_edge.model.slot_table import SlotTable
 from fate_edge.runtime.cache import LRU, ExpertCache
-from fate_edge.runtime.cache.slot_table import SlotTable
 
 
 def test_slots_are_handed_out_once_and_reused_after_eviction():

@@ -44,6 +44,8 @@ class DecodingModel(Protocol):
     _plan_version: int  # which ``w.version`` the plan was built from (a compiled step checks it)
     runner: StepRunner | None  # how its decode steps run (fate_edge.model.runner), None: not chosen yet
     graph_off: str | None  # why a CUDA model decodes without CUDA graphs
+    # serves a prompt's MoE layers in grouped calls (grouped_prefill.GroupedPrefill), None: the provider's experts
+    grouped_prefill: Callable[..., torch.Tensor] | None
 
     @property
     def cuda_graphs(self) -> bool: ...

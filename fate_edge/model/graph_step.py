@@ -267,15 +267,3 @@ class LayerGraphDecode(_StaticDecode):
 def _shared(out: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """A layer's shared expert output and Qwen's gate logit from its static outputs; None without a shared expert."""
     return (out["z"], out.get("gate")) if "z" in out else None
-
-
-def choose_runner(model: DecodingModel) -> DecodeRunner:
-    """The decode runner for ``model`` as it stands: CUDA graphs on a CUDA model that allows them (the whole step
-    where every expert is resident, else per layer around the streamed experts; ``model.graph_off`` says why not),
-    else the eager step. The compiled runner is chosen by ``set_compile``, not here."""
-    if model.device.type != "cuda" or not model.cuda_graphs:
-        return DecodeRunner()
-    if unsupported(model) is None:
-        return CudaGraphDecode(model)
-    model.graph_off = unsupported(model, streamed=True)
-    return LayerGraphDecode(model) if model.graph_off is None else DecodeRunner()

@@ -71,13 +71,18 @@ def serve_routing(
     """After a layer's routing (weights, ids [N, k] on ``h``'s device): the observers, then ``shared()`` (computed
     while the reads travel, or already computed by a layer graph), the routed experts into ``x``, the shared expert
     last → ``x``, updated in place. ``decode``: which rows are decode tokens (``layer_step.expert_rows``)."""
-    host_w, host_idx = (weights, idx) if h.device.type == "cpu" else routing_to_host(weights, idx)
+    grouped = getattr(model, "grouped_prefill", None) if h.shape[0] > 1 and decode is False else None
     model.residual = x
-    for obs in model.observers:
-        obs(layer, h, host_idx, host_w)
+    if model.observers or grouped is None:  # a grouped prompt layer without observers: no host sync
+        host_w, host_idx = (weights, idx) if h.device.type == "cpu" else routing_to_host(weights, idx)
+        for obs in model.observers:
+            obs(layer, h, host_idx, host_w)
     z = shared()
     acc = moe_sum(x)
-    if h.shape[0] == 1:
+    if grouped is not None:  # a prompt's rows, every expert in one grouped call (grouped_prefill)
+        acc = grouped(layer, h, idx, weights, acc)
+        model.experts.end_layer(layer)
+    elif h.shape[0] == 1:
         acc = routed_one(model, acc, h, layer, host_w, host_idx, bool(decode))
     else:
         acc = routed_grouped(model, acc, h, layer, weights, idx, decode)

@@ -2,8 +2,9 @@
 
 Every runner runs the same layer function and the same attention (``attention.gqa``); they differ in what holds
 the KV cache while a step runs (a growing cache, or static buffers a compiled or captured graph writes at a position
-tensor) and in who launches the kernels. ``graph_step.choose_runner`` picks the runner for a model as it is at its first
-decode step (after an engine has attached its expert provider); ``MoETransformer.set_compile`` picks the compiled one.
+tensor) and in who launches the kernels. ``runner_choice.choose_runner`` picks the runner for a model as it is at its
+first decode step (after an engine has attached its expert provider); ``MoETransformer.set_compile`` picks the
+compiled one.
 A compiled or captured runner that fails (a compiler error, an operation that cannot be captured, weights changed
 under it) hands the model over to the eager runner for good, with the reason (:meth:`DecodeRunner.give_up`); a
 token it cannot take as it stands (no prefill yet to copy into its buffers) it runs eagerly itself.

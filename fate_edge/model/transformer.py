@@ -29,6 +29,7 @@ from fate_edge.model.routed_experts import provider_moe
 
 if TYPE_CHECKING:
     from fate_edge.model.graph_step import CudaGraphDecode, LayerGraphDecode
+    from fate_edge.model.slot_step import SlotGraphDecode
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -91,6 +92,7 @@ class MoETransformer:
         # eagerly.
         self._cuda_graphs = True
         self.graph_off: str | None = None
+        self.grouped_prefill: Callable[..., torch.Tensor] | None = None  # grouped_prefill.use_grouped_prefill
         self._rope_perm: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         if "lm_head.weight" not in resident and "lm_head.sizes" not in resident and not config.tie_word_embeddings:
             from fate_edge.errors import MissingTensorError
@@ -171,11 +173,13 @@ class MoETransformer:
         self.runner = None  # chosen again at the next decode step
 
     @property
-    def graphed(self) -> CudaGraphDecode | LayerGraphDecode | None:
+    def graphed(self) -> CudaGraphDecode | LayerGraphDecode | SlotGraphDecode | None:
         """The CUDA graph runner while the model decodes with one."""
         from fate_edge.model.graph_step import CudaGraphDecode, LayerGraphDecode
+        from fate_edge.model.slot_step import SlotGraphDecode
 
-        return self.runner if isinstance(self.runner, CudaGraphDecode | LayerGraphDecode) else None
+        graphs = CudaGraphDecode | LayerGraphDecode | SlotGraphDecode
+        return self.runner if isinstance(self.runner, graphs) else None
 
     def new_cache(self) -> KVCache:
         cfg = self.config
@@ -208,7 +212,7 @@ class MoETransformer:
         self.experts.begin_forward(t)
         if t == 1 and b == 1 and self.fast_decode:
             if self.runner is None:
-                from fate_edge.model.graph_step import choose_runner
+                from fate_edge.model.runner_choice import choose_runner
 
                 self.runner = choose_runner(self)
             return self.runner.step(self, input_ids, cache, plan)
