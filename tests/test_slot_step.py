@@ -183,11 +183,13 @@ def test_a_cached_expert_the_slots_cannot_hold_hands_over_to_the_layer_graphs(st
 
 
 @pytest.mark.gpu
-def test_the_captured_slot_step_on_cuda_gives_the_layer_graphs_tokens(store):
+def test_the_captured_slot_step_on_cuda_gives_the_layer_graphs_tokens(store, monkeypatch):
     """Captured and replayed (scripts/gpu_check.sh runs it where a GPU is lent): the per-layer graphs' tokens, one
-    read-back per replay, the copies into the slots on the copy stream; the runner CUDA picks for streamed experts."""
+    read-back per replay, the copies into the slots on the copy stream; the runner CUDA picks for streamed experts
+    when asked (``FATE_EDGE_SLOT_GRAPHS=1``, opt-in until measured)."""
     from fate_edge.model.runner_choice import choose_runner
 
+    monkeypatch.setenv("FATE_EDGE_SLOT_GRAPHS", "1")
     with engine(store, device="cuda") as eng:
         want = decode(eng, LayerGraphDecode(eng.model))
     with engine(store, device="cuda") as eng:
