@@ -7,7 +7,10 @@ Memory-limited: fate-edge with an expert budget vs llama.cpp q4_0 memory-mapped 
 fate-edge's peak RSS, page cache dropped first; MB read per decoded token from /proc/PID/io.
 A bf16 checkpoint (the real-size synthetic ones) runs the ``real`` sides: bf16 vs bf16, and int4 experts with
 bf16 / int8 / int4 resident weights vs q4_0 (no f32 GGUF); its table gets its own markers and file,
-docs/results/bench_llamacpp-MODEL-Nt.md.
+docs/results/bench_llamacpp-MODEL-Nt.md. The int4-rest sides read the store ``fate-edge run`` converts by default
+(a tied embedding table in int4), the others a store keeping bf16 experts and float resident weights; only the
+stores the chosen sides read are converted. A side still running at ``--timeout`` is stopped, reported as a row
+(the rates it stayed below, the GB it read) and not run again.
 
     fate-edge bench-llamacpp --rounds 3 --json bench-out/llamacpp.json --results
     fate-edge bench-llamacpp --model /tmp/olmoe-2l --threads 1 --results
