@@ -133,8 +133,7 @@ class QuantizedEmbedding:
         assert self.zero is not None  # int4 tables have one
         if default_kernel(tuple(self.shape), spec, self.device) == "native-int4":
             # the native kernel reads the table's own layout (two codes a byte, low nibble first): no copy. Unpacking
-            # and packing again cost a tied head at ERNIE-4.5's size (103,424 x 2,560) 1.8 s and 1.9 GB of peak
-            # memory at the first forward
+            # and packing again cost a large vocabulary's first forward seconds and gigabytes (measured-choices.md)
             return QuantizedLinear.from_native(self.codes, self.scale, self.zero, spec)
         return QuantizedLinear.from_quantized(
             Quantized(unpack(self.codes, 4), self.scale, self.zero), spec, self.device
