@@ -127,9 +127,14 @@ class QuantizedEmbedding:
         quantized linear built from the same codes (in the kernel's own layout, a second copy of the codes)."""
         if self.bits == 8:
             return Int8Linear(self.codes, self.scale)
-        from fate_edge.quant.linear import QuantizedLinear
+        from fate_edge.quant.linear import QuantizedLinear, default_kernel
 
         spec = QuantSpec(4, self.shape[1] // self.scale.shape[1])
+        assert self.zero is not None  # int4 tables have one
+        if default_kernel(tuple(self.shape), spec, self.device) == "native-int4":
+            # the native kernel reads the table's own layout (two codes a byte, low nibble first): no copy. Unpacking
+            # and packing again cost a large vocabulary's first forward seconds and gigabytes (measured-choices.md)
+            return QuantizedLinear.from_native(self.codes, self.scale, self.zero, spec)
         return QuantizedLinear.from_quantized(
             Quantized(unpack(self.codes, 4), self.scale, self.zero), spec, self.device
         )

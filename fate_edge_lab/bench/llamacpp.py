@@ -8,6 +8,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+PROGRESS = "progress"  # the key of a child's JSON lines saying how far it got (sidebyside.child_main)
+
 
 def time_tokens(stream: Iterable[int | None], n_prompt: int, want: int) -> dict[str, Any]:
     """Consume ``want`` tokens of a greedy ``stream`` started just now; tok/s of prefill and of decode."""

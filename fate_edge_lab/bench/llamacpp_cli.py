@@ -7,7 +7,10 @@ Memory-limited: fate-edge with an expert budget vs llama.cpp q4_0 memory-mapped 
 fate-edge's peak RSS, page cache dropped first; MB read per decoded token from /proc/PID/io.
 A bf16 checkpoint (the real-size synthetic ones) runs the ``real`` sides: bf16 vs bf16, and int4 experts with
 bf16 / int8 / int4 resident weights vs q4_0 (no f32 GGUF); its table gets its own markers and file,
-docs/results/bench_llamacpp-MODEL-Nt.md.
+docs/results/bench_llamacpp-MODEL-Nt.md. The int4-rest sides read the store ``fate-edge run`` converts by default
+(a tied embedding table in int4), the others a store keeping bf16 experts and float resident weights; only the
+stores the chosen sides read are converted. A side still running at ``--timeout`` is stopped, reported as a row
+(the rates it stayed below, the GB it read) and not run again.
 
     fate-edge bench-llamacpp --rounds 3 --json bench-out/llamacpp.json --results
     fate-edge bench-llamacpp --model /tmp/olmoe-2l --threads 1 --results
@@ -49,6 +52,7 @@ from fate_edge_lab.bench.sidebyside import (
     readme_marker,
     run_rounds,
     same_tokens,
+    side_stores,
     summarize,
 )
 from fate_edge_lab.synthetic.presets import PRESETS
@@ -69,16 +73,50 @@ def table(summary: dict, header: str) -> str:
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in summary.items():
+        if r.get("unfinished"):
+            out.append(_unfinished_row(name, r))
+            continue
         rss = None if r["peak_rss_bytes"] is None else r["peak_rss_bytes"] / 1e6
         fail = f" ({r['failed']} of {r['runs']} failed: {'; '.join(r['errors'])[:120]})" if r["failed"] else ""
         out.append(
             f"| {name}{fail} | {r['experts']} | {r['rest']} | {_fmt(r['prefill_tps'], '.0f')} "
-            f"| {_fmt(r.get('prefill_tps_ratio'), '.2f')} | {_fmt(r['decode_tps'], '.1f')} "
-            f"| {_fmt(r.get('decode_tps_ratio'), '.2f')} | {_fmt(r.get('decode_cpu_tps'), '.1f')} "
+            f"| {_ratio(r, 'prefill_tps')} | {_fmt(r['decode_tps'], '.1f')} "
+            f"| {_ratio(r, 'decode_tps')} | {_fmt(r.get('decode_cpu_tps'), '.1f')} "
             f"| {_fmt(r.get('decode_cpu_tps_ratio'), '.2f')} | {_fmt(rss, '.0f')} "
             f"| {_fmt(r['decode_read_mb_per_token'], '.2f')} |"
         )
     return "\n".join(out)
+
+
+def _ratio(row: dict, key: str) -> str:
+    """The ratio cell: the ratio, or ``> x`` against a side that did not finish (a bound, not a figure)."""
+    if row.get(f"{key}_ratio") is not None:
+        return format(row[f"{key}_ratio"], ".2f")
+    above = row.get(f"{key}_ratio_above")
+    return "-" if above is None else f"> {above:.3g}"
+
+
+def _unfinished_row(name: str, r: dict) -> str:
+    """A side stopped at the timeout, as the measured result it is: the rates it stayed below, what it read."""
+    u = r["unfinished"]
+    got = (
+        "prefill not done"
+        if u["tokens"] == 0
+        else "load not done"
+        if u["tokens"] is None
+        else f"{max(u['tokens'] - 1, 0)} of {u['want'] - 1} decode tokens"
+    )
+    read = "-" if u["read_gb"] is None else f"{u['read_gb']:.1f} GB in {u['after_s']:.0f} s"
+    prefill = u.get("prefill_tps")
+    return (
+        f"| {name} (did not finish in {u['after_s']:.0f} s: {got}; stopped, not run again) | {r['experts']} "
+        f"| {r['rest']} | {_fmt(prefill, '.0f') if prefill else _below(u.get('prefill_tps_below'))} | - "
+        f"| {_below(u.get('decode_tps_below'))} | - | - | - | - | {read} |"
+    )
+
+
+def _below(v: float | None) -> str:
+    return "-" if v is None else f"< {v:.2g}"
 
 
 def model_label(model: str) -> str:
@@ -165,8 +203,11 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             ap.error(f"argument --side: {exc}")
     ggufs = {k: str(p) for k, p in ensure_ggufs(args.model, sides_set.gguf_types).items()}  # PeerUnavailableError
-    store = ensure_store(args.model, progress=False, baselines=True)  # sides quantize resident weights at load
-    info = store_info(store)
+    sides = sides_set.resident + ([] if args.no_limited else sides_set.limited)
+    # the baselines' store (bf16 experts, float resident weights quantized at load as a side asks) and the lean one
+    # a user's `fate-edge run` converts, each only where a side reads it
+    stores = side_stores(args.model, sides)
+    info = store_info(next(iter(stores.values()), None) or ensure_store(args.model, progress=False))
     tok = Tokenizer(args.model)
     text, files = heldout_source(args.prompt_tokens * 16)
     text_ids = tok.encode(text)
@@ -174,7 +215,6 @@ def main(argv: list[str] | None = None) -> int:
     budget = max(int(args.budget * info["int4_expert_bytes_total"]), 1)
     base = {
         "model": str(Path(args.model).resolve()),
-        "store": str(store),
         "ids": ids,
         "text": text,
         "text_ids": text_ids,
@@ -184,9 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         "budget": budget,
         "compile": args.compile,
     }
-    sides = sides_set.resident + ([] if args.no_limited else sides_set.limited)
     load_before = load_average()
-    runs, notes = run_rounds(base, sides, ggufs, args.rounds, args.timeout)
+    runs, notes = run_rounds(base, sides, ggufs, args.rounds, args.timeout, stores)
     load_after = load_average()
     summary = summarize(runs, sides, sides_set.pairs)
     agree = {f"{a} vs {b}": same_tokens(runs, a, b) for a, b in sides_set.pairs}
@@ -221,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "model": args.model,
         "ggufs": ggufs,
+        "stores": {k: str(p) for k, p in stores.items()},
         "prompt_files": files,
         "threads": args.threads,
         "rounds": args.rounds,

@@ -11,13 +11,14 @@ import json
 import statistics
 import sys
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fate_edge.bundled import bundled_model_dir as _bundled
-from fate_edge_lab.bench.llamacpp import llama_child, read_bytes, time_tokens
+from fate_edge_lab.bench.llamacpp import PROGRESS, llama_child, read_bytes, time_tokens
 from fate_edge_lab.bench.publish import markers
 
 
@@ -31,6 +32,12 @@ class Side:
     mode: str = "resident"  # resident | limited (fate-edge: expert budget; llama.cpp: mmap under a cgroup cap)
     dtype: str = ""  # fate-edge int4 sides: what the rest is held and computed in ("" = fp32)
     resident_bits: int | None = None  # fate-edge: attention, shared experts, lm_head quantized (fused.py)
+    # fate-edge: the store it reads. BASELINES keeps bf16 experts and float resident weights (quantized at load as
+    # the side asks); DEFAULT is the lean store ``fate-edge run MODEL`` converts, read as a user's run reads it
+    store: str = "baselines"
+
+
+BASELINES, DEFAULT = "baselines", "default"
 
 
 RESIDENT = [
@@ -64,6 +71,7 @@ PAIRS = [
 # Real-size checkpoints (bf16, synthetic or not): no f32 side (twice the bytes of bf16, same values), the rest in
 # bf16 as the checkpoint stores it, and fate-edge's quantized resident weights beside llama.cpp's q4_0 mix.
 _Q4_MIX = "llama.cpp's Q4_0 mix (attention q4_0, output q6_K, norms f32)"
+_DEFAULT_REST = "int4, the default store's (embeddings int8; int4 when tied to the head)"
 REAL_RESIDENT = [
     Side("fate-edge bf16", "fate-edge", "bf16", "bf16", "bf16 (router fp32)"),
     Side("fate-edge int4, bf16 rest", "fate-edge", "int4", "int4 (group-wise RTN)", "bf16", dtype="bf16"),
@@ -76,14 +84,17 @@ REAL_RESIDENT = [
         dtype="bf16",
         resident_bits=8,
     ),
+    # what a user's default run reads: the lean store's int4 linears and its embedding table in int8, or in int4
+    # where it is tied to the head (read whole every token; write_store); not bf16 quantized at load
     Side(
         "fate-edge int4, int4 rest",
         "fate-edge",
         "int4",
         "int4 (group-wise RTN)",
-        "int4 (embeddings bf16)",
+        _DEFAULT_REST,
         dtype="bf16",
         resident_bits=4,
+        store=DEFAULT,
     ),
     Side("llama.cpp bf16", "llama.cpp", "bf16", "bf16", "bf16 (norms f32)"),
     Side("llama.cpp q4_0", "llama.cpp", "q4_0", "q4_0", _Q4_MIX),
@@ -95,10 +106,11 @@ REAL_LIMITED = [
         "fate-edge",
         "int4",
         "int4, streamed from disk into the budget",
-        "int4 (embeddings bf16)",
+        _DEFAULT_REST,
         "limited",
         dtype="bf16",
         resident_bits=4,
+        store=DEFAULT,
     ),
     Side("llama.cpp q4_0, mmap under cap", "llama.cpp", "q4_0", "q4_0, memory-mapped", _Q4_MIX, "limited"),
 ]
@@ -151,6 +163,32 @@ def only_sides(sides: SideSet, names: list[str]) -> SideSet:
         [p for p in sides.pairs if p[0] in names and p[1] in names],
         types,
     )
+
+
+def side_stores(model: str | Path, sides: list[Side]) -> dict[str, Path]:
+    """The stores ``sides``' fate-edge sides read, converted once each (cached): ``baselines`` (bf16 experts and
+    float resident weights, :meth:`ConvertOptions.full`) and ``default`` (what ``fate-edge run MODEL`` converts:
+    ``ensure_store``'s own defaults). Only those asked for: at real size the baselines' bf16 experts are the
+    checkpoint's size again."""
+    from fate_edge.format.converted_stores import ensure_store
+
+    kinds = dict.fromkeys(side.store for side in sides if side.kind == "fate-edge")
+    return {kind: ensure_store(model, progress=False, baselines=kind == BASELINES) for kind in kinds}
+
+
+def side_spec(base: dict[str, Any], side: Side, ggufs: dict[str, str], stores: dict[str, Path]) -> dict[str, Any]:
+    """What one run of ``side`` is told: ``base`` (model, prompt, threads, budget) and the side's own settings, the
+    store it reads among them (fate-edge) or its GGUF (llama.cpp)."""
+    return {
+        **base,
+        "kind": side.kind,
+        "precision": side.precision,
+        "mode": side.mode,
+        "gguf": ggufs.get(side.precision, ""),
+        "dtype": side.dtype,
+        "resident_bits": side.resident_bits,
+        "store": str(stores[side.store]) if side.kind == "fate-edge" else "",
+    }
 
 
 def readme_marker(model: str, threads: int) -> str:
@@ -242,12 +280,24 @@ def _fate_edge_stream(spec: dict[str, Any]):
     return (r.token for r in stream_from_model(model, Tokenizer(spec["model"]), spec["ids"], cfg))
 
 
-def _mark_first(stream, marks: list):
+def _progress(state: dict[str, Any], **kw) -> None:
+    """One ``{"progress": ...}`` line on stdout: how far this run got, for the parent to report if it has to stop
+    the run (threads.run_child); wall-clock times, which the parent compares with its own."""
+    state.update(kw, read_bytes=read_bytes())
+    print(json.dumps({PROGRESS: state}), flush=True)
+
+
+def _mark_first(stream, marks: list, state: dict[str, Any] | None = None):
     """``stream``'s tokens; the bytes read so far are appended to ``marks`` when the first one arrives, so the
-    prefill's reads (at real size the whole model, once) stay out of the decode's reads per token."""
+    prefill's reads (at real size the whole model, once) stay out of the decode's reads per token. With ``state``,
+    a progress line as the stream starts and as each token arrives."""
+    if state is not None:
+        _progress(state, tokens=0, start=time.time())
     for i, tok in enumerate(stream):
         if i == 0:
             marks.append(read_bytes())
+        if state is not None:
+            _progress(state, tokens=i + 1, **({"first": time.time()} if i == 0 else {}))
         yield tok
 
 
@@ -273,7 +323,8 @@ def child_main(spec_json: str) -> None:
         stream = _fate_edge_stream(spec)
     io1 = read_bytes()
     first: list[int | None] = []
-    t = time_tokens(_mark_first(stream, first), len(ids), spec["decode_tokens"] + 1)
+    state = {"prompt_tokens": len(ids), "want": spec["decode_tokens"] + 1}
+    t = time_tokens(_mark_first(stream, first, state), len(ids), spec["decode_tokens"] + 1)
     io2 = read_bytes()
     if spec["kind"] == "llama.cpp" and spec.get("text"):
         extra["tokenization"] = tokens_agree(llm, spec["text"], spec["text_ids"])
@@ -315,6 +366,9 @@ def summarize(
         ):
             vals = [r[key] for r in ok if r.get(key) is not None]
             row[key] = statistics.median(vals) if vals else None
+        stopped = [r for r in rs if "timed_out_s" in r]
+        if stopped and not ok:
+            row["unfinished"] = unfinished(stopped[0])
         out[side.name] = row
     for ours, theirs in pairs:
         a, b = out.get(ours), out.get(theirs)
@@ -322,6 +376,30 @@ def summarize(
             for key in ("prefill_tps", "prefill_cpu_tps", "decode_tps", "decode_cpu_tps"):
                 if a[key] and b[key]:
                     a[f"{key}_ratio"] = a[key] / b[key]
+            for key in ("prefill_tps", "decode_tps"):  # theirs did not finish: at most this fast
+                below = (b.get("unfinished") or {}).get(f"{key}_below")
+                if a[key] and below:
+                    a[f"{key}_ratio_above"] = a[key] / below
+    return out
+
+
+def unfinished(run: dict[str, Any]) -> dict[str, Any]:
+    """What a run stopped at its timeout measured: how long it ran, what it read, how far it got (its last
+    progress line), and the rates it stayed below: prefill slower than its prompt over the time it had for it,
+    or decode slower than the tokens it began over the time since its first token."""
+    p = run.get("progress") or {}
+    out: dict[str, Any] = {
+        "after_s": run["timed_out_s"],
+        "read_gb": None if run.get("read_bytes") is None else run["read_bytes"] / 1e9,
+        "tokens": p.get("tokens"),
+        "want": p.get("want"),
+    }
+    if p.get("tokens") == 0 and p.get("start"):
+        out["prefill_tps_below"] = p["prompt_tokens"] / (run["stopped_at"] - p["start"])
+    elif p.get("tokens") and p.get("first"):
+        out["prefill_tps"] = p["prompt_tokens"] / (p["first"] - p["start"])
+        # tokens - 1 decoded after the first, the next one unfinished
+        out["decode_tps_below"] = p["tokens"] / (run["stopped_at"] - p["first"])
     return out
 
 
@@ -335,11 +413,18 @@ def same_tokens(runs: dict[str, list[dict[str, Any]]], ours: str, theirs: str) -
 
 
 def run_rounds(
-    base: dict[str, Any], sides: list[Side], ggufs: dict[str, str], rounds: int, timeout: float, log=print
+    base: dict[str, Any],
+    sides: list[Side],
+    ggufs: dict[str, str],
+    rounds: int,
+    timeout: float,
+    stores: dict[str, Path],
+    log=print,
 ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]:
     """Interleaved rounds of fresh processes; (runs per side, notes on the memory cap and the page cache).
     The llama.cpp mmap side runs under a cgroup capped at the first measured peak RSS of fate-edge's
-    limited side, which therefore runs before it in every round."""
+    limited side, which therefore runs before it in every round. A side that did not finish within ``timeout``
+    is not run again: its row reports the run that was stopped (how long, what it read, how far it got)."""
     import contextlib
     import os
 
@@ -353,15 +438,9 @@ def run_rounds(
     with tempfile.TemporaryDirectory(prefix="fate-edge-sides-") as specs:  # each run's spec file
         for r in range(rounds):
             for side in sides:
-                spec = {
-                    **base,
-                    "kind": side.kind,
-                    "precision": side.precision,
-                    "mode": side.mode,
-                    "gguf": ggufs.get(side.precision, ""),
-                    "dtype": side.dtype,
-                    "resident_bits": side.resident_bits,
-                }
+                if any("timed_out_s" in run for run in runs.get(side.name, [])):
+                    continue  # another round would take as long again and tell nothing new
+                spec = side_spec(base, side, ggufs, stores)
                 if r == 0 and side.kind == "llama.cpp":
                     spec.update(text=base["text"], text_ids=base["text_ids"])
                 cg = None

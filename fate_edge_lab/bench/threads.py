@@ -21,7 +21,7 @@ from typing import Any
 from fate_edge.corpus import heldout_source
 from fate_edge_lab.bench.gguf import PEER_CMAKE_HINT
 from fate_edge_lab.bench.host import load_average
-from fate_edge_lab.bench.llamacpp import llama_child
+from fate_edge_lab.bench.llamacpp import PROGRESS, llama_child
 
 
 @dataclass(frozen=True)
@@ -154,15 +154,45 @@ def _why_it_died(returncode: int) -> str:
     return ""
 
 
-def run_child(cmd: list[str], timeout: float, env: dict[str, str] | None = None, preexec=None) -> dict[str, Any]:
-    """Run a measuring child; its last JSON line on stdout, or {"error": ...} naming how it failed."""
+def _proc_read_bytes(pid: int) -> int | None:
+    """Bytes process ``pid`` caused to be read from storage so far (mapped files' page faults included)."""
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, preexec_fn=preexec)
+        for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _unfinished(timeout: float, read: int | None, stdout: str) -> dict[str, Any]:
+    """A child stopped at ``timeout``: a measured result (how long, what it read, how far it got), not a blank.
+    ``progress``: its last ``{"progress": ...}`` line (sidebyside.child_main prints one as each token arrives)."""
+    last = [ln for ln in stdout.splitlines() if ln.startswith('{"' + PROGRESS + '"')]
+    msg = f"did not finish in {timeout:.0f} s" + ("" if read is None else f", {read / 1e9:.1f} GB read")
+    return {
+        "error": msg,
+        "timed_out_s": timeout,
+        "stopped_at": time.time(),
+        "read_bytes": read,
+        "progress": json.loads(last[-1])[PROGRESS] if last else None,
+    }
+
+
+def run_child(cmd: list[str], timeout: float, env: dict[str, str] | None = None, preexec=None) -> dict[str, Any]:
+    """Run a measuring child; its last JSON line on stdout, or {"error": ...} naming how it failed. A child still
+    running at ``timeout`` is stopped; what it read by then (``/proc/PID/io``) and how far it got are reported."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=preexec)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f}s"}
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        read = _proc_read_bytes(proc.pid)  # before it is gone
+        proc.kill()
+        stdout, _ = proc.communicate()  # all its output, what came before the timeout included
+        return _unfinished(timeout, read, stdout)
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("{") and not ln.startswith('{"' + PROGRESS + '"')]
     if proc.returncode != 0 or not lines:
-        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
+        tail = " | ".join(stderr.strip().splitlines()[-3:])
         return {"error": f"exit {proc.returncode}{_why_it_died(proc.returncode)}: {tail}"}
     return json.loads(lines[-1])
 
