@@ -509,9 +509,9 @@ class Scheduler(TierPath, ExpertProvider):
         self._unpin_all()
         for key in [k for k in self._landed if k[0] == layer]:  # made ready, never used
             self.stats.wasted_bytes += self._landed.pop(key)
-        self._land()
         for key in [k for k in self.prefetches if k[0] == layer]:  # predicted, never used: drop
             self._drop(self.prefetches.pop(key), wait=False)
+        self._land()  # the layers ahead's reads that have landed: ready before their layers route
         self._settle(wait=layer == self.config.moe_layers[-1])  # a token's counters are complete at its end
         self._issue_deferred()
         # What still waits for room would start after its layer's demand reads: left to them.
