@@ -373,9 +373,9 @@ class Scheduler(TierPath, ExpertProvider):
             while pending:
                 ready = [e for e, f in pending.items() if f.req.done.is_set()]
                 if not ready:
+                    self._land()  # reads ahead that landed meanwhile: counted as consume time, not stall
                     t0 = time.perf_counter()
                     self._free_staging()
-                    self._land()
                     with self.fetch.completed:
                         if not any(f.req.done.is_set() for f in pending.values()):
                             self.fetch.completed.wait(timeout=0.05)
