@@ -27,7 +27,7 @@ def test_the_host_tier_is_one_pinned_slab_charged_as_held():
     tier = HostTier(10 * 4096, 4096, get_policy("lru"), [0], 4, pinned=True)
     assert tier.slab.is_pinned()
     # registered in place: exactly its bytes; through torch's pinned allocator, 40 KB rounded up to 64 KB
-    assert tier.held_bytes == (10 * 4096 if tier._registered else pinned_held_bytes(10 * 4096))
+    assert tier.held_bytes == (10 * 4096 if tier.registered else pinned_held_bytes(10 * 4096))
     tier.admit((0, 1), memoryview(b"z" * 4000), 4)
     dst = torch.empty(4000, dtype=torch.uint8, device="cuda")
     dst.copy_(torch.frombuffer(tier.blob((0, 1)), dtype=torch.uint8), non_blocking=True)

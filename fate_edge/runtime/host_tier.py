@@ -17,6 +17,7 @@ cache already lies in host DRAM (runtime.memory_tiers).
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,7 +59,9 @@ class HostTier:
             raise ValueError(f"a host tier of {capacity_bytes} bytes holds no expert of {slot_bytes} bytes")
         self.slot_bytes = slot_bytes
         self.slots = slots
-        self.slab, self.held_bytes, self._registered = _slab(slots * slot_bytes, pinned)
+        self.slab, self.held_bytes, self.registered = _slab(slots * slot_bytes, pinned)
+        # a registered slab is handed back to the driver before its memory is freed, closed or not (it holds the slab)
+        self._unregister = weakref.finalize(self, _unregister, self.slab) if self.registered else None
         self._view = self.slab.numpy().data.cast("B")
         self._free = list(range(slots - 1, -1, -1))
         self._where: dict[Key, tuple[int, int, int]] = {}  # key → (slot, blob length, bits)
@@ -128,9 +131,12 @@ class HostTier:
         for event in self._copying.values():
             event.synchronize()
         self._copying.clear()
-        if self._registered:
-            torch.cuda.cudart().cudaHostUnregister(self.slab.data_ptr())
-            self._registered = False
+        if self._unregister is not None:
+            self._unregister()
+
+
+def _unregister(slab: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(slab.data_ptr())
 
 
 def _slab(nbytes: int, pinned: bool) -> tuple[torch.Tensor, int, bool]:
