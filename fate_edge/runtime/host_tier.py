@@ -90,7 +90,7 @@ class HostTier:
         slot, length, _ = self._where[key]
         return self._view[slot * self.slot_bytes : slot * self.slot_bytes + length]
 
-    def admit(self, key: Key, payload: memoryview, bits: int, info: AccessInfo | None = None) -> bool:
+    def admit(self, key: Key, payload: memoryview, bits: int) -> bool:
         """Copy ``payload`` (a checked blob) into a slot if the policy admits ``key`` (evicting as it says)."""
         if key in self._where:
             return True
