@@ -35,6 +35,7 @@ def _run(store, miss_compute: str, monkeypatch, dtype="float32"):
         return steps, e.request_stats, e.prefill_stats
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_hybrid_computes_host_held_decode_misses_on_the_cpu_with_the_same_logits(store, monkeypatch, dtype):
     hybrid, stats, prefill = _run(store, "hybrid", monkeypatch, dtype)

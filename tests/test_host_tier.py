@@ -110,6 +110,7 @@ def _greedy(store, host_memory, policy="lru", budget="1MB", requests=2, check=No
         return e, tokens, reads, len(tier) if tier is not None else 0
 
 
+@pytest.mark.slow
 def test_a_miss_the_host_tier_holds_reads_no_store(store, discrete):
     e, tokens, reads, held = _greedy(store, "16MB")
     assert e.host_tier is not None and held == e.host_tier.stats.admitted > 0
@@ -122,6 +123,7 @@ def test_a_miss_the_host_tier_holds_reads_no_store(store, discrete):
     assert tokens == base_tokens  # the same greedy answers
 
 
+@pytest.mark.slow
 def test_with_prefetch_no_read_is_of_a_blob_the_tier_holds(store, discrete):
     e, tokens, reads, _ = _greedy(store, "16MB", policy="fate-edge")
     assert reads and not any(held for _, held in reads) and e.stats.host_hits > 0
@@ -129,6 +131,7 @@ def test_with_prefetch_no_read_is_of_a_blob_the_tier_holds(store, discrete):
     assert tokens == base_tokens
 
 
+@pytest.mark.slow
 def test_both_budgets_are_charged_what_they_hold(store, discrete):
     slot = ExpertStore(store).precisions[4].slot_bytes
 

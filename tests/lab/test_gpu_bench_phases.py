@@ -9,6 +9,7 @@ from fate_edge.runtime.engine_config import EngineConfig
 from fate_edge.runtime.generate import GenerateConfig
 
 
+@pytest.mark.slow
 def test_the_phases_split_the_request_into_prompt_and_decode(bundled_dir):
     gpu_bench = load_script("scripts/gpu_bench.py")
     from fate_edge.format.converted_stores import ensure_store
