@@ -7,6 +7,11 @@ offloaded with accelerate), on one synthetic checkpoint and its store, greedy, t
 Each fate-edge run serves a short warm-up request first (CUDA graph capture, kernel loads), then the measured one.
 ``--profile-dir`` adds torch.profiler's CUDA view of a few decode tokens per profiled run: the top operators by
 GPU and by CPU time, and per token the wall time, the GPU's busy time, kernel launches and host syncs.
+
+Each budgeted run's scheduler figures are split into the prompt's (prefill and the first sampled token) and the
+decode's, per decode token (:func:`phases`): the stall and the main thread's time turning reads into experts, misses
+served from the host tier or computed on the CPU, prefetches made ready as they landed. The fate-edge preset runs at
+the first budget also without the host tier and with misses computed on the CPU (``miss_compute="hybrid"``).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import gc
 import json
 import time
 import traceback
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -24,6 +30,8 @@ from fate_edge.runtime.engine import Engine
 from fate_edge.runtime.engine_config import EngineConfig
 from fate_edge.runtime.generate import GenerateConfig, stream_from_model
 from fate_edge.runtime.loader import load_model
+from fate_edge.runtime.policy import PolicyConfig, get_policy
+from fate_edge.runtime.scheduler_stats import SchedulerStats
 from fate_edge.tokenizer import Tokenizer
 from fate_edge_lab.bench.sidebyside import resident_int4
 from fate_edge_lab.bounds.read_bound import decode_reads
@@ -113,8 +121,33 @@ def run_resident(args, prompt: list[int], graphs: bool) -> dict:
     return row
 
 
-def run_engine(args, prompt: list[int], policy: str, budget: str, profile: bool) -> dict:
-    with Engine(EngineConfig(args.store, budget, policy, dtype="bfloat16", device="cuda")) as engine:
+def phases(engine: Engine) -> dict:
+    """The last request's scheduler figures, its prompt apart from its decode (the whole request's mixed the prompt's
+    many reads into the decode's): ``prefill`` in total (ms, counts), ``decode`` per decode token."""
+    toks = engine.token_stats
+    decode = SchedulerStats(**{f.name: sum(getattr(t, f.name) for t in toks) for f in fields(SchedulerStats)})
+    out = {}
+    for name, s, n in (("prefill", engine.prefill_stats, 1), ("decode", decode, max(1, len(toks)))):
+        out[name] = {
+            "tokens": len(toks) if name == "decode" else 1,
+            "hit_rate": s.hit_rate,
+            "stall_ms": s.stall_s * 1e3 / n,
+            "consume_ms": s.consume_s * 1e3 / n,
+            "misses": s.misses / n,
+            "host_hits": s.host_hits / n,
+            "cpu_computed": s.cpu_computed / n,
+            "landed_early": s.landed_early / n,
+            "prefetch_hits": s.prefetch_hits / n,
+        }
+    return out
+
+
+def run_engine(
+    args, prompt: list[int], policy: str | PolicyConfig, budget: str, profile: bool, host_memory: str | int = "auto"
+) -> dict:
+    label = policy if isinstance(policy, str) else policy.name
+    config = EngineConfig(args.store, budget, policy, dtype="bfloat16", device="cuda", host_memory=host_memory)
+    with Engine(config) as engine:
         cfg = GenerateConfig(max_tokens=args.decode_tokens, ignore_eos=True)
         engine.generate_text(prompt[:16], GenerateConfig(max_tokens=4, ignore_eos=True))
         # the decode's expert reads beside the fewest any cache could make on the same routing
@@ -130,9 +163,11 @@ def run_engine(args, prompt: list[int], policy: str, budget: str, profile: bool)
             consume_s=s.consume_s,
             predict_s=s.predict_s,
             uploads=engine.scheduler.copier.uploads,
+            phases=phases(engine),
+            host_tier_bytes=engine.host_tier.held_bytes if engine.host_tier is not None else 0,
         )
         if profile and args.profile_dir:
-            row["profile"] = _profile(lambda: engine.stream(prompt, cfg), f"{policy}-{budget}", args.profile_dir)
+            row["profile"] = _profile(lambda: engine.stream(prompt, cfg), f"{label}-{budget}", args.profile_dir)
     return row
 
 
@@ -202,6 +237,14 @@ def main() -> None:
     ]
     for i, b in enumerate(args.budgets):
         runs.append((f"fate-edge preset {b}", lambda b=b, i=i: run_engine(args, prompt, "fate-edge", b, i == 0)))
+    first = args.budgets[0]
+    runs.append(
+        (f"fate-edge preset {first}, no host tier", lambda: run_engine(args, prompt, "fate-edge", first, False, 0))
+    )
+    hybrid = get_policy("fate-edge").with_(miss_compute="hybrid")
+    runs.append(
+        (f"fate-edge preset {first}, misses on the CPU", lambda: run_engine(args, prompt, hybrid, first, False))
+    )
     for b in args.budgets:
         runs.append((f"fate {b}", lambda b=b: run_engine(args, prompt, "fate", b, False)))
     runs.append(
@@ -268,7 +311,27 @@ def table(result: dict) -> str:
         x_off = f"{r['decode_tps'] / off['decode_tps']:.1f}x" if off else ""
         hit = f"{r['hit_rate']:.1%}" if "hit_rate" in r else ""
         lines.append(f"| {name} | {r['decode_tps']:.1f} | {r['prefill_tps']:.0f} | {x_lod} | {x_off} | {hit} |")
-    return "\n".join(lines + reads_table(rows)) + "\n"
+    return "\n".join(lines + reads_table(rows) + phases_table(rows)) + "\n"
+
+
+def phases_table(rows: dict) -> list[str]:
+    """The budgeted runs' figures by phase (:func:`phases`): the prompt's in total, the decode's per token."""
+    lines = [
+        "",
+        "| run | prompt: stall ms / consume ms | a decode token: stall ms / consume ms | misses: from the host tier "
+        "/ on the CPU / all | made ready as landed |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, r in rows.items():
+        ph = r.get("phases")
+        if not ph:
+            continue
+        p, d = ph["prefill"], ph["decode"]
+        lines.append(
+            f"| {name} | {p['stall_ms']:.1f} / {p['consume_ms']:.1f} | {d['stall_ms']:.2f} / {d['consume_ms']:.2f} "
+            f"| {d['host_hits']:.2f} / {d['cpu_computed']:.2f} / {d['misses']:.2f} | {d['landed_early']:.2f} |"
+        )
+    return lines if len(lines) > 3 else []
 
 
 def reads_table(rows: dict) -> list[str]:

@@ -5,7 +5,9 @@
 # Then: the GPU tests, logits GPU vs CPU on the bundled model, and the real-shape benchmark (a synthetic
 # Qwen1.5-MoE-A2.7B slice: generate, convert with the defaults, fate-edge resident and at two budgets, fate,
 # load-on-demand-int4, transformers resident and accelerate-offloaded), with torch.profiler's view of where a
-# token's time goes; then the throughput mode (8 concurrent requests against one at a time) on the slice.
+# token's time goes; then the throughput mode (8 concurrent requests against one at a time) on the slice. The budgeted
+# rows run with the pinned host tier (its default on a discrete GPU), the fate-edge preset at the first budget also
+# without it and with misses computed on the CPU (hybrid); gpu_bench.md splits their figures into prompt and decode.
 # Then issue 59's one graph per token under the first budget against the per-layer graphs, and resident prefill
 # with the grouped Triton kernels against the eager one (scripts/gpu_slot_prefill.py, a portable store of the slice).
 # Writes OUT_DIR/gpu_check.log, parity.json, gpu_bench.json, gpu_bench.md, profile-*.txt, slot_prefill.json,
@@ -36,8 +38,9 @@ py=python3
   export PYTHONPATH="$site"
   # -P: never import the source tree from the current directory (its side folders install under fate_edge.*)
   $py -P -c "import fate_edge, fastapi, isal; print('fate-edge', fate_edge.__version__, 'from', fate_edge.__file__)" || exit 1
-  echo "== GPU tests"; timeout 240 $py -P -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_transfer.py tests/test_triton_moe.py tests/test_staging_release.py \
-    tests/test_slot_step.py tests/test_grouped_prefill.py
+  echo "== GPU tests"; timeout 300 $py -P -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_transfer.py tests/test_triton_moe.py tests/test_staging_release.py \
+    tests/test_slot_step.py tests/test_grouped_prefill.py \
+    tests/test_gpu_tiers.py tests/test_host_tier.py tests/test_cpu_miss.py tests/test_land_early.py
   echo "== logits parity GPU vs CPU and decode speed (bundled model)"
   timeout 90 $py -P scripts/gpu_parity.py --json "$out/parity.json"
   echo "== real-shape slice: qwen1.5-moe-a2.7b, $layers layers"

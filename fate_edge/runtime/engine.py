@@ -46,6 +46,7 @@ from fate_edge.runtime.engine_config import EngineConfig, PolicyChoice, Trace, p
 from fate_edge.runtime.exit_close import close_at_exit, closed
 from fate_edge.runtime.generate import PREFILL_CHUNK, GenerateConfig, GenerationResponse, stream_from_model
 from fate_edge.runtime.held_bytes import entry_bytes
+from fate_edge.runtime.host_tier import open_host_tier, tier_held
 from fate_edge.runtime.load_threads import in_own_thread
 from fate_edge.runtime.loader import load_model
 from fate_edge.runtime.memory_account import available_memory_bytes, kv_shape, memory_account, shortfall
@@ -166,7 +167,8 @@ class Engine:
             raise FateEdgeError("the oracle policy needs a recorded trace of the same request (Engine.record_trace)")
         self.trace = c.trace
         self.plan = self._plan_budget(c.max_inflight_prefetches)
-        self.account = replace(self.account, tiers=plan_tiers(self.plan, self._unified))  # device and host budgets
+        self.host_tier = open_host_tier(c.host_memory, self)  # between the store and a discrete GPU's cache
+        self.account = replace(self.account, tiers=plan_tiers(self.plan, self._unified, tier_held(self.host_tier)))
         bits_used = [b for b in (self.policy.bits, self.policy.cold_bits) if b in self.store.precisions]
         slot = max(self.store.precisions[b].slot_bytes for b in bits_used)
         # On a GPU, staging buffers are pinned so copies to the device are asynchronous DMA.
@@ -191,6 +193,7 @@ class Engine:
             self.dtype,
             device,
             max_inflight_prefetches=self.plan.pool_buffers - 2,
+            host_tier=self.host_tier,
         )
         self.model.experts = self.scheduler
         # A replayed trace follows the recorded run call by call, and the recording saw every token in every layer.
@@ -578,6 +581,8 @@ class Engine:
             if self.cache is not None:
                 self.cache.clear()
             self.fetch.close()
+            if self.host_tier is not None:
+                self.host_tier.close()
         closed(self)
 
     def __enter__(self) -> Engine:

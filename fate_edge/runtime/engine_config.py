@@ -49,6 +49,9 @@ class EngineConfig:
     # finished requests' KV kept for later prompts (runtime.prompt_cache), a part of the memory account: "auto" (one
     # context_tokens of KV), a size such as "256MB", or 0 (off)
     prompt_cache: int | str = "auto"
+    # Host memory for experts between the store and a discrete GPU's cache (runtime.host_tier): "auto" (every expert
+    # where half the free host memory holds them), a size such as "8GB", or 0 (none). None on one memory (CPU, Jetson)
+    host_memory: int | str = "auto"
 
 
 class PolicyChoice(Protocol):

@@ -63,9 +63,10 @@ def staging_held(slot_bytes: int, pinned: bool) -> int:
     return pinned_held_bytes(slot_bytes + ALIGN) if pinned else slot_bytes
 
 
-def plan_tiers(plan: Any, unified: bool) -> MemoryTiers:
-    """The tiers of a ``budget.BudgetPlan``: where unified, the budget is the one memory's (staging inside it);
-    else the device holds the cache and the expert being computed, the host the staging as held."""
+def plan_tiers(plan: Any, unified: bool, host_tier: int = 0) -> MemoryTiers:
+    """The tiers of a ``budget.BudgetPlan``: where unified, the budget is the one memory's (staging inside it, and
+    no host tier: the cache already lies in that memory); else the device holds the cache and the expert being
+    computed, the host the staging as held and the host tier's slab as held (``host_tier`` bytes)."""
     if unified:
         return MemoryTiers(plan.budget, 0, True)
-    return MemoryTiers(plan.cache_bytes + plan.working_bytes, plan.host_bytes, False)
+    return MemoryTiers(plan.cache_bytes + plan.working_bytes, plan.host_bytes + host_tier, False, host_tier)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -27,10 +27,12 @@ from fate_edge.model.arch.base import ModelConfig
 from fate_edge.model.experts import Expert, ExpertProvider
 from fate_edge.predictors.base import Predictor
 from fate_edge.runtime.cache import AccessInfo, ExpertCache
-from fate_edge.runtime.held_bytes import held_bytes
+from fate_edge.runtime.host_tier import HostTier
 from fate_edge.runtime.policy import PolicyConfig
 from fate_edge.runtime.prefetch_choice import gate_candidates, plan_prefetches, prefetch_width, ranked, room_ahead
 from fate_edge.runtime.prefetch_gate import PrefetchGate
+from fate_edge.runtime.scheduler_stats import SchedulerStats
+from fate_edge.runtime.tier_path import TierPath
 
 Key = tuple[int, int]
 
@@ -65,52 +67,6 @@ def _ema(old: float, new: float, keep: float) -> float:
 
 
 @dataclass
-class SchedulerStats:
-    hits: int = 0  # served from the cache
-    prefetch_hits: int = 0  # served by a prefetch issued before the layer needed it
-    misses: int = 0  # demand fetches on the critical path
-    skipped: int = 0  # dropped by precision-on-miss past T2 (opt-in)
-    low_precision: int = 0  # expert uses served in the cold precision
-    stall_s: float = 0.0  # time the forward pass waited for expert bytes
-    demand_bytes: int = 0  # bytes read on the critical path
-    prefetch_bytes: int = 0  # bytes read ahead (overlapped with compute)
-    wasted_bytes: int = 0  # prefetched bytes never used
-    predictions: int = 0  # decode-time predictions checked against the true next-layer experts
-    exact: int = 0  # ... whose top-k set equalled the true set
-    recall_sum: float = 0.0  # ... summed recall of the true experts in the predicted top-k
-    consume_s: float = 0.0  # main thread turning fetched blobs into callable experts (copy out + decode)
-    predict_s: float = 0.0  # running the predictor and issuing prefetches
-    predictions_skipped: int = 0  # predictor calls left out: every layer they target was fully cached (Fate)
-    # Decode: the caller's compute of cached experts (from yielding one to being asked for the next). These run
-    # while the layer's reads travel, so they hide part of a read (the simulator's HostCosts.expert_s).
-    expert_s: float = 0.0
-    experts_timed: int = 0
-
-    def snapshot(self) -> SchedulerStats:
-        return SchedulerStats(**{f.name: getattr(self, f.name) for f in fields(self)})
-
-    def minus(self, other: SchedulerStats) -> SchedulerStats:
-        return SchedulerStats(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
-
-    @property
-    def uses(self) -> int:
-        return self.hits + self.prefetch_hits + self.misses
-
-    @property
-    def hit_rate(self) -> float:
-        """Share of expert uses served without a demand read (cache or timely prefetch)."""
-        return (self.hits + self.prefetch_hits) / self.uses if self.uses else 0.0
-
-    @property
-    def exact_match(self) -> float:
-        return self.exact / self.predictions if self.predictions else 0.0
-
-    @property
-    def recall(self) -> float:
-        return self.recall_sum / self.predictions if self.predictions else 0.0
-
-
-@dataclass
 class _Fetch:
     req: FetchRequest
     bits: int
@@ -118,7 +74,7 @@ class _Fetch:
     lent: bool = False  # decoded in its read buffer, released after use (lends)
 
 
-class Scheduler(ExpertProvider):
+class Scheduler(TierPath, ExpertProvider):
     # Serving needs no routing of prompt tokens whose outputs nothing reads (see model.decoding_model.RoutingObserver).
     needs_every_token = False
 
@@ -134,6 +90,8 @@ class Scheduler(ExpertProvider):
         device: str = "cpu",
         max_inflight_prefetches: int = 8,
         copier: Copier | None = None,
+        host_tier: HostTier | None = None,
+        upload_on_land: bool | None = None,
     ):
         self.config = config
         self.store = store
@@ -143,15 +101,27 @@ class Scheduler(ExpertProvider):
         self.predictor = predictor
         self.dtype = dtype
         self.copier = copier or make_copier(device)
+        self.host = host_tier  # blobs in host memory between the store and the device cache (runtime.host_tier)
         self.zero_copy = (
             cache is not None
+            and host_tier is None
             and isinstance(self.copier, CPUCopier)
             and hands_off(policy, store, self.copier.device.type)
         )
         self._kept: dict[Key, Buffer] = {}  # read buffers that hold cached experts (zero-copy)
         self.lends = (
-            cache is None and isinstance(self.copier, CPUCopier) and lends(policy, store, self.copier.device.type)
+            cache is None
+            and host_tier is None
+            and isinstance(self.copier, CPUCopier)
+            and lends(policy, store, self.copier.device.type)
         )
+        # Prefetched experts made ready (uploaded, decoded, cached) as their reads land, not when their layer asks: on
+        # a GPU (the copy overlaps compute); a CPU's zero-copy hand-off has nothing to upload
+        on_land = self.copier.device.type != "cpu" if upload_on_land is None else upload_on_land
+        self.land_early = on_land and cache is not None and not self.zero_copy
+        self._landed: dict[Key, int] = {}  # made ready early → bytes read, until its layer uses it
+        self._host_held: list[Key] = []  # host-tier blobs this layer's misses come from: pinned there till end_layer
+        self._on_cpu = policy.miss_compute == "hybrid" and host_tier is not None  # decode misses computed in place
         self._lent: list[FetchRequest] = []  # buffers of experts served by get(): released at end_layer
         self._hold_lent = False
         self.lent_reads = 0  # experts computed in their read buffer and not kept (the rest: copied out or handed off)
@@ -202,6 +172,7 @@ class Scheduler(ExpertProvider):
             dt = (now - self._last_route[1]) / max(1, self.layer_index[layer] - self.layer_index[self._last_route[0]])
             self._layer_time = _ema(self._layer_time, dt, 0.8)
         self._last_route = (layer, now)
+        self._land()
 
         ids, counts = idx.flatten().unique(return_counts=True)
         order = counts.argsort(descending=True, stable=True)
@@ -218,6 +189,8 @@ class Scheduler(ExpertProvider):
                     self.fetch.promote(self.prefetches[key].req, Priority.DEMAND)
                 continue
             bits = self.cold_bits if (e in low and self.cold_bits) else self.policy.bits
+            if bits == self.policy.bits and self._host_holds(key):
+                continue
             req = self.fetch.submit(self.store.ref(layer, e, bits), Priority.DEMAND)
             self.demands[key] = _Fetch(req, bits, prefetched=False)
 
@@ -336,6 +309,9 @@ class Scheduler(ExpertProvider):
         while self.deferred and len(self.prefetches) < self.max_inflight:
             key = next(iter(self.deferred))
             bits, prio = self.deferred.pop(key)
+            if self.host is not None and self.host.holds(key, bits):  # no store read: up from the host tier
+                self._ready_from_host(key, bits)
+                continue
             req = self.fetch.submit(self.store.ref(*key, bits), prio)
             self.prefetches[key] = _Fetch(req, bits, prefetched=True)
 
@@ -362,8 +338,12 @@ class Scheduler(ExpertProvider):
                 self.cache.pin(key)
                 self.in_use.append(key)
                 self.cache.access(key, True, info)
-                self.stats.hits += 1
-                self._count_use(layer, 0)
+                early = self._landed.pop(key, None)
+                if early is None:
+                    self.stats.hits += 1
+                    self._count_use(layer, 0)
+                else:  # a prefetch made ready as its read landed
+                    self._prefetch_used(layer, early)
                 at_hand.append((e, entry.expert))
             elif key in self.skip:
                 self.skip.discard(key)
@@ -371,6 +351,9 @@ class Scheduler(ExpertProvider):
                 at_hand.append((e, None))
             else:
                 f = self.prefetches.pop(key, None) or self.demands.pop(key, None)
+                if f is None and self._host_holds(key):
+                    at_hand.append((e, self._from_host(key, info)))
+                    continue
                 if f is None:  # not announced through on_route (a provider used without the hook)
                     f = _Fetch(
                         self.fetch.submit(self.store.ref(layer, e, self.policy.bits), Priority.DEMAND),
@@ -390,6 +373,7 @@ class Scheduler(ExpertProvider):
             while pending:
                 ready = [e for e, f in pending.items() if f.req.done.is_set()]
                 if not ready:
+                    self._land()  # reads ahead that landed meanwhile: counted as consume time, not stall
                     t0 = time.perf_counter()
                     self._free_staging()
                     with self.fetch.completed:
@@ -426,14 +410,13 @@ class Scheduler(ExpertProvider):
     def _consume(self, layer: int, e: int, f: _Fetch, info: AccessInfo):
         key = (layer, e)
         t0 = time.perf_counter()
-        try:
-            payload = self.fetch.wait(f.req)
-        except BaseException:
-            self.fetch.release(f.req)
-            raise
+        payload = self._take(f)
         low = f.bits != self.policy.bits
         if self.cache is not None:
             self.cache.access(key, False, AccessInfo(info.layer_now, info.num_layers, low_precision=low))
+        if self.host is not None and not low:  # kept in host memory: its next miss reads no store
+            self.host.access(key, False, info)
+            self.host.admit(key, payload, f.bits)
         # Cold copies serve this use only; caching them would lower later answers' precision.
         if not low and (self.zero_copy or self.lends):
             # Computed in its read buffer: kept as the cached expert's memory if the cache admits it (zero-copy), else
@@ -445,31 +428,36 @@ class Scheduler(ExpertProvider):
                 f.lent = True
                 self.lent_reads += 1
         else:
-            blob, event = self.copier.upload(payload, demand=not f.prefetched)
             # The staging buffer goes back to the pool only once the copy out of it has completed.
-            self.copier.release_after(event, partial(self.fetch.release, f.req))
-            expert = decode_expert(blob, self.store.precisions[f.bits], self.dtype)
-            # charged what it holds: a view in it keeps its whole base (the uploaded blob) alive
-            held = max(expert.nbytes, held_bytes(expert))
-            if self.cache is not None and not low and self._admit(key, expert, held, f.bits):
-                self.cache.pin(key)
-                self.in_use.append(key)
+            expert, _ = self._upload(key, payload, f.bits, not f.prefetched, partial(self.fetch.release, f.req))
         self._evicted.clear()  # buffers of evicted experts not reused here are freed with their last user
         self.stats.consume_s += time.perf_counter() - t0
         nbytes = f.req.ref.length
-        if f.req.read_s > 0:
-            bw = nbytes / f.req.read_s
-            self._read_bw = _ema(self._read_bw, bw, 0.8)
-            self._read_cpu = _ema(self._read_cpu, f.req.cpu_s, 0.9)
         if f.prefetched:
-            self.stats.prefetch_hits += 1
-            self.stats.prefetch_bytes += nbytes
+            self._prefetch_used(layer, nbytes)
         else:
             self.stats.misses += 1
             self.stats.demand_bytes += nbytes
-        self._count_use(layer, 1 if f.prefetched else 2)
+            self._count_use(layer, 2)
         self.stats.low_precision += int(low)
         return expert
+
+    def _take(self, f: _Fetch) -> memoryview:
+        """A landed read's payload (its buffer back to the pool if the read failed); its speed measured."""
+        try:
+            payload = self.fetch.wait(f.req)
+        except BaseException:
+            self.fetch.release(f.req)
+            raise
+        if f.req.read_s > 0:
+            self._read_bw = _ema(self._read_bw, f.req.ref.length / f.req.read_s, 0.8)
+            self._read_cpu = _ema(self._read_cpu, f.req.cpu_s, 0.9)
+        return payload
+
+    def _prefetch_used(self, layer: int, nbytes: int) -> None:
+        self.stats.prefetch_hits += 1
+        self.stats.prefetch_bytes += nbytes
+        self._count_use(layer, 1)
 
     def _free_staging(self) -> None:
         """Give back the staging buffers whose copies to the device have landed, while a layer waits for reads: the
@@ -518,12 +506,12 @@ class Scheduler(ExpertProvider):
     def end_layer(self, layer: int) -> None:
         self.copier.poll()
         self._release_lent()
-        if self.cache is not None:
-            for key in self.in_use:
-                self.cache.unpin(key)
-        self.in_use.clear()
+        self._unpin_all()
+        for key in [k for k in self._landed if k[0] == layer]:  # made ready, never used
+            self.stats.wasted_bytes += self._landed.pop(key)
         for key in [k for k in self.prefetches if k[0] == layer]:  # predicted, never used: drop
             self._drop(self.prefetches.pop(key), wait=False)
+        self._land()  # the layers ahead's reads that have landed: ready before their layers route
         self._settle(wait=layer == self.config.moe_layers[-1])  # a token's counters are complete at its end
         self._issue_deferred()
         # What still waits for room would start after its layer's demand reads: left to them.
@@ -531,6 +519,17 @@ class Scheduler(ExpertProvider):
         for key in [k for k in self.deferred if k[0] <= (layer if nxt is None else nxt)]:
             del self.deferred[key]
         self.skip = {k for k in self.skip if k[0] != layer}
+
+    def _unpin_all(self) -> None:
+        """Unpin what this layer used: its cached experts, and the host-tier blobs its misses came from."""
+        if self.cache is not None:
+            for key in self.in_use:
+                self.cache.unpin(key)
+        self.in_use.clear()
+        if self.host is not None:
+            for key in self._host_held:
+                self.host.unpin(key)
+        self._host_held.clear()
 
     def _drop(self, f: _Fetch, wasted: bool = True, wait: bool = True) -> None:
         """Cancel a fetch (stopping its read between chunks), give its buffer back, count what it wasted.
@@ -567,10 +566,8 @@ class Scheduler(ExpertProvider):
         self.prefetches.clear()
         self.deferred.clear()
         self.demands.clear()
-        if self.cache is not None:
-            for key in self.in_use:
-                self.cache.unpin(key)
-        self.in_use.clear()
+        self._landed.clear()
+        self._unpin_all()
         self.skip.clear()
         self.copier.drain()
 

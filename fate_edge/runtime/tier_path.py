@@ -1,0 +1,154 @@
+"""The scheduler's path through the tiers on a GPU (DESIGN §10): device cache ← host tier ← the store.
+
+* A device miss the host tier holds (runtime.host_tier) is copied from its slot, with no store read, or, under policy
+  ``miss_compute="hybrid"``, computed on the CPU where it lies for a decode row (runtime.cpu_miss).
+* A prefetched expert is made ready as its read lands (uploaded, decoded, cached), not when its layer asks for it
+  (``Scheduler.land_early``: on a GPU, where the copy overlaps compute); one the host tier holds is copied up at
+  once. Its layer then finds it cached and counts it a prefetch hit.
+
+A mixin of :class:`~fate_edge.runtime.scheduler.Scheduler`, whose state it shares (declared below).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from fate_edge.format.store import decode_expert
+from fate_edge.model.experts import Expert
+from fate_edge.runtime.cache import AccessInfo
+from fate_edge.runtime.cpu_miss import OnHost
+from fate_edge.runtime.held_bytes import held_bytes
+
+if TYPE_CHECKING:
+    from fate_edge.fetch.fetch_engine import FetchEngine
+    from fate_edge.fetch.transfer import Copier
+    from fate_edge.format.store import ExpertStore
+    from fate_edge.runtime.cache import ExpertCache
+    from fate_edge.runtime.host_tier import HostTier
+    from fate_edge.runtime.policy import PolicyConfig
+    from fate_edge.runtime.scheduler_stats import SchedulerStats
+
+Key = tuple[int, int]
+
+
+class TierPath:
+    host: HostTier | None
+    cache: ExpertCache | None
+    copier: Copier
+    fetch: FetchEngine
+    store: ExpertStore
+    policy: PolicyConfig
+    dtype: torch.dtype
+    stats: SchedulerStats
+    in_use: list[Key]
+    prefetches: dict[Key, Any]
+    land_early: bool
+    _landed: dict[Key, int]
+    _host_held: list[Key]
+    _on_cpu: bool
+    _prefill: bool
+
+    def _take(self, f: Any) -> memoryview:  # Scheduler's
+        raise NotImplementedError
+
+    def _admit(self, key: Key, expert: object, nbytes: int, bits: int) -> bool:  # Scheduler's
+        raise NotImplementedError
+
+    def _count_use(self, layer: int, kind: int) -> None:  # Scheduler's
+        raise NotImplementedError
+
+    def _upload(
+        self,
+        key: Key,
+        payload: memoryview,
+        bits: int,
+        demand: bool,
+        release: Callable[[], object] | None = None,
+        use_now: bool = True,
+    ) -> tuple[Expert, bool]:
+        """``payload`` copied to the device and decoded there, then offered to the cache (pinned for this layer where
+        ``use_now``) → (the expert, whether cached). ``release``: gives the staging buffer back once the copy out of it
+        has landed; None: the payload is ``key``'s host-tier slot, kept from reuse until then."""
+        blob, event = self.copier.upload(payload, demand=demand)
+        if release is not None:
+            self.copier.release_after(event, release)
+        elif self.host is not None:
+            self.host.copying(key, event)
+        expert = decode_expert(blob, self.store.precisions[bits], self.dtype)
+        # charged what it holds: a view in it keeps its whole base (the uploaded blob) alive
+        held = max(expert.nbytes, held_bytes(expert))
+        cached = self.cache is not None and bits == self.policy.bits and self._admit(key, expert, held, bits)
+        if cached and use_now:
+            assert self.cache is not None
+            self.cache.pin(key)
+            self.in_use.append(key)
+        return expert, cached
+
+    def _land(self) -> None:
+        """Make ready the prefetches whose reads have landed (:attr:`land_early`): uploaded, decoded and cached now,
+        a hit when their layer asks. Cold copies and failed reads wait for their use, as before."""
+        if not self.land_early:
+            return
+        for key, f in [(k, f) for k, f in self.prefetches.items() if f.req.done.is_set()]:
+            if f.bits != self.policy.bits or f.req.state != "done":
+                continue
+            del self.prefetches[key]
+            t0 = time.perf_counter()
+            payload = self._take(f)
+            if self.host is not None:
+                self.host.admit(key, payload, f.bits)
+            _, cached = self._upload(key, payload, f.bits, False, partial(self.fetch.release, f.req), use_now=False)
+            self.stats.consume_s += time.perf_counter() - t0
+            self.stats.landed_early += 1
+            if cached:
+                self._landed[key] = f.req.ref.length
+            else:  # the cache declined it: its use reads again (or copies from the host tier)
+                self.stats.wasted_bytes += f.req.ref.length
+
+    def _host_holds(self, key: Key) -> bool:
+        """Whether the host tier holds ``key`` at the policy's precision: then pinned there till :meth:`end_layer`
+        and served from it, with no store read."""
+        if self.host is None or not self.host.holds(key, self.policy.bits):
+            return False
+        if key not in self._host_held:
+            self.host.pin(key)
+            self._host_held.append(key)
+        return True
+
+    def _from_host(self, key: Key, info: AccessInfo) -> Expert:
+        """A device miss the host tier holds: computed on the CPU where it lies (policy ``miss_compute="hybrid"``, a
+        decode row: runtime.cpu_miss), else copied to the device from its slot and cached."""
+        assert self.host is not None
+        t0 = time.perf_counter()
+        if self.cache is not None:
+            self.cache.access(key, False, info)
+        self.host.access(key, True, info)
+        self.host.stats.served += 1
+        expert: Expert
+        if self._on_cpu and not self._prefill:
+            blob = torch.frombuffer(self.host.blob(key), dtype=torch.uint8)
+            on_cpu = decode_expert(blob, self.store.precisions[self.policy.bits], self.dtype, "cpu")
+            expert = cast(Expert, OnHost(on_cpu))  # called as any expert is (layer_step.expert_rows)
+            self.stats.cpu_computed += 1
+        else:
+            expert, _ = self._upload(key, self.host.blob(key), self.policy.bits, demand=True)
+        self.stats.consume_s += time.perf_counter() - t0
+        self.stats.misses += 1
+        self.stats.host_hits += 1
+        self._count_use(key[0], 2)
+        return expert
+
+    def _ready_from_host(self, key: Key, bits: int) -> None:
+        """A prefetch the host tier holds: copied to the device and cached now (:attr:`land_early`), else left to
+        be served from the host tier when its layer asks."""
+        assert self.host is not None
+        if self.land_early and bits == self.policy.bits:
+            _, cached = self._upload(key, self.host.blob(key), bits, demand=False, use_now=False)
+            self.stats.landed_early += 1
+            if cached:
+                self._landed[key] = 0
