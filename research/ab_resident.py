@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from fate_edge import running_elsewhere
+
 
 def parse_variant(text: str) -> tuple[str, str, str, dict[str, str]]:
     """``name=tree[:cache[:K=V,K=V]]`` → (name, tree, cache or "", env)."""
@@ -44,14 +46,15 @@ def run_one(tree: str, cache: str, env_extra: dict[str, str], spec: dict, folder
     path.write_text(json.dumps(spec))
     code = "import sys; from fate_edge_lab.bench.sidebyside import child_main; child_main(open(sys.argv[1]).read())"
     load = os.getloadavg()[0]
+    running = running_elsewhere()  # what fate_edge's import will see (the host's other tasks, this one's not)
     done = subprocess.run(
         [sys.executable, "-c", code, str(path)], env=env, capture_output=True, text=True, timeout=900, cwd=tree
     )
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
     if done.returncode != 0 or not lines:
-        return {"error": done.stderr.strip()[-600:], "load_avg": load}
+        return {"error": done.stderr.strip()[-600:], "load_avg": load, "running_elsewhere": running}
     out = json.loads(lines[-1])
-    out["load_avg"] = load
+    out["load_avg"], out["running_elsewhere"] = load, running
     out["load_avg_after"] = os.getloadavg()[0]
     return out
 
@@ -98,7 +101,8 @@ def main() -> None:
                         print(
                             f"round {r} {key}: prefill {out.get('prefill_tps', 0):.1f} decode "
                             f"{out.get('decode_tps') or 0:.2f} tok/s (cpu {out.get('decode_cpu_tps') or 0:.2f}) "
-                            f"load {out['load_avg']:.2f}{' ERROR ' + out['error'] if 'error' in out else ''}",
+                            f"load {out['load_avg']:.2f} running {out['running_elsewhere']}"
+                            + (" ERROR " + out["error"] if "error" in out else ""),
                             flush=True,
                         )
     summary = {}
@@ -109,6 +113,7 @@ def main() -> None:
             for k in ("prefill_tps", "decode_tps", "decode_cpu_tps", "load_avg")
         }
         summary[key]["loads"] = [round(x["load_avg"], 2) for x in rs]
+        summary[key]["running_elsewhere"] = [x["running_elsewhere"] for x in rs]
         summary[key]["decode_all"] = [round(x.get("decode_tps") or 0, 2) for x in rs]
         summary[key]["tokens"] = ok[0]["tokens"][:8] if ok else None
     for key, row in summary.items():

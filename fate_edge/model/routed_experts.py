@@ -83,7 +83,7 @@ def serve_routing(
         obs(layer, h, host_idx, host_w)
     acc = moe_sum(x)
     if h.shape[0] == 1:
-        acc, z = routed_one(model, acc, h, layer, host_w, host_idx, bool(decode), shared, fold)
+        acc, z = routed_one_and_shared(model, acc, h, layer, host_w, host_idx, bool(decode), shared, fold)
     else:
         z = shared()
         acc = routed_grouped(model, acc, h, layer, weights, idx, decode)
@@ -107,14 +107,27 @@ def routed_one(
     host_w: torch.Tensor,
     host_idx: torch.Tensor,
     decode: bool = True,
+) -> torch.Tensor | None:
+    """One row: its k experts called directly (no sort or index bookkeeping), added to the float32 sum ``acc``
+    (:func:`~fate_edge.model.layer_step.moe_sum`) in expert-id order with their weights as Python floats
+    (``host_w``, ``host_idx`` [1, k] on the host) → the sum [1, H] (None: none started and every expert skipped)."""
+    return routed_one_and_shared(model, acc, h, layer, host_w, host_idx, decode)[0]
+
+
+def routed_one_and_shared(
+    model: DecodingModel,
+    acc: torch.Tensor | None,
+    h: torch.Tensor,
+    layer: int,
+    host_w: torch.Tensor,
+    host_idx: torch.Tensor,
+    decode: bool = True,
     shared: Shared = _no_shared,
     fold: NativeShared | None = None,
 ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor | None] | None]:
-    """One row: its k experts called directly (no sort or index bookkeeping), added to the float32 sum ``acc``
-    (:func:`~fate_edge.model.layer_step.moe_sum`) in expert-id order with their weights as Python floats
-    (``host_w``, ``host_idx`` [1, k] on the host) → (the sum [1, H], None where none started and every expert was
-    skipped; ``shared()``'s output, computed before the experts arrive, or with the first group's experts in their
-    kernel calls where ``fold`` is given and they group)."""
+    """:func:`routed_one` and the shared expert → (the sum, ``shared()``'s output): the shared expert computed
+    before the experts arrive, or, where ``fold`` is given and the first group's experts group with it, in their
+    kernel calls."""
     weight_of = dict(zip(host_idx.tolist()[0], host_w.tolist()[0]))  # exact: float32 → Python float → float32
     rows = ExpertInput(h, decode)
     parts: dict[int, torch.Tensor] = {}
