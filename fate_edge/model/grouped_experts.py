@@ -92,17 +92,27 @@ def groupable(items: Sequence[tuple[Expert | None, torch.Tensor]]) -> bool:
     """Whether :func:`compute_group` takes these (expert, rows) pairs in grouped kernel calls: two or more, every one
     on the native kernel with the same stage layout and intermediate size, rows fp32 or bf16 of one dtype, at most
     :data:`GROUP_MAX_ROWS` rows in all."""
+    return _group_stages(items) is not None
+
+
+Stages = list[tuple[list[NativeInt4], NativeInt4]]
+
+
+def _group_stages(items: Sequence[tuple[Expert | None, torch.Tensor]]) -> Stages | None:
+    """Each expert's :func:`native_stages` where the items are :func:`groupable`, else None."""
     if len(items) < 2 or sum(x.shape[0] for _, x in items) > GROUP_MAX_ROWS:
-        return False
-    shapes = set()
+        return None
+    shapes: set[tuple] = set()
+    all_stages: Stages = []
     for expert, x in items:
         stages = native_stages(expert)
         if stages is None or x.dim() != 2 or x.shape[0] == 0 or x.dtype not in (torch.float32, torch.bfloat16):
-            return False
+            return None
         up, down = stages
         assert isinstance(expert, QuantizedExpert)  # native_stages said so
         shapes.add((len(up), tuple(m.shape for m in up), down.shape, x.dtype, expert.glu, expert.bias is None))
-    return len(shapes) == 1
+        all_stages.append(stages)
+    return all_stages if len(shapes) == 1 else None
 
 
 def group_rows_with_shared(
@@ -114,9 +124,10 @@ def group_rows_with_shared(
     computes them apart)."""
     live = [(e, expert) for e, expert in group if expert is not None]
     items = [(expert, h) for _, expert in live]
-    if not items or not groupable(items) or shared.gate_up.shape[1] != h.shape[1]:
+    stages = _group_stages(items)
+    if stages is None or shared.gate_up.shape[1] != h.shape[1]:
         return None
-    outs, z = _compute(items, (shared, h.contiguous()))
+    outs, z = _compute(items, (shared, h.contiguous()), stages)
     assert z is not None  # computed with the shared expert
     return dict(zip((e for e, _ in live), outs)), z
 
@@ -128,16 +139,20 @@ def compute_group(items: Sequence[tuple[Expert | None, torch.Tensor]]) -> list[t
 
 
 def _compute(
-    items: Sequence[tuple[Expert | None, torch.Tensor]], shared: tuple[NativeShared, torch.Tensor] | None
+    items: Sequence[tuple[Expert | None, torch.Tensor]],
+    shared: tuple[NativeShared, torch.Tensor] | None,
+    stages: Stages | None = None,
 ) -> tuple[list[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None] | None]:
     """:func:`compute_group`, and ``shared``'s expert on its rows in the same two calls (first in each: the largest
-    matrix) → (the experts' outputs, the shared expert's output and gate logit, or None without one)."""
-    stages = []
-    for expert, _ in items:
-        st = native_stages(expert)
-        if st is None:
-            raise ValueError("compute_group takes experts whose matrices are all on the native kernel (groupable)")
-        stages.append(st)
+    matrix) → (the experts' outputs, the shared expert's output and gate logit, or None without one). ``stages``:
+    each expert's :func:`native_stages`, where the caller has them."""
+    if stages is None:
+        stages = []
+        for expert, _ in items:
+            st = native_stages(expert)
+            if st is None:
+                raise ValueError("compute_group takes experts whose matrices are all on the native kernel (groupable)")
+            stages.append(st)
     xs = [x.contiguous() for _, x in items]
     bounds, total = [], 0
     for x in xs:
@@ -177,4 +192,4 @@ def _compute(
     gemm_grouped(calls)
     for (a, b), bias in zip(bounds, biases):
         plus_bias(y[a:b], bias.down)
-    return [y[a:b] for a, b in bounds], z
+    return list(y.split_with_sizes([b - a for a, b in bounds])), z  # one operator for every expert's view
