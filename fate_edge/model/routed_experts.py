@@ -51,7 +51,8 @@ def provider_moe(model: DecodingModel, decode: bool | torch.Tensor) -> Moe:
         if mlp is None or down is None:
             return serve_routing(model, x, h, layer, weights, idx, _no_shared, decode)
         shared = lambda: shared_out(model.act, h, mlp, down)  # noqa: E731
-        fold = native_shared(model.act, mlp, down) if h.shape[0] == 1 and model.experts.all_at_hand else None
+        one_row = h.shape[0] == 1 and h.device.type == "cpu"  # the native kernel's device
+        fold = native_shared(model.act, mlp, down) if one_row and model.experts.all_at_hand else None
         return serve_routing(model, x, h, layer, weights, idx, shared, decode, fold)
 
     return moe
