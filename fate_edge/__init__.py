@@ -1,17 +1,44 @@
 """fate-edge: run Mixture-of-Experts language models on devices smaller than the model."""
 
 import os
+import time
+
+# How many spin iterations an idle OpenMP thread waits before it sleeps. With nothing else running, long enough to
+# span the Python between one decode layer's kernel calls, so the second thread is still awake for the next one;
+# beside other tasks, short (docs/measured-choices.md)
+QUIET_SPINCOUNT = "100000"
+SHORT_SPINCOUNT = "10000"
 
 
-def openmp_defaults(load: float, cores: int) -> dict[str, str]:
+def openmp_defaults(load: float, cores: int, running_elsewhere: int | None = None) -> dict[str, str]:
     """How idle OpenMP threads should wait, chosen from the host's load when fate_edge is imported.
 
     Decode runs ~300 small operators a token, so waiting threads either spin (and steal the core from whoever
-    they wait for when the host is busy) or sleep (and are woken for every operator): a short spin while the host
+    they wait for when the host is busy) or sleep (and are woken for every operator): a spin while the host
     has a core per running task, passive waiting once it is oversubscribed. The measurements behind this:
-    docs/performance.md, "Threads under load".
+    docs/performance.md, "Threads under load". ``running_elsewhere``: how many other tasks the host is running
+    right now (None: unknown). Nothing else running is a quiet host whatever the 1-minute load says (that average
+    still counts, for a minute, processes that have ended: a benchmark's previous run): the spin then spans a
+    decode layer's Python; beside other tasks it stays short.
     """
-    return {"GOMP_SPINCOUNT": "10000"} if load < cores else {"OMP_WAIT_POLICY": "PASSIVE"}
+    if running_elsewhere == 0:
+        return {"GOMP_SPINCOUNT": QUIET_SPINCOUNT}
+    return {"GOMP_SPINCOUNT": SHORT_SPINCOUNT} if load < cores else {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def running_elsewhere(samples: int = 5) -> int | None:
+    """Tasks the host runs right now besides this one: the median of a few readings of /proc/loadavg's running
+    count, a millisecond apart (one reading catches a short-lived task). None without /proc."""
+    counts = []
+    try:
+        for i in range(samples):
+            if i:
+                time.sleep(0.001)
+            with open("/proc/loadavg") as f:
+                counts.append(int(f.read().split()[3].split("/")[0]) - 1)  # less this process's reading thread
+    except (OSError, ValueError, IndexError):
+        return None
+    return sorted(counts)[len(counts) // 2]
 
 
 # Before torch loads libgomp, which reads these once. A wait policy or spin count the user set wins (libgomp lets
@@ -23,7 +50,9 @@ for _name in filter(None, os.environ.pop("FATE_EDGE_SET_OPENMP", "").split(","))
     os.environ.pop(_name, None)
 if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):
     _chosen = openmp_defaults(
-        os.getloadavg()[0], len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        os.getloadavg()[0],
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
+        running_elsewhere(),
     )
     os.environ.update(_chosen)
     os.environ["FATE_EDGE_SET_OPENMP"] = ",".join(_chosen)

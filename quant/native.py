@@ -10,10 +10,11 @@ AVX2 path).
 
 from __future__ import annotations
 
+import array
 import ctypes
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -149,6 +150,8 @@ class NativeInt4:
     zero: torch.Tensor
     group_size: int
     in_features: int = 0  # K of x; 0: the codes' own. Columns past it (padding to a multiple of 128) are zero
+    # fe_int4_gemm's first seven arguments (the matrix's own), built once: a call adds x's and y's
+    _fixed: list[int] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _lib()  # builds the library on first use, whoever constructs the matrix
@@ -168,6 +171,26 @@ class NativeInt4:
             self.codes = torch.cat([self.codes, self.codes.new_zeros(n, pad // 2)], dim=1)
             self.scale = torch.cat([self.scale, self.scale.new_zeros(n, pad // g)], dim=1)
             self.zero = torch.cat([self.zero, self.zero.new_zeros(n, pad // g)], dim=1)
+        self._set_fixed()
+
+    def _set_fixed(self) -> None:
+        self._fixed = [
+            self.codes.data_ptr(),
+            self.scale.data_ptr(),
+            self.zero.data_ptr(),
+            int(self.scale.dtype == torch.float32),
+            self.codes.shape[0],
+            self.codes.shape[1] * 2,
+            self.group_size,
+        ]
+
+    # A copy (pickle, deepcopy) holds new tensors: their addresses, never the original's
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_fixed"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._set_fixed()
 
     @property
     def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -181,26 +204,11 @@ class NativeInt4:
     def call_args(self, x: torch.Tensor, y: torch.Tensor) -> list[int]:
         """fe_int4_gemm's arguments for ``y = x @ W.T`` (x, y contiguous [M, K] / [M, N], both bf16 or both fp32):
         one row of :func:`gemm_grouped`'s table."""
-        n, k = self.shape
         bf16 = int(x.dtype == torch.bfloat16)
-        return [
-            self.codes.data_ptr(),
-            self.scale.data_ptr(),
-            self.zero.data_ptr(),
-            int(self.scale.dtype == torch.float32),
-            n,
-            self.codes.shape[1] * 2,
-            self.group_size,
-            x.data_ptr(),
-            bf16,
-            k,
-            x.shape[0],
-            y.data_ptr(),
-            bf16,
-        ]
+        return [*self._fixed, x.data_ptr(), bf16, self.in_features, x.shape[0], y.data_ptr(), bf16]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        n, k = self.shape
+        n, k = self.codes.shape[0], self.in_features
         x2 = x.reshape(-1, k)
         if x2.dtype not in (torch.float32, torch.bfloat16):
             x2 = x2.to(torch.float32)
@@ -212,7 +220,8 @@ class NativeInt4:
         if x2.shape[0]:
             lib = _state.lib
             assert lib is not None  # loaded in __post_init__
-            rc = lib.fe_int4_gemm(*self.call_args(x2, y), torch.get_num_threads(), _state.isa)
+            args = self.call_args(x2, y)
+            rc = lib.fe_int4_gemm(*args, torch.get_num_threads(), _state.isa)
             if rc != 0:
                 raise MemoryError(f"native int4 matmul {n}x{k} on {x2.shape[0]} rows: out of memory for its buffers")
         y = y if x.dim() == 2 else y.view(*x.shape[:-1], n)
@@ -236,7 +245,8 @@ def gemm_grouped(calls: list[tuple[NativeInt4, torch.Tensor, torch.Tensor]]) -> 
             raise ValueError(f"gemm_grouped: x {tuple(x.shape)} for a {n}x{k} matrix must be a contiguous [M, {k}]")
         if y.shape != (x.shape[0], n) or y.dtype != x.dtype or x.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"gemm_grouped: y {tuple(y.shape)} {y.dtype} does not fit x {tuple(x.shape)} {x.dtype}")
-    table = torch.tensor([lin.call_args(x, y) for lin, x, y in calls], dtype=torch.int64)
-    rc = _lib().fe_int4_gemm_grouped(len(calls), table.data_ptr(), torch.get_num_threads(), _state.isa)
+    table = array.array("q", [a for lin, x, y in calls for a in lin.call_args(x, y)])  # int64, as the C reads
+    address, _ = table.buffer_info()
+    rc = _lib().fe_int4_gemm_grouped(len(calls), address, torch.get_num_threads(), _state.isa)
     if rc != 0:
         raise MemoryError(f"native int4 grouped matmul of {len(calls)} matrices: out of memory for its buffers")

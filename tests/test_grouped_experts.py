@@ -171,3 +171,105 @@ def test_gpt_oss_experts_with_biases_and_the_clamp_keep_their_own_bits(fused, dt
     assert not groupable([(experts[0], x), (plain, x)])  # biases beside none
     plain.bias = experts[1].bias
     assert not groupable([(experts[0], x), (plain, x)])  # the clamp beside silu
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_shared_expert_in_the_experts_calls_keeps_its_own_bits(threads, dtype):
+    """A shared expert (Qwen's: gate, up and its gate row in one matrix) computed in the routed experts' two grouped
+    calls: its output and gate logit are the bits of shared_out, each routed expert's those of its own call."""
+    import torch.nn.functional as F
+
+    from fate_edge.model.grouped_experts import group_rows_with_shared, native_shared
+    from fate_edge.model.layer import Fused
+    from fate_edge.model.layer_step import shared_out
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(3)
+        gate_up = QuantizedLinear.from_float(torch.randn(2 * 384 + 1, 256, generator=g), SPEC, kernel="native-int4")
+        down = QuantizedLinear.from_float(torch.randn(256, 384, generator=g), SPEC, kernel="native-int4")
+        mlp, dn = Fused(gate_up, None, [384, 384, 1]), Fused(down, None, [256])
+        shared = native_shared(F.silu, mlp, dn)
+        assert shared is not None
+        group = [(e, _expert(e)) for e in (4, 1, 7)]
+        h = torch.randn(1, 256, generator=g).to(dtype)
+        got = group_rows_with_shared(group, h, shared)
+        assert got is not None
+        outs, (z, gate) = got
+        want_z, want_gate = shared_out(F.silu, h, mlp, dn)
+        assert want_gate is not None and gate is not None
+        assert torch.equal(z, want_z) and torch.equal(gate, want_gate)
+        assert sorted(outs) == [1, 4, 7]
+        for e, expert in group:
+            assert torch.equal(outs[e], expert(h))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_shared_expert_off_the_native_kernel_is_not_folded():
+    import torch.nn.functional as F
+
+    from fate_edge.model.grouped_experts import group_rows_with_shared, native_shared
+    from fate_edge.model.layer import Fused
+
+    g = torch.Generator().manual_seed(4)
+    up_w, down_w = torch.randn(2 * 128, 256, generator=g), torch.randn(256, 128, generator=g)
+    native_up = QuantizedLinear.from_float(up_w, SPEC, kernel="native-int4")
+    native_down = QuantizedLinear.from_float(down_w, SPEC, kernel="native-int4")
+    assert native_shared(F.silu, Fused(up_w, None, [128, 128]), Fused(native_down, None, [256])) is None  # a tensor
+    bias = torch.zeros(256)
+    assert native_shared(F.silu, Fused(native_up, bias, [128, 128]), Fused(native_down, None, [256])) is None
+    shared = native_shared(F.silu, Fused(native_up, None, [128, 128]), Fused(native_down, None, [256]))
+    assert shared is not None
+    h = torch.randn(1, 256, generator=g)
+    assert group_rows_with_shared([(0, _expert(0)), (1, _expert(1, fused=False))], h, shared) is None  # not groupable
+    assert group_rows_with_shared([(0, None)], h, shared) is None  # every expert skipped
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_resident_decode_token_takes_its_shared_expert_into_the_experts_two_calls(tmp_path, dtype, monkeypatch):
+    """A resident int4 model (shared expert int4 too): each MoE layer of a decode token makes two grouped kernel
+    calls, the shared expert first in each beside the routed experts, and the logits are the bits of computing the
+    shared expert on its own (a provider that is not all at hand)."""
+    from _tiny_moe import build_wide_moe
+
+    from fate_edge import load_model
+    from fate_edge.model.experts import InMemoryExpertProvider
+    from fate_edge.runtime.loader import expert_spec
+
+    model = load_model(build_wide_moe(tmp_path / "m", 128, vocab=1024), dtype, resident_bits=4)
+    spec = expert_spec(model.config, 4)
+    model.experts = InMemoryExpertProvider.quantized(model.experts, spec, kernel="native-int4")
+    calls: list[list[tuple[int, int]]] = []
+    real = grouped_experts.gemm_grouped
+
+    def recording(table):
+        calls.append([lin.shape for lin, _, _ in table])
+        real(table)
+
+    monkeypatch.setattr(grouped_experts, "gemm_grouped", recording)
+
+    def decode() -> list[torch.Tensor]:
+        cache = model.new_cache()
+        with torch.inference_mode():
+            tok = model(torch.tensor([[3, 17, 99, 5, 250]]), cache)[0, -1].argmax().view(1, 1)
+            calls.clear()
+            out = []
+            for _ in range(3):
+                logits = model(tok, cache)
+                out.append(logits)
+                tok = logits[0, -1].argmax().view(1, 1)
+        return out
+
+    folded = decode()
+    moe_layers = sum(lp.router is not None for lp in model.plan())
+    assert len(calls) == 2 * moe_layers * 3  # gate and up, then down: the shared expert in both
+    assert all(len(c) == 1 + model.config.num_experts_per_tok for c in calls)
+    assert calls[0][0] == (2 * 128 + 1, 128) and calls[1][0] == (128, 128)  # the shared expert first
+    monkeypatch.setattr(InMemoryExpertProvider, "all_at_hand", False)
+    apart = decode()
+    assert all(len(c) == model.config.num_experts_per_tok for c in calls)
+    for a, b in zip(folded, apart):
+        assert torch.equal(a, b)

@@ -450,3 +450,18 @@ print(lin(torch.ones(1, 128)).abs().sum().item())
 """,
     )
     assert out == "0.0"
+
+
+def test_a_copied_or_pickled_matrix_computes_on_its_own_tensors():
+    """A native matrix keeps its tensors' addresses for the kernel's arguments: a deep copy or a pickled copy
+    holds new tensors and must hand the kernel those (the original freed, a stale address would read freed memory)."""
+    import copy
+    import pickle
+
+    lin = QuantizedLinear.from_float(_randn((256, 256), 5), QuantSpec(4, 64), kernel="native-int4")
+    x = _randn((3, 256), 6)
+    want = lin(x)
+    for c in (copy.deepcopy(lin), pickle.loads(pickle.dumps(lin))):
+        assert c.native is not None and c.native.codes.data_ptr() != lin.native.codes.data_ptr()
+        assert c.native.call_args(x, want)[:3] == [t.data_ptr() for t in c.native.parts]
+        assert torch.equal(c(x), want)

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -31,23 +32,50 @@ def _user_env(**set_by_user: str) -> dict[str, str]:
 
 
 def test_openmp_waits_with_a_short_spin_on_a_quiet_host_and_passively_on_an_oversubscribed_one():
-    from fate_edge import openmp_defaults
+    from fate_edge import SHORT_SPINCOUNT, openmp_defaults
 
     # PASSIVE woke a sleeping thread for every small decode operator (3-4x slower on a quiet host); spinning
     # stole the core from the thread waited for once the host ran more tasks than cores (8x slower at load 16).
-    assert openmp_defaults(0.3, 2) == {"GOMP_SPINCOUNT": "10000"}
-    assert openmp_defaults(1.9, 2) == {"GOMP_SPINCOUNT": "10000"}
-    assert openmp_defaults(2.0, 2) == {"OMP_WAIT_POLICY": "PASSIVE"}
-    assert openmp_defaults(16.0, 2) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    for running in (None, 1):  # other tasks running now, or no /proc to say: the 1-minute load decides
+        assert openmp_defaults(0.3, 2, running) == {"GOMP_SPINCOUNT": SHORT_SPINCOUNT}
+        assert openmp_defaults(1.9, 2, running) == {"GOMP_SPINCOUNT": SHORT_SPINCOUNT}
+        assert openmp_defaults(2.0, 2, running) == {"OMP_WAIT_POLICY": "PASSIVE"}
+        assert openmp_defaults(16.0, 2, running) == {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def test_with_nothing_else_running_idle_threads_spin_across_a_decode_layers_python():
+    from fate_edge import QUIET_SPINCOUNT, SHORT_SPINCOUNT, openmp_defaults
+
+    assert int(QUIET_SPINCOUNT) > int(SHORT_SPINCOUNT)
+    assert openmp_defaults(0.3, 2, running_elsewhere=0) == {"GOMP_SPINCOUNT": QUIET_SPINCOUNT}
+    # the 1-minute load still counts a benchmark's previous process (2 threads for 30 s: ~0.8) after it ended
+    assert openmp_defaults(2.4, 2, running_elsewhere=0) == {"GOMP_SPINCOUNT": QUIET_SPINCOUNT}
+
+
+def test_running_elsewhere_counts_a_busy_process_beside_this_one():
+    from fate_edge import running_elsewhere
+
+    quiet = running_elsewhere()
+    assert quiet is not None and quiet >= 0
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        assert max(running_elsewhere() or 0 for _ in range(5)) >= 1  # the spinning child, whatever else runs
+    finally:
+        busy.kill()
+        busy.wait()
 
 
 @pytest.mark.slow
 def test_importing_fate_edge_sets_one_of_the_two_and_names_it():
+    from fate_edge import QUIET_SPINCOUNT, SHORT_SPINCOUNT
+
     keys = (*OPENMP, "FATE_EDGE_SET_OPENMP")
     code = f"import json, os, fate_edge; print(json.dumps({{k: os.environ.get(k) for k in {keys!r}}}))"
     got = _child_env(code, _user_env())
     assert got in (
-        {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "10000", "FATE_EDGE_SET_OPENMP": "GOMP_SPINCOUNT"},
+        {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": QUIET_SPINCOUNT, "FATE_EDGE_SET_OPENMP": "GOMP_SPINCOUNT"},
+        {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": SHORT_SPINCOUNT, "FATE_EDGE_SET_OPENMP": "GOMP_SPINCOUNT"},
         {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None, "FATE_EDGE_SET_OPENMP": "OMP_WAIT_POLICY"},
     )
 

@@ -220,6 +220,11 @@ class ExpertProvider(ABC):
     :meth:`end_layer` (unpin, drop unused prefetches).
     """
 
+    # Whether stream_groups hands out every expert asked for at once, in one group, without waiting for a read: the
+    # MoE block may then compute the shared expert in the same kernel calls (grouped_experts.group_rows_with_shared)
+    # instead of beside the reads it would otherwise overlap
+    all_at_hand = False
+
     @abstractmethod
     def get(self, layer: int, expert: int) -> Expert:
         """The weights of ``expert`` in ``layer``, ready to call."""
@@ -246,6 +251,8 @@ class ExpertProvider(ABC):
 
 class InMemoryExpertProvider(ExpertProvider):
     """Every expert resident in memory: the reference configuration for parity and the fastest when it fits."""
+
+    all_at_hand = True
 
     def __init__(self, experts: dict[tuple[int, int], Expert]):
         # Resident int4 experts with separate gate and up (as the store holds them) take one matmul for both.

@@ -7,16 +7,26 @@ sequences, each on one or two rows. One kernel call per matrix cost a Python cal
 parallel region with its barrier each: with 2 threads on 2 cores (beside the reader thread) the barriers alone took
 ~27% of the step (py-spy). Each expert's output has the bits of ``expert(x)``: the kernel computes a matrix the same
 way whichever thread takes it, and the activation is elementwise.
+
+A decode token's experts all at hand (a resident provider) take the layer's shared expert into the same two calls
+(:func:`group_rows_with_shared`): its gate and up beside the routed experts' gate and up, its down beside theirs.
+At two threads each call was an OpenMP parallel region the second thread had to be woken for, with the Python
+between them serial; one layer's MoE block now enters two regions instead of four (docs/cpu-profile.md). The
+shared expert goes first in each call, the largest matrix: the threads take whole matrices in table order, so the
+other thread meanwhile takes the routed experts (on the Qwen1.5-MoE shape they read as many bytes as it does).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from fate_edge.model.experts import Expert, QuantizedExpert, plus_bias
+from fate_edge.model.layer import Fused
 from fate_edge.model.layer_step import ExpertInput, expert_rows
+from fate_edge.quant.linear import QuantizedLinear
 from fate_edge.quant.native import NativeInt4, gemm_grouped
 
 
@@ -31,6 +41,31 @@ def group_rows(
     if groupable(items):
         return dict(zip((e for e, _ in live), compute_group(items)))
     return {e: expert_rows(expert, rows, None if parts is None else parts[e]) for e, expert in live}
+
+
+@dataclass
+class NativeShared:
+    """A shared expert (or dense MLP) both of whose matrices compute on the native kernel (resident int4): what
+    :func:`~fate_edge.model.layer_step.shared_out` computes, taken into a group's calls."""
+
+    act: Callable[[torch.Tensor], torch.Tensor]
+    gate_up: NativeInt4  # [gate; up(; Qwen's shared gate row)], split by ``sizes``
+    sizes: list[int]
+    down: NativeInt4
+
+
+def native_shared(act: Callable[[torch.Tensor], torch.Tensor], mlp: Fused, down: Fused) -> NativeShared | None:
+    """``mlp`` and ``down`` as a :class:`NativeShared`, or None where either is not a bias-free matrix on the native
+    kernel with every output row its own."""
+    first, second = _native_of(mlp), _native_of(down)
+    if first is None or second is None or first.shape[0] != sum(mlp.sizes):
+        return None
+    return NativeShared(act, first, mlp.sizes, second)
+
+
+def _native_of(f: Fused) -> NativeInt4 | None:
+    w = f.weight
+    return w.native if isinstance(w, QuantizedLinear) and f.bias is None else None
 
 
 def native_stages(expert: Expert | None) -> tuple[list[NativeInt4], NativeInt4] | None:
@@ -57,28 +92,67 @@ def groupable(items: Sequence[tuple[Expert | None, torch.Tensor]]) -> bool:
     """Whether :func:`compute_group` takes these (expert, rows) pairs in grouped kernel calls: two or more, every one
     on the native kernel with the same stage layout and intermediate size, rows fp32 or bf16 of one dtype, at most
     :data:`GROUP_MAX_ROWS` rows in all."""
+    return _group_stages(items) is not None
+
+
+Stages = list[tuple[list[NativeInt4], NativeInt4]]
+
+
+def _group_stages(items: Sequence[tuple[Expert | None, torch.Tensor]]) -> Stages | None:
+    """Each expert's :func:`native_stages` where the items are :func:`groupable`, else None."""
     if len(items) < 2 or sum(x.shape[0] for _, x in items) > GROUP_MAX_ROWS:
-        return False
-    shapes = set()
+        return None
+    shapes: set[tuple] = set()
+    all_stages: Stages = []
     for expert, x in items:
         stages = native_stages(expert)
         if stages is None or x.dim() != 2 or x.shape[0] == 0 or x.dtype not in (torch.float32, torch.bfloat16):
-            return False
+            return None
         up, down = stages
         assert isinstance(expert, QuantizedExpert)  # native_stages said so
         shapes.add((len(up), tuple(m.shape for m in up), down.shape, x.dtype, expert.glu, expert.bias is None))
-    return len(shapes) == 1
+        all_stages.append(stages)
+    return all_stages if len(shapes) == 1 else None
+
+
+def group_rows_with_shared(
+    group: Sequence[tuple[int, Expert | None]], h: torch.Tensor, shared: NativeShared
+) -> tuple[dict[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]] | None:
+    """:func:`group_rows` for a group on every row of ``h`` [M, H], with the shared expert ``shared`` on them in the
+    same kernel calls → (each computed expert's output rows, the shared expert's output and Qwen's gate logit as
+    :func:`~fate_edge.model.layer_step.shared_out` gives them), or None where they cannot be grouped (the caller
+    computes them apart)."""
+    live = [(e, expert) for e, expert in group if expert is not None]
+    items = [(expert, h) for _, expert in live]
+    stages = _group_stages(items)
+    if stages is None or shared.gate_up.shape[1] != h.shape[1]:
+        return None
+    outs, z = _compute(items, (shared, h.contiguous()), stages)
+    assert z is not None  # computed with the shared expert
+    return dict(zip((e for e, _ in live), outs)), z
 
 
 def compute_group(items: Sequence[tuple[Expert | None, torch.Tensor]]) -> list[torch.Tensor]:
     """Each expert on its rows x [M, H] → its output rows [M, H] (views of one buffer), as ``expert(x)`` computes
     them. Check :func:`groupable` first."""
-    stages = []
-    for expert, _ in items:
-        st = native_stages(expert)
-        if st is None:
-            raise ValueError("compute_group takes experts whose matrices are all on the native kernel (groupable)")
-        stages.append(st)
+    return _compute(items, None)[0]
+
+
+def _compute(
+    items: Sequence[tuple[Expert | None, torch.Tensor]],
+    shared: tuple[NativeShared, torch.Tensor] | None,
+    stages: Stages | None = None,
+) -> tuple[list[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None] | None]:
+    """:func:`compute_group`, and ``shared``'s expert on its rows in the same two calls (first in each: the largest
+    matrix) → (the experts' outputs, the shared expert's output and gate logit, or None without one). ``stages``:
+    each expert's :func:`native_stages`, where the caller has them."""
+    if stages is None:
+        stages = []
+        for expert, _ in items:
+            st = native_stages(expert)
+            if st is None:
+                raise ValueError("compute_group takes experts whose matrices are all on the native kernel (groupable)")
+            stages.append(st)
     xs = [x.contiguous() for _, x in items]
     bounds, total = [], 0
     for x in xs:
@@ -86,7 +160,12 @@ def compute_group(items: Sequence[tuple[Expert | None, torch.Tensor]]) -> list[t
         total += x.shape[0]
     dtype, device = xs[0].dtype, xs[0].device
     first = [torch.empty(total, m.shape[0], dtype=dtype, device=device) for m in stages[0][0]]
-    gemm_grouped([(m, x, out[a:b]) for (up, _), x, (a, b) in zip(stages, xs, bounds) for m, out in zip(up, first)])
+    calls = [(m, x, out[a:b]) for (up, _), x, (a, b) in zip(stages, xs, bounds) for m, out in zip(up, first)]
+    if shared is not None:
+        s, hs = shared
+        s_first = torch.empty(hs.shape[0], s.gate_up.shape[0], dtype=dtype, device=device)
+        calls.insert(0, (s.gate_up, hs, s_first))
+    gemm_grouped(calls)
     experts = [e for e, _ in items if isinstance(e, QuantizedExpert)]  # every one (native_stages)
     biases = [e.bias for e in experts if e.bias is not None]  # gpt-oss: all or none (groupable)
     for (a, b), bias in zip(bounds, biases):  # each expert's bias on its own rows, as its own call adds it
@@ -101,7 +180,16 @@ def compute_group(items: Sequence[tuple[Expert | None, torch.Tensor]]) -> list[t
         gate, up = first
     act = experts[0].glu(gate, up)  # every row at once: elementwise, the bits each expert's own call gives
     y = torch.empty(total, stages[0][1].shape[0], dtype=dtype, device=device)
-    gemm_grouped([(down, act[a:b], y[a:b]) for (_, down), (a, b) in zip(stages, bounds)])
+    calls = [(down, act[a:b], y[a:b]) for (_, down), (a, b) in zip(stages, bounds)]
+    z: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    if shared is not None:
+        # as shared_out: split_with_sizes, act(gate) * up (a new contiguous tensor), then down
+        s_gate, s_up, *gated = s_first.split_with_sizes(s.sizes, dim=-1)
+        s_act = (s.act(s_gate) * s_up).contiguous()
+        s_y = torch.empty(s_act.shape[0], s.down.shape[0], dtype=dtype, device=device)
+        calls.insert(0, (s.down, s_act, s_y))
+        z = s_y, (gated[0] if gated else None)
+    gemm_grouped(calls)
     for (a, b), bias in zip(bounds, biases):
         plus_bias(y[a:b], bias.down)
-    return [y[a:b] for a, b in bounds]
+    return list(y.split_with_sizes([b - a for a, b in bounds])), z  # one operator for every expert's view

@@ -9,7 +9,9 @@ its k experts directly; several rows are grouped by expert (``dispatch.group_by_
 its contiguous slice) and summed in k passes, pass j adding every row's j-th expert by id, so each row gets the
 one-row path's bits. The provider hands experts out in groups (``stream_groups``: the scheduler's cache hits
 together, then the reads that have landed); a group of native int4 experts computes in grouped kernel calls
-(``grouped_experts``), with each expert's own bits.
+(``grouped_experts``), with each expert's own bits. Where there are no reads to overlap (a decode token's experts
+all at hand, ``ExpertProvider.all_at_hand``) and the shared expert is native int4 too, it computes in the same
+calls (``grouped_experts.group_rows_with_shared``): the same bits, fewer parallel regions.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fate_edge.model.dispatch import group_by_expert
-from fate_edge.model.grouped_experts import group_rows
+from fate_edge.model.grouped_experts import NativeShared, group_rows, group_rows_with_shared, native_shared
 from fate_edge.model.layer_step import (
     ExpertInput,
     Moe,
@@ -49,7 +51,9 @@ def provider_moe(model: DecodingModel, decode: bool | torch.Tensor) -> Moe:
         if mlp is None or down is None:
             return serve_routing(model, x, h, layer, weights, idx, _no_shared, decode)
         shared = lambda: shared_out(model.act, h, mlp, down)  # noqa: E731
-        return serve_routing(model, x, h, layer, weights, idx, shared, decode)
+        one_row = h.shape[0] == 1 and h.device.type == "cpu"  # the native kernel's device
+        fold = native_shared(model.act, mlp, down) if one_row and model.experts.all_at_hand else None
+        return serve_routing(model, x, h, layer, weights, idx, shared, decode, fold)
 
     return moe
 
@@ -67,24 +71,28 @@ def serve_routing(
     idx: torch.Tensor,
     shared: Shared,
     decode: bool | torch.Tensor = True,
+    fold: NativeShared | None = None,
 ) -> torch.Tensor:
     """After a layer's routing (weights, ids [N, k] on ``h``'s device): the observers, then ``shared()`` (computed
     while the reads travel, or already computed by a layer graph), the routed experts into ``x``, the shared expert
-    last → ``x``, updated in place. ``decode``: which rows are decode tokens (``layer_step.expert_rows``)."""
+    last → ``x``, updated in place. ``decode``: which rows are decode tokens (``layer_step.expert_rows``). ``fold``:
+    the shared expert's native matrices, for one row whose experts are all at hand: computed in the routed experts'
+    kernel calls where they group (else ``shared()`` as usual)."""
     grouped = getattr(model, "grouped_prefill", None) if h.shape[0] > 1 and decode is False else None
     model.residual = x
     if model.observers or grouped is None:  # a grouped prompt layer without observers: no host sync
         host_w, host_idx = (weights, idx) if h.device.type == "cpu" else routing_to_host(weights, idx)
         for obs in model.observers:
             obs(layer, h, host_idx, host_w)
-    z = shared()
     acc = moe_sum(x)
     if grouped is not None:  # a prompt's rows, every expert in one grouped call (grouped_prefill)
+        z = shared()
         acc = grouped(layer, h, idx, weights, acc)
         model.experts.end_layer(layer)
     elif h.shape[0] == 1:
-        acc = routed_one(model, acc, h, layer, host_w, host_idx, bool(decode))
+        acc, z = routed_one_and_shared(model, acc, h, layer, host_w, host_idx, bool(decode), shared, fold)
     else:
+        z = shared()
         acc = routed_grouped(model, acc, h, layer, weights, idx, decode)
     return add_moe(x, acc if z is None else add_shared(acc, *z))
 
@@ -110,15 +118,43 @@ def routed_one(
     """One row: its k experts called directly (no sort or index bookkeeping), added to the float32 sum ``acc``
     (:func:`~fate_edge.model.layer_step.moe_sum`) in expert-id order with their weights as Python floats
     (``host_w``, ``host_idx`` [1, k] on the host) → the sum [1, H] (None: none started and every expert skipped)."""
+    return routed_one_and_shared(model, acc, h, layer, host_w, host_idx, decode)[0]
+
+
+def routed_one_and_shared(
+    model: DecodingModel,
+    acc: torch.Tensor | None,
+    h: torch.Tensor,
+    layer: int,
+    host_w: torch.Tensor,
+    host_idx: torch.Tensor,
+    decode: bool = True,
+    shared: Shared = _no_shared,
+    fold: NativeShared | None = None,
+) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor | None] | None]:
+    """:func:`routed_one` and the shared expert → (the sum, ``shared()``'s output): the shared expert computed
+    before the experts arrive, or, where ``fold`` is given and the first group's experts group with it, in their
+    kernel calls."""
     weight_of = dict(zip(host_idx.tolist()[0], host_w.tolist()[0]))  # exact: float32 → Python float → float32
     rows = ExpertInput(h, decode)
     parts: dict[int, torch.Tensor] = {}
+    z = None if fold is not None else shared()
     for group in model.experts.stream_groups(layer, sorted(weight_of)):
-        parts.update(group_rows(group, rows))  # an expert skipped by precision-on-miss (opt-in) has no part
+        both = group_rows_with_shared(group, h, fold) if fold is not None else None
+        if both is not None:
+            got, z = both
+        else:
+            if fold is not None:  # the experts do not group with it: the shared expert on its own
+                z = shared()
+            got = group_rows(group, rows)
+        fold = None
+        parts.update(got)  # an expert skipped by precision-on-miss (opt-in) has no part
+    if fold is not None:  # no group at all
+        z = shared()
     model.experts.end_layer(layer)
     for e in sorted(parts):  # whatever order they arrived in
         acc = add_routed(acc, parts[e], weight_of[e])
-    return acc
+    return acc, z
 
 
 def routed_grouped(
