@@ -12,12 +12,17 @@ way whichever thread takes it, and the activation is elementwise.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeAlias
 
 import torch
 
 from fate_edge.model.experts import Expert, QuantizedExpert, plus_bias
 from fate_edge.model.layer_step import ExpertInput, expert_rows
+from fate_edge.quant import mxfp4
+from fate_edge.quant.mxfp4 import Mxfp4Linear
 from fate_edge.quant.native import NativeInt4, gemm_grouped
+
+Matrix: TypeAlias = NativeInt4 | Mxfp4Linear  # a stage's matrix: int4 or MXFP4 (gpt-oss) on fate-edge's native kernels
 
 
 def group_rows(
@@ -33,13 +38,15 @@ def group_rows(
     return {e: expert_rows(expert, rows, None if parts is None else parts[e]) for e, expert in live}
 
 
-def native_stages(expert: Expert | None) -> tuple[list[NativeInt4], NativeInt4] | None:
+def native_stages(expert: Expert | None) -> tuple[list[Matrix], Matrix] | None:
     """(the first stage's matrices, ``[gate_up]`` or ``[gate, up]``; down) where every matrix of ``expert`` computes
-    on the native kernel, else None."""
+    on the native int4 kernel, or every one on the native MXFP4 kernel, else None."""
     if not isinstance(expert, QuantizedExpert):
         return None
     first = [expert.gate_up] if expert.gate_up is not None else [expert.gate, expert.up]
-    mats = [m.native if m is not None else None for m in (*first, expert.down)]
+    if all(isinstance(m, Mxfp4Linear) and m.kernel == "native-mxfp4" for m in (*first, expert.down)):
+        return list(first), expert.down
+    mats: list[Matrix | None] = [m.native if m is not None else None for m in (*first, expert.down)]
     if any(m is None for m in mats):
         return None
     *up, down = [m for m in mats if m is not None]
@@ -66,7 +73,8 @@ def groupable(items: Sequence[tuple[Expert | None, torch.Tensor]]) -> bool:
             return False
         up, down = stages
         assert isinstance(expert, QuantizedExpert)  # native_stages said so
-        shapes.add((len(up), tuple(m.shape for m in up), down.shape, x.dtype, expert.glu, expert.bias is None))
+        kind = type(down)  # int4 and MXFP4 experts in separate groups (no model mixes them)
+        shapes.add((kind, len(up), tuple(m.shape for m in up), down.shape, x.dtype, expert.glu, expert.bias is None))
     return len(shapes) == 1
 
 
@@ -86,7 +94,7 @@ def compute_group(items: Sequence[tuple[Expert | None, torch.Tensor]]) -> list[t
         total += x.shape[0]
     dtype, device = xs[0].dtype, xs[0].device
     first = [torch.empty(total, m.shape[0], dtype=dtype, device=device) for m in stages[0][0]]
-    gemm_grouped([(m, x, out[a:b]) for (up, _), x, (a, b) in zip(stages, xs, bounds) for m, out in zip(up, first)])
+    _grouped([(m, x, out[a:b]) for (up, _), x, (a, b) in zip(stages, xs, bounds) for m, out in zip(up, first)])
     experts = [e for e, _ in items if isinstance(e, QuantizedExpert)]  # every one (native_stages)
     biases = [e.bias for e in experts if e.bias is not None]  # gpt-oss: all or none (groupable)
     for (a, b), bias in zip(bounds, biases):  # each expert's bias on its own rows, as its own call adds it
@@ -101,7 +109,15 @@ def compute_group(items: Sequence[tuple[Expert | None, torch.Tensor]]) -> list[t
         gate, up = first
     act = experts[0].glu(gate, up)  # every row at once: elementwise, the bits each expert's own call gives
     y = torch.empty(total, stages[0][1].shape[0], dtype=dtype, device=device)
-    gemm_grouped([(down, act[a:b], y[a:b]) for (_, down), (a, b) in zip(stages, bounds)])
+    _grouped([(down, act[a:b], y[a:b]) for (_, down), (a, b) in zip(stages, bounds)])
     for (a, b), bias in zip(bounds, biases):
         plus_bias(y[a:b], bias.down)
     return [y[a:b] for a, b in bounds]
+
+
+def _grouped(calls: list[tuple[Matrix, torch.Tensor, torch.Tensor]]) -> None:
+    """One grouped call into the kernel of these matrices (one kind: :func:`groupable`)."""
+    if all(isinstance(m, Mxfp4Linear) for m, _, _ in calls):
+        mxfp4.gemm_grouped([(m, x, y) for m, x, y in calls if isinstance(m, Mxfp4Linear)])
+    else:
+        gemm_grouped([(m, x, y) for m, x, y in calls if isinstance(m, NativeInt4)])
