@@ -25,8 +25,11 @@ from fate_edge.errors import FateEdgeError, PeerUnavailableError
 from fate_edge.format.checkpoint import CheckpointReader
 from fate_edge_lab.bench.prepare import _fingerprint
 
-GGUF_TYPES = ("f32", "bf16", "q4_0")
-CONVERTED = ("f32", "bf16")  # written by the converter; q4_0 is quantized from one of them (quantize_source)
+GGUF_TYPES = ("f32", "bf16", "q4_0", "mxfp4")
+CONVERTED = ("f32", "bf16", "mxfp4")  # written by the converter; q4_0 is quantized from one of them (quantize_source)
+# the converter's --outtype per type: mxfp4 is gpt-oss's MXFP4 checkpoint, whose experts the converter keeps as they
+# are (GptOssModel.repack_mxfp4) whatever --outtype the other tensors get
+OUTTYPE = {"f32": "f32", "bf16": "bf16", "mxfp4": "bf16"}
 FALLBACK_PRE_TOKENIZER = "gpt-2"  # byte-level BPE with GPT-2's split regex, as our tokenizers use
 _VENDOR = "vendor/llama.cpp"
 Q4_0_MIX = "q4_0-mix"  # our --outtype: see patch_q4_0_mix
@@ -325,9 +328,14 @@ def ensure_ggufs(model_dir: str | Path, kinds: tuple[str, ...] = GGUF_TYPES, qui
     llama_dir = converter_dir()
     out[next(iter(out))].parent.mkdir(parents=True, exist_ok=True)
     for kind in [k for k in CONVERTED if k in todo]:
+        if kind == "mxfp4" and not _mxfp4_checkpoint(model_dir):
+            raise FateEdgeError(
+                f"GGUF type mxfp4: {model_dir} has no MXFP4 experts (gpt-oss as published: fate-edge synth --mxfp4)"
+            )
         tmp = out[kind].with_suffix(f".partial-{os.getpid()}")
         print(f"gguf: converting {model_dir} -> {out[kind]} ({kind})", flush=True)
-        proc = subprocess.run(convert_command(model_dir, kind, tmp, llama_dir), capture_output=quiet, text=True)
+        command = convert_command(model_dir, OUTTYPE[kind], tmp, llama_dir)
+        proc = subprocess.run(command, capture_output=quiet, text=True)
         if proc.returncode != 0:
             tail = " | ".join((proc.stderr or "").strip().splitlines()[-4:]) if quiet else "see above"
             raise FateEdgeError(f"llama.cpp's converter failed on {model_dir} ({kind}): {tail}")
@@ -338,6 +346,12 @@ def ensure_ggufs(model_dir: str | Path, kinds: tuple[str, ...] = GGUF_TYPES, qui
         quantize_q4_0(gguf_path(model_dir, source), tmp)
         tmp.rename(out["q4_0"])
     return out
+
+
+def _mxfp4_checkpoint(model_dir: Path) -> bool:
+    cfg = json.loads((model_dir / "config.json").read_text()) if (model_dir / "config.json").exists() else {}
+    quant = cfg.get("quantization_config")
+    return isinstance(quant, dict) and quant.get("quant_method") == "mxfp4"
 
 
 def q4_0_direct(model_dir: str | Path, out: str | Path, quiet: bool = True) -> Path:
