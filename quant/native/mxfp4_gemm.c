@@ -3,12 +3,16 @@
    W: blocks uint8 [N, K/2], byte j of a row = E2M1 code of k = 2j (low nibble) | code of k = 2j + 1 << 4 (the byte
    order of Hugging Face's gpt-oss ``*_blocks`` tensors); scales uint8 [N, K/32], one E8M0 exponent per 32 k:
    w[n, k] = e2m1(code) * 2^(scale - 127). Every such product has at most two significant bits, so decoding is exact
-   in fp32 (and bf16) and the kernel computes in fp32 throughout: x is NOT quantized (unlike the int4 kernel's int8
-   activations), so y differs from dequantize-then-matmul in fp32 by summation order only.
-
-   Codes are looked up as doubled integers (0, 1, 2, 3, 4, 6, 8, 12 and their negatives, as ggml's kvalues_mxfp4) by
-   one byte shuffle, widened to fp32 and multiplied by half the block's scale: a power of two, so exact. E8M0 255 is
-   NaN in the OCP format and decodes to NaN here (the converters refuse it). */
+   in fp32 (and bf16). x is NOT quantized (unlike the int4 kernel's int8 activations): every product of a weight and
+   an activation is exact and the sums are fp32, so y differs from dequantize-then-matmul in fp32 by summation order
+   only, on every path:
+   - AVX-512 BF16 (isa 3): ``vdpbf16ps`` on codes looked up as bf16 words and x as bf16 (a bf16 x as it is, an fp32
+     x split into three bf16 parts that sum to it exactly), 32 products an instruction;
+   - AVX-512 (2) and AVX2 (1): codes looked up as doubled integers (0, 1, 2, 3, 4, 6, 8, 12 and their negatives, as
+     ggml's kvalues_mxfp4), widened to fp32 and multiplied by half the block's scale (a power of two: exact);
+   - portable C (0): any x86-64.
+   E8M0 255 is NaN in the OCP format and decodes to NaN here (the converters refuse it).
+   fe_mxfp4_gemm_grouped runs a MoE layer's experts (many small matrices) in one parallel region. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -256,7 +260,8 @@ static const uint16_t KVALUES_BF16[32] = {0x0000, 0x3f80, 0x4000, 0x4040, 0x4080
 TBF static inline __m512i block_bf16(const uint8_t *q, __m512i table) {
     const __m512i mask = _mm512_set1_epi32(0x000F000F);
     __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
-    __m512i idx = _mm512_and_si512(_mm512_or_si512(v, _mm512_slli_epi32(v, 12)), mask); /* low, high nibble */
+    /* (v | v << 12) & mask in one ternary-logic op: the low nibble in bits 0-3, the high one in bits 16-19 */
+    __m512i idx = _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), mask, 0xA8);
     return _mm512_permutexvar_epi16(idx, table);
 }
 
