@@ -1,5 +1,6 @@
 """GGUF files of a Hugging Face checkpoint for the llama.cpp peer: f32 and bf16 by llama.cpp's own converter
-(``convert_hf_to_gguf.py`` from the llama-cpp-python sdist), q4_0 by ``llama_cpp.llama_model_quantize``.
+(``convert_hf_to_gguf.py`` from the llama-cpp-python sdist), q4_0 by ``llama_cpp.llama_model_quantize``; mxfp4 (a
+gpt-oss checkpoint with MXFP4 experts) by the converter, which keeps the experts' blocks and writes the rest bf16.
 
 Nothing of llama.cpp lives in this repository: the sdist is unpacked into the peers cache
 (``~/.cache/fate-edge-peers``, or ``$FATE_EDGE_PEERS_CACHE``), and the GGUFs are cached there too, keyed by
@@ -7,6 +8,7 @@ the model's fingerprint, so a second run converts nothing.
 
     python -m fate_edge_lab.bench.gguf MODEL_DIR                    # prints the paths of the three GGUFs
     python -m fate_edge_lab.bench.gguf MODEL_DIR --types bf16,q4_0  # real-size checkpoints: no f32 file
+    python -m fate_edge_lab.bench.gguf GPT_OSS_DIR --types mxfp4    # gpt-oss as published
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from fate_edge.format.checkpoint import CheckpointReader
 from fate_edge_lab.bench.prepare import _fingerprint
 
 GGUF_TYPES = ("f32", "bf16", "q4_0", "mxfp4")
+DEFAULT_TYPES = ("f32", "bf16", "q4_0")  # what any checkpoint converts to (mxfp4: gpt-oss's MXFP4 ones only)
 CONVERTED = ("f32", "bf16", "mxfp4")  # written by the converter; q4_0 is quantized from one of them (quantize_source)
 # the converter's --outtype per type: mxfp4 is gpt-oss's MXFP4 checkpoint, whose experts the converter keeps as they
 # are (GptOssModel.repack_mxfp4) whatever --outtype the other tensors get
@@ -311,7 +314,7 @@ def quantize_source(model_dir: str | Path, kinds: tuple[str, ...]) -> str:
     return "f32" if "f32" in kinds or gguf_path(model_dir, "f32").exists() else "bf16"
 
 
-def ensure_ggufs(model_dir: str | Path, kinds: tuple[str, ...] = GGUF_TYPES, quiet: bool = True) -> dict[str, Path]:
+def ensure_ggufs(model_dir: str | Path, kinds: tuple[str, ...] = DEFAULT_TYPES, quiet: bool = True) -> dict[str, Path]:
     """The GGUFs of ``model_dir`` in the ``kinds`` asked, converted on first use and then taken from the cache.
     Raises :class:`PeerUnavailableError` when llama-cpp-python or the converter is missing."""
     why = llama_cpp_missing()
@@ -387,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--convert"]:
         _convert_main(argv[1], argv[2:])
         return 0
-    kinds: tuple[str, ...] = GGUF_TYPES
+    kinds: tuple[str, ...] = DEFAULT_TYPES
     if len(argv) == 3 and argv[1] == "--types":
         kinds, argv = tuple(argv[2].split(",")), argv[:1]
     if len(argv) != 1 or argv[0].startswith("-") or not set(kinds) <= set(GGUF_TYPES):

@@ -52,6 +52,7 @@ def test_cli_names_the_wrong_side_set_in_one_line(tmp_path, capsys):
 def test_the_mxfp4_gguf_is_llama_cpps_converter_keeping_the_blocks(tmp_path, monkeypatch):
     assert gguf.OUTTYPE["mxfp4"] == "bf16" and "mxfp4" in gguf.CONVERTED  # experts kept, the rest bf16
     assert gguf.gguf_path(tmp_path, "mxfp4").name == "model-mxfp4.gguf"
+    assert "mxfp4" not in gguf.DEFAULT_TYPES  # asked for by name: other checkpoints have no MXFP4 experts
     monkeypatch.setattr(gguf, "llama_cpp_missing", lambda: None)
     monkeypatch.setattr(gguf, "peers_cache", lambda: tmp_path / "peers")
     monkeypatch.setattr(gguf, "converter_dir", lambda extract=True: tmp_path)
