@@ -265,30 +265,39 @@ TBF static inline __m512i block_bf16(const uint8_t *q, __m512i table) {
     return _mm512_permutexvar_epi16(idx, table);
 }
 
-/* R rows (1-4) of P planes each: ``xp`` plane p of row r at xp + (p * M + r) * K (bf16 bits). */
-#define ROWS_BF16(R, P)                                                                                              \
-    TBF static void rows_bf16_##R##_##P(const uint8_t *blocks, const uint8_t *scales, int n0, int n1, int N, int K, \
-                                        const uint16_t *xp, int M, int m0, yout y, float *sb) {                      \
+/* R rows (1-4) of P planes each: ``xp`` plane p of row r at xp + (p * M + r) * K (bf16 bits). Even and odd blocks
+   go to separate accumulators (independent FMA chains); R and P are constants, so the loops over them unroll. */
+#define BF16_BLOCK(b, accs)                                                                                          \
+    do {                                                                                                             \
+        __m512bh w = (__m512bh)block_bf16(q + (b) * (QB / 2), table);                                                \
+        __m512 s = _mm512_set1_ps(sb[b]);                                                                            \
+        for (int r = 0; r < R; r++) {                                                                                \
+            __m512 t = _mm512_setzero_ps();                                                                          \
+            for (int p = 0; p < P; p++)                                                                              \
+                t = _mm512_dpbf16_ps(                                                                                \
+                    t, w, (__m512bh)_mm512_loadu_si512(xp + ((size_t)p * M + m0 + r) * K + (size_t)(b) * QB));       \
+            accs[r] = _mm512_fmadd_ps(t, s, accs[r]);                                                                \
+        }                                                                                                            \
+    } while (0)
+#define ROWS_BF16(R_, P_)                                                                                            \
+    TBF static void rows_bf16_##R_##_##P_(const uint8_t *blocks, const uint8_t *scales, int n0, int n1, int N,      \
+                                          int K, const uint16_t *xp, int M, int m0, yout y, float *sb) {             \
+        enum { R = R_, P = P_ };                                                                                     \
         const __m512i table = _mm512_loadu_si512((const void *)KVALUES_BF16);                                        \
         const int nb = K / QB;                                                                                       \
         for (int n = n0; n < n1; n++) {                                                                              \
             const uint8_t *q = blocks + (size_t)n * (K / 2);                                                         \
             row_scales(scales + (size_t)n * nb, nb, sb);                                                             \
-            __m512 acc[R][2];                                                                                        \
-            for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();                                 \
-            for (int b = 0; b < nb; b++) {                                                                           \
-                __m512bh w = (__m512bh)block_bf16(q + b * (QB / 2), table);                                          \
-                __m512 s = _mm512_set1_ps(sb[b]);                                                                    \
-                for (int r = 0; r < R; r++) {                                                                        \
-                    __m512 t = _mm512_setzero_ps();                                                                  \
-                    for (int p = 0; p < P; p++)                                                                      \
-                        t = _mm512_dpbf16_ps(                                                                        \
-                            t, w, (__m512bh)_mm512_loadu_si512(xp + ((size_t)p * M + m0 + r) * K + (size_t)b * QB)); \
-                    acc[r][b & 1] = _mm512_fmadd_ps(t, s, acc[r][b & 1]);                                            \
-                }                                                                                                    \
+            __m512 even[R], odd[R];                                                                                  \
+            for (int r = 0; r < R; r++) even[r] = odd[r] = _mm512_setzero_ps();                                      \
+            int b = 0;                                                                                               \
+            for (; b + 2 <= nb; b += 2) {                                                                            \
+                BF16_BLOCK(b, even);                                                                                 \
+                BF16_BLOCK(b + 1, odd);                                                                              \
             }                                                                                                        \
+            if (b < nb) BF16_BLOCK(b, even);                                                                         \
             for (int r = 0; r < R; r++)                                                                              \
-                y_put(y, (size_t)(m0 + r) * N + n, _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])));       \
+                y_put(y, (size_t)(m0 + r) * N + n, _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r])));            \
         }                                                                                                            \
     }
 ROWS_BF16(1, 1)
