@@ -169,7 +169,10 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             ap.error(f"argument --side: {exc}")
     ggufs = {k: str(p) for k, p in ensure_ggufs(args.model, sides_set.gguf_types).items()}  # PeerUnavailableError
-    store = ensure_store(args.model, progress=False, baselines=True)  # sides quantize resident weights at load
+    if sides_set.default_store:  # the store a user gets, its rest as the checkpoint holds it (no bf16 expert copies)
+        store = ensure_store(args.model, progress=False, resident_bits=None, embedding_bits=None)
+    else:
+        store = ensure_store(args.model, progress=False, baselines=True)  # sides quantize resident weights at load
     info = store_info(store)
     tok = Tokenizer(args.model)
     text, files = heldout_source(args.prompt_tokens * 16)

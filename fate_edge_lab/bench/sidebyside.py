@@ -147,12 +147,13 @@ class SideSet:
     limited: list[Side]
     pairs: list[tuple[str, str]]
     gguf_types: tuple[str, ...]
+    default_store: bool = False  # fate-edge's sides read the default store (rest unquantized), not the baselines'
 
 
 SIDE_SETS = {
     "small": SideSet(RESIDENT, LIMITED, PAIRS, ("f32", "bf16", "q4_0")),
     "real": SideSet(REAL_RESIDENT, REAL_LIMITED, REAL_PAIRS, ("bf16", "q4_0")),
-    "mxfp4": SideSet(MXFP4_RESIDENT, MXFP4_LIMITED, MXFP4_PAIRS, ("mxfp4",)),
+    "mxfp4": SideSet(MXFP4_RESIDENT, MXFP4_LIMITED, MXFP4_PAIRS, ("mxfp4",), default_store=True),
 }
 
 
@@ -192,6 +193,7 @@ def only_sides(sides: SideSet, names: list[str]) -> SideSet:
         [s for s in sides.limited if s in keep],
         [p for p in sides.pairs if p[0] in names and p[1] in names],
         types,
+        sides.default_store,
     )
 
 

@@ -36,6 +36,7 @@ def test_a_checkpoint_with_mxfp4_experts_gets_the_mxfp4_sides(tmp_path):
         assert kinds[ours].mode == kinds[theirs].mode
     part = sbs.only_sides(picked, ["fate-edge mxfp4", "llama.cpp mxfp4"])
     assert part.pairs == [("fate-edge mxfp4", "llama.cpp mxfp4")] and part.gguf_types == ("mxfp4",)
+    assert picked.default_store and part.default_store and not sbs.SIDE_SETS["real"].default_store
     assert sbs.only_sides(picked, ["fate-edge mxfp4"]).gguf_types == ()  # no GGUF to build
     with pytest.raises(ValueError, match=r"^--sides mxfp4: .*float has no MXFP4 experts"):
         sbs.pick_side_set("mxfp4", float_layout)
