@@ -45,6 +45,8 @@ def _setup(lib: ctypes.CDLL) -> str | None:
     lib.fe_mxfp4_gemm.restype = ctypes.c_int
     lib.fe_mxfp4_gemm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     lib.fe_mxfp4_gemm.argtypes += [ctypes.c_int] * 2 + [ctypes.c_void_p] + [ctypes.c_int] * 3
+    lib.fe_mxfp4_gemm_grouped.restype = ctypes.c_int
+    lib.fe_mxfp4_gemm_grouped.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.fe_mxfp4_from_ggml.restype = None
     lib.fe_mxfp4_from_ggml.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
     return None  # the portable C path runs on any x86-64 CPU
@@ -60,13 +62,26 @@ def native_mxfp4_status() -> tuple[bool, str]:
 
 
 def native_mxfp4_isa() -> int:
-    """2: the kernel's AVX-512 path runs here, 1: its AVX2 path, 0: its portable C path (-1: no native kernel).
+    """3: the kernel's AVX-512 BF16 path runs here, 2: its AVX-512 path, 1: its AVX2 path, 0: its portable C path
+    (-1: no native kernel).
     ``FATE_EDGE_NATIVE=avx2`` keeps an AVX-512 host on the AVX2 path, as for the int4 kernel."""
     global _isa
     if _isa is None:  # once per process, as the int4 kernel reads FATE_EDGE_NATIVE (docs/measured-choices.md)
         isa = int(_kernel.lib.fe_mxfp4_isa()) if _kernel.available()[0] else -1
         _isa = min(isa, 1) if os.environ.get("FATE_EDGE_NATIVE") == "avx2" else isa
     return _isa
+
+
+# fp32 activations on the AVX-512 BF16 path: split into three bf16 planes (exact) and three ``vdpbf16ps`` a block,
+# or the fp32 path (AVX-512). Measured on an AMD EPYC Zen 4: research/bench_mxfp4.py, docs/quantization.md (Cost).
+FP32_ON_BF16_PATH = False
+
+
+def default_isa(x_bf16: bool) -> int:
+    """The path a call takes by default: the best here, save fp32 rows where :data:`FP32_ON_BF16_PATH` says the fp32
+    path is faster."""
+    isa = native_mxfp4_isa()
+    return 2 if isa == 3 and not x_bf16 and not FP32_ON_BF16_PATH else isa
 
 
 def e8m0_to_float(scales: torch.Tensor) -> torch.Tensor:
@@ -178,8 +193,8 @@ class Mxfp4Linear:
         return self.blocks.shape[0], self.blocks.shape[1] * 2
 
     def __call__(self, x: torch.Tensor, isa: int | None = None) -> torch.Tensor:
-        """x [..., K] → [..., N]. ``isa``: the native path to take (2 AVX-512, 1 AVX2, 0 portable C; default the best
-        here)."""
+        """x [..., K] → [..., N]. ``isa``: the native path to take (3 AVX-512 BF16, 2 AVX-512, 1 AVX2, 0 portable C;
+        default :func:`default_isa`)."""
         if self.kernel == "dequant":
             return F.linear(x, dequantize_mxfp4(self.blocks, self.scales, x.dtype))
         n, k = self.shape
@@ -190,7 +205,7 @@ class Mxfp4Linear:
         y = torch.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)
         if x2.shape[0]:
             bf16 = int(x2.dtype == torch.bfloat16)
-            use = native_mxfp4_isa() if isa is None else isa
+            use = default_isa(bool(bf16)) if isa is None else isa
             rc = _kernel.lib.fe_mxfp4_gemm(
                 self.blocks.data_ptr(), self.scales.data_ptr(), n, k, x2.data_ptr(), bf16, x2.shape[0], y.data_ptr(),
                 bf16, torch.get_num_threads(), use,
@@ -199,6 +214,23 @@ class Mxfp4Linear:
                 raise MemoryError(f"native mxfp4 matmul {n}x{k} on {x2.shape[0]} rows: out of memory for its buffer")
         y = y.view(*x.shape[:-1], n)
         return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    def call_args(self, x: torch.Tensor, y: torch.Tensor) -> list[int]:
+        """fe_mxfp4_gemm's arguments for ``y = x @ W.T`` (x [M, K] and y [M, N] contiguous, one dtype, fp32 or bf16):
+        one row of :func:`gemm_grouped`'s table."""
+        bf16 = int(x.dtype == torch.bfloat16)
+        n, k = self.shape
+        return [
+            self.blocks.data_ptr(),
+            self.scales.data_ptr(),
+            n,
+            k,
+            x.data_ptr(),
+            bf16,
+            x.shape[0],
+            y.data_ptr(),
+            bf16,
+        ]
 
     def stacked(self, other: Mxfp4Linear) -> Mxfp4Linear:
         """``self``'s rows then ``other``'s, as one matrix (a copy: rows and their scales stay apart in this layout, so
@@ -214,3 +246,31 @@ class Mxfp4Linear:
     @property
     def nbytes(self) -> int:
         return self.blocks.numel() + self.scales.numel()
+
+
+def gemm_grouped(calls: list[tuple[Mxfp4Linear, torch.Tensor, torch.Tensor]]) -> None:
+    """``y = x @ W.T`` for each (native-mxfp4 matrix, x [M, K], y [M, N]) in one kernel call, the threads sharing out
+    whole matrices (a MoE layer's experts: ``model.grouped_experts``). Each y gets the bits of that matrix's own
+    call. x and y contiguous, of one dtype (fp32 or bf16) across the calls."""
+    if not calls:
+        return
+    bf16 = calls[0][1].dtype == torch.bfloat16
+    for lin, x, y in calls:
+        n, k = lin.shape
+        if lin.kernel != "native-mxfp4":
+            raise ValueError(f"gemm_grouped: a {n}x{k} matrix on the {lin.kernel!r} kernel, not native-mxfp4")
+        if x.dim() != 2 or x.shape[1] != k or not x.is_contiguous() or (x.dtype == torch.bfloat16) != bf16:
+            raise ValueError(
+                f"gemm_grouped: x {tuple(x.shape)} {x.dtype} for a {n}x{k} matrix must be a contiguous [M, {k}]"
+            )
+        if x.dtype not in (torch.float32, torch.bfloat16) or y.dtype != x.dtype or y.shape != (x.shape[0], n):
+            raise ValueError(f"gemm_grouped: y {tuple(y.shape)} {y.dtype} does not fit x {tuple(x.shape)} {x.dtype}")
+        if not y.is_contiguous():
+            raise ValueError(f"gemm_grouped: y {tuple(y.shape)} must be contiguous")
+    live = [c for c in calls if c[1].shape[0]]
+    if not live:
+        return
+    table = torch.tensor([lin.call_args(x, y) for lin, x, y in live], dtype=torch.int64)
+    rc = _kernel.lib.fe_mxfp4_gemm_grouped(len(live), table.data_ptr(), torch.get_num_threads(), default_isa(bf16))
+    if rc != 0:
+        raise MemoryError(f"native mxfp4 grouped matmul of {len(live)} matrices: out of memory for its buffers")

@@ -168,3 +168,32 @@ def test_a_gguf_with_mxfp4_experts_keeps_them_and_matches_transformers(tmp_path)
         assert max_diff(model(PROMPT, model.new_cache()), want) <= 1e-4
     finally:
         model.experts.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_experts_go_through_grouped_calls_with_the_bits_of_one_call_each(published, monkeypatch, dtype):
+    """A layer's MXFP4 experts, held in memory (a resident run: the provider hands a step's experts out together),
+    compute in grouped kernel calls (``model.grouped_experts``, as int4's do), in fp32 and in bf16 (the AVX-512 BF16
+    path where the CPU has it), and the logits are those of one call per expert."""
+    from fate_edge.model import grouped_experts
+    from fate_edge_lab.bench.sidebyside import resident_int4
+
+    calls: list[int] = []
+    real = grouped_experts.compute_group
+
+    def counting(items):
+        calls.append(len(items))
+        return real(items)
+
+    def logits() -> torch.Tensor:
+        model = load_model(published["store"], dtype, experts=resident_int4(published["store"]))
+        return model(PROMPT, model.new_cache())
+
+    monkeypatch.setattr(grouped_experts, "compute_group", counting)
+    grouped = logits()
+    assert calls and max(calls) >= 2
+    monkeypatch.setattr(grouped_experts, "groupable", lambda items: False)
+    apart = logits()
+    assert torch.equal(grouped, apart)
+    if dtype == torch.float32:
+        assert max_diff(grouped, published["logits"]) <= 1e-4

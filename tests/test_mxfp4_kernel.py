@@ -66,9 +66,10 @@ def test_native_kernel_builds_here():
     assert native_mxfp4_isa() >= 1  # development and CI hosts have AVX2
 
 
-@pytest.mark.parametrize("isa", [2, 1, 0])
+@pytest.mark.parametrize("isa", [3, 2, 1, 0])
 @pytest.mark.parametrize(
-    ("n", "k", "m"), [(48, 384, 1), (33, 96, 1), (64, 2048, 1), (40, 160, 2), (17, 32, 3), (96, 512, 9)]
+    ("n", "k", "m"),
+    [(48, 384, 1), (33, 96, 1), (64, 2048, 1), (40, 160, 2), (17, 32, 3), (96, 512, 9), (23, 224, 4), (31, 64, 5)],
 )
 def test_native_kernel_matches_dequantize_then_matmul(isa, n, k, m):
     if native_mxfp4_isa() < isa:
@@ -85,23 +86,50 @@ def test_native_kernel_matches_dequantize_then_matmul(isa, n, k, m):
     assert float((dq - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
 
 
-def test_native_kernel_bf16_rows_and_leading_dims():
+@pytest.mark.parametrize("isa", [3, 2, 1, 0])
+def test_native_kernel_bf16_rows_and_leading_dims(isa):
+    if native_mxfp4_isa() < isa:
+        pytest.skip(f"this CPU does not run the kernel's path {isa}")
     blocks, scales = _mxfp4(32, 256, 7)
     x = torch.randn(2, 3, 256, generator=torch.Generator().manual_seed(0)).bfloat16()
     lin = Mxfp4Linear(blocks, scales)
-    y = lin(x)
+    y = lin(x, isa=isa)
     ref = (x.float() @ dequantize_mxfp4(blocks, scales).T).bfloat16()  # fp32 sums, rounded once to bf16
     assert y.shape == (2, 3, 32) and y.dtype == torch.bfloat16
     assert float((y.float() - ref.float()).abs().max()) <= 2**-7 * float(ref.float().abs().max())
-    assert lin(x[:0]).shape == (0, 3, 32)
+    assert lin(x[:0], isa=isa).shape == (0, 3, 32)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3])  # the decode paths (one, two rows) and the row-buffered one
-def test_nan_activation_gives_nan_rows_only(rows):
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16-rows", "fp32-rows-split"])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
+def test_bf16_path_sums_exact_products(m, bf16):
+    """On the AVX-512 BF16 path each product of a code and x is exact (a bf16 x as it is; an fp32 x split into three
+    bf16 planes that sum to it) and summed in fp32: within fp32 summation error of the float64 dot product, as the
+    fp32 path is. A lossy split (x rounded to bf16) would miss this bound by orders of magnitude."""
+    if native_mxfp4_isa() < 3:
+        pytest.skip("this CPU has no AVX-512 BF16")
+    blocks, scales = _mxfp4(40, 1024, m)
+    x = torch.randn(m, 1024, generator=torch.Generator().manual_seed(m))
+    x = x.bfloat16() if bf16 else x
+    w = dequantize_mxfp4(blocks, scales).double()
+    exact = x.double() @ w.T
+    bound = 1024 * 2**-24 * float((x.double().abs() @ w.abs().T).max())
+    lin = Mxfp4Linear(blocks, scales)
+    for isa in (3, 2):
+        y = lin(x.float(), isa=isa)  # fp32 out: the sums themselves
+        assert float((y.double() - exact).abs().max()) <= bound, isa
+    assert float((lin(x.float().bfloat16().float(), isa=3).double() - exact).abs().max()) > bound or bf16
+
+
+@pytest.mark.parametrize("isa", [3, 2])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])  # the decode paths (one, two rows) and the row-buffered one
+def test_nan_activation_gives_nan_rows_only(rows, isa):
+    if native_mxfp4_isa() < isa:
+        pytest.skip(f"this CPU does not run the kernel's path {isa}")
     blocks, scales = _mxfp4(16, 64, 9)
     x = torch.randn(rows, 64)
     x[rows - 1, 5] = float("nan")
-    y = Mxfp4Linear(blocks, scales)(x)
+    y = Mxfp4Linear(blocks, scales)(x, isa=isa)
     assert bool(y[rows - 1].isnan().all()) and bool(y[: rows - 1].isfinite().all())
 
 

@@ -20,14 +20,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import torch
 
 from fate_edge.model.experts import Expert, QuantizedExpert, plus_bias
 from fate_edge.model.layer import Fused
 from fate_edge.model.layer_step import ExpertInput, expert_rows
+from fate_edge.quant import mxfp4
 from fate_edge.quant.linear import QuantizedLinear
+from fate_edge.quant.mxfp4 import Mxfp4Linear
 from fate_edge.quant.native import NativeInt4, gemm_grouped
+
+Matrix: TypeAlias = NativeInt4 | Mxfp4Linear  # a stage's matrix: int4 or MXFP4 (gpt-oss) on fate-edge's native kernels
 
 
 def group_rows(
@@ -68,13 +73,15 @@ def _native_of(f: Fused) -> NativeInt4 | None:
     return w.native if isinstance(w, QuantizedLinear) and f.bias is None else None
 
 
-def native_stages(expert: Expert | None) -> tuple[list[NativeInt4], NativeInt4] | None:
+def native_stages(expert: Expert | None) -> tuple[list[Matrix], Matrix] | None:
     """(the first stage's matrices, ``[gate_up]`` or ``[gate, up]``; down) where every matrix of ``expert`` computes
-    on the native kernel, else None."""
+    on the native int4 kernel, or every one on the native MXFP4 kernel, else None."""
     if not isinstance(expert, QuantizedExpert):
         return None
     first = [expert.gate_up] if expert.gate_up is not None else [expert.gate, expert.up]
-    mats = [m.native if m is not None else None for m in (*first, expert.down)]
+    if all(isinstance(m, Mxfp4Linear) and m.kernel == "native-mxfp4" for m in (*first, expert.down)):
+        return list(first), expert.down
+    mats: list[Matrix | None] = [m.native if m is not None else None for m in (*first, expert.down)]
     if any(m is None for m in mats):
         return None
     *up, down = [m for m in mats if m is not None]
@@ -95,7 +102,7 @@ def groupable(items: Sequence[tuple[Expert | None, torch.Tensor]]) -> bool:
     return _group_stages(items) is not None
 
 
-Stages = list[tuple[list[NativeInt4], NativeInt4]]
+Stages = list[tuple[list[Matrix], Matrix]]
 
 
 def _group_stages(items: Sequence[tuple[Expert | None, torch.Tensor]]) -> Stages | None:
@@ -110,7 +117,8 @@ def _group_stages(items: Sequence[tuple[Expert | None, torch.Tensor]]) -> Stages
             return None
         up, down = stages
         assert isinstance(expert, QuantizedExpert)  # native_stages said so
-        shapes.add((len(up), tuple(m.shape for m in up), down.shape, x.dtype, expert.glu, expert.bias is None))
+        kind = type(down)  # int4 and MXFP4 experts in separate groups (no model mixes them)
+        shapes.add((kind, len(up), tuple(m.shape for m in up), down.shape, x.dtype, expert.glu, expert.bias is None))
         all_stages.append(stages)
     return all_stages if len(shapes) == 1 else None
 
@@ -125,8 +133,8 @@ def group_rows_with_shared(
     live = [(e, expert) for e, expert in group if expert is not None]
     items = [(expert, h) for _, expert in live]
     stages = _group_stages(items)
-    if stages is None or shared.gate_up.shape[1] != h.shape[1]:
-        return None
+    if stages is None or shared.gate_up.shape[1] != h.shape[1] or not isinstance(stages[0][1], NativeInt4):
+        return None  # the shared expert is int4: it joins int4 experts' calls only
     outs, z = _compute(items, (shared, h.contiguous()), stages)
     assert z is not None  # computed with the shared expert
     return dict(zip((e for e, _ in live), outs)), z
@@ -165,7 +173,7 @@ def _compute(
         s, hs = shared
         s_first = torch.empty(hs.shape[0], s.gate_up.shape[0], dtype=dtype, device=device)
         calls.insert(0, (s.gate_up, hs, s_first))
-    gemm_grouped(calls)
+    _grouped(calls)
     experts = [e for e, _ in items if isinstance(e, QuantizedExpert)]  # every one (native_stages)
     biases = [e.bias for e in experts if e.bias is not None]  # gpt-oss: all or none (groupable)
     for (a, b), bias in zip(bounds, biases):  # each expert's bias on its own rows, as its own call adds it
@@ -189,7 +197,19 @@ def _compute(
         s_y = torch.empty(s_act.shape[0], s.down.shape[0], dtype=dtype, device=device)
         calls.insert(0, (s.down, s_act, s_y))
         z = s_y, (gated[0] if gated else None)
-    gemm_grouped(calls)
+    _grouped(calls)
     for (a, b), bias in zip(bounds, biases):
         plus_bias(y[a:b], bias.down)
     return list(y.split_with_sizes([b - a for a, b in bounds])), z  # one operator for every expert's view
+
+
+def _grouped(calls: list[tuple[Matrix, torch.Tensor, torch.Tensor]]) -> None:
+    """One grouped call into the kernel of these matrices (one kind: :func:`groupable` keeps them apart)."""
+    int4 = [(m, x, y) for m, x, y in calls if isinstance(m, NativeInt4)]
+    mx = [(m, x, y) for m, x, y in calls if isinstance(m, Mxfp4Linear)]
+    if int4 and mx:
+        raise ValueError("one grouped call takes int4 or MXFP4 matrices, not both")
+    if mx:
+        mxfp4.gemm_grouped(mx)
+    else:
+        gemm_grouped(int4)

@@ -1,5 +1,6 @@
 """GGUF files of a Hugging Face checkpoint for the llama.cpp peer: f32 and bf16 by llama.cpp's own converter
-(``convert_hf_to_gguf.py`` from the llama-cpp-python sdist), q4_0 by ``llama_cpp.llama_model_quantize``.
+(``convert_hf_to_gguf.py`` from the llama-cpp-python sdist), q4_0 by ``llama_cpp.llama_model_quantize``; mxfp4 (a
+gpt-oss checkpoint with MXFP4 experts) by the converter, which keeps the experts' blocks and writes the rest bf16.
 
 Nothing of llama.cpp lives in this repository: the sdist is unpacked into the peers cache
 (``~/.cache/fate-edge-peers``, or ``$FATE_EDGE_PEERS_CACHE``), and the GGUFs are cached there too, keyed by
@@ -7,6 +8,7 @@ the model's fingerprint, so a second run converts nothing.
 
     python -m fate_edge_lab.bench.gguf MODEL_DIR                    # prints the paths of the three GGUFs
     python -m fate_edge_lab.bench.gguf MODEL_DIR --types bf16,q4_0  # real-size checkpoints: no f32 file
+    python -m fate_edge_lab.bench.gguf GPT_OSS_DIR --types mxfp4    # gpt-oss as published
 """
 
 from __future__ import annotations
@@ -25,8 +27,12 @@ from fate_edge.errors import FateEdgeError, PeerUnavailableError
 from fate_edge.format.checkpoint import CheckpointReader
 from fate_edge_lab.bench.prepare import _fingerprint
 
-GGUF_TYPES = ("f32", "bf16", "q4_0")
-CONVERTED = ("f32", "bf16")  # written by the converter; q4_0 is quantized from one of them (quantize_source)
+GGUF_TYPES = ("f32", "bf16", "q4_0", "mxfp4")
+DEFAULT_TYPES = ("f32", "bf16", "q4_0")  # what any checkpoint converts to (mxfp4: gpt-oss's MXFP4 ones only)
+CONVERTED = ("f32", "bf16", "mxfp4")  # written by the converter; q4_0 is quantized from one of them (quantize_source)
+# the converter's --outtype per type: mxfp4 is gpt-oss's MXFP4 checkpoint, whose experts the converter keeps as they
+# are (GptOssModel.repack_mxfp4) whatever --outtype the other tensors get
+OUTTYPE = {"f32": "f32", "bf16": "bf16", "mxfp4": "bf16"}
 FALLBACK_PRE_TOKENIZER = "gpt-2"  # byte-level BPE with GPT-2's split regex, as our tokenizers use
 _VENDOR = "vendor/llama.cpp"
 Q4_0_MIX = "q4_0-mix"  # our --outtype: see patch_q4_0_mix
@@ -308,7 +314,7 @@ def quantize_source(model_dir: str | Path, kinds: tuple[str, ...]) -> str:
     return "f32" if "f32" in kinds or gguf_path(model_dir, "f32").exists() else "bf16"
 
 
-def ensure_ggufs(model_dir: str | Path, kinds: tuple[str, ...] = GGUF_TYPES, quiet: bool = True) -> dict[str, Path]:
+def ensure_ggufs(model_dir: str | Path, kinds: tuple[str, ...] = DEFAULT_TYPES, quiet: bool = True) -> dict[str, Path]:
     """The GGUFs of ``model_dir`` in the ``kinds`` asked, converted on first use and then taken from the cache.
     Raises :class:`PeerUnavailableError` when llama-cpp-python or the converter is missing."""
     why = llama_cpp_missing()
@@ -325,9 +331,14 @@ def ensure_ggufs(model_dir: str | Path, kinds: tuple[str, ...] = GGUF_TYPES, qui
     llama_dir = converter_dir()
     out[next(iter(out))].parent.mkdir(parents=True, exist_ok=True)
     for kind in [k for k in CONVERTED if k in todo]:
+        if kind == "mxfp4" and not _mxfp4_checkpoint(model_dir):
+            raise FateEdgeError(
+                f"GGUF type mxfp4: {model_dir} has no MXFP4 experts (gpt-oss as published: fate-edge synth --mxfp4)"
+            )
         tmp = out[kind].with_suffix(f".partial-{os.getpid()}")
         print(f"gguf: converting {model_dir} -> {out[kind]} ({kind})", flush=True)
-        proc = subprocess.run(convert_command(model_dir, kind, tmp, llama_dir), capture_output=quiet, text=True)
+        command = convert_command(model_dir, OUTTYPE[kind], tmp, llama_dir)
+        proc = subprocess.run(command, capture_output=quiet, text=True)
         if proc.returncode != 0:
             tail = " | ".join((proc.stderr or "").strip().splitlines()[-4:]) if quiet else "see above"
             raise FateEdgeError(f"llama.cpp's converter failed on {model_dir} ({kind}): {tail}")
@@ -338,6 +349,12 @@ def ensure_ggufs(model_dir: str | Path, kinds: tuple[str, ...] = GGUF_TYPES, qui
         quantize_q4_0(gguf_path(model_dir, source), tmp)
         tmp.rename(out["q4_0"])
     return out
+
+
+def _mxfp4_checkpoint(model_dir: Path) -> bool:
+    cfg = json.loads((model_dir / "config.json").read_text()) if (model_dir / "config.json").exists() else {}
+    quant = cfg.get("quantization_config")
+    return isinstance(quant, dict) and quant.get("quant_method") == "mxfp4"
 
 
 def q4_0_direct(model_dir: str | Path, out: str | Path, quiet: bool = True) -> Path:
@@ -373,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--convert"]:
         _convert_main(argv[1], argv[2:])
         return 0
-    kinds: tuple[str, ...] = GGUF_TYPES
+    kinds: tuple[str, ...] = DEFAULT_TYPES
     if len(argv) == 3 and argv[1] == "--types":
         kinds, argv = tuple(argv[2].split(",")), argv[:1]
     if len(argv) != 1 or argv[0].startswith("-") or not set(kinds) <= set(GGUF_TYPES):

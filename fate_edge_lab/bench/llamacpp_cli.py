@@ -155,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", *SIDE_SETS],
         default="auto",
         help="small: fp32/bf16/int4 vs f32/bf16/q4_0; real: bf16 and int4 experts with bf16/int8/int4 "
-        "rest vs bf16/q4_0; auto: real for a bf16 checkpoint",
+        "rest vs bf16/q4_0; mxfp4: gpt-oss's MXFP4 experts kept on both sides; auto: mxfp4 for a checkpoint with "
+        "MXFP4 experts, real for a bf16 checkpoint",
     )
     ap.add_argument(
         "--compile",
@@ -196,7 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
-    sides_set = pick_side_set(args.sides, args.model)
+    try:
+        sides_set = pick_side_set(args.sides, args.model)
+    except ValueError as exc:
+        ap.error(f"argument --sides: {exc}")
     if args.side:
         try:
             sides_set = only_sides(sides_set, args.side)

@@ -26,18 +26,19 @@ from fate_edge_lab.bench.publish import markers
 class Side:
     name: str
     kind: str  # fate-edge | llama.cpp
-    precision: str  # fp32 | bf16 | int4 (fate-edge); f32 | bf16 | q4_0 (the GGUF's type)
+    precision: str  # fp32 | bf16 | int4 | mxfp4 (fate-edge); f32 | bf16 | q4_0 | mxfp4 (the GGUF's type)
     experts: str  # what the experts are stored and computed in
     rest: str  # attention, embeddings, shared experts, lm_head
     mode: str = "resident"  # resident | limited (fate-edge: expert budget; llama.cpp: mmap under a cgroup cap)
     dtype: str = ""  # fate-edge int4 sides: what the rest is held and computed in ("" = fp32)
     resident_bits: int | None = None  # fate-edge: attention, shared experts, lm_head quantized (fused.py)
     # fate-edge: the store it reads. BASELINES keeps bf16 experts and float resident weights (quantized at load as
-    # the side asks); DEFAULT is the lean store ``fate-edge run MODEL`` converts, read as a user's run reads it
+    # the side asks); DEFAULT is the lean store ``fate-edge run MODEL`` converts, read as a user's run reads it;
+    # PUBLISHED keeps the rest as the checkpoint holds it (gpt-oss's bf16 beside llama.cpp's bf16 GGUF)
     store: str = "baselines"
 
 
-BASELINES, DEFAULT = "baselines", "default"
+BASELINES, DEFAULT, PUBLISHED = "baselines", "default", "published"
 
 
 RESIDENT = [
@@ -123,6 +124,40 @@ REAL_PAIRS = [
 ]
 
 
+# gpt-oss as published (MXFP4 experts): fate-edge's default store keeps the blocks and computes on them (rest bf16,
+# as the checkpoint holds it; and in fp32, what this host's --dtype auto measured), llama.cpp's converter keeps them
+# too (its GGUF's other tensors bf16: --outtype bf16).
+_MX_REST = "bf16 (norms f32)"
+_MX_KEPT = "MXFP4 as published, kept exact"
+MXFP4_RESIDENT = [
+    Side(
+        "fate-edge mxfp4", "fate-edge", "mxfp4", "MXFP4 as published, kept exact", "bf16", dtype="bf16", store=PUBLISHED
+    ),
+    Side(
+        "fate-edge mxfp4, fp32 compute", "fate-edge", "mxfp4", "MXFP4 as published, kept exact", "fp32", store=PUBLISHED
+    ),
+    Side("llama.cpp mxfp4", "llama.cpp", "mxfp4", "MXFP4 (its converter keeps gpt-oss's)", _MX_REST),
+]
+MXFP4_LIMITED = [
+    Side(
+        "fate-edge mxfp4, expert budget",
+        "fate-edge",
+        "mxfp4",
+        "MXFP4, streamed from disk into the budget",
+        "bf16",
+        "limited",
+        dtype="bf16",
+        store=PUBLISHED,
+    ),
+    Side("llama.cpp mxfp4, mmap under cap", "llama.cpp", "mxfp4", "MXFP4, memory-mapped", _MX_REST, "limited"),
+]
+MXFP4_PAIRS = [
+    ("fate-edge mxfp4", "llama.cpp mxfp4"),
+    ("fate-edge mxfp4, fp32 compute", "llama.cpp mxfp4"),
+    ("fate-edge mxfp4, expert budget", "llama.cpp mxfp4, mmap under cap"),
+]
+
+
 @dataclass(frozen=True)
 class SideSet:
     """What one comparison runs: the sides, the pairs that get ratios, and the GGUF types it needs."""
@@ -136,16 +171,30 @@ class SideSet:
 SIDE_SETS = {
     "small": SideSet(RESIDENT, LIMITED, PAIRS, ("f32", "bf16", "q4_0")),
     "real": SideSet(REAL_RESIDENT, REAL_LIMITED, REAL_PAIRS, ("bf16", "q4_0")),
+    "mxfp4": SideSet(MXFP4_RESIDENT, MXFP4_LIMITED, MXFP4_PAIRS, ("mxfp4",)),
 }
+
+
+def has_mxfp4_experts(model_dir: str | Path) -> bool:
+    """Whether the checkpoint's experts are MXFP4 as gpt-oss publishes them (its config's quantization_config)."""
+    path = Path(model_dir) / "config.json"
+    cfg = json.loads(path.read_text()) if path.exists() else {}
+    quant = cfg.get("quantization_config")
+    return isinstance(quant, dict) and quant.get("quant_method") == "mxfp4"
 
 
 def pick_side_set(name: str, model_dir: str | Path) -> SideSet:
     """``small`` (fp32 / bf16 / int4 vs f32 / bf16 / q4_0), ``real`` (bf16 and int4 experts with bf16 / int8 /
-    int4 rest vs bf16 / q4_0), or ``auto``: ``real`` for a checkpoint stored in bf16 (the real-size ones),
-    else ``small``."""
+    int4 rest vs bf16 / q4_0), ``mxfp4`` (MXFP4 experts kept on both sides), or ``auto``: ``mxfp4`` for a checkpoint
+    with MXFP4 experts (gpt-oss as published), ``real`` for one stored in bf16 (the real-size ones), else ``small``."""
     if name == "auto":
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
         name = "real" if cfg.get("torch_dtype", cfg.get("dtype")) == "bfloat16" else "small"
+        name = "mxfp4" if has_mxfp4_experts(model_dir) else name
+    elif name == "mxfp4" and not has_mxfp4_experts(model_dir):
+        raise ValueError(
+            f"--sides mxfp4: {model_dir} has no MXFP4 experts (gpt-oss as published: fate-edge synth --mxfp4)"
+        )
     return SIDE_SETS[name]
 
 
@@ -170,10 +219,16 @@ def side_stores(model: str | Path, sides: list[Side]) -> dict[str, Path]:
     float resident weights, :meth:`ConvertOptions.full`) and ``default`` (what ``fate-edge run MODEL`` converts:
     ``ensure_store``'s own defaults). Only those asked for: at real size the baselines' bf16 experts are the
     checkpoint's size again."""
+    kinds = dict.fromkeys(side.store for side in sides if side.kind == "fate-edge")
+    return {kind: _ensure_kind(model, kind) for kind in kinds}
+
+
+def _ensure_kind(model: str | Path, kind: str) -> Path:
     from fate_edge.format.converted_stores import ensure_store
 
-    kinds = dict.fromkeys(side.store for side in sides if side.kind == "fate-edge")
-    return {kind: ensure_store(model, progress=False, baselines=kind == BASELINES) for kind in kinds}
+    if kind == PUBLISHED:  # the rest unquantized, the experts as the default keeps them (MXFP4 as published)
+        return ensure_store(model, progress=False, resident_bits=None, embedding_bits=None)
+    return ensure_store(model, progress=False, baselines=kind == BASELINES)
 
 
 def side_spec(base: dict[str, Any], side: Side, ggufs: dict[str, str], stores: dict[str, Path]) -> dict[str, Any]:
@@ -263,7 +318,7 @@ def _fate_edge_stream(spec: dict[str, Any]):
             )
         )
         return (r.token for r in engine.stream(spec["ids"], cfg))
-    if spec["precision"] == "int4":
+    if spec["precision"] in ("int4", "mxfp4"):  # the store's 4-bit experts: int4, or MXFP4 kept as published
         model = load_model(
             spec["store"],
             rest,

@@ -3,6 +3,7 @@ trained-like routing), to benchmark fate-edge at real size without downloading t
 
     fate-edge synth --like qwen1.5-moe-a2.7b --layers 2 /tmp/qwen-moe-2l
     fate-edge synth --like olmoe-1b-7b --scale 16 --measure 512 /tmp/olmoe-small
+    fate-edge synth --like gpt-oss-20b --layers 2 --mxfp4 /tmp/gpt-oss-2l   # experts in MXFP4, as published
 
 Presets: qwen1.5-moe-a2.7b, olmoe-1b-7b, deepseek-v2-lite, qwen3-30b-a3b, mixtral-8x7b, glm-4.5-air,
 ernie-4.5-21b-a3b, minimax-m2, gpt-oss-20b, qwen3-next-80b-a3b, lfm2-8b-a1b (see fate_edge_lab/synthetic/presets.py
@@ -20,7 +21,9 @@ import torch
 from fate_edge.apps.command_line import command_parser, non_negative_int, positive_float, positive_int
 from fate_edge_lab.synthetic.build import SyntheticOptions, make_synthetic_model, plan
 from fate_edge_lab.synthetic.measure import measure_router_structure
+from fate_edge_lab.synthetic.mxfp4_experts import mxfp4_specs
 from fate_edge_lab.synthetic.presets import PRESETS
+from fate_edge_lab.synthetic.writer import nbytes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,6 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--scale", type=positive_int, default=1, help="divide every width by this (default 1: real shapes)")
     ap.add_argument("--shard-gb", type=positive_float, default=2.0, help="shard size in GB")
     ap.add_argument("--threads", type=positive_int, default=1, help="torch threads for the random numbers")
+    ap.add_argument(
+        "--mxfp4",
+        action="store_true",
+        help="gpt-oss: write the experts in MXFP4 (*_blocks / *_scales and quantization_config), the layout OpenAI "
+        "publishes and users download; default: the float (bf16) layout transformers saves after dequantizing",
+    )
     ap.add_argument(
         "--measure",
         type=non_negative_int,
@@ -45,12 +54,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
-    opts = SyntheticOptions(args.like, args.layers, args.seed, args.scale, int(args.shard_gb * 1e9))
-    _, specs, _ = plan(opts)
-    total = sum(s.numel for s in specs) * 2
+    opts = SyntheticOptions(args.like, args.layers, args.seed, args.scale, int(args.shard_gb * 1e9), mxfp4=args.mxfp4)
+    try:
+        _, specs, _ = plan(opts)
+        entries = mxfp4_specs(specs) if args.mxfp4 else specs
+    except ValueError as e:
+        raise SystemExit(f"fate-edge synth: {e}") from None
+    total = sum(nbytes(e, "BF16") for e in entries)
     print(
-        f"{args.like}: {len(specs)} tensors, {sum(s.numel for s in specs) / 1e9:.2f} B params, "
-        f"{total / 1e9:.2f} GB bf16 -> {args.out}",
+        f"{args.like}: {len(entries)} tensors, {sum(s.numel for s in specs) / 1e9:.2f} B params, "
+        f"{total / 1e9:.2f} GB {'bf16, experts MXFP4' if args.mxfp4 else 'bf16'} -> {args.out}",
         flush=True,
     )
     start, done = time.perf_counter(), [0]

@@ -37,8 +37,13 @@ class Entry(Protocol):
 E = TypeVar("E", bound=Entry)  # the caller's own entry type, handed back to its callbacks
 
 
+def entry_dtype(e: Entry, dtype: str) -> str:
+    """The entry's safetensors dtype: its own ``st_dtype`` (gpt-oss's uint8 MXFP4 blocks) or the checkpoint's."""
+    return getattr(e, "st_dtype", None) or dtype
+
+
 def nbytes(e: Entry, dtype: str) -> int:
-    return math.prod(e.shape) * DTYPE_BYTES[dtype]
+    return math.prod(e.shape) * DTYPE_BYTES[entry_dtype(e, dtype)]
 
 
 def plan_shards(entries: list[E], dtype: str, max_bytes: int = DEFAULT_SHARD_BYTES) -> list[list[E]]:
@@ -65,7 +70,7 @@ def header_bytes(entries: Sequence[Entry], dtype: str, metadata: dict[str, str] 
     offset = 0
     for e in entries:
         end = offset + nbytes(e, dtype)
-        header[e.name] = {"dtype": dtype, "shape": list(e.shape), "data_offsets": [offset, end]}
+        header[e.name] = {"dtype": entry_dtype(e, dtype), "shape": list(e.shape), "data_offsets": [offset, end]}
         offset = end
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # tensor data starts 8-byte aligned, as safetensors itself writes it
@@ -88,7 +93,8 @@ def write_checkpoint(
     on_tensor: Callable[[E, int], None] | None = None,
 ) -> dict:
     """Write ``entries`` as sharded safetensors in ``out``, each tensor's values taken from ``blocks(entry)``
-    (converted to ``dtype`` one block at a time), plus ``model.safetensors.index.json``; returns the index.
+    (converted to ``dtype`` one block at a time; an entry with its own ``st_dtype`` U8 written as its uint8 blocks are),
+    plus ``model.safetensors.index.json``; returns the index.
     ``on_tensor(entry, bytes)`` is called after each tensor (progress)."""
     st_dtype = SAFETENSORS_DTYPES[dtype]
     shards = plan_shards(list(entries), st_dtype, max_shard_bytes)
@@ -101,8 +107,11 @@ def write_checkpoint(
             f.write(header_bytes(shard, st_dtype))
             for e in shard:
                 want, wrote = nbytes(e, st_dtype), 0
+                own = entry_dtype(e, st_dtype) != st_dtype
                 for block in blocks(e):
-                    wrote += f.write(_raw(block.to(dtype)))
+                    if own and block.dtype != torch.uint8:
+                        raise RuntimeError(f"{e.name}: the generator gave {block.dtype} blocks for a U8 tensor")
+                    wrote += f.write(_raw(block if own else block.to(dtype)))
                 if wrote != want:
                     raise RuntimeError(f"{e.name}: the generator gave {wrote} bytes for shape {e.shape}, not {want}")
                 weight_map[e.name] = name

@@ -3,12 +3,16 @@
    W: blocks uint8 [N, K/2], byte j of a row = E2M1 code of k = 2j (low nibble) | code of k = 2j + 1 << 4 (the byte
    order of Hugging Face's gpt-oss ``*_blocks`` tensors); scales uint8 [N, K/32], one E8M0 exponent per 32 k:
    w[n, k] = e2m1(code) * 2^(scale - 127). Every such product has at most two significant bits, so decoding is exact
-   in fp32 (and bf16) and the kernel computes in fp32 throughout: x is NOT quantized (unlike the int4 kernel's int8
-   activations), so y differs from dequantize-then-matmul in fp32 by summation order only.
-
-   Codes are looked up as doubled integers (0, 1, 2, 3, 4, 6, 8, 12 and their negatives, as ggml's kvalues_mxfp4) by
-   one byte shuffle, widened to fp32 and multiplied by half the block's scale: a power of two, so exact. E8M0 255 is
-   NaN in the OCP format and decodes to NaN here (the converters refuse it). */
+   in fp32 (and bf16). x is NOT quantized (unlike the int4 kernel's int8 activations): every product of a weight and
+   an activation is exact and the sums are fp32, so y differs from dequantize-then-matmul in fp32 by summation order
+   only, on every path:
+   - AVX-512 BF16 (isa 3): ``vdpbf16ps`` on codes looked up as bf16 words and x as bf16 (a bf16 x as it is, an fp32
+     x split into three bf16 parts that sum to it exactly), 32 products an instruction;
+   - AVX-512 (2) and AVX2 (1): codes looked up as doubled integers (0, 1, 2, 3, 4, 6, 8, 12 and their negatives, as
+     ggml's kvalues_mxfp4), widened to fp32 and multiplied by half the block's scale (a power of two: exact);
+   - portable C (0): any x86-64.
+   E8M0 255 is NaN in the OCP format and decodes to NaN here (the converters refuse it).
+   fe_mxfp4_gemm_grouped runs a MoE layer's experts (many small matrices) in one parallel region. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -239,14 +243,116 @@ T256 static void rows_buffered(const uint8_t *blocks, const uint8_t *scales, int
     }
 }
 
-/* 2: AVX-512 (F, BW, VL), 1: AVX2 + FMA, 0: portable C only. */
+/* ---- AVX-512 BF16: 32 weights a ``vdpbf16ps`` ----------------------------------------------------------------
+   The doubled E2M1 values are small integers, exact in bf16: a block's 16 code bytes are widened to 32-bit lanes and
+   each lane's two nibbles become two 16-bit indices (k = 2j in the low word, k = 2j + 1 in the high one: the pair
+   order ``vdpbf16ps`` sums), looked up in a table of bf16 words (``vpermw``). x comes in bf16 "planes": a bf16 x is
+   one plane, an fp32 x is split into three (hi + mid + lo == x exactly: each takes the next 8 bits of the 24-bit
+   significand, rounding to nearest, and x - hi, hi's remainder - mid are exact in fp32). Each product of a code and a
+   plane is exact in fp32 and summed in fp32, then times half the block's scale, as the fp32 path does; the
+   instruction treats bf16 subnormals as zero and flushes subnormal results (|x| < 2^-126, or a plane's part of it
+   below 2^-126: activations that small add nothing to these sums). */
+#define TBF __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
+
+static const uint16_t KVALUES_BF16[32] = {0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40c0, 0x4100, 0x4140,
+                                          0x8000, 0xbf80, 0xc000, 0xc040, 0xc080, 0xc0c0, 0xc100, 0xc140};
+
+TBF static inline __m512i block_bf16(const uint8_t *q, __m512i table) {
+    const __m512i mask = _mm512_set1_epi32(0x000F000F);
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+    /* (v | v << 12) & mask in one ternary-logic op: the low nibble in bits 0-3, the high one in bits 16-19 */
+    __m512i idx = _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), mask, 0xA8);
+    return _mm512_permutexvar_epi16(idx, table);
+}
+
+/* R rows (1-4) of P planes each: ``xp`` plane p of row r at xp + (p * M + r) * K (bf16 bits). Even and odd blocks
+   go to separate accumulators (independent FMA chains); R and P are constants, so the loops over them unroll. */
+#define BF16_BLOCK(b, accs)                                                                                          \
+    do {                                                                                                             \
+        __m512bh w = (__m512bh)block_bf16(q + (b) * (QB / 2), table);                                                \
+        __m512 s = _mm512_set1_ps(sb[b]);                                                                            \
+        for (int r = 0; r < R; r++) {                                                                                \
+            __m512 t = _mm512_setzero_ps();                                                                          \
+            for (int p = 0; p < P; p++)                                                                              \
+                t = _mm512_dpbf16_ps(                                                                                \
+                    t, w, (__m512bh)_mm512_loadu_si512(xp + ((size_t)p * M + m0 + r) * K + (size_t)(b) * QB));       \
+            accs[r] = _mm512_fmadd_ps(t, s, accs[r]);                                                                \
+        }                                                                                                            \
+    } while (0)
+#define ROWS_BF16(R_, P_)                                                                                            \
+    TBF static void rows_bf16_##R_##_##P_(const uint8_t *blocks, const uint8_t *scales, int n0, int n1, int N,      \
+                                          int K, const uint16_t *xp, int M, int m0, yout y, float *sb) {             \
+        enum { R = R_, P = P_ };                                                                                     \
+        const __m512i table = _mm512_loadu_si512((const void *)KVALUES_BF16);                                        \
+        const int nb = K / QB;                                                                                       \
+        for (int n = n0; n < n1; n++) {                                                                              \
+            const uint8_t *q = blocks + (size_t)n * (K / 2);                                                         \
+            row_scales(scales + (size_t)n * nb, nb, sb);                                                             \
+            __m512 even[R], odd[R];                                                                                  \
+            for (int r = 0; r < R; r++) even[r] = odd[r] = _mm512_setzero_ps();                                      \
+            int b = 0;                                                                                               \
+            for (; b + 2 <= nb; b += 2) {                                                                            \
+                BF16_BLOCK(b, even);                                                                                 \
+                BF16_BLOCK(b + 1, odd);                                                                              \
+            }                                                                                                        \
+            if (b < nb) BF16_BLOCK(b, even);                                                                         \
+            for (int r = 0; r < R; r++)                                                                              \
+                y_put(y, (size_t)(m0 + r) * N + n, _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r])));            \
+        }                                                                                                            \
+    }
+ROWS_BF16(1, 1)
+ROWS_BF16(2, 1)
+ROWS_BF16(3, 1)
+ROWS_BF16(4, 1)
+ROWS_BF16(1, 3)
+ROWS_BF16(2, 3)
+
+typedef void (*rows_bf16_fn)(const uint8_t *, const uint8_t *, int, int, int, int, const uint16_t *, int, int, yout,
+                             float *);
+
+/* x's rows in chunks of four bf16 rows (two fp32 ones: three planes each), a weight row's blocks decoded once per
+   chunk. */
+static void rows_bf16(const uint8_t *blocks, const uint8_t *scales, int n0, int n1, int N, int K, const uint16_t *xp,
+                      int M, int planes, yout y, float *sb) {
+    static const rows_bf16_fn one[4] = {rows_bf16_1_1, rows_bf16_2_1, rows_bf16_3_1, rows_bf16_4_1};
+    static const rows_bf16_fn three[2] = {rows_bf16_1_3, rows_bf16_2_3};
+    const int step = planes == 1 ? 4 : 2;
+    for (int m0 = 0; m0 < M; m0 += step) {
+        int r = M - m0 < step ? M - m0 : step;
+        (planes == 1 ? one : three)[r - 1](blocks, scales, n0, n1, N, K, xp, M, m0, y, sb);
+    }
+}
+
+/* fp32 -> three bf16 planes [3][count] whose sum is x exactly (non-finite x: the first plane alone, so the sums
+   see x's inf or NaN). */
+static void split_bf16(const float *x, size_t count, uint16_t *planes) {
+    for (size_t i = 0; i < count; i++) {
+        float v = x[i], rest = 0.f;
+        uint16_t hi = bf16_of(v), parts[2] = {0, 0};
+        uint32_t bits = (uint32_t)hi << 16;
+        float h;
+        memcpy(&h, &bits, 4);
+        if (v - v == 0.f) { /* finite */
+            rest = v - h;
+            for (int p = 0; p < 2; p++) {
+                parts[p] = bf16_of(rest);
+                bits = (uint32_t)parts[p] << 16;
+                memcpy(&h, &bits, 4);
+                rest -= h;
+            }
+        }
+        planes[i] = hi, planes[count + i] = parts[0], planes[2 * count + i] = parts[1];
+    }
+}
+
+/* 3: AVX-512 BF16 too, 2: AVX-512 (F, BW, VL), 1: AVX2 + FMA, 0: portable C only. */
 int fe_mxfp4_isa(void) {
     __builtin_cpu_init();
     if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return 0;
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                   __builtin_cpu_supports("avx512vl")
-               ? 2
-               : 1;
+    if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
+        !__builtin_cpu_supports("avx512vl"))
+        return 1;
+    return __builtin_cpu_supports("avx512bf16") ? 3 : 2;
 }
 
 /* bf16 -> fp32 is exact. */
@@ -257,16 +363,40 @@ static void bf16_to_f32(const uint16_t *in, size_t count, float *out) {
     }
 }
 
+/* The AVX-512 BF16 path: x as bf16 planes (a bf16 x as it is, an fp32 one split in three). */
+static int gemm_bf16(const uint8_t *blocks, const uint8_t *scales, int N, int K, const void *x, int x_bf16, int M,
+                     yout yo, int threads) {
+    const int planes = x_bf16 ? 1 : 3, tasks = (N + ROWS - 1) / ROWS;
+    uint16_t *xp = x_bf16 ? (uint16_t *)x : malloc(sizeof(uint16_t) * 3 * (size_t)M * K);
+    if (!xp) return -1;
+    if (!x_bf16) split_bf16((const float *)x, (size_t)M * K, xp);
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && tasks > 1) reduction(| : failed)
+    {
+        float *sb = malloc(sizeof(float) * (size_t)(K / QB)); /* a weight row's block scales */
+        if (!sb) failed = 1;
+#pragma omp for schedule(static)
+        for (int t = 0; t < tasks; t++) {
+            int n0 = t * ROWS, n1 = n0 + ROWS < N ? n0 + ROWS : N;
+            if (sb) rows_bf16(blocks, scales, n0, n1, N, K, xp, M, planes, yo, sb);
+        }
+        free(sb);
+    }
+    if (!x_bf16) free(xp);
+    return failed ? -1 : 0;
+}
+
 /* y[M, N] = x[M, K] @ W.T; x and y fp32, or bf16 where x_bf16 / y_bf16 say so (widened here in one pass, y written
-   by the kernels). ``isa``: 2 AVX-512 (its own path at one or two rows), 1 AVX2, 0 portable C. Returns 0, or -1 for a shape it does not take (K % 32) or an
-   allocation failure. */
+   by the kernels). ``isa``: 3 AVX-512 BF16 (any rows), 2 AVX-512 (its own path at one or two rows), 1 AVX2, 0
+   portable C. Returns 0, or -1 for a shape it does not take (K % 32) or an allocation failure. */
 int fe_mxfp4_gemm(const uint8_t *blocks, const uint8_t *scales, int N, int K, const void *x, int x_bf16, int M,
                   void *y, int y_bf16, int threads, int isa) {
     if (K <= 0 || K % QB || M <= 0 || N <= 0) return -1;
+    const yout yo = {y, y_bf16};
+    if (isa >= 3) return gemm_bf16(blocks, scales, N, K, x, x_bf16, M, yo, threads);
     float *xf = x_bf16 ? malloc(sizeof(float) * (size_t)M * K) : (float *)x;
     if (!xf) return -1;
     if (x_bf16) bf16_to_f32((const uint16_t *)x, (size_t)M * K, xf);
-    const yout yo = {y, y_bf16};
     const int fused = isa >= 1 && M <= 2, tasks = (N + ROWS - 1) / ROWS;
     float *xd = fused ? malloc(sizeof(float) * (size_t)M * K) : NULL;
     int failed = fused && !xd;
@@ -296,6 +426,24 @@ int fe_mxfp4_gemm(const uint8_t *blocks, const uint8_t *scales, int N, int K, co
     }
     free(xd);
     if (x_bf16) free(xf);
+    return failed ? -1 : 0;
+}
+
+/* ``G`` independent fe_mxfp4_gemm calls (a MoE layer's experts, each on its own rows) in one parallel region, the
+   threads sharing out whole matrices (dynamic: rows per matrix differ) rather than splitting each, as
+   fe_int4_gemm_grouped does. ``table``: per call, 9 int64 fields in fe_mxfp4_gemm's argument order (blocks, scales,
+   N, K, x, x_bf16, M, y, y_bf16). Fewer calls than threads: each call is split across the threads instead. A
+   matrix's result does not depend on the thread that computes it. Returns 0, or -1 if any call failed. */
+int fe_mxfp4_gemm_grouped(int G, const int64_t *table, int threads, int isa) {
+    int failed = 0;
+    const int across = threads > 1 && G >= threads;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (across) reduction(| : failed)
+    for (int i = 0; i < G; i++) {
+        const int64_t *a = table + 9 * (size_t)i;
+        failed |= fe_mxfp4_gemm((const uint8_t *)(intptr_t)a[0], (const uint8_t *)(intptr_t)a[1], (int)a[2], (int)a[3],
+                                (const void *)(intptr_t)a[4], (int)a[5], (int)a[6], (void *)(intptr_t)a[7], (int)a[8],
+                                across ? 1 : threads, isa) != 0;
+    }
     return failed ? -1 : 0;
 }
 
