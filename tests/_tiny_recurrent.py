@@ -4,6 +4,7 @@ transformers, with the bundled model's tokenizer beside them, for tests that run
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -45,14 +46,27 @@ CONFIGS = {
 }
 
 
+def save_tiny(config, out: Path, perturb: Callable[[str, torch.Tensor], None] | None = None):
+    """transformers' model of ``config`` (seeded), ``perturb(name, tensor)`` called on each buffer and parameter
+    (under no_grad: to give weights that default to zeros or ones values that count), saved with the bundled
+    tokenizer into ``out``."""
+    import transformers
+
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+    if perturb is not None:
+        with torch.no_grad():
+            for name, t in [*hf.named_buffers(), *hf.named_parameters()]:
+                perturb(name, t)
+    hf.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ASSET / name, out / name)
+    return hf
+
+
 def build_tiny(arch: str, out: Path):
     """The transformers model of ``arch`` (seeded), saved with the bundled tokenizer into ``out``."""
     import transformers
 
     cls, extra = CONFIGS[arch]
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**{**_BASE, **extra})).eval()
-    hf.save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(ASSET / name, out / name)
-    return hf
+    return save_tiny(getattr(transformers, cls)(**{**_BASE, **extra}), out)

@@ -7,7 +7,6 @@ converted from the safetensors checkpoint with ggml's q8_0 rounding: the same ex
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +14,7 @@ import pytest
 import torch
 from _gguf_reference import reference_store
 from _gguf_writer import _quantize
+from _tiny_recurrent import _BASE, save_tiny
 
 transformers = pytest.importorskip("transformers")
 from gguf import ExpertGatingFuncType, GGMLQuantizationType, GGUFWriter  # noqa: E402
@@ -25,7 +25,6 @@ from fate_edge.format.gguf_convert import convert_gguf  # noqa: E402
 from fate_edge.model.arch import load_config  # noqa: E402
 from fate_edge.runtime.loader import load_model  # noqa: E402
 
-ASSET = Path(__file__).resolve().parents[1] / "fate_edge" / "assets" / "tiny-moe"
 F32, Q8 = GGMLQuantizationType.F32, GGMLQuantizationType.Q8_0
 _LAYER = {
     "operator_norm.weight": "attn_norm.weight",
@@ -96,37 +95,17 @@ def write_lfm2_gguf(model_dir: Path, out: Path) -> Path:
     return out
 
 
+def _expert_bias(name: str, t: torch.Tensor) -> None:
+    if name.endswith("expert_bias"):  # zeros by default: make the selection-only bias bite
+        t.copy_(torch.randn_like(t) * 0.2)
+
+
 @pytest.fixture(scope="module")
 def lfm2(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("lfm2_gguf") / "hf"
-    config = transformers.Lfm2MoeConfig(
-        vocab_size=4096,  # the bundled tokenizer's
-        hidden_size=64,
-        num_hidden_layers=4,
-        layer_types=["conv", "full_attention", "conv", "full_attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_experts=8,
-        num_experts_per_tok=2,
-        num_dense_layers=1,
-        max_position_embeddings=256,
-        initializer_range=0.1,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for name, buf in hf.named_buffers():
-            if name.endswith("expert_bias"):
-                buf.copy_(torch.randn_like(buf) * 0.2)
-    hf.save_pretrained(d)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(ASSET / name, d / name)
+    layers = dict(num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "full_attention"])
+    config = transformers.Lfm2MoeConfig(**dict(_BASE, **layers, intermediate_size=96, num_dense_layers=1))
+    save_tiny(config, d, _expert_bias)
     return d
 
 
@@ -287,90 +266,41 @@ def write_qwen3_next_gguf(model_dir: Path, out: Path, arch: str = "qwen3next") -
 
 
 _DELTANET = dict(
-    vocab_size=4096,
-    hidden_size=64,
+    _BASE,
     num_hidden_layers=4,
     layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-    num_attention_heads=4,
-    num_key_value_heads=2,
     head_dim=16,
-    moe_intermediate_size=32,
     shared_expert_intermediate_size=64,
-    num_experts=8,
-    num_experts_per_tok=2,
     linear_num_key_heads=2,
     linear_num_value_heads=4,  # two value heads per key head: Qwen3.5's GGUF reorders them
     linear_key_head_dim=16,
     linear_value_head_dim=8,
     linear_conv_kernel_dim=4,
-    max_position_embeddings=256,
-    initializer_range=0.1,
-    tie_word_embeddings=False,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
 )
 
 
-def _deltanet_checkpoint(d: Path, config) -> Path:
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("norm.weight") and "linear_attn" not in name:
-                p.copy_(torch.randn_like(p) * 0.2)
-            if name.endswith(("A_log", "dt_bias")):  # distinct per head: a head order left wrong shows
-                p.copy_(torch.randn_like(p))
-    hf.save_pretrained(d)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(ASSET / name, d / name)
-    return d
+def _norms(name: str, t: torch.Tensor) -> None:
+    if name.endswith("norm.weight") and "linear_attn" not in name:  # zeros by default (1 + weight): make them count
+        t.copy_(torch.randn_like(t) * 0.2)
+
+
+def _norms_and_heads(name: str, t: torch.Tensor) -> None:
+    _norms(name, t)
+    if name.endswith(("A_log", "dt_bias")):  # distinct per head: a head order left wrong shows
+        t.copy_(torch.randn_like(t))
 
 
 @pytest.fixture(scope="module")
 def qwen35(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("qwen35_gguf") / "hf"
-    return _deltanet_checkpoint(d, transformers.Qwen3_5MoeTextConfig(**_DELTANET))
+    save_tiny(transformers.Qwen3_5MoeTextConfig(**_DELTANET), d, _norms_and_heads)
+    return d
 
 
 @pytest.fixture(scope="module")
 def qwen3_next(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("qwen3_next_gguf") / "hf"
-    config = transformers.Qwen3NextConfig(
-        vocab_size=4096,
-        hidden_size=64,
-        num_hidden_layers=4,
-        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=64,
-        num_experts=8,
-        num_experts_per_tok=2,
-        mlp_only_layers=[2],
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=8,
-        linear_conv_kernel_dim=4,
-        max_position_embeddings=256,
-        initializer_range=0.1,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("norm.weight") and "linear_attn" not in name:
-                p.copy_(torch.randn_like(p) * 0.2)
-    hf.save_pretrained(d)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(ASSET / name, d / name)
+    save_tiny(transformers.Qwen3NextConfig(**_DELTANET, intermediate_size=96, mlp_only_layers=[2]), d, _norms)
     return d
 
 

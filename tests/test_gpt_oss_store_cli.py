@@ -10,8 +10,8 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+from _parity import max_diff  # noqa: E402
 from _tiny_moe import VOCAB, build_tokenizer  # noqa: E402
-from test_parity import max_diff  # noqa: E402
 from test_parity_gpt_oss import build  # noqa: E402
 
 from fate_edge.apps.cli import main  # noqa: E402

@@ -116,17 +116,39 @@ def test_resident_weights_in_torchs_layout_record_their_order_too(monkeypatch):
         layer._quantized(w, "a")
 
 
-def test_the_store_cache_keys_torchs_layout_by_its_order(monkeypatch, bundled_dir):
-    """A cached store in torch's layout from before the record is refused at open: the cache key names the order,
-    so the default path converts again under a new key instead of failing."""
+def test_the_store_cache_keeps_one_torch_layout_store_and_converts_a_stale_one_again(
+    monkeypatch, bundled_dir, tmp_path
+):
+    """On a host computing on torch's kernel the cached store is in its CPU layout, which records its block order:
+    a CPU of the other order finds the same store (and re-packs), and a store cached before the record is converted
+    again in place (format.store_age), not refused at every run."""
+    import shutil
+
+    from fate_edge.quant import linear
+
     from fate_edge.format import converted_stores
+    from fate_edge.format.store_age import predates_block_order
 
     monkeypatch.setattr(converted_stores, "native_is_default", lambda: False)
-    paths = set()
-    for rows in (64, 32):
-        monkeypatch.setattr(converted_stores, "host_int4_block_rows", lambda rows=rows: rows)
-        paths.add(converted_stores.cached_store_path(bundled_dir))
-    assert len(paths) == 2
+    monkeypatch.setattr(convert_module, "default_kernel", lambda *a, **k: "torch-int4")  # auto: torch's layout
+    src = shutil.copytree(bundled_dir, tmp_path / "tiny")  # its own cache key: the shared cached store stays
+    native_path = converted_stores.cached_store_path(bundled_dir)
+    store = converted_stores.ensure_store(src, progress=False)
+    precision = ExpertStore(store).precisions[4]
+    assert precision.layout == "cpu-int4" and precision.block_rows == HOST
+    assert store != native_path  # the other kernel's preference keeps its own store
+    with monkeypatch.context() as mp:
+        mp.setattr(linear, "_block_rows", lambda n, k: OTHER)  # a CPU of the other order
+        assert host_int4_block_rows() == OTHER
+        written = (store / STORE_FILE).stat().st_mtime_ns
+        assert converted_stores.ensure_store(src, progress=False) == store
+        assert (store / STORE_FILE).stat().st_mtime_ns == written  # taken as it is, not converted again
+    index = json.loads((store / STORE_FILE).read_text())
+    del index["precisions"]["4"]["int4_block_rows"]  # as fate-edge wrote it before the record
+    (store / STORE_FILE).write_text(json.dumps(index))
+    assert predates_block_order(store)
+    assert converted_stores.ensure_store(src, progress=False) == store and not predates_block_order(store)
+    assert ExpertStore(store).precisions[4].block_rows == HOST
 
 
 def test_convert_refuses_torchs_layout_where_its_order_is_unknown(monkeypatch, bundled_dir, tmp_path):

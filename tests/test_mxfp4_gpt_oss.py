@@ -13,10 +13,10 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+from _parity import NEW_TOKENS, max_diff, our_greedy  # noqa: E402
 from _tiny_moe import VOCAB, build_tokenizer  # noqa: E402
 from fate_edge.quant.mxfp4 import MXFP4, Mxfp4Linear, dequantize_mxfp4, quantize_mxfp4  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
-from test_parity import NEW_TOKENS, max_diff, our_greedy  # noqa: E402
 from test_parity_gpt_oss import build  # noqa: E402
 
 from fate_edge.errors import ModelFormatError  # noqa: E402

@@ -9,9 +9,6 @@ the transformers-5 fused layout (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.
 from __future__ import annotations
 
 import math
-import re
-import shutil
-from collections import defaultdict
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -19,7 +16,20 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from safetensors.torch import load_file, save_file  # noqa: E402
+from _parity import (  # noqa: E402
+    FP32_ATOL,
+    Reference,
+    check_batched_steps_match_alone,
+    fuse_checkpoint,
+    hf_reference,
+    max_diff,
+    one_quiet_thread,
+    our_greedy,
+    record_routing,
+)
+from _parity import NEW_TOKENS as NEW_TOKENS  # noqa: E402  (it and _alone: test_parity_gpt_oss imports them here)
+from _parity import _alone as _alone  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 
 from fate_edge.format.checkpoint import CheckpointReader  # noqa: E402
 from fate_edge.format.checkpoint_experts import CheckpointExpertProvider, ExpertLayout  # noqa: E402
@@ -28,8 +38,6 @@ from fate_edge.runtime.loader import load_model  # noqa: E402
 
 VOCAB = 128
 PROMPT_LEN = 12
-NEW_TOKENS = 16
-FP32_ATOL = 1e-4
 BF16_ATOL = 2e-2
 
 # Sizes shared by every case; a case overrides what its variant needs.
@@ -251,43 +259,6 @@ CASES = [
 CASE_IDS = [c.id for c in CASES]
 LAYOUTS = ["per_expert", "fused"]
 
-_EXPERT_KEY = re.compile(r"^(.*)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
-_ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
-
-
-def fuse_checkpoint(src: Path, dst: Path) -> None:
-    """Rewrite a per-expert checkpoint into transformers 5's fused expert layout (Mixtral: under ``mlp.``)."""
-    dst.mkdir()
-    for f in src.iterdir():
-        if f.suffix == ".json":
-            shutil.copy(f, dst / f.name)
-    tensors = load_file(src / "model.safetensors")
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
-    for name, t in tensors.items():
-        m = _EXPERT_KEY.match(name)
-        if m:
-            experts[m.group(1)][int(m.group(2))][_ROLE[m.group(3)]] = t
-        else:
-            out[name.replace(".block_sparse_moe.", ".mlp.")] = t
-    assert experts, "save_pretrained wrote no per-expert tensors"
-    for prefix, by_index in experts.items():
-        prefix = prefix.replace(".block_sparse_moe", ".mlp")
-        order = sorted(by_index)
-        assert order == list(range(len(order)))
-        out[f"{prefix}.experts.gate_up_proj"] = torch.stack(
-            [torch.cat([by_index[j]["gate"], by_index[j]["up"]], dim=0) for j in order]
-        )
-        out[f"{prefix}.experts.down_proj"] = torch.stack([by_index[j]["down"] for j in order])
-    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
-
-
-@dataclass
-class Reference:
-    prefill: torch.Tensor  # transformers' logits over the prompt [1, T, V]
-    tokens: list[int]  # its 16 greedy tokens
-    step_logits: list[torch.Tensor]  # the logits each greedy token was picked from [V]
-
 
 class Built:
     """One case's transformers model, its two checkpoint directories and its prompt."""
@@ -316,36 +287,14 @@ class Built:
     @property
     def reference(self) -> Reference:
         if self._reference is None:
-            self.reset_hf_rope()
-            with torch.no_grad():
-                prefill = self.hf(self.prompt).logits
-            self.reset_hf_rope()
-            with torch.no_grad():
-                out = self.hf.generate(
-                    self.prompt,
-                    attention_mask=torch.ones_like(self.prompt),
-                    do_sample=False,
-                    max_new_tokens=NEW_TOKENS,
-                    eos_token_id=None,  # the config has none either: all 16 tokens are generated
-                    pad_token_id=0,
-                    return_dict_in_generate=True,
-                    output_logits=True,
-                )
-            tokens = out.sequences[0, self.prompt.shape[1] :].tolist()
-            assert len(tokens) == NEW_TOKENS
-            self._reference = Reference(prefill, tokens, [lg[0] for lg in out.logits])
+            self._reference = hf_reference(self.hf, self.prompt, self.reset_hf_rope)
         return self._reference
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_quiet_thread():
-    """Tiny matrices: one thread is ~50x faster than several fighting over loaded cores. No progress bars."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    transformers.utils.logging.disable_progress_bar()
-    yield
-    transformers.utils.logging.enable_progress_bar()
-    torch.set_num_threads(n)
+    with one_quiet_thread():
+        yield
 
 
 MEASURED: dict[str, float] = {}
@@ -380,29 +329,6 @@ def built(request, registry: Registry) -> Built:
 
 def by_id(*ids: str) -> list[Case]:
     return [c for c in CASES if c.id in ids]
-
-
-def record_routing(model) -> list[tuple[int, torch.Tensor]]:
-    """(layer, expert ids [N, k]) of every MoE layer the model runs from now on."""
-    seen: list[tuple[int, torch.Tensor]] = []
-    model.observers.append(lambda layer, h, idx, w: seen.append((layer, idx.clone())))
-    return seen
-
-
-def our_greedy(model, prompt: torch.Tensor) -> tuple[list[int], list[torch.Tensor]]:
-    """Prefill, then one-token decode steps on the KV cache."""
-    cache = model.new_cache()
-    logits = model(prompt, cache, last_only=True)[0, -1]
-    tokens, steps = [], []
-    for _ in range(NEW_TOKENS):
-        steps.append(logits)
-        tokens.append(int(logits.argmax()))
-        logits = model(torch.tensor([[tokens[-1]]]), cache)[0, -1]
-    return tokens, steps
-
-
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.float() - b.float()).abs().max().item()
 
 
 # --------------------------------------------------------------------------------------------- fp32 parity
@@ -465,43 +391,12 @@ def test_a_prompt_asked_for_its_last_logits_runs_the_last_mlp_on_one_row_and_sti
     assert [rows for _, rows in counter.rows] == [n] * len(model.config.moe_layers)
 
 
-def _alone(model, prompt: list[int], n: int) -> list[torch.Tensor]:
-    """A sequence served by itself: its prompt's last logits, then ``n`` greedy decode steps' logits."""
-    cache = model.new_cache()
-    steps = [model(torch.tensor([prompt]), cache, last_only=True)[0, -1]]
-    for _ in range(n):
-        steps.append(model(torch.tensor([[int(steps[-1].argmax())]]), cache)[0, -1])
-    return steps
-
-
 @pytest.mark.parametrize("built", CASES, ids=CASE_IDS, indirect=True)
 def test_batched_steps_give_each_sequence_its_alone_logits(built: Built):
     """Continuous batching (``batch_step.forward_segments``) on every architecture, MLA included: two prompts of
     different lengths in one step, a third prompt joining beside their decode tokens, then decode steps of all
     three, on caches that are ranges of one KV slab. Every step's logits are each sequence's alone (fp32)."""
-    from fate_edge.model.batch_step import Segment, forward_segments
-    from fate_edge.model.kv_slab import KVSlab
-
-    model = load_model(built.dirs["per_expert"], dtype=torch.float32)
-    full = built.prompt[0].tolist()
-    prompts, n = [full, full[:5], full[3:10]], 6
-    expected = [_alone(model, p, n) for p in prompts]
-    slab = KVSlab(model, 3 * 32)
-    segs = [Segment(p, slab.allocate(32)) for p in prompts[:2]]
-    got: list[list[torch.Tensor]] = [[], [], []]
-    for step in range(n + 2):
-        live = [j for j in range(len(segs)) if len(got[j]) <= n]
-        for j, row in zip(live, forward_segments(model, [segs[j] for j in live])):
-            got[j].append(row)
-            segs[j].ids = [int(row.argmax())]
-        if step == 0:  # the third joins: its whole prompt in the step of the others' first decode tokens
-            segs.append(Segment(prompts[2], slab.allocate(32)))
-    for j, (ours, alone) in enumerate(zip(got, expected)):
-        assert len(ours) == n + 1
-        diff = max(max_diff(a, b) for a, b in zip(ours, alone))
-        assert diff <= FP32_ATOL, f"sequence {j}: batched logits differ from alone by {diff:.3g}"
-        assert [int(a.argmax()) for a in ours] == [int(b.argmax()) for b in alone]
-        assert segs[j].cache.length == len(prompts[j]) + n
+    check_batched_steps_match_alone(load_model(built.dirs["per_expert"], dtype=torch.float32), built.prompt)
 
 
 # Each variant must change the output when switched off in the runtime: otherwise the parity test above would

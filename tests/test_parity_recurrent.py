@@ -14,16 +14,22 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+from _parity import (  # noqa: E402
+    FP32_ATOL,
+    check_batched_steps_match_alone,
+    fuse_checkpoint,
+    hf_reference,
+    max_diff,
+    one_quiet_thread,
+    our_greedy,
+)
 from safetensors.torch import load_file  # noqa: E402
-from test_parity import fuse_checkpoint  # noqa: E402
 
 from fate_edge.model.kv_cache import RecurrentLayer  # noqa: E402
 from fate_edge.runtime.loader import load_model  # noqa: E402
 
 VOCAB = 128
 PROMPT_LEN = 12
-NEW_TOKENS = 16
-FP32_ATOL = 1e-4
 LAYOUTS = ["fused", "per_expert"]
 
 _BASE = dict(
@@ -203,30 +209,14 @@ class Built:
         names = load_file(self.dirs["per_expert"] / "model.safetensors").keys()
         assert any(f".experts.0.{case.expert_names[0]}.weight" in n for n in names)
         self.prompt = torch.randint(0, VOCAB, (1, case.prompt_len), generator=torch.Generator().manual_seed(1234))
-        with torch.no_grad():
-            self.prefill = hf(self.prompt).logits
-            out = hf.generate(
-                self.prompt,
-                attention_mask=torch.ones_like(self.prompt),
-                do_sample=False,
-                max_new_tokens=NEW_TOKENS,
-                eos_token_id=None,
-                pad_token_id=0,
-                return_dict_in_generate=True,
-                output_logits=True,
-            )
-        self.tokens = out.sequences[0, case.prompt_len :].tolist()
-        self.step_logits = [lg[0] for lg in out.logits]
+        ref = hf_reference(hf, self.prompt)
+        self.prefill, self.tokens, self.step_logits = ref.prefill, ref.tokens, ref.step_logits
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_quiet_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    transformers.utils.logging.disable_progress_bar()
-    yield
-    transformers.utils.logging.enable_progress_bar()
-    torch.set_num_threads(n)
+    with one_quiet_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -246,26 +236,6 @@ def by_id(*ids: str) -> list[Case]:
     return [c for c in CASES if c.id in ids]
 
 
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.float() - b.float()).abs().max().item()
-
-
-def greedy(model, prompt: torch.Tensor, chunks: list[int]) -> tuple[list[int], list[torch.Tensor]]:
-    """The prompt in chunks of the given sizes (the state carried between them), then greedy decode steps."""
-    cache = model.new_cache()
-    at = 0
-    for n in chunks:
-        logits = model(prompt[:, at : at + n], cache, last_only=True)[0, -1]
-        at += n
-    assert at == prompt.shape[1]
-    tokens, steps = [], []
-    for _ in range(NEW_TOKENS):
-        steps.append(logits)
-        tokens.append(int(logits.argmax()))
-        logits = model(torch.tensor([[tokens[-1]]]), cache)[0, -1]
-    return tokens, steps
-
-
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("built", CASES, ids=CASE_IDS, indirect=True)
 def test_logits_and_greedy_match_transformers(built: Built, layout: str):
@@ -280,48 +250,17 @@ def test_logits_and_greedy_match_transformers(built: Built, layout: str):
         assert idx.unique().numel() > model.config.num_experts_per_tok, f"layer {layer}: routing never varies"
     n = built.prompt.shape[1]
     for chunks in ([n], [5, 1, n - 6]):  # whole, and in chunks: the recurrent states carried across them
-        tokens, steps = greedy(model, built.prompt, chunks)
+        tokens, steps = our_greedy(model, built.prompt, chunks)
         step_diff = max(max_diff(a, b) for a, b in zip(steps, built.step_logits))
         assert tokens == built.tokens, f"chunks {chunks}"
         assert step_diff <= FP32_ATOL, f"chunks {chunks}: decode-step logits differ by {step_diff:.3g}"
-
-
-def _alone(model, prompt: list[int], n: int) -> list[torch.Tensor]:
-    cache = model.new_cache()
-    steps = [model(torch.tensor([prompt]), cache, last_only=True)[0, -1]]
-    for _ in range(n):
-        steps.append(model(torch.tensor([[int(steps[-1].argmax())]]), cache)[0, -1])
-    return steps
 
 
 @pytest.mark.parametrize("built", CASES, ids=CASE_IDS, indirect=True)
 def test_batched_steps_give_each_sequence_its_alone_logits(built: Built):
     """Two prompts in one step, a third joining beside their decode tokens, then decode steps of all three, their
     attention layers in one KV slab and each its own recurrent states: every logit is the sequence's alone."""
-    from fate_edge.model.batch_step import Segment, forward_segments
-    from fate_edge.model.kv_slab import KVSlab
-
-    model = load_model(built.dirs["fused"], dtype=torch.float32)
-    full = built.prompt[0].tolist()
-    prompts, n = [full, full[:5], full[3:10]], 6
-    expected = [_alone(model, p, n) for p in prompts]
-    slab = KVSlab(model, 3 * 32)
-    assert all(slab.buffers[i] == [] for i, t in enumerate(model.config.layer_types) if t != "attention")
-    segs = [Segment(p, slab.allocate(32)) for p in prompts[:2]]
-    got: list[list[torch.Tensor]] = [[], [], []]
-    for step in range(n + 2):
-        live = [j for j in range(len(segs)) if len(got[j]) <= n]
-        for j, row in zip(live, forward_segments(model, [segs[j] for j in live])):
-            got[j].append(row)
-            segs[j].ids = [int(row.argmax())]
-        if step == 0:
-            segs.append(Segment(prompts[2], slab.allocate(32)))
-    for j, (ours, alone) in enumerate(zip(got, expected)):
-        assert len(ours) == n + 1
-        diff = max(max_diff(a, b) for a, b in zip(ours, alone))
-        assert diff <= FP32_ATOL, f"sequence {j}: batched logits differ from alone by {diff:.3g}"
-        assert [int(a.argmax()) for a in ours] == [int(b.argmax()) for b in alone]
-        assert segs[j].cache.length == len(prompts[j]) + n
+    check_batched_steps_match_alone(load_model(built.dirs["fused"], dtype=torch.float32), built.prompt)
 
 
 def _no_expert_bias(model):

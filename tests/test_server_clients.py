@@ -177,6 +177,31 @@ def test_a_chats_next_turn_hits_the_prompt_cache_and_cache_prompt_false_opts_out
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_prompt"
 
 
+def test_openai_usage_reports_the_prompt_tokens_the_cache_held(base):
+    """usage.prompt_tokens_details.cached_tokens (OpenAI's field): the prompt positions a request took from the
+    prompt cache, the same count the cache's metrics add, in the whole answer and the streamed usage chunk; 0 where
+    the request opts out."""
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
+    kw = dict(model=MODEL, max_tokens=4, temperature=0)
+    msgs = [{"role": "user", "content": "Sort a list of words by their length, shortest first. " * 3}]
+    first = client.chat.completions.create(messages=msgs, **kw)
+    msgs += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "Why?"}]
+    saved = _series(base, "fate_edge_prompt_cache_tokens_saved_total")
+    second = client.chat.completions.create(messages=msgs, **kw)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached == _series(base, "fate_edge_prompt_cache_tokens_saved_total") - saved
+    assert first.usage.prompt_tokens <= cached < second.usage.prompt_tokens
+    chunks = list(
+        client.chat.completions.create(messages=msgs, stream=True, stream_options={"include_usage": True}, **kw)
+    )
+    usage = chunks[-1].usage
+    assert usage.prompt_tokens == second.usage.prompt_tokens and usage.prompt_tokens_details.cached_tokens >= cached
+    off = client.chat.completions.create(messages=msgs, extra_body={"cache_prompt": False}, **kw)
+    assert off.usage.prompt_tokens_details.cached_tokens == 0
+    done = client.completions.create(prompt=msgs[0]["content"], extra_body={"cache_prompt": False}, **kw)
+    assert done.usage.prompt_tokens_details.cached_tokens == 0
+
+
 # --------------------------------------------------------------------------- openai: logprobs, echo, n
 def _direct(engine, ids: list[int]) -> list[float]:
     """Each token's log-probability given those before it, from one forward of the engine's model (the first: nan)."""

@@ -19,7 +19,6 @@ from fate_edge.format.model_names import locate_model
 from fate_edge.format.store import is_store
 from fate_edge.format.store_age import predates_block_order
 from fate_edge.process_memory import release_freed_memory
-from fate_edge.quant.linear import host_int4_block_rows
 from fate_edge.quant.native import native_is_default
 
 
@@ -71,10 +70,10 @@ def cached_store_path(
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     # convert's auto layout depends on the kernel this host prefers: a store made for the other one still works,
-    # but would compute on the slower kernel, so each preference keeps its own
-    # torch's layout is keyed by its block order too (a store cached before it was recorded is converted again in
-    # place by ensure_store: format.store_age)
-    kernel = "native" if native_is_default() else f"torch{host_int4_block_rows()}"
+    # but would compute on the slower kernel, so each preference keeps its own. torch's layout records its CPU block
+    # order in the store (another order re-packs), and a store cached before it did is converted again in place by
+    # ensure_store (format.store_age): the order is no part of the key
+    kernel = "native" if native_is_default() else "torch"
     h.update(f"{bits}/{cold_bits}/{kernel}".encode())
     # the resident precisions and the kept copies (a store cached before they were defaults held bf16 experts and
     # float resident weights: another key, so it is not taken for the lean one)

@@ -31,6 +31,7 @@ from fate_edge.format.store_files import STORE_FILE
 from fate_edge.model.arch.limits import LIMITS, positive_number
 from fate_edge.model.experts import SILU, ExpertBias, ExpertWeights, Glu, QuantizedExpert
 from fate_edge.quant import PackedQuantized, Quantized, QuantSpec, pack
+from fate_edge.quant.block_order import BLOCK_ROWS, precision_lacks_block_order
 from fate_edge.quant.linear import QuantizedLinear, default_kernel, host_int4_block_rows, int4_kernel_layout
 from fate_edge.quant.methods import quantize_with
 from fate_edge.quant.mxfp4 import (
@@ -123,7 +124,7 @@ class Precision:
                 scale_dtype=self.scale_dtype,
             )
         if self.layout == "cpu-int4":
-            d["int4_block_rows"] = self.block_rows
+            d[BLOCK_ROWS] = self.block_rows
         return d
 
     @classmethod
@@ -143,7 +144,7 @@ class Precision:
             spec,
             layout,
             d.get("scale_dtype", ""),
-            d.get("int4_block_rows", 0),
+            d.get(BLOCK_ROWS, 0),
         )
 
 
@@ -426,14 +427,14 @@ def _check_block_rows(d: dict, where: str, index_path: Path) -> None:
     nothing in them says which order they hold (docs/quantization.md)."""
     if d.get("layout") != "cpu-int4":
         return
-    rows = d.get("int4_block_rows")
-    if rows is None:
+    if precision_lacks_block_order(d):
         raise ModelFormatError(
             f"{index_path}: its cpu-int4 experts do not record the CPU block order they were packed in (a store "
             "from before fate-edge recorded it), so they may decode wrong on this CPU; re-run fate-edge convert"
         )
+    rows = d[BLOCK_ROWS]
     if rows not in (32, 64) or isinstance(rows, bool):
-        raise _damaged(index_path, f"field {where}.int4_block_rows is {rows!r}, not 64 or 32")
+        raise _damaged(index_path, f"field {where}.{BLOCK_ROWS} is {rows!r}, not 64 or 32")
 
 
 def _damaged(index_path: Path, what: str) -> ModelFormatError:

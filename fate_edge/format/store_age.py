@@ -3,7 +3,8 @@
 
 Today's one rule: torch's CPU int4 layout depends on the packing CPU's block order, which stores now record (experts:
 ``int4_block_rows`` per precision in store.json; resident weights: a ``<group>.int4_block_rows`` tensor beside each
-``<group>.int4``). A store from before holds neither, and the reader refuses it (format.store, model.layer)."""
+``<group>.int4``). A store from before holds neither, and the reader refuses it (format.store, model.layer): the
+same rule, quant.block_order."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from fate_edge.format.store import INDEX_MAX_BYTES, STORE_FILE
+from fate_edge.quant.block_order import precision_lacks_block_order, resident_lacks_block_order
 from fate_edge.small_files import read_small_text
 
 RESIDENT_FILE = "resident.safetensors"
@@ -25,9 +27,8 @@ def predates_block_order(store_dir: Path) -> bool:
     except (OSError, ValueError):
         return False  # a damaged index is the reader's to name, not a reason to overwrite
     precisions = index.get("precisions") if isinstance(index, dict) else None
-    for p in (precisions or {}).values():
-        if isinstance(p, dict) and p.get("layout") == "cpu-int4" and "int4_block_rows" not in p:
-            return True
+    if any(isinstance(p, dict) and precision_lacks_block_order(p) for p in (precisions or {}).values()):
+        return True
     resident = store_dir / RESIDENT_FILE
     if not resident.is_file():
         return False
@@ -36,4 +37,4 @@ def predates_block_order(store_dir: Path) -> bool:
             keys = set(f.keys())
     except Exception:  # a damaged file is the loader's to name
         return False
-    return any(k.endswith(".int4") and f"{k}_block_rows" not in keys for k in keys)
+    return any(resident_lacks_block_order(keys, k.removesuffix(".int4")) for k in keys if k.endswith(".int4"))

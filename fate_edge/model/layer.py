@@ -18,6 +18,7 @@ from fate_edge.errors import ModelFormatError
 from fate_edge.huge_pages import on_huge_pages
 from fate_edge.model.arch.base import ModelConfig
 from fate_edge.quant import QuantSpec, quantize
+from fate_edge.quant.block_order import resident_block_rows_name, resident_lacks_block_order
 from fate_edge.quant.int8 import Int8Linear, quantize_int8
 from fate_edge.quant.linear import QuantizedLinear, default_kernel, host_int4_block_rows, int4_supported
 from fate_edge.quant.native import padded_in_features
@@ -150,13 +151,12 @@ def _quantized(w: Weights, key: str) -> tuple[Any, list[int]] | None:
 def _block_rows(w: Weights, key: str) -> int:
     """The CPU block order ``key``'s int4 codes were packed in (quantize_group records it). Resident weights
     pre-quantized before it was recorded are refused: on a CPU of the other order they decode wrong."""
-    rows = w.get(f"{key}.int4_block_rows")
-    if rows is None:
+    if resident_lacks_block_order(w, key):
         raise ModelFormatError(
             f"resident weight {key} is in torch's CPU int4 layout without the CPU block order it was packed in (a "
             "store from before fate-edge recorded it); re-run fate-edge convert"
         )
-    return int(rows)
+    return int(w[resident_block_rows_name(key)])
 
 
 @dataclass
@@ -344,7 +344,7 @@ def quantize_group(w: Weights, names: list[str], bits: int) -> None:
                 f"{key}.int4": lin.packed,
                 f"{key}.int4_scale_zero": lin.scale_zero,
                 f"{key}.int4_group": torch.tensor(group),
-                f"{key}.int4_block_rows": torch.tensor(host_int4_block_rows()),
+                resident_block_rows_name(key): torch.tensor(host_int4_block_rows()),
             },
         )
     else:

@@ -40,6 +40,7 @@ class GenerationResponse:
     peak_rss_bytes: int  # read every RSS_EVERY tokens and on the final response (a /proc read is not free)
     finish_reason: str | None = None  # None while running, then "stop" or "length"
     logprob: TokenLogprob | None = None  # this token's, when GenerateConfig.logprobs asks (not for a stop token)
+    cached_tokens: int = 0  # prompt positions taken from the prompt cache, not run (OpenAI's usage reports them)
 
 
 RSS_EVERY = 32  # decode tokens between peak-RSS reads
@@ -152,6 +153,7 @@ class TokenStream:
         self.config = config
         self.max_tokens = max_tokens
         self.prompt_tokens = len(prompt_ids)
+        self.cached_tokens = 0  # of them, restored from the prompt cache (Sequence.start_from)
         self.sampler = Sampler(config.sampling)
         self.stop_ids = set(config.stop_token_ids) | (set() if config.ignore_eos else tokenizer.eos_token_ids)
         self.detok = StreamingDetokenizer(tokenizer)
@@ -187,6 +189,7 @@ class TokenStream:
             self.n / elapsed if elapsed > 0 else 0.0,
             self.rss,
             finish,
+            cached_tokens=self.cached_tokens,
         )
 
     def step(self, logits: torch.Tensor) -> GenerationResponse:
@@ -246,7 +249,7 @@ class Sequence:
             return
         n = cache.restore(self.cache, self.prompt_ids)
         if n:
-            self.reused = n
+            self.reused = self.out.cached_tokens = n
             rest = prompt_chunks(len(self.prompt_ids) - n, self.config.prefill_chunk)
             self.chunks = deque((a + n, b + n) for a, b in rest)
 

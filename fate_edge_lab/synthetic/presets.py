@@ -9,8 +9,10 @@ tokens and generation settings come from the same repositories' ``tokenizer_conf
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fate_edge_lab.synthetic.preset_types import _QWEN_SPECIALS, CHATML, Preset
-from fate_edge_lab.synthetic.presets_hybrid import GPT_OSS_20B, LFM2_8B_A1B, QWEN3_NEXT_80B_A3B
+from fate_edge_lab.synthetic.presets_hybrid import GPT_OSS_20B, LFM2_8B_A1B
 
 __all__ = ["CHATML", "PRESETS", "Preset", "get_preset"]
 
@@ -240,6 +242,43 @@ QWEN3_30B_A3B = Preset(
     },
     chat_template=CHATML,
     published_params=30.5e9,
+)
+
+# Qwen3-Next: Qwen3-30B-A3B's config but for its hybrid layers and sizes (no sliding-window keys), the same tokenizer,
+# special tokens and chat format
+QWEN3_NEXT_80B_A3B = replace(
+    QWEN3_30B_A3B,
+    name="qwen3-next-80b-a3b",
+    source="https://huggingface.co/Qwen/Qwen3-Next-80B-A3B-Instruct/blob/main/config.json (model card: 80B params, "
+    "3B active; the checkpoint's MTP weights, mtp.*, are not written)",
+    config={
+        **{k: v for k, v in QWEN3_30B_A3B.config.items() if k not in ("max_window_layers", "sliding_window")},
+        "architectures": ["Qwen3NextForCausalLM"],
+        "full_attention_interval": 4,
+        "head_dim": 256,
+        "intermediate_size": 5120,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_value_head_dim": 128,
+        "max_position_embeddings": 262144,
+        "model_type": "qwen3_next",
+        "moe_intermediate_size": 512,
+        "num_attention_heads": 16,
+        "num_experts": 512,
+        "num_experts_per_tok": 10,
+        "num_key_value_heads": 2,
+        "partial_rotary_factor": 0.25,
+        "rope_theta": 10000000,
+        "shared_expert_intermediate_size": 512,
+    },
+    generation_config={
+        **{k: v for k, v in QWEN3_30B_A3B.generation_config.items() if k != "do_sample"},
+        "temperature": 0.7,
+        "top_p": 0.8,
+    },
+    published_params=80e9,
 )
 
 MIXTRAL_8X7B = Preset(

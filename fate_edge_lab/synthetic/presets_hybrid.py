@@ -1,9 +1,9 @@
-"""Presets of gpt-oss-20b, Qwen3-Next-80B-A3B and LFM2-8B-A1B: their published config.json key for key (as in
-``presets``), with what each leaves out said in its ``source``."""
+"""Presets of gpt-oss-20b and LFM2-8B-A1B: their published config.json key for key (as in ``presets``, where
+Qwen3-Next-80B-A3B is, derived from Qwen3-30B-A3B), with what each leaves out said in its ``source``."""
 
 from __future__ import annotations
 
-from fate_edge_lab.synthetic.preset_types import _QWEN_SPECIALS, CHATML, Preset
+from fate_edge_lab.synthetic.preset_types import CHATML, Preset
 
 HARMONY_CHAT = (
     "{% for m in messages %}{{ '<|start|>' + m['role'] + '<|message|>' + m['content'] + '<|end|>' }}{% endfor %}"
@@ -71,67 +71,6 @@ GPT_OSS_20B = Preset(
     generation_config={"bos_token_id": 199998, "eos_token_id": [200002, 199999, 200012], "pad_token_id": 199999},
     chat_template=HARMONY_CHAT,
     published_params=20.91e9,
-)
-
-QWEN3_NEXT_80B_A3B = Preset(
-    name="qwen3-next-80b-a3b",
-    source="https://huggingface.co/Qwen/Qwen3-Next-80B-A3B-Instruct/blob/main/config.json (model card: 80B params, "
-    "3B active; the checkpoint's MTP weights, mtp.*, are not written)",
-    config={
-        "architectures": ["Qwen3NextForCausalLM"],
-        "attention_bias": False,
-        "bos_token_id": 151643,
-        "decoder_sparse_step": 1,
-        "eos_token_id": 151645,
-        "full_attention_interval": 4,
-        "head_dim": 256,
-        "hidden_act": "silu",
-        "hidden_size": 2048,
-        "initializer_range": 0.02,
-        "intermediate_size": 5120,
-        "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": 128,
-        "linear_num_key_heads": 16,
-        "linear_num_value_heads": 32,
-        "linear_value_head_dim": 128,
-        "max_position_embeddings": 262144,
-        "mlp_only_layers": [],
-        "model_type": "qwen3_next",
-        "moe_intermediate_size": 512,
-        "norm_topk_prob": True,
-        "num_attention_heads": 16,
-        "num_experts": 512,
-        "num_experts_per_tok": 10,
-        "num_hidden_layers": 48,
-        "num_key_value_heads": 2,
-        "partial_rotary_factor": 0.25,
-        "rms_norm_eps": 1e-06,
-        "rope_scaling": None,
-        "rope_theta": 10000000,
-        "shared_expert_intermediate_size": 512,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "use_cache": True,
-        "use_sliding_window": False,
-        "vocab_size": 151936,
-    },
-    special_tokens=_QWEN_SPECIALS,
-    tokenizer_config={
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "add_bos_token": False,
-    },
-    generation_config={
-        "bos_token_id": 151643,
-        "eos_token_id": [151645, 151643],
-        "pad_token_id": 151643,
-        "temperature": 0.7,
-        "top_p": 0.8,
-        "top_k": 20,
-    },
-    chat_template=CHATML,
-    published_params=80e9,
 )
 
 LFM2_FULL_ATTENTION = (2, 6, 10, 14, 18, 21)  # the other 18 of the 24 layers are short-convolution blocks

@@ -342,30 +342,60 @@ def converted_f16(converted, converter):
     return name, model, path
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", ["f32", "f16"])
-def test_the_gguf_store_computes_like_the_checkpoint_and_transformers(request, converted, kind, one_thread, tmp_path):
-    """The GGUF llama.cpp's converter wrote, converted by ``fate-edge convert``, computes the checkpoint's logits
-    (loaded by fate-edge) and transformers' on the same checkpoint: GLM-4.5's MTP layer skipped and its
-    post-attention norm found, ERNIE-4.5's [1, E] selection bias, MiniMax-M2's rotary width, ..."""
+CODE = "def f(x):\n    return [y * 2 for y in x if y % 3]\n"
+
+
+@pytest.fixture(scope="module")
+def reference_logits(converted, one_thread):
+    """The checkpoint's logits on CODE, computed by fate-edge and by transformers: once per preset, for both GGUFs."""
     import transformers
 
-    name, model_dir, path = request.getfixturevalue("converted_f16") if kind == "f16" else converted
-    store = convert_gguf(path, tmp_path / "store", ConvertOptions.full(bits=None), progress=False)
-    ids = Tokenizer(model_dir).encode("def f(x):\n    return [y * 2 for y in x if y % 3]\n")
+    name, model_dir, _ = converted
+    ids = Tokenizer(model_dir).encode(CODE)
     with torch.no_grad():
-        model = load_model(store, torch.float32, bits=16)
-        ours = model(torch.tensor([ids]), model.new_cache())[0]
-        model.experts.close()
         reference = load_model(model_dir, torch.float32)
         ckpt = reference(torch.tensor([ids]), reference.new_cache())[0]
         hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         theirs = hf(torch.tensor([ids])).logits[0]
+    return ids, ckpt, theirs
+
+
+def _computes_like_the_checkpoint(converted, reference_logits, kind: str, tmp_path: Path) -> None:
+    name, _, path = converted
+    ids, ckpt, theirs = reference_logits
+    store = convert_gguf(path, tmp_path / "store", ConvertOptions.full(bits=None), progress=False)
+    with torch.no_grad():
+        model = load_model(store, torch.float32, bits=16)
+        ours = model(torch.tensor([ids]), model.new_cache())[0]
+        model.experts.close()
     # f16 holds bf16 weights exactly but for the subnormal ones (below 6e-5): 3e-5 on ERNIE's logits
     within = {"f32": 1e-5, "f16": 1e-4}[kind]
     assert (ours - ckpt).abs().max() <= within, (name, kind)
     assert (ours - theirs).abs().max() <= 1e-4 + within, (name, kind)
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1)), (name, kind)
+
+
+@pytest.mark.slow
+def test_the_gguf_store_computes_like_the_checkpoint_and_transformers(converted, reference_logits, tmp_path):
+    """The GGUF llama.cpp's converter wrote, converted by ``fate-edge convert``, computes the checkpoint's logits
+    (loaded by fate-edge) and transformers' on the same checkpoint: GLM-4.5's MTP layer skipped and its
+    post-attention norm found, ERNIE-4.5's [1, E] selection bias, MiniMax-M2's rotary width, ..."""
+    _computes_like_the_checkpoint(converted, reference_logits, "f32", tmp_path)
+
+
+# The f16 GGUF differs from the f32 one only in the float type of its matrices, which the reader widens the same way
+# for every architecture: checked on the presets whose matrices fate-edge rewrites from llama.cpp's (Mixtral's q/k
+# rows un-permuted, DeepSeek's kv_b_proj rebuilt from k_b/v_b) and on ERNIE's, whose logits feel f16's subnormals.
+F16_PRESETS = ["deepseek-v2-lite", "ernie-4.5-21b-a3b", "mixtral-8x7b"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("converted", F16_PRESETS, indirect=True)
+def test_the_f16_gguf_store_computes_like_the_checkpoint_and_transformers(
+    converted, converted_f16, reference_logits, tmp_path
+):
+    """The same from the f16 GGUF (bf16 weights: f16 holds every one of them but the tiniest exactly)."""
+    _computes_like_the_checkpoint(converted_f16, reference_logits, "f16", tmp_path)
 
 
 def _bad_copy(path: Path, out: Path, **changes) -> Path:

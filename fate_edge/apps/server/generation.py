@@ -215,10 +215,17 @@ async def _answer(
     }
 
 
-def _usage(jobs: list[Job], n: int = 1) -> dict[str, int]:
+def _usage(jobs: list[Job], n: int = 1) -> dict[str, Any]:
     p = sum(len(job.prompt) for job in jobs[::n])  # each prompt once, however many choices (as OpenAI counts)
     c = sum(job.last.generation_tokens if job.last else 0 for job in jobs)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    # the prompt positions the prompt cache held (runtime.prompt_cache): OpenAI's cached_tokens
+    cached = sum(job.last.cached_tokens if job.last else 0 for job in jobs[::n])
+    return {
+        "prompt_tokens": p,
+        "completion_tokens": c,
+        "total_tokens": p + c,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def _engine_figures(job: Job) -> dict[str, Any]:
