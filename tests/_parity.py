@@ -131,11 +131,28 @@ def _alone(model, prompt: list[int], n: int) -> list[torch.Tensor]:
     return steps
 
 
+def batched_with_a_joiner(model, slab, prompts: list[list[int]], n: int, capacity: int) -> tuple[list, list]:
+    """Greedy steps of ``prompts[0]`` and ``prompts[1]`` on ranges of ``slab`` (``capacity`` positions each), the
+    third joining with its whole prompt in the step of the others' first decode tokens → each sequence's logits
+    rows, its prompt's last and ``n`` decode steps', and the three segments (their caches)."""
+    from fate_edge.model.batch_step import Segment, forward_segments
+
+    segs = [Segment(p, slab.allocate(capacity)) for p in prompts[:2]]
+    got: list[list[torch.Tensor]] = [[], [], []]
+    for step in range(n + 2):
+        live = [j for j in range(len(segs)) if len(got[j]) <= n]
+        for j, row in zip(live, forward_segments(model, [segs[j] for j in live])):
+            got[j].append(row)
+            segs[j].ids = [int(row.argmax())]
+        if step == 0:
+            segs.append(Segment(prompts[2], slab.allocate(capacity)))
+    return got, segs
+
+
 def check_batched_steps_match_alone(model, prompt: torch.Tensor) -> None:
     """Two prompts of different lengths in one step (``batch_step.forward_segments``), a third joining beside their
     decode tokens, then decode steps of all three, on caches that are ranges of one KV slab: every step's logits
     are each sequence's alone (fp32), its greedy tokens the same."""
-    from fate_edge.model.batch_step import Segment, forward_segments
     from fate_edge.model.kv_slab import KVSlab
 
     full = prompt[0].tolist()
@@ -144,15 +161,7 @@ def check_batched_steps_match_alone(model, prompt: torch.Tensor) -> None:
     slab = KVSlab(model, 3 * 32)
     # layers that keep a recurrent state hold no rows of the slab (each sequence's own state)
     assert all(slab.buffers[i] == [] for i, t in enumerate(model.config.layer_types) if t != "attention")
-    segs = [Segment(p, slab.allocate(32)) for p in prompts[:2]]
-    got: list[list[torch.Tensor]] = [[], [], []]
-    for step in range(n + 2):
-        live = [j for j in range(len(segs)) if len(got[j]) <= n]
-        for j, row in zip(live, forward_segments(model, [segs[j] for j in live])):
-            got[j].append(row)
-            segs[j].ids = [int(row.argmax())]
-        if step == 0:  # the third joins: its whole prompt in the step of the others' first decode tokens
-            segs.append(Segment(prompts[2], slab.allocate(32)))
+    got, segs = batched_with_a_joiner(model, slab, prompts, n, 32)
     for j, (ours, alone) in enumerate(zip(got, expected)):
         assert len(ours) == n + 1
         diff = max(max_diff(a, b) for a, b in zip(ours, alone))

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+from _parity import batched_with_a_joiner  # noqa: E402
 from test_parity import NEW_TOKENS, _alone, max_diff, our_greedy, record_routing  # noqa: E402
 
 from fate_edge.model.attention import attend, sink_attention  # noqa: E402
@@ -130,23 +131,13 @@ def test_a_prompt_in_chunks_matches_it_whole(built):
 
 def test_batched_steps_give_each_sequence_its_alone_logits(built):
     """Two prompts and a third joining beside their decode tokens, on a KV slab: each sequence's logits alone."""
-    from fate_edge.model.batch_step import Segment, forward_segments
     from fate_edge.model.kv_slab import KVSlab
 
     model = load_model(built["path"], dtype=torch.float32)
     full = built["prompt"][0].tolist()
     prompts, n = [full, full[:4], full[3:11]], 8  # decode past the window in each
     expected = [_alone(model, p, n) for p in prompts]
-    slab = KVSlab(model, 3 * 32)
-    segs = [Segment(p, slab.allocate(32)) for p in prompts[:2]]
-    got: list[list[torch.Tensor]] = [[], [], []]
-    for step in range(n + 2):
-        live = [j for j in range(len(segs)) if len(got[j]) <= n]
-        for j, row in zip(live, forward_segments(model, [segs[j] for j in live])):
-            got[j].append(row)
-            segs[j].ids = [int(row.argmax())]
-        if step == 0:
-            segs.append(Segment(prompts[2], slab.allocate(32)))
+    got, segs = batched_with_a_joiner(model, KVSlab(model, 3 * 32), prompts, n, 32)
     for j, (ours, alone) in enumerate(zip(got, expected)):
         assert len(ours) == n + 1
         assert max(max_diff(a, b) for a, b in zip(ours, alone)) <= FP32_ATOL, f"sequence {j}"

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+from _parity import batched_with_a_joiner  # noqa: E402
 from test_parity import max_diff  # noqa: E402
 from test_parity_gpt_oss import build  # noqa: E402
 
@@ -129,7 +130,6 @@ def test_a_cut_the_window_cannot_go_on_from_is_refused(built):
 def test_batched_decode_far_past_the_window_gives_each_sequence_transformers_logits(built):
     """Three sequences on a KV slab (the window layers' rings each sequence's own, outside it), one joining beside
     the others' decode tokens, decoding past the ring: every step's logits are transformers' on that sequence."""
-    from fate_edge.model.batch_step import Segment, forward_segments
     from fate_edge.model.kv_slab import KVSlab
 
     model, hf = built["model"], built["hf"]
@@ -137,15 +137,7 @@ def test_batched_decode_far_past_the_window_gives_each_sequence_transformers_log
     prompts, n = [seq[:PROMPT_LEN], seq[3:9], seq[20 : 20 + RING + 4]], RING + 10
     slab = KVSlab(model, 3 * 128)
     assert [i for i, b in enumerate(slab.buffers) if not b] == [0, 2]  # the window layers are not in the slab
-    segs = [Segment(p, slab.allocate(128)) for p in prompts[:2]]
-    got: list[list[torch.Tensor]] = [[], [], []]
-    for step in range(n + 2):
-        live = [j for j in range(len(segs)) if len(got[j]) <= n]
-        for j, row in zip(live, forward_segments(model, [segs[j] for j in live])):
-            got[j].append(row)
-            segs[j].ids = [int(row.argmax())]
-        if step == 0:
-            segs.append(Segment(prompts[2], slab.allocate(128)))
+    got, segs = batched_with_a_joiner(model, slab, prompts, n, 128)
     for j, (p, ours) in enumerate(zip(prompts, got)):
         tokens = [int(r.argmax()) for r in ours[:-1]]
         with torch.no_grad():

@@ -31,6 +31,7 @@ import torch
 from fate_edge.model.dispatch import group_by_expert
 from fate_edge.model.experts import QuantizedExpert
 from fate_edge.model.layer_step import add_routed
+from fate_edge.model.routed_experts import add_by_rank
 from fate_edge.quant.linear import QuantizedLinear
 from fate_edge.quant.triton_moe import Int4MoELayout, triton_available
 from fate_edge.quant.triton_moe_grouped import moe_prefill_int4
@@ -73,14 +74,7 @@ class GroupedPrefill:
         for e, a in zip(g.ids, g.starts):
             part = slice(a, a + g.counts[e])
             ys[part] = self.expert(slots[e])(rows[part])
-        by_rank = g.by_rank(idx)
-        ys = ys.index_select(0, by_rank)
-        w = weights.flatten().index_select(0, g.order).index_select(0, by_rank)[:, None]
-        n = idx.shape[0]
-        for j in range(idx.shape[1]):
-            acc = add_routed(acc, ys[j * n : (j + 1) * n], w[j * n : (j + 1) * n])
-        assert acc is not None  # k >= 1
-        return acc
+        return add_by_rank(acc, ys, g, idx, weights)
 
     def expert(self, slot: int) -> QuantizedExpert:
         """The expert in ``slot``, dequantized per call from views of its blob (nothing kept)."""

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fate_edge.model.dispatch import group_by_expert
+from fate_edge.model.dispatch import ExpertGroups, group_by_expert
 from fate_edge.model.grouped_experts import NativeShared, group_rows, group_rows_with_shared, native_shared
 from fate_edge.model.layer_step import (
     ExpertInput,
@@ -181,6 +181,14 @@ def routed_grouped(
         for e, y in group_rows(group, rows, parts).items():
             ys[parts[e]] = y
     model.experts.end_layer(layer)
+    return add_by_rank(acc, ys, g, idx, weights)
+
+
+def add_by_rank(
+    acc: torch.Tensor | None, ys: torch.Tensor, g: ExpertGroups, idx: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """The grouped experts' output rows ``ys`` (in ``g``'s expert order) added to the float32 sums ``acc`` in
+    k passes: pass j adds every row's j-th expert by id, so each row's experts are summed in expert-id order."""
     by_rank = g.by_rank(idx)  # [k blocks of N rows]: block j holds every row's j-th expert by id, rows in order
     ys = ys.index_select(0, by_rank)
     w = weights.flatten().index_select(0, g.order).index_select(0, by_rank)[:, None]
