@@ -128,7 +128,7 @@ def test_bf16_decode_takes_the_head_matvec_kernel(tiny_mla, monkeypatch):
     model(torch.tensor([list(range(5, 25))]), cache)
     assert calls == []  # the prompt expands
     model(torch.tensor([[7]]), cache)
-    assert calls == ["x_w", "w_x"] * len(model.plan())
+    assert calls == ["x_w", "w_x"] * len(model.plan()) + ["w_x"]  # each layer's kv_b blocks, then the output head
 
 
 def test_batched_bf16_decode_rows_take_one_pass_and_match_alone(tiny_mla, monkeypatch):

@@ -29,7 +29,7 @@ import torch
 from fate_edge.model.embedding import lookup
 from fate_edge.model.kv_cache import AttentionState, Held, Keys, RecurrentLayer
 from fate_edge.model.kv_slab import SlabCache, SlabRows
-from fate_edge.model.layer import LayerPlan, apply_linear, rms_norm
+from fate_edge.model.layer import LayerPlan, head_logits, rms_norm
 from fate_edge.model.layer_step import LayerPath, add_projection, decoder_layer
 from fate_edge.model.recurrent import mix
 from fate_edge.model.routed_experts import provider_moe
@@ -107,7 +107,7 @@ def forward_segments(model: MoETransformer, segments: list[Segment]) -> torch.Te
     if not prune or len(plan) == 0:
         x = x.index_select(0, ends)
     x = rms_norm(x, model.w["model.norm.weight"], cfg.rms_norm_eps)
-    return apply_linear(x, model.head)
+    return head_logits(x, model.head)
 
 
 class BatchState(AttentionState):

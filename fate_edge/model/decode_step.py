@@ -20,7 +20,7 @@ import torch
 
 from fate_edge.model.attention import gqa
 from fate_edge.model.embedding import lookup
-from fate_edge.model.layer import LayerPlan, apply_linear, rms_norm
+from fate_edge.model.layer import LayerPlan, head_logits, rms_norm
 from fate_edge.model.layer_step import LayerPath, add_projection, decoder_layer
 from fate_edge.model.routed_experts import provider_moe
 
@@ -79,4 +79,4 @@ def decode_token(model: DecodingModel, token: torch.Tensor, cache: KVCache, plan
     for i, lp in enumerate(plan):
         x = decoder_layer(path, x, i, lp)
     x = rms_norm(x, model.w["model.norm.weight"], cfg.rms_norm_eps)
-    return apply_linear(x, model.head).view(1, 1, -1)
+    return head_logits(x, model.head).view(1, 1, -1)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from fate_edge.errors import ModelFormatError
 from fate_edge.huge_pages import on_huge_pages
+from fate_edge.model import head_matvec
 from fate_edge.model.arch.base import ModelConfig
 from fate_edge.quant import QuantSpec, quantize
 from fate_edge.quant.block_order import resident_block_rows_name, resident_lacks_block_order
@@ -100,6 +101,18 @@ def apply_linear(x: torch.Tensor, f: Fused) -> torch.Tensor:
         return F.linear(x, w, f.bias)
     y = w(x)  # a quantized linear (resident_bits); padded int4 rows are cut off by FirstRows
     return y if f.bias is None else y + f.bias
+
+
+def head_logits(x: torch.Tensor, head: Fused) -> torch.Tensor:
+    """The output head on rows ``x`` [N, H] → logits [N, V]. One row against a bf16/fp16 matrix on the CPU goes
+    through fate-edge's matvec kernel (``head_matvec``: reads the matrix once, in fp32, at the memory's speed where
+    torch's one-row bf16 GEMM does not; docs/measured-choices.md); more rows, where torch's GEMM shares each
+    weight's read between them, and every other head through :func:`apply_linear`."""
+    w = head.weight
+    if x.dim() == 2 and x.shape[0] == 1 and head.bias is None and isinstance(w, torch.Tensor) and w.dim() == 2:
+        if head_matvec.takes(w[None]):
+            return head_matvec.w_x(x[:, None, :], w[None]).view(1, -1).to(x.dtype)
+    return apply_linear(x, head)
 
 
 def fuse(w: Weights, names: list[str]) -> Fused:

@@ -21,7 +21,15 @@ from fate_edge.model.decoding_model import RoutingObserver, StepRunner
 from fate_edge.model.embedding import embedding_table, lookup
 from fate_edge.model.experts import ExpertProvider, InMemoryExpertProvider
 from fate_edge.model.kv_cache import KVCache, window_layers
-from fate_edge.model.layer import Fused, LayerPlan, Weights, apply_linear, build_head, build_plan, rms_norm
+from fate_edge.model.layer import (
+    Fused,
+    LayerPlan,
+    Weights,
+    build_head,
+    build_plan,
+    head_logits,
+    rms_norm,
+)
 from fate_edge.model.layer_step import LayerPath, add_projection, decoder_layer, router_block
 from fate_edge.model.recurrent import mix, recurrent_specs
 from fate_edge.model.rope import RotaryEmbedding
@@ -240,7 +248,7 @@ class MoETransformer:
             x = x.view(b, t, -1)[:, -1]
             t = 1
         x = rms_norm(x, self.w["model.norm.weight"], cfg.rms_norm_eps)
-        return apply_linear(x, self.head).view(b, t, -1)
+        return head_logits(x, self.head).view(b, t, -1)
 
     __call__ = forward
 
