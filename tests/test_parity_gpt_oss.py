@@ -16,7 +16,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from _parity import batched_with_a_joiner  # noqa: E402
+from _parity import batched_with_a_joiner, one_quiet_thread  # noqa: E402
 from test_parity import NEW_TOKENS, _alone, max_diff, our_greedy, record_routing  # noqa: E402
 
 from fate_edge.model.attention import attend, sink_attention  # noqa: E402
@@ -73,11 +73,8 @@ def build(out: Path, **changes) -> tuple[torch.nn.Module, Path]:
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    transformers.utils.logging.disable_progress_bar()
-    yield
-    torch.set_num_threads(n)
+    with one_quiet_thread():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from _parity import batched_with_a_joiner  # noqa: E402
+from _parity import batched_with_a_joiner, one_quiet_thread  # noqa: E402
 from test_parity import max_diff  # noqa: E402
 from test_parity_gpt_oss import build  # noqa: E402
 
@@ -25,11 +25,8 @@ STEPS = 3 * RING  # decode steps: the ring slides several times
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    transformers.utils.logging.disable_progress_bar()
-    yield
-    torch.set_num_threads(n)
+    with one_quiet_thread():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -130,12 +130,8 @@ REAL_PAIRS = [
 _MX_REST = "bf16 (norms f32)"
 _MX_KEPT = "MXFP4 as published, kept exact"
 MXFP4_RESIDENT = [
-    Side(
-        "fate-edge mxfp4", "fate-edge", "mxfp4", "MXFP4 as published, kept exact", "bf16", dtype="bf16", store=PUBLISHED
-    ),
-    Side(
-        "fate-edge mxfp4, fp32 compute", "fate-edge", "mxfp4", "MXFP4 as published, kept exact", "fp32", store=PUBLISHED
-    ),
+    Side("fate-edge mxfp4", "fate-edge", "mxfp4", _MX_KEPT, "bf16", dtype="bf16", store=PUBLISHED),
+    Side("fate-edge mxfp4, fp32 compute", "fate-edge", "mxfp4", _MX_KEPT, "fp32", store=PUBLISHED),
     Side("llama.cpp mxfp4", "llama.cpp", "mxfp4", "MXFP4 (its converter keeps gpt-oss's)", _MX_REST),
 ]
 MXFP4_LIMITED = [
