@@ -34,6 +34,33 @@ def test_in_own_thread_returns_the_result_or_raises_the_error_of_another_thread(
         in_own_thread(fail)
 
 
+INTERRUPTED_AS_THE_LOAD_ENDS = """
+import os, signal, sys, time
+from fate_edge.runtime.load_threads import exit_if_loading, in_own_thread
+
+def load():
+    time.sleep(0.2)  # the caller waits in join() by now
+    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C in the load's last instant: the wait is interrupted...
+
+try:
+    in_own_thread(load)
+except KeyboardInterrupt:
+    time.sleep(0.2)  # ...and the load's thread has ended (in a real load, it may still be in torch's teardown)
+    exit_if_loading(130)
+    sys.exit(1)
+"""
+
+
+def test_a_wait_interrupted_as_the_load_ends_still_exits_at_once():
+    """The interpreter's exit aborts a process whose load thread is still inside torch's thread teardown (CI saw
+    SIGABRT, "terminate called without an active exception"): an interrupted wait exits at once, alive or not."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", INTERRUPTED_AS_THE_LOAD_ENDS], capture_output=True, timeout=60)
+    assert done.returncode == 130, done.stderr
+
+
 def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -136,6 +137,21 @@ def test_serve_by_name_answers_the_openai_client(home, tmp_path):
         log.close()
 
 
+def freeze_once(proc: subprocess.Popen, reached: Callable[[], bool], timeout: float = 10) -> None:
+    """Leave ``proc`` stopped (SIGSTOP) at the first point where ``reached()`` holds. It runs in slices of a
+    millisecond between checks, so the tiny model's conversion (a fraction of a second) cannot finish between the
+    check and the signal the caller sends next, however loaded the host is."""
+    deadline = time.monotonic() + timeout
+    while True:
+        proc.send_signal(signal.SIGSTOP)
+        while Path(f"/proc/{proc.pid}/stat").read_text().rpartition(")")[2].split()[0] not in "Tt":
+            time.sleep(0.0005)  # SIGSTOP is delivered asynchronously
+        if reached() or time.monotonic() > deadline:
+            return
+        proc.send_signal(signal.SIGCONT)
+        time.sleep(0.001)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
 def test_a_first_use_stopped_mid_conversion_leaves_no_store_and_the_next_use_converts(home, tmp_path, sig):
     env = dict(home, FATE_EDGE_CACHE=str(tmp_path / "cache"))
@@ -145,11 +161,11 @@ def test_a_first_use_stopped_mid_conversion_leaves_no_store_and_the_next_use_con
     assert proc.stderr is not None
     for line in proc.stderr:
         if line.startswith("[convert] writing"):  # the working folder is made next: stop once it is marked
-            marked = Path(env["FATE_EDGE_CACHE"]) / "stores"
-            deadline = time.monotonic() + 10
-            while not any(marked.glob(".*.partial-*/.fate-edge-work")) and time.monotonic() < deadline:
-                time.sleep(0.001)
-            proc.send_signal(sig)
+            freeze_once(
+                proc, lambda: any((Path(env["FATE_EDGE_CACHE"]) / "stores").glob(".*.partial-*/.fate-edge-work"))
+            )
+            proc.send_signal(sig)  # lands mid-conversion: the process is frozen there
+            proc.send_signal(signal.SIGCONT)
             break
     status = proc.wait(timeout=60)
     assert status == (130 if sig == signal.SIGINT else -signal.SIGKILL), f"exit status {status}"

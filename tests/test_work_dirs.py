@@ -1,5 +1,6 @@
 """convert's hidden working directories: only those it made, for a process that is gone, are ever removed."""
 
+import json
 import os
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import pytest
 from fate_edge.apps.cli import main
 from fate_edge.format.convert import ConvertOptions, convert
 from fate_edge.format.store import is_store
-from fate_edge.format.work_dirs import MARKER, make_work_dir, remove_dead_work_dirs, replace_dir
+from fate_edge.format.work_dirs import MARKER, MARKING, make_work_dir, remove_dead_work_dirs, replace_dir
 
 
 def _dead_pid() -> int:
@@ -63,6 +64,29 @@ def test_next_convert_removes_what_a_killed_convert_left_and_nothing_of_a_live_o
     assert f"removed {stale}" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["s", live.name])
     assert not (tmp_path / "s" / MARKER).exists()  # the store itself carries no marker
+
+
+def test_a_working_folder_killed_before_its_marker_was_in_place_is_removed(tmp_path, capsys):
+    """A kill between making the folder and renaming its marker into place leaves it empty or holding only the
+    marker being written (CI caught an empty marker left by a SIGKILL once, a folder then never removed)."""
+    dead = _dead_pid()
+    empty = tmp_path / f".s.partial-{dead}-abcdef12"
+    half_marked = tmp_path / f".t.partial-{dead}-abcdef12"
+    not_ours = tmp_path / f".u.partial-{dead}-abcdef12"
+    for d in (empty, half_marked, not_ours):
+        d.mkdir()
+    (half_marked / MARKING).write_text('{"name": ')
+    (not_ours / MARKING).write_text('{"name": ')
+    (not_ours / "precious.txt").write_text("keep me")
+    assert remove_dead_work_dirs(tmp_path) == [empty, half_marked]
+    assert (not_ours / "precious.txt").read_text() == "keep me"
+    assert f"removed {empty}" in capsys.readouterr().err
+
+
+def test_a_marker_is_in_place_whole_with_nothing_else_beside_it(tmp_path):
+    work = make_work_dir(tmp_path / "s")
+    assert os.listdir(work) == [MARKER]
+    assert json.loads((work / MARKER).read_text()) == {"name": work.name, "pid": os.getpid()}
 
 
 def test_a_symlink_is_never_followed_nor_reported_removed(tmp_path, capsys):

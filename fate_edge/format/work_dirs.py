@@ -3,7 +3,8 @@ sibling and renamed into place; a replaced one is moved aside first and removed 
 
 Only directories this module made are ever removed. Each carries a marker file that names the directory, so a
 folder a user made with a similar name (``.config.old-99999999``), a symlink, another user's folder or a folder
-renamed since is never touched, whatever its name says. A directory is removed only once the process that made
+renamed since is never touched, whatever its name says; one named as ours that holds nothing (killed before its
+marker was in place) is removed too, which loses nothing. A directory is removed only once the process that made
 it is gone (a convert killed before it could clean up).
 """
 
@@ -19,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 MARKER = ".fate-edge-work"
+MARKING = MARKER + ".writing"  # the marker before it is renamed into place
 PID_MAX = 1 << 22  # Linux's PID_MAX_LIMIT: a larger number in a name was not written by a process id
 # .<target>.<kind>-<pid>-<token>: the token makes every name new, so nothing already there is reused or followed
 _WORK_NAME = re.compile(r"^\.(.+)\.(partial|old)-(\d{1,7})-[A-Za-z0-9_]{6,16}$")
@@ -82,7 +84,20 @@ def remove_dead_work_dirs(directory: Path) -> list[Path]:
 
 
 def _mark(path: Path, name: str | None = None) -> None:
-    (path / MARKER).write_text(json.dumps({"name": name or path.name, "pid": os.getpid()}))
+    """Write the marker whole or not at all: a kill mid-write once left an empty marker, and a folder nobody could
+    prove was ours (written in a temporary file renamed into place)."""
+    unfinished = path / MARKING
+    unfinished.write_text(json.dumps({"name": name or path.name, "pid": os.getpid()}))
+    os.replace(unfinished, path / MARKER)
+
+
+def _unfinished_work_dir(path: Path) -> bool:
+    """A working folder killed before its marker was in place: it holds nothing, or only the marker being
+    written. Removing it loses nothing, whoever made it."""
+    try:
+        return set(os.listdir(path)) <= {MARKING} and not (path / MARKING).is_symlink()
+    except OSError:
+        return False
 
 
 def _dead_owner(path: Path) -> int | None:
@@ -95,7 +110,11 @@ def _dead_owner(path: Path) -> int | None:
         return None
     marker = path / MARKER
     try:
-        if path.stat().st_uid != os.getuid() or marker.is_symlink() or not marker.is_file():
+        if path.stat().st_uid != os.getuid():
+            return None
+        if m.group(2) == "partial" and _unfinished_work_dir(path):
+            return None if _alive(pid) else pid
+        if marker.is_symlink() or not marker.is_file():
             return None
         if marker.stat().st_size > 4096 or json.loads(marker.read_text()) != {"name": path.name, "pid": pid}:
             return None

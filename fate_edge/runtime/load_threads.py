@@ -12,6 +12,7 @@ docs/batching.md says so.
 
 from __future__ import annotations
 
+import signal
 import threading
 from collections.abc import Callable
 from typing import TypeVar
@@ -27,7 +28,10 @@ def exit_if_loading(status: int) -> None:
     import os
     import sys
 
-    if any(t.name == LOAD_THREAD and t.is_alive() for t in threading.enumerate()):
+    running = any(t.name == LOAD_THREAD and t.is_alive() for t in threading.enumerate())
+    # a load whose wait was interrupted may be ending at this instant: no longer alive, but its thread still in
+    # torch's thread teardown, which the interpreter's exit aborts as surely as a running load
+    if running or _interrupted_waits:
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
@@ -37,6 +41,18 @@ def exit_if_loading(status: int) -> None:
 
 
 LOAD_THREAD = "fate-edge-load"
+_interrupted_waits: list[threading.Thread] = []  # loads whose caller stopped waiting (Ctrl-C): see exit_if_loading
+
+
+_WAKE_S = 0.05
+
+
+def _leave_signals_to_the_caller() -> None:
+    """Block Ctrl-C and the stop signals here (and in the threads this one starts, which inherit the mask): the
+    kernel then hands them to a thread that can take them, the waiting caller, at once. A conversion's thread that
+    took the SIGINT itself left the caller asleep in join() until the conversion had finished."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
 
 
 def in_own_thread(fn: Callable[[], T], name: str = LOAD_THREAD) -> T:
@@ -46,13 +62,19 @@ def in_own_thread(fn: Callable[[], T], name: str = LOAD_THREAD) -> T:
 
     def target() -> None:
         try:
+            _leave_signals_to_the_caller()
             result.append(fn())
         except BaseException as e:  # handed to the caller, whatever it is
             error.append(e)
 
     thread = threading.Thread(target=target, name=name, daemon=True)  # daemon: an interrupted wait does not hang
-    thread.start()
-    thread.join()
+    try:
+        thread.start()
+        while thread.is_alive():  # woken now and then: a signal another thread took is still acted on soon
+            thread.join(_WAKE_S)
+    except BaseException:
+        _interrupted_waits.append(thread)
+        raise
     if error:
         raise error[0]
     return result[0]
