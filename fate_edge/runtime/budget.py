@@ -36,6 +36,8 @@ class BudgetPlan:
     # Host memory the read buffers hold outside the budget: a discrete GPU's pinned staging (runtime.memory_tiers);
     # 0 where they come out of the budget (one memory: a CPU, a Jetson)
     host_bytes: int = 0
+    # Grouped prefill's staging regions at a budget (runtime.staged_prefill): taken from the cache's share
+    prefill_staging_bytes: int = 0
 
     @property
     def staging_on_host(self) -> bool:
