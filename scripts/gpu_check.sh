@@ -9,7 +9,8 @@
 # rows run with the pinned host tier (its default on a discrete GPU), the fate-edge preset at the first budget also
 # without it and with misses computed on the CPU (hybrid); gpu_bench.md splits their figures into prompt and decode.
 # Then issue 59's one graph per token under the first budget against the per-layer graphs, and resident prefill
-# with the grouped Triton kernels against the eager one (scripts/gpu_slot_prefill.py, a portable store of the slice).
+# with the grouped Triton kernels against the eager one, and the same at the first budget over staged blobs
+# (scripts/gpu_slot_prefill.py, a portable store of the slice).
 # Writes OUT_DIR/gpu_check.log, parity.json, gpu_bench.json, gpu_bench.md, profile-*.txt, slot_prefill.json,
 # throughput.json.
 # Usage: scripts/gpu_check.sh OUT_DIR      (LAYERS=8 PEERS=1 BUDGETS="1GB 0.5GB" to change the benchmark)

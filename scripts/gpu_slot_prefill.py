@@ -1,6 +1,7 @@
 """Issue 59 items 4 and 5 on a GPU: decode at an expert budget with one graph per token over the cache's slots
-(``SlotGraphDecode``) against the per-layer graphs (``LayerGraphDecode``), and resident prefill with the grouped
-Triton kernels against the eager prefill; on the real-shape slice, the prompt and token count of gpu_bench.
+(``SlotGraphDecode``) against the per-layer graphs (``LayerGraphDecode``), resident prefill with the grouped
+Triton kernels against the eager prefill, and prefill at the budget with the grouped kernels over staged blobs
+(``runtime.staged_prefill``) against the eager one; on the real-shape slice, the prompt and token count of gpu_bench.
 
     python scripts/gpu_slot_prefill.py --store /tmp/q/store --portable-store /tmp/q/store-portable \\
         --budget 1GB --json out/slot_prefill.json
@@ -27,6 +28,7 @@ from fate_edge.runtime.engine_config import EngineConfig
 from fate_edge.runtime.generate import GenerateConfig
 from fate_edge.runtime.grouped_prefill import use_grouped_prefill
 from fate_edge.runtime.loader import load_model
+from fate_edge.runtime.staged_prefill import use_budgeted_grouped_prefill
 from fate_edge_lab.bench.sidebyside import resident_int4
 
 
@@ -83,6 +85,35 @@ def prefill_round(args, prompt: list[int], grouped: bool) -> dict:
     return {"grouped": grouped, "prefill_tps": len(prompt) / min(times[1:]), "logits": logits[0].float().cpu()}
 
 
+def budget_prefill_round(args, prompt: list[int], grouped: bool) -> dict:
+    """Prefill at ``--budget`` from the portable store: experts through the scheduler (eager) or the grouped kernels
+    over blobs staged as their reads land (each run a fresh request, the cache as the last one left it)."""
+    cfg = EngineConfig(args.portable_store, args.budget, args.policy, dtype=args.dtype, device=args.device, max_batch=1)
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    with Engine(cfg) as engine:
+        model = engine.model
+        server = use_budgeted_grouped_prefill(engine) if grouped else None
+        ids = torch.tensor([prompt], device=model.device)
+        times = []
+        with torch.inference_mode():
+            for _ in range(3):  # the first warms the kernels
+                engine.scheduler.new_sequence()
+                sync()
+                t0 = time.perf_counter()
+                logits = model(ids, model.new_cache())
+                sync()
+                times.append(time.perf_counter() - t0)
+        row = {
+            "budget_grouped": grouped,
+            "prefill_tps": len(prompt) / min(times[1:]),
+            "logits": logits[0].float().cpu(),
+        }
+        row["stall_s"] = engine.scheduler.stats.stall_s
+        if server is not None:
+            row.update(sources=dict(server.sources), staging_bytes=server.nbytes)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--store", required=True, help="the slice's store (the default layout)")
@@ -130,6 +161,23 @@ def main() -> None:
         for grouped in (False, True):
             tps = [r["prefill_tps"] for r in out["prefill"] if r.get("grouped") is grouped and "error" not in r]
             out[f"median_prefill_tps_{'grouped' if grouped else 'eager'}"] = statistics.median(tps) if tps else None
+        out["budget_prefill"], logits = [], {}
+        for _ in range(args.prefill_rounds):
+            for grouped in (False, True):
+                try:
+                    row = budget_prefill_round(args, prompt, grouped)
+                    logits[grouped] = row.pop("logits")
+                except Exception as e:  # noqa: BLE001
+                    row = {"budget_grouped": grouped, "error": traceback.format_exception_only(e)[-1].strip()}
+                out["budget_prefill"].append(row)
+                print(json.dumps(row), flush=True)
+        if len(logits) == 2:
+            out["prefill_budget_max_abs_logit_diff"] = (logits[True] - logits[False]).abs().max().item()
+        for grouped in (False, True):
+            rows = [r for r in out["budget_prefill"] if r.get("budget_grouped") is grouped and "error" not in r]
+            tps = [r["prefill_tps"] for r in rows]
+            key = f"median_budget_prefill_tps_{'grouped' if grouped else 'eager'}"
+            out[key] = statistics.median(tps) if tps else None
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=1))
     print(json.dumps({k: v for k, v in out.items() if k.startswith(("median", "decode_tokens", "prefill_"))}))
