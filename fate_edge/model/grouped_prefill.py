@@ -9,11 +9,11 @@ expert's rows, each token's experts summed in expert-id order in float32 (``laye
 every path keeps). Nothing in it waits on the device; the observers, where a model has any, still get the layer's
 routing on the host (``routed_experts.serve_routing``).
 
-For a model whose experts are all resident (an ``InMemoryExpertProvider``): with experts streamed under a budget
-the scheduler serves prompts as before (reads pipelined with a grouped compute are not built). The slab is a second
-copy of the experts beside the provider's own (the provider's serve decode); docs/gpu.md. Checked on the CPU under
-Triton's interpreter against the eager prefill (tests/test_grouped_prefill.py); not measured on a GPU. The slab is
-read from a store by ``runtime.grouped_prefill``.
+For a model whose experts are all resident (an ``InMemoryExpertProvider``); with experts streamed under a budget,
+``runtime.staged_prefill`` stages each layer's experts in a few slots of a smaller slab as their reads land. The
+slab is a second copy of the experts beside the provider's own (the provider's serve decode); docs/gpu.md. Checked
+on the CPU under Triton's interpreter against the eager prefill (tests/test_grouped_prefill.py); not measured on a
+GPU. The slab is read from a store by ``runtime.grouped_prefill``.
 
 Without Triton for the slab's device (a CPU without ``TRITON_INTERPRET``) the same layer runs in torch: the pairs
 sorted by expert (``dispatch.group_by_expert``), each expert dequantized from its slot and run on its rows (the
