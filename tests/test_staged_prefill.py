@@ -20,6 +20,7 @@ from fate_edge.format.store import ExpertStore
 from fate_edge.model.experts import InMemoryExpertProvider, QuantizedExpert
 from fate_edge.runtime.engine import Engine
 from fate_edge.runtime.engine_config import EngineConfig
+from fate_edge.runtime.host_tier import HostTier
 from fate_edge.runtime.staged_prefill import use_budgeted_grouped_prefill
 
 BUDGET = 3_000_000  # the cache holds 39 of the 128 experts; 18 once the staging (2 layers of 16) is taken
@@ -140,6 +141,28 @@ def test_a_budget_that_cannot_stage_a_layer_is_refused_naming_the_budget(store):
         with pytest.raises(BudgetError, match=r"grouped prefill at a budget stages 2 layers.*raise --memory-budget"):
             use_budgeted_grouped_prefill(eng)
         assert eng.model.grouped_prefill is None and eng.plan.prefill_staging_bytes == 0
+
+
+def test_blobs_the_host_tier_holds_are_staged_from_it_and_not_read_again(store):
+    """A run with a host tier (a discrete GPU's, here on the CPU): the prompt's blobs are admitted there as they are
+    read, and the same prompt again is staged from it with no store read, to the same logits."""
+    ids = torch.randint(0, 4000, (1, 10), generator=torch.Generator().manual_seed(10))
+    reads: list[tuple[int, int]] = []
+    with Engine(EngineConfig(str(store), BUDGET, "fate-edge", dtype="float32", max_batch=1)) as eng:
+        cfg, slot = eng.model.config, eng.store.precisions[4].slot_bytes
+        eng.scheduler.host = HostTier(128 * slot, slot, eng.policy, list(cfg.moe_layers), cfg.num_experts)
+        server = use_budgeted_grouped_prefill(eng)
+        submit = eng.fetch.submit
+        eng.fetch.submit = lambda ref, *a: (reads.append((ref.layer, ref.expert)), submit(ref, *a))[1]
+        with torch.inference_mode():
+            eng.scheduler.new_sequence()
+            first = eng.model(ids, eng.model.new_cache())
+            read_first, staged = len(reads), sum(server.sources.values())
+            eng.scheduler.new_sequence()
+            again = eng.model(ids, eng.model.new_cache())
+    assert read_first > 0 and len(reads) == read_first  # the second prompt read nothing
+    assert server.sources["host"] == sum(server.sources.values()) - staged > 0
+    assert torch.equal(first, again)
 
 
 _INTERPRETED = """
