@@ -165,6 +165,62 @@ def test_blobs_the_host_tier_holds_are_staged_from_it_and_not_read_again(store):
     assert torch.equal(first, again)
 
 
+def _native_store(tmp_path):
+    """A 3-layer Qwen-style checkpoint (8 experts, top-2) whose matrices fate-edge's native int4 kernel takes (K a
+    multiple of 128), as a portable store: its cached experts are their read buffers (the CPU's zero-copy cache)."""
+    from _tiny_moe import build_tokenizer
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    dims = {"hidden_size": 128, "intermediate_size": 128, "moe_intermediate_size": 128}
+    cfg = Qwen2MoeConfig(
+        vocab_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=8,
+        num_experts_per_tok=2,
+        shared_expert_intermediate_size=128,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        **dims,
+    )
+    torch.manual_seed(0)
+    Qwen2MoeForCausalLM(cfg).save_pretrained(tmp_path / "src")
+    build_tokenizer(tmp_path / "src")
+    out = tmp_path / "store"
+    convert(tmp_path / "src", out, ConvertOptions.full(bits=4, keep_bf16=False, layout="portable"), progress=False)
+    return out
+
+
+@pytest.mark.slow  # builds a checkpoint with transformers
+def test_experts_the_zero_copy_cache_holds_are_staged_from_their_buffers(tmp_path):
+    store = _native_store(tmp_path)
+    ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(8))
+    reads: list[tuple[int, int]] = []
+    with torch.inference_mode():
+        exact = load_model(store, experts=dequantized(store))
+        want = exact(ids, exact.new_cache())
+        with Engine(EngineConfig(str(store), 800_000, "fate-edge", dtype="float32", max_batch=1)) as eng:
+            assert eng.scheduler.zero_copy
+            server = use_budgeted_grouped_prefill(eng)
+            assert eng.cache.capacity_bytes < 24 * eng.cache.entry_bytes  # fewer than the 24 experts
+            cache = eng.model.new_cache()
+            out = eng.model(ids, cache)
+            for _ in range(3):  # decode tokens: the eager path caches experts in their read buffers
+                out = eng.model(out[:, -1:].argmax(-1), cache)
+            held = set(eng.scheduler._kept)
+            submit = eng.fetch.submit
+            eng.fetch.submit = lambda ref, *a: (reads.append((ref.layer, ref.expert)), submit(ref, *a))[1]
+            before = server.sources["cache"]
+            eng.scheduler.new_sequence()
+            got = eng.model(ids, eng.model.new_cache())
+    assert held and server.sources["cache"] > before  # staged from the cached experts' buffers ...
+    assert not held & set(reads) and max(Counter(reads).values()) == 1  # ... which were not read again
+    assert torch.equal(got, want)
+
+
 _INTERPRETED = """
 import sys, torch
 sys.path.insert(0, sys.argv[1])
