@@ -152,6 +152,9 @@ def test_blobs_the_host_tier_holds_are_staged_from_it_and_not_read_again(store):
         cfg, slot = eng.model.config, eng.store.precisions[4].slot_bytes
         eng.scheduler.host = HostTier(128 * slot, slot, eng.policy, list(cfg.moe_layers), cfg.num_experts)
         server = use_budgeted_grouped_prefill(eng)
+        with pytest.raises(ValueError, match="grouped already"):  # charged once
+            use_budgeted_grouped_prefill(eng)
+        assert eng.plan.prefill_staging_bytes == server.nbytes
         submit = eng.fetch.submit
         eng.fetch.submit = lambda ref, *a: (reads.append((ref.layer, ref.expert)), submit(ref, *a))[1]
         with torch.inference_mode():

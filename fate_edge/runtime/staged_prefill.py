@@ -78,7 +78,7 @@ class StagedGroupedPrefill:
         region, self._next = self._next, (self._next + 1) % self.slots
         base = region * self.n
         slab = self.grouped.slab
-        ids = idx.unique().tolist()  # the scheduler's observer copied the routing to the host already
+        ids = idx.unique().tolist()  # the host picks the blobs: on a GPU a sync, as the observers' routing copy is
         for e, payload in self._blobs(layer, ids):
             blob = torch.frombuffer(payload, dtype=torch.uint8)
             slab[base + e, : blob.numel()].copy_(blob)
@@ -156,6 +156,8 @@ def use_budgeted_grouped_prefill(engine: Engine, slots: int = 2, block_m: int = 
     taken from the cache's share of the budget (the cache shrinks by as much, evicting where it must) → the server.
     Refuses, naming the budget needed, where the budget's room beyond the read buffers cannot hold them."""
     cfg, plan = engine.model.config, engine.plan
+    if engine.model.grouped_prefill is not None:
+        raise ValueError("this engine's prompts are grouped already (use_budgeted_grouped_prefill was called once)")
     layout = Int4MoELayout.of(engine.store.precisions[4]) if 4 in engine.store.precisions else None
     if layout is None:
         raise ValueError(f"{engine.store.path} has no int4 experts: convert with --bits 4 --layout portable")
