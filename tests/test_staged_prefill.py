@@ -224,6 +224,23 @@ def test_experts_the_zero_copy_cache_holds_are_staged_from_their_buffers(tmp_pat
     assert torch.equal(got, want)
 
 
+def test_reads_ahead_are_not_made_ready_early_during_a_staged_prompt(store):
+    """Where the scheduler uploads reads ahead as they land (a GPU's ``land_early``, set here on the CPU), a staged
+    prompt takes their blobs instead: uploaded into the cache they would be read again."""
+    ids = torch.randint(0, 4000, (1, 10), generator=torch.Generator().manual_seed(11))
+    reads: list[tuple[int, int]] = []
+    with Engine(EngineConfig(str(store), BUDGET, "fate-edge", dtype="float32", max_batch=1)) as eng:
+        eng.scheduler.land_early = True
+        server = use_budgeted_grouped_prefill(eng)
+        submit = eng.fetch.submit
+        eng.fetch.submit = lambda ref, *a: (reads.append((ref.layer, ref.expert)), submit(ref, *a))[1]
+        with torch.inference_mode():
+            eng.scheduler.new_sequence()
+            eng.model(ids, eng.model.new_cache())
+        landed = eng.scheduler.stats.landed_early
+    assert max(Counter(reads).values()) == 1 and server.sources["prefetched"] > 0 and landed == 0
+
+
 _INTERPRETED = """
 import sys, torch
 sys.path.insert(0, sys.argv[1])

@@ -119,6 +119,7 @@ class Scheduler(TierPath, ExpertProvider):
         # a GPU (the copy overlaps compute); a CPU's zero-copy hand-off has nothing to upload
         on_land = self.copier.device.type != "cpu" if upload_on_land is None else upload_on_land
         self.land_early = on_land and cache is not None and not self.zero_copy
+        self.stages_prompts = False  # a prompt's reads are staged as blobs (runtime.staged_prefill): none land early
         self._landed: dict[Key, int] = {}  # made ready early → bytes read, until its layer uses it
         self._host_held: list[Key] = []  # host-tier blobs this layer's misses come from: pinned there till end_layer
         self._on_cpu = policy.miss_compute == "hybrid" and host_tier is not None  # decode misses computed in place

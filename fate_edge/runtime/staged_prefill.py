@@ -13,8 +13,9 @@ are charged to the expert budget: :func:`use_budgeted_grouped_prefill` takes the
 (``BudgetPlan.prefill_staging_bytes``) and refuses, naming the budget needed, where that share cannot hold them.
 
 The blobs a prompt reads are not decoded into the device cache (decode starts with the cache the prompt found, plus
-the host tier's admissions). On a GPU, reads ahead that the scheduler makes ready as they land (``land_early``) are
-uploaded into its cache and read again here; checked on the CPU under Triton's interpreter, not measured on a GPU.
+the host tier's admissions); during a prompt the scheduler makes no read ahead ready as it lands (``land_early``, a
+GPU's upload into its cache), so that the staging takes its blob. Checked on the CPU under Triton's interpreter, not
+measured on a GPU.
 """
 
 from __future__ import annotations
@@ -175,6 +176,7 @@ def use_budgeted_grouped_prefill(engine: Engine, slots: int = 2, block_m: int = 
         shrink_cache(engine.cache, need)
     plan.cache_bytes = max(0, plan.cache_bytes - need)
     plan.prefill_staging_bytes += need
+    engine.scheduler.stages_prompts = True  # a prompt's reads ahead stay blobs for the staging (not uploaded)
     engine.model.grouped_prefill = server
     return server
 

@@ -48,6 +48,8 @@ class TierPath:
     in_use: list[Key]
     prefetches: dict[Key, Any]
     land_early: bool
+    stages_prompts: bool
+    _prompt: bool
     _landed: dict[Key, int]
     _host_held: list[Key]
     _on_cpu: bool
@@ -92,7 +94,7 @@ class TierPath:
     def _land(self) -> None:
         """Make ready the prefetches whose reads have landed (:attr:`land_early`): uploaded, decoded and cached now,
         a hit when their layer asks. Cold copies and failed reads wait for their use, as before."""
-        if not self.land_early:
+        if not self.land_early or (self.stages_prompts and self._prompt):  # staged prompts take the blobs
             return
         for key, f in [(k, f) for k, f in self.prefetches.items() if f.req.done.is_set()]:
             if f.bits != self.policy.bits or f.req.state != "done":
