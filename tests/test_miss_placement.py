@@ -9,6 +9,7 @@ from fate_edge.errors import PolicyError
 from fate_edge.planning.miss_placement import MissCosts, miss_compute_for, place_miss
 from fate_edge.planning.planner import Plan, with_miss_compute
 from fate_edge.planning.simulate import HostCosts
+from fate_edge.runtime.miss_rule import MissRule
 from fate_edge.runtime.policy import PRESETS, PolicyConfig
 
 EXPERT = 4_612_096  # a Qwen1.5-MoE int4 expert
@@ -50,3 +51,12 @@ def test_the_planner_picks_hybrid_for_a_discrete_gpu_only():
     for device in (None, "jetson-orin-nano-8gb", "orin-nano", "no-such-device"):
         plan = _plan(100e-6)
         assert with_miss_compute(plan, device, EXPERT, HIDDEN) is plan  # the CPU and a Jetson: as before
+
+
+def test_the_plan_carries_its_measured_miss_costs_to_seed_the_run():
+    plan = with_miss_compute(_plan(100e-6), "laptop-rtx4060-8gb", EXPERT, HIDDEN)
+    assert plan.miss_costs == MissCosts(EXPERT, HIDDEN, 15.75e9, cpu_expert_s=100e-6)
+    rule = MissRule()
+    rule.seed(plan.miss_costs)  # what Engine.load does with the scheduler's rule (TierPath.seed_misses)
+    assert rule.cpu_row_s == 100e-6 and rule.link_s_per_byte == pytest.approx(1 / 15.75e9)
+    assert with_miss_compute(_plan(100e-6), "jetson-orin-nano-8gb", EXPERT, HIDDEN).miss_costs is None

@@ -55,6 +55,15 @@ def test_cpu_copier_copies_out_of_the_buffer():
     assert isinstance(make_copier("cpu"), CPUCopier)
 
 
+def test_each_copy_is_timed_once_for_the_links_speed():
+    copier = CPUCopier()
+    copier.upload(memoryview(bytearray(1 << 20)), demand=True)
+    copier.upload(memoryview(bytearray(4096)), demand=False)
+    [(a, ta), (b, tb)] = copier.timings()
+    assert (a, b) == (1 << 20, 4096) and ta > 0 and tb > 0
+    assert copier.timings() == []  # read once
+
+
 @pytest.fixture(scope="module")
 def store(tmp_path_factory, bundled_dir):
     out = tmp_path_factory.mktemp("transfer") / "s"

@@ -18,6 +18,7 @@ wait loop): with every buffer copying, no reader could start the read it waits f
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,12 @@ class Copier:
         self.in_flight: list[PendingRelease] = []
         self.uploads = 0
         self.bytes = 0
+        self._timed: list[tuple[int, float]] = []  # (bytes, seconds) of copies that have completed
+
+    def timings(self) -> list[tuple[int, float]]:
+        """(bytes, seconds) of each copy completed since the last call: the link's measured speed."""
+        out, self._timed = self._timed, []
+        return out
 
     def upload(self, payload: memoryview, demand: bool) -> tuple[torch.Tensor, Any]:
         """Start moving ``payload`` to the device; returns (device uint8 tensor, completion event or None)."""
@@ -88,7 +95,10 @@ class CPUCopier(Copier):
     def upload(self, payload: memoryview, demand: bool) -> tuple[torch.Tensor, Any]:
         self.uploads += 1
         self.bytes += len(payload)
-        return torch.frombuffer(payload, dtype=torch.uint8).clone(), None  # private copy: buffer free at once
+        t0 = time.perf_counter()
+        out = torch.frombuffer(payload, dtype=torch.uint8).clone()  # private copy: buffer free at once
+        self._timed.append((len(payload), time.perf_counter() - t0))
+        return out, None
 
 
 class CUDACopier(Copier):
@@ -99,6 +109,17 @@ class CUDACopier(Copier):
         lo, hi = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]
         self.demand_stream = torch.cuda.Stream(self.device, priority=hi)
         self.prefetch_stream = torch.cuda.Stream(self.device, priority=lo)
+        self._timing: list[tuple[int, Any, Any]] = []  # copies whose time is not read yet: (bytes, start, end)
+
+    def timings(self) -> list[tuple[int, float]]:
+        still = []
+        for nbytes, start, end in self._timing:
+            if end.query():
+                self._timed.append((nbytes, start.elapsed_time(end) / 1e3))
+            else:
+                still.append((nbytes, start, end))
+        self._timing = still
+        return super().timings()
 
     def upload(self, payload: memoryview, demand: bool) -> tuple[torch.Tensor, Any]:
         src = torch.frombuffer(payload, dtype=torch.uint8)  # a view of the pinned staging buffer
@@ -106,9 +127,12 @@ class CUDACopier(Copier):
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(stream):
             dst = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
+            start = torch.cuda.Event(enable_timing=True)  # timed: the link's speed (runtime.miss_rule)
+            start.record(stream)
             dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(enable_timing=True)
             event.record(stream)
+        self._timing.append((len(payload), start, event))
         compute.wait_event(event)  # kernels that decode or use this expert start after the copy lands
         dst.record_stream(compute)  # allocated on the copy stream, used on compute: keep it alive for both
         self.uploads += 1

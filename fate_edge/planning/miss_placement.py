@@ -12,8 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-# A host → GPU copy's fixed cost (a launch and a DMA setup) where nothing measured it (docs/measured-choices.md)
-DEFAULT_LINK_LATENCY_S = 10e-6
+from fate_edge.runtime.miss_rule import DEFAULT_LINK_LATENCY_S
 
 
 @dataclass(frozen=True)

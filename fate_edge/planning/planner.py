@@ -18,6 +18,7 @@ import torch
 
 from fate_edge.devices.link import LinkSpec
 from fate_edge.planning.host_costs import measure_host_costs
+from fate_edge.planning.miss_placement import MissCosts, miss_compute_for
 from fate_edge.planning.plan_presets import MIN_MARGIN, choose, preset_candidates
 from fate_edge.planning.plan_trace import PlanTrace, describe_store, record_plan_trace, sample_token_ids
 from fate_edge.planning.sim_load import sim_preload, sim_resident
@@ -42,6 +43,9 @@ class Plan:
     costs: HostCosts
     presets: list[Candidate] = field(default_factory=list)  # always simulated; the pick is one unless beaten
     margin: float = 0.0  # what a searched policy had to beat the best preset by (the planner's measured error)
+    # the measured costs of a miss each way (miss_placement.MissCosts), where the device has a host link: they seed
+    # the run's per-miss choice under miss_compute="hybrid" (runtime.miss_rule)
+    miss_costs: MissCosts | None = None
 
     def describe(self) -> str:
         p = self.policy
@@ -259,7 +263,6 @@ def with_miss_compute(result: Plan, device: str | None, expert_bytes: int, hidde
     cheaper on the CPU at the probe's measured per-expert time (planning/miss_placement.py); else unchanged."""
     from fate_edge.devices.profile import load_profile
     from fate_edge.planning.device_presets import profile_of
-    from fate_edge.planning.miss_placement import miss_compute_for
 
     if device is None or result.costs.expert_s <= 0:
         return result
@@ -268,6 +271,9 @@ def with_miss_compute(result: Plan, device: str | None, expert_bytes: int, hidde
     except (OSError, ValueError):  # a device without a profile: nothing says it has a link
         return result
     choice = miss_compute_for(profile, expert_bytes, hidden_bytes, result.costs.expert_s)
+    if profile.host_link_gbps is not None and not profile.unified_memory:
+        costs = MissCosts(expert_bytes, hidden_bytes, profile.host_link_gbps * 1e9, result.costs.expert_s)
+        result = replace(result, miss_costs=costs)
     if choice == result.policy.miss_compute:
         return result
     return replace(result, policy=result.policy.with_(miss_compute=choice))

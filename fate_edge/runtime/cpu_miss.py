@@ -10,24 +10,36 @@ the same codes up to the two kernels' rounding, and the MoE block adds it in exp
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 
 class OnHost:
-    """``expert`` (decoded on the CPU) called with rows that live on another device: rows in, output back."""
+    """``expert`` (decoded on the CPU) called with rows that live on another device: rows in, output back.
+    ``timed(seconds, rows)``: told the CPU's compute time of each call (runtime.miss_rule measures it so)."""
 
-    def __init__(self, expert: Any):
+    def __init__(self, expert: Any, timed: Callable[[float, int], None] | None = None):
         self.expert = expert
         self.takes_bf16 = bool(getattr(expert, "takes_bf16", False))
+        self.timed = timed
 
     @property
     def nbytes(self) -> int:
         return int(self.expert.nbytes)
 
+    def _run(self, f: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        rows = h.to("cpu")
+        t0 = time.perf_counter()
+        out = f(rows)
+        if self.timed is not None:
+            self.timed(time.perf_counter() - t0, rows.shape[0])
+        return out.to(h.device)
+
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        return self.expert(h.to("cpu")).to(h.device)
+        return self._run(self.expert, h)
 
     def forward_bf16(self, hb: torch.Tensor) -> torch.Tensor:
-        return self.expert.forward_bf16(hb.to("cpu")).to(hb.device)
+        return self._run(self.expert.forward_bf16, hb)

@@ -442,7 +442,7 @@ class Engine:
             planned = in_own_thread(lambda: plan_policy(config))
             config = replace(config, policy=planned.policy)
         engine = cls(config)
-        engine.planned = planned
+        engine.planned = engine.scheduler.seed_misses(planned)  # its measured miss costs start the hybrid rule
         return engine
 
     # ------------------------------------------------------------- generation

@@ -122,7 +122,8 @@ class Scheduler(TierPath, ExpertProvider):
         self.stages_prompts = False  # a prompt's reads are staged as blobs (runtime.staged_prefill): none land early
         self._landed: dict[Key, int] = {}  # made ready early → bytes read, until its layer uses it
         self._host_held: list[Key] = []  # host-tier blobs this layer's misses come from: pinned there till end_layer
-        self._on_cpu = policy.miss_compute == "hybrid" and host_tier is not None  # decode misses computed in place
+        self._on_cpu = policy.miss_compute == "hybrid" and host_tier is not None  # misses computed in place
+        self.miss_rule, self._rows = self._new_miss_rule(), {}  # where each of those runs (runtime.miss_rule)
         self._lent: list[FetchRequest] = []  # buffers of experts served by get(): released at end_layer
         self._hold_lent = False
         self.lent_reads = 0  # experts computed in their read buffer and not kept (the rest: copied out or handed off)
@@ -178,6 +179,7 @@ class Scheduler(TierPath, ExpertProvider):
         ids, counts = idx.flatten().unique(return_counts=True)
         order = counts.argsort(descending=True, stable=True)
         needed = ids[order].tolist()
+        self.observe_routing(layer, needed, counts[order].tolist(), prompt)
         self._check_prediction(layer, idx, prompt)
 
         # Prefill demand reads travel in the policy's precision: only predicted, prefetched experts may be cold

@@ -30,6 +30,7 @@ class SchedulerStats:
     # CPU where they lie (policy miss_compute="hybrid"), prefetches made ready as their read landed
     host_hits: int = 0
     cpu_computed: int = 0
+    copied_up: int = 0  # ... host-held misses the hybrid rule copied up instead (runtime.miss_rule)
     landed_early: int = 0
 
     def snapshot(self) -> SchedulerStats:

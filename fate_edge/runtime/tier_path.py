@@ -23,6 +23,7 @@ from fate_edge.model.experts import Expert
 from fate_edge.runtime.cache import AccessInfo
 from fate_edge.runtime.cpu_miss import OnHost
 from fate_edge.runtime.held_bytes import held_bytes
+from fate_edge.runtime.miss_rule import CPU, MissRule
 
 if TYPE_CHECKING:
     from fate_edge.fetch.fetch_engine import FetchEngine
@@ -54,6 +55,9 @@ class TierPath:
     _host_held: list[Key]
     _on_cpu: bool
     _prefill: bool
+    config: Any
+    miss_rule: MissRule
+    _rows: dict[int, int]  # this layer call's rows per routed expert
 
     def _take(self, f: Any) -> memoryview:  # Scheduler's
         raise NotImplementedError
@@ -77,6 +81,8 @@ class TierPath:
         ``use_now``) → (the expert, whether cached). ``release``: gives the staging buffer back once the copy out of it
         has landed; None: the payload is ``key``'s host-tier slot, kept from reuse until then."""
         blob, event = self.copier.upload(payload, demand=demand)
+        for nbytes, seconds in self.copier.timings():  # the link's speed, for the per-miss choice
+            self.miss_rule.link_measured(nbytes, seconds)
         if release is not None:
             self.copier.release_after(event, release)
         elif self.host is not None:
@@ -132,13 +138,16 @@ class TierPath:
         self.host.access(key, True, info)
         self.host.stats.served += 1
         expert: Expert
-        if self._on_cpu and not self._prefill:
+        if self._on_cpu and self._place(key) == CPU:
             blob = torch.frombuffer(self.host.blob(key), dtype=torch.uint8)
             on_cpu = decode_expert(blob, self.store.precisions[self.policy.bits], self.dtype, "cpu")
-            expert = cast(Expert, OnHost(on_cpu))  # called as any expert is (layer_step.expert_rows)
+            self.miss_rule.decode_measured(time.perf_counter() - t0)
+            # called as any expert is (layer_step.expert_rows), its compute timed for the rule
+            expert = cast(Expert, OnHost(on_cpu, self.miss_rule.cpu_measured))
             self.stats.cpu_computed += 1
         else:
             expert, _ = self._upload(key, self.host.blob(key), self.policy.bits, demand=True)
+            self.stats.copied_up += int(self._on_cpu)
         self.stats.consume_s += time.perf_counter() - t0
         self.stats.misses += 1
         self.stats.host_hits += 1
@@ -154,3 +163,31 @@ class TierPath:
             self.stats.landed_early += 1
             if cached:
                 self._landed[key] = 0
+
+    def _place(self, key: Key) -> str:
+        """Where a host-held miss runs under ``miss_compute="hybrid"`` (runtime.miss_rule): its rows in this layer
+        call, its blob's bytes, one row's hidden state."""
+        assert self.host is not None
+        rows = self._rows.get(key[1], 1)
+        hidden = self.config.hidden_size * torch.empty((), dtype=self.dtype).element_size()
+        return self.miss_rule.choose(key, rows, len(self.host.blob(key)), hidden, self._prefill)
+
+    def _new_miss_rule(self) -> MissRule:
+        """The per-miss rule, its copies' stay in the device cache from the cache's entries per MoE layer."""
+        cfg, k = self.config, self.config.num_experts_per_tok
+        entries = self.cache.capacity_bytes / self.store.precisions[self.policy.bits].blob_bytes if self.cache else 0
+        return MissRule(top_k=k, num_experts=cfg.num_experts, horizon_tokens=entries / len(cfg.moe_layers) / k)
+
+    def observe_routing(self, layer: int, ids: list[int], counts: list[int], prompt: bool) -> None:
+        """This layer call's rows per expert, and a decode token's uses (the rule's popularity)."""
+        self._rows = dict(zip(ids, counts))
+        if self._on_cpu and not prompt:
+            self.miss_rule.observe(layer, ids)
+
+    def seed_misses(self, planned: Any) -> Any:
+        """Seed the per-miss rule with the planner's measured costs (``planning.planner.Plan.miss_costs``, where the
+        device has a host link); returns ``planned``."""
+        costs = getattr(planned, "miss_costs", None)
+        if costs is not None:
+            self.miss_rule.seed(costs)
+        return planned
