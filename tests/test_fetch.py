@@ -1,3 +1,4 @@
+import mmap
 import os
 import threading
 import time
@@ -118,6 +119,26 @@ def test_flipped_byte_is_reported_with_layer_and_expert(blob_file):
         assert eng.pool.available == 2
         ok = eng.submit(refs[0])  # the engine keeps serving
         assert bytes(eng.wait(ok)) == _expected(path, refs[0])
+
+
+def test_a_read_lands_in_the_callers_memory_checked_and_no_pool_buffer_kept(blob_file):
+    path, refs = blob_file
+    mem = mmap.mmap(-1, 2 * BLOB)  # page-aligned, as a host-tier slot is (O_DIRECT)
+    with FetchEngine(BufferPool(2, BLOB), workers=1, verify="always") as eng:
+        into = memoryview(mem)[:BLOB]
+        req = eng.submit(refs[2], into=into)
+        payload = eng.wait(req)
+        assert req.into is into and bytes(payload) == bytes(into[: refs[2].length]) == _expected(path, refs[2])
+        eng.release(req)
+        assert eng.pool.available == 2  # the caller's memory never joined the pool
+        flip_byte(path, refs[7].offset + 99)
+        bad = eng.submit(refs[7], into=memoryview(mem)[BLOB:])
+        with pytest.raises(CorruptBlobError, match=rf"layer {refs[7].layer} expert {refs[7].expert}"):
+            eng.wait(bad)
+        eng.release(bad)
+        assert eng.pool.available == 2
+        with pytest.raises(ValueError, match="bytes to read into"):
+            eng.submit(refs[3], into=memoryview(mem)[:100])
 
 
 def test_verify_once_checks_first_read_and_always_checks_every_read(blob_file):

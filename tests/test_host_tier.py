@@ -6,14 +6,18 @@ is none. A CPU-only torch has no discrete GPU, so the engine runs here with its 
 ``is_unified`` answers on a CUDA desktop): the same planning, scheduling and tier code, with the CPU copier in place of
 the CUDA one and a plain slab in place of a pinned one."""
 
+import shutil
 import time
 
 import pytest
+from _corrupt import flip_byte
 from fate_edge.devices.profile import load_profile
 
-from fate_edge.errors import BudgetError
+from fate_edge.errors import BudgetError, CorruptBlobError
+from fate_edge.format.blob import ALIGN
 from fate_edge.format.convert import ConvertOptions, convert
 from fate_edge.format.store import ExpertStore
+from fate_edge.model.arch import load_config
 from fate_edge.runtime.budget import plan_budget
 from fate_edge.runtime.cache import AccessInfo
 from fate_edge.runtime.engine import Engine
@@ -80,6 +84,24 @@ def test_a_slot_is_not_overwritten_while_its_copy_to_the_device_is_in_flight():
     assert bytes(tier.blob((0, 1))) == b"y" * 64
 
 
+def test_a_read_reserves_its_slot_which_holds_the_blob_only_once_filled():
+    tier = _tier(2, slot=ALIGN)
+    assert tier.direct and tier.slab.data_ptr() % ALIGN == 0
+    view = tier.reserve((0, 0), ALIGN, 4)
+    assert view is not None and len(view) == ALIGN and tier.free_slots == 1
+    assert (0, 0) not in tier and not tier.holds((0, 0), 4)  # not valid until the read lands
+    assert tier.reserve((0, 0), ALIGN, 4) is None and not tier.admit((0, 0), memoryview(b"x"), 4)
+    other = tier.reserve((0, 1), ALIGN, 4)
+    assert other is not None and tier.reserve((1, 0), ALIGN, 4) is None  # both slots reserved: nothing evicted
+    view[:3] = b"abc"
+    assert not tier.fill((0, 0), 3, other)  # not its reservation
+    assert tier.fill((0, 0), 3, view) and bytes(tier.blob((0, 0))) == b"abc" and tier.stats.read_into == 1
+    tier.abandon((0, 1), other)  # its read failed: the slot is free again, nothing held
+    assert (0, 1) not in tier and tier.free_slots == 1 and len(tier) == 1
+    assert tier.stats.staged == 0 and tier.stats.admitted == 1
+    assert _tier(2, slot=64).reserve((0, 0), 64, 4) is None  # unaligned slots: staged and copied in
+
+
 def test_the_host_tier_collapses_into_the_one_budget_on_one_memory():
     jetson, desktop = load_profile("jetson-orin-nano-8gb"), load_profile("desktop-rtx4090")
     gb = 1_000_000_000
@@ -124,6 +146,35 @@ def test_a_miss_the_host_tier_holds_reads_no_store(store, discrete):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("policy", ["lru", "fate-edge"])
+def test_store_reads_land_in_their_tier_slots_with_no_staging_copy(store, discrete, policy):
+    e, tokens, _, held = _greedy(store, "16MB", policy=policy)
+    tier = e.host_tier
+    assert tier is not None and tier.stats.read_into == e.fetch.stats.reads_completed == held > 0
+    assert tier.stats.staged == 0 and tier.stats.admitted == tier.stats.read_into
+    _, base_tokens, _, _ = _greedy(store, 0, policy=policy)
+    assert tokens == base_tokens
+
+
+@pytest.mark.slow
+def test_a_corrupt_blob_read_into_the_tier_is_refused_and_leaves_its_slot_free(store, discrete, tmp_path):
+    copy = tmp_path / "s"
+    shutil.copytree(store, copy)  # a new file: its blobs are checked on their first read in this process
+    experts = ExpertStore(copy)
+    layer = load_config(copy).moe_layers[0]
+    for x in range(16):  # every expert of the first MoE layer: its first miss reads a damaged blob
+        ref = experts.ref(layer, x, 4)
+        flip_byte(ref.path, ref.offset + 7)
+    cfg = GenerateConfig(max_tokens=4, ignore_eos=True)
+    with Engine(EngineConfig(copy, "1MB", "lru", host_memory="16MB")) as e:
+        with pytest.raises(CorruptBlobError, match=rf"checksum mismatch for layer {layer} expert .*re-run fate-edge"):
+            list(e.stream("def add(a, b):", cfg))
+        tier = e.host_tier
+        assert tier is not None and not any((layer, x) in tier for x in range(16))
+        assert tier.free_slots + len(tier) == tier.slots  # no slot left reserved or marked held
+
+
+@pytest.mark.slow
 def test_with_prefetch_no_read_is_of_a_blob_the_tier_holds(store, discrete):
     e, tokens, reads, _ = _greedy(store, "16MB", policy="fate-edge")
     assert reads and not any(held for _, held in reads) and e.stats.host_hits > 0
@@ -140,7 +191,8 @@ def test_both_budgets_are_charged_what_they_hold(store, discrete):
         assert tiers is not None and tier is not None and not tiers.unified
         # the slab holds every expert (the tier asked for more than all of them), charged as allocated
         assert tier.slots == 8 * 16 and tiers.host_tier == tier.held_bytes == tier.slab.untyped_storage().nbytes()
-        assert tier.held_bytes == tier.slots * slot
+        # store reads land in its slots (O_DIRECT): the slab starts aligned, at most ALIGN - 1 bytes in
+        assert tier.held_bytes == tier.slots * slot + ALIGN - 1 and tier.slab.data_ptr() % ALIGN == 0
         assert tiers.host == e.plan.host_bytes + tier.held_bytes == e.account.host_budget
         assert tiers.device == e.plan.cache_bytes + e.plan.working_bytes == e.account.device_budget
         assert e.cache is not None and 0 < e.cache.used_bytes <= e.cache.capacity_bytes

@@ -32,7 +32,7 @@ class Buffer:
 
     def __init__(self, size: int, pinned: bool = False):
         self.size = size
-        self.mem: torch.Tensor | mmap.mmap
+        self.mem: torch.Tensor | mmap.mmap | memoryview
         if pinned:
             import torch
 
@@ -55,6 +55,13 @@ class Buffer:
                 anon = mmap.mmap(-1, size)
             self.mem = anon
             self.view = memoryview(anon)
+
+    @classmethod
+    def over(cls, view: memoryview) -> Buffer:
+        """A buffer over memory the caller owns (a host-tier slot): read into, never pooled."""
+        buf = cls.__new__(cls)
+        buf.size, buf.mem, buf.view = len(view), view, view
+        return buf
 
 
 class BufferPool:

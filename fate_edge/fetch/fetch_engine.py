@@ -13,6 +13,8 @@ this process (``verify="once"``, the default) or on every read (``verify="always
 ``demand_reserve`` buffers of the pool are for demand reads alone: prefetches hold at most the rest, so a
 demand read never waits behind read-ahead (a prefetch promoted to demand while queued may use them too).
 A read's buffer can be handed off (:meth:`FetchEngine.hand_off`): its memory becomes the cached expert.
+A read can also land in memory of the caller's (``submit(..., into=)``: a host-tier slot, runtime.host_tier), with
+no staging buffer and no copy after; the CRC is checked before the request is done, as for any read.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class FetchRequest:
     cpu_s: float = 0.0  # the reader thread's CPU time for this read
     cancel_requested: bool = False
     holds_prefetch_buffer: bool = False  # counted against the prefetches' share of the pool
+    into: memoryview | None = None  # the caller's memory the read lands in (not a pool buffer)
     done: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -129,8 +132,14 @@ class FetchEngine:
         return len(self._threads)
 
     # ------------------------------------------------------------------ API
-    def submit(self, ref: BlobRef, priority: Priority = Priority.DEMAND) -> FetchRequest:
-        """Queue a read of ``ref`` (or join the identical read already queued or in flight)."""
+    def submit(
+        self, ref: BlobRef, priority: Priority = Priority.DEMAND, into: memoryview | None = None
+    ) -> FetchRequest:
+        """Queue a read of ``ref`` (or join the identical read already queued or in flight: then ``req.into`` is
+        not ``into``). ``into``: the caller's memory to read into, at least ``ref.read_length`` bytes (aligned for
+        O_DIRECT), written by a reader until the request is done; :meth:`release` gives no buffer back then."""
+        if into is not None and len(into) < ref.read_length:
+            raise ValueError(f"{ref.where()}: {len(into)} bytes to read into, the read needs {ref.read_length}")
         with self._cv:
             if self._closed:
                 raise FetchError("fetch engine is closed")
@@ -143,7 +152,7 @@ class FetchEngine:
                     if req.state == "queued":
                         heapq.heappush(self._heap, (int(priority), req.seq, req))
                 return req
-            req = FetchRequest(ref, priority, next(self._seq))
+            req = FetchRequest(ref, priority, next(self._seq), into=into)
             self._pending[ref.key] = req
             heapq.heappush(self._heap, (int(priority), req.seq, req))
             self._cv.notify()
@@ -185,7 +194,7 @@ class FetchEngine:
         with self._cv:
             buf, req.buffer = req.buffer, None
             self._unhold(req)
-        if buf is not None:
+        if buf is not None and req.into is None:  # the caller's memory is not the pool's
             self.pool.release(buf)
 
     def hand_off(self, req: FetchRequest, replacement: Buffer | None = None) -> Buffer:
@@ -194,7 +203,7 @@ class FetchEngine:
         with self._cv:
             buf, req.buffer = req.buffer, None
             self._unhold(req)
-        assert buf is not None, f"{req.ref.where()}: no buffer to hand off (released already?)"
+        assert buf is not None and req.into is None, f"{req.ref.where()}: no pool buffer to hand off"
         return self.pool.hand_off(buf, replacement)
 
     def close(self) -> None:
@@ -334,7 +343,15 @@ class FetchEngine:
             if req is None:
                 self.pool.release(buf)
                 continue
+            if req.into is not None:  # into the caller's memory: the pool's buffer goes back at once
+                self.pool.release(buf)
+                buf = Buffer.over(req.into)
             self._read(req, buf)
+
+    def _give_back(self, req: FetchRequest, buf: Buffer) -> None:
+        """A read that did not complete: its pool buffer back (the caller's memory stays the caller's)."""
+        if req.into is None:
+            self.pool.release(buf)
 
     def _read(self, req: FetchRequest, buf: Buffer) -> None:
         ref = req.ref
@@ -343,7 +360,7 @@ class FetchEngine:
         req.queued_s = start - req.submitted_at
         issued = time.monotonic()  # the link's clock: emulated transfer overlaps this request's real reads
         if buf.size < ref.read_length:
-            self.pool.release(buf)
+            self._give_back(req, buf)
             self._fail(
                 req,
                 FetchError(
@@ -362,7 +379,7 @@ class FetchEngine:
             crc = 0  # computed chunk by chunk while the bytes are cache-hot (and while a link throttle sleeps)
             while pos < ref.read_length:
                 if req.cancel_requested:  # stale prefetch: stop between chunks, no further I/O
-                    self.pool.release(buf)
+                    self._give_back(req, buf)
                     with self._cv:
                         self._finish_cancelled(req)
                     return
@@ -387,7 +404,7 @@ class FetchEngine:
                     raise corrupted(ref)
                 VERIFIED_BLOBS.add(vkey)
         except Exception as exc:
-            self.pool.release(buf)
+            self._give_back(req, buf)
             self._fail(req, exc if isinstance(exc, FetchError) else FetchError(f"{ref.where()}: read failed: {exc}"))
             return
         req.read_s = time.perf_counter() - start

@@ -14,7 +14,6 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
@@ -194,7 +193,7 @@ class Scheduler(TierPath, ExpertProvider):
             bits = self.cold_bits if (e in low and self.cold_bits) else self.policy.bits
             if bits == self.policy.bits and self._host_holds(key):
                 continue
-            req = self.fetch.submit(self.store.ref(layer, e, bits), Priority.DEMAND)
+            req = self._submit(key, bits, Priority.DEMAND)
             self.demands[key] = _Fetch(req, bits, prefetched=False)
 
         if self.predictor is not None:
@@ -315,7 +314,7 @@ class Scheduler(TierPath, ExpertProvider):
             if self.host is not None and self.host.holds(key, bits):  # no store read: up from the host tier
                 self._ready_from_host(key, bits)
                 continue
-            req = self.fetch.submit(self.store.ref(*key, bits), prio)
+            req = self._submit(key, bits, prio)
             self.prefetches[key] = _Fetch(req, bits, prefetched=True)
 
     def _cached(self, key: Key) -> bool:
@@ -359,7 +358,7 @@ class Scheduler(TierPath, ExpertProvider):
                     continue
                 if f is None:  # not announced through on_route (a provider used without the hook)
                     f = _Fetch(
-                        self.fetch.submit(self.store.ref(layer, e, self.policy.bits), Priority.DEMAND),
+                        self._submit(key, self.policy.bits, Priority.DEMAND),
                         self.policy.bits,
                         prefetched=False,
                     )
@@ -417,9 +416,7 @@ class Scheduler(TierPath, ExpertProvider):
         low = f.bits != self.policy.bits
         if self.cache is not None:
             self.cache.access(key, False, AccessInfo(info.layer_now, info.num_layers, low_precision=low))
-        if self.host is not None and not low:  # kept in host memory: its next miss reads no store
-            self.host.access(key, False, info)
-            self.host.admit(key, payload, f.bits)
+        release = self._into_tier(key, f.req, payload, info)  # kept in host memory: its next miss reads no store
         # Cold copies serve this use only; caching them would lower later answers' precision.
         if not low and (self.zero_copy or self.lends):
             # Computed in its read buffer: kept as the cached expert's memory if the cache admits it (zero-copy), else
@@ -432,7 +429,7 @@ class Scheduler(TierPath, ExpertProvider):
                 self.lent_reads += 1
         else:
             # The staging buffer goes back to the pool only once the copy out of it has completed.
-            expert, _ = self._upload(key, payload, f.bits, not f.prefetched, partial(self.fetch.release, f.req))
+            expert, _ = self._upload(key, payload, f.bits, not f.prefetched, release)
         self._evicted.clear()  # buffers of evicted experts not reused here are freed with their last user
         self.stats.consume_s += time.perf_counter() - t0
         nbytes = f.req.ref.length
@@ -451,6 +448,7 @@ class Scheduler(TierPath, ExpertProvider):
             payload = self.fetch.wait(f.req)
         except BaseException:
             self.fetch.release(f.req)
+            self._abandon(f.req)  # a read into a host-tier slot: the slot free again, never marked held
             raise
         if f.req.read_s > 0:
             self._read_bw = _ema(self._read_bw, f.req.ref.length / f.req.read_s, 0.8)
@@ -546,6 +544,7 @@ class Scheduler(TierPath, ExpertProvider):
         if wasted:
             self.stats.wasted_bytes += f.req.bytes_read
         self.fetch.release(f.req)
+        self._abandon(f.req)
 
     def _settle(self, wait: bool) -> None:
         """Account the cancelled reads that have stopped (all of them, waiting, if ``wait``)."""

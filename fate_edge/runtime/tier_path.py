@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from fate_edge.fetch.fetch_engine import FetchRequest, Priority
 from fate_edge.format.store import decode_expert
 from fate_edge.model.experts import Expert
 from fate_edge.runtime.cache import AccessInfo
@@ -108,15 +109,51 @@ class TierPath:
             del self.prefetches[key]
             t0 = time.perf_counter()
             payload = self._take(f)
-            if self.host is not None:
-                self.host.admit(key, payload, f.bits)
-            _, cached = self._upload(key, payload, f.bits, False, partial(self.fetch.release, f.req), use_now=False)
+            release = self._into_tier(key, f.req, payload, None)
+            _, cached = self._upload(key, payload, f.bits, False, release, use_now=False)
             self.stats.consume_s += time.perf_counter() - t0
             self.stats.landed_early += 1
             if cached:
                 self._landed[key] = f.req.ref.length
             else:  # the cache declined it: its use reads again (or copies from the host tier)
                 self.stats.wasted_bytes += f.req.ref.length
+
+    def _submit(self, key: Key, bits: int, priority: Priority) -> FetchRequest:
+        """A store read of ``key``: straight into a host-tier slot where the tier admits it at the policy's precision
+        (no staging buffer, no copy into the slot), else into a staging buffer of the pool."""
+        ref = self.store.ref(*key, bits)
+        host = self.host if bits == self.policy.bits else None
+        into = host.reserve(key, ref.read_length, bits) if host is not None else None
+        req = self.fetch.submit(ref, priority, into)
+        if host is not None and into is not None and req.into is not into:  # joined a read under way: slot unused
+            host.abandon(key, into)
+        return req
+
+    def _into_tier(
+        self, key: Key, req: FetchRequest, payload: memoryview, info: AccessInfo | None
+    ) -> Callable[[], object] | None:
+        """A landed read (its CRC checked) offered to the host tier (a use, where ``info``): one read into its slot
+        makes the slot valid now, another is copied into a slot if the tier admits it. Returns how the read's
+        buffer goes back after its upload: a staging buffer once the copy out of it lands; None for a slot, kept from
+        reuse by the copy's event instead (:meth:`_upload`)."""
+        host = self.host if req.ref.bits == self.policy.bits else None
+        if host is not None and info is not None:
+            host.access(key, False, info)
+        if host is not None and req.into is not None and host.fill(key, req.ref.length, req.into):
+            self.fetch.release(req)  # nothing goes back to the pool; a prefetch's share is freed
+            return None
+        if host is not None:
+            host.admit(key, payload, req.ref.bits)
+        return partial(self.fetch.release, req)
+
+    def _abandon(self, req: FetchRequest) -> None:
+        """A read into a host-tier slot that was not used, and has stopped: a completed one (its CRC checked) leaves
+        the slot holding its blob; a failed or cancelled one leaves the slot free again, never marked held."""
+        if req.into is None or self.host is None:
+            return
+        key = (req.ref.layer, req.ref.expert)
+        if not (req.state == "done" and self.host.fill(key, req.ref.length, req.into)):
+            self.host.abandon(key, req.into)
 
     def _host_holds(self, key: Key) -> bool:
         """Whether the host tier holds ``key`` at the policy's precision: then pinned there till :meth:`end_layer`

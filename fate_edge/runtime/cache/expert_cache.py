@@ -136,6 +136,11 @@ class ExpertCache:
         if self.on_evict is not None:
             self.on_evict(key)
 
+    def discard(self, key: Key) -> None:
+        """Drop ``key`` whatever its pins (its contents turned out unusable: a read into it failed)."""
+        if key in self.entries:
+            self._evict(key)
+
     def clear(self) -> None:
         """Drop every entry (the engine is closing): the experts' memory is freed now, not at the next GC."""
         for key in list(self.entries):
