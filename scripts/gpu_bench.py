@@ -136,6 +136,7 @@ def phases(engine: Engine) -> dict:
             "misses": s.misses / n,
             "host_hits": s.host_hits / n,
             "cpu_computed": s.cpu_computed / n,
+            "copied_up": s.copied_up / n,
             "landed_early": s.landed_early / n,
             "prefetch_hits": s.prefetch_hits / n,
         }

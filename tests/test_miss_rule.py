@@ -38,8 +38,14 @@ def test_a_popular_expert_is_copied_up_a_cold_one_runs_on_the_cpu():
     hot, cold = (0, 1), (0, 5)
     for _ in range(20):  # decode tokens: expert 1 used on each, expert 5 never
         rule.observe(0, [1, 2])
-    assert rule.reuse(hot) > 3 and rule.reuse(cold) < 0.5
-    assert rule.choose(hot, 1, EXPERT, HIDDEN, prompt=False) == COPY  # 0.32 ms x (1 + 3.5) > 1.01 ms
+    assert rule.reuse(hot) == pytest.approx(4 * (0.9**20 * 0.25 + 1 - 0.9**20)) and rule.reuse(hot) > 3
+    assert rule.reuse(cold) == pytest.approx(4 * 0.9**20 * 0.25) and rule.reuse(cold) < 0.5
+    rule.observe(0, [5])  # used once, then three tokens without it: each token decays it
+    for _ in range(3):
+        rule.observe(0, [1, 2])
+    assert rule.reuse(cold) == pytest.approx(4 * (0.9 * 0.9**20 * 0.25 + 0.1) * 0.9**3)
+    assert rule.reuse((1, 5)) == pytest.approx(1.0)  # another layer's tokens leave it at its prior
+    assert rule.choose(hot, 1, EXPERT, HIDDEN, prompt=False) == COPY  # 0.33 ms x (1 + 3.6) > 1.01 ms
     assert rule.choose(cold, 1, EXPERT, HIDDEN, prompt=False) == CPU
     fresh = _rule(horizon_tokens=4.0)  # before any token: top_k / num_experts = 1/4 a token, 1 further use
     assert fresh.reuse(cold) == pytest.approx(1.0)

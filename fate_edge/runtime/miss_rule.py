@@ -50,7 +50,10 @@ class MissRule:
     cpu_fixed_s: float = 0.0  # decoding a blob on the CPU, per miss
     link_s_per_byte: float = 0.0  # host → device copy time per byte (0: unknown)
     link_latency_s: float = DEFAULT_LINK_LATENCY_S
-    rate: dict[Key, float] = field(default_factory=dict)  # per-token use rate of an expert in its layer
+    # per-token use rate of an expert in its layer as (rate, the layer's token count when it was set): decayed
+    # lazily, so a token costs its top_k experts, not every expert
+    rate: dict[Key, tuple[float, int]] = field(default_factory=dict)
+    tokens: dict[int, int] = field(default_factory=dict)  # decode tokens seen per layer
 
     def seed(self, costs: Any) -> None:
         """Start from the planner's measured figures (``planning.miss_placement.MissCosts``: one expert of one token
@@ -76,17 +79,20 @@ class MissRule:
 
     def observe(self, layer: int, used: list[int]) -> None:
         """One decode token's experts at ``layer``: every expert's use rate there decays, the used ones gain."""
-        prior = self._prior()
-        for e in range(self.num_experts):
-            key = (layer, e)
-            self.rate[key] = self.decay * self.rate.get(key, prior) + (1 - self.decay) * (e in used)
+        now = self.tokens[layer] = self.tokens.get(layer, 0) + 1
+        for e in used:
+            self.rate[(layer, e)] = (self._rate((layer, e)) + (1 - self.decay), now)
 
     def _prior(self) -> float:
         return min(1.0, self.top_k / self.num_experts) if self.num_experts else 0.0
 
+    def _rate(self, key: Key) -> float:
+        rate, at = self.rate.get(key, (self._prior(), 0))
+        return rate * self.decay ** (self.tokens.get(key[0], 0) - at)
+
     def reuse(self, key: Key) -> float:
         """Further uses a copy of ``key`` is expected to serve while it stays cached."""
-        return self.rate.get(key, self._prior()) * self.horizon_tokens
+        return self._rate(key) * self.horizon_tokens
 
     def cpu_s(self, rows: int, hidden_bytes: int) -> float:
         link = 2 * (self.link_latency_s + rows * hidden_bytes * self.link_s_per_byte)
