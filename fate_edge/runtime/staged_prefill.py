@@ -110,7 +110,7 @@ class StagedGroupedPrefill:
                 yield e, s._kept[key].view[: s.store.ref(layer, e, bits).length]
             else:  # nothing holds its blob (or the cache holds it decoded): read it now
                 self.reads[key] += 1
-                pending[e] = _Fetch(s.fetch.submit(s.store.ref(layer, e, bits), Priority.DEMAND), bits, False)
+                pending[e] = _Fetch(s._submit(key, bits, Priority.DEMAND), bits, False)  # into a tier slot if admitted
         s._issue_deferred()  # this layer's reads ahead left the scheduler's table: room for the layers ahead
         try:
             while pending:
@@ -126,8 +126,7 @@ class StagedGroupedPrefill:
                     f = pending.pop(e)
                     try:
                         payload = s._take(f)
-                        if s.host is not None:  # kept in host memory: decode's next miss of it reads no store
-                            s.host.admit((layer, e), payload, f.bits)
+                        s._into_tier((layer, e), f.req, payload, None)  # kept in host memory: no store read next
                         self._count("prefetched" if f.prefetched else "demand", layer, nbytes=f.req.ref.length)
                         yield e, payload
                     finally:

@@ -1,7 +1,9 @@
 """The scheduler's path through the tiers on a GPU (DESIGN §10): device cache ← host tier ← the store.
 
 * A device miss the host tier holds (runtime.host_tier) is copied from its slot, with no store read, or, under policy
-  ``miss_compute="hybrid"``, computed on the CPU where it lies for a decode row (runtime.cpu_miss).
+  ``miss_compute="hybrid"``, computed on the CPU where it lies (runtime.cpu_miss) where the per-miss rule finds that
+  cheaper (runtime.miss_rule).
+* A store read the host tier admits lands straight in its slot (no staging buffer), valid once its CRC is checked.
 * A prefetched expert is made ready as its read lands (uploaded, decoded, cached), not when its layer asks for it
   (``Scheduler.land_early``: on a GPU, where the copy overlaps compute); one the host tier holds is copied up at
   once. Its layer then finds it cached and counts it a prefetch hit.
@@ -59,6 +61,8 @@ class TierPath:
     config: Any
     miss_rule: MissRule
     _rows: dict[int, int]  # this layer call's rows per routed expert
+    zero_copy: bool
+    lends: bool
 
     def _take(self, f: Any) -> memoryview:  # Scheduler's
         raise NotImplementedError
@@ -122,7 +126,8 @@ class TierPath:
         """A store read of ``key``: straight into a host-tier slot where the tier admits it at the policy's precision
         (no staging buffer, no copy into the slot), else into a staging buffer of the pool."""
         ref = self.store.ref(*key, bits)
-        host = self.host if bits == self.policy.bits else None
+        # not where an expert is computed in its read buffer (zero-copy, lends: the CPU's, which has no host tier)
+        host = self.host if bits == self.policy.bits and not (self.zero_copy or self.lends) else None
         into = host.reserve(key, ref.read_length, bits) if host is not None else None
         req = self.fetch.submit(ref, priority, into)
         if host is not None and into is not None and req.into is not into:  # joined a read under way: slot unused
@@ -206,7 +211,7 @@ class TierPath:
         call, its blob's bytes, one row's hidden state."""
         assert self.host is not None
         rows = self._rows.get(key[1], 1)
-        hidden = self.config.hidden_size * torch.empty((), dtype=self.dtype).element_size()
+        hidden = self.config.hidden_size * self.dtype.itemsize
         return self.miss_rule.choose(key, rows, len(self.host.blob(key)), hidden, self._prefill)
 
     def _new_miss_rule(self) -> MissRule:
