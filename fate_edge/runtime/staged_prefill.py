@@ -1,5 +1,5 @@
 """Grouped prefill at a budget: a prompt's MoE layer from the portable int4 blobs of the experts its tokens route to,
-gathered into a bounded staging area, while the reads of the layers ahead travel (docs/gpu.md, issue 59 item 5).
+gathered into a bounded staging area, while the reads of the layers ahead travel (docs/gpu.md, "Grouped prefill").
 
 The scheduler (``runtime.scheduler``) still observes each prompt layer's routing: it issues demand reads for the
 layer's experts that nothing holds and, through the policy's cross-layer predictor, reads ahead for the next layers,
