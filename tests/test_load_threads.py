@@ -38,6 +38,8 @@ INTERRUPTED_AS_THE_LOAD_ENDS = """
 import os, signal, sys, time
 from fate_edge.runtime.load_threads import exit_if_loading, in_own_thread
 
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a test run started with `&` hands it SIGINT ignored
+
 def load():
     time.sleep(0.2)  # the caller waits in join() by now
     os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C in the load's last instant: the wait is interrupted...

@@ -137,6 +137,12 @@ def test_serve_by_name_answers_the_openai_client(home, tmp_path):
         log.close()
 
 
+INTERRUPTIBLE_FATE_EDGE = (
+    "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "runpy.run_module('fate_edge', run_name='__main__', alter_sys=True)"
+)
+
+
 def freeze_once(proc: subprocess.Popen, reached: Callable[[], bool], timeout: float = 10) -> None:
     """Leave ``proc`` stopped (SIGSTOP) at the first point where ``reached()`` holds. It runs in slices of a
     millisecond between checks, so the tiny model's conversion (a fraction of a second) cannot finish between the
@@ -157,7 +163,9 @@ def test_a_first_use_stopped_mid_conversion_leaves_no_store_and_the_next_use_con
     env = dict(home, FATE_EDGE_CACHE=str(tmp_path / "cache"))
     # --memory-budget: the engine's path, where the conversion runs on a loading thread of its own
     cmd = [sys.executable, "-m", "fate_edge", "run", "--model", OLLAMA_NAME, "--memory-budget", "8MB"]
-    proc = subprocess.Popen([*cmd, "--max-tokens", "4", PROMPT], env=env, stderr=subprocess.PIPE, text=True)
+    # Ctrl-C's handler put back first: a test run started in the background (`cmd &`) hands its children SIGINT ignored
+    interruptible = [sys.executable, "-c", INTERRUPTIBLE_FATE_EDGE, *cmd[3:]]
+    proc = subprocess.Popen([*interruptible, "--max-tokens", "4", PROMPT], env=env, stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
     for line in proc.stderr:
         if line.startswith("[convert] writing"):  # the working folder is made next: stop once it is marked
