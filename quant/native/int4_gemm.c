@@ -216,7 +216,6 @@ T512 static inline __attribute__((always_inline)) void tile_512(const uint8_t *w
 }
 
 #define BLOCK 16 /* weight rows per task: their codes (K/2 bytes each) and an x tile stay in L1 */
-#define ROW_CHUNK 2 /* row kernel blocks a thread takes at a time */
 
 /* Rows n0..n1 of W against every x row, for one instruction set (WIDEN, TILE, DOT: its helpers; CHUNK: codes
    per chunk): the block's scales and zeros converted once, then each x tile against every row of the block. */
@@ -759,9 +758,10 @@ static int gemm_f32(const uint8_t *codes, wscales w, int N, int K, int g,
         prepare(x, M, K, g, chunk, &p);
     const int block = BLOCK;
     int tasks = (N + block - 1) / block;
-    /* dynamic: a worker that wakes late (it slept through the Python between calls) takes fewer blocks instead of
-       the thread that came first waiting for its half; each row is still one thread's, so the same bits */
-#pragma omp parallel for schedule(dynamic, ROW_CHUNK) num_threads(threads) if (threads > 1 && tasks > 1)
+    /* guided: a worker that wakes late (it slept through the Python between calls) takes fewer blocks instead of
+       the thread that came first waiting for its half, in long runs of rows while much is left (few shared-counter
+       steps, the next block prefetched is mostly the thread's own); each row is still one thread's: the same bits */
+#pragma omp parallel for schedule(guided) num_threads(threads) if (threads > 1 && tasks > 1)
     for (int t = 0; t < tasks; t++) {
         int n0 = t * block, n1 = n0 + block < N ? n0 + block : N;
         if (isa == 2)
