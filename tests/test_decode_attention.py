@@ -228,3 +228,19 @@ def test_ranges_with_sinks_match_each_sequence_alone():
         a, n = int(starts[r]), int(lengths[r])
         alone = decode_attention.attend(q[r][None, :, None], k[None, :, a : a + n], v[None, :, a : a + n], 0.125, sinks)
         assert torch.equal(out[r], alone[0, :, 0])
+
+
+def test_two_threads_give_the_bits_of_one():
+    """The threads share out (sequence, kv head) tasks as they come; each task is one thread's arithmetic."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 16, 1, 128, generator=g).bfloat16()
+    k, v = torch.randn(1, 16, 90, 128, generator=g).bfloat16(), torch.randn(1, 16, 90, 128, generator=g).bfloat16()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = decode_attention.attend(q, k, v, 0.1)
+        torch.set_num_threads(2)
+        twos = [decode_attention.attend(q, k, v, 0.1) for _ in range(20)]
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(one, two) for two in twos)

@@ -186,3 +186,23 @@ def test_mla_decode_alone_and_batched_makes_nothing_off_the_model_device(tiny_ml
     with torch.device("meta"):
         got = run()
     assert all(g.device.type == "cpu" and torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_head_matvec_gives_the_bits_of_one_thread_on_two():
+    """Large enough (16 heads of 128 x 512) for the kernel to use both threads, which share out heads as they come."""
+    from fate_edge.model import head_matvec
+
+    if not head_matvec.available()[0]:
+        pytest.skip(f"no native kernel here: {head_matvec.available()[1]}")
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(16, 128, 512, generator=g).bfloat16()
+    x, y = torch.randn(16, 128, generator=g), torch.randn(16, 512, generator=g)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = (head_matvec.x_w(x, w), head_matvec.w_x(y, w))
+        torch.set_num_threads(2)
+        twos = [(head_matvec.x_w(x, w), head_matvec.w_x(y, w)) for _ in range(10)]
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(one[0], a) and torch.equal(one[1], b) for a, b in twos)

@@ -209,6 +209,24 @@ def test_native_threads_give_the_same_result():
     assert torch.equal(one, two)  # rows are split between threads, never a sum
 
 
+@pytest.mark.parametrize("rows", [1, 2])
+def test_the_row_kernel_gives_the_same_bits_on_two_threads(rows):
+    """Decode's 1-2 x rows take the row kernel, whose blocks of 16 weight rows the threads share out as they come
+    (a late thread takes fewer): 33 blocks, the last one short, so the split differs from call to call."""
+    spec = QuantSpec(4, 128)
+    lin = QuantizedLinear.from_quantized(quantize(_randn((520, 512), 7, 0.05), spec), spec, kernel="native-int4")
+    x = _randn((rows, 512), 8)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = lin(x)
+        torch.set_num_threads(2)
+        twos = [lin(x) for _ in range(20)]
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(one, two) for two in twos)
+
+
 def _run(env: dict[str, str], code: str) -> str:
     done = subprocess.run(
         [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, timeout=300

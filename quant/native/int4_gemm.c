@@ -758,7 +758,10 @@ static int gemm_f32(const uint8_t *codes, wscales w, int N, int K, int g,
         prepare(x, M, K, g, chunk, &p);
     const int block = BLOCK;
     int tasks = (N + block - 1) / block;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && tasks > 1)
+    /* guided: a worker that wakes late (it slept through the Python between calls) takes fewer blocks instead of
+       the thread that came first waiting for its half, in long runs of rows while much is left (few shared-counter
+       steps, the next block prefetched is mostly the thread's own); each row is still one thread's: the same bits */
+#pragma omp parallel for schedule(guided) num_threads(threads) if (threads > 1 && tasks > 1)
     for (int t = 0; t < tasks; t++) {
         int n0 = t * block, n1 = n0 + block < N ? n0 + block : N;
         if (isa == 2)

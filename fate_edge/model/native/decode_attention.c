@@ -422,7 +422,8 @@ int fe_decode_attention(const void *q, int q_dtype, const void *k, const void *v
     {
         float *buf = malloc(sizeof(float) * scratch);
         failed |= !buf;
-#pragma omp for schedule(static)
+        /* guided: a late worker takes fewer (row, kv head) tasks instead of the first thread waiting for its half */
+#pragma omp for schedule(guided)
         for (int t = 0; t < tasks; t++) { /* every thread reaches the loop's barrier, even one without scratch */
             if (buf) {
                 const int r = t / Hkv, h = t % Hkv;

@@ -89,7 +89,8 @@ int fe_head_matvec(int mode, const float *x, int vectors, int heads, int rows, i
     const int64_t xs = (int64_t)heads * in, os = (int64_t)heads * outs; /* one vector's x and out, all heads */
     /* threads only where each gets enough weights to read: waking a team costs ~10 us */
     const int nt = threads > 1 && heads > 1 && (int64_t)heads * rows * cols >= (1 << 18) ? threads : 1;
-#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
+    /* guided: the thread that arrives first takes more heads (a late worker, no wait); each head is one thread's */
+#pragma omp parallel for schedule(guided) num_threads(nt) if (nt > 1)
     for (int h = 0; h < heads; h++) {
         const char *wh = (const char *)w + size * (size_t)h * head_stride;
         if (mode == 0)
