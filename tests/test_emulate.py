@@ -232,7 +232,7 @@ def test_bench_resident_bits_reach_the_runs_and_the_devices_roofline(store, tmp_
             "--emulate",
             "agx-orin",
             "--emulate-host-ms",
-            "50",
+            "2",  # a small k (host / device time): the dilated link's reads, not the bits, set this test's time
             "--resident-bits",
             "4",
         ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sysconfig
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,13 @@ def train_bpe(texts: list[str], vocab_size: int) -> dict[str, Any]:
     )
     tok.train_from_iterator(texts, trainer=trainer)
     return json.loads(tok.to_str())
+
+
+@lru_cache(maxsize=4)
+def _trained_bpe(train_chars: int, vocab_size: int) -> str:
+    """train_bpe on the first ``train_chars`` of stdlib source, as JSON text: the same for every preset of one
+    size, so a process writing several checkpoints (the lab's tests, a sweep) trains it once."""
+    return json.dumps(train_bpe(stdlib_texts(train_chars), vocab_size))
 
 
 def place_specials(tokenizer: dict[str, Any], specials: dict[str, int]) -> dict[str, Any]:
@@ -75,7 +83,7 @@ def write_tokenizer(
     """tokenizer.json, tokenizer_config.json and generation_config.json in ``out``; returns the largest token id."""
     vocab_size = config["vocab_size"]
     size = min(bpe_vocab, vocab_size - len(preset.special_tokens))
-    tok = place_specials(train_bpe(stdlib_texts(train_chars), size), preset.special_tokens)
+    tok = place_specials(json.loads(_trained_bpe(train_chars, size)), preset.special_tokens)
     top = max(tok["model"]["vocab"].values())
     if top >= vocab_size:
         raise ValueError(f"token id {top} does not fit vocab_size {vocab_size}; lower the BPE vocabulary")

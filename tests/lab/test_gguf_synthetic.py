@@ -360,10 +360,16 @@ def reference_logits(converted, one_thread):
     return ids, ckpt, theirs
 
 
-def _computes_like_the_checkpoint(converted, reference_logits, kind: str, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def f32_store(converted, tmp_path_factory):
+    """``fate-edge convert`` of the f32 GGUF, once a preset: the tests below only read it."""
     name, _, path = converted
+    out = tmp_path_factory.mktemp(f"{name}-store") / "store"
+    return convert_gguf(path, out, ConvertOptions.full(bits=None), progress=False)
+
+
+def _computes_like_the_checkpoint(name: str, store: Path, reference_logits, kind: str) -> None:
     ids, ckpt, theirs = reference_logits
-    store = convert_gguf(path, tmp_path / "store", ConvertOptions.full(bits=None), progress=False)
     with torch.no_grad():
         model = load_model(store, torch.float32, bits=16)
         ours = model(torch.tensor([ids]), model.new_cache())[0]
@@ -376,11 +382,11 @@ def _computes_like_the_checkpoint(converted, reference_logits, kind: str, tmp_pa
 
 
 @pytest.mark.slow
-def test_the_gguf_store_computes_like_the_checkpoint_and_transformers(converted, reference_logits, tmp_path):
+def test_the_gguf_store_computes_like_the_checkpoint_and_transformers(converted, f32_store, reference_logits):
     """The GGUF llama.cpp's converter wrote, converted by ``fate-edge convert``, computes the checkpoint's logits
     (loaded by fate-edge) and transformers' on the same checkpoint: GLM-4.5's MTP layer skipped and its
     post-attention norm found, ERNIE-4.5's [1, E] selection bias, MiniMax-M2's rotary width, ..."""
-    _computes_like_the_checkpoint(converted, reference_logits, "f32", tmp_path)
+    _computes_like_the_checkpoint(converted[0], f32_store, reference_logits, "f32")
 
 
 # The f16 GGUF differs from the f32 one only in the float type of its matrices, which the reader widens the same way
@@ -395,7 +401,9 @@ def test_the_f16_gguf_store_computes_like_the_checkpoint_and_transformers(
     converted, converted_f16, reference_logits, tmp_path
 ):
     """The same from the f16 GGUF (bf16 weights: f16 holds every one of them but the tiniest exactly)."""
-    _computes_like_the_checkpoint(converted_f16, reference_logits, "f16", tmp_path)
+    name, _, path = converted_f16
+    store = convert_gguf(path, tmp_path / "store", ConvertOptions.full(bits=None), progress=False)
+    _computes_like_the_checkpoint(name, store, reference_logits, "f16")
 
 
 def _bad_copy(path: Path, out: Path, **changes) -> Path:
@@ -417,15 +425,14 @@ def _refused(path: Path, out: Path) -> str:
 
 
 @pytest.mark.parametrize("converted", ["glm-4.5-air"], indirect=True)
-def test_glm_block_count_holds_the_mtp_layer_which_is_not_run(converted, tmp_path):
+def test_glm_block_count_holds_the_mtp_layer_which_is_not_run(converted, f32_store, tmp_path):
     import json
 
     _, model_dir, path = converted
     g = GGUFFile(path)
     assert g.fields["glm4moe.block_count"] == LAYERS + 1 and g.fields["glm4moe.nextn_predict_layers"] == 1
     assert f"blk.{LAYERS}.nextn.eh_proj.weight" in g.tensors and f"blk.{LAYERS}.ffn_gate_exps.weight" in g.tensors
-    store = convert_gguf(path, tmp_path / "store", ConvertOptions.full(bits=None), progress=False)
-    cfg = json.loads((store / "config.json").read_text())
+    cfg = json.loads((f32_store / "config.json").read_text())
     assert cfg["num_hidden_layers"] == LAYERS and cfg["num_nextn_predict_layers"] == 0
     assert cfg["first_k_dense_replace"] == 1 and cfg["partial_rotary_factor"] == 0.5
     # without the count the MTP layer's own tensors are named: they are not a decoder layer's
@@ -438,12 +445,11 @@ def test_glm_block_count_holds_the_mtp_layer_which_is_not_run(converted, tmp_pat
 
 
 @pytest.mark.parametrize("converted", ["minimax-m2"], indirect=True)
-def test_minimax_rotary_width_is_read_and_a_bad_one_is_named(converted, tmp_path):
+def test_minimax_rotary_width_is_read_and_a_bad_one_is_named(converted, f32_store, tmp_path):
     import json
 
     _, _, path = converted
-    store = convert_gguf(path, tmp_path / "store", ConvertOptions.full(bits=None), progress=False)
-    assert json.loads((store / "config.json").read_text())["partial_rotary_factor"] == 0.5
+    assert json.loads((f32_store / "config.json").read_text())["partial_rotary_factor"] == 0.5
     for bad in (5, 64, "x"):
         msg = _refused(_bad_copy(path, tmp_path / "m.gguf", **{"minimax-m2.rope.dimension_count": bad}), tmp_path / "o")
         assert "minimax-m2.rope.dimension_count" in msg

@@ -361,6 +361,25 @@ def test_router_structure_is_in_the_trained_model_bands(written, name):
     assert min(recall) >= 0.70, report.recall
 
 
+def test_each_checkpoint_gets_its_own_copy_of_the_once_trained_tokenizer(tmp_path):
+    """The BPE is trained once per size in a process (every preset the same): a checkpoint written after another
+    holds the BPE and its own specials, none of the first one's."""
+    from fate_edge_lab.synthetic.tokenizer import write_tokenizer
+
+    vocabs = {}
+    for name in ("deepseek-v2-lite", "olmoe-1b-7b", "deepseek-v2-lite"):
+        out = tmp_path / str(len(vocabs))
+        out.mkdir()
+        write_tokenizer(out, PRESETS[name], PRESETS[name].config, 300, 20_000)
+        vocabs[out] = (name, json.loads((out / "tokenizer.json").read_text())["model"]["vocab"])
+    (_, first), (_, second), (_, again) = vocabs.values()
+    assert first == again  # the same size: the same trained BPE
+    for name, vocab in vocabs.values():
+        assert len(vocab) == 300 + len(PRESETS[name].special_tokens)
+        assert {t: vocab[t] for t in PRESETS[name].special_tokens} == PRESETS[name].special_tokens
+    assert not set(PRESETS["olmoe-1b-7b"].special_tokens) & set(first)
+
+
 # ------------------------------------------------------------------------------------------------- streaming
 def test_writer_holds_one_block_at_a_time(tmp_path):
     """Blocks handed to the writer are released before the next but one is asked for: memory is one block."""
