@@ -62,7 +62,7 @@ def spy(engine: Engine) -> Submissions:
         if layer == first and h.shape[0] == 1:
             out.step += 1
 
-    def watched(ref, priority=Priority.DEMAND):
+    def watched(ref, priority=Priority.DEMAND, **kw):
         key = (ref.layer, ref.expert)
         if priority != Priority.DEMAND:
             if sched.cache is not None and key in sched.cache:
@@ -73,7 +73,7 @@ def spy(engine: Engine) -> Submissions:
             assert not out.of_cached and not out.of_inflight, f"read ahead again: {out}"
             if out.step >= 0:
                 out.prefetched.append((out.step, *key))
-        return submit(ref, priority)
+        return submit(ref, priority, **kw)
 
     engine.model.observers.insert(0, step)
     engine.fetch.submit = watched

@@ -39,9 +39,9 @@ def record_reads(engine) -> list[tuple[int, int, int, Priority]]:
     """(layer, expert, bits, priority) of every read the fetch engine is asked for from now on."""
     reads, submit = [], engine.fetch.submit
 
-    def spy(ref, priority):
+    def spy(ref, priority, **kw):  # kw: `into`, a host-tier slot
         reads.append((ref.layer, ref.expert, ref.bits, priority))
-        return submit(ref, priority)
+        return submit(ref, priority, **kw)
 
     engine.fetch.submit = spy
     return reads

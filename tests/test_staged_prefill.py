@@ -156,7 +156,7 @@ def test_blobs_the_host_tier_holds_are_staged_from_it_and_not_read_again(store):
             use_budgeted_grouped_prefill(eng)
         assert eng.plan.prefill_staging_bytes == server.nbytes
         submit = eng.fetch.submit
-        eng.fetch.submit = lambda ref, *a: (reads.append((ref.layer, ref.expert)), submit(ref, *a))[1]
+        eng.fetch.submit = lambda ref, *a, **kw: (reads.append((ref.layer, ref.expert)), submit(ref, *a, **kw))[1]
         with torch.inference_mode():
             eng.scheduler.new_sequence()
             first = eng.model(ids, eng.model.new_cache())
@@ -218,7 +218,7 @@ def test_experts_the_zero_copy_cache_holds_are_staged_from_their_buffers(tmp_pat
                 out = eng.model(out[:, -1:].argmax(-1), cache)
             held = set(eng.scheduler._kept)
             submit = eng.fetch.submit
-            eng.fetch.submit = lambda ref, *a: (reads.append((ref.layer, ref.expert)), submit(ref, *a))[1]
+            eng.fetch.submit = lambda ref, *a, **kw: (reads.append((ref.layer, ref.expert)), submit(ref, *a, **kw))[1]
             before = server.sources["cache"]
             eng.scheduler.new_sequence()
             got = eng.model(ids, eng.model.new_cache())
@@ -236,7 +236,7 @@ def test_reads_ahead_are_not_made_ready_early_during_a_staged_prompt(store):
         eng.scheduler.land_early = True
         server = use_budgeted_grouped_prefill(eng)
         submit = eng.fetch.submit
-        eng.fetch.submit = lambda ref, *a: (reads.append((ref.layer, ref.expert)), submit(ref, *a))[1]
+        eng.fetch.submit = lambda ref, *a, **kw: (reads.append((ref.layer, ref.expert)), submit(ref, *a, **kw))[1]
         with torch.inference_mode():
             eng.scheduler.new_sequence()
             eng.model(ids, eng.model.new_cache())

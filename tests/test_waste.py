@@ -146,10 +146,10 @@ def test_engine_uses_every_prefetch_buffer_it_plans(recorded, one_thread):
         sched, most = engine.scheduler, {"n": 0}
         submit = engine.fetch.submit
 
-        def counting(ref, priority):
+        def counting(ref, priority, **kw):
             if priority != Priority.DEMAND:  # this read ahead joins those already in flight
                 most["n"] = max(most["n"], len(sched.prefetches) + 1)
-            return submit(ref, priority)
+            return submit(ref, priority, **kw)
 
         engine.fetch.submit = counting
         engine.generate_text(PROMPT, CFG)

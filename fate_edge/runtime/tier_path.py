@@ -129,7 +129,8 @@ class TierPath:
         # not where an expert is computed in its read buffer (zero-copy, lends: the CPU's, which has no host tier)
         host = self.host if bits == self.policy.bits and not (self.zero_copy or self.lends) else None
         into = host.reserve(key, ref.read_length, bits) if host is not None else None
-        req = self.fetch.submit(ref, priority, into)
+        # `into` only when there is a slot: the plain call stays the fetch engine's two-argument one
+        req = self.fetch.submit(ref, priority) if into is None else self.fetch.submit(ref, priority, into=into)
         if host is not None and into is not None and req.into is not into:  # joined a read under way: slot unused
             host.abandon(key, into)
         return req
