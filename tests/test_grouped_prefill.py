@@ -33,35 +33,12 @@ torch.save(moe_prefill_int4(**args), sys.argv[2])
 _PREFILL = """
 import sys, torch
 from fate_edge import load_model
-from fate_edge.format.store import ExpertStore
-from fate_edge.model.experts import InMemoryExpertProvider, QuantizedExpert
 from fate_edge.runtime.grouped_prefill import use_grouped_prefill
-from fate_edge.quant.linear import QuantizedLinear
 from fate_edge_lab.bench.sidebyside import resident_int4
 store, ids = sys.argv[1], torch.load(sys.argv[2])
+sys.path.insert(0, sys.argv[3])  # the tests' folder
+from _dequantized_store import dequantized
 torch.set_num_threads(1)
-
-
-def dequantized(path):
-    # the store's experts dequantized in float32 (fp16 scales as stored): the exact int4 model
-    s = ExpertStore(path)
-    prec = s.precisions[4]
-    dt = {"codes": torch.uint8, "scale": getattr(torch, prec.scale_dtype), "zero": getattr(torch, prec.scale_dtype)}
-    out = {}
-    for layer in s.index["moe_layers"]:
-        for e in range(s.index["num_experts"]):
-            ref = s.ref(layer, e, 4)
-            with open(ref.path, "rb") as f:
-                f.seek(ref.offset)
-                blob = torch.frombuffer(bytearray(f.read(ref.length)), dtype=torch.uint8)
-            t = {p.name: blob[p.offset : p.offset + p.nbytes].view(dt[p.name.split(".")[1]]).view(p.shape)
-                 for p in prec.parts}
-            out[(layer, e)] = QuantizedExpert(*(
-                QuantizedLinear.from_packed(t[m + ".codes"], t[m + ".scale"], t.get(m + ".zero"), prec.spec, "cpu",
-                                            "dequant")
-                for m in ("gate", "up", "down")))
-    return InMemoryExpertProvider(out)
-
 
 with torch.inference_mode():
     exact = load_model(store, experts=dequantized(store))
@@ -71,7 +48,7 @@ with torch.inference_mode():
     grouped = use_grouped_prefill(model, store)
     got = model(ids, model.new_cache())
 assert grouped.calls == len(model.config.moe_layers), grouped.calls
-torch.save((eager, got, want), sys.argv[3])
+torch.save((eager, got, want), sys.argv[4])
 """
 
 
@@ -184,7 +161,7 @@ def test_grouped_prefill_gives_the_eager_prefills_logits(which, bundled_store, t
         store, vocab = _portable(src, tmp_path / "qwen-store"), 256
     ids = torch.randint(0, vocab, (1, 24), generator=torch.Generator().manual_seed(3))
     torch.save(ids, tmp_path / "ids.pt")
-    eager, got, exact = _child(_PREFILL, tmp_path, store, tmp_path / "ids.pt")
+    eager, got, exact = _child(_PREFILL, tmp_path, store, tmp_path / "ids.pt", os.path.dirname(__file__))
     assert eager.shape == got.shape == exact.shape == (1, 24, eager.shape[-1])
     # the grouped kernels compute the store's experts in float32: the exact int4 model to fp32's bar
     assert (got - exact).abs().max().item() <= 1e-4

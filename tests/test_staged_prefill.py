@@ -11,13 +11,12 @@ from collections import Counter
 
 import pytest
 import torch
-from fate_edge.quant.linear import QuantizedLinear
+from _dequantized_store import dequantized
 
 from fate_edge import load_model
 from fate_edge.errors import BudgetError
 from fate_edge.format.convert import ConvertOptions, convert
 from fate_edge.format.store import ExpertStore
-from fate_edge.model.experts import InMemoryExpertProvider, QuantizedExpert
 from fate_edge.runtime.engine import Engine
 from fate_edge.runtime.engine_config import EngineConfig
 from fate_edge.runtime.host_tier import HostTier
@@ -31,32 +30,6 @@ def store(tmp_path_factory, bundled_dir):
     out = tmp_path_factory.mktemp("staged") / "portable"
     convert(bundled_dir, out, ConvertOptions.full(bits=4, keep_bf16=False, layout="portable"), progress=False)
     return out
-
-
-def dequantized(path) -> InMemoryExpertProvider:
-    """The store's int4 experts dequantized in float32 (fp16 scales as stored): the exact int4 model."""
-    s = ExpertStore(path)
-    prec = s.precisions[4]
-    dt = {"codes": torch.uint8, "scale": getattr(torch, prec.scale_dtype), "zero": getattr(torch, prec.scale_dtype)}
-    out = {}
-    for layer in s.index["moe_layers"]:
-        for e in range(s.index["num_experts"]):
-            ref = s.ref(layer, e, 4)
-            with open(ref.path, "rb") as f:
-                f.seek(ref.offset)
-                blob = torch.frombuffer(bytearray(f.read(ref.length)), dtype=torch.uint8)
-            t = {
-                p.name: blob[p.offset : p.offset + p.nbytes].view(dt[p.name.split(".")[1]]).view(p.shape)
-                for p in prec.parts
-            }
-            mats = [
-                QuantizedLinear.from_packed(
-                    t[m + ".codes"], t[m + ".scale"], t.get(m + ".zero"), prec.spec, "cpu", "dequant"
-                )
-                for m in ("gate", "up", "down")
-            ]
-            out[(layer, e)] = QuantizedExpert(*mats)
-    return InMemoryExpertProvider(out)
 
 
 def budgeted_prompts(store, prompts, decode_first: bool = False):
