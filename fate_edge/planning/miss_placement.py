@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fate_edge.runtime.miss_rule import DEFAULT_LINK_LATENCY_S
+from fate_edge.runtime.miss_rule import DEFAULT_LINK_LATENCY_S, place
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class MissCosts:
 
 def place_miss(costs: MissCosts) -> str:
     """``"cpu"`` where computing the miss on the CPU is cheaper than copying it, else ``"copy"``."""
-    return "cpu" if costs.cpu_s < costs.copy_s else "copy"
+    return place(costs.cpu_s, costs.copy_s, reuse=0.0)  # the run's rule, for one use
 
 
 def miss_compute_for(

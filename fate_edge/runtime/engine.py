@@ -442,7 +442,8 @@ class Engine:
             planned = in_own_thread(lambda: plan_policy(config))
             config = replace(config, policy=planned.policy)
         engine = cls(config)
-        engine.planned = engine.scheduler.seed_misses(planned)  # its measured miss costs start the hybrid rule
+        engine.scheduler.seed_misses(planned)  # the planner's measured miss costs start the hybrid rule
+        engine.planned = planned
         return engine
 
     # ------------------------------------------------------------- generation

@@ -227,10 +227,9 @@ class TierPath:
         if self._on_cpu and not prompt:
             self.miss_rule.observe(layer, ids)
 
-    def seed_misses(self, planned: Any) -> Any:
+    def seed_misses(self, planned: Any) -> None:
         """Seed the per-miss rule with the planner's measured costs (``planning.planner.Plan.miss_costs``, where the
-        device has a host link); returns ``planned``."""
+        device has a host link)."""
         costs = getattr(planned, "miss_costs", None)
         if costs is not None:
             self.miss_rule.seed(costs)
-        return planned
