@@ -39,19 +39,26 @@ class FileRows:
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` [N] as a new [N, ...] tensor (each distinct row read once, in file order)."""
         flat = ids.reshape(-1).to(torch.int64)
+        if flat.numel() == 1:  # a decode token: one read, none of the bookkeeping below
+            return self._row(int(flat[0])).reshape(1, *self.shape[1:])
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.shape[0]):
             raise IndexError(f"row ids must be in [0, {self.shape[0]}), got {flat.min().item()}..{flat.max().item()}")
         rows, inverse = torch.unique(flat, sorted=True, return_inverse=True)
-        out = np.empty((rows.numel(), self.row_bytes), dtype=np.uint8)
-        for i, r in enumerate(rows.tolist()):
-            got = os.pread(self._fd, self.row_bytes, self.offset + r * self.row_bytes)
-            if len(got) != self.row_bytes:
-                raise OSError(
-                    f"{self.path}: short read of row {r} ({len(got)} of {self.row_bytes} bytes): truncated store?"
-                )
-            out[i] = np.frombuffer(got, dtype=np.uint8)
-        table = torch.from_numpy(out).view(self.dtype).reshape(rows.numel(), *self.shape[1:])
-        return table if flat.numel() == 1 else table.index_select(0, inverse)
+        if not rows.numel():
+            return torch.empty(0, *self.shape[1:], dtype=self.dtype)
+        table = torch.stack([self._row(r) for r in rows.tolist()])
+        return table.reshape(rows.numel(), *self.shape[1:]).index_select(0, inverse)
+
+    def _row(self, r: int) -> torch.Tensor:
+        """Row ``r`` as a new flat tensor of ``dtype``."""
+        if not 0 <= r < self.shape[0]:
+            raise IndexError(f"row ids must be in [0, {self.shape[0]}), got {r}")
+        got = os.pread(self._fd, self.row_bytes, self.offset + r * self.row_bytes)
+        if len(got) != self.row_bytes:
+            raise OSError(
+                f"{self.path}: short read of row {r} ({len(got)} of {self.row_bytes} bytes): truncated store?"
+            )
+        return torch.frombuffer(bytearray(got), dtype=torch.uint8).view(self.dtype)
 
     def close(self) -> None:
         if self._fd >= 0:

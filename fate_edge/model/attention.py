@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fate_edge.model import decode_attention, sdpa
+from fate_edge.model import decode_attention, row_ops, sdpa
 from fate_edge.model.kv_cache import Held
 from fate_edge.model.layer import LayerPlan, apply_linear, rms_norm
 from fate_edge.model.rope import apply_rope
+from fate_edge.model.row_ops import RopeRows
 
 if TYPE_CHECKING:
     from fate_edge.model.arch.base import ModelConfig
@@ -43,7 +44,7 @@ def gqa(
     state: AttentionState,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    rot: torch.Tensor | None = None,
+    rot: torch.Tensor | RopeRows | None = None,
 ) -> torch.Tensor:
     """Normed ``h`` [B*T, H] → the attention's output before its projection [B*T, heads * head_dim], k and v
     written through ``state`` (``rot``: one decode token's rope as a matrix, :func:`gqa_qkv`)."""
@@ -64,7 +65,7 @@ def gqa_qkv(
     cos: torch.Tensor,
     sin: torch.Tensor,
     lp: LayerPlan,
-    rot: torch.Tensor | None = None,
+    rot: torch.Tensor | RopeRows | None = None,
     gate_out: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Normed ``x`` [B*T, H] → q [B, heads, T, hd], k and v [B, kv heads, T, hd], q and k rotated (also what
@@ -108,7 +109,7 @@ def gqa_qkv(
 
 
 def _rotated_qkv(
-    cfg: ModelConfig, x: torch.Tensor, lp: LayerPlan, rot: torch.Tensor
+    cfg: ModelConfig, x: torch.Tensor, lp: LayerPlan, rot: torch.Tensor | RopeRows
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`gqa_qkv` for one token of one sequence with its rope as a matrix ``rot``."""
     hd = cfg.head_dim
@@ -117,7 +118,10 @@ def _rotated_qkv(
     flat = apply_linear(x, lp.qkv).view(-1)  # [(nq + 2 nk) hd]
     # narrow, not [a:b]: a slice costs over twice narrow's dispatch (four a layer, every token; measured-choices)
     qk = flat.narrow(0, 0, (n_q + n_k) * hd).view(n_q + n_k, hd)
-    qk = qk @ rot if rot.dtype == qk.dtype else torch.mm(qk.float(), rot).to(qk.dtype)
+    if isinstance(rot, RopeRows):  # in place on the projection's own output
+        qk = row_ops.rope_(qk, rot)
+    else:
+        qk = qk @ rot if rot.dtype == qk.dtype else torch.mm(qk.float(), rot).to(qk.dtype)
     q = qk.narrow(0, 0, n_q).view(1, n_q, 1, hd)
     k = qk.narrow(0, n_q, n_k).view(1, n_k, 1, hd)
     return q, k, flat.narrow(0, (n_q + n_k) * hd, n_k * hd).view(1, n_k, 1, hd)

@@ -4,7 +4,8 @@ Decode pays per operator, not per flop (the bundled model: ~500 operators a toke
 than its matmul; docs/measured-choices.md). This path runs every layer through the one layer function
 (:func:`fate_edge.model.layer_step.decoder_layer`) with an attention made for one token of one sequence: rope as one
 small matmul with a rotation built once per token (not four elementwise operators per layer; the one attention,
-``attention.gqa``, takes it as ``rot``), and the output projection added to the residual in the same matmul
+``attention.gqa``, takes it as ``rot``), or for bf16 on the CPU one native call with that matmul's bits
+(``row_ops.RopeRows``), and the output projection added to the residual in the same matmul
 (``addmm``). Its routed experts come from the provider as on
 the general path (:mod:`fate_edge.model.routed_experts`: one row calls its k experts directly).
 
@@ -23,6 +24,7 @@ from fate_edge.model.embedding import lookup
 from fate_edge.model.layer import LayerPlan, head_logits, rms_norm
 from fate_edge.model.layer_step import LayerPath, add_projection, decoder_layer
 from fate_edge.model.routed_experts import provider_moe
+from fate_edge.model.row_ops import RopeRows
 
 if TYPE_CHECKING:
     from fate_edge.model.decoding_model import DecodingModel
@@ -64,8 +66,10 @@ def decode_token(model: DecodingModel, token: torch.Tensor, cache: KVCache, plan
     start = cache.length
     x = lookup(model.embed, token.view(1))  # [1, H]
     cos, sin = model.rope.cos_sin_range(start, 1, torch.float32 if cfg.rope.float32 else model.dtype, x.device)
-    rot = None
+    rot: torch.Tensor | RopeRows | None = None
     if cos.dtype == x.dtype and not cfg.rope.interleaved:
+        rot = RopeRows.of(x, cos, sin)  # on the CPU in bf16: one native call, the matrix's bits
+    if rot is None and cos.dtype == x.dtype and not cfg.rope.interleaved:
         rot = rope_matrix(cos, sin, model.rope_permutation(cos.dtype))
         if x.device.type == "cpu" and x.dtype != torch.float32:
             # CPUs without native bf16 emulate a bf16 matmul, far slower than fp32 even with the casts

@@ -88,10 +88,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return F.rms_norm(x, weight.shape, weight, eps)
     # F.rms_norm without a weight: h * rsqrt(mean(h^2) + eps) in one operator where the formula took five, with
     # the same bits (as in float32 above); a decode token runs two a layer
-    h = F.rms_norm(x.float(), weight.shape, None, eps)
     if weight.dtype == torch.float32:  # held in float32 (Qwen3-Next's 1 + weight): scaled there, rounded once
-        return (h * weight).to(dtype)
-    return weight * h.to(dtype)
+        return (F.rms_norm(x.float(), weight.shape, None, eps) * weight).to(dtype)
+    if dtype in (torch.bfloat16, torch.float16):
+        # on a half-precision x, F.rms_norm computes in float32 and rounds once: h.to(dtype)'s bits without the
+        # two casts (each operator between the native kernels costs tens of µs in a decode step: docs/cpu-profile.md)
+        return weight * F.rms_norm(x, weight.shape, None, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(dtype)
 
 
 def apply_linear(x: torch.Tensor, f: Fused) -> torch.Tensor:

@@ -32,6 +32,7 @@ from fate_edge.model.layer_step import (
     moe_sum,
     shared_out,
 )
+from fate_edge.model.row_ops import add_experts
 
 if TYPE_CHECKING:
     from fate_edge.model.decoding_model import DecodingModel
@@ -90,7 +91,13 @@ def serve_routing(
         acc = grouped(layer, h, idx, weights, acc)
         model.experts.end_layer(layer)
     elif h.shape[0] == 1:
-        acc, z = routed_one_and_shared(model, acc, h, layer, host_w, host_idx, bool(decode), shared, fold)
+        parts, weight_of, z = routed_parts(model, h, layer, host_w, host_idx, bool(decode), shared, fold)
+        order = sorted(parts)  # whatever order they arrived in
+        if acc is None or acc is x:  # the sum starts at moe_sum(x): one native call may add it all
+            if add_experts(x, [parts[e] for e in order], [weight_of[e] for e in order], z):
+                return x
+        for e in order:
+            acc = add_routed(acc, parts[e], weight_of[e])
     else:
         z = shared()
         acc = routed_grouped(model, acc, h, layer, weights, idx, decode)
@@ -135,6 +142,24 @@ def routed_one_and_shared(
     """:func:`routed_one` and the shared expert → (the sum, ``shared()``'s output): the shared expert computed
     before the experts arrive, or, where ``fold`` is given and the first group's experts group with it, in their
     kernel calls."""
+    parts, weight_of, z = routed_parts(model, h, layer, host_w, host_idx, decode, shared, fold)
+    for e in sorted(parts):  # whatever order they arrived in
+        acc = add_routed(acc, parts[e], weight_of[e])
+    return acc, z
+
+
+def routed_parts(
+    model: DecodingModel,
+    h: torch.Tensor,
+    layer: int,
+    host_w: torch.Tensor,
+    host_idx: torch.Tensor,
+    decode: bool = True,
+    shared: Shared = _no_shared,
+    fold: NativeShared | None = None,
+) -> tuple[dict[int, torch.Tensor], dict[int, float], tuple[torch.Tensor, torch.Tensor | None] | None]:
+    """One row's k experts and shared expert, not yet added → (each computed expert's output rows, each routed
+    expert's weight as a Python float, ``shared()``'s output): as :func:`routed_one_and_shared` computes them."""
     weight_of = dict(zip(host_idx.tolist()[0], host_w.tolist()[0]))  # exact: float32 → Python float → float32
     rows = ExpertInput(h, decode)
     parts: dict[int, torch.Tensor] = {}
@@ -152,9 +177,7 @@ def routed_one_and_shared(
     if fold is not None:  # no group at all
         z = shared()
     model.experts.end_layer(layer)
-    for e in sorted(parts):  # whatever order they arrived in
-        acc = add_routed(acc, parts[e], weight_of[e])
-    return acc, z
+    return parts, weight_of, z
 
 
 def routed_grouped(

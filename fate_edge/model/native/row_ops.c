@@ -1,0 +1,117 @@
+/* One decode row's small steps between the big matmuls, each one call where torch took several operators.
+
+   Why: in a decode step every operator between two native matmuls starts cold (the matmul streamed tens of MB
+   through the caches), so each costs tens of microseconds in place of one or two; a MoE layer's expert sum alone was
+   seven of them (docs/cpu-profile.md). Each function here gives the bits of the torch operators it replaces, which
+   the tests check against them:
+
+   fe_moe_combine: a MoE layer's routed experts and shared expert added into the residual, as
+   layer_step.add_routed / add_shared / add_moe compute them: a float32 sum (the residual itself in a float32 model,
+   else from zero), each expert a fused multiply-add by its weight in the order given (torch's add_ with alpha and
+   addcmul_ are fused multiply-adds), the shared expert times its gate (or plus it, without a gate), then, for a bf16
+   residual, the sum added to it and rounded once to nearest even.
+
+   fe_rope_bf16: rotary embedding of bf16 rows by bf16 cos and signed sin, as the rotation matrix of
+   decode_step.rope_matrix multiplies them in float32: x_j cos_j + x_{(j + d/2) mod d} sin_j. Both products are exact
+   in float32 (8-bit mantissas), so their sum rounds once, then once more to bf16: the matmul's bits. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { F32 = 0, BF16 = 1 };
+
+#define T256 __attribute__((target("avx2,fma")))
+#define INLINE static inline __attribute__((always_inline))
+
+static float bf16_value(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* to nearest even, a NaN a quiet NaN (as torch's .to() rounds) */
+static uint16_t bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+T256 INLINE __m256 load8(const void *p, int dtype, int64_t i) {
+    if (dtype == BF16)
+        return _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))), 16));
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
+INLINE float load1(const void *p, int dtype, int64_t i) {
+    return dtype == BF16 ? bf16_value(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+T256 INLINE __m128i to_bf16_8(__m256 x) {
+    const __m256i u = _mm256_castps_si256(x), top = _mm256_srli_epi32(u, 16);
+    const __m256i odd = _mm256_and_si256(top, _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(top, _mm256_set1_epi32(0x40)),
+                           _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+    const __m256i packed = _mm256_packus_epi32(r, r);
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+}
+
+/* 1 where this CPU runs these functions (AVX2 and FMA), else 0. */
+int fe_row_ops_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+/* x [n] (dtype x_dtype) += the experts ys[e] [n] (y_dtype) times ws[e], e = 0..k-1 in that order, then the shared
+   expert z [n] (z_dtype; NULL: none) times *gate (gate_dtype; NULL: plus z). A float32 x is the sum itself. */
+T256 void fe_moe_combine(void *x, int x_dtype, int64_t n, int k, const int64_t *ys, int y_dtype, const float *ws,
+                         const void *z, int z_dtype, const void *gate, int gate_dtype) {
+    const float g = gate ? load1(gate, gate_dtype, 0) : 1.f;
+    const __m256 gv = _mm256_set1_ps(g);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 acc = x_dtype == F32 ? _mm256_loadu_ps((const float *)x + i) : _mm256_setzero_ps();
+        for (int e = 0; e < k; e++)
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(ws[e]), load8((const void *)(intptr_t)ys[e], y_dtype, i), acc);
+        if (z) {
+            const __m256 zv = load8(z, z_dtype, i);
+            acc = gate ? _mm256_fmadd_ps(gv, zv, acc) : _mm256_add_ps(acc, zv);
+        }
+        if (x_dtype == F32)
+            _mm256_storeu_ps((float *)x + i, acc);
+        else
+            _mm_storeu_si128((__m128i *)((uint16_t *)x + i), to_bf16_8(_mm256_add_ps(load8(x, BF16, i), acc)));
+    }
+    for (; i < n; i++) {
+        float acc = x_dtype == F32 ? ((const float *)x)[i] : 0.f;
+        for (int e = 0; e < k; e++) acc = fmaf(ws[e], load1((const void *)(intptr_t)ys[e], y_dtype, i), acc);
+        if (z) acc = gate ? fmaf(g, load1(z, z_dtype, i), acc) : acc + load1(z, z_dtype, i);
+        if (x_dtype == F32)
+            ((float *)x)[i] = acc;
+        else
+            ((uint16_t *)x)[i] = bf16_round(bf16_value(((const uint16_t *)x)[i]) + acc);
+    }
+}
+
+/* rows x [rows][d] bf16 (contiguous), rotated in place by cos and signed sin [d] (bf16). d: even, at most 1024.
+   Returns 0, or -1 for a d it does not take. */
+int fe_rope_bf16(void *x, int rows, int d, const void *cos, const void *sin) {
+    if (d <= 0 || d % 2 || d > 1024) return -1;
+    const uint16_t *c = (const uint16_t *)cos, *s = (const uint16_t *)sin;
+    float cf[1024], sf[1024], row[1024];
+    for (int j = 0; j < d; j++) cf[j] = bf16_value(c[j]), sf[j] = bf16_value(s[j]);
+    const int half = d / 2;
+    for (int r = 0; r < rows; r++) {
+        uint16_t *xr = (uint16_t *)x + (size_t)r * d;
+        for (int j = 0; j < d; j++) row[j] = bf16_value(xr[j]);
+        for (int j = 0; j < d; j++) {
+            const float a = row[j] * cf[j], b = row[(j + half) % d] * sf[j]; /* both exact */
+            xr[j] = bf16_round(a + b);
+        }
+    }
+    return 0;
+}

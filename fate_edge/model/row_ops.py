@@ -1,0 +1,111 @@
+"""A decode row's small steps between its matmuls in one native call each (``native/row_ops.c``): a MoE layer's
+expert sum into the residual, and rope on q and k, with the bits of the torch operators they replace.
+
+Why: in a decode step each operator between two native matmuls starts with cold caches (the matmul streamed tens of
+MB through them) and costs tens of microseconds; the expert sum was seven operators a layer, rope three
+(docs/cpu-profile.md). Built on first use like the other kernels (:mod:`fate_edge.native_build`); without a compiler,
+AVX2 and FMA, or with ``FATE_EDGE_NATIVE=0``, :func:`available` is False and callers keep torch's operators.
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fate_edge.native_build import LazyKernel
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _setup(lib: ctypes.CDLL) -> str | None:
+    if not lib.fe_row_ops_supported():
+        return "this CPU lacks AVX2 or FMA"
+    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.fe_moe_combine.restype = None
+    combine: list[Any] = [ptr, i32, i64, i32, ptr, i32, ptr, ptr, i32, ptr, i32]
+    lib.fe_moe_combine.argtypes = combine
+    lib.fe_rope_bf16.restype = i32
+    lib.fe_rope_bf16.argtypes = [ptr, i32, i32, ptr, ptr]
+    return None
+
+
+_kernel = LazyKernel("fate_edge.model", "row_ops.c", "row_ops", "row kernel", _setup)
+available = _kernel.available  # (usable here, why not)
+
+
+def _row(t: torch.Tensor, n: int) -> bool:
+    return t.device.type == "cpu" and t.dtype in _DTYPES and t.numel() == n and t.is_contiguous()
+
+
+def add_experts(
+    x: torch.Tensor,
+    ys: list[torch.Tensor],
+    weights: list[float],
+    shared: tuple[torch.Tensor, torch.Tensor | None] | None,
+) -> bool:
+    """One row's MoE sum into the residual ``x`` [1, H] in place, as ``add_routed`` for each of ``ys`` (in order,
+    times ``weights``), ``add_shared`` of ``shared`` (its output and Qwen's gate logit, or None) and ``add_moe``
+    compute it from ``moe_sum(x)`` → True; False (nothing done) where the kernel does not take these tensors."""
+    n = x.numel()
+    z, gate = shared if shared is not None else (None, None)
+    if (
+        not ys
+        or not _row(x, n)
+        or not all(_row(y, n) and y.dtype == ys[0].dtype for y in ys)
+        or (z is not None and not _row(z, n))
+        or not available()[0]
+    ):
+        return False
+    s = None
+    if gate is not None:  # add_shared's sigmoid, in the gate's dtype (torch's, whose exp the kernel does not copy)
+        s = torch.sigmoid(gate)
+        if not _row(s, 1):
+            return False
+    table = array.array("q", [y.data_ptr() for y in ys])
+    ws = array.array("f", weights)
+    _kernel.lib.fe_moe_combine(
+        x.data_ptr(),
+        _DTYPES[x.dtype],
+        n,
+        len(ys),
+        table.buffer_info()[0],
+        _DTYPES[ys[0].dtype],
+        ws.buffer_info()[0],
+        z.data_ptr() if z is not None else None,
+        _DTYPES[z.dtype] if z is not None else 0,
+        s.data_ptr() if s is not None else None,
+        _DTYPES[s.dtype] if s is not None else 0,
+    )
+    return True
+
+
+@dataclass
+class RopeRows:
+    """One decode token's rope for :func:`rope_`: bf16 cos and signed sin [1, d] (``RotaryEmbedding.cos_sin``)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @staticmethod
+    def of(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> RopeRows | None:
+        """The native rope for a bf16 CPU row ``x`` with bf16 ``cos``/``sin`` [1, d], or None where it does not
+        apply (another dtype or device, no kernel here)."""
+        if x.device.type != "cpu" or x.dtype != torch.bfloat16 or cos.dtype != torch.bfloat16:
+            return None
+        if cos.shape[-1] > 1024 or cos.shape[-1] % 2 or not available()[0]:
+            return None
+        return RopeRows(cos.contiguous(), sin.contiguous())
+
+
+def rope_(qk: torch.Tensor, rope: RopeRows) -> torch.Tensor:
+    """Rows ``qk`` [N, d] (contiguous bf16) rotated in place: ``qk @ decode_step.rope_matrix(cos, sin)``'s bits."""
+    rows, d = qk.shape
+    if not qk.is_contiguous() or d != rope.cos.shape[-1]:
+        raise ValueError(f"rope: rows {tuple(qk.shape)} do not fit cos {tuple(rope.cos.shape)}")
+    if _kernel.lib.fe_rope_bf16(qk.data_ptr(), rows, d, rope.cos.data_ptr(), rope.sin.data_ptr()) != 0:
+        raise ValueError(f"rope: the kernel does not take rows of {d}")
+    return qk
