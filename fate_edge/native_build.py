@@ -85,6 +85,8 @@ class LazyKernel:
 
     def available(self) -> tuple[bool, str]:
         """(usable here, why not)."""
+        if self._reason is not None:  # loaded (or refused) once: every later call, without the lock
+            return self._lib is not None, self._reason
         with self._lock:
             if self._reason is None:
                 lib, reason = load_kernel(*self._args)
@@ -95,6 +97,8 @@ class LazyKernel:
     @property
     def lib(self) -> ctypes.CDLL:
         """The loaded library; RuntimeError naming why where it is not available."""
+        if self._lib is not None:  # set once, before the reason (``available``)
+            return self._lib
         ok, why = self.available()
         if not ok:
             raise RuntimeError(f"the native {self._args[3]} is not available: {why}")

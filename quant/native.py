@@ -75,6 +75,8 @@ def _load() -> None:
 
 def native_status() -> tuple[bool, str]:
     """(available, why): built and usable here, or the reason it is not (no compiler, no AVX2, disabled)."""
+    if _state.reason is not None:  # loaded (or refused) once: set last by _load, read without the lock
+        return _state.lib is not None, str(_state.reason)
     with _lock:
         if _state.reason is None:
             _load()
@@ -199,7 +201,7 @@ class NativeInt4:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.codes.shape[0], self.in_features
+        return self._fixed[4], self.in_features  # the codes' rows, kept with the call's arguments
 
     def call_args(self, x: torch.Tensor, y: torch.Tensor) -> list[int]:
         """fe_int4_gemm's arguments for ``y = x @ W.T`` (x, y contiguous [M, K] / [M, N], both bf16 or both fp32):

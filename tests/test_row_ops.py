@@ -1,0 +1,106 @@
+"""A decode row's native steps (fate_edge.model.row_ops): the bits of the torch operators they replace, alone and in a
+decode step, where the step does take them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fate_edge.model.routed_experts as routed_experts
+from fate_edge import load_model
+from fate_edge.model import row_ops
+from fate_edge.model.decode_step import roll_permutation, rope_matrix
+from fate_edge.model.layer_step import add_moe, add_routed, add_shared, moe_sum
+
+pytestmark = pytest.mark.skipif(not row_ops.available()[0], reason=f"no native row kernel: {row_ops.available()[1]}")
+
+
+def torch_sum(x, ys, ws, shared):
+    """layer_step's rules, operator by operator, on a copy of ``x``."""
+    x = x.clone()
+    acc = moe_sum(x)
+    for y, w in zip(ys, ws):
+        acc = add_routed(acc, y, w)
+    return add_moe(x, acc if shared is None else add_shared(acc, *shared))
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("y_dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("shared", ["gated", "plain", "none"])
+def test_the_expert_sum_has_layer_steps_bits(x_dtype, y_dtype, shared):
+    g = torch.Generator().manual_seed(7)
+    for trial in range(40):
+        n = (2048, 2047, 24, 5)[trial % 4]  # the vector loop, its tail, and a tail alone
+        x = (torch.randn(1, n, generator=g) * 3).to(x_dtype)
+        k = 1 + trial % 8
+        scale = (1e-3, 1.0, 40.0)[trial % 3]
+        ys = [(torch.randn(1, n, generator=g) * scale).to(y_dtype) for _ in range(k)]
+        ws = torch.rand(k, generator=g).tolist()
+        z = torch.randn(1, n, generator=g).to(y_dtype)
+        gate = (torch.randn(1, 1, generator=g) * 2).to(y_dtype)
+        parts = {"gated": (z, gate), "plain": (z, None), "none": None}[shared]
+        got = x.clone()
+        assert row_ops.add_experts(got, ys, ws, parts)
+        assert torch.equal(got, torch_sum(x, ys, ws, parts)), f"trial {trial}"
+
+
+def test_the_expert_sum_refuses_what_it_does_not_take():
+    x = torch.randn(1, 64).bfloat16()
+    y = torch.randn(1, 64).bfloat16()
+    before = x.clone()
+    assert not row_ops.add_experts(x, [], [], None)  # no expert ran: layer_step's own path
+    assert not row_ops.add_experts(x, [y.half()], [0.5], None)  # fp16: not taken
+    assert not row_ops.add_experts(x, [torch.randn(2, 64).bfloat16()], [0.5], None)  # two rows
+    assert not row_ops.add_experts(x, [torch.randn(64, 2).bfloat16().t()[:1]], [0.5], None)  # not contiguous
+    assert torch.equal(x, before)  # nothing written where refused
+
+
+def test_rope_rows_have_the_rotation_matrixs_bits():
+    g = torch.Generator().manual_seed(3)
+    for d in (128, 64, 6):
+        perm = roll_permutation(d, torch.bfloat16)
+        sign = torch.where(torch.arange(d) < d // 2, -1.0, 1.0)
+        for trial in range(30):
+            angle = torch.rand(1, d, generator=g) * 4000
+            cos, sin = angle.cos().bfloat16(), (angle.sin() * sign).bfloat16()
+            qk = (torch.randn(24, d, generator=g) * (0.01, 1.0, 60.0)[trial % 3]).bfloat16()
+            want = torch.mm(qk.float(), rope_matrix(cos, sin, perm).float()).to(torch.bfloat16)
+            assert torch.equal(row_ops.rope_(qk.clone(), row_ops.RopeRows(cos, sin)), want)
+
+
+def bf16_decode(model, steps: int = 6) -> torch.Tensor:
+    prompt = torch.tensor([[5, 300, 17, 2048, 99, 1000]])
+    cache = model.new_cache()
+    out = []
+    with torch.inference_mode():
+        tok = model(prompt, cache)[:, -1:].argmax(-1)
+        for _ in range(steps):
+            logits = model(tok, cache)
+            out.append(logits)
+            tok = logits[:, -1:].argmax(-1)
+    return torch.cat(out, dim=1)
+
+
+def test_a_bf16_decode_step_takes_the_native_steps_with_torchs_bits(bundled_dir, one_thread, monkeypatch):
+    model = load_model(bundled_dir, torch.bfloat16)
+    calls = {"sum": 0, "rope": 0}
+    add_experts, rope_ = row_ops.add_experts, row_ops.rope_
+
+    def counted_sum(*args):
+        done = add_experts(*args)
+        calls["sum"] += done
+        return done
+
+    def counted_rope(*args):
+        calls["rope"] += 1
+        return rope_(*args)
+
+    monkeypatch.setattr(routed_experts, "add_experts", counted_sum)
+    monkeypatch.setattr(row_ops, "rope_", counted_rope)
+    native = bf16_decode(model)
+    layers = model.config.num_hidden_layers
+    assert calls == {"sum": 6 * layers, "rope": 6 * layers}  # every decode layer took both
+    monkeypatch.setattr(row_ops, "available", lambda: (False, "turned off for the comparison"))
+    model = load_model(bundled_dir, torch.bfloat16)  # a fresh model: no state carried from the first
+    assert torch.equal(bf16_decode(model), native)
+    assert calls == {"sum": 6 * layers, "rope": 6 * layers}  # torch's operators, no native call
