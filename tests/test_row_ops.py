@@ -1,5 +1,5 @@
-"""A decode row's native steps (fate_edge.model.row_ops): the bits of the torch operators they replace, alone and in a
-decode step, where the step does take them."""
+"""A decode row's native steps (fate_edge.model.row_ops: the MoE expert sum, rope, RMSNorm): the bits of the torch
+operators they replace, alone and in a decode step, where the step does take them."""
 
 from __future__ import annotations
 
@@ -68,6 +68,26 @@ def test_rope_rows_have_the_rotation_matrixs_bits():
             assert torch.equal(row_ops.rope_(qk.clone(), row_ops.RopeRows(cos, sin)), want)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rms_norm_rows_have_torchs_bits(threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(11)
+        # the kernel's cascade of sums changes shape with the length: short rows, tails, and the longest it takes
+        for n in (1, 7, 8, 31, 128, 192, 2047, 2048, 4096, 5632, 7168, 12345, row_ops.RMS_NORM_MAX):
+            for scale in (1e-20, 1e-3, 1.0, 40.0, 3e4):
+                x = (torch.randn(1, n, generator=g) * scale).bfloat16()
+                w = (1 + 0.1 * torch.randn(n, generator=g)).bfloat16()
+                want = w * torch.nn.functional.rms_norm(x.float(), (n,), None, 1e-6).bfloat16()
+                assert torch.equal(row_ops.rms_norm_row(x, w, 1e-6), want), (n, scale)
+    finally:
+        torch.set_num_threads(before)
+    assert row_ops.rms_norm_row(torch.randn(2, 64).bfloat16(), torch.ones(64).bfloat16(), 1e-6) is None  # 2 rows
+    too_long = row_ops.RMS_NORM_MAX + 8
+    assert row_ops.rms_norm_row(torch.randn(1, too_long).bfloat16(), torch.ones(too_long).bfloat16(), 1e-6) is None
+
+
 def bf16_decode(model, steps: int = 6) -> torch.Tensor:
     prompt = torch.tensor([[5, 300, 17, 2048, 99, 1000]])
     cache = model.new_cache()
@@ -83,8 +103,13 @@ def bf16_decode(model, steps: int = 6) -> torch.Tensor:
 
 def test_a_bf16_decode_step_takes_the_native_steps_with_torchs_bits(bundled_dir, one_thread, monkeypatch):
     model = load_model(bundled_dir, torch.bfloat16)
-    calls = {"sum": 0, "rope": 0}
-    add_experts, rope_ = row_ops.add_experts, row_ops.rope_
+    calls = {"sum": 0, "rope": 0, "norm": 0}
+    add_experts, rope_, rms_norm_row = row_ops.add_experts, row_ops.rope_, row_ops.rms_norm_row
+
+    def counted_norm(*args):
+        out = rms_norm_row(*args)
+        calls["norm"] += out is not None
+        return out
 
     def counted_sum(*args):
         done = add_experts(*args)
@@ -97,10 +122,12 @@ def test_a_bf16_decode_step_takes_the_native_steps_with_torchs_bits(bundled_dir,
 
     monkeypatch.setattr(routed_experts, "add_experts", counted_sum)
     monkeypatch.setattr(row_ops, "rope_", counted_rope)
+    monkeypatch.setattr(row_ops, "rms_norm_row", counted_norm)
     native = bf16_decode(model)
     layers = model.config.num_hidden_layers
-    assert calls == {"sum": 6 * layers, "rope": 6 * layers}  # every decode layer took both
+    want = {"sum": 6 * layers, "rope": 6 * layers, "norm": 6 * (2 * layers + 1)}  # two a layer and the final one
+    assert calls == want  # every decode layer took all three
     monkeypatch.setattr(row_ops, "available", lambda: (False, "turned off for the comparison"))
     model = load_model(bundled_dir, torch.bfloat16)  # a fresh model: no state carried from the first
     assert torch.equal(bf16_decode(model), native)
-    assert calls == {"sum": 6 * layers, "rope": 6 * layers}  # torch's operators, no native call
+    assert calls == want  # torch's operators, no native call

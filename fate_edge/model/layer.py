@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from fate_edge.errors import ModelFormatError
 from fate_edge.huge_pages import on_huge_pages
-from fate_edge.model import head_matvec
+from fate_edge.model import head_matvec, row_ops
 from fate_edge.model.arch.base import ModelConfig
 from fate_edge.quant import QuantSpec, quantize
 from fate_edge.quant.block_order import resident_block_rows_name, resident_lacks_block_order
@@ -90,6 +90,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # the same bits (as in float32 above); a decode token runs two a layer
     if weight.dtype == torch.float32:  # held in float32 (Qwen3-Next's 1 + weight): scaled there, rounded once
         return (F.rms_norm(x.float(), weight.shape, None, eps) * weight).to(dtype)
+    if dtype == torch.bfloat16 and weight.dtype == dtype and x.shape[0] == 1 and x.dim() == 2:  # a decode row
+        out = row_ops.rms_norm_row(x, weight, eps)  # one native call, the same bits
+        if out is not None:
+            return out
     if dtype in (torch.bfloat16, torch.float16):
         # on a half-precision x, F.rms_norm computes in float32 and rounds once: h.to(dtype)'s bits without the
         # two casts (each operator between the native kernels costs tens of µs in a decode step: docs/cpu-profile.md)

@@ -1,10 +1,11 @@
 """A decode row's small steps between its matmuls in one native call each (``native/row_ops.c``): a MoE layer's
-expert sum into the residual, and rope on q and k, with the bits of the torch operators they replace.
+expert sum into the residual, rope on q and k, and RMSNorm, with the bits of the torch operators they replace.
 
 Why: in a decode step each operator between two native matmuls starts with cold caches (the matmul streamed tens of
-MB through them) and costs tens of microseconds; the expert sum was seven operators a layer, rope three
-(docs/cpu-profile.md). Built on first use like the other kernels (:mod:`fate_edge.native_build`); without a compiler,
-AVX2 and FMA, or with ``FATE_EDGE_NATIVE=0``, :func:`available` is False and callers keep torch's operators.
+MB through them) and costs tens of microseconds; the expert sum was seven operators a layer, rope three, RMSNorm
+eight inside its composite (docs/cpu-profile.md). Built on first use like the other kernels
+(:mod:`fate_edge.native_build`); without a compiler, AVX2 and FMA, or with ``FATE_EDGE_NATIVE=0``, :func:`available`
+is False and callers keep torch's operators.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def _setup(lib: ctypes.CDLL) -> str | None:
     lib.fe_moe_combine.restype = None
     combine: list[Any] = [ptr, i32, i64, i32, ptr, i32, ptr, ptr, i32, ptr, i32]
     lib.fe_moe_combine.argtypes = combine
+    lib.fe_rms_norm_bf16.restype = i32
+    lib.fe_rms_norm_bf16.argtypes = [ptr, i64, ptr, ctypes.c_float, ptr]
     lib.fe_rope_bf16.restype = i32
     lib.fe_rope_bf16.argtypes = [ptr, i32, i32, ptr, ptr]
     return None
@@ -81,6 +84,32 @@ def add_experts(
         _DTYPES[s.dtype] if s is not None else 0,
     )
     return True
+
+
+RMS_NORM_MAX = 16384  # longest row the kernel normalizes: torch sums longer ones on several threads, in another order
+
+
+def rms_norm_row(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """``weight * F.rms_norm(x, ..., None, eps)`` for one bf16 CPU row ``x`` [1, H] and a bf16 ``weight`` [H], with its
+    bits (``layer.rms_norm``), or None where the kernel does not take them."""
+    n = x.shape[-1]
+    if (
+        x.dim() != 2
+        or x.shape[0] != 1
+        or x.dtype != torch.bfloat16
+        or weight.dtype != torch.bfloat16
+        or x.device.type != "cpu"
+        or n > RMS_NORM_MAX
+        or weight.shape != (n,)
+        or not x.is_contiguous()
+        or not weight.is_contiguous()
+        or not available()[0]
+    ):
+        return None
+    out = torch.empty_like(x)
+    if _kernel.lib.fe_rms_norm_bf16(x.data_ptr(), n, weight.data_ptr(), eps, out.data_ptr()) != 0:
+        return None
+    return out
 
 
 @dataclass

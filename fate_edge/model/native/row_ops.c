@@ -97,6 +97,72 @@ T256 void fe_moe_combine(void *x, int x_dtype, int64_t n, int k, const int64_t *
     }
 }
 
+/* ---- RMSNorm of one bf16 row, with torch's bits ------------------------------------------------------------------- */
+
+/* Neither compiler may fuse a product into a following sum here: torch squares, then sums (two roundings). */
+#pragma STDC FP_CONTRACT OFF
+#define NO_FMA __attribute__((optimize("fp-contract=off")))
+
+static int ceil_log2(int64_t v) {
+    int r = 0;
+    while (((int64_t)1 << r) < v) r++;
+    return r;
+}
+
+/* The float32 sum of sq[0..n-1] in the order of torch's CPU sum over a contiguous last dimension (SumKernel.cpp's
+   vectorized_inner_sum on 8-float vectors: four interleaved partial sums, each a cascade of up to four levels, then
+   the scalar tail, then the lanes). The tests compare it with torch.sum on many lengths and scales. */
+T256 NO_FMA static float torch_sum(const float *sq, int64_t n) {
+    const int64_t vecs = n / 8, rows = vecs / 4;
+    const int lp = ceil_log2(rows) / 4 > 4 ? ceil_log2(rows) / 4 : 4;
+    const int64_t step = (int64_t)1 << lp, mask = step - 1;
+    __m256 acc[4][4];
+    for (int a = 0; a < 4; a++)
+        for (int k = 0; k < 4; k++) acc[a][k] = _mm256_setzero_ps();
+    int64_t i = 0;
+    while (i + step <= rows) {
+        for (int64_t j = 0; j < step; j++, i++)
+            for (int k = 0; k < 4; k++) acc[0][k] = _mm256_add_ps(acc[0][k], _mm256_loadu_ps(sq + 8 * (4 * i + k)));
+        for (int j = 1; j < 4; j++) {
+            for (int k = 0; k < 4; k++) {
+                acc[j][k] = _mm256_add_ps(acc[j][k], acc[j - 1][k]);
+                acc[j - 1][k] = _mm256_setzero_ps();
+            }
+            if (i & (mask << (j * lp))) break;
+        }
+    }
+    for (; i < rows; i++)
+        for (int k = 0; k < 4; k++) acc[0][k] = _mm256_add_ps(acc[0][k], _mm256_loadu_ps(sq + 8 * (4 * i + k)));
+    for (int j = 1; j < 4; j++)
+        for (int k = 0; k < 4; k++) acc[0][k] = _mm256_add_ps(acc[0][k], acc[j][k]);
+    __m256 part = acc[0][0];
+    for (int64_t v = rows * 4; v < vecs; v++) part = _mm256_add_ps(part, _mm256_loadu_ps(sq + 8 * v));
+    for (int k = 1; k < 4; k++) part = _mm256_add_ps(part, acc[0][k]);
+    float total = 0.f, lanes[8];
+    for (int64_t t = vecs * 8; t < n; t++) total += sq[t];
+    _mm256_storeu_ps(lanes, part);
+    for (int l = 0; l < 8; l++) total += lanes[l];
+    return total;
+}
+
+/* out [n] = w * bf16(x * rsqrt(mean(x^2) + eps)), x, w, out bf16 [n]: what F.rms_norm without a weight and the
+   weight's product compute (layer.rms_norm), bit for bit. n: at most 16384 (torch sums longer rows on several
+   threads, in another order). Returns 0, or -1 for an n it does not take. */
+T256 NO_FMA int fe_rms_norm_bf16(const void *x, int64_t n, const void *w, float eps, void *out) {
+    if (n <= 0 || n > 16384) return -1;
+    const uint16_t *xb = (const uint16_t *)x, *wb = (const uint16_t *)w;
+    float sq[16384];
+    for (int64_t i = 0; i < n; i++) {
+        const float v = bf16_value(xb[i]);
+        sq[i] = v * v;
+    }
+    const float var = torch_sum(sq, n) / (float)n + eps;
+    const float r = 1.f / sqrtf(var);
+    uint16_t *o = (uint16_t *)out;
+    for (int64_t i = 0; i < n; i++) o[i] = bf16_round(bf16_value(wb[i]) * bf16_value(bf16_round(bf16_value(xb[i]) * r)));
+    return 0;
+}
+
 /* rows x [rows][d] bf16 (contiguous), rotated in place by cos and signed sin [d] (bf16). d: even, at most 1024.
    Returns 0, or -1 for a d it does not take. */
 int fe_rope_bf16(void *x, int rows, int d, const void *cos, const void *sin) {
