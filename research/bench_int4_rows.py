@@ -82,6 +82,13 @@ def main() -> None:
     )
     ap.add_argument("--shapes", help="N x K matrices to time, e.g. 151936x2048,2048x2048 (default: a MoE layer's)")
     ap.add_argument("--grouped", help="N x K matrices multiplied by one fe_int4_gemm_grouped call")
+    ap.add_argument(
+        "--working-set-mb",
+        type=float,
+        default=64,
+        help="MB of copies of each matrix cycled through (default 64: past the last-level cache; a loaded model's "
+        "weights are several hundred, their page tables past the caches too)",
+    )
     args = ap.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="fate-edge-int4-ab-"))
     libs = [build(s, folder) for s in args.sources]
@@ -94,7 +101,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     mats, xs = [], []
     for n, k in shapes:
-        copies = 1 if args.hot else max(2, int(64e6 // (n * k // 2)))
+        copies = 1 if args.hot else max(2, int(args.working_set_mb * 1e6 // (n * k // 2)))
         codes = torch.randint(0, 256, (copies, n, k // 2), dtype=torch.uint8, generator=gen)
         if args.huge_pages:
             codes = on_huge_pages(codes)
@@ -111,7 +118,7 @@ def main() -> None:
         xs.append(torch.randn(args.rows, k, generator=gen).bfloat16())
     # the grouped call: enough copies of the whole group to leave the last-level cache, one call per copy
     gbytes = sum(n * k // 2 for n, k in group)
-    gcopies = (1 if args.hot else max(2, int(64e6 // gbytes))) if group else 0
+    gcopies = (1 if args.hot else max(2, int(args.working_set_mb * 1e6 // gbytes))) if group else 0
     gmats = [
         [
             (

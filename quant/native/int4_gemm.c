@@ -124,11 +124,11 @@ static void prepare(const float *x, int M, int K, int g, int chunk, prepared *p)
    A/B, research/bench_int4_rows.py) */
 #define PREFETCH_512 16384
 /* At one x row, a load of one byte this far ahead of each pass of R1 rows (its value unused). From 4 KB pages the
-   prefetch above fell short: a 2-vCPU Zen 4 streamed 17-21 GB/s of CPU time from them against 24-25 from huge pages,
-   the prefetches running into pages the TLB did not hold yet; with the load, which walks the page table for a page
-   before the prefetch gets there, 24-26 from either (research/bench_int4_rows.py, docs/cpu-profile.md). A loaded
-   model leaves matrices under 4 MB in its store's 4 KB file pages (fate_edge.huge_pages.MIN_BYTES): o_proj, each
-   resident expert. 16 KB ahead won less; a load every 4 KB (several a pass where rows are longer) lost. */
+   prefetch above fell short: a 2-vCPU Zen 4 streamed 17-23 GB/s of CPU time from them against 24-26 from huge pages,
+   most likely its prefetches reaching pages the TLB did not hold yet; with the load, which walks the page table for
+   a page before the prefetch gets there, 24-27 from either (research/bench_int4_rows.py, docs/cpu-profile.md). A
+   loaded model holds its matrices under 4 MB in 4 KB pages (fate_edge.huge_pages.MIN_BYTES): o_proj, each resident
+   expert. 16 KB ahead won less; a load every 4 KB (several a pass where rows are longer) lost. */
 #define TOUCH_AHEAD 65536
 #define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 #define T256 __attribute__((target("avx2,fma,f16c")))
