@@ -10,6 +10,10 @@ resident: weights stream from DRAM).
 
     git show main:quant/native/int4_gemm.c > /tmp/old.c
     python research/bench_int4_rows.py /tmp/old.c quant/native/int4_gemm.c --rows 1 --threads 1 --rounds 9
+
+``--shapes 151936x2048,6144x2048`` times other matrices; ``--grouped 11264x2048,2816x2048,...`` adds one
+``fe_int4_gemm_grouped`` call over those matrices (a MoE layer's experts at decode: the shared expert's gate+up,
+then each routed expert's), reported as the row "grouped(...)".
 """
 
 from __future__ import annotations
@@ -58,6 +62,8 @@ def build(src: Path, folder: Path) -> ctypes.CDLL:
             ctypes.c_int,
         ]
     )
+    lib.fe_int4_gemm_grouped.restype = ctypes.c_int
+    lib.fe_int4_gemm_grouped.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     return lib
 
 
@@ -74,14 +80,28 @@ def main() -> None:
         action="store_true",
         help="the codes on transparent huge pages, as a loaded model holds its weights (fate_edge.huge_pages)",
     )
+    ap.add_argument("--shapes", help="N x K matrices to time, e.g. 151936x2048,2048x2048 (default: a MoE layer's)")
+    ap.add_argument("--grouped", help="N x K matrices multiplied by one fe_int4_gemm_grouped call")
+    ap.add_argument(
+        "--working-set-mb",
+        type=float,
+        default=64,
+        help="MB of copies of each matrix cycled through (default 64: past the last-level cache; a loaded model's "
+        "weights are several hundred, their page tables past the caches too)",
+    )
     args = ap.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="fate-edge-int4-ab-"))
     libs = [build(s, folder) for s in args.sources]
-    shapes = HOT_SHAPES if args.hot else SHAPES
+
+    def parse(spec: str) -> list[tuple[int, int]]:
+        return [(int(a), int(b)) for a, b in (part.split("x") for part in spec.split(","))]
+
+    shapes = parse(args.shapes) if args.shapes else HOT_SHAPES if args.hot else SHAPES
+    group = parse(args.grouped) if args.grouped else []
     gen = torch.Generator().manual_seed(0)
     mats, xs = [], []
     for n, k in shapes:
-        copies = 1 if args.hot else max(2, int(64e6 // (n * k // 2)))
+        copies = 1 if args.hot else max(2, int(args.working_set_mb * 1e6 // (n * k // 2)))
         codes = torch.randint(0, 256, (copies, n, k // 2), dtype=torch.uint8, generator=gen)
         if args.huge_pages:
             codes = on_huge_pages(codes)
@@ -96,6 +116,35 @@ def main() -> None:
             ]
         )
         xs.append(torch.randn(args.rows, k, generator=gen).bfloat16())
+    # the grouped call: enough copies of the whole group to leave the last-level cache, one call per copy
+    gbytes = sum(n * k // 2 for n, k in group)
+    gcopies = (1 if args.hot else max(2, int(args.working_set_mb * 1e6 // gbytes))) if group else 0
+    gmats = [
+        [
+            (
+                on_huge_pages(c) if args.huge_pages else c,
+                (torch.rand(n, k // GROUP, generator=gen) * 0.01).half(),
+                (torch.randn(n, k // GROUP, generator=gen) * 0.01).half(),
+                torch.randn(args.rows, k, generator=gen).bfloat16(),
+                torch.empty(args.rows, n, dtype=torch.bfloat16),
+            )
+            for n, k in group
+            for c in [torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)]
+        ]
+        for _ in range(gcopies)
+    ]
+    tables = [
+        (ctypes.c_int64 * (13 * len(group)))(
+            *[
+                v
+                for (n, k), (c, s, z, x, y) in zip(group, mats_g, strict=True)
+                # fe_int4_gemm's arguments, in its order
+                for v in (c.data_ptr(), s.data_ptr(), z.data_ptr(), 0, n, k, GROUP)
+                + (x.data_ptr(), 1, k, args.rows, y.data_ptr(), 1)
+            ]
+        )
+        for mats_g in gmats
+    ]
     clock = time.thread_time if args.threads == 1 else time.perf_counter
 
     def run(lib: ctypes.CDLL, i: int, reps: int = 20) -> tuple[float, torch.Tensor]:
@@ -111,17 +160,30 @@ def main() -> None:
                 assert rc == 0
         return (clock() - t0) / (reps * len(mats[i])), y
 
-    for i, shape in enumerate(shapes):
-        ys = [run(lib, i, 1)[1] for lib in libs]
+    def run_grouped(lib: ctypes.CDLL, reps: int = 20) -> tuple[float, torch.Tensor]:
+        t0 = clock()
+        for _ in range(reps):
+            for table in tables:
+                assert lib.fe_int4_gemm_grouped(len(group), table, args.threads, args.isa) == 0
+        return (clock() - t0) / (reps * len(tables)), torch.cat([m[4].flatten() for m in gmats[0]])
+
+    n_rows = len(shapes) + (1 if group else 0)
+
+    def timed(lib: ctypes.CDLL, i: int, reps: int = 20) -> tuple[float, torch.Tensor]:
+        return run_grouped(lib, reps) if i == len(shapes) else run(lib, i, reps)
+
+    for i in range(n_rows):
+        shape = shapes[i] if i < len(shapes) else "grouped"
+        ys = [timed(lib, i, 1)[1].clone() for lib in libs]
         for j, y in enumerate(ys[1:], 1):
             if not torch.equal(ys[0], y):
                 print(f"{shape}: {args.sources[j]} differs from {args.sources[0]}")
-    times: dict[tuple[int, int], list[float]] = {(j, i): [] for j in range(len(libs)) for i in range(len(shapes))}
+    times: dict[tuple[int, int], list[float]] = {(j, i): [] for j in range(len(libs)) for i in range(n_rows)}
     load0 = os.getloadavg()
     for _ in range(args.rounds):
-        for i in range(len(shapes)):
+        for i in range(n_rows):
             for j, lib in enumerate(libs):
-                times[(j, i)].append(run(lib, i)[0])
+                times[(j, i)].append(timed(lib, i)[0])
     print(
         f"{cpu_model()}; {args.rows} row(s), {args.threads} thread(s), {'hot' if args.hot else 'from DRAM'}"
         f"{', huge pages' if args.huge_pages else ''}, "
@@ -130,13 +192,16 @@ def main() -> None:
     )
     print("| N x K | " + " | ".join(str(s) for s in args.sources) + " |")
     print("|---|" + "---:|" * len(libs))
-    for i, (n, k) in enumerate(shapes):
-        nbytes = n * k / 2 + 2 * 2 * n * k / GROUP
+    rows = [(f"{n}x{k}", n * k) for n, k in shapes]
+    if group:
+        rows.append((f"grouped({','.join(f'{n}x{k}' for n, k in group)})", sum(n * k for n, k in group)))
+    for i, (name, weights) in enumerate(rows):
+        nbytes = weights / 2 + 2 * 2 * weights / GROUP
         cells = []
         for j in range(len(libs)):
             med = statistics.median(times[(j, i)])
             cells.append(f"{med * 1e6:.0f} us, {nbytes / med / 1e9:.1f} GB/s")
-        print(f"| {n}x{k} | " + " | ".join(cells) + " |")
+        print(f"| {name} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -483,3 +483,32 @@ def test_a_copied_or_pickled_matrix_computes_on_its_own_tensors():
         assert c.native is not None and c.native.codes.data_ptr() != lin.native.codes.data_ptr()
         assert c.native.call_args(x, want)[:3] == [t.data_ptr() for t in c.native.parts]
         assert torch.equal(c(x), want)
+
+
+_GUARDED = """
+import ctypes, mmap, torch
+from fate_edge.quant.native import NativeInt4
+n, k, page = 256, 2048, mmap.PAGESIZE
+nbytes = n * k // 2  # 256 KB: the row kernel's loads run 64 KB ahead of each pass of rows
+region = mmap.mmap(-1, nbytes + page)
+base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+assert libc.mprotect(base + nbytes, page, 0) == 0  # PROT_NONE: a read past the codes faults
+g = torch.Generator().manual_seed(3)
+codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+scale = (torch.rand(n, k // 64, generator=g) * 0.01).half()
+zero = (torch.randn(n, k // 64, generator=g) * 0.01).half()
+guarded = torch.frombuffer(region, dtype=torch.uint8, count=nbytes).view(n, k // 2)
+guarded.copy_(codes)
+x = torch.randn(1, k, generator=g).bfloat16()
+torch.set_num_threads(1)
+print(torch.equal(NativeInt4(guarded, scale, zero, 64)(x), NativeInt4(codes, scale, zero, 64)(x)))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mprotect guard page: Linux")
+def test_the_row_kernels_loads_ahead_stay_inside_the_matrix():
+    """At one x row the kernel loads a byte 64 KB ahead of each pass of rows (it fills the TLB on 4 KB pages): codes
+    that end right before a page nothing may read give the same bits as the same codes elsewhere, and no fault."""
+    assert _run({}, _GUARDED) == "True"

@@ -123,6 +123,13 @@ static void prepare(const float *x, int M, int K, int g, int chunk, prepared *p)
    (tile_512), 4 KB into L1 streamed 8-10 GB/s of CPU time, 8 KB into L2 12-18, 16 KB into L2 12-20 (interleaved
    A/B, research/bench_int4_rows.py) */
 #define PREFETCH_512 16384
+/* At one x row, a load of one byte this far ahead of each pass of R1 rows (its value unused). From 4 KB pages the
+   prefetch above fell short: a 2-vCPU Zen 4 streamed 17-23 GB/s of CPU time from them against 24-26 from huge pages,
+   most likely its prefetches reaching pages the TLB did not hold yet; with the load, which walks the page table for
+   a page before the prefetch gets there, 24-27 from either (research/bench_int4_rows.py, docs/cpu-profile.md). A
+   loaded model holds its matrices under 4 MB in 4 KB pages (fate_edge.huge_pages.MIN_BYTES): o_proj, each resident
+   expert. 16 KB ahead won less; a load every 4 KB (several a pass where rows are longer) lost. */
+#define TOUCH_AHEAD 65536
 #define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 #define T256 __attribute__((target("avx2,fma,f16c")))
 
@@ -290,8 +297,12 @@ T512 static void rows_512(const uint8_t *codes, wscales w, int n0, int n1, int N
             widen_512(w.scale, w.f32, (size_t)n * groups, groups, sw + (n - n0) * stride);
             widen_512(w.zero, w.f32, (size_t)n * groups, groups, zw + (n - n0) * stride);
         }
+        const size_t total = (size_t)N * (K / 2);
         int n = n0;
         for (; n + R1 <= n1; n += R1) {
+            const size_t at = (size_t)n * (K / 2) + TOUCH_AHEAD;
+            if (at < total) /* inside the matrix only: the load may not fault */
+                __asm__ volatile("" : : "r"(*(volatile const uint8_t *)(codes + at)));
             tile1_512(codes + (size_t)n * (K / 2), sw + (n - n0) * stride, stride, K / 128, gshift, p, K, out);
             for (int r = 0; r < R1; r++)
                 y_put(y, (size_t)(n + r), out[r] + dot_512(zw + (n + r - n0) * stride, p->gsum, padded));
