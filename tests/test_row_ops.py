@@ -66,6 +66,14 @@ def test_rope_rows_have_the_rotation_matrixs_bits():
             qk = (torch.randn(24, d, generator=g) * (0.01, 1.0, 60.0)[trial % 3]).bfloat16()
             want = torch.mm(qk.float(), rope_matrix(cos, sin, perm).float()).to(torch.bfloat16)
             assert torch.equal(row_ops.rope_(qk.clone(), row_ops.RopeRows(cos, sin)), want)
+            # with a fused projection's bias: added to the whole row (q, k and then v) as ``flat + bias`` rounds
+            flat = (torch.randn(30 * d, generator=g) * 3).bfloat16()
+            bias = torch.randn(30 * d, generator=g).bfloat16()
+            biased = flat + bias
+            want = torch.mm(biased[: 24 * d].view(24, d).float(), rope_matrix(cos, sin, perm).float()).bfloat16()
+            got = flat.clone()
+            row_ops.rope_(got[: 24 * d].view(24, d), row_ops.RopeRows(cos, sin), (got, bias))
+            assert torch.equal(got[: 24 * d].view(24, d), want) and torch.equal(got[24 * d :], biased[24 * d :])
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -101,8 +109,13 @@ def bf16_decode(model, steps: int = 6) -> torch.Tensor:
     return torch.cat(out, dim=1)
 
 
-def test_a_bf16_decode_step_takes_the_native_steps_with_torchs_bits(bundled_dir, one_thread, monkeypatch):
-    model = load_model(bundled_dir, torch.bfloat16)
+@pytest.mark.parametrize("resident_bits", [None, 4], ids=["bf16 rest", "int4 rest"])
+def test_a_bf16_decode_step_takes_the_native_steps_with_torchs_bits(
+    bundled_dir, one_thread, monkeypatch, resident_bits
+):
+    model = load_model(bundled_dir, torch.bfloat16, resident_bits=resident_bits)
+    # the bundled model's q/k/v bias: added in rope's call where the projection is int4 (the bench's sides)
+    assert model.plan()[0].qkv.bias is not None
     calls = {"sum": 0, "rope": 0, "norm": 0}
     add_experts, rope_, rms_norm_row = row_ops.add_experts, row_ops.rope_, row_ops.rms_norm_row
 
@@ -128,6 +141,6 @@ def test_a_bf16_decode_step_takes_the_native_steps_with_torchs_bits(bundled_dir,
     want = {"sum": 6 * layers, "rope": 6 * layers, "norm": 6 * (2 * layers + 1)}  # two a layer and the final one
     assert calls == want  # every decode layer took all three
     monkeypatch.setattr(row_ops, "available", lambda: (False, "turned off for the comparison"))
-    model = load_model(bundled_dir, torch.bfloat16)  # a fresh model: no state carried from the first
+    model = load_model(bundled_dir, torch.bfloat16, resident_bits=resident_bits)  # a fresh one: no state carried
     assert torch.equal(bf16_decode(model), native)
     assert calls == want  # torch's operators, no native call

@@ -32,7 +32,7 @@ def _setup(lib: ctypes.CDLL) -> str | None:
     lib.fe_rms_norm_bf16.restype = i32
     lib.fe_rms_norm_bf16.argtypes = [ptr, i64, ptr, ctypes.c_float, ptr]
     lib.fe_rope_bf16.restype = i32
-    lib.fe_rope_bf16.argtypes = [ptr, i32, i32, ptr, ptr]
+    lib.fe_rope_bf16.argtypes = [ptr, i32, i32, ptr, ptr, ptr, i64]
     return None
 
 
@@ -130,11 +130,22 @@ class RopeRows:
         return RopeRows(cos.contiguous(), sin.contiguous())
 
 
-def rope_(qk: torch.Tensor, rope: RopeRows) -> torch.Tensor:
-    """Rows ``qk`` [N, d] (contiguous bf16) rotated in place: ``qk @ decode_step.rope_matrix(cos, sin)``'s bits."""
+def rope_(qk: torch.Tensor, rope: RopeRows, bias: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Rows ``qk`` [N, d] (contiguous bf16) rotated in place: ``qk @ decode_step.rope_matrix(cos, sin)``'s bits.
+    ``bias``: (a fused projection's whole output row ``flat``, starting at ``qk``, and its bf16 bias): the bias added
+    to all of ``flat`` first, as ``flat + bias`` rounds."""
     rows, d = qk.shape
-    if not qk.is_contiguous() or d != rope.cos.shape[-1]:
+    if not qk.is_contiguous() or d != rope.cos.shape[-1] or qk.dtype != torch.bfloat16:
         raise ValueError(f"rope: rows {tuple(qk.shape)} do not fit cos {tuple(rope.cos.shape)}")
-    if _kernel.lib.fe_rope_bf16(qk.data_ptr(), rows, d, rope.cos.data_ptr(), rope.sin.data_ptr()) != 0:
+    b, total = None, 0
+    if bias is not None:
+        flat, b_t = bias
+        if flat.data_ptr() != qk.data_ptr() or not flat.is_contiguous() or b_t.shape != flat.shape:
+            raise ValueError(f"rope: a bias {tuple(b_t.shape)} for an output {tuple(flat.shape)} not starting at q")
+        if flat.dtype != torch.bfloat16 or b_t.dtype != torch.bfloat16 or not b_t.is_contiguous():
+            raise ValueError("rope: the bias and its output must be contiguous bf16")
+        b, total = b_t.data_ptr(), flat.numel()
+    lib = _kernel.lib
+    if lib.fe_rope_bf16(qk.data_ptr(), rows, d, rope.cos.data_ptr(), rope.sin.data_ptr(), b, total) != 0:
         raise ValueError(f"rope: the kernel does not take rows of {d}")
     return qk

@@ -163,11 +163,18 @@ T256 NO_FMA int fe_rms_norm_bf16(const void *x, int64_t n, const void *w, float 
     return 0;
 }
 
-/* rows x [rows][d] bf16 (contiguous), rotated in place by cos and signed sin [d] (bf16). d: even, at most 1024.
-   Returns 0, or -1 for a d it does not take. */
-int fe_rope_bf16(void *x, int rows, int d, const void *cos, const void *sin) {
+/* rows x [rows][d] bf16 (contiguous), rotated in place by cos and signed sin [d] (bf16); first, where ``bias`` is
+given, each of the ``total`` values from x on (the rotated rows, then what follows them: a fused q/k/v projection's v)
+plus its bias [total] (bf16), rounded as torch's bf16 add rounds. d: even, at most 1024. Returns 0, or -1 for a d it
+does not take. */
+int fe_rope_bf16(void *x, int rows, int d, const void *cos, const void *sin, const void *bias, int64_t total) {
     if (d <= 0 || d % 2 || d > 1024) return -1;
     const uint16_t *c = (const uint16_t *)cos, *s = (const uint16_t *)sin;
+    if (bias) {
+        uint16_t *xs = (uint16_t *)x;
+        const uint16_t *b = (const uint16_t *)bias;
+        for (int64_t i = 0; i < total; i++) xs[i] = bf16_round(bf16_value(xs[i]) + bf16_value(b[i]));
+    }
     float cf[1024], sf[1024], row[1024];
     for (int j = 0; j < d; j++) cf[j] = bf16_value(c[j]), sf[j] = bf16_value(s[j]);
     const int half = d / 2;
