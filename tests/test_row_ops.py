@@ -1,5 +1,6 @@
-"""A decode row's native steps (fate_edge.model.row_ops: the MoE expert sum, rope, RMSNorm): the bits of the torch
-operators they replace, alone and in a decode step, where the step does take them."""
+"""A decode row's native steps (fate_edge.model.row_ops: the MoE expert sum, rope, RMSNorm, an int8 embedding row,
+greedy's argmax): the bits of the torch operators they replace, alone and in a decode step, where the step does take
+them."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import torch
 
 import fate_edge.model.routed_experts as routed_experts
 from fate_edge import load_model
+from fate_edge.format.file_rows import FileRows
 from fate_edge.model import row_ops
 from fate_edge.model.decode_step import roll_permutation, rope_matrix
+from fate_edge.model.embedding import QuantizedEmbedding
 from fate_edge.model.layer_step import add_moe, add_routed, add_shared, moe_sum
+from fate_edge.runtime.sampling import greedy
 
 pytestmark = pytest.mark.skipif(not row_ops.available()[0], reason=f"no native row kernel: {row_ops.available()[1]}")
 
@@ -94,6 +98,47 @@ def test_rms_norm_rows_have_torchs_bits(threads):
     assert row_ops.rms_norm_row(torch.randn(2, 64).bfloat16(), torch.ones(64).bfloat16(), 1e-6) is None  # 2 rows
     too_long = row_ops.RMS_NORM_MAX + 8
     assert row_ops.rms_norm_row(torch.randn(1, too_long).bfloat16(), torch.ones(too_long).bfloat16(), 1e-6) is None
+
+
+def test_argmax_over_bf16_logits_is_torchs():
+    g = torch.Generator().manual_seed(13)
+    for trial in range(120):
+        n = (151936, 1, 7, 256, 257, 1000)[trial % 6]
+        x = (torch.randn(n, generator=g) * (1.0, 1e-3, 100.0)[trial % 3]).bfloat16()
+        if trial % 4 == 1:
+            x = x.round()  # ties: the first index of the largest
+        if trial % 5 == 2:
+            x[torch.randint(0, n, (2,), generator=g)] = float("nan")  # the first NaN counts as largest
+        if trial % 7 == 3:
+            x.zero_()
+            x[n // 2 :] = -0.0  # -0 and +0 compare equal
+        if trial % 9 == 4:
+            x.fill_(float("-inf"))
+        assert row_ops.argmax_bf16(x) == int(torch.argmax(x)), trial
+        assert greedy(x[None]) == int(torch.argmax(x))
+    assert row_ops.argmax_bf16(torch.randn(8)) is None  # float32: numpy's
+
+
+def test_an_int8_embedding_row_read_from_the_store_has_the_gathers_bits(tmp_path):
+    table = torch.randint(-128, 128, (300, 192), dtype=torch.int8)
+    scale = (torch.rand(300) * 0.1).bfloat16()
+    path = tmp_path / "table.bin"
+    path.write_bytes(b"x" * 24 + table.numpy().tobytes() + scale.view(torch.uint16).numpy().tobytes())
+    codes = FileRows(path, 24, (300, 192), torch.int8)
+    scales = FileRows(path, 24 + table.numel(), (300,), torch.bfloat16)
+    for dtype in (torch.bfloat16, torch.float32):
+        emb = QuantizedEmbedding(8, table, scale, None, dtype, (codes, scales))
+        for row in (0, 1, 150, 299):
+            want = (table[row].float() * scale[row].float()).to(dtype)[None]
+            assert torch.equal(row_ops.embed_int8_row(codes, scales, row, dtype), want)
+            assert torch.equal(emb(torch.tensor([row])), want)
+    with pytest.raises(IndexError, match="300"):
+        row_ops.embed_int8_row(codes, scales, 300, torch.bfloat16)
+    short = tmp_path / "short.bin"
+    short.write_bytes(path.read_bytes()[: 24 + 299 * 192])  # the last row and the scales cut off
+    cut = FileRows(short, 24, (300, 192), torch.int8)
+    with pytest.raises(OSError, match="truncated"):
+        row_ops.embed_int8_row(cut, FileRows(short, 24 + table.numel(), (300,), torch.bfloat16), 299, torch.bfloat16)
 
 
 def bf16_decode(model, steps: int = 6) -> torch.Tensor:

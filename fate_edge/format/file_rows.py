@@ -60,6 +60,11 @@ class FileRows:
             )
         return torch.frombuffer(bytearray(got), dtype=torch.uint8).view(self.dtype)
 
+    @property
+    def fd(self) -> int:
+        """The open file's descriptor (for a native reader)."""
+        return self._fd
+
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)

@@ -16,6 +16,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from fate_edge.format.file_rows import FileRows
+from fate_edge.model import row_ops
 from fate_edge.quant import QuantSpec, dequantize, pack, quantize, unpack
 from fate_edge.quant.int8 import Int8Linear, quantize_int8
 from fate_edge.quant.rtn import Quantized
@@ -111,6 +113,13 @@ class QuantizedEmbedding:
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids`` [N] -> rows [N, H] in ``dtype``."""
         if self.rows is not None and ids.device.type == "cpu" and not torch.compiler.is_compiling():
+            if self.bits == 8 and ids.numel() == 1 and all(isinstance(r, FileRows) for r in self.rows):
+                codes_rows, scale_rows = self.rows[0], self.rows[1]
+                assert isinstance(codes_rows, FileRows) and isinstance(scale_rows, FileRows)
+                # a decode token's row: read and dequantized in one native call, the same bits
+                row = row_ops.embed_int8_row(codes_rows, scale_rows, int(ids.reshape(-1)[0]), self.dtype)
+                if row is not None:
+                    return row
             parts = [r.gather(ids) for r in self.rows]
         else:
             parts = [t.index_select(0, ids) for t in (self.codes, self.scale, self.zero) if t is not None]

@@ -1,5 +1,6 @@
 """A decode row's small steps between its matmuls in one native call each (``native/row_ops.c``): a MoE layer's
-expert sum into the residual, rope on q and k, and RMSNorm, with the bits of the torch operators they replace.
+expert sum into the residual, rope on q and k, RMSNorm and an int8 embedding row, with the bits of the torch
+operators they replace.
 
 Why: in a decode step each operator between two native matmuls starts with cold caches (the matmul streamed tens of
 MB through them) and costs tens of microseconds; the expert sum was seven operators a layer, rope three, RMSNorm
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from fate_edge.format.file_rows import FileRows
 from fate_edge.native_build import LazyKernel
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -29,6 +31,10 @@ def _setup(lib: ctypes.CDLL) -> str | None:
     lib.fe_moe_combine.restype = None
     combine: list[Any] = [ptr, i32, i64, i32, ptr, i32, ptr, ptr, i32, ptr, i32]
     lib.fe_moe_combine.argtypes = combine
+    lib.fe_argmax_bf16.restype = i64
+    lib.fe_argmax_bf16.argtypes = [ptr, i64]
+    lib.fe_embed_int8_row.restype = i32
+    lib.fe_embed_int8_row.argtypes = [i32, i64, i64, i64, ptr, i32]
     lib.fe_rms_norm_bf16.restype = i32
     lib.fe_rms_norm_bf16.argtypes = [ptr, i64, ptr, ctypes.c_float, ptr]
     lib.fe_rope_bf16.restype = i32
@@ -84,6 +90,42 @@ def add_experts(
         _DTYPES[s.dtype] if s is not None else 0,
     )
     return True
+
+
+def argmax_bf16(logits: torch.Tensor) -> int | None:
+    """``int(torch.argmax(logits))`` for contiguous bf16 CPU logits (a NaN counts as largest), or None where the
+    kernel does not take them."""
+    if logits.dtype != torch.bfloat16 or logits.device.type != "cpu" or not logits.is_contiguous():
+        return None
+    if not logits.numel() or not available()[0]:
+        return None
+    return int(_kernel.lib.fe_argmax_bf16(logits.data_ptr(), logits.numel()))
+
+
+def embed_int8_row(codes: FileRows, scale: FileRows, row: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """Row ``row`` of an int8 embedding table read by row from its store (``codes`` int8 [V, H], ``scale`` bf16 [V])
+    and dequantized to ``dtype`` [1, H], with the bits of ``QuantizedEmbedding``'s gather, or None where the kernel
+    does not take it. A row past the table raises IndexError, a short read OSError, as ``FileRows.gather``."""
+    v, h = codes.shape[0], codes.shape[-1]
+    if (
+        codes.dtype != torch.int8
+        or scale.dtype != torch.bfloat16
+        or len(codes.shape) != 2
+        or tuple(scale.shape) != (v,)
+        or dtype not in _DTYPES
+        or h > 16384
+        or not available()[0]
+    ):
+        return None
+    if not 0 <= row < v:
+        raise IndexError(f"row ids must be in [0, {v}), got {row}")
+    out = torch.empty(1, h, dtype=dtype)
+    rc = _kernel.lib.fe_embed_int8_row(
+        codes.fd, codes.offset + row * h, scale.offset + row * 2, h, out.data_ptr(), _DTYPES[dtype]
+    )
+    if rc != 0:
+        raise OSError(f"{codes.path}: short read of embedding row {row}: truncated store?")
+    return out
 
 
 RMS_NORM_MAX = 16384  # longest row the kernel normalizes: torch sums longer ones on several threads, in another order

@@ -11,6 +11,11 @@
    addcmul_ are fused multiply-adds), the shared expert times its gate (or plus it, without a gate), then, for a bf16
    residual, the sum added to it and rounded once to nearest even.
 
+   fe_embed_int8_row: one row of an int8 embedding table read from the store's file and dequantized, as
+   QuantizedEmbedding's gather (FileRows) and its codes.float() * scale.float() then .to(dtype) compute it.
+
+   fe_argmax_bf16: the first index of the largest of n bf16 values, a NaN counting as largest, as torch.argmax.
+
    fe_rope_bf16: rotary embedding of bf16 rows by bf16 cos and signed sin, as the rotation matrix of
    decode_step.rope_matrix multiplies them in float32: x_j cos_j + x_{(j + d/2) mod d} sin_j. Both products are exact
    in float32 (8-bit mantissas), so their sum rounds once, then once more to bf16: the matmul's bits. */
@@ -18,6 +23,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <unistd.h>
 
 enum { F32 = 0, BF16 = 1 };
 
@@ -187,4 +193,68 @@ int fe_rope_bf16(void *x, int rows, int d, const void *cos, const void *sin, con
         }
     }
     return 0;
+}
+
+/* ``count`` bytes at ``at`` of ``fd`` into ``buf``: 0, or -1 where the file ends first or the read fails. */
+static int read_full(int fd, void *buf, size_t count, int64_t at) {
+    size_t got = 0;
+    while (got < count) {
+        const ssize_t n = pread(fd, (char *)buf + got, count - got, (off_t)(at + (int64_t)got));
+        if (n <= 0) return -1;
+        got += (size_t)n;
+    }
+    return 0;
+}
+
+/* Row codes [h] int8 at byte ``codes_at`` and its scale (bf16) at ``scale_at`` of ``fd`` → out [h] in out_dtype
+   (F32 or BF16): float(code) * float(scale), exact in float32 (8-bit by 8-bit), rounded once for bf16. Returns 0,
+   -1 on a short read (a truncated store), -2 for an h it does not take. */
+int fe_embed_int8_row(int fd, int64_t codes_at, int64_t scale_at, int64_t h, void *out, int out_dtype) {
+    if (h <= 0 || h > 16384) return -2;
+    int8_t codes[16384];
+    uint16_t scale;
+    if (read_full(fd, codes, (size_t)h, codes_at) || read_full(fd, &scale, sizeof scale, scale_at)) return -1;
+    const float sv = bf16_value(scale);
+    for (int64_t i = 0; i < h; i++) {
+        const float v = (float)codes[i] * sv;
+        if (out_dtype == F32)
+            ((float *)out)[i] = v;
+        else
+            ((uint16_t *)out)[i] = bf16_round(v);
+    }
+    return 0;
+}
+
+/* A bf16 value's bits as a key whose unsigned order is the values' order (-0 as +0: they compare equal). */
+static inline uint16_t order_key(uint16_t b) {
+    if (b == 0x8000u) b = 0;
+    return (b & 0x8000u) ? (uint16_t)~b : (uint16_t)(b | 0x8000u);
+}
+
+static inline int is_nan(uint16_t b) { return (b & 0x7fffu) > 0x7f80u; }
+
+T256 int64_t fe_argmax_bf16(const void *x, int64_t n) {
+    const uint16_t *v = (const uint16_t *)x;
+    enum { CHUNK = 256 };
+    uint16_t best = 0;
+    int64_t best_chunk = -1;
+    for (int64_t c = 0; c < n; c += CHUNK) { /* each chunk's largest key and any NaN, in a loop the compiler widens */
+        const int64_t m = n - c < CHUNK ? n - c : CHUNK;
+        uint16_t top = 0, nan = 0;
+        for (int64_t i = 0; i < m; i++) {
+            const uint16_t b = v[c + i];
+            const uint16_t k = (uint16_t)(b == 0x8000u ? 0x8000u : ((b & 0x8000u) ? (uint16_t)~b : (uint16_t)(b | 0x8000u)));
+            top = k > top ? k : top;
+            nan |= (uint16_t)((b & 0x7fffu) > 0x7f80u);
+        }
+        if (nan) { /* the first NaN is the answer */
+            for (int64_t i = 0; i < m; i++)
+                if (is_nan(v[c + i])) return c + i;
+        }
+        if (best_chunk < 0 || top > best) best = top, best_chunk = c;
+    }
+    if (best_chunk < 0) return -1;
+    for (int64_t i = best_chunk; i < n; i++)
+        if (order_key(v[i]) == best) return i;
+    return -1;
 }
