@@ -119,19 +119,24 @@ def test_argmax_over_bf16_logits_is_torchs():
     assert row_ops.argmax_bf16(torch.randn(8)) is None  # float32: numpy's
 
 
-def test_an_int8_embedding_row_read_from_the_store_has_the_gathers_bits(tmp_path):
+def test_an_int8_embedding_row_read_from_the_store_has_the_gathers_bits(tmp_path, monkeypatch):
     table = torch.randint(-128, 128, (300, 192), dtype=torch.int8)
     scale = (torch.rand(300) * 0.1).bfloat16()
     path = tmp_path / "table.bin"
     path.write_bytes(b"x" * 24 + table.numpy().tobytes() + scale.view(torch.uint16).numpy().tobytes())
     codes = FileRows(path, 24, (300, 192), torch.int8)
     scales = FileRows(path, 24 + table.numel(), (300,), torch.bfloat16)
+    native = row_ops.embed_int8_row
+    calls = []
+    monkeypatch.setattr(row_ops, "embed_int8_row", lambda *a: calls.append(a[2]) or native(*a))
     for dtype in (torch.bfloat16, torch.float32):
         emb = QuantizedEmbedding(8, table, scale, None, dtype, (codes, scales))
         for row in (0, 1, 150, 299):
             want = (table[row].float() * scale[row].float()).to(dtype)[None]
             assert torch.equal(row_ops.embed_int8_row(codes, scales, row, dtype), want)
             assert torch.equal(emb(torch.tensor([row])), want)
+    assert calls == [0, 0, 1, 1, 150, 150, 299, 299] * 2  # each row: the direct call, then the table's own
+    assert torch.equal(emb(torch.tensor([3, 3, 7])), (table[[3, 3, 7]].float() * scale[[3, 3, 7]].float()[:, None]))
     with pytest.raises(IndexError, match="300"):
         row_ops.embed_int8_row(codes, scales, 300, torch.bfloat16)
     short = tmp_path / "short.bin"

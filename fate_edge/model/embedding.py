@@ -16,7 +16,6 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from fate_edge.format.file_rows import FileRows
 from fate_edge.model import row_ops
 from fate_edge.quant import QuantSpec, dequantize, pack, quantize, unpack
 from fate_edge.quant.int8 import Int8Linear, quantize_int8
@@ -113,9 +112,9 @@ class QuantizedEmbedding:
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids`` [N] -> rows [N, H] in ``dtype``."""
         if self.rows is not None and ids.device.type == "cpu" and not torch.compiler.is_compiling():
-            if self.bits == 8 and ids.numel() == 1 and all(isinstance(r, FileRows) for r in self.rows):
-                codes_rows, scale_rows = self.rows[0], self.rows[1]
-                assert isinstance(codes_rows, FileRows) and isinstance(scale_rows, FileRows)
+            codes_rows, scale_rows = self.rows[0], self.rows[-1]
+            if self.bits == 8 and ids.numel() == 1 and isinstance(codes_rows, row_ops.FileTable):
+                assert isinstance(scale_rows, row_ops.FileTable)  # both parts come from the same store
                 # a decode token's row: read and dequantized in one native call, the same bits
                 row = row_ops.embed_int8_row(codes_rows, scale_rows, int(ids.reshape(-1)[0]), self.dtype)
                 if row is not None:

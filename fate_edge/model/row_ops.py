@@ -14,11 +14,11 @@ from __future__ import annotations
 import array
 import ctypes
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from fate_edge.format.file_rows import FileRows
 from fate_edge.native_build import LazyKernel
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -102,7 +102,21 @@ def argmax_bf16(logits: torch.Tensor) -> int | None:
     return int(_kernel.lib.fe_argmax_bf16(logits.data_ptr(), logits.numel()))
 
 
-def embed_int8_row(codes: FileRows, scale: FileRows, row: int, dtype: torch.dtype) -> torch.Tensor | None:
+@runtime_checkable
+class FileTable(Protocol):
+    """A table stored row after row in an open file (``fate_edge.format.file_rows.FileRows``, which this layer does
+    not import)."""
+
+    path: Path
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def fd(self) -> int: ...
+
+
+def embed_int8_row(codes: FileTable, scale: FileTable, row: int, dtype: torch.dtype) -> torch.Tensor | None:
     """Row ``row`` of an int8 embedding table read by row from its store (``codes`` int8 [V, H], ``scale`` bf16 [V])
     and dequantized to ``dtype`` [1, H], with the bits of ``QuantizedEmbedding``'s gather, or None where the kernel
     does not take it. A row past the table raises IndexError, a short read OSError, as ``FileRows.gather``."""
