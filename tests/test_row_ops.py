@@ -147,7 +147,7 @@ def test_an_int8_embedding_row_read_from_the_store_has_the_gathers_bits(tmp_path
 
 
 def bf16_decode(model, steps: int = 6) -> torch.Tensor:
-    prompt = torch.tensor([[5, 300, 17, 2048, 99, 1000]])
+    prompt = torch.tensor([[5, 300, 17, 2048, 99, 1000]], device="cpu")  # the host's, under any default device
     cache = model.new_cache()
     out = []
     with torch.inference_mode():
@@ -194,3 +194,17 @@ def test_a_bf16_decode_step_takes_the_native_steps_with_torchs_bits(
     model = load_model(bundled_dir, torch.bfloat16, resident_bits=resident_bits)  # a fresh one: no state carried
     assert torch.equal(bf16_decode(model), native)
     assert calls == want  # torch's operators, no native call
+
+
+def test_a_decode_under_a_meta_default_device_gives_the_same_tokens(bundled_dir, one_thread):
+    """Every tensor the native steps write is made on the host, whatever the default device is: the embedding row's
+    buffer made on the default (meta) device had no memory, and the kernel's write into it killed the process."""
+    from fate_edge.format.converted_stores import ensure_store
+
+    store = ensure_store(bundled_dir, progress=False)  # the default store: an int8 embedding table read by row
+    model = load_model(store, torch.bfloat16, resident_bits=4)
+    assert isinstance(model.embed.rows[0], row_ops.FileTable)  # its rows read by the native call
+    want = bf16_decode(model).argmax(-1)
+    with torch.device("meta"):
+        got = bf16_decode(model).argmax(-1)
+    assert torch.equal(got, want)

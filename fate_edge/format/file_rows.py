@@ -45,7 +45,7 @@ class FileRows:
             raise IndexError(f"row ids must be in [0, {self.shape[0]}), got {flat.min().item()}..{flat.max().item()}")
         rows, inverse = torch.unique(flat, sorted=True, return_inverse=True)
         if not rows.numel():
-            return torch.empty(0, *self.shape[1:], dtype=self.dtype)
+            return torch.empty(0, *self.shape[1:], dtype=self.dtype, device="cpu")
         table = torch.stack([self._row(r) for r in rows.tolist()])
         return table.reshape(rows.numel(), *self.shape[1:]).index_select(0, inverse)
 

@@ -133,7 +133,7 @@ def embed_int8_row(codes: FileTable, scale: FileTable, row: int, dtype: torch.dt
         return None
     if not 0 <= row < v:
         raise IndexError(f"row ids must be in [0, {v}), got {row}")
-    out = torch.empty(1, h, dtype=dtype)
+    out = torch.empty(1, h, dtype=dtype, device="cpu")  # whatever the default device is (the read is the host's)
     rc = _kernel.lib.fe_embed_int8_row(
         codes.fd, codes.offset + row * h, scale.offset + row * 2, h, out.data_ptr(), _DTYPES[dtype]
     )
