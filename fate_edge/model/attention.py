@@ -117,13 +117,13 @@ def _rotated_qkv(
     n_q, n_k = lp.qkv.sizes[0] // hd, lp.qkv.sizes[1] // hd
     w, bias = lp.qkv.weight, lp.qkv.bias
     # a quantized projection's bf16 bias: added in the native rope's call (the same rounding as ``y + bias``)
-    late_bias = isinstance(rot, RopeRows) and bias is not None and not isinstance(w, torch.Tensor)
-    late_bias = late_bias and bias is not None and bias.dtype == torch.bfloat16 and bias.is_contiguous()
-    flat = (w(x) if late_bias else apply_linear(x, lp.qkv)).view(-1)  # [(nq + 2 nk) hd]
+    late = isinstance(rot, RopeRows) and bias is not None and not isinstance(w, torch.Tensor)
+    late_bias = bias if late and bias is not None and bias.dtype == torch.bfloat16 and bias.is_contiguous() else None
+    flat = (w(x) if late_bias is not None else apply_linear(x, lp.qkv)).view(-1)  # [(nq + 2 nk) hd]
     # narrow, not [a:b]: a slice costs over twice narrow's dispatch (four a layer, every token; measured-choices)
     qk = flat.narrow(0, 0, (n_q + n_k) * hd).view(n_q + n_k, hd)
     if isinstance(rot, RopeRows) and qk.dtype == torch.bfloat16:  # in place on the projection's own output
-        qk = row_ops.rope_(qk, rot, (flat, bias) if late_bias and bias is not None else None)
+        qk = row_ops.rope_(qk, rot, (flat, late_bias) if late_bias is not None else None)
     elif isinstance(rot, RopeRows):  # a float32 bias made the projection float32: the elementwise rope
         qk = apply_rope(qk.view(1, -1, 1, hd), rot.cos.to(qk.dtype), rot.sin.to(qk.dtype), False).view(-1, hd)
     else:

@@ -90,8 +90,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # the same bits (as in float32 above); a decode token runs two a layer
     if weight.dtype == torch.float32:  # held in float32 (Qwen3-Next's 1 + weight): scaled there, rounded once
         return (F.rms_norm(x.float(), weight.shape, None, eps) * weight).to(dtype)
-    if dtype == torch.bfloat16 and weight.dtype == dtype and x.shape[0] == 1 and x.dim() == 2:  # a decode row
-        out = row_ops.rms_norm_row(x, weight, eps)  # one native call, the same bits
+    if dtype == torch.bfloat16:  # a decode row: one native call, the same bits (rms_norm_row says which it takes)
+        out = row_ops.rms_norm_row(x, weight, eps)
         if out is not None:
             return out
     if dtype in (torch.bfloat16, torch.float16):

@@ -92,12 +92,11 @@ def serve_routing(
         model.experts.end_layer(layer)
     elif h.shape[0] == 1:
         parts, weight_of, z = routed_parts(model, h, layer, host_w, host_idx, bool(decode), shared, fold)
-        order = sorted(parts)  # whatever order they arrived in
-        if acc is None or acc is x:  # the sum starts at moe_sum(x): one native call may add it all
-            if add_experts(x, [parts[e] for e in order], [weight_of[e] for e in order], z):
-                return x
-        for e in order:
-            acc = add_routed(acc, parts[e], weight_of[e])
+        order = sorted(parts)  # expert-id order, as add_parts adds them
+        # the sum starts at moe_sum(x): one native call may add it all, with add_parts's and add_shared's bits
+        if (acc is None or acc is x) and add_experts(x, [parts[e] for e in order], [weight_of[e] for e in order], z):
+            return x
+        acc = add_parts(acc, parts, weight_of)
     else:
         z = shared()
         acc = routed_grouped(model, acc, h, layer, weights, idx, decode)
@@ -125,27 +124,18 @@ def routed_one(
     """One row: its k experts called directly (no sort or index bookkeeping), added to the float32 sum ``acc``
     (:func:`~fate_edge.model.layer_step.moe_sum`) in expert-id order with their weights as Python floats
     (``host_w``, ``host_idx`` [1, k] on the host) → the sum [1, H] (None: none started and every expert skipped)."""
-    return routed_one_and_shared(model, acc, h, layer, host_w, host_idx, decode)[0]
+    parts, weight_of, _ = routed_parts(model, h, layer, host_w, host_idx, decode)
+    return add_parts(acc, parts, weight_of)
 
 
-def routed_one_and_shared(
-    model: DecodingModel,
-    acc: torch.Tensor | None,
-    h: torch.Tensor,
-    layer: int,
-    host_w: torch.Tensor,
-    host_idx: torch.Tensor,
-    decode: bool = True,
-    shared: Shared = _no_shared,
-    fold: NativeShared | None = None,
-) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor | None] | None]:
-    """:func:`routed_one` and the shared expert → (the sum, ``shared()``'s output): the shared expert computed
-    before the experts arrive, or, where ``fold`` is given and the first group's experts group with it, in their
-    kernel calls."""
-    parts, weight_of, z = routed_parts(model, h, layer, host_w, host_idx, decode, shared, fold)
-    for e in sorted(parts):  # whatever order they arrived in
+def add_parts(
+    acc: torch.Tensor | None, parts: dict[int, torch.Tensor], weight_of: dict[int, float]
+) -> torch.Tensor | None:
+    """One row's computed experts (:func:`routed_parts`) added to the float32 sum ``acc`` by
+    :func:`~fate_edge.model.layer_step.add_routed` in expert-id order, whatever order they arrived in → the sum."""
+    for e in sorted(parts):
         acc = add_routed(acc, parts[e], weight_of[e])
-    return acc, z
+    return acc
 
 
 def routed_parts(
@@ -159,7 +149,8 @@ def routed_parts(
     fold: NativeShared | None = None,
 ) -> tuple[dict[int, torch.Tensor], dict[int, float], tuple[torch.Tensor, torch.Tensor | None] | None]:
     """One row's k experts and shared expert, not yet added → (each computed expert's output rows, each routed
-    expert's weight as a Python float, ``shared()``'s output): as :func:`routed_one_and_shared` computes them."""
+    expert's weight as a Python float, ``shared()``'s output): the shared expert computed before the experts arrive,
+    or, where ``fold`` is given and the first group's experts group with it, in their kernel calls."""
     weight_of = dict(zip(host_idx.tolist()[0], host_w.tolist()[0]))  # exact: float32 → Python float → float32
     rows = ExpertInput(h, decode)
     parts: dict[int, torch.Tensor] = {}

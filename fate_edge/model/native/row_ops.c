@@ -242,10 +242,9 @@ T256 int64_t fe_argmax_bf16(const void *x, int64_t n) {
         const int64_t m = n - c < CHUNK ? n - c : CHUNK;
         uint16_t top = 0, nan = 0;
         for (int64_t i = 0; i < m; i++) {
-            const uint16_t b = v[c + i];
-            const uint16_t k = (uint16_t)(b == 0x8000u ? 0x8000u : ((b & 0x8000u) ? (uint16_t)~b : (uint16_t)(b | 0x8000u)));
+            const uint16_t k = order_key(v[c + i]);
             top = k > top ? k : top;
-            nan |= (uint16_t)((b & 0x7fffu) > 0x7f80u);
+            nan |= (uint16_t)is_nan(v[c + i]);
         }
         if (nan) { /* the first NaN is the answer */
             for (int64_t i = 0; i < m; i++)
