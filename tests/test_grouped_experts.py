@@ -273,3 +273,40 @@ def test_a_resident_decode_token_takes_its_shared_expert_into_the_experts_two_ca
     assert all(len(c) == model.config.num_experts_per_tok for c in calls)
     for a, b in zip(folded, apart):
         assert torch.equal(a, b)
+
+
+def test_an_engine_whose_budget_holds_the_model_folds_the_shared_expert_like_the_resident_model(tmp_path, monkeypatch):
+    """The default engine on a model its budget holds: once an expert has been read it stays, so a warm decode
+    token's MoE layer makes the resident model's two grouped calls with the shared expert in them, with the bits of
+    an engine whose budget holds only some experts (each expert read when it misses, the shared expert apart)."""
+    from _tiny_moe import build_wide_moe
+
+    from fate_edge.format.convert import convert
+    from fate_edge.runtime.engine import Engine
+    from fate_edge.runtime.engine_config import EngineConfig
+    from fate_edge.runtime.generate import GenerateConfig
+
+    store = convert(build_wide_moe(tmp_path / "m", 128, vocab=1024), tmp_path / "s", progress=False)
+    calls: list[list[tuple[int, int]]] = []
+    real = grouped_experts.gemm_grouped
+
+    def recording(table):
+        calls.append([lin.shape for lin, _, _ in table])
+        real(table)
+
+    monkeypatch.setattr(grouped_experts, "gemm_grouped", recording)
+    cfg = GenerateConfig(max_tokens=12, ignore_eos=True, logprobs=3)
+    prompt = [3, 17, 99, 5, 250, 7, 64, 12]
+    runs = {}
+    for budget in ("auto", 150_000):  # every expert, or 3 and 2 of each layer's 4
+        with Engine(EngineConfig(store, budget, dtype="bfloat16")) as engine:
+            calls.clear()
+            runs[budget] = [(r.token, r.logprob) for r in engine.stream(prompt, cfg)]
+            whole = engine.model.experts.all_at_hand
+            folded = [c for c in calls if c[0] == (2 * 128 + 1, 128)]  # the shared expert's gate, up and gate logit
+        if budget == "auto":  # after the first tokens' reads, every decode token's two layers
+            assert whole and len(folded) >= 2 * (cfg.max_tokens - 4)
+            assert all(len(c) > 1 for c in folded)  # beside routed experts' matrices
+        else:
+            assert not whole and not folded
+    assert runs["auto"] == runs[150_000]  # tokens and logprobs: the same bits

@@ -220,9 +220,10 @@ class ExpertProvider(ABC):
     :meth:`end_layer` (unpin, drop unused prefetches).
     """
 
-    # Whether stream_groups hands out every expert asked for at once, in one group, without waiting for a read: the
-    # MoE block may then compute the shared expert in the same kernel calls (grouped_experts.group_rows_with_shared)
-    # instead of beside the reads it would otherwise overlap
+    # Whether stream_groups hands out every expert asked for at once, in one group, without waiting for a read (or
+    # waits only for an expert's first use: a cache that holds the whole model): the MoE block may then compute the
+    # shared expert in the same kernel calls (grouped_experts.group_rows_with_shared) instead of beside the reads it
+    # would otherwise overlap
     all_at_hand = False
 
     @abstractmethod

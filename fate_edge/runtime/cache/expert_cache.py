@@ -9,7 +9,8 @@ is refused rather than exceeding the capacity: the budget is a hard limit. A pol
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,9 +43,8 @@ class ExpertCache:
         self.partition_of = partition_of or (lambda key: key[0])
         sizes = entry_bytes_of or {}
         self._other_sizes = set(sizes)
-        self.policies = {
-            p: make_policy(p, max(1, cap // max(1, sizes.get(p, entry_bytes)))) for p, cap in self.capacity.items()
-        }
+        self.slots = {p: cap // max(1, sizes.get(p, entry_bytes)) for p, cap in self.capacity.items()}  # entries
+        self.policies = {p: make_policy(p, max(1, n)) for p, n in self.slots.items()}
         self.per_layer: dict[int, int] = {}  # MoE layer → entries held (whatever the partitioning)
         self.entries: dict[Key, CacheEntry] = {}
         # Each partition's keys in insertion order (the order of ``entries``): an eviction looks at its own partition
@@ -71,6 +71,11 @@ class ExpertCache:
             if nbytes > 0
             else 0
         )
+
+    def holds_all(self, keys: Iterable[Key]) -> bool:
+        """Every one of ``keys`` fits at once, each at its partition's entry size: none would ever be evicted."""
+        need = Counter(self.partition_of(k) for k in keys)
+        return all(n <= self.slots.get(p, 0) for p, n in need.items())
 
     def __contains__(self, key: Key) -> bool:
         return key in self.entries
