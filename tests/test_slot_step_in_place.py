@@ -94,3 +94,26 @@ def test_in_place_slot_step_gives_the_eager_decode_under_the_interpreter(store, 
     assert len(syncs) == len(toks) and sum(syncs) == len(syncs) + state["reruns"]
     assert torch.equal(toks, eager_toks)
     assert (logits - eager_logits).abs().max().item() <= 1e-4
+
+
+@pytest.mark.gpu
+def test_the_captured_in_place_slot_step_on_cuda_gives_the_layer_graphs_tokens(store):
+    """Captured and replayed (scripts/gpu_check.sh runs it where a GPU is lent): the Triton launch inside the token's
+    graph, the blobs copied into their slots on the copy stream; the per-layer graphs' tokens (their experts on
+    torch's int4 kernel in bf16, so the logits only close)."""
+    pytest.importorskip("triton", reason="Triton is not installed (pip install fate-edge[test])")
+    from test_slot_step import decode
+
+    from fate_edge.model.graph_step import LayerGraphDecode
+    from fate_edge.model.slot_step import SlotGraphDecode
+
+    with Engine(EngineConfig(str(store), BUDGET, "lru", device="cuda")) as eng:
+        want = decode(eng, LayerGraphDecode(eng.model), steps=8)
+    with Engine(EngineConfig(str(store), BUDGET, "lru", device="cuda")) as eng:
+        step = SlotGraphDecode(eng.model, in_place=True)
+        got = decode(eng, step, steps=8)
+        assert step.failed is None and step.captures >= 1 and step.eager_tokens == 0
+        assert step.copy_stream is not None and step.slab["blob"].dtype == torch.uint8
+    assert torch.equal(got[0], want[0])
+    assert ((got[1] - want[1]).norm() / want[1].norm()).item() < 1e-2
+    assert sum(step.syncs_per_token) == 8 + step.reruns
