@@ -40,7 +40,8 @@ py=python3
   # -P: never import the source tree from the current directory (its side folders install under fate_edge.*)
   $py -P -c "import fate_edge, fastapi, isal; print('fate-edge', fate_edge.__version__, 'from', fate_edge.__file__)" || exit 1
   echo "== GPU tests"; timeout 300 $py -P -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_transfer.py tests/test_triton_moe.py tests/test_staging_release.py \
-    tests/test_slot_step.py tests/test_grouped_prefill.py \
+    tests/test_slot_step.py tests/test_slot_step_in_place.py::test_the_captured_in_place_slot_step_on_cuda_gives_the_layer_graphs_tokens \
+    tests/test_grouped_prefill.py \
     tests/test_gpu_tiers.py tests/test_host_tier.py tests/test_cpu_miss.py tests/test_land_early.py
   echo "== logits parity GPU vs CPU and decode speed (bundled model)"
   timeout 90 $py -P scripts/gpu_parity.py --json "$out/parity.json"

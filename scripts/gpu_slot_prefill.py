@@ -17,6 +17,7 @@ import json
 import statistics
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -114,6 +115,39 @@ def budget_prefill_round(args, prompt: list[int], grouped: bool) -> dict:
     return row
 
 
+def compare_prefills(
+    args,
+    prompt: list[int],
+    out: dict,
+    rows_key: str,
+    flag: str,
+    run: Callable[..., dict],
+    diff_key: str,
+    median_key: str,
+    agree_key: str | None = None,
+) -> None:
+    """``--prefill-rounds`` rounds of ``run`` eager then grouped, each row (flagged ``flag``) into ``out[rows_key]``;
+    then into ``out`` the two's largest logit difference (``diff_key``), where asked the share of positions whose
+    argmax agrees (``agree_key``), and each one's median tokens per second (``median_key`` with eager or grouped)."""
+    rows, logits = out.setdefault(rows_key, []), {}
+    for _ in range(args.prefill_rounds):
+        for grouped in (False, True):
+            try:
+                row = run(args, prompt, grouped)
+                logits[grouped] = row.pop("logits")
+            except Exception as e:  # noqa: BLE001 (the row says what failed; the other rows still run)
+                row = {flag: grouped, "error": traceback.format_exception_only(e)[-1].strip()}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if len(logits) == 2:
+        out[diff_key] = (logits[True] - logits[False]).abs().max().item()
+        if agree_key is not None:
+            out[agree_key] = float((logits[True].argmax(-1) == logits[False].argmax(-1)).float().mean())
+    for grouped in (False, True):
+        tps = [r["prefill_tps"] for r in rows if r.get(flag) is grouped and "error" not in r]
+        out[median_key.format("grouped" if grouped else "eager")] = statistics.median(tps) if tps else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--store", required=True, help="the slice's store (the default layout)")
@@ -144,40 +178,11 @@ def main() -> None:
         tps = [r["decode_tps"] for r in ok if r["runner"] == name]
         out[f"median_decode_tps_{name}"] = statistics.median(tps) if tps else None
     out["decode_tokens_agree"] = len({tuple(r["tokens"]) for r in ok}) == 1 if ok else None
-    if args.portable_store:
-        logits = {}
-        for _ in range(args.prefill_rounds):
-            for grouped in (False, True):
-                try:
-                    row = prefill_round(args, prompt, grouped)
-                    logits[grouped] = row.pop("logits")
-                except Exception as e:  # noqa: BLE001
-                    row = {"grouped": grouped, "error": traceback.format_exception_only(e)[-1].strip()}
-                out["prefill"].append(row)
-                print(json.dumps(row), flush=True)
-        if len(logits) == 2:
-            out["prefill_max_abs_logit_diff"] = (logits[True] - logits[False]).abs().max().item()
-            out["prefill_argmax_agree"] = float((logits[True].argmax(-1) == logits[False].argmax(-1)).float().mean())
-        for grouped in (False, True):
-            tps = [r["prefill_tps"] for r in out["prefill"] if r.get("grouped") is grouped and "error" not in r]
-            out[f"median_prefill_tps_{'grouped' if grouped else 'eager'}"] = statistics.median(tps) if tps else None
-        out["budget_prefill"], logits = [], {}
-        for _ in range(args.prefill_rounds):
-            for grouped in (False, True):
-                try:
-                    row = budget_prefill_round(args, prompt, grouped)
-                    logits[grouped] = row.pop("logits")
-                except Exception as e:  # noqa: BLE001
-                    row = {"budget_grouped": grouped, "error": traceback.format_exception_only(e)[-1].strip()}
-                out["budget_prefill"].append(row)
-                print(json.dumps(row), flush=True)
-        if len(logits) == 2:
-            out["prefill_budget_max_abs_logit_diff"] = (logits[True] - logits[False]).abs().max().item()
-        for grouped in (False, True):
-            rows = [r for r in out["budget_prefill"] if r.get("budget_grouped") is grouped and "error" not in r]
-            tps = [r["prefill_tps"] for r in rows]
-            key = f"median_budget_prefill_tps_{'grouped' if grouped else 'eager'}"
-            out[key] = statistics.median(tps) if tps else None
+    if args.portable_store:  # resident, then at the budget: each grouped against the eager prefill
+        resident = ("prefill_max_abs_logit_diff", "median_prefill_tps_{}")
+        compare_prefills(args, prompt, out, "prefill", "grouped", prefill_round, *resident, "prefill_argmax_agree")
+        budget = ("prefill_budget_max_abs_logit_diff", "median_budget_prefill_tps_{}")
+        compare_prefills(args, prompt, out, "budget_prefill", "budget_grouped", budget_prefill_round, *budget)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=1))
     print(json.dumps({k: v for k, v in out.items() if k.startswith(("median", "decode_tokens", "prefill_"))}))

@@ -60,3 +60,25 @@ def test_the_plan_carries_its_measured_miss_costs_to_seed_the_run():
     rule.seed(plan.miss_costs)  # what Engine.load does with the scheduler's rule (TierPath.seed_misses)
     assert rule.cpu_row_s == 100e-6 and rule.link_s_per_byte == pytest.approx(1 / 15.75e9)
     assert with_miss_compute(_plan(100e-6), "jetson-orin-nano-8gb", EXPERT, HIDDEN).miss_costs is None
+
+
+def test_the_planner_and_the_run_decide_alike_on_the_same_numbers():
+    """One cost model: the planner's ``hybrid`` pick is the run's per-miss rule, seeded with the plan's costs, for a
+    one-row decode miss that no later use repays; a reuse the run expects only leans it toward the copy."""
+    laptop = load_profile("laptop-rtx4060-8gb")  # 15.75 GB/s: the copy takes ~0.3 ms
+    decisions = set()
+    for expert_s in (50e-6, 200e-6, 280e-6, 290e-6, 300e-6, 320e-6, 1e-3):  # both sides of the boundary
+        plan = with_miss_compute(_plan(expert_s), "laptop-rtx4060-8gb", EXPERT, HIDDEN)
+        costs = plan.miss_costs
+        assert costs is not None
+        run = MissRule(top_k=2, num_experts=60)  # as the scheduler builds it with no device cache: no reuse
+        run.seed(costs)  # TierPath.seed_misses
+        assert run.cpu_s(1, HIDDEN) == costs.cpu_s and run.copy_s(EXPERT) == costs.copy_s
+        on_cpu = run.choose((3, 7), 1, EXPERT, HIDDEN, prompt=False) == "cpu"
+        assert on_cpu == (plan.policy.miss_compute == "hybrid") == (place_miss(costs) == "cpu")
+        assert on_cpu == (miss_compute_for(laptop, EXPERT, HIDDEN, expert_s) == "hybrid")
+        decisions.add(on_cpu)
+        kept = MissRule(top_k=2, num_experts=60, horizon_tokens=30.0)  # a copy that stays cached: uses repay it
+        kept.seed(costs)
+        assert kept.choose((3, 7), 1, EXPERT, HIDDEN, prompt=False) == "copy" or on_cpu
+    assert decisions == {True, False}  # the numbers straddle the boundary

@@ -73,3 +73,13 @@ def test_an_unmeasured_side_is_tried_so_that_it_gets_measured():
     assert unknown_cpu.choose((0, 0), 2, EXPERT, HIDDEN, prompt=False) == COPY
     unknown_link = MissRule(cpu_row_s=1e-9)
     assert unknown_link.choose((0, 0), 1, EXPERT, HIDDEN, prompt=False) == COPY
+
+
+def test_the_devices_compute_of_a_copy_is_seeded_into_the_copy_side():
+    costs = MissCosts(EXPERT, HIDDEN, link_bytes_per_s=1e9, cpu_expert_s=1.1e-3, device_expert_s=2e-4)
+    rule = MissRule()
+    rule.seed(costs)
+    assert rule.copy_s(EXPERT) == pytest.approx(1e-5 + 1e-3 + 2e-4) == costs.copy_s
+    assert rule.choose((0, 0), 1, EXPERT, HIDDEN, prompt=False) == CPU  # 1.13 ms < 1.21 ms: the GPU's time tips it
+    unseeded = MissRule(cpu_row_s=1.1e-3, link_s_per_byte=1e-9)  # without it: 1.13 ms > 1.01 ms
+    assert unseeded.choose((0, 0), 1, EXPERT, HIDDEN, prompt=False) == COPY

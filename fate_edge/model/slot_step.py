@@ -25,6 +25,12 @@ Admissions and evictions happen between replays; on CUDA the copies into the slo
 compute stream waits on before the next replay. ``capture=False`` runs the same code without graphs: what the CPU
 tests check against the eager streamed step (tests/test_slot_step.py). The runner counts its host syncs
 (:attr:`SlotGraphDecode.syncs_per_token`).
+
+``in_place=True`` (opt-in, a portable int4 store): the scheduler keeps each expert as its uploaded blob
+(``runtime.portable_expert``: nothing re-packed on arrival), a slot holds the blob byte for byte, and a layer's
+routed experts are one launch of the Triton kernel that reads the blobs in place (``quant.triton_moe.moe_int4``),
+summed in float32 in expert-id order. Checked on the CPU under Triton's interpreter against the eager decode
+(tests/test_slot_step_in_place.py); not measured on a GPU.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from fate_edge.model.layer import apply_linear, rms_norm
 from fate_edge.model.layer_step import LayerPath, add_moe, add_routed, add_shared, decoder_layer, moe_sum, shared_out
 from fate_edge.model.runner import DecodeRunner
 from fate_edge.model.slot_table import SlotTable
+from fate_edge.quant.triton_moe import Int4MoELayout, MoEScratch, moe_int4, triton_available
 
 if TYPE_CHECKING:
     from fate_edge.model.decoding_model import DecodingModel
@@ -60,6 +67,8 @@ def slot_parts(expert: Any) -> list[Part] | None:
     glu_plain = getattr(getattr(expert, "glu", None), "limit", 0) is None
     if not glu_plain or getattr(expert, "bias", 0) is not None:
         return None
+    if isinstance(getattr(expert, "blob", None), torch.Tensor) and getattr(expert, "layout", None) is not None:
+        return [(expert, "blob", "blob")]  # a portable int4 blob (runtime.portable_expert): copied as it is
     roles = ("gate_up", "down") if getattr(expert, "gate_up", None) is not None else ("gate", "up", "down")
     if isinstance(expert, QuantizedExpert) and expert.takes_bf16:
         return [(getattr(expert, r), a, f"{r}.{a}") for r in roles for a in ("packed", "scale_zero")]
@@ -83,11 +92,20 @@ class SlotGraphDecode(_StaticDecode):
 
     kind = "cuda-slot-graph"
 
-    def __init__(self, model: DecodingModel, capture: bool = True):
+    def __init__(self, model: DecodingModel, capture: bool = True, in_place: bool = False):
         super().__init__(model, capture)
         why = unsupported(model)
         if why is not None:
             raise ValueError(f"the slot decode step does not support {why}")
+        self.in_place = in_place  # the portable blobs in the slots, one Triton launch a layer (see the module's doc)
+        self.layout: Int4MoELayout | None = None  # the slots' blob layout where in place
+        self.scratch: MoEScratch | None = None
+        if in_place:
+            if not triton_available():
+                raise ValueError("the in-place slot step needs Triton (pip install triton, or fate-edge[test])")
+            if getattr(model.experts, "zero_copy", False) or getattr(model.experts, "lends", False):
+                raise ValueError("the in-place slot step keeps experts as uploaded blobs: not on the CPU's zero-copy")
+            model.experts.keeps_blobs = True  # type: ignore[attr-defined]  # the scheduler's (runtime.tier_path)
         self.cache = model.experts.cache  # type: ignore[attr-defined]  # unsupported() checked it
         self.moe_layers = list(model.config.moe_layers)
         self.k = model.config.num_experts_per_tok
@@ -130,6 +148,11 @@ class SlotGraphDecode(_StaticDecode):
             self.table = SlotTable(slots, self.moe_layers, self.num_experts, self.slab[parts[0][2]].device)
         if isinstance(first.expert, QuantizedExpert):
             self.int4_group = first.expert.down.spec.group_size
+        if self.in_place != (parts[0][2] == "blob"):
+            return f"cached experts of type {type(first.expert).__name__} with in_place={self.in_place}"
+        if self.in_place:
+            self.layout, dev = first.expert.layout, self.slab["blob"].device
+            self.scratch = MoEScratch.for_layout(self.layout, self.k, min(self.layout.group, 64), dev)
         self.glu = first.expert.glu
         self.table.attach(self.cache)
         return self._sync_slots()
@@ -189,8 +212,12 @@ class SlotGraphDecode(_StaticDecode):
             present = slots >= 0
             ws = torch.where(present, ws, torch.zeros_like(ws))  # a miss adds 0 · (slot 0's output)
             slots = slots.clamp(min=0).long()
-            hb = h.to(torch.bfloat16) if self.int4_group is not None else h
             acc = moe_sum(x)
+            if self.layout is not None:  # every routed expert in one launch, summed in float32 in expert-id order
+                y = moe_int4(h[0], self.slab["blob"], slots, ws, self.layout, scratch=self.scratch).view(1, -1)
+                acc = y if acc is None else acc.add_(y)
+                return add_moe(x, acc if z is None else add_shared(acc, *z))
+            hb = h.to(torch.bfloat16) if self.int4_group is not None else h
             for j in range(self.k):
                 acc = add_routed(acc, self._expert(h, hb, slots[j : j + 1]), ws[j : j + 1])
             return add_moe(x, acc if z is None else add_shared(acc, *z))

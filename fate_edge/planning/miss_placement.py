@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fate_edge.runtime.miss_rule import DEFAULT_LINK_LATENCY_S, place
+from fate_edge.runtime.miss_rule import DEFAULT_LINK_LATENCY_S, MissRule
 
 
 @dataclass(frozen=True)
@@ -30,20 +30,28 @@ class MissCosts:
         if self.link_bytes_per_s <= 0 or min(self.expert_bytes, self.hidden_bytes) < 0 or self.cpu_expert_s < 0:
             raise ValueError(f"miss costs need a positive link speed and sizes and times >= 0, got {self}")
 
+    def rule(self) -> MissRule:
+        """The run's per-miss rule (``runtime.miss_rule``) seeded with these figures, keeping no copy (no reuse): the
+        one cost model, of which the planner's one-row miss is a special case."""
+        rule = MissRule(learn=0.0)
+        rule.seed(self)
+        return rule
+
     @property
     def copy_s(self) -> float:
         """Copy the expert to the GPU and compute it there."""
-        return self.link_latency_s + self.expert_bytes / self.link_bytes_per_s + self.device_expert_s
+        return self.rule().copy_s(self.expert_bytes)
 
     @property
     def cpu_s(self) -> float:
-        """Send the hidden state to the CPU, compute the expert there, send its output back."""
-        return 2 * (self.link_latency_s + self.hidden_bytes / self.link_bytes_per_s) + self.cpu_expert_s
+        """Send the hidden state to the CPU, compute the expert there, send its output back (one row)."""
+        return self.rule().cpu_s(1, self.hidden_bytes)
 
 
 def place_miss(costs: MissCosts) -> str:
-    """``"cpu"`` where computing the miss on the CPU is cheaper than copying it, else ``"copy"``."""
-    return place(costs.cpu_s, costs.copy_s, reuse=0.0)  # the run's rule, for one use
+    """``"cpu"`` where computing the miss on the CPU is cheaper than copying it, else ``"copy"``: the run's rule
+    for one row of a decode miss, no reuse (a copy is not counted on to serve later uses)."""
+    return costs.rule().choose((0, 0), 1, costs.expert_bytes, costs.hidden_bytes, prompt=False)
 
 
 def miss_compute_for(

@@ -95,10 +95,6 @@ class HostTier:
     def __len__(self) -> int:
         return len(self._where)
 
-    @property
-    def free_slots(self) -> int:
-        return len(self._free)
-
     def holds(self, key: Key, bits: int) -> bool:
         where = self._where.get(key)
         return where is not None and where[2] == bits

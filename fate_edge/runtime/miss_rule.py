@@ -4,7 +4,7 @@ up, decided for each miss from the costs the run measures as it goes (planning.m
 The rule, for one missed expert needed by ``rows`` rows of this layer call:
 
     cpu  = cpu_fixed + rows · cpu_row + 2 · (latency + rows · hidden_bytes · link_per_byte)
-    copy = latency + expert_bytes · link_per_byte
+    copy = latency + expert_bytes · link_per_byte + device_expert
     on the CPU  iff  cpu · (1 + reuse) < copy
 
 ``cpu`` is computing it where it lies (decode the blob on the CPU, send the rows across and the output back); ``copy``
@@ -20,6 +20,9 @@ measured figures (:meth:`MissRule.seed`, from ``planning.miss_placement.MissCost
 (timed around each CPU-computed miss), the decode of a blob on the CPU, and the link's time per byte (each upload's
 copy, timed by the copier). A side not yet measured nor seeded is tried so it gets measured: a one-row decode miss
 goes to the CPU while the CPU's time is unknown, anything else is copied while the link's is.
+
+The planner's choice of ``hybrid`` (``planning.miss_placement``) is this rule's special case: its measured figures
+seeded into a rule, for one row of a decode miss with no decode cost and no reuse.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class MissRule:
     cpu_fixed_s: float = 0.0  # decoding a blob on the CPU, per miss
     link_s_per_byte: float = 0.0  # host → device copy time per byte (0: unknown)
     link_latency_s: float = DEFAULT_LINK_LATENCY_S
+    device_expert_s: float = 0.0  # the device's compute of a copied expert (seeded only: 0 where nothing said)
     # per-token use rate of an expert in its layer as (rate, the layer's token count when it was set): decayed
     # lazily, so a token costs its top_k experts, not every expert
     rate: dict[Key, tuple[float, int]] = field(default_factory=dict)
@@ -57,10 +61,11 @@ class MissRule:
 
     def seed(self, costs: Any) -> None:
         """Start from the planner's measured figures (``planning.miss_placement.MissCosts``: one expert of one token
-        on the CPU, the link's speed and latency)."""
+        on the CPU, the link's speed and latency, the device's compute of an expert)."""
         self.cpu_row_s = costs.cpu_expert_s
         self.link_s_per_byte = 1.0 / costs.link_bytes_per_s
         self.link_latency_s = costs.link_latency_s
+        self.device_expert_s = costs.device_expert_s
 
     def _mix(self, old: float, new: float) -> float:
         return new if old == 0 else (1 - self.learn) * old + self.learn * new
@@ -95,11 +100,13 @@ class MissRule:
         return self._rate(key) * self.horizon_tokens
 
     def cpu_s(self, rows: int, hidden_bytes: int) -> float:
+        """Compute the miss on the CPU: decode its blob, its ``rows`` rows sent across, computed, sent back."""
         link = 2 * (self.link_latency_s + rows * hidden_bytes * self.link_s_per_byte)
         return self.cpu_fixed_s + rows * self.cpu_row_s + link
 
     def copy_s(self, expert_bytes: int) -> float:
-        return self.link_latency_s + expert_bytes * self.link_s_per_byte
+        """Copy the expert up once and compute it on the device."""
+        return self.link_latency_s + expert_bytes * self.link_s_per_byte + self.device_expert_s
 
     def choose(self, key: Key, rows: int, expert_bytes: int, hidden_bytes: int, prompt: bool) -> str:
         """Where the miss of ``key`` for ``rows`` rows runs: ``"cpu"`` or ``"copy"``."""

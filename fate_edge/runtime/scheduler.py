@@ -13,7 +13,6 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 
 import torch
 
@@ -27,6 +26,7 @@ from fate_edge.model.experts import Expert, ExpertProvider
 from fate_edge.predictors.base import Predictor
 from fate_edge.runtime.cache import AccessInfo, ExpertCache
 from fate_edge.runtime.host_tier import HostTier
+from fate_edge.runtime.layer_blobs import Fetch, LayerBlobs
 from fate_edge.runtime.policy import PolicyConfig
 from fate_edge.runtime.prefetch_choice import gate_candidates, plan_prefetches, prefetch_width, ranked, room_ahead
 from fate_edge.runtime.prefetch_gate import PrefetchGate
@@ -65,15 +65,7 @@ def _ema(old: float, new: float, keep: float) -> float:
     return new if old == 0 else keep * old + (1 - keep) * new
 
 
-@dataclass
-class _Fetch:
-    req: FetchRequest
-    bits: int
-    prefetched: bool
-    lent: bool = False  # decoded in its read buffer, released after use (lends)
-
-
-class Scheduler(TierPath, ExpertProvider):
+class Scheduler(TierPath, LayerBlobs, ExpertProvider):
     # Serving needs no routing of prompt tokens whose outputs nothing reads (see model.decoding_model.RoutingObserver).
     needs_every_token = False
 
@@ -135,12 +127,12 @@ class Scheduler(TierPath, ExpertProvider):
         self.layer_index = {layer: i for i, layer in enumerate(config.moe_layers)}
         every = ((layer, e) for layer in config.moe_layers for e in range(config.num_experts))
         self._holds_model = cache is not None and cache.holds_all(every)  # nothing is ever evicted (all_at_hand)
-        self.prefetches: dict[Key, _Fetch] = {}
+        self.prefetches: dict[Key, Fetch] = {}
         # Planned reads ahead waiting for room (at most max_inflight are submitted): the layer being computed
         # still holds its own prefetches when it predicts, and frees their room as it consumes them.
         self.deferred: dict[Key, tuple[int, Priority]] = {}
-        self._dropping: list[tuple[_Fetch, bool]] = []  # cancelled reads still stopping (see _drop)
-        self.demands: dict[Key, _Fetch] = {}
+        self._dropping: list[tuple[Fetch, bool]] = []  # cancelled reads still stopping (see _drop)
+        self.demands: dict[Key, Fetch] = {}
         self.skip: set[Key] = set()
         self.in_use: list[Key] = []
         self.layer_uses: dict[int, list[int]] = {}  # MoE layer → [cached, prefetched, demand] expert uses
@@ -196,7 +188,7 @@ class Scheduler(TierPath, ExpertProvider):
             if bits == self.policy.bits and self._host_holds(key):
                 continue
             req = self._submit(key, bits, Priority.DEMAND)
-            self.demands[key] = _Fetch(req, bits, prefetched=False)
+            self.demands[key] = Fetch(req, bits, prefetched=False)
 
         if self.predictor is not None:
             t0 = time.perf_counter()
@@ -324,7 +316,7 @@ class Scheduler(TierPath, ExpertProvider):
                 self._ready_from_host(key, bits)
                 continue
             req = self._submit(key, bits, prio)
-            self.prefetches[key] = _Fetch(req, bits, prefetched=True)
+            self.prefetches[key] = Fetch(req, bits, prefetched=True)
 
     def _cached(self, key: Key) -> bool:
         return self.cache is not None and key in self.cache
@@ -340,7 +332,7 @@ class Scheduler(TierPath, ExpertProvider):
         reads that have landed, together, as they land (their read buffers may go back to the pool once the caller
         asks for the next group)."""
         info = AccessInfo(layer_now=layer, num_layers=self.config.num_hidden_layers)
-        pending: dict[int, _Fetch] = {}
+        pending: dict[int, Fetch] = {}
         at_hand: list[tuple[int, Expert | None]] = []
         for e in expert_ids:
             key = (layer, e)
@@ -366,7 +358,7 @@ class Scheduler(TierPath, ExpertProvider):
                     at_hand.append((e, self._from_host(key, info)))
                     continue
                 if f is None:  # not announced through on_route (a provider used without the hook)
-                    f = _Fetch(
+                    f = Fetch(
                         self._submit(key, self.policy.bits, Priority.DEMAND),
                         self.policy.bits,
                         prefetched=False,
@@ -392,7 +384,7 @@ class Scheduler(TierPath, ExpertProvider):
                             self.fetch.completed.wait(timeout=0.05)
                     self.stats.stall_s += time.perf_counter() - t0
                     continue
-                landed: list[_Fetch] = []
+                landed: list[Fetch] = []
                 try:
                     group = []
                     for e in ready:
@@ -418,7 +410,7 @@ class Scheduler(TierPath, ExpertProvider):
             self._hold_lent = False
         return out
 
-    def _consume(self, layer: int, e: int, f: _Fetch, info: AccessInfo):
+    def _consume(self, layer: int, e: int, f: Fetch, info: AccessInfo):
         key = (layer, e)
         t0 = time.perf_counter()
         payload = self._take(f)
@@ -451,7 +443,7 @@ class Scheduler(TierPath, ExpertProvider):
         self.stats.low_precision += int(low)
         return expert
 
-    def _take(self, f: _Fetch) -> memoryview:
+    def _take(self, f: Fetch) -> memoryview:
         """A landed read's payload (its buffer back to the pool if the read failed); its speed measured."""
         try:
             payload = self.fetch.wait(f.req)
@@ -476,7 +468,7 @@ class Scheduler(TierPath, ExpertProvider):
         if self.copier.in_flight and self.copier.poll() and self.fetch.pool.available == 0:
             self.copier.wait_oldest()
 
-    def _hand_off(self, key: Key, f: _Fetch, expert: object) -> bool:
+    def _hand_off(self, key: Key, f: Fetch, expert: object) -> bool:
         """Zero-copy: if the cache admits ``expert`` (decoded in its read buffer; charged the whole buffer), keep the
         buffer as the cached expert's memory (the pool gets an evicted expert's buffer or a new one in its place).
         False if refused: the buffer stays the request's."""
@@ -488,7 +480,7 @@ class Scheduler(TierPath, ExpertProvider):
         self.in_use.append(key)
         return True
 
-    def _decode_in_buffer(self, f: _Fetch):
+    def _decode_in_buffer(self, f: Fetch):
         """The expert as views of its read buffer (the whole buffer is the storage: what a cached entry keeps)."""
         assert f.req.buffer is not None  # a completed read's
         blob = torch.frombuffer(f.req.buffer.view, dtype=torch.uint8)
@@ -541,7 +533,7 @@ class Scheduler(TierPath, ExpertProvider):
                 self.host.unpin(key)
         self._host_held.clear()
 
-    def _drop(self, f: _Fetch, wasted: bool = True, wait: bool = True) -> None:
+    def _drop(self, f: Fetch, wasted: bool = True, wait: bool = True) -> None:
         """Cancel a fetch (stopping its read between chunks), give its buffer back, count what it wasted.
         ``wait=False``: a read in progress is settled later (:meth:`_settle`) instead of blocking this thread
         until the reader reaches its next chunk (the reader returns the buffer itself when it stops)."""

@@ -20,22 +20,18 @@ measured on a GPU.
 
 from __future__ import annotations
 
-import time
 from collections import Counter
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
 
 from fate_edge.errors import BudgetError
-from fate_edge.fetch.fetch_engine import Priority
 from fate_edge.model.grouped_prefill import GroupedPrefill
 from fate_edge.quant.triton_moe import Int4MoELayout
-from fate_edge.runtime.scheduler import Scheduler, _Fetch
+from fate_edge.runtime.scheduler import Scheduler
 from fate_edge.sizes import format_bytes
 
 if TYPE_CHECKING:
-    from fate_edge.runtime.cache import ExpertCache
     from fate_edge.runtime.engine import Engine
 
 
@@ -80,7 +76,8 @@ class StagedGroupedPrefill:
         base = region * self.n
         slab = self.grouped.slab
         ids = idx.unique().tolist()  # the host picks the blobs: on a GPU a sync, as the observers' routing copy is
-        for e, payload in self._blobs(layer, ids):
+        for e, payload, source in self.sched.layer_blobs(layer, ids, on_read=self._read):
+            self.sources[source] += 1
             blob = torch.frombuffer(payload, dtype=torch.uint8)
             slab[base + e, : blob.numel()].copy_(blob)
             self.staged_bytes += blob.numel()
@@ -89,66 +86,8 @@ class StagedGroupedPrefill:
         self.calls += 1
         return self.grouped(layer, h, idx, weights, acc)
 
-    def _blobs(self, layer: int, ids: list[int]) -> Iterator[tuple[int, memoryview]]:
-        """(expert, its checked blob) for each of ``ids``: held ones first, then reads in the order they land; each
-        read's buffer back to the pool once its blob is copied (when the caller asks for the next)."""
-        s, bits = self.sched, self.sched.policy.bits
-        pending: dict[int, _Fetch] = {}
-        for e in ids:
-            key = (layer, e)
-            f = s.prefetches.pop(key, None) or s.demands.pop(key, None)
-            if f is not None and f.bits != bits:  # a cold copy read ahead: the prompt reads the policy's precision
-                s._drop(f)
-                f = None
-            if f is not None:
-                pending[e] = f
-            elif s.host is not None and s.host.holds(key, bits):
-                self._count("host", layer, hit=True)
-                yield e, s.host.blob(key)  # copied before the next blob: nothing can evict it meanwhile
-            elif key in s._kept:  # the CPU's zero-copy cache: the cached expert's memory is its read buffer
-                self._count("cache", layer, hit=True)
-                yield e, s._kept[key].view[: s.store.ref(layer, e, bits).length]
-            else:  # nothing holds its blob (or the cache holds it decoded): read it now
-                self.reads[key] += 1
-                pending[e] = _Fetch(s._submit(key, bits, Priority.DEMAND), bits, False)  # into a tier slot if admitted
-        s._issue_deferred()  # this layer's reads ahead left the scheduler's table: room for the layers ahead
-        try:
-            while pending:
-                ready = [e for e, f in pending.items() if f.req.done.is_set()]
-                if not ready:
-                    t0 = time.perf_counter()
-                    with s.fetch.completed:
-                        if not any(f.req.done.is_set() for f in pending.values()):
-                            s.fetch.completed.wait(timeout=0.05)
-                    s.stats.stall_s += time.perf_counter() - t0
-                    continue
-                for e in ready:
-                    f = pending.pop(e)
-                    try:
-                        payload = s._take(f)
-                        s._into_tier((layer, e), f.req, payload, None)  # kept in host memory: no store read next
-                        self._count("prefetched" if f.prefetched else "demand", layer, nbytes=f.req.ref.length)
-                        yield e, payload
-                    finally:
-                        s.fetch.release(f.req)
-        except BaseException:  # a failed read, or the request abandoned mid-layer: every buffer back
-            for f in pending.values():
-                s._drop(f, wasted=False)
-            raise
-
-    def _count(self, source: str, layer: int, hit: bool = False, nbytes: int = 0) -> None:
-        """The staged blob's source, in the scheduler's statistics too (hits, prefetch hits, misses)."""
-        s = self.sched
-        self.sources[source] += 1
-        if hit:
-            s.stats.hits += 1
-            s._count_use(layer, 0)
-        elif source == "prefetched":
-            s._prefetch_used(layer, nbytes)
-        else:
-            s.stats.misses += 1
-            s.stats.demand_bytes += nbytes
-            s._count_use(layer, 2)
+    def _read(self, key: tuple[int, int]) -> None:
+        self.reads[key] += 1
 
 
 def use_budgeted_grouped_prefill(engine: Engine, slots: int = 2, block_m: int = 16) -> StagedGroupedPrefill:
@@ -171,27 +110,10 @@ def use_budgeted_grouped_prefill(engine: Engine, slots: int = 2, block_m: int = 
             "or serve prompts without grouped prefill"
         )
     server = StagedGroupedPrefill(engine.scheduler, engine.model.device, slots, block_m)
-    if engine.cache is not None:
-        shrink_cache(engine.cache, need)
+    if engine.cache is not None and not engine.cache.shrink(need):
+        raise BudgetError("grouped prefill's staging cannot be taken from the cache: its experts are in use")
     plan.cache_bytes = max(0, plan.cache_bytes - need)
     plan.prefill_staging_bytes += need
     engine.scheduler.stages_prompts = True  # a prompt's reads ahead stay blobs for the staging (not uploaded)
     engine.model.grouped_prefill = server
     return server
-
-
-def shrink_cache(cache: ExpertCache, nbytes: int) -> None:
-    """Take ``nbytes`` of ``cache``'s capacity, from each partition in proportion to its share, evicting its least
-    wanted unpinned entries (the partition's own policy picks them) until it fits. Each policy keeps the entry count
-    it was built with as its size hint."""
-    total = cache.capacity_bytes
-    if nbytes <= 0 or total <= 0:
-        return
-    take = {p: min(cap, -(-nbytes * cap // total)) for p, cap in cache.capacity.items()}
-    for p, cut in take.items():
-        cache.capacity[p] -= cut
-        while cache.used[p] > cache.capacity[p]:
-            members = [k for k in cache._members[p] if cache.entries[k].pins == 0]
-            if not members:
-                raise BudgetError("grouped prefill's staging cannot be taken from the cache: its experts are in use")
-            cache._evict(cache.policies[p].victim(members, incoming=None))

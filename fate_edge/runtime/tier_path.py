@@ -27,6 +27,7 @@ from fate_edge.runtime.cache import AccessInfo
 from fate_edge.runtime.cpu_miss import OnHost
 from fate_edge.runtime.held_bytes import held_bytes
 from fate_edge.runtime.miss_rule import CPU, MissRule
+from fate_edge.runtime.portable_expert import PortableExpert, keeps_in_place
 
 if TYPE_CHECKING:
     from fate_edge.fetch.fetch_engine import FetchEngine
@@ -63,6 +64,9 @@ class TierPath:
     _rows: dict[int, int]  # this layer call's rows per routed expert
     zero_copy: bool
     lends: bool
+    # Portable int4 experts kept as their uploaded blobs, not decoded (runtime.portable_expert): the slot decode step's
+    # in-place kernel reads them so (SlotGraphDecode(..., in_place=True) sets it). Not with zero-copy or lends.
+    keeps_blobs = False
 
     def _take(self, f: Any) -> memoryview:  # Scheduler's
         raise NotImplementedError
@@ -92,7 +96,11 @@ class TierPath:
             self.copier.release_after(event, release)
         elif self.host is not None:
             self.host.copying(key, event)
-        expert = decode_expert(blob, self.store.precisions[bits], self.dtype)
+        precision = self.store.precisions[bits]
+        if self.keeps_blobs and keeps_in_place(precision):
+            expert: Any = PortableExpert(blob, precision)  # no re-pack: the blob is the expert's memory
+        else:
+            expert = decode_expert(blob, precision, self.dtype)
         # charged what it holds: a view in it keeps its whole base (the uploaded blob) alive
         held = max(expert.nbytes, held_bytes(expert))
         cached = self.cache is not None and bits == self.policy.bits and self._admit(key, expert, held, bits)

@@ -152,6 +152,23 @@ class ExpertCache:
             self.entries[key].pins = 0
             self._evict(key)
 
+    def shrink(self, nbytes: int) -> bool:
+        """Take ``nbytes`` of the capacity, from each partition in proportion to its share, evicting its least wanted
+        unpinned entries (the partition's own policy picks them) until it fits. Each policy keeps the entry count it
+        was built with as its size hint. False where pinned entries leave a partition over its new capacity."""
+        total = self.capacity_bytes
+        if nbytes <= 0 or total <= 0:
+            return True
+        take = {p: min(cap, -(-nbytes * cap // total)) for p, cap in self.capacity.items()}
+        for p, cut in take.items():
+            self.capacity[p] -= cut
+            while self.used[p] > self.capacity[p]:
+                members = [k for k in self._members[p] if self.entries[k].pins == 0]
+                if not members:
+                    return False
+                self._evict(self.policies[p].victim(members, incoming=None))
+        return True
+
     def holds_layer(self, layer: int, num_experts: int) -> bool:
         """Every one of the layer's ``num_experts`` experts is cached."""
         return self.per_layer.get(layer, 0) >= num_experts
