@@ -26,3 +26,31 @@ def test_script_without_close_exits_cleanly():
     assert done.returncode == 0, f"status {done.returncode}: {done.stderr[-400:]}"
     assert "terminate called" not in done.stderr
     assert done.stdout.startswith("text ") and "token " in done.stdout
+
+
+# an engine made inside a function and dropped with its stream unfinished: collected, never closed
+DROPPED = """
+import gc, threading, weakref
+from fate_edge import Engine
+from fate_edge.sdk import stream
+refs = []
+def first_tokens():
+    e = Engine.load(memory_budget="8MB", threads=1)
+    refs.append(weakref.ref(e))
+    s = stream(e, "def f():", max_tokens=200)
+    return [next(s).text for _ in range(3)]
+print("tokens", len(first_tokens()))
+gc.collect()
+print("engine", "alive" if refs[0]() is not None else "gone")
+print("threads", sorted(t.name for t in threading.enumerate() if t.name != "MainThread"))
+"""
+
+
+def test_an_engine_dropped_unclosed_stops_its_threads_and_exits_cleanly():
+    done = subprocess.run(
+        [sys.executable, "-c", DROPPED], capture_output=True, text=True, timeout=120, env=os.environ.copy()
+    )
+    assert done.returncode == 0, f"status {done.returncode}: {done.stderr[-400:]}"
+    assert "terminate called" not in done.stderr
+    assert "tokens 3" in done.stdout and "engine gone" in done.stdout
+    assert "threads []" in done.stdout, done.stdout  # no batcher or fetch thread left holding the model

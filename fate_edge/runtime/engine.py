@@ -11,6 +11,7 @@ decoded expert being computed when it is not cached.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -43,7 +44,7 @@ from fate_edge.runtime.cache import ExpertCache
 from fate_edge.runtime.cache.factory import Resident, build_cache, layer_slots, pick_resident
 from fate_edge.runtime.compute_dtype import resolve_dtype
 from fate_edge.runtime.engine_config import EngineConfig, PolicyChoice, Trace, plan_policy, resolve_device
-from fate_edge.runtime.exit_close import close_at_exit, closed
+from fate_edge.runtime.exit_close import shut_down, shut_down_with
 from fate_edge.runtime.generate import PREFILL_CHUNK, GenerateConfig, GenerationResponse, stream_from_model
 from fate_edge.runtime.held_bytes import entry_bytes
 from fate_edge.runtime.host_tier import open_host_tier, tier_held
@@ -137,7 +138,9 @@ class Engine:
         else:
             self._open()
         self.batcher = self._make_batcher(c.max_batch, c.context_tokens)
-        close_at_exit(self)  # no thread of this engine left computing when the interpreter exits (exit_close)
+        # no thread of this engine left computing once it is closed, dropped or the interpreter exits (exit_close)
+        parts = (self.batcher, self._slot, self._lock, self.scheduler, self.cache, self.fetch, self.host_tier)
+        self._shut = shut_down_with(self, functools.partial(shut_down, *parts))
 
     def _open(self) -> None:
         """Load the model and build the fetch engine, cache and scheduler under the budget."""
@@ -574,17 +577,7 @@ class Engine:
     def close(self) -> None:
         """Stop the fetch workers and free the cached experts (an engine is not usable after this).
         Waits for a step in progress; an open stream's next step then raises EngineClosedError."""
-        if self.batcher is not None:
-            self.batcher.close()  # its sequences end with EngineClosedError
-        self._slot.close()  # no step starts from now on ...
-        with self._lock:  # ... and the one running ends first
-            self.scheduler.abort()
-            if self.cache is not None:
-                self.cache.clear()
-            self.fetch.close()
-            if self.host_tier is not None:
-                self.host_tier.close()
-        closed(self)
+        self._shut()
 
     def __enter__(self) -> Engine:
         return self
