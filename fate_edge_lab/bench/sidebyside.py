@@ -29,7 +29,10 @@ class Side:
     precision: str  # fp32 | bf16 | int4 | mxfp4 (fate-edge); f32 | bf16 | q4_0 | mxfp4 (the GGUF's type)
     experts: str  # what the experts are stored and computed in
     rest: str  # attention, embeddings, shared experts, lm_head
-    mode: str = "resident"  # resident | limited (fate-edge: expert budget; llama.cpp: mmap under a cgroup cap)
+    # resident | limited (fate-edge: expert budget; llama.cpp: mmap under a cgroup cap) | engine (fate-edge: the
+    # Engine with every setting at its default, as `fate-edge run MODEL` serves: the experts it reads stay cached
+    # where the automatic budget holds them)
+    mode: str = "resident"
     dtype: str = ""  # fate-edge int4 sides: what the rest is held and computed in ("" = fp32)
     resident_bits: int | None = None  # fate-edge: attention, shared experts, lm_head quantized (fused.py)
     # fate-edge: the store it reads. BASELINES keeps bf16 experts and float resident weights (quantized at load as
@@ -97,6 +100,16 @@ REAL_RESIDENT = [
         resident_bits=4,
         store=DEFAULT,
     ),
+    # the same store through the product's own path: no setting but the store (budget, policy, dtype all automatic)
+    Side(
+        "fate-edge int4, default engine",
+        "fate-edge",
+        "int4",
+        "int4, read once into the engine's cache (automatic budget)",
+        _DEFAULT_REST,
+        "engine",
+        store=DEFAULT,
+    ),
     Side("llama.cpp bf16", "llama.cpp", "bf16", "bf16", "bf16 (norms f32)"),
     Side("llama.cpp q4_0", "llama.cpp", "q4_0", "q4_0", _Q4_MIX),
 ]
@@ -120,6 +133,7 @@ REAL_PAIRS = [
     ("fate-edge int4, bf16 rest", "llama.cpp q4_0"),
     ("fate-edge int4, int8 rest", "llama.cpp q4_0"),
     ("fate-edge int4, int4 rest", "llama.cpp q4_0"),
+    ("fate-edge int4, default engine", "llama.cpp q4_0"),
     ("fate-edge int4, expert budget", "llama.cpp q4_0, mmap under cap"),
 ]
 
@@ -299,9 +313,13 @@ def _fate_edge_stream(spec: dict[str, Any]):
     torch.set_num_threads(spec["threads"])
     cfg = GenerateConfig(max_tokens=spec["decode_tokens"] + 1, ignore_eos=True)
     rest = torch.bfloat16 if spec.get("dtype") == "bf16" else torch.float32
-    if spec["mode"] == "limited":
+    if spec["mode"] in ("limited", "engine"):
         from fate_edge.runtime.engine import Engine
         from fate_edge.runtime.engine_config import EngineConfig
+
+        if spec["mode"] == "engine":  # the SDK's entry point with every setting at its default but the threads
+            default = Engine.load(spec["store"], threads=spec["threads"])
+            return (r.token for r in default.stream(spec["ids"], cfg))
 
         engine = Engine(
             EngineConfig(
