@@ -30,7 +30,7 @@ def test_every_provider_implements_the_contract(bundled_dir, tmp_path):
     lazy = load_model(bundled_dir, experts="lazy")
     store = convert(bundled_dir, tmp_path / "s", ConvertOptions.full(bits=4, keep_bf16=False), progress=False)
     streamed = load_model(store)
-    with Engine(EngineConfig(store, "8MB", "lru")) as engine:
+    with Engine(EngineConfig(store, "4MB", "lru")) as engine:  # not the whole model (read at load): get() reads
         providers = [memory.experts, lazy.experts, streamed.experts, engine.scheduler, _NoExperts()]
         assert [type(p) for p in providers[:3]] == [
             InMemoryExpertProvider,

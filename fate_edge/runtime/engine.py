@@ -53,7 +53,7 @@ from fate_edge.runtime.loader import load_model
 from fate_edge.runtime.memory_account import available_memory_bytes, kv_shape, memory_account, shortfall
 from fate_edge.runtime.memory_tiers import is_unified, plan_tiers, staging_held
 from fate_edge.runtime.policy import PolicyConfig, for_model, get_policy
-from fate_edge.runtime.preload import LoadReport, first_used, global_choice, preload, preload_choice
+from fate_edge.runtime.preload import LoadReport, first_used, global_choice, preload, preload_choice, read_whole_model
 from fate_edge.runtime.prompt_cache import PromptCache
 from fate_edge.runtime.request_slot import RequestSlot
 from fate_edge.runtime.scheduler import Scheduler, SchedulerStats, hands_off
@@ -207,6 +207,11 @@ class Engine:
         if self.scheduler.zero_copy and self.cache is not None:
             uncached = len(self.model.config.moe_layers) * self.model.config.num_experts - len(self.cache.entries)
             pool.add_spares(min(self.cache.free_entries(pool.size), uncached))
+        # a budget that holds the model: read it all now, as llama.cpp loads one (a replayed trace reads as recorded)
+        if self.scheduler.all_at_hand and c.trace is None:
+            cfg = self.model.config
+            read_whole_model(self.scheduler, cfg.moe_layers, cfg.num_experts, self.load_report)
+            self.scheduler.stats, self.scheduler.layer_uses = SchedulerStats(), {}  # the load report's, not a request's
         room = self.account.prompt_cache  # the account's part: the cache holds no more
         self.prompt_cache = PromptCache(room, self.model.config.num_hidden_layers) if room else None
         self.token_stats: list[SchedulerStats] = []  # per generated token of the last request

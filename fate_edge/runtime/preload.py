@@ -10,8 +10,9 @@ statistics.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -157,3 +158,30 @@ def _load_one(
         return False
     report.experts[layer].append(expert)
     return True
+
+
+class Reader(Protocol):
+    """The scheduler's serving path, as :func:`read_whole_model` drives it."""
+
+    cache: ExpertCache | None
+
+    def stream_groups(self, layer: int, expert_ids: Iterable[int]) -> Iterator[Sequence[tuple[int, object]]]: ...
+
+    def end_layer(self, layer: int) -> None: ...
+
+
+def read_whole_model(reader: Reader, layers: Sequence[int], num_experts: int, report: LoadReport) -> None:
+    """Every expert not cached yet read through the scheduler's own path, layer by layer, for a cache that holds
+    the whole model: as llama.cpp and Ollama load a model that fits, so the first prompt reads nothing. The reads
+    land where a request's would (zero-copy: the pool's huge-page buffers the cache keeps), not in copies."""
+    t0 = time.perf_counter()
+    cache = reader.cache
+    assert cache is not None  # a cache that holds the model
+    for layer in layers:
+        ids = [e for e in range(num_experts) if (layer, e) not in cache]
+        for group in reader.stream_groups(layer, ids):
+            report.experts.setdefault(layer, []).extend(e for e, _ in group)
+        reader.end_layer(layer)
+        report.reads += len(ids)
+        report.bytes_read += sum(cache.entries[(layer, e)].nbytes for e in ids if (layer, e) in cache.entries)
+    report.seconds += time.perf_counter() - t0
