@@ -3,7 +3,9 @@ run through ``fate-edge convert`` under a watchdog. An outcome is a store or one
 the property (hypothesis prints the smallest such input), and memory past its limit or an example past its time
 ends the process with WATCHDOG on stderr.
 
-Run as ``python _fuzz_child.py KIND SOURCE WORKDIR EXAMPLES SEED`` by tests/test_fuzz_inputs.py.
+Run as ``python _fuzz_child.py KIND SOURCE WORKDIR EXAMPLES SEED [KIND SOURCE WORKDIR EXAMPLES SEED ...]`` by
+tests/test_fuzz_inputs.py: the fuzzers one after the other in one process, ``FUZZ START KIND`` printed before each
+and ``FUZZ OK KIND`` after each that held.
 """
 
 from __future__ import annotations
@@ -186,9 +188,13 @@ def fuzz_safetensors(source: Path, work: Path, examples: int, rng_seed: int) -> 
 
 
 if __name__ == "__main__":
-    kind, source, work, examples, rng_seed = sys.argv[1:6]
+    args = sys.argv[1:]
+    assert args and len(args) % 5 == 0, "KIND SOURCE WORKDIR EXAMPLES SEED, once or more"
     threading.Thread(target=_watchdog, daemon=True).start()
-    {"gguf": fuzz_gguf, "config": fuzz_config, "safetensors": fuzz_safetensors}[kind](
-        Path(source), Path(work), int(examples), int(rng_seed)
-    )
-    print("FUZZ OK", flush=True)
+    for i in range(0, len(args), 5):
+        kind, source, work, examples, rng_seed = args[i : i + 5]
+        print(f"FUZZ START {kind}", flush=True)
+        {"gguf": fuzz_gguf, "config": fuzz_config, "safetensors": fuzz_safetensors}[kind](
+            Path(source), Path(work), int(examples), int(rng_seed)
+        )
+        print(f"FUZZ OK {kind}", flush=True)

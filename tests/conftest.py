@@ -75,3 +75,15 @@ def baseline_store(bundled_dir) -> Path:
     from fate_edge.format.converted_stores import ensure_store
 
     return ensure_store(bundled_dir, cold_bits=2, progress=False, baselines=True)
+
+
+@pytest.fixture(scope="session")
+def default_server(tmp_path_factory):
+    """One daemon with the default settings (tests/test_server.py's ``Server(cache)``), for the modules whose tests
+    need nothing else of it and compare its metrics only before and after their own requests: starting one costs a
+    Python with torch, fate-edge and the model (~5 s)."""
+    from test_server import Server
+
+    s = Server(tmp_path_factory.mktemp("fe-default-server"))
+    yield s
+    s.stop()

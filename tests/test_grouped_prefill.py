@@ -23,33 +23,53 @@ from fate_edge.quant.triton_moe_grouped import expert_tiles  # noqa: E402
 from fate_edge.format.convert import ConvertOptions, convert  # noqa: E402
 from fate_edge.format.store import ExpertStore  # noqa: E402
 
-_KERNEL = """
-import sys, torch
-from fate_edge.quant.triton_moe_grouped import moe_prefill_int4
-args = torch.load(sys.argv[1], weights_only=False)
-torch.save(moe_prefill_int4(**args), sys.argv[2])
+_KERNEL_DEF = """
+def kernel(args):
+    from fate_edge.quant.triton_moe_grouped import moe_prefill_int4
+    return moe_prefill_int4(**args)
 """
 
-_PREFILL = """
-import sys, torch
-from fate_edge import load_model
-from fate_edge.runtime.grouped_prefill import use_grouped_prefill
-from fate_edge_lab.bench.sidebyside import resident_int4
-store, ids = sys.argv[1], torch.load(sys.argv[2])
-sys.path.insert(0, sys.argv[3])  # the tests' folder
-from _dequantized_store import dequantized
+_PREFILL_DEF = """
+def prefill(store, ids, tests_dir):
+    from fate_edge import load_model
+    from fate_edge.runtime.grouped_prefill import use_grouped_prefill
+    from fate_edge_lab.bench.sidebyside import resident_int4
+    if tests_dir not in sys.path:
+        sys.path.insert(0, tests_dir)
+    from _dequantized_store import dequantized
+
+    with torch.inference_mode():
+        exact = load_model(store, experts=dequantized(store))
+        want = exact(ids, exact.new_cache())
+        model = load_model(store, experts=resident_int4(store))
+        eager = model(ids, model.new_cache())
+        grouped = use_grouped_prefill(model, store)
+        got = model(ids, model.new_cache())
+    assert grouped.calls == len(model.config.moe_layers), grouped.calls
+    return eager, got, want
+"""
+
+_KERNEL = (
+    "import sys, torch\n"
+    + _KERNEL_DEF
+    + "torch.save(kernel(torch.load(sys.argv[1], weights_only=False)), sys.argv[2])\n"
+)
+
+# Every interpreted case the selected tests ask for, in one child: the kernel at the default threads as before,
+# then each prefill on one thread. An interpreter (torch, Triton, fate-edge: ~2.5 s) instead of one per case.
+_ALL = (
+    "import sys, torch\n"
+    + _KERNEL_DEF
+    + _PREFILL_DEF
+    + """
+jobs = torch.load(sys.argv[1], weights_only=False)
+results = {"kernel": kernel(jobs["kernel"])} if "kernel" in jobs else {}
 torch.set_num_threads(1)
-
-with torch.inference_mode():
-    exact = load_model(store, experts=dequantized(store))
-    want = exact(ids, exact.new_cache())
-    model = load_model(store, experts=resident_int4(store))
-    eager = model(ids, model.new_cache())
-    grouped = use_grouped_prefill(model, store)
-    got = model(ids, model.new_cache())
-assert grouped.calls == len(model.config.moe_layers), grouped.calls
-torch.save((eager, got, want), sys.argv[4])
+for name, (store, ids) in jobs["prefill"].items():
+    results[name] = prefill(store, torch.load(ids), sys.argv[2])
+torch.save(results, sys.argv[3])
 """
+)
 
 
 def _child(script: str, tmp_path, *args, interpret: bool = True) -> object:
@@ -74,6 +94,18 @@ def _portable(src, out):
 @pytest.fixture(scope="module")
 def bundled_store(tmp_path_factory, bundled_dir):
     return _portable(bundled_dir, tmp_path_factory.mktemp("grouped") / "bundled")
+
+
+@pytest.fixture(scope="module")
+def qwen_store(tmp_path_factory):
+    """A Qwen-style checkpoint (8 experts top-4, a gated shared expert) in the portable layout; only read."""
+    d = tmp_path_factory.mktemp("grouped-qwen")
+    return _portable(build_tiny_moe(d / "qwen", top_k=4, expert_dim=32), d / "qwen-store")
+
+
+def _store(which: str, bundled_store, qwen_store):
+    """(store, vocabulary to draw a prompt from) of a parametrized case."""
+    return (bundled_store, 4000) if which == "bundled" else (qwen_store, 256)
 
 
 def _expert(store: ExpertStore, layer: int, e: int):
@@ -130,11 +162,38 @@ def _check_kernel_outputs(args, experts, ys, ws, tol: float) -> None:
             assert ws[row, j].cpu() == w[row, idx[row].tolist().index(e)]
 
 
+PREFILL_CASES = ["bundled", "qwen-shared-expert"]
+
+
+@pytest.fixture(scope="module")
+def interpreted(request, tmp_path_factory, bundled_store, qwen_store):
+    """The kernel call and the prompts' prefills that the selected tests below check, run under Triton's
+    interpreter in one child → ({case: what the child computed}, the kernel case's expert matrices)."""
+    wanted = {
+        (item.originalname, getattr(item, "callspec", None) and item.callspec.params.get("which"))
+        for item in request.session.items
+        if item.module is request.module
+    }
+    d = tmp_path_factory.mktemp("interpreted")
+    jobs: dict = {"prefill": {}}
+    experts = None
+    if ("test_the_grouped_kernels_match_the_reference", None) in wanted:
+        jobs["kernel"], experts = _kernel_case(bundled_store)
+    for which in PREFILL_CASES:
+        if ("test_grouped_prefill_gives_the_eager_prefills_logits", which) in wanted:
+            store, vocab = _store(which, bundled_store, qwen_store)
+            torch.save(torch.randint(0, vocab, (1, 24), generator=torch.Generator().manual_seed(3)), d / f"{which}.pt")
+            jobs["prefill"][which] = (str(store), str(d / f"{which}.pt"))
+    torch.save(jobs, d / "jobs.pt")
+    results = _child(_ALL, d, d / "jobs.pt", os.path.dirname(__file__))
+    return results, jobs, experts
+
+
 @pytest.mark.slow
-def test_the_grouped_kernels_match_the_reference(bundled_store, tmp_path):
-    args, experts = _kernel_case(bundled_store)
-    ys, ws = _child(_KERNEL, tmp_path, *_save(tmp_path, args))
-    _check_kernel_outputs(args, experts, ys, ws, 1e-5)
+def test_the_grouped_kernels_match_the_reference(interpreted):
+    results, jobs, experts = interpreted
+    ys, ws = results["kernel"]
+    _check_kernel_outputs(jobs["kernel"], experts, ys, ws, 1e-5)
 
 
 @pytest.mark.gpu
@@ -152,16 +211,9 @@ def _save(tmp_path, args) -> list:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("which", ["bundled", "qwen-shared-expert"])
-def test_grouped_prefill_gives_the_eager_prefills_logits(which, bundled_store, tmp_path):
-    if which == "bundled":
-        store, vocab = bundled_store, 4000
-    else:
-        src = build_tiny_moe(tmp_path / "qwen", top_k=4, expert_dim=32)  # 8 experts top-4, a gated shared expert
-        store, vocab = _portable(src, tmp_path / "qwen-store"), 256
-    ids = torch.randint(0, vocab, (1, 24), generator=torch.Generator().manual_seed(3))
-    torch.save(ids, tmp_path / "ids.pt")
-    eager, got, exact = _child(_PREFILL, tmp_path, store, tmp_path / "ids.pt", os.path.dirname(__file__))
+@pytest.mark.parametrize("which", PREFILL_CASES)
+def test_grouped_prefill_gives_the_eager_prefills_logits(which, interpreted):
+    eager, got, exact = interpreted[0][which]
     assert eager.shape == got.shape == exact.shape == (1, 24, eager.shape[-1])
     # the grouped kernels compute the store's experts in float32: the exact int4 model to fp32's bar
     assert (got - exact).abs().max().item() <= 1e-4
@@ -174,8 +226,8 @@ def test_grouped_prefill_gives_the_eager_prefills_logits(which, bundled_store, t
         assert torch.equal(got.argmax(-1), eager.argmax(-1))
 
 
-@pytest.mark.parametrize("which", ["bundled", "qwen-shared-expert"])
-def test_without_triton_the_torch_layer_gives_the_eager_prefill_bit_for_bit(which, bundled_store, tmp_path):
+@pytest.mark.parametrize("which", PREFILL_CASES)
+def test_without_triton_the_torch_layer_gives_the_eager_prefill_bit_for_bit(which, bundled_store, qwen_store):
     """No Triton for the slab's device (a CPU, no interpreter): each expert dequantized from its slot, run on its
     rows, summed in k passes, as the eager prefill does; on a model whose experts are those dequantized experts
     the logits are the eager prefill's to the bit."""
@@ -183,10 +235,7 @@ def test_without_triton_the_torch_layer_gives_the_eager_prefill_bit_for_bit(whic
     from fate_edge.model.experts import InMemoryExpertProvider, QuantizedExpert
     from fate_edge.runtime.grouped_prefill import use_grouped_prefill
 
-    if which == "bundled":
-        store, vocab = bundled_store, 4000
-    else:
-        store, vocab = _portable(build_tiny_moe(tmp_path / "qwen", top_k=4, expert_dim=32), tmp_path / "qs"), 256
+    store, vocab = _store(which, bundled_store, qwen_store)
     s = ExpertStore(store)
     experts = {
         (layer, e): QuantizedExpert(*_expert(s, layer, e)[1])

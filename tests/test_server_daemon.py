@@ -23,10 +23,8 @@ def cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(cache):
-    s = Server(cache)
-    yield s
-    s.stop()
+def server(default_server):
+    return default_server  # shared with the other module that needs only a default daemon (tests/conftest.py)
 
 
 def _raw_request(port: int, head: bytes, body: bytes = b"") -> socket.socket:

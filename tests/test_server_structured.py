@@ -137,10 +137,8 @@ def cache(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(cache):
-    s = Server(cache)
-    yield s
-    s.stop()
+def server(default_server):
+    return default_server  # shared with the other module that needs only a default daemon (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

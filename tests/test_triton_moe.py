@@ -19,40 +19,53 @@ from fate_edge.format.store import ExpertStore, Precision, decode_expert, encode
 from fate_edge.model.experts import ExpertWeights  # noqa: E402
 from fate_edge.model.layer_step import add_routed  # noqa: E402
 
-_CHILD = """
+_RUN = """
 import sys, torch
 from fate_edge.quant.triton_moe import MoEScratch, moe_int4
-args = torch.load(sys.argv[1], weights_only=False)
-first = moe_int4(**args)
-# twice more on kept scratch (as a replayed graph): the counter the last program reset lets the launch run again
-scratch = MoEScratch.for_layout(args["layout"], args["slots"].numel(), args["block_i"], args["x"].device)
-again = [moe_int4(**args, scratch=scratch).clone() for _ in range(2)]
-assert int(scratch.count) == 0 and all(torch.equal(a, first) for a in again)
-torch.save(first, sys.argv[2])
+
+
+def run(args):
+    first = moe_int4(**args)
+    # twice more on kept scratch (as a replayed graph): the counter the last program reset lets the launch run again
+    scratch = MoEScratch.for_layout(args["layout"], args["slots"].numel(), args["block_i"], args["x"].device)
+    again = [moe_int4(**args, scratch=scratch).clone() for _ in range(2)]
+    assert int(scratch.count) == 0 and all(torch.equal(a, first) for a in again)
+    return first
 """
+_CHILD = _RUN + "torch.save(run(torch.load(sys.argv[1], weights_only=False)), sys.argv[2])\n"
+# several launches' arguments in, their outputs out: one interpreter (torch, Triton, fate-edge) for them all
+_CHILD_ALL = _RUN + "torch.save([run(a) for a in torch.load(sys.argv[1], weights_only=False)], sys.argv[2])\n"
 
 
-def _interpreted(tmp_path, interpret: bool = True, **args) -> torch.Tensor:
-    """``moe_int4(**args)`` under Triton's interpreter (or compiled for the GPU), in a process of its own: Triton
-    reads TRITON_INTERPRET when triton.language is imported, which another test (or torch) may have done here."""
-    torch.save(args, tmp_path / "args.pt")
+def _child(tmp_path, script: str, payload, interpret: bool = True):
+    """``script`` on ``payload`` under Triton's interpreter (or compiled for the GPU), in a process of its own:
+    Triton reads TRITON_INTERPRET when triton.language is imported, which another test (or torch) may have done
+    here."""
+    torch.save(payload, tmp_path / "args.pt")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | (
         {"TRITON_INTERPRET": "1"} if interpret else {}
     )
     run = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(tmp_path / "args.pt"), str(tmp_path / "out.pt")],
+        [sys.executable, "-c", script, str(tmp_path / "args.pt"), str(tmp_path / "out.pt")],
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    return torch.load(tmp_path / "out.pt").cpu()
+    return torch.load(tmp_path / "out.pt")
 
 
-@pytest.fixture(scope="module", params=[(4, True, "float16"), (4, False, "float32")], ids=["asym-fp16", "sym-fp32"])
-def store(request, tmp_path_factory, bundled_dir):
-    bits, asym, scales = request.param
+def _interpreted(tmp_path, interpret: bool = True, **args) -> torch.Tensor:
+    """``moe_int4(**args)`` (and twice more on kept scratch) in a child of its own."""
+    return _child(tmp_path, _CHILD, args, interpret).cpu()
+
+
+STORES = {"asym-fp16": (4, True, "float16"), "sym-fp32": (4, False, "float32")}
+
+
+def _make_store(kind: str, tmp_path_factory, bundled_dir):
+    bits, asym, scales = STORES[kind]
     out = tmp_path_factory.mktemp("triton") / "s"
     opts = ConvertOptions.full(bits=bits, keep_bf16=False, layout="portable")
     convert(bundled_dir, out, opts, progress=False)
@@ -65,6 +78,24 @@ def store(request, tmp_path_factory, bundled_dir):
     parts, nbytes = plan_parts(4, spec, 192, 128, "portable", "float32")
     prec = Precision(4, p.file, nbytes, parts, spec, "portable", "float32")
     return s, prec
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory, bundled_dir):
+    """Each kind of store, built on first use and kept for the module (the tests only read it)."""
+    built: dict = {}
+
+    def get(kind: str):
+        if kind not in built:
+            built[kind] = _make_store(kind, tmp_path_factory, bundled_dir)
+        return built[kind]
+
+    return get
+
+
+@pytest.fixture(scope="module", params=list(STORES))
+def store(request, stores):
+    return stores(request.param)
 
 
 def _blobs(store, layer, experts):
@@ -111,19 +142,42 @@ def _reference(blobs, prec, weights, x):
     return acc[0]
 
 
-@pytest.mark.parametrize("layer, experts", [(0, [2, 5]), (3, [0, 7, 11, 15])])
-def test_the_kernel_matches_the_reference_in_expert_id_order(store, layer, experts, tmp_path):
+CASES = [(0, [2, 5]), (3, [0, 7, 11, 15])]
+
+
+def _case(store, layer: int, experts: list[int]):
+    """A launch on ``experts`` of ``layer`` from a slab of 6 slots holding them in the cache's order, not the
+    experts' order → (their blobs, the precision, moe_int4's arguments)."""
     blobs, prec = _blobs(store, layer, experts)
     layout = Int4MoELayout.of(prec)
-    # a slab of 6 slots holding the experts in the cache's order, not the experts' order
     slab = torch.zeros(6, layout.slot_bytes, dtype=torch.uint8)
     slots = torch.tensor([4, 1, 5, 0][: len(experts)])
     for s, blob in zip(slots.tolist(), blobs):
         slab[s, : blob.numel()] = blob
     x = torch.randn(192, generator=torch.Generator().manual_seed(layer))
     w = torch.softmax(torch.randn(len(experts), generator=torch.Generator().manual_seed(7)), 0)
-    got = _interpreted(tmp_path, x=x, slab=slab, slots=slots, weights=w, layout=layout, block_i=32)
-    want = _reference(blobs, prec, w, x)
+    return blobs, prec, {"x": x, "slab": slab, "slots": slots, "weights": w, "layout": layout, "block_i": 32}
+
+
+@pytest.fixture(scope="module")
+def interpreted(request, stores, tmp_path_factory):
+    """Every launch the selected cases below ask for, run under Triton's interpreter in one child (each with its
+    two replays on kept scratch, as before) → {(store kind, layer): (blobs, precision, arguments, output)}."""
+    test = "test_the_kernel_matches_the_reference_in_expert_id_order"
+    wanted = [
+        (item.callspec.params["store"], item.callspec.params["layer"], item.callspec.params["experts"])
+        for item in request.session.items
+        if item.module is request.module and item.originalname == test
+    ]
+    cases = {(kind, layer): _case(stores(kind), layer, experts) for kind, layer, experts in wanted}
+    outputs = _child(tmp_path_factory.mktemp("interpreted"), _CHILD_ALL, [args for _, _, args in cases.values()])
+    return {key: (*case, out.cpu()) for (key, case), out in zip(cases.items(), outputs)}
+
+
+@pytest.mark.parametrize("layer, experts", CASES)
+def test_the_kernel_matches_the_reference_in_expert_id_order(store, layer, experts, interpreted, request):
+    blobs, prec, args, got = interpreted[(request.node.callspec.params["store"], layer)]
+    want = _reference(blobs, prec, args["weights"], args["x"])
     assert got.dtype == torch.float32 and got.shape == (192,)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 

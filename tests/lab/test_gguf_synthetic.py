@@ -406,11 +406,17 @@ def test_the_f16_gguf_store_computes_like_the_checkpoint_and_transformers(
     _computes_like_the_checkpoint(name, store, reference_logits, "f16")
 
 
-def _bad_copy(path: Path, out: Path, **changes) -> Path:
-    """``path`` written again with metadata keys changed (None: removed)."""
-    from _gguf_rewrite import parse, rewrite
+def _parsed(path: Path):
+    from _gguf_rewrite import parse
 
-    src = parse(path)
+    return parse(path)
+
+
+def _bad_copy(src, out: Path, **changes) -> Path:
+    """``src`` (a GGUF parsed once for a test's several copies: rewrite only reads it) written again with metadata
+    keys changed (None: removed)."""
+    from _gguf_rewrite import rewrite
+
     fields = {k: v for k, v in src.header.fields.items() if changes.get(k, 0) is not None}
     fields.update({k: v for k, v in changes.items() if v is not None})
     return rewrite(src, out, fields)
@@ -436,11 +442,12 @@ def test_glm_block_count_holds_the_mtp_layer_which_is_not_run(converted, f32_sto
     assert cfg["num_hidden_layers"] == LAYERS and cfg["num_nextn_predict_layers"] == 0
     assert cfg["first_k_dense_replace"] == 1 and cfg["partial_rotary_factor"] == 0.5
     # without the count the MTP layer's own tensors are named: they are not a decoder layer's
-    msg = _refused(_bad_copy(path, tmp_path / "a.gguf", **{"glm4moe.nextn_predict_layers": None}), tmp_path / "o")
+    src = _parsed(path)
+    msg = _refused(_bad_copy(src, tmp_path / "a.gguf", **{"glm4moe.nextn_predict_layers": None}), tmp_path / "o")
     assert f"blk.{LAYERS}.nextn." in msg
-    msg = _refused(_bad_copy(path, tmp_path / "b.gguf", **{"glm4moe.nextn_predict_layers": 3}), tmp_path / "o")
+    msg = _refused(_bad_copy(src, tmp_path / "b.gguf", **{"glm4moe.nextn_predict_layers": 3}), tmp_path / "o")
     assert "glm4moe.nextn_predict_layers" in msg and "3" in msg
-    msg = _refused(_bad_copy(path, tmp_path / "c.gguf", **{"glm4moe.leading_dense_block_count": 0}), tmp_path / "o")
+    msg = _refused(_bad_copy(src, tmp_path / "c.gguf", **{"glm4moe.leading_dense_block_count": 0}), tmp_path / "o")
     assert "glm4moe.leading_dense_block_count" in msg
 
 
@@ -450,8 +457,9 @@ def test_minimax_rotary_width_is_read_and_a_bad_one_is_named(converted, f32_stor
 
     _, _, path = converted
     assert json.loads((f32_store / "config.json").read_text())["partial_rotary_factor"] == 0.5
+    src = _parsed(path)
     for bad in (5, 64, "x"):
-        msg = _refused(_bad_copy(path, tmp_path / "m.gguf", **{"minimax-m2.rope.dimension_count": bad}), tmp_path / "o")
+        msg = _refused(_bad_copy(src, tmp_path / "m.gguf", **{"minimax-m2.rope.dimension_count": bad}), tmp_path / "o")
         assert "minimax-m2.rope.dimension_count" in msg
 
 
@@ -459,6 +467,6 @@ def test_minimax_rotary_width_is_read_and_a_bad_one_is_named(converted, f32_stor
 def test_ernie_moe_layers_follow_the_routers_and_a_contradiction_is_named(converted, tmp_path):
     _, _, path = converted
     msg = _refused(
-        _bad_copy(path, tmp_path / "e.gguf", **{"ernie4_5-moe.leading_dense_block_count": 0}), tmp_path / "o"
+        _bad_copy(_parsed(path), tmp_path / "e.gguf", **{"ernie4_5-moe.leading_dense_block_count": 0}), tmp_path / "o"
     )
     assert "ernie4_5-moe.leading_dense_block_count" in msg and "ffn_gate_inp" in msg
