@@ -8,7 +8,14 @@ import json
 import pytest
 import torch
 
-from fate_edge.runtime.compute_dtype import _host_key, cpu_flags, native_dtype, probed_cpu_dtype, resolve_dtype
+from fate_edge.runtime.compute_dtype import (
+    _host_key,
+    cpu_flags,
+    cpu_has_bf16,
+    native_dtype,
+    probed_cpu_dtype,
+    resolve_dtype,
+)
 
 NO_BF16 = {"fpu", "avx2", "avx512f", "avx512_vnni"}
 ZEN4 = NO_BF16 | {"avx512_bf16"}
@@ -78,3 +85,28 @@ def test_the_probe_measures_the_bundled_model_in_both_dtypes(tmp_path):
 
     speeds = probe_decode_speed()
     assert set(speeds) == {"float32", "bfloat16"} and min(speeds.values()) > 0
+
+
+def _store(folder, hidden: int, bits: tuple[str, ...] = ("4",)):
+    folder.mkdir()
+    (folder / "store.json").write_text(json.dumps({"hidden_size": hidden, "precisions": {b: {} for b in bits}}))
+    return folder
+
+
+@pytest.mark.parametrize("flags", [ZEN4, SAPPHIRE])
+def test_a_wide_int4_store_is_served_in_bfloat16_unprobed_on_a_bf16_cpu(tmp_path, flags):
+    """The probe's bundled model is 256 wide; a real model's int4 store (hidden 1024 or more) decodes faster in bf16
+    on such a CPU whatever that probe says, so it is not asked; narrower stores, float stores and model folders are."""
+    wide, narrow = _store(tmp_path / "wide", 2048), _store(tmp_path / "narrow", 256)
+    floats = _store(tmp_path / "floats", 2048, ("16",))
+    assert native_dtype("cpu", flags, probe=_never, store=wide) == "bfloat16"
+    for other in (narrow, floats, tmp_path / "not-a-store", None):
+        assert native_dtype("cpu", flags, probe=lambda: "float32", store=other) == "float32"
+    assert native_dtype("cpu", NO_BF16, probe=_never, store=wide) == "float32"  # no bf16 instructions: float32
+
+
+def test_auto_resolves_for_the_store_it_serves_and_the_environment_still_wins(tmp_path, monkeypatch):
+    wide = _store(tmp_path / "wide", 2048)
+    assert resolve_dtype("auto", "cpu", wide) == ("bfloat16" if cpu_has_bf16() else "float32")
+    monkeypatch.setenv("FATE_EDGE_DTYPE", "float32")
+    assert resolve_dtype("auto", "cpu", wide) == "float32"

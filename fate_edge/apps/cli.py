@@ -81,7 +81,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         model_dir = resolve_store(args.model)
     model = load_model(
         model_dir,
-        dtype=resolve_dtype(args.dtype, device),
+        dtype=resolve_dtype(args.dtype, device, model_dir),
         experts=args.experts,
         bits=args.bits,
         link=make_link(args.link),
@@ -151,7 +151,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         from fate_edge.runtime.compute_dtype import resolve_dtype
         from fate_edge.runtime.memory_account import memory_account
 
-        args.dtype = resolve_dtype(args.dtype, "cpu")
+        args.dtype = resolve_dtype(args.dtype, "cpu", path)
         budget = resolve_budget(
             path, args.memory_budget, args.dtype, args.context_tokens, args.resident_bits, args.embedding_bits
         )

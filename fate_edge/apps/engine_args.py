@@ -269,7 +269,7 @@ def open_engine(
     link = make_link(opts.link)
     set_threads(opts.threads)
     device = resolve_device(opts.device)
-    opts = replace(opts, dtype=str(resolve_dtype(opts.dtype, device)))  # auto: the hardware's (compute_dtype)
+    opts = replace(opts, dtype=str(resolve_dtype(opts.dtype, device, store)))  # auto: the hardware's (compute_dtype)
     if is_auto(opts.memory_budget):  # the machine's room, said in one line (auto_budget)
         choice = auto_budget(store, opts, device)
         print(choice.line(), file=account or log, flush=True)

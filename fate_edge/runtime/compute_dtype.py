@@ -6,6 +6,11 @@ measured, not assumed: the probe decodes with the bundled model in both dtypes (
 once per host) and keeps the faster; the answer is cached beside the host's probed profile, keyed by the CPU,
 its thread count and torch's version (an AMD EPYC Zen 4 with AVX512-BF16 decoded slower in bfloat16:
 docs/performance.md#compute-dtype). ``FATE_EDGE_DTYPE`` overrides the probe (float32 or bfloat16).
+
+The probe's model is the bundled one, 256 wide, where a token is mostly operator overhead; a store of int4 experts
+at least :data:`WIDE` wide (every real model) is served in bfloat16 on such a CPU without probing: there the decode
+row's steps are native bf16 calls and the activations half the bytes, and bfloat16 measured faster at that shape
+where the bundled model's probe said float32 (docs/measured-choices.md).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ DTYPES = ("float32", "bfloat16")
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 PROBE_ROUNDS = 3
 PROBE_TOKENS = 24
+WIDE = 1024  # hidden size from which a store's int4 experts are served in bfloat16 on a bf16 CPU, unprobed
 
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
@@ -102,8 +108,24 @@ def probed_cpu_dtype(probe: Callable[[], dict[str, float]] = probe_decode_speed,
     return dtype
 
 
-def native_dtype(device: str, flags: set[str] | None = None, probe: Callable[[], str] = probed_cpu_dtype) -> str:
-    """The compute dtype ``--dtype auto`` resolves to on ``device`` (cpu, cuda, cuda:N)."""
+def wide_int4_store(store: str | Path | None) -> bool:
+    """Whether ``store`` (an expert store's folder) holds int4 experts of a model at least :data:`WIDE` wide."""
+    if store is None:
+        return False
+    try:
+        index = json.loads((Path(store) / "store.json").read_text())
+        return int(index.get("hidden_size", 0)) >= WIDE and "4" in index.get("precisions", {})
+    except (OSError, ValueError, TypeError, AttributeError):  # not a store (a model folder, a GGUF): the probe decides
+        return False
+
+
+def native_dtype(
+    device: str,
+    flags: set[str] | None = None,
+    probe: Callable[[], str] = probed_cpu_dtype,
+    store: str | Path | None = None,
+) -> str:
+    """The compute dtype ``--dtype auto`` resolves to on ``device`` (cpu, cuda, cuda:N), for ``store`` where known."""
     forced = os.environ.get("FATE_EDGE_DTYPE")
     if forced in DTYPES:
         return forced
@@ -111,11 +133,11 @@ def native_dtype(device: str, flags: set[str] | None = None, probe: Callable[[],
         return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
     if not cpu_has_bf16(flags):
         return "float32"
-    return probe()
+    return "bfloat16" if wide_int4_store(store) else probe()
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: str) -> str | torch.dtype:
-    """``dtype`` itself, or for "auto" the hardware's native one (:func:`native_dtype`)."""
+def resolve_dtype(dtype: str | torch.dtype, device: str, store: str | Path | None = None) -> str | torch.dtype:
+    """``dtype`` itself, or for "auto" the hardware's native one for ``store`` (:func:`native_dtype`)."""
     if isinstance(dtype, str) and dtype == "auto":
-        return native_dtype(device)
+        return native_dtype(device, store=store)
     return dtype

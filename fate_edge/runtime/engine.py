@@ -113,7 +113,7 @@ class Engine:
             raise FateEdgeError(f"{c.store_dir}: not an expert store; create one with `fate-edge convert MODEL OUT`")
         self.planned: PolicyChoice | None = None  # the planner's choice, where Engine.load asked it
         self.policy = get_policy(c.policy)
-        dtype = resolve_dtype(c.dtype, device)  # "auto": the hardware's native dtype (compute_dtype)
+        dtype = resolve_dtype(c.dtype, device, c.store_dir)  # "auto": the hardware's native dtype (compute_dtype)
         self.dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
         self.store = ExpertStore(c.store_dir)
         if isinstance(c.policy, str):
@@ -440,7 +440,7 @@ class Engine:
             from fate_edge.runtime.auto_budget import resolve_budget
 
             dev = resolve_device(config.device)
-            dt = resolve_dtype(config.dtype, dev)
+            dt = resolve_dtype(config.dtype, dev, store)
             # "auto" chosen once here, so the planner and the engine plan for the same budget and dtype
             c = config
             b = resolve_budget(
