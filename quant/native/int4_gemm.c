@@ -254,13 +254,10 @@ T512 static inline __attribute__((always_inline)) void tile_512(const uint8_t *w
 
 /* One x row against ``R1`` weight rows at a time (decode): each chunk's x codes and lane scales are loaded once for
    the R1 rows, where a pass per row loaded three vectors of x for each one of weights. Every row's sums are the ones tile_512 computes at
-   mt = 1, in the same order (even and odd chunks apart, added at the end), so its bits do not change. ``wide``
-   (groups of 128 or more: one weight scale a chunk): the scale is broadcast from memory instead of shuffled into the
-   lanes, the same values with a vector op fewer a chunk, where the kernel is bound by its vector ops (2-vCPU Zen 4:
-   +2% from L2, +1-6% from DRAM; docs/cpu-profile.md). */
+   mt = 1, in the same order (even and odd chunks apart, added at the end), so its bits do not change. */
 T512 static inline __attribute__((always_inline)) void tile1_512(const uint8_t *codes, const float *sw, int stride,
                                                                   int chunks, int gshift, const prepared *p, int K,
-                                                                  float *out, const int wide) {
+                                                                  float *out) {
     const __m512i mask = _mm512_set1_epi8(0x0f);
     const __m512i widx = _mm512_srli_epi32(_mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104,
                                                              112, 120), gshift);
@@ -275,8 +272,7 @@ T512 static inline __attribute__((always_inline)) void tile1_512(const uint8_t *
             _mm_prefetch((const char *)(wr + PREFETCH_512), _MM_HINT_T1);                                      \
             __m512i v = _mm512_loadu_si512(wr);                                                                \
             __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);     \
-            const float *swr = sw + r * stride + (((c) * 128) >> gshift);                                      \
-            __m512 swv = wide ? _mm512_set1_ps(*swr) : _mm512_permutexvar_ps(widx, _mm512_loadu_ps(swr));     \
+            __m512 swv = _mm512_permutexvar_ps(widx, _mm512_loadu_ps(sw + r * stride + (((c) * 128) >> gshift))); \
             __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, q0);                                   \
             d = _mm512_dpbusd_epi32(d, hi, q1);                                                                \
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(swv, sx), acc[r]);                   \
@@ -307,10 +303,7 @@ T512 static void rows_512(const uint8_t *codes, wscales w, int n0, int n1, int N
             const size_t at = (size_t)n * (K / 2) + TOUCH_AHEAD;
             if (at < total) /* inside the matrix only: the load may not fault */
                 __asm__ volatile("" : : "r"(*(volatile const uint8_t *)(codes + at)));
-            if (gshift >= 7) /* one weight scale a chunk: a broadcast, not a shuffle */
-                tile1_512(codes + (size_t)n * (K / 2), sw + (n - n0) * stride, stride, K / 128, gshift, p, K, out, 1);
-            else
-                tile1_512(codes + (size_t)n * (K / 2), sw + (n - n0) * stride, stride, K / 128, gshift, p, K, out, 0);
+            tile1_512(codes + (size_t)n * (K / 2), sw + (n - n0) * stride, stride, K / 128, gshift, p, K, out);
             for (int r = 0; r < R1; r++)
                 y_put(y, (size_t)(n + r), out[r] + dot_512(zw + (n + r - n0) * stride, p->gsum, padded));
         }
