@@ -156,7 +156,11 @@ class Batcher:
         self._active: list[BatchSequence] = []
         self._closed = False
         self._thread: threading.Thread | None = None
-        self._slab: KVSlab | None = None  # made at the first request
+        self._slab: KVSlab | None = None
+        c = config
+        if c.kv_budget_bytes and c.kv_bytes_per_token:  # made (and zeroed) now, not inside the first request's prefill
+            states = c.state_bytes * c.max_batch  # every sequence's recurrent states, at most, beside the slab
+            self._slab = KVSlab(model, max(1, (c.kv_budget_bytes - states) // c.kv_bytes_per_token))
         self._starved = False  # a sequence could not grow its KV range last step: admit no one until it can
 
     # ----------------------------------------------------------------- callers
@@ -236,9 +240,7 @@ class Batcher:
             cache = self.model.new_cache()
             cache.capacity_hint = positions
             return cache
-        if self._slab is None:
-            states = c.state_bytes * c.max_batch  # every sequence's recurrent states, at most, beside the slab
-            self._slab = KVSlab(self.model, max(1, (c.kv_budget_bytes - states) // c.kv_bytes_per_token))
+        assert self._slab is not None  # made with the batcher where there is a KV budget
         slab = self._slab.allocate(min(positions, len(seq.prompt_ids) + ANSWER_ROOM))
         if slab is not None:
             seq.kv_bytes = c.kv_bytes_per_token * slab.capacity + c.state_bytes
