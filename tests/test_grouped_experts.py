@@ -228,6 +228,19 @@ def test_a_shared_expert_off_the_native_kernel_is_not_folded():
     assert group_rows_with_shared([(0, None)], h, shared) is None  # every expert skipped
 
 
+def _record_grouped_calls(monkeypatch) -> list[list[tuple[int, int]]]:
+    """Each grouped kernel call from here on, as the shapes of its matrices in order (the calls still run)."""
+    calls: list[list[tuple[int, int]]] = []
+    real = grouped_experts.gemm_grouped
+
+    def recording(table):
+        calls.append([lin.shape for lin, _, _ in table])
+        real(table)
+
+    monkeypatch.setattr(grouped_experts, "gemm_grouped", recording)
+    return calls
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_resident_decode_token_takes_its_shared_expert_into_the_experts_two_calls(tmp_path, dtype, monkeypatch):
     """A resident int4 model (shared expert int4 too): each MoE layer of a decode token makes two grouped kernel
@@ -242,14 +255,7 @@ def test_a_resident_decode_token_takes_its_shared_expert_into_the_experts_two_ca
     model = load_model(build_wide_moe(tmp_path / "m", 128, vocab=1024), dtype, resident_bits=4)
     spec = expert_spec(model.config, 4)
     model.experts = InMemoryExpertProvider.quantized(model.experts, spec, kernel="native-int4")
-    calls: list[list[tuple[int, int]]] = []
-    real = grouped_experts.gemm_grouped
-
-    def recording(table):
-        calls.append([lin.shape for lin, _, _ in table])
-        real(table)
-
-    monkeypatch.setattr(grouped_experts, "gemm_grouped", recording)
+    calls = _record_grouped_calls(monkeypatch)
 
     def decode() -> list[torch.Tensor]:
         cache = model.new_cache()
@@ -287,14 +293,7 @@ def test_an_engine_whose_budget_holds_the_model_folds_the_shared_expert_like_the
     from fate_edge.runtime.generate import GenerateConfig
 
     store = convert(build_wide_moe(tmp_path / "m", 128, vocab=1024), tmp_path / "s", progress=False)
-    calls: list[list[tuple[int, int]]] = []
-    real = grouped_experts.gemm_grouped
-
-    def recording(table):
-        calls.append([lin.shape for lin, _, _ in table])
-        real(table)
-
-    monkeypatch.setattr(grouped_experts, "gemm_grouped", recording)
+    calls = _record_grouped_calls(monkeypatch)
     cfg = GenerateConfig(max_tokens=12, ignore_eos=True, logprobs=3)
     prompt = [3, 17, 99, 5, 250, 7, 64, 12]
     runs = {}

@@ -7,14 +7,13 @@ grouped kernels compute the store's codes and fp16 scales in float32. So the gro
 store's experts dequantized in float32 (fp32's bar, 1e-4) and are as far from the eager prefill's as those are."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 pytest.importorskip("triton", reason="Triton is not installed (pip install fate-edge[test])")
 
+from _interpreted import run_child  # noqa: E402
 from _tiny_moe import build_tiny_moe  # noqa: E402
 from fate_edge.quant.linear import QuantizedLinear  # noqa: E402
 from fate_edge.quant.triton_moe import Int4MoELayout  # noqa: E402
@@ -70,20 +69,6 @@ for name, (store, ids) in jobs["prefill"].items():
 torch.save(results, sys.argv[3])
 """
 )
-
-
-def _child(script: str, tmp_path, *args, interpret: bool = True) -> object:
-    """``script`` under Triton's interpreter (or compiled for the GPU) in a process of its own (Triton reads
-    TRITON_INTERPRET when triton.language is imported, which another test may have done here) → what it saved."""
-    out = tmp_path / "out.pt"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | (
-        {"TRITON_INTERPRET": "1"} if interpret else {}
-    )
-    run = subprocess.run(
-        [sys.executable, "-c", script, *map(str, args), str(out)], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return torch.load(out, weights_only=False)
 
 
 def _portable(src, out):
@@ -185,7 +170,7 @@ def interpreted(request, tmp_path_factory, bundled_store, qwen_store):
             torch.save(torch.randint(0, vocab, (1, 24), generator=torch.Generator().manual_seed(3)), d / f"{which}.pt")
             jobs["prefill"][which] = (str(store), str(d / f"{which}.pt"))
     torch.save(jobs, d / "jobs.pt")
-    results = _child(_ALL, d, d / "jobs.pt", os.path.dirname(__file__))
+    results = run_child(_ALL, d, d / "jobs.pt", os.path.dirname(__file__))
     return results, jobs, experts
 
 
@@ -201,7 +186,7 @@ def test_the_grouped_kernels_compiled_for_the_gpu_match_the_reference(bundled_st
     """The same launches compiled for CUDA (scripts/gpu_check.sh runs it where a GPU is lent); tl.dot in IEEE
     float32."""
     args, experts = _kernel_case(bundled_store, "cuda")
-    ys, ws = _child(_KERNEL, tmp_path, *_save(tmp_path, args), interpret=False)
+    ys, ws = run_child(_KERNEL, tmp_path, *_save(tmp_path, args), interpret=False)
     _check_kernel_outputs(args, experts, ys, ws, 1e-4)
 
 

@@ -8,11 +8,10 @@ decode under Triton's interpreter (a child process, slow) against the eager stre
 the experts computed in float32 on both sides (the kernel's own precision), to fp32's 1e-4."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from _interpreted import run_child
 
 from fate_edge.format.convert import ConvertOptions, convert
 from fate_edge.runtime.engine import Engine
@@ -81,12 +80,8 @@ torch.save((eager[:2], got[:2], eager[3], got[3], state), sys.argv[3])
 @pytest.mark.slow
 def test_in_place_slot_step_gives_the_eager_decode_under_the_interpreter(store, tmp_path):
     pytest.importorskip("triton", reason="Triton is not installed (pip install fate-edge[test])")
-    out = tmp_path / "out.pt"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_INTERPRET": "1"}
-    args = [sys.executable, "-c", _INTERPRETED, os.path.dirname(__file__), str(store), str(out)]
-    run = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    (eager_toks, eager_logits), (toks, logits), eager_counts, counts, state = torch.load(out, weights_only=False)
+    results = run_child(_INTERPRETED, tmp_path, os.path.dirname(__file__), store, timeout=600)
+    (eager_toks, eager_logits), (toks, logits), eager_counts, counts, state = results
     assert state["failed"] is None and state["eager_tokens"] == 0  # every token through the slots
     assert state["reruns"] > 0 and counts[1] > 0  # misses happened, were read and took slots
     assert state["all_in_slots"] and state["slotted"] == state["cached"] > 0  # each cached blob is its slot

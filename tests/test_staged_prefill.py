@@ -5,13 +5,12 @@ in torch (bit for bit the eager prefill of the store's dequantized experts); und
 kernels (slow: a child process, within fp32's 1e-4 of those experts)."""
 
 import os
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
 import torch
 from _dequantized_store import dequantized
+from _interpreted import run_child
 
 from fate_edge import load_model
 from fate_edge.errors import BudgetError
@@ -238,12 +237,7 @@ def test_budgeted_grouped_kernels_give_the_store_experts_logits(store, tmp_path)
     """The grouped Triton kernels (under the interpreter) on the staged regions: the store's experts dequantized in
     float32, to fp32's bar; each expert read at most once."""
     pytest.importorskip("triton", reason="Triton is not installed (pip install fate-edge[test])")
-    out = tmp_path / "out.pt"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_INTERPRET": "1"}
-    args = [sys.executable, "-c", _INTERPRETED, os.path.dirname(__file__), str(store), str(out)]
-    run = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    got, want, events, nbytes, after = torch.load(out, weights_only=False)
+    got, want, events, nbytes, after = run_child(_INTERPRETED, tmp_path, os.path.dirname(__file__), store)
     assert got.shape == want.shape == (1, 6, want.shape[-1])
     assert (got - want).abs().max().item() <= 1e-4 and torch.equal(got.argmax(-1), want.argmax(-1))
     reads = Counter((ev[1], ev[2]) for ev in events if ev[0] == "read")
