@@ -21,6 +21,7 @@ from fate_edge.format.blob import file_identity, mark_verified
 from fate_edge.format.store import ExpertStore, decode_expert
 from fate_edge.runtime.cache import ExpertCache
 from fate_edge.runtime.cache.factory import Resident, precision_name
+from fate_edge.runtime.scheduler_stats import SchedulerStats
 from fate_edge.sizes import format_bytes
 
 
@@ -164,6 +165,7 @@ class Reader(Protocol):
     """The scheduler's serving path, as :func:`read_whole_model` drives it."""
 
     cache: ExpertCache | None
+    stats: SchedulerStats  # what it read: misses and their bytes
 
     def stream_groups(self, layer: int, expert_ids: Iterable[int]) -> Iterator[Sequence[tuple[int, object]]]: ...
 
@@ -174,7 +176,7 @@ def read_whole_model(reader: Reader, layers: Sequence[int], num_experts: int, re
     """Every expert not cached yet read through the scheduler's own path, layer by layer, for a cache that holds
     the whole model: as llama.cpp and Ollama load a model that fits, so the first prompt reads nothing. The reads
     land where a request's would (zero-copy: the pool's huge-page buffers the cache keeps), not in copies."""
-    t0 = time.perf_counter()
+    t0, misses, read = time.perf_counter(), reader.stats.misses, reader.stats.demand_bytes
     cache = reader.cache
     assert cache is not None  # a cache that holds the model
     for layer in layers:
@@ -182,6 +184,6 @@ def read_whole_model(reader: Reader, layers: Sequence[int], num_experts: int, re
         for group in reader.stream_groups(layer, ids):
             report.experts.setdefault(layer, []).extend(e for e, _ in group)
         reader.end_layer(layer)
-        report.reads += len(ids)
-        report.bytes_read += sum(cache.entries[(layer, e)].nbytes for e in ids if (layer, e) in cache.entries)
+    report.reads += reader.stats.misses - misses  # the reads as the scheduler counted them (blob bytes, not slots)
+    report.bytes_read += reader.stats.demand_bytes - read
     report.seconds += time.perf_counter() - t0

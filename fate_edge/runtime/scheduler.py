@@ -171,12 +171,12 @@ class Scheduler(TierPath, LayerBlobs, ExpertProvider):
 
         if n == 1:  # one row's top-k: distinct, one use each, so the order below is by id (no torch ops a layer)
             needed = sorted(idx[0].tolist())
-            self.observe_routing(layer, needed, [1] * len(needed), prompt)
+            uses = [1] * len(needed)
         else:
             ids, counts = idx.flatten().unique(return_counts=True)
             order = counts.argsort(descending=True, stable=True)
-            needed = ids[order].tolist()
-            self.observe_routing(layer, needed, counts[order].tolist(), prompt)
+            needed, uses = ids[order].tolist(), counts[order].tolist()
+        self.observe_routing(layer, needed, uses, prompt)
         self._check_prediction(layer, idx, prompt)
 
         # Prefill demand reads travel in the policy's precision: only predicted, prefetched experts may be cold
