@@ -109,3 +109,34 @@ def test_a_batched_engine_loads_on_a_thread_of_its_own(bundled_store, monkeypatc
         assert (seen[0] != threading.get_ident()) == elsewhere
         assert (eng.batcher is not None) == (max_batch != 1)
         assert eng.generate_text("def f():", GenerateConfig(max_tokens=4))[0]  # it works after a load elsewhere
+
+
+LOAD_IN_THE_MAIN_THREAD = """
+import os, threading, torch
+from fate_edge.runtime.engine import Engine
+
+torch.set_num_threads(2)  # starts torch's other pool (pthreadpool's workers) before the count
+
+def native():  # OS threads that are not Python's: OpenMP helpers (and the runtime's own)
+    return len(os.listdir("/proc/self/task")) - threading.active_count()
+
+before = native()
+with Engine.load(threads=2) as eng:
+    print(before, native(), eng.max_batch)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux's /proc")
+def test_loading_a_batched_engine_leaves_the_callers_thread_without_openmp_helpers():
+    """Everything the load computes with several threads (the model, the cache's first reads, the batcher's KV slab,
+    zeroed by a parallel fill) runs on the load's thread: a helper left to the caller's thread would make the batcher's
+    team the second one. The caller has computed nothing before, so it has no helpers of its own."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", LOAD_IN_THE_MAIN_THREAD], capture_output=True, text=True, timeout=300, check=True
+    )
+    before, after, max_batch = map(int, done.stdout.split()[-3:])
+    assert max_batch > 1  # the batcher computes
+    assert after == before, f"the load left {after - before} native thread(s) behind: {done.stderr[-500:]}"

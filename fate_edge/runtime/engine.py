@@ -129,21 +129,20 @@ class Engine:
         self._auto_budget = is_auto(c.memory_budget)
         self.budget = 0 if self._auto_budget else parse_bytes(c.memory_budget)
         self.budget_choice: BudgetChoice | None = None
-        # A batched engine computes on its batcher thread: it loads on a thread of its own, whose OpenMP helper
-        # threads end with it, so that the batcher's team is the process's only one (runtime.load_threads;
-        # docs/measured-choices.md)
+        # A batched engine computes on its batcher thread: it loads, and makes its batcher (whose KV slab is zeroed
+        # by a parallel fill), on a thread of its own, whose OpenMP helper threads end with it, so that the
+        # batcher's team is the process's only one (runtime.load_threads; docs/measured-choices.md)
         batched = (c.max_batch or default_max_batch(device)) > 1 and c.trace is None and device == "cpu"
         if batched:
             in_own_thread(self._open)
         else:
             self._open()
-        self.batcher = self._make_batcher(c.max_batch, c.context_tokens)
         # no thread of this engine left computing once it is closed, dropped or the interpreter exits (exit_close)
         parts = (self.batcher, self._slot, self._lock, self.scheduler, self.cache, self.fetch, self.host_tier)
         self._shut = shut_down_with(self, functools.partial(shut_down, *parts))
 
     def _open(self) -> None:
-        """Load the model and build the fetch engine, cache and scheduler under the budget."""
+        """Load the model and build the fetch engine, cache, scheduler and batcher under the budget."""
         c, device = self.config, self.device
         args = (c.store_dir, self.budget, self.dtype, c.context_tokens, c.resident_bits, None, c.embedding_bits)
         self.account = memory_account(*args, prompt_cache=c.prompt_cache)
@@ -218,6 +217,7 @@ class Engine:
         self.prefill_stats = SchedulerStats()
         self._request_stats = SchedulerStats()
         self._local = threading.local()  # a batched stream's own statistics, per reading thread
+        self.batcher = self._make_batcher(c.max_batch, c.context_tokens)
 
     def _make_batcher(self, max_batch: int, context_tokens: int) -> Batcher | None:
         """Continuous batching for ``max_batch`` > 1 (0: :func:`default_max_batch`). Not for a replayed trace
