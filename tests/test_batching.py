@@ -1,13 +1,14 @@
 """Continuous batching (runtime/batch.py, model/batch_step.py): one forward over every active sequence, each
 sequence's text the same as alone, the batch's experts unioned and read once, KV caches inside the budget."""
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from fate_edge import Engine, GenerateConfig
-from fate_edge.errors import BudgetError
+from fate_edge.errors import BudgetError, EngineClosedError
 from fate_edge.model.batch_step import Segment, forward_segments
 from fate_edge.model.experts import InMemoryExpertProvider
 
@@ -323,3 +324,35 @@ def test_a_request_waiting_behind_a_starved_sequence_is_admitted_when_it_ends(mo
             pool.shutdown(wait=False)
         assert seen and (ends[0] or heads[:1])[-1].finish_reason == "length"
         assert ends[2][-1].generation_tokens == 4  # admitted once the starved one ended
+
+
+def test_scoring_runs_on_the_batchers_thread_and_call_returns_or_raises_there():
+    """A batched engine computes on one thread only (libgomp cuts every team's spin-waits once the process holds more
+    OpenMP helpers than CPUs): a prompt's scoring runs there too, through Batcher.call, whose result or error comes
+    back to the caller; a closed engine refuses a call."""
+    from fate_edge.apps.server.logprobs import score_prompt
+
+    with Engine.load(None, max_batch=2, memory_budget="2MB", device="cpu", dtype="float32") as eng:
+        batcher = eng.batcher
+        ran_on: list[str] = []
+        real = eng.model._forward  # what the model's call runs
+
+        def recording(*args, **kwargs):
+            ran_on.append(threading.current_thread().name)
+            return real(*args, **kwargs)
+
+        eng.model._forward = recording
+        ids = eng.tokenizer.encode("def add(a, b):\n    return a + b")
+        scored = score_prompt(eng, ids, 1)
+        assert len(scored) == len(ids) and scored[0] is None and scored[1].logprob <= 0
+        assert ran_on and set(ran_on) == {"fate-edge-batch"}
+        assert batcher.call(lambda: threading.current_thread().name) == "fate-edge-batch"
+
+        def fail():
+            raise ValueError("a bad pass")
+
+        with pytest.raises(ValueError, match="a bad pass"):
+            batcher.call(fail)
+        assert eng.generate_text(ids, _cfg(3))[1].generation_tokens == 3  # the batch goes on after a failed call
+    with pytest.raises(EngineClosedError):
+        batcher.call(lambda: None)

@@ -1,9 +1,10 @@
 """Continuous batching: requests join and leave between steps, and each step is one forward over every active sequence.
 
-A worker thread owns the steps. Each step stacks, per active sequence, either its next prompt chunk (a joining
-request; all joining requests' chunks together at most ``prompt_rows`` tokens a step) or its last sampled token,
-and runs them in one pass (``model.batch_step.forward_segments``): per MoE layer the scheduler sees the union of
-the batch's routed experts, reads each once and the model computes each on its rows, grouped. Every sequence keeps
+A worker thread owns the steps, and any other computation of the engine (:meth:`Batcher.call`). Each step stacks,
+per active sequence, either its next prompt chunk (a joining request; all joining requests' chunks together at most
+``prompt_rows`` tokens a step) or its last sampled token, and runs them in one pass
+(``model.batch_step.forward_segments``): per MoE layer the scheduler sees the union of the batch's routed experts,
+reads each once and the model computes each on its rows, grouped. Every sequence keeps
 its own KV cache, sampling, stop conditions and statistics (:class:`~fate_edge.runtime.generate.TokenStream`).
 
 The KV caches are inside the budget: every sequence reserves its prompt plus answer at admission as a range of one
@@ -23,9 +24,10 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -47,6 +49,7 @@ from fate_edge.sizes import format_bytes
 # answer of unknown length (no max_tokens) does not hold the whole context from the start
 ANSWER_ROOM = 256
 GROW_STEP = 64  # positions a range grows by when its answer reaches its end
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from fate_edge.model.kv_cache import KVCache
@@ -154,6 +157,7 @@ class Batcher:
         self._cv = threading.Condition()
         self._waiting: deque[BatchSequence] = deque()
         self._active: list[BatchSequence] = []
+        self._calls: deque[tuple[Callable[[], object], Future]] = deque()  # work run between steps (call)
         self._closed = False
         self._thread: threading.Thread | None = None
         self._slab: KVSlab | None = None
@@ -187,11 +191,31 @@ class Batcher:
                 raise EngineClosedError("the engine is closed; create a new Engine to serve more requests")
             self._waiting.append(seq)
             self.stats.waiting = len(self._waiting)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="fate-edge-batch", daemon=True)
-                self._thread.start()
-            self._cv.notify_all()
+            self._wake()
         return seq
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """``fn()`` run on the batcher's thread between two steps, waited for: its result, or its exception raised
+        here. Other computations of a batched engine (a prompt's scoring) go through here so that the batcher's
+        thread stays the only one computing with several threads: libgomp keeps a team of helper threads for each
+        thread that ran a parallel region, and with more of them than CPUs it cuts every team's spin-waiting
+        (runtime.load_threads)."""
+        if self._thread is threading.current_thread():
+            return fn()
+        done: Future = Future()
+        with self._cv:
+            if self._closed:
+                raise EngineClosedError("the engine is closed; create a new Engine to serve more requests")
+            self._calls.append((fn, done))
+            self._wake()
+        return done.result()
+
+    def _wake(self) -> None:
+        """Start the worker on first use and wake it (under ``_cv``)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="fate-edge-batch", daemon=True)
+            self._thread.start()
+        self._cv.notify_all()
 
     def responses(self, seq: BatchSequence) -> Iterator[GenerationResponse]:
         """``seq``'s responses as they come; closing the iterator removes it from the batch before the next step."""
@@ -227,6 +251,13 @@ class Batcher:
                 seq.put(closed)
         self._waiting.clear()
         self._active.clear()
+        self._fail_calls(closed)
+
+    def _fail_calls(self, exc: BaseException) -> None:
+        while self._calls:
+            _, done = self._calls.popleft()
+            if not done.done():
+                done.set_exception(exc)
 
     # ------------------------------------------------------------------ worker
     def _new_cache(self, seq: BatchSequence) -> KVCache | None:
@@ -276,18 +307,27 @@ class Batcher:
                     seq.put(exc)
                     self._leave(seq)
                 self._waiting.clear()
+                self._fail_calls(exc)
             logging.getLogger(__name__).error("the batch worker stopped: %s", exc, exc_info=exc)
 
     def _serve(self) -> None:
         while True:
             with self._cv:
-                while not self._closed and not self._active and not self._waiting:
+                while not self._closed and not self._active and not self._waiting and not self._calls:
                     self._cv.wait()
                 if self._closed:
                     return
+                calls = list(self._calls)
+                self._calls.clear()
                 self._leave_cancelled()
                 self._admit()
                 batch = list(self._active)
+            for fn, done in calls:
+                if done.set_running_or_notify_cancel():
+                    try:
+                        done.set_result(fn())
+                    except BaseException as exc:  # the caller's to handle; the batch goes on
+                        done.set_exception(exc)
             if batch:
                 self._step(batch)
 

@@ -32,8 +32,9 @@ def score_prompt(eng: Any, ids: list[int], top: int, wait_s: float = 600.0) -> l
     """Each prompt token's log-probability given the tokens before it (None for the first), from the model's
     logits at every position of one prefill (``MoETransformer.forward`` without ``last_only``).
 
-    The pass runs between batch steps under the engine's lock. Its KV cache is a range of the batch's KV slab, like a
-    request's (so the memory budget covers it), waited for while the slab is full and given back when done."""
+    The pass runs on the batcher's thread between two steps, under the engine's lock. Its KV cache is a range of the
+    batch's KV slab, like a request's (so the memory budget covers it), waited for while the slab is full and given
+    back when done."""
     room, per_token = kv_room(eng)
     if room and per_token * len(ids) > room:
         raise KVRoomError(
@@ -47,7 +48,9 @@ def score_prompt(eng: Any, ids: list[int], top: int, wait_s: float = 600.0) -> l
         cache = model.new_cache()
         cache.capacity_hint = len(ids)
     out: list[TokenLogprob | None] = [None]
-    try:
+
+    @torch.inference_mode()
+    def score() -> None:
         with eng._lock:  # one step of anything at a time (the batcher's steps take the same lock)
             try:
                 for a in range(0, len(ids) - 1, SCORE_CHUNK):
@@ -58,6 +61,11 @@ def score_prompt(eng: Any, ids: list[int], top: int, wait_s: float = 600.0) -> l
             except BaseException:
                 eng.scheduler.abort()  # nothing of this pass stays in flight
                 raise
+
+    try:
+        # on the batcher's thread where there is one: the process's only thread computing with several threads
+        # (Batcher.call); the KV range was waited for here, as the batcher's steps free it
+        eng.batcher.call(score) if eng.batcher is not None else score()
     finally:
         if not own:
             batcher = eng.batcher
@@ -68,7 +76,7 @@ def score_prompt(eng: Any, ids: list[int], top: int, wait_s: float = 600.0) -> l
 
 
 def _slab_cache(eng: Any, positions: int, wait_s: float) -> Any:
-    """A range of ``positions`` of the batcher's KV slab (made as the batcher makes it at its first request), waiting
+    """A range of ``positions`` of the batcher's KV slab (made with the batcher where it has a KV budget), waiting
     up to ``wait_s`` seconds while running sequences hold it all. Reads the batcher's slab under its condition."""
     from fate_edge.model.kv_slab import KVSlab
 
