@@ -7,6 +7,7 @@ kernel picks its instruction set at run time, so one build serves any x86-64 hos
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -30,10 +31,16 @@ def compiler() -> str | None:
 CFLAGS = ("-O3", "-fno-math-errno", "-fopenmp")
 
 
+@functools.cache
+def compiler_version(cc: str) -> str:
+    """``cc --version``, asked once per process: each kernel's cache key holds it, and a process loads several."""
+    return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+
+
 def build_shared_library(src: bytes, name: str, cc: str) -> Path:
     """``src`` (C) compiled with ``cc`` into ``<cache>/native/<name>-<hash>.so`` unless already there; older builds
     of ``name`` are removed. Raises RuntimeError with the compiler's message when the build fails."""
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    version = compiler_version(cc)
     key = hashlib.sha256(src + version.encode()).hexdigest()[:16]
     lib = cache_home() / "native" / f"{name}-{key}.so"
     if lib.exists():

@@ -208,3 +208,28 @@ def test_a_decode_under_a_meta_default_device_gives_the_same_tokens(bundled_dir,
     with torch.device("meta"):
         got = bf16_decode(model).argmax(-1)
     assert torch.equal(got, want)
+
+
+LOAD_THEN_LOOK = """
+from fate_edge import load_model
+from fate_edge.bundled import bundled_model_dir
+from fate_edge.model import decode_attention, head_matvec, row_ops
+
+before = [k._kernel._reason for k in (row_ops, decode_attention, head_matvec)]
+load_model(bundled_model_dir())
+after = [k._kernel._reason for k in (row_ops, decode_attention, head_matvec)]
+print(before == [None] * 3, None not in after, after)
+"""
+
+
+def test_a_cpu_model_load_loads_the_decode_kernels_before_its_first_request():
+    """Each kernel's first use asks the compiler its version and opens a library (milliseconds): a fresh process's
+    load does it, so a first prompt does not (its tokens per second are what a user meets first)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", LOAD_THEN_LOOK], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-800:]
+    fresh, tried, after = done.stdout.strip().split(" ", 2)
+    assert fresh == "True"  # nothing loaded them at import
+    assert tried == "True", f"a kernel left to the first request: {after}"  # loaded, or refused for a reason

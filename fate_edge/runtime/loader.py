@@ -26,6 +26,7 @@ from fate_edge.model.embedding import NAME as EMBED_NAME
 from fate_edge.model.embedding import quantize_table
 from fate_edge.model.experts import ExpertProvider
 from fate_edge.model.layer import Weights, quantize_group, resident_groups
+from fate_edge.model.native_warm import warm_native_kernels
 from fate_edge.model.transformer import MoETransformer
 from fate_edge.quant import QuantSpec
 
@@ -143,4 +144,6 @@ def load_model(
     model.model_dir = Path(model_dir)
     if compile != "off":
         model.set_compile(compile)
+    if torch.device(device).type == "cpu":
+        warm_native_kernels()  # at load, not in the first request
     return model
