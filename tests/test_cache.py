@@ -92,6 +92,32 @@ def test_pinned_entries_are_never_evicted_and_budget_holds():
     assert cache.insert((0, 3), object(), 1, 4) and (0, 1) not in cache
 
 
+def test_a_shrunk_cache_answers_for_its_new_capacity():
+    """shrink (staged prefill takes its room from the cache) evicts down to the new capacity, and what holds_all
+    says, which the scheduler's all_at_hand is decided from, follows: 4 experts fitted, 2 now do."""
+    cache = ExpertCache({0: 4}, lambda part, cap: LRU(), entry_bytes=1, partition_of=lambda key: 0)
+    every = [(0, k) for k in range(4)]
+    for key in every:
+        cache.insert(key, object(), 1, 4)
+    assert cache.holds_all(every) and cache.resized == 0
+    assert cache.shrink(2)
+    assert cache.used_bytes == 2 and len(cache.entries) == 2 and cache.resized == 1
+    assert not cache.holds_all(every) and cache.holds_all(every[:2])
+
+
+def test_the_scheduler_stops_counting_on_every_expert_once_its_cache_shrinks(tmp_path):
+    """An engine whose budget holds the model computes each layer's shared expert with its routed experts, as
+    nothing is ever read mid-token; once its cache gives room to staged prefill, experts are read again and the
+    scheduler says so."""
+    from fate_edge.runtime.engine import Engine
+
+    with Engine.load(None, max_batch=1) as engine:
+        scheduler, cache = engine.scheduler, engine.cache
+        assert scheduler.all_at_hand  # the default budget holds the bundled model
+        assert cache.shrink(cache.capacity_bytes // 2)
+        assert not scheduler.all_at_hand
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     capacity=st.integers(min_value=0, max_value=40),

@@ -125,8 +125,8 @@ class Scheduler(TierPath, LayerBlobs, ExpertProvider):
         self.cold_bits = policy.cold_bits if policy.cold_bits in store.precisions else None
         self.stats = SchedulerStats()
         self.layer_index = {layer: i for i, layer in enumerate(config.moe_layers)}
-        every = ((layer, e) for layer in config.moe_layers for e in range(config.num_experts))
-        self._holds_model = cache is not None and cache.holds_all(every)  # nothing is ever evicted (all_at_hand)
+        self._holds_model = self._cache_holds_model()  # nothing is ever evicted (all_at_hand)
+        self._holds_at = cache.resized if cache is not None else 0  # the cache's size it was decided for
         self.prefetches: dict[Key, Fetch] = {}
         # Planned reads ahead waiting for room (at most max_inflight are submitted): the layer being computed
         # still holds its own prefetches when it predicts, and frees their room as it consumes them.
@@ -214,8 +214,15 @@ class Scheduler(TierPath, LayerBlobs, ExpertProvider):
     def all_at_hand(self) -> bool:  # type: ignore[override]
         """A cache that holds every expert of the model (a budget that fits it): each one is read once, at its first
         use, and from then on a layer's experts come in one group with nothing to wait for, so the MoE block computes
-        the shared expert in their kernel calls (before the first group of a warming layer, had it no hits)."""
+        the shared expert in their kernel calls (before the first group of a warming layer, had it no hits). Decided
+        again after the cache shrinks (staged prefill takes its room)."""
+        if self.cache is not None and self.cache.resized != self._holds_at:
+            self._holds_model, self._holds_at = self._cache_holds_model(), self.cache.resized
         return self._holds_model
+
+    def _cache_holds_model(self) -> bool:
+        layers, n = self.config.moe_layers, self.config.num_experts
+        return self.cache is not None and self.cache.holds_all((layer, e) for layer in layers for e in range(n))
 
     def _precision_on_miss(self, layer: int, idx: torch.Tensor, weights: torch.Tensor) -> set[int]:
         """HOBBIT/MoE-APEX: order the token's experts by normalised gate weight; s(e_i) = Σ_{j<i} w_j.

@@ -41,9 +41,10 @@ class ExpertCache:
         self.capacity = dict(partition_bytes)
         self.entry_bytes = entry_bytes
         self.partition_of = partition_of or (lambda key: key[0])
-        sizes = entry_bytes_of or {}
-        self._other_sizes = set(sizes)
-        self.slots = {p: cap // max(1, sizes.get(p, entry_bytes)) for p, cap in self.capacity.items()}  # entries
+        self._sizes = entry_bytes_of or {}
+        self._other_sizes = set(self._sizes)
+        self.slots = self._slots()  # entries each partition holds
+        self.resized = 0  # capacity changes (shrink): what was decided from the slots may no longer hold
         self.policies = {p: make_policy(p, max(1, n)) for p, n in self.slots.items()}
         self.per_layer: dict[int, int] = {}  # MoE layer → entries held (whatever the partitioning)
         self.entries: dict[Key, CacheEntry] = {}
@@ -55,6 +56,9 @@ class ExpertCache:
         self.refused = 0
         self.bypassed = 0  # inserts the policy declined (cache.eviction.EvictionPolicy.admit)
         self.on_evict: Callable[[Key], None] | None = None  # told each key that leaves (its memory is free)
+
+    def _slots(self) -> dict[int, int]:
+        return {p: cap // max(1, self._sizes.get(p, self.entry_bytes)) for p, cap in self.capacity.items()}
 
     @property
     def capacity_bytes(self) -> int:
@@ -160,8 +164,10 @@ class ExpertCache:
         if nbytes <= 0 or total <= 0:
             return True
         take = {p: min(cap, -(-nbytes * cap // total)) for p, cap in self.capacity.items()}
-        for p, cut in take.items():
-            self.capacity[p] -= cut
+        for p in take:
+            self.capacity[p] -= take[p]
+        self.slots, self.resized = self._slots(), self.resized + 1  # holds_all answers for the new capacity
+        for p in take:
             while self.used[p] > self.capacity[p]:
                 members = [k for k in self._members[p] if self.entries[k].pins == 0]
                 if not members:
