@@ -34,7 +34,7 @@ from fate_edge.huge_pages import on_huge_pages
 from fate_edge.native_build import CFLAGS, compiler
 from fate_edge_lab.bench.host import cpu_model
 
-GROUP = 64
+GROUP = 64  # weights per scale (--group; the stores of the Qwen1.5-MoE shapes use 128)
 SHAPES = [(1408, 2048), (2048, 1408), (5632, 2048), (2048, 5632), (2048, 2048)]
 HOT_SHAPES = [(512, 2048), (256, 2048)]
 
@@ -74,6 +74,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--hot", action="store_true", help="one small matrix, resident in L2")
+    ap.add_argument("--group", type=int, default=GROUP, help="weights per scale and zero (a store's group_size)")
     ap.add_argument("--isa", type=int, default=2, help="2: AVX512-VNNI, 1: AVX2")
     ap.add_argument(
         "--huge-pages",
@@ -109,8 +110,8 @@ def main() -> None:
             [
                 (
                     codes[i],
-                    (torch.rand(n, k // GROUP, generator=gen) * 0.01).half(),
-                    (torch.randn(n, k // GROUP, generator=gen) * 0.01).half(),
+                    (torch.rand(n, k // args.group, generator=gen) * 0.01).half(),
+                    (torch.randn(n, k // args.group, generator=gen) * 0.01).half(),
                 )
                 for i in range(copies)
             ]
@@ -123,8 +124,8 @@ def main() -> None:
         [
             (
                 on_huge_pages(c) if args.huge_pages else c,
-                (torch.rand(n, k // GROUP, generator=gen) * 0.01).half(),
-                (torch.randn(n, k // GROUP, generator=gen) * 0.01).half(),
+                (torch.rand(n, k // args.group, generator=gen) * 0.01).half(),
+                (torch.randn(n, k // args.group, generator=gen) * 0.01).half(),
                 torch.randn(args.rows, k, generator=gen).bfloat16(),
                 torch.empty(args.rows, n, dtype=torch.bfloat16),
             )
@@ -139,7 +140,7 @@ def main() -> None:
                 v
                 for (n, k), (c, s, z, x, y) in zip(group, mats_g, strict=True)
                 # fe_int4_gemm's arguments, in its order
-                for v in (c.data_ptr(), s.data_ptr(), z.data_ptr(), 0, n, k, GROUP)
+                for v in (c.data_ptr(), s.data_ptr(), z.data_ptr(), 0, n, k, args.group)
                 + (x.data_ptr(), 1, k, args.rows, y.data_ptr(), 1)
             ]
         )
@@ -154,7 +155,7 @@ def main() -> None:
         for _ in range(reps):
             for c, s, z in mats[i]:
                 rc = lib.fe_int4_gemm(
-                    c.data_ptr(), s.data_ptr(), z.data_ptr(), 0, n, k, GROUP, x.data_ptr(), 1, k, args.rows,
+                    c.data_ptr(), s.data_ptr(), z.data_ptr(), 0, n, k, args.group, x.data_ptr(), 1, k, args.rows,
                     y.data_ptr(), 1, args.threads, args.isa,
                 )  # fmt: skip
                 assert rc == 0
@@ -196,7 +197,7 @@ def main() -> None:
     if group:
         rows.append((f"grouped({','.join(f'{n}x{k}' for n, k in group)})", sum(n * k for n, k in group)))
     for i, (name, weights) in enumerate(rows):
-        nbytes = weights / 2 + 2 * 2 * weights / GROUP
+        nbytes = weights / 2 + 2 * 2 * weights / args.group
         cells = []
         for j in range(len(libs)):
             med = statistics.median(times[(j, i)])
