@@ -14,6 +14,8 @@ POLICY = "fate-edge"  # our preset (fate_edge.runtime.policy.PRESETS); "auto" as
 DEVICE = "auto"  # cuda when torch sees a GPU, else cpu
 DTYPE = "auto"  # the hardware's native compute dtype, measured on CPUs with bf16 instructions (compute_dtype)
 VERIFY = "once"  # check each blob's CRC32 on its first read
-# torch CPU threads + fetch workers: no more than the cores this process may use (fate_edge.devices.detect)
-THREADS: int | None = thread_split()[0]
+# torch CPU threads + fetch workers: no more than the cores this process may use (fate_edge.devices.detect) while
+# experts stream; "auto" gives a real model its budget holds whole every core once loaded (runtime.auto_threads)
+THREADS: int | str | None = "auto"
+STREAMING_THREADS: int = thread_split()[0]
 FETCH_WORKERS: int = thread_split()[1]

@@ -55,6 +55,7 @@ BAD_BY_TYPE = {
     model_path: ["/nonexistent/model", "nobody/nothing"],
     model_path_as_path: ["/nonexistent/model"],
     cli_args.tokens_or_context: ["abc", "0", "-1"],
+    cli_args.thread_count: ["abc", "0", "-1"],
     cli_args.resident_width: ["abc", "2", "-1"],
     cli_args.device_name: ["tpu"],
     cli_args.link_name: ["nosuch-board"],

@@ -216,9 +216,9 @@ def test_load_sets_torch_threads_as_the_cli_does(cache_dir):
         torch.set_num_threads(3)
         with Engine.load(memory_budget="2MB", device="cpu", threads=None):
             assert torch.get_num_threads() == 3  # None: the process's own setting stands
-        with Engine.load(memory_budget="2MB", device="cpu"):
-            assert torch.get_num_threads() == (defaults.THREADS or 3)
-            assert defaults.THREADS is None or defaults.THREADS + defaults.FETCH_WORKERS <= max(2, os.cpu_count() or 2)
+        with Engine.load(memory_budget="2MB", device="cpu"):  # "auto", experts streaming: the fetch worker's core kept
+            assert defaults.THREADS == "auto" and torch.get_num_threads() == defaults.STREAMING_THREADS
+            assert defaults.STREAMING_THREADS + defaults.FETCH_WORKERS <= max(2, os.cpu_count() or 2)
         with Engine.load(memory_budget="2MB", device="cpu", threads=2):
             assert torch.get_num_threads() == 2
     finally:

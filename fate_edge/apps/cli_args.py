@@ -65,6 +65,13 @@ def tokens_or_context(value: str) -> int | None:
     return int(positive_int(value))
 
 
+def thread_count(value: str) -> int | str:
+    """A torch thread count >= 1, or auto (runtime.auto_threads)."""
+    if value.strip().lower() == "auto":
+        return "auto"
+    return int(positive_int(value))
+
+
 def link_name(value: str) -> str:
     """A device profile whose storage link reads are throttled to (see profile_name), or 'none'."""
     return value if value == "none" else profile_name(value)

@@ -23,6 +23,7 @@ from fate_edge.apps.cli_args import (
     link_name,
     model_ref,
     positive_int,
+    thread_count,
 )
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ class EngineOptions:
     device: str = defaults.DEVICE
     dtype: str = defaults.DTYPE
     link: str | None = None  # device profile whose storage link reads are throttled to
-    threads: int | None = defaults.THREADS
+    threads: int | str | None = defaults.THREADS
     verify: str = defaults.VERIFY
     resident_bits: int | None = None  # quantize the resident weights (8 or 4); None keeps the model's dtype
     embedding_bits: int | None = None  # hold the embedding table in 8 or 4 bits; None keeps the model's dtype
@@ -107,10 +108,11 @@ def add_engine_args(
         )
     p.add_argument(
         "--threads",
-        type=positive_int,
+        type=thread_count,
         default=defaults.THREADS,
-        help=f"torch CPU threads (default {defaults.THREADS}: the cores this process may use, less the "
-        f"{defaults.FETCH_WORKERS} fetch worker(s))",
+        help=f"torch CPU threads (default auto: {defaults.STREAMING_THREADS}, the cores this process may use less the "
+        f"{defaults.FETCH_WORKERS} fetch worker(s), while experts stream; every core once a model the budget holds "
+        "whole is loaded, where it is at least 1024 wide)",
     )
     p.add_argument(
         "--resident-bits",
@@ -172,11 +174,12 @@ def make_link(name: str | None) -> ThrottledLink | None:
     return ThrottledLink(storage_link(load_profile(name)))
 
 
-def set_threads(threads: int | None) -> None:
-    if threads:
-        import torch
+def set_threads(threads: int | str | None) -> None:
+    """Torch's threads before a load: a number as given, the streaming count for "auto" (an engine then settles it,
+    ``runtime.auto_threads``), torch's own for None."""
+    from fate_edge.runtime.auto_threads import set_load_threads
 
-        torch.set_num_threads(threads)
+    set_load_threads(threads)
 
 
 def resolve_store(
@@ -256,6 +259,7 @@ def open_engine(
     gives none; ``status``: the stage it is at (the daemon's /health)."""
     from fate_edge.format.checkpoint_layout import DTYPES
     from fate_edge.runtime.auto_budget import is_auto
+    from fate_edge.runtime.auto_threads import set_load_threads, settle_threads
     from fate_edge.runtime.budget import parse_bytes
     from fate_edge.runtime.compute_dtype import resolve_dtype
     from fate_edge.runtime.engine import Engine
@@ -267,7 +271,7 @@ def open_engine(
     # with them instead of slowing a batching engine's (runtime.load_threads)
     store = in_own_thread(lambda: resolve_store(opts.model, progress, status, opts.resident_bits, opts.embedding_bits))
     link = make_link(opts.link)
-    set_threads(opts.threads)
+    set_load_threads(opts.threads)
     device = resolve_device(opts.device)
     opts = replace(opts, dtype=str(resolve_dtype(opts.dtype, device, store)))  # auto: the hardware's (compute_dtype)
     if is_auto(opts.memory_budget):  # the machine's room, said in one line (auto_budget)
@@ -326,4 +330,5 @@ def open_engine(
         )
     )
     engine.planned = planned
+    settle_threads(opts.threads, not engine.scheduler.all_at_hand, engine.model.config.hidden_size, engine.device)
     return engine

@@ -38,6 +38,7 @@ from fate_edge.runtime.auto_budget import (
     is_auto,
     memory_sources,
 )
+from fate_edge.runtime.auto_threads import set_load_threads, settle_threads
 from fate_edge.runtime.batch import BatchConfig, Batcher, default_max_batch
 from fate_edge.runtime.budget import BudgetPlan, memory_shortfall, parse_bytes, plan_budget
 from fate_edge.runtime.cache import ExpertCache
@@ -413,7 +414,7 @@ class Engine:
         policy: str | PolicyConfig = defaults.POLICY,
         device: str = defaults.DEVICE,
         dtype: str | torch.dtype = defaults.DTYPE,
-        threads: int | None = defaults.THREADS,
+        threads: int | str | None = defaults.THREADS,
         **kw: Any,
     ) -> Engine:
         """Open a model directory or expert store (default: the bundled model), converting it to a store once.
@@ -421,14 +422,14 @@ class Engine:
         machine's default, unless given). ``policy="auto"``: the planner picks the policy for this host, budget
         and link first (its choice, prediction included, is ``engine.planned``; ``plan_sample``: a prompt like the
         ones to serve, which it probes instead of its own text). ``threads``: torch's CPU threads for the process,
-        as the CLI sets them (default: the cores this process may use less the fetch workers; torch's own default
-        takes every core, so the fetch worker made a third thread on a 2-core host and decode ran at about half
-        speed: docs/measured-choices.md); None leaves torch's setting as it is."""
+        as the CLI sets them (default "auto": the cores this process may use less the fetch workers while experts
+        stream, every core once a real model its budget holds is loaded, ``runtime.auto_threads``; torch's own
+        default takes every core, so a streaming engine's fetch worker made a third thread on a 2-core host and
+        decode ran at about half speed: docs/measured-choices.md); None leaves torch's setting as it is."""
         from fate_edge.bundled import bundled_model_dir
         from fate_edge.format.converted_stores import ensure_store
 
-        if threads:
-            torch.set_num_threads(threads)
+        set_load_threads(threads)
         kw.setdefault("max_batch", 0)  # the SDK's engine batches concurrent requests (the machine's default size)
         # a first use converts here: on a thread of its own too where the batcher will compute (runtime.load_threads)
         convert = lambda: ensure_store(path or bundled_model_dir(), progress=False)  # noqa: E731
@@ -452,6 +453,7 @@ class Engine:
         engine = cls(config)
         engine.scheduler.seed_misses(planned)  # the planner's measured miss costs start the hybrid rule
         engine.planned = planned
+        settle_threads(threads, not engine.scheduler.all_at_hand, engine.model.config.hidden_size, engine.device)
         return engine
 
     # ------------------------------------------------------------- generation

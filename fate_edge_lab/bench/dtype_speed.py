@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from fate_edge import defaults
 
-    __import__("torch").set_num_threads(args.threads or defaults.THREADS or 1)
+    __import__("torch").set_num_threads(args.threads or defaults.STREAMING_THREADS)
     r = measure(args.model, DTYPES, args.prompt_tokens, args.decode_tokens, args.rounds)
     if args.json:
         args.json.write_text(json.dumps(r, indent=1))

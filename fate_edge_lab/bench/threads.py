@@ -115,7 +115,7 @@ def child_main(spec_json: str) -> None:
         from fate_edge.runtime.engine_config import EngineConfig
         from fate_edge.runtime.generate import GenerateConfig
 
-        threads = spec["threads"] or defaults.THREADS
+        threads = spec["threads"] or defaults.STREAMING_THREADS
         if threads is not None:  # None: torch's own default
             torch.set_num_threads(threads)
         workers = spec["workers"] or defaults.FETCH_WORKERS
