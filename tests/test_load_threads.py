@@ -112,7 +112,7 @@ def test_a_batched_engine_loads_on_a_thread_of_its_own(bundled_store, monkeypatc
 
 
 LOAD_IN_THE_MAIN_THREAD = """
-import os, threading, torch
+import os, threading, time, torch
 from fate_edge.runtime.engine import Engine
 
 torch.set_num_threads(2)  # starts torch's other pool (pthreadpool's workers) before the count
@@ -122,21 +122,31 @@ def native():  # OS threads that are not Python's: OpenMP helpers (and the runti
 
 before = native()
 with Engine.load(threads=2) as eng:
-    print(before, native(), eng.max_batch)
+    deadline = time.monotonic() + 10  # threads that ended (the probe's, a closed fetch engine's) leave the OS late
+    while native() > before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    fetchers = sum(t.name.startswith("fate-fetch") for t in threading.enumerate())
+    print(fetchers == eng.fetch.workers, before, native(), eng.max_batch)  # no other model's readers left running
 """
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux's /proc")
-def test_loading_a_batched_engine_leaves_the_callers_thread_without_openmp_helpers():
-    """Everything the load computes with several threads (the model, the cache's first reads, the batcher's KV slab,
-    zeroed by a parallel fill) runs on the load's thread: a helper left to the caller's thread would make the batcher's
-    team the second one. The caller has computed nothing before, so it has no helpers of its own."""
+def test_loading_a_batched_engine_leaves_the_callers_thread_without_openmp_helpers(tmp_path):
+    """Everything a first load computes with several threads (converting the bundled model, the compute dtype's
+    probe, the model, the batcher's KV slab zeroed by a parallel fill) runs on threads that end: a helper left to the
+    caller's thread, or to one that lives on, would make the batcher's team the second one. A fresh cache, so that the
+    conversion and the probe run too; the caller has computed nothing before, so it has no helpers of its own."""
     import subprocess
     import sys
 
+    env = {**os.environ, "FATE_EDGE_CACHE": str(tmp_path)}
+    env.pop("FATE_EDGE_DTYPE", None)  # the suite's float32: "auto" probes a bf16 CPU's speed on a first load
     done = subprocess.run(
-        [sys.executable, "-c", LOAD_IN_THE_MAIN_THREAD], capture_output=True, text=True, timeout=300, check=True
+        [sys.executable, "-c", LOAD_IN_THE_MAIN_THREAD], capture_output=True, text=True, timeout=600, env=env
     )
-    before, after, max_batch = map(int, done.stdout.split()[-3:])
-    assert max_batch > 1  # the batcher computes
+    assert done.returncode == 0, done.stderr[-800:]
+    own_readers, before, after, max_batch = done.stdout.split()[-4:]
+    before, after = int(before), int(after)
+    assert int(max_batch) > 1  # the batcher computes
+    assert own_readers == "True"  # the probe's two models closed theirs
     assert after == before, f"the load left {after - before} native thread(s) behind: {done.stderr[-500:]}"

@@ -189,14 +189,16 @@ OPTION_TYPES: dict[str, Callable[[str], object]] = {
 
 
 def use_option_types(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Give ``parser``'s options their types from OPTION_TYPES, and --policy / --presets the policy names."""
+    """Give ``parser``'s options their types from OPTION_TYPES where they declared a plain class or none, and
+    --policy / --presets the policy names."""
     from fate_edge.runtime.policy import POLICY_CHOICES, PRESETS
 
     for action in parser._actions:  # argparse has no public API to revisit declared options
         if not action.option_strings and action.dest == "model":  # a positional model directory, read as files
             action.type = model_path
         for opt in action.option_strings:
-            if opt in OPTION_TYPES:
+            # a class (int, Path) or none is replaced; a checking function of ours stays (engine_args' --threads)
+            if opt in OPTION_TYPES and (action.type is None or isinstance(action.type, type)):
                 action.type = OPTION_TYPES[opt]
             elif opt == "--policy" and action.choices is None:
                 action.choices, action.metavar = POLICY_CHOICES, "POLICY"

@@ -67,7 +67,15 @@ def _host_key() -> str:
 
 def probe_decode_speed() -> dict[str, float]:
     """Decode tokens/s of the bundled model's default store in each dtype, every expert in memory: interleaved
-    rounds, medians. (The model and its generation loop, not an Engine: the engine resolves its dtype here.)"""
+    rounds, medians. (The model and its generation loop, not an Engine: the engine resolves its dtype here.) On a
+    thread of its own, as a load (runtime.load_threads): run on the caller's, its OpenMP helpers outlived it and
+    made a batching engine's team the process's second."""
+    from fate_edge.runtime.load_threads import in_own_thread
+
+    return in_own_thread(_probe_decode_speed)
+
+
+def _probe_decode_speed() -> dict[str, float]:
     from fate_edge.bundled import bundled_model_dir
     from fate_edge.format.converted_stores import ensure_store
     from fate_edge.runtime.generate import GenerateConfig, generate_from_model
@@ -76,15 +84,21 @@ def probe_decode_speed() -> dict[str, float]:
 
     path = ensure_store(bundled_model_dir(), progress=False)
     models = {d: load_model(path, dtype=d) for d in DTYPES}
-    tok = Tokenizer(path)
-    ids = tok.encode("def expert_cache(budget, layers):\n    return")
-    config = GenerateConfig(max_tokens=PROBE_TOKENS, ignore_eos=True)
-    speeds: dict[str, list[float]] = {d: [] for d in DTYPES}
-    for m in models.values():
-        generate_from_model(m, tok, ids, GenerateConfig(max_tokens=4, ignore_eos=True))  # warm up
-    for _ in range(PROBE_ROUNDS):
-        for d, m in models.items():
-            speeds[d].append(generate_from_model(m, tok, ids, config)[1].generation_tps)
+    try:
+        tok = Tokenizer(path)
+        ids = tok.encode("def expert_cache(budget, layers):\n    return")
+        config = GenerateConfig(max_tokens=PROBE_TOKENS, ignore_eos=True)
+        speeds: dict[str, list[float]] = {d: [] for d in DTYPES}
+        for m in models.values():
+            generate_from_model(m, tok, ids, GenerateConfig(max_tokens=4, ignore_eos=True))  # warm up
+        for _ in range(PROBE_ROUNDS):
+            for d, m in models.items():
+                speeds[d].append(generate_from_model(m, tok, ids, config)[1].generation_tps)
+    finally:
+        for m in models.values():  # their fetch workers stop here, not at the interpreter's exit
+            close = getattr(m.experts, "close", None)
+            if close is not None:
+                close()
     return {d: statistics.median(v) for d, v in speeds.items()}
 
 
