@@ -55,8 +55,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from fate_edge.apps.engine_args import EngineOptions, make_link, open_engine, set_threads
+    from fate_edge.apps.engine_args import EngineOptions, make_link, open_engine
     from fate_edge.bundled import bundled_model_dir
+    from fate_edge.runtime.auto_threads import set_load_threads
     from fate_edge.runtime.compute_dtype import resolve_dtype
     from fate_edge.runtime.engine import resolve_device
     from fate_edge.runtime.loader import load_model
@@ -72,7 +73,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from fate_edge.format.gguf_reader import is_gguf
     from fate_edge.format.model_names import locate_model
 
-    set_threads(args.threads)
+    set_load_threads(args.threads)
     device = resolve_device(args.device)
     model_dir = locate_model(args.model or bundled_model_dir())
     if is_gguf(model_dir):  # a GGUF runs from the store converted from it (once, into the cache)

@@ -204,14 +204,15 @@ def summary(
 def cmd_demo(args: argparse.Namespace) -> int:
     from contextlib import ExitStack
 
-    from fate_edge.apps.engine_args import EngineOptions, open_engine, set_threads
+    from fate_edge.apps.engine_args import EngineOptions, open_engine
     from fate_edge.bundled import bundled_model_dir
     from fate_edge.format.converted_stores import cache_root, ensure_store
     from fate_edge.format.store import ExpertStore
+    from fate_edge.runtime.auto_threads import set_load_threads
     from fate_edge.runtime.budget import parse_bytes
     from fate_edge.runtime.engine import resolve_device
 
-    set_threads(args.threads)
+    set_load_threads(args.threads)
     t0 = time.perf_counter()
     src = bundled_model_dir()
     device = resolve_device(args.device)

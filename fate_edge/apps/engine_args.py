@@ -174,14 +174,6 @@ def make_link(name: str | None) -> ThrottledLink | None:
     return ThrottledLink(storage_link(load_profile(name)))
 
 
-def set_threads(threads: int | str | None) -> None:
-    """Torch's threads before a load: a number as given, the streaming count for "auto" (an engine then settles it,
-    ``runtime.auto_threads``), torch's own for None."""
-    from fate_edge.runtime.auto_threads import set_load_threads
-
-    set_load_threads(threads)
-
-
 def resolve_store(
     model: str | Path | None,
     progress: bool = True,

@@ -164,8 +164,8 @@ class ExpertCache:
         if nbytes <= 0 or total <= 0:
             return True
         take = {p: min(cap, -(-nbytes * cap // total)) for p, cap in self.capacity.items()}
-        for p in take:
-            self.capacity[p] -= take[p]
+        for p, cut in take.items():
+            self.capacity[p] -= cut
         self.slots, self.resized = self._slots(), self.resized + 1  # holds_all answers for the new capacity
         for p in take:
             while self.used[p] > self.capacity[p]:
