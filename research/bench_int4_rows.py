@@ -75,7 +75,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--hot", action="store_true", help="one small matrix, resident in L2")
     ap.add_argument("--group", type=int, default=GROUP, help="weights per scale and zero (a store's group_size)")
-    ap.add_argument("--isa", type=int, default=2, help="2: AVX512-VNNI, 1: AVX2")
+    ap.add_argument("--isa", type=int, default=None, help="2: AVX512-VNNI, 1: AVX2 (default: this host's best)")
     ap.add_argument(
         "--huge-pages",
         action="store_true",
@@ -93,6 +93,8 @@ def main() -> None:
     args = ap.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="fate-edge-int4-ab-"))
     libs = [build(s, folder) for s in args.sources]
+    if args.isa is None:  # an AVX2-only host (AMD Zen 3) faults on the AVX-512 path
+        args.isa = libs[0].fe_int4_isa()
 
     def parse(spec: str) -> list[tuple[int, int]]:
         return [(int(a), int(b)) for a, b in (part.split("x") for part in spec.split(","))]

@@ -260,6 +260,34 @@ for m in (1, 6, 12):
     assert all(line[0] == "avx2" for line in lines)
 
 
+_ROW_ALONE = """
+import torch
+from fate_edge.quant import QuantSpec, quantize
+from fate_edge.quant.linear import QuantizedLinear
+from fate_edge.quant.native import native_isa, set_gemm_min_rows
+set_gemm_min_rows(10**9)  # every row count on the row kernel
+for group in (32, 64, 128):
+    spec = QuantSpec(4, group)
+    g = torch.Generator().manual_seed(group)
+    lin = QuantizedLinear.from_quantized(quantize(torch.randn(37, 640, generator=g) * 0.05, spec), spec,
+                                         kernel="native-int4")
+    x = torch.randn(7, 640, generator=g)
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(7)])
+    print(native_isa(), group, all(torch.equal(lin(x[:m]), alone[:m]) for m in range(2, 8)))
+"""
+
+
+@pytest.mark.parametrize("env", [{}, {"FATE_EDGE_NATIVE": "avx2"}], ids=["best", "avx2"])
+def test_a_row_gets_the_same_bits_alone_or_beside_others(env):
+    """Decode's one row (its own pass over the weights) and the same row among 2-7 in one call (a batch's rows on the
+    row kernel) add the same products in the same order, on this host's best path and on AVX2's: a request's
+    tokens do not depend on what it is batched with. 37 weight rows: two blocks of 16 and a short one."""
+    lines = [line.split() for line in _run(env, _ROW_ALONE).splitlines()]
+    assert [line[1:] for line in lines] == [[str(group), "True"] for group in (32, 64, 128)]
+    if env:
+        assert all(line[0] == "avx2" for line in lines)
+
+
 AGREE_ROWS = (6, 12)
 _SUMS = """
 import torch

@@ -21,21 +21,6 @@
 
 #define XG 32 /* values per activation scale */
 
-/* The int8 scale of a group of 32 x values (max |x| / 127) and its inverse. A group holding a NaN gets a NaN scale
-   (and codes 0), so every output of that row is NaN, as a float matmul's would be; max and the int8 rounding alone
-   would turn it into finite garbage. */
-static inline float x_scale(const float *xb, float *inv) {
-    float amax = 0.f;
-    int nan = 0;
-    for (int i = 0; i < XG; i++) {
-        amax = fmaxf(amax, fabsf(xb[i]));
-        nan |= xb[i] != xb[i];
-    }
-    float s = nan ? NAN : amax / 127.f;
-    *inv = s > 0.f ? 1.f / s : 0.f;
-    return s;
-}
-
 typedef struct {
     int8_t *q;      /* [M][K] deinterleaved per chunk: chunk c holds its even k, then its odd k */
     float *lane_sx; /* [M][K/8]: the x scale of each 32-bit lane of each chunk (8 k per lane) */
@@ -92,31 +77,6 @@ static float half_to_float(uint16_t h) {
     return f;
 }
 
-static void prepare(const float *x, int M, int K, int g, int chunk, prepared *p) {
-    int lanes = K / 8, groups = K / g, half = chunk / 2, padded = (groups + 15) & ~15;
-    for (int m = 0; m < M; m++) {
-        const float *xm = x + (size_t)m * K;
-        int8_t *qm = p->q + (size_t)m * K;
-        float *sx = p->lane_sx + (size_t)m * lanes, *gs = p->gsum + (size_t)m * padded;
-        for (int b = 0; b < K / XG; b++) {
-            const float *xb = xm + b * XG;
-            float inv, s = x_scale(xb, &inv);
-            int k0 = b * XG, c0 = k0 - k0 % chunk, r0 = k0 - c0;  /* XG divides chunk: one chunk per x group */
-            int8_t *even = qm + c0 + r0 / 2, *odd = qm + c0 + half + r0 / 2;
-            int qsum = 0;
-            for (int i = 0; i < XG / 2; i++) {
-                even[i] = (int8_t)lrintf(xb[2 * i] * inv); /* lrintf: inlined, unlike nearbyintf; same rounding */
-                odd[i] = (int8_t)lrintf(xb[2 * i + 1] * inv);
-                qsum += even[i] + odd[i];
-            }
-            for (int l = 0; l < XG / 8; l++) sx[b * (XG / 8) + l] = s;
-            /* the zero term takes the quantized x too: the error is then w (x - xq), not (code * scale) (x - xq),
-               about 2.5x smaller (codes sit above the zero, their products do not cancel) */
-            gs[k0 / g] += s * (float)qsum;
-        }
-    }
-}
-
 #define MT 4         /* x rows per pass over a weight row */
 #define PREFETCH 4096 /* bytes of weights requested ahead of the ones being multiplied (AVX2, into L1) */
 /* AVX-512: 16 KB ahead into L2. On a 2-vCPU Zen 4 (AMD EPYC), one row, once the accumulators stayed in registers
@@ -133,7 +93,9 @@ static void prepare(const float *x, int M, int K, int g, int chunk, prepared *p)
 #define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 #define T256 __attribute__((target("avx2,fma,f16c")))
 
-/* x_scale for a group held in two vectors (a: its first 16 values, c: the rest). */
+/* The int8 scale of a group of 32 x values (max |x| / 127) and its inverse, for a group held in two vectors (a: its
+   first 16 values, c: the rest). A group holding a NaN gets a NaN scale, so every output of that row
+   is NaN, as a float matmul's would be; max and the int8 rounding alone would turn it into finite garbage. */
 T512 static inline float x_scale_512(__m512 a, __m512 c, float *inv) {
     float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
     int nan = _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(c, c, _CMP_UNORD_Q);
@@ -152,7 +114,7 @@ T512 static void widen_512(const void *src, int f32, size_t at, int count, float
     }
 }
 
-/* prepare() for AVX-512 hosts: the same numbers (cvtps rounds to nearest even, as lrintf does there), 16 at a time. */
+/* x quantized per 32 values into the row kernel's layout (prepared), 16 at a time. */
 T512 static void prepare_512(const float *x, int M, int K, int g, prepared *p) {
     const int lanes = K / 8, padded = (K / g + 15) & ~15;
     const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
@@ -316,7 +278,58 @@ T512 static void rows_512(const uint8_t *codes, wscales w, int n0, int n1, int N
     ROWS_BODY(widen_512, tile_512, dot_512, 128)
 }
 
-T256 static void widen_256(const void *src, int f32, size_t at, int count, float *out) {
+/* prepare_512's numbers for AVX2 hosts at chunk 64 (a NaN group's scale NaN), 8 at a time: the scalar
+   loop it replaces (lrintf per value) took longer than the multiplication itself on a small matrix. */
+T256 static void prepare_256(const float *x, int M, int K, int g, prepared *p) {
+    const int lanes = K / 8, padded = (K / g + 15) & ~15;
+    const __m256i split = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7); /* a vector's 4 even k, then its 4 odd k */
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    for (int m = 0; m < M; m++) {
+        const float *xm = x + (size_t)m * K;
+        int8_t *qm = p->q + (size_t)m * K;
+        float *sx = p->lane_sx + (size_t)m * lanes, *gs = p->gsum + (size_t)m * padded;
+        for (int b = 0; b < K / XG; b++) {
+            const float *xb = xm + b * XG;
+            __m256 v[4], amax = _mm256_setzero_ps(), unord = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                v[i] = _mm256_loadu_ps(xb + 8 * i);
+                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+                unord = _mm256_or_ps(unord, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
+            }
+            __m128 r = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+            r = _mm_max_ps(r, _mm_movehl_ps(r, r));
+            r = _mm_max_ss(r, _mm_movehdup_ps(r));
+            const int nan = _mm256_movemask_ps(unord) != 0;
+            const float s = nan ? NAN : _mm_cvtss_f32(r) / 127.f, inv = s > 0.f ? 1.f / s : 0.f;
+            const int k0 = b * XG, c0 = k0 - k0 % 64, r0 = k0 - c0;
+            int8_t *even = qm + c0 + r0 / 2, *odd = qm + c0 + 32 + r0 / 2;
+            __m256i qi[4];
+            for (int i = 0; i < 4; i++) /* [e0..e3 o0..o3] of each 8 */
+                qi[i] = nan ? _mm256_setzero_si256()
+                            : _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_permutevar8x32_ps(v[i], split),
+                                                               _mm256_set1_ps(inv)));
+            /* evens of vectors 0-1 | 2-3 and odds likewise, as int32 in k order */
+            __m256i e01 = _mm256_permute2x128_si256(qi[0], qi[1], 0x20), o01 = _mm256_permute2x128_si256(qi[0], qi[1], 0x31);
+            __m256i e23 = _mm256_permute2x128_si256(qi[2], qi[3], 0x20), o23 = _mm256_permute2x128_si256(qi[2], qi[3], 0x31);
+            /* int32 -> int8 (values within +-127: no saturation); packs work per 128-bit lane, the permutes undo it */
+            __m256i e16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(e01, e23), 0xd8);
+            __m256i o16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(o01, o23), 0xd8);
+            __m256i b8 = _mm256_permute4x64_epi64(_mm256_packs_epi16(e16, o16), 0xd8); /* 16 evens, 16 odds */
+            _mm_storeu_si128((__m128i *)even, _mm256_castsi256_si128(b8));
+            _mm_storeu_si128((__m128i *)odd, _mm256_extracti128_si256(b8, 1));
+            __m256i t = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+            __m128i h = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+            for (int l = 0; l < XG / 8; l++) sx[b * (XG / 8) + l] = s;
+            /* the zero term takes the quantized x too: the error is then w (x - xq), not (code * scale) (x - xq),
+               about 2.5x smaller (codes sit above the zero, their products do not cancel) */
+            gs[k0 / g] += s * (float)_mm_cvtsi128_si32(h);
+        }
+    }
+}
+
+T256 static inline __attribute__((always_inline)) void widen_256(const void *src, int f32, size_t at, int count, float *out) {
     int j = 0;
     if (f32) {
         memcpy(out, (const float *)src + at, sizeof(float) * (size_t)count);
@@ -330,7 +343,7 @@ T256 static void widen_256(const void *src, int f32, size_t at, int count, float
     for (; j < ((count + 15) & ~15); j++) out[j] = 0.f;
 }
 
-T256 static float dot_256(const float *a, const float *b, int count) {
+T256 static inline __attribute__((always_inline)) float dot_256(const float *a, const float *b, int count) {
     __m256 acc = _mm256_setzero_ps();
     for (int j = 0; j < count; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc);
     __m128 r = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
@@ -338,39 +351,124 @@ T256 static float dot_256(const float *a, const float *b, int count) {
     return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
 }
 
+/* A chunk's weight-scale vector for lane d (k in [64c + 8d, +8)): from g = 64 on one group holds the whole chunk, a
+   broadcast; at g = 32 lanes 0-3 and 4-7 fall in two groups. */
+T256 static inline __m256 chunk_scales_256(const float *sw, int c, int gshift) {
+    if (gshift >= 6) return _mm256_broadcast_ss(sw + ((c * 64) >> gshift));
+    return _mm256_permutevar8x32_ps(_mm256_loadu_ps(sw + ((c * 64) >> gshift)),
+                                    _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+}
+
+/* One chunk's int32 lane sums of codes x xq: VPMADDUBSW's int16 pair sums of the even and odd halves (each below
+   2 x 15 x 127), added, then VPMADDWD against ones. */
+T256 static inline __m256i chunk_dot_256(__m256i v, __m256i q0, __m256i q1) {
+    const __m256i mask = _mm256_set1_epi8(0x0f);
+    __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+    __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(lo, q0), _mm256_maddubs_epi16(hi, q1));
+    return _mm256_madd_epi16(d, _mm256_set1_epi16(1));
+}
+
+T256 static inline float hsum_256(__m256 a) {
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
+}
+
+/* ``mt`` x rows against one weight row, even and odd chunks in two FMA chains per row (as tile_512: one chain kept
+   each row's FMAs waiting on the last one's latency), added at the end. */
 T256 static inline __attribute__((always_inline)) void tile_256(const uint8_t *wr, const float *sw, int chunks,
                                                                  int gshift, const prepared *p, int m0, int mt,
                                                                  int K, float *out) {
-    const __m256i mask = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-    const __m256i steps = _mm256_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56);
-    const int lanes = K / 8, g = 1 << gshift;
-    __m256 acc[MT];
-    for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
-    for (int c = 0; c < chunks; c++) {
-        _mm_prefetch((const char *)(wr + c * 32 + PREFETCH), _MM_HINT_T0);
-        __m256i v = _mm256_loadu_si256((const __m256i *)(wr + c * 32));
-        __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-        /* lane d covers k in [64c + 8d, +8): group (64c + 8d) / g; for g = 128 a chunk is half a group */
-        __m256i widx = _mm256_srli_epi32(_mm256_add_epi32(_mm256_set1_epi32((c * 64) & (g - 1)), steps), gshift);
-        __m256 swv = _mm256_permutevar8x32_ps(_mm256_loadu_ps(sw + ((c * 64) >> gshift)), widx);
-        for (int i = 0; i < mt; i++) {
-            const int8_t *q = p->q + (size_t)(m0 + i) * K + c * 64;
-            __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)q)),
-                                         _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(q + 32))));
-            __m256 s = _mm256_mul_ps(swv, _mm256_loadu_ps(p->lane_sx + (size_t)(m0 + i) * lanes + c * 8));
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(d, ones)), s, acc[i]);
+    const int lanes = K / 8;
+    __m256 acc0[MT], acc1[MT];
+    for (int i = 0; i < mt; i++) acc0[i] = acc1[i] = _mm256_setzero_ps();
+#define TILE_256_CHUNK(c, acc)                                                                                 \
+    do {                                                                                                       \
+        _mm_prefetch((const char *)(wr + (c) * 32 + PREFETCH), _MM_HINT_T0);                                   \
+        __m256i v = _mm256_loadu_si256((const __m256i *)(wr + (c) * 32));                                      \
+        __m256 swv = chunk_scales_256(sw, (c), gshift);                                                        \
+        for (int i = 0; i < mt; i++) {                                                                         \
+            const int8_t *q = p->q + (size_t)(m0 + i) * K + (c) * 64;                                          \
+            __m256i d = chunk_dot_256(v, _mm256_loadu_si256((const __m256i *)q),                               \
+                                      _mm256_loadu_si256((const __m256i *)(q + 32)));                          \
+            __m256 s = _mm256_mul_ps(swv, _mm256_loadu_ps(p->lane_sx + (size_t)(m0 + i) * lanes + (c) * 8));   \
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), s, acc[i]);                                        \
+        }                                                                                                      \
+    } while (0)
+    int c = 0;
+    for (; c + 1 < chunks; c += 2) {
+        TILE_256_CHUNK(c, acc0);
+        TILE_256_CHUNK(c + 1, acc1);
+    }
+    if (c < chunks) TILE_256_CHUNK(c, acc0);
+#undef TILE_256_CHUNK
+    for (int i = 0; i < mt; i++) out[i] = hsum_256(_mm256_add_ps(acc0[i], acc1[i]));
+}
+
+/* tile_256 at one x row, written for the compiler: pointers that advance instead of indices, the chunk pair's scales
+   taken once where one group spans both chunks (g = 128), K a multiple of 128 (chunk pairs, no tail). The same
+   products in the same order as tile_256 at mt = 1, so the same bits. */
+T256 static inline __attribute__((always_inline)) float row1_256(const uint8_t *wr, const float *sw, int pairs,
+                                                                  const int gshift, const prepared *p) {
+    const int8_t *q = p->q;
+    const float *sx = p->lane_sx;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int i = 0; i < pairs; i++, wr += 64, q += 128, sx += 16) {
+        _mm_prefetch((const char *)(wr + PREFETCH), _MM_HINT_T0);
+        __m256 s0, s1;
+        if (gshift == 7) {
+            s0 = s1 = _mm256_broadcast_ss(sw + i);
+        } else {
+            s0 = chunk_scales_256(sw, 2 * i, gshift);
+            s1 = chunk_scales_256(sw, 2 * i + 1, gshift);
         }
+        __m256i d0 = chunk_dot_256(_mm256_loadu_si256((const __m256i *)wr), _mm256_loadu_si256((const __m256i *)q),
+                                   _mm256_loadu_si256((const __m256i *)(q + 32)));
+        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(s0, _mm256_loadu_ps(sx)), acc0);
+        __m256i d1 = chunk_dot_256(_mm256_loadu_si256((const __m256i *)(wr + 32)),
+                                   _mm256_loadu_si256((const __m256i *)(q + 64)),
+                                   _mm256_loadu_si256((const __m256i *)(q + 96)));
+        acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(s1, _mm256_loadu_ps(sx + 8)), acc1);
     }
-    for (int i = 0; i < mt; i++) {
-        __m128 r = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
-        r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-        out[i] = _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
+    return hsum_256(_mm256_add_ps(acc0, acc1));
+}
+
+/* AVX2's rows for a group size ``g`` that is a constant after inlining (the switch in rows_256): each chunk's scale
+   address is then a constant shift, where a run-time one cost a variable shift, a sign extension and a branch per
+   chunk and row (about as many scalar instructions as vector ones). One x row takes its weight rows one at a time:
+   on a 2-vCPU Zen 3 four rows a pass (rows_512's R1, which loads each chunk of x once for them) streamed a third
+   slower from DRAM than one, the four interleaved streams defeating the hardware prefetcher, though it was ahead
+   on matrices held in L2 (research/bench_int4_rows.py). */
+T256 static inline __attribute__((always_inline)) void rows_g_256(const uint8_t *codes, wscales w, int n0, int n1,
+                                                                   int N, int K, const int g, const prepared *p,
+                                                                   int M, yout y) {
+    if (M == 1) {
+        const int groups = K / g, padded = (groups + 15) & ~15, gshift = __builtin_ctz(g), stride = K / 32 + 32;
+        float sw[BLOCK * stride], zw[BLOCK * stride];
+        for (int n = n0; n < n1; n++) {
+            widen_256(w.scale, w.f32, (size_t)n * groups, groups, sw + (n - n0) * stride);
+            widen_256(w.zero, w.f32, (size_t)n * groups, groups, zw + (n - n0) * stride);
+        }
+        const size_t total = (size_t)N * (K / 2);
+        for (int n = n0; n < n1; n++) {
+            const size_t at = (size_t)n * (K / 2) + TOUCH_AHEAD;
+            if ((n - n0) % 4 == 0 && at < total) /* as rows_512, once per 4 rows; inside the matrix only */
+                __asm__ volatile("" : : "r"(*(volatile const uint8_t *)(codes + at)));
+            const float sum = row1_256(codes + (size_t)n * (K / 2), sw + (n - n0) * stride, K / 128, gshift, p);
+            y_put(y, (size_t)n, sum + dot_256(zw + (n - n0) * stride, p->gsum, padded));
+        }
+        return;
     }
+    ROWS_BODY(widen_256, tile_256, dot_256, 64)
 }
 
 T256 static void rows_256(const uint8_t *codes, wscales w, int n0, int n1, int N,
                           int K, int g, const prepared *p, int M, yout y) {
-    ROWS_BODY(widen_256, tile_256, dot_256, 64)
+    switch (g) {
+    case 32: rows_g_256(codes, w, n0, n1, N, K, 32, p, M, y); return;
+    case 64: rows_g_256(codes, w, n0, n1, N, K, 64, p, M, y); return;
+    default: rows_g_256(codes, w, n0, n1, N, K, 128, p, M, y); return;
+    }
 }
 
 /* Prefill (several x rows): a register-tiled GEMM. Each 32-bit lane of a vector is one weight row, so a lane's
@@ -571,9 +669,13 @@ T512 static void gemm_rows_512(const uint8_t *codes, wscales w, int t0, int t1,
 
 #define MT_GEMM_256 4 /* x rows per pass: 16 ymm registers hold 2 per row and the weights */
 
-/* prepare_gemm_512's numbers without AVX-512 (lrintf rounds to nearest even as cvtps does). */
-static void prepare_gemm(const float *x, int M, int K, int g, prepared_gemm *p) {
+/* prepare_gemm_512's numbers for AVX2 hosts (a NaN group's scale NaN), 8 at a time: each 8 x values
+   permuted to their 4 even then 4 odd, which is the layout itself. */
+T256 static void prepare_gemm_256(const float *x, int M, int K, int g, prepared_gemm *p) {
     const int groups = K / g;
+    const __m256i split = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undoes the packs' per-lane interleave */
+    const __m256 sign = _mm256_set1_ps(-0.f);
     for (int m = 0; m < M; m++) {
         const float *xm = x + (size_t)m * K;
         int8_t *qm = p->q + (size_t)m * K;
@@ -581,17 +683,30 @@ static void prepare_gemm(const float *x, int M, int K, int g, prepared_gemm *p) 
         for (int G = 0; G < groups; G++) gs[G] = 0.f;
         for (int b = 0; b < K / XG; b++) {
             const float *xb = xm + b * XG;
-            float inv, s = x_scale(xb, &inv);
-            int qsum = 0;
-            for (int t = 0; t < XG / 8; t++)
-                for (int i = 0; i < 4; i++) {
-                    int8_t e = (int8_t)lrintf(xb[8 * t + 2 * i] * inv), o = (int8_t)lrintf(xb[8 * t + 2 * i + 1] * inv);
-                    qm[b * XG + 8 * t + i] = e;
-                    qm[b * XG + 8 * t + 4 + i] = o;
-                    qsum += e + o;
-                }
+            __m256 v[4], amax = _mm256_setzero_ps(), unord = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                v[i] = _mm256_loadu_ps(xb + 8 * i);
+                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+                unord = _mm256_or_ps(unord, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
+            }
+            __m128 r = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+            r = _mm_max_ps(r, _mm_movehl_ps(r, r));
+            r = _mm_max_ss(r, _mm_movehdup_ps(r));
+            const int nan = _mm256_movemask_ps(unord) != 0;
+            const float s = nan ? NAN : _mm_cvtss_f32(r) / 127.f, inv = s > 0.f ? 1.f / s : 0.f;
+            __m256i qi[4];
+            for (int i = 0; i < 4; i++)
+                qi[i] = nan ? _mm256_setzero_si256()
+                            : _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_permutevar8x32_ps(v[i], split),
+                                                               _mm256_set1_ps(inv)));
+            __m256i b8 = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+            _mm256_storeu_si256((__m256i *)(qm + b * XG), _mm256_permutevar8x32_epi32(b8, order));
+            __m256i t = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+            __m128i h = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
             sx[b] = s;
-            gs[b * XG / g] += s * (float)qsum;
+            gs[b * XG / g] += s * (float)_mm_cvtsi128_si32(h);
         }
     }
 }
@@ -705,7 +820,7 @@ static int gemm_tiled(const uint8_t *codes, wscales w, int N, int K, int g,
         if (isa == 2)
             prepare_gemm_512(x, M, K, g, &p);
         else
-            prepare_gemm(x, M, K, g, &p);
+            prepare_gemm_256(x, M, K, g, &p);
         int nt = threads > 1 && tasks > 1 ? (threads < tasks ? threads : tasks) : 1;
 #pragma omp parallel num_threads(nt) if (nt > 1) reduction(| : failed)
         {
@@ -754,7 +869,6 @@ static int gemm_f32(const uint8_t *codes, wscales w, int N, int K, int g,
                     const float *x, int M, yout y, int threads, int isa) {
     if (M >= (gemm_min_rows > 0 ? gemm_min_rows : isa == 2 ? 3 : 8))
         return gemm_tiled(codes, w, N, K, g, x, M, y, threads, isa);
-    int chunk = isa == 2 ? 128 : 64;
     prepared p;
     p.q = malloc((size_t)M * K);
     p.lane_sx = malloc(sizeof(float) * (size_t)M * (K / 8));
@@ -766,7 +880,7 @@ static int gemm_f32(const uint8_t *codes, wscales w, int N, int K, int g,
     if (isa == 2)
         prepare_512(x, M, K, g, &p);
     else
-        prepare(x, M, K, g, chunk, &p);
+        prepare_256(x, M, K, g, &p);
     const int block = BLOCK;
     int tasks = (N + block - 1) / block;
     /* guided: a worker that wakes late (it slept through the Python between calls) takes fewer blocks instead of
