@@ -12,6 +12,7 @@ from fate_edge.runtime.compute_dtype import (
     _host_key,
     cpu_flags,
     cpu_has_bf16,
+    cpu_runs_native_kernels,
     native_dtype,
     probed_cpu_dtype,
     resolve_dtype,
@@ -102,11 +103,23 @@ def test_a_wide_int4_store_is_served_in_bfloat16_unprobed_on_a_bf16_cpu(tmp_path
     assert native_dtype("cpu", flags, probe=_never, store=wide) == "bfloat16"
     for other in (narrow, floats, tmp_path / "not-a-store", None):
         assert native_dtype("cpu", flags, probe=lambda: "float32", store=other) == "float32"
-    assert native_dtype("cpu", NO_BF16, probe=_never, store=wide) == "float32"  # no bf16 instructions: float32
+    assert native_dtype("cpu", NO_BF16 - {"avx2"}, probe=_never, store=wide) == "float32"  # no native kernels
+
+
+def test_a_wide_int4_store_is_served_in_bfloat16_where_avx2_runs_the_native_kernels(tmp_path):
+    """A CPU without bf16 instructions but with AVX2 and FMA (an AMD Zen 3): the native kernels read and write bf16
+    rows themselves, so a real model's int4 store decodes in bfloat16 there too; anything else stays float32."""
+    zen3 = {"fpu", "avx2", "fma", "f16c"}
+    wide, narrow = _store(tmp_path / "wide", 2048), _store(tmp_path / "narrow", 256)
+    assert native_dtype("cpu", zen3, probe=_never, store=wide) == "bfloat16"
+    for other in (narrow, _store(tmp_path / "floats", 2048, ("16",)), tmp_path / "not-a-store", None):
+        assert native_dtype("cpu", zen3, probe=_never, store=other) == "float32"
+    assert native_dtype("cpu", {"fpu", "avx2"}, probe=_never, store=wide) == "float32"  # no FMA: no native kernels
 
 
 def test_auto_resolves_for_the_store_it_serves_and_the_environment_still_wins(tmp_path, monkeypatch):
     wide = _store(tmp_path / "wide", 2048)
-    assert resolve_dtype("auto", "cpu", wide) == ("bfloat16" if cpu_has_bf16() else "float32")
+    native = cpu_has_bf16() or cpu_runs_native_kernels()
+    assert resolve_dtype("auto", "cpu", wide) == ("bfloat16" if native else "float32")
     monkeypatch.setenv("FATE_EDGE_DTYPE", "float32")
     assert resolve_dtype("auto", "cpu", wide) == "float32"
