@@ -12,7 +12,7 @@ at least :data:`WIDE` wide (every real model) is served in bfloat16 on such a CP
 row's steps are native bf16 calls and the activations half the bytes, and bfloat16 measured faster at that shape
 where the bundled model's probe said float32 (docs/measured-choices.md). The same holds on an x86 CPU without bf16
 instructions whose AVX2 runs fate-edge's native kernels (they widen bf16 with a shift and round it back themselves):
-an AMD Zen 3 decoded such a store 1.1-1.6x faster in bfloat16 than in float32.
+an AMD Zen 3 decoded such a store faster in bfloat16 than in float32 (docs/measured-choices.md).
 """
 
 from __future__ import annotations
