@@ -278,36 +278,47 @@ T512 static void rows_512(const uint8_t *codes, wscales w, int n0, int n1, int N
     ROWS_BODY(widen_512, tile_512, dot_512, 128)
 }
 
+/* One group of 32 x values for the AVX2 paths: its scale (as x_scale_512: max |x| / 127, NaN for a group holding a
+   NaN, whose codes are then 0) into ``scale``, its int8 codes as int32 into ``qi``, each vector's 4 even k then its 4
+   odd k; returns the codes' sum (the zero term's). */
+T256 static inline __attribute__((always_inline)) int x_group_256(const float *xb, __m256i qi[4], float *scale) {
+    const __m256i split = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 v[4], amax = _mm256_setzero_ps(), unord = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(xb + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+        unord = _mm256_or_ps(unord, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
+    }
+    __m128 r = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    r = _mm_max_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_max_ss(r, _mm_movehdup_ps(r));
+    const int nan = _mm256_movemask_ps(unord) != 0;
+    const float s = nan ? NAN : _mm_cvtss_f32(r) / 127.f, inv = s > 0.f ? 1.f / s : 0.f;
+    for (int i = 0; i < 4; i++)
+        qi[i] = nan ? _mm256_setzero_si256()
+                    : _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_permutevar8x32_ps(v[i], split), _mm256_set1_ps(inv)));
+    __m256i t = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+    *scale = s;
+    return _mm_cvtsi128_si32(h);
+}
+
 /* prepare_512's numbers for AVX2 hosts at chunk 64 (a NaN group's scale NaN), 8 at a time: the scalar
    loop it replaces (lrintf per value) took longer than the multiplication itself on a small matrix. */
 T256 static void prepare_256(const float *x, int M, int K, int g, prepared *p) {
     const int lanes = K / 8, padded = (K / g + 15) & ~15;
-    const __m256i split = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7); /* a vector's 4 even k, then its 4 odd k */
-    const __m256 sign = _mm256_set1_ps(-0.f);
     for (int m = 0; m < M; m++) {
         const float *xm = x + (size_t)m * K;
         int8_t *qm = p->q + (size_t)m * K;
         float *sx = p->lane_sx + (size_t)m * lanes, *gs = p->gsum + (size_t)m * padded;
         for (int b = 0; b < K / XG; b++) {
-            const float *xb = xm + b * XG;
-            __m256 v[4], amax = _mm256_setzero_ps(), unord = _mm256_setzero_ps();
-            for (int i = 0; i < 4; i++) {
-                v[i] = _mm256_loadu_ps(xb + 8 * i);
-                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
-                unord = _mm256_or_ps(unord, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
-            }
-            __m128 r = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-            r = _mm_max_ps(r, _mm_movehl_ps(r, r));
-            r = _mm_max_ss(r, _mm_movehdup_ps(r));
-            const int nan = _mm256_movemask_ps(unord) != 0;
-            const float s = nan ? NAN : _mm_cvtss_f32(r) / 127.f, inv = s > 0.f ? 1.f / s : 0.f;
-            const int k0 = b * XG, c0 = k0 - k0 % 64, r0 = k0 - c0;
-            int8_t *even = qm + c0 + r0 / 2, *odd = qm + c0 + 32 + r0 / 2;
             __m256i qi[4];
-            for (int i = 0; i < 4; i++) /* [e0..e3 o0..o3] of each 8 */
-                qi[i] = nan ? _mm256_setzero_si256()
-                            : _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_permutevar8x32_ps(v[i], split),
-                                                               _mm256_set1_ps(inv)));
+            float s;
+            const int qsum = x_group_256(xm + b * XG, qi, &s);
+            const int k0 = b * XG, c0 = k0 - k0 % 64, r0 = k0 - c0;
             /* evens of vectors 0-1 | 2-3 and odds likewise, as int32 in k order */
             __m256i e01 = _mm256_permute2x128_si256(qi[0], qi[1], 0x20), o01 = _mm256_permute2x128_si256(qi[0], qi[1], 0x31);
             __m256i e23 = _mm256_permute2x128_si256(qi[2], qi[3], 0x20), o23 = _mm256_permute2x128_si256(qi[2], qi[3], 0x31);
@@ -315,16 +326,12 @@ T256 static void prepare_256(const float *x, int M, int K, int g, prepared *p) {
             __m256i e16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(e01, e23), 0xd8);
             __m256i o16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(o01, o23), 0xd8);
             __m256i b8 = _mm256_permute4x64_epi64(_mm256_packs_epi16(e16, o16), 0xd8); /* 16 evens, 16 odds */
-            _mm_storeu_si128((__m128i *)even, _mm256_castsi256_si128(b8));
-            _mm_storeu_si128((__m128i *)odd, _mm256_extracti128_si256(b8, 1));
-            __m256i t = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
-            __m128i h = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
-            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
-            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+            _mm_storeu_si128((__m128i *)(qm + c0 + r0 / 2), _mm256_castsi256_si128(b8));
+            _mm_storeu_si128((__m128i *)(qm + c0 + 32 + r0 / 2), _mm256_extracti128_si256(b8, 1));
             for (int l = 0; l < XG / 8; l++) sx[b * (XG / 8) + l] = s;
             /* the zero term takes the quantized x too: the error is then w (x - xq), not (code * scale) (x - xq),
                about 2.5x smaller (codes sit above the zero, their products do not cancel) */
-            gs[k0 / g] += s * (float)_mm_cvtsi128_si32(h);
+            gs[k0 / g] += s * (float)qsum;
         }
     }
 }
@@ -673,40 +680,20 @@ T512 static void gemm_rows_512(const uint8_t *codes, wscales w, int t0, int t1,
    permuted to their 4 even then 4 odd, which is the layout itself. */
 T256 static void prepare_gemm_256(const float *x, int M, int K, int g, prepared_gemm *p) {
     const int groups = K / g;
-    const __m256i split = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undoes the packs' per-lane interleave */
-    const __m256 sign = _mm256_set1_ps(-0.f);
     for (int m = 0; m < M; m++) {
         const float *xm = x + (size_t)m * K;
         int8_t *qm = p->q + (size_t)m * K;
         float *sx = p->sx + (size_t)m * (K / XG), *gs = p->gsum + (size_t)m * groups;
         for (int G = 0; G < groups; G++) gs[G] = 0.f;
         for (int b = 0; b < K / XG; b++) {
-            const float *xb = xm + b * XG;
-            __m256 v[4], amax = _mm256_setzero_ps(), unord = _mm256_setzero_ps();
-            for (int i = 0; i < 4; i++) {
-                v[i] = _mm256_loadu_ps(xb + 8 * i);
-                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
-                unord = _mm256_or_ps(unord, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
-            }
-            __m128 r = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-            r = _mm_max_ps(r, _mm_movehl_ps(r, r));
-            r = _mm_max_ss(r, _mm_movehdup_ps(r));
-            const int nan = _mm256_movemask_ps(unord) != 0;
-            const float s = nan ? NAN : _mm_cvtss_f32(r) / 127.f, inv = s > 0.f ? 1.f / s : 0.f;
             __m256i qi[4];
-            for (int i = 0; i < 4; i++)
-                qi[i] = nan ? _mm256_setzero_si256()
-                            : _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_permutevar8x32_ps(v[i], split),
-                                                               _mm256_set1_ps(inv)));
+            float s;
+            const int qsum = x_group_256(xm + b * XG, qi, &s);
             __m256i b8 = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
             _mm256_storeu_si256((__m256i *)(qm + b * XG), _mm256_permutevar8x32_epi32(b8, order));
-            __m256i t = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
-            __m128i h = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
-            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
-            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
             sx[b] = s;
-            gs[b * XG / g] += s * (float)_mm_cvtsi128_si32(h);
+            gs[b * XG / g] += s * (float)qsum;
         }
     }
 }
