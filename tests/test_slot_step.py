@@ -152,8 +152,22 @@ def test_experts_the_slots_cannot_compute_hand_over_to_the_layer_graphs(store, o
 
         step._setup = other_kernel
         got = decode(eng, step, steps=6)
-    assert "torch's int4 or float only" in step.failed and torch.equal(got[0], eager[0])
+    assert "torch's int4 or float only" in step.failed
+    assert _same_tokens_up_to_a_tie(eager, got) >= 4
     assert isinstance(eng.model.graph_off, str)  # said why, as the graph runners do
+
+
+def _same_tokens_up_to_a_tie(eager, got) -> int:
+    """How many leading greedy tokens of ``got`` are ``eager``'s (asserted equal), up to the first step where eager's
+    top two logits lie within the two paths' logit difference there: a tie either path may break (the bundled model's
+    logits are bf16-rounded; on an AMD Zen 3 its 6th step had two logits of exactly 7.375, and the layer graphs' last
+    bits picked the other one)."""
+    for i, (a, b) in enumerate(zip(eager[1], got[1])):
+        first, second = a.topk(2).values.tolist()
+        if first - second <= float((a - b).abs().max()):
+            return i
+        assert int(eager[0][i]) == int(got[0][i]), f"step {i}: {int(eager[0][i])} against {int(got[0][i])}"
+    return len(eager[0])
 
 
 def _other_kernel_after(cache, n: int) -> None:
