@@ -36,7 +36,6 @@ T256 static long fold_256(const char *p, size_t n) {
            _mm256_extract_epi64(a[0], 3);
 }
 
-
 int main(int argc, char **argv) {
     const size_t n = (size_t)1 << 30;
     const int max_threads = argc > 1 ? atoi(argv[1]) : 2;

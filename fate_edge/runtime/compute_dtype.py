@@ -153,9 +153,10 @@ def native_dtype(
         return forced
     if device.startswith("cuda"):
         return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
-    if wide_int4_store(store) and (cpu_has_bf16(flags) or cpu_runs_native_kernels(flags)):
+    have = cpu_flags() if flags is None else flags  # /proc/cpuinfo read once
+    if wide_int4_store(store) and (cpu_has_bf16(have) or cpu_runs_native_kernels(have)):
         return "bfloat16"
-    return probe() if cpu_has_bf16(flags) else "float32"
+    return probe() if cpu_has_bf16(have) else "float32"
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str, store: str | Path | None = None) -> str | torch.dtype:

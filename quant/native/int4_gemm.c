@@ -350,12 +350,16 @@ T256 static inline __attribute__((always_inline)) void widen_256(const void *src
     for (; j < ((count + 15) & ~15); j++) out[j] = 0.f;
 }
 
+T256 static inline float hsum_256(__m256 a) {
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
+}
+
 T256 static inline __attribute__((always_inline)) float dot_256(const float *a, const float *b, int count) {
     __m256 acc = _mm256_setzero_ps();
     for (int j = 0; j < count; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc);
-    __m128 r = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-    return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
+    return hsum_256(acc);
 }
 
 /* A chunk's weight-scale vector for lane d (k in [64c + 8d, +8)): from g = 64 on one group holds the whole chunk, a
@@ -373,12 +377,6 @@ T256 static inline __m256i chunk_dot_256(__m256i v, __m256i q0, __m256i q1) {
     __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
     __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(lo, q0), _mm256_maddubs_epi16(hi, q1));
     return _mm256_madd_epi16(d, _mm256_set1_epi16(1));
-}
-
-T256 static inline float hsum_256(__m256 a) {
-    __m128 r = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-    return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
 }
 
 /* ``mt`` x rows against one weight row, even and odd chunks in two FMA chains per row (as tile_512: one chain kept
@@ -443,9 +441,9 @@ T256 static inline __attribute__((always_inline)) float row1_256(const uint8_t *
 /* AVX2's rows for a group size ``g`` that is a constant after inlining (the switch in rows_256): each chunk's scale
    address is then a constant shift, where a run-time one cost a variable shift, a sign extension and a branch per
    chunk and row (about as many scalar instructions as vector ones). One x row takes its weight rows one at a time:
-   on a 2-vCPU Zen 3 four rows a pass (rows_512's R1, which loads each chunk of x once for them) streamed a third
-   slower from DRAM than one, the four interleaved streams defeating the hardware prefetcher, though it was ahead
-   on matrices held in L2 (research/bench_int4_rows.py). */
+   on a 2-vCPU Zen 3 four rows a pass (rows_512's R1, which loads each chunk of x once for them) streamed about a
+   quarter slower from DRAM than one, the four interleaved streams most likely costing the hardware prefetcher more
+   than the shared loads save, though it was ahead on matrices held in L2 (docs/measured-choices.md). */
 T256 static inline __attribute__((always_inline)) void rows_g_256(const uint8_t *codes, wscales w, int n0, int n1,
                                                                    int N, int K, const int g, const prepared *p,
                                                                    int M, yout y) {
