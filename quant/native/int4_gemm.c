@@ -10,6 +10,7 @@
    A chunk is 128 codes (AVX-512: 64 bytes) or 64 (AVX2: 32 bytes). Its low nibbles are the chunk's even k and
    the high nibbles its odd k, so x is deinterleaved per chunk once per call and every 32-bit lane d then covers
    k in [8d, 8d + 8) of the chunk for both halves: one weight group and one x group per lane (g >= 32). */
+#include <cpuid.h>
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -83,6 +84,12 @@ static float half_to_float(uint16_t h) {
    (tile_512), 4 KB into L1 streamed 8-10 GB/s of CPU time, 8 KB into L2 12-18, 16 KB into L2 12-20 (interleaved
    A/B, research/bench_int4_rows.py) */
 #define PREFETCH_512 16384
+/* The one-row kernel (tile1_512) on an AMD Zen 5 (family 26; 48 KB L1d): 6 KB ahead into L1 instead, about one and a
+   half passes of R1 rows of 2048: on a 2-vCPU EPYC Zen 5, one thread, weights from DRAM, it streamed lm_head and the
+   2048-wide matrices faster than 16 KB into L2 or 4, 8 or 12 KB into L1, the experts' 1408-wide down matrices a little
+   slower than at 8-12 KB (docs/measured-choices.md). Other CPUs keep what was measured on them: Zen 4 lost with
+   prefetches into L1. */
+#define PREFETCH1_L1 6144
 /* At one x row, a load of one byte this far ahead of each pass of R1 rows (its value unused). From 4 KB pages the
    prefetch above fell short: a 2-vCPU Zen 4 streamed 17-23 GB/s of CPU time from them against 24-26 from huge pages,
    most likely its prefetches reaching pages the TLB did not hold yet; with the load, which walks the page table for
@@ -219,7 +226,7 @@ T512 static inline __attribute__((always_inline)) void tile_512(const uint8_t *w
    mt = 1, in the same order (even and odd chunks apart, added at the end), so its bits do not change. */
 T512 static inline __attribute__((always_inline)) void tile1_512(const uint8_t *codes, const float *sw, int stride,
                                                                   int chunks, int gshift, const prepared *p, int K,
-                                                                  float *out) {
+                                                                  int l1, float *out) {
     const __m512i mask = _mm512_set1_epi8(0x0f);
     const __m512i widx = _mm512_srli_epi32(_mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104,
                                                              112, 120), gshift);
@@ -231,7 +238,10 @@ T512 static inline __attribute__((always_inline)) void tile1_512(const uint8_t *
         const __m512 sx = _mm512_loadu_ps(p->lane_sx + (c) * 16);                                              \
         for (int r = 0; r < R1; r++) {                                                                         \
             const uint8_t *wr = codes + (size_t)r * (K / 2) + (c) * 64;                                        \
-            _mm_prefetch((const char *)(wr + PREFETCH_512), _MM_HINT_T1);                                      \
+            if (l1) /* a constant after inlining: one of the two prefetches is compiled in */                  \
+                _mm_prefetch((const char *)(wr + PREFETCH1_L1), _MM_HINT_T0);                                  \
+            else                                                                                               \
+                _mm_prefetch((const char *)(wr + PREFETCH_512), _MM_HINT_T1);                                  \
             __m512i v = _mm512_loadu_si512(wr);                                                                \
             __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);     \
             __m512 swv = _mm512_permutexvar_ps(widx, _mm512_loadu_ps(sw + r * stride + (((c) * 128) >> gshift))); \
@@ -250,6 +260,36 @@ T512 static inline __attribute__((always_inline)) void tile1_512(const uint8_t *
     for (int r = 0; r < R1; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
 }
 
+/* Whether this CPU is an AMD of family 26 (Zen 5) or later: the one-row kernel's prefetch goes into L1 there
+   (PREFETCH1_L1). Asked once; a race between first callers writes the same value. */
+static int l1_prefetch_cpu(void) {
+    static int known = -1;
+    int v = __atomic_load_n(&known, __ATOMIC_RELAXED);
+    if (v < 0) {
+        unsigned a, b, c, d;
+        v = 0;
+        __builtin_cpu_init();
+        if (__builtin_cpu_is("amd") && __get_cpuid(1, &a, &b, &c, &d)) {
+            unsigned family = (a >> 8) & 0xf;
+            if (family == 0xf) family += (a >> 20) & 0xff;
+            v = family >= 26;
+        }
+        __atomic_store_n(&known, v, __ATOMIC_RELAXED);
+    }
+    return v;
+}
+
+/* rows_512's one-row loop, with the prefetch ``l1`` picks (a constant in each of its two call sites) */
+#define ROWS1_512_LOOP(l1)                                                                                     \
+    for (; n + R1 <= n1; n += R1) {                                                                            \
+        const size_t at = (size_t)n * (K / 2) + TOUCH_AHEAD;                                                   \
+        if (at < total) /* inside the matrix only: the load may not fault */                                   \
+            __asm__ volatile("" : : "r"(*(volatile const uint8_t *)(codes + at)));                             \
+        tile1_512(codes + (size_t)n * (K / 2), sw + (n - n0) * stride, stride, K / 128, gshift, p, K, l1, out); \
+        for (int r = 0; r < R1; r++)                                                                           \
+            y_put(y, (size_t)(n + r), out[r] + dot_512(zw + (n + r - n0) * stride, p->gsum, padded));         \
+    }
+
 T512 static void rows_512(const uint8_t *codes, wscales w, int n0, int n1, int N,
                           int K, int g, const prepared *p, int M, yout y) {
     if (M == 1) {
@@ -261,14 +301,10 @@ T512 static void rows_512(const uint8_t *codes, wscales w, int n0, int n1, int N
         }
         const size_t total = (size_t)N * (K / 2);
         int n = n0;
-        for (; n + R1 <= n1; n += R1) {
-            const size_t at = (size_t)n * (K / 2) + TOUCH_AHEAD;
-            if (at < total) /* inside the matrix only: the load may not fault */
-                __asm__ volatile("" : : "r"(*(volatile const uint8_t *)(codes + at)));
-            tile1_512(codes + (size_t)n * (K / 2), sw + (n - n0) * stride, stride, K / 128, gshift, p, K, out);
-            for (int r = 0; r < R1; r++)
-                y_put(y, (size_t)(n + r), out[r] + dot_512(zw + (n + r - n0) * stride, p->gsum, padded));
-        }
+        if (l1_prefetch_cpu())
+            ROWS1_512_LOOP(1)
+        else
+            ROWS1_512_LOOP(0)
         for (; n < n1; n++) {
             tile_512(codes + (size_t)n * (K / 2), sw + (n - n0) * stride, K / 128, gshift, p, 0, 1, K, out);
             y_put(y, (size_t)n, out[0] + dot_512(zw + (n - n0) * stride, p->gsum, padded));
