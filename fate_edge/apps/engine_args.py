@@ -257,6 +257,7 @@ def open_engine(
     from fate_edge.runtime.engine import Engine
     from fate_edge.runtime.engine_config import EngineConfig, resolve_device
     from fate_edge.runtime.load_threads import in_own_thread
+    from fate_edge.runtime.warm_up import warm_up
 
     log = log or sys.stderr
     # converting (once) and the planner's probes run torch on threads of their own: their OpenMP helper threads end
@@ -323,4 +324,5 @@ def open_engine(
     )
     engine.planned = planned
     settle_threads(opts.threads, not engine.scheduler.all_at_hand, engine.model.config.hidden_size, engine.device)
+    warm_up(engine.batcher, engine.scheduler, engine.model, engine._lock)  # with the requests' threads
     return engine

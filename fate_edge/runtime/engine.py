@@ -58,6 +58,7 @@ from fate_edge.runtime.preload import LoadReport, first_used, global_choice, pre
 from fate_edge.runtime.prompt_cache import PromptCache
 from fate_edge.runtime.request_slot import RequestSlot
 from fate_edge.runtime.scheduler import Scheduler, SchedulerStats, hands_off
+from fate_edge.runtime.warm_up import warm_up
 from fate_edge.sizes import format_bytes
 from fate_edge.tokenizer import Tokenizer
 
@@ -102,11 +103,9 @@ class Engine:
         if config.policy == "auto":
             raise FateEdgeError("policy 'auto' is chosen by the planner: open the engine with Engine.load(...)")
         c = self.config = config
-        device = resolve_device(c.device)
-        self.device = device
+        device = self.device = resolve_device(c.device)
         self.context_tokens = c.context_tokens  # the KV room the account reserves: an unbounded request stops there
-        # The model, scheduler and expert cache are shared state: one step of one request runs at a time
-        # (_lock), and the open stream that may step next is tracked by _slot (see stream()).
+        # Model, scheduler and cache are shared: one step at a time (_lock); the stream to step next: _slot (stream())
         self._lock = threading.Lock()
         self._slot = RequestSlot()
         self.stream_idle_timeout = 30.0  # seconds an open, unread stream holds the engine against a new request
@@ -454,6 +453,7 @@ class Engine:
         engine.scheduler.seed_misses(planned)  # the planner's measured miss costs start the hybrid rule
         engine.planned = planned
         settle_threads(threads, not engine.scheduler.all_at_hand, engine.model.config.hidden_size, engine.device)
+        warm_up(engine.batcher, engine.scheduler, engine.model, engine._lock)  # with the requests' threads
         return engine
 
     # ------------------------------------------------------------- generation
