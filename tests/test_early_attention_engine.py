@@ -122,7 +122,9 @@ def test_the_engine_predicts_from_the_early_attention(bundled_dir, tmp_path, mon
     policy = dataclasses.replace(get_policy("fate-edge"), predictor="learned", prefetch_gate=False, bits=16)
     prompt = [11, 42, 7, 99, 3]
     store = calibrated_baseline_store(model_dir)  # the bf16 copy, asked for
-    with Engine.load(store, "64MB", policy=policy) as engine:
+    # a budget that does not hold the model: one that does leaves nothing to predict (the scheduler then skips it)
+    with Engine.load(store, "8MB", policy=policy) as engine:
+        assert not engine.scheduler.all_at_hand
         predictor = engine.scheduler.predictor
         assert isinstance(predictor, LearnedPredictor) and predictor.early is not None
         seen = spy_model_inputs(predictor, monkeypatch)

@@ -302,10 +302,13 @@ def test_an_engine_whose_budget_holds_the_model_folds_the_shared_expert_like_the
             calls.clear()
             runs[budget] = [(r.token, r.logprob) for r in engine.stream(prompt, cfg)]
             whole = engine.model.experts.all_at_hand
+            stats = engine.scheduler.stats
             folded = [c for c in calls if c[0] == (2 * 128 + 1, 128)]  # the shared expert's gate, up and gate logit
         if budget == "auto":  # after the first tokens' reads, every decode token's two layers
             assert whole and len(folded) >= 2 * (cfg.max_tokens - 4)
             assert all(len(c) > 1 for c in folded)  # beside routed experts' matrices
+            assert stats.predict_s == 0 and stats.predictions_skipped > 0  # nothing left to predict a read for
         else:
             assert not whole and not folded
+            assert stats.predict_s > 0  # the predictor runs where experts are read
     assert runs["auto"] == runs[150_000]  # tokens and logprobs: the same bits

@@ -125,6 +125,7 @@ class Scheduler(TierPath, LayerBlobs, ExpertProvider):
         self.cold_bits = policy.cold_bits if policy.cold_bits in store.precisions else None
         self.stats = SchedulerStats()
         self.layer_index = {layer: i for i, layer in enumerate(config.moe_layers)}
+        self._experts = len(config.moe_layers) * config.num_experts
         self._holds_model = self._cache_holds_model()  # nothing is ever evicted (all_at_hand)
         self._holds_at = cache.resized if cache is not None else 0  # the cache's size it was decided for
         self.prefetches: dict[Key, Fetch] = {}
@@ -194,7 +195,10 @@ class Scheduler(TierPath, LayerBlobs, ExpertProvider):
             req = self._submit(key, bits, Priority.DEMAND)
             self.demands[key] = Fetch(req, bits, prefetched=False)
 
-        if self.predictor is not None:
+        if self.predictor is not None and self._all_cached():
+            # nothing a prediction could name is left to read, nor will be (a cache that holds the model evicts none)
+            self.stats.predictions_skipped += 1
+        elif self.predictor is not None:
             t0 = time.perf_counter()
             self.predictor.observe(layer, needed)
             width = self._width()
@@ -219,6 +223,11 @@ class Scheduler(TierPath, LayerBlobs, ExpertProvider):
         if self.cache is not None and self.cache.resized != self._holds_at:
             self._holds_model, self._holds_at = self._cache_holds_model(), self.cache.resized
         return self._holds_model
+
+    def _all_cached(self) -> bool:
+        """Every expert of the model in the cache now (a cache that :attr:`all_at_hand` holds them, once read)."""
+        cache = self.cache
+        return cache is not None and len(cache.entries) == self._experts and self.all_at_hand
 
     def _cache_holds_model(self) -> bool:
         layers, n = self.config.moe_layers, self.config.num_experts
