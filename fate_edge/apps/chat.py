@@ -68,7 +68,7 @@ def stats_report(engine: Any, turns: int, context_tokens: int) -> str:
         f"(hit rate {100 * s.hit_rate:.1f}%)",
         f"read {format_bytes(read)} ({format_bytes(s.demand_bytes)} on the critical path, "
         f"{format_bytes(s.wasted_bytes)} prefetched unused); "
-        f"stall {1e3 * s.stall_s:.0f} ms; prediction exact {100 * s.exact_match:.0f}%",
+        f"stall {1e3 * s.stall_s:.0f} ms; {s.prediction_summary}",
         f"expert cache {format_bytes(cache.used_bytes if cache is not None else 0)} used; process RSS "
         f"{format_bytes(_rss())}",
         f"conversation: {turns} turns, {context_tokens} of {engine.model.config.max_position_embeddings} "

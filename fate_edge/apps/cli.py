@@ -129,7 +129,7 @@ def _print_engine_stats(engine) -> None:
         f"{format_bytes(engine.plan.cache_bytes)}): hit rate {100 * s.hit_rate:.1f}% ({s.hits} cached, "
         f"{s.prefetch_hits} prefetched, {s.misses} demand reads), stall {1e3 * s.stall_s:.0f} ms, read "
         f"{format_bytes(s.demand_bytes + s.prefetch_bytes)} ({format_bytes(s.demand_bytes)} on the critical path), "
-        f"wasted {format_bytes(s.wasted_bytes)}, prediction exact {100 * s.exact_match:.0f}%]",
+        f"wasted {format_bytes(s.wasted_bytes)}, {s.prediction_summary}]",
         file=sys.stderr,
     )
     if engine.load_report.reads or engine.load_report.note:  # Fate: resident first layer, cache filled at load

@@ -53,5 +53,12 @@ class SchedulerStats:
         return self.exact / self.predictions if self.predictions else 0.0
 
     @property
+    def prediction_summary(self) -> str:
+        """How the cross-layer predictions went, for a stats line: none made is said as such, not as 0% exact."""
+        if self.predictions:
+            return f"prediction exact {100 * self.exact_match:.0f}%"
+        return "no prediction needed (the experts it would name cached)" if self.predictions_skipped else "no prediction made"
+
+    @property
     def recall(self) -> float:
         return self.recall_sum / self.predictions if self.predictions else 0.0
