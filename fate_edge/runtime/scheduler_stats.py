@@ -57,7 +57,9 @@ class SchedulerStats:
         """How the cross-layer predictions went, for a stats line: none made is said as such, not as 0% exact."""
         if self.predictions:
             return f"prediction exact {100 * self.exact_match:.0f}%"
-        return "no prediction needed (the experts it would name cached)" if self.predictions_skipped else "no prediction made"
+        if self.predictions_skipped:
+            return "no prediction needed (the experts it would name cached)"
+        return "no prediction made"
 
     @property
     def recall(self) -> float:
