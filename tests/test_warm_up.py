@@ -28,6 +28,9 @@ def test_a_batched_engine_that_holds_its_model_warms_up_at_load_and_forgets_it()
         assert first == [r.token for r in alone.stream(PROMPT, CFG)]
         assert batched.batcher._thread is thread  # the request ran on the thread the warm-up started
         assert batched.scheduler.stats.hits > 0  # and its statistics are its own
+        # each layer let go of what it pinned (the scheduler's short path for a model cached whole)
+        assert not batched.scheduler.in_use and all(e.pins == 0 for e in batched.cache.entries.values())
+        assert batched.scheduler.stats.predictions == 0 and batched.scheduler.stats.predictions_skipped > 0
 
 
 def test_an_engine_that_streams_experts_does_not_warm_up(baseline_store):

@@ -164,6 +164,12 @@ class Scheduler(TierPath, LayerBlobs, ExpertProvider):
         # A prompt's last layer may route its last token alone (model.forward): still served as the prompt. A
         # batched decode step routes one row per sequence: decode, with the batch's union of experts.
         self._prefill = prompt = n > self._sequences or self._prompt
+        if n == 1 and self._all_cached():  # a row of a model cached whole: nothing to read, predict or check
+            self.observe_routing(layer, idx[0].tolist(), [1] * idx.shape[1], prompt)
+            self.last_prediction.pop(layer, None)  # one made before the last expert was cached checks nothing now
+            self._candidates.pop(layer, None)
+            self.stats.predictions_skipped += int(self.predictor is not None)
+            return
         if not prompt and self._last_route is not None and self._last_route[0] < layer:
             dt = (now - self._last_route[1]) / max(1, self.layer_index[layer] - self.layer_index[self._last_route[0]])
             self._layer_time = _ema(self._layer_time, dt, 0.8)
@@ -526,6 +532,11 @@ class Scheduler(TierPath, LayerBlobs, ExpertProvider):
         self.layer_uses.setdefault(layer, [0, 0, 0])[kind] += 1
 
     def end_layer(self, layer: int) -> None:
+        busy = self.prefetches or self.deferred or self._dropping or self._landed or self.skip or self.copier.in_flight
+        if not busy and self._all_cached():  # a model cached whole: only the layer's pins to let go
+            self._release_lent()
+            self._unpin_all()
+            return
         self.copier.poll()
         self._release_lent()
         self._unpin_all()
