@@ -153,7 +153,9 @@ def test_the_engine_predicts_from_the_previous_tokens_next_layer_input(bundled_d
     model_dir, report = calibrated_bundled_copy(bundled_dir, tmp_path, monkeypatch, previous_input=True)
     assert report["previous_input"] is True
     policy = dataclasses.replace(get_policy("fate-edge"), predictor="learned", prefetch_gate=False)
-    with Engine.load(model_dir, "64MB", policy=policy) as engine:
+    # a budget that does not hold the model: one that does leaves nothing to predict (the scheduler then skips it)
+    with Engine.load(model_dir, "3MB", policy=policy) as engine:
+        assert not engine.scheduler.all_at_hand
         predictor = engine.scheduler.predictor
         assert isinstance(predictor, LearnedPredictor) and predictor.context is not None
         seen = spy_model_inputs(predictor, monkeypatch)

@@ -20,10 +20,11 @@ from fate_edge.devices.detect import reader_contention
 from fate_edge.fetch.buffer_pool import Buffer
 from fate_edge.fetch.fetch_engine import FetchEngine, FetchRequest, Priority
 from fate_edge.fetch.transfer import Copier, CPUCopier, make_copier
-from fate_edge.format.store import ExpertStore, decode_expert, decodes_to_views
+from fate_edge.format.store import ExpertStore, decode_expert
 from fate_edge.model.arch.base import ModelConfig
 from fate_edge.model.experts import Expert, ExpertProvider
 from fate_edge.predictors.base import Predictor
+from fate_edge.runtime.buffer_handoff import hands_off, lends
 from fate_edge.runtime.cache import AccessInfo, ExpertCache
 from fate_edge.runtime.host_tier import HostTier
 from fate_edge.runtime.layer_blobs import Fetch, LayerBlobs
@@ -34,30 +35,6 @@ from fate_edge.runtime.scheduler_stats import SchedulerStats
 from fate_edge.runtime.tier_path import TierPath
 
 Key = tuple[int, int]
-
-
-def _decodes_in_buffer(policy: PolicyConfig, store: ExpertStore, device: str) -> bool:
-    """Whether the policy's experts decode as views of their read buffer here: on the CPU, for a layout whose decode
-    copies nothing (``store.decodes_to_views``: cpu-int4, or portable int4 on the native kernel)."""
-    precision = store.precisions.get(policy.bits)
-    return device == "cpu" and precision is not None and decodes_to_views(precision)
-
-
-def hands_off(policy: PolicyConfig, store: ExpertStore, device: str) -> bool:
-    """Whether the scheduler keeps a read buffer as the cached expert decoded in it (zero-copy hand-off): with a
-    cache, where experts decode in their buffer (:func:`_decodes_in_buffer`). The cache then charges each expert a
-    whole read buffer. Elsewhere experts are copied out of the buffer (on a GPU, the upload). Never for the oracle:
-    the bound keeps each cached expert in its own bytes, the most experts a budget can hold (fate's resident layer is
-    held so, and a bound of padded entries was beaten by it)."""
-    return policy.cache and _decodes_in_buffer(policy, store, device) and policy.predictor != "oracle"
-
-
-def lends(policy: PolicyConfig, store: ExpertStore, device: str) -> bool:
-    """Whether an uncached expert (load-on-demand) is computed in its read buffer, which goes back to the pool once
-    the layer's caller has used it, as a device computes from the memory its DMA filled. A copy out would cost this
-    CPU a memcpy per read that no device pays (docs/measured-choices.md), dilated into device time under
-    emulation."""
-    return not policy.cache and _decodes_in_buffer(policy, store, device)
 
 
 def _ema(old: float, new: float, keep: float) -> float:
