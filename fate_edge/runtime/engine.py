@@ -210,7 +210,7 @@ class Engine:
         if self.scheduler.all_at_hand and c.trace is None:
             cfg = self.model.config
             read_whole_model(self.scheduler, cfg.moe_layers, cfg.num_experts, self.load_report)
-            self.scheduler.stats, self.scheduler.layer_uses = SchedulerStats(), {}  # the load report's, not a request's
+            self.scheduler.forget_stats()  # the load report's, not a request's
         room = self.account.prompt_cache  # the account's part: the cache holds no more
         self.prompt_cache = PromptCache(room, self.model.config.num_hidden_layers) if room else None
         self.token_stats: list[SchedulerStats] = []  # per generated token of the last request

@@ -582,6 +582,10 @@ class Scheduler(TierPath, LayerBlobs, ExpertProvider):
         self.skip.clear()
         self.copier.drain()
 
+    def forget_stats(self) -> None:
+        """Drop the statistics of work no request asked for (the load's reads, the warm-up's tokens)."""
+        self.stats, self.layer_uses = SchedulerStats(), {}
+
     def new_sequence(self) -> None:
         """Start of a request: reset per-request predictor state and per-sequence cache statistics."""
         self.abort()

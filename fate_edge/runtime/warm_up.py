@@ -16,8 +16,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fate_edge.runtime.scheduler_stats import SchedulerStats
-
 if TYPE_CHECKING:
     from fate_edge.model.decoding_model import DecodingModel
     from fate_edge.runtime.batch import Batcher
@@ -43,7 +41,7 @@ def warm_up(batcher: Batcher | None, scheduler: Scheduler, model: DecodingModel,
                 model(torch.tensor([WARM_PROMPT[:1]], device=model.device), cache, last_only=True)
             finally:
                 scheduler.new_sequence()  # no pin, prediction or sequence statistic of these tokens is left
-                scheduler.stats, scheduler.layer_uses = SchedulerStats(), {}
+                scheduler.forget_stats()
 
     batcher.call(tokens)
     return True
