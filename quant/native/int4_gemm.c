@@ -88,7 +88,10 @@ static float half_to_float(uint16_t h) {
    half passes of R1 rows of 2048: on a 2-vCPU EPYC Zen 5, one thread, weights from DRAM, it streamed lm_head and the
    2048-wide matrices faster than 16 KB into L2 or 4, 8 or 12 KB into L1, the experts' 1408-wide down matrices a little
    slower than at 8-12 KB (docs/measured-choices.md). Other CPUs keep what was measured on them: Zen 4 lost with
-   prefetches into L1. */
+   prefetches into L1. Non-temporal (NTA): a decode token streams ~60 MB of weights a layer through a 32 MB L3, which
+   left nothing else there, so every small operator between the int4 calls (the router's matrix, the KV cache, the
+   interpreter's own state) started from DRAM; with NTA the 8-layer Qwen1.5-MoE slice's time outside the int4 calls
+   went 4.0-4.2 -> 3.0-3.6 ms a token at one thread, the kernels no slower (docs/cpu-profile.md, Zen 5). */
 #define PREFETCH1_L1 6144
 /* At one x row, a load of one byte this far ahead of each pass of R1 rows (its value unused). From 4 KB pages the
    prefetch above fell short: a 2-vCPU Zen 4 streamed 17-23 GB/s of CPU time from them against 24-26 from huge pages,
@@ -239,7 +242,7 @@ T512 static inline __attribute__((always_inline)) void tile1_512(const uint8_t *
         for (int r = 0; r < R1; r++) {                                                                         \
             const uint8_t *wr = codes + (size_t)r * (K / 2) + (c) * 64;                                        \
             if (l1) /* a constant after inlining: one of the two prefetches is compiled in */                  \
-                _mm_prefetch((const char *)(wr + PREFETCH1_L1), _MM_HINT_T0);                                  \
+                _mm_prefetch((const char *)(wr + PREFETCH1_L1), _MM_HINT_NTA);                                 \
             else                                                                                               \
                 _mm_prefetch((const char *)(wr + PREFETCH_512), _MM_HINT_T1);                                  \
             __m512i v = _mm512_loadu_si512(wr);                                                                \
