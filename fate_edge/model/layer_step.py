@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from fate_edge.model import native_router
 from fate_edge.model.layer import Fused, LayerPlan, apply_linear, rms_norm
 from fate_edge.model.router import route
 
@@ -73,8 +74,13 @@ def decoder_layer(path: LayerPath, x: torch.Tensor, layer: int, lp: LayerPlan) -
 
 
 def router_block(cfg: ModelConfig, h: torch.Tensor, lp: LayerPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layer's router on gate input ``h`` [N, H] → (weights [N, k] float32, expert ids [N, k])."""
+    """The layer's router on gate input ``h`` [N, H] → (weights [N, k] float32, expert ids [N, k]): a softmax
+    router on the CPU in one native call (:mod:`~fate_edge.model.native_router`), else torch's operators."""
     assert lp.router is not None  # an MoE layer
+    if lp.correction_bias is None and native_router.takes(cfg, h, lp.router, lp.router_bias):
+        routed = native_router.route_softmax(cfg, h, lp.router)
+        if routed is not None:  # None: a tie in some row's top k, which torch.topk decides
+            return routed
     logits = F.linear(h if h.dtype == lp.router.dtype else h.to(lp.router.dtype), lp.router, lp.router_bias)
     return route(cfg, logits, lp.correction_bias)
 

@@ -4,11 +4,11 @@ prompt otherwise (llama.cpp runs a warm-up pass at load for the same reason)."""
 
 from __future__ import annotations
 
-from fate_edge.model import decode_attention, head_matvec, row_ops
+from fate_edge.model import decode_attention, head_matvec, native_router, row_ops
 
 
 def warm_native_kernels() -> None:
-    """Load the row, attention and head kernels now; one that cannot run here (no compiler, another CPU,
+    """Load the row, attention, head and router kernels now; one that cannot run here (no compiler, another CPU,
     ``FATE_EDGE_NATIVE=0``) is left to torch's operators as before, and says why when it is asked."""
-    for kernel in (row_ops, decode_attention, head_matvec):
+    for kernel in (row_ops, decode_attention, head_matvec, native_router):
         kernel.available()
