@@ -113,8 +113,8 @@ class QuantizedEmbedding:
         """``ids`` [N] -> rows [N, H] in ``dtype``."""
         if self.rows is not None and ids.device.type == "cpu" and not torch.compiler.is_compiling():
             codes_rows, scale_rows = self.rows[0], self.rows[-1]
-            if self.bits == 8 and ids.numel() == 1 and isinstance(codes_rows, row_ops.FileTable):
-                assert isinstance(scale_rows, row_ops.FileTable)  # both parts come from the same store
+            if self.bits == 8 and ids.numel() == 1 and row_ops.is_file_table(codes_rows):
+                assert row_ops.is_file_table(scale_rows)  # both parts come from the same store
                 # a decode token's row: read and dequantized in one native call, the same bits
                 row = row_ops.embed_int8_row(codes_rows, scale_rows, int(ids.reshape(-1)[0]), self.dtype)
                 if row is not None:

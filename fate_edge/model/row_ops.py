@@ -15,7 +15,7 @@ import array
 import ctypes
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeGuard, runtime_checkable
 
 import torch
 
@@ -114,6 +114,19 @@ class FileTable(Protocol):
 
     @property
     def fd(self) -> int: ...
+
+
+_FILE_TABLE_TYPES: dict[type, bool] = {}
+
+
+def is_file_table(obj: object) -> TypeGuard[FileTable]:
+    """``isinstance(obj, FileTable)``, asked once per type: a runtime protocol's check walks its members on every
+    call (twice a decode token; docs/measured-choices.md), and a table's type (a dataclass) has them on every instance
+    or on none."""
+    known = _FILE_TABLE_TYPES.get(type(obj))
+    if known is None:
+        known = _FILE_TABLE_TYPES[type(obj)] = isinstance(obj, FileTable)
+    return known
 
 
 def embed_int8_row(codes: FileTable, scale: FileTable, row: int, dtype: torch.dtype) -> torch.Tensor | None:
