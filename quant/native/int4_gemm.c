@@ -304,6 +304,15 @@ T512 static void rows_512(const uint8_t *codes, wscales w, int n0, int n1, int N
         }
         const size_t total = (size_t)N * (K / 2);
         int n = n0;
+        if (l1_prefetch_cpu() && n1 < N) {
+            /* the next block's scales and zeros, non-temporal like the codes: widening them above waited on their
+               misses at each block's start, and they too went through the L3 (docs/measured-choices.md) */
+            const size_t esz = w.f32 ? 4 : 2, bytes = (size_t)BLOCK * groups * esz, at = (size_t)n1 * groups * esz;
+            for (size_t i = 0; i < bytes; i += 64) {
+                _mm_prefetch((const char *)w.scale + at + i, _MM_HINT_NTA);
+                _mm_prefetch((const char *)w.zero + at + i, _MM_HINT_NTA);
+            }
+        }
         if (l1_prefetch_cpu())
             ROWS1_512_LOOP(1)
         else
