@@ -303,8 +303,9 @@ T512 static void rows_512(const uint8_t *codes, wscales w, int n0, int n1, int N
             widen_512(w.zero, w.f32, (size_t)n * groups, groups, zw + (n - n0) * stride);
         }
         const size_t total = (size_t)N * (K / 2);
+        const int l1 = l1_prefetch_cpu();
         int n = n0;
-        if (l1_prefetch_cpu() && n1 < N) {
+        if (l1 && n1 < N) {
             /* the next block's scales and zeros, non-temporal like the codes: widening them above waited on their
                misses at each block's start, and they too went through the L3 (docs/measured-choices.md) */
             const size_t esz = w.f32 ? 4 : 2, bytes = (size_t)BLOCK * groups * esz, at = (size_t)n1 * groups * esz;
@@ -313,7 +314,7 @@ T512 static void rows_512(const uint8_t *codes, wscales w, int n0, int n1, int N
                 _mm_prefetch((const char *)w.zero + at + i, _MM_HINT_NTA);
             }
         }
-        if (l1_prefetch_cpu())
+        if (l1)
             ROWS1_512_LOOP(1)
         else
             ROWS1_512_LOOP(0)

@@ -37,6 +37,12 @@ enum { F32 = 0, BF16 = 1, F16 = 2 };
    ms a token in this kernel over 8 layers without the prefetch, 0.50 with it (Zen 5, one thread). */
 #define PF_ROWS 16
 
+/* The block of split bf16 rows PF_ROWS rows past ``src`` (row j at ``src + 2 * j * stride``, D elements each). */
+INLINE void prefetch_rows_ahead(const char *src, int64_t stride, int D) {
+    for (int j = PF_ROWS; j < PF_ROWS + BLOCK; j++)
+        for (int i = 0; i < 2 * D; i += 64) _mm_prefetch(src + 2 * j * stride + i, _MM_HINT_T0);
+}
+
 /* ---- 8 floats a vector (AVX2) ---------------------------------------------------------------------------------- */
 
 T256 INLINE __m256 load8(const void *p, int dtype) {
@@ -236,8 +242,8 @@ T512 INLINE void scores_direct_512(const float *q, const char *src, int64_t stri
     for (int j = 0; j < BLOCK; j++) {
         row[j] = src + 2 * (j < nb ? j : 0) * stride;
         a[j] = _mm512_setzero_ps();
-        for (int i = 0; i < 2 * D; i += 64) _mm_prefetch(src + 2 * (j + PF_ROWS) * stride + i, _MM_HINT_T0);
     }
+    prefetch_rows_ahead(src, stride, D);
     for (int i = 0; i < D; i += 32) {
         const __m512 qe = _mm512_loadu_ps(q + i), qo = _mm512_loadu_ps(q + i + 16);
         for (int j = 0; j < BLOCK; j++) {
@@ -255,8 +261,7 @@ T512 INLINE void scores_direct_512(const float *q, const char *src, int64_t stri
 
 T512 INLINE void values_direct_512(const float *p, const char *src, int64_t stride, int nb, int D, float *acc) {
     const __m512i high = _mm512_set1_epi32((int)0xffff0000);
-    for (int j = 0; j < BLOCK; j++)
-        for (int i = 0; i < 2 * D; i += 64) _mm_prefetch(src + 2 * (j + PF_ROWS) * stride + i, _MM_HINT_T0);
+    prefetch_rows_ahead(src, stride, D);
     for (int i = 0; i < D; i += 32) {
         __m512 e = _mm512_loadu_ps(acc + i), o = _mm512_loadu_ps(acc + i + 16);
         for (int j = 0; j < nb; j++) {
