@@ -62,6 +62,12 @@ def _load() -> None:
     lib.fe_int4_set_gemm_min_rows.argtypes = [ctypes.c_int]
     lib.fe_int4_gemm_grouped.restype = ctypes.c_int
     lib.fe_int4_gemm_grouped.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    lib.fe_int4_glu_grouped.restype = ctypes.c_int
+    lib.fe_int4_glu_grouped.argtypes = [ctypes.c_int, ctypes.c_void_p] * 3 + [
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_int,
+    ]
     lib.fe_q4_0_codes.restype = None
     lib.fe_q4_0_codes.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     isa = lib.fe_int4_isa()
@@ -209,6 +215,10 @@ class NativeInt4:
         bf16 = int(x.dtype == torch.bfloat16)
         return [*self._fixed, x.data_ptr(), bf16, self.in_features, x.shape[0], y.data_ptr(), bf16]
 
+    def bf16_args(self, x: int, rows: int, y: int) -> list[int]:
+        """:meth:`call_args` from addresses: bf16 x [rows, K] at ``x``, y [rows, N] at ``y`` (both contiguous)."""
+        return [*self._fixed, x, 1, self.in_features, rows, y, 1]
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n, k = self.codes.shape[0], self.in_features
         x2 = x.reshape(-1, k)
@@ -234,6 +244,15 @@ class NativeInt4:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
 
 
+def _check_calls(what: str, calls: list[tuple[NativeInt4, torch.Tensor, torch.Tensor]]) -> None:
+    for lin, x, y in calls:
+        n, k = lin.shape
+        if x.dim() != 2 or x.shape[1] != k or not x.is_contiguous() or not y.is_contiguous():
+            raise ValueError(f"{what}: x {tuple(x.shape)} for a {n}x{k} matrix must be a contiguous [M, {k}]")
+        if y.shape != (x.shape[0], n) or y.dtype != x.dtype or x.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"{what}: y {tuple(y.shape)} {y.dtype} does not fit x {tuple(x.shape)} {x.dtype}")
+
+
 def gemm_grouped(calls: list[tuple[NativeInt4, torch.Tensor, torch.Tensor]]) -> None:
     """``y = x @ W.T`` for every (matrix, x, y) in one call into the kernel, the threads sharing out whole matrices
     (a MoE layer's experts on their own rows: one parallel region instead of one per matrix). x and y: contiguous
@@ -241,14 +260,52 @@ def gemm_grouped(calls: list[tuple[NativeInt4, torch.Tensor, torch.Tensor]]) -> 
     :meth:`NativeInt4.__call__` gives (a matrix is computed the same way whichever thread takes it)."""
     if not calls:
         return
-    for lin, x, y in calls:
-        n, k = lin.shape
-        if x.dim() != 2 or x.shape[1] != k or not x.is_contiguous() or not y.is_contiguous():
-            raise ValueError(f"gemm_grouped: x {tuple(x.shape)} for a {n}x{k} matrix must be a contiguous [M, {k}]")
-        if y.shape != (x.shape[0], n) or y.dtype != x.dtype or x.dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"gemm_grouped: y {tuple(y.shape)} {y.dtype} does not fit x {tuple(x.shape)} {x.dtype}")
+    _check_calls("gemm_grouped", calls)
     table = array.array("q", [a for lin, x, y in calls for a in lin.call_args(x, y)])  # int64, as the C reads
     address, _ = table.buffer_info()
     rc = _lib().fe_int4_gemm_grouped(len(calls), address, torch.get_num_threads(), _state.isa)
     if rc != 0:
         raise MemoryError(f"native int4 grouped matmul of {len(calls)} matrices: out of memory for its buffers")
+
+
+_silu_table: list[torch.Tensor] = []
+
+
+def silu_table() -> torch.Tensor:
+    """torch's bf16 ``silu`` of every bf16 value as int16 bits, indexed by the input's bits (and one entry more: the
+    kernel's gathers read 4 bytes): the activation :func:`gemm_glu_grouped` computes has torch's bits by
+    construction. torch's bf16 silu of a value is the same wherever the value sits in a tensor (checked for all
+    65,536 at several offsets, tests/test_native_glu.py), so a table of single values stands for any tensor's."""
+    if not _silu_table:
+        with _lock:
+            if not _silu_table:
+                every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+                bits = torch.nn.functional.silu(every).view(torch.int16)
+                _silu_table.append(torch.cat([bits, bits.new_zeros(1)]).contiguous())
+    return _silu_table[0]
+
+
+def glu_grouped(first: list[int], glu: list[int], down: list[int]) -> None:
+    """A MoE layer's SiLU-gated experts in one call into the kernel (``fe_int4_glu_grouped``): :func:`gemm_grouped`'s
+    table ``first`` (each expert's gate and up, one matrix or two: rows of :meth:`NativeInt4.bf16_args`), then per
+    expert six integers of ``glu`` (where its gate and up start, their row stride, the intermediate size I, the rows
+    M, where its activation goes: [M, I] contiguous), ``act = silu(gate) * up`` in bf16, then ``down``'s table (x:
+    the activations). The bits of :func:`gemm_grouped` twice with torch's ``F.silu(gate) * up`` between. Unchecked:
+    the caller builds every address from tensors it holds alive through the call
+    (``fate_edge.model.grouped_experts``)."""
+    if not first or not glu or not down or len(first) % 13 or len(glu) % 6 or len(down) % 13:
+        raise ValueError("glu_grouped: whole rows of 13 (matrices) and 6 (activations) integers, none empty")
+    tables = [array.array("q", rows) for rows in (first, glu, down)]  # int64, as the C reads
+    rc = _lib().fe_int4_glu_grouped(
+        len(first) // 13,
+        tables[0].buffer_info()[0],
+        len(glu) // 6,
+        tables[1].buffer_info()[0],
+        len(down) // 13,
+        tables[2].buffer_info()[0],
+        silu_table().data_ptr(),
+        torch.get_num_threads(),
+        _state.isa,
+    )
+    if rc != 0:
+        raise MemoryError(f"native int4 SiLU-gated experts ({len(down) // 13}): out of memory for the kernel's buffers")

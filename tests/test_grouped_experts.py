@@ -229,15 +229,23 @@ def test_a_shared_expert_off_the_native_kernel_is_not_folded():
 
 
 def _record_grouped_calls(monkeypatch) -> list[list[tuple[int, int]]]:
-    """Each grouped kernel call from here on, as the shapes of its matrices in order (the calls still run)."""
+    """Each grouped stage from here on, as the shapes of its matrices in order (the calls still run): a
+    ``gemm_grouped`` call, or each of the two stages of a ``glu_grouped`` call (bf16 SiLU-gated experts: gate and
+    up, then down, in one call into the kernel)."""
     calls: list[list[tuple[int, int]]] = []
-    real = grouped_experts.gemm_grouped
+    real, real_glu = grouped_experts.gemm_grouped, grouped_experts.glu_grouped
 
     def recording(table):
         calls.append([lin.shape for lin, _, _ in table])
         real(table)
 
+    def recording_glu(first, glu, down):
+        for rows in (first, down):  # 13 integers a matrix: N and K at 4 and 5
+            calls.append([(rows[i + 4], rows[i + 5]) for i in range(0, len(rows), 13)])
+        real_glu(first, glu, down)
+
     monkeypatch.setattr(grouped_experts, "gemm_grouped", recording)
+    monkeypatch.setattr(grouped_experts, "glu_grouped", recording_glu)
     return calls
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TypeAlias
 
 import torch
+import torch.nn.functional as F
 
 from fate_edge.model.experts import Expert, QuantizedExpert, plus_bias
 from fate_edge.model.layer import Fused
@@ -30,7 +31,7 @@ from fate_edge.model.layer_step import ExpertInput, expert_rows
 from fate_edge.quant import mxfp4
 from fate_edge.quant.linear import QuantizedLinear
 from fate_edge.quant.mxfp4 import Mxfp4Linear
-from fate_edge.quant.native import NativeInt4, gemm_grouped
+from fate_edge.quant.native import NativeInt4, gemm_grouped, glu_grouped
 
 Matrix: TypeAlias = NativeInt4 | Mxfp4Linear  # a stage's matrix: int4 or MXFP4 (gpt-oss) on fate-edge's native kernels
 
@@ -88,6 +89,26 @@ def native_stages(expert: Expert | None) -> tuple[list[Matrix], Matrix] | None:
     return up, down
 
 
+def _stages_and_layout(expert: Expert | None) -> tuple[tuple[list[Matrix], Matrix], tuple] | None:
+    """(:func:`native_stages`, what experts that group together share: the kind of kernel, the stages' shapes, the
+    activation, biases or not), or None; kept on the expert, asked again only if its matrices, biases or activation
+    were replaced (a decode token asks it of every expert of every layer)."""
+    if not isinstance(expert, QuantizedExpert):
+        return None
+    mats = (expert.gate_up, expert.gate, expert.up, expert.down, expert.bias, expert.glu)
+    held = expert.__dict__.get("_grouping")
+    if held is not None and all(a is b for a, b in zip(held[0], mats)):
+        return held[1]
+    stages = native_stages(expert)
+    got = None
+    if stages is not None:
+        up, down = stages
+        kind = type(down)  # int4 and MXFP4 experts in separate groups (no model mixes them)
+        got = stages, (kind, len(up), tuple(m.shape for m in up), down.shape, expert.glu, expert.bias is None)
+    expert.__dict__["_grouping"] = (mats, got)
+    return got
+
+
 # Most rows a group computes together: a batched decode step's (8 sequences x top-k), not a prompt chunk's. The
 # group holds every expert's intermediate rows at once (3 x the intermediate size a row: at most ~11 MB on Mixtral's
 # 14336 in fp32, within the memory account's fixed buffer term), where one call each held one expert's; a prompt
@@ -112,14 +133,11 @@ def _group_stages(items: Sequence[tuple[Expert | None, torch.Tensor]]) -> Stages
     shapes: set[tuple] = set()
     all_stages: Stages = []
     for expert, x in items:
-        stages = native_stages(expert)
-        if stages is None or x.dim() != 2 or x.shape[0] == 0 or x.dtype not in (torch.float32, torch.bfloat16):
+        got = _stages_and_layout(expert)
+        if got is None or x.dim() != 2 or x.shape[0] == 0 or x.dtype not in (torch.float32, torch.bfloat16):
             return None
-        up, down = stages
-        assert isinstance(expert, QuantizedExpert)  # native_stages said so
-        kind = type(down)  # int4 and MXFP4 experts in separate groups (no model mixes them)
-        shapes.add((kind, len(up), tuple(m.shape for m in up), down.shape, x.dtype, expert.glu, expert.bias is None))
-        all_stages.append(stages)
+        shapes.add((got[1], x.dtype))
+        all_stages.append(got[0])
     return all_stages if len(shapes) == 1 else None
 
 
@@ -166,6 +184,8 @@ def _compute(
     for x in xs:
         bounds.append((total, total + x.shape[0]))
         total += x.shape[0]
+    if _fusable(items, xs[0], stages, shared):
+        return _compute_fused(xs, bounds, total, stages, shared)
     dtype, device = xs[0].dtype, xs[0].device
     first = [torch.empty(total, m.shape[0], dtype=dtype, device=device) for m in stages[0][0]]
     calls = [(m, x, out[a:b]) for (up, _), x, (a, b) in zip(stages, xs, bounds) for m, out in zip(up, first)]
@@ -201,6 +221,78 @@ def _compute(
     for (a, b), bias in zip(bounds, biases):
         plus_bias(y[a:b], bias.down)
     return list(y.split_with_sizes([b - a for a, b in bounds])), z  # one operator for every expert's view
+
+
+def _fusable(
+    items: Sequence[tuple[Expert | None, torch.Tensor]],
+    x: torch.Tensor,
+    stages: Stages,
+    shared: tuple[NativeShared, torch.Tensor] | None,
+) -> bool:
+    """Whether :func:`_compute_fused` takes the group: bf16 rows, int4 experts without biases, SiLU-gated, and a
+    shared expert (if any) SiLU-gated with its gate and up first."""
+    up0, down0 = stages[0]
+    if x.dtype != torch.bfloat16 or not isinstance(down0, NativeInt4) or x.shape[1] != up0[0].shape[1]:
+        return False
+    expert = items[0][0]
+    if not isinstance(expert, QuantizedExpert) or expert.bias is not None or expert.glu.limit is not None:
+        return False  # _group_stages let only groups alike in bias and layout through: the first stands for all
+    if shared is not None:
+        s = shared[0]
+        return s.act is F.silu and len(s.sizes) in (2, 3) and s.sizes[0] == s.sizes[1]
+    return True
+
+
+BF16 = 2  # bytes
+
+
+def _compute_fused(
+    xs: list[torch.Tensor],
+    bounds: list[tuple[int, int]],
+    total: int,
+    stages: Stages,
+    shared: tuple[NativeShared, torch.Tensor] | None,
+) -> tuple[list[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None] | None]:
+    """:func:`_compute` in one call into the kernel (``quant.native.glu_grouped``): gate and up, the SiLU product and
+    down without a trip through Python between the stages, the same bits. The kernel's tables are built from
+    addresses (a view per expert and stage cost more Python than the calls it saves)."""
+    device = xs[0].device
+    ups0, down0 = stages[0]
+    width = [m.shape[0] for m in ups0]  # [2I] (one gate_up matrix) or [I, I]
+    inter, hidden = sum(width) // 2, down0.shape[0]
+    first = [torch.empty(total, n, dtype=torch.bfloat16, device=device) for n in width]
+    act = torch.empty(total, inter, dtype=torch.bfloat16, device=device)
+    y = torch.empty(total, hidden, dtype=torch.bfloat16, device=device)
+    fp, ap, yp = [t.data_ptr() for t in first], act.data_ptr(), y.data_ptr()
+    rows_first: list[int] = []
+    rows_glu: list[int] = []
+    rows_down: list[int] = []
+    z: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    if shared is not None:  # first in each stage: the largest matrix (see _compute)
+        s, hs = shared
+        si, m = s.sizes[0], hs.shape[0]
+        s_first = torch.empty(m, s.gate_up.shape[0], dtype=torch.bfloat16, device=device)
+        s_act = torch.empty(m, si, dtype=torch.bfloat16, device=device)
+        s_y = torch.empty(m, s.down.shape[0], dtype=torch.bfloat16, device=device)
+        sp, sa = s_first.data_ptr(), s_act.data_ptr()
+        rows_first += s.gate_up.bf16_args(hs.data_ptr(), m, sp)
+        rows_glu += [sp, sp + BF16 * si, s_first.shape[1], si, m, sa]
+        rows_down += s.down.bf16_args(sa, m, s_y.data_ptr())
+        z = s_y, (s_first[:, 2 * si :] if len(s.sizes) == 3 else None)
+    for (ups, down), x, (a, b) in zip(stages, xs, bounds):
+        m, xp = b - a, x.data_ptr()
+        for mat, base, n in zip(ups, fp, width):
+            assert isinstance(mat, NativeInt4)  # _fusable: the group is int4
+            rows_first += mat.bf16_args(xp, m, base + BF16 * a * n)
+        if len(width) == 1:  # each row [gate | up]
+            gate = fp[0] + BF16 * a * 2 * inter
+            rows_glu += [gate, gate + BF16 * inter, 2 * inter, inter, m, ap + BF16 * a * inter]
+        else:
+            rows_glu += [fp[0] + BF16 * a * inter, fp[1] + BF16 * a * inter, inter, inter, m, ap + BF16 * a * inter]
+        assert isinstance(down, NativeInt4)
+        rows_down += down.bf16_args(ap + BF16 * a * inter, m, yp + BF16 * a * hidden)
+    glu_grouped(rows_first, rows_glu, rows_down)
+    return list(y.split_with_sizes([b - a for a, b in bounds])), z
 
 
 def _grouped(calls: list[tuple[Matrix, torch.Tensor, torch.Tensor]]) -> None:

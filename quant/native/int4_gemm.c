@@ -984,6 +984,97 @@ int fe_int4_gemm_grouped(int G, const int64_t *table, int threads, int isa) {
     return failed ? -1 : 0;
 }
 
+/* ---- a MoE layer's SiLU-gated experts in one call ------------------------------------------------------------
+ * dst[m, j] = silu(gate[m, j]) * up[m, j] on bf16 rows of gate and up that each start ``stride`` values after the
+ * last (one first-stage output [gate | up], or two). ``silu``: torch's bf16 silu of every bf16 value (65,536 entries and one more, the gathers
+ * read 4 bytes), so the activation has torch's bits by construction; the product is torch's bf16 multiply: both
+ * widened exactly, one float product, rounded to nearest even (bf16_of). */
+static void glu_rows_scalar(const uint16_t *gate, const uint16_t *up, int64_t stride, int64_t I, int64_t M,
+                            uint16_t *dst, const uint16_t *silu, int64_t j0) {
+    for (int64_t m = 0; m < M; m++) {
+        const uint16_t *g = gate + m * stride, *u = up + m * stride;
+        for (int64_t j = j0; j < I; j++) {
+            uint32_t a = (uint32_t)silu[g[j]] << 16, b = (uint32_t)u[j] << 16;
+            float fa, fb;
+            memcpy(&fa, &a, 4);
+            memcpy(&fb, &b, 4);
+            dst[m * I + j] = bf16_of(fa * fb);
+        }
+    }
+}
+
+T512 static void glu_rows_512(const uint16_t *gate, const uint16_t *up, int64_t stride, int64_t I, int64_t M,
+                              uint16_t *dst, const uint16_t *silu) {
+    const int64_t body = I & ~(int64_t)15;
+    const __m512i low = _mm512_set1_epi32(0xffff), bias = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+    for (int64_t m = 0; m < M; m++) {
+        const uint16_t *g = gate + m * stride, *u = up + m * stride;
+        uint16_t *d = dst + m * I;
+        for (int64_t j = 0; j < body; j += 16) {
+            __m512i gi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(g + j)));
+            __m512i a = _mm512_slli_epi32(_mm512_and_si512(_mm512_i32gather_epi32(gi, silu, 2), low), 16);
+            __m512i b = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(u + j))), 16);
+            __m512 p = _mm512_mul_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b));
+            __m512i bits = _mm512_castps_si512(p);
+            __m512i r = _mm512_srli_epi32(
+                _mm512_add_epi32(_mm512_add_epi32(bits, bias), _mm512_and_si512(_mm512_srli_epi32(bits, 16), one)), 16);
+            __mmask16 nan = _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q); /* bf16_of's quiet NaN */
+            r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+            _mm256_storeu_si256((__m256i *)(d + j), _mm512_cvtepi32_epi16(r));
+        }
+    }
+    if (body < I) glu_rows_scalar(gate, up, stride, I, M, dst, silu, body);
+}
+
+T256 static void glu_rows_256(const uint16_t *gate, const uint16_t *up, int64_t stride, int64_t I, int64_t M,
+                              uint16_t *dst, const uint16_t *silu) {
+    const int64_t body = I & ~(int64_t)7;
+    const __m256i low = _mm256_set1_epi32(0xffff), bias = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1);
+    const __m256i quiet = _mm256_set1_epi32(0x40);
+    for (int64_t m = 0; m < M; m++) {
+        const uint16_t *g = gate + m * stride, *u = up + m * stride;
+        uint16_t *d = dst + m * I;
+        for (int64_t j = 0; j < body; j += 8) {
+            __m256i gi = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(g + j)));
+            __m256i a = _mm256_slli_epi32(_mm256_and_si256(_mm256_i32gather_epi32((const int *)silu, gi, 2), low), 16);
+            __m256i b = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(u + j))), 16);
+            __m256 p = _mm256_mul_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b));
+            __m256i bits = _mm256_castps_si256(p);
+            __m256i r = _mm256_srli_epi32(
+                _mm256_add_epi32(_mm256_add_epi32(bits, bias), _mm256_and_si256(_mm256_srli_epi32(bits, 16), one)), 16);
+            __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(p, p, _CMP_UNORD_Q));
+            r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(bits, 16), quiet), nan);
+            /* 8 x 32-bit lanes (each < 65,536) to 8 x 16 bits: pack within lanes, then gather the two halves */
+            __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+            _mm_storeu_si128((__m128i *)(d + j), _mm256_castsi256_si128(packed));
+        }
+    }
+    if (body < I) glu_rows_scalar(gate, up, stride, I, M, dst, silu, body);
+}
+
+/* A MoE layer's experts on their bf16 rows in one call: the ``n_first`` first-stage matrices (each expert's gate
+   and up, fused or apart: rows of fe_int4_gemm_grouped's table ``first``), then each expert's activation (``glu``,
+   6 int64 per expert: where its gate and its up start, their row stride, the intermediate size I, the rows M, and
+   where the activation goes, [M, I] contiguous), then the ``n_down`` down matrices (``down``). The same bits as
+   the two grouped calls with torch's ``silu(gate) * up`` between them, without a trip through Python per stage.
+   Returns 0, or -1. */
+int fe_int4_glu_grouped(int n_first, const int64_t *first, int n_glu, const int64_t *glu, int n_down,
+                        const int64_t *down, const uint16_t *silu, int threads, int isa) {
+    if (fe_int4_gemm_grouped(n_first, first, threads, isa) != 0) return -1;
+    for (int i = 0; i < n_glu; i++) {
+        const int64_t *a = glu + 6 * (size_t)i;
+        const uint16_t *gate = (const uint16_t *)(intptr_t)a[0], *up = (const uint16_t *)(intptr_t)a[1];
+        uint16_t *dst = (uint16_t *)(intptr_t)a[5];
+        if (isa == 2)
+            glu_rows_512(gate, up, a[2], a[3], a[4], dst, silu);
+        else if (isa == 1)
+            glu_rows_256(gate, up, a[2], a[3], a[4], dst, silu);
+        else
+            glu_rows_scalar(gate, up, a[2], a[3], a[4], dst, silu, 0);
+    }
+    return fe_int4_gemm_grouped(n_down, down, threads, isa);
+}
+
 /* ---- the store layout from llama.cpp's q4_0 blocks (GGUF convert) ----------------------------------------------
  * A q4_0 block is an fp16 scale and 16 bytes: byte i holds weight i in its low nibble and weight i + 16 in its
  * high one. The portable layout packs weights 2j and 2j + 1 into byte j (low nibble first). This writes the 16
