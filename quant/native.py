@@ -279,7 +279,7 @@ def silu_table() -> torch.Tensor:
     if not _silu_table:
         with _lock:
             if not _silu_table:
-                every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+                every = torch.arange(65536, dtype=torch.int32, device="cpu").to(torch.int16).view(torch.bfloat16)
                 bits = torch.nn.functional.silu(every).view(torch.int16)
                 _silu_table.append(torch.cat([bits, bits.new_zeros(1)]).contiguous())
     return _silu_table[0]

@@ -139,3 +139,16 @@ def test_glu_grouped_refuses_tables_that_are_not_whole_rows():
         native.glu_grouped([0] * 13, [0] * 5, [0] * 13)
     with pytest.raises(ValueError, match="none empty"):
         native.glu_grouped([], [], [])
+
+
+def test_the_table_is_built_on_the_cpu_under_another_default_device(monkeypatch):
+    """A script that runs under ``with torch.device("meta"):`` (as some loaders do) gets the same bits: the table
+    of SiLU values is built on the CPU whatever the default device is, the first time inside that context."""
+    monkeypatch.setattr(native, "_silu_table", [])
+    g = torch.Generator().manual_seed(11)
+    items = [(_expert(i), torch.randn(2, 256, generator=g).bfloat16()) for i in range(3)]
+    with torch.device("meta"):
+        outs = compute_group(items)
+    assert native.silu_table().device.type == "cpu"
+    for (expert, x), y in zip(items, outs):
+        assert torch.equal(y, expert(x))
