@@ -63,10 +63,16 @@ def _load() -> None:
     lib.fe_int4_gemm_grouped.restype = ctypes.c_int
     lib.fe_int4_gemm_grouped.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.fe_int4_glu_grouped.restype = ctypes.c_int
-    lib.fe_int4_glu_grouped.argtypes = [ctypes.c_int, ctypes.c_void_p] * 3 + [
+    lib.fe_int4_glu_grouped.argtypes = [
+        ctypes.c_int,  # first-stage matrices, their table
         ctypes.c_void_p,
-        ctypes.c_int,
-        ctypes.c_int,
+        ctypes.c_int,  # activations, their table
+        ctypes.c_void_p,
+        ctypes.c_int,  # down matrices, their table
+        ctypes.c_void_p,
+        ctypes.c_void_p,  # the SiLU table
+        ctypes.c_int,  # threads
+        ctypes.c_int,  # isa
     ]
     lib.fe_q4_0_codes.restype = None
     lib.fe_q4_0_codes.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
@@ -244,15 +250,6 @@ class NativeInt4:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
 
 
-def _check_calls(what: str, calls: list[tuple[NativeInt4, torch.Tensor, torch.Tensor]]) -> None:
-    for lin, x, y in calls:
-        n, k = lin.shape
-        if x.dim() != 2 or x.shape[1] != k or not x.is_contiguous() or not y.is_contiguous():
-            raise ValueError(f"{what}: x {tuple(x.shape)} for a {n}x{k} matrix must be a contiguous [M, {k}]")
-        if y.shape != (x.shape[0], n) or y.dtype != x.dtype or x.dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"{what}: y {tuple(y.shape)} {y.dtype} does not fit x {tuple(x.shape)} {x.dtype}")
-
-
 def gemm_grouped(calls: list[tuple[NativeInt4, torch.Tensor, torch.Tensor]]) -> None:
     """``y = x @ W.T`` for every (matrix, x, y) in one call into the kernel, the threads sharing out whole matrices
     (a MoE layer's experts on their own rows: one parallel region instead of one per matrix). x and y: contiguous
@@ -260,7 +257,12 @@ def gemm_grouped(calls: list[tuple[NativeInt4, torch.Tensor, torch.Tensor]]) -> 
     :meth:`NativeInt4.__call__` gives (a matrix is computed the same way whichever thread takes it)."""
     if not calls:
         return
-    _check_calls("gemm_grouped", calls)
+    for lin, x, y in calls:
+        n, k = lin.shape
+        if x.dim() != 2 or x.shape[1] != k or not x.is_contiguous() or not y.is_contiguous():
+            raise ValueError(f"gemm_grouped: x {tuple(x.shape)} for a {n}x{k} matrix must be a contiguous [M, {k}]")
+        if y.shape != (x.shape[0], n) or y.dtype != x.dtype or x.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"gemm_grouped: y {tuple(y.shape)} {y.dtype} does not fit x {tuple(x.shape)} {x.dtype}")
     table = array.array("q", [a for lin, x, y in calls for a in lin.call_args(x, y)])  # int64, as the C reads
     address, _ = table.buffer_info()
     rc = _lib().fe_int4_gemm_grouped(len(calls), address, torch.get_num_threads(), _state.isa)
@@ -273,7 +275,7 @@ _silu_table: list[torch.Tensor] = []
 
 def silu_table() -> torch.Tensor:
     """torch's bf16 ``silu`` of every bf16 value as int16 bits, indexed by the input's bits (and one entry more: the
-    kernel's gathers read 4 bytes): the activation :func:`gemm_glu_grouped` computes has torch's bits by
+    kernel's gathers read 4 bytes): the activation :func:`glu_grouped` computes has torch's bits by
     construction. torch's bf16 silu of a value is the same wherever the value sits in a tensor (checked for all
     65,536 at several offsets, tests/test_native_glu.py), so a table of single values stands for any tensor's."""
     if not _silu_table:

@@ -14,6 +14,11 @@ At two threads each call was an OpenMP parallel region the second thread had to 
 between them serial; one layer's MoE block now enters two regions instead of four (docs/cpu-profile.md). The
 shared expert goes first in each call, the largest matrix: the threads take whole matrices in table order, so the
 other thread meanwhile takes the routed experts (on the Qwen1.5-MoE shape they read as many bytes as it does).
+
+SiLU-gated int4 experts on bf16 rows (most MoE models) go further: both stages and the activation between them are
+one call into the kernel (``quant.native.glu_grouped``), the activation from a table of torch's own bf16 SiLU, so
+the bits stay those of the two calls with torch between them; the kernel's tables are built from addresses, not a
+view per expert and stage. A decode layer's Python around its experts went 50 → 31 µs (docs/cpu-profile.md).
 """
 
 from __future__ import annotations
