@@ -18,7 +18,7 @@ other thread meanwhile takes the routed experts (on the Qwen1.5-MoE shape they r
 SiLU-gated int4 experts on bf16 rows (most MoE models) go further: both stages and the activation between them are
 one call into the kernel (``quant.native.glu_grouped``), the activation from a table of torch's own bf16 SiLU, so
 the bits stay those of the two calls with torch between them; the kernel's tables are built from addresses, not a
-view per expert and stage. A decode layer's Python around its experts went 50 → 31 µs (docs/cpu-profile.md).
+view per expert and stage, which cost more Python than the calls saved (docs/measured-choices.md).
 """
 
 from __future__ import annotations
