@@ -634,6 +634,18 @@ T512 static void block_512(const uint8_t *codes, wscales w, int n0, int N, int K
     }
 }
 
+/* bf16_of on 16 lanes (the tiled GEMM's bf16 y, the experts' SiLU product). */
+T512 static inline __m256i bf16_of_512(__m512 v) {
+    const __m512i b = _mm512_castps_si512(v);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)),
+                                                   _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1))),
+                                  16);
+    const __mmask16 nan =
+        _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(b, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+
 /* ``mt`` (a constant after inlining) x rows from m0 against the block in the scratch: y[m0 + i][n0 .. n0 + 15]. */
 T512 static inline __attribute__((always_inline)) void gemm_tile_512(const uint32_t *wt, const float *swt,
                                                                       const float *zwt, int K, int gshift,
@@ -675,15 +687,8 @@ T512 static inline __attribute__((always_inline)) void gemm_tile_512(const uint3
     const __mmask16 keep = N - n0 >= 16 ? 0xffff : (__mmask16)((1u << (N - n0)) - 1);
     for (int i = 0; i < mt; i++) {
         const size_t at = (size_t)(m0 + i) * N + n0;
-        if (y.bf16) { /* bf16_of on 16 lanes */
-            __m512i b = _mm512_castps_si512(acc[i]);
-            __m512i r = _mm512_srli_epi32(
-                _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)),
-                                 _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1))), 16);
-            __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff)),
-                                                    _mm512_set1_epi32(0x7f800000));
-            r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(b, 16), _mm512_set1_epi32(0x40));
-            _mm256_mask_storeu_epi16((uint16_t *)y.p + at, keep, _mm512_cvtepi32_epi16(r));
+        if (y.bf16) {
+            _mm256_mask_storeu_epi16((uint16_t *)y.p + at, keep, bf16_of_512(acc[i]));
         } else {
             _mm512_mask_storeu_ps((float *)y.p + at, keep, acc[i]);
         }
@@ -986,8 +991,8 @@ int fe_int4_gemm_grouped(int G, const int64_t *table, int threads, int isa) {
 
 /* ---- a MoE layer's SiLU-gated experts in one call ------------------------------------------------------------
  * dst[m, j] = silu(gate[m, j]) * up[m, j] on bf16 rows of gate and up that each start ``stride`` values after the
- * last (one first-stage output [gate | up], or two). ``silu``: torch's bf16 silu of every bf16 value (65,536 entries and one more, the gathers
- * read 4 bytes), so the activation has torch's bits by construction; the product is torch's bf16 multiply: both
+ * last (one first-stage output [gate | up], or two). ``silu``: torch's bf16 silu of every bf16 value (65,536
+ * entries and one more, the gathers read 4 bytes), so the activation has torch's bits by construction; the product is torch's bf16 multiply: both
  * widened exactly, one float product, rounded to nearest even (bf16_of). */
 static void glu_rows_scalar(const uint16_t *gate, const uint16_t *up, int64_t stride, int64_t I, int64_t M,
                             uint16_t *dst, const uint16_t *silu, int64_t j0) {
@@ -1006,7 +1011,7 @@ static void glu_rows_scalar(const uint16_t *gate, const uint16_t *up, int64_t st
 T512 static void glu_rows_512(const uint16_t *gate, const uint16_t *up, int64_t stride, int64_t I, int64_t M,
                               uint16_t *dst, const uint16_t *silu) {
     const int64_t body = I & ~(int64_t)15;
-    const __m512i low = _mm512_set1_epi32(0xffff), bias = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+    const __m512i low = _mm512_set1_epi32(0xffff);
     for (int64_t m = 0; m < M; m++) {
         const uint16_t *g = gate + m * stride, *u = up + m * stride;
         uint16_t *d = dst + m * I;
@@ -1015,12 +1020,7 @@ T512 static void glu_rows_512(const uint16_t *gate, const uint16_t *up, int64_t 
             __m512i a = _mm512_slli_epi32(_mm512_and_si512(_mm512_i32gather_epi32(gi, silu, 2), low), 16);
             __m512i b = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(u + j))), 16);
             __m512 p = _mm512_mul_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b));
-            __m512i bits = _mm512_castps_si512(p);
-            __m512i r = _mm512_srli_epi32(
-                _mm512_add_epi32(_mm512_add_epi32(bits, bias), _mm512_and_si512(_mm512_srli_epi32(bits, 16), one)), 16);
-            __mmask16 nan = _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q); /* bf16_of's quiet NaN */
-            r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
-            _mm256_storeu_si256((__m256i *)(d + j), _mm512_cvtepi32_epi16(r));
+            _mm256_storeu_si256((__m256i *)(d + j), bf16_of_512(p));
         }
     }
     if (body < I) glu_rows_scalar(gate, up, stride, I, M, dst, silu, body);
