@@ -47,7 +47,7 @@ def _load() -> None:
     lib.fe_int4_gemm.restype = ctypes.c_int
     lib.fe_int4_gemm.argtypes = (
         [ctypes.c_void_p] * 3
-        + [ctypes.c_int] * 4  # scale_f32, N, K, g
+        + [ctypes.c_int] * 4  # flags (1: fp32 scales, 2: codes in rows of four), N, K, g
         + [
             ctypes.c_void_p,
             ctypes.c_int,
@@ -74,6 +74,8 @@ def _load() -> None:
         ctypes.c_int,  # threads
         ctypes.c_int,  # isa
     ]
+    lib.fe_int4_rows4.restype = ctypes.c_int
+    lib.fe_int4_rows4.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.fe_q4_0_codes.restype = None
     lib.fe_q4_0_codes.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     isa = lib.fe_int4_isa()
@@ -97,6 +99,13 @@ def native_status() -> tuple[bool, str]:
 
 def native_isa() -> str | None:
     return _ISA_NAMES.get(_state.isa) if native_status()[0] else None
+
+
+def rows_of_four_pay() -> bool:
+    """Whether matrices kept for a whole run go into rows of four (:meth:`NativeInt4.interleave_rows`) here: where the
+    kernel runs AVX-512, on which it was measured (docs/measured-choices.md). The AVX2 kernel reads either layout
+    but streams one row at a time, so it has nothing to gain."""
+    return native_status()[0] and _state.isa == 2
 
 
 def native_is_default() -> bool:
@@ -164,6 +173,7 @@ class NativeInt4:
     zero: torch.Tensor
     group_size: int
     in_features: int = 0  # K of x; 0: the codes' own. Columns past it (padding to a multiple of 128) are zero
+    rows4: bool = False  # codes in rows of four (interleave_rows), not the portable layout
     # fe_int4_gemm's first seven arguments (the matrix's own), built once: a call adds x's and y's
     _fixed: list[int] = field(default_factory=list, init=False, repr=False, compare=False)
 
@@ -180,6 +190,8 @@ class NativeInt4:
         k = self.codes.shape[1] * 2
         self.in_features = self.in_features or k
         pad = padded_in_features(k) - k  # zero codes with zero scale and zero add nothing
+        if pad and self.rows4:
+            raise ValueError(f"codes in rows of four are already padded: K {k} is not a multiple of 128")
         if pad:
             n, g = self.codes.shape[0], self.group_size
             self.codes = torch.cat([self.codes, self.codes.new_zeros(n, pad // 2)], dim=1)
@@ -192,7 +204,7 @@ class NativeInt4:
             self.codes.data_ptr(),
             self.scale.data_ptr(),
             self.zero.data_ptr(),
-            int(self.scale.dtype == torch.float32),
+            int(self.scale.dtype == torch.float32) | (2 if self.rows4 else 0),  # fe_int4_gemm's flags
             self.codes.shape[0],
             self.codes.shape[1] * 2,
             self.group_size,
@@ -208,8 +220,24 @@ class NativeInt4:
 
     @property
     def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """codes, scale, zero as the kernel reads them (padded columns included: see :attr:`in_features`)."""
-        return self.codes, self.scale, self.zero
+        """codes, scale, zero in the portable layout (padded columns included: see :attr:`in_features`): the codes
+        themselves, or a portable copy where they are in rows of four (:meth:`interleave_rows`)."""
+        if not self.rows4:
+            return self.codes, self.scale, self.zero
+        codes = self.codes.clone()
+        _rows4(codes, False)
+        return codes, self.scale, self.zero
+
+    def interleave_rows(self) -> None:
+        """The codes rewritten in place in rows of four (``code_at`` in ``native/int4_gemm.c``): each four rows' 64-byte
+        chunks side by side, so the one-row kernel streams one run of memory where it read four rows 1 KB apart; the
+        same products, the same bits. For matrices kept for the whole run (a resident model's): the codes must be
+        writable and no one else may read them as the portable layout (:attr:`parts` gives that layout back)."""
+        if self.rows4:
+            return
+        _rows4(self.codes, True)
+        self.rows4 = True
+        self._set_fixed()
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -248,6 +276,13 @@ class NativeInt4:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
+
+
+def _rows4(codes: torch.Tensor, to_rows4: bool) -> None:
+    """``codes`` [N, K/2] (contiguous uint8) rewritten in place into rows of four, or back."""
+    assert codes.dtype == torch.uint8 and codes.dim() == 2 and codes.is_contiguous() and codes.device.type == "cpu"
+    if _lib().fe_int4_rows4(codes.data_ptr(), codes.shape[0], codes.shape[1] * 2, int(to_rows4)) != 0:
+        raise MemoryError(f"int4 codes {tuple(codes.shape)}: no memory to reorder their rows")
 
 
 def gemm_grouped(calls: list[tuple[NativeInt4, torch.Tensor, torch.Tensor]]) -> None:

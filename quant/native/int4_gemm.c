@@ -52,11 +52,26 @@ static inline void y_put(yout y, size_t at, float v) {
         ((float *)y.p)[at] = v;
 }
 
-/* A matrix's scales and zeros as stored: fp16 (the portable layout), or fp32 where fp16 would round them. */
+/* A matrix's scales and zeros as stored: fp16 (the portable layout), or fp32 where fp16 would round them; and the
+   order of its codes' rows (r4, below). */
 typedef struct {
     const void *scale, *zero;
-    int f32;
+    int f32, r4;
 } wscales;
+
+/* Codes in rows of four (r4): each group of four rows (all but the last N % 4, which stay as they are) one run of
+   64-byte chunks, chunk c of rows 4j..4j+3 side by side, where the portable layout has row after row. The one-row
+   kernel reads four rows a pass, chunk by chunk: from the portable layout that is four streams 1 KB apart (K = 2048),
+   from this one a single stream. On a 2-vCPU EPYC Zen 5, weights from DRAM, one thread streamed 38-40 GB/s against
+   33, two 45-47 against 36-38 in the host's slow state (docs/measured-choices.md). Made at load by fe_int4_rows4
+   (quant.native.NativeInt4.interleave_rows). The byte b (< K/2) of row n: */
+static inline size_t code_at(int n, size_t b, int K, int N, int r4) {
+    if (r4 && n < (N & ~3)) return (size_t)(n >> 2) * 2 * (size_t)K + ((b >> 6) * 4 + (size_t)(n & 3)) * 64 + (b & 63);
+    return (size_t)n * (K / 2) + b;
+}
+
+/* Bytes from one 64-byte chunk of row n to its next. */
+static inline int chunk_stride(int n, int N, int r4) { return r4 && n < (N & ~3) ? 256 : 64; }
 
 static float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
@@ -157,8 +172,8 @@ T512 static float dot_512(const float *a, const float *b, int count) { /* count:
 /* One chunk of ``mt`` x rows against one weight row into ``acc`` (even or odd chunks' accumulators). */
 #define TILE_512_CHUNK(c, acc)                                                                                 \
     do {                                                                                                       \
-        _mm_prefetch((const char *)(wr + (c) * 64 + PREFETCH_512), _MM_HINT_T1);                               \
-        __m512i v = _mm512_loadu_si512(wr + (c) * 64);                                                         \
+        _mm_prefetch((const char *)(wr + (size_t)(c) * cs + PREFETCH_512), _MM_HINT_T1);                       \
+        __m512i v = _mm512_loadu_si512(wr + (size_t)(c) * cs);                                                 \
         __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);         \
         __m512 swv = _mm512_permutexvar_ps(widx, _mm512_loadu_ps(sw + (((c) * 128) >> gshift)));               \
         for (int i = 0; i < mt; i++) {                                                                         \
@@ -175,7 +190,7 @@ T512 static float dot_512(const float *a, const float *b, int count) { /* count:
    (8-10 GB/s with 4 KB ahead into L1, one thread). */
 T512 static inline __attribute__((always_inline)) void tile_512(const uint8_t *wr, const float *sw, int chunks,
                                                                  int gshift, const prepared *p, int m0, int mt,
-                                                                 int K, float *out) {
+                                                                 int K, float *out, int cs) {
     const __m512i mask = _mm512_set1_epi8(0x0f);
     const __m512i widx = _mm512_srli_epi32(_mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104,
                                                              112, 120), gshift);
@@ -208,13 +223,14 @@ T512 static inline __attribute__((always_inline)) void tile_512(const uint8_t *w
     for (int m0 = 0; m0 < M; m0 += MT) {                                                                       \
         int mt = M - m0 < MT ? M - m0 : MT;                                                                    \
         for (int n = n0; n < n1; n++) {                                                                        \
-            const uint8_t *wr = codes + (size_t)n * (K / 2);                                                   \
+            const uint8_t *wr = codes + code_at(n, 0, K, N, w.r4);                                             \
+            const int cs = chunk_stride(n, N, w.r4);                                                           \
             const float *s = sw + (n - n0) * stride;                                                           \
             switch (mt) { /* one constant tile size per case: the accumulators stay in registers */           \
-            case 4: TILE(wr, s, K / CHUNK, gshift, p, m0, 4, K, out); break;                                   \
-            case 3: TILE(wr, s, K / CHUNK, gshift, p, m0, 3, K, out); break;                                   \
-            case 2: TILE(wr, s, K / CHUNK, gshift, p, m0, 2, K, out); break;                                   \
-            default: TILE(wr, s, K / CHUNK, gshift, p, m0, 1, K, out); break;                                  \
+            case 4: TILE(wr, s, K / CHUNK, gshift, p, m0, 4, K, out, cs); break;                               \
+            case 3: TILE(wr, s, K / CHUNK, gshift, p, m0, 3, K, out, cs); break;                               \
+            case 2: TILE(wr, s, K / CHUNK, gshift, p, m0, 2, K, out, cs); break;                               \
+            default: TILE(wr, s, K / CHUNK, gshift, p, m0, 1, K, out, cs); break;                              \
             }                                                                                                  \
             for (int i = 0; i < mt; i++)                                                                       \
                 y_put(y, (size_t)(m0 + i) * N + n,                                                             \
@@ -229,18 +245,24 @@ T512 static inline __attribute__((always_inline)) void tile_512(const uint8_t *w
    mt = 1, in the same order (even and odd chunks apart, added at the end), so its bits do not change. */
 T512 static inline __attribute__((always_inline)) void tile1_512(const uint8_t *codes, const float *sw, int stride,
                                                                   int chunks, int gshift, const prepared *p, int K,
-                                                                  int l1, float *out) {
+                                                                  int l1, int rs, int cs, int mt, float *out) {
     const __m512i mask = _mm512_set1_epi8(0x0f);
     const __m512i widx = _mm512_srli_epi32(_mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104,
                                                              112, 120), gshift);
-    __m512 acc0[R1], acc1[R1]; /* even and odd chunks, as tile_512's */
-    for (int r = 0; r < R1; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
+    __m512 acc0[R1 * 2], acc1[R1 * 2]; /* even and odd chunks, as tile_512's; [r * mt + i] for x row i */
+    for (int r = 0; r < R1 * mt; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
 #define TILE1_512_CHUNK(c, acc)                                                                                \
     do {                                                                                                       \
-        const __m512i q0 = _mm512_loadu_si512(p->q + (c) * 128), q1 = _mm512_loadu_si512(p->q + (c) * 128 + 64); \
-        const __m512 sx = _mm512_loadu_ps(p->lane_sx + (c) * 16);                                              \
+        __m512i q0[2], q1[2];                                                                                  \
+        __m512 sx[2];                                                                                          \
+        for (int i = 0; i < mt; i++) {                                                                         \
+            q0[i] = _mm512_loadu_si512(p->q + (size_t)i * K + (c) * 128);                                      \
+            q1[i] = _mm512_loadu_si512(p->q + (size_t)i * K + (c) * 128 + 64);                                 \
+            sx[i] = _mm512_loadu_ps(p->lane_sx + (size_t)i * (K / 8) + (c) * 16);                              \
+        }                                                                                                      \
         for (int r = 0; r < R1; r++) {                                                                         \
-            const uint8_t *wr = codes + (size_t)r * (K / 2) + (c) * 64;                                        \
+            /* rs, cs: bytes from row to row and chunk to chunk (rows of four: 64 and 256, one stream) */      \
+            const uint8_t *wr = codes + (size_t)r * rs + (size_t)(c) * cs;                                     \
             if (l1) /* a constant after inlining: one of the two prefetches is compiled in */                  \
                 _mm_prefetch((const char *)(wr + PREFETCH1_L1), _MM_HINT_NTA);                                 \
             else                                                                                               \
@@ -248,9 +270,11 @@ T512 static inline __attribute__((always_inline)) void tile1_512(const uint8_t *
             __m512i v = _mm512_loadu_si512(wr);                                                                \
             __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);     \
             __m512 swv = _mm512_permutexvar_ps(widx, _mm512_loadu_ps(sw + r * stride + (((c) * 128) >> gshift))); \
-            __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, q0);                                   \
-            d = _mm512_dpbusd_epi32(d, hi, q1);                                                                \
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(swv, sx), acc[r]);                   \
+            for (int i = 0; i < mt; i++) {                                                                     \
+                __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, q0[i]);                            \
+                d = _mm512_dpbusd_epi32(d, hi, q1[i]);                                                         \
+                acc[r * mt + i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(swv, sx[i]), acc[r * mt + i]); \
+            }                                                                                                  \
         }                                                                                                      \
     } while (0)
     int c = 0;
@@ -260,7 +284,7 @@ T512 static inline __attribute__((always_inline)) void tile1_512(const uint8_t *
     }
     if (c < chunks) TILE1_512_CHUNK(c, acc0);
 #undef TILE1_512_CHUNK
-    for (int r = 0; r < R1; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
+    for (int r = 0; r < R1 * mt; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
 }
 
 /* Whether this CPU is an AMD of family 26 (Zen 5) or later: the one-row kernel's prefetch goes into L1 there
@@ -282,46 +306,73 @@ static int l1_prefetch_cpu(void) {
     return v;
 }
 
-/* rows_512's one-row loop, with the prefetch ``l1`` picks (a constant in each of its two call sites) */
-#define ROWS1_512_LOOP(l1)                                                                                     \
+/* rows_512's one-row loop, with the prefetch ``l1`` picks (a constant in each of its two call sites). Its four rows
+   are always one whole group of r4's: n0 is a multiple of BLOCK and the loop stops before N. (A third constant for
+   the layout, with a choice of addresses per chunk, took the portable layout's 2048x1408 from 50 to 116 us.) */
+#define ROWS1_512_LOOP(l1, mt)                                                                                 \
     for (; n + R1 <= n1; n += R1) {                                                                            \
         const size_t at = (size_t)n * (K / 2) + TOUCH_AHEAD;                                                   \
         if (at < total) /* inside the matrix only: the load may not fault */                                   \
             __asm__ volatile("" : : "r"(*(volatile const uint8_t *)(codes + at)));                             \
-        tile1_512(codes + (size_t)n * (K / 2), sw + (n - n0) * stride, stride, K / 128, gshift, p, K, l1, out); \
+        tile1_512(codes + (size_t)n * (K / 2), sw + (n - n0) * stride, stride, K / 128, gshift, p, K, l1, rs, cs,   \
+                  mt, out);                                                                                    \
         for (int r = 0; r < R1; r++)                                                                           \
-            y_put(y, (size_t)(n + r), out[r] + dot_512(zw + (n + r - n0) * stride, p->gsum, padded));         \
+            for (int i = 0; i < mt; i++)                                                                       \
+                y_put(y, (size_t)i * N + n + r,                                                                \
+                      out[r * mt + i] + dot_512(zw + (n + r - n0) * stride, p->gsum + (size_t)i * padded, padded)); \
     }
+
+/* rows_512 at ``mt`` (a constant after inlining) x rows: one, or two where the codes are in rows of four, whose rows
+   ROWS_BODY would read 64 bytes in 256 (the 2048x1408 matrix 93 -> 130 us at one thread). */
+T512 static inline __attribute__((always_inline)) void rows_few_512(const uint8_t *codes, wscales w, int n0, int n1,
+                                                                     int N, int K, int g, const prepared *p, yout y,
+                                                                     const int mt) {
+    const int groups = K / g, padded = (groups + 15) & ~15, gshift = __builtin_ctz(g), stride = K / 32 + 32;
+    float sw[BLOCK * stride], zw[BLOCK * stride], out[R1 * 2];
+    for (int n = n0; n < n1; n++) {
+        widen_512(w.scale, w.f32, (size_t)n * groups, groups, sw + (n - n0) * stride);
+        widen_512(w.zero, w.f32, (size_t)n * groups, groups, zw + (n - n0) * stride);
+    }
+    const size_t total = (size_t)N * (K / 2);
+    const int l1 = l1_prefetch_cpu();
+    int n = n0;
+    if (l1 && n1 < N) {
+        /* the next block's scales and zeros, non-temporal like the codes: widening them above waited on their
+           misses at each block's start, and they too went through the L3 (docs/measured-choices.md) */
+        const size_t esz = w.f32 ? 4 : 2, bytes = (size_t)BLOCK * groups * esz, at = (size_t)n1 * groups * esz;
+        for (size_t i = 0; i < bytes; i += 64) {
+            _mm_prefetch((const char *)w.scale + at + i, _MM_HINT_NTA);
+            _mm_prefetch((const char *)w.zero + at + i, _MM_HINT_NTA);
+        }
+    }
+    const int rs = w.r4 ? 64 : K / 2, cs = w.r4 ? 256 : 64;
+    if (l1)
+        ROWS1_512_LOOP(1, mt)
+    else
+        ROWS1_512_LOOP(0, mt)
+    for (; n < n1; n++) {
+        const int cn = chunk_stride(n, N, w.r4);
+        tile_512(codes + code_at(n, 0, K, N, w.r4), sw + (n - n0) * stride, K / 128, gshift, p, 0, mt, K, out, cn);
+        for (int i = 0; i < mt; i++)
+            y_put(y, (size_t)i * N + n, out[i] + dot_512(zw + (n - n0) * stride, p->gsum + (size_t)i * padded, padded));
+    }
+}
+
+/* Two x rows on codes in rows of four, apart from rows_512's one-row loop: inlined beside it, this variant took the
+   portable layout's 2048x1408 from 53 to 62 us at one row and thread (the loop's code placement, most likely). */
+T512 static __attribute__((noinline)) void rows_two_512(const uint8_t *codes, wscales w, int n0, int n1, int N, int K,
+                                                        int g, const prepared *p, yout y) {
+    rows_few_512(codes, w, n0, n1, N, K, g, p, y, 2);
+}
 
 T512 static void rows_512(const uint8_t *codes, wscales w, int n0, int n1, int N,
                           int K, int g, const prepared *p, int M, yout y) {
     if (M == 1) {
-        const int groups = K / g, padded = (groups + 15) & ~15, gshift = __builtin_ctz(g), stride = K / 32 + 32;
-        float sw[BLOCK * stride], zw[BLOCK * stride], out[R1];
-        for (int n = n0; n < n1; n++) {
-            widen_512(w.scale, w.f32, (size_t)n * groups, groups, sw + (n - n0) * stride);
-            widen_512(w.zero, w.f32, (size_t)n * groups, groups, zw + (n - n0) * stride);
-        }
-        const size_t total = (size_t)N * (K / 2);
-        const int l1 = l1_prefetch_cpu();
-        int n = n0;
-        if (l1 && n1 < N) {
-            /* the next block's scales and zeros, non-temporal like the codes: widening them above waited on their
-               misses at each block's start, and they too went through the L3 (docs/measured-choices.md) */
-            const size_t esz = w.f32 ? 4 : 2, bytes = (size_t)BLOCK * groups * esz, at = (size_t)n1 * groups * esz;
-            for (size_t i = 0; i < bytes; i += 64) {
-                _mm_prefetch((const char *)w.scale + at + i, _MM_HINT_NTA);
-                _mm_prefetch((const char *)w.zero + at + i, _MM_HINT_NTA);
-            }
-        }
-        if (l1)
-            ROWS1_512_LOOP(1)
-        else
-            ROWS1_512_LOOP(0)
-        for (; n < n1; n++) {
-            tile_512(codes + (size_t)n * (K / 2), sw + (n - n0) * stride, K / 128, gshift, p, 0, 1, K, out);
-            y_put(y, (size_t)n, out[0] + dot_512(zw + (n - n0) * stride, p->gsum, padded));
-        }
+        rows_few_512(codes, w, n0, n1, N, K, g, p, y, 1);
+        return;
+    }
+    if (M == 2 && w.r4) {
+        rows_two_512(codes, w, n0, n1, N, K, g, p, y);
         return;
     }
     ROWS_BODY(widen_512, tile_512, dot_512, 128)
@@ -432,14 +483,15 @@ T256 static inline __m256i chunk_dot_256(__m256i v, __m256i q0, __m256i q1) {
    each row's FMAs waiting on the last one's latency), added at the end. */
 T256 static inline __attribute__((always_inline)) void tile_256(const uint8_t *wr, const float *sw, int chunks,
                                                                  int gshift, const prepared *p, int m0, int mt,
-                                                                 int K, float *out) {
+                                                                 int K, float *out, int cs) {
     const int lanes = K / 8;
     __m256 acc0[MT], acc1[MT];
     for (int i = 0; i < mt; i++) acc0[i] = acc1[i] = _mm256_setzero_ps();
 #define TILE_256_CHUNK(c, acc)                                                                                 \
     do {                                                                                                       \
-        _mm_prefetch((const char *)(wr + (c) * 32 + PREFETCH), _MM_HINT_T0);                                   \
-        __m256i v = _mm256_loadu_si256((const __m256i *)(wr + (c) * 32));                                      \
+        const uint8_t *at = wr + (size_t)((c) >> 1) * cs + ((c) & 1) * 32; /* half of a 64-byte chunk */       \
+        _mm_prefetch((const char *)(at + PREFETCH), _MM_HINT_T0);                                              \
+        __m256i v = _mm256_loadu_si256((const __m256i *)at);                                                   \
         __m256 swv = chunk_scales_256(sw, (c), gshift);                                                        \
         for (int i = 0; i < mt; i++) {                                                                         \
             const int8_t *q = p->q + (size_t)(m0 + i) * K + (c) * 64;                                          \
@@ -463,11 +515,11 @@ T256 static inline __attribute__((always_inline)) void tile_256(const uint8_t *w
    taken once where one group spans both chunks (g = 128), K a multiple of 128 (chunk pairs, no tail). The same
    products in the same order as tile_256 at mt = 1, so the same bits. */
 T256 static inline __attribute__((always_inline)) float row1_256(const uint8_t *wr, const float *sw, int pairs,
-                                                                  const int gshift, const prepared *p) {
+                                                                  const int gshift, const prepared *p, int cs) {
     const int8_t *q = p->q;
     const float *sx = p->lane_sx;
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    for (int i = 0; i < pairs; i++, wr += 64, q += 128, sx += 16) {
+    for (int i = 0; i < pairs; i++, wr += cs, q += 128, sx += 16) {
         _mm_prefetch((const char *)(wr + PREFETCH), _MM_HINT_T0);
         __m256 s0, s1;
         if (gshift == 7) {
@@ -508,7 +560,8 @@ T256 static inline __attribute__((always_inline)) void rows_g_256(const uint8_t 
             const size_t at = (size_t)n * (K / 2) + TOUCH_AHEAD;
             if ((n - n0) % 4 == 0 && at < total) /* as rows_512, once per 4 rows; inside the matrix only */
                 __asm__ volatile("" : : "r"(*(volatile const uint8_t *)(codes + at)));
-            const float sum = row1_256(codes + (size_t)n * (K / 2), sw + (n - n0) * stride, K / 128, gshift, p);
+            const float sum = row1_256(codes + code_at(n, 0, K, N, w.r4), sw + (n - n0) * stride, K / 128, gshift, p,
+                                       chunk_stride(n, N, w.r4));
             y_put(y, (size_t)n, sum + dot_256(zw + (n - n0) * stride, p->gsum, padded));
         }
         return;
@@ -605,11 +658,12 @@ T512 static void block_512(const uint8_t *codes, wscales w, int n0, int N, int K
     for (int j0 = 0; j0 < words; j0 += 16) {
         __m512i r[16];
         for (int i = 0; i < 16; i++)
-            r[i] = i < valid ? _mm512_loadu_si512(codes + (size_t)(n0 + i) * (K / 2) + 4 * j0) : _mm512_setzero_si512();
+            r[i] = i < valid ? _mm512_loadu_si512(codes + code_at(n0 + i, 4 * (size_t)j0, K, N, w.r4))
+                             : _mm512_setzero_si512();
         /* the next block's same bytes into L2 meanwhile: they land while this block computes (without it, each block
            waited on DRAM with the multiplier idle: 8 rows of Qwen's lm_head 16.8-17.5 ms, with it 13.6-14.3) */
         for (int i = 0; i < next; i++)
-            _mm_prefetch((const char *)(codes + (size_t)(n0 + 16 + i) * (K / 2) + 4 * j0), _MM_HINT_T1);
+            _mm_prefetch((const char *)(codes + code_at(n0 + 16 + i, 4 * (size_t)j0, K, N, w.r4)), _MM_HINT_T1);
         transpose16_512(r);
         for (int j = 0; j < 16; j++) _mm512_storeu_si512(wt + (size_t)(j0 + j) * 16, r[j]);
     }
@@ -767,7 +821,7 @@ T256 static void block_256(const uint8_t *codes, wscales w, int n0, int N, int K
     for (int j0 = 0; j0 < words; j0 += 8) {
         __m256i r[8];
         for (int i = 0; i < 8; i++)
-            r[i] = i < valid ? _mm256_loadu_si256((const __m256i *)(codes + (size_t)(n0 + i) * (K / 2) + 4 * j0))
+            r[i] = i < valid ? _mm256_loadu_si256((const __m256i *)(codes + code_at(n0 + i, 4 * (size_t)j0, K, N, w.r4)))
                              : _mm256_setzero_si256();
         transpose8_256(r);
         for (int j = 0; j < 8; j++) _mm256_storeu_si256((__m256i *)(wt + (size_t)(j0 + j) * 8), r[j]);
@@ -947,9 +1001,10 @@ static void bf16_to_f32(const uint16_t *in, size_t count, float *out) {
 
 /* y[M, N] = x[M, kx] @ W.T for W [N, K] whose columns past kx are zero (a matrix padded to K, a multiple of 128);
    x and y are fp32, or bf16 where x_bf16 / y_bf16 say so. Widening and padding happen here in one pass and the
-   kernels write a bf16 y themselves, so a bf16 model pays no tensor conversions around each call. Returns 0, or -1
-   for shapes it does not take (K % 128, kx > K, g not 32/64/128) or an allocation failure. */
-int fe_int4_gemm(const uint8_t *codes, const void *scale, const void *zero, int scale_f32, int N, int K, int g,
+   kernels write a bf16 y themselves, so a bf16 model pays no tensor conversions around each call. ``flags``: 1 for
+   fp32 scales and zeros (else fp16), 2 for codes in rows of four (r4, code_at). Returns 0, or -1 for shapes it does
+   not take (K % 128, kx > K, g not 32/64/128) or an allocation failure. */
+int fe_int4_gemm(const uint8_t *codes, const void *scale, const void *zero, int flags, int N, int K, int g,
                  const void *x, int x_bf16, int kx, int M, void *y, int y_bf16, int threads, int isa) {
     if (K % 128 || (g != 32 && g != 64 && g != 128) || kx <= 0 || kx > K || M <= 0 || N <= 0 || isa <= 0) return -1;
     const int copy = x_bf16 || kx != K;
@@ -964,7 +1019,8 @@ int fe_int4_gemm(const uint8_t *codes, const void *scale, const void *zero, int 
                 memcpy(row, (const float *)x + (size_t)m * kx, sizeof(float) * kx);
             memset(row + kx, 0, sizeof(float) * (size_t)(K - kx));
         }
-        rc = gemm_f32(codes, (wscales){scale, zero, scale_f32 != 0}, N, K, g, xf, M, (yout){y, y_bf16}, threads, isa);
+        rc = gemm_f32(codes, (wscales){scale, zero, flags & 1, (flags >> 1) & 1}, N, K, g, xf, M, (yout){y, y_bf16},
+                      threads, isa);
     }
     if (copy) free(xf);
     return rc;
@@ -973,7 +1029,7 @@ int fe_int4_gemm(const uint8_t *codes, const void *scale, const void *zero, int 
 /* ``G`` independent fe_int4_gemm calls (a MoE layer's experts, each on its own rows), one thread each: the threads
    share out whole matrices (dynamic: rows per matrix differ) instead of splitting each one, so a step of many small
    expert GEMMs pays one parallel region, not one (and a barrier) per matrix. ``table``: per call, 13 int64 fields in
-   fe_int4_gemm's argument order (codes, scale, zero, scale_f32, N, K, g, x, x_bf16, kx, M, y, y_bf16). Fewer
+   fe_int4_gemm's argument order (codes, scale, zero, flags, N, K, g, x, x_bf16, kx, M, y, y_bf16). Fewer
    calls than threads: each call is split across the threads instead. Returns 0, or -1 if any call failed. */
 int fe_int4_gemm_grouped(int G, const int64_t *table, int threads, int isa) {
     int failed = 0;
@@ -1073,6 +1129,28 @@ int fe_int4_glu_grouped(int n_first, const int64_t *first, int n_glu, const int6
             glu_rows_scalar(gate, up, a[2], a[3], a[4], dst, silu, 0);
     }
     return fe_int4_gemm_grouped(n_down, down, threads, isa);
+}
+
+/* ---- codes in rows of four (code_at) ---------------------------------------------------------------------------
+ * The codes [N][K/2] rewritten in place from the portable layout to rows of four (to_r4 = 1) or back (0), one group
+ * of four rows at a time through a scratch of its 2K bytes; the last N % 4 rows stay as they are. Returns 0, or -1
+ * for K not a multiple of 128 or no memory for the scratch. */
+int fe_int4_rows4(uint8_t *codes, int N, int K, int to_r4) {
+    if (K <= 0 || K % 128 || N < 0) return -1;
+    const size_t row = (size_t)K / 2, chunks = row / 64;
+    uint8_t *tmp = malloc(4 * row);
+    if (!tmp) return -1;
+    for (int n = 0; n + 4 <= N; n += 4) {
+        uint8_t *grp = codes + (size_t)n * row;
+        memcpy(tmp, grp, 4 * row);
+        for (size_t c = 0; c < chunks; c++)
+            for (int r = 0; r < 4; r++) {
+                uint8_t *portable = (to_r4 ? tmp : grp) + r * row + c * 64, *four = (to_r4 ? grp : tmp) + (c * 4 + r) * 64;
+                memcpy(to_r4 ? four : portable, to_r4 ? portable : four, 64);
+            }
+    }
+    free(tmp);
+    return 0;
 }
 
 /* ---- the store layout from llama.cpp's q4_0 blocks (GGUF convert) ----------------------------------------------
