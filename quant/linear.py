@@ -101,12 +101,14 @@ class QuantizedLinear:
         zero: torch.Tensor | None,
         spec: QuantSpec,
         in_features: int | None = None,
+        rows4: bool = False,
     ) -> QuantizedLinear:
         """Wrap a matrix in the native kernel's layout (:attr:`NativeInt4.parts`: 4-bit codes, fp16 scale, zero);
-        ``in_features``: K of x where the parts carry zero columns past it (default: the codes' K)."""
+        ``in_features``: K of x where the parts carry zero columns past it (default: the codes' K); ``rows4``: codes
+        already in rows of four (:meth:`NativeInt4.interleave_rows`)."""
         shape = (codes4.shape[0], in_features or codes4.shape[1] * 2)
         KERNEL_CHOICES[(spec.bits, shape, "cpu")] = "native-int4"
-        return cls._native(codes4, scale, zero, spec, shape)
+        return cls._native(codes4, scale, zero, spec, shape, rows4)
 
     @classmethod
     def _native(
@@ -116,10 +118,11 @@ class QuantizedLinear:
         zero: torch.Tensor | None,
         spec: QuantSpec,
         shape: tuple[int, int],
+        rows4: bool = False,
     ) -> QuantizedLinear:
         if zero is None or spec.bits > 4 or not native_supports(shape, spec.group_size, spec.asymmetric, pad=True):
             raise ValueError(f"native-int4 does not take a {shape[0]}x{shape[1]} matrix with {spec}")
-        lin = NativeInt4(codes4, scale, zero, spec.group_size, in_features=shape[1])
+        lin = NativeInt4(codes4, scale, zero, spec.group_size, in_features=shape[1], rows4=rows4)
         return cls(spec, shape, "native-int4", lin.codes, native=lin)
 
     @classmethod

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from fate_edge.quant import QuantSpec
 from fate_edge.quant.linear import QuantizedLinear, candidate_kernels, choose_kernel
 from fate_edge.quant.mxfp4 import Mxfp4Linear
+from fate_edge.quant.native import rows_of_four_pay
 
 
 @dataclass(frozen=True)
@@ -193,6 +194,17 @@ class QuantizedExpert:
     @property
     def kernel(self) -> str:
         return (self.gate_up if self.gate_up is not None else self.gate).kernel
+
+
+def into_rows_of_four(expert: object) -> None:
+    """An expert kept for the whole run (a cache that holds the model): its native int4 matrices into rows of four
+    where that pays here (``quant.native.rows_of_four_pay``), rewritten in place in its blob."""
+    if not isinstance(expert, QuantizedExpert) or not rows_of_four_pay():
+        return
+    for m in (expert.gate, expert.up, expert.down, expert.gate_up):
+        native = getattr(m, "native", None)
+        if native is not None:
+            native.interleave_rows()
 
 
 # A routed expert as providers hand it out: called on the gate input [N, H] -> [N, H].

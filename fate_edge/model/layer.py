@@ -8,6 +8,7 @@ Assigning or deleting a name bumps ``Weights.version`` and the plan is rebuilt f
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +23,7 @@ from fate_edge.quant import QuantSpec, quantize
 from fate_edge.quant.block_order import resident_block_rows_name, resident_lacks_block_order
 from fate_edge.quant.int8 import Int8Linear, quantize_int8
 from fate_edge.quant.linear import QuantizedLinear, default_kernel, host_int4_block_rows, int4_supported
-from fate_edge.quant.native import padded_in_features
+from fate_edge.quant.native import padded_in_features, rows_of_four_pay
 from fate_edge.quant.pack import pack
 
 if TYPE_CHECKING:
@@ -36,6 +37,9 @@ class Weights(dict):
     # Stored tensors that can also be read by row from their file (a memory-mapped embedding table's parts; set by
     # the loader): name -> a ``RowSource``
     row_sources: dict[str, Any] | None = None
+    # Native int4 codes rewritten in place in rows of four by a plan (:func:`_quantized`): key -> a weak reference to
+    # the codes tensor, so a tensor put in its place later is read as the portable layout it is
+    rows4: dict[str, weakref.ref] | None = None
 
     def __setitem__(self, key: str, value: Any) -> None:
         super().__setitem__(key, value)
@@ -149,13 +153,17 @@ def _quantized(w: Weights, key: str) -> tuple[Any, list[int]] | None:
         return Int8Linear(w[f"{key}.int8"], w[f"{key}.int8_scale"]), w[f"{key}.sizes"].tolist()
     if f"{key}.nint4" in w:
         spec = QuantSpec(4, int(w[f"{key}.int4_group"]))
+        codes = w[f"{key}.nint4"]
+        held = (getattr(w, "rows4", None) or {}).get(key)
         lin = QuantizedLinear.from_native(
-            w[f"{key}.nint4"],
+            codes,
             w[f"{key}.nint4_scale"],
             w[f"{key}.nint4_zero"],
             spec,
             in_features=int(w[f"{key}.in_features"]),
+            rows4=held is not None and held() is codes,
         )
+        _into_rows_of_four(w, key, codes, lin)
         return lin, w[f"{key}.sizes"].tolist()
     if f"{key}.int4" in w:
         spec = QuantSpec(4, int(w[f"{key}.int4_group"]))
@@ -166,6 +174,24 @@ def _quantized(w: Weights, key: str) -> tuple[Any, list[int]] | None:
         sizes = w[f"{key}.sizes"].tolist()
         return (lin if sum(sizes) == lin.shape[0] else FirstRows(lin, sum(sizes))), sizes
     return None
+
+
+def _into_rows_of_four(w: Weights, key: str, codes: torch.Tensor, lin: QuantizedLinear) -> None:
+    """A resident matrix's codes into rows of four where that pays here (``quant.native.rows_of_four_pay``): the
+    one-row kernel then streams them as one run. Rewritten in place (no second copy of the model), so ``w`` notes
+    which tensor it rewrote; codes the kernel copied (padded, or not contiguous) are its own and noted nowhere. A plain
+    dict of weights cannot note it: its codes stay as they are."""
+    native = lin.native
+    if native is None or native.rows4 or codes.device.type != "cpu" or not rows_of_four_pay():
+        return
+    own = native.codes is not codes
+    if not own and not isinstance(w, Weights):
+        return
+    native.interleave_rows()
+    if not own:
+        if w.rows4 is None:
+            w.rows4 = {}
+        w.rows4[key] = weakref.ref(codes)
 
 
 def _block_rows(w: Weights, key: str) -> int:

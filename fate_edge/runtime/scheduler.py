@@ -22,7 +22,7 @@ from fate_edge.fetch.fetch_engine import FetchEngine, FetchRequest, Priority
 from fate_edge.fetch.transfer import Copier, CPUCopier, make_copier
 from fate_edge.format.store import ExpertStore, decode_expert
 from fate_edge.model.arch.base import ModelConfig
-from fate_edge.model.experts import Expert, ExpertProvider
+from fate_edge.model.experts import Expert, ExpertProvider, into_rows_of_four
 from fate_edge.predictors.base import Predictor
 from fate_edge.runtime.buffer_handoff import hands_off, lends
 from fate_edge.runtime.cache import AccessInfo, ExpertCache
@@ -478,6 +478,8 @@ class Scheduler(TierPath, LayerBlobs, ExpertProvider):
         assert self.cache is not None and f.req.buffer is not None  # zero-copy: a cache, a read buffer
         if not self._admit(key, expert, f.req.buffer.size, f.bits):
             return False
+        if self._holds_model:  # kept for the whole run: its int4 codes into rows of four where that pays
+            into_rows_of_four(expert)
         self._kept[key] = self.fetch.hand_off(f.req, self._unused_evicted())
         self.cache.pin(key)
         self.in_use.append(key)
