@@ -13,7 +13,12 @@ resident: weights stream from DRAM).
 
 ``--shapes 151936x2048,6144x2048`` times other matrices; ``--grouped 11264x2048,2816x2048,...`` adds one
 ``fe_int4_gemm_grouped`` call over those matrices (a MoE layer's experts at decode: the shared expert's gate+up,
-then each routed expert's), reported as the row "grouped(...)".
+then each routed expert's), reported as the row "grouped(...)". ``--rows4`` adds, for each build that has
+``fe_int4_rows4``, a side reading the same matrices' codes in rows of four (``NativeInt4.interleave_rows``), the
+layout a resident model runs on AVX-512:
+
+    python research/bench_int4_rows.py /tmp/old.c quant/native/int4_gemm.c --rows4 --group 128 --huge-pages \
+        --shapes 151936x2048,2048x2048 --threads 2
 """
 
 from __future__ import annotations
@@ -64,6 +69,8 @@ def build(src: Path, folder: Path) -> ctypes.CDLL:
     )
     lib.fe_int4_gemm_grouped.restype = ctypes.c_int
     lib.fe_int4_gemm_grouped.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    if hasattr(lib, "fe_int4_rows4"):  # builds since codes in rows of four
+        lib.fe_int4_rows4.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     return lib
 
 
@@ -83,6 +90,7 @@ def main() -> None:
     )
     ap.add_argument("--shapes", help="N x K matrices to time, e.g. 151936x2048,2048x2048 (default: a MoE layer's)")
     ap.add_argument("--grouped", help="N x K matrices multiplied by one fe_int4_gemm_grouped call")
+    ap.add_argument("--rows4", action="store_true", help="also each build that can on codes in rows of four")
     ap.add_argument(
         "--working-set-mb",
         type=float,
@@ -92,9 +100,17 @@ def main() -> None:
     )
     args = ap.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="fate-edge-int4-ab-"))
-    libs = [build(s, folder) for s in args.sources]
+    built = [build(s, folder) for s in args.sources]
     if args.isa is None:  # an AVX2-only host (AMD Zen 3) faults on the AVX-512 path
-        args.isa = libs[0].fe_int4_isa()
+        args.isa = built[0].fe_int4_isa()
+    # sides: (library, codes in rows of four), each build as it is, then (--rows4) those that read that layout
+    sides = [(lib, False) for lib in built] + [
+        (lib, True) for lib in built if args.rows4 and hasattr(lib, "fe_int4_rows4")
+    ]
+    names = [str(s) for s in args.sources] + [
+        f"{s}, rows of four" for s, lib in zip(args.sources, built) if args.rows4 and hasattr(lib, "fe_int4_rows4")
+    ]
+    libs = [lib for lib, _ in sides]
 
     def parse(spec: str) -> list[tuple[int, int]]:
         return [(int(a), int(b)) for a, b in (part.split("x") for part in spec.split(","))]
@@ -102,7 +118,7 @@ def main() -> None:
     shapes = parse(args.shapes) if args.shapes else HOT_SHAPES if args.hot else SHAPES
     group = parse(args.grouped) if args.grouped else []
     gen = torch.Generator().manual_seed(0)
-    mats, xs = [], []
+    mats, xs, mats4 = [], [], []
     for n, k in shapes:
         copies = 1 if args.hot else max(2, int(args.working_set_mb * 1e6 // (n * k // 2)))
         codes = torch.randint(0, 256, (copies, n, k // 2), dtype=torch.uint8, generator=gen)
@@ -119,6 +135,11 @@ def main() -> None:
             ]
         )
         xs.append(torch.randn(args.rows, k, generator=gen).bfloat16())
+        if any(four for _, four in sides):  # the same codes in rows of four, in a copy of their own
+            four = [(on_huge_pages(c.clone()) if args.huge_pages else c.clone(), s, z) for c, s, z in mats[-1]]
+            for c, _, _ in four:
+                assert next(lib for lib, f in sides if f).fe_int4_rows4(c.data_ptr(), n, k, 1) == 0
+            mats4.append(four)
     # the grouped call: enough copies of the whole group to leave the last-level cache, one call per copy
     gbytes = sum(n * k // 2 for n, k in group)
     gcopies = (1 if args.hot else max(2, int(args.working_set_mb * 1e6 // gbytes))) if group else 0
@@ -150,20 +171,22 @@ def main() -> None:
     ]
     clock = time.thread_time if args.threads == 1 else time.perf_counter
 
-    def run(lib: ctypes.CDLL, i: int, reps: int = 20) -> tuple[float, torch.Tensor]:
+    def run(side: int, i: int, reps: int = 20) -> tuple[float, torch.Tensor]:
+        lib, four = sides[side]
         (n, k), x = shapes[i], xs[i]
         y = torch.empty(args.rows, n, dtype=torch.bfloat16)
         t0 = clock()
         for _ in range(reps):
-            for c, s, z in mats[i]:
+            for c, s, z in (mats4 if four else mats)[i]:
                 rc = lib.fe_int4_gemm(
-                    c.data_ptr(), s.data_ptr(), z.data_ptr(), 0, n, k, args.group, x.data_ptr(), 1, k, args.rows,
-                    y.data_ptr(), 1, args.threads, args.isa,
+                    c.data_ptr(), s.data_ptr(), z.data_ptr(), 2 if four else 0, n, k, args.group,
+                    x.data_ptr(), 1, k, args.rows, y.data_ptr(), 1, args.threads, args.isa,
                 )  # fmt: skip
                 assert rc == 0
         return (clock() - t0) / (reps * len(mats[i])), y
 
-    def run_grouped(lib: ctypes.CDLL, reps: int = 20) -> tuple[float, torch.Tensor]:
+    def run_grouped(side: int, reps: int = 20) -> tuple[float, torch.Tensor]:
+        lib = sides[side][0]  # the group's codes stay portable
         t0 = clock()
         for _ in range(reps):
             for table in tables:
@@ -172,28 +195,28 @@ def main() -> None:
 
     n_rows = len(shapes) + (1 if group else 0)
 
-    def timed(lib: ctypes.CDLL, i: int, reps: int = 20) -> tuple[float, torch.Tensor]:
-        return run_grouped(lib, reps) if i == len(shapes) else run(lib, i, reps)
+    def timed(side: int, i: int, reps: int = 20) -> tuple[float, torch.Tensor]:
+        return run_grouped(side, reps) if i == len(shapes) else run(side, i, reps)
 
     for i in range(n_rows):
         shape = shapes[i] if i < len(shapes) else "grouped"
-        ys = [timed(lib, i, 1)[1].clone() for lib in libs]
+        ys = [timed(j, i, 1)[1].clone() for j in range(len(sides))]
         for j, y in enumerate(ys[1:], 1):
             if not torch.equal(ys[0], y):
-                print(f"{shape}: {args.sources[j]} differs from {args.sources[0]}")
+                print(f"{shape}: {names[j]} differs from {names[0]}")
     times: dict[tuple[int, int], list[float]] = {(j, i): [] for j in range(len(libs)) for i in range(n_rows)}
     load0 = os.getloadavg()
     for _ in range(args.rounds):
         for i in range(n_rows):
-            for j, lib in enumerate(libs):
-                times[(j, i)].append(timed(lib, i)[0])
+            for j in range(len(sides)):
+                times[(j, i)].append(timed(j, i)[0])
     print(
         f"{cpu_model()}; {args.rows} row(s), {args.threads} thread(s), {'hot' if args.hot else 'from DRAM'}"
         f"{', huge pages' if args.huge_pages else ''}, "
         f"median of {args.rounds} interleaved rounds; load average {load0[0]:.2f} before, "
         f"{os.getloadavg()[0]:.2f} after"
     )
-    print("| N x K | " + " | ".join(str(s) for s in args.sources) + " |")
+    print("| N x K | " + " | ".join(names) + " |")
     print("|---|" + "---:|" * len(libs))
     rows = [(f"{n}x{k}", n * k) for n, k in shapes]
     if group:
