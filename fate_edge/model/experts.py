@@ -270,6 +270,8 @@ class InMemoryExpertProvider(ExpertProvider):
     def __init__(self, experts: dict[tuple[int, int], Expert]):
         # Resident int4 experts with separate gate and up (as the store holds them) take one matmul for both.
         self.experts = {k: e.fused() if isinstance(e, QuantizedExpert) else e for k, e in experts.items()}
+        for e in self.experts.values():  # kept for the whole run
+            into_rows_of_four(e)
 
     @classmethod
     def quantized(
