@@ -6,9 +6,8 @@ import pickle
 
 import pytest
 import torch
-
-from quant import native
-from quant.native import NativeInt4, gemm_grouped, native_status
+from fate_edge.quant import native
+from fate_edge.quant.native import NativeInt4, gemm_grouped, native_status
 
 pytestmark = pytest.mark.skipif(not native_status()[0], reason="needs the native int4 kernel (a C compiler, AVX2)")
 
@@ -136,3 +135,34 @@ def test_a_plan_rebuilt_reads_the_codes_it_rewrote_and_a_replaced_tensor_as_port
     w["o.nint4"] = plain["o.nint4"].clone()  # a new tensor in the portable layout
     fresh = _quantized(w, "o")[0]
     assert torch.equal(fresh(x), want)
+
+
+def test_the_engine_keeps_the_model_it_holds_in_rows_of_four_and_answers_with_the_same_logprobs(monkeypatch, tmp_path):
+    """The default engine on a model wide enough for the native kernel (its cache holds every expert): on an AVX-512
+    host its resident matrices and cached experts go into rows of four, and every token and logprob equals the
+    portable layout's."""
+    import gc
+
+    from _tiny_moe import build_wide_moe
+
+    from fate_edge.model import experts, layer
+    from fate_edge.runtime.engine import Engine
+    from fate_edge.runtime.generate import GenerateConfig
+
+    model = build_wide_moe(tmp_path / "model", 256)
+    cfg = GenerateConfig(max_tokens=10, ignore_eos=True, cache_prompt=False, logprobs=3)
+    prompt = list(range(7, 31))
+
+    def answer() -> tuple[list, int]:
+        with Engine.load(model, threads=1) as eng:
+            steps = [(s.token, s.logprob.logprob, list(s.logprob.top)) for s in eng.stream(prompt, cfg)]
+            four = sum(o.rows4 for o in gc.get_objects() if isinstance(o, NativeInt4))
+        return steps, four
+
+    got, four = answer()
+    for module in (experts, layer):
+        monkeypatch.setattr(module, "rows_of_four_pay", lambda: False)
+    want, none = answer()
+    assert got == want and none == 0
+    if native.rows_of_four_pay():  # the two layers' experts (4 each, gate, up, down) and resident matrices
+        assert four >= 2 * 4 * 3

@@ -478,8 +478,8 @@ class Scheduler(TierPath, LayerBlobs, ExpertProvider):
         assert self.cache is not None and f.req.buffer is not None  # zero-copy: a cache, a read buffer
         if not self._admit(key, expert, f.req.buffer.size, f.bits):
             return False
-        if self._holds_model:  # kept for the whole run: its int4 codes into rows of four where that pays
-            into_rows_of_four(expert)
+        if self._holds_model and f.req.into is None:  # kept for the whole run, its buffer its own: its int4 codes
+            into_rows_of_four(expert)  # into rows of four where that pays (a host tier's slot stays as read)
         self._kept[key] = self.fetch.hand_off(f.req, self._unused_evicted())
         self.cache.pin(key)
         self.in_use.append(key)
