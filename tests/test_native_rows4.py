@@ -2,6 +2,7 @@
 the same bits on every path of the kernel (one x row, a few, the tiled GEMM; AVX-512 and AVX2; one and two
 threads; grouped and one-call experts), and the portable layout comes back unchanged."""
 
+import copy
 import pickle
 
 import pytest
@@ -132,6 +133,9 @@ def test_a_plan_rebuilt_reads_the_codes_it_rewrote_and_a_replaced_tensor_as_port
     again = _quantized(w, "o")[0]  # rebuilt: the same tensor, already in rows of four
     assert again.native.rows4 and torch.equal(codes, first.native.codes)
     assert torch.equal(first(x), want) and torch.equal(again(x), want)
+    twin = copy.deepcopy(w)  # its own codes, still in rows of four, and known to be
+    assert twin.rows4 is not None and twin.rows4["o"]() is twin["o.nint4"] is not codes
+    assert torch.equal(_quantized(twin, "o")[0](x), want)
     w["o.nint4"] = plain["o.nint4"].clone()  # a new tensor in the portable layout
     fresh = _quantized(w, "o")[0]
     assert torch.equal(fresh(x), want)

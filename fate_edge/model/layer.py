@@ -8,6 +8,7 @@ Assigning or deleting a name bumps ``Weights.version`` and the plan is rebuilt f
 
 from __future__ import annotations
 
+import copy
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -40,6 +41,19 @@ class Weights(dict):
     # Native int4 codes rewritten in place in rows of four by a plan (:func:`_quantized`): key -> a weak reference to
     # the codes tensor, so a tensor put in its place later is read as the portable layout it is
     rows4: dict[str, weakref.ref] | None = None
+
+    def __deepcopy__(self, memo: dict) -> Weights:
+        """A copy whose :attr:`rows4` names its own copies of the codes it lists (a weak reference would still point
+        at the original's, and the copy would read its rewritten codes as the portable layout)."""
+        out = Weights()
+        memo[id(self)] = out
+        for k, v in self.items():
+            dict.__setitem__(out, k, copy.deepcopy(v, memo))
+        out.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items() if k != "rows4"})
+        if self.rows4:
+            alive = ((k, r()) for k, r in self.rows4.items())
+            out.rows4 = {k: weakref.ref(memo[id(t)]) for k, t in alive if t is not None and id(t) in memo}
+        return out
 
     def __setitem__(self, key: str, value: Any) -> None:
         super().__setitem__(key, value)
