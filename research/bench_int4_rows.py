@@ -104,13 +104,9 @@ def main() -> None:
     if args.isa is None:  # an AVX2-only host (AMD Zen 3) faults on the AVX-512 path
         args.isa = built[0].fe_int4_isa()
     # sides: (library, codes in rows of four), each build as it is, then (--rows4) those that read that layout
-    sides = [(lib, False) for lib in built] + [
-        (lib, True) for lib in built if args.rows4 and hasattr(lib, "fe_int4_rows4")
-    ]
-    names = [str(s) for s in args.sources] + [
-        f"{s}, rows of four" for s, lib in zip(args.sources, built) if args.rows4 and hasattr(lib, "fe_int4_rows4")
-    ]
-    libs = [lib for lib, _ in sides]
+    fours = [(s, lib) for s, lib in zip(args.sources, built) if args.rows4 and hasattr(lib, "fe_int4_rows4")]
+    sides = [(lib, False) for lib in built] + [(lib, True) for _, lib in fours]
+    names = [str(s) for s in args.sources] + [f"{s}, rows of four" for s, _ in fours]
 
     def parse(spec: str) -> list[tuple[int, int]]:
         return [(int(a), int(b)) for a, b in (part.split("x") for part in spec.split(","))]
@@ -204,7 +200,7 @@ def main() -> None:
         for j, y in enumerate(ys[1:], 1):
             if not torch.equal(ys[0], y):
                 print(f"{shape}: {names[j]} differs from {names[0]}")
-    times: dict[tuple[int, int], list[float]] = {(j, i): [] for j in range(len(libs)) for i in range(n_rows)}
+    times: dict[tuple[int, int], list[float]] = {(j, i): [] for j in range(len(sides)) for i in range(n_rows)}
     load0 = os.getloadavg()
     for _ in range(args.rounds):
         for i in range(n_rows):
@@ -217,14 +213,14 @@ def main() -> None:
         f"{os.getloadavg()[0]:.2f} after"
     )
     print("| N x K | " + " | ".join(names) + " |")
-    print("|---|" + "---:|" * len(libs))
+    print("|---|" + "---:|" * len(sides))
     rows = [(f"{n}x{k}", n * k) for n, k in shapes]
     if group:
         rows.append((f"grouped({','.join(f'{n}x{k}' for n, k in group)})", sum(n * k for n, k in group)))
     for i, (name, weights) in enumerate(rows):
         nbytes = weights / 2 + 2 * 2 * weights / args.group
         cells = []
-        for j in range(len(libs)):
+        for j in range(len(sides)):
             med = statistics.median(times[(j, i)])
             cells.append(f"{med * 1e6:.0f} us, {nbytes / med / 1e9:.1f} GB/s")
         print(f"| {name} | " + " | ".join(cells) + " |")

@@ -821,7 +821,8 @@ T256 static void block_256(const uint8_t *codes, wscales w, int n0, int N, int K
     for (int j0 = 0; j0 < words; j0 += 8) {
         __m256i r[8];
         for (int i = 0; i < 8; i++)
-            r[i] = i < valid ? _mm256_loadu_si256((const __m256i *)(codes + code_at(n0 + i, 4 * (size_t)j0, K, N, w.r4)))
+            r[i] = i < valid ? _mm256_loadu_si256((const __m256i *)(codes + code_at(n0 + i, 4 * (size_t)j0, K, N,
+                                                                                         w.r4)))
                              : _mm256_setzero_si256();
         transpose8_256(r);
         for (int j = 0; j < 8; j++) _mm256_storeu_si256((__m256i *)(wt + (size_t)(j0 + j) * 8), r[j]);
@@ -1048,8 +1049,8 @@ int fe_int4_gemm_grouped(int G, const int64_t *table, int threads, int isa) {
 /* ---- a MoE layer's SiLU-gated experts in one call ------------------------------------------------------------
  * dst[m, j] = silu(gate[m, j]) * up[m, j] on bf16 rows of gate and up that each start ``stride`` values after the
  * last (one first-stage output [gate | up], or two). ``silu``: torch's bf16 silu of every bf16 value (65,536
- * entries and one more, the gathers read 4 bytes), so the activation has torch's bits by construction; the product is torch's bf16 multiply: both
- * widened exactly, one float product, rounded to nearest even (bf16_of). */
+ * entries and one more, the gathers read 4 bytes), so the activation has torch's bits by construction; the product
+ * is torch's bf16 multiply: both widened exactly, one float product, rounded to nearest even (bf16_of). */
 static void glu_rows_scalar(const uint16_t *gate, const uint16_t *up, int64_t stride, int64_t I, int64_t M,
                             uint16_t *dst, const uint16_t *silu, int64_t j0) {
     for (int64_t m = 0; m < M; m++) {
@@ -1144,9 +1145,9 @@ int fe_int4_rows4(uint8_t *codes, int N, int K, int to_r4) {
         uint8_t *grp = codes + (size_t)n * row;
         memcpy(tmp, grp, 4 * row);
         for (size_t c = 0; c < chunks; c++)
-            for (int r = 0; r < 4; r++) {
-                uint8_t *portable = (to_r4 ? tmp : grp) + r * row + c * 64, *four = (to_r4 ? grp : tmp) + (c * 4 + r) * 64;
-                memcpy(to_r4 ? four : portable, to_r4 ? portable : four, 64);
+            for (size_t r = 0; r < 4; r++) { /* chunk c of row r: here in the portable layout, there in rows of four */
+                const size_t portable = r * row + c * 64, four = (c * 4 + r) * 64;
+                memcpy(grp + (to_r4 ? four : portable), tmp + (to_r4 ? portable : four), 64);
             }
     }
     free(tmp);
