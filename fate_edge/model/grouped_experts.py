@@ -258,46 +258,138 @@ def _compute_fused(
     stages: Stages,
     shared: tuple[NativeShared, torch.Tensor] | None,
 ) -> tuple[list[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None] | None]:
-    """:func:`_compute` in one call into the kernel (``quant.native.glu_grouped``): gate and up, the SiLU product and
-    down without a trip through Python between the stages, the same bits. The kernel's tables are built from
-    addresses (a view per expert and stage cost more Python than the calls it saves)."""
-    device = xs[0].device
+    """:func:`_compute` in one call into the kernel (:func:`_fused_call`) → the same outputs as views."""
+    call = _fused_call(xs, bounds, total, stages, shared)
+    buf, hidden = call.buffer, call.hidden
+    y = buf[call.y : call.y + total * hidden].view(total, hidden)
+    z: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    if shared is not None:
+        s, hs = shared
+        m = hs.shape[0]
+        s_y = buf[call.shared : call.shared + m * hidden].view(m, hidden)
+        gate = None
+        if call.gate is not None:  # the gate logit: column 2 I of the shared expert's first stage
+            gate = buf.as_strided((m, 1), (call.shared_width, 1), call.gate)
+        z = s_y, gate
+    return list(y.split_with_sizes([b - a for a, b in bounds])), z
+
+
+@dataclass
+class FusedCall:
+    """Where :func:`_fused_call` left its outputs in ``buffer`` (bf16, offsets in elements): the experts' outputs
+    ``y`` [total, hidden] row after row, the shared expert's ``shared`` [M, hidden], its gate logit (None: no gate;
+    one per row, ``shared_width`` apart)."""
+
+    buffer: torch.Tensor
+    hidden: int
+    y: int
+    shared: int
+    gate: int | None
+    shared_width: int
+
+
+def _segments(sizes: list[int]) -> tuple[list[int], int]:
+    """Offsets of consecutive buffers of these many bf16 elements, each starting on 64 bytes (the kernels' stores
+    stay in whole cache lines, as separate tensors' would) → (offsets, total)."""
+    offsets, at = [], 0
+    for n in sizes:
+        offsets.append(at)
+        at += -(-n // 32) * 32
+    return offsets, at
+
+
+def _fused_call(
+    xs: list[torch.Tensor],
+    bounds: list[tuple[int, int]],
+    total: int,
+    stages: Stages,
+    shared: tuple[NativeShared, torch.Tensor] | None,
+) -> FusedCall:
+    """Gate and up, the SiLU product and down for every expert (and ``shared``'s, first in each stage: the largest
+    matrix, see :func:`_compute`) in one call into the kernel (``quant.native.glu_grouped``), the same bits as
+    :func:`_compute`'s two calls with torch between them. Every intermediate and output in one buffer (one
+    allocation a layer, not six); the kernel's tables are built from addresses (a view per expert and stage cost
+    more Python than the calls it saves)."""
     ups0, down0 = stages[0]
     width = [m.shape[0] for m in ups0]  # [2I] (one gate_up matrix) or [I, I]
     inter, hidden = sum(width) // 2, down0.shape[0]
-    first = [torch.empty(total, n, dtype=torch.bfloat16, device=device) for n in width]
-    act = torch.empty(total, inter, dtype=torch.bfloat16, device=device)
-    y = torch.empty(total, hidden, dtype=torch.bfloat16, device=device)
-    fp, ap, yp = [t.data_ptr() for t in first], act.data_ptr(), y.data_ptr()
+    m, s_width, si = 0, 0, 0
+    if shared is not None:
+        s, hs = shared
+        si, m, s_width = s.sizes[0], hs.shape[0], s.gate_up.shape[0]
+    sizes = [m * s_width, m * si, m * hidden, *(total * n for n in width), total * inter, total * hidden]
+    offsets, elements = _segments(sizes)
+    buf = torch.empty(elements, dtype=torch.bfloat16, device=xs[0].device)
+    base = buf.data_ptr()
+    sp, sa, sy, *rest = (base + BF16 * o for o in offsets)
+    fp, ap, yp = rest[: len(width)], rest[len(width)], rest[len(width) + 1]
     rows_first: list[int] = []
     rows_glu: list[int] = []
     rows_down: list[int] = []
-    z: tuple[torch.Tensor, torch.Tensor | None] | None = None
-    if shared is not None:  # first in each stage: the largest matrix (see _compute)
-        s, hs = shared
-        si, m = s.sizes[0], hs.shape[0]
-        s_first = torch.empty(m, s.gate_up.shape[0], dtype=torch.bfloat16, device=device)
-        s_act = torch.empty(m, si, dtype=torch.bfloat16, device=device)
-        s_y = torch.empty(m, s.down.shape[0], dtype=torch.bfloat16, device=device)
-        sp, sa = s_first.data_ptr(), s_act.data_ptr()
+    gate = None
+    if shared is not None:
         rows_first += s.gate_up.bf16_args(hs.data_ptr(), m, sp)
-        rows_glu += [sp, sp + BF16 * si, s_first.shape[1], si, m, sa]
-        rows_down += s.down.bf16_args(sa, m, s_y.data_ptr())
-        z = s_y, (s_first[:, 2 * si :] if len(s.sizes) == 3 else None)
+        rows_glu += [sp, sp + BF16 * si, s_width, si, m, sa]
+        rows_down += s.down.bf16_args(sa, m, sy)
+        gate = offsets[0] + 2 * si if len(s.sizes) == 3 else None
     for (ups, down), x, (a, b) in zip(stages, xs, bounds):
-        m, xp = b - a, x.data_ptr()
-        for mat, base, n in zip(ups, fp, width):
+        rows, xp = b - a, x.data_ptr()
+        for mat, first, n in zip(ups, fp, width):
             assert isinstance(mat, NativeInt4)  # _fusable: the group is int4
-            rows_first += mat.bf16_args(xp, m, base + BF16 * a * n)
+            rows_first += mat.bf16_args(xp, rows, first + BF16 * a * n)
         if len(width) == 1:  # each row [gate | up]
-            gate = fp[0] + BF16 * a * 2 * inter
-            rows_glu += [gate, gate + BF16 * inter, 2 * inter, inter, m, ap + BF16 * a * inter]
+            g = fp[0] + BF16 * a * 2 * inter
+            rows_glu += [g, g + BF16 * inter, 2 * inter, inter, rows, ap + BF16 * a * inter]
         else:
-            rows_glu += [fp[0] + BF16 * a * inter, fp[1] + BF16 * a * inter, inter, inter, m, ap + BF16 * a * inter]
+            rows_glu += [fp[0] + BF16 * a * inter, fp[1] + BF16 * a * inter, inter, inter, rows, ap + BF16 * a * inter]
         assert isinstance(down, NativeInt4)
-        rows_down += down.bf16_args(ap + BF16 * a * inter, m, yp + BF16 * a * hidden)
+        rows_down += down.bf16_args(ap + BF16 * a * inter, rows, yp + BF16 * a * hidden)
     glu_grouped(rows_first, rows_glu, rows_down)
-    return list(y.split_with_sizes([b - a for a, b in bounds])), z
+    return FusedCall(buf, hidden, offsets[-1], offsets[2], gate, s_width)
+
+
+@dataclass
+class FusedRow:
+    """One decode row's routed experts and shared expert computed in one kernel call (:func:`fused_row_with_shared`),
+    not yet added: each expert's output row and the shared expert's (and Qwen's gate logit) as addresses into the
+    call's buffer, which this keeps alive, so the sum into the residual (``row_ops.add_expert_rows``) needs no view."""
+
+    call: FusedCall
+    ids: list[int]  # the experts, in the order of their output rows
+
+    def address(self, offset: int) -> int:
+        return self.call.buffer.data_ptr() + BF16 * offset
+
+    def outputs(self) -> dict[int, int]:
+        """Each expert's output row's address."""
+        y, hidden = self.call.y, self.call.hidden
+        return {e: self.address(y + i * hidden) for i, e in enumerate(self.ids)}
+
+    def tensors(self) -> tuple[dict[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]:
+        """The outputs as :func:`group_rows_with_shared` gives them (views), for a residual the native sum does not
+        take."""
+        c = self.call
+        y = c.buffer[c.y : c.y + len(self.ids) * c.hidden].view(len(self.ids), c.hidden)
+        gate = None if c.gate is None else c.buffer[c.gate : c.gate + 1].view(1, 1)
+        return dict(zip(self.ids, y.split(1))), (c.buffer[c.shared : c.shared + c.hidden].view(1, c.hidden), gate)
+
+
+def fused_row_with_shared(
+    group: Sequence[tuple[int, Expert | None]], h: torch.Tensor, shared: NativeShared
+) -> FusedRow | None:
+    """:func:`group_rows_with_shared` for one row ``h`` [1, H] whose experts all group and fuse (SiLU-gated bf16
+    int4, :func:`_fusable`) → the outputs left in the kernel's buffer, or None (the caller takes the general path)."""
+    if h.shape[0] != 1 or any(expert is None for _, expert in group):
+        return None
+    items = [(expert, h) for _, expert in group]
+    stages = _group_stages(items)
+    if stages is None or shared.gate_up.shape[1] != h.shape[1] or not isinstance(stages[0][1], NativeInt4):
+        return None
+    h = h.contiguous()
+    if not _fusable(items, h, stages, (shared, h)):
+        return None
+    bounds = [(i, i + 1) for i in range(len(items))]
+    return FusedRow(_fused_call([h] * len(items), bounds, len(items), stages, (shared, h)), [e for e, _ in group])
 
 
 def _grouped(calls: list[tuple[Matrix, torch.Tensor, torch.Tensor]]) -> None:

@@ -22,7 +22,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from fate_edge.model.dispatch import ExpertGroups, group_by_expert
-from fate_edge.model.grouped_experts import NativeShared, group_rows, group_rows_with_shared, native_shared
+from fate_edge.model.grouped_experts import (
+    FusedRow,
+    NativeShared,
+    fused_row_with_shared,
+    group_rows,
+    group_rows_with_shared,
+    native_shared,
+)
 from fate_edge.model.layer_step import (
     ExpertInput,
     Moe,
@@ -32,7 +39,7 @@ from fate_edge.model.layer_step import (
     moe_sum,
     shared_out,
 )
-from fate_edge.model.row_ops import add_experts
+from fate_edge.model.row_ops import add_expert_rows, add_experts
 
 if TYPE_CHECKING:
     from fate_edge.model.decoding_model import DecodingModel
@@ -92,6 +99,10 @@ def serve_routing(
         model.experts.end_layer(layer)
     elif h.shape[0] == 1:
         parts, weight_of, z = routed_parts(model, h, layer, host_w, host_idx, bool(decode), shared, fold)
+        if isinstance(parts, FusedRow):  # every expert and the shared one in one kernel call
+            if acc is None and add_fused_row(x, parts, weight_of):
+                return x
+            parts, z = parts.tensors()
         order = sorted(parts)  # expert-id order, as add_parts adds them
         # the sum starts at moe_sum(x): one native call may add it all, with add_parts's and add_shared's bits
         if (acc is None or acc is x) and add_experts(x, [parts[e] for e in order], [weight_of[e] for e in order], z):
@@ -125,6 +136,7 @@ def routed_one(
     (:func:`~fate_edge.model.layer_step.moe_sum`) in expert-id order with their weights as Python floats
     (``host_w``, ``host_idx`` [1, k] on the host) → the sum [1, H] (None: none started and every expert skipped)."""
     parts, weight_of, _ = routed_parts(model, h, layer, host_w, host_idx, decode)
+    assert not isinstance(parts, FusedRow)  # only a folded shared expert fuses
     return add_parts(acc, parts, weight_of)
 
 
@@ -138,6 +150,17 @@ def add_parts(
     return acc
 
 
+def add_fused_row(x: torch.Tensor, row: FusedRow, weight_of: dict[int, float]) -> bool:
+    """A :class:`FusedRow`'s experts (in expert-id order, by their weights) and shared expert added into a bf16
+    residual ``x`` in one native call, with ``add_experts``'s bits (``row_ops.add_expert_rows``) → False where the
+    kernel does not take ``x`` (nothing done)."""
+    outputs = row.outputs()
+    order = sorted(outputs)
+    c = row.call
+    gate = None if c.gate is None else row.address(c.gate)
+    return add_expert_rows(x, [outputs[e] for e in order], [weight_of[e] for e in order], row.address(c.shared), gate)
+
+
 def routed_parts(
     model: DecodingModel,
     h: torch.Tensor,
@@ -147,15 +170,23 @@ def routed_parts(
     decode: bool = True,
     shared: Shared = _no_shared,
     fold: NativeShared | None = None,
-) -> tuple[dict[int, torch.Tensor], dict[int, float], tuple[torch.Tensor, torch.Tensor | None] | None]:
+) -> tuple[dict[int, torch.Tensor] | FusedRow, dict[int, float], tuple[torch.Tensor, torch.Tensor | None] | None]:
     """One row's k experts and shared expert, not yet added → (each computed expert's output rows, each routed
     expert's weight as a Python float, ``shared()``'s output): the shared expert computed before the experts arrive,
-    or, where ``fold`` is given and the first group's experts group with it, in their kernel calls."""
+    or, where ``fold`` is given and the first group's experts group with it, in their kernel calls. Where that group
+    is every expert and they fuse (``grouped_experts.fused_row_with_shared``), the outputs come as one
+    :class:`FusedRow` (the shared expert's inside it, the third item None)."""
     weight_of = dict(zip(host_idx.tolist()[0], host_w.tolist()[0]))  # exact: float32 → Python float → float32
     rows = ExpertInput(h, decode)
     parts: dict[int, torch.Tensor] = {}
     z = None if fold is not None else shared()
+    fused = None
     for group in model.experts.stream_groups(layer, sorted(weight_of)):
+        if fold is not None and len(group) == len(weight_of):
+            fused = fused_row_with_shared(group, h, fold)
+            if fused is not None:  # every expert was in this group: no other comes
+                fold = None
+                continue
         both = group_rows_with_shared(group, h, fold) if fold is not None else None
         if both is not None:
             got, z = both
@@ -168,7 +199,7 @@ def routed_parts(
     if fold is not None:  # no group at all
         z = shared()
     model.experts.end_layer(layer)
-    return parts, weight_of, z
+    return (parts if fused is None else fused), weight_of, z
 
 
 def routed_grouped(

@@ -29,7 +29,7 @@ def _setup(lib: ctypes.CDLL) -> str | None:
         return "this CPU lacks AVX2 or FMA"
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.fe_moe_combine.restype = None
-    combine: list[Any] = [ptr, i32, i64, i32, ptr, i32, ptr, ptr, i32, ptr, i32]
+    combine: list[Any] = [ptr, i32, i64, i32, ptr, i32, ptr, ptr, i32, ptr, i32, ptr]
     lib.fe_moe_combine.argtypes = combine
     lib.fe_argmax_bf16.restype = i64
     lib.fe_argmax_bf16.argtypes = [ptr, i64]
@@ -88,6 +88,51 @@ def add_experts(
         _DTYPES[z.dtype] if z is not None else 0,
         s.data_ptr() if s is not None else None,
         _DTYPES[s.dtype] if s is not None else 0,
+        None,
+    )
+    return True
+
+
+_sigmoid_table: list[torch.Tensor] = []
+
+
+def sigmoid_table() -> torch.Tensor:
+    """torch's bf16 ``sigmoid`` of every bf16 value as int16 bits, indexed by the input's bits: Qwen's shared-expert
+    gate in :func:`add_expert_rows` has torch's bits by construction. torch's bf16 sigmoid of a number is the same
+    wherever it sits in a tensor, a one-element tensor included; a NaN's payload is not (the vector loop keeps its
+    sign), so the NaNs are each computed alone, as the decode step's one gate is (tests/test_fused_row.py)."""
+    if not _sigmoid_table:
+        every = torch.arange(65536, dtype=torch.int32, device="cpu").to(torch.int16).view(torch.bfloat16)
+        table = torch.sigmoid(every)
+        for i in torch.isnan(every).nonzero().flatten().tolist():
+            table[i] = torch.sigmoid(every[i : i + 1].clone())[0]
+        _sigmoid_table.append(table.view(torch.int16).contiguous())
+    return _sigmoid_table[0]
+
+
+def add_expert_rows(x: torch.Tensor, ys: list[int], weights: list[float], shared: int, gate: int | None) -> bool:
+    """:func:`add_experts` on addresses: bf16 expert rows of ``x.numel()`` values at ``ys`` (in order, times
+    ``weights``), the shared expert's bf16 row at ``shared`` times the sigmoid of Qwen's bf16 gate logit at ``gate``
+    (None: no gate), into a contiguous bf16 CPU row ``x`` in place → True; False (nothing done) where the kernel does
+    not take ``x``. Unchecked addresses: the caller holds the rows alive (``grouped_experts.FusedRow``)."""
+    n = x.numel()
+    if not ys or not _row(x, n) or x.dtype != torch.bfloat16 or not available()[0]:
+        return False
+    table = array.array("q", ys)
+    ws = array.array("f", weights)
+    _kernel.lib.fe_moe_combine(
+        x.data_ptr(),
+        _DTYPES[torch.bfloat16],
+        n,
+        len(ys),
+        table.buffer_info()[0],
+        _DTYPES[torch.bfloat16],
+        ws.buffer_info()[0],
+        shared,
+        _DTYPES[torch.bfloat16],
+        gate,
+        _DTYPES[torch.bfloat16],
+        sigmoid_table().data_ptr() if gate is not None else None,
     )
     return True
 

@@ -73,10 +73,13 @@ int fe_row_ops_supported(void) {
 }
 
 /* x [n] (dtype x_dtype) += the experts ys[e] [n] (y_dtype) times ws[e], e = 0..k-1 in that order, then the shared
-   expert z [n] (z_dtype; NULL: none) times *gate (gate_dtype; NULL: plus z). A float32 x is the sum itself. */
+   expert z [n] (z_dtype; NULL: none) times *gate (gate_dtype; NULL: plus z). A float32 x is the sum itself.
+   ``sigmoid``: NULL, or torch's bf16 sigmoid of every bf16 value, indexed by its bits; then *gate is Qwen's bf16
+   gate logit and the factor is its sigmoid from the table (torch's bits by construction), where the caller would
+   otherwise run torch.sigmoid on it first. */
 T256 void fe_moe_combine(void *x, int x_dtype, int64_t n, int k, const int64_t *ys, int y_dtype, const float *ws,
-                         const void *z, int z_dtype, const void *gate, int gate_dtype) {
-    const float g = gate ? load1(gate, gate_dtype, 0) : 1.f;
+                         const void *z, int z_dtype, const void *gate, int gate_dtype, const uint16_t *sigmoid) {
+    const float g = !gate ? 1.f : sigmoid ? bf16_value(sigmoid[*(const uint16_t *)gate]) : load1(gate, gate_dtype, 0);
     const __m256 gv = _mm256_set1_ps(g);
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
