@@ -253,6 +253,15 @@ class NativeInt4:
         """:meth:`call_args` from addresses: bf16 x [rows, K] at ``x``, y [rows, N] at ``y`` (both contiguous)."""
         return [*self._fixed, x, 1, self.in_features, rows, y, 1]
 
+    def gemm_bf16(self, x: int, rows: int, y: int) -> None:
+        """``y = x @ W.T`` on addresses: bf16 x [rows, K] at ``x`` into bf16 y [rows, N] at ``y``, both contiguous,
+        the bits of :meth:`__call__`. Unchecked: the caller holds both alive (a decode row's attention, whose
+        fixed shapes were checked once: ``fate_edge.model.attention_row``)."""
+        lib = _state.lib
+        assert lib is not None  # loaded in __post_init__
+        if lib.fe_int4_gemm(*self.bf16_args(x, rows, y), torch.get_num_threads(), _state.isa) != 0:
+            raise MemoryError(f"native int4 matmul {self.shape[0]}x{self.shape[1]}: out of memory for its buffers")
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n, k = self.codes.shape[0], self.in_features
         x2 = x.reshape(-1, k)

@@ -67,7 +67,8 @@ def test_rope_rows_have_the_rotation_matrixs_bits():
         for trial in range(30):
             angle = torch.rand(1, d, generator=g) * 4000
             cos, sin = angle.cos().bfloat16(), (angle.sin() * sign).bfloat16()
-            qk = (torch.randn(24, d, generator=g) * (0.01, 1.0, 60.0)[trial % 3]).bfloat16()
+            # 1e-37: products below float32's normal range, where a fused multiply-add would round differently
+            qk = (torch.randn(24, d, generator=g) * (0.01, 1.0, 60.0, 1e-37)[trial % 4]).bfloat16()
             want = torch.mm(qk.float(), rope_matrix(cos, sin, perm).float()).to(torch.bfloat16)
             assert torch.equal(row_ops.rope_(qk.clone(), row_ops.RopeRows(cos, sin)), want)
             # with a fused projection's bias: added to the whole row (q, k and then v) as ``flat + bias`` rounds

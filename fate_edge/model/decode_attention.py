@@ -162,3 +162,39 @@ def _call(
     if rc != 0:
         raise ValueError(f"decode attention: the kernel does not take q {tuple(q.shape)} over k {tuple(k.shape)}")
     return out
+
+
+def attend_at(q: int, hq: int, k: torch.Tensor, v: torch.Tensor, length: int, scale: float, out: int) -> None:
+    """:func:`attend` on addresses for one query row: ``hq`` heads of bf16 q [hq, Dk] at ``q`` over the first
+    ``length`` positions of one sequence's caches ``k``/``v`` [1, Hkv, positions, D] (read in place, their own
+    strides) → bf16 [hq, Dv] at ``out``. Unchecked: the caller checked the shapes once (:func:`takes` would take
+    them) and holds q and out alive (``attention_row``)."""
+    rc = _kernel.lib.fe_decode_attention(
+        q,
+        _DTYPES[torch.bfloat16],
+        k.data_ptr(),
+        v.data_ptr(),
+        _DTYPES[k.dtype],
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        None,
+        None,
+        length,
+        1,
+        hq,
+        k.shape[1],
+        k.shape[3],
+        v.shape[3],
+        scale,
+        out,
+        torch.get_num_threads(),
+        None,
+    )
+    if rc == -2:
+        raise MemoryError(f"decode attention over {length} cached positions: out of memory for its scratch")
+    if rc != 0:
+        raise ValueError(f"decode attention: the kernel does not take {hq} query heads over k {tuple(k.shape)}")

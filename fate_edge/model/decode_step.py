@@ -6,7 +6,8 @@ than its matmul; docs/measured-choices.md). This path runs every layer through t
 small matmul with a rotation built once per token (not four elementwise operators per layer; the one attention,
 ``attention.gqa``, takes it as ``rot``), or for bf16 on the CPU one native call with that matmul's bits
 (``row_ops.RopeRows``), and the output projection added to the residual in the same matmul
-(``addmm``). Its routed experts come from the provider as on
+(``addmm``). A bf16 row whose projections are native int4 takes the whole attention block as direct native calls
+(:mod:`fate_edge.model.attention_row`, the same bits). Its routed experts come from the provider as on
 the general path (:mod:`fate_edge.model.routed_experts`: one row calls its k experts directly).
 
 Layers it does not cover (MLA attention, q/k norms, clipped q/k/v, partial or interleaved rope) go through the
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fate_edge.model import attention_row
 from fate_edge.model.attention import gqa
 from fate_edge.model.embedding import lookup
 from fate_edge.model.layer import LayerPlan, head_logits, rms_norm
@@ -77,6 +79,10 @@ def decode_token(model: DecodingModel, token: torch.Tensor, cache: KVCache, plan
             rot = rot.float()
 
     def attend(x: torch.Tensor, h: torch.Tensor, layer: int, lp: LayerPlan) -> torch.Tensor:
+        if isinstance(rot, RopeRows):  # a bf16 row on the CPU: the native calls on addresses, where they take it
+            y = attention_row.attend(cfg, x, h, layer, lp, cache, rot)
+            if y is not None:
+                return y
         return add_projection(x, gqa(cfg, h, 1, 1, layer, lp, cache, cos, sin, rot), lp.o_proj)
 
     path = LayerPath(cfg, model.act, attend, provider_moe(model, decode=True))

@@ -39,6 +39,8 @@ def _setup(lib: ctypes.CDLL) -> str | None:
     lib.fe_rms_norm_bf16.argtypes = [ptr, i64, ptr, ctypes.c_float, ptr]
     lib.fe_rope_bf16.restype = i32
     lib.fe_rope_bf16.argtypes = [ptr, i32, i32, ptr, ptr, ptr, i64]
+    lib.fe_kv_append.restype = None
+    lib.fe_kv_append.argtypes = [ptr, ptr, i64, i64, ptr, i64, ptr, i64]
     return None
 
 
@@ -263,3 +265,19 @@ def rope_(qk: torch.Tensor, rope: RopeRows, bias: tuple[torch.Tensor, torch.Tens
     if lib.fe_rope_bf16(qk.data_ptr(), rows, d, rope.cos.data_ptr(), rope.sin.data_ptr(), b, total) != 0:
         raise ValueError(f"rope: the kernel does not take rows of {d}")
     return qk
+
+
+def rope_at(qk: int, rows: int, rope: RopeRows, bias: int | None, total: int) -> None:
+    """:func:`rope_` on addresses: ``rows`` bf16 rows of ``rope``'s width at ``qk`` rotated in place, a bf16 bias of
+    ``total`` values at ``bias`` (or None) added to the ``total`` values from ``qk`` first. Unchecked: the caller
+    holds the rows alive and has checked the width (``attention_row``)."""
+    d = rope.cos.shape[-1]
+    if _kernel.lib.fe_rope_bf16(qk, rows, d, rope.cos.data_ptr(), rope.sin.data_ptr(), bias, total) != 0:
+        raise ValueError(f"rope: the kernel does not take rows of {d}")
+
+
+def kv_append(k: int, v: int, heads: int, row_bytes: int, k_to: int, k_stride: int, v_to: int, v_stride: int) -> None:
+    """One position's keys and values (``heads`` contiguous rows of ``row_bytes`` at ``k`` and ``v``) copied to
+    ``k_to`` and ``v_to``, head h ``h * k_stride`` / ``h * v_stride`` bytes on: a [heads, positions, d] cache's
+    place for them. Unchecked addresses (``attention_row`` makes them from tensors it holds)."""
+    _kernel.lib.fe_kv_append(k, v, heads, row_bytes, k_to, k_stride, v_to, v_stride)

@@ -14,6 +14,8 @@
    fe_embed_int8_row: one row of an int8 embedding table read from the store's file and dequantized, as
    QuantizedEmbedding's gather (FileRows) and its codes.float() * scale.float() then .to(dtype) compute it.
 
+   fe_kv_append: one decode position's keys and values copied into their caches.
+
    fe_argmax_bf16: the first index of the largest of n bf16 values, a NaN counting as largest, as torch.argmax.
 
    fe_rope_bf16: rotary embedding of bf16 rows by bf16 cos and signed sin, as the rotation matrix of
@@ -106,6 +108,18 @@ T256 void fe_moe_combine(void *x, int x_dtype, int64_t n, int k, const int64_t *
     }
 }
 
+/* ---- one decode row's keys and values into its cache -------------------------------------------------------------- */
+
+/* ``heads`` rows of ``row_bytes`` each from k and from v (each contiguous) to kd and vd, row h at h * k_stride and
+   h * v_stride bytes: one position's keys and values written into [heads, positions, d] caches. */
+void fe_kv_append(const void *k, const void *v, int64_t heads, int64_t row_bytes, void *kd, int64_t k_stride, void *vd,
+                  int64_t v_stride) {
+    for (int64_t h = 0; h < heads; h++) {
+        memcpy((char *)kd + h * k_stride, (const char *)k + h * row_bytes, (size_t)row_bytes);
+        memcpy((char *)vd + h * v_stride, (const char *)v + h * row_bytes, (size_t)row_bytes);
+    }
+}
+
 /* ---- RMSNorm of one bf16 row, with torch's bits ------------------------------------------------------------------- */
 
 /* Neither compiler may fuse a product into a following sum here: torch squares, then sums (two roundings). */
@@ -176,17 +190,34 @@ T256 NO_FMA int fe_rms_norm_bf16(const void *x, int64_t n, const void *w, float 
 given, each of the ``total`` values from x on (the rotated rows, then what follows them: a fused q/k/v projection's v)
 plus its bias [total] (bf16), rounded as torch's bf16 add rounds. d: even, at most 1024. Returns 0, or -1 for a d it
 does not take. */
-int fe_rope_bf16(void *x, int rows, int d, const void *cos, const void *sin, const void *bias, int64_t total) {
+T256 NO_FMA int fe_rope_bf16(void *x, int rows, int d, const void *cos, const void *sin, const void *bias, int64_t total) {
     if (d <= 0 || d % 2 || d > 1024) return -1;
     const uint16_t *c = (const uint16_t *)cos, *s = (const uint16_t *)sin;
     if (bias) {
         uint16_t *xs = (uint16_t *)x;
         const uint16_t *b = (const uint16_t *)bias;
-        for (int64_t i = 0; i < total; i++) xs[i] = bf16_round(bf16_value(xs[i]) + bf16_value(b[i]));
+        int64_t i = 0;
+        for (; i + 8 <= total; i += 8) /* both widened exactly, one float sum, rounded: torch's bf16 add */
+            _mm_storeu_si128((__m128i *)(xs + i), to_bf16_8(_mm256_add_ps(load8(xs, BF16, i), load8(b, BF16, i))));
+        for (; i < total; i++) xs[i] = bf16_round(bf16_value(xs[i]) + bf16_value(b[i]));
+    }
+    const int half = d / 2;
+    if (half % 8 == 0) { /* out_j = x_j cos_j + x_partner sin_j: two exact products, one rounded sum, then bf16 */
+        for (int r = 0; r < rows; r++) {
+            uint16_t *xr = (uint16_t *)x + (size_t)r * d;
+            for (int j = 0; j < half; j += 8) {
+                const __m256 lo = load8(xr, BF16, j), hi = load8(xr, BF16, j + half);
+                const __m256 a = _mm256_add_ps(_mm256_mul_ps(lo, load8(c, BF16, j)), _mm256_mul_ps(hi, load8(s, BF16, j)));
+                const __m256 b = _mm256_add_ps(_mm256_mul_ps(hi, load8(c, BF16, j + half)),
+                                               _mm256_mul_ps(lo, load8(s, BF16, j + half)));
+                _mm_storeu_si128((__m128i *)(xr + j), to_bf16_8(a));
+                _mm_storeu_si128((__m128i *)(xr + j + half), to_bf16_8(b));
+            }
+        }
+        return 0;
     }
     float cf[1024], sf[1024], row[1024];
     for (int j = 0; j < d; j++) cf[j] = bf16_value(c[j]), sf[j] = bf16_value(s[j]);
-    const int half = d / 2;
     for (int r = 0; r < rows; r++) {
         uint16_t *xr = (uint16_t *)x + (size_t)r * d;
         for (int j = 0; j < d; j++) row[j] = bf16_value(xr[j]);
