@@ -4,8 +4,8 @@ projection, then the residual add.
 
 Why: through the general functions (``attention.gqa``: the projection's wrappers and views, rope's checks, the
 cache's narrow-and-copy, the attention's dispatch and checks, ``add_projection``) a decode layer's attention paid
-~60 µs of Python around its kernels on the 8-layer Qwen1.5-MoE slice (py-spy, the int4 calls stubbed out); every
-one of those checks is about shapes fixed for the whole run. Here they are made once per layer plan
+more Python around its kernels than the attention kernel itself took (docs/measured-choices.md); every one of those
+checks is about shapes fixed for the whole run. Here they are made once per layer plan
 (:class:`RowAttention`, kept on the plan and remade if its projections are replaced), and a token pays a few checks
 of its cache and six calls on addresses.
 

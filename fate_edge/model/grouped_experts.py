@@ -135,15 +135,21 @@ def _group_stages(items: Sequence[tuple[Expert | None, torch.Tensor]]) -> Stages
     """Each expert's :func:`native_stages` where the items are :func:`groupable`, else None."""
     if len(items) < 2 or sum(x.shape[0] for _, x in items) > GROUP_MAX_ROWS:
         return None
-    shapes: set[tuple] = set()
+    first: tuple | None = None
     all_stages: Stages = []
     for expert, x in items:
         got = _stages_and_layout(expert)
         if got is None or x.dim() != 2 or x.shape[0] == 0 or x.dtype not in (torch.float32, torch.bfloat16):
             return None
-        shapes.add((got[1], x.dtype))
+        # compared to the first, not hashed into a set: equal layouts are mostly the same objects, which a tuple's
+        # comparison sees at once, where hashing the activation (a dataclass) costs a call each time
+        layout = (got[1], x.dtype)
+        if first is None:
+            first = layout
+        elif layout != first:
+            return None
         all_stages.append(got[0])
-    return all_stages if len(shapes) == 1 else None
+    return all_stages
 
 
 def group_rows_with_shared(
