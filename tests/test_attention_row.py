@@ -119,3 +119,27 @@ def test_an_engine_gives_the_same_tokens_and_logprobs_with_and_without_it(tmp_pa
     with Engine(EngineConfig(store, "auto", dtype="bfloat16")) as engine:
         general = [(r.token, r.logprob) for r in engine.stream(prompt, cfg)]
     assert native == general
+
+
+def test_rows_it_does_not_take_are_left_untouched(wide_dir):
+    """A float32 residual, two rows, a float32 row: None, and the cache is not written."""
+    from fate_edge.model.row_ops import RopeRows
+
+    model = _model(wide_dir)
+    cache = model.new_cache()
+    with torch.inference_mode():
+        model(torch.tensor([[3, 17, 99, 5]]), cache)
+    cfg, lp = model.config, model.plan()[0]
+    x = torch.randn(1, cfg.hidden_size).bfloat16()
+    h = torch.randn(1, cfg.hidden_size).bfloat16()
+    cos, sin = model.rope.cos_sin_range(cache.length, 1, torch.bfloat16, x.device)
+    rot = RopeRows.of(x, cos, sin)
+    assert rot is not None
+    before = [b.clone() for b in cache.layers[0].buffers]
+    assert attention_row.attend(cfg, x.float(), h, 0, lp, cache, rot) is None
+    assert attention_row.attend(cfg, x, h.expand(2, -1).contiguous(), 0, lp, cache, rot) is None
+    assert attention_row.attend(cfg, x, h.float(), 0, lp, cache, rot) is None
+    assert cache.layers[0].length == 4
+    assert all(torch.equal(a, b) for a, b in zip(before, cache.layers[0].buffers))
+    y = attention_row.attend(cfg, x, h, 0, lp, cache, rot)  # the row it takes: written at position 4
+    assert y is not None and cache.layers[0].length == 5

@@ -102,6 +102,8 @@ def attend(
         return None  # no room for the position (the general path grows the cache), or another kind of buffer
     if h.dtype != torch.bfloat16 or h.shape != (1, plan.hidden) or not h.is_contiguous() or h.device.type != "cpu":
         return None
+    if x.dtype != torch.bfloat16:  # a float32 residual takes add_projection's one addmm
+        return None
     rows = (plan.n_q + 2 * plan.n_k) * hd
     flat = torch.empty(1, rows, dtype=torch.bfloat16, device=h.device)
     fp = flat.data_ptr()
