@@ -257,10 +257,15 @@ class NativeInt4:
         """``y = x @ W.T`` on addresses: bf16 x [rows, K] at ``x`` into bf16 y [rows, N] at ``y``, both contiguous,
         the bits of :meth:`__call__`. Unchecked: the caller holds both alive (a decode row's attention, whose
         fixed shapes were checked once: ``fate_edge.model.attention_row``)."""
+        self._gemm(self.bf16_args(x, rows, y))
+
+    def _gemm(self, args: list[int]) -> None:
+        """``fe_int4_gemm`` on a row of arguments (:meth:`call_args`, :meth:`bf16_args`), at torch's threads."""
         lib = _state.lib
         assert lib is not None  # loaded in __post_init__
-        if lib.fe_int4_gemm(*self.bf16_args(x, rows, y), torch.get_num_threads(), _state.isa) != 0:
-            raise MemoryError(f"native int4 matmul {self.shape[0]}x{self.shape[1]}: out of memory for its buffers")
+        if lib.fe_int4_gemm(*args, torch.get_num_threads(), _state.isa) != 0:
+            n, k, rows = self.shape[0], self.in_features, args[10]  # M is the row's 11th field (fe_int4_gemm's order)
+            raise MemoryError(f"native int4 matmul {n}x{k} on {rows} rows: out of memory for its buffers")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n, k = self.codes.shape[0], self.in_features
@@ -273,12 +278,7 @@ class NativeInt4:
         # kernel a tensor without storage to write into)
         y = torch.empty(x2.shape[0], n, dtype=torch.bfloat16 if bf16 else torch.float32, device=x2.device)
         if x2.shape[0]:
-            lib = _state.lib
-            assert lib is not None  # loaded in __post_init__
-            args = self.call_args(x2, y)
-            rc = lib.fe_int4_gemm(*args, torch.get_num_threads(), _state.isa)
-            if rc != 0:
-                raise MemoryError(f"native int4 matmul {n}x{k} on {x2.shape[0]} rows: out of memory for its buffers")
+            self._gemm(self.call_args(x2, y))
         y = y if x.dim() == 2 else y.view(*x.shape[:-1], n)
         return y if y.dtype == x.dtype else y.to(x.dtype)
 

@@ -129,12 +129,38 @@ def _call(
     if sinks is not None:
         sinks = sinks.to(torch.float32).contiguous()
         assert sinks.shape == (q.shape[1],), f"sinks {tuple(sinks.shape)} for {q.shape[1]} query heads"
-    r, hq, dk = q.shape
-    dv = v.shape[3]
-    out = torch.empty(r, hq, dv, dtype=q.dtype, device=q.device)
+    r, hq, _ = q.shape
+    out = torch.empty(r, hq, v.shape[3], dtype=q.dtype, device=q.device)
+    _launch(q.data_ptr(), q.dtype, r, hq, k, v, ranges, length, scale, out.data_ptr(), sinks)
+    return out
+
+
+def attend_at(q: int, hq: int, k: torch.Tensor, v: torch.Tensor, length: int, scale: float, out: int) -> None:
+    """:func:`attend` on addresses for one query row: ``hq`` heads of bf16 q [hq, Dk] at ``q`` over the first
+    ``length`` positions of one sequence's caches ``k``/``v`` [1, Hkv, positions, D] (read in place, their own
+    strides) → bf16 [hq, Dv] at ``out``. Unchecked: the caller checked the shapes once (:func:`takes` would take
+    them) and holds q and out alive (``attention_row``)."""
+    _launch(q, torch.bfloat16, 1, hq, k, v, None, length, scale, out, None)
+
+
+def _launch(
+    q: int,
+    q_dtype: torch.dtype,
+    rows: int,
+    hq: int,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ranges: tuple[torch.Tensor, torch.Tensor] | None,
+    length: int,
+    scale: float,
+    out: int,
+    sinks: torch.Tensor | None,
+) -> None:
+    """The kernel on ``rows`` query rows of ``hq`` heads at ``q`` (contiguous, ``q_dtype``) over k/v [B, Hkv, L, D]
+    by their strides, into ``out`` [rows, hq, Dv] (q's dtype); raises where it fails."""
     rc = _kernel.lib.fe_decode_attention(
-        q.data_ptr(),
-        _DTYPES[q.dtype],
+        q,
+        _DTYPES[q_dtype],
         k.data_ptr(),
         v.data_ptr(),
         _DTYPES[k.dtype],
@@ -147,44 +173,7 @@ def _call(
         ranges[0].data_ptr() if ranges is not None else None,
         ranges[1].data_ptr() if ranges is not None else None,
         length,
-        r,
-        hq,
-        k.shape[1],
-        dk,
-        dv,
-        scale,
-        out.data_ptr(),
-        torch.get_num_threads(),
-        sinks.data_ptr() if sinks is not None else None,
-    )
-    if rc == -2:
-        raise MemoryError(f"decode attention over {k.shape[2]} cached positions: out of memory for its scratch")
-    if rc != 0:
-        raise ValueError(f"decode attention: the kernel does not take q {tuple(q.shape)} over k {tuple(k.shape)}")
-    return out
-
-
-def attend_at(q: int, hq: int, k: torch.Tensor, v: torch.Tensor, length: int, scale: float, out: int) -> None:
-    """:func:`attend` on addresses for one query row: ``hq`` heads of bf16 q [hq, Dk] at ``q`` over the first
-    ``length`` positions of one sequence's caches ``k``/``v`` [1, Hkv, positions, D] (read in place, their own
-    strides) → bf16 [hq, Dv] at ``out``. Unchecked: the caller checked the shapes once (:func:`takes` would take
-    them) and holds q and out alive (``attention_row``)."""
-    rc = _kernel.lib.fe_decode_attention(
-        q,
-        _DTYPES[torch.bfloat16],
-        k.data_ptr(),
-        v.data_ptr(),
-        _DTYPES[k.dtype],
-        k.stride(0),
-        k.stride(1),
-        k.stride(2),
-        v.stride(0),
-        v.stride(1),
-        v.stride(2),
-        None,
-        None,
-        length,
-        1,
+        rows,
         hq,
         k.shape[1],
         k.shape[3],
@@ -192,9 +181,9 @@ def attend_at(q: int, hq: int, k: torch.Tensor, v: torch.Tensor, length: int, sc
         scale,
         out,
         torch.get_num_threads(),
-        None,
+        sinks.data_ptr() if sinks is not None else None,
     )
     if rc == -2:
-        raise MemoryError(f"decode attention over {length} cached positions: out of memory for its scratch")
+        raise MemoryError(f"decode attention over {k.shape[2]} cached positions: out of memory for its scratch")
     if rc != 0:
         raise ValueError(f"decode attention: the kernel does not take {hq} query heads over k {tuple(k.shape)}")

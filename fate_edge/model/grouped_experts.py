@@ -265,33 +265,38 @@ def _compute_fused(
     shared: tuple[NativeShared, torch.Tensor] | None,
 ) -> tuple[list[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None] | None]:
     """:func:`_compute` in one call into the kernel (:func:`_fused_call`) → the same outputs as views."""
-    call = _fused_call(xs, bounds, total, stages, shared)
-    buf, hidden = call.buffer, call.hidden
-    y = buf[call.y : call.y + total * hidden].view(total, hidden)
-    z: tuple[torch.Tensor, torch.Tensor | None] | None = None
-    if shared is not None:
-        s, hs = shared
-        m = hs.shape[0]
-        s_y = buf[call.shared : call.shared + m * hidden].view(m, hidden)
-        gate = None
-        if call.gate is not None:  # the gate logit: column 2 I of the shared expert's first stage
-            gate = buf.as_strided((m, 1), (call.shared_width, 1), call.gate)
-        z = s_y, gate
-    return list(y.split_with_sizes([b - a for a, b in bounds])), z
+    return _fused_call(xs, bounds, total, stages, shared).views([b - a for a, b in bounds])
 
 
 @dataclass
 class FusedCall:
     """Where :func:`_fused_call` left its outputs in ``buffer`` (bf16, offsets in elements): the experts' outputs
-    ``y`` [total, hidden] row after row, the shared expert's ``shared`` [M, hidden], its gate logit (None: no gate;
-    one per row, ``shared_width`` apart)."""
+    ``y`` [total, hidden] row after row, the shared expert's ``shared`` [shared_rows, hidden] (no rows: none), its
+    gate logit (None: no gate; one per row, ``shared_width`` apart)."""
 
     buffer: torch.Tensor
     hidden: int
     y: int
     shared: int
+    shared_rows: int
     gate: int | None
     shared_width: int
+
+    def views(self, sizes: list[int]) -> tuple[list[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None] | None]:
+        """The experts' outputs as views, ``sizes`` rows each, and the shared expert's output and gate logit (None
+        without a shared expert)."""
+        buf, hidden = self.buffer, self.hidden
+        total = sum(sizes)
+        y = buf[self.y : self.y + total * hidden].view(total, hidden)
+        z: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        if self.shared_rows:
+            m = self.shared_rows
+            s_y = buf[self.shared : self.shared + m * hidden].view(m, hidden)
+            gate = None  # the gate logit: column 2 I of the shared expert's first stage
+            if self.gate is not None:
+                gate = buf.as_strided((m, 1), (self.shared_width, 1), self.gate)
+            z = s_y, gate
+        return list(y.split_with_sizes(sizes)), z
 
 
 def _segments(sizes: list[int]) -> tuple[list[int], int]:
@@ -351,7 +356,7 @@ def _fused_call(
         assert isinstance(down, NativeInt4)
         rows_down += down.bf16_args(ap + BF16 * a * inter, rows, yp + BF16 * a * hidden)
     glu_grouped(rows_first, rows_glu, rows_down)
-    return FusedCall(buf, hidden, offsets[-1], offsets[2], gate, s_width)
+    return FusedCall(buf, hidden, offsets[-1], offsets[2], m, gate, s_width)
 
 
 @dataclass
@@ -374,10 +379,9 @@ class FusedRow:
     def tensors(self) -> tuple[dict[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]:
         """The outputs as :func:`group_rows_with_shared` gives them (views), for a residual the native sum does not
         take."""
-        c = self.call
-        y = c.buffer[c.y : c.y + len(self.ids) * c.hidden].view(len(self.ids), c.hidden)
-        gate = None if c.gate is None else c.buffer[c.gate : c.gate + 1].view(1, 1)
-        return dict(zip(self.ids, y.split(1))), (c.buffer[c.shared : c.shared + c.hidden].view(1, c.hidden), gate)
+        ys, z = self.call.views([1] * len(self.ids))
+        assert z is not None  # computed with the shared expert
+        return dict(zip(self.ids, ys)), z
 
 
 def fused_row_with_shared(

@@ -76,23 +76,44 @@ def add_experts(
         s = torch.sigmoid(gate)
         if not _row(s, 1):
             return False
-    table = array.array("q", [y.data_ptr() for y in ys])
+    _combine(
+        x,
+        [y.data_ptr() for y in ys],
+        _DTYPES[ys[0].dtype],
+        weights,
+        (z.data_ptr(), _DTYPES[z.dtype]) if z is not None else (None, 0),
+        (s.data_ptr(), _DTYPES[s.dtype]) if s is not None else (None, 0),
+        None,
+    )
+    return True
+
+
+def _combine(
+    x: torch.Tensor,
+    ys: list[int],
+    y_dtype: int,
+    weights: list[float],
+    shared: tuple[int | None, int],
+    gate: tuple[int | None, int],
+    sigmoid: int | None,
+) -> None:
+    """``fe_moe_combine`` into ``x``: expert rows at the addresses ``ys`` (kernel dtype ``y_dtype``) times
+    ``weights``, the shared expert's row and its gate as (address or None, kernel dtype), ``sigmoid``: the table's
+    address where the gate is a logit."""
+    table = array.array("q", ys)
     ws = array.array("f", weights)
     _kernel.lib.fe_moe_combine(
         x.data_ptr(),
         _DTYPES[x.dtype],
-        n,
+        x.numel(),
         len(ys),
         table.buffer_info()[0],
-        _DTYPES[ys[0].dtype],
+        y_dtype,
         ws.buffer_info()[0],
-        z.data_ptr() if z is not None else None,
-        _DTYPES[z.dtype] if z is not None else 0,
-        s.data_ptr() if s is not None else None,
-        _DTYPES[s.dtype] if s is not None else 0,
-        None,
+        *shared,
+        *gate,
+        sigmoid,
     )
-    return True
 
 
 _sigmoid_table: list[torch.Tensor] = []
@@ -117,25 +138,11 @@ def add_expert_rows(x: torch.Tensor, ys: list[int], weights: list[float], shared
     ``weights``), the shared expert's bf16 row at ``shared`` times the sigmoid of Qwen's bf16 gate logit at ``gate``
     (None: no gate), into a contiguous bf16 CPU row ``x`` in place → True; False (nothing done) where the kernel does
     not take ``x``. Unchecked addresses: the caller holds the rows alive (``grouped_experts.FusedRow``)."""
-    n = x.numel()
-    if not ys or not _row(x, n) or x.dtype != torch.bfloat16 or not available()[0]:
+    if not ys or not _row(x, x.numel()) or x.dtype != torch.bfloat16 or not available()[0]:
         return False
-    table = array.array("q", ys)
-    ws = array.array("f", weights)
-    _kernel.lib.fe_moe_combine(
-        x.data_ptr(),
-        _DTYPES[torch.bfloat16],
-        n,
-        len(ys),
-        table.buffer_info()[0],
-        _DTYPES[torch.bfloat16],
-        ws.buffer_info()[0],
-        shared,
-        _DTYPES[torch.bfloat16],
-        gate,
-        _DTYPES[torch.bfloat16],
-        sigmoid_table().data_ptr() if gate is not None else None,
-    )
+    bf16 = _DTYPES[torch.bfloat16]
+    table = sigmoid_table().data_ptr() if gate is not None else None
+    _combine(x, ys, bf16, weights, (shared, bf16), (gate, bf16), table)
     return True
 
 
@@ -261,9 +268,7 @@ def rope_(qk: torch.Tensor, rope: RopeRows, bias: tuple[torch.Tensor, torch.Tens
         if flat.dtype != torch.bfloat16 or b_t.dtype != torch.bfloat16 or not b_t.is_contiguous():
             raise ValueError("rope: the bias and its output must be contiguous bf16")
         b, total = b_t.data_ptr(), flat.numel()
-    lib = _kernel.lib
-    if lib.fe_rope_bf16(qk.data_ptr(), rows, d, rope.cos.data_ptr(), rope.sin.data_ptr(), b, total) != 0:
-        raise ValueError(f"rope: the kernel does not take rows of {d}")
+    rope_at(qk.data_ptr(), rows, rope, b, total)
     return qk
 
 
