@@ -28,9 +28,8 @@ def _model(wide_dir):
     return load_model(wide_dir, torch.bfloat16, resident_bits=4)  # q/k/v (with its bias) and o on native int4
 
 
-def _decode(model, steps: int = 5, capacity_hint: int = 0):
-    cache = model.new_cache()
-    cache.capacity_hint = capacity_hint
+def _decode(model, steps: int = 5):
+    cache = model.new_cache()  # no capacity hint: the first buffers hold 64 positions
     out = []
     with torch.inference_mode():
         tok = model(torch.tensor([[3, 17, 99, 5, 250, 7]]), cache)[0, -1].argmax().view(1, 1)

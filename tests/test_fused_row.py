@@ -7,12 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from fate_edge.quant import QuantSpec
+from _native_experts import SPEC, decode_steps, native_expert
 from fate_edge.quant.linear import QuantizedLinear
 from fate_edge.quant.native import native_status
 
 from fate_edge.model import grouped_experts, routed_experts, row_ops
-from fate_edge.model.experts import QuantizedExpert
 from fate_edge.model.grouped_experts import FusedRow, fused_row_with_shared, group_rows_with_shared, native_shared
 from fate_edge.model.layer import Fused
 from fate_edge.model.layer_step import shared_out
@@ -20,16 +19,6 @@ from fate_edge.model.layer_step import shared_out
 pytestmark = pytest.mark.skipif(
     not (native_status()[0] and row_ops.available()[0]), reason="needs the native int4 and row kernels"
 )
-
-SPEC = QuantSpec(4, 64)
-
-
-def _expert(seed: int, hidden: int = 256, inter: int = 128, fused: bool = True) -> QuantizedExpert:
-    g = torch.Generator().manual_seed(seed)
-    mats = [torch.randn(inter, hidden, generator=g), torch.randn(inter, hidden, generator=g)]
-    mats.append(torch.randn(hidden, inter, generator=g))
-    expert = QuantizedExpert(*[QuantizedLinear.from_float(w, SPEC, kernel="native-int4") for w in mats])
-    return expert.fused() if fused else expert
 
 
 def _shared(gated: bool, hidden: int = 256, inter: int = 384):
@@ -78,7 +67,7 @@ def test_a_fused_row_holds_each_experts_own_bits(threads, gated):
     torch.set_num_threads(threads)
     try:
         shared, mlp, dn = _shared(gated)
-        group = [(e, _expert(e)) for e in (4, 1, 7, 30)]
+        group = [(e, native_expert(e)) for e in (4, 1, 7, 30)]
         h = torch.randn(1, 256, generator=torch.Generator().manual_seed(2)).bfloat16()
         row = fused_row_with_shared(group, h, shared)
         assert isinstance(row, FusedRow) and row.ids == [4, 1, 7, 30]
@@ -103,12 +92,14 @@ def test_a_fused_row_holds_each_experts_own_bits(threads, gated):
 
 def test_rows_that_do_not_fuse_are_left_to_the_general_path():
     shared, _, _ = _shared(True)
-    group = [(0, _expert(0)), (1, _expert(1))]
+    group = [(0, native_expert(0)), (1, native_expert(1))]
     h = torch.randn(1, 256).bfloat16()
     assert fused_row_with_shared(group, torch.randn(2, 256).bfloat16(), shared) is None  # two rows
     assert fused_row_with_shared(group, h.float(), shared) is None  # float32 rows: two grouped calls instead
-    assert fused_row_with_shared([(0, _expert(0)), (1, None)], h, shared) is None  # an expert skipped
-    assert fused_row_with_shared([(0, _expert(0)), (1, _expert(1, fused=False))], h, shared) is None  # layouts differ
+    assert fused_row_with_shared([(0, native_expert(0)), (1, None)], h, shared) is None  # an expert skipped
+    assert (
+        fused_row_with_shared([(0, native_expert(0)), (1, native_expert(1, fused=False))], h, shared) is None
+    )  # layouts differ
 
 
 def test_a_resident_decode_sums_each_layer_from_the_kernels_buffer_with_the_same_bits(tmp_path, monkeypatch):
@@ -134,16 +125,7 @@ def test_a_resident_decode_sums_each_layer_from_the_kernels_buffer_with_the_same
     monkeypatch.setattr(routed_experts, "add_expert_rows", counted)
 
     def decode() -> list[torch.Tensor]:
-        cache = model.new_cache()
-        with torch.inference_mode():
-            tok = model(torch.tensor([[3, 17, 99, 5, 250]]), cache)[0, -1].argmax().view(1, 1)
-            sums.clear()
-            out = []
-            for _ in range(3):
-                logits = model(tok, cache)
-                out.append(logits)
-                tok = logits[0, -1].argmax().view(1, 1)
-        return out
+        return decode_steps(model, after_prompt=sums.clear)
 
     fused = decode()
     moe_layers = sum(lp.router is not None for lp in model.plan())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _native_experts import decode_steps, native_expert
 from fate_edge.quant import QuantSpec
 from fate_edge.quant.linear import QuantizedLinear
 from fate_edge.quant.native import gemm_grouped, native_status
@@ -20,15 +21,6 @@ pytestmark = pytest.mark.skipif(not native_status()[0], reason=f"native int4 ker
 SPEC = QuantSpec(4, 64)
 
 
-def _expert(seed: int, hidden: int = 256, inter: int = 128, fused: bool = True) -> QuantizedExpert:
-    g = torch.Generator().manual_seed(seed)
-    gate, up = torch.randn(inter, hidden, generator=g), torch.randn(inter, hidden, generator=g)
-    down = torch.randn(hidden, inter, generator=g)
-    lin = [QuantizedLinear.from_float(w, SPEC, kernel="native-int4") for w in (gate, up, down)]
-    expert = QuantizedExpert(*lin)
-    return expert.fused() if fused else expert
-
-
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("fused", [True, False], ids=["gate-up-fused", "gate-up-apart"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -36,7 +28,7 @@ def test_each_expert_gets_the_bits_of_its_own_call(threads, fused, dtype):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        experts = [_expert(i, fused=fused) for i in range(5)]
+        experts = [native_expert(i, fused=fused) for i in range(5)]
         rows = [1, 3, 1, 2, 8]  # the row kernel and the tiled GEMM both
         g = torch.Generator().manual_seed(9)
         items = [(e, torch.randn(m, 256, generator=g).to(dtype)) for e, m in zip(experts, rows)]
@@ -50,12 +42,12 @@ def test_each_expert_gets_the_bits_of_its_own_call(threads, fused, dtype):
 
 
 def test_only_native_experts_of_one_shape_and_dtype_are_grouped():
-    a, b = _expert(0), _expert(1)
+    a, b = native_expert(0), native_expert(1)
     x = torch.randn(2, 256)
     assert groupable([(a, x), (b, x)])
     assert not groupable([(a, x)])  # one expert: its own call
-    assert not groupable([(a, x), (_expert(2, fused=False), x)])  # gate_up beside gate and up
-    assert not groupable([(a, x), (_expert(3, inter=256), x)])  # another intermediate size
+    assert not groupable([(a, x), (native_expert(2, fused=False), x)])  # gate_up beside gate and up
+    assert not groupable([(a, x), (native_expert(3, inter=256), x)])  # another intermediate size
     assert not groupable([(a, x), (b, x.bfloat16())])  # another dtype
     assert not groupable([(a, x), (b, x[:0])])  # no rows
     many = torch.randn(GROUP_MAX_ROWS, 256)
@@ -157,7 +149,7 @@ def test_gpt_oss_experts_with_biases_and_the_clamp_keep_their_own_bits(fused, dt
     glu = Glu(1.0, 1.702)
     experts = []
     for i in range(4):
-        e = _expert(i, fused=fused)
+        e = native_expert(i, fused=fused)
         g = torch.Generator().manual_seed(100 + i)
         e.bias, e.glu = ExpertBias(torch.randn(256, generator=g), torch.randn(256, generator=g)), glu
         experts.append(e)
@@ -167,7 +159,7 @@ def test_gpt_oss_experts_with_biases_and_the_clamp_keep_their_own_bits(fused, dt
     for (expert, x), y in zip(items, compute_group(items)):
         assert torch.equal(y, expert(x))
     x = items[0][1]
-    plain = _expert(9, fused=fused)
+    plain = native_expert(9, fused=fused)
     assert not groupable([(experts[0], x), (plain, x)])  # biases beside none
     plain.bias = experts[1].bias
     assert not groupable([(experts[0], x), (plain, x)])  # the clamp beside silu
@@ -193,7 +185,7 @@ def test_the_shared_expert_in_the_experts_calls_keeps_its_own_bits(threads, dtyp
         mlp, dn = Fused(gate_up, None, [384, 384, 1]), Fused(down, None, [256])
         shared = native_shared(F.silu, mlp, dn)
         assert shared is not None
-        group = [(e, _expert(e)) for e in (4, 1, 7)]
+        group = [(e, native_expert(e)) for e in (4, 1, 7)]
         h = torch.randn(1, 256, generator=g).to(dtype)
         got = group_rows_with_shared(group, h, shared)
         assert got is not None
@@ -224,7 +216,9 @@ def test_a_shared_expert_off_the_native_kernel_is_not_folded():
     shared = native_shared(F.silu, Fused(native_up, None, [128, 128]), Fused(native_down, None, [256]))
     assert shared is not None
     h = torch.randn(1, 256, generator=g)
-    assert group_rows_with_shared([(0, _expert(0)), (1, _expert(1, fused=False))], h, shared) is None  # not groupable
+    assert (
+        group_rows_with_shared([(0, native_expert(0)), (1, native_expert(1, fused=False))], h, shared) is None
+    )  # not groupable
     assert group_rows_with_shared([(0, None)], h, shared) is None  # every expert skipped
 
 
@@ -266,16 +260,7 @@ def test_a_resident_decode_token_takes_its_shared_expert_into_the_experts_two_ca
     calls = _record_grouped_calls(monkeypatch)
 
     def decode() -> list[torch.Tensor]:
-        cache = model.new_cache()
-        with torch.inference_mode():
-            tok = model(torch.tensor([[3, 17, 99, 5, 250]]), cache)[0, -1].argmax().view(1, 1)
-            calls.clear()
-            out = []
-            for _ in range(3):
-                logits = model(tok, cache)
-                out.append(logits)
-                tok = logits[0, -1].argmax().view(1, 1)
-        return out
+        return decode_steps(model, after_prompt=calls.clear)
 
     folded = decode()
     moe_layers = sum(lp.router is not None for lp in model.plan())

@@ -10,11 +10,10 @@ import array
 import pytest
 import torch
 import torch.nn.functional as F
+from _native_experts import native_expert
 from fate_edge.quant import QuantSpec, native
-from fate_edge.quant.linear import QuantizedLinear
 
 from fate_edge.model import grouped_experts
-from fate_edge.model.experts import QuantizedExpert
 from fate_edge.model.grouped_experts import compute_group
 
 pytestmark = pytest.mark.skipif(
@@ -84,14 +83,6 @@ def test_every_pair_of_a_bf16_gate_and_a_few_ups_matches_torch():
         assert _same_bits(_glu_only(gate, up.contiguous(), native._lib().fe_int4_isa()), F.silu(gate) * up)
 
 
-def _expert(seed: int, hidden: int = 256, inter: int = 128, fused: bool = True) -> QuantizedExpert:
-    g = torch.Generator().manual_seed(seed)
-    mats = [torch.randn(inter, hidden, generator=g), torch.randn(inter, hidden, generator=g)]
-    mats.append(torch.randn(hidden, inter, generator=g))
-    expert = QuantizedExpert(*[QuantizedLinear.from_float(w, SPEC, kernel="native-int4") for w in mats])
-    return expert.fused() if fused else expert
-
-
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("fused", [True, False], ids=["gate-up-fused", "gate-up-apart"])
 def test_a_bf16_group_takes_one_call_with_the_bits_of_the_two_grouped_calls(threads, fused, monkeypatch):
@@ -102,7 +93,8 @@ def test_a_bf16_group_takes_one_call_with_the_bits_of_the_two_grouped_calls(thre
     try:
         g = torch.Generator().manual_seed(5)
         items = [
-            (_expert(i, fused=fused), torch.randn(m, 256, generator=g).bfloat16()) for i, m in enumerate([1, 3, 8])
+            (native_expert(i, fused=fused), torch.randn(m, 256, generator=g).bfloat16())
+            for i, m in enumerate([1, 3, 8])
         ]
         seen = []
         real = grouped_experts.glu_grouped
@@ -123,7 +115,7 @@ def test_groups_the_call_does_not_take_still_compute_through_torch(monkeypatch):
     from fate_edge.model.experts import Glu
 
     monkeypatch.setattr(grouped_experts, "glu_grouped", lambda *a: pytest.fail("glu_grouped called"))
-    experts = [_expert(i) for i in range(2)]
+    experts = [native_expert(i) for i in range(2)]
     x = torch.randn(2, 256)
     for (expert, rows), y in zip([(e, x) for e in experts], compute_group([(e, x) for e in experts])):
         assert torch.equal(y, expert(rows))
@@ -146,7 +138,7 @@ def test_the_table_is_built_on_the_cpu_under_another_default_device(monkeypatch)
     of SiLU values is built on the CPU whatever the default device is, the first time inside that context."""
     monkeypatch.setattr(native, "_silu_table", [])
     g = torch.Generator().manual_seed(11)
-    items = [(_expert(i), torch.randn(2, 256, generator=g).bfloat16()) for i in range(3)]
+    items = [(native_expert(i), torch.randn(2, 256, generator=g).bfloat16()) for i in range(3)]
     with torch.device("meta"):
         outs = compute_group(items)
     assert native.silu_table().device.type == "cpu"
