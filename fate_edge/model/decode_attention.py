@@ -186,4 +186,5 @@ def _launch(
     if rc == -2:
         raise MemoryError(f"decode attention over {k.shape[2]} cached positions: out of memory for its scratch")
     if rc != 0:
-        raise ValueError(f"decode attention: the kernel does not take {hq} query heads over k {tuple(k.shape)}")
+        q_shape = (rows, hq, k.shape[3])
+        raise ValueError(f"decode attention: the kernel does not take q {q_shape} over k {tuple(k.shape)}")
