@@ -103,8 +103,9 @@ def native_isa() -> str | None:
 
 def rows_of_four_pay() -> bool:
     """Whether matrices kept for a whole run go into rows of four (:meth:`NativeInt4.interleave_rows`) here: where the
-    kernel runs AVX-512, on which it was measured (docs/measured-choices.md). The AVX2 kernel reads either layout
-    but streams one row at a time, so it has nothing to gain."""
+    kernel runs AVX-512, on which it was measured (docs/measured-choices.md). The AVX2 kernel reads either layout,
+    rows of four four rows at a time, but gained nothing from them where it was measured (an AVX-512 host made to
+    run it, docs/cpu-profile.md): AVX2 hosts keep the portable layout until one of them measures otherwise."""
     return native_status()[0] and _state.isa == 2
 
 

@@ -515,9 +515,8 @@ T256 static inline __attribute__((always_inline)) void tile_256(const uint8_t *w
    taken once where one group spans both chunks (g = 128), K a multiple of 128 (chunk pairs, no tail). The same
    products in the same order as tile_256 at mt = 1, so the same bits. */
 T256 static inline __attribute__((always_inline)) float row1_256(const uint8_t *wr, const float *sw, int pairs,
-                                                                  const int gshift, const prepared *p, int cs) {
-    const int8_t *q = p->q;
-    const float *sx = p->lane_sx;
+                                                                  const int gshift, const int8_t *q, const float *sx,
+                                                                  int cs) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     for (int i = 0; i < pairs; i++, wr += cs, q += 128, sx += 16) {
         _mm_prefetch((const char *)(wr + PREFETCH), _MM_HINT_T0);
@@ -539,16 +538,58 @@ T256 static inline __attribute__((always_inline)) float row1_256(const uint8_t *
     return hsum_256(_mm256_add_ps(acc0, acc1));
 }
 
+/* row1_256 for the four rows of one group in rows of four (code_at): the group's chunks are one stream, chunk i of
+   row r at 256 i + 64 r, and each chunk of x (its codes and lane scales) is loaded once for the four rows. Every
+   row's products, sums and their order are row1_256's, so the same bits. ``sw``: the four rows' widened scales,
+   ``stride`` floats apart. */
+T256 static inline __attribute__((always_inline)) void row4_256(const uint8_t *wr, const float *sw, int stride,
+                                                                 int pairs, const int gshift, const int8_t *q,
+                                                                 const float *sx, float *out) {
+    __m256 acc0[4], acc1[4];
+    for (int r = 0; r < 4; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    for (int i = 0; i < pairs; i++, wr += 256, q += 128, sx += 16) {
+        _mm_prefetch((const char *)(wr + PREFETCH), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wr + PREFETCH + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wr + PREFETCH + 128), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wr + PREFETCH + 192), _MM_HINT_T0);
+        const __m256i q0 = _mm256_loadu_si256((const __m256i *)q), q1 = _mm256_loadu_si256((const __m256i *)(q + 32));
+        const __m256i q2 = _mm256_loadu_si256((const __m256i *)(q + 64));
+        const __m256i q3 = _mm256_loadu_si256((const __m256i *)(q + 96));
+        const __m256 x0 = _mm256_loadu_ps(sx), x1 = _mm256_loadu_ps(sx + 8);
+        for (int r = 0; r < 4; r++) {
+            const float *swr = sw + r * stride;
+            __m256 s0, s1;
+            if (gshift == 7) {
+                s0 = s1 = _mm256_broadcast_ss(swr + i);
+            } else {
+                s0 = chunk_scales_256(swr, 2 * i, gshift);
+                s1 = chunk_scales_256(swr, 2 * i + 1, gshift);
+            }
+            const uint8_t *c = wr + 64 * r;
+            __m256i d0 = chunk_dot_256(_mm256_loadu_si256((const __m256i *)c), q0, q1);
+            acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(s0, x0), acc0[r]);
+            __m256i d1 = chunk_dot_256(_mm256_loadu_si256((const __m256i *)(c + 32)), q2, q3);
+            acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(s1, x1), acc1[r]);
+        }
+    }
+    for (int r = 0; r < 4; r++) out[r] = hsum_256(_mm256_add_ps(acc0[r], acc1[r]));
+}
+
 /* AVX2's rows for a group size ``g`` that is a constant after inlining (the switch in rows_256): each chunk's scale
    address is then a constant shift, where a run-time one cost a variable shift, a sign extension and a branch per
    chunk and row (about as many scalar instructions as vector ones). One x row takes its weight rows one at a time:
    on a 2-vCPU Zen 3 four rows a pass (rows_512's R1, which loads each chunk of x once for them) streamed about a
    quarter slower from DRAM than one, the four interleaved streams most likely costing the hardware prefetcher more
-   than the shared loads save, though it was ahead on matrices held in L2 (docs/measured-choices.md). */
+   than the shared loads save, though it was ahead on matrices held in L2 (docs/measured-choices.md). In rows of
+   four the four rows are one stream, so there they go four at a time (row4_256), each x row in turn over a group
+   still in L1 (ROWS_BODY would read each of its rows 64 bytes in 256). Which layout an AVX2 host keeps is
+   rows_of_four_pay's: on a Zen 5 made to run this path rows of four streamed as fast or faster at one x row, 1-8%
+   slower at two, and a decode token took the same time either way, so the portable one until an AVX2 host measures
+   otherwise (docs/cpu-profile.md). */
 T256 static inline __attribute__((always_inline)) void rows_g_256(const uint8_t *codes, wscales w, int n0, int n1,
                                                                    int N, int K, const int g, const prepared *p,
                                                                    int M, yout y) {
-    if (M == 1) {
+    if (M == 1 || w.r4) {
         const int groups = K / g, padded = (groups + 15) & ~15, gshift = __builtin_ctz(g), stride = K / 32 + 32;
         float sw[BLOCK * stride], zw[BLOCK * stride];
         for (int n = n0; n < n1; n++) {
@@ -556,13 +597,30 @@ T256 static inline __attribute__((always_inline)) void rows_g_256(const uint8_t 
             widen_256(w.zero, w.f32, (size_t)n * groups, groups, zw + (n - n0) * stride);
         }
         const size_t total = (size_t)N * (K / 2);
-        for (int n = n0; n < n1; n++) {
+        int n = n0;
+        /* rows of four: whole groups (n0 is a multiple of BLOCK), each x row in turn on a group still in L1 */
+        for (; w.r4 && n + 4 <= n1 && n + 4 <= (N & ~3); n += 4) {
+            const size_t at = (size_t)n * (K / 2) + TOUCH_AHEAD;
+            if (at < total) __asm__ volatile("" : : "r"(*(volatile const uint8_t *)(codes + at)));
+            for (int m = 0; m < M; m++) {
+                float sums[4];
+                row4_256(codes + code_at(n, 0, K, N, 1), sw + (n - n0) * stride, stride, K / 128, gshift,
+                         p->q + (size_t)m * K, p->lane_sx + (size_t)m * (K / 8), sums);
+                for (int r = 0; r < 4; r++)
+                    y_put(y, (size_t)m * N + n + r,
+                          sums[r] + dot_256(zw + (n + r - n0) * stride, p->gsum + (size_t)m * padded, padded));
+            }
+        }
+        for (; n < n1; n++) {
             const size_t at = (size_t)n * (K / 2) + TOUCH_AHEAD;
             if ((n - n0) % 4 == 0 && at < total) /* as rows_512, once per 4 rows; inside the matrix only */
                 __asm__ volatile("" : : "r"(*(volatile const uint8_t *)(codes + at)));
-            const float sum = row1_256(codes + code_at(n, 0, K, N, w.r4), sw + (n - n0) * stride, K / 128, gshift, p,
-                                       chunk_stride(n, N, w.r4));
-            y_put(y, (size_t)n, sum + dot_256(zw + (n - n0) * stride, p->gsum, padded));
+            for (int m = 0; m < M; m++) {
+                const float sum = row1_256(codes + code_at(n, 0, K, N, w.r4), sw + (n - n0) * stride, K / 128, gshift,
+                                           p->q + (size_t)m * K, p->lane_sx + (size_t)m * (K / 8),
+                                           chunk_stride(n, N, w.r4));
+                y_put(y, (size_t)m * N + n, sum + dot_256(zw + (n - n0) * stride, p->gsum + (size_t)m * padded, padded));
+            }
         }
         return;
     }
