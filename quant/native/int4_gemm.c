@@ -511,6 +511,26 @@ T256 static inline __attribute__((always_inline)) void tile_256(const uint8_t *w
     for (int i = 0; i < mt; i++) out[i] = hsum_256(_mm256_add_ps(acc0[i], acc1[i]));
 }
 
+/* One weight row's 64-byte chunk i (at ``w``) against x's (its codes q0-q3 and lane scales x0, x1) into the row's
+   two accumulators: row1_256's step, which row4_256 takes for each of its rows, so both keep its products in its
+   order. */
+T256 static inline __attribute__((always_inline)) void chunk_pair_256(const uint8_t *w, const float *sw, int i,
+                                                                       const int gshift, __m256i q0, __m256i q1,
+                                                                       __m256i q2, __m256i q3, __m256 x0, __m256 x1,
+                                                                       __m256 *acc0, __m256 *acc1) {
+    __m256 s0, s1;
+    if (gshift == 7) {
+        s0 = s1 = _mm256_broadcast_ss(sw + i);
+    } else {
+        s0 = chunk_scales_256(sw, 2 * i, gshift);
+        s1 = chunk_scales_256(sw, 2 * i + 1, gshift);
+    }
+    __m256i d0 = chunk_dot_256(_mm256_loadu_si256((const __m256i *)w), q0, q1);
+    *acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(s0, x0), *acc0);
+    __m256i d1 = chunk_dot_256(_mm256_loadu_si256((const __m256i *)(w + 32)), q2, q3);
+    *acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(s1, x1), *acc1);
+}
+
 /* tile_256 at one x row, written for the compiler: pointers that advance instead of indices, the chunk pair's scales
    taken once where one group spans both chunks (g = 128), K a multiple of 128 (chunk pairs, no tail). The same
    products in the same order as tile_256 at mt = 1, so the same bits. */
@@ -520,20 +540,10 @@ T256 static inline __attribute__((always_inline)) float row1_256(const uint8_t *
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     for (int i = 0; i < pairs; i++, wr += cs, q += 128, sx += 16) {
         _mm_prefetch((const char *)(wr + PREFETCH), _MM_HINT_T0);
-        __m256 s0, s1;
-        if (gshift == 7) {
-            s0 = s1 = _mm256_broadcast_ss(sw + i);
-        } else {
-            s0 = chunk_scales_256(sw, 2 * i, gshift);
-            s1 = chunk_scales_256(sw, 2 * i + 1, gshift);
-        }
-        __m256i d0 = chunk_dot_256(_mm256_loadu_si256((const __m256i *)wr), _mm256_loadu_si256((const __m256i *)q),
-                                   _mm256_loadu_si256((const __m256i *)(q + 32)));
-        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(s0, _mm256_loadu_ps(sx)), acc0);
-        __m256i d1 = chunk_dot_256(_mm256_loadu_si256((const __m256i *)(wr + 32)),
-                                   _mm256_loadu_si256((const __m256i *)(q + 64)),
-                                   _mm256_loadu_si256((const __m256i *)(q + 96)));
-        acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(s1, _mm256_loadu_ps(sx + 8)), acc1);
+        chunk_pair_256(wr, sw, i, gshift, _mm256_loadu_si256((const __m256i *)q),
+                       _mm256_loadu_si256((const __m256i *)(q + 32)), _mm256_loadu_si256((const __m256i *)(q + 64)),
+                       _mm256_loadu_si256((const __m256i *)(q + 96)), _mm256_loadu_ps(sx), _mm256_loadu_ps(sx + 8),
+                       &acc0, &acc1);
     }
     return hsum_256(_mm256_add_ps(acc0, acc1));
 }
@@ -556,21 +566,8 @@ T256 static inline __attribute__((always_inline)) void row4_256(const uint8_t *w
         const __m256i q2 = _mm256_loadu_si256((const __m256i *)(q + 64));
         const __m256i q3 = _mm256_loadu_si256((const __m256i *)(q + 96));
         const __m256 x0 = _mm256_loadu_ps(sx), x1 = _mm256_loadu_ps(sx + 8);
-        for (int r = 0; r < 4; r++) {
-            const float *swr = sw + r * stride;
-            __m256 s0, s1;
-            if (gshift == 7) {
-                s0 = s1 = _mm256_broadcast_ss(swr + i);
-            } else {
-                s0 = chunk_scales_256(swr, 2 * i, gshift);
-                s1 = chunk_scales_256(swr, 2 * i + 1, gshift);
-            }
-            const uint8_t *c = wr + 64 * r;
-            __m256i d0 = chunk_dot_256(_mm256_loadu_si256((const __m256i *)c), q0, q1);
-            acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(s0, x0), acc0[r]);
-            __m256i d1 = chunk_dot_256(_mm256_loadu_si256((const __m256i *)(c + 32)), q2, q3);
-            acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(s1, x1), acc1[r]);
-        }
+        for (int r = 0; r < 4; r++)
+            chunk_pair_256(wr + 64 * r, sw + r * stride, i, gshift, q0, q1, q2, q3, x0, x1, &acc0[r], &acc1[r]);
     }
     for (int r = 0; r < 4; r++) out[r] = hsum_256(_mm256_add_ps(acc0[r], acc1[r]));
 }
