@@ -255,6 +255,7 @@ def test_a_resident_decode_token_takes_its_shared_expert_into_the_experts_two_ca
     from fate_edge.runtime.loader import expert_spec
 
     model = load_model(build_wide_moe(tmp_path / "m", 128, vocab=1024), dtype, resident_bits=4)
+    _without_whole_layers(monkeypatch)
     spec = expert_spec(model.config, 4)
     model.experts = InMemoryExpertProvider.quantized(model.experts, spec, kernel="native-int4")
     calls = _record_grouped_calls(monkeypatch)
@@ -287,6 +288,7 @@ def test_an_engine_whose_budget_holds_the_model_folds_the_shared_expert_like_the
 
     store = convert(build_wide_moe(tmp_path / "m", 128, vocab=1024), tmp_path / "s", progress=False)
     calls = _record_grouped_calls(monkeypatch)
+    _without_whole_layers(monkeypatch)
     cfg = GenerateConfig(max_tokens=12, ignore_eos=True, logprobs=3)
     prompt = [3, 17, 99, 5, 250, 7, 64, 12]
     runs = {}
@@ -305,3 +307,11 @@ def test_an_engine_whose_budget_holds_the_model_folds_the_shared_expert_like_the
             assert not whole and not folded
             assert stats.predict_s > 0  # the predictor runs where experts are read
     assert runs["auto"] == runs[150_000]  # tokens and logprobs: the same bits
+
+
+def _without_whole_layers(monkeypatch) -> None:
+    """Resident layers run whole in one native call (decode_layer, tests/test_decode_layer.py); this file checks the
+    step-by-step path beside it (taken where that call is not: a full KV cache, a router tie, a busy provider)."""
+    from fate_edge.model.decode_layer import DecodeLayers
+
+    monkeypatch.setattr(DecodeLayers, "of", staticmethod(lambda *args: None))

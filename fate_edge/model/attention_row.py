@@ -91,15 +91,11 @@ def attend(
     to ``cache``'s ``layer``, with the bits of ``decode_step``'s general path; None (nothing done) where the row, the
     layer or the cache is not one this takes."""
     plan = plan_of(cfg, lp)
-    if plan is None or type(cache).update is not KVCache.update or layer in cfg.sliding_window_layers:
+    slot = None if plan is None else cache_slot(cfg, cache, layer, plan)
+    if plan is None or slot is None:
         return None
-    lay = cache.layers[layer]
-    if type(lay) is not LayerCache or lay.window is not None or len(lay.buffers) != 2:
-        return None
-    kb, vb = lay.buffers
-    at, hd = lay.held, plan.head_dim
-    if at >= kb.shape[2] or not _cache_fits(kb, plan) or not _cache_fits(vb, plan):
-        return None  # no room for the position (the general path grows the cache), or another kind of buffer
+    lay, kb, vb, at = slot
+    hd = plan.head_dim
     if h.dtype != torch.bfloat16 or h.shape != (1, plan.hidden) or not h.is_contiguous() or h.device.type != "cpu":
         return None
     if x.dtype != torch.bfloat16:  # a float32 residual takes add_projection's one addmm
@@ -120,6 +116,23 @@ def attend(
     y = torch.empty(1, plan.hidden, dtype=torch.bfloat16, device=h.device)
     plan.o.gemm_bf16(out.data_ptr(), 1, y.data_ptr())
     return x + y  # add_projection's bf16 rule: the projection rounded, then the sum
+
+
+def cache_slot(
+    cfg: ModelConfig, cache: KVCache, layer: int, plan: RowAttention
+) -> tuple[LayerCache, torch.Tensor, torch.Tensor, int] | None:
+    """Where a decode row's key and value go in ``cache``'s ``layer``: (the layer's cache, its key and value buffers,
+    the position), or None where the cache is not one the native calls write (the general path takes it)."""
+    if type(cache).update is not KVCache.update or layer in cfg.sliding_window_layers:
+        return None
+    lay = cache.layers[layer]
+    if type(lay) is not LayerCache or lay.window is not None or len(lay.buffers) != 2:
+        return None
+    kb, vb = lay.buffers
+    at = lay.held
+    if at >= kb.shape[2] or not _cache_fits(kb, plan) or not _cache_fits(vb, plan):
+        return None  # no room for the position (the general path grows the cache), or another kind of buffer
+    return lay, kb, vb, at
 
 
 def _cache_fits(b: torch.Tensor, plan: RowAttention) -> bool:

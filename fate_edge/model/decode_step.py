@@ -8,7 +8,9 @@ small matmul with a rotation built once per token (not four elementwise operator
 (``row_ops.RopeRows``), and the output projection added to the residual in the same matmul
 (``addmm``). A bf16 row whose projections are native int4 takes the whole attention block as direct native calls
 (:mod:`fate_edge.model.attention_row`, the same bits). Its routed experts come from the provider as on
-the general path (:mod:`fate_edge.model.routed_experts`: one row calls its k experts directly).
+the general path (:mod:`fate_edge.model.routed_experts`: one row calls its k experts directly). Where the provider
+holds every expert in memory, a bf16 MoE layer whose parts are all on native kernels runs whole in one native call
+(:mod:`fate_edge.model.decode_layer`, the same bits).
 
 Layers it does not cover (MLA attention, q/k norms, clipped q/k/v, partial or interleaved rope) go through the
 general path: :func:`supported` says which.
@@ -22,9 +24,10 @@ import torch
 
 from fate_edge.model import attention_row
 from fate_edge.model.attention import gqa
+from fate_edge.model.decode_layer import DecodeLayers
 from fate_edge.model.embedding import lookup
 from fate_edge.model.layer import LayerPlan, head_logits, rms_norm
-from fate_edge.model.layer_step import LayerPath, add_projection, decoder_layer
+from fate_edge.model.layer_step import LayerPath, add_projection, decoder_layer, mlp_block
 from fate_edge.model.routed_experts import provider_moe
 from fate_edge.model.row_ops import RopeRows
 
@@ -86,7 +89,14 @@ def decode_token(model: DecodingModel, token: torch.Tensor, cache: KVCache, plan
         return add_projection(x, gqa(cfg, h, 1, 1, layer, lp, cache, cos, sin, rot), lp.o_proj)
 
     path = LayerPath(cfg, model.act, attend, provider_moe(model, decode=True))
+    whole = DecodeLayers.of(model, cache, rot)  # a layer in one native call, where it takes the layer
     for i, lp in enumerate(plan):
-        x = decoder_layer(path, x, i, lp)
+        done = None if whole is None else whole.run(x, i, lp)
+        if done is None:
+            x = decoder_layer(path, x, i, lp)
+        else:
+            x, h = done
+            if h is not None:  # the router declined (a tie): the MoE half as the general path computes it
+                x = mlp_block(path, x, h, i, lp)
     x = rms_norm(x, model.w["model.norm.weight"], cfg.rms_norm_eps)
     return head_logits(x, model.head).view(1, 1, -1)

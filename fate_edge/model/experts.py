@@ -256,6 +256,20 @@ class ExpertProvider(ABC):
     def end_layer(self, layer: int) -> None:  # noqa: B027 (optional hook, nothing to release by default)
         """The MoE block has computed every expert of ``layer``."""
 
+    def resident_token(self) -> object | None:
+        """Where every expert is in memory now and stays there, handed out without a read, until the returned token
+        changes (compared with ``==``): the token; else None (the default). A decode row may then compute a whole
+        layer in one native call (``fate_edge.model.decode_layer``) with the experts :meth:`resident_layer` gave."""
+        return None
+
+    def resident_layer(self, layer: int, num_experts: int) -> list[Expert] | None:
+        """Every expert of ``layer`` in id order while :meth:`resident_token` is not None (None: not all held)."""
+        return None
+
+    def served_resident(self, layer: int, ids: list[int], seconds: float) -> None:  # noqa: B027 (optional hook)
+        """``layer``'s experts ``ids`` (ascending) were computed in one native call from :meth:`resident_layer`'s
+        experts, in ``seconds``: what :meth:`stream_groups` and :meth:`end_layer` would have noted."""
+
     def begin_forward(self, tokens: int, sequences: int = 1) -> None:  # noqa: B027 (optional hook)
         """A forward pass over ``tokens`` new positions per sequence starts: a prompt when more than one, even
         where a layer then routes fewer rows (the last layer of a prompt asked for its last logits only).
@@ -293,6 +307,13 @@ class InMemoryExpertProvider(ExpertProvider):
 
     def get(self, layer: int, expert: int) -> Expert:
         return self.experts[(layer, expert)]
+
+    def resident_token(self) -> object | None:
+        return self  # its experts are fixed at construction
+
+    def resident_layer(self, layer: int, num_experts: int) -> list[Expert] | None:
+        held = [self.experts.get((layer, e)) for e in range(num_experts)]
+        return None if any(e is None for e in held) else held  # type: ignore[return-value]
 
     def stream_groups(self, layer: int, expert_ids: Iterable[int]) -> Iterator[list[tuple[int, Expert | None]]]:
         yield list(self.stream(layer, expert_ids))  # all resident: one group

@@ -402,6 +402,25 @@ def fused_row_with_shared(
     return FusedRow(_fused_call([h] * len(items), bounds, len(items), stages, (shared, h)), [e for e, _ in group])
 
 
+def fused_layer_stages(experts: Sequence[Expert], shared: NativeShared, hidden: int) -> Stages | None:
+    """Each expert's :func:`native_stages` where a decode row's call of any of them with ``shared`` fuses as
+    :func:`fused_row_with_shared` fuses it (one layout, int4, SiLU-gated, no biases; a SiLU-gated shared expert on
+    rows of ``hidden``), else None: a whole layer's experts checked once (``fate_edge.model.decode_layer``)."""
+    h = torch.empty(1, hidden, dtype=torch.bfloat16)
+    items = [(expert, h) for expert in experts]
+    stages: Stages = []
+    first = None
+    for expert, _ in items:
+        got = _stages_and_layout(expert)
+        if got is None or (first is not None and got[1] != first):
+            return None
+        first = got[1]
+        stages.append(got[0])
+    if not stages or shared.gate_up.shape[1] != hidden or not isinstance(stages[0][1], NativeInt4):
+        return None
+    return stages if _fusable(items, h, stages, (shared, h)) else None
+
+
 def _grouped(calls: list[tuple[Matrix, torch.Tensor, torch.Tensor]]) -> None:
     """One grouped call into the kernel of these matrices (one kind: :func:`groupable` keeps them apart)."""
     int4 = [(m, x, y) for m, x, y in calls if isinstance(m, NativeInt4)]

@@ -65,7 +65,11 @@ def decoder_layer(path: LayerPath, x: torch.Tensor, layer: int, lp: LayerPlan) -
     eps = path.config.rms_norm_eps
     h = rms_norm(x, lp.input_norm, eps)
     x = path.attention(x, h, layer, lp)
-    h = rms_norm(x, lp.post_norm, eps)
+    return mlp_block(path, x, rms_norm(x, lp.post_norm, eps), layer, lp)
+
+
+def mlp_block(path: LayerPath, x: torch.Tensor, h: torch.Tensor, layer: int, lp: LayerPlan) -> torch.Tensor:
+    """The layer's second half: the residual ``x`` plus its dense MLP or its MoE block on the normed ``h``."""
     if lp.router is None:
         assert lp.mlp is not None and lp.down is not None  # a layer without a router has a dense MLP
         return add_mlp(x, h, lp.mlp, lp.down, path.act)

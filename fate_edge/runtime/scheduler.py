@@ -31,6 +31,7 @@ from fate_edge.runtime.layer_blobs import Fetch, LayerBlobs
 from fate_edge.runtime.policy import PolicyConfig
 from fate_edge.runtime.prefetch_choice import gate_candidates, plan_prefetches, prefetch_width, ranked, room_ahead
 from fate_edge.runtime.prefetch_gate import PrefetchGate
+from fate_edge.runtime.resident_layers import ResidentLayers
 from fate_edge.runtime.scheduler_stats import SchedulerStats
 from fate_edge.runtime.tier_path import TierPath
 
@@ -42,7 +43,7 @@ def _ema(old: float, new: float, keep: float) -> float:
     return new if old == 0 else keep * old + (1 - keep) * new
 
 
-class Scheduler(TierPath, LayerBlobs, ExpertProvider):
+class Scheduler(TierPath, LayerBlobs, ResidentLayers, ExpertProvider):
     # Serving needs no routing of prompt tokens whose outputs nothing reads (see model.decoding_model.RoutingObserver).
     needs_every_token = False
 
@@ -511,8 +512,7 @@ class Scheduler(TierPath, LayerBlobs, ExpertProvider):
         self.layer_uses.setdefault(layer, [0, 0, 0])[kind] += 1
 
     def end_layer(self, layer: int) -> None:
-        busy = self.prefetches or self.deferred or self._dropping or self._landed or self.skip or self.copier.in_flight
-        if not busy and self._all_cached():  # a model cached whole: only the layer's pins to let go
+        if not self._busy() and self._all_cached():  # a model cached whole: only the layer's pins to let go
             self._release_lent()
             self._unpin_all()
             return

@@ -16,6 +16,8 @@
 
    fe_kv_append: one decode position's keys and values copied into their caches.
 
+   fe_add_bf16: two bf16 rows added, as torch's bf16 add rounds.
+
    fe_argmax_bf16: the first index of the largest of n bf16 values, a NaN counting as largest, as torch.argmax.
 
    fe_rope_bf16: rotary embedding of bf16 rows by bf16 cos and signed sin, as the rotation matrix of
@@ -106,6 +108,17 @@ T256 void fe_moe_combine(void *x, int x_dtype, int64_t n, int k, const int64_t *
         else
             ((uint16_t *)x)[i] = bf16_round(bf16_value(((const uint16_t *)x)[i]) + acc);
     }
+}
+
+/* out [n] = a + b, bf16 (out may be a or b): both widened exactly, one float sum, rounded to nearest even, as torch's
+   bf16 add rounds (the decode row's residual plus its attention's output, attention_row's ``x + y``). */
+T256 void fe_add_bf16(const void *a, const void *b, int64_t n, void *out) {
+    const uint16_t *x = (const uint16_t *)a, *y = (const uint16_t *)b;
+    uint16_t *o = (uint16_t *)out;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(o + i), to_bf16_8(_mm256_add_ps(load8(x, BF16, i), load8(y, BF16, i))));
+    for (; i < n; i++) o[i] = bf16_round(bf16_value(x[i]) + bf16_value(y[i]));
 }
 
 /* ---- one decode row's keys and values into its cache -------------------------------------------------------------- */

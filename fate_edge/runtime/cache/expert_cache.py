@@ -9,6 +9,7 @@ is refused rather than exceeding the capacity: the budget is a hard limit. A pol
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -24,6 +25,9 @@ class CacheEntry:
     nbytes: int
     bits: int
     pins: int = 0
+
+
+_serials = itertools.count()
 
 
 class ExpertCache:
@@ -56,6 +60,9 @@ class ExpertCache:
         self.refused = 0
         self.bypassed = 0  # inserts the policy declined (cache.eviction.EvictionPolicy.admit)
         self.on_evict: Callable[[Key], None] | None = None  # told each key that leaves (its memory is free)
+        # Entries admitted or let go, counted from this cache's own start (``serial``, no other cache's): what was
+        # read from ``entries`` holds while both stay
+        self.serial, self.changes = next(_serials), 0
 
     def _slots(self) -> dict[int, int]:
         return {p: cap // max(1, self._sizes.get(p, self.entry_bytes)) for p, cap in self.capacity.items()}
@@ -127,6 +134,7 @@ class ExpertCache:
                 return False
             self._evict(victim)
         self.entries[key] = CacheEntry(key, expert, nbytes, bits)
+        self.changes += 1
         self._members[part][key] = None
         self.used[part] += nbytes
         self.per_layer[key[0]] = self.per_layer.get(key[0], 0) + 1
@@ -136,6 +144,7 @@ class ExpertCache:
 
     def _evict(self, key: Key) -> None:
         e = self.entries.pop(key)
+        self.changes += 1
         self.per_layer[key[0]] -= 1
         part = self.partition_of(key)
         del self._members[part][key]

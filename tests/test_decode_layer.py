@@ -1,0 +1,188 @@
+"""A decode row's whole MoE layer in one native call (``fate_edge.model.decode_layer``): the bits of the step-by-step
+path (logits, the KV cache it writes, the routing the observers see), the provider's bookkeeping as its groups would
+have kept it, and the general path wherever the layer, the cache, the provider or the router is one it does not take."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+from _native_experts import decode_steps
+from fate_edge.quant.native import native_status
+
+from fate_edge import load_model
+from fate_edge.model import decode_layer, row_ops
+from fate_edge.model.decode_layer import DecodeLayers, program_of
+from fate_edge.model.experts import InMemoryExpertProvider
+
+pytestmark = pytest.mark.skipif(
+    not (native_status()[0] and row_ops.available()[0] and decode_layer.available()[0]),
+    reason="needs the native int4, row and decode layer kernels",
+)
+
+PROMPT = [3, 17, 99, 5, 250, 7, 64, 12]
+
+
+@pytest.fixture(scope="module")
+def wide_dir(tmp_path_factory):
+    from _tiny_moe import build_wide_moe
+
+    return build_wide_moe(tmp_path_factory.mktemp("wide") / "m", 128, vocab=1024)
+
+
+@pytest.fixture(scope="module")
+def store(wide_dir, tmp_path_factory):
+    from fate_edge.format.convert import convert
+
+    return convert(wide_dir, tmp_path_factory.mktemp("store") / "s", progress=False)
+
+
+def _resident(wide_dir):
+    """The checkpoint resident in bf16, its attention and every expert on the native int4 kernel."""
+    from fate_edge.runtime.loader import expert_spec
+
+    model = load_model(wide_dir, torch.bfloat16, resident_bits=4)
+    model.experts = InMemoryExpertProvider.quantized(model.experts, expert_spec(model.config, 4), kernel="native-int4")
+    return model
+
+
+def _outcomes(monkeypatch) -> list[str]:
+    """Each layer call's outcome: "whole", "tie" (the MoE half left to the general path) or "general"."""
+    seen: list[str] = []
+    real = DecodeLayers.run
+
+    def run(self, x, layer, lp):
+        got = real(self, x, layer, lp)
+        seen.append("general" if got is None else "whole" if got[1] is None else "tie")
+        return got
+
+    monkeypatch.setattr(DecodeLayers, "run", run)
+    return seen
+
+
+def _step_by_step(monkeypatch) -> None:
+    monkeypatch.setattr(DecodeLayers, "of", staticmethod(lambda *args: None))
+
+
+def _routes(model) -> list[tuple]:
+    routes: list[tuple] = []
+    model.observers.append(lambda layer, h, idx, w: routes.append((layer, idx.tolist(), w.tolist(), h.clone())))
+    return routes
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_resident_decode_runs_whole_layers_with_the_step_by_step_bits(wide_dir, monkeypatch, threads):
+    """Logits, and what each layer's observers see (the router's choice and weights, the MoE block's input)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model = _resident(wide_dir)
+        routes = _routes(model)
+        seen = _outcomes(monkeypatch)
+        whole = decode_steps(model, steps=6, after_prompt=lambda: (seen.clear(), routes.clear()))
+        layers = model.config.num_hidden_layers
+        assert seen == ["whole"] * (6 * layers)
+        got = list(routes)
+        _step_by_step(monkeypatch)
+        model = _resident(wide_dir)
+        routes = _routes(model)
+        want = decode_steps(model, steps=6, after_prompt=routes.clear)
+        for a, b in zip(whole, want):
+            assert torch.equal(a, b)
+        assert len(got) == len(routes) == 6 * layers
+        for (la, ia, wa, ha), (lb, ib, wb, hb) in zip(got, routes):
+            assert (la, ia, wa) == (lb, ib, wb) and torch.equal(ha, hb)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _decode(model, steps: int) -> tuple[list[torch.Tensor], object]:
+    cache = model.new_cache()  # no capacity hint: the first buffers hold 64 positions
+    out = []
+    with torch.inference_mode():
+        tok = model(torch.tensor([PROMPT]), cache)[0, -1].argmax().view(1, 1)
+        for _ in range(steps):
+            logits = model(tok, cache)
+            out.append(logits)
+            tok = logits[0, -1].argmax().view(1, 1)
+    return out, cache
+
+
+def test_it_writes_the_general_paths_cache_and_a_full_cache_goes_to_the_general_path(wide_dir, monkeypatch):
+    """Past the cache's first 64 positions the general path grows it (one token), then whole layers go on."""
+    seen = _outcomes(monkeypatch)
+    steps = 64 - len(PROMPT) + 3
+    got, cache = _decode(_resident(wide_dir), steps)
+    layers = _resident(wide_dir).config.num_hidden_layers
+    assert seen.count("general") == layers and seen.count("whole") == (steps - 1) * layers
+    _step_by_step(monkeypatch)
+    want, want_cache = _decode(_resident(wide_dir), steps)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    for lay, ref in zip(cache.layers, want_cache.layers):  # the keys and values, position by position
+        assert lay.length == ref.length == len(PROMPT) + steps
+        for buf, ref_buf in zip(lay.buffers, ref.buffers):
+            assert torch.equal(buf.narrow(2, 0, lay.length), ref_buf.narrow(2, 0, ref.length))
+
+
+def test_a_router_tie_leaves_the_moe_half_to_the_general_path(wide_dir, monkeypatch):
+    """The router declining (a tie that torch.topk decides): the attention half stays done, the MoE half goes the
+    general way, the same logits."""
+    model = _resident(wide_dir)
+    want = decode_steps(model, steps=3)
+    declines = ctypes.CFUNCTYPE(ctypes.c_int)(lambda: 1)  # fe_route_softmax's "a tie": 1, whatever it was given
+    lib = decode_layer._kernel.lib
+    fns = decode_layer.entry_points()
+    decode_layer.bind(lib, [*fns[:-1], ctypes.cast(declines, ctypes.c_void_p).value or 0])
+    try:
+        seen = _outcomes(monkeypatch)
+        got = decode_steps(_resident(wide_dir), steps=3, after_prompt=seen.clear)
+    finally:
+        decode_layer.bind(lib, fns)
+    assert seen == ["tie"] * (3 * model.config.num_hidden_layers)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_layers_it_does_not_take_get_no_program(wide_dir):
+    """Experts on torch's matmul (not native int4), and a plain bf16 checkpoint: no program, the general path."""
+    plain = load_model(wide_dir, torch.bfloat16, resident_bits=4)  # its experts bf16 ExpertWeights
+    token = plain.experts.resident_token()
+    assert token is not None  # resident: asked, but the experts do not fuse
+    assert all(program_of(plain, lp, i, token) is None for i, lp in enumerate(plain.plan()))
+    model = _resident(wide_dir)
+    token = model.experts.resident_token()
+    programs = [program_of(model, lp, i, token) for i, lp in enumerate(model.plan())]
+    assert all(p is not None for p in programs)
+    assert program_of(model, model.plan()[0], 0, token) is programs[0]  # kept on the plan
+    assert program_of(model, model.plan()[0], 0, object()) is not programs[0]  # a new token: made again
+
+
+def test_an_engine_whose_budget_holds_the_model_gives_the_same_tokens_logprobs_and_counters(store, monkeypatch):
+    """Whole layers in the default engine (a budget that holds the model); the same tokens and logprobs step by step
+    and from an engine that reads experts on a miss (no resident token there: no layer is asked), and the scheduler's
+    counters as its groups would have kept them."""
+    from fate_edge.runtime.engine import Engine
+    from fate_edge.runtime.engine_config import EngineConfig
+    from fate_edge.runtime.generate import GenerateConfig
+
+    cfg = GenerateConfig(max_tokens=10, ignore_eos=True, logprobs=3)
+
+    def run(budget: str | int) -> tuple[list, object]:
+        with Engine(EngineConfig(store, budget, dtype="bfloat16")) as engine:
+            out = [(r.token, r.logprob) for r in engine.stream(PROMPT, cfg)]
+            return out, engine.scheduler.stats
+
+    seen = _outcomes(monkeypatch)
+    whole, stats = run("auto")
+    assert len(seen) == (cfg.max_tokens - 1) * 2 and all(s == "whole" for s in seen)  # 2 layers a decode token
+    seen.clear()
+    on_miss, _ = run(150_000)  # 3 and 2 of each layer's 4 experts
+    assert seen == []
+    _step_by_step(monkeypatch)
+    general, want = run("auto")
+    assert whole == general == on_miss
+    for name in ("hits", "misses", "experts_timed", "predictions_skipped", "demand_bytes"):
+        assert getattr(stats, name) == getattr(want, name), name
+    assert stats.expert_s > 0
