@@ -96,6 +96,32 @@ def build_wide_moe(out: Path, width: int, vocab: int = VOCAB, tie: bool = False)
     return out
 
 
+def build_wide_mixtral(out: Path, width: int, vocab: int = VOCAB) -> Path:
+    """A 2-layer Mixtral checkpoint (4 experts, top-2, no shared expert, GQA) whose hidden and expert width is
+    ``width``: the shape of :func:`build_wide_moe` without Qwen's shared expert."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(
+        vocab_size=vocab,
+        hidden_size=width,
+        intermediate_size=width,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=128,
+        sliding_window=None,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    MixtralForCausalLM(cfg).save_pretrained(out)
+    build_tokenizer(out)
+    return out
+
+
 def build_tiny_mla(out: Path) -> Path:
     """A tiny random DeepSeek-V2 checkpoint (MLA attention, 8 experts top-2, a shared expert, layer 0 dense), wide
     enough for convert's int4 groups of 32."""

@@ -32,6 +32,13 @@ def wide_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def mixtral_dir(tmp_path_factory):
+    from _tiny_moe import build_wide_mixtral
+
+    return build_wide_mixtral(tmp_path_factory.mktemp("mixtral") / "m", 128, vocab=1024)
+
+
+@pytest.fixture(scope="module")
 def store(wide_dir, tmp_path_factory):
     from fate_edge.format.convert import convert
 
@@ -72,12 +79,15 @@ def _routes(model) -> list[tuple]:
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_resident_decode_runs_whole_layers_with_the_step_by_step_bits(wide_dir, monkeypatch, threads):
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])  # a gated shared expert, and none
+def test_a_resident_decode_runs_whole_layers_with_the_step_by_step_bits(request, monkeypatch, threads, arch):
     """Logits, and what each layer's observers see (the router's choice and weights, the MoE block's input)."""
+    wide_dir = request.getfixturevalue("wide_dir" if arch == "qwen2_moe" else "mixtral_dir")
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         model = _resident(wide_dir)
+        assert (model.plan()[0].mlp is None) == (arch == "mixtral")
         routes = _routes(model)
         seen = _outcomes(monkeypatch)
         whole = decode_steps(model, steps=6, after_prompt=lambda: (seen.clear(), routes.clear()))

@@ -9,8 +9,9 @@ slice at two threads, time in which the memory streams nothing (docs/measured-ch
 part is a program of addresses built once per layer plan and expert set (:class:`LayerProgram`), and a token pays
 one call a layer and the provider's bookkeeping.
 
-Which layers: a bf16 row whose attention ``attention_row`` takes, a softmax router ``native_router`` takes, a
-SiLU-gated shared expert and routed experts that fuse (``grouped_experts.fused_layer_stages``), every expert of the
+Which layers: a bf16 row whose attention ``attention_row`` takes, a softmax router ``native_router`` takes, routed
+experts that fuse (``grouped_experts.fused_layer_stages``) with a SiLU-gated shared expert or none (then two or more a
+token), every expert of the
 layer held in memory by the provider for as long as its :meth:`~fate_edge.model.experts.ExpertProvider.resident_token`
 stays the same (a resident model, or a cache that holds it whole, with nothing in flight). Anything else, a full KV
 cache, or a router tie (decided by torch.topk) takes the general path for that layer or its MoE half.
@@ -113,7 +114,7 @@ def build(model: DecodingModel, lp: LayerPlan, experts: list[Any]) -> LayerProgr
     :func:`DecodeLayers.run` takes (module docstring)."""
     cfg = model.config
     att = attention_row.plan_of(cfg, lp)
-    if att is None or lp.router is None or lp.correction_bias is not None or lp.mlp is None or lp.down is None:
+    if att is None or lp.router is None or lp.correction_bias is not None or (lp.mlp is None) != (lp.down is None):
         return None
     hidden = att.hidden
     norms = (lp.input_norm, lp.post_norm)
@@ -124,8 +125,13 @@ def build(model: DecodingModel, lp: LayerPlan, experts: list[Any]) -> LayerProgr
     h = torch.empty(1, hidden, dtype=torch.bfloat16)
     if not native_router.takes(cfg, h, lp.router, lp.router_bias) or len(experts) != lp.router.shape[0]:
         return None
-    shared = native_shared(model.act, lp.mlp, lp.down)
-    if shared is None or model.act is not F.silu:
+    k = cfg.num_experts_per_tok
+    shared = None
+    if lp.mlp is not None and lp.down is not None:
+        shared = native_shared(model.act, lp.mlp, lp.down)
+        if shared is None or model.act is not F.silu:
+            return None
+    elif k < 2:  # one expert alone is not grouped on the general path (routed_experts: its own call, other bits)
         return None
     stages = fused_layer_stages(experts, shared, hidden)
     if stages is None:
@@ -137,7 +143,7 @@ def build(model: DecodingModel, lp: LayerPlan, experts: list[Any]) -> LayerProgr
         for m in (*first, down_m):
             assert isinstance(m, NativeInt4)  # fused_layer_stages: int4
             table.extend(_matrix(m))
-    k = cfg.num_experts_per_tok
+    no_matrix = [0] * 8
     fields = array.array(
         "q",
         [
@@ -156,10 +162,10 @@ def build(model: DecodingModel, lp: LayerPlan, experts: list[Any]) -> LayerProgr
             len(experts),
             k,
             int(cfg.norm_topk_prob),
-            *_matrix(shared.gate_up),
-            *_matrix(shared.down),
-            shared.sizes[0],
-            int(len(shared.sizes) == 3),
+            *(no_matrix if shared is None else _matrix(shared.gate_up)),
+            *(no_matrix if shared is None else _matrix(shared.down)),
+            0 if shared is None else shared.sizes[0],
+            int(shared is not None and len(shared.sizes) == 3),
             inter,
             len(ups),
             table.buffer_info()[0],

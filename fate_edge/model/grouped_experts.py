@@ -402,10 +402,11 @@ def fused_row_with_shared(
     return FusedRow(_fused_call([h] * len(items), bounds, len(items), stages, (shared, h)), [e for e, _ in group])
 
 
-def fused_layer_stages(experts: Sequence[Expert], shared: NativeShared, hidden: int) -> Stages | None:
-    """Each expert's :func:`native_stages` where a decode row's call of any of them with ``shared`` fuses as
-    :func:`fused_row_with_shared` fuses it (one layout, int4, SiLU-gated, no biases; a SiLU-gated shared expert on
-    rows of ``hidden``), else None: a whole layer's experts checked once (``fate_edge.model.decode_layer``)."""
+def fused_layer_stages(experts: Sequence[Expert], shared: NativeShared | None, hidden: int) -> Stages | None:
+    """Each expert's :func:`native_stages` where a decode row's call of any of them with ``shared`` (or none) fuses
+    as :func:`fused_row_with_shared` and :func:`compute_group` fuse it (one layout, int4, SiLU-gated, no biases; a
+    SiLU-gated shared expert on rows of ``hidden``), else None: a whole layer's experts checked once
+    (``fate_edge.model.decode_layer``)."""
     h = torch.empty(1, hidden, dtype=torch.bfloat16)
     items = [(expert, h) for expert in experts]
     stages: Stages = []
@@ -416,9 +417,11 @@ def fused_layer_stages(experts: Sequence[Expert], shared: NativeShared, hidden: 
             return None
         first = got[1]
         stages.append(got[0])
-    if not stages or shared.gate_up.shape[1] != hidden or not isinstance(stages[0][1], NativeInt4):
+    if not stages or not isinstance(stages[0][1], NativeInt4):
         return None
-    return stages if _fusable(items, h, stages, (shared, h)) else None
+    if shared is not None and shared.gate_up.shape[1] != hidden:
+        return None
+    return stages if _fusable(items, h, stages, None if shared is None else (shared, h)) else None
 
 
 def _grouped(calls: list[tuple[Matrix, torch.Tensor, torch.Tensor]]) -> None:

@@ -74,9 +74,9 @@ enum {
     L_EXPERTS,      /* E */
     L_TOP_K,
     L_RENORM,
-    L_SHARED_FIRST, /* MAT fields: the shared expert's [gate; up(; gate row)] */
+    L_SHARED_FIRST, /* MAT fields: the shared expert's [gate; up(; gate row)]; all 0 without one */
     L_SHARED_DOWN = L_SHARED_FIRST + MAT,
-    L_SHARED_I = L_SHARED_DOWN + MAT,
+    L_SHARED_I = L_SHARED_DOWN + MAT, /* 0: no shared expert */
     L_SHARED_GATED, /* 1: the first stage's last row is Qwen's shared-expert gate logit */
     L_EXPERT_I,     /* the routed experts' intermediate size */
     L_EXPERT_FIRST, /* their first stage: 1 matrix (gate_up, rows [gate | up]) or 2 (gate, up) */
@@ -161,7 +161,8 @@ int fe_decode_layer(const int64_t *p, const void *x_in, void *x_out, void *h_out
     for (int j = 0; j < kk; j++)
         if (ids_out[j] < 0 || ids_out[j] >= p[L_EXPERTS]) return -1;
 
-    /* grouped_experts._fused_call for the row (the shared expert first in each stage), then add_fused_row */
+    /* grouped_experts._fused_call for the row (a shared expert first in each stage), then add_fused_row (add_experts
+       without a shared expert) */
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     int64_t order[MAX_K]; /* the experts by id: the order the sum adds them in */
@@ -173,10 +174,15 @@ int fe_decode_layer(const int64_t *p, const void *x_in, void *x_out, void *h_out
     int64_t first_rows[(1 + 2 * MAX_K) * 13], glu_rows[(1 + MAX_K) * 6], down_rows[(1 + MAX_K) * 13];
     int64_t ys[MAX_K];
     float ws[MAX_K];
-    int64_t *f = call_row(first_rows, p + L_SHARED_FIRST, (intptr_t)h_out, 1, (intptr_t)s_first);
-    int64_t *g = glu_rows, *dn = call_row(down_rows, p + L_SHARED_DOWN, (intptr_t)s_act, 1, (intptr_t)s_y);
-    g[0] = (intptr_t)s_first, g[1] = (intptr_t)(s_first + si), g[2] = width, g[3] = si, g[4] = 1, g[5] = (intptr_t)s_act;
-    g += 6;
+    const int shared = si > 0;
+    int64_t *f = first_rows, *g = glu_rows, *dn = down_rows;
+    if (shared) {
+        f = call_row(f, p + L_SHARED_FIRST, (intptr_t)h_out, 1, (intptr_t)s_first);
+        dn = call_row(dn, p + L_SHARED_DOWN, (intptr_t)s_act, 1, (intptr_t)s_y);
+        g[0] = (intptr_t)s_first, g[1] = (intptr_t)(s_first + si), g[2] = width, g[3] = si, g[4] = 1;
+        g[5] = (intptr_t)s_act;
+        g += 6;
+    }
     const int64_t *table = (const int64_t *)(intptr_t)p[L_EXPERT_TABLE];
     uint16_t *gate_out = x_first, *up_out = x_first + align32(kk * xi); /* two matrices: gates, then ups */
     for (int j = 0; j < kk; j++) {
@@ -197,12 +203,12 @@ int fe_decode_layer(const int64_t *p, const void *x_in, void *x_out, void *h_out
         ys[j] = (intptr_t)y;
         ws[j] = w_out[order[j]];
     }
-    const int n_first = 1 + (int)(kk * first);
-    if (k.glu(n_first, first_rows, 1 + (int)kk, glu_rows, 1 + (int)kk, down_rows, (const uint16_t *)(intptr_t)p[L_SILU],
+    const int n = shared + (int)kk;
+    if (k.glu(shared + (int)(kk * first), first_rows, n, glu_rows, n, down_rows, (const uint16_t *)(intptr_t)p[L_SILU],
               threads, isa) != 0)
         return -2;
-    const void *gate = p[L_SHARED_GATED] ? (const void *)(s_first + 2 * si) : NULL;
-    k.combine(x_out, BF16, H, (int)kk, ys, BF16, ws, s_y, BF16, gate, BF16,
+    const void *gate = shared && p[L_SHARED_GATED] ? (const void *)(s_first + 2 * si) : NULL;
+    k.combine(x_out, BF16, H, (int)kk, ys, BF16, ws, shared ? s_y : NULL, BF16, gate, BF16,
               gate ? (const uint16_t *)(intptr_t)p[L_SIGMOID] : NULL);
     clock_gettime(CLOCK_MONOTONIC, &t1);
     *ns_out = (int64_t)(t1.tv_sec - t0.tv_sec) * 1000000000 + (t1.tv_nsec - t0.tv_nsec);
