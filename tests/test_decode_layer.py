@@ -196,3 +196,24 @@ def test_an_engine_whose_budget_holds_the_model_gives_the_same_tokens_logprobs_a
     for name in ("hits", "misses", "experts_timed", "predictions_skipped", "demand_bytes"):
         assert getattr(stats, name) == getattr(want, name), name
     assert stats.expert_s > 0
+
+
+def test_an_expert_replaced_in_the_provider_is_computed_from_its_new_weights(wide_dir, monkeypatch):
+    """A program holds the experts' addresses: replacing one changes the provider's token, so the program is made
+    again and the whole layer reads the new expert, as the step-by-step path does."""
+    model = _resident(wide_dir)
+    decode_steps(model, steps=2)  # programs made
+    token = model.experts.resident_token()
+    experts, donor = model.experts.experts, _resident(wide_dir).experts.experts
+    for layer in range(model.config.num_hidden_layers):  # every expert of every layer now its neighbour's weights
+        for e in range(model.config.num_experts):
+            experts[(layer, e)] = donor[(layer, (e + 1) % model.config.num_experts)]
+    assert model.experts.resident_token() != token
+    seen = _outcomes(monkeypatch)
+    whole = decode_steps(model, steps=3, after_prompt=seen.clear)
+    assert seen == ["whole"] * (3 * model.config.num_hidden_layers)
+    _step_by_step(monkeypatch)
+    want = decode_steps(model, steps=3)
+    before = decode_steps(_resident(wide_dir), steps=3)
+    assert all(torch.equal(a, b) for a, b in zip(whole, want))
+    assert not all(torch.equal(a, b) for a, b in zip(whole, before))  # the new weights did change the logits

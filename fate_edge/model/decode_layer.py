@@ -106,6 +106,7 @@ class LayerProgram:
     experts: array.array  # int64 [E][(first + 1) * 8]: the table ``fields`` points at
     scratch: int  # bytes a call needs
     hidden: int
+    top_k: int
     held: tuple  # the layer's own tensors and matrices behind the addresses (the experts' stay the provider's)
 
 
@@ -178,7 +179,7 @@ def build(model: DecodingModel, lp: LayerPlan, experts: list[Any]) -> LayerProgr
     # Not the experts: the program is used only while the provider's token holds, so they are alive whenever it is,
     # and a reference here would keep an evicted expert's read buffer from going back to the pool
     held = (att, shared, lp.router, norms)
-    return LayerProgram(fields, table, scratch, hidden, held)
+    return LayerProgram(fields, table, scratch, hidden, k, held)
 
 
 def _key(lp: LayerPlan, token: object) -> tuple:
@@ -205,9 +206,8 @@ def program_of(model: DecodingModel, lp: LayerPlan, layer: int, token: object) -
     again when any part it was made from was replaced or the token changed."""
     key = _key(lp, token)
     held = lp.__dict__.get("_decode_layer")
-    if held is not None and len(held[0]) == len(key) and all(a is b for a, b in zip(held[0][:-1], key[:-1])):
-        if held[0][-1] == token:
-            return held[1]
+    if held is not None and held[0][-1] == token and all(a is b for a, b in zip(held[0][:-1], key[:-1])):
+        return held[1]
     experts = model.experts.resident_layer(layer, model.config.num_experts)
     made = None if experts is None else build(model, lp, experts)
     lp.__dict__["_decode_layer"] = (key, made)
@@ -244,7 +244,7 @@ class DecodeLayers:
         if slot is None or x.shape != (1, prog.hidden) or x.dtype != torch.bfloat16 or not x.is_contiguous():
             return None
         lay, kb, vb, at = slot
-        k = prog.fields[27]  # L_TOP_K
+        k = prog.top_k
         x_out = torch.empty_like(x)
         h = torch.empty_like(x)
         ids = torch.empty(1, k, dtype=torch.int64)

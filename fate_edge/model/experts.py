@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import torch
 import torch.nn.functional as F
@@ -276,6 +276,37 @@ class ExpertProvider(ABC):
         ``sequences``: how many sequences the pass carries (a batched decode step routes one row per sequence)."""
 
 
+class CountedExperts(dict):
+    """Experts by (layer, expert), counting each change (``changes``): what was built from them holds while it stays
+    (:meth:`InMemoryExpertProvider.resident_token`)."""
+
+    changes = 0
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, value)
+        self.changes += 1
+
+    def __delitem__(self, key: Any) -> None:
+        super().__delitem__(key)
+        self.changes += 1
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        self.changes += 1
+        return super().pop(key, *default)
+
+    def update(self, *args: Any, **kw: Any) -> None:
+        super().update(*args, **kw)
+        self.changes += 1
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        self.changes += 1
+        return super().setdefault(key, default)
+
+    def clear(self) -> None:
+        super().clear()
+        self.changes += 1
+
+
 class InMemoryExpertProvider(ExpertProvider):
     """Every expert resident in memory: the reference configuration for parity and the fastest when it fits."""
 
@@ -286,6 +317,15 @@ class InMemoryExpertProvider(ExpertProvider):
         self.experts = {k: e.fused() if isinstance(e, QuantizedExpert) else e for k, e in experts.items()}
         for e in self.experts.values():  # kept for the whole run
             into_rows_of_four(e)
+
+    @property
+    def experts(self) -> CountedExperts:
+        return self._experts
+
+    @experts.setter
+    def experts(self, experts: dict[tuple[int, int], Expert]) -> None:
+        self._experts = CountedExperts(experts)
+        self._token = object()  # a new set of experts: a new resident token
 
     @classmethod
     def quantized(
@@ -309,7 +349,8 @@ class InMemoryExpertProvider(ExpertProvider):
         return self.experts[(layer, expert)]
 
     def resident_token(self) -> object | None:
-        return self  # its experts are fixed at construction
+        # not ``self``: a program keyed on it would keep the provider alive
+        return self._token, self._experts.changes
 
     def resident_layer(self, layer: int, num_experts: int) -> list[Expert] | None:
         held = [self.experts.get((layer, e)) for e in range(num_experts)]
