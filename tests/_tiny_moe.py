@@ -122,6 +122,39 @@ def build_wide_mixtral(out: Path, width: int, vocab: int = VOCAB) -> Path:
     return out
 
 
+def build_wide_qwen3(out: Path, width: int, vocab: int = VOCAB) -> Path:
+    """A 2-layer Qwen3-MoE checkpoint (4 experts, top-2, no shared expert, per-head q/k norms with random weights,
+    GQA with 64-wide heads) whose hidden and expert width is ``width``."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=vocab,
+        hidden_size=width,
+        intermediate_size=width,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=width,
+        norm_topk_prob=True,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():  # random norms: the q/k norms' weights count
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(out)
+    build_tokenizer(out)
+    return out
+
+
 def build_tiny_mla(out: Path) -> Path:
     """A tiny random DeepSeek-V2 checkpoint (MLA attention, 8 experts top-2, a shared expert, layer 0 dense), wide
     enough for convert's int4 groups of 32."""

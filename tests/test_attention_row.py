@@ -77,6 +77,26 @@ def test_a_decode_row_takes_the_native_block_with_the_general_paths_bits(wide_di
         torch.set_num_threads(before)
 
 
+def test_qwen3s_per_head_q_and_k_norms_are_taken_with_the_general_paths_bits(tmp_path, monkeypatch):
+    """Each head of q and k normed by its weight before rope, natively (``row_ops.head_norm_at``) and through torch's
+    rms_norm in the general path: the same logits and cache."""
+    from _tiny_moe import build_wide_qwen3
+
+    qwen3 = build_wide_qwen3(tmp_path / "q3", 128, vocab=1024)
+    model = load_model(qwen3, torch.bfloat16, resident_bits=4)
+    plan = attention_row.plan_of(model.config, model.plan()[0])
+    assert plan is not None and plan.q_norm is not None and plan.bias is None and plan.head_dim == 64
+    taken = _counting(monkeypatch)
+    logits, cache = _decode(model)
+    assert taken == [True] * (5 * model.config.num_hidden_layers)
+    monkeypatch.setattr(attention_row, "attend", lambda *args: None)
+    want, want_cache = _decode(load_model(qwen3, torch.bfloat16, resident_bits=4))
+    assert torch.equal(logits, want)
+    for lay, ref in zip(cache.layers, want_cache.layers):
+        for b, r in zip(lay.buffers, ref.buffers):
+            assert torch.equal(b.narrow(2, 0, lay.length), r.narrow(2, 0, ref.length))
+
+
 def test_a_full_cache_goes_to_the_general_path_which_grows_it(wide_dir, monkeypatch):
     model = _model(wide_dir)
     taken = _counting(monkeypatch)

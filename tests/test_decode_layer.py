@@ -39,6 +39,13 @@ def mixtral_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    from _tiny_moe import build_wide_qwen3
+
+    return build_wide_qwen3(tmp_path_factory.mktemp("qwen3") / "m", 128, vocab=1024)
+
+
+@pytest.fixture(scope="module")
 def store(wide_dir, tmp_path_factory):
     from fate_edge.format.convert import convert
 
@@ -79,15 +86,16 @@ def _routes(model) -> list[tuple]:
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])  # a gated shared expert, and none
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral", "qwen3_moe"])  # a gated shared expert; none; q/k norms
 def test_a_resident_decode_runs_whole_layers_with_the_step_by_step_bits(request, monkeypatch, threads, arch):
     """Logits, and what each layer's observers see (the router's choice and weights, the MoE block's input)."""
-    wide_dir = request.getfixturevalue("wide_dir" if arch == "qwen2_moe" else "mixtral_dir")
+    wide_dir = request.getfixturevalue({"qwen2_moe": "wide_dir", "mixtral": "mixtral_dir"}.get(arch, "qwen3_dir"))
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         model = _resident(wide_dir)
-        assert (model.plan()[0].mlp is None) == (arch == "mixtral")
+        assert (model.plan()[0].mlp is None) == (arch != "qwen2_moe")
+        assert (model.plan()[0].q_norm is not None) == (arch == "qwen3_moe")
         routes = _routes(model)
         seen = _outcomes(monkeypatch)
         whole = decode_steps(model, steps=6, after_prompt=lambda: (seen.clear(), routes.clear()))
@@ -144,7 +152,7 @@ def test_a_router_tie_leaves_the_moe_half_to_the_general_path(wide_dir, monkeypa
     declines = ctypes.CFUNCTYPE(ctypes.c_int)(lambda: 1)  # fe_route_softmax's "a tie": 1, whatever it was given
     lib = decode_layer._kernel.lib
     fns = decode_layer.entry_points()
-    decode_layer.bind(lib, [*fns[:-1], ctypes.cast(declines, ctypes.c_void_p).value or 0])
+    decode_layer.bind(lib, [*fns[:8], ctypes.cast(declines, ctypes.c_void_p).value or 0, *fns[9:]])  # the router
     try:
         seen = _outcomes(monkeypatch)
         got = decode_steps(_resident(wide_dir), steps=3, after_prompt=seen.clear)

@@ -101,6 +101,27 @@ def test_rms_norm_rows_have_torchs_bits(threads):
     assert row_ops.rms_norm_row(torch.randn(1, too_long).bfloat16(), torch.ones(too_long).bfloat16(), 1e-6) is None
 
 
+def test_the_head_norm_has_the_bits_of_torchs_norm_over_a_row_of_heads():
+    """Qwen3's per-head q and k norms in place (``row_ops.head_norm_at``) against ``layer.rms_norm`` on the [heads, d]
+    q and k, the general path's operator."""
+    from fate_edge.model.layer import rms_norm
+
+    g = torch.Generator().manual_seed(12)
+    for d, nq, nk in ((64, 2, 1), (128, 32, 4), (128, 16, 16), (256, 8, 2)):
+        for scale in (1e-3, 1.0, 40.0):
+            rows = (torch.randn(nq + nk, d, generator=g) * scale).bfloat16()
+            qw, kw = ((1 + 0.1 * torch.randn(d, generator=g)).bfloat16() for _ in range(2))
+            want = torch.cat(
+                [
+                    rms_norm(rows[:nq].view(1, 1, nq, d), qw, 1e-6).view(nq, d),
+                    rms_norm(rows[nq:].view(1, 1, nk, d), kw, 1e-6).view(nk, d),
+                ]
+            )
+            got = rows.clone()
+            row_ops.head_norm_at(got.data_ptr(), nq, nk, d, qw, kw, 1e-6)
+            assert torch.equal(got, want), (d, nq, nk, scale)
+
+
 def test_argmax_over_bf16_logits_is_torchs():
     g = torch.Generator().manual_seed(13)
     for trial in range(120):

@@ -71,8 +71,9 @@ def gqa_qkv(
     """Normed ``x`` [B*T, H] → q [B, heads, T, hd], k and v [B, kv heads, T, hd], q and k rotated (also what
     predictors/early_attention.py runs a layer early on).
 
-    ``rot`` [d, d] (one token of one sequence, no q/k norm or clipping: ``decode_step.supported``): rope as one small
-    matmul over q and k together (``decode_step.rope_matrix``), the fewest operators a decode token can take."""
+    ``rot`` [d, d] (one token of one sequence, no clipping, a per-head q/k norm or none: ``decode_step.supported``):
+    rope as one small matmul over q and k together (``decode_step.rope_matrix``), the fewest operators a decode token
+    can take."""
     if rot is not None:
         return _rotated_qkv(cfg, x, lp, rot)
     hd = cfg.head_dim
@@ -116,12 +117,20 @@ def _rotated_qkv(
     assert lp.qkv is not None  # GQA layers have one
     n_q, n_k = lp.qkv.sizes[0] // hd, lp.qkv.sizes[1] // hd
     w, bias = lp.qkv.weight, lp.qkv.bias
-    # a quantized projection's bf16 bias: added in the native rope's call (the same rounding as ``y + bias``)
-    late = isinstance(rot, RopeRows) and bias is not None and not isinstance(w, torch.Tensor)
+    head_norm = cfg.qk_norm == "head"
+    # a quantized projection's bf16 bias: added in the native rope's call (the same rounding as ``y + bias``); not
+    # where a per-head norm comes between them
+    late = isinstance(rot, RopeRows) and bias is not None and not isinstance(w, torch.Tensor) and not head_norm
     late_bias = bias if late and bias is not None and bias.dtype == torch.bfloat16 and bias.is_contiguous() else None
     flat = (w(x) if late_bias is not None else apply_linear(x, lp.qkv)).view(-1)  # [(nq + 2 nk) hd]
     # narrow, not [a:b]: a slice costs over twice narrow's dispatch (four a layer, every token; measured-choices)
     qk = flat.narrow(0, 0, (n_q + n_k) * hd).view(n_q + n_k, hd)
+    if head_norm:  # Qwen3: each head normed (gqa_qkv's bits: torch norms a row of heads as each row alone), then rope
+        assert lp.q_norm is not None and lp.k_norm is not None
+        eps = cfg.rms_norm_eps
+        qk = torch.cat(
+            [rms_norm(qk.narrow(0, 0, n_q), lp.q_norm, eps), rms_norm(qk.narrow(0, n_q, n_k), lp.k_norm, eps)]
+        )
     if isinstance(rot, RopeRows) and qk.dtype == torch.bfloat16:  # in place on the projection's own output
         qk = row_ops.rope_(qk, rot, (flat, late_bias) if late_bias is not None else None)
     elif isinstance(rot, RopeRows):  # a float32 bias made the projection float32: the elementwise rope

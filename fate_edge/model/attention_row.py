@@ -10,9 +10,10 @@ checks is about shapes fixed for the whole run. Here they are made once per laye
 of its cache and six calls on addresses.
 
 Which rows: a bf16 row whose q/k/v and output projections are both on the native int4 kernel (a resident model's,
-the default engine's), q/k/v in one matrix with a bf16 bias or none, plain GQA (no q/k norm, clipping, output gate,
-sinks or sliding window), over a one-sequence cache layer with room for the position. Anything else returns None
-and takes the general path, which computes the same bits operator by operator (tests/test_attention_row.py).
+the default engine's), q/k/v in one matrix with a bf16 bias or none, plain GQA or Qwen3's per-head q/k norm (no
+bias then; no clipping, output gate, sinks or sliding window), over a one-sequence cache layer with room for the
+position. Anything else returns None and takes the general path, which computes the same bits operator by operator
+(tests/test_attention_row.py).
 """
 
 from __future__ import annotations
@@ -46,13 +47,17 @@ class RowAttention:
     n_k: int
     head_dim: int
     hidden: int
+    q_norm: torch.Tensor | None = None  # Qwen3's per-head norms (bf16 [head_dim]), before rope; None: none
+    k_norm: torch.Tensor | None = None
+    eps: float = 0.0  # theirs
 
 
 def plan_of(cfg: ModelConfig, lp: LayerPlan) -> RowAttention | None:
     """``lp``'s :class:`RowAttention`, or None where :func:`attend` does not take the layer; kept on the plan with the
     projections it was made from, made again if any of them was replaced."""
     qkv, o = lp.qkv, lp.o_proj
-    key = (qkv, o, None if qkv is None else qkv.weight, None if qkv is None else qkv.bias, o.weight, o.bias)
+    weight, bias = (None, None) if qkv is None else (qkv.weight, qkv.bias)
+    key = (qkv, o, weight, bias, o.weight, o.bias, lp.q_norm, lp.k_norm)
     held = lp.__dict__.get("_row_attention")
     if held is not None and all(a is b for a, b in zip(held[0], key)):
         return held[1]
@@ -67,8 +72,13 @@ def _native(w: object) -> NativeInt4 | None:
 
 def _make(cfg: ModelConfig, lp: LayerPlan) -> RowAttention | None:
     qkv, o, hd = lp.qkv, lp.o_proj, cfg.head_dim
-    if qkv is None or lp.sinks is not None or cfg.attn_output_gate or cfg.qk_norm != "none" or cfg.clip_qkv:
+    if qkv is None or lp.sinks is not None or cfg.attn_output_gate or cfg.qk_norm not in ("none", "head"):
         return None
+    if cfg.clip_qkv:
+        return None
+    norms = (lp.q_norm, lp.k_norm) if cfg.qk_norm == "head" else (None, None)
+    if cfg.qk_norm == "head" and (qkv.bias is not None or not all(_row_weight(w, hd) for w in norms)):
+        return None  # the bias would go before the norm, where rope's call adds it after; a weight of another kind
     wq, wo = _native(qkv.weight), _native(o.weight)
     if wq is None or wo is None or o.bias is not None or len(qkv.sizes) != 3:
         return None
@@ -81,7 +91,11 @@ def _make(cfg: ModelConfig, lp: LayerPlan) -> RowAttention | None:
         return None
     if wq.shape[1] != wo.shape[0] or not (decode_attention.available()[0] and row_ops.available()[0]):
         return None
-    return RowAttention(wq, bias, wo, nq // hd, nk // hd, hd, wo.shape[0])
+    return RowAttention(wq, bias, wo, nq // hd, nk // hd, hd, wo.shape[0], *norms, cfg.rms_norm_eps)
+
+
+def _row_weight(w: torch.Tensor | None, n: int) -> bool:
+    return w is not None and w.dtype == torch.bfloat16 and w.shape == (n,) and w.is_contiguous()
 
 
 def attend(
@@ -104,6 +118,8 @@ def attend(
     flat = torch.empty(1, rows, dtype=torch.bfloat16, device=h.device)
     fp = flat.data_ptr()
     plan.qkv.gemm_bf16(h.data_ptr(), 1, fp)
+    if plan.q_norm is not None and plan.k_norm is not None:  # Qwen3: each head normed, then rotated
+        row_ops.head_norm_at(fp, plan.n_q, plan.n_k, hd, plan.q_norm, plan.k_norm, plan.eps)
     bias, total = (None, 0) if plan.bias is None else (plan.bias.data_ptr(), rows)
     row_ops.rope_at(fp, plan.n_q + plan.n_k, rot, bias, total)
     k_at, v_at = fp + BF16 * plan.n_q * hd, fp + BF16 * (plan.n_q + plan.n_k) * hd

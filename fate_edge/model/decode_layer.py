@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from fate_edge.model.layer import LayerPlan
     from fate_edge.model.row_ops import RopeRows
 
-FIELDS = 52  # native/decode_layer.c's L_FIELDS
+FIELDS = 54  # native/decode_layer.c's L_FIELDS
 
 
 def _setup(lib: ctypes.CDLL) -> str | None:
@@ -75,6 +75,7 @@ def entry_points() -> list[int]:
         (1, "fe_moe_combine"),
         (2, "fe_decode_attention"),
         (3, "fe_route_softmax"),
+        (1, "fe_head_norm_bf16"),
     )
     return [ctypes.cast(getattr(libs[i], name), ctypes.c_void_p).value or 0 for i, name in names]
 
@@ -172,6 +173,8 @@ def build(model: DecodingModel, lp: LayerPlan, experts: list[Any]) -> LayerProgr
             table.buffer_info()[0],
             int4.silu_table().data_ptr(),
             row_ops.sigmoid_table().data_ptr(),
+            0 if att.q_norm is None else att.q_norm.data_ptr(),
+            0 if att.k_norm is None else att.k_norm.data_ptr(),
         ],
     )
     assert len(fields) == FIELDS

@@ -12,8 +12,8 @@ the general path (:mod:`fate_edge.model.routed_experts`: one row calls its k exp
 holds every expert in memory, a bf16 MoE layer whose parts are all on native kernels runs whole in one native call
 (:mod:`fate_edge.model.decode_layer`, the same bits).
 
-Layers it does not cover (MLA attention, q/k norms, clipped q/k/v, partial or interleaved rope) go through the
-general path: :func:`supported` says which.
+Layers it does not cover (MLA attention, OLMoE's q/k norm over all heads, clipped q/k/v, partial or interleaved rope)
+go through the general path: :func:`supported` says which; Qwen3's per-head q/k norm it takes, before the rope.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def supported(model: DecodingModel) -> bool:
     return (
         not cfg.recurrent
         and cfg.mla is None
-        and cfg.qk_norm == "none"
+        and cfg.qk_norm in ("none", "head")
         and cfg.clip_qkv is None
         and model.rope.dim == cfg.head_dim
     )

@@ -39,6 +39,8 @@ def _setup(lib: ctypes.CDLL) -> str | None:
     lib.fe_rms_norm_bf16.argtypes = [ptr, i64, ptr, ctypes.c_float, ptr]
     lib.fe_rope_bf16.restype = i32
     lib.fe_rope_bf16.argtypes = [ptr, i32, i32, ptr, ptr, ptr, i64]
+    lib.fe_head_norm_bf16.restype = i32
+    lib.fe_head_norm_bf16.argtypes = [ptr, i32, i32, i64, ptr, ptr, ctypes.c_float]
     lib.fe_kv_append.restype = None
     lib.fe_kv_append.argtypes = [ptr, ptr, i64, i64, ptr, i64, ptr, i64]
     return None
@@ -279,6 +281,14 @@ def rope_at(qk: int, rows: int, rope: RopeRows, bias: int | None, total: int) ->
     d = rope.cos.shape[-1]
     if _kernel.lib.fe_rope_bf16(qk, rows, d, rope.cos.data_ptr(), rope.sin.data_ptr(), bias, total) != 0:
         raise ValueError(f"rope: the kernel does not take rows of {d}")
+
+
+def head_norm_at(qk: int, nq: int, nk: int, d: int, q_norm: torch.Tensor, k_norm: torch.Tensor, eps: float) -> None:
+    """Qwen3's per-head norm in place on a decode row's projection at ``qk``: its first ``nq`` bf16 rows of ``d`` by
+    ``q_norm`` [d], the next ``nk`` by ``k_norm`` (both contiguous bf16), each row with :func:`rms_norm_row`'s bits.
+    Unchecked address (``attention_row`` makes it from a tensor it holds)."""
+    if _kernel.lib.fe_head_norm_bf16(qk, nq, nk, d, q_norm.data_ptr(), k_norm.data_ptr(), eps) != 0:
+        raise ValueError(f"head norm: the kernel does not take rows of {d}")
 
 
 def kv_append(k: int, v: int, heads: int, row_bytes: int, k_to: int, k_stride: int, v_to: int, v_stride: int) -> None:

@@ -28,6 +28,7 @@ typedef int (*attention_fn)(const void *, int, const void *, const void *, int, 
                             int64_t, int64_t, const int64_t *, const int64_t *, int64_t, int, int, int, int, int, float,
                             void *, int, const float *);
 typedef int (*route_fn)(const void *, int, int64_t, int64_t, const float *, int, int, int, float *, int64_t *, int);
+typedef int (*head_norm_fn)(void *, int, int, int64_t, const void *, const void *, float);
 
 static struct {
     gemm_fn gemm;
@@ -39,10 +40,11 @@ static struct {
     combine_fn combine;
     attention_fn attention;
     route_fn route;
+    head_norm_fn head_norm;
 } k;
 
 /* The kernels' entry points, in this order: fe_int4_gemm, fe_int4_glu_grouped, fe_rms_norm_bf16, fe_rope_bf16,
-   fe_kv_append, fe_add_bf16, fe_moe_combine, fe_decode_attention, fe_route_softmax. */
+   fe_kv_append, fe_add_bf16, fe_moe_combine, fe_decode_attention, fe_route_softmax, fe_head_norm_bf16. */
 void fe_decode_layer_bind(const int64_t *fns) {
     k.gemm = (gemm_fn)(intptr_t)fns[0];
     k.glu = (glu_fn)(intptr_t)fns[1];
@@ -53,6 +55,7 @@ void fe_decode_layer_bind(const int64_t *fns) {
     k.combine = (combine_fn)(intptr_t)fns[6];
     k.attention = (attention_fn)(intptr_t)fns[7];
     k.route = (route_fn)(intptr_t)fns[8];
+    k.head_norm = (head_norm_fn)(intptr_t)fns[9];
 }
 
 enum { BF16 = 1, MAT = 8 }; /* a matrix: fe_int4_gemm's seven fields of its own (codes .. g), then K of x */
@@ -83,6 +86,8 @@ enum {
     L_EXPERT_TABLE, /* int64 [E][(first + 1) MAT]: each expert's first-stage matrices, then its down */
     L_SILU,         /* int4_gemm's silu table */
     L_SIGMOID,      /* row_ops' sigmoid table */
+    L_Q_NORM,       /* Qwen3's per-head q norm, bf16 [d], before rope (0: none; then no q/k/v bias) */
+    L_K_NORM,       /* its k norm */
     L_FIELDS
 };
 
@@ -143,6 +148,9 @@ int fe_decode_layer(const int64_t *p, const void *x_in, void *x_out, void *h_out
     /* attention_row.attend */
     if (k.rms(x_in, H, (const void *)(intptr_t)p[L_INPUT_NORM], eps, h) != 0) return -1;
     if (gemm_row(p + L_QKV, h, qkv, threads, isa) != 0) return -2; /* shapes were checked: its buffers */
+    if (p[L_Q_NORM] && k.head_norm(qkv, (int)nq, (int)nk, d, (const void *)(intptr_t)p[L_Q_NORM],
+                                   (const void *)(intptr_t)p[L_K_NORM], eps) != 0)
+        return -1;
     const void *bias = (const void *)(intptr_t)p[L_QKV_BIAS];
     if (k.rope(qkv, (int)(nq + nk), (int)d, cos, sin, bias, bias ? qkv_rows : 0) != 0) return -1;
     k.kv(qkv + nq * d, qkv + (nq + nk) * d, nk, 2 * d, (char *)kc + 2 * at * kp, 2 * kh, (char *)vc + 2 * at * vp,

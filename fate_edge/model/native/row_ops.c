@@ -18,6 +18,8 @@
 
    fe_add_bf16: two bf16 rows added, as torch's bf16 add rounds.
 
+   fe_head_norm_bf16: Qwen3's per-head q and k norm on a decode row's projection, each head as fe_rms_norm_bf16.
+
    fe_argmax_bf16: the first index of the largest of n bf16 values, a NaN counting as largest, as torch.argmax.
 
    fe_rope_bf16: rotary embedding of bf16 rows by bf16 cos and signed sin, as the rotation matrix of
@@ -196,6 +198,17 @@ T256 NO_FMA int fe_rms_norm_bf16(const void *x, int64_t n, const void *w, float 
     const float r = 1.f / sqrtf(var);
     uint16_t *o = (uint16_t *)out;
     for (int64_t i = 0; i < n; i++) o[i] = bf16_round(bf16_value(wb[i]) * bf16_value(bf16_round(bf16_value(xb[i]) * r)));
+    return 0;
+}
+
+/* Qwen3's per-head q and k norm, in place on a decode row's projection: its first nq rows of d (the query heads)
+   each as fe_rms_norm_bf16 with qw [d], the next nk (the key heads) with kw [d]; torch's F.rms_norm normalizes each
+   row of a [heads, d] tensor as it would the row alone, so these are attention.gqa_qkv's bits. Returns 0, or -1 for a
+   d it does not take. */
+T256 int fe_head_norm_bf16(void *x, int nq, int nk, int64_t d, const void *qw, const void *kw, float eps) {
+    uint16_t *rows = (uint16_t *)x;
+    for (int r = 0; r < nq + nk; r++)
+        if (fe_rms_norm_bf16(rows + (size_t)r * d, d, r < nq ? qw : kw, eps, rows + (size_t)r * d) != 0) return -1;
     return 0;
 }
 
