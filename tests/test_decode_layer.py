@@ -225,3 +225,22 @@ def test_an_expert_replaced_in_the_provider_is_computed_from_its_new_weights(wid
     before = decode_steps(_resident(wide_dir), steps=3)
     assert all(torch.equal(a, b) for a, b in zip(whole, want))
     assert not all(torch.equal(a, b) for a, b in zip(whole, before))  # the new weights did change the logits
+
+
+def test_a_provider_that_serves_its_own_way_keeps_seeing_its_groups(wide_dir, monkeypatch):
+    """A subclass of the in-memory provider that overrides how it hands experts out (here, counting its groups) has
+    no resident token: every layer goes the step-by-step way and through its groups."""
+
+    class Counting(InMemoryExpertProvider):
+        groups = 0
+
+        def stream_groups(self, layer, expert_ids):
+            type(self).groups += 1
+            yield from super().stream_groups(layer, expert_ids)
+
+    model = _resident(wide_dir)
+    model.experts = Counting(model.experts.experts)
+    assert model.experts.resident_token() is None
+    seen = _outcomes(monkeypatch)
+    decode_steps(model, steps=2, after_prompt=lambda: setattr(Counting, "groups", 0))
+    assert seen == [] and Counting.groups == 2 * model.config.num_hidden_layers

@@ -307,6 +307,9 @@ class CountedExperts(dict):
         self.changes += 1
 
 
+_SERVING = ("get", "stream", "stream_groups", "end_layer")  # how a provider hands experts to the MoE block
+
+
 class InMemoryExpertProvider(ExpertProvider):
     """Every expert resident in memory: the reference configuration for parity and the fastest when it fits."""
 
@@ -349,6 +352,11 @@ class InMemoryExpertProvider(ExpertProvider):
         return self.experts[(layer, expert)]
 
     def resident_token(self) -> object | None:
+        cls = type(self)
+        if cls is not InMemoryExpertProvider and any(
+            getattr(cls, name) is not getattr(InMemoryExpertProvider, name) for name in _SERVING
+        ):
+            return None  # a subclass that serves its experts its own way sees each layer's groups
         # not ``self``: a program keyed on it would keep the provider alive
         return self._token, self._experts.changes
 
