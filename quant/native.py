@@ -101,6 +101,17 @@ def native_isa() -> str | None:
     return _ISA_NAMES.get(_state.isa) if native_status()[0] else None
 
 
+def isa_level() -> int:
+    """The instruction set the int4 kernel's calls take here (2: AVX512-VNNI, 1: AVX2; 0: no kernel)."""
+    return _state.isa if native_status()[0] else 0
+
+
+def function_address(name: str) -> int:
+    """The address of the int4 library's C function ``name``, for native code that calls it itself
+    (``fate_edge.model.decode_layer``)."""
+    return ctypes.cast(getattr(_lib(), name), ctypes.c_void_p).value or 0
+
+
 def rows_of_four_pay() -> bool:
     """Whether matrices kept for a whole run go into rows of four (:meth:`NativeInt4.interleave_rows`) here: where the
     kernel runs AVX-512, on which it was measured (docs/measured-choices.md). The AVX2 kernel reads either layout,
@@ -243,6 +254,11 @@ class NativeInt4:
     @property
     def shape(self) -> tuple[int, int]:
         return self._fixed[4], self.in_features  # the codes' rows, kept with the call's arguments
+
+    def own_args(self) -> list[int]:
+        """fe_int4_gemm's seven arguments of the matrix's own, then the K of its x: what native code that builds the
+        calls itself needs (``fate_edge.model.decode_layer``)."""
+        return [*self._fixed, self.in_features]
 
     def call_args(self, x: torch.Tensor, y: torch.Tensor) -> list[int]:
         """fe_int4_gemm's arguments for ``y = x @ W.T`` (x, y contiguous [M, K] / [M, N], both bf16 or both fp32):

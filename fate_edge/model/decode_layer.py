@@ -64,20 +64,19 @@ def _setup(lib: ctypes.CDLL) -> str | None:
 
 def entry_points() -> list[int]:
     """The addresses ``fe_decode_layer_bind`` takes, in its order: the kernels a layer's call makes."""
-    libs = (int4._lib(), row_ops._kernel.lib, decode_attention._kernel.lib, native_router._kernel.lib)
+    libs = (row_ops._kernel.lib, decode_attention._kernel.lib, native_router._kernel.lib)
     names = (
-        (0, "fe_int4_gemm"),
-        (0, "fe_int4_glu_grouped"),
-        (1, "fe_rms_norm_bf16"),
-        (1, "fe_rope_bf16"),
-        (1, "fe_kv_append"),
-        (1, "fe_add_bf16"),
-        (1, "fe_moe_combine"),
-        (2, "fe_decode_attention"),
-        (3, "fe_route_softmax"),
-        (1, "fe_head_norm_bf16"),
+        (0, "fe_rms_norm_bf16"),
+        (0, "fe_rope_bf16"),
+        (0, "fe_kv_append"),
+        (0, "fe_add_bf16"),
+        (0, "fe_moe_combine"),
+        (1, "fe_decode_attention"),
+        (2, "fe_route_softmax"),
+        (0, "fe_head_norm_bf16"),
     )
-    return [ctypes.cast(getattr(libs[i], name), ctypes.c_void_p).value or 0 for i, name in names]
+    int4_fns = [int4.function_address("fe_int4_gemm"), int4.function_address("fe_int4_glu_grouped")]
+    return int4_fns + [ctypes.cast(getattr(libs[i], name), ctypes.c_void_p).value or 0 for i, name in names]
 
 
 def bind(lib: ctypes.CDLL, fns: list[int]) -> None:
@@ -95,8 +94,8 @@ def _f32_bits(v: float) -> int:
 
 
 def _matrix(m: NativeInt4) -> list[int]:
-    """A matrix's eight program fields: fe_int4_gemm's seven of its own, then the K of its x."""
-    return [*m._fixed, m.in_features]
+    """A matrix's eight program fields."""
+    return m.own_args()
 
 
 @dataclass
@@ -222,7 +221,7 @@ class DecodeLayers:
 
     def __init__(self, model: DecodingModel, cache: KVCache, rot: RopeRows, token: object):
         self.model, self.cache, self.rot, self.token = model, cache, rot, token
-        self.threads, self.isa = torch.get_num_threads(), int4._state.isa
+        self.threads, self.isa = torch.get_num_threads(), int4.isa_level()
 
     @staticmethod
     def of(model: DecodingModel, cache: KVCache, rot: object) -> DecodeLayers | None:
