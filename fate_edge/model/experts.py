@@ -10,11 +10,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import TypeAlias
 
 import torch
 import torch.nn.functional as F
 
+from fate_edge.model.versioned_dict import VersionedDict
 from fate_edge.quant import QuantSpec
 from fate_edge.quant.linear import QuantizedLinear, candidate_kernels, choose_kernel
 from fate_edge.quant.mxfp4 import Mxfp4Linear
@@ -276,37 +277,6 @@ class ExpertProvider(ABC):
         ``sequences``: how many sequences the pass carries (a batched decode step routes one row per sequence)."""
 
 
-class CountedExperts(dict):
-    """Experts by (layer, expert), counting each change (``changes``): what was built from them holds while it stays
-    (:meth:`InMemoryExpertProvider.resident_token`)."""
-
-    changes = 0
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        super().__setitem__(key, value)
-        self.changes += 1
-
-    def __delitem__(self, key: Any) -> None:
-        super().__delitem__(key)
-        self.changes += 1
-
-    def pop(self, key: Any, *default: Any) -> Any:
-        self.changes += 1
-        return super().pop(key, *default)
-
-    def update(self, *args: Any, **kw: Any) -> None:
-        super().update(*args, **kw)
-        self.changes += 1
-
-    def setdefault(self, key: Any, default: Any = None) -> Any:
-        self.changes += 1
-        return super().setdefault(key, default)
-
-    def clear(self) -> None:
-        super().clear()
-        self.changes += 1
-
-
 _SERVING = ("get", "stream", "stream_groups", "end_layer")  # how a provider hands experts to the MoE block
 
 
@@ -322,12 +292,14 @@ class InMemoryExpertProvider(ExpertProvider):
             into_rows_of_four(e)
 
     @property
-    def experts(self) -> CountedExperts:
+    def experts(self) -> VersionedDict:
+        """Every expert by (layer, expert): a dict that counts its changes, so a whole-layer program made from them
+        is made again after one (:meth:`resident_token`)."""
         return self._experts
 
     @experts.setter
     def experts(self, experts: dict[tuple[int, int], Expert]) -> None:
-        self._experts = CountedExperts(experts)
+        self._experts = VersionedDict(experts)
         self._token = object()  # a new set of experts: a new resident token
 
     @classmethod
@@ -358,7 +330,7 @@ class InMemoryExpertProvider(ExpertProvider):
         ):
             return None  # a subclass that serves its experts its own way sees each layer's groups
         # not ``self``: a program keyed on it would keep the provider alive
-        return self._token, self._experts.changes
+        return self._token, self._experts.version
 
     def resident_layer(self, layer: int, num_experts: int) -> list[Expert] | None:
         held = [self.experts.get((layer, e)) for e in range(num_experts)]

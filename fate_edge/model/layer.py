@@ -20,6 +20,7 @@ from fate_edge.errors import ModelFormatError
 from fate_edge.huge_pages import on_huge_pages
 from fate_edge.model import head_matvec, row_ops
 from fate_edge.model.arch.base import ModelConfig
+from fate_edge.model.versioned_dict import VersionedDict
 from fate_edge.quant import QuantSpec, quantize
 from fate_edge.quant.block_order import resident_block_rows_name, resident_lacks_block_order
 from fate_edge.quant.int8 import Int8Linear, quantize_int8
@@ -31,10 +32,9 @@ if TYPE_CHECKING:
     from fate_edge.model.embedding import QuantizedEmbedding
 
 
-class Weights(dict):
-    """Resident weights by checkpoint name; every assignment or deletion bumps ``version``."""
+class Weights(VersionedDict):
+    """Resident weights by checkpoint name; every change bumps ``version`` (the plan is made again)."""
 
-    version = 0
     # Stored tensors that can also be read by row from their file (a memory-mapped embedding table's parts; set by
     # the loader): name -> a ``RowSource``
     row_sources: dict[str, Any] | None = None
@@ -54,18 +54,6 @@ class Weights(dict):
             alive = ((k, r()) for k, r in self.rows4.items())
             out.rows4 = {k: weakref.ref(memo[id(t)]) for k, t in alive if t is not None and id(t) in memo}
         return out
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        super().__setitem__(key, value)
-        self.version += 1
-
-    def __delitem__(self, key: str) -> None:
-        super().__delitem__(key)
-        self.version += 1
-
-    def pop(self, key: str, *default: Any) -> Any:
-        self.version += 1
-        return super().pop(key, *default)
 
 
 @dataclass
