@@ -77,7 +77,7 @@ def _make(cfg: ModelConfig, lp: LayerPlan) -> RowAttention | None:
     if cfg.clip_qkv:
         return None
     norms = (lp.q_norm, lp.k_norm) if cfg.qk_norm == "head" else (None, None)
-    if cfg.qk_norm == "head" and (qkv.bias is not None or not all(_row_weight(w, hd) for w in norms)):
+    if cfg.qk_norm == "head" and (qkv.bias is not None or not all(bf16_row(w, hd) for w in norms)):
         return None  # the bias would go before the norm, where rope's call adds it after; a weight of another kind
     wq, wo = _native(qkv.weight), _native(o.weight)
     if wq is None or wo is None or o.bias is not None or len(qkv.sizes) != 3:
@@ -94,7 +94,8 @@ def _make(cfg: ModelConfig, lp: LayerPlan) -> RowAttention | None:
     return RowAttention(wq, bias, wo, nq // hd, nk // hd, hd, wo.shape[0], *norms, cfg.rms_norm_eps)
 
 
-def _row_weight(w: torch.Tensor | None, n: int) -> bool:
+def bf16_row(w: torch.Tensor | None, n: int) -> bool:
+    """Whether ``w`` is a contiguous bf16 [n] (a norm's weight as the native calls read it)."""
     return w is not None and w.dtype == torch.bfloat16 and w.shape == (n,) and w.is_contiguous()
 
 

@@ -119,7 +119,7 @@ def build(model: DecodingModel, lp: LayerPlan, experts: list[Any]) -> LayerProgr
         return None
     hidden = att.hidden
     norms = (lp.input_norm, lp.post_norm)
-    if not all(w.dtype == torch.bfloat16 and w.shape == (hidden,) and w.is_contiguous() for w in norms):
+    if not all(attention_row.bf16_row(w, hidden) for w in norms):
         return None
     if hidden > row_ops.RMS_NORM_MAX:
         return None

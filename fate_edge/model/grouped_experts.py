@@ -135,18 +135,28 @@ def _group_stages(items: Sequence[tuple[Expert | None, torch.Tensor]]) -> Stages
     """Each expert's :func:`native_stages` where the items are :func:`groupable`, else None."""
     if len(items) < 2 or sum(x.shape[0] for _, x in items) > GROUP_MAX_ROWS:
         return None
+    dtype = items[0][1].dtype
+    if dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if any(x.dim() != 2 or x.shape[0] == 0 or x.dtype != dtype for _, x in items):
+        return None
+    return _alike_stages([expert for expert, _ in items])
+
+
+def _alike_stages(experts: Sequence[Expert | None]) -> Stages | None:
+    """Each expert's :func:`native_stages` where every one has them, with one layout (:func:`_stages_and_layout`),
+    else None."""
     first: tuple | None = None
     all_stages: Stages = []
-    for expert, x in items:
+    for expert in experts:
         got = _stages_and_layout(expert)
-        if got is None or x.dim() != 2 or x.shape[0] == 0 or x.dtype not in (torch.float32, torch.bfloat16):
+        if got is None:
             return None
         # compared to the first, not hashed into a set: equal layouts are mostly the same objects, which a tuple's
         # comparison sees at once, where hashing the activation (a dataclass) costs a call each time
-        layout = (got[1], x.dtype)
         if first is None:
-            first = layout
-        elif layout != first:
+            first = got[1]
+        elif got[1] != first:
             return None
         all_stages.append(got[0])
     return all_stages
@@ -409,14 +419,7 @@ def fused_layer_stages(experts: Sequence[Expert], shared: NativeShared | None, h
     (``fate_edge.model.decode_layer``)."""
     h = torch.empty(1, hidden, dtype=torch.bfloat16)
     items = [(expert, h) for expert in experts]
-    stages: Stages = []
-    first = None
-    for expert, _ in items:
-        got = _stages_and_layout(expert)
-        if got is None or (first is not None and got[1] != first):
-            return None
-        first = got[1]
-        stages.append(got[0])
+    stages = _alike_stages(experts)
     if not stages or not isinstance(stages[0][1], NativeInt4):
         return None
     if shared is not None and shared.gate_up.shape[1] != hidden:
