@@ -35,6 +35,34 @@ def build_tokenizer(out: Path) -> None:
     tok.save(str(out / "tokenizer.json"))
 
 
+def _save(out: Path, model_class, cfg, seed: int = 0, random_norms: str | None = None) -> Path:
+    """``model_class(cfg)`` drawn from ``seed``, saved to ``out`` with the test tokenizer. ``random_norms``: the name
+    ending of the norm weights to draw in [0.5, 1.5] (transformers starts them all at 1, where a norm's weight would
+    count for nothing)."""
+    torch.manual_seed(seed)
+    model = model_class(cfg)
+    if random_norms is not None:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(random_norms):
+                    p.uniform_(0.5, 1.5)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    build_tokenizer(out)
+    return out
+
+
+# What the wide checkpoints share: two layers of two query heads over one key/value head, 128 positions
+WIDE = dict(
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=128,
+    bos_token_id=0,
+    eos_token_id=0,
+)
+
+
 def build_tiny_moe(out: Path, seed: int = 0, top_k: int = 2, expert_dim: int = 16) -> Path:
     """``top_k``: experts per token (of 8). Above 2 the order experts are summed in changes the bits.
     ``expert_dim``: the experts' intermediate size (32 makes them quantizable: convert's groups are >= 32)."""
@@ -57,16 +85,8 @@ def build_tiny_moe(out: Path, seed: int = 0, top_k: int = 2, expert_dim: int = 1
         bos_token_id=0,
         eos_token_id=0,
     )
-    torch.manual_seed(seed)
-    model = Qwen2MoeForCausalLM(cfg)
-    with torch.no_grad():  # random norms, so the norm-variant predictor differs from the plain one
-        for name, p in model.named_parameters():
-            if name.endswith("layernorm.weight"):
-                p.uniform_(0.5, 1.5)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    build_tokenizer(out)
-    return out
+    # random norms, so the norm-variant predictor differs from the plain one
+    return _save(out, Qwen2MoeForCausalLM, cfg, seed, random_norms="layernorm.weight")
 
 
 def build_wide_moe(out: Path, width: int, vocab: int = VOCAB, tie: bool = False) -> Path:
@@ -78,22 +98,14 @@ def build_wide_moe(out: Path, width: int, vocab: int = VOCAB, tie: bool = False)
         vocab_size=vocab,
         hidden_size=width,
         intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=width,
         shared_expert_intermediate_size=128,
-        max_position_embeddings=128,
         tie_word_embeddings=tie,
-        bos_token_id=0,
-        eos_token_id=0,
+        **WIDE,
     )
-    torch.manual_seed(0)
-    Qwen2MoeForCausalLM(cfg).save_pretrained(out)
-    build_tokenizer(out)
-    return out
+    return _save(out, Qwen2MoeForCausalLM, cfg)
 
 
 def build_wide_mixtral(out: Path, width: int, vocab: int = VOCAB) -> Path:
@@ -105,21 +117,13 @@ def build_wide_mixtral(out: Path, width: int, vocab: int = VOCAB) -> Path:
         vocab_size=vocab,
         hidden_size=width,
         intermediate_size=width,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
         num_local_experts=4,
         num_experts_per_tok=2,
-        max_position_embeddings=128,
         sliding_window=None,
         tie_word_embeddings=False,
-        bos_token_id=0,
-        eos_token_id=0,
+        **WIDE,
     )
-    torch.manual_seed(0)
-    MixtralForCausalLM(cfg).save_pretrained(out)
-    build_tokenizer(out)
-    return out
+    return _save(out, MixtralForCausalLM, cfg)
 
 
 def build_wide_qwen3(out: Path, width: int, vocab: int = VOCAB) -> Path:
@@ -131,28 +135,15 @@ def build_wide_qwen3(out: Path, width: int, vocab: int = VOCAB) -> Path:
         vocab_size=vocab,
         hidden_size=width,
         intermediate_size=width,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
         head_dim=64,
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=width,
         norm_topk_prob=True,
-        max_position_embeddings=128,
         tie_word_embeddings=False,
-        bos_token_id=0,
-        eos_token_id=0,
+        **WIDE,
     )
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(cfg)
-    with torch.no_grad():  # random norms: the q/k norms' weights count
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-    model.save_pretrained(out)
-    build_tokenizer(out)
-    return out
+    return _save(out, Qwen3MoeForCausalLM, cfg, random_norms="norm.weight")  # the q/k norms' weights count
 
 
 def build_tiny_mla(out: Path) -> Path:
@@ -184,10 +175,7 @@ def build_tiny_mla(out: Path) -> Path:
         bos_token_id=0,
         eos_token_id=0,
     )
-    torch.manual_seed(0)
-    DeepseekV2ForCausalLM(cfg).save_pretrained(out)
-    build_tokenizer(out)
-    return out
+    return _save(out, DeepseekV2ForCausalLM, cfg)
 
 
 def write_training_log(out: Path) -> None:
