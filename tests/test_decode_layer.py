@@ -119,7 +119,7 @@ def _decode(model, steps: int) -> tuple[list[torch.Tensor], object]:
     cache = model.new_cache()  # no capacity hint: the first buffers hold 64 positions
     out = []
     with torch.inference_mode():
-        tok = model(torch.tensor([PROMPT]), cache)[0, -1].argmax().view(1, 1)
+        tok = model(torch.tensor([PROMPT], device="cpu"), cache)[0, -1].argmax().view(1, 1)  # the host's, any default
         for _ in range(steps):
             logits = model(tok, cache)
             out.append(logits)
@@ -244,3 +244,16 @@ def test_a_provider_that_serves_its_own_way_keeps_seeing_its_groups(wide_dir, mo
     seen = _outcomes(monkeypatch)
     decode_steps(model, steps=2, after_prompt=lambda: setattr(Counting, "groups", 0))
     assert seen == [] and Counting.groups == 2 * model.config.num_hidden_layers
+
+
+def test_whole_layers_under_a_meta_default_device_give_the_same_tokens(wide_dir, monkeypatch):
+    """Every buffer the layer's call writes is made on the host, whatever the default device: one made on a meta
+    default device has no memory, and the kernel's write into it would kill the process."""
+    model, fresh = _resident(wide_dir), _resident(wide_dir)
+    want = torch.cat(_decode(model, 4)[0]).argmax(-1)  # its programs made under the usual default device
+    seen = _outcomes(monkeypatch)
+    with torch.device("meta"):
+        got = torch.cat(_decode(model, 4)[0]).argmax(-1)
+        made_here = torch.cat(_decode(fresh, 4)[0]).argmax(-1)  # its programs made under the meta default
+    assert seen == ["whole"] * (2 * 4 * model.config.num_hidden_layers)  # two runs of 4 decode tokens
+    assert torch.equal(got, want) and torch.equal(made_here, want)

@@ -123,7 +123,7 @@ def build(model: DecodingModel, lp: LayerPlan, experts: list[Any]) -> LayerProgr
         return None
     if hidden > row_ops.RMS_NORM_MAX:
         return None
-    h = torch.empty(1, hidden, dtype=torch.bfloat16)
+    h = torch.empty(1, hidden, dtype=torch.bfloat16, device="cpu")  # on the host, whatever the default device
     if not native_router.takes(cfg, h, lp.router, lp.router_bias) or len(experts) != lp.router.shape[0]:
         return None
     k = cfg.num_experts_per_tok
@@ -249,10 +249,11 @@ class DecodeLayers:
         k = prog.top_k
         x_out = torch.empty_like(x)
         h = torch.empty_like(x)
-        ids = torch.empty(1, k, dtype=torch.int64)
-        w = torch.empty(1, k, dtype=torch.float32)
+        # on x's device (the host), not the default one: under a meta default a buffer would have no memory
+        ids = torch.empty(1, k, dtype=torch.int64, device=x.device)
+        w = torch.empty(1, k, dtype=torch.float32, device=x.device)
         ns = array.array("q", [0])
-        scratch = torch.empty(prog.scratch, dtype=torch.uint8)
+        scratch = torch.empty(prog.scratch, dtype=torch.uint8, device=x.device)
         ks, vs = kb.stride(), vb.stride()
         rc = _kernel.lib.fe_decode_layer(
             prog.fields.buffer_info()[0],

@@ -417,7 +417,7 @@ def fused_layer_stages(experts: Sequence[Expert], shared: NativeShared | None, h
     as :func:`fused_row_with_shared` and :func:`compute_group` fuse it (one layout, int4, SiLU-gated, no biases; a
     SiLU-gated shared expert on rows of ``hidden``), else None: a whole layer's experts checked once
     (``fate_edge.model.decode_layer``)."""
-    h = torch.empty(1, hidden, dtype=torch.bfloat16)
+    h = torch.empty(1, hidden, dtype=torch.bfloat16, device="cpu")  # a decode row's kind, for the checks
     items = [(expert, h) for expert in experts]
     stages = _alike_stages(experts)
     if not stages or not isinstance(stages[0][1], NativeInt4):
