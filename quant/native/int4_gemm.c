@@ -922,8 +922,11 @@ T256 static inline __attribute__((always_inline)) void gemm_tile_256(const uint3
                 const int8_t *q = p->q + (size_t)(m0 + i) * K + 8 * j;
                 memcpy(&e, q, 4);
                 memcpy(&o, q + 4, 4);
-                a16[i] = _mm256_add_epi16(a16[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(e)),
-                                                                   _mm256_maddubs_epi16(hi, _mm256_set1_epi32(o))));
+                a16[i] = _mm256_add_epi16(a16[i], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(e)));
+                a16[i] = _mm256_add_epi16(a16[i], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(o)));
+                /* the sum in a register here: without it GCC reassociates the group's 32 products per tile into one
+                   tree, computing them all first and spilling most to the stack (exact either way: int16 adds wrap) */
+                __asm__("" : "+x"(a16[i]));
             }
         }
         __m256 s = _mm256_loadu_ps(swt + ((b * XG) >> gshift) * 8);
