@@ -474,6 +474,8 @@ T256 static inline __m256 chunk_scales_256(const float *sw, int c, int gshift) {
    2 x 15 x 127), added, then VPMADDWD against ones. */
 T256 static inline __m256i chunk_dot_256(__m256i v, __m256i q0, __m256i q1) {
     const __m256i mask = _mm256_set1_epi8(0x0f);
+    __asm__("" : "+x"(v)); /* the codes once, in a register: GCC otherwise read them from memory again for the low
+                              nibbles' AND, a second load of every chunk (same bits either way) */
     __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
     __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(lo, q0), _mm256_maddubs_epi16(hi, q1));
     return _mm256_madd_epi16(d, _mm256_set1_epi16(1));
