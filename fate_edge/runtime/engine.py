@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from fate_edge import defaults
+from fate_edge.devices.detect import is_jetson_board, read_board_model
 from fate_edge.errors import BudgetError, FateEdgeError
 from fate_edge.fetch.fetch_engine import BufferPool, FetchEngine
 from fate_edge.fetch.transfer import make_copier
@@ -56,6 +57,7 @@ from fate_edge.runtime.memory_tiers import is_unified, plan_tiers, staging_held
 from fate_edge.runtime.policy import PolicyConfig, for_model, get_policy
 from fate_edge.runtime.preload import LoadReport, first_used, global_choice, preload, preload_choice, read_whole_model
 from fate_edge.runtime.prompt_cache import PromptCache
+from fate_edge.runtime.prompt_heap import Claim, serve_from_heap
 from fate_edge.runtime.request_slot import RequestSlot
 from fate_edge.runtime.scheduler import Scheduler, SchedulerStats, hands_off
 from fate_edge.runtime.warm_up import warm_up
@@ -137,8 +139,10 @@ class Engine:
             in_own_thread(self._open)
         else:
             self._open()
+        heap = self._heap = Claim()  # a prompt's temporaries from the heap where no expert is copied (prompt_heap)
+        serve_from_heap(heap, self.scheduler.zero_copy or self.scheduler.lends, self.store)
         # no thread of this engine left computing once it is closed, dropped or the interpreter exits (exit_close)
-        parts = (self.batcher, self._slot, self._lock, self.scheduler, self.cache, self.fetch, self.host_tier)
+        parts = (self.batcher, self._slot, self._lock, self.scheduler, self.cache, self.fetch, self.host_tier, heap)
         self._shut = shut_down_with(self, functools.partial(shut_down, *parts))
 
     def _open(self) -> None:
@@ -249,12 +253,9 @@ class Engine:
     def request_stats(self, stats: SchedulerStats) -> None:
         self._request_stats = stats
 
-    # ------------------------------------------------------------------ setup
     def _check_account(self) -> None:
         """Refuse before anything loads when the run's peak (memory_account) cannot fit the free memory. On a
         discrete GPU the weights and the cache live in its memory: ``_check_memory`` judges that after load."""
-        from fate_edge.devices.detect import is_jetson_board, read_board_model
-
         if self.device.startswith("cuda") and not is_jetson_board(read_board_model()):
             return
         why = shortfall(self.account, available_memory_bytes())
@@ -264,8 +265,6 @@ class Engine:
     def _check_memory(self) -> None:
         """The budget is a promise: refuse at once one this machine cannot hold, rather than fail mid-answer."""
         import psutil
-
-        from fate_edge.devices.detect import is_jetson_board, read_board_model
 
         cfg = self.model.config
         experts = len(cfg.moe_layers) * cfg.num_experts * self.plan.entry_bytes  # the cache never holds more
@@ -456,7 +455,6 @@ class Engine:
         warm_up(engine.batcher, engine.scheduler, engine.model, engine._lock)  # with the requests' threads
         return engine
 
-    # ------------------------------------------------------------- generation
     def stream(
         self, prompt: str | list[int], config: GenerateConfig | None = None
     ) -> Generator[GenerationResponse, None, None]:

@@ -16,6 +16,8 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from fate_edge.runtime.prompt_heap import Claim, engine_closed
+
 if TYPE_CHECKING:
     from fate_edge.fetch.fetch_engine import FetchEngine
     from fate_edge.runtime.batch import Batcher
@@ -40,6 +42,7 @@ def shut_down(
     cache: ExpertCache | None,
     fetch: FetchEngine,
     host_tier: HostTier | None,
+    heap: Claim | None = None,
 ) -> None:
     """Engine.close's work, from the engine's parts: the finalizer must not hold the engine itself."""
     if batcher is not None:
@@ -52,3 +55,5 @@ def shut_down(
         fetch.close()
         if host_tier is not None:
             host_tier.close()
+    if heap is not None:
+        engine_closed(heap)  # glibc's mmap threshold back to 1 MiB if this engine raised it (runtime.prompt_heap)

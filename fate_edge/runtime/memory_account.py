@@ -21,12 +21,14 @@ from fate_edge import defaults
 from fate_edge.format.checkpoint import CheckpointReader
 from fate_edge.format.checkpoint_layout import DTYPES, FP32_SUFFIXES, layer_names, resident_weight_names
 from fate_edge.format.prequantized import in_store, is_float_weight
+from fate_edge.format.store import ExpertStore, is_store
 from fate_edge.model import recurrent
 from fate_edge.model.arch import ModelConfig, load_config
 from fate_edge.model.kv_cache import window_layers, window_positions
 from fate_edge.model.layer import quantized_group_bytes, resident_groups
 from fate_edge.runtime.generate import PREFILL_CHUNK
 from fate_edge.runtime.memory_tiers import MemoryTiers
+from fate_edge.runtime.prompt_heap import views_only
 from fate_edge.sizes import format_bytes
 
 EMBEDDING = "model.embed_tokens.weight"
@@ -38,6 +40,10 @@ RUNTIME_FALLBACK_BYTES = 300_000_000
 # 16-token prompt), then activations per prompt token, fitted on the 2-layer Qwen1.5-MoE slice (H 2048, top-4,
 # shared expert 5632): +252 MB at 2048 tokens, 66 MB of it KV cache, so ~90 KB a token = ~22 H values in bf16.
 _BUFFER_FIXED_BYTES = 16_000_000
+# A prompt's temporaries from the heap (runtime.prompt_heap) peak higher: 8-layer slice, two threads, peak over the
+# loaded engine at a 2048-token prompt (four 512-token chunks) 82-90 MB against 61-64 as mappings of their own, up to
+# 1.5x the per-token part above; rounded up to 2.
+_HEAP_FRAGMENTATION = 2
 # Quantizing a group at load holds, per weight: its float copy, the fused copy (several members), the uint8 codes
 # and the packed codes with their shifted temporary (measured: lm_head 151936 x 2048 bf16 adds 1.28 GB at load).
 _QUANTIZE_BYTES_PER_WEIGHT = 2.0  # codes + packed + temporary, on top of the float bytes
@@ -195,14 +201,15 @@ def kv_shape(cfg: ModelConfig, dtype: torch.dtype, context_tokens: int) -> tuple
     return kv_bytes_per_token(cfg, dtype, ctx), state_bytes(cfg, dtype, ctx)
 
 
-def buffer_bytes(cfg: ModelConfig, dtype: torch.dtype, tokens: int) -> int:
+def buffer_bytes(cfg: ModelConfig, dtype: torch.dtype, tokens: int, heap: bool = False) -> int:
     """Activations of a ``tokens`` prefill (see _BUFFER_FIXED_BYTES): ~(10 + 2 top-k) hidden widths a token plus
-    two of the widest dense MLP (shared expert or dense layer)."""
+    two of the widest dense MLP (shared expert or dense layer); ``heap``: served from glibc's heap
+    (runtime.prompt_heap), which fragments as chunks come and go (see _HEAP_FRAGMENTATION)."""
     width = torch.empty(0, dtype=dtype).element_size()
     h = cfg.hidden_size
     mlp = max(cfg.shared_expert_intermediate_size, cfg.intermediate_size if cfg.dense_layers else 0)
     per_token = (10 + 2 * cfg.num_experts_per_tok) * h + 2 * mlp
-    return _BUFFER_FIXED_BYTES + tokens * per_token * width
+    return _BUFFER_FIXED_BYTES + (_HEAP_FRAGMENTATION if heap else 1) * tokens * per_token * width
 
 
 def _weights(
@@ -280,13 +287,14 @@ def memory_account(
     per_token, fixed = kv_shape(cfg, dtype, context_tokens)
     kv = per_token * max(64, context_tokens) + fixed
     room = prompt_cache_room(prompt_cache, per_token, max(64, context_tokens), fixed)
+    heap = is_store(store_dir) and views_only(ExpertStore(store_dir))  # runtime.prompt_heap
     return MemoryAccount(
         current_rss_bytes() if runtime is None else runtime,
         embed,
         other,
         int(budget),
         kv,
-        buffer_bytes(cfg, dtype, min(context_tokens, PREFILL_CHUNK)),
+        buffer_bytes(cfg, dtype, min(context_tokens, PREFILL_CHUNK), heap),
         loading,
         context_tokens,
         mapped,
