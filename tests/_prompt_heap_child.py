@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import sys
 from types import SimpleNamespace
+from typing import cast
 
 from fate_edge.format.store import ExpertStore, return_freed_blobs_to_the_os
 from fate_edge.runtime import prompt_heap
@@ -34,8 +35,8 @@ def block_is_a_mapping(nbytes: int = 24 << 20) -> bool:
         libc.free(p)
 
 
-def views_store() -> SimpleNamespace:
-    return SimpleNamespace(precisions={})  # no precision that copies: views only
+def views_store() -> ExpertStore:
+    return cast(ExpertStore, SimpleNamespace(precisions={}))  # no precision that copies: views only
 
 
 def raised_until_closed() -> None:
