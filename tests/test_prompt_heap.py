@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from fate_edge.format.convert import ConvertOptions, convert
-from fate_edge.format.store import ExpertStore
+from fate_edge.format.store import ExpertStore, return_freed_blobs_to_the_os
 from fate_edge.model.arch import load_config
 from fate_edge.runtime import prompt_heap
 from fate_edge.runtime.memory_account import buffer_bytes, memory_account
 
 CHILD = Path(__file__).parent / "_prompt_heap_child.py"
-glibc = pytest.mark.skipif(prompt_heap._mallopt() is None, reason="glibc's mallopt is not in this process")
+glibc = pytest.mark.skipif(not return_freed_blobs_to_the_os(), reason="glibc's mallopt is not in this process")
 
 
 def run_child(*args: str) -> None:

@@ -262,16 +262,22 @@ _M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 _BLOB_MMAP_THRESHOLD = 1 << 20
 
 
+def set_mmap_threshold(nbytes: int) -> bool:
+    """Fix glibc's mmap threshold at ``nbytes`` (blocks that large or larger are mappings of their own, unmapped on
+    free); returns whether glibc took the setting."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, nbytes))
+    except (OSError, AttributeError):  # not glibc: its allocator has no such setting to fix
+        return False
+
+
 def return_freed_blobs_to_the_os() -> bool:
     """Fix glibc's mmap threshold at 1 MiB, so every expert-sized block is its own mapping, unmapped on free.
 
     By default glibc raises the threshold to the size of the first large block freed (up to 32 MB), and
     later blobs come from the heap, where freed ones stay resident behind small live allocations: at real
     shapes RSS grew ~50 MB per decoded token past the budget. Returns whether glibc took the setting."""
-    try:
-        return bool(ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, _BLOB_MMAP_THRESHOLD))
-    except (OSError, AttributeError):  # not glibc: its allocator has no such setting to fix
-        return False
+    return set_mmap_threshold(_BLOB_MMAP_THRESHOLD)
 
 
 def blob_tensor(payload: memoryview) -> torch.Tensor:

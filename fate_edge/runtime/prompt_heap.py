@@ -15,15 +15,11 @@ set back to 1 MiB when the last engine that raised it closes.
 
 from __future__ import annotations
 
-import ctypes
-import sys
 import threading
 import weakref
-from functools import cache
 
-from fate_edge.format.store import ExpertStore, decodes_to_views, return_freed_blobs_to_the_os
+from fate_edge.format.store import ExpertStore, decodes_to_views, return_freed_blobs_to_the_os, set_mmap_threshold
 
-_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 HEAP_MMAP_THRESHOLD = 32 << 20  # glibc's largest on 64-bit (half its heap size); larger temporaries stay mappings
 
 
@@ -38,16 +34,6 @@ _raised: weakref.WeakSet = weakref.WeakSet()  # open engines that raised the thr
 _copying: weakref.WeakSet = weakref.WeakSet()  # open engines that copy experts into memory of their own
 
 
-@cache
-def _mallopt() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):  # not glibc: its allocator has no such setting
-        return None
-
-
 def views_only(store: ExpertStore) -> bool:
     """Whether every precision of ``store`` decodes on this host to views of its blob (no expert-sized copies)."""
     return all(decodes_to_views(p) for p in store.precisions.values())
@@ -57,7 +43,6 @@ def serve_from_heap(owner: Claim, keeps_buffers: bool, store: ExpertStore) -> bo
     """After ``owner``'s engine has loaded: raise glibc's mmap threshold if its experts stay in their read buffers
     (``keeps_buffers``) on a store of views only and no other open engine copies experts; otherwise note it as
     copying, so that no engine raises the threshold while it is open. Returns whether the threshold is raised."""
-    mallopt = _mallopt()
     with _lock:
         if not (keeps_buffers and views_only(store)):
             _copying.add(owner)
@@ -65,7 +50,7 @@ def serve_from_heap(owner: Claim, keeps_buffers: bool, store: ExpertStore) -> bo
                 return_freed_blobs_to_the_os()  # back to 1 MiB: this engine's copies must leave the heap when freed
                 _raised.clear()
             return False
-        if _copying or mallopt is None or not mallopt(_M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD):
+        if _copying or not set_mmap_threshold(HEAP_MMAP_THRESHOLD):
             return False
         _raised.add(owner)
         return True
