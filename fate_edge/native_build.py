@@ -37,11 +37,23 @@ def compiler_version(cc: str) -> str:
     return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
 
 
-def build_shared_library(src: bytes, name: str, cc: str) -> Path:
-    """``src`` (C) compiled with ``cc`` into ``<cache>/native/<name>-<hash>.so`` unless already there; older builds
-    of ``name`` are removed. Raises RuntimeError with the compiler's message when the build fails."""
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def build_shared_library(src: bytes, name: str, cc: str, defines: tuple[str, ...] = ()) -> Path:
+    """``src`` (C) compiled with ``cc`` (``defines``: macros it is compiled with, ``-D`` each) into
+    ``<cache>/native/<name>-<hash>.so`` unless already there; older builds of ``name`` are removed. Raises
+    RuntimeError with the compiler's message when the build fails."""
     version = compiler_version(cc)
-    key = hashlib.sha256(src + version.encode()).hexdigest()[:16]
+    key = hashlib.sha256(src + version.encode() + " ".join(defines).encode()).hexdigest()[:16]
     lib = cache_home() / "native" / f"{name}-{key}.so"
     if lib.exists():
         return lib
@@ -49,7 +61,7 @@ def build_shared_library(src: bytes, name: str, cc: str) -> Path:
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         c_file, out = Path(tmp) / f"{name}.c", Path(tmp) / lib.name
         c_file.write_bytes(src)
-        cmd = [cc, *CFLAGS, "-fPIC", "-shared", str(c_file), "-o", str(out), "-lm"]
+        cmd = [cc, *CFLAGS, *(f"-D{d}" for d in defines), "-fPIC", "-shared", str(c_file), "-o", str(out), "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"`{' '.join(cmd)}` failed: {done.stderr.strip()[-400:]}")
@@ -60,10 +72,13 @@ def build_shared_library(src: bytes, name: str, cc: str) -> Path:
     return lib
 
 
-def load_kernel(package: str, source: str, name: str, what: str) -> tuple[ctypes.CDLL | None, str]:
-    """The library built from ``package``'s ``native/<source>`` (cached as ``name``), or None and why not: disabled
-    by ``FATE_EDGE_NATIVE=0``, not an x86-64 CPU, no C compiler, or the build failed (``what`` names the kernel in
-    that message). The caller checks the instruction set its kernel needs."""
+def load_kernel(
+    package: str, source: str, name: str, what: str, defines: tuple[str, ...] = ()
+) -> tuple[ctypes.CDLL | None, str]:
+    """The library built from ``package``'s ``native/<source>`` (cached as ``name``; ``defines`` as
+    :func:`build_shared_library` takes them), or None and why not: disabled by ``FATE_EDGE_NATIVE=0``, not an x86-64
+    CPU, no C compiler, or the build failed (``what`` names the kernel in that message). The caller checks the
+    instruction set its kernel needs."""
     if os.environ.get("FATE_EDGE_NATIVE", "1") == "0":
         return None, "disabled by FATE_EDGE_NATIVE=0"
     if os.uname().machine not in ("x86_64", "AMD64"):
@@ -73,7 +88,7 @@ def load_kernel(package: str, source: str, name: str, what: str) -> tuple[ctypes
         return None, "no C compiler (cc, gcc or clang) on PATH; install one, e.g. `apt install gcc`"
     try:
         src = resources.files(package).joinpath("native").joinpath(source).read_bytes()
-        return ctypes.CDLL(str(build_shared_library(src, name, cc))), "built"
+        return ctypes.CDLL(str(build_shared_library(src, name, cc, defines))), "built"
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return None, f"building the native {what} failed: {e}"
 

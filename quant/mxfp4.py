@@ -64,11 +64,11 @@ def native_mxfp4_status() -> tuple[bool, str]:
 def native_mxfp4_isa() -> int:
     """3: the kernel's AVX-512 BF16 path runs here, 2: its AVX-512 path, 1: its AVX2 path, 0: its portable C path
     (-1: no native kernel).
-    ``FATE_EDGE_NATIVE=avx2`` keeps an AVX-512 host on the AVX2 path, as for the int4 kernel."""
+    ``FATE_EDGE_NATIVE=avx2`` (or ``avxvnni``) keeps an AVX-512 host on the AVX2 path, as for the int4 kernel."""
     global _isa
     if _isa is None:  # once per process, as the int4 kernel reads FATE_EDGE_NATIVE (docs/measured-choices.md)
         isa = int(_kernel.lib.fe_mxfp4_isa()) if _kernel.available()[0] else -1
-        _isa = min(isa, 1) if os.environ.get("FATE_EDGE_NATIVE") == "avx2" else isa
+        _isa = min(isa, 1) if os.environ.get("FATE_EDGE_NATIVE") in ("avx2", "avxvnni") else isa
     return _isa
 
 

@@ -5,7 +5,7 @@ when an expert arrives, and int8 dot products (AVX512-VNNI, or AVX2) where torch
 to float first (docs/measured-choices.md). The shared library is cached under ``$FATE_EDGE_CACHE`` (default
 ``~/.cache/fate-edge``) by a hash of the source and the compiler; without a compiler, or with ``FATE_EDGE_NATIVE=0``,
 :func:`native_status` says why and the other kernels are used (``FATE_EDGE_NATIVE=avx2`` keeps an AVX-512 host on the
-AVX2 path).
+AVX2 path, ``FATE_EDGE_NATIVE=avxvnni`` on the AVX2 path with AVX-VNNI where the CPU has it).
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fate_edge.native_build import load_kernel
+from fate_edge.native_build import cpu_flags, load_kernel
 
 SOURCE = "int4_gemm.c"
 _ISA_NAMES = {2: "avx512-vnni", 1: "avx2"}
+_AVX512_PATH = {"avx512f", "avx512bw", "avx512_vnni"}  # fe_int4_isa's level 2, as /proc/cpuinfo names it
 _lock = threading.Lock()
 
 
@@ -33,13 +34,32 @@ class _Native:
     isa: int = 0  # 2: AVX512-VNNI, 1: AVX2
     reason: str | None = None
     gemm_min_rows: int = 0  # 0: the instruction set's default
+    avx_vnni: bool = False  # the AVX2 path's build with AVX-VNNI (FE_AVX_VNNI)
 
 
 _state = _Native()
 
 
+def takes_avx_vnni(choice: str | None, flags: set[str]) -> bool:
+    """Whether this host loads the kernel's AVX-VNNI build (``FE_AVX_VNNI`` in native/int4_gemm.c): where the CPU has
+    AVX-VNNI and its int4 calls run the AVX2 path (no AVX512-VNNI, or ``choice`` = FATE_EDGE_NATIVE = "avxvnni");
+    ``FATE_EDGE_NATIVE=avx2`` keeps the plain AVX2 build (an AVX2 host without it, for comparisons)."""
+    if choice == "avx2" or "avx_vnni" not in flags:
+        return False
+    return choice == "avxvnni" or not _AVX512_PATH <= flags
+
+
 def _load() -> None:
-    lib, reason = load_kernel("fate_edge.quant", SOURCE, "int4_gemm", "int4 kernel")
+    choice = os.environ.get("FATE_EDGE_NATIVE")
+    vnni = takes_avx_vnni(choice, cpu_flags())
+    lib, reason = None, ""
+    if vnni:
+        lib, reason = load_kernel("fate_edge.quant", SOURCE, "int4_gemm_avxvnni", "int4 kernel", ("FE_AVX_VNNI",))
+        if lib is not None and lib.fe_int4_isa() == 0:  # /proc/cpuinfo said AVX-VNNI, the CPU's cpuid did not
+            lib = None
+        vnni = lib is not None  # else (a compiler without AVX-VNNI: GCC before 11) the build every host takes
+    if lib is None:
+        lib, reason = load_kernel("fate_edge.quant", SOURCE, "int4_gemm", "int4 kernel")
     if lib is None:
         _state.lib, _state.reason = None, reason
         return
@@ -79,12 +99,18 @@ def _load() -> None:
     lib.fe_q4_0_codes.restype = None
     lib.fe_q4_0_codes.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     isa = lib.fe_int4_isa()
-    if os.environ.get("FATE_EDGE_NATIVE") == "avx2":  # the AVX2 path on an AVX-512 host (tests, comparisons)
+    if choice in ("avx2", "avxvnni"):  # the AVX2 path on an AVX-512 host (tests, comparisons)
         isa = min(isa, 1)
     if isa == 0:
         _state.lib, _state.reason = None, "this CPU has neither AVX2 nor AVX512-VNNI"
         return
-    _state.lib, _state.isa, _state.reason = lib, isa, f"built ({_ISA_NAMES[isa]})"
+    _state.lib, _state.isa, _state.avx_vnni = lib, isa, vnni
+    _state.reason = f"built ({native_isa_name(isa, vnni)})"
+
+
+def native_isa_name(isa: int, avx_vnni: bool) -> str:
+    """How status lines and benchmark tables name the kernel's path: "avx512-vnni", "avx2" or "avx2+avx-vnni"."""
+    return _ISA_NAMES[isa] + ("+avx-vnni" if avx_vnni and isa == 1 else "")
 
 
 def native_status() -> tuple[bool, str]:
@@ -98,7 +124,7 @@ def native_status() -> tuple[bool, str]:
 
 
 def native_isa() -> str | None:
-    return _ISA_NAMES.get(_state.isa) if native_status()[0] else None
+    return native_isa_name(_state.isa, _state.avx_vnni) if native_status()[0] else None
 
 
 def isa_level() -> int:

@@ -25,23 +25,14 @@ from pathlib import Path
 
 import torch
 
+from fate_edge.native_build import cpu_flags
+
 DTYPES = ("float32", "bfloat16")
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 NATIVE_KERNEL_FLAGS = ("avx2", "fma")  # the native int4 and decode-row kernels' floor (quant/native, model/native)
 PROBE_ROUNDS = 3
 PROBE_TOKENS = 24
 WIDE = 1024  # hidden size from which a store's int4 experts are served in bfloat16 on a bf16 CPU, unprobed
-
-
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
-    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
-    try:
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def cpu_has_bf16(flags: set[str] | None = None) -> bool:

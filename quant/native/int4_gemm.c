@@ -116,7 +116,16 @@ static float half_to_float(uint16_t h) {
    expert. 16 KB ahead won less; a load every 4 KB (several a pass where rows are longer) lost. */
 #define TOUCH_AHEAD 65536
 #define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
+/* FE_AVX_VNNI (a second build, quant.native picks it where the CPU has AVX-VNNI): the AVX2 path's int8 dot products
+   in VPDPBUSD (Intel since Alder Lake and Sierra Forest, AMD since Zen 5), one instruction where VPMADDUBSW, an int16
+   add and VPMADDWD take three. The same integers: the int16 pair sums never saturate (|x code| <= 127, codes <= 15),
+   so every output keeps its bits. Its own build because GCC may use AVX-VNNI anywhere a function's target allows it,
+   and an AVX2 host without it must never reach such code. */
+#ifdef FE_AVX_VNNI
+#define T256 __attribute__((target("avx2,fma,f16c,avxvnni")))
+#else
 #define T256 __attribute__((target("avx2,fma,f16c")))
+#endif
 
 /* The int8 scale of a group of 32 x values (max |x| / 127) and its inverse, for a group held in two vectors (a: its
    first 16 values, c: the rest). A group holding a NaN gets a NaN scale, so every output of that row
@@ -477,8 +486,12 @@ T256 static inline __m256i chunk_dot_256(__m256i v, __m256i q0, __m256i q1) {
     __asm__("" : "+x"(v)); /* the codes once, in a register: GCC otherwise read them from memory again for the low
                               nibbles' AND, a second load of every chunk (same bits either way) */
     __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+#ifdef FE_AVX_VNNI
+    return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), lo, q0), hi, q1);
+#else
     __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(lo, q0), _mm256_maddubs_epi16(hi, q1));
     return _mm256_madd_epi16(d, _mm256_set1_epi16(1));
+#endif
 }
 
 /* ``mt`` x rows against one weight row, even and odd chunks in two FMA chains per row (as tile_512: one chain kept
@@ -904,6 +917,12 @@ T256 static void block_256(const uint8_t *codes, wscales w, int n0, int N, int K
     }
 }
 
+#ifdef FE_AVX_VNNI
+#define GROUP_SUM_256(a, ones) ((void)(ones), (a))
+#else
+#define GROUP_SUM_256(a, ones) _mm256_madd_epi16((a), (ones))
+#endif
+
 T256 static inline __attribute__((always_inline)) void gemm_tile_256(const uint32_t *wt, const float *swt,
                                                                       const float *zwt, int K, int gshift,
                                                                       const prepared_gemm *p, int m0, int mt,
@@ -913,7 +932,7 @@ T256 static inline __attribute__((always_inline)) void gemm_tile_256(const uint3
     __m256 acc[MT_GEMM_256];
     for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
     for (int b = 0; b < xgroups; b++) {
-        __m256i a16[MT_GEMM_256];
+        __m256i a16[MT_GEMM_256]; /* with AVX-VNNI int32 sums */
         for (int i = 0; i < mt; i++) a16[i] = _mm256_setzero_si256();
         for (int jj = 0; jj < 4; jj++) {
             const int j = 4 * b + jj;
@@ -924,8 +943,13 @@ T256 static inline __attribute__((always_inline)) void gemm_tile_256(const uint3
                 const int8_t *q = p->q + (size_t)(m0 + i) * K + 8 * j;
                 memcpy(&e, q, 4);
                 memcpy(&o, q + 4, 4);
+#ifdef FE_AVX_VNNI /* the group's same integers (two chains a row, even and odd k, were no faster) */
+                a16[i] = _mm256_dpbusd_avx_epi32(a16[i], lo, _mm256_set1_epi32(e));
+                a16[i] = _mm256_dpbusd_avx_epi32(a16[i], hi, _mm256_set1_epi32(o));
+#else
                 a16[i] = _mm256_add_epi16(a16[i], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(e)));
                 a16[i] = _mm256_add_epi16(a16[i], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(o)));
+#endif
                 /* the sum in a register here: without it GCC reassociates the group's 32 products per tile into one
                    tree, computing them all first and spilling most to the stack (exact either way: int16 adds wrap) */
                 __asm__("" : "+x"(a16[i]));
@@ -933,7 +957,7 @@ T256 static inline __attribute__((always_inline)) void gemm_tile_256(const uint3
         }
         __m256 s = _mm256_loadu_ps(swt + ((b * XG) >> gshift) * 8);
         for (int i = 0; i < mt; i++)
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a16[i], ones)),
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(GROUP_SUM_256(a16[i], ones)),
                                      _mm256_mul_ps(s, _mm256_set1_ps(p->sx[(size_t)(m0 + i) * xgroups + b])), acc[i]);
     }
     for (int G = 0; G < groups; G++) {
@@ -1014,6 +1038,9 @@ int fe_int4_isa(void) {
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vnni"))
         return 2;
+#ifdef FE_AVX_VNNI
+    if (!__builtin_cpu_supports("avxvnni")) return 0;
+#endif
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
     return 0;
 }
