@@ -13,8 +13,9 @@ from fate_edge.quant.native import native_status
 
 from fate_edge import load_model
 from fate_edge.model import decode_layer, row_ops
-from fate_edge.model.decode_layer import DecodeLayers, program_of
+from fate_edge.model.decode_layer import DecodeLayers, build, program_of
 from fate_edge.model.experts import InMemoryExpertProvider
+from fate_edge.runtime.scheduler import Scheduler
 
 pytestmark = pytest.mark.skipif(
     not (native_status()[0] and row_ops.available()[0] and decode_layer.available()[0]),
@@ -196,8 +197,8 @@ def test_an_engine_whose_budget_holds_the_model_gives_the_same_tokens_logprobs_a
     whole, stats = run("auto")
     assert len(seen) == (cfg.max_tokens - 1) * 2 and all(s == "whole" for s in seen)  # 2 layers a decode token
     seen.clear()
-    on_miss, _ = run(150_000)  # 3 and 2 of each layer's 4 experts
-    assert seen == []
+    on_miss, _ = run(150_000)  # a cache that holds no expert: no program, every layer the general path's
+    assert seen and all(s == "general" for s in seen)
     _step_by_step(monkeypatch)
     general, want = run("auto")
     assert whole == general == on_miss
@@ -257,3 +258,69 @@ def test_whole_layers_under_a_meta_default_device_give_the_same_tokens(wide_dir,
         made_here = torch.cat(_decode(fresh, 4)[0]).argmax(-1)  # its programs made under the meta default
     assert seen == ["whole"] * (2 * 4 * model.config.num_hidden_layers)  # two runs of 4 decode tokens
     assert torch.equal(got, want) and torch.equal(made_here, want)
+
+
+@pytest.mark.parametrize("policy", ["lru", "fate-edge"])
+def test_a_cache_under_a_budget_runs_its_layers_in_two_calls_with_the_step_by_step_tokens_and_counters(
+    store, monkeypatch, policy
+):
+    """A budget whose cache holds 3 to 5 of the 8 experts (evicting as it reads): each decode layer's attention and
+    router in one call, then its experts in a second where the cache holds every routed one, else the general path's
+    MoE block on that routing (the observers told once). The same tokens and logprobs as step by step, both outcomes
+    taken, the cache's entries changing under the programs (their rows refilled per call), and under LRU (no
+    prefetch, whose width follows measured times) the scheduler's counters equal."""
+    from fate_edge.runtime.engine import Engine
+    from fate_edge.runtime.engine_config import EngineConfig
+    from fate_edge.runtime.generate import GenerateConfig
+
+    cfg = GenerateConfig(max_tokens=12, ignore_eos=True, logprobs=3)
+    phases: list[int] = []
+    taken: list[bool] = []
+    real_call, real_take = DecodeLayers._call, Scheduler.take_cached
+
+    def call(self, *args):
+        phases.append(args[-1])
+        return real_call(self, *args)
+
+    def take(self, layer, ids, accept):
+        got = real_take(self, layer, ids, accept)
+        taken.append(got is not None)
+        return got
+
+    def run() -> tuple[list, object, int]:
+        with Engine(EngineConfig(store, 250_000, policy=policy, dtype="bfloat16")) as engine:
+            out = [(r.token, r.logprob) for r in engine.stream(PROMPT, cfg)]
+            cache = engine.scheduler.cache
+            assert cache is not None and 0 < len(cache.entries) < engine.model.config.num_experts * 2  # part
+            return out, engine.scheduler.stats, engine.scheduler.cache.changes
+
+    monkeypatch.setattr(DecodeLayers, "_call", call)
+    monkeypatch.setattr(Scheduler, "take_cached", take)
+    two, stats, changes = run()
+    decode_layers = (cfg.max_tokens - 1) * 2
+    assert phases.count(1) == decode_layers and phases.count(2) == taken.count(True)
+    assert 0 < taken.count(True) < len(taken) == decode_layers  # both outcomes
+    assert changes > 3  # evictions: rows of other experts than the program was made from
+    _step_by_step(monkeypatch)
+    general, want, _ = run()
+    assert two == general
+    if policy == "lru":
+        for name in ("hits", "misses", "experts_timed", "demand_bytes", "wasted_bytes"):
+            assert getattr(stats, name) == getattr(want, name), name
+
+
+def test_a_program_declines_an_expert_of_another_layout(wide_dir):
+    """:meth:`LayerProgram.fill` writes nothing where an expert does not take the program's layout (an expert on
+    torch's matmul here; an int2 copy in a cache would be another): the caller computes that layer on the general
+    path. One of its own layout is written."""
+    model = _resident(wide_dir)
+    experts = model.experts.resident_layer(0, model.config.num_experts)
+    prog = build(model, model.plan()[0], {0: experts[0]})
+    assert prog is not None
+    before = bytes(prog.experts)
+    plain = load_model(wide_dir, torch.bfloat16, resident_bits=4)  # its experts bf16 ExpertWeights
+    other = plain.experts.resident_layer(0, model.config.num_experts)[1]
+    assert not prog.fill({1: experts[1], 2: other})
+    assert bytes(prog.experts) == before
+    assert prog.fill({1: experts[1]})
+    assert bytes(prog.experts) != before

@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from fate_edge.model import attention_row, decode_attention, native_router, row_ops
-from fate_edge.model.grouped_experts import fused_layer_stages, native_shared
+from fate_edge.model.grouped_experts import fused_layer_stages, native_shared, stages_and_layout
+from fate_edge.model.routed_experts import moe_block
 from fate_edge.native_build import LazyKernel
 from fate_edge.quant import native as int4
 from fate_edge.quant.native import NativeInt4
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from fate_edge.model.row_ops import RopeRows
 
 FIELDS = 54  # native/decode_layer.c's L_FIELDS
+cached_layers = True  # a cache under a budget's layers in two calls (tests turn it off to compare)
 
 
 def _setup(lib: ctypes.CDLL) -> str | None:
@@ -54,7 +56,7 @@ def _setup(lib: ctypes.CDLL) -> str | None:
     lib.fe_decode_layer_scratch.restype = i64
     lib.fe_decode_layer_scratch.argtypes = [ptr]
     lib.fe_decode_layer.restype = i32
-    lib.fe_decode_layer.argtypes = [ptr] * 6 + [ptr, ptr] + [i64] * 5 + [ptr] * 4 + [i32, i32]
+    lib.fe_decode_layer.argtypes = [ptr] * 6 + [ptr, ptr] + [i64] * 5 + [ptr] * 4 + [i32, i32, i32]
     lib.fe_decode_layer_fields.restype = i32
     if lib.fe_decode_layer_fields() != FIELDS:
         return f"decode_layer.c's program has {lib.fe_decode_layer_fields()} fields where this module builds {FIELDS}"
@@ -108,14 +110,32 @@ class LayerProgram:
     hidden: int
     top_k: int
     held: tuple  # the layer's own tensors and matrices behind the addresses (the experts' stay the provider's)
+    layout: tuple = ()  # what every expert in the table shares (grouped_experts' layout): a later one must match
+
+    def fill(self, experts: dict[int, Any]) -> bool:
+        """The table's rows of ``experts`` (id → expert) written (a cache under a budget: the routed ones, before
+        phase 2); False where one does not take the program's layout (nothing written)."""
+        rows = []
+        for e, expert in experts.items():
+            got = stages_and_layout(expert)
+            if got is None or got[1] != self.layout:
+                return False
+            (up, down), width = got[0], 8 * (len(got[0][0]) + 1)
+            rows.append((e * width, [field for m in (*up, down) for field in _matrix(m)]))
+        for at, fields in rows:
+            self.experts[at : at + len(fields)] = array.array("q", fields)
+        return True
 
 
-def build(model: DecodingModel, lp: LayerPlan, experts: list[Any]) -> LayerProgram | None:
-    """``lp``'s program over ``experts`` (every expert of the layer, in id order), or None where the layer is not one
-    :func:`DecodeLayers.run` takes (module docstring)."""
+def build(model: DecodingModel, lp: LayerPlan, experts: dict[int, Any]) -> LayerProgram | None:
+    """``lp``'s program with ``experts`` (id → expert: every expert of the layer where the provider holds them all,
+    or those a cache holds for one token, whose table rows :meth:`LayerProgram.fill` rewrites), or None where the
+    layer is not one :func:`DecodeLayers.run` takes (module docstring)."""
     cfg = model.config
     att = attention_row.plan_of(cfg, lp)
     if att is None or lp.router is None or lp.correction_bias is not None or (lp.mlp is None) != (lp.down is None):
+        return None
+    if not experts or any(not 0 <= e < lp.router.shape[0] for e in experts):
         return None
     hidden = att.hidden
     norms = (lp.input_norm, lp.post_norm)
@@ -124,7 +144,7 @@ def build(model: DecodingModel, lp: LayerPlan, experts: list[Any]) -> LayerProgr
     if hidden > row_ops.RMS_NORM_MAX:
         return None
     h = torch.empty(1, hidden, dtype=torch.bfloat16, device="cpu")  # on the host, whatever the default device
-    if not native_router.takes(cfg, h, lp.router, lp.router_bias) or len(experts) != lp.router.shape[0]:
+    if not native_router.takes(cfg, h, lp.router, lp.router_bias):
         return None
     k = cfg.num_experts_per_tok
     shared = None
@@ -134,16 +154,12 @@ def build(model: DecodingModel, lp: LayerPlan, experts: list[Any]) -> LayerProgr
             return None
     elif k < 2:  # one expert alone is not grouped on the general path (routed_experts: its own call, other bits)
         return None
-    stages = fused_layer_stages(experts, shared, hidden)
+    stages = fused_layer_stages(list(experts.values()), shared, hidden)
     if stages is None:
         return None
     ups, down = stages[0]
     inter = sum(m.shape[0] for m in ups) // 2
-    table = array.array("q")
-    for first, down_m in stages:
-        for m in (*first, down_m):
-            assert isinstance(m, NativeInt4)  # fused_layer_stages: int4
-            table.extend(_matrix(m))
+    table = array.array("q", bytes(8 * 8 * (len(ups) + 1) * lp.router.shape[0]))  # rows of absent experts: 0
     no_matrix = [0] * 8
     fields = array.array(
         "q",
@@ -160,7 +176,7 @@ def build(model: DecodingModel, lp: LayerPlan, experts: list[Any]) -> LayerProgr
             att.head_dim,
             _f32_bits(att.head_dim**-0.5),
             lp.router.data_ptr(),
-            len(experts),
+            lp.router.shape[0],
             k,
             int(cfg.norm_topk_prob),
             *(no_matrix if shared is None else _matrix(shared.gate_up)),
@@ -181,7 +197,12 @@ def build(model: DecodingModel, lp: LayerPlan, experts: list[Any]) -> LayerProgr
     # Not the experts: the program is used only while the provider's token holds, so they are alive whenever it is,
     # and a reference here would keep an evicted expert's read buffer from going back to the pool
     held = (att, shared, lp.router, norms)
-    return LayerProgram(fields, table, scratch, hidden, k, held)
+    layout = stages_and_layout(next(iter(experts.values())))
+    assert layout is not None  # fused_layer_stages took it
+    prog = LayerProgram(fields, table, scratch, hidden, k, held, layout[1])
+    filled = prog.fill(experts)
+    assert filled  # one layout: fused_layer_stages checked
+    return prog
 
 
 def _key(lp: LayerPlan, token: object) -> tuple:
@@ -203,21 +224,34 @@ def _key(lp: LayerPlan, token: object) -> tuple:
     )
 
 
+CACHED = "cached"  # the token of a cache under a budget: its programs' expert rows are filled by each call
+
+
 def program_of(model: DecodingModel, lp: LayerPlan, layer: int, token: object) -> LayerProgram | None:
     """``lp``'s :class:`LayerProgram` while the provider's ``token`` holds (None: not taken), kept on the plan and made
-    again when any part it was made from was replaced or the token changed."""
+    again when any part it was made from was replaced or the token changed. Under a budget (:data:`CACHED`) it is made
+    from the experts the cache holds when it is first asked (tried again while it holds none)."""
     key = _key(lp, token)
     held = lp.__dict__.get("_decode_layer")
     if held is not None and held[0][-1] == token and all(a is b for a, b in zip(held[0][:-1], key[:-1])):
         return held[1]
-    experts = model.experts.resident_layer(layer, model.config.num_experts)
-    made = None if experts is None else build(model, lp, experts)
+    if token == CACHED:
+        some = model.experts.cached_layer(layer)
+        if not some:
+            return None
+        made = build(model, lp, some)
+    else:
+        experts = model.experts.resident_layer(layer, model.config.num_experts)
+        made = None if experts is None else build(model, lp, dict(enumerate(experts)))
     lp.__dict__["_decode_layer"] = (key, made)
     return made
 
 
 class DecodeLayers:
-    """One decode token's layers through :func:`fe_decode_layer` where they take it (:meth:`run`)."""
+    """One decode token's layers through :func:`fe_decode_layer` where they take it (:meth:`run`). Where the provider
+    holds every expert, one call a layer; where a cache under a budget holds some, two: the attention block and the
+    router, then (the observers told, the scheduler's reads and predictions issued) the experts where the cache holds
+    every routed one, else the general path's MoE block on that routing."""
 
     def __init__(self, model: DecodingModel, cache: KVCache, rot: RopeRows, token: object):
         self.model, self.cache, self.rot, self.token = model, cache, rot, token
@@ -229,6 +263,8 @@ class DecodeLayers:
         if not isinstance(rot, row_ops.RopeRows) or model.dtype != torch.bfloat16 or not available()[0]:
             return None
         token = model.experts.resident_token()
+        if token is None and model.experts.serves_cached_layers and cached_layers:
+            token = CACHED
         return None if token is None else DecodeLayers(model, cache, rot, token)
 
     def run(self, x: torch.Tensor, layer: int, lp: LayerPlan) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -255,6 +291,45 @@ class DecodeLayers:
         ns = array.array("q", [0])
         scratch = torch.empty(prog.scratch, dtype=torch.uint8, device=x.device)
         ks, vs = kb.stride(), vb.stride()
+        phase = 1 if self.token == CACHED else 0
+        call = (prog, x, x_out, h, kb, vb, ks, vs, at, scratch, ids, w, ns)
+        self._check(self._call(*call, phase), layer)
+        lay.length += 1
+        if ns[0] < 0:  # a tie in the router's top k (the call's 1)
+            return x_out, h
+        model.residual = x_out
+        for obs in model.observers:
+            obs(layer, h, ids, w)
+        order = sorted(ids[0].tolist())
+        if phase == 0:
+            model.experts.served_resident(layer, order, ns[0] * 1e-9)
+            return x_out, None
+        taken = model.experts.take_cached(layer, order, prog.fill)
+        if taken is None:  # a routed expert to read: the general path's MoE block, the observers told
+            return moe_block(model, x_out, h, layer, lp, w, ids, True, observed=True), None
+        self._check(self._call(*call, 2), layer)
+        model.experts.served_cached(layer, len(order), ns[0] * 1e-9)
+        return x_out, None
+
+    def _call(
+        self,
+        prog: LayerProgram,
+        x: torch.Tensor,
+        x_out: torch.Tensor,
+        h: torch.Tensor,
+        kb: torch.Tensor,
+        vb: torch.Tensor,
+        ks: tuple[int, ...],
+        vs: tuple[int, ...],
+        at: int,
+        scratch: torch.Tensor,
+        ids: torch.Tensor,
+        w: torch.Tensor,
+        ns: array.array,
+        phase: int,
+    ) -> int:
+        """``fe_decode_layer`` (``phase`` 0: the whole layer, 1: to the router, 2: the rest) → its return code; a
+        tie (1) also as ``ns[0]`` = -1."""
         rc = _kernel.lib.fe_decode_layer(
             prog.fields.buffer_info()[0],
             x.data_ptr(),
@@ -275,16 +350,15 @@ class DecodeLayers:
             ns.buffer_info()[0],
             self.threads,
             self.isa,
+            phase,
         )
+        if rc == 1:
+            ns[0] = -1
+        return int(rc)
+
+    @staticmethod
+    def _check(rc: int, layer: int) -> None:
         if rc == -2:
             raise MemoryError(f"decode layer {layer}: out of memory for its kernels' buffers")
         if rc < 0:
             raise RuntimeError(f"decode layer {layer}: a kernel refused the shapes its program was checked for")
-        lay.length += 1
-        if rc == 1:  # a tie in the router's top k
-            return x_out, h
-        model.residual = x_out
-        for obs in model.observers:
-            obs(layer, h, ids, w)
-        model.experts.served_resident(layer, sorted(ids[0].tolist()), ns[0] * 1e-9)
-        return x_out, None

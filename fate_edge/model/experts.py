@@ -8,7 +8,7 @@ demand); the expert store, the fetch engine and the cache plug in behind the sam
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -270,6 +270,26 @@ class ExpertProvider(ABC):
     def served_resident(self, layer: int, ids: list[int], seconds: float) -> None:  # noqa: B027 (optional hook)
         """``layer``'s experts ``ids`` (ascending) were computed in one native call from :meth:`resident_layer`'s
         experts, in ``seconds``: what :meth:`stream_groups` and :meth:`end_layer` would have noted."""
+
+    @property
+    def serves_cached_layers(self) -> bool:
+        """Whether :meth:`take_cached` may hand a decode row's experts out (a cache under a budget)."""
+        return False
+
+    def cached_layer(self, layer: int) -> dict[int, Expert]:
+        """The experts of ``layer`` held in memory now (id → expert), where :attr:`serves_cached_layers`."""
+        return {}
+
+    def take_cached(
+        self, layer: int, ids: list[int], accept: Callable[[dict[int, Expert]], bool]
+    ) -> list[Expert] | None:
+        """``layer``'s experts ``ids`` (ascending) where every one is held now and ``accept`` takes them (id → expert),
+        noted as used as :meth:`stream_groups` would (then :meth:`served_cached`), else None and nothing noted."""
+        return None
+
+    def served_cached(self, layer: int, count: int, seconds: float) -> None:
+        """:meth:`take_cached`'s experts were computed, in ``seconds``: as :meth:`end_layer` after their groups."""
+        self.end_layer(layer)
 
     def begin_forward(self, tokens: int, sequences: int = 1) -> None:  # noqa: B027 (optional hook)
         """A forward pass over ``tokens`` new positions per sequence starts: a prompt when more than one, even

@@ -94,7 +94,7 @@ def native_stages(expert: Expert | None) -> tuple[list[Matrix], Matrix] | None:
     return up, down
 
 
-def _stages_and_layout(expert: Expert | None) -> tuple[tuple[list[Matrix], Matrix], tuple] | None:
+def stages_and_layout(expert: Expert | None) -> tuple[tuple[list[Matrix], Matrix], tuple] | None:
     """(:func:`native_stages`, what experts that group together share: the kind of kernel, the stages' shapes, the
     activation, biases or not), or None; kept on the expert, asked again only if its matrices, biases or activation
     were replaced (a decode token asks it of every expert of every layer)."""
@@ -144,12 +144,12 @@ def _group_stages(items: Sequence[tuple[Expert | None, torch.Tensor]]) -> Stages
 
 
 def _alike_stages(experts: Sequence[Expert | None]) -> Stages | None:
-    """Each expert's :func:`native_stages` where every one has them, with one layout (:func:`_stages_and_layout`),
+    """Each expert's :func:`native_stages` where every one has them, with one layout (:func:`stages_and_layout`),
     else None."""
     first: tuple | None = None
     all_stages: Stages = []
     for expert in experts:
-        got = _stages_and_layout(expert)
+        got = stages_and_layout(expert)
         if got is None:
             return None
         # compared to the first, not hashed into a set: equal layouts are mostly the same objects, which a tuple's

@@ -55,15 +55,31 @@ def provider_moe(model: DecodingModel, decode: bool | torch.Tensor) -> Moe:
     def moe(
         x: torch.Tensor, h: torch.Tensor, layer: int, lp: LayerPlan, weights: torch.Tensor, idx: torch.Tensor
     ) -> torch.Tensor:
-        mlp, down = lp.mlp, lp.down
-        if mlp is None or down is None:
-            return serve_routing(model, x, h, layer, weights, idx, _no_shared, decode)
-        shared = lambda: shared_out(model.act, h, mlp, down)  # noqa: E731
-        one_row = h.shape[0] == 1 and h.device.type == "cpu"  # the native kernel's device
-        fold = native_shared(model.act, mlp, down) if one_row and model.experts.all_at_hand else None
-        return serve_routing(model, x, h, layer, weights, idx, shared, decode, fold)
+        return moe_block(model, x, h, layer, lp, weights, idx, decode)
 
     return moe
+
+
+def moe_block(
+    model: DecodingModel,
+    x: torch.Tensor,
+    h: torch.Tensor,
+    layer: int,
+    lp: LayerPlan,
+    weights: torch.Tensor,
+    idx: torch.Tensor,
+    decode: bool | torch.Tensor,
+    observed: bool = False,
+) -> torch.Tensor:
+    """:func:`provider_moe`'s MoE block on a layer's routing → ``x`` updated. ``observed``: the observers have seen
+    this routing already (``fate_edge.model.decode_layer``'s first phase told them)."""
+    mlp, down = lp.mlp, lp.down
+    if mlp is None or down is None:
+        return serve_routing(model, x, h, layer, weights, idx, _no_shared, decode, observed=observed)
+    shared = lambda: shared_out(model.act, h, mlp, down)  # noqa: E731
+    one_row = h.shape[0] == 1 and h.device.type == "cpu"  # the native kernel's device
+    fold = native_shared(model.act, mlp, down) if one_row and model.experts.all_at_hand else None
+    return serve_routing(model, x, h, layer, weights, idx, shared, decode, fold, observed)
 
 
 def _no_shared() -> None:
@@ -80,17 +96,18 @@ def serve_routing(
     shared: Shared,
     decode: bool | torch.Tensor = True,
     fold: NativeShared | None = None,
+    observed: bool = False,
 ) -> torch.Tensor:
     """After a layer's routing (weights, ids [N, k] on ``h``'s device): the observers, then ``shared()`` (computed
     while the reads travel, or already computed by a layer graph), the routed experts into ``x``, the shared expert
     last → ``x``, updated in place. ``decode``: which rows are decode tokens (``layer_step.expert_rows``). ``fold``:
     the shared expert's native matrices, for one row whose experts are all at hand: computed in the routed experts'
-    kernel calls where they group (else ``shared()`` as usual)."""
+    kernel calls where they group (else ``shared()`` as usual). ``observed``: the observers saw this routing already."""
     grouped = getattr(model, "grouped_prefill", None) if h.shape[0] > 1 and decode is False else None
     model.residual = x
     if model.observers or grouped is None:  # a grouped prompt layer without observers: no host sync
         host_w, host_idx = (weights, idx) if h.device.type == "cpu" else routing_to_host(weights, idx)
-        for obs in model.observers:
+        for obs in () if observed else model.observers:
             obs(layer, h, host_idx, host_w)
     acc = moe_sum(x)
     if grouped is not None:  # a prompt's rows, every expert in one grouped call (grouped_prefill)

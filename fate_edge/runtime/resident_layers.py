@@ -1,6 +1,8 @@
 """A scheduler whose cache holds the whole model, seen as a provider of resident layers: a decode row may then run a
 whole MoE layer in one native call (``fate_edge.model.decode_layer``) on the experts it hands out here, and the
-scheduler notes the layer's uses afterwards as its groups would have.
+scheduler notes the layer's uses afterwards as its groups would have. Under a budget the same call runs in two
+phases, and a layer whose routed experts the cache holds takes them from :meth:`ResidentLayers.take_cached`, with
+the bookkeeping :meth:`~fate_edge.runtime.scheduler.Scheduler.stream_groups` gives a cached expert (one helper).
 
 A mixin of :class:`~fate_edge.runtime.scheduler.Scheduler`, whose state it shares (declared below), as
 ``runtime.layer_blobs`` is.
@@ -8,6 +10,7 @@ A mixin of :class:`~fate_edge.runtime.scheduler.Scheduler`, whose state it share
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from fate_edge.runtime.cache import AccessInfo
@@ -43,6 +46,14 @@ class ResidentLayers:
 
     def _release_lent(self) -> None:
         raise NotImplementedError
+
+    def _prefetch_used(self, layer: int, nbytes: int) -> None:
+        raise NotImplementedError
+
+    def end_layer(self, layer: int) -> None:
+        raise NotImplementedError
+
+    in_use: list[Key]
 
     def _busy(self) -> bool:
         """Reads in flight, waiting or being dropped, reads landed and not yet used, experts to skip: what ``end_layer``
@@ -81,3 +92,54 @@ class ResidentLayers:
             self.stats.expert_s += seconds
             self.stats.experts_timed += len(ids)
         self._release_lent()
+
+    @property
+    def serves_cached_layers(self) -> bool:
+        """Whether a decode row's layer may run in two native calls on experts :meth:`take_cached` hands out: a cache
+        on the host, and no observer that needs every token the general path's way (a trace)."""
+        return self.cache is not None and self.copier.device.type == "cpu" and not self.needs_every_token
+
+    def cached_layer(self, layer: int) -> dict[int, Expert]:
+        """The experts of ``layer`` the cache holds now (id → expert), unnoted: what a layer's program starts from."""
+        if self.cache is None:
+            return {}
+        return {e: entry.expert for (lay, e), entry in self.cache.entries.items() if lay == layer}
+
+    def take_cached(
+        self, layer: int, ids: list[int], accept: Callable[[dict[int, Expert]], bool]
+    ) -> list[Expert] | None:
+        """``layer``'s experts ``ids`` (ascending) where the cache holds every one now and ``accept`` takes them (id →
+        expert): each pinned and noted as :meth:`stream_groups` notes a cached expert (a hit, or a prefetch's first
+        use), for the caller to compute and then :meth:`served_cached`; else None, nothing noted."""
+        if self.cache is None:
+            return None
+        entries = [self.cache.get((layer, e)) for e in ids]
+        if any(entry is None for entry in entries) or not accept(
+            {e: entry.expert for e, entry in zip(ids, entries) if entry is not None}
+        ):
+            return None
+        info = AccessInfo(layer_now=layer, num_layers=self.config.num_hidden_layers)
+        return [self._use_cached((layer, e), entry, info) for e, entry in zip(ids, entries) if entry is not None]
+
+    def _use_cached(self, key: Key, entry: Any, info: AccessInfo) -> Expert:
+        """A cached expert handed out for its layer: pinned until ``end_layer``, its access noted, counted a hit or,
+        where its read ahead landed early, a prefetch's use."""
+        assert self.cache is not None  # the caller found the entry there
+        self.cache.pin(key)
+        self.in_use.append(key)
+        self.cache.access(key, True, info)
+        early = self._landed.pop(key, None)
+        if early is None:
+            self.stats.hits += 1
+            self._count_use(key[0], 0)
+        else:
+            self._prefetch_used(key[0], early)
+        return entry.expert
+
+    def served_cached(self, layer: int, count: int, seconds: float) -> None:
+        """:meth:`take_cached`'s ``count`` experts were computed in ``seconds``: the time noted as a group's, then
+        ``end_layer``."""
+        if not self._prefill and count:
+            self.stats.expert_s += seconds
+            self.stats.experts_timed += count
+        self.end_layer(layer)

@@ -341,17 +341,8 @@ class Scheduler(TierPath, LayerBlobs, ResidentLayers, ExpertProvider):
         for e in expert_ids:
             key = (layer, e)
             entry = self.cache.get(key) if self.cache is not None else None
-            if entry is not None and self.cache is not None:
-                self.cache.pin(key)
-                self.in_use.append(key)
-                self.cache.access(key, True, info)
-                early = self._landed.pop(key, None)
-                if early is None:
-                    self.stats.hits += 1
-                    self._count_use(layer, 0)
-                else:  # a prefetch made ready as its read landed
-                    self._prefetch_used(layer, early)
-                at_hand.append((e, entry.expert))
+            if entry is not None:
+                at_hand.append((e, self._use_cached(key, entry, info)))  # pinned, a hit or a prefetch's first use
             elif key in self.skip:
                 self.skip.discard(key)
                 self.stats.skipped += 1

@@ -54,6 +54,29 @@ def cpu_label() -> str:
     return f"{cpu_model() or 'unknown CPU'}" + (f" ({' '.join(flags)})" if flags else "")
 
 
+def kernel_paths() -> dict[str, str]:
+    """Which instruction sets each side's kernels run here, which the CPU's flags alone do not say (FATE_EDGE_NATIVE
+    can hold fate-edge to its AVX2 path, and a llama.cpp build may leave the CPU's AVX-512 out): fate-edge's int4
+    kernel ("avx512-vnni", "avx2+avx-vnni", or why none) and the features llama.cpp was built with, as its system
+    info lists them ("AVX2 FMA F16C ..."; empty where llama-cpp-python is not installed)."""
+    from fate_edge.quant.native import native_isa, native_status
+
+    try:
+        import llama_cpp
+
+        info = llama_cpp.llama_print_system_info().decode()
+    except ImportError:
+        info = ""
+    return {"fate-edge": native_isa() or native_status()[1], "llama.cpp": built_features(info)}
+
+
+def built_features(system_info: str) -> str:
+    """The features llama.cpp's system info marks 1, in its order: "CPU : SSE3 = 1 | AVX512 = 0 | AVX2 = 1 |" →
+    "SSE3 AVX2"."""
+    on = [part.split("=")[0] for part in system_info.split("|") if part.strip().endswith("= 1")]
+    return " ".join(name.split(":")[-1].strip() for name in on)
+
+
 def load_average() -> list[float]:
     """The 1-, 5- and 15-minute load averages, to two decimals (a shared host's speed drifts with them)."""
     return [round(x, 2) for x in os.getloadavg()]

@@ -41,7 +41,7 @@ from fate_edge.format.converted_stores import ensure_store
 from fate_edge.tokenizer import Tokenizer
 from fate_edge_lab.bench.config import HEADLINE_BUDGET
 from fate_edge_lab.bench.gguf import ensure_ggufs
-from fate_edge_lab.bench.host import cpu_flags, cpu_label, cpu_model, load_average
+from fate_edge_lab.bench.host import cpu_flags, cpu_label, cpu_model, kernel_paths, load_average
 from fate_edge_lab.bench.prepare import store_info
 from fate_edge_lab.bench.publish import add_results_arg, publish, results_file
 from fate_edge_lab.bench.sidebyside import (
@@ -236,12 +236,14 @@ def main(argv: list[str] | None = None) -> int:
     tokenization = next((r["tokenization"] for rs in runs.values() for r in rs if "tokenization" in r), None)
     cpu = cpu_model() or platform.processor()
     label = cpu_label() if cpu_model() else cpu
+    paths = kernel_paths()
     header = (
         ("Only the sides named with `--side` ran. " if args.side else "")
         + f"{model_label(args.model)}, {len(ids)}-token held-out Python prompt (same token ids on both sides), "
         f"{args.decode_tokens} greedy decode tokens, {args.threads} threads, median of {args.rounds} "
         f"interleaved rounds of fresh processes; {label}, torch {torch.__version__}, llama-cpp-python "
-        f"{__import__('llama_cpp').__version__}; load average {load_before[0]} before, {load_after[0]} after, "
+        f"{__import__('llama_cpp').__version__}; kernels: fate-edge {paths['fate-edge']}, llama.cpp built for "
+        f"{paths['llama.cpp']}; load average {load_before[0]} before, {load_after[0]} after, "
         f"per run in the JSON. Ratios: fate-edge / llama.cpp; per CPU s: decode tokens over the process's "
         "CPU time (on a shared host wall time counts waits for a core; at more threads spin-waits count as CPU time). "
         + (
@@ -270,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "cpu": cpu,
         "cpu_flags": cpu_flags(),
+        "kernels": paths,
         "torch": torch.__version__,
         "load_avg_before": load_before,
         "load_avg_after": load_after,

@@ -38,3 +38,22 @@ def test_cpu_label_is_the_model_name_and_this_hosts_flags():
     text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     for flag in host.cpu_flags(text):
         assert f" {flag}" in label or f"({flag}" in label
+
+
+def test_built_features_lists_what_llama_cpps_system_info_marks_on():
+    info = "CPU : SSE3 = 1 | AVX_VNNI = 1 | AVX2 = 1 | AVX512 = 0 | AVX512_VNNI = 0 | REPACK = 1 | "
+    assert host.built_features(info) == "SSE3 AVX_VNNI AVX2 REPACK"
+    assert host.built_features("") == ""
+
+
+def test_kernel_paths_name_fate_edges_int4_path_and_llama_cpps_build():
+    from fate_edge.quant.native import native_isa, native_status
+
+    paths = host.kernel_paths()
+    assert paths["fate-edge"] == (native_isa() or native_status()[1])
+    try:
+        import llama_cpp
+    except ImportError:
+        assert paths["llama.cpp"] == ""
+    else:
+        assert paths["llama.cpp"] == host.built_features(llama_cpp.llama_print_system_info().decode())

@@ -117,6 +117,12 @@ static int gemm_row(const int64_t *mat, const void *x, void *y, int threads, int
                   (int)mat[3], (int)mat[4], (int)mat[5], (int)mat[6], x, 1, (int)mat[7], 1, y, 1, threads, isa);
 }
 
+static int ids_valid(const int64_t *ids, int64_t k, int64_t experts) {
+    for (int64_t j = 0; j < k; j++)
+        if (ids[j] < 0 || ids[j] >= experts) return 0;
+    return 1;
+}
+
 /* The scratch a program's call needs, in bytes. */
 int64_t fe_decode_layer_scratch(const int64_t *p) {
     const int64_t H = p[L_HIDDEN], d = p[L_HEAD_DIM], nq = p[L_NQ], nk = p[L_NK], kk = p[L_TOP_K];
@@ -131,10 +137,13 @@ int64_t fe_decode_layer_scratch(const int64_t *p) {
    ids_out / w_out the router's choice (largest first), *ns_out the routed experts' nanoseconds (the kernel call and
    the sum). Returns 0; 1 where the router declined (a tie in the top k: torch.topk decides it), with x_out and h_out
    the attention's residual and the MoE block's input, the rest left to the caller; -1 where a kernel refused a shape;
-   -2 out of memory. */
+   -2 out of memory. ``phase`` 1 stops after the router (x_out, h_out, ids_out, w_out written, 0 or 1 as above), for a
+   provider that must see the routing before it hands the experts out (a cache under a budget); phase 2 is the rest,
+   on those four (x_out the attention's residual, the sum added into it; x_in, the rope and the cache unused), with
+   the table's rows of the routed experts filled since; 0 both. */
 int fe_decode_layer(const int64_t *p, const void *x_in, void *x_out, void *h_out, const void *cos, const void *sin,
                     void *kc, void *vc, int64_t kh, int64_t kp, int64_t vh, int64_t vp, int64_t at, void *scratch,
-                    int64_t *ids_out, float *w_out, int64_t *ns_out, int threads, int isa) {
+                    int64_t *ids_out, float *w_out, int64_t *ns_out, int threads, int isa, int phase) {
     const int64_t H = p[L_HIDDEN], d = p[L_HEAD_DIM], nq = p[L_NQ], nk = p[L_NK], kk = p[L_TOP_K];
     const int64_t si = p[L_SHARED_I], width = p[L_SHARED_FIRST + 4], xi = p[L_EXPERT_I], first = p[L_EXPERT_FIRST];
     const int64_t qkv_rows = (nq + 2 * nk) * d;
@@ -144,6 +153,9 @@ int fe_decode_layer(const int64_t *p, const void *x_in, void *x_out, void *h_out
     uint16_t *oy = att + align32(nq * d), *s_first = oy + align32(H), *s_act = s_first + align32(width);
     uint16_t *s_y = s_act + align32(si), *x_first = s_y + align32(H), *x_act = x_first + 2 * align32(kk * xi);
     uint16_t *x_y = x_act + align32(kk * xi);
+
+    int rc = 0;
+    if (phase == 2) goto experts;
 
     /* attention_row.attend */
     if (k.rms(x_in, H, (const void *)(intptr_t)p[L_INPUT_NORM], eps, h) != 0) return -1;
@@ -155,7 +167,7 @@ int fe_decode_layer(const int64_t *p, const void *x_in, void *x_out, void *h_out
     if (k.rope(qkv, (int)(nq + nk), (int)d, cos, sin, bias, bias ? qkv_rows : 0) != 0) return -1;
     k.kv(qkv + nq * d, qkv + (nq + nk) * d, nk, 2 * d, (char *)kc + 2 * at * kp, 2 * kh, (char *)vc + 2 * at * vp,
          2 * vh);
-    int rc = k.attention(qkv, BF16, kc, vc, BF16, 0, kh, kp, 0, vh, vp, NULL, NULL, at + 1, 1, (int)nq, (int)nk, (int)d,
+    rc = k.attention(qkv, BF16, kc, vc, BF16, 0, kh, kp, 0, vh, vp, NULL, NULL, at + 1, 1, (int)nq, (int)nk, (int)d,
                      (int)d, f32(p[L_SCALE]), att, threads, NULL);
     if (rc != 0) return rc;
     if (gemm_row(p + L_O, att, oy, threads, isa) != 0) return -2;
@@ -166,9 +178,10 @@ int fe_decode_layer(const int64_t *p, const void *x_in, void *x_out, void *h_out
     rc = k.route(h_out, BF16, 1, H, (const float *)(intptr_t)p[L_ROUTER], (int)p[L_EXPERTS], (int)kk,
                  (int)p[L_RENORM], w_out, ids_out, threads);
     if (rc != 0) return rc;
-    for (int j = 0; j < kk; j++)
-        if (ids_out[j] < 0 || ids_out[j] >= p[L_EXPERTS]) return -1;
+    if (phase == 1) return ids_valid(ids_out, kk, p[L_EXPERTS]) ? 0 : -1;
 
+experts:; /* phase 2 starts here */
+    if (!ids_valid(ids_out, kk, p[L_EXPERTS])) return -1;
     /* grouped_experts._fused_call for the row (a shared expert first in each stage), then add_fused_row (add_experts
        without a shared expert) */
     struct timespec t0, t1;
