@@ -62,6 +62,11 @@ class Predictor(ABC):
         Predictors without tensors, or that run elsewhere by design (onnxruntime on the CPU), keep theirs."""
         return self
 
+    def top_row(self, layer: int, h: torch.Tensor, n: int) -> tuple[int, list[int]] | None:
+        """One decode row's nearest target layer and its ``n`` most probable experts, most probable first, where
+        this predictor has a path for it cheaper than :meth:`predict` (the same choice); None: use :meth:`predict`."""
+        return None
+
     @abstractmethod
     def predict(self, layer: int, h: torch.Tensor) -> Prediction:
         """Scores for ``self.targets(layer)`` from gate inputs ``h`` [N, H] of ``layer``."""

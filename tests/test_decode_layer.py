@@ -9,6 +9,7 @@ import ctypes
 import pytest
 import torch
 from _native_experts import decode_steps
+from fate_edge.predictors import CrossLayerGate
 from fate_edge.quant.native import native_status
 
 from fate_edge import load_model
@@ -294,9 +295,19 @@ def test_a_cache_under_a_budget_runs_its_layers_in_two_calls_with_the_step_by_st
             assert cache is not None and 0 < len(cache.entries) < engine.model.config.num_experts * 2  # part
             return out, engine.scheduler.stats, engine.scheduler.cache.changes
 
+    ranked_rows: list[bool] = []  # fate-edge: its decode predictions in one native call each (CrossLayerGate.top_row)
+    real_top = CrossLayerGate.top_row
+
+    def top_row(self, layer, h, n):
+        got = real_top(self, layer, h, n)
+        ranked_rows.append(got is not None)
+        return got
+
     monkeypatch.setattr(DecodeLayers, "_call", call)
     monkeypatch.setattr(Scheduler, "take_cached", take)
+    monkeypatch.setattr(CrossLayerGate, "top_row", top_row)
     two, stats, changes = run()
+    assert (policy == "fate-edge") == any(ranked_rows)
     decode_layers = (cfg.max_tokens - 1) * 2
     assert phases.count(1) == decode_layers and phases.count(2) == taken.count(True)
     assert 0 < taken.count(True) < len(taken) == decode_layers  # both outcomes

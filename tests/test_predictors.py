@@ -185,3 +185,40 @@ def test_cross_layer_gate_ranks_with_the_selection_bias_wherever_the_block_keeps
     assert pred.layers == (1,)
     predicted = pred.scores[0].topk(2, dim=-1).indices
     assert torch.equal(predicted.sort(-1).values, chosen.sort(-1).values)
+
+
+@pytest.mark.parametrize("norm_variant", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top_row_ranks_one_row_as_predict_does(model, norm_variant, dtype):
+    """The native one-row ranking (the router's kernel on the predictor's matrix) names the same experts in the same
+    order as :meth:`CrossLayerGate.predict`'s scores ranked, for the nearest target, on the plain and the norm
+    variant; None where the kernel is not built or the row's top n hold a tie."""
+    from fate_edge.model import native_router
+    from fate_edge.runtime.prefetch_choice import ranked
+
+    gate = CrossLayerGate.from_model(model, lookahead=2, norm_variant=norm_variant)
+    g = torch.Generator().manual_seed(7)
+    e = gate.num_experts
+    agreed = 0
+    for layer in model.config.moe_layers[:-1]:
+        for _ in range(8):
+            h = torch.randn(1, model.config.hidden_size, generator=g).to(dtype)
+            got = gate.top_row(layer, h, e)
+            if not native_router.available()[0]:
+                assert got is None
+                continue
+            if got is None:  # a tie among the scores: predict decides
+                continue
+            target, ranks = got
+            pred = gate.predict(layer, h)
+            assert target == pred.layers[0]
+            assert ranks == ranked(pred.scores[0][0])[:e]
+            agreed += 1
+    assert agreed > 0 or not native_router.available()[0]
+
+
+def test_top_row_declines_what_its_kernel_does_not_take(model):
+    gate = CrossLayerGate.from_model(model)
+    h = torch.randn(2, model.config.hidden_size)
+    assert gate.top_row(model.config.moe_layers[0], h, 2) is None  # two rows: predict
+    assert gate.top_row(model.config.moe_layers[-1], h[:1], 2) is None  # no layer ahead

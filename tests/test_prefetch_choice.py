@@ -72,3 +72,22 @@ def test_engine_and_simulator_prefetch_the_same_experts(recorded, one_thread, ca
     assert (decode.hits, decode.prefetch_hits, decode.misses) == (sim.hits, sim.prefetch_hits, sim.misses)
     # Perfect predictions: every read ahead was used (the oracle's first ones issued by the prompt's last layer).
     assert decode.prefetch_hits == len(sim.prefetched) + sim.prompt_prefetches
+
+
+def test_a_ranked_rows_plan_is_plan_prefetches_choice():
+    """plan_ranked (one decode row, one target, its experts already ranked) picks what plan_prefetches picks from
+    the scores: the first ``width`` ranks, those not busy, at most ``room``."""
+    from fate_edge.runtime.prefetch_choice import plan_ranked, ranked
+
+    g = torch.Generator().manual_seed(3)
+    policy = PRESETS["fate-edge"]
+    for trial in range(50):
+        scores = torch.softmax(torch.randn(1, 16, generator=g), -1)
+        busy_set = {(5, int(e)) for e in torch.randperm(16, generator=g)[: trial % 6]}
+        width, room = 1 + trial % 5, trial % 4
+
+        def busy(key, busy_set=busy_set):
+            return key in busy_set
+
+        want = plan_prefetches(policy, [(5, scores)], 4, width, busy, room)
+        assert plan_ranked(5, ranked(scores[0]), width, busy, room) == want

@@ -85,3 +85,16 @@ def test_ungated_policy_predicts_every_layer(store):
     budget = int(0.35 * s.expert_bytes(4) * len(s.index["moe_layers"]) * s.index["num_experts"])
     with Engine(EngineConfig(store, budget, PRESETS["fate-edge"].with_(prefetch_gate=False))) as e:
         assert all(e.scheduler._should_predict(False, 0) for _ in range(20))  # even with width 0
+
+
+def test_the_gates_ranks_are_read_up_to_fates_width_in_reads():
+    """Fate's width rule caps the reads, not the ranks: every rank that pays is a candidate (a cached one takes no
+    read), at most ``reads`` of them read; no read fits in a layer (0): nothing."""
+    from fate_edge.runtime.prefetch_gate import PrefetchGate, gated
+
+    gate = PrefetchGate(4)
+    gate.checks, gate.seen, gate.used = 50.0, [5.0, 20.0, 20.0, 20.0], [5.0, 10.0, 8.0, 8.0]
+    assert gated(gate, 1, per_read=1e-3, cost=0.0, predict_cost=1e-5) == (4, 1)
+    assert gated(gate, 2, per_read=1e-3, cost=0.0, predict_cost=1e-5) == (4, 2)
+    assert gated(gate, 0, per_read=1e-3, cost=0.0, predict_cost=1e-5) == (0, 0)
+    assert gated(gate, 1, per_read=1e-3, cost=0.45e-3, predict_cost=1e-5) == (2, 1)  # rank 2 nets -0.05 ms

@@ -65,7 +65,15 @@ def route_softmax(cfg: ModelConfig, h: torch.Tensor, gate: torch.Tensor) -> tupl
     """Rows ``h`` [N, H] routed by ``gate`` [E, H] → (weights [N, k] float32, expert ids [N, k] int64), largest
     first, as ``router.route`` gives them from ``F.linear(h, gate)``; None where some row's top k holds a tie or a
     NaN (torch.topk decides those). Check :func:`takes` first."""
-    k = cfg.num_experts_per_tok
+    return top_softmax(h, gate, cfg.num_experts_per_tok, cfg.norm_topk_prob, torch.get_num_threads())
+
+
+def top_softmax(
+    h: torch.Tensor, gate: torch.Tensor, k: int, renormalize: bool = False, threads: int = 1
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Rows ``h`` [N, H] (float32 or bf16, CPU) scored by ``gate`` [E, H] (float32, contiguous; H a multiple of 8,
+    k <= 64, E <= 4096) → the k largest of softmax(h · gate^T) per row (weights [N, k] float32, ids [N, k] int64),
+    largest first, renormalized to sum 1 where asked; None where a row's top k holds a tie or a NaN."""
     n = h.shape[0]
     h = h.contiguous()
     weights = torch.empty(n, k, dtype=torch.float32, device="cpu")
@@ -80,10 +88,10 @@ def route_softmax(cfg: ModelConfig, h: torch.Tensor, gate: torch.Tensor) -> tupl
         gate.data_ptr(),
         gate.shape[0],
         k,
-        int(cfg.norm_topk_prob),
+        int(renormalize),
         weights.data_ptr(),
         ids.data_ptr(),
-        torch.get_num_threads(),
+        threads,
     )
     if rc == -2:
         raise MemoryError(f"router of {n} rows: out of memory for its buffers")

@@ -41,7 +41,7 @@ from fate_edge.runtime.prefetch_choice import (
     ranked,
     room_ahead,
 )
-from fate_edge.runtime.prefetch_gate import PrefetchGate
+from fate_edge.runtime.prefetch_gate import PrefetchGate, gated
 
 
 @dataclass
@@ -246,11 +246,13 @@ def simulate(
                 stall += wait + costs.consume_s
             clock += stall * (1 + costs.stall_drag)  # the wait, and the slower compute after it
             r.stall_s += stall
-            width, predict = base_width, predictions is not None
+            width, predict, reads = base_width, predictions is not None, None
             if gate is not None:
                 if layer in candidates:
                     gate.record(candidates.pop(layer), set(expert_ids[layer][t].tolist()))
-                width = gate.width(base_width, read_time, prefetch_cpu, costs.predict_s, policy.min_prefetch_width)
+                width, reads = gated(
+                    gate, base_width, read_time, prefetch_cpu, costs.predict_s, policy.min_prefetch_width
+                )
                 predict = gate.should_predict(shut=width == 0)
             if predict:
                 assert predictions is not None  # predict is only ever set where there are predictions
@@ -272,6 +274,8 @@ def simulate(
                     return cached(key) or key in inflight or key in deferred
 
                 room = None if max_inflight is None else room_ahead(max_inflight, (*inflight, *deferred), layer)
+                if reads is not None:  # the gate's ranks, Fate's width in reads (prefetch_gate.gated)
+                    room = reads if room is None else min(room, reads)
                 plan = plan_prefetches(policy, targets, k, width, busy, room)
                 deferred.extend((p.layer, p.expert) for p in plan)
                 link_free, clock = issue(t, clock, link_free)

@@ -124,6 +124,18 @@ def plan_prefetches(
     return out
 
 
+def plan_ranked(target: int, ranks: list[int], width: int, busy: Callable[[Key], bool], room: int) -> list[Prefetch]:
+    """:func:`plan_prefetches` for one decode row and one target layer from its experts already ranked (most
+    probable first): the same choice, the first ``width`` ranks, those not busy, at most ``room``."""
+    out: list[Prefetch] = []
+    for e in ranks[:width]:
+        if len(out) >= room:
+            break
+        if not busy((target, e)):
+            out.append(Prefetch(0, target, e, False))
+    return out
+
+
 def plan_oracle_prefetches(
     targets: Sequence[tuple[int, torch.Tensor]], busy: Callable[[Key], bool], room: int | None
 ) -> list[Prefetch]:

@@ -7,6 +7,9 @@ q_r is how often rank r's prediction was routed when it was not already cached (
 needed; that happens at rate u_r per layer). The gate prefetches the leading ranks with a positive net,
 if their expected gain per layer, sum of u_r x net_r, beats what running the predictor costs per layer;
 otherwise it shuts, and the predictor runs on one layer call in ``EXPLORE`` to keep the evidence current.
+Fate's width rule (reads that fit in one layer's compute) then caps the reads, not the ranks (:func:`gated`): a rank
+the cache holds takes no read, and on a cache that holds most of what is routed the first ranks mostly are held, so a
+cap on ranks left the reads the gate found worth making unmade.
 Shared by the scheduler (measured costs) and the simulator (the planner's costs), so both decide alike.
 """
 
@@ -52,3 +55,13 @@ class PrefetchGate:
             return True
         self._tick = (self._tick + 1) % EXPLORE
         return self._tick == 0
+
+
+def gated(
+    gate: PrefetchGate, reads: int, per_read: float, cost: float, predict_cost: float, min_width: int = 0
+) -> tuple[int, int]:
+    """(the leading ranks worth a read, at most ``reads`` of them read a layer call): the gate over every rank it
+    tracks, the reads from Fate's width rule (``reads``: those that fit in one layer's compute; 0, none)."""
+    if reads <= 0:
+        return 0, 0
+    return gate.width(len(gate.seen), per_read, cost, predict_cost, min_width), reads
