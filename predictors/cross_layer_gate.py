@@ -92,10 +92,10 @@ class CrossLayerGate(Predictor):
 
     def top_row(self, layer: int, h: torch.Tensor, n: int) -> tuple[int, list[int]] | None:
         """:meth:`predict`'s ranking for one row of a softmax-scored model without biases, its nearest target only, in
-        one native call (the router's kernel on the predictor's matrix, one thread) where it takes it: a decode layer
-        call's prediction in Python and torch took ~0.1 ms, a third of a read ahead's saving on a CPU host
-        (docs/measured-choices.md). Its float32 sums are the kernel's: the ranking may differ from torch's where two
-        scores differ in their last bits; None where the top n hold a tie or the kernel does not take it."""
+        one native call (the router's kernel on the predictor's matrix, one thread) where it takes it: with the gate
+        open the prediction runs every decode layer, and its operators from Python cost a good part of what a read
+        ahead saves (docs/measured-choices.md). Its float32 sums are the kernel's: the ranking may differ from torch's
+        where two scores differ in their last bits; None where the top n hold a tie or the kernel does not take it."""
         targets = self.targets(layer)
         if not targets or self.score != "softmax" or self.bias is not None or self.logit_bias is not None:
             return None
