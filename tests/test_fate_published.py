@@ -48,15 +48,23 @@ def record_reads(engine) -> list[tuple[int, int, int, Priority]]:
 
 
 def record_predictions(engine) -> list[tuple[int, tuple[int, ...]]]:
-    """(source layer, target layers) of every predictor call from now on."""
-    calls, predict = [], engine.scheduler.predictor.predict
+    """(source layer, target layers) of every prediction from now on: a decode row's one-call ranking
+    (``top_row``, where it gives one) or ``predict``."""
+    calls, predictor = [], engine.scheduler.predictor
+    predict, top_row = predictor.predict, predictor.top_row
 
     def spy(layer, h):
         pred = predict(layer, h)
         calls.append((layer, tuple(pred.layers)))
         return pred
 
-    engine.scheduler.predictor.predict = spy
+    def spy_row(layer, h, n):
+        got = top_row(layer, h, n)
+        if got is not None:
+            calls.append((layer, (got[0],)))
+        return got
+
+    predictor.predict, predictor.top_row = spy, spy_row
     return calls
 
 
