@@ -103,7 +103,9 @@ class CrossLayerGate(Predictor):
         hidden = w.shape[1]
         if h.shape != (1, hidden) or h.device.type != "cpu" or hidden % 8 or not 0 < n <= min(w.shape[0], 64):
             return None
-        if h.dtype not in (torch.float32, torch.bfloat16) or w.dtype != torch.float32 or not w.is_contiguous():
+        if h.dtype not in (torch.float32, torch.bfloat16) or w.dtype != torch.float32 or w.device.type != "cpu":
+            return None
+        if not w.is_contiguous():
             return None
         if not native_router.available()[0]:
             return None
