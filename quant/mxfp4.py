@@ -14,12 +14,12 @@ format: :func:`check_mxfp4` refuses it at convert.
 from __future__ import annotations
 
 import ctypes
-import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from fate_edge.quant.native import avx2_asked
 from fate_edge.quant.spec import QuantSpec
 
 from fate_edge.native_build import LazyKernel
@@ -68,7 +68,7 @@ def native_mxfp4_isa() -> int:
     global _isa
     if _isa is None:  # once per process, as the int4 kernel reads FATE_EDGE_NATIVE (docs/measured-choices.md)
         isa = int(_kernel.lib.fe_mxfp4_isa()) if _kernel.available()[0] else -1
-        _isa = min(isa, 1) if os.environ.get("FATE_EDGE_NATIVE") in ("avx2", "avxvnni") else isa
+        _isa = min(isa, 1) if avx2_asked() else isa
     return _isa
 
 

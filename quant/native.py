@@ -49,6 +49,12 @@ def takes_avx_vnni(choice: str | None, flags: set[str]) -> bool:
     return choice == "avxvnni" or not _AVX512_PATH <= flags
 
 
+def avx2_asked() -> bool:
+    """Whether ``FATE_EDGE_NATIVE`` holds an AVX-512 host to the AVX2 path ("avx2", or "avxvnni" with AVX-VNNI): read
+    by every native kernel with an AVX-512 path (tests, comparisons)."""
+    return os.environ.get("FATE_EDGE_NATIVE") in ("avx2", "avxvnni")
+
+
 def _load() -> None:
     choice = os.environ.get("FATE_EDGE_NATIVE")
     vnni = takes_avx_vnni(choice, cpu_flags())
@@ -99,7 +105,7 @@ def _load() -> None:
     lib.fe_q4_0_codes.restype = None
     lib.fe_q4_0_codes.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     isa = lib.fe_int4_isa()
-    if choice in ("avx2", "avxvnni"):  # the AVX2 path on an AVX-512 host (tests, comparisons)
+    if avx2_asked():
         isa = min(isa, 1)
     if isa == 0:
         _state.lib, _state.reason = None, "this CPU has neither AVX2 nor AVX512-VNNI"

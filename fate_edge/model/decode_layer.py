@@ -42,7 +42,6 @@ if TYPE_CHECKING:
     from fate_edge.model.row_ops import RopeRows
 
 FIELDS = 54  # native/decode_layer.c's L_FIELDS
-cached_layers = True  # a cache under a budget's layers in two calls (tests turn it off to compare)
 
 
 def _setup(lib: ctypes.CDLL) -> str | None:
@@ -263,7 +262,7 @@ class DecodeLayers:
         if not isinstance(rot, row_ops.RopeRows) or model.dtype != torch.bfloat16 or not available()[0]:
             return None
         token = model.experts.resident_token()
-        if token is None and model.experts.serves_cached_layers and cached_layers:
+        if token is None and model.experts.serves_cached_layers:
             token = CACHED
         return None if token is None else DecodeLayers(model, cache, rot, token)
 

@@ -133,17 +133,12 @@ class ReadAhead:
             top = self.predictor.top_row(layer, h, max(width, k, len(self.gate.seen)))
             if top is not None:  # one decode row, its next layer's ranking in one native call
                 target, ranks = top
-                self.last_prediction[target] = ranks[:k]
-                self._candidates[target] = gate_candidates(
-                    ranks, len(self.gate.seen), lambda e: self._cached((target, e))
-                )
+                self._note_prediction(target, ranks)
                 self._plan(plan_ranked(target, ranks, width, self._busy_key, room))
                 return
         pred = self.predictor.predict(layer, h)
-        if not self._prefill and pred.layers:  # checked when the target routes: exact match, each rank's hit rate
-            target, ranks = pred.layers[0], ranked(pred.scores[0][0])
-            self.last_prediction[target] = ranks[:k]
-            self._candidates[target] = gate_candidates(ranks, len(self.gate.seen), lambda e: self._cached((target, e)))
+        if not self._prefill and pred.layers:
+            self._note_prediction(pred.layers[0], ranked(pred.scores[0][0]))
 
         plan = plan_prefetches(
             self.policy,
@@ -155,6 +150,12 @@ class ReadAhead:
             use_cold=self.cold_bits is not None,
         )
         self._plan(plan)
+
+    def _note_prediction(self, target: int, ranks: list[int]) -> None:
+        """A decode row's prediction for ``target`` (its experts ranked), checked when the target routes: exact
+        match, and each rank's hit rate where it was not cached (the gate's evidence)."""
+        self.last_prediction[target] = ranks[: self.config.num_experts_per_tok]
+        self._candidates[target] = gate_candidates(ranks, len(self.gate.seen), lambda e: self._cached((target, e)))
 
     def _busy_key(self, key: Key) -> bool:
         """Cached, or read, wanted or planned already: never read twice."""

@@ -88,9 +88,7 @@ class ResidentLayers:
             self.cache.access((layer, e), True, info)
             self._count_use(layer, 0)
         self.stats.hits += len(ids)
-        if not self._prefill and ids:
-            self.stats.expert_s += seconds
-            self.stats.experts_timed += len(ids)
+        self._time_experts(len(ids), seconds)
         self._release_lent()
 
     @property
@@ -139,7 +137,11 @@ class ResidentLayers:
     def served_cached(self, layer: int, count: int, seconds: float) -> None:
         """:meth:`take_cached`'s ``count`` experts were computed in ``seconds``: the time noted as a group's, then
         ``end_layer``."""
+        self._time_experts(count, seconds)
+        self.end_layer(layer)
+
+    def _time_experts(self, count: int, seconds: float) -> None:
+        """``count`` experts of a decode row computed in ``seconds`` (a prompt's are not timed)."""
         if not self._prefill and count:
             self.stats.expert_s += seconds
             self.stats.experts_timed += count
-        self.end_layer(layer)

@@ -289,10 +289,8 @@ class Scheduler(TierPath, LayerBlobs, ResidentLayers, ReadAhead, ExpertProvider)
         if at_hand:
             t0 = time.perf_counter()
             yield at_hand
-            computed = sum(expert is not None for _, expert in at_hand)
-            if not self._prefill and computed:  # the caller computed them before asking for more
-                self.stats.expert_s += time.perf_counter() - t0
-                self.stats.experts_timed += computed
+            # the caller computed them before asking for more
+            self._time_experts(sum(expert is not None for _, expert in at_hand), time.perf_counter() - t0)
         try:
             while pending:
                 ready = [e for e, f in pending.items() if f.req.done.is_set()]
